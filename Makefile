@@ -1,0 +1,35 @@
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# Written after a successful install; re-install only when pyproject.toml changes.
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv .venv test lint clean distclean
+
+venv .venv: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned, so the local CPU wheel is used instead of a CUDA build.
+$(STAMP): pyproject.toml | $(VPY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
+	find src tests benchmarks -type d -name __pycache__ -prune -exec rm -rf {} + 2>/dev/null || true
+
+distclean: clean
+	rm -rf $(VENV)

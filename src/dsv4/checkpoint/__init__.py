@@ -1,0 +1,1 @@
+"""Checkpoint creation: presets, tokenizer, writer for `dsv4 init`."""

@@ -1,0 +1,54 @@
+"""Named model configurations for `dsv4 init` and the benchmarks (DESIGN.md §3).
+
+- tiny: every feature at CPU scale (SWA, CSA with top-k < #entries, HCA, hash + routed MoE, YaRN,
+  MTP); a few hundred thousand parameters.
+- flash-4l: V4-Flash per-layer geometry, 4 layers [CSA, HCA, CSA, HCA], mlp [hash, routed x3].
+- flash-43l-e16: the full 43-layer Flash schedule with 16 routed experts per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dsv4.config.model import ModelConfig, YarnConfig
+
+_FLASH_YARN = YarnConfig(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0)
+
+
+def tiny() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=512, hidden_size=64, num_layers=5, num_heads=4, head_dim=32, rope_head_dim=8,
+        q_lora_rank=32, o_groups=2, o_lora_rank=16, window=8,
+        attn_types=("swa", "csa", "hca", "csa", "hca"), moe_types=("hash", "hash", "routed", "routed", "routed"),
+        csa_ratio=4, hca_ratio=16, index_n_heads=16, index_head_dim=16, index_topk=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_inter_dim=32,
+        yarn=YarnConfig(factor=4.0, original_max_position_embeddings=64), max_position_embeddings=4096,
+        num_mtp_layers=1)
+
+
+def _flash(num_layers: int, attn: tuple[str, ...], moe: tuple[str, ...], experts: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=129280, hidden_size=4096, num_layers=num_layers, num_heads=64, head_dim=512, rope_head_dim=64,
+        q_lora_rank=1024, o_groups=8, o_lora_rank=1024, window=128, attn_types=attn, moe_types=moe,
+        csa_ratio=4, hca_ratio=128, index_n_heads=64, index_head_dim=128, index_topk=512,
+        n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=6, moe_inter_dim=2048,
+        routed_scaling_factor=1.5, yarn=_FLASH_YARN, num_mtp_layers=1)
+
+
+def flash_4l() -> ModelConfig:
+    return _flash(4, ("csa", "hca", "csa", "hca"), ("hash", "routed", "routed", "routed"), 256)
+
+
+def flash_43l_e16() -> ModelConfig:
+    attn = ("swa", "swa") + ("csa", "hca") * 20 + ("csa",)
+    return _flash(43, attn, ("hash",) * 3 + ("routed",) * 40, 16)
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {"tiny": tiny, "flash-4l": flash_4l,
+                                                 "flash-43l-e16": flash_43l_e16}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; allowed: {sorted(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,139 @@
+"""Write a randomly initialised checkpoint in the official DeepSeek-V4 layout (`dsv4 init`).
+
+Tensors are generated one official tensor at a time (one expert at a time), each from its own
+generator seeded by (seed, tensor name), so the result does not depend on iteration order and
+never needs more memory than one tensor plus one shard. Storage follows the official release:
+bf16 by default; fp32 for mHC, sinks, ape and the gate bias; int64 tid2eid; with `--quant fp8`
+the FP8 linears become e4m3 + UE8M0 128x128 scales, and with `fp8+fp4` the routed experts become
+packed e2m1 + per-32 UE8M0 scales. Parameters the transformers init leaves at zero/one (tid2eid,
+gate bias, sinks, mHC base/scale, ape) get non-trivial values so tests are not degenerate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from dsv4.checkpoint.tokenizer import build_tokenizer
+from dsv4.config.model import WEIGHT_QUANTS, ModelConfig
+from dsv4.model import quant
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.weights import internal_to_official
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
+
+_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
+                         r"|e_proj|h_proj)\.weight$")
+_EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
+_FP32_STORED = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bias)$")
+
+
+def official_specs(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(official name, shape) of every tensor of the model, experts one by one."""
+    with torch.device("meta"):
+        model = DeepSeekV4ForCausalLM(config)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("inv_freq"):
+            continue
+        for official, expert in internal_to_official(name, config.n_routed_experts):
+            yield official, tuple(t.shape[1:] if expert is not None else t.shape)
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int) -> torch.Tensor:
+    """Deterministic random value of one official tensor (fp32, or int64 for tid2eid)."""
+    g = _generator(seed, name)
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std + mean
+
+    if name.endswith("tid2eid"):  # k distinct experts per token id
+        return torch.rand(shape[0], config.n_routed_experts, generator=g).argsort(dim=-1)[:, : shape[1]]
+    if name.endswith("embed.weight"):
+        return normal(1.0)
+    if name.endswith("norm.weight"):
+        return normal(0.1, 1.0)
+    if re.search(r"hc_(attn|ffn|head)_fn$", name):
+        return normal(1.0 / math.sqrt(shape[1]))
+    if re.search(r"hc_(attn|ffn|head)_base$", name):
+        return normal(0.5)
+    if re.search(r"hc_(attn|ffn|head)_scale$", name):
+        return torch.rand(shape, generator=g) + 0.5
+    if name.endswith("attn_sink"):
+        return normal(1.0)
+    if name.endswith(".ape"):
+        return normal(0.5)
+    if name.endswith("gate.bias"):
+        return normal(0.1)
+    return normal(1.0 / math.sqrt(shape[-1]))  # every linear: [out, in]
+
+
+def encode_tensor(name: str, value: torch.Tensor, weight_quant: str) -> dict[str, torch.Tensor]:
+    """One official tensor -> the stored tensors (weight, and `.scale` when quantised)."""
+    scale_name = name.removesuffix(".weight") + ".scale"
+    if weight_quant == "fp8+fp4" and _EXPERT.search(name):
+        packed, scale = quant.quant_fp4_group(value)
+        return {name: packed.view(torch.int8), scale_name: scale}
+    if weight_quant != "none" and (_FP8_LINEAR.search(name) or _EXPERT.search(name)):
+        w, scale = quant.quant_fp8_block(value)
+        return {name: w, scale_name: scale}
+    if value.dtype == torch.int64:
+        return {name: value.contiguous()}
+    return {name: value.to(torch.float32 if _FP32_STORED.search(name) else torch.bfloat16).contiguous()}
+
+
+def _flush(out: Path, shard: dict[str, torch.Tensor], index: int) -> str:
+    file = f"model-{index:05d}.safetensors"
+    save_file(shard, str(out / file), metadata={"format": "pt"})
+    return file
+
+
+def _finish_shards(out: Path, weight_map: dict[str, str], num_shards: int, total: int) -> None:
+    renames = {f"model-{i + 1:05d}.safetensors": f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+               for i in range(num_shards)}
+    for old, new in renames.items():
+        (out / old).rename(out / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: renames[v] for k, v in weight_map.items()}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant: str = "none",
+                     shard_bytes: int = 4 << 30, tokenizer: bool = True) -> ModelConfig:
+    """Write config.json, safetensors shards + index and a tokenizer to `out`; returns the written config."""
+    if weight_quant not in WEIGHT_QUANTS:
+        raise ValueError(f"quant={weight_quant!r} is not supported; allowed: {list(WEIGHT_QUANTS)}")
+    config = config.replace(weight_quant=weight_quant)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = list(official_specs(config))
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    size = total = num_shards = 0
+    for name, shape in tqdm(specs, desc=f"init {out.name}", unit="tensor", disable=len(specs) < 2000):
+        for key, t in encode_tensor(name, init_tensor(name, shape, config, seed), weight_quant).items():
+            nbytes = t.numel() * t.element_size()
+            if shard and size + nbytes > shard_bytes:
+                num_shards += 1
+                weight_map.update(dict.fromkeys(shard, _flush(out, shard, num_shards)))
+                shard, size = {}, 0
+            shard[key], size, total = t, size + nbytes, total + nbytes
+    num_shards += 1
+    weight_map.update(dict.fromkeys(shard, _flush(out, shard, num_shards)))
+    _finish_shards(out, weight_map, num_shards, total)
+    (out / "config.json").write_text(json.dumps(config.to_official_dict(), indent=2))
+    if tokenizer:
+        build_tokenizer(out, config.vocab_size)
+    logger.info("wrote %s: %d tensors, %.1f MB in %d shard(s)", out, len(weight_map), total / 1e6, num_shards)
+    return config

@@ -1,0 +1,20 @@
+"""Entry point of the `dsv4` console script."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from dsv4.cli import init
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4", description="Serve and RL-train DeepSeek-V4-family models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    init.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,1 @@
+"""Pure-PyTorch reference ops: the executable form of docs/model-spec.md."""

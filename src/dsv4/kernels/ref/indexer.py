@@ -1,0 +1,42 @@
+"""Reference lightning indexer scoring and deterministic top-k (spec §6.6).
+
+Tie-breaking rule shared by every dsv4 top-k implementation: higher score first; among equal
+scores the LOWER entry index wins. With ReLU scores exact ties are common (spec §13), so the
+reference, the Triton kernel, the engine and the trainer must agree on this to select the same set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """I[b,t,i] = Σ_h weights[b,t,h] * ReLU(q[b,t,h] · keys[b,i]).
+
+    q: [B, S, Ih, Id]; keys: [B, E, Id]; weights: [B, S, Ih] (already scaled by Id^-1/2 Ih^-1/2).
+    Returns [B, S, E] fp32 (no causal mask).
+    """
+    dots = torch.einsum("bshd,bed->bshe", q.float(), keys.float())
+    return torch.einsum("bshe,bsh->bse", torch.relu(dots), weights.float())
+
+
+def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries along the last dim, ties -> lower index first.
+
+    scores: [..., E]; returns [..., min(k, E)] int64, ordered by (score desc, index asc).
+    """
+    k = min(k, scores.shape[-1])
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :k]
+
+
+def causal_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k over visible entries; picks that are not visible become -1.
+
+    scores: [B, S, E]; visible: [B, S] number of visible entries per query (entries i < visible).
+    Returns [B, S, min(k, E)] int64.
+    """
+    entry = torch.arange(scores.shape[-1], device=scores.device)
+    hidden = entry >= visible[..., None]
+    picks = topk_lower_index(scores.masked_fill(hidden, float("-inf")), k)
+    return torch.where(picks >= visible[..., None], torch.full_like(picks, -1), picks)

@@ -1,0 +1,103 @@
+"""DeepSeek-V4 attention: shared single-KV-head MQA over a sliding window plus compressed entries.
+
+Per layer type (spec §3, §6):
+- swa: the W raw keys `max(0, t-W+1) .. t` only ("main" RoPE);
+- csa: window + the indexer's top-k C4 entries (overlap compressor, ratio 4);
+- hca: window + every visible C128 entry (ratio m').
+One softmax runs over the union with a per-head sink; K = V carries RoPE on its trailing channels,
+so the output is de-rotated at the query position before the grouped output projection.
+
+Full-sequence path: every key (raw window keys of all rows, then compressed entries of all rows)
+goes into one flat buffer and each query gets a row of indices into it (kernels/ref/attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.config.model import ModelConfig
+from dsv4.kernels.ref.attention import sparse_attention
+from dsv4.model.compressor import Compressor
+from dsv4.model.indexer import Indexer
+from dsv4.model.layers.norm import RMSNorm, rms_normalize
+from dsv4.model.layers.rope import apply_rope
+
+
+def window_indices(batch: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[B, S, W] flat ids `b*S + j` of the raw keys j in [t-W+1, t] of every query t; -1 before 0."""
+    t = torch.arange(seq_len, device=device)
+    j = t[:, None] - window + 1 + torch.arange(window, device=device)       # [S, W]
+    rows = torch.arange(batch, device=device)[:, None, None] * seq_len
+    return torch.where(j >= 0, j + rows, torch.full_like(j + rows, -1))
+
+
+def dense_entry_indices(batch: int, seq_len: int, num_entries: int, ratio: int,
+                        device: torch.device) -> torch.Tensor:
+    """[B, S, E] entry ids 0..E-1 visible to query t (i < (t+1)//ratio), -1 otherwise (HCA)."""
+    visible = (torch.arange(seq_len, device=device) + 1) // ratio
+    i = torch.arange(num_entries, device=device)
+    ids = torch.where(i < visible[:, None], i, torch.full_like(i, -1))
+    return ids.expand(batch, -1, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attn_type: str) -> None:
+        super().__init__()
+        c = config
+        self.attn_type, self.window = attn_type, c.window
+        self.n_heads, self.head_dim, self.o_groups = c.num_heads, c.head_dim, c.o_groups
+        self.eps, self.scale = c.rms_norm_eps, c.softmax_scale
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.wo_a = nn.Linear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if attn_type != "swa":
+            ratio = c.csa_ratio if attn_type == "csa" else c.hca_ratio
+            self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, attn_type == "csa", c.rms_norm_eps)
+        if attn_type == "csa":
+            self.indexer = Indexer(c)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, S, d] -> (q [B, S, H, D] roped, kv [B, S, D] roped, q_lat [B, S, q_lora])."""
+        q_lat = self.q_norm(self.wq_a(x))
+        q = rms_normalize(self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return q, kv, q_lat
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate, grouped wo_a, then wo_b."""
+        o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        B, S = o.shape[:2]
+        groups = o.reshape(B, S, self.o_groups, -1)                            # [B, S, g, H*D/g]
+        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])          # [g, o_lora, H*D/g]
+        z = torch.einsum("bsgd,grd->bsgr", groups, w)
+        return self.wo_b(z.flatten(2))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] of this layer's RoPE table -> [B, S, d]."""
+        B, S, _ = x.shape
+        q, kv, q_lat = self.qkv(x, cos, sin)
+        keys, idx = kv.reshape(B * S, -1), window_indices(B, S, self.window, x.device)
+        if self.compressor is not None:
+            entries = self.compressor(x, cos, sin)                             # [B, E, D]
+            E = entries.shape[1]
+            if self.indexer is not None:
+                picks = self.indexer(x, q_lat, cos, sin)                       # [B, S, k]
+            else:
+                picks = dense_entry_indices(B, S, E, self.compressor.ratio, x.device)
+            offset = B * S + torch.arange(B, device=x.device)[:, None, None] * E
+            picks = torch.where(picks >= 0, picks + offset, picks)
+            keys = torch.cat((keys, entries.reshape(B * E, -1)))
+            idx = torch.cat((idx, picks), dim=-1)
+        o = sparse_attention(q.reshape(B * S, self.n_heads, -1), keys, idx.reshape(B * S, -1),
+                             self.attn_sink, self.scale)
+        return self.output(o.view(B, S, self.n_heads, -1), cos, sin)

@@ -1,0 +1,32 @@
+"""One decoder block: attention and MoE, each wrapped by a hyper-connection site (spec §4)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.config.model import ModelConfig
+from dsv4.model.attention import Attention
+from dsv4.model.hyper_connection import HyperConnection
+from dsv4.model.layers.norm import RMSNorm
+from dsv4.model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, attn_type: str, moe_type: str) -> None:
+        super().__init__()
+        self.attn_type = attn_type
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, attn_type)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = MoE(config, moe_type)
+        self.hc_attn = HyperConnection(config)
+        self.hc_ffn = HyperConnection(config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at positions 0..S-1 -> [B, S, n, d]."""
+        h, post, comb = self.hc_attn.pre(x)
+        x = HyperConnection.post(self.attn(self.attn_norm(h), cos, sin), x, post, comb)
+        h, post, comb = self.hc_ffn.pre(x)
+        return HyperConnection.post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)

@@ -1,0 +1,46 @@
+"""Token compressor shared by CSA (overlap, ratio 4) and HCA (ratio m') and the indexer (spec §6.5).
+
+Entry i summarises the tokens of window i (and, for overlap, the Ca half of window i-1) by gated
+per-channel softmax pooling; then a weighted RMSNorm and RoPE at position i*ratio (the first token
+of its own window). Projections and pooling run in fp32, as in the DeepSeek reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.kernels.ref.compressor import compress_windows
+from dsv4.model.layers.norm import RMSNorm
+from dsv4.model.layers.rope import apply_rope
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden_size: int, out_dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.ratio, self.overlap, self.out_dim = ratio, overlap, out_dim
+        width = (2 if overlap else 1) * out_dim
+        self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
+        self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(out_dim, eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, d] -> (kv, score) [B, S, c*Dc] fp32; score includes ape[pos % ratio] (positions from 0)."""
+        xf = x.float()
+        kv = F.linear(xf, self.wkv.weight.float())
+        score = F.linear(xf, self.wgate.weight.float())
+        pos = torch.arange(x.shape[1], device=x.device) % self.ratio
+        return kv, score + self.ape.float()[pos]
+
+    def finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Norm + RoPE of pooled entries. pooled: [B, E, Dc] fp32; cos/sin: [E, rd/2] at positions i*ratio."""
+        return apply_rope(self.norm(pooled), cos, sin).to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] per token -> entries [B, S // ratio, Dc]."""
+        kv, score = self.project(x)
+        pooled = compress_windows(kv, score, self.ratio, self.overlap)
+        E = pooled.shape[1]
+        return self.finish(pooled, cos[: E * self.ratio: self.ratio], sin[: E * self.ratio: self.ratio], x.dtype)

@@ -1,0 +1,88 @@
+"""DeepSeekV4ForCausalLM: embed -> n streams -> blocks (mHC) -> hc_head -> norm -> head (spec §4).
+
+One model, two paths (DESIGN decision 1): this file is the full-sequence path (autograd, used by
+training and as the oracle of the serving engine). Parameter names follow the official DeepSeek
+checkpoint (embed, layers.L.attn.wq_a, ..., head) except that the hyper-connection parameters
+live in submodules (`hc_attn.fn` for the checkpoint's `hc_attn_fn`) and routed experts are stacked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from dsv4.config.model import ModelConfig
+from dsv4.model.block import Block
+from dsv4.model.hyper_connection import HyperHead
+from dsv4.model.layers.norm import RMSNorm
+from dsv4.model.layers.rope import RotaryEmbedding
+from dsv4.model.mtp import MTPBlock
+
+# Parameters kept in fp32 whatever the model dtype (the reference's precision choices, spec §11/§12).
+_FP32_PARAMS = re.compile(
+    r"(norm\.weight|hc_\w+\.(fn|base|scale)|hc_head\.(fn|base|scale)|attn_sink|\.ape|gate\.bias"
+    r"|compressor\.(wkv|wgate)\.weight)$")
+
+
+def keeps_fp32(name: str) -> bool:
+    """True for parameters that stay fp32 in a bf16 model (norms, mHC, sinks, ape, gate bias, compressor)."""
+    return bool(_FP32_PARAMS.search(name))
+
+
+class DeepSeekV4ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c, a, m) for a, m in zip(c.attn_types, c.moe_types, strict=True))
+        self.hc_head = HyperHead(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPBlock(c) for _ in range(c.num_mtp_layers))
+        self.rope_main = RotaryEmbedding(c, compressed=False)
+        self.rope_compress = RotaryEmbedding(c, compressed=True)
+
+    def cast_(self, dtype: torch.dtype) -> DeepSeekV4ForCausalLM:
+        """Cast floating parameters to `dtype`, keeping the fp32 set (see `keeps_fp32`) in fp32."""
+        for name, p in self.named_parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.float32 if keeps_fp32(name) else dtype)
+        return self
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (RoPE tables), e.g. after `to_empty` from meta."""
+        self.rope_main.reset_buffers()
+        self.rope_compress.reset_buffers()
+
+    def rope_tables(self, seq_len: int, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [S, rd/2] fp32 per table at positions 0..S-1."""
+        pos = torch.arange(seq_len, device=device)
+        return {"main": self.rope_main(pos), "compress": self.rope_compress(pos)}
+
+    def forward_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, S] -> the streams after the last block, [B, S, n, d] (MTP's input)."""
+        e = self.embed(input_ids)
+        x = e.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
+        tables = self.rope_tables(input_ids.shape[1], input_ids.device)
+        for layer in self.layers:
+            cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
+            x = layer(x, input_ids, cos, sin)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, S, d] normed final state -> fp32 logits [B, S, V]."""
+        return self.head(hidden).float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: LongTensor [B, S] -> logits FloatTensor [B, S, V] (fp32)."""
+        return self.logits(self.norm(self.hc_head(self.forward_streams(input_ids))))
+
+    def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """MTP block `depth` on the main streams [B, S, n, d] and the ids one step ahead [B, S] -> [B, S, V]."""
+        if not 0 <= depth < len(self.mtp):
+            raise ValueError(f"mtp depth={depth} out of range; the model has {len(self.mtp)} MTP layers")
+        cos, sin = self.rope_tables(next_ids.shape[1], next_ids.device)["main"]
+        hidden = self.mtp[depth].hidden(streams, self.embed(next_ids), next_ids, cos, sin)
+        return self.logits(hidden)

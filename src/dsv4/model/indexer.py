@@ -1,0 +1,49 @@
+"""Lightning indexer of CSA layers: picks the top-k C4 entries per query (spec §6.6).
+
+The scores are used only for selection (no gradient path to the attention logits); visibility
+is `entry i < (t+1) // ratio`. Ties break toward the lower entry index (kernels/ref/indexer.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.config.model import ModelConfig
+from dsv4.kernels.ref.indexer import causal_topk, index_scores
+from dsv4.model.compressor import Compressor
+from dsv4.model.layers.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk, self.ratio = config.index_topk, config.csa_ratio
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(config.hidden_size, self.head_dim, self.ratio, True, config.rms_norm_eps)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def query(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(roped indexer queries [B, S, Ih, Id], head weights [B, S, Ih] fp32)."""
+        q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        return q, self.weights_proj(x).float() * self.weight_scale
+
+    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Full-sequence index scores [B, S, E] fp32, -inf where entry i >= (t+1)//ratio."""
+        keys = self.compressor(x, cos, sin)                       # [B, E, Id]
+        q, w = self.query(x, q_lat, cos, sin)
+        scores = index_scores(q, keys, w)
+        visible = (torch.arange(x.shape[1], device=x.device) + 1) // self.ratio
+        hidden = torch.arange(keys.shape[1], device=x.device) >= visible[:, None]
+        return scores.masked_fill(hidden, float("-inf"))
+
+    def forward(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, d], q_lat: [B, S, q_lora] -> selected entry ids [B, S, min(k, E)], -1 = none."""
+        with torch.no_grad():
+            scores = self.scores(x, q_lat, cos, sin)
+        visible = (torch.arange(x.shape[1], device=x.device) + 1) // self.ratio
+        return causal_topk(scores, visible.expand(x.shape[0], -1), self.topk)

@@ -1,0 +1,1 @@
+"""Small building blocks shared by the model: RMSNorm and interleaved partial RoPE (+ YaRN)."""

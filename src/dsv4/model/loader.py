@@ -1,0 +1,62 @@
+"""`load_model`: config + weights -> a ready DeepSeekV4ForCausalLM in eval mode.
+
+The model is built on the meta device (no random init, no double memory), materialised on the
+target device with the dtype policy of `DeepSeekV4ForCausalLM.cast_`, then filled from the shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsv4.config.model import ModelConfig
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.weights import load_weights
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DEVICES = ("cpu", "cuda")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {sorted(DTYPES)}")
+    return DTYPES[dtype]  # type: ignore[index]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type not in DEVICES:
+        raise ValueError(f"device={device!r} is not supported; allowed: {list(DEVICES)}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
+    return dev
+
+
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DeepSeekV4ForCausalLM:
+    """Uninitialised model with the right dtypes on `device` (contents are garbage until loaded)."""
+    with torch.device("meta"):
+        model = DeepSeekV4ForCausalLM(config)
+    model.cast_(dtype)
+    model.to_empty(device=device)
+    model.reset_buffers()
+    return model
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
+               progress: bool = True) -> DeepSeekV4ForCausalLM:
+    """Load a DeepSeek-V4 checkpoint (official or transformers layout) for inference or training."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
+    torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
+    config = ModelConfig.from_hf(path)
+    model = empty_model(config, torch_dtype, dev)
+    load_weights(model, path, progress)
+    logger.info("loaded %s (%d layers, dtype=%s, device=%s)", path, config.num_layers, torch_dtype, dev)
+    return model.eval()

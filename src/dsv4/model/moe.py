@@ -1,0 +1,86 @@
+"""Mixture of experts of every DeepSeek-V4 layer (spec §8).
+
+Scores s = sqrt(softplus(u W_gate^T)) (fp32). Routed layers select top-k on s + bias (the bias
+only steers selection); hash layers select by the fixed table tid2eid[token id]. Weights are the
+selected scores renormalised and multiplied by `routed_scaling_factor`. Experts and the shared
+expert are SwiGLU with the clamp at `swiglu_limit`. Routed expert weights are stacked [E, ...].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.config.model import ModelConfig
+from dsv4.kernels.ref.moe import routed_experts, swiglu
+
+
+class Gate(nn.Module):
+    def __init__(self, config: ModelConfig, moe_type: str) -> None:
+        super().__init__()
+        self.is_hash, self.topk = moe_type == "hash", config.num_experts_per_tok
+        self.route_scale = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, u: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u: [N, d], input_ids: [N] -> (expert ids [N, k] int64, weights [N, k] fp32)."""
+        scores = F.softplus(F.linear(u.float(), self.weight.float())).sqrt()
+        if self.is_hash:
+            indices = self.tid2eid[input_ids]
+        else:
+            indices = torch.topk(scores.detach() + self.bias.float(), self.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return indices, weights * self.route_scale
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked: w1, w3 [E, I, d]; w2 [E, d, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E, I, d = config.n_routed_experts, config.moe_inter_dim, config.hidden_size
+        self.limit = config.swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(E, I, d))
+        self.w2 = nn.Parameter(torch.empty(E, d, I))
+        self.w3 = nn.Parameter(torch.empty(E, I, d))
+
+    def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return routed_experts(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
+
+
+class MLP(nn.Module):
+    """The shared expert: SwiGLU with the same clamp as the routed experts."""
+
+    def __init__(self, hidden_size: int, inter_dim: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(hidden_size, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, inter_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, moe_type: str) -> None:
+        super().__init__()
+        self.gate = Gate(config, moe_type)
+        self.experts = Experts(config)
+        self.shared_experts = (MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
+                               if config.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
+        u = x.reshape(-1, x.shape[-1])
+        indices, weights = self.gate(u, input_ids.reshape(-1))
+        y = self.experts(u, indices, weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(u).float()
+        return y.to(x.dtype).view_as(x)

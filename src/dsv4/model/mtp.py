@@ -1,0 +1,42 @@
+"""Multi-token prediction block (spec §9): a full SWA + routed-MoE block with its own input mixing.
+
+    e  = enorm(embed(ids))                        embed is the main model's (shared)
+    X  = e_proj(e)[:, :, None] + h_proj(hnorm(X_main))   X_main: main streams before hc_head
+    X  = Block(X)
+    logits = head(norm(hc_head(X)))               head is the main model's (shared)
+
+Used with ids = the tokens one step ahead: position k combines the main streams at k with the
+embedding of token k+1 and predicts token k+2.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.config.model import ModelConfig
+from dsv4.model.block import Block
+from dsv4.model.hyper_connection import HyperHead
+from dsv4.model.layers.norm import RMSNorm
+
+
+class MTPBlock(Block):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, "swa", "routed")
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.norm = RMSNorm(d, eps)
+        self.hc_head = HyperHead(config)
+
+    def mix_inputs(self, streams: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """streams: [B, S, n, d] main streams; embedded: [B, S, d] raw embeddings -> [B, S, n, d]."""
+        return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+
+    def hidden(self, streams: torch.Tensor, embedded: torch.Tensor, input_ids: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """-> the normed [B, S, d] state fed to the shared head (and this block's output streams)."""
+        x = super().forward(self.mix_inputs(streams, embedded), input_ids, cos, sin)
+        return self.norm(self.hc_head(x))

@@ -1,0 +1,33 @@
+"""Shared pytest configuration for the dsv4 test suite.
+
+Markers (``gpu``, ``multi_gpu``, ``slow``) are declared in pyproject.toml; this
+file only skips GPU-marked tests on machines without CUDA and provides a seeding
+fixture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        n_gpus = torch.cuda.device_count()
+        if n_gpus >= 2:
+            return
+        skip_multi = pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n_gpus}")
+        for item in items:
+            if item.get_closest_marker("multi_gpu") is not None:
+                item.add_marker(skip_multi)
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None or item.get_closest_marker("multi_gpu") is not None:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def seeded() -> torch.Generator:
+    """Seed torch's global RNG with 0 for the test; returns the default generator."""
+    return torch.manual_seed(0)
