@@ -173,7 +173,7 @@ def _validate(c: ModelConfig) -> None:
            f"a positive integer other than csa_ratio={c.csa_ratio}")
     _check(c.num_experts_per_tok <= c.n_routed_experts, "num_experts_per_tok", c.num_experts_per_tok,
            f"<= n_routed_experts={c.n_routed_experts}")
-    _check(c.n_shared_experts in (0, 1), "n_shared_experts", c.n_shared_experts, "0 or 1")
+    _check(c.n_shared_experts == 1, "n_shared_experts", c.n_shared_experts, "1 (DeepSeek-V4 has one shared expert)")
     _check(c.num_mtp_layers >= 0, "num_mtp_layers", c.num_mtp_layers, "a non-negative integer")
     _check(c.weight_quant in WEIGHT_QUANTS, "weight_quant", c.weight_quant, f"one of {WEIGHT_QUANTS}")
 

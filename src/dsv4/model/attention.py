@@ -96,7 +96,7 @@ class Attention(nn.Module):
                 picks = dense_entry_indices(B, S, E, self.compressor.ratio, x.device)
             offset = B * S + torch.arange(B, device=x.device)[:, None, None] * E
             picks = torch.where(picks >= 0, picks + offset, picks)
-            keys = torch.cat((keys, entries.reshape(B * E, -1)))
+            keys = torch.cat((keys, entries.reshape(B * E, self.head_dim)))
             idx = torch.cat((idx, picks), dim=-1)
         o = sparse_attention(q.reshape(B * S, self.n_heads, -1), keys, idx.reshape(B * S, -1),
                              self.attn_sink, self.scale)

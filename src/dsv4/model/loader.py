@@ -12,7 +12,8 @@ import torch
 
 from dsv4.config.model import ModelConfig
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
-from dsv4.model.weights import load_weights
+from dsv4.model.state_dict_adapter import is_hf_name
+from dsv4.model.weights import checkpoint_keys, load_weights, shard_files
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -48,6 +49,15 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
     return model
 
 
+def _mtp_checked(config: ModelConfig, keys: list[str]) -> ModelConfig:
+    """transformers drops the MTP layer when it saves, so a transformers-layout checkpoint without any
+    `mtp.*` tensor is loaded without MTP (logged). The official layout must carry its MTP weights."""
+    if config.num_mtp_layers and any(is_hf_name(k) for k in keys) and not any(k.startswith("mtp.") for k in keys):
+        logger.warning("transformers-layout checkpoint has no mtp.* tensors: loading without the MTP layer")
+        return config.replace(num_mtp_layers=0)
+    return config
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
                progress: bool = True) -> DeepSeekV4ForCausalLM:
     """Load a DeepSeek-V4 checkpoint (official or transformers layout) for inference or training."""
@@ -55,7 +65,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: 
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
-    config = ModelConfig.from_hf(path)
+    config = _mtp_checked(ModelConfig.from_hf(path), checkpoint_keys(shard_files(path)))
     model = empty_model(config, torch_dtype, dev)
     load_weights(model, path, progress)
     logger.info("loaded %s (%d layers, dtype=%s, device=%s)", path, config.num_layers, torch_dtype, dev)

@@ -73,14 +73,11 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Gate(config, moe_type)
         self.experts = Experts(config)
-        self.shared_experts = (MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
-                               if config.n_shared_experts else None)
+        self.shared_experts = MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
         u = x.reshape(-1, x.shape[-1])
         indices, weights = self.gate(u, input_ids.reshape(-1))
-        y = self.experts(u, indices, weights)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(u).float()
+        y = self.experts(u, indices, weights) + self.shared_experts(u).float()
         return y.to(x.dtype).view_as(x)

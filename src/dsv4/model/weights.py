@@ -81,6 +81,15 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
+def checkpoint_keys(files: list[Path]) -> list[str]:
+    """Every tensor name of the checkpoint (reads only the safetensors headers)."""
+    keys: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
 def iter_official_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (official name, tensor) over the shards, converting transformers names on the fly."""
     for file in tqdm(files, desc="loading shards", unit="shard", disable=not progress or len(files) < 2):
