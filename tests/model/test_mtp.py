@@ -43,7 +43,7 @@ def test_mtp_structure_and_weights(model: DeepSeekV4ForCausalLM, ckpt: Path) -> 
     assert len(model.mtp) == model.config.num_mtp_layers == 1
     mtp = model.mtp[0]
     assert mtp.attn_type == "swa" and mtp.attn.compressor is None and mtp.attn.indexer is None
-    assert not mtp.ffn.gate.is_hash and hasattr(mtp.ffn.gate, "bias")
+    assert not mtp.ffn.gate.is_hash and mtp.ffn.gate.bias is not None and mtp.ffn.gate.tid2eid is None
     assert not any(n.startswith("embed") or n.startswith("head") for n, _ in mtp.named_parameters())
     with safe_open(str(next(ckpt.glob("*.safetensors"))), framework="pt") as f:
         keys = [k for k in f.keys() if k.startswith("mtp.0.")]

@@ -10,7 +10,7 @@ from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.config.model import WEIGHT_QUANTS
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("init", help="write a random-weight checkpoint for a preset (official layout)")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", required=True, type=Path, help="output directory")

@@ -110,9 +110,9 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count of the main model (no MTP), computed from the shapes."""
-        from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM  # local: avoid an import cycle
-
         import torch
+
+        from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM  # local: avoid an import cycle
 
         with torch.device("meta"):
             model = DeepSeekV4ForCausalLM(self)
@@ -315,9 +315,11 @@ def _from_hf_transformers(raw: dict[str, Any]) -> ModelConfig:
         factor = raw.get("partial_rotary_factor") or 64 / 512
         rope_dim = int(c["head_dim"] * factor)
     rope = raw.get("rope_parameters") or {}
-    main = rope.get("main") if isinstance(rope.get("main"), dict) else {}
-    compress = rope.get("compress") if isinstance(rope.get("compress"), dict) else None
-    if compress is None:  # flat (un-nested) form: the YaRN dict applies to the compressed layers
+    main: dict[str, Any] = rope["main"] if isinstance(rope.get("main"), dict) else {}
+    compress: dict[str, Any]
+    if isinstance(rope.get("compress"), dict):
+        compress = rope["compress"]
+    else:  # flat (un-nested) form: the YaRN dict applies to the compressed layers
         compress = {k: v for k, v in rope.items() if k not in ("main", "compress")}
     _check(_yarn_from(main, "rope_parameters.main") is None, "rope_parameters.main", main,
            "default RoPE (YaRN applies only to compressed layers)")
@@ -390,11 +392,12 @@ def _to_transformers(c: ModelConfig) -> dict[str, Any]:
 
 def yarn_inv_freq_bounds(c: ModelConfig) -> tuple[int, int] | None:
     """(low, high) ramp bounds of the YaRN blend over the rope pairs (spec §6.1), or None."""
-    if c.yarn is None:
+    yarn = c.yarn
+    if yarn is None:
         return None
     dim, theta = c.rope_head_dim, c.compress_rope_theta
 
     def dimc(rot: float) -> float:
-        return dim * math.log(c.yarn.original_max_position_embeddings / (2 * math.pi * rot)) / (2 * math.log(theta))
+        return dim * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rot)) / (2 * math.log(theta))
 
-    return max(math.floor(dimc(c.yarn.beta_fast)), 0), min(math.ceil(dimc(c.yarn.beta_slow)), dim - 1)
+    return max(math.floor(dimc(yarn.beta_fast)), 0), min(math.ceil(dimc(yarn.beta_slow)), dim - 1)

@@ -84,5 +84,6 @@ class DeepSeekV4ForCausalLM(nn.Module):
         if not 0 <= depth < len(self.mtp):
             raise ValueError(f"mtp depth={depth} out of range; the model has {len(self.mtp)} MTP layers")
         cos, sin = self.rope_tables(next_ids.shape[1], next_ids.device)["main"]
-        hidden = self.mtp[depth].hidden(streams, self.embed(next_ids), next_ids, cos, sin)
+        mtp: MTPBlock = self.mtp[depth]  # type: ignore[assignment]
+        hidden = mtp.hidden(streams, self.embed(next_ids), next_ids, cos, sin)
         return self.logits(hidden)

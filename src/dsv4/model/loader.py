@@ -27,7 +27,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {sorted(DTYPES)}")
-    return DTYPES[dtype]  # type: ignore[index]
+    return DTYPES[dtype]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

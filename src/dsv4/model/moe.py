@@ -22,17 +22,18 @@ class Gate(nn.Module):
         self.is_hash, self.topk = moe_type == "hash", config.num_experts_per_tok
         self.route_scale = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        if self.is_hash:
-            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.int64))
-        else:
-            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.tid2eid: torch.Tensor | None
+        self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.int64)
+                             if self.is_hash else None)
+        self.bias = None if self.is_hash else nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def forward(self, u: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: [N, d], input_ids: [N] -> (expert ids [N, k] int64, weights [N, k] fp32)."""
         scores = F.softplus(F.linear(u.float(), self.weight.float())).sqrt()
-        if self.is_hash:
+        if self.tid2eid is not None:
             indices = self.tid2eid[input_ids]
         else:
+            assert self.bias is not None, "routed gate without a bias"
             indices = torch.topk(scores.detach() + self.bias.float(), self.topk, dim=-1).indices
         weights = scores.gather(1, indices)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -44,11 +45,11 @@ class Experts(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        E, I, d = config.n_routed_experts, config.moe_inter_dim, config.hidden_size
+        E, inter, d = config.n_routed_experts, config.moe_inter_dim, config.hidden_size
         self.limit = config.swiglu_limit
-        self.w1 = nn.Parameter(torch.empty(E, I, d))
-        self.w2 = nn.Parameter(torch.empty(E, d, I))
-        self.w3 = nn.Parameter(torch.empty(E, I, d))
+        self.w1 = nn.Parameter(torch.empty(E, inter, d))
+        self.w2 = nn.Parameter(torch.empty(E, d, inter))
+        self.w3 = nn.Parameter(torch.empty(E, inter, d))
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return routed_experts(u, self.w1, self.w2, self.w3, indices, weights, self.limit)

@@ -37,6 +37,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.compressed = compressed
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config, compressed), persistent=False)
 
     def reset_buffers(self) -> None:
