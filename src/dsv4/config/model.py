@@ -153,7 +153,8 @@ def _validate(c: ModelConfig) -> None:
                  "n_routed_experts", "num_experts_per_tok", "moe_inter_dim", "hc_mult",
                  "hc_sinkhorn_iters", "max_position_embeddings"):
         value = getattr(c, name)
-        _check(isinstance(value, int) and value > 0, name, value, "a positive integer")
+        _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
+               "a positive integer")
     _check(len(c.attn_types) == c.num_layers, "attn_types", c.attn_types,
            f"a sequence of length num_layers={c.num_layers}")
     _check(len(c.moe_types) == c.num_layers, "moe_types", c.moe_types,
@@ -229,7 +230,7 @@ def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
         hc_sinkhorn_iters=raw.get("hc_sinkhorn_iters", 20), hc_eps=float(raw.get("hc_eps", 1e-6)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 1048576),
-        num_mtp_layers=raw.get("num_nextn_predict_layers", 1),
+        num_mtp_layers=raw.get("num_nextn_predict_layers", 1) or 0,
         bos_token_id=raw.get("bos_token_id", 0) if raw.get("bos_token_id") is not None else 0,
         eos_token_id=eos[0] if isinstance(eos, list) else (eos if eos is not None else 1),
         weight_quant=_weight_quant(raw),
@@ -300,12 +301,15 @@ def _from_hf_transformers(raw: dict[str, Any]) -> ModelConfig:
     c = _common_fields(raw)
     n = c["num_layers"]
     layer_types = list(raw["layer_types"])[:n]
+    _check(len(layer_types) == n, "layer_types", raw["layer_types"], f"a list of num_hidden_layers={n} entries")
     for t in layer_types:
         _check(t in _HF_ATTN, "layer_types", t, f"one of {tuple(_HF_ATTN)}")
     mlp_types = raw.get("mlp_layer_types")
     if mlp_types is None:
         num_hash = raw.get("num_hash_layers", 3)
         mlp_types = ["hash_moe"] * min(n, num_hash) + ["moe"] * max(0, n - num_hash)
+    mlp_types = list(mlp_types)[:n]
+    _check(len(mlp_types) == n, "mlp_layer_types", mlp_types, f"a list of num_hidden_layers={n} entries")
     for t in mlp_types:
         _check(t in _HF_MOE, "mlp_layer_types", t, f"one of {tuple(_HF_MOE)}")
     rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128,

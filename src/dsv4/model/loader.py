@@ -31,9 +31,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
-    if dev.type not in DEVICES:
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if kind not in DEVICES:
         raise ValueError(f"device={device!r} is not supported; allowed: {list(DEVICES)}")
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but no CUDA GPU is available")
     return dev
