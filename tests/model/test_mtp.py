@@ -72,7 +72,7 @@ def test_mtp_equations(model: DeepSeekV4ForCausalLM) -> None:
         e = rms(model.embed.weight[next_ids], mtp.enorm.weight, eps)
         hx = rms(streams, mtp.hnorm.weight, eps)
         x = (e @ mtp.e_proj.weight.T)[:, :, None, :] + hx @ mtp.h_proj.weight.T
-        block = Block(cfg, "swa", "routed")
+        block = Block(cfg, "swa", "routed", cfg.num_layers)
         block_state = {k: v for k, v in mtp.state_dict().items() if k.split(".")[0] in dict(block.named_children())}
         block.load_state_dict(block_state, strict=True)
         pos = torch.arange(23, dtype=torch.float32)

@@ -16,9 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ref.attention import sparse_attention
+from dsv4.kernels.ref.attention import sparse_attention, sparse_attention_multi
 from dsv4.model.compressor import Compressor
+from dsv4.model.forward_context import ForwardContext
 from dsv4.model.indexer import Indexer
 from dsv4.model.layers.norm import RMSNorm, rms_normalize
 from dsv4.model.layers.rope import apply_rope
@@ -82,7 +84,14 @@ class Attention(nn.Module):
         z = torch.einsum("bsgd,grd->bsgr", groups, w)
         return self.wo_b(z.flatten(2))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None = None,
+                layer_id: int = -1) -> torch.Tensor:
+        """x: [B, S, d] (serving path: [1, T, d]); cos/sin: [S, rd/2] of this layer's table -> [B, S, d]."""
+        if ctx is not None:
+            return self.forward_cached(x, cos, sin, ctx, ctx.caches[layer_id])
+        return self.forward_full(x, cos, sin)
+
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] of this layer's RoPE table -> [B, S, d]."""
         B, S, _ = x.shape
         q, kv, q_lat = self.qkv(x, cos, sin)
@@ -101,3 +110,26 @@ class Attention(nn.Module):
         o = sparse_attention(q.reshape(B * S, self.n_heads, -1), keys, idx.reshape(B * S, -1),
                              self.attn_sink, self.scale)
         return self.output(o.view(B, S, self.n_heads, -1), cos, sin)
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                       cache: LayerCache) -> torch.Tensor:
+        """Serving path over the paged pools. Writes this step's KV, compressor state and entries first
+        (a query sees itself and the entry it completes), then attends."""
+        q, kv, q_lat = self.qkv(x, cos, sin)                                   # [1, T, H, D], [1, T, D]
+        T = x.shape[1]
+        cache.swa[ctx.swa_write] = kv[0].to(cache.swa.dtype)
+        sources = [(cache.swa, ctx.window)]
+        if self.compressor is not None:
+            assert cache.entries is not None and cache.state is not None
+            plan = ctx.plans[self.compressor.ratio]
+            self.compressor.forward_cached(x[0], ctx.positions, plan, cache.state, cache.entries)
+            if self.indexer is not None:
+                ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx.positions, plan, cache)
+                if ctx.captured is not None:
+                    ctx.captured.setdefault("indexer", []).append(ids)
+                slots = torch.where(ids >= 0, plan.candidates.gather(1, ids.clamp(min=0)), -1)
+            else:
+                slots = plan.candidates
+            sources.append((cache.entries, slots))
+        o = sparse_attention_multi(q[0], sources, self.attn_sink, self.scale)
+        return self.output(o.view(1, T, self.n_heads, -1), cos, sin)

@@ -7,15 +7,16 @@ from torch import nn
 
 from dsv4.config.model import ModelConfig
 from dsv4.model.attention import Attention
+from dsv4.model.forward_context import ForwardContext
 from dsv4.model.hyper_connection import HyperConnection
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.moe import MoE
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, attn_type: str, moe_type: str) -> None:
+    def __init__(self, config: ModelConfig, attn_type: str, moe_type: str, layer_id: int) -> None:
         super().__init__()
-        self.attn_type = attn_type
+        self.attn_type, self.layer_id = attn_type, layer_id
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, attn_type)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -23,10 +24,10 @@ class Block(nn.Module):
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at positions 0..S-1 -> [B, S, n, d]."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext | None = None) -> torch.Tensor:
+        """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at the tokens' positions -> [B, S, n, d]."""
         h, post, comb = self.hc_attn.pre(x)
-        x = HyperConnection.post(self.attn(self.attn_norm(h), cos, sin), x, post, comb)
+        x = HyperConnection.post(self.attn(self.attn_norm(h), cos, sin, ctx, self.layer_id), x, post, comb)
         h, post, comb = self.hc_ffn.pre(x)
-        return HyperConnection.post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
+        return HyperConnection.post(self.ffn(self.ffn_norm(h), input_ids, ctx), x, post, comb)

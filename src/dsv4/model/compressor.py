@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.kernels.ref.compressor import compress_windows
+from dsv4.cache.pools import RingState
+from dsv4.kernels.ref.compressor import compress_windows, pool_sources
+from dsv4.model.forward_context import CompressPlan
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import apply_rope
 
@@ -26,13 +28,12 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(out_dim, eps)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, S, d] -> (kv, score) [B, S, c*Dc] fp32; score includes ape[pos % ratio] (positions from 0)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., d], positions: [...] -> (kv, score) [..., c*Dc] fp32; score includes ape[pos % ratio]."""
         xf = x.float()
         kv = F.linear(xf, self.wkv.weight.float())
         score = F.linear(xf, self.wgate.weight.float())
-        pos = torch.arange(x.shape[1], device=x.device) % self.ratio
-        return kv, score + self.ape.float()[pos]
+        return kv, score + self.ape.float()[positions % self.ratio]
 
     def finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Norm + RoPE of pooled entries. pooled: [B, E, Dc] fp32; cos/sin: [E, rd/2] at positions i*ratio."""
@@ -40,7 +41,22 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] per token -> entries [B, S // ratio, Dc]."""
-        kv, score = self.project(x)
+        kv, score = self.project(x, torch.arange(x.shape[1], device=x.device))
         pooled = compress_windows(kv, score, self.ratio, self.overlap)
         E = pooled.shape[1]
         return self.finish(pooled, cos[: E * self.ratio: self.ratio], sin[: E * self.ratio: self.ratio], x.dtype)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: RingState,
+                       out: torch.Tensor) -> None:
+        """Serving path: pool every window completed by the new tokens into `out` and keep the ring current.
+
+        x: [T, d] new tokens; reads older sources from the ring BEFORE overwriting any ring row.
+        """
+        kv, score = self.project(x, positions)                                  # [T, c*Dc]
+        src_kv = torch.where(plan.from_new[..., None], kv[plan.src_new], state.kv[plan.src_ring])
+        src_score = torch.where(plan.from_new[..., None], score[plan.src_new], state.score[plan.src_ring])
+        pooled = pool_sources(src_kv, src_score, plan.src_valid, self.ratio, self.overlap)   # [T, Dc]
+        assert plan.entry_cos is not None and plan.entry_sin is not None
+        out[plan.write_slot] = self.finish(pooled, plan.entry_cos, plan.entry_sin, out.dtype)
+        state.kv[plan.ring_write] = kv
+        state.score[plan.ring_write] = score

@@ -15,6 +15,7 @@ from torch import nn
 
 from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
+from dsv4.model.forward_context import ForwardContext
 from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import RotaryEmbedding
@@ -36,11 +37,12 @@ class DeepSeekV4ForCausalLM(nn.Module):
         super().__init__()
         c = self.config = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c, a, m) for a, m in zip(c.attn_types, c.moe_types, strict=True))
+        self.layers = nn.ModuleList(Block(c, a, m, i) for i, (a, m) in enumerate(zip(c.attn_types, c.moe_types,
+                                                                                     strict=True)))
         self.hc_head = HyperHead(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPBlock(c) for _ in range(c.num_mtp_layers))
+        self.mtp = nn.ModuleList(MTPBlock(c, c.num_layers + i) for i in range(c.num_mtp_layers))
         self.rope_main = RotaryEmbedding(c, compressed=False)
         self.rope_compress = RotaryEmbedding(c, compressed=True)
 
@@ -70,6 +72,20 @@ class DeepSeekV4ForCausalLM(nn.Module):
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
             x = layer(x, input_ids, cos, sin)
         return x
+
+    def forward_batch(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Serving path. input_ids: [T] new tokens of all requests -> fp32 logits [R, V] of ctx.logits_index."""
+        pos = ctx.positions
+        tables = {"main": self.rope_main(pos), "compress": self.rope_compress(pos)}
+        for plan in ctx.plans.values():
+            plan.entry_cos, plan.entry_sin = self.rope_compress(plan.entry_pos)
+        ids = input_ids.unsqueeze(0)                                            # [1, T]
+        x = self.embed(ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
+        for layer in self.layers:
+            cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
+            x = layer(x, ids, cos, sin, ctx)
+        x = x[0, ctx.logits_index].unsqueeze(0)                                 # [1, R, n, d]
+        return self.logits(self.norm(self.hc_head(x)))[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, S, d] normed final state -> fp32 logits [B, S, V]."""

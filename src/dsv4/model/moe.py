@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config.model import ModelConfig
+from dsv4.model.forward_context import ForwardContext
 from dsv4.kernels.ref.moe import routed_experts, swiglu
 
 
@@ -76,9 +77,11 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
         u = x.reshape(-1, x.shape[-1])
         indices, weights = self.gate(u, input_ids.reshape(-1))
+        if ctx is not None and ctx.captured is not None:
+            ctx.captured.setdefault("experts", []).append(indices)
         y = self.experts(u, indices, weights) + self.shared_experts(u).float()
         return y.to(x.dtype).view_as(x)

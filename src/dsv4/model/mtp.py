@@ -21,8 +21,8 @@ from dsv4.model.layers.norm import RMSNorm
 
 
 class MTPBlock(Block):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, "swa", "routed")
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__(config, "swa", "routed", layer_id)
         d, eps = config.hidden_size, config.rms_norm_eps
         self.e_proj = nn.Linear(d, d, bias=False)
         self.h_proj = nn.Linear(d, d, bias=False)

@@ -22,17 +22,30 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     sink: [H] fp32. Returns [T, H, D] in q's dtype. Scores and softmax are fp32. A query with no
     valid key returns zeros (all mass on the sink).
     """
+    return sparse_attention_multi(q, [(kv, indices)], sink, scale)
+
+
+def sparse_attention_multi(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One softmax over the union of several key buffers: sources = [(kv [N_i, D], indices [T, K_i])].
+
+    The serving path uses two: the SWA pool with window indices and the compressed pool with entry ids.
+    """
     T, _, D = q.shape
-    K = indices.shape[1]
+    K = sum(idx.shape[1] for _, idx in sources)
     step = max(1, _CHUNK_ELEMS // max(1, K * D))
-    outs = [_attend(q[s:s + step], kv, indices[s:s + step], sink, scale) for s in range(0, T, step)]
+    outs = []
+    for s in range(0, T, step):
+        keys = torch.cat([kv[idx[s:s + step].clamp(min=0)] for kv, idx in sources], dim=1)
+        valid = torch.cat([idx[s:s + step] >= 0 for _, idx in sources], dim=1)
+        outs.append(attend_gathered(q[s:s + step], keys, valid, sink, scale))
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    valid = indices >= 0                                          # [t, K]
-    keys = kv[indices.clamp(min=0)].float()                       # [t, K, D]
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention over keys already gathered per query. q: [t, H, D]; keys: [t, K, D]; valid: [t, K] bool."""
+    keys = keys.float()
     logits = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink_f = sink.float()[None, :]                                # [1, H]

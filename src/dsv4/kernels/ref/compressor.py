@@ -31,3 +31,18 @@ def _overlap_slots(kv: torch.Tensor, score: torch.Tensor) -> tuple[torch.Tensor,
     prev_kv = torch.cat((torch.zeros_like(kv[:, :1, :, :dc]), kv[:, :-1, :, :dc]), dim=1)
     prev_score = torch.cat((torch.full_like(score[:, :1, :, :dc], float("-inf")), score[:, :-1, :, :dc]), dim=1)
     return (torch.cat((prev_kv, kv[..., dc:]), dim=2), torch.cat((prev_score, score[..., dc:]), dim=2))
+
+
+def pool_sources(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """Pool per-token source slots (serving path). kv, score: [T, S, c*Dc] fp32 for source positions
+    p-S+1 .. p (S = 2*ratio with overlap, else ratio); valid: [T, S]. Returns [T, Dc] fp32.
+
+    With overlap, slots [0, ratio) contribute their Ca half and slots [ratio, 2*ratio) their Cb half.
+    """
+    if overlap:
+        dc = kv.shape[-1] // 2
+        kv = torch.cat((kv[:, :ratio, :dc], kv[:, ratio:, dc:]), dim=1)
+        score = torch.cat((score[:, :ratio, :dc], score[:, ratio:, dc:]), dim=1)
+    score = score.masked_fill(~valid[..., None], float("-inf"))
+    kv = kv.masked_fill(~valid[..., None], 0.0)
+    return (kv * torch.softmax(score, dim=1)).sum(dim=1)

@@ -1,0 +1,1 @@
+"""KV cache of the serving engine: page allocators, per-layer pools, the request page table."""

@@ -1,0 +1,84 @@
+"""CacheLayout: page size, pool sizes and ring sizes of the KV cache, derived once from the configs.
+
+Coordinates (DESIGN decision 4): a request's tokens live in virtual full-token slots allocated by
+pages of P tokens; there is no raw full KV buffer. Sliding-window (SWA) KV has its own pages,
+reached through a full->SWA page table. C4 entries, C4 indexer keys and C128 entries sit at
+`full_slot // ratio`. Compressor partial state lives in rings addressed from the SWA page:
+`swa_page * ring + pos % ring` (ring 2*m for C4, m' for C128).
+
+A running request keeps the SWA pages of its last `swa_horizon` positions: the window W and the
+compressor's look-back (2*m for C4, m' for C128) both reach at most that far back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.config.engine import EngineConfig
+from dsv4.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    page_size: int
+    num_full_pages: int      # including the null page 0
+    num_swa_pages: int       # including the null page 0
+    ring_c4: int
+    ring_c128: int
+    swa_horizon: int
+
+    @property
+    def num_full_slots(self) -> int:
+        return self.num_full_pages * self.page_size
+
+    @property
+    def num_swa_slots(self) -> int:
+        return self.num_swa_pages * self.page_size
+
+    @property
+    def max_total_tokens(self) -> int:
+        return (self.num_full_pages - 1) * self.page_size
+
+
+def full_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> float:
+    """Bytes of compressed-cache growth per token (C4 entries + indexer keys + C128 entries)."""
+    elt = torch.finfo(dtype).bits // 8
+    csa = sum(t == "csa" for t in model.attn_types)
+    hca = sum(t == "hca" for t in model.attn_types)
+    return elt * (csa * (model.head_dim + model.index_head_dim) / model.csa_ratio + hca * model.head_dim / model.hca_ratio)
+
+
+def swa_bytes_per_page(model: ModelConfig, dtype: torch.dtype, page_size: int) -> int:
+    """SWA KV of every layer plus the fp32 compressor rings hanging off one SWA page."""
+    elt = torch.finfo(dtype).bits // 8
+    layers = model.num_layers + model.num_mtp_layers
+    csa = sum(t == "csa" for t in model.attn_types)
+    hca = sum(t == "hca" for t in model.attn_types)
+    ring = 4 * (csa * 2 * model.csa_ratio * 2 * 2 * (model.head_dim + model.index_head_dim)
+                + hca * model.hca_ratio * 2 * model.head_dim)
+    return layers * page_size * model.head_dim * elt + ring
+
+
+def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> CacheLayout:
+    P = engine.page_size
+    for name, ratio in (("csa_ratio", model.csa_ratio), ("hca_ratio", model.hca_ratio)):
+        if P % ratio:
+            raise ValueError(f"page_size={P} is invalid; allowed: a multiple of the model's {name}={ratio}")
+    horizon = max(model.window, 2 * model.csa_ratio, model.hca_ratio)
+    if engine.swa_tokens is not None:
+        swa_pages = math.ceil(engine.swa_tokens / P) + 1
+    else:  # every running request's horizon plus one step's chunk, with page rounding
+        swa_pages = engine.max_running_requests * (math.ceil(horizon / P) + 2) + math.ceil(engine.chunked_prefill_size / P) + 1
+    if engine.max_total_tokens is not None:
+        full_pages = math.ceil(engine.max_total_tokens / P) + 1
+    else:
+        budget = engine.kv_cache_memory_gb * (1 << 30) - swa_pages * swa_bytes_per_page(model, dtype, P)
+        if budget <= 0:
+            raise ValueError(f"kv_cache_memory_gb={engine.kv_cache_memory_gb} is too small for the SWA pools "
+                             f"({swa_pages} pages); allowed: a larger budget or smaller max_running_requests")
+        full_pages = int(budget // max(1.0, full_bytes_per_token(model, dtype) * P)) + 1
+    return CacheLayout(page_size=P, num_full_pages=max(full_pages, 2), num_swa_pages=max(swa_pages, 2),
+                       ring_c4=2 * model.csa_ratio, ring_c128=model.hca_ratio, swa_horizon=horizon)

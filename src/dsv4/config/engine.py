@@ -1,0 +1,46 @@
+"""EngineConfig: the frozen knobs of the serving engine (pages, batch limits, budgets, backend).
+
+Built once at the edge (LLM(...) keyword arguments or CLI flags) and passed down. Sizes that
+depend on the model are resolved by `cache/layout.py`, never by mutating this object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNEL_BACKENDS: tuple[str, ...] = ("ref",)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """page_size: tokens per page, a multiple of every compress ratio (256 for real models).
+    max_running_requests: decode batch limit. chunked_prefill_size: token budget of one step.
+    max_total_tokens: full-token slots in the cache (None: from `kv_cache_memory_gb`).
+    swa_tokens: sliding-window slots (None: enough for every running request's window).
+    context_length: longest prompt + output (None: the model's max_position_embeddings).
+    capture_routing: record routed expert ids and indexer top-k per token (RL replay)."""
+
+    page_size: int = 256
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    max_total_tokens: int | None = None
+    swa_tokens: int | None = None
+    kv_cache_memory_gb: float = 4.0
+    context_length: int | None = None
+    kernel_backend: str = "ref"
+    capture_routing: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
+        for name in ("max_total_tokens", "swa_tokens", "context_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid; allowed: None or an integer >= 1")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} is invalid; allowed: > 0")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; allowed: {list(KERNEL_BACKENDS)}")

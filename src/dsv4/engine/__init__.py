@@ -1,0 +1,1 @@
+"""The serving engine: requests, scheduler, runner, sampler, offline API."""

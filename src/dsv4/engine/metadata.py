@@ -1,0 +1,115 @@
+"""Batch metadata by index arithmetic on the device (DESIGN decision 5).
+
+Input: per request its slot in the request table, the first new position `start` and the number
+of new tokens `n`; three small host lists, copied once. Everything else — token positions, SWA
+window slots, compressed-entry write slots and visibility, compressor source rows — is computed
+from the device page tables with tensor ops, so no per-request Python runs per step.
+
+        request r:  positions [start_r, start_r + n_r)  ->  tokens t in [off_r, off_r + n_r)
+        full slot of position p  = page_table[r, p // P] * P + p % P
+        SWA slot of position p   = full_to_swa[page_table[r, p // P]] * P + p % P
+        entry i (ratio m)        = full slot of position i*m, divided by m
+        ring row of position p   = full_to_swa[page_table[r, p // P]] * ring + p % ring
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.cache.pools import KVPools
+from dsv4.cache.req_table import RequestTable
+from dsv4.config.model import ModelConfig
+from dsv4.model.forward_context import CompressPlan, ForwardContext
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Host-side description of one step (the scheduler's output)."""
+
+    slots: list[int]
+    starts: list[int]
+    lens: list[int]
+    sample: list[bool]      # whether the request's last new token produces logits
+
+
+class _Coords:
+    """Position -> slot arithmetic for the tokens of one step."""
+
+    def __init__(self, table: RequestTable, req_slot: torch.Tensor) -> None:
+        self.table, self.P, self.req_slot = table, table.P, req_slot
+
+    def _page(self, p: torch.Tensor) -> torch.Tensor:
+        rows = self.req_slot.view(-1, *([1] * (p.dim() - 1))).expand_as(p)
+        cols = (p.clamp(min=0) // self.P).clamp(max=self.table.max_pages - 1)
+        return self.table.page_table[rows, cols]
+
+    def full_slot(self, p: torch.Tensor) -> torch.Tensor:
+        return self._page(p) * self.P + p.clamp(min=0) % self.P
+
+    def swa_page(self, p: torch.Tensor) -> torch.Tensor:
+        return self.table.full_to_swa[self._page(p)]
+
+    def swa_slot(self, p: torch.Tensor) -> torch.Tensor:
+        return self.swa_page(p) * self.P + p.clamp(min=0) % self.P
+
+    def ring_row(self, p: torch.Tensor, ring: int) -> torch.Tensor:
+        return self.swa_page(p) * ring + p.clamp(min=0) % ring
+
+
+def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ratio: int, overlap: bool,
+          ring: int, ring_trash: int, entry_trash: int, num_visible: int) -> CompressPlan:
+    T, device = pos.shape[0], pos.device
+    S = 2 * ratio if overlap else ratio
+    src = pos[:, None] - S + 1 + torch.arange(S, device=device)                # [T, S]
+    valid = src >= 0
+    from_new = src >= start[:, None]
+    src_new = (torch.arange(T, device=device)[:, None] - (pos[:, None] - src)).clamp(min=0)
+    src_ring = torch.where(valid & ~from_new, c.ring_row(src, ring), ring_trash)
+    emits = (pos + 1) % ratio == 0
+    write_slot = torch.where(emits, c.full_slot((pos // ratio) * ratio) // ratio, entry_trash)
+    keep = pos >= end - ring
+    ring_write = torch.where(keep, c.ring_row(pos, ring), ring_trash)
+    ids = torch.arange(num_visible, device=device)                            # [V] entry ids
+    visible = ids[None, :] < ((pos + 1) // ratio)[:, None]                      # [T, V]
+    candidates = torch.where(visible, c.full_slot(ids[None, :] * ratio + 0 * pos[:, None]) // ratio, -1)
+    return CompressPlan(ratio=ratio, overlap=overlap, src_new=src_new, src_ring=src_ring, from_new=from_new,
+                        src_valid=valid, write_slot=write_slot, entry_pos=(pos - ratio + 1).clamp(min=0),
+                        ring_write=ring_write, candidates=candidates)
+
+
+def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: ModelConfig,
+                  device: torch.device) -> ForwardContext:
+    """The ForwardContext of one step; `table.reserve` must already cover every new position."""
+    host = torch.tensor([shape.slots, shape.starts, shape.lens], dtype=torch.int64)
+    slots, starts, lens = host.to(device, non_blocking=True).unbind(0)
+    T, B = sum(shape.lens), len(shape.lens)
+    tok_req = torch.repeat_interleave(torch.arange(B, device=device), lens, output_size=T)
+    offsets = torch.cumsum(lens, 0) - lens
+    pos = starts[tok_req] + torch.arange(T, device=device) - offsets[tok_req]   # [T]
+    start, end = starts[tok_req], (starts + lens)[tok_req]
+    coords = _Coords(table, slots[tok_req])
+    W = model.window
+    win_pos = pos[:, None] - W + 1 + torch.arange(W, device=device)             # [T, W]
+    window = torch.where(win_pos >= 0, coords.swa_slot(win_pos), -1)
+    layout = pools.layout
+    max_end = max(s + n for s, n in zip(shape.starts, shape.lens, strict=True))
+    plans: dict[int, CompressPlan] = {}
+    for cache in pools.layers:
+        if cache.attn_type == "swa" or cache.state is None:
+            continue
+        overlap = cache.attn_type == "csa"
+        ratio = model.csa_ratio if overlap else model.hca_ratio
+        if ratio not in plans:
+            ring = layout.ring_c4 if overlap else layout.ring_c128
+            plans[ratio] = _plan(coords, pos, start, end, ratio, overlap, ring, cache.state.trash,
+                                 cache.entry_trash, max_end // ratio)
+    last, total = [], 0
+    for n, wants in zip(shape.lens, shape.sample, strict=True):
+        total += n
+        if wants:
+            last.append(total - 1)
+    logits_index = torch.tensor(last, dtype=torch.int64).to(device, non_blocking=True)
+    return ForwardContext(positions=pos, swa_write=coords.swa_slot(pos), window=window, plans=plans,
+                          caches=pools.layers, logits_index=logits_index)

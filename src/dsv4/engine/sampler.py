@@ -1,0 +1,381 @@
+"""Batched token sampling on the logits' device, with no host synchronisation.
+
+Owns the per-step :class:`SamplingBatch` (the request parameters as device tensors), the
+logits pipeline and the random draw:
+
+    raw logits [B, V] fp32
+      -> penalties (repetition on prompt+output, frequency/presence on output)
+      -> greedy rows: argmax            (ties -> lowest token id)
+      -> sampled rows: / temperature -> top-k -> top-p -> min-p -> exponential race
+
+Key invariants:
+
+* Every result is computed with tensor ops on ``logits.device``; nothing here calls
+  ``.item()``/``.tolist()``. The engine reads ``SampleOutput.token_ids`` at its own named
+  sync point. Python-side flags in :class:`SamplingBatch` (decided when it is built) skip
+  whole stages when no row needs them; a row with neutral settings gets the same result
+  whether a stage runs or not, so results never depend on the other rows of the batch.
+* Randomness is a pure function of ``(seed, step, token id)`` (:func:`hash_uniform`): a
+  request samples the same tokens alone or in any batch, on any device.
+* Returned logprobs are those of the RAW model distribution ``log_softmax(logits)``, before
+  penalties, temperature and filtering (vLLM's default "raw logprobs"): they describe what
+  the model predicted, are comparable across requests with different sampling settings and
+  match the logprobs a trainer computes from the same forward pass.
+
+Test: ``pytest tests/engine/test_sampler.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsv4.engine.sampling_params import MAX_SEED, SamplingParams
+
+_MASK31 = (1 << 31) - 1
+# NOTE: multipliers are odd (so multiplication mod 2**31 is a bijection) and < 2**32, so a
+# product with a value < 2**31 stays below 2**63 and int64 arithmetic never overflows.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x846CA68B
+_SEED_SALT = 0x2545F491
+_KEY1_SALT = 0x1B873593
+_KEY2_SALT = 0x5BD1E995
+_UNIFORM_BITS = 23
+MAX_STEP = 2**31 - 1
+"""Steps are folded into the RNG key as 31-bit values."""
+_TOP_K_OFF = 2**31 - 1
+"""Stored for top-k = off when the vocab size is unknown; the sampler clamps k to V."""
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One decode step's sampling parameters as device tensors, built by :meth:`build`.
+
+    Tensors are all ``[B]`` on the logits' device. Python-side fields are fixed at build time
+    and let :func:`sample` skip stages without reading tensors.
+
+    Attributes:
+        temperature: fp32; 0 marks a greedy row (temperature 0 or top_k 1).
+        top_p: fp32, 1 = off.
+        top_k: int64; the vocab size (or 2**31 - 1 when unknown) = off; clamped to V when used.
+        min_p: fp32, 0 = off.
+        repetition_penalty, frequency_penalty, presence_penalty: fp32; 1, 0, 0 = off.
+        seeds: int64, the request's resolved seed (see :meth:`build`).
+        steps: int64, index of the token being generated (number of output tokens so far).
+        max_logprobs: Largest requested ``logprobs`` in the batch, or -1 when none wants any.
+        all_greedy: Every row is greedy, so no random numbers are drawn.
+        do_top_k, do_top_p, do_min_p: Some sampled (non-greedy) row uses that filter.
+        do_repetition_penalty, do_frequency_penalty, do_presence_penalty: Some row uses it.
+    """
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    min_p: Tensor
+    repetition_penalty: Tensor
+    frequency_penalty: Tensor
+    presence_penalty: Tensor
+    seeds: Tensor
+    steps: Tensor
+    max_logprobs: int
+    all_greedy: bool
+    do_top_k: bool = False
+    do_top_p: bool = False
+    do_min_p: bool = False
+    do_repetition_penalty: bool = False
+    do_frequency_penalty: bool = False
+    do_presence_penalty: bool = False
+
+    @property
+    def size(self) -> int:
+        """Number of rows B."""
+        return int(self.temperature.shape[0])
+
+    @property
+    def do_penalties(self) -> bool:
+        return self.do_repetition_penalty or self.do_frequency_penalty or self.do_presence_penalty
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        steps: Sequence[int],
+        seeds: Sequence[int],
+        device: torch.device | str,
+        *,
+        vocab_size: int | None = None,
+    ) -> SamplingBatch:
+        """Stage one step's parameters on ``device`` (two host-to-device copies, pinned on CUDA).
+
+        Args:
+            params: One entry per row.
+            steps: Per row, the number of output tokens generated so far, 0 <= step < 2**31.
+            seeds: Per row, the request's RESOLVED seed, 0 <= seed < 2**63. The engine passes
+                ``params.seed`` when set, otherwise a seed it drew once when the request was
+                admitted and keeps for the request's lifetime (so its samples are a fixed
+                function of (seed, step) even though the user gave none). Parallel samples of
+                one prompt (n > 1) need distinct seeds, or they produce identical outputs.
+            device: Where the logits live.
+            vocab_size: Stored for top_k = off; optional because the sampler clamps k to V.
+
+        Raises:
+            ValueError: Empty batch, mismatched lengths, or a step/seed out of range.
+        """
+        _validate_rows(params, steps, seeds)
+        greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+        off_k = _TOP_K_OFF if vocab_size is None else vocab_size
+        floats = torch.tensor(  # [7, B]
+            [
+                [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            dtype=torch.float32,
+        )
+        ints = torch.tensor(  # [3, B]
+            [[off_k if p.top_k == -1 else p.top_k for p in params], list(seeds), list(steps)],
+            dtype=torch.int64,
+        )
+        floats, ints = _to_device(floats, device), _to_device(ints, device)
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], repetition_penalty=floats[3],
+            frequency_penalty=floats[4], presence_penalty=floats[5],
+            top_k=ints[0], seeds=ints[1], steps=ints[2],
+            max_logprobs=max(requested, default=-1),
+            all_greedy=not sampled,
+            do_top_k=any(p.top_k != -1 for p in sampled),
+            do_top_p=any(p.top_p < 1 for p in sampled),
+            do_min_p=any(p.min_p > 0 for p in sampled),
+            do_repetition_penalty=any(p.repetition_penalty != 1 for p in params),
+            do_frequency_penalty=any(p.frequency_penalty != 0 for p in params),
+            do_presence_penalty=any(p.presence_penalty != 0 for p in params),
+        )
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """Result of :func:`sample`; all tensors on the logits' device.
+
+    Attributes:
+        token_ids: ``[B]`` int64, the chosen tokens.
+        logprobs: ``[B]`` fp32, raw ``log_softmax(logits)`` at ``token_ids``.
+        top_logprobs: ``[B, n]`` fp32 raw logprobs sorted descending, ``n = batch.max_logprobs``;
+            None when no row asked for logprobs. The engine slices each row to its own k.
+        top_ids: ``[B, n]`` int64 token ids matching ``top_logprobs``; None likewise.
+    """
+
+    token_ids: Tensor
+    logprobs: Tensor
+    top_logprobs: Tensor | None = None
+    top_ids: Tensor | None = None
+
+
+def _validate_rows(params: Sequence[SamplingParams], steps: Sequence[int], seeds: Sequence[int]) -> None:
+    if not params:
+        raise ValueError("params=[] is invalid; allowed: at least one request per SamplingBatch")
+    for name, values in (("steps", steps), ("seeds", seeds)):
+        if len(values) != len(params):
+            raise ValueError(f"len({name})={len(values)} is invalid; allowed: len(params)={len(params)}")
+    for step in steps:
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"steps entry {step} is invalid; allowed: 0 <= step < 2**31")
+    for seed in seeds:
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seeds entry {seed} is invalid; allowed: 0 <= seed < 2**63")
+
+
+def _to_device(host: Tensor, device: torch.device | str) -> Tensor:
+    """Copy a freshly built CPU tensor to ``device`` without blocking the host on CUDA."""
+    target = torch.device(device)
+    if target.type == "cuda":
+        return host.pin_memory().to(target, non_blocking=True)
+    return host.to(target)
+
+
+def _mix31_(x: Tensor) -> Tensor:
+    """In place: bijective avalanche mix of int64 values in [0, 2**31) (31-bit lowbias-style)."""
+    x ^= x >> 16
+    x *= _MUL1
+    x &= _MASK31
+    x ^= x >> 15
+    x *= _MUL2
+    x &= _MASK31
+    x ^= x >> 16
+    return x
+
+
+def _row_keys(seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
+    """Two independent 31-bit keys per row from (seed < 2**63, step < 2**31); ``[B]`` each."""
+    key = _mix31_((seeds & _MASK31) ^ _SEED_SALT)
+    key = _mix31_(key ^ ((seeds >> 31) & _MASK31))
+    key = _mix31_(key ^ (seeds >> 62))
+    key = _mix31_(key ^ (steps & _MASK31))
+    return _mix31_(key ^ _KEY1_SALT), _mix31_(key ^ _KEY2_SALT)
+
+
+def hash_uniform(seeds: Tensor, steps: Tensor, vocab: int, device: torch.device | str) -> Tensor:
+    """Counter-based uniforms: ``u[b, v] = f(seeds[b], steps[b], v)`` in the open interval (0, 1).
+
+    A stateless hash RNG (like Philox, but plain int64 tensor ops so it runs unchanged on any
+    device): each row's (seed, step) is folded into two 31-bit keys, then every token id ``v``
+    goes through two keyed rounds ``x = mix(x ^ key)``, where ``mix`` is a multiply-xorshift
+    bijection on [0, 2**31). Values stay below 2**31 so int64 products never overflow. The top
+    23 bits of ``x`` map to ``(y + 0.5) / 2**23``, which float32 represents exactly, so the
+    result is strictly inside (0, 1) and ``-log(u)`` is finite and positive.
+
+    A row depends only on its own (seed, step), never on the other rows or the batch size.
+
+    Args:
+        seeds: ``[B]`` int64 in [0, 2**63).
+        steps: ``[B]`` int64 in [0, 2**31).
+        vocab: Number of columns V.
+        device: Device of the result.
+
+    Returns:
+        ``[B, V]`` float32.
+    """
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    steps = steps.to(device=device, dtype=torch.int64)
+    key1, key2 = _row_keys(seeds, steps)  # [B], [B]
+    x = torch.arange(vocab, device=device, dtype=torch.int64).unsqueeze(0) ^ key1.unsqueeze(1)  # [B, V]
+    _mix31_(x)
+    x ^= key2.unsqueeze(1)
+    _mix31_(x)
+    x >>= 31 - _UNIFORM_BITS
+    return (x.to(torch.float32) + 0.5) * (2.0**-_UNIFORM_BITS)
+
+
+def apply_penalties(
+    logits: Tensor, batch: SamplingBatch, token_counts: Tensor | None, prompt_mask: Tensor | None
+) -> Tensor:
+    """Apply repetition, frequency and presence penalties; returns a new tensor, never mutates.
+
+    Args:
+        logits: ``[B, V]`` fp32 raw logits.
+        batch: Supplies per-row penalties and the flags deciding which penalties run at all.
+        token_counts: ``[B, V]`` int32, occurrences of each token in the OUTPUT so far (needed
+            for frequency/presence penalties).
+        prompt_mask: ``[B, V]`` bool, token occurs in the prompt or the output (needed for the
+            repetition penalty).
+
+    Returns:
+        ``[B, V]`` fp32; ``logits`` itself when every penalty is neutral.
+
+    Formulas (HF/vLLM): where ``prompt_mask``, positive logits are divided by the repetition
+    penalty and negative ones multiplied; then ``logits -= frequency * counts`` and
+    ``logits -= presence * (counts > 0)``.
+    """
+    out = logits
+    if batch.do_repetition_penalty:
+        if prompt_mask is None:
+            raise ValueError("prompt_mask=None is invalid; allowed: a [B, V] bool tensor when repetition_penalty != 1")
+        rep = batch.repetition_penalty.unsqueeze(1)  # [B, 1]
+        out = torch.where(prompt_mask, torch.where(out > 0, out / rep, out * rep), out)
+    if batch.do_frequency_penalty or batch.do_presence_penalty:
+        if token_counts is None:
+            raise ValueError("token_counts=None is invalid; allowed: a [B, V] int32 tensor when penalties are set")
+        if batch.do_frequency_penalty:
+            out = out - batch.frequency_penalty.unsqueeze(1) * token_counts
+        if batch.do_presence_penalty:
+            out = out - batch.presence_penalty.unsqueeze(1) * (token_counts > 0)
+    return out
+
+
+def _apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    One ascending sort serves both. Top-k keeps every token tied with the k-th value. Top-p
+    drops a token when the probability mass of the tokens ranked above it is already >= p,
+    i.e. keeps the smallest head whose mass reaches p, and always keeps the top token.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # [B, V] ascending
+    if batch.do_top_k:
+        k = batch.top_k.clamp(1, vocab)  # [B]
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if batch.do_top_p:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V] mass of this token and all below it
+        drop = cum <= (1 - batch.top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Temperature, top-k, top-p, min-p: ``[B, V]`` probabilities, 0 for filtered tokens.
+
+    Min-p zeroes tokens without renormalising: the exponential race is scale-invariant.
+    """
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)  # greedy rows: any finite value
+    scaled = logits / temperature.unsqueeze(1)
+    if batch.do_top_k or batch.do_top_p:
+        scaled = _apply_top_k_top_p(scaled, batch)
+    probs = scaled.softmax(dim=-1)  # [B, V]
+    if batch.do_min_p:
+        threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)  # [B, 1]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _exponential_race(probs: Tensor, batch: SamplingBatch) -> Tensor:
+    """Draw ``argmax(probs / E)``, ``E ~ Exp(1)`` i.i.d.: an exact categorical sample of the
+    (possibly unnormalised) ``probs`` with no host sync, unlike ``torch.multinomial``."""
+    exp = hash_uniform(batch.seeds, batch.steps, probs.shape[-1], probs.device).log_().neg_()  # [B, V]
+    return (probs / exp).argmax(dim=-1)
+
+
+def _choose_tokens(penalised: Tensor, batch: SamplingBatch) -> Tensor:
+    """``[B]`` int64: argmax for greedy rows, a seeded draw for the others."""
+    greedy = penalised.argmax(dim=-1)  # [B]; NOTE: argmax returns the first (lowest-id) maximum
+    if batch.all_greedy:
+        return greedy
+    drawn = _exponential_race(_filtered_probs(penalised, batch), batch)
+    return torch.where(batch.temperature == 0, greedy, drawn)
+
+
+def _raw_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Sampled-token and top-``num_top`` logprobs of the raw distribution ``log_softmax(logits)``."""
+    lse = torch.logsumexp(logits, dim=-1)  # [B]
+    chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse  # [B]
+    if num_top < 0:
+        return chosen, None, None
+    top_values, top_ids = logits.topk(num_top, dim=-1, sorted=True)  # [B, n]
+    return chosen, top_values - lse.unsqueeze(1), top_ids
+
+
+def sample(
+    logits: Tensor,
+    batch: SamplingBatch,
+    token_counts: Tensor | None = None,
+    prompt_mask: Tensor | None = None,
+) -> SampleOutput:
+    """Pick one token per row; no host sync.
+
+    Args:
+        logits: ``[B, V]`` fp32 raw logits of the last position of each request; not mutated.
+        batch: This step's parameters (``batch.size == B``).
+        token_counts: ``[B, V]`` int32 output-token counts; required if frequency or presence
+            penalties are active.
+        prompt_mask: ``[B, V]`` bool prompt-or-output membership; required if a repetition
+            penalty is active.
+
+    Returns:
+        :class:`SampleOutput` with raw-distribution logprobs (see the module docstring).
+    """
+    assert logits.dim() == 2 and logits.shape[0] == batch.size, (
+        f"logits shape {tuple(logits.shape)} does not match batch size {batch.size}"
+    )
+    assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
+    penalised = apply_penalties(logits, batch, token_counts, prompt_mask)  # [B, V]
+    token_ids = _choose_tokens(penalised, batch)  # [B]
+    logprobs, top_logprobs, top_ids = _raw_logprobs(logits, token_ids, batch.max_logprobs)
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs, top_ids=top_ids)

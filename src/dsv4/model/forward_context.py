@@ -1,0 +1,47 @@
+"""ForwardContext: what the serving path of the model needs for one step (batch metadata + cache).
+
+`None` means the full-sequence (training) path. The engine flattens the new tokens of every
+request into one row of T tokens; all index tensors below are device tensors built by index
+arithmetic (engine/metadata.py), so a step has no per-request Python work inside the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.cache.pools import LayerCache
+
+
+@dataclass
+class CompressPlan:
+    """Per compress ratio m: how each new token feeds the compressor and what it may attend to.
+
+    A token at position p pools the S = 2m (overlap, C4) or m (C128) source positions
+    p-S+1 .. p; only tokens with (p+1) % m == 0 write their pooled entry (the others write trash).
+    """
+
+    ratio: int
+    overlap: bool
+    src_new: torch.Tensor      # [T, S] index of the source position among this step's tokens
+    src_ring: torch.Tensor     # [T, S] ring row of the source position (trash when not from the ring)
+    from_new: torch.Tensor     # [T, S] bool: source was computed in this step
+    src_valid: torch.Tensor    # [T, S] bool: source position >= 0
+    write_slot: torch.Tensor   # [T] entry slot written by this token (trash when it completes no window)
+    entry_pos: torch.Tensor    # [T] RoPE position of that entry (first token of its window)
+    ring_write: torch.Tensor   # [T] ring row keeping this token's projection (trash when not kept)
+    candidates: torch.Tensor   # [T, V] entry slots visible to the query, ordered by entry id; -1 = none
+    entry_cos: torch.Tensor | None = None   # [T, rd/2] RoPE of entry_pos (filled by the model)
+    entry_sin: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor            # [T] absolute position of each new token
+    swa_write: torch.Tensor            # [T] SWA slot of each new token
+    window: torch.Tensor               # [T, W] SWA slots of positions p-W+1 .. p, -1 before 0
+    plans: dict[int, CompressPlan]     # by compress ratio
+    caches: list[LayerCache]           # per layer (decoder layers, then MTP layers)
+    logits_index: torch.Tensor         # [R] tokens whose logits are returned
+    captured: dict[str, list[torch.Tensor]] | None = field(default=None)  # routing replay capture
