@@ -1,10 +1,14 @@
 """dsv4: serve and RL-train DeepSeek-V4-family models (PyTorch + Triton).
 
-Public API: `load_model(path, dtype, device)` returns the DeepSeek-V4 model; `ModelConfig`.
+Public API: `LLM` + `SamplingParams` (offline generation), `EngineConfig`, `load_model(path, dtype,
+device)` (the DeepSeek-V4 model itself), `ModelConfig`.
 """
 
+from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
+from dsv4.engine.llm import LLM
+from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.loader import load_model
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "load_model", "__version__"]
+__all__ = ["LLM", "EngineConfig", "ModelConfig", "SamplingParams", "load_model", "__version__"]

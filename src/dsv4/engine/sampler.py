@@ -146,9 +146,15 @@ class SamplingBatch:
         floats, ints = _to_device(floats, device), _to_device(ints, device)
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=floats[0], top_p=floats[1], min_p=floats[2], repetition_penalty=floats[3],
-            frequency_penalty=floats[4], presence_penalty=floats[5],
-            top_k=ints[0], seeds=ints[1], steps=ints[2],
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            frequency_penalty=floats[4],
+            presence_penalty=floats[5],
+            top_k=ints[0],
+            seeds=ints[1],
+            steps=ints[2],
             max_logprobs=max(requested, default=-1),
             all_greedy=not sampled,
             do_top_k=any(p.top_k != -1 for p in sampled),

@@ -132,10 +132,13 @@ class SamplingParams:
 
     def _validate_reporting(self) -> None:
         lp, seed = self.logprobs, self.seed
-        _require(lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS), "logprobs", lp,
-                 f"None or 0 <= logprobs <= {MAX_LOGPROBS}")
-        _require(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed", seed,
-                 "None or 0 <= seed < 2**63")
+        _require(
+            lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
+            "logprobs",
+            lp,
+            f"None or 0 <= logprobs <= {MAX_LOGPROBS}",
+        )
+        _require(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed", seed, "None or 0 <= seed < 2**63")
         for name in ("ignore_eos", "skip_special_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "True or False")

@@ -141,7 +141,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._prefix_offset, len(self._ids))
         if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._text += delta
         return delta

@@ -1,0 +1,88 @@
+"""LLM: the offline API (vLLM-style). `LLM(model=path).generate(prompts, SamplingParams(...))`.
+
+    from dsv4 import LLM, SamplingParams
+    llm = LLM(model="/path/to/checkpoint", dtype="float32", device="cpu", page_size=16)
+    outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].text)
+
+Keyword arguments beyond model/dtype/device are EngineConfig fields. The tokenizer is read from
+the checkpoint directory (`tokenizer.json`); without one, pass `prompt_token_ids` and read
+`token_ids` (the text stays empty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from dsv4.config.engine import EngineConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.request import RequestOutput
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.model.loader import load_model
+
+
+def _engine_config(engine_args: dict[str, Any]) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_args) - names)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
+    return EngineConfig(**engine_args)
+
+
+class LLM:
+    def __init__(self, model: str | Path, dtype: str | None = None, device: str | None = None,
+                 **engine_args: Any) -> None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        config = _engine_config(engine_args)
+        path = Path(model)
+        self.model = load_model(path, dtype=dtype, device=device)
+        tok_file = path / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+        self.engine = LLMEngine(self.model, config, self.tokenizer)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json; pass prompt_token_ids instead of text")
+        return list(self.tokenizer.encode(prompt).ids)
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        token_lists = self._token_lists(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(token_lists))
+        for ids, p in zip(token_lists, params, strict=True):   # validate everything before admitting anything
+            self.engine.validate(ids, p)
+        reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params, strict=True)]
+        with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2) as bar:
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step()))
+        return [RequestOutput.from_request(self.engine.pop(r.rid)) for r in reqs]
+
+    def _token_lists(self, prompts: str | Sequence[str] | None,
+                     prompt_token_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts and prompt_token_ids")
+        if prompt_token_ids is not None:
+            return [list(ids) for ids in prompt_token_ids]
+        assert prompts is not None
+        return [self.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+
+    @staticmethod
+    def _params(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries; allowed: one per prompt ({n})")
+        return list(sampling_params)
