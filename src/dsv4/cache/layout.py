@@ -48,7 +48,8 @@ def full_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> float:
     elt = torch.finfo(dtype).bits // 8
     csa = sum(t == "csa" for t in model.attn_types)
     hca = sum(t == "hca" for t in model.attn_types)
-    return elt * (csa * (model.head_dim + model.index_head_dim) / model.csa_ratio + hca * model.head_dim / model.hca_ratio)
+    csa_bytes = csa * (model.head_dim + model.index_head_dim) / model.csa_ratio
+    return elt * (csa_bytes + hca * model.head_dim / model.hca_ratio)
 
 
 def swa_bytes_per_page(model: ModelConfig, dtype: torch.dtype, page_size: int) -> int:
@@ -71,7 +72,8 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
     if engine.swa_tokens is not None:
         swa_pages = math.ceil(engine.swa_tokens / P) + 1
     else:  # every running request's horizon plus one step's chunk, with page rounding
-        swa_pages = engine.max_running_requests * (math.ceil(horizon / P) + 2) + math.ceil(engine.chunked_prefill_size / P) + 1
+        per_request = math.ceil(horizon / P) + 2
+        swa_pages = engine.max_running_requests * per_request + math.ceil(engine.chunked_prefill_size / P) + 1
     if engine.max_total_tokens is not None:
         full_pages = math.ceil(engine.max_total_tokens / P) + 1
     else:

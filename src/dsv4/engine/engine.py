@@ -65,7 +65,8 @@ class LLMEngine:
                              f"{self.context_length}")
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids contains unknown token ids {bad[:5]}; allowed: 0..{self.vocab_size - 1}")
+            raise ValueError(f"prompt_token_ids contains unknown token ids {bad[:5]}; "
+                             f"allowed: 0..{self.vocab_size - 1}")
         need = min(len(prompt_ids) + params.max_tokens, self.context_length)
         if need > self.runner.layout.max_total_tokens:
             raise ValueError(f"prompt + max_tokens = {need} tokens cannot fit the KV cache "

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config.model import ModelConfig
-from dsv4.model.forward_context import ForwardContext
 from dsv4.kernels.ref.moe import routed_experts, swiglu
+from dsv4.model.forward_context import ForwardContext
 
 
 class Gate(nn.Module):
