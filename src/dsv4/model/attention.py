@@ -14,6 +14,7 @@ goes into one flat buffer and each query gets a row of indices into it (kernels/
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv4.cache.pools import LayerCache
@@ -125,8 +126,9 @@ class Attention(nn.Module):
             self.compressor.forward_cached(x[0], ctx.positions, plan, cache.state, cache.entries)
             if self.indexer is not None:
                 ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx.positions, plan, cache)
-                if ctx.captured is not None:
-                    ctx.captured.setdefault("indexer", []).append(ids)
+                if ctx.captured is not None:  # padded to index_topk so every step stacks alike
+                    pad = self.indexer.topk - ids.shape[1]
+                    ctx.captured.setdefault("indexer", []).append(F.pad(ids, (0, pad), value=-1) if pad > 0 else ids)
                 slots = torch.where(ids >= 0, plan.candidates.gather(1, ids.clamp(min=0)), -1)
             else:
                 slots = plan.candidates
