@@ -82,5 +82,7 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
             raise ValueError(f"kv_cache_memory_gb={engine.kv_cache_memory_gb} is too small for the SWA pools "
                              f"({swa_pages} pages); allowed: a larger budget or smaller max_running_requests")
         full_pages = int(budget // max(1.0, full_bytes_per_token(model, dtype) * P)) + 1
+        context = engine.context_length or model.max_position_embeddings
+        full_pages = min(full_pages, engine.max_running_requests * math.ceil(context / P) + 1)  # no use for more
     return CacheLayout(page_size=P, num_full_pages=max(full_pages, 2), num_swa_pages=max(swa_pages, 2),
                        ring_c4=2 * model.csa_ratio, ring_c128=model.hca_ratio, swa_horizon=horizon)

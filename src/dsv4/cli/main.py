@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dsv4.cli import init
+from dsv4.cli import generate, init
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description="Serve and RL-train DeepSeek-V4-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
     init.add_parser(sub)
+    generate.add_parser(sub)
     return parser
 
 

@@ -239,6 +239,10 @@ def hash_uniform(seeds: Tensor, steps: Tensor, vocab: int, device: torch.device 
 
     A row depends only on its own (seed, step), never on the other rows or the batch size.
 
+    NOTE: eager mode runs ~25 int64 passes over ``[B, V]`` (3.7 ms at B=256, V=129280 on an
+    H200); the chain is purely elementwise, so ``torch.compile`` fuses it into one kernel with
+    bitwise-identical output (0.08 ms).
+
     Args:
         seeds: ``[B]`` int64 in [0, 2**63).
         steps: ``[B]`` int64 in [0, 2**31).

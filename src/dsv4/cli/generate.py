@@ -1,0 +1,43 @@
+"""`dsv4 generate --model PATH "prompt" ...`: offline completion of one or more prompts, printed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dsv4.engine.llm import LLM
+from dsv4.engine.sampling_params import SamplingParams
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete prompts with a checkpoint (offline engine)")
+    p.add_argument("prompts", nargs="+", help="prompt text(s)")
+    p.add_argument("--model", required=True, help="checkpoint directory (official or transformers layout)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: 256; 128 on CPU)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    engine_args = {"page_size": args.page_size} if args.page_size else {}
+    if args.device == "cpu" or args.device is None and not _has_cuda():
+        engine_args.setdefault("page_size", 128)
+        engine_args["kv_cache_memory_gb"] = 0.5
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, **engine_args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
+        sys.stdout.write(out.text + "\n")
+    return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
