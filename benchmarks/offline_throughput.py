@@ -75,7 +75,9 @@ def run_transformers(model_dir: Path, llm: LLM, prompts: list[list[int]], out_le
     hf = hf.to(device=device, dtype=next(model.parameters()).dtype).eval()
     outs = []
     with torch.no_grad():
-        gen = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        # no eos at all (like ignore_eos): min_new_tokens would instead mask eos out of the argmax
+        hf.generation_config.eos_token_id = None
+        gen = dict(max_new_tokens=out_len, do_sample=False, pad_token_id=0)
         hf.generate(torch.tensor([prompts[0]], device=device), **gen)  # warm-up
         start = time.perf_counter()
         for p in prompts:
