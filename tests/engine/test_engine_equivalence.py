@@ -151,3 +151,16 @@ def test_abort_frees_everything(ckpts: dict[str, Path]) -> None:
     assert not engine.has_unfinished()
     assert all(r.finish_reason == "abort" for r in reqs)
     assert_pools_free(engine)
+
+
+def test_doubled_rings_and_backend_choice(ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ring_multiplier=2 (the speculative-decoding ring size) changes nothing; unknown backends raise."""
+    rec = LogitRecorder(monkeypatch)
+    llm = LLM(ckpts["tiny"], dtype="float32", device="cpu", page_size=16, chunked_prefill_size=5,
+              max_total_tokens=2048, ring_multiplier=2)
+    assert llm.engine.runner.layout.ring_c4 == 16 and llm.engine.runner.layout.ring_c128 == 32
+    prompts = prompts_for(llm.model.config, seed=3)
+    reqs = run_staggered(llm.engine, prompts, [6] * len(prompts))
+    assert_matches(llm.model, prompts, reqs, rec)
+    with pytest.raises(ValueError, match="kernel_backend='triton'.*allowed: \\['ref'\\]"):
+        LLM(ckpts["tiny"], dtype="float32", device="cpu", kernel_backend="triton")

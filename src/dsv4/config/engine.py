@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KERNEL_BACKENDS: tuple[str, ...] = ("ref",)
+from dsv4.kernels.registry import KERNEL_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,8 @@ class EngineConfig:
     max_total_tokens: full-token slots in the cache (None: from `kv_cache_memory_gb`).
     swa_tokens: sliding-window slots (None: enough for every running request's window).
     context_length: longest prompt + output (None: the model's max_position_embeddings).
-    capture_routing: record routed expert ids and indexer top-k per token (RL replay)."""
+    capture_routing: record routed expert ids and indexer top-k per token (RL replay).
+    ring_multiplier: compressor ring sizes are (2*m, m') times this (2 under speculative decoding)."""
 
     page_size: int = 256
     max_running_requests: int = 64
@@ -29,6 +30,7 @@ class EngineConfig:
     context_length: int | None = None
     kernel_backend: str = "ref"
     capture_routing: bool = False
+    ring_multiplier: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -42,5 +44,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: None or an integer >= 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} is invalid; allowed: > 0")
+        if self.ring_multiplier not in (1, 2):
+            raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: 1, or 2 under speculative "
+                             "decoding (draft tokens write compressor rings ahead of verification)")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; allowed: {list(KERNEL_BACKENDS)}")

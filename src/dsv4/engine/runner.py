@@ -19,6 +19,7 @@ from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SamplingBatch, sample
 from dsv4.engine.scheduler import ScheduledStep
+from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.logging import init_logger
 
@@ -38,6 +39,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig, context_length: int) -> None:
         self.model, self.config = model, config
+        self.ops = create_kernels(config.kernel_backend)
         self.device = next(model.parameters()).device
         dtype = model.embed.weight.dtype
         mc = model.config
@@ -55,6 +57,7 @@ class ModelRunner:
     def run(self, step: ScheduledStep) -> StepResult:
         self._reset_penalty_rows(step)
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
+        ctx.ops = self.ops
         if self.config.capture_routing:
             ctx.captured = {}
         ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)

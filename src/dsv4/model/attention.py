@@ -19,7 +19,7 @@ from torch import nn
 
 from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ref.attention import sparse_attention, sparse_attention_multi
+from dsv4.kernels.ref.attention import sparse_attention
 from dsv4.model.compressor import Compressor
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.indexer import Indexer
@@ -123,9 +123,9 @@ class Attention(nn.Module):
         if self.compressor is not None:
             assert cache.entries is not None and cache.state is not None
             plan = ctx.plans[self.compressor.ratio]
-            self.compressor.forward_cached(x[0], ctx.positions, plan, cache.state, cache.entries)
+            self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
             if self.indexer is not None:
-                ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx.positions, plan, cache)
+                ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
                 if ctx.captured is not None:  # padded to index_topk so every step stacks alike
                     pad = self.indexer.topk - ids.shape[1]
                     ctx.captured.setdefault("indexer", []).append(F.pad(ids, (0, pad), value=-1) if pad > 0 else ids)
@@ -133,5 +133,5 @@ class Attention(nn.Module):
             else:
                 slots = plan.candidates
             sources.append((cache.entries, slots))
-        o = sparse_attention_multi(q[0], sources, self.attn_sink, self.scale)
+        o = ctx.ops.sparse_attention(q[0], sources, self.attn_sink, self.scale)
         return self.output(o.view(1, T, self.n_heads, -1), cos, sin)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.cache.pools import RingState
-from dsv4.kernels.ref.compressor import compress_windows, pool_sources
-from dsv4.model.forward_context import CompressPlan
+from dsv4.kernels.ref.compressor import compress_windows
+from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import apply_rope
 
@@ -46,16 +46,16 @@ class Compressor(nn.Module):
         E = pooled.shape[1]
         return self.finish(pooled, cos[: E * self.ratio: self.ratio], sin[: E * self.ratio: self.ratio], x.dtype)
 
-    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: RingState,
+    def forward_cached(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan, state: RingState,
                        out: torch.Tensor) -> None:
         """Serving path: pool every window completed by the new tokens into `out` and keep the ring current.
 
         x: [T, d] new tokens; reads older sources from the ring BEFORE overwriting any ring row.
         """
-        kv, score = self.project(x, positions)                                  # [T, c*Dc]
+        kv, score = self.project(x, ctx.positions)                              # [T, c*Dc]
         src_kv = torch.where(plan.from_new[..., None], kv[plan.src_new], state.kv[plan.src_ring])
         src_score = torch.where(plan.from_new[..., None], score[plan.src_new], state.score[plan.src_ring])
-        pooled = pool_sources(src_kv, src_score, plan.src_valid, self.ratio, self.overlap)   # [T, Dc]
+        pooled = ctx.ops.pool_sources(src_kv, src_score, plan.src_valid, self.ratio, self.overlap)   # [T, Dc]
         assert plan.entry_cos is not None and plan.entry_sin is not None
         out[plan.write_slot] = self.finish(pooled, plan.entry_cos, plan.entry_sin, out.dtype)
         state.kv[plan.ring_write] = kv

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.cache.pools import LayerCache
+from dsv4.kernels.registry import REF, KernelOps
 
 
 @dataclass
@@ -44,4 +45,5 @@ class ForwardContext:
     plans: dict[int, CompressPlan]     # by compress ratio
     caches: list[LayerCache]           # per layer (decoder layers, then MTP layers)
     logits_index: torch.Tensor         # [R] tokens whose logits are returned
+    ops: KernelOps = REF                # the kernel backend chosen at start-up
     captured: dict[str, list[torch.Tensor]] | None = field(default=None)  # routing replay capture

@@ -11,9 +11,9 @@ from torch import nn
 
 from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ref.indexer import causal_topk, index_scores, topk_lower_index
+from dsv4.kernels.ref.indexer import causal_topk, index_scores
 from dsv4.model.compressor import Compressor
-from dsv4.model.forward_context import CompressPlan
+from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.layers.rope import apply_rope
 
 
@@ -52,18 +52,18 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def forward_cached(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor, plan: CompressPlan, cache: LayerCache) -> torch.Tensor:
+                       ctx: ForwardContext, plan: CompressPlan, cache: LayerCache) -> torch.Tensor:
         """Serving path. x: [T, d], q_lat: [T, q_lora] -> selected entry ids [T, min(k, V)], -1 = none.
 
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path.
         """
         assert cache.index_keys is not None and cache.index_state is not None
-        self.compressor.forward_cached(x, positions, plan, cache.index_state, cache.index_keys)
+        self.compressor.forward_cached(x, ctx, plan, cache.index_state, cache.index_keys)
         q, w = self.query(x, q_lat, cos, sin)                                  # [T, Ih, Id], [T, Ih]
         keys = cache.index_keys[plan.candidates.clamp(min=0)]                  # [T, V, Id]
         dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
         scores = torch.einsum("thv,th->tv", torch.relu(dots), w)
         valid = plan.candidates >= 0
-        picks = topk_lower_index(scores.masked_fill(~valid, float("-inf")), self.topk)
+        picks = ctx.ops.topk(scores.masked_fill(~valid, float("-inf")), self.topk)
         return torch.where(valid.gather(1, picks), picks, -1)

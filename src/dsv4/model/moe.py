@@ -52,8 +52,10 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, d, inter))
         self.w3 = nn.Parameter(torch.empty(E, inter, d))
 
-    def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return routed_experts(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
+    def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                ctx: ForwardContext | None = None) -> torch.Tensor:
+        fn = routed_experts if ctx is None else ctx.ops.routed_experts
+        return fn(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
 
 
 class MLP(nn.Module):
@@ -83,5 +85,5 @@ class MoE(nn.Module):
         indices, weights = self.gate(u, input_ids.reshape(-1))
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
-        y = self.experts(u, indices, weights) + self.shared_experts(u).float()
+        y = self.experts(u, indices, weights, ctx) + self.shared_experts(u).float()
         return y.to(x.dtype).view_as(x)

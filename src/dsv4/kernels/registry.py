@@ -1,0 +1,48 @@
+"""Kernel backends: the set of compute ops the serving path uses, chosen once at start-up.
+
+`create_kernels(name)` returns a frozen `KernelOps`; the runner puts it in every ForwardContext, so
+hot code never branches on a backend name or an environment variable. Every backend has the same
+signatures as `ref` (the PyTorch specification) and is tested against it. An unknown name raises
+with the valid names; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.kernels.ref.attention import sparse_attention_multi
+from dsv4.kernels.ref.compressor import pool_sources
+from dsv4.kernels.ref.indexer import topk_lower_index
+from dsv4.kernels.ref.moe import routed_experts
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str
+    sparse_attention: Callable[..., torch.Tensor]     # sparse_attention_multi(q, sources, sink, scale)
+    pool_sources: Callable[..., torch.Tensor]         # pool_sources(kv, score, valid, ratio, overlap)
+    topk: Callable[..., torch.Tensor]                 # topk_lower_index(scores, k)
+    routed_experts: Callable[..., torch.Tensor]       # routed_experts(x, w1, w2, w3, indices, weights, limit)
+
+
+def _ref() -> KernelOps:
+    return KernelOps("ref", sparse_attention_multi, pool_sources, topk_lower_index, routed_experts)
+
+
+_BACKENDS: dict[str, Callable[[], KernelOps]] = {"ref": _ref}
+KERNEL_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
+REF = _ref()
+
+
+def create_kernels(name: str) -> KernelOps:
+    if name not in _BACKENDS:
+        raise ValueError(f"kernel_backend={name!r} is not registered; allowed: {sorted(_BACKENDS)}")
+    ops = _BACKENDS[name]()
+    logger.info("kernel backend: %s", ops.name)
+    return ops
