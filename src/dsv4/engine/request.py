@@ -35,6 +35,7 @@ class Request:
     status: ReqStatus = ReqStatus.WAITING
     slot: int | None = None
     num_cached: int = 0
+    cached_tokens: int = 0          # prompt tokens served from the prefix cache at (last) admission
     finish_reason: str | None = None
     text: str = ""
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -68,6 +69,7 @@ class RequestOutput:
     finish_reason: str | None
     ttft: float | None                  # seconds from arrival to the first output token
     token_latencies: list[float]        # seconds between consecutive output tokens
+    cached_tokens: int = 0              # prompt tokens that came from the prefix cache
     routing: dict[str, torch.Tensor] | None = None   # per-token captured routing (capture_routing=True)
 
     @staticmethod
@@ -79,4 +81,4 @@ class RequestOutput:
                              finish_reason=req.finish_reason,
                              ttft=(req.token_times[0] - req.arrival_time) if req.token_times else None,
                              token_latencies=[b - a for a, b in zip(times[1:], times[2:], strict=False)],
-                             routing=routing)
+                             cached_tokens=req.cached_tokens, routing=routing)
