@@ -5,20 +5,28 @@ Device tensors (read by the metadata builder, never by Python on the hot path):
     full_to_swa [num_full_pages] int64                SWA page behind a full page (0 = none / freed)
 Host mirror: `full_pages[slot]` (list, in position order) and `swa_of[full_page]`.
 
-Life of a request: `reserve` before every step that writes positions [start, end) — it makes full
-pages cover [0, end) and SWA pages cover [start - horizon, end), all-or-nothing; `release_swa`
-frees SWA pages that fell behind the horizon; `truncate` drops positions >= new_len (speculative
-rollback); `free` returns everything. `check_integrity` compares both mirrors and the allocators.
+Ownership: a full page is either private to one request or `shared` — owned by the prefix cache
+(radix tree), possibly mapped by several requests. Requests free only their private pages and
+only their private SWA pages; the tree frees shared pages (and tombstones their SWA) itself.
+
+Life of a request: `open(prefix_pages)` (pages matched in the prefix cache), then `reserve` before
+every step that writes positions [start, end) — full pages cover [0, end), SWA pages cover
+[start - horizon, end), all-or-nothing, after asking the `evict` callback (the prefix cache) for
+room; `release_swa` frees private SWA pages that fell behind the horizon; `truncate` drops
+positions >= new_len (speculative rollback); `free` returns the private pages.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 
 from dsv4.cache.allocator import PageAllocator
 from dsv4.cache.layout import CacheLayout
+
+Evictor = Callable[[int, int], None]   # (full pages wanted, SWA pages wanted) -> frees what it can
 
 
 class RequestTable:
@@ -31,6 +39,8 @@ class RequestTable:
         self.full_to_swa = torch.zeros(layout.num_full_pages, dtype=torch.int64, device=device)
         self.full_pages: dict[int, list[int]] = {}
         self.swa_of: dict[int, int] = {}
+        self.shared: set[int] = set()
+        self.evict: Evictor | None = None
         self._free_slots = list(range(max_reqs - 1, -1, -1))
 
     # ---- request slots -------------------------------------------------------------------
@@ -38,10 +48,14 @@ class RequestTable:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
-    def open(self) -> int:
-        """A fresh request slot with no pages."""
+    def open(self, prefix_pages: Iterable[int] = ()) -> int:
+        """A fresh request slot mapping `prefix_pages` (shared pages from the prefix cache) at its start."""
         slot = self._free_slots.pop()
-        self.full_pages[slot] = []
+        pages = list(prefix_pages)
+        assert all(p in self.shared for p in pages), "a matched prefix page is not owned by the prefix cache"
+        self.full_pages[slot] = pages
+        if pages:
+            self.page_table[slot, :len(pages)] = torch.tensor(pages)
         return slot
 
     # ---- pages -----------------------------------------------------------------------------
@@ -58,6 +72,9 @@ class RequestTable:
         """Allocate what positions [start, end) need; False (nothing allocated) if the pools are short."""
         assert end <= self.max_pages * self.P, f"position {end} exceeds the request page table"
         n_full, n_swa = self.pages_needed(slot, start, end)
+        short_full, short_swa = n_full - self.full.num_free, n_swa - self.swa.num_free
+        if (short_full > 0 or short_swa > 0) and self.evict is not None:
+            self.evict(max(0, short_full), max(0, short_swa))
         if not (self.full.can_alloc(n_full) and self.swa.can_alloc(n_swa)):
             return False
         have = self.full_pages[slot]
@@ -67,24 +84,22 @@ class RequestTable:
             have.extend(new)
         lo = max(0, start - self.layout.swa_horizon) // self.P
         missing = [p for p in have[lo:math.ceil(end / self.P)] if p not in self.swa_of]
+        assert not any(p in self.shared for p in missing), "a shared page inside the horizon lost its SWA"
         if missing:
-            swa_pages = self.swa.alloc(len(missing))
-            self.swa_of.update(zip(missing, swa_pages, strict=True))
-            self.full_to_swa[torch.tensor(missing)] = torch.tensor(swa_pages)
+            self._give_swa(missing)
         return True
 
     def release_swa(self, slot: int, keep_from: int) -> None:
-        """Free the SWA pages of full pages that lie entirely before position `keep_from - horizon`."""
+        """Free the SWA pages of private full pages that lie entirely before position `keep_from - horizon`."""
         limit = max(0, keep_from - self.layout.swa_horizon) // self.P
-        stale = [p for p in self.full_pages[slot][:limit] if p in self.swa_of]
-        self._drop_swa(stale)
+        self.drop_swa([p for p in self.full_pages[slot][:limit] if p in self.swa_of and p not in self.shared])
 
     def truncate(self, slot: int, new_len: int) -> None:
-        """Forget positions >= new_len: whole pages past it go back to the pools."""
+        """Forget positions >= new_len: whole private pages past it go back to the pools."""
         have = self.full_pages[slot]
         keep = math.ceil(new_len / self.P)
-        dropped = have[keep:]
-        self._drop_swa([p for p in dropped if p in self.swa_of])
+        dropped = [p for p in have[keep:] if p not in self.shared]
+        self.drop_swa([p for p in dropped if p in self.swa_of])
         self.full.free(dropped)
         del have[keep:]
         self.page_table[slot, keep:] = 0
@@ -94,20 +109,48 @@ class RequestTable:
         del self.full_pages[slot]
         self._free_slots.append(slot)
 
-    def _drop_swa(self, full_pages: list[int]) -> None:
+    # ---- used by the prefix cache ---------------------------------------------------------
+    def share(self, pages: Iterable[int]) -> None:
+        """Hand private pages over to the prefix cache (their request no longer frees them)."""
+        self.shared.update(pages)
+
+    def release_shared(self, pages: list[int]) -> None:
+        """The prefix cache evicts shared pages: free them and their SWA pages."""
+        assert all(p in self.shared for p in pages), "releasing a page the prefix cache does not own"
+        self.drop_swa([p for p in pages if p in self.swa_of])
+        self.shared.difference_update(pages)
+        self.full.free(pages)
+
+    def move_swa(self, src: int, dst: int) -> None:
+        """Re-point the SWA page behind full page `src` to full page `dst` (same tokens, same positions)."""
+        assert dst not in self.swa_of, "destination page already has an SWA page"
+        swa = self.swa_of.pop(src)
+        self.swa_of[dst] = swa
+        self.full_to_swa[src] = 0
+        self.full_to_swa[dst] = swa
+
+    def drop_swa(self, full_pages: list[int]) -> None:
+        """Free the SWA pages behind these full pages (their compressed shadows stay)."""
         if not full_pages:
             return
         self.swa.free(self.swa_of.pop(p) for p in full_pages)
         self.full_to_swa[torch.tensor(full_pages)] = 0
 
+    def _give_swa(self, full_pages: list[int]) -> None:
+        swa_pages = self.swa.alloc(len(full_pages))
+        self.swa_of.update(zip(full_pages, swa_pages, strict=True))
+        self.full_to_swa[torch.tensor(full_pages)] = torch.tensor(swa_pages)
+
     # ---- invariants --------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.full.check_integrity()
         self.swa.check_integrity()
-        owned = [p for pages in self.full_pages.values() for p in pages]
-        assert len(owned) == len(set(owned)), "a full page is owned twice"
-        assert len(owned) == self.full.num_usable - self.full.num_free, "full pages leaked or double-counted"
-        assert set(self.swa_of) <= set(owned), "SWA page behind a full page nobody owns"
+        private = [p for pages in self.full_pages.values() for p in pages if p not in self.shared]
+        assert len(private) == len(set(private)), "a private full page is owned twice"
+        used = set(private) | self.shared
+        assert len(used) == len(private) + len(self.shared), "a page is both private and shared"
+        assert len(used) == self.full.num_usable - self.full.num_free, "full pages leaked or double-counted"
+        assert set(self.swa_of) <= used, "SWA page behind a full page nobody owns"
         assert len(self.swa_of) == self.swa.num_usable - self.swa.num_free, "SWA pages leaked"
         table = self.page_table.cpu()
         for slot, pages in self.full_pages.items():

@@ -19,7 +19,8 @@ class EngineConfig:
     swa_tokens: sliding-window slots (None: enough for every running request's window).
     context_length: longest prompt + output (None: the model's max_position_embeddings).
     capture_routing: record routed expert ids and indexer top-k per token (RL replay).
-    ring_multiplier: compressor ring sizes are (2*m, m') times this (2 under speculative decoding)."""
+    ring_multiplier: compressor ring sizes are (2*m, m') times this (2 under speculative decoding).
+    disable_prefix_cache: turn off the radix prefix cache (ShadowRadix)."""
 
     page_size: int = 256
     max_running_requests: int = 64
@@ -31,6 +32,7 @@ class EngineConfig:
     kernel_backend: str = "ref"
     capture_routing: bool = False
     ring_multiplier: int = 1
+    disable_prefix_cache: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

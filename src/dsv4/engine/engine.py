@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from dsv4.cache.radix import RadixPrefixCache
 from dsv4.config.engine import EngineConfig
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.runner import ModelRunner, StepResult
@@ -49,7 +50,9 @@ class LLMEngine:
         self.eos_token_id = mc.eos_token_id
         self.context_length = config.context_length or mc.max_position_embeddings
         self.runner = ModelRunner(model, config, self.context_length)
-        self.scheduler = Scheduler(config, self.runner.table)
+        self.cache = None if config.disable_prefix_cache else RadixPrefixCache(self.runner.table,
+                                                                                self.runner.layout.swa_horizon)
+        self.scheduler = Scheduler(config, self.runner.table, self.cache)
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
@@ -160,5 +163,16 @@ class LLMEngine:
         self._text.pop(rid, None)
         return self.requests.pop(rid)
 
+    def flush_cache(self) -> None:
+        """Drop every prefix-cache entry that no running request uses."""
+        if self.cache is not None:
+            self.cache.flush()
+
+    def prefix_hit_rate(self) -> float:
+        s = self.scheduler
+        return s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+
     def check_integrity(self) -> None:
         self.runner.table.check_integrity()
+        if self.cache is not None:
+            self.cache.check_integrity()

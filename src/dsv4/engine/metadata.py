@@ -69,7 +69,9 @@ def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
     src_ring = torch.where(valid & ~from_new, c.ring_row(src, ring), ring_trash)
     emits = (pos + 1) % ratio == 0
     write_slot = torch.where(emits, c.full_slot((pos // ratio) * ratio) // ratio, entry_trash)
-    keep = pos >= end - ring
+    # keep the chunk's last `ring` tokens (the next step continues from them) and every page's last `ring`
+    # tokens (a prefix-cache hit continues from a page boundary): distinct rows, one writer per row
+    keep = (pos >= end - ring) | (pos % c.P >= c.P - ring)
     ring_write = torch.where(keep, c.ring_row(pos, ring), ring_trash)
     ids = torch.arange(num_visible, device=device)                            # [V] entry ids
     visible = ids[None, :] < ((pos + 1) // ratio)[:, None]                      # [T, V]

@@ -11,10 +11,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsv4.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dsv4.cache.radix import LockHandle
 
 
 class ReqStatus(enum.Enum):
@@ -41,6 +45,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     routing: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    cache_lock: LockHandle | None = None     # this request's lock on its prefix-cache path
 
     @property
     def all_ids(self) -> list[int]:

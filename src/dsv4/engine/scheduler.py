@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from dsv4.cache.radix import RadixPrefixCache
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig
 from dsv4.engine.metadata import StepShape
@@ -37,11 +38,13 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, table: RequestTable) -> None:
-        self.config, self.table = config, table
+    def __init__(self, config: EngineConfig, table: RequestTable, cache: RadixPrefixCache | None = None) -> None:
+        self.config, self.table, self.cache = config, table, cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prompt_tokens = 0          # prompt tokens admitted (first admission of each request)
+        self.cached_prompt_tokens = 0   # of which served from the prefix cache
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -85,17 +88,55 @@ class Scheduler:
             req = self.waiting[0]
             if self.table.num_free_slots == 0:
                 break
+            slot = self._open(req)
             n = min(req.num_pending, budget)
-            slot = self.table.open()
-            if not self.table.reserve(slot, 0, n):
-                self.table.free(slot)
+            if not self.table.reserve(slot, req.num_cached, req.num_cached + n):
+                self._close(req, slot)
                 break
             self.waiting.popleft()
+            self._count_admission(req)
             req.slot, req.status = slot, ReqStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
         return budget
+
+    def _open(self, req: Request) -> int:
+        """A request slot for `req`, starting after its longest SWA-safe cached prefix (locked)."""
+        if self.cache is None:
+            return self.table.open()
+        match = self.cache.match(req.all_ids)
+        req.cache_lock = self.cache.lock(match.node, match.length)
+        req.num_cached = match.length
+        return self.table.open(match.pages)
+
+    def _close(self, req: Request, slot: int) -> None:
+        """Undo `_open` for a request that could not be admitted after all."""
+        self.table.free(slot)
+        if self.cache is not None and req.cache_lock is not None:
+            self.cache.unlock(req.cache_lock)
+        req.cache_lock, req.num_cached = None, 0
+
+    def _count_admission(self, req: Request) -> None:
+        cached = min(req.num_cached, len(req.prompt_ids))
+        if not req.output_ids:          # first admission (re-admissions after preemption are not prompts)
+            req.cached_tokens = cached
+            self.prompt_tokens += len(req.prompt_ids)
+            self.cached_prompt_tokens += cached
+
+    def _cache_insert(self, req: Request) -> None:
+        """Hand the request's complete pages to the prefix cache and move its lock to the new path end."""
+        assert self.cache is not None and req.slot is not None
+        pages = req.num_cached // self.table.P
+        if pages == 0:
+            return
+        finished = req.status is not ReqStatus.RUNNING
+        node = self.cache.insert(req.all_ids[:pages * self.table.P], self.table.full_pages[req.slot][:pages],
+                                 finished)
+        lock = self.cache.lock(node, pages * self.table.P)
+        if req.cache_lock is not None:
+            self.cache.unlock(req.cache_lock)
+        req.cache_lock = lock
 
     def _step(self, chosen: list[tuple[Request, int]]) -> ScheduledStep:
         input_ids: list[int] = []
@@ -114,9 +155,22 @@ class Scheduler:
         for req, n in zip(step.requests, step.shape.lens, strict=True):
             if req.status is not ReqStatus.RUNNING:
                 continue
+            before = req.num_cached
             req.num_cached += n
             assert req.slot is not None
+            if self.cache is not None:
+                self._update_cache(req, before)
             self.table.release_swa(req.slot, req.num_cached)
+
+    def _update_cache(self, req: Request, before: int) -> None:
+        """Insert completed prefill pages; drop the SWA lock once the request is a horizon past its path."""
+        assert self.cache is not None
+        P = self.table.P
+        if req.num_cached - before > 1 and req.num_cached // P > before // P:
+            self._cache_insert(req)
+        lock = req.cache_lock
+        if lock is not None and lock.swa_held and req.num_cached - lock.length >= self.cache.horizon:
+            self.cache.release_swa(lock)
 
     def preempt(self, req: Request) -> None:
         self.num_preemptions += 1
@@ -135,7 +189,13 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.slot is not None:
-            self.table.free(req.slot)
+            if self.cache is not None:
+                req.status = ReqStatus.FINISHED   # the pages stop being written: tombstone recovery allowed
+                self._cache_insert(req)
+            self.table.free(req.slot)             # private pages first: the lock still pins the shared ones
+            if self.cache is not None and req.cache_lock is not None:
+                self.cache.unlock(req.cache_lock)
+            req.cache_lock = None
             req.slot = None
         if req in self.running:
             self.running.remove(req)

@@ -1,0 +1,135 @@
+"""RadixPrefixCache under random insert / match / lock / unlock / evict / tombstone sequences.
+
+A hypothesis state machine plays requests the way the scheduler does (match + lock at admission,
+reserve pages, insert completed pages, release SWA behind the horizon, insert + free + unlock at
+finish) interleaved with eviction under full and SWA pressure; the tree's and the table's
+`check_integrity()` run after every step and, at the end, every page of every pool is free again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from dsv4.cache.layout import CacheLayout
+from dsv4.cache.radix import LockHandle, RadixPrefixCache
+from dsv4.cache.req_table import RequestTable
+
+P = 4
+LAYOUT = CacheLayout(page_size=P, num_full_pages=40, num_swa_pages=14, ring_c4=8, ring_c128=16, swa_horizon=6)
+BASES = [[1] * 12, [1] * 8 + [2] * 8, [3, 4, 5] * 5]
+
+
+class Req:
+    def __init__(self, slot: int, tokens: list[int], cached: int, lock: LockHandle) -> None:
+        self.slot, self.tokens, self.cached, self.lock = slot, tokens, cached, lock
+
+
+class RadixMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = RequestTable(LAYOUT, max_reqs=4, max_context=64, device=torch.device("cpu"))
+        self.cache = RadixPrefixCache(self.table, LAYOUT.swa_horizon)
+        self.reqs: list[Req] = []
+
+    @precondition(lambda self: self.table.num_free_slots > 0)
+    @rule(base=st.integers(0, len(BASES) - 1), extra=st.lists(st.integers(1, 5), max_size=14))
+    def admit(self, base: int, extra: list[int]) -> None:
+        tokens = BASES[base] + extra
+        m = self.cache.match(tokens)
+        assert m.length % P == 0 and m.length <= len(tokens) - 1
+        assert m.pages == [p for p in m.pages if p in self.table.shared]
+        lock = self.cache.lock(m.node, m.length)
+        slot = self.table.open(m.pages)
+        req = Req(slot, tokens, m.length, lock)
+        if self.table.reserve(slot, m.length, min(len(tokens), m.length + 5)):
+            req.cached = min(len(tokens), m.length + 5)
+            self.reqs.append(req)
+        else:                                    # could not admit: undo like the scheduler does
+            self.table.free(slot)
+            self.cache.unlock(lock)
+
+    @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 3), n=st.integers(1, 7))
+    def extend(self, i: int, n: int) -> None:
+        req = self.reqs[i % len(self.reqs)]
+        req.tokens = req.tokens + [7] * n
+        if self.table.reserve(req.slot, req.cached, req.cached + n):
+            req.cached += n
+            self.table.release_swa(req.slot, req.cached)
+            if req.lock.swa_held and req.cached - req.lock.length >= self.cache.horizon:
+                self.cache.release_swa(req.lock)
+
+    @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 3))
+    def insert(self, i: int) -> None:
+        self._insert(self.reqs[i % len(self.reqs)], finished=False)
+
+    @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 3))
+    def finish(self, i: int) -> None:
+        req = self.reqs.pop(i % len(self.reqs))
+        self._insert(req, finished=True)
+        self.table.free(req.slot)
+        self.cache.unlock(req.lock)
+
+    @rule(full=st.integers(0, 10), swa=st.integers(0, 10))
+    def evict(self, full: int, swa: int) -> None:
+        self.cache.evict(full, swa)
+
+    def _insert(self, req: Req, finished: bool) -> None:
+        pages = req.cached // P
+        if pages:
+            node = self.cache.insert(req.tokens[:pages * P], self.table.full_pages[req.slot][:pages], finished)
+            lock = self.cache.lock(node, pages * P)
+            self.cache.unlock(req.lock)
+            req.lock = lock
+
+    @invariant()
+    def consistent(self) -> None:
+        self.cache.check_integrity()
+        self.table.check_integrity()
+
+    def teardown(self) -> None:
+        for req in self.reqs:
+            self.table.free(req.slot)
+            self.cache.unlock(req.lock)
+        self.cache.flush()
+        self.cache.check_integrity()
+        self.table.check_integrity()
+        assert self.cache.num_pages == 0
+        assert self.table.full.num_free == self.table.full.num_usable
+        assert self.table.swa.num_free == self.table.swa.num_usable
+
+
+TestRadixMachine = RadixMachine.TestCase
+TestRadixMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+
+
+def test_match_is_swa_safe_and_page_aligned() -> None:
+    table = RequestTable(LAYOUT, max_reqs=2, max_context=64, device=torch.device("cpu"))
+    cache = RadixPrefixCache(table, horizon=6)
+    tokens = list(range(1, 22))
+    slot = table.open()
+    assert table.reserve(slot, 0, 21)
+    cache.insert(tokens[:20], table.full_pages[slot][:5], finished=True)
+    table.free(slot)
+    assert cache.match(tokens).length == 20 and cache.match(tokens[:20]).length == 16  # one token left to compute
+    cache.evict(0, 1)                          # SWA pressure on an unlocked LRU leaf deletes it outright
+    cache.check_integrity()
+    assert cache.num_pages == 4 and cache.match(tokens).length == 16
+    handle = cache.lock(cache.match(tokens).node, 16)
+    cache.evict(0, 10)                         # the SWA-locked last horizon cannot be tombstoned
+    assert cache.swa_live == 4
+    cache.release_swa(handle)
+    cache.evict(0, 10)                         # now both nodes become tombstones (full-locked, so kept)
+    cache.check_integrity()
+    assert cache.swa_live == 0 and cache.num_pages == 4 and cache.match(tokens).length == 0
+    cache.unlock(handle)                       # an unlocked tombstone leaf is deleted, and its tombstone parent
+    cache.check_integrity()
+    assert cache.num_pages == 0 and table.full.num_free == table.full.num_usable
+    with pytest.raises(AssertionError, match="not locked"):
+        cache.unlock(handle)

@@ -1,0 +1,159 @@
+"""ShadowRadix in the engine: cache on == cache off (tokens and logits), hits where prefixes are shared,
+SWA-safe re-matching after tombstoning (and tombstone recovery), and the SWA footprint of a long request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine_equivalence import LogitRecorder, assert_pools_free
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.request import Request
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("prefix") / "tiny"
+    write_checkpoint(tiny(), out, seed=6, tokenizer=False)
+    return out
+
+
+def pair(ckpt: Path, **kw: object) -> tuple[LLM, LLM]:
+    args = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=8192, chunked_prefill_size=40, **kw)
+    return LLM(ckpt, **args), LLM(ckpt, disable_prefix_cache=True, **args)  # type: ignore[arg-type]
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str) -> Request:
+    req = engine.add_request(prompt, params, rid=rid)
+    while not req.is_finished:
+        engine.step()
+    return req
+
+
+def compare(on: LLM, off: LLM, rec: LogitRecorder, reqs_on: list[Request], reqs_off: list[Request]) -> None:
+    for a, b in zip(reqs_on, reqs_off, strict=True):
+        assert a.output_ids == b.output_ids, f"request {a.rid}: cache on/off outputs differ"
+        diff = (torch.stack(rec.rows[a.rid]) - torch.stack(rec.rows[b.rid])).abs().max().item()
+        assert diff <= TOL, f"request {a.rid}: logits differ by {diff}"
+
+
+def test_multi_turn_chat(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = LogitRecorder(monkeypatch)
+    on, off = pair(ckpt)
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    reqs_on, reqs_off = [], []
+    for conv in range(3):
+        history = toks(13 + 6 * conv, seed=conv)           # lengths not multiples of 4, 16 (P, m') or 8 (W)
+        for turn in range(4):
+            history = history + toks(7 + turn, seed=100 * conv + turn)
+            a = run_one(on.engine, history, params, f"on-{conv}-{turn}")
+            b = run_one(off.engine, history, params, f"off-{conv}-{turn}")
+            reqs_on.append(a)
+            reqs_off.append(b)
+            history = history + a.output_ids
+            if turn:
+                assert a.cached_tokens >= 16, "a later turn must hit the cached conversation"
+    compare(on, off, rec, reqs_on, reqs_off)
+    assert on.engine.prefix_hit_rate() > 0.5 and off.engine.prefix_hit_rate() == 0.0
+    on.engine.check_integrity()
+    assert_pools_free(on.engine)
+
+
+def test_group_samples_and_few_shot(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = LogitRecorder(monkeypatch)
+    on, off = pair(ckpt)
+    prompt = toks(53, seed=7)
+    first = [run_one(e.engine, prompt, SamplingParams(max_tokens=4, temperature=0.0), f"{n}-warm")
+             for e, n in ((on, "on"), (off, "off"))]
+    reqs: dict[str, list[Request]] = {"on": [first[0]], "off": [first[1]]}
+    for llm, name in ((on, "on"), (off, "off")):
+        for i in range(16):     # 16 samples of one prompt, all in flight together
+            params = SamplingParams(max_tokens=6, temperature=0.8, seed=i)
+            reqs[name].append(llm.engine.add_request(prompt, params, rid=f"{name}-s{i}"))
+        header = toks(75, seed=8)
+        for i in range(5):      # few-shot prompts sharing a long header
+            params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            reqs[name].append(llm.engine.add_request(header + toks(3 + 2 * i, seed=20 + i), params,
+                                                     rid=f"{name}-f{i}"))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    compare(on, off, rec, reqs["on"], reqs["off"])
+    assert all(r.cached_tokens == 48 for r in reqs["on"][1:17]), "every sample hits the warmed prompt"
+    assert len({tuple(r.output_ids) for r in reqs["on"][1:17]}) > 1, "seeded samples should differ"
+    assert_pools_free(on.engine)
+
+
+def test_tombstoned_prefix_is_rematched_safely(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = LogitRecorder(monkeypatch)
+    on, off = pair(ckpt)
+    cache = on.engine.cache
+    assert cache is not None
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    base = toks(70, seed=11)
+    reqs_on = [run_one(on.engine, base, params, "on-0")]
+    reqs_off = [run_one(off.engine, base, params, "off-0")]
+    follow = base + reqs_on[0].output_ids + toks(9, seed=12)
+    long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    x = on.engine.add_request(follow, long_params, rid="on-x")      # runs on, full-locking the shared path
+    while len(x.output_ids) < 2 * cache.horizon:                    # ... a horizon past it: SWA lock dropped
+        on.engine.step()
+    cache.evict(0, cache.swa_live)                                 # SWA pressure: tombstone what is unlocked
+    assert cache.swa_live == 0 and cache.num_pages > 0
+    on.engine.check_integrity()
+    y = run_one(on.engine, follow, params, "on-y")                 # prefix is tombstones only: no hit
+    assert y.cached_tokens == 0
+    assert cache.swa_live > 0, "y's duplicate pages inside its horizon revived a tombstone (recovery)"
+    while not x.is_finished:
+        on.engine.step()
+    reqs_on += [x, y]
+    reqs_off.append(run_one(off.engine, follow, long_params, "off-x"))
+    reqs_off.append(run_one(off.engine, follow, params, "off-y"))
+    z = run_one(on.engine, follow + toks(5, seed=13), params, "on-z")
+    assert z.cached_tokens >= 64, "after recovery the prefix is SWA-safe again"
+    reqs_on.append(z)
+    reqs_off.append(run_one(off.engine, follow + toks(5, seed=13), params, "off-z"))
+    compare(on, off, rec, reqs_on, reqs_off)
+    on.engine.check_integrity()
+    assert_pools_free(on.engine)
+
+
+def held_swa_tokens(engine: LLMEngine, req: Request) -> int:
+    """Positions behind the first SWA page this request holds (private with SWA, or SWA-locked in the tree)."""
+    table, cache = engine.runner.table, engine.cache
+    assert cache is not None and req.slot is not None
+    locked = {p for n in cache._nodes() if n.swa_lock for p in n.pages}
+    held = [i for i, p in enumerate(table.full_pages[req.slot])
+            if (p in table.swa_of and p not in table.shared) or p in locked]
+    return req.num_cached - min(held) * table.P
+
+
+def test_long_request_swa_footprint_and_later_hit(tmp_path: Path) -> None:
+    cfg = tiny().replace(window=128, hca_ratio=128, max_position_embeddings=16384, num_mtp_layers=0)
+    write_checkpoint(cfg, tmp_path, seed=1, tokenizer=False)
+    llm = LLM(tmp_path, dtype="float32", device="cpu", page_size=256, chunked_prefill_size=2048,
+              max_running_requests=4, max_total_tokens=24576)
+    engine = llm.engine
+    prompt = toks(10_000, seed=3)
+    req = engine.add_request(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    worst = 0
+    while not req.is_finished:
+        engine.step()
+        if not req.is_finished and req.num_cached >= len(prompt):
+            worst = max(worst, held_swa_tokens(engine, req))
+    assert 0 < worst <= cfg.window + 256, f"the request held {worst} SWA slots after its prefill"
+    later = engine.add_request(prompt[:9000] + toks(40, seed=4), SamplingParams(max_tokens=2))
+    while not later.is_finished:
+        engine.step()
+    assert later.cached_tokens >= 8704
+    engine.check_integrity()
