@@ -18,9 +18,9 @@ exact nodes it SWA-locked (splits add the new upper node to it), so unlocking is
     insert:  adopts a request's new pages; pages the tree already has for the same tokens stay the
              request's (duplicates). At finish, a tombstoned node whose duplicates still have SWA is
              revived by moving that SWA over (tombstone recovery).
-    evict:   phase 1 frees unlocked LRU leaves (full + SWA); phase 2 tombstones unlocked live nodes
-             in LRU order (an unlocked leaf is deleted instead; leaves never stay tombstones unless
-             full-locked).
+    evict:   phase 1 frees unlocked LRU leaves (full + SWA); phase 2 tombstones unlocked live inner
+             nodes in LRU order (nearer the root first), then leaves (an unlocked leaf is deleted
+             instead; leaves never stay tombstones unless full-locked).
 Counters of evictable / protected pages are kept incrementally; `check_integrity` rebuilds them.
 """
 
@@ -42,6 +42,7 @@ class TreeNode:
     full_lock: int = 0
     tombstone: bool = False
     last_used: int = 0
+    start: int = 0                      # absolute position of the node's first token
     swa_holders: set[LockHandle] = field(default_factory=set)   # handles SWA-locking this node
 
     @property
@@ -201,7 +202,7 @@ class RadixPrefixCache:
     def _add_new(self, node: TreeNode, tokens: Sequence[int], pages: list[int], i: int) -> TreeNode:
         for start, stop, live in self._segments(pages, i):
             child = TreeNode(tuple(tokens[start * self.P: stop * self.P]), pages[start:stop], parent=node,
-                             tombstone=not live)
+                             tombstone=not live, start=start * self.P)
             node.children[child.key[:self.P]] = child
             self.table.share(child.pages)
             self.num_pages += len(child.pages)
@@ -246,10 +247,12 @@ class RadixPrefixCache:
         parent = node.parent
         assert parent is not None and 0 < k < len(node.pages)
         upper = TreeNode(node.key[:k * self.P], node.pages[:k], parent=parent, full_lock=node.full_lock,
-                         tombstone=node.tombstone, last_used=node.last_used, swa_holders=set(node.swa_holders))
+                         tombstone=node.tombstone, last_used=node.last_used, start=node.start,
+                         swa_holders=set(node.swa_holders))
         for handle in upper.swa_holders:
             handle.swa_nodes.append(upper)
         node.key, node.pages, node.parent = node.key[k * self.P:], node.pages[k:], upper
+        node.start += k * self.P
         parent.children[upper.key[:self.P]] = upper
         upper.children[node.key[:self.P]] = node
         # counters: upper's pages carry the same locks/tombstone as before, so nothing changes
@@ -269,7 +272,9 @@ class RadixPrefixCache:
             live = [n for n in self._nodes() if not n.tombstone and n.swa_lock == 0]
             if not live:
                 break
-            victim = min(live, key=lambda n: n.last_used)
+            # inner nodes before leaves (a cached path keeps the SWA of its tail — what a match needs — longest),
+            # then least recent first, then nearest the root first
+            victim = min(live, key=lambda n: (not n.children, n.last_used, n.start))
             freed_swa += len(victim.pages)
             if not victim.children and victim.full_lock == 0:
                 self._delete(victim)
@@ -331,6 +336,7 @@ class RadixPrefixCache:
         for n in self._nodes():
             assert n.parent is not None and n.parent.children.get(n.key[:self.P]) is n, "broken parent link"
             assert len(n.key) == len(n.pages) * self.P and n.pages, "node key/pages mismatch"
+            assert n.start == n.parent.start + len(n.parent.key), "node start position drifted"
             assert n.full_lock >= n.swa_lock >= 0, "full_lock < swa_lock"
             assert n.parent is self.root or n.parent.last_used >= n.last_used, "LRU order: parent older than child"
             has_swa = [p in self.table.swa_of for p in n.pages]

@@ -48,20 +48,23 @@ def official_specs(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]
             yield official, tuple(t.shape[1:] if expert is not None else t.shape)
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int) -> torch.Tensor:
-    """Deterministic random value of one official tensor (fp32, or int64 for tid2eid)."""
-    g = _generator(seed, name)
+def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
+                device: torch.device | None = None) -> torch.Tensor:
+    """Deterministic random value of one official tensor (fp32, or int64 for tid2eid), on `device` (CPU:
+    the same values on every machine; a GPU generator gives other, equally deterministic values)."""
+    device = device or torch.device("cpu")
+    g = _generator(seed, name, device)
 
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=g) * std + mean
+        return torch.randn(shape, generator=g, device=device) * std + mean
 
     if name.endswith("tid2eid"):  # k distinct experts per token id
-        return torch.rand(shape[0], config.n_routed_experts, generator=g).argsort(dim=-1)[:, : shape[1]]
+        return torch.rand(shape[0], config.n_routed_experts, generator=g, device=device).argsort(dim=-1)[:, :shape[1]]
     if name.endswith("embed.weight"):
         return normal(1.0)
     if name.endswith("norm.weight"):
@@ -71,7 +74,7 @@ def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: in
     if re.search(r"hc_(attn|ffn|head)_base$", name):
         return normal(0.5)
     if re.search(r"hc_(attn|ffn|head)_scale$", name):
-        return torch.rand(shape, generator=g) + 0.5
+        return torch.rand(shape, generator=g, device=device) + 0.5
     if name.endswith("attn_sink"):
         return normal(1.0)
     if name.endswith(".ape"):
@@ -137,3 +140,17 @@ def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant
         build_tokenizer(out, config.vocab_size)
     logger.info("wrote %s: %d tensors, %.1f MB in %d shard(s)", out, len(weight_map), total / 1e6, num_shards)
     return config
+
+
+@torch.no_grad()
+def randomize_(model: DeepSeekV4ForCausalLM, seed: int = 0) -> DeepSeekV4ForCausalLM:
+    """Fill a model in place with the same kind of random values `write_checkpoint` writes (unquantised),
+    generated on the model's device: for benchmarks at sizes where writing a checkpoint is pointless."""
+    config = model.config
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("inv_freq"):
+            continue
+        for official, expert in internal_to_official(name, config.n_routed_experts):
+            dest = t[expert] if expert is not None else t
+            dest.copy_(init_tensor(official, tuple(dest.shape), config, seed, t.device).to(t.dtype))
+    return model

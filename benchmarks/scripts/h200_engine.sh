@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One device call: GPU correctness of the engine + the prefix-cache benchmark on flash-4l (random bf16 weights).
+# Usage (device machine, repo root): bash benchmarks/scripts/h200_engine.sh   (logs under $OUT)
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/env.txt"
+python3 -m pytest -q tests/engine/test_engine_gpu.py tests/engine/test_sampler.py -k "gpu or cuda" 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+timeout 420 python3 benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 --page-size 256 \
+  --conversations 32 --turns 8 --user-len 64 --output-len 16 2>&1 | grep -v " INFO " | tee "$OUT/prefix_cache_flash4l.txt"

@@ -1,0 +1,36 @@
+"""The engine on a CUDA GPU: greedy tokens and logits equal the full-sequence model recomputed on the GPU
+(fp32), with the prefix cache on, chunked prefill and two page sizes. Skipped without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.writer import write_checkpoint
+from test_engine_equivalence import LogitRecorder, assert_pools_free, prompts_for, reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(("page_size", "chunk"), [(16, 7), (32, 33)])
+def test_engine_on_gpu_equals_full_recompute(tmp_path: Path, page_size: int, chunk: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    write_checkpoint(tiny(), tmp_path, seed=2, tokenizer=False)
+    rec = LogitRecorder(monkeypatch)
+    llm = LLM(tmp_path, dtype="float32", device="cuda", page_size=page_size, chunked_prefill_size=chunk,
+              max_total_tokens=4096)
+    prompts = prompts_for(llm.model.config, seed=1)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts + prompts[:3], sampling_params=params, use_tqdm=False)
+    for out, prompt in zip(outs, prompts + prompts[:3], strict=True):
+        tokens, rows = reference(llm.model, prompt, len(out.token_ids))
+        assert out.token_ids == tokens
+        got = torch.stack(rec.rows[out.request_id])
+        assert (got - torch.stack(rows)).abs().max().item() <= 1e-4
+    assert sum(o.cached_tokens for o in outs[-3:]) > 0, "repeated prompts hit the prefix cache"
+    assert_pools_free(llm.engine)
