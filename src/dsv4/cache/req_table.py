@@ -55,7 +55,7 @@ class RequestTable:
         assert all(p in self.shared for p in pages), "a matched prefix page is not owned by the prefix cache"
         self.full_pages[slot] = pages
         if pages:
-            self.page_table[slot, :len(pages)] = torch.tensor(pages)
+            self.page_table[slot, :len(pages)] = self._dev(pages)
         return slot
 
     # ---- pages -----------------------------------------------------------------------------
@@ -80,7 +80,7 @@ class RequestTable:
         have = self.full_pages[slot]
         if n_full:
             new = self.full.alloc(n_full)
-            self.page_table[slot, len(have):len(have) + n_full] = torch.tensor(new)
+            self.page_table[slot, len(have):len(have) + n_full] = self._dev(new)
             have.extend(new)
         lo = max(0, start - self.layout.swa_horizon) // self.P
         missing = [p for p in have[lo:math.ceil(end / self.P)] if p not in self.swa_of]
@@ -134,12 +134,15 @@ class RequestTable:
         if not full_pages:
             return
         self.swa.free(self.swa_of.pop(p) for p in full_pages)
-        self.full_to_swa[torch.tensor(full_pages)] = 0
+        self.full_to_swa[self._dev(full_pages)] = 0
 
     def _give_swa(self, full_pages: list[int]) -> None:
         swa_pages = self.swa.alloc(len(full_pages))
         self.swa_of.update(zip(full_pages, swa_pages, strict=True))
-        self.full_to_swa[torch.tensor(full_pages)] = torch.tensor(swa_pages)
+        self.full_to_swa[self._dev(full_pages)] = self._dev(swa_pages)
+
+    def _dev(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.page_table.device, non_blocking=True)
 
     # ---- invariants --------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dsv4.cli import generate, init
+from dsv4.cli import generate, init, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     init.add_parser(sub)
     generate.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 
