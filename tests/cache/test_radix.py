@@ -118,17 +118,19 @@ def test_match_is_swa_safe_and_page_aligned() -> None:
     cache.insert(tokens[:20], table.full_pages[slot][:5], finished=True)
     table.free(slot)
     assert cache.match(tokens).length == 20 and cache.match(tokens[:20]).length == 16  # one token left to compute
-    cache.evict(0, 1)                          # SWA pressure on an unlocked LRU leaf deletes it outright
+    cache.evict(0, 1)                          # SWA pressure tombstones inner nodes first, LRU, nearest the root
     cache.check_integrity()
-    assert cache.num_pages == 4 and cache.match(tokens).length == 16
-    handle = cache.lock(cache.match(tokens).node, 16)
+    assert cache.num_pages == 5 and cache.swa_live == 2
+    assert cache.match(tokens).length == 20    # the tail still has a horizon of live SWA behind the cut
+    assert cache.match(tokens[:13]).length == 0  # a cut after the tombstone is not SWA-safe
+    handle = cache.lock(cache.match(tokens).node, 20)
     cache.evict(0, 10)                         # the SWA-locked last horizon cannot be tombstoned
-    assert cache.swa_live == 4
+    assert cache.swa_live == 2
     cache.release_swa(handle)
-    cache.evict(0, 10)                         # now both nodes become tombstones (full-locked, so kept)
+    cache.evict(0, 10)                         # now every node is a tombstone (the leaf is full-locked, so kept)
     cache.check_integrity()
-    assert cache.swa_live == 0 and cache.num_pages == 4 and cache.match(tokens).length == 0
-    cache.unlock(handle)                       # an unlocked tombstone leaf is deleted, and its tombstone parent
+    assert cache.swa_live == 0 and cache.num_pages == 5 and cache.match(tokens).length == 0
+    cache.unlock(handle)                       # an unlocked tombstone leaf is deleted, and its tombstone parents
     cache.check_integrity()
     assert cache.num_pages == 0 and table.full.num_free == table.full.num_usable
     with pytest.raises(AssertionError, match="not locked"):
