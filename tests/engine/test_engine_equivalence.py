@@ -60,7 +60,7 @@ def reference(model: DeepSeekV4ForCausalLM, prompt: list[int], n: int) -> tuple[
     ids, rows = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
-            row = model(torch.tensor([ids]))[0, -1]
+            row = model(torch.tensor([ids], device=model.embed.weight.device))[0, -1]
             rows.append(row)
             ids.append(int(row.argmax()))
     return ids[len(prompt):], rows
