@@ -1,8 +1,9 @@
 """Prefix-cache benchmark: multi-turn chat with the prefix cache on and off.
 
-C conversations x T turns. Turn t of every conversation is submitted together: its prompt is the
-whole conversation so far (earlier prompts and answers) plus `user_len` new tokens; the answer is
-`output_len` greedy tokens. Reports the prefix hit rate (cached prompt tokens / prompt tokens), the
+C conversations x T turns, each starting with the same `system_len`-token system prompt. Turn t of
+every conversation is submitted together: its prompt is the whole conversation so far (system
+prompt, earlier prompts and answers) plus `user_len` new tokens; the answer is `output_len` greedy
+tokens. Reports the prefix hit rate (cached prompt tokens / prompt tokens), the
 mean and median TTFT (arrival -> first token) and the total time, cache on vs off, then one JSON
 line. Weights: a checkpoint directory (`--model`), or random weights generated in memory
 (`--preset`, any size; nothing written to disk).
@@ -37,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-len", type=int, default=0, help="system prompt shared by every conversation")
     p.add_argument("--user-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
@@ -53,14 +55,15 @@ def build_model(args: argparse.Namespace) -> DeepSeekV4ForCausalLM:
 
 
 def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> dict[str, float]:
-    longest = args.turns * (args.user_len + args.output_len) + args.page_size
+    longest = args.system_len + args.turns * (args.user_len + args.output_len) + args.page_size
     config = EngineConfig(page_size=args.page_size, max_running_requests=args.conversations,
                           chunked_prefill_size=args.chunked_prefill_size, disable_prefix_cache=not cache,
                           max_total_tokens=2 * args.conversations * longest, context_length=longest + 1)
     engine = LLMEngine(model, config)
     g = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
-    history: list[list[int]] = [[] for _ in range(args.conversations)]
+    system = torch.randint(2, vocab, (args.system_len,), generator=g).tolist()
+    history: list[list[int]] = [list(system) for _ in range(args.conversations)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     ttft: list[float] = []
     start = time.perf_counter()
@@ -98,6 +101,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(json.dumps({"benchmark": "prefix_cache", "preset": args.model or args.preset, "device": device,
                       "dtype": args.dtype, "conversations": args.conversations, "turns": args.turns,
+                      "system_len": args.system_len, "chunked_prefill_size": args.chunked_prefill_size,
                       "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size,
                       "cache_off": off, "cache_on": on,
                       "ttft_speedup": round(off["ttft_mean_s"] / on["ttft_mean_s"], 2),

@@ -7,7 +7,6 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/env.txt"
 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py tests/engine/test_sampler.py -k "gpu or cuda" \
   > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-for P in 128 256; do
-  timeout 280 python3 benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 --page-size $P \
-    --conversations 32 --turns 8 --user-len 256 --output-len 32 2>&1 | grep -v " INFO " | tee "$OUT/prefix_cache_flash4l_p$P.txt"
-done
+timeout 420 python3 benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 --page-size 128 \
+  --conversations 32 --turns 8 --system-len 1024 --user-len 256 --output-len 32 --chunked-prefill-size 8192 2>&1 \
+  | grep -v " INFO " | tee "$OUT/prefix_cache_flash4l_sys1024.txt"
