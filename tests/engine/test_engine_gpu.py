@@ -27,8 +27,8 @@ def test_engine_on_gpu_equals_full_recompute(tmp_path: Path, page_size: int, chu
     prompts = prompts_for(llm.model.config, seed=1)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    outs += llm.generate(prompt_token_ids=prompts[:3], sampling_params=params, use_tqdm=False)  # now cached
-    for out, prompt in zip(outs, prompts + prompts[:3], strict=True):
+    outs += llm.generate(prompt_token_ids=prompts[-3:], sampling_params=params, use_tqdm=False)  # now cached
+    for out, prompt in zip(outs, prompts + prompts[-3:], strict=True):
         tokens, rows = reference(llm.model, prompt, len(out.token_ids))
         assert out.token_ids == tokens
         got = torch.stack(rec.rows[out.request_id])
