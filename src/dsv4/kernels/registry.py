@@ -15,7 +15,7 @@ import torch
 
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import pool_sources
-from dsv4.kernels.ref.indexer import topk_lower_index
+from dsv4.kernels.ref.indexer import paged_index_scores, topk_lower_index
 from dsv4.kernels.ref.moe import routed_experts
 from dsv4.utils.logging import init_logger
 
@@ -27,12 +27,14 @@ class KernelOps:
     name: str
     sparse_attention: Callable[..., torch.Tensor]     # sparse_attention_multi(q, sources, sink, scale)
     pool_sources: Callable[..., torch.Tensor]         # pool_sources(kv, score, valid, ratio, overlap)
+    index_scores: Callable[..., torch.Tensor]         # paged_index_scores(q, weights, keys, candidates)
     topk: Callable[..., torch.Tensor]                 # topk_lower_index(scores, k)
     routed_experts: Callable[..., torch.Tensor]       # routed_experts(x, w1, w2, w3, indices, weights, limit)
 
 
 def _ref() -> KernelOps:
-    return KernelOps("ref", sparse_attention_multi, pool_sources, topk_lower_index, routed_experts)
+    return KernelOps("ref", sparse_attention_multi, pool_sources, paged_index_scores, topk_lower_index,
+                     routed_experts)
 
 
 _BACKENDS: dict[str, Callable[[], KernelOps]] = {"ref": _ref}

@@ -61,9 +61,6 @@ class Indexer(nn.Module):
         assert cache.index_keys is not None and cache.index_state is not None
         self.compressor.forward_cached(x, ctx, plan, cache.index_state, cache.index_keys)
         q, w = self.query(x, q_lat, cos, sin)                                  # [T, Ih, Id], [T, Ih]
-        keys = cache.index_keys[plan.candidates.clamp(min=0)]                  # [T, V, Id]
-        dots = torch.einsum("thd,tvd->thv", q.float(), keys.float())
-        scores = torch.einsum("thv,th->tv", torch.relu(dots), w)
-        valid = plan.candidates >= 0
-        picks = ctx.ops.topk(scores.masked_fill(~valid, float("-inf")), self.topk)
-        return torch.where(valid.gather(1, picks), picks, -1)
+        scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)   # [T, V], -inf = none
+        picks = ctx.ops.topk(scores, self.topk)
+        return torch.where((plan.candidates >= 0).gather(1, picks), picks, -1)

@@ -20,6 +20,19 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
     return torch.einsum("bshe,bsh->bse", torch.relu(dots), weights.float())
 
 
+def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                       candidates: torch.Tensor) -> torch.Tensor:
+    """Serving-path scores over paged keys: I[t,j] = Σ_h weights[t,h] * ReLU(q[t,h] · keys[candidates[t,j]]).
+
+    q: [T, Ih, Id]; weights: [T, Ih] fp32 (already scaled); keys: [N, Id] the indexer-key pool;
+    candidates: [T, V] int64 pool slots, -1 = none. Returns [T, V] fp32, -inf where candidates < 0.
+    """
+    gathered = keys[candidates.clamp(min=0)].float()                         # [T, V, Id]
+    dots = torch.einsum("thd,tvd->thv", q.float(), gathered)
+    scores = torch.einsum("thv,th->tv", torch.relu(dots), weights.float())
+    return scores.masked_fill(candidates < 0, float("-inf"))
+
+
 def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries along the last dim, ties -> lower index first.
 
