@@ -62,14 +62,10 @@ def run_transformers(model_dir: Path, llm: LLM, prompts: list[list[int]], out_le
     import transformers
 
     from dsv4.model.state_dict_adapter import to_hf_state_dict
-    from dsv4.model.weights import internal_to_official
+    from dsv4.model.weights import official_state_dict
 
     model = llm.model
-    sd = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not name.endswith("inv_freq"):
-            for off, e in internal_to_official(name, model.config.n_routed_experts):
-                sd[off] = t[e] if e is not None else t
+    sd = official_state_dict(model)
     hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**model.config.to_hf_dict()))
     hf.load_state_dict(to_hf_state_dict(sd), strict=True)
     hf = hf.to(device=device, dtype=next(model.parameters()).dtype).eval()
@@ -84,6 +80,10 @@ def run_transformers(model_dir: Path, llm: LLM, prompts: list[list[int]], out_le
             ids = hf.generate(torch.tensor([p], device=device), **gen)
             outs.append(ids[0, len(p):].tolist())
     return time.perf_counter() - start, outs
+
+
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
@@ -108,8 +108,8 @@ def main() -> None:
         "output_len": args.output_len, "engine_s": round(t_engine, 3), "engine_tok_s": round(total / t_engine, 1),
         "transformers_s": round(t_hf, 3), "transformers_tok_s": round(total / t_hf, 1),
         "speedup": round(t_hf / t_engine, 2), "greedy_agree": f"{agree}/{len(hf_out)}",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(), "commit": git_commit(),
     }
     print(f"{'system':<14}{'seconds':>10}{'tok/s':>10}")
     print(f"{'dsv4 engine':<14}{t_engine:>10.2f}{total / t_engine:>10.1f}")

@@ -25,7 +25,7 @@ from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.indexer import Indexer
 from dsv4.model.moe import Gate
-from dsv4.model.weights import CheckpointError, internal_to_official
+from dsv4.model.weights import CheckpointError, official_state_dict
 
 INDEX = "model.safetensors.index.json"
 
@@ -73,18 +73,6 @@ def edited_copy(src: Path, dst: Path, drop: tuple[str, ...] = (),
         del weight_map[key]
     (dst / INDEX).write_text(json.dumps(index, indent=2))
     return dst
-
-
-def official_state_dict(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
-    """Official DeepSeek names -> tensors (stacked experts fanned out), from a loaded model."""
-    cfg = model.config
-    out: dict[str, torch.Tensor] = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("inv_freq"):
-            continue
-        for official, expert in internal_to_official(name, cfg.n_routed_experts):
-            out[official] = (t[expert] if expert is not None else t).detach()
-    return out
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ from dsv4.config.model import ModelConfig, YarnConfig
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.indexer import Indexer
 from dsv4.model.state_dict_adapter import to_hf_state_dict
-from dsv4.model.weights import internal_to_official
+from dsv4.model.weights import official_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,20 +64,11 @@ CASES = {
 }
 
 
-def official_state_dict(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
-    sd: dict[str, torch.Tensor] = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("inv_freq"):
-            continue
-        for official, expert in internal_to_official(name, model.config.n_routed_experts):
-            sd[official] = (t[expert] if expert is not None else t).detach().clone()
-    return sd
-
-
 def hf_model_from(model: DeepSeekV4ForCausalLM) -> torch.nn.Module:
     hf_cfg = transformers.DeepseekV4Config(**model.config.to_hf_dict())
     hf = transformers.DeepseekV4ForCausalLM(hf_cfg).eval()
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(official_state_dict(model)), strict=False)
+    weights = {k: v.clone() for k, v in official_state_dict(model).items()}
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(weights), strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     return hf
 

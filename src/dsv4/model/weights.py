@@ -61,6 +61,17 @@ def internal_to_official(name: str, num_experts: int) -> list[tuple[str, int | N
     return [(re.sub(r"(^|\.)hc_(attn|ffn|head)\.(fn|base|scale)$", r"\1hc_\2_\3", name), None)]
 
 
+def official_state_dict(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under official DeepSeek names (dequantised; stacked experts fanned out, as views)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("inv_freq"):
+            continue
+        for official, expert in internal_to_official(name, model.config.n_routed_experts):
+            out[official] = (t[expert] if expert is not None else t).detach()
+    return out
+
+
 def shard_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint directory (index json, single file, or all *.safetensors)."""
     if not path.exists():
