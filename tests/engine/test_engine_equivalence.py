@@ -165,5 +165,5 @@ def test_doubled_rings_and_backend_choice(ckpts: dict[str, Path], monkeypatch: p
     prompts = prompts_for(llm.model.config, seed=3)
     reqs = run_staggered(llm.engine, prompts, [6] * len(prompts))
     assert_matches(llm.model, prompts, reqs, rec)
-    with pytest.raises(ValueError, match="kernel_backend='triton'.*allowed: \\['ref'\\]"):
-        LLM(ckpts["tiny"], dtype="float32", device="cpu", kernel_backend="triton")
+    with pytest.raises(ValueError, match="kernel_backend='cutlass'.*allowed: \\['ref', 'triton'\\]"):
+        LLM(ckpts["tiny"], dtype="float32", device="cpu", kernel_backend="cutlass")

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_equivalence import LogitRecorder, assert_pools_free, prompts_for, reference
 
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import tiny
 from dsv4.checkpoint.writer import write_checkpoint
-from test_engine_equivalence import LogitRecorder, assert_pools_free, prompts_for, reference
 
 pytestmark = pytest.mark.gpu
 

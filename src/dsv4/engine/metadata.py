@@ -78,7 +78,7 @@ def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
     candidates = torch.where(visible, c.full_slot(ids[None, :] * ratio + 0 * pos[:, None]) // ratio, -1)
     return CompressPlan(ratio=ratio, overlap=overlap, src_new=src_new, src_ring=src_ring, from_new=from_new,
                         src_valid=valid, write_slot=write_slot, entry_pos=(pos - ratio + 1).clamp(min=0),
-                        ring_write=ring_write, candidates=candidates)
+                        ring_write=ring_write, candidates=candidates, visible=(pos + 1) // ratio)
 
 
 def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: ModelConfig,

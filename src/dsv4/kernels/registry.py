@@ -15,8 +15,9 @@ import torch
 
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import pool_sources
-from dsv4.kernels.ref.indexer import paged_index_scores, topk_lower_index
+from dsv4.kernels.ref.indexer import paged_index_scores
 from dsv4.kernels.ref.moe import routed_experts
+from dsv4.kernels.ref.topk import topk_ragged
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -28,16 +29,30 @@ class KernelOps:
     sparse_attention: Callable[..., torch.Tensor]     # sparse_attention_multi(q, sources, sink, scale)
     pool_sources: Callable[..., torch.Tensor]         # pool_sources(kv, score, valid, ratio, overlap)
     index_scores: Callable[..., torch.Tensor]         # paged_index_scores(q, weights, keys, candidates)
-    topk: Callable[..., torch.Tensor]                 # topk_lower_index(scores, k)
+    topk: Callable[..., torch.Tensor]                 # topk_ragged(scores, lengths, k) -> entry ids, -1 = none
     routed_experts: Callable[..., torch.Tensor]       # routed_experts(x, w1, w2, w3, indices, weights, limit)
 
 
 def _ref() -> KernelOps:
-    return KernelOps("ref", sparse_attention_multi, pool_sources, paged_index_scores, topk_lower_index,
+    return KernelOps("ref", sparse_attention_multi, pool_sources, paged_index_scores, topk_ragged, routed_experts)
+
+
+def _triton() -> KernelOps:
+    """Triton kernels where they exist (indexer scores, top-k); the other ops are still the references.
+    Imported lazily: a machine without a GPU never compiles them (tests use TRITON_INTERPRET=1)."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set TRITON_INTERPRET=1); "
+                         "allowed on this machine: 'ref'")
+    from dsv4.kernels.triton.index_scores import triton_index_scores
+    from dsv4.kernels.triton.topk import lightning_topk
+
+    return KernelOps("triton", sparse_attention_multi, pool_sources, triton_index_scores, lightning_topk,
                      routed_experts)
 
 
-_BACKENDS: dict[str, Callable[[], KernelOps]] = {"ref": _ref}
+_BACKENDS: dict[str, Callable[[], KernelOps]] = {"ref": _ref, "triton": _triton}
 KERNEL_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
 REF = _ref()
 

@@ -33,6 +33,7 @@ class CompressPlan:
     entry_pos: torch.Tensor    # [T] RoPE position of that entry (first token of its window)
     ring_write: torch.Tensor   # [T] ring row keeping this token's projection (trash when not kept)
     candidates: torch.Tensor   # [T, V] entry slots visible to the query, ordered by entry id; -1 = none
+    visible: torch.Tensor      # [T] number of visible entries, (p+1) // m (the valid prefix of `candidates`)
     entry_cos: torch.Tensor | None = None   # [T, rd/2] RoPE of entry_pos (filled by the model)
     entry_sin: torch.Tensor | None = None
 

@@ -61,6 +61,9 @@ class Indexer(nn.Module):
         assert cache.index_keys is not None and cache.index_state is not None
         self.compressor.forward_cached(x, ctx, plan, cache.index_state, cache.index_keys)
         q, w = self.query(x, q_lat, cos, sin)                                  # [T, Ih, Id], [T, Ih]
+        if plan.candidates.shape[1] == 0:                                         # no entry is complete yet
+            return plan.candidates
         scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)   # [T, V], -inf = none
-        picks = ctx.ops.topk(scores, self.topk)
-        return torch.where((plan.candidates >= 0).gather(1, picks), picks, -1)
+        picks = ctx.ops.topk(scores, plan.visible, self.topk)                     # [T, k'], -1 = none
+        visible = (plan.candidates >= 0).gather(1, picks.clamp(min=0))
+        return torch.where((picks >= 0) & visible, picks, -1)

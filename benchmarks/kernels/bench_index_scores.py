@@ -1,0 +1,261 @@
+"""Benchmark: Triton lightning-indexer scores (`triton_index_scores`) against the reference and the HBM floor.
+
+Cases (V4-Flash indexer: Ih = 64, Id = 128, bf16 q and keys, fp32 weights):
+  decode   T in {1, 64, 256} x V in {65,536, 262,144}: one query per request, so every query gathers its own
+           V keys (distinct pool slots, permuted within the request);
+  prefill  T = 2048, V = 8192: one request, the last 2048 tokens of a 32K context; all rows share one slot
+           order and see a causal prefix of it (7680..8192 entries).
+
+Floors (H200 copy 4.275 TB/s and bf16 matmul 680 TFLOP/s, docs/DESIGN.md §3):
+  per-query-gather bytes = valid candidates x Id x 2 (keys) + q + weights + candidates (int64) + scores (fp32);
+      the kernel's own traffic when no two queries share keys; "GB/s" and "%HBM" are this over the time (for
+      prefill the shared keys come from L2, so it can exceed HBM);
+  read-once bytes = each DISTINCT key once + q + weights + candidates + scores: the "read keys and queries
+      once" floor; x_once = time / (read-once bytes / 4.275 TB/s). Decode: equal to per-query-gather (target
+      <= 1.5x, issue 6). Prefill: far below the FLOP floor (2 Ih Id per pair), so x_roof = time / max(memory
+      floor, FLOP floor) is the meaningful ratio there.
+Timing: parity with the reference is asserted first; then the median of CUDA-event-timed CUDA-graph replays
+(each graph holds several calls, cycling through enough input copies to defeat L2 reuse across calls)
+after warm-up. The reference (which materialises [T, V, Id] fp32) is timed eagerly on as many rows as fit
+a memory budget and scaled to T when it cannot take them all ("ref rows" column).
+Prints a table, then ONE JSON line.
+
+    PYTHONPATH=src python3 benchmarks/kernels/bench_index_scores.py              # CUDA
+    PYTHONPATH=src python3 benchmarks/kernels/bench_index_scores.py --sweep      # + tile/warp/stage sweep
+    PYTHONPATH=src python3 benchmarks/kernels/bench_index_scores.py --cpu-smoke  # interpreter, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+HBM_BYTES_PER_S = 4.275e12       # measured device copy on the H200 (docs/DESIGN.md §3)
+BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
+ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
+REF_BUDGET_BYTES = 8 << 30       # the reference's [rows, V, Id] fp32 gather + [rows, Ih, V] dots
+DEFAULT_CONFIG = (64, 4, 3)      # (block_v, num_warps, num_stages): the wrapper's defaults
+SWEEP_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 2), (128, 8, 3)]
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    T: int
+    V: int
+    shared: bool          # all rows are one request (prefill) vs one request per row (decode)
+    Ih: int = 64
+    Id: int = 128
+
+
+def cuda_cases() -> list[Case]:
+    decode = [Case(f"decode T={T} V={V}", T, V, False) for T in (1, 64, 256) for V in (65536, 262144)]
+    return decode + [Case("prefill T=2048 V=8192", 2048, 8192, True)]
+
+
+def smoke_cases() -> list[Case]:
+    return [Case("decode T=1 V=64", 1, 64, False, 8, 32), Case("decode T=4 V=100", 4, 100, False, 8, 32),
+            Case("prefill T=8 V=64", 8, 64, True, 8, 32)]
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int) -> Inputs:
+    """(q, weights, keys, candidates) as the engine builds them (see the module docstring)."""
+    g = torch.Generator(device).manual_seed(seed)
+    T, V, Ih, Id = case.T, case.V, case.Ih, case.Id
+    q = torch.randn(T, Ih, Id, generator=g, device=device, dtype=dtype)
+    weights = torch.randn(T, Ih, generator=g, device=device) * (Ih * Id) ** -0.5
+    if case.shared:
+        keys = torch.randn(V, Id, generator=g, device=device, dtype=dtype)
+        order = torch.randperm(V, generator=g, device=device)
+        pos = 4 * V - T + torch.arange(T, device=device)                      # causal: entry i < (pos+1)//4
+        visible = torch.arange(V, device=device)[None, :] < ((pos + 1) // 4)[:, None]
+        candidates = torch.where(visible, order.expand(T, V), -1)
+    else:
+        keys = torch.randn(T * V, Id, generator=g, device=device, dtype=dtype)
+        perm = torch.rand(T, V, generator=g, device=device).argsort(dim=1)    # each request: its own V slots
+        candidates = perm + V * torch.arange(T, device=device)[:, None]
+    return q, weights, keys, candidates.contiguous()
+
+
+def floors(case: Case, inputs: Inputs) -> dict[str, float]:
+    q, weights, keys, candidates = inputs
+    n_valid = int((candidates >= 0).sum())        # NOTE: host sync, outside any timed region
+    distinct = case.V if case.shared else n_valid
+    io = q.numel() * q.element_size() + weights.numel() * 4 + candidates.numel() * (8 + 4)
+    key_row = case.Id * keys.element_size()
+    gather, once = n_valid * key_row + io, distinct * key_row + io
+    flops = 2.0 * case.Ih * case.Id * n_valid
+    return {"bytes_gather": gather, "bytes_once": once, "flops": flops,
+            "floor_gather_us": gather / HBM_BYTES_PER_S * 1e6, "floor_once_us": once / HBM_BYTES_PER_S * 1e6,
+            "floor_flop_us": flops / BF16_FLOP_PER_S * 1e6}
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "-inf pattern differs from the reference"
+    finite = torch.isfinite(ref)
+    if not finite.any():
+        return 0.0
+    return ((out[finite] - ref[finite]).abs().max() / ref[finite].abs().max().clamp(min=1e-6)).item()
+
+
+def check_parity(fn: Callable[..., torch.Tensor], ref_fn: Callable[..., torch.Tensor], inputs: Inputs,
+                 rows: int = 16) -> float:
+    """Compare on up to `rows` evenly spaced query rows (the full test lives in tests/kernels)."""
+    q, weights, keys, candidates = inputs
+    out = fn(*inputs)
+    pick = torch.linspace(0, q.shape[0] - 1, min(rows, q.shape[0]), device=q.device).round().long().unique()
+    err = rel_error(out[pick], ref_fn(q[pick], weights[pick], keys, candidates[pick]))
+    limit = 1e-2 if q.dtype == torch.bfloat16 else 1e-5
+    assert err <= limit, f"parity failed: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
+    return err
+
+
+def time_graph_us(fn: Callable[..., torch.Tensor], sets: list[Inputs], iters: int, warmup: int) -> float:
+    """Median per-call time of CUDA-graph replays; each graph cycles through `sets` (defeats L2 reuse)."""
+    calls = max(len(sets), 8)
+    for _ in range(warmup):
+        for s in sets:
+            fn(*s)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):           # NOTE: warm the allocator on the capture stream
+        for s in sets:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def time_eager_us(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def time_reference_us(ref_fn: Callable[..., torch.Tensor], case: Case, inputs: Inputs, iters: int,
+                      cuda: bool) -> tuple[float, int]:
+    """Reference time for all T rows, measured on the largest row prefix that fits REF_BUDGET_BYTES."""
+    q, weights, keys, candidates = inputs
+    rows = max(1, min(case.T, REF_BUDGET_BYTES // (case.V * (case.Id + case.Ih) * 4 * 2)))
+    sub = (q[:rows], weights[:rows], keys, candidates[:rows])
+    us = time_eager_us(lambda: ref_fn(*sub), iters, 1, cuda)
+    return us * case.T / rows, rows
+
+
+def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+    from dsv4.kernels.ref.indexer import paged_index_scores
+    from dsv4.kernels.triton.index_scores import triton_index_scores
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    first = make_inputs(case, dtype, device, args.seed)
+    fl = floors(case, first)
+    n_sets = min(16, math.ceil(ROTATE_BYTES / fl["bytes_once"])) if cuda else 1
+    sets = [first] + [make_inputs(case, dtype, device, args.seed + i) for i in range(1, n_sets)]
+    configs = [DEFAULT_CONFIG] + (SWEEP_CONFIGS if args.sweep else [])
+    timed: dict[str, float] = {}
+    err = 0.0
+    for block_v, warps, stages in configs:
+        def fn(*x: torch.Tensor, bv: int = block_v, nw: int = warps, ns: int = stages) -> torch.Tensor:
+            return triton_index_scores(*x, block_v=bv, num_warps=nw, num_stages=ns)
+        err = max(err, check_parity(fn, paged_index_scores, first))
+        if cuda:
+            timed[f"{block_v}/{warps}/{stages}"] = time_graph_us(fn, sets, args.iters, args.warmup)
+        else:
+            timed[f"{block_v}/{warps}/{stages}"] = time_eager_us(partial(fn, *first), args.iters, 1, cuda)
+    best = min(timed, key=lambda k: timed[k])
+    us = timed[best]
+    ref_us, ref_rows = time_reference_us(paged_index_scores, case, first, max(3, args.iters // 10), cuda)
+    return {"case": case.name, "T": case.T, "V": case.V, "Ih": case.Ih, "Id": case.Id, "dtype": str(dtype)[6:],
+            "us": us, "us_default": timed["/".join(map(str, DEFAULT_CONFIG))], "best_config": best,
+            "configs_us": timed, "ref_us": ref_us, "ref_rows": ref_rows, "speedup_vs_ref": ref_us / us,
+            "gbps_gather": fl["bytes_gather"] / us / 1e3,
+            "pct_hbm": fl["bytes_gather"] / (us * 1e-6) / HBM_BYTES_PER_S * 100,
+            "x_gather": us / fl["floor_gather_us"], "x_once": us / fl["floor_once_us"],
+            "x_roof": us / max(fl["floor_once_us"], fl["floor_flop_us"]), "max_rel_err": err, "input_sets": n_sets,
+            **fl}
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    cols = [("case", "{:<22}"), ("us", "{:>9.1f}"), ("ref_us", "{:>11.1f}"), ("ref_rows", "{:>8}"),
+            ("speedup_vs_ref", "{:>8.1f}"), ("gbps_gather", "{:>8.0f}"), ("pct_hbm", "{:>6.1f}"),
+            ("floor_gather_us", "{:>10.1f}"), ("floor_once_us", "{:>10.1f}"), ("floor_flop_us", "{:>9.1f}"),
+            ("x_once", "{:>7.2f}"), ("x_roof", "{:>7.2f}"), ("best_config", "{:>9}"), ("max_rel_err", "{:>9.1e}")]
+    heads = ["case", "us", "ref us", "ref rows", "x ref", "GB/s", "%HBM", "gather us", "once us", "flop us",
+             "x_once", "x_roof", "bv/w/st", "rel err"]
+    widths = [len(f.format(rows[0][k])) if rows else 8 for k, f in cols]
+    print(" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths, strict=True))))
+    for r in rows:
+        print(" ".join(f.format(r[k]) for k, f in cols))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (no timing value)")
+    p.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS and report the best")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.cpu_smoke:
+        # NOTE: must precede the first `import triton` (done lazily in bench_case).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.iters = min(args.iters, 3)
+        device, cases = torch.device("cpu"), smoke_cases()
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run with --cpu-smoke")
+        device, cases = torch.device("cuda"), cuda_cases()
+    import triton
+
+    rows = [bench_case(case, args, device) for case in cases]
+    if device.type == "cpu":
+        print("cpu smoke (interpreter): times and bandwidths are meaningless here")
+    print_table(rows)
+    print(json.dumps({"bench": "index_scores", "device": torch.cuda.get_device_name() if device.type == "cuda"
+                      else "cpu-interpreter", "torch": torch.__version__, "triton": triton.__version__,
+                      "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Lightning TopK benchmark: Triton radix select vs `torch.topk` vs the reference `topk_ragged` (stable sort).
+
+For each (B, N, k) it checks that `lightning_topk` equals the reference exactly, then times the three ops
+(CUDA events, median over many reps after warm-up; by default each timed sample replays a CUDA graph of
+`--inner` calls, so launch overhead is the GPU's, not Python's: at ~10 us per call it would dominate).
+Reports us per call, achieved GB/s (bytes = B*N*4 scores read once + B*4 lengths + B*k*8 output) and its share
+of the H200 device-copy anchor 4.275 TB/s (docs/DESIGN.md §3), and the speed-up over torch.topk. Prints a
+table, then ONE JSON line. `--sweep` also times a few `TopKConfig`s per shape to tune the thresholds.
+
+    PYTHONPATH=src python3 benchmarks/kernels/bench_topk.py                # CUDA (H200)
+    PYTHONPATH=src python3 benchmarks/kernels/bench_topk.py --sweep        # + block / target_programs sweep
+    PYTHONPATH=src python3 benchmarks/kernels/bench_topk.py --cpu-smoke    # tiny shapes, Triton interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+COPY_GBPS = 4275.0                                   # H200 device copy, docs/DESIGN.md §3
+GPU_CASES = [(1, 262144, 512), (64, 262144, 512), (1, 65536, 1024), (8, 262144, 2048)]
+TARGET_US = {(1, 262144, 512): 15.0, (64, 262144, 512): 60.0}
+SWEEP = [(block, programs) for block in (1024, 2048, 4096) for programs in (264, 528, 1056)]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--reps", type=int, default=200, help="timed samples per op (the reference gets 1/10)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--inner", type=int, default=10, help="calls per CUDA-graph replay")
+    p.add_argument("--eager", action="store_true", help="time eager calls instead of graph replays")
+    p.add_argument("--sweep", action="store_true", help="also time TopKConfig variants (block, target_programs)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def load_ops(cpu_smoke: bool) -> dict[str, Any]:
+    """Import the ops; on CPU the interpreter flag must be set before triton sees any @triton.jit."""
+    if cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    from dsv4.kernels.ref.topk import topk_ragged
+    from dsv4.kernels.triton.topk import TopKConfig, lightning_topk, plan_topk
+    return dict(triton=triton, topk_ragged=topk_ragged, TopKConfig=TopKConfig, lightning_topk=lightning_topk,
+                plan_topk=plan_topk)
+
+
+def time_cpu(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def time_cuda(fn: Callable[[], Any], reps: int, warmup: int, inner: int, eager: bool) -> float:
+    """Median us per call: events around one eager call, or around one replay of a graph of `inner` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                    # compile + allocator warm-up off the capture stream
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    step, per_step = fn, 1
+    if not eager:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        step, per_step = graph.replay, inner
+    for _ in range(warmup):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        step()
+        end.record()
+        end.synchronize()                            # NOTE: benchmark-only sync point
+        samples.append(start.elapsed_time(end) * 1e3 / per_step)
+    return statistics.median(samples)
+
+
+def run_case(ops: dict[str, Any], B: int, N: int, k: int, args: argparse.Namespace, device: str,
+             config: Any) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(args.seed + B + N + k)
+    scores = torch.randn(B, N, generator=g).to(device)
+    lengths = torch.full((B,), N, dtype=torch.int32, device=device)
+    fast = lambda: ops["lightning_topk"](scores, lengths, k, config=config)  # noqa: E731
+    ref = lambda: ops["topk_ragged"](scores, lengths, k)                     # noqa: E731
+    if not torch.equal(fast(), ref()):
+        raise AssertionError(f"lightning_topk != topk_ragged at B={B} N={N} k={k}")
+    fns = {"triton": fast, "torch_topk": lambda: torch.topk(scores, k, dim=-1), "ref": ref}
+    us = {}
+    for name, fn in fns.items():
+        reps = args.reps if name != "ref" else max(3, args.reps // 10)
+        if device == "cpu":
+            us[name] = time_cpu(fn, reps)
+        else:
+            us[name] = time_cuda(fn, reps, args.warmup, args.inner, args.eager)
+    plan = ops["plan_topk"](B, N, config)
+    gbytes = (B * N * 4 + B * 4 + B * k * 8) / 1e9
+    gbps = gbytes / (us["triton"] * 1e-6)
+    target = TARGET_US.get((B, N, k))
+    return dict(B=B, N=N, k=k, path=plan.path, splits=plan.splits, block=config.block,
+                target_programs=config.target_programs, triton_us=round(us["triton"], 2),
+                torch_topk_us=round(us["torch_topk"], 2), ref_us=round(us["ref"], 2), gbps=round(gbps, 1),
+                pct_copy=round(100 * gbps / COPY_GBPS, 2), speedup_vs_topk=round(us["torch_topk"] / us["triton"], 2),
+                target_us=target, meets_target=None if target is None else us["triton"] <= target)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = ("B", "N", "k", "path", "splits", "triton_us", "torch_topk_us", "ref_us", "gbps", "pct_copy",
+            "speedup_vs_topk", "target_us", "meets_target")
+    print(" | ".join(f"{h:>13}" for h in head))
+    for row in rows:
+        print(" | ".join(f"{row[h]!s:>13}" for h in head))
+
+
+def main() -> None:
+    args = parse_args()
+    ops = load_ops(args.cpu_smoke)
+    if args.cpu_smoke:
+        device, cases = "cpu", [(1, 2000, 16), (2, 300, 8), (4, 200, 8)]
+        # shrunken thresholds so the interpreter also walks the split and stream paths
+        config = ops["TopKConfig"](row_max=256, block=256, split_min_n=1024, target_programs=8)
+        args.reps = min(args.reps, 3)
+    elif torch.cuda.is_available():
+        device, cases, config = "cuda", GPU_CASES, ops["TopKConfig"]()
+    else:
+        raise SystemExit("no CUDA device: run with --cpu-smoke")
+    rows = [run_case(ops, B, N, k, args, device, config) for B, N, k in cases]
+    print_table(rows)
+    sweep = []
+    if args.sweep and device == "cuda":
+        for B, N, k in cases:
+            for block, programs in SWEEP:
+                cfg = ops["TopKConfig"](block=block, target_programs=programs)
+                sweep.append(run_case(ops, B, N, k, args, device, cfg))
+        print("\nsweep (TopKConfig block, target_programs):")
+        print_table(sorted(sweep, key=lambda r: (r["B"], r["N"], r["k"], r["triton_us"])))
+    timing = "cpu-perf-counter" if device == "cpu" else "eager" if args.eager else "cuda-graph"
+    print(json.dumps(dict(
+        bench="lightning_topk", device=torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter",
+        torch=torch.__version__, triton=ops["triton"].__version__, timing=timing, inner=args.inner,
+        reps=args.reps, copy_gbps=COPY_GBPS, results=rows, sweep=sweep)))
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Triton kernels with the same signatures as their `kernels/ref/` PyTorch specifications."""

@@ -1,0 +1,171 @@
+"""Parity of `triton_index_scores` with the reference `paged_index_scores` (spec §6.6).
+
+CPU: small shapes under the Triton interpreter (ragged -1 padding, all -1 rows, V not a multiple of
+BLOCK_V, decode T = 1 and prefill T > 1, permuted pool slots, Ih/Id small and not powers of two, several
+blocks per program, fp32 / bf16 / mixed dtypes, exact ReLU zeros, input validation).
+GPU (`-m gpu`): real V4-Flash shapes (Ih 64, Id 128, bf16, V up to 262,144), fp32 ieee dot, graph capture.
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py          # interpreter on CPU
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py -m gpu   # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dsv4.kernels.ref.indexer import paged_index_scores  # noqa: E402
+from dsv4.kernels.triton.index_scores import triton_index_scores  # noqa: E402
+
+FP32_REL = 1e-5     # max |diff| / max |ref| over finite scores
+BF16_REL = 1e-2
+
+
+def make_case(T: int, Ih: int, Id: int, V: int, dtype: torch.dtype, *, shared: bool, seed: int = 0,
+              device: str = "cpu", key_dtype: torch.dtype | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random (q, weights, keys, candidates) shaped like the engine's.
+
+    The pool holds N = V + 7 keys; each row's candidates are a permutation of pool slots, visible prefix
+    of ragged length, padded with -1. `shared`: all rows are one request (prefill: one slot order, causal
+    lengths); otherwise each row is its own request (decode). Row 0 sees all V; with T > 1 the last row
+    sees none (an all -1 row).
+    """
+    g = torch.Generator(device).manual_seed(seed)
+    N = V + 7
+    q = torch.randn(T, Ih, Id, generator=g, device=device).to(dtype)
+    weights = torch.randn(T, Ih, generator=g, device=device) * (Id * Ih) ** -0.5
+    keys = torch.randn(N, Id, generator=g, device=device).to(key_dtype or dtype)
+    if shared:
+        slots = torch.randperm(N, generator=g, device=device)[:V].expand(T, V)
+        lengths = torch.linspace(V, 0, T, device=device).round().long()
+    else:
+        slots = torch.rand(T, N, generator=g, device=device).argsort(dim=1)[:, :V]
+        lengths = torch.randint(0, V + 1, (T,), generator=g, device=device)
+        lengths[-1] = 0
+    lengths[0] = V
+    visible = torch.arange(V, device=device)[None, :] < lengths[:, None]
+    return q, weights, keys, torch.where(visible, slots, -1).contiguous()
+
+
+def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    assert out.dtype == torch.float32 and out.shape == ref.shape, (out.dtype, out.shape, ref.shape)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "-inf must be exactly where candidates < 0"
+    finite = torch.isfinite(ref)
+    assert torch.isfinite(out[finite]).all(), "non-finite score where the reference is finite"
+    if finite.any():
+        scale = ref[finite].abs().max().clamp(min=1e-6)
+        err = ((out[finite] - ref[finite]).abs().max() / scale).item()
+        assert err <= rel, f"max |diff| / max |ref| = {err:.3e} > {rel:.0e}"
+
+
+CASES = [  # (T, Ih, Id, V, shared)
+    pytest.param(1, 4, 16, 37, False, id="decode-T1-4x16-V37"),
+    pytest.param(3, 8, 32, 50, False, id="decode-T3-8x32-V50"),
+    pytest.param(6, 8, 32, 45, True, id="prefill-T6-8x32-V45"),
+    pytest.param(4, 6, 24, 33, True, id="prefill-T4-6x24-V33-nonpow2"),
+    pytest.param(2, 64, 128, 150, False, id="decode-T2-64x128-V150-flash-heads"),
+]
+
+
+@pytest.mark.parametrize("T,Ih,Id,V,shared", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_parity(T: int, Ih: int, Id: int, V: int, shared: bool, dtype: torch.dtype) -> None:
+    q, w, keys, cand = make_case(T, Ih, Id, V, dtype, shared=shared)
+    out = triton_index_scores(q, w, keys, cand, block_v=16)
+    assert_scores_close(out, paged_index_scores(q, w, keys, cand), FP32_REL if dtype == torch.float32 else BF16_REL)
+
+
+@pytest.mark.parametrize("block_v,bpp", [(16, 1), (16, 3), (32, 2), (64, None)])
+def test_block_tiling(block_v: int, bpp: int | None) -> None:
+    """Several blocks per program, a partial last split and a partial last block all land correctly."""
+    q, w, keys, cand = make_case(3, 4, 16, 75, torch.float32, shared=False, seed=1)
+    out = triton_index_scores(q, w, keys, cand, block_v=block_v, blocks_per_program=bpp)
+    assert_scores_close(out, paged_index_scores(q, w, keys, cand), FP32_REL)
+
+
+def test_mixed_dtypes() -> None:
+    """bf16 q against an fp32 pool (and the reverse) run the fp32 dot on the upcast values."""
+    q, w, keys, cand = make_case(2, 4, 16, 20, torch.bfloat16, shared=False, key_dtype=torch.float32)
+    assert_scores_close(triton_index_scores(q, w, keys, cand), paged_index_scores(q, w, keys, cand), FP32_REL)
+    q32, keys16 = q.float(), keys.bfloat16()
+    assert_scores_close(triton_index_scores(q32, w, keys16, cand), paged_index_scores(q32, w, keys16, cand),
+                        FP32_REL)
+
+
+def test_all_negative_dots_give_exact_zeros() -> None:
+    """ReLU zeros stay exact zeros (top-k ties depend on it), and -1 stays -inf."""
+    q, w, keys, cand = make_case(2, 4, 16, 20, torch.float32, shared=False, seed=2)
+    out = triton_index_scores(-q.abs(), w, keys.abs(), cand)
+    valid = cand >= 0
+    assert (out[valid] == 0).all() and torch.isneginf(out[~valid]).all()
+
+
+def test_empty() -> None:
+    q, w, keys, cand = make_case(2, 4, 16, 8, torch.float32, shared=False)
+    assert triton_index_scores(q, w, keys, cand[:, :0]).shape == (2, 0)
+    assert triton_index_scores(q[:0], w[:0], keys, cand[:0]).shape == (0, 8)
+
+
+def test_rejects_bad_inputs() -> None:
+    q, w, keys, cand = make_case(2, 4, 16, 8, torch.float32, shared=False)
+    bad = {
+        "candidates int32": (q, w, keys, cand.int()),
+        "weights bf16": (q, w.bfloat16(), keys, cand),
+        "keys int8": (q, w, keys.to(torch.int8), cand),
+        "keys not contiguous": (q, w, keys.t().contiguous().t(), cand),
+        "Id mismatch": (q, w, keys[:, :8].contiguous(), cand),
+        "T mismatch": (q, w, keys, cand[:1]),
+        "q 2-D": (q[0], w, keys, cand),
+    }
+    for name, args in bad.items():
+        with pytest.raises(ValueError):
+            triton_index_scores(*args)
+            pytest.fail(f"accepted {name}")
+    with pytest.raises(ValueError, match="block_v"):
+        triton_index_scores(q, w, keys, cand, block_v=48)
+
+
+def reference_by_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
+                      budget_bytes: int = 2 << 30) -> torch.Tensor:
+    """The reference materialises [T, V, Id] fp32 plus [T, Ih, V]: run it a few rows at a time."""
+    T, Ih, Id = q.shape
+    rows = max(1, budget_bytes // (cand.shape[1] * (Id + Ih) * 4 * 2))
+    return torch.cat([paged_index_scores(q[i:i + rows], w[i:i + rows], keys, cand[i:i + rows])
+                      for i in range(0, T, rows)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [4096, 65536, 262144])
+@pytest.mark.parametrize("T", [1, 64, 512])
+def test_parity_real_shapes_cuda(T: int, V: int) -> None:
+    q, w, keys, cand = make_case(T, 64, 128, V, torch.bfloat16, shared=False, seed=T + V, device="cuda")
+    out = triton_index_scores(q, w, keys, cand)
+    assert_scores_close(out, reference_by_rows(q, w, keys, cand), BF16_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True], ids=["decode", "prefill"])
+def test_parity_fp32_ieee_cuda(shared: bool) -> None:
+    q, w, keys, cand = make_case(32, 64, 128, 4096, torch.float32, shared=shared, device="cuda")
+    assert_scores_close(triton_index_scores(q, w, keys, cand), paged_index_scores(q, w, keys, cand), FP32_REL)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager() -> None:
+    q, w, keys, cand = make_case(8, 64, 128, 8192, torch.bfloat16, shared=False, device="cuda")
+    eager = triton_index_scores(q, w, keys, cand)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_index_scores(q, w, keys, cand)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert_scores_close(captured, paged_index_scores(q, w, keys, cand), BF16_REL)
+    assert not torch.equal(captured, eager)
