@@ -29,7 +29,7 @@ BF16_REL = 1e-2
 
 
 def make_case(T: int, Ih: int, Id: int, V: int, dtype: torch.dtype, *, shared: bool, seed: int = 0,
-              device: str = "cpu", key_dtype: torch.dtype | None = None,
+              device: str = "cuda" if torch.cuda.is_available() else "cpu", key_dtype: torch.dtype | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random (q, weights, keys, candidates) shaped like the engine's.
 
