@@ -7,8 +7,11 @@ PIP := $(VENV)/bin/pip
 # Written after a successful install; re-install only when pyproject.toml changes.
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
 
-.PHONY: venv .venv test lint clean distclean
+.PHONY: venv .venv test lint serve clean distclean
 
 venv .venv: $(STAMP)
 
@@ -18,11 +21,15 @@ $(VPY):
 # torch first and pinned, so the local CPU wheel is used instead of a CUDA build.
 $(STAMP): pyproject.toml | $(VPY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,server]'
 	touch $@
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# The embedded default model (generated on first use); the server logs a curl example once it is ready.
+serve: $(STAMP)
+	$(VENV)/bin/dsv4 serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -1,0 +1,75 @@
+"""ServerConfig: the frozen knobs of `dsv4 serve` (the EngineConfig plus model, HTTP and admission limits).
+
+Built once at the CLI edge (`dsv4.cli.serve`), where "auto" values — default model, device, dtype,
+CPU page size — are resolved before construction; passed to the API process and, through the
+spawn arguments, to the engine process, which builds its engine from `engine_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dsv4.config.engine import EngineConfig
+
+DTYPES = ("bfloat16", "float16", "float32")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ServerConfig(EngineConfig):
+    """model: checkpoint directory. served_model_name: the `model` id clients send and `/v1/models` lists.
+    host/port: where the API listens. api_key: when set, `/v1/*` requires `Authorization: Bearer <key>`.
+    max_waiting_requests: engine requests allowed in flight beyond `max_running_requests` before new
+    requests get 503. max_request_bytes: larger request bodies get 413. shutdown_timeout_s: on SIGTERM,
+    how long in-flight requests may finish before they are aborted. access_log: uvicorn's per-request log.
+    torch_threads: intra-op threads of the engine process (None: torch's default, one per core)."""
+
+    model: str = ""
+    served_model_name: str = "dsv4"
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting_requests: int = 1024
+    max_request_bytes: int = 16 << 20
+    shutdown_timeout_s: float = 10.0
+    access_log: bool = False
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model:
+            raise ValueError("model='' is invalid; allowed: a checkpoint directory")
+        if not self.served_model_name:
+            raise ValueError("served_model_name='' is invalid; allowed: a non-empty name")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: {list(DTYPES)}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device={self.device!r} is invalid; allowed: cpu, cuda or cuda:N")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port!r} is invalid; allowed: 0..65535")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key='' is invalid; allowed: None (no auth) or a non-empty key")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests={self.max_waiting_requests!r} is invalid; allowed: an integer >= 0")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes!r} is invalid; allowed: an integer >= 1")
+        if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
+            raise ValueError(f"torch_threads={self.torch_threads!r} is invalid; allowed: None or an integer >= 1")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is invalid; allowed: >= 0 seconds")
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig part alone (what LLMEngine is built from)."""
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
+
+    @property
+    def max_inflight_requests(self) -> int:
+        """Engine requests (running + waiting) the API admits before answering 503."""
+        return self.max_running_requests + self.max_waiting_requests

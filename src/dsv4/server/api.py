@@ -1,0 +1,180 @@
+"""The FastAPI app of the API process: routes, API-key check, body-size limit and body parsing.
+
+    GET  /health             200 once the engine has loaded the model; 503 while loading, draining, or dead
+    GET  /v1/models          the served model (`random_weights: true` for the generated default model)
+    POST /v1/completions     completions.py
+    POST /v1/chat/completions  chat.py
+    POST /v1/abort           {"request_id": "<id of a running completion>"}: its choices end with "abort"
+    GET  /v1/engine_stats    engine state (pools, slots, queue, counters); `?check_integrity=true` also runs
+                             the engine's check_integrity() and reports "ok" or the failure
+    POST /flush_cache        drop the prefix-cache entries no request uses (SGLang's name); returns the stats
+    GET  /metrics            Prometheus text format (metrics.py)
+
+`/v1/*` and /flush_cache need `Authorization: Bearer <key>` when the server has an API key. Bodies are read with a size
+limit (413 past it) and parsed strictly into the protocol models (400 naming the field).
+
+Test: `pytest tests/server/test_openai_client.py tests/server/test_errors.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from dsv4.server.chat import create_chat_completion
+from dsv4.server.completions import create_completion
+from dsv4.server.errors import APIError, from_validation_error, install_handlers
+from dsv4.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from dsv4.server.state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[..., Awaitable[Response]]
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[Any]]
+
+
+class AbortBody(BaseModel):
+    request_id: str
+
+
+def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
+    app = FastAPI(title="dsv4", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    install_handlers(app, on_error=state.metrics.on_rejected)
+    auth = [Depends(_auth_dependency(state))]
+    app.add_api_route("/health", _health(state), methods=["GET"])
+    app.add_api_route("/metrics", _metrics(state), methods=["GET"])
+    app.add_api_route("/v1/models", _models(state), methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/completions", _completions(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", _chat(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/abort", _abort(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/engine_stats", _engine_stats(state), methods=["GET"], dependencies=auth)
+    app.add_api_route("/flush_cache", _flush_cache(state), methods=["POST"], dependencies=auth)
+    return app
+
+
+def _auth_dependency(state: ServerState) -> Callable[[Request], Awaitable[None]]:
+    key = state.config.api_key
+
+    async def check(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    return check
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 as soon as it is known to exceed `limit` bytes (from Content-Length or while reading)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; allowed: at most max_request_bytes={limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds max_request_bytes={limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[M], limit: int) -> M:
+    body = await read_body(request, limit)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+# ---- handlers (closures over the state) ---------------------------------------------------------
+
+
+def _health(state: ServerState) -> Handler:
+    async def health() -> Response:
+        client = state.client
+        if client.failure is not None:
+            return APIError(503, f"unhealthy: {client.failure}", code="engine_failed").response()
+        if client.draining:
+            return APIError(503, "the server is shutting down", code="shutting_down").response()
+        if not client.is_ready:
+            return APIError(503, "the engine is loading the model", code="loading").response()
+        return JSONResponse({"status": "ok", "engine_pid": client.engine_pid})
+
+    return health
+
+
+def _models(state: ServerState) -> Handler:
+    async def models() -> Response:
+        info = state.client.model
+        card = ModelCard(id=state.config.served_model_name, created=state.created, root=state.config.model,
+                         max_model_len=info.context_length if info is not None else 0,
+                         random_weights=state.random_weights)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    return models
+
+
+def _completions(state: ServerState) -> Handler:
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, state.config.max_request_bytes)
+        return await create_completion(state, body, request)
+
+    return completions
+
+
+def _chat(state: ServerState) -> Handler:
+    async def chat(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, state.config.max_request_bytes)
+        return await create_chat_completion(state, body, request)
+
+    return chat
+
+
+def _abort(state: ServerState) -> Handler:
+    async def abort(request: Request) -> Response:
+        body = await parse_body(request, AbortBody, state.config.max_request_bytes)
+        job = state.jobs.get(body.request_id)
+        if job is not None:
+            job.abort()
+        return JSONResponse({"request_id": body.request_id, "aborted": job is not None})
+
+    return abort
+
+
+def _engine_stats(state: ServerState) -> Handler:
+    async def engine_stats(check_integrity: bool = False) -> Response:
+        snapshot = await state.client.query_stats(check_integrity)
+        return JSONResponse({**dataclasses.asdict(snapshot), "num_inflight": state.client.num_inflight,
+                             "num_jobs": len(state.jobs)})
+
+    return engine_stats
+
+
+def _flush_cache(state: ServerState) -> Handler:
+    async def flush_cache() -> Response:
+        snapshot = await state.client.query_stats(flush_cache=True)
+        return JSONResponse(dataclasses.asdict(snapshot))
+
+    return flush_cache
+
+
+def _metrics(state: ServerState) -> Handler:
+    async def metrics() -> Response:
+        snapshot = None
+        if state.client.is_ready:
+            try:
+                snapshot = await state.client.query_stats(timeout=2.0)
+            except APIError:
+                snapshot = None
+        text = state.metrics.render(snapshot, state.client.is_ready, state.client.num_inflight)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return metrics
