@@ -17,7 +17,6 @@ inconsistent values raise `ValueError` naming the field and the allowed values. 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -392,16 +391,3 @@ def _to_transformers(c: ModelConfig) -> dict[str, Any]:
     if c.yarn is not None:
         out["rope_parameters"] = {"rope_type": "yarn", **_yarn_dict(c.yarn)}
     return out
-
-
-def yarn_inv_freq_bounds(c: ModelConfig) -> tuple[int, int] | None:
-    """(low, high) ramp bounds of the YaRN blend over the rope pairs (spec §6.1), or None."""
-    yarn = c.yarn
-    if yarn is None:
-        return None
-    dim, theta = c.rope_head_dim, c.compress_rope_theta
-
-    def dimc(rot: float) -> float:
-        return dim * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rot)) / (2 * math.log(theta))
-
-    return max(math.floor(dimc(yarn.beta_fast)), 0), min(math.ceil(dimc(yarn.beta_slow)), dim - 1)

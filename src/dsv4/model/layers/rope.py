@@ -8,10 +8,25 @@ de-rotation). Pairs are (x[2i], x[2i+1]) inside the rope slice (GPT-J / complex 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from dsv4.config.model import ModelConfig, yarn_inv_freq_bounds
+from dsv4.config.model import ModelConfig
+
+
+def yarn_inv_freq_bounds(c: ModelConfig) -> tuple[int, int] | None:
+    """(low, high) ramp bounds of the YaRN blend over the rope pairs (spec §6.1), or None."""
+    yarn = c.yarn
+    if yarn is None:
+        return None
+    dim, theta = c.rope_head_dim, c.compress_rope_theta
+
+    def dimc(rot: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rot)) / (2 * math.log(theta))
+
+    return max(math.floor(dimc(yarn.beta_fast)), 0), min(math.ceil(dimc(yarn.beta_slow)), dim - 1)
 
 
 def rope_inv_freq(config: ModelConfig, compressed: bool) -> torch.Tensor:
