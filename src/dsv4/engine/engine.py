@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
@@ -40,7 +40,6 @@ class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class LLMEngine:
