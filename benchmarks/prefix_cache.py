@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel-backend", default="ref")
     return p.parse_args()
 
 
@@ -58,6 +59,7 @@ def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> 
     longest = args.system_len + args.turns * (args.user_len + args.output_len) + args.page_size
     config = EngineConfig(page_size=args.page_size, max_running_requests=args.conversations,
                           chunked_prefill_size=args.chunked_prefill_size, disable_prefix_cache=not cache,
+                          kernel_backend=args.kernel_backend,
                           max_total_tokens=2 * args.conversations * longest, context_length=longest + 1)
     engine = LLMEngine(model, config)
     g = torch.Generator().manual_seed(args.seed)
@@ -102,6 +104,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "prefix_cache", "preset": args.model or args.preset, "device": device,
                       "dtype": args.dtype, "conversations": args.conversations, "turns": args.turns,
                       "system_len": args.system_len, "chunked_prefill_size": args.chunked_prefill_size,
+                      "kernel_backend": args.kernel_backend,
                       "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size,
                       "cache_off": off, "cache_on": on,
                       "ttft_speedup": round(off["ttft_mean_s"] / on["ttft_mean_s"], 2),

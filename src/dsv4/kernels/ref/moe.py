@@ -40,3 +40,20 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
         h = (h.float() * weights.reshape(-1)[slots, None]).to(x.dtype)
         out.index_add_(0, tokens, F.linear(h, w2[e]).float())
     return out
+
+
+def routed_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                           indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """Same contract as `routed_experts`, as three grouped GEMMs (`torch._grouped_mm`, CUDA bf16, Hopper) with
+    the token-to-expert grouping on the device: no host sync and three launches instead of three per expert."""
+    N, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=w1.shape[0]), 0).to(torch.int32)
+    tokens = order // k
+    xs = x[tokens]                                                            # [N*k, d] grouped by expert
+    gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)             # [N*k, I]
+    up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
+    h = (swiglu(gate, up, limit).float() * weights.reshape(-1)[order, None]).to(x.dtype)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                  # [N*k, d]
+    return torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, y.float())
