@@ -16,9 +16,9 @@ import torch
 
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
-from dsv4.checkpoint.writer import randomize_
+from dsv4.checkpoint.writer import random_model
 from dsv4.engine.engine import LLMEngine
-from dsv4.model.loader import empty_model, resolve_device, resolve_dtype
+from dsv4.model.loader import resolve_device, resolve_dtype
 
 
 def main() -> None:
@@ -31,8 +31,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=256)
     args = p.parse_args()
-    model = empty_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device))
-    randomize_(model, 0).eval()
+    model = random_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, model.config.vocab_size, (args.prompt_len + 37 * i,), generator=g).tolist()
                for i in range(args.num_prompts)]

@@ -24,10 +24,10 @@ import torch
 
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
-from dsv4.checkpoint.writer import randomize_
+from dsv4.checkpoint.writer import random_model
 from dsv4.engine.engine import LLMEngine
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
-from dsv4.model.loader import empty_model, load_model, resolve_device, resolve_dtype
+from dsv4.model.loader import load_model, resolve_device, resolve_dtype
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,8 +51,7 @@ def parse_args() -> argparse.Namespace:
 def build_model(args: argparse.Namespace) -> DeepSeekV4ForCausalLM:
     if args.model:
         return load_model(args.model, dtype=args.dtype, device=args.device)
-    model = empty_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device))
-    return randomize_(model, args.seed).eval()
+    return random_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device), args.seed)
 
 
 def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> dict[str, float]:

@@ -17,9 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
-from dsv4.checkpoint.writer import randomize_
+from dsv4.checkpoint.writer import random_model
 from dsv4.engine.engine import LLMEngine
-from dsv4.model.loader import empty_model, resolve_device, resolve_dtype
+from dsv4.model.loader import resolve_device, resolve_dtype
 
 
 def main() -> None:
@@ -32,8 +32,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--kernel-backend", default="ref")
     args = p.parse_args()
-    model = randomize_(empty_model(get_preset(args.preset), resolve_dtype(args.dtype),
-                                   resolve_device(args.device))).eval()
+    model = random_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device))
     engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=8192, kernel_backend=args.kernel_backend,
                                            max_total_tokens=args.num_prompts * (args.prompt_len + 512) + 4096))
     g = torch.Generator().manual_seed(0)

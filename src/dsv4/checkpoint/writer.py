@@ -142,6 +142,13 @@ def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant
     return config
 
 
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> DeepSeekV4ForCausalLM:
+    """A model of `config` filled in memory by `randomize_` (eval mode): benchmark weights without a checkpoint."""
+    from dsv4.model.loader import empty_model  # local: the loader imports nothing from checkpoint/
+
+    return randomize_(empty_model(config, dtype, device), seed).eval()
+
+
 @torch.no_grad()
 def randomize_(model: DeepSeekV4ForCausalLM, seed: int = 0) -> DeepSeekV4ForCausalLM:
     """Fill a model in place with the same kind of random values `write_checkpoint` writes (unquantised),

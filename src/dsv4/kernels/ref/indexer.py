@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.ref.topk import topk_ragged
+
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """I[b,t,i] = Σ_h weights[b,t,h] * ReLU(q[b,t,h] · keys[b,i]).
@@ -44,12 +46,11 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def causal_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k over visible entries; picks that are not visible become -1.
+    """Top-k over the visible entries of every query (the serving path's `topk_ragged`, batched).
 
     scores: [B, S, E]; visible: [B, S] number of visible entries per query (entries i < visible).
-    Returns [B, S, min(k, E)] int64.
+    Returns [B, S, k] int64 entry ids, -1 = none.
     """
-    entry = torch.arange(scores.shape[-1], device=scores.device)
-    hidden = entry >= visible[..., None]
-    picks = topk_lower_index(scores.masked_fill(hidden, float("-inf")), k)
-    return torch.where(picks >= visible[..., None], torch.full_like(picks, -1), picks)
+    rows = visible.numel()
+    picks = topk_ragged(scores.reshape(rows, scores.shape[-1]), visible.reshape(rows), k)
+    return picks.view(*scores.shape[:-1], k)
