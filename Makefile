@@ -21,7 +21,7 @@ $(VPY):
 # torch first and pinned, so the local CPU wheel is used instead of a CUDA build.
 $(STAMP): pyproject.toml | $(VPY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,server]'
+	$(PIP) install -q -e '.[dev,server,train]'
 	touch $@
 
 test: $(STAMP)

@@ -23,7 +23,7 @@ from dsv4.model.loader import resolve_device, resolve_dtype
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="micro")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompt-len", type=int, default=3000)

@@ -28,7 +28,7 @@ from dsv4.checkpoint.writer import write_checkpoint
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="micro")
     p.add_argument("--model", default=None, help="checkpoint dir (default: write the preset to a temp dir)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=16)

@@ -8,7 +8,7 @@ mean and median TTFT (arrival -> first token) and the total time, cache on vs of
 line. Weights: a checkpoint directory (`--model`), or random weights generated in memory
 (`--preset`, any size; nothing written to disk).
 
-    python benchmarks/prefix_cache.py --preset tiny --device cpu
+    python benchmarks/prefix_cache.py --preset micro --device cpu
     python benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 --page-size 256
 """
 
@@ -32,7 +32,7 @@ from dsv4.model.loader import load_model, resolve_device, resolve_dtype
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="micro")
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")

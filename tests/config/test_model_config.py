@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from dsv4.checkpoint.presets import flash_4l, flash_43l_e16, tiny
+from dsv4.checkpoint.presets import flash_4l, flash_43l_e16, micro
 from dsv4.config.model import ModelConfig, YarnConfig
 
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
@@ -119,7 +119,7 @@ def test_longer_compress_ratios_only_first_layers_count() -> None:
 # transformers layout
 # ---------------------------------------------------------------------------------------------
 def test_transformers_layout_tiny() -> None:
-    cfg = tiny()
+    cfg = micro()
     d = hf_dict(cfg)
     assert "layer_types" in d and d.get("compress_ratios") is None  # really the transformers layout
     assert ModelConfig.from_hf(d) == cfg
@@ -150,7 +150,7 @@ def test_transformers_parse_of_official_flash() -> None:
 
 
 def test_transformers_config_json_directory(tmp_path: Path) -> None:
-    cfg = tiny()
+    cfg = micro()
     (tmp_path / "config.json").write_text(json.dumps(hf_dict(cfg)))
     assert ModelConfig.from_hf(tmp_path) == cfg
     assert ModelConfig.from_hf(str(tmp_path)) == cfg
@@ -166,7 +166,7 @@ def test_official_config_json_directory(tmp_path: Path) -> None:
 # round trips through the official layout
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", [
-    tiny(), tiny().replace(weight_quant="fp8"), tiny().replace(weight_quant="fp8+fp4"), flash_4l(), flash_43l_e16(),
+    micro(), micro().replace(weight_quant="fp8"), micro().replace(weight_quant="fp8+fp4"), flash_4l(), flash_43l_e16(),
 ], ids=["tiny", "tiny-fp8", "tiny-fp8+fp4", "flash-4l", "flash-43l-e16"])
 def test_official_round_trip(cfg: ModelConfig) -> None:
     official = cfg.to_official_dict()
@@ -176,24 +176,24 @@ def test_official_round_trip(cfg: ModelConfig) -> None:
 
 
 def test_official_round_trip_quant_keys() -> None:
-    assert "quantization_config" not in tiny().to_official_dict()
-    d = tiny().replace(weight_quant="fp8+fp4").to_official_dict()
+    assert "quantization_config" not in micro().to_official_dict()
+    d = micro().replace(weight_quant="fp8+fp4").to_official_dict()
     assert d["expert_dtype"] == "fp4" and d["quantization_config"]["fmt"] == "e4m3"
-    assert tiny().replace(weight_quant="fp8").to_official_dict()["expert_dtype"] == "fp8"
+    assert micro().replace(weight_quant="fp8").to_official_dict()["expert_dtype"] == "fp8"
 
 
 # ---------------------------------------------------------------------------------------------
 # errors: ValueError naming the field and the allowed values
 # ---------------------------------------------------------------------------------------------
 def test_unknown_layer_type() -> None:
-    d = hf_dict(tiny())
+    d = hf_dict(micro())
     d["layer_types"] = ["sliding_attention"] * 4 + ["linear_attention"]
     with pytest.raises(ValueError, match=r"`layer_types`.*linear_attention.*allowed.*compressed_sparse_attention"):
         ModelConfig.from_hf(d)
 
 
 def test_layer_types_too_short() -> None:
-    d = hf_dict(tiny())
+    d = hf_dict(micro())
     d["layer_types"] = d["layer_types"][:4]
     # the error names the config.json field and the required length
     with pytest.raises(ValueError, match=r"`layer_types`.*allowed: a list of num_hidden_layers=5 entries"):
@@ -201,13 +201,13 @@ def test_layer_types_too_short() -> None:
 
 
 def test_layer_types_longer_is_truncated_like_transformers() -> None:
-    d = hf_dict(tiny())
+    d = hf_dict(micro())
     d["layer_types"] = d["layer_types"] + ["sliding_attention"]
-    assert ModelConfig.from_hf(d) == tiny()
+    assert ModelConfig.from_hf(d) == micro()
 
 
 def test_unknown_mlp_layer_type() -> None:
-    d = hf_dict(tiny())
+    d = hf_dict(micro())
     d["mlp_layer_types"] = ["hash_moe", "hash_moe", "moe", "moe", "dense"]
     with pytest.raises(ValueError, match=r"`mlp_layer_types`.*dense.*allowed.*hash_moe"):
         ModelConfig.from_hf(d)
@@ -264,7 +264,7 @@ def test_missing_required_field(key: str) -> None:
 
 
 def test_missing_required_field_transformers_layout() -> None:
-    d = hf_dict(tiny())
+    d = hf_dict(micro())
     del d["hidden_size"]
     with pytest.raises(ValueError, match=r"missing required field `hidden_size`"):
         ModelConfig.from_hf(d)
@@ -283,27 +283,27 @@ def test_config_json_not_an_object(tmp_path: Path) -> None:
 
 def test_direct_construction_bogus_attn_type() -> None:
     with pytest.raises(ValueError, match=r"`attn_types` = 'bogus'; allowed: one of \('swa', 'csa', 'hca'\)"):
-        tiny().replace(attn_types=("swa",) * 4 + ("bogus",))
+        micro().replace(attn_types=("swa",) * 4 + ("bogus",))
 
 
 def test_direct_construction_bogus_moe_type() -> None:
     with pytest.raises(ValueError, match=r"`moe_types` = 'dense'; allowed: one of \('hash', 'routed'\)"):
-        tiny().replace(moe_types=("hash",) * 4 + ("dense",))
+        micro().replace(moe_types=("hash",) * 4 + ("dense",))
 
 
 @pytest.mark.parametrize("rope_head_dim", [7, 0, 34])
 def test_rope_head_dim_invalid(rope_head_dim: int) -> None:
     pattern = rf"`rope_head_dim` = {rope_head_dim}; allowed: an even integer in \(0, head_dim=32\]"
     with pytest.raises(ValueError, match=pattern):
-        tiny().replace(rope_head_dim=rope_head_dim)
+        micro().replace(rope_head_dim=rope_head_dim)
 
 
 def test_weight_quant_invalid() -> None:
     with pytest.raises(ValueError, match=r"`weight_quant` = 'int8'; allowed: one of \('none', 'fp8', 'fp8\+fp4'\)"):
-        tiny().replace(weight_quant="int8")
+        micro().replace(weight_quant="int8")
 
 
 def test_mlp_layer_types_longer_is_truncated_like_transformers() -> None:
-    d = hf_dict(tiny())
+    d = hf_dict(micro())
     d["mlp_layer_types"] = d["mlp_layer_types"] + ["moe"]
-    assert ModelConfig.from_hf(d) == tiny()
+    assert ModelConfig.from_hf(d) == micro()

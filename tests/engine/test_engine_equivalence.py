@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.config.model import ModelConfig
 from dsv4.engine.engine import LLMEngine
@@ -28,14 +28,14 @@ TOL = 1e-4
 
 def wide() -> ModelConfig:
     """The real window and C128 ratio (W = 128, m' = 128) on a tiny body."""
-    return tiny().replace(window=128, hca_ratio=128, max_position_embeddings=1024, num_mtp_layers=0)
+    return micro().replace(window=128, hca_ratio=128, max_position_embeddings=1024, num_mtp_layers=0)
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine")
     out = {}
-    for name, cfg in (("tiny", tiny()), ("wide", wide())):
+    for name, cfg in (("tiny", micro()), ("wide", wide())):
         out[name] = root / name
         write_checkpoint(cfg, out[name], seed=2, tokenizer=False)
     return out
@@ -127,7 +127,7 @@ def test_engine_equals_full_recompute(ckpts: dict[str, Path], name: str, page_si
 
 
 def test_preemption_gives_identical_outputs(ckpts: dict[str, Path]) -> None:
-    prompts = prompts_for(tiny(), seed=5)
+    prompts = prompts_for(micro(), seed=5)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     big = LLM(ckpts["tiny"], dtype="float32", device="cpu", page_size=16, max_total_tokens=4096)
     expected = [o.token_ids for o in big.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
@@ -143,7 +143,7 @@ def test_abort_frees_everything(ckpts: dict[str, Path]) -> None:
     llm = LLM(ckpts["tiny"], dtype="float32", device="cpu", page_size=16, max_total_tokens=1024,
               chunked_prefill_size=8)
     engine = llm.engine
-    prompts = prompts_for(tiny(), seed=9)
+    prompts = prompts_for(micro(), seed=9)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
     for k in range(6):

@@ -10,7 +10,7 @@ import torch
 from test_engine_equivalence import LogitRecorder, assert_pools_free, prompts_for, reference
 
 from dsv4 import LLM, SamplingParams
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def test_engine_on_gpu_equals_full_recompute(tmp_path: Path, page_size: int, chunk: int,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    write_checkpoint(tiny(), tmp_path, seed=2, tokenizer=False)
+    write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
     rec = LogitRecorder(monkeypatch)
     llm = LLM(tmp_path, dtype="float32", device="cuda", page_size=page_size, chunked_prefill_size=chunk,
               max_total_tokens=4096)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.model.indexer import Indexer
 from dsv4.model.moe import Gate
@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("inputs") / "tiny"
-    write_checkpoint(tiny(), out, seed=4)
+    write_checkpoint(micro(), out, seed=4)
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from test_engine_equivalence import LogitRecorder, assert_pools_free
 
 from dsv4 import LLM, SamplingParams
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
@@ -21,7 +21,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("prefix") / "tiny"
-    write_checkpoint(tiny(), out, seed=6, tokenizer=False)
+    write_checkpoint(micro(), out, seed=6, tokenizer=False)
     return out
 
 
@@ -139,7 +139,7 @@ def held_swa_tokens(engine: LLMEngine, req: Request) -> int:
 
 
 def test_long_request_swa_footprint_and_later_hit(tmp_path: Path) -> None:
-    cfg = tiny().replace(window=128, hca_ratio=128, max_position_embeddings=16384, num_mtp_layers=0)
+    cfg = micro().replace(window=128, hca_ratio=128, max_position_embeddings=16384, num_mtp_layers=0)
     write_checkpoint(cfg, tmp_path, seed=1, tokenizer=False)
     llm = LLM(tmp_path, dtype="float32", device="cpu", page_size=256, chunked_prefill_size=2048,
               max_running_requests=4, max_total_tokens=24576)

@@ -1,5 +1,5 @@
-"""The engine with kernel_backend='triton' (Lightning TopK + indexer-score kernels; under the Triton
-interpreter on CPU) gives the same greedy tokens and logits as the reference backend."""
+"""The engine with kernel_backend='triton' (Flash Compressor + Lightning TopK + indexer-score kernels; under the
+Triton interpreter on CPU) gives the same greedy tokens and logits as the reference backend."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a CUDA GPU or the Triton interpreter")
 def test_triton_backend_matches_ref(tmp_path: Path) -> None:
-    write_checkpoint(tiny(), tmp_path, seed=9, tokenizer=False)
+    write_checkpoint(micro(), tmp_path, seed=9, tokenizer=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 23, 41)]
@@ -27,6 +27,9 @@ def test_triton_backend_matches_ref(tmp_path: Path) -> None:
         llm = LLM(tmp_path, dtype="float32", device=device, page_size=16, max_total_tokens=1024,
                   chunked_prefill_size=16, kernel_backend=backend)
         assert llm.engine.runner.ops.name == backend
+        if backend == "triton":
+            from dsv4.kernels.triton.compressor import triton_compress_cached
+            assert llm.engine.runner.ops.compress is triton_compress_cached
         outs[backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for a, b in zip(outs["ref"], outs["triton"], strict=True):
         assert a.token_ids == b.token_ids

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from dsv4 import ModelConfig, load_model
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.indexer import Indexer
@@ -33,7 +33,7 @@ INDEX = "model.safetensors.index.json"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    write_checkpoint(tiny(), out, seed=0, tokenizer=False)
+    write_checkpoint(micro(), out, seed=0, tokenizer=False)
     return out
 
 
@@ -170,7 +170,7 @@ def test_index_names_missing_shard(ckpt: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def ckpt_fp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "tiny-fp8"
-    write_checkpoint(tiny(), out, seed=0, weight_quant="fp8", tokenizer=False)
+    write_checkpoint(micro(), out, seed=0, weight_quant="fp8", tokenizer=False)
     return out
 
 
@@ -222,7 +222,7 @@ def test_bad_device_unknown_to_torch(ckpt: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 def test_sharded_checkpoint_equals_single_shard(ckpt: Path, model32: DeepSeekV4ForCausalLM, tmp_path: Path) -> None:
     out = tmp_path / "sharded"
-    write_checkpoint(tiny(), out, seed=0, shard_bytes=200_000, tokenizer=False)
+    write_checkpoint(micro(), out, seed=0, shard_bytes=200_000, tokenizer=False)
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 2
     weight_map = json.loads((out / INDEX).read_text())["weight_map"]

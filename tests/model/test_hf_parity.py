@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dsv4 import load_model
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.cli.main import main as cli_main
 from dsv4.config.model import ModelConfig, YarnConfig
@@ -38,7 +38,7 @@ TOL = 1e-4
 
 def config_b() -> ModelConfig:
     """V4-Pro-like: HCA first, wider heads, 3 hc streams, short Sinkhorn, odd top-k."""
-    return tiny().replace(
+    return micro().replace(
         num_layers=4, attn_types=("hca", "hca", "csa", "hca"), moe_types=("hash", "hash", "hash", "routed"),
         hidden_size=48, num_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=24, o_groups=4, o_lora_rank=8,
         window=16, hca_ratio=8, index_n_heads=12, index_head_dim=32, index_topk=3, hc_mult=3,
@@ -49,7 +49,7 @@ def config_b() -> ModelConfig:
 
 def config_c() -> ModelConfig:
     """V4-Flash-like: two SWA layers, odd window, large HCA ratio, no YaRN, no MTP."""
-    return tiny().replace(
+    return micro().replace(
         num_layers=5, attn_types=("swa", "swa", "csa", "hca", "csa"),
         moe_types=("hash", "hash", "hash", "routed", "routed"), window=5, hca_ratio=32, index_topk=6,
         hc_mult=2, n_routed_experts=5, num_experts_per_tok=2, yarn=None,
@@ -58,7 +58,7 @@ def config_c() -> ModelConfig:
 
 CASES = {
     # name: (config factory, weight quantisation, sequence lengths)
-    "tiny-fp8fp4": (tiny, "fp8+fp4", (37, 61)),
+    "tiny-fp8fp4": (micro, "fp8+fp4", (37, 61)),
     "pro-like-fp8": (config_b, "fp8", (45, 70)),
     "flash-like-bf16": (config_c, "none", (75, 99)),
 }
@@ -113,8 +113,8 @@ def assert_parity(ours: torch.Tensor, theirs: torch.Tensor, first_tie: torch.Ten
 def write_official(name: str, tmp: Path) -> Path:
     factory, quant, _ = CASES[name]
     out = tmp / f"{name}-official"
-    if factory is tiny:  # exercise the real command line for the preset
-        assert cli_main(["init", "--preset", "tiny", "--out", str(out), "--seed", "7", "--quant", quant]) == 0
+    if factory is micro:  # exercise the real command line for the preset
+        assert cli_main(["init", "--preset", "micro", "--out", str(out), "--seed", "7", "--quant", quant]) == 0
     else:
         write_checkpoint(factory(), out, seed=11, weight_quant=quant, tokenizer=False)
     return out
@@ -159,7 +159,7 @@ def test_topk_is_smaller_than_entry_count() -> None:
 
 def test_parity_short_sequences(tmp_path: Path) -> None:
     """Sequences shorter than the window and the compress ratios (no compressed entry yet)."""
-    write_checkpoint(tiny(), tmp_path, seed=3, tokenizer=False)
+    write_checkpoint(micro(), tmp_path, seed=3, tokenizer=False)
     ours = load_model(tmp_path, dtype="float32", progress=False)
     hf = hf_model_from(ours)
     for seq in (1, 2, 3, 4, 5, 15, 16, 17):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from dsv4 import load_model
-from dsv4.checkpoint.presets import tiny
+from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
@@ -26,7 +26,7 @@ from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mtp") / "tiny"
-    write_checkpoint(tiny(), out, seed=5, tokenizer=False)
+    write_checkpoint(micro(), out, seed=5, tokenizer=False)
     return out
 
 

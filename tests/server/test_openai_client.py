@@ -18,7 +18,7 @@ from dsv4.server.tokenizer import ServerTokenizer
 
 from .conftest import ServerProcess, assert_pools_free
 
-MODEL = "dsv4-tiny-random"
+MODEL = "dsv4-tiny"
 PROMPT = "def fibonacci(n):\n    "
 NO_EOS = {"ignore_eos": True}
 
@@ -31,14 +31,14 @@ def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture(scope="module")
 def llm(model_path: Path) -> LLM:
-    return LLM(model_path, dtype="float32", device="cpu", page_size=16, max_total_tokens=4096)
+    return LLM(model_path, dtype="float32", device="cpu", page_size=128, max_total_tokens=4096)
 
 
-def test_models_lists_the_default_model_as_random_weights(client: openai.OpenAI, server: ServerProcess) -> None:
+def test_models_lists_the_embedded_trained_model(client: openai.OpenAI, server: ServerProcess) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
-    assert card["random_weights"] is True and card["max_model_len"] == 4096
+    assert card["random_weights"] is False and card["max_model_len"] == 2048
 
 
 def test_completion_shape_and_usage(client: openai.OpenAI, server: ServerProcess) -> None:

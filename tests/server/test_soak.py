@@ -16,7 +16,7 @@ NUM_REQUESTS = 500
 CONCURRENCY = 64
 MAX_TOKENS = 8
 TIMEOUT_S = 240.0
-MODEL = "dsv4-tiny-random"
+MODEL = "dsv4-tiny"
 
 
 async def _one(client: openai.AsyncOpenAI, i: int, sem: asyncio.Semaphore) -> int:

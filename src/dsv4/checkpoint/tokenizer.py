@@ -11,7 +11,11 @@ the same files as with a released model:
 * byte-level pre-tokenizer and decoder without a prefix space, so any text,
   including arbitrary unicode, round-trips exactly;
 * a post-processor that puts bos in front of every encoded sequence;
-* a DeepSeek-style chat template in ``tokenizer_config.json``.
+* a DeepSeek-style chat template in ``tokenizer_config.json`` (and :func:`render_chat`, the
+  same template in Python, for code that must not depend on jinja2).
+
+The pieces (:func:`train_bpe`, :func:`save_tokenizer`) are shared with the training-data recipe
+(:mod:`dsv4.train.data`), which trains on its own corpus and splits digits individually.
 
 The training text must exist offline on every machine, so it is a fixed list of
 the Python standard library's own source files (about 1.8 MB, capped at 2 MB),
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -152,10 +156,30 @@ def _stdlib_corpus(files: Sequence[str] = CORPUS_FILES, max_bytes: int = CORPUS_
     return texts
 
 
-def _new_tokenizer() -> Tokenizer:
-    """An untrained byte-level BPE pipeline with DeepSeek-style bos handling."""
+def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
+    """``CHAT_TEMPLATE`` rendered in plain Python (identical output; tested against jinja2)."""
+    parts = [BOS_TOKEN]
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role == "system":
+            parts.append(content)
+        elif role == "user":
+            parts.append(USER_TOKEN + content)
+        elif role == "assistant":
+            parts.append(ASSISTANT_TOKEN + content + EOS_TOKEN)
+    if add_generation_prompt:
+        parts.append(ASSISTANT_TOKEN)
+    return "".join(parts)
+
+
+def _new_tokenizer(split_digits: bool = False) -> Tokenizer:
+    """An untrained byte-level BPE pipeline; ``split_digits`` makes every digit its own token."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -233,9 +257,21 @@ def build_tokenizer(
     n_chars = sum(len(t) for t in texts)
     logger.info("training byte-level BPE tokenizer: target vocab %d, %d chars of text", target, n_chars)
 
-    tokenizer = _new_tokenizer()
+    tokenizer = train_bpe(texts, target)
+    actual = tokenizer.get_vocab_size(with_added_tokens=True)
+    save_tokenizer(tokenizer, out_dir, model_max_length)
+    logger.info("wrote tokenizer (%d tokens) to %s", actual, out_dir)
+    return actual
+
+
+def train_bpe(texts: Sequence[str], vocab_size: int, *, split_digits: bool = False) -> Tokenizer:
+    """Train the byte-level BPE (specials first, bos post-processor) on ``texts``; deterministic.
+
+    The result has at most ``vocab_size`` tokens, special tokens included.
+    """
+    tokenizer = _new_tokenizer(split_digits)
     trainer = trainers.BpeTrainer(
-        vocab_size=target,
+        vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
@@ -247,15 +283,16 @@ def build_tokenizer(
 
     tokenizer.train_from_iterator(_iter_texts(), trainer=trainer, length=len(texts))
     _add_bos_post_processor(tokenizer)
-
     actual = tokenizer.get_vocab_size(with_added_tokens=True)
     if actual > vocab_size:  # the trainer counts specials and bytes in its budget; guard anyway
         raise RuntimeError(f"trained tokenizer has {actual} tokens, more than vocab_size={vocab_size}")
+    return tokenizer
 
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
     config_text = json.dumps(_tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n"
     (out_dir / "tokenizer_config.json").write_text(config_text, encoding="utf-8")
-    logger.info("wrote tokenizer (%d tokens) to %s", actual, out_dir)
-    return actual

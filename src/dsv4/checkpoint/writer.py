@@ -15,13 +15,14 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from dsv4.assets import GENERATED_MARKER
 from dsv4.checkpoint.tokenizer import build_tokenizer
 from dsv4.config.model import WEIGHT_QUANTS, ModelConfig
 from dsv4.model import quant
@@ -116,16 +117,31 @@ def _finish_shards(out: Path, weight_map: dict[str, str], num_shards: int, total
 def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant: str = "none",
                      shard_bytes: int = 4 << 30, tokenizer: bool = True) -> ModelConfig:
     """Write config.json, safetensors shards + index and a tokenizer to `out`; returns the written config."""
+    specs = list(official_specs(config))
+    tensors = ((name, init_tensor(name, shape, config, seed)) for name, shape in
+               tqdm(specs, desc=f"init {out.name}", unit="tensor", disable=len(specs) < 2000))
+    config = write_official(config, tensors, out, weight_quant, shard_bytes)
+    marker = {"seed": seed, "random_weights": True}
+    (out / GENERATED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    if tokenizer:
+        build_tokenizer(out, config.vocab_size)
+    return config
+
+
+def write_official(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], out: Path,
+                   weight_quant: str = "none", shard_bytes: int = 4 << 30) -> ModelConfig:
+    """Write (official name, unquantised value) pairs as a checkpoint in the official layout (config.json,
+    shards, index), quantising per `weight_quant`; returns the written config. Shards never exceed
+    `shard_bytes` unless one tensor alone does."""
     if weight_quant not in WEIGHT_QUANTS:
         raise ValueError(f"quant={weight_quant!r} is not supported; allowed: {list(WEIGHT_QUANTS)}")
     config = config.replace(weight_quant=weight_quant)
     out.mkdir(parents=True, exist_ok=True)
-    specs = list(official_specs(config))
     shard: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
     size = total = num_shards = 0
-    for name, shape in tqdm(specs, desc=f"init {out.name}", unit="tensor", disable=len(specs) < 2000):
-        for key, t in encode_tensor(name, init_tensor(name, shape, config, seed), weight_quant).items():
+    for name, value in tensors:
+        for key, t in encode_tensor(name, value, weight_quant).items():
             nbytes = t.numel() * t.element_size()
             if shard and size + nbytes > shard_bytes:
                 num_shards += 1
@@ -136,8 +152,6 @@ def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant
     weight_map.update(dict.fromkeys(shard, _flush(out, shard, num_shards)))
     _finish_shards(out, weight_map, num_shards, total)
     (out / "config.json").write_text(json.dumps(config.to_official_dict(), indent=2))
-    if tokenizer:
-        build_tokenizer(out, config.vocab_size)
     logger.info("wrote %s: %d tensors, %.1f MB in %d shard(s)", out, len(weight_map), total / 1e6, num_shards)
     return config
 

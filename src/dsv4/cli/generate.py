@@ -1,4 +1,4 @@
-"""`dsv4 generate --model PATH "prompt" ...`: offline completion of one or more prompts, printed to stdout."""
+"""`dsv4 generate [--model PATH] "prompt" ...`: offline completion of one or more prompts, printed to stdout."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from dsv4.engine.sampling_params import SamplingParams
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts with a checkpoint (offline engine)")
     p.add_argument("prompts", nargs="+", help="prompt text(s)")
-    p.add_argument("--model", required=True, help="checkpoint directory (official or transformers layout)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (official or transformers layout); default: the embedded dsv4-tiny")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -29,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cpu" or args.device is None and not _has_cuda():
         engine_args.setdefault("page_size", 128)
         engine_args["kv_cache_memory_gb"] = 0.5
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, **engine_args)
+    from dsv4.assets import default_model_path
+
+    llm = LLM(args.model or default_model_path(), dtype=args.dtype, device=args.device, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dsv4.cli import generate, init, serve
+from dsv4.cli import generate, init, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,9 +14,14 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_parser(sub)
     generate.add_parser(sub)
     serve.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

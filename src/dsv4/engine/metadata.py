@@ -59,7 +59,7 @@ class _Coords:
 
 
 def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ratio: int, overlap: bool,
-          ring: int, ring_trash: int, entry_trash: int, num_visible: int) -> CompressPlan:
+          ring: int, ring_trash: int, entry_trash: int, num_visible: int, max_len: int) -> CompressPlan:
     T, device = pos.shape[0], pos.device
     S = 2 * ratio if overlap else ratio
     src = pos[:, None] - S + 1 + torch.arange(S, device=device)                # [T, S]
@@ -76,9 +76,14 @@ def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
     ids = torch.arange(num_visible, device=device)                            # [V] entry ids
     visible = ids[None, :] < ((pos + 1) // ratio)[:, None]                      # [T, V]
     candidates = torch.where(visible, c.full_slot(ids[None, :] * ratio + 0 * pos[:, None]) // ratio, -1)
+    # NOTE: a ring row written in this step (new position p) and one read from the ring (old p' >= start - S + 1)
+    # coincide only if p - p' is a positive multiple of `ring`, which needs some request with n >= ring - S + 2
+    # new tokens; below that (decode), a kernel may read and write the ring in one pass.
+    disjoint = max_len <= ring - S + 1
     return CompressPlan(ratio=ratio, overlap=overlap, src_new=src_new, src_ring=src_ring, from_new=from_new,
                         src_valid=valid, write_slot=write_slot, entry_pos=(pos - ratio + 1).clamp(min=0),
-                        ring_write=ring_write, candidates=candidates, visible=(pos + 1) // ratio)
+                        ring_write=ring_write, candidates=candidates, visible=(pos + 1) // ratio,
+                        ring_reads_disjoint=disjoint)
 
 
 def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: ModelConfig,
@@ -106,7 +111,7 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
         if ratio not in plans:
             ring = layout.ring_c4 if overlap else layout.ring_c128
             plans[ratio] = _plan(coords, pos, start, end, ratio, overlap, ring, cache.state.trash,
-                                 cache.entry_trash, max_end // ratio)
+                                 cache.entry_trash, max_end // ratio, max(shape.lens))
     last, total = [], 0
     for n, wants in zip(shape.lens, shape.sample, strict=True):
         total += n

@@ -44,6 +44,32 @@ def dense_entry_indices(batch: int, seq_len: int, num_entries: int, ratio: int,
     return ids.expand(batch, -1, -1)
 
 
+def dense_masked_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
+                           picks: torch.Tensor | None, window: int, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sparse softmax of `sparse_attention` as dense attention over [raw keys | entries] with a mask.
+
+    q: [B, S, H, D]; kv: [B, S, D]; entries: [B, E, D] or None; picks: [B, S, k] entry ids (-1 = none).
+    Query t sees raw keys t-W+1..t and its picked entries; the sink joins the softmax denominator.
+    Returns [B, S, H, D] in q's dtype. Memory O(B*H*S*(S+E)): for training-length sequences.
+    """
+    B, S, H, _ = q.shape
+    t = torch.arange(S, device=q.device)
+    mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)         # [S, S]
+    mask = mask.expand(B, S, S)
+    keys = kv
+    if entries is not None and picks is not None:
+        E = entries.shape[1]
+        chosen = torch.zeros(B, S, E + 1, dtype=torch.bool, device=q.device)     # column E absorbs the -1s
+        chosen.scatter_(-1, torch.where(picks >= 0, picks, E), True)
+        mask = torch.cat((mask, chosen[..., :E]), dim=-1)                          # [B, S, S+E]
+        keys = torch.cat((kv, entries.to(kv.dtype)), dim=1)                        # [B, S+E, D]
+    logits = torch.einsum("bshd,bkd->bhsk", q, keys).float() * scale
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    sinks = sink.float()[None, :, None, None].expand(B, H, S, 1)
+    probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhsk,bkd->bshd", probs.to(keys.dtype), keys).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, attn_type: str) -> None:
         super().__init__()
@@ -93,17 +119,26 @@ class Attention(nn.Module):
         return self.forward_full(x, cos, sin)
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] of this layer's RoPE table -> [B, S, d]."""
+        """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] of this layer's RoPE table -> [B, S, d].
+
+        With autograd on (training) the same softmax runs as dense masked attention (`dense_masked_attention`):
+        the gathered form's backward scatters every key into hundreds of query rows, which on a GPU costs
+        ~90% of a training step; the dense form is two matmuls. Both are tested equal."""
         B, S, _ = x.shape
         q, kv, q_lat = self.qkv(x, cos, sin)
-        keys, idx = kv.reshape(B * S, -1), window_indices(B, S, self.window, x.device)
+        entries, picks = None, None
         if self.compressor is not None:
             entries = self.compressor(x, cos, sin)                             # [B, E, D]
-            E = entries.shape[1]
             if self.indexer is not None:
                 picks = self.indexer(x, q_lat, cos, sin)                       # [B, S, k]
             else:
-                picks = dense_entry_indices(B, S, E, self.compressor.ratio, x.device)
+                picks = dense_entry_indices(B, S, entries.shape[1], self.compressor.ratio, x.device)
+        if torch.is_grad_enabled():
+            o = dense_masked_attention(q, kv, entries, picks, self.window, self.attn_sink, self.scale)
+            return self.output(o, cos, sin)
+        keys, idx = kv.reshape(B * S, -1), window_indices(B, S, self.window, x.device)
+        if entries is not None and picks is not None:
+            E = entries.shape[1]
             offset = B * S + torch.arange(B, device=x.device)[:, None, None] * E
             picks = torch.where(picks >= 0, picks + offset, picks)
             keys = torch.cat((keys, entries.reshape(B * E, self.head_dim)))

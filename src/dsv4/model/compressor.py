@@ -50,13 +50,10 @@ class Compressor(nn.Module):
                        out: torch.Tensor) -> None:
         """Serving path: pool every window completed by the new tokens into `out` and keep the ring current.
 
-        x: [T, d] new tokens; reads older sources from the ring BEFORE overwriting any ring row.
+        x: [T, d] new tokens. The `compress` op (kernels/ref/compressor.py::compress_cached) pools, norms,
+        ropes and writes the entries, reading older sources from the ring BEFORE overwriting any ring row.
         """
-        kv, score = self.project(x, ctx.positions)                              # [T, c*Dc]
-        src_kv = torch.where(plan.from_new[..., None], kv[plan.src_new], state.kv[plan.src_ring])
-        src_score = torch.where(plan.from_new[..., None], score[plan.src_new], state.score[plan.src_ring])
-        pooled = ctx.ops.pool_sources(src_kv, src_score, plan.src_valid, self.ratio, self.overlap)   # [T, Dc]
+        kv, score = self.project(x, ctx.positions)                              # [T, c*Dc] fp32
         assert plan.entry_cos is not None and plan.entry_sin is not None
-        out[plan.write_slot] = self.finish(pooled, plan.entry_cos, plan.entry_sin, out.dtype)
-        state.kv[plan.ring_write] = kv
-        state.score[plan.ring_write] = score
+        ctx.ops.compress(kv, score, state.kv, state.score, plan.index, self.norm.weight, self.norm.eps,
+                         plan.entry_cos, plan.entry_sin, out)

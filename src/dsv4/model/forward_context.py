@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.cache.pools import LayerCache
+from dsv4.kernels.ref.compressor import CompressIndex
 from dsv4.kernels.registry import REF, KernelOps
 
 
@@ -36,6 +37,13 @@ class CompressPlan:
     visible: torch.Tensor      # [T] number of visible entries, (p+1) // m (the valid prefix of `candidates`)
     entry_cos: torch.Tensor | None = None   # [T, rd/2] RoPE of entry_pos (filled by the model)
     entry_sin: torch.Tensor | None = None
+    ring_reads_disjoint: bool = False       # no ring row read in this step is written in it (see `CompressIndex`)
+
+    @property
+    def index(self) -> CompressIndex:
+        """The gather / scatter rows the `compress` kernel op takes."""
+        return CompressIndex(self.src_new, self.src_ring, self.from_new, self.src_valid, self.write_slot,
+                             self.ring_write, self.ring_reads_disjoint)
 
 
 @dataclass

@@ -1,13 +1,42 @@
-"""Reference gated pooling of the token compressor (spec §6.5), before norm and RoPE.
+"""Reference token compressor ops (spec §6.5): gated pooling, and the whole serving-path step after `project`.
 
 Entry i of a non-overlap compressor pools the window [m*i, m*i + m) with a per-channel softmax
 over positions. The overlap (C4) compressor pools 8 slots: the Ca half of window i-1 (slots 0..m-1)
 and the Cb half of window i (slots m..2m-1); window 0's Ca slots have weight 0.
+
+`compress_cached` is the serving step (the `compress` op of `kernels/registry.py`; its fast form is
+`kernels/triton/compressor.py::triton_compress_cached`): gather each token's S source rows from this
+step's projections or the ring state, pool, weighted RMSNorm, RoPE at the entry position, cast, write
+the entry, then write this step's ring rows. All ring reads precede all ring writes.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from dsv4.model.layers.norm import rms_normalize
+from dsv4.model.layers.rope import apply_rope
+
+
+class CompressIndex(NamedTuple):
+    """Gather / scatter rows of one compressor step for T new tokens, S = 2m (overlap) or m source slots.
+
+    Built by `engine/metadata.py` (`CompressPlan.index`). Slot s of token t (position p) is source position
+    p - S + 1 + s. A `write_slot` equal to the last row of `out`, or a `ring_write` equal to the last ring row,
+    is the trash row: the token completes no window / keeps no ring row (nobody reads a trash row).
+    """
+
+    src_new: torch.Tensor       # [T, S] int64 row of this step's kv/score holding the source (if from_new)
+    src_ring: torch.Tensor      # [T, S] int64 ring row holding the source (if valid and not from_new)
+    from_new: torch.Tensor      # [T, S] bool: the source was projected in this step
+    src_valid: torch.Tensor     # [T, S] bool: source position >= 0
+    write_slot: torch.Tensor    # [T] int64 entry row of `out` written by the token (trash: none)
+    ring_write: torch.Tensor    # [T] int64 ring row keeping the token's kv/score (trash: none)
+    # Promise that no ring row read by this step is also written by it (true for decode: engine/metadata.py);
+    # lets a fused kernel write the ring in the same launch. The reference does not need it.
+    ring_reads_disjoint: bool = False
 
 
 def compress_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
@@ -46,3 +75,31 @@ def pool_sources(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor, rat
     score = score.masked_fill(~valid[..., None], float("-inf"))
     kv = kv.masked_fill(~valid[..., None], 0.0)
     return (kv * torch.softmax(score, dim=1)).sum(dim=1)
+
+
+def compress_geometry(kv: torch.Tensor, index: CompressIndex, out: torch.Tensor) -> tuple[int, bool]:
+    """(ratio, overlap) implied by the shapes: overlap iff kv's width is 2 * Dc; S = 2 * ratio then, else ratio."""
+    overlap = kv.shape[1] == 2 * out.shape[1]
+    S = index.src_new.shape[1]
+    return (S // 2 if overlap else S), overlap
+
+
+def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                    index: CompressIndex, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, out: torch.Tensor) -> None:
+    """One serving step of a compressor, in place (the steps of spec §6.5 after the projections).
+
+    kv, score: [T, c*Dc] fp32 projections of this step's tokens (score includes `ape`); c = 2 with overlap.
+    ring_kv, ring_score: [N_ring, c*Dc] fp32 ring state (RingState), read for older sources, then updated.
+    norm_weight: [Dc] (compressor.norm); cos, sin: [T, rd/2] fp32 RoPE of each token's entry position.
+    out: [N_out, Dc] entry pool (bf16 / fp32), row `write_slot[t]` receives token t's entry.
+    """
+    ratio, overlap = compress_geometry(kv, index, out)
+    new, ring = index.from_new[..., None], index.src_ring
+    src_kv = torch.where(new, kv[index.src_new], ring_kv[ring])                         # [T, S, c*Dc]
+    src_score = torch.where(new, score[index.src_new], ring_score[ring])
+    pooled = pool_sources(src_kv, src_score, index.src_valid, ratio, overlap)             # [T, Dc] fp32
+    normed = norm_weight * rms_normalize(pooled, eps)
+    out[index.write_slot] = apply_rope(normed, cos, sin).to(out.dtype)
+    ring_kv[index.ring_write] = kv
+    ring_score[index.ring_write] = score

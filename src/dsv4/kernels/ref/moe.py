@@ -35,9 +35,9 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
         slots = order[start:start + count]
         start += count
         tokens = slots // k
-        xe = x[tokens]
+        xe = x.index_select(0, tokens)         # (index_select: its backward is index_add, not a sorted scatter)
         h = swiglu(F.linear(xe, w1[e]), F.linear(xe, w3[e]), limit)
-        h = (h.float() * weights.reshape(-1)[slots, None]).to(x.dtype)
+        h = (h.float() * weights.reshape(-1).index_select(0, slots)[:, None]).to(x.dtype)
         out.index_add_(0, tokens, F.linear(h, w2[e]).float())
     return out
 

@@ -1,0 +1,106 @@
+"""TrainConfig: the frozen knobs of one training run (`dsv4 train run`).
+
+Built once at the edge (CLI flags or a run directory's `train_config.json`) and passed down. A run
+directory stores the config it was started with; resuming reads it back, so a resumed run cannot
+silently change its schedule. Only `time_limit_s` and `device` may differ on resume: they say where
+and how long this invocation runs, not what is trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsv4.checkpoint.presets import PRESETS
+
+# Fields that describe the invocation, not the run: free to change between resumed invocations.
+INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """preset: model architecture (checkpoint/presets.py). steps: optimizer steps of the whole run (the cosine
+    schedule spans them). batch_size x seq_len tokens per step. mtp_weight: weight of the MTP loss (spec §9).
+    indexer_weight: weight of the indexer distillation KL (train/indexer_loss.py; trains only the indexer).
+    bias_update_rate: aux-loss-free balancing step for routed gates (DeepSeek-V3: bias += rate * sign(mean - load)).
+    qat_start: fraction of `steps` after which linears/experts run through FP8/FP4 fake quantisation
+    (straight-through) so the shipped quantised checkpoint matches the trained weights; 1.0 disables.
+    init_from: a checkpoint directory (e.g. an earlier stage's export) whose weights replace the initial ones.
+    time_limit_s: stop this invocation (after saving) once its wall time exceeds it; resume continues."""
+
+    data_dir: str
+    out_dir: str
+    preset: str = "tiny"
+    init_from: str | None = None
+    seed: int = 0
+    steps: int = 2000
+    batch_size: int = 16
+    seq_len: int = 2048
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.3
+    indexer_weight: float = 1.0
+    bias_update_rate: float = 1e-3
+    qat_start: float = 0.8
+    log_every: int = 10
+    eval_every: int = 500
+    eval_tokens: int = 65536
+    ckpt_every: int = 500
+    device: str = "cpu"
+    time_limit_s: float | None = None
+    max_steps_this_call: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset={self.preset!r} is invalid; allowed: {sorted(PRESETS)}")
+        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_tokens", "ckpt_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} is invalid; allowed: 0 <= warmup_steps < steps")
+        for name in ("lr", "grad_clip"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: > 0")
+        for name in ("min_lr_ratio", "qat_start", "beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: a value in [0, 1]")
+        for name in ("weight_decay", "mtp_weight", "indexer_weight", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 0")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} is invalid; allowed: 'cpu', 'cuda', 'cuda:N'")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    def same_run_as(self, other: TrainConfig) -> list[str]:
+        """The fields (other than the invocation ones) in which `other` differs from this run's config."""
+        a, b = self.to_dict(), other.to_dict()
+        return sorted(k for k in a if k not in INVOCATION_FIELDS and a[k] != b[k])

@@ -1,0 +1,332 @@
+"""Parity of the Flash Compressor `triton_compress_cached` with the reference `compress_cached` (spec §6.5).
+
+Plans are the engine's own: a harness drives `engine/metadata.py::build_context` over a real request table
+step by step (prefill, decode, chunked extend, several requests per step) and keeps two copies of one
+compressor's state, the reference's and the kernel's. After every step the entry pools agree to 1e-5 (fp32)
+or 1e-2 (bf16) relative to max |ref| and the ring pools are bit-equal (trash rows excluded: neither is read).
+Geometries: micro (ratio 4 overlap Dc 32 / 16, ratio 16 Dc 32, rope 8) and V4-Flash (C4 Dc 512 and indexer
+Dc 128 with overlap, C128 Dc 512; rope 64). Also: the engine's own compress calls (prefix-cache hits, chunked
+prefill) checked call by call. The engine's greedy tokens with kernel_backend='triton' (this kernel active)
+are tested in tests/kernels/test_engine_triton_backend.py.
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_triton.py          # interpreter on CPU
+    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_triton.py   # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dsv4 import LLM, SamplingParams  # noqa: E402
+from dsv4.cache.layout import plan_cache  # noqa: E402
+from dsv4.cache.pools import KVPools  # noqa: E402
+from dsv4.cache.req_table import RequestTable  # noqa: E402
+from dsv4.checkpoint.presets import micro  # noqa: E402
+from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
+from dsv4.config.engine import EngineConfig  # noqa: E402
+from dsv4.engine.metadata import StepShape, build_context  # noqa: E402
+from dsv4.kernels.ref.compressor import CompressIndex, compress_cached  # noqa: E402
+from dsv4.kernels.triton.compressor import triton_compress_cached  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_REL = 1e-5     # max |diff| / max |ref| over the entry pool
+BF16_REL = 1e-2
+
+
+@dataclass(frozen=True)
+class Geometry:
+    ratio: int
+    overlap: bool
+    Dc: int
+    rd: int
+
+
+MICRO_C4, MICRO_IDX, MICRO_C16 = Geometry(4, True, 32, 8), Geometry(4, True, 16, 8), Geometry(16, False, 32, 8)
+FLASH_C4, FLASH_IDX, FLASH_C128 = Geometry(4, True, 512, 64), Geometry(4, True, 128, 64), Geometry(128, False, 512, 64)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+class Harness:
+    """One compressor's state under the engine's metadata: a reference copy and a kernel copy."""
+
+    def __init__(self, geo: Geometry, page_size: int, out_dtype: torch.dtype, *, ring_multiplier: int = 1,
+                 block_s: int | None = None, seed: int = 0, device: str = DEVICE) -> None:
+        self.geo, self.device, self.block_s = geo, torch.device(device), block_s
+        self.model = micro().replace(hca_ratio=128) if geo.ratio == 128 else micro()
+        engine = EngineConfig(page_size=page_size, max_running_requests=64, max_total_tokens=1 << 17,
+                              ring_multiplier=ring_multiplier)
+        layout = plan_cache(self.model, engine, torch.float32)
+        self.pools = KVPools(self.model, layout, torch.float32, torch.device("meta"))
+        self.table = RequestTable(layout, 64, 1 << 16, self.device)
+        cache = next(c for c in self.pools.layers if c.attn_type == ("csa" if geo.overlap else "hca"))
+        assert cache.state is not None and cache.entries is not None
+        width = (2 if geo.overlap else 1) * geo.Dc
+        rows, n_out = cache.state.kv.shape[0], cache.entries.shape[0]
+        ring = (torch.zeros(rows, width, device=device), torch.full((rows, width), float("-inf"), device=device))
+        self.ref = [ring[0], ring[1], torch.zeros(n_out, geo.Dc, dtype=out_dtype, device=device)]
+        self.tri = [x.clone() for x in self.ref]
+        self.gen = torch.Generator(device).manual_seed(seed)
+        self.norm_weight = torch.rand(geo.Dc, generator=self.gen, device=device) + 0.5
+        self.inv_freq = 1.0 / 10000 ** (torch.arange(0, geo.rd, 2, device=device) / geo.rd)
+        self.slots: dict[int, int] = {}
+        self.lens: dict[int, int] = {}
+        self.emitted = 0
+
+    def step(self, work: list[tuple[int, int]]) -> CompressIndex:
+        """Run one engine step: request id -> number of new tokens; returns the step's CompressIndex."""
+        slots, starts = [], []
+        for rid, n in work:
+            if rid not in self.slots:
+                self.slots[rid], self.lens[rid] = self.table.open(), 0
+            start = self.lens[rid]
+            assert self.table.reserve(self.slots[rid], start, start + n), "test cache too small"
+            slots.append(self.slots[rid])
+            starts.append(start)
+            self.lens[rid] = start + n
+        lens = [n for _, n in work]
+        shape = StepShape(slots, starts, lens, [True] * len(work))
+        plan = build_context(shape, self.table, self.pools, self.model, self.device).plans[self.geo.ratio]
+        freqs = plan.entry_pos[:, None].float() * self.inv_freq
+        T, width = sum(lens), self.ref[0].shape[1]
+        kv = torch.randn(T, width, generator=self.gen, device=self.device)
+        score = 2 * torch.randn(T, width, generator=self.gen, device=self.device)
+        args = (plan.index, self.norm_weight, 1e-6, freqs.cos(), freqs.sin())
+        compress_cached(kv, score, self.ref[0], self.ref[1], *args, self.ref[2])
+        triton_compress_cached(kv, score, self.tri[0], self.tri[1], *args, self.tri[2], block_s=self.block_s)
+        self.check(plan.index)
+        for rid, _ in work:  # as the scheduler does after a step: SWA pages (and their ring rows) behind the horizon
+            self.table.release_swa(self.slots[rid], self.lens[rid])
+        return plan.index
+
+    def finish(self, rid: int) -> None:
+        self.table.free(self.slots.pop(rid))
+
+    def check(self, index: CompressIndex) -> None:
+        out_trash, ring_trash = self.ref[2].shape[0] - 1, self.ref[0].shape[0] - 1
+        self.emitted += int((index.write_slot != out_trash).sum())
+        assert torch.equal(self.tri[0][:-1], self.ref[0][:-1]), "ring kv differs"
+        assert torch.equal(self.tri[1][:-1], self.ref[1][:-1]), "ring score differs"
+        limit = FP32_REL if self.ref[2].dtype == torch.float32 else BF16_REL
+        err = rel_error(self.tri[2][:-1], self.ref[2][:-1])
+        assert err <= limit, f"entries: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
+        if index.ring_reads_disjoint:  # the promise the fused single launch relies on (engine/metadata.py)
+            read = set(index.src_ring[index.src_valid & ~index.from_new].tolist())
+            written = set(index.ring_write[index.ring_write != ring_trash].tolist())
+            assert not read & written, "ring_reads_disjoint set but a ring row is both read and written"
+
+
+def page_for(geo: Geometry) -> int:
+    return 128 if geo.ratio == 128 else 16
+
+
+def boundary_lengths(r: int) -> list[int]:
+    """1, ratio - 1, ratio, ratio + 1, 2 ratio + 1 and odd lengths (fewer for ratio 128: interpreter time)."""
+    odd = [3 * r - 1, 2 * r + 7 | 1] if r < 128 else []
+    return sorted({1, r - 1, r, r + 1, 2 * r + 1, *odd})
+
+
+CPU_GEOMETRIES = [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_IDX, id="micro-indexer"),
+                  pytest.param(MICRO_C16, id="micro-c16"), pytest.param(FLASH_C4, id="flash-c4-512"),
+                  pytest.param(FLASH_IDX, id="flash-indexer-128"), pytest.param(FLASH_C128, id="flash-c128-512")]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geo", CPU_GEOMETRIES)
+def test_prefill_batch(geo: Geometry, dtype: torch.dtype) -> None:
+    """One multi-request prefill step; prompt lengths around the window boundaries (two-launch path)."""
+    h = Harness(geo, page_for(geo), dtype)
+    lengths = boundary_lengths(geo.ratio) + ([2 * page_for(geo) + 5] if geo.ratio < 128 else [])
+    index = h.step(list(enumerate(lengths)))
+    assert not index.ring_reads_disjoint
+    assert h.emitted == sum(n // geo.ratio for n in lengths)
+
+
+@pytest.mark.parametrize("block_s", [None, 2])
+@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16"),
+                                 pytest.param(FLASH_C4, id="flash-c4-512")])
+def test_decode_across_windows(geo: Geometry, block_s: int | None) -> None:
+    """Prefill, then decode one token per request across several window boundaries (fused single launch).
+    block_s = 2 walks the slots in chunks, the first of which is entirely masked for an early window."""
+    h = Harness(geo, page_for(geo), torch.float32, block_s=block_s, seed=1)
+    r = geo.ratio
+    prompts = [1, r - 2, 2 * r - 1, 3 * r + 1]
+    h.step(list(enumerate(prompts)))
+    for _ in range(2 * r + 2 if r <= 4 else r + 2):
+        assert h.step([(i, 1) for i in range(len(prompts))]).ring_reads_disjoint
+    assert h.emitted > len(prompts)
+
+
+def test_decode_c128_flash() -> None:
+    h = Harness(FLASH_C128, 128, torch.bfloat16, seed=2)
+    h.step([(0, 126), (1, 127), (2, 254), (3, 300)])
+    for _ in range(3):
+        assert h.step([(i, 1) for i in range(4)]).ring_reads_disjoint
+    assert h.emitted == (0 + 0 + 1 + 2) + (1 + 1 + 1 + 0)   # entries end at positions 127, 255
+
+
+@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16"),
+                                 pytest.param(FLASH_IDX, id="flash-indexer-128")])
+def test_extend_across_pages(geo: Geometry) -> None:
+    """A chunked prefill whose chunks straddle page and window boundaries, beside a decoding request."""
+    h = Harness(geo, page_for(geo), torch.bfloat16, seed=3)
+    h.step([(0, 9)])
+    for chunk in (5, 11, 7, 16, 9, 3, 17):
+        h.step([(0, 1), (1, chunk)])
+    assert h.emitted >= (9 + 7 + 68) // geo.ratio
+
+
+def test_doubled_rings_fuse_multi_token_steps() -> None:
+    """ring_multiplier = 2 (speculative decoding): steps of up to S + 1 tokens still take the fused path."""
+    h = Harness(MICRO_C4, 16, torch.float32, ring_multiplier=2, seed=4)
+    h.step([(0, 13), (1, 6)])
+    for n in (3, 9, 2, 9):
+        assert h.step([(0, n), (1, n)]).ring_reads_disjoint
+    assert not h.step([(0, 10)]).ring_reads_disjoint
+
+
+def test_rejects_bad_inputs() -> None:
+    h = Harness(MICRO_C4, 16, torch.float32)
+    index = h.step([(0, 6)])
+    T = index.write_slot.shape[0]
+    kv = torch.randn(T, 64, device=DEVICE)
+    cos = torch.randn(T, 4, device=DEVICE)
+    good = dict(kv=kv, score=kv.clone(), ring_kv=h.tri[0], ring_score=h.tri[1], index=index,
+                norm_weight=h.norm_weight, eps=1e-6, cos=cos, sin=cos.clone(), out=h.tri[2])
+    bad = {
+        "kv bf16": dict(kv=kv.bfloat16()),
+        "kv width": dict(kv=kv[:, :48].contiguous(), score=kv[:, :48].contiguous()),
+        "score not contiguous": dict(score=kv.t().contiguous().t()),
+        "rope wider than Dc": dict(cos=torch.randn(T, 20, device=DEVICE), sin=torch.randn(T, 20, device=DEVICE)),
+        "src_new int32": dict(index=index._replace(src_new=index.src_new.int())),
+        "write_slot T mismatch": dict(index=index._replace(write_slot=index.write_slot[:-1])),
+        "out int8": dict(out=h.tri[2].to(torch.int8)),
+        "norm weight length": dict(norm_weight=h.norm_weight[:8]),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError):
+            triton_compress_cached(**{**good, **change})  # type: ignore[arg-type]
+            pytest.fail(f"accepted {name}")
+
+
+def test_empty_step() -> None:
+    h = Harness(MICRO_C4, 16, torch.float32)
+    index = h.step([(0, 5)])
+    empty = CompressIndex(*(x[:0] for x in index[:6]))
+    before = [x.clone() for x in h.tri]
+    kv = torch.zeros(0, 64, device=DEVICE)
+    cs = torch.zeros(0, 4, device=DEVICE)
+    triton_compress_cached(kv, kv, h.tri[0], h.tri[1], empty, h.norm_weight, 1e-6, cs, cs, h.tri[2])
+    assert all(torch.equal(a, b) for a, b in zip(before, h.tri, strict=True))
+
+
+# ---- the engine's own calls -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("compressor") / "micro"
+    write_checkpoint(micro(), path, seed=5, tokenizer=False)
+    return path
+
+
+def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
+    """Every compress call of a real engine run (chunked prefill, decode, a prefix-cache hit), replayed on a
+    copy of its state through the kernel, matches the reference call."""
+    llm = LLM(ckpt, dtype="float32", device=DEVICE, page_size=16, max_total_tokens=2048, chunked_prefill_size=24)
+    runner = llm.engine.runner
+    calls = {"n": 0, "disjoint": 0}
+
+    def checked(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                index: CompressIndex, *rest: object) -> None:
+        out: torch.Tensor = rest[-1]  # type: ignore[assignment]
+        mine = [ring_kv.clone(), ring_score.clone(), out.clone()]
+        triton_compress_cached(kv, score, mine[0], mine[1], index, *rest[:-1], mine[2])  # type: ignore[arg-type]
+        compress_cached(kv, score, ring_kv, ring_score, index, *rest)  # type: ignore[arg-type]
+        assert torch.equal(mine[0][:-1], ring_kv[:-1]) and torch.equal(mine[1][:-1], ring_score[:-1])
+        assert rel_error(mine[2][:-1], out[:-1]) <= FP32_REL
+        calls["n"] += 1
+        calls["disjoint"] += index.ring_reads_disjoint
+
+    runner.ops = replace(runner.ops, compress=checked)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(2, 512, (37,), generator=g).tolist()
+    prompts = [shared, torch.randint(2, 512, (21,), generator=g).tolist()]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    hit = llm.generate(prompt_token_ids=[shared + [7, 8, 9]], sampling_params=params, use_tqdm=False)
+    assert hit[0].cached_tokens >= 32, "the third request was meant to hit the prefix cache"
+    assert calls["n"] > 0 and 0 < calls["disjoint"] < calls["n"]
+
+
+# ---- GPU: every prefill length 1..1024, long decode, graph capture ----------------------------------------
+
+GPU_GEOMETRIES = [pytest.param(FLASH_C4, id="flash-c4-512"), pytest.param(FLASH_IDX, id="flash-indexer-128"),
+                  pytest.param(FLASH_C128, id="flash-c128-512"), pytest.param(MICRO_C16, id="micro-c16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geo", GPU_GEOMETRIES)
+def test_every_prefill_length_cuda(geo: Geometry, dtype: torch.dtype) -> None:
+    """Prompt lengths 1..1024, packed into multi-request steps of <= 8192 tokens (64 requests at most)."""
+    lengths, step, rid = list(range(1, 1025)), [], 0
+    h = Harness(geo, 256, dtype, seed=5)
+    for n in lengths:
+        if step and (sum(k for _, k in step) + n > 8192 or len(step) == 64):
+            h.step(step)
+            for done, _ in step:
+                h.finish(done)
+            step = []
+        step.append((rid, n))
+        rid += 1
+    h.step(step)
+    assert h.emitted == sum(n // geo.ratio for n in lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geo", GPU_GEOMETRIES)
+def test_long_decode_and_extend_cuda(geo: Geometry) -> None:
+    """64 requests decode 2 * ratio + 3 steps (every window boundary), then extend by odd chunks across pages."""
+    h = Harness(geo, 256, torch.bfloat16, seed=6)
+    h.step([(i, 1 + 37 * i % 300) for i in range(64)])
+    for _ in range(2 * geo.ratio + 3):
+        assert h.step([(i, 1) for i in range(64)]).ring_reads_disjoint
+    for chunk in (255, 257, 1, 513, 129):
+        h.step([(i, chunk if i % 8 == 0 else 1) for i in range(64)])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_reference() -> None:
+    h = Harness(FLASH_C4, 256, torch.bfloat16, seed=7)
+    h.step([(i, 3 + 5 * i) for i in range(32)])
+    index = h.step([(i, 1) for i in range(32)])
+    T = index.write_slot.shape[0]
+    kv, score = torch.randn(T, 1024, device="cuda"), torch.randn(T, 1024, device="cuda")
+    cos, sin = torch.rand(T, 32, device="cuda"), torch.rand(T, 32, device="cuda")
+    state = [x.clone() for x in h.tri]
+    ref = [x.clone() for x in h.tri]
+    triton_compress_cached(kv, score, *state[:2], index, h.norm_weight, 1e-6, cos, sin, state[2])  # warm-up
+    state = [x.copy_(y) for x, y in zip(state, h.tri, strict=True)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_compress_cached(kv, score, *state[:2], index, h.norm_weight, 1e-6, cos, sin, state[2])
+    kv.normal_()
+    score.normal_()
+    graph.replay()
+    compress_cached(kv, score, *ref[:2], index, h.norm_weight, 1e-6, cos, sin, ref[2])
+    assert torch.equal(state[0][:-1], ref[0][:-1]) and torch.equal(state[1][:-1], ref[1][:-1])
+    assert rel_error(state[2][:-1], ref[2][:-1]) <= BF16_REL
