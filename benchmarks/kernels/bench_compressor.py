@@ -32,7 +32,6 @@ Prints a table, then ONE JSON line (also written to --out).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -42,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_common import HBM_BYTES_PER_S, emit, print_table, time_graph_us
 
-HBM_BYTES_PER_S = 4.275e12       # measured device copy on the H200 (docs/DESIGN.md §3)
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: request sets cycled inside one graph
 MAX_SETS = 64
 PAGE = 256
@@ -187,33 +186,6 @@ def check_parity(fn: Callable[..., None], ref_fn: Callable[..., None], inputs: I
     return err
 
 
-def time_graph_us(fn: Callable[..., None], sets: list[Inputs], iters: int, warmup: int) -> float:
-    """Median per-call time of CUDA-graph replays; each graph cycles through `sets` (defeats L2 reuse)."""
-    calls = max(len(sets), 8)
-    for _ in range(warmup):
-        for s in sets:
-            fn(*s)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):           # NOTE: warm the allocator on the capture stream
-        for s in sets:
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
 
 def time_cpu_us(fn: Callable[..., None], inputs: Inputs, iters: int) -> float:
     times = []
@@ -282,16 +254,10 @@ def targets(rows: list[dict[str, object]]) -> dict[str, dict[str, int | None]]:
     return out
 
 
-def print_table(rows: list[dict[str, object]]) -> None:
-    cols = [("case", "{:<26}"), ("T", "{:>6}"), ("entries", "{:>7}"), ("bytes", "{:>10.3e}"), ("us", "{:>8.2f}"),
-            ("floor_us", "{:>8.2f}"), ("ref_us", "{:>9.1f}"), ("speedup_vs_ref", "{:>7.1f}"), ("gbps", "{:>7.0f}"),
-            ("pct_hbm", "{:>6.1f}"), ("best_config", "{:>9}"), ("max_rel_err", "{:>8.1e}")]
-    heads = ["case", "T", "entries", "bytes", "us", "floor us", "ref us", "x ref", "GB/s", "%HBM", "bs/w/st",
-             "rel err"]
-    widths = [len(f.format(rows[0][k])) if rows else 8 for k, f in cols]
-    print(" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths, strict=True))))
-    for r in rows:
-        print(" ".join(f.format(r[k]) for k, f in cols))
+TABLE = [("case", "{:<26}", "case"), ("T", "{:>6}", "T"), ("entries", "{:>7}", "entries"),
+         ("bytes", "{:>10.3e}", "bytes"), ("us", "{:>8.2f}", "us"), ("floor_us", "{:>8.2f}", "floor us"),
+         ("ref_us", "{:>9.1f}", "ref us"), ("speedup_vs_ref", "{:>7.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
+         ("pct_hbm", "{:>6.1f}", "%HBM"), ("best_config", "{:>9}", "bs/w/st"), ("max_rel_err", "{:>8.1e}", "rel err")]
 
 
 def parse_args() -> argparse.Namespace:
@@ -324,14 +290,11 @@ def main() -> None:
             torch.cuda.empty_cache()
     if device.type == "cpu":
         print("cpu smoke (interpreter): times and bandwidths are meaningless here")
-    print_table(rows)
+    print_table(rows, TABLE)
     record = {"bench": "compressor", "device": torch.cuda.get_device_name() if device.type == "cuda"
               else "cpu-interpreter", "torch": torch.__version__, "triton": triton.__version__,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "target": targets(rows), "results": rows}
-    line = json.dumps(record)
-    if args.out is not None:
-        args.out.write_text(line + "\n")
-    print(line)
+    emit(record, args.out)
 
 
 if __name__ == "__main__":

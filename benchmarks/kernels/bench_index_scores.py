@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from bench_common import HBM_BYTES_PER_S, print_table, time_graph_us
 
-HBM_BYTES_PER_S = 4.275e12       # measured device copy on the H200 (docs/DESIGN.md §3)
 BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
 REF_BUDGET_BYTES = 8 << 30       # the reference's [rows, V, Id] fp32 gather + [rows, Ih, V] dots
@@ -121,33 +121,6 @@ def check_parity(fn: Callable[..., torch.Tensor], ref_fn: Callable[..., torch.Te
     return err
 
 
-def time_graph_us(fn: Callable[..., torch.Tensor], sets: list[Inputs], iters: int, warmup: int) -> float:
-    """Median per-call time of CUDA-graph replays; each graph cycles through `sets` (defeats L2 reuse)."""
-    calls = max(len(sets), 8)
-    for _ in range(warmup):
-        for s in sets:
-            fn(*s)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):           # NOTE: warm the allocator on the capture stream
-        for s in sets:
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
 
 def time_eager_us(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
     for _ in range(warmup):
@@ -212,17 +185,13 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
             **fl}
 
 
-def print_table(rows: list[dict[str, object]]) -> None:
-    cols = [("case", "{:<22}"), ("us", "{:>9.1f}"), ("ref_us", "{:>11.1f}"), ("ref_rows", "{:>8}"),
-            ("speedup_vs_ref", "{:>8.1f}"), ("gbps_gather", "{:>8.0f}"), ("pct_hbm", "{:>6.1f}"),
-            ("floor_gather_us", "{:>10.1f}"), ("floor_once_us", "{:>10.1f}"), ("floor_flop_us", "{:>9.1f}"),
-            ("x_once", "{:>7.2f}"), ("x_roof", "{:>7.2f}"), ("best_config", "{:>9}"), ("max_rel_err", "{:>9.1e}")]
-    heads = ["case", "us", "ref us", "ref rows", "x ref", "GB/s", "%HBM", "gather us", "once us", "flop us",
-             "x_once", "x_roof", "bv/w/st", "rel err"]
-    widths = [len(f.format(rows[0][k])) if rows else 8 for k, f in cols]
-    print(" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths, strict=True))))
-    for r in rows:
-        print(" ".join(f.format(r[k]) for k, f in cols))
+TABLE = [("case", "{:<22}", "case"), ("us", "{:>9.1f}", "us"), ("ref_us", "{:>11.1f}", "ref us"),
+         ("ref_rows", "{:>8}", "ref rows"), ("speedup_vs_ref", "{:>8.1f}", "x ref"),
+         ("gbps_gather", "{:>8.0f}", "GB/s"),
+         ("pct_hbm", "{:>6.1f}", "%HBM"), ("floor_gather_us", "{:>10.1f}", "gather us"),
+         ("floor_once_us", "{:>10.1f}", "once us"), ("floor_flop_us", "{:>9.1f}", "flop us"),
+         ("x_once", "{:>7.2f}", "x_once"), ("x_roof", "{:>7.2f}", "x_roof"), ("best_config", "{:>9}", "bv/w/st"),
+         ("max_rel_err", "{:>9.1e}", "rel err")]
 
 
 def parse_args() -> argparse.Namespace:
@@ -251,7 +220,7 @@ def main() -> None:
     rows = [bench_case(case, args, device) for case in cases]
     if device.type == "cpu":
         print("cpu smoke (interpreter): times and bandwidths are meaningless here")
-    print_table(rows)
+    print_table(rows, TABLE)
     print(json.dumps({"bench": "index_scores", "device": torch.cuda.get_device_name() if device.type == "cuda"
                       else "cpu-interpreter", "torch": torch.__version__, "triton": triton.__version__,
                       "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "results": rows}))

@@ -1,0 +1,61 @@
+"""Shared pieces of the kernel benchmarks: the H200 copy-rate anchor, CUDA-graph timing, the table, the JSON line.
+
+Imported by the `bench_*.py` scripts of this folder (run as `python3 benchmarks/kernels/bench_X.py`, so this
+folder is on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HBM_BYTES_PER_S = 4.275e12       # measured device copy on the H200 (docs/DESIGN.md §3)
+
+
+def time_graph_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], iters: int, warmup: int) -> float:
+    """Median per-call time of CUDA-graph replays; each graph cycles through `sets` (defeats L2 reuse)."""
+    calls = max(len(sets), 8)
+    for _ in range(warmup):
+        for s in sets:
+            fn(*s)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):           # NOTE: warm the allocator on the capture stream
+        for s in sets:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def print_table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> None:
+    """cols: (row key, format, heading); the first column is left-aligned."""
+    widths = [len(fmt.format(rows[0][key])) if rows else 8 for key, fmt, _ in cols]
+    print(" ".join(h.rjust(w) if i else h.ljust(w) for i, ((_, _, h), w) in enumerate(zip(cols, widths, strict=True))))
+    for r in rows:
+        print(" ".join(fmt.format(r[key]) for key, fmt, _ in cols))
+
+
+def emit(record: dict[str, Any], out: Path | None) -> None:
+    """The benchmark's one JSON line: printed last, and written to `out` when given."""
+    line = json.dumps(record)
+    if out is not None:
+        out.write_text(line + "\n")
+    print(line)
