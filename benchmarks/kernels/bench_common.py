@@ -6,7 +6,9 @@ folder is on sys.path).
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,3 +61,36 @@ def emit(record: dict[str, Any], out: Path | None) -> None:
     if out is not None:
         out.write_text(line + "\n")
     print(line)
+
+
+def base_parser(description: str, sweep_help: str = "also time the sweep configurations and report the best"
+                ) -> argparse.ArgumentParser:
+    """The flags every kernel benchmark takes: --cpu-smoke, --sweep, --iters, --warmup, --seed, --out."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (no timing value)")
+    p.add_argument("--sweep", action="store_true", help=sweep_help)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON line to this file")
+    return p
+
+
+def select_device(cpu_smoke: bool) -> torch.device:
+    """CUDA, or the CPU under the Triton interpreter for --cpu-smoke (set before the first `import triton`)."""
+    if cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --cpu-smoke")
+    return torch.device("cuda")
+
+
+def record_header(bench: str, device: torch.device) -> dict[str, Any]:
+    """The JSON line's identification: benchmark, device, versions, the copy-rate anchor."""
+    import triton
+
+    if device.type == "cpu":
+        print("cpu smoke (interpreter): times and bandwidths are meaningless here")
+    return {"bench": bench, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu-interpreter",
+            "torch": torch.__version__, "triton": triton.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S}

@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import HBM_BYTES_PER_S, emit, print_table, time_graph_us
+from bench_common import HBM_BYTES_PER_S, base_parser, emit, print_table, record_header, select_device, time_graph_us
 
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input sets cycled inside one graph
 MAX_SETS = 64
@@ -197,28 +195,15 @@ TABLE = [("case", "{:<12}", "case"), ("path", "{:>13}", "path"), ("bytes", "{:>1
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (no timing value)")
-    p.add_argument("--sweep", action="store_true", help="also time PRE_SWEEP / POST_SWEEP and report the best")
+    p = base_parser(__doc__.splitlines()[0], "also time PRE_SWEEP / POST_SWEEP and report the best")
     p.add_argument("--ops", default="pre,post,head", help="comma-separated subset of pre,post,head")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON line to this file")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.cpu_smoke:
-        # NOTE: must precede the first `import triton` (done lazily in ops).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        device, cases = torch.device("cpu"), smoke_cases()
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run with --cpu-smoke")
-        device, cases = torch.device("cuda"), cuda_cases()
-    import triton
+    device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
+    cases = smoke_cases() if args.cpu_smoke else cuda_cases()
 
     wanted = set(args.ops.split(","))
     rows = []
@@ -226,12 +211,8 @@ def main() -> None:
         rows.append(bench_case(case, args, device))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if device.type == "cpu":
-        print("cpu smoke (interpreter): times and bandwidths are meaningless here")
     print_table(rows, TABLE)
-    emit({"bench": "mhc", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu-interpreter",
-          "torch": torch.__version__, "triton": triton.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S,
-          "sinkhorn_iters": ITERS, "results": rows}, args.out)
+    emit({**record_header("mhc", device), "sinkhorn_iters": ITERS, "results": rows}, args.out)
 
 
 if __name__ == "__main__":

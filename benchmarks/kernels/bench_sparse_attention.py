@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from bench_common import HBM_BYTES_PER_S, emit, print_table, time_graph_us
+from bench_common import HBM_BYTES_PER_S, base_parser, emit, print_table, record_header, select_device, time_graph_us
 
 BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
@@ -234,39 +232,22 @@ TABLE = [("case", "{:<28}", "case"),
          ("max_rel_err", "{:>8.1e}", "rel err")]
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (no timing value)")
-    p.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS and report the best")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON line to this file")
+    p = base_parser(__doc__.splitlines()[0], "also time SWEEP_CONFIGS and report the best")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.cpu_smoke:
-        # NOTE: must precede the first `import triton` (done lazily in bench_case).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        device, cases = torch.device("cpu"), smoke_cases()
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run with --cpu-smoke")
-        device, cases = torch.device("cuda"), cuda_cases()
-    import triton
+    device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
+    cases = smoke_cases() if args.cpu_smoke else cuda_cases()
 
     rows = []
     for case in cases:
         rows.append(bench_case(case, args, device))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if device.type == "cpu":
-        print("cpu smoke (interpreter): times and bandwidths are meaningless here")
     print_table(rows, TABLE)
-    record = {"bench": "sparse_attention", "device": torch.cuda.get_device_name() if device.type == "cuda"
-              else "cpu-interpreter", "torch": torch.__version__, "triton": triton.__version__,
-              "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "results": rows}
+    record = {**record_header("sparse_attention", device), "bf16_flop_per_s": BF16_FLOP_PER_S, "results": rows}
     emit(record, args.out)
 
 
