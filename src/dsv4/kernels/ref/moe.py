@@ -57,3 +57,53 @@ def routed_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     h = (swiglu(gate, up, limit).float() * weights.reshape(-1)[order, None]).to(x.dtype)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                  # [N*k, d]
     return torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, y.float())
+
+
+def pack_w13(w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate stacked [E, I, *] w1 and w3 (and their scales) into the `w13` layout: [W1; W3] along dim 1.
+
+    fp4 scales are per row, fp8 scales per 128-row block: either way the scale tensors concatenate along
+    dim 1 too (w3's fp8 blocks start on a fresh block row, so I need not be a multiple of 128).
+    """
+    w13 = torch.cat((w1, w3), dim=1).contiguous()
+    if s1 is None or s3 is None:
+        return w13, None
+    return w13, torch.cat((s1, s3), dim=1).contiguous()
+
+
+def _dequant_stack(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """[E, out, in(/2)] codes + scales -> [E, out, in] `dtype`, one expert at a time with `dsv4.model.quant`."""
+    from dsv4.model.quant import dequant_fp4_group, dequant_fp8_block
+
+    if fmt == "bf16":
+        return w.to(dtype)
+    if scale is None or fmt not in ("fp8", "fp4"):
+        raise ValueError(f"fmt must be bf16, fp8 or fp4 (with scales); got {fmt!r}")
+    fn = dequant_fp8_block if fmt == "fp8" else dequant_fp4_group
+    return torch.stack([fn(w[e], scale[e], dtype) for e in range(w.shape[0])])
+
+
+def routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
+                         w2_scale: torch.Tensor | None, indices: torch.Tensor, weights: torch.Tensor, limit: float,
+                         fmt: str) -> torch.Tensor:
+    """`routed_experts` on quantised experts: dequantise to x.dtype, then the bf16 reference.
+
+    fmt "fp4": w13 [E, 2I, d/2] e2m1 packed + e8m0 [E, 2I, d/32]; w2 [E, d, I/2] + [E, d, I/32].
+    fmt "fp8": w13 [E, 2I, d] e4m3 + e8m0 [E, 2 * ceil(I/128), ceil(d/128)]; w2 [E, d, I] + [E, ceil(d/128),
+    ceil(I/128)]. fmt "bf16": w13 [E, 2I, d], w2 [E, d, I], scales None. w13 = `pack_w13(w1, s1, w3, s3)`.
+    """
+    w1, w3, w2d = dequant_experts(w13, w13_scale, w2, w2_scale, fmt, x.dtype)
+    return routed_experts(x, w1, w2d, w3, indices, weights, limit)
+
+
+def dequant_experts(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
+                    w2_scale: torch.Tensor | None, fmt: str, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w1, w3, w2) as dense [E, I, d], [E, I, d], [E, d, I] `dtype` from the `routed_experts_quant` layouts."""
+    inter = w13.shape[1] // 2
+    split = -(-inter // 128) if fmt == "fp8" else inter     # scale rows of w1: blocks (fp8) or rows (fp4)
+    s1 = w13_scale[:, :split] if w13_scale is not None else None
+    s3 = w13_scale[:, split:] if w13_scale is not None else None
+    return (_dequant_stack(w13[:, :inter], s1, fmt, dtype), _dequant_stack(w13[:, inter:], s3, fmt, dtype),
+            _dequant_stack(w2, w2_scale, fmt, dtype))

@@ -1,0 +1,288 @@
+"""Triton routed experts with weight-only quantised experts (spec §8, §11.2, §12; issue 7 kernel 2).
+
+Owns `triton_routed_experts_quant`, the fast form of `kernels/ref/moe.py::routed_experts_quant` (same
+signature, same semantics):
+
+    y[t] = Σ_k weights[t,k] * W2_e( silu(min(W1_e x_t, limit)) * clamp(W3_e x_t, -limit, limit) ),  e = indices[t,k]
+
+Weight formats (`fmt`), all stacked over experts; w1 and w3 are concatenated along the output dim at load
+time into one `w13` ([W1; W3], rows [0, I) gate, [I, 2I) up; `ref/moe.py::pack_w13` builds it):
+    "fp4"   checkpoint layout: e2m1 packed uint8/int8, low nibble first. w13 [E, 2I, d/2] + UE8M0 scales
+            [E, 2I, d/32]; w2 [E, d, I/2] + [E, d, I/32].
+    "fp8"   e4m3 [E, out, in] + UE8M0 128x128 block scales [E, ceil(out/128), ceil(in/128)]; the w13 scale is
+            cat(s1, s3) along dim 1, i.e. [E, 2 * ceil(I/128), ceil(d/128)] (w3's blocks start on a fresh
+            block row, so I need not be a multiple of 128).
+    "bf16"  plain [E, 2I, d] / [E, d, I] (any float dtype); scales are None.
+
+Kernel design. Weights are dequantised in registers inside the K-loop: each [BLOCK_K, BLOCK_N] tile of W^T
+is loaded as raw codes, decoded (e2m1: sign + 2-bit exponent + 1-bit mantissa by integer arithmetic;
+e4m3: bitcast to float8e4nv and convert), multiplied by its 2^(code-127) scale, cast to bf16 (exact: both
+formats have <= 3 mantissa bits) and fed to tl.dot with fp32 accumulation. Hopper has no FP4 MMA, so this is
+the weight-only scheme; the activations stay bf16 (the QAT act_quant of §11 is not simulated).
+
+Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (`torch.argsort`, stable);
+per-expert row ranges come from `torch.searchsorted` on the sorted ids (NOTE: CUDA `torch.bincount` reads
+the max on the host to size its output, which would break graph capture). Each expert's rows are cut into
+tiles of BLOCK_M ("moe_align_block_size" without materialised padding): tile j of expert e covers sorted
+rows [start_e + j*BLOCK_M, min(start_e + (j+1)*BLOCK_M, end_e)). The grid is a fixed upper bound on the
+number of tiles, max_tiles = (N*k + min(E, N*k) * (BLOCK_M - 1)) // BLOCK_M, known from shapes alone; a
+device-side tile map (tile -> expert, row start, row end; built with torch ops) tells each program what it
+owns, and surplus programs see an empty range and exit. Grid = (max_tiles, cdiv(out, BLOCK_N)).
+
+Two launches:
+  1. gate/up: A = x[token of each sorted row] (gathered rows), two accumulators (W1 rows n, W3 rows I + n)
+     so SwiGLU + clamp and the routing weight are fused in the epilogue; writes h [N*k, I] (x.dtype) in
+     sorted order.
+  2. down: A = h rows (contiguous), y = h @ W2^T; the epilogue either atomically adds y into out[token]
+     (fp32, default: the k contributions of a token land in an unspecified order, so the result is not
+     bit-reproducible run to run), or with `deterministic=True` stores y at its (token, k) slot of an
+     [N*k, d] fp32 buffer that is then summed over k in a fixed order (extra N*k*d*8 bytes of traffic).
+
+No host syncs: safe inside CUDA-graph capture. Every index must lie in [0, E) (not checked: a host sync).
+Test: tests/kernels/test_moe_quant.py. Benchmark: benchmarks/kernels/bench_moe_quant.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}
+_FP8_BLOCK = 128
+_FP4_GROUP = 32
+_MIN_DOT = 16
+
+
+@triton.jit
+def _e8m0(code):  # type: ignore[no-untyped-def]
+    # NOTE: code 0 (2^-127, a float32 subnormal) decodes to 0.0 here; no real scale is that small.
+    return (code.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(nib):  # type: ignore[no-untyped-def]
+    # |v| * 4 = 2m for exponent 0, (2 + m) << e otherwise: 0, .5, 1, 1.5, 2, 3, 4, 6 (times 4).
+    e = (nib >> 1) & 3
+    m = nib & 1
+    mag = tl.where(e == 0, 2 * m, (2 + m) << e).to(tl.float32) * 0.25
+    return tl.where((nib & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _w_tile(w_ptr, s_ptr, e, rows, srows, offs_k, k0, mask,  # type: ignore[no-untyped-def]
+            stride_we, stride_wn, stride_se, stride_sn, FMT: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] fp32 tile of W_e^T (rows: W's output rows, srows: their scale rows)."""
+    wbase = w_ptr + e * stride_we + rows[None, :] * stride_wn
+    sbase = s_ptr + e * stride_se + srows[None, :] * stride_sn
+    if FMT == 0:
+        w = tl.load(wbase + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 1:
+        raw = tl.load(wbase + offs_k[:, None], mask=mask, other=0)
+        w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w = w * _e8m0(tl.load(sbase + k0 // 128, mask=mask, other=127))   # BLOCK_K divides 128: one column
+    else:
+        raw = tl.load(wbase + offs_k[:, None] // 2, mask=mask, other=0).to(tl.int32)
+        w = _e2m1((raw >> ((offs_k[:, None] & 1) * 4)) & 15)
+        w = w * _e8m0(tl.load(sbase + offs_k[:, None] // 32, mask=mask, other=127))
+    return w
+
+
+@triton.jit
+def _dot(a, w, FP32_DOT: tl.constexpr):  # type: ignore[no-untyped-def]
+    if FP32_DOT:
+        # NOTE: the interpreter's tl.dot mishandles bf16 (triton-lang/triton#11584); fp32 "ieee" is exact here.
+        return tl.dot(a.to(tl.float32), w, input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
+
+
+@triton.jit
+def _gate_up_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
+    K, INTER, up_srow, limit,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    row_start = tl.load(t_start_ptr + tile)
+    row_end = tl.load(t_end_ptr + tile)
+    if row_start < row_end:
+        e = tl.load(t_exp_ptr + tile).to(tl.int64)        # NOTE: int64: e * stride_we passes 2^31 at Flash
+        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)     # NOTE: int64: N*k*I can pass 2^31
+        p_mask = offs_p < row_end
+        slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
+        tok = slot // TOPK
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < INTER
+        if FMT == 1:
+            g_srow = offs_n // 128
+            u_srow = up_srow + offs_n // 128
+        else:
+            g_srow = offs_n
+            u_srow = INTER + offs_n
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
+                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+            mask = k_mask[:, None] & n_mask[None, :]
+            wg = _w_tile(w_ptr, s_ptr, e, offs_n, g_srow, offs_k, k0, mask,
+                         stride_we, stride_wn, stride_se, stride_sn, FMT)
+            acc_g += _dot(a, wg, FP32_DOT)
+            wu = _w_tile(w_ptr, s_ptr, e, INTER + offs_n, u_srow, offs_k, k0, mask,
+                         stride_we, stride_wn, stride_se, stride_sn, FMT)
+            acc_u += _dot(a, wu, FP32_DOT)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        rw = tl.load(rw_ptr + slot, mask=p_mask, other=0.0)
+        h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+        tl.store(h_ptr + offs_p[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=p_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(  # type: ignore[no-untyped-def]
+    h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
+    K, D,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    row_start = tl.load(t_start_ptr + tile)
+    row_end = tl.load(t_end_ptr + tile)
+    if row_start < row_end:
+        e = tl.load(t_exp_ptr + tile).to(tl.int64)
+        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)     # NOTE: int64: N*k*I can pass 2^31
+        p_mask = offs_p < row_end
+        slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < D
+        if FMT == 1:
+            srow = offs_n // 128
+        else:
+            srow = offs_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a = tl.load(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
+                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+            w = _w_tile(w_ptr, s_ptr, e, offs_n, srow, offs_k, k0, k_mask[:, None] & n_mask[None, :],
+                        stride_we, stride_wn, stride_se, stride_sn, FMT)
+            acc += _dot(a, w, FP32_DOT)
+        o_mask = p_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tok = slot // TOPK
+            tl.atomic_add(out_ptr + tok[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
+        else:
+            tl.store(out_ptr + slot[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
+
+
+def tile_map(indices: torch.Tensor, num_experts: int, block_m: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, tile_start, tile_end, tile_expert): the sorted (token, k) slots and the per-tile row ranges.
+
+    order [N*k] int64: slots sorted by expert (stable). The tile tensors have max_tiles entries (see the
+    module docstring); surplus tiles have tile_start == tile_end == 0. Torch ops only, no host sync.
+    """
+    flat = indices.reshape(-1)
+    nk = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    bounds = torch.searchsorted(flat[order].contiguous(),
+                                torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
+    starts, ends = bounds[:-1], bounds[1:]
+    tiles = (ends - starts + block_m - 1) // block_m
+    tile_cum = tiles.cumsum(0)
+    max_tiles = max(1, (nk + min(num_experts, nk) * (block_m - 1)) // block_m)
+    t = torch.arange(max_tiles, device=flat.device)
+    expert = torch.searchsorted(tile_cum, t, right=True)
+    valid = expert < num_experts
+    ec = expert.clamp(max=num_experts - 1)
+    start = starts[ec] + (t - (tile_cum[ec] - tiles[ec])) * block_m
+    end = torch.minimum(start + block_m, ends[ec])
+    zero = torch.zeros_like(start)
+    return (order, torch.where(valid, start, zero).to(torch.int32), torch.where(valid, end, zero).to(torch.int32),
+            ec.to(torch.int32))
+
+
+def _default_block_m(nk: int, num_experts: int) -> int:
+    """Rows per tile ~ the mean rows per expert, in [16, 64] (decode: 16, the tl.dot minimum)."""
+    return max(_MIN_DOT, min(64, triton.next_power_of_2(max(1, nk // num_experts))))
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
+           w2_scale: torch.Tensor | None, indices: torch.Tensor, weights: torch.Tensor, fmt: str) -> None:
+    if fmt not in FMTS:
+        raise ValueError(f"fmt must be one of {sorted(FMTS)}; got {fmt!r}")
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or indices.dim() != 2:
+        raise ValueError(f"expected x [N, d], w13 [E, 2I, *], w2 [E, d, *], indices [N, k]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(indices.shape)}")
+    if tuple(weights.shape) != tuple(indices.shape) or indices.shape[0] != x.shape[0]:
+        raise ValueError(f"indices {tuple(indices.shape)} / weights {tuple(weights.shape)} do not match x")
+    if indices.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise ValueError(f"indices must be int64 and weights float32; got {indices.dtype}, {weights.dtype}")
+    if (fmt == "bf16") != (w13_scale is None and w2_scale is None):
+        raise ValueError(f"fmt {fmt!r}: scales must be given exactly for the quantised formats")
+    pack = 2 if fmt == "fp4" else 1
+    d, i2 = x.shape[1], w13.shape[1]
+    if w13.shape[2] * pack != d or w2.shape[1] != d or w2.shape[2] * pack * 2 != i2 or w2.shape[0] != w13.shape[0]:
+        raise ValueError(f"fmt {fmt!r}: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit d = {d}")
+    if fmt == "fp4" and (d % _FP4_GROUP or (i2 // 2) % _FP4_GROUP):
+        raise ValueError(f"fp4 needs d and I multiples of {_FP4_GROUP}; got d = {d}, I = {i2 // 2}")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def _raw(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantised codes as uint8 (the kernels decode them); bf16-path weights as they are."""
+    return w if fmt == "bf16" else w.view(torch.uint8)
+
+
+def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+                                w2: torch.Tensor, w2_scale: torch.Tensor | None, indices: torch.Tensor,
+                                weights: torch.Tensor, limit: float, fmt: str, *, deterministic: bool = False,
+                                block_m: int | None = None, block_n: int = 64, block_k: int = 64,
+                                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """Same contract as `routed_experts_quant`: returns [N, d] fp32 (the caller adds the shared expert).
+
+    x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts per `fmt`
+    in the module docstring. Keyword arguments are tuning knobs; block sizes are powers of two >= 16 and
+    block_k <= 128 (an fp8 tile must sit inside one 128-wide scale block).
+    """
+    _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
+    if any(b < _MIN_DOT or b & (b - 1) for b in (block_n, block_k)) or block_k > _FP8_BLOCK:
+        raise ValueError(f"block_n / block_k must be powers of two >= 16 (block_k <= 128); got {block_n}, {block_k}")
+    N, topk = indices.shape
+    E, d, inter = w13.shape[0], x.shape[1], w13.shape[1] // 2
+    out = torch.zeros(N, d, dtype=torch.float32, device=x.device)
+    nk = N * topk
+    if nk == 0:
+        return out
+    bm = block_m or _default_block_m(nk, E)
+    order, t_start, t_end, t_exp = tile_map(indices, E, bm)
+    rw = weights.reshape(-1).contiguous()
+    s13 = w13_scale.view(torch.uint8) if w13_scale is not None else w13
+    s2 = w2_scale.view(torch.uint8) if w2_scale is not None else w2
+    code = FMTS[fmt]
+    fp32_dot = x.device.type != "cuda"
+    blocks = {"BLOCK_M": bm, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "num_stages": num_stages}
+    h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(t_start.numel(), triton.cdiv(inter, block_n))](
+        x, _raw(w13, fmt), s13, h, order, rw, t_start, t_end, t_exp,
+        d, inter, triton.cdiv(inter, _FP8_BLOCK), float(limit),
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+        TOPK=topk, FMT=code, FP32_DOT=fp32_dot, **blocks,
+    )
+    dest = out if not deterministic else torch.empty(nk, d, dtype=torch.float32, device=x.device)
+    _down_kernel[(t_start.numel(), triton.cdiv(d, block_n))](
+        h, _raw(w2, fmt), s2, dest, order, t_start, t_end, t_exp,
+        inter, d,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
+        TOPK=topk, FMT=code, FP32_DOT=fp32_dot, ATOMIC=not deterministic, **blocks,
+    )
+    return out if not deterministic else dest.view(N, topk, d).sum(dim=1)
