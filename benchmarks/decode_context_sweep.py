@@ -1,0 +1,462 @@
+"""Decode vs context sweep (issue 7): ms per decode step against the HBM floor and transformers, one run.
+
+Random weights for a preset generated in memory on the device (default `flash-4l`, bf16). For each
+(batch, context): the engine prefills `batch` random prompts of `context` tokens (ignore_eos), then N
+decode steps of the whole batch are timed (CUDA events around the engine step loop). Rows: batch 1 at
+every `--contexts` (default 4K, 16K, 64K, 128K), and every `--batches` at every `--batch-contexts`
+(default 4K and 32K, kept where <= the largest `--contexts`; if none is, the `--contexts` themselves).
+
+HBM floor per step = bytes that must move / the device-to-device copy bandwidth measured in this run
+(2 x buffer bytes per copy: read + write). Bytes = active weights (attention, hyper-connections, norms,
+gate, shared expert, the routed experts actually hit: distinct experts per MoE layer over the batch,
+captured from the routing (`capture_routing`) after the timed steps, or else the expectation
+E * (1 - (1 - k/E)^batch); one embedding row per request; the LM head) + per request the KV / state
+read: the SWA window (W x head_dim) on every layer; on C4 layers the top-k selected entries
+(k x head_dim) and every visible indexer key (context/4 x index_head_dim, the indexer scans them all);
+on C128 layers every visible entry (context/128 x head_dim); all at the model's element size.
+
+Peer (`--hf`): transformers `DeepseekV4ForCausalLM` (eager) built from the same weights on the same
+device, batch 1 at every `--contexts`, its own KV cache (`use_cache=True`), greedy manual loop; an
+out-of-memory is recorded as such. Targets: >= 5x faster than transformers at 4K (measured before:
+27.65 ms/token there, OOM at 16K); prefill of 128K tokens without OOM.
+
+Any failing configuration (out of memory, error) is a row with its status; the sweep goes on.
+Prints a table, writes the plot (`--plot`), then exactly one JSON line (also to `--out`).
+
+    python benchmarks/decode_context_sweep.py --device cuda --hf --plot decode.png --out decode.json
+    python benchmarks/decode_context_sweep.py --preset micro --device cpu --dtype float32 \
+        --contexts 64,128 --batches 1,2 --steps 4 --copy-gib 0.05 --hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import math
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dsv4 import EngineConfig, SamplingParams
+from dsv4.checkpoint.presets import get_preset
+from dsv4.checkpoint.writer import random_model
+from dsv4.config.model import ModelConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.request import Request
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.loader import resolve_device, resolve_dtype
+
+Row = dict[str, Any]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="flash-4l")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kernel-backend", default=None, choices=["ref", "triton"], help="default: triton on a GPU")
+    p.add_argument("--contexts", type=ints, default=[4096, 16384, 65536, 131072], help="batch-1 contexts")
+    p.add_argument("--batches", type=ints, default=[8, 32, 128], help="throughput batch sizes")
+    p.add_argument("--batch-contexts", type=ints, default=[4096, 32768], help="contexts of the throughput rows")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    p.add_argument("--warmup-steps", type=int, default=4)
+    p.add_argument("--routing-steps", type=int, default=4, help="decode steps with routing capture (0: expect)")
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--copy-gib", type=float, default=None, help="bandwidth probe buffer (default: 4 GPU, 0.25 CPU)")
+    p.add_argument("--hf", action="store_true", help="also time transformers eager at batch 1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="PNG path")
+    p.add_argument("--out", default=None, help="JSON path")
+    return p.parse_args(argv)
+
+
+def sweep_points(args: argparse.Namespace) -> list[tuple[int, int]]:
+    batch_ctx = [c for c in args.batch_contexts if c <= max(args.contexts)] or list(args.contexts)
+    points = [(1, c) for c in args.contexts] + [(b, c) for b in args.batches for c in batch_ctx]
+    return sorted(set(points))
+
+
+# ---- timing --------------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of `fn` (CUDA events on a GPU, wall clock otherwise)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync(device)
+    begin.record()
+    fn()
+    end.record()
+    sync(device)
+    return float(begin.elapsed_time(end)) / 1e3
+
+
+def copy_bandwidth(device: torch.device, gib: float, reps: int = 10) -> float:
+    """GB/s of a device-to-device copy, counting read + write."""
+    n = int(gib * (1 << 30))
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+
+    def copies() -> None:
+        for _ in range(reps):
+            dst.copy_(src)
+
+    return 2 * n * reps / timed(copies, device) / 1e9
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def failure(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return "oom"
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+# ---- HBM floor -------------------------------------------------------------------------------------------------
+def weight_bytes(model: DeepSeekV4ForCausalLM, batch: int, experts_hit: list[float]) -> float:
+    """Active weight bytes of one decode step (MTP excluded): dense layer weights, routed experts hit, head."""
+    cfg = model.config
+    dense, per_expert = 0.0, [0.0] * cfg.num_layers
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            if ".ffn.experts." in name:
+                per_expert[layer] += nbytes / cfg.n_routed_experts
+            else:
+                dense += nbytes
+        elif name.startswith(("head.", "norm.", "hc_head.")):
+            dense += nbytes
+    embed = model.embed.weight
+    rows = batch * embed.shape[1] * embed.element_size()
+    return dense + rows + sum(b * e for b, e in zip(per_expert, experts_hit, strict=True))
+
+
+def kv_bytes(cfg: ModelConfig, context: int, elt: int) -> float:
+    """KV / state bytes one request reads per decode step at `context` visible tokens."""
+    total = 0
+    for kind in cfg.attn_types:
+        total += min(context, cfg.window) * cfg.head_dim
+        if kind == "csa":
+            entries = context // cfg.csa_ratio
+            total += min(entries, cfg.index_topk) * cfg.head_dim + entries * cfg.index_head_dim
+        elif kind == "hca":
+            total += context // cfg.hca_ratio * cfg.head_dim
+    return float(total * elt)
+
+
+def expected_experts(cfg: ModelConfig, batch: int) -> list[float]:
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return [min(float(e), e * (1 - (1 - k / e) ** batch))] * cfg.num_layers
+
+
+def captured_experts(reqs: list[Request], steps: int, num_layers: int) -> list[float]:
+    """Mean distinct experts per MoE layer over the last `steps` decode steps of the batch."""
+    per_req = [torch.cat(r.routing["experts"])[-steps:] for r in reqs]       # [steps, layers, k] each
+    hits = torch.zeros(num_layers)
+    for s in range(steps):
+        for layer in range(num_layers):
+            hits[layer] += torch.cat([t[s, layer] for t in per_req]).unique().numel()
+    return (hits / steps).tolist()
+
+
+def add_floor(row: Row, model: DeepSeekV4ForCausalLM, gbps: float) -> Row:
+    """The row's HBM floor (from its captured routing, else the expectation) and measured / floor."""
+    batch, context = row["batch"], row["context"]
+    w = weight_bytes(model, batch, row.get("experts_hit") or expected_experts(model.config, batch))
+    kv = batch * kv_bytes(model.config, context, model.embed.weight.element_size())
+    floor_ms = (w + kv) / (gbps * 1e9) * 1e3
+    row.update(weight_gb=round(w / 1e9, 4), kv_gb=round(kv / 1e9, 6), floor_ms=round(floor_ms, 4))
+    if row["status"] == "ok":
+        row["ratio"] = round(row["ms_per_step"] / floor_ms, 2)
+    return row
+
+
+# ---- dsv4 engine -----------------------------------------------------------------------------------------------
+def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed + 1000 * batch + context)
+    return [torch.randint(2, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+
+
+def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int,
+                max_tokens: int) -> LLMEngine:
+    longest = context + max_tokens + 1
+    config = EngineConfig(page_size=args.page_size, max_running_requests=batch,
+                          chunked_prefill_size=args.chunked_prefill_size, kernel_backend=args.kernel_backend,
+                          max_total_tokens=batch * (longest + args.page_size), context_length=longest + 1,
+                          disable_prefix_cache=True, seed=args.seed)
+    return LLMEngine(model, config)
+
+
+def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int, row: Row) -> None:
+    """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row` as it goes."""
+    prefill_steps = math.ceil(batch * context / args.chunked_prefill_size) + batch + 2  # bounds early decodes
+    max_tokens = prefill_steps + args.warmup_steps + args.steps + args.routing_steps + 2
+    engine = make_engine(model, args, batch, context, max_tokens)
+    try:
+        engine_steps(engine, args, batch, context, max_tokens, row)
+    finally:
+        for r in list(engine.requests.values()):
+            engine.abort(r.rid)
+        del engine
+        free_memory(model.embed.weight.device)
+
+
+def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int, max_tokens: int,
+                 row: Row) -> None:
+    device, cfg = engine.runner.device, engine.runner.model.config
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts_for(batch, context, cfg.vocab_size, args.seed)]
+
+    def prefill() -> None:
+        while not all(r.output_ids for r in reqs):
+            engine.step()
+
+    def decode(n: int) -> Callable[[], None]:
+        def loop() -> None:
+            for _ in range(n):
+                engine.step()
+        return loop
+
+    row["prefill_s"] = round(timed(prefill, device), 4)
+    row["prefill_fit"] = True
+    timed(decode(args.warmup_steps), device)
+    seconds = timed(decode(args.steps), device)
+    assert not any(r.is_finished for r in reqs), "a request finished inside the timed loop"
+    row["ms_per_step"] = round(seconds / args.steps * 1e3, 4)
+    row["tok_s"] = round(batch * args.steps / seconds, 2)
+    row["experts_hit"], row["routing"] = capture(engine, reqs, args.routing_steps, cfg, batch)
+
+
+def capture(engine: LLMEngine, reqs: list[Request], steps: int, cfg: ModelConfig,
+            batch: int) -> tuple[list[float], str]:
+    """Turn routing capture on for `steps` more decode steps (after timing: capture syncs to the host)."""
+    if steps <= 0:
+        return [round(x, 2) for x in expected_experts(cfg, batch)], "expected"
+    runner = engine.runner
+    runner.config = dataclasses.replace(runner.config, capture_routing=True)
+    for _ in range(steps):
+        engine.step()
+    hits = captured_experts(reqs, steps, cfg.num_layers)
+    return [round(x, 2) for x in hits], "captured"
+
+
+# ---- transformers ----------------------------------------------------------------------------------------------
+def load_group(official_name: str) -> str:
+    """Per layer, with the routed w2 apart from w1 + w3: bounds the copies `to_hf_state_dict` stacks at once."""
+    if not official_name.startswith("layers."):
+        return "top"
+    layer = official_name.split(".")[1]
+    return f"{layer}.w2" if ".experts." in official_name and official_name.endswith(".w2.weight") else layer
+
+
+def hf_dtype(hf: torch.nn.Module, key: str, dtype: torch.dtype) -> torch.dtype:
+    """What `from_pretrained(dtype=...)` gives a tensor: fp32 for `_keep_in_fp32_modules_strict` (substring
+    match, as transformers' dtype plan) under fp16 / bf16, else the model dtype (ours keeps more in fp32)."""
+    keep = getattr(hf, "_keep_in_fp32_modules_strict", None) or ()
+    low = dtype in (torch.float16, torch.bfloat16)
+    return torch.float32 if low and any(name in key for name in keep) else dtype
+
+
+def build_hf(model: DeepSeekV4ForCausalLM) -> torch.nn.Module:
+    """transformers' model sharing our weights: built on the meta device, then loaded layer by layer with
+    `assign=True` (dense tensors are views of ours; only the stacked experts are new memory)."""
+    import transformers
+
+    from dsv4.model.state_dict_adapter import to_hf_state_dict
+    from dsv4.model.weights import official_state_dict
+
+    device, weight_dtype = model.embed.weight.device, model.embed.weight.dtype
+    hf_cfg = transformers.DeepseekV4Config(**model.config.to_hf_dict())
+    hf_cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        hf = transformers.DeepseekV4ForCausalLM(hf_cfg)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in official_state_dict(model).items():
+        groups.setdefault(load_group(name), {})[name] = t
+    expected = set(hf.state_dict())
+    for group in groups.values():
+        part = {k: v.to(hf_dtype(hf, k, weight_dtype)) if v.is_floating_point() else v
+                for k, v in to_hf_state_dict(group).items()}
+        assert set(part) <= expected, f"unexpected transformers names {sorted(set(part) - expected)[:5]}"
+        hf.load_state_dict(part, strict=False, assign=True)
+        expected -= set(part)
+    assert not expected, f"transformers weights not loaded: {sorted(expected)[:5]}"
+    for name, module in list(hf.named_modules()):  # non-persistent buffers (RoPE inv_freq): rebuild on device
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent, _, attr = name.rpartition(".")
+            setattr(hf.get_submodule(parent), attr, type(module)(module.config, device=device))
+    meta = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    assert not meta, f"transformers tensors left on the meta device: {meta[:5]}"
+    return hf.eval()
+
+
+@torch.no_grad()
+def run_hf(hf: torch.nn.Module, args: argparse.Namespace, context: int, vocab: int, row: Row) -> None:
+    device = next(hf.parameters()).device
+    ids = torch.tensor(prompts_for(1, context, vocab, args.seed), device=device)
+    state: dict[str, Any] = {}
+
+    def prefill() -> None:
+        out = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+        state["cache"], state["tok"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def decode(n: int) -> Callable[[], None]:
+        def loop() -> None:
+            for _ in range(n):
+                out = hf(input_ids=state["tok"], past_key_values=state["cache"], use_cache=True)
+                state["cache"], state["tok"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return loop
+
+    try:
+        row["prefill_s"] = round(timed(prefill, device), 4)
+        row["prefill_fit"] = True
+        timed(decode(args.warmup_steps), device)
+        seconds = timed(decode(args.steps), device)
+        row["ms_per_step"] = round(seconds / args.steps * 1e3, 4)
+        row["tok_s"] = round(args.steps / seconds, 2)
+    finally:
+        state.clear()
+        free_memory(device)
+
+
+# ---- sweep -----------------------------------------------------------------------------------------------------
+def measure(system: str, batch: int, context: int, fn: Callable[[Row], None]) -> Row:
+    """One configuration; `fn` fills the row as it goes, so a failure keeps what was measured before it."""
+    row: Row = {"system": system, "batch": batch, "context": context, "status": "ok", "prefill_fit": False}
+    try:
+        fn(row)
+    except Exception as exc:  # noqa: BLE001 — one failing configuration must not end the sweep
+        row["status"] = failure(exc)
+    gc.collect()  # the traceback held the failed step's tensors
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"  {system} batch {batch} context {context}: {row['status']} {row.get('ms_per_step', '')}", flush=True)
+    return row
+
+
+def hf_rows(model: DeepSeekV4ForCausalLM, args: argparse.Namespace) -> tuple[list[Row], str | None]:
+    try:
+        import transformers
+    except ImportError:
+        print("note: transformers is not installed; skipping the transformers peer (--hf)", flush=True)
+        return [], None
+    device = model.embed.weight.device
+    try:
+        hf = build_hf(model)
+    except Exception as exc:  # noqa: BLE001 — e.g. no memory left for the stacked experts
+        status = f"build {failure(exc)}"
+        print(f"note: could not build the transformers model ({status}); skipping it", flush=True)
+    else:
+        vocab, warm = model.config.vocab_size, argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1})
+        measure("warm-up", 1, 128, functools.partial(run_hf, hf, warm, 128, vocab))
+        rows = [measure("transformers", 1, c, functools.partial(run_hf, hf, args, c, vocab)) for c in args.contexts]
+        del hf
+        free_memory(device)
+        return rows, transformers.__version__
+    free_memory(device)
+    return [{"system": "transformers", "batch": 1, "context": c, "status": status, "prefill_fit": False}
+            for c in args.contexts], transformers.__version__
+def speedups(rows: list[Row]) -> dict[str, float | None]:
+    ours = {r["context"]: r for r in rows if r["system"] == "dsv4" and r["batch"] == 1 and r["status"] == "ok"}
+    out: dict[str, float | None] = {}
+    for r in rows:
+        if r["system"] == "transformers" and r["context"] in ours:
+            ok = r["status"] == "ok"
+            out[str(r["context"])] = round(r["ms_per_step"] / ours[r["context"]]["ms_per_step"], 2) if ok else None
+    return out
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'system':<13}{'batch':>6}{'context':>9}{'status':>8}{'prefill s':>11}{'ms/step':>10}{'tok/s':>11}"
+          f"{'floor ms':>10}{'ratio':>8}{'experts hit':>13}")
+    for r in rows:
+        experts = r.get("experts_hit")
+        hit = f"{sum(experts) / len(experts):.1f}" if experts else "-"
+        print(f"{r['system']:<13}{r['batch']:>6}{r['context']:>9}{r['status'][:7]:>8}{r.get('prefill_s', '-'):>11}"
+              f"{r.get('ms_per_step', '-'):>10}{r.get('tok_s', '-'):>11}{r.get('floor_ms', '-'):>10}"
+              f"{r.get('ratio', '-'):>8}{hit:>13}")
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, style in (("dsv4", "o-"), ("transformers", "s-")):
+        pts = [(r["context"], r["ms_per_step"]) for r in rows
+               if r["system"] == system and r["batch"] == 1 and r["status"] == "ok"]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=f"{system} batch 1")
+    floor = [(r["context"], r["floor_ms"]) for r in rows if r["system"] == "dsv4" and r["batch"] == 1
+             and "floor_ms" in r]
+    if floor:
+        ax.plot(*zip(*floor, strict=True), "k--", label="HBM floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per decode token")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    args.kernel_backend = args.kernel_backend or ("triton" if device.type == "cuda" else "ref")
+    model = random_model(get_preset(args.preset), dtype, device, args.seed)
+    gbps = copy_bandwidth(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
+    print(f"{args.preset} on {device}: device copy {gbps:.1f} GB/s", flush=True)
+    warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1, "routing_steps": 0})
+    measure("warm-up", 1, min(args.contexts), functools.partial(run_engine, model, warm, 1, min(args.contexts)))
+    rows = [measure("dsv4", b, c, functools.partial(run_engine, model, args, b, c)) for b, c in sweep_points(args)]
+    peer, hf_version = hf_rows(model, args) if args.hf else ([], None)
+    rows = [add_floor(row, model, gbps) for row in rows + peer]
+    print_table(rows)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if args.plot:
+        plot(rows, args.plot, f"{args.preset} {args.dtype} decode on {name}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"benchmark": "decode_context_sweep", "preset": args.preset, "device": name, "dtype": args.dtype,
+              "kernel_backend": args.kernel_backend, "steps": args.steps, "page_size": args.page_size,
+              "chunked_prefill_size": args.chunked_prefill_size, "copy_gb_s": round(gbps, 1),
+              "torch": torch.__version__, "transformers": hf_version, "commit": commit,
+              "speedup_vs_transformers": speedups(rows), "rows": rows}
+    line = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+    return result
+
+
+if __name__ == "__main__":
+    main()

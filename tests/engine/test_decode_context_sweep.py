@@ -1,0 +1,88 @@
+"""Smoke test of `benchmarks/decode_context_sweep.py` on CPU: micro preset, two contexts, batches 1 and 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_context_sweep.py"
+ROW_KEYS = {"system", "batch", "context", "status", "prefill_fit", "prefill_s", "ms_per_step", "tok_s",
+            "weight_gb", "kv_gb", "floor_ms", "ratio"}
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("decode_context_sweep", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script()
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "64,128", "--batches", "1,2",
+            "--steps", "3", "--warmup-steps", "1", "--routing-steps", "2", "--copy-gib", "0.02",
+            "--plot", str(png), "--out", str(out)]
+    has_hf = importlib.util.find_spec("transformers") is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and robust to a busy machine
+    try:
+        bench.main(argv + (["--hf"] if has_hf else []))
+    finally:
+        torch.set_num_threads(threads)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert result == json.loads(out.read_text())
+    assert png.stat().st_size > 0
+    assert result["copy_gb_s"] > 0 and result["kernel_backend"] == "ref"
+    dsv4 = [r for r in result["rows"] if r["system"] == "dsv4"]
+    assert sorted((r["batch"], r["context"]) for r in dsv4) == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    for row in result["rows"]:
+        assert row["status"] == "ok", row
+        assert ROW_KEYS <= set(row), row
+        assert row["prefill_fit"] is True
+        for key in ("prefill_s", "ms_per_step", "tok_s", "weight_gb", "floor_ms", "ratio"):
+            assert row[key] > 0, (key, row)
+    for row in dsv4:
+        assert row["routing"] == "captured"
+        assert all(1 <= e <= 2 * row["batch"] for e in row["experts_hit"])  # micro: top-2 routing
+    if has_hf:
+        assert len([r for r in result["rows"] if r["system"] == "transformers"]) == 2
+        assert set(result["speedup_vs_transformers"]) == {"64", "128"}
+
+
+def test_floor_model() -> None:
+    """Bytes per step: KV grows with the context; distinct experts saturate at n_routed_experts."""
+    bench = load_script()
+    from dsv4.checkpoint.presets import flash_4l
+
+    cfg = flash_4l()
+    small, large = bench.kv_bytes(cfg, 4096, 2), bench.kv_bytes(cfg, 131072, 2)
+    # 4 layers x window 128 x 512, C4 top-512 x 512 + 1024 keys x 128, C128 32 entries x 512 (2 B each)
+    assert small == 2 * (4 * 128 * 512 + 2 * (512 * 512 + 1024 * 128) + 2 * 32 * 512)
+    assert large > small
+    assert bench.expected_experts(cfg, 1) == pytest.approx([6.0] * 4)
+    assert bench.expected_experts(cfg, 10_000) == pytest.approx([256.0] * 4)
+
+
+def test_failing_configuration_is_a_row() -> None:
+    """An out-of-memory (or any error) becomes the row's status, keeping what was measured before it."""
+    bench = load_script()
+
+    def decode_oom(row: dict[str, object]) -> None:
+        row.update(prefill_s=1.5, prefill_fit=True)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+    def broken(row: dict[str, object]) -> None:
+        raise ValueError("bad\nsecond line")
+
+    row = bench.measure("dsv4", 1, 131072, decode_oom)
+    assert row["status"] == "oom" and row["prefill_fit"] is True and row["prefill_s"] == 1.5
+    row = bench.measure("transformers", 1, 16384, broken)
+    assert row["status"] == "error: ValueError: bad" and row["prefill_fit"] is False
