@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,26 @@ def time_graph_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], iters: 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 1) -> float:
+    """Median time of eager calls (CUDA events on the GPU, wall clock on the CPU), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 

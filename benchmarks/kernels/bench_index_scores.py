@@ -30,14 +30,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-from bench_common import HBM_BYTES_PER_S, base_parser, print_table, record_header, select_device, time_graph_us
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    print_table,
+    record_header,
+    select_device,
+    time_eager_us,
+    time_graph_us,
+)
 
 BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
@@ -121,32 +127,13 @@ def check_parity(fn: Callable[..., torch.Tensor], ref_fn: Callable[..., torch.Te
 
 
 
-def time_eager_us(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
 def time_reference_us(ref_fn: Callable[..., torch.Tensor], case: Case, inputs: Inputs, iters: int,
                       cuda: bool) -> tuple[float, int]:
     """Reference time for all T rows, measured on the largest row prefix that fits REF_BUDGET_BYTES."""
     q, weights, keys, candidates = inputs
     rows = max(1, min(case.T, REF_BUDGET_BYTES // (case.V * (case.Id + case.Ih) * 4 * 2)))
     sub = (q[:rows], weights[:rows], keys, candidates[:rows])
-    us = time_eager_us(lambda: ref_fn(*sub), iters, 1, cuda)
+    us = time_eager_us(lambda: ref_fn(*sub), iters, cuda)
     return us * case.T / rows, rows
 
 
@@ -170,7 +157,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
         if cuda:
             timed[f"{block_v}/{warps}/{stages}"] = time_graph_us(fn, sets, args.iters, args.warmup)
         else:
-            timed[f"{block_v}/{warps}/{stages}"] = time_eager_us(partial(fn, *first), args.iters, 1, cuda)
+            timed[f"{block_v}/{warps}/{stages}"] = time_eager_us(partial(fn, *first), args.iters, cuda)
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
     ref_us, ref_rows = time_reference_us(paged_index_scores, case, first, max(3, args.iters // 10), cuda)

@@ -24,14 +24,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-from bench_common import HBM_BYTES_PER_S, base_parser, emit, print_table, record_header, select_device, time_graph_us
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    emit,
+    print_table,
+    record_header,
+    select_device,
+    time_eager_us,
+    time_graph_us,
+)
 
 LIMIT = 10.0
 N_SETS = 4
@@ -93,20 +100,6 @@ def make_inputs(s: Shape, N: int, device: torch.device, seed: int) -> Inputs:
 
 def expert_bytes(wts: Weights) -> float:
     return sum(t.numel() * t.element_size() for t in wts if t is not None) / wts[0].shape[0]
-
-
-def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

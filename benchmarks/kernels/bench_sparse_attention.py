@@ -30,13 +30,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bench_common import HBM_BYTES_PER_S, base_parser, emit, print_table, record_header, select_device, time_graph_us
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    emit,
+    print_table,
+    record_header,
+    select_device,
+    time_eager_us,
+    time_graph_us,
+)
 
 BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
@@ -133,20 +139,6 @@ def count_bytes(case: Case, inputs: Inputs, block_h: int, splits: int) -> dict[s
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
-
-
-def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def time_config(cfg: tuple[int, int, int, int, int | None], first: Inputs, sets: list[Inputs], ref: torch.Tensor,
