@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv4.checkpoint.presets import PRESETS
+from dsv4.checkpoint.presets import PRESETS, get_preset
+from dsv4.config.model import ModelConfig
 
 # Fields that describe the invocation, not the run: free to change between resumed invocations.
 INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir")
@@ -78,6 +79,11 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device={self.device!r} is invalid; allowed: 'cpu', 'cuda', 'cuda:N'")
+
+    def model_config(self) -> ModelConfig:
+        """The preset's architecture, its position limit raised to the training length if shorter."""
+        preset = get_preset(self.preset)
+        return preset.replace(max_position_embeddings=max(preset.max_position_embeddings, self.seq_len))
 
     @property
     def tokens_per_step(self) -> int:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from dsv4.checkpoint.presets import get_preset
 from dsv4.checkpoint.writer import write_official
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.weights import official_state_dict
@@ -30,8 +29,7 @@ def export_run(run_dir: Path, data_dir: Path, out: Path, weight_quant: str = "fp
                shard_bytes: int = 12 << 20) -> Path:
     config = TrainConfig.from_dict(json.loads((run_dir / "train_config.json").read_text()))
     state = torch.load(run_dir / "state.pt", map_location="cpu", weights_only=True)
-    model_config = get_preset(config.preset).replace(
-        max_position_embeddings=max(get_preset(config.preset).max_position_embeddings, config.seq_len))
+    model_config = config.model_config()
     with torch.device("meta"):
         model = DeepSeekV4ForCausalLM(model_config)
     model.load_state_dict(state["model"], assign=True)

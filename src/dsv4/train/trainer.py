@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dsv4.checkpoint.presets import get_preset
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.train.balance import ExpertBalancer
 from dsv4.train.config import TrainConfig
@@ -61,8 +60,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.out_dir)
         self.device = torch.device(config.device)
-        self.model_config = get_preset(config.preset).replace(max_position_embeddings=max(
-            get_preset(config.preset).max_position_embeddings, config.seq_len))
+        self.model_config = config.model_config()
         torch.manual_seed(config.seed)
         model = DeepSeekV4ForCausalLM(self.model_config)
         model.reset_buffers()
