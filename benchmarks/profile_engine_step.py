@@ -31,12 +31,14 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=300)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--kernel-backend", default="ref")
+    p.add_argument("--warm-steps", type=int, default=0,
+                   help="steps of the profiled batch run before profiling (e.g. its prefill: profile decode only)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device))
     engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=8192, kernel_backend=args.kernel_backend,
                                            max_total_tokens=args.num_prompts * (args.prompt_len + 512) + 4096))
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0, ignore_eos=True)
 
     def add_batch() -> None:
         for _ in range(args.num_prompts):
@@ -47,6 +49,8 @@ def main() -> None:
     while engine.has_unfinished():
         engine.step()
     add_batch()
+    for _ in range(args.warm_steps):
+        engine.step()
     cuda = args.device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     times = []
@@ -62,6 +66,7 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(json.dumps({"profile": "engine_step", "preset": args.preset, "device": args.device, "backend":
                       args.kernel_backend, "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+                      "warm_steps": args.warm_steps,
                       "step_s": times}))
 
 

@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from dsv4.kernels.ref.moe import pack_w13, routed_experts_quant  # noqa: E402
-from dsv4.kernels.triton.moe import tile_map, triton_routed_experts_quant  # noqa: E402
+from dsv4.kernels.ref.moe import pack_w13, routed_experts, routed_experts_quant  # noqa: E402
+from dsv4.kernels.triton.moe import tile_map, triton_routed_experts, triton_routed_experts_quant  # noqa: E402
 
 REL = 1e-2          # max |diff| / max |ref| against the fp32-activation reference
 REL_BF16_REF = 2e-2  # ... against the reference run in bf16 (its own roundings add ~6e-3, up to ~1.1e-2 seen)
@@ -154,6 +154,27 @@ def test_empty_and_validation() -> None:
         triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scales"):
         triton_routed_experts_quant(x, wts[0], None, wts[2], None, idx, rw, 10.0, "fp4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_op_plain_experts(dtype: torch.dtype) -> None:
+    """`triton_routed_experts` (the triton backend's op) on the model's own [E, I, d] w1 / w3 parameters (no w13
+    copy) equals `ref.moe.routed_experts`; fp32: tight, bf16: the kernel keeps gate / up / y in fp32 (one h
+    rounding) where the reference rounds each linear, and it is bit-reproducible run to run."""
+    g = torch.Generator(DEVICE).manual_seed(11)
+    E, d, inter, N = 6, 64, 96, 19
+    w1, w3 = (torch.randn(E, inter, d, generator=g, device=DEVICE) * d ** -0.5 for _ in range(2))
+    w2 = torch.randn(E, d, inter, generator=g, device=DEVICE) * inter ** -0.5
+    w1, w2, w3 = w1.to(dtype), w2.to(dtype), w3.to(dtype)
+    idx, rw = make_routing(N, E, 2, seed=11)
+    x = (randn(N, d) * 3).to(dtype)
+    out = triton_routed_experts(x, w1, w2, w3, idx, rw, 1.5)
+    ref = routed_experts(x.float(), w1.float(), w2.float(), w3.float(), idx, rw, 1.5)
+    rel = 1e-5 if dtype == torch.float32 else REL
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= rel
+    assert torch.equal(out, triton_routed_experts(x, w1, w2, w3, idx, rw, 1.5))
+    with pytest.raises(ValueError, match="twins"):
+        triton_routed_experts(x, w1, w2, w3[:, :-1], idx, rw, 1.5)
 
 
 # --------------------------------------------------------------------------

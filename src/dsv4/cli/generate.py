@@ -22,6 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None, help="KV page size (default: 256; 128 on CPU)")
+    p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
+                   help="bf16: dequantise FP4/FP8 weights at load; checkpoint: keep routed experts in FP4")
     p.set_defaults(func=run)
 
 
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args["kv_cache_memory_gb"] = 0.5
     from dsv4.assets import default_model_path
 
-    llm = LLM(args.model or default_model_path(), dtype=args.dtype, device=args.device, **engine_args)
+    llm = LLM(args.model or default_model_path(), dtype=args.dtype, device=args.device,
+              weight_format=args.weight_format, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):

@@ -47,6 +47,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV budget when --max-total-tokens is unset")
     g.add_argument("--kernel-backend", default=None, help="kernel implementation (default: ref)")
+    g.add_argument("--weight-format", default=None, choices=["bf16", "checkpoint"],
+                   help="bf16: dequantise FP4/FP8 weights at load (default); checkpoint: keep routed experts in FP4")
     g.add_argument("--disable-radix-cache", "--disable-prefix-cache", dest="disable_prefix_cache",
                    action="store_true", default=None, help="turn the radix prefix cache off")
     g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None, help="engine sampling seed")
@@ -78,7 +80,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     given = {name: getattr(args, name) for name in (
         "max_running_requests", "context_length", "chunked_prefill_size", "page_size", "max_total_tokens",
         "kv_cache_memory_gb", "kernel_backend", "seed", "max_waiting_requests", "max_request_bytes",
-        "shutdown_timeout_s", "torch_threads", "disable_prefix_cache")}
+        "shutdown_timeout_s", "torch_threads", "disable_prefix_cache", "weight_format")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if device == "cpu":
         engine_args.setdefault("page_size", _cpu_page_size(model))

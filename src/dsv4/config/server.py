@@ -23,7 +23,8 @@ class ServerConfig(EngineConfig):
     max_waiting_requests: engine requests allowed in flight beyond `max_running_requests` before new
     requests get 503. max_request_bytes: larger request bodies get 413. shutdown_timeout_s: on SIGTERM,
     how long in-flight requests may finish before they are aborted. access_log: uvicorn's per-request log.
-    torch_threads: intra-op threads of the engine process (None: torch's default, one per core)."""
+    torch_threads: intra-op threads of the engine process (None: torch's default, one per core).
+    weight_format: "bf16" dequantises FP4 / FP8 weights at load; "checkpoint" keeps the routed experts in FP4."""
 
     model: str = ""
     served_model_name: str = "dsv4"
@@ -37,6 +38,7 @@ class ServerConfig(EngineConfig):
     shutdown_timeout_s: float = 10.0
     access_log: bool = False
     torch_threads: int | None = None
+    weight_format: str = "bf16"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,6 +48,8 @@ class ServerConfig(EngineConfig):
             raise ValueError("served_model_name='' is invalid; allowed: a non-empty name")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: {list(DTYPES)}")
+        if self.weight_format not in ("bf16", "checkpoint"):
+            raise ValueError(f"weight_format={self.weight_format!r} is invalid; allowed: ['bf16', 'checkpoint']")
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device={self.device!r} is invalid; allowed: cpu, cuda or cuda:N")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -5,7 +5,8 @@
     outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
     print(outs[0].text)
 
-Keyword arguments beyond model/dtype/device are EngineConfig fields. The tokenizer is read from
+Keyword arguments beyond model/dtype/device/weight_format are EngineConfig fields (weight_format "checkpoint"
+keeps the routed experts in FP4, see `model/quant_experts.py`). The tokenizer is read from
 the checkpoint directory (`tokenizer.json`); without one, pass `prompt_token_ids` and read
 `token_ids` (the text stays empty).
 """
@@ -38,12 +39,12 @@ def _engine_config(engine_args: dict[str, Any]) -> EngineConfig:
 
 class LLM:
     def __init__(self, model: str | Path, dtype: str | None = None, device: str | None = None,
-                 **engine_args: Any) -> None:
+                 weight_format: str = "bf16", **engine_args: Any) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         config = _engine_config(engine_args)
         path = Path(model)
-        self.model = load_model(path, dtype=dtype, device=device)
+        self.model = load_model(path, dtype=dtype, device=device, weight_format=weight_format)
         tok_file = path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.engine = LLMEngine(self.model, config, self.tokenizer)

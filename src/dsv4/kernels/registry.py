@@ -16,7 +16,8 @@ import torch
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import compress_cached
 from dsv4.kernels.ref.indexer import paged_index_scores
-from dsv4.kernels.ref.moe import routed_experts
+from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
+from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
 from dsv4.kernels.ref.topk import topk_ragged
 from dsv4.utils.logging import init_logger
 
@@ -32,15 +33,28 @@ class KernelOps:
     index_scores: Callable[..., torch.Tensor]         # paged_index_scores(q, weights, keys, candidates)
     topk: Callable[..., torch.Tensor]                 # topk_ragged(scores, lengths, k) -> entry ids, -1 = none
     routed_experts: Callable[..., torch.Tensor]       # routed_experts(x, w1, w2, w3, indices, weights, limit)
+    mhc_pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # mhc_pre(x, fn, scale, base, n, iters,
+                                                      #   hc_eps, norm_eps) -> (h, post, comb)
+    mhc_post: Callable[..., torch.Tensor]             # mhc_post(f, x, post, comb)
+    mhc_head: Callable[..., torch.Tensor]             # mhc_head(x, fn, scale, base, hc_eps, norm_eps)
+    routed_experts_quant: Callable[..., torch.Tensor]  # routed_experts_quant(x, w13, w13_scale, w2, w2_scale,
+                                                       #   indices, weights, limit, fmt): checkpoint-format experts
 
 
 def _ref() -> KernelOps:
-    return KernelOps("ref", sparse_attention_multi, compress_cached, paged_index_scores, topk_ragged, routed_experts)
+    return KernelOps("ref", sparse_attention_multi, compress_cached, paged_index_scores, topk_ragged, routed_experts,
+                     mhc_pre, mhc_post, mhc_head, routed_experts_quant)
 
 
 def _triton() -> KernelOps:
-    """Triton kernels where they exist (compressor, indexer scores, top-k); the other ops are still the references.
-    Imported lazily: a machine without a GPU never compiles them (tests use TRITON_INTERPRET=1)."""
+    """Every op as its Triton kernel (compressor, indexer scores, top-k, hybrid sparse attention, grouped routed
+    experts on float or checkpoint-format (FP4 / FP8) weights, fused mHC pre / post / head). Imported lazily: a
+    machine without a GPU never compiles them (tests use TRITON_INTERPRET=1).
+
+    NOTE: not bit-equal to `ref` in bf16 (other summation orders: online softmax, fp32 accumulation of the expert
+    GEMMs). fp32 models agree to rounding (tests/kernels/test_engine_triton_backend.py); the bf16 agreement is
+    measured by benchmarks/engine_backend_check.py.
+    """
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -48,13 +62,14 @@ def _triton() -> KernelOps:
                          "allowed on this machine: 'ref'")
     from dsv4.kernels.triton.compressor import triton_compress_cached
     from dsv4.kernels.triton.index_scores import triton_index_scores
+    from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_post, triton_mhc_pre
+    from dsv4.kernels.triton.moe import triton_routed_experts, triton_routed_experts_quant_deterministic
+    from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
     from dsv4.kernels.triton.topk import lightning_topk
 
-    # NOTE: routed experts stay the reference loop here: `ref.moe.routed_experts_grouped` (bf16 grouped GEMMs) is
-    # faster but not bit-equal, and this backend promises the reference's greedy tokens (measured on flash-4l:
-    # 76/128 identical with it). It belongs with the quantised-MoE kernel and its looser agreement bound.
-    return KernelOps("triton", sparse_attention_multi, triton_compress_cached, triton_index_scores, lightning_topk,
-                     routed_experts)
+    return KernelOps("triton", triton_sparse_attention, triton_compress_cached, triton_index_scores, lightning_topk,
+                     triton_routed_experts, triton_mhc_pre, triton_mhc_post, triton_mhc_head,
+                     triton_routed_experts_quant_deterministic)
 
 
 _BACKENDS: dict[str, Callable[[], KernelOps]] = {"ref": _ref, "triton": _triton}

@@ -27,7 +27,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
         """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at the tokens' positions -> [B, S, n, d]."""
-        h, post, comb = self.hc_attn.pre(x)
-        x = HyperConnection.post(self.attn(self.attn_norm(h), cos, sin, ctx, self.layer_id), x, post, comb)
-        h, post, comb = self.hc_ffn.pre(x)
-        return HyperConnection.post(self.ffn(self.ffn_norm(h), input_ids, ctx), x, post, comb)
+        h, post, comb = self.hc_attn.pre(x, ctx)
+        x = HyperConnection.post(self.attn(self.attn_norm(h), cos, sin, ctx, self.layer_id), x, post, comb, ctx)
+        h, post, comb = self.hc_ffn.pre(x, ctx)
+        return HyperConnection.post(self.ffn(self.ffn_norm(h), input_ids, ctx), x, post, comb, ctx)

@@ -12,6 +12,8 @@ import torch
 
 from dsv4.config.model import ModelConfig
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.moe import Experts
+from dsv4.model.quant_experts import QuantExperts, check_weight_format
 from dsv4.model.state_dict_adapter import is_hf_name
 from dsv4.model.weights import checkpoint_keys, load_weights, shard_files
 from dsv4.utils.logging import init_logger
@@ -40,10 +42,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DeepSeekV4ForCausalLM:
-    """Uninitialised model with the right dtypes on `device` (contents are garbage until loaded)."""
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                weight_format: str = "bf16") -> DeepSeekV4ForCausalLM:
+    """Uninitialised model with the right dtypes on `device` (contents are garbage until loaded).
+
+    weight_format "checkpoint": routed experts are `QuantExperts` (FP4 codes + scales, as official V4 stores them).
+    """
+    check_weight_format(weight_format)
     with torch.device("meta"):
         model = DeepSeekV4ForCausalLM(config)
+        if weight_format == "checkpoint":
+            for module in model.modules():
+                if isinstance(getattr(module, "experts", None), Experts):
+                    module.experts = QuantExperts.from_config(config, "fp4")
     model.cast_(dtype)
     model.to_empty(device=device)
     model.reset_buffers()
@@ -60,14 +71,20 @@ def _mtp_checked(config: ModelConfig, keys: list[str]) -> ModelConfig:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
-               progress: bool = True) -> DeepSeekV4ForCausalLM:
-    """Load a DeepSeek-V4 checkpoint (official or transformers layout) for inference or training."""
+               progress: bool = True, weight_format: str = "bf16") -> DeepSeekV4ForCausalLM:
+    """Load a DeepSeek-V4 checkpoint (official or transformers layout) for inference or training.
+
+    weight_format: "bf16" dequantises the FP4 / FP8 weights to `dtype`; "checkpoint" keeps the routed experts in
+    their FP4 encoding (serving only; see `model/quant_experts.py`).
+    """
+    check_weight_format(weight_format)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
     config = _mtp_checked(ModelConfig.from_hf(path), checkpoint_keys(shard_files(path)))
-    model = empty_model(config, torch_dtype, dev)
+    model = empty_model(config, torch_dtype, dev, weight_format)
     load_weights(model, path, progress)
-    logger.info("loaded %s (%d layers, dtype=%s, device=%s)", path, config.num_layers, torch_dtype, dev)
+    logger.info("loaded %s (%d layers, dtype=%s, device=%s, weights=%s)", path, config.num_layers, torch_dtype, dev,
+                weight_format)
     return model.eval()

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from dsv4.model import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.state_dict_adapter import hf_to_official, is_hf_name
 from dsv4.utils.logging import init_logger
 
@@ -63,6 +64,9 @@ def internal_to_official(name: str, num_experts: int) -> list[tuple[str, int | N
 
 def official_state_dict(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
     """The model's tensors under official DeepSeek names (dequantised; stacked experts fanned out, as views)."""
+    if any(isinstance(m, QuantExperts) for m in model.modules()):
+        raise ValueError("this model keeps its experts in checkpoint encoding (weight_format='checkpoint'); "
+                         "load it with weight_format='bf16' to export or train it")
     out: dict[str, torch.Tensor] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq"):
@@ -118,13 +122,19 @@ class WeightLoader:
 
     def __init__(self, model: DeepSeekV4ForCausalLM) -> None:
         self.model = model
-        self.params = dict(model.named_parameters()) | dict(model.named_buffers())
+        # experts kept in checkpoint encoding take their codes and scales as they are (no pairing, no dequant)
+        self.quant_experts = {name: m for name, m in model.named_modules() if isinstance(m, QuantExperts)}
+        self.params = {name: t for name, t in list(model.named_parameters()) + list(model.named_buffers())
+                       if name.rsplit(".", 1)[0] not in self.quant_experts}
         self.pending_weights: dict[str, torch.Tensor] = {}
         self.pending_scales: dict[str, torch.Tensor] = {}
         self.filled: set[tuple[str, int | None]] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name.endswith(".scale"):
+        m = _EXPERT.match(name)
+        if m and m.group(1) in self.quant_experts:
+            self._assign_code(name, m.group(1), int(m.group(2)), m.group(3), tensor, m.group(4) == "scale")
+        elif name.endswith(".scale"):
             base = name[: -len(".scale")] + ".weight"
             if base in self.pending_weights:
                 self._assign(base, self._dequant(base, self.pending_weights.pop(base), tensor))
@@ -153,8 +163,31 @@ class WeightLoader:
                             if (name, e) not in self.filled and (name, None) not in self.filled]
             elif (name, None) not in self.filled:
                 missing.append(internal_to_official(name, 0)[0][0])
+        for prefix, module in self.quant_experts.items():
+            missing += [f"{prefix}.{e}.{w}.{kind}" for e in range(module.w13.shape[0]) for w in ("w1", "w2", "w3")
+                        for kind in ("weight", "scale") if (f"{prefix}.{w}.{kind}", e) not in self.filled]
         if missing:
             raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:8]}")
+
+    def _assign_code(self, name: str, prefix: str, expert: int, which: str, tensor: torch.Tensor,
+                     scale: bool) -> None:
+        """An expert tensor for a `QuantExperts`: codes / scales copied in; a float weight (a transformers-layout
+        checkpoint stores experts dequantised) is encoded, which is exact for weights that came from FP4."""
+        module = self.quant_experts[prefix]
+        key = (f"{prefix}.{which}.{'scale' if scale else 'weight'}", expert)
+        if key in self.filled:
+            raise CheckpointError(f"tensor `{name}` appears twice in the checkpoint")
+        if not 0 <= expert < module.w13.shape[0]:
+            raise CheckpointError(f"unexpected tensor `{name}`: expert {expert} >= {module.w13.shape[0]}")
+        try:
+            if tensor.is_floating_point() and tensor.element_size() > 1:
+                module.quantize_from(which, expert, tensor.to(module.w13.device))
+                self.filled.add((f"{prefix}.{which}.scale", expert))
+            else:
+                module.load(which, expert, tensor.to(module.w13.device), scale)
+        except ValueError as err:
+            raise CheckpointError(f"tensor `{name}`: {err}") from err
+        self.filled.add(key)
 
     def _dequant(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         dtype = self._target_param(name).dtype

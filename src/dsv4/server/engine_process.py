@@ -87,7 +87,7 @@ def run_engine_process(config: ServerConfig, paths: IpcPaths) -> None:
 def build_engine(config: ServerConfig) -> LLMEngine:
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    model = load_model(config.model, dtype=config.dtype, device=config.device)
+    model = load_model(config.model, dtype=config.dtype, device=config.device, weight_format=config.weight_format)
     tokenizer = Tokenizer.from_file(str(Path(config.model) / "tokenizer.json"))
     return LLMEngine(model, config.engine_config, tokenizer)
 

@@ -42,6 +42,26 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
     return out
 
 
+def routed_experts_dense(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                         indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """Same contract as `routed_experts`, computed for every expert on every token: three dense GEMMs over the
+    experts stacked as one [E*I]-wide SwiGLU, its hidden units scaled by the combine weights scattered into [N, E]
+    (zero for unselected experts, so they add nothing to the output nor to any gradient).
+
+    No data-dependent shapes and no host sync, so it traces under torch.compile and costs a handful of launches;
+    but it does E/k times the expert FLOPs and holds [N, E*I] activations, so it only pays when E*I is small
+    (the `tiny` preset: E=16, I=256, d=256). The training path of `model/moe.py::Experts` uses it.
+    """
+    N, d = x.shape
+    E, inter, _ = w1.shape
+    combine = torch.zeros(N, E, dtype=weights.dtype, device=x.device).scatter_add(1, indices, weights)
+    gate = F.linear(x, w1.reshape(E * inter, d)).view(N, E, inter)
+    up = F.linear(x, w3.reshape(E * inter, d)).view(N, E, inter)
+    h = (swiglu(gate, up, limit).float() * combine[:, :, None]).to(x.dtype)
+    w2_flat = w2.permute(1, 0, 2).reshape(d, E * inter)                    # column e*I+i is w2[e, :, i]
+    return F.linear(h.reshape(N, E * inter), w2_flat).float()
+
+
 def routed_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                            indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
     """Same contract as `routed_experts`, as three grouped GEMMs (`torch._grouped_mm`, CUDA bf16, Hopper) with

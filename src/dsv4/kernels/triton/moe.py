@@ -98,8 +98,8 @@ def _dot(a, w, FP32_DOT: tl.constexpr):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _gate_up_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
-    K, INTER, up_srow, limit,
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
+    K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -116,11 +116,9 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
         if FMT == 1:
-            g_srow = offs_n // 128
-            u_srow = up_srow + offs_n // 128
+            srow = offs_n // 128
         else:
-            g_srow = offs_n
-            u_srow = INTER + offs_n
+            srow = offs_n
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -129,10 +127,10 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
             a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
                         mask=p_mask[:, None] & k_mask[None, :], other=0.0)
             mask = k_mask[:, None] & n_mask[None, :]
-            wg = _w_tile(w_ptr, s_ptr, e, offs_n, g_srow, offs_k, k0, mask,
+            wg = _w_tile(w1_ptr, s1_ptr, e, offs_n, srow, offs_k, k0, mask,
                          stride_we, stride_wn, stride_se, stride_sn, FMT)
             acc_g += _dot(a, wg, FP32_DOT)
-            wu = _w_tile(w_ptr, s_ptr, e, INTER + offs_n, u_srow, offs_k, k0, mask,
+            wu = _w_tile(w3_ptr, s3_ptr, e, offs_n, srow, offs_k, k0, mask,
                          stride_we, stride_wn, stride_se, stride_sn, FMT)
             acc_u += _dot(a, wu, FP32_DOT)
         g = tl.minimum(acc_g, limit)
@@ -255,10 +253,54 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     block_k <= 128 (an fp8 tile must sit inside one 128-wide scale block).
     """
     _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
+    inter = w13.shape[1] // 2
+    split = triton.cdiv(inter, _FP8_BLOCK) if fmt == "fp8" else inter    # scale rows of w1: blocks / rows
+    s1 = w13_scale[:, :split] if w13_scale is not None else None
+    s3 = w13_scale[:, split:] if w13_scale is not None else None
+    # w1 / w3 (and their scales) are views into w13 with identical strides: the kernel takes them separately
+    return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit, fmt,
+                   deterministic, block_m, block_n, block_k, num_warps, num_stages)
+
+
+def triton_routed_experts_quant_deterministic(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+                                              w2: torch.Tensor, w2_scale: torch.Tensor | None, indices: torch.Tensor,
+                                              weights: torch.Tensor, limit: float, fmt: str) -> torch.Tensor:
+    """The kernel backend's `routed_experts_quant` op: `triton_routed_experts_quant` with the fixed-order
+    (deterministic) epilogue, so greedy decoding is reproducible run to run."""
+    return triton_routed_experts_quant(x, w13, w13_scale, w2, w2_scale, indices, weights, limit, fmt,
+                                       deterministic=True)
+
+
+def triton_routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                          indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """Same contract as `ref.moe.routed_experts` (the kernel backend's `routed_experts` op): plain float experts
+    w1, w3 [E, I, d] and w2 [E, d, I] as the model stores them (no w13 copy), the bf16 path of the kernel.
+
+    The down projection writes per-(token, k) rows that are summed in a fixed order (`deterministic=True`):
+    the atomic epilogue would make greedy decoding differ run to run.
+    """
+    if w1.shape != w3.shape or w1.stride() != w3.stride() or not (w1.is_contiguous() and w2.is_contiguous()):
+        raise ValueError(f"w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must be contiguous twins and w2 contiguous")
+    if x.dim() != 2 or w1.dim() != 3 or w1.shape[2] != x.shape[1] or tuple(w2.shape) != (w1.shape[0], x.shape[1],
+                                                                                        w1.shape[1]):
+        raise ValueError(f"expected x [N, d], w1/w3 [E, I, d], w2 [E, d, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w1.shape)}, {tuple(w2.shape)}")
+    if indices.dtype != torch.int64 or weights.dtype != torch.float32 or weights.shape != indices.shape:
+        raise ValueError(f"indices [N, k] int64 and weights [N, k] float32; got {indices.dtype} "
+                         f"{tuple(indices.shape)}, {weights.dtype} {tuple(weights.shape)}")
+    return _launch(x.contiguous(), w1, w3, None, None, w2, None, indices, weights, limit, "bf16", True, None, 64, 64,
+                   4, 3)
+
+
+def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor | None, s3: torch.Tensor | None,
+            w2: torch.Tensor, s2: torch.Tensor | None, indices: torch.Tensor, weights: torch.Tensor, limit: float,
+            fmt: str, deterministic: bool, block_m: int | None, block_n: int, block_k: int, num_warps: int,
+            num_stages: int) -> torch.Tensor:
+    """The two launches; w1 / w3 (and s1 / s3) share their strides. Shapes are checked by the callers."""
     if any(b < _MIN_DOT or b & (b - 1) for b in (block_n, block_k)) or block_k > _FP8_BLOCK:
         raise ValueError(f"block_n / block_k must be powers of two >= 16 (block_k <= 128); got {block_n}, {block_k}")
     N, topk = indices.shape
-    E, d, inter = w13.shape[0], x.shape[1], w13.shape[1] // 2
+    E, d, inter = w1.shape[0], x.shape[1], w1.shape[1]
     out = torch.zeros(N, d, dtype=torch.float32, device=x.device)
     nk = N * topk
     if nk == 0:
@@ -266,16 +308,19 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     bm = block_m or _default_block_m(nk, E)
     order, t_start, t_end, t_exp = tile_map(indices, E, bm)
     rw = weights.reshape(-1).contiguous()
-    s13 = w13_scale.view(torch.uint8) if w13_scale is not None else w13
-    s2 = w2_scale.view(torch.uint8) if w2_scale is not None else w2
+    s1 = s1.view(torch.uint8) if s1 is not None else w1
+    s3 = s3.view(torch.uint8) if s3 is not None else w3
+    s2 = s2.view(torch.uint8) if s2 is not None else w2
     code = FMTS[fmt]
-    fp32_dot = x.device.type != "cuda"
+    # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot would round
+    # them (measured: 0.09 log-prob drift on the tiny fp32 model); and the interpreter's bf16 dot is broken.
+    fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32 or w1.dtype == torch.float32
     blocks = {"BLOCK_M": bm, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "num_stages": num_stages}
     h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(t_start.numel(), triton.cdiv(inter, block_n))](
-        x, _raw(w13, fmt), s13, h, order, rw, t_start, t_end, t_exp,
-        d, inter, triton.cdiv(inter, _FP8_BLOCK), float(limit),
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+        x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
+        d, inter, float(limit),
+        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         TOPK=topk, FMT=code, FP32_DOT=fp32_dot, **blocks,
     )
     dest = out if not deterministic else torch.empty(nk, d, dtype=torch.float32, device=x.device)
