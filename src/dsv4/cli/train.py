@@ -42,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for name, kind in _RUN_FLAGS.items():
         r.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name])
+    r.add_argument("--compile", action="store_true", help="torch.compile the training forward (same math)")
     r.set_defaults(func=run_train)
 
     e = tsub.add_parser("export", help="write a run's weights as a servable checkpoint")
@@ -65,7 +66,7 @@ def run_train(args: argparse.Namespace) -> int:
     from dsv4.train.plot import plot_losses
     from dsv4.train.trainer import open_run
 
-    config = TrainConfig(data_dir=str(args.data), out_dir=str(args.out),
+    config = TrainConfig(data_dir=str(args.data), out_dir=str(args.out), compile=args.compile,
                          **{name: getattr(args, name) for name in _RUN_FLAGS})
     trainer = open_run(config, resume=args.resume)
     last = trainer.run()

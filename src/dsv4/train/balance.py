@@ -27,7 +27,10 @@ class ExpertBalancer:
 
     def _hook(self, name: str):  # type: ignore[no-untyped-def]
         def record(_module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: tuple[torch.Tensor, ...]) -> None:
-            counts = torch.bincount(output[0].reshape(-1), minlength=self.num_experts)
+            ids = output[0].reshape(-1)
+            # fixed-size count (not bincount: its output size is data-dependent, a torch.compile graph break)
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+                0, ids, torch.ones_like(ids))
             self.loads[name] = self.loads[name] + counts if name in self.loads else counts
         return record
 

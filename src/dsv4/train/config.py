@@ -2,8 +2,8 @@
 
 Built once at the edge (CLI flags or a run directory's `train_config.json`) and passed down. A run
 directory stores the config it was started with; resuming reads it back, so a resumed run cannot
-silently change its schedule. Only `time_limit_s` and `device` may differ on resume: they say where
-and how long this invocation runs, not what is trained.
+silently change its schedule. Only the INVOCATION_FIELDS (time limit, device, paths, `compile`) may differ on
+resume: they say where, how long and how fast this invocation runs, not what is trained.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dsv4.checkpoint.presets import PRESETS, get_preset
 from dsv4.config.model import ModelConfig
 
 # Fields that describe the invocation, not the run: free to change between resumed invocations.
-INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir")
+INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir", "compile")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class TrainConfig:
     qat_start: fraction of `steps` after which linears/experts run through FP8/FP4 fake quantisation
     (straight-through) so the shipped quantised checkpoint matches the trained weights; 1.0 disables.
     init_from: a checkpoint directory (e.g. an earlier stage's export) whose weights replace the initial ones.
-    time_limit_s: stop this invocation (after saving) once its wall time exceeds it; resume continues."""
+    time_limit_s: stop this invocation (after saving) once its wall time exceeds it; resume continues.
+    compile: run the training forward + losses through torch.compile (same math, fewer launches)."""
 
     data_dir: str
     out_dir: str
@@ -58,6 +59,7 @@ class TrainConfig:
     device: str = "cpu"
     time_limit_s: float | None = None
     max_steps_this_call: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:

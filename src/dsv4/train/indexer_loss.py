@@ -38,7 +38,8 @@ def indexer_kl(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     scores = attn.indexer.scores(x, q_lat, cos, sin)                             # [B, S, E], -inf hidden
     log_q = torch.log_softmax(scores.masked_fill(~rows[:, None], 0.0), dim=-1).masked_fill(hidden, 0.0)
     kl = (target * (target.clamp_min(1e-20).log() - log_q)).sum(-1)              # [B, S]
-    return kl[:, rows].mean()
+    # masked mean, not kl[:, rows]: a boolean index has a data-dependent shape, which splits torch.compile graphs
+    return kl.masked_fill(~rows, 0.0).sum() / (kl.shape[0] * rows.sum())
 
 
 class IndexerDistiller:

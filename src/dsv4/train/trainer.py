@@ -7,8 +7,9 @@ step, written atomically), `metrics.jsonl` (one JSON object per logged step / ev
 else the next step reads, so an invocation stopped by its time limit and resumed continues exactly where
 it stopped: on CPU the resumed losses equal the uninterrupted run's bit for bit (tests/train/).
 
-Named sync points: the loss/grad-norm read at `log_every` steps, the expert-load read of the balancer,
-and the reference MoE's per-expert token counts inside the model.
+Named sync points: the loss/grad-norm read at `log_every` steps and the expert-load read of the balancer (the
+training forward runs the dense MoE, which has none; evaluation runs the reference MoE and its per-expert token
+counts). `compile` wraps the training forward (`Trainer._losses`) in torch.compile; the rest stays eager.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from tqdm import tqdm
 
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.train.balance import ExpertBalancer
-from dsv4.train.config import TrainConfig
+from dsv4.train.config import INVOCATION_FIELDS, TrainConfig
 from dsv4.train.data import TokenStream
 from dsv4.train.indexer_loss import IndexerDistiller
 from dsv4.train.init import init_weights
@@ -72,6 +74,8 @@ class Trainer:
         self.balancer = ExpertBalancer(self.model, self.model_config.n_routed_experts, config.bias_update_rate)
         self.shadow = QuantShadow(self.model, SHIPPED_QUANT)
         self.distiller = IndexerDistiller(self.model)
+        # compiled once; self.model stays the plain module (state_dict, evaluation and saving never see compile)
+        self._train_losses = _compiled(self._losses) if config.compile else self._losses
         self.stream = TokenStream(Path(config.data_dir), seed=config.seed)
         self.step = 0
         self.elapsed_s = 0.0   # training wall time of all invocations so far (excludes evaluation)
@@ -104,6 +108,12 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
+    def _losses(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The training forward (what `compile` compiles): the model, the losses and the forward hooks of the
+        balancer and the indexer distiller, under autocast."""
+        with self._autocast():
+            return lm_losses(self.model, tokens)
+
     # --- one step ---------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, torch.Tensor]:
         """One optimizer step on batch `self.step`; returns unsynced scalars."""
@@ -114,8 +124,7 @@ class Trainer:
             group["lr"] = lr
         self.balancer.loads.clear()
         with self.shadow.rounded(self.qat_active(self.step)):
-            with self._autocast():
-                losses = lm_losses(self.model, tokens)
+            losses = self._train_losses(tokens)
             total = losses["loss"] + c.mtp_weight * losses.get("mtp_loss", torch.zeros((), device=self.device))
             indexer_kl = self.distiller.take()
             if indexer_kl is not None:
@@ -222,6 +231,15 @@ class Trainer:
             metrics.write_text("".join(line + "\n" for line in kept))
 
 
+LossFn = Callable[[torch.Tensor], dict[str, torch.Tensor]]
+
+
+def _compiled(fn: LossFn) -> LossFn:
+    """torch.compile `fn`: one graph (no data-dependent shapes: dense training MoE, fixed-size expert counts in the
+    balancer hook, masked-mean indexer loss). QAT needs nothing: it swaps parameter storage outside the call."""
+    return torch.compile(fn)
+
+
 def _load_initial(model: DeepSeekV4ForCausalLM, path: Path) -> None:
     """Start from the weights of the checkpoint at `path` (same architecture; dequantised to fp32)."""
     from dsv4.model.loader import load_model
@@ -245,7 +263,7 @@ def open_run(config: TrainConfig, resume: bool) -> Trainer:
         changed = previous.same_run_as(config)
         if changed:
             raise ValueError(f"--resume: {changed} differ from the run's train_config.json; only "
-                             "time_limit_s, device, max_steps_this_call, data_dir and out_dir may change")
+                             f"{', '.join(INVOCATION_FIELDS)} may change")
         trainer = Trainer(config)
         trainer.load()
         return trainer
