@@ -102,9 +102,11 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         return q, kv, q_lat
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate, grouped wo_a, then wo_b."""
-        o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+    def output(self, o: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate (unless cos is None: done by the caller),
+        grouped wo_a, then wo_b."""
+        if cos is not None and sin is not None:
+            o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
         B, S = o.shape[:2]
         groups = o.reshape(B, S, self.o_groups, -1)                            # [B, S, g, H*D/g]
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])          # [g, o_lora, H*D/g]
@@ -151,9 +153,11 @@ class Attention(nn.Module):
                        cache: LayerCache) -> torch.Tensor:
         """Serving path over the paged pools. Writes this step's KV, compressor state and entries first
         (a query sees itself and the entry it completes), then attends."""
-        q, kv, q_lat = self.qkv(x, cos, sin)                                   # [1, T, H, D], [1, T, D]
         T = x.shape[1]
-        cache.swa[ctx.swa_write] = kv[0].to(cache.swa.dtype)
+        q_lat = self.q_norm(self.wq_a(x))                                      # [1, T, q_lora]
+        q = ctx.ops.q_norm_rope(self.wq_b(q_lat[0]).view(T, self.n_heads, self.head_dim), cos, sin, self.eps)
+        ctx.ops.kv_norm_rope_store(self.wkv(x[0]), self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.swa,
+                                   ctx.swa_write)                              # the window kv straight to its slot
         sources = [(cache.swa, ctx.window)]
         if self.compressor is not None:
             assert cache.entries is not None and cache.state is not None
@@ -168,5 +172,5 @@ class Attention(nn.Module):
             else:
                 slots = plan.candidates
             sources.append((cache.entries, slots))
-        o = ctx.ops.sparse_attention(q[0], sources, self.attn_sink, self.scale)
-        return self.output(o.view(1, T, self.n_heads, -1), cos, sin)
+        o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale), cos, sin)
+        return self.output(o.view(1, T, self.n_heads, -1), None, None)

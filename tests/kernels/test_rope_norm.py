@@ -1,0 +1,68 @@
+"""Parity of the fused RMSNorm + RoPE (+ cache write) kernels (`kernels/triton/rope_norm.py`) with the references
+(`kernels/ref/rope_norm.py`): micro / tiny head geometries under the interpreter on CPU (fp32 and bf16, T = 1 and
+ragged 7 tokens, a rope slice narrower than the head, scattered pool slots, the inverse rotation), V4-Flash shapes
+(H 64, D 512, rd 64) compiled on the GPU (`-m gpu`).
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_rope_norm.py [-m gpu]
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rope_inverse
+from dsv4.kernels.triton.rope_norm import triton_kv_norm_rope_store, triton_q_norm_rope, triton_rope_inverse
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}     # max |diff| / max |ref|; bf16: two roundings vs one
+
+
+def _tables(T: int, rd: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.rand(T, rd // 2, generator=g, device=DEVICE) * 6.3 * torch.arange(1, T + 1, device=DEVICE)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err <= TOL[dtype], f"max |diff| / max |ref| = {err:.2e}"
+
+
+def check_all(T: int, H: int, D: int, rd: int, dtype: torch.dtype, seed: int = 0) -> None:
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    cos, sin = _tables(T, rd, g)
+    q = (torch.randn(T, H, D, generator=g, device=DEVICE) * 3).to(dtype)
+    _close(triton_q_norm_rope(q, cos, sin, 1e-6), q_norm_rope(q, cos, sin, 1e-6), dtype)
+    _close(triton_rope_inverse(q, cos, sin), rope_inverse(q, cos, sin), dtype)
+    kv = (torch.randn(T, D, generator=g, device=DEVICE) * 2).to(dtype)
+    weight = torch.rand(D, generator=g, device=DEVICE) + 0.5
+    slots = torch.randperm(3 * T + 5, generator=g, device=DEVICE)[:T]
+    pools = [torch.full((3 * T + 5, D), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
+    kv_norm_rope_store(kv, weight, 1e-6, cos, sin, pools[0], slots)
+    triton_kv_norm_rope_store(kv, weight, 1e-6, cos, sin, pools[1], slots)
+    untouched = torch.ones(3 * T + 5, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert bool((pools[1][untouched] == 7.0).all()), "a row outside `slots` was written"
+    _close(pools[1][slots], pools[0][slots], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,D,rd", [(1, 4, 32, 8), (7, 4, 32, 8), (5, 8, 64, 16), (3, 2, 48, 48)])
+def test_parity(T: int, H: int, D: int, rd: int, dtype: torch.dtype) -> None:
+    check_all(T, H, D, rd, dtype, seed=T + D)
+
+
+def test_validation() -> None:
+    cos, sin = _tables(2, 8, torch.Generator(DEVICE).manual_seed(0))
+    with pytest.raises(ValueError, match="cos / sin"):
+        triton_q_norm_rope(torch.randn(3, 4, 32, device=DEVICE), cos, sin, 1e-6)
+    with pytest.raises(ValueError, match="slots"):
+        triton_kv_norm_rope_store(torch.randn(2, 32, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6, cos, sin,
+                                  torch.zeros(8, 32, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_flash_shapes(T: int) -> None:
+    check_all(T, 64, 512, 64, torch.bfloat16, seed=T)
