@@ -2,14 +2,16 @@
 # Train dsv4-tiny on one H200 in one device call (issue 8): probe the step time, size the run to the time
 # budget, train with the recipe's config, export the official FP8/FP4 checkpoint.
 # Usage (device machine, repo root; data built here with `dsv4 train data --out .data/tiny` and carried):
-#   BUDGET_S=420 [COMPILE=0] bash benchmarks/scripts/h200_train_tiny.sh            (files under $OUT)
+#   BUDGET_S=420 [COMPILE=0] [STEPS=N] bash benchmarks/scripts/h200_train_tiny.sh      (files under $OUT)
+# With COMPILE=1 give STEPS: the probe compiles too (2026-11-30: 325 s of warm-up for whole-forward compilation,
+# 253 ms per 32 x 2048 step compiled vs 807 ms eager; benchmarks/results/train_tiny/stage3_attempt.md).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DATA=${DATA:-.data/tiny}; RUN=${RUN:-/tmp/dsv4-run}; BUDGET_S=${BUDGET_S:-420}
 BATCH=${BATCH:-16}; LR=${LR:-2e-3}; STEPS=${STEPS:-}; DEVICE=${DEVICE:-cuda}; EVAL_TOKENS=${EVAL_TOKENS:-131072}
 INIT=${INIT:-}; WARMUP=${WARMUP:-200}; QAT_START=${QAT_START:-0.8}   # INIT: a stage-1 export to continue from
-COMPILE=${COMPILE:-1}   # 1: torch.compile the training forward (--compile) in the probe and the run
+COMPILE=${COMPILE:-1}   # 1: torch.compile each block of the training forward (--compile) in the probe and the run
 LOG="$OUT/train.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$LOG"

@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for name, kind in _RUN_FLAGS.items():
         r.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name])
-    r.add_argument("--compile", action="store_true", help="torch.compile the training forward (same math)")
+    r.add_argument("--compile", action="store_true",
+                   help="torch.compile each block of the training forward (same math)")
     r.set_defaults(func=run_train)
 
     e = tsub.add_parser("export", help="write a run's weights as a servable checkpoint")

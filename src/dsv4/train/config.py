@@ -31,7 +31,7 @@ class TrainConfig:
     (straight-through) so the shipped quantised checkpoint matches the trained weights; 1.0 disables.
     init_from: a checkpoint directory (e.g. an earlier stage's export) whose weights replace the initial ones.
     time_limit_s: stop this invocation (after saving) once its wall time exceeds it; resume continues.
-    compile: run the training forward + losses through torch.compile (same math, fewer launches)."""
+    compile: torch.compile each decoder / MTP block (same math, fewer launches; evaluation stays eager)."""
 
     data_dir: str
     out_dir: str

@@ -9,7 +9,8 @@ it stopped: on CPU the resumed losses equal the uninterrupted run's bit for bit 
 
 Named sync points: the loss/grad-norm read at `log_every` steps and the expert-load read of the balancer (the
 training forward runs the dense MoE, which has none; evaluation runs the reference MoE and its per-expert token
-counts). `compile` wraps the training forward (`Trainer._losses`) in torch.compile; the rest stays eager.
+counts). `compile` compiles each decoder / MTP block in place (`_compile_blocks`); the embedding, head and losses
+stay eager, and evaluation runs every block eagerly.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +74,8 @@ class Trainer:
         self.balancer = ExpertBalancer(self.model, self.model_config.n_routed_experts, config.bias_update_rate)
         self.shadow = QuantShadow(self.model, SHIPPED_QUANT)
         self.distiller = IndexerDistiller(self.model)
-        # compiled once; self.model stays the plain module (state_dict, evaluation and saving never see compile)
-        self._train_losses = _compiled(self._losses) if config.compile else self._losses
+        if config.compile:
+            _compile_blocks(self.model)
         self.stream = TokenStream(Path(config.data_dir), seed=config.seed)
         self.step = 0
         self.elapsed_s = 0.0   # training wall time of all invocations so far (excludes evaluation)
@@ -109,8 +109,8 @@ class Trainer:
         return torch.autocast("cpu", enabled=False)
 
     def _losses(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The training forward (what `compile` compiles): the model, the losses and the forward hooks of the
-        balancer and the indexer distiller, under autocast."""
+        """The training forward: the model, the losses and the forward hooks of the balancer and the indexer
+        distiller (inside the blocks: compiled with them), under autocast."""
         with self._autocast():
             return lm_losses(self.model, tokens)
 
@@ -124,7 +124,7 @@ class Trainer:
             group["lr"] = lr
         self.balancer.loads.clear()
         with self.shadow.rounded(self.qat_active(self.step)):
-            losses = self._train_losses(tokens)
+            losses = self._losses(tokens)
             total = losses["loss"] + c.mtp_weight * losses.get("mtp_loss", torch.zeros((), device=self.device))
             indexer_kl = self.distiller.take()
             if indexer_kl is not None:
@@ -144,7 +144,8 @@ class Trainer:
         self.model.eval()
         sums = {"loss": 0.0, "mtp_loss": 0.0, "mtp_correct": 0.0, "mtp_count": 0.0}
         batches = self.stream.heldout_batches(self.config.seq_len, self.config.eval_tokens)
-        with self.shadow.rounded(self.qat_active(self.step)):
+        # NOTE: eager even with `compile`: no-grad forwards (the reference MoE loop) would compile graphs of their own
+        with self.shadow.rounded(self.qat_active(self.step)), torch.compiler.set_stance("force_eager"):
             for tokens in batches:
                 with self._autocast():
                     losses = lm_losses(self.model, tokens.to(self.device))
@@ -231,13 +232,14 @@ class Trainer:
             metrics.write_text("".join(line + "\n" for line in kept))
 
 
-LossFn = Callable[[torch.Tensor], dict[str, torch.Tensor]]
-
-
-def _compiled(fn: LossFn) -> LossFn:
-    """torch.compile `fn`: one graph (no data-dependent shapes: dense training MoE, fixed-size expert counts in the
-    balancer hook, masked-mean indexer loss). QAT needs nothing: it swaps parameter storage outside the call."""
-    return torch.compile(fn)
+def _compile_blocks(model: DeepSeekV4ForCausalLM) -> None:
+    """torch.compile every decoder and MTP block in place (regional compilation). Each block's training forward is
+    one graph (dense training MoE, fixed-size expert counts in the balancer hook, masked-mean indexer loss: no
+    data-dependent shapes); blocks share code, so Inductor's cache serves repeated structures. Measured on CPU
+    (micro, 1 x 64 tokens, forward + backward): 146 s of compilation against 239 s for the whole forward as one
+    graph, which on the H200 took 325 s of a 600 s device call. Parameter names and state_dict are unchanged."""
+    for block in list(model.layers) + list(model.mtp):
+        block.compile()
 
 
 def _load_initial(model: DeepSeekV4ForCausalLM, path: Path) -> None:
