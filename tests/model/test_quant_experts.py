@@ -79,3 +79,19 @@ def test_missing_expert_tensor_is_named(tmp_path: Path) -> None:
     save_file(tensors, str(shard))
     with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
         load_model(tmp_path, dtype="float32", progress=False, weight_format="checkpoint")
+
+
+def test_float_expert_weight_is_encoded_and_wide_scale_refused() -> None:
+    """A dequantised (float) expert weight, as transformers-layout files hold, is encoded losslessly; a scale that is
+    not one byte per element is refused with the tensor's name instead of being misread."""
+    from dsv4.model.weights import WeightLoader
+
+    dense = load_model(TINY, dtype="float32", progress=False)
+    packed = load_model(TINY, dtype="float32", progress=False, weight_format="checkpoint")
+    (name, d), (_, q) = _experts(dense)[0], _experts(packed)[0]
+    loader = WeightLoader(packed)  # type: ignore[arg-type]
+    q.w13[1].zero_()
+    loader.add(f"{name}.1.w1.weight", d.w1[1].clone())
+    assert torch.equal(q.dequantized(torch.float32)[0][1], d.w1[1])
+    with pytest.raises(CheckpointError, match=rf"{name}\.2\.w3\.scale"):
+        loader.add(f"{name}.2.w3.scale", torch.ones(q.inter, q.d // 32))

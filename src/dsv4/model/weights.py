@@ -180,7 +180,7 @@ class WeightLoader:
         if not 0 <= expert < module.w13.shape[0]:
             raise CheckpointError(f"unexpected tensor `{name}`: expert {expert} >= {module.w13.shape[0]}")
         try:
-            if tensor.is_floating_point() and tensor.element_size() > 1:
+            if not scale and tensor.is_floating_point() and tensor.element_size() > 1:
                 module.quantize_from(which, expert, tensor.to(module.w13.device))
                 self.filled.add((f"{prefix}.{which}.scale", expert))
             else:
