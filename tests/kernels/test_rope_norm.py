@@ -1,7 +1,8 @@
 """Parity of the fused RMSNorm + RoPE (+ cache write) kernels (`kernels/triton/rope_norm.py`) with the references
-(`kernels/ref/rope_norm.py`): micro / tiny head geometries under the interpreter on CPU (fp32 and bf16, T = 1 and
-ragged 7 tokens, a rope slice narrower than the head, scattered pool slots, the inverse rotation), V4-Flash shapes
-(H 64, D 512, rd 64) compiled on the GPU (`-m gpu`).
+(`kernels/ref/rope_norm.py`, and `model.layers.norm.rms_norm` for the plain RMSNorm): micro / tiny head
+geometries under the interpreter on CPU (fp32 and bf16, T = 1 and ragged 7 tokens, a rope slice narrower than
+the head, scattered pool slots, the inverse rotation), V4-Flash shapes (H 64, D 512, rd 64; norms over 4096 and
+1024) compiled on the GPU (`-m gpu`).
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_rope_norm.py [-m gpu]
 """
@@ -12,7 +13,13 @@ import pytest
 import torch
 
 from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rope_inverse
-from dsv4.kernels.triton.rope_norm import triton_kv_norm_rope_store, triton_q_norm_rope, triton_rope_inverse
+from dsv4.kernels.triton.rope_norm import (
+    triton_kv_norm_rope_store,
+    triton_q_norm_rope,
+    triton_rms_norm,
+    triton_rope_inverse,
+)
+from dsv4.model.layers.norm import rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}     # max |diff| / max |ref|; bf16: two roundings vs one
@@ -53,6 +60,15 @@ def test_parity(T: int, H: int, D: int, rd: int, dtype: torch.dtype) -> None:
     check_all(T, H, D, rd, dtype, seed=T + D)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (1, 7, 96), (5, 256)])
+def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    g = torch.Generator(DEVICE).manual_seed(len(shape))
+    x = (torch.randn(*shape, generator=g, device=DEVICE) * 4).to(dtype)
+    w = torch.rand(shape[-1], generator=g, device=DEVICE) + 0.5
+    _close(triton_rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), dtype)
+
+
 def test_validation() -> None:
     cos, sin = _tables(2, 8, torch.Generator(DEVICE).manual_seed(0))
     with pytest.raises(ValueError, match="cos / sin"):
@@ -66,3 +82,8 @@ def test_validation() -> None:
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_flash_shapes(T: int) -> None:
     check_all(T, 64, 512, 64, torch.bfloat16, seed=T)
+    g = torch.Generator(DEVICE).manual_seed(T)
+    for d in (4096, 1024):   # the blocks' norms (hidden size) and q_norm (q_lora_rank)
+        x = torch.randn(T, d, generator=g, device=DEVICE).to(torch.bfloat16)
+        w = torch.rand(d, generator=g, device=DEVICE) + 0.5
+        _close(triton_rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), torch.bfloat16)

@@ -20,6 +20,7 @@ from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
 from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rope_inverse
 from dsv4.kernels.ref.topk import topk_ragged
+from dsv4.model.layers.norm import rms_norm
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -43,18 +44,19 @@ class KernelOps:
     q_norm_rope: Callable[..., torch.Tensor]          # q_norm_rope(q, cos, sin, eps) -> q
     kv_norm_rope_store: Callable[..., None]           # kv_norm_rope_store(kv, weight, eps, cos, sin, pool, slots)
     rope_inverse: Callable[..., torch.Tensor]         # rope_inverse(o, cos, sin) -> o
+    rms_norm: Callable[..., torch.Tensor]             # rms_norm(x, weight, eps) -> x
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, paged_index_scores, topk_ragged, routed_experts,
                      mhc_pre, mhc_post, mhc_head, routed_experts_quant, q_norm_rope, kv_norm_rope_store,
-                     rope_inverse)
+                     rope_inverse, rms_norm)
 
 
 def _triton() -> KernelOps:
     """Every op as its Triton kernel (compressor, indexer scores, top-k, hybrid sparse attention, grouped routed
     experts on float or checkpoint-format (FP4 / FP8) weights, fused mHC pre / post / head, fused RMSNorm + RoPE
-    (+ SWA cache write) of the q and kv paths and the output de-rotation). Imported lazily: a
+    (+ SWA cache write) of the q and kv paths and the output de-rotation, RMSNorm). Imported lazily: a
     machine without a GPU never compiles them (tests use TRITON_INTERPRET=1).
 
     NOTE: not bit-equal to `ref` in bf16 (other summation orders: online softmax, fp32 accumulation of the expert
@@ -70,14 +72,19 @@ def _triton() -> KernelOps:
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_post, triton_mhc_pre
     from dsv4.kernels.triton.moe import triton_routed_experts, triton_routed_experts_quant_deterministic
-    from dsv4.kernels.triton.rope_norm import triton_kv_norm_rope_store, triton_q_norm_rope, triton_rope_inverse
+    from dsv4.kernels.triton.rope_norm import (
+        triton_kv_norm_rope_store,
+        triton_q_norm_rope,
+        triton_rms_norm,
+        triton_rope_inverse,
+    )
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
     from dsv4.kernels.triton.topk import lightning_topk
 
     return KernelOps("triton", triton_sparse_attention, triton_compress_cached, triton_index_scores, lightning_topk,
                      triton_routed_experts, triton_mhc_pre, triton_mhc_post, triton_mhc_head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope, triton_kv_norm_rope_store,
-                     triton_rope_inverse)
+                     triton_rope_inverse, triton_rms_norm)
 
 
 _BACKENDS: dict[str, Callable[[], KernelOps]] = {"ref": _ref, "triton": _triton}

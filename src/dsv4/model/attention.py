@@ -154,7 +154,7 @@ class Attention(nn.Module):
         """Serving path over the paged pools. Writes this step's KV, compressor state and entries first
         (a query sees itself and the entry it completes), then attends."""
         T = x.shape[1]
-        q_lat = self.q_norm(self.wq_a(x))                                      # [1, T, q_lora]
+        q_lat = self.q_norm(self.wq_a(x), ctx)                                 # [1, T, q_lora]
         q = ctx.ops.q_norm_rope(self.wq_b(q_lat[0]).view(T, self.n_heads, self.head_dim), cos, sin, self.eps)
         ctx.ops.kv_norm_rope_store(self.wkv(x[0]), self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.swa,
                                    ctx.swa_write)                              # the window kv straight to its slot

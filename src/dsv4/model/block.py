@@ -28,6 +28,6 @@ class Block(nn.Module):
                 ctx: ForwardContext | None = None) -> torch.Tensor:
         """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at the tokens' positions -> [B, S, n, d]."""
         h, post, comb = self.hc_attn.pre(x, ctx)
-        x = HyperConnection.post(self.attn(self.attn_norm(h), cos, sin, ctx, self.layer_id), x, post, comb, ctx)
+        x = HyperConnection.post(self.attn(self.attn_norm(h, ctx), cos, sin, ctx, self.layer_id), x, post, comb, ctx)
         h, post, comb = self.hc_ffn.pre(x, ctx)
-        return HyperConnection.post(self.ffn(self.ffn_norm(h), input_ids, ctx), x, post, comb, ctx)
+        return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx), input_ids, ctx), x, post, comb, ctx)

@@ -85,7 +85,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
             x = layer(x, ids, cos, sin, ctx)
         x = x[0, ctx.logits_index].unsqueeze(0)                                 # [1, R, n, d]
-        return self.logits(self.norm(self.hc_head(x, ctx)))[0]
+        return self.logits(self.norm(self.hc_head(x, ctx), ctx))[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, S, d] normed final state -> fp32 logits [B, S, V]."""

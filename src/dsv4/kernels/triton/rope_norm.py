@@ -4,6 +4,7 @@ The fast forms of `kernels/ref/rope_norm.py` (same signatures):
     triton_q_norm_rope         q [T, H, D] -> RoPE(q / rms(q)) per head
     triton_kv_norm_rope_store  pool[slots[t]] = RoPE(w * kv[t] / rms(kv[t]))
     triton_rope_inverse        o [T, H, D] -> RoPE^-1(o)
+    triton_rms_norm            x [..., D] -> w * x / rms(x)       (the blocks' and the model's RMSNorms)
 
 Each replaces 8-15 eager ops (casts, square, mean, rsqrt, multiplies, the pair split / stack / cat of the
 interleaved RoPE, the index_put of the cache write) by one launch: per decode step and layer that is ~30 launches
@@ -27,7 +28,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr,  # type: ignore[no-untyped-def]
                       D, rows_per_token, rope_first, eps, stride_x, stride_cs, stride_out,
-                      NORM: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
+                      NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = row // rows_per_token
     offs = tl.arange(0, BLOCK_D)
@@ -37,15 +39,17 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr,  # type
         x = x / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         if NORM == 2:
             x = x * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    a, b = tl.split(tl.reshape(x, (BLOCK_D // 2, 2)))
-    pair = tl.arange(0, BLOCK_D // 2)
-    is_rope = (pair >= rope_first) & (2 * pair < D)
-    cos = tl.load(cos_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=1.0)
-    sin = tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
-    if INVERSE:
-        sin = -sin
-    y = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a), tl.where(is_rope, a * sin + b * cos, b)),
-                   (BLOCK_D,))
+    y = x
+    if ROPE:
+        a, b = tl.split(tl.reshape(x, (BLOCK_D // 2, 2)))
+        pair = tl.arange(0, BLOCK_D // 2)
+        is_rope = (pair >= rope_first) & (2 * pair < D)
+        cos = tl.load(cos_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=1.0)
+        sin = tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
+        if INVERSE:
+            sin = -sin
+        y = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a), tl.where(is_rope, a * sin + b * cos, b)),
+                       (BLOCK_D,))
     dest = row
     if SCATTER:
         dest = tl.load(slot_ptr + row)
@@ -64,18 +68,20 @@ def _check_rope(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         raise ValueError(f"rope dim {rd} must fit the even head dim {x.shape[-1]}; cos / sin contiguous")
 
 
-def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-            norm: int, inverse: bool, eps: float = 0.0, weight: torch.Tensor | None = None,
+def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None, sin: torch.Tensor | None,
+            out: torch.Tensor, norm: int, inverse: bool, eps: float = 0.0, weight: torch.Tensor | None = None,
             slots: torch.Tensor | None = None) -> None:
     rows, D = x.numel() // x.shape[-1], x.shape[-1]
     if rows == 0:
         return
     x2 = x.reshape(rows, D)
     block_d = max(16, triton.next_power_of_2(D))
+    half, stride_cs = (cos.shape[-1], cos.stride(0)) if cos is not None else (0, 0)
     _norm_rope_kernel[(rows,)](
-        x2, weight if weight is not None else x2, cos, sin, out, slots if slots is not None else x2,
-        D, rows_per_token, D // 2 - cos.shape[-1], float(eps), x2.stride(0), cos.stride(0), out.stride(0),
-        NORM=norm, INVERSE=inverse, SCATTER=slots is not None, BLOCK_D=block_d,
+        x2, weight if weight is not None else x2, cos if cos is not None else x2, sin if sin is not None else x2,
+        out, slots if slots is not None else x2, D, rows_per_token, D // 2 - half, float(eps),
+        x2.stride(0), stride_cs, out.stride(0),
+        NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None, BLOCK_D=block_d,
         num_warps=max(1, min(8, block_d // 256)))
 
 
@@ -117,3 +123,14 @@ def triton_kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float
     _check_rope("kv", kv, cos, sin, kv.shape[0])
     _launch(kv.contiguous(), 1, cos, sin, pool, norm=2, inverse=False, eps=eps, weight=weight,
             slots=slots.contiguous())
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `model.layers.norm.rms_norm`: w * x / rms(x) over the last dim, in x's dtype (weight fp32)."""
+    if x.dtype not in _DTYPES or tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"x must be one of {[str(d) for d in _DTYPES]} and weight [{x.shape[-1]}]; got {x.dtype}, "
+                         f"{list(weight.shape)}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _launch(x, 1, None, None, out.view(-1, x.shape[-1]), norm=2, inverse=False, eps=eps, weight=weight)
+    return out

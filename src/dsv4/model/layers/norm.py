@@ -6,8 +6,13 @@ reference does; the checkpoint stores it in bf16) and casts once at the end to t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:   # (a runtime import would cycle: forward_context -> kernels -> ref ops -> this module)
+    from dsv4.model.forward_context import ForwardContext
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,7 +35,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """x: [..., dim]; with a ForwardContext (serving) the kernel backend's `rms_norm` op."""
+        if ctx is not None:
+            return ctx.ops.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
