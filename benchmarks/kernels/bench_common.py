@@ -11,7 +11,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,18 @@ def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool, warmup: int 
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+def bench_rows(cases: Iterable[Any], bench: Callable[[Any], dict[str, Any]], device: torch.device
+               ) -> list[dict[str, Any]]:
+    """One result row per case; on CUDA the caching allocator is emptied between cases (each case allocates its
+    own input sets of >= 256 MB, which would otherwise accumulate)."""
+    rows = []
+    for case in cases:
+        rows.append(bench(case))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def print_table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> None:

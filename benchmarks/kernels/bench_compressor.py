@@ -39,7 +39,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bench_common import HBM_BYTES_PER_S, base_parser, emit, print_table, record_header, select_device, time_graph_us
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    bench_rows,
+    emit,
+    print_table,
+    record_header,
+    select_device,
+    time_graph_us,
+)
 
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: request sets cycled inside one graph
 MAX_SETS = 64
@@ -268,11 +277,7 @@ def main() -> None:
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     cases = smoke_cases() if args.cpu_smoke else cuda_cases()
 
-    rows = []
-    for case in cases:
-        rows.append(bench_case(case, args, device))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)
     record = {**record_header("compressor", device), "target": targets(rows), "results": rows}
     emit(record, args.out)

@@ -38,6 +38,7 @@ import torch
 from bench_common import (
     HBM_BYTES_PER_S,
     base_parser,
+    bench_rows,
     print_table,
     record_header,
     select_device,
@@ -192,7 +193,7 @@ def main() -> None:
     if args.cpu_smoke:
         args.iters = min(args.iters, 3)
 
-    rows = [bench_case(case, args, device) for case in cases]
+    rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)
     print(json.dumps({**record_header("index_scores", device), "bf16_flop_per_s": BF16_FLOP_PER_S, "results": rows}))
 

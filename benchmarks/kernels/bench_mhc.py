@@ -32,7 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from bench_common import HBM_BYTES_PER_S, base_parser, emit, print_table, record_header, select_device, time_graph_us
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    bench_rows,
+    emit,
+    print_table,
+    record_header,
+    select_device,
+    time_graph_us,
+)
 
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input sets cycled inside one graph
 MAX_SETS = 64
@@ -206,11 +215,7 @@ def main() -> None:
     cases = smoke_cases() if args.cpu_smoke else cuda_cases()
 
     wanted = set(args.ops.split(","))
-    rows = []
-    for case in (c for c in cases if c.op in wanted):
-        rows.append(bench_case(case, args, device))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    rows = bench_rows((c for c in cases if c.op in wanted), lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)
     emit({**record_header("mhc", device), "sinkhorn_iters": ITERS, "results": rows}, args.out)
 

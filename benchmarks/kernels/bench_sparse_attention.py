@@ -36,6 +36,7 @@ import torch
 from bench_common import (
     HBM_BYTES_PER_S,
     base_parser,
+    bench_rows,
     emit,
     print_table,
     record_header,
@@ -233,11 +234,7 @@ def main() -> None:
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     cases = smoke_cases() if args.cpu_smoke else cuda_cases()
 
-    rows = []
-    for case in cases:
-        rows.append(bench_case(case, args, device))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)
     record = {**record_header("sparse_attention", device), "bf16_flop_per_s": BF16_FLOP_PER_S, "results": rows}
     emit(record, args.out)
