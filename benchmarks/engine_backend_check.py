@@ -36,8 +36,9 @@ from dsv4.checkpoint.writer import random_model
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.loader import resolve_device, resolve_dtype
 from dsv4.model.moe import Experts
-from dsv4.model.quant_experts import QuantExperts, quantize_experts_
+from dsv4.model.quant_experts import WEIGHT_FORMATS, QuantExperts, quantize_experts_
 
 
 def generate(model: DeepSeekV4ForCausalLM, backend: str, prompts: list[list[int]], params: SamplingParams,
@@ -90,12 +91,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"])
+    p.add_argument("--weight-format", default="bf16", choices=WEIGHT_FORMATS)
     p.add_argument("--noise-floor", action="store_true",
                    help="also teacher-force the ref backend one request at a time against its batched run")
     args = p.parse_args()
-    from dsv4.model.loader import resolve_device, resolve_dtype
-
     make = functools.partial(random_model, get_preset(args.preset), resolve_dtype(args.dtype),
                              resolve_device(args.device), seed=args.seed)
     model = tri_model = make()

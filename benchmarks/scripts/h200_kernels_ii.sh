@@ -4,8 +4,10 @@
 #   PART=check bash benchmarks/scripts/h200_kernels_ii.sh   compiled parity (-m gpu), the engine with the triton
 #                                                           backend vs ref (tiny fp32, flash-4l bf16 256 tokens),
 #                                                           decode vs context at batch 1 with the transformers peer
-#   PART=bench bash benchmarks/scripts/h200_kernels_ii.sh   kernel benchmarks, decode throughput at batch 8/32/128,
-#                                                           prefix-cache TTFT (issue 4) with the triton backend
+#   PART=final bash benchmarks/scripts/h200_kernels_ii.sh   prefix-cache TTFT (issue 4) with the triton backend,
+#                                                           engine checks (FP4 experts, noise floor), decode
+#                                                           throughput at batch 8/32/128
+#   PART=bench bash benchmarks/scripts/h200_kernels_ii.sh   the kernel benchmarks
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; PART=${PART:-check}
@@ -53,10 +55,4 @@ else
   grep -v "^{" "$OUT/bench_mhc.txt" | tail -12
   timeout 90 python3 benchmarks/kernels/bench_moe_quant.py --out "$OUT/bench_moe_quant.json" \
     > "$OUT/bench_moe_quant.txt" 2>&1; grep -v "^{" "$OUT/bench_moe_quant.txt" | tail -12
-  timeout 150 python3 benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 --kernel-backend triton \
-    --system-len 1024 --user-len 256 --output-len 32 --page-size 128 --chunked-prefill-size 8192 \
-    > "$OUT/prefix_cache.txt" 2>&1; tail -4 "$OUT/prefix_cache.txt"
-  timeout 180 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
-    --kernel-backend triton --contexts 4096,32768 --batches 8,32,128 --steps 16 --plot "$OUT/decode_batch.png" \
-    --out "$OUT/decode_batch.json" > "$OUT/decode_batch.txt" 2>&1; grep -v "^{" "$OUT/decode_batch.txt" | tail -14
 fi

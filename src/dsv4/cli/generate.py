@@ -7,6 +7,7 @@ import sys
 
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.model.quant_experts import WEIGHT_FORMATS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None, help="KV page size (default: 256; 128 on CPU)")
-    p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
+    p.add_argument("--weight-format", default="bf16", choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load; checkpoint: keep routed experts in FP4")
     p.set_defaults(func=run)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.config.server import DTYPES, ServerConfig
+from dsv4.model.quant_experts import WEIGHT_FORMATS
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -47,7 +48,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV budget when --max-total-tokens is unset")
     g.add_argument("--kernel-backend", default=None, help="kernel implementation (default: ref)")
-    g.add_argument("--weight-format", default=None, choices=["bf16", "checkpoint"],
+    g.add_argument("--weight-format", default=None, choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load (default); checkpoint: keep routed experts in FP4")
     g.add_argument("--disable-radix-cache", "--disable-prefix-cache", dest="disable_prefix_cache",
                    action="store_true", default=None, help="turn the radix prefix cache off")

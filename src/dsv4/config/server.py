@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dsv4.config.engine import EngineConfig
+from dsv4.model.quant_experts import check_weight_format
 
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("cpu", "cuda")
@@ -48,8 +49,7 @@ class ServerConfig(EngineConfig):
             raise ValueError("served_model_name='' is invalid; allowed: a non-empty name")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: {list(DTYPES)}")
-        if self.weight_format not in ("bf16", "checkpoint"):
-            raise ValueError(f"weight_format={self.weight_format!r} is invalid; allowed: ['bf16', 'checkpoint']")
+        check_weight_format(self.weight_format)
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device={self.device!r} is invalid; allowed: cpu, cuda or cuda:N")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
