@@ -108,12 +108,6 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
-    def _losses(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The training forward: the model, the losses and the forward hooks of the balancer and the indexer
-        distiller (inside the blocks: compiled with them), under autocast."""
-        with self._autocast():
-            return lm_losses(self.model, tokens)
-
     # --- one step ---------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, torch.Tensor]:
         """One optimizer step on batch `self.step`; returns unsynced scalars."""
@@ -124,7 +118,8 @@ class Trainer:
             group["lr"] = lr
         self.balancer.loads.clear()
         with self.shadow.rounded(self.qat_active(self.step)):
-            losses = self._losses(tokens)
+            with self._autocast():
+                losses = lm_losses(self.model, tokens)
             total = losses["loss"] + c.mtp_weight * losses.get("mtp_loss", torch.zeros((), device=self.device))
             indexer_kl = self.distiller.take()
             if indexer_kl is not None:
