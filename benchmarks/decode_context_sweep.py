@@ -75,6 +75,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--copy-gib", type=float, default=None, help="bandwidth probe buffer (default: 4 GPU, 0.25 CPU)")
     p.add_argument("--hf", action="store_true", help="also time transformers eager at batch 1")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly (default: CUDA graphs where "
+                   "the engine can capture them: CUDA device, triton backend)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -206,7 +208,7 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: i
     config = EngineConfig(page_size=args.page_size, max_running_requests=batch,
                           chunked_prefill_size=args.chunked_prefill_size, kernel_backend=args.kernel_backend,
                           max_total_tokens=batch * (longest + args.page_size), context_length=longest + 1,
-                          disable_prefix_cache=True, seed=args.seed)
+                          disable_prefix_cache=True, disable_cuda_graph=args.disable_cuda_graph, seed=args.seed)
     return LLMEngine(model, config)
 
 
@@ -243,7 +245,10 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
     row["prefill_s"] = round(timed(prefill, device), 4)
     row["prefill_fit"] = True
     timed(decode(args.warmup_steps), device)
+    graphs = engine.runner.graphs
+    replays = graphs.replays if graphs is not None else 0
     seconds = timed(decode(args.steps), device)
+    row["cuda_graph"] = graphs is not None and graphs.replays - replays == args.steps
     assert not any(r.is_finished for r in reqs), "a request finished inside the timed loop"
     row["ms_per_step"] = round(seconds / args.steps * 1e3, 4)
     row["tok_s"] = round(batch * args.steps / seconds, 2)
@@ -448,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = {"benchmark": "decode_context_sweep", "preset": args.preset, "device": name, "dtype": args.dtype,
               "kernel_backend": args.kernel_backend, "steps": args.steps, "page_size": args.page_size,
               "chunked_prefill_size": args.chunked_prefill_size, "copy_gb_s": round(gbps, 1),
+              "cuda_graph": not args.disable_cuda_graph,
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)

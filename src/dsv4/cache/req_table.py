@@ -1,7 +1,10 @@
 """RequestTable: which pages each running request holds, on the host and mirrored on the device.
 
 Device tensors (read by the metadata builder, never by Python on the hot path):
-    page_table  [max_reqs, max_pages_per_req] int64   full page of request slot r at page index i (0 = none)
+    page_table  [max_reqs + 1, max_pages_per_req] int64   full page of request slot r at page index i (0 = none);
+                                                       the last row (`pad_slot`) is never handed out: it
+                                                       stays all null pages, so the padding rows of a
+                                                       CUDA-graph batch write only to the null page
     full_to_swa [num_full_pages] int64                SWA page behind a full page (0 = none / freed)
 Host mirror: `full_pages[slot]` (list, in position order) and `swa_of[full_page]`.
 
@@ -35,7 +38,8 @@ class RequestTable:
         self.max_pages = math.ceil(max_context / self.P)
         self.full = PageAllocator(layout.num_full_pages, "full")
         self.swa = PageAllocator(layout.num_swa_pages, "swa")
-        self.page_table = torch.zeros(max_reqs, self.max_pages, dtype=torch.int64, device=device)
+        self.page_table = torch.zeros(max_reqs + 1, self.max_pages, dtype=torch.int64, device=device)
+        self.pad_slot = max_reqs
         self.full_to_swa = torch.zeros(layout.num_full_pages, dtype=torch.int64, device=device)
         self.full_pages: dict[int, list[int]] = {}
         self.swa_of: dict[int, int] = {}
@@ -164,5 +168,6 @@ class RequestTable:
         for p, s in self.swa_of.items():
             expected[p] = s
         assert torch.equal(f2s, expected), "device full->SWA table disagrees with the host mirror"
+        assert not table[self.pad_slot].any(), "the padding slot maps a page"
         assert len(set(self._free_slots)) == len(self._free_slots), "duplicate free request slots"
         assert not set(self._free_slots) & set(self.full_pages), "a request slot is both free and open"

@@ -52,6 +52,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bf16: dequantise FP4/FP8 weights at load (default); checkpoint: keep routed experts in FP4")
     g.add_argument("--disable-radix-cache", "--disable-prefix-cache", dest="disable_prefix_cache",
                    action="store_true", default=None, help="turn the radix prefix cache off")
+    g.add_argument("--disable-cuda-graph", action="store_true", default=None,
+                   help="decode eagerly (default: CUDA graphs on cuda with --kernel-backend triton)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch run as a CUDA graph "
+                   "(default 256)")
     g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None, help="engine sampling seed")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the engine process (default on cpu: one per core, minus one for the "
@@ -81,7 +85,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     given = {name: getattr(args, name) for name in (
         "max_running_requests", "context_length", "chunked_prefill_size", "page_size", "max_total_tokens",
         "kv_cache_memory_gb", "kernel_backend", "seed", "max_waiting_requests", "max_request_bytes",
-        "shutdown_timeout_s", "torch_threads", "disable_prefix_cache", "weight_format")}
+        "shutdown_timeout_s", "torch_threads", "disable_prefix_cache", "weight_format", "disable_cuda_graph",
+        "cuda_graph_max_bs")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if device == "cpu":
         engine_args.setdefault("page_size", _cpu_page_size(model))

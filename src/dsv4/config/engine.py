@@ -20,7 +20,10 @@ class EngineConfig:
     context_length: longest prompt + output (None: the model's max_position_embeddings).
     capture_routing: record routed expert ids and indexer top-k per token (RL replay).
     ring_multiplier: compressor ring sizes are (2*m, m') times this (2 under speculative decoding).
-    disable_prefix_cache: turn off the radix prefix cache (ShadowRadix)."""
+    disable_prefix_cache: turn off the radix prefix cache (ShadowRadix).
+    disable_cuda_graph: run decode steps eagerly. Otherwise, on a CUDA device with the `triton` kernel backend,
+    decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs (engine/cuda_graph.py); the `ref`
+    backend syncs inside its MoE and is never captured (the runner logs which mode it runs)."""
 
     page_size: int = 256
     max_running_requests: int = 64
@@ -33,10 +36,12 @@ class EngineConfig:
     capture_routing: bool = False
     ring_multiplier: int = 1
     disable_prefix_cache: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")

@@ -91,7 +91,37 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
     """The ForwardContext of one step; `table.reserve` must already cover every new position."""
     host = torch.tensor([shape.slots, shape.starts, shape.lens], dtype=torch.int64)
     slots, starts, lens = host.to(device, non_blocking=True).unbind(0)
-    T, B = sum(shape.lens), len(shape.lens)
+    last, total = [], 0
+    for n, wants in zip(shape.lens, shape.sample, strict=True):
+        total += n
+        if wants:
+            last.append(total - 1)
+    logits_index = torch.tensor(last, dtype=torch.int64).to(device, non_blocking=True)
+    max_end = max(s + n for s, n in zip(shape.starts, shape.lens, strict=True))
+    return device_context(slots, starts, lens, logits_index, StepBounds(total, max_end, max(shape.lens)),
+                          table, pools, model)
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """The host integers that size a step's metadata tensors (the only host input besides the device rows).
+
+    num_tokens: T = sum of lens. max_end: sizes the compressed-candidate lists (entries visible to any query
+    are < max_end // ratio; a larger value only adds -1 columns). max_len: the longest request's new tokens
+    (decides whether compressor ring reads and writes can overlap)."""
+
+    num_tokens: int
+    max_end: int
+    max_len: int
+
+
+def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, logits_index: torch.Tensor,
+                   bounds: StepBounds, table: RequestTable, pools: KVPools, model: ModelConfig) -> ForwardContext:
+    """The ForwardContext from device rows only: slots, starts, lens [B] int64 and logits_index [R].
+
+    Pure tensor ops on device tensors with shapes from `bounds`: no host sync and no host-to-device copy,
+    so it can run inside CUDA-graph capture (engine/cuda_graph.py) as well as eagerly."""
+    T, B, device = bounds.num_tokens, slots.shape[0], slots.device
     tok_req = torch.repeat_interleave(torch.arange(B, device=device), lens, output_size=T)
     offsets = torch.cumsum(lens, 0) - lens
     pos = starts[tok_req] + torch.arange(T, device=device) - offsets[tok_req]   # [T]
@@ -101,7 +131,6 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
     win_pos = pos[:, None] - W + 1 + torch.arange(W, device=device)             # [T, W]
     window = torch.where(win_pos >= 0, coords.swa_slot(win_pos), -1)
     layout = pools.layout
-    max_end = max(s + n for s, n in zip(shape.starts, shape.lens, strict=True))
     plans: dict[int, CompressPlan] = {}
     for cache in pools.layers:
         if cache.attn_type == "swa" or cache.state is None:
@@ -111,12 +140,6 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
         if ratio not in plans:
             ring = layout.ring_c4 if overlap else layout.ring_c128
             plans[ratio] = _plan(coords, pos, start, end, ratio, overlap, ring, cache.state.trash,
-                                 cache.entry_trash, max_end // ratio, max(shape.lens))
-    last, total = [], 0
-    for n, wants in zip(shape.lens, shape.sample, strict=True):
-        total += n
-        if wants:
-            last.append(total - 1)
-    logits_index = torch.tensor(last, dtype=torch.int64).to(device, non_blocking=True)
+                                 cache.entry_trash, bounds.max_end // ratio, bounds.max_len)
     return ForwardContext(positions=pos, swa_write=coords.swa_slot(pos), window=window, plans=plans,
                           caches=pools.layers, logits_index=logits_index)

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, the KV pools, the request table and the per-request sampler state.
 
-`run(step)` builds the device metadata, runs the model's serving path and samples. The one host
-sync of a step is the `.tolist()` that returns the sampled token ids (plus their log-probs and,
-when captured, the routing) — the engine needs them to decide what to feed next.
+`run(step)` builds the device metadata, runs the model's serving path and samples; decode steps replay
+CUDA graphs when `graphs` is set (engine/cuda_graph.py). The one host sync of a step is the `.tolist()`
+that returns the sampled token ids (plus their log-probs and, when captured, the routing) — the engine
+needs them to decide what to feed next.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig
+from dsv4.engine.cuda_graph import DecodeGraphs
 from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SamplingBatch, sample
@@ -52,23 +54,43 @@ class ModelRunner:
         self.seen = torch.zeros(config.max_running_requests, mc.vocab_size, dtype=torch.bool, device=self.device)
         logger.info("KV cache: %d full pages, %d SWA pages of %d tokens (%.1f MB)", self.layout.num_full_pages - 1,
                     self.layout.num_swa_pages - 1, self.layout.page_size, self.pools.nbytes() / 1e6)
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        c = self.config
+        why_not = ("disable_cuda_graph" if c.disable_cuda_graph else
+                   f"device {self.device.type}" if self.device.type != "cuda" else
+                   "kernel_backend=ref (host syncs in its MoE)" if c.kernel_backend != "triton" else None)
+        if why_not is not None:
+            logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)
+            return None
+        max_batch = min(c.cuda_graph_max_bs, c.max_running_requests)
+        logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use", max_batch)
+        return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch)
 
     @torch.no_grad()
     def run(self, step: ScheduledStep) -> StepResult:
         self._reset_penalty_rows(step)
+        if self.graphs is not None and self.graphs.fits(step.shape):
+            logits, captured = self.graphs.run(step.input_ids, step.shape, self.config.capture_routing)
+        else:
+            logits, captured = self._forward_eager(step)
+        sampled = [r for r, s in zip(step.requests, step.shape.sample, strict=True) if s]
+        result = StepResult(sampled, [], [], [])
+        if sampled:
+            self._sample(logits, sampled, result)
+        if captured is not None:
+            self._store_routing(step, captured)
+        return result
+
+    def _forward_eager(self, step: ScheduledStep) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]] | None]:
+        """Logits [R, V] fp32 of the sampling requests (and the routing when captured), without graphs."""
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
         ctx.ops = self.ops
         if self.config.capture_routing:
             ctx.captured = {}
         ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        logits = self.model.forward_batch(ids, ctx)                             # [R, V] fp32
-        sampled = [r for r, s in zip(step.requests, step.shape.sample, strict=True) if s]
-        result = StepResult(sampled, [], [], [])
-        if sampled:
-            self._sample(logits, sampled, result)
-        if ctx.captured is not None:
-            self._store_routing(step, ctx.captured)
-        return result
+        return self.model.forward_batch(ids, ctx), ctx.captured
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], result: StepResult) -> None:
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)

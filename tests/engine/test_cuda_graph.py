@@ -1,0 +1,123 @@
+"""Decode steps through `DecodeGraphs` (engine/cuda_graph.py) equal plain eager steps.
+
+CPU: the graphs' static-buffer step (padding rows on the pad slot, candidate lists sized by the context
+bucket) runs eagerly (`capture=False`) and must give the eager engine's greedy tokens, logits and routing,
+with every pool free afterwards. GPU: captured graphs replayed against the same engine without graphs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine_equivalence import LogitRecorder, assert_pools_free, prompts_for, run_staggered
+
+from dsv4 import LLM
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.engine.cuda_graph import MIN_CONTEXT, DecodeGraphs, batch_buckets, context_bucket
+from dsv4.engine.request import Request
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("graphs") / "micro"
+    write_checkpoint(micro(), path, seed=3, tokenizer=False)
+    return path
+
+
+def test_batch_buckets() -> None:
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(256)[-3:] == [240, 248, 256]
+
+
+def test_context_bucket() -> None:
+    assert context_bucket(1, 1 << 20) == MIN_CONTEXT
+    assert context_bucket(MIN_CONTEXT, 1 << 20) == MIN_CONTEXT
+    assert context_bucket(MIN_CONTEXT + 1, 1 << 20) == 2 * MIN_CONTEXT
+    assert context_bucket(5000, 6144) == 6144          # capped at the table's span
+    assert context_bucket(100, 512) == 512
+    with pytest.raises(AssertionError):
+        context_bucket(513, 512)
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Request]:
+    return run_staggered(llm.engine, prompts, max_tokens)
+
+
+def _compare(ckpt: Path, device: str, capture: bool, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """Same workload with and without graphs: tokens equal, logits within 1e-5, routing equal."""
+    kwargs = dict(dtype="float32", device=device, page_size=16, chunked_prefill_size=13, max_running_requests=6,
+                  max_total_tokens=4096, capture_routing=True, kernel_backend=backend)
+    outputs = []
+    rec = LogitRecorder(monkeypatch)
+    for graphs in (False, True):
+        rec.rows = {}
+        llm = LLM(ckpt, disable_cuda_graph=True, **kwargs)
+        runner = llm.engine.runner
+        if graphs:
+            runner.graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops, max_batch=6,
+                                         capture=capture)
+        prompts = prompts_for(llm.model.config, seed=4)
+        max_tokens = [6 + (5 * i) % 9 for i in range(len(prompts))]
+        reqs = _run(llm, prompts, max_tokens)
+        outputs.append((reqs, rec.rows))
+        if graphs:
+            assert runner.graphs is not None
+            assert runner.graphs.num_graphs() >= 2 and runner.graphs.replays >= 10, "decode steps ran as graphs"
+        assert_pools_free(llm.engine)
+    (eager, eager_rows), (graph, graph_rows) = outputs
+    for rid, req in eager.items():
+        other = graph[rid]
+        assert other.output_ids == req.output_ids, f"request {rid}: greedy tokens differ"
+        diff = (torch.stack(graph_rows[rid]) - torch.stack(eager_rows[rid])).abs().max().item()
+        assert diff <= 1e-5, f"request {rid}: logits differ by {diff}"
+        for key in ("experts", "indexer"):
+            a, b = torch.cat(req.routing[key]), torch.cat(other.routing[key])
+            assert torch.equal(a, b), f"request {rid}: {key} routing differs"
+
+
+def test_static_decode_step_equals_eager(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _compare(ckpt, "cpu", capture=False, monkeypatch=monkeypatch, backend="ref")
+
+
+def test_runner_enables_graphs_only_where_they_can_run(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024, kernel_backend="triton")
+    assert llm.engine.runner.graphs is None   # CPU: no CUDA graphs whatever the backend
+
+
+def test_cuda_graph_max_bs_is_validated() -> None:
+    from dsv4.config.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        EngineConfig(cuda_graph_max_bs=0)
+
+
+@pytest.mark.gpu
+def test_captured_graphs_equal_eager_on_gpu(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _compare(ckpt, "cuda", capture=True, monkeypatch=monkeypatch, backend="triton")
+
+
+@pytest.mark.gpu
+def test_runner_captures_by_default_on_gpu(ckpt: Path) -> None:
+    llm = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=1024, kernel_backend="triton")
+    assert llm.engine.runner.graphs is not None
+    off = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=1024, kernel_backend="ref")
+    assert off.engine.runner.graphs is None
+
+
+def test_serve_flags_reach_the_engine_config() -> None:
+    from dsv4.cli.main import build_parser
+    from dsv4.cli.serve import build_config
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--disable-cuda-graph", "--cuda-graph-max-bs", "16"])
+    config = build_config(args).engine_config
+    assert config.disable_cuda_graph and config.cuda_graph_max_bs == 16
+    default = build_config(build_parser().parse_args(["serve", "--device", "cpu"])).engine_config
+    assert not default.disable_cuda_graph and default.cuda_graph_max_bs == 256
