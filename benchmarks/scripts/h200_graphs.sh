@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Device calls for the CUDA-graph decode path (issue 7's 5x target) and Lightning TopK II (issue 6).
+# Usage (device, repo root; transformers 5.23 wheel carried in .wheels for the peer):
+#   PART=check bash benchmarks/scripts/h200_graphs.sh   GPU tests (graphs, fused norms, topk, engine backend), the
+#                                                       engine check with graphs, TopK benchmark, decode vs context
+#                                                       at batch 1 with the transformers peer
+#   PART=batch bash benchmarks/scripts/h200_graphs.sh   decode throughput at batch 8/32/128 (4K, 32K) with graphs,
+#                                                       the flash-4l engine check, the MoE and compressor benchmarks
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; PART=${PART:-check}
+if ls .wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .wheels/*.whl
+  export PYTHONPATH=src:/tmp/site
+else
+  export PYTHONPATH=src
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/env_$PART.txt"
+if [ "$PART" = check ]; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -x tests/engine/test_cuda_graph.py tests/kernels/test_rope_norm.py \
+    tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests.txt" | tail -6
+  timeout 50 python3 benchmarks/engine_backend_check.py --preset tiny --device cuda --dtype float32 --prompt-len 1500 \
+    --num-prompts 2 --max-tokens 64 > "$OUT/engine_check_tiny.txt" 2>&1; tail -3 "$OUT/engine_check_tiny.txt"
+  timeout 250 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+    --kernel-backend triton --batches "" --hf --plot "$OUT/decode_b1.png" --out "$OUT/decode_b1.json" \
+    > "$OUT/decode_b1.txt" 2>&1; grep -v "^{" "$OUT/decode_b1.txt" | tail -14
+elif [ "$PART" = topk ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py > "$OUT/gpu_tests_topk.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_topk.txt" | tail -6
+  timeout 60 python3 benchmarks/kernels/bench_topk.py > "$OUT/bench_topk.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk.txt" | tail -10
+else
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/kernels/test_rope_norm.py \
+    tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests.txt" | tail -6
+  timeout 200 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+    --kernel-backend triton --contexts 4096,32768 --batches 8,32,128 --steps 16 --plot "$OUT/decode_batch.png" \
+    --out "$OUT/decode_batch.json" > "$OUT/decode_batch.txt" 2>&1; grep -v "^{" "$OUT/decode_batch.txt" | tail -12
+  timeout 120 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype bfloat16 \
+    --prompt-len 3000 --num-prompts 2 --max-tokens 128 > "$OUT/engine_check_flash4l.txt" 2>&1
+  tail -4 "$OUT/engine_check_flash4l.txt"
+  timeout 100 python3 benchmarks/kernels/bench_moe_quant.py --out "$OUT/bench_moe_quant.json" \
+    > "$OUT/bench_moe_quant.txt" 2>&1; grep -v "^{" "$OUT/bench_moe_quant.txt" | tail -12
+fi
