@@ -73,3 +73,14 @@ def test_chat_template_from_card_renders(llm: LLM) -> None:
     assert llm.tokenizer is not None
     config = json.loads(Path(MODEL / "tokenizer_config.json").read_text())
     assert config["model_max_length"] == 2048 and "chat_template" in config
+
+
+def test_train_eval_cli_writes_the_card_numbers(tmp_path: Path) -> None:
+    from dsv4.cli.main import main
+
+    out = tmp_path / "eval.json"
+    assert main(["train", "eval", "--model", str(MODEL), "--out", str(out), "--heldout-tokens", "2048",
+                 "--per-level", "2"]) == 0
+    got = json.loads(out.read_text())
+    assert got["heldout_tokens"] == 2048 and set(got["task_chat"]["by_level"]) == {str(i) for i in range(1, 7)}
+    assert 0.0 < got["heldout_loss"] < 10.0 and 0.0 <= got["easy_chat_accuracy"] <= 1.0 and got["samples"]

@@ -3,6 +3,7 @@
     dsv4 train data   --out DATA                       # tokenizer + train.bin / heldout.bin (offline recipe)
     dsv4 train run    --data DATA --out RUN [--steps N --batch-size B ...] [--resume] [--time-limit-s S]
     dsv4 train export --run RUN --data DATA --out MODEL # official layout, FP8 linears + FP4 experts
+    dsv4 train eval   --model MODEL [--out eval.json]   # the model card's numbers (CPU, float32)
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--quant", default="fp8+fp4", choices=["none", "fp8", "fp8+fp4"])
     e.set_defaults(func=run_export)
 
+    v = tsub.add_parser("eval", help="measure a checkpoint's model-card numbers (held-out loss, MTP, task accuracy)")
+    v.add_argument("--model", required=True, type=Path, help="checkpoint directory with heldout.bin (as exported)")
+    v.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
+    v.add_argument("--heldout-tokens", type=int, default=32768, help="held-out tokens scored (windows of 2048)")
+    v.add_argument("--per-level", type=int, default=50, help="held-out problems per difficulty level")
+    v.add_argument("--device", default="cpu")
+    v.set_defaults(func=run_eval)
+
 
 def run_data(args: argparse.Namespace) -> int:
     from dsv4.train.data import prepare_data
@@ -83,4 +92,21 @@ def run_export(args: argparse.Namespace) -> int:
     from dsv4.train.export import export_run
 
     export_run(args.run, args.data, args.out, weight_quant=args.quant)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from dsv4.train.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(args.model, args.model / "heldout.bin", max_tokens=args.heldout_tokens,
+                                 per_level=args.per_level, device=args.device)
+    text = json.dumps(result, indent=2)
+    if args.out is None:
+        sys.stdout.write(text + "\n")
+    else:
+        args.out.write_text(text + "\n")
+        logger.info("wrote %s", args.out)
     return 0
