@@ -128,6 +128,18 @@ def test_deterministic_epilogue() -> None:
     assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
 
 
+@pytest.mark.parametrize("block_k", [32, 128])
+def test_fp4_block_k(block_k: int) -> None:
+    """The nibble-split FP4 step at its smallest tile (two dots of K = 16) and its largest (K = 64 each, so the
+    I = 96 down projection ends in a masked half tile)."""
+    wts = make_weights(6, 128, 96, "fp4", seed=7)
+    idx, rw = make_routing(5, 6, 2, seed=7)
+    check(randn(5, 128), wts, idx, rw, 10.0, "fp4", block_k=block_k)
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        triton_routed_experts_quant(randn(5, 128), *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+                                    block_k=16)
+
+
 @pytest.mark.parametrize("N,E,k,bm", [(1, 8, 2, 16), (33, 8, 2, 16), (50, 4, 3, 16), (7, 256, 6, 16)])
 def test_tile_map_covers_rows_once(N: int, E: int, k: int, bm: int) -> None:
     idx, _ = make_routing(N, E, k, seed=N)

@@ -18,7 +18,9 @@ Kernel design. Weights are dequantised in registers inside the K-loop: each [BLO
 is loaded as raw codes, decoded (e2m1: sign + 2-bit exponent + 1-bit mantissa by integer arithmetic;
 e4m3: bitcast to float8e4nv and convert), multiplied by its 2^(code-127) scale, cast to bf16 (exact: both
 formats have <= 3 mantissa bits) and fed to tl.dot with fp32 accumulation. Hopper has no FP4 MMA, so this is
-the weight-only scheme; the activations stay bf16 (the QAT act_quant of §11 is not simulated).
+the weight-only scheme; the activations stay bf16 (the QAT act_quant of §11 is not simulated). FP4 tiles are
+never interleaved: a contiguous [BLOCK_K/2, BLOCK_N] byte tile is decoded into its low- and high-nibble halves,
+which meet the activations' even and odd columns in two dots (`_fp4_dot`).
 
 Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (`torch.argsort`, stable);
 per-expert row ranges come from `torch.searchsorted` on the sorted ids (NOTE: CUDA `torch.bincount` reads
@@ -72,20 +74,41 @@ def _e2m1(nib):  # type: ignore[no-untyped-def]
 @triton.jit
 def _w_tile(w_ptr, s_ptr, e, rows, srows, offs_k, k0, mask,  # type: ignore[no-untyped-def]
             stride_we, stride_wn, stride_se, stride_sn, FMT: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] fp32 tile of W_e^T (rows: W's output rows, srows: their scale rows)."""
+    """[BLOCK_K, BLOCK_N] fp32 tile of W_e^T (rows: W's output rows, srows: their scale rows); bf16 / fp8 only
+    (FP4 goes through `_fp4_dot`)."""
     wbase = w_ptr + e * stride_we + rows[None, :] * stride_wn
-    sbase = s_ptr + e * stride_se + srows[None, :] * stride_sn
     if FMT == 0:
         w = tl.load(wbase + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
-    elif FMT == 1:
+    else:
         raw = tl.load(wbase + offs_k[:, None], mask=mask, other=0)
         w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sbase = s_ptr + e * stride_se + srows[None, :] * stride_sn
         w = w * _e8m0(tl.load(sbase + k0 // 128, mask=mask, other=127))   # BLOCK_K divides 128: one column
-    else:
-        raw = tl.load(wbase + offs_k[:, None] // 2, mask=mask, other=0).to(tl.int32)
-        w = _e2m1((raw >> ((offs_k[:, None] & 1) * 4)) & 15)
-        w = w * _e8m0(tl.load(sbase + offs_k[:, None] // 32, mask=mask, other=127))
     return w
+
+
+@triton.jit
+def _fp4_dot(a_rows, a_mask, w_ptr, s_ptr, e, rows, k0, K, n_mask,  # type: ignore[no-untyped-def]
+             stride_we, stride_wn, stride_se, stride_sn, FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BM, BLOCK_N] partial product A[:, k0:k0+BLOCK_K] @ W_e^T[k0:k0+BLOCK_K, rows] from packed e2m1 bytes.
+
+    Byte j of a row holds k = 2j (low nibble) and 2j+1 (high nibble). Rather than interleave the decoded
+    nibbles into one [BLOCK_K, BN] tile (per-element byte gathers: measured 46x the byte floor), the bytes are
+    loaded as one contiguous [BLOCK_K/2, BN] tile and the activations' even and odd columns meet the low and
+    high nibbles in two dots. a_rows: [BM, 1] row pointers; a_mask: [BM, 1]. K is a multiple of 32 (checked)."""
+    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)          # byte index; k = 2j, 2j + 1
+    ke = 2 * offs_j
+    j_mask = ke < K
+    a_even = tl.load(a_rows + ke[None, :], mask=a_mask & j_mask[None, :], other=0.0)
+    a_odd = tl.load(a_rows + ke[None, :] + 1, mask=a_mask & j_mask[None, :], other=0.0)
+    mask = j_mask[:, None] & n_mask[None, :]
+    raw = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_j[:, None], mask=mask, other=0)
+    raw = raw.to(tl.int32)
+    scale = _e8m0(tl.load(s_ptr + e * stride_se + rows[None, :] * stride_sn + ke[:, None] // 32, mask=mask,
+                          other=127))                       # per-32 groups: one scale per 16 bytes
+    lo = _e2m1(raw & 15) * scale
+    hi = _e2m1((raw >> 4) & 15) * scale
+    return _dot(a_even, lo, FP32_DOT) + _dot(a_odd, hi, FP32_DOT)
 
 
 @triton.jit
@@ -122,17 +145,24 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
-                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
-            mask = k_mask[:, None] & n_mask[None, :]
-            wg = _w_tile(w1_ptr, s1_ptr, e, offs_n, srow, offs_k, k0, mask,
-                         stride_we, stride_wn, stride_se, stride_sn, FMT)
-            acc_g += _dot(a, wg, FP32_DOT)
-            wu = _w_tile(w3_ptr, s3_ptr, e, offs_n, srow, offs_k, k0, mask,
-                         stride_we, stride_wn, stride_se, stride_sn, FMT)
-            acc_u += _dot(a, wu, FP32_DOT)
+            if FMT == 2:
+                x_rows = x_ptr + tok[:, None] * stride_x
+                acc_g += _fp4_dot(x_rows, p_mask[:, None], w1_ptr, s1_ptr, e, offs_n, k0, K, n_mask,
+                                  stride_we, stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K)
+                acc_u += _fp4_dot(x_rows, p_mask[:, None], w3_ptr, s3_ptr, e, offs_n, k0, K, n_mask,
+                                  stride_we, stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K)
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
+                            mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+                mask = k_mask[:, None] & n_mask[None, :]
+                wg = _w_tile(w1_ptr, s1_ptr, e, offs_n, srow, offs_k, k0, mask,
+                             stride_we, stride_wn, stride_se, stride_sn, FMT)
+                acc_g += _dot(a, wg, FP32_DOT)
+                wu = _w_tile(w3_ptr, s3_ptr, e, offs_n, srow, offs_k, k0, mask,
+                             stride_we, stride_wn, stride_se, stride_sn, FMT)
+                acc_u += _dot(a, wu, FP32_DOT)
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         rw = tl.load(rw_ptr + slot, mask=p_mask, other=0.0)
@@ -165,13 +195,17 @@ def _down_kernel(  # type: ignore[no-untyped-def]
             srow = offs_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            a = tl.load(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
-                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
-            w = _w_tile(w_ptr, s_ptr, e, offs_n, srow, offs_k, k0, k_mask[:, None] & n_mask[None, :],
-                        stride_we, stride_wn, stride_se, stride_sn, FMT)
-            acc += _dot(a, w, FP32_DOT)
+            if FMT == 2:
+                acc += _fp4_dot(h_ptr + offs_p[:, None] * stride_h, p_mask[:, None], w_ptr, s_ptr, e, offs_n, k0,
+                                K, n_mask, stride_we, stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K)
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                a = tl.load(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
+                            mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+                w = _w_tile(w_ptr, s_ptr, e, offs_n, srow, offs_k, k0, k_mask[:, None] & n_mask[None, :],
+                            stride_we, stride_wn, stride_se, stride_sn, FMT)
+                acc += _dot(a, w, FP32_DOT)
         o_mask = p_mask[:, None] & n_mask[None, :]
         if ATOMIC:
             tok = slot // TOPK
@@ -299,6 +333,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     """The two launches; w1 / w3 (and s1 / s3) share their strides. Shapes are checked by the callers."""
     if any(b < _MIN_DOT or b & (b - 1) for b in (block_n, block_k)) or block_k > _FP8_BLOCK:
         raise ValueError(f"block_n / block_k must be powers of two >= 16 (block_k <= 128); got {block_n}, {block_k}")
+    if fmt == "fp4" and block_k < 2 * _MIN_DOT:
+        raise ValueError(f"fp4 needs block_k >= {2 * _MIN_DOT} (each nibble half feeds a dot of block_k / 2); "
+                         f"got {block_k}")
     N, topk = indices.shape
     E, d, inter = w1.shape[0], x.shape[1], w1.shape[1]
     out = torch.zeros(N, d, dtype=torch.float32, device=x.device)
