@@ -4,11 +4,12 @@ For each (B, N, k) it checks that `lightning_topk` equals the reference exactly,
 (CUDA events, median over many reps after warm-up; by default each timed sample replays a CUDA graph of
 `--inner` calls, so launch overhead is the GPU's, not Python's: at ~10 us per call it would dominate).
 Reports us per call, achieved GB/s (bytes = B*N*4 scores read once + B*4 lengths + B*k*8 output) and its share
-of the H200 device-copy anchor 4.275 TB/s (docs/DESIGN.md §3), and the speed-up over torch.topk. Prints a
-table, then ONE JSON line. `--sweep` also times a few `TopKConfig`s per shape to tune the thresholds.
+of the H200 device-copy anchor 4.275 TB/s (docs/DESIGN.md §3), and the speed-up over torch.topk; `path` is the
+plan's name (row | compact-bound | compact-exact). Prints a table, then ONE JSON line. `--sweep` also times
+`TopKConfig` variants (one knob changed at a time from the default; Lightning TopK only) to tune the thresholds.
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_topk.py                # CUDA (H200)
-    PYTHONPATH=src python3 benchmarks/kernels/bench_topk.py --sweep        # + block / target_programs sweep
+    PYTHONPATH=src python3 benchmarks/kernels/bench_topk.py --sweep        # + TopKConfig sweep
     PYTHONPATH=src python3 benchmarks/kernels/bench_topk.py --cpu-smoke    # tiny shapes, Triton interpreter
 """
 
@@ -27,7 +28,12 @@ import torch
 COPY_GBPS = 4275.0                                   # H200 device copy, docs/DESIGN.md §3
 GPU_CASES = [(1, 262144, 512), (64, 262144, 512), (1, 65536, 1024), (8, 262144, 2048)]
 TARGET_US = {(1, 262144, 512): 15.0, (64, 262144, 512): 60.0}
-SWEEP = [(block, programs) for block in (1024, 2048, 4096) for programs in (264, 528, 1056)]
+SWEEP: list[dict[str, int]] = [                      # one knob at a time, around the default TopKConfig
+    {"exact_max": 0}, {"exact_max": 1 << 40}, {"group": 8}, {"target_programs": 264}, {"target_programs": 1056},
+    {"compact_block": 512}, {"compact_block": 2048}, {"compact_warps": 4}, {"wide_programs": 0}, {"max_chunk": 4096},
+    {"max_chunk": 16384}, {"max_hist_splits": 16}, {"max_hist_splits": 32}, {"stages": 1}, {"stages": 3},
+    {"block": 2048},
+]
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--inner", type=int, default=10, help="calls per CUDA-graph replay")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of graph replays")
-    p.add_argument("--sweep", action="store_true", help="also time TopKConfig variants (block, target_programs)")
+    p.add_argument("--sweep", action="store_true", help="also time TopKConfig variants (see SWEEP)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -93,7 +99,7 @@ def time_cuda(fn: Callable[[], Any], reps: int, warmup: int, inner: int, eager: 
 
 
 def run_case(ops: dict[str, Any], B: int, N: int, k: int, args: argparse.Namespace, device: str,
-             config: Any) -> dict[str, Any]:
+             config: Any, only_triton: bool = False) -> dict[str, Any]:
     g = torch.Generator().manual_seed(args.seed + B + N + k)
     scores = torch.randn(B, N, generator=g).to(device)
     lengths = torch.full((B,), N, dtype=torch.int32, device=device)
@@ -102,7 +108,9 @@ def run_case(ops: dict[str, Any], B: int, N: int, k: int, args: argparse.Namespa
     if not torch.equal(fast(), ref()):
         raise AssertionError(f"lightning_topk != topk_ragged at B={B} N={N} k={k}")
     fns = {"triton": fast, "torch_topk": lambda: torch.topk(scores, k, dim=-1), "ref": ref}
-    us = {}
+    if only_triton:
+        fns = {"triton": fast}
+    us: dict[str, float | None] = {"torch_topk": None, "ref": None}
     for name, fn in fns.items():
         reps = args.reps if name != "ref" else max(3, args.reps // 10)
         if device == "cpu":
@@ -110,19 +118,23 @@ def run_case(ops: dict[str, Any], B: int, N: int, k: int, args: argparse.Namespa
         else:
             us[name] = time_cuda(fn, reps, args.warmup, args.inner, args.eager)
     plan = ops["plan_topk"](B, N, config)
-    gbytes = (B * N * 4 + B * 4 + B * k * 8) / 1e9
-    gbps = gbytes / (us["triton"] * 1e-6)
+    fast_us, topk_us, ref_us = us["triton"], us["torch_topk"], us["ref"]
+    assert fast_us is not None
+    gbps = (B * N * 4 + B * 4 + B * k * 8) / 1e9 / (fast_us * 1e-6)
     target = TARGET_US.get((B, N, k))
-    return dict(B=B, N=N, k=k, path=plan.path, splits=plan.splits, block=config.block,
-                target_programs=config.target_programs, triton_us=round(us["triton"], 2),
-                torch_topk_us=round(us["torch_topk"], 2), ref_us=round(us["ref"], 2), gbps=round(gbps, 1),
-                pct_copy=round(100 * gbps / COPY_GBPS, 2), speedup_vs_topk=round(us["torch_topk"] / us["triton"], 2),
-                target_us=target, meets_target=None if target is None else us["triton"] <= target)
+    compact = plan.compact
+    return dict(B=B, N=N, k=k, path=plan.name, splits=plan.splits, hist_splits=compact.hist_splits if compact else 1,
+                config={f: getattr(config, f) for f in config.__dataclass_fields__}, triton_us=round(fast_us, 2),
+                torch_topk_us=None if topk_us is None else round(topk_us, 2),
+                ref_us=None if ref_us is None else round(ref_us, 2), gbps=round(gbps, 1),
+                pct_copy=round(100 * gbps / COPY_GBPS, 2),
+                speedup_vs_topk=None if topk_us is None else round(topk_us / fast_us, 2),
+                target_us=target, meets_target=None if target is None else fast_us <= target)
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    head = ("B", "N", "k", "path", "splits", "triton_us", "torch_topk_us", "ref_us", "gbps", "pct_copy",
-            "speedup_vs_topk", "target_us", "meets_target")
+def print_table(rows: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> None:
+    head = ("B", "N", "k", "path", "splits", "hist_splits", "triton_us", "torch_topk_us", "ref_us", "gbps",
+            "pct_copy", "speedup_vs_topk", "target_us", "meets_target") + extra
     print(" | ".join(f"{h:>13}" for h in head))
     for row in rows:
         print(" | ".join(f"{row[h]!s:>13}" for h in head))
@@ -133,8 +145,10 @@ def main() -> None:
     ops = load_ops(args.cpu_smoke)
     if args.cpu_smoke:
         device, cases = "cpu", [(1, 2000, 16), (2, 300, 8), (4, 200, 8)]
-        # shrunken thresholds so the interpreter also walks the split and stream paths
-        config = ops["TopKConfig"](row_max=256, block=256, split_min_n=1024, target_programs=8)
+        # shrunken thresholds so the interpreter also walks the compact path (several chunks per row), in bound
+        # mode for the first case and exact mode for the second
+        config = ops["TopKConfig"](row_max=256, block=256, compact_block=64, small_block=64, target_programs=8,
+                                   max_chunk=512, exact_max=1000)
         args.reps = min(args.reps, 3)
     elif torch.cuda.is_available():
         device, cases, config = "cuda", GPU_CASES, ops["TopKConfig"]()
@@ -145,16 +159,17 @@ def main() -> None:
     sweep = []
     if args.sweep and device == "cuda":
         for B, N, k in cases:
-            for block, programs in SWEEP:
-                cfg = ops["TopKConfig"](block=block, target_programs=programs)
-                sweep.append(run_case(ops, B, N, k, args, device, cfg))
-        print("\nsweep (TopKConfig block, target_programs):")
-        print_table(sorted(sweep, key=lambda r: (r["B"], r["N"], r["k"], r["triton_us"])))
+            for override in SWEEP:
+                cfg = ops["TopKConfig"](**override)
+                sweep.append(dict(run_case(ops, B, N, k, args, device, cfg, only_triton=True), override=override))
+        print("\nsweep (one TopKConfig knob changed from the default, see `override`):")
+        print_table(sorted(sweep, key=lambda r: (r["B"], r["N"], r["k"], r["triton_us"])), extra=("override",))
     timing = "cpu-perf-counter" if device == "cpu" else "eager" if args.eager else "cuda-graph"
     print(json.dumps(dict(
         bench="lightning_topk", device=torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter",
         torch=torch.__version__, triton=ops["triton"].__version__, timing=timing, inner=args.inner,
         reps=args.reps, copy_gbps=COPY_GBPS, results=rows, sweep=sweep)))
+
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@
 #   PART=check bash benchmarks/scripts/h200_graphs.sh   GPU tests (graphs, fused norms, topk, engine backend), the
 #                                                       engine check with graphs, TopK benchmark, decode vs context
 #                                                       at batch 1 with the transformers peer
+#   PART=kernels bash benchmarks/scripts/h200_graphs.sh GPU parity + benchmarks of Lightning TopK and the FP4 MoE
 #   PART=batch bash benchmarks/scripts/h200_graphs.sh   decode throughput at batch 8/32/128 (4K, 32K) with graphs,
 #                                                       the flash-4l engine check, the MoE and compressor benchmarks
 set -uo pipefail
@@ -27,11 +28,14 @@ if [ "$PART" = check ]; then
   timeout 250 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
     --kernel-backend triton --batches "" --hf --plot "$OUT/decode_b1.png" --out "$OUT/decode_b1.json" \
     > "$OUT/decode_b1.txt" 2>&1; grep -v "^{" "$OUT/decode_b1.txt" | tail -14
-elif [ "$PART" = topk ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py > "$OUT/gpu_tests_topk.txt" 2>&1
-  grep -E "passed|failed|Error" "$OUT/gpu_tests_topk.txt" | tail -6
-  timeout 60 python3 benchmarks/kernels/bench_topk.py > "$OUT/bench_topk.txt" 2>&1
-  grep -v "^{" "$OUT/bench_topk.txt" | tail -10
+elif [ "$PART" = kernels ]; then   # Lightning TopK II and the nibble-split FP4 MoE: GPU parity, then benchmarks
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_moe_quant.py \
+    tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests_kernels.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_kernels.txt" | tail -6
+  timeout 70 python3 benchmarks/kernels/bench_topk.py > "$OUT/bench_topk.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk.txt" | tail -12
+  timeout 110 python3 benchmarks/kernels/bench_moe_quant.py --out "$OUT/bench_moe_quant.json" \
+    > "$OUT/bench_moe_quant.txt" 2>&1; grep -v "^{" "$OUT/bench_moe_quant.txt" | tail -20
 else
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/kernels/test_rope_norm.py \
     tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests.txt" 2>&1

@@ -1,18 +1,21 @@
 """Parity of `lightning_topk` with the reference `topk_ragged` (exact equality: the tie rule is exact).
 
-CPU: small rows under the Triton interpreter, with shrunken `TopKConfig` thresholds so every path (row,
-stream, split) and every path boundary (+-1) is reached; ragged lengths k-1, k, k+1, 0 and > N; exact ties
-(small integer sets, all-equal rows, +-0.0), -inf entries, k > N; `to_slots` with a permuted page table.
-On a CUDA machine the same tests run compiled on the GPU, and `-m gpu` adds real shapes (N up to 262,144,
-batch 1..256, k 512..2048) and CUDA-graph replay.
+CPU: small rows under the Triton interpreter, with shrunken `TopKConfig` thresholds so both paths (row,
+compact) and both compact modes (bound, exact) and every boundary (+-1) are reached: row_max, chunk and block
+edges, exact_max; ragged lengths k-1, k, k+1, 0 and > N; exact ties (small integer sets, all-equal rows, +-0.0),
+NaN of both signs (ranked above +inf, as `torch.sort` does), -inf; a K1 bin below the true one (the tail's
+rescan); scratch overflow (heavy ties); one garbage-filled workspace reused call after call (K1 zeroes K2's
+counters, no memset); `to_slots` with a permuted page table. On a CUDA machine the same tests run compiled on
+the GPU, and `-m gpu` adds real shapes (N up to 262,144, batch 1..300, k 512..2048) and CUDA-graph replay.
 
-    PYTHONPATH=src python -m pytest -q tests/kernels/test_topk.py           # interpreter on CPU (< 60 s)
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_topk.py           # interpreter on CPU
     PYTHONPATH=src python -m pytest -q tests/kernels/test_topk.py -m gpu    # on a CUDA machine
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -21,17 +24,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from dsv4.kernels.ref.indexer import topk_lower_index  # noqa: E402
 from dsv4.kernels.ref.topk import to_slots, topk_ragged  # noqa: E402
-from dsv4.kernels.triton.topk import TopKConfig, lightning_topk, plan_topk  # noqa: E402
+from dsv4.kernels.triton.topk import TopKConfig, lightning_topk, plan_topk, topk_workspace_numel  # noqa: E402
+from dsv4.kernels.triton.topk_radix import bin_floor, order_key  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DISTS = ("randn", "ints", "equal", "inf", "signed_zeros", "sparse")
+DISTS = ("randn", "ints", "equal", "inf", "nan", "signed_zeros", "sparse")
 
-# Shrunken thresholds: rows <= 64 in registers, streamed in 32-element blocks, split from 256 at B <= 8 into
-# at most 4 chunks. Under the interpreter every program runs in sequence, so keep programs few.
-SMALL = TopKConfig(row_max=64, block=32, split_min_n=256, target_programs=16, max_splits=4)
+# Shrunken thresholds: rows <= 64 in registers; longer rows in chunks of 64-128 scores (K1 blocks of 64 =
+# 16 groups of 4), compaction steps of 16 (32 on small grids), at most 16 programs per launch. Under the
+# interpreter every program runs in sequence, so keep programs few. EXACT: K1 histograms every key and the
+# candidate list is contiguous. NARROW: never the small-grid compaction step.
+SMALL = TopKConfig(row_max=64, block=64, compact_block=16, small_block=16, target_programs=16, max_chunk=128,
+                   max_hist_splits=4, group=4, exact_max=0)
+EXACT = replace(SMALL, exact_max=1 << 30)
+NARROW = replace(SMALL, wide_programs=0)
 
 
 def make_scores(B: int, N: int, dist: str, seed: int = 0, k: int = 8) -> torch.Tensor:
@@ -48,6 +59,11 @@ def make_scores(B: int, N: int, dist: str, seed: int = 0, k: int = 8) -> torch.T
         x[torch.rand(B, N, generator=g) < 0.5] = float("-inf")
         x[torch.rand(B, N, generator=g) < 0.02] = float("inf")
         x[-1] = float("-inf")
+    elif dist == "nan":                      # NaN of either sign ranks above +inf; NaNs tie (lower index first)
+        x = torch.randn(B, N, generator=g)
+        x[torch.rand(B, N, generator=g) < 0.03] = float("inf")
+        nan = torch.rand(B, N, generator=g) < 0.03
+        x[nan] = torch.where(torch.rand(B, N, generator=g) < 0.5, float("nan"), -float("nan"))[nan]
     elif dist == "signed_zeros":             # ReLU-like: exact zeros of both signs tie with each other
         x = torch.relu(torch.randn(B, N, generator=g)) * torch.where(torch.rand(B, N, generator=g) < 0.5, -1.0, 1.0)
     elif dist == "sparse":                   # k // 2 positives anywhere, +-0.0 elsewhere: the k-th largest is a
@@ -68,11 +84,19 @@ def ragged_lengths(B: int, N: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(lengths, dtype=torch.int64).clamp(min=0).to(DEVICE)
 
 
-def check(scores: torch.Tensor, lengths: torch.Tensor, k: int, config: TopKConfig, path: str) -> None:
+def reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_ragged` computed on the CPU, whose sort ranks every NaN above +inf (the kernel's contract). CUDA's
+    sort orders NaN by its bits (a negative NaN ranks last): measured on the H200, the one device dependence of
+    the reference (`ref/topk.py`)."""
+    return topk_ragged(scores.cpu(), lengths.cpu(), k).to(scores.device)
+
+
+def check(scores: torch.Tensor, lengths: torch.Tensor, k: int, config: TopKConfig, path: str,
+          workspace: torch.Tensor | None = None) -> None:
     B, N = scores.shape
-    assert plan_topk(B, N, config).path == path, (plan_topk(B, N, config), path)
-    out = lightning_topk(scores, lengths, k, config=config)
-    ref = topk_ragged(scores, lengths, k)
+    assert plan_topk(B, N, config).name == path, (plan_topk(B, N, config), path)
+    out = lightning_topk(scores, lengths, k, config=config, workspace=workspace)
+    ref = reference(scores, lengths, k)
     assert out.dtype == torch.int64 and out.shape == (B, k)
     if not torch.equal(out, ref):
         row = int((out != ref).any(dim=1).nonzero()[0])
@@ -83,62 +107,141 @@ def check(scores: torch.Tensor, lengths: torch.Tensor, k: int, config: TopKConfi
 
 
 def test_plan_default_thresholds() -> None:
-    assert plan_topk(256, 4096).path == "row"
-    assert plan_topk(1, 4097).path == "stream"           # mid-length rows stream
-    assert plan_topk(1, 16384).path == "split"
-    one = plan_topk(1, 262144)
-    assert (one.path, one.splits, one.chunk) == ("split", 64, 4096)
-    wide = plan_topk(64, 262144)
-    assert (wide.path, wide.splits, wide.chunk) == ("split", 8, 32768)
-    assert plan_topk(264, 262144).path == "split" and plan_topk(265, 262144).path == "stream"
+    assert plan_topk(256, 4096).name == "row"
+    assert plan_topk(1, 4097).name == "compact-exact"
+    assert plan_topk(4, 262144).name == "compact-exact" and plan_topk(5, 262144).name == "compact-bound"
+    one = plan_topk(1, 262144).compact
+    assert one is not None and (one.splits, one.chunk, one.hist_splits, one.hist_chunk) == (64, 4096, 64, 4096)
+    assert one.compact_block == 2048                              # one program per SM: longer steps
+    wide = plan_topk(64, 262144).compact
+    assert wide is not None and (wide.splits, wide.chunk, wide.hist_splits, wide.hist_chunk) == (32, 8192, 8, 32768)
+    assert (wide.group, wide.compact_block, wide.warps) == (4, 1024, 8)
+    assert plan_topk(4096, 8192).splits == 1                      # huge batches: one program per row
+    assert topk_workspace_numel(8, 4096, 512) == 0                # the row path needs none
+    assert topk_workspace_numel(1, 262144, 512) >= 2 * 262144     # int64 candidate slots for every score
 
 
-def test_config_rejects_non_power_of_two_block() -> None:
-    with pytest.raises(ValueError, match="block"):
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="power of two"):
         TopKConfig(block=48)
+    with pytest.raises(ValueError, match=">= 16"):
+        TopKConfig(block=64, group=8)
+    with pytest.raises(ValueError, match="row_max"):
+        TopKConfig(row_max=20000)
+
+
+def test_bin_floor_matches_keys() -> None:
+    """`not (x < bin_floor(d))` == `order_key(x) >= d << 24` for all 256 digits, on specials and random bits."""
+
+    @triton.jit
+    def _kernel(x_ptr, out_ptr, M: tl.constexpr):  # type: ignore[no-untyped-def]
+        x = tl.load(x_ptr + tl.arange(0, M))
+        for d in range(0, 256):
+            by_float = ~(x < bin_floor(tl.full([], d, tl.int32)))
+            by_key = order_key(x) >= (tl.full([], d, tl.uint32) << 24)
+            tl.store(out_ptr + d * M + tl.arange(0, M), (by_float == by_key).to(tl.int32))
+
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 1.0, -1.0, 1e-40,
+                            -1e-40, 3.4e38, -3.4e38, 1.1754944e-38, -1.1754944e-38, 2.0, 0.5])
+    bits = torch.randint(-2**31, 2**31 - 1, (512 - special.numel(),), generator=torch.Generator().manual_seed(0),
+                         dtype=torch.int32)
+    x = torch.cat([special, bits.view(torch.float32)]).to(DEVICE)
+    out = torch.zeros(256 * 512, dtype=torch.int32, device=DEVICE)
+    _kernel[(1,)](x, out, M=512)
+    assert bool(out.all())
 
 
 # ---------------------------------------------------------------------------------------------- parity
 
 
 @pytest.mark.parametrize("dist", DISTS)
-@pytest.mark.parametrize("path,B,N,k", [
-    ("row", 6, 50, 8),
-    ("row", 6, 1000, 16),          # default config: 1024-wide register row
-    ("stream", 6, 200, 8),
-    ("split", 6, 300, 8),          # 4 chunks of 96
+@pytest.mark.parametrize("path,config,B,N,k", [
+    ("row", SMALL, 6, 50, 8),
+    ("row", TopKConfig(), 6, 1000, 16),          # default config: 1024-wide register row
+    ("compact-bound", SMALL, 6, 300, 8),         # 3 K2 chunks of 128 per row, K1 2 chunks
+    ("compact-exact", EXACT, 6, 300, 8),
+    ("compact-bound", SMALL, 2, 1000, 24),       # 8 chunks of 128: the tail maps positions across chunks
+    ("compact-bound", NARROW, 2, 1000, 24),
+    ("compact-exact", EXACT, 2, 1000, 24),       # 8 chunks, one contiguous candidate list
 ])
-def test_parity_paths(path: str, B: int, N: int, k: int, dist: str) -> None:
-    config = TopKConfig() if N > SMALL.row_max and path == "row" else SMALL
+def test_parity_paths(path: str, config: TopKConfig, B: int, N: int, k: int, dist: str) -> None:
     scores = make_scores(B, N, dist, seed=N + B, k=k)
     check(scores, ragged_lengths(B, N, k), k, config, path)
 
 
-@pytest.mark.parametrize("B,N,path", [
-    (2, 63, "row"), (2, 64, "row"), (2, 65, "stream"),              # row_max +-1
-    (2, 255, "stream"), (2, 256, "split"), (2, 257, "split"),       # split_min_n +-1
-    (8, 300, "split"), (9, 300, "stream"),                          # target_programs // B >= 2 +-1
-    (1, 288, "split"), (1, 289, "split"), (1, 319, "split"),       # chunk / block edges
-    (1, 95, "stream"), (1, 96, "stream"), (1, 97, "stream"),       # stream block edges
+@pytest.mark.parametrize("B,N,config,path", [
+    (2, 63, SMALL, "row"), (2, 64, SMALL, "row"), (2, 65, SMALL, "compact-bound"),    # row_max +-1
+    (1, 127, SMALL, "compact-bound"), (1, 128, SMALL, "compact-bound"),             # block / chunk edges
+    (1, 129, SMALL, "compact-bound"), (1, 191, SMALL, "compact-bound"), (1, 193, SMALL, "compact-bound"),
+    (16, 80, SMALL, "compact-bound"), (17, 80, SMALL, "compact-bound"),             # one program per row
+    (2, 129, replace(SMALL, exact_max=259), "compact-exact"),                       # exact_max +-1 (B * N = 258)
+    (2, 129, replace(SMALL, exact_max=258), "compact-exact"),
+    (2, 129, replace(SMALL, exact_max=257), "compact-bound"),
 ])
-def test_path_boundaries(B: int, N: int, path: str) -> None:
-    for seed, dist in enumerate(("randn", "sparse")):
+def test_path_boundaries(B: int, N: int, config: TopKConfig, path: str) -> None:
+    for seed, dist in enumerate(("randn", "sparse", "nan")):
         scores = make_scores(B, N, dist, seed=seed, k=7)
         lengths = torch.full((B,), N, dtype=torch.int64, device=DEVICE)
-        check(scores, lengths, 7, SMALL, path)
+        check(scores, lengths, 7, config, path)
 
 
-@pytest.mark.parametrize("path,N", [("row", 40), ("stream", 120), ("split", 260)])
-def test_k_at_and_beyond_lengths(path: str, N: int) -> None:
+@pytest.mark.parametrize("config,path,N", [(SMALL, "row", 40), (SMALL, "compact-bound", 260),
+                                           (EXACT, "compact-exact", 260)])
+def test_k_at_and_beyond_lengths(config: TopKConfig, path: str, N: int) -> None:
     scores = make_scores(3, N, "ints", seed=1)
     for k in (1, N - 1, N, N + 1, N + 40):
         lengths = torch.tensor([N, k - 1, max(k - 1, 0) // 2], dtype=torch.int32, device=DEVICE)
-        check(scores, lengths, k, SMALL, path)
+        check(scores, lengths, k, config, path)
+
+
+@pytest.mark.parametrize("B,N,k", [(2, 2048, 4), (3, 1500, 48)])   # k / N like 512 / 262144, and a few percent
+def test_scaled_k(B: int, N: int, k: int) -> None:
+    for dist in ("randn", "signed_zeros"):
+        check(make_scores(B, N, dist, seed=k, k=k), ragged_lengths(B, N, k, seed=k), k, SMALL, "compact-bound")
+
+
+@pytest.mark.parametrize("exact_max", (1 << 20, 0))
+def test_default_config_long_rows(exact_max: int) -> None:
+    """The shipped blocks (4096 / 2048 / 1024), several chunks per row, both modes."""
+    config = replace(TopKConfig(), exact_max=exact_max)
+    for B, N, k, dist in ((2, 40000, 64, "randn"), (3, 20000, 512, "nan"), (2, 9000, 40, "sparse")):
+        scores = make_scores(B, N, dist, seed=B, k=k)
+        check(scores, ragged_lengths(B, N, k, seed=B), k, config, plan_topk(B, N, config).name)
+
+
+def test_bound_mode_low_bin_rescans() -> None:
+    """Top scores clustered in a few K1 groups: K1's bin is below the true one, so the tail rescans digit 1."""
+    B, N, k = 2, 256, 8
+    scores = torch.full((B, N), 0.3)                     # digit-0 bin [0.125, 0.5)
+    block, group = SMALL.block, SMALL.group
+    stride = block // group                              # members of a K1 group are `stride` apart
+    for j, col in enumerate((0, 1)):                     # 2 groups x 4 members = the 8 winners, bin [2, 8)
+        for m in range(group):
+            scores[:, col + m * stride] = 2.0 + j + 0.1 * m
+    scores[1, 100:140] = torch.linspace(0.31, 0.49, 40)  # ties broken differently in the second row
+    check(scores.to(DEVICE), torch.full((B,), N, device=DEVICE), k, SMALL, "compact-bound")
+
+
+def test_workspace_reused_with_garbage() -> None:
+    """One garbage-filled workspace, many calls, varying shapes: K1 re-zeroes K2's counters every call."""
+    numel = max(topk_workspace_numel(B, N, k, SMALL) for B, N, k in ((3, 300, 8), (2, 1000, 24), (6, 130, 130)))
+    workspace = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32, device=DEVICE)
+    for step, (B, N, k, dist) in enumerate([(3, 300, 8, "randn"), (2, 1000, 24, "ints"), (3, 300, 8, "nan"),
+                                            (6, 130, 130, "sparse"), (3, 300, 8, "randn")]):
+        scores = make_scores(B, N, dist, seed=step, k=k)
+        check(scores, ragged_lengths(B, N, k, seed=step), k, SMALL, "compact-bound", workspace=workspace)
+    for _ in range(3):                                   # default: a fresh buffer from the allocator per call
+        check(make_scores(3, 300, "randn", seed=7), ragged_lengths(3, 300, 8), 8, SMALL, "compact-bound")
+    with pytest.raises(ValueError, match="workspace"):
+        lightning_topk(make_scores(3, 300, "randn"), ragged_lengths(3, 300, 8), 8, config=SMALL,
+                       workspace=workspace[:10])
 
 
 def test_reference_matches_topk_lower_index() -> None:
     """On full rows the reference picks exactly the set `topk_lower_index` ranks first."""
     for dist in DISTS:
+        if dist == "nan":
+            continue                         # topk_lower_index orders NaN by torch.topk, not by torch.sort
         scores = make_scores(4, 300, dist, seed=2)
         full = torch.full((4,), 300, dtype=torch.int64, device=DEVICE)
         expect = torch.sort(topk_lower_index(scores, 37), dim=-1).values
@@ -149,6 +252,8 @@ def test_empty_and_degenerate() -> None:
     scores = make_scores(2, 30, "randn")
     zero = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     assert torch.equal(lightning_topk(scores, zero, 5), torch.full((2, 5), -1, device=DEVICE))
+    assert torch.equal(lightning_topk(make_scores(2, 300, "randn"), zero, 5, config=SMALL),
+                       torch.full((2, 5), -1, device=DEVICE))
     none = torch.empty(2, 0, device=DEVICE)
     assert torch.equal(lightning_topk(none, zero, 3), torch.full((2, 3), -1, device=DEVICE))
     assert lightning_topk(torch.empty(0, 30, device=DEVICE), zero[:0], 3).shape == (0, 3)
@@ -187,30 +292,45 @@ def test_to_slots_permuted_pages() -> None:
 
 # -------------------------------------------------------------------------------------------------- gpu
 
+GPU_EXACT = replace(TopKConfig(), exact_max=1 << 40)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,N,k", [
     (1, 262144, 512), (3, 262144, 512), (64, 262144, 512), (256, 262144, 512), (300, 262144, 512),
     (1, 65536, 1024), (8, 262144, 2048), (1, 65535, 2048), (1, 65537, 512),
-    (128, 4096, 512), (17, 4097, 512), (2, 16383, 512), (2, 16384, 512), (33, 131072, 512),
+    (128, 4096, 512), (17, 4097, 512), (2, 16383, 512), (2, 16384, 512), (33, 131072, 512), (2048, 8192, 512),
 ])
-@pytest.mark.parametrize("dist", ("randn", "ints", "inf", "sparse"))
+@pytest.mark.parametrize("dist", ("randn", "ints", "inf", "nan", "sparse"))
 def test_gpu_real_shapes(B: int, N: int, k: int, dist: str) -> None:
     scores = make_scores(B, N, dist, seed=B, k=k)
     lengths = ragged_lengths(B, N, k, seed=B)
-    check(scores, lengths, k, TopKConfig(), plan_topk(B, N).path)
+    check(scores, lengths, k, TopKConfig(), plan_topk(B, N).name)
+    if B <= 64:
+        check(scores, lengths, k, GPU_EXACT, plan_topk(B, N, GPU_EXACT).name)
 
 
 @pytest.mark.gpu
-def test_gpu_all_equal_long_row() -> None:
-    """Worst case for the split path: every entry is a candidate and a tie."""
+@pytest.mark.parametrize("config", (TopKConfig(), GPU_EXACT))
+def test_gpu_all_equal_long_row(config: TopKConfig) -> None:
+    """Worst case for the compact path: every score is a candidate and a tie (scratch overflow)."""
     scores = make_scores(2, 262144, "equal")
     lengths = torch.tensor([262144, 100000], device=DEVICE)
-    check(scores, lengths, 512, TopKConfig(), "split")
+    check(scores, lengths, 512, config, plan_topk(2, 262144, config).name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,N", [(1, 262144), (64, 65536), (512, 8192)])
+def test_gpu_workspace_reuse() -> None:
+    numel = topk_workspace_numel(64, 262144, 512)
+    workspace = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32, device=DEVICE)
+    for step, (B, dist) in enumerate([(64, "randn"), (1, "ints"), (64, "nan"), (8, "sparse"), (64, "randn")]):
+        scores = make_scores(B, 262144, dist, seed=step, k=512)
+        path = plan_topk(B, 262144, TopKConfig()).name                 # B = 1 runs exact, the others bound
+        check(scores, ragged_lengths(B, 262144, 512, seed=step), 512, TopKConfig(), path, workspace=workspace)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,N", [(1, 262144), (64, 65536), (512, 8192), (64, 262144)])
 def test_gpu_graph_replay(B: int, N: int) -> None:
     scores = make_scores(B, N, "randn")
     lengths = ragged_lengths(B, N, 512)
@@ -218,7 +338,7 @@ def test_gpu_graph_replay(B: int, N: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = lightning_topk(scores, lengths, 512)
-    for seed in range(3):
-        scores.copy_(make_scores(B, N, "ints" if seed else "randn", seed=seed))
+    for seed in range(4):
+        scores.copy_(make_scores(B, N, ("randn", "ints", "nan", "sparse")[seed], seed=seed, k=512))
         graph.replay()
-        assert torch.equal(out, topk_ragged(scores, lengths, 512))
+        assert torch.equal(out, reference(scores, lengths, 512))

@@ -8,7 +8,9 @@ signature and must return identical tensors):
     keep the first k; -inf inside the length is a valid candidate that ranks last
     output: the selected indices in ASCENDING index order, then -1 padding up to k
 
-NaN scores are outside the contract. -0.0 and +0.0 compare equal (ties, lower index first).
+-0.0 and +0.0 compare equal (ties, lower index first). NaN: on the CPU `torch.sort` ranks every NaN above +inf
+(NaNs tie, lower index first), and so does the kernel; CUDA's sort orders NaN by its bits (a negative NaN ranks
+last), so this reference is device-dependent for NaN only: compare against it computed on the CPU.
 Test: tests/kernels/test_topk.py.
 """
 

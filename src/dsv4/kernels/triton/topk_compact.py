@@ -1,0 +1,285 @@
+"""Lightning TopK, long rows: 2 launches, no memset; the last program of each row selects (spec §6.6).
+
+Owns the `compact` path of `topk.py::lightning_topk` (rows longer than `TopKConfig.row_max`): K1, K2, the
+workspace layout and `launch_compact`; the tail that finishes each row lives in `topk_tail.py`. Output
+contract: `kernels/ref/topk.py::topk_ragged`, exactly (the lower-index tie rule included), deterministic.
+
+    K1 hist     grid B x P1. Each chunk's digit-0 histogram (key >> 24), stored as counts of digit >= d in its
+                own slot ge0[b, p1, :] (plain stores). Exact mode (group 1): of every key. Bound mode (group G):
+                of the max of each group of G scores (group j = scores j, j + M, j + 2M, .. of a block: strided,
+                so neighbours with similar scores land in different groups); G x fewer `tl.histogram` updates,
+                the costly op (Triton 3.6: a ballot per bin bit and a popcount per 32 bins, per element).
+                K1 also zeroes K2's per-row state.
+    K2 compact  grid B x P2. bin0 = largest d with (sum of the row's slots)[d] >= k_eff. Exact mode: digit 0 of
+                the k-th largest key. Bound mode: a lower bound of it (>= k_eff groups have a max in a bin
+                >= bin0, so >= k_eff distinct scores do). Candidates = scores with key >= bin0 << 24 (one float
+                compare, `bin_floor`): every possible winner; for Gaussian-like scores a few percent of the row
+                (a digit-0 bin spans two octaves). The chunk packs them, in index order, into cand[b]: in exact
+                mode at its offset in one contiguous list (K1 chunks = K2 chunks, so column bin0 of the earlier
+                chunks' slots counts their candidates), in bound mode into its own region (an offset would need
+                a look-back). No program ever waits for another. It stores its count and adds its candidates'
+                histograms (digit 0 in bound mode; digit 1 of bin0's ties) into the row's hc0 / hc1, then bumps
+                the row's done counter; the program that brings it to P2 runs `topk_tail.select_tail`.
+
+Memory ordering (K2). Each program's candidate and count stores and its hc atomics precede a CTA barrier; one
+thread then bumps the done counter (atomic_add, acq_rel, gpu scope: on sm_90 a MEMBAR.GPU before and an L1
+invalidate after). The barrier orders every thread's writes before that release (cumulativity, the pattern
+of cooperative groups' grid sync and of CUDA's threadFenceReduction), and the counter's RMWs form a release
+sequence, so the program that reads P2 - 1 acquires every chunk's writes; the tail still reads them with
+L1-bypassing (.cg) loads. Nobody waits on anybody, so there is no deadlock at any occupancy, and under
+TRITON_INTERPRET=1 (programs run one after another) the last program in order is the one that finishes.
+
+Workspace (int32 words, any initial contents, so one buffer can be reused call after call): ge0 slots
+[B, P1, 256] | state [B, 528 + 2 * P2 rounded to 16] (hc0, hc1, done counter, counts, starts; zeroed by K1
+each call: nothing carries over and no memset node is needed) | cand [B, N] int64 (worst case every score is
+a candidate) | scratch [B, k + block] int64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.kernels.triton.topk_radix import bin_floor, digit_hist, order_key, row_len
+from dsv4.kernels.triton.topk_tail import COUNTS, DONE, HC1, append_rows, select_tail, unpack
+
+STATE_FIXED = 528           # words of a state row before the counts (see topk_tail.COUNTS)
+
+
+@dataclass(frozen=True)
+class CompactPlan:
+    """Chunking of the compact path (built by `topk.py::plan_topk` from Python ints only)."""
+
+    block: int          # elements per loop step of K1, a power of two
+    group: int          # K1 group size; 1 = exact mode
+    hist_splits: int    # P1: K1 programs per row
+    hist_chunk: int     # elements per K1 program, a multiple of block
+    hist_warps: int     # K1 num_warps
+    splits: int         # P2: K2 programs per row
+    chunk: int          # elements per K2 program, a multiple of block
+    warps: int          # K2 num_warps
+    compact_block: int  # loop step of the compaction passes and of the tail (power of two <= block; sets K2's
+                        # registers)
+    small_block: int    # loop step over one chunk's candidates (power of two)
+    stages: int         # software-pipelining depth of the streaming loops (cp.async prefetch on sm_90)
+
+    @property
+    def exact(self) -> bool:
+        return self.group == 1
+
+
+# ------------------------------------------------------------------------------------------------ K1
+
+
+@triton.jit
+def _block_hist0(row_ptr, start, hi, MASKED: tl.constexpr, GROUP: tl.constexpr,  # type: ignore[no-untyped-def]
+                 BLOCK: tl.constexpr):
+    """Digit-0 histogram of one block: of every key (GROUP 1) or of each group's max. MASKED: the chunk's last."""
+    if GROUP == 1:
+        offs = start + tl.arange(0, BLOCK)
+        if MASKED:
+            key = order_key(tl.load(row_ptr + offs, mask=offs < hi, other=0.0))
+            hist = tl.histogram((key >> 24).to(tl.int32), 256, mask=offs < hi)
+        else:
+            hist = tl.histogram((order_key(tl.load(row_ptr + offs)) >> 24).to(tl.int32), 256)
+    else:
+        # NOTE: the max runs over the tile's first axis, which a thread holds in registers (contiguous groups
+        # cost shuffles). A float max may skip NaNs (GPU) or keep them (interpreter): both are <= the group's
+        # max key, which is all the lower bound needs.
+        cols = tl.arange(0, BLOCK // GROUP)
+        offs = start + tl.arange(0, GROUP)[:, None] * (BLOCK // GROUP) + cols[None, :]
+        if MASKED:
+            gmax = tl.max(tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")), axis=0)
+            hist = tl.histogram((order_key(gmax) >> 24).to(tl.int32), 256, mask=start + cols < hi)
+        else:
+            gmax = tl.max(tl.load(row_ptr + offs), axis=0)
+            hist = tl.histogram((order_key(gmax) >> 24).to(tl.int32), 256)
+    return hist
+
+
+@triton.jit
+def _hist_kernel(  # type: ignore[no-untyped-def]
+    scores_ptr, lengths_ptr, slots_ptr, state_ptr, N, stride_s, P1, CHUNK1, STATE_LEN,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // P1
+    lo = (pid % P1) * CHUNK1
+    hi = tl.maximum(tl.minimum(lo + CHUNK1, row_len(lengths_ptr, row, N)), lo)
+    full = lo + (hi - lo) // BLOCK * BLOCK              # unmasked (vectorised) blocks, then one masked
+    row_ptr = scores_ptr + row.to(tl.int64) * stride_s
+    hist = tl.zeros([256], dtype=tl.int32)
+    for start in tl.range(lo, full, BLOCK, num_stages=STAGES):
+        hist += _block_hist0(row_ptr, start, hi, False, GROUP, BLOCK)
+    if full < hi:
+        hist += _block_hist0(row_ptr, full, hi, True, GROUP, BLOCK)
+    ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # count(digit >= d): K2 sums these and reads columns
+    tl.store(slots_ptr + pid.to(tl.int64) * 256 + tl.arange(0, 256), ge)
+    # NOTE: K2's row state is zeroed here, one launch before K2 uses it: no memset node, nothing survives
+    # between calls, and a reused (or garbage-filled) workspace is fine.
+    if pid % P1 == 0:
+        state = state_ptr + row.to(tl.int64) * STATE_LEN
+        for start in range(0, STATE_LEN, ZERO_BLOCK):
+            offs = start + tl.arange(0, ZERO_BLOCK)
+            tl.store(state + offs, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=offs < STATE_LEN)
+
+
+# ------------------------------------------------------------------------------------------------ K2
+
+
+@triton.jit
+def _slot_sum(slots_row_ptr, P1, ROWS: tl.constexpr, STAGES: tl.constexpr):  # type: ignore[no-untyped-def]
+    """count(digit 0 >= d) over the row: the sum of its P1 slots, ROWS slots per (pipelined) step."""
+    ids = tl.arange(0, ROWS)
+    bins = tl.arange(0, 256)
+    ge = tl.zeros([256], dtype=tl.int32)
+    for q0 in tl.range(0, P1, ROWS, num_stages=STAGES):
+        q = q0 + ids
+        ge += tl.sum(tl.load(slots_row_ptr + q[:, None] * 256 + bins[None, :], mask=q[:, None] < P1, other=0), 0)
+    return ge
+
+
+@triton.jit
+def _find_bin_ge(ge, k_rem):  # type: ignore[no-untyped-def]
+    """`find_bin` from count(digit >= d) instead of the histogram."""
+    bins = tl.arange(0, 256)
+    digit = tl.max(tl.where(ge >= k_rem, bins, 0), 0)
+    return digit, k_rem - tl.sum(tl.where(bins == digit + 1, ge, 0), 0)     # minus count(digit > bin)
+
+
+@triton.jit
+def _exact_offset(slots_row_ptr, P, part, bin0, P_POW2: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Exact mode (K1 chunks = K2 chunks): candidates (digit 0 >= bin0) in the row's chunks before `part`."""
+    q = tl.arange(0, P_POW2)
+    return tl.sum(tl.load(slots_row_ptr + q * 256 + bin0, mask=q < part, other=0), 0)
+
+
+@triton.jit
+def _compact_block(row_ptr, start, hi, floor, dst_ptr, base, MASKED: tl.constexpr,  # type: ignore[no-untyped-def]
+                   BLOCK: tl.constexpr):
+    """Append the candidates of one block (rows of 4 scores: one 16-byte load each) to dst[base:]."""
+    offs = start + tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    if MASKED:
+        x = tl.load(row_ptr + offs, mask=offs < hi, other=0.0)
+        keep = (offs < hi) & ~(x < floor)
+    else:
+        x = tl.load(row_ptr + offs)
+        keep = ~(x < floor)
+    packed = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | offs.to(tl.int64)
+    return append_rows(keep, packed, dst_ptr, base, hi)
+
+
+@triton.jit
+def _compact_chunk(row_ptr, lo, hi, floor, dst_ptr, BLOCK: tl.constexpr,  # type: ignore[no-untyped-def]
+                   STAGES: tl.constexpr):
+    """Every candidate of scores[lo:hi] (not below `floor`), packed, -> dst in index order; returns the count."""
+    full = lo + (hi - lo) // BLOCK * BLOCK
+    num = tl.zeros([], dtype=tl.int32)
+    for start in tl.range(lo, full, BLOCK, num_stages=STAGES):
+        num = _compact_block(row_ptr, start, hi, floor, dst_ptr, num, False, BLOCK)
+    if full < hi:
+        num = _compact_block(row_ptr, full, hi, floor, dst_ptr, num, True, BLOCK)
+    return num
+
+
+@triton.jit
+def _cand_hists(state_ptr, cand_ptr, num, bin0, EXACT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Add this chunk's candidate histograms to the row's: digit 0 (bound mode) -> hc0, digit 1 of bin0 -> hc1."""
+    h0 = tl.zeros([256], dtype=tl.int32)
+    h1 = tl.zeros([256], dtype=tl.int32)
+    prefix = bin0.to(tl.uint32) << 24
+    for start in range(0, num, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key, _ = unpack(tl.load(cand_ptr + offs, mask=offs < num, other=0, cache_modifier=".cg"))
+        if not EXACT:
+            h0 += tl.histogram((key >> 24).to(tl.int32), 256, mask=offs < num)
+        h1 += digit_hist(key, offs < num, prefix, 16)
+    bins = tl.arange(0, 256)
+    if not EXACT:
+        tl.atomic_add(state_ptr + bins, h0, mask=h0 != 0, sem="relaxed")
+    tl.atomic_add(state_ptr + HC1 + bins, h1, mask=h1 != 0, sem="relaxed")
+
+
+@triton.jit
+def _compact_kernel(  # type: ignore[no-untyped-def]
+    scores_ptr, lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, B, N, K, stride_s, P1, P2, CHUNK,
+    STATE_LEN, SCR, EXACT: tl.constexpr, CBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, SLOT_ROWS: tl.constexpr, P2_POW2: tl.constexpr, LOG2_P2: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = B - 1 - pid // P2             # rows in reverse: K1 ran them forward, so these are still in L2
+    part = pid % P2
+    n = row_len(lengths_ptr, row, N)
+    k_eff = tl.minimum(n, K)
+    lo = part * CHUNK
+    hi = tl.maximum(tl.minimum(lo + CHUNK, n), lo)
+    state = state_ptr + row.to(tl.int64) * STATE_LEN
+    slots = slots_ptr + row.to(tl.int64) * P1 * 256
+    ge = _slot_sum(slots, P1, SLOT_ROWS, STAGES)
+    bin0, k_rem = _find_bin_ge(ge, k_eff)
+    if EXACT:                           # one contiguous list: the chunk's offset comes off the exact slots
+        offset = _exact_offset(slots, P2, part, bin0, P2_POW2)
+        total = tl.sum(tl.where(tl.arange(0, 256) == bin0, ge, 0), 0)
+    else:                               # the chunk's own region; the tail sums the counts
+        offset, total = lo, 0
+    cand = cand_ptr + row.to(tl.int64) * N
+    num = _compact_chunk(scores_ptr + row.to(tl.int64) * stride_s, lo, hi, bin_floor(bin0), cand + offset, CBLOCK,
+                         STAGES)
+    tl.store(state + COUNTS + part, num)
+    tl.debug_barrier()                  # this chunk's candidates were stored by all of its threads
+    _cand_hists(state, cand + offset, num, bin0, EXACT, SMALL_BLOCK)
+    tl.debug_barrier()                  # every thread's stores and atomics precede the release below
+    done = tl.atomic_add(state + DONE, 1, sem="acq_rel", scope="gpu")
+    if done == P2 - 1:
+        select_tail(out_ptr + row.to(tl.int64) * K, state, cand, scr_ptr + row.to(tl.int64) * SCR, k_eff, K, bin0,
+                    k_rem, total, P2, CHUNK, SCR, EXACT, CBLOCK, LIST_BLOCK, P2_POW2, LOG2_P2, PAD_BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------- host
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _state_len(plan: CompactPlan) -> int:
+    return STATE_FIXED + 2 * _round16(plan.splits)
+
+
+def _region_sizes(B: int, N: int, k: int, plan: CompactPlan) -> list[int]:
+    """int32 words of: hist0 slots, state, candidates (int64), scratch (int64)."""
+    return [B * plan.hist_splits * 256, B * _state_len(plan), 2 * _round16(B * N), 2 * _round16(B * (k + plan.block))]
+
+
+def workspace_numel(B: int, N: int, k: int, plan: CompactPlan) -> int:
+    """int32 words of the compact path's workspace for a [B, N] problem (see the module docstring)."""
+    return sum(_region_sizes(B, N, k, plan))
+
+
+def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, plan: CompactPlan,
+                   workspace: torch.Tensor | None = None) -> None:
+    """Fill out [B, k] with K1 (histograms) and K2 (compact, then select). No host sync, no memset."""
+    B, N = scores.shape
+    K = out.shape[1]
+    sizes = _region_sizes(B, N, K, plan)
+    if workspace is None:
+        workspace = torch.empty(sum(sizes), dtype=torch.int32, device=scores.device)
+    elif workspace.dtype != torch.int32 or workspace.numel() < sum(sizes) or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be a contiguous int32 tensor of >= {sum(sizes)} words, got "
+                         f"{workspace.dtype} {workspace.numel()} contiguous={workspace.is_contiguous()}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    slots, state, cand, scr = (workspace[s: s + size] for s, size in zip(starts, sizes, strict=True))
+    p2_pow2 = triton.next_power_of_2(plan.splits)
+    _hist_kernel[(B * plan.hist_splits,)](
+        scores, lengths, slots, state, N, scores.stride(0), plan.hist_splits, plan.hist_chunk, _state_len(plan),
+        GROUP=plan.group, BLOCK=plan.block, STAGES=plan.stages, ZERO_BLOCK=1024, num_warps=plan.hist_warps)
+    _compact_kernel[(B * plan.splits,)](
+        scores, lengths, out, slots, state, cand.view(torch.int64), scr.view(torch.int64), B, N, K, scores.stride(0),
+        plan.hist_splits, plan.splits, plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact,
+        CBLOCK=plan.compact_block, LIST_BLOCK=min(plan.compact_block, 1024), SMALL_BLOCK=plan.small_block,
+        STAGES=plan.stages, SLOT_ROWS=16,
+        P2_POW2=max(16, p2_pow2), LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024, num_warps=plan.warps)
