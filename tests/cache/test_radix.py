@@ -28,10 +28,13 @@ class Req:
         self.slot, self.tokens, self.cached, self.lock = slot, tokens, cached, lock
 
 
+MAX_CONTEXT = 64
+
+
 class RadixMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.table = RequestTable(LAYOUT, max_reqs=4, max_context=64, device=torch.device("cpu"))
+        self.table = RequestTable(LAYOUT, max_reqs=4, max_context=MAX_CONTEXT, device=torch.device("cpu"))
         self.cache = RadixPrefixCache(self.table, LAYOUT.swa_horizon)
         self.reqs: list[Req] = []
 
@@ -56,6 +59,9 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3), n=st.integers(1, 7))
     def extend(self, i: int, n: int) -> None:
         req = self.reqs[i % len(self.reqs)]
+        n = min(n, MAX_CONTEXT - req.cached)     # the engine never grows a request past its context length
+        if n <= 0:
+            return
         req.tokens = req.tokens + [7] * n
         if self.table.reserve(req.slot, req.cached, req.cached + n):
             req.cached += n
