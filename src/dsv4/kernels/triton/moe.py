@@ -16,11 +16,12 @@ time into one `w13` ([W1; W3], rows [0, I) gate, [I, 2I) up; `ref/moe.py::pack_w
 
 Kernel design. Weights are dequantised in registers inside the K-loop: each [BLOCK_K, BLOCK_N] tile of W^T
 is loaded as raw codes, decoded (e2m1: sign + 2-bit exponent + 1-bit mantissa by integer arithmetic;
-e4m3: bitcast to float8e4nv and convert), multiplied by its 2^(code-127) scale, cast to bf16 (exact: both
-formats have <= 3 mantissa bits) and fed to tl.dot with fp32 accumulation. Hopper has no FP4 MMA, so this is
+e4m3: bitcast to float8e4nv and convert), cast to bf16 (exact: both formats have <= 3 mantissa bits) and fed
+to tl.dot with fp32 accumulation; the 2^(code-127) scale multiplies the dot's [BM, BLOCK_N] result once per
+scale block and output row (exact: a power of two), never each weight. Hopper has no FP4 MMA, so this is
 the weight-only scheme; the activations stay bf16 (the QAT act_quant of §11 is not simulated). FP4 tiles are
-never interleaved: a contiguous [BLOCK_K/2, BLOCK_N] byte tile is decoded into its low- and high-nibble halves,
-which meet the activations' even and odd columns in two dots (`_fp4_dot`).
+never interleaved: per 32-wide scale group a contiguous [16, BLOCK_N] byte tile is decoded into its low- and
+high-nibble halves, which meet the activations' even and odd columns in two dots (`_fp4_group`).
 
 Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (`torch.argsort`, stable);
 per-expert row ranges come from `torch.searchsorted` on the sorted ids (NOTE: CUDA `torch.bincount` reads
@@ -72,43 +73,60 @@ def _e2m1(nib):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _w_tile(w_ptr, s_ptr, e, rows, srows, offs_k, k0, mask,  # type: ignore[no-untyped-def]
-            stride_we, stride_wn, stride_se, stride_sn, FMT: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] fp32 tile of W_e^T (rows: W's output rows, srows: their scale rows); bf16 / fp8 only
-    (FP4 goes through `_fp4_dot`)."""
+def _w_tile(w_ptr, e, rows, offs_k, mask, stride_we, stride_wn, FMT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """[BLOCK_K, BLOCK_N] fp32 tile of W_e^T, unscaled (rows: W's output rows): bf16 values or e4m3 codes."""
     wbase = w_ptr + e * stride_we + rows[None, :] * stride_wn
+    # NOTE: if / else, not an early return: the compiler would still type-check the fp8 bitcast for bf16 weights
     if FMT == 0:
         w = tl.load(wbase + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
     else:
-        raw = tl.load(wbase + offs_k[:, None], mask=mask, other=0)
-        w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        sbase = s_ptr + e * stride_se + srows[None, :] * stride_sn
-        w = w * _e8m0(tl.load(sbase + k0 // 128, mask=mask, other=127))   # BLOCK_K divides 128: one column
+        w = tl.load(wbase + offs_k[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return w
+
+
+@triton.jit
+def _fp8_scale(s_ptr, e, srows, k0, n_mask, stride_se, stride_sn):  # type: ignore[no-untyped-def]
+    """[BLOCK_N] 2^(code-127) of the tile's 128x128 scale blocks: one per output row, as BLOCK_K divides 128.
+
+    Applied to the tile's dot product rather than to each weight: a power of two commutes exactly with the
+    product, and one [BLOCK_N] load replaces a per-element scale gather (the [BLOCK_K, BLOCK_N] broadcast load
+    issued one byte load per element)."""
+    return _e8m0(tl.load(s_ptr + e * stride_se + srows * stride_sn + k0 // 128, mask=n_mask, other=127))
+
+
+@triton.jit
+def _fp4_group(a_rows, a_mask, w_ptr, s_ptr, e, rows, kg, K, n_mask,  # type: ignore[no-untyped-def]
+               stride_we, stride_wn, stride_se, stride_sn, FP32_DOT: tl.constexpr):
+    """[BM, BLOCK_N] partial product over the 32 k of one scale group [kg, kg + 32) from packed e2m1 bytes.
+
+    Byte j of a row holds k = 2j (low nibble) and 2j+1 (high nibble). The group's 16 bytes per row are loaded
+    as one contiguous [16, BN] tile (no interleave: per-element byte gathers measured 46x the byte floor); the
+    activations' even and odd columns meet the low and high nibbles in two K = 16 dots of the unscaled e2m1
+    values (exact in bf16), and the group's per-row scale multiplies the sum (a power of two: exact).
+    a_rows: [BM, 1] row pointers; a_mask: [BM, 1]. K is a multiple of 32 (checked), so a group is all in or out."""
+    offs_j = kg // 2 + tl.arange(0, 16)
+    ke = 2 * offs_j
+    k_ok = ke < K
+    a_even = tl.load(a_rows + ke[None, :], mask=a_mask & k_ok[None, :], other=0.0)
+    a_odd = tl.load(a_rows + ke[None, :] + 1, mask=a_mask & k_ok[None, :], other=0.0)
+    raw = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_j[:, None],
+                  mask=k_ok[:, None] & n_mask[None, :], other=0).to(tl.int32)
+    part = _dot(a_even, _e2m1(raw & 15), FP32_DOT) + _dot(a_odd, _e2m1((raw >> 4) & 15), FP32_DOT)
+    in_k = (tl.zeros_like(rows) + kg) < K                 # (a [BN] mask: the interpreter refuses a scalar bool)
+    scale = _e8m0(tl.load(s_ptr + e * stride_se + rows * stride_sn + kg // 32, mask=n_mask & in_k, other=127))
+    return part * scale[None, :]
 
 
 @triton.jit
 def _fp4_dot(a_rows, a_mask, w_ptr, s_ptr, e, rows, k0, K, n_mask,  # type: ignore[no-untyped-def]
              stride_we, stride_wn, stride_se, stride_sn, FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BM, BLOCK_N] partial product A[:, k0:k0+BLOCK_K] @ W_e^T[k0:k0+BLOCK_K, rows] from packed e2m1 bytes.
-
-    Byte j of a row holds k = 2j (low nibble) and 2j+1 (high nibble). Rather than interleave the decoded
-    nibbles into one [BLOCK_K, BN] tile (per-element byte gathers: measured 46x the byte floor), the bytes are
-    loaded as one contiguous [BLOCK_K/2, BN] tile and the activations' even and odd columns meet the low and
-    high nibbles in two dots. a_rows: [BM, 1] row pointers; a_mask: [BM, 1]. K is a multiple of 32 (checked)."""
-    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)          # byte index; k = 2j, 2j + 1
-    ke = 2 * offs_j
-    j_mask = ke < K
-    a_even = tl.load(a_rows + ke[None, :], mask=a_mask & j_mask[None, :], other=0.0)
-    a_odd = tl.load(a_rows + ke[None, :] + 1, mask=a_mask & j_mask[None, :], other=0.0)
-    mask = j_mask[:, None] & n_mask[None, :]
-    raw = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_j[:, None], mask=mask, other=0)
-    raw = raw.to(tl.int32)
-    scale = _e8m0(tl.load(s_ptr + e * stride_se + rows[None, :] * stride_sn + ke[:, None] // 32, mask=mask,
-                          other=127))                       # per-32 groups: one scale per 16 bytes
-    lo = _e2m1(raw & 15) * scale
-    hi = _e2m1((raw >> 4) & 15) * scale
-    return _dot(a_even, lo, FP32_DOT) + _dot(a_odd, hi, FP32_DOT)
+    """[BM, BLOCK_N] partial product A[:, k0:k0+BLOCK_K] @ W_e^T[k0:k0+BLOCK_K, rows]: BLOCK_K / 32 groups."""
+    part = _fp4_group(a_rows, a_mask, w_ptr, s_ptr, e, rows, k0, K, n_mask,
+                      stride_we, stride_wn, stride_se, stride_sn, FP32_DOT)
+    for g in tl.static_range(1, BLOCK_K // 32):
+        part += _fp4_group(a_rows, a_mask, w_ptr, s_ptr, e, rows, k0 + 32 * g, K, n_mask,
+                           stride_we, stride_wn, stride_se, stride_sn, FP32_DOT)
+    return part
 
 
 @triton.jit
@@ -157,12 +175,13 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
                 a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
                             mask=p_mask[:, None] & k_mask[None, :], other=0.0)
                 mask = k_mask[:, None] & n_mask[None, :]
-                wg = _w_tile(w1_ptr, s1_ptr, e, offs_n, srow, offs_k, k0, mask,
-                             stride_we, stride_wn, stride_se, stride_sn, FMT)
-                acc_g += _dot(a, wg, FP32_DOT)
-                wu = _w_tile(w3_ptr, s3_ptr, e, offs_n, srow, offs_k, k0, mask,
-                             stride_we, stride_wn, stride_se, stride_sn, FMT)
-                acc_u += _dot(a, wu, FP32_DOT)
+                pg = _dot(a, _w_tile(w1_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT), FP32_DOT)
+                pu = _dot(a, _w_tile(w3_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT), FP32_DOT)
+                if FMT == 1:
+                    pg *= _fp8_scale(s1_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
+                    pu *= _fp8_scale(s3_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
+                acc_g += pg
+                acc_u += pu
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         rw = tl.load(rw_ptr + slot, mask=p_mask, other=0.0)
@@ -203,9 +222,11 @@ def _down_kernel(  # type: ignore[no-untyped-def]
                 k_mask = offs_k < K
                 a = tl.load(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
                             mask=p_mask[:, None] & k_mask[None, :], other=0.0)
-                w = _w_tile(w_ptr, s_ptr, e, offs_n, srow, offs_k, k0, k_mask[:, None] & n_mask[None, :],
-                            stride_we, stride_wn, stride_se, stride_sn, FMT)
-                acc += _dot(a, w, FP32_DOT)
+                w = _w_tile(w_ptr, e, offs_n, offs_k, k_mask[:, None] & n_mask[None, :], stride_we, stride_wn, FMT)
+                part = _dot(a, w, FP32_DOT)
+                if FMT == 1:
+                    part *= _fp8_scale(s_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
+                acc += part
         o_mask = p_mask[:, None] & n_mask[None, :]
         if ATOMIC:
             tok = slot // TOPK
