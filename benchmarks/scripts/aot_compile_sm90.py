@@ -1,0 +1,85 @@
+"""Compile Triton kernels for the H200 (sm_90) on a machine without a GPU, and count their SASS instructions.
+
+The interpreter (TRITON_INTERPRET=1) checks what a kernel computes, not whether the GPU compiler accepts it
+(e.g. an early `return` inside a constexpr branch still type-checks the code after it). Compiling ahead of time
+with the device's Triton (3.6.0 on the lent H200) catches that before device time is spent, and the static
+instruction / global-load counts are a first look at a change's cost:
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:src python benchmarks/scripts/aot_compile_sm90.py [--kernels moe]
+
+Prints one line per compiled variant (instructions, LDG, HMMA, shared bytes); exits 1 on any compile error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+Variant = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]   # label, kernel, types, constexprs, options
+
+
+def moe_variants() -> Iterator[Variant]:
+    from dsv4.kernels.triton import moe
+
+    for fmt, name in ((0, "bf16"), (1, "fp8"), (2, "fp4")):
+        w, s = ("*bf16", "*bf16") if fmt == 0 else ("*u8", "*u8")
+        types = {"x_ptr": "*bf16", "w1_ptr": w, "w3_ptr": w, "s1_ptr": s, "s3_ptr": s, "h_ptr": "*bf16", "w_ptr": w,
+                 "s_ptr": s, "out_ptr": "*fp32", "order_ptr": "*i64", "rw_ptr": "*fp32", "t_start_ptr": "*i32",
+                 "t_end_ptr": "*i32", "t_exp_ptr": "*i32", "limit": "fp32"}
+        consts = {"TOPK": 6, "FMT": fmt, "FP32_DOT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
+        options = {"num_warps": 4, "num_stages": 3}
+        yield f"moe gate_up {name}", moe._gate_up_kernel, types, consts, options
+        yield f"moe down {name}", moe._down_kernel, types, {**consts, "ATOMIC": False}, options
+
+
+KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants}
+
+
+def sass_counts(cubin: bytes) -> dict[str, int]:
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    instr = [line for line in lines.splitlines() if line.strip().startswith("/*") and "*/" in line]
+    return {"instr": len(instr), "LDG": sum("LDG" in x for x in instr), "HMMA": sum("HMMA" in x for x in instr)}
+
+
+def compile_variant(kernel: Any, types: dict[str, str], consts: dict[str, Any], options: dict[str, int]) -> Any:
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {sorted(KERNELS)}")
+    args = p.parse_args()
+    sys.stdout.write(f"triton {triton.__version__}, target sm_90\n")
+    failed = 0
+    for group in args.kernels.split(","):
+        for label, kernel, types, consts, options in KERNELS[group]():
+            try:
+                compiled = compile_variant(kernel, types, consts, options)
+            except Exception as exc:  # noqa: BLE001 — report every variant, then fail
+                failed += 1
+                sys.stdout.write(f"{label:<22} COMPILE ERROR: {str(exc).splitlines()[0] if str(exc) else exc!r}\n")
+                continue
+            c = sass_counts(compiled.asm["cubin"])
+            sys.stdout.write(f"{label:<22} instr {c['instr']:>6}  LDG {c['LDG']:>4}  HMMA {c['HMMA']:>3}  "
+                             f"shared {compiled.metadata.shared:>6} B\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
