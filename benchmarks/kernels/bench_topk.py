@@ -16,6 +16,7 @@ plan's name (row | compact-bound | compact-exact). Prints a table, then ONE JSON
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -44,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--inner", type=int, default=10, help="calls per CUDA-graph replay")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of graph replays")
     p.add_argument("--sweep", action="store_true", help="also time TopKConfig variants (see SWEEP)")
+    p.add_argument("--profile", action="store_true", help="also split each case's time per kernel (torch.profiler "
+                   "over eager calls: kernel time only, no launch gaps)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -132,6 +135,23 @@ def run_case(ops: dict[str, Any], B: int, N: int, k: int, args: argparse.Namespa
                 target_us=target, meets_target=None if target is None else fast_us <= target)
 
 
+def kernel_times(fn: Callable[[], Any], reps: int = 20) -> dict[str, float]:
+    """Mean GPU time per call of each kernel `fn` launches, by kernel name (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            out[event.key] = round(event.device_time_total / reps, 2)
+    return out
+
+
 def print_table(rows: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> None:
     head = ("B", "N", "k", "path", "splits", "hist_splits", "triton_us", "torch_topk_us", "ref_us", "gbps",
             "pct_copy", "speedup_vs_topk", "target_us", "meets_target") + extra
@@ -156,6 +176,14 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --cpu-smoke")
     rows = [run_case(ops, B, N, k, args, device, config) for B, N, k in cases]
     print_table(rows)
+    if args.profile and device == "cuda":
+        for row in rows:
+            B, N, k = row["B"], row["N"], row["k"]
+            scores = torch.randn(B, N, device=device)
+            lengths = torch.full((B,), N, dtype=torch.int32, device=device)
+            call = functools.partial(ops["lightning_topk"], scores, lengths, k, config=config)
+            row["kernel_us"] = kernel_times(call)
+            print(f"per kernel, B={B} N={N} k={k}: {row['kernel_us']}")
     sweep = []
     if args.sweep and device == "cuda":
         for B, N, k in cases:
