@@ -1,24 +1,13 @@
 #!/usr/bin/env bash
 # Device calls for the CUDA-graph decode path (issue 7's 5x target) and Lightning TopK II (issue 6).
 # Usage (device, repo root; transformers 5.23 wheel carried in .wheels for the peer):
-#   PART=check bash benchmarks/scripts/h200_graphs.sh   GPU tests (graphs, fused norms, topk, engine backend), the
-#                                                       engine check with graphs, TopK benchmark, decode vs context
+#   PART=check bash benchmarks/scripts/h200_graphs.sh   GPU tests (graphs, fused norms, engine backend), the
+#                                                       engine check with graphs, decode vs context
 #                                                       at batch 1 with the transformers peer
 #   PART=kernels bash benchmarks/scripts/h200_graphs.sh GPU parity + benchmarks of Lightning TopK and the FP4 MoE
 #   PART=batch bash benchmarks/scripts/h200_graphs.sh   decode throughput at batch 8/32/128 (4K, 32K) with graphs,
-#                                                       the flash-4l engine check, the MoE and compressor benchmarks
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; PART=${PART:-check}
-if ls .wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .wheels/*.whl
-  export PYTHONPATH=src:/tmp/site
-else
-  export PYTHONPATH=src
-fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/env_$PART.txt"
+#                                                       the GPU tests again, the flash-4l engine check, the MoE benchmark
+source "$(dirname "$0")/device_env.sh"
 if [ "$PART" = check ]; then
   timeout 170 python3 -m pytest -q -p no:cacheprovider -x tests/engine/test_cuda_graph.py tests/kernels/test_rope_norm.py \
     tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests.txt" 2>&1

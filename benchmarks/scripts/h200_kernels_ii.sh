@@ -8,18 +8,7 @@
 #                                                           engine checks (FP4 experts, noise floor), decode
 #                                                           throughput at batch 8/32/128
 #   PART=bench bash benchmarks/scripts/h200_kernels_ii.sh   the kernel benchmarks
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; PART=${PART:-check}
-if ls .wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .wheels/*.whl
-  export PYTHONPATH=src:/tmp/site
-else
-  export PYTHONPATH=src
-fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__)"; } | tee "$OUT/env_$PART.txt"
+source "$(dirname "$0")/device_env.sh"
 LOG="$OUT/$PART.log"
 if [ "$PART" = check ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention_triton.py \
