@@ -5,26 +5,17 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from bench_script import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_context_sweep.py"
 ROW_KEYS = {"system", "batch", "context", "status", "prefill_fit", "prefill_s", "ms_per_step", "tok_s",
             "weight_gb", "kv_gb", "floor_ms", "ratio"}
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("decode_context_sweep", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_smoke_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bench = load_script()
+    bench = load_benchmark("decode_context_sweep")
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "64,128", "--batches", "1,2",
             "--steps", "3", "--warmup-steps", "1", "--routing-steps", "2", "--copy-gib", "0.02",
@@ -59,7 +50,7 @@ def test_smoke_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_floor_model() -> None:
     """Bytes per step: KV grows with the context; distinct experts saturate at n_routed_experts."""
-    bench = load_script()
+    bench = load_benchmark("decode_context_sweep")
     from dsv4.checkpoint.presets import flash_4l
 
     cfg = flash_4l()
@@ -73,7 +64,7 @@ def test_floor_model() -> None:
 
 def test_failing_configuration_is_a_row() -> None:
     """An out-of-memory (or any error) becomes the row's status, keeping what was measured before it."""
-    bench = load_script()
+    bench = load_benchmark("decode_context_sweep")
 
     def decode_oom(row: dict[str, object]) -> None:
         row.update(prefill_s=1.5, prefill_fit=True)

@@ -4,29 +4,16 @@ engine run on prompt + forced prefix). micro preset, ref backend, CPU."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import torch
+from bench_script import load_benchmark
 
 from dsv4 import SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import random_model
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_backend_check.py"
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("engine_backend_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_teacher_forcing_feeds_forced_tokens() -> None:
-    check = load_script()
+    check = load_benchmark("engine_backend_check")
     model = random_model(micro(), torch.float32, torch.device("cpu"), seed=3)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (21, 34)]
