@@ -17,7 +17,6 @@ from dsv4 import LLM
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.engine.cuda_graph import MIN_CONTEXT, DecodeGraphs, batch_buckets, context_bucket
-from dsv4.engine.request import Request
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +44,6 @@ def test_context_bucket() -> None:
         context_bucket(513, 512)
 
 
-def _run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Request]:
-    return run_staggered(llm.engine, prompts, max_tokens)
-
-
 def _compare(ckpt: Path, device: str, capture: bool, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     """Same workload with and without graphs: tokens equal, logits within 1e-5, routing equal."""
     kwargs = dict(dtype="float32", device=device, page_size=16, chunked_prefill_size=13, max_running_requests=6,
@@ -64,7 +59,7 @@ def _compare(ckpt: Path, device: str, capture: bool, monkeypatch: pytest.MonkeyP
                                          capture=capture)
         prompts = prompts_for(llm.model.config, seed=4)
         max_tokens = [6 + (5 * i) % 9 for i in range(len(prompts))]
-        reqs = _run(llm, prompts, max_tokens)
+        reqs = run_staggered(llm.engine, prompts, max_tokens)
         outputs.append((reqs, rec.rows))
         if graphs:
             assert runner.graphs is not None
