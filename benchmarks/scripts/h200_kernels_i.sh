@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Device calls for issue 6 (GPU kernels I), fourth session. Usage (device, repo root):
+#   PART=baseline bash benchmarks/scripts/h200_kernels_i.sh   Lightning TopK GPU parity (NaN cases against the CPU
+#                                                             reference), bench_topk with --profile and --sweep,
+#                                                             the compressor sweep, the FP4/FP8 MoE benchmark
+#   PART=topk     bash benchmarks/scripts/h200_kernels_i.sh   TopK parity + benchmark (+ profile) only
+#   PART=compress bash benchmarks/scripts/h200_kernels_i.sh   compressor GPU parity + benchmark (sweep) only
+source "$(dirname "$0")/device_env.sh"
+topk_tests() {
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py > "$OUT/gpu_tests_topk.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_topk.txt" | tail -4
+}
+compress_bench() {
+  timeout "$1" python3 benchmarks/kernels/bench_compressor.py --sweep --out "$OUT/bench_compressor.json" \
+    > "$OUT/bench_compressor.txt" 2>&1; grep -v "^{" "$OUT/bench_compressor.txt" | tail -24
+}
+if [ "$PART" = baseline ]; then
+  topk_tests 150
+  timeout 170 python3 benchmarks/kernels/bench_topk.py --profile --sweep > "$OUT/bench_topk.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk.txt" | head -12; grep "^per kernel" "$OUT/bench_topk.txt"
+  compress_bench 170
+  timeout 90 python3 benchmarks/kernels/bench_moe_quant.py --out "$OUT/bench_moe_quant.json" \
+    > "$OUT/bench_moe_quant.txt" 2>&1; grep -v "^{" "$OUT/bench_moe_quant.txt" | tail -14
+elif [ "$PART" = topk ]; then
+  topk_tests 200
+  timeout 150 python3 benchmarks/kernels/bench_topk.py --profile > "$OUT/bench_topk.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk.txt" | head -12; grep "^per kernel" "$OUT/bench_topk.txt"
+else
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_triton.py \
+    > "$OUT/gpu_tests_compressor.txt" 2>&1; grep -E "passed|failed|Error" "$OUT/gpu_tests_compressor.txt" | tail -4
+  compress_bench 250
+fi
