@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also time TopKConfig variants (see SWEEP)")
     p.add_argument("--profile", action="store_true", help="also split each case's time per kernel (torch.profiler "
                    "over eager calls: kernel time only, no launch gaps)")
+    p.add_argument("--probe", action="store_true", help="also time each phase of the compact path's second kernel "
+                   "(the GPU's global timer stamped at phase boundaries: `launch_compact(probe=)`)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -152,6 +154,36 @@ def kernel_times(fn: Callable[[], Any], reps: int = 20) -> dict[str, float]:
     return out
 
 
+def probe_phases(B: int, N: int, k: int, config: Any, device: str) -> dict[str, Any]:
+    """Median ns per K2 phase (per program) and per tail phase (per row) of one call, from `launch_compact(probe=)`."""
+    from dsv4.kernels.triton.topk import plan_topk
+    from dsv4.kernels.triton.topk_compact import launch_compact
+
+    plan = plan_topk(B, N, config)
+    if plan.compact is None:
+        return {}
+    scores = torch.randn(B, N, device=device)
+    lengths = torch.full((B,), N, dtype=torch.int32, device=device)
+    out = torch.empty((B, k), dtype=torch.int64, device=device)
+    probe = torch.zeros((B * plan.compact.splits, 16), dtype=torch.int64, device=device)
+    for _ in range(3):                               # compile, then warm caches
+        launch_compact(scores, lengths, out, plan.compact, probe=probe)
+    torch.cuda.synchronize()
+    t = probe.cpu().double()                          # NOTE: benchmark-only sync point
+    t0 = t[:, 0].min()
+    tails = t[t[:, 9] > 0]
+    med = lambda x: round(float(x.median()), 0)       # noqa: E731
+    names = ["bin0", "compact", "cand_hists", "done_atomic"]
+    phases = {f"k2_{n}_ns": med(t[:, j + 1] - t[:, j]) for j, n in enumerate(names)}
+    tail_names = ["start", "bin1", "scratch", "select", "pad"]
+    phases.update({f"tail_{n}_ns": med(tails[:, j + 5] - tails[:, j + 4]) for j, n in enumerate(tail_names)})
+    phases.update(k2_start_spread_ns=round(float(t[:, 0].max() - t0)), tails=len(tails),
+                  tail_start_after_k2_start_ns=med(tails[:, 5] - t0), k2_end_ns=round(float(t[:, 9].max() - t0)),
+                  last_done_ns=round(float(t[:, 4].max() - t0)), scratch_len=med(tails[:, 10]),
+                  candidates=med(tails[:, 11]))
+    return phases
+
+
 def print_table(rows: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> None:
     head = ("B", "N", "k", "path", "splits", "hist_splits", "triton_us", "torch_topk_us", "ref_us", "gbps",
             "pct_copy", "speedup_vs_topk", "target_us", "meets_target") + extra
@@ -184,6 +216,10 @@ def main() -> None:
             call = functools.partial(ops["lightning_topk"], scores, lengths, k, config=config)
             row["kernel_us"] = kernel_times(call)
             print(f"per kernel, B={B} N={N} k={k}: {row['kernel_us']}")
+    if args.probe and device == "cuda":
+        for row in rows:
+            row["probe"] = probe_phases(row["B"], row["N"], row["k"], config, device)
+            print(f"probe, B={row['B']} N={row['N']} k={row['k']}: {row['probe']}")
     sweep = []
     if args.sweep and device == "cuda":
         for B, N, k in cases:

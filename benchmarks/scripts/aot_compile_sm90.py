@@ -6,7 +6,7 @@ with the device's Triton (3.6.0 on the lent H200) catches that before device tim
 instruction / global-load counts are a first look at a change's cost:
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36:src python benchmarks/scripts/aot_compile_sm90.py [--kernels moe]
+    PYTHONPATH=/tmp/t36:src python benchmarks/scripts/aot_compile_sm90.py [--kernels moe,topk]
 
 Prints one line per compiled variant (instructions, LDG, HMMA, shared bytes); exits 1 on any compile error.
 """
@@ -42,7 +42,24 @@ def moe_variants() -> Iterator[Variant]:
         yield f"moe down {name}", moe._down_kernel, types, {**consts, "ATOMIC": False}, options
 
 
-KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants}
+def topk_variants() -> Iterator[Variant]:
+    from dsv4.kernels.triton import topk_compact
+
+    types = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*i64", "slots_ptr": "*i32", "state_ptr": "*i32",
+             "cand_ptr": "*i64", "scr_ptr": "*i64", "probe_ptr": "*i64"}
+    for exact in (True, False):
+        mode = "exact" if exact else "bound"
+        yield (f"topk hist {mode}", topk_compact._hist_kernel, types,
+               {"GROUP": 1 if exact else 4, "BLOCK": 4096, "STAGES": 2, "ZERO_BLOCK": 1024}, {"num_warps": 8})
+        for probe in (False, True):
+            consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "LIST_BLOCK": 1024, "SMALL_BLOCK": 256,
+                      "STAGES": 2, "SLOT_ROWS": 16, "P2_POW2": 64 if exact else 32, "LOG2_P2": 6 if exact else 5,
+                      "PAD_BLOCK": 1024, "PROBE": probe}
+            yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \
+                {"num_warps": 8}
+
+
+KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants}
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:

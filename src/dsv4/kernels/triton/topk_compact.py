@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.topk_radix import bin_floor, digit_hist, order_key, row_len
-from dsv4.kernels.triton.topk_tail import COUNTS, DONE, HC1, append_rows, select_tail, unpack
+from dsv4.kernels.triton.topk_tail import COUNTS, DONE, HC1, append_rows, select_tail, stamp, unpack
 
 STATE_FIXED = 528           # words of a state row before the counts (see topk_tail.COUNTS)
 
@@ -208,9 +208,11 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, B, N, K, stride_s, P1, P2, CHUNK,
     STATE_LEN, SCR, EXACT: tl.constexpr, CBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
     STAGES: tl.constexpr, SLOT_ROWS: tl.constexpr, P2_POW2: tl.constexpr, LOG2_P2: tl.constexpr,
-    PAD_BLOCK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    probe = probe_ptr + pid * 16
+    stamp(probe, 0, PROBE)
     row = B - 1 - pid // P2             # rows in reverse: K1 ran them forward, so these are still in L2
     part = pid % P2
     n = row_len(lengths_ptr, row, N)
@@ -227,16 +229,20 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     else:                               # the chunk's own region; the tail sums the counts
         offset, total = lo, 0
     cand = cand_ptr + row.to(tl.int64) * N
+    stamp(probe, 1, PROBE)
     num = _compact_chunk(scores_ptr + row.to(tl.int64) * stride_s, lo, hi, bin_floor(bin0), cand + offset, CBLOCK,
                          STAGES)
     tl.store(state + COUNTS + part, num)
     tl.debug_barrier()                  # this chunk's candidates were stored by all of its threads
+    stamp(probe, 2, PROBE)
     _cand_hists(state, cand + offset, num, bin0, EXACT, SMALL_BLOCK)
     tl.debug_barrier()                  # every thread's stores and atomics precede the release below
+    stamp(probe, 3, PROBE)
     done = tl.atomic_add(state + DONE, 1, sem="acq_rel", scope="gpu")
+    stamp(probe, 4, PROBE)
     if done == P2 - 1:
         select_tail(out_ptr + row.to(tl.int64) * K, state, cand, scr_ptr + row.to(tl.int64) * SCR, k_eff, K, bin0,
-                    k_rem, total, P2, CHUNK, SCR, EXACT, CBLOCK, LIST_BLOCK, P2_POW2, LOG2_P2, PAD_BLOCK)
+                    k_rem, total, P2, CHUNK, SCR, EXACT, CBLOCK, LIST_BLOCK, P2_POW2, LOG2_P2, PAD_BLOCK, probe, PROBE)
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -261,8 +267,14 @@ def workspace_numel(B: int, N: int, k: int, plan: CompactPlan) -> int:
 
 
 def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, plan: CompactPlan,
-                   workspace: torch.Tensor | None = None) -> None:
-    """Fill out [B, k] with K1 (histograms) and K2 (compact, then select). No host sync, no memset."""
+                   workspace: torch.Tensor | None = None, probe: torch.Tensor | None = None) -> None:
+    """Fill out [B, k] with K1 (histograms) and K2 (compact, then select). No host sync, no memset.
+
+    `probe` (profiling only, GPU only): an int64 [B * plan.splits, 16] tensor; each K2 program stores the global
+    timer (ns) at its phase boundaries into its row (0 entry, 1 bin0 known, 2 compacted, 3 candidate histograms
+    added, 4 done counter bumped) and the row's last program also at the tail's (5 start, 6 bin1, 7 scratch list,
+    8 selected, 9 padded; 10 scratch length, 11 candidates). See bench_topk.py --probe.
+    """
     B, N = scores.shape
     K = out.shape[1]
     sizes = _region_sizes(B, N, K, plan)
@@ -282,4 +294,5 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
         plan.hist_splits, plan.splits, plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact,
         CBLOCK=plan.compact_block, LIST_BLOCK=min(plan.compact_block, 1024), SMALL_BLOCK=plan.small_block,
         STAGES=plan.stages, SLOT_ROWS=16,
-        P2_POW2=max(16, p2_pow2), LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024, num_warps=plan.warps)
+        P2_POW2=max(16, p2_pow2), LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024,
+        probe_ptr=out if probe is None else probe, PROBE=probe is not None, num_warps=plan.warps)

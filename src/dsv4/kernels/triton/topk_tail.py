@@ -32,6 +32,15 @@ COUNTS = tl.constexpr(528)
 
 
 @triton.jit
+def stamp(probe_ptr, j, PROBE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Profiling aid (bench_topk.py --probe): probe[j] = the GPU's global nanosecond timer. Off: no code."""
+    if PROBE:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        tl.store(probe_ptr + j, now)
+
+
+@triton.jit
 def unpack(packed):  # type: ignore[no-untyped-def]
     """(key uint32, index int32) of packed candidates."""
     return order_key((packed >> 32).to(tl.int32).to(tl.float32, bitcast=True)), (packed & 0xFFFFFFFF).to(tl.int32)
@@ -121,7 +130,7 @@ def _finish(src_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK,  
 def select_tail(  # type: ignore[no-untyped-def]
     out_row_ptr, state_ptr, cand_ptr, scr_ptr, k_eff, K, bin0_lb, k_rem_lb, total, P, CHUNK, SCR,
     EXACT: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, P_POW2: tl.constexpr, LOG2_P: tl.constexpr,
-    PAD_BLOCK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
 ):
     """The row's last K2 program: exact threshold over the row's candidates, then the output row.
 
@@ -140,16 +149,24 @@ def select_tail(  # type: ignore[no-untyped-def]
         total = tl.sum(counts, 0)
         bin0, k_rem = find_bin(tl.load(state_ptr + bins, cache_modifier=".cg"), k_eff)
         tl.debug_barrier()  # starts[] was stored by other threads of this program
+    stamp(probe_ptr, 5, PROBE)
     hist1 = tl.load(state_ptr + HC1 + bins, cache_modifier=".cg")
     if bin0 != bin0_lb:     # bound mode's bin was low: hc1 histogrammed the wrong ties
         hist1 = _scan_hist(cand_ptr, total, bin0.to(tl.uint32) << 24, starts_ptr, P, CHUNK, 16, LOG2_P, MAPPED,
                            BLOCK)
     bin1, k_rem = find_bin(hist1, k_rem)
+    stamp(probe_ptr, 6, PROBE)
     prefix = (bin0.to(tl.uint32) << 24) | (bin1.to(tl.uint32) << 16)
     num = _compact_ge(cand_ptr, total, prefix, starts_ptr, P, CHUNK, scr_ptr, SCR, LOG2_P, MAPPED, BLOCK)
     tl.debug_barrier()      # the scratch list was stored by other threads of this program
+    stamp(probe_ptr, 7, PROBE)
+    if PROBE:
+        tl.store(probe_ptr + 10, num.to(tl.int64))
+        tl.store(probe_ptr + 11, total.to(tl.int64))
     if num <= SCR:
         _finish(scr_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, LOG2_P, False, LIST_BLOCK)
     else:
         _finish(cand_ptr, total, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, LOG2_P, MAPPED, BLOCK)
+    stamp(probe_ptr, 8, PROBE)
     pad_tail(out_row_ptr, k_eff, K, PAD_BLOCK)
+    stamp(probe_ptr, 9, PROBE)
