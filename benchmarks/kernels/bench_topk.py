@@ -32,7 +32,7 @@ TARGET_US = {(1, 262144, 512): 15.0, (64, 262144, 512): 60.0}
 SWEEP: list[dict[str, int]] = [                      # one knob at a time, around the default TopKConfig
     {"exact_max": 0}, {"exact_max": 1 << 40}, {"group": 8}, {"target_programs": 264}, {"target_programs": 1056},
     {"compact_block": 512}, {"compact_block": 2048}, {"compact_warps": 4}, {"wide_programs": 0}, {"max_chunk": 4096},
-    {"max_chunk": 16384}, {"max_hist_splits": 16}, {"max_hist_splits": 32}, {"stages": 1}, {"stages": 3},
+    {"max_chunk": 16384}, {"max_hist_splits": 16}, {"max_hist_splits": 32}, {"max_hist_splits": 128},
     {"block": 2048},
 ]
 

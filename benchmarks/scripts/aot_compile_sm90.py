@@ -14,6 +14,7 @@ Prints one line per compiled variant (instructions, LDG, HMMA, shared bytes); ex
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,10 +51,10 @@ def topk_variants() -> Iterator[Variant]:
     for exact in (True, False):
         mode = "exact" if exact else "bound"
         yield (f"topk hist {mode}", topk_compact._hist_kernel, types,
-               {"GROUP": 1 if exact else 4, "BLOCK": 4096, "STAGES": 2, "ZERO_BLOCK": 1024}, {"num_warps": 8})
+               {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024}, {"num_warps": 8})
         for probe in (False, True):
-            consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "LIST_BLOCK": 1024, "SMALL_BLOCK": 256,
-                      "STAGES": 2, "SLOT_ROWS": 16, "P2_POW2": 64 if exact else 32, "LOG2_P2": 6 if exact else 5,
+            consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "LIST_BLOCK": 1024, "FINISH_BLOCK": 1024, "SMALL_BLOCK": 256,
+                      "P1_POW2": 64 if exact else 16, "P2_POW2": 64 if exact else 32, "LOG2_P2": 6 if exact else 5,
                       "PAD_BLOCK": 1024, "PROBE": probe}
             yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \
                 {"num_warps": 8}
@@ -63,13 +64,20 @@ KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "top
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    """Static SASS instruction / LDG / HMMA counts, and registers and spill bytes per thread (cuobjdump)."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        lines = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        lines = subprocess.run([str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
     instr = [line for line in lines.splitlines() if line.strip().startswith("/*") and "*/" in line]
-    return {"instr": len(instr), "LDG": sum("LDG" in x for x in instr), "HMMA": sum("HMMA" in x for x in instr)}
+    regs = re.search(r"REG:(\d+)", usage)
+    spill = re.search(r"STACK:(\d+)", usage)
+    return {"instr": len(instr), "LDG": sum("LDG" in x for x in instr), "HMMA": sum("HMMA" in x for x in instr),
+            "regs": int(regs.group(1)) if regs else -1, "stack": int(spill.group(1)) if spill else -1}
 
 
 def compile_variant(kernel: Any, types: dict[str, str], consts: dict[str, Any], options: dict[str, int]) -> Any:
@@ -94,7 +102,7 @@ def main() -> int:
                 continue
             c = sass_counts(compiled.asm["cubin"])
             sys.stdout.write(f"{label:<22} instr {c['instr']:>6}  LDG {c['LDG']:>4}  HMMA {c['HMMA']:>3}  "
-                             f"shared {compiled.metadata.shared:>6} B\n")
+                             f"shared {compiled.metadata.shared:>6} B  regs {c['regs']:>3}  stack {c['stack']:>4} B\n")
     return 1 if failed else 0
 
 

@@ -51,24 +51,28 @@ class TopKConfig:
     compact_warps: int = 8          # most warps of a K2 program (fewer: more elements a thread, fewer scan steps)
     target_programs: int = 528      # 4 programs per SM on a 132-SM H200
     max_chunk: int = 8192           # longest K2 chunk (more, shorter chunks balance the rows' last programs)
-    max_hist_splits: int = 64       # most K1 chunks per row: every K2 program sums all of its row's slots
+    max_hist_splits: int = 64       # most K1 chunks per row (<= 128): every K2 program loads all of its row's slots
+                                    # as one [splits, 256] register tile
     group: int = 4                  # bound mode: K1 histograms the max of each group of this many scores
     exact_max: int = 1 << 20        # B * N at or below this: exact mode (K1 histograms every key)
     small_block: int = 256          # loop step over one chunk's candidates (~2-3% of a chunk for real scores)
-    stages: int = 2                 # software pipelining of the streaming loops (cp.async prefetch)
+    finish_block: int = 4096        # most tail-list entries (~k winners + ties) finished in registers in one load
     wide_programs: int = 132        # a K2 grid this small has one program per SM: 2x longer compaction steps
 
     def __post_init__(self) -> None:
-        for name in ("block", "compact_block", "small_block", "group"):
+        for name in ("block", "compact_block", "small_block", "group", "finish_block"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TopKConfig.{name}={value} must be a power of two (tl.arange)")
         if min(self.block // self.group, self.compact_block, self.small_block) < 16:
             raise ValueError(f"TopKConfig: block // group={self.block // self.group}, compact_block="
                              f"{self.compact_block} and small_block={self.small_block} must be >= 16")
+        if not 1 <= self.max_hist_splits <= 128:
+            raise ValueError(f"TopKConfig.max_hist_splits={self.max_hist_splits} must be in [1, 128] (K2 holds a "
+                             "[splits, 256] tile of K1's slots in registers)")
         if not 1 <= self.row_max <= 16384:
             raise ValueError(f"TopKConfig.row_max={self.row_max} must be in [1, 16384] (a row lives in registers)")
-        for name in ("target_programs", "max_chunk", "max_hist_splits", "stages", "compact_warps"):
+        for name in ("target_programs", "max_chunk", "compact_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TopKConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -123,7 +127,7 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
     return TopKPlan("compact", c.block, CompactPlan(
         block=c.block, group=1 if exact else c.group, hist_splits=hist_splits, hist_chunk=hist_chunk,
         hist_warps=hist_warps, splits=splits, chunk=chunk, warps=warps, compact_block=compact_block,
-        small_block=max(c.small_block, 32 * warps), stages=c.stages))
+        small_block=max(c.small_block, 32 * warps), finish_block=c.finish_block))
 
 
 def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CONFIG) -> int:

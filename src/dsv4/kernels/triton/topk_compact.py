@@ -64,7 +64,7 @@ class CompactPlan:
     compact_block: int  # loop step of the compaction passes and of the tail (power of two <= block; sets K2's
                         # registers)
     small_block: int    # loop step over one chunk's candidates (power of two)
-    stages: int         # software-pipelining depth of the streaming loops (cp.async prefetch on sm_90)
+    finish_block: int   # largest register tile of the tail's last step (power of two; <= 2k of it is used)
 
     @property
     def exact(self) -> bool:
@@ -75,35 +75,35 @@ class CompactPlan:
 
 
 @triton.jit
-def _block_hist0(row_ptr, start, hi, MASKED: tl.constexpr, GROUP: tl.constexpr,  # type: ignore[no-untyped-def]
-                 BLOCK: tl.constexpr):
-    """Digit-0 histogram of one block: of every key (GROUP 1) or of each group's max. MASKED: the chunk's last."""
+def _hist_offs(start, GROUP: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Offsets of one K1 block: [BLOCK] (GROUP 1) or [GROUP, BLOCK // GROUP], group j = column j (strided, so
+    neighbours with similar scores land in different groups; the max runs over the axis a thread holds)."""
     if GROUP == 1:
         offs = start + tl.arange(0, BLOCK)
-        if MASKED:
-            key = order_key(tl.load(row_ptr + offs, mask=offs < hi, other=0.0))
-            hist = tl.histogram((key >> 24).to(tl.int32), 256, mask=offs < hi)
-        else:
-            hist = tl.histogram((order_key(tl.load(row_ptr + offs)) >> 24).to(tl.int32), 256)
     else:
-        # NOTE: the max runs over the tile's first axis, which a thread holds in registers (contiguous groups
-        # cost shuffles). A float max may skip NaNs (GPU) or keep them (interpreter): both are <= the group's
-        # max key, which is all the lower bound needs.
-        cols = tl.arange(0, BLOCK // GROUP)
-        offs = start + tl.arange(0, GROUP)[:, None] * (BLOCK // GROUP) + cols[None, :]
-        if MASKED:
-            gmax = tl.max(tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")), axis=0)
-            hist = tl.histogram((order_key(gmax) >> 24).to(tl.int32), 256, mask=start + cols < hi)
-        else:
-            gmax = tl.max(tl.load(row_ptr + offs), axis=0)
-            hist = tl.histogram((order_key(gmax) >> 24).to(tl.int32), 256)
+        offs = start + tl.arange(0, GROUP)[:, None] * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)[None, :]
+    return offs
+
+
+@triton.jit
+def _block_hist0(x, offs, hi, MASKED: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Digit-0 histogram of one loaded block: of every key (GROUP 1) or of each group's max. MASKED: the last.
+
+    NOTE: a float max may skip NaNs (GPU) or keep them (interpreter): both are <= the group's max key, which is
+    all the lower bound needs."""
+    if GROUP == 1:
+        key = (order_key(x) >> 24).to(tl.int32)
+        hist = tl.histogram(key, 256, mask=offs < hi) if MASKED else tl.histogram(key, 256)
+    else:
+        key = (order_key(tl.max(x, axis=0)) >> 24).to(tl.int32)
+        hist = tl.histogram(key, 256, mask=tl.min(offs, axis=0) < hi) if MASKED else tl.histogram(key, 256)
     return hist
 
 
 @triton.jit
 def _hist_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, slots_ptr, state_ptr, N, stride_s, P1, CHUNK1, STATE_LEN,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // P1
@@ -112,10 +112,16 @@ def _hist_kernel(  # type: ignore[no-untyped-def]
     full = lo + (hi - lo) // BLOCK * BLOCK              # unmasked (vectorised) blocks, then one masked
     row_ptr = scores_ptr + row.to(tl.int64) * stride_s
     hist = tl.zeros([256], dtype=tl.int32)
-    for start in tl.range(lo, full, BLOCK, num_stages=STAGES):
-        hist += _block_hist0(row_ptr, start, hi, False, GROUP, BLOCK)
+    if full > lo:                                       # hand-pipelined as in `_compact_chunk`
+        x = tl.load(row_ptr + _hist_offs(lo, GROUP, BLOCK))
+        for start in range(lo, full, BLOCK):
+            x_next = tl.load(row_ptr + _hist_offs(tl.minimum(start + BLOCK, full - BLOCK), GROUP, BLOCK))
+            hist += _block_hist0(x, None, hi, False, GROUP)
+            x = x_next
     if full < hi:
-        hist += _block_hist0(row_ptr, full, hi, True, GROUP, BLOCK)
+        offs = _hist_offs(full, GROUP, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf") if GROUP > 1 else 0.0)
+        hist += _block_hist0(x, offs, hi, True, GROUP)
     ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # count(digit >= d): K2 sums these and reads columns
     tl.store(slots_ptr + pid.to(tl.int64) * 256 + tl.arange(0, 256), ge)
     # NOTE: K2's row state is zeroed here, one launch before K2 uses it: no memset node, nothing survives
@@ -131,15 +137,12 @@ def _hist_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _slot_sum(slots_row_ptr, P1, ROWS: tl.constexpr, STAGES: tl.constexpr):  # type: ignore[no-untyped-def]
-    """count(digit 0 >= d) over the row: the sum of its P1 slots, ROWS slots per (pipelined) step."""
-    ids = tl.arange(0, ROWS)
-    bins = tl.arange(0, 256)
-    ge = tl.zeros([256], dtype=tl.int32)
-    for q0 in tl.range(0, P1, ROWS, num_stages=STAGES):
-        q = q0 + ids
-        ge += tl.sum(tl.load(slots_row_ptr + q[:, None] * 256 + bins[None, :], mask=q[:, None] < P1, other=0), 0)
-    return ge
+def _row_slots(slots_row_ptr, P1, P1_POW2: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The row's K1 slots as one [P1_POW2, 256] register tile (one round trip: the slots sit in L2) and their
+    sum over chunks, count(digit 0 >= d) over the row."""
+    q = tl.arange(0, P1_POW2)
+    tile = tl.load(slots_row_ptr + q[:, None] * 256 + tl.arange(0, 256)[None, :], mask=q[:, None] < P1, other=0)
+    return tile, tl.sum(tile, 0)
 
 
 @triton.jit
@@ -151,37 +154,48 @@ def _find_bin_ge(ge, k_rem):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _exact_offset(slots_row_ptr, P, part, bin0, P_POW2: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Exact mode (K1 chunks = K2 chunks): candidates (digit 0 >= bin0) in the row's chunks before `part`."""
-    q = tl.arange(0, P_POW2)
-    return tl.sum(tl.load(slots_row_ptr + q * 256 + bin0, mask=q < part, other=0), 0)
+def _exact_offset(tile, part, bin0, P1_POW2: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Exact mode (K1 chunks = K2 chunks): candidates (digit 0 >= bin0) in the row's chunks before `part`, read off
+    the slot tile already in registers (column bin0 of the earlier chunks)."""
+    q = tl.arange(0, P1_POW2)
+    take = (q < part)[:, None] & (tl.arange(0, 256) == bin0)[None, :]
+    return tl.sum(tl.sum(tl.where(take, tile, 0), 1), 0)
 
 
 @triton.jit
-def _compact_block(row_ptr, start, hi, floor, dst_ptr, base, MASKED: tl.constexpr,  # type: ignore[no-untyped-def]
-                   BLOCK: tl.constexpr):
-    """Append the candidates of one block (rows of 4 scores: one 16-byte load each) to dst[base:]."""
-    offs = start + tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    if MASKED:
-        x = tl.load(row_ptr + offs, mask=offs < hi, other=0.0)
-        keep = (offs < hi) & ~(x < floor)
-    else:
-        x = tl.load(row_ptr + offs)
-        keep = ~(x < floor)
+def _block_offs(start, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Offsets of one block as rows of 4 scores (one 16-byte load per row; rows are index order)."""
+    return start + tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def _append_block(x, offs, keep, dst_ptr, base, hi):  # type: ignore[no-untyped-def]
+    """Append the kept scores of one block, packed with their indices, to dst[base:]; returns the new end."""
     packed = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | offs.to(tl.int64)
     return append_rows(keep, packed, dst_ptr, base, hi)
 
 
 @triton.jit
-def _compact_chunk(row_ptr, lo, hi, floor, dst_ptr, BLOCK: tl.constexpr,  # type: ignore[no-untyped-def]
-                   STAGES: tl.constexpr):
-    """Every candidate of scores[lo:hi] (not below `floor`), packed, -> dst in index order; returns the count."""
+def _compact_chunk(row_ptr, lo, hi, floor, dst_ptr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Every candidate of scores[lo:hi] (not below `floor`), packed, -> dst in index order; returns the count.
+
+    The full blocks are software-pipelined by hand: block i + 1 is loaded before block i is processed, so a
+    program keeps two blocks of loads in flight instead of waiting one round trip per block (tl.range's
+    num_stages did not pipeline this loop: bench_topk --sweep, stages 1 / 2 / 3 within noise). The prefetch
+    address is clamped to the last full block, which keeps every full-block load unmasked (128-bit vectors)."""
     full = lo + (hi - lo) // BLOCK * BLOCK
     num = tl.zeros([], dtype=tl.int32)
-    for start in tl.range(lo, full, BLOCK, num_stages=STAGES):
-        num = _compact_block(row_ptr, start, hi, floor, dst_ptr, num, False, BLOCK)
+    if full > lo:
+        x = tl.load(row_ptr + _block_offs(lo, BLOCK))
+        for start in range(lo, full, BLOCK):
+            x_next = tl.load(row_ptr + _block_offs(tl.minimum(start + BLOCK, full - BLOCK), BLOCK))
+            offs = _block_offs(start, BLOCK)
+            num = _append_block(x, offs, ~(x < floor), dst_ptr, num, hi)
+            x = x_next
     if full < hi:
-        num = _compact_block(row_ptr, full, hi, floor, dst_ptr, num, True, BLOCK)
+        offs = _block_offs(full, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < hi, other=0.0)
+        num = _append_block(x, offs, (offs < hi) & ~(x < floor), dst_ptr, num, hi)
     return num
 
 
@@ -207,7 +221,7 @@ def _cand_hists(state_ptr, cand_ptr, num, bin0, EXACT: tl.constexpr, BLOCK: tl.c
 def _compact_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, B, N, K, stride_s, P1, P2, CHUNK,
     STATE_LEN, SCR, EXACT: tl.constexpr, CBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
-    STAGES: tl.constexpr, SLOT_ROWS: tl.constexpr, P2_POW2: tl.constexpr, LOG2_P2: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr, P2_POW2: tl.constexpr, LOG2_P2: tl.constexpr,
     PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -221,17 +235,16 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     hi = tl.maximum(tl.minimum(lo + CHUNK, n), lo)
     state = state_ptr + row.to(tl.int64) * STATE_LEN
     slots = slots_ptr + row.to(tl.int64) * P1 * 256
-    ge = _slot_sum(slots, P1, SLOT_ROWS, STAGES)
+    tile, ge = _row_slots(slots, P1, P1_POW2)
     bin0, k_rem = _find_bin_ge(ge, k_eff)
     if EXACT:                           # one contiguous list: the chunk's offset comes off the exact slots
-        offset = _exact_offset(slots, P2, part, bin0, P2_POW2)
+        offset = _exact_offset(tile, part, bin0, P1_POW2)
         total = tl.sum(tl.where(tl.arange(0, 256) == bin0, ge, 0), 0)
     else:                               # the chunk's own region; the tail sums the counts
         offset, total = lo, 0
     cand = cand_ptr + row.to(tl.int64) * N
     stamp(probe, 1, PROBE)
-    num = _compact_chunk(scores_ptr + row.to(tl.int64) * stride_s, lo, hi, bin_floor(bin0), cand + offset, CBLOCK,
-                         STAGES)
+    num = _compact_chunk(scores_ptr + row.to(tl.int64) * stride_s, lo, hi, bin_floor(bin0), cand + offset, CBLOCK)
     tl.store(state + COUNTS + part, num)
     tl.debug_barrier()                  # this chunk's candidates were stored by all of its threads
     stamp(probe, 2, PROBE)
@@ -242,7 +255,8 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     stamp(probe, 4, PROBE)
     if done == P2 - 1:
         select_tail(out_ptr + row.to(tl.int64) * K, state, cand, scr_ptr + row.to(tl.int64) * SCR, k_eff, K, bin0,
-                    k_rem, total, P2, CHUNK, SCR, EXACT, CBLOCK, LIST_BLOCK, P2_POW2, LOG2_P2, PAD_BLOCK, probe, PROBE)
+                    k_rem, total, P2, CHUNK, SCR, EXACT, CBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2, LOG2_P2, PAD_BLOCK,
+                    probe, PROBE)
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -288,11 +302,11 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
     p2_pow2 = triton.next_power_of_2(plan.splits)
     _hist_kernel[(B * plan.hist_splits,)](
         scores, lengths, slots, state, N, scores.stride(0), plan.hist_splits, plan.hist_chunk, _state_len(plan),
-        GROUP=plan.group, BLOCK=plan.block, STAGES=plan.stages, ZERO_BLOCK=1024, num_warps=plan.hist_warps)
+        GROUP=plan.group, BLOCK=plan.block, ZERO_BLOCK=1024, num_warps=plan.hist_warps)
     _compact_kernel[(B * plan.splits,)](
         scores, lengths, out, slots, state, cand.view(torch.int64), scr.view(torch.int64), B, N, K, scores.stride(0),
         plan.hist_splits, plan.splits, plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact,
-        CBLOCK=plan.compact_block, LIST_BLOCK=min(plan.compact_block, 1024), SMALL_BLOCK=plan.small_block,
-        STAGES=plan.stages, SLOT_ROWS=16,
-        P2_POW2=max(16, p2_pow2), LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024,
+        CBLOCK=plan.compact_block, LIST_BLOCK=min(plan.compact_block, 1024),
+        FINISH_BLOCK=min(plan.finish_block, max(1024, triton.next_power_of_2(2 * K))), SMALL_BLOCK=plan.small_block,
+        P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)), P2_POW2=max(16, p2_pow2), LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024,
         probe_ptr=out if probe is None else probe, PROBE=probe is not None, num_warps=plan.warps)

@@ -97,14 +97,32 @@ def _scan_hist(src_ptr, num, prefix, starts_ptr, P, CHUNK, SHIFT: tl.constexpr, 
 @triton.jit
 def _compact_ge(src_ptr, num, thr, starts_ptr, P, CHUNK, dst_ptr, cap,  # type: ignore[no-untyped-def]
                 LOG2_P: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
-    """The candidates of the list [0, num) with key >= thr -> dst[:cap], in order; returns how many matched."""
+    """The candidates of the list [0, num) with key >= thr -> dst[:cap], in order; returns how many matched.
+
+    Hand-pipelined: block i + 1 is loaded before block i is packed (one round trip per block otherwise)."""
+    i = tl.arange(0, BLOCK // 2)[:, None] * 2 + tl.arange(0, 2)[None, :]
     taken = tl.zeros([], dtype=tl.int32)
+    packed = _load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, LOG2_P, MAPPED)
     for start in range(0, num, BLOCK):
-        i = start + tl.arange(0, BLOCK // 2)[:, None] * 2 + tl.arange(0, 2)[None, :]
-        packed = _load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, LOG2_P, MAPPED)
+        nxt = start + BLOCK + i
+        packed_next = _load_cands(src_ptr, nxt, nxt < num, starts_ptr, P, CHUNK, LOG2_P, MAPPED)
         key, _ = unpack(packed)
-        taken = append_rows((i < num) & (key >= thr), packed, dst_ptr, taken, cap)
+        taken = append_rows((start + i < num) & (key >= thr), packed, dst_ptr, taken, cap)
+        packed = packed_next
     return taken
+
+
+@triton.jit
+def _finish_tile(src_ptr, num, prefix, k_rem, out_row_ptr, K, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """`_finish` for a contiguous list of num <= BLOCK: loaded once, digits 2 and 3 and the selection in registers."""
+    i = tl.arange(0, BLOCK)
+    valid = i < num
+    key, idx = unpack(tl.load(src_ptr + i, mask=valid, other=0, cache_modifier=".cg"))
+    for p in tl.static_range(2, 4):
+        digit, k_rem = find_bin(digit_hist(key, valid, prefix, 24 - 8 * p), k_rem)
+        prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * p))
+    keep, pos, _, _ = select_block(key, valid, prefix, k_rem, 0, 0)
+    tl.store(out_row_ptr + pos, idx.to(tl.int64), mask=keep & (pos < K))
 
 
 @triton.jit
@@ -129,8 +147,8 @@ def _finish(src_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK,  
 @triton.jit
 def select_tail(  # type: ignore[no-untyped-def]
     out_row_ptr, state_ptr, cand_ptr, scr_ptr, k_eff, K, bin0_lb, k_rem_lb, total, P, CHUNK, SCR,
-    EXACT: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, P_POW2: tl.constexpr, LOG2_P: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+    P_POW2: tl.constexpr, LOG2_P: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
 ):
     """The row's last K2 program: exact threshold over the row's candidates, then the output row.
 
@@ -163,8 +181,11 @@ def select_tail(  # type: ignore[no-untyped-def]
     if PROBE:
         tl.store(probe_ptr + 10, num.to(tl.int64))
         tl.store(probe_ptr + 11, total.to(tl.int64))
-    if num <= SCR:
-        _finish(scr_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, LOG2_P, False, LIST_BLOCK)
+    if num <= SCR:              # the scratch holds the whole list (else it overflowed: heavy ties)
+        if num <= FINISH_BLOCK:     # the common case: ~k winners and a few ties
+            _finish_tile(scr_ptr, num, prefix, k_rem, out_row_ptr, K, FINISH_BLOCK)
+        else:
+            _finish(scr_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, LOG2_P, False, LIST_BLOCK)
     else:
         _finish(cand_ptr, total, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, LOG2_P, MAPPED, BLOCK)
     stamp(probe_ptr, 8, PROBE)
