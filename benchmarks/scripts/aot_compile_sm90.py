@@ -53,7 +53,8 @@ def topk_variants() -> Iterator[Variant]:
         yield (f"topk hist {mode}", topk_compact._hist_kernel, types,
                {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024}, {"num_warps": 8})
         for probe in (False, True):
-            consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "LIST_BLOCK": 1024, "FINISH_BLOCK": 1024, "SMALL_BLOCK": 256,
+            consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "LIST_BLOCK": 1024, "FINISH_BLOCK": 1024,
+                      "SMALL_BLOCK": 256,
                       "P1_POW2": 64 if exact else 16, "P2_POW2": 64 if exact else 32, "LOG2_P2": 6 if exact else 5,
                       "PAD_BLOCK": 1024, "PROBE": probe}
             yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \

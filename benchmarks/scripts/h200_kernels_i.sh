@@ -23,8 +23,8 @@ if [ "$PART" = baseline ]; then
   timeout 90 python3 benchmarks/kernels/bench_moe_quant.py --out "$OUT/bench_moe_quant.json" \
     > "$OUT/bench_moe_quant.txt" 2>&1; grep -v "^{" "$OUT/bench_moe_quant.txt" | tail -14
 elif [ "$PART" = probe ]; then
-  timeout 150 python3 benchmarks/kernels/bench_topk.py --probe > "$OUT/bench_topk_probe.txt" 2>&1
-  grep -v "^{" "$OUT/bench_topk_probe.txt" | head -6; grep "^probe" "$OUT/bench_topk_probe.txt"
+  timeout 150 python3 benchmarks/kernels/bench_topk.py --probe --profile > "$OUT/bench_topk_probe.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk_probe.txt" | head -6; grep -E "^(probe|per kernel)" "$OUT/bench_topk_probe.txt"
 elif [ "$PART" = topk ]; then
   topk_tests 200
   timeout 150 python3 benchmarks/kernels/bench_topk.py --profile > "$OUT/bench_topk.txt" 2>&1

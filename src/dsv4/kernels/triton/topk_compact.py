@@ -308,5 +308,6 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
         plan.hist_splits, plan.splits, plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact,
         CBLOCK=plan.compact_block, LIST_BLOCK=min(plan.compact_block, 1024),
         FINISH_BLOCK=min(plan.finish_block, max(1024, triton.next_power_of_2(2 * K))), SMALL_BLOCK=plan.small_block,
-        P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)), P2_POW2=max(16, p2_pow2), LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024,
+        P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)), P2_POW2=max(16, p2_pow2),
+        LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024,
         probe_ptr=out if probe is None else probe, PROBE=probe is not None, num_warps=plan.warps)
