@@ -48,17 +48,19 @@ def topk_variants() -> Iterator[Variant]:
 
     types = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*i64", "slots_ptr": "*i32", "state_ptr": "*i32",
              "cand_ptr": "*i64", "scr_ptr": "*i64", "probe_ptr": "*i64"}
+    tail = {"TBLOCK": 2048, "LIST_BLOCK": 1024, "FINISH_BLOCK": 1024, "PAD_BLOCK": 1024}
     for exact in (True, False):
         mode = "exact" if exact else "bound"
+        pows = {"P1_POW2": 64 if exact else 16, "P2_POW2": 64 if exact else 32}
         yield (f"topk hist {mode}", topk_compact._hist_kernel, types,
                {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024}, {"num_warps": 8})
         for probe in (False, True):
-            consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "LIST_BLOCK": 1024, "FINISH_BLOCK": 1024,
-                      "SMALL_BLOCK": 256,
-                      "P1_POW2": 64 if exact else 16, "P2_POW2": 64 if exact else 32, "LOG2_P2": 6 if exact else 5,
-                      "PAD_BLOCK": 1024, "PROBE": probe}
+            consts = {"EXACT": exact, "CBLOCK": 4096 if exact else 2048, "SMALL_BLOCK": 256, "PROBE": probe, **tail,
+                      **pows}
             yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \
                 {"num_warps": 8}
+    yield "topk tail bound", topk_compact._tail_kernel, types, {**tail, "P1_POW2": 16, "P2_POW2": 32, "PROBE": False}, \
+        {"num_warps": 8}
 
 
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants}

@@ -4,7 +4,8 @@
 #                                                             reference), bench_topk with --profile and --sweep,
 #                                                             the compressor sweep, the FP4/FP8 MoE benchmark
 #   PART=topk     bash benchmarks/scripts/h200_kernels_i.sh   TopK parity + benchmark (+ profile) only
-#   PART=probe    bash benchmarks/scripts/h200_kernels_i.sh   TopK benchmark with per-phase timer stamps (--probe)
+#   PART=probe    bash benchmarks/scripts/h200_kernels_i.sh   TopK benchmark with per-phase timer stamps (--probe;
+#                                                             SWEEP=1 adds the TopKConfig sweep)
 #   PART=compress bash benchmarks/scripts/h200_kernels_i.sh   compressor GPU parity + benchmark (sweep) only
 source "$(dirname "$0")/device_env.sh"
 topk_tests() {
@@ -23,7 +24,7 @@ if [ "$PART" = baseline ]; then
   timeout 90 python3 benchmarks/kernels/bench_moe_quant.py --out "$OUT/bench_moe_quant.json" \
     > "$OUT/bench_moe_quant.txt" 2>&1; grep -v "^{" "$OUT/bench_moe_quant.txt" | tail -14
 elif [ "$PART" = probe ]; then
-  timeout 150 python3 benchmarks/kernels/bench_topk.py --probe --profile > "$OUT/bench_topk_probe.txt" 2>&1
+  timeout 250 python3 benchmarks/kernels/bench_topk.py --probe --profile ${SWEEP:+--sweep} > "$OUT/bench_topk_probe.txt" 2>&1
   grep -v "^{" "$OUT/bench_topk_probe.txt" | head -6; grep -E "^(probe|per kernel)" "$OUT/bench_topk_probe.txt"
 elif [ "$PART" = topk ]; then
   topk_tests 200

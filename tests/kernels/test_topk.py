@@ -40,8 +40,8 @@ DISTS = ("randn", "ints", "equal", "inf", "nan", "signed_zeros", "sparse")
 # interpreter every program runs in sequence, so keep programs few; tail lists over 16 entries take the
 # multi-pass finish, shorter ones the register one. EXACT: K1 histograms every key and the
 # candidate list is contiguous. NARROW: never the small-grid compaction step.
-SMALL = TopKConfig(row_max=64, block=64, compact_block=16, small_block=16, target_programs=16, max_chunk=128,
-                   max_hist_splits=4, group=4, exact_max=0, finish_block=16)
+SMALL = TopKConfig(row_max=64, block=64, compact_block=16, tail_block=16, small_block=16, target_programs=16,
+                   max_chunk=128, max_hist_splits=4, group=4, exact_max=0, finish_block=16)
 EXACT = replace(SMALL, exact_max=1 << 30)
 NARROW = replace(SMALL, wide_programs=0)
 

@@ -47,7 +47,9 @@ class TopKConfig:
 
     row_max: int = 4096             # longest row kept whole in registers (<= 16384)
     block: int = 4096               # elements per loop step of the histogram and counting passes
-    compact_block: int = 1024       # loop step of compaction and of the tail (~64 registers a thread at 8 warps)
+    compact_block: int = 1024       # loop step of the compaction (x2 on a wide grid; hand-pipelined: 2 steps in flight;
+                                    # sets K2's registers: 59 at 1024 x 8 warps, 100 at 2048)
+    tail_block: int = 2048          # loop step of the tail's passes over the candidate list
     compact_warps: int = 8          # most warps of a K2 program (fewer: more elements a thread, fewer scan steps)
     target_programs: int = 528      # 4 programs per SM on a 132-SM H200
     max_chunk: int = 8192           # longest K2 chunk (more, shorter chunks balance the rows' last programs)
@@ -60,13 +62,14 @@ class TopKConfig:
     wide_programs: int = 132        # a K2 grid this small has one program per SM: 2x longer compaction steps
 
     def __post_init__(self) -> None:
-        for name in ("block", "compact_block", "small_block", "group", "finish_block"):
+        for name in ("block", "compact_block", "tail_block", "small_block", "group", "finish_block"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TopKConfig.{name}={value} must be a power of two (tl.arange)")
-        if min(self.block // self.group, self.compact_block, self.small_block) < 16:
+        if min(self.block // self.group, self.compact_block, self.tail_block, self.small_block) < 16:
             raise ValueError(f"TopKConfig: block // group={self.block // self.group}, compact_block="
-                             f"{self.compact_block} and small_block={self.small_block} must be >= 16")
+                             f"{self.compact_block}, tail_block={self.tail_block} and small_block={self.small_block} "
+                             "must be >= 16")
         if not 1 <= self.max_hist_splits <= 128:
             raise ValueError(f"TopKConfig.max_hist_splits={self.max_hist_splits} must be in [1, 128] (K2 holds a "
                              "[splits, 256] tile of K1's slots in registers)")
@@ -127,7 +130,7 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
     return TopKPlan("compact", c.block, CompactPlan(
         block=c.block, group=1 if exact else c.group, hist_splits=hist_splits, hist_chunk=hist_chunk,
         hist_warps=hist_warps, splits=splits, chunk=chunk, warps=warps, compact_block=compact_block,
-        small_block=max(c.small_block, 32 * warps), finish_block=c.finish_block))
+        small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block, finish_block=c.finish_block))
 
 
 def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CONFIG) -> int:

@@ -61,9 +61,9 @@ class CompactPlan:
     splits: int         # P2: K2 programs per row
     chunk: int          # elements per K2 program, a multiple of block
     warps: int          # K2 num_warps
-    compact_block: int  # loop step of the compaction passes and of the tail (power of two <= block; sets K2's
-                        # registers)
+    compact_block: int  # loop step of the compaction (power of two <= block; sets K2's registers)
     small_block: int    # loop step over one chunk's candidates (power of two)
+    tail_block: int     # loop step of the tail's passes over the candidate list (power of two)
     finish_block: int   # largest register tile of the tail's last step (power of two; <= 2k of it is used)
 
     @property
@@ -220,8 +220,8 @@ def _cand_hists(state_ptr, cand_ptr, num, bin0, EXACT: tl.constexpr, BLOCK: tl.c
 @triton.jit
 def _compact_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, B, N, K, stride_s, P1, P2, CHUNK,
-    STATE_LEN, SCR, EXACT: tl.constexpr, CBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
-    FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr, P2_POW2: tl.constexpr, LOG2_P2: tl.constexpr,
+    STATE_LEN, SCR, EXACT: tl.constexpr, CBLOCK: tl.constexpr, TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
+    SMALL_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr, P2_POW2: tl.constexpr,
     PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -249,14 +249,34 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     tl.debug_barrier()                  # this chunk's candidates were stored by all of its threads
     stamp(probe, 2, PROBE)
     _cand_hists(state, cand + offset, num, bin0, EXACT, SMALL_BLOCK)
-    tl.debug_barrier()                  # every thread's stores and atomics precede the release below
     stamp(probe, 3, PROBE)
-    done = tl.atomic_add(state + DONE, 1, sem="acq_rel", scope="gpu")
+    if EXACT:   # latency mode: the row's last program finishes it (bound mode: `_tail_kernel`, one launch later)
+        tl.debug_barrier()              # every thread's stores and atomics precede the release below
+        done = tl.atomic_add(state + DONE, 1, sem="acq_rel", scope="gpu")
+        stamp(probe, 4, PROBE)
+        if done == P2 - 1:
+            select_tail(out_ptr + row.to(tl.int64) * K, state, cand, scr_ptr + row.to(tl.int64) * SCR, k_eff, K,
+                        bin0, k_rem, total, P2, CHUNK, SCR, EXACT, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2,
+                        PAD_BLOCK, probe, PROBE)
+
+
+@triton.jit
+def _tail_kernel(  # type: ignore[no-untyped-def]
+    lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, N, K, P1, P2, CHUNK, STATE_LEN, SCR,
+    TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr,
+    P2_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
+):
+    """Bound mode: one program per row runs `select_tail` after K2 (its own launch, so K2 does not carry the
+    tail's registers: at 8 warps ~3x K2's otherwise, which cost K2 most of its occupancy at large batch)."""
+    row = tl.program_id(0)
+    probe = probe_ptr + row.to(tl.int64) * P2 * 16
     stamp(probe, 4, PROBE)
-    if done == P2 - 1:
-        select_tail(out_ptr + row.to(tl.int64) * K, state, cand, scr_ptr + row.to(tl.int64) * SCR, k_eff, K, bin0,
-                    k_rem, total, P2, CHUNK, SCR, EXACT, CBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2, LOG2_P2, PAD_BLOCK,
-                    probe, PROBE)
+    k_eff = tl.minimum(row_len(lengths_ptr, row, N), K)
+    _, ge = _row_slots(slots_ptr + row.to(tl.int64) * P1 * 256, P1, P1_POW2)
+    bin0, k_rem = _find_bin_ge(ge, k_eff)
+    r = row.to(tl.int64)
+    select_tail(out_ptr + r * K, state_ptr + r * STATE_LEN, cand_ptr + r * N, scr_ptr + r * SCR, k_eff, K, bin0, k_rem,
+                0, P2, CHUNK, SCR, False, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2, PAD_BLOCK, probe, PROBE)
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -299,15 +319,19 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
                          f"{workspace.dtype} {workspace.numel()} contiguous={workspace.is_contiguous()}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     slots, state, cand, scr = (workspace[s: s + size] for s, size in zip(starts, sizes, strict=True))
-    p2_pow2 = triton.next_power_of_2(plan.splits)
+    probing = dict(probe_ptr=out if probe is None else probe, PROBE=probe is not None)
+    tail = dict(TBLOCK=plan.tail_block, LIST_BLOCK=min(plan.tail_block, 1024),
+                FINISH_BLOCK=min(plan.finish_block, max(1024, triton.next_power_of_2(2 * K))),
+                P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)),
+                P2_POW2=max(16, triton.next_power_of_2(plan.splits)), PAD_BLOCK=1024, **probing)
+    cand, scr = cand.view(torch.int64), scr.view(torch.int64)
     _hist_kernel[(B * plan.hist_splits,)](
         scores, lengths, slots, state, N, scores.stride(0), plan.hist_splits, plan.hist_chunk, _state_len(plan),
         GROUP=plan.group, BLOCK=plan.block, ZERO_BLOCK=1024, num_warps=plan.hist_warps)
     _compact_kernel[(B * plan.splits,)](
-        scores, lengths, out, slots, state, cand.view(torch.int64), scr.view(torch.int64), B, N, K, scores.stride(0),
-        plan.hist_splits, plan.splits, plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact,
-        CBLOCK=plan.compact_block, LIST_BLOCK=min(plan.compact_block, 1024),
-        FINISH_BLOCK=min(plan.finish_block, max(1024, triton.next_power_of_2(2 * K))), SMALL_BLOCK=plan.small_block,
-        P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)), P2_POW2=max(16, p2_pow2),
-        LOG2_P2=p2_pow2.bit_length() - 1, PAD_BLOCK=1024,
-        probe_ptr=out if probe is None else probe, PROBE=probe is not None, num_warps=plan.warps)
+        scores, lengths, out, slots, state, cand, scr, B, N, K, scores.stride(0), plan.hist_splits, plan.splits,
+        plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact, CBLOCK=plan.compact_block,
+        SMALL_BLOCK=plan.small_block, num_warps=plan.warps, **tail)
+    if not plan.exact:
+        _tail_kernel[(B,)](lengths, out, slots, state, cand, scr, N, K, plan.hist_splits, plan.splits, plan.chunk,
+                           _state_len(plan), K + plan.block, num_warps=8, **tail)

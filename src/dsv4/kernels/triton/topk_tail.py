@@ -6,7 +6,7 @@ Candidates are packed int64 (score bits << 32) | index (one store per candidate;
 is read back: candidates are few, scores many). The row's candidate list, in index order, is cand[:total] in
 exact mode (each chunk knew its offset). In bound mode chunk p stores its count_p candidates in its own region
 cand[p * CHUNK:][:count_p]; list position i then lives in the chunk q with starts[q] <= i < starts[q + 1]
-(`_cand_addr`: a binary search per element, no copy).
+(`_cand_addr`: a sum over the chunk starts per element, no copy).
 
 Given bin0 (K2's lower bound, exact in exact mode), the row's candidate histograms hc0 / hc1 (summed by K2's
 atomics) and the counts:
@@ -60,22 +60,28 @@ def append_rows(keep, packed, dst_ptr, base, cap):  # type: ignore[no-untyped-de
 
 
 @triton.jit
-def _cand_addr(i, starts_ptr, P, CHUNK, LOG2_P: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Offset in the chunked candidate array of list position i: the largest q < P with starts[q] <= i."""
-    q = tl.zeros_like(i)
-    for s in tl.static_range(LOG2_P):
-        mid = q + (1 << (LOG2_P - 1 - s))
-        ok = (mid < P) & (tl.load(starts_ptr + mid, mask=mid < P, other=0) <= i)
-        q = tl.where(ok, mid, q)
-    return q.to(tl.int64) * CHUNK + (i - tl.load(starts_ptr + q))
+def _cand_addr(i, starts_ptr, P, CHUNK, P_POW2: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Offset in the chunked candidate array of list position i (starts[] non-decreasing, starts[0] = 0):
+
+        i + sum over 1 <= p < P with starts[p] <= i of (CHUNK - count[p - 1])
+
+    (passing chunk p - 1's end skips the unused rest of its region). P_POW2 uniform scalar loads that hit L1
+    (this program wrote starts[]) and no dependent chain, where a binary search waited on log2(P) loads in turn."""
+    addr = i.to(tl.int64)
+    prev = tl.load(starts_ptr)
+    for p in tl.static_range(1, P_POW2):
+        cur = tl.load(starts_ptr + p, mask=p < P, other=0x7FFFFFFF)
+        addr += tl.where(cur <= i, CHUNK - (cur - prev), 0)
+        prev = cur
+    return addr
 
 
 @triton.jit
-def _load_cands(src_ptr, i, valid, starts_ptr, P, CHUNK, LOG2_P: tl.constexpr,  # type: ignore[no-untyped-def]
+def _load_cands(src_ptr, i, valid, starts_ptr, P, CHUNK, P_POW2: tl.constexpr,  # type: ignore[no-untyped-def]
                 MAPPED: tl.constexpr):
     """Packed candidates at list positions i: of the chunked array (MAPPED) or of a contiguous list."""
     if MAPPED:
-        packed = tl.load(src_ptr + _cand_addr(i, starts_ptr, P, CHUNK, LOG2_P), mask=valid, other=0,
+        packed = tl.load(src_ptr + _cand_addr(i, starts_ptr, P, CHUNK, P_POW2), mask=valid, other=0,
                          cache_modifier=".cg")
     else:
         packed = tl.load(src_ptr + i, mask=valid, other=0, cache_modifier=".cg")
@@ -84,28 +90,28 @@ def _load_cands(src_ptr, i, valid, starts_ptr, P, CHUNK, LOG2_P: tl.constexpr,  
 
 @triton.jit
 def _scan_hist(src_ptr, num, prefix, starts_ptr, P, CHUNK, SHIFT: tl.constexpr,  # type: ignore[no-untyped-def]
-               LOG2_P: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+               P_POW2: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
     """Digit histogram (at SHIFT) of the candidates of the list [0, num) whose higher digits equal prefix's."""
     hist = tl.zeros([256], dtype=tl.int32)
     for start in range(0, num, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        key, _ = unpack(_load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, LOG2_P, MAPPED))
+        key, _ = unpack(_load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, P_POW2, MAPPED))
         hist += digit_hist(key, i < num, prefix, SHIFT)
     return hist
 
 
 @triton.jit
 def _compact_ge(src_ptr, num, thr, starts_ptr, P, CHUNK, dst_ptr, cap,  # type: ignore[no-untyped-def]
-                LOG2_P: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+                P_POW2: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
     """The candidates of the list [0, num) with key >= thr -> dst[:cap], in order; returns how many matched.
 
     Hand-pipelined: block i + 1 is loaded before block i is packed (one round trip per block otherwise)."""
     i = tl.arange(0, BLOCK // 2)[:, None] * 2 + tl.arange(0, 2)[None, :]
     taken = tl.zeros([], dtype=tl.int32)
-    packed = _load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, LOG2_P, MAPPED)
+    packed = _load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, P_POW2, MAPPED)
     for start in range(0, num, BLOCK):
         nxt = start + BLOCK + i
-        packed_next = _load_cands(src_ptr, nxt, nxt < num, starts_ptr, P, CHUNK, LOG2_P, MAPPED)
+        packed_next = _load_cands(src_ptr, nxt, nxt < num, starts_ptr, P, CHUNK, P_POW2, MAPPED)
         key, _ = unpack(packed)
         taken = append_rows((start + i < num) & (key >= thr), packed, dst_ptr, taken, cap)
         packed = packed_next
@@ -127,17 +133,17 @@ def _finish_tile(src_ptr, num, prefix, k_rem, out_row_ptr, K, BLOCK: tl.constexp
 
 @triton.jit
 def _finish(src_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK,  # type: ignore[no-untyped-def]
-            LOG2_P: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+            P_POW2: tl.constexpr, MAPPED: tl.constexpr, BLOCK: tl.constexpr):
     """Digits 2 and 3 over the list [0, num) (which holds every key >= prefix), then write the winners."""
     for p in tl.static_range(2, 4):
-        hist = _scan_hist(src_ptr, num, prefix, starts_ptr, P, CHUNK, 24 - 8 * p, LOG2_P, MAPPED, BLOCK)
+        hist = _scan_hist(src_ptr, num, prefix, starts_ptr, P, CHUNK, 24 - 8 * p, P_POW2, MAPPED, BLOCK)
         digit, k_rem = find_bin(hist, k_rem)
         prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * p))
     eq_seen = tl.zeros([], dtype=tl.int32)
     taken = tl.zeros([], dtype=tl.int32)
     for start in range(0, num, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        key, idx = unpack(_load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, LOG2_P, MAPPED))
+        key, idx = unpack(_load_cands(src_ptr, i, i < num, starts_ptr, P, CHUNK, P_POW2, MAPPED))
         keep, pos, step_eq, step_kept = select_block(key, i < num, prefix, k_rem, eq_seen, taken)
         tl.store(out_row_ptr + pos, idx.to(tl.int64), mask=keep & (pos < K))
         eq_seen += step_eq
@@ -148,7 +154,7 @@ def _finish(src_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK,  
 def select_tail(  # type: ignore[no-untyped-def]
     out_row_ptr, state_ptr, cand_ptr, scr_ptr, k_eff, K, bin0_lb, k_rem_lb, total, P, CHUNK, SCR,
     EXACT: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr,
-    P_POW2: tl.constexpr, LOG2_P: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
+    P_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
 ):
     """The row's last K2 program: exact threshold over the row's candidates, then the output row.
 
@@ -170,12 +176,12 @@ def select_tail(  # type: ignore[no-untyped-def]
     stamp(probe_ptr, 5, PROBE)
     hist1 = tl.load(state_ptr + HC1 + bins, cache_modifier=".cg")
     if bin0 != bin0_lb:     # bound mode's bin was low: hc1 histogrammed the wrong ties
-        hist1 = _scan_hist(cand_ptr, total, bin0.to(tl.uint32) << 24, starts_ptr, P, CHUNK, 16, LOG2_P, MAPPED,
+        hist1 = _scan_hist(cand_ptr, total, bin0.to(tl.uint32) << 24, starts_ptr, P, CHUNK, 16, P_POW2, MAPPED,
                            BLOCK)
     bin1, k_rem = find_bin(hist1, k_rem)
     stamp(probe_ptr, 6, PROBE)
     prefix = (bin0.to(tl.uint32) << 24) | (bin1.to(tl.uint32) << 16)
-    num = _compact_ge(cand_ptr, total, prefix, starts_ptr, P, CHUNK, scr_ptr, SCR, LOG2_P, MAPPED, BLOCK)
+    num = _compact_ge(cand_ptr, total, prefix, starts_ptr, P, CHUNK, scr_ptr, SCR, P_POW2, MAPPED, BLOCK)
     tl.debug_barrier()      # the scratch list was stored by other threads of this program
     stamp(probe_ptr, 7, PROBE)
     if PROBE:
@@ -185,9 +191,9 @@ def select_tail(  # type: ignore[no-untyped-def]
         if num <= FINISH_BLOCK:     # the common case: ~k winners and a few ties
             _finish_tile(scr_ptr, num, prefix, k_rem, out_row_ptr, K, FINISH_BLOCK)
         else:
-            _finish(scr_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, LOG2_P, False, LIST_BLOCK)
+            _finish(scr_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, P_POW2, False, LIST_BLOCK)
     else:
-        _finish(cand_ptr, total, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, LOG2_P, MAPPED, BLOCK)
+        _finish(cand_ptr, total, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK, P_POW2, MAPPED, BLOCK)
     stamp(probe_ptr, 8, PROBE)
     pad_tail(out_row_ptr, k_eff, K, PAD_BLOCK)
     stamp(probe_ptr, 9, PROBE)
