@@ -53,8 +53,8 @@ from bench_common import (
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: request sets cycled inside one graph
 MAX_SETS = 64
 PAGE = 256
-SWEEP_CONFIGS = [(4, 2, 2), (8, 4, 2), (8, 4, 3), (8, 8, 2), (16, 4, 2), (16, 8, 2), (16, 8, 3), (32, 8, 2),
-                 (32, 16, 2)]    # (block_s, num_warps, num_stages), clipped to the geometry's S
+SWEEP_CONFIGS = [(4, 2, 2), (8, 2, 2), (8, 4, 2), (8, 4, 3), (8, 8, 2), (16, 4, 2), (16, 8, 2), (16, 8, 3),
+                 (32, 8, 2), (32, 16, 2)]    # (block_s, num_warps, num_stages), clipped to the geometry's S
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def configs_for(case: Case, sweep: bool) -> list[tuple[int, int, int] | None]:
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
     from dsv4.kernels.ref.compressor import compress_cached
-    from dsv4.kernels.triton.compressor import default_config, triton_compress_cached
+    from dsv4.kernels.triton.compressor import default_config, pooling_programs, triton_compress_cached
 
     cuda = device.type == "cuda"
     probe, _ = build_sets(case, 1, device, args.seed)
@@ -221,9 +221,11 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     del probe
     timed: dict[str, float] = {}
     err = 0.0
+    index = sets[0][4]
+    programs = pooling_programs(int(per_set["T"]), case.geo.ratio, index.ring_reads_disjoint)  # type: ignore[attr-defined]
     for cfg in configs_for(case, args.sweep):
         kw = {} if cfg is None else {"block_s": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
-        key = "/".join(map(str, cfg or (*default_config(case.geo.S, case.geo.Dc), 2)))
+        key = "/".join(map(str, cfg or default_config(case.geo.S, case.geo.Dc, programs)))
 
         def fn(*x: object, kw: dict[str, int] = kw) -> None:
             triton_compress_cached(*x, **kw)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
 from dsv4.config.engine import EngineConfig  # noqa: E402
 from dsv4.engine.metadata import StepShape, build_context  # noqa: E402
 from dsv4.kernels.ref.compressor import CompressIndex, compress_cached  # noqa: E402
-from dsv4.kernels.triton.compressor import triton_compress_cached  # noqa: E402
+from dsv4.kernels.triton.compressor import default_config, pooling_programs, triton_compress_cached  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_REL = 1e-5     # max |diff| / max |ref| over the entry pool
@@ -63,8 +63,8 @@ class Harness:
     """One compressor's state under the engine's metadata: a reference copy and a kernel copy."""
 
     def __init__(self, geo: Geometry, page_size: int, out_dtype: torch.dtype, *, ring_multiplier: int = 1,
-                 block_s: int | None = None, seed: int = 0, device: str = DEVICE) -> None:
-        self.geo, self.device, self.block_s = geo, torch.device(device), block_s
+                 knobs: dict[str, int | bool] | None = None, seed: int = 0, device: str = DEVICE) -> None:
+        self.geo, self.device, self.knobs = geo, torch.device(device), knobs or {}
         self.model = micro().replace(hca_ratio=128) if geo.ratio == 128 else micro()
         engine = EngineConfig(page_size=page_size, max_running_requests=64, max_total_tokens=1 << 17,
                               ring_multiplier=ring_multiplier)
@@ -105,7 +105,8 @@ class Harness:
         score = 2 * torch.randn(T, width, generator=self.gen, device=self.device)
         args = (plan.index, self.norm_weight, 1e-6, freqs.cos(), freqs.sin())
         compress_cached(kv, score, self.ref[0], self.ref[1], *args, self.ref[2])
-        triton_compress_cached(kv, score, self.tri[0], self.tri[1], *args, self.tri[2], block_s=self.block_s)
+        triton_compress_cached(kv, score, self.tri[0], self.tri[1], *args, self.tri[2],
+                               **self.knobs)  # type: ignore[arg-type]
         self.check(plan.index)
         for rid, _ in work:  # as the scheduler does after a step: SWA pages (and their ring rows) behind the horizon
             self.table.release_swa(self.slots[rid], self.lens[rid])
@@ -155,13 +156,19 @@ def test_prefill_batch(geo: Geometry, dtype: torch.dtype) -> None:
     assert h.emitted == sum(n // geo.ratio for n in lengths)
 
 
-@pytest.mark.parametrize("block_s", [None, 2])
+KNOBS = [pytest.param({}, id="default"), pytest.param({"block_s": 2}, id="bs2-prefetch"),
+         pytest.param({"block_s": 2, "prefetch": False}, id="bs2-per-chunk"),
+         pytest.param({"block_s": 4, "num_warps": 2}, id="bs4-w2")]   # C4's large-batch default: 2 chunks
+
+
+@pytest.mark.parametrize("knobs", KNOBS)
 @pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16"),
                                  pytest.param(FLASH_C4, id="flash-c4-512")])
-def test_decode_across_windows(geo: Geometry, block_s: int | None) -> None:
+def test_decode_across_windows(geo: Geometry, knobs: dict[str, int | bool]) -> None:
     """Prefill, then decode one token per request across several window boundaries (fused single launch).
-    block_s = 2 walks the slots in chunks, the first of which is entirely masked for an early window."""
-    h = Harness(geo, page_for(geo), torch.float32, block_s=block_s, seed=1)
+    block_s = 2 walks the slots in chunks, the first of which is entirely masked for an early window: with the
+    index rows prefetched two chunks ahead (the default for short windows) and loaded per chunk (C128's path)."""
+    h = Harness(geo, page_for(geo), torch.float32, knobs=knobs, seed=1)
     r = geo.ratio
     prompts = [1, r - 2, 2 * r - 1, 3 * r + 1]
     h.step(list(enumerate(prompts)))
@@ -170,8 +177,20 @@ def test_decode_across_windows(geo: Geometry, block_s: int | None) -> None:
     assert h.emitted > len(prompts)
 
 
-def test_decode_c128_flash() -> None:
-    h = Harness(FLASH_C128, 128, torch.bfloat16, seed=2)
+@pytest.mark.parametrize("knobs", KNOBS[1:3])
+@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16")])
+def test_prefill_chunk_walks(geo: Geometry, knobs: dict[str, int | bool]) -> None:
+    """The two-launch (prefill) path with the slots walked in chunks, both index-row schedules."""
+    h = Harness(geo, page_for(geo), torch.float32, knobs=knobs, seed=8)
+    lengths = boundary_lengths(geo.ratio)
+    h.step(list(enumerate(lengths)))
+    assert h.emitted == sum(n // geo.ratio for n in lengths)
+
+
+@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"),
+                                   pytest.param({"block_s": 32, "prefetch": True}, id="bs32-prefetch")])
+def test_decode_c128_flash(knobs: dict[str, int | bool]) -> None:
+    h = Harness(FLASH_C128, 128, torch.bfloat16, knobs=knobs, seed=2)
     h.step([(0, 126), (1, 127), (2, 254), (3, 300)])
     for _ in range(3):
         assert h.step([(i, 1) for i in range(4)]).ring_reads_disjoint
@@ -196,6 +215,64 @@ def test_doubled_rings_fuse_multi_token_steps() -> None:
     for n in (3, 9, 2, 9):
         assert h.step([(0, n), (1, n)]).ring_reads_disjoint
     assert not h.step([(0, 10)]).ring_reads_disjoint
+
+
+# (S, Dc, T) -> (block_s, num_warps, num_stages): the H200 sweep of benchmarks/results/compressor_h200_202611.md
+MEASURED_BEST = [
+    ((8, 512, 64), (8, 8, 2)), ((8, 512, 256), (4, 2, 2)), ((8, 512, 1024), (4, 2, 2)), ((8, 512, 4096), (4, 2, 2)),
+    ((8, 128, 64), (8, 2, 2)), ((8, 128, 256), (8, 2, 2)), ((8, 128, 1024), (8, 2, 2)), ((8, 128, 4096), (8, 2, 2)),
+    ((128, 512, 64), (32, 16, 2)), ((128, 512, 256), (16, 8, 2)), ((128, 512, 1024), (8, 4, 2)),
+    ((128, 512, 4096), (4, 2, 2)),
+]
+
+
+@pytest.mark.parametrize(("shape", "best"), MEASURED_BEST)
+def test_default_config_reproduces_the_sweep(shape: tuple[int, int, int], best: tuple[int, int, int]) -> None:
+    assert default_config(*shape) == best
+
+
+def test_default_config_is_valid_everywhere() -> None:
+    for S in (1, 2, 3, 8, 16, 32, 128, 256):
+        for Dc in (16, 32, 100, 128, 512, 1024):
+            for T in (1, 64, 129, 512, 513, 2048, 2049, 1 << 16):
+                block_s, warps, stages = default_config(S, Dc, T)
+                assert block_s & (block_s - 1) == 0 and 1 <= block_s <= max(2, 2 * S), (S, Dc, T, block_s)
+                assert warps in (2, 4, 8, 16) and stages == 2, (S, Dc, T, warps)
+
+
+def test_pooling_programs() -> None:
+    """Decode-like (fused) launches are sized for every token pooling; prefill for one in `ratio`."""
+    assert pooling_programs(4096, 4, True) == 4096
+    assert pooling_programs(8192, 128, False) == 64
+    assert pooling_programs(3, 128, False) == 1
+
+
+def test_padding_tokens_write_no_trash_row() -> None:
+    """Tokens with trash write_slot and ring_write (as CUDA-graph padding rows may have) in a fused launch:
+    the kernel leaves both trash rows as they were and the real tokens' rows match the reference."""
+    h = Harness(MICRO_C4, 16, torch.float32, seed=9)
+    h.step([(0, 9), (1, 14)])
+    index = h.step([(0, 1), (1, 1)])
+    assert index.ring_reads_disjoint
+    pad = 3
+    out_trash, ring_trash = h.tri[2].shape[0] - 1, h.tri[0].shape[0] - 1
+
+    def rows(x: torch.Tensor, fill: int | bool) -> torch.Tensor:
+        return torch.cat([x, torch.full((pad, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
+
+    padded = CompressIndex(rows(index.src_new, 0), rows(index.src_ring, ring_trash), rows(index.from_new, False),
+                           rows(index.src_valid, False), rows(index.write_slot, out_trash),
+                           rows(index.ring_write, ring_trash), True)
+    T = padded.write_slot.shape[0]
+    kv, score = torch.randn(T, 64, device=DEVICE), torch.randn(T, 64, device=DEVICE)
+    cos, sin = torch.rand(T, 4, device=DEVICE), torch.rand(T, 4, device=DEVICE)
+    mine, ref = [x.clone() for x in h.tri], [x.clone() for x in h.tri]
+    triton_compress_cached(kv, score, mine[0], mine[1], padded, h.norm_weight, 1e-6, cos, sin, mine[2])
+    compress_cached(kv, score, ref[0], ref[1], padded, h.norm_weight, 1e-6, cos, sin, ref[2])
+    for got, before in zip(mine, h.tri, strict=True):
+        assert torch.equal(got[-1], before[-1]), "a trash row was written"
+    assert torch.equal(mine[0][:-1], ref[0][:-1]) and torch.equal(mine[1][:-1], ref[1][:-1])
+    assert rel_error(mine[2][:-1], ref[2][:-1]) <= FP32_REL
 
 
 def test_rejects_bad_inputs() -> None:

@@ -17,15 +17,27 @@ squares is a register reduction (no second pass, no workspace). It walks the S s
 online softmax per channel (running max m, denominator l, accumulator acc, each [BLOCK_D] fp32):
 
     for each chunk of BLOCK_S slots:                     index rows: 4 small [BLOCK_S] loads
-        K, Z = two masked gathers ([BLOCK_S, BLOCK_D] fp32): this step's rows where from_new, ring rows
-               elsewhere (a masked-off lane moves no bytes), Z = -inf where the slot is invalid
+        K, Z = one gather each ([BLOCK_S, BLOCK_D] fp32) through a per-slot row pointer: this step's row
+               where from_new, else the ring row; masked on valid (a masked-off lane moves no bytes; Z = -inf)
         m' = max(m, max_s Z);  l = l e^(m-m') + Σ_s e^(Z-m');  acc = acc e^(m-m') + Σ_s e^(Z-m') K
     pooled = acc / l  ->  norm  ->  RoPE on (even, odd) pairs (tl.split of a [BLOCK_D/2, 2] view)  ->  store
 
 Each source row half is Dc * 4 contiguous bytes (2 KB for Dc = 512): the gathers are row-granular, coalesced
 and 128-bit vectorised. The geometry (S, m, Dc, c*Dc, first rope pair) is constexpr: one compile per compressor
-shape, three per model (sm_90, C4 Dc 512, 4 warps: 110 registers, no spills). Tokens that complete no window
-(m-1 of every m tokens in prefill) skip the pooling after one 8-byte load.
+shape and configuration (sm_90, triton 3.6, `default_config`'s choices: 56-128 registers, no spills).
+
+Latency. In decode a program moves little (C4 attention ~42 KB, indexer ~11 KB), so the number of dependent
+memory round trips, not bandwidth, sets its time. Loads that depend on no loaded value go first: round trip 1
+carries write_slot, ring_write, the window's index rows (one chunk, or two with PREFETCH: C4's whole window at
+BLOCK_S = S / 2), the token's own kv / score row for the ring copy (unmasked: row t is in bounds) and the norm
+weight; round trip 2 the gathers, with cos / sin (one joined load) behind them. Whatever waits on a loaded
+value comes after the loads it must not delay: the ring-row stores, the branch on write_slot, and the layout
+conversions through shared memory of w and cos / sin (a conversion waits for its load, and the next load in
+program order waits behind it, hence w last in round trip 1 and cos / sin after the gathers). Tokens that
+complete no window (m-1 of every m tokens in prefill) branch past the pooling after round trip 1. Long
+windows (C128: 4-32 chunks, up to 16 warps at <= 128 registers) load each chunk's index rows in its loop
+iteration instead (2 round trips per chunk; many resident programs hide them at large batch). Before this
+schedule a decode program's program order chained ~8 (slot, index rows, gathers, w, cos, sin, ring_write, row).
 
 Ring rows, and why a second launch. The reference reads every ring row before it writes any. A program that
 wrote its token's ring row while another program of the same launch still had to read the old contents would
@@ -58,21 +70,67 @@ import triton.language as tl
 from dsv4.kernels.ref.compressor import CompressIndex, compress_geometry
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_TILE_ELEMENTS = 8192        # BLOCK_S * BLOCK_D per chunk (2 gathers of 32 KB fp32)
+_SHORT_WINDOW = 16           # S above this (C128): the chunked slot walk dominates (default_config)
+_SMALL_TILE = 2048           # BLOCK_S * BLOCK_D per chunk for short windows at many programs
 _ELEMENTS_PER_WARP = 1024    # default num_warps: about 32 tile elements per thread and per gather
 
 
 @triton.jit
-def _store_ring_row(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, ring_write_ptr,  # type: ignore[no-untyped-def]
-                    t, width, ring_trash, stride_kv, stride_ring, BLOCK_W: tl.constexpr):
-    row = tl.load(ring_write_ptr + t)
-    if row != ring_trash:
-        offs = tl.arange(0, BLOCK_W)
-        mask = offs < width
-        kv = tl.load(kv_ptr + t * stride_kv + offs, mask=mask)
-        score = tl.load(score_ptr + t * stride_kv + offs, mask=mask)
-        tl.store(ring_kv_ptr + row * stride_ring + offs, kv, mask=mask)
-        tl.store(ring_score_ptr + row * stride_ring + offs, score, mask=mask)
+def _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,  # type: ignore[no-untyped-def]
+                row, s0, S: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Index rows of slots [s0, s0 + BLOCK_S) of one token (`row` = t * S). Lanes >= S are masked
+    (they move no bytes and come back invalid), so a chunk past the window is a free no-op."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    s_mask = offs_s < S
+    new_row = tl.load(src_new_ptr + row + offs_s, mask=s_mask, other=0)
+    ring_row = tl.load(src_ring_ptr + row + offs_s, mask=s_mask, other=0)
+    is_new = tl.load(from_new_ptr + row + offs_s, mask=s_mask, other=0) != 0
+    ok = (tl.load(valid_ptr + row + offs_s, mask=s_mask, other=0) != 0) & s_mask
+    return new_row, ring_row, is_new, ok
+
+
+@triton.jit
+def _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,  # type: ignore[no-untyped-def]
+                  stride_kv, stride_ring, new_row, ring_row, is_new, ok, s0, offs_d, d_mask,
+                  RATIO: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr, OVERLAP: tl.constexpr):
+    """K, Z ([BLOCK_S, BLOCK_D] fp32) of slots [s0, s0 + BLOCK_S): K = 0 and Z = -inf where a slot is invalid."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    if OVERLAP:   # slots [0, ratio) read the Ca half, [ratio, 2 ratio) the Cb half
+        # NOTE: a product, not tl.where(s >= RATIO, DC, 0): it keeps the x16 divisibility that lets the
+        # compiler vectorise the gathers (128-bit loads)
+        cols = ((offs_s // RATIO) * DC)[:, None] + offs_d[None, :]
+    else:
+        cols = tl.zeros([BLOCK_S], tl.int32)[:, None] + offs_d[None, :]
+    take = ok[:, None] & d_mask[None, :]                                         # ok is False past S
+    # One gather per tensor from a per-slot row pointer (this step's row or the ring row): half the load
+    # instructions of two masked gathers and a select of their values. The select is over [BLOCK_S] rows, so a
+    # thread keeps one 64-bit base per row and the columns fold into the loads' offsets.
+    kv_rows = tl.where(is_new, kv_ptr + new_row * stride_kv, ring_kv_ptr + ring_row * stride_ring)
+    score_rows = tl.where(is_new, score_ptr + new_row * stride_kv, ring_score_ptr + ring_row * stride_ring)
+    k = tl.load(kv_rows[:, None] + cols, mask=take, other=0.0)
+    z = tl.load(score_rows[:, None] + cols, mask=take, other=float("-inf"))
+    return k, z
+
+
+@triton.jit
+def _fold_chunk(k, z, m, den, acc):  # type: ignore[no-untyped-def]
+    """Online softmax per channel: fold one chunk's K, Z into the running max m, denominator den and sum acc."""
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                       # no valid slot yet: -inf - -inf
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(z - m_safe[None, :])
+    return m_new, den * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p * k, axis=0)
+
+
+@triton.jit
+def _load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Token t's (cos, sin) per pair ([BLOCK_D/2] fp32 each; 0 on unrotated pairs, which ignore them) from ONE
+    load of a [BLOCK_D/2, 2] pointer tile: its layout conversion then waits once, not twice in a row."""
+    off = t * stride_cs + (pair - ROPE_FIRST)
+    which = tl.arange(0, 2)[None, :]
+    mask = is_rope[:, None] & (which < 2)                                      # (which < 2: broadcast to 2D)
+    cs = tl.load(tl.where(which == 0, cos_ptr, sin_ptr) + off[:, None], mask=mask, other=0.0)
+    return tl.split(cs)
 
 
 @triton.jit
@@ -81,76 +139,108 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
     src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr, write_slot_ptr, ring_write_ptr,
     w_ptr, cos_ptr, sin_ptr, out_ptr,
     out_trash, ring_trash, eps,
-    stride_kv, stride_ring, stride_src, stride_cs, stride_out,
+    stride_kv, stride_ring, stride_cs, stride_out,
     S: tl.constexpr, RATIO: tl.constexpr, DC: tl.constexpr, WIDTH: tl.constexpr, ROPE_FIRST: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
-    OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr,
+    OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # NOTE: the geometry is compile-time (a model has 3 compressor shapes): masks over d vanish for Dc = 2^k.
+    # Index rows are [T, S] contiguous (checked by the wrapper): token t's start at t * S, a multiple of S that
+    # lets the compiler vectorise their loads.
+    # Load schedule (module docstring, "Latency"): loads that depend on no loaded value are issued before the
+    # first instruction that waits for one (a store of loaded data, a layout conversion, the branch on `slot`).
+    # UP_FRONT (one chunk, or PREFETCH): index rows in the first round trip, cos / sin behind the first gathers;
+    # otherwise (C128: many chunks, up to 16 warps at <= 128 registers) each chunk loads its own rows.
+    UP_FRONT: tl.constexpr = PREFETCH or BLOCK_S >= S
     t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < DC
+    # ---- round trip 1: this token's metadata, index rows, its ring row, the norm weight
     slot = tl.load(write_slot_ptr + t)
+    if WRITE_RING:
+        dst = tl.load(ring_write_ptr + t)
+    if UP_FRONT:   # row t of the index: always in bounds
+        new_row, ring_row, is_new, ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
+                                                    t * S, 0, S, BLOCK_S)
+    if PREFETCH:   # chunk 1's rows too (C4 at BLOCK_S = S / 2: the whole window's)
+        new_row1, ring_row1, is_new1, ok1 = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
+                                                        t * S, BLOCK_S, S, BLOCK_S)
+    if WRITE_RING:
+        # The token's own row, unmasked (row t is in bounds) so that it does not wait for `dst`. In a fused
+        # launch every real token keeps its row (engine/metadata.py: n <= ring), so only padding tokens load it
+        # for nothing. Written before the pooling reads, which is safe: this launch reads no ring row it writes
+        # (ring_reads_disjoint).
+        offs_w = tl.arange(0, BLOCK_W)
+        w_mask = offs_w < WIDTH
+        row_kv = tl.load(kv_ptr + t * stride_kv + offs_w, mask=w_mask)
+        row_score = tl.load(score_ptr + t * stride_kv + offs_w, mask=w_mask)
+    # The norm weight (one row shared by every program: an L2 hit) last: its layout conversion waits for it.
+    w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    if WRITE_RING:
+        # never the trash row. NOTE: tl.where, not w_mask & (dst != ring_trash): the interpreter (triton 3.9)
+        # turns a block & scalar bool into an int32 mask that tl.load / tl.store reject
+        keep = tl.where(dst != ring_trash, w_mask, False)
+        tl.store(ring_kv_ptr + dst * stride_ring + offs_w, row_kv, mask=keep)
+        tl.store(ring_score_ptr + dst * stride_ring + offs_w, row_score, mask=keep)
+    # A branch, not a mask: it waits on `slot`, which arrives with the index rows the gathers need anyway, and
+    # it lets the m-1 of m prefill tokens that complete no window skip the pooling math (S x Dc exps for C128).
     if slot != out_trash:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < DC
+        pair = tl.arange(0, BLOCK_D // 2)
+        is_rope = (pair >= ROPE_FIRST) & (2 * pair < DC)
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_D], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            s_mask = offs_s < S
-            idx = t * stride_src + offs_s
-            new_row = tl.load(src_new_ptr + idx, mask=s_mask, other=0)
-            ring_row = tl.load(src_ring_ptr + idx, mask=s_mask, other=0)
-            is_new = tl.load(from_new_ptr + idx, mask=s_mask, other=0) != 0
-            ok = (tl.load(valid_ptr + idx, mask=s_mask, other=0) != 0) & s_mask
-            if OVERLAP:   # slots [0, ratio) read the Ca half, [ratio, 2 ratio) the Cb half
-                # NOTE: a product, not tl.where(s >= RATIO, DC, 0): it keeps the x16 divisibility that lets the
-                # compiler vectorise the gathers (128-bit loads)
-                cols = ((offs_s // RATIO) * DC)[:, None] + offs_d[None, :]
-            else:
-                cols = tl.zeros([BLOCK_S], tl.int32)[:, None] + offs_d[None, :]
-            take = ok[:, None] & d_mask[None, :]
-            from_new = take & is_new[:, None]
-            from_ring = take & ~is_new[:, None]
-            off_new = new_row[:, None] * stride_kv + cols
-            off_ring = ring_row[:, None] * stride_ring + cols
-            k = tl.where(from_new, tl.load(kv_ptr + off_new, mask=from_new, other=0.0),
-                         tl.load(ring_kv_ptr + off_ring, mask=from_ring, other=0.0))
-            z = tl.where(from_new, tl.load(score_ptr + off_new, mask=from_new, other=0.0),
-                         tl.load(ring_score_ptr + off_ring, mask=from_ring, other=0.0))
-            z = tl.where(take, z, float("-inf"))                                 # [BLOCK_S, BLOCK_D]
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # no valid slot yet: -inf - -inf
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(z - m_safe[None, :])
-            den = den * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p * k, axis=0)
-            m = m_new
+        if UP_FRONT:
+            # ---- round trip 2: chunk 0's gathers, cos / sin behind them (NOTE: behind, as their layout
+            # conversion waits for them), with PREFETCH the index rows two chunks ahead (past S: no bytes)
+            if PREFETCH:
+                pf_new, pf_ring, pf_is_new, pf_ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr,
+                                                                valid_ptr, t * S, 2 * BLOCK_S, S, BLOCK_S)
+            k, z = _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
+                                 new_row, ring_row, is_new, ok, 0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+            cos, sin = _load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
+            m, den, acc = _fold_chunk(k, z, m, den, acc)
+            if PREFETCH:  # chunks 1, 2, ... (none without PREFETCH: the window is one chunk)
+                for s0 in range(BLOCK_S, S, BLOCK_S):
+                    new_row, ring_row, is_new, ok = new_row1, ring_row1, is_new1, ok1
+                    new_row1, ring_row1, is_new1, ok1 = pf_new, pf_ring, pf_is_new, pf_ok
+                    pf_new, pf_ring, pf_is_new, pf_ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr,
+                                                                    valid_ptr, t * S, s0 + 2 * BLOCK_S, S, BLOCK_S)
+                    k, z = _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
+                                         new_row, ring_row, is_new, ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+                    m, den, acc = _fold_chunk(k, z, m, den, acc)
+        else:
+            for s0 in range(0, S, BLOCK_S):
+                new_row, ring_row, is_new, ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
+                                                            t * S, s0, S, BLOCK_S)
+                k, z = _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
+                                     new_row, ring_row, is_new, ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+                m, den, acc = _fold_chunk(k, z, m, den, acc)
+            cos, sin = _load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
         pooled = tl.where(d_mask, acc / tl.where(d_mask, den, 1.0), 0.0)         # [BLOCK_D] fp32
         inv_rms = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / DC + eps)
-        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
         y = w * (pooled * inv_rms)
         # RoPE on interleaved pairs (y[2i], y[2i+1]); pair i is rotated when i >= rope_first
         a, b = tl.split(tl.reshape(y, (BLOCK_D // 2, 2)))
-        pair = tl.arange(0, BLOCK_D // 2)
-        is_rope = (pair >= ROPE_FIRST) & (2 * pair < DC)
-        cos = tl.load(cos_ptr + t * stride_cs + (pair - ROPE_FIRST), mask=is_rope, other=1.0)
-        sin = tl.load(sin_ptr + t * stride_cs + (pair - ROPE_FIRST), mask=is_rope, other=0.0)
         ra = tl.where(is_rope, a * cos - b * sin, a)
         rb = tl.where(is_rope, a * sin + b * cos, b)
         entry = tl.reshape(tl.join(ra, rb), (BLOCK_D,))
         tl.store(out_ptr + slot * stride_out + offs_d, entry.to(out_ptr.dtype.element_ty), mask=d_mask)
-    if WRITE_RING:
-        _store_ring_row(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, ring_write_ptr,
-                        t, WIDTH, ring_trash, stride_kv, stride_ring, BLOCK_W)
 
 
 @triton.jit
 def _ring_write_kernel(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, ring_write_ptr,  # type: ignore[no-untyped-def]
                        width, ring_trash, stride_kv, stride_ring, BLOCK_W: tl.constexpr):
+    # Prefill / extend: most tokens keep no ring row, so the row is loaded only where it is written (masked on
+    # `dst`: two round trips, which a launch this small can afford).
     t = tl.program_id(0).to(tl.int64)
-    _store_ring_row(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, ring_write_ptr,
-                    t, width, ring_trash, stride_kv, stride_ring, BLOCK_W)
+    dst = tl.load(ring_write_ptr + t)
+    offs = tl.arange(0, BLOCK_W)
+    keep = tl.where(dst != ring_trash, offs < width, False)     # NOTE: not &, see _compress_kernel
+    kv = tl.load(kv_ptr + t * stride_kv + offs, mask=keep)
+    score = tl.load(score_ptr + t * stride_kv + offs, mask=keep)
+    tl.store(ring_kv_ptr + dst * stride_ring + offs, kv, mask=keep)
+    tl.store(ring_score_ptr + dst * stride_ring + offs, score, mask=keep)
 
 
 def _check_rows(name: str, x: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
@@ -194,24 +284,54 @@ def _check(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_sc
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def default_config(S: int, Dc: int) -> tuple[int, int]:
-    """(block_s, num_warps): an untuned first choice (bench_compressor.py --sweep compares alternatives)."""
+def default_config(S: int, Dc: int, T: int) -> tuple[int, int, int]:
+    """(block_s, num_warps, num_stages) for a launch in which about T programs pool a window.
+
+    Measured best on the H200 (benchmarks/results/compressor_h200_202611.md, bench_compressor.py --sweep, decode
+    with every token completing a window; us, block_s/num_warps/num_stages):
+
+        c4-attn    (S 8, Dc 512)    T=64 6.66 8/8/2 | T=256 8.53 4/2/2 | T=1024 18.54 4/2/2 | T=4096 56.37 4/2/2
+        c4-indexer (S 8, Dc 128)    8/2/2 at every T (T=1024 8.34 us, T=4096 21.72 us)
+        c128-attn  (S 128, Dc 512)  T=64 36.1 32/16/2 | T=256 57.05 16/8/2 | T=1024 142.6 8/4/2 | T=4096 540 4/2/2
+
+    Few programs: big chunks and many warps (each program is latency-bound; more bytes in flight per program).
+    Many programs: small tiles, 2 warps (more resident programs per SM, fewer registers). Those numbers predate
+    the up-front load schedule of `_compress_kernel`: a re-measure is pending and may move the thresholds.
+    Other geometries (micro models, tests) follow the same rules; they are not tuned.
+    """
     block_d = triton.next_power_of_2(Dc)
-    block_s = min(triton.next_power_of_2(S), max(1, _TILE_ELEMENTS // block_d))
-    return block_s, max(2, min(8, block_s * block_d // _ELEMENTS_PER_WARP))
+    s_max = triton.next_power_of_2(S)
+    if S > _SHORT_WINDOW:   # C128: the slot walk dominates; the tile shrinks by 2 for every 4x more programs
+        tile = 16384 if T <= 128 else 8192 if T <= 512 else 4096 if T <= 2048 else 2048
+        block_s = min(s_max, max(1, tile // block_d))
+        return block_s, max(2, min(16, block_s * block_d // _ELEMENTS_PER_WARP)), 2
+    if T <= 128:            # whole window in one chunk, 512 tile elements per warp
+        return s_max, max(2, min(8, s_max * block_d // (_ELEMENTS_PER_WARP // 2))), 2
+    block_s = min(s_max, max(1, _SMALL_TILE // block_d))
+    return block_s, max(2, min(8, block_s * block_d // _ELEMENTS_PER_WARP)), 2
+
+
+def pooling_programs(T: int, ratio: int, ring_reads_disjoint: bool) -> int:
+    """The T that `default_config` gets: without a host sync the wrapper cannot count the tokens that complete a
+    window. A fused (decode-like) launch is sized for its worst case, every token completing one; a two-launch
+    (prefill / extend) one for ~1 in `ratio` tokens (the others skip the pooling: C128 prefill of 8192 tokens
+    pools 64 windows and takes the small-T configuration). Unmeasured for prefill (re-measure pending)."""
+    return T if ring_reads_disjoint else max(1, T // ratio)
 
 
 def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                            index: CompressIndex, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                            sin: torch.Tensor, out: torch.Tensor, *, block_s: int | None = None,
-                           num_warps: int | None = None, num_stages: int = 2) -> None:
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           prefetch: bool | None = None) -> None:
     """Same contract as `compress_cached` (in place: entries into `out`, this step's rows into the ring).
 
     kv, score: [T, c*Dc] fp32; ring_kv, ring_score: [N_ring, c*Dc] fp32; index: CompressIndex ([T, S] rows);
     norm_weight: [Dc]; cos, sin: [T, rd/2] fp32; out: [N_out, Dc] bf16 / fp16 / fp32. All contiguous except
     `out` (unit last stride: a row-sliced view of a pool is fine); all on one device. One launch when
     `index.ring_reads_disjoint`, else two (module docstring). Keyword arguments are tuning knobs (benchmark
-    sweeps, tests). No host syncs: safe inside CUDA-graph capture.
+    sweeps, tests); `prefetch` (default: short windows, S <= 16) keeps index rows two chunks ahead of the
+    gathers when the window takes several chunks. No host syncs: safe inside CUDA-graph capture.
     """
     _check(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
     T, width = kv.shape
@@ -219,20 +339,21 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
         return
     ratio, overlap = compress_geometry(kv, index, out)
     Dc, S = out.shape[1], index.src_new.shape[1]
-    auto_s, auto_w = default_config(S, Dc)
+    fused = index.ring_reads_disjoint
+    auto_s, auto_w, auto_st = default_config(S, Dc, pooling_programs(T, ratio, fused))
     block_s = block_s or auto_s
     if block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two; got {block_s}")
-    fused = index.ring_reads_disjoint
     block_w = triton.next_power_of_2(width)
     ring_trash = ring_kv.shape[0] - 1
     _compress_kernel[(T,)](
         kv, score, ring_kv, ring_score, *index[:6], norm_weight, cos, sin, out,
         out.shape[0] - 1, ring_trash, eps,
-        kv.stride(0), ring_kv.stride(0), index.src_new.stride(0), cos.stride(0), out.stride(0),
+        kv.stride(0), ring_kv.stride(0), cos.stride(0), out.stride(0),
         S=S, RATIO=ratio, DC=Dc, WIDTH=width, ROPE_FIRST=Dc // 2 - cos.shape[1],
         BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(Dc), BLOCK_W=block_w, OVERLAP=overlap, WRITE_RING=fused,
-        num_warps=num_warps or auto_w, num_stages=num_stages,
+        PREFETCH=(S <= _SHORT_WINDOW if prefetch is None else prefetch) and block_s < S,
+        num_warps=num_warps or auto_w, num_stages=num_stages or auto_st,
     )
     if not fused:  # NOTE: after every ring read of the launch above (module docstring)
         _ring_write_kernel[(T,)](kv, score, ring_kv, ring_score, index.ring_write, width, ring_trash,
