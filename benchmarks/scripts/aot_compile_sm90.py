@@ -55,7 +55,7 @@ def topk_variants() -> Iterator[Variant]:
         yield (f"topk hist {mode}", topk_compact._hist_kernel, types,
                {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024}, {"num_warps": 8})
         for probe in (False, True):
-            consts = {"EXACT": exact, "CBLOCK": 4096 if exact else 2048, "SMALL_BLOCK": 256, "PROBE": probe, **tail,
+            consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "SMALL_BLOCK": 256, "PROBE": probe, **tail,
                       **pows}
             yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \
                 {"num_warps": 8}
