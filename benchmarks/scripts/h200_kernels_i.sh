@@ -6,6 +6,9 @@
 #   PART=topk     bash benchmarks/scripts/h200_kernels_i.sh   TopK parity + benchmark (+ profile) only
 #   PART=probe    bash benchmarks/scripts/h200_kernels_i.sh   TopK benchmark with per-phase timer stamps (--probe;
 #                                                             SWEEP=1 adds the TopKConfig sweep)
+#   PART=final    bash benchmarks/scripts/h200_kernels_i.sh   GPU parity of TopK, compressor and the engine's triton
+#                                                             backend; TopK benchmark (+ profile, probe); compressor
+#                                                             benchmark with its sweep
 #   PART=compress bash benchmarks/scripts/h200_kernels_i.sh   compressor GPU parity + benchmark (sweep) only
 source "$(dirname "$0")/device_env.sh"
 topk_tests() {
@@ -23,6 +26,13 @@ if [ "$PART" = baseline ]; then
   compress_bench 170
   timeout 90 python3 benchmarks/kernels/bench_moe_quant.py --out "$OUT/bench_moe_quant.json" \
     > "$OUT/bench_moe_quant.txt" 2>&1; grep -v "^{" "$OUT/bench_moe_quant.txt" | tail -14
+elif [ "$PART" = final ]; then
+  timeout 230 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_compressor_triton.py \
+    tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests_final.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_final.txt" | tail -4; grep -E "^FAILED" "$OUT/gpu_tests_final.txt" | head -5
+  timeout 80 python3 benchmarks/kernels/bench_topk.py --probe --profile > "$OUT/bench_topk.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk.txt" | head -6; grep -E "^(probe|per kernel)" "$OUT/bench_topk.txt"
+  compress_bench 150
 elif [ "$PART" = probe ]; then
   timeout 250 python3 benchmarks/kernels/bench_topk.py --probe --profile ${SWEEP:+--sweep} > "$OUT/bench_topk_probe.txt" 2>&1
   grep -v "^{" "$OUT/bench_topk_probe.txt" | head -6; grep -E "^(probe|per kernel)" "$OUT/bench_topk_probe.txt"
