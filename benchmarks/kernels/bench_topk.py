@@ -32,7 +32,7 @@ TARGET_US = {(1, 262144, 512): 15.0, (64, 262144, 512): 60.0}
 SWEEP: list[dict[str, int]] = [                      # one knob at a time, around the default TopKConfig
     {"exact_max": 0}, {"exact_max": 1 << 40}, {"group": 8}, {"group": 2}, {"target_programs": 264},
     {"target_programs": 1056}, {"compact_block": 512}, {"compact_block": 2048}, {"tail_block": 1024},
-    {"tail_block": 4096}, {"compact_warps": 4}, {"compact_warps": 16}, {"wide_programs": 0}, {"max_chunk": 4096},
+    {"tail_block": 4096}, {"compact_warps": 4}, {"narrow_warps": 4}, {"wide_programs": 0}, {"max_chunk": 4096},
     {"max_chunk": 16384}, {"max_hist_splits": 32}, {"max_hist_splits": 128}, {"block": 2048}, {"block": 8192},
 ]
 

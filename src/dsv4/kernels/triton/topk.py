@@ -50,7 +50,9 @@ class TopKConfig:
     compact_block: int = 1024       # loop step of the compaction (x2 on a wide grid; hand-pipelined: 2 steps in flight;
                                     # sets K2's registers: 59 at 1024 x 8 warps, 100 at 2048)
     tail_block: int = 2048          # loop step of the tail's passes over the candidate list
-    compact_warps: int = 8          # most warps of a K2 program (fewer: more elements a thread, fewer scan steps)
+    compact_warps: int = 8          # most warps of a K2 program on a wide grid (one program per SM: latency)
+    narrow_warps: int = 2           # K2 warps otherwise (many programs per SM: H200 B 64, 2 / 4 / 8 warps: 72 / 76 /
+                                    # 93 us; B 8 and 16 within 1%)
     target_programs: int = 528      # 4 programs per SM on a 132-SM H200
     max_chunk: int = 8192           # longest K2 chunk (more, shorter chunks balance the rows' last programs)
     max_hist_splits: int = 64       # most K1 chunks per row (<= 128): every K2 program loads all of its row's slots
@@ -75,7 +77,7 @@ class TopKConfig:
                              "[splits, 256] tile of K1's slots in registers)")
         if not 1 <= self.row_max <= 16384:
             raise ValueError(f"TopKConfig.row_max={self.row_max} must be in [1, 16384] (a row lives in registers)")
-        for name in ("target_programs", "max_chunk", "compact_warps"):
+        for name in ("target_programs", "max_chunk", "compact_warps", "narrow_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TopKConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -125,7 +127,7 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
     # registers) and, in exact mode, 16 warps for K1's histograms (bound mode's group maxima would replicate)
     wide = B * splits <= c.wide_programs
     compact_block = min(c.block, c.compact_block * (2 if wide else 1))
-    warps = min(c.compact_warps, max(1, compact_block // 128))
+    warps = min(c.compact_warps if wide else c.narrow_warps, max(1, compact_block // 128))
     hist_warps = min(16 if exact and B * hist_splits <= c.wide_programs else 8, max(1, c.block // 256))
     return TopKPlan("compact", c.block, CompactPlan(
         block=c.block, group=1 if exact else c.group, hist_splits=hist_splits, hist_chunk=hist_chunk,
