@@ -211,7 +211,7 @@ def configs_for(case: Case, sweep: bool) -> list[tuple[int, int, int] | None]:
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
     from dsv4.kernels.ref.compressor import compress_cached
-    from dsv4.kernels.triton.compressor import default_config, pooling_programs, triton_compress_cached
+    from dsv4.kernels.triton.compressor import default_config, triton_compress_cached
 
     cuda = device.type == "cuda"
     probe, _ = build_sets(case, 1, device, args.seed)
@@ -221,11 +221,9 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     del probe
     timed: dict[str, float] = {}
     err = 0.0
-    index = sets[0][4]
-    programs = pooling_programs(int(per_set["T"]), case.geo.ratio, index.ring_reads_disjoint)  # type: ignore[attr-defined]
     for cfg in configs_for(case, args.sweep):
         kw = {} if cfg is None else {"block_s": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
-        key = "/".join(map(str, cfg or default_config(case.geo.S, case.geo.Dc, programs)))
+        key = "/".join(map(str, cfg or default_config(case.geo.S, case.geo.Dc)))
 
         def fn(*x: object, kw: dict[str, int] = kw) -> None:
             triton_compress_cached(*x, **kw)  # type: ignore[arg-type]

@@ -71,7 +71,7 @@ from dsv4.kernels.ref.compressor import CompressIndex, compress_geometry
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SHORT_WINDOW = 16           # S above this (C128): the chunked slot walk dominates (default_config)
-_SMALL_TILE = 2048           # BLOCK_S * BLOCK_D per chunk for short windows at many programs
+_LONG_TILE = 8192            # BLOCK_S * BLOCK_D per chunk for long windows
 _ELEMENTS_PER_WARP = 1024    # default num_warps: about 32 tile elements per thread and per gather
 
 
@@ -284,39 +284,23 @@ def _check(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_sc
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def default_config(S: int, Dc: int, T: int) -> tuple[int, int, int]:
-    """(block_s, num_warps, num_stages) for a launch in which about T programs pool a window.
+def default_config(S: int, Dc: int) -> tuple[int, int, int]:
+    """(block_s, num_warps, num_stages): the H200 sweep's best for the Flash geometries at every batch.
 
-    Measured best on the H200 (benchmarks/results/compressor_h200_202611.md, bench_compressor.py --sweep, decode
-    with every token completing a window; us, block_s/num_warps/num_stages):
-
-        c4-attn    (S 8, Dc 512)    T=64 6.66 8/8/2 | T=256 8.53 4/2/2 | T=1024 18.54 4/2/2 | T=4096 56.37 4/2/2
-        c4-indexer (S 8, Dc 128)    8/2/2 at every T (T=1024 8.34 us, T=4096 21.72 us)
-        c128-attn  (S 128, Dc 512)  T=64 36.1 32/16/2 | T=256 57.05 16/8/2 | T=1024 142.6 8/4/2 | T=4096 540 4/2/2
-
-    Few programs: big chunks and many warps (each program is latency-bound; more bytes in flight per program).
-    Many programs: small tiles, 2 warps (more resident programs per SM, fewer registers). Those numbers predate
-    the up-front load schedule of `_compress_kernel`: a re-measure is pending and may move the thresholds.
-    Other geometries (micro models, tests) follow the same rules; they are not tuned.
+    Measured with this kernel's load schedule (benchmarks/results/compressor_h200_202611.md, fourth session;
+    bench_compressor.py --sweep, decode with every token completing a window at T = 1 .. 4096 programs, and
+    prefill of 8192 tokens): c4-attn (S 8, Dc 512) 8/4/2, within 1.2% of the best at every T; c4-indexer (S 8,
+    Dc 128) 8/2/2, the best at every T; c128-attn (S 128, Dc 512) 16/4/2, the best at every T and in prefill.
+    Short windows (S <= 16) pool in one chunk at ~1024 tile elements per warp (at least 2 warps); long windows
+    walk 8192-element chunks at 2048 elements per warp. Other geometries (micro models, tests) follow the same
+    rules, untuned.
     """
     block_d = triton.next_power_of_2(Dc)
     s_max = triton.next_power_of_2(S)
-    if S > _SHORT_WINDOW:   # C128: the slot walk dominates; the tile shrinks by 2 for every 4x more programs
-        tile = 16384 if T <= 128 else 8192 if T <= 512 else 4096 if T <= 2048 else 2048
-        block_s = min(s_max, max(1, tile // block_d))
-        return block_s, max(2, min(16, block_s * block_d // _ELEMENTS_PER_WARP)), 2
-    if T <= 128:            # whole window in one chunk, 512 tile elements per warp
-        return s_max, max(2, min(8, s_max * block_d // (_ELEMENTS_PER_WARP // 2))), 2
-    block_s = min(s_max, max(1, _SMALL_TILE // block_d))
-    return block_s, max(2, min(8, block_s * block_d // _ELEMENTS_PER_WARP)), 2
-
-
-def pooling_programs(T: int, ratio: int, ring_reads_disjoint: bool) -> int:
-    """The T that `default_config` gets: without a host sync the wrapper cannot count the tokens that complete a
-    window. A fused (decode-like) launch is sized for its worst case, every token completing one; a two-launch
-    (prefill / extend) one for ~1 in `ratio` tokens (the others skip the pooling: C128 prefill of 8192 tokens
-    pools 64 windows and takes the small-T configuration). Unmeasured for prefill (re-measure pending)."""
-    return T if ring_reads_disjoint else max(1, T // ratio)
+    if S > _SHORT_WINDOW:
+        block_s = min(s_max, max(1, _LONG_TILE // block_d))
+        return block_s, max(2, min(16, block_s * block_d // (2 * _ELEMENTS_PER_WARP))), 2
+    return s_max, max(2, min(8, s_max * block_d // _ELEMENTS_PER_WARP)), 2
 
 
 def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
@@ -340,7 +324,7 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     ratio, overlap = compress_geometry(kv, index, out)
     Dc, S = out.shape[1], index.src_new.shape[1]
     fused = index.ring_reads_disjoint
-    auto_s, auto_w, auto_st = default_config(S, Dc, pooling_programs(T, ratio, fused))
+    auto_s, auto_w, auto_st = default_config(S, Dc)
     block_s = block_s or auto_s
     if block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two; got {block_s}")

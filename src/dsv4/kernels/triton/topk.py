@@ -14,14 +14,16 @@ case: its k-th largest is the row minimum, so every candidate is kept.
 Paths, chosen on the host from Python ints only (no device sync, so it runs inside CUDA-graph capture):
 
     row      N <= row_max (4096)   one program per row, the whole row in registers, 1 launch
-    compact  N >  row_max          2 launches, no memset (`topk_compact.py`, `topk_tail.py`): K1 digit-0
+    compact  N >  row_max          2 or 3 launches, no memset (`topk_compact.py`, `topk_tail.py`): K1 digit-0
                                    histograms per chunk; K2 packs each chunk's candidates (scores in or above
-                                   a lower-bound digit-0 bin) in index order, and the row's last K2 program
-                                   finishes the radix select on the candidates and writes the row.
+                                   a lower-bound digit-0 bin) in index order; the tail finishes the radix
+                                   select on the candidates and writes the row.
                                    Exact mode (B * N <= exact_max: latency-bound sizes) histograms every key,
-                                   which also gives each chunk its offset in one contiguous candidate list;
-                                   bound mode (larger) histograms group maxima (`group` x fewer histogram
-                                   updates) and each chunk keeps its candidates in its own region.
+                                   which also gives each chunk its offset in one contiguous candidate list,
+                                   and the row's last K2 program runs the tail (2 launches); bound mode
+                                   (larger) histograms group maxima (`group` x fewer histogram updates), each
+                                   chunk keeps its candidates in its own region, and a third launch (one
+                                   program per row) runs the tail, so that K2 stays small in registers.
 
 Only K1 and K2 read whole rows, once each; the tail reads the candidates (for Gaussian-like scores a few
 percent of the row: a digit-0 bin spans two octaves; all-equal rows keep everything: exact, just slower).

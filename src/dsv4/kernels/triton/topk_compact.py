@@ -1,8 +1,9 @@
-"""Lightning TopK, long rows: 2 launches, no memset; the last program of each row selects (spec §6.6).
+"""Lightning TopK, long rows: 2 launches (exact mode) or 3 (bound mode), no memset (spec §6.6).
 
 Owns the `compact` path of `topk.py::lightning_topk` (rows longer than `TopKConfig.row_max`): K1, K2, the
-workspace layout and `launch_compact`; the tail that finishes each row lives in `topk_tail.py`. Output
-contract: `kernels/ref/topk.py::topk_ragged`, exactly (the lower-index tie rule included), deterministic.
+bound-mode tail launch, the workspace layout and `launch_compact`; the tail that finishes each row lives in
+`topk_tail.py`. Output contract: `kernels/ref/topk.py::topk_ragged`, exactly (the lower-index tie rule
+included), deterministic.
 
     K1 hist     grid B x P1. Each chunk's digit-0 histogram (key >> 24), stored as counts of digit >= d in its
                 own slot ge0[b, p1, :] (plain stores). Exact mode (group 1): of every key. Bound mode (group G):
@@ -18,11 +19,17 @@ contract: `kernels/ref/topk.py::topk_ragged`, exactly (the lower-index tie rule 
                 mode at its offset in one contiguous list (K1 chunks = K2 chunks, so column bin0 of the earlier
                 chunks' slots counts their candidates), in bound mode into its own region (an offset would need
                 a look-back). No program ever waits for another. It stores its count and adds its candidates'
-                histograms (digit 0 in bound mode; digit 1 of bin0's ties) into the row's hc0 / hc1, then bumps
-                the row's done counter; the program that brings it to P2 runs `topk_tail.select_tail`.
+                histograms (digit 0 in bound mode; digit 1 of bin0's ties) into the row's hc0 / hc1. Exact
+                mode: it then bumps the row's done counter, and the program that brings it to P2 runs
+                `topk_tail.select_tail` (no third launch: at B = 1 a launch costs more than the tail).
+                K2 reads K1's slots as one [P1, 256] register tile (one round trip), and its compaction loop
+                is hand-pipelined (the next block's load is issued before this block is packed).
+    K3 tail     bound mode only, grid B: `select_tail` per row after K2 has finished. Its own launch because the
+                tail's register tiles (~110 registers a thread) would otherwise be K2's too (59 at 1024 x 8
+                warps), and K2's occupancy is what bounds it at large batch (H200, B 64: K2 77.6 -> 48.2 us).
 
-Memory ordering (K2). Each program's candidate and count stores and its hc atomics precede a CTA barrier; one
-thread then bumps the done counter (atomic_add, acq_rel, gpu scope: on sm_90 a MEMBAR.GPU before and an L1
+Memory ordering (K2, exact mode). Each program's candidate and count stores and its hc atomics precede a CTA
+barrier; one thread then bumps the done counter (atomic_add, acq_rel, gpu scope: on sm_90 a MEMBAR.GPU before and an L1
 invalidate after). The barrier orders every thread's writes before that release (cumulativity, the pattern
 of cooperative groups' grid sync and of CUDA's threadFenceReduction), and the counter's RMWs form a release
 sequence, so the program that reads P2 - 1 acquires every chunk's writes; the tail still reads them with
