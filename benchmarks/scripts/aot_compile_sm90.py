@@ -59,8 +59,9 @@ def topk_variants() -> Iterator[Variant]:
                       **pows}
             yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \
                 {"num_warps": 8}
-    yield "topk tail bound", topk_compact._tail_kernel, types, {**tail, "P1_POW2": 16, "P2_POW2": 32, "PROBE": False}, \
-        {"num_warps": 8}
+    for chunk_tile in (0, 8192):
+        yield (f"topk tail bound {chunk_tile}", topk_compact._tail_kernel, types,
+               {**tail, "P1_POW2": 16, "P2_POW2": 32, "PROBE": False, "CHUNK_TILE": chunk_tile}, {"num_warps": 8})
 
 
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants}

@@ -38,10 +38,11 @@ DISTS = ("randn", "ints", "equal", "inf", "nan", "signed_zeros", "sparse")
 # Shrunken thresholds: rows <= 64 in registers; longer rows in chunks of 64-128 scores (K1 blocks of 64 =
 # 16 groups of 4), compaction steps of 16 (32 on small grids), at most 16 programs per launch. Under the
 # interpreter every program runs in sequence, so keep programs few; tail lists over 16 entries take the
-# multi-pass finish, shorter ones the register one. EXACT: K1 histograms every key and the
+# multi-pass finish, shorter ones the register one; bound-mode chunks of <= 16 candidates take the tail's one-tile
+# scratch pass (chunk_tile 256 over 16 chunk rows), fuller ones its loop. EXACT: K1 histograms every key and the
 # candidate list is contiguous. NARROW: never the small-grid compaction step.
 SMALL = TopKConfig(row_max=64, block=64, compact_block=16, tail_block=16, small_block=16, target_programs=16,
-                   max_chunk=128, max_hist_splits=4, group=4, exact_max=0, finish_block=16)
+                   max_chunk=128, max_hist_splits=4, group=4, exact_max=0, finish_block=16, chunk_tile=256)
 EXACT = replace(SMALL, exact_max=1 << 30)
 NARROW = replace(SMALL, wide_programs=0)
 

@@ -63,6 +63,8 @@ class TopKConfig:
     exact_max: int = 1 << 20        # B * N at or below this: exact mode (K1 histograms every key)
     small_block: int = 256          # loop step over one chunk's candidates (~2-3% of a chunk for real scores)
     finish_block: int = 4096        # most tail-list entries (~k winners + ties) finished in registers in one load
+    chunk_tile: int = 0             # bound-mode tail: one load of every chunk's candidates when each holds <= this
+                                    # // P2 (0: off; opt-in until timed on the H200: bench_topk --sweep has 8192)
     wide_programs: int = 132        # a K2 grid this small has one program per SM: 2x longer compaction steps
 
     def __post_init__(self) -> None:
@@ -74,6 +76,8 @@ class TopKConfig:
             raise ValueError(f"TopKConfig: block // group={self.block // self.group}, compact_block="
                              f"{self.compact_block}, tail_block={self.tail_block} and small_block={self.small_block} "
                              "must be >= 16")
+        if self.chunk_tile and self.chunk_tile & (self.chunk_tile - 1):
+            raise ValueError(f"TopKConfig.chunk_tile={self.chunk_tile} must be 0 or a power of two (tl.arange)")
         if not 1 <= self.max_hist_splits <= 128:
             raise ValueError(f"TopKConfig.max_hist_splits={self.max_hist_splits} must be in [1, 128] (K2 holds a "
                              "[splits, 256] tile of K1's slots in registers)")
@@ -134,7 +138,8 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
     return TopKPlan("compact", c.block, CompactPlan(
         block=c.block, group=1 if exact else c.group, hist_splits=hist_splits, hist_chunk=hist_chunk,
         hist_warps=hist_warps, splits=splits, chunk=chunk, warps=warps, compact_block=compact_block,
-        small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block, finish_block=c.finish_block))
+        small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block, chunk_tile=c.chunk_tile,
+        finish_block=c.finish_block))
 
 
 def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CONFIG) -> int:

@@ -71,6 +71,7 @@ class CompactPlan:
     compact_block: int  # loop step of the compaction (power of two <= block; sets K2's registers)
     small_block: int    # loop step over one chunk's candidates (power of two)
     tail_block: int     # loop step of the tail's passes over the candidate list (power of two)
+    chunk_tile: int     # bound-mode tail: candidates of all chunks in one [P2, chunk_tile // P2] load (0: off)
     finish_block: int   # largest register tile of the tail's last step (power of two; <= 2k of it is used)
 
     @property
@@ -264,14 +265,14 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
         if done == P2 - 1:
             select_tail(out_ptr + row.to(tl.int64) * K, state, cand, scr_ptr + row.to(tl.int64) * SCR, k_eff, K,
                         bin0, k_rem, total, P2, CHUNK, SCR, EXACT, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2,
-                        PAD_BLOCK, probe, PROBE)
+                        PAD_BLOCK, probe, PROBE, 0)
 
 
 @triton.jit
 def _tail_kernel(  # type: ignore[no-untyped-def]
     lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, N, K, P1, P2, CHUNK, STATE_LEN, SCR,
     TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr,
-    P2_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
+    P2_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr, CHUNK_TILE: tl.constexpr,
 ):
     """Bound mode: one program per row runs `select_tail` after K2 (its own launch, so K2 does not carry the
     tail's registers: at 8 warps ~3x K2's otherwise, which cost K2 most of its occupancy at large batch)."""
@@ -283,7 +284,8 @@ def _tail_kernel(  # type: ignore[no-untyped-def]
     bin0, k_rem = _find_bin_ge(ge, k_eff)
     r = row.to(tl.int64)
     select_tail(out_ptr + r * K, state_ptr + r * STATE_LEN, cand_ptr + r * N, scr_ptr + r * SCR, k_eff, K, bin0, k_rem,
-                0, P2, CHUNK, SCR, False, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2, PAD_BLOCK, probe, PROBE)
+                0, P2, CHUNK, SCR, False, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2, PAD_BLOCK, probe, PROBE,
+                CHUNK_TILE)
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -341,4 +343,4 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
         SMALL_BLOCK=plan.small_block, num_warps=plan.warps, **tail)
     if not plan.exact:
         _tail_kernel[(B,)](lengths, out, slots, state, cand, scr, N, K, plan.hist_splits, plan.splits, plan.chunk,
-                           _state_len(plan), K + plan.block, num_warps=8, **tail)
+                           _state_len(plan), K + plan.block, CHUNK_TILE=plan.chunk_tile, num_warps=8, **tail)

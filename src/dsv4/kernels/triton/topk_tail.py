@@ -117,6 +117,21 @@ def _compact_ge(src_ptr, num, thr, starts_ptr, P, CHUNK, dst_ptr, cap,  # type: 
 
 
 @triton.jit
+def _compact_ge_chunks(cand_ptr, counts, thr, CHUNK, dst_ptr, cap, P_POW2: tl.constexpr,  # type: ignore[no-untyped-def]
+                       J: tl.constexpr):
+    """`_compact_ge` over the chunked (bound-mode) list when every chunk holds <= J candidates: ONE load of a
+    [P_POW2, J] tile (row p = chunk p's candidates, zero-padded), no address search. Row-major order of the tile
+    is the list's index order (chunk p's indices precede chunk p + 1's), which `append_rows` keeps."""
+    p = tl.arange(0, P_POW2)
+    j = tl.arange(0, J)
+    valid = j[None, :] < counts[:, None]                        # counts[p] = 0 for p >= P
+    packed = tl.load(cand_ptr + p[:, None].to(tl.int64) * CHUNK + j[None, :], mask=valid, other=0,
+                     cache_modifier=".cg")
+    key, _ = unpack(packed)
+    return append_rows(valid & (key >= thr), packed, dst_ptr, 0, cap)
+
+
+@triton.jit
 def _finish_tile(src_ptr, num, prefix, k_rem, out_row_ptr, K, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """`_finish` for a contiguous list of num <= BLOCK: loaded once, digits 2 and 3 and the selection in registers."""
     i = tl.arange(0, BLOCK)
@@ -152,12 +167,14 @@ def _finish(src_ptr, num, prefix, k_rem, out_row_ptr, K, starts_ptr, P, CHUNK,  
 def select_tail(  # type: ignore[no-untyped-def]
     out_row_ptr, state_ptr, cand_ptr, scr_ptr, k_eff, K, bin0_lb, k_rem_lb, total, P, CHUNK, SCR,
     EXACT: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr,
-    P_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
+    P_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr, CHUNK_TILE: tl.constexpr,
 ):
     """The row's last K2 program: exact threshold over the row's candidates, then the output row.
 
     Exact mode: the list is cand[:total], contiguous, and bin0 / k_rem are exact. Bound mode: chunk p's
-    candidates are cand[p * CHUNK:][:count_p]; total, starts and the exact bin0 are found here.
+    candidates are cand[p * CHUNK:][:count_p]; total, starts and the exact bin0 are found here. CHUNK_TILE > 0
+    (bound mode, the tail's own launch: registers are free there; >= P_POW2): when no chunk holds more than
+    CHUNK_TILE // P_POW2 candidates, the scratch pass is one [P_POW2, CHUNK_TILE // P_POW2] tile load.
     """
     MAPPED: tl.constexpr = not EXACT
     starts_ptr = state_ptr + COUNTS + (P + 15) // 16 * 16
@@ -169,6 +186,7 @@ def select_tail(  # type: ignore[no-untyped-def]
         counts = tl.load(state_ptr + COUNTS + ids, mask=ids < P, other=0, cache_modifier=".cg")
         tl.store(starts_ptr + ids, tl.cumsum(counts, 0) - counts, mask=ids < P)
         total = tl.sum(counts, 0)
+        most = tl.max(counts, 0)
         bin0, k_rem = find_bin(tl.load(state_ptr + bins, cache_modifier=".cg"), k_eff)
         tl.debug_barrier()  # starts[] was stored by other threads of this program
     stamp(probe_ptr, 5, PROBE)
@@ -179,7 +197,13 @@ def select_tail(  # type: ignore[no-untyped-def]
     bin1, k_rem = find_bin(hist1, k_rem)
     stamp(probe_ptr, 6, PROBE)
     prefix = (bin0.to(tl.uint32) << 24) | (bin1.to(tl.uint32) << 16)
-    num = _compact_ge(cand_ptr, total, prefix, starts_ptr, P, CHUNK, scr_ptr, SCR, P_POW2, MAPPED, BLOCK)
+    if MAPPED and CHUNK_TILE >= P_POW2:
+        if most <= CHUNK_TILE // P_POW2:
+            num = _compact_ge_chunks(cand_ptr, counts, prefix, CHUNK, scr_ptr, SCR, P_POW2, CHUNK_TILE // P_POW2)
+        else:
+            num = _compact_ge(cand_ptr, total, prefix, starts_ptr, P, CHUNK, scr_ptr, SCR, P_POW2, MAPPED, BLOCK)
+    else:
+        num = _compact_ge(cand_ptr, total, prefix, starts_ptr, P, CHUNK, scr_ptr, SCR, P_POW2, MAPPED, BLOCK)
     tl.debug_barrier()      # the scratch list was stored by other threads of this program
     stamp(probe_ptr, 7, PROBE)
     if PROBE:
