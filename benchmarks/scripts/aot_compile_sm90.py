@@ -56,9 +56,12 @@ def topk_variants() -> Iterator[Variant]:
                {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024}, {"num_warps": 8})
         for probe in (False, True):
             consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "SMALL_BLOCK": 256, "PROBE": probe, **tail,
-                      **pows}
+                      **pows, "CHUNK_TILE": 0}
             yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \
                 {"num_warps": 8}
+    yield ("topk compact exact tile", topk_compact._compact_kernel, types,
+           {"EXACT": True, "CBLOCK": 2048, "SMALL_BLOCK": 256, "PROBE": False, **tail, "P1_POW2": 64, "P2_POW2": 64,
+            "CHUNK_TILE": 8192}, {"num_warps": 8})
     for chunk_tile in (0, 8192):
         yield (f"topk tail bound {chunk_tile}", topk_compact._tail_kernel, types,
                {**tail, "P1_POW2": 16, "P2_POW2": 32, "PROBE": False, "CHUNK_TILE": chunk_tile}, {"num_warps": 8})

@@ -63,8 +63,9 @@ class TopKConfig:
     exact_max: int = 1 << 20        # B * N at or below this: exact mode (K1 histograms every key)
     small_block: int = 256          # loop step over one chunk's candidates (~2-3% of a chunk for real scores)
     finish_block: int = 4096        # most tail-list entries (~k winners + ties) finished in registers in one load
-    chunk_tile: int = 0             # bound-mode tail: one load of every chunk's candidates when each holds <= this
-                                    # // P2 (0: off; opt-in until timed on the H200: bench_topk --sweep has 8192)
+    chunk_tile: int = 0             # tail: one load of every chunk's candidates when each holds <= this // P2 (bound
+                                    # mode; exact mode on a wide grid only: its registers are K2's). 0: off; opt-in
+                                    # until timed on the H200 (bench_topk --sweep has 4096 and 8192)
     wide_programs: int = 132        # a K2 grid this small has one program per SM: 2x longer compaction steps
 
     def __post_init__(self) -> None:
@@ -138,7 +139,8 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
     return TopKPlan("compact", c.block, CompactPlan(
         block=c.block, group=1 if exact else c.group, hist_splits=hist_splits, hist_chunk=hist_chunk,
         hist_warps=hist_warps, splits=splits, chunk=chunk, warps=warps, compact_block=compact_block,
-        small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block, chunk_tile=c.chunk_tile,
+        small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block,
+        chunk_tile=c.chunk_tile if wide or not exact else 0,
         finish_block=c.finish_block))
 
 

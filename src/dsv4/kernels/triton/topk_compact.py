@@ -71,7 +71,7 @@ class CompactPlan:
     compact_block: int  # loop step of the compaction (power of two <= block; sets K2's registers)
     small_block: int    # loop step over one chunk's candidates (power of two)
     tail_block: int     # loop step of the tail's passes over the candidate list (power of two)
-    chunk_tile: int     # bound-mode tail: candidates of all chunks in one [P2, chunk_tile // P2] load (0: off)
+    chunk_tile: int     # the tail's scratch pass as one [P2, chunk_tile // P2] load when it fits (0: off)
     finish_block: int   # largest register tile of the tail's last step (power of two; <= 2k of it is used)
 
     @property
@@ -230,7 +230,7 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, B, N, K, stride_s, P1, P2, CHUNK,
     STATE_LEN, SCR, EXACT: tl.constexpr, CBLOCK: tl.constexpr, TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
     SMALL_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr, P2_POW2: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr, CHUNK_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     probe = probe_ptr + pid * 16
@@ -265,7 +265,7 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
         if done == P2 - 1:
             select_tail(out_ptr + row.to(tl.int64) * K, state, cand, scr_ptr + row.to(tl.int64) * SCR, k_eff, K,
                         bin0, k_rem, total, P2, CHUNK, SCR, EXACT, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2,
-                        PAD_BLOCK, probe, PROBE, 0)
+                        PAD_BLOCK, probe, PROBE, CHUNK_TILE)
 
 
 @triton.jit
@@ -332,7 +332,8 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
     tail = dict(TBLOCK=plan.tail_block, LIST_BLOCK=min(plan.tail_block, 1024),
                 FINISH_BLOCK=min(plan.finish_block, max(1024, triton.next_power_of_2(2 * K))),
                 P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)),
-                P2_POW2=max(16, triton.next_power_of_2(plan.splits)), PAD_BLOCK=1024, **probing)
+                P2_POW2=max(16, triton.next_power_of_2(plan.splits)), PAD_BLOCK=1024, CHUNK_TILE=plan.chunk_tile,
+                **probing)
     cand, scr = cand.view(torch.int64), scr.view(torch.int64)
     _hist_kernel[(B * plan.hist_splits,)](
         scores, lengths, slots, state, N, scores.stride(0), plan.hist_splits, plan.hist_chunk, _state_len(plan),
@@ -343,4 +344,4 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
         SMALL_BLOCK=plan.small_block, num_warps=plan.warps, **tail)
     if not plan.exact:
         _tail_kernel[(B,)](lengths, out, slots, state, cand, scr, N, K, plan.hist_splits, plan.splits, plan.chunk,
-                           _state_len(plan), K + plan.block, CHUNK_TILE=plan.chunk_tile, num_warps=8, **tail)
+                           _state_len(plan), K + plan.block, num_warps=8, **tail)

@@ -117,16 +117,14 @@ def _compact_ge(src_ptr, num, thr, starts_ptr, P, CHUNK, dst_ptr, cap,  # type: 
 
 
 @triton.jit
-def _compact_ge_chunks(cand_ptr, counts, thr, CHUNK, dst_ptr, cap, P_POW2: tl.constexpr,  # type: ignore[no-untyped-def]
+def _compact_ge_chunks(cand_ptr, bases, counts, thr, dst_ptr, cap, P_POW2: tl.constexpr,  # type: ignore[no-untyped-def]
                        J: tl.constexpr):
-    """`_compact_ge` over the chunked (bound-mode) list when every chunk holds <= J candidates: ONE load of a
-    [P_POW2, J] tile (row p = chunk p's candidates, zero-padded), no address search. Row-major order of the tile
-    is the list's index order (chunk p's indices precede chunk p + 1's), which `append_rows` keeps."""
-    p = tl.arange(0, P_POW2)
+    """`_compact_ge` when every chunk holds <= J candidates: ONE load of a [P_POW2, J] tile (row p = chunk p's
+    candidates at cand[bases[p]:][:counts[p]], zero-padded), no address search, one scan. Row-major order of the
+    tile is the list's index order (chunk p's indices precede chunk p + 1's), which `append_rows` keeps."""
     j = tl.arange(0, J)
     valid = j[None, :] < counts[:, None]                        # counts[p] = 0 for p >= P
-    packed = tl.load(cand_ptr + p[:, None].to(tl.int64) * CHUNK + j[None, :], mask=valid, other=0,
-                     cache_modifier=".cg")
+    packed = tl.load(cand_ptr + bases[:, None] + j[None, :], mask=valid, other=0, cache_modifier=".cg")
     key, _ = unpack(packed)
     return append_rows(valid & (key >= thr), packed, dst_ptr, 0, cap)
 
@@ -172,10 +170,13 @@ def select_tail(  # type: ignore[no-untyped-def]
     """The row's last K2 program: exact threshold over the row's candidates, then the output row.
 
     Exact mode: the list is cand[:total], contiguous, and bin0 / k_rem are exact. Bound mode: chunk p's
-    candidates are cand[p * CHUNK:][:count_p]; total, starts and the exact bin0 are found here. CHUNK_TILE > 0
-    (bound mode, the tail's own launch: registers are free there; >= P_POW2): when no chunk holds more than
-    CHUNK_TILE // P_POW2 candidates, the scratch pass is one [P_POW2, CHUNK_TILE // P_POW2] tile load.
+    candidates are cand[p * CHUNK:][:count_p]; total, starts and the exact bin0 are found here.
+    CHUNK_TILE >= P_POW2 (0: off): when no chunk holds more than CHUNK_TILE // P_POW2 candidates, the scratch
+    pass is one [P_POW2, CHUNK_TILE // P_POW2] tile load (chunk p's candidates start at p * CHUNK in bound mode,
+    at the sum of the earlier chunks' counts in exact mode). Its registers are the whole kernel's: the caller
+    enables it where occupancy does not matter (bound mode's own tail launch; exact mode on a wide grid).
     """
+    TILED: tl.constexpr = CHUNK_TILE >= P_POW2
     MAPPED: tl.constexpr = not EXACT
     starts_ptr = state_ptr + COUNTS + (P + 15) // 16 * 16
     bins = tl.arange(0, 256)
@@ -186,9 +187,16 @@ def select_tail(  # type: ignore[no-untyped-def]
         counts = tl.load(state_ptr + COUNTS + ids, mask=ids < P, other=0, cache_modifier=".cg")
         tl.store(starts_ptr + ids, tl.cumsum(counts, 0) - counts, mask=ids < P)
         total = tl.sum(counts, 0)
-        most = tl.max(counts, 0)
         bin0, k_rem = find_bin(tl.load(state_ptr + bins, cache_modifier=".cg"), k_eff)
         tl.debug_barrier()  # starts[] was stored by other threads of this program
+    if TILED:
+        ids = tl.arange(0, P_POW2)
+        counts = tl.load(state_ptr + COUNTS + ids, mask=ids < P, other=0, cache_modifier=".cg")
+        if MAPPED:
+            bases = ids.to(tl.int64) * CHUNK
+        else:
+            bases = (tl.cumsum(counts, 0) - counts).to(tl.int64)
+        most = tl.max(counts, 0)
     stamp(probe_ptr, 5, PROBE)
     hist1 = tl.load(state_ptr + HC1 + bins, cache_modifier=".cg")
     if bin0 != bin0_lb:     # bound mode's bin was low: hc1 histogrammed the wrong ties
@@ -197,9 +205,9 @@ def select_tail(  # type: ignore[no-untyped-def]
     bin1, k_rem = find_bin(hist1, k_rem)
     stamp(probe_ptr, 6, PROBE)
     prefix = (bin0.to(tl.uint32) << 24) | (bin1.to(tl.uint32) << 16)
-    if MAPPED and CHUNK_TILE >= P_POW2:
+    if TILED:
         if most <= CHUNK_TILE // P_POW2:
-            num = _compact_ge_chunks(cand_ptr, counts, prefix, CHUNK, scr_ptr, SCR, P_POW2, CHUNK_TILE // P_POW2)
+            num = _compact_ge_chunks(cand_ptr, bases, counts, prefix, scr_ptr, SCR, P_POW2, CHUNK_TILE // P_POW2)
         else:
             num = _compact_ge(cand_ptr, total, prefix, starts_ptr, P, CHUNK, scr_ptr, SCR, P_POW2, MAPPED, BLOCK)
     else:
