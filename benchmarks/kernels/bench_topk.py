@@ -34,7 +34,7 @@ SWEEP: list[dict[str, int]] = [                      # one knob at a time, aroun
     {"target_programs": 1056}, {"compact_block": 512}, {"compact_block": 2048}, {"tail_block": 1024},
     {"tail_block": 4096}, {"compact_warps": 4}, {"narrow_warps": 4}, {"wide_programs": 0}, {"max_chunk": 4096},
     {"max_chunk": 16384}, {"max_hist_splits": 32}, {"max_hist_splits": 128}, {"block": 2048}, {"block": 8192},
-    {"chunk_tile": 8192}, {"chunk_tile": 4096},
+    {"chunk_tile": 8192}, {"chunk_tile": 4096}, {"sample": 4}, {"sample": 8}, {"sample": 4, "chunk_tile": 4096},
 ]
 
 

@@ -58,7 +58,8 @@ def topk_variants() -> Iterator[Variant]:
         mode = "exact" if exact else "bound"
         pows = {"P1_POW2": 64 if exact else 16, "P2_POW2": 64 if exact else 32}
         yield (f"topk hist {mode}", topk_compact._hist_kernel, types,
-               {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024}, {"num_warps": 8})
+               {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024, "SAMPLE": 1 if exact else 4},
+               {"num_warps": 8})
         for probe in (False, True):
             consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "SMALL_BLOCK": 256, "PROBE": probe, **tail,
                       **pows, "CHUNK_TILE": 0}

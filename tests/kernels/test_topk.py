@@ -196,6 +196,18 @@ def test_k_at_and_beyond_lengths(config: TopKConfig, path: str, N: int) -> None:
         check(scores, lengths, k, config, path)
 
 
+@pytest.mark.parametrize("sample", (2, 4))
+@pytest.mark.parametrize("dist", DISTS)
+def test_sampled_histograms(sample: int, dist: str) -> None:
+    """Bound mode with K1 histogramming every sample-th block (one K1 chunk of 15 blocks per row): still exact, as
+    any subset's histogram bounds the k-th largest from below; ragged rows shorter than 16 * sample * k are
+    histogrammed whole."""
+    config = replace(SMALL, sample=sample, max_hist_splits=1)
+    assert plan_topk(2, 1000, config).compact.sample == sample      # type: ignore[union-attr]
+    check(make_scores(2, 1000, dist, seed=sample, k=8), ragged_lengths(2, 1000, 8, seed=sample), 8, config,
+          "compact-bound")
+
+
 @pytest.mark.parametrize("B,N,k", [(2, 2048, 4), (3, 1500, 48)])   # k / N like 512 / 262144, and a few percent
 def test_scaled_k(B: int, N: int, k: int) -> None:
     for dist in ("randn", "signed_zeros"):

@@ -63,6 +63,8 @@ class TopKConfig:
     exact_max: int = 1 << 20        # B * N at or below this: exact mode (K1 histograms every key)
     small_block: int = 256          # loop step over one chunk's candidates (~2-3% of a chunk for real scores)
     finish_block: int = 4096        # most tail-list entries (~k winners + ties) finished in registers in one load
+    sample: int = 1                 # bound mode: K1 histograms every sample-th block of rows >= 16 * sample * k long
+                                    # (1: every block; opt-in until timed on the H200: the sweep has 4)
     chunk_tile: int = 0             # tail: one load of every chunk's candidates when each holds <= this // P2 (bound
                                     # mode; exact mode on a wide grid only: its registers are K2's). 0: off; opt-in
                                     # until timed on the H200 (bench_topk --sweep has 4096 and 8192)
@@ -84,7 +86,7 @@ class TopKConfig:
                              "[splits, 256] tile of K1's slots in registers)")
         if not 1 <= self.row_max <= 16384:
             raise ValueError(f"TopKConfig.row_max={self.row_max} must be in [1, 16384] (a row lives in registers)")
-        for name in ("target_programs", "max_chunk", "compact_warps", "narrow_warps"):
+        for name in ("target_programs", "max_chunk", "compact_warps", "narrow_warps", "sample"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TopKConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -137,7 +139,8 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
     warps = min(c.compact_warps if wide else c.narrow_warps, max(1, compact_block // 128))
     hist_warps = min(16 if exact and B * hist_splits <= c.wide_programs else 8, max(1, c.block // 256))
     return TopKPlan("compact", c.block, CompactPlan(
-        block=c.block, group=1 if exact else c.group, hist_splits=hist_splits, hist_chunk=hist_chunk,
+        block=c.block, group=1 if exact else c.group, sample=1 if exact else c.sample, hist_splits=hist_splits,
+        hist_chunk=hist_chunk,
         hist_warps=hist_warps, splits=splits, chunk=chunk, warps=warps, compact_block=compact_block,
         small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block,
         chunk_tile=c.chunk_tile if wide or not exact else 0,

@@ -10,7 +10,8 @@ included), deterministic.
                 of the max of each group of G scores (group j = scores j, j + M, j + 2M, .. of a block: strided,
                 so neighbours with similar scores land in different groups); G x fewer `tl.histogram` updates,
                 the costly op (Triton 3.6: a ballot per bin bit and a popcount per 32 bins, per element).
-                K1 also zeroes K2's per-row state.
+                K1 also zeroes K2's per-row state. Bound mode may sample (`TopKConfig.sample`): every
+                sample-th block of a long row; any subset gives a valid lower bound, only a looser one.
     K2 compact  grid B x P2. bin0 = largest d with (sum of the row's slots)[d] >= k_eff. Exact mode: digit 0 of
                 the k-th largest key. Bound mode: a lower bound of it (>= k_eff groups have a max in a bin
                 >= bin0, so >= k_eff distinct scores do). Candidates = scores with key >= bin0 << 24 (one float
@@ -62,6 +63,7 @@ class CompactPlan:
 
     block: int          # elements per loop step of K1, a power of two
     group: int          # K1 group size; 1 = exact mode
+    sample: int         # bound mode: K1 histograms every sample-th block of long rows (1: all; exact mode: 1)
     hist_splits: int    # P1: K1 programs per row
     hist_chunk: int     # elements per K1 program, a multiple of block
     hist_warps: int     # K1 num_warps
@@ -110,20 +112,26 @@ def _block_hist0(x, offs, hi, MASKED: tl.constexpr, GROUP: tl.constexpr):  # typ
 
 @triton.jit
 def _hist_kernel(  # type: ignore[no-untyped-def]
-    scores_ptr, lengths_ptr, slots_ptr, state_ptr, N, stride_s, P1, CHUNK1, STATE_LEN,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    scores_ptr, lengths_ptr, slots_ptr, state_ptr, N, K, stride_s, P1, CHUNK1, STATE_LEN,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, ZERO_BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // P1
     lo = (pid % P1) * CHUNK1
-    hi = tl.maximum(tl.minimum(lo + CHUNK1, row_len(lengths_ptr, row, N)), lo)
+    n = row_len(lengths_ptr, row, N)
+    hi = tl.maximum(tl.minimum(lo + CHUNK1, n), lo)
     full = lo + (hi - lo) // BLOCK * BLOCK              # unmasked (vectorised) blocks, then one masked
     row_ptr = scores_ptr + row.to(tl.int64) * stride_s
+    # Bound mode may histogram only every SAMPLE-th full block: the histogram of ANY subset of the row still
+    # gives a valid lower bound of the k-th largest (>= k sampled scores at or above a bin => >= k in the row);
+    # it is only looser (about the row's (SAMPLE * k)-th largest), so long rows only (n >= 16 * SAMPLE * k).
+    step = BLOCK * SAMPLE if n >= 16 * SAMPLE * K else BLOCK
     hist = tl.zeros([256], dtype=tl.int32)
     if full > lo:                                       # hand-pipelined as in `_compact_chunk`
+        last = lo + (full - lo - BLOCK) // step * step  # the last block start on the sampling grid
         x = tl.load(row_ptr + _hist_offs(lo, GROUP, BLOCK))
-        for start in range(lo, full, BLOCK):
-            x_next = tl.load(row_ptr + _hist_offs(tl.minimum(start + BLOCK, full - BLOCK), GROUP, BLOCK))
+        for start in range(lo, full, step):
+            x_next = tl.load(row_ptr + _hist_offs(tl.minimum(start + step, last), GROUP, BLOCK))
             hist += _block_hist0(x, None, hi, False, GROUP)
             x = x_next
     if full < hi:
@@ -336,8 +344,8 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
                 **probing)
     cand, scr = cand.view(torch.int64), scr.view(torch.int64)
     _hist_kernel[(B * plan.hist_splits,)](
-        scores, lengths, slots, state, N, scores.stride(0), plan.hist_splits, plan.hist_chunk, _state_len(plan),
-        GROUP=plan.group, BLOCK=plan.block, ZERO_BLOCK=1024, num_warps=plan.hist_warps)
+        scores, lengths, slots, state, N, K, scores.stride(0), plan.hist_splits, plan.hist_chunk, _state_len(plan),
+        GROUP=plan.group, BLOCK=plan.block, ZERO_BLOCK=1024, SAMPLE=plan.sample, num_warps=plan.hist_warps)
     _compact_kernel[(B * plan.splits,)](
         scores, lengths, out, slots, state, cand, scr, B, N, K, scores.stride(0), plan.hist_splits, plan.splits,
         plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact, CBLOCK=plan.compact_block,
