@@ -1,4 +1,5 @@
-"""Lightning TopK, compact path: the tail that the last K2 program of each row runs (see `topk_compact.py`).
+"""Lightning TopK, compact path: the tail that finishes each row (see `topk_compact.py`): run by the row's last K2
+program in exact mode, by the tail launch (one program per row) in bound mode.
 
 Owns the exact selection over one row's candidate list, and the candidate format shared with K2.
 
@@ -6,7 +7,7 @@ Candidates are packed int64 (score bits << 32) | index (one store per candidate;
 is read back: candidates are few, scores many). The row's candidate list, in index order, is cand[:total] in
 exact mode (each chunk knew its offset). In bound mode chunk p stores its count_p candidates in its own region
 cand[p * CHUNK:][:count_p]; list position i then lives in the chunk q with starts[q] <= i < starts[q + 1]
-(`_cand_addr`: a binary search per element, no copy).
+(`_cand_addr`: a binary search per element, no copy; or, with `chunk_tile`, one [P, J] tile of all chunks).
 
 Given bin0 (K2's lower bound, exact in exact mode), the row's candidate histograms hc0 / hc1 (summed by K2's
 atomics) and the counts:
@@ -15,7 +16,8 @@ atomics) and the counts:
     bin1, k_rem = find_bin(hc1, k_rem)          (hc1 holds bin0's ties only if K1's bin was right, else rescan)
     scratch <- every candidate with key >= (bin0, bin1, 0, 0), in order: the ~k winners above that 16-bit bin
                plus its ties, for real scores a few hundred
-    digits 2, 3 over the scratch list, then the index-order selection -> out[row]; -1 padding
+    digits 2, 3 over the scratch list (in registers when it holds <= finish_block), then the index-order
+    selection -> out[row]; -1 padding
     (over the whole candidate list instead when the scratch overflows: heavy ties, exact, just slower)
 """
 
@@ -167,7 +169,7 @@ def select_tail(  # type: ignore[no-untyped-def]
     EXACT: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr,
     P_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr, CHUNK_TILE: tl.constexpr,
 ):
-    """The row's last K2 program: exact threshold over the row's candidates, then the output row.
+    """One row's finish: exact threshold over the row's candidates, then the output row.
 
     Exact mode: the list is cand[:total], contiguous, and bin0 / k_rem are exact. Bound mode: chunk p's
     candidates are cand[p * CHUNK:][:count_p]; total, starts and the exact bin0 are found here.
