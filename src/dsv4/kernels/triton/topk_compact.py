@@ -125,10 +125,14 @@ def _hist_kernel(  # type: ignore[no-untyped-def]
     # Bound mode may histogram only every SAMPLE-th full block: the histogram of ANY subset of the row still
     # gives a valid lower bound of the k-th largest (>= k sampled scores at or above a bin => >= k in the row);
     # it is only looser (about the row's (SAMPLE * k)-th largest), so long rows only (n >= 16 * SAMPLE * k).
-    step = BLOCK * SAMPLE if n >= 16 * SAMPLE * K else BLOCK
+    if SAMPLE > 1:
+        step = tl.where(n >= 16 * SAMPLE * K, BLOCK * SAMPLE, BLOCK)
+        last = lo + (full - lo - BLOCK) // step * step  # the last block start on the sampling grid
+    else:               # NOTE: statically the unsampled loop (the form measured and GPU-tested)
+        step = BLOCK
+        last = full - BLOCK
     hist = tl.zeros([256], dtype=tl.int32)
     if full > lo:                                       # hand-pipelined as in `_compact_chunk`
-        last = lo + (full - lo - BLOCK) // step * step  # the last block start on the sampling grid
         x = tl.load(row_ptr + _hist_offs(lo, GROUP, BLOCK))
         for start in range(lo, full, step):
             x_next = tl.load(row_ptr + _hist_offs(tl.minimum(start + step, last), GROUP, BLOCK))
