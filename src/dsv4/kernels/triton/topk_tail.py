@@ -184,16 +184,15 @@ def select_tail(  # type: ignore[no-untyped-def]
     bins = tl.arange(0, 256)
     bin0 = bin0_lb
     k_rem = k_rem_lb
-    if MAPPED:
+    if MAPPED or TILED:
         ids = tl.arange(0, P_POW2)
         counts = tl.load(state_ptr + COUNTS + ids, mask=ids < P, other=0, cache_modifier=".cg")
+    if MAPPED:
         tl.store(starts_ptr + ids, tl.cumsum(counts, 0) - counts, mask=ids < P)
         total = tl.sum(counts, 0)
         bin0, k_rem = find_bin(tl.load(state_ptr + bins, cache_modifier=".cg"), k_eff)
         tl.debug_barrier()  # starts[] was stored by other threads of this program
     if TILED:
-        ids = tl.arange(0, P_POW2)
-        counts = tl.load(state_ptr + COUNTS + ids, mask=ids < P, other=0, cache_modifier=".cg")
         if MAPPED:
             bases = ids.to(tl.int64) * CHUNK
         else:
