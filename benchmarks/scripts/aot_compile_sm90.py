@@ -70,7 +70,7 @@ def topk_variants() -> Iterator[Variant]:
             "CHUNK_TILE": 8192}, {"num_warps": 8})
     for chunk_tile in (0, 8192):
         yield (f"topk tail bound {chunk_tile}", topk_compact._tail_kernel, types,
-               {**tail, "P1_POW2": 16, "P2_POW2": 32, "PROBE": False, "CHUNK_TILE": chunk_tile}, {"num_warps": 8})
+               {**tail, "P2_POW2": 32, "PROBE": False, "CHUNK_TILE": chunk_tile}, {"num_warps": 8})
 
 
 def compressor_variants() -> Iterator[Variant]:

@@ -38,7 +38,7 @@ L1-bypassing (.cg) loads. Nobody waits on anybody, so there is no deadlock at an
 TRITON_INTERPRET=1 (programs run one after another) the last program in order is the one that finishes.
 
 Workspace (int32 words, any initial contents, so one buffer can be reused call after call): ge0 slots
-[B, P1, 256] | state [B, 528 + 2 * P2 rounded to 16] (hc0, hc1, done counter, counts, starts; zeroed by K1
+[B, P1, 256] | state [B, 528 + 2 * P2 rounded to 16] (hc0, hc1, done counter, bin0, counts, starts; zeroed by K1
 each call: nothing carries over and no memset node is needed) | cand [B, N] int64 (worst case every score is
 a candidate) | scratch [B, k + block] int64.
 """
@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.topk_radix import bin_floor, digit_hist, order_key, row_len
-from dsv4.kernels.triton.topk_tail import COUNTS, DONE, HC1, append_rows, select_tail, stamp, unpack
+from dsv4.kernels.triton.topk_tail import BIN0, COUNTS, DONE, HC1, append_rows, select_tail, stamp, unpack
 
 STATE_FIXED = 528           # words of a state row before the counts (see topk_tail.COUNTS)
 
@@ -262,6 +262,8 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
         total = tl.sum(tl.where(tl.arange(0, 256) == bin0, ge, 0), 0)
     else:                               # the chunk's own region; the tail sums the counts
         offset, total = lo, 0
+        if part == 0:                   # for the tail launch (every program of the row has the same bin0)
+            tl.store(state + BIN0, bin0)
     cand = cand_ptr + row.to(tl.int64) * N
     stamp(probe, 1, PROBE)
     num = _compact_chunk(scores_ptr + row.to(tl.int64) * stride_s, lo, hi, bin_floor(bin0), cand + offset, CBLOCK)
@@ -282,21 +284,22 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _tail_kernel(  # type: ignore[no-untyped-def]
-    lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, N, K, P1, P2, CHUNK, STATE_LEN, SCR,
-    TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr,
+    lengths_ptr, out_ptr, state_ptr, cand_ptr, scr_ptr, N, K, P2, CHUNK, STATE_LEN, SCR,
+    TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr,
     P2_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr, CHUNK_TILE: tl.constexpr,
 ):
     """Bound mode: one program per row runs `select_tail` after K2 (its own launch, so K2 does not carry the
-    tail's registers: at 8 warps ~3x K2's otherwise, which cost K2 most of its occupancy at large batch)."""
+    tail's registers: at 8 warps ~3x K2's otherwise, which cost K2 most of its occupancy at large batch).
+    K2's lower-bound bin0 comes from the row state (stored by the row's first K2 program), not recomputed from
+    K1's slots; the tail finds the exact bin0 and k_rem from hc0 itself, so k_eff stands in for K2's k_rem."""
     row = tl.program_id(0)
     probe = probe_ptr + row.to(tl.int64) * P2 * 16
     stamp(probe, 4, PROBE)
     k_eff = tl.minimum(row_len(lengths_ptr, row, N), K)
-    _, ge = _row_slots(slots_ptr + row.to(tl.int64) * P1 * 256, P1, P1_POW2)
-    bin0, k_rem = _find_bin_ge(ge, k_eff)
     r = row.to(tl.int64)
-    select_tail(out_ptr + r * K, state_ptr + r * STATE_LEN, cand_ptr + r * N, scr_ptr + r * SCR, k_eff, K, bin0, k_rem,
-                0, P2, CHUNK, SCR, False, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2, PAD_BLOCK, probe, PROBE,
+    state = state_ptr + r * STATE_LEN
+    select_tail(out_ptr + r * K, state, cand_ptr + r * N, scr_ptr + r * SCR, k_eff, K, tl.load(state + BIN0),
+                k_eff, 0, P2, CHUNK, SCR, False, TBLOCK, LIST_BLOCK, FINISH_BLOCK, P2_POW2, PAD_BLOCK, probe, PROBE,
                 CHUNK_TILE)
 
 
@@ -343,7 +346,6 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
     probing = dict(probe_ptr=out if probe is None else probe, PROBE=probe is not None)
     tail = dict(TBLOCK=plan.tail_block, LIST_BLOCK=min(plan.tail_block, 1024),
                 FINISH_BLOCK=min(plan.finish_block, max(1024, triton.next_power_of_2(2 * K))),
-                P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)),
                 P2_POW2=max(16, triton.next_power_of_2(plan.splits)), PAD_BLOCK=1024, CHUNK_TILE=plan.chunk_tile,
                 **probing)
     cand, scr = cand.view(torch.int64), scr.view(torch.int64)
@@ -353,7 +355,8 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
     _compact_kernel[(B * plan.splits,)](
         scores, lengths, out, slots, state, cand, scr, B, N, K, scores.stride(0), plan.hist_splits, plan.splits,
         plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact, CBLOCK=plan.compact_block,
-        SMALL_BLOCK=plan.small_block, num_warps=plan.warps, **tail)
+        SMALL_BLOCK=plan.small_block, P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)),
+        num_warps=plan.warps, **tail)
     if not plan.exact:
-        _tail_kernel[(B,)](lengths, out, slots, state, cand, scr, N, K, plan.hist_splits, plan.splits, plan.chunk,
-                           _state_len(plan), K + plan.block, num_warps=8, **tail)
+        _tail_kernel[(B,)](lengths, out, state, cand, scr, N, K, plan.splits, plan.chunk, _state_len(plan),
+                           K + plan.block, num_warps=8, **tail)

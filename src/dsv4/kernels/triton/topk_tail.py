@@ -28,8 +28,9 @@ import triton.language as tl
 
 from dsv4.kernels.triton.topk_radix import digit_hist, find_bin, order_key, pad_tail, select_block
 
-HC1 = tl.constexpr(256)     # K2 state row: hc0 [0, 256), hc1 [256, 512), done counter at 512,
+HC1 = tl.constexpr(256)     # K2 state row: hc0 [0, 256), hc1 [256, 512), done counter at 512, K2's bin0 at 513,
 DONE = tl.constexpr(512)    # counts [528, 528 + P2r), starts [528 + P2r, 528 + 2 * P2r), P2r = P2 rounded up to 16
+BIN0 = tl.constexpr(513)
 COUNTS = tl.constexpr(528)
 
 
