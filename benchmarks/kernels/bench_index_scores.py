@@ -49,8 +49,9 @@ from bench_common import (
 BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
 REF_BUDGET_BYTES = 8 << 30       # the reference's [rows, V, Id] fp32 gather + [rows, Ih, V] dots
-DEFAULT_CONFIG = (64, 4, 3)      # (block_v, num_warps, num_stages): the wrapper's defaults
-SWEEP_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 2), (128, 8, 3)]
+DEFAULT_CONFIG = (64, 4, 2)      # (block_v, num_warps, num_stages): the wrapper's defaults
+SWEEP_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2),
+                 (128, 8, 3), (256, 8, 2), (256, 8, 3)]
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -183,13 +184,14 @@ TABLE = [("case", "{:<22}", "case"), ("us", "{:>9.1f}", "us"), ("ref_us", "{:>11
 
 def parse_args() -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], "also time SWEEP_CONFIGS and report the best")
+    p.add_argument("--only", default="", help="run only the cases whose name contains this text (e.g. 'T=1 ')")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
-    cases = smoke_cases() if args.cpu_smoke else cuda_cases()
+    cases = [c for c in (smoke_cases() if args.cpu_smoke else cuda_cases()) if args.only in c.name]
     if args.cpu_smoke:
         args.iters = min(args.iters, 3)
 

@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--inner", type=int, default=10, help="calls per CUDA-graph replay")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of graph replays")
     p.add_argument("--sweep", action="store_true", help="also time TopKConfig variants (see SWEEP)")
+    p.add_argument("--knobs", type=json.loads, default=None, help="the sweep's overrides as a JSON list of "
+                   "objects (default: SWEEP), e.g. '[{\"sample\": 4}, {\"sample\": 8, \"chunk_tile\": 4096}]'")
     p.add_argument("--profile", action="store_true", help="also split each case's time per kernel (torch.profiler "
                    "over eager calls: kernel time only, no launch gaps)")
     p.add_argument("--probe", action="store_true", help="also time each phase of the compact path's second kernel "
@@ -226,7 +228,7 @@ def main() -> None:
     sweep = []
     if args.sweep and device == "cuda":
         for B, N, k in (c for c in cases if c in TARGET_US):     # the two targets: ~4 minutes
-            for override in SWEEP:
+            for override in args.knobs or SWEEP:
                 cfg = ops["TopKConfig"](**override)
                 row = run_case(ops, B, N, k, args, device, cfg, only_triton=True)
                 print(f"sweep B={B} N={N} k={k} {override}: {row['triton_us']} us", flush=True)

@@ -12,6 +12,9 @@
 #   PART=index    bash benchmarks/scripts/h200_kernels_i.sh   indexer scores benchmark with its config sweep (decode T=1
 #                                                             V=262,144 measured 1.51x its read-once floor at the
 #                                                             default 64/4/3: the issue asks <= 1.5x)
+#   PART=knobs    bash benchmarks/scripts/h200_kernels_i.sh   TopK GPU parity (incl. the opt-in knobs), TopK benchmark
+#                                                             (+ probe) with a sweep of the sample / chunk_tile knobs
+#                                                             only, indexer scores T=1 sweep (fifth session)
 #   PART=compress bash benchmarks/scripts/h200_kernels_i.sh   compressor GPU parity + benchmark (sweep) only
 source "$(dirname "$0")/device_env.sh"
 topk_tests() {
@@ -36,6 +39,16 @@ elif [ "$PART" = final ]; then
   timeout 80 python3 benchmarks/kernels/bench_topk.py --probe --profile > "$OUT/bench_topk.txt" 2>&1
   grep -v "^{" "$OUT/bench_topk.txt" | head -6; grep -E "^(probe|per kernel)" "$OUT/bench_topk.txt"
   compress_bench 150
+elif [ "$PART" = knobs ]; then
+  topk_tests 220
+  timeout 200 python3 benchmarks/kernels/bench_topk.py --probe --profile --sweep --knobs '[{"sample": 2},
+    {"sample": 4}, {"sample": 8}, {"sample": 16}, {"chunk_tile": 4096}, {"chunk_tile": 8192},
+    {"sample": 4, "chunk_tile": 4096}, {"sample": 8, "chunk_tile": 4096}, {"sample": 8, "chunk_tile": 8192}]' \
+    > "$OUT/bench_topk_knobs.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk_knobs.txt" | head -6; grep -E "^(probe|per kernel|sweep B)" "$OUT/bench_topk_knobs.txt"
+  timeout 140 python3 benchmarks/kernels/bench_index_scores.py --sweep --only "T=1 " \
+    --out "$OUT/bench_index_scores.json" > "$OUT/bench_index_scores.txt" 2>&1
+  grep -v "^{" "$OUT/bench_index_scores.txt" | tail -6; grep -o '"configs_us": {[^}]*}' "$OUT/bench_index_scores.txt"
 elif [ "$PART" = index ]; then
   timeout 300 python3 benchmarks/kernels/bench_index_scores.py --sweep --out "$OUT/bench_index_scores.json" \
     > "$OUT/bench_index_scores.txt" 2>&1; grep -v "^{" "$OUT/bench_index_scores.txt" | tail -14

@@ -307,15 +307,15 @@ def test_to_slots_permuted_pages() -> None:
 # -------------------------------------------------------------------------------------------------- gpu
 
 GPU_EXACT = replace(TopKConfig(), exact_max=1 << 40)
-GPU_OPT_IN = replace(TopKConfig(), sample=4, chunk_tile=8192)     # the opt-in knobs, until they are defaults
+GPU_UNSAMPLED = replace(TopKConfig(), sample=1, chunk_tile=0)     # bound mode without the sampled K1 / tiled tail
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,N,k", [(1, 262144, 512), (64, 262144, 512), (8, 262144, 2048), (33, 131072, 512)])
 @pytest.mark.parametrize("dist", ("randn", "ints", "nan", "sparse", "equal"))
-def test_gpu_opt_in_knobs(B: int, N: int, k: int, dist: str) -> None:
+def test_gpu_unsampled(B: int, N: int, k: int, dist: str) -> None:
     scores = make_scores(B, N, dist, seed=B, k=k)
-    check(scores, ragged_lengths(B, N, k, seed=B), k, GPU_OPT_IN, plan_topk(B, N, GPU_OPT_IN).name)
+    check(scores, ragged_lengths(B, N, k, seed=B), k, GPU_UNSAMPLED, plan_topk(B, N, GPU_UNSAMPLED).name)
 
 
 @pytest.mark.gpu

@@ -143,14 +143,15 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidate
 
 def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor,
                         *, block_v: int = 64, blocks_per_program: int | None = None, num_warps: int = 4,
-                        num_stages: int = 3) -> torch.Tensor:
+                        num_stages: int = 2) -> torch.Tensor:
     """Same contract as `paged_index_scores`: returns [T, V] fp32, -inf where candidates < 0.
 
     q: [T, Ih, Id] bf16/fp16/fp32; weights: [T, Ih] fp32 (already scaled); keys: [N, Id] bf16/fp16/fp32;
     candidates: [T, V] int64 pool slots, -1 = none, every other slot < N. All contiguous, one device.
     q and keys of the same 16-bit dtype run a 16-bit tl.dot; anything else runs an fp32 (ieee) dot.
-    Keyword arguments are tuning knobs (benchmark sweeps, tests); the defaults are an untuned first choice
-    for Ih = 64, Id = 128 on H200 (`bench_index_scores.py --sweep` compares alternatives).
+    Keyword arguments are tuning knobs (benchmark sweeps, tests); the defaults are the H200 sweep's best for
+    Ih = 64, Id = 128 at decode T = 1 (`bench_index_scores.py --sweep`; V 65,536 / 262,144: 64/4/2 9.3 / 24.3 us,
+    64/4/3 10.6 / 24.8 us, every other of 11 configurations slower).
     No host syncs: safe inside CUDA-graph capture.
     """
     _check(q, weights, keys, candidates)

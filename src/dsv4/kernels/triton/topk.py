@@ -63,11 +63,11 @@ class TopKConfig:
     exact_max: int = 1 << 20        # B * N at or below this: exact mode (K1 histograms every key)
     small_block: int = 256          # loop step over one chunk's candidates (~2-3% of a chunk for real scores)
     finish_block: int = 4096        # most tail-list entries (~k winners + ties) finished in registers in one load
-    sample: int = 1                 # bound mode: K1 histograms every sample-th block of rows >= 16 * sample * k long
-                                    # (1: every block; opt-in until timed on the H200: the sweep has 4)
-    chunk_tile: int = 0             # tail: one load of every chunk's candidates when each holds <= this // P2 (bound
-                                    # mode; exact mode on a wide grid only: its registers are K2's). 0: off; opt-in
-                                    # until timed on the H200 (bench_topk --sweep has 4096 and 8192)
+    sample: int = 8                 # bound mode: K1 histograms every sample-th block of rows >= 16 * sample * k long
+                                    # (H200 B 64, N 262,144: 1 / 4 / 8 / 16 -> 71.5 / 58.6 / 56.5 / 55.3 us)
+    chunk_tile: int = 8192          # bound-mode tail: one load of every chunk's candidates when each holds <= this
+                                    # // P2 (0: off; H200 B 64 at sample 8: 4096 / 8192 -> 55.4 / 53.0 us; exact
+                                    # mode measured slower with it, B 1: 20.9 -> 21.7 / 25.3 us, so never there)
     wide_programs: int = 132        # a K2 grid this small has one program per SM: 2x longer compaction steps
 
     def __post_init__(self) -> None:
@@ -143,7 +143,7 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
         hist_chunk=hist_chunk,
         hist_warps=hist_warps, splits=splits, chunk=chunk, warps=warps, compact_block=compact_block,
         small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block,
-        chunk_tile=c.chunk_tile if wide or not exact else 0,
+        chunk_tile=0 if exact else c.chunk_tile,
         finish_block=c.finish_block))
 
 

@@ -73,7 +73,8 @@ class CompactPlan:
     compact_block: int  # loop step of the compaction (power of two <= block; sets K2's registers)
     small_block: int    # loop step over one chunk's candidates (power of two)
     tail_block: int     # loop step of the tail's passes over the candidate list (power of two)
-    chunk_tile: int     # the tail's scratch pass as one [P2, chunk_tile // P2] load when it fits (0: off)
+    chunk_tile: int     # bound mode: the tail's scratch pass as one [P2, chunk_tile // P2] load when it fits
+                        # (0: off; always 0 in exact mode)
     finish_block: int   # largest register tile of the tail's last step (power of two; <= 2k of it is used)
 
     @property

@@ -174,30 +174,27 @@ def select_tail(  # type: ignore[no-untyped-def]
 
     Exact mode: the list is cand[:total], contiguous, and bin0 / k_rem are exact. Bound mode: chunk p's
     candidates are cand[p * CHUNK:][:count_p]; total, starts and the exact bin0 are found here.
-    CHUNK_TILE >= P_POW2 (0: off): when no chunk holds more than CHUNK_TILE // P_POW2 candidates, the scratch
-    pass is one [P_POW2, CHUNK_TILE // P_POW2] tile load (chunk p's candidates start at p * CHUNK in bound mode,
-    at the sum of the earlier chunks' counts in exact mode). Its registers are the whole kernel's: the caller
-    enables it where occupancy does not matter (bound mode's own tail launch; exact mode on a wide grid).
+    CHUNK_TILE >= P_POW2 (0: off; bound mode only): when no chunk holds more than CHUNK_TILE // P_POW2
+    candidates, the scratch pass is one [P_POW2, CHUNK_TILE // P_POW2] tile load (chunk p's candidates start at
+    p * CHUNK). Its registers are the whole kernel's, which bound mode's own tail launch can afford; in exact
+    mode (the tail inside K2) it measured slower on the H200 and is never planned.
     """
     TILED: tl.constexpr = CHUNK_TILE >= P_POW2
+    tl.static_assert(not (TILED and EXACT), "chunk_tile is a bound-mode option (plan_topk)")
     MAPPED: tl.constexpr = not EXACT
     starts_ptr = state_ptr + COUNTS + (P + 15) // 16 * 16
     bins = tl.arange(0, 256)
     bin0 = bin0_lb
     k_rem = k_rem_lb
-    if MAPPED or TILED:
+    if MAPPED:
         ids = tl.arange(0, P_POW2)
         counts = tl.load(state_ptr + COUNTS + ids, mask=ids < P, other=0, cache_modifier=".cg")
-    if MAPPED:
         tl.store(starts_ptr + ids, tl.cumsum(counts, 0) - counts, mask=ids < P)
         total = tl.sum(counts, 0)
         bin0, k_rem = find_bin(tl.load(state_ptr + bins, cache_modifier=".cg"), k_eff)
         tl.debug_barrier()  # starts[] was stored by other threads of this program
     if TILED:
-        if MAPPED:
-            bases = ids.to(tl.int64) * CHUNK
-        else:
-            bases = (tl.cumsum(counts, 0) - counts).to(tl.int64)
+        bases = ids.to(tl.int64) * CHUNK
         most = tl.max(counts, 0)
     stamp(probe_ptr, 5, PROBE)
     hist1 = tl.load(state_ptr + HC1 + bins, cache_modifier=".cg")
