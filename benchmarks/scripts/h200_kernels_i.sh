@@ -15,6 +15,8 @@
 #   PART=knobs    bash benchmarks/scripts/h200_kernels_i.sh   TopK GPU parity (incl. the opt-in knobs), TopK benchmark
 #                                                             (+ probe) with a sweep of the sample / chunk_tile knobs
 #                                                             only, indexer scores T=1 sweep (fifth session)
+#   PART=layout   bash benchmarks/scripts/h200_kernels_i.sh   ring-read layouts (bench_row_reads.py), TopK benchmark at
+#                                                             the new defaults, the engine check on flash-4l in fp32
 #   PART=compress bash benchmarks/scripts/h200_kernels_i.sh   compressor GPU parity + benchmark (sweep) only
 source "$(dirname "$0")/device_env.sh"
 topk_tests() {
@@ -49,6 +51,14 @@ elif [ "$PART" = knobs ]; then
   timeout 140 python3 benchmarks/kernels/bench_index_scores.py --sweep --only "T=1 " \
     --out "$OUT/bench_index_scores.json" > "$OUT/bench_index_scores.txt" 2>&1
   grep -v "^{" "$OUT/bench_index_scores.txt" | tail -6; grep -o '"configs_us": {[^}]*}' "$OUT/bench_index_scores.txt"
+elif [ "$PART" = layout ]; then
+  timeout 90 python3 benchmarks/kernels/bench_row_reads.py > "$OUT/bench_row_reads.txt" 2>&1
+  grep -v "^{" "$OUT/bench_row_reads.txt" | tail -14
+  timeout 80 python3 benchmarks/kernels/bench_topk.py --profile > "$OUT/bench_topk.txt" 2>&1
+  grep -v "^{" "$OUT/bench_topk.txt" | head -6; grep -E "^per kernel" "$OUT/bench_topk.txt"
+  timeout 400 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype float32 \
+    --num-prompts 2 --max-tokens 32 > "$OUT/engine_flash4l_fp32.txt" 2>&1; tail -4 "$OUT/engine_flash4l_fp32.txt"
+  nvidia-smi --query-gpu=memory.used --format=csv
 elif [ "$PART" = index ]; then
   timeout 300 python3 benchmarks/kernels/bench_index_scores.py --sweep --out "$OUT/bench_index_scores.json" \
     > "$OUT/bench_index_scores.txt" 2>&1; grep -v "^{" "$OUT/bench_index_scores.txt" | tail -14
