@@ -14,7 +14,9 @@ entries than index_topk (real top-k selection), greedy decoding with each backen
 
 With `--weight-format checkpoint` the `triton` runs serve the routed experts from FP4 codes (`QuantExperts`,
 dequantised in registers) and the `ref` run serves the same FP4 values dequantised to the model dtype:
-the quantised-vs-dequantised serving check of issue 7.
+the quantised-vs-dequantised serving check of issue 7. Adding `--shared-weights`, both backends serve the
+one FP4-expert model (the `ref` backend dequantises in PyTorch): one model in memory, which is how flash-4l
+fits in float32 (dense fp32 experts are 110 GB), and a pure kernel-vs-reference comparison.
 
 One JSON line last.
 
@@ -92,14 +94,19 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-format", default="bf16", choices=WEIGHT_FORMATS)
+    p.add_argument("--shared-weights", action="store_true",
+                   help="with --weight-format checkpoint: the ref run serves the same FP4-expert model")
     p.add_argument("--noise-floor", action="store_true",
                    help="also teacher-force the ref backend one request at a time against its batched run")
     args = p.parse_args()
+    if args.shared_weights and args.weight_format != "checkpoint":
+        p.error("--shared-weights needs --weight-format checkpoint")
     make = functools.partial(random_model, get_preset(args.preset), resolve_dtype(args.dtype),
                              resolve_device(args.device), seed=args.seed)
     model = tri_model = make()
     if args.weight_format == "checkpoint":
         tri_model = quantize_experts_(model, "fp4")
+    if args.weight_format == "checkpoint" and not args.shared_weights:
         model = make()
         dense = [m for m in model.modules() if isinstance(m, Experts)]
         packed = [m for m in tri_model.modules() if isinstance(m, QuantExperts)]
@@ -128,7 +135,8 @@ def main() -> None:
           f"{result['teacher_forced_max_abs_logprob_diff']:.3e}")
     print(json.dumps({"check": "engine_backend", "preset": args.preset, "device": args.device, "dtype": args.dtype,
                       "prompt_len": args.prompt_len, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                      "seed": args.seed, "weight_format": args.weight_format, **result}))
+                      "seed": args.seed, "weight_format": args.weight_format, "shared_weights": args.shared_weights,
+                      **result}))
 
 
 if __name__ == "__main__":
