@@ -11,8 +11,10 @@ engine's own metadata builder (engine/metadata.py over a request table, page siz
 Bytes the kernel must move, counted explicitly from the plan (host side, outside any timed region):
   source reads   Σ over entries of valid slots x Dc x 4 B x 2 (kv and score, fp32)
   entry writes   entries x Dc x 2 B (bf16)
-  ring writes    kept tokens x c*Dc x 4 B x 2 (their kv/score rows are source rows already counted as reads,
-                 except the few of an incomplete trailing window: not counted twice)
+  ring copies    kept tokens x c*Dc x 4 B x 2 written, plus (overlap) the half of each kept row that no pooling
+                 reads but the copy must: kept x (c*Dc - Dc) x 4 B x 2 (the pooled half is a source read already;
+                 the few rows of an incomplete trailing window are not counted twice). Before 2026-11-30 (fifth
+                 session) that unread half was left out, which undercounted a C4 decode step by ~9%.
   metadata       index rows of the entries (S x 18 B), write_slot / ring_write of every token, cos/sin
 GB/s and %HBM are those bytes over the time, against the measured H200 copy bandwidth 4.275 TB/s.
 Issue target (serving-reference §1.6): decode at batch >= 64 at >= 80% of HBM and >= 10x the reference. At
@@ -165,7 +167,7 @@ def count_bytes(case: Case, inputs: Inputs) -> dict[str, float]:
     slots = int(index.src_valid[emits].sum())                         # type: ignore[attr-defined]
     T = index.write_slot.shape[0]                                      # type: ignore[attr-defined]
     parts = {"bytes_src": slots * geo.Dc * 4 * 2, "bytes_entries": n_emit * geo.Dc * out.element_size(),
-             "bytes_ring": kept * geo.width * 4 * 2,
+             "bytes_ring": kept * (2 * geo.width - geo.Dc) * 4 * 2,
              "bytes_meta": n_emit * (geo.S * 18 + geo.rd * 4) + T * 16}
     return {**parts, "bytes": sum(parts.values()), "entries": n_emit, "ring_rows": kept, "T": T}
 

@@ -58,16 +58,13 @@ def topk_variants() -> Iterator[Variant]:
         mode = "exact" if exact else "bound"
         pows = {"P1_POW2": 64 if exact else 16, "P2_POW2": 64 if exact else 32}
         yield (f"topk hist {mode}", topk_compact._hist_kernel, types,
-               {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024, "SAMPLE": 1 if exact else 4},
+               {"GROUP": 1 if exact else 4, "BLOCK": 4096, "ZERO_BLOCK": 1024, "SAMPLE": 1 if exact else 8},
                {"num_warps": 8})
         for probe in (False, True):
             consts = {"EXACT": exact, "CBLOCK": 2048 if exact else 1024, "SMALL_BLOCK": 256, "PROBE": probe, **tail,
                       **pows, "CHUNK_TILE": 0}
             yield f"topk compact {mode}{' probe' if probe else ''}", topk_compact._compact_kernel, types, consts, \
                 {"num_warps": 8}
-    yield ("topk compact exact tile", topk_compact._compact_kernel, types,
-           {"EXACT": True, "CBLOCK": 2048, "SMALL_BLOCK": 256, "PROBE": False, **tail, "P1_POW2": 64, "P2_POW2": 64,
-            "CHUNK_TILE": 8192}, {"num_warps": 8})
     for chunk_tile in (0, 8192):
         yield (f"topk tail bound {chunk_tile}", topk_compact._tail_kernel, types,
                {**tail, "P2_POW2": 32, "PROBE": False, "CHUNK_TILE": chunk_tile}, {"num_warps": 8})
@@ -90,6 +87,17 @@ def compressor_variants() -> Iterator[Variant]:
                   "BLOCK_D": Dc, "BLOCK_W": width, "OVERLAP": overlap, "WRITE_RING": True, "PREFETCH": False}
         yield (f"compress {name} {block_s}/{warps}/{stages}", compressor._compress_kernel, types, consts,
                {"num_warps": warps, "num_stages": stages})
+    pair_types = {f"{k}_{ab}": f32 for k in ("kv", "score", "ring_kv", "ring_score") for ab in "ab"}
+    pair_types |= {"w_a": "*bf16", "w_b": "*bf16", "out_a": "*bf16", "out_b": "*bf16"}
+    pair_types |= {k: v for k, v in types.items() if k.startswith(("src_", "from_", "valid", "write_", "ring_write",
+                                                                   "cos", "sin", "out_trash", "ring_trash", "eps"))}
+    pair_types |= {f"stride_{k}_{ab}": "i32:16" for k in ("kv", "ring", "out") for ab in "ab"} | {"stride_cs": "i32:16"}
+    pair_consts = {"S": 8, "RATIO": 4, "DC_A": 512, "DC_B": 128, "ROPE_FIRST_A": 256 - 32, "ROPE_FIRST_B": 64 - 32,
+                   "BLOCK_S": 8, "BLOCK_DA": 512, "BLOCK_DB": 128, "WRITE_RING": True}
+    from dsv4.kernels.triton import compressor_pair
+    for warps in (2, 4, 8):
+        yield (f"compress c4-pair {warps} warps", compressor_pair._compress_pair_kernel, pair_types, pair_consts,
+               {"num_warps": warps, "num_stages": 2})
 
 
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,

@@ -17,6 +17,11 @@
 #                                                             only, indexer scores T=1 sweep (fifth session)
 #   PART=layout   bash benchmarks/scripts/h200_kernels_i.sh   ring-read layouts (bench_row_reads.py), TopK benchmark at
 #                                                             the new defaults, the engine check on flash-4l in fp32
+#   PART=s5final bash benchmarks/scripts/h200_kernels_i.sh  GPU parity (TopK at its new defaults, compressor, compressor
+#                                                             pair, engine triton backend); compressor pair benchmark
+#                                                             (+ warps); compressor benchmark; indexer scores, all cases
+#   PART=s5engine bash benchmarks/scripts/h200_kernels_i.sh  engine checks: flash-4l float32 (one FP4-expert model for
+#                                                             both backends), flash-4l bf16 teacher-forced + noise floor
 #   PART=compress bash benchmarks/scripts/h200_kernels_i.sh   compressor GPU parity + benchmark (sweep) only
 source "$(dirname "$0")/device_env.sh"
 topk_tests() {
@@ -59,6 +64,26 @@ elif [ "$PART" = layout ]; then
   timeout 400 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype float32 \
     --num-prompts 2 --max-tokens 32 > "$OUT/engine_flash4l_fp32.txt" 2>&1; tail -4 "$OUT/engine_flash4l_fp32.txt"
   nvidia-smi --query-gpu=memory.used --format=csv
+elif [ "$PART" = s5final ]; then
+  timeout 260 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py > "$OUT/gpu_tests_topk.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_topk.txt" | tail -2; grep -E "^FAILED" "$OUT/gpu_tests_topk.txt" | head -5
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_triton.py \
+    tests/kernels/test_compressor_pair.py tests/kernels/test_engine_triton_backend.py \
+    > "$OUT/gpu_tests_compressor.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_compressor.txt" | tail -2; grep -E "^FAILED" "$OUT/gpu_tests_compressor.txt" | head -5
+  timeout 70 python3 benchmarks/kernels/bench_compressor_pair.py --sweep --out "$OUT/bench_compressor_pair.json" \
+    > "$OUT/bench_compressor_pair.txt" 2>&1; grep -v "^{" "$OUT/bench_compressor_pair.txt" | tail -8
+  timeout 80 python3 benchmarks/kernels/bench_compressor.py --out "$OUT/bench_compressor.json" \
+    > "$OUT/bench_compressor.txt" 2>&1; grep -v "^{" "$OUT/bench_compressor.txt" | tail -19
+  timeout 110 python3 benchmarks/kernels/bench_index_scores.py --out "$OUT/bench_index_scores.json" \
+    > "$OUT/bench_index_scores.txt" 2>&1; grep -v "^{" "$OUT/bench_index_scores.txt" | tail -9
+elif [ "$PART" = s5engine ]; then
+  timeout 300 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype float32 \
+    --weight-format checkpoint --shared-weights --num-prompts 2 --max-tokens 32 > "$OUT/engine_flash4l_fp32.txt" 2>&1
+  tail -3 "$OUT/engine_flash4l_fp32.txt"
+  timeout 260 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype bfloat16 \
+    --num-prompts 2 --max-tokens 64 --noise-floor > "$OUT/engine_flash4l_bf16.txt" 2>&1
+  tail -4 "$OUT/engine_flash4l_bf16.txt"
 elif [ "$PART" = index ]; then
   timeout 300 python3 benchmarks/kernels/bench_index_scores.py --sweep --out "$OUT/bench_index_scores.json" \
     > "$OUT/bench_index_scores.txt" 2>&1; grep -v "^{" "$OUT/bench_index_scores.txt" | tail -14

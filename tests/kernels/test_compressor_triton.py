@@ -35,8 +35,14 @@ from dsv4.checkpoint.presets import micro  # noqa: E402
 from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
 from dsv4.config.engine import EngineConfig  # noqa: E402
 from dsv4.engine.metadata import StepShape, build_context  # noqa: E402
-from dsv4.kernels.ref.compressor import CompressIndex, compress_cached  # noqa: E402
+from dsv4.kernels.ref.compressor import (  # noqa: E402
+    CompressIndex,
+    CompressTarget,
+    compress_cached,
+    compress_cached_pair,
+)
 from dsv4.kernels.triton.compressor import default_config, triton_compress_cached  # noqa: E402
+from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_REL = 1e-5     # max |diff| / max |ref| over the entry pool
@@ -309,8 +315,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
-    """Every compress call of a real engine run (chunked prefill, decode, a prefix-cache hit), replayed on a
-    copy of its state through the kernel, matches the reference call."""
+    """Every compress and compress_pair call of a real engine run (chunked prefill, decode, a prefix-cache hit),
+    replayed on a copy of its state through the kernels, matches the reference call."""
     llm = LLM(ckpt, dtype="float32", device=DEVICE, page_size=16, max_total_tokens=2048, chunked_prefill_size=24)
     runner = llm.engine.runner
     calls = {"n": 0, "disjoint": 0}
@@ -326,7 +332,19 @@ def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
         calls["n"] += 1
         calls["disjoint"] += index.ring_reads_disjoint
 
-    runner.ops = replace(runner.ops, compress=checked)
+    def checked_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex, *rest: object) -> None:
+        mine = [c._replace(ring_kv=c.ring_kv.clone(), ring_score=c.ring_score.clone(), out=c.out.clone())
+                for c in (first, second)]
+        triton_compress_pair(*mine, index, *rest)  # type: ignore[arg-type]
+        compress_cached_pair(first, second, index, *rest)  # type: ignore[arg-type]
+        for got, want in zip(mine, (first, second), strict=True):
+            assert torch.equal(got.ring_kv[:-1], want.ring_kv[:-1])
+            assert torch.equal(got.ring_score[:-1], want.ring_score[:-1])
+            assert rel_error(got.out[:-1], want.out[:-1]) <= FP32_REL
+        calls["pair"] += 1
+
+    calls["pair"] = 0
+    runner.ops = replace(runner.ops, compress=checked, compress_pair=checked_pair)
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(2, 512, (37,), generator=g).tolist()
     prompts = [shared, torch.randint(2, 512, (21,), generator=g).tolist()]
@@ -334,7 +352,7 @@ def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     hit = llm.generate(prompt_token_ids=[shared + [7, 8, 9]], sampling_params=params, use_tqdm=False)
     assert hit[0].cached_tokens >= 32, "the third request was meant to hit the prefix cache"
-    assert calls["n"] > 0 and 0 < calls["disjoint"] < calls["n"]
+    assert calls["n"] > 0 and 0 < calls["disjoint"] < calls["n"] and calls["pair"] > 0
 
 
 # ---- GPU: every prefill length 1..1024, long decode, graph capture ----------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.kernels.ref.attention import sparse_attention_multi
-from dsv4.kernels.ref.compressor import compress_cached
+from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair
 from dsv4.kernels.ref.indexer import paged_index_scores
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
@@ -32,6 +32,8 @@ class KernelOps:
     sparse_attention: Callable[..., torch.Tensor]     # sparse_attention_multi(q, sources, sink, scale)
     compress: Callable[..., None]                     # compress_cached(kv, score, ring_kv, ring_score, index,
                                                       #   norm_weight, eps, cos, sin, out): in place
+    compress_pair: Callable[..., None]                # compress_cached_pair(first, second, index, eps, cos, sin):
+                                                      #   a CSA layer's two compressors, in place
     index_scores: Callable[..., torch.Tensor]         # paged_index_scores(q, weights, keys, candidates)
     topk: Callable[..., torch.Tensor]                 # topk_ragged(scores, lengths, k) -> entry ids, -1 = none
     routed_experts: Callable[..., torch.Tensor]       # routed_experts(x, w1, w2, w3, indices, weights, limit)
@@ -48,15 +50,16 @@ class KernelOps:
 
 
 def _ref() -> KernelOps:
-    return KernelOps("ref", sparse_attention_multi, compress_cached, paged_index_scores, topk_ragged, routed_experts,
-                     mhc_pre, mhc_post, mhc_head, routed_experts_quant, q_norm_rope, kv_norm_rope_store,
-                     rope_inverse, rms_norm)
+    return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair, paged_index_scores,
+                     topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head, routed_experts_quant, q_norm_rope,
+                     kv_norm_rope_store, rope_inverse, rms_norm)
 
 
 def _triton() -> KernelOps:
-    """Every op as its Triton kernel (compressor, indexer scores, top-k, hybrid sparse attention, grouped routed
-    experts on float or checkpoint-format (FP4 / FP8) weights, fused mHC pre / post / head, fused RMSNorm + RoPE
-    (+ SWA cache write) of the q and kv paths and the output de-rotation, RMSNorm). Imported lazily: a
+    """Every op as its Triton kernel (compressor, a CSA layer's two compressors in one launch, indexer scores,
+    top-k, hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8) weights,
+    fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv paths and the output
+    de-rotation, RMSNorm). Imported lazily: a
     machine without a GPU never compiles them (tests use TRITON_INTERPRET=1).
 
     NOTE: not bit-equal to `ref` in bf16 (other summation orders: online softmax, fp32 accumulation of the expert
@@ -69,6 +72,7 @@ def _triton() -> KernelOps:
         raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set TRITON_INTERPRET=1); "
                          "allowed on this machine: 'ref'")
     from dsv4.kernels.triton.compressor import triton_compress_cached
+    from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_post, triton_mhc_pre
     from dsv4.kernels.triton.moe import triton_routed_experts, triton_routed_experts_quant_deterministic
@@ -81,8 +85,9 @@ def _triton() -> KernelOps:
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
     from dsv4.kernels.triton.topk import lightning_topk
 
-    return KernelOps("triton", triton_sparse_attention, triton_compress_cached, triton_index_scores, lightning_topk,
-                     triton_routed_experts, triton_mhc_pre, triton_mhc_post, triton_mhc_head,
+    return KernelOps("triton", triton_sparse_attention, triton_compress_cached, triton_compress_pair,
+                     triton_index_scores, lightning_topk, triton_routed_experts, triton_mhc_pre, triton_mhc_post,
+                     triton_mhc_head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope, triton_kv_norm_rope_store,
                      triton_rope_inverse, triton_rms_norm)
 

@@ -21,7 +21,7 @@ from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.attention import sparse_attention
 from dsv4.model.compressor import Compressor
-from dsv4.model.forward_context import ForwardContext
+from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.indexer import Indexer
 from dsv4.model.layers.norm import RMSNorm, rms_normalize
 from dsv4.model.layers.rope import apply_rope
@@ -149,6 +149,17 @@ class Attention(nn.Module):
                              self.attn_sink, self.scale)
         return self.output(o.view(B, S, self.n_heads, -1), cos, sin)
 
+    def _compress_pair(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan, cache: LayerCache) -> None:
+        """CSA: this step's entries and ring rows of the attention compressor and the indexer's (x: [T, d])."""
+        assert self.compressor is not None and self.indexer is not None and cache.state is not None
+        assert cache.entries is not None and cache.index_state is not None and cache.index_keys is not None
+        assert plan.entry_cos is not None and plan.entry_sin is not None
+        own, idx = self.compressor, self.indexer.compressor
+        assert own.norm.eps == idx.norm.eps, "compress_pair takes one eps"
+        ctx.ops.compress_pair(own.target(x, ctx, cache.state, cache.entries),
+                              idx.target(x, ctx, cache.index_state, cache.index_keys), plan.index, own.norm.eps,
+                              plan.entry_cos, plan.entry_sin)
+
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
                        cache: LayerCache) -> torch.Tensor:
         """Serving path over the paged pools. Writes this step's KV, compressor state and entries first
@@ -162,7 +173,10 @@ class Attention(nn.Module):
         if self.compressor is not None:
             assert cache.entries is not None and cache.state is not None
             plan = ctx.plans[self.compressor.ratio]
-            self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
+            if self.indexer is not None:    # CSA: its two compressors share the plan, so one op serves both
+                self._compress_pair(x[0], ctx, plan, cache)
+            else:
+                self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
             if self.indexer is not None:
                 ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
                 if ctx.captured is not None:  # padded to index_topk so every step stacks alike

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.cache.pools import RingState
-from dsv4.kernels.ref.compressor import compress_windows
+from dsv4.kernels.ref.compressor import CompressTarget, compress_windows
 from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import apply_rope
@@ -46,14 +46,20 @@ class Compressor(nn.Module):
         E = pooled.shape[1]
         return self.finish(pooled, cos[: E * self.ratio: self.ratio], sin[: E * self.ratio: self.ratio], x.dtype)
 
+    def target(self, x: torch.Tensor, ctx: ForwardContext, state: RingState, out: torch.Tensor) -> CompressTarget:
+        """This step's projections of x [T, d] with the ring and entry pool they go to (the compress ops' inputs)."""
+        kv, score = self.project(x, ctx.positions)                              # [T, c*Dc] fp32
+        return CompressTarget(kv, score, state.kv, state.score, self.norm.weight, out)
+
     def forward_cached(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan, state: RingState,
                        out: torch.Tensor) -> None:
         """Serving path: pool every window completed by the new tokens into `out` and keep the ring current.
 
         x: [T, d] new tokens. The `compress` op (kernels/ref/compressor.py::compress_cached) pools, norms,
         ropes and writes the entries, reading older sources from the ring BEFORE overwriting any ring row.
+        (A CSA layer serves this and its indexer's compressor in one `compress_pair` op: model/attention.py.)
         """
-        kv, score = self.project(x, ctx.positions)                              # [T, c*Dc] fp32
         assert plan.entry_cos is not None and plan.entry_sin is not None
-        ctx.ops.compress(kv, score, state.kv, state.score, plan.index, self.norm.weight, self.norm.eps,
-                         plan.entry_cos, plan.entry_sin, out)
+        c = self.target(x, ctx, state, out)
+        ctx.ops.compress(c.kv, c.score, c.ring_kv, c.ring_score, plan.index, c.norm_weight, self.norm.eps,
+                         plan.entry_cos, plan.entry_sin, c.out)

@@ -56,10 +56,10 @@ class Indexer(nn.Module):
         """Serving path. x: [T, d], q_lat: [T, q_lora] -> selected entry ids [T, min(k, V)], -1 = none.
 
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
-        lower-index tie-break matches the full-sequence path.
+        lower-index tie-break matches the full-sequence path. This step's keys are already in
+        `cache.index_keys`: the layer wrote them with its own compressor's (Attention._compress_pair).
         """
-        assert cache.index_keys is not None and cache.index_state is not None
-        self.compressor.forward_cached(x, ctx, plan, cache.index_state, cache.index_keys)
+        assert cache.index_keys is not None
         q, w = self.query(x, q_lat, cos, sin)                                  # [T, Ih, Id], [T, Ih]
         if plan.candidates.shape[1] == 0:                                         # no entry is complete yet
             return plan.candidates

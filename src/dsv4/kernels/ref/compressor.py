@@ -103,3 +103,24 @@ def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
     out[index.write_slot] = apply_rope(normed, cos, sin).to(out.dtype)
     ring_kv[index.ring_write] = kv
     ring_score[index.ring_write] = score
+
+
+class CompressTarget(NamedTuple):
+    """One compressor's tensors in a serving step (`compress_cached`'s arguments that are not shared)."""
+
+    kv: torch.Tensor            # [T, c*Dc] fp32 projections (score includes `ape`)
+    score: torch.Tensor         # [T, c*Dc] fp32
+    ring_kv: torch.Tensor       # [N_ring, c*Dc] fp32 ring state
+    ring_score: torch.Tensor    # [N_ring, c*Dc] fp32
+    norm_weight: torch.Tensor   # [Dc]
+    out: torch.Tensor           # [N_out, Dc] entry pool
+
+
+def compress_cached_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex, eps: float,
+                         cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Two compressors that share one step's `index`, entry positions (cos, sin) and eps: a CSA layer's attention
+    compressor and its indexer's, same ratio and overlap, rings and entry pools of equal row counts (one plan
+    addresses both). In place, each exactly as `compress_cached` (the `compress_pair` op; its fast form fuses
+    both into one launch: kernels/triton/compressor_pair.py)."""
+    for c in (first, second):
+        compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin, c.out)

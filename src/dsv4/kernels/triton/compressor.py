@@ -58,6 +58,9 @@ slots of 2 KB (Dc = 512): at small batch the T programs are too few to fill the 
 for the pooling (the softmax is per channel) but the RMSNorm then needs a cross-program reduction (a second
 launch over a [T, Dc] fp32 workspace, ~10% more bytes for C4, or a last-arriver atomic pattern).
 
+A CSA layer's attention and indexer compressors share one plan: `compressor_pair.py` serves both in one launch
+from the device functions below (load_index, gather_chunk, fold_chunk, load_rope, store_entry).
+
 Test: tests/kernels/test_compressor_triton.py. Benchmark: benchmarks/kernels/bench_compressor.py.
 """
 
@@ -76,7 +79,7 @@ _ELEMENTS_PER_WARP = 1024    # default num_warps: about 32 tile elements per thr
 
 
 @triton.jit
-def _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,  # type: ignore[no-untyped-def]
+def load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,  # type: ignore[no-untyped-def]
                 row, s0, S: tl.constexpr, BLOCK_S: tl.constexpr):
     """Index rows of slots [s0, s0 + BLOCK_S) of one token (`row` = t * S). Lanes >= S are masked
     (they move no bytes and come back invalid), so a chunk past the window is a free no-op."""
@@ -90,7 +93,7 @@ def _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,  # type: ign
 
 
 @triton.jit
-def _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,  # type: ignore[no-untyped-def]
+def gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,  # type: ignore[no-untyped-def]
                   stride_kv, stride_ring, new_row, ring_row, is_new, ok, s0, offs_d, d_mask,
                   RATIO: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr, OVERLAP: tl.constexpr):
     """K, Z ([BLOCK_S, BLOCK_D] fp32) of slots [s0, s0 + BLOCK_S): K = 0 and Z = -inf where a slot is invalid."""
@@ -113,7 +116,7 @@ def _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,  # type: ignor
 
 
 @triton.jit
-def _fold_chunk(k, z, m, den, acc):  # type: ignore[no-untyped-def]
+def fold_chunk(k, z, m, den, acc):  # type: ignore[no-untyped-def]
     """Online softmax per channel: fold one chunk's K, Z into the running max m, denominator den and sum acc."""
     m_new = tl.maximum(m, tl.max(z, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                       # no valid slot yet: -inf - -inf
@@ -123,7 +126,7 @@ def _fold_chunk(k, z, m, den, acc):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST: tl.constexpr):  # type: ignore[no-untyped-def]
+def load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST: tl.constexpr):  # type: ignore[no-untyped-def]
     """Token t's (cos, sin) per pair ([BLOCK_D/2] fp32 each; 0 on unrotated pairs, which ignore them) from ONE
     load of a [BLOCK_D/2, 2] pointer tile: its layout conversion then waits once, not twice in a row."""
     off = t * stride_cs + (pair - ROPE_FIRST)
@@ -131,6 +134,21 @@ def _load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST: tl.con
     mask = is_rope[:, None] & (which < 2)                                      # (which < 2: broadcast to 2D)
     cs = tl.load(tl.where(which == 0, cos_ptr, sin_ptr) + off[:, None], mask=mask, other=0.0)
     return tl.split(cs)
+
+
+@triton.jit
+def store_entry(den, acc, w, cos, sin, is_rope, eps, out_row_ptr, offs_d, d_mask,  # type: ignore[no-untyped-def]
+                DC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """pooled = acc / den -> weighted RMSNorm -> RoPE on the rotated pairs -> out_row (cast to its dtype)."""
+    pooled = tl.where(d_mask, acc / tl.where(d_mask, den, 1.0), 0.0)             # [BLOCK_D] fp32
+    inv_rms = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / DC + eps)
+    y = w * (pooled * inv_rms)
+    # RoPE on interleaved pairs (y[2i], y[2i+1]); pair i is rotated when i >= rope_first
+    a, b = tl.split(tl.reshape(y, (BLOCK_D // 2, 2)))
+    ra = tl.where(is_rope, a * cos - b * sin, a)
+    rb = tl.where(is_rope, a * sin + b * cos, b)
+    entry = tl.reshape(tl.join(ra, rb), (BLOCK_D,))
+    tl.store(out_row_ptr + offs_d, entry.to(out_row_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -160,11 +178,11 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
     if WRITE_RING:
         dst = tl.load(ring_write_ptr + t)
     if UP_FRONT:   # row t of the index: always in bounds
-        new_row, ring_row, is_new, ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
-                                                    t * S, 0, S, BLOCK_S)
+        new_row, ring_row, is_new, ok = load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
+                                                   t * S, 0, S, BLOCK_S)
     if PREFETCH:   # chunk 1's rows too (C4 at BLOCK_S = S / 2: the whole window's)
-        new_row1, ring_row1, is_new1, ok1 = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
-                                                        t * S, BLOCK_S, S, BLOCK_S)
+        new_row1, ring_row1, is_new1, ok1 = load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
+                                                       t * S, BLOCK_S, S, BLOCK_S)
     if WRITE_RING:
         # The token's own row, unmasked (row t is in bounds) so that it does not wait for `dst`. In a fused
         # launch every real token keeps its row (engine/metadata.py: n <= ring), so only padding tokens load it
@@ -194,38 +212,30 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
             # ---- round trip 2: chunk 0's gathers, cos / sin behind them (NOTE: behind, as their layout
             # conversion waits for them), with PREFETCH the index rows two chunks ahead (past S: no bytes)
             if PREFETCH:
-                pf_new, pf_ring, pf_is_new, pf_ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr,
-                                                                valid_ptr, t * S, 2 * BLOCK_S, S, BLOCK_S)
-            k, z = _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
-                                 new_row, ring_row, is_new, ok, 0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
-            cos, sin = _load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
-            m, den, acc = _fold_chunk(k, z, m, den, acc)
+                pf_new, pf_ring, pf_is_new, pf_ok = load_index(src_new_ptr, src_ring_ptr, from_new_ptr,
+                                                               valid_ptr, t * S, 2 * BLOCK_S, S, BLOCK_S)
+            k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
+                                new_row, ring_row, is_new, ok, 0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+            cos, sin = load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
+            m, den, acc = fold_chunk(k, z, m, den, acc)
             if PREFETCH:  # chunks 1, 2, ... (none without PREFETCH: the window is one chunk)
                 for s0 in range(BLOCK_S, S, BLOCK_S):
                     new_row, ring_row, is_new, ok = new_row1, ring_row1, is_new1, ok1
                     new_row1, ring_row1, is_new1, ok1 = pf_new, pf_ring, pf_is_new, pf_ok
-                    pf_new, pf_ring, pf_is_new, pf_ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr,
-                                                                    valid_ptr, t * S, s0 + 2 * BLOCK_S, S, BLOCK_S)
-                    k, z = _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
-                                         new_row, ring_row, is_new, ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
-                    m, den, acc = _fold_chunk(k, z, m, den, acc)
+                    pf_new, pf_ring, pf_is_new, pf_ok = load_index(src_new_ptr, src_ring_ptr, from_new_ptr,
+                                                                   valid_ptr, t * S, s0 + 2 * BLOCK_S, S, BLOCK_S)
+                    k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
+                                        new_row, ring_row, is_new, ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+                    m, den, acc = fold_chunk(k, z, m, den, acc)
         else:
             for s0 in range(0, S, BLOCK_S):
-                new_row, ring_row, is_new, ok = _load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
-                                                            t * S, s0, S, BLOCK_S)
-                k, z = _gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
-                                     new_row, ring_row, is_new, ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
-                m, den, acc = _fold_chunk(k, z, m, den, acc)
-            cos, sin = _load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
-        pooled = tl.where(d_mask, acc / tl.where(d_mask, den, 1.0), 0.0)         # [BLOCK_D] fp32
-        inv_rms = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / DC + eps)
-        y = w * (pooled * inv_rms)
-        # RoPE on interleaved pairs (y[2i], y[2i+1]); pair i is rotated when i >= rope_first
-        a, b = tl.split(tl.reshape(y, (BLOCK_D // 2, 2)))
-        ra = tl.where(is_rope, a * cos - b * sin, a)
-        rb = tl.where(is_rope, a * sin + b * cos, b)
-        entry = tl.reshape(tl.join(ra, rb), (BLOCK_D,))
-        tl.store(out_ptr + slot * stride_out + offs_d, entry.to(out_ptr.dtype.element_ty), mask=d_mask)
+                new_row, ring_row, is_new, ok = load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,
+                                                           t * S, s0, S, BLOCK_S)
+                k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv, stride_ring,
+                                    new_row, ring_row, is_new, ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+                m, den, acc = fold_chunk(k, z, m, den, acc)
+            cos, sin = load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
+        store_entry(den, acc, w, cos, sin, is_rope, eps, out_ptr + slot * stride_out, offs_d, d_mask, DC, BLOCK_D)
 
 
 @triton.jit
@@ -252,9 +262,10 @@ def _check_rows(name: str, x: torch.Tensor, shape: tuple[int, ...], dtypes: tupl
                          f"got strides {x.stride()} for shape {list(x.shape)}")
 
 
-def _check(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
-           index: CompressIndex, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           out: torch.Tensor) -> None:
+def check_inputs(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                 index: CompressIndex, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """`triton_compress_cached`'s layout checks (ValueError naming the tensor): shapes, dtypes, strides, device."""
     if kv.dim() != 2 or out.dim() != 2 or index.src_new.dim() != 2 or cos.dim() != 2:
         raise ValueError(f"expected kv [T, c*Dc], out [N, Dc], index.src_new [T, S], cos [T, rd/2]; got "
                          f"{list(kv.shape)}, {list(out.shape)}, {list(index.src_new.shape)}, {list(cos.shape)}")
@@ -317,7 +328,7 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     sweeps, tests); `prefetch` (default: short windows, S <= 16) keeps index rows two chunks ahead of the
     gathers when the window takes several chunks. No host syncs: safe inside CUDA-graph capture.
     """
-    _check(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
+    check_inputs(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
     T, width = kv.shape
     if T == 0:
         return
@@ -328,17 +339,24 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     block_s = block_s or auto_s
     if block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two; got {block_s}")
-    block_w = triton.next_power_of_2(width)
-    ring_trash = ring_kv.shape[0] - 1
     _compress_kernel[(T,)](
         kv, score, ring_kv, ring_score, *index[:6], norm_weight, cos, sin, out,
-        out.shape[0] - 1, ring_trash, eps,
+        out.shape[0] - 1, ring_kv.shape[0] - 1, eps,
         kv.stride(0), ring_kv.stride(0), cos.stride(0), out.stride(0),
         S=S, RATIO=ratio, DC=Dc, WIDTH=width, ROPE_FIRST=Dc // 2 - cos.shape[1],
-        BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(Dc), BLOCK_W=block_w, OVERLAP=overlap, WRITE_RING=fused,
+        BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(Dc), BLOCK_W=triton.next_power_of_2(width), OVERLAP=overlap,
+        WRITE_RING=fused,
         PREFETCH=(S <= _SHORT_WINDOW if prefetch is None else prefetch) and block_s < S,
         num_warps=num_warps or auto_w, num_stages=num_stages or auto_st,
     )
     if not fused:  # NOTE: after every ring read of the launch above (module docstring)
-        _ring_write_kernel[(T,)](kv, score, ring_kv, ring_score, index.ring_write, width, ring_trash,
-                                 kv.stride(0), ring_kv.stride(0), BLOCK_W=block_w, num_warps=4)
+        write_ring_rows(kv, score, ring_kv, ring_score, index.ring_write)
+
+
+def write_ring_rows(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                    ring_write: torch.Tensor) -> None:
+    """ring_kv / ring_score[ring_write[t]] = kv / score[t] (trash row skipped): the second launch of a step whose
+    ring reads and writes may overlap. Inputs already checked by the caller."""
+    T, width = kv.shape
+    _ring_write_kernel[(T,)](kv, score, ring_kv, ring_score, ring_write, width, ring_kv.shape[0] - 1,
+                             kv.stride(0), ring_kv.stride(0), BLOCK_W=triton.next_power_of_2(width), num_warps=4)

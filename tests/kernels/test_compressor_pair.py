@@ -1,0 +1,198 @@
+"""Parity of `triton_compress_pair` (a CSA layer's two compressors in one launch) with the reference pair op.
+
+A harness drives the engine's own metadata (`build_context` over a real request table) and keeps three copies
+of a CSA layer's two compressor states (attention: overlap Dc_a; indexer: overlap Dc_b; one plan for both):
+the reference pair op's, the fused kernel's, and two single `triton_compress_cached` calls'. After every
+step: rings bit-equal to the reference, entries within 1e-5 (fp32) / 1e-2 (bf16) of it, and the fused
+kernel's entries BIT-EQUAL to the single kernel's (same device functions, same order).
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_pair.py          # interpreter on CPU
+    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_pair.py   # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dsv4.cache.layout import plan_cache  # noqa: E402
+from dsv4.cache.pools import KVPools  # noqa: E402
+from dsv4.cache.req_table import RequestTable  # noqa: E402
+from dsv4.checkpoint.presets import micro  # noqa: E402
+from dsv4.config.engine import EngineConfig  # noqa: E402
+from dsv4.engine.metadata import StepShape, build_context  # noqa: E402
+from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_cached_pair  # noqa: E402
+from dsv4.kernels.triton.compressor import triton_compress_cached  # noqa: E402
+from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+class PairHarness:
+    """A CSA layer's two compressor states under the engine's metadata: reference, fused kernel, single kernels."""
+
+    def __init__(self, dcs: tuple[int, int], rd: int, page_size: int, out_dtype: torch.dtype, seed: int = 0,
+                 knobs: dict[str, int] | None = None) -> None:
+        self.dcs, self.rd, self.device, self.knobs = dcs, rd, torch.device(DEVICE), knobs or {}
+        self.model = micro()
+        engine = EngineConfig(page_size=page_size, max_running_requests=64, max_total_tokens=1 << 17)
+        layout = plan_cache(self.model, engine, torch.float32)
+        self.pools = KVPools(self.model, layout, torch.float32, torch.device("meta"))
+        self.table = RequestTable(layout, 64, 1 << 16, self.device)
+        cache = next(c for c in self.pools.layers if c.attn_type == "csa")
+        assert cache.state is not None and cache.entries is not None
+        rows, n_out = cache.state.kv.shape[0], cache.entries.shape[0]
+        self.gen = torch.Generator(DEVICE).manual_seed(seed)
+        self.states: dict[str, list[list[torch.Tensor]]] = {}
+        base = [[torch.zeros(rows, 2 * dc, device=DEVICE), torch.full((rows, 2 * dc), float("-inf"), device=DEVICE),
+                 torch.zeros(n_out, dc, dtype=out_dtype, device=DEVICE)] for dc in dcs]
+        for name in ("ref", "pair", "single"):
+            self.states[name] = [[x.clone() for x in s] for s in base]
+        self.weights = [torch.rand(dc, generator=self.gen, device=DEVICE) + 0.5 for dc in dcs]
+        self.inv_freq = 1.0 / 10000 ** (torch.arange(0, rd, 2, device=DEVICE) / rd)
+        self.slots: dict[int, int] = {}
+        self.lens: dict[int, int] = {}
+        self.emitted = 0
+
+    def targets(self, name: str, proj: list[tuple[torch.Tensor, torch.Tensor]]) -> list[CompressTarget]:
+        return [CompressTarget(kv, score, s[0], s[1], w, s[2])
+                for (kv, score), s, w in zip(proj, self.states[name], self.weights, strict=True)]
+
+    def step(self, work: list[tuple[int, int]]) -> CompressIndex:
+        slots, starts = [], []
+        for rid, n in work:
+            if rid not in self.slots:
+                self.slots[rid], self.lens[rid] = self.table.open(), 0
+            start = self.lens[rid]
+            assert self.table.reserve(self.slots[rid], start, start + n), "test cache too small"
+            slots.append(self.slots[rid])
+            starts.append(start)
+            self.lens[rid] = start + n
+        lens = [n for _, n in work]
+        plan = build_context(StepShape(slots, starts, lens, [True] * len(work)), self.table, self.pools, self.model,
+                             self.device).plans[4]
+        freqs = plan.entry_pos[:, None].float() * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        T = sum(lens)
+        proj = [(torch.randn(T, 2 * dc, generator=self.gen, device=DEVICE),
+                 2 * torch.randn(T, 2 * dc, generator=self.gen, device=DEVICE)) for dc in self.dcs]
+        compress_cached_pair(*self.targets("ref", proj), plan.index, EPS, cos, sin)
+        triton_compress_pair(*self.targets("pair", proj), plan.index, EPS, cos, sin, **self.knobs)
+        for c in self.targets("single", proj):
+            triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, plan.index, c.norm_weight, EPS, cos, sin,
+                                   c.out)
+        self.check(plan.index)
+        for rid, _ in work:
+            self.table.release_swa(self.slots[rid], self.lens[rid])
+        return plan.index
+
+    def check(self, index: CompressIndex) -> None:
+        self.emitted += int((index.write_slot != self.states["ref"][0][2].shape[0] - 1).sum())
+        for j in range(2):
+            ref, pair, single = (self.states[n][j] for n in ("ref", "pair", "single"))
+            assert torch.equal(pair[0][:-1], ref[0][:-1]) and torch.equal(pair[1][:-1], ref[1][:-1]), f"ring {j}"
+            limit = 1e-5 if ref[2].dtype == torch.float32 else 1e-2
+            assert rel_error(pair[2][:-1], ref[2][:-1]) <= limit, f"entries {j}"
+            assert torch.equal(pair[2][:-1], single[2][:-1]), f"entries {j}: fused != single kernel"
+
+
+MICRO, FLASH = ((32, 16), 8), ((512, 128), 64)
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geo", [pytest.param(MICRO, id="micro"), pytest.param(FLASH, id="flash")])
+def test_decode_across_windows(geo: tuple[tuple[int, int], int], dtype: torch.dtype) -> None:
+    """Prefill (three-launch path), then decode across window boundaries (one fused launch)."""
+    h = PairHarness(geo[0], geo[1], 16, dtype, seed=1)
+    prompts = [1, 2, 7, 13]
+    index = h.step(list(enumerate(prompts)))
+    assert not index.ring_reads_disjoint
+    for _ in range(10):
+        assert h.step([(i, 1) for i in range(len(prompts))]).ring_reads_disjoint
+    assert h.emitted > len(prompts)
+
+
+def test_extend_across_pages_beside_decode() -> None:
+    h = PairHarness(*MICRO, 16, torch.bfloat16, seed=3, knobs={"num_warps": 2})
+    h.step([(0, 9)])
+    for chunk in (5, 11, 7, 16, 9, 3, 17):
+        h.step([(0, 1), (1, chunk)])
+    assert h.emitted >= (9 + 7 + 68) // 4
+
+
+def test_rejects_what_one_plan_cannot_address() -> None:
+    h = PairHarness(*MICRO, 16, torch.float32)
+    index = h.step([(0, 6)])
+    T = index.write_slot.shape[0]
+    cos = torch.rand(T, 4, device=DEVICE)
+    proj = [(torch.randn(T, 2 * dc, device=DEVICE), torch.randn(T, 2 * dc, device=DEVICE)) for dc in h.dcs]
+    a, b = h.targets("pair", proj)
+    short_ring = b._replace(ring_kv=b.ring_kv[:-2], ring_score=b.ring_score[:-2])
+    short_out = b._replace(out=b.out[:-1])
+    one_wide = b._replace(kv=b.kv[:, :16].contiguous(), score=b.score[:, :16].contiguous())  # no overlap
+    for bad in (short_ring, short_out, one_wide):
+        with pytest.raises(ValueError):
+            triton_compress_pair(a, bad, index, EPS, cos, cos.clone())
+
+
+# ---- GPU: V4-Flash geometry (attention Dc 512 + indexer Dc 128), long decode, graph capture -------------
+
+
+@pytest.mark.gpu
+def test_long_decode_and_extend_cuda() -> None:
+    h = PairHarness(*FLASH, 256, torch.bfloat16, seed=6)
+    h.step([(i, 1 + 37 * i % 300) for i in range(64)])
+    for _ in range(11):
+        assert h.step([(i, 1) for i in range(64)]).ring_reads_disjoint
+    for chunk in (255, 257, 1, 513, 129):
+        h.step([(i, chunk if i % 8 == 0 else 1) for i in range(64)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", (2, 4, 8))
+def test_prefill_lengths_cuda(warps: int) -> None:
+    """Prompt lengths 1..300 in multi-request steps, then two decode steps, at each warp count."""
+    h = PairHarness(*FLASH, 256, torch.bfloat16, seed=warps, knobs={"num_warps": warps})
+    for first in range(1, 301, 60):
+        h.step([(n, n) for n in range(first, first + 60)])
+    for _ in range(2):
+        h.step([(n, 1) for n in range(1, 61)])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_reference() -> None:
+    h = PairHarness(*FLASH, 256, torch.bfloat16, seed=7)
+    h.step([(i, 3 + 5 * i) for i in range(32)])
+    index = h.step([(i, 1) for i in range(32)])
+    T = index.write_slot.shape[0]
+    cos, sin = torch.rand(T, 32, device="cuda"), torch.rand(T, 32, device="cuda")
+    proj = [(torch.randn(T, 2 * dc, device="cuda"), torch.randn(T, 2 * dc, device="cuda")) for dc in h.dcs]
+    h.states["graph"] = [[x.clone() for x in s] for s in h.states["pair"]]
+    triton_compress_pair(*h.targets("graph", proj), index, EPS, cos, sin)          # warm-up (compile)
+    for s, base in zip(h.states["graph"], h.states["pair"], strict=True):
+        for x, y in zip(s, base, strict=True):
+            x.copy_(y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_compress_pair(*h.targets("graph", proj), index, EPS, cos, sin)
+    for kv, score in proj:
+        kv.normal_()
+        score.normal_()
+    graph.replay()
+    compress_cached_pair(*h.targets("ref", proj), index, EPS, cos, sin)
+    for got, want in zip(h.states["graph"], h.states["ref"], strict=True):
+        assert torch.equal(got[0][:-1], want[0][:-1]) and torch.equal(got[1][:-1], want[1][:-1])
+        assert rel_error(got[2][:-1], want[2][:-1]) <= 1e-2
