@@ -113,7 +113,7 @@ def bench_case(a: Case, b: Case, args: argparse.Namespace, device: torch.device)
     err = 0.0
     for warps in ((4, 2, 8) if args.sweep else (4,)):
         def fn(*x: object, w: int = warps) -> None:
-            triton_compress_pair(*x, num_warps=w)  # type: ignore[arg-type]
+            triton_compress_pair(*x, fuse=True, num_warps=w)  # type: ignore[arg-type]
         err = max(err, check_parity(fn, compress_cached_pair, sets[0]))
         pair_us[f"{warps} warps"] = timed(fn)
     err = max(err, check_parity(singles, compress_cached_pair, sets[0]))

@@ -3,8 +3,9 @@
 A harness drives the engine's own metadata (`build_context` over a real request table) and keeps three copies
 of a CSA layer's two compressor states (attention: overlap Dc_a; indexer: overlap Dc_b; one plan for both):
 the reference pair op's, the fused kernel's, and two single `triton_compress_cached` calls'. After every
-step: rings bit-equal to the reference, entries within 1e-5 (fp32) / 1e-2 (bf16) of it, and the fused
-kernel's entries BIT-EQUAL to the single kernel's (same device functions, same order).
+step: rings bit-equal to the reference and to the single kernels', entries within 1e-5 (fp32) / 1e-2 (bf16) of
+both (on the H200 the fused and single kernels' entries differ in rounding: other warp counts, other summation
+orders). The default (`fuse=None`) fuses steps of up to 512 tokens; tests force each path.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_pair.py          # interpreter on CPU
     PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_pair.py   # on a CUDA machine
@@ -44,7 +45,7 @@ class PairHarness:
     """A CSA layer's two compressor states under the engine's metadata: reference, fused kernel, single kernels."""
 
     def __init__(self, dcs: tuple[int, int], rd: int, page_size: int, out_dtype: torch.dtype, seed: int = 0,
-                 knobs: dict[str, int] | None = None) -> None:
+                 knobs: dict[str, int | bool] | None = None) -> None:
         self.dcs, self.rd, self.device, self.knobs = dcs, rd, torch.device(DEVICE), knobs or {}
         self.model = micro()
         engine = EngineConfig(page_size=page_size, max_running_requests=64, max_total_tokens=1 << 17)
@@ -105,7 +106,8 @@ class PairHarness:
             assert torch.equal(pair[0][:-1], ref[0][:-1]) and torch.equal(pair[1][:-1], ref[1][:-1]), f"ring {j}"
             limit = 1e-5 if ref[2].dtype == torch.float32 else 1e-2
             assert rel_error(pair[2][:-1], ref[2][:-1]) <= limit, f"entries {j}"
-            assert torch.equal(pair[2][:-1], single[2][:-1]), f"entries {j}: fused != single kernel"
+            assert torch.equal(pair[0][:-1], single[0][:-1]) and torch.equal(pair[1][:-1], single[1][:-1])
+            assert rel_error(pair[2][:-1], single[2][:-1]) <= limit, f"entries {j}: fused vs single kernel"
 
 
 MICRO, FLASH = ((32, 16), 8), ((512, 128), 64)
@@ -125,8 +127,10 @@ def test_decode_across_windows(geo: tuple[tuple[int, int], int], dtype: torch.dt
     assert h.emitted > len(prompts)
 
 
-def test_extend_across_pages_beside_decode() -> None:
-    h = PairHarness(*MICRO, 16, torch.bfloat16, seed=3, knobs={"num_warps": 2})
+@pytest.mark.parametrize("knobs", [pytest.param({"num_warps": 2}, id="fused-2w"),
+                                   pytest.param({"fuse": False}, id="two-launches")])
+def test_extend_across_pages_beside_decode(knobs: dict[str, int | bool]) -> None:
+    h = PairHarness(*MICRO, 16, torch.bfloat16, seed=3, knobs=knobs)
     h.step([(0, 9)])
     for chunk in (5, 11, 7, 16, 9, 3, 17):
         h.step([(0, 1), (1, chunk)])
@@ -165,7 +169,7 @@ def test_long_decode_and_extend_cuda() -> None:
 @pytest.mark.parametrize("warps", (2, 4, 8))
 def test_prefill_lengths_cuda(warps: int) -> None:
     """Prompt lengths 1..300 in multi-request steps, then two decode steps, at each warp count."""
-    h = PairHarness(*FLASH, 256, torch.bfloat16, seed=warps, knobs={"num_warps": warps})
+    h = PairHarness(*FLASH, 256, torch.bfloat16, seed=warps, knobs={"num_warps": warps, "fuse": True})
     for first in range(1, 301, 60):
         h.step([(n, n) for n in range(first, first + 60)])
     for _ in range(2):

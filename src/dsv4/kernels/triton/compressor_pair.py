@@ -8,15 +8,18 @@ addresses both: same source slots, same ring rows, same entry rows. So one progr
     round trip 1   write_slot, ring_write, the index rows ONCE, the token's own rows of both projections, both
                    norm weights; then both ring rows are written (decode: `ring_reads_disjoint`)
     round trip 2   both gathers ([S, Dc_a] and [S, Dc_b] tiles, fp32), cos / sin behind them
-    then           each pool -> RMSNorm -> RoPE -> its entry pool, exactly as `compressor.py` computes one
-                   (the same device functions in the same order: entries are bit-equal to two single calls)
+    then           each pool -> RMSNorm -> RoPE -> its entry pool, as `compressor.py` computes one (the same
+                   device functions in the same order; the entries agree with two single launches to rounding:
+                   other warp counts sum in other orders)
 
-Why. A decode program of the indexer's compressor alone moves ~11 KB, so even 4,096 of them (one per
-request) spend most of the launch on fixed latency: the H200 gave the indexer compressor 56.6% of the copy rate
-at B = 4096 against 83.8% for the attention one, and a pure-read experiment with the same tiles and no other
-work (`bench_row_reads.py`) showed the same 55% at Dc = 128 whatever the ring layout, so the gap is bytes per
-launch, not access pattern. Fused, the indexer's bytes ride on the attention compressor's launch, the index
-rows are read once instead of twice, and a CSA layer's step has one compressor launch fewer.
+Why, and when. A decode program of the indexer's compressor alone moves ~12 KB, so a launch of them spends
+much of its time on fixed latency: the H200 gives it 60.8% of the copy rate at B = 4096 (attention compressor:
+91.2%), and a pure-read experiment with the same tiles and no other work (`bench_row_reads.py`) tops out at 55% at
+Dc = 128 whatever the ring layout: the gap is bytes per launch, not access pattern. Fused, the index rows are read
+once and a CSA layer's step has one launch fewer. Measured (H200, compressor_h200_202611.md, fifth session):
+faster than two launches up to B = 256 (B 64: 6.0 vs 7.5 us, B 256: 9.3 vs 10.2), slower from B = 1024 (25.2 vs
+22.5; B 4096: 71.2 vs 66.9, prefill T 8192: 50.5 vs 46.4), where the wider program's registers cost occupancy.
+So steps of more than _FUSE_MAX_TOKENS tokens run the two single launches (a shape rule: no host sync).
 
 Scope: windows of one chunk (C4: S = 8), both compressors with overlap; anything else raises (call the single
 op). Prefill / extend (`ring_reads_disjoint` False) writes both rings in a second and third launch after the
@@ -39,11 +42,13 @@ from dsv4.kernels.triton.compressor import (
     load_index,
     load_rope,
     store_entry,
+    triton_compress_cached,
     write_ring_rows,
 )
 
 _MAX_WINDOW = 16            # S: the window is pooled in one [next_pow2(S), Dc] tile per compressor
-_DEFAULT_WARPS = 4          # 4 warps: the attention compressor's best alone (H200 sweep, compressor_h200_202611.md)
+_DEFAULT_WARPS = 4          # the H200 sweep's best at B 64, 256, 4096 (2 warps at 1024, where singles win anyway)
+_FUSE_MAX_TOKENS = 512      # fused up to here (faster at T 64 / 256), two single launches above (faster at 1024+)
 
 
 @triton.jit
@@ -138,17 +143,22 @@ def _check_pair(first: CompressTarget, second: CompressTarget, index: CompressIn
 
 
 def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex, eps: float,
-                         cos: torch.Tensor, sin: torch.Tensor, *, num_warps: int | None = None,
-                         num_stages: int = 2) -> None:
+                         cos: torch.Tensor, sin: torch.Tensor, *, fuse: bool | None = None,
+                         num_warps: int | None = None, num_stages: int = 2) -> None:
     """Same contract as `compress_cached_pair` (in place). Each target as `triton_compress_cached`'s arguments
     (kv / score [T, 2 Dc] fp32, rings [N_ring, 2 Dc] fp32, norm weight [Dc], out [N_out, Dc]); both overlap
-    compressors of S <= 16 slots with equal ring and entry row counts. One launch when
-    `index.ring_reads_disjoint` (decode), else three (the ring writes after the reads). Keyword arguments are
-    tuning knobs (benchmark sweeps). No host syncs: safe inside CUDA-graph capture.
+    compressors of S <= 16 slots with equal ring and entry row counts. Fused (default: T <= 512 tokens; module
+    docstring): one launch when `index.ring_reads_disjoint` (decode), else three (the ring writes after the
+    reads); not fused: `triton_compress_cached` per compressor. Keyword arguments are tuning knobs (benchmark
+    sweeps, tests). No host syncs: safe inside CUDA-graph capture.
     """
     ratio, S = _check_pair(first, second, index, cos, sin)
     T = first.kv.shape[0]
     if T == 0:
+        return
+    if not (T <= _FUSE_MAX_TOKENS if fuse is None else fuse):
+        for c in (first, second):
+            triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin, c.out)
         return
     fused = index.ring_reads_disjoint
     a, b = first, second
