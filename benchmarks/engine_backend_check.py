@@ -18,7 +18,8 @@ the quantised-vs-dequantised serving check of issue 7. Adding `--shared-weights`
 one FP4-expert model (the `ref` backend dequantises in PyTorch): one model in memory, which is how flash-4l
 fits in float32 (dense fp32 experts are 110 GB), and a pure kernel-vs-reference comparison.
 
-One JSON line last.
+With `--shared-weights` the model is generated in bf16, its experts quantised, and every other weight lifted to
+`--dtype` (values bf16-representable): a float32 flash-4l in ~20 GB. One JSON line last.
 
     python benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype bfloat16 --max-tokens 256
 """
@@ -41,6 +42,18 @@ from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import resolve_device, resolve_dtype
 from dsv4.model.moe import Experts
 from dsv4.model.quant_experts import WEIGHT_FORMATS, QuantExperts, quantize_experts_
+
+
+def upcast_(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Every floating parameter / buffer outside the FP4 experts to `dtype` (their codes and scales stay)."""
+    for module in model.modules():
+        if isinstance(module, QuantExperts):
+            continue
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is not None and t.is_floating_point() and t.dtype.itemsize < dtype.itemsize:
+                    t.data = t.data.to(dtype)
+    return model
 
 
 def generate(model: DeepSeekV4ForCausalLM, backend: str, prompts: list[list[int]], params: SamplingParams,
@@ -101,13 +114,15 @@ def main() -> None:
     args = p.parse_args()
     if args.shared_weights and args.weight_format != "checkpoint":
         p.error("--shared-weights needs --weight-format checkpoint")
-    make = functools.partial(random_model, get_preset(args.preset), resolve_dtype(args.dtype),
-                             resolve_device(args.device), seed=args.seed)
-    model = tri_model = make()
-    if args.weight_format == "checkpoint":
-        tri_model = quantize_experts_(model, "fp4")
+    dtype = resolve_dtype(args.dtype)
+    make = functools.partial(random_model, get_preset(args.preset), device=resolve_device(args.device), seed=args.seed)
+    if args.shared_weights:   # quantise a bf16 model, then lift the rest: no dense fp32 experts (flash-4l: 110 GB)
+        model = tri_model = upcast_(quantize_experts_(make(torch.bfloat16), "fp4"), dtype)  # type: ignore[assignment]
+    else:
+        model = tri_model = make(dtype)
     if args.weight_format == "checkpoint" and not args.shared_weights:
-        model = make()
+        tri_model = quantize_experts_(model, "fp4")
+        model = make(dtype)
         dense = [m for m in model.modules() if isinstance(m, Experts)]
         packed = [m for m in tri_model.modules() if isinstance(m, QuantExperts)]
         for d, q in zip(dense, packed, strict=True):   # the ref model serves the same FP4 values, dequantised

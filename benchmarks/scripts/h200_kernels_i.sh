@@ -77,6 +77,12 @@ elif [ "$PART" = s5final ]; then
     > "$OUT/bench_compressor.txt" 2>&1; grep -v "^{" "$OUT/bench_compressor.txt" | tail -19
   timeout 110 python3 benchmarks/kernels/bench_index_scores.py --out "$OUT/bench_index_scores.json" \
     > "$OUT/bench_index_scores.txt" 2>&1; grep -v "^{" "$OUT/bench_index_scores.txt" | tail -9
+elif [ "$PART" = s5fp32 ]; then
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_pair.py > "$OUT/gpu_tests_pair.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_pair.txt" | tail -2; grep -E "^FAILED" "$OUT/gpu_tests_pair.txt" | head -5
+  timeout 420 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype float32 \
+    --weight-format checkpoint --shared-weights --num-prompts 2 --max-tokens 32 > "$OUT/engine_flash4l_fp32.txt" 2>&1
+  tail -3 "$OUT/engine_flash4l_fp32.txt"; nvidia-smi --query-gpu=memory.used --format=csv
 elif [ "$PART" = s5engine ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_pair.py > "$OUT/gpu_tests_pair.txt" 2>&1
   grep -E "passed|failed|Error" "$OUT/gpu_tests_pair.txt" | tail -2; grep -E "^FAILED" "$OUT/gpu_tests_pair.txt" | head -5

@@ -67,6 +67,9 @@ class PairHarness:
         self.lens: dict[int, int] = {}
         self.emitted = 0
 
+    def finish(self, rid: int) -> None:
+        self.table.free(self.slots.pop(rid))
+
     def targets(self, name: str, proj: list[tuple[torch.Tensor, torch.Tensor]]) -> list[CompressTarget]:
         return [CompressTarget(kv, score, s[0], s[1], w, s[2])
                 for (kv, score), s, w in zip(proj, self.states[name], self.weights, strict=True)]
@@ -168,12 +171,16 @@ def test_long_decode_and_extend_cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps", (2, 4, 8))
 def test_prefill_lengths_cuda(warps: int) -> None:
-    """Prompt lengths 1..300 in multi-request steps, then two decode steps, at each warp count."""
+    """Prompt lengths 1..300 in multi-request steps of 60, each followed by two decode steps, at each warp count."""
     h = PairHarness(*FLASH, 256, torch.bfloat16, seed=warps, knobs={"num_warps": warps, "fuse": True})
     for first in range(1, 301, 60):
-        h.step([(n, n) for n in range(first, first + 60)])
-    for _ in range(2):
-        h.step([(n, 1) for n in range(1, 61)])
+        batch = range(first, first + 60)
+        h.step([(n, n) for n in batch])
+        for _ in range(2):
+            h.step([(n, 1) for n in batch])
+        for n in batch:
+            h.finish(n)
+    assert h.emitted >= sum(n // 4 for n in range(1, 301))
 
 
 @pytest.mark.gpu
