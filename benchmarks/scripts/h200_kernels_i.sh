@@ -22,6 +22,8 @@
 #                                                             (+ warps); compressor benchmark; indexer scores, all cases
 #   PART=s5engine bash benchmarks/scripts/h200_kernels_i.sh  engine checks: flash-4l float32 (one FP4-expert model for
 #                                                             both backends), flash-4l bf16 teacher-forced + noise floor
+#   PART=s5fp32   bash benchmarks/scripts/h200_kernels_i.sh  compressor-pair GPU parity + the flash-4l float32 engine check
+#   PART=s5bf16   bash benchmarks/scripts/h200_kernels_i.sh  the flash-4l bf16 engine check (teacher-forced + noise floor)
 #   PART=compress bash benchmarks/scripts/h200_kernels_i.sh   compressor GPU parity + benchmark (sweep) only
 source "$(dirname "$0")/device_env.sh"
 topk_tests() {
@@ -83,6 +85,10 @@ elif [ "$PART" = s5fp32 ]; then
   timeout 420 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype float32 \
     --weight-format checkpoint --shared-weights --num-prompts 2 --max-tokens 32 > "$OUT/engine_flash4l_fp32.txt" 2>&1
   tail -3 "$OUT/engine_flash4l_fp32.txt"; nvidia-smi --query-gpu=memory.used --format=csv
+elif [ "$PART" = s5bf16 ]; then
+  timeout 200 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype bfloat16 \
+    --num-prompts 2 --max-tokens 32 --noise-floor > "$OUT/engine_flash4l_bf16.txt" 2>&1
+  tail -4 "$OUT/engine_flash4l_bf16.txt"
 elif [ "$PART" = s5engine ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_pair.py > "$OUT/gpu_tests_pair.txt" 2>&1
   grep -E "passed|failed|Error" "$OUT/gpu_tests_pair.txt" | tail -2; grep -E "^FAILED" "$OUT/gpu_tests_pair.txt" | head -5
