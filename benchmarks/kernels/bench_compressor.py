@@ -56,7 +56,8 @@ ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: request sets cycle
 MAX_SETS = 64
 PAGE = 256
 SWEEP_CONFIGS = [(4, 2, 2), (8, 2, 2), (8, 4, 2), (8, 4, 3), (8, 8, 2), (16, 4, 2), (16, 8, 2), (16, 8, 3),
-                 (32, 8, 2), (32, 16, 2)]    # (block_s, num_warps, num_stages), clipped to the geometry's S
+                 (32, 8, 2), (32, 16, 2),     # (block_s, num_warps, num_stages[, tokens]), clipped to the geometry's S
+                 (8, 2, 2, 2), (8, 4, 2, 2), (8, 4, 2, 4), (8, 8, 2, 4), (8, 8, 2, 8)]   # tokens: S <= 16 only
 
 
 @dataclass(frozen=True)
@@ -205,9 +206,9 @@ def time_cpu_us(fn: Callable[..., None], inputs: Inputs, iters: int) -> float:
     return statistics.median(times)
 
 
-def configs_for(case: Case, sweep: bool) -> list[tuple[int, int, int] | None]:
+def configs_for(case: Case, sweep: list[tuple[int, ...]]) -> list[tuple[int, ...] | None]:
     s_max = 1 << (case.geo.S - 1).bit_length()
-    extra = [c for c in SWEEP_CONFIGS if c[0] <= s_max] if sweep else []
+    extra = [c for c in sweep if c[0] <= s_max and (len(c) < 4 or c[3] == 1 or case.geo.S <= 16)]
     return [None, *extra]          # None = the wrapper's default_config
 
 
@@ -223,8 +224,10 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     del probe
     timed: dict[str, float] = {}
     err = 0.0
-    for cfg in configs_for(case, args.sweep):
-        kw = {} if cfg is None else {"block_s": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
+    sweep = args.configs or (SWEEP_CONFIGS if args.sweep else [])
+    for cfg in configs_for(case, sweep):
+        kw = {} if cfg is None else {"block_s": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2],
+                                     "tokens": cfg[3] if len(cfg) > 3 else 1}
         key = "/".join(map(str, cfg or default_config(case.geo.S, case.geo.Dc)))
 
         def fn(*x: object, kw: dict[str, int] = kw) -> None:
@@ -271,13 +274,16 @@ TABLE = [("case", "{:<26}", "case"), ("T", "{:>6}", "T"), ("entries", "{:>7}", "
 
 def parse_args() -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], "also time SWEEP_CONFIGS and report the best")
+    p.add_argument("--configs", type=lambda v: [tuple(map(int, c.split("/"))) for c in v.split(",")], default=None,
+                   help="time these instead of SWEEP_CONFIGS: block_s/warps/stages[/tokens], comma-separated")
+    p.add_argument("--only", default="", help="run only the cases whose name contains this text")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
-    cases = smoke_cases() if args.cpu_smoke else cuda_cases()
+    cases = [c for c in (smoke_cases() if args.cpu_smoke else cuda_cases()) if args.only in c.name]
 
     rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)

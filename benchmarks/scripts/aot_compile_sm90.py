@@ -87,6 +87,14 @@ def compressor_variants() -> Iterator[Variant]:
                   "BLOCK_D": Dc, "BLOCK_W": width, "OVERLAP": overlap, "WRITE_RING": True, "PREFETCH": False}
         yield (f"compress {name} {block_s}/{warps}/{stages}", compressor._compress_kernel, types, consts,
                {"num_warps": warps, "num_stages": stages})
+    from dsv4.kernels.triton import compressor_group
+    group_types = types | {"T": "i32"}
+    for name, Dc, tokens, warps in (("c4-indexer", 128, 4, 4), ("c4-indexer", 128, 8, 8), ("c4-indexer", 128, 2, 2),
+                                    ("c4-attn", 512, 2, 8)):
+        consts = {"S": 8, "RATIO": 4, "DC": Dc, "WIDTH": 2 * Dc, "ROPE_FIRST": Dc // 2 - 32, "G": tokens,
+                  "BLOCK_S": 8, "BLOCK_D": Dc, "BLOCK_W": 2 * Dc, "OVERLAP": True, "WRITE_RING": True}
+        yield (f"compress {name} x{tokens} {warps}w", compressor_group._compress_group_kernel, group_types, consts,
+               {"num_warps": warps, "num_stages": 2})
     pair_types = {f"{k}_{ab}": f32 for k in ("kv", "score", "ring_kv", "ring_score") for ab in "ab"}
     pair_types |= {"w_a": "*bf16", "w_b": "*bf16", "out_a": "*bf16", "out_b": "*bf16"}
     pair_types |= {k: v for k, v in types.items() if k.startswith(("src_", "from_", "valid", "write_", "ring_write",

@@ -85,6 +85,14 @@ elif [ "$PART" = s5fp32 ]; then
   timeout 420 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype float32 \
     --weight-format checkpoint --shared-weights --num-prompts 2 --max-tokens 32 > "$OUT/engine_flash4l_fp32.txt" 2>&1
   tail -3 "$OUT/engine_flash4l_fp32.txt"; nvidia-smi --query-gpu=memory.used --format=csv
+elif [ "$PART" = s5group ]; then
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_triton.py \
+    > "$OUT/gpu_tests_compressor.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_compressor.txt" | tail -2; grep -E "^FAILED" "$OUT/gpu_tests_compressor.txt" | head -5
+  timeout 150 python3 benchmarks/kernels/bench_compressor.py --only "c4-" --configs \
+    8/2/2/2,8/4/2/2,8/4/2/4,8/8/2/4,8/8/2/8,8/4/2/8 --out "$OUT/bench_compressor_group.json" \
+    > "$OUT/bench_compressor_group.txt" 2>&1; grep -v "^{" "$OUT/bench_compressor_group.txt" | tail -14
+  grep -o '"case": "[^"]*"\|"configs_us": {[^}]*}' "$OUT/bench_compressor_group.txt" | paste - - | head -14
 elif [ "$PART" = s5bf16 ]; then
   timeout 200 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype bfloat16 \
     --num-prompts 2 --max-tokens 32 --noise-floor > "$OUT/engine_flash4l_bf16.txt" 2>&1

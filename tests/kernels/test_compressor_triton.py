@@ -164,7 +164,8 @@ def test_prefill_batch(geo: Geometry, dtype: torch.dtype) -> None:
 
 KNOBS = [pytest.param({}, id="default"), pytest.param({"block_s": 2}, id="bs2-prefetch"),
          pytest.param({"block_s": 2, "prefetch": False}, id="bs2-per-chunk"),
-         pytest.param({"block_s": 4, "num_warps": 2}, id="bs4-w2")]   # C4's large-batch default: 2 chunks
+         pytest.param({"block_s": 4, "num_warps": 2}, id="bs4-w2"),   # C4's large-batch default: 2 chunks
+         pytest.param({"tokens": 4}, id="tokens4"), pytest.param({"tokens": 2, "num_warps": 2}, id="tokens2-w2")]
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -183,7 +184,7 @@ def test_decode_across_windows(geo: Geometry, knobs: dict[str, int | bool]) -> N
     assert h.emitted > len(prompts)
 
 
-@pytest.mark.parametrize("knobs", KNOBS[1:3])
+@pytest.mark.parametrize("knobs", KNOBS[1:3] + KNOBS[4:5])
 @pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16")])
 def test_prefill_chunk_walks(geo: Geometry, knobs: dict[str, int | bool]) -> None:
     """The two-launch (prefill) path with the slots walked in chunks, both index-row schedules."""
@@ -205,9 +206,10 @@ def test_decode_c128_flash(knobs: dict[str, int | bool]) -> None:
 
 @pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16"),
                                  pytest.param(FLASH_IDX, id="flash-indexer-128")])
-def test_extend_across_pages(geo: Geometry) -> None:
+@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"), pytest.param({"tokens": 4}, id="tokens4")])
+def test_extend_across_pages(geo: Geometry, knobs: dict[str, int | bool]) -> None:
     """A chunked prefill whose chunks straddle page and window boundaries, beside a decoding request."""
-    h = Harness(geo, page_for(geo), torch.bfloat16, seed=3)
+    h = Harness(geo, page_for(geo), torch.bfloat16, seed=3, knobs=knobs)
     h.step([(0, 9)])
     for chunk in (5, 11, 7, 16, 9, 3, 17):
         h.step([(0, 1), (1, chunk)])
@@ -241,7 +243,8 @@ def test_default_config_is_valid_everywhere() -> None:
             assert warps in (2, 4, 8, 16) and stages == 2, (S, Dc, warps)
 
 
-def test_padding_tokens_write_no_trash_row() -> None:
+@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"), pytest.param({"tokens": 4}, id="tokens4")])
+def test_padding_tokens_write_no_trash_row(knobs: dict[str, int]) -> None:
     """Tokens with trash write_slot and ring_write (as CUDA-graph padding rows may have) in a fused launch:
     the kernel leaves both trash rows as they were and the real tokens' rows match the reference."""
     h = Harness(MICRO_C4, 16, torch.float32, seed=9)
@@ -260,8 +263,10 @@ def test_padding_tokens_write_no_trash_row() -> None:
     T = padded.write_slot.shape[0]
     kv, score = torch.randn(T, 64, device=DEVICE), torch.randn(T, 64, device=DEVICE)
     cos, sin = torch.rand(T, 4, device=DEVICE), torch.rand(T, 4, device=DEVICE)
+    for x in h.tri:
+        x[-1] = 3.0                     # a sentinel: a zero entry written there would go unseen
     mine, ref = [x.clone() for x in h.tri], [x.clone() for x in h.tri]
-    triton_compress_cached(kv, score, mine[0], mine[1], padded, h.norm_weight, 1e-6, cos, sin, mine[2])
+    triton_compress_cached(kv, score, mine[0], mine[1], padded, h.norm_weight, 1e-6, cos, sin, mine[2], **knobs)
     compress_cached(kv, score, ref[0], ref[1], padded, h.norm_weight, 1e-6, cos, sin, ref[2])
     for got, before in zip(mine, h.tri, strict=True):
         assert torch.equal(got[-1], before[-1]), "a trash row was written"
@@ -381,10 +386,14 @@ def test_every_prefill_length_cuda(geo: Geometry, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"), pytest.param({"tokens": 4}, id="tokens4"),
+                                   pytest.param({"tokens": 8, "num_warps": 8}, id="tokens8-w8")])
 @pytest.mark.parametrize("geo", GPU_GEOMETRIES)
-def test_long_decode_and_extend_cuda(geo: Geometry) -> None:
+def test_long_decode_and_extend_cuda(geo: Geometry, knobs: dict[str, int]) -> None:
     """64 requests decode 2 * ratio + 3 steps (every window boundary), then extend by odd chunks across pages."""
-    h = Harness(geo, 256, torch.bfloat16, seed=6)
+    if knobs and geo.ratio == 128:
+        pytest.skip("tokens > 1 needs a window of <= 16 slots (C128 has 128)")
+    h = Harness(geo, 256, torch.bfloat16, seed=6, knobs=knobs)
     h.step([(i, 1 + 37 * i % 300) for i in range(64)])
     for _ in range(2 * geo.ratio + 3):
         assert h.step([(i, 1) for i in range(64)]).ring_reads_disjoint

@@ -71,6 +71,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.ref.compressor import CompressIndex, compress_geometry
+from dsv4.kernels.triton.compressor_group import launch_group
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SHORT_WINDOW = 16           # S above this (C128): the chunked slot walk dominates (default_config)
@@ -318,7 +319,7 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
                            index: CompressIndex, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                            sin: torch.Tensor, out: torch.Tensor, *, block_s: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: bool | None = None) -> None:
+                           prefetch: bool | None = None, tokens: int = 1) -> None:
     """Same contract as `compress_cached` (in place: entries into `out`, this step's rows into the ring).
 
     kv, score: [T, c*Dc] fp32; ring_kv, ring_score: [N_ring, c*Dc] fp32; index: CompressIndex ([T, S] rows);
@@ -326,7 +327,9 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     `out` (unit last stride: a row-sliced view of a pool is fine); all on one device. One launch when
     `index.ring_reads_disjoint`, else two (module docstring). Keyword arguments are tuning knobs (benchmark
     sweeps, tests); `prefetch` (default: short windows, S <= 16) keeps index rows two chunks ahead of the
-    gathers when the window takes several chunks. No host syncs: safe inside CUDA-graph capture.
+    gathers when the window takes several chunks; `tokens` > 1 (a power of two, S <= 16) serves that many tokens
+    per program (`compressor_group.py`; block_s and prefetch then do not apply). No host syncs: safe inside
+    CUDA-graph capture.
     """
     check_inputs(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
     T, width = kv.shape
@@ -339,16 +342,24 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     block_s = block_s or auto_s
     if block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two; got {block_s}")
-    _compress_kernel[(T,)](
-        kv, score, ring_kv, ring_score, *index[:6], norm_weight, cos, sin, out,
-        out.shape[0] - 1, ring_kv.shape[0] - 1, eps,
-        kv.stride(0), ring_kv.stride(0), cos.stride(0), out.stride(0),
-        S=S, RATIO=ratio, DC=Dc, WIDTH=width, ROPE_FIRST=Dc // 2 - cos.shape[1],
-        BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(Dc), BLOCK_W=triton.next_power_of_2(width), OVERLAP=overlap,
-        WRITE_RING=fused,
-        PREFETCH=(S <= _SHORT_WINDOW if prefetch is None else prefetch) and block_s < S,
-        num_warps=num_warps or auto_w, num_stages=num_stages or auto_st,
-    )
+    if tokens < 1 or tokens & (tokens - 1) or (tokens > 1 and S > _SHORT_WINDOW):
+        raise ValueError(f"tokens must be a power of two, and 1 for windows of S > {_SHORT_WINDOW} slots; got "
+                         f"tokens={tokens}, S={S}")
+    if tokens > 1:
+        launch_group(kv, score, ring_kv, ring_score, tuple(index[:6]), norm_weight, eps, cos, sin, out, ratio=ratio,
+                     overlap=overlap, tokens=tokens, write_ring=fused, num_warps=num_warps or auto_w,
+                     num_stages=num_stages or auto_st)
+    else:
+        _compress_kernel[(T,)](
+            kv, score, ring_kv, ring_score, *index[:6], norm_weight, cos, sin, out,
+            out.shape[0] - 1, ring_kv.shape[0] - 1, eps,
+            kv.stride(0), ring_kv.stride(0), cos.stride(0), out.stride(0),
+            S=S, RATIO=ratio, DC=Dc, WIDTH=width, ROPE_FIRST=Dc // 2 - cos.shape[1],
+            BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(Dc), BLOCK_W=triton.next_power_of_2(width),
+            OVERLAP=overlap, WRITE_RING=fused,
+            PREFETCH=(S <= _SHORT_WINDOW if prefetch is None else prefetch) and block_s < S,
+            num_warps=num_warps or auto_w, num_stages=num_stages or auto_st,
+        )
     if not fused:  # NOTE: after every ring read of the launch above (module docstring)
         write_ring_rows(kv, score, ring_kv, ring_score, index.ring_write)
 
