@@ -214,7 +214,7 @@ def configs_for(case: Case, sweep: list[tuple[int, ...]]) -> list[tuple[int, ...
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
     from dsv4.kernels.ref.compressor import compress_cached
-    from dsv4.kernels.triton.compressor import default_config, triton_compress_cached
+    from dsv4.kernels.triton.compressor import default_config, default_tokens, triton_compress_cached
 
     cuda = device.type == "cuda"
     probe, _ = build_sets(case, 1, device, args.seed)
@@ -228,7 +228,9 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     for cfg in configs_for(case, sweep):
         kw = {} if cfg is None else {"block_s": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2],
                                      "tokens": cfg[3] if len(cfg) > 3 else 1}
-        key = "/".join(map(str, cfg or default_config(case.geo.S, case.geo.Dc)))
+        tokens = default_tokens(case.geo.S, case.geo.Dc)
+        auto = (*default_config(case.geo.S, case.geo.Dc), *((tokens,) if tokens > 1 else ()))
+        key = "/".join(map(str, cfg or auto))
 
         def fn(*x: object, kw: dict[str, int] = kw) -> None:
             triton_compress_cached(*x, **kw)  # type: ignore[arg-type]

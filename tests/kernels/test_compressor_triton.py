@@ -41,7 +41,7 @@ from dsv4.kernels.ref.compressor import (  # noqa: E402
     compress_cached,
     compress_cached_pair,
 )
-from dsv4.kernels.triton.compressor import default_config, triton_compress_cached  # noqa: E402
+from dsv4.kernels.triton.compressor import default_config, default_tokens, triton_compress_cached  # noqa: E402
 from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,7 +165,8 @@ def test_prefill_batch(geo: Geometry, dtype: torch.dtype) -> None:
 KNOBS = [pytest.param({}, id="default"), pytest.param({"block_s": 2}, id="bs2-prefetch"),
          pytest.param({"block_s": 2, "prefetch": False}, id="bs2-per-chunk"),
          pytest.param({"block_s": 4, "num_warps": 2}, id="bs4-w2"),   # C4's large-batch default: 2 chunks
-         pytest.param({"tokens": 4}, id="tokens4"), pytest.param({"tokens": 2, "num_warps": 2}, id="tokens2-w2")]
+         pytest.param({"tokens": 4}, id="tokens4"), pytest.param({"tokens": 2, "num_warps": 2}, id="tokens2-w2"),
+         pytest.param({"tokens": 1}, id="tokens1")]
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -233,6 +234,11 @@ MEASURED_BEST = [((8, 512), (8, 4, 2)), ((8, 128), (8, 2, 2)), ((128, 512), (16,
 @pytest.mark.parametrize(("shape", "best"), MEASURED_BEST)
 def test_default_config_reproduces_the_sweep(shape: tuple[int, int], best: tuple[int, int, int]) -> None:
     assert default_config(*shape) == best
+
+
+def test_default_tokens_reproduce_the_sweep() -> None:
+    """Fifth session's H200 sweep: 2 tokens per program for the indexer compressor only (compressor_h200_202611.md)."""
+    assert [default_tokens(*shape) for shape, _ in MEASURED_BEST] == [1, 2, 1]
 
 
 def test_default_config_is_valid_everywhere() -> None:

@@ -315,11 +315,23 @@ def default_config(S: int, Dc: int) -> tuple[int, int, int]:
     return s_max, max(2, min(8, s_max * block_d // _ELEMENTS_PER_WARP)), 2
 
 
+def default_tokens(S: int, Dc: int) -> int:
+    """Tokens per program (`compressor_group.py`): 2 for short windows of small rows, else 1.
+
+    H200, fifth session (compressor_h200_202611.md; bench_compressor.py --configs): c4-indexer (S 8, Dc 128) at
+    8/2/2 with 2 tokens per program: B 4096 18.85 -> 14.85 us (61% -> 77% of the copy rate), B 1024 6.96 -> 6.13,
+    prefill T 8192 18.90 -> 17.79, B 64 / 256 within 2% (3.38 vs 3.32, 3.98 vs 4.06); 4 tokens at 4 warps within 1%
+    of that at B >= 1024 and 6% slower in prefill. c4-attn (Dc 512) is slower with any tokens > 1 (B 4096: 48.5 ->
+    60-81 us), so only windows of <= 16 slots whose one-token tile is small (S * Dc <= 1024, Dc >= 64) take it.
+    """
+    return 2 if S <= _SHORT_WINDOW and triton.next_power_of_2(S) * Dc <= 1024 and Dc >= 64 else 1
+
+
 def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                            index: CompressIndex, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                            sin: torch.Tensor, out: torch.Tensor, *, block_s: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: bool | None = None, tokens: int = 1) -> None:
+                           prefetch: bool | None = None, tokens: int | None = None) -> None:
     """Same contract as `compress_cached` (in place: entries into `out`, this step's rows into the ring).
 
     kv, score: [T, c*Dc] fp32; ring_kv, ring_score: [N_ring, c*Dc] fp32; index: CompressIndex ([T, S] rows);
@@ -328,8 +340,8 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     `index.ring_reads_disjoint`, else two (module docstring). Keyword arguments are tuning knobs (benchmark
     sweeps, tests); `prefetch` (default: short windows, S <= 16) keeps index rows two chunks ahead of the
     gathers when the window takes several chunks; `tokens` > 1 (a power of two, S <= 16) serves that many tokens
-    per program (`compressor_group.py`; block_s and prefetch then do not apply). No host syncs: safe inside
-    CUDA-graph capture.
+    per program (`compressor_group.py`; block_s and prefetch then do not apply; default `default_tokens`, or 1
+    when block_s or prefetch is given). No host syncs: safe inside CUDA-graph capture.
     """
     check_inputs(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
     T, width = kv.shape
@@ -339,6 +351,8 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     Dc, S = out.shape[1], index.src_new.shape[1]
     fused = index.ring_reads_disjoint
     auto_s, auto_w, auto_st = default_config(S, Dc)
+    if tokens is None:
+        tokens = default_tokens(S, Dc) if block_s is None and prefetch is None else 1
     block_s = block_s or auto_s
     if block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two; got {block_s}")

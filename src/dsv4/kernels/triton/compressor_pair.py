@@ -12,13 +12,11 @@ addresses both: same source slots, same ring rows, same entry rows. So one progr
                    device functions in the same order; the entries agree with two single launches to rounding:
                    other warp counts sum in other orders)
 
-Why, and when. A decode program of the indexer's compressor alone moves ~12 KB, so a launch of them spends
-much of its time on fixed latency: the H200 gives it 60.8% of the copy rate at B = 4096 (attention compressor:
-91.2%), and a pure-read experiment with the same tiles and no other work (`bench_row_reads.py`) tops out at 55% at
-Dc = 128 whatever the ring layout: the gap is bytes per launch, not access pattern. Fused, the index rows are read
-once and a CSA layer's step has one launch fewer. Measured (H200, compressor_h200_202611.md, fifth session):
-faster than two launches up to B = 256 (B 64: 6.0 vs 7.5 us, B 256: 9.3 vs 10.2), slower from B = 1024 (25.2 vs
-22.5; B 4096: 71.2 vs 66.9, prefill T 8192: 50.5 vs 46.4), where the wider program's registers cost occupancy.
+Why, and when. Fused, the index rows are read once and a CSA layer's step has one launch fewer. Measured on the
+H200 (compressor_h200_202611.md, fifth session), against two single launches at their defaults of that run:
+faster up to B = 256 (B 64: 6.0 vs 7.5 us, B 256: 9.3 vs 10.2), slower from B = 1024 (25.2 vs 22.5; B 4096: 71.2
+vs 66.9; prefill T 8192: 50.5 vs 46.4), where the wider program's registers cost occupancy. With the indexer
+compressor's later 2-tokens-per-program default the singles are faster still there (B 1024: 15.4 + 6.1 us).
 So steps of more than _FUSE_MAX_TOKENS tokens run the two single launches (a shape rule: no host sync).
 
 Scope: windows of one chunk (C4: S = 8), both compressors with overlap; anything else raises (call the single
