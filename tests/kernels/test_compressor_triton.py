@@ -391,14 +391,20 @@ def test_every_prefill_length_cuda(geo: Geometry, dtype: torch.dtype) -> None:
     assert h.emitted == sum(n // geo.ratio for n in lengths)
 
 
+GPU_TOKEN_KNOBS = [pytest.param({"tokens": 1}, id="tokens1"), pytest.param({"tokens": 4}, id="tokens4"),
+                   pytest.param({"tokens": 8, "num_warps": 8}, id="tokens8-w8")]
+
+
+LONG_DECODE = [pytest.param(g.values[0], {}, id=f"{g.id}-default") for g in GPU_GEOMETRIES] + [
+    pytest.param(geo, k.values[0], id=f"{name}-{k.id}")
+    for geo, name in ((FLASH_C4, "flash-c4-512"), (FLASH_IDX, "flash-indexer-128")) for k in GPU_TOKEN_KNOBS]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"), pytest.param({"tokens": 4}, id="tokens4"),
-                                   pytest.param({"tokens": 8, "num_warps": 8}, id="tokens8-w8")])
-@pytest.mark.parametrize("geo", GPU_GEOMETRIES)
+@pytest.mark.parametrize("geo,knobs", LONG_DECODE)
 def test_long_decode_and_extend_cuda(geo: Geometry, knobs: dict[str, int]) -> None:
-    """64 requests decode 2 * ratio + 3 steps (every window boundary), then extend by odd chunks across pages."""
-    if knobs and geo.ratio == 128:
-        pytest.skip("tokens > 1 needs a window of <= 16 slots (C128 has 128)")
+    """64 requests decode 2 * ratio + 3 steps (every window boundary), then extend by odd chunks across pages; the
+    short-window geometries also at 1, 4 and 8 tokens per program (the default of the indexer's is 2)."""
     h = Harness(geo, 256, torch.bfloat16, seed=6, knobs=knobs)
     h.step([(i, 1 + 37 * i % 300) for i in range(64)])
     for _ in range(2 * geo.ratio + 3):
