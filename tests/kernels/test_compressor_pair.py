@@ -22,13 +22,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from compress_steps import EngineSteps  # noqa: E402
 
-from dsv4.cache.layout import plan_cache  # noqa: E402
-from dsv4.cache.pools import KVPools  # noqa: E402
-from dsv4.cache.req_table import RequestTable  # noqa: E402
 from dsv4.checkpoint.presets import micro  # noqa: E402
-from dsv4.config.engine import EngineConfig  # noqa: E402
-from dsv4.engine.metadata import StepShape, build_context  # noqa: E402
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_cached_pair  # noqa: E402
 from dsv4.kernels.triton.compressor import triton_compress_cached  # noqa: E402
 from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E402
@@ -47,12 +43,8 @@ class PairHarness:
     def __init__(self, dcs: tuple[int, int], rd: int, page_size: int, out_dtype: torch.dtype, seed: int = 0,
                  knobs: dict[str, int | bool] | None = None) -> None:
         self.dcs, self.rd, self.device, self.knobs = dcs, rd, torch.device(DEVICE), knobs or {}
-        self.model = micro()
-        engine = EngineConfig(page_size=page_size, max_running_requests=64, max_total_tokens=1 << 17)
-        layout = plan_cache(self.model, engine, torch.float32)
-        self.pools = KVPools(self.model, layout, torch.float32, torch.device("meta"))
-        self.table = RequestTable(layout, 64, 1 << 16, self.device)
-        cache = next(c for c in self.pools.layers if c.attn_type == "csa")
+        self.steps = EngineSteps(micro(), page_size, self.device)
+        cache = self.steps.cache("csa")
         assert cache.state is not None and cache.entries is not None
         rows, n_out = cache.state.kv.shape[0], cache.entries.shape[0]
         self.gen = torch.Generator(DEVICE).manual_seed(seed)
@@ -63,33 +55,20 @@ class PairHarness:
             self.states[name] = [[x.clone() for x in s] for s in base]
         self.weights = [torch.rand(dc, generator=self.gen, device=DEVICE) + 0.5 for dc in dcs]
         self.inv_freq = 1.0 / 10000 ** (torch.arange(0, rd, 2, device=DEVICE) / rd)
-        self.slots: dict[int, int] = {}
-        self.lens: dict[int, int] = {}
         self.emitted = 0
 
     def finish(self, rid: int) -> None:
-        self.table.free(self.slots.pop(rid))
+        self.steps.finish(rid)
 
     def targets(self, name: str, proj: list[tuple[torch.Tensor, torch.Tensor]]) -> list[CompressTarget]:
         return [CompressTarget(kv, score, s[0], s[1], w, s[2])
                 for (kv, score), s, w in zip(proj, self.states[name], self.weights, strict=True)]
 
     def step(self, work: list[tuple[int, int]]) -> CompressIndex:
-        slots, starts = [], []
-        for rid, n in work:
-            if rid not in self.slots:
-                self.slots[rid], self.lens[rid] = self.table.open(), 0
-            start = self.lens[rid]
-            assert self.table.reserve(self.slots[rid], start, start + n), "test cache too small"
-            slots.append(self.slots[rid])
-            starts.append(start)
-            self.lens[rid] = start + n
-        lens = [n for _, n in work]
-        plan = build_context(StepShape(slots, starts, lens, [True] * len(work)), self.table, self.pools, self.model,
-                             self.device).plans[4]
+        plan = self.steps.plan(work, 4)
         freqs = plan.entry_pos[:, None].float() * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
-        T = sum(lens)
+        T = sum(n for _, n in work)
         proj = [(torch.randn(T, 2 * dc, generator=self.gen, device=DEVICE),
                  2 * torch.randn(T, 2 * dc, generator=self.gen, device=DEVICE)) for dc in self.dcs]
         compress_cached_pair(*self.targets("ref", proj), plan.index, EPS, cos, sin)
@@ -98,8 +77,7 @@ class PairHarness:
             triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, plan.index, c.norm_weight, EPS, cos, sin,
                                    c.out)
         self.check(plan.index)
-        for rid, _ in work:
-            self.table.release_swa(self.slots[rid], self.lens[rid])
+        self.steps.release(work)
         return plan.index
 
     def check(self, index: CompressIndex) -> None:

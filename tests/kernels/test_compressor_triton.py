@@ -26,15 +26,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from compress_steps import EngineSteps  # noqa: E402
 
 from dsv4 import LLM, SamplingParams  # noqa: E402
-from dsv4.cache.layout import plan_cache  # noqa: E402
-from dsv4.cache.pools import KVPools  # noqa: E402
-from dsv4.cache.req_table import RequestTable  # noqa: E402
 from dsv4.checkpoint.presets import micro  # noqa: E402
 from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
-from dsv4.config.engine import EngineConfig  # noqa: E402
-from dsv4.engine.metadata import StepShape, build_context  # noqa: E402
 from dsv4.kernels.ref.compressor import (  # noqa: E402
     CompressIndex,
     CompressTarget,
@@ -71,13 +67,9 @@ class Harness:
     def __init__(self, geo: Geometry, page_size: int, out_dtype: torch.dtype, *, ring_multiplier: int = 1,
                  knobs: dict[str, int | bool] | None = None, seed: int = 0, device: str = DEVICE) -> None:
         self.geo, self.device, self.knobs = geo, torch.device(device), knobs or {}
-        self.model = micro().replace(hca_ratio=128) if geo.ratio == 128 else micro()
-        engine = EngineConfig(page_size=page_size, max_running_requests=64, max_total_tokens=1 << 17,
-                              ring_multiplier=ring_multiplier)
-        layout = plan_cache(self.model, engine, torch.float32)
-        self.pools = KVPools(self.model, layout, torch.float32, torch.device("meta"))
-        self.table = RequestTable(layout, 64, 1 << 16, self.device)
-        cache = next(c for c in self.pools.layers if c.attn_type == ("csa" if geo.overlap else "hca"))
+        model = micro().replace(hca_ratio=128) if geo.ratio == 128 else micro()
+        self.steps = EngineSteps(model, page_size, self.device, ring_multiplier)
+        cache = self.steps.cache("csa" if geo.overlap else "hca")
         assert cache.state is not None and cache.entries is not None
         width = (2 if geo.overlap else 1) * geo.Dc
         rows, n_out = cache.state.kv.shape[0], cache.entries.shape[0]
@@ -87,26 +79,13 @@ class Harness:
         self.gen = torch.Generator(device).manual_seed(seed)
         self.norm_weight = torch.rand(geo.Dc, generator=self.gen, device=device) + 0.5
         self.inv_freq = 1.0 / 10000 ** (torch.arange(0, geo.rd, 2, device=device) / geo.rd)
-        self.slots: dict[int, int] = {}
-        self.lens: dict[int, int] = {}
         self.emitted = 0
 
     def step(self, work: list[tuple[int, int]]) -> CompressIndex:
         """Run one engine step: request id -> number of new tokens; returns the step's CompressIndex."""
-        slots, starts = [], []
-        for rid, n in work:
-            if rid not in self.slots:
-                self.slots[rid], self.lens[rid] = self.table.open(), 0
-            start = self.lens[rid]
-            assert self.table.reserve(self.slots[rid], start, start + n), "test cache too small"
-            slots.append(self.slots[rid])
-            starts.append(start)
-            self.lens[rid] = start + n
-        lens = [n for _, n in work]
-        shape = StepShape(slots, starts, lens, [True] * len(work))
-        plan = build_context(shape, self.table, self.pools, self.model, self.device).plans[self.geo.ratio]
+        plan = self.steps.plan(work, self.geo.ratio)
         freqs = plan.entry_pos[:, None].float() * self.inv_freq
-        T, width = sum(lens), self.ref[0].shape[1]
+        T, width = sum(n for _, n in work), self.ref[0].shape[1]
         kv = torch.randn(T, width, generator=self.gen, device=self.device)
         score = 2 * torch.randn(T, width, generator=self.gen, device=self.device)
         args = (plan.index, self.norm_weight, 1e-6, freqs.cos(), freqs.sin())
@@ -114,12 +93,11 @@ class Harness:
         triton_compress_cached(kv, score, self.tri[0], self.tri[1], *args, self.tri[2],
                                **self.knobs)  # type: ignore[arg-type]
         self.check(plan.index)
-        for rid, _ in work:  # as the scheduler does after a step: SWA pages (and their ring rows) behind the horizon
-            self.table.release_swa(self.slots[rid], self.lens[rid])
+        self.steps.release(work)
         return plan.index
 
     def finish(self, rid: int) -> None:
-        self.table.free(self.slots.pop(rid))
+        self.steps.finish(rid)
 
     def check(self, index: CompressIndex) -> None:
         out_trash, ring_trash = self.ref[2].shape[0] - 1, self.ref[0].shape[0] - 1
