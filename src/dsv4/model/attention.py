@@ -175,15 +175,13 @@ class Attention(nn.Module):
             plan = ctx.plans[self.compressor.ratio]
             if self.indexer is not None:    # CSA: its two compressors share the plan, so one op serves both
                 self._compress_pair(x[0], ctx, plan, cache)
-            else:
-                self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
-            if self.indexer is not None:
                 ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
                 if ctx.captured is not None:  # padded to index_topk so every step stacks alike
                     pad = self.indexer.topk - ids.shape[1]
                     ctx.captured.setdefault("indexer", []).append(F.pad(ids, (0, pad), value=-1) if pad > 0 else ids)
                 slots = torch.where(ids >= 0, plan.candidates.gather(1, ids.clamp(min=0)), -1)
             else:
+                self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
                 slots = plan.candidates
             sources.append((cache.entries, slots))
         o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale), cos, sin)
