@@ -344,6 +344,16 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     when block_s or prefetch is given). No host syncs: safe inside CUDA-graph capture.
     """
     check_inputs(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
+    launch_compress(kv, score, ring_kv, ring_score, index, norm_weight, eps, cos, sin, out, block_s=block_s,
+                    num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, tokens=tokens)
+
+
+def launch_compress(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                    index: CompressIndex, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, out: torch.Tensor, *, block_s: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    prefetch: bool | None = None, tokens: int | None = None) -> None:
+    """`triton_compress_cached` on inputs its caller has checked (`check_inputs`): the launches only."""
     T, width = kv.shape
     if T == 0:
         return

@@ -37,10 +37,10 @@ from dsv4.kernels.triton.compressor import (
     check_inputs,
     fold_chunk,
     gather_chunk,
+    launch_compress,
     load_index,
     load_rope,
     store_entry,
-    triton_compress_cached,
     write_ring_rows,
 )
 
@@ -155,8 +155,8 @@ def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: C
     if T == 0:
         return
     if not (T <= _FUSE_MAX_TOKENS if fuse is None else fuse):
-        for c in (first, second):
-            triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin, c.out)
+        for c in (first, second):     # checked above (_check_pair)
+            launch_compress(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin, c.out)
         return
     fused = index.ring_reads_disjoint
     a, b = first, second
