@@ -57,17 +57,21 @@ def pair_bytes(a: Case, b: Case, p: Pair) -> dict[str, float]:
     return {"bytes": ca["bytes"] + cb["bytes"] - shared, "entries": ca["entries"], "T": ca["T"]}
 
 
-def touched(p: Pair) -> list[torch.Tensor]:
-    first, second, index = p[0], p[1], p[2]
+def written_rows(p: Pair) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ring rows, entry rows) the step writes (trash rows excluded), shared by both compressors."""
+    first, index = p[0], p[2]
     rw = index.ring_write[index.ring_write != first.ring_kv.shape[0] - 1]      # type: ignore[attr-defined]
     ws = index.write_slot[index.write_slot != first.out.shape[0] - 1]          # type: ignore[attr-defined]
-    return [t[r].clone() for c in (first, second) for t, r in ((c.ring_kv, rw), (c.ring_score, rw), (c.out, ws))]
+    return rw, ws
+
+
+def touched(p: Pair) -> list[torch.Tensor]:
+    rw, ws = written_rows(p)
+    return [t[r].clone() for c in (p[0], p[1]) for t, r in ((c.ring_kv, rw), (c.ring_score, rw), (c.out, ws))]
 
 
 def restore(p: Pair, saved: list[torch.Tensor]) -> None:
-    index = p[2]
-    rw = index.ring_write[index.ring_write != p[0].ring_kv.shape[0] - 1]        # type: ignore[attr-defined]
-    ws = index.write_slot[index.write_slot != p[0].out.shape[0] - 1]            # type: ignore[attr-defined]
+    rw, ws = written_rows(p)
     for i, c in enumerate((p[0], p[1])):
         c.ring_kv[rw], c.ring_score[rw], c.out[ws] = saved[3 * i: 3 * i + 3]    # type: ignore[attr-defined]
 
