@@ -5,7 +5,8 @@ For each (B, N, k) it checks that `lightning_topk` equals the reference exactly,
 `--inner` calls, so launch overhead is the GPU's, not Python's: at ~10 us per call it would dominate).
 Reports us per call, achieved GB/s (bytes = B*N*4 scores read once + B*4 lengths + B*k*8 output) and its share
 of the H200 device-copy anchor 4.275 TB/s (docs/DESIGN.md §3), and the speed-up over torch.topk; `path` is the
-plan's name (row | compact-bound | compact-exact). Prints a table, then ONE JSON line. `--sweep` also times
+plan's name (row | coop | compact-bound | compact-exact; the coop path timed with a held workspace, `triton_fresh`
+with a fresh one per call). Prints a table, then ONE JSON line. `--sweep` also times
 `TopKConfig` variants (one knob changed at a time from the default; Lightning TopK only; the two target cases)
 to tune the thresholds, printing each as it finishes (a run cut by a time limit keeps what it measured).
 
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 
 COPY_GBPS = 4275.0                                   # H200 device copy, docs/DESIGN.md §3
-GPU_CASES = [(1, 262144, 512), (64, 262144, 512), (1, 65536, 1024), (8, 262144, 2048)]
+GPU_CASES = [(1, 262144, 512), (64, 262144, 512), (1, 65536, 1024), (8, 262144, 2048), (2, 262144, 512),
+             (4, 262144, 512)]
 TARGET_US = {(1, 262144, 512): 15.0, (64, 262144, 512): 60.0}
 SWEEP: list[dict[str, int]] = [                      # one knob at a time, around the default TopKConfig
     {"exact_max": 0}, {"exact_max": 1 << 40}, {"group": 8}, {"group": 2}, {"target_programs": 264},
@@ -49,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also time TopKConfig variants (see SWEEP)")
     p.add_argument("--knobs", type=json.loads, default=None, help="the sweep's overrides as a JSON list of "
                    "objects (default: SWEEP), e.g. '[{\"sample\": 4}, {\"sample\": 8, \"chunk_tile\": 4096}]'")
+    p.add_argument("--cases", type=lambda v: [tuple(map(int, c.split("x"))) for c in v.split(",")], default=None,
+                   help="time these (B, N, k) instead of GPU_CASES, e.g. 1x262144x512,2x262144x512")
+    p.add_argument("--config", type=json.loads, default={}, help="TopKConfig overrides for the main cases as a JSON "
+                   "object, e.g. '{\"coop_programs\": 65536}'")
     p.add_argument("--profile", action="store_true", help="also split each case's time per kernel (torch.profiler "
                    "over eager calls: kernel time only, no launch gaps)")
     p.add_argument("--probe", action="store_true", help="also time each phase of the compact path's second kernel "
@@ -64,9 +70,9 @@ def load_ops(cpu_smoke: bool) -> dict[str, Any]:
     import triton
 
     from dsv4.kernels.ref.topk import topk_ragged
-    from dsv4.kernels.triton.topk import TopKConfig, lightning_topk, plan_topk
+    from dsv4.kernels.triton.topk import TopKConfig, device_sms, lightning_topk, plan_topk, topk_workspace_numel
     return dict(triton=triton, topk_ragged=topk_ragged, TopKConfig=TopKConfig, lightning_topk=lightning_topk,
-                plan_topk=plan_topk)
+                plan_topk=plan_topk, device_sms=device_sms, topk_workspace_numel=topk_workspace_numel)
 
 
 def time_cpu(fn: Callable[[], Any], reps: int) -> float:
@@ -112,21 +118,28 @@ def run_case(ops: dict[str, Any], B: int, N: int, k: int, args: argparse.Namespa
     g = torch.Generator().manual_seed(args.seed + B + N + k)
     scores = torch.randn(B, N, generator=g).to(device)
     lengths = torch.full((B,), N, dtype=torch.int32, device=device)
-    fast = lambda: ops["lightning_topk"](scores, lengths, k, config=config)  # noqa: E731
+    sms = ops["device_sms"](scores.device)
+    plan = ops["plan_topk"](B, N, config, sms)
+    # NOTE: the coop path is timed with a workspace held across calls, as a serving engine holds one (it must be
+    # zero once; every call leaves it so); `triton_fresh` is the same call taking a fresh zeroed one (a memset)
+    held = None if plan.coop is None else \
+        torch.zeros(ops["topk_workspace_numel"](B, N, k, config, sms), dtype=torch.int32, device=device)
+    fast = lambda: ops["lightning_topk"](scores, lengths, k, config=config, workspace=held)  # noqa: E731
     ref = lambda: ops["topk_ragged"](scores, lengths, k)                     # noqa: E731
     if not torch.equal(fast(), ref()):
         raise AssertionError(f"lightning_topk != topk_ragged at B={B} N={N} k={k}")
     fns = {"triton": fast, "torch_topk": lambda: torch.topk(scores, k, dim=-1), "ref": ref}
     if only_triton:
         fns = {"triton": fast}
-    us: dict[str, float | None] = {"torch_topk": None, "ref": None}
+    if held is not None:
+        fns["triton_fresh"] = lambda: ops["lightning_topk"](scores, lengths, k, config=config)
+    us: dict[str, float | None] = {"torch_topk": None, "ref": None, "triton_fresh": None}
     for name, fn in fns.items():
         reps = args.reps if name != "ref" else max(3, args.reps // 10)
         if device == "cpu":
             us[name] = time_cpu(fn, reps)
         else:
             us[name] = time_cuda(fn, reps, args.warmup, args.inner, args.eager)
-    plan = ops["plan_topk"](B, N, config)
     fast_us, topk_us, ref_us = us["triton"], us["torch_topk"], us["ref"]
     assert fast_us is not None
     gbps = (B * N * 4 + B * 4 + B * k * 8) / 1e9 / (fast_us * 1e-6)
@@ -136,6 +149,7 @@ def run_case(ops: dict[str, Any], B: int, N: int, k: int, args: argparse.Namespa
                 config={f: getattr(config, f) for f in config.__dataclass_fields__}, triton_us=round(fast_us, 2),
                 torch_topk_us=None if topk_us is None else round(topk_us, 2),
                 ref_us=None if ref_us is None else round(ref_us, 2), gbps=round(gbps, 1),
+                triton_fresh_us=None if us["triton_fresh"] is None else round(us["triton_fresh"], 2),
                 pct_copy=round(100 * gbps / COPY_GBPS, 2),
                 speedup_vs_topk=None if topk_us is None else round(topk_us / fast_us, 2),
                 target_us=target, meets_target=None if target is None else fast_us <= target)
@@ -159,16 +173,20 @@ def kernel_times(fn: Callable[[], Any], reps: int = 20) -> dict[str, float]:
 
 
 def probe_phases(B: int, N: int, k: int, config: Any, device: str) -> dict[str, Any]:
-    """Median ns per K2 phase (per program) and per tail phase (per row) of one call, from `launch_compact(probe=)`."""
-    from dsv4.kernels.triton.topk import plan_topk
-    from dsv4.kernels.triton.topk_compact import launch_compact
+    """Median ns per phase of one call: K2's phases (per program) and the tail's (per row) on the compact path
+    (`launch_compact(probe=)`), each program's steps between barriers on the coop path (`launch_coop(probe=)`)."""
+    from dsv4.kernels.triton.topk import device_sms, plan_topk
 
-    plan = plan_topk(B, N, config)
-    if plan.compact is None:
-        return {}
     scores = torch.randn(B, N, device=device)
     lengths = torch.full((B,), N, dtype=torch.int32, device=device)
     out = torch.empty((B, k), dtype=torch.int64, device=device)
+    plan = plan_topk(B, N, config, device_sms(scores.device))
+    if plan.coop is not None:
+        return _probe_coop(scores, lengths, out, plan.coop)
+    if plan.compact is None:
+        return {}
+    from dsv4.kernels.triton.topk_compact import launch_compact
+
     probe = torch.zeros((B * plan.compact.splits, 16), dtype=torch.int64, device=device)
     for _ in range(3):                               # compile, then warm caches; the last call's stamps are read
         probe.zero_()
@@ -189,9 +207,30 @@ def probe_phases(B: int, N: int, k: int, config: Any, device: str) -> dict[str, 
     return phases
 
 
+def _probe_coop(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, plan: Any) -> dict[str, Any]:
+    """Coop path: per program, ns from its start to each stamp (median over programs), and the start spread."""
+    from dsv4.kernels.triton.topk_coop import coop_workspace_numel, launch_coop
+
+    B = scores.shape[0]
+    workspace = torch.zeros(coop_workspace_numel(B, plan), dtype=torch.int32, device=scores.device)
+    probe = torch.zeros((B * plan.programs, 8), dtype=torch.int64, device=scores.device)
+    for _ in range(3):
+        probe.zero_()
+        launch_coop(scores, lengths, out, plan, workspace, probe=probe)
+    torch.cuda.synchronize()
+    t = probe.cpu().double()                          # NOTE: benchmark-only sync point
+    t0 = t[:, 0].min()
+    names = ["loaded_hist0", "barrier1", "barrier2", "barrier3", "barrier4", "written"]
+    phases: dict[str, Any] = {f"coop_{n}_ns": round(float((t[:, j + 1] - t0).median()), 0)
+                              for j, n in enumerate(names) if bool((t[:, j + 1] > 0).all())}
+    phases.update(coop_start_spread_ns=round(float(t[:, 0].max() - t0)),
+                  coop_end_ns=round(float(t[:, 6].max() - t0)), programs=plan.programs, chunk=plan.chunk)
+    return phases
+
+
 def print_table(rows: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> None:
-    head = ("B", "N", "k", "path", "splits", "hist_splits", "triton_us", "torch_topk_us", "ref_us", "gbps",
-            "pct_copy", "speedup_vs_topk", "target_us", "meets_target") + extra
+    head = ("B", "N", "k", "path", "splits", "hist_splits", "triton_us", "triton_fresh_us", "torch_topk_us", "ref_us",
+            "gbps", "pct_copy", "speedup_vs_topk", "target_us", "meets_target") + extra
     print(" | ".join(f"{h:>13}" for h in head))
     for row in rows:
         print(" | ".join(f"{row[h]!s:>13}" for h in head))
@@ -208,7 +247,7 @@ def main() -> None:
                                    max_chunk=512, exact_max=1000)
         args.reps = min(args.reps, 3)
     elif torch.cuda.is_available():
-        device, cases, config = "cuda", GPU_CASES, ops["TopKConfig"]()
+        device, cases, config = "cuda", args.cases or GPU_CASES, ops["TopKConfig"](**args.config)
     else:
         raise SystemExit("no CUDA device: run with --cpu-smoke")
     rows = [run_case(ops, B, N, k, args, device, config) for B, N, k in cases]
@@ -229,7 +268,7 @@ def main() -> None:
     if args.sweep and device == "cuda":
         for B, N, k in (c for c in cases if c in TARGET_US):     # the issue's two targets: ~4 minutes
             for override in args.knobs or SWEEP:
-                cfg = ops["TopKConfig"](**override)
+                cfg = ops["TopKConfig"](**{**args.config, **override})
                 row = run_case(ops, B, N, k, args, device, cfg, only_triton=True)
                 print(f"sweep B={B} N={N} k={k} {override}: {row['triton_us']} us", flush=True)
                 sweep.append(dict(row, override=override))

@@ -39,10 +39,12 @@ DISTS = ("randn", "ints", "equal", "inf", "nan", "signed_zeros", "sparse")
 # 16 groups of 4), compaction steps of 16 (32 on small grids), at most 16 programs per launch. Under the
 # interpreter every program runs in sequence, so keep programs few; tail lists over 16 entries take the
 # multi-pass finish, shorter ones the register one; bound-mode chunks of <= 16 candidates take the tail's one-tile
-# scratch pass (chunk_tile 256 over 16 chunk rows), fuller ones its loop. EXACT: K1 histograms every key and the
+# scratch pass (chunk_tile 256 over 16 chunk rows), fuller ones its loop. The coop path (small batches by default)
+# is off here: tests/kernels/test_topk_coop.py covers it. EXACT: K1 histograms every key and the
 # candidate list is contiguous. NARROW: never the small-grid compaction step.
 SMALL = TopKConfig(row_max=64, block=64, compact_block=16, tail_block=16, small_block=16, target_programs=16,
-                   max_chunk=128, max_hist_splits=4, group=4, exact_max=0, finish_block=16, chunk_tile=256)
+                   max_chunk=128, max_hist_splits=4, group=4, exact_max=0, finish_block=16, chunk_tile=256,
+                   coop_programs=0)
 EXACT = replace(SMALL, exact_max=1 << 30)
 NARROW = replace(SMALL, wide_programs=0)
 
@@ -110,9 +112,12 @@ def check(scores: torch.Tensor, lengths: torch.Tensor, k: int, config: TopKConfi
 
 def test_plan_default_thresholds() -> None:
     assert plan_topk(256, 4096).name == "row"
-    assert plan_topk(1, 4097).name == "compact-exact"
-    assert plan_topk(4, 262144).name == "compact-exact" and plan_topk(5, 262144).name == "compact-bound"
-    one = plan_topk(1, 262144).compact
+    assert plan_topk(1, 4097).name == "coop" and plan_topk(4, 262144).name == "coop"   # B * P <= 132 programs
+    assert plan_topk(5, 262144).name == "compact-bound" and plan_topk(40, 65536).name == "compact-bound"
+    c = replace(TopKConfig(), coop_programs=0)
+    assert plan_topk(1, 4097, c).name == "compact-exact"
+    assert plan_topk(4, 262144, c).name == "compact-exact" and plan_topk(5, 262144, c).name == "compact-bound"
+    one = plan_topk(1, 262144, c).compact
     assert one is not None and (one.splits, one.chunk, one.hist_splits, one.hist_chunk) == (64, 4096, 64, 4096)
     assert one.compact_block == 2048                              # one program per SM: longer steps
     wide = plan_topk(64, 262144).compact
@@ -120,7 +125,8 @@ def test_plan_default_thresholds() -> None:
     assert (wide.group, wide.compact_block, wide.warps) == (4, 1024, 2)     # many programs per SM: 2 warps
     assert plan_topk(4096, 8192).splits == 1                      # huge batches: one program per row
     assert topk_workspace_numel(8, 4096, 512) == 0                # the row path needs none
-    assert topk_workspace_numel(1, 262144, 512) >= 2 * 262144     # int64 candidate slots for every score
+    assert topk_workspace_numel(1, 262144, 512, c) >= 2 * 262144  # int64 candidate slots for every score
+    assert topk_workspace_numel(1, 262144, 512) < 10000           # coop: histograms, counts, a tie list
 
 
 def test_config_validation() -> None:
@@ -217,7 +223,7 @@ def test_scaled_k(B: int, N: int, k: int) -> None:
 @pytest.mark.parametrize("exact_max", (1 << 20, 0))
 def test_default_config_long_rows(exact_max: int) -> None:
     """The shipped blocks (4096 / 2048 / 1024), several chunks per row, both modes."""
-    config = replace(TopKConfig(), exact_max=exact_max)
+    config = replace(TopKConfig(), exact_max=exact_max, coop_programs=0)
     for B, N, k, dist in ((2, 40000, 64, "randn"), (3, 20000, 512, "nan"), (2, 9000, 40, "sparse")):
         scores = make_scores(B, N, dist, seed=B, k=k)
         check(scores, ragged_lengths(B, N, k, seed=B), k, config, plan_topk(B, N, config).name)
@@ -306,8 +312,9 @@ def test_to_slots_permuted_pages() -> None:
 
 # -------------------------------------------------------------------------------------------------- gpu
 
-GPU_EXACT = replace(TopKConfig(), exact_max=1 << 40)
-GPU_UNSAMPLED = replace(TopKConfig(), sample=1, chunk_tile=0)     # bound mode without the sampled K1 / tiled tail
+NO_COOP = replace(TopKConfig(), coop_programs=0)                   # the compact path at every batch
+GPU_EXACT = replace(NO_COOP, exact_max=1 << 40)
+GPU_UNSAMPLED = replace(NO_COOP, sample=1, chunk_tile=0)          # bound mode without the sampled K1 / tiled tail
 
 
 @pytest.mark.gpu
@@ -328,13 +335,15 @@ def test_gpu_unsampled(B: int, N: int, k: int, dist: str) -> None:
 def test_gpu_real_shapes(B: int, N: int, k: int, dist: str) -> None:
     scores = make_scores(B, N, dist, seed=B, k=k)
     lengths = ragged_lengths(B, N, k, seed=B)
-    check(scores, lengths, k, TopKConfig(), plan_topk(B, N).name)
+    check(scores, lengths, k, TopKConfig(), plan_topk(B, N).name)    # small batches: the coop path
+    if plan_topk(B, N).coop is not None:
+        check(scores, lengths, k, NO_COOP, plan_topk(B, N, NO_COOP).name)
     if B <= 64:
         check(scores, lengths, k, GPU_EXACT, plan_topk(B, N, GPU_EXACT).name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", (TopKConfig(), GPU_EXACT))
+@pytest.mark.parametrize("config", (TopKConfig(), NO_COOP, GPU_EXACT))
 def test_gpu_all_equal_long_row(config: TopKConfig) -> None:
     """Worst case for the compact path: every score is a candidate and a tie (scratch overflow)."""
     scores = make_scores(2, 262144, "equal")
@@ -344,12 +353,13 @@ def test_gpu_all_equal_long_row(config: TopKConfig) -> None:
 
 @pytest.mark.gpu
 def test_gpu_workspace_reuse() -> None:
-    numel = topk_workspace_numel(64, 262144, 512)
+    """The compact path takes a garbage-filled workspace (the coop path needs a zeroed one: test_topk_coop.py)."""
+    numel = topk_workspace_numel(64, 262144, 512, NO_COOP)
     workspace = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32, device=DEVICE)
     for step, (B, dist) in enumerate([(64, "randn"), (1, "ints"), (64, "nan"), (8, "sparse"), (64, "randn")]):
         scores = make_scores(B, 262144, dist, seed=step, k=512)
-        path = plan_topk(B, 262144, TopKConfig()).name                 # B = 1 runs exact, the others bound
-        check(scores, ragged_lengths(B, 262144, 512, seed=step), 512, TopKConfig(), path, workspace=workspace)
+        path = plan_topk(B, 262144, NO_COOP).name                      # B = 1 runs exact, the others bound
+        check(scores, ragged_lengths(B, 262144, 512, seed=step), 512, NO_COOP, path, workspace=workspace)
 
 
 @pytest.mark.gpu

@@ -59,7 +59,8 @@ def _triton() -> KernelOps:
     """Every op as its Triton kernel (compressor, a CSA layer's two compressors in one launch, indexer scores,
     top-k, hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8) weights,
     fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv paths and the output
-    de-rotation, RMSNorm). Imported lazily: a
+    de-rotation, RMSNorm). Top-k runs through a `TopKRunner` owned by this KernelOps (its held coop workspace:
+    the engine's forward calls it from one stream at a time). Imported lazily: a
     machine without a GPU never compiles them (tests use TRITON_INTERPRET=1).
 
     NOTE: not bit-equal to `ref` in bf16 (other summation orders: online softmax, fp32 accumulation of the expert
@@ -83,10 +84,10 @@ def _triton() -> KernelOps:
         triton_rope_inverse,
     )
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
-    from dsv4.kernels.triton.topk import lightning_topk
+    from dsv4.kernels.triton.topk import TopKRunner
 
     return KernelOps("triton", triton_sparse_attention, triton_compress_cached, triton_compress_pair,
-                     triton_index_scores, lightning_topk, triton_routed_experts, triton_mhc_pre, triton_mhc_post,
+                     triton_index_scores, TopKRunner(), triton_routed_experts, triton_mhc_pre, triton_mhc_post,
                      triton_mhc_head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope, triton_kv_norm_rope_store,
                      triton_rope_inverse, triton_rms_norm)

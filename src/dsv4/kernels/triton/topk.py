@@ -14,6 +14,12 @@ case: its k-th largest is the row minimum, so every candidate is kept.
 Paths, chosen on the host from Python ints only (no device sync, so it runs inside CUDA-graph capture):
 
     row      N <= row_max (4096)   one program per row, the whole row in registers, 1 launch
+    coop     N >  row_max, B * P <= coop_programs (and the GPU's SMs), P = N / chunk, chunk 2048..8192:
+                                   1 launch (`topk_coop.py`): every program keeps its chunk's keys in registers and
+                                   the row's programs take the radix steps together through grid-wide barriers
+                                   (3, or 4 with heavy ties), then each writes its own winners. Needs a zeroed
+                                   workspace (each call leaves it zero). H200, N 262,144, k 512: B 1 14.2 us
+                                   (compact 19.8), B 2 18.9 (19.6), B 4 29.0 (38.4).
     compact  N >  row_max          2 or 3 launches, no memset (`topk_compact.py`, `topk_tail.py`): K1 digit-0
                                    histograms per chunk; K2 packs each chunk's candidates (scores in or above
                                    a lower-bound digit-0 bin) in index order; the tail finishes the radix
@@ -32,6 +38,7 @@ Test: tests/kernels/test_topk.py. Benchmark: benchmarks/kernels/bench_topk.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +47,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.topk_compact import CompactPlan, launch_compact, workspace_numel
+from dsv4.kernels.triton.topk_coop import CoopPlan, coop_workspace_numel, launch_coop, row_words
 from dsv4.kernels.triton.topk_radix import digit_hist, find_bin, order_key, pad_tail, row_len, select_block
 
 
@@ -69,9 +77,21 @@ class TopKConfig:
                                     # // P2 (0: off; H200 B 64 at sample 8: 4096 / 8192 -> 55.4 / 53.0 us; exact
                                     # mode measured slower with it, B 1: 20.9 -> 21.7 / 25.3 us, so never there)
     wide_programs: int = 132        # a K2 grid this small has one program per SM: 2x longer compaction steps
+    coop_programs: int = 132        # coop path (`topk_coop.py`: one launch, grid-wide barriers) when B * P fits in
+                                    # this many programs (0: off; the H200's SMs, so that the CPU plans as it does);
+                                    # on a GPU also capped at its SM count (every program must be resident)
+    coop_chunk: int = 2048          # the coop path's smallest chunk per program (doubled until B * P fits)
+    coop_max_chunk: int = 8192      # and its largest (a program's register tile: 16384 spills at 8 or 16 warps)
+    coop_warps: int = 8             # coop num_warps; 16 for chunks of 8192 (8 warps spill there; H200, B 1 at chunk
+                                    # 2048: 4 / 8 / 16 warps 14.81 / 14.75 / 16.83 us)
+    coop_cap: int = 32              # coop tie list: most keys in the k-th largest's 20-bit bin (more: 2 more rounds;
+                                    # the [cap, cap] rank tile is on the critical path: H200 B 1, cap 32 / 64 / 128:
+                                    # 14.1 / 14.75 / 17.55 us)
+    coop_split: bool = False        # run the coop path as its 5 stage launches on a GPU too (always so on CPU)
 
     def __post_init__(self) -> None:
-        for name in ("block", "compact_block", "tail_block", "small_block", "group", "finish_block"):
+        for name in ("block", "compact_block", "tail_block", "small_block", "group", "finish_block", "coop_chunk",
+                     "coop_max_chunk", "coop_cap"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TopKConfig.{name}={value} must be a power of two (tl.arange)")
@@ -86,7 +106,9 @@ class TopKConfig:
                              "[splits, 256] tile of K1's slots in registers)")
         if not 1 <= self.row_max <= 16384:
             raise ValueError(f"TopKConfig.row_max={self.row_max} must be in [1, 16384] (a row lives in registers)")
-        for name in ("target_programs", "max_chunk", "compact_warps", "narrow_warps", "sample"):
+        if self.coop_programs < 0 or self.coop_programs > 1 << 16:
+            raise ValueError(f"TopKConfig.coop_programs={self.coop_programs} must be in [0, 65536] (0: off)")
+        for name in ("target_programs", "max_chunk", "compact_warps", "narrow_warps", "sample", "coop_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TopKConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -96,18 +118,21 @@ DEFAULT_CONFIG = TopKConfig()
 
 @dataclass(frozen=True)
 class TopKPlan:
-    path: Literal["row", "compact"]
-    block: int                          # row path: the padded row; compact path: the loop step
+    path: Literal["row", "compact", "coop"]
+    block: int                          # row path: the padded row; compact path: the loop step; coop: the chunk
     compact: CompactPlan | None = None
+    coop: CoopPlan | None = None
 
     @property
     def splits(self) -> int:
-        """Programs per row in the second launch (1 on the row path)."""
+        """Programs per row in the second launch (1 on the row path; the coop path's one launch)."""
+        if self.coop is not None:
+            return self.coop.programs
         return self.compact.splits if self.compact is not None else 1
 
     @property
     def name(self) -> str:
-        """Path name with its mode, for logs and benchmarks: row | compact-exact | compact-bound."""
+        """Path name with its mode, for logs and benchmarks: row | compact-exact | compact-bound | coop."""
         if self.compact is None:
             return self.path
         return f"compact-{'exact' if self.compact.exact else 'bound'}"
@@ -119,10 +144,28 @@ def _chunking(N: int, splits: int, block: int) -> tuple[int, int]:
     return triton.cdiv(N, chunk), chunk
 
 
-def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
-    """Pick the path and its chunking for a [B, N] problem from Python ints only."""
+def _plan_coop(B: int, N: int, config: TopKConfig, sms: int | None) -> TopKPlan | None:
+    """The coop path when B * P programs fit (at most `sms`, the GPU's SMs: every program must be resident;
+    None: the interpreter, which runs the split form)."""
+    limit = config.coop_programs if sms is None else min(config.coop_programs, sms)
+    chunk = config.coop_chunk
+    while B * triton.cdiv(N, chunk) > limit and chunk < config.coop_max_chunk:
+        chunk *= 2
+    if B * triton.cdiv(N, chunk) > limit:
+        return None
+    warps = max(config.coop_warps, 16 if chunk >= 8192 else 1)
+    return TopKPlan("coop", chunk, coop=CoopPlan(programs=triton.cdiv(N, chunk), chunk=chunk, warps=warps,
+                                                cap=config.coop_cap, split=config.coop_split or sms is None))
+
+
+def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG, sms: int | None = None) -> TopKPlan:
+    """Pick the path and its chunking for a [B, N] problem from Python ints only (`sms`: the GPU's SM count,
+    None on CPU)."""
     if N <= config.row_max:
         return TopKPlan("row", max(128, triton.next_power_of_2(N)))
+    coop = _plan_coop(max(B, 1), N, config, sms) if config.coop_programs else None
+    if coop is not None:
+        return coop
     c, B = config, max(B, 1)
     per_row = triton.cdiv(c.target_programs, B)                 # programs per row that fill the GPU
     splits, chunk = _chunking(N, min(triton.cdiv(N, c.block), max(per_row, triton.cdiv(N, c.max_chunk))), c.block)
@@ -147,10 +190,24 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG) -> TopKPlan:
         finish_block=c.finish_block))
 
 
-def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CONFIG) -> int:
+def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CONFIG, sms: int | None = None) -> int:
     """int32 elements `lightning_topk(..., workspace=)` needs for a [B, N] problem (0 on the row path)."""
-    plan = plan_topk(B, N, config)
+    plan = plan_topk(B, N, config, sms)
+    if plan.coop is not None:
+        return coop_workspace_numel(B, plan.coop)
     return 0 if plan.compact is None else workspace_numel(B, N, k, plan.compact)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def device_sms(device: torch.device) -> int | None:
+    """The GPU's SM count (the coop path's co-residency bound), None off CUDA (plan_topk's `sms`)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------------------------- row
@@ -197,19 +254,59 @@ def lightning_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, confi
                    workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `kernels/ref/topk.py::topk_ragged`: [B, N] fp32, [B] int, k -> [B, k] int64.
 
-    No host syncs: the path comes from (B, N) and `config`; lengths stay on the device. `workspace` (optional):
-    a contiguous int32 tensor of >= `topk_workspace_numel(B, N, k, config)` elements, any contents, reusable
-    across calls on one stream; by default the compact path takes one from the caching allocator per call.
+    No host syncs: the path comes from (B, N), `config` and the GPU's SM count; lengths stay on the device.
+    `workspace` (optional): a contiguous int32 tensor of >= `topk_workspace_numel(B, N, k, config,
+    device_sms(device))` elements, ZERO-filled when allocated and then reused across calls on one stream: the
+    compact path accepts any contents; the coop path needs its counter region zero and leaves it zero, so never
+    write to it. By default each call takes a fresh one (the coop path's is zero-filled: one memset).
     """
     _check_inputs(scores, lengths, k)
     B, N = scores.shape
     out = torch.empty((B, k), dtype=torch.int64, device=scores.device)
     if B == 0 or N == 0:
         return out.fill_(-1)
-    plan = plan_topk(B, N, config)
-    if plan.compact is not None:
+    plan = plan_topk(B, N, config, device_sms(scores.device))
+    if plan.coop is not None:
+        launch_coop(scores, lengths, out, plan.coop, workspace)
+    elif plan.compact is not None:
         launch_compact(scores, lengths, out, plan.compact, workspace)
     else:
         _topk_row_kernel[(B,)](scores, lengths, out, N, k, scores.stride(0), BLOCK=plan.block, PAD_BLOCK=1024,
                                num_warps=min(16, max(1, plan.block // 512)))
     return out
+
+
+class TopKRunner:
+    """`lightning_topk` holding the coop path's zeroed workspace across calls, as a serving engine holds its
+    buffers (the `triton` kernel backend's `topk`): the coop path then needs no per-call zero fill (H200, B 1,
+    N 262,144, k 512: 15.8 -> 14.2 us). The compact path keeps taking a fresh buffer per call (it needs no zeros).
+
+    One buffer per device, sized once for the largest coop grid `config` allows, so it never moves under a CUDA
+    graph that captured it. Calls must not overlap (one stream at a time, as the engine's forward runs). Never
+    allocated during CUDA-graph capture (a captured zero fill would only run at replay): a first call inside a
+    capture takes a fresh zero-filled buffer inside the graph instead, correct on every replay.
+    """
+
+    def __init__(self, config: TopKConfig = DEFAULT_CONFIG) -> None:
+        self.config = config
+        self._held: dict[torch.device, torch.Tensor] = {}
+
+    def workspace_numel(self) -> int:
+        """int32 words of the held buffer: every row of the largest coop grid at its largest row."""
+        c = self.config
+        widest = CoopPlan(programs=max(1, c.coop_programs), chunk=c.coop_chunk, warps=c.coop_warps, cap=c.coop_cap,
+                          split=False)
+        return c.coop_programs * row_words(widest)        # rows <= B * P <= coop_programs, each <= the widest
+
+    def held(self, device: torch.device) -> torch.Tensor | None:
+        """This device's held buffer, allocated (zeroed) on first use outside CUDA-graph capture."""
+        buf = self._held.get(device)
+        if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            buf = self._held[device] = torch.zeros(self.workspace_numel(), dtype=torch.int32, device=device)
+        return buf
+
+    def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+        B, N = scores.shape
+        coop = B > 0 and N > 0 and plan_topk(B, N, self.config, device_sms(scores.device)).coop is not None
+        return lightning_topk(scores, lengths, k, config=self.config,
+                              workspace=self.held(scores.device) if coop else None)
