@@ -14,6 +14,9 @@ Floors (H200 copy 4.275 TB/s and bf16 matmul 680 TFLOP/s, docs/DESIGN.md §3):
       once" floor; x_once = time / (read-once bytes / 4.275 TB/s). Decode: equal to per-query-gather (target
       <= 1.5x, issue 6). Prefill: far below the FLOP floor (2 Ih Id per pair), so x_roof = time / max(memory
       floor, FLOP floor) is the meaningful ratio there.
+  copy us = a device copy (`copy_`) moving the read-once bytes (half read, half written), timed the same way;
+      x_copy = time / copy us: what one launch of this size gets from HBM, which small steps (T = 1, ~17 MB)
+      cannot get to 4.275 TB/s.
 Timing: parity with the reference is asserted first; then the median of CUDA-event-timed CUDA-graph replays
 (each graph holds several calls, cycling through enough input copies to defeat L2 reuse across calls)
 after warm-up. The reference (which materialises [T, V, Id] fp32) is timed eagerly on as many rows as fit
@@ -129,6 +132,15 @@ def check_parity(fn: Callable[..., torch.Tensor], ref_fn: Callable[..., torch.Te
 
 
 
+def copy_same_bytes_us(moved: int, n_sets: int, args: argparse.Namespace) -> float:
+    """A device copy moving the same bytes (reads + writes = `moved`), timed as the kernel is: what HBM gives a
+    single launch of this size, next to the asymptotic 4.275 TB/s floor (small steps never reach it)."""
+    half = moved // 2
+    sets = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
+            for _ in range(n_sets)]
+    return time_graph_us(lambda dst, src: dst.copy_(src), sets, args.iters, args.warmup)
+
+
 def time_reference_us(ref_fn: Callable[..., torch.Tensor], case: Case, inputs: Inputs, iters: int,
                       cuda: bool) -> tuple[float, int]:
     """Reference time for all T rows, measured on the largest row prefix that fits REF_BUDGET_BYTES."""
@@ -149,19 +161,25 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     fl = floors(case, first)
     n_sets = min(16, math.ceil(ROTATE_BYTES / fl["bytes_once"])) if cuda else 1
     sets = [first] + [make_inputs(case, dtype, device, args.seed + i) for i in range(1, n_sets)]
-    configs = [DEFAULT_CONFIG] + (SWEEP_CONFIGS if args.sweep else [])
+    configs: list[tuple[int, ...]] = [DEFAULT_CONFIG] + (args.configs or (SWEEP_CONFIGS if args.sweep else []))
     timed: dict[str, float] = {}
     err = 0.0
-    for block_v, warps, stages in configs:
-        def fn(*x: torch.Tensor, bv: int = block_v, nw: int = warps, ns: int = stages) -> torch.Tensor:
-            return triton_index_scores(*x, block_v=bv, num_warps=nw, num_stages=ns)
+    for cfg in configs:
+        block_v, warps, stages = cfg[:3]
+        bpp = cfg[3] if len(cfg) > 3 else None          # blocks per program (None: the wrapper's heuristic)
+
+        def fn(*x: torch.Tensor, bv: int = block_v, nw: int = warps, ns: int = stages,
+               b: int | None = bpp) -> torch.Tensor:
+            return triton_index_scores(*x, block_v=bv, num_warps=nw, num_stages=ns, blocks_per_program=b)
         err = max(err, check_parity(fn, paged_index_scores, first))
+        name = "/".join(map(str, cfg))
         if cuda:
-            timed[f"{block_v}/{warps}/{stages}"] = time_graph_us(fn, sets, args.iters, args.warmup)
+            timed[name] = time_graph_us(fn, sets, args.iters, args.warmup)
         else:
-            timed[f"{block_v}/{warps}/{stages}"] = time_eager_us(partial(fn, *first), args.iters, cuda)
+            timed[name] = time_eager_us(partial(fn, *first), args.iters, cuda)
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
+    copy_us = copy_same_bytes_us(int(fl["bytes_once"]), n_sets, args) if cuda else float("nan")
     ref_us, ref_rows = time_reference_us(paged_index_scores, case, first, max(3, args.iters // 10), cuda)
     return {"case": case.name, "T": case.T, "V": case.V, "Ih": case.Ih, "Id": case.Id, "dtype": str(dtype)[6:],
             "us": us, "us_default": timed["/".join(map(str, DEFAULT_CONFIG))], "best_config": best,
@@ -169,7 +187,8 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
             "gbps_gather": fl["bytes_gather"] / us / 1e3,
             "pct_hbm": fl["bytes_gather"] / (us * 1e-6) / HBM_BYTES_PER_S * 100,
             "x_gather": us / fl["floor_gather_us"], "x_once": us / fl["floor_once_us"],
-            "x_roof": us / max(fl["floor_once_us"], fl["floor_flop_us"]), "max_rel_err": err, "input_sets": n_sets,
+            "x_roof": us / max(fl["floor_once_us"], fl["floor_flop_us"]), "copy_us": copy_us, "x_copy": us / copy_us,
+            "max_rel_err": err, "input_sets": n_sets,
             **fl}
 
 
@@ -178,13 +197,17 @@ TABLE = [("case", "{:<22}", "case"), ("us", "{:>9.1f}", "us"), ("ref_us", "{:>11
          ("gbps_gather", "{:>8.0f}", "GB/s"),
          ("pct_hbm", "{:>6.1f}", "%HBM"), ("floor_gather_us", "{:>10.1f}", "gather us"),
          ("floor_once_us", "{:>10.1f}", "once us"), ("floor_flop_us", "{:>9.1f}", "flop us"),
-         ("x_once", "{:>7.2f}", "x_once"), ("x_roof", "{:>7.2f}", "x_roof"), ("best_config", "{:>9}", "bv/w/st"),
+         ("x_once", "{:>7.2f}", "x_once"), ("x_roof", "{:>7.2f}", "x_roof"), ("copy_us", "{:>8.1f}", "copy us"),
+         ("x_copy", "{:>7.2f}", "x_copy"), ("best_config", "{:>9}", "bv/w/st"),
          ("max_rel_err", "{:>9.1e}", "rel err")]
 
 
 def parse_args() -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], "also time SWEEP_CONFIGS and report the best")
     p.add_argument("--only", default="", help="run only the cases whose name contains this text (e.g. 'T=1 ')")
+    p.add_argument("--configs", type=lambda v: [tuple(map(int, c.split("/"))) for c in v.split(",")], default=None,
+                   help="time these instead of SWEEP_CONFIGS: block_v/warps/stages[/blocks_per_program], "
+                        "comma-separated")
     return p.parse_args()
 
 
