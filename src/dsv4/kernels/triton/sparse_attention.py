@@ -86,17 +86,31 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def _rows_mask(rows, d_mask, EVEN_D: tl.constexpr):  # type: ignore[no-untyped-def]
+    """[R, BLOCK_D] mask of whole rows: without the column mask when D == BLOCK_D (EVEN_D).
+
+    NOTE: a mask against the runtime D is not provably uniform over a 16-byte vector, so with it every row load
+    and store compiled to one 2-byte access per element (sm_90, D 512: 512 LDG.U16 a thread and 2 KB of spills
+    at 16/32/4/2); the row-only mask keeps 16-byte vectors and lets the key gather become cp.async."""
+    if EVEN_D:
+        mask = tl.broadcast_to(rows[:, None], (rows.shape[0], d_mask.shape[0]))
+    else:
+        mask = rows[:, None] & d_mask[None, :]
+    return mask
+
+
+@triton.jit
 def _attend_blocks(  # type: ignore[no-untyped-def]
     q, m, l_sum, acc, kv_ptr, idx_row_ptr, K, stride_kv, first, last, offs_d, d_mask, qk_scale,
-    BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """Online softmax over key blocks [first, last) of one source (idx_row_ptr: this token's index row)."""
     for b in range(first, last):
         offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
         slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)             # [BLOCK_N] int64
         valid = slots >= 0
-        k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)               # [BLOCK_N, BLOCK_D]
+        k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :], mask=_rows_mask(valid, d_mask, EVEN_D),
+                    other=0.0)                                                      # [BLOCK_N, BLOCK_D]
         if FP32_DOT:
             k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")                      # [BLOCK_H, BLOCK_N]
@@ -122,7 +136,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     H, D, K1, K2, num_groups, blocks_per_split, num_splits, qk_scale, log2e,
     stride_qt, stride_qh, stride_kv1, stride_i1, stride_kv2, stride_i2, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     # NOTE: int64 token offsets: T * H * D reaches 2^31 at T = 65,536 on Flash.
     pid = tl.program_id(0)
@@ -132,7 +146,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     h_mask = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    hd_mask = h_mask[:, None] & d_mask[None, :]
+    hd_mask = _rows_mask(h_mask, d_mask, EVEN_D)
     q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
@@ -144,10 +158,10 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, nb1 + tl.cdiv(K2, BLOCK_N))
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv1_ptr, idx1_ptr + t * stride_i1, K1, stride_kv1,
-                               first, tl.minimum(last, nb1), offs_d, d_mask, qk_scale, BLOCK_N, FP32_DOT)
+                               first, tl.minimum(last, nb1), offs_d, d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D)
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv2_ptr, idx2_ptr + t * stride_i2, K2, stride_kv2,
                                tl.maximum(first, nb1) - nb1, last - nb1, offs_d, d_mask, qk_scale, BLOCK_N,
-                               FP32_DOT)
+                               FP32_DOT, EVEN_D)
     if SPLIT:
         row = (t * H + offs_h) * num_splits + split                                   # [BLOCK_H]
         has = l_sum > 0.0
@@ -165,7 +179,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D, num_splits, log2e,  # type: ignore[no-untyped-def]
-                    stride_ot, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stride_ot, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
     """o[t, h] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak)); grid (T * H,)."""
     row = tl.program_id(0).to(tl.int64)                                               # t * H + h
     t, h = row // H, row % H
@@ -175,7 +189,7 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D, num_splits, log2
     peak = tl.maximum(tl.max(lse, axis=0), sink)
     den = tl.sum(tl.exp2(lse - peak), axis=0) + tl.exp2(sink - peak)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
+    d_mask = (offs_d < D) | EVEN_D          # (a constant true mask when D == BLOCK_D: 16-byte vectors, `_rows_mask`)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in range(0, num_splits):
         w = tl.exp2(tl.load(lse_ptr + row * num_splits + s) - peak)
@@ -286,10 +300,11 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         H, D, K1, K2, groups, per_split, splits, scale * _LOG2E, _LOG2E,
         q.stride(0), q.stride(1), kv1.stride(0), idx1.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,
+        BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1, EVEN_D=D == block_d,
         num_warps=num_warps or auto[2], num_stages=num_stages or auto[3],
     )
     if splits > 1:
         _combine_kernel[(T * H,)](part, lse, sink, out, H, D, splits, _LOG2E, out.stride(0), out.stride(1),
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, EVEN_D=D == block_d,
+                                  num_warps=4)
     return out
