@@ -68,6 +68,13 @@ def topk_variants() -> Iterator[Variant]:
     for chunk_tile in (0, 8192):
         yield (f"topk tail bound {chunk_tile}", topk_compact._tail_kernel, types,
                {**tail, "P2_POW2": 32, "PROBE": False, "CHUNK_TILE": chunk_tile}, {"num_warps": 8})
+    from dsv4.kernels.triton import topk_coop
+    coop_types = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*i64", "ws_ptr": "*i32",
+                  "probe_ptr": "*i64"}
+    for chunk, warps, stage in ((2048, 8, 0), (4096, 8, 0), (8192, 16, 0), (2048, 8, 3)):    # B 1 / 2 / 4; a stage
+        consts = {"CHUNK": chunk, "CAP": 32, "P_POW2": 128, "ZERO_BLOCK": 128, "PAD_BLOCK": 1024, "STAGE": stage,
+                  "PROBE": False}
+        yield f"topk coop {chunk} stage {stage}", topk_coop._coop_kernel, coop_types, consts, {"num_warps": warps}
 
 
 def compressor_variants() -> Iterator[Variant]:
@@ -108,8 +115,28 @@ def compressor_variants() -> Iterator[Variant]:
                {"num_warps": warps, "num_stages": 2})
 
 
+def attention_variants() -> Iterator[Variant]:
+    from dsv4.kernels.triton import index_scores, sparse_attention
+
+    hint = "i32:16"
+    types = {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*bf16", "cand_ptr": "*i64", "out_ptr": "*fp32",
+             **{f"stride_{k}": hint for k in ("qt", "qh", "wt", "kn", "ct", "ot")}}
+    for even in (True, False):      # EVEN_D: 16-byte loads and a cp.async key gather; else 2-byte loads
+        consts = {"BLOCK_V": 64, "BLOCK_H": 64, "BLOCK_D": 128, "FP32_DOT": False, "EVEN_D": even}
+        yield (f"index scores even_d={even}", index_scores._index_scores_kernel, types, consts,
+               {"num_warps": 4, "num_stages": 2})
+    types = {"q_ptr": "*bf16", "kv1_ptr": "*bf16", "idx1_ptr": "*i64", "kv2_ptr": "*bf16", "idx2_ptr": "*i64",
+             "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32",
+             "log2e": "fp32", **{f"stride_{k}": hint for k in ("qt", "qh", "kv1", "i1", "kv2", "i2", "ot", "oh")}}
+    for even in (True, False):
+        consts = {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 512, "FP32_DOT": False, "SPLIT": False, "EVEN_D": even}
+        yield (f"sparse attn even_d={even}", sparse_attention._sparse_attention_kernel, types, consts,
+               {"num_warps": 4, "num_stages": 2})
+
+
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
-                                                       "compressor": compressor_variants}
+                                                       "compressor": compressor_variants,
+                                                       "attention": attention_variants}
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:
@@ -157,10 +184,10 @@ def main() -> int:
                 compiled = compile_variant(kernel, types, consts, options)
             except Exception as exc:  # noqa: BLE001 — report every variant, then fail
                 failed += 1
-                sys.stdout.write(f"{label:<26} COMPILE ERROR: {str(exc).splitlines()[0] if str(exc) else exc!r}\n")
+                sys.stdout.write(f"{label:<33} COMPILE ERROR: {str(exc).splitlines()[0] if str(exc) else exc!r}\n")
                 continue
             c = sass_counts(compiled.asm["cubin"])
-            sys.stdout.write(f"{label:<26} instr {c['instr']:>6}  LDG {c['LDG']:>4}  HMMA {c['HMMA']:>3}  "
+            sys.stdout.write(f"{label:<33} instr {c['instr']:>6}  LDG {c['LDG']:>4}  HMMA {c['HMMA']:>3}  "
                              f"shared {compiled.metadata.shared:>6} B  regs {c['regs']:>3}  stack {c['stack']:>4} B\n")
     return 1 if failed else 0
 
