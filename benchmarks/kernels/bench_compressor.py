@@ -3,7 +3,7 @@
 Geometries (V4-Flash, flash-4l): C4 attention (ratio 4, overlap, Dc 512), C4 indexer (ratio 4, overlap, Dc 128),
 C128 attention (ratio 128, Dc 512); rope 64, bf16 entries, fp32 projections and rings. Plans come from the
 engine's own metadata builder (engine/metadata.py over a request table, page size 256):
-  decode   B in {1, 64, 256, 1024, 4096} requests, one token each, every one completing a window (position
+  decode   B in {1, 64, 256, 1024, 4096} (--batches) requests, one token each, every one completing a window (position
            p with (p+1) % ratio == 0, p >= 2 ratio - 1): the heaviest decode step, S - 1 sources from the ring.
            In steady-state serving only ~1/ratio of the requests complete a window per step; the others just
            write their ring row. One launch (ring_reads_disjoint).
@@ -94,8 +94,8 @@ FLASH = [Geometry("c4-attn", 4, True, 512, 64), Geometry("c4-indexer", 4, True, 
 MICRO = [Geometry("c4-micro", 4, True, 32, 8), Geometry("c16-micro", 16, False, 32, 8)]
 
 
-def cuda_cases() -> list[Case]:
-    decode = [Case(g, "decode", B, 1) for g in FLASH for B in (1, 64, 256, 1024, 4096)]
+def cuda_cases(batches: tuple[int, ...] = (1, 64, 256, 1024, 4096)) -> list[Case]:
+    decode = [Case(g, "decode", B, 1) for g in FLASH for B in batches]
     return decode + [Case(g, "prefill", 1, 8192) for g in FLASH]
 
 
@@ -279,13 +279,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--configs", type=lambda v: [tuple(map(int, c.split("/"))) for c in v.split(",")], default=None,
                    help="time these instead of SWEEP_CONFIGS: block_s/warps/stages[/tokens], comma-separated")
     p.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    p.add_argument("--batches", type=lambda v: tuple(map(int, v.split(","))), default=(1, 64, 256, 1024, 4096),
+                   help="decode batch sizes (comma-separated)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
-    cases = [c for c in (smoke_cases() if args.cpu_smoke else cuda_cases()) if args.only in c.name]
+    cases = [c for c in (smoke_cases() if args.cpu_smoke else cuda_cases(args.batches)) if args.only in c.name]
 
     rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)

@@ -11,6 +11,9 @@
 #                                                             and a sweep at the indexer geometry
 #   PART=final bash benchmarks/scripts/h200_kernels_i_s6.sh   GPU parity of the TopK (coop + compact), indexer scores and
 #                                                             engine triton-backend tests at the session's defaults
+#   PART=last  bash benchmarks/scripts/h200_kernels_i_s6.sh   GPU parity of the coop tests (TopKRunner under capture) and
+#                                                             the engine's triton backend; the C4 indexer compressor at
+#                                                             decode batches 4096 / 8192 / 16384
 #   PART=bench bash benchmarks/scripts/h200_kernels_i_s6.sh   TopK (defaults, + probe; the compact path at the same
 #                                                             shapes; coop_cap 16 / 64) and indexer scores benchmarks
 # At most 8 files come back from $OUT: one log per step.
@@ -57,4 +60,11 @@ elif [ "$PART" = bench ]; then
   timeout 150 python3 benchmarks/kernels/bench_index_scores.py --configs 64/4/2/1,64/4/2/4 \
     > "$OUT/bench_index_scores_final.txt" 2>&1
   grep -v "^{" "$OUT/bench_index_scores_final.txt"; grep -o '"configs_us": {[^}]*}' "$OUT/bench_index_scores_final.txt"
+elif [ "$PART" = last ]; then
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk_coop.py \
+    tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests_last.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu_tests_last.txt" | tail -4; grep -E "^FAILED" "$OUT/gpu_tests_last.txt" | head -5
+  timeout 150 python3 benchmarks/kernels/bench_compressor.py --only "c4-indexer decode" --batches 4096,8192,16384 \
+    --configs 8/4/2/4 --out "$OUT/bench_compressor_batches.json" > "$OUT/bench_compressor_batches.txt" 2>&1
+  grep -v "^{" "$OUT/bench_compressor_batches.txt"; grep -o '"target": {[^}]*}[^}]*}' "$OUT/bench_compressor_batches.txt"
 fi

@@ -300,6 +300,8 @@ class TopKRunner:
 
     def held(self, device: torch.device) -> torch.Tensor | None:
         """This device's held buffer, allocated (zeroed) on first use outside CUDA-graph capture."""
+        if device.type == "cuda" and device.index is None:      # one key per GPU: "cuda" is the current one
+            device = torch.device("cuda", torch.cuda.current_device())
         buf = self._held.get(device)
         if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             buf = self._held[device] = torch.zeros(self.workspace_numel(), dtype=torch.int32, device=device)
