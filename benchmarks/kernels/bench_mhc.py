@@ -108,7 +108,8 @@ def count_bytes(case: Case) -> dict[str, int]:
 def ops(case: Case, knobs: dict[str, int]) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(kernel, reference) as functions of an input set."""
     from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
-    from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_post, triton_mhc_pre
+    from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
+    from dsv4.kernels.triton.mhc_post import triton_mhc_post
 
     n = case.n
     if case.op == "pre":
@@ -155,7 +156,7 @@ def time_eager_us(fn: Callable[..., Any], sets: list[Inputs], iters: int, cuda: 
 
 def path_of(case: Case, knobs: dict[str, int], device: torch.device) -> str:
     if case.op == "post":
-        from dsv4.kernels.triton.mhc import default_post_block_d
+        from dsv4.kernels.triton.mhc_post import default_post_block_d
 
         return f"bd{knobs.get('block_d') or default_post_block_d(case.T, case.d, device)}"
     from dsv4.kernels.triton.mhc import plan_pre

@@ -29,7 +29,8 @@ import pytest  # noqa: E402
 from dsv4.checkpoint.presets import micro, tiny  # noqa: E402
 from dsv4.config.model import ModelConfig  # noqa: E402
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre  # noqa: E402
-from dsv4.kernels.triton.mhc import plan_finish, plan_pre, triton_mhc_head, triton_mhc_post, triton_mhc_pre  # noqa: E402
+from dsv4.kernels.triton.mhc import plan_finish, plan_pre, triton_mhc_head, triton_mhc_pre  # noqa: E402
+from dsv4.kernels.triton.mhc_post import triton_mhc_post  # noqa: E402
 from dsv4.model.hyper_connection import HyperConnection, HyperHead  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

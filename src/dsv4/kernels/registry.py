@@ -75,7 +75,8 @@ def _triton() -> KernelOps:
     from dsv4.kernels.triton.compressor import triton_compress_cached
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.index_scores import triton_index_scores
-    from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_post, triton_mhc_pre
+    from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
+    from dsv4.kernels.triton.mhc_post import triton_mhc_post
     from dsv4.kernels.triton.moe import triton_routed_experts, triton_routed_experts_quant_deterministic
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,

@@ -1,7 +1,7 @@
 """Reference mHC ops (spec §5): the weight split + Sinkhorn projection, and the three per-token steps.
 
 `hc_split_sinkhorn` splits the RMS-scaled mix into pre/post/comb. `mhc_pre`, `mhc_post` and `mhc_head` are
-the executable specs of `kernels/triton/mhc.py` (same signatures): they compute exactly what
+the executable specs of `kernels/triton/mhc.py` / `mhc_post.py` (same signatures): they compute exactly what
 `model/hyper_connection.py::HyperConnection.pre` / `.post` and `HyperHead.forward` compute, op for op, on
 tokens flattened to [T, n, d] (any leading dims work; tests/kernels/test_mhc_triton.py checks bit-equality
 in fp32 against the modules).

@@ -1,7 +1,8 @@
 """Fused mHC (manifold-constrained hyper-connections, spec §5): the pre, post and head steps in Triton.
 
-Owns `triton_mhc_pre`, `triton_mhc_post` and `triton_mhc_head`, the fast forms of `kernels/ref/mhc.py::mhc_pre`,
-`mhc_post` and `mhc_head` (same signatures, same semantics). Per token, X is n streams of d (x: [T, n, d]):
+Owns `triton_mhc_pre` and `triton_mhc_head`, the fast forms of `kernels/ref/mhc.py::mhc_pre` and `mhc_head` (same
+signatures, same semantics), and the host helpers `mhc_post.py` (the post step) shares. Per token, X is n
+streams of d (x: [T, n, d]):
 
     pre:   r = 1/sqrt(mean(x̂²) + eps);  mix = r (fn @ x̂)   (fn [(2+n)n, n d] fp32, x̂ = flatten(X) in fp32)
            pre, post, comb = sigmoid / 2 sigmoid / softmax + Sinkhorn of mix;   h = Σ_i pre[i] X[i]
@@ -38,7 +39,7 @@ L2 holds, so on Flash shapes the second read comes from HBM: ~72 KB per token ag
 Keeping a tile's x on chip (32 KB per token) needs BLOCK_T ~4, which tl.dot's M >= 16 and fn's L2 traffic
 (1.5 MB / BLOCK_T per token) forbid. Fusing post with the next pre would drop one read of X' (project X'
 as it is written); that needs the model to hand both steps to one op.
-Post: grid (T, cdiv(d, BLOCK_D)); one pass: read x [n, BLOCK_D] and f [BLOCK_D] once, write x' once.
+Post: `mhc_post.py`.
 Invariants: x contiguous [T, n, d]; padded streams (NP > n) carry weight 0 and padded tokens are masked, so
 every sum equals the unpadded one. No host syncs: CUDA-graph safe.
 
@@ -242,31 +243,6 @@ def _mhc_finish_kernel(x_ptr, ws_ptr, sq_ptr, scale_ptr, base_ptr, h_ptr, post_p
             N, NP, HEAD, BLOCK_T, BLOCK_D, EVEN_D)
 
 
-@triton.jit
-def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, stride_ft,  # type: ignore[no-untyped-def]
-                     N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    k = tl.arange(0, NP)
-    d_ok = offs_d < D
-    mixed = tl.zeros([NP, BLOCK_D], tl.float32)
-    for j in tl.static_range(N):
-        if EVEN_D:
-            xj = tl.load(x_ptr + (t * N + j) * D + offs_d)
-        else:
-            xj = tl.load(x_ptr + (t * N + j) * D + offs_d, mask=d_ok, other=0.0)
-        cj = tl.load(comb_ptr + t * N * N + j * N + k, mask=k < N, other=0.0)      # comb[t, j, :]
-        mixed += cj[:, None] * xj.to(tl.float32)[None, :]
-    if EVEN_D:
-        f = tl.load(f_ptr + t * stride_ft + offs_d).to(tl.float32)                  # [BLOCK_D]
-    else:
-        f = tl.load(f_ptr + t * stride_ft + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + t * N + k, mask=k < N, other=0.0)
-    out = post[:, None] * f[None, :] + mixed                                          # [NP, BLOCK_D]
-    tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(k < N)[:, None] & d_ok[None, :])
-
-
 # ---- host side ------------------------------------------------------------------------------------------------
 
 
@@ -405,38 +381,3 @@ def triton_mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
         _launch_pre(x, fn, scale, base, y, y, y, 1, hc_eps, norm_eps, True, block_t, block_k, splits, num_warps,
                     num_stages)
     return y
-
-
-def default_post_block_d(T: int, d: int, device: torch.device) -> int:
-    """Widest d chunk (<= 1024: 16-byte bf16 loads at 4 warps) that still gives >= 2 programs per SM."""
-    bd = min(1024, triton.next_power_of_2(d))
-    while bd > 256 and T * triton.cdiv(d, bd) < 2 * _sms(device):
-        bd //= 2
-    return bd
-
-
-def triton_mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-                    block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """Same contract as `mhc_post`: X'[k] = post[k] f + Σ_j comb[j, k] X[j] -> [T, n, d] in x's dtype.
-
-    f: [T, d] (unit stride in d; any row stride), bf16 / fp16 / fp32; x: [T, n, d] contiguous; post [T, n],
-    comb [T, n, n] contiguous fp32. One pass: x and f read once, x' written once. Graph-capture safe.
-    """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [T, n, d]; got {list(x.shape)}")
-    T, n, d = x.shape
-    _expect("x", x, (T, n, d), _X_DTYPES)
-    _expect("post", post, (T, n), (torch.float32,))
-    _expect("comb", comb, (T, n, n), (torch.float32,))
-    if tuple(f.shape) != (T, d) or f.dtype not in _X_DTYPES or (T > 0 and f.stride(1) != 1):
-        raise ValueError(f"f must be [{T}, {d}] of {_X_DTYPES} with unit stride in d; got {list(f.shape)} "
-                         f"{f.dtype} strides {f.stride()}")
-    _one_device(f, x, post, comb)
-    out = torch.empty_like(x)
-    if T == 0:
-        return out
-    bd = _pow2("block_d", block_d or default_post_block_d(T, d, x.device), 1)
-    _mhc_post_kernel[(T, triton.cdiv(d, bd))](
-        f, x, post, comb, out, d, f.stride(0), N=n, NP=triton.next_power_of_2(n), BLOCK_D=bd, EVEN_D=d % bd == 0,
-        num_warps=num_warps or max(1, min(8, bd // 256)))
-    return out
