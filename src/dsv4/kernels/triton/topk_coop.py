@@ -36,8 +36,9 @@ the histograms (all reads of them precede that barrier), program 0 the tie count
 multiple of 2^16. Reuse a workspace on one stream only.
 
 Under TRITON_INTERPRET=1 programs run one after another, so a barrier cannot be waited on: the same kernel
-then runs as `STAGES` launches (`STAGE` = 1..5), each launch boundary standing in for a barrier and each stage
-re-deriving the earlier bins from the (final) histograms; `TopKConfig.coop_split` asks for that on a GPU too.
+then runs as `STAGES` launches (`STAGE` 1..5 the steps, 6 the zeroing), each launch boundary standing in for a
+barrier and each stage re-deriving the earlier bins from the (final) histograms; `TopKConfig.coop_split` asks for
+that on a GPU too.
 Test: tests/kernels/test_topk_coop.py. Benchmark: benchmarks/kernels/bench_topk.py.
 """
 
