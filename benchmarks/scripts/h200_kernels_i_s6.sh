@@ -7,8 +7,8 @@
 #                                                             program; the compressor's persistent grid
 #   PART=other bash benchmarks/scripts/h200_kernels_i_s6.sh   the EVEN_D loads (16-byte vectors, cp.async gathers) of the
 #                                                             indexer scores and the sparse attention: GPU parity and
-#                                                             benchmarks; the compressor's persistent grid: GPU parity
-#                                                             and a sweep at the indexer geometry
+#                                                             benchmarks (call 2 also ran the compressor's persistent
+#                                                             grid, measured slower everywhere and not kept)
 #   PART=final bash benchmarks/scripts/h200_kernels_i_s6.sh   GPU parity of the TopK (coop + compact), indexer scores and
 #                                                             engine triton-backend tests at the session's defaults
 #   PART=last  bash benchmarks/scripts/h200_kernels_i_s6.sh   GPU parity of the coop tests (TopKRunner under capture) and
@@ -34,18 +34,11 @@ if [ "$PART" = coop ]; then
   grep -v "^{" "$OUT/bench_index_scores.txt" | tail -4; grep -o '"configs_us": {[^}]*}' "$OUT/bench_index_scores.txt"
 elif [ "$PART" = other ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_index_scores.py \
-    tests/kernels/test_sparse_attention_triton.py tests/kernels/test_compressor_stream.py > "$OUT/gpu_tests_other.txt" 2>&1
-  # (test_compressor_stream.py / compressor_stream.py: the persistent grid, measured slower everywhere and removed)
+    tests/kernels/test_sparse_attention_triton.py > "$OUT/gpu_tests_other.txt" 2>&1
   grep -E "passed|failed|Error" "$OUT/gpu_tests_other.txt" | tail -4; grep -E "^FAILED" "$OUT/gpu_tests_other.txt" | head -5
   { timeout 70 python3 benchmarks/kernels/bench_index_scores.py --configs 64/4/2/2,64/4/3/2,64/8/2/2,128/8/2/1
     timeout 110 python3 benchmarks/kernels/bench_sparse_attention.py; } > "$OUT/bench_even_d.txt" 2>&1
   grep -v "^{" "$OUT/bench_even_d.txt" | tail -30
-  timeout 150 python3 benchmarks/kernels/bench_compressor.py \
-    --only "c4-indexer decode B=1024,c4-indexer decode B=4096" --configs 8/4/2/4,8/2/2/2/132,8/2/2/2/264,\
-8/2/2/2/528,8/2/2/2/1056,8/4/2/2/264,8/4/2/2/528,8/4/2/4/132,8/4/2/4/264,8/4/2/4/528,8/2/2/1/528,8/2/2/1/1056 \
-    --out "$OUT/bench_compressor_stream.json" > "$OUT/bench_compressor_stream.txt" 2>&1
-  grep -v "^{" "$OUT/bench_compressor_stream.txt" | tail -6
-  grep -o '"configs_us": {[^}]*}' "$OUT/bench_compressor_stream.txt"
 elif [ "$PART" = final ]; then
   timeout 560 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk_coop.py tests/kernels/test_topk.py \
     tests/kernels/test_index_scores.py tests/kernels/test_engine_triton_backend.py > "$OUT/gpu_tests_final.txt" 2>&1

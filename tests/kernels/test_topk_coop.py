@@ -34,7 +34,7 @@ from dsv4.kernels.triton.topk import (  # noqa: E402
     plan_topk,
     topk_workspace_numel,
 )
-from dsv4.kernels.triton.topk_coop import CTR, ERR, HIST_WORDS, ZERO_WORDS, row_words  # noqa: E402
+from dsv4.kernels.triton.topk_coop import CTR, ERR, HIST_WORDS, TIES, ZERO_WORDS, row_words  # noqa: E402
 
 # Rows of up to 16 programs x 64 scores (128 when the batch needs fewer programs), 2 warps; the tie list holds
 # up to 16 keys of the k-th largest's 20-bit bin (CAP1: one key, so nearly every row takes the heavy-ties round).
@@ -46,7 +46,7 @@ def zero_region_ok(workspace: torch.Tensor, B: int, plan_words: int) -> None:
     """Every row's histograms and tie counter are zero, its barrier counter a multiple of 2^16, no timeout."""
     rows = workspace[: B * plan_words].view(B, plan_words).cpu()
     assert not rows[:, : HIST_WORDS.value].any(), "histograms left non-zero"
-    assert not rows[:, CTR.value + 1].any(), "tie counter left non-zero"
+    assert not rows[:, TIES.value].any(), "tie counter left non-zero"
     assert not (rows[:, CTR.value] % 65536).any(), "barrier counter not a multiple of 2^16"
     assert not rows[:, ERR.value].any(), "a barrier timed out"
 

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.tile_masks import rows_mask
+
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
 _PROGRAMS_PER_SM = 4            # splits target: enough resident programs to keep the gathers in flight
@@ -72,10 +74,8 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < Ih
     d_mask = offs_d < Id
-    # NOTE: EVEN_D (Id == BLOCK_D, the V4 indexer's 128) leaves the column mask out of the loads: a mask against the
-    # runtime Id is not provably uniform over a 16-byte vector, so with it the q load and the key gather compiled
-    # to one 2-byte load per element (sm_90, 64/4/2: 128 LDG.U16 a thread); without it, 16-byte loads and the
-    # key gather becomes cp.async into shared memory, pipelined over the blocks (aot_compile_sm90.py)
+    # NOTE: EVEN_D (Id == BLOCK_D, the V4 indexer's 128) leaves the column mask out of the loads (`tile_masks`):
+    # 16-byte loads, and the key gather becomes cp.async into shared memory, pipelined over the blocks
     if EVEN_D:
         q_mask = tl.broadcast_to(h_mask[None, :], (BLOCK_D, BLOCK_H))
     else:
@@ -94,11 +94,8 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
         v_mask = offs_v < V
         slots = tl.load(cand_ptr + t * stride_ct + offs_v, mask=v_mask, other=-1)  # [BLOCK_V] int64
         valid = slots >= 0
-        if EVEN_D:
-            k_mask = tl.broadcast_to(valid[:, None], (BLOCK_V, BLOCK_D))
-        else:
-            k_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_kn + offs_d[None, :], mask=k_mask, other=0.0)  # [BLOCK_V, BLOCK_D]
+        k = tl.load(k_ptr + slots[:, None] * stride_kn + offs_d[None, :], mask=rows_mask(valid, d_mask, EVEN_D),
+                    other=0.0)                                                  # [BLOCK_V, BLOCK_D]
         if FP32_DOT:
             # NOTE: "ieee", not tf32: fp32 callers expect reference-exact scores (top-k ties).
             s = tl.dot(k.to(tl.float32), qt, input_precision="ieee")             # [BLOCK_V, BLOCK_H]

@@ -77,26 +77,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.tile_masks import rows_mask
+
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
 _LOG2E = math.log2(math.e)
 _PROGRAMS_PER_SM = 2            # split-KV target: programs in flight per SM
 _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 32
-
-
-@triton.jit
-def _rows_mask(rows, d_mask, EVEN_D: tl.constexpr):  # type: ignore[no-untyped-def]
-    """[R, BLOCK_D] mask of whole rows: without the column mask when D == BLOCK_D (EVEN_D).
-
-    NOTE: a mask against the runtime D is not provably uniform over a 16-byte vector, so with it every row load
-    and store compiled to one 2-byte access per element (sm_90, D 512: 512 LDG.U16 a thread and 2 KB of spills
-    at 16/32/4/2); the row-only mask keeps 16-byte vectors and lets the key gather become cp.async."""
-    if EVEN_D:
-        mask = tl.broadcast_to(rows[:, None], (rows.shape[0], d_mask.shape[0]))
-    else:
-        mask = rows[:, None] & d_mask[None, :]
-    return mask
 
 
 @triton.jit
@@ -109,7 +97,7 @@ def _attend_blocks(  # type: ignore[no-untyped-def]
         offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
         slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)             # [BLOCK_N] int64
         valid = slots >= 0
-        k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :], mask=_rows_mask(valid, d_mask, EVEN_D),
+        k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :], mask=rows_mask(valid, d_mask, EVEN_D),
                     other=0.0)                                                      # [BLOCK_N, BLOCK_D]
         if FP32_DOT:
             k = k.to(tl.float32)
@@ -146,7 +134,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     h_mask = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    hd_mask = _rows_mask(h_mask, d_mask, EVEN_D)
+    hd_mask = rows_mask(h_mask, d_mask, EVEN_D)
     q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
@@ -189,7 +177,7 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D, num_splits, log2
     peak = tl.maximum(tl.max(lse, axis=0), sink)
     den = tl.sum(tl.exp2(lse - peak), axis=0) + tl.exp2(sink - peak)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = (offs_d < D) | EVEN_D          # (a constant true mask when D == BLOCK_D: 16-byte vectors, `_rows_mask`)
+    d_mask = (offs_d < D) | EVEN_D          # (a constant true mask when D == BLOCK_D: 16-byte vectors, `tile_masks`)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in range(0, num_splits):
         w = tl.exp2(tl.load(lse_ptr + row * num_splits + s) - peak)

@@ -262,10 +262,16 @@ def lightning_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, confi
     """
     _check_inputs(scores, lengths, k)
     B, N = scores.shape
+    return _run(scores, lengths, k, plan_topk(B, N, config, device_sms(scores.device)), workspace)
+
+
+def _run(scores: torch.Tensor, lengths: torch.Tensor, k: int, plan: TopKPlan,
+         workspace: torch.Tensor | None) -> torch.Tensor:
+    """`lightning_topk` on checked inputs and their plan."""
+    B, N = scores.shape
     out = torch.empty((B, k), dtype=torch.int64, device=scores.device)
     if B == 0 or N == 0:
         return out.fill_(-1)
-    plan = plan_topk(B, N, config, device_sms(scores.device))
     if plan.coop is not None:
         launch_coop(scores, lengths, out, plan.coop, workspace)
     elif plan.compact is not None:
@@ -308,7 +314,7 @@ class TopKRunner:
         return buf
 
     def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+        _check_inputs(scores, lengths, k)
         B, N = scores.shape
-        coop = B > 0 and N > 0 and plan_topk(B, N, self.config, device_sms(scores.device)).coop is not None
-        return lightning_topk(scores, lengths, k, config=self.config,
-                              workspace=self.held(scores.device) if coop else None)
+        plan = plan_topk(B, N, self.config, device_sms(scores.device))
+        return _run(scores, lengths, k, plan, self.held(scores.device) if plan.coop is not None else None)

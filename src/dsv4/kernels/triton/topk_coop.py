@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.topk_radix import find_bin, order_key, pad_tail, row_len, select_block
+from dsv4.kernels.triton.topk_radix import find_bin, find_bin_count, order_key, pad_tail, row_len, select_block
 from dsv4.kernels.triton.topk_tail import stamp
 
 H1 = tl.constexpr(256)          # row region: H0 [0, 256), H1 [256, 4352), H2 [4352, 8448),
@@ -76,27 +76,15 @@ class CoopPlan:
 
 
 @triton.jit
-def _find_bin_n(hist, k_rem, NB: tl.constexpr):  # type: ignore[no-untyped-def]
-    """`topk_radix.find_bin` over NB bins; also the count of the chosen bin."""
-    bins = tl.arange(0, NB)
-    incl = tl.cumsum(hist, 0)
-    total = tl.sum(hist, 0)
-    ge = total - incl + hist
-    digit = tl.max(tl.where(ge >= k_rem, bins, 0), 0)
-    at = bins == digit
-    return digit, k_rem - tl.sum(tl.where(at, total - incl, 0), 0), tl.sum(tl.where(at, hist, 0), 0)
-
-
-@triton.jit
 def _find_bin_4096(hist_ptr, k_rem):  # type: ignore[no-untyped-def]
-    """`_find_bin_n` over the 4096 bins at hist_ptr in two levels: 256 groups of 16 bins (the group holding the bin,
+    """`find_bin_count` over the 4096 bins at hist_ptr in two levels: 256 groups of 16 bins (the group holding the bin,
     k_rem less the keys of the groups above it), then its 16 bins: a scan over 256 sums instead of 4096 bins.
     (H200 stamps: the phase it sits in took 4.35 us with either search; the histogram read and the barrier
     dominate it.)"""
     g = tl.arange(0, 256)
     tile = tl.load(hist_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], cache_modifier=".cg")   # [256, 16]
-    group, k_rem, _ = _find_bin_n(tl.sum(tile, 1), k_rem, 256)
-    digit, k_rem, count = _find_bin_n(tl.sum(tl.where((g == group)[:, None], tile, 0), 0), k_rem, 16)
+    group, k_rem, _ = find_bin_count(tl.sum(tile, 1), k_rem)
+    digit, k_rem, count = find_bin_count(tl.sum(tl.where((g == group)[:, None], tile, 0), 0), k_rem)
     return group * 16 + digit, k_rem, count
 
 

@@ -63,18 +63,26 @@ def digit_hist(key, mask, prefix, SHIFT: tl.constexpr):  # type: ignore[no-untyp
 
 
 @triton.jit
-def find_bin(hist, k_rem):  # type: ignore[no-untyped-def]
-    """Digit of the k_rem-th largest key (largest d with count(digit >= d) >= k_rem), and the new k_rem.
+def find_bin_count(hist, k_rem):  # type: ignore[no-untyped-def]
+    """Bin of the k_rem-th largest key over a histogram of any power-of-two length (largest d with
+    count(digit >= d) >= k_rem), the new k_rem, and the count in that bin.
 
     If the histogram holds fewer than k_rem keys the digit is 0 (every key is at or above it).
     """
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, hist.shape[0])
     incl = tl.cumsum(hist, 0)                                   # count(digit <= d)
     total = tl.sum(hist, 0)
     ge = total - incl + hist                                    # count(digit >= d), non-increasing in d
     digit = tl.max(tl.where(ge >= k_rem, bins, 0), 0)
-    above = tl.sum(tl.where(bins == digit, total - incl, 0), 0)   # count(digit > d)
-    return digit, k_rem - above
+    at = bins == digit
+    return digit, k_rem - tl.sum(tl.where(at, total - incl, 0), 0), tl.sum(tl.where(at, hist, 0), 0)
+
+
+@triton.jit
+def find_bin(hist, k_rem):  # type: ignore[no-untyped-def]
+    """`find_bin_count` without the count: the digit of one radix pass and the new k_rem."""
+    digit, k_rem, _ = find_bin_count(hist, k_rem)
+    return digit, k_rem
 
 
 @triton.jit
