@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: venv .venv test lint serve clean distclean
+.PHONY: venv .venv test test-fast lint serve clean distclean
 
 venv .venv: $(STAMP)
 
@@ -24,15 +24,22 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(PIP) install -q -e '.[dev,server,train]'
 	touch $@
 
-test: $(STAMP)
+# Everything (what CI runs): lint, then the whole suite, `slow` tests included.
+test: lint
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: the suite without the `slow` tests (each over ~10 s on a 2-core CPU).
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The embedded default model (generated on first use); the server logs a curl example once it is ready.
 serve: $(STAMP)
 	$(VENV)/bin/dsv4 serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
+# ruff on all the Python, mypy on src/ (strict on the seams: pyproject.toml [tool.mypy]).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

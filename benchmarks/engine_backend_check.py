@@ -41,7 +41,8 @@ from dsv4.engine.request import Request
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import resolve_device, resolve_dtype
 from dsv4.model.moe import Experts
-from dsv4.model.quant_experts import WEIGHT_FORMATS, QuantExperts, quantize_experts_
+from dsv4.config.engine import WEIGHT_FORMATS
+from dsv4.model.quant_experts import QuantExperts, quantize_experts_
 
 
 def upcast_(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -73,7 +74,7 @@ def generate(model: DeepSeekV4ForCausalLM, backend: str, prompts: list[list[int]
             n = len(chosen[i])
             if forced is not None and len(r.output_ids) > n:      # one new token at most per step
                 chosen[i].append(r.output_ids[n])
-                r.output_ids[n] = forced[i][n]
+                r.overwrite_output(n, forced[i][n])
     if forced is None:
         chosen = [list(r.output_ids) for r in reqs]
     return reqs, chosen

@@ -85,7 +85,7 @@ def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> 
     engine.check_integrity()
     return {"hit_rate": round(engine.prefix_hit_rate(), 4), "ttft_mean_s": round(statistics.mean(ttft), 4),
             "ttft_median_s": round(statistics.median(ttft), 4), "total_s": round(total, 2),
-            "steps": engine.stats.steps, "prefill_tokens": engine.stats.prefill_tokens}
+            "steps": engine.steps, "prefill_tokens": engine.prefill_tokens}
 
 
 def main() -> None:

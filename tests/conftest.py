@@ -1,14 +1,21 @@
 """Shared pytest configuration for the dsv4 test suite.
 
 Markers (``gpu``, ``multi_gpu``, ``slow``) are declared in pyproject.toml; this
-file only skips GPU-marked tests on machines without CUDA and provides a seeding
-fixture.
+file skips GPU-marked tests on machines without CUDA, gives torch one thread fewer
+than the machine has cores (a test beside another busy process must not stall on
+oversubscribed cores) and provides a seeding fixture.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -147,7 +147,7 @@ def build_sets(case: Case, num_sets: int, device: torch.device, seed: int) -> tu
         slots = [table.open() for _ in set_starts]
         for slot, s in zip(slots, set_starts, strict=True):
             assert table.reserve(slot, s, s + case.n), "benchmark cache sized too small"
-        shape = StepShape(slots, set_starts, [case.n] * case.B, [False] * case.B)
+        shape = StepShape(slots, set_starts, [case.n] * case.B, [0] * case.B)
         plan = build_context(shape, table, pools, model, device).plans[geo.ratio]
         T = case.B * case.n
         freqs = plan.entry_pos[:, None].float() * inv_freq

@@ -7,13 +7,15 @@ with every pool free afterwards. GPU: captured graphs replayed against the same 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from test_engine_equivalence import LogitRecorder, assert_pools_free, prompts_for, run_staggered
 
-from dsv4 import LLM
+from dsv4 import LLM, SamplingParams
+from dsv4.cache.pools import KVPools
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.engine.cuda_graph import MIN_CONTEXT, DecodeGraphs, batch_buckets, context_bucket
@@ -78,6 +80,69 @@ def _compare(ckpt: Path, device: str, capture: bool, monkeypatch: pytest.MonkeyP
 
 def test_static_decode_step_equals_eager(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _compare(ckpt, "cpu", capture=False, monkeypatch=monkeypatch, backend="ref")
+
+
+def _multi_token_step(ckpt: Path, device: str, capture: bool, backend: str) -> None:
+    """A uniform step of n = 2 fed tokens per request, with logits at the last k of them (k = 1: a multi-token
+    decode; k = 2: a verify pass), through the graphs and eagerly: same logits and routing, and both equal to
+    the full-sequence model at those positions."""
+    llm = LLM(ckpt, dtype="float32", device=device, page_size=16, max_total_tokens=4096, max_running_requests=4,
+              capture_routing=True, kernel_backend=backend, disable_cuda_graph=True)
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops, max_batch=4, capture=capture,
+                          max_tokens=2)
+    prompts = [p for p in prompts_for(llm.model.config, seed=6) if len(p) > 1][:3]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=64, temperature=0.0)) for p in prompts]
+    while not all(r.output_ids for r in reqs):
+        engine.step()
+    for r in reqs:    # one more token each (what an accepted draft would add): two pending per request
+        r.append_token(int(torch.randint(0, llm.model.config.vocab_size, ())), 0.0, None, 0.0)
+    step = engine.scheduler.schedule()
+    assert step is not None and step.shape.lens == [2] * len(reqs)
+    before = _pool_tensors(runner.pools)
+    saved = [t.clone() for t in before]
+
+    def restore() -> None:      # a step rewrites compressor rings it read: every run starts from `saved`
+        for t, v in zip(before, saved, strict=True):
+            t.copy_(v)
+
+    for k in (1, 2):
+        shape = dataclasses.replace(step.shape, num_logits=[k] * len(reqs))
+        assert graphs.fits(shape)
+        restore()
+        with torch.no_grad():
+            eager, eager_routing = runner._forward_eager(dataclasses.replace(step, shape=shape))
+        eager = eager.clone()
+        restore()
+        got, routing = graphs.run(step.input_ids, shape, capture_routing=True)
+        assert got.shape == (len(reqs) * k, llm.model.config.vocab_size)
+        assert (got - eager).abs().max().item() <= 1e-5
+        assert routing is not None and eager_routing is not None
+        for key in ("experts", "indexer"):
+            assert all(torch.equal(a, b) for a, b in zip(routing[key], eager_routing[key], strict=True)), key
+        for r, rows in zip(reqs, got.split(k), strict=True):
+            with torch.no_grad():
+                full = llm.model(torch.tensor([r.all_ids], device=device))[0, -k:]
+            assert (rows - full).abs().max().item() <= 1e-4, r.rid
+    assert not graphs.fits(dataclasses.replace(step.shape, lens=[1] + [2] * (len(reqs) - 1)))
+
+
+def _pool_tensors(pools: KVPools) -> list[torch.Tensor]:
+    out = []
+    for c in pools.layers:
+        out += [t for t in (c.swa, c.entries, c.index_keys) if t is not None]
+        out += [t for s in (c.state, c.index_state) if s is not None for t in (s.kv, s.score)]
+    return out
+
+
+def test_static_multi_token_step_equals_eager(ckpt: Path) -> None:
+    _multi_token_step(ckpt, "cpu", capture=False, backend="ref")
+
+
+@pytest.mark.gpu
+def test_captured_multi_token_step_equals_eager_on_gpu(ckpt: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _multi_token_step(ckpt, "cuda", capture=True, backend="triton")
 
 
 def test_runner_runs_eagerly_on_cpu(ckpt: Path) -> None:

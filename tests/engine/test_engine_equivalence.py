@@ -20,7 +20,8 @@ from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.config.model import ModelConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
-from dsv4.engine.runner import ModelRunner, StepResult
+from dsv4.engine.runner import ModelRunner
+from dsv4.engine.sampler import SampleOutput
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 
 TOL = 1e-4
@@ -48,10 +49,11 @@ class LogitRecorder:
         self.rows: dict[str, list[torch.Tensor]] = {}
         original = ModelRunner._sample
 
-        def wrapped(runner: ModelRunner, logits: torch.Tensor, reqs: list[Request], result: StepResult) -> None:
+        def wrapped(runner: ModelRunner, logits: torch.Tensor, reqs: list[Request],
+                    steps: list[int]) -> SampleOutput:
             for req, row in zip(reqs, logits, strict=True):
                 self.rows.setdefault(req.rid, []).append(row.clone())
-            original(runner, logits, reqs, result)
+            return original(runner, logits, reqs, steps)
 
         monkeypatch.setattr(ModelRunner, "_sample", wrapped)
 

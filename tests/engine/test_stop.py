@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from dsv4.checkpoint.tokenizer import BOS_TOKEN, build_tokenizer
-from dsv4.engine.stop import IncrementalDetokenizer, StopChecker
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.stop import IncrementalDetokenizer, OutputText, StopChecker
 
 STREAM_TEXT = "The answer is 42. ###STOP### trailing words"
 
@@ -147,3 +148,31 @@ def test_flush_emits_unfinished_character(tokenizer: Tokenizer) -> None:
     assert detok.flush() == tokenizer.decode(truncated)[2:]
     assert detok.text == tokenizer.decode(truncated)
     assert detok.flush() == ""
+
+
+def test_output_text_keeps_tokens_up_to_the_stop(tokenizer: Tokenizer) -> None:
+    """Several tokens per feed (a step may yield several): the request keeps those up to and including the
+    token that completes the stop string, and its text ends before the stop string."""
+    ids = tokenizer.encode(STREAM_TEXT, add_special_tokens=False).ids
+    out = OutputText(tokenizer, SamplingParams(stop=("###STOP###",)))
+    kept, fed = 0, 0
+    while not out.stopped:
+        chunk = ids[fed:fed + 3]
+        kept += out.feed(chunk)
+        fed += len(chunk)
+    assert out.text == "The answer is 42. "
+    assert kept == out.num_tokens == _num_tokens_upto(tokenizer, ids, "###STOP###")
+    assert kept <= fed and fed - kept < 3
+
+
+def test_output_text_finish_releases_held_text(tokenizer: Tokenizer) -> None:
+    out = OutputText(tokenizer, SamplingParams(stop=("42!",)))
+    assert out.feed(tokenizer.encode("answer: 42", add_special_tokens=False).ids) > 0
+    assert not out.stopped and out.text == "answer: "       # "42" could still start "42!"
+    out.finish()
+    assert out.text == "answer: 42"
+
+
+def _num_tokens_upto(tokenizer: Tokenizer, ids: list[int], stop: str) -> int:
+    """Fewest leading tokens whose decoded text contains `stop`."""
+    return next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))

@@ -44,7 +44,7 @@ class EngineSteps:
             slots.append(self.slots[rid])
             starts.append(start)
             self.lens[rid] = start + n
-        shape = StepShape(slots, starts, [n for _, n in work], [True] * len(work))
+        shape = StepShape(slots, starts, [n for _, n in work], [1] * len(work))
         return build_context(shape, self.table, self.pools, self.model, self.device).plans[ratio]
 
     def release(self, work: list[tuple[int, int]]) -> None:

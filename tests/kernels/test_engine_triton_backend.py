@@ -23,6 +23,7 @@ from dsv4.model.moe import Experts
 from dsv4.model.quant_experts import QuantExperts, quantize_experts_
 
 
+@pytest.mark.slow     # every kernel of the engine under the Triton interpreter: ~35 s on a 2-core CPU
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a CUDA GPU or the Triton interpreter")
 def test_triton_backend_matches_ref(tmp_path: Path) -> None:
@@ -51,6 +52,7 @@ def test_triton_backend_matches_ref(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow     # the FP4 expert kernels under the Triton interpreter: ~15 s on a 2-core CPU
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a CUDA GPU or the Triton interpreter")
 def test_triton_fp4_experts_match_dequantised_ref() -> None:

@@ -1,5 +1,5 @@
 """Parity of the fused RMSNorm + RoPE (+ cache write) kernels (`kernels/triton/rope_norm.py`) with the references
-(`kernels/ref/rope_norm.py`, and `model.layers.norm.rms_norm` for the plain RMSNorm): micro / tiny head
+(`kernels/ref/rope_norm.py`, and `kernels.ref.rope_norm.rms_norm` for the plain RMSNorm): micro / tiny head
 geometries under the interpreter on CPU (fp32 and bf16, T = 1 and ragged 7 tokens, a rope slice narrower than
 the head, scattered pool slots, the inverse rotation), V4-Flash shapes (H 64, D 512, rd 64; norms over 4096 and
 1024) compiled on the GPU (`-m gpu`).
@@ -12,14 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rope_inverse
+from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rms_norm, rope_inverse
 from dsv4.kernels.triton.rope_norm import (
     triton_kv_norm_rope_store,
     triton_q_norm_rope,
     triton_rms_norm,
     triton_rope_inverse,
 )
-from dsv4.model.layers.norm import rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}     # max |diff| / max |ref|; bf16: two roundings vs one

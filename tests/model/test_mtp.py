@@ -21,6 +21,7 @@ from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.forward_mode import INFERENCE
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def test_mtp_equations(model: DeepSeekV4ForCausalLM) -> None:
         block.load_state_dict(block_state, strict=True)
         pos = torch.arange(23, dtype=torch.float32)
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.rope_head_dim, 2).float() / cfg.rope_head_dim)
-        x = block(x, next_ids, torch.cos(pos[:, None] * inv_freq), torch.sin(pos[:, None] * inv_freq))
+        cos, sin = torch.cos(pos[:, None] * inv_freq), torch.sin(pos[:, None] * inv_freq)
+        x = block(x, next_ids, cos, sin, mode=INFERENCE)
         flat = x.flatten(2)
         mix = (flat / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + eps)) @ mtp.hc_head.fn.T
         pre = torch.sigmoid(mix * mtp.hc_head.scale + mtp.hc_head.base) + cfg.hc_eps

@@ -63,8 +63,8 @@ def test_build_params_names_the_field() -> None:
 def test_metrics_exposition() -> None:
     m = ServerMetrics()
     t = RequestTiming(sent=0.0)
-    m.on_delta(t, RequestDelta("r", [1], [-1.0], [[]], "a", None, 10, 4), now=0.2)
-    m.on_delta(t, RequestDelta("r", [2, 3], [-1.0, -1.0], [[], []], "bc", "length", 10, 4), now=0.4)
+    m.on_delta(t, RequestDelta("r", [1], [-1.0], [[]], None, 10, 4), now=0.2)
+    m.on_delta(t, RequestDelta("r", [2, 3], [-1.0, -1.0], [[], []], "length", 10, 4), now=0.4)
     snapshot = EngineSnapshot(1, 0, 0, 0, 90, 100, 0, 9, 10, 0, 64, 64, 5, 10, 3, 1, 0, 0)
     text = m.render(snapshot, healthy=True, num_inflight=0)
     assert 'dsv4_time_to_first_token_seconds_bucket{le="0.25"} 1' in text

@@ -21,8 +21,8 @@ MESSAGES: list[ipc.Message] = [
     ipc.ShutdownEngine(),
     ipc.EngineReady(pid=11, model=ipc.ModelInfo(context_length=4096, max_total_tokens=8192, vocab_size=512,
                                                 eos_token_id=1)),
-    ipc.StepOutputs([ipc.RequestDelta("r-0", [4, 5], [-0.5, -1.25], [[(4, -0.5), (6, -2.0)], []], "hé", None, 3, 0),
-                     ipc.RequestDelta("r-1", [], [], [], "", "abort", 8, 2)], num_running=1, num_waiting=0),
+    ipc.StepOutputs([ipc.RequestDelta("r-0", [4, 5], [-0.5, -1.25], [[(4, -0.5), (6, -2.0)], []], None, 3, 0),
+                     ipc.RequestDelta("r-1", [], [], [], "abort", 8, 2)], num_running=1, num_waiting=0),
     ipc.RequestsAccepted(["r-0", "r-1"]),
     ipc.RequestError("r-2", "max_tokens=0 is invalid; allowed: max_tokens >= 1"),
     ipc.StatsReply(4, SNAPSHOT),
@@ -41,5 +41,5 @@ def test_unknown_kind_and_non_finite_floats_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown message kind"):
         ipc.decode(b'{"kind": "Pickle", "x": 1}')
     with pytest.raises(ValueError):
-        ipc.encode(ipc.StepOutputs([ipc.RequestDelta("r", [1], [float("-inf")], [[]], "", None, 1, 0)], 0, 0))
+        ipc.encode(ipc.StepOutputs([ipc.RequestDelta("r", [1], [float("-inf")], [[]], None, 1, 0)], 0, 0))
     assert ipc.finite_logprob(float("-inf")) == -9999.0

@@ -153,17 +153,27 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
-def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
+def test_stop_string_cuts_the_text(client: openai.OpenAI, server: ServerProcess) -> None:
+    """Stop strings are applied in the API process: the text ends before the stop string, the tokens after
+    the one that completed it are not reported, and the engine is told to finish the request (a finish,
+    not an abort)."""
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                      extra_body=NO_EOS).choices[0].text
     k = next(k for k in range(3, len(full) - 3) if full.find(full[k:k + 3]) == k and "\ufffd" not in full[k:k + 3])
     stop = full[k:k + 3]
+    before = server.wait_idle()
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "@@@@"],
-                                    extra_body=NO_EOS)
+                                    extra_body=NO_EOS, logprobs=0)
     assert out.choices[0].text == full[:k] and out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.completion_tokens < 24
+    assert out.choices[0].logprobs is not None
+    assert len(out.choices[0].logprobs.tokens or []) == out.usage.completion_tokens
+    assert stop in "".join(out.choices[0].logprobs.tokens or [])     # the last token completed the stop string
     streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
                                          stream=True, extra_body=NO_EOS)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:k]
+    after = server.wait_idle()
+    assert after["num_finished"] - before["num_finished"] == 2 and after["num_aborted"] == before["num_aborted"]
 
 
 def test_echo_and_batched_prompts(client: openai.OpenAI) -> None:

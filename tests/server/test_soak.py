@@ -9,6 +9,7 @@ import random
 
 import httpx
 import openai
+import pytest
 
 from .conftest import ServerProcess, assert_pools_free
 
@@ -46,6 +47,7 @@ async def _soak(url: str) -> list[int]:
         return await asyncio.gather(*(_one(client, i, sem) for i in range(NUM_REQUESTS)))
 
 
+@pytest.mark.slow     # 500 streamed requests through the real server: ~30 s on a 2-core CPU
 def test_soak_500_requests_at_64_concurrent_streams(server: ServerProcess) -> None:
     before = server.engine_stats()
     tokens = asyncio.run(asyncio.wait_for(_soak(server.url), TIMEOUT_S))

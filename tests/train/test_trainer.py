@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dsv4.cli.main import main as cli_main
+from dsv4.kernels.ref.quant import dequant_fp4_group, quant_fp4_group
+from dsv4.model.forward_mode import INFERENCE, TRAINING
 from dsv4.model.loader import load_model
-from dsv4.model.quant import dequant_fp4_group, quant_fp4_group
 from dsv4.train.config import TrainConfig
 from dsv4.train.data import prepare_data
 from dsv4.train.export import export_run
@@ -85,7 +86,7 @@ def test_qat_swaps_in_rounded_weights_and_restores_masters(data_dir: Path, tmp_p
     with shadow.rounded():
         assert torch.equal(experts[0], dequant_fp4_group(packed, scale, torch.float32))
         assert not torch.equal(experts, master)
-        lm_losses(trainer.model, trainer.stream.batch(0, 1, 32))["loss"].backward()
+        lm_losses(trainer.model, trainer.stream.batch(0, 1, 32), TRAINING)["loss"].backward()
     assert torch.equal(experts, master) and experts.grad is not None
     with shadow.rounded(enabled=False):
         assert torch.equal(experts, master)
@@ -93,7 +94,7 @@ def test_qat_swaps_in_rounded_weights_and_restores_masters(data_dir: Path, tmp_p
 
 def test_indexer_is_trained_only_by_its_distillation_loss(data_dir: Path, tmp_path: Path) -> None:
     trainer = Trainer(_config(data_dir, tmp_path))
-    out = lm_losses(trainer.model, trainer.stream.batch(0, 2, 64))
+    out = lm_losses(trainer.model, trainer.stream.batch(0, 2, 64), TRAINING)
     kl = trainer.distiller.take()
     assert kl is not None and float(kl) >= 0
     kl.backward()
@@ -109,7 +110,7 @@ def test_balancer_moves_bias_against_load(data_dir: Path, tmp_path: Path) -> Non
     name, gate = next((n, g) for n, g in trainer.balancer.gates if g.bias is not None)
     bias = gate.bias.detach().clone()
     with torch.no_grad():
-        lm_losses(trainer.model, trainer.stream.batch(0, 2, 64))
+        lm_losses(trainer.model, trainer.stream.batch(0, 2, 64), INFERENCE)
     load = trainer.balancer.loads[name].float()
     trainer.balancer.update()
     step = gate.bias.detach() - bias

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from dsv4.assets import GENERATED_MARKER
 from dsv4.checkpoint.tokenizer import build_tokenizer
 from dsv4.config.model import WEIGHT_QUANTS, ModelConfig
-from dsv4.model import quant
+from dsv4.kernels.ref import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.weights import internal_to_official
 from dsv4.utils.logging import init_logger

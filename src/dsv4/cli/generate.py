@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsv4.config.engine import WEIGHT_FORMATS
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.model.quant_experts import WEIGHT_FORMATS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

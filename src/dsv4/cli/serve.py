@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsv4.config.engine import WEIGHT_FORMATS
 from dsv4.config.server import DTYPES, ServerConfig
-from dsv4.model.quant_experts import WEIGHT_FORMATS
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)

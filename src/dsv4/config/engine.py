@@ -7,8 +7,24 @@ depend on the model are resolved by `cache/layout.py`, never by mutating this ob
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from dsv4.kernels.registry import KERNEL_BACKENDS
+KernelBackend = Literal["ref", "triton"]
+"""Kernel backends (`kernels/registry.py`): `ref` is the PyTorch specification, `triton` the fast kernels."""
+KERNEL_BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
+
+WeightFormat = Literal["bf16", "checkpoint"]
+"""How routed experts are held once loaded: "bf16" dequantises them to the model dtype, "checkpoint" keeps
+their FP4 codes and scales (`model/quant_experts.py`)."""
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = get_args(WeightFormat)
+
+
+def check_weight_format(weight_format: str) -> WeightFormat:
+    """`weight_format` as a WeightFormat; raises naming the allowed values otherwise."""
+    for name in WEIGHT_FORMATS:
+        if weight_format == name:
+            return name
+    raise ValueError(f"weight_format={weight_format!r} is invalid; allowed: {list(WEIGHT_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -32,7 +48,7 @@ class EngineConfig:
     swa_tokens: int | None = None
     kv_cache_memory_gb: float = 4.0
     context_length: int | None = None
-    kernel_backend: str = "ref"
+    kernel_backend: KernelBackend = "ref"
     capture_routing: bool = False
     ring_multiplier: int = 1
     disable_prefix_cache: bool = False

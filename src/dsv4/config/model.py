@@ -107,16 +107,6 @@ class ModelConfig:
         kind = self.attn_types[layer] if layer < self.num_layers else "swa"
         return {"swa": 0, "csa": self.csa_ratio, "hca": self.hca_ratio}[kind]
 
-    def num_params(self) -> int:
-        """Parameter count of the main model (no MTP), computed from the shapes."""
-        import torch
-
-        from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM  # local: avoid an import cycle
-
-        with torch.device("meta"):
-            model = DeepSeekV4ForCausalLM(self)
-        return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
-
     # ---- conversion at the edge -----------------------------------------------------------
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:

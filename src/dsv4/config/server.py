@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dsv4.config.engine import EngineConfig
-from dsv4.model.quant_experts import check_weight_format
+from dsv4.config.engine import EngineConfig, WeightFormat, check_weight_format
 
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("cpu", "cuda")
@@ -39,7 +38,7 @@ class ServerConfig(EngineConfig):
     shutdown_timeout_s: float = 10.0
     access_log: bool = False
     torch_threads: int | None = None
-    weight_format: str = "bf16"
+    weight_format: WeightFormat = "bf16"
 
     def __post_init__(self) -> None:
         super().__post_init__()

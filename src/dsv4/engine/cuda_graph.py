@@ -1,16 +1,20 @@
-"""DecodeGraphs: the decode step (metadata + forward) as CUDA graphs, captured lazily per bucket.
+"""DecodeGraphs: decode steps (metadata + forward) as CUDA graphs, captured lazily per bucket.
 
-Run eagerly, steady-state decode is host-bound: on flash-4l ~830 kernel launches per step cost ~31 ms of host
-time against ~2.5 ms of GPU work (benchmarks/results/kernels_ii_h200_202611.md). A step's metadata is computed
-on the device from three small rows (engine/metadata.py::device_context), so the whole step is capturable: a
-replay copies the token ids, request slots and positions into a static [3, B] buffer (one copy) and launches
-one graph. Sampling stays outside (its batch changes with the requests' parameters).
+Run eagerly, steady-state decode is host-bound: a flash-4l step launches hundreds of small kernels whose
+host cost exceeds the GPU work (benchmarks/results/kernels_ii_h200_202611.md). A step's metadata is computed
+on the device from small per-request rows (engine/metadata.py::device_context), so the whole step is
+capturable: a replay copies each request's n token ids, its slot and its first position into a static
+[B, n + 2] buffer (one copy) and launches one graph. Sampling stays outside (its batch changes with the
+requests' parameters).
 
-Buckets. A graph is keyed by (batch bucket, context bucket, routing capture):
+Steps served: every request feeds the same number n of tokens (1 for plain decode; up to `max_tokens`,
+e.g. a verify pass of speculative decoding) and wants the logits of its last k positions (1 <= k <= n).
+
+Buckets. A graph is keyed by (batch bucket, n, k, context bucket, routing capture):
 - batch: 1, 2, 4, 8, then multiples of 8 up to `max_batch`. Rows past the real batch are padding rows on the
   request table's `pad_slot`: its pages are all the null page, so they write only null-page slots and trash
   rows, nothing reads those, and their logits and routing are dropped;
-- context: the step's largest end position rounded up to a power of two (at least `MIN_CONTEXT`, at most the
+- context: the step's largest end position (start + n) rounded up to a power of two (at least `MIN_CONTEXT`, at most the
   request table's span). It sizes the compressed-candidate lists, whose columns past a query's visible count
   are -1 in every form of the metadata: a larger bucket adds masked columns (at most 2x), never changes which
   entries a query sees.
@@ -50,31 +54,43 @@ def context_bucket(max_end: int, span: int) -> int:
     return min(1 << (max(max_end, MIN_CONTEXT) - 1).bit_length(), span)
 
 
-def is_decode(shape: StepShape) -> bool:
-    """Every request feeds exactly one token and samples from it (the steps graphs serve)."""
-    return all(n == 1 for n in shape.lens) and all(shape.sample)
+def uniform_shape(shape: StepShape) -> tuple[int, int] | None:
+    """(n, k) when every request feeds n tokens and wants the logits of its last k (1 <= k <= n), else None."""
+    n, k = shape.lens[0], shape.num_logits[0]
+    if any(x != n for x in shape.lens) or any(x != k for x in shape.num_logits) or not 1 <= k <= n:
+        return None
+    return n, k
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int            # batch bucket B (rows past the real batch are padding)
+    tokens: int           # n tokens fed per request
+    logits: int           # k trailing positions with logits per request
+    context: int          # context bucket
+    capture_routing: bool
 
 
 @dataclass
 class _StepGraph:
-    inputs: torch.Tensor                   # [3, B] int64: token ids, request slots, positions
-    logits: torch.Tensor                   # [B, V] fp32, written by every replay
+    inputs: torch.Tensor                   # [B, n + 2] int64: n token ids, request slot, first position
+    logits: torch.Tensor                   # [B * k, V] fp32, written by every replay
     captured: Captured | None              # routing outputs, written by every replay
     graph: torch.cuda.CUDAGraph | None = field(default=None)
 
 
 class DecodeGraphs:
     def __init__(self, model: DeepSeekV4ForCausalLM, table: RequestTable, pools: KVPools, ops: KernelOps,
-                 max_batch: int, capture: bool = True) -> None:
+                 max_batch: int, capture: bool = True, max_tokens: int = 1) -> None:
         if capture and next(model.parameters()).device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model, self.table, self.pools, self.ops = model, table, pools, ops
         self.buckets = batch_buckets(max_batch)
         self.span = table.max_pages * table.P
-        self.capture = capture
+        self.capture, self.max_tokens = capture, max_tokens
         self.device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self._graphs: dict[tuple[int, int, bool], _StepGraph] = {}
+        self._graphs: dict[GraphKey, _StepGraph] = {}
         self.replays = 0
 
     @property
@@ -82,60 +98,65 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def fits(self, shape: StepShape) -> bool:
-        return is_decode(shape) and len(shape.lens) <= self.max_batch
+        nk = uniform_shape(shape)
+        return nk is not None and nk[0] <= self.max_tokens and len(shape.lens) <= self.max_batch
 
     def run(self, input_ids: list[int], shape: StepShape, capture_routing: bool) -> tuple[torch.Tensor,
                                                                                         Captured | None]:
-        """Logits [b, V] of a decode step of b requests (and its routing when asked), by graph replay.
+        """Logits [b * k, V] of a step of b requests (and its routing when asked), by graph replay.
 
         The returned tensors are views of the graph's static outputs: consume them before the next call."""
-        assert self.fits(shape), "not a decode step that a graph serves"
+        nk = uniform_shape(shape)
+        assert nk is not None and self.fits(shape), "not a step that a graph serves"
+        n, k = nk
         b = len(shape.lens)
         B = next(x for x in self.buckets if x >= b)
-        key = (B, context_bucket(max(shape.starts) + 1, self.span), capture_routing)
+        key = GraphKey(B, n, k, context_bucket(max(shape.starts) + n, self.span), capture_routing)
         step = self._graphs.get(key)
         if step is None:
-            step = self._graphs[key] = self._build(*key)
-        pad = B - b
-        rows = torch.tensor([input_ids + [0] * pad, shape.slots + [self.table.pad_slot] * pad,
-                             shape.starts + [0] * pad], dtype=torch.int64)
-        step.inputs.copy_(rows, non_blocking=True)
+            step = self._graphs[key] = self._build(key)
+        rows = [input_ids[r * n:(r + 1) * n] + [slot, start]
+                for r, (slot, start) in enumerate(zip(shape.slots, shape.starts, strict=True))]
+        rows += [[0] * n + [self.table.pad_slot, 0]] * (B - b)
+        step.inputs.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
         self.replays += 1
         if step.graph is not None:
             step.graph.replay()
         else:
-            step.logits, step.captured = self._forward(step.inputs, key[1], capture_routing)
-        captured = None if step.captured is None else {k: [t[:b] for t in v] for k, v in step.captured.items()}
-        return step.logits[:b], captured
+            step.logits, step.captured = self._forward(step.inputs, key)
+        captured = None if step.captured is None else {
+            name: [t[:b * n] for t in v] for name, v in step.captured.items()}
+        return step.logits[:b * k], captured
 
-    def _forward(self, inputs: torch.Tensor, context: int, capture_routing: bool) -> tuple[torch.Tensor,
-                                                                                         Captured | None]:
+    def _forward(self, inputs: torch.Tensor, key: GraphKey) -> tuple[torch.Tensor, Captured | None]:
         """The step from the static rows: device metadata, then the model's serving path."""
-        ids, slots, starts = inputs.unbind(0)
-        B = ids.shape[0]
-        lens = torch.ones_like(ids)
-        logits_index = torch.arange(B, device=ids.device)
-        ctx = device_context(slots, starts, lens, logits_index, StepBounds(B, context, 1), self.table, self.pools,
-                             self.model.config)
+        B, n, k = key.batch, key.tokens, key.logits
+        ids, slots, starts = inputs[:, :n].reshape(-1), inputs[:, n], inputs[:, n + 1]
+        lens = torch.full_like(slots, n)
+        last = torch.arange(B, device=ids.device)[:, None] * n + (n - k)
+        logits_index = (last + torch.arange(k, device=ids.device)).reshape(-1)
+        ctx = device_context(slots, starts, lens, logits_index, StepBounds(B * n, key.context, n), self.table,
+                             self.pools, self.model.config)
         ctx.ops = self.ops
-        ctx.captured = {} if capture_routing else None
+        ctx.captured = {} if key.capture_routing else None
         return self.model.forward_batch(ids, ctx), ctx.captured
 
-    def _build(self, B: int, context: int, capture_routing: bool) -> _StepGraph:
+    def _build(self, key: GraphKey) -> _StepGraph:
         # padding rows only (null-page writes) while warming up and capturing
-        inputs = torch.tensor([[0] * B, [self.table.pad_slot] * B, [0] * B], dtype=torch.int64, device=self.device)
+        row = [0] * key.tokens + [self.table.pad_slot, 0]
+        inputs = torch.tensor([row] * key.batch, dtype=torch.int64, device=self.device)
         if not self.capture:   # eager replays fill the outputs
             return _StepGraph(inputs, torch.empty(0, device=self.device), None)
-        logger.info("capturing the decode graph for batch %d, context bucket %d%s", B, context,
-                    " with routing capture" if capture_routing else "")
+        logger.info("capturing the decode graph for batch %d, %d token(s) per request, context bucket %d%s",
+                    key.batch, key.tokens, key.context, " with routing capture" if key.capture_routing else "")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # warm-up off the capture: Triton compiles, allocator settles
-            self._forward(inputs, context, capture_routing)
+            self._forward(inputs, key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, captured = self._forward(inputs, context, capture_routing)
+            logits, captured = self._forward(inputs, key)
         return _StepGraph(inputs, logits, captured, graph)
 
     def num_graphs(self) -> int:

@@ -22,10 +22,11 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from dsv4.config.engine import EngineConfig
+from dsv4.config.engine import EngineConfig, check_weight_format
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.request import RequestOutput
+from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.stop import OutputText
 from dsv4.model.loader import load_model
 
 
@@ -44,10 +45,10 @@ class LLM:
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         config = _engine_config(engine_args)
         path = Path(model)
-        self.model = load_model(path, dtype=dtype, device=device, weight_format=weight_format)
+        self.model = load_model(path, dtype=dtype, device=device, weight_format=check_weight_format(weight_format))
         tok_file = path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
-        self.engine = LLMEngine(self.model, config, self.tokenizer)
+        self.engine = LLMEngine(self.model, config)
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -64,10 +65,29 @@ class LLM:
         for ids, p in zip(token_lists, params, strict=True):   # validate everything before admitting anything
             self.engine.validate(ids, p)
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params, strict=True)]
+        texts = {r.rid: OutputText(self.tokenizer, r.params) for r in reqs} if self.tokenizer is not None else {}
         with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2) as bar:
             while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
-        return [RequestOutput.from_request(self.engine.pop(r.rid)) for r in reqs]
+                updated = self.engine.step()
+                for req in updated:
+                    if req.rid in texts:
+                        self._feed_text(req, texts[req.rid])
+                bar.update(sum(r.is_finished for r in updated))
+        return [self._output(self.engine.pop(r.rid), texts.get(r.rid)) for r in reqs]
+
+    def _feed_text(self, req: Request, text: OutputText) -> None:
+        """Detokenise the request's new tokens; a stop string in them finishes it in the engine."""
+        text.feed(req.output_ids[text.num_tokens:])
+        if text.stopped:
+            self.engine.finish(req.rid, "stop")
+        elif req.is_finished:
+            text.finish()
+
+    @staticmethod
+    def _output(req: Request, text: OutputText | None) -> RequestOutput:
+        if text is None:
+            return RequestOutput.from_request(req)
+        return RequestOutput.from_request(req, text.text, text.num_tokens, "stop" if text.stopped else None)
 
     def _token_lists(self, prompts: str | Sequence[str] | None,
                      prompt_token_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:

@@ -31,7 +31,17 @@ class StepShape:
     slots: list[int]
     starts: list[int]
     lens: list[int]
-    sample: list[bool]      # whether the request's last new token produces logits
+    num_logits: list[int]   # per request, how many of its last new tokens produce logits (0 <= k <= n)
+
+    def logits_index(self) -> list[int]:
+        """Rows (among the step's T tokens) whose logits are computed, request by request."""
+        rows: list[int] = []
+        end = 0
+        for n, k in zip(self.lens, self.num_logits, strict=True):
+            assert 0 <= k <= n, f"num_logits {k} outside [0, {n}]"
+            end += n
+            rows.extend(range(end - k, end))
+        return rows
 
 
 class _Coords:
@@ -91,12 +101,8 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
     """The ForwardContext of one step; `table.reserve` must already cover every new position."""
     host = torch.tensor([shape.slots, shape.starts, shape.lens], dtype=torch.int64)
     slots, starts, lens = host.to(device, non_blocking=True).unbind(0)
-    last, total = [], 0
-    for n, wants in zip(shape.lens, shape.sample, strict=True):
-        total += n
-        if wants:
-            last.append(total - 1)
-    logits_index = torch.tensor(last, dtype=torch.int64).to(device, non_blocking=True)
+    total = sum(shape.lens)
+    logits_index = torch.tensor(shape.logits_index(), dtype=torch.int64).to(device, non_blocking=True)
     max_end = max(s + n for s, n in zip(shape.starts, shape.lens, strict=True))
     return device_context(slots, starts, lens, logits_index, StepBounds(total, max_end, max(shape.lens)),
                           table, pools, model)

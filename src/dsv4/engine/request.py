@@ -2,8 +2,13 @@
 
 Length invariant: `num_cached <= len(all_ids)`; positions [0, num_cached) are in the KV cache and
 `all_ids[num_cached:]` are the tokens the next steps must feed (the rest of the prompt while
-prefilling, the last sampled token while decoding). A preempted request drops its cache
+prefilling, the tokens sampled last while decoding). A preempted request drops its cache
 (`num_cached = 0`) and later re-prefills prompt + output so far (recompute preemption).
+
+`all_ids` is kept incrementally (prompt, then every output token as `append_token` adds it), so
+reading it costs nothing at any context length; `append_token` and `overwrite_output` (teacher forcing)
+are the only writers of the outputs.
+The engine deals in token ids only: text, and stop strings, are the caller's (engine/stop.py).
 """
 
 from __future__ import annotations
@@ -11,14 +16,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from dsv4.cache.radix import LockHandle
 from dsv4.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from dsv4.cache.radix import LockHandle
 
 
 class ReqStatus(enum.Enum):
@@ -41,20 +43,41 @@ class Request:
     num_cached: int = 0
     cached_tokens: int = 0          # prompt tokens served from the prefix cache at (last) admission
     finish_reason: str | None = None
-    text: str = ""
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     routing: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     cache_lock: LockHandle | None = None     # this request's lock on its prefix-cache path
+    all_ids: list[int] = field(init=False)    # prompt_ids + output_ids, kept by append_token
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        assert not self.output_ids, "a request starts without output (append_token adds it)"
+        self.all_ids = list(self.prompt_ids)
+
+    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None, now: float) -> None:
+        """Add one sampled token (with its log-prob, top log-probs when asked, and its arrival time)."""
+        self.output_ids.append(token_id)
+        self.all_ids.append(token_id)
+        self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+        self.token_times.append(now)
+
+    def overwrite_output(self, index: int, token_id: int) -> None:
+        """Replace output token `index` before it is fed (teacher forcing); its position is not cached yet."""
+        position = len(self.prompt_ids) + index
+        assert position >= self.num_cached, f"output token {index} is already in the KV cache"
+        self.output_ids[index] = token_id
+        self.all_ids[position] = token_id
 
     @property
     def num_pending(self) -> int:
         """Tokens not yet in the cache (fed by the next steps)."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_cached
+        return len(self.all_ids) - self.num_cached
+
+    def check_integrity(self) -> None:
+        assert len(self.all_ids) == len(self.prompt_ids) + len(self.output_ids), "all_ids out of step"
+        assert self.all_ids[len(self.prompt_ids):] == self.output_ids, "all_ids does not end in the output"
+        assert 0 <= self.num_cached <= len(self.all_ids), "num_cached outside [0, len(all_ids)]"
 
     @property
     def is_finished(self) -> bool:
@@ -78,12 +101,17 @@ class RequestOutput:
     routing: dict[str, torch.Tensor] | None = None   # per-token captured routing (capture_routing=True)
 
     @staticmethod
-    def from_request(req: Request) -> RequestOutput:
-        times = [req.arrival_time, *req.token_times]
+    def from_request(req: Request, text: str = "", num_tokens: int | None = None,
+                     finish_reason: str | None = None) -> RequestOutput:
+        """The output of a finished request: its first `num_tokens` output tokens (all by default; fewer when
+        a stop string ended it inside a step's tokens), the caller's `text` and `finish_reason` (default:
+        the engine's)."""
+        n = len(req.output_ids) if num_tokens is None else num_tokens
+        times = [req.arrival_time, *req.token_times[:n]]
         routing = {k: torch.cat(v) for k, v in req.routing.items()} if req.routing else None
-        return RequestOutput(request_id=req.rid, prompt_token_ids=req.prompt_ids, token_ids=list(req.output_ids),
-                             text=req.text, logprobs=list(req.logprobs), top_logprobs=list(req.top_logprobs),
-                             finish_reason=req.finish_reason,
+        return RequestOutput(request_id=req.rid, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids[:n],
+                             text=text, logprobs=req.logprobs[:n], top_logprobs=req.top_logprobs[:n],
+                             finish_reason=finish_reason or req.finish_reason,
                              ttft=(req.token_times[0] - req.arrival_time) if req.token_times else None,
                              token_latencies=[b - a for a, b in zip(times[1:], times[2:], strict=False)],
                              cached_tokens=req.cached_tokens, routing=routing)

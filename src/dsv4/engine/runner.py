@@ -1,9 +1,11 @@
 """ModelRunner: owns the model, the KV pools, the request table and the per-request sampler state.
 
-`run(step)` builds the device metadata, runs the model's serving path and samples; decode steps replay
-CUDA graphs when `graphs` is set (engine/cuda_graph.py). The one host sync of a step is the `.tolist()`
-that returns the sampled token ids (plus their log-probs and, when captured, the routing) — the engine
-needs them to decide what to feed next.
+`run(step)` builds the device metadata, runs the model's serving path (replaying CUDA graphs when
+`graphs` serve the step's shape, engine/cuda_graph.py) and samples every logit row, then starts the copy
+of the results to the host and returns at once: a `StepOutput` holds the device tensors, their host
+copies in flight and the event that marks them done. `StepOutput.resolve()` is a step's one host sync
+(the `.tolist()` of the sampled tokens, their log-probs and, when captured, the routing); the engine
+calls it when it needs the tokens (an overlap scheduler would call it one step later).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig
-from dsv4.engine.cuda_graph import DecodeGraphs
+from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
-from dsv4.engine.sampler import SamplingBatch, sample
+from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
@@ -29,13 +31,86 @@ logger = init_logger(__name__)
 
 
 @dataclass
+class RequestTokens:
+    """The tokens one request got in a step (in order), with their log-probs and top log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]     # one dict per token ({} when the request asked for none)
+
+
+@dataclass
 class StepResult:
     """Host-side results for the requests of a step that sampled (in step order)."""
 
     requests: list[Request]
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
+    outputs: list[RequestTokens]
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start a device -> host copy into pinned memory (no wait); a CPU tensor is returned as it is."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+class StepOutput:
+    """A step's sampled tokens on the device and their host copies in flight.
+
+    `rows[i]` logit rows of the step belong to `requests[i]` (consecutive, in step order). Holding one
+    does not block; `resolve()` waits for the copies (the step's one host sync) and returns the host
+    lists. The device tensors stay valid after the next step is launched (they are not graph outputs)."""
+
+    def __init__(self, step: ScheduledStep, requests: list[Request], rows: list[int],
+                 sampled: SampleOutput | None, captured: Captured | None, device: torch.device) -> None:
+        self.step, self.requests, self.rows, self.sampled = step, requests, rows, sampled
+        self._host = None if sampled is None else [
+            _to_host(t) for t in (sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+            if t is not None]
+        self._routing = None if captured is None else {
+            key: _to_host(torch.stack(per_layer, dim=1)) for key, per_layer in captured.items()}
+        self._done: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._result: StepResult | None = None
+
+    def resolve(self) -> StepResult:
+        """Wait for the host copies and split them per request (sync point: the step's tokens). The
+        request-side effects (captured routing stored per request) happen once, on the first call."""
+        if self._result is None:
+            if self._done is not None:
+                self._done.synchronize()
+            if self._routing is not None:
+                _store_routing(self.step, self._routing)
+            self._result = self._split()
+        return self._result
+
+    def _split(self) -> StepResult:
+        if self._host is None:
+            return StepResult([], [])
+        token_ids, logprobs, *top = (t.tolist() for t in self._host)
+        outputs, row = [], 0
+        for req, n in zip(self.requests, self.rows, strict=True):
+            k = req.params.logprobs or 0
+            tops = [dict(zip(top[0][r][:k], top[1][r][:k], strict=True)) if top else {}
+                    for r in range(row, row + n)]
+            outputs.append(RequestTokens(token_ids[row:row + n], logprobs[row:row + n], tops))
+            row += n
+        return StepResult(self.requests, outputs)
+
+
+def _store_routing(step: ScheduledStep, routing: dict[str, torch.Tensor]) -> None:
+    """Split the step's captured routing per request: experts [n, layers, k], indexer [n, csa_layers, k]."""
+    lens = step.shape.lens
+    for key, stacked in routing.items():                            # [T, layers, k] on the host
+        for req, start, part in zip(step.requests, step.shape.starts, stacked.split(lens), strict=True):
+            history = req.routing.setdefault(key, [])
+            total = sum(t.shape[0] for t in history)
+            if start < total:  # re-prefill after preemption: the recomputed routing replaces the old
+                req.routing[key] = history = [torch.cat(history)[:start]]
+            history.append(part)
 
 
 class ModelRunner:
@@ -69,22 +144,22 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch)
 
     @torch.no_grad()
-    def run(self, step: ScheduledStep) -> StepResult:
+    def run(self, step: ScheduledStep) -> StepOutput:
+        """Launch the step (forward, sampling, host copies); nothing here waits for the device."""
         self._reset_penalty_rows(step)
         if self.graphs is not None and self.graphs.fits(step.shape):
             logits, captured = self.graphs.run(step.input_ids, step.shape, self.config.capture_routing)
         else:
             logits, captured = self._forward_eager(step)
-        sampled = [r for r, s in zip(step.requests, step.shape.sample, strict=True) if s]
-        result = StepResult(sampled, [], [], [])
-        if sampled:
-            self._sample(logits, sampled, result)
-        if captured is not None:
-            self._store_routing(step, captured)
-        return result
+        pairs = [(r, k) for r, k in zip(step.requests, step.shape.num_logits, strict=True) if k > 0]
+        requests, rows = [r for r, _ in pairs], [k for _, k in pairs]
+        row_reqs = [r for r, k in pairs for _ in range(k)]
+        steps = [len(r.output_ids) + j for r, k in pairs for j in range(k)]
+        sampled = self._sample(logits, row_reqs, steps) if row_reqs else None
+        return StepOutput(step, requests, rows, sampled, captured, self.device)
 
-    def _forward_eager(self, step: ScheduledStep) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]] | None]:
-        """Logits [R, V] fp32 of the sampling requests (and the routing when captured), without graphs."""
+    def _forward_eager(self, step: ScheduledStep) -> tuple[torch.Tensor, Captured | None]:
+        """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without graphs."""
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
         ctx.ops = self.ops
         if self.config.capture_routing:
@@ -92,25 +167,19 @@ class ModelRunner:
         ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.forward_batch(ids, ctx), ctx.captured
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], result: StepResult) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int]) -> SampleOutput:
+        """Sample every logit row (row i belongs to reqs[i], its output index steps[i]) and count the tokens
+        in the penalty state. Rows of one request sample from the request's state at the step's start."""
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
-        batch = SamplingBatch.build([r.params for r in reqs], [len(r.output_ids) for r in reqs],
-                                    [r.seed for r in reqs], self.device, vocab_size=logits.shape[-1])
+        batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs], self.device,
+                                    vocab_size=logits.shape[-1])
         counts = self.token_counts[slots] if batch.do_penalties else None
         seen = self.seen[slots] if batch.do_penalties else None
         out = sample(logits, batch, counts, seen)
-        self.token_counts[slots, out.token_ids] += 1
+        ones = torch.ones_like(out.token_ids, dtype=torch.int32)
+        self.token_counts.index_put_((slots, out.token_ids), ones, accumulate=True)
         self.seen[slots, out.token_ids] = True
-        # sync point: the sampled tokens (and their log-probs) go back to the scheduler
-        result.token_ids = out.token_ids.tolist()
-        result.logprobs = out.logprobs.tolist()
-        if out.top_ids is not None and out.top_logprobs is not None:
-            top_ids, top_lp = out.top_ids.tolist(), out.top_logprobs.tolist()
-            for i, r in enumerate(reqs):
-                n = r.params.logprobs or 0
-                result.top_logprobs.append(dict(zip(top_ids[i][:n], top_lp[i][:n], strict=True)))
-        else:
-            result.top_logprobs = [{} for _ in reqs]
+        return out
 
     def _reset_penalty_rows(self, step: ScheduledStep) -> None:
         """A request starting from position 0 (new or re-admitted) gets fresh penalty rows."""
@@ -122,15 +191,3 @@ class ModelRunner:
                 if req.output_ids:
                     out = torch.tensor(req.output_ids, device=self.device)
                     self.token_counts[req.slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-
-    def _store_routing(self, step: ScheduledStep, captured: dict[str, list[torch.Tensor]]) -> None:
-        """Split the step's captured routing per request: experts [n, layers, k], indexer [n, csa_layers, k]."""
-        lens = step.shape.lens
-        for key, per_layer in captured.items():
-            stacked = torch.stack(per_layer, dim=1).cpu()                     # [T, layers, k]
-            for req, start, part in zip(step.requests, step.shape.starts, stacked.split(lens), strict=True):
-                history = req.routing.setdefault(key, [])
-                total = sum(t.shape[0] for t in history)
-                if start < total:  # re-prefill after preemption: the recomputed routing replaces the old
-                    req.routing[key] = history = [torch.cat(history)[:start]]
-                history.append(part)

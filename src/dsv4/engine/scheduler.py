@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from dsv4.cache.radix import RadixPrefixCache
+from dsv4.cache.prefix_cache import PrefixCache
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig
 from dsv4.engine.metadata import StepShape
@@ -38,7 +38,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, table: RequestTable, cache: RadixPrefixCache | None = None) -> None:
+    def __init__(self, config: EngineConfig, table: RequestTable, cache: PrefixCache) -> None:
         self.config, self.table, self.cache = config, table, cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -103,8 +103,6 @@ class Scheduler:
 
     def _open(self, req: Request) -> int:
         """A request slot for `req`, starting after its longest SWA-safe cached prefix (locked)."""
-        if self.cache is None:
-            return self.table.open()
         match = self.cache.match(req.all_ids)
         req.cache_lock = self.cache.lock(match.node, match.length)
         req.num_cached = match.length
@@ -113,7 +111,7 @@ class Scheduler:
     def _close(self, req: Request, slot: int) -> None:
         """Undo `_open` for a request that could not be admitted after all."""
         self.table.free(slot)
-        if self.cache is not None and req.cache_lock is not None:
+        if req.cache_lock is not None:
             self.cache.unlock(req.cache_lock)
         req.cache_lock, req.num_cached = None, 0
 
@@ -126,7 +124,7 @@ class Scheduler:
 
     def _cache_insert(self, req: Request) -> None:
         """Hand the request's complete pages to the prefix cache and move its lock to the new path end."""
-        assert self.cache is not None and req.slot is not None
+        assert req.slot is not None
         pages = req.num_cached // self.table.P
         if pages == 0:
             return
@@ -140,15 +138,15 @@ class Scheduler:
 
     def _step(self, chosen: list[tuple[Request, int]]) -> ScheduledStep:
         input_ids: list[int] = []
-        slots, starts, lens, sample = [], [], [], []
+        slots, starts, lens, num_logits = [], [], [], []
         for req, n in chosen:
             assert req.slot is not None
             input_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
             slots.append(req.slot)
             starts.append(req.num_cached)
             lens.append(n)
-            sample.append(req.num_cached + n == len(req.prompt_ids) + len(req.output_ids))
-        return ScheduledStep([r for r, _ in chosen], StepShape(slots, starts, lens, sample), input_ids)
+            num_logits.append(int(req.num_cached + n == len(req.all_ids)))   # the last token samples
+        return ScheduledStep([r for r, _ in chosen], StepShape(slots, starts, lens, num_logits), input_ids)
 
     def after_step(self, step: ScheduledStep) -> None:
         """Advance the cached length of every request in the step and release out-of-window SWA pages."""
@@ -158,13 +156,11 @@ class Scheduler:
             before = req.num_cached
             req.num_cached += n
             assert req.slot is not None
-            if self.cache is not None:
-                self._update_cache(req, before)
+            self._update_cache(req, before)
             self.table.release_swa(req.slot, req.num_cached)
 
     def _update_cache(self, req: Request, before: int) -> None:
         """Insert completed prefill pages; drop the SWA lock once the request is a horizon past its path."""
-        assert self.cache is not None
         P = self.table.P
         if req.num_cached - before > 1 and req.num_cached // P > before // P:
             self._cache_insert(req)
@@ -189,11 +185,10 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.slot is not None:
-            if self.cache is not None:
-                req.status = ReqStatus.FINISHED   # the pages stop being written: tombstone recovery allowed
-                self._cache_insert(req)
+            req.status = ReqStatus.FINISHED       # the pages stop being written: tombstone recovery allowed
+            self._cache_insert(req)
             self.table.free(req.slot)             # private pages first: the lock still pins the shared ones
-            if self.cache is not None and req.cache_lock is not None:
+            if req.cache_lock is not None:
                 self.cache.unlock(req.cache_lock)
             req.cache_lock = None
             req.slot = None

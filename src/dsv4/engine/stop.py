@@ -1,6 +1,11 @@
 """Text-level stop handling for one request: incremental detokenization and stop strings.
 
-Owns two small per-request state machines:
+The engine deals in token ids; its callers turn them into text here: the API process (one `OutputText`
+per choice, server/generation.py) and the offline `LLM` (engine/llm.py) use the same object, so both
+stop at the same token with the same text. A stop string that ends the request is reported back to
+the engine, which finishes it (`LLMEngine.finish(rid, "stop")`).
+
+Owns two small per-request state machines, and `OutputText`, which runs both over a request's tokens:
 
 * :class:`IncrementalDetokenizer` turns output token ids into text one token at a time. Its
   text is append-only and never contains a partial UTF-8 character: a byte-level BPE token
@@ -19,7 +24,11 @@ Test: ``pytest tests/engine/test_stop.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer
+
+from dsv4.engine.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -145,3 +154,38 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._text += delta
         return delta
+
+
+class OutputText:
+    """One request's output text: incremental detokenisation, then its stop strings.
+
+    `feed(token_ids)` takes the request's next tokens (one step's worth, in order) and returns how many of
+    them the request keeps: all of them, or, when a stop string completes inside them, those up to and
+    including the token that completed it (the rest are dropped; the request is `stopped`). `text` is the
+    text that may be shown now (stop string excluded, possible stop-string starts held back); `finish()`
+    releases what is held back once the request ended for another reason (eos, length)."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self._stop = StopChecker(params.stop)
+        self.text = ""
+        self.num_tokens = 0          # tokens kept so far
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    def feed(self, token_ids: Sequence[int]) -> int:
+        assert not self.stopped, "feeding a request a stop string has ended"
+        for i, token_id in enumerate(token_ids):
+            self._detok.add(token_id)
+            self.num_tokens += 1
+            self.text, stopped = self._stop.feed(self._detok.text)
+            if stopped:
+                return i + 1
+        return len(token_ids)
+
+    def finish(self) -> None:
+        if not self.stopped:
+            self._detok.flush()
+            self.text, _ = self._stop.feed(self._detok.text, is_final=True)

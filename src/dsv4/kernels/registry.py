@@ -8,19 +8,36 @@ with the valid names; nothing falls back silently.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from dsv4.config.engine import KERNEL_BACKENDS, KernelBackend
+from dsv4.kernels.ops import (
+    CompressOp,
+    CompressPairOp,
+    IndexScoresOp,
+    KvNormRopeStoreOp,
+    MhcHeadOp,
+    MhcPostOp,
+    MhcPreOp,
+    QNormRopeOp,
+    RmsNormOp,
+    RopeInverseOp,
+    RoutedExpertsOp,
+    RoutedExpertsQuantOp,
+    SparseAttentionOp,
+    TopKOp,
+)
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair
 from dsv4.kernels.ref.indexer import paged_index_scores
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
-from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rope_inverse
+from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rms_norm, rope_inverse
 from dsv4.kernels.ref.topk import topk_ragged
-from dsv4.model.layers.norm import rms_norm
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -28,25 +45,23 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class KernelOps:
-    name: str
-    sparse_attention: Callable[..., torch.Tensor]     # sparse_attention_multi(q, sources, sink, scale)
-    compress: Callable[..., None]                     # compress_cached(kv, score, ring_kv, ring_score, index,
-                                                      #   norm_weight, eps, cos, sin, out): in place
-    compress_pair: Callable[..., None]                # compress_cached_pair(first, second, index, eps, cos, sin):
-                                                      #   a CSA layer's two compressors, in place
-    index_scores: Callable[..., torch.Tensor]         # paged_index_scores(q, weights, keys, candidates)
-    topk: Callable[..., torch.Tensor]                 # topk_ragged(scores, lengths, k) -> entry ids, -1 = none
-    routed_experts: Callable[..., torch.Tensor]       # routed_experts(x, w1, w2, w3, indices, weights, limit)
-    mhc_pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # mhc_pre(x, fn, scale, base, n, iters,
-                                                      #   hc_eps, norm_eps) -> (h, post, comb)
-    mhc_post: Callable[..., torch.Tensor]             # mhc_post(f, x, post, comb)
-    mhc_head: Callable[..., torch.Tensor]             # mhc_head(x, fn, scale, base, hc_eps, norm_eps)
-    routed_experts_quant: Callable[..., torch.Tensor]  # routed_experts_quant(x, w13, w13_scale, w2, w2_scale,
-                                                       #   indices, weights, limit, fmt): checkpoint-format experts
-    q_norm_rope: Callable[..., torch.Tensor]          # q_norm_rope(q, cos, sin, eps) -> q
-    kv_norm_rope_store: Callable[..., None]           # kv_norm_rope_store(kv, weight, eps, cos, sin, pool, slots)
-    rope_inverse: Callable[..., torch.Tensor]         # rope_inverse(o, cos, sin) -> o
-    rms_norm: Callable[..., torch.Tensor]             # rms_norm(x, weight, eps) -> x
+    """One backend's ops; each field's Protocol (kernels/ops.py) gives its signature and reference."""
+
+    name: KernelBackend
+    sparse_attention: SparseAttentionOp
+    compress: CompressOp
+    compress_pair: CompressPairOp
+    index_scores: IndexScoresOp
+    topk: TopKOp
+    routed_experts: RoutedExpertsOp
+    mhc_pre: MhcPreOp
+    mhc_post: MhcPostOp
+    mhc_head: MhcHeadOp
+    routed_experts_quant: RoutedExpertsQuantOp
+    q_norm_rope: QNormRopeOp
+    kv_norm_rope_store: KvNormRopeStoreOp
+    rope_inverse: RopeInverseOp
+    rms_norm: RmsNormOp
 
 
 def _ref() -> KernelOps:
@@ -67,8 +82,6 @@ def _triton() -> KernelOps:
     GEMMs). fp32 models agree to rounding (tests/kernels/test_engine_triton_backend.py); the bf16 agreement is
     measured by benchmarks/engine_backend_check.py.
     """
-    import os
-
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set TRITON_INTERPRET=1); "
                          "allowed on this machine: 'ref'")
@@ -94,14 +107,15 @@ def _triton() -> KernelOps:
                      triton_rope_inverse, triton_rms_norm)
 
 
-_BACKENDS: dict[str, Callable[[], KernelOps]] = {"ref": _ref, "triton": _triton}
-KERNEL_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
+_BACKENDS: dict[KernelBackend, Callable[[], KernelOps]] = {"ref": _ref, "triton": _triton}
+assert tuple(_BACKENDS) == KERNEL_BACKENDS, "every KernelBackend name has a builder"
 REF = _ref()
 
 
-def create_kernels(name: str) -> KernelOps:
+def create_kernels(name: KernelBackend) -> KernelOps:
+    """The ops of backend `name`, logged once; an unknown name raises with the allowed names."""
     if name not in _BACKENDS:
-        raise ValueError(f"kernel_backend={name!r} is not registered; allowed: {sorted(_BACKENDS)}")
+        raise ValueError(f"kernel_backend={name!r} is not registered; allowed: {list(KERNEL_BACKENDS)}")
     ops = _BACKENDS[name]()
     logger.info("kernel backend: %s", ops.name)
     return ops

@@ -20,11 +20,12 @@ from torch import nn
 from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.attention import sparse_attention
+from dsv4.kernels.ref.rope_norm import apply_rope, rms_normalize
 from dsv4.model.compressor import Compressor
 from dsv4.model.forward_context import CompressPlan, ForwardContext
+from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.indexer import Indexer
-from dsv4.model.layers.norm import RMSNorm, rms_normalize
-from dsv4.model.layers.rope import apply_rope
+from dsv4.model.layers.norm import RMSNorm
 
 
 def window_indices(batch: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -114,18 +115,21 @@ class Attention(nn.Module):
         return self.wo_b(z.flatten(2))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None = None,
-                layer_id: int = -1) -> torch.Tensor:
-        """x: [B, S, d] (serving path: [1, T, d]); cos/sin: [S, rd/2] of this layer's table -> [B, S, d]."""
+                layer_id: int = -1, *, mode: ForwardMode | None = None) -> torch.Tensor:
+        """x: [B, S, d] (serving path: [1, T, d]); cos/sin: [S, rd/2] of this layer's table -> [B, S, d].
+        A serving step passes its `ctx`; a full-sequence forward its `mode`."""
         if ctx is not None:
             return self.forward_cached(x, cos, sin, ctx, ctx.caches[layer_id])
-        return self.forward_full(x, cos, sin)
+        assert mode is not None, "a full-sequence forward needs a ForwardMode"
+        return self.forward_full(x, cos, sin, mode)
 
-    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
         """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] of this layer's RoPE table -> [B, S, d].
 
-        With autograd on (training) the same softmax runs as dense masked attention (`dense_masked_attention`):
-        the gathered form's backward scatters every key into hundreds of query rows, which on a GPU costs
-        ~90% of a training step; the dense form is two matmuls. Both are tested equal."""
+        `mode.attention` "gathered": the serving path's formulation (one index row per query into the flat
+        [window keys | entries] buffer); "dense": the same softmax as masked dense attention
+        (`dense_masked_attention`), two matmuls whose backward is cheap where the gathered form's scatters
+        every key into hundreds of query rows. Both are tested equal (model/forward_mode.py)."""
         B, S, _ = x.shape
         q, kv, q_lat = self.qkv(x, cos, sin)
         entries, picks = None, None
@@ -135,7 +139,7 @@ class Attention(nn.Module):
                 picks = self.indexer(x, q_lat, cos, sin)                       # [B, S, k]
             else:
                 picks = dense_entry_indices(B, S, entries.shape[1], self.compressor.ratio, x.device)
-        if torch.is_grad_enabled():
+        if mode.attention == "dense":
             o = dense_masked_attention(q, kv, entries, picks, self.window, self.attn_sink, self.scale)
             return self.output(o, cos, sin)
         keys, idx = kv.reshape(B * S, -1), window_indices(B, S, self.window, x.device)

@@ -8,6 +8,7 @@ from torch import nn
 from dsv4.config.model import ModelConfig
 from dsv4.model.attention import Attention
 from dsv4.model.forward_context import ForwardContext
+from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.hyper_connection import HyperConnection
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.moe import MoE
@@ -25,9 +26,13 @@ class Block(nn.Module):
         self.hc_ffn = HyperConnection(config)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: ForwardContext | None = None) -> torch.Tensor:
-        """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at the tokens' positions -> [B, S, n, d]."""
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None) -> torch.Tensor:
+        """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at the tokens' positions -> [B, S, n, d].
+
+        Exactly one of `ctx` (a serving step) and `mode` (a full-sequence forward) is given."""
+        assert (ctx is None) != (mode is None), "pass a serving ctx or a full-sequence mode, not both"
         h, post, comb = self.hc_attn.pre(x, ctx)
-        x = HyperConnection.post(self.attn(self.attn_norm(h, ctx), cos, sin, ctx, self.layer_id), x, post, comb, ctx)
+        o = self.attn(self.attn_norm(h, ctx), cos, sin, ctx, self.layer_id, mode=mode)
+        x = HyperConnection.post(o, x, post, comb, ctx)
         h, post, comb = self.hc_ffn.pre(x, ctx)
-        return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx), input_ids, ctx), x, post, comb, ctx)
+        return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx), input_ids, ctx, mode=mode), x, post, comb, ctx)

@@ -13,9 +13,9 @@ from torch import nn
 
 from dsv4.cache.pools import RingState
 from dsv4.kernels.ref.compressor import CompressTarget, compress_windows
+from dsv4.kernels.ref.rope_norm import apply_rope
 from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.layers.norm import RMSNorm
-from dsv4.model.layers.rope import apply_rope
 
 
 class Compressor(nn.Module):

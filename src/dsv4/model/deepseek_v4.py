@@ -16,6 +16,7 @@ from torch import nn
 from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
 from dsv4.model.forward_context import ForwardContext
+from dsv4.model.forward_mode import INFERENCE, ForwardMode
 from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import RotaryEmbedding
@@ -63,14 +64,14 @@ class DeepSeekV4ForCausalLM(nn.Module):
         pos = torch.arange(seq_len, device=device)
         return {"main": self.rope_main(pos), "compress": self.rope_compress(pos)}
 
-    def forward_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_streams(self, input_ids: torch.Tensor, mode: ForwardMode = INFERENCE) -> torch.Tensor:
         """input_ids: [B, S] -> the streams after the last block, [B, S, n, d] (MTP's input)."""
         e = self.embed(input_ids)
         x = e.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
         tables = self.rope_tables(input_ids.shape[1], input_ids.device)
         for layer in self.layers:
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
-            x = layer(x, input_ids, cos, sin)
+            x = layer(x, input_ids, cos, sin, mode=mode)
         return x
 
     def forward_batch(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -91,15 +92,24 @@ class DeepSeekV4ForCausalLM(nn.Module):
         """hidden: [B, S, d] normed final state -> fp32 logits [B, S, V]."""
         return self.head(hidden).float()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: LongTensor [B, S] -> logits FloatTensor [B, S, V] (fp32)."""
-        return self.logits(self.norm(self.hc_head(self.forward_streams(input_ids))))
+    def forward(self, input_ids: torch.Tensor, mode: ForwardMode = INFERENCE) -> torch.Tensor:
+        """input_ids: LongTensor [B, S] -> logits FloatTensor [B, S, V] (fp32), computed as `mode` says
+        (model/forward_mode.py: INFERENCE, or TRAINING for a cheap backward)."""
+        return self.logits(self.norm(self.hc_head(self.forward_streams(input_ids, mode))))
 
-    def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
+    def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, depth: int = 0,
+                   mode: ForwardMode = INFERENCE) -> torch.Tensor:
         """MTP block `depth` on the main streams [B, S, n, d] and the ids one step ahead [B, S] -> [B, S, V]."""
         if not 0 <= depth < len(self.mtp):
             raise ValueError(f"mtp depth={depth} out of range; the model has {len(self.mtp)} MTP layers")
         cos, sin = self.rope_tables(next_ids.shape[1], next_ids.device)["main"]
         mtp: MTPBlock = self.mtp[depth]  # type: ignore[assignment]
-        hidden = mtp.hidden(streams, self.embed(next_ids), next_ids, cos, sin)
+        hidden = mtp.hidden(streams, self.embed(next_ids), next_ids, cos, sin, mode)
         return self.logits(hidden)
+
+
+def num_params(config: ModelConfig) -> int:
+    """Parameter count of the main model (no MTP), computed from the shapes on the meta device."""
+    with torch.device("meta"):
+        model = DeepSeekV4ForCausalLM(config)
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))

@@ -1,6 +1,7 @@
 """ForwardContext: what the serving path of the model needs for one step (batch metadata + cache).
 
-`None` means the full-sequence (training) path. The engine flattens the new tokens of every
+A layer given one runs the serving path over the paged pools; a full-sequence forward passes a
+`ForwardMode` instead (model/forward_mode.py). The engine flattens the new tokens of every
 request into one row of T tokens; all index tensors below are device tensors built by index
 arithmetic (engine/metadata.py), so a step has no per-request Python work inside the model.
 """

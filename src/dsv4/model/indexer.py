@@ -12,9 +12,9 @@ from torch import nn
 from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.indexer import causal_topk, index_scores
+from dsv4.kernels.ref.rope_norm import apply_rope
 from dsv4.model.compressor import Compressor
 from dsv4.model.forward_context import CompressPlan, ForwardContext
-from dsv4.model.layers.rope import apply_rope
 
 
 class Indexer(nn.Module):

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
+from dsv4.config.engine import WeightFormat, check_weight_format
 from dsv4.config.model import ModelConfig
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.moe import Experts
-from dsv4.model.quant_experts import QuantExperts, check_weight_format
+from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.state_dict_adapter import is_hf_name
 from dsv4.model.weights import checkpoint_keys, load_weights, shard_files
 from dsv4.utils.logging import init_logger
@@ -43,7 +44,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                weight_format: str = "bf16") -> DeepSeekV4ForCausalLM:
+                weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
     """Uninitialised model with the right dtypes on `device` (contents are garbage until loaded).
 
     weight_format "checkpoint": routed experts are `QuantExperts` (FP4 codes + scales, as official V4 stores them).
@@ -71,7 +72,7 @@ def _mtp_checked(config: ModelConfig, keys: list[str]) -> ModelConfig:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
-               progress: bool = True, weight_format: str = "bf16") -> DeepSeekV4ForCausalLM:
+               progress: bool = True, weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
     """Load a DeepSeek-V4 checkpoint (official or transformers layout) for inference or training.
 
     weight_format: "bf16" dequantises the FP4 / FP8 weights to `dtype`; "checkpoint" keeps the routed experts in

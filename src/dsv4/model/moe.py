@@ -15,6 +15,7 @@ from torch import nn
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_dense, swiglu
 from dsv4.model.forward_context import ForwardContext
+from dsv4.model.forward_mode import ForwardMode
 
 
 class Gate(nn.Module):
@@ -53,13 +54,14 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, inter, d))
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None) -> torch.Tensor:
-        if ctx is None and torch.is_grad_enabled():
-            # Training: the per-expert loop costs ~5 launches per expert and a host sync per layer, and its
-            # token counts break torch.compile graphs; the dense form is three GEMMs (tested equal). As with
-            # `Attention.forward_full`, the serving and no-grad paths keep the sparse reference.
-            return routed_experts_dense(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
-        fn = routed_experts if ctx is None else ctx.ops.routed_experts
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None) -> torch.Tensor:
+        """u [N, d] -> [N, d] fp32. Serving (`ctx`): the backend's op. Full sequence: `mode.experts` "sparse"
+        runs the per-expert reference (the `ref` backend's op); "dense" runs three GEMMs over all experts (no
+        data-dependent shapes or host syncs: what training and torch.compile want; tested equal)."""
+        if ctx is not None:
+            return ctx.ops.routed_experts(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
+        assert mode is not None, "a full-sequence forward needs a ForwardMode"
+        fn = routed_experts_dense if mode.experts == "dense" else routed_experts
         return fn(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
 
 
@@ -84,11 +86,12 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None, *,
+                mode: ForwardMode | None = None) -> torch.Tensor:
         """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
         u = x.reshape(-1, x.shape[-1])
         indices, weights = self.gate(u, input_ids.reshape(-1))
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
-        y = self.experts(u, indices, weights, ctx) + self.shared_experts(u).float()
+        y = self.experts(u, indices, weights, ctx, mode=mode) + self.shared_experts(u).float()
         return y.to(x.dtype).view_as(x)

@@ -16,6 +16,7 @@ from torch import nn
 
 from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
+from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
 
@@ -36,7 +37,7 @@ class MTPBlock(Block):
         return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
 
     def hidden(self, streams: torch.Tensor, embedded: torch.Tensor, input_ids: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+               cos: torch.Tensor, sin: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
         """-> the normed [B, S, d] state fed to the shared head (and this block's output streams)."""
-        x = super().forward(self.mix_inputs(streams, embedded), input_ids, cos, sin)
+        x = super().forward(self.mix_inputs(streams, embedded), input_ids, cos, sin, mode=mode)
         return self.norm(self.hc_head(x))

@@ -19,18 +19,13 @@ import torch
 from torch import nn
 
 from dsv4.config.model import ModelConfig
+from dsv4.kernels.ref import quant
 from dsv4.kernels.ref.moe import dequant_experts, routed_experts_quant
-from dsv4.model import quant
 from dsv4.model.forward_context import ForwardContext
+from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.moe import Experts
 
-WEIGHT_FORMATS = ("bf16", "checkpoint")
 EXPERT_FORMATS = ("fp4", "fp8")
-
-
-def check_weight_format(weight_format: str) -> None:
-    if weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"weight_format={weight_format!r} is invalid; allowed: {list(WEIGHT_FORMATS)}")
 
 
 def _shapes(fmt: str, E: int, inter: int, d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -67,8 +62,10 @@ class QuantExperts(nn.Module):
         return cls(config.n_routed_experts, config.moe_inter_dim, config.hidden_size, config.swiglu_limit, fmt)
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None) -> torch.Tensor:
-        """Same contract as `Experts.forward`: u [N, d] -> [N, d] fp32."""
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None) -> torch.Tensor:
+        """Same contract as `Experts.forward`: u [N, d] -> [N, d] fp32 (no "dense" form: serving only)."""
+        if ctx is None and (mode is None or mode.experts != "sparse"):
+            raise ValueError(f"checkpoint-format experts run the sparse form only; got mode={mode}")
         fn = routed_experts_quant if ctx is None else ctx.ops.routed_experts_quant
         return fn(u, self.w13, self.w13_scale, self.w2, self.w2_scale, indices, weights, self.limit, self.fmt)
 

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from dsv4.model import quant
+from dsv4.kernels.ref import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.state_dict_adapter import hf_to_official, is_hf_name

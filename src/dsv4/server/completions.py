@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dsv4.server.engine_client import ChoiceDelta
 from dsv4.server.errors import APIError, bad_request, error_body
 from dsv4.server.generation import ChoiceOutput, ClientGone, GenerationJob, build_params
-from dsv4.server.ipc import RequestDelta
 from dsv4.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
 from dsv4.server.tokenizer import ServerTokenizer
@@ -118,7 +118,7 @@ async def _stream(state: ServerState, job: GenerationJob, body: CompletionReques
     yield SSE_DONE
 
 
-def _chunk(tok: ServerTokenizer, choice: ChoiceOutput, delta: RequestDelta, body: CompletionRequest, prompt: str,
+def _chunk(tok: ServerTokenizer, choice: ChoiceOutput, delta: ChoiceDelta, body: CompletionRequest, prompt: str,
            offsets: dict[int, int]) -> CompletionChoice | None:
     first = choice.index not in offsets
     prefix = prompt if body.echo and first else ""

@@ -1,9 +1,14 @@
 """EngineClient: the API process's end of the IPC with the engine process.
 
 Owns the two ZMQ sockets (bound here; the engine connects), the routing table engine-request id ->
-(the HTTP job's queue, choice index, timing), the readiness state and the engine's liveness. One reader
-task receives every engine message and dispatches it: `Accepted`, `RequestDelta`, `RequestError` or
-`EngineGone` items go into the job's asyncio.Queue as `(index, item)`; stats replies resolve futures.
+(the HTTP job's queue, choice index, timing, output text), the readiness state and the engine's liveness.
+One reader task receives every engine message and dispatches it: `Accepted`, `ChoiceDelta`, `RequestError`
+or `EngineGone` items go into the job's asyncio.Queue as `(index, item)`; stats replies resolve futures.
+
+Text. The engine sends token ids; each route detokenises its request's tokens incrementally and applies
+its stop strings (engine/stop.py::OutputText, the object the offline `LLM` uses too). A stop string ends
+the choice at the token that completed it (later tokens of the delta are dropped) with finish_reason
+"stop", and the engine is told to finish the request (`AbortRequests(reason="stop")`).
 
 Invariants: a rid is in `_routes` from `submit` until its final delta, its error, its abort or the
 engine's death — whichever comes first — and afterwards nothing more is queued for it. Every send is
@@ -24,8 +29,10 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from tokenizers import Tokenizer
 
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.stop import OutputText
 from dsv4.server.errors import APIError, bad_request, unavailable
 from dsv4.server.ipc import (
     AbortRequests,
@@ -62,7 +69,21 @@ class EngineGone:
     message: str
 
 
-Item = Accepted | RequestDelta | RequestError | EngineGone
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one choice produced since its previous delta, as the client sees it: the tokens it keeps, the new
+    text that may be shown (stop strings excluded) and, on its last delta, why it finished."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    cached_tokens: int
+
+
+Item = Accepted | ChoiceDelta | RequestError | EngineGone
 JobQueue = asyncio.Queue[tuple[int, Item]]
 
 
@@ -71,11 +92,13 @@ class _Route:
     queue: JobQueue
     index: int
     timing: RequestTiming
+    text: OutputText
+    num_chars: int = 0          # characters of text already queued
 
 
 class EngineClient:
-    def __init__(self, paths: IpcPaths, metrics: ServerMetrics, max_inflight: int) -> None:
-        self.metrics, self.max_inflight = metrics, max_inflight
+    def __init__(self, paths: IpcPaths, metrics: ServerMetrics, max_inflight: int, tokenizer: Tokenizer) -> None:
+        self.metrics, self.max_inflight, self.tokenizer = metrics, max_inflight, tokenizer
         self._sync_ctx, self._async_ctx = zmq.Context(), zmq.asyncio.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)            # unbounded: the engine drains every step
@@ -123,9 +146,9 @@ class EngineClient:
         """Send engine requests `(rid, prompt_ids, params)`; their items arrive in `queue` as (index, item)."""
         self.check_available(len(requests))
         now = time.monotonic()
-        for index, (rid, _, _) in enumerate(requests):
+        for index, (rid, _, params) in enumerate(requests):
             assert rid not in self._routes, f"request id {rid} is already in flight"
-            self._routes[rid] = _Route(queue, index, RequestTiming(sent=now))
+            self._routes[rid] = _Route(queue, index, RequestTiming(sent=now), OutputText(self.tokenizer, params))
         try:
             for rid, prompt_ids, params in requests:
                 self._send(AddRequest(rid, prompt_ids, params))
@@ -198,11 +221,26 @@ class EngineClient:
     def _on_delta(self, delta: RequestDelta, now: float) -> None:
         route = self._routes.get(delta.rid)
         if route is None:
-            return  # aborted here while the delta was on its way
-        self.metrics.on_delta(route.timing, delta, now)
-        if delta.finish_reason is not None:
+            return  # aborted (or stopped) here while the delta was on its way
+        out = self._with_text(route, delta)
+        self.metrics.on_delta(route.timing, out, now)
+        if out.finish_reason is not None:
             del self._routes[delta.rid]
-        route.queue.put_nowait((route.index, delta))
+            if delta.finish_reason is None:          # a stop string: the engine is still generating
+                self._send(AbortRequests([delta.rid], reason="stop"), quiet=True)
+        route.queue.put_nowait((route.index, out))
+
+    @staticmethod
+    def _with_text(route: _Route, delta: RequestDelta) -> ChoiceDelta:
+        """Detokenise the delta's tokens and apply the stop strings: the tokens kept, the new text, the reason."""
+        keep = route.text.feed(delta.token_ids)
+        reason = "stop" if route.text.stopped else delta.finish_reason
+        if reason is not None and not route.text.stopped:
+            route.text.finish()
+        text = route.text.text[route.num_chars:]
+        route.num_chars = len(route.text.text)
+        return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep], text, reason,
+                           delta.num_prompt_tokens, delta.cached_tokens)
 
     # ---- liveness -----------------------------------------------------------------------------
     def engine_exited(self, exitcode: int | None) -> None:

@@ -5,7 +5,9 @@ the only LLMEngine, so the model and the scheduler never share a GIL with HTTP h
 
     drain the inbox (block up to IDLE_POLL_MS when idle) -> AddRequest / AbortRequests / StatsQuery / Shutdown;
                                                     one RequestsAccepted (or a RequestError per refused request)
-    engine.step() when there is work             -> one StepOutputs message with every request's delta
+    engine.step() when there is work             -> one StepOutputs message with the new tokens of every
+                                                    request the step advanced (token ids only: the API
+                                                    process detokenises and applies stop strings)
     on becoming idle                             -> engine.check_integrity() (a failure is fatal)
 
 Lifecycle: EngineReady after the model loads. SIGINT/SIGTERM are ignored here — the API process owns
@@ -18,17 +20,15 @@ Test: `pytest tests/server/test_lifecycle.py tests/server/test_disconnect.py tes
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import zmq
-from tokenizers import Tokenizer
 
 from dsv4.config.server import ServerConfig
 from dsv4.engine.engine import LLMEngine
@@ -88,22 +88,13 @@ def build_engine(config: ServerConfig) -> LLMEngine:
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     model = load_model(config.model, dtype=config.dtype, device=config.device, weight_format=config.weight_format)
-    tokenizer = Tokenizer.from_file(str(Path(config.model) / "tokenizer.json"))
-    return LLMEngine(model, config.engine_config, tokenizer)
-
-
-@dataclass
-class _Progress:
-    """How much of a request's output has been sent to the API process."""
-
-    num_tokens: int = 0
-    num_chars: int = 0
+    return LLMEngine(model, config.engine_config)
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
-        self._sent: dict[str, _Progress] = {}
+        self._sent: dict[str, int] = {}      # request id -> output tokens sent to the API process
         self._accepted: list[str] = []
         self.num_finished = self.num_aborted = 0
         self._stopping = False
@@ -113,7 +104,7 @@ class EngineLoop:
 
     def run(self) -> None:
         eng = self.engine
-        info = ModelInfo(context_length=eng.context_length, max_total_tokens=eng.runner.layout.max_total_tokens,
+        info = ModelInfo(context_length=eng.context_length, max_total_tokens=eng.max_total_tokens,
                          vocab_size=eng.vocab_size, eos_token_id=eng.eos_token_id)
         self._send(EngineReady(pid=_pid(), model=info))
         logger.info("engine ready: context %d tokens, KV cache %d tokens", info.context_length, info.max_total_tokens)
@@ -145,14 +136,14 @@ class EngineLoop:
             self._add(msg)
         elif isinstance(msg, AbortRequests):
             for rid in msg.rids:
-                self._abort(rid)
+                self._abort(rid, msg.reason)
         elif isinstance(msg, StatsQuery):
             if msg.flush_cache:
                 self.engine.flush_cache()
             self._send(StatsReply(msg.query_id, self.snapshot(msg.check_integrity)))
         elif isinstance(msg, ShutdownEngine):
             for rid in list(self._sent):
-                self._abort(rid)
+                self._abort(rid, "abort")
             self._stopping = True
         else:
             raise AssertionError(f"the engine cannot handle {type(msg).__name__}")
@@ -163,56 +154,45 @@ class EngineLoop:
         except ValueError as e:
             self._send(RequestError(msg.rid, str(e)))
             return
-        self._sent[msg.rid] = _Progress()
+        self._sent[msg.rid] = 0
         self._accepted.append(msg.rid)
         self._checked_idle = False
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, reason: str) -> None:
         if self._sent.pop(rid, None) is None:
             return  # already finished (its final delta is on the way) or never admitted
-        self.engine.abort(rid)
+        self.engine.finish(rid, reason)
         self.engine.pop(rid)
-        self.num_aborted += 1
+        if reason == "abort":
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
 
     # ---- stepping -------------------------------------------------------------------------------
     def _step(self) -> None:
-        finished = self.engine.step()
-        sched = self.engine.scheduler
-        deltas = [d for req in [*sched.running, *finished] if (d := self._delta(req)) is not None]
+        updated = self.engine.step()
+        deltas = [self._delta(req) for req in updated]
+        finished = [req for req in updated if req.is_finished]
         for req in finished:
             self.engine.pop(req.rid)
             del self._sent[req.rid]
         self.num_finished += len(finished)
-        self._send(StepOutputs(deltas, num_running=len(sched.running), num_waiting=len(sched.waiting)))
+        self._send(StepOutputs(deltas, num_running=self.engine.num_running, num_waiting=self.engine.num_waiting))
 
-    def _delta(self, req: Request) -> RequestDelta | None:
-        sent = self._sent[req.rid]
-        n, c = sent.num_tokens, sent.num_chars
-        if len(req.output_ids) == n and not req.is_finished:
-            return None
-        assert len(req.text) >= c, f"request {req.rid}: streamed text shrank ({len(req.text)} < {c} chars)"
+    def _delta(self, req: Request) -> RequestDelta:
+        n = self._sent[req.rid]
         top = [[(t, finite_logprob(lp)) for t, lp in d.items()] for d in req.top_logprobs[n:]]
-        delta = RequestDelta(rid=req.rid, token_ids=req.output_ids[n:],
-                             logprobs=[finite_logprob(lp) for lp in req.logprobs[n:]], top_logprobs=top,
-                             text=req.text[c:], finish_reason=req.finish_reason,
-                             num_prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
-        sent.num_tokens, sent.num_chars = len(req.output_ids), len(req.text)
-        return delta
+        self._sent[req.rid] = len(req.output_ids)
+        return RequestDelta(rid=req.rid, token_ids=req.output_ids[n:],
+                            logprobs=[finite_logprob(lp) for lp in req.logprobs[n:]], top_logprobs=top,
+                            finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
+                            cached_tokens=req.cached_tokens)
 
     # ---- state ----------------------------------------------------------------------------------
     def snapshot(self, check_integrity: bool = False) -> EngineSnapshot:
-        eng, table = self.engine, self.engine.runner.table
-        shared: set[int] = getattr(table, "shared", set())   # pages held by the prefix cache, when there is one
-        return EngineSnapshot(
-            pid=_pid(), num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
-            num_requests=len(eng.requests), full_free=table.full.num_free, full_usable=table.full.num_usable,
-            full_cached=len(shared), swa_free=table.swa.num_free, swa_usable=table.swa.num_usable,
-            swa_cached=sum(1 for p in shared if p in table.swa_of), free_slots=table.num_free_slots,
-            num_slots=eng.config.max_running_requests, steps=eng.stats.steps,
-            prefill_tokens=eng.stats.prefill_tokens, decode_tokens=eng.stats.decode_tokens,
-            num_finished=self.num_finished, num_aborted=self.num_aborted,
-            num_preemptions=eng.scheduler.num_preemptions,
-            integrity=self._integrity() if check_integrity else None)
+        return EngineSnapshot(pid=_pid(), **dataclasses.asdict(self.engine.snapshot()),
+                              num_finished=self.num_finished, num_aborted=self.num_aborted,
+                              integrity=self._integrity() if check_integrity else None)
 
     def _integrity(self) -> str:
         try:

@@ -22,9 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dsv4.engine.sampling_params import MAX_SEED, SamplingParams
-from dsv4.server.engine_client import Accepted, EngineClient, Item, JobQueue, raise_if_error
+from dsv4.server.engine_client import Accepted, ChoiceDelta, EngineClient, Item, JobQueue, raise_if_error
 from dsv4.server.errors import APIError, bad_request
-from dsv4.server.ipc import RequestDelta
 from dsv4.server.protocol import PromptTokensDetails, SamplingFields, Usage
 
 MAX_N = 128
@@ -48,7 +47,7 @@ class ChoiceOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
 
-    def apply(self, delta: RequestDelta) -> None:
+    def apply(self, delta: ChoiceDelta) -> None:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.top_logprobs += delta.top_logprobs
@@ -106,7 +105,7 @@ class GenerationJob:
             else:   # an accepted choice already produced output (the engine admits in batches)
                 self._early.append((index, item))
 
-    async def deltas(self) -> AsyncIterator[tuple[ChoiceOutput, RequestDelta]]:
+    async def deltas(self) -> AsyncIterator[tuple[ChoiceOutput, ChoiceDelta]]:
         """Yield each choice's deltas (already applied to it) until every choice has finished."""
         while self._open:
             index, item = await self._get(None)
@@ -125,8 +124,7 @@ class GenerationJob:
         self.client.abort([self._rids[k] for k in open_])
         for k in open_:
             c = self.choices[k]
-            self._queue.put_nowait((k, RequestDelta(self._rids[k], [], [], [], "", "abort", c.num_prompt_tokens,
-                                                    c.cached_tokens)))
+            self._queue.put_nowait((k, ChoiceDelta([], [], [], "", "abort", c.num_prompt_tokens, c.cached_tokens)))
 
     def close(self) -> None:
         """Abort whatever has not finished; idempotent."""
@@ -154,9 +152,9 @@ class GenerationJob:
                 if await is_disconnected():
                     raise ClientGone() from None
 
-    def _apply(self, index: int, item: Item) -> tuple[ChoiceOutput, RequestDelta] | None:
+    def _apply(self, index: int, item: Item) -> tuple[ChoiceOutput, ChoiceDelta] | None:
         self._fail_on_error(item)
-        if not isinstance(item, RequestDelta) or index not in self._open:
+        if not isinstance(item, ChoiceDelta) or index not in self._open:
             return None
         choice = self.choices[index]
         choice.apply(item)

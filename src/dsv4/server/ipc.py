@@ -41,7 +41,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequests:
+    """Finish these requests now: reason "abort" (client gone, /v1/abort, shutdown) or "stop" (the API
+    process found a stop string in their text)."""
+
     rids: list[str]
+    reason: str = "abort"
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,13 @@ class EngineReady:
 
 @dataclass(frozen=True)
 class RequestDelta:
-    """What one request produced since its previous delta. `text` is the new safe-to-stream text (stop
-    strings excluded); `top_logprobs[i]` lists (token id, logprob) pairs for `token_ids[i]`."""
+    """The tokens one request produced since its previous delta (the engine deals in token ids only; the
+    API process detokenises them). `top_logprobs[i]` lists (token id, logprob) pairs for `token_ids[i]`."""
 
     rid: str
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
-    text: str
     finish_reason: str | None
     num_prompt_tokens: int
     cached_tokens: int
@@ -115,8 +118,9 @@ class RequestError:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """Engine state for /metrics and the tests. Pages `*_cached` are held by the prefix cache (0 without one):
-    with no request in flight, `*_free + *_cached == *_usable` for both pools."""
+    """Engine state for /metrics and the tests: `LLMEngine.snapshot()` (engine/engine.py::EngineState) plus the
+    engine process's pid and what its loop counts. Pages `*_cached` are held by the prefix cache (0 without
+    one): with no request in flight, `*_free + *_cached == *_usable` for both pools."""
 
     pid: int
     num_running: int

@@ -71,7 +71,7 @@ def serve(config: ServerConfig) -> int:
     template = ChatTemplate.from_checkpoint(config.model)
     paths = IpcPaths.create()
     metrics = ServerMetrics()
-    client = EngineClient(paths, metrics, config.max_inflight_requests)
+    client = EngineClient(paths, metrics, config.max_inflight_requests, tokenizer.tokenizer)
     proc = multiprocessing.get_context("spawn").Process(target=run_engine_process, args=(config, paths),
                                                          name="dsv4-engine")
     proc.start()

@@ -15,8 +15,9 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from dsv4.server.ipc import EngineSnapshot, RequestDelta
+from dsv4.server.ipc import EngineSnapshot
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -44,6 +45,19 @@ class Histogram:
         return lines
 
 
+class Delta(Protocol):
+    """What the metrics read of a request's delta (the client's `ChoiceDelta`: tokens kept, final reason)."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+
+
 @dataclass
 class RequestTiming:
     """Per engine request: when it was sent and when its tokens arrived (time.monotonic seconds)."""
@@ -69,7 +83,7 @@ class ServerMetrics:
     generated_tokens: int = 0
     _recent: deque[tuple[float, int]] = field(default_factory=deque)
 
-    def on_delta(self, timing: RequestTiming, delta: RequestDelta, now: float) -> None:
+    def on_delta(self, timing: RequestTiming, delta: Delta, now: float) -> None:
         n = len(delta.token_ids)
         if n:
             if timing.first_token is None:
@@ -81,7 +95,7 @@ class ServerMetrics:
         if delta.finish_reason is not None:
             self._on_finish(timing, delta)
 
-    def _on_finish(self, timing: RequestTiming, delta: RequestDelta) -> None:
+    def _on_finish(self, timing: RequestTiming, delta: Delta) -> None:
         self.finished[delta.finish_reason or ""] = self.finished.get(delta.finish_reason or "", 0) + 1
         self.prompt_tokens += delta.num_prompt_tokens
         self.cached_tokens += delta.cached_tokens

@@ -20,6 +20,7 @@ from dsv4.checkpoint.tokenizer import ASSISTANT_TOKEN, USER_TOKEN
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.forward_mode import INFERENCE
 from dsv4.train.data import heldout_windows
 from dsv4.train.tasks import Problem, chat_messages, check_answer, eval_set
 from dsv4.train.trainer import lm_losses
@@ -42,7 +43,7 @@ def heldout_metrics(model: DeepSeekV4ForCausalLM, windows: Sequence[torch.Tensor
     device = next(model.parameters()).device
     loss = mtp_loss = correct = count = 0.0
     for w in windows:
-        out = lm_losses(model, w.to(device))
+        out = lm_losses(model, w.to(device), INFERENCE)
         loss += float(out["loss"])
         if "mtp_loss" in out:
             mtp_loss += float(out["mtp_loss"])

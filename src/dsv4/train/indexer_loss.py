@@ -13,11 +13,14 @@ returns the mean KL over the CSA layers of the last forward and clears it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dsv4.model.attention import Attention
+from dsv4.model.forward_mode import TRAINING
 
 
 def indexer_kl(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -47,12 +50,13 @@ class IndexerDistiller:
         self.losses: list[torch.Tensor] = []
         self.enabled = True
         self._handles: list[RemovableHandle] = [
-            m.register_forward_hook(self._hook) for m in model.modules()
+            m.register_forward_hook(self._hook, with_kwargs=True) for m in model.modules()
             if isinstance(m, Attention) and m.indexer is not None]
 
-    def _hook(self, module: nn.Module, args: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
-        if not self.enabled or not torch.is_grad_enabled() or len(args) > 3 and args[3] is not None:
-            return  # training forwards only (no serving context, grad on)
+    def _hook(self, module: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any],
+              _output: torch.Tensor) -> None:
+        if not self.enabled or kwargs.get("mode") is not TRAINING:
+            return  # TRAINING forwards only (never a serving step, an evaluation or an inference)
         assert isinstance(module, Attention)
         x, cos, sin = args[:3]
         self.losses.append(indexer_kl(module, x, cos, sin))

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dsv4.model import quant
+from dsv4.kernels.ref import quant
 
 # Internal names (stacked experts [E, out, in]) of the parameters the official layout quantises.
 _FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|\.e_proj|\.h_proj)"

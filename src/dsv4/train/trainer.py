@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.forward_mode import INFERENCE, TRAINING, ForwardMode
 from dsv4.train.balance import ExpertBalancer
 from dsv4.train.config import INVOCATION_FIELDS, TrainConfig
 from dsv4.train.data import TokenStream
@@ -40,16 +41,17 @@ logger = init_logger(__name__)
 SHIPPED_QUANT = "fp8+fp4"   # the layout the trained model is exported in; QAT rounds to it
 
 
-def lm_losses(model: DeepSeekV4ForCausalLM, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+def lm_losses(model: DeepSeekV4ForCausalLM, tokens: torch.Tensor, mode: ForwardMode) -> dict[str, torch.Tensor]:
     """tokens: [B, S+1] -> {"loss": next-token CE, "mtp_loss": CE of token t+2 from position t (if MTP),
-    "mtp_correct"/"mtp_count": top-1 hits of the MTP head} (scalars, not synced)."""
+    "mtp_correct"/"mtp_count": top-1 hits of the MTP head} (scalars, not synced). `mode`: TRAINING for a
+    step, INFERENCE for evaluation (model/forward_mode.py)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    streams = model.forward_streams(inputs)                                    # [B, S, n, d]
+    streams = model.forward_streams(inputs, mode)                              # [B, S, n, d]
     logits = model.logits(model.norm(model.hc_head(streams)))                  # [B, S, V] fp32
     out = {"loss": F.cross_entropy(logits.flatten(0, 1), targets.flatten())}
     if len(model.mtp) > 0:
         # position k: main streams at k + embedding of token k+1 -> predicts token k+2
-        mtp = model.mtp_logits(streams[:, :-1], targets[:, :-1])               # [B, S-1, V]
+        mtp = model.mtp_logits(streams[:, :-1], targets[:, :-1], mode=mode)    # [B, S-1, V]
         mtp_targets = tokens[:, 2:]
         out["mtp_loss"] = F.cross_entropy(mtp.flatten(0, 1), mtp_targets.flatten())
         out["mtp_correct"] = (mtp.argmax(-1) == mtp_targets).sum()
@@ -119,7 +121,7 @@ class Trainer:
         self.balancer.loads.clear()
         with self.shadow.rounded(self.qat_active(self.step)):
             with self._autocast():
-                losses = lm_losses(self.model, tokens)
+                losses = lm_losses(self.model, tokens, TRAINING)
             total = losses["loss"] + c.mtp_weight * losses.get("mtp_loss", torch.zeros((), device=self.device))
             indexer_kl = self.distiller.take()
             if indexer_kl is not None:
@@ -143,7 +145,7 @@ class Trainer:
         with self.shadow.rounded(self.qat_active(self.step)), torch.compiler.set_stance("force_eager"):
             for tokens in batches:
                 with self._autocast():
-                    losses = lm_losses(self.model, tokens.to(self.device))
+                    losses = lm_losses(self.model, tokens.to(self.device), INFERENCE)
                 for key in sums:
                     if key in losses:
                         sums[key] += float(losses[key])

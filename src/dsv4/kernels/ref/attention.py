@@ -8,6 +8,8 @@ rows, so the same function checks both paths.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # Bound on gathered elements per chunk (queries * keys * head_dim) so long sequences fit in memory.
@@ -25,7 +27,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     return sparse_attention_multi(q, [(kv, indices)], sink, scale)
 
 
-def sparse_attention_multi(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
+def sparse_attention_multi(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """One softmax over the union of several key buffers: sources = [(kv [N_i, D], indices [T, K_i])].
 

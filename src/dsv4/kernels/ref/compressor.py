@@ -16,8 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsv4.model.layers.norm import rms_normalize
-from dsv4.model.layers.rope import apply_rope
+from dsv4.kernels.ref.rope_norm import apply_rope, rms_normalize
 
 
 class CompressIndex(NamedTuple):

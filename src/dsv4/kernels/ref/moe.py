@@ -93,8 +93,8 @@ def pack_w13(w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: to
 
 
 def _dequant_stack(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """[E, out, in(/2)] codes + scales -> [E, out, in] `dtype`, one expert at a time with `dsv4.model.quant`."""
-    from dsv4.model.quant import dequant_fp4_group, dequant_fp8_block
+    """[E, out, in(/2)] codes + scales -> [E, out, in] `dtype`, one expert at a time with `dsv4.kernels.ref.quant`."""
+    from dsv4.kernels.ref.quant import dequant_fp4_group, dequant_fp8_block
 
     if fmt == "bf16":
         return w.to(dtype)

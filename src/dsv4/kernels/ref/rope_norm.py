@@ -1,20 +1,48 @@
-"""Reference per-token small ops of the attention block (spec §6.1-6.2), the executable specs of
-`kernels/triton/rope_norm.py` (same signatures):
+"""Reference RMSNorm and RoPE ops (spec §4, §6.1-6.2): the pure functions the model's layers use, and
+the per-token ops of the attention block that `kernels/triton/rope_norm.py` implements with the same
+signatures.
 
+    rms_normalize       x / rms(x)                           unweighted, statistics in fp32
+    rms_norm            w * x / rms(x)                       weighted (w fp32), cast once to x's dtype
+    apply_rope          interleaved partial RoPE             on the trailing 2 * cos.shape[-1] channels
     q_norm_rope         q = RoPE(q / rms(q))                 per head, unweighted norm (the q path after wq_b)
     kv_norm_rope_store  pool[slots] = RoPE(w * kv / rms(kv))  the window kv: weighted norm, RoPE, cache write
     rope_inverse        o = RoPE^-1(o)                        de-rotation of the attention output
 
-They compute exactly what `model/attention.py` computed inline before the ops existed (same torch ops in the
-same order), so the `ref` backend's serving path is unchanged bit for bit.
+The serving ops are compositions of the first three, the same torch ops in the same order as the
+full-sequence path of `model/attention.py`, so the `ref` backend computes what that path computes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv4.model.layers.norm import rms_norm, rms_normalize
-from dsv4.model.layers.rope import apply_rope
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, statistics in fp32, result in x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim in fp32 (weight fp32), cast to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2*cos.shape[-1] channels of x; `inverse` rotates by -φ (de-rotation).
+
+    x: [..., D]; cos/sin broadcastable to [..., rope_dim // 2]. Pairs are (x[2i], x[2i+1]) inside the
+    rope slice (GPT-J / complex layout). Computed in fp32, returned in x's dtype.
+    """
+    rd = 2 * cos.shape[-1]
+    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    if inverse:
+        sin = -sin
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
 
 
 def q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:

@@ -126,7 +126,7 @@ def triton_kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same contract as `model.layers.norm.rms_norm`: w * x / rms(x) over the last dim, in x's dtype (weight fp32)."""
+    """Same contract as `kernels.ref.rope_norm.rms_norm`: w * x / rms(x) over the last dim, in x's dtype."""
     if x.dtype not in _DTYPES or tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"x must be one of {[str(d) for d in _DTYPES]} and weight [{x.shape[-1]}]; got {x.dtype}, "
                          f"{list(weight.shape)}")

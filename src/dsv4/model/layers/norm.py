@@ -1,4 +1,4 @@
-"""RMSNorm, weighted and unweighted (spec §4, §6.2).
+"""The RMSNorm module (spec §4, §6.2); its ops are `kernels/ref/rope_norm.py::rms_norm` / `rms_normalize`.
 
 Statistics are always computed in fp32. The weighted norm keeps its weight in fp32 (as the
 reference does; the checkpoint stores it in bf16) and casts once at the end to the input dtype.
@@ -6,25 +6,11 @@ reference does; the checkpoint stores it in bf16) and casts once at the end to t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:   # (a runtime import would cycle: forward_context -> kernels -> ref ops -> this module)
-    from dsv4.model.forward_context import ForwardContext
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dim, statistics in fp32, result in x's dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim in fp32 (weight fp32), cast to x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
+from dsv4.kernels.ref.rope_norm import rms_norm
+from dsv4.model.forward_context import ForwardContext
 
 
 class RMSNorm(nn.Module):

@@ -63,18 +63,3 @@ class RotaryEmbedding(nn.Module):
         # positions: [...] int -> cos, sin: [..., rope_head_dim // 2] fp32
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
         return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2*cos.shape[-1] channels of x; `inverse` rotates by -φ (de-rotation).
-
-    x: [..., D]; cos/sin broadcastable to [..., rope_dim // 2]. Computed in fp32, returned in x's dtype.
-    """
-    rd = 2 * cos.shape[-1]
-    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    if inverse:
-        sin = -sin
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
-

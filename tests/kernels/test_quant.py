@@ -1,4 +1,4 @@
-"""Tests for dsv4.model.quant.
+"""Tests for dsv4.kernels.ref.quant.
 
 The reference decoders below are written from the format definitions with
 Python floats (sign / exponent / mantissa arithmetic) and deliberately avoid
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from dsv4.model import quant
-from dsv4.model.quant import (
+from dsv4.kernels.ref import quant
+from dsv4.kernels.ref.quant import (
     E2M1_MAX,
     E4M3_MAX,
     FP4_GROUP,

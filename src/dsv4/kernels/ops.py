@@ -1,0 +1,117 @@
+"""The signatures of the kernel ops: one Protocol per op of `KernelOps` (kernels/registry.py).
+
+Every backend implements each op with exactly this signature (mypy checks `ref` and `triton` against
+it), and the `ref` function named in each docstring is its executable specification: a fast version
+must return what the reference returns (to rounding where the docstring of its test says so). Shapes
+use T tokens of one serving step, H query heads, D head dim, E experts, V candidates per query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import Tensor
+
+from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget
+
+
+class SparseAttentionOp(Protocol):
+    """`ref/attention.py::sparse_attention_multi`: one softmax (with a per-head sink) over the union of
+    several key buffers; q [T, H, D], sources [(kv [N_i, D], indices [T, K_i])] -> o [T, H, D]."""
+
+    def __call__(self, q: Tensor, sources: Sequence[tuple[Tensor, Tensor]], sink: Tensor,
+                 scale: float) -> Tensor: ...
+
+
+class CompressOp(Protocol):
+    """`ref/compressor.py::compress_cached`: one serving step of a compressor, in place (entries of the
+    windows completed by this step's tokens into `out`, this step's ring rows into the rings)."""
+
+    def __call__(self, kv: Tensor, score: Tensor, ring_kv: Tensor, ring_score: Tensor,
+                 index: CompressIndex, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                 out: Tensor) -> None: ...
+
+
+class CompressPairOp(Protocol):
+    """`ref/compressor.py::compress_cached_pair`: a CSA layer's attention and indexer compressors, which
+    share one step's index and entry positions, in place."""
+
+    def __call__(self, first: CompressTarget, second: CompressTarget, index: CompressIndex, eps: float,
+                 cos: Tensor, sin: Tensor) -> None: ...
+
+
+class IndexScoresOp(Protocol):
+    """`ref/indexer.py::paged_index_scores`: q [T, Ih, Id], weights [T, Ih], keys [N, Id], candidates
+    [T, V] pool slots (-1 = none) -> scores [T, V] fp32, -inf where there is no candidate."""
+
+    def __call__(self, q: Tensor, weights: Tensor, keys: Tensor, candidates: Tensor) -> Tensor: ...
+
+
+class TopKOp(Protocol):
+    """`ref/topk.py::topk_ragged`: scores [B, N], lengths [B] -> the k best column ids of each row among
+    its first lengths[b] columns, ascending, -1 padded ([B, k] int64; lower index wins ties)."""
+
+    def __call__(self, scores: Tensor, lengths: Tensor, k: int) -> Tensor: ...
+
+
+class RoutedExpertsOp(Protocol):
+    """`ref/moe.py::routed_experts`: x [N, d] through the experts `indices` [N, k] picks (weights [N, k])
+    of the float stacks w1, w3 [E, I, d] and w2 [E, d, I] -> [N, d] fp32."""
+
+    def __call__(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, indices: Tensor, weights: Tensor,
+                 limit: float) -> Tensor: ...
+
+
+class RoutedExpertsQuantOp(Protocol):
+    """`ref/moe.py::routed_experts_quant`: `routed_experts` on checkpoint-format experts (w13 / w2 codes
+    and UE8M0 scales in format `fmt`: "fp4", "fp8" or "bf16") -> [N, d] fp32."""
+
+    def __call__(self, x: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor,
+                 w2_scale: Tensor | None, indices: Tensor, weights: Tensor, limit: float,
+                 fmt: str) -> Tensor: ...
+
+
+class MhcPreOp(Protocol):
+    """`ref/mhc.py::mhc_pre`: streams x [T, n, d] -> (block input h [T, d], post [T, n], comb [T, n, n])."""
+
+    def __call__(self, x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
+                 hc_eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+class MhcPostOp(Protocol):
+    """`ref/mhc.py::mhc_post`: block output f [T, d] and old streams x [T, n, d] -> new streams."""
+
+    def __call__(self, f: Tensor, x: Tensor, post: Tensor, comb: Tensor) -> Tensor: ...
+
+
+class MhcHeadOp(Protocol):
+    """`ref/mhc.py::mhc_head`: the final collapse of the streams x [T, n, d] -> [T, d]."""
+
+    def __call__(self, x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc_eps: float,
+                 norm_eps: float) -> Tensor: ...
+
+
+class QNormRopeOp(Protocol):
+    """`ref/rope_norm.py::q_norm_rope`: q [T, H, D] -> RoPE(q / rms(q)) per head."""
+
+    def __call__(self, q: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tensor: ...
+
+
+class KvNormRopeStoreOp(Protocol):
+    """`ref/rope_norm.py::kv_norm_rope_store`: pool[slots] = RoPE(weight * kv / rms(kv)), in place."""
+
+    def __call__(self, kv: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor, pool: Tensor,
+                 slots: Tensor) -> None: ...
+
+
+class RopeInverseOp(Protocol):
+    """`ref/rope_norm.py::rope_inverse`: o [T, H, D] de-rotated on its trailing rope channels."""
+
+    def __call__(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor: ...
+
+
+class RmsNormOp(Protocol):
+    """`ref/rope_norm.py::rms_norm`: weight * x / rms(x) over the last dim, in x's dtype."""
+
+    def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...

@@ -1,0 +1,61 @@
+"""Smoke runs of the benchmarks on a CPU: each script, as a user runs it, on a tiny workload, exits 0 and
+ends with its one JSON line. The kernel benchmarks run their `--cpu-smoke` shapes under the Triton
+interpreter (their timings mean nothing there; benchmarks/device.sh runs them on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(script: str, *args: str) -> dict[str, Any]:
+    """Run benchmarks/<script> and return its last output line parsed as JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                          text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    return dict(json.loads(last))
+
+
+@pytest.mark.parametrize(("script", "args", "keys"), [
+    ("prefix_cache.py", ["--conversations", "2", "--turns", "2", "--user-len", "8", "--output-len", "2"],
+     {"hit_rate"}),
+    ("offline_throughput.py", ["--num-requests", "3", "--max-prompt", "24", "--output-len", "2", "--skip-hf"],
+     set()),
+    ("profile_engine_step.py", ["--num-prompts", "2", "--prompt-len", "20", "--steps", "2"], {"step_s"}),
+])
+def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: set[str]) -> None:
+    result = run_benchmark(script, *args)
+    assert result and keys <= set(_flat_keys(result)), result
+
+
+KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glob("bench_*.py")
+                           if p.name not in ("bench_common.py", "bench_row_reads.py"))   # row reads: GPU only
+
+
+def test_kernel_benchmarks_are_all_smoked() -> None:
+    assert len(KERNEL_BENCHMARKS) == 7, KERNEL_BENCHMARKS
+
+
+@pytest.mark.parametrize("script", KERNEL_BENCHMARKS)
+def test_kernel_benchmark_cpu_smoke(script: str) -> None:
+    result = run_benchmark(f"kernels/{script}", "--cpu-smoke")
+    assert result["device"] == "cpu-interpreter", result
+
+
+def _flat_keys(d: dict[str, Any]) -> list[str]:
+    out = []
+    for k, v in d.items():
+        out.append(k)
+        if isinstance(v, dict):
+            out += _flat_keys(v)
+    return out
