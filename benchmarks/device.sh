@@ -38,9 +38,9 @@ summary() {   # the pytest / benchmark lines worth reading in the call's output
   grep -E "passed|failed|error|Error|^FAILED" "$1" | tail -8
 }
 
-gpu_tests() {
+gpu_tests() {   # (test_hf_parity is CI's: it needs the transformers pyproject pins, not the device's)
   timeout 540 python3 -m pytest -q -p no:cacheprovider -rs tests/engine tests/kernels tests/model tests/cache \
-    > "$OUT/gpu_tests.txt" 2>&1
+    --ignore=tests/model/test_hf_parity.py > "$OUT/gpu_tests.txt" 2>&1
   summary "$OUT/gpu_tests.txt"
 }
 
