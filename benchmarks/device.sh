@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One script for every GPU-machine call: `bash benchmarks/device.sh PART [PART ...]` from the repo root.
 #
-#   gpu-tests  the `gpu`-marked tests (kernel parity at real shapes, CUDA graphs vs eager, the triton engine
-#              backend vs ref); the rest of the suite is CI's: log gpu_tests.txt
+#   gpu-tests  the `gpu`-marked tests (kernel parity at real shapes, CUDA graphs vs eager) and the triton
+#              engine backend vs ref (compiled kernels here, the interpreter on CI); the rest of the suite
+#              is CI's: log gpu_tests.txt
 #   kernels    every kernel benchmark (benchmarks/kernels/bench_*.py at their default shapes): one log each
 #              (bench_<name>.txt, + bench_<name>.json where the script writes one), table then JSON line
 #   decode     decode ms/token vs context at batch 1 and tokens/s at batch 8/32/128 on flash-4l bf16 (triton,
@@ -39,8 +40,10 @@ summary() {   # the pytest / benchmark lines worth reading in the call's output
 }
 
 gpu_tests() {   # (test_hf_parity is CI's: it needs the transformers pyproject pins, not the device's)
-  timeout 540 python3 -m pytest -q -p no:cacheprovider -rs -m gpu --durations=15 tests \
-    --ignore=tests/model/test_hf_parity.py > "$OUT/gpu_tests.txt" 2>&1
+  { timeout 420 python3 -m pytest -q -p no:cacheprovider -rs -m gpu --durations=15 tests \
+      --ignore=tests/model/test_hf_parity.py
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_engine_triton_backend.py
+  } > "$OUT/gpu_tests.txt" 2>&1
   summary "$OUT/gpu_tests.txt"
 }
 
