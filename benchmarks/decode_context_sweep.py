@@ -1,24 +1,25 @@
-"""Decode vs context sweep (issue 7): ms per decode step against the HBM floor and transformers, one run.
+"""Decode vs context sweep (issue 7): ms per decode step against the HBM floor and transformers.
 
 Random weights for a preset generated in memory on the device (default `flash-4l`, bf16). For each
-(batch, context): the engine prefills `batch` random prompts of `context` tokens (ignore_eos), then N
-decode steps of the whole batch are timed (CUDA events around the engine step loop). Rows: batch 1 at
-every `--contexts` (default 4K, 16K, 64K, 128K), and every `--batches` at every `--batch-contexts`
-(default 4K and 32K, kept where <= the largest `--contexts`; if none is, the `--contexts` themselves).
+(batch, context): the engine prefills `batch` random prompts of `context` tokens (ignore_eos), then
+N decode steps of the whole batch are timed (CUDA events around the engine step loop). Rows: batch
+1 at every `--contexts` (default 4K, 16K, 64K, 128K), and every `--batches` at every
+`--batch-contexts` (default 4K and 32K, kept where <= the largest `--contexts`; if none is, the
+`--contexts` themselves).
 
-HBM floor per step = bytes that must move / the device-to-device copy bandwidth measured in this run
-(2 x buffer bytes per copy: read + write). Bytes = active weights (attention, hyper-connections, norms,
-gate, shared expert, the routed experts actually hit: distinct experts per MoE layer over the batch,
-captured from the routing (`capture_routing`) after the timed steps, or else the expectation
-E * (1 - (1 - k/E)^batch); one embedding row per request; the LM head) + per request the KV / state
-read: the SWA window (W x head_dim) on every layer; on C4 layers the top-k selected entries
-(k x head_dim) and every visible indexer key (context/4 x index_head_dim, the indexer scans them all);
-on C128 layers every visible entry (context/128 x head_dim); all at the model's element size.
+HBM floor per step = bytes that must move / the device-to-device copy bandwidth measured in this
+run (2 x buffer bytes per copy: read + write). Bytes = active weights (attention, hyper-connections,
+norms, gate, shared expert, the routed experts actually hit: distinct experts per MoE layer over
+the batch, captured from the routing (`capture_routing`) after the timed steps, or else the
+expectation E * (1 - (1 - k/E)^batch); one embedding row per request; the LM head) + per request
+the KV / state read: the SWA window (W x head_dim) on every layer; on C4 layers the top-k selected
+entries (k x head_dim) and every visible indexer key (context/4 x index_head_dim: the indexer scans
+all); on C128 layers every visible entry (context/128 x head_dim); all at the model's element size.
 
 Peer (`--hf`): transformers `DeepseekV4ForCausalLM` (eager) built from the same weights on the same
 device, batch 1 at every `--contexts`, its own KV cache (`use_cache=True`), greedy manual loop; an
-out-of-memory is recorded as such. Targets: >= 5x faster than transformers at 4K (measured before:
-27.65 ms/token there, OOM at 16K); prefill of 128K tokens without OOM.
+out-of-memory is recorded as such. Targets: >= 5x faster than transformers at 4K; prefill of 128K
+tokens without OOM (results: benchmarks/results/kernels_ii_h200_202611.md).
 
 Any failing configuration (out of memory, error) is a row with its status; the sweep goes on.
 Prints a table, writes the plot (`--plot`), then exactly one JSON line (also to `--out`).
@@ -64,18 +65,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="flash-4l")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kernel-backend", default=None, choices=["ref", "triton"], help="default: triton on a GPU")
-    p.add_argument("--contexts", type=ints, default=[4096, 16384, 65536, 131072], help="batch-1 contexts")
+    p.add_argument("--kernel-backend", default=None, choices=["ref", "triton"],
+                   help="default: triton on a GPU")
+    p.add_argument("--contexts", type=ints, default=[4096, 16384, 65536, 131072],
+                   help="batch-1 contexts")
     p.add_argument("--batches", type=ints, default=[8, 32, 128], help="throughput batch sizes")
-    p.add_argument("--batch-contexts", type=ints, default=[4096, 32768], help="contexts of the throughput rows")
+    p.add_argument("--batch-contexts", type=ints, default=[4096, 32768],
+                   help="contexts of the throughput rows")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
     p.add_argument("--warmup-steps", type=int, default=4)
-    p.add_argument("--routing-steps", type=int, default=4, help="decode steps with routing capture (0: expect)")
+    p.add_argument("--routing-steps", type=int, default=4,
+                   help="decode steps with routing capture (0: expect)")
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--copy-gib", type=float, default=None, help="bandwidth probe buffer (default: 4 GPU, 0.25 CPU)")
+    p.add_argument("--copy-gib", type=float, default=None,
+                   help="bandwidth probe buffer (default: 4 GPU, 0.25 CPU)")
     p.add_argument("--hf", action="store_true", help="also time transformers eager at batch 1")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly (default: CUDA graphs where "
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="decode eagerly (default: CUDA graphs where "
                    "the engine can capture them: CUDA device, triton backend)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
@@ -89,7 +96,7 @@ def sweep_points(args: argparse.Namespace) -> list[tuple[int, int]]:
     return sorted(set(points))
 
 
-# ---- timing --------------------------------------------------------------------------------------------------
+# ---- timing --------------------------------------------------------------------------------------
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -136,9 +143,9 @@ def failure(exc: BaseException) -> str:
     return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
-# ---- HBM floor -------------------------------------------------------------------------------------------------
+# ---- HBM floor -----------------------------------------------------------------------------------
 def weight_bytes(model: DeepSeekV4ForCausalLM, batch: int, experts_hit: list[float]) -> float:
-    """Active weight bytes of one decode step (MTP excluded): dense layer weights, routed experts hit, head."""
+    """Active weight bytes of one decode step (no MTP): dense weights, routed experts hit, head."""
     cfg = model.config
     dense, per_expert = 0.0, [0.0] * cfg.num_layers
     for name, p in model.named_parameters():
@@ -176,7 +183,8 @@ def expected_experts(cfg: ModelConfig, batch: int) -> list[float]:
 
 def captured_experts(reqs: list[Request], steps: int, num_layers: int) -> list[float]:
     """Mean distinct experts per MoE layer over the last `steps` decode steps of the batch."""
-    per_req = [torch.cat(r.routing["experts"])[-steps:] for r in reqs]       # [steps, layers, k] each
+    # [steps, layers, k] each
+    per_req = [torch.cat(r.routing["experts"])[-steps:] for r in reqs]
     hits = torch.zeros(num_layers)
     for s in range(steps):
         for layer in range(num_layers):
@@ -185,7 +193,7 @@ def captured_experts(reqs: list[Request], steps: int, num_layers: int) -> list[f
 
 
 def add_floor(row: Row, model: DeepSeekV4ForCausalLM, gbps: float) -> Row:
-    """The row's HBM floor (from its captured routing, else the expectation) and measured / floor."""
+    """The row's HBM floor (from captured routing, else the expectation) and measured / floor."""
     batch, context = row["batch"], row["context"]
     w = weight_bytes(model, batch, row.get("experts_hit") or expected_experts(model.config, batch))
     kv = batch * kv_bytes(model.config, context, model.embed.weight.element_size())
@@ -196,7 +204,7 @@ def add_floor(row: Row, model: DeepSeekV4ForCausalLM, gbps: float) -> Row:
     return row
 
 
-# ---- dsv4 engine -----------------------------------------------------------------------------------------------
+# ---- dsv4 engine ---------------------------------------------------------------------------------
 def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed + 1000 * batch + context)
     return [torch.randint(2, vocab, (context,), generator=g).tolist() for _ in range(batch)]
@@ -206,15 +214,19 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: i
                 max_tokens: int) -> LLMEngine:
     longest = context + max_tokens + 1
     config = EngineConfig(page_size=args.page_size, max_running_requests=batch,
-                          chunked_prefill_size=args.chunked_prefill_size, kernel_backend=args.kernel_backend,
-                          max_total_tokens=batch * (longest + args.page_size), context_length=longest + 1,
-                          disable_prefix_cache=True, disable_cuda_graph=args.disable_cuda_graph, seed=args.seed)
+                          chunked_prefill_size=args.chunked_prefill_size,
+                          kernel_backend=args.kernel_backend,
+                          max_total_tokens=batch * (longest + args.page_size),
+                          context_length=longest + 1, disable_prefix_cache=True,
+                          disable_cuda_graph=args.disable_cuda_graph, seed=args.seed)
     return LLMEngine(model, config)
 
 
-def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int, row: Row) -> None:
-    """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row` as it goes."""
-    prefill_steps = math.ceil(batch * context / args.chunked_prefill_size) + batch + 2  # bounds early decodes
+def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int,
+               row: Row) -> None:
+    """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row`."""
+    # bounds early decodes
+    prefill_steps = math.ceil(batch * context / args.chunked_prefill_size) + batch + 2
     max_tokens = prefill_steps + args.warmup_steps + args.steps + args.routing_steps + 2
     engine = make_engine(model, args, batch, context, max_tokens)
     try:
@@ -226,11 +238,12 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
         free_memory(model.embed.weight.device)
 
 
-def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int, max_tokens: int,
-                 row: Row) -> None:
+def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int,
+                 max_tokens: int, row: Row) -> None:
     device, cfg = engine.runner.device, engine.runner.model.config
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [engine.add_request(p, params) for p in prompts_for(batch, context, cfg.vocab_size, args.seed)]
+    reqs = [engine.add_request(p, params)
+            for p in prompts_for(batch, context, cfg.vocab_size, args.seed)]
 
     def prefill() -> None:
         while not all(r.output_ids for r in reqs):
@@ -257,7 +270,7 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
 
 def capture(engine: LLMEngine, reqs: list[Request], steps: int, cfg: ModelConfig,
             batch: int) -> tuple[list[float], str]:
-    """Turn routing capture on for `steps` more decode steps (after timing: capture syncs to the host)."""
+    """Turn routing capture on for `steps` more decode steps (after timing: it syncs to host)."""
     if steps <= 0:
         return [round(x, 2) for x in expected_experts(cfg, batch)], "expected"
     runner = engine.runner
@@ -268,26 +281,29 @@ def capture(engine: LLMEngine, reqs: list[Request], steps: int, cfg: ModelConfig
     return [round(x, 2) for x in hits], "captured"
 
 
-# ---- transformers ----------------------------------------------------------------------------------------------
+# ---- transformers --------------------------------------------------------------------------------
 def load_group(official_name: str) -> str:
-    """Per layer, with the routed w2 apart from w1 + w3: bounds the copies `to_hf_state_dict` stacks at once."""
+    """Per layer, with the routed w2 apart from w1 + w3: bounds the copies `to_hf_state_dict`
+    stacks at once."""
     if not official_name.startswith("layers."):
         return "top"
     layer = official_name.split(".")[1]
-    return f"{layer}.w2" if ".experts." in official_name and official_name.endswith(".w2.weight") else layer
+    return (f"{layer}.w2" if ".experts." in official_name and official_name.endswith(".w2.weight")
+            else layer)
 
 
 def hf_dtype(hf: torch.nn.Module, key: str, dtype: torch.dtype) -> torch.dtype:
-    """What `from_pretrained(dtype=...)` gives a tensor: fp32 for `_keep_in_fp32_modules_strict` (substring
-    match, as transformers' dtype plan) under fp16 / bf16, else the model dtype (ours keeps more in fp32)."""
+    """What `from_pretrained(dtype=...)` gives a tensor: fp32 for `_keep_in_fp32_modules_strict`
+    (substring match, as transformers' dtype plan) under fp16 / bf16, else the model dtype (ours
+    keeps more in fp32)."""
     keep = getattr(hf, "_keep_in_fp32_modules_strict", None) or ()
     low = dtype in (torch.float16, torch.bfloat16)
     return torch.float32 if low and any(name in key for name in keep) else dtype
 
 
 def build_hf(model: DeepSeekV4ForCausalLM) -> torch.nn.Module:
-    """transformers' model sharing our weights: built on the meta device, then loaded layer by layer with
-    `assign=True` (dense tensors are views of ours; only the stacked experts are new memory)."""
+    """transformers' model sharing our weights: built on the meta device, then loaded layer by
+    layer with `assign=True` (dense tensors are views of ours; only stacked experts are new)."""
     import transformers
 
     from dsv4.model.state_dict_adapter import to_hf_state_dict
@@ -305,11 +321,13 @@ def build_hf(model: DeepSeekV4ForCausalLM) -> torch.nn.Module:
     for group in groups.values():
         part = {k: v.to(hf_dtype(hf, k, weight_dtype)) if v.is_floating_point() else v
                 for k, v in to_hf_state_dict(group).items()}
-        assert set(part) <= expected, f"unexpected transformers names {sorted(set(part) - expected)[:5]}"
+        assert set(part) <= expected, \
+            f"unexpected transformers names {sorted(set(part) - expected)[:5]}"
         hf.load_state_dict(part, strict=False, assign=True)
         expected -= set(part)
     assert not expected, f"transformers weights not loaded: {sorted(expected)[:5]}"
-    for name, module in list(hf.named_modules()):  # non-persistent buffers (RoPE inv_freq): rebuild on device
+    # non-persistent buffers (RoPE inv_freq): rebuild on device
+    for name, module in list(hf.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             parent, _, attr = name.rpartition(".")
             setattr(hf.get_submodule(parent), attr, type(module)(module.config, device=device))
@@ -319,7 +337,8 @@ def build_hf(model: DeepSeekV4ForCausalLM) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def run_hf(hf: torch.nn.Module, args: argparse.Namespace, context: int, vocab: int, row: Row) -> None:
+def run_hf(hf: torch.nn.Module, args: argparse.Namespace, context: int, vocab: int,
+           row: Row) -> None:
     device = next(hf.parameters()).device
     ids = torch.tensor(prompts_for(1, context, vocab, args.seed), device=device)
     state: dict[str, Any] = {}
@@ -347,10 +366,11 @@ def run_hf(hf: torch.nn.Module, args: argparse.Namespace, context: int, vocab: i
         free_memory(device)
 
 
-# ---- sweep -----------------------------------------------------------------------------------------------------
+# ---- sweep ---------------------------------------------------------------------------------------
 def measure(system: str, batch: int, context: int, fn: Callable[[Row], None]) -> Row:
-    """One configuration; `fn` fills the row as it goes, so a failure keeps what was measured before it."""
-    row: Row = {"system": system, "batch": batch, "context": context, "status": "ok", "prefill_fit": False}
+    """One configuration; `fn` fills the row as it goes: a failure keeps what it measured."""
+    row: Row = {"system": system, "batch": batch, "context": context, "status": "ok",
+                "prefill_fit": False}
     try:
         fn(row)
     except Exception as exc:  # noqa: BLE001 — one failing configuration must not end the sweep
@@ -358,7 +378,8 @@ def measure(system: str, batch: int, context: int, fn: Callable[[Row], None]) ->
     gc.collect()  # the traceback held the failed step's tensors
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    print(f"  {system} batch {batch} context {context}: {row['status']} {row.get('ms_per_step', '')}", flush=True)
+    print(f"  {system} batch {batch} context {context}: {row['status']} "
+          f"{row.get('ms_per_step', '')}", flush=True)
     return row
 
 
@@ -366,7 +387,8 @@ def hf_rows(model: DeepSeekV4ForCausalLM, args: argparse.Namespace) -> tuple[lis
     try:
         import transformers
     except ImportError:
-        print("note: transformers is not installed; skipping the transformers peer (--hf)", flush=True)
+        print("note: transformers is not installed; skipping the transformers peer (--hf)",
+              flush=True)
         return [], None
     device = model.embed.weight.device
     try:
@@ -375,33 +397,40 @@ def hf_rows(model: DeepSeekV4ForCausalLM, args: argparse.Namespace) -> tuple[lis
         status = f"build {failure(exc)}"
         print(f"note: could not build the transformers model ({status}); skipping it", flush=True)
     else:
-        vocab, warm = model.config.vocab_size, argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1})
+        vocab, warm = model.config.vocab_size, argparse.Namespace(**{**vars(args), "steps": 2,
+                                                                     "warmup_steps": 1})
         measure("warm-up", 1, 128, functools.partial(run_hf, hf, warm, 128, vocab))
-        rows = [measure("transformers", 1, c, functools.partial(run_hf, hf, args, c, vocab)) for c in args.contexts]
+        rows = [measure("transformers", 1, c, functools.partial(run_hf, hf, args, c, vocab))
+                for c in args.contexts]
         del hf
         free_memory(device)
         return rows, transformers.__version__
     free_memory(device)
-    return [{"system": "transformers", "batch": 1, "context": c, "status": status, "prefill_fit": False}
-            for c in args.contexts], transformers.__version__
+    return [{"system": "transformers", "batch": 1, "context": c, "status": status,
+             "prefill_fit": False} for c in args.contexts], transformers.__version__
+
+
 def speedups(rows: list[Row]) -> dict[str, float | None]:
-    ours = {r["context"]: r for r in rows if r["system"] == "dsv4" and r["batch"] == 1 and r["status"] == "ok"}
+    ours = {r["context"]: r for r in rows
+            if r["system"] == "dsv4" and r["batch"] == 1 and r["status"] == "ok"}
     out: dict[str, float | None] = {}
     for r in rows:
         if r["system"] == "transformers" and r["context"] in ours:
             ok = r["status"] == "ok"
-            out[str(r["context"])] = round(r["ms_per_step"] / ours[r["context"]]["ms_per_step"], 2) if ok else None
+            out[str(r["context"])] = (round(r["ms_per_step"] / ours[r["context"]]["ms_per_step"], 2)
+                                      if ok else None)
     return out
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'system':<13}{'batch':>6}{'context':>9}{'status':>8}{'prefill s':>11}{'ms/step':>10}{'tok/s':>11}"
-          f"{'floor ms':>10}{'ratio':>8}{'experts hit':>13}")
+    print(f"{'system':<13}{'batch':>6}{'context':>9}{'status':>8}{'prefill s':>11}{'ms/step':>10}"
+          f"{'tok/s':>11}{'floor ms':>10}{'ratio':>8}{'experts hit':>13}")
     for r in rows:
         experts = r.get("experts_hit")
         hit = f"{sum(experts) / len(experts):.1f}" if experts else "-"
-        print(f"{r['system']:<13}{r['batch']:>6}{r['context']:>9}{r['status'][:7]:>8}{r.get('prefill_s', '-'):>11}"
-              f"{r.get('ms_per_step', '-'):>10}{r.get('tok_s', '-'):>11}{r.get('floor_ms', '-'):>10}"
+        print(f"{r['system']:<13}{r['batch']:>6}{r['context']:>9}{r['status'][:7]:>8}"
+              f"{r.get('prefill_s', '-'):>11}{r.get('ms_per_step', '-'):>10}"
+              f"{r.get('tok_s', '-'):>11}{r.get('floor_ms', '-'):>10}"
               f"{r.get('ratio', '-'):>8}{hit:>13}")
 
 
@@ -417,8 +446,8 @@ def plot(rows: list[Row], path: str, title: str) -> None:
                if r["system"] == system and r["batch"] == 1 and r["status"] == "ok"]
         if pts:
             ax.plot(*zip(*pts, strict=True), style, label=f"{system} batch 1")
-    floor = [(r["context"], r["floor_ms"]) for r in rows if r["system"] == "dsv4" and r["batch"] == 1
-             and "floor_ms" in r]
+    floor = [(r["context"], r["floor_ms"]) for r in rows
+             if r["system"] == "dsv4" and r["batch"] == 1 and "floor_ms" in r]
     if floor:
         ax.plot(*zip(*floor, strict=True), "k--", label="HBM floor")
     ax.set_xscale("log", base=2)
@@ -441,18 +470,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gbps = copy_bandwidth(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
     print(f"{args.preset} on {device}: device copy {gbps:.1f} GB/s", flush=True)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1, "routing_steps": 0})
-    measure("warm-up", 1, min(args.contexts), functools.partial(run_engine, model, warm, 1, min(args.contexts)))
-    rows = [measure("dsv4", b, c, functools.partial(run_engine, model, args, b, c)) for b, c in sweep_points(args)]
+    measure("warm-up", 1, min(args.contexts),
+            functools.partial(run_engine, model, warm, 1, min(args.contexts)))
+    rows = [measure("dsv4", b, c, functools.partial(run_engine, model, args, b, c))
+            for b, c in sweep_points(args)]
     peer, hf_version = hf_rows(model, args) if args.hf else ([], None)
     rows = [add_floor(row, model, gbps) for row in rows + peer]
     print_table(rows)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if args.plot:
         plot(rows, args.plot, f"{args.preset} {args.dtype} decode on {name}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"benchmark": "decode_context_sweep", "preset": args.preset, "device": name, "dtype": args.dtype,
-              "kernel_backend": args.kernel_backend, "steps": args.steps, "page_size": args.page_size,
-              "chunked_prefill_size": args.chunked_prefill_size, "copy_gb_s": round(gbps, 1),
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    result = {"benchmark": "decode_context_sweep", "preset": args.preset, "device": name,
+              "dtype": args.dtype, "kernel_backend": args.kernel_backend, "steps": args.steps,
+              "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
+              "copy_gb_s": round(gbps, 1),
               "cuda_graph": not args.disable_cuda_graph,
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}

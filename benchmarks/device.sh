@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # One script for every GPU-machine call: `bash benchmarks/device.sh PART [PART ...]` from the repo root.
 #
-#   gpu-tests  the `gpu`-marked tests (kernel parity at real shapes, CUDA graphs vs eager) and the triton
-#              engine backend vs ref (compiled kernels here, the interpreter on CI); the rest of the suite
-#              is CI's: log gpu_tests.txt
-#   kernels    every kernel benchmark (benchmarks/kernels/bench_*.py at their default shapes): one log each
-#              (bench_<name>.txt, + bench_<name>.json where the script writes one), table then JSON line
-#   decode     decode ms/token vs context at batch 1 and tokens/s at batch 8/32/128 on flash-4l bf16 (triton,
-#              CUDA graphs) against the HBM floor: decode.txt / decode.json / decode.png
-#   engine     the triton backend against ref on one model (engine_backend_check.py, tiny fp32 and flash-4l
-#              bf16) and a profile of flash-4l decode steps: engine_check_*.txt, profile_engine_step.txt
-#   train      a profile of `dsv4 train run` steps (needs data carried at .data/tiny: `dsv4 train data`):
-#              profile_train_step.txt
+#   gpu-tests     the `gpu`-marked tests (kernel parity at real shapes, CUDA graphs vs eager) and the triton
+#                 engine backend vs ref (compiled kernels here, the interpreter on CI); the rest of the suite
+#                 is CI's: log gpu_tests.txt. TESTS="tests/kernels/test_topk.py ..." runs those files instead
+#                 (every test in them, on CUDA)
+#   kernels       every kernel benchmark (benchmarks/kernels/bench_*.py at their default shapes): one log each
+#                 (bench_<name>.txt, + bench_<name>.json where the script writes one), table then JSON line.
+#                 KERNELS="topk compressor" runs those only; BENCH_ARGS="--sweep" (or --probe, --configs ...)
+#                 is passed to each, each under BENCH_TIMEOUT_S (150; a --sweep takes up to ~400)
+#   decode        decode ms/token vs context at batch 1 and tokens/s at batch 8/32/128 on flash-4l bf16 (triton,
+#                 CUDA graphs) against the HBM floor: decode.txt / decode.json / decode.png
+#   decode-hf     decode ms/token at batch 1, 4K-128K, against transformers eager on the same weights (the peer;
+#                 needs the pinned transformers wheel in .wheels): decode_hf.txt / .json / .png
+#   engine        the triton backend against ref on one model (engine_backend_check.py, tiny fp32 and flash-4l
+#                 bf16) and a profile of flash-4l decode steps: engine_check_*.txt, profile_engine_step.txt.
+#                 ENGINE_ARGS is added to the flash-4l check (e.g. "--noise-floor", "--weight-format
+#                 checkpoint", or "--dtype float32 --weight-format checkpoint --shared-weights")
+#   prefix-cache  TTFT with the prefix cache on vs off, multi-turn chat on flash-4l bf16 (triton):
+#                 prefix_cache.txt
+#   train         a profile of `dsv4 train run` steps (needs data carried at .data/tiny: `dsv4 train data`):
+#                 profile_train_step.txt
+#   train-tiny    one training stage of dsv4-tiny (`dsv4 train run` + export; data at .data/tiny): STEPS=N
+#                 required; BATCH (16), LR (2e-3), WARMUP (200), QAT_START (0.8), INIT (an earlier export),
+#                 COMPILE=1 (per-block torch.compile), TIME_LIMIT_S (540). Returns train.log, metrics.jsonl,
+#                 loss.png, the model shards and model_meta.tar: run it alone
+#   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
+#                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
 # Every part writes its logs under $OUT (at most 8 files come back from one call: run few parts per call)
 # and env.txt (GPU, driver, torch / triton / transformers versions, commit). The device has no registry:
@@ -40,6 +55,12 @@ summary() {   # the pytest / benchmark lines worth reading in the call's output
 }
 
 gpu_tests() {   # (test_hf_parity and the server tests are CI's: the device lacks their pinned packages)
+  if [ -n "${TESTS:-}" ]; then
+    # shellcheck disable=SC2086  # TESTS is a list of paths
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -rs --durations=15 $TESTS > "$OUT/gpu_tests.txt" 2>&1
+    summary "$OUT/gpu_tests.txt"
+    return
+  fi
   { timeout 420 python3 -m pytest -q -p no:cacheprovider -rs -m gpu --durations=15 tests \
       --ignore=tests/model/test_hf_parity.py --ignore=tests/server
     timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_engine_triton_backend.py
@@ -50,9 +71,12 @@ gpu_tests() {   # (test_hf_parity and the server tests are CI's: the device lack
 kernels() {
   for script in benchmarks/kernels/bench_*.py; do
     name=$(basename "$script" .py)
+    [ "$name" = bench_common ] && continue   # the shared helper, not a benchmark
+    if [ -n "${KERNELS:-}" ] && ! [[ " ${KERNELS//,/ } " == *" ${name#bench_} "* ]]; then continue; fi
     args=()
     if grep -q -e 'base_parser(' -e '"--out"' "$script"; then args=(--out "$OUT/$name.json"); fi
-    timeout 150 python3 "$script" "${args[@]}" > "$OUT/$name.txt" 2>&1
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+    timeout "${BENCH_TIMEOUT_S:-150}" python3 "$script" "${args[@]}" ${BENCH_ARGS:-} > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"; grep -v "^{" "$OUT/$name.txt" | tail -6
   done
 }
@@ -64,17 +88,32 @@ decode() {
   grep -v "^{" "$OUT/decode.txt" | tail -14
 }
 
+decode_hf() {   # batch 1 only, every default context (4K, 16K, 64K, 128K); the peer OOMs past 4K on one H200
+  timeout 300 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+    --kernel-backend triton --batches "" --hf --plot "$OUT/decode_hf.png" --out "$OUT/decode_hf.json" \
+    > "$OUT/decode_hf.txt" 2>&1
+  grep -v "^{" "$OUT/decode_hf.txt" | tail -14
+}
+
 engine() {
   timeout 120 python3 benchmarks/engine_backend_check.py --preset tiny --device cuda --dtype float32 \
     --prompt-len 1500 --num-prompts 2 --max-tokens 64 > "$OUT/engine_check_tiny.txt" 2>&1
   tail -3 "$OUT/engine_check_tiny.txt"
+  # shellcheck disable=SC2086  # ENGINE_ARGS is a list of flags
   timeout 200 python3 benchmarks/engine_backend_check.py --preset flash-4l --device cuda --dtype bfloat16 \
-    --prompt-len 3000 --num-prompts 2 --max-tokens 128 > "$OUT/engine_check_flash4l.txt" 2>&1
+    --prompt-len 3000 --num-prompts 2 --max-tokens 128 ${ENGINE_ARGS:-} > "$OUT/engine_check_flash4l.txt" 2>&1
   tail -3 "$OUT/engine_check_flash4l.txt"
   timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
     --kernel-backend triton --num-prompts 1 --prompt-len 4096 --warm-steps 2 --steps 4 \
     > "$OUT/profile_engine_step.txt" 2>&1
   tail -2 "$OUT/profile_engine_step.txt"
+}
+
+prefix_cache() {   # the workload of prefix_cache_h200_202611.md's runs 3-4 (32 conversations x 8 turns)
+  timeout 400 python3 benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 \
+    --kernel-backend triton --conversations 32 --turns 8 --system-len 1024 --user-len 256 --output-len 32 \
+    --page-size 128 --chunked-prefill-size 8192 > "$OUT/prefix_cache.txt" 2>&1
+  grep -v " INFO " "$OUT/prefix_cache.txt" | tail -4
 }
 
 train() {
@@ -83,8 +122,28 @@ train() {
   head -12 "$OUT/profile_train_step.txt"
 }
 
+train_tiny() {   # the stages of train_tiny_h200_202611.md; give STEPS (a fixed count: no probe, compile included)
+  if [ -z "${STEPS:-}" ]; then echo "train-tiny needs STEPS=N (see the header)"; return 2; fi
+  local data=${DATA:-.data/tiny} run=/tmp/dsv4-run warmup=${WARMUP:-200}
+  python3 -m dsv4.cli.main train run --data "$data" --out "$run" --device cuda --steps "$STEPS" \
+    --batch-size "${BATCH:-16}" --lr "${LR:-2e-3}" --warmup-steps "$((STEPS < 2 * warmup ? STEPS / 2 : warmup))" \
+    --qat-start "${QAT_START:-0.8}" ${INIT:+--init-from "$INIT"} $([ "${COMPILE:-0}" = 1 ] && echo --compile) \
+    --eval-every 500 --eval-tokens 131072 --ckpt-every 1000 --log-every 25 --time-limit-s "${TIME_LIMIT_S:-540}" \
+    > "$OUT/train.log" 2>&1
+  tail -3 "$run/metrics.jsonl"
+  python3 -m dsv4.cli.main train export --run "$run" --data "$data" --out "$run/model" >> "$OUT/train.log" 2>&1
+  cp "$run"/model/model-*.safetensors "$run/metrics.jsonl" "$OUT/"
+  cp "$run/loss.png" "$OUT/" 2>/dev/null
+  tar -C "$run/model" -cf "$OUT/model_meta.tar" config.json model.safetensors.index.json training.json
+}
+
+sass() {
+  timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
+  echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
+}
+
 if [ $# -eq 0 ]; then
-  sed -n '2,20p' "$0"
+  sed -n '2,34p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -95,7 +154,12 @@ for part in "$@"; do
     kernels) kernels ;;
     decode) decode ;;
     engine) engine ;;
+    decode-hf) decode_hf ;;
+    prefix-cache) prefix_cache ;;
     train) train ;;
-    *) echo "unknown part '$part'; allowed: gpu-tests kernels decode engine train"; exit 2 ;;
+    train-tiny) train_tiny ;;
+    sass) sass ;;
+    *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache train" \
+         "train-tiny sass"; exit 2 ;;
   esac
 done

@@ -1,7 +1,7 @@
-"""Offline throughput: the dsv4 engine vs transformers' `generate` on the same weights, same process.
+"""Offline throughput: the dsv4 engine vs transformers' `generate` on the same weights, one process.
 
-Fixed seed; N requests with prompt lengths uniform in [min_prompt, max_prompt] and a fixed number of
-greedy output tokens (ignore_eos), on a checkpoint written by `dsv4 init` (default: the tiny
+Fixed seed; N requests with prompt lengths uniform in [min_prompt, max_prompt] and a fixed number
+of greedy output tokens (ignore_eos), on a checkpoint written by `dsv4 init` (default: the tiny
 preset). transformers runs each request alone (batch 1): DeepSeek-V4's compressor in transformers
 ignores the attention mask, so padded batches would be wrong (model-spec §13). The engine gets all
 requests at once (continuous batching). Prints a table, then one JSON line.
@@ -29,7 +29,8 @@ from dsv4.checkpoint.writer import write_checkpoint
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="micro")
-    p.add_argument("--model", default=None, help="checkpoint dir (default: write the preset to a temp dir)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir (default: write the preset to a temp dir)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=128)
@@ -45,7 +46,8 @@ def parse_args() -> argparse.Namespace:
 
 def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(args.seed)
-    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.num_requests,), generator=g).tolist()
+    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.num_requests,),
+                         generator=g).tolist()
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lens]
 
 
@@ -66,7 +68,8 @@ def run_transformers(model_dir: Path, llm: LLM, prompts: list[list[int]], out_le
 
     model = llm.model
     sd = official_state_dict(model)
-    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**model.config.to_hf_dict()))
+    hf = transformers.DeepseekV4ForCausalLM(
+        transformers.DeepseekV4Config(**model.config.to_hf_dict()))
     hf.load_state_dict(to_hf_state_dict(sd), strict=True)
     hf = hf.to(device=device, dtype=next(model.parameters()).dtype).eval()
     outs = []
@@ -83,7 +86,8 @@ def run_transformers(model_dir: Path, llm: LLM, prompts: list[list[int]], out_le
 
 
 def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 def main() -> None:
@@ -94,18 +98,21 @@ def main() -> None:
         if not args.model:
             write_checkpoint(get_preset(args.preset), model_dir, seed=args.seed)
         llm = LLM(model_dir, dtype=args.dtype, device=args.device, page_size=args.page_size,
-                  max_running_requests=args.num_requests, chunked_prefill_size=args.chunked_prefill_size,
-                  max_total_tokens=args.num_requests * (args.max_prompt + args.output_len + args.page_size))
+                  max_running_requests=args.num_requests,
+                  chunked_prefill_size=args.chunked_prefill_size,
+                  max_total_tokens=args.num_requests
+                  * (args.max_prompt + args.output_len + args.page_size))
         prompts = make_prompts(args, llm.model.config.vocab_size)
         total = args.num_requests * args.output_len
         t_engine, engine_out = run_engine(llm, prompts, args.output_len)
-        t_hf, hf_out = (float("nan"), []) if args.skip_hf else run_transformers(model_dir, llm, prompts,
-                                                                                 args.output_len, args.device)
+        t_hf, hf_out = (float("nan"), []) if args.skip_hf else run_transformers(
+            model_dir, llm, prompts, args.output_len, args.device)
     agree = sum(a == b for a, b in zip(engine_out, hf_out, strict=False))
     result = {
-        "benchmark": "offline_throughput", "preset": args.preset, "device": args.device, "dtype": args.dtype,
-        "num_requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],
-        "output_len": args.output_len, "engine_s": round(t_engine, 3), "engine_tok_s": round(total / t_engine, 1),
+        "benchmark": "offline_throughput", "preset": args.preset, "device": args.device,
+        "dtype": args.dtype, "num_requests": args.num_requests,
+        "prompt_len": [args.min_prompt, args.max_prompt], "output_len": args.output_len,
+        "engine_s": round(t_engine, 3), "engine_tok_s": round(total / t_engine, 1),
         "transformers_s": round(t_hf, 3), "transformers_tok_s": round(total / t_hf, 1),
         "speedup": round(t_hf / t_engine, 2), "greedy_agree": f"{agree}/{len(hf_out)}",
         "torch": torch.__version__, "threads": torch.get_num_threads(),

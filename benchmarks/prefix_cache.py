@@ -3,13 +3,14 @@
 C conversations x T turns, each starting with the same `system_len`-token system prompt. Turn t of
 every conversation is submitted together: its prompt is the whole conversation so far (system
 prompt, earlier prompts and answers) plus `user_len` new tokens; the answer is `output_len` greedy
-tokens. Reports the prefix hit rate (cached prompt tokens / prompt tokens), the
-mean and median TTFT (arrival -> first token) and the total time, cache on vs off, then one JSON
-line. Weights: a checkpoint directory (`--model`), or random weights generated in memory
-(`--preset`, any size; nothing written to disk).
+tokens. Reports the prefix hit rate (cached prompt tokens / prompt tokens), the mean and median
+TTFT (arrival -> first token) and the total time, cache on vs off, then one JSON line. Weights: a
+checkpoint directory (`--model`), or random weights generated in memory (`--preset`, any size;
+nothing written to disk).
 
     python benchmarks/prefix_cache.py --preset micro --device cpu
-    python benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 --page-size 256
+    python benchmarks/prefix_cache.py --preset flash-4l --device cuda --dtype bfloat16 \
+        --page-size 256
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--system-len", type=int, default=0, help="system prompt shared by every conversation")
+    p.add_argument("--system-len", type=int, default=0,
+                   help="system prompt shared by every conversation")
     p.add_argument("--user-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
@@ -51,15 +53,17 @@ def parse_args() -> argparse.Namespace:
 def build_model(args: argparse.Namespace) -> DeepSeekV4ForCausalLM:
     if args.model:
         return load_model(args.model, dtype=args.dtype, device=args.device)
-    return random_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device), args.seed)
+    return random_model(get_preset(args.preset), resolve_dtype(args.dtype),
+                        resolve_device(args.device), args.seed)
 
 
 def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> dict[str, float]:
     longest = args.system_len + args.turns * (args.user_len + args.output_len) + args.page_size
     config = EngineConfig(page_size=args.page_size, max_running_requests=args.conversations,
-                          chunked_prefill_size=args.chunked_prefill_size, disable_prefix_cache=not cache,
-                          kernel_backend=args.kernel_backend,
-                          max_total_tokens=2 * args.conversations * longest, context_length=longest + 1)
+                          chunked_prefill_size=args.chunked_prefill_size,
+                          disable_prefix_cache=not cache, kernel_backend=args.kernel_backend,
+                          max_total_tokens=2 * args.conversations * longest,
+                          context_length=longest + 1)
     engine = LLMEngine(model, config)
     g = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
@@ -71,7 +75,8 @@ def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> 
     for _turn in range(args.turns):
         reqs = []
         for c in range(args.conversations):
-            history[c] = history[c] + torch.randint(2, vocab, (args.user_len,), generator=g).tolist()
+            history[c] = history[c] + torch.randint(2, vocab, (args.user_len,),
+                                                    generator=g).tolist()
             reqs.append(engine.add_request(history[c], params))
         while engine.has_unfinished():
             engine.step()
@@ -83,7 +88,8 @@ def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> 
         torch.cuda.synchronize()
     total = time.perf_counter() - start
     engine.check_integrity()
-    return {"hit_rate": round(engine.prefix_hit_rate(), 4), "ttft_mean_s": round(statistics.mean(ttft), 4),
+    return {"hit_rate": round(engine.prefix_hit_rate(), 4),
+            "ttft_mean_s": round(statistics.mean(ttft), 4),
             "ttft_median_s": round(statistics.median(ttft), 4), "total_s": round(total, 2),
             "steps": engine.steps, "prefill_tokens": engine.prefill_tokens}
 
@@ -91,21 +97,26 @@ def run(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, cache: bool) -> 
 def main() -> None:
     args = parse_args()
     model = build_model(args)
-    run(model, argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 2}), cache=True)  # warm-up
+    # warm-up
+    run(model, argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 2}), cache=True)
     off = run(model, args, cache=False)
     on = run(model, args, cache=True)
-    print(f"{'cache':<6}{'hit rate':>10}{'TTFT mean s':>14}{'TTFT median s':>15}{'total s':>10}{'prefill tok':>13}")
+    print(f"{'cache':<6}{'hit rate':>10}{'TTFT mean s':>14}{'TTFT median s':>15}{'total s':>10}"
+          f"{'prefill tok':>13}")
     for name, r in (("off", off), ("on", on)):
         print(f"{name:<6}{r['hit_rate']:>10.3f}{r['ttft_mean_s']:>14.4f}{r['ttft_median_s']:>15.4f}"
               f"{r['total_s']:>10.2f}{r['prefill_tokens']:>13}")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(json.dumps({"benchmark": "prefix_cache", "preset": args.model or args.preset, "device": device,
-                      "dtype": args.dtype, "conversations": args.conversations, "turns": args.turns,
-                      "system_len": args.system_len, "chunked_prefill_size": args.chunked_prefill_size,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(json.dumps({"benchmark": "prefix_cache", "preset": args.model or args.preset,
+                      "device": device, "dtype": args.dtype,
+                      "conversations": args.conversations, "turns": args.turns,
+                      "system_len": args.system_len,
+                      "chunked_prefill_size": args.chunked_prefill_size,
                       "kernel_backend": args.kernel_backend,
-                      "user_len": args.user_len, "output_len": args.output_len, "page_size": args.page_size,
-                      "cache_off": off, "cache_on": on,
+                      "user_len": args.user_len, "output_len": args.output_len,
+                      "page_size": args.page_size, "cache_off": off, "cache_on": on,
                       "ttft_speedup": round(off["ttft_mean_s"] / on["ttft_mean_s"], 2),
                       "total_speedup": round(off["total_s"] / on["total_s"], 2),
                       "torch": torch.__version__, "commit": commit}))

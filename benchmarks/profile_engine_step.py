@@ -1,7 +1,8 @@
-"""Profile engine steps (torch.profiler) on random weights: where does a prefill / decode step spend its time?
+"""Profile engine steps (torch.profiler) on random weights: where does a prefill / decode step go?
 
-Runs a warm-up, then profiles `--steps` engine steps of a batch of prompts and prints the top operators by
-self CUDA time and by self CPU time (a table each), then one JSON line with the step times.
+Runs a warm-up, then profiles `--steps` engine steps of a batch of prompts and prints the top
+operators by self CUDA time and by self CPU time (a table each), then one JSON line with the step
+times.
 
     python benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16
 """
@@ -32,17 +33,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--kernel-backend", default="ref")
     p.add_argument("--warm-steps", type=int, default=0,
-                   help="steps of the profiled batch run before profiling (e.g. its prefill: profile decode only)")
+                   help="steps of the profiled batch run before profiling "
+                   "(e.g. its prefill: profile decode only)")
     args = p.parse_args()
-    model = random_model(get_preset(args.preset), resolve_dtype(args.dtype), resolve_device(args.device))
-    engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=8192, kernel_backend=args.kernel_backend,
-                                           max_total_tokens=args.num_prompts * (args.prompt_len + 512) + 4096))
+    model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
+                         resolve_device(args.device))
+    engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=8192,
+                                           kernel_backend=args.kernel_backend,
+                                           max_total_tokens=args.num_prompts
+                                           * (args.prompt_len + 512) + 4096))
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
+                            ignore_eos=True)
 
     def add_batch() -> None:
         for _ in range(args.num_prompts):
-            engine.add_request(torch.randint(2, model.config.vocab_size, (args.prompt_len,), generator=g).tolist(),
+            engine.add_request(torch.randint(2, model.config.vocab_size, (args.prompt_len,),
+                                             generator=g).tolist(),
                                params)
 
     add_batch()
@@ -64,8 +71,9 @@ def main() -> None:
     if cuda:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(json.dumps({"profile": "engine_step", "preset": args.preset, "device": args.device, "backend":
-                      args.kernel_backend, "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+    print(json.dumps({"profile": "engine_step", "preset": args.preset, "device": args.device,
+                      "backend": args.kernel_backend, "num_prompts": args.num_prompts,
+                      "prompt_len": args.prompt_len,
                       "warm_steps": args.warm_steps,
                       "step_s": times}))
 

@@ -1,17 +1,17 @@
-"""Serving benchmark: TTFT, TPOT and throughput vs concurrency through `dsv4 serve`, and the server's
-throughput at the highest concurrency vs offline `LLM.generate` on the same workload.
+"""Serving benchmark: TTFT, TPOT and throughput vs concurrency through `dsv4 serve`, and the
+server's throughput at the highest concurrency vs offline `LLM.generate` on the same workload.
 
-Workload (fixed seed): N requests per concurrency level with prompt lengths uniform in [min_prompt,
-max_prompt] (random token ids, sent as `prompt: [ids]`), greedy, `ignore_eos`, exactly `output_len` output
-tokens each, streamed over SSE with `stream_options.include_usage`. An async httpx client keeps at most
-`c` requests in flight. TTFT = request sent -> first streamed chunk; TPOT = (last chunk - first chunk) /
-(output tokens - 1); throughput = output tokens / wall time of the level. Offline: the same prompts through
-`LLM.generate` with max_running_requests = the highest concurrency, in this process while the server idles,
-interleaved with repeated server runs; the best run of each side is compared. Prints a table, then one JSON
-line.
+Workload (fixed seed): N requests per concurrency level with prompt lengths uniform in
+[min_prompt, max_prompt] (random token ids, sent as `prompt: [ids]`), greedy, `ignore_eos`, exactly
+`output_len` output tokens each, streamed over SSE with `stream_options.include_usage`. An async
+httpx client keeps at most `c` requests in flight. TTFT = request sent -> first streamed chunk;
+TPOT = (last chunk - first chunk) / (output tokens - 1); throughput = output tokens / wall time of
+the level. Offline: the same prompts through `LLM.generate` with max_running_requests = the highest
+concurrency, in this process while the server idles, interleaved with repeated server runs; the
+best run of each side is compared. Prints a table, then one JSON line.
 
-    python benchmarks/serving.py                                 # starts a server on the default model
-    python benchmarks/serving.py --url http://127.0.0.1:8000 --skip-offline   # against a running server
+    python benchmarks/serving.py                            # starts a server on the default model
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --skip-offline  # a running server
 """
 
 from __future__ import annotations
@@ -39,16 +39,20 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running server (default: start one on --model)")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the embedded model)")
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels; the last is compared offline")
-    p.add_argument("--num-requests", type=int, default=256, help="requests at the top level (level c: min(this, 8c))")
-    p.add_argument("--repeats", type=int, default=3, help="top-level server runs, each followed by an offline run")
+    p.add_argument("--concurrency", default="1,8,32",
+                   help="comma-separated levels; the last is compared offline")
+    p.add_argument("--num-requests", type=int, default=256,
+                   help="requests at the top level (level c: min(this, 8c))")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="top-level server runs, each followed by an offline run")
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--skip-offline", action="store_true")
-    p.add_argument("--offline-threads", type=int, default=None, help="torch threads of the offline run "
+    p.add_argument("--offline-threads", type=int, default=None,
+                   help="torch threads of the offline run "
                    "(default: torch's, one per core)")
     return p.parse_args()
 
@@ -67,8 +71,8 @@ def make_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list[int]
 
 
 async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: int) -> Sample:
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     sent, first, last, tokens = time.perf_counter(), None, 0.0, 0
     async with http.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -76,12 +80,14 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: in
             if not line.startswith("data: {"):
                 continue
             now = time.perf_counter()
-            if '"usage":{' in line:   # the last chunk; the others carry "usage":null and are not parsed
+            # the last chunk; the others carry "usage":null and are not parsed
+            if '"usage":{' in line:
                 tokens = json.loads(line[6:])["usage"]["completion_tokens"]
             else:
                 first, last = first or now, now
     assert first is not None and tokens == output_len, f"incomplete response ({tokens} tokens)"
-    return Sample(ttft=first - sent, tpot=(last - first) / (tokens - 1) if tokens > 1 else None, tokens=tokens)
+    return Sample(ttft=first - sent, tpot=(last - first) / (tokens - 1) if tokens > 1 else None,
+                  tokens=tokens)
 
 
 async def run_level(url: str, prompts: list[list[int]], output_len: int,
@@ -100,14 +106,16 @@ async def run_level(url: str, prompts: list[list[int]], output_len: int,
         return time.perf_counter() - start, list(samples)
 
 
-def start_server(args: argparse.Namespace, model: Path, max_running: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(args: argparse.Namespace, model: Path,
+                 max_running: int) -> tuple[subprocess.Popen[bytes], str]:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "dsv4", "serve", "--model", str(model), "--port", str(port), "--page-size",
-           str(args.page_size), "--max-running-requests", str(max_running), "--dtype", "float32", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "dsv4", "serve", "--model", str(model), "--port", str(port),
+           "--page-size", str(args.page_size), "--max-running-requests", str(max_running),
+           "--dtype", "float32", "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -123,11 +131,11 @@ def start_server(args: argparse.Namespace, model: Path, max_running: int) -> tup
 
 
 def offline_llm(model: Path, args: argparse.Namespace, max_running: int) -> LLM:
-    llm = LLM(model, dtype="float32", device="cpu", page_size=args.page_size, max_running_requests=max_running,
-              kv_cache_memory_gb=0.5)
+    llm = LLM(model, dtype="float32", device="cpu", page_size=args.page_size,
+              max_running_requests=max_running, kv_cache_memory_gb=0.5)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompt_token_ids=make_prompts(args, llm.model.config.vocab_size, 2), sampling_params=params,
-                 use_tqdm=False)     # warm-up
+    llm.generate(prompt_token_ids=make_prompts(args, llm.model.config.vocab_size, 2),
+                 sampling_params=params, use_tqdm=False)  # warm-up
     return llm
 
 
@@ -154,13 +162,16 @@ def requests_for(level: int, args: argparse.Namespace) -> int:
     return min(args.num_requests, max(16, 8 * level))
 
 
-def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int]) -> dict[str, object]:
-    """Every level once on the server; the top level `repeats` times, each run followed by an offline run of
-    the same prompts while the server idles. Interleaving cancels slow drifts in the machine's load, and the
-    comparison uses the best run of each side (on a shared machine a run can only be slowed down, never sped
-    up, by other work); the ratio of the medians is reported too."""
-    prompts = make_prompts(args, json.loads((model / "config.json").read_text())["vocab_size"], args.num_requests)
-    rows = [summarize(c, *asyncio.run(run_level(url, prompts[:requests_for(c, args)], args.output_len, c)))
+def measure(args: argparse.Namespace, url: str, model: Path,
+            levels: list[int]) -> dict[str, object]:
+    """Every level once on the server; the top level `repeats` times, each run followed by an
+    offline run of the same prompts while the server idles. Interleaving cancels slow drifts in the
+    machine's load, and the comparison uses the best run of each side (on a shared machine a run can
+    only be slowed down, never sped up, by other work); the ratio of the medians is reported too."""
+    prompts = make_prompts(args, json.loads((model / "config.json").read_text())["vocab_size"],
+                           args.num_requests)
+    rows = [summarize(c, *asyncio.run(run_level(url, prompts[:requests_for(c, args)],
+                                                args.output_len, c)))
             for c in levels[:-1]]
     top = levels[-1]
     top_prompts = prompts[:requests_for(top, args)]
@@ -169,14 +180,17 @@ def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int]) 
     llm = None if args.skip_offline else offline_llm(model, args, top)
     server_runs, offline_runs = [], []
     for _ in range(args.repeats):
-        server_runs.append(summarize(top, *asyncio.run(run_level(url, top_prompts, args.output_len, top))))
+        server_runs.append(summarize(top, *asyncio.run(run_level(url, top_prompts,
+                                                                 args.output_len, top))))
         if llm is not None:
             offline_runs.append(run_offline(llm, top_prompts, args))
     rows.append(max(server_runs, key=lambda r: r["tok_s"]))
     offline = max(offline_runs) if offline_runs else float("nan")
-    median_ratio = statistics.median(r["tok_s"] for r in server_runs) / statistics.median(offline_runs or [offline])
+    median_ratio = (statistics.median(r["tok_s"] for r in server_runs)
+                    / statistics.median(offline_runs or [offline]))
     return {"levels": rows, "server_tok_s_runs": [r["tok_s"] for r in server_runs],
-            "offline_tok_s_runs": [round(x, 1) for x in offline_runs], "offline_tok_s": round(offline, 1),
+            "offline_tok_s_runs": [round(x, 1) for x in offline_runs],
+            "offline_tok_s": round(offline, 1),
             "server_vs_offline": round(rows[-1]["tok_s"] / offline, 3),
             "server_vs_offline_median": round(median_ratio, 3)}
 
@@ -194,18 +208,21 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     rows, ratio = result["levels"], float(result["server_vs_offline"])  # type: ignore[arg-type]
-    print(f"{'concurrency':>11}{'requests':>9}{'tok/s':>10}{'TTFT med ms':>13}{'TTFT p90 ms':>13}{'TPOT med ms':>13}")
+    print(f"{'concurrency':>11}{'requests':>9}{'tok/s':>10}{'TTFT med ms':>13}{'TTFT p90 ms':>13}"
+          f"{'TPOT med ms':>13}")
     for r in rows:  # type: ignore[attr-defined]
         print(f"{r['concurrency']:>11}{r['requests']:>9}{r['tok_s']:>10}{r['ttft_ms_median']:>13}"
               f"{r['ttft_ms_p90']:>13}{r['tpot_ms_median']:>13}")
     print(f"top level runs: server {result['server_tok_s_runs']} tok/s, offline LLM.generate "
-          f"(max_running_requests={max(levels)}) {result['offline_tok_s_runs']} tok/s; best server = "
-          f"{100 * ratio:.1f}% of best offline (target >= 90%; medians: "
+          f"(max_running_requests={max(levels)}) {result['offline_tok_s_runs']} tok/s; "
+          f"best server = {100 * ratio:.1f}% of best offline (target >= 90%; medians: "
           f"{100 * float(result['server_vs_offline_median']):.1f}%)")  # type: ignore[arg-type]
     print(json.dumps({
-        "benchmark": "serving", "model": str(model), "prompt_len": [args.min_prompt, args.max_prompt],
+        "benchmark": "serving", "model": str(model),
+        "prompt_len": [args.min_prompt, args.max_prompt],
         "output_len": args.output_len, **result, "target_met": ratio >= 0.9,
-        "torch": torch.__version__, "offline_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "torch": torch.__version__, "offline_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "commit": _commit(),
@@ -213,7 +230,8 @@ def main() -> None:
 
 
 def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 if __name__ == "__main__":

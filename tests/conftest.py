@@ -1,6 +1,6 @@
 """Shared pytest configuration for the dsv4 test suite.
 
-Markers (``gpu``, ``multi_gpu``, ``slow``) are declared in pyproject.toml; this
+Markers (`gpu`, `multi_gpu`, `slow`) are declared in pyproject.toml; this
 file skips GPU-marked tests on machines without CUDA, gives torch one thread fewer
 than the machine has cores (a test beside another busy process must not stall on
 oversubscribed cores) and provides a seeding fixture.
@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if item.get_closest_marker("gpu") is not None or item.get_closest_marker("multi_gpu") is not None:
+        if (item.get_closest_marker("gpu") is not None
+                or item.get_closest_marker("multi_gpu") is not None):
             item.add_marker(skip_gpu)
 
 

@@ -1,10 +1,12 @@
 """dsv4's packages import one way only (DESIGN decision 10).
 
-    utils, assets -> config -> kernels -> cache -> model -> checkpoint -> engine -> server | train | rl -> cli
+    utils, assets -> config -> kernels -> cache -> model -> checkpoint | distributed -> engine
+        -> server | train | rl -> cli
 
-Every `import` / `from ... import` in `src/dsv4` (at any depth: inside functions too) is an edge from the
-importing package to the imported one; an edge to a higher layer, or between the sibling top layers
-(server, train, rl), fails. `TYPE_CHECKING` blocks are not allowed either: they exist to hide cycles.
+Every `import` / `from ... import` in `src/dsv4` (at any depth: inside functions too) is an edge
+from the importing package to the imported one; an edge to a higher layer, or between the sibling
+top layers (server, train, rl), fails. `TYPE_CHECKING` blocks are not allowed either: they exist to
+hide cycles.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ SIBLINGS_MAY_IMPORT = {"utils", "assets"}   # the base layer's two packages may 
 
 
 def package_of(module: str) -> str | None:
-    """The top-level dsv4 package of a dotted module name ('dsv4.model.moe' -> 'model'); None outside
-    dsv4 or for the package root itself (its public-API re-exports)."""
+    """The top-level dsv4 package of a dotted module name ('dsv4.model.moe' -> 'model').
+
+    None outside dsv4 or for the package root itself (its public-API re-exports).
+    """
     parts = module.split(".")
     if parts[0] != "dsv4" or len(parts) < 2:
         return None
@@ -69,7 +73,8 @@ def violations(root: Path = SRC) -> list[str]:
     bad: list[str] = []
     for path in sorted(root.rglob("*.py")):
         if path.parent == root:
-            continue            # dsv4/__init__.py (the public API) and __main__.py sit above every layer
+            # dsv4/__init__.py (the public API) and __main__.py sit above every layer
+            continue
         src_pkg = package_of(module_name(path, root))
         if src_pkg is None:
             continue
@@ -108,7 +113,7 @@ def test_every_package_has_a_layer() -> None:
     ("from typing import TYPE_CHECKING\n", "TYPE_CHECKING"),
 ])
 def test_checker_catches_upward_edges(tmp_path: Path, source: str, expected: str) -> None:
-    """The checker itself fails on an upward edge (absolute, nested or relative) and on TYPE_CHECKING."""
+    """The checker fails on an upward edge (absolute, nested or relative) and on TYPE_CHECKING."""
     pkg = tmp_path / "dsv4" / "kernels" / "ref"
     pkg.mkdir(parents=True)
     (tmp_path / "dsv4" / "__init__.py").write_text("")

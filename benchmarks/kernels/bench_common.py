@@ -1,7 +1,8 @@
-"""Shared pieces of the kernel benchmarks: the H200 copy-rate anchor, CUDA-graph timing, the table, the JSON line.
+"""Shared pieces of the kernel benchmarks: the H200 copy-rate anchor, CUDA-graph timing, the table,
+the JSON line.
 
-Imported by the `bench_*.py` scripts of this folder (run as `python3 benchmarks/kernels/bench_X.py`, so this
-folder is on sys.path).
+Imported by the `bench_*.py` scripts of this folder (run as
+`python3 benchmarks/kernels/bench_X.py`, so this folder is on sys.path).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 HBM_BYTES_PER_S = 4.275e12       # measured device copy on the H200 (docs/DESIGN.md §3)
 
 
-def time_graph_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], iters: int, warmup: int) -> float:
-    """Median per-call time of CUDA-graph replays; each graph cycles through `sets` (defeats L2 reuse)."""
+def time_graph_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], iters: int,
+                  warmup: int) -> float:
+    """Median per-call time of CUDA-graph replays; each graph cycles through `sets` (defeats L2
+    reuse)."""
     calls = max(len(sets), 8)
     for _ in range(warmup):
         for s in sets:
@@ -49,7 +52,8 @@ def time_graph_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], iters: 
 
 
 def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 1) -> float:
-    """Median time of eager calls (CUDA events on the GPU, wall clock on the CPU), after `warmup` calls."""
+    """Median time of eager calls (CUDA events on the GPU, wall clock on the CPU), after `warmup`
+    calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -70,8 +74,8 @@ def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool, warmup: int 
 
 def bench_rows(cases: Iterable[Any], bench: Callable[[Any], dict[str, Any]], device: torch.device
                ) -> list[dict[str, Any]]:
-    """One result row per case; on CUDA the caching allocator is emptied between cases (each case allocates its
-    own input sets of >= 256 MB, which would otherwise accumulate)."""
+    """One result row per case; on CUDA the caching allocator is emptied between cases (each case
+    allocates its own input sets of >= 256 MB, which would otherwise accumulate)."""
     rows = []
     for case in cases:
         rows.append(bench(case))
@@ -81,9 +85,10 @@ def bench_rows(cases: Iterable[Any], bench: Callable[[Any], dict[str, Any]], dev
 
 
 def print_table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> None:
-    """cols: (row key, format, heading); the first column is left-aligned."""
+    """`cols`: (row key, format, heading); the first column is left-aligned."""
     widths = [len(fmt.format(rows[0][key])) if rows else 8 for key, fmt, _ in cols]
-    print(" ".join(h.rjust(w) if i else h.ljust(w) for i, ((_, _, h), w) in enumerate(zip(cols, widths, strict=True))))
+    print(" ".join(h.rjust(w) if i else h.ljust(w)
+                   for i, ((_, _, h), w) in enumerate(zip(cols, widths, strict=True))))
     for r in rows:
         print(" ".join(fmt.format(r[key]) for key, fmt, _ in cols))
 
@@ -96,11 +101,14 @@ def emit(record: dict[str, Any], out: Path | None) -> None:
     print(line)
 
 
-def base_parser(description: str, sweep_help: str = "also time the sweep configurations and report the best"
+def base_parser(description: str,
+                sweep_help: str = "also time the sweep configurations and report the best"
                 ) -> argparse.ArgumentParser:
-    """The flags every kernel benchmark takes: --cpu-smoke, --sweep, --iters, --warmup, --seed, --out."""
+    """The flags every kernel benchmark takes: `--cpu-smoke`, `--sweep`, `--iters`, `--warmup`,
+    `--seed`, `--out`."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (no timing value)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes under TRITON_INTERPRET=1 (no timing value)")
     p.add_argument("--sweep", action="store_true", help=sweep_help)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
@@ -110,7 +118,8 @@ def base_parser(description: str, sweep_help: str = "also time the sweep configu
 
 
 def select_device(cpu_smoke: bool) -> torch.device:
-    """CUDA, or the CPU under the Triton interpreter for --cpu-smoke (set before the first `import triton`)."""
+    """CUDA, or the CPU under the Triton interpreter for `--cpu-smoke` (set before the first
+    `import triton`)."""
     if cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         return torch.device("cpu")
@@ -125,5 +134,7 @@ def record_header(bench: str, device: torch.device) -> dict[str, Any]:
 
     if device.type == "cpu":
         print("cpu smoke (interpreter): times and bandwidths are meaningless here")
-    return {"bench": bench, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu-interpreter",
-            "torch": torch.__version__, "triton": triton.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S}
+    return {"bench": bench,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu-interpreter",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "hbm_bytes_per_s": HBM_BYTES_PER_S}

@@ -1,34 +1,40 @@
-"""Benchmark: the Flash Compressor (`triton_compress_cached`) against the reference and the HBM floor.
+"""Benchmark: the Flash Compressor (`triton_compress_cached`) vs the reference and the HBM floor.
 
-Geometries (V4-Flash, flash-4l): C4 attention (ratio 4, overlap, Dc 512), C4 indexer (ratio 4, overlap, Dc 128),
-C128 attention (ratio 128, Dc 512); rope 64, bf16 entries, fp32 projections and rings. Plans come from the
-engine's own metadata builder (engine/metadata.py over a request table, page size 256):
-  decode   B in {1, 64, 256, 1024, 4096} (--batches) requests, one token each, every one completing a window (position
-           p with (p+1) % ratio == 0, p >= 2 ratio - 1): the heaviest decode step, S - 1 sources from the ring.
-           In steady-state serving only ~1/ratio of the requests complete a window per step; the others just
-           write their ring row. One launch (ring_reads_disjoint).
-  prefill  8192 tokens of one request from position 0: every source is this step's projection. Two launches.
+Geometries (V4-Flash, flash-4l): C4 attention (ratio 4, overlap, Dc 512), C4 indexer (ratio 4,
+overlap, Dc 128), C128 attention (ratio 128, Dc 512); rope 64, bf16 entries, fp32 projections and
+rings. Plans come from the engine's own metadata builder (engine/metadata.py over a request table,
+page size 256):
+  decode   B in {1, 64, 256, 1024, 4096} (--batches) requests, one token each, every one
+           completing a window (position p with (p+1) % ratio == 0, p >= 2 ratio - 1): the
+           heaviest decode step, S - 1 sources from the ring. In steady-state serving only
+           ~1/ratio of the requests complete a window per step; the others just write their ring
+           row. One launch (ring_reads_disjoint).
+  prefill  8192 tokens of one request from position 0: every source is this step's projection.
+           Two launches.
 Bytes the kernel must move, counted explicitly from the plan (host side, outside any timed region):
   source reads   Σ over entries of valid slots x Dc x 4 B x 2 (kv and score, fp32)
   entry writes   entries x Dc x 2 B (bf16)
-  ring copies    kept tokens x c*Dc x 4 B x 2 written, plus (overlap) the half of each kept row that no pooling
-                 reads but the copy must: kept x (c*Dc - Dc) x 4 B x 2 (the pooled half is a source read already;
-                 the few rows of an incomplete trailing window are not counted twice). Before 2026-11-30 (fifth
-                 session) that unread half was left out, which undercounted a C4 decode step by ~9%.
-  metadata       index rows of the entries (S x 18 B), write_slot / ring_write of every token, cos/sin
+  ring copies    kept tokens x c*Dc x 4 B x 2 written, plus (overlap) the half of each kept row
+                 that no pooling reads but the copy must: kept x (c*Dc - Dc) x 4 B x 2 (the
+                 pooled half is a source read already; the few rows of an incomplete trailing
+                 window are not counted twice).
+  metadata       index rows of the entries (S x 18 B), write_slot / ring_write of every token,
+                 cos/sin
 GB/s and %HBM are those bytes over the time, against the measured H200 copy bandwidth 4.275 TB/s.
-Issue target (serving-reference §1.6): decode at batch >= 64 at >= 80% of HBM and >= 10x the reference. At
-small batch the step moves too few bytes (C4 Dc 512: ~41 KB per request, ~2.6 MB at B = 64, i.e. 0.6 us at
-4.275 TB/s, below the ~2-3 us a single kernel takes in a graph), so %HBM there is launch-bound by construction;
-the JSON's `target` field reports, per geometry, the smallest decode batch that reaches each bound.
-Timing: parity with the reference is asserted first (entries to 1e-2 relative, ring rows bit-equal); then the
-median of CUDA-event-timed CUDA-graph replays, each graph cycling through enough request sets (distinct ring
-rows, distinct projections) to exceed L2. The reference is timed the same way (CUDA graph).
+Issue target (serving-reference §1.6): decode at batch >= 64 at >= 80% of HBM and >= 10x the
+reference. At small batch the step moves too few bytes (C4 Dc 512: ~41 KB per request, ~2.6 MB at
+B = 64, i.e. 0.6 us at 4.275 TB/s, below the ~2-3 us a single kernel takes in a graph), so %HBM
+there is launch-bound by construction; the JSON's `target` field reports, per geometry, the
+smallest decode batch that reaches each bound.
+Timing: parity with the reference is asserted first (entries to 1e-2 relative, ring rows
+bit-equal); then the median of CUDA-event-timed CUDA-graph replays, each graph cycling through
+enough request sets (distinct ring rows, distinct projections) to exceed L2. The reference is
+timed the same way (CUDA graph).
 Prints a table, then ONE JSON line (also written to --out).
 
-    PYTHONPATH=src python3 benchmarks/kernels/bench_compressor.py --out FILE.json     # CUDA
-    PYTHONPATH=src python3 benchmarks/kernels/bench_compressor.py --sweep             # + block_s/warps/stages
-    PYTHONPATH=src python3 benchmarks/kernels/bench_compressor.py --cpu-smoke         # interpreter, tiny shapes
+    PYTHONPATH=src python3 benchmarks/kernels/bench_compressor.py --out FILE.json  # CUDA
+    PYTHONPATH=src python3 benchmarks/kernels/bench_compressor.py --sweep  # + block_s/warps/stages
+    PYTHONPATH=src python3 benchmarks/kernels/bench_compressor.py --cpu-smoke  # interpreter, tiny
 """
 
 from __future__ import annotations
@@ -55,9 +61,11 @@ from bench_common import (
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: request sets cycled inside one graph
 MAX_SETS = 64
 PAGE = 256
-SWEEP_CONFIGS = [(4, 2, 2), (8, 2, 2), (8, 4, 2), (8, 4, 3), (8, 8, 2), (16, 4, 2), (16, 8, 2), (16, 8, 3),
-                 (32, 8, 2), (32, 16, 2),     # (block_s, num_warps, num_stages[, tokens]), clipped to the geometry's S
-                 (8, 2, 2, 2), (8, 4, 2, 2), (8, 4, 2, 4), (8, 8, 2, 4), (8, 8, 2, 8)]   # tokens: S <= 16 only
+# (block_s, num_warps, num_stages[, tokens]), clipped to the geometry's S; the last row (with
+# tokens): S <= 16 only
+SWEEP_CONFIGS = [(4, 2, 2), (8, 2, 2), (8, 4, 2), (8, 4, 3), (8, 8, 2), (16, 4, 2), (16, 8, 2),
+                 (16, 8, 3), (32, 8, 2), (32, 16, 2),
+                 (8, 2, 2, 2), (8, 4, 2, 2), (8, 4, 2, 4), (8, 8, 2, 4), (8, 8, 2, 8)]
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{self.geo.name} {self.phase} " + (f"B={self.B}" if self.phase == "decode" else f"T={self.n}")
+        return f"{self.geo.name} {self.phase} " + (f"B={self.B}" if self.phase == "decode"
+                                                   else f"T={self.n}")
 
 
 FLASH = [Geometry("c4-attn", 4, True, 512, 64), Geometry("c4-indexer", 4, True, 128, 64),
@@ -100,21 +109,25 @@ def cuda_cases(batches: tuple[int, ...] = (1, 64, 256, 1024, 4096)) -> list[Case
 
 
 def smoke_cases() -> list[Case]:
-    return [Case(g, "decode", B, 1) for g in MICRO for B in (1, 4)] + [Case(g, "prefill", 1, 64) for g in MICRO]
+    return ([Case(g, "decode", B, 1) for g in MICRO for B in (1, 4)]
+            + [Case(g, "prefill", 1, 64) for g in MICRO])
 
 
 Inputs = tuple[object, ...]   # the positional arguments of compress_cached
 
 
 def positions(case: Case, num_sets: int) -> list[list[int]]:
-    """Per set, the first new position of each request (decode: window-completing, spread over 8 windows)."""
+    """Per set, the first new position of each request (decode: window-completing, spread over 8
+    windows)."""
     r = case.geo.ratio
     if case.phase == "prefill":
         return [[0] * case.B for _ in range(num_sets)]
-    return [[r * (2 + (7 * (i * case.B + b)) % 8) - 1 for b in range(case.B)] for i in range(num_sets)]
+    return [[r * (2 + (7 * (i * case.B + b)) % 8) - 1 for b in range(case.B)]
+            for i in range(num_sets)]
 
 
-def build_sets(case: Case, num_sets: int, device: torch.device, seed: int) -> tuple[list[Inputs], list[object]]:
+def build_sets(case: Case, num_sets: int, device: torch.device,
+               seed: int) -> tuple[list[Inputs], list[object]]:
     """`num_sets` request sets with real engine plans over one shared ring pool and entry pool."""
     from dsv4.cache.layout import plan_cache
     from dsv4.cache.pools import KVPools
@@ -128,7 +141,8 @@ def build_sets(case: Case, num_sets: int, device: torch.device, seed: int) -> tu
     page = 16 if geo.Dc <= 32 else PAGE
     reqs, top = num_sets * case.B, max(max(s) for s in starts) + case.n
     context = math.ceil(top / page) * page
-    engine = EngineConfig(page_size=page, max_running_requests=reqs, chunked_prefill_size=reqs * case.n,
+    engine = EngineConfig(page_size=page, max_running_requests=reqs,
+                          chunked_prefill_size=reqs * case.n,
                           max_total_tokens=reqs * context, context_length=context)
     layout = plan_cache(model, engine, torch.bfloat16)
     pools = KVPools(model, layout, torch.bfloat16, torch.device("meta"))
@@ -153,7 +167,8 @@ def build_sets(case: Case, num_sets: int, device: torch.device, seed: int) -> tu
         freqs = plan.entry_pos[:, None].float() * inv_freq
         kv = torch.randn(T, geo.width, generator=g, device=device)
         score = 2 * torch.randn(T, geo.width, generator=g, device=device)
-        sets.append((kv, score, ring_kv, ring_score, plan.index, weight, 1e-6, freqs.cos(), freqs.sin(), out))
+        sets.append((kv, score, ring_kv, ring_score, plan.index, weight, 1e-6, freqs.cos(),
+                     freqs.sin(), out))
         indexes.append(plan.index)
     return sets, indexes
 
@@ -167,7 +182,8 @@ def count_bytes(case: Case, inputs: Inputs) -> dict[str, float]:
     n_emit = int(emits.sum())
     slots = int(index.src_valid[emits].sum())                         # type: ignore[attr-defined]
     T = index.write_slot.shape[0]                                      # type: ignore[attr-defined]
-    parts = {"bytes_src": slots * geo.Dc * 4 * 2, "bytes_entries": n_emit * geo.Dc * out.element_size(),
+    parts = {"bytes_src": slots * geo.Dc * 4 * 2,
+             "bytes_entries": n_emit * geo.Dc * out.element_size(),
              "bytes_ring": kept * (2 * geo.width - geo.Dc) * 4 * 2,
              "bytes_meta": n_emit * (geo.S * 18 + geo.rd * 4) + T * 16}
     return {**parts, "bytes": sum(parts.values()), "entries": n_emit, "ring_rows": kept, "T": T}
@@ -189,12 +205,12 @@ def check_parity(fn: Callable[..., None], ref_fn: Callable[..., None], inputs: I
     ring_kv[rw], ring_score[rw], out[ws] = saved                        # type: ignore[index]
     ref_fn(*inputs)
     want = touched()
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "ring rows differ from the reference"
-    err = ((got[2].float() - want[2].float()).abs().max() / want[2].float().abs().max().clamp(min=1e-6)).item() \
-        if ws.numel() else 0.0
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
+        "ring rows differ from the reference"
+    err = ((got[2].float() - want[2].float()).abs().max()
+           / want[2].float().abs().max().clamp(min=1e-6)).item() if ws.numel() else 0.0
     assert err <= 1e-2, f"parity failed: entries max |diff| / max |ref| = {err:.3e} > 1e-2"
     return err
-
 
 
 def time_cpu_us(fn: Callable[..., None], inputs: Inputs, iters: int) -> float:
@@ -214,7 +230,11 @@ def configs_for(case: Case, sweep: list[tuple[int, ...]]) -> list[tuple[int, ...
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
     from dsv4.kernels.ref.compressor import compress_cached
-    from dsv4.kernels.triton.compressor import default_config, default_tokens, triton_compress_cached
+    from dsv4.kernels.triton.compressor import (
+        default_config,
+        default_tokens,
+        triton_compress_cached,
+    )
 
     cuda = device.type == "cuda"
     probe, _ = build_sets(case, 1, device, args.seed)
@@ -236,7 +256,8 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
             triton_compress_cached(*x, **kw)  # type: ignore[arg-type]
 
         err = max(err, check_parity(fn, compress_cached, sets[0]))
-        timed[key] = time_graph_us(fn, sets, args.iters, args.warmup) if cuda else time_cpu_us(fn, sets[0], 2)
+        timed[key] = (time_graph_us(fn, sets, args.iters, args.warmup) if cuda
+                      else time_cpu_us(fn, sets[0], 2))
     default_key = next(iter(timed))
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
@@ -244,9 +265,10 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     ref_us = time_graph_us(compress_cached, ref_sets, max(3, args.iters // 5), 1) if cuda \
         else time_cpu_us(compress_cached, sets[0], 2)
     b = per_set["bytes"]
-    return {"case": case.name, "geometry": case.geo.name, "phase": case.phase, "B": case.B, "n": case.n,
-            "ratio": case.geo.ratio, "Dc": case.geo.Dc, "us": us, "us_default": timed[default_key],
-            "best_config": best, "configs_us": timed, "ref_us": ref_us, "speedup_vs_ref": ref_us / us,
+    return {"case": case.name, "geometry": case.geo.name, "phase": case.phase, "B": case.B,
+            "n": case.n, "ratio": case.geo.ratio, "Dc": case.geo.Dc, "us": us,
+            "us_default": timed[default_key], "best_config": best, "configs_us": timed,
+            "ref_us": ref_us, "speedup_vs_ref": ref_us / us,
             "gbps": b / us / 1e3, "pct_hbm": b / (us * 1e-6) / HBM_BYTES_PER_S * 100,
             "floor_us": b / HBM_BYTES_PER_S * 1e6, "max_rel_err": err, "request_sets": len(sets),
             "one_launch": bool(sets[0][4].ring_reads_disjoint), **per_set}  # type: ignore[attr-defined]
@@ -256,9 +278,11 @@ def targets(rows: list[dict[str, object]]) -> dict[str, dict[str, int | None]]:
     """Per geometry: the smallest decode batch reaching 80% of HBM, 10x the reference, and both."""
     out: dict[str, dict[str, int | None]] = {}
     for geo in {str(r["geometry"]) for r in rows}:
-        dec = sorted((r for r in rows if r["geometry"] == geo and r["phase"] == "decode"), key=lambda r: r["B"])
+        dec = sorted((r for r in rows if r["geometry"] == geo and r["phase"] == "decode"),
+                     key=lambda r: r["B"])
 
-        def first(ok: Callable[[dict[str, object]], bool], dec: list[dict[str, object]] = dec) -> int | None:
+        def first(ok: Callable[[dict[str, object]], bool],
+                  dec: list[dict[str, object]] = dec) -> int | None:
             return next((int(r["B"]) for r in dec if ok(r)), None)  # type: ignore[call-overload]
 
         out[geo] = {"hbm80_from_B": first(lambda r: float(r["pct_hbm"]) >= 80),  # type: ignore[arg-type]
@@ -269,25 +293,31 @@ def targets(rows: list[dict[str, object]]) -> dict[str, dict[str, int | None]]:
 
 
 TABLE = [("case", "{:<26}", "case"), ("T", "{:>6}", "T"), ("entries", "{:>7}", "entries"),
-         ("bytes", "{:>10.3e}", "bytes"), ("us", "{:>8.2f}", "us"), ("floor_us", "{:>8.2f}", "floor us"),
-         ("ref_us", "{:>9.1f}", "ref us"), ("speedup_vs_ref", "{:>7.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
-         ("pct_hbm", "{:>6.1f}", "%HBM"), ("best_config", "{:>9}", "bs/w/st"), ("max_rel_err", "{:>8.1e}", "rel err")]
+         ("bytes", "{:>10.3e}", "bytes"), ("us", "{:>8.2f}", "us"),
+         ("floor_us", "{:>8.2f}", "floor us"), ("ref_us", "{:>9.1f}", "ref us"),
+         ("speedup_vs_ref", "{:>7.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
+         ("pct_hbm", "{:>6.1f}", "%HBM"), ("best_config", "{:>9}", "bs/w/st"),
+         ("max_rel_err", "{:>8.1e}", "rel err")]
 
 
 def parse_args() -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], "also time SWEEP_CONFIGS and report the best")
-    p.add_argument("--configs", type=lambda v: [tuple(map(int, c.split("/"))) for c in v.split(",")], default=None,
-                   help="time these instead of SWEEP_CONFIGS: block_s/warps/stages[/tokens], comma-separated")
+    p.add_argument("--configs",
+                   type=lambda v: [tuple(map(int, c.split("/"))) for c in v.split(",")],
+                   default=None,
+                   help="time these instead of SWEEP_CONFIGS: block_s/warps/stages[/tokens], "
+                   "comma-separated")
     p.add_argument("--only", default="", help="run only the cases whose name contains this text")
-    p.add_argument("--batches", type=lambda v: tuple(map(int, v.split(","))), default=(1, 64, 256, 1024, 4096),
-                   help="decode batch sizes (comma-separated)")
+    p.add_argument("--batches", type=lambda v: tuple(map(int, v.split(","))),
+                   default=(1, 64, 256, 1024, 4096), help="decode batch sizes (comma-separated)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
-    cases = [c for c in (smoke_cases() if args.cpu_smoke else cuda_cases(args.batches)) if args.only in c.name]
+    cases = [c for c in (smoke_cases() if args.cpu_smoke else cuda_cases(args.batches))
+             if args.only in c.name]
 
     rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)

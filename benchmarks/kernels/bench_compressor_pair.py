@@ -1,13 +1,15 @@
-"""Benchmark: a CSA layer's two compressors in one launch (`triton_compress_pair`) against two single launches.
+"""Benchmark: a CSA layer's two compressors in one launch (`triton_compress_pair`) vs two launches.
 
-Geometry V4-Flash / flash-4l: the attention compressor (ratio 4, overlap, Dc 512) and the indexer's (Dc 128), rope
-64, bf16 entries, fp32 projections and rings; the plans, request sets and byte counts are bench_compressor.py's
-(the same seed gives both compressors the same engine plan, which the pair shares). Per case:
+Geometry V4-Flash / flash-4l: the attention compressor (ratio 4, overlap, Dc 512) and the indexer's
+(Dc 128), rope 64, bf16 entries, fp32 projections and rings; the plans, request sets and byte
+counts are bench_compressor.py's (the same seed gives both compressors the same engine plan, which
+the pair shares). Per case:
   pair     the fused kernel (one launch; 2 / 4 / 8 warps with --sweep)
   singles  `triton_compress_cached` twice, back to back, at each geometry's default configuration
   ref      the reference pair op (`compress_cached_pair`), graph-timed
-Bytes = the two compressors' bytes (bench_compressor.count_bytes) less the second's index rows (read once).
-GB/s and %HBM against the measured H200 copy rate 4.275 TB/s. Parity with the reference asserted first.
+Bytes = the two compressors' bytes (bench_compressor.count_bytes) less the second's index rows
+(read once). GB/s and %HBM against the measured H200 copy rate 4.275 TB/s. Parity with the
+reference asserted first.
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_compressor_pair.py --sweep --out FILE.json
     PYTHONPATH=src python3 benchmarks/kernels/bench_compressor_pair.py --cpu-smoke
@@ -20,11 +22,29 @@ import math
 from collections.abc import Callable
 
 import torch
-from bench_common import HBM_BYTES_PER_S, base_parser, bench_rows, emit, print_table, record_header, select_device
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    bench_rows,
+    emit,
+    print_table,
+    record_header,
+    select_device,
+)
 from bench_common import time_graph_us as graph_us
-from bench_compressor import FLASH, MAX_SETS, MICRO, ROTATE_BYTES, Case, build_sets, count_bytes, time_cpu_us
+from bench_compressor import (
+    FLASH,
+    MAX_SETS,
+    MICRO,
+    ROTATE_BYTES,
+    Case,
+    build_sets,
+    count_bytes,
+    time_cpu_us,
+)
 
-Pair = tuple[object, ...]     # (first, second, index, eps, cos, sin): compress_cached_pair's arguments
+# (first, second, index, eps, cos, sin): compress_cached_pair's arguments
+Pair = tuple[object, ...]
 
 
 def cases(smoke: bool) -> list[tuple[Case, Case]]:
@@ -42,7 +62,8 @@ def pair_sets(a: Case, b: Case, n_sets: int, device: torch.device, seed: int) ->
     sets_b, idx_b = build_sets(b, n_sets, device, seed)
     out = []
     for x, y, ia, ib in zip(sets_a, sets_b, idx_a, idx_b, strict=True):
-        assert all(torch.equal(u, v) for u, v in zip(ia[:6], ib[:6], strict=True)), "plans differ"  # type: ignore
+        assert all(torch.equal(u, v)
+                   for u, v in zip(ia[:6], ib[:6], strict=True)), "plans differ"  # type: ignore
         ta, tb = (CompressTarget(s[0], s[1], s[2], s[3], s[5], s[9]) for s in (x, y))   # type: ignore[arg-type]
         out.append((ta, tb, x[4], x[6], x[7], x[8]))
     return out
@@ -53,7 +74,7 @@ def pair_bytes(a: Case, b: Case, p: Pair) -> dict[str, float]:
     one = [(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, 0.0, cos, sin, c.out)  # type: ignore
            for c in (first, second)]
     ca, cb = count_bytes(a, one[0]), count_bytes(b, one[1])
-    shared = cb["entries"] * a.geo.S * 18 + cb["T"] * 16            # the second's index rows: read once
+    shared = cb["entries"] * a.geo.S * 18 + cb["T"] * 16  # the second's index rows: read once
     return {"bytes": ca["bytes"] + cb["bytes"] - shared, "entries": ca["entries"], "T": ca["T"]}
 
 
@@ -67,7 +88,8 @@ def written_rows(p: Pair) -> tuple[torch.Tensor, torch.Tensor]:
 
 def touched(p: Pair) -> list[torch.Tensor]:
     rw, ws = written_rows(p)
-    return [t[r].clone() for c in (p[0], p[1]) for t, r in ((c.ring_kv, rw), (c.ring_score, rw), (c.out, ws))]
+    return [t[r].clone() for c in (p[0], p[1])
+            for t, r in ((c.ring_kv, rw), (c.ring_score, rw), (c.out, ws))]
 
 
 def restore(p: Pair, saved: list[torch.Tensor]) -> None:
@@ -86,15 +108,18 @@ def check_parity(fn: Callable[..., None], ref_fn: Callable[..., None], p: Pair) 
     want = touched(p)
     err = 0.0
     for i in range(2):
-        assert torch.equal(got[3 * i], want[3 * i]) and torch.equal(got[3 * i + 1], want[3 * i + 1]), "ring rows"
+        assert (torch.equal(got[3 * i], want[3 * i])
+                and torch.equal(got[3 * i + 1], want[3 * i + 1])), "ring rows"
         w = want[3 * i + 2].float()
         if w.numel():
-            err = max(err, ((got[3 * i + 2].float() - w).abs().max() / w.abs().max().clamp(min=1e-6)).item())
+            err = max(err, ((got[3 * i + 2].float() - w).abs().max()
+                            / w.abs().max().clamp(min=1e-6)).item())
     assert err <= 1e-2, f"parity failed: entries max |diff| / max |ref| = {err:.3e}"
     return err
 
 
-def bench_case(a: Case, b: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+def bench_case(a: Case, b: Case, args: argparse.Namespace,
+               device: torch.device) -> dict[str, object]:
     from dsv4.kernels.ref.compressor import compress_cached_pair
     from dsv4.kernels.triton.compressor import triton_compress_cached
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
@@ -108,9 +133,11 @@ def bench_case(a: Case, b: Case, args: argparse.Namespace, device: torch.device)
     def timed(fn: Callable[..., None]) -> float:
         return graph_us(fn, sets, args.iters, args.warmup) if cuda else time_cpu_us(fn, sets[0], 2)
 
-    def singles(first: object, second: object, index: object, eps: float, cos: object, sin: object) -> None:
+    def singles(first: object, second: object, index: object, eps: float, cos: object,
+                sin: object) -> None:
         for c in (first, second):
-            triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps,  # type: ignore
+            triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index,  # type: ignore
+                                   c.norm_weight, eps,  # type: ignore[attr-defined]
                                    cos, sin, c.out)  # type: ignore[attr-defined]
 
     pair_us: dict[str, float] = {}
@@ -126,17 +153,20 @@ def bench_case(a: Case, b: Case, args: argparse.Namespace, device: torch.device)
         else time_cpu_us(compress_cached_pair, sets[0], 2)
     best = min(pair_us, key=lambda k: pair_us[k])
     us, nbytes = pair_us[best], per_set["bytes"]
-    return {"case": f"c4-pair {a.phase} " + (f"B={a.B}" if a.phase == "decode" else f"T={a.n}"), "phase": a.phase,
-            "B": a.B, "n": a.n, "us": us, "us_default": pair_us["4 warps"], "best_config": best, "configs_us": pair_us,
-            "singles_us": singles_us, "x_singles": singles_us / us, "ref_us": ref_us, "speedup_vs_ref": ref_us / us,
+    return {"case": f"c4-pair {a.phase} " + (f"B={a.B}" if a.phase == "decode" else f"T={a.n}"),
+            "phase": a.phase, "B": a.B, "n": a.n, "us": us, "us_default": pair_us["4 warps"],
+            "best_config": best, "configs_us": pair_us, "singles_us": singles_us,
+            "x_singles": singles_us / us, "ref_us": ref_us, "speedup_vs_ref": ref_us / us,
             "gbps": nbytes / us / 1e3, "pct_hbm": nbytes / (us * 1e-6) / HBM_BYTES_PER_S * 100,
             "singles_pct_hbm": nbytes / (singles_us * 1e-6) / HBM_BYTES_PER_S * 100,
-            "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "max_rel_err": err, "request_sets": len(sets), **per_set}
+            "floor_us": nbytes / HBM_BYTES_PER_S * 1e6, "max_rel_err": err,
+            "request_sets": len(sets), **per_set}
 
 
 TABLE = [("case", "{:<24}", "case"), ("bytes", "{:>10.3e}", "bytes"), ("us", "{:>8.2f}", "pair us"),
-         ("singles_us", "{:>10.2f}", "2x1 us"), ("x_singles", "{:>6.2f}", "x 2x1"), ("floor_us", "{:>8.2f}", "floor"),
-         ("ref_us", "{:>9.1f}", "ref us"), ("speedup_vs_ref", "{:>6.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
+         ("singles_us", "{:>10.2f}", "2x1 us"), ("x_singles", "{:>6.2f}", "x 2x1"),
+         ("floor_us", "{:>8.2f}", "floor"), ("ref_us", "{:>9.1f}", "ref us"),
+         ("speedup_vs_ref", "{:>6.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
          ("pct_hbm", "{:>6.1f}", "%HBM"), ("singles_pct_hbm", "{:>7.1f}", "2x1 %"),
          ("best_config", "{:>8}", "config"), ("max_rel_err", "{:>8.1e}", "rel err")]
 

@@ -1,24 +1,28 @@
-"""Benchmark: fused mHC (`triton_mhc_pre`, `triton_mhc_post`, `triton_mhc_head`) against the references and HBM.
+"""Benchmark: fused mHC (`triton_mhc_pre`, `triton_mhc_post`, `triton_mhc_head`) vs references, HBM.
 
-Shapes: V4-Flash, n = 4 streams of d = 4096, bf16 x / f / h, fp32 fn / scale / base / post / comb, 20 Sinkhorn
-iterations; T in {1, 8, 32, 128, 1024, 8192} tokens (decode batch sizes up to a prefill chunk).
+Shapes: V4-Flash, n = 4 streams of d = 4096, bf16 x / f / h, fp32 fn / scale / base / post / comb,
+20 Sinkhorn iterations; T in {1, 8, 32, 128, 1024, 8192} tokens (decode batch sizes up to a
+prefill chunk).
 Bytes each op must move (the floor; counted from the shapes):
-  pre    x read (T n d 2) + fn read (24 n d 4 = 1.5 MB) + h written (T d 2) + post, comb written (T (n + n²) 4)
+  pre    x read (T n d 2) + fn read (24 n d 4 = 1.5 MB) + h written (T d 2) + post, comb written
+         (T (n + n²) 4)
   post   x read (T n d 2) + f read (T d 2) + post, comb read + x' written (T n d 2)
   head   x read + fn_head read (n n d 4) + y written (T d 2)
-GB/s and %HBM are those bytes over the time, against the measured H200 copy bandwidth 4.275 TB/s. NOTE: pre and
-head read x twice (projection, then the weighted sum; kernels/triton/mhc.py), so at large T their %HBM tops out
-near 40/72 of the floor's; at small T they are bound by reading fn (pre) and by launch latency.
-Timing: parity with the reference first (h, x', y to 1e-2 relative; post / comb to 1e-4); then the median of
-CUDA-event-timed CUDA-graph replays, each graph cycling through enough input sets (distinct x AND distinct
-fn, as the 86 mHC sites of a forward are: fn stays cold in L2) to exceed L2. The reference (~25 small torch ops
-plus 2 per Sinkhorn iteration) is timed the same way (graph: its launch gaps shrink to the GPU's) and eagerly
-(CUDA events, one call); "x ref" is the speed-up over the graph-replayed reference.
+GB/s and %HBM are those bytes over the time, against the measured H200 copy bandwidth 4.275 TB/s.
+NOTE: pre and head read x twice (projection, then the weighted sum; kernels/triton/mhc.py), so at
+large T their %HBM tops out near 40/72 of the floor's; at small T they are bound by reading fn
+(pre) and by launch latency.
+Timing: parity with the reference first (h, x', y to 1e-2 relative; post / comb to 1e-4); then the
+median of CUDA-event-timed CUDA-graph replays, each graph cycling through enough input sets
+(distinct x AND distinct fn, as the 86 mHC sites of a forward are: fn stays cold in L2) to exceed
+L2. The reference (~25 small torch ops plus 2 per Sinkhorn iteration) is timed the same way
+(graph: its launch gaps shrink to the GPU's) and eagerly (CUDA events, one call); "x ref" is the
+speed-up over the graph-replayed reference.
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_mhc.py --out FILE.json     # CUDA
-    PYTHONPATH=src python3 benchmarks/kernels/bench_mhc.py --sweep             # + tile / split / warp configs
-    PYTHONPATH=src python3 benchmarks/kernels/bench_mhc.py --cpu-smoke         # interpreter, tiny shapes
+    PYTHONPATH=src python3 benchmarks/kernels/bench_mhc.py --sweep             # + tile/split/warps
+    PYTHONPATH=src python3 benchmarks/kernels/bench_mhc.py --cpu-smoke         # interpreter, tiny
 """
 
 from __future__ import annotations
@@ -48,10 +52,11 @@ MAX_SETS = 64
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
 PRE_SWEEP: list[dict[str, int]] = [
     {"block_t": 16}, {"block_t": 32}, {"block_t": 128, "num_warps": 8}, {"block_k": 128},
-    {"num_warps": 8}, {"num_stages": 4}, {"splits": 1}, {"block_t": 32, "splits": 1}, {"splits": 32},
-    {"splits": 128}]
+    {"num_warps": 8}, {"num_stages": 4}, {"splits": 1}, {"block_t": 32, "splits": 1},
+    {"splits": 32}, {"splits": 128}]
 POST_SWEEP: list[dict[str, int]] = [{"block_d": 256}, {"block_d": 512}, {"block_d": 1024},
-                                    {"block_d": 2048, "num_warps": 8}, {"block_d": 1024, "num_warps": 8}]
+                                    {"block_d": 2048, "num_warps": 8},
+                                    {"block_d": 1024, "num_warps": 8}]
 Inputs = tuple[torch.Tensor, ...]
 
 
@@ -76,7 +81,8 @@ def smoke_cases() -> list[Case]:
 
 
 def make_set(case: Case, device: torch.device, seed: int) -> Inputs:
-    """One input set in the op's argument order (pre / head: x, fn, scale, base; post: f, x, post, comb)."""
+    """One input set in the op's argument order (pre / head: x, fn, scale, base; post: f, x, post,
+    comb)."""
     g = torch.Generator(device).manual_seed(seed)
     n, d, T = case.n, case.d, case.T
     x = torch.randn(T, n, d, generator=g, device=device).bfloat16()
@@ -101,7 +107,8 @@ def count_bytes(case: Case) -> dict[str, int]:
     else:
         rows = (2 + n) * n if case.op == "pre" else n
         weights = T * (n + n * n) * 4 if case.op == "pre" else 0
-        parts = {"bytes_x": x, "bytes_fn": rows * n * d * 4, "bytes_weights": weights, "bytes_out": row}
+        parts = {"bytes_x": x, "bytes_fn": rows * n * d * 4, "bytes_weights": weights,
+                 "bytes_out": row}
     return {**parts, "bytes": sum(parts.values())}
 
 
@@ -113,7 +120,8 @@ def ops(case: Case, knobs: dict[str, int]) -> tuple[Callable[..., Any], Callable
 
     n = case.n
     if case.op == "pre":
-        return (lambda x, fn, s, b: triton_mhc_pre(x, fn, s, b, n, ITERS, HC_EPS, NORM_EPS, **knobs),
+        return (lambda x, fn, s, b: triton_mhc_pre(x, fn, s, b, n, ITERS, HC_EPS, NORM_EPS,
+                                                   **knobs),
                 lambda x, fn, s, b: mhc_pre(x, fn, s, b, n, ITERS, HC_EPS, NORM_EPS))
     if case.op == "head":
         return (lambda x, fn, s, b: triton_mhc_head(x, fn, s, b, HC_EPS, NORM_EPS, **knobs),
@@ -129,13 +137,15 @@ def check_parity(fn: Callable[..., Any], ref_fn: Callable[..., Any], inputs: Inp
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
         limit = 1e-2 if a.dtype == torch.bfloat16 else 1e-4
-        assert err <= limit, f"parity failed on output {i}: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
+        assert err <= limit, \
+            f"parity failed on output {i}: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
         worst = max(worst, err)
     return worst
 
 
 def time_eager_us(fn: Callable[..., Any], sets: list[Inputs], iters: int, cuda: bool) -> float:
-    """Median of single eager calls (CUDA events on CUDA, perf_counter on CPU), cycling through `sets`."""
+    """Median of single eager calls (CUDA events on CUDA, perf_counter on CPU), cycling through
+    `sets`."""
     fn(*sets[0])
     times = []
     for i in range(iters):
@@ -161,8 +171,8 @@ def path_of(case: Case, knobs: dict[str, int], device: torch.device) -> str:
         return f"bd{knobs.get('block_d') or default_post_block_d(case.T, case.d, device)}"
     from dsv4.kernels.triton.mhc import plan_pre
 
-    bt, splits, _ = plan_pre(case.T, case.n * case.d, device, knobs.get("block_t"), knobs.get("block_k", 64),
-                             knobs.get("splits"))
+    bt, splits, _ = plan_pre(case.T, case.n * case.d, device, knobs.get("block_t"),
+                             knobs.get("block_k", 64), knobs.get("splits"))
     return f"bt{bt} " + ("fused" if splits == 1 else f"split{splits}")
 
 
@@ -180,27 +190,31 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
         fn, ref_fn = ops(case, knobs)
         key = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
         err = max(err, check_parity(fn, ref_fn, sets[0]))
-        timed[key] = time_graph_us(fn, sets, args.iters, args.warmup) if cuda else time_eager_us(fn, sets, 2, cuda)
+        timed[key] = (time_graph_us(fn, sets, args.iters, args.warmup) if cuda
+                      else time_eager_us(fn, sets, 2, cuda))
         paths[key] = path_of(case, knobs, device)
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
     _, ref_fn = ops(case, {})
     ref_sets = sets[:max(1, min(len(sets), 8))]
-    ref_us = time_graph_us(ref_fn, ref_sets, max(3, args.iters // 5), 1) if cuda else time_eager_us(ref_fn, sets, 2,
-                                                                                                      cuda)
+    ref_us = (time_graph_us(ref_fn, ref_sets, max(3, args.iters // 5), 1) if cuda
+              else time_eager_us(ref_fn, sets, 2, cuda))
     ref_eager_us = time_eager_us(ref_fn, ref_sets, max(3, args.iters // 5), cuda)
     return {"case": case.name, "op": case.op, "T": case.T, "n": case.n, "d": case.d, "us": us,
-            "us_default": timed["default"], "best_config": best, "path": paths[best], "configs_us": timed,
+            "us_default": timed["default"], "best_config": best, "path": paths[best],
+            "configs_us": timed,
             "ref_us": ref_us, "ref_eager_us": ref_eager_us, "speedup_vs_ref": ref_us / us,
             "speedup_vs_ref_eager": ref_eager_us / us, "gbps": per_set / us / 1e3,
-            "pct_hbm": per_set / (us * 1e-6) / HBM_BYTES_PER_S * 100, "floor_us": per_set / HBM_BYTES_PER_S * 1e6,
+            "pct_hbm": per_set / (us * 1e-6) / HBM_BYTES_PER_S * 100,
+            "floor_us": per_set / HBM_BYTES_PER_S * 1e6,
             "max_rel_err": err, "input_sets": n_sets, **parts}
 
 
 TABLE = [("case", "{:<12}", "case"), ("path", "{:>13}", "path"), ("bytes", "{:>10.3e}", "bytes"),
-         ("floor_us", "{:>8.2f}", "floor us"), ("us", "{:>8.2f}", "us"), ("ref_us", "{:>9.1f}", "ref us"),
-         ("ref_eager_us", "{:>9.1f}", "eager us"), ("speedup_vs_ref", "{:>7.1f}", "x ref"),
-         ("gbps", "{:>7.0f}", "GB/s"), ("pct_hbm", "{:>6.1f}", "%HBM"), ("best_config", "{:>22}", "config"),
+         ("floor_us", "{:>8.2f}", "floor us"), ("us", "{:>8.2f}", "us"),
+         ("ref_us", "{:>9.1f}", "ref us"), ("ref_eager_us", "{:>9.1f}", "eager us"),
+         ("speedup_vs_ref", "{:>7.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
+         ("pct_hbm", "{:>6.1f}", "%HBM"), ("best_config", "{:>22}", "config"),
          ("max_rel_err", "{:>8.1e}", "rel err")]
 
 
@@ -216,7 +230,8 @@ def main() -> None:
     cases = smoke_cases() if args.cpu_smoke else cuda_cases()
 
     wanted = set(args.ops.split(","))
-    rows = bench_rows((c for c in cases if c.op in wanted), lambda case: bench_case(case, args, device), device)
+    rows = bench_rows((c for c in cases if c.op in wanted),
+                      lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)
     emit({**record_header("mhc", device), "sinkhorn_iters": ITERS, "results": rows}, args.out)
 

@@ -1,18 +1,22 @@
-"""Experiment: HBM read rate of the Flash Compressor's ring gathers, by layout (is the C4 indexer's gap the layout?).
+"""Experiment: HBM read rate of the Flash Compressor's ring gathers, by layout (is the C4
+indexer's gap the layout?).
 
-A C4 (overlap) compressor's decode program reads, from its request's 8 consecutive ring rows of width 2 Dc
-(fp32, [Ca | Cb]), the Ca half of rows 0-3 and the Cb half of rows 4-7: 8 pieces of Dc * 4 bytes, every other
-piece of an 8-row block (512 B pieces for the indexer, Dc = 128; 2 KB for attention, Dc = 512). The H200 sweep
-put the indexer compressor at 57% of the copy rate and the attention one at 84% (compressor_h200_202611.md).
-This times the reads alone, one program per request group, with the same [8, Dc] register tile:
+A C4 (overlap) compressor's decode program reads, from its request's 8 consecutive ring rows of
+width 2 Dc (fp32, [Ca | Cb]), the Ca half of rows 0-3 and the Cb half of rows 4-7: 8 pieces of
+Dc * 4 bytes, every other piece of an 8-row block (512 B pieces for the indexer, Dc = 128; 2 KB for
+attention, Dc = 512). The H200 sweep puts the indexer compressor well below the attention one as a
+fraction of the copy rate (compressor_h200_202611.md). This times the reads alone, one program per
+request group, with the same [8, Dc] register tile:
 
-    halves   today's layout: rows [8, 2 Dc], Ca of rows 0-3 and Cb of rows 4-7
-    planar   the same bytes from a [2, rows, Dc] layout (plane 0 = Ca, plane 1 = Cb): two contiguous runs of 4 Dc
-    full     whole rows (twice the bytes): if it takes as long as `halves`, half-row reads cost a whole row
+    halves   the current layout: rows [8, 2 Dc], Ca of rows 0-3 and Cb of rows 4-7
+    planar   the same bytes from a [2, rows, Dc] layout (plane 0 = Ca, plane 1 = Cb): two
+             contiguous runs of 4 Dc
+    full     whole rows (twice the bytes): if it takes as long as `halves`, half-row reads cost a
+             whole row
 
-Groups are a random permutation over a pool of >= 1 GB (no L2 reuse); every program sums its tile per column and
-stores Dc floats. GB/s counts the bytes the pattern needs (full: all of them), against the 4.275 TB/s copy rate.
-CUDA-graph replay, median. Table, then one JSON line.
+Groups are a random permutation over a pool of >= 1 GB (no L2 reuse); every program sums its tile
+per column and stores Dc floats. GB/s counts the bytes the pattern needs (full: all of them),
+against the 4.275 TB/s copy rate. CUDA-graph replay, median. Table, then one JSON line.
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_row_reads.py
 """
@@ -39,7 +43,8 @@ def _read_kernel(pool_ptr, group_ptr, out_ptr, plane_stride, DC: tl.constexpr, M
     if MODE == 0:       # halves: row stride 2 Dc, column offset Dc for rows 4-7
         ptr = pool_ptr + row[:, None] * (2 * DC) + ((s // 4) * DC)[:, None] + d[None, :]
     elif MODE == 1:     # planar: plane s // 4, row stride Dc
-        ptr = pool_ptr + (s // 4).to(tl.int64)[:, None] * plane_stride + row[:, None] * DC + d[None, :]
+        ptr = (pool_ptr + (s // 4).to(tl.int64)[:, None] * plane_stride + row[:, None] * DC
+               + d[None, :])
     else:               # full rows: both halves as two [8, Dc] tiles
         ptr = pool_ptr + row[:, None] * (2 * DC) + d[None, :]
     acc = tl.sum(tl.load(ptr), 0)
@@ -57,7 +62,8 @@ def run(dc: int, mode: int, warps: int) -> dict[str, float]:
     def fn(groups: torch.Tensor) -> None:
         _read_kernel[(GROUPS,)](pool, groups, out, rows * dc, DC=dc, MODE=mode, num_warps=warps)
 
-    # parity: the planar read of a pool is the halves read of the same pool reinterpreted, so check sums only
+    # parity: the planar read of a pool is the halves read of the same pool reinterpreted, so check
+    # sums only
     fn(*sets[0])
     view = pool.view(rows, 2 * dc) if mode != 1 else pool.view(2, rows, dc)
     g = sets[0][0][:4].long()
@@ -72,7 +78,8 @@ def run(dc: int, mode: int, warps: int) -> dict[str, float]:
         assert torch.allclose(out[j], want, rtol=1e-4, atol=1e-3), f"mode {mode}: wrong sums"
     us = time_graph_us(fn, sets, 200, 10)
     need = GROUPS * 8 * dc * 4 * (2 if mode == 2 else 1)
-    return {"us": us, "bytes": need, "gbps": need / us / 1e3, "pct": need / (us * 1e-6) / HBM_BYTES_PER_S * 100}
+    return {"us": us, "bytes": need, "gbps": need / us / 1e3,
+            "pct": need / (us * 1e-6) / HBM_BYTES_PER_S * 100}
 
 
 def main() -> None:
@@ -83,10 +90,11 @@ def main() -> None:
             for warps in (2, 4):
                 r = run(dc, mode, warps)
                 results.append({"Dc": dc, "layout": name, "warps": warps, **r})
-                print(f"{dc:>5} {name:>8} {warps:>5} {r['us']:>8.2f} {r['bytes'] / 1e6:>8.1f} {r['gbps']:>7.0f} "
-                      f"{r['pct']:>6.1f}", flush=True)
-    print(json.dumps({"bench": "row_reads", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "triton": triton.__version__, "groups": GROUPS, "results": results}))
+                print(f"{dc:>5} {name:>8} {warps:>5} {r['us']:>8.2f} {r['bytes'] / 1e6:>8.1f} "
+                      f"{r['gbps']:>7.0f} {r['pct']:>6.1f}", flush=True)
+    print(json.dumps({"bench": "row_reads", "device": torch.cuda.get_device_name(),
+                      "torch": torch.__version__, "triton": triton.__version__, "groups": GROUPS,
+                      "results": results}))
 
 
 if __name__ == "__main__":

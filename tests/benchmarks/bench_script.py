@@ -1,4 +1,5 @@
-"""Import a benchmark script (benchmarks/*.py, not a package) as a module, for the tests that drive its functions."""
+"""Import a benchmark script (benchmarks/*.py, not a package) as a module, for the tests that
+drive its functions."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Smoke runs of the benchmarks on a CPU: each script, as a user runs it, on a tiny workload, exits 0 and
-ends with its one JSON line. The kernel benchmarks run their `--cpu-smoke` shapes under the Triton
-interpreter (their timings mean nothing there; benchmarks/device.sh runs them on a GPU)."""
+"""Smoke runs of the benchmarks on a CPU: each script, as a user runs it, on a tiny workload, exits
+0 and ends with its one JSON line. The kernel benchmarks run their `--cpu-smoke` shapes under the
+Triton interpreter (their timings mean nothing there; benchmarks/device.sh runs them on a GPU)."""
 
 from __future__ import annotations
 
@@ -19,27 +19,31 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_benchmark(script: str, *args: str) -> dict[str, Any]:
     """Run benchmarks/<script> and return its last output line parsed as JSON."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
-                          text=True, env=env, timeout=600, check=False)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     return dict(json.loads(last))
 
 
 @pytest.mark.parametrize(("script", "args", "keys"), [
-    ("prefix_cache.py", ["--conversations", "2", "--turns", "2", "--user-len", "8", "--output-len", "2"],
+    ("prefix_cache.py",
+     ["--conversations", "2", "--turns", "2", "--user-len", "8", "--output-len", "2"],
      {"hit_rate"}),
-    ("offline_throughput.py", ["--num-requests", "3", "--max-prompt", "24", "--output-len", "2", "--skip-hf"],
+    ("offline_throughput.py",
+     ["--num-requests", "3", "--max-prompt", "24", "--output-len", "2", "--skip-hf"],
      set()),
-    ("profile_engine_step.py", ["--num-prompts", "2", "--prompt-len", "20", "--steps", "2"], {"step_s"}),
+    ("profile_engine_step.py", ["--num-prompts", "2", "--prompt-len", "20", "--steps", "2"],
+     {"step_s"}),
 ])
 def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: set[str]) -> None:
     result = run_benchmark(script, *args)
     assert result and keys <= set(_flat_keys(result)), result
 
 
+# bench_row_reads.py is GPU only
 KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glob("bench_*.py")
-                           if p.name not in ("bench_common.py", "bench_row_reads.py"))   # row reads: GPU only
+                           if p.name not in ("bench_common.py", "bench_row_reads.py"))
 
 
 def test_kernel_benchmarks_are_all_smoked() -> None:

@@ -1,4 +1,5 @@
-"""Smoke test of `benchmarks/decode_context_sweep.py` on CPU: micro preset, two contexts, batches 1 and 2."""
+"""Smoke test of `benchmarks/decode_context_sweep.py` on CPU: micro preset, two contexts, batches 1
+and 2."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ import pytest
 import torch
 from bench_script import load_benchmark
 
-ROW_KEYS = {"system", "batch", "context", "status", "prefill_fit", "prefill_s", "ms_per_step", "tok_s",
-            "weight_gb", "kv_gb", "floor_ms", "ratio"}
+ROW_KEYS = {"system", "batch", "context", "status", "prefill_fit", "prefill_s", "ms_per_step",
+            "tok_s", "weight_gb", "kv_gb", "floor_ms", "ratio"}
 
 
 def test_smoke_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_benchmark("decode_context_sweep")
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "64,128", "--batches", "1,2",
-            "--steps", "3", "--warmup-steps", "1", "--routing-steps", "2", "--copy-gib", "0.02",
-            "--plot", str(png), "--out", str(out)]
+    argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "64,128",
+            "--batches", "1,2", "--steps", "3", "--warmup-steps", "1", "--routing-steps", "2",
+            "--copy-gib", "0.02", "--plot", str(png), "--out", str(out)]
     has_hf = importlib.util.find_spec("transformers") is not None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and robust to a busy machine
@@ -33,7 +34,8 @@ def test_smoke_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert png.stat().st_size > 0
     assert result["copy_gb_s"] > 0 and result["kernel_backend"] == "ref"
     dsv4 = [r for r in result["rows"] if r["system"] == "dsv4"]
-    assert sorted((r["batch"], r["context"]) for r in dsv4) == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    assert (sorted((r["batch"], r["context"]) for r in dsv4)
+            == [(1, 64), (1, 128), (2, 64), (2, 128)])
     for row in result["rows"]:
         assert row["status"] == "ok", row
         assert ROW_KEYS <= set(row), row
@@ -42,7 +44,8 @@ def test_smoke_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
             assert row[key] > 0, (key, row)
     for row in dsv4:
         assert row["routing"] == "captured"
-        assert all(1 <= e <= 2 * row["batch"] for e in row["experts_hit"])  # micro: top-2 routing
+        # micro: top-2 routing
+        assert all(1 <= e <= 2 * row["batch"] for e in row["experts_hit"])
     if has_hf:
         assert len([r for r in result["rows"] if r["system"] == "transformers"]) == 2
         assert set(result["speedup_vs_transformers"]) == {"64", "128"}
@@ -55,7 +58,8 @@ def test_floor_model() -> None:
 
     cfg = flash_4l()
     small, large = bench.kv_bytes(cfg, 4096, 2), bench.kv_bytes(cfg, 131072, 2)
-    # 4 layers x window 128 x 512, C4 top-512 x 512 + 1024 keys x 128, C128 32 entries x 512 (2 B each)
+    # 4 layers x window 128 x 512, C4 top-512 x 512 + 1024 keys x 128, C128 32 entries x 512
+    # (2 B each)
     assert small == 2 * (4 * 128 * 512 + 2 * (512 * 512 + 1024 * 128) + 2 * 32 * 512)
     assert large > small
     assert bench.expected_experts(cfg, 1) == pytest.approx([6.0] * 4)
@@ -63,7 +67,8 @@ def test_floor_model() -> None:
 
 
 def test_failing_configuration_is_a_row() -> None:
-    """An out-of-memory (or any error) becomes the row's status, keeping what was measured before it."""
+    """An out-of-memory (or any error) becomes the row's status, keeping what was measured before
+    it."""
     bench = load_benchmark("decode_context_sweep")
 
     def decode_oom(row: dict[str, object]) -> None:

@@ -1,6 +1,7 @@
-"""`benchmarks/engine_backend_check.py`'s teacher forcing really forces: the forced engine ends with the forced
-tokens, and its choice at each position is the greedy token after the forced context (checked against a plain
-engine run on prompt + forced prefix). micro preset, ref backend, CPU."""
+"""`benchmarks/engine_backend_check.py`'s teacher forcing really forces: the forced engine ends
+with the forced tokens, and its choice at each position is the greedy token after the forced
+context (checked against a plain engine run on prompt + forced prefix). micro preset, ref backend,
+CPU."""
 
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ def test_teacher_forcing_feeds_forced_tokens() -> None:
     for i, prompt in enumerate(prompts):
         assert reqs[i].output_ids == forced[i]
         assert chosen[i][0] == free[i].output_ids[0]
-        for n in (1, 3):   # the choice after n forced tokens = greedy continuation of prompt + forced[:n]
+        # the choice after n forced tokens = greedy continuation of prompt + forced[:n]
+        for n in (1, 3):
             want, _ = check.generate(model, "ref", [prompt + forced[i][:n]], one, 16)
             assert chosen[i][n] == want[0].output_ids[0]
     result = check.compare(free, free, [r.output_ids for r in free], free)
-    assert result["identical_tokens"] == result["total_tokens"] == 8 and result["teacher_forced_agreement"] == 1.0
+    assert (result["identical_tokens"] == result["total_tokens"] == 8
+            and result["teacher_forced_agreement"] == 1.0)
     assert check.compare(free, free, forced, reqs)["teacher_forced_agree"] == sum(
-        a == b for r, f in zip(free, forced, strict=True) for a, b in zip(r.output_ids, f, strict=True))
+        a == b for r, f in zip(free, forced, strict=True)
+        for a, b in zip(r.output_ids, f, strict=True))

@@ -19,7 +19,8 @@ from dsv4.cache.radix import LockHandle, RadixPrefixCache
 from dsv4.cache.req_table import RequestTable
 
 P = 4
-LAYOUT = CacheLayout(page_size=P, num_full_pages=40, num_swa_pages=14, ring_c4=8, ring_c128=16, swa_horizon=6)
+LAYOUT = CacheLayout(page_size=P, num_full_pages=40, num_swa_pages=14, ring_c4=8, ring_c128=16,
+                     swa_horizon=6)
 BASES = [[1] * 12, [1] * 8 + [2] * 8, [3, 4, 5] * 5]
 
 
@@ -34,7 +35,8 @@ MAX_CONTEXT = 64
 class RadixMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.table = RequestTable(LAYOUT, max_reqs=4, max_context=MAX_CONTEXT, device=torch.device("cpu"))
+        self.table = RequestTable(LAYOUT, max_reqs=4, max_context=MAX_CONTEXT,
+                                  device=torch.device("cpu"))
         self.cache = RadixPrefixCache(self.table, LAYOUT.swa_horizon)
         self.reqs: list[Req] = []
 
@@ -59,7 +61,8 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3), n=st.integers(1, 7))
     def extend(self, i: int, n: int) -> None:
         req = self.reqs[i % len(self.reqs)]
-        n = min(n, MAX_CONTEXT - req.cached)     # the engine never grows a request past its context length
+        # the engine never grows a request past its context length
+        n = min(n, MAX_CONTEXT - req.cached)
         if n <= 0:
             return
         req.tokens = req.tokens + [7] * n
@@ -89,7 +92,8 @@ class RadixMachine(RuleBasedStateMachine):
     def _insert(self, req: Req, finished: bool) -> None:
         pages = req.cached // P
         if pages:
-            node = self.cache.insert(req.tokens[:pages * P], self.table.full_pages[req.slot][:pages], finished)
+            node = self.cache.insert(req.tokens[:pages * P],
+                                     self.table.full_pages[req.slot][:pages], finished)
             lock = self.cache.lock(node, pages * P)
             self.cache.unlock(req.lock)
             req.lock = lock
@@ -123,20 +127,25 @@ def test_match_is_swa_safe_and_page_aligned() -> None:
     assert table.reserve(slot, 0, 21)
     cache.insert(tokens[:20], table.full_pages[slot][:5], finished=True)
     table.free(slot)
-    assert cache.match(tokens).length == 20 and cache.match(tokens[:20]).length == 16  # one token left to compute
-    cache.evict(0, 1)                          # SWA pressure tombstones inner nodes first, LRU, nearest the root
+    # one token is left to compute
+    assert cache.match(tokens).length == 20 and cache.match(tokens[:20]).length == 16
+    # SWA pressure tombstones inner nodes first, LRU, nearest the root
+    cache.evict(0, 1)
     cache.check_integrity()
     assert cache.num_pages == 5 and cache.swa_live == 2
-    assert cache.match(tokens).length == 20    # the tail still has a horizon of live SWA behind the cut
+    # the tail still has a horizon of live SWA behind the cut
+    assert cache.match(tokens).length == 20
     assert cache.match(tokens[:13]).length == 0  # a cut after the tombstone is not SWA-safe
     handle = cache.lock(cache.match(tokens).node, 20)
     cache.evict(0, 10)                         # the SWA-locked last horizon cannot be tombstoned
     assert cache.swa_live == 2
     cache.release_swa(handle)
-    cache.evict(0, 10)                         # now every node is a tombstone (the leaf is full-locked, so kept)
+    # now every node is a tombstone (the leaf is full-locked, so kept)
+    cache.evict(0, 10)
     cache.check_integrity()
     assert cache.swa_live == 0 and cache.num_pages == 5 and cache.match(tokens).length == 0
-    cache.unlock(handle)                       # an unlocked tombstone leaf is deleted, and its tombstone parents
+    # an unlocked tombstone leaf is deleted, and its tombstone parents
+    cache.unlock(handle)
     cache.check_integrity()
     assert cache.num_pages == 0 and table.full.num_free == table.full.num_usable
     with pytest.raises(AssertionError, match="not locked"):

@@ -1,4 +1,4 @@
-"""Allocator / request-table accounting under random allocate / extend / release / truncate / free."""
+"""Allocator and request-table accounting under random allocate/extend/release/truncate/free."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from dsv4.cache.allocator import OutOfPages, PageAllocator
 from dsv4.cache.layout import CacheLayout
 from dsv4.cache.req_table import RequestTable
 
-LAYOUT = CacheLayout(page_size=4, num_full_pages=24, num_swa_pages=10, ring_c4=8, ring_c128=16, swa_horizon=6)
+LAYOUT = CacheLayout(page_size=4, num_full_pages=24, num_swa_pages=10, ring_c4=8, ring_c128=16,
+                     swa_horizon=6)
 
 op = st.one_of(
     st.tuples(st.just("open")),
@@ -42,7 +43,8 @@ def test_request_table_stays_consistent(ops: list[tuple]) -> None:
                 pages = table.full_pages[slot]
                 assert len(pages) == math.ceil(end / LAYOUT.page_size)
                 lo = max(0, start - LAYOUT.swa_horizon) // LAYOUT.page_size
-                assert all(p in table.swa_of for p in pages[max(lo, (max(0, end - LAYOUT.swa_horizon)) // 4):])
+                assert all(p in table.swa_of
+                           for p in pages[max(lo, (max(0, end - LAYOUT.swa_horizon)) // 4):])
         elif kind == "truncate" and open_slots:
             slot = open_slots[o[1] % len(open_slots)]
             lengths[slot] = min(lengths[slot], o[2])
@@ -56,14 +58,16 @@ def test_request_table_stays_consistent(ops: list[tuple]) -> None:
     for slot in list(lengths):
         table.free(slot)
     table.check_integrity()
-    assert table.full.num_free == table.full.num_usable and table.swa.num_free == table.swa.num_usable
+    assert (table.full.num_free == table.full.num_usable
+            and table.swa.num_free == table.swa.num_usable)
     assert table.num_free_slots == 4
 
 
 def test_reserve_is_all_or_nothing() -> None:
     table = RequestTable(LAYOUT, max_reqs=4, max_context=200, device=torch.device("cpu"))
     a, b = table.open(), table.open()
-    for end in range(4, 81, 4):             # grow to 80 tokens (20 of 23 full pages), releasing old SWA pages
+    # grow to 80 tokens (20 of 23 full pages), releasing old SWA pages
+    for end in range(4, 81, 4):
         assert table.reserve(a, end - 4, end)
         table.release_swa(a, end)
     free_full, free_swa = table.full.num_free, table.swa.num_free

@@ -59,7 +59,8 @@ def test_deterministic(built: tuple[Path, int], tmp_path: Path) -> None:
     out, n = built
     assert build_tokenizer(tmp_path, MODEL_VOCAB) == n
     assert (tmp_path / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
-    assert (tmp_path / "tokenizer_config.json").read_bytes() == (out / "tokenizer_config.json").read_bytes()
+    assert ((tmp_path / "tokenizer_config.json").read_bytes()
+            == (out / "tokenizer_config.json").read_bytes())
 
 
 def test_special_token_ids(tok: Tokenizer) -> None:
@@ -122,7 +123,8 @@ def test_loads_with_transformers(built: tuple[Path, int]) -> None:
     assert len(fast) == n
     ids = fast(PY_SNIPPET)["input_ids"]
     assert ids[0] == 0 and ids.count(0) == 1
-    assert fast.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) == PY_SNIPPET
+    assert fast.decode(ids, skip_special_tokens=True,
+                       clean_up_tokenization_spaces=False) == PY_SNIPPET
 
     # Loading the directory also picks up tokenizer_config.json (bos/eos, chat template).
     auto = transformers.AutoTokenizer.from_pretrained(str(out))

@@ -1,7 +1,8 @@
-"""ModelConfig.from_hf: both config layouts, the release schedules (model-spec §2, §3), round trips and errors.
+"""ModelConfig.from_hf: both config layouts, the release schedules (model-spec §2, §3), round
+trips and errors.
 
-The official V4-Flash / V4-Pro `config.json` files are written out below from the spec (§2 table, §3
-compress_ratios); transformers' `DeepseekV4Config` is the oracle for the transformers layout.
+The official V4-Flash / V4-Pro `config.json` files are written out below from the spec (§2 table,
+§3 compress_ratios); transformers' `DeepseekV4Config` is the oracle for the transformers layout.
 """
 
 from __future__ import annotations
@@ -17,20 +18,22 @@ from dsv4.checkpoint.presets import flash_4l, flash_43l_e16, micro
 from dsv4.config.model import ModelConfig, YarnConfig
 from dsv4.model.deepseek_v4 import num_params
 
-FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
-             "weight_block_size": [128, 128]}
+FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+             "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def flash_official() -> dict[str, Any]:
     """The official DeepSeek-V4-Flash config.json (spec §2, §3)."""
     return {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "torch_dtype": "bfloat16",
-        "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "torch_dtype": "bfloat16", "vocab_size": 129280, "hidden_size": 4096,
+        "num_hidden_layers": 43, "num_attention_heads": 64,
         "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024,
         "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128,
         "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "num_hash_layers": 3,
         "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
+        "moe_intermediate_size": 2048,
         "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus",
         "topk_method": "noaux_tc", "norm_topk_prob": True,
         "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
@@ -45,8 +48,9 @@ def flash_official() -> dict[str, Any]:
 
 def pro_official() -> dict[str, Any]:
     """The official DeepSeek-V4-Pro config.json (spec §2, §3)."""
-    return {**flash_official(), "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
-            "q_lora_rank": 1536, "o_groups": 16, "n_routed_experts": 384, "moe_intermediate_size": 3072,
+    return {**flash_official(), "hidden_size": 7168, "num_hidden_layers": 61,
+            "num_attention_heads": 128, "q_lora_rank": 1536, "o_groups": 16,
+            "n_routed_experts": 384, "moe_intermediate_size": 3072,
             "index_topk": 1024, "routed_scaling_factor": 2.5,
             "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0]}
 
@@ -59,9 +63,7 @@ def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         return transformers.DeepseekV4Config(**cfg.to_hf_dict()).to_dict()
 
 
-# ---------------------------------------------------------------------------------------------
-# the release schedules
-# ---------------------------------------------------------------------------------------------
+# ---- the release schedules -----------------------------------------------------------------------
 def test_flash_official_schedule() -> None:
     cfg = ModelConfig.from_hf(flash_official())
     assert cfg.num_layers == 43 and len(cfg.attn_types) == 43 and len(cfg.moe_types) == 43
@@ -72,15 +74,18 @@ def test_flash_official_schedule() -> None:
     assert cfg.attn_types.count("hca") == 20
     assert cfg.moe_types == ("hash",) * 3 + ("routed",) * 40
     assert (cfg.csa_ratio, cfg.hca_ratio) == (4, 128)
-    assert [cfg.compress_ratio(i) for i in range(44)] == flash_official()["compress_ratios"]  # 43 = MTP: 0
+    # 43 = MTP: 0
+    assert [cfg.compress_ratio(i) for i in range(44)] == flash_official()["compress_ratios"]
     assert cfg.weight_quant == "fp8+fp4"
-    assert cfg.yarn == YarnConfig(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0)
+    assert cfg.yarn == YarnConfig(factor=16.0, original_max_position_embeddings=65536,
+                                  beta_fast=32.0, beta_slow=1.0)
     assert (cfg.rope_theta, cfg.compress_rope_theta) == (10000.0, 160000.0)
     assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim) == (4096, 64, 512)
     assert (cfg.rope_head_dim, cfg.nope_head_dim) == (64, 448)
     assert (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.window) == (1024, 8, 1024, 128)
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 512)
-    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_inter_dim, cfg.n_shared_experts) == (256, 6, 2048, 1)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_inter_dim,
+            cfg.n_shared_experts) == (256, 6, 2048, 1)
     assert (cfg.routed_scaling_factor, cfg.swiglu_limit) == (1.5, 10.0)
     assert (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.hc_mix_dim) == (4, 20, 1e-6, 24)
     assert (cfg.num_mtp_layers, cfg.vocab_size, cfg.max_position_embeddings) == (1, 129280, 1048576)
@@ -111,14 +116,12 @@ def test_pro_official_schedule() -> None:
 
 
 def test_longer_compress_ratios_only_first_layers_count() -> None:
-    """Later checkpoints ship extra trailing entries (draft heads, spec §3): only the first n describe the decoder."""
+    """Later checkpoints add trailing entries (draft heads, spec §3); the first n are the layers."""
     raw = {**flash_official(), "compress_ratios": flash_official()["compress_ratios"] + [0, 0]}
     assert ModelConfig.from_hf(raw) == ModelConfig.from_hf(flash_official())
 
 
-# ---------------------------------------------------------------------------------------------
-# transformers layout
-# ---------------------------------------------------------------------------------------------
+# ---- transformers layout -------------------------------------------------------------------------
 def test_transformers_layout_tiny() -> None:
     cfg = micro()
     d = hf_dict(cfg)
@@ -129,12 +132,12 @@ def test_transformers_layout_tiny() -> None:
 def test_transformers_layout_flash() -> None:
     cfg = ModelConfig.from_hf(flash_official())
     got = ModelConfig.from_hf(hf_dict(cfg))
-    # to_hf_dict describes the dequantised in-memory model, so only weight_quant can differ (see below)
+    # to_hf_dict describes the dequantised in-memory model, so only weight_quant can differ (below)
     assert got.replace(weight_quant=cfg.weight_quant) == cfg
 
 
 def test_transformers_export_is_dequantised() -> None:
-    """to_hf_dict describes the model transformers builds from it: dequantised weights, no quantization_config."""
+    """`to_hf_dict` describes the model transformers builds: dequantised, no quantization_config."""
     cfg = ModelConfig.from_hf(flash_official())
     assert cfg.weight_quant == "fp8+fp4"
     assert "quantization_config" not in cfg.to_hf_dict()
@@ -142,8 +145,9 @@ def test_transformers_export_is_dequantised() -> None:
 
 
 def test_transformers_parse_of_official_flash() -> None:
-    """transformers reads the official config.json itself (legacy keys -> layer_types, rope_parameters,
-    quantization_config.expert_dtype, spec §2); its to_dict() must give back the same ModelConfig."""
+    """transformers reads the official config.json itself (legacy keys -> `layer_types`,
+    `rope_parameters`, `quantization_config.expert_dtype`, spec §2); its `to_dict()` must give back
+    the same `ModelConfig`."""
     transformers = pytest.importorskip("transformers")
     d = transformers.DeepseekV4Config(**flash_official()).to_dict()
     assert len(d["layer_types"]) == 43
@@ -163,11 +167,10 @@ def test_official_config_json_directory(tmp_path: Path) -> None:
     assert ModelConfig.from_hf(tmp_path) == ModelConfig.from_hf(flash_official())
 
 
-# ---------------------------------------------------------------------------------------------
-# round trips through the official layout
-# ---------------------------------------------------------------------------------------------
+# ---- round trips through the official layout -----------------------------------------------------
 @pytest.mark.parametrize("cfg", [
-    micro(), micro().replace(weight_quant="fp8"), micro().replace(weight_quant="fp8+fp4"), flash_4l(), flash_43l_e16(),
+    micro(), micro().replace(weight_quant="fp8"), micro().replace(weight_quant="fp8+fp4"),
+    flash_4l(), flash_43l_e16(),
 ], ids=["tiny", "tiny-fp8", "tiny-fp8+fp4", "flash-4l", "flash-43l-e16"])
 def test_official_round_trip(cfg: ModelConfig) -> None:
     official = cfg.to_official_dict()
@@ -183,13 +186,12 @@ def test_official_round_trip_quant_keys() -> None:
     assert micro().replace(weight_quant="fp8").to_official_dict()["expert_dtype"] == "fp8"
 
 
-# ---------------------------------------------------------------------------------------------
-# errors: ValueError naming the field and the allowed values
-# ---------------------------------------------------------------------------------------------
+# ---- errors: ValueError naming the field and the allowed values ----------------------------------
 def test_unknown_layer_type() -> None:
     d = hf_dict(micro())
     d["layer_types"] = ["sliding_attention"] * 4 + ["linear_attention"]
-    with pytest.raises(ValueError, match=r"`layer_types`.*linear_attention.*allowed.*compressed_sparse_attention"):
+    with pytest.raises(ValueError, match=r"`layer_types`.*linear_attention.*allowed"
+                                         r".*compressed_sparse_attention"):
         ModelConfig.from_hf(d)
 
 
@@ -197,7 +199,8 @@ def test_layer_types_too_short() -> None:
     d = hf_dict(micro())
     d["layer_types"] = d["layer_types"][:4]
     # the error names the config.json field and the required length
-    with pytest.raises(ValueError, match=r"`layer_types`.*allowed: a list of num_hidden_layers=5 entries"):
+    with pytest.raises(ValueError,
+                       match=r"`layer_types`.*allowed: a list of num_hidden_layers=5 entries"):
         ModelConfig.from_hf(d)
 
 
@@ -217,14 +220,16 @@ def test_unknown_mlp_layer_type() -> None:
 def test_two_hca_ratios() -> None:
     raw = flash_official()
     raw["compress_ratios"] = [0, 0] + [4, 128] * 19 + [4, 64] + [4, 0]
-    with pytest.raises(ValueError, match=r"`compress_ratios`.*\[64, 128\].*allowed: a single HCA ratio"):
+    with pytest.raises(ValueError,
+                       match=r"`compress_ratios`.*\[64, 128\].*allowed: a single HCA ratio"):
         ModelConfig.from_hf(raw)
 
 
 def test_compress_ratios_too_short() -> None:
     raw = flash_official()
     raw["compress_ratios"] = raw["compress_ratios"][:40]
-    with pytest.raises(ValueError, match=r"`compress_ratios`.*allowed: a list of at least num_hidden_layers=43"):
+    with pytest.raises(ValueError, match=r"`compress_ratios`.*allowed: "
+                                         r"a list of at least num_hidden_layers=43"):
         ModelConfig.from_hf(raw)
 
 
@@ -241,10 +246,12 @@ def test_mtp_entry_not_zero() -> None:
     ("expert_dtype", "int4", r"`expert_dtype` = 'int4'; allowed: 'fp8' or 'fp4'"),
     ("tie_word_embeddings", True, r"`tie_word_embeddings` = True; allowed: false"),
     ("topk_method", "greedy", r"`topk_method` = 'greedy'; allowed: 'noaux_tc'"),
-    ("quantization_config", {**FP8_QUANT, "fmt": "e5m2"}, r"`quantization_config.fmt` = 'e5m2'; allowed: 'e4m3'"),
+    ("quantization_config", {**FP8_QUANT, "fmt": "e5m2"},
+     r"`quantization_config.fmt` = 'e5m2'; allowed: 'e4m3'"),
     ("quantization_config", {**FP8_QUANT, "weight_block_size": [64, 64]},
      r"`quantization_config.weight_block_size`.*allowed: \[128, 128\]"),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, r"`rope_scaling.rope_type` = 'linear'; allowed: 'yarn'"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0},
+     r"`rope_scaling.rope_type` = 'linear'; allowed: 'yarn'"),
     ("qk_rope_head_dim", 63, r"`rope_head_dim` = 63; allowed: an even integer"),
     ("hidden_size", 0, r"`hidden_size` = 0; allowed: a positive integer"),
 ], ids=lambda v: v if isinstance(v, str) and " " not in v else None)
@@ -255,8 +262,8 @@ def test_invalid_official_field(key: str, value: Any, pattern: str) -> None:
         ModelConfig.from_hf(raw)
 
 
-@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "num_hidden_layers", "compress_ratios",
-                                 "n_routed_experts"])
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "num_hidden_layers",
+                                 "compress_ratios", "n_routed_experts"])
 def test_missing_required_field(key: str) -> None:
     raw = flash_official()
     del raw[key]
@@ -283,12 +290,14 @@ def test_config_json_not_an_object(tmp_path: Path) -> None:
 
 
 def test_direct_construction_bogus_attn_type() -> None:
-    with pytest.raises(ValueError, match=r"`attn_types` = 'bogus'; allowed: one of \('swa', 'csa', 'hca'\)"):
+    with pytest.raises(ValueError,
+                       match=r"`attn_types` = 'bogus'; allowed: one of \('swa', 'csa', 'hca'\)"):
         micro().replace(attn_types=("swa",) * 4 + ("bogus",))
 
 
 def test_direct_construction_bogus_moe_type() -> None:
-    with pytest.raises(ValueError, match=r"`moe_types` = 'dense'; allowed: one of \('hash', 'routed'\)"):
+    with pytest.raises(ValueError,
+                       match=r"`moe_types` = 'dense'; allowed: one of \('hash', 'routed'\)"):
         micro().replace(moe_types=("hash",) * 4 + ("dense",))
 
 
@@ -300,7 +309,8 @@ def test_rope_head_dim_invalid(rope_head_dim: int) -> None:
 
 
 def test_weight_quant_invalid() -> None:
-    with pytest.raises(ValueError, match=r"`weight_quant` = 'int8'; allowed: one of \('none', 'fp8', 'fp8\+fp4'\)"):
+    with pytest.raises(ValueError, match=r"`weight_quant` = 'int8'; "
+                                         r"allowed: one of \('none', 'fp8', 'fp8\+fp4'\)"):
         micro().replace(weight_quant="int8")
 
 

@@ -18,15 +18,19 @@ def test_cli_generate_prints_completion(tmp_path: Path, capsys: pytest.CaptureFi
                  "--dtype", "float32", "def fib(n):"]) == 0
     printed = capsys.readouterr().out
     llm = LLM(tmp_path, dtype="float32", device="cpu", page_size=16, max_total_tokens=512)
-    expected = llm.generate("def fib(n):", SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0]
+    expected = llm.generate("def fib(n):", SamplingParams(max_tokens=10, temperature=0.0),
+                            use_tqdm=False)[0]
     assert expected.text and printed == expected.text + "\n"
 
 
 def test_cli_generate_defaults_to_the_embedded_model(capsys: pytest.CaptureFixture[str]) -> None:
     from dsv4.assets import default_model_path
 
-    assert main(["generate", "--max-tokens", "12", "--device", "cpu", "--dtype", "float32", "def add(a, b):"]) == 0
+    assert main(["generate", "--max-tokens", "12", "--device", "cpu", "--dtype", "float32",
+                 "def add(a, b):"]) == 0
     printed = capsys.readouterr().out
-    llm = LLM(default_model_path(), dtype="float32", device="cpu", page_size=128, max_total_tokens=512)
-    expected = llm.generate("def add(a, b):", SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+    llm = LLM(default_model_path(), dtype="float32", device="cpu", page_size=128,
+              max_total_tokens=512)
+    expected = llm.generate("def add(a, b):", SamplingParams(max_tokens=12, temperature=0.0),
+                            use_tqdm=False)[0]
     assert expected.text and printed == expected.text + "\n"

@@ -1,8 +1,9 @@
 """Decode steps through `DecodeGraphs` (engine/cuda_graph.py) equal plain eager steps.
 
-CPU: the graphs' static-buffer step (padding rows on the pad slot, candidate lists sized by the context
-bucket) runs eagerly (`capture=False`) and must give the eager engine's greedy tokens, logits and routing,
-with every pool free afterwards. GPU: captured graphs replayed against the same engine without graphs.
+CPU: the graphs' static-buffer step (padding rows on the pad slot, candidate lists sized by the
+context bucket) runs eagerly (`capture=False`) and must give the eager engine's greedy tokens,
+logits and routing, with every pool free afterwards. GPU: captured graphs replayed against the same
+engine without graphs.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def test_context_bucket() -> None:
         context_bucket(513, 512)
 
 
-def _compare(ckpt: Path, device: str, capture: bool, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+def _compare(ckpt: Path, device: str, capture: bool, monkeypatch: pytest.MonkeyPatch,
+             backend: str) -> None:
     """Same workload with and without graphs: tokens equal, logits within 1e-5, routing equal."""
-    kwargs = dict(dtype="float32", device=device, page_size=16, chunked_prefill_size=13, max_running_requests=6,
-                  max_total_tokens=4096, capture_routing=True, kernel_backend=backend)
+    kwargs = dict(dtype="float32", device=device, page_size=16, chunked_prefill_size=13,
+                  max_running_requests=6, max_total_tokens=4096, capture_routing=True,
+                  kernel_backend=backend)
     outputs = []
     rec = LogitRecorder(monkeypatch)
     for graphs in (False, True):
@@ -57,15 +60,16 @@ def _compare(ckpt: Path, device: str, capture: bool, monkeypatch: pytest.MonkeyP
         llm = LLM(ckpt, disable_cuda_graph=True, **kwargs)
         runner = llm.engine.runner
         if graphs:
-            runner.graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops, max_batch=6,
-                                         capture=capture)
+            runner.graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops,
+                                         max_batch=6, capture=capture)
         prompts = prompts_for(llm.model.config, seed=4)
         max_tokens = [6 + (5 * i) % 9 for i in range(len(prompts))]
         reqs = run_staggered(llm.engine, prompts, max_tokens)
         outputs.append((reqs, rec.rows))
         if graphs:
             assert runner.graphs is not None
-            assert runner.graphs.num_graphs() >= 2 and runner.graphs.replays >= 10, "decode steps ran as graphs"
+            assert runner.graphs.num_graphs() >= 2 and runner.graphs.replays >= 10, \
+                "decode steps ran as graphs"
         assert_pools_free(llm.engine)
     (eager, eager_rows), (graph, graph_rows) = outputs
     for rid, req in eager.items():
@@ -83,26 +87,29 @@ def test_static_decode_step_equals_eager(ckpt: Path, monkeypatch: pytest.MonkeyP
 
 
 def _multi_token_step(ckpt: Path, device: str, capture: bool, backend: str) -> None:
-    """A uniform step of n = 2 fed tokens per request, with logits at the last k of them (k = 1: a multi-token
-    decode; k = 2: a verify pass), through the graphs and eagerly: same logits and routing, and both equal to
-    the full-sequence model at those positions."""
-    llm = LLM(ckpt, dtype="float32", device=device, page_size=16, max_total_tokens=4096, max_running_requests=4,
-              capture_routing=True, kernel_backend=backend, disable_cuda_graph=True)
+    """A uniform step of n = 2 fed tokens per request, with logits at the last k of them (k = 1: a
+    multi-token decode; k = 2: a verify pass), through the graphs and eagerly: same logits and
+    routing, and both equal to the full-sequence model at those positions."""
+    llm = LLM(ckpt, dtype="float32", device=device, page_size=16, max_total_tokens=4096,
+              max_running_requests=4, capture_routing=True, kernel_backend=backend,
+              disable_cuda_graph=True)
     engine, runner = llm.engine, llm.engine.runner
-    graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops, max_batch=4, capture=capture,
-                          max_tokens=2)
+    graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops, max_batch=4,
+                          capture=capture, max_tokens=2)
     prompts = [p for p in prompts_for(llm.model.config, seed=6) if len(p) > 1][:3]
     reqs = [engine.add_request(p, SamplingParams(max_tokens=64, temperature=0.0)) for p in prompts]
     while not all(r.output_ids for r in reqs):
         engine.step()
-    for r in reqs:    # one more token each (what an accepted draft would add): two pending per request
+    # one more token each (what an accepted draft would add): two pending per request
+    for r in reqs:
         r.append_token(int(torch.randint(0, llm.model.config.vocab_size, ())), 0.0, None, 0.0)
     step = engine.scheduler.schedule()
     assert step is not None and step.shape.lens == [2] * len(reqs)
     before = _pool_tensors(runner.pools)
     saved = [t.clone() for t in before]
 
-    def restore() -> None:      # a step rewrites compressor rings it read: every run starts from `saved`
+    # a step rewrites compressor rings it read: every run starts from `saved`
+    def restore() -> None:
         for t, v in zip(before, saved, strict=True):
             t.copy_(v)
 
@@ -119,7 +126,8 @@ def _multi_token_step(ckpt: Path, device: str, capture: bool, backend: str) -> N
         assert (got - eager).abs().max().item() <= 1e-5
         assert routing is not None and eager_routing is not None
         for key in ("experts", "indexer"):
-            assert all(torch.equal(a, b) for a, b in zip(routing[key], eager_routing[key], strict=True)), key
+            assert all(torch.equal(a, b)
+                       for a, b in zip(routing[key], eager_routing[key], strict=True)), key
         for r, rows in zip(reqs, got.split(k), strict=True):
             with torch.no_grad():
                 full = llm.model(torch.tensor([r.all_ids], device=device))[0, -k:]
@@ -146,8 +154,8 @@ def test_captured_multi_token_step_equals_eager_on_gpu(ckpt: Path) -> None:
 
 
 def test_runner_runs_eagerly_on_cpu(ckpt: Path) -> None:
-    # (not with the triton backend under TRITON_INTERPRET here: setting it would make every Triton kernel module
-    # imported later in the session an interpreter one, also on a GPU machine)
+    # (not with the triton backend under TRITON_INTERPRET here: setting it would make every Triton
+    # kernel module imported later in the session an interpreter one, also on a GPU machine)
     llm = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024)
     assert llm.engine.runner.graphs is None
 
@@ -167,9 +175,11 @@ def test_captured_graphs_equal_eager_on_gpu(ckpt: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.gpu
 def test_runner_captures_by_default_on_gpu(ckpt: Path) -> None:
-    llm = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=1024, kernel_backend="triton")
+    llm = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=1024,
+              kernel_backend="triton")
     assert llm.engine.runner.graphs is not None
-    off = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=1024, kernel_backend="ref")
+    off = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=1024,
+              kernel_backend="ref")
     assert off.engine.runner.graphs is None
 
 
@@ -177,7 +187,8 @@ def test_serve_flags_reach_the_engine_config() -> None:
     from dsv4.cli.main import build_parser
     from dsv4.cli.serve import build_config
 
-    args = build_parser().parse_args(["serve", "--device", "cpu", "--disable-cuda-graph", "--cuda-graph-max-bs", "16"])
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--disable-cuda-graph",
+                                      "--cuda-graph-max-bs", "16"])
     config = build_config(args).engine_config
     assert config.disable_cuda_graph and config.cuda_graph_max_bs == 16
     default = build_config(build_parser().parse_args(["serve", "--device", "cpu"])).engine_config

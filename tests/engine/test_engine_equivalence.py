@@ -29,7 +29,8 @@ TOL = 1e-4
 
 def wide() -> ModelConfig:
     """The real window and C128 ratio (W = 128, m' = 128) on a tiny body."""
-    return micro().replace(window=128, hca_ratio=128, max_position_embeddings=1024, num_mtp_layers=0)
+    return micro().replace(window=128, hca_ratio=128, max_position_embeddings=1024,
+                           num_mtp_layers=0)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ class LogitRecorder:
         monkeypatch.setattr(ModelRunner, "_sample", wrapped)
 
 
-def reference(model: DeepSeekV4ForCausalLM, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+def reference(model: DeepSeekV4ForCausalLM, prompt: list[int],
+              n: int) -> tuple[list[int], list[torch.Tensor]]:
     ids, rows = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
@@ -75,8 +77,10 @@ def prompts_for(cfg: ModelConfig, seed: int) -> list[list[int]]:
     return [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Request]:
-    """Requests join two at a time while others run; they leave when their own max_tokens is reached."""
+def run_staggered(engine: LLMEngine, prompts: list[list[int]],
+                  max_tokens: list[int]) -> dict[str, Request]:
+    """Requests join two at a time while others run; they leave when their own max_tokens is
+    reached."""
     reqs: dict[str, Request] = {}
     pending = list(enumerate(prompts))
     while pending or engine.has_unfinished():
@@ -118,8 +122,8 @@ def assert_pools_free(engine: LLMEngine) -> None:
 def test_engine_equals_full_recompute(ckpts: dict[str, Path], name: str, page_size: int, chunk: int,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     rec = LogitRecorder(monkeypatch)
-    llm = LLM(ckpts[name], dtype="float32", device="cpu", page_size=page_size, chunked_prefill_size=chunk,
-              max_running_requests=6, max_total_tokens=4096)
+    llm = LLM(ckpts[name], dtype="float32", device="cpu", page_size=page_size,
+              chunked_prefill_size=chunk, max_running_requests=6, max_total_tokens=4096)
     prompts = prompts_for(llm.model.config, seed=page_size + chunk)
     max_tokens = [3 + (7 * i) % 11 for i in range(len(prompts))]
     reqs = run_staggered(llm.engine, prompts, max_tokens)
@@ -132,11 +136,13 @@ def test_preemption_gives_identical_outputs(ckpts: dict[str, Path]) -> None:
     prompts = prompts_for(micro(), seed=5)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     big = LLM(ckpts["tiny"], dtype="float32", device="cpu", page_size=16, max_total_tokens=4096)
-    expected = [o.token_ids for o in big.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    expected = [o.token_ids for o in big.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                  use_tqdm=False)]
     small = LLM(ckpts["tiny"], dtype="float32", device="cpu", page_size=16, max_total_tokens=96,
                 max_running_requests=8, chunked_prefill_size=64)
     got = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    assert small.engine.scheduler.num_preemptions > 0, \
+        "the pool was meant to be too small for the batch"
     assert [o.token_ids for o in got] == expected
     assert_pools_free(small.engine)
 
@@ -158,8 +164,10 @@ def test_abort_frees_everything(ckpts: dict[str, Path]) -> None:
     assert_pools_free(engine)
 
 
-def test_doubled_rings_and_backend_choice(ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """ring_multiplier=2 (the speculative-decoding ring size) changes nothing; unknown backends raise."""
+def test_doubled_rings_and_backend_choice(ckpts: dict[str, Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ring_multiplier=2 (the speculative-decoding ring size) changes nothing; unknown backends
+    raise."""
     rec = LogitRecorder(monkeypatch)
     llm = LLM(ckpts["tiny"], dtype="float32", device="cpu", page_size=16, chunked_prefill_size=5,
               max_total_tokens=2048, ring_multiplier=2)
@@ -167,5 +175,6 @@ def test_doubled_rings_and_backend_choice(ckpts: dict[str, Path], monkeypatch: p
     prompts = prompts_for(llm.model.config, seed=3)
     reqs = run_staggered(llm.engine, prompts, [6] * len(prompts))
     assert_matches(llm.model, prompts, reqs, rec)
-    with pytest.raises(ValueError, match="kernel_backend='cutlass'.*allowed: \\['ref', 'triton'\\]"):
+    with pytest.raises(ValueError,
+                       match="kernel_backend='cutlass'.*allowed: \\['ref', 'triton'\\]"):
         LLM(ckpts["tiny"], dtype="float32", device="cpu", kernel_backend="cutlass")

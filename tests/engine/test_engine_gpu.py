@@ -1,5 +1,6 @@
-"""The engine on a CUDA GPU: greedy tokens and logits equal the full-sequence model recomputed on the GPU
-(fp32), with the prefix cache on, chunked prefill and two page sizes. Skipped without CUDA."""
+"""The engine on a CUDA GPU: greedy tokens and logits equal the full-sequence model recomputed on
+the GPU (fp32), with the prefix cache on, chunked prefill and two page sizes. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ def test_engine_on_gpu_equals_full_recompute(tmp_path: Path, page_size: int, chu
     torch.backends.cuda.matmul.allow_tf32 = False
     write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
     rec = LogitRecorder(monkeypatch)
-    llm = LLM(tmp_path, dtype="float32", device="cuda", page_size=page_size, chunked_prefill_size=chunk,
-              max_total_tokens=4096)
+    llm = LLM(tmp_path, dtype="float32", device="cuda", page_size=page_size,
+              chunked_prefill_size=chunk, max_total_tokens=4096)
     prompts = prompts_for(llm.model.config, seed=1)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    outs += llm.generate(prompt_token_ids=prompts[-3:], sampling_params=params, use_tqdm=False)  # now cached
+    # now cached
+    outs += llm.generate(prompt_token_ids=prompts[-3:], sampling_params=params, use_tqdm=False)
     for out, prompt in zip(outs, prompts + prompts[-3:], strict=True):
         tokens, rows = reference(llm.model, prompt, len(out.token_ids))
         assert out.token_ids == tokens

@@ -1,5 +1,6 @@
-"""Bad requests are rejected at the edge with a ValueError naming the field; the engine keeps serving.
-Routing capture (for RL replay) records what the model routed, at no change to the outputs."""
+"""Bad requests are rejected at the edge with a ValueError naming the field; the engine keeps
+serving. Routing capture (for RL replay) records what the model routed, at no change to the
+outputs."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(ckpt: Path) -> LLM:
-    return LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024, context_length=64)
+    return LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024,
+               context_length=64)
 
 
 @pytest.mark.parametrize(("prompt", "params", "match"), [
@@ -35,16 +37,18 @@ def llm(ckpt: Path) -> LLM:
     ([5, 600, 7], GREEDY, "prompt_token_ids contains unknown token ids \\[600\\]"),
     ([5, -1], GREEDY, "prompt_token_ids contains unknown token ids \\[-1\\]"),
 ])
-def test_bad_requests_raise_and_engine_keeps_serving(llm: LLM, prompt: list[int], params: SamplingParams,
-                                                     match: str) -> None:
+def test_bad_requests_raise_and_engine_keeps_serving(llm: LLM, prompt: list[int],
+                                                     params: SamplingParams, match: str) -> None:
     engine = llm.engine
-    good = [engine.add_request([3, 4, 5, 6, 7], GREEDY), engine.add_request(list(range(10, 30)), GREEDY)]
+    good = [engine.add_request([3, 4, 5, 6, 7], GREEDY),
+            engine.add_request(list(range(10, 30)), GREEDY)]
     engine.step()
     with pytest.raises(ValueError, match=match):
         engine.add_request(prompt, params)
     while engine.has_unfinished():
         engine.step()
-    expected = llm.generate(prompt_token_ids=[r.prompt_ids for r in good], sampling_params=GREEDY, use_tqdm=False)
+    expected = llm.generate(prompt_token_ids=[r.prompt_ids for r in good], sampling_params=GREEDY,
+                            use_tqdm=False)
     assert [r.output_ids for r in good] == [o.token_ids for o in expected]
     for r in good:
         engine.pop(r.rid)
@@ -67,22 +71,25 @@ def test_generate_validates_before_admitting(llm: LLM) -> None:
 
 
 def test_text_prompts_and_stop_strings(llm: LLM) -> None:
-    out = llm.generate(["def f(x):", "hello"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    out = llm.generate(["def f(x):", "hello"],
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
     assert all(o.text and len(o.token_ids) == 12 for o in out)
     assert llm.tokenizer is not None
     full = out[0].text
     stop = full[3:6]   # a stop string taken from the middle of the greedy text (may span tokens)
-    stopped = llm.generate("def f(x):", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,)),
+    stopped = llm.generate("def f(x):", SamplingParams(max_tokens=12, temperature=0.0,
+                                                       ignore_eos=True, stop=(stop,)),
                            use_tqdm=False)[0]
     assert stopped.finish_reason == "stop" and stopped.text == full[:full.index(stop)]
 
 
 def test_routing_capture_matches_model(ckpt: Path) -> None:
     prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
-    plain = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024, chunked_prefill_size=16)
-    capture = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024, chunked_prefill_size=16,
-                  capture_routing=True)
+    plain = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024,
+                chunked_prefill_size=16)
+    capture = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024,
+                  chunked_prefill_size=16, capture_routing=True)
     a = plain.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, use_tqdm=False)[0]
     b = capture.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, use_tqdm=False)[0]
     assert a.token_ids == b.token_ids and a.routing is None and b.routing is not None

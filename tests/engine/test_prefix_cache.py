@@ -1,5 +1,6 @@
-"""ShadowRadix in the engine: cache on == cache off (tokens and logits), hits where prefixes are shared,
-SWA-safe re-matching after tombstoning (and tombstone recovery), and the SWA footprint of a long request."""
+"""ShadowRadix in the engine: cache on == cache off (tokens and logits), hits where prefixes are
+shared, SWA-safe re-matching after tombstoning (and tombstone recovery), and the SWA footprint of a
+long request."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pair(ckpt: Path, **kw: object) -> tuple[LLM, LLM]:
-    args = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=8192, chunked_prefill_size=40, **kw)
+    args = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=8192,
+                chunked_prefill_size=40, **kw)
     return LLM(ckpt, **args), LLM(ckpt, disable_prefix_cache=True, **args)  # type: ignore[arg-type]
 
 
@@ -41,7 +43,8 @@ def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: s
     return req
 
 
-def compare(on: LLM, off: LLM, rec: LogitRecorder, reqs_on: list[Request], reqs_off: list[Request]) -> None:
+def compare(on: LLM, off: LLM, rec: LogitRecorder, reqs_on: list[Request],
+            reqs_off: list[Request]) -> None:
     for a, b in zip(reqs_on, reqs_off, strict=True):
         assert a.output_ids == b.output_ids, f"request {a.rid}: cache on/off outputs differ"
         diff = (torch.stack(rec.rows[a.rid]) - torch.stack(rec.rows[b.rid])).abs().max().item()
@@ -54,7 +57,8 @@ def test_multi_turn_chat(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
     reqs_on, reqs_off = [], []
     for conv in range(3):
-        history = toks(13 + 6 * conv, seed=conv)           # lengths not multiples of 4, 16 (P, m') or 8 (W)
+        # lengths not multiples of 4, 16 (P, m') or 8 (W)
+        history = toks(13 + 6 * conv, seed=conv)
         for turn in range(4):
             history = history + toks(7 + turn, seed=100 * conv + turn)
             a = run_one(on.engine, history, params, f"on-{conv}-{turn}")
@@ -89,7 +93,8 @@ def test_group_samples_and_few_shot(ckpt: Path, monkeypatch: pytest.MonkeyPatch)
         while llm.engine.has_unfinished():
             llm.engine.step()
     compare(on, off, rec, reqs["on"], reqs["off"])
-    assert all(r.cached_tokens == 48 for r in reqs["on"][1:17]), "every sample hits the warmed prompt"
+    assert all(r.cached_tokens == 48 for r in reqs["on"][1:17]), \
+        "every sample hits the warmed prompt"
     assert len({tuple(r.output_ids) for r in reqs["on"][1:17]}) > 1, "seeded samples should differ"
     assert_pools_free(on.engine)
 
@@ -105,15 +110,19 @@ def test_tombstoned_prefix_is_rematched_safely(ckpt: Path, monkeypatch: pytest.M
     reqs_off = [run_one(off.engine, base, params, "off-0")]
     follow = base + reqs_on[0].output_ids + toks(9, seed=12)
     long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    x = on.engine.add_request(follow, long_params, rid="on-x")      # runs on, full-locking the shared path
-    while len(x.output_ids) < 2 * cache.horizon:                    # ... a horizon past it: SWA lock dropped
+    # runs on, full-locking the shared path
+    x = on.engine.add_request(follow, long_params, rid="on-x")
+    # ... a horizon past it: SWA lock dropped
+    while len(x.output_ids) < 2 * cache.horizon:
         on.engine.step()
-    cache.evict(0, cache.swa_live)                                 # SWA pressure: tombstone what is unlocked
+    # SWA pressure: tombstone what is unlocked
+    cache.evict(0, cache.swa_live)
     assert cache.swa_live == 0 and cache.num_pages > 0
     on.engine.check_integrity()
-    y = run_one(on.engine, follow, params, "on-y")                 # prefix is tombstones only: no hit
+    y = run_one(on.engine, follow, params, "on-y")  # prefix is tombstones only: no hit
     assert y.cached_tokens == 0
-    assert cache.swa_live > 0, "y's duplicate pages inside its horizon revived a tombstone (recovery)"
+    assert cache.swa_live > 0, \
+        "y's duplicate pages inside its horizon revived a tombstone (recovery)"
     while not x.is_finished:
         on.engine.step()
     reqs_on += [x, y]
@@ -129,7 +138,8 @@ def test_tombstoned_prefix_is_rematched_safely(ckpt: Path, monkeypatch: pytest.M
 
 
 def held_swa_tokens(engine: LLMEngine, req: Request) -> int:
-    """Positions behind the first SWA page this request holds (private with SWA, or SWA-locked in the tree)."""
+    """Positions behind the first SWA page this request holds (private with SWA, or SWA-locked in
+    the tree)."""
     table, cache = engine.runner.table, engine.cache
     assert cache is not None and req.slot is not None
     locked = {p for n in cache._nodes() if n.swa_lock for p in n.pages}
@@ -139,13 +149,15 @@ def held_swa_tokens(engine: LLMEngine, req: Request) -> int:
 
 
 def test_long_request_swa_footprint_and_later_hit(tmp_path: Path) -> None:
-    cfg = micro().replace(window=128, hca_ratio=128, max_position_embeddings=16384, num_mtp_layers=0)
+    cfg = micro().replace(window=128, hca_ratio=128, max_position_embeddings=16384,
+                          num_mtp_layers=0)
     write_checkpoint(cfg, tmp_path, seed=1, tokenizer=False)
     llm = LLM(tmp_path, dtype="float32", device="cpu", page_size=256, chunked_prefill_size=2048,
               max_running_requests=4, max_total_tokens=24576)
     engine = llm.engine
     prompt = toks(10_000, seed=3)
-    req = engine.add_request(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    req = engine.add_request(prompt, SamplingParams(max_tokens=200, temperature=0.0,
+                                                    ignore_eos=True))
     worst = 0
     while not req.is_finished:
         engine.step()
@@ -157,3 +169,20 @@ def test_long_request_swa_footprint_and_later_hit(tmp_path: Path) -> None:
         engine.step()
     assert later.cached_tokens >= 8704
     engine.check_integrity()
+
+
+def test_penalties_start_from_the_request_on_a_cache_hit(ckpt: Path) -> None:
+    """A request that continues a cached prefix (its first step does not start at position 0) gets
+    its slot's penalty state rebuilt from its own tokens, not the slot's previous occupant's: with
+    repetition, presence and frequency penalties, greedy outputs are the same cache on and off."""
+    on, off = pair(ckpt)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.5, presence_penalty=2.0, frequency_penalty=1.0)
+    prompt = toks(70, seed=41)
+    outs = {}
+    for name, llm in (("on", on), ("off", off)):
+        first = run_one(llm.engine, prompt, params, rid="first")
+        second = run_one(llm.engine, prompt[:-3] + toks(3, seed=42), params, rid="second")
+        outs[name] = (first.output_ids, second.output_ids, second.cached_tokens)
+    assert outs["on"][2] > 0 and outs["off"][2] == 0, "only the cache-on second request hits"
+    assert outs["on"][:2] == outs["off"][:2]

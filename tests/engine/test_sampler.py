@@ -45,7 +45,8 @@ def _batch(
 
 
 def _small_logits() -> Tensor:
-    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(2)) * 1.5  # [V]; 4-7 tokens survive each filter
+    # [V]; 4-7 tokens survive each filter
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(2)) * 1.5
 
 
 # --------------------------------------------------------------------------- greedy
@@ -157,7 +158,8 @@ def test_hash_uniform_row_independent_of_batch() -> None:
 
 
 def _expected_probs(
-    logits: Tensor, *, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+    logits: Tensor, *, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+    min_p: float = 0.0
 ) -> Tensor:
     """Exact filtered distribution from the definitions, in float64 (vLLM order)."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
@@ -170,14 +172,18 @@ def _expected_probs(
         order = probs.argsort(descending=True)
         cum = probs[order].cumsum(0)
         num_keep = int((cum < top_p).sum()) + 1  # smallest head with mass >= top_p
-        assert abs(float(cum[num_keep - 1]) - top_p) > 1e-3, "test logits too close to the top-p boundary"
+        assert abs(float(cum[num_keep - 1]) - top_p) > 1e-3, (
+            "test logits too close to the top-p boundary"
+        )
         keep = torch.zeros_like(probs, dtype=torch.bool)
         keep[order[:num_keep]] = True
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum()
     if min_p > 0:
         threshold = min_p * probs.max()
-        assert bool(((probs - threshold).abs() > 1e-4).all()), "test logits too close to the min-p boundary"
+        assert bool(((probs - threshold).abs() > 1e-4).all()), (
+            "test logits too close to the min-p boundary"
+        )
         probs = torch.where(probs >= threshold, probs, 0.0)
         probs = probs / probs.sum()
     return probs
@@ -339,7 +345,9 @@ def test_build_validates_lengths_and_ranges() -> None:
 
 def test_top_k_larger_than_vocab_is_clamped() -> None:
     logits = torch.randn(3, 5)
-    batch = SamplingBatch.build([SamplingParams(top_k=50)] * 3, [0] * 3, [1, 2, 3], "cpu", vocab_size=5)
+    batch = SamplingBatch.build(
+        [SamplingParams(top_k=50)] * 3, [0] * 3, [1, 2, 3], "cpu", vocab_size=5
+    )
     out = sample(logits, batch)
     assert bool(((out.token_ids >= 0) & (out.token_ids < 5)).all())
 
@@ -351,13 +359,17 @@ def test_cuda_matches_cpu() -> None:
     counts = torch.randint(0, 2, (16, 1000), generator=gen, dtype=torch.int32)
     params = [
         SamplingParams(
-            temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, presence_penalty=0.5, repetition_penalty=1.1, logprobs=4
+            temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, presence_penalty=0.5,
+            repetition_penalty=1.1, logprobs=4
         )
     ] * 16
     steps, seeds = list(range(16)), [77] * 16
     cpu = sample(logits, SamplingBatch.build(params, steps, seeds, "cpu"), counts, counts > 0)
     dev = torch.device("cuda")
-    gpu = sample(logits.to(dev), SamplingBatch.build(params, steps, seeds, dev), counts.to(dev), (counts > 0).to(dev))
+    gpu = sample(
+        logits.to(dev), SamplingBatch.build(params, steps, seeds, dev), counts.to(dev),
+        (counts > 0).to(dev)
+    )
     assert torch.equal(gpu.token_ids.cpu(), cpu.token_ids)
     assert torch.equal(
         hash_uniform(torch.tensor(seeds), torch.tensor(steps), 1000, dev).cpu(),

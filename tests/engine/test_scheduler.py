@@ -1,11 +1,12 @@
 """The scheduler and the engine's step loop against a fake runner (no model compute).
 
-The fake runner answers every step with tokens that are a pure function of (request, position), one or
-several per request: so outputs are known in advance whatever the batching, chunking or preemption, and
-the tests check the scheduling itself — the token budget, decode-first order, the running-request limit,
-recompute preemption under a small cache, multi-token steps (a later step feeds all the new tokens), a
-finish inside a step's tokens (eos, max_tokens) — with every manager's `check_integrity()` after each
-step and every page free at the end, with the prefix cache on and off.
+The fake runner answers every step with tokens that are a pure function of (request, position), one
+or several per request: so outputs are known in advance whatever the batching, chunking or
+preemption, and the tests check the scheduling itself — the token budget, decode-first order, the
+running-request limit, recompute preemption under a small cache, multi-token steps (a later step
+feeds all the new tokens), a finish inside a step's tokens (eos, max_tokens) — with every manager's
+`check_integrity()` after each step and every page free at the end, with the prefix cache on and
+off.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ EOS = micro().eos_token_id
 
 
 def token_at(rid: str, position: int) -> int:
-    """The fake model's token at `position` of request `rid` (never eos: eos tests place it themselves)."""
+    """The fake model's token at `position` of request `rid` (never eos: eos tests place it
+    themselves)."""
     tok = (1009 * int(rid) + 31 * position) % (VOCAB - 2) + 1
     return tok + 1 if tok >= EOS else tok
 
@@ -42,8 +44,8 @@ class FakeStep:
 
 
 class FakeRunner:
-    """Stands in for `ModelRunner.run`: a request whose step reaches its last token gets `per_step` tokens
-    (its next positions' `token_at`, or what `override` says), and every step is recorded."""
+    """Stands in for `ModelRunner.run`: a request whose step reaches its last token gets `per_step`
+    tokens (its next positions' `token_at`, or what `override` says), and every step is recorded."""
 
     def __init__(self, engine: LLMEngine, per_step: int = 1) -> None:
         self.engine, self.per_step = engine, per_step
@@ -58,7 +60,8 @@ class FakeRunner:
             if k == 0:
                 continue
             start = len(req.all_ids)
-            toks = [self.override.get((req.rid, p), token_at(req.rid, p)) for p in range(start, start + self.per_step)]
+            toks = [self.override.get((req.rid, p), token_at(req.rid, p))
+                    for p in range(start, start + self.per_step)]
             reqs.append(req)
             outs.append(RequestTokens(toks, [-0.5] * len(toks), [{} for _ in toks]))
         return FakeStep(StepResult(reqs, outs))
@@ -86,7 +89,8 @@ def drive(engine: LLMEngine, fake: FakeRunner, max_tokens: list[int]) -> dict[st
     """Run every prompt to its end, checking the scheduler's invariants at every step."""
     reqs = {}
     for i, p in enumerate(prompts(len(max_tokens))):
-        reqs[str(i)] = engine.add_request(p, SamplingParams(max_tokens=max_tokens[i], temperature=0.0), rid=str(i))
+        reqs[str(i)] = engine.add_request(p, SamplingParams(max_tokens=max_tokens[i],
+                                                            temperature=0.0), rid=str(i))
     while engine.has_unfinished():
         engine.step()
         step = fake.steps[-1]
@@ -102,14 +106,16 @@ def expected_output(rid: str, prompt_len: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
 @pytest.mark.parametrize("per_step", [1, 3])
-def test_outputs_follow_the_fake_model(model: DeepSeekV4ForCausalLM, prefix_cache: bool, per_step: int) -> None:
+def test_outputs_follow_the_fake_model(model: DeepSeekV4ForCausalLM, prefix_cache: bool,
+                                       per_step: int) -> None:
     engine = make_engine(model, disable_prefix_cache=not prefix_cache)
     fake = FakeRunner(engine, per_step)
     max_tokens = [1, 2, 5, 9, 4, 7, 3, 8]
     reqs = drive(engine, fake, max_tokens)
     for rid, req in reqs.items():
         n = max_tokens[int(rid)]
-        assert req.output_ids == expected_output(rid, len(req.prompt_ids), n), rid   # cut exactly at max_tokens
+        # cut exactly at max_tokens
+        assert req.output_ids == expected_output(rid, len(req.prompt_ids), n), rid
         assert req.finish_reason == "length"
         assert req.all_ids == req.prompt_ids + req.output_ids
     if per_step > 1:    # a step after a multi-token result feeds all of those tokens
@@ -122,8 +128,10 @@ def test_budget_and_decode_first(model: DeepSeekV4ForCausalLM) -> None:
     fake = FakeRunner(engine)
     drive(engine, fake, [6] * 7)
     for step in fake.steps:
-        # a request decodes when the token it feeds is an output: every one comes before any chunk of several
-        decoding = [i for i, (r, start) in enumerate(zip(step.requests, step.shape.starts, strict=True))
+        # a request decodes when the token it feeds is an output: every one comes before any chunk
+        # of several
+        decoding = [i for i, (r, start)
+                    in enumerate(zip(step.requests, step.shape.starts, strict=True))
                     if start >= len(r.prompt_ids)]
         chunks = [i for i, n in enumerate(step.shape.lens) if n > 1]
         assert not decoding or not chunks or max(decoding) < min(chunks), step.shape
@@ -140,7 +148,8 @@ def test_preemption_recomputes_to_the_same_outputs(model: DeepSeekV4ForCausalLM)
     got = drive(small, fake, max_tokens)
     assert small.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
     assert {rid: r.output_ids for rid, r in got.items()} == expected
-    restarted = [s for s in fake.steps if 0 in s.shape.starts and any(r.output_ids for r in s.requests)]
+    restarted = [s for s in fake.steps
+                 if 0 in s.shape.starts and any(r.output_ids for r in s.requests)]
     assert restarted, "a preempted request re-prefills from position 0"
     assert_all_free(small)
 
@@ -166,5 +175,6 @@ def assert_all_free(engine: LLMEngine) -> None:
     engine.flush_cache()
     engine.check_integrity()
     table = engine.runner.table
-    assert table.full.num_free == table.full.num_usable and table.swa.num_free == table.swa.num_usable
+    assert (table.full.num_free == table.full.num_usable
+            and table.swa.num_free == table.swa.num_usable)
     assert table.num_free_slots == engine.config.max_running_requests

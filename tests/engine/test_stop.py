@@ -22,7 +22,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def _stream(tokenizer: Tokenizer, text: str, stop: tuple[str, ...]) -> tuple[list[str], str, bool]:
-    """Generate ``text`` token by token through detokenizer + checker, like the engine does.
+    """Generate `text` token by token through detokenizer + checker, like the engine does.
 
     Returns the safe prefix after every token, the final output and whether it stopped.
     """
@@ -39,7 +39,7 @@ def _stream(tokenizer: Tokenizer, text: str, stop: tuple[str, ...]) -> tuple[lis
 
 
 def _num_tokens_spanned(tokenizer: Tokenizer, text: str, stop: str) -> int:
-    """How many tokens of ``text`` (ASCII) overlap the first occurrence of ``stop``."""
+    """How many tokens of `text` (ASCII) overlap the first occurrence of `stop`."""
     ids = tokenizer.encode(text).ids
     ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
     starts = [0, *ends[:-1]]
@@ -48,7 +48,7 @@ def _num_tokens_spanned(tokenizer: Tokenizer, text: str, stop: str) -> int:
     return sum(1 for s, e in zip(starts, ends, strict=True) if s < hi and e > lo)
 
 
-# --------------------------------------------------------------------------- StopChecker with a tokenizer
+# --------------------------------------------------------------------- StopChecker with a tokenizer
 
 
 @pytest.mark.parametrize("stop", ["er is", "2. #", "ans"])
@@ -66,7 +66,8 @@ def test_streaming_holds_back_partial_match(tokenizer: Tokenizer) -> None:
     assert stopped and final == "The answer is 42. "
     for before, after in zip(history, history[1:], strict=False):
         assert after.startswith(before), "the safe prefix must only grow"
-    assert any(safe == "The answer is 42. " for safe in history[:-1]), "'#...' tail must be held back"
+    assert any(safe == "The answer is 42. " for safe in history[:-1]), \
+        "'#...' tail must be held back"
     assert all(not safe.endswith("#") for safe in history)
 
 
@@ -123,12 +124,14 @@ def test_empty_stop_string_rejected() -> None:
 # --------------------------------------------------------------------------- IncrementalDetokenizer
 
 
-UNICODE_TEXTS = ["héllo wörld → 日本語 😀", "  Grüße, 世界! Привет — café ½ 🚀🤖\r\n\tدرود \u200b end "]
+UNICODE_TEXTS = ["héllo wörld → 日本語 😀",
+                 "  Grüße, 世界! Привет — café ½ 🚀🤖\r\n\tدرود \u200b end "]
 
 
 @pytest.mark.parametrize("text", UNICODE_TEXTS)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_decode_matches_full_decode(tokenizer: Tokenizer, text: str, skip_special_tokens: bool) -> None:
+def test_incremental_decode_matches_full_decode(tokenizer: Tokenizer, text: str,
+                                                skip_special_tokens: bool) -> None:
     ids = tokenizer.encode(text).ids  # bos + text
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     deltas = [detok.add(i) for i in ids]
@@ -151,8 +154,9 @@ def test_flush_emits_unfinished_character(tokenizer: Tokenizer) -> None:
 
 
 def test_output_text_keeps_tokens_up_to_the_stop(tokenizer: Tokenizer) -> None:
-    """Several tokens per feed (a step may yield several): the request keeps those up to and including the
-    token that completes the stop string, and its text ends before the stop string."""
+    """Several tokens per feed (a step may yield several): the request keeps those up to and
+    including the token that completes the stop string, and its text ends before the stop
+    string."""
     ids = tokenizer.encode(STREAM_TEXT, add_special_tokens=False).ids
     out = OutputText(tokenizer, SamplingParams(stop=("###STOP###",)))
     kept, fed = 0, 0

@@ -1,8 +1,8 @@
 """Test helper (not a test module): the engine's own compressor plans for scripted serving steps.
 
-A micro model's pools and request table at a page size; `plan` reserves each request's new tokens and builds the
-step's metadata with `engine/metadata.py::build_context`, as the scheduler would. Shared by the compressor parity
-tests (test_compressor_triton.py, test_compressor_pair.py).
+A micro model's pools and request table at a page size; `plan` reserves each request's new tokens
+and builds the step's metadata with `engine/metadata.py::build_context`, as the scheduler would.
+Shared by the compressor parity tests (test_compressor_triton.py, test_compressor_pair.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from dsv4.model.forward_context import CompressPlan
 
 
 class EngineSteps:
-    def __init__(self, model: ModelConfig, page_size: int, device: torch.device, ring_multiplier: int = 1) -> None:
+    def __init__(self, model: ModelConfig, page_size: int, device: torch.device,
+                 ring_multiplier: int = 1) -> None:
         self.model, self.device = model, device
-        engine = EngineConfig(page_size=page_size, max_running_requests=64, max_total_tokens=1 << 17,
-                              ring_multiplier=ring_multiplier)
+        engine = EngineConfig(page_size=page_size, max_running_requests=64,
+                              max_total_tokens=1 << 17, ring_multiplier=ring_multiplier)
         layout = plan_cache(model, engine, torch.float32)
         self.pools = KVPools(model, layout, torch.float32, torch.device("meta"))
         self.table = RequestTable(layout, 64, 1 << 16, device)
@@ -30,11 +31,13 @@ class EngineSteps:
         self.lens: dict[int, int] = {}
 
     def cache(self, attn_type: str) -> LayerCache:
-        """The first layer cache of `attn_type` (its ring and entry row counts size the test's tensors)."""
+        """The first layer cache of `attn_type` (its ring and entry row counts size the test's
+        tensors)."""
         return next(c for c in self.pools.layers if c.attn_type == attn_type)
 
     def plan(self, work: list[tuple[int, int]], ratio: int) -> CompressPlan:
-        """One step: request id -> number of new tokens (opened on first sight); the compressor plan of `ratio`."""
+        """One step: request id -> number of new tokens (opened on first sight); the compressor plan
+        of `ratio`."""
         slots, starts = [], []
         for rid, n in work:
             if rid not in self.slots:
@@ -48,7 +51,8 @@ class EngineSteps:
         return build_context(shape, self.table, self.pools, self.model, self.device).plans[ratio]
 
     def release(self, work: list[tuple[int, int]]) -> None:
-        """As the scheduler does after a step: SWA pages (and their ring rows) behind the horizon go back."""
+        """As the scheduler does after a step: SWA pages (and their ring rows) behind the horizon go
+        back."""
         for rid, _ in work:
             self.table.release_swa(self.slots[rid], self.lens[rid])
 

@@ -1,14 +1,16 @@
-"""Parity of `triton_compress_pair` (a CSA layer's two compressors in one launch) with the reference pair op.
+"""Parity of `triton_compress_pair` with the reference pair op (`compress_cached_pair`).
 
-A harness drives the engine's own metadata (`build_context` over a real request table) and keeps three copies
-of a CSA layer's two compressor states (attention: overlap Dc_a; indexer: overlap Dc_b; one plan for both):
-the reference pair op's, the fused kernel's, and two single `triton_compress_cached` calls'. After every
-step: rings bit-equal to the reference and to the single kernels', entries within 1e-5 (fp32) / 1e-2 (bf16) of
-both (on the H200 the fused and single kernels' entries differ in rounding: other warp counts, other summation
-orders). The default (`fuse=None`) fuses steps of up to 512 tokens; tests force each path.
+`triton_compress_pair` serves a CSA layer's two compressors in one launch. A harness drives the
+engine's own metadata (`build_context` over a real request table) and keeps three copies of a CSA
+layer's two compressor states (attention: overlap Dc_a; indexer: overlap Dc_b; one plan for both):
+the reference pair op's, the fused kernel's, and two single `triton_compress_cached` calls'. After
+every step: rings bit-equal to the reference and to the single kernels', entries within 1e-5
+(fp32) / 1e-2 (bf16) of both (on the H200 the fused and single kernels' entries differ in rounding:
+other warp counts, other summation orders). The default (`fuse=None`) fuses steps of up to 512
+tokens; tests force each path.
 
-    PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_pair.py          # interpreter on CPU
-    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_pair.py   # on a CUDA machine
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_pair.py  # interpreter on CPU
+    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_pair.py  # on CUDA
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 
 import torch
 
-# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -25,7 +27,11 @@ import pytest  # noqa: E402
 from compress_steps import EngineSteps  # noqa: E402
 
 from dsv4.checkpoint.presets import micro  # noqa: E402
-from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_cached_pair  # noqa: E402
+from dsv4.kernels.ref.compressor import (  # noqa: E402
+    CompressIndex,
+    CompressTarget,
+    compress_cached_pair,
+)
 from dsv4.kernels.triton.compressor import triton_compress_cached  # noqa: E402
 from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E402
 
@@ -34,14 +40,16 @@ EPS = 1e-6
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+    return ((out.float() - ref.float()).abs().max()
+            / ref.float().abs().max().clamp(min=1e-6)).item()
 
 
 class PairHarness:
-    """A CSA layer's two compressor states under the engine's metadata: reference, fused kernel, single kernels."""
+    """A CSA layer's two compressor states under the engine's metadata: reference, fused kernel,
+    single kernels."""
 
-    def __init__(self, dcs: tuple[int, int], rd: int, page_size: int, out_dtype: torch.dtype, seed: int = 0,
-                 knobs: dict[str, int | bool] | None = None) -> None:
+    def __init__(self, dcs: tuple[int, int], rd: int, page_size: int, out_dtype: torch.dtype,
+                 seed: int = 0, knobs: dict[str, int | bool] | None = None) -> None:
         self.dcs, self.rd, self.device, self.knobs = dcs, rd, torch.device(DEVICE), knobs or {}
         self.steps = EngineSteps(micro(), page_size, self.device)
         cache = self.steps.cache("csa")
@@ -49,7 +57,8 @@ class PairHarness:
         rows, n_out = cache.state.kv.shape[0], cache.entries.shape[0]
         self.gen = torch.Generator(DEVICE).manual_seed(seed)
         self.states: dict[str, list[list[torch.Tensor]]] = {}
-        base = [[torch.zeros(rows, 2 * dc, device=DEVICE), torch.full((rows, 2 * dc), float("-inf"), device=DEVICE),
+        base = [[torch.zeros(rows, 2 * dc, device=DEVICE),
+                 torch.full((rows, 2 * dc), float("-inf"), device=DEVICE),
                  torch.zeros(n_out, dc, dtype=out_dtype, device=DEVICE)] for dc in dcs]
         for name in ("ref", "pair", "single"):
             self.states[name] = [[x.clone() for x in s] for s in base]
@@ -60,7 +69,8 @@ class PairHarness:
     def finish(self, rid: int) -> None:
         self.steps.finish(rid)
 
-    def targets(self, name: str, proj: list[tuple[torch.Tensor, torch.Tensor]]) -> list[CompressTarget]:
+    def targets(self, name: str,
+                proj: list[tuple[torch.Tensor, torch.Tensor]]) -> list[CompressTarget]:
         return [CompressTarget(kv, score, s[0], s[1], w, s[2])
                 for (kv, score), s, w in zip(proj, self.states[name], self.weights, strict=True)]
 
@@ -74,8 +84,8 @@ class PairHarness:
         compress_cached_pair(*self.targets("ref", proj), plan.index, EPS, cos, sin)
         triton_compress_pair(*self.targets("pair", proj), plan.index, EPS, cos, sin, **self.knobs)
         for c in self.targets("single", proj):
-            triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, plan.index, c.norm_weight, EPS, cos, sin,
-                                   c.out)
+            triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, plan.index,
+                                   c.norm_weight, EPS, cos, sin, c.out)
         self.check(plan.index)
         self.steps.release(work)
         return plan.index
@@ -84,11 +94,14 @@ class PairHarness:
         self.emitted += int((index.write_slot != self.states["ref"][0][2].shape[0] - 1).sum())
         for j in range(2):
             ref, pair, single = (self.states[n][j] for n in ("ref", "pair", "single"))
-            assert torch.equal(pair[0][:-1], ref[0][:-1]) and torch.equal(pair[1][:-1], ref[1][:-1]), f"ring {j}"
+            assert (torch.equal(pair[0][:-1], ref[0][:-1])
+                    and torch.equal(pair[1][:-1], ref[1][:-1])), f"ring {j}"
             limit = 1e-5 if ref[2].dtype == torch.float32 else 1e-2
             assert rel_error(pair[2][:-1], ref[2][:-1]) <= limit, f"entries {j}"
-            assert torch.equal(pair[0][:-1], single[0][:-1]) and torch.equal(pair[1][:-1], single[1][:-1])
-            assert rel_error(pair[2][:-1], single[2][:-1]) <= limit, f"entries {j}: fused vs single kernel"
+            assert (torch.equal(pair[0][:-1], single[0][:-1])
+                    and torch.equal(pair[1][:-1], single[1][:-1]))
+            assert rel_error(pair[2][:-1], single[2][:-1]) <= limit, (f"entries {j}: fused vs "
+                                                                      "single kernel")
 
 
 MICRO, FLASH = ((32, 16), 8), ((512, 128), 64)
@@ -123,17 +136,19 @@ def test_rejects_what_one_plan_cannot_address() -> None:
     index = h.step([(0, 6)])
     T = index.write_slot.shape[0]
     cos = torch.rand(T, 4, device=DEVICE)
-    proj = [(torch.randn(T, 2 * dc, device=DEVICE), torch.randn(T, 2 * dc, device=DEVICE)) for dc in h.dcs]
+    proj = [(torch.randn(T, 2 * dc, device=DEVICE), torch.randn(T, 2 * dc, device=DEVICE))
+            for dc in h.dcs]
     a, b = h.targets("pair", proj)
     short_ring = b._replace(ring_kv=b.ring_kv[:-2], ring_score=b.ring_score[:-2])
     short_out = b._replace(out=b.out[:-1])
-    one_wide = b._replace(kv=b.kv[:, :16].contiguous(), score=b.score[:, :16].contiguous())  # no overlap
+    # no overlap
+    one_wide = b._replace(kv=b.kv[:, :16].contiguous(), score=b.score[:, :16].contiguous())
     for bad in (short_ring, short_out, one_wide):
         with pytest.raises(ValueError):
             triton_compress_pair(a, bad, index, EPS, cos, cos.clone())
 
 
-# ---- GPU: V4-Flash geometry (attention Dc 512 + indexer Dc 128), long decode, graph capture -------------
+# ---- GPU: V4-Flash geometry (attention Dc 512 + indexer Dc 128), long decode, graph capture ----
 
 
 @pytest.mark.gpu
@@ -149,8 +164,10 @@ def test_long_decode_and_extend_cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps", (2, 4, 8))
 def test_prefill_lengths_cuda(warps: int) -> None:
-    """Prompt lengths 1..300 in multi-request steps of 60, each followed by two decode steps, at each warp count."""
-    h = PairHarness(*FLASH, 256, torch.bfloat16, seed=warps, knobs={"num_warps": warps, "fuse": True})
+    """Prompt lengths 1..300 in multi-request steps of 60, each followed by two decode steps, at
+    each warp count."""
+    h = PairHarness(*FLASH, 256, torch.bfloat16, seed=warps,
+                    knobs={"num_warps": warps, "fuse": True})
     for first in range(1, 301, 60):
         batch = range(first, first + 60)
         h.step([(n, n) for n in batch])
@@ -168,9 +185,10 @@ def test_cuda_graph_replay_matches_reference() -> None:
     index = h.step([(i, 1) for i in range(32)])
     T = index.write_slot.shape[0]
     cos, sin = torch.rand(T, 32, device="cuda"), torch.rand(T, 32, device="cuda")
-    proj = [(torch.randn(T, 2 * dc, device="cuda"), torch.randn(T, 2 * dc, device="cuda")) for dc in h.dcs]
+    proj = [(torch.randn(T, 2 * dc, device="cuda"), torch.randn(T, 2 * dc, device="cuda"))
+            for dc in h.dcs]
     h.states["graph"] = [[x.clone() for x in s] for s in h.states["pair"]]
-    triton_compress_pair(*h.targets("graph", proj), index, EPS, cos, sin)          # warm-up (compile)
+    triton_compress_pair(*h.targets("graph", proj), index, EPS, cos, sin)  # warm-up (compile)
     for s, base in zip(h.states["graph"], h.states["pair"], strict=True):
         for x, y in zip(s, base, strict=True):
             x.copy_(y)

@@ -1,16 +1,17 @@
-"""Parity of the Flash Compressor `triton_compress_cached` with the reference `compress_cached` (spec §6.5).
+"""Parity of the Flash Compressor `triton_compress_cached` with the reference `compress_cached`.
 
-Plans are the engine's own: a harness drives `engine/metadata.py::build_context` over a real request table
-step by step (prefill, decode, chunked extend, several requests per step) and keeps two copies of one
-compressor's state, the reference's and the kernel's. After every step the entry pools agree to 1e-5 (fp32)
-or 1e-2 (bf16) relative to max |ref| and the ring pools are bit-equal (trash rows excluded: neither is read).
-Geometries: micro (ratio 4 overlap Dc 32 / 16, ratio 16 Dc 32, rope 8) and V4-Flash (C4 Dc 512 and indexer
-Dc 128 with overlap, C128 Dc 512; rope 64). Also: the engine's own compress calls (prefix-cache hits, chunked
-prefill) checked call by call. The engine's greedy tokens with kernel_backend='triton' (this kernel active)
-are tested in tests/kernels/test_engine_triton_backend.py.
+Spec §6.5. Plans are the engine's own: a harness drives `engine/metadata.py::build_context` over a
+real request table step by step (prefill, decode, chunked extend, several requests per step) and
+keeps two copies of one compressor's state, the reference's and the kernel's. After every step the
+entry pools agree to 1e-5 (fp32) or 1e-2 (bf16) relative to max |ref| and the ring pools are
+bit-equal (trash rows excluded: neither is read). Geometries: micro (ratio 4 overlap Dc 32 / 16,
+ratio 16 Dc 32, rope 8) and V4-Flash (C4 Dc 512 and indexer Dc 128 with overlap, C128 Dc 512;
+rope 64). Also: the engine's own compress calls (prefix-cache hits, chunked prefill) checked call
+by call. The engine's greedy tokens with kernel_backend='triton' (this kernel active) are tested
+in tests/kernels/test_engine_triton_backend.py.
 
-    PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_triton.py          # interpreter on CPU
-    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_triton.py   # on a CUDA machine
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_triton.py  # interpreter on CPU
+    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_triton.py  # on CUDA
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -37,7 +38,11 @@ from dsv4.kernels.ref.compressor import (  # noqa: E402
     compress_cached,
     compress_cached_pair,
 )
-from dsv4.kernels.triton.compressor import default_config, default_tokens, triton_compress_cached  # noqa: E402
+from dsv4.kernels.triton.compressor import (  # noqa: E402
+    default_config,
+    default_tokens,
+    triton_compress_cached,
+)
 from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,19 +58,23 @@ class Geometry:
     rd: int
 
 
-MICRO_C4, MICRO_IDX, MICRO_C16 = Geometry(4, True, 32, 8), Geometry(4, True, 16, 8), Geometry(16, False, 32, 8)
-FLASH_C4, FLASH_IDX, FLASH_C128 = Geometry(4, True, 512, 64), Geometry(4, True, 128, 64), Geometry(128, False, 512, 64)
+MICRO_C4, MICRO_IDX, MICRO_C16 = (Geometry(4, True, 32, 8), Geometry(4, True, 16, 8),
+                                  Geometry(16, False, 32, 8))
+FLASH_C4, FLASH_IDX, FLASH_C128 = (Geometry(4, True, 512, 64), Geometry(4, True, 128, 64),
+                                   Geometry(128, False, 512, 64))
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+    return ((out.float() - ref.float()).abs().max()
+            / ref.float().abs().max().clamp(min=1e-6)).item()
 
 
 class Harness:
     """One compressor's state under the engine's metadata: a reference copy and a kernel copy."""
 
-    def __init__(self, geo: Geometry, page_size: int, out_dtype: torch.dtype, *, ring_multiplier: int = 1,
-                 knobs: dict[str, int | bool] | None = None, seed: int = 0, device: str = DEVICE) -> None:
+    def __init__(self, geo: Geometry, page_size: int, out_dtype: torch.dtype, *,
+                 ring_multiplier: int = 1, knobs: dict[str, int | bool] | None = None,
+                 seed: int = 0, device: str = DEVICE) -> None:
         self.geo, self.device, self.knobs = geo, torch.device(device), knobs or {}
         model = micro().replace(hca_ratio=128) if geo.ratio == 128 else micro()
         self.steps = EngineSteps(model, page_size, self.device, ring_multiplier)
@@ -73,7 +82,8 @@ class Harness:
         assert cache.state is not None and cache.entries is not None
         width = (2 if geo.overlap else 1) * geo.Dc
         rows, n_out = cache.state.kv.shape[0], cache.entries.shape[0]
-        ring = (torch.zeros(rows, width, device=device), torch.full((rows, width), float("-inf"), device=device))
+        ring = (torch.zeros(rows, width, device=device),
+                torch.full((rows, width), float("-inf"), device=device))
         self.ref = [ring[0], ring[1], torch.zeros(n_out, geo.Dc, dtype=out_dtype, device=device)]
         self.tri = [x.clone() for x in self.ref]
         self.gen = torch.Generator(device).manual_seed(seed)
@@ -82,7 +92,7 @@ class Harness:
         self.emitted = 0
 
     def step(self, work: list[tuple[int, int]]) -> CompressIndex:
-        """Run one engine step: request id -> number of new tokens; returns the step's CompressIndex."""
+        """Run one engine step (request id -> number of new tokens); returns its CompressIndex."""
         plan = self.steps.plan(work, self.geo.ratio)
         freqs = plan.entry_pos[:, None].float() * self.inv_freq
         T, width = sum(n for _, n in work), self.ref[0].shape[1]
@@ -107,10 +117,12 @@ class Harness:
         limit = FP32_REL if self.ref[2].dtype == torch.float32 else BF16_REL
         err = rel_error(self.tri[2][:-1], self.ref[2][:-1])
         assert err <= limit, f"entries: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
-        if index.ring_reads_disjoint:  # the promise the fused single launch relies on (engine/metadata.py)
+        # the promise the fused single launch relies on (engine/metadata.py)
+        if index.ring_reads_disjoint:
             read = set(index.src_ring[index.src_valid & ~index.from_new].tolist())
             written = set(index.ring_write[index.ring_write != ring_trash].tolist())
-            assert not read & written, "ring_reads_disjoint set but a ring row is both read and written"
+            assert not read & written, ("ring_reads_disjoint set but a ring row is both read "
+                                        "and written")
 
 
 def page_for(geo: Geometry) -> int:
@@ -118,21 +130,24 @@ def page_for(geo: Geometry) -> int:
 
 
 def boundary_lengths(r: int) -> list[int]:
-    """1, ratio - 1, ratio, ratio + 1, 2 ratio + 1 and odd lengths (fewer for ratio 128: interpreter time)."""
+    """1, r - 1, r, r + 1, 2 r + 1 and odd lengths (fewer for ratio 128: interpreter time)."""
     odd = [3 * r - 1, 2 * r + 7 | 1] if r < 128 else []
     return sorted({1, r - 1, r, r + 1, 2 * r + 1, *odd})
 
 
-CPU_GEOMETRIES = [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_IDX, id="micro-indexer"),
-                  pytest.param(MICRO_C16, id="micro-c16"), pytest.param(FLASH_C4, id="flash-c4-512"),
-                  pytest.param(FLASH_IDX, id="flash-indexer-128"), pytest.param(FLASH_C128, id="flash-c128-512")]
+CPU_GEOMETRIES = [pytest.param(MICRO_C4, id="micro-c4"),
+                  pytest.param(MICRO_IDX, id="micro-indexer"),
+                  pytest.param(MICRO_C16, id="micro-c16"),
+                  pytest.param(FLASH_C4, id="flash-c4-512"),
+                  pytest.param(FLASH_IDX, id="flash-indexer-128"),
+                  pytest.param(FLASH_C128, id="flash-c128-512")]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("geo", CPU_GEOMETRIES)
 def test_prefill_batch(geo: Geometry, dtype: torch.dtype) -> None:
-    """One multi-request prefill step; prompt lengths around the window boundaries (two-launch path)."""
+    """One multi-request prefill step, prompt lengths around window boundaries (two-launch path)."""
     h = Harness(geo, page_for(geo), dtype)
     lengths = boundary_lengths(geo.ratio) + ([2 * page_for(geo) + 5] if geo.ratio < 128 else [])
     index = h.step(list(enumerate(lengths)))
@@ -142,18 +157,20 @@ def test_prefill_batch(geo: Geometry, dtype: torch.dtype) -> None:
 
 KNOBS = [pytest.param({}, id="default"), pytest.param({"block_s": 2}, id="bs2-prefetch"),
          pytest.param({"block_s": 2, "prefetch": False}, id="bs2-per-chunk"),
-         pytest.param({"block_s": 4, "num_warps": 2}, id="bs4-w2"),   # C4's large-batch default: 2 chunks
-         pytest.param({"tokens": 4}, id="tokens4"), pytest.param({"tokens": 2, "num_warps": 2}, id="tokens2-w2"),
+         pytest.param({"block_s": 4, "num_warps": 2}, id="bs4-w2"),   # C4 in 2 chunks
+         pytest.param({"tokens": 4}, id="tokens4"),
+         pytest.param({"tokens": 2, "num_warps": 2}, id="tokens2-w2"),
          pytest.param({"tokens": 1}, id="tokens1")]
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
-@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16"),
+@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"),
+                                 pytest.param(MICRO_C16, id="micro-c16"),
                                  pytest.param(FLASH_C4, id="flash-c4-512")])
 def test_decode_across_windows(geo: Geometry, knobs: dict[str, int | bool]) -> None:
-    """Prefill, then decode one token per request across several window boundaries (fused single launch).
-    block_s = 2 walks the slots in chunks, the first of which is entirely masked for an early window: with the
-    index rows prefetched two chunks ahead (the default for short windows) and loaded per chunk (C128's path)."""
+    """Prefill, then decode one token per request across several window boundaries (fused single
+    launch). block_s = 2 walks the slots in chunks, the first entirely masked for an early window:
+    index rows prefetched two chunks ahead (short windows' default) and per chunk (C128's path)."""
     h = Harness(geo, page_for(geo), torch.float32, knobs=knobs, seed=1)
     r = geo.ratio
     prompts = [1, r - 2, 2 * r - 1, 3 * r + 1]
@@ -164,7 +181,8 @@ def test_decode_across_windows(geo: Geometry, knobs: dict[str, int | bool]) -> N
 
 
 @pytest.mark.parametrize("knobs", KNOBS[1:3] + KNOBS[4:5])
-@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16")])
+@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"),
+                                 pytest.param(MICRO_C16, id="micro-c16")])
 def test_prefill_chunk_walks(geo: Geometry, knobs: dict[str, int | bool]) -> None:
     """The two-launch (prefill) path with the slots walked in chunks, both index-row schedules."""
     h = Harness(geo, page_for(geo), torch.float32, knobs=knobs, seed=8)
@@ -174,7 +192,8 @@ def test_prefill_chunk_walks(geo: Geometry, knobs: dict[str, int | bool]) -> Non
 
 
 @pytest.mark.parametrize("knobs", [pytest.param({}, id="default"),
-                                   pytest.param({"block_s": 32, "prefetch": True}, id="bs32-prefetch")])
+                                   pytest.param({"block_s": 32, "prefetch": True},
+                                                id="bs32-prefetch")])
 def test_decode_c128_flash(knobs: dict[str, int | bool]) -> None:
     h = Harness(FLASH_C128, 128, torch.bfloat16, knobs=knobs, seed=2)
     h.step([(0, 126), (1, 127), (2, 254), (3, 300)])
@@ -183,11 +202,13 @@ def test_decode_c128_flash(knobs: dict[str, int | bool]) -> None:
     assert h.emitted == (0 + 0 + 1 + 2) + (1 + 1 + 1 + 0)   # entries end at positions 127, 255
 
 
-@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"), pytest.param(MICRO_C16, id="micro-c16"),
+@pytest.mark.parametrize("geo", [pytest.param(MICRO_C4, id="micro-c4"),
+                                 pytest.param(MICRO_C16, id="micro-c16"),
                                  pytest.param(FLASH_IDX, id="flash-indexer-128")])
-@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"), pytest.param({"tokens": 4}, id="tokens4")])
+@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"),
+                                   pytest.param({"tokens": 4}, id="tokens4")])
 def test_extend_across_pages(geo: Geometry, knobs: dict[str, int | bool]) -> None:
-    """A chunked prefill whose chunks straddle page and window boundaries, beside a decoding request."""
+    """A chunked prefill, chunks straddling page and window boundaries, beside a decode request."""
     h = Harness(geo, page_for(geo), torch.bfloat16, seed=3, knobs=knobs)
     h.step([(0, 9)])
     for chunk in (5, 11, 7, 16, 9, 3, 17):
@@ -196,7 +217,7 @@ def test_extend_across_pages(geo: Geometry, knobs: dict[str, int | bool]) -> Non
 
 
 def test_doubled_rings_fuse_multi_token_steps() -> None:
-    """ring_multiplier = 2 (speculative decoding): steps of up to S + 1 tokens still take the fused path."""
+    """ring_multiplier = 2 (speculative decoding): steps of up to S + 1 tokens still fuse."""
     h = Harness(MICRO_C4, 16, torch.float32, ring_multiplier=2, seed=4)
     h.step([(0, 13), (1, 6)])
     for n in (3, 9, 2, 9):
@@ -204,18 +225,19 @@ def test_doubled_rings_fuse_multi_token_steps() -> None:
     assert not h.step([(0, 10)]).ring_reads_disjoint
 
 
-# (S, Dc) -> (block_s, num_warps, num_stages): the H200 sweep of benchmarks/results/compressor_h200_202611.md
-# (fourth session: one configuration per geometry at every batch)
+# (S, Dc) -> (block_s, num_warps, num_stages): the H200 sweep's one configuration per geometry at
+# every batch (benchmarks/results/compressor_h200_202611.md)
 MEASURED_BEST = [((8, 512), (8, 4, 2)), ((8, 128), (8, 2, 2)), ((128, 512), (16, 4, 2))]
 
 
 @pytest.mark.parametrize(("shape", "best"), MEASURED_BEST)
-def test_default_config_reproduces_the_sweep(shape: tuple[int, int], best: tuple[int, int, int]) -> None:
+def test_default_config_reproduces_the_sweep(shape: tuple[int, int],
+                                             best: tuple[int, int, int]) -> None:
     assert default_config(*shape) == best
 
 
 def test_default_tokens_reproduce_the_sweep() -> None:
-    """Fifth session's H200 sweep: 2 tokens per program for the indexer compressor only (compressor_h200_202611.md)."""
+    """Indexer compressor only: 2 tokens per program (H200 sweep, compressor_h200_202611.md)."""
     assert [default_tokens(*shape) for shape, _ in MEASURED_BEST] == [1, 2, 1]
 
 
@@ -227,10 +249,11 @@ def test_default_config_is_valid_everywhere() -> None:
             assert warps in (2, 4, 8, 16) and stages == 2, (S, Dc, warps)
 
 
-@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"), pytest.param({"tokens": 4}, id="tokens4")])
+@pytest.mark.parametrize("knobs", [pytest.param({}, id="default"),
+                                   pytest.param({"tokens": 4}, id="tokens4")])
 def test_padding_tokens_write_no_trash_row(knobs: dict[str, int]) -> None:
-    """Tokens with trash write_slot and ring_write (as CUDA-graph padding rows may have) in a fused launch:
-    the kernel leaves both trash rows as they were and the real tokens' rows match the reference."""
+    """Tokens with trash write_slot and ring_write (as CUDA-graph padding rows may have) in a fused
+    launch leave both trash rows as they were; the real tokens' rows match the reference."""
     h = Harness(MICRO_C4, 16, torch.float32, seed=9)
     h.step([(0, 9), (1, 14)])
     index = h.step([(0, 1), (1, 1)])
@@ -241,16 +264,18 @@ def test_padding_tokens_write_no_trash_row(knobs: dict[str, int]) -> None:
     def rows(x: torch.Tensor, fill: int | bool) -> torch.Tensor:
         return torch.cat([x, torch.full((pad, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
 
-    padded = CompressIndex(rows(index.src_new, 0), rows(index.src_ring, ring_trash), rows(index.from_new, False),
-                           rows(index.src_valid, False), rows(index.write_slot, out_trash),
-                           rows(index.ring_write, ring_trash), True)
+    padded = CompressIndex(rows(index.src_new, 0), rows(index.src_ring, ring_trash),
+                           rows(index.from_new, False), rows(index.src_valid, False),
+                           rows(index.write_slot, out_trash), rows(index.ring_write, ring_trash),
+                           True)
     T = padded.write_slot.shape[0]
     kv, score = torch.randn(T, 64, device=DEVICE), torch.randn(T, 64, device=DEVICE)
     cos, sin = torch.rand(T, 4, device=DEVICE), torch.rand(T, 4, device=DEVICE)
     for x in h.tri:
         x[-1] = 3.0                     # a sentinel: a zero entry written there would go unseen
     mine, ref = [x.clone() for x in h.tri], [x.clone() for x in h.tri]
-    triton_compress_cached(kv, score, mine[0], mine[1], padded, h.norm_weight, 1e-6, cos, sin, mine[2], **knobs)
+    triton_compress_cached(kv, score, mine[0], mine[1], padded, h.norm_weight, 1e-6, cos, sin,
+                           mine[2], **knobs)
     compress_cached(kv, score, ref[0], ref[1], padded, h.norm_weight, 1e-6, cos, sin, ref[2])
     for got, before in zip(mine, h.tri, strict=True):
         assert torch.equal(got[-1], before[-1]), "a trash row was written"
@@ -270,7 +295,8 @@ def test_rejects_bad_inputs() -> None:
         "kv bf16": dict(kv=kv.bfloat16()),
         "kv width": dict(kv=kv[:, :48].contiguous(), score=kv[:, :48].contiguous()),
         "score not contiguous": dict(score=kv.t().contiguous().t()),
-        "rope wider than Dc": dict(cos=torch.randn(T, 20, device=DEVICE), sin=torch.randn(T, 20, device=DEVICE)),
+        "rope wider than Dc": dict(cos=torch.randn(T, 20, device=DEVICE),
+                                   sin=torch.randn(T, 20, device=DEVICE)),
         "src_new int32": dict(index=index._replace(src_new=index.src_new.int())),
         "write_slot T mismatch": dict(index=index._replace(write_slot=index.write_slot[:-1])),
         "out int8": dict(out=h.tri[2].to(torch.int8)),
@@ -293,7 +319,7 @@ def test_empty_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, h.tri, strict=True))
 
 
-# ---- the engine's own calls -------------------------------------------------------------------------------
+# ---- the engine's own calls -------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -304,26 +330,31 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
-    """Every compress and compress_pair call of a real engine run (chunked prefill, decode, a prefix-cache hit),
-    replayed on a copy of its state through the kernels, matches the reference call."""
-    llm = LLM(ckpt, dtype="float32", device=DEVICE, page_size=16, max_total_tokens=2048, chunked_prefill_size=24)
+    """Every compress and compress_pair call of a real engine run (chunked prefill, decode, a
+    prefix-cache hit), replayed through the kernels on a copy of its state, matches the reference
+    call."""
+    llm = LLM(ckpt, dtype="float32", device=DEVICE, page_size=16, max_total_tokens=2048,
+              chunked_prefill_size=24)
     runner = llm.engine.runner
     calls = {"n": 0, "disjoint": 0}
 
-    def checked(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
-                index: CompressIndex, *rest: object) -> None:
+    def checked(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
+                ring_score: torch.Tensor, index: CompressIndex, *rest: object) -> None:
         out: torch.Tensor = rest[-1]  # type: ignore[assignment]
         mine = [ring_kv.clone(), ring_score.clone(), out.clone()]
-        triton_compress_cached(kv, score, mine[0], mine[1], index, *rest[:-1], mine[2])  # type: ignore[arg-type]
+        triton_compress_cached(kv, score, mine[0], mine[1], index,
+                               *rest[:-1], mine[2])  # type: ignore[arg-type]
         compress_cached(kv, score, ring_kv, ring_score, index, *rest)  # type: ignore[arg-type]
-        assert torch.equal(mine[0][:-1], ring_kv[:-1]) and torch.equal(mine[1][:-1], ring_score[:-1])
+        assert (torch.equal(mine[0][:-1], ring_kv[:-1])
+                and torch.equal(mine[1][:-1], ring_score[:-1]))
         assert rel_error(mine[2][:-1], out[:-1]) <= FP32_REL
         calls["n"] += 1
         calls["disjoint"] += index.ring_reads_disjoint
 
-    def checked_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex, *rest: object) -> None:
-        mine = [c._replace(ring_kv=c.ring_kv.clone(), ring_score=c.ring_score.clone(), out=c.out.clone())
-                for c in (first, second)]
+    def checked_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex,
+                     *rest: object) -> None:
+        mine = [c._replace(ring_kv=c.ring_kv.clone(), ring_score=c.ring_score.clone(),
+                           out=c.out.clone()) for c in (first, second)]
         triton_compress_pair(*mine, index, *rest)  # type: ignore[arg-type]
         compress_cached_pair(first, second, index, *rest)  # type: ignore[arg-type]
         for got, want in zip(mine, (first, second), strict=True):
@@ -339,22 +370,25 @@ def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
     prompts = [shared, torch.randint(2, 512, (21,), generator=g).tolist()]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    hit = llm.generate(prompt_token_ids=[shared + [7, 8, 9]], sampling_params=params, use_tqdm=False)
+    hit = llm.generate(prompt_token_ids=[shared + [7, 8, 9]], sampling_params=params,
+                       use_tqdm=False)
     assert hit[0].cached_tokens >= 32, "the third request was meant to hit the prefix cache"
     assert calls["n"] > 0 and 0 < calls["disjoint"] < calls["n"] and calls["pair"] > 0
 
 
-# ---- GPU: every prefill length 1..1024, long decode, graph capture ----------------------------------------
+# ---- GPU: every prefill length 1..1024, long decode, graph capture -----------------------------
 
-GPU_GEOMETRIES = [pytest.param(FLASH_C4, id="flash-c4-512"), pytest.param(FLASH_IDX, id="flash-indexer-128"),
-                  pytest.param(FLASH_C128, id="flash-c128-512"), pytest.param(MICRO_C16, id="micro-c16")]
+GPU_GEOMETRIES = [pytest.param(FLASH_C4, id="flash-c4-512"),
+                  pytest.param(FLASH_IDX, id="flash-indexer-128"),
+                  pytest.param(FLASH_C128, id="flash-c128-512"),
+                  pytest.param(MICRO_C16, id="micro-c16")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("geo", GPU_GEOMETRIES)
 def test_every_prefill_length_cuda(geo: Geometry, dtype: torch.dtype) -> None:
-    """Prompt lengths 1..1024, packed into multi-request steps of <= 8192 tokens (64 requests at most)."""
+    """Prompt lengths 1..1024 in multi-request steps of <= 8192 tokens and <= 64 requests."""
     lengths, step, rid = list(range(1, 1025)), [], 0
     h = Harness(geo, 256, dtype, seed=5)
     for n in lengths:
@@ -369,20 +403,22 @@ def test_every_prefill_length_cuda(geo: Geometry, dtype: torch.dtype) -> None:
     assert h.emitted == sum(n // geo.ratio for n in lengths)
 
 
-GPU_TOKEN_KNOBS = [pytest.param({"tokens": 1}, id="tokens1"), pytest.param({"tokens": 4}, id="tokens4"),
+GPU_TOKEN_KNOBS = [pytest.param({"tokens": 1}, id="tokens1"),
+                   pytest.param({"tokens": 4}, id="tokens4"),
                    pytest.param({"tokens": 8, "num_warps": 8}, id="tokens8-w8")]
 
 
 LONG_DECODE = [pytest.param(g.values[0], {}, id=f"{g.id}-default") for g in GPU_GEOMETRIES] + [
     pytest.param(geo, k.values[0], id=f"{name}-{k.id}")
-    for geo, name in ((FLASH_C4, "flash-c4-512"), (FLASH_IDX, "flash-indexer-128")) for k in GPU_TOKEN_KNOBS]
+    for geo, name in ((FLASH_C4, "flash-c4-512"), (FLASH_IDX, "flash-indexer-128"))
+    for k in GPU_TOKEN_KNOBS]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("geo,knobs", LONG_DECODE)
 def test_long_decode_and_extend_cuda(geo: Geometry, knobs: dict[str, int]) -> None:
-    """64 requests decode 2 * ratio + 3 steps (every window boundary), then extend by odd chunks across pages; the
-    short-window geometries also at 1, 4 and 8 tokens per program (the default of the indexer's is 2)."""
+    """64 requests decode 2 * ratio + 3 steps (every window boundary), then extend by odd chunks
+    across pages; short windows also at 1, 4 and 8 tokens per program (the indexer's default: 2)."""
     h = Harness(geo, 256, torch.bfloat16, seed=6, knobs=knobs)
     h.step([(i, 1 + 37 * i % 300) for i in range(64)])
     for _ in range(2 * geo.ratio + 3):
@@ -401,11 +437,13 @@ def test_cuda_graph_replay_matches_reference() -> None:
     cos, sin = torch.rand(T, 32, device="cuda"), torch.rand(T, 32, device="cuda")
     state = [x.clone() for x in h.tri]
     ref = [x.clone() for x in h.tri]
-    triton_compress_cached(kv, score, *state[:2], index, h.norm_weight, 1e-6, cos, sin, state[2])  # warm-up
+    # warm-up
+    triton_compress_cached(kv, score, *state[:2], index, h.norm_weight, 1e-6, cos, sin, state[2])
     state = [x.copy_(y) for x, y in zip(state, h.tri, strict=True)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_compress_cached(kv, score, *state[:2], index, h.norm_weight, 1e-6, cos, sin, state[2])
+        triton_compress_cached(kv, score, *state[:2], index, h.norm_weight, 1e-6, cos, sin,
+                               state[2])
     kv.normal_()
     score.normal_()
     graph.replay()

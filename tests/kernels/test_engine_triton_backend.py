@@ -1,7 +1,8 @@
-"""The engine with kernel_backend='triton' — every op a Triton kernel (Flash Compressor, indexer scores, Lightning
-TopK, hybrid sparse attention, grouped routed experts, fused mHC pre / post / head; the interpreter on CPU) —
-gives the reference backend's greedy tokens and logprobs on the micro preset (SWA, CSA and HCA layers, hash and
-routed MoE; chunked prefill, decode, a prefix-cache hit), fp32.
+"""The engine with kernel_backend='triton' — every op a Triton kernel (Flash Compressor, indexer
+scores, Lightning TopK, hybrid sparse attention, grouped routed experts, fused mHC pre / post /
+head; the interpreter on CPU) — gives the reference backend's greedy tokens and logprobs on the
+micro preset (SWA, CSA and HCA layers, hash and routed MoE; chunked prefill, decode, a prefix-cache
+hit), fp32.
 
     PYTHONPATH=src python3 -m pytest -q tests/kernels/test_engine_triton_backend.py
 """
@@ -23,7 +24,7 @@ from dsv4.model.moe import Experts
 from dsv4.model.quant_experts import QuantExperts, quantize_experts_
 
 
-@pytest.mark.slow     # every kernel of the engine under the Triton interpreter: ~35 s on a 2-core CPU
+@pytest.mark.slow  # every kernel of the engine under the Triton interpreter: ~35 s on a 2-core CPU
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a CUDA GPU or the Triton interpreter")
 def test_triton_backend_matches_ref(tmp_path: Path) -> None:
@@ -40,24 +41,27 @@ def test_triton_backend_matches_ref(tmp_path: Path) -> None:
         ops = llm.engine.runner.ops
         assert ops.name == backend
         if backend == "triton":
-            ref_modules = [f.name for f in dataclasses.fields(ops) if f.name != "name"
-                           and not getattr(ops, f.name).__module__.startswith("dsv4.kernels.triton")]
+            ref_modules = [f.name for f in dataclasses.fields(ops) if f.name != "name" and not
+                           getattr(ops, f.name).__module__.startswith("dsv4.kernels.triton")]
             assert not ref_modules, f"ops still on the reference: {ref_modules}"
-        outs[backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        hit = llm.generate(prompt_token_ids=[shared + [5, 6, 7]], sampling_params=params, use_tqdm=False)
+        outs[backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                     use_tqdm=False)
+        hit = llm.generate(prompt_token_ids=[shared + [5, 6, 7]], sampling_params=params,
+                           use_tqdm=False)
         assert hit[0].cached_tokens >= 16, "the last request was meant to hit the prefix cache"
         outs[backend] += hit
     for a, b in zip(outs["ref"], outs["triton"], strict=True):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0,
+                                   atol=1e-4)
 
 
-@pytest.mark.slow     # the FP4 expert kernels under the Triton interpreter: ~15 s on a 2-core CPU
+@pytest.mark.slow  # the FP4 expert kernels under the Triton interpreter: ~15 s on a 2-core CPU
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a CUDA GPU or the Triton interpreter")
 def test_triton_fp4_experts_match_dequantised_ref() -> None:
-    """The triton backend's `routed_experts_quant` (FP4 dequantised in registers) vs the ref backend on the
-    dequantised model, micro preset in fp32: greedy tokens equal, log-probs within 1e-4."""
+    """The triton backend's `routed_experts_quant` (FP4 dequantised in registers) vs the ref backend
+    on the dequantised model, micro preset in fp32: greedy tokens equal, log-probs within 1e-4."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = random_model(micro(), torch.float32, torch.device(device), seed=5)
     quantize_experts_(model, "fp4")
@@ -71,7 +75,8 @@ def test_triton_fp4_experts_match_dequantised_ref() -> None:
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     outs = []
     for m, backend in ((dense, "ref"), (model, "triton")):
-        engine = LLMEngine(m, EngineConfig(page_size=16, max_total_tokens=512, kernel_backend=backend))
+        engine = LLMEngine(m, EngineConfig(page_size=16, max_total_tokens=512,
+                                           kernel_backend=backend))
         reqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()

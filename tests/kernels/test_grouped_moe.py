@@ -9,13 +9,15 @@ from dsv4.kernels.ref.moe import routed_experts, routed_experts_grouped
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("N", "E", "k", "d", "inter"), [(7, 8, 2, 256, 128), (300, 256, 6, 4096, 2048)])
+@pytest.mark.parametrize(("N", "E", "k", "d", "inter"),
+                         [(7, 8, 2, 256, 128), (300, 256, 6, 4096, 2048)])
 def test_grouped_moe_matches_loop(N: int, E: int, k: int, d: int, inter: int) -> None:
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("torch._grouped_mm needs Hopper")
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(N, d, device="cuda", generator=g).bfloat16()
-    w1, w3 = (torch.randn(E, inter, d, device="cuda", generator=g).div(d ** 0.5).bfloat16() for _ in range(2))
+    w1, w3 = (torch.randn(E, inter, d, device="cuda", generator=g).div(d ** 0.5).bfloat16()
+              for _ in range(2))
     w2 = torch.randn(E, d, inter, device="cuda", generator=g).div(inter ** 0.5).bfloat16()
     indices = torch.rand(N, E, device="cuda", generator=g).argsort(dim=-1)[:, :k]
     weights = torch.rand(N, k, device="cuda", generator=g)

@@ -1,12 +1,13 @@
 """Parity of `triton_index_scores` with the reference `paged_index_scores` (spec §6.6).
 
 CPU: small shapes under the Triton interpreter (ragged -1 padding, all -1 rows, V not a multiple of
-BLOCK_V, decode T = 1 and prefill T > 1, permuted pool slots, Ih/Id small and not powers of two, several
-blocks per program, fp32 / bf16 / mixed dtypes, exact ReLU zeros, input validation).
-GPU (`-m gpu`): real V4-Flash shapes (Ih 64, Id 128, bf16, V up to 262,144), fp32 ieee dot, graph capture.
+BLOCK_V, decode T = 1 and prefill T > 1, permuted pool slots, Ih/Id small and not powers of two,
+several blocks per program, fp32 / bf16 / mixed dtypes, exact ReLU zeros, input validation).
+GPU (`-m gpu`): real V4-Flash shapes (Ih 64, Id 128, bf16, V up to 262,144), fp32 ieee dot, graph
+capture.
 
-    PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py          # interpreter on CPU
-    PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py -m gpu   # on a CUDA machine
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py  # interpreter on CPU
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py -m gpu  # on CUDA
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -29,14 +30,15 @@ BF16_REL = 1e-2
 
 
 def make_case(T: int, Ih: int, Id: int, V: int, dtype: torch.dtype, *, shared: bool, seed: int = 0,
-              device: str = "cuda" if torch.cuda.is_available() else "cpu", key_dtype: torch.dtype | None = None,
+              device: str = "cuda" if torch.cuda.is_available() else "cpu",
+              key_dtype: torch.dtype | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random (q, weights, keys, candidates) shaped like the engine's.
 
-    The pool holds N = V + 7 keys; each row's candidates are a permutation of pool slots, visible prefix
-    of ragged length, padded with -1. `shared`: all rows are one request (prefill: one slot order, causal
-    lengths); otherwise each row is its own request (decode). Row 0 sees all V; with T > 1 the last row
-    sees none (an all -1 row).
+    The pool holds N = V + 7 keys; each row's candidates are a permutation of pool slots, visible
+    prefix of ragged length, padded with -1. `shared`: all rows are one request (prefill: one slot
+    order, causal lengths); otherwise each row is its own request (decode). Row 0 sees all V; with
+    T > 1 the last row sees none (an all -1 row).
     """
     g = torch.Generator(device).manual_seed(seed)
     N = V + 7
@@ -57,7 +59,8 @@ def make_case(T: int, Ih: int, Id: int, V: int, dtype: torch.dtype, *, shared: b
 
 def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
     assert out.dtype == torch.float32 and out.shape == ref.shape, (out.dtype, out.shape, ref.shape)
-    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "-inf must be exactly where candidates < 0"
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), ("-inf must be exactly where "
+                                                                   "candidates < 0")
     finite = torch.isfinite(ref)
     assert torch.isfinite(out[finite]).all(), "non-finite score where the reference is finite"
     if finite.any():
@@ -80,12 +83,13 @@ CASES = [  # (T, Ih, Id, V, shared)
 def test_parity(T: int, Ih: int, Id: int, V: int, shared: bool, dtype: torch.dtype) -> None:
     q, w, keys, cand = make_case(T, Ih, Id, V, dtype, shared=shared)
     out = triton_index_scores(q, w, keys, cand, block_v=16)
-    assert_scores_close(out, paged_index_scores(q, w, keys, cand), FP32_REL if dtype == torch.float32 else BF16_REL)
+    assert_scores_close(out, paged_index_scores(q, w, keys, cand),
+                        FP32_REL if dtype == torch.float32 else BF16_REL)
 
 
 @pytest.mark.parametrize("block_v,bpp", [(16, 1), (16, 3), (32, 2), (64, None)])
 def test_block_tiling(block_v: int, bpp: int | None) -> None:
-    """Several blocks per program, a partial last split and a partial last block all land correctly."""
+    """Several blocks per program, a partial last split and a partial last block land correctly."""
     q, w, keys, cand = make_case(3, 4, 16, 75, torch.float32, shared=False, seed=1)
     out = triton_index_scores(q, w, keys, cand, block_v=block_v, blocks_per_program=bpp)
     assert_scores_close(out, paged_index_scores(q, w, keys, cand), FP32_REL)
@@ -93,11 +97,13 @@ def test_block_tiling(block_v: int, bpp: int | None) -> None:
 
 def test_mixed_dtypes() -> None:
     """bf16 q against an fp32 pool (and the reverse) run the fp32 dot on the upcast values."""
-    q, w, keys, cand = make_case(2, 4, 16, 20, torch.bfloat16, shared=False, key_dtype=torch.float32)
-    assert_scores_close(triton_index_scores(q, w, keys, cand), paged_index_scores(q, w, keys, cand), FP32_REL)
-    q32, keys16 = q.float(), keys.bfloat16()
-    assert_scores_close(triton_index_scores(q32, w, keys16, cand), paged_index_scores(q32, w, keys16, cand),
+    q, w, keys, cand = make_case(2, 4, 16, 20, torch.bfloat16, shared=False,
+                                 key_dtype=torch.float32)
+    assert_scores_close(triton_index_scores(q, w, keys, cand), paged_index_scores(q, w, keys, cand),
                         FP32_REL)
+    q32, keys16 = q.float(), keys.bfloat16()
+    assert_scores_close(triton_index_scores(q32, w, keys16, cand),
+                        paged_index_scores(q32, w, keys16, cand), FP32_REL)
 
 
 def test_all_negative_dots_give_exact_zeros() -> None:
@@ -146,7 +152,8 @@ def reference_by_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, cand
 @pytest.mark.parametrize("V", [4096, 65536, 262144])
 @pytest.mark.parametrize("T", [1, 64, 512])
 def test_parity_real_shapes_cuda(T: int, V: int) -> None:
-    q, w, keys, cand = make_case(T, 64, 128, V, torch.bfloat16, shared=False, seed=T + V, device="cuda")
+    q, w, keys, cand = make_case(T, 64, 128, V, torch.bfloat16, shared=False, seed=T + V,
+                                 device="cuda")
     out = triton_index_scores(q, w, keys, cand)
     assert_scores_close(out, reference_by_rows(q, w, keys, cand), BF16_REL)
 
@@ -155,7 +162,8 @@ def test_parity_real_shapes_cuda(T: int, V: int) -> None:
 @pytest.mark.parametrize("shared", [False, True], ids=["decode", "prefill"])
 def test_parity_fp32_ieee_cuda(shared: bool) -> None:
     q, w, keys, cand = make_case(32, 64, 128, 4096, torch.float32, shared=shared, device="cuda")
-    assert_scores_close(triton_index_scores(q, w, keys, cand), paged_index_scores(q, w, keys, cand), FP32_REL)
+    assert_scores_close(triton_index_scores(q, w, keys, cand), paged_index_scores(q, w, keys, cand),
+                        FP32_REL)
 
 
 @pytest.mark.gpu

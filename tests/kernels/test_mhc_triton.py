@@ -1,17 +1,19 @@
-"""Parity of the fused mHC kernels (`triton_mhc_pre`, `triton_mhc_post`, `triton_mhc_head`) with the references
-`mhc_pre`, `mhc_post`, `mhc_head` (spec §5), and of the references with the model modules.
+"""Parity of the fused mHC kernels (`triton_mhc_pre`, `triton_mhc_post`, `triton_mhc_head`) with
+the references `mhc_pre`, `mhc_post`, `mhc_head` (spec §5), and of the references with the model
+modules.
 
-Reference: bit-equal (torch.equal, fp32 and bf16) to `HyperConnection.pre` / `.post` and `HyperHead.forward`
-on [B, S, n, d] inputs flattened to tokens.
-CPU: small shapes under the Triton interpreter: n = 4, d in {32, 64, 256}, T in {1, 3, 17, 64}, fp32 x to 1e-5
-and bf16 x to 1e-2 relative (max |diff| / max |ref| per output), Sinkhorn iters 1, 2, 20; the fused path
-(splits = 1) and the split-K path (partial + finish launches) on the same inputs; n = 3 / 8 (padded stream
-tiles), d = 40 (K not a multiple of BLOCK_K), partial token tiles, input validation.
-GPU (`-m gpu`): V4-Flash shapes (n = 4, d = 4096, bf16 x, fp32 params), T in {1, 8, 64, 512, 4096}, both
-paths, the fp32-x (tf32x3) path, CUDA-graph replay.
+Reference: bit-equal (torch.equal, fp32 and bf16) to `HyperConnection.pre` / `.post` and
+`HyperHead.forward` on [B, S, n, d] inputs flattened to tokens.
+CPU: small shapes under the Triton interpreter: n = 4, d in {32, 64, 256}, T in {1, 3, 17, 64},
+fp32 x to 1e-5 and bf16 x to 1e-2 relative (max |diff| / max |ref| per output), Sinkhorn iters 1, 2,
+20; the fused path (splits = 1) and the split-K path (partial + finish launches) on the same inputs;
+n = 3 / 8 (padded stream tiles), d = 40 (K not a multiple of BLOCK_K), partial token tiles, input
+validation.
+GPU (`-m gpu`): V4-Flash shapes (n = 4, d = 4096, bf16 x, fp32 params), T in {1, 8, 64, 512, 4096},
+both paths, the fp32-x (tf32x3) path, CUDA-graph replay.
 
-    PYTHONPATH=src python -m pytest -q tests/kernels/test_mhc_triton.py          # interpreter on CPU
-    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_mhc_triton.py   # on a CUDA machine
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_mhc_triton.py         # interpreter, CPU
+    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_mhc_triton.py  # a CUDA machine
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 
 import torch
 
-# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -29,7 +31,12 @@ import pytest  # noqa: E402
 from dsv4.checkpoint.presets import micro, tiny  # noqa: E402
 from dsv4.config.model import ModelConfig  # noqa: E402
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre  # noqa: E402
-from dsv4.kernels.triton.mhc import plan_finish, plan_pre, triton_mhc_head, triton_mhc_pre  # noqa: E402
+from dsv4.kernels.triton.mhc import (  # noqa: E402
+    plan_finish,
+    plan_pre,
+    triton_mhc_head,
+    triton_mhc_pre,
+)
 from dsv4.kernels.triton.mhc_post import triton_mhc_post  # noqa: E402
 from dsv4.model.hyper_connection import HyperConnection, HyperHead  # noqa: E402
 
@@ -42,8 +49,8 @@ Params = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def make_params(n: int, d: int, rows: int, n_scale: int, seed: int, device: str = DEVICE) -> Params:
-    """fn with mix ~ O(1) (so the sigmoids and the softmax are far from saturated), base with an identity-leaning
-    comb (as train/init.py), scale near 1."""
+    """fn with mix ~ O(1) (so the sigmoids and the softmax are far from saturated), base with an
+    identity-leaning comb (as train/init.py), scale near 1."""
     g = torch.Generator(device).manual_seed(seed)
     fn = torch.randn(rows, n * d, generator=g, device=device) * 2 * (n * d) ** -0.5
     base = torch.randn(rows, generator=g, device=device) * 0.5
@@ -53,17 +60,21 @@ def make_params(n: int, d: int, rows: int, n_scale: int, seed: int, device: str 
     return fn, scale, base
 
 
-def make_x(T: int, n: int, d: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> torch.Tensor:
+def make_x(T: int, n: int, d: int, dtype: torch.dtype, seed: int,
+           device: str = DEVICE) -> torch.Tensor:
     g = torch.Generator(device).manual_seed(seed + 1000)
-    streams = 1 + torch.arange(n, device=device, dtype=torch.float32)[:, None]     # streams of unequal RMS
+    # streams of unequal RMS
+    streams = 1 + torch.arange(n, device=device, dtype=torch.float32)[:, None]
     return (torch.randn(T, n, d, generator=g, device=device) * streams).to(dtype)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape, ref.dtype)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (
+        out.shape, out.dtype, ref.shape, ref.dtype)
     if ref.numel() == 0:
         return 0.0
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+    return ((out.float() - ref.float()).abs().max()
+            / ref.float().abs().max().clamp(min=1e-6)).item()
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, limit: float, name: str) -> None:
@@ -71,8 +82,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, limit: float, name: str) 
     assert err <= limit, f"{name}: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
 
 
-def check_pre(x: torch.Tensor, params: Params, n: int, iters: int, *, weights_rel: float = FP32_REL,
-              **knobs: int) -> None:
+def check_pre(x: torch.Tensor, params: Params, n: int, iters: int, *,
+              weights_rel: float = FP32_REL, **knobs: int) -> None:
     fn, scale, base = params
     got = triton_mhc_pre(x, fn, scale, base, n, iters, HC_EPS, NORM_EPS, **knobs)
     want = mhc_pre(x, fn, scale, base, n, iters, HC_EPS, NORM_EPS)
@@ -81,7 +92,7 @@ def check_pre(x: torch.Tensor, params: Params, n: int, iters: int, *, weights_re
     assert_close(got[2], want[2], weights_rel, "comb")
 
 
-# ---- the references are the model modules' math --------------------------------------------------------------
+# ---- the references are the model modules' math --------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -91,7 +102,8 @@ def test_reference_bit_equals_model_modules(config: ModelConfig, dtype: torch.dt
     n, d = hc.n, hc.fn.shape[1] // hc.n
     with torch.no_grad():
         for module, seed in ((hc, 0), (head, 1)):
-            fn, scale, base = make_params(n, d, module.fn.shape[0], module.scale.shape[0], seed, "cpu")
+            fn, scale, base = make_params(n, d, module.fn.shape[0], module.scale.shape[0], seed,
+                                          "cpu")
             module.fn.copy_(fn)
             module.scale.copy_(scale)
             module.base.copy_(base)
@@ -104,11 +116,11 @@ def test_reference_bit_equals_model_modules(config: ModelConfig, dtype: torch.dt
             assert torch.equal(a, b.flatten(0, 1))
         assert torch.equal(mhc_post(f.flatten(0, 1), flat, got[1], got[2]),
                            HyperConnection.post(f, x, post, comb).flatten(0, 1))
-        assert torch.equal(mhc_head(flat, head.fn, head.scale, head.base, head.hc_eps, head.norm_eps),
-                           head(x).flatten(0, 1))
+        assert torch.equal(mhc_head(flat, head.fn, head.scale, head.base, head.hc_eps,
+                                    head.norm_eps), head(x).flatten(0, 1))
 
 
-# ---- CPU: interpreter parity ---------------------------------------------------------------------------------
+# ---- CPU: interpreter parity ---------------------------------------------------------------------
 
 SHAPES = [pytest.param(d, T, id=f"d{d}-T{T}") for d in (32, 64, 256) for T in (1, 3, 17, 64)]
 
@@ -120,9 +132,11 @@ def test_pre_fp32_both_paths(d: int, T: int) -> None:
     check_pre(x, params, 4, 20, splits=3)
 
 
-@pytest.mark.parametrize("d,T", [pytest.param(d, T, id=f"d{d}-T{T}") for d, T in ((32, 1), (64, 17), (256, 64))])
+@pytest.mark.parametrize("d,T", [pytest.param(d, T, id=f"d{d}-T{T}")
+                                 for d, T in ((32, 1), (64, 17), (256, 64))])
 def test_pre_bf16_both_paths(d: int, T: int) -> None:
-    """bf16 x: the bf16x3 projection (pieces upcast under the interpreter); post / comb stay fp32-accurate."""
+    """bf16 x: the bf16x3 projection (pieces upcast under the interpreter); post / comb stay
+    fp32-accurate."""
     x, params = make_x(T, 4, d, torch.bfloat16, d + T), make_params(4, d, 24, 3, d + T)
     check_pre(x, params, 4, 20, splits=1)
     check_pre(x, params, 4, 20, splits=2)
@@ -137,37 +151,41 @@ def test_pre_sinkhorn_iters(iters: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("n,d,T,knobs", [
-    pytest.param(3, 40, 5, {"splits": 1}, id="n3-d40-fused"),          # padded streams; K = 120: masked k tiles
+    # padded streams; K = 120: masked k tiles
+    pytest.param(3, 40, 5, {"splits": 1}, id="n3-d40-fused"),
     pytest.param(3, 40, 5, {"splits": 2, "block_k": 32}, id="n3-d40-split"),
     pytest.param(8, 32, 4, {"splits": 1}, id="n8-d32-fused"),          # NP = 8: 64-wide operands
-    pytest.param(4, 64, 40, {"splits": 1, "block_t": 16}, id="n4-T40-tiles16"),  # 3 tiles, the last partial
+    # 3 tiles, the last partial
+    pytest.param(4, 64, 40, {"splits": 1, "block_t": 16}, id="n4-T40-tiles16"),
     pytest.param(4, 64, 40, {"splits": 1000, "block_k": 16}, id="n4-splits-clipped"),
     pytest.param(4, 512, 1, {"splits": 4}, id="n4-d512-T1-two-d-spans"),
 ])
 def test_pre_odd_geometry(n: int, d: int, T: int, knobs: dict[str, int]) -> None:
-    x, params = make_x(T, n, d, torch.float32, n * d), make_params(n, d, (2 + n) * n, 3, n * d)
+    x = make_x(T, n, d, torch.float32, n * d)
+    params = make_params(n, d, (2 + n) * n, 3, n * d)
     check_pre(x, params, n, 20, **knobs)
 
 
 def test_plan_paths() -> None:
     cpu = torch.device("cpu")
-    assert plan_pre(256, 256, cpu) == (64, 1, 256)                      # 4 tiles >= 2 per SM (1 SM): fused
-    assert plan_pre(64, 256, cpu) == (64, 2, 128)                       # 1 tile: split in two
-    assert plan_pre(1, 16384, cpu, splits=132) == (16, 128, 128)        # 256 blocks over 132: 2 blocks each
-    assert plan_pre(3, 120, cpu, block_k=32, splits=2) == (16, 2, 64)   # 4 blocks, last partial
+    assert plan_pre(256, 256, cpu) == (64, 1, 256)          # 4 tiles >= 2 per SM (1 SM): fused
+    assert plan_pre(64, 256, cpu) == (64, 2, 128)           # 1 tile: split in two
+    assert plan_pre(1, 16384, cpu, splits=132) == (16, 128, 128)  # 256 blocks over 132: 2 each
+    assert plan_pre(3, 120, cpu, block_k=32, splits=2) == (16, 2, 64)  # 4 blocks, last partial
 
 
 def test_plan_finish() -> None:
-    cpu = torch.device("cpu")                                           # 4 programs wanted (1 SM)
-    assert plan_finish(1, 512, 4, 4, cpu) == (1, 256, 256, 4)           # two d spans
-    assert plan_finish(17, 64, 4, 3, cpu) == (4, 64, 64, 4)             # token tiles, the last partial
-    assert plan_finish(64, 256, 4, 128, cpu) == (16, 256, 128, 4)       # whole rows, 2 inner chunks
+    cpu = torch.device("cpu")                                       # 4 programs wanted (1 SM)
+    assert plan_finish(1, 512, 4, 4, cpu) == (1, 256, 256, 4)       # two d spans
+    assert plan_finish(17, 64, 4, 3, cpu) == (4, 64, 64, 4)         # token tiles, the last partial
+    assert plan_finish(64, 256, 4, 128, cpu) == (16, 256, 128, 4)   # whole rows, 2 inner chunks
 
 
 def test_comb_is_column_stochastic() -> None:
     x, params = make_x(6, 4, 32, torch.float32, 7), make_params(4, 32, 24, 3, 7)
     _, post, comb = triton_mhc_pre(x, *params, 4, 20, HC_EPS, NORM_EPS)
-    assert torch.allclose(comb.sum(dim=1), torch.ones_like(post), atol=1e-4)  # columns, after the last step
+    # columns, after the last step
+    assert torch.allclose(comb.sum(dim=1), torch.ones_like(post), atol=1e-4)
     assert (post > 0).all() and (post < 2).all()
 
 
@@ -185,7 +203,8 @@ def test_post_chunks_and_strided_f() -> None:
     x = make_x(3, 3, 40, torch.float32, 3)
     f = torch.randn(3, 64, device=DEVICE)[:, 8:48]
     _, post, comb = mhc_pre(x, *make_params(3, 40, 15, 3, 3), 3, 20, HC_EPS, NORM_EPS)
-    assert_close(triton_mhc_post(f, x, post, comb, block_d=16), mhc_post(f, x, post, comb), FP32_REL, "x'")
+    assert_close(triton_mhc_post(f, x, post, comb, block_d=16), mhc_post(f, x, post, comb),
+                 FP32_REL, "x'")
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -195,8 +214,8 @@ def test_post_chunks_and_strided_f() -> None:
 def test_head(d: int, T: int, dtype: torch.dtype, splits: int) -> None:
     x, (fn, scale, base) = make_x(T, 4, d, dtype, T), make_params(4, d, 4, 1, T)
     assert_close(triton_mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS, splits=splits),
-                 mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS), FP32_REL if dtype == torch.float32 else BF16_REL,
-                 "y")
+                 mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS),
+                 FP32_REL if dtype == torch.float32 else BF16_REL, "y")
 
 
 def test_empty() -> None:
@@ -227,16 +246,17 @@ def test_rejects_bad_inputs() -> None:
     _, post, comb = mhc_pre(x, fn, scale, base, 4, 20, HC_EPS, NORM_EPS)
     f = torch.randn(2, 32, device=DEVICE)
     bad_post = {"f width": (f[:, :16], x, post, comb), "post bf16": (f, x, post.bfloat16(), comb),
-                "comb shape": (f, x, post, comb[:, :2]), "f col stride": (f.t().contiguous().t(), x, post, comb)}
+                "comb shape": (f, x, post, comb[:, :2]),
+                "f col stride": (f.t().contiguous().t(), x, post, comb)}
     for name, args in bad_post.items():
         with pytest.raises(ValueError):
             triton_mhc_post(*args)
             pytest.fail(f"accepted {name}")
     with pytest.raises(ValueError):
-        triton_mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS)                 # fn has 24 rows, head needs 4
+        triton_mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS)     # fn has 24 rows, head needs 4
 
 
-# ---- GPU: V4-Flash shapes ------------------------------------------------------------------------------------
+# ---- GPU: V4-Flash shapes ------------------------------------------------------------------------
 
 FLASH_D = 4096
 
@@ -244,9 +264,10 @@ FLASH_D = 4096
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 512, 4096])
 def test_pre_flash_cuda(T: int) -> None:
-    """bf16 x, default plan plus the other path forced; post / comb checked tighter than the bf16 bound (the
-    bf16x3 projection is fp32-accurate)."""
-    x, params = make_x(T, 4, FLASH_D, torch.bfloat16, T, "cuda"), make_params(4, FLASH_D, 24, 3, T, "cuda")
+    """bf16 x, default plan plus the other path forced; post / comb checked tighter than the bf16
+    bound (the bf16x3 projection is fp32-accurate)."""
+    x = make_x(T, 4, FLASH_D, torch.bfloat16, T, "cuda")
+    params = make_params(4, FLASH_D, 24, 3, T, "cuda")
     _, splits, _ = plan_pre(T, 4 * FLASH_D, x.device)
     check_pre(x, params, 4, 20, weights_rel=1e-4)
     check_pre(x, params, 4, 20, weights_rel=1e-4, splits=8 if splits == 1 else 1)
@@ -255,7 +276,8 @@ def test_pre_flash_cuda(T: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 512])
 def test_pre_fp32_tf32x3_cuda(T: int) -> None:
-    x, params = make_x(T, 4, FLASH_D, torch.float32, T, "cuda"), make_params(4, FLASH_D, 24, 3, T, "cuda")
+    x = make_x(T, 4, FLASH_D, torch.float32, T, "cuda")
+    params = make_params(4, FLASH_D, 24, 3, T, "cuda")
     check_pre(x, params, 4, 20)
     check_pre(x, params, 4, 20, splits=1)
 
@@ -263,21 +285,25 @@ def test_pre_fp32_tf32x3_cuda(T: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 512, 4096])
 def test_post_and_head_flash_cuda(T: int) -> None:
-    x, f = make_x(T, 4, FLASH_D, torch.bfloat16, T, "cuda"), torch.randn(T, FLASH_D, device="cuda").bfloat16()
+    x = make_x(T, 4, FLASH_D, torch.bfloat16, T, "cuda")
+    f = torch.randn(T, FLASH_D, device="cuda").bfloat16()
     _, post, comb = mhc_pre(x, *make_params(4, FLASH_D, 24, 3, T, "cuda"), 4, 20, HC_EPS, NORM_EPS)
     assert_close(triton_mhc_post(f, x, post, comb), mhc_post(f, x, post, comb), BF16_REL, "x'")
     fn, scale, base = make_params(4, FLASH_D, 4, 1, T, "cuda")
     want = mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS)
     for splits in (None, 1, 8):          # default plan, fused, split-K
-        assert_close(triton_mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS, splits=splits), want, BF16_REL, "y")
+        assert_close(triton_mhc_head(x, fn, scale, base, HC_EPS, NORM_EPS, splits=splits), want,
+                     BF16_REL, "y")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,splits", [(8, None), (4096, 1)], ids=["split", "fused"])
 def test_cuda_graph_replay_matches_reference(T: int, splits: int | None) -> None:
-    x, params = make_x(T, 4, FLASH_D, torch.bfloat16, 0, "cuda"), make_params(4, FLASH_D, 24, 3, 0, "cuda")
+    x = make_x(T, 4, FLASH_D, torch.bfloat16, 0, "cuda")
+    params = make_params(4, FLASH_D, 24, 3, 0, "cuda")
     f = torch.randn(T, FLASH_D, device="cuda").bfloat16()
-    triton_mhc_post(f, x, *triton_mhc_pre(x, *params, 4, 20, HC_EPS, NORM_EPS, splits=splits)[1:])  # compile
+    # compile
+    triton_mhc_post(f, x, *triton_mhc_pre(x, *params, 4, 20, HC_EPS, NORM_EPS, splits=splits)[1:])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         h, post, comb = triton_mhc_pre(x, *params, 4, 20, HC_EPS, NORM_EPS, splits=splits)

@@ -1,8 +1,9 @@
 """Parity of `triton_routed_experts_quant` with the reference `routed_experts_quant` (spec §8, §12).
 
-CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, N = 1, 5, 33 tokens, k = 2,
-experts with no tokens, every token on one expert, I not a multiple of 128 (partial fp8 blocks), fp32 and
-bf16 activations, a clamp that bites, the deterministic epilogue, the device tile map, input validation.
+CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, N = 1, 5, 33
+tokens, k = 2, experts with no tokens, every token on one expert, I not a multiple of 128 (partial
+fp8 blocks), fp32 and bf16 activations, a clamp that bites, the deterministic epilogue, the device
+tile map, input validation.
 GPU (`-m gpu`): V4-Flash shapes (E 256, d 4096, I 2048, k 6; N = 1, 8, 64, 512), graph capture.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_quant.py          # interpreter on CPU
@@ -15,55 +16,69 @@ import os
 
 import torch
 
-# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
 from dsv4.kernels.ref.moe import pack_w13, routed_experts, routed_experts_quant  # noqa: E402
-from dsv4.kernels.triton.moe import tile_map, triton_routed_experts, triton_routed_experts_quant  # noqa: E402
+from dsv4.kernels.triton.moe import (  # noqa: E402
+    tile_map,
+    triton_routed_experts,
+    triton_routed_experts_quant,
+)
 
 REL = 1e-2          # max |diff| / max |ref| against the fp32-activation reference
-REL_BF16_REF = 2e-2  # ... against the reference run in bf16 (its own roundings add ~6e-3, up to ~1.1e-2 seen)
+# ... against the reference run in bf16 (its own roundings add ~6e-3, up to ~1.1e-2 seen)
+REL_BF16_REF = 2e-2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
-def _quantise(w: torch.Tensor, fmt: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Random checkpoint-format codes for an [E, out, in] float weight (kept fast: no exact amax fitting)."""
+def _quantise(w: torch.Tensor, fmt: str,
+              g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Random checkpoint-format codes for an [E, out, in] float weight (kept fast: no exact amax
+    fitting)."""
     E, n_out, n_in = w.shape
     if fmt == "bf16":
         return w.to(torch.bfloat16), None
     if fmt == "fp4":      # random nibbles, per-32 scales ~ the weight's std / e2m1 rms (~3.2)
-        packed = torch.randint(0, 256, (E, n_out, n_in // 2), generator=g, device=w.device, dtype=torch.uint8)
+        packed = torch.randint(0, 256, (E, n_out, n_in // 2), generator=g, device=w.device,
+                               dtype=torch.uint8)
         base = 127 - 2 - round(0.5 * torch.log2(torch.tensor(float(n_in))).item())
-        codes = torch.randint(base - 1, base + 2, (E, n_out, n_in // 32), generator=g, device=w.device)
+        codes = torch.randint(base - 1, base + 2, (E, n_out, n_in // 32), generator=g,
+                              device=w.device)
         return packed, codes.to(torch.uint8).view(torch.float8_e8m0fnu)
-    blocks = (E, -(-n_out // 128), -(-n_in // 128))  # fp8: per-block power-of-two scales, values in e4m3 range
+    # fp8: per-block power-of-two scales, values in e4m3 range
+    blocks = (E, -(-n_out // 128), -(-n_in // 128))
     codes = torch.randint(123, 127, blocks, generator=g, device=w.device)
     scale = torch.exp2(codes.float() - 127)
     full = scale.repeat_interleave(128, 1)[:, :n_out].repeat_interleave(128, 2)[:, :, :n_in]
-    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), codes.to(torch.uint8).view(torch.float8_e8m0fnu)
+    return ((w / full).clamp(-448, 448).to(torch.float8_e4m3fn),
+            codes.to(torch.uint8).view(torch.float8_e8m0fnu))
 
 
 def randn(*shape: int, seed: int = 7) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator(DEVICE).manual_seed(seed), device=DEVICE)
 
 
-def make_weights(E: int, d: int, inter: int, fmt: str, seed: int = 0, device: str = DEVICE) -> Weights:
+def make_weights(E: int, d: int, inter: int, fmt: str, seed: int = 0,
+                 device: str = DEVICE) -> Weights:
     """(w13, w13_scale, w2, w2_scale) in `fmt`'s layout, w13 = pack_w13(w1, s1, w3, s3)."""
     g = torch.Generator(device).manual_seed(seed)
     w1, s1 = _quantise(torch.randn(E, inter, d, generator=g, device=device) * d ** -0.5, fmt, g)
     w3, s3 = _quantise(torch.randn(E, inter, d, generator=g, device=device) * d ** -0.5, fmt, g)
-    w2, s2 = _quantise(torch.randn(E, d, inter, generator=g, device=device) * inter ** -0.5, fmt, g)
+    w2, s2 = _quantise(torch.randn(E, d, inter, generator=g, device=device) * inter ** -0.5,
+                       fmt, g)
     w13, s13 = pack_w13(w1, s1, w3, s3)
     return w13, s13, w2, s2
 
 
-def make_routing(N: int, E: int, k: int, seed: int = 0, device: str = DEVICE, hot: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct top-k experts per token (hot: expert every token uses), weights normalised like the gate."""
+def make_routing(N: int, E: int, k: int, seed: int = 0, device: str = DEVICE,
+                 hot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct top-k experts per token (hot: expert every token uses), weights normalised like the
+    gate."""
     g = torch.Generator(device).manual_seed(seed + 1)
     r = torch.rand(N, E, generator=g, device=device)
     if hot is not None:
@@ -73,19 +88,23 @@ def make_routing(N: int, E: int, k: int, seed: int = 0, device: str = DEVICE, ho
     return idx.contiguous(), (w / w.sum(dim=1, keepdim=True) * 1.5).contiguous()
 
 
-def reference(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor, limit: float, fmt: str
-              ) -> torch.Tensor:
-    """`routed_experts_quant` restricted to the experts hit (same result; Flash-size tests stay cheap)."""
+def reference(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor, limit: float,
+              fmt: str) -> torch.Tensor:
+    """`routed_experts_quant` restricted to the experts hit (same result; Flash-size tests stay
+    cheap)."""
     hit = idx.unique()
     sub = [t[hit] if t is not None else None for t in wts]
-    return routed_experts_quant(x, sub[0], sub[1], sub[2], sub[3], torch.searchsorted(hit, idx), rw, limit, fmt)  # type: ignore[arg-type]
+    return routed_experts_quant(x, sub[0], sub[1], sub[2], sub[3],  # type: ignore[arg-type]
+                                torch.searchsorted(hit, idx), rw, limit, fmt)
 
 
-def check(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor, limit: float, fmt: str,
-          **kw: object) -> torch.Tensor:
-    """Against the reference on fp32 x (exact products of the same codes): only the kernel's bf16 h rounding
-    differs, ~4e-3. Against the reference in x's dtype (it also rounds gate, up and y to bf16): REL_BF16_REF."""
-    out = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, limit, fmt, **kw)  # type: ignore[arg-type]
+def check(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor, limit: float,
+          fmt: str, **kw: object) -> torch.Tensor:
+    """Against the reference on fp32 x (exact products of the same codes): only the kernel's bf16 h
+    rounding differs, ~4e-3. Against the reference in x's dtype (it also rounds gate, up and y to
+    bf16): REL_BF16_REF."""
+    out = triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, limit, fmt, **kw)  # type: ignore[arg-type]
     for ref, rel in ((reference(x.float(), wts, idx, rw, limit, fmt), REL),
                      (reference(x, wts, idx, rw, limit, fmt), REL_BF16_REF)):
         assert out.dtype == torch.float32 and out.shape == ref.shape
@@ -112,7 +131,8 @@ def test_parity(E: int, d: int, inter: int, N: int, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_one_hot_expert_fp32_x_tight_clamp(fmt: str) -> None:
-    """All 33 tokens on expert 2 (one expert's rows span several tiles), most experts idle, fp32 x, limit 0.5."""
+    """All 33 tokens on expert 2 (one expert's rows span several tiles), most experts idle, fp32 x,
+    limit 0.5."""
     wts = make_weights(8, 64, 64, fmt, seed=3)
     idx, rw = make_routing(33, 8, 2, seed=3, hot=2)
     assert bool((idx == 2).any(dim=1).all())
@@ -124,23 +144,26 @@ def test_deterministic_epilogue() -> None:
     idx, rw = make_routing(5, 4, 2, seed=5)
     x = randn(5, 64).to(torch.bfloat16)
     a = check(x, wts, idx, rw, 10.0, "fp4", deterministic=True)
-    b = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4")  # type: ignore[arg-type]
+    b = triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4")  # type: ignore[arg-type]
     assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
 
 
 @pytest.mark.parametrize("block_k", [32, 128])
 def test_fp4_block_k(block_k: int) -> None:
-    """The nibble-split FP4 step at its smallest tile (two dots of K = 16) and its largest (K = 64 each, so the
-    I = 96 down projection ends in a masked half tile)."""
+    """The nibble-split FP4 step at its smallest tile (two dots of K = 16) and its largest (K = 64
+    each, so the I = 96 down projection ends in a masked half tile)."""
     wts = make_weights(6, 128, 96, "fp4", seed=7)
     idx, rw = make_routing(5, 6, 2, seed=7)
     check(randn(5, 128), wts, idx, rw, 10.0, "fp4", block_k=block_k)
     with pytest.raises(ValueError, match="block_k >= 32"):
-        triton_routed_experts_quant(randn(5, 128), *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
-                                    block_k=16)
+        triton_routed_experts_quant(
+            randn(5, 128), *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+            block_k=16)
 
 
-@pytest.mark.parametrize("N,E,k,bm", [(1, 8, 2, 16), (33, 8, 2, 16), (50, 4, 3, 16), (7, 256, 6, 16)])
+@pytest.mark.parametrize("N,E,k,bm",
+                         [(1, 8, 2, 16), (33, 8, 2, 16), (50, 4, 3, 16), (7, 256, 6, 16)])
 def test_tile_map_covers_rows_once(N: int, E: int, k: int, bm: int) -> None:
     idx, _ = make_routing(N, E, k, seed=N)
     order, start, end, expert = tile_map(idx, E, bm)
@@ -157,25 +180,30 @@ def test_empty_and_validation() -> None:
     wts = make_weights(4, 64, 64, "fp4")
     x = torch.randn(0, 64, device=DEVICE)
     idx, rw = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE), torch.zeros(0, 2, device=DEVICE)
-    assert triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4").shape == (0, 64)  # type: ignore[arg-type]
+    assert triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4").shape == (0, 64)  # type: ignore[arg-type]
     idx, rw = make_routing(2, 4, 2)
     x = randn(2, 64)
     with pytest.raises(ValueError, match="fmt"):
-        triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "int4")  # type: ignore[arg-type]
+        triton_routed_experts_quant(
+            x, *wts[:2], *wts[2:], idx, rw, 10.0, "int4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="do not fit"):
-        triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp8")  # type: ignore[arg-type]
+        triton_routed_experts_quant(
+            x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scales"):
         triton_routed_experts_quant(x, wts[0], None, wts[2], None, idx, rw, 10.0, "fp4")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_op_plain_experts(dtype: torch.dtype) -> None:
-    """`triton_routed_experts` (the triton backend's op) on the model's own [E, I, d] w1 / w3 parameters (no w13
-    copy) equals `ref.moe.routed_experts`; fp32: tight, bf16: the kernel keeps gate / up / y in fp32 (one h
-    rounding) where the reference rounds each linear, and it is bit-reproducible run to run."""
+    """`triton_routed_experts` (the triton backend's op) on the model's own [E, I, d] w1 / w3
+    parameters (no w13 copy) equals `ref.moe.routed_experts`; fp32: tight, bf16: the kernel keeps
+    gate / up / y in fp32 (one h rounding) where the reference rounds each linear, and it is
+    bit-reproducible run to run."""
     g = torch.Generator(DEVICE).manual_seed(11)
     E, d, inter, N = 6, 64, 96, 19
-    w1, w3 = (torch.randn(E, inter, d, generator=g, device=DEVICE) * d ** -0.5 for _ in range(2))
+    w1, w3 = (torch.randn(E, inter, d, generator=g, device=DEVICE) * d ** -0.5
+              for _ in range(2))
     w2 = torch.randn(E, d, inter, generator=g, device=DEVICE) * inter ** -0.5
     w1, w2, w3 = w1.to(dtype), w2.to(dtype), w3.to(dtype)
     idx, rw = make_routing(N, E, 2, seed=11)
@@ -189,16 +217,15 @@ def test_backend_op_plain_experts(dtype: torch.dtype) -> None:
         triton_routed_experts(x, w1, w2, w3[:, :-1], idx, rw, 1.5)
 
 
-# --------------------------------------------------------------------------
-# GPU: V4-Flash shapes
-# --------------------------------------------------------------------------
+# ---- GPU: V4-Flash shapes ------------------------------------------------------------------------
 
 FLASH = {"E": 256, "d": 4096, "inter": 2048, "k": 6}
 
 
 @pytest.fixture(scope="module")
 def flash_weights() -> dict[str, Weights]:
-    return {fmt: make_weights(FLASH["E"], FLASH["d"], FLASH["inter"], fmt) for fmt in ("fp4", "fp8", "bf16")}
+    return {fmt: make_weights(FLASH["E"], FLASH["d"], FLASH["inter"], fmt)
+            for fmt in ("fp4", "fp8", "bf16")}
 
 
 @pytest.mark.gpu
@@ -215,11 +242,15 @@ def test_flash_graph_capture(flash_weights: dict[str, Weights]) -> None:
     wts = flash_weights["fp4"]
     idx, rw = make_routing(8, FLASH["E"], FLASH["k"])
     x = randn(8, FLASH["d"]).to(torch.bfloat16)
-    eager = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", deterministic=True)  # type: ignore[arg-type]
+    eager = triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", deterministic=True)  # type: ignore[arg-type]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", deterministic=True)  # type: ignore[arg-type]
+        out = triton_routed_experts_quant(
+            x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+            deterministic=True)
     idx.copy_(make_routing(8, FLASH["E"], FLASH["k"], seed=9)[0])
     graph.replay()
-    want = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", deterministic=True)  # type: ignore[arg-type]
+    want = triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", deterministic=True)  # type: ignore[arg-type]
     assert torch.equal(out, want) and not torch.equal(out, eager)

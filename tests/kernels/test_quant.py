@@ -31,9 +31,7 @@ from dsv4.kernels.ref.quant import (
 E4M3_NAN_CODES = (0x7F, 0xFF)
 
 
-# --------------------------------------------------------------------------
-# independent reference decoders
-# --------------------------------------------------------------------------
+# ---- independent reference decoders --------------------------------------------------------------
 
 
 def ref_e8m0(code: int) -> float:
@@ -68,7 +66,8 @@ def ref_e2m1(nibble: int) -> float:
 
 
 E4M3_VALID = [c for c in range(256) if c not in E4M3_NAN_CODES]
-E4M3_TABLE = torch.tensor([ref_e4m3(c) if c in E4M3_VALID else 0.0 for c in range(256)], dtype=torch.float64)
+E4M3_TABLE = torch.tensor([ref_e4m3(c) if c in E4M3_VALID else 0.0 for c in range(256)],
+                          dtype=torch.float64)
 E8M0_TABLE = torch.tensor([ref_e8m0(c) for c in range(255)], dtype=torch.float64)
 E2M1_TABLE = torch.tensor([ref_e2m1(n) for n in range(16)], dtype=torch.float64)
 
@@ -100,9 +99,7 @@ def random_e4m3_codes(shape: tuple[int, int], gen: torch.Generator) -> torch.Ten
     return torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)
 
 
-# --------------------------------------------------------------------------
-# scalar formats, exhaustive
-# --------------------------------------------------------------------------
+# ---- scalar formats, exhaustive ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("as_native", [True, False])
@@ -166,7 +163,8 @@ def _e2m1_inputs() -> list[tuple[str, torch.Tensor]]:
     return inputs
 
 
-@pytest.mark.parametrize("name,packed", _e2m1_inputs(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("name,packed", _e2m1_inputs(),
+                         ids=lambda x: x if isinstance(x, str) else "")
 def test_decode_e2m1_all_bytes_exact(name: str, packed: torch.Tensor) -> None:
     out = decode_e2m1(packed)
     assert out.dtype == torch.float32
@@ -187,9 +185,7 @@ def test_decode_e2m1_nibble_order_and_batch_dims() -> None:
     assert out[1, 0].tolist() == [0.0, 0.0, 1.0, -6.0]
 
 
-# --------------------------------------------------------------------------
-# dequantisation of block layouts
-# --------------------------------------------------------------------------
+# ---- dequantisation of block layouts -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("shape", [(130, 200), (256, 384), (1, 1), (127, 129)])
@@ -198,7 +194,8 @@ def test_dequant_fp8_block_matches_reference(shape: tuple[int, int]) -> None:
     w = random_e4m3_codes(shape, gen)
     s_shape = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
     s = torch.randint(100, 155, s_shape, dtype=torch.uint8, generator=gen)
-    out = dequant_fp8_block(w.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), torch.float32)
+    out = dequant_fp8_block(w.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu),
+                            torch.float32)
     assert out.shape == shape and out.dtype == torch.float32
     ref = fp8_reference(w, s)
     # float64 comparison: every product is exactly representable in float32.
@@ -220,7 +217,8 @@ def test_dequant_fp4_group_matches_reference(packed_shape: tuple[int, int]) -> N
     gen = torch.Generator().manual_seed(3)
     packed = torch.randint(0, 256, packed_shape, dtype=torch.uint8, generator=gen)
     n_in = packed_shape[1] * 2
-    s = torch.randint(90, 160, (packed_shape[0], math.ceil(n_in / 32)), dtype=torch.uint8, generator=gen)
+    s = torch.randint(90, 160, (packed_shape[0], math.ceil(n_in / 32)), dtype=torch.uint8,
+                      generator=gen)
     for p in (packed, packed.view(torch.int8)):
         out = dequant_fp4_group(p, s.view(torch.float8_e8m0fnu), torch.float32)
         assert out.shape == (packed_shape[0], n_in)
@@ -269,9 +267,8 @@ def test_dequant_propagates_nan_errors() -> None:
     with pytest.raises(ValueError, match="NaN"):
         dequant_fp8_block(w, torch.tensor([[127]], dtype=torch.uint8), torch.float32)
     with pytest.raises(ValueError, match="255"):
-        dequant_fp4_group(
-            torch.zeros(1, 16, dtype=torch.uint8), torch.tensor([[255]], dtype=torch.uint8), torch.float32
-        )
+        dequant_fp4_group(torch.zeros(1, 16, dtype=torch.uint8),
+                          torch.tensor([[255]], dtype=torch.uint8), torch.float32)
 
 
 def test_dequant_fp8_block_shape_mismatch_names_both_shapes() -> None:
@@ -299,9 +296,7 @@ def test_dequant_rejects_unsupported_dtypes() -> None:
         dequant_fp8_block(torch.zeros(2, 2, dtype=torch.uint8), torch.ones(1, 1), torch.float32)
 
 
-# --------------------------------------------------------------------------
-# quantisation and round trips
-# --------------------------------------------------------------------------
+# ---- quantisation and round trips ----------------------------------------------------------------
 
 
 def _is_power_of_two(t: torch.Tensor) -> bool:

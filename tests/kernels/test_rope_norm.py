@@ -1,8 +1,10 @@
-"""Parity of the fused RMSNorm + RoPE (+ cache write) kernels (`kernels/triton/rope_norm.py`) with the references
-(`kernels/ref/rope_norm.py`, and `kernels.ref.rope_norm.rms_norm` for the plain RMSNorm): micro / tiny head
-geometries under the interpreter on CPU (fp32 and bf16, T = 1 and ragged 7 tokens, a rope slice narrower than
-the head, scattered pool slots, the inverse rotation), V4-Flash shapes (H 64, D 512, rd 64; norms over 4096 and
-1024) compiled on the GPU (`-m gpu`).
+"""Parity of the fused RMSNorm + RoPE (+ cache write) kernels with the references.
+
+The kernels of `kernels/triton/rope_norm.py` against `kernels/ref/rope_norm.py` (and
+`kernels.ref.rope_norm.rms_norm` for the plain RMSNorm): micro / tiny head geometries under the
+interpreter on CPU (fp32 and bf16, T = 1 and ragged 7 tokens, a rope slice narrower than the head,
+scattered pool slots, the inverse rotation), V4-Flash shapes (H 64, D 512, rd 64; norms over 4096
+and 1024) compiled on the GPU (`-m gpu`).
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_rope_norm.py [-m gpu]
 """
@@ -21,11 +23,13 @@ from dsv4.kernels.triton.rope_norm import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}     # max |diff| / max |ref|; bf16: two roundings vs one
+# max |diff| / max |ref|; bf16: two roundings vs one
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
 
 
 def _tables(T: int, rd: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.rand(T, rd // 2, generator=g, device=DEVICE) * 6.3 * torch.arange(1, T + 1, device=DEVICE)[:, None]
+    angles = (torch.rand(T, rd // 2, generator=g, device=DEVICE) * 6.3
+              * torch.arange(1, T + 1, device=DEVICE)[:, None])
     return angles.cos(), angles.sin()
 
 
@@ -73,8 +77,9 @@ def test_validation() -> None:
     with pytest.raises(ValueError, match="cos / sin"):
         triton_q_norm_rope(torch.randn(3, 4, 32, device=DEVICE), cos, sin, 1e-6)
     with pytest.raises(ValueError, match="slots"):
-        triton_kv_norm_rope_store(torch.randn(2, 32, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6, cos, sin,
-                                  torch.zeros(8, 32, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE))
+        triton_kv_norm_rope_store(torch.randn(2, 32, device=DEVICE), torch.ones(32, device=DEVICE),
+                                  1e-6, cos, sin, torch.zeros(8, 32, device=DEVICE),
+                                  torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
 @pytest.mark.gpu

@@ -1,16 +1,19 @@
 """Parity of `triton_sparse_attention` with the reference `sparse_attention_multi` (spec §6.7).
 
-Index rows are built the way the engine builds them (engine/metadata.py): SWA window slots of positions
-p-W+1..p with leading -1 before position 0 (windows partly filled for a request's first tokens); C4 top-k:
-ascending entry slots of min(k, (p+1)//4) picks, -1 padded; C128: every visible entry i < (p+1)//ratio, -1
-beyond, possibly zero columns. Prefill: one request, consecutive positions; decode: one token per request.
-CPU (Triton interpreter): small H, D (also not powers of two), one and two sources, scattered -1, all keys
-invalid (exact zeros), extreme sinks, duplicated keys, strided q, tile knobs, forced split-KV, fp32 (1e-5) and
-bf16 (1e-2) relative to max |ref|, input validation. GPU (`-m gpu`): Flash shapes (H 64, D 512, bf16, W 128 +
-C4 k 512 or C128 V up to 2048; T 1..4096), split-KV, the sweep configs, fp32 ieee dots, graph capture.
+Index rows are built the way the engine builds them (engine/metadata.py): SWA window slots of
+positions p-W+1..p with leading -1 before position 0 (windows partly filled for a request's first
+tokens); C4 top-k: ascending entry slots of min(k, (p+1)//4) picks, -1 padded; C128: every visible
+entry i < (p+1)//ratio, -1 beyond, possibly zero columns. Prefill: one request, consecutive
+positions; decode: one token per request.
+CPU (Triton interpreter): small H, D (also not powers of two), one and two sources, scattered -1,
+all keys invalid (exact zeros), extreme sinks, duplicated keys, strided q, tile knobs, forced
+split-KV, fp32 (1e-5) and bf16 (1e-2) relative to max |ref|, input validation. GPU (`-m gpu`): Flash
+shapes (H 64, D 512, bf16, W 128 + C4 k 512 or C128 V up to 2048; T 1..4096), split-KV, the sweep
+configs, fp32 ieee dots, graph capture.
 
-    PYTHONPATH=src python3 -m pytest -q tests/kernels/test_sparse_attention_triton.py          # interpreter on CPU
-    PYTHONPATH=src python3 -m pytest -q -m gpu tests/kernels/test_sparse_attention_triton.py   # on a CUDA machine
+    # interpreter on CPU, then on a CUDA machine:
+    PYTHONPATH=src python3 -m pytest -q tests/kernels/test_sparse_attention_triton.py
+    PYTHONPATH=src python3 -m pytest -q -m gpu tests/kernels/test_sparse_attention_triton.py
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
-# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already have done this).
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
 from dsv4.kernels.ref.attention import sparse_attention_multi  # noqa: E402
-from dsv4.kernels.triton.sparse_attention import choose_splits, triton_sparse_attention  # noqa: E402
+from dsv4.kernels.triton.sparse_attention import (  # noqa: E402
+    choose_splits,
+    triton_sparse_attention,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_REL = 1e-5     # max |diff| / max |ref|
 BF16_REL = 1e-2
-POOL_CAP = 1 << 16  # decode pools alias requests beyond this many rows (harmless: any slot is a valid key)
+# decode pools alias requests beyond this many rows (harmless: any slot is a valid key)
+POOL_CAP = 1 << 16
 
 Sources = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -54,12 +61,14 @@ def positions(spec: Spec, g: torch.Generator, device: str) -> torch.Tensor:
     if not spec.decode:
         return spec.last + torch.arange(spec.T, device=device)
     pos = torch.randint(0, spec.last + 1, (spec.T,), generator=g, device=device)
-    pos[0], pos[-1] = 0, spec.last          # a request's first token (window of 1) and the longest context
+    # a request's first token (window of 1) and the longest context
+    pos[0], pos[-1] = 0, spec.last
     return pos
 
 
 class SlotMap:
-    """Distinct pool slots of (request, position) pairs (aliased beyond POOL_CAP rows); pool size adds 3 spares."""
+    """Distinct pool slots of (request, position) pairs (aliased beyond POOL_CAP rows); pool size
+    adds 3 spares."""
 
     def __init__(self, requests: int, span: int, g: torch.Generator, device: str) -> None:
         self.span, self.n = span, min(requests * span, POOL_CAP)
@@ -71,21 +80,23 @@ class SlotMap:
 
 
 def window_rows(pos: torch.Tensor, W: int, slots: SlotMap, req: torch.Tensor) -> torch.Tensor:
-    win = pos[:, None] - W + 1 + torch.arange(W, device=pos.device)                     # [T, W], engine layout
+    win = pos[:, None] - W + 1 + torch.arange(W, device=pos.device)     # [T, W], engine layout
     return torch.where(win >= 0, slots(req[:, None], win.clamp(min=0)), -1)
 
 
-def entry_rows(spec: Spec, pos: torch.Tensor, slots: SlotMap, req: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+def entry_rows(spec: Spec, pos: torch.Tensor, slots: SlotMap, req: torch.Tensor,
+               g: torch.Generator) -> torch.Tensor:
     ratio = 4 if spec.comp == "c4" else spec.ratio
-    visible = (pos + 1) // ratio                                                        # [T]
+    visible = (pos + 1) // ratio                                        # [T]
     V = int(visible.max())
     ids = torch.arange(V, device=pos.device).expand(spec.T, V)
     seen = ids < visible[:, None]
     if spec.comp == "c128":
         return torch.where(seen, slots(req[:, None], ids), -1)
-    score = torch.rand(spec.T, V, generator=g, device=pos.device).masked_fill(~seen, -1.0)   # random "indexer"
+    # random "indexer"
+    score = torch.rand(spec.T, V, generator=g, device=pos.device).masked_fill(~seen, -1.0)
     top, pick = score.topk(min(spec.k, V), dim=1) if V else (score[:, :0], ids[:, :0])
-    pick = torch.where(top >= 0, pick, V).sort(dim=1).values                            # ascending, -1 last
+    pick = torch.where(top >= 0, pick, V).sort(dim=1).values            # ascending, -1 last
     rows = torch.where(pick < V, slots(req[:, None], pick.clamp(max=max(V - 1, 0))), -1)
     return torch.nn.functional.pad(rows, (0, spec.k - rows.shape[1]), value=-1)
 
@@ -111,7 +122,8 @@ def make_case(spec: Spec, dtype: torch.dtype, *, seed: int = 0,
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, out.shape, ref.dtype, ref.shape)
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (
+        out.dtype, out.shape, ref.dtype, ref.shape)
     assert torch.isfinite(out).all(), "non-finite output"
     scale = ref.float().abs().max().clamp(min=1e-6)
     err = ((out.float() - ref.float()).abs().max() / scale).item()
@@ -121,8 +133,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 def check(q: torch.Tensor, sources: Sources, sink: torch.Tensor, **knobs: int) -> torch.Tensor:
     scale = q.shape[-1] ** -0.5
     out = triton_sparse_attention(q, sources, sink, scale, **knobs)
-    assert_close(out, sparse_attention_multi(q, sources, sink, scale), FP32_REL if q.dtype == torch.float32
-                 else BF16_REL)
+    assert_close(out, sparse_attention_multi(q, sources, sink, scale),
+                 FP32_REL if q.dtype == torch.float32 else BF16_REL)
     return out
 
 
@@ -134,9 +146,11 @@ CPU_SPECS = [
     pytest.param(Spec(5, 4, 32, 8, "c4", k=16, decode=True, last=90), id="c4-decode-T5"),
     pytest.param(Spec(10, 8, 32, 8, "c128", ratio=4, last=0), id="c128-prefill-from-0"),
     pytest.param(Spec(7, 16, 64, 16, "c128", ratio=16, last=3), id="c128-prefill-zero-visible"),
-    pytest.param(Spec(4, 8, 32, 8, "c128", ratio=8, decode=True, last=300), id="c128-decode-V37"),
+    pytest.param(Spec(4, 8, 32, 8, "c128", ratio=8, decode=True, last=300),
+                 id="c128-decode-V37"),
     pytest.param(Spec(3, 6, 48, 8, "c4", k=16, decode=True, last=50), id="nonpow2-H6-D48"),
-    pytest.param(Spec(2, 64, 512, 128, "c4", k=512, decode=True, last=4000), id="flash-c4-decode-T2"),
+    pytest.param(Spec(2, 64, 512, 128, "c4", k=512, decode=True, last=4000),
+                 id="flash-c4-decode-T2"),
 ]
 
 
@@ -148,25 +162,31 @@ def test_parity(spec: Spec, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("knobs", [dict(num_splits=2), dict(num_splits=3), dict(num_splits=64),
-                                   dict(block_h=32, block_n=32, num_splits=2), dict(block_h=16, block_n=64)],
+                                   dict(block_h=32, block_n=32, num_splits=2),
+                                   dict(block_h=16, block_n=64)],
                          ids=["split2", "split3", "split-capped", "bh32-bn32-split2", "bn64"])
 def test_tiles_and_split_kv(knobs: dict[str, int]) -> None:
-    """Forced split-KV (split boundaries inside each source and across the two) and other tile shapes."""
-    q, sources, sink = make_case(Spec(3, 8, 32, 24, "c4", k=40, decode=True, last=200), torch.float32, seed=1)
+    """Forced split-KV (split boundaries inside each source and across the two) and other tile
+    shapes."""
+    q, sources, sink = make_case(Spec(3, 8, 32, 24, "c4", k=40, decode=True, last=200),
+                                 torch.float32, seed=1)
     check(q, sources, sink, **{"block_n": 16, **knobs})
 
 
 def test_split_kv_bf16_empty_splits_rows() -> None:
     """bf16 through the combine step, with rows whose early splits hold no valid key (-inf lse)."""
-    q, sources, sink = make_case(Spec(4, 8, 32, 32, "c128", ratio=2, decode=True, last=70), torch.bfloat16, seed=2)
+    q, sources, sink = make_case(Spec(4, 8, 32, 32, "c128", ratio=2, decode=True, last=70),
+                                 torch.bfloat16, seed=2)
     check(q, sources, sink, block_n=16, num_splits=4)
 
 
 def test_scattered_invalid_slots() -> None:
     """-1 anywhere in a row (not only padding), including whole blocks of -1 between valid ones."""
-    q, sources, sink = make_case(Spec(5, 8, 32, 32, "c4", k=48, decode=True, last=400), torch.float32, seed=3)
+    q, sources, sink = make_case(Spec(5, 8, 32, 32, "c4", k=48, decode=True, last=400),
+                                 torch.float32, seed=3)
     g = torch.Generator(DEVICE).manual_seed(3)
-    holes = [(kv, idx.masked_fill(torch.rand(idx.shape, generator=g, device=DEVICE) < 0.4, -1)) for kv, idx in sources]
+    holes = [(kv, idx.masked_fill(torch.rand(idx.shape, generator=g, device=DEVICE) < 0.4, -1))
+             for kv, idx in sources]
     holes[1][1][:, 16:32] = -1
     check(q, holes, sink, block_n=16)
     check(q, holes, sink, block_n=16, num_splits=3)
@@ -174,20 +194,22 @@ def test_scattered_invalid_slots() -> None:
 
 @pytest.mark.parametrize("num_splits", [None, 2])
 def test_all_keys_invalid_gives_zeros(num_splits: int | None) -> None:
-    q, sources, sink = make_case(Spec(3, 4, 32, 8, "c4", k=16, decode=True, last=60), torch.float32)
+    q, sources, sink = make_case(Spec(3, 4, 32, 8, "c4", k=16, decode=True, last=60),
+                                 torch.float32)
     dead = [(kv, torch.full_like(idx, -1)) for kv, idx in sources]
     dead_row = [(kv, idx.clone()) for kv, idx in sources]
     for _, idx in dead_row:
         idx[1] = -1
-    assert torch.equal(triton_sparse_attention(q, dead, sink, 0.2, block_n=16, num_splits=num_splits),
-                       torch.zeros_like(q))
+    assert torch.equal(triton_sparse_attention(q, dead, sink, 0.2, block_n=16,
+                                               num_splits=num_splits), torch.zeros_like(q))
     out = check(q, dead_row, sink, block_n=16, num_splits=num_splits or 1)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 def test_extreme_sinks_and_logits() -> None:
     """A sink far above / below the logits, and sharply peaked logits (large scale)."""
-    q, sources, sink = make_case(Spec(4, 4, 32, 16, "c4", k=16, decode=True, last=80), torch.float32, seed=4)
+    q, sources, sink = make_case(Spec(4, 4, 32, 16, "c4", k=16, decode=True, last=80),
+                                 torch.float32, seed=4)
     for s in (sink + 40.0, sink - 40.0):
         check(q, sources, s, block_n=16)
     out = triton_sparse_attention(q, sources, sink, 3.0, block_n=16)
@@ -195,8 +217,10 @@ def test_extreme_sinks_and_logits() -> None:
 
 
 def test_one_source_variants() -> None:
-    """One source; a [T, 0] second source; an empty first source with a live second one; duplicated keys."""
-    q, sources, sink = make_case(Spec(4, 8, 32, 8, "c4", k=16, decode=True, last=70), torch.float32, seed=5)
+    """One source; a [T, 0] second source; an empty first source with a live second one; duplicated
+    keys."""
+    q, sources, sink = make_case(Spec(4, 8, 32, 8, "c4", k=16, decode=True, last=70),
+                                 torch.float32, seed=5)
     swa, c4 = sources
     empty = (swa[0], swa[1][:, :0])
     for variant in ([c4], [swa, empty], [empty, c4], [c4, c4]):
@@ -204,18 +228,20 @@ def test_one_source_variants() -> None:
 
 
 def test_strided_q_and_mixed_dtypes() -> None:
-    q, sources, sink = make_case(Spec(3, 8, 32, 8, "c4", k=16, decode=True, last=50), torch.float32, seed=6)
+    q, sources, sink = make_case(Spec(3, 8, 32, 8, "c4", k=16, decode=True, last=50),
+                                 torch.float32, seed=6)
     wide = torch.randn(3, 8, 64, device=DEVICE)
     wide[..., :32] = q
-    check(wide[..., :32], sources, sink, block_n=16)                           # q row stride 64
-    mixed = [(sources[0][0].bfloat16(), sources[0][1]), sources[1]]              # bf16 SWA pool, fp32 entries
+    check(wide[..., :32], sources, sink, block_n=16)                 # q row stride 64
+    mixed = [(sources[0][0].bfloat16(), sources[0][1]), sources[1]]  # bf16 SWA pool, fp32 entries
     check(q, mixed, sink, block_n=16)
     check(q.bfloat16(), [(kv.float(), idx) for kv, idx in sources], sink, block_n=16)
 
 
 def test_empty() -> None:
     q, sources, sink = make_case(Spec(2, 4, 32, 8, "c4", k=16), torch.float32)
-    assert triton_sparse_attention(q[:0], [(kv, idx[:0]) for kv, idx in sources], sink, 0.1).shape == (0, 4, 32)
+    assert triton_sparse_attention(q[:0], [(kv, idx[:0]) for kv, idx in sources], sink,
+                                   0.1).shape == (0, 4, 32)
     out = triton_sparse_attention(q, [(kv, idx[:, :0]) for kv, idx in sources], sink, 0.1)
     assert torch.equal(out, torch.zeros_like(q))
 
@@ -243,7 +269,7 @@ def test_rejects_bad_inputs() -> None:
         triton_sparse_attention(q, sources, sink, 0.1, block_n=24)
 
 
-# ---- GPU: V4-Flash shapes ------------------------------------------------------------------------------------
+# ---- GPU: V4-Flash shapes ------------------------------------------------------------------------
 
 FLASH = Spec(1, 64, 512, 128)
 C4 = replace(FLASH, comp="c4", k=512)
@@ -251,8 +277,8 @@ C128 = replace(FLASH, comp="c128", ratio=128)
 
 
 def flash_spec(comp: str, T: int, decode: bool, width: int) -> Spec:
-    """decode: positions up to the context where C4 sees 4 * k entries / C128 sees `width` entries; prefill: the
-    last T tokens of that context (window full, width entries visible at the end)."""
+    """decode: positions up to the context where C4 sees 4 * k entries / C128 sees `width` entries;
+    prefill: the last T tokens of that context (window full, width entries visible at the end)."""
     base = C4 if comp == "c4" else C128
     context = (4 * 4 * width) if comp == "c4" else 128 * width - 1
     return replace(base, T=T, decode=decode, last=context if decode else max(0, context - T + 1))
@@ -260,11 +286,13 @@ def flash_spec(comp: str, T: int, decode: bool, width: int) -> Spec:
 
 def reference_by_rows(q: torch.Tensor, sources: Sources, sink: torch.Tensor, scale: float,
                       rows: int = 512) -> torch.Tensor:
-    return torch.cat([sparse_attention_multi(q[i:i + rows], [(kv, idx[i:i + rows]) for kv, idx in sources],
+    return torch.cat([sparse_attention_multi(q[i:i + rows],
+                                             [(kv, idx[i:i + rows]) for kv, idx in sources],
                                              sink, scale) for i in range(0, q.shape[0], rows)])
 
 
-def check_cuda(q: torch.Tensor, sources: Sources, sink: torch.Tensor, **knobs: int) -> torch.Tensor:
+def check_cuda(q: torch.Tensor, sources: Sources, sink: torch.Tensor,
+               **knobs: int) -> torch.Tensor:
     out = triton_sparse_attention(q, sources, sink, 512 ** -0.5, **knobs)
     ref = reference_by_rows(q, sources, sink, 512 ** -0.5)
     assert_close(out, ref, BF16_REL if q.dtype == torch.bfloat16 else FP32_REL)
@@ -273,9 +301,11 @@ def check_cuda(q: torch.Tensor, sources: Sources, sink: torch.Tensor, **knobs: i
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 512, 4096])
-@pytest.mark.parametrize("comp,width", [("c4", 512), ("c128", 32), ("c128", 1024), ("c128", 2048)])
+@pytest.mark.parametrize("comp,width",
+                         [("c4", 512), ("c128", 32), ("c128", 1024), ("c128", 2048)])
 def test_flash_decode_cuda(T: int, comp: str, width: int) -> None:
-    q, sources, sink = make_case(flash_spec(comp, T, True, width), torch.bfloat16, seed=T + width, device="cuda")
+    q, sources, sink = make_case(flash_spec(comp, T, True, width), torch.bfloat16, seed=T + width,
+                                 device="cuda")
     check_cuda(q, sources, sink)
 
 
@@ -283,7 +313,8 @@ def test_flash_decode_cuda(T: int, comp: str, width: int) -> None:
 @pytest.mark.parametrize("T", [512, 4096])
 @pytest.mark.parametrize("comp,width", [("c4", 512), ("c128", 64), ("c128", 2048)])
 def test_flash_prefill_cuda(T: int, comp: str, width: int) -> None:
-    q, sources, sink = make_case(flash_spec(comp, T, False, width), torch.bfloat16, seed=T, device="cuda")
+    q, sources, sink = make_case(flash_spec(comp, T, False, width), torch.bfloat16, seed=T,
+                                 device="cuda")
     check_cuda(q, sources, sink)
 
 
@@ -291,7 +322,8 @@ def test_flash_prefill_cuda(T: int, comp: str, width: int) -> None:
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 17, 32])
 @pytest.mark.parametrize("T", [1, 8])
 def test_flash_split_kv_cuda(T: int, num_splits: int) -> None:
-    q, sources, sink = make_case(flash_spec("c128", T, True, 1024), torch.bfloat16, seed=num_splits, device="cuda")
+    q, sources, sink = make_case(flash_spec("c128", T, True, 1024), torch.bfloat16,
+                                 seed=num_splits, device="cuda")
     check_cuda(q, sources, sink, num_splits=num_splits)
     blocks = sum(-(-idx.shape[1] // 32) for _, idx in sources)
     assert choose_splits(T * 4, blocks, q.device) > 1, "decode at small batch is meant to split"
@@ -299,12 +331,14 @@ def test_flash_split_kv_cuda(T: int, num_splits: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_h,block_n,num_warps,num_stages",
-                         [(16, 32, 8, 2), (16, 64, 8, 2), (16, 64, 4, 2), (16, 32, 4, 1), (16, 32, 4, 3),
-                          (32, 32, 8, 2), (32, 64, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2), (64, 32, 16, 2)])
+                         [(16, 32, 8, 2), (16, 64, 8, 2), (16, 64, 4, 2), (16, 32, 4, 1),
+                          (16, 32, 4, 3), (32, 32, 8, 2), (32, 64, 8, 2), (64, 16, 8, 2),
+                          (64, 32, 8, 2), (64, 32, 16, 2)])
 def test_sweep_configs_cuda(block_h: int, block_n: int, num_warps: int, num_stages: int) -> None:
     """Every configuration bench_sparse_attention.py --sweep times compiles and is correct."""
     knobs = dict(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    for spec, seed in ((flash_spec("c4", 8, True, 512), 1), (flash_spec("c128", 256, False, 512), 2)):
+    for spec, seed in ((flash_spec("c4", 8, True, 512), 1),
+                       (flash_spec("c128", 256, False, 512), 2)):
         q, sources, sink = make_case(spec, torch.bfloat16, seed=seed, device="cuda")
         check_cuda(q, sources, sink, **knobs)
 

@@ -1,12 +1,13 @@
-"""Parity of `lightning_topk` with the reference `topk_ragged` (exact equality: the tie rule is exact).
+"""Parity of `lightning_topk` with the reference `topk_ragged` (exact equality: exact tie rule).
 
-CPU: small rows under the Triton interpreter, with shrunken `TopKConfig` thresholds so both paths (row,
-compact) and both compact modes (bound, exact) and every boundary (+-1) are reached: row_max, chunk and block
-edges, exact_max; ragged lengths k-1, k, k+1, 0 and > N; exact ties (small integer sets, all-equal rows, +-0.0),
-NaN of both signs (ranked above +inf, as `torch.sort` does), -inf; a K1 bin below the true one (the tail's
-rescan); scratch overflow (heavy ties); one garbage-filled workspace reused call after call (K1 zeroes K2's
-counters, no memset); `to_slots` with a permuted page table. On a CUDA machine the same tests run compiled on
-the GPU, and `-m gpu` adds real shapes (N up to 262,144, batch 1..300, k 512..2048) and CUDA-graph replay.
+CPU: small rows under the Triton interpreter, with shrunken `TopKConfig` thresholds so both paths
+(row, compact) and both compact modes (bound, exact) and every boundary (+-1) are reached: row_max,
+chunk and block edges, exact_max; ragged lengths k-1, k, k+1, 0 and > N; exact ties (small integer
+sets, all-equal rows, +-0.0), NaN of both signs (ranked above +inf, as `torch.sort` does), -inf; a
+K1 bin below the true one (the tail's rescan); scratch overflow (heavy ties); one garbage-filled
+workspace reused call after call (K1 zeroes K2's counters, no memset); `to_slots` with a permuted
+page table. On a CUDA machine the same tests run compiled on the GPU, and `-m gpu` adds real shapes
+(N up to 262,144, batch 1..300, k 512..2048) and CUDA-graph replay.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_topk.py           # interpreter on CPU
     PYTHONPATH=src python -m pytest -q tests/kernels/test_topk.py -m gpu    # on a CUDA machine
@@ -19,7 +20,8 @@ from dataclasses import replace
 
 import torch
 
-# NOTE: must precede the first `import triton` / @triton.jit (tests/kernels/conftest.py may already do this).
+# NOTE: must precede the first `import triton` / @triton.jit (tests/kernels/conftest.py may already
+# do this).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -29,22 +31,28 @@ import triton.language as tl  # noqa: E402
 
 from dsv4.kernels.ref.indexer import topk_lower_index  # noqa: E402
 from dsv4.kernels.ref.topk import to_slots, topk_ragged  # noqa: E402
-from dsv4.kernels.triton.topk import TopKConfig, lightning_topk, plan_topk, topk_workspace_numel  # noqa: E402
+from dsv4.kernels.triton.topk import (  # noqa: E402
+    TopKConfig,
+    lightning_topk,
+    plan_topk,
+    topk_workspace_numel,
+)
 from dsv4.kernels.triton.topk_radix import bin_floor, order_key  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DISTS = ("randn", "ints", "equal", "inf", "nan", "signed_zeros", "sparse")
 
-# Shrunken thresholds: rows <= 64 in registers; longer rows in chunks of 64-128 scores (K1 blocks of 64 =
-# 16 groups of 4), compaction steps of 16 (32 on small grids), at most 16 programs per launch. Under the
-# interpreter every program runs in sequence, so keep programs few; tail lists over 16 entries take the
-# multi-pass finish, shorter ones the register one; bound-mode chunks of <= 16 candidates take the tail's one-tile
-# scratch pass (chunk_tile 256 over 16 chunk rows), fuller ones its loop. The coop path (small batches by default)
-# is off here: tests/kernels/test_topk_coop.py covers it. EXACT: K1 histograms every key and the
-# candidate list is contiguous. NARROW: never the small-grid compaction step.
-SMALL = TopKConfig(row_max=64, block=64, compact_block=16, tail_block=16, small_block=16, target_programs=16,
-                   max_chunk=128, max_hist_splits=4, group=4, exact_max=0, finish_block=16, chunk_tile=256,
-                   coop_programs=0)
+# Shrunken thresholds: rows <= 64 in registers; longer rows in chunks of 64-128 scores (K1 blocks of
+# 64 = 16 groups of 4), compaction steps of 16 (32 on small grids), at most 16 programs per launch.
+# Under the interpreter every program runs in sequence, so keep programs few; tail lists over 16
+# entries take the multi-pass finish, shorter ones the register one; bound-mode chunks of <= 16
+# candidates take the tail's one-tile scratch pass (chunk_tile 256 over 16 chunk rows), fuller ones
+# its loop. The coop path (small batches by default) is off here: tests/kernels/test_topk_coop.py
+# covers it. EXACT: K1 histograms every key and the candidate list is contiguous. NARROW: never the
+# small-grid compaction step.
+SMALL = TopKConfig(row_max=64, block=64, compact_block=16, tail_block=16, small_block=16,
+                   target_programs=16, max_chunk=128, max_hist_splits=4, group=4, exact_max=0,
+                   finish_block=16, chunk_tile=256, coop_programs=0)
 EXACT = replace(SMALL, exact_max=1 << 30)
 NARROW = replace(SMALL, wide_programs=0)
 
@@ -58,20 +66,27 @@ def make_scores(B: int, N: int, dist: str, seed: int = 0, k: int = 8) -> torch.T
         x = torch.randint(-2, 3, (B, N), generator=g).float()
     elif dist == "equal":
         x = torch.full((B, N), 0.75)
-    elif dist == "inf":                      # -inf inside the length is a valid, last-ranked candidate
+    elif dist == "inf":
+        # -inf inside the length is a valid, last-ranked candidate
         x = torch.randn(B, N, generator=g)
         x[torch.rand(B, N, generator=g) < 0.5] = float("-inf")
         x[torch.rand(B, N, generator=g) < 0.02] = float("inf")
         x[-1] = float("-inf")
-    elif dist == "nan":                      # NaN of either sign ranks above +inf; NaNs tie (lower index first)
+    elif dist == "nan":
+        # NaN of either sign ranks above +inf; NaNs tie (lower index first)
         x = torch.randn(B, N, generator=g)
         x[torch.rand(B, N, generator=g) < 0.03] = float("inf")
         nan = torch.rand(B, N, generator=g) < 0.03
-        x[nan] = torch.where(torch.rand(B, N, generator=g) < 0.5, float("nan"), -float("nan"))[nan]
-    elif dist == "signed_zeros":             # ReLU-like: exact zeros of both signs tie with each other
-        x = torch.relu(torch.randn(B, N, generator=g)) * torch.where(torch.rand(B, N, generator=g) < 0.5, -1.0, 1.0)
-    elif dist == "sparse":                   # k // 2 positives anywhere, +-0.0 elsewhere: the k-th largest is a
-        sign = torch.where(torch.rand(B, N, generator=g) < 0.5, -1.0, 1.0)     # zero tie spread over every chunk
+        x[nan] = torch.where(torch.rand(B, N, generator=g) < 0.5, float("nan"),
+                             -float("nan"))[nan]
+    elif dist == "signed_zeros":
+        # ReLU-like: exact zeros of both signs tie with each other
+        x = (torch.relu(torch.randn(B, N, generator=g))
+             * torch.where(torch.rand(B, N, generator=g) < 0.5, -1.0, 1.0))
+    elif dist == "sparse":
+        # k // 2 positives anywhere, +-0.0 elsewhere: the k-th largest is a zero tie spread over
+        # every chunk
+        sign = torch.where(torch.rand(B, N, generator=g) < 0.5, -1.0, 1.0)
         x = torch.zeros(B, N) * sign
         for b in range(B):
             x[b, torch.randperm(N, generator=g)[: k // 2]] = torch.rand(k // 2, generator=g) + 0.5
@@ -84,14 +99,15 @@ def ragged_lengths(B: int, N: int, k: int, seed: int = 0) -> torch.Tensor:
     """Row lengths cycling through N, k - 1, k, k + 1, 0, > N, then random ones."""
     g = torch.Generator().manual_seed(seed)
     special = [N, k - 1, k, k + 1, 0, N + 5]
-    lengths = [special[i] if i < len(special) else int(torch.randint(0, N + 1, (1,), generator=g)) for i in range(B)]
+    lengths = [special[i] if i < len(special) else int(torch.randint(0, N + 1, (1,), generator=g))
+               for i in range(B)]
     return torch.tensor(lengths, dtype=torch.int64).clamp(min=0).to(DEVICE)
 
 
 def reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk_ragged` computed on the CPU, whose sort ranks every NaN above +inf (the kernel's contract). CUDA's
-    sort orders NaN by its bits (a negative NaN ranks last): measured on the H200, the one device dependence of
-    the reference (`ref/topk.py`)."""
+    """`topk_ragged` computed on the CPU, whose sort ranks every NaN above +inf (the kernel's
+    contract). CUDA's sort orders NaN by its bits (a negative NaN ranks last, as on the H200): the
+    one device dependence of the reference (`ref/topk.py`)."""
     return topk_ragged(scores.cpu(), lengths.cpu(), k).to(scores.device)
 
 
@@ -104,29 +120,38 @@ def check(scores: torch.Tensor, lengths: torch.Tensor, k: int, config: TopKConfi
     assert out.dtype == torch.int64 and out.shape == (B, k)
     if not torch.equal(out, ref):
         row = int((out != ref).any(dim=1).nonzero()[0])
-        raise AssertionError(f"row {row} (len {int(lengths[row])}): got {out[row].tolist()} want {ref[row].tolist()}")
+        raise AssertionError(f"row {row} (len {int(lengths[row])}): got {out[row].tolist()} "
+                             f"want {ref[row].tolist()}")
 
 
-# ------------------------------------------------------------------------------------------------ plan
+# --------------------------------------------------------------------------------------------- plan
 
 
 def test_plan_default_thresholds() -> None:
     assert plan_topk(256, 4096).name == "row"
-    assert plan_topk(1, 4097).name == "coop" and plan_topk(4, 262144).name == "coop"   # B * P <= 132 programs
-    assert plan_topk(5, 262144).name == "compact-bound" and plan_topk(40, 65536).name == "compact-bound"
+    # B * P <= 132 programs
+    assert plan_topk(1, 4097).name == "coop" and plan_topk(4, 262144).name == "coop"
+    assert (plan_topk(5, 262144).name == "compact-bound"
+            and plan_topk(40, 65536).name == "compact-bound")
     c = replace(TopKConfig(), coop_programs=0)
     assert plan_topk(1, 4097, c).name == "compact-exact"
-    assert plan_topk(4, 262144, c).name == "compact-exact" and plan_topk(5, 262144, c).name == "compact-bound"
+    assert (plan_topk(4, 262144, c).name == "compact-exact"
+            and plan_topk(5, 262144, c).name == "compact-bound")
     one = plan_topk(1, 262144, c).compact
-    assert one is not None and (one.splits, one.chunk, one.hist_splits, one.hist_chunk) == (64, 4096, 64, 4096)
+    assert (one is not None and (one.splits, one.chunk, one.hist_splits, one.hist_chunk)
+            == (64, 4096, 64, 4096))
     assert one.compact_block == 2048                              # one program per SM: longer steps
     wide = plan_topk(64, 262144).compact
-    assert wide is not None and (wide.splits, wide.chunk, wide.hist_splits, wide.hist_chunk) == (32, 8192, 8, 32768)
-    assert (wide.group, wide.compact_block, wide.warps) == (4, 1024, 2)     # many programs per SM: 2 warps
-    assert plan_topk(4096, 8192).splits == 1                      # huge batches: one program per row
+    assert (wide is not None and (wide.splits, wide.chunk, wide.hist_splits, wide.hist_chunk)
+            == (32, 8192, 8, 32768))
+    # many programs per SM: 2 warps
+    assert (wide.group, wide.compact_block, wide.warps) == (4, 1024, 2)
+    assert plan_topk(4096, 8192).splits == 1                      # huge batches: a program per row
     assert topk_workspace_numel(8, 4096, 512) == 0                # the row path needs none
-    assert topk_workspace_numel(1, 262144, 512, c) >= 2 * 262144  # int64 candidate slots for every score
-    assert topk_workspace_numel(1, 262144, 512) < 10000           # coop: histograms, counts, a tie list
+    # int64 candidate slots for every score
+    assert topk_workspace_numel(1, 262144, 512, c) >= 2 * 262144
+    # coop: histograms, counts, a tie list
+    assert topk_workspace_numel(1, 262144, 512) < 10000
 
 
 def test_config_validation() -> None:
@@ -139,7 +164,8 @@ def test_config_validation() -> None:
 
 
 def test_bin_floor_matches_keys() -> None:
-    """`not (x < bin_floor(d))` == `order_key(x) >= d << 24` for all 256 digits, on specials and random bits."""
+    """`not (x < bin_floor(d))` == `order_key(x) >= d << 24` for all 256 digits, on specials and
+    random bits."""
 
     @triton.jit
     def _kernel(x_ptr, out_ptr, M: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -149,17 +175,18 @@ def test_bin_floor_matches_keys() -> None:
             by_key = order_key(x) >= (tl.full([], d, tl.uint32) << 24)
             tl.store(out_ptr + d * M + tl.arange(0, M), (by_float == by_key).to(tl.int32))
 
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 1.0, -1.0, 1e-40,
-                            -1e-40, 3.4e38, -3.4e38, 1.1754944e-38, -1.1754944e-38, 2.0, 0.5])
-    bits = torch.randint(-2**31, 2**31 - 1, (512 - special.numel(),), generator=torch.Generator().manual_seed(0),
-                         dtype=torch.int32)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
+                            1.0, -1.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.1754944e-38,
+                            -1.1754944e-38, 2.0, 0.5])
+    bits = torch.randint(-2**31, 2**31 - 1, (512 - special.numel(),),
+                         generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     x = torch.cat([special, bits.view(torch.float32)]).to(DEVICE)
     out = torch.zeros(256 * 512, dtype=torch.int32, device=DEVICE)
     _kernel[(1,)](x, out, M=512)
     assert bool(out.all())
 
 
-# ---------------------------------------------------------------------------------------------- parity
+# ------------------------------------------------------------------------------------------- parity
 
 
 @pytest.mark.parametrize("dist", DISTS)
@@ -168,7 +195,8 @@ def test_bin_floor_matches_keys() -> None:
     ("row", TopKConfig(), 6, 1000, 16),          # default config: 1024-wide register row
     ("compact-bound", SMALL, 6, 300, 8),         # 3 K2 chunks of 128 per row, K1 2 chunks
     ("compact-exact", EXACT, 6, 300, 8),
-    ("compact-bound", SMALL, 2, 1000, 24),       # 8 chunks of 128: the tail maps positions across chunks
+    # 8 chunks of 128: the tail maps positions across chunks
+    ("compact-bound", SMALL, 2, 1000, 24),
     ("compact-bound", NARROW, 2, 1000, 24),
     ("compact-exact", EXACT, 2, 1000, 24),       # 8 chunks, one contiguous candidate list
 ])
@@ -178,11 +206,16 @@ def test_parity_paths(path: str, config: TopKConfig, B: int, N: int, k: int, dis
 
 
 @pytest.mark.parametrize("B,N,config,path", [
-    (2, 63, SMALL, "row"), (2, 64, SMALL, "row"), (2, 65, SMALL, "compact-bound"),    # row_max +-1
-    (1, 127, SMALL, "compact-bound"), (1, 128, SMALL, "compact-bound"),             # block / chunk edges
-    (1, 129, SMALL, "compact-bound"), (1, 191, SMALL, "compact-bound"), (1, 193, SMALL, "compact-bound"),
-    (16, 80, SMALL, "compact-bound"), (17, 80, SMALL, "compact-bound"),             # one program per row
-    (2, 129, replace(SMALL, exact_max=259), "compact-exact"),                       # exact_max +-1 (B * N = 258)
+    # row_max +-1
+    (2, 63, SMALL, "row"), (2, 64, SMALL, "row"), (2, 65, SMALL, "compact-bound"),
+    # block / chunk edges
+    (1, 127, SMALL, "compact-bound"), (1, 128, SMALL, "compact-bound"),
+    (1, 129, SMALL, "compact-bound"), (1, 191, SMALL, "compact-bound"),
+    (1, 193, SMALL, "compact-bound"),
+    # one program per row
+    (16, 80, SMALL, "compact-bound"), (17, 80, SMALL, "compact-bound"),
+    # exact_max +-1 (B * N = 258)
+    (2, 129, replace(SMALL, exact_max=259), "compact-exact"),
     (2, 129, replace(SMALL, exact_max=258), "compact-exact"),
     (2, 129, replace(SMALL, exact_max=257), "compact-bound"),
 ])
@@ -205,19 +238,21 @@ def test_k_at_and_beyond_lengths(config: TopKConfig, path: str, N: int) -> None:
 @pytest.mark.parametrize("sample", (2, 4))
 @pytest.mark.parametrize("dist", DISTS)
 def test_sampled_histograms(sample: int, dist: str) -> None:
-    """Bound mode with K1 histogramming every sample-th block (one K1 chunk of 15 blocks per row): still exact, as
-    any subset's histogram bounds the k-th largest from below; ragged rows shorter than 16 * sample * k are
-    histogrammed whole."""
+    """Bound mode with K1 histogramming every sample-th block (one K1 chunk of 15 blocks per row):
+    still exact, as any subset's histogram bounds the k-th largest from below; ragged rows shorter
+    than 16 * sample * k are histogrammed whole."""
     config = replace(SMALL, sample=sample, max_hist_splits=1)
     assert plan_topk(2, 1000, config).compact.sample == sample      # type: ignore[union-attr]
-    check(make_scores(2, 1000, dist, seed=sample, k=8), ragged_lengths(2, 1000, 8, seed=sample), 8, config,
-          "compact-bound")
+    check(make_scores(2, 1000, dist, seed=sample, k=8), ragged_lengths(2, 1000, 8, seed=sample), 8,
+          config, "compact-bound")
 
 
-@pytest.mark.parametrize("B,N,k", [(2, 2048, 4), (3, 1500, 48)])   # k / N like 512 / 262144, and a few percent
+# k / N like 512 / 262144, and a few percent
+@pytest.mark.parametrize("B,N,k", [(2, 2048, 4), (3, 1500, 48)])
 def test_scaled_k(B: int, N: int, k: int) -> None:
     for dist in ("randn", "signed_zeros"):
-        check(make_scores(B, N, dist, seed=k, k=k), ragged_lengths(B, N, k, seed=k), k, SMALL, "compact-bound")
+        check(make_scores(B, N, dist, seed=k, k=k), ragged_lengths(B, N, k, seed=k), k, SMALL,
+              "compact-bound")
 
 
 @pytest.mark.parametrize("exact_max", (1 << 20, 0))
@@ -230,12 +265,14 @@ def test_default_config_long_rows(exact_max: int) -> None:
 
 
 def test_bound_mode_low_bin_rescans() -> None:
-    """Top scores clustered in a few K1 groups: K1's bin is below the true one, so the tail rescans digit 1."""
+    """Top scores clustered in a few K1 groups: K1's bin is below the true one, so the tail rescans
+    digit 1."""
     B, N, k = 2, 256, 8
     scores = torch.full((B, N), 0.3)                     # digit-0 bin [0.125, 0.5)
     block, group = SMALL.block, SMALL.group
     stride = block // group                              # members of a K1 group are `stride` apart
-    for j, col in enumerate((0, 1)):                     # 2 groups x 4 members = the 8 winners, bin [2, 8)
+    # 2 groups x 4 members = the 8 winners, bin [2, 8)
+    for j, col in enumerate((0, 1)):
         for m in range(group):
             scores[:, col + m * stride] = 2.0 + j + 0.1 * m
     scores[1, 100:140] = torch.linspace(0.31, 0.49, 40)  # ties broken differently in the second row
@@ -243,15 +280,21 @@ def test_bound_mode_low_bin_rescans() -> None:
 
 
 def test_workspace_reused_with_garbage() -> None:
-    """One garbage-filled workspace, many calls, varying shapes: K1 re-zeroes K2's counters every call."""
-    numel = max(topk_workspace_numel(B, N, k, SMALL) for B, N, k in ((3, 300, 8), (2, 1000, 24), (6, 130, 130)))
+    """One garbage-filled workspace, many calls, varying shapes: K1 re-zeroes K2's counters every
+    call."""
+    numel = max(topk_workspace_numel(B, N, k, SMALL)
+                for B, N, k in ((3, 300, 8), (2, 1000, 24), (6, 130, 130)))
     workspace = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32, device=DEVICE)
-    for step, (B, N, k, dist) in enumerate([(3, 300, 8, "randn"), (2, 1000, 24, "ints"), (3, 300, 8, "nan"),
-                                            (6, 130, 130, "sparse"), (3, 300, 8, "randn")]):
+    for step, (B, N, k, dist) in enumerate([(3, 300, 8, "randn"), (2, 1000, 24, "ints"),
+                                            (3, 300, 8, "nan"), (6, 130, 130, "sparse"),
+                                            (3, 300, 8, "randn")]):
         scores = make_scores(B, N, dist, seed=step, k=k)
-        check(scores, ragged_lengths(B, N, k, seed=step), k, SMALL, "compact-bound", workspace=workspace)
-    for _ in range(3):                                   # default: a fresh buffer from the allocator per call
-        check(make_scores(3, 300, "randn", seed=7), ragged_lengths(3, 300, 8), 8, SMALL, "compact-bound")
+        check(scores, ragged_lengths(B, N, k, seed=step), k, SMALL, "compact-bound",
+              workspace=workspace)
+    # default: a fresh buffer from the allocator per call
+    for _ in range(3):
+        check(make_scores(3, 300, "randn", seed=7), ragged_lengths(3, 300, 8), 8, SMALL,
+              "compact-bound")
     with pytest.raises(ValueError, match="workspace"):
         lightning_topk(make_scores(3, 300, "randn"), ragged_lengths(3, 300, 8), 8, config=SMALL,
                        workspace=workspace[:10])
@@ -261,7 +304,7 @@ def test_reference_matches_topk_lower_index() -> None:
     """On full rows the reference picks exactly the set `topk_lower_index` ranks first."""
     for dist in DISTS:
         if dist == "nan":
-            continue                         # topk_lower_index orders NaN by torch.topk, not by torch.sort
+            continue        # topk_lower_index orders NaN by torch.topk, not by torch.sort
         scores = make_scores(4, 300, dist, seed=2)
         full = torch.full((4,), 300, dtype=torch.int64, device=DEVICE)
         expect = torch.sort(topk_lower_index(scores, 37), dim=-1).values
@@ -297,7 +340,7 @@ def test_input_validation() -> None:
 def test_to_slots_permuted_pages() -> None:
     g = torch.Generator().manual_seed(3)
     B, pages, page_entries, k = 3, 6, 16, 20
-    table = torch.stack([torch.randperm(40, generator=g)[:pages] for _ in range(B)])      # [B, pages]
+    table = torch.stack([torch.randperm(40, generator=g)[:pages] for _ in range(B)])  # [B, pages]
     scores = make_scores(B, pages * page_entries, "ints", seed=3).cpu()
     lengths = torch.tensor([pages * page_entries, 37, 5])
     picks = topk_ragged(scores, lengths, k)
@@ -305,31 +348,36 @@ def test_to_slots_permuted_pages() -> None:
     for b in range(B):
         for j in range(k):
             i = int(picks[b, j])
-            want = -1 if i < 0 else int(table[b, i // page_entries]) * page_entries + i % page_entries
+            want = (-1 if i < 0
+                    else int(table[b, i // page_entries]) * page_entries + i % page_entries)
             assert int(slots[b, j]) == want
     assert (slots[2, 5:] == -1).all() and slots.dtype == torch.int64
 
 
-# -------------------------------------------------------------------------------------------------- gpu
+# ---------------------------------------------------------------------------------------------- gpu
 
 NO_COOP = replace(TopKConfig(), coop_programs=0)                   # the compact path at every batch
 GPU_EXACT = replace(NO_COOP, exact_max=1 << 40)
-GPU_UNSAMPLED = replace(NO_COOP, sample=1, chunk_tile=0)          # bound mode without the sampled K1 / tiled tail
+# bound mode without the sampled K1 / tiled tail
+GPU_UNSAMPLED = replace(NO_COOP, sample=1, chunk_tile=0)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,N,k", [(1, 262144, 512), (64, 262144, 512), (8, 262144, 2048), (33, 131072, 512)])
+@pytest.mark.parametrize("B,N,k", [(1, 262144, 512), (64, 262144, 512), (8, 262144, 2048),
+                                   (33, 131072, 512)])
 @pytest.mark.parametrize("dist", ("randn", "ints", "nan", "sparse", "equal"))
 def test_gpu_unsampled(B: int, N: int, k: int, dist: str) -> None:
     scores = make_scores(B, N, dist, seed=B, k=k)
-    check(scores, ragged_lengths(B, N, k, seed=B), k, GPU_UNSAMPLED, plan_topk(B, N, GPU_UNSAMPLED).name)
+    check(scores, ragged_lengths(B, N, k, seed=B), k, GPU_UNSAMPLED,
+          plan_topk(B, N, GPU_UNSAMPLED).name)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,N,k", [
     (1, 262144, 512), (3, 262144, 512), (64, 262144, 512), (256, 262144, 512), (300, 262144, 512),
     (1, 65536, 1024), (8, 262144, 2048), (1, 65535, 2048), (1, 65537, 512),
-    (128, 4096, 512), (17, 4097, 512), (2, 16383, 512), (2, 16384, 512), (33, 131072, 512), (2048, 8192, 512),
+    (128, 4096, 512), (17, 4097, 512), (2, 16383, 512), (2, 16384, 512), (33, 131072, 512),
+    (2048, 8192, 512),
 ])
 @pytest.mark.parametrize("dist", ("randn", "ints", "inf", "nan", "sparse"))
 def test_gpu_real_shapes(B: int, N: int, k: int, dist: str) -> None:
@@ -353,13 +401,16 @@ def test_gpu_all_equal_long_row(config: TopKConfig) -> None:
 
 @pytest.mark.gpu
 def test_gpu_workspace_reuse() -> None:
-    """The compact path takes a garbage-filled workspace (the coop path needs a zeroed one: test_topk_coop.py)."""
+    """The compact path takes a garbage-filled workspace (the coop path needs a zeroed one:
+    test_topk_coop.py)."""
     numel = topk_workspace_numel(64, 262144, 512, NO_COOP)
     workspace = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32, device=DEVICE)
-    for step, (B, dist) in enumerate([(64, "randn"), (1, "ints"), (64, "nan"), (8, "sparse"), (64, "randn")]):
+    for step, (B, dist) in enumerate([(64, "randn"), (1, "ints"), (64, "nan"), (8, "sparse"),
+                                      (64, "randn")]):
         scores = make_scores(B, 262144, dist, seed=step, k=512)
-        path = plan_topk(B, 262144, NO_COOP).name                      # B = 1 runs exact, the others bound
-        check(scores, ragged_lengths(B, 262144, 512, seed=step), 512, NO_COOP, path, workspace=workspace)
+        path = plan_topk(B, 262144, NO_COOP).name  # B = 1 runs exact, the others bound
+        check(scores, ragged_lengths(B, 262144, 512, seed=step), 512, NO_COOP, path,
+              workspace=workspace)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""load_model on the tiny preset: corrupted checkpoints, arguments, sharding, the transformers in-memory
-layout, the bf16 dtype policy and the training (autograd) path (model-spec §12).
+"""load_model on the tiny preset: corrupted checkpoints, arguments, sharding, the transformers
+in-memory layout, the bf16 dtype policy and the training (autograd) path (model-spec §12).
 
 Every corrupted checkpoint is a copy of one written once by `write_checkpoint`, edited with
 safetensors load_file/save_file (the index json is kept in sync).
@@ -49,8 +49,8 @@ def all_tensors(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
 
 def edited_copy(src: Path, dst: Path, drop: tuple[str, ...] = (),
                 put: dict[str, torch.Tensor] | None = None) -> Path:
-    """Copy checkpoint `src` to `dst`, dropping keys and adding/replacing tensors (in the shard that holds
-    the key, new keys go to the first shard); the index weight_map follows."""
+    """Copy checkpoint `src` to `dst`, dropping keys and adding/replacing tensors (in the shard
+    that holds the key, new keys go to the first shard); the index weight_map follows."""
     shutil.copytree(src, dst)
     index = json.loads((dst / INDEX).read_text())
     weight_map: dict[str, str] = index["weight_map"]
@@ -84,7 +84,7 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 @pytest.fixture
 def dsv4_records() -> Iterator[list[logging.LogRecord]]:
-    """Log records of the `dsv4` logger (it does not propagate to the root, so caplog misses them)."""
+    """Log records of the `dsv4` logger (it does not propagate to the root: caplog misses them)."""
     records: list[logging.LogRecord] = []
 
     class _Keep(logging.Handler):
@@ -97,9 +97,7 @@ def dsv4_records() -> Iterator[list[logging.LogRecord]]:
     logger.removeHandler(handler)
 
 
-# ---------------------------------------------------------------------------------------------
-# corrupted checkpoints
-# ---------------------------------------------------------------------------------------------
+# ---- corrupted checkpoints -----------------------------------------------------------------------
 @pytest.mark.parametrize("key", [
     "layers.1.attn.compressor.ape",          # CSA compressor
     "mtp.0.e_proj.weight",                   # MTP layer
@@ -127,7 +125,8 @@ def test_wrong_shape(ckpt: Path, tmp_path: Path) -> None:
 
 def test_wrong_shape_of_one_expert(ckpt: Path, tmp_path: Path) -> None:
     name = "layers.2.ffn.experts.1.w3.weight"
-    bad = edited_copy(ckpt, tmp_path / "bad", put={name: torch.zeros(32, 65, dtype=torch.bfloat16)})
+    bad = edited_copy(ckpt, tmp_path / "bad",
+                      put={name: torch.zeros(32, 65, dtype=torch.bfloat16)})
     with pytest.raises(CheckpointError, match=r"\(32, 65\).*\(32, 64\)") as err:
         load_model(bad, dtype="float32", progress=False)
     assert name in str(err.value)
@@ -136,18 +135,20 @@ def test_wrong_shape_of_one_expert(ckpt: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("key", ["layers.0.attn.bogus.weight", "layers.2.ffn.experts.8.w1.weight",
                                  "layers.0.attn.compressor.ape"])  # layer 0 is SWA: no compressor
 def test_unexpected_tensor(ckpt: Path, tmp_path: Path, key: str) -> None:
-    bad = edited_copy(ckpt, tmp_path / "bad", put={key: torch.zeros(32, 64, dtype=torch.bfloat16)})
+    bad = edited_copy(ckpt, tmp_path / "bad",
+                      put={key: torch.zeros(32, 64, dtype=torch.bfloat16)})
     with pytest.raises(CheckpointError, match="unexpected tensor") as err:
         load_model(bad, dtype="float32", progress=False)
     assert key in str(err.value)
 
 
 def test_duplicate_tensor(ckpt: Path, tmp_path: Path) -> None:
-    """Without an index every *.safetensors file is read; a key present twice is an error."""
+    """Without an index every `*.safetensors` file is read; a key present twice is an error."""
     bad = shutil.copytree(ckpt, tmp_path / "bad")
     (bad / INDEX).unlink()
     name = "layers.0.attn.wq_a.weight"
-    save_file({name: load_file(str(next(ckpt.glob("model-*.safetensors"))))[name]}, str(bad / "extra.safetensors"))
+    save_file({name: load_file(str(next(ckpt.glob("model-*.safetensors"))))[name]},
+              str(bad / "extra.safetensors"))
     with pytest.raises(CheckpointError, match="appears twice") as err:
         load_model(bad, dtype="float32", progress=False)
     assert name in str(err.value)
@@ -183,23 +184,24 @@ def test_quantised_weight_without_scale(ckpt_fp8: Path, tmp_path: Path) -> None:
 
 def test_scale_without_quantised_weight(ckpt_fp8: Path, tmp_path: Path) -> None:
     bad = edited_copy(ckpt_fp8, tmp_path / "bad", drop=("layers.0.attn.wq_a.weight",))
-    with pytest.raises(CheckpointError, match=r"`\.scale` tensors without a quantised weight") as err:
+    with pytest.raises(CheckpointError,
+                       match=r"`\.scale` tensors without a quantised weight") as err:
         load_model(bad, dtype="float32", progress=False)
     assert "layers.0.attn.wq_a" in str(err.value)
 
 
-def test_fp8_checkpoint_loads_close_to_unquantised(ckpt_fp8: Path, model32: DeepSeekV4ForCausalLM) -> None:
+def test_fp8_checkpoint_loads_close_to_unquantised(ckpt_fp8: Path,
+                                                   model32: DeepSeekV4ForCausalLM) -> None:
     m8 = load_model(ckpt_fp8, dtype="float32", progress=False)
     assert m8.config == model32.config.replace(weight_quant="fp8")
     w, w8 = model32.layers[0].attn.wq_a.weight, m8.layers[0].attn.wq_a.weight
     assert not torch.equal(w, w8)
     assert (w - w8).abs().max() <= 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
-    torch.testing.assert_close(m8.layers[0].attn.attn_sink, model32.layers[0].attn.attn_sink, rtol=0, atol=0)
+    torch.testing.assert_close(m8.layers[0].attn.attn_sink, model32.layers[0].attn.attn_sink,
+                               rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------------------------------------
-# arguments
-# ---------------------------------------------------------------------------------------------
+# ---- arguments -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float16", "fp32", torch.float16])
 def test_bad_dtype(ckpt: Path, dtype: object) -> None:
     with pytest.raises(ValueError, match=r"dtype=.*allowed: \['bfloat16', 'float32'\]"):
@@ -217,10 +219,9 @@ def test_bad_device_unknown_to_torch(ckpt: Path) -> None:
         load_model(ckpt, dtype="float32", device="tpu", progress=False)
 
 
-# ---------------------------------------------------------------------------------------------
-# sharding
-# ---------------------------------------------------------------------------------------------
-def test_sharded_checkpoint_equals_single_shard(ckpt: Path, model32: DeepSeekV4ForCausalLM, tmp_path: Path) -> None:
+# ---- sharding ------------------------------------------------------------------------------------
+def test_sharded_checkpoint_equals_single_shard(ckpt: Path, model32: DeepSeekV4ForCausalLM,
+                                                tmp_path: Path) -> None:
     out = tmp_path / "sharded"
     write_checkpoint(micro(), out, seed=0, shard_bytes=200_000, tokenizer=False)
     shards = sorted(out.glob("model-*.safetensors"))
@@ -233,20 +234,21 @@ def test_sharded_checkpoint_equals_single_shard(ckpt: Path, model32: DeepSeekV4F
     assert_same_tensors(model.state_dict(), model32.state_dict())
 
 
-# ---------------------------------------------------------------------------------------------
-# transformers in-memory layout
-# ---------------------------------------------------------------------------------------------
+# ---- transformers in-memory layout ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def hf_checkpoint(model32: DeepSeekV4ForCausalLM, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A transformers DeepseekV4ForCausalLM filled with our weights, saved with its in-memory names
-    (`model.safetensors`) + its config.json; the MTP tensors (which transformers drops) in `mtp.safetensors`."""
+def hf_checkpoint(model32: DeepSeekV4ForCausalLM,
+                  tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A transformers `DeepseekV4ForCausalLM` filled with our weights, saved with its in-memory
+    names (`model.safetensors`) + its config.json; the MTP tensors (which transformers drops) in
+    `mtp.safetensors`."""
     transformers = pytest.importorskip("transformers")
     from dsv4.model.state_dict_adapter import to_hf_state_dict
 
     cfg = model32.config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf_model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**cfg.to_hf_dict()))
+        hf_model = transformers.DeepseekV4ForCausalLM(
+            transformers.DeepseekV4Config(**cfg.to_hf_dict()))
     official = official_state_dict(model32)
     hf_sd = to_hf_state_dict(official)
     assert sorted(hf_sd) == sorted(hf_model.state_dict())
@@ -262,9 +264,11 @@ def hf_checkpoint(model32: DeepSeekV4ForCausalLM, tmp_path_factory: pytest.TempP
     return out
 
 
-def test_transformers_layout_loads_exactly(hf_checkpoint: Path, model32: DeepSeekV4ForCausalLM) -> None:
+def test_transformers_layout_loads_exactly(hf_checkpoint: Path,
+                                           model32: DeepSeekV4ForCausalLM) -> None:
     names = list(load_file(str(hf_checkpoint / "model.safetensors")))
-    assert "model.embed_tokens.weight" in names and "model.layers.2.mlp.experts.gate_up_proj" in names
+    assert ("model.embed_tokens.weight" in names
+            and "model.layers.2.mlp.experts.gate_up_proj" in names)
     assert "layer_types" in json.loads((hf_checkpoint / "config.json").read_text())
     assert ModelConfig.from_hf(hf_checkpoint) == model32.config
     model = load_model(hf_checkpoint, dtype="float32", progress=False)
@@ -280,10 +284,11 @@ def test_transformers_layout_missing_one_mtp_tensor(hf_checkpoint: Path, tmp_pat
         load_model(bad, dtype="float32", progress=False)
 
 
-def test_transformers_layout_without_mtp(hf_checkpoint: Path, model32: DeepSeekV4ForCausalLM, tmp_path: Path,
+def test_transformers_layout_without_mtp(hf_checkpoint: Path, model32: DeepSeekV4ForCausalLM,
+                                         tmp_path: Path,
                                          dsv4_records: list[logging.LogRecord]) -> None:
-    """transformers drops MTP when it saves; such a checkpoint (no mtp.* at all) loads without the MTP
-    layer and says so (loader._mtp_checked); the main model is exact."""
+    """transformers drops MTP when it saves; such a checkpoint (no `mtp.*` at all) loads without the
+    MTP layer and says so (`loader._mtp_checked`); the main model is exact."""
     plain = shutil.copytree(hf_checkpoint, tmp_path / "plain")
     (plain / "mtp.safetensors").unlink()
     model = load_model(plain, dtype="float32", progress=False)
@@ -302,27 +307,29 @@ def test_official_layout_without_mtp_is_an_error(ckpt: Path, tmp_path: Path) -> 
         load_model(bad, dtype="float32", progress=False)
 
 
-# ---------------------------------------------------------------------------------------------
-# bf16 dtype policy
-# ---------------------------------------------------------------------------------------------
+# ---- bf16 dtype policy ---------------------------------------------------------------------------
 def _expect_fp32(name: str) -> bool:
-    return (name.endswith("norm.weight") or ".hc_attn." in name or ".hc_ffn." in name or name.startswith("hc_head.")
-            or ".hc_head." in name or name.endswith(("attn_sink", ".ape", "gate.bias", "compressor.wkv.weight",
-                                                     "compressor.wgate.weight")))
+    return (name.endswith("norm.weight") or ".hc_attn." in name or ".hc_ffn." in name
+            or name.startswith("hc_head.") or ".hc_head." in name
+            or name.endswith(("attn_sink", ".ape", "gate.bias", "compressor.wkv.weight",
+                              "compressor.wgate.weight")))
 
 
 def test_bf16_dtype_policy(ckpt: Path) -> None:
     model = load_model(ckpt, dtype="bfloat16", progress=False)
     params = dict(model.named_parameters())
-    for name in ("layers.0.attn_norm.weight", "layers.0.attn.q_norm.weight", "layers.0.attn.kv_norm.weight",
-                 "norm.weight", "layers.0.hc_attn.fn", "layers.0.hc_ffn.base", "hc_head.fn", "layers.0.attn.attn_sink",
-                 "layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.ape", "layers.2.ffn.gate.bias",
-                 "layers.1.attn.compressor.wkv.weight", "layers.1.attn.compressor.wgate.weight",
-                 "layers.2.attn.compressor.wkv.weight", "mtp.0.hc_head.fn", "mtp.0.enorm.weight"):
+    for name in ("layers.0.attn_norm.weight", "layers.0.attn.q_norm.weight",
+                 "layers.0.attn.kv_norm.weight", "norm.weight", "layers.0.hc_attn.fn",
+                 "layers.0.hc_ffn.base", "hc_head.fn", "layers.0.attn.attn_sink",
+                 "layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.ape",
+                 "layers.2.ffn.gate.bias", "layers.1.attn.compressor.wkv.weight",
+                 "layers.1.attn.compressor.wgate.weight", "layers.2.attn.compressor.wkv.weight",
+                 "mtp.0.hc_head.fn", "mtp.0.enorm.weight"):
         assert params[name].dtype == torch.float32, name
-    for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wo_a.weight", "embed.weight", "head.weight",
-                 "layers.2.ffn.experts.w1", "layers.0.ffn.shared_experts.w2.weight", "layers.0.ffn.gate.weight",
-                 "layers.1.attn.indexer.wq_b.weight", "mtp.0.e_proj.weight"):
+    for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wo_a.weight", "embed.weight",
+                 "head.weight", "layers.2.ffn.experts.w1", "layers.0.ffn.shared_experts.w2.weight",
+                 "layers.0.ffn.gate.weight", "layers.1.attn.indexer.wq_b.weight",
+                 "mtp.0.e_proj.weight"):
         assert params[name].dtype == torch.bfloat16, name
     for name, p in params.items():  # the whole policy, written independently of keeps_fp32
         assert p.dtype == (torch.float32 if _expect_fp32(name) else torch.bfloat16), name
@@ -331,7 +338,8 @@ def test_bf16_dtype_policy(ckpt: Path) -> None:
     assert buffers["rope_main.inv_freq"].dtype == torch.float32
 
 
-def _discrete_choices(model: DeepSeekV4ForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _discrete_choices(model: DeepSeekV4ForCausalLM,
+                      ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Logits and, per gate / indexer, the sorted selected ids per token ([B, S, k])."""
     choices: list[torch.Tensor] = []
     B, S = ids.shape
@@ -340,7 +348,8 @@ def _discrete_choices(model: DeepSeekV4ForCausalLM, ids: torch.Tensor) -> tuple[
         sel = out[0] if isinstance(out, tuple) else out
         choices.append(sel.reshape(B, S, -1).sort(dim=-1).values)
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (Gate, Indexer))]
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, (Gate, Indexer))]
     try:
         with torch.no_grad():
             logits = model(ids)
@@ -357,11 +366,12 @@ def test_bf16_forward_close_to_fp32(ckpt: Path, model32: DeepSeekV4ForCausalLM) 
     got, got_sel = _discrete_choices(model, ids)
     assert got.dtype == torch.float32 and got.shape == ref.shape == (2, 40, 512)
     assert torch.isfinite(got).all()
-    # bf16 rounding can flip a near-tied routed-expert or indexer top-k choice; that token's logits then
-    # legitimately differ by O(1), and later tokens attend to it. Compare exactly-comparable positions:
-    # those before the first discrete disagreement of their row (spec §13, gotcha 1).
+    # bf16 rounding can flip a near-tied routed-expert or indexer top-k choice; that token's logits
+    # then legitimately differ by O(1), and later tokens attend to it. Compare exactly-comparable
+    # positions: those before the first discrete disagreement of their row (spec §13, gotcha 1).
     assert len(ref_sel) == len(got_sel) == 5 + 2  # 5 gates, 2 CSA indexers
-    same = torch.stack([(a == b).all(-1) for a, b in zip(ref_sel, got_sel, strict=True)]).all(0)  # [B, S]
+    same = torch.stack([(a == b).all(-1)
+                        for a, b in zip(ref_sel, got_sel, strict=True)]).all(0)  # [B, S]
     clean = same.int().cumprod(dim=-1).bool()
     assert clean.float().mean() >= 0.4
     scale = ref.abs().max()
@@ -370,9 +380,7 @@ def test_bf16_forward_close_to_fp32(ckpt: Path, model32: DeepSeekV4ForCausalLM) 
     assert diff.mean() < 0.02 * scale  # everywhere, flips included
 
 
-# ---------------------------------------------------------------------------------------------
-# training path
-# ---------------------------------------------------------------------------------------------
+# ---- training path -------------------------------------------------------------------------------
 def test_backward_reaches_every_kind_of_parameter(ckpt: Path) -> None:
     model = load_model(ckpt, dtype="float32", progress=False).train()
     assert all(p.requires_grad for p in model.parameters())
@@ -383,8 +391,9 @@ def test_backward_reaches_every_kind_of_parameter(ckpt: Path) -> None:
     assert torch.isfinite(loss)
     loss.backward()
     params = dict(model.named_parameters())
-    for name in ("embed.weight", "head.weight", "norm.weight", "hc_head.fn", "hc_head.base", "hc_head.scale",
-                 "layers.0.hc_attn.fn", "layers.0.hc_ffn.fn", "layers.0.attn.wq_a.weight", "layers.0.attn.attn_sink",
+    for name in ("embed.weight", "head.weight", "norm.weight", "hc_head.fn", "hc_head.base",
+                 "hc_head.scale", "layers.0.hc_attn.fn", "layers.0.hc_ffn.fn",
+                 "layers.0.attn.wq_a.weight", "layers.0.attn.attn_sink",
                  "layers.1.attn.compressor.wkv.weight", "layers.1.attn.compressor.wgate.weight",
                  "layers.1.attn.compressor.ape", "layers.2.attn.compressor.wkv.weight",
                  "layers.2.ffn.experts.w1", "layers.4.ffn.experts.w2", "layers.0.ffn.experts.w3",
@@ -393,4 +402,5 @@ def test_backward_reaches_every_kind_of_parameter(ckpt: Path) -> None:
         assert grad is not None, name
         assert torch.isfinite(grad).all(), name
         assert grad.abs().sum() > 0, name
-    assert all(p.grad is None for n, p in params.items() if n.startswith("mtp."))  # MTP unused by forward()
+    # MTP is unused by forward()
+    assert all(p.grad is None for n, p in params.items() if n.startswith("mtp."))

@@ -1,5 +1,5 @@
-"""The TRAINING forward (dense attention and experts) equals the INFERENCE forward (gathered attention,
-sparse experts): model/forward_mode.py's claim, in fp32."""
+"""The TRAINING forward (dense attention and experts) equals the INFERENCE forward (gathered
+attention, sparse experts): `model/forward_mode.py`'s claim, in fp32."""
 
 from __future__ import annotations
 
@@ -17,20 +17,22 @@ from dsv4.model.forward_mode import INFERENCE, TRAINING
 
 def test_grad_path_equals_inference_path() -> None:
     model = random_model(micro().replace(index_topk=3), torch.float32, torch.device("cpu"), seed=3)
-    ids = torch.randint(0, model.config.vocab_size, (2, 53), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 53),
+                        generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         gathered = model(ids, INFERENCE)
     dense = model(ids, TRAINING)
     assert dense.requires_grad
     torch.testing.assert_close(dense.detach(), gathered, rtol=1e-5, atol=1e-5)
     dense.sum().backward()
-    wq_b = [p for n, p in model.named_parameters() if n.startswith("layers.") and ".attn.wq_b." in n]
+    wq_b = [p for n, p in model.named_parameters()
+            if n.startswith("layers.") and ".attn.wq_b." in n]
     assert wq_b and all(p.grad is not None for p in wq_b)
 
 
 def test_mode_picks_the_formulation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mode, not autograd, decides: INFERENCE with grad on still runs gathered attention and sparse
-    experts (bit-identical to no-grad), TRAINING under no_grad still runs the dense forms."""
+    """The mode, not autograd, decides: INFERENCE with grad on still runs gathered attention and
+    sparse experts (bit-identical to no-grad), TRAINING under no_grad still runs the dense forms."""
     calls: dict[str, int] = {"attention": 0, "experts": 0}
     dense_attn, dense_experts = attention.dense_masked_attention, moe.routed_experts_dense
 
@@ -43,10 +45,12 @@ def test_mode_picks_the_formulation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "dense_masked_attention", count("attention", dense_attn))
     monkeypatch.setattr(moe, "routed_experts_dense", count("experts", dense_experts))
     model = random_model(micro().replace(index_topk=3), torch.float32, torch.device("cpu"), seed=3)
-    ids = torch.randint(0, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (1, 21),
+                        generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reference = model(ids, INFERENCE)
-    assert torch.equal(model(ids, INFERENCE).detach(), reference) and calls == {"attention": 0, "experts": 0}
+    assert (torch.equal(model(ids, INFERENCE).detach(), reference)
+            and calls == {"attention": 0, "experts": 0})
     with torch.no_grad():
         model(ids, TRAINING)
     n = model.config.num_layers

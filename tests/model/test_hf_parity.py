@@ -39,10 +39,11 @@ TOL = 1e-4
 def config_b() -> ModelConfig:
     """V4-Pro-like: HCA first, wider heads, 3 hc streams, short Sinkhorn, odd top-k."""
     return micro().replace(
-        num_layers=4, attn_types=("hca", "hca", "csa", "hca"), moe_types=("hash", "hash", "hash", "routed"),
-        hidden_size=48, num_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=24, o_groups=4, o_lora_rank=8,
-        window=16, hca_ratio=8, index_n_heads=12, index_head_dim=32, index_topk=3, hc_mult=3,
-        hc_sinkhorn_iters=7, n_routed_experts=6, num_experts_per_tok=3, moe_inter_dim=16,
+        num_layers=4, attn_types=("hca", "hca", "csa", "hca"),
+        moe_types=("hash", "hash", "hash", "routed"), hidden_size=48, num_heads=4, head_dim=64,
+        rope_head_dim=16, q_lora_rank=24, o_groups=4, o_lora_rank=8, window=16, hca_ratio=8,
+        index_n_heads=12, index_head_dim=32, index_topk=3, hc_mult=3, hc_sinkhorn_iters=7,
+        n_routed_experts=6, num_experts_per_tok=3, moe_inter_dim=16,
         routed_scaling_factor=2.5, yarn=YarnConfig(factor=8.0, original_max_position_embeddings=32),
         num_mtp_layers=1)
 
@@ -51,8 +52,8 @@ def config_c() -> ModelConfig:
     """V4-Flash-like: two SWA layers, odd window, large HCA ratio, no YaRN, no MTP."""
     return micro().replace(
         num_layers=5, attn_types=("swa", "swa", "csa", "hca", "csa"),
-        moe_types=("hash", "hash", "hash", "routed", "routed"), window=5, hca_ratio=32, index_topk=6,
-        hc_mult=2, n_routed_experts=5, num_experts_per_tok=2, yarn=None,
+        moe_types=("hash", "hash", "hash", "routed", "routed"), window=5, hca_ratio=32,
+        index_topk=6, hc_mult=2, n_routed_experts=5, num_experts_per_tok=2, yarn=None,
         num_mtp_layers=0, vocab_size=400)
 
 
@@ -104,7 +105,8 @@ def assert_parity(ours: torch.Tensor, theirs: torch.Tensor, first_tie: torch.Ten
     worst = 0.0
     for b in range(ours.shape[0]):
         n = int(first_tie[b])
-        assert n >= seq * 0.6, f"row {b}: indexer tie at position {n} of {seq}; too little left to compare"
+        assert n >= seq * 0.6, (f"row {b}: indexer tie at position {n} of {seq}; "
+                                "too little left to compare")
         worst = max(worst, (ours[b, :n] - theirs[b, :n]).abs().max().item())
     assert worst <= TOL, f"max |logit difference| {worst:.3e} > {TOL}"
     return worst
@@ -114,7 +116,8 @@ def write_official(name: str, tmp: Path) -> Path:
     factory, quant, _ = CASES[name]
     out = tmp / f"{name}-official"
     if factory is micro:  # exercise the real command line for the preset
-        assert cli_main(["init", "--preset", "micro", "--out", str(out), "--seed", "7", "--quant", quant]) == 0
+        assert cli_main(["init", "--preset", "micro", "--out", str(out), "--seed", "7",
+                         "--quant", quant]) == 0
     else:
         write_checkpoint(factory(), out, seed=11, weight_quant=quant, tokenizer=False)
     return out
@@ -135,7 +138,8 @@ def test_parity_both_layouts(name: str, tmp_path: Path) -> None:
     assert from_hf.config == expected_cfg.replace(num_mtp_layers=0, weight_quant="none")
 
     for seq in CASES[name][2]:
-        ids = torch.randint(0, ours.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
+        ids = torch.randint(0, ours.config.vocab_size, (2, seq),
+                            generator=torch.Generator().manual_seed(seq))
         with torch.no_grad():
             ref = hf(ids).logits
             a = ours(ids)
@@ -150,7 +154,8 @@ def test_topk_is_smaller_than_entry_count() -> None:
         cfg = factory()
         assert "csa" in cfg.attn_types
         assert max(lengths) // cfg.csa_ratio > cfg.index_topk
-        assert max(lengths) % cfg.csa_ratio and max(lengths) % cfg.hca_ratio and max(lengths) % cfg.window
+        assert (max(lengths) % cfg.csa_ratio and max(lengths) % cfg.hca_ratio
+                and max(lengths) % cfg.window)
     kinds = {t for f, _, _ in CASES.values() for t in f().attn_types}
     assert kinds == {"swa", "csa", "hca"}
     assert {t for f, _, _ in CASES.values() for t in f().moe_types} == {"hash", "routed"}
@@ -163,6 +168,7 @@ def test_parity_short_sequences(tmp_path: Path) -> None:
     ours = load_model(tmp_path, dtype="float32", progress=False)
     hf = hf_model_from(ours)
     for seq in (1, 2, 3, 4, 5, 15, 16, 17):
-        ids = torch.randint(0, ours.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
+        ids = torch.randint(0, ours.config.vocab_size, (2, seq),
+                            generator=torch.Generator().manual_seed(seq))
         with torch.no_grad():
             assert_parity(ours(ids), hf(ids).logits, ambiguous_from(ours, ids))

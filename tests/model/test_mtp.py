@@ -1,4 +1,5 @@
-"""The MTP block (model-spec §9): shapes, loading of `mtp.*`, and its equations written out by hand.
+"""The MTP block (model-spec §9): shapes, loading of `mtp.*`, and its equations written out by
+hand.
 
 transformers has no MTP layer, so the oracle here is the spec itself:
     e  = enorm(embed(ids));  hX = hnorm(X_main) per stream
@@ -44,13 +45,15 @@ def test_mtp_structure_and_weights(model: DeepSeekV4ForCausalLM, ckpt: Path) -> 
     assert len(model.mtp) == model.config.num_mtp_layers == 1
     mtp = model.mtp[0]
     assert mtp.attn_type == "swa" and mtp.attn.compressor is None and mtp.attn.indexer is None
-    assert not mtp.ffn.gate.is_hash and mtp.ffn.gate.bias is not None and mtp.ffn.gate.tid2eid is None
+    assert (not mtp.ffn.gate.is_hash and mtp.ffn.gate.bias is not None
+            and mtp.ffn.gate.tid2eid is None)
     assert not any(n.startswith("embed") or n.startswith("head") for n, _ in mtp.named_parameters())
     with safe_open(str(next(ckpt.glob("*.safetensors"))), framework="pt") as f:
         keys = [k for k in f.keys() if k.startswith("mtp.0.")]
         assert "mtp.0.e_proj.weight" in keys and "mtp.0.hc_head_fn" in keys
         assert not any(".compressor." in k or ".indexer." in k or "tid2eid" in k for k in keys)
-        torch.testing.assert_close(mtp.e_proj.weight, f.get_tensor("mtp.0.e_proj.weight").float(), rtol=0, atol=0)
+        torch.testing.assert_close(mtp.e_proj.weight, f.get_tensor("mtp.0.e_proj.weight").float(),
+                                   rtol=0, atol=0)
         torch.testing.assert_close(mtp.hc_head.fn, f.get_tensor("mtp.0.hc_head_fn"), rtol=0, atol=0)
         w1_e3 = f.get_tensor("mtp.0.ffn.experts.3.w1.weight").float()
     torch.testing.assert_close(mtp.ffn.experts.w1[3], w1_e3, rtol=0, atol=0)
@@ -74,10 +77,12 @@ def test_mtp_equations(model: DeepSeekV4ForCausalLM) -> None:
         hx = rms(streams, mtp.hnorm.weight, eps)
         x = (e @ mtp.e_proj.weight.T)[:, :, None, :] + hx @ mtp.h_proj.weight.T
         block = Block(cfg, "swa", "routed", cfg.num_layers)
-        block_state = {k: v for k, v in mtp.state_dict().items() if k.split(".")[0] in dict(block.named_children())}
+        block_state = {k: v for k, v in mtp.state_dict().items()
+                       if k.split(".")[0] in dict(block.named_children())}
         block.load_state_dict(block_state, strict=True)
         pos = torch.arange(23, dtype=torch.float32)
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.rope_head_dim, 2).float() / cfg.rope_head_dim)
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.rope_head_dim, 2).float()
+                                            / cfg.rope_head_dim)
         cos, sin = torch.cos(pos[:, None] * inv_freq), torch.sin(pos[:, None] * inv_freq)
         x = block(x, next_ids, cos, sin, mode=INFERENCE)
         flat = x.flatten(2)

@@ -1,8 +1,10 @@
-"""Routed experts kept in checkpoint encoding (`weight_format="checkpoint"`, `model/quant_experts.py`).
+"""Routed experts kept in checkpoint encoding (`weight_format="checkpoint"`,
+`model/quant_experts.py`).
 
-The shipped dsv4-tiny checkpoint stores its experts in FP4: loaded with weight_format="checkpoint" the codes and
-scales sit in `QuantExperts` buffers exactly as in the files, dequantise to the bf16-format model's expert
-weights bit for bit, and serving gives the same greedy tokens and log-probs as the dequantised model.
+The shipped dsv4-tiny checkpoint stores its experts in FP4: loaded with
+`weight_format="checkpoint"` the codes and scales sit in `QuantExperts` buffers exactly as in the
+files, dequantise to the bf16-format model's expert weights bit for bit, and serving gives the same
+greedy tokens and log-probs as the dequantised model.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def test_checkpoint_format_keeps_file_codes_and_dequantises_exactly() -> None:
         assert torch.equal(w1, d.w1) and torch.equal(w2, d.w2) and torch.equal(w3, d.w3), name
     name, q = pairs[0][1]
     key = f"{name}.3.w3"
-    with safe_open(str(next(f for f in shard_files(TINY) if key + ".weight" in safe_open(str(f), "pt").keys())),
-                   "pt") as f:
+    with safe_open(str(next(f for f in shard_files(TINY)
+                            if key + ".weight" in safe_open(str(f), "pt").keys())), "pt") as f:
         codes, scale = f.get_tensor(key + ".weight"), f.get_tensor(key + ".scale")
     inter = q.inter
     assert torch.equal(q.w13[3, inter:], codes.view(torch.uint8))
@@ -51,8 +53,9 @@ def test_checkpoint_format_keeps_file_codes_and_dequantises_exactly() -> None:
 def test_checkpoint_format_serves_like_dequantised() -> None:
     prompts = ["def add(a, b):", "12+7="]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    outs = [LLM(TINY, dtype="float32", device="cpu", weight_format=fmt, page_size=128, kv_cache_memory_gb=0.25)
-            .generate(prompts, params, use_tqdm=False) for fmt in ("bf16", "checkpoint")]
+    outs = [LLM(TINY, dtype="float32", device="cpu", weight_format=fmt, page_size=128,
+                kv_cache_memory_gb=0.25).generate(prompts, params, use_tqdm=False)
+            for fmt in ("bf16", "checkpoint")]
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
@@ -82,8 +85,9 @@ def test_missing_expert_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_float_expert_weight_is_encoded_and_wide_scale_refused() -> None:
-    """A dequantised (float) expert weight, as transformers-layout files hold, is encoded losslessly; a scale that is
-    not one byte per element is refused with the tensor's name instead of being misread."""
+    """A dequantised (float) expert weight, as transformers-layout files hold, is encoded
+    losslessly; a scale that is not one byte per element is refused with the tensor's name instead
+    of being misread."""
     from dsv4.model.weights import WeightLoader
 
     dense = load_model(TINY, dtype="float32", progress=False)

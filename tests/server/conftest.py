@@ -1,9 +1,9 @@
 """Real `dsv4 serve` processes on 127.0.0.1 for the server tests.
 
-`ServerProcess` starts `python -m dsv4 serve` on a free loopback port (its log goes to a file that is
-printed when a test fails), waits — bounded — for GET /health to answer 200, and stops it with SIGTERM.
-The `server` fixture is one default-model server shared by the whole session (each test leaves it idle
-with every pool free); modules that need other flags start their own.
+`ServerProcess` starts `python -m dsv4 serve` on a free loopback port (its log goes to a file that
+is printed when a test fails), waits — bounded — for GET /health to answer 200, and stops it with
+SIGTERM. The `server` fixture is one default-model server shared by the whole session (each test
+leaves it idle with every pool free); modules that need other flags start their own.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class ServerProcess:
             return None
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> list[int | None]:
-        """Poll /health until 200; returns every status seen. Fails if the process exits or time runs out."""
+        """Poll /health until 200; returns every status seen. Fails if the process exits or time
+        runs out."""
         seen: list[int | None] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -66,14 +67,15 @@ class ServerProcess:
         raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
 
     def engine_stats(self, check_integrity: bool = False, **headers: str) -> dict[str, Any]:
-        r = httpx.get(f"{self.url}/v1/engine_stats", params={"check_integrity": str(check_integrity).lower()},
-                      headers=headers, timeout=30.0)
+        r = httpx.get(f"{self.url}/v1/engine_stats",
+                      params={"check_integrity": str(check_integrity).lower()}, headers=headers,
+                      timeout=30.0)
         assert r.status_code == 200, r.text
         return dict(r.json())
 
     def wait_idle(self, timeout: float = 60.0, **headers: str) -> dict[str, Any]:
-        """Engine stats once no request is left anywhere (bounded), after flushing the prefix cache, with the
-        integrity check run."""
+        """Engine stats once no request is left anywhere (bounded), after flushing the prefix cache,
+        with the integrity check run."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             stats = self.engine_stats(**headers)
@@ -92,21 +94,24 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"server ignored signal {sig} for {timeout} s:\n{self.log()}") from None
+            raise AssertionError(f"server ignored signal {sig} for {timeout} s:\n"
+                                 f"{self.log()}") from None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-20000:]
 
 
 def assert_pools_free(stats: dict[str, Any], initial: dict[str, Any]) -> None:
-    """No request in the engine, the engine's integrity check passes, and (the prefix cache flushed, see
-    `wait_idle`) every pool and the request slots are back to their initial free counts."""
+    """No request in the engine, the engine's integrity check passes, and (the prefix cache flushed,
+    see `wait_idle`) every pool and the request slots are back to their initial free counts."""
     assert stats["integrity"] == "ok", stats
     assert stats["num_running"] == stats["num_waiting"] == stats["num_requests"] == 0, stats
     assert stats["full_cached"] == stats["swa_cached"] == 0, stats
     assert stats["free_slots"] == initial["free_slots"] == stats["num_slots"], stats
-    assert (stats["full_free"], stats["swa_free"]) == (initial["full_free"], initial["swa_free"]), (stats, initial)
-    assert initial["full_free"] == initial["full_usable"] and initial["swa_free"] == initial["swa_usable"], initial
+    assert (stats["full_free"], stats["swa_free"]) == (initial["full_free"], initial["swa_free"]), \
+        (stats, initial)
+    assert (initial["full_free"] == initial["full_usable"]
+            and initial["swa_free"] == initial["swa_usable"]), initial
 
 
 @pytest.fixture(scope="session")
@@ -117,7 +122,8 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[ServerProcess]:
     """The default server: embedded model, 64 running requests (the soak test's concurrency)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--max-running-requests", "64", "--shutdown-timeout", "5")
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--max-running-requests", "64",
+                        "--shutdown-timeout", "5")
     try:
         srv.wait_healthy()
         srv.initial = srv.engine_stats(check_integrity=True)

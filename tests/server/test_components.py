@@ -20,15 +20,19 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
 def test_checkpoint_chat_template(model_path: Path) -> None:
     template = ChatTemplate.from_checkpoint(model_path)
-    text = template.render([ChatMessage(role="system", content="S"), ChatMessage(role="user", content="Hi"),
-                            ChatMessage(role="assistant", content="Yo"), ChatMessage(role="user", content="More")])
-    assert text == f"{BOS}S<｜User｜>Hi<｜Assistant｜>Yo{EOS}<｜User｜>More<｜Assistant｜>"
+    text = template.render([ChatMessage(role="system", content="S"),
+                            ChatMessage(role="user", content="Hi"),
+                            ChatMessage(role="assistant", content="Yo"),
+                            ChatMessage(role="user", content="More")])
+    assert text == (f"{BOS}S<｜User｜>Hi<｜Assistant｜>Yo{EOS}"
+                    "<｜User｜>More<｜Assistant｜>")
 
 
 def test_deepseek_v4_fallback_template(tmp_path: Path) -> None:
     template = ChatTemplate.from_checkpoint(tmp_path)   # no tokenizer_config.json
     assert template.source == DEEPSEEK_V4_TEMPLATE
-    msgs = [ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])]
+    msgs = [ChatMessage(role="user", content=[{"type": "text", "text": "a"},
+                                              {"type": "text", "text": "b"}])]
     assert template.render(msgs) == f"{BOS}<｜User｜>ab<｜Assistant｜></think>"
     assert template.render(msgs, kwargs={"thinking": True}).endswith("<｜Assistant｜><think>")
     with pytest.raises(APIError) as err:
@@ -45,13 +49,15 @@ def test_token_bytes_are_exact_for_byte_level_bpe(model_path: Path) -> None:
 
 def test_choice_seeds_are_distinct_reproducible_and_in_range() -> None:
     seeds = [choice_seed(42, j) for j in range(8)]
-    assert seeds[0] == 42 and len(set(seeds)) == 8 and seeds == [choice_seed(42, j) for j in range(8)]
+    assert (seeds[0] == 42 and len(set(seeds)) == 8
+            and seeds == [choice_seed(42, j) for j in range(8)])
     assert all(s is not None and 0 <= s < 2**63 for s in seeds)
     assert choice_seed(None, 3) is None
 
 
 def test_build_params_names_the_field() -> None:
-    params = build_params(CompletionRequest(prompt="x", n=3, seed=5, stop="\n", top_k=4), 9, logprobs=2)
+    params = build_params(CompletionRequest(prompt="x", n=3, seed=5, stop="\n", top_k=4), 9,
+                          logprobs=2)
     assert [p.seed for p in params] == [choice_seed(5, j) for j in range(3)]
     assert params[0].stop == ("\n",) and params[0].top_k == 4 and params[0].max_tokens == 9
     with pytest.raises(APIError) as err:
@@ -65,7 +71,11 @@ def test_metrics_exposition() -> None:
     t = RequestTiming(sent=0.0)
     m.on_delta(t, RequestDelta("r", [1], [-1.0], [[]], None, 10, 4), now=0.2)
     m.on_delta(t, RequestDelta("r", [2, 3], [-1.0, -1.0], [[], []], "length", 10, 4), now=0.4)
-    snapshot = EngineSnapshot(1, 0, 0, 0, 90, 100, 0, 9, 10, 0, 64, 64, 5, 10, 3, 1, 0, 0)
+    snapshot = EngineSnapshot(num_running=0, num_waiting=0, num_requests=0, full_free=90,
+                              full_usable=100, full_cached=0, swa_free=9, swa_usable=10,
+                              swa_cached=0, free_slots=64, num_slots=64, steps=5, prefill_tokens=10,
+                              decode_tokens=3, num_preemptions=0, pid=1, num_finished=1,
+                              num_aborted=0)
     text = m.render(snapshot, healthy=True, num_inflight=0)
     assert 'dsv4_time_to_first_token_seconds_bucket{le="0.25"} 1' in text
     assert "dsv4_time_per_output_token_seconds_sum 0.1" in text

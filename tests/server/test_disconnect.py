@@ -1,5 +1,5 @@
-"""Clients that disconnect mid-stream: their requests are aborted in the engine and every KV pool, and every
-request slot, is back to its initial free count."""
+"""Clients that disconnect mid-stream: their requests are aborted in the engine and every KV pool,
+and every request slot, is back to its initial free count."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ EVENTS_BEFORE_DROP = 3
 
 async def _stream_then_drop(url: str, i: int) -> int:
     """Start a long stream, read a few events, then drop the connection; returns the events read."""
-    body = {"prompt": f"client {i}: def f(x):", "max_tokens": 2000, "ignore_eos": True, "stream": True,
-            "temperature": 1.0}
+    body = {"prompt": f"client {i}: def f(x):", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True, "temperature": 1.0}
     events = 0
-    async with httpx.AsyncClient(base_url=url, timeout=60.0) as http, http.stream("POST", "/v1/completions",
-                                                                                  json=body) as r:
+    async with (httpx.AsyncClient(base_url=url, timeout=60.0) as http,
+                http.stream("POST", "/v1/completions", json=body) as r):
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
@@ -30,7 +30,8 @@ async def _stream_then_drop(url: str, i: int) -> int:
 
 
 async def _all(url: str) -> list[int]:
-    return await asyncio.wait_for(asyncio.gather(*(_stream_then_drop(url, i) for i in range(NUM_CLIENTS))), 120)
+    return await asyncio.wait_for(asyncio.gather(*(_stream_then_drop(url, i)
+                                                   for i in range(NUM_CLIENTS))), 120)
 
 
 def test_disconnected_streams_are_aborted_and_free_their_pages(server: ServerProcess) -> None:

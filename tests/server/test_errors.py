@@ -1,6 +1,6 @@
-"""Error cases over raw HTTP against a real `dsv4 serve` with an API key and small admission limits:
-401, 400 (invalid values, wrong types, malformed JSON, prompt too long), 404, 413, 503 — all in OpenAI's
-error shape, each 400 naming the offending field."""
+"""Error cases over raw HTTP against a real `dsv4 serve` with an API key and small admission
+limits: 401, 400 (invalid values, wrong types, malformed JSON, prompt too long), 404, 413, 503 — all
+in OpenAI's error shape, each 400 naming the offending field."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ MAX_RUNNING, MAX_WAITING = 2, 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("errors"), "--api-key", KEY, "--max-request-bytes", str(MAX_BYTES),
-                        "--max-running-requests", str(MAX_RUNNING), "--max-waiting-requests", str(MAX_WAITING),
-                        "--shutdown-timeout", "2")
+    srv = ServerProcess(tmp_path_factory.mktemp("errors"), "--api-key", KEY,
+                        "--max-request-bytes", str(MAX_BYTES),
+                        "--max-running-requests", str(MAX_RUNNING),
+                        "--max-waiting-requests", str(MAX_WAITING), "--shutdown-timeout", "2")
     try:
         srv.wait_healthy()
         srv.initial = srv.engine_stats(check_integrity=True, **AUTH)
@@ -49,20 +50,29 @@ def test_api_key_is_required_on_v1_only(server: ServerProcess) -> None:
     body = {"prompt": "hi", "max_tokens": 1}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)
     assert error_of(missing, 401)["type"] == "AuthenticationError"
-    wrong = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    wrong = httpx.post(f"{server.url}/v1/completions", json=body,
+                       headers={"Authorization": "Bearer nope"})
     error_of(wrong, 401)
     error_of(httpx.get(f"{server.url}/v1/models"), 401)
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH).status_code == 200
+    assert "Authorization: Bearer" in server.log() and KEY not in server.log(), "the key is logged"
+
+
+def test_a_body_that_is_not_an_object_gets_a_clean_400(server: ServerProcess) -> None:
+    err = error_of(httpx.post(f"{server.url}/v1/completions", json=[1, 2], headers=AUTH), 400)
+    assert not err["message"].startswith("None") and err["param"] is None, err
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2.0), ("max_tokens", 0),
-    ("n", 0), ("logprobs", 21), ("seed", -1), ("frequency_penalty", 3.0), ("presence_penalty", -2.5),
-    ("repetition_penalty", 0.0), ("stop", [""]),
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2.0),
+    ("max_tokens", 0), ("n", 0), ("logprobs", 21), ("seed", -1), ("frequency_penalty", 3.0),
+    ("presence_penalty", -2.5), ("repetition_penalty", 0.0), ("stop", [""]),
 ])
-def test_invalid_values_are_400_naming_the_field(http: httpx.Client, field: str, value: object) -> None:
-    err = error_of(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value}), 400)
+def test_invalid_values_are_400_naming_the_field(http: httpx.Client, field: str,
+                                                 value: object) -> None:
+    err = error_of(http.post("/v1/completions",
+                             json={"prompt": "hi", "max_tokens": 2, field: value}), 400)
     assert err["param"] == field and field in err["message"], err
 
 
@@ -74,7 +84,8 @@ def test_invalid_values_are_400_naming_the_field(http: httpx.Client, field: str,
     ({"prompt": 5}, "prompt"),
     ({"max_tokens": 2}, "prompt"),
 ])
-def test_wrong_types_are_400_naming_the_field(http: httpx.Client, body: dict[str, Any], field: str) -> None:
+def test_wrong_types_are_400_naming_the_field(http: httpx.Client, body: dict[str, Any],
+                                              field: str) -> None:
     err = error_of(http.post("/v1/completions", json=body), 400)
     assert err["param"] == field, err
 

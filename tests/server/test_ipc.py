@@ -1,4 +1,5 @@
-"""The engine <-> API message codec: every message round-trips exactly, and nothing but JSON crosses."""
+"""The engine <-> API message codec: every message round-trips exactly, and nothing but JSON
+crosses."""
 
 from __future__ import annotations
 
@@ -9,20 +10,24 @@ import pytest
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.server import ipc
 
-SNAPSHOT = ipc.EngineSnapshot(pid=7, num_running=1, num_waiting=2, num_requests=3, full_free=10, full_usable=12,
-                              full_cached=0, swa_free=4, swa_usable=5, swa_cached=0, free_slots=63, num_slots=64,
-                              steps=9, prefill_tokens=100, decode_tokens=50, num_finished=4, num_aborted=1,
+SNAPSHOT = ipc.EngineSnapshot(pid=7, num_running=1, num_waiting=2, num_requests=3, full_free=10,
+                              full_usable=12, full_cached=0, swa_free=4, swa_usable=5,
+                              swa_cached=0, free_slots=63, num_slots=64, steps=9,
+                              prefill_tokens=100, decode_tokens=50, num_finished=4, num_aborted=1,
                               num_preemptions=0, integrity="ok")
 MESSAGES: list[ipc.Message] = [
-    ipc.AddRequest("r-0", [0, 5, 9], SamplingParams.create(max_tokens=7, temperature=0.5, stop=["\n", "ab"],
-                                                           stop_token_ids=[1], seed=3, logprobs=2)),
+    ipc.AddRequest("r-0", [0, 5, 9], SamplingParams.create(max_tokens=7, temperature=0.5,
+                                                           stop=["\n", "ab"], stop_token_ids=[1],
+                                                           seed=3, logprobs=2)),
     ipc.AbortRequests(["a", "b"]),
     ipc.StatsQuery(4, check_integrity=True, flush_cache=True),
     ipc.ShutdownEngine(),
-    ipc.EngineReady(pid=11, model=ipc.ModelInfo(context_length=4096, max_total_tokens=8192, vocab_size=512,
-                                                eos_token_id=1)),
-    ipc.StepOutputs([ipc.RequestDelta("r-0", [4, 5], [-0.5, -1.25], [[(4, -0.5), (6, -2.0)], []], None, 3, 0),
-                     ipc.RequestDelta("r-1", [], [], [], "abort", 8, 2)], num_running=1, num_waiting=0),
+    ipc.EngineReady(pid=11, model=ipc.ModelInfo(context_length=4096, max_total_tokens=8192,
+                                                vocab_size=512, eos_token_id=1)),
+    ipc.StepOutputs([ipc.RequestDelta("r-0", [4, 5], [-0.5, -1.25], [[(4, -0.5), (6, -2.0)], []],
+                                      None, 3, 0),
+                     ipc.RequestDelta("r-1", [], [], [], "abort", 8, 2)],
+                    num_running=1, num_waiting=0),
     ipc.RequestsAccepted(["r-0", "r-1"]),
     ipc.RequestError("r-2", "max_tokens=0 is invalid; allowed: max_tokens >= 1"),
     ipc.StatsReply(4, SNAPSHOT),
@@ -41,5 +46,6 @@ def test_unknown_kind_and_non_finite_floats_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown message kind"):
         ipc.decode(b'{"kind": "Pickle", "x": 1}')
     with pytest.raises(ValueError):
-        ipc.encode(ipc.StepOutputs([ipc.RequestDelta("r", [1], [float("-inf")], [[]], None, 1, 0)], 0, 0))
+        ipc.encode(ipc.StepOutputs([ipc.RequestDelta("r", [1], [float("-inf")], [[]], None, 1, 0)],
+                                   0, 0))
     assert ipc.finite_logprob(float("-inf")) == -9999.0

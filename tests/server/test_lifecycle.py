@@ -1,6 +1,6 @@
-"""Process lifecycle of `dsv4 serve`: readiness, SIGTERM (drain, then abort, exit 0), and engine failures
-(killed engine, engine that cannot load the model, bad model path) that must end in a non-zero exit, never
-a hang. Each test starts its own server."""
+"""Process lifecycle of `dsv4 serve`: readiness, SIGTERM (drain, then abort, exit 0), and engine
+failures (killed engine, engine that cannot load the model, bad model path) that must end in a
+non-zero exit, never a hang. Each test starts its own server."""
 
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(tmp_path: 
         time.sleep(0.3)
         assert srv.health() in (None, 503), "a draining server must not report healthy"
         finish_a = [e["choices"][0]["finish_reason"] for e in events_a]   # type: ignore[index]
-        assert finish_a[-1] == "length", "an in-flight request should finish within the shutdown timeout"
+        assert finish_a[-1] == "length", \
+            "an in-flight request should finish within the shutdown timeout"
         started = time.monotonic()
         finish_b = [e["choices"][0]["finish_reason"] for e in events_b]   # type: ignore[index]
-        assert finish_b[-1] == "abort" and len(finish_b) < 3000, "the long one is aborted at the timeout"
+        assert finish_b[-1] == "abort" and len(finish_b) < 3000, \
+            "the long one is aborted at the timeout"
         assert time.monotonic() - started < 20
     assert srv.stop(timeout=EXIT_TIMEOUT_S) == 0, srv.log()
 
@@ -55,7 +57,8 @@ def test_killed_engine_makes_the_server_unhealthy_and_exit_nonzero(tmp_path: Pat
     srv.wait_healthy()
     engine_pid = int(httpx.get(f"{srv.url}/health").json()["engine_pid"])
     body = {"prompt": "c", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=srv.url, timeout=60.0) as http, http.stream("POST", "/v1/completions", json=body) as r:
+    with httpx.Client(base_url=srv.url, timeout=60.0) as http, \
+            http.stream("POST", "/v1/completions", json=body) as r:
         events = _events(r)
         next(events)
         os.kill(engine_pid, signal.SIGKILL)
@@ -76,6 +79,6 @@ def test_engine_that_cannot_load_the_model_exits_nonzero(tmp_path: Path, model_p
 
 
 def test_bad_model_path_exits_nonzero_with_a_message(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--model", str(tmp_path / "missing")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--model",
+                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--model" in out.stderr

@@ -1,6 +1,6 @@
-"""Bounded soak: 500 streaming requests (completions and chat, mixed prompt lengths) at 64 concurrent streams
-through the official async `openai` client, on loopback. Zero errors, every request ends with its full
-token count, and afterwards the engine is idle with every pool free."""
+"""Bounded soak: 500 streaming requests (completions and chat, mixed prompt lengths) at 64
+concurrent streams through the official async `openai` client, on loopback. Zero errors, every
+request ends with its full token count, and afterwards the engine is idle with every pool free."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ async def _one(client: openai.AsyncOpenAI, i: int, sem: asyncio.Semaphore) -> in
             "temperature": rng.choice([0.0, 0.8]), "extra_body": {"ignore_eos": True}}
     async with sem:
         if i % 2:
-            stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}],
-                                                          **opts)  # type: ignore[call-overload]
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": words}], **opts)  # type: ignore[call-overload]
         else:
             stream = await client.completions.create(model=MODEL, prompt=words, **opts)  # type: ignore[call-overload]
         usage = None

@@ -68,7 +68,8 @@ def test_seed_changes_tasks_not_text(built: tuple[Path, DataMeta], tmp_path: Pat
     out, meta = built
     other = prepare_data(tmp_path, seed=1, max_text_bytes=MAX_TEXT_BYTES, progress=False)
     assert other.train_sha256 != meta.train_sha256
-    assert (other.num_train_files, other.train_text_bytes) == (meta.num_train_files, meta.train_text_bytes)
+    assert ((other.num_train_files, other.train_text_bytes)
+            == (meta.num_train_files, meta.train_text_bytes))
 
 
 def test_meta_matches_files(built: tuple[Path, DataMeta]) -> None:
@@ -87,7 +88,8 @@ def test_meta_matches_files(built: tuple[Path, DataMeta]) -> None:
 def test_task_token_fraction(built: tuple[Path, DataMeta]) -> None:
     meta = built[1]
     assert 0.29 <= meta.task_token_fraction <= 0.31
-    assert 0.2 <= meta.train_chat_tokens / meta.train_task_tokens <= 0.6  # both task forms are present
+    # both task forms are present
+    assert 0.2 <= meta.train_chat_tokens / meta.train_task_tokens <= 0.6
     assert 0.29 <= meta.heldout_task_tokens / meta.heldout_tokens <= 0.35
 
 
@@ -99,13 +101,15 @@ def test_documents_framed_by_bos_and_eos(built: tuple[Path, DataMeta], tok: Toke
 
 def test_heldout_files_disjoint(built: tuple[Path, DataMeta], tok: Tokenizer) -> None:
     train_files, heldout_files, _ = select_stdlib_files(MAX_TEXT_BYTES)
-    assert len(train_files) == built[1].num_train_files and len(heldout_files) == built[1].num_heldout_files
+    assert (len(train_files) == built[1].num_train_files
+            and len(heldout_files) == built[1].num_heldout_files)
     assert all(is_heldout_file(f.rel_path) for f in heldout_files)
     assert not any(is_heldout_file(f.rel_path) for f in train_files)
     train_docs = set(_documents(tok, built[0] / TRAIN_FILE))
     heldout_docs = set(_documents(tok, built[0] / HELDOUT_FILE))
     for f in heldout_files:
-        assert BOS_TOKEN + f.text + EOS_TOKEN in heldout_docs and BOS_TOKEN + f.text + EOS_TOKEN not in train_docs
+        assert (BOS_TOKEN + f.text + EOS_TOKEN in heldout_docs
+                and BOS_TOKEN + f.text + EOS_TOKEN not in train_docs)
     assert all(BOS_TOKEN + f.text + EOS_TOKEN in train_docs for f in train_files)
 
 
@@ -141,9 +145,11 @@ def test_chat_template_renders(built: tuple[Path, DataMeta], tok: Tokenizer) -> 
     jinja2 = pytest.importorskip("jinja2")
     template = jinja2.Environment().from_string(cfg["chat_template"])
     for add_generation_prompt in (False, True):
-        expected = render_chat(messages + [{"role": "user", "content": "hi"}], add_generation_prompt)
-        assert template.render(messages=messages + [{"role": "user", "content": "hi"}], bos_token=cfg["bos_token"],
-                               eos_token=cfg["eos_token"], add_generation_prompt=add_generation_prompt) == expected
+        expected = render_chat(messages + [{"role": "user", "content": "hi"}],
+                               add_generation_prompt)
+        assert template.render(messages=messages + [{"role": "user", "content": "hi"}],
+                               bos_token=cfg["bos_token"], eos_token=cfg["eos_token"],
+                               add_generation_prompt=add_generation_prompt) == expected
 
 
 def test_batch_depends_only_on_seed_and_step(built: tuple[Path, DataMeta]) -> None:
@@ -170,9 +176,11 @@ def test_heldout_batches(built: tuple[Path, DataMeta]) -> None:
     heldout = torch.from_numpy(np.fromfile(out / HELDOUT_FILE, dtype=np.uint16).astype(np.int64))
     starts = []
     for row in torch.cat(batches):
-        (start,) = [s for s in range(0, len(heldout) - 256, 256) if torch.equal(heldout[s : s + 257], row)][:1]
+        (start,) = [s for s in range(0, len(heldout) - 256, 256)
+                    if torch.equal(heldout[s : s + 257], row)][:1]
         starts.append(start)
-    assert starts == sorted(set(starts))  # distinct aligned windows: no target token is scored twice
+    # distinct aligned windows: no target token is scored twice
+    assert starts == sorted(set(starts))
     assert starts[-1] > meta.heldout_text_tokens  # the spread reaches the held-out task documents
     assert stream.heldout_batches(seq_len=256, max_tokens=100) == []
 

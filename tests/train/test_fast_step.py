@@ -1,5 +1,6 @@
-"""The cheap training step: the dense routed experts equal the per-expert loop (values and gradients), and a
-`compile=True` trainer reproduces the eager losses (needs a C++ compiler for inductor on CPU)."""
+"""The cheap training step: the dense routed experts equal the per-expert loop (values and
+gradients), and a `compile=True` trainer reproduces the eager losses (needs a C++ compiler for
+inductor on CPU)."""
 
 from __future__ import annotations
 
@@ -38,21 +39,24 @@ def test_dense_experts_equal_loop() -> None:
         results.append((y, *grads))
     for name, a, b in zip(("y", "x", "w1", "w2", "w3", "weights"), *results, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
-    assert torch.count_nonzero(results[1][2][-1]) == 0      # the unused expert gets an exact zero gradient
+    # the unused expert gets an exact zero gradient
+    assert torch.count_nonzero(results[1][2][-1]) == 0
 
 
 def _has_cxx() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-@pytest.mark.slow     # inductor builds the micro model's forward + backward: minutes on a 2-core CPU
-@pytest.mark.skipif(not _has_cxx(), reason="no C++ compiler: inductor cannot build CPU kernels here")
+@pytest.mark.slow     # inductor builds the micro model's forward + backward: minutes on 2 cores
+@pytest.mark.skipif(not _has_cxx(),
+                    reason="no C++ compiler: inductor cannot build CPU kernels here")
 def test_compiled_step_matches_eager(tmp_path: Path) -> None:
     data = tmp_path / "data"
     prepare_data(data, seed=0, vocab_size=512, max_text_bytes=100_000, progress=False)
     # 2 steps, the second with QAT: the compiled forward also runs on QAT-swapped weights
-    base = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "eager"), preset="micro", steps=2, batch_size=2,
-                       seq_len=64, warmup_steps=1, log_every=1, eval_every=100, ckpt_every=100, qat_start=0.5)
+    base = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "eager"), preset="micro",
+                       steps=2, batch_size=2, seq_len=64, warmup_steps=1, log_every=1,
+                       eval_every=100, ckpt_every=100, qat_start=0.5)
     runs = {}
     for compile_ in (False, True):
         out = tmp_path / f"compile{compile_}"

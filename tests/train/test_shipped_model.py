@@ -1,4 +1,4 @@
-"""The embedded dsv4-tiny model (issue 8): its model card's numbers hold on this CPU, it is small and fast
+"""The embedded dsv4-tiny model: its model card's numbers hold on this CPU, it is small and fast
 enough to be the default, and it writes Python."""
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ def test_architecture_and_size() -> None:
     assert config.weight_quant == "fp8+fp4" and not is_random_weights(MODEL)
     size = sum(f.stat().st_size for f in MODEL.glob("model-*.safetensors"))
     assert size <= 25_000_000, size
-    # every feature active at the training length: top-k < #C4 entries, several C128 entries, SWA < length
-    assert config.index_topk < 2048 // config.csa_ratio and 2048 // config.hca_ratio > 1 and config.window < 2048
+    # every feature active at the training length: top-k < #C4 entries, several C128 entries,
+    # SWA < length
+    assert (config.index_topk < 2048 // config.csa_ratio and 2048 // config.hca_ratio > 1
+            and config.window < 2048)
 
 
 @pytest.mark.slow     # held-out loss over the card's token file: ~15 s on a 2-core CPU
 def test_heldout_loss_and_mtp_match_card(llm: LLM) -> None:
-    got = heldout_metrics(llm.model, read_tokens(MODEL / "heldout.bin", 2048, CARD["heldout_tokens"]))
+    got = heldout_metrics(llm.model,
+                          read_tokens(MODEL / "heldout.bin", 2048, CARD["heldout_tokens"]))
     assert got["heldout_loss"] == pytest.approx(CARD["heldout_loss"], rel=0.02)
     assert got["mtp_top1"] >= CARD["mtp_top1"] - 0.005
 
@@ -60,10 +63,11 @@ def test_easy_task_accuracy_matches_card(llm: LLM) -> None:
 def test_64_tokens_fast_and_python(llm: LLM) -> None:
     prompt = "class Stack:\n    def __init__(self):"
     start = time.perf_counter()
-    out = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
     elapsed = time.perf_counter() - start
-    # a sanity bound only (about 20x the time on an idle 2-core machine, so a loaded one cannot fail it); the
-    # speed itself is measured by benchmarks/offline_throughput.py
+    # a sanity bound only (about 20x the time on an idle 2-core machine, so a loaded one cannot
+    # fail it); the speed itself is measured by benchmarks/offline_throughput.py
     assert len(out.token_ids) == 64 and elapsed < 60.0, elapsed
     text = prompt + out.text
     complete = text[:text.rindex("\n")]                       # drop the cut-off last line
@@ -82,8 +86,10 @@ def test_train_eval_cli_writes_the_card_numbers(tmp_path: Path) -> None:
     from dsv4.cli.main import main
 
     out = tmp_path / "eval.json"
-    assert main(["train", "eval", "--model", str(MODEL), "--out", str(out), "--heldout-tokens", "2048",
-                 "--per-level", "2"]) == 0
+    assert main(["train", "eval", "--model", str(MODEL), "--out", str(out), "--heldout-tokens",
+                 "2048", "--per-level", "2"]) == 0
     got = json.loads(out.read_text())
-    assert got["heldout_tokens"] == 2048 and set(got["task_chat"]["by_level"]) == {str(i) for i in range(1, 7)}
-    assert 0.0 < got["heldout_loss"] < 10.0 and 0.0 <= got["easy_chat_accuracy"] <= 1.0 and got["samples"]
+    assert (got["heldout_tokens"] == 2048
+            and set(got["task_chat"]["by_level"]) == {str(i) for i in range(1, 7)})
+    assert (0.0 < got["heldout_loss"] < 10.0 and 0.0 <= got["easy_chat_accuracy"] <= 1.0
+            and got["samples"])

@@ -1,4 +1,5 @@
-"""Tests for dsv4.train.tasks: problem generation, difficulty levels, the split and the reward."""
+"""Tests for dsv4.train.tasks: problem generation, difficulty levels, the split and the
+reward."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_level_sets_operand_digits(level: int) -> None:
     mul_digits = {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (2, 2), 5: (3, 2), 6: (3, 3)}
     for op in OPS:
         for _ in range(200):
-            digits = sorted((len(str(x)) for x in _operands(sample_problem(rng, level, op))), reverse=True)
+            digits = sorted((len(str(x)) for x in _operands(sample_problem(rng, level, op))),
+                            reverse=True)
             if op == "*":
                 assert tuple(digits) == mul_digits[level]
             else:
@@ -78,13 +80,15 @@ def test_eval_set() -> None:
 
 @pytest.mark.parametrize(
     "completion",
-    ["405", " 405", "405\n", "405<｜end▁of▁sentence｜>", "405\n12+3=15\n", "The answer is 405.", "=405 (easy)"],
+    ["405", " 405", "405\n", "405<｜end▁of▁sentence｜>", "405\n12+3=15\n", "The answer is 405.",
+     "=405 (easy)"],
 )
 def test_check_answer_accepts(completion: str) -> None:
     assert check_answer(Problem("347+58=", "405", "+", 3), completion)
 
 
-@pytest.mark.parametrize("completion", ["", "four hundred", "406", "4050", "0405", "-405", "40 5", "347+58=405", "٤٠٥"])
+@pytest.mark.parametrize("completion", ["", "four hundred", "406", "4050", "0405", "-405", "40 5",
+                                        "347+58=405", "٤٠٥"])
 def test_check_answer_rejects(completion: str) -> None:
     assert not check_answer(Problem("347+58=", "405", "+", 3), completion)
 
@@ -101,11 +105,13 @@ def test_chat_messages() -> None:
         {"role": "user", "content": "What is 347+58?"},
         {"role": "assistant", "content": "405"},
     ]
-    assert chat_messages(p, include_answer=False) == [{"role": "user", "content": "What is 347+58?"}]
+    assert chat_messages(p, include_answer=False) == [
+        {"role": "user", "content": "What is 347+58?"},
+    ]
 
 
-@pytest.mark.parametrize(("level", "op", "split"), [(0, None, "train"), (7, "+", "train"), (1, "/", "train"),
-                                                    (1, "+", "test")])
+@pytest.mark.parametrize(("level", "op", "split"), [(0, None, "train"), (7, "+", "train"),
+                                                    (1, "/", "train"), (1, "+", "test")])
 def test_invalid_arguments(level: int, op: str | None, split: str) -> None:
     with pytest.raises(ValueError):
         sample_problem(random.Random(0), level, op, split=split)  # type: ignore[arg-type]

@@ -1,5 +1,6 @@
-"""The training loop on CPU (micro preset, short sequences): reproducibility from the seed, exact resume,
-QAT weight swapping, expert balancing, indexer distillation, export -> load_model, and the CLI."""
+"""The training loop on CPU (micro preset, short sequences): reproducibility from the seed, exact
+resume, QAT weight swapping, expert balancing, indexer distillation, export -> load_model, and the
+CLI."""
 
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(data_dir: Path, out: Path, **changes: object) -> TrainConfig:
-    base = TrainConfig(data_dir=str(data_dir), out_dir=str(out), preset="micro", steps=6, batch_size=2, seq_len=64,
-                       warmup_steps=2, log_every=1, eval_every=3, eval_tokens=128, ckpt_every=100, qat_start=0.5)
+    base = TrainConfig(data_dir=str(data_dir), out_dir=str(out), preset="micro", steps=6,
+                       batch_size=2, seq_len=64, warmup_steps=2, log_every=1, eval_every=3,
+                       eval_tokens=128, ckpt_every=100, qat_start=0.5)
     return base.replace(**changes)
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return [(r["step"], r["loss"])
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
             if "loss" in r]
 
 
@@ -51,7 +54,8 @@ def test_resume_continues_exactly(data_dir: Path, tmp_path: Path) -> None:
     whole, split = tmp_path / "whole", tmp_path / "split"
     Trainer(_config(data_dir, whole)).run()
     first = open_run(_config(data_dir, split, max_steps_this_call=4), resume=False)
-    first.run()                      # steps 1..4 (crosses qat_start = step 3 and an evaluation at step 3)
+    # steps 1..4 (crosses qat_start = step 3 and an evaluation at step 3)
+    first.run()
     assert first.step == 4
     second = open_run(_config(data_dir, split), resume=True)
     assert second.step == 4
@@ -71,7 +75,8 @@ def test_resume_refuses_changed_run(data_dir: Path, tmp_path: Path) -> None:
 
 
 def test_loss_decreases(data_dir: Path, tmp_path: Path) -> None:
-    trainer = Trainer(_config(data_dir, tmp_path, steps=30, lr=3e-3, qat_start=1.0, log_every=30, eval_every=30))
+    trainer = Trainer(_config(data_dir, tmp_path, steps=30, lr=3e-3, qat_start=1.0, log_every=30,
+                              eval_every=30))
     before = trainer.evaluate()["heldout_loss"]
     after = trainer.run()
     assert after["heldout_loss"] < before - 0.5, (before, after)
@@ -98,7 +103,8 @@ def test_indexer_is_trained_only_by_its_distillation_loss(data_dir: Path, tmp_pa
     kl = trainer.distiller.take()
     assert kl is not None and float(kl) >= 0
     kl.backward()
-    indexer = {n for n, p in trainer.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    indexer = {n for n, p in trainer.model.named_parameters()
+               if p.grad is not None and p.grad.abs().sum() > 0}
     assert indexer and all(".indexer." in n for n in indexer), sorted(indexer)[:5]
     trainer.model.zero_grad()
     out["loss"].backward()
@@ -126,7 +132,8 @@ def test_export_loads_and_matches(data_dir: Path, tmp_path: Path) -> None:
     model = load_model(out, dtype="float32", device="cpu")
     tokens = trainer.stream.batch(7, 1, 32)[:, :-1]
     trainer.model.eval()
-    # the official layout stores unquantised matrices in bf16: logits agree to bf16 rounding, not bitwise
+    # the official layout stores unquantised matrices in bf16: logits agree to bf16 rounding, not
+    # bitwise
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), trainer.model(tokens), rtol=0, atol=1e-2)
     quantised = load_model(export_run(run, data_dir, tmp_path / "q"), dtype="float32", device="cpu")
@@ -138,18 +145,19 @@ def test_export_loads_and_matches(data_dir: Path, tmp_path: Path) -> None:
                 assert torch.equal(p, rounded[name]), name
     assert json.loads((out / "training.json").read_text())["step"] == 2
     stage2 = Trainer(_config(data_dir, tmp_path / "stage2", init_from=str(out)))
-    assert all(torch.equal(a, b) for a, b in zip(stage2.model.state_dict().values(), model.state_dict().values(),
-                                                  strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(stage2.model.state_dict().values(),
+                                                  model.state_dict().values(), strict=True))
 
 
 def test_cli_run_resume_export(data_dir: Path, tmp_path: Path) -> None:
     run, model = tmp_path / "run", tmp_path / "model"
-    args = ["train", "run", "--data", str(data_dir), "--out", str(run), "--preset", "micro", "--steps", "4",
-            "--batch-size", "1", "--seq-len", "32", "--warmup-steps", "1", "--log-every", "1", "--eval-every", "2",
-            "--eval-tokens", "64"]
+    args = ["train", "run", "--data", str(data_dir), "--out", str(run), "--preset", "micro",
+            "--steps", "4", "--batch-size", "1", "--seq-len", "32", "--warmup-steps", "1",
+            "--log-every", "1", "--eval-every", "2", "--eval-tokens", "64"]
     assert cli_main(args + ["--max-steps-this-call", "2"]) == 0
     assert cli_main(args + ["--resume"]) == 0
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
     assert (run / "loss.png").stat().st_size > 1000
-    assert cli_main(["train", "export", "--run", str(run), "--data", str(data_dir), "--out", str(model)]) == 0
+    assert cli_main(["train", "export", "--run", str(run), "--data", str(data_dir),
+                     "--out", str(model)]) == 0
     assert load_model(model, dtype="float32", device="cpu").config.weight_quant == "fp8+fp4"

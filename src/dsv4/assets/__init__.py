@@ -1,9 +1,10 @@
 """The embedded default model: what `dsv4 serve` and `dsv4 generate` use without `--model`.
 
-Owns `default_model_path()` — the trained dsv4-tiny checkpoint committed in `assets/tiny/` (official
-FP8/FP4 layout, tokenizer, model card `README.md`, the held-out tokens its card was measured on) — and the
-marker that labels random-weight checkpoints: `dsv4 init` writes `GENERATED_MARKER` into every checkpoint
-it creates, which is how `/v1/models` knows to report `random_weights: true`.
+Owns `default_model_path()` — the trained dsv4-tiny checkpoint committed in `assets/tiny/`
+(official FP8/FP4 layout, tokenizer, model card `README.md`, the held-out tokens its card was
+measured on) — and the marker that labels random-weight checkpoints: `dsv4 init` writes
+`GENERATED_MARKER` into every checkpoint it creates, which is how `/v1/models` knows to report
+`random_weights: true`.
 """
 
 from __future__ import annotations
@@ -29,5 +30,6 @@ def default_model_path() -> Path:
     """The embedded trained model directory (`assets/tiny`)."""
     target = ASSETS_DIR / DEFAULT_MODEL
     if not ((target / "config.json").is_file() and (target / "tokenizer.json").is_file()):
-        raise FileNotFoundError(f"the embedded model is missing from {target}: reinstall dsv4 (or pass --model)")
+        raise FileNotFoundError(f"the embedded model is missing from {target}: "
+                                "reinstall dsv4 (or pass --model)")
     return target

@@ -1,6 +1,6 @@
 """PageAllocator: a free list of fixed-size pages. Page 0 is reserved as the null page.
 
-Invariant (check_integrity): every page in 1..num_pages-1 is either free or allocated, never both,
+Invariant (`check_integrity`): every page in 1..num_pages-1 is either free or allocated, never both,
 and the free list has no duplicates. Allocation is all-or-nothing.
 """
 
@@ -48,5 +48,7 @@ class PageAllocator:
     def check_integrity(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), f"{self.name}: duplicate pages in the free list"
-        assert not free & self._used, f"{self.name}: pages both free and used: {sorted(free & self._used)[:8]}"
-        assert free | self._used == set(range(1, self.num_pages)), f"{self.name}: pages lost or invented"
+        assert not free & self._used, (f"{self.name}: pages both free and used: "
+                                       f"{sorted(free & self._used)[:8]}")
+        assert free | self._used == set(range(1, self.num_pages)), (
+            f"{self.name}: pages lost or invented")

@@ -1,4 +1,5 @@
-"""CacheLayout: page size, pool sizes and ring sizes of the KV cache, derived once from the configs.
+"""CacheLayout: page size, pool sizes and ring sizes of the KV cache, derived once from the
+configs.
 
 Coordinates (DESIGN decision 4): a request's tokens live in virtual full-token slots allocated by
 pages of P tokens; there is no raw full KV buffer. Sliding-window (SWA) KV has its own pages,
@@ -67,23 +68,29 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
     P = engine.page_size
     for name, ratio in (("csa_ratio", model.csa_ratio), ("hca_ratio", model.hca_ratio)):
         if P % ratio:
-            raise ValueError(f"page_size={P} is invalid; allowed: a multiple of the model's {name}={ratio}")
+            raise ValueError(f"page_size={P} is invalid; "
+                             f"allowed: a multiple of the model's {name}={ratio}")
     horizon = max(model.window, 2 * model.csa_ratio, model.hca_ratio)
     if engine.swa_tokens is not None:
         swa_pages = math.ceil(engine.swa_tokens / P) + 1
     else:  # every running request's horizon plus one step's chunk, with page rounding
         per_request = math.ceil(horizon / P) + 2
-        swa_pages = engine.max_running_requests * per_request + math.ceil(engine.chunked_prefill_size / P) + 1
+        swa_pages = (engine.max_running_requests * per_request
+                     + math.ceil(engine.chunked_prefill_size / P) + 1)
     if engine.max_total_tokens is not None:
         full_pages = math.ceil(engine.max_total_tokens / P) + 1
     else:
-        budget = engine.kv_cache_memory_gb * (1 << 30) - swa_pages * swa_bytes_per_page(model, dtype, P)
+        budget = (engine.kv_cache_memory_gb * (1 << 30)
+                  - swa_pages * swa_bytes_per_page(model, dtype, P))
         if budget <= 0:
-            raise ValueError(f"kv_cache_memory_gb={engine.kv_cache_memory_gb} is too small for the SWA pools "
-                             f"({swa_pages} pages); allowed: a larger budget or smaller max_running_requests")
+            raise ValueError(f"kv_cache_memory_gb={engine.kv_cache_memory_gb} is too small for the "
+                             f"SWA pools ({swa_pages} pages); allowed: a larger budget or smaller "
+                             "max_running_requests")
         full_pages = int(budget // max(1.0, full_bytes_per_token(model, dtype) * P)) + 1
         context = engine.context_length or model.max_position_embeddings
-        full_pages = min(full_pages, engine.max_running_requests * math.ceil(context / P) + 1)  # no use for more
-    return CacheLayout(page_size=P, num_full_pages=max(full_pages, 2), num_swa_pages=max(swa_pages, 2),
+        # no use for more
+        full_pages = min(full_pages, engine.max_running_requests * math.ceil(context / P) + 1)
+    return CacheLayout(page_size=P, num_full_pages=max(full_pages, 2),
+                       num_swa_pages=max(swa_pages, 2),
                        ring_c4=2 * model.csa_ratio * engine.ring_multiplier,
                        ring_c128=model.hca_ratio * engine.ring_multiplier, swa_horizon=horizon)

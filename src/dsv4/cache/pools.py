@@ -17,7 +17,7 @@ from dsv4.config.model import ModelConfig
 
 @dataclass
 class RingState:
-    """Compressor partial state: projected kv and gate scores (ape included) of recent tokens, fp32."""
+    """Compressor partial state: fp32 projected kv and gate scores (with `ape`) of recent tokens."""
 
     kv: torch.Tensor       # [num_swa_pages * ring + 1, c * Dc]
     score: torch.Tensor    # [num_swa_pages * ring + 1, c * Dc]
@@ -32,7 +32,8 @@ class RingState:
 class LayerCache:
     attn_type: str
     swa: torch.Tensor                      # [num_swa_slots + 1, D] roped, kv-normed raw KV
-    entries: torch.Tensor | None = None    # [num_full_slots // ratio + 1, D] compressed entries (CSA / HCA)
+    # [num_full_slots // ratio + 1, D] compressed entries (CSA / HCA)
+    entries: torch.Tensor | None = None
     state: RingState | None = None
     index_keys: torch.Tensor | None = None  # [num_full_slots // csa_ratio + 1, Id] (CSA)
     index_state: RingState | None = None
@@ -49,14 +50,15 @@ class LayerCache:
 
 def _ring(layout: CacheLayout, ring: int, width: int, device: torch.device) -> RingState:
     rows = layout.num_swa_pages * ring + 1
-    return RingState(torch.zeros(rows, width, device=device), torch.full((rows, width), float("-inf"), device=device),
-                     ring)
+    return RingState(torch.zeros(rows, width, device=device),
+                     torch.full((rows, width), float("-inf"), device=device), ring)
 
 
 def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch.dtype,
            device: torch.device) -> LayerCache:
     D, Id = model.head_dim, model.index_head_dim
-    cache = LayerCache(attn_type, torch.zeros(layout.num_swa_slots + 1, D, dtype=dtype, device=device))
+    cache = LayerCache(attn_type,
+                       torch.zeros(layout.num_swa_slots + 1, D, dtype=dtype, device=device))
     if attn_type == "csa":
         n = layout.num_full_slots // model.csa_ratio + 1
         cache.entries = torch.zeros(n, D, dtype=dtype, device=device)
@@ -64,7 +66,8 @@ def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch
         cache.index_keys = torch.zeros(n, Id, dtype=dtype, device=device)
         cache.index_state = _ring(layout, layout.ring_c4, 2 * Id, device)
     elif attn_type == "hca":
-        cache.entries = torch.zeros(layout.num_full_slots // model.hca_ratio + 1, D, dtype=dtype, device=device)
+        cache.entries = torch.zeros(layout.num_full_slots // model.hca_ratio + 1, D, dtype=dtype,
+                                    device=device)
         cache.state = _ring(layout, layout.ring_c128, D, device)
     return cache
 
@@ -72,7 +75,8 @@ def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch
 class KVPools:
     """All cache tensors: `layers[i]` for decoder layer i, then the MTP layers."""
 
-    def __init__(self, model: ModelConfig, layout: CacheLayout, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: ModelConfig, layout: CacheLayout, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.layout = layout
         types = list(model.attn_types) + ["swa"] * model.num_mtp_layers
         self.layers = [_layer(model, layout, t, dtype, device) for t in types]

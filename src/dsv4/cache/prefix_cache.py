@@ -1,13 +1,16 @@
-"""The prefix-cache seam: what the scheduler asks of a prefix cache, and the cache that caches nothing.
+"""The prefix-cache seam: what the scheduler asks of a prefix cache, and the cache that caches
+nothing.
 
 `PrefixCache` is the protocol the scheduler and the engine program against; `RadixPrefixCache`
-(cache/radix.py, ShadowRadix) implements it, and `NoPrefixCache` implements it with no tree at all
-(`--disable-radix-cache`): every match is empty, inserts adopt nothing (the request keeps and later
-frees its pages), locks hold nothing. So the scheduler has one code path whichever is configured.
+(`cache/radix.py`, ShadowRadix) implements it, and `NoPrefixCache` implements it with no tree at
+all (`--disable-radix-cache`): every match is empty, inserts adopt nothing (the request keeps and
+later frees its pages), locks hold nothing. So the scheduler has one code path whichever is
+configured.
 
-Life of a request against either cache: `match` + `lock` at admission (the locked prefix is mapped,
-not recomputed); `insert` + re-`lock` when complete pages are cached; `release_swa` once the request
-is a horizon past its locked path; `insert` + `unlock` when it finishes or is preempted.
+Life of a request against either cache: `match` + `lock` at admission (the locked prefix is
+mapped, not recomputed); `insert` + re-`lock` when complete pages are cached; `release_swa` once
+the request is a horizon past its locked path; `insert` + `unlock` when it finishes or is
+preempted.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dsv4.cache.req_table import RequestTable
 
 
 class PrefixCache(Protocol):
-    """A prefix cache over the request table's full pages (see cache/radix.py for the semantics)."""
+    """A prefix cache over the request table's full pages (semantics: `cache/radix.py`)."""
 
     @property
     def horizon(self) -> int:
@@ -43,8 +46,10 @@ class PrefixCache(Protocol):
         ...
 
     def insert(self, tokens: Sequence[int], pages: list[int], finished: bool) -> TreeNode:
-        """Offer a request's complete pages (len(tokens) == len(pages) * page size); returns the node
-        that ends its cached path (to lock)."""
+        """Offer a request's complete pages (`len(tokens) == len(pages) * page size`).
+
+        Returns the node that ends its cached path (to lock).
+        """
         ...
 
     def flush(self) -> None:
@@ -58,8 +63,9 @@ class PrefixCache(Protocol):
 class NoPrefixCache:
     """The prefix cache of `disable_prefix_cache`: nothing is ever cached or shared.
 
-    Every path is the empty one at its own root node, so locks pin nothing and a request's pages stay
-    private (the request table frees them with the request)."""
+    Every path is the empty one at its own root node, so locks pin nothing and a request's pages
+    stay private (the request table frees them with the request).
+    """
 
     def __init__(self, horizon: int) -> None:
         self._horizon = horizon

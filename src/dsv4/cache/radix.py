@@ -12,15 +12,16 @@ Locks (per node, `full_lock >= swa_lock`): a request that uses a path full-locks
 compressor's look-back), which is what continuing from that point reads. A handle records the
 exact nodes it SWA-locked (splits add the new upper node to it), so unlocking is exact.
 
-    match:   walks the tree; returns the deepest node boundary with `horizon` live SWA tokens behind it
-             (or attached to the root through live nodes only): continuing there reads valid window
-             keys and compressor rings. Never the whole sequence (one token is left to compute).
-    insert:  adopts a request's new pages; pages the tree already has for the same tokens stay the
-             request's (duplicates). At finish, a tombstoned node whose duplicates still have SWA is
-             revived by moving that SWA over (tombstone recovery).
-    evict:   phase 1 frees unlocked LRU leaves (full + SWA); phase 2 tombstones unlocked live inner
-             nodes in LRU order (nearer the root first), then leaves (an unlocked leaf is deleted
-             instead; leaves never stay tombstones unless full-locked).
+    match:   walks the tree; returns the deepest node boundary with `horizon` live SWA tokens
+             behind it (or attached to the root through live nodes only): continuing there reads
+             valid window keys and compressor rings. Never the whole sequence (one token is left
+             to compute).
+    insert:  adopts a request's new pages; pages the tree already has for the same tokens stay
+             the request's (duplicates). At finish, a tombstoned node whose duplicates still have
+             SWA is revived by moving that SWA over (tombstone recovery).
+    evict:   phase 1 frees unlocked LRU leaves (full + SWA); phase 2 tombstones unlocked live
+             inner nodes in LRU order (nearer the root first), then leaves (an unlocked leaf is
+             deleted instead; leaves never stay tombstones unless full-locked).
 Counters of evictable / protected pages are kept incrementally; `check_integrity` rebuilds them.
 """
 
@@ -52,7 +53,7 @@ class TreeNode:
 
 @dataclass(eq=False)
 class LockHandle:
-    """A request's lock: full lock on node..root, SWA lock on `swa_nodes` (kept exact across splits)."""
+    """A request's lock: full lock on node..root, SWA lock on `swa_nodes` (exact across splits)."""
 
     node: TreeNode
     length: int            # tokens on the locked path
@@ -119,7 +120,7 @@ class RadixPrefixCache:
         return path
 
     def _safe_cut(self, path: list[TreeNode]) -> int:
-        """Largest i such that the tokens behind the end of path[:i] are SWA-live for `horizon` tokens."""
+        """Largest i such that the `horizon` tokens behind the end of `path[:i]` are SWA-live."""
         for i in range(len(path), 0, -1):
             live = 0
             for n in reversed(path[:i]):
@@ -143,7 +144,8 @@ class RadixPrefixCache:
                 self.full_protected += len(n.pages)
             n.full_lock += 1
             if covered < self.horizon:
-                if not n.tombstone:      # a duplicate segment the request does not read: nothing to protect
+                # tombstone: a duplicate segment the request does not read, nothing to protect
+                if not n.tombstone:
                     self._hold_swa(n, handle)
                 covered += len(n.key)
             n = n.parent  # type: ignore[assignment]
@@ -178,9 +180,10 @@ class RadixPrefixCache:
 
     # ---- insert -------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], pages: list[int], finished: bool) -> TreeNode:
-        """Add a request's cached prefix (len(tokens) == len(pages) * P); returns its deepest node.
+        """Add a request's cached prefix (`len(tokens) == len(pages) * P`); returns its last node.
 
-        Pages adopted by the tree become shared; the request keeps (and later frees) its duplicates.
+        Pages adopted by the tree become shared; the request keeps (and later frees) its
+        duplicates.
         """
         assert len(tokens) == len(pages) * self.P, "insert needs whole pages"
         node, i = self.root, 0
@@ -201,8 +204,8 @@ class RadixPrefixCache:
 
     def _add_new(self, node: TreeNode, tokens: Sequence[int], pages: list[int], i: int) -> TreeNode:
         for start, stop, live in self._segments(pages, i):
-            child = TreeNode(tuple(tokens[start * self.P: stop * self.P]), pages[start:stop], parent=node,
-                             tombstone=not live, start=start * self.P)
+            child = TreeNode(tuple(tokens[start * self.P: stop * self.P]), pages[start:stop],
+                             parent=node, tombstone=not live, start=start * self.P)
             node.children[child.key[:self.P]] = child
             self.table.share(child.pages)
             self.num_pages += len(child.pages)
@@ -211,9 +214,12 @@ class RadixPrefixCache:
         return node
 
     def _segments(self, pages: list[int], i: int) -> list[tuple[int, int, bool]]:
-        """Runs of pages[i:] with the same SWA status. A dead tail stays private (a leaf is never a
-        tombstone); the live tail is split so its last node spans about one horizon, so that a lock
-        on it protects ~horizon SWA tokens, not a whole prefill chunk."""
+        """Runs of `pages[i:]` with the same SWA status.
+
+        A dead tail stays private (a leaf is never a tombstone); the live tail is split so its last
+        node spans about one horizon, so that a lock on it protects ~horizon SWA tokens, not a whole
+        prefill chunk.
+        """
         live = [p in self.table.swa_of for p in pages]
         end = len(pages)
         while end > i and not live[end - 1]:
@@ -233,7 +239,7 @@ class RadixPrefixCache:
         return runs
 
     def _recover(self, node: TreeNode, duplicates: list[int]) -> None:
-        """Revive a tombstone with the SWA pages of a finished request's duplicate pages (same tokens)."""
+        """Revive a tombstone with the SWA of a finished request's duplicate pages (same tokens)."""
         if any(a == b for a, b in zip(duplicates, node.pages, strict=True)) \
                 or not all(p in self.table.swa_of for p in duplicates):
             return
@@ -243,11 +249,12 @@ class RadixPrefixCache:
         self.swa_live += len(node.pages)
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
-        """Split `node` after k pages; the new upper node inherits every lock (its SWA holders too)."""
+        """Split `node` after k pages; the new upper node inherits every lock (SWA holders too)."""
         parent = node.parent
         assert parent is not None and 0 < k < len(node.pages)
-        upper = TreeNode(node.key[:k * self.P], node.pages[:k], parent=parent, full_lock=node.full_lock,
-                         tombstone=node.tombstone, last_used=node.last_used, start=node.start,
+        upper = TreeNode(node.key[:k * self.P], node.pages[:k], parent=parent,
+                         full_lock=node.full_lock, tombstone=node.tombstone,
+                         last_used=node.last_used, start=node.start,
                          swa_holders=set(node.swa_holders))
         for handle in upper.swa_holders:
             handle.swa_nodes.append(upper)
@@ -272,8 +279,8 @@ class RadixPrefixCache:
             live = [n for n in self._nodes() if not n.tombstone and n.swa_lock == 0]
             if not live:
                 break
-            # inner nodes before leaves (a cached path keeps the SWA of its tail — what a match needs — longest),
-            # then least recent first, then nearest the root first
+            # inner nodes before leaves (a cached path keeps the SWA of its tail — what a match
+            # needs — longest), then least recent first, then nearest the root first
             victim = min(live, key=lambda n: (not n.children, n.last_used, n.start))
             freed_swa += len(victim.pages)
             if not victim.children and victim.full_lock == 0:
@@ -334,14 +341,17 @@ class RadixPrefixCache:
     def check_integrity(self) -> None:
         pages, full_prot, live, swa_prot = [], 0, 0, 0
         for n in self._nodes():
-            assert n.parent is not None and n.parent.children.get(n.key[:self.P]) is n, "broken parent link"
+            assert n.parent is not None and n.parent.children.get(n.key[:self.P]) is n, (
+                "broken parent link")
             assert len(n.key) == len(n.pages) * self.P and n.pages, "node key/pages mismatch"
             assert n.start == n.parent.start + len(n.parent.key), "node start position drifted"
             assert n.full_lock >= n.swa_lock >= 0, "full_lock < swa_lock"
-            assert n.parent is self.root or n.parent.last_used >= n.last_used, "LRU order: parent older than child"
+            assert n.parent is self.root or n.parent.last_used >= n.last_used, (
+                "LRU order: parent older than child")
             has_swa = [p in self.table.swa_of for p in n.pages]
             if n.tombstone:
-                assert n.swa_lock == 0 and not any(has_swa), "tombstone with SWA pages or an SWA lock"
+                assert n.swa_lock == 0 and not any(has_swa), (
+                    "tombstone with SWA pages or an SWA lock")
                 assert n.children or n.full_lock > 0, "an unlocked tombstone leaf"
             else:
                 assert all(has_swa), "live node with a page lacking SWA"
@@ -351,5 +361,6 @@ class RadixPrefixCache:
             pages.extend(n.pages)
         assert len(pages) == len(set(pages)), "a page is in the tree twice"
         assert set(pages) == self.table.shared, "tree pages and the table's shared pages differ"
-        assert (len(pages), full_prot, live, swa_prot) == (self.num_pages, self.full_protected, self.swa_live,
-                                                           self.swa_protected), "page counters drifted"
+        assert (len(pages), full_prot, live, swa_prot) == (
+            self.num_pages, self.full_protected, self.swa_live, self.swa_protected), (
+            "page counters drifted")

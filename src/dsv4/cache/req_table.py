@@ -1,11 +1,10 @@
 """RequestTable: which pages each running request holds, on the host and mirrored on the device.
 
 Device tensors (read by the metadata builder, never by Python on the hot path):
-    page_table  [max_reqs + 1, max_pages_per_req] int64   full page of request slot r at page index i (0 = none);
-                                                       the last row (`pad_slot`) is never handed out: it
-                                                       stays all null pages, so the padding rows of a
-                                                       CUDA-graph batch write only to the null page
-    full_to_swa [num_full_pages] int64                SWA page behind a full page (0 = none / freed)
+    page_table   [max_reqs + 1, max_pages_per_req] int64: full page of request slot r at page
+                 index i (0 = none); the last row (`pad_slot`) is never handed out: it stays all
+                 null pages, so the padding rows of a CUDA-graph batch write only to the null page
+    full_to_swa  [num_full_pages] int64: SWA page behind a full page (0 = none / freed)
 Host mirror: `full_pages[slot]` (list, in position order) and `swa_of[full_page]`.
 
 Ownership: a full page is either private to one request or `shared` — owned by the prefix cache
@@ -33,12 +32,14 @@ Evictor = Callable[[int, int], None]   # (full pages wanted, SWA pages wanted) -
 
 
 class RequestTable:
-    def __init__(self, layout: CacheLayout, max_reqs: int, max_context: int, device: torch.device) -> None:
+    def __init__(self, layout: CacheLayout, max_reqs: int, max_context: int,
+                 device: torch.device) -> None:
         self.layout, self.P = layout, layout.page_size
         self.max_pages = math.ceil(max_context / self.P)
         self.full = PageAllocator(layout.num_full_pages, "full")
         self.swa = PageAllocator(layout.num_swa_pages, "swa")
-        self.page_table = torch.zeros(max_reqs + 1, self.max_pages, dtype=torch.int64, device=device)
+        self.page_table = torch.zeros(max_reqs + 1, self.max_pages, dtype=torch.int64,
+                                      device=device)
         self.pad_slot = max_reqs
         self.full_to_swa = torch.zeros(layout.num_full_pages, dtype=torch.int64, device=device)
         self.full_pages: dict[int, list[int]] = {}
@@ -53,10 +54,14 @@ class RequestTable:
         return len(self._free_slots)
 
     def open(self, prefix_pages: Iterable[int] = ()) -> int:
-        """A fresh request slot mapping `prefix_pages` (shared pages from the prefix cache) at its start."""
+        """A fresh request slot mapping `prefix_pages` at its start.
+
+        `prefix_pages` are shared pages from the prefix cache.
+        """
         slot = self._free_slots.pop()
         pages = list(prefix_pages)
-        assert all(p in self.shared for p in pages), "a matched prefix page is not owned by the prefix cache"
+        assert all(p in self.shared for p in pages), (
+            "a matched prefix page is not owned by the prefix cache")
         self.full_pages[slot] = pages
         if pages:
             self.page_table[slot, :len(pages)] = self._dev(pages)
@@ -73,7 +78,7 @@ class RequestTable:
         return full, swa
 
     def reserve(self, slot: int, start: int, end: int) -> bool:
-        """Allocate what positions [start, end) need; False (nothing allocated) if the pools are short."""
+        """Allocate for positions [start, end); False (nothing allocated) if the pools are short."""
         assert end <= self.max_pages * self.P, f"position {end} exceeds the request page table"
         n_full, n_swa = self.pages_needed(slot, start, end)
         short_full, short_swa = n_full - self.full.num_free, n_swa - self.swa.num_free
@@ -88,15 +93,17 @@ class RequestTable:
             have.extend(new)
         lo = max(0, start - self.layout.swa_horizon) // self.P
         missing = [p for p in have[lo:math.ceil(end / self.P)] if p not in self.swa_of]
-        assert not any(p in self.shared for p in missing), "a shared page inside the horizon lost its SWA"
+        assert not any(p in self.shared for p in missing), (
+            "a shared page inside the horizon lost its SWA")
         if missing:
             self._give_swa(missing)
         return True
 
     def release_swa(self, slot: int, keep_from: int) -> None:
-        """Free the SWA pages of private full pages that lie entirely before position `keep_from - horizon`."""
+        """Free the SWA pages of private full pages lying entirely before `keep_from - horizon`."""
         limit = max(0, keep_from - self.layout.swa_horizon) // self.P
-        self.drop_swa([p for p in self.full_pages[slot][:limit] if p in self.swa_of and p not in self.shared])
+        self.drop_swa([p for p in self.full_pages[slot][:limit]
+                       if p in self.swa_of and p not in self.shared])
 
     def truncate(self, slot: int, new_len: int) -> None:
         """Forget positions >= new_len: whole private pages past it go back to the pools."""
@@ -120,13 +127,14 @@ class RequestTable:
 
     def release_shared(self, pages: list[int]) -> None:
         """The prefix cache evicts shared pages: free them and their SWA pages."""
-        assert all(p in self.shared for p in pages), "releasing a page the prefix cache does not own"
+        assert all(p in self.shared for p in pages), (
+            "releasing a page the prefix cache does not own")
         self.drop_swa([p for p in pages if p in self.swa_of])
         self.shared.difference_update(pages)
         self.full.free(pages)
 
     def move_swa(self, src: int, dst: int) -> None:
-        """Re-point the SWA page behind full page `src` to full page `dst` (same tokens, same positions)."""
+        """Move the SWA page behind full page `src` to full page `dst` (same tokens, positions)."""
         assert dst not in self.swa_of, "destination page already has an SWA page"
         swa = self.swa_of.pop(src)
         self.swa_of[dst] = swa
@@ -156,13 +164,16 @@ class RequestTable:
         assert len(private) == len(set(private)), "a private full page is owned twice"
         used = set(private) | self.shared
         assert len(used) == len(private) + len(self.shared), "a page is both private and shared"
-        assert len(used) == self.full.num_usable - self.full.num_free, "full pages leaked or double-counted"
+        assert len(used) == self.full.num_usable - self.full.num_free, (
+            "full pages leaked or double-counted")
         assert set(self.swa_of) <= used, "SWA page behind a full page nobody owns"
         assert len(self.swa_of) == self.swa.num_usable - self.swa.num_free, "SWA pages leaked"
         table = self.page_table.cpu()
         for slot, pages in self.full_pages.items():
-            assert table[slot, :len(pages)].tolist() == pages, f"device page table of slot {slot} is stale"
-            assert not table[slot, len(pages):].any(), f"slot {slot} has device pages past its length"
+            assert table[slot, :len(pages)].tolist() == pages, (
+                f"device page table of slot {slot} is stale")
+            assert not table[slot, len(pages):].any(), (
+                f"slot {slot} has device pages past its length")
         f2s = self.full_to_swa.cpu()
         expected = torch.zeros_like(f2s)
         for p, s in self.swa_of.items():
@@ -170,4 +181,5 @@ class RequestTable:
         assert torch.equal(f2s, expected), "device full->SWA table disagrees with the host mirror"
         assert not table[self.pad_slot].any(), "the padding slot maps a page"
         assert len(set(self._free_slots)) == len(self._free_slots), "duplicate free request slots"
-        assert not set(self._free_slots) & set(self.full_pages), "a request slot is both free and open"
+        assert not set(self._free_slots) & set(self.full_pages), (
+            "a request slot is both free and open")

@@ -1,25 +1,25 @@
-"""Tokenizer for freshly initialised checkpoints (``dsv4 init``).
+"""Tokenizer for freshly initialised checkpoints (`dsv4 init`).
 
 A new checkpoint needs a real, loadable tokenizer even though its weights are
-random. :func:`build_tokenizer` trains a small byte-level BPE with the
-``tokenizers`` library and writes ``tokenizer.json`` plus ``tokenizer_config.json``
+random. `build_tokenizer` trains a small byte-level BPE with the
+`tokenizers` library and writes `tokenizer.json` plus `tokenizer_config.json`
 in the layout that DeepSeek checkpoints use, so the serving and RL code paths see
 the same files as with a released model:
 
-* special tokens ``<｜begin▁of▁sentence｜>`` (id 0, bos), ``<｜end▁of▁sentence｜>``
-  (id 1, eos), ``<｜User｜>`` (id 2) and ``<｜Assistant｜>`` (id 3);
+* special tokens `<｜begin▁of▁sentence｜>` (id 0, bos), `<｜end▁of▁sentence｜>`
+  (id 1, eos), `<｜User｜>` (id 2) and `<｜Assistant｜>` (id 3);
 * byte-level pre-tokenizer and decoder without a prefix space, so any text,
   including arbitrary unicode, round-trips exactly;
 * a post-processor that puts bos in front of every encoded sequence;
-* a DeepSeek-style chat template in ``tokenizer_config.json`` (and :func:`render_chat`, the
+* a DeepSeek-style chat template in `tokenizer_config.json` (and `render_chat`, the
   same template in Python, for code that must not depend on jinja2).
 
-The pieces (:func:`train_bpe`, :func:`save_tokenizer`) are shared with the training-data recipe
-(:mod:`dsv4.train.data`), which trains on its own corpus and splits digits individually.
+The pieces (`train_bpe`, `save_tokenizer`) are shared with the training-data recipe
+(`dsv4.train.data`), which trains on its own corpus and splits digits individually.
 
 The training text must exist offline on every machine, so it is a fixed list of
 the Python standard library's own source files (about 1.8 MB, capped at 2 MB),
-optionally followed by caller-supplied ``seed_text``. Training is deterministic:
+optionally followed by caller-supplied `seed_text`. Training is deterministic:
 two builds with the same arguments on the same Python installation produce
 byte-identical files. (A different Python version ships different stdlib
 sources and therefore yields a different, equally valid, tokenizer.)
@@ -46,7 +46,7 @@ ASSISTANT_TOKEN = "<｜Assistant｜>"
 SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
 
 MIN_VOCAB_SIZE = 300
-"""Smallest accepted ``vocab_size``: 256 byte tokens + specials + some merges."""
+"""Smallest accepted `vocab_size`: 256 byte tokens + specials + some merges."""
 
 MAX_TOKENIZER_VOCAB = 4096
 """Tokenizer vocab is capped here; a larger model vocab simply leaves rows unused."""
@@ -132,8 +132,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _stdlib_corpus(files: Sequence[str] = CORPUS_FILES, max_bytes: int = CORPUS_MAX_BYTES) -> list[str]:
-    """Read the training texts from the standard library, at most ``max_bytes`` in all."""
+def _stdlib_corpus(files: Sequence[str] = CORPUS_FILES,
+                   max_bytes: int = CORPUS_MAX_BYTES) -> list[str]:
+    """Read the training texts from the standard library, at most `max_bytes` in all."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts: list[str] = []
     budget = max_bytes
@@ -157,7 +158,7 @@ def _stdlib_corpus(files: Sequence[str] = CORPUS_FILES, max_bytes: int = CORPUS_
 
 
 def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
-    """``CHAT_TEMPLATE`` rendered in plain Python (identical output; tested against jinja2)."""
+    """`CHAT_TEMPLATE` rendered in plain Python (identical output; tested against jinja2)."""
     parts = [BOS_TOKEN]
     for message in messages:
         role, content = message["role"], message["content"]
@@ -173,11 +174,12 @@ def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
 
 
 def _new_tokenizer(split_digits: bool = False) -> Tokenizer:
-    """An untrained byte-level BPE pipeline; ``split_digits`` makes every digit its own token."""
+    """An untrained byte-level BPE pipeline; `split_digits` makes every digit its own token."""
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if split_digits:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
@@ -188,7 +190,8 @@ def _add_bos_post_processor(tokenizer: Tokenizer) -> None:
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     if bos_id != 0 or tokenizer.token_to_id(EOS_TOKEN) != 1:
         raise RuntimeError(
-            f"special token ids are bos={bos_id}, eos={tokenizer.token_to_id(EOS_TOKEN)}; expected 0 and 1"
+            f"special token ids are bos={bos_id}, eos={tokenizer.token_to_id(EOS_TOKEN)}; "
+            "expected 0 and 1"
         )
     tokenizer.post_processor = processors.Sequence(
         [
@@ -223,29 +226,23 @@ def build_tokenizer(
     seed_text: str | None = None,
     model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
 ) -> int:
-    """Train a byte-level BPE tokenizer and write it into ``out_dir``.
+    """Train a byte-level BPE tokenizer and write it into `out_dir`; return its vocabulary size.
 
-    Args:
-        out_dir: Checkpoint directory; created if missing. ``tokenizer.json`` and
-            ``tokenizer_config.json`` in it are overwritten.
-        vocab_size: The model's vocabulary size (embedding rows). The tokenizer
-            gets ``min(vocab_size, 4096)`` entries at most, never more than
-            ``vocab_size``.
-        seed_text: Extra training text, used in addition to the stdlib sources
-            (e.g. to bias merges towards a domain).
-        model_max_length: Written to ``tokenizer_config.json``.
+    `out_dir` is the checkpoint directory, created if missing; `tokenizer.json` and
+    `tokenizer_config.json` in it are overwritten. `vocab_size` is the model's vocabulary size
+    (embedding rows): the tokenizer gets `min(vocab_size, 4096)` entries at most, never more than
+    `vocab_size`. `seed_text` is extra training text, used in addition to the stdlib sources
+    (e.g. to bias merges towards a domain). `model_max_length` is written to
+    `tokenizer_config.json`. The returned size counts the special tokens.
 
-    Returns:
-        The tokenizer's vocabulary size, special tokens included.
-
-    Raises:
-        ValueError: If ``vocab_size`` < 300, too small for the 256 byte tokens,
-            the special tokens and a useful number of merges.
+    Raises `ValueError` if `vocab_size` < 300, too small for the 256 byte tokens, the special
+    tokens and a useful number of merges.
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size={vocab_size} is too small for a byte-level BPE tokenizer "
-            f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens); need vocab_size >= {MIN_VOCAB_SIZE}"
+            f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens); "
+            f"need vocab_size >= {MIN_VOCAB_SIZE}"
         )
     if model_max_length <= 0:
         raise ValueError(f"model_max_length must be positive, got {model_max_length}")
@@ -255,7 +252,8 @@ def build_tokenizer(
     if seed_text:
         texts.append(seed_text)
     n_chars = sum(len(t) for t in texts)
-    logger.info("training byte-level BPE tokenizer: target vocab %d, %d chars of text", target, n_chars)
+    logger.info("training byte-level BPE tokenizer: target vocab %d, %d chars of text",
+                target, n_chars)
 
     tokenizer = train_bpe(texts, target)
     actual = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -265,9 +263,9 @@ def build_tokenizer(
 
 
 def train_bpe(texts: Sequence[str], vocab_size: int, *, split_digits: bool = False) -> Tokenizer:
-    """Train the byte-level BPE (specials first, bos post-processor) on ``texts``; deterministic.
+    """Train the byte-level BPE (specials first, bos post-processor) on `texts`; deterministic.
 
-    The result has at most ``vocab_size`` tokens, special tokens included.
+    The result has at most `vocab_size` tokens, special tokens included.
     """
     tokenizer = _new_tokenizer(split_digits)
     trainer = trainers.BpeTrainer(
@@ -285,14 +283,17 @@ def train_bpe(texts: Sequence[str], vocab_size: int, *, split_digits: bool = Fal
     _add_bos_post_processor(tokenizer)
     actual = tokenizer.get_vocab_size(with_added_tokens=True)
     if actual > vocab_size:  # the trainer counts specials and bytes in its budget; guard anyway
-        raise RuntimeError(f"trained tokenizer has {actual} tokens, more than vocab_size={vocab_size}")
+        raise RuntimeError(f"trained tokenizer has {actual} tokens, "
+                           f"more than vocab_size={vocab_size}")
     return tokenizer
 
 
-def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) into ``out_dir``."""
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path,
+                   model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:
+    """Write `tokenizer.json` and `tokenizer_config.json` (with chat template) into `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
-    config_text = json.dumps(_tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n"
+    config_text = json.dumps(_tokenizer_config(model_max_length), indent=2,
+                             ensure_ascii=False) + "\n"
     (out_dir / "tokenizer_config.json").write_text(config_text, encoding="utf-8")

@@ -32,8 +32,8 @@ from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
 
-_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
-                         r"|e_proj|h_proj)\.weight$")
+_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
+                         r"|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
 _EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
 _FP32_STORED = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bias)$")
 
@@ -56,8 +56,9 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
 
 def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
                 device: torch.device | None = None) -> torch.Tensor:
-    """Deterministic random value of one official tensor (fp32, or int64 for tid2eid), on `device` (CPU:
-    the same values on every machine; a GPU generator gives other, equally deterministic values)."""
+    """Deterministic random value of one official tensor (fp32, or int64 for tid2eid), on
+    `device` (CPU: the same values on every machine; a GPU generator gives other, equally
+    deterministic values)."""
     device = device or torch.device("cpu")
     g = _generator(seed, name, device)
 
@@ -65,7 +66,8 @@ def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: in
         return torch.randn(shape, generator=g, device=device) * std + mean
 
     if name.endswith("tid2eid"):  # k distinct experts per token id
-        return torch.rand(shape[0], config.n_routed_experts, generator=g, device=device).argsort(dim=-1)[:, :shape[1]]
+        return torch.rand(shape[0], config.n_routed_experts, generator=g,
+                          device=device).argsort(dim=-1)[:, :shape[1]]
     if name.endswith("embed.weight"):
         return normal(1.0)
     if name.endswith("norm.weight"):
@@ -96,7 +98,8 @@ def encode_tensor(name: str, value: torch.Tensor, weight_quant: str) -> dict[str
         return {name: w, scale_name: scale}
     if value.dtype == torch.int64:
         return {name: value.contiguous()}
-    return {name: value.to(torch.float32 if _FP32_STORED.search(name) else torch.bfloat16).contiguous()}
+    return {name: value.to(torch.float32 if _FP32_STORED.search(name)
+                           else torch.bfloat16).contiguous()}
 
 
 def _flush(out: Path, shard: dict[str, torch.Tensor], index: int) -> str:
@@ -106,17 +109,19 @@ def _flush(out: Path, shard: dict[str, torch.Tensor], index: int) -> str:
 
 
 def _finish_shards(out: Path, weight_map: dict[str, str], num_shards: int, total: int) -> None:
-    renames = {f"model-{i + 1:05d}.safetensors": f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-               for i in range(num_shards)}
+    renames = {f"model-{i + 1:05d}.safetensors":
+               f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)}
     for old, new in renames.items():
         (out / old).rename(out / new)
-    index = {"metadata": {"total_size": total}, "weight_map": {k: renames[v] for k, v in weight_map.items()}}
+    index = {"metadata": {"total_size": total},
+             "weight_map": {k: renames[v] for k, v in weight_map.items()}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
 def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant: str = "none",
                      shard_bytes: int = 4 << 30, tokenizer: bool = True) -> ModelConfig:
-    """Write config.json, safetensors shards + index and a tokenizer to `out`; returns the written config."""
+    """Write config.json, safetensors shards + index and a tokenizer to `out`; returns the written
+    config."""
     specs = list(official_specs(config))
     tensors = ((name, init_tensor(name, shape, config, seed)) for name, shape in
                tqdm(specs, desc=f"init {out.name}", unit="tensor", disable=len(specs) < 2000))
@@ -130,9 +135,9 @@ def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant
 
 def write_official(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], out: Path,
                    weight_quant: str = "none", shard_bytes: int = 4 << 30) -> ModelConfig:
-    """Write (official name, unquantised value) pairs as a checkpoint in the official layout (config.json,
-    shards, index), quantising per `weight_quant`; returns the written config. Shards never exceed
-    `shard_bytes` unless one tensor alone does."""
+    """Write (official name, unquantised value) pairs as a checkpoint in the official layout
+    (config.json, shards, index), quantising per `weight_quant`; returns the written config.
+    Shards never exceed `shard_bytes` unless one tensor alone does."""
     if weight_quant not in WEIGHT_QUANTS:
         raise ValueError(f"quant={weight_quant!r} is not supported; allowed: {list(WEIGHT_QUANTS)}")
     config = config.replace(weight_quant=weight_quant)
@@ -152,12 +157,15 @@ def write_official(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tenso
     weight_map.update(dict.fromkeys(shard, _flush(out, shard, num_shards)))
     _finish_shards(out, weight_map, num_shards, total)
     (out / "config.json").write_text(json.dumps(config.to_official_dict(), indent=2))
-    logger.info("wrote %s: %d tensors, %.1f MB in %d shard(s)", out, len(weight_map), total / 1e6, num_shards)
+    logger.info("wrote %s: %d tensors, %.1f MB in %d shard(s)", out, len(weight_map), total / 1e6,
+                num_shards)
     return config
 
 
-def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> DeepSeekV4ForCausalLM:
-    """A model of `config` filled in memory by `randomize_` (eval mode): benchmark weights without a checkpoint."""
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 seed: int = 0) -> DeepSeekV4ForCausalLM:
+    """A model of `config` filled in memory by `randomize_` (eval mode): benchmark weights without
+    a checkpoint."""
     from dsv4.model.loader import empty_model  # local: the loader imports nothing from checkpoint/
 
     return randomize_(empty_model(config, dtype, device), seed).eval()
@@ -165,8 +173,9 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
 
 @torch.no_grad()
 def randomize_(model: DeepSeekV4ForCausalLM, seed: int = 0) -> DeepSeekV4ForCausalLM:
-    """Fill a model in place with the same kind of random values `write_checkpoint` writes (unquantised),
-    generated on the model's device: for benchmarks at sizes where writing a checkpoint is pointless."""
+    """Fill a model in place with the same kind of random values `write_checkpoint` writes
+    (unquantised), generated on the model's device: for benchmarks at sizes where writing a
+    checkpoint is pointless."""
     config = model.config
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq"):

@@ -1,4 +1,5 @@
-"""`dsv4 generate [--model PATH] "prompt" ...`: offline completion of one or more prompts, printed to stdout."""
+"""`dsv4 generate [--model PATH] "prompt" ...`: offline completion of one or more prompts, printed
+to stdout."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts with a checkpoint (offline engine)")
     p.add_argument("prompts", nargs="+", help="prompt text(s)")
     p.add_argument("--model", default=None,
-                   help="checkpoint directory (official or transformers layout); default: the embedded dsv4-tiny")
+                   help="checkpoint directory (official or transformers layout); "
+                        "default: the embedded dsv4-tiny")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -22,9 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: 256; 128 on CPU)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV page size (default: 256; 128 on CPU)")
     p.add_argument("--weight-format", default="bf16", choices=WEIGHT_FORMATS,
-                   help="bf16: dequantise FP4/FP8 weights at load; checkpoint: keep routed experts in FP4")
+                   help="bf16: dequantise FP4/FP8 weights at load; "
+                        "checkpoint: keep routed experts in FP4")
     p.set_defaults(func=run)
 
 
@@ -37,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model or default_model_path(), dtype=args.dtype, device=args.device,
               weight_format=args.weight_format, **engine_args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
         sys.stdout.write(out.text + "\n")
     return 0

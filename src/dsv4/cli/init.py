@@ -1,4 +1,5 @@
-"""`dsv4 init`: write a randomly initialised checkpoint in the official layout (weights + tokenizer)."""
+"""`dsv4 init`: write a randomly initialised checkpoint in the official layout (weights +
+tokenizer)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dsv4.config.model import WEIGHT_QUANTS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("init", help="write a random-weight checkpoint for a preset (official layout)")
+    p = sub.add_parser("init",
+                       help="write a random-weight checkpoint for a preset (official layout)")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--seed", type=int, default=0)

@@ -9,7 +9,8 @@ from dsv4.cli import generate, init, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4", description="Serve and RL-train DeepSeek-V4-family models.")
+    parser = argparse.ArgumentParser(prog="dsv4",
+                                     description="Serve and RL-train DeepSeek-V4-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
     init.add_parser(sub)
     generate.add_parser(sub)

@@ -1,10 +1,10 @@
 """`dsv4 serve`: the OpenAI-compatible server (flag names follow SGLang / vLLM where they have one).
 
-Resolves every "auto" value here, at the edge, before building the frozen ServerConfig: the model (the
-embedded default when `--model` is absent), its served name, device (cuda when available), dtype
-(bfloat16 on cuda, float32 on cpu) and, on CPU, a small page size and KV budget and one engine thread per
-core minus one for the API process. Exits with the
-server's status: 0 after SIGTERM / SIGINT, non-zero when the engine fails.
+Resolves every "auto" value here, at the edge, before building the frozen ServerConfig: the model
+(the embedded default when `--model` is absent), its served name, device (cuda when available),
+dtype (bfloat16 on cuda, float32 on cpu) and, on CPU, a small page size and KV budget and one
+engine thread per core minus one for the API process. Exits with the server's status: 0 after
+SIGTERM / SIGINT, non-zero when the engine fails.
 """
 
 from __future__ import annotations
@@ -27,13 +27,17 @@ CPU_MIN_PAGE_SIZE = 16
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model in dsv4/assets)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the path)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: the embedded model in dsv4/assets)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: from the path)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="default: bfloat16 on cuda, float32 on cpu")
     _add_engine_args(p)
     _add_limit_args(p)
     p.set_defaults(func=run)
@@ -41,32 +45,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--max-running-requests", type=int, default=None, help="decode batch limit (default 64)")
-    g.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    g.add_argument("--chunked-prefill-size", type=int, default=None, help="token budget of one step (default 2048)")
-    g.add_argument("--page-size", type=int, default=None, help="KV page size (default: 256 on cuda, 16+ on cpu)")
+    g.add_argument("--max-running-requests", type=int, default=None,
+                   help="decode batch limit (default 64)")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="default: the model's max_position_embeddings")
+    g.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="token budget of one step (default 2048)")
+    g.add_argument("--page-size", type=int, default=None,
+                   help="KV page size (default: 256 on cuda, 16+ on cpu)")
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV budget when --max-total-tokens is unset")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV budget when --max-total-tokens is unset")
     g.add_argument("--kernel-backend", default=None, help="kernel implementation (default: ref)")
     g.add_argument("--weight-format", default=None, choices=WEIGHT_FORMATS,
-                   help="bf16: dequantise FP4/FP8 weights at load (default); checkpoint: keep routed experts in FP4")
+                   help="bf16: dequantise FP4/FP8 weights at load (default); "
+                        "checkpoint: keep routed experts in FP4")
     g.add_argument("--disable-radix-cache", "--disable-prefix-cache", dest="disable_prefix_cache",
                    action="store_true", default=None, help="turn the radix prefix cache off")
     g.add_argument("--disable-cuda-graph", action="store_true", default=None,
-                   help="decode eagerly (default: CUDA graphs on cuda with --kernel-backend triton)")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch run as a CUDA graph "
-                   "(default 256)")
-    g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None, help="engine sampling seed")
+                   help="decode eagerly "
+                        "(default: CUDA graphs on cuda with --kernel-backend triton)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch run as a CUDA graph (default 256)")
+    g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
+                   help="engine sampling seed")
     g.add_argument("--torch-threads", type=int, default=None,
-                   help="intra-op threads of the engine process (default on cpu: one per core, minus one for the "
-                        "API process; on cuda: torch's default)")
+                   help="intra-op threads of the engine process (default on cpu: one per core, "
+                        "minus one for the API process; on cuda: torch's default)")
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("admission and shutdown")
-    g.add_argument("--max-waiting-requests", "--max-queued-requests", dest="max_waiting_requests", type=int,
-                   default=None, help="requests queued beyond --max-running-requests before 503 (default 1024)")
-    g.add_argument("--max-request-bytes", type=int, default=None, help="larger bodies get 413 (default 16 MiB)")
+    g.add_argument("--max-waiting-requests", "--max-queued-requests", dest="max_waiting_requests",
+                   type=int, default=None,
+                   help="requests queued beyond --max-running-requests before 503 (default 1024)")
+    g.add_argument("--max-request-bytes", type=int, default=None,
+                   help="larger bodies get 413 (default 16 MiB)")
     g.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=None,
                    help="seconds in-flight requests may finish after SIGTERM (default 10)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -78,25 +92,27 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
     model = Path(args.model) if args.model else default_model_path()
     if not (model / "config.json").is_file() or not (model / "tokenizer.json").is_file():
-        raise ValueError(f"--model={str(model)!r} is invalid; allowed: a checkpoint directory with config.json "
-                         "and tokenizer.json")
+        raise ValueError(f"--model={str(model)!r} is invalid; allowed: a checkpoint directory "
+                         "with config.json and tokenizer.json")
     device = args.device or ("cuda" if _has_cuda() else "cpu")
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     given = {name: getattr(args, name) for name in (
-        "max_running_requests", "context_length", "chunked_prefill_size", "page_size", "max_total_tokens",
-        "kv_cache_memory_gb", "kernel_backend", "seed", "max_waiting_requests", "max_request_bytes",
-        "shutdown_timeout_s", "torch_threads", "disable_prefix_cache", "weight_format", "disable_cuda_graph",
-        "cuda_graph_max_bs")}
+        "max_running_requests", "context_length", "chunked_prefill_size", "page_size",
+        "max_total_tokens", "kv_cache_memory_gb", "kernel_backend", "seed", "max_waiting_requests",
+        "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
+        "weight_format", "disable_cuda_graph", "cuda_graph_max_bs")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if device == "cpu":
         engine_args.setdefault("page_size", _cpu_page_size(model))
         engine_args.setdefault("kv_cache_memory_gb", CPU_KV_CACHE_GB)
-        # NOTE: the API process (HTTP, tokenizer, SSE) needs a core too; torch threads that oversubscribe the
-        # cores stall each other at every parallel region (measured on 2 cores: 1 thread serves ~15% faster)
+        # NOTE: the API process (HTTP, tokenizer, SSE) needs a core too; torch threads that
+        # oversubscribe the cores stall each other at every parallel region (see
+        # benchmarks/results/serving_cpu_202611.md)
         engine_args.setdefault("torch_threads", max(1, (os.cpu_count() or 2) - 1))
     name = args.served_model_name or _default_name(model, is_random_weights(model))
-    return ServerConfig(model=str(model), served_model_name=name, dtype=dtype, device=device, host=args.host,
-                        port=args.port, api_key=args.api_key, access_log=args.access_log, **engine_args)
+    return ServerConfig(model=str(model), served_model_name=name, dtype=dtype, device=device,
+                        host=args.host, port=args.port, api_key=args.api_key,
+                        access_log=args.access_log, **engine_args)
 
 
 def run(args: argparse.Namespace) -> int:

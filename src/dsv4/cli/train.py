@@ -1,9 +1,13 @@
 """`dsv4 train`: build the data recipe, train (resumable), and export a servable checkpoint.
 
-    dsv4 train data   --out DATA                       # tokenizer + train.bin / heldout.bin (offline recipe)
-    dsv4 train run    --data DATA --out RUN [--steps N --batch-size B ...] [--resume] [--time-limit-s S]
-    dsv4 train export --run RUN --data DATA --out MODEL # official layout, FP8 linears + FP4 experts
-    dsv4 train eval   --model MODEL [--out eval.json]   # the model card's numbers (CPU, float32)
+    # tokenizer + train.bin / heldout.bin (offline recipe)
+    dsv4 train data   --out DATA
+    dsv4 train run    --data DATA --out RUN [--steps N --batch-size B ...] [--resume]
+                      [--time-limit-s S]
+    # official layout, FP8 linears + FP4 experts
+    dsv4 train export --run RUN --data DATA --out MODEL
+    # the model card's numbers (CPU, float32)
+    dsv4 train eval   --model MODEL [--out eval.json]
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ logger = init_logger(__name__)
 
 # TrainConfig fields exposed as flags (name -> type); the rest keep their defaults.
 _RUN_FLAGS: dict[str, type] = {
-    "preset": str, "init_from": str, "seed": int, "steps": int, "batch_size": int, "seq_len": int, "lr": float,
-    "warmup_steps": int, "weight_decay": float, "mtp_weight": float, "indexer_weight": float, "qat_start": float,
-    "log_every": int, "eval_every": int, "eval_tokens": int, "ckpt_every": int, "device": str, "time_limit_s": float,
+    "preset": str, "init_from": str, "seed": int, "steps": int, "batch_size": int, "seq_len": int,
+    "lr": float, "warmup_steps": int, "weight_decay": float, "mtp_weight": float,
+    "indexer_weight": float, "qat_start": float, "log_every": int, "eval_every": int,
+    "eval_tokens": int, "ckpt_every": int, "device": str, "time_limit_s": float,
     "max_steps_this_call": int}
 
 
@@ -35,9 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=run_data)
 
     r = tsub.add_parser("run", help="train (or resume) a run")
-    r.add_argument("--data", required=True, type=Path, help="directory written by `dsv4 train data`")
-    r.add_argument("--out", required=True, type=Path, help="run directory (state.pt, metrics.jsonl, loss.png)")
-    r.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
+    r.add_argument("--data", required=True, type=Path,
+                   help="directory written by `dsv4 train data`")
+    r.add_argument("--out", required=True, type=Path,
+                   help="run directory (state.pt, metrics.jsonl, loss.png)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run in --out where it stopped")
     from dsv4.train.config import TrainConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -54,11 +62,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--quant", default="fp8+fp4", choices=["none", "fp8", "fp8+fp4"])
     e.set_defaults(func=run_export)
 
-    v = tsub.add_parser("eval", help="measure a checkpoint's model-card numbers (held-out loss, MTP, task accuracy)")
-    v.add_argument("--model", required=True, type=Path, help="checkpoint directory with heldout.bin (as exported)")
-    v.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
-    v.add_argument("--heldout-tokens", type=int, default=32768, help="held-out tokens scored (windows of 2048)")
-    v.add_argument("--per-level", type=int, default=50, help="held-out problems per difficulty level")
+    v = tsub.add_parser("eval", help="measure a checkpoint's model-card numbers "
+                                     "(held-out loss, MTP, task accuracy)")
+    v.add_argument("--model", required=True, type=Path,
+                   help="checkpoint directory with heldout.bin (as exported)")
+    v.add_argument("--out", type=Path, default=None,
+                   help="write the JSON here (default: print it)")
+    v.add_argument("--heldout-tokens", type=int, default=32768,
+                   help="held-out tokens scored (windows of 2048)")
+    v.add_argument("--per-level", type=int, default=50,
+                   help="held-out problems per difficulty level")
     v.add_argument("--device", default="cpu")
     v.set_defaults(func=run_eval)
 
@@ -101,8 +114,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from dsv4.train.evaluate import evaluate_checkpoint
 
-    result = evaluate_checkpoint(args.model, args.model / "heldout.bin", max_tokens=args.heldout_tokens,
-                                 per_level=args.per_level, device=args.device)
+    result = evaluate_checkpoint(args.model, args.model / "heldout.bin",
+                                 max_tokens=args.heldout_tokens, per_level=args.per_level,
+                                 device=args.device)
     text = json.dumps(result, indent=2)
     if args.out is None:
         sys.stdout.write(text + "\n")

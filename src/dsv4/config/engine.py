@@ -1,6 +1,6 @@
 """EngineConfig: the frozen knobs of the serving engine (pages, batch limits, budgets, backend).
 
-Built once at the edge (LLM(...) keyword arguments or CLI flags) and passed down. Sizes that
+Built once at the edge (`LLM(...)` keyword arguments or CLI flags) and passed down. Sizes that
 depend on the model are resolved by `cache/layout.py`, never by mutating this object.
 """
 
@@ -10,36 +10,41 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 KernelBackend = Literal["ref", "triton"]
-"""Kernel backends (`kernels/registry.py`): `ref` is the PyTorch specification, `triton` the fast kernels."""
+"""Kernel backends (`kernels/registry.py`): `ref` is the PyTorch spec, `triton` the fast kernels."""
 KERNEL_BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
 
 WeightFormat = Literal["bf16", "checkpoint"]
-"""How routed experts are held once loaded: "bf16" dequantises them to the model dtype, "checkpoint" keeps
-their FP4 codes and scales (`model/quant_experts.py`)."""
+"""How routed experts are held once loaded: "bf16" dequantises them to the model dtype,
+"checkpoint" keeps their FP4 codes and scales (`model/quant_experts.py`)."""
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = get_args(WeightFormat)
 
 
 def check_weight_format(weight_format: str) -> WeightFormat:
-    """`weight_format` as a WeightFormat; raises naming the allowed values otherwise."""
+    """`weight_format` as a `WeightFormat`; raises naming the allowed values otherwise."""
     for name in WEIGHT_FORMATS:
         if weight_format == name:
             return name
-    raise ValueError(f"weight_format={weight_format!r} is invalid; allowed: {list(WEIGHT_FORMATS)}")
+    raise ValueError(f"weight_format={weight_format!r} is invalid; "
+                     f"allowed: {list(WEIGHT_FORMATS)}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """page_size: tokens per page, a multiple of every compress ratio (256 for real models).
-    max_running_requests: decode batch limit. chunked_prefill_size: token budget of one step.
-    max_total_tokens: full-token slots in the cache (None: from `kv_cache_memory_gb`).
-    swa_tokens: sliding-window slots (None: enough for every running request's window).
-    context_length: longest prompt + output (None: the model's max_position_embeddings).
-    capture_routing: record routed expert ids and indexer top-k per token (RL replay).
-    ring_multiplier: compressor ring sizes are (2*m, m') times this (2 under speculative decoding).
-    disable_prefix_cache: turn off the radix prefix cache (ShadowRadix).
-    disable_cuda_graph: run decode steps eagerly. Otherwise, on a CUDA device with the `triton` kernel backend,
-    decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs (engine/cuda_graph.py); the `ref`
-    backend syncs inside its MoE and is never captured (the runner logs which mode it runs)."""
+    """The serving engine's knobs.
+
+    `page_size`: tokens per page, a multiple of every compress ratio (256 for real models).
+    `max_running_requests`: decode batch limit. `chunked_prefill_size`: token budget of one step.
+    `max_total_tokens`: full-token slots in the cache (None: from `kv_cache_memory_gb`).
+    `swa_tokens`: sliding-window slots (None: enough for every running request's window).
+    `context_length`: longest prompt + output (None: the model's `max_position_embeddings`).
+    `capture_routing`: record routed expert ids and indexer top-k per token (RL replay).
+    `ring_multiplier`: compressor ring sizes are (2*m, m') times this (2 under speculative
+    decoding). `disable_prefix_cache`: turn off the radix prefix cache (`ShadowRadix`).
+    `disable_cuda_graph`: run decode steps eagerly. Otherwise, on a CUDA device with the `triton`
+    kernel backend, decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs
+    (`engine/cuda_graph.py`); the `ref` backend syncs inside its MoE and is never captured (the
+    runner logs which mode it runs).
+    """
 
     page_size: int = 256
     max_running_requests: int = 64
@@ -57,7 +62,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"):
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size",
+                     "cuda_graph_max_bs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
@@ -66,9 +72,12 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: None or an integer >= 1")
         if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} is invalid; allowed: > 0")
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} is invalid; "
+                             "allowed: > 0")
         if self.ring_multiplier not in (1, 2):
-            raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: 1, or 2 under speculative "
-                             "decoding (draft tokens write compressor rings ahead of verification)")
+            raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: 1, or 2 "
+                             "under speculative decoding (draft tokens write compressor rings "
+                             "ahead of verification)")
         if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; allowed: {list(KERNEL_BACKENDS)}")
+            raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; "
+                             f"allowed: {list(KERNEL_BACKENDS)}")

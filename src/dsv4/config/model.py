@@ -29,7 +29,7 @@ ATTN_TYPES: tuple[str, ...] = ("swa", "csa", "hca")
 MOE_TYPES: tuple[str, ...] = ("hash", "routed")
 WEIGHT_QUANTS: tuple[str, ...] = ("none", "fp8", "fp8+fp4")
 
-# transformers' names for the schedules (the only other place they appear is state_dict_adapter.py)
+# transformers' names for the schedules (the only other place they appear: state_dict_adapter.py)
 _HF_ATTN = {"sliding_attention": "swa", "compressed_sparse_attention": "csa",
             "heavily_compressed_attention": "hca"}
 _HF_MOE = {"hash_moe": "hash", "moe": "routed"}
@@ -37,7 +37,7 @@ _HF_MOE = {"hash_moe": "hash", "moe": "routed"}
 
 @dataclass(frozen=True)
 class YarnConfig:
-    """YaRN frequency blending for the compressed (CSA/HCA) layers; no attention mscale (spec §6.1)."""
+    """YaRN frequency blending for the compressed (CSA/HCA) layers; no attention mscale (§6.1)."""
 
     factor: float
     original_max_position_embeddings: int
@@ -128,9 +128,7 @@ class ModelConfig:
         return ModelConfig(**values)
 
 
-# ---------------------------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------------------------
+# ---- validation ----------------------------------------------------------------------------------
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ValueError(f"invalid model config field `{name}` = {value!r}; allowed: {allowed}")
@@ -138,9 +136,9 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
 
 def _validate(c: ModelConfig) -> None:
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank",
-                 "o_groups", "o_lora_rank", "window", "index_n_heads", "index_head_dim", "index_topk",
-                 "n_routed_experts", "num_experts_per_tok", "moe_inter_dim", "hc_mult",
-                 "hc_sinkhorn_iters", "max_position_embeddings"):
+                 "o_groups", "o_lora_rank", "window", "index_n_heads", "index_head_dim",
+                 "index_topk", "n_routed_experts", "num_experts_per_tok", "moe_inter_dim",
+                 "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings"):
         value = getattr(c, name)
         _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
                "a positive integer")
@@ -161,16 +159,16 @@ def _validate(c: ModelConfig) -> None:
     _check(c.csa_ratio > 0, "csa_ratio", c.csa_ratio, "a positive integer")
     _check(c.hca_ratio > 0 and c.hca_ratio != c.csa_ratio, "hca_ratio", c.hca_ratio,
            f"a positive integer other than csa_ratio={c.csa_ratio}")
-    _check(c.num_experts_per_tok <= c.n_routed_experts, "num_experts_per_tok", c.num_experts_per_tok,
-           f"<= n_routed_experts={c.n_routed_experts}")
-    _check(c.n_shared_experts == 1, "n_shared_experts", c.n_shared_experts, "1 (DeepSeek-V4 has one shared expert)")
+    _check(c.num_experts_per_tok <= c.n_routed_experts, "num_experts_per_tok",
+           c.num_experts_per_tok, f"<= n_routed_experts={c.n_routed_experts}")
+    _check(c.n_shared_experts == 1, "n_shared_experts", c.n_shared_experts,
+           "1 (DeepSeek-V4 has one shared expert)")
     _check(c.num_mtp_layers >= 0, "num_mtp_layers", c.num_mtp_layers, "a non-negative integer")
-    _check(c.weight_quant in WEIGHT_QUANTS, "weight_quant", c.weight_quant, f"one of {WEIGHT_QUANTS}")
+    _check(c.weight_quant in WEIGHT_QUANTS, "weight_quant", c.weight_quant,
+           f"one of {WEIGHT_QUANTS}")
 
 
-# ---------------------------------------------------------------------------------------------
-# reading
-# ---------------------------------------------------------------------------------------------
+# ---- reading -------------------------------------------------------------------------------------
 def _read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     if isinstance(source, dict):
         return dict(source)
@@ -178,12 +176,13 @@ def _read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"model config not found: {path} (expected a checkpoint directory "
-                                "containing config.json, or the path of a config.json)")
+        raise FileNotFoundError(f"model config not found: {path} (expected a checkpoint "
+                                "directory containing config.json, or the path of a config.json)")
     with path.open() as f:
         raw = json.load(f)
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: config.json must hold a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"{path}: config.json must hold a JSON object, "
+                         f"got {type(raw).__name__}")
     return raw
 
 
@@ -206,12 +205,14 @@ def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
     eos = raw.get("eos_token_id", 1)
     out: dict[str, Any] = dict(
         vocab_size=_require(raw, "vocab_size"), hidden_size=_require(raw, "hidden_size"),
-        num_layers=_require(raw, "num_hidden_layers"), num_heads=_require(raw, "num_attention_heads"),
+        num_layers=_require(raw, "num_hidden_layers"),
+        num_heads=_require(raw, "num_attention_heads"),
         head_dim=raw.get("head_dim", 512), q_lora_rank=_require(raw, "q_lora_rank"),
         o_groups=_require(raw, "o_groups"), o_lora_rank=_require(raw, "o_lora_rank"),
         window=raw.get("sliding_window", 128), index_n_heads=raw.get("index_n_heads", 64),
         index_head_dim=raw.get("index_head_dim", 128), index_topk=raw.get("index_topk", 512),
-        n_routed_experts=_require(raw, "n_routed_experts"), n_shared_experts=raw.get("n_shared_experts", 1),
+        n_routed_experts=_require(raw, "n_routed_experts"),
+        n_shared_experts=raw.get("n_shared_experts", 1),
         num_experts_per_tok=_require(raw, "num_experts_per_tok"),
         moe_inter_dim=_require(raw, "moe_intermediate_size"),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
@@ -257,22 +258,27 @@ def _yarn_from(params: dict[str, Any] | None, field_name: str) -> YarnConfig | N
     _check(attention_factor in (None, 1.0), f"{field_name}.attention_factor", attention_factor,
            "1.0 (DeepSeek-V4 applies no YaRN mscale)")
     return YarnConfig(factor=float(_require(params, "factor")),
-                      original_max_position_embeddings=int(_require(params, "original_max_position_embeddings")),
-                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1))
+                      original_max_position_embeddings=int(
+                          _require(params, "original_max_position_embeddings")),
+                      beta_fast=float(params.get("beta_fast") or 32),
+                      beta_slow=float(params.get("beta_slow") or 1))
 
 
 def _from_hf_official(raw: dict[str, Any]) -> ModelConfig:
     c = _common_fields(raw)
     n = c["num_layers"]
     ratios = list(_require(raw, "compress_ratios"))
-    _check(len(ratios) >= n, "compress_ratios", ratios, f"a list of at least num_hidden_layers={n} entries")
+    _check(len(ratios) >= n, "compress_ratios", ratios,
+           f"a list of at least num_hidden_layers={n} entries")
     attn, hca = [], set()
     for r in ratios[:n]:
-        _check(isinstance(r, int) and r >= 0, "compress_ratios", r, "0 (SWA), 4 (CSA) or the HCA ratio")
+        _check(isinstance(r, int) and r >= 0, "compress_ratios", r,
+               "0 (SWA), 4 (CSA) or the HCA ratio")
         attn.append("swa" if r == 0 else "csa" if r == 4 else "hca")
         if r not in (0, 4):
             hca.add(r)
-    _check(len(hca) <= 1, "compress_ratios", sorted(hca), "a single HCA ratio shared by every HCA layer")
+    _check(len(hca) <= 1, "compress_ratios", sorted(hca),
+           "a single HCA ratio shared by every HCA layer")
     for r in ratios[n:n + c["num_mtp_layers"]]:
         _check(r == 0, "compress_ratios (MTP entries)", r, "0 (the MTP layer is SWA-only)")
     num_hash = raw.get("num_hash_layers", 3)
@@ -290,7 +296,8 @@ def _from_hf_transformers(raw: dict[str, Any]) -> ModelConfig:
     c = _common_fields(raw)
     n = c["num_layers"]
     layer_types = list(raw["layer_types"])[:n]
-    _check(len(layer_types) == n, "layer_types", raw["layer_types"], f"a list of num_hidden_layers={n} entries")
+    _check(len(layer_types) == n, "layer_types", raw["layer_types"],
+           f"a list of num_hidden_layers={n} entries")
     for t in layer_types:
         _check(t in _HF_ATTN, "layer_types", t, f"one of {tuple(_HF_ATTN)}")
     mlp_types = raw.get("mlp_layer_types")
@@ -298,7 +305,8 @@ def _from_hf_transformers(raw: dict[str, Any]) -> ModelConfig:
         num_hash = raw.get("num_hash_layers", 3)
         mlp_types = ["hash_moe"] * min(n, num_hash) + ["moe"] * max(0, n - num_hash)
     mlp_types = list(mlp_types)[:n]
-    _check(len(mlp_types) == n, "mlp_layer_types", mlp_types, f"a list of num_hidden_layers={n} entries")
+    _check(len(mlp_types) == n, "mlp_layer_types", mlp_types,
+           f"a list of num_hidden_layers={n} entries")
     for t in mlp_types:
         _check(t in _HF_MOE, "mlp_layer_types", t, f"one of {tuple(_HF_MOE)}")
     rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128,
@@ -316,36 +324,38 @@ def _from_hf_transformers(raw: dict[str, Any]) -> ModelConfig:
         compress = {k: v for k, v in rope.items() if k not in ("main", "compress")}
     _check(_yarn_from(main, "rope_parameters.main") is None, "rope_parameters.main", main,
            "default RoPE (YaRN applies only to compressed layers)")
-    return ModelConfig(**c, rope_head_dim=rope_dim, attn_types=tuple(_HF_ATTN[t] for t in layer_types),
+    return ModelConfig(**c, rope_head_dim=rope_dim,
+                       attn_types=tuple(_HF_ATTN[t] for t in layer_types),
                        moe_types=tuple(_HF_MOE[t] for t in mlp_types),
                        csa_ratio=int(rates["compressed_sparse_attention"]),
                        hca_ratio=int(rates["heavily_compressed_attention"]),
                        rope_theta=float(main.get("rope_theta", raw.get("rope_theta", 10000.0))),
-                       compress_rope_theta=float(compress.get("rope_theta", raw.get("compress_rope_theta", 160000.0))),
+                       compress_rope_theta=float(compress.get(
+                           "rope_theta", raw.get("compress_rope_theta", 160000.0))),
                        yarn=_yarn_from(compress, "rope_parameters.compress"))
 
 
-# ---------------------------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------------------------
+# ---- writing -------------------------------------------------------------------------------------
 def _shared_out(c: ModelConfig) -> dict[str, Any]:
     return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
                 num_attention_heads=c.num_heads, num_key_value_heads=1, head_dim=c.head_dim,
                 q_lora_rank=c.q_lora_rank, o_groups=c.o_groups, o_lora_rank=c.o_lora_rank,
-                sliding_window=c.window, index_n_heads=c.index_n_heads, index_head_dim=c.index_head_dim,
-                index_topk=c.index_topk, n_routed_experts=c.n_routed_experts,
-                n_shared_experts=c.n_shared_experts, num_experts_per_tok=c.num_experts_per_tok,
-                moe_intermediate_size=c.moe_inter_dim, routed_scaling_factor=c.routed_scaling_factor,
-                scoring_func="sqrtsoftplus", norm_topk_prob=True, swiglu_limit=c.swiglu_limit,
-                hc_mult=c.hc_mult, hc_sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
-                rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, compress_rope_theta=c.compress_rope_theta,
-                max_position_embeddings=c.max_position_embeddings, num_nextn_predict_layers=c.num_mtp_layers,
-                bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, tie_word_embeddings=False,
-                hidden_act="silu")
+                sliding_window=c.window, index_n_heads=c.index_n_heads,
+                index_head_dim=c.index_head_dim, index_topk=c.index_topk,
+                n_routed_experts=c.n_routed_experts, n_shared_experts=c.n_shared_experts,
+                num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_inter_dim,
+                routed_scaling_factor=c.routed_scaling_factor, scoring_func="sqrtsoftplus",
+                norm_topk_prob=True, swiglu_limit=c.swiglu_limit, hc_mult=c.hc_mult,
+                hc_sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, rms_norm_eps=c.rms_norm_eps,
+                rope_theta=c.rope_theta, compress_rope_theta=c.compress_rope_theta,
+                max_position_embeddings=c.max_position_embeddings,
+                num_nextn_predict_layers=c.num_mtp_layers, bos_token_id=c.bos_token_id,
+                eos_token_id=c.eos_token_id, tie_word_embeddings=False, hidden_act="silu")
 
 
 def _yarn_dict(y: YarnConfig) -> dict[str, Any]:
-    return {"factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
+    return {"factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
             "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
 
 
@@ -355,7 +365,8 @@ def _to_official(c: ModelConfig) -> dict[str, Any]:
         raise ValueError(f"moe_types={c.moe_types} cannot be written as `num_hash_layers` "
                          "(the official layout needs the hash layers first)")
     if c.csa_ratio != 4 and "csa" in c.attn_types:
-        raise ValueError(f"csa_ratio={c.csa_ratio} cannot be written in the official layout (needs 4)")
+        raise ValueError(f"csa_ratio={c.csa_ratio} cannot be written in the official layout "
+                         "(needs 4)")
     out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
                            **_shared_out(c), "torch_dtype": "bfloat16", "topk_method": "noaux_tc",
                            "qk_rope_head_dim": c.rope_head_dim, "num_hash_layers": hashes,
@@ -365,7 +376,8 @@ def _to_official(c: ModelConfig) -> dict[str, Any]:
         out["rope_scaling"] = {"type": "yarn", **_yarn_dict(c.yarn)}
     if c.weight_quant != "none":
         out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                      "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+                                      "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
         out["expert_dtype"] = "fp4" if c.weight_quant == "fp8+fp4" else "fp8"
     return out
 
@@ -374,7 +386,8 @@ def _to_transformers(c: ModelConfig) -> dict[str, Any]:
     inv_attn = {v: k for k, v in _HF_ATTN.items()}
     inv_moe = {v: k for k, v in _HF_MOE.items()}
     out = _shared_out(c)
-    out.update(layer_types=[inv_attn[t] for t in c.attn_types], mlp_layer_types=[inv_moe[t] for t in c.moe_types],
+    out.update(layer_types=[inv_attn[t] for t in c.attn_types],
+               mlp_layer_types=[inv_moe[t] for t in c.moe_types],
                compress_rates={"compressed_sparse_attention": c.csa_ratio,
                                "heavily_compressed_attention": c.hca_ratio},
                partial_rotary_factor=c.rope_head_dim / c.head_dim)

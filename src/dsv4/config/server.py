@@ -1,4 +1,5 @@
-"""ServerConfig: the frozen knobs of `dsv4 serve` (the EngineConfig plus model, HTTP and admission limits).
+"""ServerConfig: the frozen knobs of `dsv4 serve` (the `EngineConfig` plus model, HTTP and
+admission limits).
 
 Built once at the CLI edge (`dsv4.cli.serve`), where "auto" values — default model, device, dtype,
 CPU page size — are resolved before construction; passed to the API process and, through the
@@ -18,13 +19,18 @@ DEVICES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class ServerConfig(EngineConfig):
-    """model: checkpoint directory. served_model_name: the `model` id clients send and `/v1/models` lists.
-    host/port: where the API listens. api_key: when set, `/v1/*` requires `Authorization: Bearer <key>`.
-    max_waiting_requests: engine requests allowed in flight beyond `max_running_requests` before new
-    requests get 503. max_request_bytes: larger request bodies get 413. shutdown_timeout_s: on SIGTERM,
-    how long in-flight requests may finish before they are aborted. access_log: uvicorn's per-request log.
-    torch_threads: intra-op threads of the engine process (None: torch's default, one per core).
-    weight_format: "bf16" dequantises FP4 / FP8 weights at load; "checkpoint" keeps the routed experts in FP4."""
+    """The `EngineConfig` knobs plus those of the server.
+
+    `model`: checkpoint directory. `served_model_name`: the `model` id clients send and
+    `/v1/models` lists. `host`/`port`: where the API listens. `api_key`: when set, `/v1/*`
+    requires `Authorization: Bearer <key>`. `max_waiting_requests`: engine requests allowed in
+    flight beyond `max_running_requests` before new requests get 503. `max_request_bytes`: larger
+    request bodies get 413. `shutdown_timeout_s`: on SIGTERM, how long in-flight requests may
+    finish before they are aborted. `access_log`: uvicorn's per-request log. `torch_threads`:
+    intra-op threads of the engine process (None: torch's default, one per core).
+    `weight_format`: "bf16" dequantises FP4 / FP8 weights at load; "checkpoint" keeps the routed
+    experts in FP4.
+    """
 
     model: str = ""
     served_model_name: str = "dsv4"
@@ -59,18 +65,24 @@ class ServerConfig(EngineConfig):
 
     def _check_limits(self) -> None:
         if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests={self.max_waiting_requests!r} is invalid; allowed: an integer >= 0")
+            raise ValueError(f"max_waiting_requests={self.max_waiting_requests!r} is invalid; "
+                             "allowed: an integer >= 0")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes={self.max_request_bytes!r} is invalid; allowed: an integer >= 1")
-        if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
-            raise ValueError(f"torch_threads={self.torch_threads!r} is invalid; allowed: None or an integer >= 1")
+            raise ValueError(f"max_request_bytes={self.max_request_bytes!r} is invalid; "
+                             "allowed: an integer >= 1")
+        if self.torch_threads is not None and (not isinstance(self.torch_threads, int)
+                                               or self.torch_threads < 1):
+            raise ValueError(f"torch_threads={self.torch_threads!r} is invalid; "
+                             "allowed: None or an integer >= 1")
         if self.shutdown_timeout_s < 0:
-            raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is invalid; allowed: >= 0 seconds")
+            raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is invalid; "
+                             "allowed: >= 0 seconds")
 
     @property
     def engine_config(self) -> EngineConfig:
-        """The EngineConfig part alone (what LLMEngine is built from)."""
-        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
+        """The `EngineConfig` part alone (what `LLMEngine` is built from)."""
+        return EngineConfig(**{f.name: getattr(self, f.name)
+                               for f in dataclasses.fields(EngineConfig)})
 
     @property
     def max_inflight_requests(self) -> int:

@@ -1,26 +1,28 @@
 """DecodeGraphs: decode steps (metadata + forward) as CUDA graphs, captured lazily per bucket.
 
-Run eagerly, steady-state decode is host-bound: a flash-4l step launches hundreds of small kernels whose
-host cost exceeds the GPU work (benchmarks/results/kernels_ii_h200_202611.md). A step's metadata is computed
-on the device from small per-request rows (engine/metadata.py::device_context), so the whole step is
-capturable: a replay copies each request's n token ids, its slot and its first position into a static
-[B, n + 2] buffer (one copy) and launches one graph. Sampling stays outside (its batch changes with the
-requests' parameters).
+Run eagerly, steady-state decode is host-bound: a flash-4l step launches hundreds of small kernels
+whose host cost exceeds the GPU work (benchmarks/results/kernels_ii_h200_202611.md). A step's
+metadata is computed on the device from small per-request rows (engine/metadata.py::device_context),
+so the whole step is capturable: a replay copies each request's n token ids, its slot and its first
+position into a static [B, n + 2] buffer (one copy) and launches one graph. Sampling stays outside
+(its batch changes with the requests' parameters).
 
-Steps served: every request feeds the same number n of tokens (1 for plain decode; up to `max_tokens`,
-e.g. a verify pass of speculative decoding) and wants the logits of its last k positions (1 <= k <= n).
+Steps served: every request feeds the same number n of tokens (1 for plain decode; up to
+`max_tokens`, e.g. a verify pass of speculative decoding) and wants the logits of its last k
+positions (1 <= k <= n).
 
 Buckets. A graph is keyed by (batch bucket, n, k, context bucket, routing capture):
-- batch: 1, 2, 4, 8, then multiples of 8 up to `max_batch`. Rows past the real batch are padding rows on the
-  request table's `pad_slot`: its pages are all the null page, so they write only null-page slots and trash
-  rows, nothing reads those, and their logits and routing are dropped;
-- context: the step's largest end position (start + n) rounded up to a power of two (at least `MIN_CONTEXT`, at most the
-  request table's span). It sizes the compressed-candidate lists, whose columns past a query's visible count
-  are -1 in every form of the metadata: a larger bucket adds masked columns (at most 2x), never changes which
-  entries a query sees.
-Graphs share one memory pool and are replayed one at a time on the current stream. With `capture=False` (CPU,
-tests) the same static-buffer step runs eagerly: that path is what the CPU equivalence tests check against the
-plain eager step, and the GPU tests check graph replay against it.
+- batch: 1, 2, 4, 8, then multiples of 8 up to `max_batch`. Rows past the real batch are padding
+  rows on the request table's `pad_slot`: its pages are all the null page, so they write only
+  null-page slots and trash rows, nothing reads those, and their logits and routing are dropped;
+- context: the step's largest end position (start + n) rounded up to a power of two (at least
+  `MIN_CONTEXT`, at most the request table's span). It sizes the compressed-candidate lists, whose
+  columns past a query's visible count are -1 in every form of the metadata: a larger bucket adds
+  masked columns (at most 2x), never changes which entries a query sees.
+Graphs share one memory pool and are replayed one at a time on the current stream. With
+`capture=False` (CPU, tests) the same static-buffer step runs eagerly: that path is what the CPU
+equivalence tests check against the plain eager step, and the GPU tests check graph replay against
+it.
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def context_bucket(max_end: int, span: int) -> int:
-    """The power of two >= max(max_end, MIN_CONTEXT), capped at the request table's span (>= max_end)."""
+    """The power of two >= max(max_end, MIN_CONTEXT), capped at the request table's span
+    (>= max_end)."""
     assert 1 <= max_end <= span, f"end position {max_end} outside the request table's span {span}"
     return min(1 << (max(max_end, MIN_CONTEXT) - 1).bit_length(), span)
 
 
 def uniform_shape(shape: StepShape) -> tuple[int, int] | None:
-    """(n, k) when every request feeds n tokens and wants the logits of its last k (1 <= k <= n), else None."""
+    """(n, k) when every request feeds n tokens and wants the logits of its last k (1 <= k <= n),
+    else None."""
     n, k = shape.lens[0], shape.num_logits[0]
     if any(x != n for x in shape.lens) or any(x != k for x in shape.num_logits) or not 1 <= k <= n:
         return None
@@ -73,15 +77,16 @@ class GraphKey:
 
 @dataclass
 class _StepGraph:
-    inputs: torch.Tensor                   # [B, n + 2] int64: n token ids, request slot, first position
-    logits: torch.Tensor                   # [B * k, V] fp32, written by every replay
-    captured: Captured | None              # routing outputs, written by every replay
+    inputs: torch.Tensor           # [B, n + 2] int64: n token ids, request slot, first position
+    logits: torch.Tensor           # [B * k, V] fp32, written by every replay
+    captured: Captured | None      # routing outputs, written by every replay
     graph: torch.cuda.CUDAGraph | None = field(default=None)
 
 
 class DecodeGraphs:
-    def __init__(self, model: DeepSeekV4ForCausalLM, table: RequestTable, pools: KVPools, ops: KernelOps,
-                 max_batch: int, capture: bool = True, max_tokens: int = 1) -> None:
+    def __init__(self, model: DeepSeekV4ForCausalLM, table: RequestTable, pools: KVPools,
+                 ops: KernelOps, max_batch: int, capture: bool = True,
+                 max_tokens: int = 1) -> None:
         if capture and next(model.parameters()).device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model, self.table, self.pools, self.ops = model, table, pools, ops
@@ -101,11 +106,12 @@ class DecodeGraphs:
         nk = uniform_shape(shape)
         return nk is not None and nk[0] <= self.max_tokens and len(shape.lens) <= self.max_batch
 
-    def run(self, input_ids: list[int], shape: StepShape, capture_routing: bool) -> tuple[torch.Tensor,
-                                                                                        Captured | None]:
+    def run(self, input_ids: list[int], shape: StepShape,
+            capture_routing: bool) -> tuple[torch.Tensor, Captured | None]:
         """Logits [b * k, V] of a step of b requests (and its routing when asked), by graph replay.
 
-        The returned tensors are views of the graph's static outputs: consume them before the next call."""
+        The returned tensors are views of the graph's static outputs: consume them before the next
+        call."""
         nk = uniform_shape(shape)
         assert nk is not None and self.fits(shape), "not a step that a graph serves"
         n, k = nk
@@ -135,8 +141,8 @@ class DecodeGraphs:
         lens = torch.full_like(slots, n)
         last = torch.arange(B, device=ids.device)[:, None] * n + (n - k)
         logits_index = (last + torch.arange(k, device=ids.device)).reshape(-1)
-        ctx = device_context(slots, starts, lens, logits_index, StepBounds(B * n, key.context, n), self.table,
-                             self.pools, self.model.config)
+        ctx = device_context(slots, starts, lens, logits_index, StepBounds(B * n, key.context, n),
+                             self.table, self.pools, self.model.config)
         ctx.ops = self.ops
         ctx.captured = {} if key.capture_routing else None
         return self.model.forward_batch(ids, ctx), ctx.captured
@@ -147,11 +153,12 @@ class DecodeGraphs:
         inputs = torch.tensor([row] * key.batch, dtype=torch.int64, device=self.device)
         if not self.capture:   # eager replays fill the outputs
             return _StepGraph(inputs, torch.empty(0, device=self.device), None)
-        logger.info("capturing the decode graph for batch %d, %d token(s) per request, context bucket %d%s",
-                    key.batch, key.tokens, key.context, " with routing capture" if key.capture_routing else "")
+        logger.info("capturing the decode graph for batch %d, %d token(s) per request, "
+                    "context bucket %d%s", key.batch, key.tokens, key.context,
+                    " with routing capture" if key.capture_routing else "")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # warm-up off the capture: Triton compiles, allocator settles
+        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, allocator settles
             self._forward(inputs, key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()

@@ -1,4 +1,5 @@
-"""LLMEngine: token ids in, token ids out. Ties the scheduler, the prefix cache and the model runner.
+"""LLMEngine: token ids in, token ids out. Ties the scheduler, the prefix cache and the model
+runner.
 
 `add_request` validates at the edge (empty prompt, too long, unknown token ids, a request that
 can never fit the cache) and raises ValueError naming the field; a bad request never reaches the
@@ -74,8 +75,8 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("prompt is empty; allowed: at least one token")
         if len(prompt_ids) >= self.context_length:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; allowed: fewer than the context length "
-                             f"{self.context_length}")
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; allowed: fewer than the "
+                             f"context length {self.context_length}")
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids contains unknown token ids {bad[:5]}; "
@@ -83,9 +84,11 @@ class LLMEngine:
         need = min(len(prompt_ids) + params.max_tokens, self.context_length)
         if need > self.max_total_tokens:
             raise ValueError(f"prompt + max_tokens = {need} tokens cannot fit the KV cache "
-                             f"({self.max_total_tokens} tokens); allowed: a smaller max_tokens or prompt")
+                             f"({self.max_total_tokens} tokens); "
+                             "allowed: a smaller max_tokens or prompt")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    rid: str | None = None) -> Request:
         self.validate(prompt_ids, params)
         rid = rid if rid is not None else str(next(self._ids))
         if rid in self.requests:
@@ -97,7 +100,8 @@ class LLMEngine:
         return req
 
     def finish(self, rid: str, reason: str = "abort") -> None:
-        """End a request now (its pages are freed): "abort", or "stop" when its caller saw a stop string."""
+        """End a request now (its pages are freed): "abort", or "stop" when its caller saw a stop
+        string."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"reason={reason!r} is invalid; allowed: {list(FINISH_REASONS)}")
         req = self.requests.get(rid)
@@ -120,11 +124,13 @@ class LLMEngine:
 
     # ---- loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that got tokens in it (finished ones included), in step order."""
+        """Run one batch; returns the requests that got tokens in it (finished ones included), in
+        step order."""
         step = self.scheduler.schedule()
         if step is None:
             if self.scheduler.has_work:
-                raise RuntimeError("no request can be scheduled: the KV cache is too small for a single request")
+                raise RuntimeError("no request can be scheduled: "
+                                   "the KV cache is too small for a single request")
             return []
         result = self.runner.run(step).resolve()
         self.scheduler.after_step(step)
@@ -141,8 +147,9 @@ class LLMEngine:
             if req.status is not ReqStatus.RUNNING:
                 continue
             for i, tok in enumerate(out.token_ids):
-                req.append_token(tok, out.logprobs[i], out.top_logprobs[i] if req.params.logprobs is not None
-                                 else None, now)
+                req.append_token(tok, out.logprobs[i],
+                                 out.top_logprobs[i] if req.params.logprobs is not None else None,
+                                 now)
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
@@ -173,11 +180,13 @@ class LLMEngine:
     def snapshot(self) -> EngineState:
         table, sched = self.runner.table, self.scheduler
         return EngineState(
-            num_running=self.num_running, num_waiting=self.num_waiting, num_requests=len(self.requests),
-            full_free=table.full.num_free, full_usable=table.full.num_usable, full_cached=len(table.shared),
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_requests=len(self.requests), full_free=table.full.num_free,
+            full_usable=table.full.num_usable, full_cached=len(table.shared),
             swa_free=table.swa.num_free, swa_usable=table.swa.num_usable,
-            swa_cached=sum(1 for p in table.shared if p in table.swa_of), free_slots=table.num_free_slots,
-            num_slots=self.config.max_running_requests, steps=self.steps, prefill_tokens=self.prefill_tokens,
+            swa_cached=sum(1 for p in table.shared if p in table.swa_of),
+            free_slots=table.num_free_slots, num_slots=self.config.max_running_requests,
+            steps=self.steps, prefill_tokens=self.prefill_tokens,
             decode_tokens=self.decode_tokens, num_preemptions=sched.num_preemptions)
 
     def check_integrity(self) -> None:

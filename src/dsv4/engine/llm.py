@@ -5,9 +5,9 @@
     outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
     print(outs[0].text)
 
-Keyword arguments beyond model/dtype/device/weight_format are EngineConfig fields (weight_format "checkpoint"
-keeps the routed experts in FP4, see `model/quant_experts.py`). The tokenizer is read from
-the checkpoint directory (`tokenizer.json`); without one, pass `prompt_token_ids` and read
+Keyword arguments beyond model/dtype/device/weight_format are EngineConfig fields (weight_format
+"checkpoint" keeps the routed experts in FP4, see `model/quant_experts.py`). The tokenizer is read
+from the checkpoint directory (`tokenizer.json`); without one, pass `prompt_token_ids` and read
 `token_ids` (the text stays empty).
 """
 
@@ -45,14 +45,16 @@ class LLM:
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         config = _engine_config(engine_args)
         path = Path(model)
-        self.model = load_model(path, dtype=dtype, device=device, weight_format=check_weight_format(weight_format))
+        self.model = load_model(path, dtype=dtype, device=device,
+                                weight_format=check_weight_format(weight_format))
         tok_file = path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.engine = LLMEngine(self.model, config)
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer.json; pass prompt_token_ids instead of text")
+            raise ValueError("this checkpoint has no tokenizer.json; "
+                             "pass prompt_token_ids instead of text")
         return list(self.tokenizer.encode(prompt).ids)
 
     def generate(self, prompts: str | Sequence[str] | None = None,
@@ -62,11 +64,14 @@ class LLM:
         """Generate for every prompt (text or token ids); outputs come back in input order."""
         token_lists = self._token_lists(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(token_lists))
-        for ids, p in zip(token_lists, params, strict=True):   # validate everything before admitting anything
+        # validate everything before admitting anything
+        for ids, p in zip(token_lists, params, strict=True):
             self.engine.validate(ids, p)
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params, strict=True)]
-        texts = {r.rid: OutputText(self.tokenizer, r.params) for r in reqs} if self.tokenizer is not None else {}
-        with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2) as bar:
+        texts = ({r.rid: OutputText(self.tokenizer, r.params) for r in reqs}
+                 if self.tokenizer is not None else {})
+        with tqdm(total=len(reqs), desc="generate", unit="req",
+                  disable=not use_tqdm or len(reqs) < 2) as bar:
             while self.engine.has_unfinished():
                 updated = self.engine.step()
                 for req in updated:
@@ -87,7 +92,8 @@ class LLM:
     def _output(req: Request, text: OutputText | None) -> RequestOutput:
         if text is None:
             return RequestOutput.from_request(req)
-        return RequestOutput.from_request(req, text.text, text.num_tokens, "stop" if text.stopped else None)
+        return RequestOutput.from_request(req, text.text, text.num_tokens,
+                                          "stop" if text.stopped else None)
 
     def _token_lists(self, prompts: str | Sequence[str] | None,
                      prompt_token_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
@@ -99,11 +105,13 @@ class LLM:
         return [self.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
 
     @staticmethod
-    def _params(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries; allowed: one per prompt ({n})")
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries; "
+                             f"allowed: one per prompt ({n})")
         return list(sampling_params)

@@ -31,7 +31,8 @@ class StepShape:
     slots: list[int]
     starts: list[int]
     lens: list[int]
-    num_logits: list[int]   # per request, how many of its last new tokens produce logits (0 <= k <= n)
+    # per request, how many of its last new tokens produce logits (0 <= k <= n)
+    num_logits: list[int]
 
     def logits_index(self) -> list[int]:
         """Rows (among the step's T tokens) whose logits are computed, request by request."""
@@ -68,31 +69,36 @@ class _Coords:
         return self.swa_page(p) * ring + p.clamp(min=0) % ring
 
 
-def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ratio: int, overlap: bool,
-          ring: int, ring_trash: int, entry_trash: int, num_visible: int, max_len: int) -> CompressPlan:
+def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ratio: int,
+          overlap: bool, ring: int, ring_trash: int, entry_trash: int, num_visible: int,
+          max_len: int) -> CompressPlan:
     T, device = pos.shape[0], pos.device
     S = 2 * ratio if overlap else ratio
-    src = pos[:, None] - S + 1 + torch.arange(S, device=device)                # [T, S]
+    src = pos[:, None] - S + 1 + torch.arange(S, device=device)                 # [T, S]
     valid = src >= 0
     from_new = src >= start[:, None]
     src_new = (torch.arange(T, device=device)[:, None] - (pos[:, None] - src)).clamp(min=0)
     src_ring = torch.where(valid & ~from_new, c.ring_row(src, ring), ring_trash)
     emits = (pos + 1) % ratio == 0
     write_slot = torch.where(emits, c.full_slot((pos // ratio) * ratio) // ratio, entry_trash)
-    # keep the chunk's last `ring` tokens (the next step continues from them) and every page's last `ring`
-    # tokens (a prefix-cache hit continues from a page boundary): distinct rows, one writer per row
+    # keep the chunk's last `ring` tokens (the next step continues from them) and every page's last
+    # `ring` tokens (a prefix-cache hit continues from a page boundary): distinct rows, one
+    # writer per row
     keep = (pos >= end - ring) | (pos % c.P >= c.P - ring)
     ring_write = torch.where(keep, c.ring_row(pos, ring), ring_trash)
-    ids = torch.arange(num_visible, device=device)                            # [V] entry ids
+    ids = torch.arange(num_visible, device=device)                              # [V] entry ids
     visible = ids[None, :] < ((pos + 1) // ratio)[:, None]                      # [T, V]
-    candidates = torch.where(visible, c.full_slot(ids[None, :] * ratio + 0 * pos[:, None]) // ratio, -1)
-    # NOTE: a ring row written in this step (new position p) and one read from the ring (old p' >= start - S + 1)
-    # coincide only if p - p' is a positive multiple of `ring`, which needs some request with n >= ring - S + 2
-    # new tokens; below that (decode), a kernel may read and write the ring in one pass.
+    candidates = torch.where(visible,
+                             c.full_slot(ids[None, :] * ratio + 0 * pos[:, None]) // ratio, -1)
+    # NOTE: a ring row written in this step (new position p) and one read from the ring
+    # (old p' >= start - S + 1) coincide only if p - p' is a positive multiple of `ring`, which
+    # needs some request with n >= ring - S + 2 new tokens; below that (decode), a kernel may read
+    # and write the ring in one pass.
     disjoint = max_len <= ring - S + 1
-    return CompressPlan(ratio=ratio, overlap=overlap, src_new=src_new, src_ring=src_ring, from_new=from_new,
-                        src_valid=valid, write_slot=write_slot, entry_pos=(pos - ratio + 1).clamp(min=0),
-                        ring_write=ring_write, candidates=candidates, visible=(pos + 1) // ratio,
+    return CompressPlan(ratio=ratio, overlap=overlap, src_new=src_new, src_ring=src_ring,
+                        from_new=from_new, src_valid=valid, write_slot=write_slot,
+                        entry_pos=(pos - ratio + 1).clamp(min=0), ring_write=ring_write,
+                        candidates=candidates, visible=(pos + 1) // ratio,
                         ring_reads_disjoint=disjoint)
 
 
@@ -102,31 +108,35 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
     host = torch.tensor([shape.slots, shape.starts, shape.lens], dtype=torch.int64)
     slots, starts, lens = host.to(device, non_blocking=True).unbind(0)
     total = sum(shape.lens)
-    logits_index = torch.tensor(shape.logits_index(), dtype=torch.int64).to(device, non_blocking=True)
+    logits_index = torch.tensor(shape.logits_index(),
+                                dtype=torch.int64).to(device, non_blocking=True)
     max_end = max(s + n for s, n in zip(shape.starts, shape.lens, strict=True))
-    return device_context(slots, starts, lens, logits_index, StepBounds(total, max_end, max(shape.lens)),
-                          table, pools, model)
+    return device_context(slots, starts, lens, logits_index,
+                          StepBounds(total, max_end, max(shape.lens)), table, pools, model)
 
 
 @dataclass(frozen=True)
 class StepBounds:
-    """The host integers that size a step's metadata tensors (the only host input besides the device rows).
+    """The host integers that size a step's metadata tensors (the only host input besides the
+    device rows).
 
-    num_tokens: T = sum of lens. max_end: sizes the compressed-candidate lists (entries visible to any query
-    are < max_end // ratio; a larger value only adds -1 columns). max_len: the longest request's new tokens
-    (decides whether compressor ring reads and writes can overlap)."""
+    `num_tokens`: T = sum of lens. `max_end`: sizes the compressed-candidate lists (entries visible
+    to any query are < max_end // ratio; a larger value only adds -1 columns). `max_len`: the
+    longest request's new tokens (decides whether compressor ring reads and writes can overlap)."""
 
     num_tokens: int
     max_end: int
     max_len: int
 
 
-def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, logits_index: torch.Tensor,
-                   bounds: StepBounds, table: RequestTable, pools: KVPools, model: ModelConfig) -> ForwardContext:
-    """The ForwardContext from device rows only: slots, starts, lens [B] int64 and logits_index [R].
+def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                   logits_index: torch.Tensor, bounds: StepBounds, table: RequestTable,
+                   pools: KVPools, model: ModelConfig) -> ForwardContext:
+    """The ForwardContext from device rows only: `slots`, `starts`, `lens` [B] int64 and
+    `logits_index` [R].
 
-    Pure tensor ops on device tensors with shapes from `bounds`: no host sync and no host-to-device copy,
-    so it can run inside CUDA-graph capture (engine/cuda_graph.py) as well as eagerly."""
+    Pure tensor ops on device tensors with shapes from `bounds`: no host sync and no host-to-device
+    copy, so it can run inside CUDA-graph capture (engine/cuda_graph.py) as well as eagerly."""
     T, B, device = bounds.num_tokens, slots.shape[0], slots.device
     tok_req = torch.repeat_interleave(torch.arange(B, device=device), lens, output_size=T)
     offsets = torch.cumsum(lens, 0) - lens
@@ -147,5 +157,5 @@ def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
             ring = layout.ring_c4 if overlap else layout.ring_c128
             plans[ratio] = _plan(coords, pos, start, end, ratio, overlap, ring, cache.state.trash,
                                  cache.entry_trash, bounds.max_end // ratio, bounds.max_len)
-    return ForwardContext(positions=pos, swa_write=coords.swa_slot(pos), window=window, plans=plans,
-                          caches=pools.layers, logits_index=logits_index)
+    return ForwardContext(positions=pos, swa_write=coords.swa_slot(pos), window=window,
+                          plans=plans, caches=pools.layers, logits_index=logits_index)

@@ -6,8 +6,8 @@ prefilling, the tokens sampled last while decoding). A preempted request drops i
 (`num_cached = 0`) and later re-prefills prompt + output so far (recompute preemption).
 
 `all_ids` is kept incrementally (prompt, then every output token as `append_token` adds it), so
-reading it costs nothing at any context length; `append_token` and `overwrite_output` (teacher forcing)
-are the only writers of the outputs.
+reading it costs nothing at any context length; `append_token` and `overwrite_output` (teacher
+forcing) are the only writers of the outputs.
 The engine deals in token ids only: text, and stop strings, are the caller's (engine/stop.py).
 """
 
@@ -53,8 +53,10 @@ class Request:
         assert not self.output_ids, "a request starts without output (append_token adds it)"
         self.all_ids = list(self.prompt_ids)
 
-    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None, now: float) -> None:
-        """Add one sampled token (with its log-prob, top log-probs when asked, and its arrival time)."""
+    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None,
+                     now: float) -> None:
+        """Add one sampled token (with its log-prob, top log-probs when asked, and its arrival
+        time)."""
         self.output_ids.append(token_id)
         self.all_ids.append(token_id)
         self.logprobs.append(logprob)
@@ -63,7 +65,8 @@ class Request:
         self.token_times.append(now)
 
     def overwrite_output(self, index: int, token_id: int) -> None:
-        """Replace output token `index` before it is fed (teacher forcing); its position is not cached yet."""
+        """Replace output token `index` before it is fed (teacher forcing); its position is not
+        cached yet."""
         position = len(self.prompt_ids) + index
         assert position >= self.num_cached, f"output token {index} is already in the KV cache"
         self.output_ids[index] = token_id
@@ -75,8 +78,10 @@ class Request:
         return len(self.all_ids) - self.num_cached
 
     def check_integrity(self) -> None:
-        assert len(self.all_ids) == len(self.prompt_ids) + len(self.output_ids), "all_ids out of step"
-        assert self.all_ids[len(self.prompt_ids):] == self.output_ids, "all_ids does not end in the output"
+        assert len(self.all_ids) == len(self.prompt_ids) + len(self.output_ids), \
+            "all_ids out of step"
+        assert self.all_ids[len(self.prompt_ids):] == self.output_ids, \
+            "all_ids does not end in the output"
         assert 0 <= self.num_cached <= len(self.all_ids), "num_cached outside [0, len(all_ids)]"
 
     @property
@@ -86,7 +91,8 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per request (token ids, text, log-probs, finish reason, timing)."""
+    """What `LLM.generate` returns per request (token ids, text, log-probs, finish reason,
+    timing)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -98,20 +104,24 @@ class RequestOutput:
     ttft: float | None                  # seconds from arrival to the first output token
     token_latencies: list[float]        # seconds between consecutive output tokens
     cached_tokens: int = 0              # prompt tokens that came from the prefix cache
-    routing: dict[str, torch.Tensor] | None = None   # per-token captured routing (capture_routing=True)
+    # per-token captured routing (capture_routing=True)
+    routing: dict[str, torch.Tensor] | None = None
 
     @staticmethod
     def from_request(req: Request, text: str = "", num_tokens: int | None = None,
                      finish_reason: str | None = None) -> RequestOutput:
-        """The output of a finished request: its first `num_tokens` output tokens (all by default; fewer when
-        a stop string ended it inside a step's tokens), the caller's `text` and `finish_reason` (default:
-        the engine's)."""
+        """The output of a finished request: its first `num_tokens` output tokens (all by default;
+        fewer when a stop string ended it inside a step's tokens), the caller's `text` and
+        `finish_reason` (default: the engine's)."""
         n = len(req.output_ids) if num_tokens is None else num_tokens
         times = [req.arrival_time, *req.token_times[:n]]
         routing = {k: torch.cat(v) for k, v in req.routing.items()} if req.routing else None
-        return RequestOutput(request_id=req.rid, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids[:n],
-                             text=text, logprobs=req.logprobs[:n], top_logprobs=req.top_logprobs[:n],
+        return RequestOutput(request_id=req.rid, prompt_token_ids=req.prompt_ids,
+                             token_ids=req.output_ids[:n], text=text, logprobs=req.logprobs[:n],
+                             top_logprobs=req.top_logprobs[:n],
                              finish_reason=finish_reason or req.finish_reason,
-                             ttft=(req.token_times[0] - req.arrival_time) if req.token_times else None,
-                             token_latencies=[b - a for a, b in zip(times[1:], times[2:], strict=False)],
+                             ttft=((req.token_times[0] - req.arrival_time) if req.token_times
+                                   else None),
+                             token_latencies=[b - a for a, b in zip(times[1:], times[2:],
+                                                                    strict=False)],
                              cached_tokens=req.cached_tokens, routing=routing)

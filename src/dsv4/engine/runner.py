@@ -1,11 +1,12 @@
-"""ModelRunner: owns the model, the KV pools, the request table and the per-request sampler state.
+"""ModelRunner: owns the model, the KV pools, the request table and the per-request sampler
+state.
 
 `run(step)` builds the device metadata, runs the model's serving path (replaying CUDA graphs when
-`graphs` serve the step's shape, engine/cuda_graph.py) and samples every logit row, then starts the copy
-of the results to the host and returns at once: a `StepOutput` holds the device tensors, their host
-copies in flight and the event that marks them done. `StepOutput.resolve()` is a step's one host sync
-(the `.tolist()` of the sampled tokens, their log-probs and, when captured, the routing); the engine
-calls it when it needs the tokens (an overlap scheduler would call it one step later).
+`graphs` serve the step's shape, engine/cuda_graph.py) and samples every logit row, then starts the
+copy of the results to the host and returns at once: a `StepOutput` holds the device tensors, their
+host copies in flight and the event that marks them done. `StepOutput.resolve()` is a step's one
+host sync (the `.tolist()` of the sampled tokens, their log-probs and, when captured, the routing);
+the engine calls it when it needs the tokens (an overlap scheduler would call it one step later).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class RequestTokens:
 
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[dict[int, float]]     # one dict per token ({} when the request asked for none)
+    # one dict per token ({} when the request asked for none)
+    top_logprobs: list[dict[int, float]]
 
 
 @dataclass
@@ -48,7 +50,8 @@ class StepResult:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """Start a device -> host copy into pinned memory (no wait); a CPU tensor is returned as it is."""
+    """Start a device -> host copy into pinned memory (no wait); a CPU tensor is returned as it
+    is."""
     if t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -58,15 +61,18 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 class StepOutput:
     """A step's sampled tokens on the device and their host copies in flight.
 
-    `rows[i]` logit rows of the step belong to `requests[i]` (consecutive, in step order). Holding one
-    does not block; `resolve()` waits for the copies (the step's one host sync) and returns the host
-    lists. The device tensors stay valid after the next step is launched (they are not graph outputs)."""
+    `rows[i]` logit rows of the step belong to `requests[i]` (consecutive, in step order). Holding
+    one does not block; `resolve()` waits for the copies (the step's one host sync) and returns the
+    host lists. The device tensors stay valid after the next step is launched (they are not graph
+    outputs)."""
 
     def __init__(self, step: ScheduledStep, requests: list[Request], rows: list[int],
-                 sampled: SampleOutput | None, captured: Captured | None, device: torch.device) -> None:
+                 sampled: SampleOutput | None, captured: Captured | None,
+                 device: torch.device) -> None:
         self.step, self.requests, self.rows, self.sampled = step, requests, rows, sampled
         self._host = None if sampled is None else [
-            _to_host(t) for t in (sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+            _to_host(t) for t in (sampled.token_ids, sampled.logprobs, sampled.top_ids,
+                                  sampled.top_logprobs)
             if t is not None]
         self._routing = None if captured is None else {
             key: _to_host(torch.stack(per_layer, dim=1)) for key, per_layer in captured.items()}
@@ -77,8 +83,9 @@ class StepOutput:
         self._result: StepResult | None = None
 
     def resolve(self) -> StepResult:
-        """Wait for the host copies and split them per request (sync point: the step's tokens). The
-        request-side effects (captured routing stored per request) happen once, on the first call."""
+        """Wait for the host copies and split them per request (sync point: the step's tokens).
+        The request-side effects (captured routing stored per request) happen once, on the first
+        call."""
         if self._result is None:
             if self._done is not None:
                 self._done.synchronize()
@@ -102,19 +109,23 @@ class StepOutput:
 
 
 def _store_routing(step: ScheduledStep, routing: dict[str, torch.Tensor]) -> None:
-    """Split the step's captured routing per request: experts [n, layers, k], indexer [n, csa_layers, k]."""
+    """Split the step's captured routing per request: experts [n, layers, k], indexer
+    [n, csa_layers, k]."""
     lens = step.shape.lens
     for key, stacked in routing.items():                            # [T, layers, k] on the host
-        for req, start, part in zip(step.requests, step.shape.starts, stacked.split(lens), strict=True):
+        for req, start, part in zip(step.requests, step.shape.starts, stacked.split(lens),
+                                    strict=True):
             history = req.routing.setdefault(key, [])
             total = sum(t.shape[0] for t in history)
-            if start < total:  # re-prefill after preemption: the recomputed routing replaces the old
+            # re-prefill after preemption: the recomputed routing replaces the old
+            if start < total:
                 req.routing[key] = history = [torch.cat(history)[:start]]
             history.append(part)
 
 
 class ModelRunner:
-    def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig, context_length: int) -> None:
+    def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig,
+                 context_length: int) -> None:
         self.model, self.config = model, config
         self.ops = create_kernels(config.kernel_backend)
         self.device = next(model.parameters()).device
@@ -122,25 +133,30 @@ class ModelRunner:
         mc = model.config
         self.layout = plan_cache(mc, config, dtype)
         self.pools = KVPools(mc, self.layout, dtype, self.device)
-        self.table = RequestTable(self.layout, config.max_running_requests, context_length, self.device)
+        self.table = RequestTable(self.layout, config.max_running_requests, context_length,
+                                  self.device)
         # penalty state per request slot: output-token counts and prompt-or-output membership
-        self.token_counts = torch.zeros(config.max_running_requests, mc.vocab_size, dtype=torch.int32,
-                                        device=self.device)
-        self.seen = torch.zeros(config.max_running_requests, mc.vocab_size, dtype=torch.bool, device=self.device)
-        logger.info("KV cache: %d full pages, %d SWA pages of %d tokens (%.1f MB)", self.layout.num_full_pages - 1,
-                    self.layout.num_swa_pages - 1, self.layout.page_size, self.pools.nbytes() / 1e6)
+        self.token_counts = torch.zeros(config.max_running_requests, mc.vocab_size,
+                                        dtype=torch.int32, device=self.device)
+        self.seen = torch.zeros(config.max_running_requests, mc.vocab_size, dtype=torch.bool,
+                                device=self.device)
+        logger.info("KV cache: %d full pages, %d SWA pages of %d tokens (%.1f MB)",
+                    self.layout.num_full_pages - 1, self.layout.num_swa_pages - 1,
+                    self.layout.page_size, self.pools.nbytes() / 1e6)
         self.graphs = self._decode_graphs()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         c = self.config
         why_not = ("disable_cuda_graph" if c.disable_cuda_graph else
                    f"device {self.device.type}" if self.device.type != "cuda" else
-                   "kernel_backend=ref (host syncs in its MoE)" if c.kernel_backend != "triton" else None)
+                   "kernel_backend=ref (host syncs in its MoE)" if c.kernel_backend != "triton" else
+                   None)
         if why_not is not None:
             logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)
             return None
         max_batch = min(c.cuda_graph_max_bs, c.max_running_requests)
-        logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use", max_batch)
+        logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use",
+                    max_batch)
         return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch)
 
     @torch.no_grad()
@@ -148,7 +164,8 @@ class ModelRunner:
         """Launch the step (forward, sampling, host copies); nothing here waits for the device."""
         self._reset_penalty_rows(step)
         if self.graphs is not None and self.graphs.fits(step.shape):
-            logits, captured = self.graphs.run(step.input_ids, step.shape, self.config.capture_routing)
+            logits, captured = self.graphs.run(step.input_ids, step.shape,
+                                               self.config.capture_routing)
         else:
             logits, captured = self._forward_eager(step)
         pairs = [(r, k) for r, k in zip(step.requests, step.shape.num_logits, strict=True) if k > 0]
@@ -159,7 +176,8 @@ class ModelRunner:
         return StepOutput(step, requests, rows, sampled, captured, self.device)
 
     def _forward_eager(self, step: ScheduledStep) -> tuple[torch.Tensor, Captured | None]:
-        """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without graphs."""
+        """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without
+        graphs."""
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
         ctx.ops = self.ops
         if self.config.capture_routing:
@@ -168,11 +186,13 @@ class ModelRunner:
         return self.model.forward_batch(ids, ctx), ctx.captured
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int]) -> SampleOutput:
-        """Sample every logit row (row i belongs to reqs[i], its output index steps[i]) and count the tokens
-        in the penalty state. Rows of one request sample from the request's state at the step's start."""
-        slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
-        batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs], self.device,
-                                    vocab_size=logits.shape[-1])
+        """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and
+        count the tokens in the penalty state. Rows of one request sample from the request's state
+        at the step's start."""
+        slots = torch.tensor([r.slot for r in reqs],
+                             dtype=torch.int64).to(self.device, non_blocking=True)
+        batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs],
+                                    self.device, vocab_size=logits.shape[-1])
         counts = self.token_counts[slots] if batch.do_penalties else None
         seen = self.seen[slots] if batch.do_penalties else None
         out = sample(logits, batch, counts, seen)
@@ -182,12 +202,14 @@ class ModelRunner:
         return out
 
     def _reset_penalty_rows(self, step: ScheduledStep) -> None:
-        """A request starting from position 0 (new or re-admitted) gets fresh penalty rows."""
-        for req, start in zip(step.requests, step.shape.starts, strict=True):
-            if start == 0 and req.slot is not None:
+        """A request admitted in this step (new, re-admitted after preemption, or continuing a
+        cached prefix) gets its slot's penalty rows rebuilt from its own tokens."""
+        for req, admitted in zip(step.requests, step.admitted, strict=True):
+            if admitted and req.slot is not None:
                 self.token_counts[req.slot] = 0
                 self.seen[req.slot] = False
                 self.seen[req.slot, torch.tensor(req.all_ids, device=self.device)] = True
                 if req.output_ids:
                     out = torch.tensor(req.output_ids, device=self.device)
-                    self.token_counts[req.slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+                    self.token_counts[req.slot].index_add_(0, out,
+                                                           torch.ones_like(out, dtype=torch.int32))

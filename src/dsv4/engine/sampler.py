@@ -1,7 +1,7 @@
 """Batched token sampling on the logits' device, with no host synchronisation.
 
-Owns the per-step :class:`SamplingBatch` (the request parameters as device tensors), the
-logits pipeline and the random draw:
+Owns the per-step `SamplingBatch` (the request parameters as device tensors), the logits pipeline
+and the random draw:
 
     raw logits [B, V] fp32
       -> penalties (repetition on prompt+output, frequency/presence on output)
@@ -10,19 +10,19 @@ logits pipeline and the random draw:
 
 Key invariants:
 
-* Every result is computed with tensor ops on ``logits.device``; nothing here calls
-  ``.item()``/``.tolist()``. The engine reads ``SampleOutput.token_ids`` at its own named
-  sync point. Python-side flags in :class:`SamplingBatch` (decided when it is built) skip
-  whole stages when no row needs them; a row with neutral settings gets the same result
-  whether a stage runs or not, so results never depend on the other rows of the batch.
-* Randomness is a pure function of ``(seed, step, token id)`` (:func:`hash_uniform`): a
-  request samples the same tokens alone or in any batch, on any device.
-* Returned logprobs are those of the RAW model distribution ``log_softmax(logits)``, before
-  penalties, temperature and filtering (vLLM's default "raw logprobs"): they describe what
-  the model predicted, are comparable across requests with different sampling settings and
-  match the logprobs a trainer computes from the same forward pass.
+* Every result is computed with tensor ops on `logits.device`; nothing here calls
+  `.item()`/`.tolist()`. The engine reads `SampleOutput.token_ids` at its own named sync point.
+  Python-side flags in `SamplingBatch` (decided when it is built) skip whole stages when no row
+  needs them; a row with neutral settings gets the same result whether a stage runs or not, so
+  results never depend on the other rows of the batch.
+* Randomness is a pure function of `(seed, step, token id)` (`hash_uniform`): a request samples
+  the same tokens alone or in any batch, on any device.
+* Returned logprobs are those of the RAW model distribution `log_softmax(logits)`, before
+  penalties, temperature and filtering (vLLM's default "raw logprobs"): they describe what the
+  model predicted, are comparable across requests with different sampling settings and match the
+  logprobs a trainer computes from the same forward pass.
 
-Test: ``pytest tests/engine/test_sampler.py``.
+Test: `pytest tests/engine/test_sampler.py`.
 """
 
 from __future__ import annotations
@@ -52,23 +52,20 @@ _TOP_K_OFF = 2**31 - 1
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """One decode step's sampling parameters as device tensors, built by :meth:`build`.
+    """One decode step's sampling parameters as device tensors, built by `build`.
 
-    Tensors are all ``[B]`` on the logits' device. Python-side fields are fixed at build time
-    and let :func:`sample` skip stages without reading tensors.
+    Tensors are all `[B]` on the logits' device. Python-side fields are fixed at build time and let
+    `sample` skip stages without reading tensors.
 
-    Attributes:
-        temperature: fp32; 0 marks a greedy row (temperature 0 or top_k 1).
-        top_p: fp32, 1 = off.
-        top_k: int64; the vocab size (or 2**31 - 1 when unknown) = off; clamped to V when used.
-        min_p: fp32, 0 = off.
-        repetition_penalty, frequency_penalty, presence_penalty: fp32; 1, 0, 0 = off.
-        seeds: int64, the request's resolved seed (see :meth:`build`).
-        steps: int64, index of the token being generated (number of output tokens so far).
-        max_logprobs: Largest requested ``logprobs`` in the batch, or -1 when none wants any.
-        all_greedy: Every row is greedy, so no random numbers are drawn.
-        do_top_k, do_top_p, do_min_p: Some sampled (non-greedy) row uses that filter.
-        do_repetition_penalty, do_frequency_penalty, do_presence_penalty: Some row uses it.
+    `temperature`: fp32; 0 marks a greedy row (temperature 0 or top_k 1). `top_p`: fp32, 1 = off.
+    `top_k`: int64; the vocab size (or 2**31 - 1 when unknown) = off; clamped to V when used.
+    `min_p`: fp32, 0 = off. `repetition_penalty`, `frequency_penalty`, `presence_penalty`: fp32;
+    1, 0, 0 = off. `seeds`: int64, the request's resolved seed (see `build`). `steps`: int64, index
+    of the token being generated (number of output tokens so far). `max_logprobs`: the largest
+    requested `logprobs` in the batch, or -1 when none wants any. `all_greedy`: every row is greedy,
+    so no random numbers are drawn. `do_top_k`, `do_top_p`, `do_min_p`: some sampled (non-greedy)
+    row uses that filter. `do_repetition_penalty`, `do_frequency_penalty`, `do_presence_penalty`:
+    some row uses it.
     """
 
     temperature: Tensor
@@ -108,21 +105,17 @@ class SamplingBatch:
         *,
         vocab_size: int | None = None,
     ) -> SamplingBatch:
-        """Stage one step's parameters on ``device`` (two host-to-device copies, pinned on CUDA).
+        """Stage one step's parameters on `device` (two host-to-device copies, pinned on CUDA).
 
-        Args:
-            params: One entry per row.
-            steps: Per row, the number of output tokens generated so far, 0 <= step < 2**31.
-            seeds: Per row, the request's RESOLVED seed, 0 <= seed < 2**63. The engine passes
-                ``params.seed`` when set, otherwise a seed it drew once when the request was
-                admitted and keeps for the request's lifetime (so its samples are a fixed
-                function of (seed, step) even though the user gave none). Parallel samples of
-                one prompt (n > 1) need distinct seeds, or they produce identical outputs.
-            device: Where the logits live.
-            vocab_size: Stored for top_k = off; optional because the sampler clamps k to V.
+        `params`: one entry per row. `steps`: per row, the number of output tokens generated so
+        far, 0 <= step < 2**31. `seeds`: per row, the request's RESOLVED seed, 0 <= seed < 2**63.
+        The engine passes `params.seed` when set, otherwise a seed it drew once when the request
+        was admitted and keeps for the request's lifetime (so its samples are a fixed function of
+        (seed, step) even though the user gave none). Parallel samples of one prompt (n > 1) need
+        distinct seeds, or they produce identical outputs. `device`: where the logits live.
+        `vocab_size`: stored for top_k = off; optional because the sampler clamps k to V.
 
-        Raises:
-            ValueError: Empty batch, mismatched lengths, or a step/seed out of range.
+        Raises ValueError on an empty batch, mismatched lengths, or a step/seed out of range.
         """
         _validate_rows(params, steps, seeds)
         greedy = [p.is_greedy for p in params]
@@ -168,14 +161,12 @@ class SamplingBatch:
 
 @dataclass(frozen=True)
 class SampleOutput:
-    """Result of :func:`sample`; all tensors on the logits' device.
+    """Result of `sample`; all tensors on the logits' device.
 
-    Attributes:
-        token_ids: ``[B]`` int64, the chosen tokens.
-        logprobs: ``[B]`` fp32, raw ``log_softmax(logits)`` at ``token_ids``.
-        top_logprobs: ``[B, n]`` fp32 raw logprobs sorted descending, ``n = batch.max_logprobs``;
-            None when no row asked for logprobs. The engine slices each row to its own k.
-        top_ids: ``[B, n]`` int64 token ids matching ``top_logprobs``; None likewise.
+    `token_ids`: `[B]` int64, the chosen tokens. `logprobs`: `[B]` fp32, raw `log_softmax(logits)`
+    at `token_ids`. `top_logprobs`: `[B, n]` fp32 raw logprobs sorted descending,
+    `n = batch.max_logprobs`; None when no row asked for logprobs (the engine slices each row to
+    its own k). `top_ids`: `[B, n]` int64 token ids matching `top_logprobs`; None likewise.
     """
 
     token_ids: Tensor
@@ -184,12 +175,14 @@ class SampleOutput:
     top_ids: Tensor | None = None
 
 
-def _validate_rows(params: Sequence[SamplingParams], steps: Sequence[int], seeds: Sequence[int]) -> None:
+def _validate_rows(params: Sequence[SamplingParams], steps: Sequence[int],
+                   seeds: Sequence[int]) -> None:
     if not params:
         raise ValueError("params=[] is invalid; allowed: at least one request per SamplingBatch")
     for name, values in (("steps", steps), ("seeds", seeds)):
         if len(values) != len(params):
-            raise ValueError(f"len({name})={len(values)} is invalid; allowed: len(params)={len(params)}")
+            raise ValueError(f"len({name})={len(values)} is invalid; "
+                             f"allowed: len(params)={len(params)}")
     for step in steps:
         if not 0 <= step <= MAX_STEP:
             raise ValueError(f"steps entry {step} is invalid; allowed: 0 <= step < 2**31")
@@ -199,7 +192,7 @@ def _validate_rows(params: Sequence[SamplingParams], steps: Sequence[int], seeds
 
 
 def _to_device(host: Tensor, device: torch.device | str) -> Tensor:
-    """Copy a freshly built CPU tensor to ``device`` without blocking the host on CUDA."""
+    """Copy a freshly built CPU tensor to `device` without blocking the host on CUDA."""
     target = torch.device(device)
     if target.type == "cuda":
         return host.pin_memory().to(target, non_blocking=True)
@@ -219,7 +212,7 @@ def _mix31_(x: Tensor) -> Tensor:
 
 
 def _row_keys(seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
-    """Two independent 31-bit keys per row from (seed < 2**63, step < 2**31); ``[B]`` each."""
+    """Two independent 31-bit keys per row from (seed < 2**63, step < 2**31); `[B]` each."""
     key = _mix31_((seeds & _MASK31) ^ _SEED_SALT)
     key = _mix31_(key ^ ((seeds >> 31) & _MASK31))
     key = _mix31_(key ^ (seeds >> 62))
@@ -228,34 +221,29 @@ def _row_keys(seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def hash_uniform(seeds: Tensor, steps: Tensor, vocab: int, device: torch.device | str) -> Tensor:
-    """Counter-based uniforms: ``u[b, v] = f(seeds[b], steps[b], v)`` in the open interval (0, 1).
+    """Counter-based uniforms: `u[b, v] = f(seeds[b], steps[b], v)` in the open interval (0, 1).
 
     A stateless hash RNG (like Philox, but plain int64 tensor ops so it runs unchanged on any
-    device): each row's (seed, step) is folded into two 31-bit keys, then every token id ``v``
-    goes through two keyed rounds ``x = mix(x ^ key)``, where ``mix`` is a multiply-xorshift
-    bijection on [0, 2**31). Values stay below 2**31 so int64 products never overflow. The top
-    23 bits of ``x`` map to ``(y + 0.5) / 2**23``, which float32 represents exactly, so the
-    result is strictly inside (0, 1) and ``-log(u)`` is finite and positive.
+    device): each row's (seed, step) is folded into two 31-bit keys, then every token id `v` goes
+    through two keyed rounds `x = mix(x ^ key)`, where `mix` is a multiply-xorshift bijection on
+    [0, 2**31). Values stay below 2**31 so int64 products never overflow. The top 23 bits of `x`
+    map to `(y + 0.5) / 2**23`, which float32 represents exactly, so the result is strictly inside
+    (0, 1) and `-log(u)` is finite and positive.
 
     A row depends only on its own (seed, step), never on the other rows or the batch size.
 
-    NOTE: eager mode runs ~25 int64 passes over ``[B, V]`` (3.7 ms at B=256, V=129280 on an
-    H200); the chain is purely elementwise, so ``torch.compile`` fuses it into one kernel with
+    NOTE: eager mode runs ~25 int64 passes over `[B, V]` (3.7 ms at B=256, V=129280 on an H200);
+    the chain is purely elementwise, so `torch.compile` fuses it into one kernel with
     bitwise-identical output (0.08 ms).
 
-    Args:
-        seeds: ``[B]`` int64 in [0, 2**63).
-        steps: ``[B]`` int64 in [0, 2**31).
-        vocab: Number of columns V.
-        device: Device of the result.
-
-    Returns:
-        ``[B, V]`` float32.
+    `seeds`: `[B]` int64 in [0, 2**63); `steps`: `[B]` int64 in [0, 2**31); `vocab`: the number of
+    columns V; `device`: the result's device. Returns `[B, V]` float32.
     """
     seeds = seeds.to(device=device, dtype=torch.int64)
     steps = steps.to(device=device, dtype=torch.int64)
     key1, key2 = _row_keys(seeds, steps)  # [B], [B]
-    x = torch.arange(vocab, device=device, dtype=torch.int64).unsqueeze(0) ^ key1.unsqueeze(1)  # [B, V]
+    # [B, V]
+    x = torch.arange(vocab, device=device, dtype=torch.int64).unsqueeze(0) ^ key1.unsqueeze(1)
     _mix31_(x)
     x ^= key2.unsqueeze(1)
     _mix31_(x)
@@ -268,30 +256,27 @@ def apply_penalties(
 ) -> Tensor:
     """Apply repetition, frequency and presence penalties; returns a new tensor, never mutates.
 
-    Args:
-        logits: ``[B, V]`` fp32 raw logits.
-        batch: Supplies per-row penalties and the flags deciding which penalties run at all.
-        token_counts: ``[B, V]`` int32, occurrences of each token in the OUTPUT so far (needed
-            for frequency/presence penalties).
-        prompt_mask: ``[B, V]`` bool, token occurs in the prompt or the output (needed for the
-            repetition penalty).
+    `logits`: `[B, V]` fp32 raw logits. `batch`: supplies per-row penalties and the flags deciding
+    which penalties run at all. `token_counts`: `[B, V]` int32, occurrences of each token in the
+    OUTPUT so far (needed for frequency/presence penalties). `prompt_mask`: `[B, V]` bool, token
+    occurs in the prompt or the output (needed for the repetition penalty). Returns `[B, V]` fp32;
+    `logits` itself when every penalty is neutral.
 
-    Returns:
-        ``[B, V]`` fp32; ``logits`` itself when every penalty is neutral.
-
-    Formulas (HF/vLLM): where ``prompt_mask``, positive logits are divided by the repetition
-    penalty and negative ones multiplied; then ``logits -= frequency * counts`` and
-    ``logits -= presence * (counts > 0)``.
+    Formulas (HF/vLLM): where `prompt_mask`, positive logits are divided by the repetition penalty
+    and negative ones multiplied; then `logits -= frequency * counts` and
+    `logits -= presence * (counts > 0)`.
     """
     out = logits
     if batch.do_repetition_penalty:
         if prompt_mask is None:
-            raise ValueError("prompt_mask=None is invalid; allowed: a [B, V] bool tensor when repetition_penalty != 1")
+            raise ValueError("prompt_mask=None is invalid; "
+                             "allowed: a [B, V] bool tensor when repetition_penalty != 1")
         rep = batch.repetition_penalty.unsqueeze(1)  # [B, 1]
         out = torch.where(prompt_mask, torch.where(out > 0, out / rep, out * rep), out)
     if batch.do_frequency_penalty or batch.do_presence_penalty:
         if token_counts is None:
-            raise ValueError("token_counts=None is invalid; allowed: a [B, V] int32 tensor when penalties are set")
+            raise ValueError("token_counts=None is invalid; "
+                             "allowed: a [B, V] int32 tensor when penalties are set")
         if batch.do_frequency_penalty:
             out = out - batch.frequency_penalty.unsqueeze(1) * token_counts
         if batch.do_presence_penalty:
@@ -313,7 +298,8 @@ def _apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
         kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [B, 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if batch.do_top_p:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V] mass of this token and all below it
+        # [B, V] mass of this token and all below it
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= (1 - batch.top_p).unsqueeze(1)
         drop[:, -1] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -321,11 +307,12 @@ def _apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def _filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Temperature, top-k, top-p, min-p: ``[B, V]`` probabilities, 0 for filtered tokens.
+    """Temperature, top-k, top-p, min-p: `[B, V]` probabilities, 0 for filtered tokens.
 
     Min-p zeroes tokens without renormalising: the exponential race is scale-invariant.
     """
-    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)  # greedy rows: any finite value
+    # greedy rows: any finite value
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = logits / temperature.unsqueeze(1)
     if batch.do_top_k or batch.do_top_p:
         scaled = _apply_top_k_top_p(scaled, batch)
@@ -337,14 +324,15 @@ def _filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def _exponential_race(probs: Tensor, batch: SamplingBatch) -> Tensor:
-    """Draw ``argmax(probs / E)``, ``E ~ Exp(1)`` i.i.d.: an exact categorical sample of the
-    (possibly unnormalised) ``probs`` with no host sync, unlike ``torch.multinomial``."""
-    exp = hash_uniform(batch.seeds, batch.steps, probs.shape[-1], probs.device).log_().neg_()  # [B, V]
+    """Draw `argmax(probs / E)`, `E ~ Exp(1)` i.i.d.: an exact categorical sample of the
+    (possibly unnormalised) `probs` with no host sync, unlike `torch.multinomial`."""
+    # [B, V]
+    exp = hash_uniform(batch.seeds, batch.steps, probs.shape[-1], probs.device).log_().neg_()
     return (probs / exp).argmax(dim=-1)
 
 
 def _choose_tokens(penalised: Tensor, batch: SamplingBatch) -> Tensor:
-    """``[B]`` int64: argmax for greedy rows, a seeded draw for the others."""
+    """`[B]` int64: argmax for greedy rows, a seeded draw for the others."""
     greedy = penalised.argmax(dim=-1)  # [B]; NOTE: argmax returns the first (lowest-id) maximum
     if batch.all_greedy:
         return greedy
@@ -352,8 +340,9 @@ def _choose_tokens(penalised: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.where(batch.temperature == 0, greedy, drawn)
 
 
-def _raw_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Sampled-token and top-``num_top`` logprobs of the raw distribution ``log_softmax(logits)``."""
+def _raw_logprobs(logits: Tensor, token_ids: Tensor,
+                  num_top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Sampled-token and top-`num_top` logprobs of the raw distribution `log_softmax(logits)`."""
     lse = torch.logsumexp(logits, dim=-1)  # [B]
     chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse  # [B]
     if num_top < 0:
@@ -370,16 +359,11 @@ def sample(
 ) -> SampleOutput:
     """Pick one token per row; no host sync.
 
-    Args:
-        logits: ``[B, V]`` fp32 raw logits of the last position of each request; not mutated.
-        batch: This step's parameters (``batch.size == B``).
-        token_counts: ``[B, V]`` int32 output-token counts; required if frequency or presence
-            penalties are active.
-        prompt_mask: ``[B, V]`` bool prompt-or-output membership; required if a repetition
-            penalty is active.
-
-    Returns:
-        :class:`SampleOutput` with raw-distribution logprobs (see the module docstring).
+    `logits`: `[B, V]` fp32 raw logits, one row per logit position of the step; not mutated.
+    `batch`: this step's parameters (`batch.size == B`). `token_counts`: `[B, V]` int32
+    output-token counts; required if frequency or presence penalties are active. `prompt_mask`:
+    `[B, V]` bool prompt-or-output membership; required if a repetition penalty is active.
+    Returns a `SampleOutput` with raw-distribution logprobs (see the module docstring).
     """
     assert logits.dim() == 2 and logits.shape[0] == batch.size, (
         f"logits shape {tuple(logits.shape)} does not match batch size {batch.size}"
@@ -388,4 +372,5 @@ def sample(
     penalised = apply_penalties(logits, batch, token_counts, prompt_mask)  # [B, V]
     token_ids = _choose_tokens(penalised, batch)  # [B]
     logprobs, top_logprobs, top_ids = _raw_logprobs(logits, token_ids, batch.max_logprobs)
-    return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs, top_ids=top_ids)
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
+                        top_ids=top_ids)

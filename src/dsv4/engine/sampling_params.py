@@ -1,18 +1,18 @@
 """Per-request sampling parameters (OpenAI / vLLM semantics).
 
-Owns :class:`SamplingParams`, the frozen, validated description of how one request is
-decoded: length limit, the logits pipeline (penalties -> temperature -> top-k -> top-p ->
-min-p), seeding, stop conditions and logprob reporting. Defaults follow vLLM.
+Owns `SamplingParams`, the frozen, validated description of how one request is decoded: length
+limit, the logits pipeline (penalties -> temperature -> top-k -> top-p -> min-p), seeding, stop
+conditions and logprob reporting. Defaults follow vLLM.
 
 Invariants:
 
-* An instance is valid by construction: ``__post_init__`` validates every field and raises
-  ``ValueError`` naming the field, the bad value and the allowed range. It never rewrites a
-  field, so ``stop``/``stop_token_ids`` must already be tuples; use
-  :meth:`SamplingParams.create` to pass a ``str`` or a list.
-* ``temperature == 0`` or ``top_k == 1`` means greedy (:attr:`SamplingParams.is_greedy`).
+* An instance is valid by construction: `__post_init__` validates every field and raises
+  `ValueError` naming the field, the bad value and the allowed range. It never rewrites a field,
+  so `stop`/`stop_token_ids` must already be tuples; use `SamplingParams.create` to pass a `str`
+  or a list.
+* `temperature == 0` or `top_k == 1` means greedy (`SamplingParams.is_greedy`).
 
-Test: ``pytest tests/engine/test_sampling_params.py``.
+Test: `pytest tests/engine/test_sampling_params.py`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
-"""Largest ``logprobs`` (number of top alternatives) a request may ask for."""
+"""Largest `logprobs` (number of top alternatives) a request may ask for."""
 
 MAX_SEED = 2**63 - 1
 """Seeds are stored in int64 tensors by the sampler."""
@@ -38,33 +38,32 @@ def _is_real(value: object) -> bool:
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
-    """Raise the uniform edge-validation error unless ``ok``."""
+    """Raise the uniform edge-validation error unless `ok`."""
     if not ok:
         raise ValueError(f"{field}={value!r} is invalid; allowed: {allowed}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to decode one request. Construct directly (tuples) or via :meth:`create`.
+    """How to decode one request. Construct directly (tuples) or via `create`.
 
-    Attributes:
-        max_tokens: Maximum number of generated tokens, >= 1.
-        temperature: Softmax temperature, >= 0; 0 means greedy (argmax).
-        top_p: Nucleus sampling: keep the smallest set of tokens whose probability sums to
-            >= top_p; 0 < top_p <= 1 (1 = off).
-        top_k: Keep the k most likely tokens; -1 = off, otherwise >= 1.
-        min_p: Drop tokens whose probability is < min_p * (max probability); 0..1 (0 = off).
-        repetition_penalty: HF/vLLM multiplicative penalty on tokens seen in the prompt or the
-            output; > 0 (1 = off).
-        frequency_penalty: Subtracted once per occurrence in the output; -2..2 (0 = off).
-        presence_penalty: Subtracted once if the token occurs in the output; -2..2 (0 = off).
-        seed: Seed for reproducible sampling, 0 <= seed < 2**63; None lets the engine draw one.
-        stop: Stop strings; the output is cut before the earliest occurrence (excluded).
-        stop_token_ids: Token ids that end the request (the token itself is not emitted as text).
-        ignore_eos: Keep generating past the eos token.
-        logprobs: None = no logprobs; k in 0..20 = the sampled token's logprob plus the top-k
-            alternatives.
-        skip_special_tokens: Drop special tokens when detokenizing.
+    - `max_tokens`: maximum number of generated tokens, >= 1.
+    - `temperature`: softmax temperature, >= 0; 0 means greedy (argmax).
+    - `top_p`: nucleus sampling: keep the smallest set of tokens whose probability sums to
+      >= top_p; 0 < top_p <= 1 (1 = off).
+    - `top_k`: keep the k most likely tokens; -1 = off, otherwise >= 1.
+    - `min_p`: drop tokens whose probability is < min_p * (max probability); 0..1 (0 = off).
+    - `repetition_penalty`: HF/vLLM multiplicative penalty on tokens seen in the prompt or the
+      output; > 0 (1 = off).
+    - `frequency_penalty`: subtracted once per occurrence in the output; -2..2 (0 = off).
+    - `presence_penalty`: subtracted once if the token occurs in the output; -2..2 (0 = off).
+    - `seed`: seed for reproducible sampling, 0 <= seed < 2**63; None lets the engine draw one.
+    - `stop`: stop strings; the output is cut before the earliest occurrence (excluded).
+    - `stop_token_ids`: token ids that end the request (the token itself is not emitted as text).
+    - `ignore_eos`: keep generating past the eos token.
+    - `logprobs`: None = no logprobs; k in 0..20 = the sampled token's logprob plus the top-k
+      alternatives.
+    - `skip_special_tokens`: drop special tokens when detokenizing.
     """
 
     max_tokens: int = 16
@@ -97,9 +96,10 @@ class SamplingParams:
         stop_token_ids: int | Sequence[int] | None = None,
         **kwargs: Any,
     ) -> SamplingParams:
-        """Build from API-style arguments: ``stop`` may be a str or a list, ``stop_token_ids``
-        an int or a list; None means none. Every other keyword is passed through unchanged."""
-        return cls(stop=_normalise_stop(stop), stop_token_ids=_normalise_stop_ids(stop_token_ids), **kwargs)
+        """Build from API-style arguments: `stop` may be a str or a list, `stop_token_ids` an int
+        or a list; None means none. Every other keyword is passed through unchanged."""
+        return cls(stop=_normalise_stop(stop), stop_token_ids=_normalise_stop_ids(stop_token_ids),
+                   **kwargs)
 
     @property
     def is_greedy(self) -> bool:
@@ -107,7 +107,8 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     def _validate_length(self) -> None:
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "max_tokens >= 1")
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                 "max_tokens >= 1")
 
     def _validate_filters(self) -> None:
         t, p, k, m = self.temperature, self.top_p, self.top_k, self.min_p
@@ -118,7 +119,8 @@ class SamplingParams:
 
     def _validate_penalties(self) -> None:
         rep = self.repetition_penalty
-        _require(_is_real(rep) and rep > 0, "repetition_penalty", rep, "finite repetition_penalty > 0")
+        _require(_is_real(rep) and rep > 0, "repetition_penalty", rep,
+                 "finite repetition_penalty > 0")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _require(_is_real(value) and -2 <= value <= 2, name, value, f"-2 <= {name} <= 2")
@@ -126,9 +128,11 @@ class SamplingParams:
     def _validate_stop(self) -> None:
         stop, ids = self.stop, self.stop_token_ids
         stop_ok = isinstance(stop, tuple) and all(isinstance(s, str) and s for s in stop)
-        _require(stop_ok, "stop", stop, "a tuple of non-empty str (use SamplingParams.create for a str or list)")
+        _require(stop_ok, "stop", stop,
+                 "a tuple of non-empty str (use SamplingParams.create for a str or list)")
         ids_ok = isinstance(ids, tuple) and all(_is_int(i) and i >= 0 for i in ids)
-        _require(ids_ok, "stop_token_ids", ids, "a tuple of int >= 0 (use SamplingParams.create for a list)")
+        _require(ids_ok, "stop_token_ids", ids,
+                 "a tuple of int >= 0 (use SamplingParams.create for a list)")
 
     def _validate_reporting(self) -> None:
         lp, seed = self.logprobs, self.seed
@@ -138,7 +142,8 @@ class SamplingParams:
             lp,
             f"None or 0 <= logprobs <= {MAX_LOGPROBS}",
         )
-        _require(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed", seed, "None or 0 <= seed < 2**63")
+        _require(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed", seed,
+                 "None or 0 <= seed < 2**63")
         for name in ("ignore_eos", "skip_special_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "True or False")

@@ -31,6 +31,7 @@ class ScheduledStep:
     requests: list[Request]
     shape: StepShape
     input_ids: list[int]
+    admitted: list[bool]        # per request: it got its request slot in this step (an admission)
 
     @property
     def num_tokens(self) -> int:
@@ -64,10 +65,11 @@ class Scheduler:
                 continue
             chosen.append((req, n))
             budget -= n
+        num_running = len(chosen)
         budget = self._admit(chosen, budget)
         if not chosen:
             return None
-        return self._step(chosen)
+        return self._step(chosen, num_running)
 
     def _by_decode_first(self) -> list[Request]:
         return sorted(self.running, key=lambda r: r.num_pending > 1)
@@ -76,7 +78,8 @@ class Scheduler:
         """Reserve pages for req's next n tokens, preempting later-admitted requests if needed."""
         assert req.slot is not None
         while not self.table.reserve(req.slot, req.num_cached, req.num_cached + n):
-            victims = [r for r in reversed(self.running) if r is not req and all(r is not c for c, _ in chosen)]
+            victims = [r for r in reversed(self.running)
+                       if r is not req and all(r is not c for c, _ in chosen)]
             if not victims:
                 self.preempt(req)
                 return False
@@ -117,26 +120,29 @@ class Scheduler:
 
     def _count_admission(self, req: Request) -> None:
         cached = min(req.num_cached, len(req.prompt_ids))
-        if not req.output_ids:          # first admission (re-admissions after preemption are not prompts)
+        # first admission (re-admissions after preemption are not prompts)
+        if not req.output_ids:
             req.cached_tokens = cached
             self.prompt_tokens += len(req.prompt_ids)
             self.cached_prompt_tokens += cached
 
     def _cache_insert(self, req: Request) -> None:
-        """Hand the request's complete pages to the prefix cache and move its lock to the new path end."""
+        """Hand the request's complete pages to the prefix cache and move its lock to the new path
+        end."""
         assert req.slot is not None
         pages = req.num_cached // self.table.P
         if pages == 0:
             return
         finished = req.status is not ReqStatus.RUNNING
-        node = self.cache.insert(req.all_ids[:pages * self.table.P], self.table.full_pages[req.slot][:pages],
-                                 finished)
+        node = self.cache.insert(req.all_ids[:pages * self.table.P],
+                                 self.table.full_pages[req.slot][:pages], finished)
         lock = self.cache.lock(node, pages * self.table.P)
         if req.cache_lock is not None:
             self.cache.unlock(req.cache_lock)
         req.cache_lock = lock
 
-    def _step(self, chosen: list[tuple[Request, int]]) -> ScheduledStep:
+    def _step(self, chosen: list[tuple[Request, int]], num_running: int) -> ScheduledStep:
+        """The step of `chosen` (request, new tokens); from index `num_running` on: admitted now."""
         input_ids: list[int] = []
         slots, starts, lens, num_logits = [], [], [], []
         for req, n in chosen:
@@ -145,11 +151,14 @@ class Scheduler:
             slots.append(req.slot)
             starts.append(req.num_cached)
             lens.append(n)
-            num_logits.append(int(req.num_cached + n == len(req.all_ids)))   # the last token samples
-        return ScheduledStep([r for r, _ in chosen], StepShape(slots, starts, lens, num_logits), input_ids)
+            # the last token samples
+            num_logits.append(int(req.num_cached + n == len(req.all_ids)))
+        return ScheduledStep([r for r, _ in chosen], StepShape(slots, starts, lens, num_logits),
+                             input_ids, [i >= num_running for i in range(len(chosen))])
 
     def after_step(self, step: ScheduledStep) -> None:
-        """Advance the cached length of every request in the step and release out-of-window SWA pages."""
+        """Advance the cached length of every request in the step and release out-of-window SWA
+        pages."""
         for req, n in zip(step.requests, step.shape.lens, strict=True):
             if req.status is not ReqStatus.RUNNING:
                 continue
@@ -160,12 +169,14 @@ class Scheduler:
             self.table.release_swa(req.slot, req.num_cached)
 
     def _update_cache(self, req: Request, before: int) -> None:
-        """Insert completed prefill pages; drop the SWA lock once the request is a horizon past its path."""
+        """Insert completed prefill pages; drop the SWA lock once the request is a horizon past its
+        path."""
         P = self.table.P
         if req.num_cached - before > 1 and req.num_cached // P > before // P:
             self._cache_insert(req)
         lock = req.cache_lock
-        if lock is not None and lock.swa_held and req.num_cached - lock.length >= self.cache.horizon:
+        if (lock is not None and lock.swa_held
+                and req.num_cached - lock.length >= self.cache.horizon):
             self.cache.release_swa(lock)
 
     def preempt(self, req: Request) -> None:
@@ -185,9 +196,11 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.slot is not None:
-            req.status = ReqStatus.FINISHED       # the pages stop being written: tombstone recovery allowed
+            # the pages stop being written: tombstone recovery allowed
+            req.status = ReqStatus.FINISHED
             self._cache_insert(req)
-            self.table.free(req.slot)             # private pages first: the lock still pins the shared ones
+            # private pages first: the lock still pins the shared ones
+            self.table.free(req.slot)
             if req.cache_lock is not None:
                 self.cache.unlock(req.cache_lock)
             req.cache_lock = None

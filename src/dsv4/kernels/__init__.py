@@ -1,2 +1,2 @@
 """Compute ops used by the model. `ref/` holds the pure-PyTorch specifications (readable, tested
-against transformers); fast Triton versions with the same signatures land in `triton/`."""
+against transformers); fast Triton versions with the same signatures live in `triton/`."""

@@ -1,9 +1,10 @@
-"""The signatures of the kernel ops: one Protocol per op of `KernelOps` (kernels/registry.py).
+"""The signatures of the kernel ops: one Protocol per op of `KernelOps` (`kernels/registry.py`).
 
-Every backend implements each op with exactly this signature (mypy checks `ref` and `triton` against
-it), and the `ref` function named in each docstring is its executable specification: a fast version
-must return what the reference returns (to rounding where the docstring of its test says so). Shapes
-use T tokens of one serving step, H query heads, D head dim, E experts, V candidates per query.
+Every backend implements each op with exactly this signature (mypy checks `ref` and `triton`
+against it), and the `ref` function named in each docstring is its executable specification: a
+fast version must return what the reference returns (to rounding where the docstring of its test
+says so). Shapes use T tokens of one serving step, H query heads, D head dim, E experts, V
+candidates per query.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget
 
 
 class SparseAttentionOp(Protocol):
-    """`ref/attention.py::sparse_attention_multi`: one softmax (with a per-head sink) over the union of
-    several key buffers; q [T, H, D], sources [(kv [N_i, D], indices [T, K_i])] -> o [T, H, D]."""
+    """`ref/attention.py::sparse_attention_multi`: one softmax (with a per-head sink) over the union
+    of several key buffers; q [T, H, D], sources [(kv [N_i, D], indices [T, K_i])] -> o [T, H, D].
+    """
 
     def __call__(self, q: Tensor, sources: Sequence[tuple[Tensor, Tensor]], sink: Tensor,
                  scale: float) -> Tensor: ...
 
 
 class CompressOp(Protocol):
-    """`ref/compressor.py::compress_cached`: one serving step of a compressor, in place (entries of the
-    windows completed by this step's tokens into `out`, this step's ring rows into the rings)."""
+    """`ref/compressor.py::compress_cached`: one serving step of a compressor, in place (entries of
+    the windows completed by this step's tokens into `out`, this step's ring rows into the rings).
+    """
 
     def __call__(self, kv: Tensor, score: Tensor, ring_kv: Tensor, ring_score: Tensor,
                  index: CompressIndex, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
@@ -34,38 +37,40 @@ class CompressOp(Protocol):
 
 
 class CompressPairOp(Protocol):
-    """`ref/compressor.py::compress_cached_pair`: a CSA layer's attention and indexer compressors, which
-    share one step's index and entry positions, in place."""
+    """`ref/compressor.py::compress_cached_pair`: a CSA layer's attention and indexer compressors,
+    which share one step's index and entry positions, in place."""
 
-    def __call__(self, first: CompressTarget, second: CompressTarget, index: CompressIndex, eps: float,
-                 cos: Tensor, sin: Tensor) -> None: ...
+    def __call__(self, first: CompressTarget, second: CompressTarget, index: CompressIndex,
+                 eps: float, cos: Tensor, sin: Tensor) -> None: ...
 
 
 class IndexScoresOp(Protocol):
-    """`ref/indexer.py::paged_index_scores`: q [T, Ih, Id], weights [T, Ih], keys [N, Id], candidates
-    [T, V] pool slots (-1 = none) -> scores [T, V] fp32, -inf where there is no candidate."""
+    """`ref/indexer.py::paged_index_scores`: q [T, Ih, Id], weights [T, Ih], keys [N, Id],
+    candidates [T, V] pool slots (-1 = none) -> scores [T, V] fp32, -inf where there is no
+    candidate."""
 
     def __call__(self, q: Tensor, weights: Tensor, keys: Tensor, candidates: Tensor) -> Tensor: ...
 
 
 class TopKOp(Protocol):
-    """`ref/topk.py::topk_ragged`: scores [B, N], lengths [B] -> the k best column ids of each row among
-    its first lengths[b] columns, ascending, -1 padded ([B, k] int64; lower index wins ties)."""
+    """`ref/topk.py::topk_ragged`: scores [B, N], lengths [B] -> the k best column ids of each row
+    among its first lengths[b] columns, ascending, -1 padded ([B, k] int64; lower index wins ties).
+    """
 
     def __call__(self, scores: Tensor, lengths: Tensor, k: int) -> Tensor: ...
 
 
 class RoutedExpertsOp(Protocol):
-    """`ref/moe.py::routed_experts`: x [N, d] through the experts `indices` [N, k] picks (weights [N, k])
-    of the float stacks w1, w3 [E, I, d] and w2 [E, d, I] -> [N, d] fp32."""
+    """`ref/moe.py::routed_experts`: x [N, d] through the experts `indices` [N, k] picks (weights
+    [N, k]) of the float stacks w1, w3 [E, I, d] and w2 [E, d, I] -> [N, d] fp32."""
 
-    def __call__(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, indices: Tensor, weights: Tensor,
-                 limit: float) -> Tensor: ...
+    def __call__(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, indices: Tensor,
+                 weights: Tensor, limit: float) -> Tensor: ...
 
 
 class RoutedExpertsQuantOp(Protocol):
-    """`ref/moe.py::routed_experts_quant`: `routed_experts` on checkpoint-format experts (w13 / w2 codes
-    and UE8M0 scales in format `fmt`: "fp4", "fp8" or "bf16") -> [N, d] fp32."""
+    """`ref/moe.py::routed_experts_quant`: `routed_experts` on checkpoint-format experts (w13 / w2
+    codes and UE8M0 scales in format `fmt`: "fp4", "fp8" or "bf16") -> [N, d] fp32."""
 
     def __call__(self, x: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor,
                  w2_scale: Tensor | None, indices: Tensor, weights: Tensor, limit: float,
@@ -73,7 +78,7 @@ class RoutedExpertsQuantOp(Protocol):
 
 
 class MhcPreOp(Protocol):
-    """`ref/mhc.py::mhc_pre`: streams x [T, n, d] -> (block input h [T, d], post [T, n], comb [T, n, n])."""
+    """`ref/mhc.py::mhc_pre`: x [T, n, d] -> (block input h [T, d], post [T, n], comb [T, n, n])."""
 
     def __call__(self, x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
                  hc_eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]: ...
@@ -99,10 +104,10 @@ class QNormRopeOp(Protocol):
 
 
 class KvNormRopeStoreOp(Protocol):
-    """`ref/rope_norm.py::kv_norm_rope_store`: pool[slots] = RoPE(weight * kv / rms(kv)), in place."""
+    """`ref/rope_norm.py::kv_norm_rope_store`: in place, pool[slots] = RoPE(weight*kv / rms(kv))."""
 
-    def __call__(self, kv: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor, pool: Tensor,
-                 slots: Tensor) -> None: ...
+    def __call__(self, kv: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                 pool: Tensor, slots: Tensor) -> None: ...
 
 
 class RopeInverseOp(Protocol):

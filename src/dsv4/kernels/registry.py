@@ -1,9 +1,9 @@
 """Kernel backends: the set of compute ops the serving path uses, chosen once at start-up.
 
-`create_kernels(name)` returns a frozen `KernelOps`; the runner puts it in every ForwardContext, so
-hot code never branches on a backend name or an environment variable. Every backend has the same
-signatures as `ref` (the PyTorch specification) and is tested against it. An unknown name raises
-with the valid names; nothing falls back silently.
+`create_kernels(name)` returns a frozen `KernelOps`; the runner puts it in every `ForwardContext`,
+so hot code never branches on a backend name or an environment variable. Every backend has the
+same signatures as `ref` (the PyTorch specification) and is tested against it. An unknown name
+raises with the valid names; nothing falls back silently.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class KernelOps:
-    """One backend's ops; each field's Protocol (kernels/ops.py) gives its signature and reference."""
+    """One backend's ops; each field's Protocol in `kernels/ops.py` gives its signature and ref."""
 
     name: KernelBackend
     sparse_attention: SparseAttentionOp
@@ -65,32 +65,39 @@ class KernelOps:
 
 
 def _ref() -> KernelOps:
-    return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair, paged_index_scores,
-                     topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head, routed_experts_quant, q_norm_rope,
-                     kv_norm_rope_store, rope_inverse, rms_norm)
+    return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
+                     paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
+                     routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm)
 
 
 def _triton() -> KernelOps:
-    """Every op as its Triton kernel (compressor, a CSA layer's two compressors in one launch, indexer scores,
-    top-k, hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8) weights,
-    fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv paths and the output
-    de-rotation, RMSNorm). Top-k runs through a `TopKRunner` owned by this KernelOps (its held coop workspace:
-    the engine's forward calls it from one stream at a time). Imported lazily: a
-    machine without a GPU never compiles them (tests use TRITON_INTERPRET=1).
+    """Every op as its Triton kernel.
 
-    NOTE: not bit-equal to `ref` in bf16 (other summation orders: online softmax, fp32 accumulation of the expert
-    GEMMs). fp32 models agree to rounding (tests/kernels/test_engine_triton_backend.py); the bf16 agreement is
-    measured by benchmarks/engine_backend_check.py.
+    The kernels: compressor, a CSA layer's two compressors in one launch, indexer scores, top-k,
+    hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
+    weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
+    paths and the output de-rotation, RMSNorm. Top-k runs through a `TopKRunner` owned by this
+    `KernelOps` (its held coop workspace: the engine's forward calls it from one stream at a
+    time). Imported lazily: a machine without a GPU never compiles them (tests use
+    `TRITON_INTERPRET=1`).
+
+    NOTE: not bit-equal to `ref` in bf16 (other summation orders: online softmax, fp32
+    accumulation of the expert GEMMs). fp32 models agree to rounding
+    (`tests/kernels/test_engine_triton_backend.py`); the bf16 agreement is measured by
+    `benchmarks/engine_backend_check.py`.
     """
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set TRITON_INTERPRET=1); "
-                         "allowed on this machine: 'ref'")
+        raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set "
+                         "TRITON_INTERPRET=1); allowed on this machine: 'ref'")
     from dsv4.kernels.triton.compressor import triton_compress_cached
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
     from dsv4.kernels.triton.mhc_post import triton_mhc_post
-    from dsv4.kernels.triton.moe import triton_routed_experts, triton_routed_experts_quant_deterministic
+    from dsv4.kernels.triton.moe import (
+        triton_routed_experts,
+        triton_routed_experts_quant_deterministic,
+    )
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
         triton_q_norm_rope,
@@ -100,11 +107,11 @@ def _triton() -> KernelOps:
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
     from dsv4.kernels.triton.topk import TopKRunner
 
-    return KernelOps("triton", triton_sparse_attention, triton_compress_cached, triton_compress_pair,
-                     triton_index_scores, TopKRunner(), triton_routed_experts, triton_mhc_pre, triton_mhc_post,
-                     triton_mhc_head,
-                     triton_routed_experts_quant_deterministic, triton_q_norm_rope, triton_kv_norm_rope_store,
-                     triton_rope_inverse, triton_rms_norm)
+    return KernelOps("triton", triton_sparse_attention, triton_compress_cached,
+                     triton_compress_pair, triton_index_scores, TopKRunner(),
+                     triton_routed_experts, triton_mhc_pre, triton_mhc_post, triton_mhc_head,
+                     triton_routed_experts_quant_deterministic, triton_q_norm_rope,
+                     triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[], KernelOps]] = {"ref": _ref, "triton": _triton}
@@ -115,7 +122,8 @@ REF = _ref()
 def create_kernels(name: KernelBackend) -> KernelOps:
     """The ops of backend `name`, logged once; an unknown name raises with the allowed names."""
     if name not in _BACKENDS:
-        raise ValueError(f"kernel_backend={name!r} is not registered; allowed: {list(KERNEL_BACKENDS)}")
+        raise ValueError(f"kernel_backend={name!r} is not registered; "
+                         f"allowed: {list(KERNEL_BACKENDS)}")
     ops = _BACKENDS[name]()
     logger.info("kernel backend: %s", ops.name)
     return ops

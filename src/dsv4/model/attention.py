@@ -8,7 +8,8 @@ One softmax runs over the union with a per-head sink; K = V carries RoPE on its 
 so the output is de-rotated at the query position before the grouped output projection.
 
 Full-sequence path: every key (raw window keys of all rows, then compressed entries of all rows)
-goes into one flat buffer and each query gets a row of indices into it (kernels/ref/attention.py).
+goes into one flat buffer and each query gets a row of indices into it
+(`kernels/ref/attention.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dsv4.model.layers.norm import RMSNorm
 
 
 def window_indices(batch: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """[B, S, W] flat ids `b*S + j` of the raw keys j in [t-W+1, t] of every query t; -1 before 0."""
+    """[B, S, W] flat ids `b*S + j` of raw keys j in [t-W+1, t] for each query t; -1 where j < 0."""
     t = torch.arange(seq_len, device=device)
     j = t[:, None] - window + 1 + torch.arange(window, device=device)       # [S, W]
     rows = torch.arange(batch, device=device)[:, None, None] * seq_len
@@ -46,24 +47,27 @@ def dense_entry_indices(batch: int, seq_len: int, num_entries: int, ratio: int,
 
 
 def dense_masked_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
-                           picks: torch.Tensor | None, window: int, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """The sparse softmax of `sparse_attention` as dense attention over [raw keys | entries] with a mask.
+                           picks: torch.Tensor | None, window: int, sink: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The sparse softmax of `sparse_attention` as masked dense attention over [keys | entries].
 
-    q: [B, S, H, D]; kv: [B, S, D]; entries: [B, E, D] or None; picks: [B, S, k] entry ids (-1 = none).
-    Query t sees raw keys t-W+1..t and its picked entries; the sink joins the softmax denominator.
-    Returns [B, S, H, D] in q's dtype. Memory O(B*H*S*(S+E)): for training-length sequences.
+    q: [B, S, H, D]; kv: [B, S, D]; entries: [B, E, D] or None; picks: [B, S, k] entry ids (-1 =
+    none). Query t sees raw keys t-W+1..t and its picked entries; the sink joins the softmax
+    denominator. Returns [B, S, H, D] in q's dtype. Memory O(B*H*S*(S+E)): for training-length
+    sequences.
     """
     B, S, H, _ = q.shape
     t = torch.arange(S, device=q.device)
-    mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)         # [S, S]
+    mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)        # [S, S]
     mask = mask.expand(B, S, S)
     keys = kv
     if entries is not None and picks is not None:
         E = entries.shape[1]
-        chosen = torch.zeros(B, S, E + 1, dtype=torch.bool, device=q.device)     # column E absorbs the -1s
+        # column E absorbs the -1s
+        chosen = torch.zeros(B, S, E + 1, dtype=torch.bool, device=q.device)
         chosen.scatter_(-1, torch.where(picks >= 0, picks, E), True)
-        mask = torch.cat((mask, chosen[..., :E]), dim=-1)                          # [B, S, S+E]
-        keys = torch.cat((kv, entries.to(kv.dtype)), dim=1)                        # [B, S+E, D]
+        mask = torch.cat((mask, chosen[..., :E]), dim=-1)                         # [B, S, S+E]
+        keys = torch.cat((kv, entries.to(kv.dtype)), dim=1)                       # [B, S+E, D]
     logits = torch.einsum("bshd,bkd->bhsk", q, keys).float() * scale
     logits = logits.masked_fill(~mask[:, None], float("-inf"))
     sinks = sink.float()[None, :, None, None].expand(B, H, S, 1)
@@ -83,14 +87,16 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
         self.wkv = nn.Linear(c.hidden_size, c.head_dim, bias=False)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.wo_a = nn.Linear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_a = nn.Linear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
+                              bias=False)
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if attn_type != "swa":
             ratio = c.csa_ratio if attn_type == "csa" else c.hca_ratio
-            self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, attn_type == "csa", c.rms_norm_eps)
+            self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, attn_type == "csa",
+                                         c.rms_norm_eps)
         if attn_type == "csa":
             self.indexer = Indexer(c)
 
@@ -103,33 +109,38 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         return q, kv, q_lat
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate (unless cos is None: done by the caller),
-        grouped wo_a, then wo_b."""
+    def output(self, o: torch.Tensor, cos: torch.Tensor | None,
+               sin: torch.Tensor | None) -> torch.Tensor:
+        """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate (unless cos is None: done by the
+        caller), grouped wo_a, then wo_b."""
         if cos is not None and sin is not None:
             o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
         B, S = o.shape[:2]
-        groups = o.reshape(B, S, self.o_groups, -1)                            # [B, S, g, H*D/g]
-        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])          # [g, o_lora, H*D/g]
+        groups = o.reshape(B, S, self.o_groups, -1)                     # [B, S, g, H*D/g]
+        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*D/g]
         z = torch.einsum("bsgd,grd->bsgr", groups, w)
         return self.wo_b(z.flatten(2))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None = None,
-                layer_id: int = -1, *, mode: ForwardMode | None = None) -> torch.Tensor:
-        """x: [B, S, d] (serving path: [1, T, d]); cos/sin: [S, rd/2] of this layer's table -> [B, S, d].
-        A serving step passes its `ctx`; a full-sequence forward its `mode`."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext | None = None, layer_id: int = -1, *,
+                mode: ForwardMode | None = None) -> torch.Tensor:
+        """x: [B, S, d] (serving path: [1, T, d]); cos/sin: [S, rd/2] of this layer's table ->
+        [B, S, d]. A serving step passes its `ctx`; a full-sequence forward its `mode`."""
         if ctx is not None:
             return self.forward_cached(x, cos, sin, ctx, ctx.caches[layer_id])
         assert mode is not None, "a full-sequence forward needs a ForwardMode"
         return self.forward_full(x, cos, sin, mode)
 
-    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
-        """Full-sequence path. x: [B, S, d]; cos/sin: [S, rd/2] of this layer's RoPE table -> [B, S, d].
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     mode: ForwardMode) -> torch.Tensor:
+        """Full-sequence path: x [B, S, d] -> [B, S, d]; cos/sin: [S, rd/2] of this layer's table.
 
-        `mode.attention` "gathered": the serving path's formulation (one index row per query into the flat
-        [window keys | entries] buffer); "dense": the same softmax as masked dense attention
-        (`dense_masked_attention`), two matmuls whose backward is cheap where the gathered form's scatters
-        every key into hundreds of query rows. Both are tested equal (model/forward_mode.py)."""
+        `mode.attention` "gathered": the serving path's formulation (one index row per query into
+        the flat [window keys | entries] buffer); "dense": the same softmax as masked dense
+        attention (`dense_masked_attention`), two matmuls whose backward is cheap where the
+        gathered form's scatters every key into hundreds of query rows. Both are tested equal
+        (`model/forward_mode.py`).
+        """
         B, S, _ = x.shape
         q, kv, q_lat = self.qkv(x, cos, sin)
         entries, picks = None, None
@@ -138,9 +149,11 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 picks = self.indexer(x, q_lat, cos, sin)                       # [B, S, k]
             else:
-                picks = dense_entry_indices(B, S, entries.shape[1], self.compressor.ratio, x.device)
+                picks = dense_entry_indices(B, S, entries.shape[1], self.compressor.ratio,
+                                            x.device)
         if mode.attention == "dense":
-            o = dense_masked_attention(q, kv, entries, picks, self.window, self.attn_sink, self.scale)
+            o = dense_masked_attention(q, kv, entries, picks, self.window, self.attn_sink,
+                                       self.scale)
             return self.output(o, cos, sin)
         keys, idx = kv.reshape(B * S, -1), window_indices(B, S, self.window, x.device)
         if entries is not None and picks is not None:
@@ -153,40 +166,50 @@ class Attention(nn.Module):
                              self.attn_sink, self.scale)
         return self.output(o.view(B, S, self.n_heads, -1), cos, sin)
 
-    def _compress_pair(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan, cache: LayerCache) -> None:
-        """CSA: this step's entries and ring rows of the attention compressor and the indexer's (x: [T, d])."""
+    def _compress_pair(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
+                       cache: LayerCache) -> None:
+        """CSA: this step's entries and ring rows of both compressors, attention and indexer.
+
+        x: [T, d].
+        """
         assert self.compressor is not None and self.indexer is not None and cache.state is not None
-        assert cache.entries is not None and cache.index_state is not None and cache.index_keys is not None
+        assert (cache.entries is not None and cache.index_state is not None
+                and cache.index_keys is not None)
         assert plan.entry_cos is not None and plan.entry_sin is not None
         own, idx = self.compressor, self.indexer.compressor
         assert own.norm.eps == idx.norm.eps, "compress_pair takes one eps"
         ctx.ops.compress_pair(own.target(x, ctx, cache.state, cache.entries),
-                              idx.target(x, ctx, cache.index_state, cache.index_keys), plan.index, own.norm.eps,
-                              plan.entry_cos, plan.entry_sin)
+                              idx.target(x, ctx, cache.index_state, cache.index_keys), plan.index,
+                              own.norm.eps, plan.entry_cos, plan.entry_sin)
 
-    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
-                       cache: LayerCache) -> torch.Tensor:
-        """Serving path over the paged pools. Writes this step's KV, compressor state and entries first
-        (a query sees itself and the entry it completes), then attends."""
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
+        """Serving path over the paged pools. Writes this step's KV, compressor state and entries
+        first (a query sees itself and the entry it completes), then attends."""
         T = x.shape[1]
         q_lat = self.q_norm(self.wq_a(x), ctx)                                 # [1, T, q_lora]
-        q = ctx.ops.q_norm_rope(self.wq_b(q_lat[0]).view(T, self.n_heads, self.head_dim), cos, sin, self.eps)
-        ctx.ops.kv_norm_rope_store(self.wkv(x[0]), self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.swa,
-                                   ctx.swa_write)                              # the window kv straight to its slot
+        q = ctx.ops.q_norm_rope(self.wq_b(q_lat[0]).view(T, self.n_heads, self.head_dim), cos, sin,
+                                self.eps)
+        # the window kv straight to its slot
+        ctx.ops.kv_norm_rope_store(self.wkv(x[0]), self.kv_norm.weight, self.kv_norm.eps, cos, sin,
+                                   cache.swa, ctx.swa_write)
         sources = [(cache.swa, ctx.window)]
         if self.compressor is not None:
             assert cache.entries is not None and cache.state is not None
             plan = ctx.plans[self.compressor.ratio]
-            if self.indexer is not None:    # CSA: its two compressors share the plan, so one op serves both
+            if self.indexer is not None:
+                # CSA: its two compressors share the plan, so one op serves both
                 self._compress_pair(x[0], ctx, plan, cache)
                 ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
                 if ctx.captured is not None:  # padded to index_topk so every step stacks alike
                     pad = self.indexer.topk - ids.shape[1]
-                    ctx.captured.setdefault("indexer", []).append(F.pad(ids, (0, pad), value=-1) if pad > 0 else ids)
+                    ctx.captured.setdefault("indexer", []).append(
+                        F.pad(ids, (0, pad), value=-1) if pad > 0 else ids)
                 slots = torch.where(ids >= 0, plan.candidates.gather(1, ids.clamp(min=0)), -1)
             else:
                 self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
                 slots = plan.candidates
             sources.append((cache.entries, slots))
-        o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale), cos, sin)
+        o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),
+                                 cos, sin)
         return self.output(o.view(1, T, self.n_heads, -1), None, None)

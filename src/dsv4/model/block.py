@@ -25,14 +25,18 @@ class Block(nn.Module):
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None) -> torch.Tensor:
-        """x: [B, S, n, d] streams; cos/sin: this layer's RoPE table at the tokens' positions -> [B, S, n, d].
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, ctx: ForwardContext | None = None, *,
+                mode: ForwardMode | None = None) -> torch.Tensor:
+        """x: [B, S, n, d] streams -> [B, S, n, d]; cos/sin: this layer's RoPE at x's positions.
 
-        Exactly one of `ctx` (a serving step) and `mode` (a full-sequence forward) is given."""
-        assert (ctx is None) != (mode is None), "pass a serving ctx or a full-sequence mode, not both"
+        Exactly one of `ctx` (a serving step) and `mode` (a full-sequence forward) is given.
+        """
+        assert (ctx is None) != (mode is None), (
+            "pass a serving ctx or a full-sequence mode, not both")
         h, post, comb = self.hc_attn.pre(x, ctx)
         o = self.attn(self.attn_norm(h, ctx), cos, sin, ctx, self.layer_id, mode=mode)
         x = HyperConnection.post(o, x, post, comb, ctx)
         h, post, comb = self.hc_ffn.pre(x, ctx)
-        return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx), input_ids, ctx, mode=mode), x, post, comb, ctx)
+        return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx), input_ids, ctx, mode=mode), x,
+                                    post, comb, ctx)

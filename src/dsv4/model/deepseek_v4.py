@@ -3,7 +3,8 @@
 One model, two paths (DESIGN decision 1): this file is the full-sequence path (autograd, used by
 training and as the oracle of the serving engine). Parameter names follow the official DeepSeek
 checkpoint (embed, layers.L.attn.wq_a, ..., head) except that the hyper-connection parameters
-live in submodules (`hc_attn.fn` for the checkpoint's `hc_attn_fn`) and routed experts are stacked.
+live in submodules (`hc_attn.fn` for the checkpoint's `hc_attn_fn`) and routed experts are
+stacked.
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import RotaryEmbedding
 from dsv4.model.mtp import MTPBlock
 
-# Parameters kept in fp32 whatever the model dtype (the reference's precision choices, spec §11/§12).
+# Parameters kept in fp32 whatever the model dtype (the reference's precision choices, spec
+# §11/§12).
 _FP32_PARAMS = re.compile(
     r"(norm\.weight|hc_\w+\.(fn|base|scale)|hc_head\.(fn|base|scale)|attn_sink|\.ape|gate\.bias"
     r"|compressor\.(wkv|wgate)\.weight)$")
 
 
 def keeps_fp32(name: str) -> bool:
-    """True for parameters that stay fp32 in a bf16 model (norms, mHC, sinks, ape, gate bias, compressor)."""
+    """True for parameters that stay fp32 in a bf16 model.
+
+    These are norms, mHC, sinks, ape, gate bias and the compressor projections.
+    """
     return bool(_FP32_PARAMS.search(name))
 
 
@@ -38,8 +43,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
         super().__init__()
         c = self.config = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c, a, m, i) for i, (a, m) in enumerate(zip(c.attn_types, c.moe_types,
-                                                                                     strict=True)))
+        self.layers = nn.ModuleList(Block(c, a, m, i) for i, (a, m)
+                                    in enumerate(zip(c.attn_types, c.moe_types, strict=True)))
         self.hc_head = HyperHead(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -59,12 +64,14 @@ class DeepSeekV4ForCausalLM(nn.Module):
         self.rope_main.reset_buffers()
         self.rope_compress.reset_buffers()
 
-    def rope_tables(self, seq_len: int, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def rope_tables(self, seq_len: int,
+                    device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) [S, rd/2] fp32 per table at positions 0..S-1."""
         pos = torch.arange(seq_len, device=device)
         return {"main": self.rope_main(pos), "compress": self.rope_compress(pos)}
 
-    def forward_streams(self, input_ids: torch.Tensor, mode: ForwardMode = INFERENCE) -> torch.Tensor:
+    def forward_streams(self, input_ids: torch.Tensor,
+                        mode: ForwardMode = INFERENCE) -> torch.Tensor:
         """input_ids: [B, S] -> the streams after the last block, [B, S, n, d] (MTP's input)."""
         e = self.embed(input_ids)
         x = e.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
@@ -75,7 +82,10 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return x
 
     def forward_batch(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Serving path. input_ids: [T] new tokens of all requests -> fp32 logits [R, V] of ctx.logits_index."""
+        """Serving path: input_ids [T] (new tokens of all requests) -> fp32 logits [R, V].
+
+        The R rows are the tokens of `ctx.logits_index`.
+        """
         pos = ctx.positions
         tables = {"main": self.rope_main(pos), "compress": self.rope_compress(pos)}
         for plan in ctx.plans.values():
@@ -93,15 +103,16 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return self.head(hidden).float()
 
     def forward(self, input_ids: torch.Tensor, mode: ForwardMode = INFERENCE) -> torch.Tensor:
-        """input_ids: LongTensor [B, S] -> logits FloatTensor [B, S, V] (fp32), computed as `mode` says
-        (model/forward_mode.py: INFERENCE, or TRAINING for a cheap backward)."""
+        """input_ids: LongTensor [B, S] -> logits FloatTensor [B, S, V] (fp32), computed as `mode`
+        says (`model/forward_mode.py`: INFERENCE, or TRAINING for a cheap backward)."""
         return self.logits(self.norm(self.hc_head(self.forward_streams(input_ids, mode))))
 
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, depth: int = 0,
                    mode: ForwardMode = INFERENCE) -> torch.Tensor:
-        """MTP block `depth` on the main streams [B, S, n, d] and the ids one step ahead [B, S] -> [B, S, V]."""
+        """MTP block `depth`: main streams [B, S, n, d], ids one step ahead [B, S] -> [B, S, V]."""
         if not 0 <= depth < len(self.mtp):
-            raise ValueError(f"mtp depth={depth} out of range; the model has {len(self.mtp)} MTP layers")
+            raise ValueError(f"mtp depth={depth} out of range; "
+                             f"the model has {len(self.mtp)} MTP layers")
         cos, sin = self.rope_tables(next_ids.shape[1], next_ids.device)["main"]
         mtp: MTPBlock = self.mtp[depth]  # type: ignore[assignment]
         hidden = mtp.hidden(streams, self.embed(next_ids), next_ids, cos, sin, mode)

@@ -1,9 +1,9 @@
-"""ForwardContext: what the serving path of the model needs for one step (batch metadata + cache).
+"""ForwardContext: what the model's serving path needs for one step (batch metadata + cache).
 
 A layer given one runs the serving path over the paged pools; a full-sequence forward passes a
-`ForwardMode` instead (model/forward_mode.py). The engine flattens the new tokens of every
+`ForwardMode` instead (`model/forward_mode.py`). The engine flattens the new tokens of every
 request into one row of T tokens; all index tensors below are device tensors built by index
-arithmetic (engine/metadata.py), so a step has no per-request Python work inside the model.
+arithmetic (`engine/metadata.py`), so a step has no per-request Python work inside the model.
 """
 
 from __future__ import annotations
@@ -28,23 +28,27 @@ class CompressPlan:
     ratio: int
     overlap: bool
     src_new: torch.Tensor      # [T, S] index of the source position among this step's tokens
-    src_ring: torch.Tensor     # [T, S] ring row of the source position (trash when not from the ring)
+    src_ring: torch.Tensor     # [T, S] ring row of the source position (trash if not from the ring)
     from_new: torch.Tensor     # [T, S] bool: source was computed in this step
     src_valid: torch.Tensor    # [T, S] bool: source position >= 0
-    write_slot: torch.Tensor   # [T] entry slot written by this token (trash when it completes no window)
+    # [T] entry slot written by this token (trash when it completes no window)
+    write_slot: torch.Tensor
     entry_pos: torch.Tensor    # [T] RoPE position of that entry (first token of its window)
     ring_write: torch.Tensor   # [T] ring row keeping this token's projection (trash when not kept)
-    candidates: torch.Tensor   # [T, V] entry slots visible to the query, ordered by entry id; -1 = none
-    visible: torch.Tensor      # [T] number of visible entries, (p+1) // m (the valid prefix of `candidates`)
+    # [T, V] entry slots visible to the query, ordered by entry id; -1 = none
+    candidates: torch.Tensor
+    # [T] number of visible entries, (p+1) // m (the valid prefix of `candidates`)
+    visible: torch.Tensor
     entry_cos: torch.Tensor | None = None   # [T, rd/2] RoPE of entry_pos (filled by the model)
     entry_sin: torch.Tensor | None = None
-    ring_reads_disjoint: bool = False       # no ring row read in this step is written in it (see `CompressIndex`)
+    # no ring row read in this step is written in it (see `CompressIndex`)
+    ring_reads_disjoint: bool = False
 
     @property
     def index(self) -> CompressIndex:
         """The gather / scatter rows the `compress` kernel op takes."""
-        return CompressIndex(self.src_new, self.src_ring, self.from_new, self.src_valid, self.write_slot,
-                             self.ring_write, self.ring_reads_disjoint)
+        return CompressIndex(self.src_new, self.src_ring, self.from_new, self.src_valid,
+                             self.write_slot, self.ring_write, self.ring_reads_disjoint)
 
 
 @dataclass
@@ -56,4 +60,5 @@ class ForwardContext:
     caches: list[LayerCache]           # per layer (decoder layers, then MTP layers)
     logits_index: torch.Tensor         # [R] tokens whose logits are returned
     ops: KernelOps = REF                # the kernel backend chosen at start-up
-    captured: dict[str, list[torch.Tensor]] | None = field(default=None)  # routing replay capture
+    # routing replay capture
+    captured: dict[str, list[torch.Tensor]] | None = field(default=None)

@@ -1,12 +1,13 @@
 """Manifold-constrained hyper-connections (mHC, spec §5).
 
-The residual is `n = hc_mult` parallel streams X: [B, S, n, d]. Before each sub-block the streams
-are collapsed with input-dependent weights `pre`; after it the block output is spread back with
-`post` and the old streams are mixed by the Sinkhorn-projected `comb`:
+The residual is `n = hc_mult` parallel streams X: [B, S, n, d]. Before each sub-block the
+streams are collapsed with input-dependent weights `pre`; after it the block output is spread
+back with `post` and the old streams are mixed by the Sinkhorn-projected `comb`:
     X'[k] = post[k] * f + Σ_j comb[j, k] * X[j]          (sum over the FIRST index of comb)
-The learned parameters are only `fn`, `base` and `scale` (all fp32). With a ForwardContext (serving) the
-three steps run as the kernel backend's `mhc_pre` / `mhc_post` / `mhc_head` ops on the [T, n, d] tokens (the
-`ref` ops compute exactly what the full-sequence path below computes, op for op).
+The learned parameters are only `fn`, `base` and `scale` (all fp32). With a ForwardContext
+(serving) the three steps run as the kernel backend's `mhc_pre` / `mhc_post` / `mhc_head` ops on
+the [T, n, d] tokens (the `ref` ops compute exactly what the full-sequence path below computes, op
+for op).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from dsv4.model.forward_context import ForwardContext
 
 
 def _scaled_mix(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """r * (fn @ flatten(x)) with r = 1/rms(flatten(x)); x: [B, S, n, d] -> [B, S, rows(fn)] fp32."""
+    """r * (fn @ flatten(x)) with r = 1/rms(flatten(x)).
+
+    x: [B, S, n, d] -> [B, S, rows(fn)] fp32.
+    """
     flat = x.flatten(2).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
     return flat @ fn.float().t()
@@ -40,15 +44,19 @@ class HyperConnection(nn.Module):
 
     def pre(self, x: torch.Tensor, ctx: ForwardContext | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, S, n, d] -> (block input h [B, S, d] in x's dtype, post [B, S, n], comb [B, S, n, n])."""
+        """x: [B, S, n, d] -> (block input h [B, S, d], post [B, S, n], comb [B, S, n, n]).
+
+        h is in x's dtype.
+        """
         if ctx is not None:
             B, S, n, d = x.shape
-            flat = x.reshape(B * S, n, d).contiguous()       # (the first layer's streams are an expand)
-            h, post, comb = ctx.ops.mhc_pre(flat, self.fn, self.scale, self.base, n, self.iters, self.hc_eps,
-                                            self.norm_eps)
+            flat = x.reshape(B * S, n, d).contiguous()   # (the first layer's streams are an expand)
+            h, post, comb = ctx.ops.mhc_pre(flat, self.fn, self.scale, self.base, n, self.iters,
+                                            self.hc_eps, self.norm_eps)
             return h.view(B, S, d), post.view(B, S, n), comb.view(B, S, n, n)
         mix = _scaled_mix(x, self.fn, self.norm_eps)
-        pre, post, comb = hc_split_sinkhorn(mix, self.scale, self.base, self.n, self.iters, self.hc_eps)
+        pre, post, comb = hc_split_sinkhorn(mix, self.scale, self.base, self.n, self.iters,
+                                            self.hc_eps)
         h = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
         return h.to(x.dtype), post, comb
 
@@ -58,8 +66,8 @@ class HyperConnection(nn.Module):
         """f: [B, S, d] block output; x: [B, S, n, d] old streams -> new streams [B, S, n, d]."""
         if ctx is not None:
             B, S, n, d = x.shape
-            out = ctx.ops.mhc_post(f.reshape(B * S, d), x.reshape(B * S, n, d).contiguous(), post.reshape(B * S, n),
-                                   comb.reshape(B * S, n, n).contiguous())
+            out = ctx.ops.mhc_post(f.reshape(B * S, d), x.reshape(B * S, n, d).contiguous(),
+                                   post.reshape(B * S, n), comb.reshape(B * S, n, n).contiguous())
             return out.view(B, S, n, d)
         mixed = torch.einsum("bsjk,bsjd->bskd", comb, x.float())
         return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(x.dtype)
@@ -80,8 +88,8 @@ class HyperHead(nn.Module):
         """x: [B, S, n, d] -> [B, S, d] in x's dtype."""
         if ctx is not None:
             B, S, n, d = x.shape
-            return ctx.ops.mhc_head(x.reshape(B * S, n, d).contiguous(), self.fn, self.scale, self.base, self.hc_eps,
-                                    self.norm_eps).view(B, S, d)
+            return ctx.ops.mhc_head(x.reshape(B * S, n, d).contiguous(), self.fn, self.scale,
+                                    self.base, self.hc_eps, self.norm_eps).view(B, S, d)
         mix = _scaled_mix(x, self.fn, self.norm_eps)
         pre = torch.sigmoid(mix * self.scale.float() + self.base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)

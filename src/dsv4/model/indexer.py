@@ -1,7 +1,8 @@
 """Lightning indexer of CSA layers: picks the top-k C4 entries per query (spec §6.6).
 
 The scores are used only for selection (no gradient path to the attention logits); visibility
-is `entry i < (t+1) // ratio`. Ties break toward the lower entry index (kernels/ref/indexer.py).
+is `entry i < (t+1) // ratio`. Ties break toward the lower entry index
+(`kernels/ref/indexer.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class Indexer(nn.Module):
         self.topk, self.ratio = config.index_topk, config.csa_ratio
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        self.compressor = Compressor(config.hidden_size, self.head_dim, self.ratio, True, config.rms_norm_eps)
+        self.compressor = Compressor(config.hidden_size, self.head_dim, self.ratio, True,
+                                     config.rms_norm_eps)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
     def query(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
@@ -34,7 +36,8 @@ class Indexer(nn.Module):
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         return q, self.weights_proj(x).float() * self.weight_scale
 
-    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
         """Full-sequence index scores [B, S, E] fp32, -inf where entry i >= (t+1)//ratio."""
         keys = self.compressor(x, cos, sin)                       # [B, E, Id]
         q, w = self.query(x, q_lat, cos, sin)
@@ -43,27 +46,30 @@ class Indexer(nn.Module):
         hidden = torch.arange(keys.shape[1], device=x.device) >= visible[:, None]
         return scores.masked_fill(hidden, float("-inf"))
 
-    def forward(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, d], q_lat: [B, S, q_lora] -> selected entry ids [B, S, min(k, E)], -1 = none."""
+    def forward(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, d], q_lat: [B, S, q_lora] -> picked entry ids [B, S, min(k, E)], -1 = none."""
         with torch.no_grad():
             scores = self.scores(x, q_lat, cos, sin)
         visible = (torch.arange(x.shape[1], device=x.device) + 1) // self.ratio
         return causal_topk(scores, visible.expand(x.shape[0], -1), self.topk)
 
     @torch.no_grad()
-    def forward_cached(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       ctx: ForwardContext, plan: CompressPlan, cache: LayerCache) -> torch.Tensor:
-        """Serving path. x: [T, d], q_lat: [T, q_lora] -> selected entry ids [T, min(k, V)], -1 = none.
+    def forward_cached(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
+                       cache: LayerCache) -> torch.Tensor:
+        """Serving path: x [T, d], q_lat [T, q_lora] -> picked entry ids [T, min(k, V)], -1 = none.
 
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path. This step's keys are already in
-        `cache.index_keys`: the layer wrote them with its own compressor's (Attention._compress_pair).
+        `cache.index_keys`: the layer wrote them with its own compressor's
+        (`Attention._compress_pair`).
         """
         assert cache.index_keys is not None
-        q, w = self.query(x, q_lat, cos, sin)                                  # [T, Ih, Id], [T, Ih]
-        if plan.candidates.shape[1] == 0:                                         # no entry is complete yet
+        q, w = self.query(x, q_lat, cos, sin)                                # [T, Ih, Id], [T, Ih]
+        if plan.candidates.shape[1] == 0:                                    # no entry complete yet
             return plan.candidates
-        scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)   # [T, V], -inf = none
-        picks = ctx.ops.topk(scores, plan.visible, self.topk)                     # [T, k'], -1 = none
+        scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)  # [T, V], -inf: none
+        picks = ctx.ops.topk(scores, plan.visible, self.topk)                   # [T, k'], -1: none
         visible = (plan.candidates >= 0).gather(1, picks.clamp(min=0))
         return torch.where((picks >= 0) & visible, picks, -1)

@@ -1,4 +1,4 @@
-"""`load_model`: config + weights -> a ready DeepSeekV4ForCausalLM in eval mode.
+"""`load_model`: config + weights -> a ready `DeepSeekV4ForCausalLM` in eval mode.
 
 The model is built on the meta device (no random init, no double memory), materialised on the
 target device with the dtype policy of `DeepSeekV4ForCausalLM.cast_`, then filled from the shards.
@@ -47,7 +47,8 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                 weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
     """Uninitialised model with the right dtypes on `device` (contents are garbage until loaded).
 
-    weight_format "checkpoint": routed experts are `QuantExperts` (FP4 codes + scales, as official V4 stores them).
+    weight_format "checkpoint": routed experts are `QuantExperts` (FP4 codes + scales, as official
+    V4 stores them).
     """
     check_weight_format(weight_format)
     with torch.device("meta"):
@@ -63,20 +64,26 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def _mtp_checked(config: ModelConfig, keys: list[str]) -> ModelConfig:
-    """transformers drops the MTP layer when it saves, so a transformers-layout checkpoint without any
-    `mtp.*` tensor is loaded without MTP (logged). The official layout must carry its MTP weights."""
-    if config.num_mtp_layers and any(is_hf_name(k) for k in keys) and not any(k.startswith("mtp.") for k in keys):
-        logger.warning("transformers-layout checkpoint has no mtp.* tensors: loading without the MTP layer")
+    """`config` without MTP when a transformers-layout checkpoint has no `mtp.*` tensor.
+
+    transformers drops the MTP layer when it saves, so such a checkpoint is loaded without MTP
+    (logged). The official layout must carry its MTP weights.
+    """
+    if (config.num_mtp_layers and any(is_hf_name(k) for k in keys)
+            and not any(k.startswith("mtp.") for k in keys)):
+        logger.warning("transformers-layout checkpoint has no mtp.* tensors: "
+                       "loading without the MTP layer")
         return config.replace(num_mtp_layers=0)
     return config
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
-               progress: bool = True, weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
+def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16",
+               device: str | torch.device = "cpu", progress: bool = True,
+               weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
     """Load a DeepSeek-V4 checkpoint (official or transformers layout) for inference or training.
 
-    weight_format: "bf16" dequantises the FP4 / FP8 weights to `dtype`; "checkpoint" keeps the routed experts in
-    their FP4 encoding (serving only; see `model/quant_experts.py`).
+    `weight_format`: "bf16" dequantises the FP4 / FP8 weights to `dtype`; "checkpoint" keeps the
+    routed experts in their FP4 encoding (serving only; see `model/quant_experts.py`).
     """
     check_weight_format(weight_format)
     path = Path(path)
@@ -86,6 +93,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: 
     config = _mtp_checked(ModelConfig.from_hf(path), checkpoint_keys(shard_files(path)))
     model = empty_model(config, torch_dtype, dev, weight_format)
     load_weights(model, path, progress)
-    logger.info("loaded %s (%d layers, dtype=%s, device=%s, weights=%s)", path, config.num_layers, torch_dtype, dev,
-                weight_format)
+    logger.info("loaded %s (%d layers, dtype=%s, device=%s, weights=%s)", path, config.num_layers,
+                torch_dtype, dev, weight_format)
     return model.eval()

@@ -27,9 +27,11 @@ class Gate(nn.Module):
         self.tid2eid: torch.Tensor | None
         self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.int64)
                              if self.is_hash else None)
-        self.bias = None if self.is_hash else nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.bias = None if self.is_hash else nn.Parameter(torch.zeros(config.n_routed_experts,
+                                                                       dtype=torch.float32))
 
-    def forward(self, u: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, u: torch.Tensor,
+                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: [N, d], input_ids: [N] -> (expert ids [N, k] int64, weights [N, k] fp32)."""
         scores = F.softplus(F.linear(u.float(), self.weight.float())).sqrt()
         if self.tid2eid is not None:
@@ -54,12 +56,18 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, inter, d))
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None) -> torch.Tensor:
-        """u [N, d] -> [N, d] fp32. Serving (`ctx`): the backend's op. Full sequence: `mode.experts` "sparse"
-        runs the per-expert reference (the `ref` backend's op); "dense" runs three GEMMs over all experts (no
-        data-dependent shapes or host syncs: what training and torch.compile want; tested equal)."""
+                ctx: ForwardContext | None = None, *,
+                mode: ForwardMode | None = None) -> torch.Tensor:
+        """u [N, d] -> [N, d] fp32.
+
+        Serving (`ctx`): the backend's op. Full sequence: `mode.experts` "sparse" runs the
+        per-expert reference (the `ref` backend's op); "dense" runs three GEMMs over all experts
+        (no data-dependent shapes or host syncs: what training and torch.compile want; tested
+        equal).
+        """
         if ctx is not None:
-            return ctx.ops.routed_experts(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
+            return ctx.ops.routed_experts(u, self.w1, self.w2, self.w3, indices, weights,
+                                          self.limit)
         assert mode is not None, "a full-sequence forward needs a ForwardMode"
         fn = routed_experts_dense if mode.experts == "dense" else routed_experts
         return fn(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
@@ -86,8 +94,8 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None, *,
-                mode: ForwardMode | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
+                *, mode: ForwardMode | None = None) -> torch.Tensor:
         """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
         u = x.reshape(-1, x.shape[-1])
         indices, weights = self.gate(u, input_ids.reshape(-1))

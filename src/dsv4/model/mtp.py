@@ -1,9 +1,10 @@
-"""Multi-token prediction block (spec §9): a full SWA + routed-MoE block with its own input mixing.
+"""Multi-token prediction block (spec §9): a full SWA + routed-MoE block with its own input
+mixing.
 
-    e  = enorm(embed(ids))                        embed is the main model's (shared)
+    e  = enorm(embed(ids))                               embed is the main model's (shared)
     X  = e_proj(e)[:, :, None] + h_proj(hnorm(X_main))   X_main: main streams before hc_head
     X  = Block(X)
-    logits = head(norm(hc_head(X)))               head is the main model's (shared)
+    logits = head(norm(hc_head(X)))                      head is the main model's (shared)
 
 Used with ids = the tokens one step ahead: position k combines the main streams at k with the
 embedding of token k+1 and predicts token k+2.
@@ -33,11 +34,11 @@ class MTPBlock(Block):
         self.hc_head = HyperHead(config)
 
     def mix_inputs(self, streams: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """streams: [B, S, n, d] main streams; embedded: [B, S, d] raw embeddings -> [B, S, n, d]."""
+        """streams: [B, S, n, d] main streams; embedded: [B, S, d] embeddings -> [B, S, n, d]."""
         return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
 
     def hidden(self, streams: torch.Tensor, embedded: torch.Tensor, input_ids: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
-        """-> the normed [B, S, d] state fed to the shared head (and this block's output streams)."""
+        """-> the normed [B, S, d] state this block feeds to the shared head."""
         x = super().forward(self.mix_inputs(streams, embedded), input_ids, cos, sin, mode=mode)
         return self.norm(self.hc_head(x))

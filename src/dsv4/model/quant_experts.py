@@ -1,12 +1,13 @@
 """Routed experts kept in their checkpoint encoding (`weight_format="checkpoint"`, spec §8, §12).
 
-The default (`"bf16"`) dequantises the FP4 experts at load into stacked float parameters (`moe.Experts`).
-With `"checkpoint"` every MoE layer's experts become a `QuantExperts`: the e2m1 codes and UE8M0 scales stay
-in GPU memory as loaded (4.25 bits per weight instead of 16) and the kernel backend's
-`routed_experts_quant` op dequantises in registers (`kernels/triton/moe.py`; the `ref` op dequantises the
-whole stack first). w1 and w3 are stored concatenated as `w13` ([W1; W3] along the output dim, the kernel's
-layout, `ref.moe.pack_w13`). FP8 experts ("fp8", 128x128 blocks) are supported by the module and kernels for
-experiments (`quantize_experts_`); official V4 checkpoints store experts in FP4.
+The default (`"bf16"`) dequantises the FP4 experts at load into stacked float parameters
+(`moe.Experts`). With `"checkpoint"` every MoE layer's experts become a `QuantExperts`: the e2m1
+codes and UE8M0 scales stay in GPU memory as loaded (4.25 bits per weight instead of 16) and the
+kernel backend's `routed_experts_quant` op dequantises in registers (`kernels/triton/moe.py`; the
+`ref` op dequantises the whole stack first). w1 and w3 are stored concatenated as `w13` ([W1; W3]
+along the output dim, the kernel's layout, `ref.moe.pack_w13`). FP8 experts ("fp8", 128x128
+blocks) are supported by the module and kernels for experiments (`quantize_experts_`); official V4
+checkpoints store experts in FP4.
 
 Serving only: these buffers are not trainable and a model holding them cannot be exported.
 """
@@ -28,12 +29,15 @@ from dsv4.model.moe import Experts
 EXPERT_FORMATS = ("fp4", "fp8")
 
 
-def _shapes(fmt: str, E: int, inter: int, d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Buffer shapes and dtypes of one layer's stacked experts in `fmt` (kernels/triton/moe.py docstring)."""
+def _shapes(fmt: str, E: int, inter: int,
+            d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Buffer shapes and dtypes of one layer's stacked experts in `fmt` (kernels/triton/moe.py)."""
     if fmt == "fp4":
         g = quant.FP4_GROUP
-        return {"w13": ((E, 2 * inter, d // 2), torch.uint8), "w13_scale": ((E, 2 * inter, d // g), torch.uint8),
-                "w2": ((E, d, inter // 2), torch.uint8), "w2_scale": ((E, d, inter // g), torch.uint8)}
+        return {"w13": ((E, 2 * inter, d // 2), torch.uint8),
+                "w13_scale": ((E, 2 * inter, d // g), torch.uint8),
+                "w2": ((E, d, inter // 2), torch.uint8),
+                "w2_scale": ((E, d, inter // g), torch.uint8)}
     b = quant.FP8_BLOCK
     return {"w13": ((E, 2 * inter, d), torch.float8_e4m3fn),
             "w13_scale": ((E, 2 * math.ceil(inter / b), math.ceil(d / b)), torch.uint8),
@@ -42,55 +46,64 @@ def _shapes(fmt: str, E: int, inter: int, d: int) -> dict[str, tuple[tuple[int, 
 
 
 class QuantExperts(nn.Module):
-    """A layer's routed experts as checkpoint codes: w13 / w2 codes + UE8M0 scales (buffers), format `fmt`."""
+    """A layer's routed experts as checkpoint codes: w13 / w2 codes + UE8M0 scales, format `fmt`."""
 
     w13: torch.Tensor
     w13_scale: torch.Tensor
     w2: torch.Tensor
     w2_scale: torch.Tensor
 
-    def __init__(self, num_experts: int, inter: int, d: int, limit: float, fmt: str = "fp4") -> None:
+    def __init__(self, num_experts: int, inter: int, d: int, limit: float,
+                 fmt: str = "fp4") -> None:
         super().__init__()
         if fmt not in EXPERT_FORMATS:
-            raise ValueError(f"expert format {fmt!r} is invalid; allowed: {list(EXPERT_FORMATS)}")
+            raise ValueError(f"expert format {fmt!r} is invalid; "
+                             f"allowed: {list(EXPERT_FORMATS)}")
         self.fmt, self.limit, self.inter, self.d = fmt, limit, inter, d
         for name, (shape, dtype) in _shapes(fmt, num_experts, inter, d).items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype))
 
     @classmethod
     def from_config(cls, config: ModelConfig, fmt: str = "fp4") -> QuantExperts:
-        return cls(config.n_routed_experts, config.moe_inter_dim, config.hidden_size, config.swiglu_limit, fmt)
+        return cls(config.n_routed_experts, config.moe_inter_dim, config.hidden_size,
+                   config.swiglu_limit, fmt)
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None) -> torch.Tensor:
-        """Same contract as `Experts.forward`: u [N, d] -> [N, d] fp32 (no "dense" form: serving only)."""
+                ctx: ForwardContext | None = None, *,
+                mode: ForwardMode | None = None) -> torch.Tensor:
+        """`Experts.forward`'s contract: u [N, d] -> [N, d] fp32 (serving only: no "dense" form)."""
         if ctx is None and (mode is None or mode.experts != "sparse"):
-            raise ValueError(f"checkpoint-format experts run the sparse form only; got mode={mode}")
+            raise ValueError(f"checkpoint-format experts run the sparse form only; "
+                             f"got mode={mode}")
         fn = routed_experts_quant if ctx is None else ctx.ops.routed_experts_quant
-        return fn(u, self.w13, self.w13_scale, self.w2, self.w2_scale, indices, weights, self.limit, self.fmt)
+        return fn(u, self.w13, self.w13_scale, self.w2, self.w2_scale, indices, weights, self.limit,
+                  self.fmt)
 
     def _rows(self, which: str, scale: bool) -> tuple[torch.Tensor, slice]:
         """The buffer holding expert matrix `which` (w1 / w2 / w3) and its row range in it."""
         if which == "w2":
             return (self.w2_scale if scale else self.w2), slice(None)
-        split = math.ceil(self.inter / quant.FP8_BLOCK) if (scale and self.fmt == "fp8") else self.inter
+        split = (math.ceil(self.inter / quant.FP8_BLOCK) if (scale and self.fmt == "fp8")
+                 else self.inter)
         rows = slice(0, split) if which == "w1" else slice(split, None)
         return (self.w13_scale if scale else self.w13), rows
 
     def load(self, which: str, expert: int, tensor: torch.Tensor, scale: bool) -> None:
-        """Copy one expert's codes (or scales) of `which` in; shape and encoding must match the format."""
+        """Copy one expert's codes (or scales) of `which` in; shape and encoding must fit `fmt`."""
         buf, rows = self._rows(which, scale)
         dest = buf[expert, rows]
         if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(f"{which} {'scale' if scale else 'codes'}: shape {tuple(tensor.shape)}, "
-                             f"{self.fmt} experts expect {tuple(dest.shape)}")
+            raise ValueError(f"{which} {'scale' if scale else 'codes'}: shape "
+                             f"{tuple(tensor.shape)}, {self.fmt} experts expect "
+                             f"{tuple(dest.shape)}")
         if tensor.element_size() != 1:
-            raise ValueError(f"{which}: {tensor.dtype} is not a {self.fmt} encoding (one byte per element)")
+            raise ValueError(f"{which}: {tensor.dtype} is not a {self.fmt} encoding "
+                             "(one byte per element)")
         with torch.no_grad():
             dest.copy_(tensor.view(dest.dtype))
 
     def quantize_from(self, which: str, expert: int, weight: torch.Tensor) -> None:
-        """Encode a float [out, in] expert matrix into this format (exact when it came from the same format)."""
+        """Encode a float [out, in] expert matrix in `fmt` (exact if it was decoded from `fmt`)."""
         fn = quant.quant_fp4_group if self.fmt == "fp4" else quant.quant_fp8_block
         codes, scale = fn(weight)
         self.load(which, expert, codes, scale=False)
@@ -98,14 +111,18 @@ class QuantExperts(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) as the dense stacked tensors `Experts` holds."""
-        w1, w3, w2 = dequant_experts(self.w13, self.w13_scale, self.w2, self.w2_scale, self.fmt, dtype)
+        w1, w3, w2 = dequant_experts(self.w13, self.w13_scale, self.w2, self.w2_scale, self.fmt,
+                                     dtype)
         return w1, w2, w3
 
 
 @torch.no_grad()
 def quantize_experts_(model: nn.Module, fmt: str = "fp4") -> nn.Module:
-    """Replace every `Experts` of `model` (decoder and MTP layers) by a `QuantExperts` holding its weights encoded
-    in `fmt` (round to the nearest code; lossless for weights dequantised from that format). In place."""
+    """Replace every `Experts` of `model` (decoder and MTP layers) by a `QuantExperts`, in place.
+
+    The new module holds the weights encoded in `fmt` (round to the nearest code; lossless for
+    weights dequantised from that format).
+    """
     for module in list(model.modules()):
         experts = getattr(module, "experts", None)
         if not isinstance(experts, Experts):

@@ -3,9 +3,9 @@
 Two HF layouts exist and both are read:
 - the in-memory module names (`model.layers.L.self_attn.q_a_proj.weight`, stacked
   `mlp.experts.gate_up_proj` [E, 2I, d] = cat(w1, w3)), which older saves and `state_dict()` use;
-- what transformers 5.23 `save_pretrained` writes: its conversion mapping reversed, i.e. the official
-  DeepSeek names under a `model.` prefix, except `model.embed_tokens`, `model.hc_head.hc_{fn,base,scale}`
-  and `attn.norm` for the attention's kv_norm.
+- what transformers 5.23 `save_pretrained` writes: its conversion mapping reversed, i.e. the
+  official DeepSeek names under a `model.` prefix, except `model.embed_tokens`,
+  `model.hc_head.hc_{fn,base,scale}` and `attn.norm` for the attention's kv_norm.
 Both are converted to official DeepSeek names (`weights.py` takes it from there). `to_hf_state_dict`
 goes the other way, to load dsv4 weights into a transformers model (tests, export).
 """
@@ -34,7 +34,8 @@ _HF_MODULE_RENAMES: tuple[tuple[str, str], ...] = (
     ("self_attn.kv_norm.", "attn.kv_norm."), ("self_attn.o_a_proj.", "attn.wo_a."),
     ("self_attn.o_b_proj.", "attn.wo_b."), ("self_attn.sinks", "attn.attn_sink"),
     ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."),
-    ("attn_hc.fn", "hc_attn_fn"), ("attn_hc.base", "hc_attn_base"), ("attn_hc.scale", "hc_attn_scale"),
+    ("attn_hc.fn", "hc_attn_fn"), ("attn_hc.base", "hc_attn_base"),
+    ("attn_hc.scale", "hc_attn_scale"),
     ("ffn_hc.fn", "hc_ffn_fn"), ("ffn_hc.base", "hc_ffn_base"), ("ffn_hc.scale", "hc_ffn_scale"),
     ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"), ("mlp.gate.", "ffn.gate."),
     ("mlp.shared_experts.gate_proj.", "ffn.shared_experts.w1."),
@@ -54,7 +55,7 @@ def is_hf_name(name: str) -> bool:
 
 
 def hf_to_official(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Map one transformers tensor to official DeepSeek (name, tensor) pairs (stacked experts split)."""
+    """Map one transformers tensor to official (name, tensor) pairs, splitting stacked experts."""
     if name in _TOP_LEVEL:
         yield _TOP_LEVEL[name], tensor
         return
@@ -62,7 +63,8 @@ def hf_to_official(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch
     if m is None:
         raise ValueError(f"unexpected tensor `{name}` in a transformers-layout checkpoint")
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
-    rest = re.sub(r"\.weight_scale_inv$", ".scale", rest)  # HF's FP8 quantizer name for the block scale
+    # HF's FP8 quantizer name for the block scale
+    rest = re.sub(r"\.weight_scale_inv$", ".scale", rest)
     if rest.startswith("mlp.experts."):
         yield from _split_stacked_experts(prefix, rest, tensor)
         return
@@ -75,7 +77,8 @@ def hf_to_official(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch
     yield prefix + rest, tensor
 
 
-def _split_stacked_experts(prefix: str, rest: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_stacked_experts(prefix: str, rest: str,
+                           t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     kind = rest.removeprefix("mlp.experts.")
     if kind == "gate_up_proj":           # [E, 2I, d] = cat(w1, w3, dim=1)
         inter = t.shape[1] // 2
@@ -83,15 +86,18 @@ def _split_stacked_experts(prefix: str, rest: str, t: torch.Tensor) -> Iterator[
     elif kind == "down_proj":            # [E, d, I]
         parts = {"w2": t}
     else:
-        raise ValueError(f"unexpected expert tensor `model.{prefix}{rest}` (expected gate_up_proj/down_proj)")
+        raise ValueError(f"unexpected expert tensor `model.{prefix}{rest}` "
+                         "(expected gate_up_proj/down_proj)")
     for w, stacked in parts.items():
         for e in range(stacked.shape[0]):
             yield f"{prefix}ffn.experts.{e}.{w}.weight", stacked[e]
 
 
 def to_hf_state_dict(official: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Official-named, dequantised tensors (per-expert) -> transformers module names. `mtp.*` is dropped
-    (transformers has no MTP layer)."""
+    """Official-named, dequantised tensors (per-expert) -> transformers module names.
+
+    `mtp.*` is dropped (transformers has no MTP layer).
+    """
     inverse_top = {v: k for k, v in _TOP_LEVEL.items() if k != "head.weight"}
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}

@@ -1,8 +1,8 @@
-"""Checkpoint reading: safetensors shards -> a DeepSeekV4ForCausalLM, streaming shard by shard.
+"""Checkpoint reading: safetensors shards -> a `DeepSeekV4ForCausalLM`, streaming shard by shard.
 
-Reads the official DeepSeek layout (FP8 e4m3 weights with UE8M0 128x128 block scales in `X.scale`,
-FP4 e2m1 experts packed [out, in/2] with per-32 UE8M0 scales, `mtp.*`) and both transformers
-layouts (converted to official names by `state_dict_adapter.py`). Quantised weights are
+Reads the official DeepSeek layout (FP8 e4m3 weights with UE8M0 128x128 block scales in
+`X.scale`, FP4 e2m1 experts packed [out, in/2] with per-32 UE8M0 scales, `mtp.*`) and both
+transformers layouts (converted to official names by `state_dict_adapter.py`). Quantised weights are
 dequantised on load to the model dtype. Every parameter must be filled exactly once: missing,
 unexpected or mis-shaped tensors raise a `CheckpointError` naming the tensor (and both shapes).
 Never uses pickle: only `safetensors`.
@@ -31,7 +31,8 @@ logger = init_logger(__name__)
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 _FP8_DTYPES = (torch.float8_e4m3fn,)
-_FP4_DTYPES = (torch.int8, torch.uint8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+_FP4_DTYPES = (torch.int8, torch.uint8) + ((torch.float4_e2m1fn_x2,)
+                                           if hasattr(torch, "float4_e2m1fn_x2") else ())
 
 
 class CheckpointError(ValueError):
@@ -40,7 +41,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """Where an official tensor goes: internal parameter/buffer name and, for stacked experts, the row."""
+    """Where an official tensor goes: internal parameter/buffer name and, for experts, the row."""
 
     name: str
     expert: int | None = None
@@ -63,10 +64,11 @@ def internal_to_official(name: str, num_experts: int) -> list[tuple[str, int | N
 
 
 def official_state_dict(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
-    """The model's tensors under official DeepSeek names (dequantised; stacked experts fanned out, as views)."""
+    """Official-named tensors of the model (dequantised; stacked experts fanned out as views)."""
     if any(isinstance(m, QuantExperts) for m in model.modules()):
-        raise ValueError("this model keeps its experts in checkpoint encoding (weight_format='checkpoint'); "
-                         "load it with weight_format='bf16' to export or train it")
+        raise ValueError("this model keeps its experts in checkpoint encoding "
+                         "(weight_format='checkpoint'); load it with weight_format='bf16' to "
+                         "export or train it")
     out: dict[str, torch.Tensor] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq"):
@@ -77,7 +79,7 @@ def official_state_dict(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]
 
 
 def shard_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (index json, single file, or all *.safetensors)."""
+    """The safetensors files of a checkpoint (index json, single file, or all `*.safetensors`)."""
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     if path.is_file():
@@ -105,9 +107,11 @@ def checkpoint_keys(files: list[Path]) -> list[str]:
     return keys
 
 
-def iter_official_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_official_tensors(files: list[Path],
+                          progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (official name, tensor) over the shards, converting transformers names on the fly."""
-    for file in tqdm(files, desc="loading shards", unit="shard", disable=not progress or len(files) < 2):
+    for file in tqdm(files, desc="loading shards", unit="shard",
+                     disable=not progress or len(files) < 2):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 tensor = f.get_tensor(key)
@@ -118,13 +122,16 @@ def iter_official_tensors(files: list[Path], progress: bool = True) -> Iterator[
 
 
 class WeightLoader:
-    """Fills a model's parameters from official-named tensors; pairs quantised weights with scales."""
+    """Fills model parameters from official-named tensors; pairs quantised weights with scales."""
 
     def __init__(self, model: DeepSeekV4ForCausalLM) -> None:
         self.model = model
-        # experts kept in checkpoint encoding take their codes and scales as they are (no pairing, no dequant)
-        self.quant_experts = {name: m for name, m in model.named_modules() if isinstance(m, QuantExperts)}
-        self.params = {name: t for name, t in list(model.named_parameters()) + list(model.named_buffers())
+        # experts kept in checkpoint encoding take their codes and scales as they are (no pairing,
+        # no dequant)
+        self.quant_experts = {name: m for name, m in model.named_modules()
+                              if isinstance(m, QuantExperts)}
+        self.params = {name: t
+                       for name, t in list(model.named_parameters()) + list(model.named_buffers())
                        if name.rsplit(".", 1)[0] not in self.quant_experts}
         self.pending_weights: dict[str, torch.Tensor] = {}
         self.pending_scales: dict[str, torch.Tensor] = {}
@@ -133,14 +140,16 @@ class WeightLoader:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         m = _EXPERT.match(name)
         if m and m.group(1) in self.quant_experts:
-            self._assign_code(name, m.group(1), int(m.group(2)), m.group(3), tensor, m.group(4) == "scale")
+            self._assign_code(name, m.group(1), int(m.group(2)), m.group(3), tensor,
+                              m.group(4) == "scale")
         elif name.endswith(".scale"):
             base = name[: -len(".scale")] + ".weight"
             if base in self.pending_weights:
                 self._assign(base, self._dequant(base, self.pending_weights.pop(base), tensor))
             else:
                 self.pending_scales[base] = tensor
-        elif tensor.dtype in _FP8_DTYPES or (tensor.dtype in _FP4_DTYPES and name.endswith(".weight")):
+        elif tensor.dtype in _FP8_DTYPES or (tensor.dtype in _FP4_DTYPES
+                                             and name.endswith(".weight")):
             if name in self.pending_scales:
                 self._assign(name, self._dequant(name, tensor, self.pending_scales.pop(name)))
             else:
@@ -151,34 +160,43 @@ class WeightLoader:
     def finish(self) -> None:
         """Raise if anything is unpaired or any parameter was never filled."""
         if self.pending_weights:
-            raise CheckpointError(f"quantised weights without a `.scale` tensor: {sorted(self.pending_weights)[:8]}")
+            raise CheckpointError(f"quantised weights without a `.scale` tensor: "
+                                  f"{sorted(self.pending_weights)[:8]}")
         if self.pending_scales:
-            raise CheckpointError(f"`.scale` tensors without a quantised weight: {sorted(self.pending_scales)[:8]}")
+            raise CheckpointError(f"`.scale` tensors without a quantised weight: "
+                                  f"{sorted(self.pending_scales)[:8]}")
         missing = []
         for name, p in self.params.items():
             if name.endswith("inv_freq"):
                 continue  # non-persistent, recomputed
             if re.search(r"\.ffn\.experts\.w[123]$", name):
-                missing += [f"{internal_to_official(name, p.shape[0])[e][0]}" for e in range(p.shape[0])
+                missing += [f"{internal_to_official(name, p.shape[0])[e][0]}"
+                            for e in range(p.shape[0])
                             if (name, e) not in self.filled and (name, None) not in self.filled]
             elif (name, None) not in self.filled:
                 missing.append(internal_to_official(name, 0)[0][0])
         for prefix, module in self.quant_experts.items():
-            missing += [f"{prefix}.{e}.{w}.{kind}" for e in range(module.w13.shape[0]) for w in ("w1", "w2", "w3")
-                        for kind in ("weight", "scale") if (f"{prefix}.{w}.{kind}", e) not in self.filled]
+            missing += [f"{prefix}.{e}.{w}.{kind}" for e in range(module.w13.shape[0])
+                        for w in ("w1", "w2", "w3") for kind in ("weight", "scale")
+                        if (f"{prefix}.{w}.{kind}", e) not in self.filled]
         if missing:
-            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:8]}")
+            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), "
+                                  f"e.g. {missing[:8]}")
 
     def _assign_code(self, name: str, prefix: str, expert: int, which: str, tensor: torch.Tensor,
                      scale: bool) -> None:
-        """An expert tensor for a `QuantExperts`: codes / scales copied in; a float weight (a transformers-layout
-        checkpoint stores experts dequantised) is encoded, which is exact for weights that came from FP4."""
+        """An expert tensor for a `QuantExperts`: codes / scales are copied in.
+
+        A float weight (a transformers-layout checkpoint stores experts dequantised) is encoded,
+        which is exact for weights that came from FP4.
+        """
         module = self.quant_experts[prefix]
         key = (f"{prefix}.{which}.{'scale' if scale else 'weight'}", expert)
         if key in self.filled:
             raise CheckpointError(f"tensor `{name}` appears twice in the checkpoint")
         if not 0 <= expert < module.w13.shape[0]:
-            raise CheckpointError(f"unexpected tensor `{name}`: expert {expert} >= {module.w13.shape[0]}")
+            raise CheckpointError(f"unexpected tensor `{name}`: "
+                                  f"expert {expert} >= {module.w13.shape[0]}")
         try:
             if not scale and tensor.is_floating_point() and tensor.element_size() > 1:
                 module.quantize_from(which, expert, tensor.to(module.w13.device))
@@ -201,7 +219,8 @@ class WeightLoader:
     def _target_param(self, name: str) -> torch.Tensor:
         target = official_to_internal(name)
         if target.name not in self.params:
-            raise CheckpointError(f"unexpected tensor `{name}`: the model has no parameter `{target.name}`")
+            raise CheckpointError(f"unexpected tensor `{name}`: "
+                                  f"the model has no parameter `{target.name}`")
         return self.params[target.name]
 
     def _assign(self, name: str, tensor: torch.Tensor) -> None:
@@ -209,11 +228,12 @@ class WeightLoader:
         dest = self._target_param(name)
         if target.expert is not None:
             if not 0 <= target.expert < dest.shape[0]:
-                raise CheckpointError(f"unexpected tensor `{name}`: expert {target.expert} >= {dest.shape[0]}")
+                raise CheckpointError(f"unexpected tensor `{name}`: "
+                                      f"expert {target.expert} >= {dest.shape[0]}")
             dest = dest[target.expert]
         if tuple(tensor.shape) != tuple(dest.shape):
-            raise CheckpointError(f"tensor `{name}` has shape {tuple(tensor.shape)} in the checkpoint but the "
-                                  f"model expects {tuple(dest.shape)}")
+            raise CheckpointError(f"tensor `{name}` has shape {tuple(tensor.shape)} in the "
+                                  f"checkpoint but the model expects {tuple(dest.shape)}")
         key = (target.name, target.expert)
         if key in self.filled:
             raise CheckpointError(f"tensor `{name}` appears twice in the checkpoint")

@@ -1,17 +1,23 @@
 """The FastAPI app of the API process: routes, API-key check, body-size limit and body parsing.
 
-    GET  /health             200 once the engine has loaded the model; 503 while loading, draining, or dead
-    GET  /v1/models          the served model (`random_weights: true` for the generated default model)
-    POST /v1/completions     completions.py
+    GET  /health               200 once the engine has loaded the model; 503 while loading,
+                               draining, or dead
+    GET  /v1/models            the served model (`random_weights: true` for the generated
+                               default model)
+    POST /v1/completions       completions.py
     POST /v1/chat/completions  chat.py
-    POST /v1/abort           {"request_id": "<id of a running completion>"}: its choices end with "abort"
-    GET  /v1/engine_stats    engine state (pools, slots, queue, counters); `?check_integrity=true` also runs
-                             the engine's check_integrity() and reports "ok" or the failure
-    POST /flush_cache        drop the prefix-cache entries no request uses (SGLang's name); returns the stats
-    GET  /metrics            Prometheus text format (metrics.py)
+    POST /v1/abort             {"request_id": "<id of a running completion>"}: its choices end
+                               with "abort"
+    GET  /v1/engine_stats      engine state (pools, slots, queue, counters);
+                               `?check_integrity=true` also runs the engine's check_integrity()
+                               and reports "ok" or the failure
+    POST /flush_cache          drop the prefix-cache entries no request uses (SGLang's name);
+                               returns the stats
+    GET  /metrics              Prometheus text format (metrics.py)
 
-`/v1/*` and /flush_cache need `Authorization: Bearer <key>` when the server has an API key. Bodies are read with a size
-limit (413 past it) and parsed strictly into the protocol models (400 naming the field).
+`/v1/*` and /flush_cache need `Authorization: Bearer <key>` when the server has an API key. Bodies
+are read with a size limit (413 past it) and parsed strictly into the protocol models (400 naming
+the field).
 
 Test: `pytest tests/server/test_openai_client.py tests/server/test_errors.py`.
 """
@@ -65,18 +71,21 @@ def _auth_dependency(state: ServerState) -> Callable[[Request], Awaitable[None]]
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        if (scheme.lower() != "bearer"
+                or not hmac.compare_digest(token.strip().encode(), key.encode())):
+            raise APIError(401, "invalid or missing API key; "
+                           "send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     return check
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; 413 as soon as it is known to exceed `limit` bytes (from Content-Length or while reading)."""
+    """The request body; 413 as soon as it is known to exceed `limit` bytes (from Content-Length
+    or while reading)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes; allowed: at most max_request_bytes={limit}")
+        raise APIError(413, f"request body is {declared} bytes; "
+                       f"allowed: at most max_request_bytes={limit}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -114,7 +123,8 @@ def _health(state: ServerState) -> Handler:
 def _models(state: ServerState) -> Handler:
     async def models() -> Response:
         info = state.client.model
-        card = ModelCard(id=state.config.served_model_name, created=state.created, root=state.config.model,
+        card = ModelCard(id=state.config.served_model_name, created=state.created,
+                         root=state.config.model,
                          max_model_len=info.context_length if info is not None else 0,
                          random_weights=state.random_weights)
         return JSONResponse(ModelList(data=[card]).model_dump())
@@ -152,7 +162,8 @@ def _abort(state: ServerState) -> Handler:
 def _engine_stats(state: ServerState) -> Handler:
     async def engine_stats(check_integrity: bool = False) -> Response:
         snapshot = await state.client.query_stats(check_integrity)
-        return JSONResponse({**dataclasses.asdict(snapshot), "num_inflight": state.client.num_inflight,
+        return JSONResponse({**dataclasses.asdict(snapshot),
+                             "num_inflight": state.client.num_inflight,
                              "num_jobs": len(state.jobs)})
 
     return engine_stats

@@ -1,10 +1,11 @@
 """POST /v1/chat/completions: OpenAI chat messages -> assistant messages (or a chunk stream).
 
-Owns the chat request -> GenerationJob translation and the chat response / chunk formatting. The prompt is
-the checkpoint's chat template rendered with the messages (`chat_template.py`). `logprobs: true` with
-`top_logprobs: k` -> `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. Without
-`max_tokens` / `max_completion_tokens` a choice may use the rest of the context (and of the KV cache).
-Streams open every choice with a `{"role": "assistant", "content": ""}` delta, as OpenAI's do.
+Owns the chat request -> GenerationJob translation and the chat response / chunk formatting. The
+prompt is the checkpoint's chat template rendered with the messages (`chat_template.py`).
+`logprobs: true` with `top_logprobs: k` ->
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. Without `max_tokens` /
+`max_completion_tokens` a choice may use the rest of the context (and of the KV cache). Streams
+open every choice with a `{"role": "assistant", "content": ""}` delta, as OpenAI's do.
 
 Test: `pytest tests/server/test_openai_client.py`.
 """
@@ -35,13 +36,16 @@ from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
 from dsv4.server.tokenizer import ServerTokenizer
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
+                                 request: Request) -> Response:
     state.check_model(body.model)
     _check_supported(body)
-    text = state.template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    text = state.template.render(body.messages, body.add_generation_prompt,
+                                 body.chat_template_kwargs)
     prompt = state.tokenizer.encode(text, add_special_tokens=False)
-    job = state.start_job("chatcmpl", [prompt], build_params(body, _max_tokens(state, body, len(prompt)),
-                                                             _num_logprobs(body)))
+    job = state.start_job("chatcmpl", [prompt],
+                          build_params(body, _max_tokens(state, body, len(prompt)),
+                                       _num_logprobs(body)))
     streaming = False
     try:
         await job.wait_accepted(request.is_disconnected)
@@ -62,13 +66,15 @@ def _check_supported(body: ChatCompletionRequest) -> None:
         raise bad_request("tools are not supported yet; allowed: null or []", "tools")
     fmt = (body.response_format or {}).get("type", "text")
     if fmt != "text":
-        raise bad_request(f"response_format.type={fmt!r} is not supported; allowed: 'text'", "response_format")
+        raise bad_request(f"response_format.type={fmt!r} is not supported; allowed: 'text'",
+                          "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
 
 
 def _max_tokens(state: ServerState, body: ChatCompletionRequest, prompt_len: int) -> int:
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    requested = (body.max_completion_tokens if body.max_completion_tokens is not None
+                 else body.max_tokens)
     if requested is not None:
         return requested
     info = state.model_info
@@ -85,39 +91,48 @@ def _token_logprobs(tok: ServerTokenizer, ids: list[int], lps: list[float],
     for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
         alts = [TopLogprob(token=tok.token_str(a), logprob=b, bytes=list(tok.token_bytes(a)))
                 for a, b in (tops[i] if i < len(tops) else [])]
-        content.append(TokenLogprob(token=tok.token_str(t), logprob=lp, bytes=list(tok.token_bytes(t)),
-                                    top_logprobs=alts))
+        content.append(TokenLogprob(token=tok.token_str(t), logprob=lp,
+                                    bytes=list(tok.token_bytes(t)), top_logprobs=alts))
     return ChoiceLogprobs(content=content)
 
 
-def _response(state: ServerState, job: GenerationJob, body: ChatCompletionRequest) -> ChatCompletionResponse:
+def _response(state: ServerState, job: GenerationJob,
+              body: ChatCompletionRequest) -> ChatCompletionResponse:
     choices = []
     for c in job.choices:
-        logprobs = _token_logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
-                                  finish_reason=c.finish_reason))
-    return ChatCompletionResponse(id=job.id, created=int(time.time()), model=state.config.served_model_name,
-                                  choices=choices, usage=job.usage())
+        logprobs = (_token_logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs)
+                    if body.logprobs else None)
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                  logprobs=logprobs, finish_reason=c.finish_reason))
+    return ChatCompletionResponse(id=job.id, created=int(time.time()),
+                                  model=state.config.served_model_name, choices=choices,
+                                  usage=job.usage())
 
 
-async def _stream(state: ServerState, job: GenerationJob, body: ChatCompletionRequest) -> AsyncIterator[str]:
+async def _stream(state: ServerState, job: GenerationJob,
+                  body: ChatCompletionRequest) -> AsyncIterator[str]:
     created, model = int(time.time()), state.config.served_model_name
 
     def chunk(choices: list[ChatStreamChoice]) -> str:
         return sse(ChatCompletionChunk(id=job.id, created=created, model=model, choices=choices))
 
     for c in job.choices:
-        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+        yield chunk([ChatStreamChoice(index=c.index,
+                                      delta=DeltaMessage(role="assistant", content=""))])
     try:
         async for choice, delta in job.deltas():
-            logprobs = (_token_logprobs(state.tokenizer, delta.token_ids, delta.logprobs, delta.top_logprobs)
+            logprobs = (_token_logprobs(state.tokenizer, delta.token_ids, delta.logprobs,
+                                        delta.top_logprobs)
                         if body.logprobs and delta.token_ids else None)
             if delta.text or delta.finish_reason or logprobs is not None:
-                yield chunk([ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=delta.text or None),
-                                              logprobs=logprobs, finish_reason=delta.finish_reason)])
+                yield chunk([ChatStreamChoice(index=choice.index,
+                                              delta=DeltaMessage(content=delta.text or None),
+                                              logprobs=logprobs,
+                                              finish_reason=delta.finish_reason)])
     except APIError as e:
         yield sse(error_body(e.status, e.message, e.param, e.code))
     else:
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse(ChatCompletionChunk(id=job.id, created=created, model=model, choices=[], usage=job.usage()))
+            yield sse(ChatCompletionChunk(id=job.id, created=created, model=model, choices=[],
+                                          usage=job.usage()))
     yield SSE_DONE

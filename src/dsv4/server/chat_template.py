@@ -1,12 +1,13 @@
 """Chat templating: OpenAI `messages` -> the prompt text the model was trained on.
 
 Owns `ChatTemplate`. The template is the jinja2 `chat_template` of the checkpoint's
-`tokenizer_config.json` (as transformers' `apply_chat_template` renders it: a sandboxed environment,
-`messages`, `bos_token`, `eos_token`, `add_generation_prompt`, `raise_exception`, plus any
-`chat_template_kwargs`). A checkpoint without one (the official DeepSeek-V4 release ships its encoder
-as Python) gets `DEEPSEEK_V4_TEMPLATE`: `<bos>{system}<｜User｜>{user}<｜Assistant｜>` turns, assistant
-turns closed by eos, and the generation prompt opening the answer in non-thinking mode (`</think>`) or,
-with `chat_template_kwargs={"thinking": true}`, in thinking mode (`<think>`). The rendered text already
+`tokenizer_config.json` (as transformers' `apply_chat_template` renders it: a sandboxed
+environment, `messages`, `bos_token`, `eos_token`, `add_generation_prompt`, `raise_exception`, plus
+any `chat_template_kwargs`). A checkpoint without one (the official DeepSeek-V4 release ships its
+encoder as Python) gets `DEEPSEEK_V4_TEMPLATE`:
+`<bos>{system}<｜User｜>{user}<｜Assistant｜>` turns, assistant turns closed by eos, and the
+generation prompt opening the answer in non-thinking mode (`</think>`) or, with
+`chat_template_kwargs={"thinking": true}`, in thinking mode (`<think>`). The rendered text already
 contains bos, so it is tokenized without adding special tokens.
 
 Test: `pytest tests/server/test_components.py -k template`.
@@ -30,11 +31,13 @@ DEEPSEEK_V4_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}"
     "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜></think>' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<｜Assistant｜></think>' + message['content'] + eos_token }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}"
-    "{{ '<｜Assistant｜><think>' if thinking is defined and thinking else '<｜Assistant｜></think>' }}"
+    "{{ '<｜Assistant｜><think>' if thinking is defined and thinking"
+    " else '<｜Assistant｜></think>' }}"
     "{% endif %}"
 )
 
@@ -58,26 +61,31 @@ class ChatTemplate:
 
     @staticmethod
     def from_checkpoint(path: str | Path) -> ChatTemplate:
-        """The template of `path/tokenizer_config.json`, or DEEPSEEK_V4_TEMPLATE when it has none."""
+        """The template of `path/tokenizer_config.json`, or `DEEPSEEK_V4_TEMPLATE` when it has
+        none."""
         file = Path(path) / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
         source = cfg.get("chat_template") or DEEPSEEK_V4_TEMPLATE
         if isinstance(source, list):  # transformers' named-template list; "default" is the chat one
-            source = next((t["template"] for t in source if t.get("name") == "default"), source[0]["template"])
+            source = next((t["template"] for t in source if t.get("name") == "default"),
+                          source[0]["template"])
         return ChatTemplate(source, _token_str(cfg.get("bos_token"), "<｜begin▁of▁sentence｜>"),
                             _token_str(cfg.get("eos_token"), "<｜end▁of▁sentence｜>"))
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                kwargs: dict[str, Any] | None = None) -> str:
-        """The prompt text; raises APIError(400) naming `messages` for content the template cannot take."""
+        """The prompt text; raises APIError(400) naming `messages` for content the template cannot
+        take."""
         plain = [_plain_message(i, m) for i, m in enumerate(messages)]
         reserved = {"messages", "bos_token", "eos_token", "add_generation_prompt"}
         extra = {k: v for k, v in (kwargs or {}).items() if k not in reserved}
         try:
-            return self._template.render(messages=plain, bos_token=self.bos_token, eos_token=self.eos_token,
+            return self._template.render(messages=plain, bos_token=self.bos_token,
+                                         eos_token=self.eos_token,
                                          add_generation_prompt=add_generation_prompt, **extra)
         except jinja2.TemplateError as e:
-            raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
+            raise bad_request(f"messages could not be rendered with the chat template: {e}",
+                              "messages") from e
 
 
 def _plain_message(i: int, message: ChatMessage) -> dict[str, str]:
@@ -97,8 +105,8 @@ def _text_of(i: int, message: ChatMessage) -> str:
     parts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise APIError(400, f"messages[{i}].content has a {part.type!r} part; allowed: text parts only",
-                           f"messages[{i}].content")
+            raise APIError(400, f"messages[{i}].content has a {part.type!r} part; "
+                           "allowed: text parts only", f"messages[{i}].content")
         parts.append(part.text)
     return "".join(parts)
 

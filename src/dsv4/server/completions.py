@@ -1,10 +1,10 @@
 """POST /v1/completions: prompts (text or token ids, one or a batch) -> OpenAI text completions.
 
-Owns the request -> GenerationJob translation for completions and the response / stream-chunk formatting:
-`echo` (the prompt text is prepended to the choice text, and sent in a choice's first chunk when
-streaming), `logprobs: k` -> `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets count
-characters of the returned text), `stream_options.include_usage` (a last chunk with `choices: []`).
-The default `max_tokens` is 16, as OpenAI's.
+Owns the request -> GenerationJob translation for completions and the response / stream-chunk
+formatting: `echo` (the prompt text is prepended to the choice text, and sent in a choice's first
+chunk when streaming), `logprobs: k` -> `{"tokens", "token_logprobs", "top_logprobs",
+"text_offset"}` (offsets count characters of the returned text), `stream_options.include_usage` (a
+last chunk with `choices: []`). The default `max_tokens` is 16, as OpenAI's.
 
 Test: `pytest tests/server/test_openai_client.py`.
 """
@@ -20,14 +20,20 @@ from fastapi.responses import JSONResponse, Response
 from dsv4.server.engine_client import ChoiceDelta
 from dsv4.server.errors import APIError, bad_request, error_body
 from dsv4.server.generation import ChoiceOutput, ClientGone, GenerationJob, build_params
-from dsv4.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from dsv4.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
 from dsv4.server.tokenizer import ServerTokenizer
 
 DEFAULT_MAX_TOKENS = 16
 
 
-async def create_completion(state: ServerState, body: CompletionRequest, request: Request) -> Response:
+async def create_completion(state: ServerState, body: CompletionRequest,
+                            request: Request) -> Response:
     state.check_model(body.model)
     _check_supported(body)
     prompts, texts = _prompts(state.tokenizer, body.prompt)
@@ -38,7 +44,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         await job.wait_accepted(request.is_disconnected)
         if body.stream:
             streaming = True
-            return JobStreamingResponse(_stream(state, job, body, texts), lambda: state.end_job(job))
+            return JobStreamingResponse(_stream(state, job, body, texts),
+                                        lambda: state.end_job(job))
         await job.collect(request.is_disconnected)
         return JSONResponse(_response(state, job, body, texts).model_dump())
     except ClientGone:
@@ -52,7 +59,8 @@ def _check_supported(body: CompletionRequest) -> None:
     if body.suffix:
         raise bad_request("suffix is not supported; allowed: null", "suffix")
     if body.best_of is not None and body.best_of != body.n:
-        raise bad_request(f"best_of={body.best_of} is not supported; allowed: null or equal to n", "best_of")
+        raise bad_request(f"best_of={body.best_of} is not supported; allowed: null or equal to n",
+                          "best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed); "
                           "allowed: one of them", "echo")
@@ -64,7 +72,8 @@ def _prompts(tokenizer: ServerTokenizer, prompt: str | list[str] | list[int] | l
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)], [prompt]
     if not prompt:
-        raise bad_request("prompt is an empty list; allowed: a string, a list of strings or of token ids", "prompt")
+        raise bad_request("prompt is an empty list; "
+                          "allowed: a string, a list of strings or of token ids", "prompt")
     if isinstance(prompt[0], int):
         ids = [t for t in prompt if isinstance(t, int)]
         return [ids], [tokenizer.decode(ids)]
@@ -75,19 +84,23 @@ def _prompts(tokenizer: ServerTokenizer, prompt: str | list[str] | list[int] | l
     return lists, [tokenizer.decode(p) for p in lists]
 
 
-def _response(state: ServerState, job: GenerationJob, body: CompletionRequest, texts: list[str]) -> CompletionResponse:
+def _response(state: ServerState, job: GenerationJob, body: CompletionRequest,
+              texts: list[str]) -> CompletionResponse:
     choices = []
     for c in job.choices:
         prefix = texts[c.index // job.n] if body.echo else ""
-        logprobs = _logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(prefix), body.logprobs)
+        logprobs = _logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(prefix),
+                             body.logprobs)
         choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=logprobs,
                                         finish_reason=c.finish_reason))
-    return CompletionResponse(id=job.id, created=int(time.time()), model=state.config.served_model_name,
-                              choices=choices, usage=job.usage())
+    return CompletionResponse(id=job.id, created=int(time.time()),
+                              model=state.config.served_model_name, choices=choices,
+                              usage=job.usage())
 
 
-def _logprobs(tok: ServerTokenizer, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]],
-              offset: int, k: int | None) -> CompletionLogprobs | None:
+def _logprobs(tok: ServerTokenizer, ids: list[int], lps: list[float],
+              tops: list[list[tuple[int, float]]], offset: int,
+              k: int | None) -> CompletionLogprobs | None:
     if k is None:
         return None
     out = CompletionLogprobs()
@@ -107,24 +120,30 @@ async def _stream(state: ServerState, job: GenerationJob, body: CompletionReques
     offsets: dict[int, int] = {}    # choice index -> text_offset of its next token
     try:
         async for choice, delta in job.deltas():
-            chunk = _chunk(state.tokenizer, choice, delta, body, texts[choice.index // job.n], offsets)
+            chunk = _chunk(state.tokenizer, choice, delta, body, texts[choice.index // job.n],
+                           offsets)
             if chunk is not None:
-                yield sse(CompletionResponse(id=job.id, created=created, model=model, choices=[chunk]))
+                yield sse(CompletionResponse(id=job.id, created=created, model=model,
+                                             choices=[chunk]))
     except APIError as e:
         yield sse(error_body(e.status, e.message, e.param, e.code))
     else:
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse(CompletionResponse(id=job.id, created=created, model=model, choices=[], usage=job.usage()))
+            yield sse(CompletionResponse(id=job.id, created=created, model=model, choices=[],
+                                         usage=job.usage()))
     yield SSE_DONE
 
 
-def _chunk(tok: ServerTokenizer, choice: ChoiceOutput, delta: ChoiceDelta, body: CompletionRequest, prompt: str,
+def _chunk(tok: ServerTokenizer, choice: ChoiceOutput, delta: ChoiceDelta,
+           body: CompletionRequest, prompt: str,
            offsets: dict[int, int]) -> CompletionChoice | None:
     first = choice.index not in offsets
     prefix = prompt if body.echo and first else ""
     start = offsets.get(choice.index, len(prefix))
-    logprobs = _logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, start, body.logprobs)
-    offsets[choice.index] = start + sum(len(t) for t in logprobs.tokens) if logprobs is not None else start
+    logprobs = _logprobs(tok, delta.token_ids, delta.logprobs, delta.top_logprobs, start,
+                         body.logprobs)
+    offsets[choice.index] = (start + sum(len(t) for t in logprobs.tokens) if logprobs is not None
+                             else start)
     has_tokens = logprobs is not None and bool(delta.token_ids)
     if not (prefix or delta.text or delta.finish_reason or has_tokens):
         return None

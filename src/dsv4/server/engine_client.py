@@ -1,14 +1,15 @@
 """EngineClient: the API process's end of the IPC with the engine process.
 
 Owns the two ZMQ sockets (bound here; the engine connects), the routing table engine-request id ->
-(the HTTP job's queue, choice index, timing, output text), the readiness state and the engine's liveness.
-One reader task receives every engine message and dispatches it: `Accepted`, `ChoiceDelta`, `RequestError`
-or `EngineGone` items go into the job's asyncio.Queue as `(index, item)`; stats replies resolve futures.
+(the HTTP job's queue, choice index, timing, output text), the readiness state and the engine's
+liveness. One reader task receives every engine message and dispatches it: `Accepted`,
+`ChoiceDelta`, `RequestError` or `EngineGone` items go into the job's asyncio.Queue as
+`(index, item)`; stats replies resolve futures.
 
-Text. The engine sends token ids; each route detokenises its request's tokens incrementally and applies
-its stop strings (engine/stop.py::OutputText, the object the offline `LLM` uses too). A stop string ends
-the choice at the token that completed it (later tokens of the delta are dropped) with finish_reason
-"stop", and the engine is told to finish the request (`AbortRequests(reason="stop")`).
+Text. The engine sends token ids; each route detokenises its request's tokens incrementally and
+applies its stop strings (engine/stop.py::OutputText, the object the offline `LLM` uses too). A stop
+string ends the choice at the token that completed it (later tokens of the delta are dropped) with
+finish_reason "stop", and the engine is told to finish the request (`AbortRequests(reason="stop")`).
 
 Invariants: a rid is in `_routes` from `submit` until its final delta, its error, its abort or the
 engine's death — whichever comes first — and afterwards nothing more is queued for it. Every send is
@@ -71,8 +72,9 @@ class EngineGone:
 
 @dataclass(frozen=True)
 class ChoiceDelta:
-    """What one choice produced since its previous delta, as the client sees it: the tokens it keeps, the new
-    text that may be shown (stop strings excluded) and, on its last delta, why it finished."""
+    """What one choice produced since its previous delta, as the client sees it: the tokens it
+    keeps, the new text that may be shown (stop strings excluded) and, on its last delta, why it
+    finished."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -97,7 +99,8 @@ class _Route:
 
 
 class EngineClient:
-    def __init__(self, paths: IpcPaths, metrics: ServerMetrics, max_inflight: int, tokenizer: Tokenizer) -> None:
+    def __init__(self, paths: IpcPaths, metrics: ServerMetrics, max_inflight: int,
+                 tokenizer: Tokenizer) -> None:
         self.metrics, self.max_inflight, self.tokenizer = metrics, max_inflight, tokenizer
         self._sync_ctx, self._async_ctx = zmq.Context(), zmq.asyncio.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH)
@@ -132,23 +135,28 @@ class EngineClient:
         if self.draining:
             raise unavailable("the server is shutting down", "shutting_down")
         if self.model is None:
-            raise unavailable("the model is still loading; retry when GET /health answers 200", "loading")
+            raise unavailable("the model is still loading; retry when GET /health answers 200",
+                              "loading")
         if num_new > self.max_inflight:
-            raise bad_request(f"n x prompts = {num_new} engine requests can never be admitted; allowed: at most "
-                              f"{self.max_inflight} (max_running_requests + max_waiting_requests)", "n")
+            raise bad_request(f"n x prompts = {num_new} engine requests can never be admitted; "
+                              f"allowed: at most {self.max_inflight} "
+                              "(max_running_requests + max_waiting_requests)", "n")
         if len(self._routes) + num_new > self.max_inflight:
-            raise unavailable(f"the waiting queue is full ({len(self._routes)} requests in flight, limit "
-                              f"{self.max_inflight} = max_running_requests + max_waiting_requests); retry later",
-                              "queue_full")
+            raise unavailable(f"the waiting queue is full ({len(self._routes)} requests in flight, "
+                              f"limit {self.max_inflight} = max_running_requests + "
+                              "max_waiting_requests); retry later", "queue_full")
 
     # ---- requests -----------------------------------------------------------------------------
-    def submit(self, requests: list[tuple[str, list[int], SamplingParams]], queue: JobQueue) -> None:
-        """Send engine requests `(rid, prompt_ids, params)`; their items arrive in `queue` as (index, item)."""
+    def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
+               queue: JobQueue) -> None:
+        """Send engine requests `(rid, prompt_ids, params)`; their items arrive in `queue` as
+        `(index, item)`."""
         self.check_available(len(requests))
         now = time.monotonic()
         for index, (rid, _, params) in enumerate(requests):
             assert rid not in self._routes, f"request id {rid} is already in flight"
-            self._routes[rid] = _Route(queue, index, RequestTiming(sent=now), OutputText(self.tokenizer, params))
+            self._routes[rid] = _Route(queue, index, RequestTiming(sent=now),
+                                       OutputText(self.tokenizer, params))
         try:
             for rid, prompt_ids, params in requests:
                 self._send(AddRequest(rid, prompt_ids, params))
@@ -157,7 +165,8 @@ class EngineClient:
             raise
 
     def abort(self, rids: list[str]) -> None:
-        """Forget `rids` here and abort them in the engine (its pages are freed); unknown rids are ignored."""
+        """Forget `rids` here and abort them in the engine (its pages are freed); unknown rids are
+        ignored."""
         live = [rid for rid in rids if self._routes.pop(rid, None) is not None]
         if live and self.failure is None:
             self._send(AbortRequests(live), quiet=True)
@@ -173,7 +182,8 @@ class EngineClient:
             self._send(StatsQuery(query_id, check_integrity, flush_cache))
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as e:
-            raise unavailable(f"the engine did not answer a stats query within {timeout} s", "timeout") from e
+            raise unavailable(f"the engine did not answer a stats query within {timeout} s",
+                              "timeout") from e
         finally:
             self._queries.pop(query_id, None)
 
@@ -182,7 +192,8 @@ class EngineClient:
             self._push.send(encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again as e:
             if not quiet:
-                raise unavailable("the engine process is not reachable", "engine_unreachable") from e
+                raise unavailable("the engine process is not reachable",
+                                  "engine_unreachable") from e
 
     # ---- reader -------------------------------------------------------------------------------
     async def run_reader(self) -> None:
@@ -232,19 +243,21 @@ class EngineClient:
 
     @staticmethod
     def _with_text(route: _Route, delta: RequestDelta) -> ChoiceDelta:
-        """Detokenise the delta's tokens and apply the stop strings: the tokens kept, the new text, the reason."""
+        """Detokenise the delta's tokens and apply the stop strings: the tokens kept, the new text,
+        the reason."""
         keep = route.text.feed(delta.token_ids)
         reason = "stop" if route.text.stopped else delta.finish_reason
         if reason is not None and not route.text.stopped:
             route.text.finish()
         text = route.text.text[route.num_chars:]
         route.num_chars = len(route.text.text)
-        return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep], text, reason,
-                           delta.num_prompt_tokens, delta.cached_tokens)
+        return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep],
+                           text, reason, delta.num_prompt_tokens, delta.cached_tokens)
 
     # ---- liveness -----------------------------------------------------------------------------
     def engine_exited(self, exitcode: int | None) -> None:
-        """The engine process is gone: fail every open request and every query, then call on_failure."""
+        """The engine process is gone: fail every open request and every query, then call
+        `on_failure`."""
         message = self.failure or f"the engine process exited unexpectedly (exit code {exitcode})"
         self.failure = message
         logger.error("%s; failing %d in-flight requests", message, len(self._routes))
@@ -258,7 +271,8 @@ class EngineClient:
             self.on_failure()
 
     def shutdown(self) -> None:
-        """Abort whatever is still in flight and tell the engine to exit (after uvicorn's graceful drain)."""
+        """Abort whatever is still in flight and tell the engine to exit (after uvicorn's graceful
+        drain)."""
         self.draining = self.stopping = True
         if self._routes:
             logger.info("aborting %d requests still in flight", len(self._routes))

@@ -1,21 +1,26 @@
-"""The engine process: loads the model, then runs the scheduler loop and streams per-request deltas back.
+"""The engine process: loads the model, then runs the scheduler loop and streams per-request deltas
+back.
 
-Spawned by `launch.py` (multiprocessing "spawn" context) as `run_engine_process(config, paths)`; it owns
-the only LLMEngine, so the model and the scheduler never share a GIL with HTTP handling. One loop turn:
+Spawned by `launch.py` (multiprocessing "spawn" context) as `run_engine_process(config, paths)`; it
+owns the only LLMEngine, so the model and the scheduler never share a GIL with HTTP handling. One
+loop turn:
 
-    drain the inbox (block up to IDLE_POLL_MS when idle) -> AddRequest / AbortRequests / StatsQuery / Shutdown;
-                                                    one RequestsAccepted (or a RequestError per refused request)
-    engine.step() when there is work             -> one StepOutputs message with the new tokens of every
-                                                    request the step advanced (token ids only: the API
-                                                    process detokenises and applies stop strings)
-    on becoming idle                             -> engine.check_integrity() (a failure is fatal)
+    drain the inbox (block up to IDLE_POLL_MS when idle)
+        -> AddRequest / AbortRequests / StatsQuery / Shutdown; one RequestsAccepted (or a
+           RequestError per refused request)
+    engine.step() when there is work
+        -> one StepOutputs message with the new tokens of every request the step advanced
+           (token ids only: the API process detokenises and applies stop strings)
+    on becoming idle
+        -> engine.check_integrity() (a failure is fatal)
 
 Lifecycle: EngineReady after the model loads. SIGINT/SIGTERM are ignored here — the API process owns
 shutdown and sends ShutdownEngine (abort everything, exit 0). The process also exits when its parent
 dies. Any exception (model load or step) is logged, reported as EngineFailed, and exits 1; the API
 process watches this process's sentinel, so even a SIGKILL is noticed.
 
-Test: `pytest tests/server/test_lifecycle.py tests/server/test_disconnect.py tests/server/test_soak.py`.
+Tests: `tests/server/test_lifecycle.py`, `tests/server/test_disconnect.py` and
+`tests/server/test_soak.py`.
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ def run_engine_process(config: ServerConfig, paths: IpcPaths) -> None:
 def build_engine(config: ServerConfig) -> LLMEngine:
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    model = load_model(config.model, dtype=config.dtype, device=config.device, weight_format=config.weight_format)
+    model = load_model(config.model, dtype=config.dtype, device=config.device,
+                       weight_format=config.weight_format)
     return LLMEngine(model, config.engine_config)
 
 
@@ -107,7 +113,8 @@ class EngineLoop:
         info = ModelInfo(context_length=eng.context_length, max_total_tokens=eng.max_total_tokens,
                          vocab_size=eng.vocab_size, eos_token_id=eng.eos_token_id)
         self._send(EngineReady(pid=_pid(), model=info))
-        logger.info("engine ready: context %d tokens, KV cache %d tokens", info.context_length, info.max_total_tokens)
+        logger.info("engine ready: context %d tokens, KV cache %d tokens", info.context_length,
+                    info.max_total_tokens)
         while not self._stopping:
             self._drain(timeout_ms=0 if eng.has_unfinished() else IDLE_POLL_MS)
             if eng.has_unfinished():
@@ -177,16 +184,17 @@ class EngineLoop:
             self.engine.pop(req.rid)
             del self._sent[req.rid]
         self.num_finished += len(finished)
-        self._send(StepOutputs(deltas, num_running=self.engine.num_running, num_waiting=self.engine.num_waiting))
+        self._send(StepOutputs(deltas, num_running=self.engine.num_running,
+                               num_waiting=self.engine.num_waiting))
 
     def _delta(self, req: Request) -> RequestDelta:
         n = self._sent[req.rid]
         top = [[(t, finite_logprob(lp)) for t, lp in d.items()] for d in req.top_logprobs[n:]]
         self._sent[req.rid] = len(req.output_ids)
         return RequestDelta(rid=req.rid, token_ids=req.output_ids[n:],
-                            logprobs=[finite_logprob(lp) for lp in req.logprobs[n:]], top_logprobs=top,
-                            finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
-                            cached_tokens=req.cached_tokens)
+                            logprobs=[finite_logprob(lp) for lp in req.logprobs[n:]],
+                            top_logprobs=top, finish_reason=req.finish_reason,
+                            num_prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
 
     # ---- state ----------------------------------------------------------------------------------
     def snapshot(self, check_integrity: bool = False) -> EngineSnapshot:
@@ -211,7 +219,8 @@ class EngineLoop:
             self._stopping = True
 
     def _send(self, msg: Message) -> None:
-        """Send, waiting while the API process is alive but slow (backpressure); drop it if the API is gone."""
+        """Send, waiting while the API process is alive but slow (backpressure); drop it if the API
+        is gone."""
         data = encode(msg)
         while True:
             try:

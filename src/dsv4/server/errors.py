@@ -1,9 +1,9 @@
 """HTTP errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
 
-Owns `APIError` (raised anywhere in request handling) and the FastAPI exception handlers that turn it,
-unknown routes, and stray validation errors into that shape. Status codes: 400 invalid input (the
-message names the field), 401 bad or missing API key, 404 unknown model or route, 413 body too large,
-503 overloaded, draining, or the engine is not (or no longer) available.
+Owns `APIError` (raised anywhere in request handling) and the FastAPI exception handlers that turn
+it, unknown routes, and stray validation errors into that shape. Status codes: 400 invalid input
+(the message names the field), 401 bad or missing API key, 404 unknown model or route, 413 body too
+large, 503 overloaded, draining, or the engine is not (or no longer) available.
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
-          413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "BadRequestError", 413: "BadRequestError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)(=| is | has | contains | \+ )")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -34,13 +36,15 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, object]:
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, object]:
     return {"error": {"message": message, "type": _TYPES.get(status, "APIError"), "param": param,
                       "code": code if code is not None else status}}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
-    """400; `param` defaults to the field a dsv4 ValueError message starts with ("max_tokens=0 is invalid")."""
+    """400; `param` defaults to the field a dsv4 ValueError message starts with
+    ("max_tokens=0 is invalid")."""
     return APIError(400, message, param if param is not None else field_of(message))
 
 
@@ -54,7 +58,8 @@ def field_of(message: str) -> str | None:
 
 
 def from_validation_error(err: ValidationError) -> APIError:
-    """The first pydantic error, as a 400 naming its location ("messages.0.role: Field required")."""
+    """The first pydantic error, as a 400 naming its location ("messages.0.role: Field
+    required")."""
     first = err.errors()[0]
     if first["type"] == "json_invalid":
         return APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json")
@@ -63,7 +68,8 @@ def from_validation_error(err: ValidationError) -> APIError:
 
 
 def _param_of(loc: tuple[int | str, ...]) -> str | None:
-    """"messages[0].role" from pydantic's ("messages", 0, "role"); union-member tags ("list[int]") end it."""
+    """"messages[0].role" from pydantic's ("messages", 0, "role"); union-member tags ("list[int]")
+    end it."""
     param = ""
     for part in loc:
         if isinstance(part, int):
@@ -79,8 +85,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def install_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
-    """Answer APIError, unknown routes / methods and validation errors in the OpenAI shape; `on_error` gets
-    the status of every APIError (for the rejected-requests metric)."""
+    """Answer APIError, unknown routes / methods and validation errors in the OpenAI shape;
+    `on_error` gets the status of every APIError (for the rejected-requests metric)."""
 
     async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
@@ -96,7 +102,8 @@ def install_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = _param_of(tuple(x for x in first["loc"] if x != "body"))
-        return APIError(400, f"{param}: {first['msg']}", param=param).response()
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        return APIError(400, message, param=param).response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

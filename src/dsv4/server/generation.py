@@ -1,13 +1,15 @@
-"""GenerationJob: one HTTP generation request as a set of engine requests, and their accumulated outputs.
+"""GenerationJob: one HTTP generation request as a set of engine requests, and their accumulated
+outputs.
 
-A request with P prompts and `n` samples becomes P*n engine requests; choice k samples prompt k // n
-(OpenAI's index order) under rid "<job id>-<k>". Sample j of every prompt gets seed `choice_seed(seed, j)`:
-sample 0 keeps the request's seed, so `n=1` and the first of `n=4` agree, and every sample is reproducible.
+A request with P prompts and `n` samples becomes P*n engine requests; choice k samples prompt
+k // n (OpenAI's index order) under rid "<job id>-<k>". Sample j of every prompt gets seed
+`choice_seed(seed, j)`: sample 0 keeps the request's seed, so `n=1` and the first of `n=4` agree,
+and every sample is reproducible.
 
-Life of a job: `GenerationJob(...)` submits (503 when the queue is full) -> `wait_accepted()` (400 naming
-the field when the engine's validation refuses a choice) -> `deltas()` (streaming) or `collect()` ->
-`close()`, which aborts every choice still running; handlers call it in `finally`, so a client that goes
-away mid-request always frees its engine requests and their cache pages.
+Life of a job: `GenerationJob(...)` submits (503 when the queue is full) -> `wait_accepted()` (400
+naming the field when the engine's validation refuses a choice) -> `deltas()` (streaming) or
+`collect()` -> `close()`, which aborts every choice still running; handlers call it in `finally`,
+so a client that goes away mid-request always frees its engine requests and their cache pages.
 
 Test: `pytest tests/server/test_openai_client.py tests/server/test_disconnect.py`.
 """
@@ -22,7 +24,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dsv4.engine.sampling_params import MAX_SEED, SamplingParams
-from dsv4.server.engine_client import Accepted, ChoiceDelta, EngineClient, Item, JobQueue, raise_if_error
+from dsv4.server.engine_client import (
+    Accepted,
+    ChoiceDelta,
+    EngineClient,
+    Item,
+    JobQueue,
+    raise_if_error,
+)
 from dsv4.server.errors import APIError, bad_request
 from dsv4.server.protocol import PromptTokensDetails, SamplingFields, Usage
 
@@ -63,15 +72,18 @@ def choice_seed(seed: int | None, sample: int) -> int | None:
     return int.from_bytes(digest[:8], "little") % (MAX_SEED + 1)
 
 
-def build_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def build_params(body: SamplingFields, max_tokens: int,
+                 logprobs: int | None) -> list[SamplingParams]:
     """The SamplingParams of the body's n samples; 400 naming the field for any invalid value."""
     if not 1 <= body.n <= MAX_N:
         raise bad_request(f"n={body.n} is invalid; allowed: 1 <= n <= {MAX_N}", "n")
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+             "presence_penalty")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     try:
-        base = SamplingParams.create(stop=body.stop, stop_token_ids=body.stop_token_ids, max_tokens=max_tokens,
-                                     seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        base = SamplingParams.create(stop=body.stop, stop_token_ids=body.stop_token_ids,
+                                     max_tokens=max_tokens, seed=body.seed,
+                                     ignore_eos=body.ignore_eos, logprobs=logprobs,
                                      skip_special_tokens=body.skip_special_tokens, **kwargs)
     except ValueError as e:
         raise bad_request(str(e)) from e
@@ -87,15 +99,18 @@ class GenerationJob:
         self._rids = [f"{job_id}-{k}" for k in range(len(self.choices))]
         self._open = set(range(len(self.choices)))
         self._queue: JobQueue = asyncio.Queue()
-        self._early: deque[tuple[int, Item]] = deque()   # items that arrived while waiting for acceptance
-        client.submit([(rid, prompts[k // n], params[k % n]) for k, rid in enumerate(self._rids)], self._queue)
+        # items that arrived while waiting for acceptance
+        self._early: deque[tuple[int, Item]] = deque()
+        client.submit([(rid, prompts[k // n], params[k % n]) for k, rid in enumerate(self._rids)],
+                      self._queue)
 
     @property
     def is_finished(self) -> bool:
         return not self._open
 
     async def wait_accepted(self, is_disconnected: IsDisconnected | None = None) -> None:
-        """Return once the engine has queued every choice; raises 400 / 503 (and closes the job) otherwise."""
+        """Return once the engine has queued every choice; raises 400 / 503 (and closes the job)
+        otherwise."""
         pending = set(range(len(self.choices)))
         while pending:
             index, item = await self._receive(is_disconnected)
@@ -113,7 +128,8 @@ class GenerationJob:
                 yield applied
 
     async def collect(self, is_disconnected: IsDisconnected | None = None) -> None:
-        """Wait until every choice has finished (raises ClientGone if the client disconnects first)."""
+        """Wait until every choice has finished (raises ClientGone if the client disconnects
+        first)."""
         while self._open:
             index, item = await self._get(is_disconnected)
             self._apply(index, item)
@@ -124,7 +140,8 @@ class GenerationJob:
         self.client.abort([self._rids[k] for k in open_])
         for k in open_:
             c = self.choices[k]
-            self._queue.put_nowait((k, ChoiceDelta([], [], [], "", "abort", c.num_prompt_tokens, c.cached_tokens)))
+            self._queue.put_nowait((k, ChoiceDelta([], [], [], "", "abort", c.num_prompt_tokens,
+                                                   c.cached_tokens)))
 
     def close(self) -> None:
         """Abort whatever has not finished; idempotent."""
@@ -135,8 +152,10 @@ class GenerationJob:
         firsts = self.choices[:: self.n]   # the prompt is counted once per prompt, as OpenAI does
         prompt = sum(c.num_prompt_tokens for c in firsts)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in firsts)))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c.cached_tokens
+                                                                                 for c in firsts)))
 
     # ---- internals ------------------------------------------------------------------------------
     async def _get(self, is_disconnected: IsDisconnected | None) -> tuple[int, Item]:

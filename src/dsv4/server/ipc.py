@@ -1,16 +1,18 @@
-"""The typed, pickle-free messages between the API process and the engine process, and their codec.
+"""The typed, pickle-free messages between the API process and the engine process, and their
+codec.
 
 Transport (ZMQ over `ipc://` sockets in a private temp dir, see `IpcPaths`):
 
     API process                                   engine process
-    PUSH  --bind-->  <dir>/requests   --connect-->  PULL   AddRequest, AbortRequests, StatsQuery, ShutdownEngine
-    PULL  --bind-->  <dir>/outputs    --connect-->  PUSH   EngineReady, RequestsAccepted, RequestError,
-                                                           StepOutputs, StatsReply, EngineFailed
+    PUSH  --bind-->  <dir>/requests   --connect-->  PULL
+          AddRequest, AbortRequests, StatsQuery, ShutdownEngine
+    PULL  --bind-->  <dir>/outputs    --connect-->  PUSH
+          EngineReady, RequestsAccepted, RequestError, StepOutputs, StatsReply, EngineFailed
 
-Wire format: one UTF-8 JSON object per ZMQ message, `{"kind": <class name>, ...fields}`. Decoding goes
-through an explicit table of message classes, so nothing but these dataclasses (plain ints, floats,
-strings and lists) ever crosses the process boundary — no pickle. `decode(encode(m)) == m` for every
-message.
+Wire format: one UTF-8 JSON object per ZMQ message, `{"kind": <class name>, ...fields}`. Decoding
+goes through an explicit table of message classes, so nothing but these dataclasses (plain ints,
+floats, strings and lists) ever crosses the process boundary — no pickle. `decode(encode(m)) == m`
+for every message.
 
 Test: `pytest tests/server/test_ipc.py`.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4.engine.engine import EngineState
 from dsv4.engine.sampling_params import SamplingParams
 
 # ---- API -> engine ------------------------------------------------------------------------------
@@ -41,8 +44,8 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequests:
-    """Finish these requests now: reason "abort" (client gone, /v1/abort, shutdown) or "stop" (the API
-    process found a stop string in their text)."""
+    """Finish these requests now: reason "abort" (client gone, /v1/abort, shutdown) or "stop" (the
+    API process found a stop string in their text)."""
 
     rids: list[str]
     reason: str = "abort"
@@ -50,8 +53,8 @@ class AbortRequests:
 
 @dataclass(frozen=True)
 class StatsQuery:
-    """Ask for an EngineSnapshot; optionally flush the prefix cache (entries no request uses) first and run
-    the engine's check_integrity()."""
+    """Ask for an EngineSnapshot; optionally flush the prefix cache (entries no request uses) first
+    and run the engine's check_integrity()."""
 
     query_id: int
     check_integrity: bool = False
@@ -82,8 +85,9 @@ class EngineReady:
 
 @dataclass(frozen=True)
 class RequestDelta:
-    """The tokens one request produced since its previous delta (the engine deals in token ids only; the
-    API process detokenises them). `top_logprobs[i]` lists (token id, logprob) pairs for `token_ids[i]`."""
+    """The tokens one request produced since its previous delta (the engine deals in token ids
+    only; the API process detokenises them). `top_logprobs[i]` lists (token id, logprob) pairs for
+    `token_ids[i]`."""
 
     rid: str
     token_ids: list[int]
@@ -117,29 +121,14 @@ class RequestError:
 
 
 @dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine state for /metrics and the tests: `LLMEngine.snapshot()` (engine/engine.py::EngineState) plus the
-    engine process's pid and what its loop counts. Pages `*_cached` are held by the prefix cache (0 without
-    one): with no request in flight, `*_free + *_cached == *_usable` for both pools."""
+class EngineSnapshot(EngineState):
+    """Engine state for /metrics and the tests: `LLMEngine.snapshot()` (the `EngineState` fields)
+    plus the engine process's pid and what its loop counts. Flat on the wire and in
+    /v1/engine_stats."""
 
     pid: int
-    num_running: int
-    num_waiting: int
-    num_requests: int
-    full_free: int
-    full_usable: int
-    full_cached: int
-    swa_free: int
-    swa_usable: int
-    swa_cached: int
-    free_slots: int
-    num_slots: int
-    steps: int
-    prefill_tokens: int
-    decode_tokens: int
     num_finished: int
     num_aborted: int
-    num_preemptions: int
     integrity: str | None = None        # None: not checked; "ok"; or the failed assertion's message
 
 
@@ -154,8 +143,8 @@ class EngineFailed:
     message: str
 
 
-Message = (AddRequest | AbortRequests | StatsQuery | ShutdownEngine | EngineReady | StepOutputs | RequestsAccepted
-           | RequestError | StatsReply | EngineFailed)
+Message = (AddRequest | AbortRequests | StatsQuery | ShutdownEngine | EngineReady | StepOutputs
+           | RequestsAccepted | RequestError | StatsReply | EngineFailed)
 
 # ---- codec --------------------------------------------------------------------------------------
 
@@ -176,7 +165,8 @@ def decode(data: bytes) -> Message:
 
 
 def _add_request(d: dict[str, Any]) -> AddRequest:
-    return AddRequest(rid=d["rid"], prompt_ids=list(d["prompt_ids"]), params=SamplingParams.create(**d["params"]))
+    return AddRequest(rid=d["rid"], prompt_ids=list(d["prompt_ids"]),
+                      params=SamplingParams.create(**d["params"]))
 
 
 def _delta(d: dict[str, Any]) -> RequestDelta:
@@ -213,7 +203,8 @@ def finite_logprob(value: float) -> float:
 
 @dataclass(frozen=True)
 class IpcPaths:
-    """The two socket addresses, in a private (0700) temp dir that the API process creates and removes."""
+    """The two socket addresses, in a private (0700) temp dir that the API process creates and
+    removes."""
 
     directory: str
 
@@ -227,7 +218,8 @@ class IpcPaths:
 
     @staticmethod
     def create() -> IpcPaths:
-        # NOTE: AF_UNIX paths are limited to ~107 bytes; mkdtemp in the system temp dir stays well below.
+        # NOTE: AF_UNIX paths are limited to ~107 bytes; mkdtemp in the system temp dir stays well
+        # below.
         directory = tempfile.mkdtemp(prefix="dsv4-ipc-")
         os.chmod(directory, 0o700)
         return IpcPaths(directory)

@@ -1,15 +1,17 @@
 """Launch and shutdown of `dsv4 serve`: the API process (this one) and the engine process it spawns.
 
     serve(config)
-      bind the ZMQ sockets (EngineClient) -> spawn the engine process ("spawn" context; it loads the model
-      and connects) -> run uvicorn. /health answers 503 until EngineReady arrives, then 200.
+      bind the ZMQ sockets (EngineClient) -> spawn the engine process ("spawn" context; it loads
+      the model and connects) -> run uvicorn. /health answers 503 until EngineReady arrives, then
+      200.
 
-Shutdown. SIGTERM / SIGINT: new requests get 503 (and the listening socket closes), in-flight requests
-may finish for `shutdown_timeout_s`, then are aborted (finish_reason "abort"; uvicorn cancels whatever has
-not flushed ABORT_GRACE_S later); the engine gets ShutdownEngine and is joined; exit code 0. A second
-SIGINT forces the exit.
-Engine crash (any exit not asked for, SIGKILL included): the engine process's sentinel wakes the event
-loop, every in-flight request fails with 503, /health answers 503, the server stops and `serve` returns 1.
+Shutdown. SIGTERM / SIGINT: new requests get 503 (and the listening socket closes), in-flight
+requests may finish for `shutdown_timeout_s`, then are aborted (finish_reason "abort"; uvicorn
+cancels whatever has not flushed ABORT_GRACE_S later); the engine gets ShutdownEngine and is joined;
+exit code 0. A second SIGINT forces the exit.
+Engine crash (any exit not asked for, SIGKILL included): the engine process's sentinel wakes the
+event loop, every in-flight request fails with 503, /health answers 503, the server stops and
+`serve` returns 1.
 
 Run: `dsv4 serve` (cli/serve.py). Test: `pytest tests/server/test_lifecycle.py`.
 """
@@ -45,13 +47,14 @@ logger = init_logger(__name__)
 
 ENGINE_EXIT_TIMEOUT_S = 10.0
 ABORT_GRACE_S = 2.0
-"""After aborting the requests that outlived shutdown_timeout_s, how long their responses get to flush
-before uvicorn cancels whatever is left."""
+"""After aborting the requests that outlived shutdown_timeout_s, how long their responses get to
+flush before uvicorn cancels whatever is left."""
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a handled SIGTERM / SIGINT ends in a clean exit (uvicorn re-raises
-    the signal after shutdown, which would turn a graceful stop into "killed by SIGTERM")."""
+    """uvicorn's server, except that a handled SIGTERM / SIGINT ends in a clean exit (uvicorn
+    re-raises the signal after shutdown, which would turn a graceful stop into "killed by
+    SIGTERM")."""
 
     def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
         super().__init__(config)
@@ -72,13 +75,15 @@ def serve(config: ServerConfig) -> int:
     paths = IpcPaths.create()
     metrics = ServerMetrics()
     client = EngineClient(paths, metrics, config.max_inflight_requests, tokenizer.tokenizer)
-    proc = multiprocessing.get_context("spawn").Process(target=run_engine_process, args=(config, paths),
-                                                         name="dsv4-engine")
+    proc = multiprocessing.get_context("spawn").Process(target=run_engine_process,
+                                                         args=(config, paths), name="dsv4-engine")
     proc.start()
     logger.info("engine process started (pid %s); loading %s", proc.pid, config.model)
-    state = ServerState(config, client, tokenizer, template, metrics, is_random_weights(config.model))
+    state = ServerState(config, client, tokenizer, template, metrics,
+                        is_random_weights(config.model))
     try:
-        server = _Server(_uvicorn_config(config, create_app(state, _lifespan(state, proc))), _draining(client))
+        server = _Server(_uvicorn_config(config, create_app(state, _lifespan(state, proc))),
+                         _draining(client))
         client.on_failure = lambda: setattr(server, "should_exit", True)
         client.on_ready = lambda: _log_ready_hint(state)
         server.run()
@@ -94,8 +99,9 @@ def serve(config: ServerConfig) -> int:
 
 def _uvicorn_config(config: ServerConfig, app: FastAPI) -> uvicorn.Config:
     return uvicorn.Config(app, host=config.host, port=config.port, access_log=config.access_log,
-                          timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s + ABORT_GRACE_S), lifespan="on",
-                          log_level="info")
+                          timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s
+                                                              + ABORT_GRACE_S),
+                          lifespan="on", log_level="info")
 
 
 def _draining(client: EngineClient) -> Callable[[], None]:
@@ -107,7 +113,8 @@ def _draining(client: EngineClient) -> Callable[[], None]:
     return on_signal
 
 
-def _lifespan(state: ServerState, proc: BaseProcess) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(state: ServerState,
+              proc: BaseProcess) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     client = state.client
 
     @asynccontextmanager
@@ -129,7 +136,8 @@ def _lifespan(state: ServerState, proc: BaseProcess) -> Callable[[FastAPI], Abst
         finally:
             drain.cancel()
             client.shutdown()
-            if client.model is not None:   # a loading engine does not read its inbox; serve() kills it
+            # a loading engine does not read its inbox; serve() kills it
+            if client.model is not None:
                 await _wait_engine(proc, ENGINE_EXIT_TIMEOUT_S)
             loop.remove_reader(proc.sentinel)
             reader.cancel()
@@ -138,14 +146,15 @@ def _lifespan(state: ServerState, proc: BaseProcess) -> Callable[[FastAPI], Abst
 
 
 async def _abort_after_drain_timeout(state: ServerState) -> None:
-    """Once draining, give in-flight requests shutdown_timeout_s, then abort them: each choice ends with
-    finish_reason "abort" (streams get their last chunk and [DONE]) instead of a cut connection."""
+    """Once draining, give in-flight requests shutdown_timeout_s, then abort them: each choice ends
+    with finish_reason "abort" (streams get their last chunk and [DONE]) instead of a cut
+    connection."""
     while not state.client.draining:
         await asyncio.sleep(0.1)
     await asyncio.sleep(state.config.shutdown_timeout_s)
     if state.jobs:
-        logger.warning("aborting %d requests still running after the %g s shutdown timeout", len(state.jobs),
-                       state.config.shutdown_timeout_s)
+        logger.warning("aborting %d requests still running after the %g s shutdown timeout",
+                       len(state.jobs), state.config.shutdown_timeout_s)
     for job in list(state.jobs.values()):
         job.abort()
 
@@ -157,7 +166,8 @@ async def _wait_engine(proc: BaseProcess, timeout: float) -> None:
 
 
 def _stop_engine(proc: BaseProcess, graceful: bool) -> None:
-    """Join the engine; one that never became ready (still loading, deaf to ShutdownEngine) is killed."""
+    """Join the engine; one that never became ready (still loading, deaf to ShutdownEngine) is
+    killed."""
     if not graceful and proc.is_alive():
         proc.kill()
     proc.join(timeout=ENGINE_EXIT_TIMEOUT_S)
@@ -171,7 +181,8 @@ def _stop_engine(proc: BaseProcess, graceful: bool) -> None:
 
 
 def _on_reader_done(client: EngineClient, task: asyncio.Task[None]) -> None:
-    """The reader only ends by cancellation at shutdown; anything else leaves requests unanswered: fail."""
+    """The reader only ends by cancellation at shutdown; anything else leaves requests unanswered:
+    fail."""
     if not task.cancelled() and task.exception() is not None:
         logger.error("the engine output reader died", exc_info=task.exception())
         client.failure = f"the engine output reader died: {task.exception()!r}"
@@ -180,10 +191,12 @@ def _on_reader_done(client: EngineClient, task: asyncio.Task[None]) -> None:
 
 def _log_ready_hint(state: ServerState) -> None:
     cfg = state.config
-    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
-    body = json.dumps({"model": cfg.served_model_name, "messages": [{"role": "user", "content": "Hello!"}],
-                       "max_tokens": 32})
+    # the key itself is never logged: the hint reads it from the shell
+    auth = ' -H "Authorization: Bearer $DSV4_API_KEY"' if cfg.api_key else ""
+    body = json.dumps({"model": cfg.served_model_name,
+                       "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     weights = " (RANDOM weights: the text is gibberish)" if state.random_weights else ""
     url = f"http://{cfg.host}:{cfg.port}"
     logger.info("ready: serving %s%s on %s; try:\n  curl %s/v1/chat/completions"
-                " -H 'Content-Type: application/json'%s -d '%s'", cfg.served_model_name, weights, url, url, auth, body)
+                " -H 'Content-Type: application/json'%s -d '%s'", cfg.served_model_name, weights,
+                url, url, auth, body)

@@ -1,10 +1,11 @@
 """Serving metrics, kept in the API process and exposed at GET /metrics in Prometheus text format.
 
-Owns `ServerMetrics`: counters (requests by finish reason, prompt / cached prompt / generated tokens),
-histograms (time to first token, time per output token — as the API process sees the tokens arrive, so
-they include the IPC hop), a generated-tokens/s gauge over a sliding window, and the render function that
-adds the engine's gauges (running / waiting requests, KV pool usage, free request slots) from an
-`EngineSnapshot` fetched at scrape time. The exposition is hand-written (format 0.0.4); names start `dsv4_`.
+Owns `ServerMetrics`: counters (requests by finish reason, prompt / cached prompt / generated
+tokens), histograms (time to first token, time per output token — as the API process sees the
+tokens arrive, so they include the IPC hop), a generated-tokens/s gauge over a sliding window, and
+the render function that adds the engine's gauges (running / waiting requests, KV pool usage, free
+request slots) from an `EngineSnapshot` fetched at scrape time. The exposition is hand-written
+(format 0.0.4); names start `dsv4_`.
 
 Test: `pytest tests/server/test_components.py -k metrics`.
 """
@@ -46,7 +47,8 @@ class Histogram:
 
 
 class Delta(Protocol):
-    """What the metrics read of a request's delta (the client's `ChoiceDelta`: tokens kept, final reason)."""
+    """What the metrics read of a request's delta (the client's `ChoiceDelta`: tokens kept, final
+    reason)."""
 
     @property
     def token_ids(self) -> list[int]: ...
@@ -71,11 +73,11 @@ class RequestTiming:
 @dataclass
 class ServerMetrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(
-        "dsv4_time_to_first_token_seconds", "Time from sending a request to the engine to its first token.",
-        TTFT_BUCKETS))
+        "dsv4_time_to_first_token_seconds",
+        "Time from sending a request to the engine to its first token.", TTFT_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(
-        "dsv4_time_per_output_token_seconds", "Mean time between output tokens of a finished request.",
-        TPOT_BUCKETS))
+        "dsv4_time_per_output_token_seconds",
+        "Mean time between output tokens of a finished request.", TPOT_BUCKETS))
     finished: dict[str, int] = field(default_factory=dict)
     rejected: dict[int, int] = field(default_factory=dict)
     prompt_tokens: int = 0
@@ -96,10 +98,12 @@ class ServerMetrics:
             self._on_finish(timing, delta)
 
     def _on_finish(self, timing: RequestTiming, delta: Delta) -> None:
-        self.finished[delta.finish_reason or ""] = self.finished.get(delta.finish_reason or "", 0) + 1
+        self.finished[delta.finish_reason or ""] = (
+            self.finished.get(delta.finish_reason or "", 0) + 1)
         self.prompt_tokens += delta.num_prompt_tokens
         self.cached_tokens += delta.cached_tokens
-        if timing.num_tokens > 1 and timing.first_token is not None and timing.last_token is not None:
+        if (timing.num_tokens > 1 and timing.first_token is not None
+                and timing.last_token is not None):
             self.tpot.observe((timing.last_token - timing.first_token) / (timing.num_tokens - 1))
 
     def on_rejected(self, status: int) -> None:
@@ -113,13 +117,15 @@ class ServerMetrics:
 
     def render(self, engine: EngineSnapshot | None, healthy: bool, num_inflight: int) -> str:
         lines = _gauge("dsv4_healthy", "1 when the engine is loaded and alive.", int(healthy))
-        lines += _gauge("dsv4_requests_inflight", "Engine requests sent by the API and not finished.", num_inflight)
+        lines += _gauge("dsv4_requests_inflight",
+                        "Engine requests sent by the API and not finished.", num_inflight)
         lines += self._counters()
-        lines += _gauge("dsv4_generation_tokens_per_second", f"Generated tokens/s over the last {RATE_WINDOW_S:g} s.",
+        lines += _gauge("dsv4_generation_tokens_per_second",
+                        f"Generated tokens/s over the last {RATE_WINDOW_S:g} s.",
                         round(self.tokens_per_second(), 3))
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        lines += _gauge("dsv4_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens of finished requests.",
-                        round(hit, 6))
+        lines += _gauge("dsv4_prefix_cache_hit_rate",
+                        "Cached prompt tokens / prompt tokens of finished requests.", round(hit, 6))
         lines += self.ttft.render() + self.tpot.render()
         if engine is not None:
             lines += _engine_gauges(engine)
@@ -128,34 +134,46 @@ class ServerMetrics:
     def _counters(self) -> list[str]:
         lines = ["# HELP dsv4_requests_finished_total Finished engine requests by finish reason.",
                  "# TYPE dsv4_requests_finished_total counter"]
-        lines += [f'dsv4_requests_finished_total{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
-        lines += ["# HELP dsv4_requests_rejected_total HTTP requests rejected before reaching the engine, by status.",
+        lines += [f'dsv4_requests_finished_total{{finish_reason="{r}"}} {n}'
+                  for r, n in sorted(self.finished.items())]
+        lines += ["# HELP dsv4_requests_rejected_total "
+                  "HTTP requests rejected before reaching the engine, by status.",
                   "# TYPE dsv4_requests_rejected_total counter"]
-        lines += [f'dsv4_requests_rejected_total{{status="{s}"}} {n}' for s, n in sorted(self.rejected.items())]
-        lines += _counter("dsv4_prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens)
-        lines += _counter("dsv4_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.",
-                          self.cached_tokens)
-        lines += _counter("dsv4_generation_tokens_total", "Generated tokens.", self.generated_tokens)
+        lines += [f'dsv4_requests_rejected_total{{status="{s}"}} {n}'
+                  for s, n in sorted(self.rejected.items())]
+        lines += _counter("dsv4_prompt_tokens_total", "Prompt tokens of finished requests.",
+                          self.prompt_tokens)
+        lines += _counter("dsv4_cached_prompt_tokens_total",
+                          "Prompt tokens served from the prefix cache.", self.cached_tokens)
+        lines += _counter("dsv4_generation_tokens_total", "Generated tokens.",
+                          self.generated_tokens)
         return lines
 
 
 def _engine_gauges(s: EngineSnapshot) -> list[str]:
-    lines = _gauge("dsv4_requests_running", "Requests in the engine's running batch.", s.num_running)
-    lines += _gauge("dsv4_requests_waiting", "Requests in the engine's waiting queue.", s.num_waiting)
+    lines = _gauge("dsv4_requests_running", "Requests in the engine's running batch.",
+                   s.num_running)
+    lines += _gauge("dsv4_requests_waiting", "Requests in the engine's waiting queue.",
+                    s.num_waiting)
     lines += _gauge("dsv4_request_slots_free", "Free request slots of the engine.", s.free_slots)
-    lines += ["# HELP dsv4_kv_pages_free Free KV cache pages by pool.", "# TYPE dsv4_kv_pages_free gauge",
-              f'dsv4_kv_pages_free{{pool="full"}} {s.full_free}', f'dsv4_kv_pages_free{{pool="swa"}} {s.swa_free}',
-              "# HELP dsv4_kv_pages_usable Usable KV cache pages by pool.", "# TYPE dsv4_kv_pages_usable gauge",
+    lines += ["# HELP dsv4_kv_pages_free Free KV cache pages by pool.",
+              "# TYPE dsv4_kv_pages_free gauge",
+              f'dsv4_kv_pages_free{{pool="full"}} {s.full_free}',
+              f'dsv4_kv_pages_free{{pool="swa"}} {s.swa_free}',
+              "# HELP dsv4_kv_pages_usable Usable KV cache pages by pool.",
+              "# TYPE dsv4_kv_pages_usable gauge",
               f'dsv4_kv_pages_usable{{pool="full"}} {s.full_usable}',
               f'dsv4_kv_pages_usable{{pool="swa"}} {s.swa_usable}',
               "# HELP dsv4_kv_cache_usage Fraction of usable KV pages in use by pool.",
               "# TYPE dsv4_kv_cache_usage gauge",
               f'dsv4_kv_cache_usage{{pool="full"}} {1 - s.full_free / max(1, s.full_usable):.6f}',
               f'dsv4_kv_cache_usage{{pool="swa"}} {1 - s.swa_free / max(1, s.swa_usable):.6f}']
-    lines += _counter("dsv4_requests_aborted_total", "Requests aborted in the engine (client gone, abort, "
-                      "shutdown).", s.num_aborted)
+    lines += _counter("dsv4_requests_aborted_total",
+                      "Requests aborted in the engine (client gone, abort, shutdown).",
+                      s.num_aborted)
     lines += _counter("dsv4_engine_steps_total", "Engine steps run.", s.steps)
-    lines += _counter("dsv4_preemptions_total", "Requests preempted for lack of KV pages.", s.num_preemptions)
+    lines += _counter("dsv4_preemptions_total", "Requests preempted for lack of KV pages.",
+                      s.num_preemptions)
     return lines
 
 

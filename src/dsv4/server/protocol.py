@@ -1,9 +1,9 @@
-"""The OpenAI wire protocol (pydantic): request bodies of /v1/completions and /v1/chat/completions, and
-the response, stream-chunk, model-list and usage objects, field for field as OpenAI names them.
+"""The OpenAI wire protocol (pydantic): request bodies of /v1/completions and /v1/chat/completions,
+and the response, stream-chunk, model-list and usage objects, field for field as OpenAI names them.
 
-Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion) and
-unknown fields are ignored, as OpenAI clients send extras. vLLM/SGLang extensions are accepted where
-dsv4 implements them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
+Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion)
+and unknown fields are ignored, as OpenAI clients send extras. vLLM/SGLang extensions are accepted
+where dsv4 implements them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `skip_special_tokens`, `chat_template_kwargs`. Numeric sampling fields may be null (= the default);
 their ranges are checked by SamplingParams, whose ValueError names the field.
 

@@ -1,5 +1,6 @@
-"""ServerState: everything the HTTP handlers share (config, engine client, tokenizer, chat template, metrics,
-the jobs in flight), plus the SSE response type that closes its job however the stream ends.
+"""ServerState: everything the HTTP handlers share (config, engine client, tokenizer, chat template,
+metrics, the jobs in flight), plus the SSE response type that closes its job however the stream
+ends.
 
 One instance per API process, built by launch.py and handed to `api.create_app`.
 """
@@ -45,10 +46,12 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
-            raise APIError(404, f"model={name!r} does not exist; allowed: {[self.config.served_model_name]}",
-                           "model", "model_not_found")
+            raise APIError(404, f"model={name!r} does not exist; "
+                           f"allowed: {[self.config.served_model_name]}", "model",
+                           "model_not_found")
 
-    def start_job(self, kind: str, prompts: list[list[int]], params: list[SamplingParams]) -> GenerationJob:
+    def start_job(self, kind: str, prompts: list[list[int]],
+                  params: list[SamplingParams]) -> GenerationJob:
         job = GenerationJob(self.client, f"{kind}-{uuid.uuid4().hex}", prompts, params)
         self.jobs[job.id] = job
         return job
@@ -72,7 +75,8 @@ class JobStreamingResponse(StreamingResponse):
     server shutdown), so its engine requests never outlive it."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,12 +1,12 @@
-"""Tokenization in the API process: prompts -> token ids, and token ids -> the strings and bytes that
-OpenAI logprobs report.
+"""Tokenization in the API process: prompts -> token ids, and token ids -> the strings and bytes
+that OpenAI logprobs report.
 
 Owns `ServerTokenizer` (a `tokenizers.Tokenizer` read from the checkpoint). Completion prompts are
-encoded with special tokens (bos), exactly as `LLM.generate` encodes text, so greedy output through the
-server equals the offline API; rendered chat prompts already contain bos and are encoded without. A
-token's bytes are exact for byte-level BPE vocabularies (GPT-2's byte<->unicode table, which DeepSeek
-tokenizers use), so a token holding half of a UTF-8 character reports its real bytes; its string is those
-bytes decoded with replacement. Results are memoised per token id.
+encoded with special tokens (bos), exactly as `LLM.generate` encodes text, so greedy output through
+the server equals the offline API; rendered chat prompts already contain bos and are encoded
+without. A token's bytes are exact for byte-level BPE vocabularies (GPT-2's byte<->unicode table,
+which DeepSeek tokenizers use), so a token holding half of a UTF-8 character reports its real bytes;
+its string is those bytes decoded with replacement. Results are memoised per token id.
 
 Test: `pytest tests/server/test_components.py -k bytes`.
 """
@@ -23,7 +23,8 @@ from tokenizers import Tokenizer
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's `bytes_to_unicode`: the printable stand-in of every byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -44,7 +45,8 @@ class ServerTokenizer:
     def from_checkpoint(path: str | Path) -> ServerTokenizer:
         file = Path(path) / "tokenizer.json"
         if not file.is_file():
-            raise ValueError(f"model={str(path)!r} has no tokenizer.json; the server needs one to handle text")
+            raise ValueError(f"model={str(path)!r} has no tokenizer.json; "
+                             "the server needs one to handle text")
         return ServerTokenizer(Tokenizer.from_file(str(file)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,12 +1,15 @@
-"""Auxiliary-loss-free expert load balancing for the routed gates (DeepSeek-V3 §2.1.2, used by V4).
+"""Auxiliary-loss-free expert load balancing for the routed gates (DeepSeek-V3 §2.1.2, used by
+V4).
 
-Each routed gate selects its top-k experts on `score + bias`; the bias steers selection only (it never
-scales an output). After every optimizer step each routed gate's bias moves by `rate` towards balance:
+Each routed gate selects its top-k experts on `score + bias`; the bias steers selection only (it
+never scales an output). After every optimizer step each routed gate's bias moves by `rate`
+towards balance:
 
-    bias_e += rate * sign(mean_load - load_e)          load_e = tokens routed to expert e in this step
+    bias_e += rate * sign(mean_load - load_e)      load_e = tokens routed to expert e in this step
 
 Loads are read from forward hooks on the gates, so the model code is unchanged. Hash gates (fixed
-token -> expert tables) have no bias and are only measured. `load_stats()` is the step's named sync point.
+token -> expert tables) have no bias and are only measured. `load_stats()` is the step's named
+sync point.
 """
 
 from __future__ import annotations
@@ -21,16 +24,20 @@ from dsv4.model.moe import Gate
 class ExpertBalancer:
     def __init__(self, model: nn.Module, num_experts: int, rate: float) -> None:
         self.rate, self.num_experts = rate, num_experts
-        self.gates: list[tuple[str, Gate]] = [(n, m) for n, m in model.named_modules() if isinstance(m, Gate)]
+        self.gates: list[tuple[str, Gate]] = [(n, m) for n, m in model.named_modules()
+                                              if isinstance(m, Gate)]
         self.loads: dict[str, torch.Tensor] = {}
-        self._handles: list[RemovableHandle] = [g.register_forward_hook(self._hook(n)) for n, g in self.gates]
+        self._handles: list[RemovableHandle] = [g.register_forward_hook(self._hook(n))
+                                                for n, g in self.gates]
 
     def _hook(self, name: str):  # type: ignore[no-untyped-def]
-        def record(_module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: tuple[torch.Tensor, ...]) -> None:
+        def record(_module: nn.Module, _inputs: tuple[torch.Tensor, ...],
+                   output: tuple[torch.Tensor, ...]) -> None:
             ids = output[0].reshape(-1)
-            # fixed-size count (not bincount: its output size is data-dependent, a torch.compile graph break)
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
-                0, ids, torch.ones_like(ids))
+            # fixed-size count (not bincount: its output size is data-dependent, a torch.compile
+            # graph break)
+            counts = torch.zeros(self.num_experts, dtype=torch.int64,
+                                 device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
             self.loads[name] = self.loads[name] + counts if name in self.loads else counts
         return record
 

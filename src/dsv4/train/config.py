@@ -2,8 +2,9 @@
 
 Built once at the edge (CLI flags or a run directory's `train_config.json`) and passed down. A run
 directory stores the config it was started with; resuming reads it back, so a resumed run cannot
-silently change its schedule. Only the INVOCATION_FIELDS (time limit, device, paths, `compile`) may differ on
-resume: they say where, how long and how fast this invocation runs, not what is trained.
+silently change its schedule. Only the `INVOCATION_FIELDS` (time limit, device, paths, `compile`)
+may differ on resume: they say where, how long and how fast this invocation runs, not what is
+trained.
 """
 
 from __future__ import annotations
@@ -18,20 +19,23 @@ from dsv4.checkpoint.presets import PRESETS, get_preset
 from dsv4.config.model import ModelConfig
 
 # Fields that describe the invocation, not the run: free to change between resumed invocations.
-INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir", "compile")
+INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir",
+                     "compile")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """preset: model architecture (checkpoint/presets.py). steps: optimizer steps of the whole run (the cosine
-    schedule spans them). batch_size x seq_len tokens per step. mtp_weight: weight of the MTP loss (spec §9).
-    indexer_weight: weight of the indexer distillation KL (train/indexer_loss.py; trains only the indexer).
-    bias_update_rate: aux-loss-free balancing step for routed gates (DeepSeek-V3: bias += rate * sign(mean - load)).
-    qat_start: fraction of `steps` after which linears/experts run through FP8/FP4 fake quantisation
-    (straight-through) so the shipped quantised checkpoint matches the trained weights; 1.0 disables.
-    init_from: a checkpoint directory (e.g. an earlier stage's export) whose weights replace the initial ones.
-    time_limit_s: stop this invocation (after saving) once its wall time exceeds it; resume continues.
-    compile: torch.compile each decoder / MTP block (same math, fewer launches; evaluation stays eager)."""
+    """`preset`: model architecture (checkpoint/presets.py). `steps`: optimizer steps of the whole
+    run (the cosine schedule spans them). `batch_size` x `seq_len` tokens per step. `mtp_weight`:
+    weight of the MTP loss (spec §9). `indexer_weight`: weight of the indexer distillation KL
+    (train/indexer_loss.py; trains only the indexer). `bias_update_rate`: aux-loss-free balancing
+    step for routed gates (DeepSeek-V3: bias += rate * sign(mean - load)). `qat_start`: fraction
+    of `steps` after which linears/experts run through FP8/FP4 fake quantisation (straight-through)
+    so the shipped quantised checkpoint matches the trained weights; 1.0 disables. `init_from`: a
+    checkpoint directory (e.g. an earlier stage's export) whose weights replace the initial ones.
+    `time_limit_s`: stop this invocation (after saving) once its wall time exceeds it; resume
+    continues. `compile`: torch.compile each decoder / MTP block (same math, fewer launches;
+    evaluation stays eager)."""
 
     data_dir: str
     out_dir: str
@@ -64,28 +68,34 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is invalid; allowed: {sorted(PRESETS)}")
-        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_tokens", "ckpt_every"):
+        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_tokens",
+                     "ckpt_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
         if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} is invalid; allowed: 0 <= warmup_steps < steps")
+            raise ValueError(f"warmup_steps={self.warmup_steps} is invalid; "
+                             "allowed: 0 <= warmup_steps < steps")
         for name in ("lr", "grad_clip"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: > 0")
         for name in ("min_lr_ratio", "qat_start", "beta1", "beta2"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: a value in [0, 1]")
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; "
+                                 "allowed: a value in [0, 1]")
         for name in ("weight_decay", "mtp_weight", "indexer_weight", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device!r} is invalid; allowed: 'cpu', 'cuda', 'cuda:N'")
+            raise ValueError(f"device={self.device!r} is invalid; "
+                             "allowed: 'cpu', 'cuda', 'cuda:N'")
 
     def model_config(self) -> ModelConfig:
-        """The preset's architecture, its position limit raised to the training length if shorter."""
+        """The preset's architecture, its position limit raised to the training length if
+        shorter."""
         preset = get_preset(self.preset)
-        return preset.replace(max_position_embeddings=max(preset.max_position_embeddings, self.seq_len))
+        return preset.replace(max_position_embeddings=max(preset.max_position_embeddings,
+                                                          self.seq_len))
 
     @property
     def tokens_per_step(self) -> int:
@@ -109,6 +119,7 @@ class TrainConfig:
         path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     def same_run_as(self, other: TrainConfig) -> list[str]:
-        """The fields (other than the invocation ones) in which `other` differs from this run's config."""
+        """The fields (other than the invocation ones) in which `other` differs from this run's
+        config."""
         a, b = self.to_dict(), other.to_dict()
         return sorted(k for k in a if k not in INVOCATION_FIELDS and a[k] != b[k])

@@ -1,29 +1,31 @@
 """The training-data recipe for small models: corpus, tokenizer and token files, built offline.
 
-Owns `prepare_data` (and its `DataMeta`) and `TokenStream`. Everything is made from material that
-exists on a fresh machine, so the recipe reproduces anywhere with the same Python:
+Owns `prepare_data` (and its `DataMeta`) and `TokenStream`. Everything is made from material
+that exists on a fresh machine, so the recipe reproduces anywhere with the same Python:
 
-* real text: the Python standard library's `.py` sources (site-packages excluded, non-UTF-8 files
-  skipped), one document per file. Files are taken library-first, then the test suites, each group
-  in a fixed hash order, until `max_text_bytes` is reached;
-* task text: generated arithmetic (`dsv4.train.tasks`), as blocks of solved lines (`12+34=46\\n...`)
-  and as chat conversations rendered with the checkpoint chat template. Levels are mixed by
-  `LEVEL_WEIGHTS` (easy dominate, hard appear); task documents are added until they make up
-  `task_fraction` of the training tokens.
+* real text: the Python standard library's `.py` sources (site-packages excluded, non-UTF-8
+  files skipped), one document per file. Files are taken library-first, then the test suites,
+  each group in a fixed hash order, until `max_text_bytes` is reached;
+* task text: generated arithmetic (`dsv4.train.tasks`), as blocks of solved lines
+  (`12+34=46\\n...`) and as chat conversations rendered with the checkpoint chat template. Levels
+  are mixed by `LEVEL_WEIGHTS` (easy dominate, hard appear); task documents are added until they
+  make up `task_fraction` of the training tokens.
 
-Held-out split: stdlib files whose path hashes to 0 mod `HELDOUT_FILE_MODULUS` (~2%, never trained
-on, not even by the tokenizer) and task documents drawn from the held-out problem split, which is
-disjoint from the training problems by construction.
+Held-out split: stdlib files whose path hashes to 0 mod `HELDOUT_FILE_MODULUS` (~2%, never
+trained on, not even by the tokenizer) and task documents drawn from the held-out problem split,
+which is disjoint from the training problems by construction.
 
 Output files in `out_dir`:
 
-    tokenizer.json, tokenizer_config.json   byte-level BPE, digits split individually, chat template
+    tokenizer.json, tokenizer_config.json
+                  byte-level BPE, digits split individually, chat template
     train.bin     uint16 token ids; documents (bos ... eos) in a seeded shuffled order
     heldout.bin   uint16 token ids; held-out text documents, then held-out task documents
     meta.json     `DataMeta`: versions, counts, task-token fraction, sha256 of each .bin, seed
 
-Invariant: the same arguments on the same Python / tokenizers versions give byte-identical files.
-`TokenStream.batch(step, ...)` depends only on (seed, step), so a resumed run sees the same batches.
+Invariant: the same arguments on the same Python / tokenizers versions give byte-identical
+files. `TokenStream.batch(step, ...)` depends only on (seed, step), so a resumed run sees the same
+batches.
 
 Test: `pytest tests/train/test_data.py`.
 """
@@ -127,7 +129,8 @@ class DataMeta:
 
 
 def _path_hash(rel_path: str) -> int:
-    return int.from_bytes(hashlib.blake2b(rel_path.encode("utf-8"), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(rel_path.encode("utf-8"), digest_size=8).digest(),
+                          "little")
 
 
 def is_heldout_file(rel_path: str) -> bool:
@@ -181,18 +184,21 @@ def _level(rng: random.Random) -> int:
 
 
 def _block_doc(rng: random.Random, split: Split) -> str:
-    lines = (sample_problem(rng, _level(rng), split=split).text for _ in range(rng.randint(*BLOCK_LINES)))
+    lines = (sample_problem(rng, _level(rng), split=split).text
+             for _ in range(rng.randint(*BLOCK_LINES)))
     return BOS_TOKEN + "".join(line + "\n" for line in lines) + EOS_TOKEN
 
 
 def _chat_doc(rng: random.Random, split: Split) -> str:
     turns = rng.randint(1, MAX_CHAT_TURNS)
-    messages = [m for _ in range(turns) for m in chat_messages(sample_problem(rng, _level(rng), split=split))]
+    messages = [m for _ in range(turns)
+                for m in chat_messages(sample_problem(rng, _level(rng), split=split))]
     return render_chat(messages)  # bos first; every assistant turn (so the document) ends with eos
 
 
 def task_documents(rng: random.Random, split: Split) -> Iterator[tuple[bool, str]]:
-    """Endless task documents `(is_chat, text)`, each text starting with bos and ending with eos."""
+    """Endless task documents `(is_chat, text)`, each text starting with bos and ending with
+    eos."""
     while True:
         is_chat = rng.random() < CHAT_DOC_PROB
         yield is_chat, (_chat_doc if is_chat else _block_doc)(rng, split)
@@ -210,7 +216,8 @@ class _Tokens:
 def _encode_text_files(tokenizer: Tokenizer, files: list[SourceFile], progress: bool) -> _Tokens:
     bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
     out = _Tokens(docs=[])
-    with tqdm(total=sum(len(f.text) for f in files), unit="char", desc="tokenize text", disable=not progress) as bar:
+    with tqdm(total=sum(len(f.text) for f in files), unit="char", desc="tokenize text",
+              disable=not progress) as bar:
         for start in range(0, len(files), 64):
             chunk = files[start : start + 64]
             for enc in tokenizer.encode_batch([f.text for f in chunk], add_special_tokens=False):
@@ -220,13 +227,16 @@ def _encode_text_files(tokenizer: Tokenizer, files: list[SourceFile], progress: 
     return out
 
 
-def _encode_task_docs(tokenizer: Tokenizer, docs: Iterator[tuple[bool, str]], target: int, progress: bool) -> _Tokens:
-    """Encode documents from `docs` until at least `target` tokens; the rest is not consumed further."""
+def _encode_task_docs(tokenizer: Tokenizer, docs: Iterator[tuple[bool, str]], target: int,
+                      progress: bool) -> _Tokens:
+    """Encode documents from `docs` until at least `target` tokens; the rest is not consumed
+    further."""
     out = _Tokens(docs=[])
     with tqdm(total=target, unit="tok", desc="tokenize tasks", disable=not progress) as bar:
         while out.num_tokens < target:
             chunk = list(itertools.islice(docs, _ENCODE_CHUNK))
-            encodings = tokenizer.encode_batch([text for _, text in chunk], add_special_tokens=False)
+            encodings = tokenizer.encode_batch([text for _, text in chunk],
+                                               add_special_tokens=False)
             for (is_chat, _), enc in zip(chunk, encodings, strict=True):
                 if out.num_tokens >= target:
                     break
@@ -251,7 +261,8 @@ def _write_tokens(path: Path, docs: list[np.ndarray]) -> str:
 
 def _check_args(vocab_size: int, max_text_bytes: int, task_fraction: float) -> None:
     if not MIN_VOCAB_SIZE <= vocab_size <= np.iinfo(TOKEN_DTYPE).max + 1:
-        raise ValueError(f"vocab_size={vocab_size} must be in [{MIN_VOCAB_SIZE}, 65536] (uint16 token files)")
+        raise ValueError(f"vocab_size={vocab_size} must be in [{MIN_VOCAB_SIZE}, 65536] "
+                         "(uint16 token files)")
     if max_text_bytes <= 0:
         raise ValueError(f"max_text_bytes must be positive, got {max_text_bytes}")
     if not 0.0 <= task_fraction < 1.0:
@@ -267,15 +278,15 @@ def prepare_data(
     task_fraction: float = DEFAULT_TASK_FRACTION,
     progress: bool = True,
 ) -> DataMeta:
-    """Build tokenizer, `train.bin`, `heldout.bin` and `meta.json` in `out_dir` (see the module doc).
+    """Build tokenizer, `train.bin`, `heldout.bin` and `meta.json` in `out_dir` (see the module
+    doc).
 
-    Args:
-        out_dir: Created if missing; existing output files are overwritten.
-        seed: Seeds task generation and the document order; the stdlib selection does not depend on it.
-        vocab_size: Tokenizer size, special tokens included (at most 65536: tokens are stored as uint16).
-        max_text_bytes: Budget of stdlib text for training (UTF-8 bytes); tests pass a small one.
-        task_fraction: Target share of task tokens among all training tokens.
-        progress: Show tqdm progress bars.
+    `out_dir` is created if missing; existing output files are overwritten. `seed` seeds task
+    generation and the document order; the stdlib selection does not depend on it. `vocab_size`
+    is the tokenizer size, special tokens included (at most 65536: tokens are stored as uint16).
+    `max_text_bytes` is the budget of stdlib text for training (UTF-8 bytes); tests pass a small
+    one. `task_fraction` is the target share of task tokens among all training tokens.
+    `progress` shows tqdm progress bars.
     """
     _check_args(vocab_size, max_text_bytes, task_fraction)
     out_dir = Path(out_dir)
@@ -286,8 +297,8 @@ def prepare_data(
 
     train_task_stream = task_documents(random.Random(f"dsv4-data-{seed}-train-tasks"), "train")
     tokenizer_tasks = list(itertools.islice(train_task_stream, TOKENIZER_TASK_DOCS))
-    tokenizer = train_bpe([f.text for f in train_files] + [t for _, t in tokenizer_tasks], vocab_size,
-                          split_digits=True)
+    tokenizer = train_bpe([f.text for f in train_files] + [t for _, t in tokenizer_tasks],
+                          vocab_size, split_digits=True)
     save_tokenizer(tokenizer, out_dir)
     logger.info("trained tokenizer: %d tokens", tokenizer.get_vocab_size(with_added_tokens=True))
 
@@ -295,9 +306,11 @@ def prepare_data(
     train_tasks = _encode_task_docs(tokenizer, itertools.chain(tokenizer_tasks, train_task_stream),
                                     _task_target(train_text.num_tokens, task_fraction), progress)
     heldout_text = _encode_text_files(tokenizer, heldout_files, progress)
-    heldout_task_stream = task_documents(random.Random(f"dsv4-data-{seed}-heldout-tasks"), "heldout")
+    heldout_task_stream = task_documents(random.Random(f"dsv4-data-{seed}-heldout-tasks"),
+                                         "heldout")
     heldout_tasks = _encode_task_docs(tokenizer, heldout_task_stream,
-                                      _task_target(heldout_text.num_tokens, task_fraction), progress)
+                                      _task_target(heldout_text.num_tokens, task_fraction),
+                                      progress)
 
     train_docs = train_text.docs + train_tasks.docs
     random.Random(f"dsv4-data-{seed}-order").shuffle(train_docs)
@@ -306,14 +319,17 @@ def prepare_data(
 
     train_tokens = train_text.num_tokens + train_tasks.num_tokens
     meta = DataMeta(
-        format_version=FORMAT_VERSION, seed=seed, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        format_version=FORMAT_VERSION, seed=seed,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         python_version=platform.python_version(), tokenizers_version=tokenizers.__version__,
         max_text_bytes=max_text_bytes, task_fraction_target=task_fraction,
-        num_train_files=len(train_files), num_heldout_files=len(heldout_files), num_skipped_files=num_skipped,
+        num_train_files=len(train_files), num_heldout_files=len(heldout_files),
+        num_skipped_files=num_skipped,
         train_text_bytes=sum(len(f.text.encode()) for f in train_files),
         heldout_text_bytes=sum(len(f.text.encode()) for f in heldout_files),
         num_train_task_docs=len(train_tasks.docs), num_heldout_task_docs=len(heldout_tasks.docs),
-        train_tokens=train_tokens, train_text_tokens=train_text.num_tokens, train_task_tokens=train_tasks.num_tokens,
+        train_tokens=train_tokens, train_text_tokens=train_text.num_tokens,
+        train_task_tokens=train_tasks.num_tokens,
         train_chat_tokens=train_tasks.num_chat_tokens,
         task_token_fraction=round(train_tasks.num_tokens / max(train_tokens, 1), 6),
         heldout_tokens=heldout_text.num_tokens + heldout_tasks.num_tokens,
@@ -347,32 +363,40 @@ class TokenStream:
         self.heldout = _load_tokens(self.data_dir / HELDOUT_FILE)
 
     def batch(self, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        """Random windows `[batch_size, seq_len + 1]` (int64) of train.bin: inputs `[:, :-1]`, targets `[:, 1:]`."""
+        """Random windows `[batch_size, seq_len + 1]` (int64) of train.bin: inputs `[:, :-1]`,
+        targets `[:, 1:]`."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if not 0 < seq_len < len(self.train):
-            raise ValueError(f"seq_len={seq_len} must be in [1, {len(self.train) - 1}] for {len(self.train)} tokens")
+            raise ValueError(f"seq_len={seq_len} must be in [1, {len(self.train) - 1}] "
+                             f"for {len(self.train)} tokens")
         rng = np.random.Generator(np.random.PCG64([self.seed, step]))
-        starts = rng.integers(0, len(self.train) - seq_len, size=batch_size)  # window end <= len(train)
+        # window end <= len(train)
+        starts = rng.integers(0, len(self.train) - seq_len, size=batch_size)
         index = starts[:, None] + np.arange(seq_len + 1)  # [batch_size, seq_len + 1]
         return torch.from_numpy(self.train[index].astype(np.int64))
 
-    def heldout_batches(self, seq_len: int, max_tokens: int, batch_size: int = 8) -> list[torch.Tensor]:
-        """Deterministic held-out windows, batched as `[<= batch_size, seq_len + 1]` (int64); see `heldout_windows`."""
+    def heldout_batches(self, seq_len: int, max_tokens: int,
+                        batch_size: int = 8) -> list[torch.Tensor]:
+        """Deterministic held-out windows, batched as `[<= batch_size, seq_len + 1]` (int64); see
+        `heldout_windows`."""
         return heldout_windows(self.heldout, seq_len, max_tokens, batch_size)
 
 
-def heldout_windows(tokens: np.ndarray, seq_len: int, max_tokens: int, batch_size: int = 8) -> list[torch.Tensor]:
+def heldout_windows(tokens: np.ndarray, seq_len: int, max_tokens: int,
+                    batch_size: int = 8) -> list[torch.Tensor]:
     """Held-out windows of a flat token array, batched as `[<= batch_size, seq_len + 1]` (int64).
 
-    The array is cut into aligned windows `[i * seq_len, (i + 1) * seq_len + 1)`, so no target token is
-    scored twice; `max_tokens // seq_len` of them are taken, evenly spread over the array so that
-    held-out text and held-out tasks are both represented.
+    The array is cut into aligned windows `[i * seq_len, (i + 1) * seq_len + 1)`, so no target
+    token is scored twice; `max_tokens // seq_len` of them are taken, evenly spread over the array
+    so that held-out text and held-out tasks are both represented.
     """
     if seq_len <= 0 or batch_size <= 0:
-        raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+        raise ValueError(f"seq_len and batch_size must be positive, "
+                         f"got {seq_len} and {batch_size}")
     available = max(0, len(tokens) - 1) // seq_len
     count = min(available, max_tokens // seq_len)
     starts = np.array([(i * available) // count * seq_len for i in range(count)], dtype=np.int64)
     windows = [tokens[s : s + seq_len + 1].astype(np.int64) for s in starts]
-    return [torch.from_numpy(np.stack(windows[i : i + batch_size])) for i in range(0, count, batch_size)]
+    return [torch.from_numpy(np.stack(windows[i : i + batch_size]))
+            for i in range(0, count, batch_size)]

@@ -1,8 +1,10 @@
-"""Evaluation of a trained checkpoint: held-out loss, MTP agreement, task accuracy by difficulty, samples.
+"""Evaluation of a trained checkpoint: held-out loss, MTP agreement, task accuracy by difficulty,
+samples.
 
-Owns `evaluate_checkpoint` (the numbers of the model card, `dsv4 train eval`) and its parts. The task
-accuracy runs the real serving engine (`LLM.generate`, greedy) on the held-out problems of
-`tasks.eval_set`, in two prompt forms: plain (`347+58=`) and chat (the tokenizer's chat template).
+Owns `evaluate_checkpoint` (the numbers of the model card, `dsv4 train eval`) and its parts. The
+task accuracy runs the real serving engine (`LLM.generate`, greedy) on the held-out problems of
+`tasks.eval_set`, in two prompt forms: plain (`347+58=`) and chat (the tokenizer's chat
+template).
 """
 
 from __future__ import annotations
@@ -25,18 +27,22 @@ from dsv4.train.data import heldout_windows
 from dsv4.train.tasks import Problem, chat_messages, check_answer, eval_set
 from dsv4.train.trainer import lm_losses
 
-# No trailing newline: BPE merges "\n" with the next line's indentation, so a prompt ending in "\n" ends mid-token.
-SAMPLE_PROMPTS = ("class Stack:\n    def __init__(self):", "def quicksort(items):", "import os\n\n\ndef ")
+# No trailing newline: BPE merges "\n" with the next line's indentation, so a prompt ending in
+# "\n" ends mid-token.
+SAMPLE_PROMPTS = ("class Stack:\n    def __init__(self):", "def quicksort(items):",
+                  "import os\n\n\ndef ")
 EASY_LEVELS = (1, 2)
 
 
 def read_tokens(path: Path, seq_len: int, max_tokens: int) -> list[torch.Tensor]:
-    """Held-out windows [1, seq_len + 1] of a flat uint16 token file, evenly spread (`data.heldout_windows`)."""
+    """Held-out windows [1, seq_len + 1] of a flat uint16 token file, evenly spread
+    (`data.heldout_windows`)."""
     return heldout_windows(np.fromfile(path, dtype=np.uint16), seq_len, max_tokens, batch_size=1)
 
 
 @torch.no_grad()
-def heldout_metrics(model: DeepSeekV4ForCausalLM, windows: Sequence[torch.Tensor]) -> dict[str, float]:
+def heldout_metrics(model: DeepSeekV4ForCausalLM,
+                    windows: Sequence[torch.Tensor]) -> dict[str, float]:
     """Mean next-token loss, MTP loss and MTP top-1 accuracy (token t+2) over `windows` [1, S+1]."""
     if not windows:
         raise ValueError("heldout_metrics: no windows (token file shorter than one sequence)")
@@ -57,12 +63,14 @@ def heldout_metrics(model: DeepSeekV4ForCausalLM, windows: Sequence[torch.Tensor
 
 
 def chat_prompt(problem: Problem) -> str:
-    """The chat-template rendering of the question with the generation prompt (bos comes from the tokenizer)."""
+    """The chat-template rendering of the question with the generation prompt (bos comes from the
+    tokenizer)."""
     (user,) = chat_messages(problem, include_answer=False)
     return f"{USER_TOKEN}{user['content']}{ASSISTANT_TOKEN}"
 
 
-def task_accuracy(llm: LLM, problems: Sequence[Problem], form: str, max_tokens: int = 10) -> dict[str, Any]:
+def task_accuracy(llm: LLM, problems: Sequence[Problem], form: str,
+                  max_tokens: int = 10) -> dict[str, Any]:
     """Greedy accuracy per level (and overall) on `problems`; form is 'plain' or 'chat'."""
     if form not in ("plain", "chat"):
         raise ValueError(f"form={form!r} is invalid; allowed: 'plain', 'chat'")
@@ -78,13 +86,16 @@ def task_accuracy(llm: LLM, problems: Sequence[Problem], form: str, max_tokens: 
             "overall": sum(total) / len(total)}
 
 
-def samples(llm: LLM, prompts: Sequence[str] = SAMPLE_PROMPTS, max_tokens: int = 48) -> list[dict[str, str]]:
-    outs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+def samples(llm: LLM, prompts: Sequence[str] = SAMPLE_PROMPTS,
+            max_tokens: int = 48) -> list[dict[str, str]]:
+    outs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                        use_tqdm=False)
     return [{"prompt": p, "completion": o.text} for p, o in zip(prompts, outs, strict=True)]
 
 
-def evaluate_checkpoint(model_dir: Path, heldout: Path, seq_len: int = 2048, max_tokens: int = 16384,
-                        per_level: int = 50, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+def evaluate_checkpoint(model_dir: Path, heldout: Path, seq_len: int = 2048,
+                        max_tokens: int = 16384, per_level: int = 50, seed: int = 0,
+                        device: str = "cpu") -> dict[str, Any]:
     """All model-card numbers of the checkpoint in `model_dir`, measured on `device` in float32."""
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype="float32", device=device, page_size=128, max_total_tokens=65536,
@@ -95,7 +106,8 @@ def evaluate_checkpoint(model_dir: Path, heldout: Path, seq_len: int = 2048, max
     result["task_chat"] = task_accuracy(llm, problems, "chat")
     chat = result["task_chat"]
     easy = [str(level) for level in EASY_LEVELS]
-    result["easy_chat_accuracy"] = (sum(chat["by_level"][lv] * chat["n_by_level"][lv] for lv in easy)
+    result["easy_chat_accuracy"] = (sum(chat["by_level"][lv] * chat["n_by_level"][lv]
+                                        for lv in easy)
                                     / sum(chat["n_by_level"][lv] for lv in easy))
     result["heldout_tokens"] = max_tokens // seq_len * seq_len
     result["samples"] = samples(llm)

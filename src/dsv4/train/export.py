@@ -1,9 +1,11 @@
-"""Export a training run as a servable checkpoint in the official DeepSeek layout (FP8 linears, FP4 experts).
+"""Export a training run as a servable checkpoint in the official DeepSeek layout (FP8 linears,
+FP4 experts).
 
-`export_run(run_dir, data_dir, out)` loads the run's `state.pt`, writes config.json + safetensors shards
-(quantised per `weight_quant`, shards small enough for the device tool's 16 MiB file limit), copies the
-tokenizer the data recipe trained, and writes `training.json` (the run's config, step and wall time).
-The result loads with `dsv4.model.loader.load_model` like any released checkpoint.
+`export_run(run_dir, data_dir, out)` loads the run's `state.pt`, writes config.json + safetensors
+shards (quantised per `weight_quant`, shards small enough for the device tool's 16 MiB file
+limit), copies the tokenizer the data recipe trained, and writes `training.json` (the run's
+config, step and wall time). The result loads with `dsv4.model.loader.load_model` like any
+released checkpoint.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ def export_run(run_dir: Path, data_dir: Path, out: Path, weight_quant: str = "fp
     for name in TOKENIZER_FILES:
         src = data_dir / name
         if not src.is_file():
-            raise FileNotFoundError(f"{src} missing: export needs the tokenizer of the data recipe in --data")
+            raise FileNotFoundError(f"{src} missing: "
+                                    "export needs the tokenizer of the data recipe in --data")
         shutil.copyfile(src, out / name)
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     tok_config["model_max_length"] = model_config.max_position_embeddings    # the trained context
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    summary = {"train_config": config.to_dict(), "step": int(state["step"]), "train_time_s": state["elapsed_s"],
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2,
+                                                          ensure_ascii=False) + "\n")
+    summary = {"train_config": config.to_dict(), "step": int(state["step"]),
+               "train_time_s": state["elapsed_s"],
                "tokens": int(state["step"]) * config.tokens_per_step, "weight_quant": weight_quant}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.info("exported %s (step %d) to %s", run_dir, summary["step"], out)

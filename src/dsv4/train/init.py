@@ -1,10 +1,12 @@
-"""Initial weights for training from scratch (the checkpoint writer's random values are for tests, not learning).
+"""Initial weights for training from scratch (the checkpoint writer's random values are for
+tests, not learning).
 
-GPT-style scaled normal init for every projection, residual-output projections shrunk by 1/sqrt(2L), and mHC
-started near "one stream per residual": comb close to the identity (diagonal logit `_COMB_DIAG`), pre/post at
-their midpoints, and small random `fn` so that the n streams (identical copies of the embedding at the input)
-can diverge — with all-zero `fn` they would stay identical forever, as every stream would see the same update.
-Hash-layer tables get k distinct random experts per token id. Deterministic in `seed` (CPU generator).
+GPT-style scaled normal init for every projection, residual-output projections shrunk by
+1/sqrt(2L), and mHC started near "one stream per residual": comb close to the identity (diagonal
+logit `_COMB_DIAG`), pre/post at their midpoints, and small random `fn` so that the n streams
+(identical copies of the embedding at the input) can diverge — with all-zero `fn` they would stay
+identical forever, as every stream would see the same update. Hash-layer tables get k distinct
+random experts per token id. Deterministic in `seed` (CPU generator).
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ def init_weights(model: DeepSeekV4ForCausalLM, seed: int) -> DeepSeekV4ForCausal
             normal(p, _STD)
     for name, buf in model.named_buffers():
         if name.endswith("tid2eid"):
-            buf.copy_(torch.rand(buf.shape[0], c.n_routed_experts, generator=g).argsort(dim=-1)[:, :buf.shape[1]])
+            buf.copy_(torch.rand(buf.shape[0], c.n_routed_experts,
+                                 generator=g).argsort(dim=-1)[:, :buf.shape[1]])
     return model
 
 
 def _init_hc_base(base: torch.Tensor, n: int) -> None:
-    """mHC sites: [pre n | post n | comb n*n] -> comb logits favour the identity; HyperHead (n entries): 0."""
+    """mHC sites: [pre n | post n | comb n*n] -> comb logits favour the identity; HyperHead
+    (n entries): 0."""
     base.zero_()
     if base.numel() == (2 + n) * n:
         base[2 * n:].view(n, n).fill_diagonal_(_COMB_DIAG)

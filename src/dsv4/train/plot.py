@@ -1,4 +1,5 @@
-"""Loss curves of a training run: `metrics.jsonl` -> `loss.png` (train, held-out and MTP losses vs tokens)."""
+"""Loss curves of a training run: `metrics.jsonl` -> `loss.png` (train, held-out and MTP losses
+vs tokens)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def plot_losses(metrics: Path, out: Path, tokens_per_step: int) -> Path:
         points = [(r["step"] * tokens_per_step / 1e6, r[key]) for r in records if key in r]
         if points:
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, label=label, marker="o" if key.startswith("heldout") else None, markersize=3)
+            ax.plot(xs, ys, label=label, marker="o" if key.startswith("heldout") else None,
+                    markersize=3)
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_yscale("log")

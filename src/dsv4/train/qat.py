@@ -1,12 +1,14 @@
-"""Quantisation-aware training by weight swapping: forward/backward through FP8/FP4-rounded weights.
+"""Quantisation-aware training by weight swapping: forward/backward through FP8/FP4-rounded
+weights.
 
-The shipped checkpoint stores linears as FP8 (128x128 blocks, UE8M0 scales) and routed experts as FP4 e2m1
-(per-32 UE8M0 scales), the official layout (spec §12). Training the last stretch through the rounded weights
-makes the loaded model the trained one. Straight-through estimator done by swapping storage:
+The shipped checkpoint stores linears as FP8 (128x128 blocks, UE8M0 scales) and routed experts as
+FP4 e2m1 (per-32 UE8M0 scales), the official layout (spec §12). Training the last stretch through
+the rounded weights makes the loaded model the trained one. Straight-through estimator done by
+swapping storage:
 
-    with shadow.rounded():          # p.data <- dequant(quant(master)) for every quantised parameter
-        loss.backward()             # gradients w.r.t. the rounded weights ...
-    optimizer.step()                # ... applied to the fp32 masters, restored on exit
+    with shadow.rounded():    # p.data <- dequant(quant(master)) for every quantised parameter
+        loss.backward()       # gradients w.r.t. the rounded weights ...
+    optimizer.step()          # ... applied to the fp32 masters, restored on exit
 
 Invariant: outside `rounded()` every parameter holds its fp32 master value.
 """
@@ -23,8 +25,8 @@ from torch import nn
 from dsv4.kernels.ref import quant
 
 # Internal names (stacked experts [E, out, in]) of the parameters the official layout quantises.
-_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|\.e_proj|\.h_proj)"
-                  r"\.weight$")
+_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]"
+                  r"|\.e_proj|\.h_proj)\.weight$")
 _FP4 = re.compile(r"ffn\.experts\.w[123]$")
 
 
@@ -34,15 +36,17 @@ def fake_fp8(w: torch.Tensor) -> torch.Tensor:
 
 
 def fake_fp4(w: torch.Tensor) -> torch.Tensor:
-    """Stacked experts [E, out, in], rounded as the checkpoint stores each expert. FP4 groups run along `in`
-    within one row, so all experts' rows are rounded in one call on the [E*out, in] view."""
+    """Stacked experts [E, out, in], rounded as the checkpoint stores each expert. FP4 groups run
+    along `in` within one row, so all experts' rows are rounded in one call on the [E*out, in]
+    view."""
     rows = w.reshape(-1, w.shape[-1]).float()
     packed, scale = quant.quant_fp4_group(rows)
     return quant.dequant_fp4_group(packed, scale, w.dtype).view_as(w)
 
 
 class QuantShadow:
-    """The quantised parameters of a model and their rounding functions (empty for weight_quant='none')."""
+    """The quantised parameters of a model and their rounding functions (empty for
+    weight_quant='none')."""
 
     def __init__(self, model: nn.Module, weight_quant: str) -> None:
         self.targets: list[tuple[nn.Parameter, bool]] = []     # (param, is_fp4)

@@ -22,7 +22,8 @@ Invariant: every problem belongs to exactly one split, decided by a hash of its 
 (`is_heldout`, about 1 in 32). Training data and RL sample `split="train"`, `eval_set` samples
 `split="heldout"`, so evaluation never sees a problem that was trained on.
 
-`check_answer` is the verifiable reward: the first integer of the completion must equal the answer.
+`check_answer` is the verifiable reward: the first integer of the completion must equal the
+answer.
 
 Test: `pytest tests/train/test_tasks.py`.
 """
@@ -41,7 +42,8 @@ OPS: tuple[str, ...] = ("+", "-", "*")
 NUM_LEVELS = 6
 LEVELS: tuple[int, ...] = tuple(range(1, NUM_LEVELS + 1))
 
-_MUL_DIGITS: dict[int, tuple[int, int]] = {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (2, 2), 5: (3, 2), 6: (3, 3)}
+_MUL_DIGITS: dict[int, tuple[int, int]] = {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (2, 2), 5: (3, 2),
+                                           6: (3, 3)}
 
 HELDOUT_MODULUS = 32
 """A problem is held out when the hash of its prompt is 0 modulo this (about 3% of the space)."""
@@ -109,13 +111,12 @@ def is_heldout(problem: Problem) -> bool:
     return int.from_bytes(digest, "little") % HELDOUT_MODULUS == 0
 
 
-def sample_problem(rng: random.Random, level: int, op: str | None = None, split: Split = "train") -> Problem:
+def sample_problem(rng: random.Random, level: int, op: str | None = None,
+                   split: Split = "train") -> Problem:
     """Draw a problem of difficulty `level` from `split`; `op` (one of OPS) is uniform when None.
 
-    Draws only from `rng`, so the same generator state yields the same problem.
-
-    Raises:
-        ValueError: For an unknown level, op or split.
+    Draws only from `rng`, so the same generator state yields the same problem. Raises
+    `ValueError` for an unknown level, op or split.
     """
     _check_level_op(level, op)
     if split not in ("train", "heldout"):
@@ -125,11 +126,13 @@ def sample_problem(rng: random.Random, level: int, op: str | None = None, split:
         problem = _draw(rng, level, op if op is not None else rng.choice(OPS))
         if is_heldout(problem) == want_heldout:
             return problem
-    raise RuntimeError(f"no {split} problem found for level={level} op={op!r} in {_MAX_DRAWS} draws")
+    raise RuntimeError(f"no {split} problem found for level={level} op={op!r} "
+                       f"in {_MAX_DRAWS} draws")
 
 
 def check_answer(problem: Problem, completion: str) -> bool:
-    """The verifiable reward: True iff the first integer in `completion` is exactly `problem.answer`.
+    """The verifiable reward: True iff the first integer in `completion` is exactly
+    `problem.answer`.
 
     Text around the integer (spaces, newlines, an eos string, an explanation) is ignored; the
     integer itself must be canonical ("0405" does not answer 405).
@@ -161,7 +164,8 @@ def eval_set(seed: int, per_level: int, levels: tuple[int, ...] = LEVELS) -> lis
 
 
 def chat_messages(problem: Problem, include_answer: bool = True) -> list[dict[str, str]]:
-    """The chat form: user "What is 347+58?", then (unless `include_answer` is False) assistant "405"."""
+    """The chat form: user "What is 347+58?", then (unless `include_answer` is False) assistant
+    "405"."""
     messages = [{"role": "user", "content": f"What is {problem.expression}?"}]
     if include_answer:
         messages.append({"role": "assistant", "content": problem.answer})

@@ -1,16 +1,19 @@
-"""The pre-training loop of `dsv4 train run`: next-token + MTP loss, AdamW, warmup + cosine, resume.
+"""The pre-training loop of `dsv4 train run`: next-token + MTP loss, AdamW, warmup + cosine,
+resume.
 
-Owns `Trainer` (model, optimizer, balancer, QAT shadow, data stream, run directory) and `lm_losses`.
-A run directory holds `train_config.json` (the run's frozen config), `state.pt` (model, optimizer and
-step, written atomically), `metrics.jsonl` (one JSON object per logged step / evaluation) and
-`loss.png`. Batches depend only on (seed, step) (`TokenStream.batch`), and the state holds everything
-else the next step reads, so an invocation stopped by its time limit and resumed continues exactly where
-it stopped: on CPU the resumed losses equal the uninterrupted run's bit for bit (tests/train/).
+Owns `Trainer` (model, optimizer, balancer, QAT shadow, data stream, run directory) and
+`lm_losses`. A run directory holds `train_config.json` (the run's frozen config), `state.pt`
+(model, optimizer and step, written atomically), `metrics.jsonl` (one JSON object per logged step
+/ evaluation) and `loss.png`. Batches depend only on (seed, step) (`TokenStream.batch`), and the
+state holds everything else the next step reads, so an invocation stopped by its time limit and
+resumed continues exactly where it stopped: on CPU the resumed losses equal the uninterrupted
+run's bit for bit (tests/train/).
 
-Named sync points: the loss/grad-norm read at `log_every` steps and the expert-load read of the balancer (the
-training forward runs the dense MoE, which has none; evaluation runs the reference MoE and its per-expert token
-counts). `compile` compiles each decoder / MTP block in place (`_compile_blocks`); the embedding, head and losses
-stay eager, and evaluation runs every block eagerly.
+Named sync points: the loss/grad-norm read at `log_every` steps and the expert-load read of the
+balancer (the training forward runs the dense MoE, which has none; evaluation runs the reference
+MoE and its per-expert token counts). `compile` compiles each decoder / MTP block in place
+(`_compile_blocks`); the embedding, head and losses stay eager, and evaluation runs every block
+eagerly.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ logger = init_logger(__name__)
 SHIPPED_QUANT = "fp8+fp4"   # the layout the trained model is exported in; QAT rounds to it
 
 
-def lm_losses(model: DeepSeekV4ForCausalLM, tokens: torch.Tensor, mode: ForwardMode) -> dict[str, torch.Tensor]:
-    """tokens: [B, S+1] -> {"loss": next-token CE, "mtp_loss": CE of token t+2 from position t (if MTP),
-    "mtp_correct"/"mtp_count": top-1 hits of the MTP head} (scalars, not synced). `mode`: TRAINING for a
-    step, INFERENCE for evaluation (model/forward_mode.py)."""
+def lm_losses(model: DeepSeekV4ForCausalLM, tokens: torch.Tensor,
+              mode: ForwardMode) -> dict[str, torch.Tensor]:
+    """`tokens`: [B, S+1] -> {"loss": next-token CE, "mtp_loss": CE of token t+2 from position t
+    (if MTP), "mtp_correct"/"mtp_count": top-1 hits of the MTP head} (scalars, not synced).
+    `mode`: TRAINING for a step, INFERENCE for evaluation (model/forward_mode.py)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     streams = model.forward_streams(inputs, mode)                              # [B, S, n, d]
     logits = model.logits(model.norm(model.hc_head(streams)))                  # [B, S, V] fp32
@@ -73,7 +77,8 @@ class Trainer:
             _load_initial(model, Path(config.init_from))
         self.model = model.to(self.device).train()
         self.optimizer = self._optimizer()
-        self.balancer = ExpertBalancer(self.model, self.model_config.n_routed_experts, config.bias_update_rate)
+        self.balancer = ExpertBalancer(self.model, self.model_config.n_routed_experts,
+                                       config.bias_update_rate)
         self.shadow = QuantShadow(self.model, SHIPPED_QUANT)
         self.distiller = IndexerDistiller(self.model)
         if config.compile:
@@ -82,7 +87,7 @@ class Trainer:
         self.step = 0
         self.elapsed_s = 0.0   # training wall time of all invocations so far (excludes evaluation)
 
-    # --- schedule and optimizer -------------------------------------------------------------------------------
+    # --- schedule and optimizer -------------------------------------------------------------
     def _optimizer(self) -> torch.optim.Optimizer:
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
@@ -91,8 +96,8 @@ class Trainer:
         groups = [{"params": decay, "weight_decay": self.config.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         fused = self.device.type == "cuda"
-        return torch.optim.AdamW(groups, lr=self.config.lr, betas=(self.config.beta1, self.config.beta2),
-                                 fused=fused)
+        return torch.optim.AdamW(groups, lr=self.config.lr,
+                                 betas=(self.config.beta1, self.config.beta2), fused=fused)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to `lr`, then cosine to `lr * min_lr_ratio` at the last step."""
@@ -100,7 +105,8 @@ class Trainer:
         if step < c.warmup_steps:
             return c.lr * (step + 1) / c.warmup_steps
         progress = (step - c.warmup_steps) / max(1, c.steps - 1 - c.warmup_steps)
-        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5
+                       * (1 + math.cos(math.pi * min(1.0, progress))))
 
     def qat_active(self, step: int) -> bool:
         return step >= int(self.config.qat_start * self.config.steps)
@@ -110,7 +116,7 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
-    # --- one step ---------------------------------------------------------------------------------------------
+    # --- one step ---------------------------------------------------------------------------
     def train_step(self) -> dict[str, torch.Tensor]:
         """One optimizer step on batch `self.step`; returns unsynced scalars."""
         c = self.config
@@ -122,7 +128,8 @@ class Trainer:
         with self.shadow.rounded(self.qat_active(self.step)):
             with self._autocast():
                 losses = lm_losses(self.model, tokens, TRAINING)
-            total = losses["loss"] + c.mtp_weight * losses.get("mtp_loss", torch.zeros((), device=self.device))
+            total = losses["loss"] + c.mtp_weight * losses.get("mtp_loss",
+                                                               torch.zeros((), device=self.device))
             indexer_kl = self.distiller.take()
             if indexer_kl is not None:
                 losses["indexer_kl"] = indexer_kl
@@ -137,12 +144,15 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out next-token and MTP loss, MTP top-1 accuracy, through the weights as they would ship."""
+        """Held-out next-token and MTP loss, MTP top-1 accuracy, through the weights as they would
+        ship."""
         self.model.eval()
         sums = {"loss": 0.0, "mtp_loss": 0.0, "mtp_correct": 0.0, "mtp_count": 0.0}
         batches = self.stream.heldout_batches(self.config.seq_len, self.config.eval_tokens)
-        # NOTE: eager even with `compile`: no-grad forwards (the reference MoE loop) would compile graphs of their own
-        with self.shadow.rounded(self.qat_active(self.step)), torch.compiler.set_stance("force_eager"):
+        # NOTE: eager even with `compile`: no-grad forwards (the reference MoE loop) would compile
+        # graphs of their own
+        with (self.shadow.rounded(self.qat_active(self.step)),
+              torch.compiler.set_stance("force_eager")):
             for tokens in batches:
                 with self._autocast():
                     losses = lm_losses(self.model, tokens.to(self.device), INFERENCE)
@@ -157,12 +167,14 @@ class Trainer:
             out["heldout_mtp_acc"] = sums["mtp_correct"] / sums["mtp_count"]
         return out
 
-    # --- the loop ---------------------------------------------------------------------------------------------
+    # --- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Train until `steps`, the time limit or `max_steps_this_call`; save; return the last metrics."""
+        """Train until `steps`, the time limit or `max_steps_this_call`; save; return the last
+        metrics."""
         c = self.config
         start = time.perf_counter()
-        stop_at = c.steps if c.max_steps_this_call is None else min(c.steps, self.step + c.max_steps_this_call)
+        stop_at = (c.steps if c.max_steps_this_call is None
+                   else min(c.steps, self.step + c.max_steps_this_call))
         last: dict[str, Any] = {}
         bar = tqdm(total=c.steps, initial=self.step, desc="train", unit="step", disable=None)
         t0, s0 = time.perf_counter(), self.step
@@ -171,7 +183,8 @@ class Trainer:
             bar.update(1)
             if self.step % c.log_every == 0 or self.step == stop_at:
                 now = time.perf_counter()
-                last = self._log_step(out, (self.step - s0) * c.tokens_per_step / max(1e-9, now - t0))
+                last = self._log_step(out, (self.step - s0) * c.tokens_per_step
+                                      / max(1e-9, now - t0))
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
                 t0, s0 = now, self.step
             if self.step % c.eval_every == 0 or self.step == c.steps:
@@ -180,8 +193,10 @@ class Trainer:
                 start = time.perf_counter()
             if self.step % c.ckpt_every == 0:
                 self.save()
-            if c.time_limit_s is not None and time.perf_counter() - start + self.elapsed_s > c.time_limit_s:
-                logger.info("time limit %.0f s reached at step %d; saving for resume", c.time_limit_s, self.step)
+            if (c.time_limit_s is not None
+                    and time.perf_counter() - start + self.elapsed_s > c.time_limit_s):
+                logger.info("time limit %.0f s reached at step %d; saving for resume",
+                            c.time_limit_s, self.step)
                 break
         bar.close()
         self.elapsed_s += time.perf_counter() - start
@@ -189,8 +204,10 @@ class Trainer:
         return last
 
     def _log_step(self, out: dict[str, torch.Tensor], tok_per_s: float) -> dict[str, Any]:
-        record: dict[str, Any] = {"step": self.step, "loss": float(out["loss"]), "lr": self.lr_at(self.step - 1),
-                                  "grad_norm": float(out["grad_norm"]), "tok_per_s": round(tok_per_s, 1),
+        record: dict[str, Any] = {"step": self.step, "loss": float(out["loss"]),
+                                  "lr": self.lr_at(self.step - 1),
+                                  "grad_norm": float(out["grad_norm"]),
+                                  "tok_per_s": round(tok_per_s, 1),
                                   "qat": self.qat_active(self.step - 1)}
         if "mtp_loss" in out:
             record["mtp_loss"] = float(out["mtp_loss"])
@@ -206,53 +223,58 @@ class Trainer:
         logger.info("%s", record)
         return record
 
-    # --- persistence ------------------------------------------------------------------------------------------
+    # --- persistence ------------------------------------------------------------------------
     def save(self) -> None:
         """Write state.pt atomically (temporary file + rename) and the run's config."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config.save(self.run_dir / "train_config.json")
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                 "elapsed_s": self.elapsed_s}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step, "elapsed_s": self.elapsed_s}
         tmp = self.run_dir / "state.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.run_dir / "state.pt")
 
     def load(self) -> None:
-        """Restore state.pt and drop metrics logged after it (the resumed run logs them again, identically)."""
+        """Restore state.pt and drop metrics logged after it (the resumed run logs them again,
+        identically)."""
         state = torch.load(self.run_dir / "state.pt", map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed_s = int(state["step"]), float(state["elapsed_s"])
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
-            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            kept = [line for line in metrics.read_text().splitlines()
+                    if json.loads(line)["step"] <= self.step]
             metrics.write_text("".join(line + "\n" for line in kept))
 
 
 def _compile_blocks(model: DeepSeekV4ForCausalLM) -> None:
-    """torch.compile every decoder and MTP block in place (regional compilation). Each block's training forward is
-    one graph (dense training MoE, fixed-size expert counts in the balancer hook, masked-mean indexer loss: no
-    data-dependent shapes); blocks share code, so Inductor's cache serves repeated structures. Measured on CPU
-    (micro, 1 x 64 tokens, forward + backward): 146 s of compilation against 239 s for the whole forward as one
-    graph, which on the H200 took 325 s of a 600 s device call. Parameter names and state_dict are unchanged."""
+    """torch.compile every decoder and MTP block in place (regional compilation). Each block's
+    training forward is one graph (dense training MoE, fixed-size expert counts in the balancer
+    hook, masked-mean indexer loss: no data-dependent shapes); blocks share code, so Inductor's
+    cache serves repeated structures and compilation is shorter than for the whole forward as one
+    graph (benchmarks/results/train_tiny_h200_202611.md). Parameter names and state_dict are
+    unchanged."""
     for block in list(model.layers) + list(model.mtp):
         block.compile()
 
 
 def _load_initial(model: DeepSeekV4ForCausalLM, path: Path) -> None:
-    """Start from the weights of the checkpoint at `path` (same architecture; dequantised to fp32)."""
+    """Start from the weights of the checkpoint at `path` (same architecture; dequantised to
+    fp32)."""
     from dsv4.model.loader import load_model
 
     source = load_model(path, dtype="float32", device="cpu")
-    if source.config.replace(max_position_embeddings=1, weight_quant="none") != model.config.replace(
-            max_position_embeddings=1, weight_quant="none"):
+    if (source.config.replace(max_position_embeddings=1, weight_quant="none")
+            != model.config.replace(max_position_embeddings=1, weight_quant="none")):
         raise ValueError(f"init_from={str(path)!r} has another architecture than the run's preset")
     model.load_state_dict(source.state_dict())
     logger.info("initial weights from %s", path)
 
 
 def open_run(config: TrainConfig, resume: bool) -> Trainer:
-    """A Trainer for `config.out_dir`: fresh (refusing to overwrite an existing run) or resumed from it."""
+    """A Trainer for `config.out_dir`: fresh (refusing to overwrite an existing run) or resumed
+    from it."""
     run_dir = Path(config.out_dir)
     saved = run_dir / "train_config.json"
     if resume:
@@ -267,5 +289,6 @@ def open_run(config: TrainConfig, resume: bool) -> Trainer:
         trainer.load()
         return trainer
     if (run_dir / "state.pt").exists():
-        raise FileExistsError(f"{run_dir} already holds a run; pass --resume or choose another --out")
+        raise FileExistsError(f"{run_dir} already holds a run; "
+                              "pass --resume or choose another --out")
     return Trainer(config)

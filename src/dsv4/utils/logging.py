@@ -1,12 +1,12 @@
 """Logging setup for dsv4.
 
-Every module gets its own logger via ``init_logger(__name__)``. All of them live
-under the ``dsv4`` logger, which receives exactly one stream handler (stderr) the
-first time ``init_logger`` is called. The level comes from the ``DSV4_LOG_LEVEL``
-environment variable (default ``INFO``), read at that first call.
+Every module gets its own logger via `init_logger(__name__)`. All of them live
+under the `dsv4` logger, which receives exactly one stream handler (stderr) the
+first time `init_logger` is called. The level comes from the `DSV4_LOG_LEVEL`
+environment variable (default `INFO`), read at that first call.
 
-No state is kept here beyond what :mod:`logging` itself keeps: whether the
-``dsv4`` logger is configured is decided by looking at its handlers.
+No state is kept here beyond what `logging` itself keeps: whether the
+`dsv4` logger is configured is decided by looking at its handlers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _DEFAULT_LEVEL = "INFO"
 
 
 def _configure_root(root: logging.Logger) -> None:
-    """Attach the single stream handler to ``root`` unless it already has one."""
+    """Attach the single stream handler to `root` unless it already has one."""
     if root.handlers:
         return
     requested = os.environ.get(_LEVEL_ENV, _DEFAULT_LEVEL).strip().upper() or _DEFAULT_LEVEL
@@ -38,10 +38,10 @@ def _configure_root(root: logging.Logger) -> None:
 
 
 def init_logger(name: str) -> logging.Logger:
-    """Return the logger for module ``name``, configuring the ``dsv4`` logger once.
+    """Return the logger for module `name`, configuring the `dsv4` logger once.
 
-    Names outside the ``dsv4`` hierarchy (e.g. ``__main__``) are placed under it
-    as ``dsv4.<name>`` so that they share its handler and level.
+    Names outside the `dsv4` hierarchy (e.g. `__main__`) are placed under it
+    as `dsv4.<name>` so that they share its handler and level.
     """
     root = logging.getLogger(_ROOT_NAME)
     _configure_root(root)

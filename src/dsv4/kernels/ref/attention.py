@@ -18,7 +18,8 @@ _CHUNK_ELEMS = 1 << 26
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """o[t,h] = Σ_j p[t,h,j] kv[idx[t,j]], p = softmax over valid j with exp(sink[h]) in the denominator.
+    """o[t,h] = Σ_j p[t,h,j] kv[idx[t,j]], p = softmax over valid j with exp(sink[h]) in the
+    denominator.
 
     q: [T, H, D]; kv: [N, D] (K = V, shared by all heads); indices: [T, K] int64, -1 = no key;
     sink: [H] fp32. Returns [T, H, D] in q's dtype. Scores and softmax are fp32. A query with no
@@ -27,11 +28,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     return sparse_attention_multi(q, [(kv, indices)], sink, scale)
 
 
-def sparse_attention_multi(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One softmax over the union of several key buffers: sources = [(kv [N_i, D], indices [T, K_i])].
+def sparse_attention_multi(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                           sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax over the union of several key buffers.
 
-    The serving path uses two: the SWA pool with window indices and the compressed pool with entry ids.
+    `sources` = [(kv [N_i, D], indices [T, K_i])]. The serving path uses two: the SWA pool with
+    window indices and the compressed pool with entry ids.
     """
     T, _, D = q.shape
     K = sum(idx.shape[1] for _, idx in sources)
@@ -46,7 +48,10 @@ def sparse_attention_multi(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor
 
 def attend_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """Attention over keys already gathered per query. q: [t, H, D]; keys: [t, K, D]; valid: [t, K] bool."""
+    """Attention over keys already gathered per query.
+
+    q: [t, H, D]; keys: [t, K, D]; valid: [t, K] bool.
+    """
     keys = keys.float()
     logits = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))

@@ -1,13 +1,14 @@
-"""Reference token compressor ops (spec §6.5): gated pooling, and the whole serving-path step after `project`.
+"""Reference token compressor ops (spec §6.5): gated pooling, and the serving-path step after
+`project`.
 
 Entry i of a non-overlap compressor pools the window [m*i, m*i + m) with a per-channel softmax
-over positions. The overlap (C4) compressor pools 8 slots: the Ca half of window i-1 (slots 0..m-1)
-and the Cb half of window i (slots m..2m-1); window 0's Ca slots have weight 0.
+over positions. The overlap (C4) compressor pools 8 slots: the Ca half of window i-1 (slots
+0..m-1) and the Cb half of window i (slots m..2m-1); window 0's Ca slots have weight 0.
 
-`compress_cached` is the serving step (the `compress` op of `kernels/registry.py`; its fast form is
-`kernels/triton/compressor.py::triton_compress_cached`): gather each token's S source rows from this
-step's projections or the ring state, pool, weighted RMSNorm, RoPE at the entry position, cast, write
-the entry, then write this step's ring rows. All ring reads precede all ring writes.
+`compress_cached` is the serving step (the `compress` op of `kernels/registry.py`; its fast form
+is `kernels/triton/compressor.py::triton_compress_cached`): gather each token's S source rows from
+this step's projections or the ring state, pool, weighted RMSNorm, RoPE at the entry position,
+cast, write the entry, then write this step's ring rows. All ring reads precede all ring writes.
 """
 
 from __future__ import annotations
@@ -20,25 +21,29 @@ from dsv4.kernels.ref.rope_norm import apply_rope, rms_normalize
 
 
 class CompressIndex(NamedTuple):
-    """Gather / scatter rows of one compressor step for T new tokens, S = 2m (overlap) or m source slots.
+    """Gather / scatter rows of one compressor step for T new tokens and S source slots.
 
-    Built by `engine/metadata.py` (`CompressPlan.index`). Slot s of token t (position p) is source position
-    p - S + 1 + s. A `write_slot` equal to the last row of `out`, or a `ring_write` equal to the last ring row,
-    is the trash row: the token completes no window / keeps no ring row (nobody reads a trash row).
+    S = 2m (overlap) or m. Built by `engine/metadata.py` (`CompressPlan.index`). Slot s of token t
+    (position p) is source position p - S + 1 + s. A `write_slot` equal to the last row of `out`, or
+    a `ring_write` equal to the last ring row, is the trash row: the token completes no window /
+    keeps no ring row (nobody reads a trash row).
     """
 
-    src_new: torch.Tensor       # [T, S] int64 row of this step's kv/score holding the source (if from_new)
-    src_ring: torch.Tensor      # [T, S] int64 ring row holding the source (if valid and not from_new)
+    # [T, S] int64 row of this step's kv/score holding the source (if from_new)
+    src_new: torch.Tensor
+    src_ring: torch.Tensor      # [T, S] int64 ring row holding the source (if valid, not from_new)
     from_new: torch.Tensor      # [T, S] bool: the source was projected in this step
     src_valid: torch.Tensor     # [T, S] bool: source position >= 0
     write_slot: torch.Tensor    # [T] int64 entry row of `out` written by the token (trash: none)
     ring_write: torch.Tensor    # [T] int64 ring row keeping the token's kv/score (trash: none)
-    # Promise that no ring row read by this step is also written by it (true for decode: engine/metadata.py);
-    # lets a fused kernel write the ring in the same launch. The reference does not need it.
+    # Promise that no ring row read by this step is also written by it (true for decode:
+    # engine/metadata.py); lets a fused kernel write the ring in the same launch. The reference
+    # does not need it.
     ring_reads_disjoint: bool = False
 
 
-def compress_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+def compress_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int,
+                     overlap: bool) -> torch.Tensor:
     """Pool complete windows. kv, score: [B, S, c*Dc] fp32 (score already includes `ape`).
 
     Returns [B, S // ratio, Dc] fp32; the incomplete tail window (S % ratio tokens) is dropped.
@@ -54,18 +59,25 @@ def compress_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap:
 
 
 def _overlap_slots(kv: torch.Tensor, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # [B, E, m, 2*Dc] -> [B, E, 2m, Dc]: slots [0, m) = Ca of the previous window, [m, 2m) = Cb of this one
+    # [B, E, m, 2*Dc] -> [B, E, 2m, Dc]: slots [0, m) = Ca of the previous window, [m, 2m) = Cb of
+    # this one
     dc = kv.shape[-1] // 2
     prev_kv = torch.cat((torch.zeros_like(kv[:, :1, :, :dc]), kv[:, :-1, :, :dc]), dim=1)
-    prev_score = torch.cat((torch.full_like(score[:, :1, :, :dc], float("-inf")), score[:, :-1, :, :dc]), dim=1)
-    return (torch.cat((prev_kv, kv[..., dc:]), dim=2), torch.cat((prev_score, score[..., dc:]), dim=2))
+    prev_score = torch.cat((torch.full_like(score[:, :1, :, :dc], float("-inf")),
+                            score[:, :-1, :, :dc]), dim=1)
+    return (torch.cat((prev_kv, kv[..., dc:]), dim=2),
+            torch.cat((prev_score, score[..., dc:]), dim=2))
 
 
-def pool_sources(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """Pool per-token source slots (serving path). kv, score: [T, S, c*Dc] fp32 for source positions
-    p-S+1 .. p (S = 2*ratio with overlap, else ratio); valid: [T, S]. Returns [T, Dc] fp32.
+def pool_sources(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor, ratio: int,
+                 overlap: bool) -> torch.Tensor:
+    """Pool per-token source slots (serving path).
 
-    With overlap, slots [0, ratio) contribute their Ca half and slots [ratio, 2*ratio) their Cb half.
+    kv, score: [T, S, c*Dc] fp32 for source positions p-S+1 .. p (S = 2*ratio with overlap, else
+    ratio); valid: [T, S]. Returns [T, Dc] fp32.
+
+    With overlap, slots [0, ratio) contribute their Ca half and slots [ratio, 2*ratio) their Cb
+    half.
     """
     if overlap:
         dc = kv.shape[-1] // 2
@@ -76,28 +88,33 @@ def pool_sources(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor, rat
     return (kv * torch.softmax(score, dim=1)).sum(dim=1)
 
 
-def compress_geometry(kv: torch.Tensor, index: CompressIndex, out: torch.Tensor) -> tuple[int, bool]:
-    """(ratio, overlap) implied by the shapes: overlap iff kv's width is 2 * Dc; S = 2 * ratio then, else ratio."""
+def compress_geometry(kv: torch.Tensor, index: CompressIndex,
+                      out: torch.Tensor) -> tuple[int, bool]:
+    """`(ratio, overlap)` implied by the shapes.
+
+    overlap iff kv's width is 2 * Dc; S = 2 * ratio then, else ratio.
+    """
     overlap = kv.shape[1] == 2 * out.shape[1]
     S = index.src_new.shape[1]
     return (S // 2 if overlap else S), overlap
 
 
-def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
-                    index: CompressIndex, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                    sin: torch.Tensor, out: torch.Tensor) -> None:
+def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
+                    ring_score: torch.Tensor, index: CompressIndex, norm_weight: torch.Tensor,
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
     """One serving step of a compressor, in place (the steps of spec §6.5 after the projections).
 
-    kv, score: [T, c*Dc] fp32 projections of this step's tokens (score includes `ape`); c = 2 with overlap.
-    ring_kv, ring_score: [N_ring, c*Dc] fp32 ring state (RingState), read for older sources, then updated.
-    norm_weight: [Dc] (compressor.norm); cos, sin: [T, rd/2] fp32 RoPE of each token's entry position.
-    out: [N_out, Dc] entry pool (bf16 / fp32), row `write_slot[t]` receives token t's entry.
+    kv, score: [T, c*Dc] fp32 projections of this step's tokens (score includes `ape`); c = 2 with
+    overlap. ring_kv, ring_score: [N_ring, c*Dc] fp32 ring state (RingState), read for older
+    sources, then updated. norm_weight: [Dc] (compressor.norm); cos, sin: [T, rd/2] fp32 RoPE of
+    each token's entry position. out: [N_out, Dc] entry pool (bf16 / fp32), row `write_slot[t]`
+    receives token t's entry.
     """
     ratio, overlap = compress_geometry(kv, index, out)
     new, ring = index.from_new[..., None], index.src_ring
-    src_kv = torch.where(new, kv[index.src_new], ring_kv[ring])                         # [T, S, c*Dc]
+    src_kv = torch.where(new, kv[index.src_new], ring_kv[ring])                   # [T, S, c*Dc]
     src_score = torch.where(new, score[index.src_new], ring_score[ring])
-    pooled = pool_sources(src_kv, src_score, index.src_valid, ratio, overlap)             # [T, Dc] fp32
+    pooled = pool_sources(src_kv, src_score, index.src_valid, ratio, overlap)     # [T, Dc] fp32
     normed = norm_weight * rms_normalize(pooled, eps)
     out[index.write_slot] = apply_rope(normed, cos, sin).to(out.dtype)
     ring_kv[index.ring_write] = kv
@@ -105,7 +122,7 @@ def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
 
 
 class CompressTarget(NamedTuple):
-    """One compressor's tensors in a serving step (`compress_cached`'s arguments that are not shared)."""
+    """One compressor's tensors in a serving step: `compress_cached`'s unshared arguments."""
 
     kv: torch.Tensor            # [T, c*Dc] fp32 projections (score includes `ape`)
     score: torch.Tensor         # [T, c*Dc] fp32
@@ -115,11 +132,15 @@ class CompressTarget(NamedTuple):
     out: torch.Tensor           # [N_out, Dc] entry pool
 
 
-def compress_cached_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex, eps: float,
-                         cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Two compressors that share one step's `index`, entry positions (cos, sin) and eps: a CSA layer's attention
-    compressor and its indexer's, same ratio and overlap, rings and entry pools of equal row counts (one plan
-    addresses both). In place, each exactly as `compress_cached` (the `compress_pair` op; its fast form fuses
-    both into one launch: kernels/triton/compressor_pair.py)."""
+def compress_cached_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex,
+                         eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Two compressors that share one step's `index`, entry positions (cos, sin) and eps.
+
+    A CSA layer's attention compressor and its indexer's: same ratio and overlap, rings and entry
+    pools of equal row counts (one plan addresses both). In place, each exactly as
+    `compress_cached` (the `compress_pair` op; its fast form fuses both into one launch:
+    `kernels/triton/compressor_pair.py`).
+    """
     for c in (first, second):
-        compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin, c.out)
+        compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin,
+                        c.out)

@@ -2,7 +2,8 @@
 
 Tie-breaking rule shared by every dsv4 top-k implementation: higher score first; among equal
 scores the LOWER entry index wins. With ReLU scores exact ties are common (spec §13), so the
-reference, the Triton kernel, the engine and the trainer must agree on this to select the same set.
+reference, the Triton kernel, the engine and the trainer must agree on this to select the same
+set.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
 
 def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                        candidates: torch.Tensor) -> torch.Tensor:
-    """Serving-path scores over paged keys: I[t,j] = Σ_h weights[t,h] * ReLU(q[t,h] · keys[candidates[t,j]]).
+    """Serving-path scores over paged keys.
+
+    I[t,j] = Σ_h weights[t,h] * ReLU(q[t,h] · keys[candidates[t,j]]).
 
     q: [T, Ih, Id]; weights: [T, Ih] fp32 (already scaled); keys: [N, Id] the indexer-key pool;
     candidates: [T, V] int64 pool slots, -1 = none. Returns [T, V] fp32, -inf where candidates < 0.

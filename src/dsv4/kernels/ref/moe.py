@@ -15,8 +15,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, indices: torch.Tensor,
-                   weights: torch.Tensor, limit: float) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
     """y[t] = Σ_k weights[t,k] * W2_e (swiglu(W1_e x, W3_e x)) with e = indices[t,k].
 
     x: [N, d]; w1, w3: [E, I, d]; w2: [E, d, I]; indices: [N, k] int64; weights: [N, k] fp32.
@@ -26,7 +26,8 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
     num_experts = w1.shape[0]
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # sync point: per-expert token counts
+    # sync point: per-expert token counts
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, count in enumerate(counts):
@@ -35,7 +36,8 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
         slots = order[start:start + count]
         start += count
         tokens = slots // k
-        xe = x.index_select(0, tokens)         # (index_select: its backward is index_add, not a sorted scatter)
+        # index_select: its backward is index_add, not a sorted scatter
+        xe = x.index_select(0, tokens)
         h = swiglu(F.linear(xe, w1[e]), F.linear(xe, w3[e]), limit)
         h = (h.float() * weights.reshape(-1).index_select(0, slots)[:, None]).to(x.dtype)
         out.index_add_(0, tokens, F.linear(h, w2[e]).float())
@@ -43,48 +45,59 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
 
 
 def routed_experts_dense(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                         indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
-    """Same contract as `routed_experts`, computed for every expert on every token: three dense GEMMs over the
-    experts stacked as one [E*I]-wide SwiGLU, its hidden units scaled by the combine weights scattered into [N, E]
-    (zero for unselected experts, so they add nothing to the output nor to any gradient).
+                         indices: torch.Tensor, weights: torch.Tensor,
+                         limit: float) -> torch.Tensor:
+    """Same contract as `routed_experts`, computed for every expert on every token.
 
-    No data-dependent shapes and no host sync, so it traces under torch.compile and costs a handful of launches;
-    but it does E/k times the expert FLOPs and holds [N, E*I] activations, so it only pays when E*I is small
-    (the `tiny` preset: E=16, I=256, d=256). The training path of `model/moe.py::Experts` uses it.
+    Three dense GEMMs over the experts stacked as one [E*I]-wide SwiGLU, its hidden units scaled by
+    the combine weights scattered into [N, E] (zero for unselected experts, so they add nothing to
+    the output nor to any gradient).
+
+    No data-dependent shapes and no host sync, so it traces under torch.compile and costs a handful
+    of launches; but it does E/k times the expert FLOPs and holds [N, E*I] activations, so it only
+    pays when E*I is small (the `tiny` preset: E=16, I=256, d=256). The training path of
+    `model/moe.py::Experts` uses it.
     """
     N, d = x.shape
     E, inter, _ = w1.shape
-    combine = torch.zeros(N, E, dtype=weights.dtype, device=x.device).scatter_add(1, indices, weights)
+    combine = torch.zeros(N, E, dtype=weights.dtype,
+                          device=x.device).scatter_add(1, indices, weights)
     gate = F.linear(x, w1.reshape(E * inter, d)).view(N, E, inter)
     up = F.linear(x, w3.reshape(E * inter, d)).view(N, E, inter)
     h = (swiglu(gate, up, limit).float() * combine[:, :, None]).to(x.dtype)
-    w2_flat = w2.permute(1, 0, 2).reshape(d, E * inter)                    # column e*I+i is w2[e, :, i]
+    w2_flat = w2.permute(1, 0, 2).reshape(d, E * inter)        # column e*I+i is w2[e, :, i]
     return F.linear(h.reshape(N, E * inter), w2_flat).float()
 
 
 def routed_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                           indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
-    """Same contract as `routed_experts`, as three grouped GEMMs (`torch._grouped_mm`, CUDA bf16, Hopper) with
-    the token-to-expert grouping on the device: no host sync and three launches instead of three per expert."""
+                           indices: torch.Tensor, weights: torch.Tensor,
+                           limit: float) -> torch.Tensor:
+    """Same contract as `routed_experts`, as three grouped GEMMs.
+
+    `torch._grouped_mm` (CUDA bf16, Hopper) with the token-to-expert grouping on the device: no
+    host sync and three launches instead of three per expert.
+    """
     N, k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     offs = torch.cumsum(torch.bincount(flat, minlength=w1.shape[0]), 0).to(torch.int32)
     tokens = order // k
-    xs = x[tokens]                                                            # [N*k, d] grouped by expert
+    xs = x[tokens]                                          # [N*k, d] grouped by expert
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)             # [N*k, I]
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
     h = (swiglu(gate, up, limit).float() * weights.reshape(-1)[order, None]).to(x.dtype)
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                  # [N*k, d]
-    return torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, y.float())
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                 # [N*k, d]
+    return torch.zeros(N, x.shape[1], dtype=torch.float32,
+                       device=x.device).index_add_(0, tokens, y.float())
 
 
 def pack_w13(w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate stacked [E, I, *] w1 and w3 (and their scales) into the `w13` layout: [W1; W3] along dim 1.
+    """Concatenate stacked [E, I, *] w1 and w3 (and scales) into the `w13` layout: [W1; W3], dim 1.
 
-    fp4 scales are per row, fp8 scales per 128-row block: either way the scale tensors concatenate along
-    dim 1 too (w3's fp8 blocks start on a fresh block row, so I need not be a multiple of 128).
+    fp4 scales are per row, fp8 scales per 128-row block: either way the scale tensors concatenate
+    along dim 1 too (w3's fp8 blocks start on a fresh block row, so I need not be a multiple of
+    128).
     """
     w13 = torch.cat((w1, w3), dim=1).contiguous()
     if s1 is None or s3 is None:
@@ -92,8 +105,12 @@ def pack_w13(w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: to
     return w13, torch.cat((s1, s3), dim=1).contiguous()
 
 
-def _dequant_stack(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """[E, out, in(/2)] codes + scales -> [E, out, in] `dtype`, one expert at a time with `dsv4.kernels.ref.quant`."""
+def _dequant_stack(w: torch.Tensor, scale: torch.Tensor | None, fmt: str,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """[E, out, in(/2)] codes + scales -> [E, out, in] `dtype`.
+
+    One expert at a time with `dsv4.kernels.ref.quant`.
+    """
     from dsv4.kernels.ref.quant import dequant_fp4_group, dequant_fp8_block
 
     if fmt == "bf16":
@@ -104,14 +121,15 @@ def _dequant_stack(w: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype:
     return torch.stack([fn(w[e], scale[e], dtype) for e in range(w.shape[0])])
 
 
-def routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
-                         w2_scale: torch.Tensor | None, indices: torch.Tensor, weights: torch.Tensor, limit: float,
-                         fmt: str) -> torch.Tensor:
+def routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+                         w2: torch.Tensor, w2_scale: torch.Tensor | None, indices: torch.Tensor,
+                         weights: torch.Tensor, limit: float, fmt: str) -> torch.Tensor:
     """`routed_experts` on quantised experts: dequantise to x.dtype, then the bf16 reference.
 
     fmt "fp4": w13 [E, 2I, d/2] e2m1 packed + e8m0 [E, 2I, d/32]; w2 [E, d, I/2] + [E, d, I/32].
-    fmt "fp8": w13 [E, 2I, d] e4m3 + e8m0 [E, 2 * ceil(I/128), ceil(d/128)]; w2 [E, d, I] + [E, ceil(d/128),
-    ceil(I/128)]. fmt "bf16": w13 [E, 2I, d], w2 [E, d, I], scales None. w13 = `pack_w13(w1, s1, w3, s3)`.
+    fmt "fp8": w13 [E, 2I, d] e4m3 + e8m0 [E, 2 * ceil(I/128), ceil(d/128)]; w2 [E, d, I] +
+    [E, ceil(d/128), ceil(I/128)]. fmt "bf16": w13 [E, 2I, d], w2 [E, d, I], scales None.
+    w13 = `pack_w13(w1, s1, w3, s3)`.
     """
     w1, w3, w2d = dequant_experts(w13, w13_scale, w2, w2_scale, fmt, x.dtype)
     return routed_experts(x, w1, w2d, w3, indices, weights, limit)
@@ -120,10 +138,15 @@ def routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Te
 def dequant_experts(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
                     w2_scale: torch.Tensor | None, fmt: str, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w1, w3, w2) as dense [E, I, d], [E, I, d], [E, d, I] `dtype` from the `routed_experts_quant` layouts."""
+    """(w1, w3, w2) as dense [E, I, d], [E, I, d], [E, d, I] `dtype`.
+
+    The inputs are in the `routed_experts_quant` layouts.
+    """
     inter = w13.shape[1] // 2
-    split = -(-inter // 128) if fmt == "fp8" else inter     # scale rows of w1: blocks (fp8) or rows (fp4)
+    # scale rows of w1: blocks (fp8) or rows (fp4)
+    split = -(-inter // 128) if fmt == "fp8" else inter
     s1 = w13_scale[:, :split] if w13_scale is not None else None
     s3 = w13_scale[:, split:] if w13_scale is not None else None
-    return (_dequant_stack(w13[:, :inter], s1, fmt, dtype), _dequant_stack(w13[:, inter:], s3, fmt, dtype),
+    return (_dequant_stack(w13[:, :inter], s1, fmt, dtype),
+            _dequant_stack(w13[:, inter:], s3, fmt, dtype),
             _dequant_stack(w2, w2_scale, fmt, dtype))

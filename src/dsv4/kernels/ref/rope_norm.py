@@ -1,13 +1,14 @@
-"""Reference RMSNorm and RoPE ops (spec §4, §6.1-6.2): the pure functions the model's layers use, and
-the per-token ops of the attention block that `kernels/triton/rope_norm.py` implements with the same
-signatures.
+"""Reference RMSNorm and RoPE ops (spec §4, §6.1-6.2): the pure functions the model's layers use,
+and the per-token ops of the attention block that `kernels/triton/rope_norm.py` implements with
+the same signatures.
 
-    rms_normalize       x / rms(x)                           unweighted, statistics in fp32
-    rms_norm            w * x / rms(x)                       weighted (w fp32), cast once to x's dtype
-    apply_rope          interleaved partial RoPE             on the trailing 2 * cos.shape[-1] channels
-    q_norm_rope         q = RoPE(q / rms(q))                 per head, unweighted norm (the q path after wq_b)
-    kv_norm_rope_store  pool[slots] = RoPE(w * kv / rms(kv))  the window kv: weighted norm, RoPE, cache write
-    rope_inverse        o = RoPE^-1(o)                        de-rotation of the attention output
+    rms_normalize       x / rms(x)                   unweighted, statistics in fp32
+    rms_norm            w * x / rms(x)               weighted (w fp32), cast once to x's dtype
+    apply_rope          interleaved partial RoPE     on the trailing 2 * cos.shape[-1] channels
+    q_norm_rope         q = RoPE(q / rms(q))         per head, unweighted norm (q path after wq_b)
+    kv_norm_rope_store  pool[slots] = RoPE(w * kv / rms(kv))
+                                                     the window kv: weighted norm, RoPE, cache write
+    rope_inverse        o = RoPE^-1(o)               de-rotation of the attention output
 
 The serving ops are compositions of the first three, the same torch ops in the same order as the
 full-sequence path of `model/attention.py`, so the `ref` backend computes what that path computes.
@@ -24,17 +25,21 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim in fp32 (weight fp32), cast to x's dtype."""
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim in fp32 (weight fp32).
+
+    Cast once to x's dtype.
+    """
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing 2*cos.shape[-1] channels of x; `inverse` rotates by -φ (de-rotation).
 
-    x: [..., D]; cos/sin broadcastable to [..., rope_dim // 2]. Pairs are (x[2i], x[2i+1]) inside the
-    rope slice (GPT-J / complex layout). Computed in fp32, returned in x's dtype.
+    x: [..., D]; cos/sin broadcastable to [..., rope_dim // 2]. Pairs are (x[2i], x[2i+1]) inside
+    the rope slice (GPT-J / complex layout). Computed in fp32, returned in x's dtype.
     """
     rd = 2 * cos.shape[-1]
     pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
@@ -46,13 +51,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 
 def q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """q: [T, H, D] -> [T, H, D] (q's dtype); cos/sin: [T, rd/2] fp32 (RoPE on the trailing rd channels)."""
+    """q: [T, H, D] -> [T, H, D] (q's dtype); cos/sin: [T, rd/2] fp32 (RoPE on the last rd dims)."""
     return apply_rope(rms_normalize(q, eps), cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
-def kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """kv: [T, D]; weight: [D] fp32; cos/sin: [T, rd/2]; pool: [N, D]; slots: [T] int64 rows of pool (in place)."""
+def kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes the normed, rotated window kv into `pool[slots]` in place.
+
+    kv: [T, D]; weight: [D] fp32; cos/sin: [T, rd/2]; pool: [N, D]; slots: [T] int64 rows of pool.
+    """
     pool[slots] = apply_rope(rms_norm(kv, weight, eps), cos, sin).to(pool.dtype)
 
 

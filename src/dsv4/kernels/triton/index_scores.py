@@ -1,7 +1,8 @@
-"""Triton lightning-indexer scores over the paged indexer-key pool (spec §6.6; serving-reference §1.7).
+"""Triton lightning-indexer scores over the paged indexer-key pool (spec §6.6).
 
-Owns `triton_index_scores`, the fast form of `kernels/ref/indexer.py::paged_index_scores` (same signature,
-same semantics; the `triton` kernel backend maps `KernelOps.index_scores` to it):
+Owns `triton_index_scores`, the fast form of `kernels/ref/indexer.py::paged_index_scores`
+(serving-reference §1.7; same signature, same semantics; the `triton` kernel backend maps
+`KernelOps.index_scores` to it):
 
     scores[t, v] = Σ_h weights[t, h] * ReLU(q[t, h] · keys[candidates[t, v]])     fp32
     scores[t, v] = -inf                                 where candidates[t, v] < 0
@@ -9,34 +10,34 @@ same semantics; the `triton` kernel backend maps `KernelOps.index_scores` to it)
 Kernel design. Grid = (T, num_splits); program (t, s) owns the contiguous candidate range
 [s * blocks_per_program * BLOCK_V, (s + 1) * blocks_per_program * BLOCK_V) of query row t:
 
-    load q[t]^T once as a [BLOCK_D, BLOCK_H] tile and weights[t] as [BLOCK_H]    (reused by every block)
+    load q[t]^T once ([BLOCK_D, BLOCK_H] tile) and weights[t] ([BLOCK_H]), reused by every block
     for each BLOCK_V block of the range:
-        slots = candidates[t, block]                      # -1 (and columns >= V) -> masked
-        K     = keys[slots]                               # [BLOCK_V, BLOCK_D] gathered rows, 0 where masked
-        S     = tl.dot(K, q^T)                            # [BLOCK_V, BLOCK_H], fp32 accumulate
+        slots = candidates[t, block]          # -1 (and columns >= V) -> masked
+        K     = keys[slots]                   # [BLOCK_V, BLOCK_D] gathered rows, 0 where masked
+        S     = tl.dot(K, q^T)                # [BLOCK_V, BLOCK_H], fp32 accumulate
         out   = Σ_h ReLU(S) * w[h]   (-inf where slot < 0)
 
-Why this shape: one key row is Id * 2 = 256 contiguous bytes (bf16), so the gather is row-granular and
-coalesced; putting candidates on the MMA M dimension makes the head reduction an in-thread / intra-quad
-reduction along N instead of a cross-warp one; looping over several blocks per program amortises the
-16 KB q tile (as large as a 64-row key tile) and lets the compiler pipeline the candidate -> key loads.
-Invariants: Ih, Id are padded to powers of two >= 16 (tl.dot minimum) with zero q rows and zero weights,
-which contribute exactly 0; ReLU(0) = 0 keeps exact zeros exact, so the tie structure the top-k relies on
-(kernels/ref/indexer.py) is the reference's; every candidate slot must be < keys.shape[0] (not checked:
-checking would need a host sync).
+Why this shape: one key row is Id * 2 = 256 contiguous bytes (bf16), so the gather is row-granular
+and coalesced; putting candidates on the MMA M dimension makes the head reduction an in-thread /
+intra-quad reduction along N instead of a cross-warp one; looping over several blocks per program
+amortises the 16 KB q tile (as large as a 64-row key tile) and lets the compiler pipeline the
+candidate -> key loads. Invariants: Ih, Id are padded to powers of two >= 16 (tl.dot minimum) with
+zero q rows and zero weights, which contribute exactly 0; ReLU(0) = 0 keeps exact zeros exact, so
+the tie structure the top-k relies on (kernels/ref/indexer.py) is the reference's; every candidate
+slot must be < keys.shape[0] (not checked: checking would need a host sync).
 
-Sharing keys across queries (prefill). In prefill many query rows of one request carry the same candidate
-row (the request's C4 entries in entry order), differing only in how long the visible prefix is. Two
-levels of reuse:
-  * implemented: query t is grid axis 0, the fastest-varying one, so the programs in flight at once are
-    consecutive queries over the SAME candidate block; their key gathers hit in L2 and HBM sees each key
-    block about once per wave even when the request's keys (V * 256 B) exceed L2.
-  * not implemented (documented for a later PR): a grouped variant where one program handles G query rows
-    of one request (N = G * Ih in the MMA) and gathers each key block once into shared memory. It needs
-    the request structure (one candidate row per request + per-query visible counts), which the
-    `paged_index_scores` signature does not carry, so it would come with a registry signature change.
-    It would cut L2 -> SM traffic by G; prefill is already bounded by the tl.dot FLOPs (Ih*Id*2 = 16 K
-    FLOP per (query, key) against 256 B of key), so the gain is bounded there.
+Sharing keys across queries (prefill). In prefill many query rows of one request carry the same
+candidate row (the request's C4 entries in entry order), differing only in how long the visible
+prefix is. Two levels of reuse:
+  * implemented: query t is grid axis 0, the fastest-varying one, so the programs in flight at once
+    are consecutive queries over the SAME candidate block; their key gathers hit in L2 and HBM sees
+    each key block about once per wave even when the request's keys (V * 256 B) exceed L2.
+  * not implemented: a grouped variant where one program handles G query rows of one request
+    (N = G * Ih in the MMA) and gathers each key block once into shared memory. It needs the
+    request structure (one candidate row per request + per-query visible counts), which the
+    `paged_index_scores` signature does not carry, so it would come with a registry signature
+    change. It would cut L2 -> SM traffic by G; prefill is already bounded by the tl.dot FLOPs
+    (Ih*Id*2 = 16 K FLOP per (query, key) against 256 B of key), so the gain is bounded there.
 
 Test: tests/kernels/test_index_scores.py (interpreter parity on CPU, `-m gpu` at real shapes).
 Benchmark: benchmarks/kernels/bench_index_scores.py.
@@ -54,7 +55,7 @@ from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
-_PROGRAMS_PER_SM = 4            # splits target: enough resident programs to keep the gathers in flight
+_PROGRAMS_PER_SM = 4            # splits target: enough resident programs to keep gathers in flight
 _MAX_BLOCKS_PER_PROGRAM = 16
 _MAX_GRID_Y = 65535             # CUDA limit on grid dim 1 (the splits)
 
@@ -74,15 +75,16 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < Ih
     d_mask = offs_d < Id
-    # NOTE: EVEN_D (Id == BLOCK_D, the V4 indexer's 128) leaves the column mask out of the loads (`tile_masks`):
-    # 16-byte loads, and the key gather becomes cp.async into shared memory, pipelined over the blocks
+    # NOTE: EVEN_D (Id == BLOCK_D, the V4 indexer's 128) leaves the column mask out of the loads
+    # (`tile_masks`): 16-byte loads, and the key gather becomes cp.async into shared memory,
+    # pipelined over the blocks
     if EVEN_D:
         q_mask = tl.broadcast_to(h_mask[None, :], (BLOCK_D, BLOCK_H))
     else:
         q_mask = d_mask[:, None] & h_mask[None, :]
-    qt = tl.load(q_ptr + t * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None], mask=q_mask,
-                 other=0.0)                                                     # [BLOCK_D, BLOCK_H]
-    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0)          # [BLOCK_H] fp32
+    qt = tl.load(q_ptr + t * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
+                 mask=q_mask, other=0.0)                                # [BLOCK_D, BLOCK_H]
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0)  # [BLOCK_H] fp32
     if FP32_DOT:
         qt = qt.to(tl.float32)
 
@@ -92,16 +94,17 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     for b in range(first, last):
         offs_v = b * BLOCK_V + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V
-        slots = tl.load(cand_ptr + t * stride_ct + offs_v, mask=v_mask, other=-1)  # [BLOCK_V] int64
+        slots = tl.load(cand_ptr + t * stride_ct + offs_v, mask=v_mask,
+                        other=-1)                                       # [BLOCK_V] int64
         valid = slots >= 0
-        k = tl.load(k_ptr + slots[:, None] * stride_kn + offs_d[None, :], mask=rows_mask(valid, d_mask, EVEN_D),
-                    other=0.0)                                                  # [BLOCK_V, BLOCK_D]
+        k = tl.load(k_ptr + slots[:, None] * stride_kn + offs_d[None, :],
+                    mask=rows_mask(valid, d_mask, EVEN_D), other=0.0)   # [BLOCK_V, BLOCK_D]
         if FP32_DOT:
             # NOTE: "ieee", not tf32: fp32 callers expect reference-exact scores (top-k ties).
-            s = tl.dot(k.to(tl.float32), qt, input_precision="ieee")             # [BLOCK_V, BLOCK_H]
+            s = tl.dot(k.to(tl.float32), qt, input_precision="ieee")    # [BLOCK_V, BLOCK_H]
         else:
             s = tl.dot(k, qt)
-        score = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)                   # [BLOCK_V]
+        score = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)         # [BLOCK_V]
         score = tl.where(valid, score, float("-inf"))
         tl.store(out_ptr + t * stride_ot + offs_v, score, mask=v_mask)
 
@@ -112,9 +115,9 @@ def _num_sms(index: int) -> int:
 
 
 def _blocks_per_program(T: int, num_blocks: int, device: torch.device) -> int:
-    """Smallest power of two (<= _MAX_BLOCKS_PER_PROGRAM) whose grid fits _PROGRAMS_PER_SM programs per SM: one
-    wave (1 on CPU). H200, decode T = 1, V = 65,536 (1024 blocks of 64): 1 / 2 / 4 blocks per program 9.2 / 8.2 /
-    10.4 us; the largest power of two below that count, the former rule, gave 1 there."""
+    """Smallest power of two (<= _MAX_BLOCKS_PER_PROGRAM) whose grid fits _PROGRAMS_PER_SM programs
+    per SM: one wave (1 on CPU). At decode T = 1, V = 65,536 (1024 blocks of 64) that is 2, the
+    H200's fastest of 1 / 2 / 4 (benchmarks/results/kernels_i_h200_202611.md)."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 1
     want = min(_MAX_BLOCKS_PER_PROGRAM, triton.cdiv(T * num_blocks, _PROGRAMS_PER_SM * sms))
@@ -124,46 +127,53 @@ def _blocks_per_program(T: int, num_blocks: int, device: torch.device) -> int:
 def _needs_fp32_dot(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """16-bit tl.dot only when q and keys share a 16-bit dtype, and only compiled (CUDA).
 
-    NOTE: CPU tensors run under TRITON_INTERPRET=1, whose tl.dot multiplies the raw uint16 bit patterns
-    of bfloat16 operands (triton-lang/triton#11584, "not supported yet"); upcasting first is exact,
-    since bf16 x bf16 products are exact in fp32, so the interpreter still checks the kernel's logic.
+    NOTE: CPU tensors run under TRITON_INTERPRET=1, whose tl.dot multiplies the raw uint16 bit
+    patterns of bfloat16 operands (triton-lang/triton#11584, "not supported yet"); upcasting first
+    is exact, since bf16 x bf16 products are exact in fp32, so the interpreter still checks the
+    kernel's logic.
     """
     return q.device.type != "cuda" or q.dtype != keys.dtype or q.dtype == torch.float32
 
 
-def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor) -> None:
+def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+           candidates: torch.Tensor) -> None:
     if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2 or candidates.dim() != 2:
-        raise ValueError(f"expected q [T, Ih, Id], weights [T, Ih], keys [N, Id], candidates [T, V]; got "
-                         f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(keys.shape)}, {tuple(candidates.shape)}")
+        raise ValueError(f"expected q [T, Ih, Id], weights [T, Ih], keys [N, Id], "
+                         f"candidates [T, V]; got {tuple(q.shape)}, {tuple(weights.shape)}, "
+                         f"{tuple(keys.shape)}, {tuple(candidates.shape)}")
     T, Ih, Id = q.shape
     if tuple(weights.shape) != (T, Ih) or keys.shape[1] != Id or candidates.shape[0] != T:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, weights {tuple(weights.shape)}, "
                          f"keys {tuple(keys.shape)}, candidates {tuple(candidates.shape)}")
     if q.dtype not in _DOT_DTYPES or keys.dtype not in _DOT_DTYPES:
-        raise ValueError(f"q/keys dtype must be one of {_DOT_DTYPES}; got {q.dtype}, {keys.dtype}")
+        raise ValueError(f"q/keys dtype must be one of {_DOT_DTYPES}; got {q.dtype}, "
+                         f"{keys.dtype}")
     if weights.dtype != torch.float32 or candidates.dtype != torch.int64:
-        raise ValueError(f"weights must be float32 and candidates int64; got {weights.dtype}, {candidates.dtype}")
+        raise ValueError(f"weights must be float32 and candidates int64; got {weights.dtype}, "
+                         f"{candidates.dtype}")
     devices = {q.device, weights.device, keys.device, candidates.device}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
     for name, x in (("q", q), ("weights", weights), ("keys", keys), ("candidates", candidates)):
         if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous; got strides {x.stride()} for shape {tuple(x.shape)}")
+            raise ValueError(f"{name} must be contiguous; got strides {x.stride()} for shape "
+                             f"{tuple(x.shape)}")
 
 
-def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor,
-                        *, block_v: int = 64, blocks_per_program: int | None = None, num_warps: int = 4,
+def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                        candidates: torch.Tensor, *, block_v: int = 64,
+                        blocks_per_program: int | None = None, num_warps: int = 4,
                         num_stages: int = 2) -> torch.Tensor:
     """Same contract as `paged_index_scores`: returns [T, V] fp32, -inf where candidates < 0.
 
-    q: [T, Ih, Id] bf16/fp16/fp32; weights: [T, Ih] fp32 (already scaled); keys: [N, Id] bf16/fp16/fp32;
-    candidates: [T, V] int64 pool slots, -1 = none, every other slot < N. All contiguous, one device.
-    q and keys of the same 16-bit dtype run a 16-bit tl.dot; anything else runs an fp32 (ieee) dot.
-    Keyword arguments are tuning knobs (benchmark sweeps, tests); the defaults are the H200 sweep's best for
-    Ih = 64, Id = 128 at decode T = 1 (`bench_index_scores.py --sweep`; V 65,536 / 262,144: 64/4/2 9.3 / 24.3 us,
-    64/4/3 10.6 / 24.8 us, every other of 11 configurations slower); blocks per program by `_blocks_per_program`
-    (sixth session: 8.3 / 23.8 us, the first as fast as a device copy of the same 17.6 MB).
-    No host syncs: safe inside CUDA-graph capture.
+    `q`: [T, Ih, Id] bf16/fp16/fp32; `weights`: [T, Ih] fp32 (already scaled); `keys`: [N, Id]
+    bf16/fp16/fp32; `candidates`: [T, V] int64 pool slots, -1 = none, every other slot < N. All
+    contiguous, one device. q and keys of the same 16-bit dtype run a 16-bit tl.dot; anything else
+    runs an fp32 (ieee) dot. Keyword arguments are tuning knobs (benchmark sweeps, tests); the
+    defaults (block_v 64, 4 warps, 2 stages) are the H200 sweep's best of 11 configurations for
+    Ih = 64, Id = 128 at decode T = 1 and V 65,536 / 262,144 (`bench_index_scores.py --sweep`;
+    benchmarks/results/kernels_i_h200_202611.md); blocks per program by `_blocks_per_program`. No
+    host syncs: safe inside CUDA-graph capture.
     """
     _check(q, weights, keys, candidates)
     if block_v < _MIN_DOT or block_v & (block_v - 1):
@@ -180,7 +190,8 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     _index_scores_kernel[grid](
         q, weights, keys, candidates, out,
         V, Ih, Id, bpp,
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), candidates.stride(0), out.stride(0),
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), candidates.stride(0),
+        out.stride(0),
         BLOCK_V=block_v,
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(Ih)),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(Id)),

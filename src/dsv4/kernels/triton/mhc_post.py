@@ -1,11 +1,13 @@
 """Fused mHC post step (spec §5) in Triton: X'[k] = post[k] f + Σ_j comb[j, k] X[j] per token.
 
-Owns `triton_mhc_post`, the fast form of `kernels/ref/mhc.py::mhc_post` (same signature, same semantics), and its
-default chunking. The pre and head steps, and the shared input checks, live in `mhc.py`.
+Owns `triton_mhc_post`, the fast form of `kernels/ref/mhc.py::mhc_post` (same signature, same
+semantics), and its default chunking. The pre and head steps live in `mhc.py`, the shared input
+checks in `launch.py`.
 
-Kernel design: grid (T, cdiv(d, BLOCK_D)); one pass: each program reads x [n, BLOCK_D] and f [BLOCK_D] once and
-writes x' [n, BLOCK_D] once, mixing the n streams in fp32 registers. Invariants: x contiguous [T, n, d]; padded
-streams (NP > n) carry weight 0 and are never stored. No host syncs: CUDA-graph safe.
+Kernel design: grid (T, cdiv(d, BLOCK_D)); one pass: each program reads x [n, BLOCK_D] and
+f [BLOCK_D] once and writes x' [n, BLOCK_D] once, mixing the n streams in fp32 registers.
+Invariants: x contiguous [T, n, d]; padded streams (NP > n) carry weight 0 and are never stored.
+No host syncs: CUDA-graph safe.
 
 Test: tests/kernels/test_mhc_triton.py. Benchmark: benchmarks/kernels/bench_mhc.py.
 """
@@ -16,12 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.mhc import _X_DTYPES, _expect, _one_device, _pow2, _sms
+from dsv4.kernels.triton.launch import X_DTYPES, expect, one_device, pow2, sms
 
 
 @triton.jit
-def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, stride_ft,  # type: ignore[no-untyped-def]
-                     N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,  # type: ignore[no-untyped-def]
+                     stride_ft, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+                     EVEN_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, NP)
@@ -32,48 +35,51 @@ def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, stride_ft,  #
             xj = tl.load(x_ptr + (t * N + j) * D + offs_d)
         else:
             xj = tl.load(x_ptr + (t * N + j) * D + offs_d, mask=d_ok, other=0.0)
-        cj = tl.load(comb_ptr + t * N * N + j * N + k, mask=k < N, other=0.0)      # comb[t, j, :]
+        cj = tl.load(comb_ptr + t * N * N + j * N + k, mask=k < N, other=0.0)  # comb[t, j, :]
         mixed += cj[:, None] * xj.to(tl.float32)[None, :]
     if EVEN_D:
-        f = tl.load(f_ptr + t * stride_ft + offs_d).to(tl.float32)                  # [BLOCK_D]
+        f = tl.load(f_ptr + t * stride_ft + offs_d).to(tl.float32)              # [BLOCK_D]
     else:
         f = tl.load(f_ptr + t * stride_ft + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + t * N + k, mask=k < N, other=0.0)
-    out = post[:, None] * f[None, :] + mixed                                          # [NP, BLOCK_D]
-    tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(k < N)[:, None] & d_ok[None, :])
+    out = post[:, None] * f[None, :] + mixed                                # [NP, BLOCK_D]
+    tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(k < N)[:, None] & d_ok[None, :])
 
 
 def default_post_block_d(T: int, d: int, device: torch.device) -> int:
-    """Widest d chunk (<= 1024: 16-byte bf16 loads at 4 warps) that still gives >= 2 programs per SM."""
+    """Widest d chunk (<= 1024: 16-byte bf16 loads at 4 warps) that still gives >= 2 programs per
+    SM."""
     bd = min(1024, triton.next_power_of_2(d))
-    while bd > 256 and T * triton.cdiv(d, bd) < 2 * _sms(device):
+    while bd > 256 and T * triton.cdiv(d, bd) < 2 * sms(device):
         bd //= 2
     return bd
 
 
 def triton_mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
                     block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """Same contract as `mhc_post`: X'[k] = post[k] f + Σ_j comb[j, k] X[j] -> [T, n, d] in x's dtype.
+    """Same contract as `mhc_post`: X'[k] = post[k] f + Σ_j comb[j, k] X[j] -> [T, n, d] in x's
+    dtype.
 
-    f: [T, d] (unit stride in d; any row stride), bf16 / fp16 / fp32; x: [T, n, d] contiguous; post [T, n],
-    comb [T, n, n] contiguous fp32. One pass: x and f read once, x' written once. Graph-capture safe.
+    f: [T, d] (unit stride in d; any row stride), bf16 / fp16 / fp32; x: [T, n, d] contiguous;
+    post [T, n], comb [T, n, n] contiguous fp32. One pass: x and f read once, x' written once.
+    Graph-capture safe.
     """
     if x.dim() != 3:
         raise ValueError(f"x must be [T, n, d]; got {list(x.shape)}")
     T, n, d = x.shape
-    _expect("x", x, (T, n, d), _X_DTYPES)
-    _expect("post", post, (T, n), (torch.float32,))
-    _expect("comb", comb, (T, n, n), (torch.float32,))
-    if tuple(f.shape) != (T, d) or f.dtype not in _X_DTYPES or (T > 0 and f.stride(1) != 1):
-        raise ValueError(f"f must be [{T}, {d}] of {_X_DTYPES} with unit stride in d; got {list(f.shape)} "
-                         f"{f.dtype} strides {f.stride()}")
-    _one_device(f, x, post, comb)
+    expect("x", x, (T, n, d), X_DTYPES)
+    expect("post", post, (T, n), (torch.float32,))
+    expect("comb", comb, (T, n, n), (torch.float32,))
+    if tuple(f.shape) != (T, d) or f.dtype not in X_DTYPES or (T > 0 and f.stride(1) != 1):
+        raise ValueError(f"f must be [{T}, {d}] of {X_DTYPES} with unit stride in d; "
+                         f"got {list(f.shape)} {f.dtype} strides {f.stride()}")
+    one_device(f, x, post, comb)
     out = torch.empty_like(x)
     if T == 0:
         return out
-    bd = _pow2("block_d", block_d or default_post_block_d(T, d, x.device), 1)
+    bd = pow2("block_d", block_d or default_post_block_d(T, d, x.device), 1)
     _mhc_post_kernel[(T, triton.cdiv(d, bd))](
-        f, x, post, comb, out, d, f.stride(0), N=n, NP=triton.next_power_of_2(n), BLOCK_D=bd, EVEN_D=d % bd == 0,
-        num_warps=num_warps or max(1, min(8, bd // 256)))
+        f, x, post, comb, out, d, f.stride(0), N=n, NP=triton.next_power_of_2(n), BLOCK_D=bd,
+        EVEN_D=d % bd == 0, num_warps=num_warps or max(1, min(8, bd // 256)))
     return out

@@ -1,48 +1,52 @@
-"""Triton routed experts with weight-only quantised experts (spec §8, §11.2, §12; issue 7 kernel 2).
+"""Triton routed experts with weight-only quantised experts (spec §8, §11.2, §12; issue 7).
 
-Owns `triton_routed_experts_quant`, the fast form of `kernels/ref/moe.py::routed_experts_quant` (same
-signature, same semantics):
+Owns `triton_routed_experts_quant`, the fast form of `kernels/ref/moe.py::routed_experts_quant`
+(same signature, same semantics):
 
-    y[t] = Σ_k weights[t,k] * W2_e( silu(min(W1_e x_t, limit)) * clamp(W3_e x_t, -limit, limit) ),  e = indices[t,k]
+    y[t] = Σ_k weights[t,k] * W2_e( silu(min(W1_e x_t, limit)) * clamp(W3_e x_t, -limit, limit) ),
+    e = indices[t,k]
 
-Weight formats (`fmt`), all stacked over experts; w1 and w3 are concatenated along the output dim at load
-time into one `w13` ([W1; W3], rows [0, I) gate, [I, 2I) up; `ref/moe.py::pack_w13` builds it):
-    "fp4"   checkpoint layout: e2m1 packed uint8/int8, low nibble first. w13 [E, 2I, d/2] + UE8M0 scales
-            [E, 2I, d/32]; w2 [E, d, I/2] + [E, d, I/32].
-    "fp8"   e4m3 [E, out, in] + UE8M0 128x128 block scales [E, ceil(out/128), ceil(in/128)]; the w13 scale is
-            cat(s1, s3) along dim 1, i.e. [E, 2 * ceil(I/128), ceil(d/128)] (w3's blocks start on a fresh
-            block row, so I need not be a multiple of 128).
+Weight formats (`fmt`), all stacked over experts; w1 and w3 are concatenated along the output dim at
+load time into one `w13` ([W1; W3], rows [0, I) gate, [I, 2I) up; `ref/moe.py::pack_w13` builds it):
+    "fp4"   checkpoint layout: e2m1 packed uint8/int8, low nibble first. w13 [E, 2I, d/2] + UE8M0
+            scales [E, 2I, d/32]; w2 [E, d, I/2] + [E, d, I/32].
+    "fp8"   e4m3 [E, out, in] + UE8M0 128x128 block scales [E, ceil(out/128), ceil(in/128)]; the w13
+            scale is cat(s1, s3) along dim 1, i.e. [E, 2 * ceil(I/128), ceil(d/128)] (w3's blocks
+            start on a fresh block row, so I need not be a multiple of 128).
     "bf16"  plain [E, 2I, d] / [E, d, I] (any float dtype); scales are None.
 
-Kernel design. Weights are dequantised in registers inside the K-loop: each [BLOCK_K, BLOCK_N] tile of W^T
-is loaded as raw codes, decoded (e2m1: sign + 2-bit exponent + 1-bit mantissa by integer arithmetic;
-e4m3: bitcast to float8e4nv and convert), cast to bf16 (exact: both formats have <= 3 mantissa bits) and fed
-to tl.dot with fp32 accumulation; the 2^(code-127) scale multiplies the dot's [BM, BLOCK_N] result once per
-scale block and output row (exact: a power of two), never each weight. Hopper has no FP4 MMA, so this is
-the weight-only scheme; the activations stay bf16 (the QAT act_quant of §11 is not simulated). FP4 tiles are
-never interleaved: per 32-wide scale group a contiguous [16, BLOCK_N] byte tile is decoded into its low- and
-high-nibble halves, which meet the activations' even and odd columns in two dots (`_fp4_group`).
+Kernel design. Weights are dequantised in registers inside the K-loop: each [BLOCK_K, BLOCK_N] tile
+of W^T is loaded as raw codes, decoded (e2m1: sign + 2-bit exponent + 1-bit mantissa by integer
+arithmetic; e4m3: bitcast to float8e4nv and convert), cast to bf16 (exact: both formats have <= 3
+mantissa bits) and fed to tl.dot with fp32 accumulation; the 2^(code-127) scale multiplies the
+dot's [BM, BLOCK_N] result once per scale block and output row (exact: a power of two), never each
+weight. Hopper has no FP4 MMA, so this is the weight-only scheme; the activations stay bf16 (the QAT
+act_quant of §11 is not simulated). FP4 tiles are never interleaved: per 32-wide scale group a
+contiguous [16, BLOCK_N] byte tile is decoded into its low- and high-nibble halves, which meet the
+activations' even and odd columns in two dots (`moe_decode.py::fp4_group`).
 
-Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (`torch.argsort`, stable);
-per-expert row ranges come from `torch.searchsorted` on the sorted ids (NOTE: CUDA `torch.bincount` reads
-the max on the host to size its output, which would break graph capture). Each expert's rows are cut into
-tiles of BLOCK_M ("moe_align_block_size" without materialised padding): tile j of expert e covers sorted
-rows [start_e + j*BLOCK_M, min(start_e + (j+1)*BLOCK_M, end_e)). The grid is a fixed upper bound on the
-number of tiles, max_tiles = (N*k + min(E, N*k) * (BLOCK_M - 1)) // BLOCK_M, known from shapes alone; a
-device-side tile map (tile -> expert, row start, row end; built with torch ops) tells each program what it
-owns, and surplus programs see an empty range and exit. Grid = (max_tiles, cdiv(out, BLOCK_N)).
+Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (`torch.argsort`,
+stable); per-expert row ranges come from `torch.searchsorted` on the sorted ids (NOTE: CUDA
+`torch.bincount` reads the max on the host to size its output, which would break graph capture).
+Each expert's rows are cut into tiles of BLOCK_M ("moe_align_block_size" without materialised
+padding): tile j of expert e covers sorted rows
+[start_e + j*BLOCK_M, min(start_e + (j+1)*BLOCK_M, end_e)). The grid is a fixed upper bound on the
+number of tiles, max_tiles = (N*k + min(E, N*k) * (BLOCK_M - 1)) // BLOCK_M, known from shapes
+alone; a device-side tile map (tile -> expert, row start, row end; built with torch ops) tells each
+program what it owns, and surplus programs see an empty range and exit.
 
-Two launches:
-  1. gate/up: A = x[token of each sorted row] (gathered rows), two accumulators (W1 rows n, W3 rows I + n)
-     so SwiGLU + clamp and the routing weight are fused in the epilogue; writes h [N*k, I] (x.dtype) in
-     sorted order.
-  2. down: A = h rows (contiguous), y = h @ W2^T; the epilogue either atomically adds y into out[token]
-     (fp32, default: the k contributions of a token land in an unspecified order, so the result is not
-     bit-reproducible run to run), or with `deterministic=True` stores y at its (token, k) slot of an
-     [N*k, d] fp32 buffer that is then summed over k in a fixed order (extra N*k*d*8 bytes of traffic).
+Two launches, each on grid (max_tiles, cdiv(out, BLOCK_N)):
+  1. gate/up: A = x[token of each sorted row] (gathered rows), two accumulators (W1 rows n, W3 rows
+     I + n) so SwiGLU + clamp and the routing weight are fused in the epilogue; writes h [N*k, I]
+     (x.dtype) in sorted order.
+  2. down: A = h rows (contiguous), y = h @ W2^T; the epilogue either atomically adds y into
+     out[token] (fp32, default: the k contributions of a token land in an unspecified order, so the
+     result is not bit-reproducible run to run), or with `deterministic=True` stores y at its
+     (token, k) slot of an [N*k, d] fp32 buffer that is then summed over k in a fixed order (extra
+     N*k*d*8 bytes of traffic).
 
-No host syncs: safe inside CUDA-graph capture. Every index must lie in [0, E) (not checked: a host sync).
-Test: tests/kernels/test_moe_quant.py. Benchmark: benchmarks/kernels/bench_moe_quant.py.
+No host syncs: safe inside CUDA-graph capture. Every index must lie in [0, E) (not checked: a host
+sync). Test: tests/kernels/test_moe_quant.py. Benchmark: benchmarks/kernels/bench_moe_quant.py.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.moe_decode import dot, fp4_dot, fp8_scale, w_tile
+
 FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}
 _FP8_BLOCK = 128
 _FP4_GROUP = 32
@@ -58,91 +64,9 @@ _MIN_DOT = 16
 
 
 @triton.jit
-def _e8m0(code):  # type: ignore[no-untyped-def]
-    # NOTE: code 0 (2^-127, a float32 subnormal) decodes to 0.0 here; no real scale is that small.
-    return (code.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1(nib):  # type: ignore[no-untyped-def]
-    """e2m1 code (int32 in [0, 16)) -> its bf16 value, assembled from bits: no int-to-float convert (quarter rate
-    on sm_90) and no fp32 -> bf16 one. |v| = m / 2 for exponent 0, else 2^(e-1) * (1 + m/2): bf16 exponent field
-    e + 126, mantissa MSB m; the sign is the code's bit 3."""
-    e = (nib >> 1) & 3
-    m = nib & 1
-    bits = tl.where(e == 0, m * 0x3F00, ((e + 126) << 7) | (m << 6)) | ((nib & 8) << 12)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _w_tile(w_ptr, e, rows, offs_k, mask, stride_we, stride_wn, FMT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """[BLOCK_K, BLOCK_N] fp32 tile of W_e^T, unscaled (rows: W's output rows): bf16 values or e4m3 codes."""
-    wbase = w_ptr + e * stride_we + rows[None, :] * stride_wn
-    # NOTE: if / else, not an early return: the compiler would still type-check the fp8 bitcast for bf16 weights
-    if FMT == 0:
-        w = tl.load(wbase + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
-    else:
-        w = tl.load(wbase + offs_k[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return w
-
-
-@triton.jit
-def _fp8_scale(s_ptr, e, srows, k0, n_mask, stride_se, stride_sn):  # type: ignore[no-untyped-def]
-    """[BLOCK_N] 2^(code-127) of the tile's 128x128 scale blocks: one per output row, as BLOCK_K divides 128.
-
-    Applied to the tile's dot product rather than to each weight: a power of two commutes exactly with the
-    product, and one [BLOCK_N] load replaces a per-element scale gather (the [BLOCK_K, BLOCK_N] broadcast load
-    issued one byte load per element)."""
-    return _e8m0(tl.load(s_ptr + e * stride_se + srows * stride_sn + k0 // 128, mask=n_mask, other=127))
-
-
-@triton.jit
-def _fp4_group(a_rows, a_mask, w_ptr, s_ptr, e, rows, kg, K, n_mask,  # type: ignore[no-untyped-def]
-               stride_we, stride_wn, stride_se, stride_sn, FP32_DOT: tl.constexpr):
-    """[BM, BLOCK_N] partial product over the 32 k of one scale group [kg, kg + 32) from packed e2m1 bytes.
-
-    Byte j of a row holds k = 2j (low nibble) and 2j+1 (high nibble). The group's 16 bytes per row are loaded
-    as one contiguous [16, BN] tile (no interleave: per-element byte gathers measured 46x the byte floor); the
-    activations' even and odd columns meet the low and high nibbles in two K = 16 dots of the unscaled e2m1
-    values (exact in bf16), and the group's per-row scale multiplies the sum (a power of two: exact).
-    a_rows: [BM, 1] row pointers; a_mask: [BM, 1]. K is a multiple of 32 (checked), so a group is all in or out."""
-    offs_j = kg // 2 + tl.arange(0, 16)
-    ke = 2 * offs_j
-    k_ok = ke < K
-    a_even = tl.load(a_rows + ke[None, :], mask=a_mask & k_ok[None, :], other=0.0)
-    a_odd = tl.load(a_rows + ke[None, :] + 1, mask=a_mask & k_ok[None, :], other=0.0)
-    raw = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_j[:, None],
-                  mask=k_ok[:, None] & n_mask[None, :], other=0).to(tl.int32)
-    part = _dot(a_even, _e2m1(raw & 15), FP32_DOT) + _dot(a_odd, _e2m1((raw >> 4) & 15), FP32_DOT)
-    in_k = (tl.zeros_like(rows) + kg) < K                 # (a [BN] mask: the interpreter refuses a scalar bool)
-    scale = _e8m0(tl.load(s_ptr + e * stride_se + rows * stride_sn + kg // 32, mask=n_mask & in_k, other=127))
-    return part * scale[None, :]
-
-
-@triton.jit
-def _fp4_dot(a_rows, a_mask, w_ptr, s_ptr, e, rows, k0, K, n_mask,  # type: ignore[no-untyped-def]
-             stride_we, stride_wn, stride_se, stride_sn, FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BM, BLOCK_N] partial product A[:, k0:k0+BLOCK_K] @ W_e^T[k0:k0+BLOCK_K, rows]: BLOCK_K / 32 groups."""
-    part = _fp4_group(a_rows, a_mask, w_ptr, s_ptr, e, rows, k0, K, n_mask,
-                      stride_we, stride_wn, stride_se, stride_sn, FP32_DOT)
-    for g in tl.static_range(1, BLOCK_K // 32):
-        part += _fp4_group(a_rows, a_mask, w_ptr, s_ptr, e, rows, k0 + 32 * g, K, n_mask,
-                           stride_we, stride_wn, stride_se, stride_sn, FP32_DOT)
-    return part
-
-
-@triton.jit
-def _dot(a, w, FP32_DOT: tl.constexpr):  # type: ignore[no-untyped-def]
-    if FP32_DOT:
-        # NOTE: the interpreter's tl.dot mishandles bf16 (triton-lang/triton#11584); fp32 "ieee" is exact here.
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
-
-
-@triton.jit
 def _gate_up_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
-    K, INTER, limit,
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr,
+    t_exp_ptr, K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -151,8 +75,8 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     row_start = tl.load(t_start_ptr + tile)
     row_end = tl.load(t_end_ptr + tile)
     if row_start < row_end:
-        e = tl.load(t_exp_ptr + tile).to(tl.int64)        # NOTE: int64: e * stride_we passes 2^31 at Flash
-        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)     # NOTE: int64: N*k*I can pass 2^31
+        e = tl.load(t_exp_ptr + tile).to(tl.int64)  # NOTE: int64: e * stride_we passes 2^31 (Flash)
+        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)  # NOTE: int64: N*k*I can pass 2^31
         p_mask = offs_p < row_end
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
         tok = slot // TOPK
@@ -167,29 +91,33 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
         for k0 in range(0, K, BLOCK_K):
             if FMT == 2:
                 x_rows = x_ptr + tok[:, None] * stride_x
-                acc_g += _fp4_dot(x_rows, p_mask[:, None], w1_ptr, s1_ptr, e, offs_n, k0, K, n_mask,
-                                  stride_we, stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K)
-                acc_u += _fp4_dot(x_rows, p_mask[:, None], w3_ptr, s3_ptr, e, offs_n, k0, K, n_mask,
-                                  stride_we, stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K)
+                acc_g += fp4_dot(x_rows, p_mask[:, None], w1_ptr, s1_ptr, e, offs_n, k0, K,
+                                  n_mask, stride_we, stride_wn, stride_se, stride_sn, FP32_DOT,
+                                  BLOCK_K)
+                acc_u += fp4_dot(x_rows, p_mask[:, None], w3_ptr, s3_ptr, e, offs_n, k0, K,
+                                  n_mask, stride_we, stride_wn, stride_se, stride_sn, FP32_DOT,
+                                  BLOCK_K)
             else:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < K
                 a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
                             mask=p_mask[:, None] & k_mask[None, :], other=0.0)
                 mask = k_mask[:, None] & n_mask[None, :]
-                pg = _dot(a, _w_tile(w1_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT), FP32_DOT)
-                pu = _dot(a, _w_tile(w3_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT), FP32_DOT)
+                pg = dot(a, w_tile(w1_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT),
+                          FP32_DOT)
+                pu = dot(a, w_tile(w3_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT),
+                          FP32_DOT)
                 if FMT == 1:
-                    pg *= _fp8_scale(s1_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
-                    pu *= _fp8_scale(s3_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
+                    pg *= fp8_scale(s1_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
+                    pu *= fp8_scale(s3_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
                 acc_g += pg
                 acc_u += pu
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         rw = tl.load(rw_ptr + slot, mask=p_mask, other=0.0)
         h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
-        tl.store(h_ptr + offs_p[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=p_mask[:, None] & n_mask[None, :])
+        tl.store(h_ptr + offs_p[:, None] * stride_h + offs_n[None, :],
+                 h.to(h_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -205,7 +133,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     row_end = tl.load(t_end_ptr + tile)
     if row_start < row_end:
         e = tl.load(t_exp_ptr + tile).to(tl.int64)
-        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)     # NOTE: int64: N*k*I can pass 2^31
+        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)  # NOTE: int64: N*k*I can pass 2^31
         p_mask = offs_p < row_end
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,17 +145,19 @@ def _down_kernel(  # type: ignore[no-untyped-def]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if FMT == 2:
-                acc += _fp4_dot(h_ptr + offs_p[:, None] * stride_h, p_mask[:, None], w_ptr, s_ptr, e, offs_n, k0,
-                                K, n_mask, stride_we, stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K)
+                acc += fp4_dot(h_ptr + offs_p[:, None] * stride_h, p_mask[:, None], w_ptr, s_ptr,
+                                e, offs_n, k0, K, n_mask, stride_we, stride_wn, stride_se,
+                                stride_sn, FP32_DOT, BLOCK_K)
             else:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < K
                 a = tl.load(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
                             mask=p_mask[:, None] & k_mask[None, :], other=0.0)
-                w = _w_tile(w_ptr, e, offs_n, offs_k, k_mask[:, None] & n_mask[None, :], stride_we, stride_wn, FMT)
-                part = _dot(a, w, FP32_DOT)
+                w = w_tile(w_ptr, e, offs_n, offs_k, k_mask[:, None] & n_mask[None, :],
+                            stride_we, stride_wn, FMT)
+                part = dot(a, w, FP32_DOT)
                 if FMT == 1:
-                    part *= _fp8_scale(s_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
+                    part *= fp8_scale(s_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
                 acc += part
         o_mask = p_mask[:, None] & n_mask[None, :]
         if ATOMIC:
@@ -239,10 +169,10 @@ def _down_kernel(  # type: ignore[no-untyped-def]
 
 def tile_map(indices: torch.Tensor, num_experts: int, block_m: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, tile_start, tile_end, tile_expert): the sorted (token, k) slots and the per-tile row ranges.
+    """(order, tile_start, tile_end, tile_expert): the sorted (token, k) slots, per-tile row ranges.
 
-    order [N*k] int64: slots sorted by expert (stable). The tile tensors have max_tiles entries (see the
-    module docstring); surplus tiles have tile_start == tile_end == 0. Torch ops only, no host sync.
+    order [N*k] int64: slots sorted by expert (stable). The tile tensors have max_tiles entries (see
+    the module docstring); surplus tiles have tile_start == tile_end == 0. Torch ops, no host sync.
     """
     flat = indices.reshape(-1)
     nk = flat.numel()
@@ -260,8 +190,8 @@ def tile_map(indices: torch.Tensor, num_experts: int, block_m: int
     start = starts[ec] + (t - (tile_cum[ec] - tiles[ec])) * block_m
     end = torch.minimum(start + block_m, ends[ec])
     zero = torch.zeros_like(start)
-    return (order, torch.where(valid, start, zero).to(torch.int32), torch.where(valid, end, zero).to(torch.int32),
-            ec.to(torch.int32))
+    return (order, torch.where(valid, start, zero).to(torch.int32),
+            torch.where(valid, end, zero).to(torch.int32), ec.to(torch.int32))
 
 
 def _default_block_m(nk: int, num_experts: int) -> int:
@@ -270,25 +200,32 @@ def _default_block_m(nk: int, num_experts: int) -> int:
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
-           w2_scale: torch.Tensor | None, indices: torch.Tensor, weights: torch.Tensor, fmt: str) -> None:
+           w2_scale: torch.Tensor | None, indices: torch.Tensor, weights: torch.Tensor,
+           fmt: str) -> None:
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {sorted(FMTS)}; got {fmt!r}")
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or indices.dim() != 2:
-        raise ValueError(f"expected x [N, d], w13 [E, 2I, *], w2 [E, d, *], indices [N, k]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(indices.shape)}")
+        raise ValueError("expected x [N, d], w13 [E, 2I, *], w2 [E, d, *], indices [N, k]; "
+                         f"got {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, "
+                         f"{tuple(indices.shape)}")
     if tuple(weights.shape) != tuple(indices.shape) or indices.shape[0] != x.shape[0]:
-        raise ValueError(f"indices {tuple(indices.shape)} / weights {tuple(weights.shape)} do not match x")
+        raise ValueError(f"indices {tuple(indices.shape)} / weights {tuple(weights.shape)} "
+                         "do not match x")
     if indices.dtype != torch.int64 or weights.dtype != torch.float32:
-        raise ValueError(f"indices must be int64 and weights float32; got {indices.dtype}, {weights.dtype}")
+        raise ValueError("indices must be int64 and weights float32; "
+                         f"got {indices.dtype}, {weights.dtype}")
     if (fmt == "bf16") != (w13_scale is None and w2_scale is None):
         raise ValueError(f"fmt {fmt!r}: scales must be given exactly for the quantised formats")
     pack = 2 if fmt == "fp4" else 1
     d, i2 = x.shape[1], w13.shape[1]
-    if w13.shape[2] * pack != d or w2.shape[1] != d or w2.shape[2] * pack * 2 != i2 or w2.shape[0] != w13.shape[0]:
-        raise ValueError(f"fmt {fmt!r}: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit d = {d}")
+    if (w13.shape[2] * pack != d or w2.shape[1] != d or w2.shape[2] * pack * 2 != i2
+            or w2.shape[0] != w13.shape[0]):
+        raise ValueError(f"fmt {fmt!r}: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} "
+                         f"do not fit d = {d}")
     if fmt == "fp4" and (d % _FP4_GROUP or (i2 // 2) % _FP4_GROUP):
         raise ValueError(f"fp4 needs d and I multiples of {_FP4_GROUP}; got d = {d}, I = {i2 // 2}")
-    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("w13_scale", w13_scale),
+                    ("w2_scale", w2_scale)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
 
@@ -299,66 +236,76 @@ def _raw(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
-                                w2: torch.Tensor, w2_scale: torch.Tensor | None, indices: torch.Tensor,
-                                weights: torch.Tensor, limit: float, fmt: str, *, deterministic: bool = False,
+                                w2: torch.Tensor, w2_scale: torch.Tensor | None,
+                                indices: torch.Tensor, weights: torch.Tensor, limit: float,
+                                fmt: str, *, deterministic: bool = False,
                                 block_m: int | None = None, block_n: int = 64, block_k: int = 64,
                                 num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """Same contract as `routed_experts_quant`: returns [N, d] fp32 (the caller adds the shared expert).
+    """Same contract as `routed_experts_quant`: [N, d] fp32 (the caller adds the shared expert).
 
-    x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts per `fmt`
-    in the module docstring. Keyword arguments are tuning knobs; block sizes are powers of two >= 16 and
-    block_k <= 128 (an fp8 tile must sit inside one 128-wide scale block).
+    x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts
+    per `fmt` in the module docstring. Keyword arguments are tuning knobs; block sizes are powers of
+    two >= 16 and block_k <= 128 (an fp8 tile must sit inside one 128-wide scale block).
     """
     _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
     inter = w13.shape[1] // 2
-    split = triton.cdiv(inter, _FP8_BLOCK) if fmt == "fp8" else inter    # scale rows of w1: blocks / rows
+    split = triton.cdiv(inter, _FP8_BLOCK) if fmt == "fp8" else inter  # w1 scale rows (fp8: blocks)
     s1 = w13_scale[:, :split] if w13_scale is not None else None
     s3 = w13_scale[:, split:] if w13_scale is not None else None
-    # w1 / w3 (and their scales) are views into w13 with identical strides: the kernel takes them separately
-    return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit, fmt,
-                   deterministic, block_m, block_n, block_k, num_warps, num_stages)
+    # w1 / w3 (and their scales) are views into w13 with identical strides, passed separately
+    return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit,
+                   fmt, deterministic, block_m, block_n, block_k, num_warps, num_stages)
 
 
-def triton_routed_experts_quant_deterministic(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
-                                              w2: torch.Tensor, w2_scale: torch.Tensor | None, indices: torch.Tensor,
-                                              weights: torch.Tensor, limit: float, fmt: str) -> torch.Tensor:
-    """The kernel backend's `routed_experts_quant` op: `triton_routed_experts_quant` with the fixed-order
-    (deterministic) epilogue, so greedy decoding is reproducible run to run."""
-    return triton_routed_experts_quant(x, w13, w13_scale, w2, w2_scale, indices, weights, limit, fmt,
-                                       deterministic=True)
+def triton_routed_experts_quant_deterministic(x: torch.Tensor, w13: torch.Tensor,
+                                              w13_scale: torch.Tensor | None, w2: torch.Tensor,
+                                              w2_scale: torch.Tensor | None,
+                                              indices: torch.Tensor, weights: torch.Tensor,
+                                              limit: float, fmt: str) -> torch.Tensor:
+    """The kernel backend's `routed_experts_quant` op: `triton_routed_experts_quant` with the
+    fixed-order (deterministic) epilogue, so greedy decoding is reproducible run to run."""
+    return triton_routed_experts_quant(x, w13, w13_scale, w2, w2_scale, indices, weights, limit,
+                                       fmt, deterministic=True)
 
 
 def triton_routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                          indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
-    """Same contract as `ref.moe.routed_experts` (the kernel backend's `routed_experts` op): plain float experts
-    w1, w3 [E, I, d] and w2 [E, d, I] as the model stores them (no w13 copy), the bf16 path of the kernel.
+                          indices: torch.Tensor, weights: torch.Tensor,
+                          limit: float) -> torch.Tensor:
+    """Same contract as `ref.moe.routed_experts` (the kernel backend's `routed_experts` op): plain
+    float experts w1, w3 [E, I, d] and w2 [E, d, I] as the model stores them (no w13 copy), the bf16
+    path of the kernel.
 
-    The down projection writes per-(token, k) rows that are summed in a fixed order (`deterministic=True`):
-    the atomic epilogue would make greedy decoding differ run to run.
+    The down projection writes per-(token, k) rows that are summed in a fixed order
+    (`deterministic=True`): the atomic epilogue would make greedy decoding differ run to run.
     """
-    if w1.shape != w3.shape or w1.stride() != w3.stride() or not (w1.is_contiguous() and w2.is_contiguous()):
-        raise ValueError(f"w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must be contiguous twins and w2 contiguous")
-    if x.dim() != 2 or w1.dim() != 3 or w1.shape[2] != x.shape[1] or tuple(w2.shape) != (w1.shape[0], x.shape[1],
-                                                                                        w1.shape[1]):
+    if (w1.shape != w3.shape or w1.stride() != w3.stride()
+            or not (w1.is_contiguous() and w2.is_contiguous())):
+        raise ValueError(f"w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must be contiguous twins "
+                         "and w2 contiguous")
+    if (x.dim() != 2 or w1.dim() != 3 or w1.shape[2] != x.shape[1]
+            or tuple(w2.shape) != (w1.shape[0], x.shape[1], w1.shape[1])):
         raise ValueError(f"expected x [N, d], w1/w3 [E, I, d], w2 [E, d, I]; got {tuple(x.shape)}, "
                          f"{tuple(w1.shape)}, {tuple(w2.shape)}")
-    if indices.dtype != torch.int64 or weights.dtype != torch.float32 or weights.shape != indices.shape:
+    if (indices.dtype != torch.int64 or weights.dtype != torch.float32
+            or weights.shape != indices.shape):
         raise ValueError(f"indices [N, k] int64 and weights [N, k] float32; got {indices.dtype} "
                          f"{tuple(indices.shape)}, {weights.dtype} {tuple(weights.shape)}")
-    return _launch(x.contiguous(), w1, w3, None, None, w2, None, indices, weights, limit, "bf16", True, None, 64, 64,
-                   4, 3)
+    return _launch(x.contiguous(), w1, w3, None, None, w2, None, indices, weights, limit, "bf16",
+                   True, None, 64, 64, 4, 3)
 
 
-def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor | None, s3: torch.Tensor | None,
-            w2: torch.Tensor, s2: torch.Tensor | None, indices: torch.Tensor, weights: torch.Tensor, limit: float,
-            fmt: str, deterministic: bool, block_m: int | None, block_n: int, block_k: int, num_warps: int,
+def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor | None,
+            s3: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
+            indices: torch.Tensor, weights: torch.Tensor, limit: float, fmt: str,
+            deterministic: bool, block_m: int | None, block_n: int, block_k: int, num_warps: int,
             num_stages: int) -> torch.Tensor:
-    """The two launches; w1 / w3 (and s1 / s3) share their strides. Shapes are checked by the callers."""
+    """The two launches; w1 / w3 (and s1 / s3) share their strides. The callers check shapes."""
     if any(b < _MIN_DOT or b & (b - 1) for b in (block_n, block_k)) or block_k > _FP8_BLOCK:
-        raise ValueError(f"block_n / block_k must be powers of two >= 16 (block_k <= 128); got {block_n}, {block_k}")
+        raise ValueError("block_n / block_k must be powers of two >= 16 (block_k <= 128); "
+                         f"got {block_n}, {block_k}")
     if fmt == "fp4" and block_k < 2 * _MIN_DOT:
-        raise ValueError(f"fp4 needs block_k >= {2 * _MIN_DOT} (each nibble half feeds a dot of block_k / 2); "
-                         f"got {block_k}")
+        raise ValueError(f"fp4 needs block_k >= {2 * _MIN_DOT} (each nibble half feeds a dot of "
+                         f"block_k / 2); got {block_k}")
     N, topk = indices.shape
     E, d, inter = w1.shape[0], x.shape[1], w1.shape[1]
     out = torch.zeros(N, d, dtype=torch.float32, device=x.device)
@@ -372,10 +319,12 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s3 = s3.view(torch.uint8) if s3 is not None else w3
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     code = FMTS[fmt]
-    # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot would round
-    # them (measured: 0.09 log-prob drift on the tiny fp32 model); and the interpreter's bf16 dot is broken.
+    # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot
+    # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
+    # and the interpreter's bf16 dot is broken.
     fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32 or w1.dtype == torch.float32
-    blocks = {"BLOCK_M": bm, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "num_stages": num_stages}
+    blocks = {"BLOCK_M": bm, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps,
+              "num_stages": num_stages}
     h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(t_start.numel(), triton.cdiv(inter, block_n))](
         x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,

@@ -1,19 +1,20 @@
-"""Fused per-token small ops of the attention block (issue 7 item 4): RMSNorm + RoPE (+ cache write) in one pass.
+"""Fused per-token small ops of the attention block: RMSNorm + RoPE (+ cache write) in one pass.
 
 The fast forms of `kernels/ref/rope_norm.py` (same signatures):
     triton_q_norm_rope         q [T, H, D] -> RoPE(q / rms(q)) per head
     triton_kv_norm_rope_store  pool[slots[t]] = RoPE(w * kv[t] / rms(kv[t]))
     triton_rope_inverse        o [T, H, D] -> RoPE^-1(o)
-    triton_rms_norm            x [..., D] -> w * x / rms(x)       (the blocks' and the model's RMSNorms)
+    triton_rms_norm            x [..., D] -> w * x / rms(x)  (the blocks' and the model's RMSNorms)
 
-Each replaces 8-15 eager ops (casts, square, mean, rsqrt, multiplies, the pair split / stack / cat of the
-interleaved RoPE, the index_put of the cache write) by one launch: per decode step and layer that is ~30 launches
-fewer (the step is host-bound: benchmarks/results/kernels_ii_h200_202611.md). One program per row (a token's head
-for q and o, a token for kv): the row is loaded once, normalised and rotated in fp32 registers, stored once in the
-output dtype. RoPE rotates interleaved pairs (x[2i], x[2i+1]) of the trailing rd = 2 * cos.shape[-1] channels;
-cos / sin rows are the token's (row // rows_per_token). Rounding differs from the reference (fp32 throughout, one
-final cast, where the reference rounds the normalised value to x's dtype before RoPE): equal in fp32 to ~1e-6.
-No host syncs: graph-capture safe. Tests: tests/kernels/test_rope_norm.py.
+Each replaces 8-15 eager ops (casts, square, mean, rsqrt, multiplies, the pair split / stack / cat
+of the interleaved RoPE, the index_put of the cache write) by one launch: per decode step and layer
+that is ~30 launches fewer (the step is host-bound: benchmarks/results/kernels_ii_h200_202611.md).
+One program per row (a token's head for q and o, a token for kv): the row is loaded once, normalised
+and rotated in fp32 registers, stored once in the output dtype. RoPE rotates interleaved pairs
+(x[2i], x[2i+1]) of the trailing rd = 2 * cos.shape[-1] channels; cos / sin rows are the token's
+(row // rows_per_token). Rounding differs from the reference (fp32 throughout, one final cast, where
+the reference rounds the normalised value to x's dtype before RoPE): equal in fp32 to ~1e-6. No host
+syncs: graph-capture safe. Tests: tests/kernels/test_rope_norm.py.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr,  # type: ignore[no-untyped-def]
-                      D, rows_per_token, rope_first, eps, stride_x, stride_cs, stride_out,
-                      NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
+                      slot_ptr, D, rows_per_token, rope_first, eps, stride_x, stride_cs, stride_out,
+                      NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+                      SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = row // rows_per_token
     offs = tl.arange(0, BLOCK_D)
@@ -48,8 +49,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr,  # type
         sin = tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
         if INVERSE:
             sin = -sin
-        y = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a), tl.where(is_rope, a * sin + b * cos, b)),
-                       (BLOCK_D,))
+        y = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a),
+                               tl.where(is_rope, a * sin + b * cos, b)), (BLOCK_D,))
     dest = row
     if SCATTER:
         dest = tl.load(slot_ptr + row)
@@ -58,19 +59,20 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr,  # type
 
 def _check_rope(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, T: int) -> None:
     if x.dtype not in _DTYPES or x.stride(-1) != 1:
-        raise ValueError(f"{name} must be one of {[str(d) for d in _DTYPES]} with unit last stride; got {x.dtype} "
-                         f"strides {x.stride()}")
+        raise ValueError(f"{name} must be one of {[str(d) for d in _DTYPES]} with unit last "
+                         f"stride; got {x.dtype} strides {x.stride()}")
     rd = 2 * cos.shape[-1]
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != T or cos.dtype != torch.float32:
-        raise ValueError(f"cos / sin must be [{T}, rd/2] float32; got {list(cos.shape)} {cos.dtype}, "
-                         f"{list(sin.shape)} {sin.dtype}")
+        raise ValueError(f"cos / sin must be [{T}, rd/2] float32; got {list(cos.shape)} "
+                         f"{cos.dtype}, {list(sin.shape)} {sin.dtype}")
     if rd > x.shape[-1] or x.shape[-1] % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(f"rope dim {rd} must fit the even head dim {x.shape[-1]}; cos / sin contiguous")
+        raise ValueError(f"rope dim {rd} must fit the even head dim {x.shape[-1]}; "
+                         f"cos / sin contiguous")
 
 
-def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None, sin: torch.Tensor | None,
-            out: torch.Tensor, norm: int, inverse: bool, eps: float = 0.0, weight: torch.Tensor | None = None,
-            slots: torch.Tensor | None = None) -> None:
+def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
+            sin: torch.Tensor | None, out: torch.Tensor, norm: int, inverse: bool, eps: float = 0.0,
+            weight: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
     rows, D = x.numel() // x.shape[-1], x.shape[-1]
     if rows == 0:
         return
@@ -78,14 +80,16 @@ def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None, sin:
     block_d = max(16, triton.next_power_of_2(D))
     half, stride_cs = (cos.shape[-1], cos.stride(0)) if cos is not None else (0, 0)
     _norm_rope_kernel[(rows,)](
-        x2, weight if weight is not None else x2, cos if cos is not None else x2, sin if sin is not None else x2,
-        out, slots if slots is not None else x2, D, rows_per_token, D // 2 - half, float(eps),
+        x2, weight if weight is not None else x2, cos if cos is not None else x2,
+        sin if sin is not None else x2, out, slots if slots is not None else x2, D, rows_per_token,
+        D // 2 - half, float(eps),
         x2.stride(0), stride_cs, out.stride(0),
-        NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None, BLOCK_D=block_d,
-        num_warps=max(1, min(8, block_d // 256)))
+        NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None,
+        BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)))
 
 
-def triton_q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+def triton_q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       eps: float) -> torch.Tensor:
     """Same contract as `ref.rope_norm.q_norm_rope`: q [T, H, D] -> [T, H, D] in q's dtype."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D]; got {list(q.shape)}")
@@ -109,15 +113,17 @@ def triton_rope_inverse(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 
 def triton_kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                               sin: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Same contract as `ref.rope_norm.kv_norm_rope_store`: pool[slots[t]] = RoPE(w * kv[t] / rms(kv[t])).
+    """Same contract as `ref.rope_norm.kv_norm_rope_store`:
+    pool[slots[t]] = RoPE(w * kv[t] / rms(kv[t])).
 
-    kv: [T, D]; weight: [D] fp32; pool: [N, D] with unit last stride; slots: [T] int64 in [0, N) (not checked:
-    a host sync). Slots must be distinct (the engine's SWA write slots are).
+    `kv`: [T, D]; `weight`: [D] fp32; `pool`: [N, D] with unit last stride; `slots`: [T] int64 in
+    [0, N) (not checked: a host sync). Slots must be distinct (the engine's SWA write slots are).
     """
     if kv.dim() != 2 or pool.dim() != 2 or pool.shape[1] != kv.shape[1] or pool.stride(1) != 1:
-        raise ValueError(f"kv [T, D] and pool [N, D] (unit last stride) must share D; got {list(kv.shape)}, "
-                         f"{list(pool.shape)}")
-    if tuple(slots.shape) != (kv.shape[0],) or slots.dtype != torch.int64 or tuple(weight.shape) != (kv.shape[1],):
+        raise ValueError(f"kv [T, D] and pool [N, D] (unit last stride) must share D; got "
+                         f"{list(kv.shape)}, {list(pool.shape)}")
+    if (tuple(slots.shape) != (kv.shape[0],) or slots.dtype != torch.int64
+            or tuple(weight.shape) != (kv.shape[1],)):
         raise ValueError(f"slots must be [{kv.shape[0]}] int64 and weight [{kv.shape[1]}]; got "
                          f"{list(slots.shape)} {slots.dtype}, {list(weight.shape)}")
     _check_rope("kv", kv, cos, sin, kv.shape[0])
@@ -126,11 +132,13 @@ def triton_kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same contract as `kernels.ref.rope_norm.rms_norm`: w * x / rms(x) over the last dim, in x's dtype."""
+    """Same contract as `kernels.ref.rope_norm.rms_norm`: w * x / rms(x) over the last dim, in x's
+    dtype."""
     if x.dtype not in _DTYPES or tuple(weight.shape) != (x.shape[-1],):
-        raise ValueError(f"x must be one of {[str(d) for d in _DTYPES]} and weight [{x.shape[-1]}]; got {x.dtype}, "
-                         f"{list(weight.shape)}")
+        raise ValueError(f"x must be one of {[str(d) for d in _DTYPES]} and weight "
+                         f"[{x.shape[-1]}]; got {x.dtype}, {list(weight.shape)}")
     x = x.contiguous()
     out = torch.empty_like(x)
-    _launch(x, 1, None, None, out.view(-1, x.shape[-1]), norm=2, inverse=False, eps=eps, weight=weight)
+    _launch(x, 1, None, None, out.view(-1, x.shape[-1]), norm=2, inverse=False, eps=eps,
+            weight=weight)
     return out

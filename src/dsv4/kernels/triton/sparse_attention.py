@@ -1,39 +1,46 @@
-"""Triton hybrid sparse attention: one softmax over the SWA window plus the compressed entries (spec §6.7).
+"""Triton hybrid sparse attention (spec §6.7): one softmax over the SWA window and compressed keys.
 
-Owns `triton_sparse_attention`, the fast form of `kernels/ref/attention.py::sparse_attention_multi` (same
-signature, same semantics; it can be registered as `KernelOps.sparse_attention`). For query t, head h and the
-union J(t) of the valid keys of one or two sources (kv pool [N_i, D], indices [T, K_i], -1 = no key):
+Owns `triton_sparse_attention`, the fast form of `kernels/ref/attention.py::sparse_attention_multi`
+(same signature, same semantics; it can be registered as `KernelOps.sparse_attention`). For query t,
+head h and the union J(t) of the valid keys of one or two sources (kv pool [N_i, D], indices
+[T, K_i], -1 = no key):
 
-    l[t,h,j] = scale * q[t,h] . kv[j]                          K = V: one D-row is key and value, for all heads
-    o[t,h]   = Σ_j exp(l[t,h,j]) kv[j] / (Σ_j exp(l[t,h,j]) + exp(sink[h]))      0 when J(t) is empty
+    l[t,h,j] = scale * q[t,h] . kv[j]           (K = V: one D-row is key and value, for all heads)
+    o[t,h]   = Σ_j exp(l[t,h,j]) kv[j] / (Σ_j exp(l[t,h,j]) + exp(sink[h]))   (0 when J(t) is empty)
 
-The engine passes (SWA pool, window slots [T, W]) then (compressed pool, C4 top-k slots [T, 512] or every
-visible C128 entry [T, V]); decode (T = batch) and prefill (T = tokens) run the same kernel.
+The engine passes (SWA pool, window slots [T, W]) then (compressed pool, C4 top-k slots [T, 512] or
+every visible C128 entry [T, V]); decode (T = batch) and prefill (T = tokens) run the same kernel.
 
-Kernel design. Grid = (T * G, NS): program (t * G + g, s) owns query token t, head group g (BLOCK_H heads,
-G = ceil(H / BLOCK_H)) and split s, a contiguous range of key blocks of the concatenated key list
-[source 1 | source 2] (each source cut into BLOCK_N-key blocks; source 1's blocks first):
+Kernel design. Grid = (T * G, NS): program (t * G + g, s) owns query token t, head group g (BLOCK_H
+heads, G = ceil(H / BLOCK_H)) and split s, a contiguous range of key blocks of the concatenated key
+list [source 1 | source 2] (each source cut into BLOCK_N-key blocks; source 1's blocks first):
 
     Q   = q[t, group]                              [BLOCK_H, D] tile, loaded once
     m, l, acc = -inf, 0, 0                         fp32 [BLOCK_H], [BLOCK_H], [BLOCK_H, D]
     for each block of the split's range (a loop over source 1's blocks, then one over source 2's):
         slots = idx[t, block]                      int64; -1 and columns >= K_i are masked
-        K     = kv[slots]                          [BLOCK_N, D] gathered rows, 0 where masked (no bytes move)
+        K     = kv[slots]                          [BLOCK_N, D] gathered rows, 0 where masked
+                                                   (no bytes move)
         S     = tl.dot(Q, K^T) * scale * log2(e)   fp32; -inf where masked
-        m' = max(m, rowmax S);  P = 2^(S - m');  l = l 2^(m-m') + rowsum P;  acc = acc 2^(m-m') + tl.dot(P, K)
-    no split:  peak = max(m, sink);  o = acc 2^(m-peak) / (l 2^(m-peak) + 2^(sink-peak))        (sink folded)
-    split:     part[t, h, s] = acc / l, lse[t, h, s] = m + log2 l; then `_combine_kernel` (grid T * H) merges
-               the NS partial results with the sink in the denominator the same way.
+        m' = max(m, rowmax S);  P = 2^(S - m');  l = l 2^(m-m') + rowsum P;
+        acc = acc 2^(m-m') + tl.dot(P, K)
+    no split:  peak = max(m, sink);  o = acc 2^(m-peak) / (l 2^(m-peak) + 2^(sink-peak))
+               (sink folded)
+    split:     part[t, h, s] = acc / l, lse[t, h, s] = m + log2 l; then `_combine_kernel`
+               (grid T * H) merges the NS partial results with the sink in the denominator the
+               same way.
 
-K = V is what makes one gather serve both dots: the [BLOCK_N, D] tile (BLOCK_N x 1 KB of bf16 for D = 512,
-row-granular, coalesced) lands in shared memory once and is read as K^T by the QK dot and as V by the PV dot.
-All BLOCK_H heads of the program share it (MQA), and the G head-group programs of one token are adjacent in
-the grid (pid = t * G + g), so they run in the same wave: HBM sees each key row about once per token, L2 G
-times. Consecutive prefill tokens share most window keys and C128 entries, which then also hit in L2.
+K = V is what makes one gather serve both dots: the [BLOCK_N, D] tile (BLOCK_N x 1 KB of bf16 for
+D = 512, row-granular, coalesced) lands in shared memory once and is read as K^T by the QK dot and
+as V by the PV dot. All BLOCK_H heads of the program share it (MQA), and the G head-group programs
+of one token are adjacent in the grid (pid = t * G + g), so they run in the same wave: HBM sees each
+key row about once per token, L2 G times. Consecutive prefill tokens share most window keys and
+C128 entries, which then also hit in L2.
 
-Register budget (D = 512, bf16). The accumulator is BLOCK_H x D fp32 and the loop-invariant Q operand stays
-in registers, so heads per program trade L2 traffic (each of the G programs of a token gathers its keys) for
-registers. Compiled offline for sm_90a (Triton 3.9, ptxas; registers per thread, spill bytes, shared memory):
+Register budget (D = 512, bf16). The accumulator is BLOCK_H x D fp32 and the loop-invariant Q
+operand stays in registers, so heads per program trade L2 traffic (each of the G programs of a
+token gathers its keys) for registers. Compiled offline for sm_90a (Triton 3.9, ptxas; registers
+per thread, spill bytes, shared memory):
 
     block_h/n, warps, stages   MMA                              regs  spill  smem    CTAs/SM by regs
     16/32,  4, 2 (default)     mma.sync, warps [1, 4]            201      0   50 KB   2
@@ -43,27 +50,29 @@ registers. Compiled offline for sm_90a (Triton 3.9, ptxas; registers per thread,
     64/32,  8, 2               wgmma, PV over 2 warpgroups       255    224  131 KB   1
     16/64,  4, 2               mma.sync                          255    312   84 KB   1
 
-BLOCK_H = 64 (the natural wgmma M, keys gathered once per token) gets the PV accumulator split over two
-warpgroups but still spills; the default keeps 16 heads without spills and 2 resident programs per SM. The
-defaults are untuned on hardware: `block_h`, `block_n`, `num_warps`, `num_stages` are knobs (bench --sweep).
-Splitting D into chunks for the QK dot would not save registers: a register tile cannot be sliced, so a chunked
-QK would gather every key twice.
+BLOCK_H = 64 (the natural wgmma M, keys gathered once per token) gets the PV accumulator split over
+two warpgroups but still spills; the default keeps 16 heads without spills and 2 resident programs
+per SM. The defaults are untuned on hardware: `block_h`, `block_n`, `num_warps`, `num_stages` are
+knobs (bench --sweep). Splitting D into chunks for the QK dot would not save registers: a register
+tile cannot be sliced, so a chunked QK would gather every key twice.
 
-Split-KV. With few programs (decode at small batch: T * G < #SMs) one program per (token, group) leaves most
-SMs idle while C128 lists reach 128 + 1024 keys at 128K context. The wrapper then cuts the key blocks into
-NS = min(ceil(2 #SMs / (T G)), #blocks / 2, 32) splits (host-side from Python ints: no sync, graph-safe; 1 on the
-interpreter unless asked), with a fp32 workspace of T * H * NS * (D + 1) * 4 bytes (L2-resident at those T).
+Split-KV. With few programs (decode at small batch: T * G < #SMs) one program per (token, group)
+leaves most SMs idle while C128 lists reach 128 + 1024 keys at 128K context. The wrapper then cuts
+the key blocks into NS = min(ceil(2 #SMs / (T G)), #blocks / 2, 32) splits (host-side from Python
+ints: no sync, graph-safe; 1 on the interpreter unless asked), with a fp32 workspace of
+T * H * NS * (D + 1) * 4 bytes (L2-resident at those T).
 
-Invariants: scores, softmax and accumulation are fp32 (the 16-bit path rounds P to the keys' dtype for the PV
-dot, as flash attention does; q and every pool must then share that 16-bit dtype, otherwise, and always on the
-interpreter, both dots run in fp32 "ieee" on upcast operands: exact, since 16-bit products are exact in fp32);
-m starts at -inf and a block with no valid key so far uses 0 as its shift, so no -inf - -inf; the sink is finite,
-so the final denominator is >= 2^(sink - peak) > 0 and a query with no valid key returns exactly 0. Every valid
-slot must be < its pool's N (not checked: that would need a host sync). Padded heads (H not a multiple of
+Invariants: scores, softmax and accumulation are fp32 (the 16-bit path rounds P to the keys' dtype
+for the PV dot, as flash attention does; q and every pool must then share that 16-bit dtype,
+otherwise, and always on the interpreter, both dots run in fp32 "ieee" on upcast operands: exact,
+since 16-bit products are exact in fp32); m starts at -inf and a block with no valid key so far
+uses 0 as its shift, so no -inf - -inf; the sink is finite, so the final denominator is
+>= 2^(sink - peak) > 0 and a query with no valid key returns exactly 0. Every valid slot must be
+< its pool's N (not checked: that would need a host sync). Padded heads (H not a multiple of
 BLOCK_H) and channels (D not a power of two) are masked on load and store.
 
-Test: tests/kernels/test_sparse_attention_triton.py (interpreter parity on CPU, `-m gpu` at Flash shapes) and
-tests/kernels/test_engine_sparse_attention.py (engine greedy tokens). Benchmark:
+Test: tests/kernels/test_sparse_attention_triton.py (interpreter parity on CPU, `-m gpu` at Flash
+shapes) and tests/kernels/test_engine_sparse_attention.py (engine greedy tokens). Benchmark:
 benchmarks/kernels/bench_sparse_attention.py.
 """
 
@@ -92,21 +101,22 @@ def _attend_blocks(  # type: ignore[no-untyped-def]
     q, m, l_sum, acc, kv_ptr, idx_row_ptr, K, stride_kv, first, last, offs_d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """Online softmax over key blocks [first, last) of one source (idx_row_ptr: this token's index row)."""
+    """Online softmax over key blocks [first, last) of one source (idx_row_ptr: this token's index
+    row)."""
     for b in range(first, last):
         offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)             # [BLOCK_N] int64
+        slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)     # [BLOCK_N] int64
         valid = slots >= 0
-        k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :], mask=rows_mask(valid, d_mask, EVEN_D),
-                    other=0.0)                                                      # [BLOCK_N, BLOCK_D]
+        k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :],
+                    mask=rows_mask(valid, d_mask, EVEN_D), other=0.0)       # [BLOCK_N, BLOCK_D]
         if FP32_DOT:
             k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")                      # [BLOCK_H, BLOCK_N]
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")              # [BLOCK_H, BLOCK_N]
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                       # no valid key yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # no valid key yet
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
@@ -135,7 +145,8 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     hd_mask = rows_mask(h_mask, d_mask, EVEN_D)
-    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hd_mask,
+                other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -145,45 +156,51 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     nb1 = tl.cdiv(K1, BLOCK_N)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, nb1 + tl.cdiv(K2, BLOCK_N))
-    m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv1_ptr, idx1_ptr + t * stride_i1, K1, stride_kv1,
-                               first, tl.minimum(last, nb1), offs_d, d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D)
-    m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv2_ptr, idx2_ptr + t * stride_i2, K2, stride_kv2,
-                               tl.maximum(first, nb1) - nb1, last - nb1, offs_d, d_mask, qk_scale, BLOCK_N,
-                               FP32_DOT, EVEN_D)
+    m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv1_ptr, idx1_ptr + t * stride_i1, K1,
+                                   stride_kv1, first, tl.minimum(last, nb1), offs_d, d_mask,
+                                   qk_scale, BLOCK_N, FP32_DOT, EVEN_D)
+    m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv2_ptr, idx2_ptr + t * stride_i2, K2,
+                                   stride_kv2, tl.maximum(first, nb1) - nb1, last - nb1, offs_d,
+                                   d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D)
     if SPLIT:
-        row = (t * H + offs_h) * num_splits + split                                   # [BLOCK_H]
+        row = (t * H + offs_h) * num_splits + split                         # [BLOCK_H]
         has = l_sum > 0.0
-        tl.store(lse_ptr + row, tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf")), mask=h_mask)
-        part = acc / tl.where(has, l_sum, 1.0)[:, None]                                   # 0 where l == 0
+        tl.store(lse_ptr + row,
+                 tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf")), mask=h_mask)
+        part = acc / tl.where(has, l_sum, 1.0)[:, None]                     # 0 where l == 0
         tl.store(part_ptr + row[:, None] * D + offs_d[None, :], part, mask=hd_mask)
     else:
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * log2e
-        peak = tl.maximum(m, sink)                                                    # finite
-        alpha = tl.exp2(m - peak)                                                     # 0 when no valid key
+        peak = tl.maximum(m, sink)                                          # finite
+        alpha = tl.exp2(m - peak)                                           # 0 when no valid key
         out = acc * (alpha / (l_sum * alpha + tl.exp2(sink - peak)))[:, None]
         tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D, num_splits, log2e,  # type: ignore[no-untyped-def]
-                    stride_ot, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    """o[t, h] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak)); grid (T * H,)."""
-    row = tl.program_id(0).to(tl.int64)                                               # t * H + h
+def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D,  # type: ignore[no-untyped-def]
+                    num_splits, log2e, stride_ot, stride_oh, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """o[t, h] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak)); grid
+    (T * H,)."""
+    row = tl.program_id(0).to(tl.int64)                                     # t * H + h
     t, h = row // H, row % H
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits,
+                  other=float("-inf"))
     sink = tl.load(sink_ptr + h) * log2e
     peak = tl.maximum(tl.max(lse, axis=0), sink)
     den = tl.sum(tl.exp2(lse - peak), axis=0) + tl.exp2(sink - peak)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = (offs_d < D) | EVEN_D          # (a constant true mask when D == BLOCK_D: 16-byte vectors, `tile_masks`)
+    # (a constant true mask when D == BLOCK_D: 16-byte vectors, `tile_masks`)
+    d_mask = (offs_d < D) | EVEN_D
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in range(0, num_splits):
         w = tl.exp2(tl.load(lse_ptr + row * num_splits + s) - peak)
         acc += w * tl.load(part_ptr + (row * num_splits + s) * D + offs_d, mask=d_mask, other=0.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, (acc / den).to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
+             (acc / den).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.cache
@@ -192,15 +209,17 @@ def _num_sms(index: int) -> int:
 
 
 def default_config(H: int, D: int, fp32_dot: bool) -> tuple[int, int, int, int]:
-    """(block_h, block_n, num_warps, num_stages): the module docstring's register budget, untuned on hardware
-    (bench_sparse_attention.py --sweep compares alternatives). fp32 dots (tests) take 16-key tiles."""
+    """(block_h, block_n, num_warps, num_stages): the module docstring's register budget, untuned on
+    hardware (bench_sparse_attention.py --sweep compares alternatives). fp32 dots (tests) take
+    16-key tiles."""
     block_h = max(_MIN_DOT, min(16, triton.next_power_of_2(H)))
     wide = fp32_dot or triton.next_power_of_2(D) > 512
     return block_h, 16 if wide else 32, 4, 2
 
 
 def choose_splits(programs: int, num_blocks: int, device: torch.device) -> int:
-    """Split-KV factor from Python ints (module docstring); 1 on the interpreter and when the GPU is full."""
+    """Split-KV factor from Python ints (module docstring); 1 on the interpreter and when the GPU is
+    full."""
     if device.type != "cuda":
         return 1
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -210,9 +229,11 @@ def choose_splits(programs: int, num_blocks: int, device: torch.device) -> int:
     return max(1, min(want, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
 
 
-def split_plan(programs: int, num_blocks: int, device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
-    """(splits, key blocks per split) for `programs` (token, head-group) pairs over `num_blocks` >= 1 key blocks:
-    `num_splits`, or `choose_splits` when None, clamped to [1, num_blocks] and evened out (no empty split)."""
+def split_plan(programs: int, num_blocks: int, device: torch.device,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, key blocks per split) for `programs` (token, head-group) pairs over `num_blocks`
+    >= 1 key blocks: `num_splits`, or `choose_splits` when None, clamped to [1, num_blocks] and
+    evened out (no empty split)."""
     want = num_splits or choose_splits(programs, num_blocks, device)
     per_split = triton.cdiv(num_blocks, max(1, min(want, num_blocks)))
     return triton.cdiv(num_blocks, per_split), per_split
@@ -221,30 +242,36 @@ def split_plan(programs: int, num_blocks: int, device: torch.device, num_splits:
 def _needs_fp32_dot(q: torch.Tensor, pools: Sequence[torch.Tensor]) -> bool:
     """16-bit tl.dot only when q and every pool share a 16-bit dtype, and only compiled (CUDA).
 
-    NOTE: the interpreter's tl.dot multiplies the raw bit patterns of bfloat16 operands (triton-lang/triton#11584);
-    upcasting first is exact, so the interpreter still checks the kernel's logic (as in index_scores.py).
+    NOTE: the interpreter's tl.dot multiplies the raw bit patterns of bfloat16 operands
+    (triton-lang/triton#11584); upcasting first is exact, so the interpreter still checks the
+    kernel's logic (as in index_scores.py).
     """
-    return q.device.type != "cuda" or q.dtype == torch.float32 or any(kv.dtype != q.dtype for kv in pools)
+    return (q.device.type != "cuda" or q.dtype == torch.float32
+            or any(kv.dtype != q.dtype for kv in pools))
 
 
-def _check(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor) -> None:
+def _check(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+           sink: torch.Tensor) -> None:
     if len(sources) not in (1, 2):
-        raise ValueError(f"triton_sparse_attention supports 1 or 2 sources (SWA window, compressed entries); "
-                         f"got {len(sources)}")
+        raise ValueError("triton_sparse_attention supports 1 or 2 sources (SWA window, compressed "
+                         f"entries); got {len(sources)}")
     if q.dim() != 3 or q.dtype not in _DOT_DTYPES or q.stride(-1) != 1:
-        raise ValueError(f"q must be [T, H, D] of {[str(d) for d in _DOT_DTYPES]} with unit last stride; got "
-                         f"{list(q.shape)} {q.dtype} strides {q.stride()}")
+        raise ValueError(f"q must be [T, H, D] of {[str(d) for d in _DOT_DTYPES]} with unit last "
+                         f"stride; got {list(q.shape)} {q.dtype} strides {q.stride()}")
     T, H, D = q.shape
     if tuple(sink.shape) != (H,) or sink.dtype != torch.float32 or not sink.is_contiguous():
-        raise ValueError(f"sink must be a contiguous [{H}] float32; got {list(sink.shape)} {sink.dtype}")
+        raise ValueError(f"sink must be a contiguous [{H}] float32; "
+                         f"got {list(sink.shape)} {sink.dtype}")
     devices = {q.device, sink.device}
     for i, (kv, idx) in enumerate(sources):
         if kv.dim() != 2 or kv.shape[1] != D or kv.dtype not in _DOT_DTYPES or kv.stride(-1) != 1:
-            raise ValueError(f"sources[{i}] kv must be [N, {D}] of {[str(d) for d in _DOT_DTYPES]} with unit "
-                             f"last stride; got {list(kv.shape)} {kv.dtype} strides {kv.stride()}")
-        if idx.dim() != 2 or idx.shape[0] != T or idx.dtype != torch.int64 or (idx.shape[1] and idx.stride(-1) != 1):
-            raise ValueError(f"sources[{i}] indices must be [{T}, K] int64 with unit last stride; got "
-                             f"{list(idx.shape)} {idx.dtype} strides {idx.stride()}")
+            raise ValueError(f"sources[{i}] kv must be [N, {D}] of {[str(d) for d in _DOT_DTYPES]} "
+                             f"with unit last stride; got {list(kv.shape)} {kv.dtype} "
+                             f"strides {kv.stride()}")
+        if (idx.dim() != 2 or idx.shape[0] != T or idx.dtype != torch.int64
+                or (idx.shape[1] and idx.stride(-1) != 1)):
+            raise ValueError(f"sources[{i}] indices must be [{T}, K] int64 with unit last stride; "
+                             f"got {list(idx.shape)} {idx.dtype} strides {idx.stride()}")
         devices |= {kv.device, idx.device}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
@@ -252,20 +279,21 @@ def _check(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
                             sink: torch.Tensor, scale: float, *, block_h: int | None = None,
-                            block_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
+                            block_n: int | None = None, num_splits: int | None = None,
+                            num_warps: int | None = None,
                             num_stages: int | None = None) -> torch.Tensor:
     """Same contract as `sparse_attention_multi`: returns [T, H, D] in q's dtype.
 
-    q: [T, H, D] bf16/fp16/fp32 (unit last stride); sources: 1 or 2 pairs (kv [N_i, D] with unit last stride,
-    indices [T, K_i] int64, -1 = no key, every other slot < N_i); sink: [H] fp32. One device. q and every pool
-    of one 16-bit dtype run 16-bit dots; anything else runs fp32 (ieee) dots. Keyword arguments are tuning
-    knobs (benchmark sweeps, tests); num_splits = None picks split-KV from the key count (`choose_splits`).
-    No host syncs: safe inside CUDA-graph capture.
+    q: [T, H, D] bf16/fp16/fp32 (unit last stride); sources: 1 or 2 pairs (kv [N_i, D] with unit
+    last stride, indices [T, K_i] int64, -1 = no key, every other slot < N_i); sink: [H] fp32. One
+    device. q and every pool of one 16-bit dtype run 16-bit dots; anything else runs fp32 (ieee)
+    dots. Keyword arguments are tuning knobs (benchmark sweeps, tests); num_splits = None picks
+    split-KV from the key count (`choose_splits`). No host syncs: safe inside CUDA-graph capture.
     """
     _check(q, sources, sink)
     T, H, D = q.shape
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    live = [(kv, idx) for kv, idx in sources if idx.shape[1] > 0]     # NOTE: a [T, 0] source adds no key
+    live = [(kv, idx) for kv, idx in sources if idx.shape[1] > 0]  # NOTE: a [T, 0] source: no key
     if T == 0 or not live:
         return out.zero_()
     fp32_dot = _needs_fp32_dot(q, [kv for kv, _ in sources])
@@ -288,11 +316,11 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         H, D, K1, K2, groups, per_split, splits, scale * _LOG2E, _LOG2E,
         q.stride(0), q.stride(1), kv1.stride(0), idx1.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1, EVEN_D=D == block_d,
-        num_warps=num_warps or auto[2], num_stages=num_stages or auto[3],
+        BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,
+        EVEN_D=D == block_d, num_warps=num_warps or auto[2], num_stages=num_stages or auto[3],
     )
     if splits > 1:
-        _combine_kernel[(T * H,)](part, lse, sink, out, H, D, splits, _LOG2E, out.stride(0), out.stride(1),
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, EVEN_D=D == block_d,
-                                  num_warps=4)
+        _combine_kernel[(T * H,)](part, lse, sink, out, H, D, splits, _LOG2E, out.stride(0),
+                                  out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
+                                  BLOCK_D=block_d, EVEN_D=D == block_d, num_warps=4)
     return out

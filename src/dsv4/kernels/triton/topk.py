@@ -1,38 +1,44 @@
-"""Lightning TopK: exact, deterministic ragged top-k by radix select (serving-reference §1.7; spec §6.6).
+"""Lightning TopK: exact, deterministic ragged top-k by radix select.
 
-Owns `lightning_topk`, the fast form of `kernels/ref/topk.py::topk_ragged` (same signature, identical output:
-indices of the k largest scores among columns j < lengths[b], ties -> lower index, ascending, -1 padded; NaN
-ranks above +inf as in `torch.sort`), its thresholds (`TopKConfig`) and the path choice (`plan_topk`).
+Owns `lightning_topk`, the fast form of `kernels/ref/topk.py::topk_ragged` (same signature,
+identical output: indices of the k largest scores among columns j < lengths[b], ties -> lower index,
+ascending, -1 padded; NaN ranks above +inf as in `torch.sort`), its thresholds (`TopKConfig`) and
+the path choice (`plan_topk`). Serving-reference §1.7; spec §6.6.
 
-Algorithm (no sort). Scores map to order-preserving uint32 keys (`topk_radix.py`). The k-th largest key `thr`
-among the row's n = min(lengths[b], N) candidates is found exactly by 4 radix passes of 8-bit digits, most
-significant first; the selection keeps every key > thr plus the first k_rem keys == thr in index order (the
-lower-index tie rule, exactly) and writes each kept index at its rank in index order (exclusive cumsum of the
-keep mask), so the output is ascending; positions [min(k, n), k) get -1. A row with n <= k needs no special
-case: its k-th largest is the row minimum, so every candidate is kept.
+Algorithm (no sort). Scores map to order-preserving uint32 keys (`topk_radix.py`). The k-th largest
+key `thr` among the row's n = min(lengths[b], N) candidates is found exactly by 4 radix passes of
+8-bit digits, most significant first; the selection keeps every key > thr plus the first k_rem keys
+== thr in index order (the lower-index tie rule, exactly) and writes each kept index at its rank in
+index order (exclusive cumsum of the keep mask), so the output is ascending; positions
+[min(k, n), k) get -1. A row with n <= k needs no special case: its k-th largest is the row minimum,
+so every candidate is kept.
 
-Paths, chosen on the host from Python ints only (no device sync, so it runs inside CUDA-graph capture):
+Paths, chosen on the host from Python ints only (no device sync: it runs inside CUDA-graph capture):
 
     row      N <= row_max (4096)   one program per row, the whole row in registers, 1 launch
-    coop     N >  row_max, B * P <= coop_programs (and the GPU's SMs), P = N / chunk, chunk 2048..8192:
-                                   1 launch (`topk_coop.py`): every program keeps its chunk's keys in registers and
-                                   the row's programs take the radix steps together through grid-wide barriers
-                                   (3, or 4 with heavy ties), then each writes its own winners. Needs a zeroed
-                                   workspace (each call leaves it zero). H200, N 262,144, k 512: B 1 14.2 us
-                                   (compact 19.8), B 2 18.9 (19.6), B 4 29.0 (38.4).
-    compact  N >  row_max          2 or 3 launches, no memset (`topk_compact.py`, `topk_tail.py`): K1 digit-0
-                                   histograms per chunk; K2 packs each chunk's candidates (scores in or above
-                                   a lower-bound digit-0 bin) in index order; the tail finishes the radix
-                                   select on the candidates and writes the row.
-                                   Exact mode (B * N <= exact_max: latency-bound sizes) histograms every key,
-                                   which also gives each chunk its offset in one contiguous candidate list,
-                                   and the row's last K2 program runs the tail (2 launches); bound mode
-                                   (larger) histograms group maxima (`group` x fewer histogram updates), each
-                                   chunk keeps its candidates in its own region, and a third launch (one
-                                   program per row) runs the tail, so that K2 stays small in registers.
+    coop     N >  row_max, B * P <= coop_programs (and the GPU's SMs), P = N / chunk:
+                                   1 launch (`topk_coop.py`), chunk 2048..8192: every program keeps
+                                   its chunk's keys in registers and the row's programs take the
+                                   radix steps together through grid-wide barriers (3, or 4 with
+                                   heavy ties), then each writes its own winners. Needs a zeroed
+                                   workspace (each call leaves it zero).
+    compact  N >  row_max          2 or 3 launches, no memset (`topk_compact.py`, `topk_tail.py`):
+                                   K1 digit-0 histograms per chunk; K2 packs each chunk's candidates
+                                   (scores in or above a lower-bound digit-0 bin) in index order;
+                                   the tail finishes the radix select on the candidates and writes
+                                   the row.
+                                   Exact mode (B * N <= exact_max: latency-bound sizes) histograms
+                                   every key, which also gives each chunk its offset in one
+                                   contiguous candidate list, and the row's last K2 program runs the
+                                   tail (2 launches); bound mode (larger) histograms group maxima
+                                   (`group` x fewer histogram updates), each chunk keeps its
+                                   candidates in its own region, and a third launch (one program per
+                                   row) runs the tail, so that K2 stays small in registers.
 
-Only K1 and K2 read whole rows, once each; the tail reads the candidates (for Gaussian-like scores a few
-percent of the row: a digit-0 bin spans two octaves; all-equal rows keep everything: exact, just slower).
+Only K1 and K2 read whole rows, once each; the tail reads the candidates (for Gaussian-like scores a
+few percent of the row: a digit-0 bin spans two octaves; all-equal rows keep everything: exact, just
+slower).
+Timings of the paths and the `TopKConfig` defaults: benchmarks/results/kernels_i_h200_202611.md.
 Test: tests/kernels/test_topk.py. Benchmark: benchmarks/kernels/bench_topk.py.
 """
 
@@ -48,67 +54,82 @@ import triton.language as tl
 
 from dsv4.kernels.triton.topk_compact import CompactPlan, launch_compact, workspace_numel
 from dsv4.kernels.triton.topk_coop import CoopPlan, coop_workspace_numel, launch_coop, row_words
-from dsv4.kernels.triton.topk_radix import digit_hist, find_bin, order_key, pad_tail, row_len, select_block
+from dsv4.kernels.triton.topk_radix import (
+    digit_hist,
+    find_bin,
+    order_key,
+    pad_tail,
+    row_len,
+    select_block,
+)
 
 
 @dataclass(frozen=True)
 class TopKConfig:
-    """Path thresholds and chunking (see the module docstring). Tests shrink them to reach every path on small rows."""
+    """Path thresholds and chunking (see the module docstring); tests shrink them to reach every
+    path on small rows. The defaults are H200 choices: the sweeps behind them are in
+    benchmarks/results/kernels_i_h200_202611.md."""
 
     row_max: int = 4096             # longest row kept whole in registers (<= 16384)
     block: int = 4096               # elements per loop step of the histogram and counting passes
-    compact_block: int = 1024       # loop step of the compaction (x2 on a wide grid; hand-pipelined: 2 steps in flight;
-                                    # sets K2's registers: 59 at 1024 x 8 warps, 100 at 2048)
+    compact_block: int = 1024       # loop step of the compaction (x2 on a wide grid;
+                                    # hand-pipelined: 2 steps in flight; sets K2's registers: 59 at
+                                    # 1024 x 8 warps, 100 at 2048)
     tail_block: int = 2048          # loop step of the tail's passes over the candidate list
-    compact_warps: int = 8          # most warps of a K2 program on a wide grid (one program per SM: latency)
-    narrow_warps: int = 2           # K2 warps otherwise (many programs per SM: H200 B 64, 2 / 4 / 8 warps: 72 / 76 /
-                                    # 93 us; B 8 and 16 within 1%)
+    compact_warps: int = 8          # most K2 warps on a wide grid (one program per SM: latency)
+    narrow_warps: int = 2           # K2 warps otherwise (many programs per SM)
     target_programs: int = 528      # 4 programs per SM on a 132-SM H200
-    max_chunk: int = 8192           # longest K2 chunk (more, shorter chunks balance the rows' last programs)
-    max_hist_splits: int = 64       # most K1 chunks per row (<= 128): every K2 program loads all of its row's slots
-                                    # as one [splits, 256] register tile
-    group: int = 4                  # bound mode: K1 histograms the max of each group of this many scores
+    max_chunk: int = 8192           # longest K2 chunk (shorter ones balance the rows' last
+                                    # programs)
+    max_hist_splits: int = 64       # most K1 chunks per row (<= 128): every K2 program loads all of
+                                    # its row's slots as one [splits, 256] register tile
+    group: int = 4                  # bound mode: K1 histograms the max of each group of this many
     exact_max: int = 1 << 20        # B * N at or below this: exact mode (K1 histograms every key)
-    small_block: int = 256          # loop step over one chunk's candidates (~2-3% of a chunk for real scores)
-    finish_block: int = 4096        # most tail-list entries (~k winners + ties) finished in registers in one load
-    sample: int = 8                 # bound mode: K1 histograms every sample-th block of rows >= 16 * sample * k long
-                                    # (H200 B 64, N 262,144: 1 / 4 / 8 / 16 -> 71.5 / 58.6 / 56.5 / 55.3 us)
-    chunk_tile: int = 8192          # bound-mode tail: one load of every chunk's candidates when each holds <= this
-                                    # // P2 (0: off; H200 B 64 at sample 8: 4096 / 8192 -> 55.4 / 53.0 us; exact
-                                    # mode measured slower with it, B 1: 20.9 -> 21.7 / 25.3 us, so never there)
-    wide_programs: int = 132        # a K2 grid this small has one program per SM: 2x longer compaction steps
-    coop_programs: int = 132        # coop path (`topk_coop.py`: one launch, grid-wide barriers) when B * P fits in
-                                    # this many programs (0: off; the H200's SMs, so that the CPU plans as it does);
-                                    # on a GPU also capped at its SM count (every program must be resident)
-    coop_chunk: int = 2048          # the coop path's smallest chunk per program (doubled until B * P fits)
-    coop_max_chunk: int = 8192      # and its largest (a program's register tile: 16384 spills at 8 or 16 warps)
-    coop_warps: int = 8             # coop num_warps; 16 for chunks of 8192 (8 warps spill there; H200, B 1 at chunk
-                                    # 2048: 4 / 8 / 16 warps 14.81 / 14.75 / 16.83 us)
-    coop_cap: int = 32              # coop tie list: most keys in the k-th largest's 20-bit bin (more: 2 more rounds;
-                                    # the [cap, cap] rank tile is on the critical path: H200 B 1, cap 32 / 64 / 128:
-                                    # 14.1 / 14.75 / 17.55 us)
-    coop_split: bool = False        # run the coop path as its 5 stage launches on a GPU too (always so on CPU)
+    small_block: int = 256          # loop step over a chunk's candidates (real scores: ~2-3% of it)
+    finish_block: int = 4096        # largest tail list (~k winners + ties) finished in registers
+    sample: int = 8                 # bound mode: K1 histograms every sample-th block of rows
+                                    # >= 16 * sample * k long (1: every block)
+    chunk_tile: int = 8192          # bound-mode tail: one load of all chunks' candidates when each
+                                    # holds <= this // P2 (0: off; exact mode: never, slower there)
+    wide_programs: int = 132        # a K2 grid this small (one program per SM): 2x compact_block
+    coop_programs: int = 132        # coop path (`topk_coop.py`: one launch, grid-wide barriers)
+                                    # when B * P fits in this many programs (0: off; the H200's SMs,
+                                    # so that the CPU plans as it does); on a GPU also capped at its
+                                    # SM count (every program must be resident)
+    coop_chunk: int = 2048          # smallest coop chunk per program (doubled until B * P fits)
+    coop_max_chunk: int = 8192      # and its largest (a program's register tile: 16384 spills at 8
+                                    # or 16 warps)
+    coop_warps: int = 8             # coop num_warps; 16 for chunks of 8192 (8 warps spill there)
+    coop_cap: int = 32              # coop tie list: most keys in the k-th largest's 20-bit bin
+                                    # (more: 2 more rounds; the [cap, cap] rank tile is on the
+                                    # critical path)
+    coop_split: bool = False        # the coop path as staged launches on a GPU too (always on CPU)
 
     def __post_init__(self) -> None:
-        for name in ("block", "compact_block", "tail_block", "small_block", "group", "finish_block", "coop_chunk",
-                     "coop_max_chunk", "coop_cap"):
+        for name in ("block", "compact_block", "tail_block", "small_block", "group", "finish_block",
+                     "coop_chunk", "coop_max_chunk", "coop_cap"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TopKConfig.{name}={value} must be a power of two (tl.arange)")
-        if min(self.block // self.group, self.compact_block, self.tail_block, self.small_block) < 16:
-            raise ValueError(f"TopKConfig: block // group={self.block // self.group}, compact_block="
-                             f"{self.compact_block}, tail_block={self.tail_block} and small_block={self.small_block} "
-                             "must be >= 16")
+        if min(self.block // self.group, self.compact_block, self.tail_block,
+               self.small_block) < 16:
+            raise ValueError(f"TopKConfig: block // group={self.block // self.group}, "
+                             f"compact_block={self.compact_block}, tail_block={self.tail_block} "
+                             f"and small_block={self.small_block} must be >= 16")
         if self.chunk_tile and self.chunk_tile & (self.chunk_tile - 1):
-            raise ValueError(f"TopKConfig.chunk_tile={self.chunk_tile} must be 0 or a power of two (tl.arange)")
+            raise ValueError(f"TopKConfig.chunk_tile={self.chunk_tile} must be 0 or a power of two "
+                             "(tl.arange)")
         if not 1 <= self.max_hist_splits <= 128:
-            raise ValueError(f"TopKConfig.max_hist_splits={self.max_hist_splits} must be in [1, 128] (K2 holds a "
-                             "[splits, 256] tile of K1's slots in registers)")
+            raise ValueError(f"TopKConfig.max_hist_splits={self.max_hist_splits} must be in "
+                             "[1, 128] (K2 holds a [splits, 256] tile of K1's slots in registers)")
         if not 1 <= self.row_max <= 16384:
-            raise ValueError(f"TopKConfig.row_max={self.row_max} must be in [1, 16384] (a row lives in registers)")
+            raise ValueError(f"TopKConfig.row_max={self.row_max} must be in [1, 16384] (a row "
+                             "lives in registers)")
         if self.coop_programs < 0 or self.coop_programs > 1 << 16:
-            raise ValueError(f"TopKConfig.coop_programs={self.coop_programs} must be in [0, 65536] (0: off)")
-        for name in ("target_programs", "max_chunk", "compact_warps", "narrow_warps", "sample", "coop_warps"):
+            raise ValueError(f"TopKConfig.coop_programs={self.coop_programs} must be in [0, 65536] "
+                             "(0: off)")
+        for name in ("target_programs", "max_chunk", "compact_warps", "narrow_warps", "sample",
+                     "coop_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TopKConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -119,7 +140,7 @@ DEFAULT_CONFIG = TopKConfig()
 @dataclass(frozen=True)
 class TopKPlan:
     path: Literal["row", "compact", "coop"]
-    block: int                          # row path: the padded row; compact path: the loop step; coop: the chunk
+    block: int          # row path: the padded row; compact path: the loop step; coop: the chunk
     compact: CompactPlan | None = None
     coop: CoopPlan | None = None
 
@@ -132,7 +153,8 @@ class TopKPlan:
 
     @property
     def name(self) -> str:
-        """Path name with its mode, for logs and benchmarks: row | compact-exact | compact-bound | coop."""
+        """Path name with its mode, for logs and benchmarks: row | compact-exact |
+        compact-bound | coop."""
         if self.compact is None:
             return self.path
         return f"compact-{'exact' if self.compact.exact else 'bound'}"
@@ -145,8 +167,8 @@ def _chunking(N: int, splits: int, block: int) -> tuple[int, int]:
 
 
 def _plan_coop(B: int, N: int, config: TopKConfig, sms: int | None) -> TopKPlan | None:
-    """The coop path when B * P programs fit (at most `sms`, the GPU's SMs: every program must be resident;
-    None: the interpreter, which runs the split form)."""
+    """The coop path when B * P programs fit (at most `sms`, the GPU's SMs: every program must be
+    resident; None: the interpreter, which runs the split form)."""
     limit = config.coop_programs if sms is None else min(config.coop_programs, sms)
     chunk = config.coop_chunk
     while B * triton.cdiv(N, chunk) > limit and chunk < config.coop_max_chunk:
@@ -154,13 +176,15 @@ def _plan_coop(B: int, N: int, config: TopKConfig, sms: int | None) -> TopKPlan 
     if B * triton.cdiv(N, chunk) > limit:
         return None
     warps = max(config.coop_warps, 16 if chunk >= 8192 else 1)
-    return TopKPlan("coop", chunk, coop=CoopPlan(programs=triton.cdiv(N, chunk), chunk=chunk, warps=warps,
-                                                cap=config.coop_cap, split=config.coop_split or sms is None))
+    return TopKPlan("coop", chunk, coop=CoopPlan(programs=triton.cdiv(N, chunk), chunk=chunk,
+                                                warps=warps, cap=config.coop_cap,
+                                                split=config.coop_split or sms is None))
 
 
-def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG, sms: int | None = None) -> TopKPlan:
-    """Pick the path and its chunking for a [B, N] problem from Python ints only (`sms`: the GPU's SM count,
-    None on CPU)."""
+def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG,
+              sms: int | None = None) -> TopKPlan:
+    """Pick the path and its chunking for a [B, N] problem from Python ints only (`sms`: the GPU's
+    SM count, None on CPU)."""
     if N <= config.row_max:
         return TopKPlan("row", max(128, triton.next_power_of_2(N)))
     coop = _plan_coop(max(B, 1), N, config, sms) if config.coop_programs else None
@@ -168,30 +192,35 @@ def plan_topk(B: int, N: int, config: TopKConfig = DEFAULT_CONFIG, sms: int | No
         return coop
     c, B = config, max(B, 1)
     per_row = triton.cdiv(c.target_programs, B)                 # programs per row that fill the GPU
-    splits, chunk = _chunking(N, min(triton.cdiv(N, c.block), max(per_row, triton.cdiv(N, c.max_chunk))), c.block)
+    splits, chunk = _chunking(N, min(triton.cdiv(N, c.block),
+                                     max(per_row, triton.cdiv(N, c.max_chunk))), c.block)
     exact = B * N <= c.exact_max
-    if exact:                   # K1 chunks = K2 chunks: the exact slots then give every chunk's write offset
+    if exact:   # K1 chunks = K2 chunks: the exact slots then give every chunk's write offset
         splits, chunk = _chunking(N, min(splits, c.max_hist_splits), c.block)
         hist_splits, hist_chunk = splits, chunk
     else:
         hist_splits, hist_chunk = _chunking(N, min(splits, per_row, c.max_hist_splits), c.block)
-    # NOTE: with one program per SM occupancy is moot and latency is all: fewer, longer compaction steps (more
-    # registers) and, in exact mode, 16 warps for K1's histograms (bound mode's group maxima would replicate)
+    # NOTE: with one program per SM occupancy is moot and latency is all: fewer, longer compaction
+    # steps (more registers) and, in exact mode, 16 warps for K1's histograms (bound mode's group
+    # maxima would replicate)
     wide = B * splits <= c.wide_programs
     compact_block = min(c.block, c.compact_block * (2 if wide else 1))
     warps = min(c.compact_warps if wide else c.narrow_warps, max(1, compact_block // 128))
-    hist_warps = min(16 if exact and B * hist_splits <= c.wide_programs else 8, max(1, c.block // 256))
+    hist_warps = min(16 if exact and B * hist_splits <= c.wide_programs else 8,
+                     max(1, c.block // 256))
     return TopKPlan("compact", c.block, CompactPlan(
-        block=c.block, group=1 if exact else c.group, sample=1 if exact else c.sample, hist_splits=hist_splits,
-        hist_chunk=hist_chunk,
+        block=c.block, group=1 if exact else c.group, sample=1 if exact else c.sample,
+        hist_splits=hist_splits, hist_chunk=hist_chunk,
         hist_warps=hist_warps, splits=splits, chunk=chunk, warps=warps, compact_block=compact_block,
         small_block=max(c.small_block, 32 * warps), tail_block=c.tail_block,
         chunk_tile=0 if exact else c.chunk_tile,
         finish_block=c.finish_block))
 
 
-def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CONFIG, sms: int | None = None) -> int:
-    """int32 elements `lightning_topk(..., workspace=)` needs for a [B, N] problem (0 on the row path)."""
+def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CONFIG,
+                         sms: int | None = None) -> int:
+    """int32 elements `lightning_topk(..., workspace=)` needs for a [B, N] problem (0 on the row
+    path)."""
     plan = plan_topk(B, N, config, sms)
     if plan.coop is not None:
         return coop_workspace_numel(B, plan.coop)
@@ -204,13 +233,14 @@ def _sm_count(index: int) -> int:
 
 
 def device_sms(device: torch.device) -> int | None:
-    """The GPU's SM count (the coop path's co-residency bound), None off CUDA (plan_topk's `sms`)."""
+    """The GPU's SM count (the coop path's co-residency bound), None off CUDA (`plan_topk`'s
+    `sms`)."""
     if device.type != "cuda":
         return None
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# ----------------------------------------------------------------------------------------------- row
+# ---------------------------------------------------------------------------------------------- row
 
 
 @triton.jit
@@ -234,31 +264,34 @@ def _topk_row_kernel(  # type: ignore[no-untyped-def]
     pad_tail(out_row, k_eff, K, PAD_BLOCK)
 
 
-# ---------------------------------------------------------------------------------------------- host
+# --------------------------------------------------------------------------------------------- host
 
 
 def _check_inputs(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
     if scores.dtype != torch.float32 or scores.dim() != 2 or not scores.is_contiguous():
         raise ValueError(f"scores must be a contiguous [B, N] float32 tensor, got {scores.dtype} "
                          f"{tuple(scores.shape)} contiguous={scores.is_contiguous()}")
-    if lengths.dim() != 1 or lengths.shape[0] != scores.shape[0] or lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"lengths must be an int32/int64 [B={scores.shape[0]}] tensor, got {lengths.dtype} "
-                         f"{tuple(lengths.shape)}")
+    if (lengths.dim() != 1 or lengths.shape[0] != scores.shape[0]
+            or lengths.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"lengths must be an int32/int64 [B={scores.shape[0]}] tensor, got "
+                         f"{lengths.dtype} {tuple(lengths.shape)}")
     if lengths.device != scores.device:
         raise ValueError(f"lengths on {lengths.device}, scores on {scores.device}")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
 
 
-def lightning_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
+def lightning_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, *,
+                   config: TopKConfig = DEFAULT_CONFIG,
                    workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `kernels/ref/topk.py::topk_ragged`: [B, N] fp32, [B] int, k -> [B, k] int64.
 
-    No host syncs: the path comes from (B, N), `config` and the GPU's SM count; lengths stay on the device.
-    `workspace` (optional): a contiguous int32 tensor of >= `topk_workspace_numel(B, N, k, config,
-    device_sms(device))` elements, ZERO-filled when allocated and then reused across calls on one stream: the
-    compact path accepts any contents; the coop path needs its counter region zero and leaves it zero, so never
-    write to it. By default each call takes a fresh one (the coop path's is zero-filled: one memset).
+    No host syncs: the path comes from (B, N), `config` and the GPU's SM count; lengths stay on the
+    device. `workspace` (optional): a contiguous int32 tensor of
+    >= `topk_workspace_numel(B, N, k, config, device_sms(device))` elements, ZERO-filled when
+    allocated and then reused across calls on one stream: the compact path accepts any contents; the
+    coop path needs its counter region zero and leaves it zero, so never write to it. By default
+    each call takes a fresh one (the coop path's is zero-filled: one memset).
     """
     _check_inputs(scores, lengths, k)
     B, N = scores.shape
@@ -277,20 +310,22 @@ def _run(scores: torch.Tensor, lengths: torch.Tensor, k: int, plan: TopKPlan,
     elif plan.compact is not None:
         launch_compact(scores, lengths, out, plan.compact, workspace)
     else:
-        _topk_row_kernel[(B,)](scores, lengths, out, N, k, scores.stride(0), BLOCK=plan.block, PAD_BLOCK=1024,
-                               num_warps=min(16, max(1, plan.block // 512)))
+        _topk_row_kernel[(B,)](scores, lengths, out, N, k, scores.stride(0), BLOCK=plan.block,
+                               PAD_BLOCK=1024, num_warps=min(16, max(1, plan.block // 512)))
     return out
 
 
 class TopKRunner:
-    """`lightning_topk` holding the coop path's zeroed workspace across calls, as a serving engine holds its
-    buffers (the `triton` kernel backend's `topk`): the coop path then needs no per-call zero fill (H200, B 1,
-    N 262,144, k 512: 15.8 -> 14.2 us). The compact path keeps taking a fresh buffer per call (it needs no zeros).
+    """`lightning_topk` holding the coop path's zeroed workspace across calls, as a serving engine
+    holds its buffers (the `triton` kernel backend's `topk`): the coop path then needs no per-call
+    zero fill (one memset less a call; timed in benchmarks/results/kernels_i_h200_202611.md). The
+    compact path keeps taking a fresh buffer per call (it needs no zeros).
 
-    One buffer per device, sized once for the largest coop grid `config` allows, so it never moves under a CUDA
-    graph that captured it. Calls must not overlap (one stream at a time, as the engine's forward runs). Never
-    allocated during CUDA-graph capture (a captured zero fill would only run at replay): a first call inside a
-    capture takes a fresh zero-filled buffer inside the graph instead, correct on every replay.
+    One buffer per device, sized once for the largest coop grid `config` allows, so it never moves
+    under a CUDA graph that captured it. Calls must not overlap (one stream at a time, as the
+    engine's forward runs). Never allocated during CUDA-graph capture (a captured zero fill would
+    only run at replay): a first call inside a capture takes a fresh zero-filled buffer inside the
+    graph instead, correct on every replay.
     """
 
     def __init__(self, config: TopKConfig = DEFAULT_CONFIG) -> None:
@@ -300,21 +335,25 @@ class TopKRunner:
     def workspace_numel(self) -> int:
         """int32 words of the held buffer: every row of the largest coop grid at its largest row."""
         c = self.config
-        widest = CoopPlan(programs=max(1, c.coop_programs), chunk=c.coop_chunk, warps=c.coop_warps, cap=c.coop_cap,
-                          split=False)
-        return c.coop_programs * row_words(widest)        # rows <= B * P <= coop_programs, each <= the widest
+        widest = CoopPlan(programs=max(1, c.coop_programs), chunk=c.coop_chunk, warps=c.coop_warps,
+                          cap=c.coop_cap, split=False)
+        # rows <= B * P <= coop_programs, each <= the widest
+        return c.coop_programs * row_words(widest)
 
     def held(self, device: torch.device) -> torch.Tensor | None:
         """This device's held buffer, allocated (zeroed) on first use outside CUDA-graph capture."""
-        if device.type == "cuda" and device.index is None:      # one key per GPU: "cuda" is the current one
+        # one key per GPU: "cuda" is the current one
+        if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         buf = self._held.get(device)
         if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            buf = self._held[device] = torch.zeros(self.workspace_numel(), dtype=torch.int32, device=device)
+            buf = self._held[device] = torch.zeros(self.workspace_numel(), dtype=torch.int32,
+                                                   device=device)
         return buf
 
     def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
         _check_inputs(scores, lengths, k)
         B, N = scores.shape
         plan = plan_topk(B, N, self.config, device_sms(scores.device))
-        return _run(scores, lengths, k, plan, self.held(scores.device) if plan.coop is not None else None)
+        return _run(scores, lengths, k, plan,
+                    self.held(scores.device) if plan.coop is not None else None)

@@ -1,4 +1,5 @@
-"""The RMSNorm module (spec §4, §6.2); its ops are `kernels/ref/rope_norm.py::rms_norm` / `rms_normalize`.
+"""The RMSNorm module (spec §4, §6.2); its ops are `kernels/ref/rope_norm.py::rms_norm` /
+`rms_normalize`.
 
 Statistics are always computed in fp32. The weighted norm keeps its weight in fp32 (as the
 reference does; the checkpoint stores it in bf16) and casts once at the end to the input dtype.

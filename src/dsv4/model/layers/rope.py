@@ -24,7 +24,8 @@ def yarn_inv_freq_bounds(c: ModelConfig) -> tuple[int, int] | None:
     dim, theta = c.rope_head_dim, c.compress_rope_theta
 
     def dimc(rot: float) -> float:
-        return dim * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rot)) / (2 * math.log(theta))
+        return (dim * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rot))
+                / (2 * math.log(theta)))
 
     return max(math.floor(dimc(yarn.beta_fast)), 0), min(math.ceil(dimc(yarn.beta_slow)), dim - 1)
 
