@@ -82,6 +82,12 @@ def test_text_prompts_and_stop_strings(llm: LLM) -> None:
                                                        ignore_eos=True, stop=(stop,)),
                            use_tqdm=False)[0]
     assert stopped.finish_reason == "stop" and stopped.text == full[:full.index(stop)]
+    # the tokens end with the one that completed the stop string; the engine finished the request
+    n = len(stopped.token_ids)
+    assert n < 12 and stopped.token_ids == out[0].token_ids[:n]
+    assert stop in llm.tokenizer.decode(stopped.token_ids)
+    assert stop not in llm.tokenizer.decode(stopped.token_ids[:-1])
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
 def test_routing_capture_matches_model(ckpt: Path) -> None:

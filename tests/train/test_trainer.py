@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import random_model
 from dsv4.cli.main import main as cli_main
 from dsv4.kernels.ref.quant import dequant_fp4_group, quant_fp4_group
 from dsv4.model.forward_mode import INFERENCE, TRAINING
@@ -17,6 +19,7 @@ from dsv4.model.loader import load_model
 from dsv4.train.config import TrainConfig
 from dsv4.train.data import prepare_data
 from dsv4.train.export import export_run
+from dsv4.train.indexer_loss import indexer_kl
 from dsv4.train.qat import QuantShadow
 from dsv4.train.trainer import Trainer, lm_losses, open_run
 
@@ -161,3 +164,15 @@ def test_cli_run_resume_export(data_dir: Path, tmp_path: Path) -> None:
     assert cli_main(["train", "export", "--run", str(run), "--data", str(data_dir),
                      "--out", str(model)]) == 0
     assert load_model(model, dtype="float32", device="cpu").config.weight_quant == "fp8+fp4"
+
+
+@pytest.mark.parametrize("seq_len", [3, 9])
+def test_indexer_kl_is_finite_with_or_without_visible_entries(seq_len: int) -> None:
+    """Below `csa_ratio` tokens no query sees a C4 entry: the distillation loss is 0, not NaN."""
+    model = random_model(micro(), torch.float32, torch.device("cpu"), seed=1)
+    attn = next(b.attn for b in model.layers if b.attn.indexer is not None)
+    x = torch.randn(2, seq_len, model.config.hidden_size,
+                    generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rope_tables(seq_len, x.device)["compress"]
+    kl = indexer_kl(attn, x, cos, sin).detach()
+    assert torch.isfinite(kl) and (float(kl) == 0.0) == (seq_len < micro().csa_ratio)

@@ -48,7 +48,8 @@ def indexer_kl(attn: Attention, x: torch.Tensor, cos: torch.Tensor,
     kl = (target * (target.clamp_min(1e-20).log() - log_q)).sum(-1)        # [B, S]
     # masked mean, not kl[:, rows]: a boolean index has a data-dependent shape, which splits
     # torch.compile graphs
-    return kl.masked_fill(~rows, 0.0).sum() / (kl.shape[0] * rows.sum())
+    # (no query sees an entry before `ratio` tokens: the loss is then 0, not 0 / 0)
+    return kl.masked_fill(~rows, 0.0).sum() / (kl.shape[0] * rows.sum().clamp(min=1))
 
 
 class IndexerDistiller:
