@@ -23,7 +23,7 @@ from dsv4.train.data import (
     prepare_data,
     select_stdlib_files,
 )
-from dsv4.train.tasks import Problem, is_heldout
+from dsv4.tasks.arithmetic import Problem, is_heldout
 
 MAX_TEXT_BYTES = 300_000
 FILES = ("tokenizer.json", "tokenizer_config.json", TRAIN_FILE, HELDOUT_FILE, "meta.json")

@@ -1,4 +1,4 @@
-"""Tests for dsv4.train.tasks: problem generation, difficulty levels, the split and the
+"""Tests for dsv4.tasks.arithmetic: problem generation, difficulty levels, the split and the
 reward."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dsv4.train.tasks import (
+from dsv4.tasks.arithmetic import (
     LEVELS,
     OPS,
     Problem,

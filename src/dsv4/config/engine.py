@@ -38,6 +38,10 @@ class EngineConfig:
     `swa_tokens`: sliding-window slots (None: enough for every running request's window).
     `context_length`: longest prompt + output (None: the model's `max_position_embeddings`).
     `capture_routing`: record routed expert ids and indexer top-k per token (RL replay).
+    `batch_invariant`: compute every token as it would be computed alone and as the full-sequence
+    forward computes it (matmuls under `kernels/ref/batch_invariant.py`, attention index rows of
+    one width per layer, no CUDA graphs): what true on-policy RL needs (CPU; on CUDA the GEMMs
+    are not yet covered).
     `ring_multiplier`: compressor ring sizes are (2*m, m') times this (2 under speculative
     decoding). `disable_prefix_cache`: turn off the radix prefix cache (`ShadowRadix`).
     `disable_cuda_graph`: run decode steps eagerly. Otherwise, on a CUDA device with the `triton`
@@ -55,6 +59,7 @@ class EngineConfig:
     context_length: int | None = None
     kernel_backend: KernelBackend = "ref"
     capture_routing: bool = False
+    batch_invariant: bool = False
     ring_multiplier: int = 1
     disable_prefix_cache: bool = False
     disable_cuda_graph: bool = False

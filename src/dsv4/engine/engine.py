@@ -14,7 +14,11 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from dsv4.cache.prefix_cache import create_prefix_cache
 from dsv4.config.engine import EngineConfig
@@ -22,6 +26,7 @@ from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.runner import ModelRunner, StepResult
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.weight_sync import read_checkpoint_dir, update_weights
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.logging import init_logger
 
@@ -69,6 +74,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
         self.steps = self.prefill_tokens = self.decode_tokens = 0
+        self.weight_version = 0     # weight updates applied since load
 
     # ---- edge -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -172,6 +178,29 @@ class LLMEngine:
     def flush_cache(self) -> None:
         """Drop every prefix-cache entry that no running request uses."""
         self.cache.flush()
+
+    def update_weights(self, named: Mapping[str, torch.Tensor]) -> int:
+        """Copy new weights into the served model between steps (`weight_sync.update_weights`:
+        in place, atomic, partial updates allowed); returns the number of tensors updated and
+        bumps `weight_version`. A ValueError leaves the weights and every request as they were.
+
+        KV computed with the old weights is never used again: running requests are retracted
+        (recompute preemption: they re-prefill prompt + output so far with the new weights, then
+        continue) and the prefix cache, no longer used by any request, is flushed empty.
+        """
+        num = update_weights(self.runner.model, named)
+        for req in list(reversed(self.scheduler.running)):   # appendleft keeps the running order
+            self.scheduler.preempt(req)
+        self.flush_cache()
+        self.weight_version += 1
+        logger.info("weights updated: %d tensors, weight version %d", num, self.weight_version)
+        return num
+
+    def load_weights_from_dir(self, path: str | Path) -> int:
+        """`update_weights` with every tensor of the official-layout checkpoint at `path`
+        (`weight_sync.read_checkpoint_dir`: ValueError for another architecture or a missing,
+        corrupt or incomplete checkpoint)."""
+        return self.update_weights(read_checkpoint_dir(path, self.runner.model))
 
     def prefix_hit_rate(self) -> float:
         s = self.scheduler

@@ -24,6 +24,7 @@ from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
 from dsv4.engine.scheduler import ScheduledStep
+from dsv4.kernels.ref.batch_invariant import batch_invariant
 from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.logging import init_logger
@@ -148,6 +149,7 @@ class ModelRunner:
     def _decode_graphs(self) -> DecodeGraphs | None:
         c = self.config
         why_not = ("disable_cuda_graph" if c.disable_cuda_graph else
+                   "batch_invariant" if c.batch_invariant else
                    f"device {self.device.type}" if self.device.type != "cuda" else
                    "kernel_backend=ref (host syncs in its MoE)" if c.kernel_backend != "triton" else
                    None)
@@ -162,6 +164,12 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, step: ScheduledStep) -> StepOutput:
         """Launch the step (forward, sampling, host copies); nothing here waits for the device."""
+        if self.config.batch_invariant:
+            with batch_invariant():
+                return self._run(step)
+        return self._run(step)
+
+    def _run(self, step: ScheduledStep) -> StepOutput:
         self._reset_penalty_rows(step)
         if self.graphs is not None and self.graphs.fits(step.shape):
             logits, captured = self.graphs.run(step.input_ids, step.shape,
@@ -180,6 +188,7 @@ class ModelRunner:
         graphs."""
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
         ctx.ops = self.ops
+        ctx.fixed_widths = self.config.batch_invariant
         if self.config.capture_routing:
             ctx.captured = {}
         ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -20,7 +20,10 @@ Key invariants:
 * Returned logprobs are those of the RAW model distribution `log_softmax(logits)`, before
   penalties, temperature and filtering (vLLM's default "raw logprobs"): they describe what the
   model predicted, are comparable across requests with different sampling settings and match the
-  logprobs a trainer computes from the same forward pass.
+  logprobs a trainer computes from the same forward pass. A row with `scaled_logprobs` reports
+  `log_softmax(logits / temperature)` instead (the sampled-from distribution before truncation,
+  RL's rollout log-prob); `token_logprobs` is the formula, shared with the RL trainer so both
+  sides round alike.
 
 Test: `pytest tests/engine/test_sampler.py`.
 """
@@ -85,6 +88,8 @@ class SamplingBatch:
     do_repetition_penalty: bool = False
     do_frequency_penalty: bool = False
     do_presence_penalty: bool = False
+    # [B] fp32 divisor of the logits for the reported logprobs (temperature or 1); None: all 1
+    logprob_temperature: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -124,6 +129,8 @@ class SamplingBatch:
         floats = torch.tensor(  # [7, B]
             [
                 [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                [p.temperature if p.scaled_logprobs and not g else 1.0
+                 for p, g in zip(params, greedy, strict=True)],
                 [p.top_p for p in params],
                 [p.min_p for p in params],
                 [p.repetition_penalty for p in params],
@@ -140,11 +147,12 @@ class SamplingBatch:
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=floats[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            repetition_penalty=floats[3],
-            frequency_penalty=floats[4],
-            presence_penalty=floats[5],
+            logprob_temperature=floats[1] if any(p.scaled_logprobs for p in params) else None,
+            top_p=floats[2],
+            min_p=floats[3],
+            repetition_penalty=floats[4],
+            frequency_penalty=floats[5],
+            presence_penalty=floats[6],
             top_k=ints[0],
             seeds=ints[1],
             steps=ints[2],
@@ -340,9 +348,19 @@ def _choose_tokens(penalised: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.where(batch.temperature == 0, greedy, drawn)
 
 
+def token_logprobs(logits: Tensor, token_ids: Tensor,
+                   temperature: Tensor | None = None) -> Tensor:
+    """log_softmax(logits / temperature) at `token_ids`: logits [B, V] fp32, token_ids [B],
+    temperature [B] fp32 or None (= 1) -> [B] fp32. The engine's reported log-prob, op for op."""
+    if temperature is not None:
+        logits = logits / temperature.unsqueeze(1)
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
+
+
 def _raw_logprobs(logits: Tensor, token_ids: Tensor,
                   num_top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Sampled-token and top-`num_top` logprobs of the raw distribution `log_softmax(logits)`."""
+    """Sampled-token and top-`num_top` logprobs of the distribution `log_softmax(logits)`."""
     lse = torch.logsumexp(logits, dim=-1)  # [B]
     chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse  # [B]
     if num_top < 0:
@@ -371,6 +389,8 @@ def sample(
     assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
     penalised = apply_penalties(logits, batch, token_counts, prompt_mask)  # [B, V]
     token_ids = _choose_tokens(penalised, batch)  # [B]
+    if batch.logprob_temperature is not None:
+        logits = logits / batch.logprob_temperature.unsqueeze(1)
     logprobs, top_logprobs, top_ids = _raw_logprobs(logits, token_ids, batch.max_logprobs)
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
                         top_ids=top_ids)

@@ -64,6 +64,10 @@ class SamplingParams:
     - `logprobs`: None = no logprobs; k in 0..20 = the sampled token's logprob plus the top-k
       alternatives.
     - `skip_special_tokens`: drop special tokens when detokenizing.
+    - `scaled_logprobs`: report log-probs of the temperature-scaled distribution
+      `log_softmax(logits / temperature)` (the one sampled from, before top-k / top-p / min-p
+      truncation: RL's rollout log-probs, as Miles defines them) instead of the raw model
+      distribution. Greedy rows report raw log-probs either way.
     """
 
     max_tokens: int = 16
@@ -80,6 +84,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    scaled_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self._validate_length()
@@ -144,7 +149,7 @@ class SamplingParams:
         )
         _require(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed", seed,
                  "None or 0 <= seed < 2**63")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "scaled_logprobs"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "True or False")
 

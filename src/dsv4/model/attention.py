@@ -75,11 +75,25 @@ def dense_masked_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Ten
     return torch.einsum("bhsk,bkd->bshd", probs.to(keys.dtype), keys).to(q.dtype)
 
 
+def pad_columns(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """ids [..., w] with -1 columns appended up to `width` (w <= width)."""
+    extra = width - ids.shape[-1]
+    assert extra >= 0, f"{ids.shape[-1]} index columns exceed the fixed width {width}"
+    return F.pad(ids, (0, extra), value=-1) if extra else ids
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, attn_type: str) -> None:
+    def __init__(self, config: ModelConfig, attn_type: str, layer_id: int = -1) -> None:
         super().__init__()
         c = config
         self.attn_type, self.window = attn_type, c.window
+        # the layer's index into Replay.indexer (the j-th CSA layer); None if never replayed
+        self.csa_index = (c.attn_types[:layer_id].count("csa")
+                          if attn_type == "csa" and 0 <= layer_id < c.num_layers else None)
+        # fixed index-row width of the compressed part (ForwardMode / ForwardContext
+        # `fixed_widths`): the indexer's k (CSA), every entry of the longest context (HCA)
+        self.entry_width = (c.index_topk if attn_type == "csa" else
+                            c.max_position_embeddings // c.hca_ratio if attn_type == "hca" else 0)
         self.n_heads, self.head_dim, self.o_groups = c.num_heads, c.head_dim, c.o_groups
         self.eps, self.scale = c.rms_norm_eps, c.softmax_scale
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
@@ -146,11 +160,17 @@ class Attention(nn.Module):
         entries, picks = None, None
         if self.compressor is not None:
             entries = self.compressor(x, cos, sin)                             # [B, E, D]
-            if self.indexer is not None:
-                picks = self.indexer(x, q_lat, cos, sin)                       # [B, S, k]
+            replay = mode.replay
+            if self.indexer is not None and replay is not None and replay.indexer is not None:
+                assert self.csa_index is not None, "indexer replay on a layer outside the model"
+                picks = replay.indexer[:, :, self.csa_index].long()           # [B, S, k]
+            elif self.indexer is not None:
+                picks = self.indexer(x, q_lat, cos, sin)                       # [B, S, k']
             else:
                 picks = dense_entry_indices(B, S, entries.shape[1], self.compressor.ratio,
                                             x.device)
+            if mode.fixed_widths:
+                picks = pad_columns(picks, self.entry_width)
         if mode.attention == "dense":
             o = dense_masked_attention(q, kv, entries, picks, self.window, self.attn_sink,
                                        self.scale)
@@ -201,14 +221,17 @@ class Attention(nn.Module):
                 # CSA: its two compressors share the plan, so one op serves both
                 self._compress_pair(x[0], ctx, plan, cache)
                 ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
-                if ctx.captured is not None:  # padded to index_topk so every step stacks alike
-                    pad = self.indexer.topk - ids.shape[1]
-                    ctx.captured.setdefault("indexer", []).append(
-                        F.pad(ids, (0, pad), value=-1) if pad > 0 else ids)
+                if ctx.captured is not None or ctx.fixed_widths:
+                    # padded to index_topk: every step stacks alike, rows have one width
+                    ids = pad_columns(ids, self.indexer.topk)
+                if ctx.captured is not None:
+                    ctx.captured.setdefault("indexer", []).append(ids)
                 slots = torch.where(ids >= 0, plan.candidates.gather(1, ids.clamp(min=0)), -1)
             else:
                 self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
                 slots = plan.candidates
+            if ctx.fixed_widths:
+                slots = pad_columns(slots, self.entry_width)
             sources.append((cache.entries, slots))
         o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),
                                  cos, sin)

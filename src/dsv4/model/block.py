@@ -19,9 +19,9 @@ class Block(nn.Module):
         super().__init__()
         self.attn_type, self.layer_id = attn_type, layer_id
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, attn_type)
+        self.attn = Attention(config, attn_type, layer_id)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoE(config, moe_type)
+        self.ffn = MoE(config, moe_type, layer_id)
         self.hc_attn = HyperConnection(config)
         self.hc_ffn = HyperConnection(config)
 

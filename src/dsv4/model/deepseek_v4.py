@@ -17,7 +17,7 @@ from torch import nn
 from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
 from dsv4.model.forward_context import ForwardContext
-from dsv4.model.forward_mode import INFERENCE, ForwardMode
+from dsv4.model.forward_mode import INFERENCE, ForwardMode, Replay
 from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import RotaryEmbedding
@@ -72,7 +72,11 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
     def forward_streams(self, input_ids: torch.Tensor,
                         mode: ForwardMode = INFERENCE) -> torch.Tensor:
-        """input_ids: [B, S] -> the streams after the last block, [B, S, n, d] (MTP's input)."""
+        """input_ids: [B, S] -> the streams after the last block, [B, S, n, d] (MTP's input).
+
+        A mode with a `replay` is checked first (`check_replay`: one host sync)."""
+        if mode.replay is not None:
+            self.check_replay(input_ids, mode.replay)
         e = self.embed(input_ids)
         x = e.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
         tables = self.rope_tables(input_ids.shape[1], input_ids.device)
@@ -80,6 +84,37 @@ class DeepSeekV4ForCausalLM(nn.Module):
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
             x = layer(x, input_ids, cos, sin, mode=mode)
         return x
+
+    def check_replay(self, input_ids: torch.Tensor, replay: Replay) -> None:
+        """Raise ValueError unless `replay` fits a forward of `input_ids` [B, S]: shapes
+        [B, S, num_layers, k] / [B, S, num_csa_layers, index_topk], expert ids in [-1, E),
+        entry ids in [-1, S // csa_ratio), and hash layers' recorded ids equal to their table
+        (a misaligned layer axis shows up here). The sync point of a replayed forward."""
+        c = self.config
+        B, S = input_ids.shape
+        arrays = (("experts", replay.experts, (B, S, c.num_layers, c.num_experts_per_tok),
+                   c.n_routed_experts),
+                  ("indexer", replay.indexer, (B, S, c.attn_types.count("csa"), c.index_topk),
+                   S // c.csa_ratio))
+        for name, ids, shape, limit in arrays:
+            if ids is None:
+                continue
+            if tuple(ids.shape) != shape or ids.is_floating_point():
+                raise ValueError(f"replay.{name} has shape {tuple(ids.shape)} ({ids.dtype}); "
+                                 f"expected an integer tensor of shape {shape}")
+            if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= limit):
+                raise ValueError(f"replay.{name} holds ids outside [-1, {limit}): "
+                                 f"[{int(ids.min())}, {int(ids.max())}]")
+        if replay.experts is not None:
+            for i, layer in enumerate(self.layers):
+                table = layer.ffn.gate.tid2eid
+                if table is None:
+                    continue
+                got = replay.experts[:, :, i]
+                want = table[input_ids].to(got.dtype)
+                if not bool(((got == want) | (got < 0)).all()):
+                    raise ValueError(f"replay.experts layer {i} (hash-routed) differs from the "
+                                     "layer's tid2eid table: the layer axis is misaligned")
 
     def forward_batch(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Serving path: input_ids [T] (new tokens of all requests) -> fp32 logits [R, V].

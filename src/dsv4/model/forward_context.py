@@ -62,3 +62,5 @@ class ForwardContext:
     ops: KernelOps = REF                # the kernel backend chosen at start-up
     # routing replay capture
     captured: dict[str, list[torch.Tensor]] | None = field(default=None)
+    # index rows of one width per layer (the engine's batch-invariant mode, see ForwardMode)
+    fixed_widths: bool = False

@@ -19,28 +19,61 @@ it to rounding only where a sequence is split into steps (fp32: within 1e-4,
 (fp32: within 1e-5, `tests/model/test_dense_attention.py`); a trainer that must score tokens
 bit-identically to the engine runs INFERENCE's formulation.
 
-`replay` is where the verified-RL issue threads recorded routing (expert ids [T, L_moe, k]) and
-indexer selections ([T, L_c4, index_topk]) into a forward; no mode carries any, and a forward given
-one raises rather than ignore it.
+`replay` carries the selections a rollout recorded (RL: R3 routing replay and indexer replay,
+`Replay`): a forward given one routes every token of MoE layer l to `replay.experts[b, s, l]`
+(the live router's scores are gathered at those ids, so the gate keeps its gradient) and lets
+every query of the j-th CSA layer attend to the entries `replay.indexer[b, s, j]` instead of the
+indexer's live top-k. `with_replay` derives such a mode from a preset; the presets carry none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
+
+import torch
 
 AttentionForm = Literal["gathered", "dense"]
 ExpertsForm = Literal["sparse", "dense"]
 
 
+@dataclass(frozen=True, eq=False)
+class Replay:
+    """Recorded selections for a [B, S] forward (int tensors on the model's device, -1 = none).
+
+    `experts`: [B, S, num_layers, num_experts_per_tok], the routed expert ids of every decoder
+    layer in layer order (hash layers included: the engine records their table lookups, and the
+    forward checks them against the table). `indexer`: [B, S, num_csa_layers, index_topk], the
+    C4 entry ids each query attended to, per CSA layer in layer order, in the engine's pick order.
+    Either may be None (that selection runs live). Rows of padding tokens may be all -1: they
+    route to experts 0..k-1 and attend to no entry (their outputs are masked by the caller).
+    Shapes and id ranges are checked by `DeepSeekV4ForCausalLM.check_replay` before a forward.
+    """
+
+    experts: torch.Tensor | None = None
+    indexer: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class ForwardMode:
-    """`attention` / `experts`: the formulations above. `replay`: recorded selections to reuse."""
+    """`attention` / `experts`: the formulations above. `replay`: recorded selections to reuse.
+    `fixed_widths`: attend over index rows of a fixed width (window + `index_topk` picks, or
+    window + every entry of the context for HCA) so that a query's softmax does not depend on the
+    sequence length: with `batch_invariant()` matmuls this is the computation of the engine's
+    `batch_invariant` mode, token for token (true on-policy RL)."""
 
     name: str
     attention: AttentionForm
     experts: ExpertsForm
-    replay: None = None
+    replay: Replay | None = field(default=None, compare=False)
+    fixed_widths: bool = False
+
+    def with_replay(self, replay: Replay | None, fixed_widths: bool | None = None
+                    ) -> ForwardMode:
+        """This mode with `replay` (and `fixed_widths` when given)."""
+        widths = self.fixed_widths if fixed_widths is None else fixed_widths
+        return replace(self, name=f"{self.name}+replay" if replay is not None else self.name,
+                       replay=replay, fixed_widths=widths)
 
     def __post_init__(self) -> None:
         if self.attention not in ("gathered", "dense"):
@@ -48,9 +81,9 @@ class ForwardMode:
                              "allowed: 'gathered', 'dense'")
         if self.experts not in ("sparse", "dense"):
             raise ValueError(f"experts={self.experts!r} is invalid; allowed: 'sparse', 'dense'")
-        if self.replay is not None:
-            raise NotImplementedError("routing / indexer replay is not implemented yet; "
-                                      "allowed: replay=None")
+        if self.replay is not None and not isinstance(self.replay, Replay):
+            raise TypeError(f"replay={type(self.replay).__name__} is invalid; "
+                            "allowed: None or a Replay")
 
 
 INFERENCE = ForwardMode("inference", attention="gathered", experts="sparse")

@@ -30,11 +30,19 @@ class Gate(nn.Module):
         self.bias = None if self.is_hash else nn.Parameter(torch.zeros(config.n_routed_experts,
                                                                        dtype=torch.float32))
 
-    def forward(self, u: torch.Tensor,
-                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u: [N, d], input_ids: [N] -> (expert ids [N, k] int64, weights [N, k] fp32)."""
+    def forward(self, u: torch.Tensor, input_ids: torch.Tensor,
+                replayed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """u: [N, d], input_ids: [N] -> (expert ids [N, k] int64, weights [N, k] fp32).
+
+        `replayed` [N, k] (R3): use these expert ids instead of selecting; the weights are the
+        live scores gathered at them, so the gate weight keeps its gradient. -1 rows (padding
+        tokens) take experts 0..k-1.
+        """
         scores = F.softplus(F.linear(u.float(), self.weight.float())).sqrt()
-        if self.tid2eid is not None:
+        if replayed is not None:
+            fill = torch.arange(self.topk, device=u.device).expand_as(replayed)
+            indices = torch.where(replayed >= 0, replayed, fill).long()
+        elif self.tid2eid is not None:
             indices = self.tid2eid[input_ids]
         else:
             assert self.bias is not None, "routed gate without a bias"
@@ -88,8 +96,10 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, moe_type: str) -> None:
+    def __init__(self, config: ModelConfig, moe_type: str, layer_id: int = -1) -> None:
         super().__init__()
+        # index into Replay.experts' layer axis; None for MTP blocks (never replayed)
+        self.replay_index = layer_id if 0 <= layer_id < config.num_layers else None
         self.gate = Gate(config, moe_type)
         self.experts = Experts(config)
         self.shared_experts = MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
@@ -98,7 +108,11 @@ class MoE(nn.Module):
                 *, mode: ForwardMode | None = None) -> torch.Tensor:
         """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
         u = x.reshape(-1, x.shape[-1])
-        indices, weights = self.gate(u, input_ids.reshape(-1))
+        replayed = None
+        if mode is not None and mode.replay is not None and mode.replay.experts is not None \
+                and self.replay_index is not None:
+            replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
+        indices, weights = self.gate(u, input_ids.reshape(-1), replayed)
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
         y = self.experts(u, indices, weights, ctx, mode=mode) + self.shared_experts(u).float()

@@ -6,7 +6,7 @@ that exists on a fresh machine, so the recipe reproduces anywhere with the same 
 * real text: the Python standard library's `.py` sources (site-packages excluded, non-UTF-8
   files skipped), one document per file. Files are taken library-first, then the test suites,
   each group in a fixed hash order, until `max_text_bytes` is reached;
-* task text: generated arithmetic (`dsv4.train.tasks`), as blocks of solved lines
+* task text: generated arithmetic (`dsv4.tasks.arithmetic`), as blocks of solved lines
   (`12+34=46\\n...`) and as chat conversations rendered with the checkpoint chat template. Levels
   are mixed by `LEVEL_WEIGHTS` (easy dominate, hard appear); task documents are added until they
   make up `task_fraction` of the training tokens.
@@ -56,7 +56,7 @@ from dsv4.checkpoint.tokenizer import (
     save_tokenizer,
     train_bpe,
 )
-from dsv4.train.tasks import LEVELS, Split, chat_messages, sample_problem
+from dsv4.tasks.arithmetic import LEVELS, Split, chat_messages, sample_problem
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)

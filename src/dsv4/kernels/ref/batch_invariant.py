@@ -1,0 +1,177 @@
+"""Batch-invariant CPU ops: a row's result does not depend on how many rows share the call.
+
+Why: the engine computes a token's logits in a decode step of B requests (a [B, d] GEMM per
+linear); the RL trainer recomputes the same token inside a [S, d] GEMM over the whole sequence.
+A GEMM library picks its kernel (and its reduction order over K) from the shape, so the two
+results may differ in the last bit. True on-policy RL (`dsv4 rl run --true-on-policy`) needs them
+equal, so both sides run their matmuls under `batch_invariant()`.
+
+Contract (what `check_row_invariance` measures): inside the context, `mm`, `addmm` and `bmm` on
+CPU give every output row bit-for-bit the value it has in any other call with the same weights,
+whatever the number of rows; and the transcendental element-wise ops (`UNARY_OPS`, softplus)
+give an element the same value wherever it sits in the tensor. Two mechanisms break this
+outside the context. Element-wise ops: torch's CPU loops run SIMD over whole vectors and a scalar
+loop over the tail, and the two round differently (measured for rsqrt, sigmoid, silu, softplus),
+so an element's bits depend on the tensor's size; the override pads the flattened input to a
+multiple of `PAD_ELEMS` so every element takes the SIMD path. GEMMs: oneDNN / MKL keep one kernel
+per weight shape for calls of at
+least `MIN_ROWS` rows (measured: 1-3 rows take a GEMV-like path with another reduction order), so
+smaller calls are padded with zero rows up to `MIN_ROWS`. The override is installed with
+`torch.library` for the CPU dispatch key and removed on exit (the aten kernels return); it
+covers autograd's backward matmuls too. CUDA needs a fixed-tile kernel instead (cuBLAS picks
+split-K and tiles by shape); entering the context with a CUDA tensor in flight is not an error,
+but CUDA matmuls are not covered, which `check_row_invariance("cuda")` reports.
+
+Scope: the override is process-wide while the context is open (the dispatcher has one table),
+so enter it where the whole process computes in this mode (the RL loop, an engine launched with
+`batch_invariant=True`). Torch runs on one intra-op thread inside (a multi-threaded loop splits a
+tensor at size-dependent offsets, each piece with its own tail); the thread count is restored on
+exit. Nested entries are counted; the override stays until the outermost exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+
+BLOCK_ROWS = 16
+"""Every GEMM call runs on blocks of exactly this many rows (the last one zero-padded)."""
+
+PAD_ELEMS = 64
+"""Element-wise inputs are padded to a multiple of this (two AVX-512 vectors of fp32)."""
+
+UNARY_OPS = ("rsqrt", "sigmoid", "silu", "exp", "log", "cos", "sin", "tanh", "log1p", "expm1")
+"""Element-wise ops computed on SIMD-aligned padded inputs in the context (plus softplus)."""
+
+_lock = threading.Lock()
+_depth = 0
+_threads = 1
+_library: torch.library.Library | None = None
+
+
+def _pad_rows(a: torch.Tensor, dim: int) -> torch.Tensor:
+    """`a` with zero rows appended along `dim` up to a multiple of BLOCK_ROWS (at least one)."""
+    rows = a.shape[dim]
+    extra = -rows % BLOCK_ROWS if rows else BLOCK_ROWS
+    if extra == 0:
+        return a
+    shape = list(a.shape)
+    shape[dim] = extra
+    return torch.cat((a, a.new_zeros(shape)), dim=dim)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    rows = a.shape[0]
+    padded = _pad_rows(a, 0)
+    out = padded.new_empty(padded.shape[0], b.shape[1])
+    for s in range(0, padded.shape[0], BLOCK_ROWS):
+        torch.ops.aten.mm.out(padded[s:s + BLOCK_ROWS], b, out=out[s:s + BLOCK_ROWS])
+    return out[:rows]
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    rows = a.shape[1]
+    padded = _pad_rows(a, 1)
+    out = padded.new_empty(padded.shape[0], padded.shape[1], b.shape[2])
+    for s in range(0, padded.shape[1], BLOCK_ROWS):
+        block = padded[:, s:s + BLOCK_ROWS]
+        torch.ops.aten.bmm.out(block, b, out=out[:, s:s + BLOCK_ROWS])
+    return out[:, :rows]
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor:
+    prod = _mm(a, b)
+    if alpha != 1:
+        prod = prod * alpha
+    return prod + (bias if beta == 1 else bias * beta)
+
+
+def _aligned(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x flattened and zero-padded to a multiple of PAD_ELEMS, an empty output like it)."""
+    flat = x.reshape(-1)
+    extra = -flat.numel() % PAD_ELEMS
+    if extra:
+        flat = torch.cat((flat, flat.new_zeros(extra)))
+    return flat, torch.empty_like(flat)
+
+
+def _unary(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    out_op = getattr(torch.ops.aten, name).out
+
+    def impl(x: torch.Tensor) -> torch.Tensor:
+        flat, out = _aligned(x)
+        out_op(flat, out=out)
+        return out[:x.numel()].view(x.shape)
+    return impl
+
+
+def _softplus(x: torch.Tensor, beta: float = 1, threshold: float = 20) -> torch.Tensor:
+    flat, out = _aligned(x)
+    torch.ops.aten.softplus.out(flat, beta, threshold, out=out)
+    return out[:x.numel()].view(x.shape)
+
+
+def _install() -> torch.library.Library:
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.library")
+        lib.impl("mm", _mm, "CPU")
+        lib.impl("bmm", _bmm, "CPU")
+        lib.impl("addmm", _addmm, "CPU")
+        lib.impl("softplus", _softplus, "CPU")
+        for name in UNARY_OPS:
+            lib.impl(name, _unary(name), "CPU")
+    return lib
+
+
+@contextlib.contextmanager
+def batch_invariant() -> Iterator[None]:
+    """Run the enclosed CPU matmuls batch-invariantly (see the module docstring)."""
+    global _depth, _library, _threads
+    with _lock:
+        if _depth == 0:
+            _library = _install()
+            _threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _library is not None:
+                _library._destroy()
+                _library = None
+                torch.set_num_threads(_threads)
+
+
+def is_active() -> bool:
+    """Whether a `batch_invariant()` context is open in this process."""
+    return _depth > 0
+
+
+def check_row_invariance(device: str = "cpu", dims: tuple[int, int] = (256, 512),
+                         max_rows: int = 64) -> list[str]:
+    """The ops whose first M rows (M in 1..max_rows) differ from the same rows of a
+    `max_rows`-row call inside `batch_invariant()`, as "op@M"; [] means the contract holds on
+    this machine and device."""
+    k, n = dims
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max_rows, k, generator=gen).to(device)
+    w = torch.randn(n, k, generator=gen).to(device)
+    ops: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "linear": lambda t: torch.nn.functional.linear(t, w),
+        "softplus": torch.nn.functional.softplus,
+        **{name: getattr(torch.ops.aten, name) for name in UNARY_OPS if name != "log"}}
+    bad: list[str] = []
+    with batch_invariant():
+        for name, fn in ops.items():
+            full = fn(x)
+            bad += [f"{name}@{m}" for m in range(1, max_rows)
+                    if not torch.equal(fn(x[:m]), full[:m])]
+    return bad
