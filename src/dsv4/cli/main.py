@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dsv4.cli import generate, init, serve, train
+from dsv4.cli import generate, init, rl, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     serve.add_parser(sub)
     train.add_parser(sub)
+    rl.add_parser(sub)
     return parser
 
 

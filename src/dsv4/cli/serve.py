@@ -62,6 +62,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint: keep routed experts in FP4")
     g.add_argument("--disable-radix-cache", "--disable-prefix-cache", dest="disable_prefix_cache",
                    action="store_true", default=None, help="turn the radix prefix cache off")
+    g.add_argument("--enable-return-routing", action="store_true", default=None,
+                   help="let requests ask for their routing (return_routed_experts, "
+                        "return_indexer_topk; RL replay): the engine captures routing and runs "
+                        "without the prefix cache")
     g.add_argument("--disable-cuda-graph", action="store_true", default=None,
                    help="decode eagerly "
                         "(default: CUDA graphs on cuda with --kernel-backend triton)")
@@ -100,7 +104,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_running_requests", "context_length", "chunked_prefill_size", "page_size",
         "max_total_tokens", "kv_cache_memory_gb", "kernel_backend", "seed", "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
-        "weight_format", "disable_cuda_graph", "cuda_graph_max_bs")}
+        "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if device == "cpu":
         engine_args.setdefault("page_size", _cpu_page_size(model))

@@ -107,6 +107,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
                                  f"[{int(ids.min())}, {int(ids.max())}]")
         if replay.experts is not None:
             for i, layer in enumerate(self.layers):
+                assert isinstance(layer, Block)
                 table = layer.ffn.gate.tid2eid
                 if table is None:
                     continue

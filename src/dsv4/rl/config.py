@@ -1,0 +1,137 @@
+"""RLConfig: the frozen knobs of one RL run (`dsv4 rl run`).
+
+Built once at the edge (CLI flags, or a run directory's `rl_config.json` on resume) and passed
+down. A resumed run must keep every field except the `INVOCATION_FIELDS` (where and how long this
+invocation runs), so a run cannot silently change what it trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from dsv4.rl.rewards import TASKS
+
+Algo = Literal["grpo", "dapo"]
+ALGOS: tuple[str, ...] = ("grpo", "dapo")
+REPLAYS: tuple[str, ...] = ("none", "routing", "routing,indexer")
+INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """`model`: checkpoint directory (official layout + tokenizer). `task` / `levels`: the
+    reward task and its curriculum (`rl/rewards.py`). `algo`: "grpo" (group-normalised advantages,
+    symmetric clip `eps_low`, sample-mean loss) or "dapo" (clip-higher `eps_high`, dynamic
+    sampling, token-mean loss, overlong shaping over the last `overlong_buffer` tokens).
+    `group_size` samples of each of `prompts_per_step` prompts per step, `steps` optimizer steps.
+    `tis`: truncate the importance weight pi_old / pi_rollout at this C (None: off). `mis`:
+    (lo, hi), mask tokens whose ratio leaves it (None: off). `replay`: which recorded selections
+    the trainer reuses. `true_on_policy`: engine and trainer compute batch-invariantly with one
+    formulation (`kernels/ref/batch_invariant.py`), so the trainer's log-probs equal the
+    sampling log-probs bit for bit. `kl_coef`: k3 KL to the frozen initial policy.
+    `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level."""
+
+    model: str
+    out_dir: str
+    task: str = "arithmetic"
+    levels: tuple[int, ...] = (3, 4, 5, 6)
+    algo: str = "grpo"
+    group_size: int = 8
+    prompts_per_step: int = 8
+    steps: int = 50
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    max_tokens: int = 8
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    tis: float | None = None
+    mis: tuple[float, float] | None = None
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    overlong_buffer: int = 2
+    max_resample_rounds: int = 4
+    replay: str = "routing,indexer"
+    true_on_policy: bool = False
+    eval_every: int = 10
+    eval_per_level: int = 50
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    kernel_backend: str = "ref"
+    weight_format: str = "bf16"
+    time_limit_s: float | None = None
+    max_steps_this_call: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task={self.task!r} is unknown; allowed: {sorted(TASKS)}")
+        if self.algo not in ALGOS:
+            raise ValueError(f"algo={self.algo!r} is unknown; allowed: {list(ALGOS)}")
+        if self.replay not in REPLAYS:
+            raise ValueError(f"replay={self.replay!r} is invalid; allowed: {list(REPLAYS)}")
+        for name in ("group_size", "prompts_per_step", "steps", "max_tokens", "eval_every",
+                     "eval_per_level", "max_resample_rounds"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
+        if self.group_size < 2:
+            raise ValueError(f"group_size={self.group_size} is invalid for {self.algo}: "
+                             "group-normalised advantages need >= 2 samples per prompt")
+        for name in ("lr", "grad_clip", "temperature"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: > 0")
+        if not 0 < self.eps_low < 1 or self.eps_high < self.eps_low:
+            raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high} are invalid; "
+                             "allowed: 0 < eps_low < 1, eps_high >= eps_low")
+        if self.tis is not None and self.tis <= 0:
+            raise ValueError(f"tis={self.tis} is invalid; allowed: None or a clip C > 0")
+        if self.mis is not None and not 0 < self.mis[0] < self.mis[1]:
+            raise ValueError(f"mis={self.mis} is invalid; allowed: None or (lo, hi), 0 < lo < hi")
+        if not 0 < self.overlong_buffer <= self.max_tokens:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} is invalid; "
+                             f"allowed: 1..max_tokens ({self.max_tokens})")
+        for name in ("kl_coef", "entropy_coef", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 0")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: 'float32', 'bfloat16'")
+
+    @property
+    def replay_routing(self) -> bool:
+        return self.replay != "none"
+
+    @property
+    def replay_indexer(self) -> bool:
+        return self.replay == "routing,indexer"
+
+    def replace(self, **changes: Any) -> RLConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RLConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown RLConfig fields {unknown}; allowed: {sorted(known)}")
+        d = dict(d)
+        d["levels"] = tuple(d.get("levels", ()))
+        if d.get("mis") is not None:
+            d["mis"] = tuple(d["mis"])
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    def changed_fields(self, other: RLConfig) -> list[str]:
+        """Fields other than the invocation ones in which `other` differs from this config."""
+        a, b = self.to_dict(), other.to_dict()
+        return sorted(k for k in a if k not in INVOCATION_FIELDS and a[k] != b[k])

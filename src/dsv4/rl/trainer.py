@@ -1,0 +1,320 @@
+"""The RL loop of `dsv4 rl run`: rollout -> rewards -> advantages -> one policy step -> sync.
+
+One process, one device, trainer and engine colocated (the embedded default). The trainer owns an
+fp32 policy (AdamW master weights); the engine owns its own copy in its serving dtype / weight
+format and receives the policy after every optimizer step (`LLMEngine.update_weights`: in place,
+re-quantised where the engine keeps FP4 experts, prefix cache flushed). A step:
+
+1. rollout: `prompts_per_step` prompts x `group_size` samples from the engine, with the sampling
+   log-probs and the recorded routing / indexer picks (`rl/rollout.py`); DAPO over-samples and
+   drops groups whose rewards do not differ (at most `max_resample_rounds` rounds);
+2. the trainer's forward on the same tokens (replaying the recorded selections: `ForwardMode
+   .replay`) gives log pi_theta; pi_old = pi_theta before the update (one optimizer step per
+   rollout, so the two are equal in value); drift = |log pi_old - log pi_rollout|
+   (`train_rollout_logprob_abs_diff`, rl-reference.md §4.3);
+3. PPO clip(-higher) loss with optional TIS / MIS weights, k3 KL to the initial policy, entropy
+   bonus; one AdamW step; weight sync.
+
+Formulations: by default the trainer runs the TRAINING mode (dense attention and experts: cheap
+backward) and the engine its serving kernels, so log-probs agree to rounding. With
+`true_on_policy` both run the INFERENCE formulation with fixed-width index rows under
+`batch_invariant()` (engine `batch_invariant=True`): the trainer's log-probs equal the engine's
+bit for bit, at step 0 and after every sync (tests/rl/test_true_on_policy.py).
+
+Run directory: `rl_config.json`, `state.pt` (policy, optimizer, step; atomic), `metrics.jsonl`,
+`rl.png`. Rollouts depend only on (seed, step), so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from dsv4.config.engine import EngineConfig, check_weight_format
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.sampler import token_logprobs
+from dsv4.kernels.ref.batch_invariant import batch_invariant
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.forward_mode import INFERENCE, TRAINING, ForwardMode
+from dsv4.model.loader import load_model
+from dsv4.rl import algorithms as alg
+from dsv4.rl.batch import (
+    TrainBatch,
+    advantages_of,
+    group_rewards,
+    keep_informative,
+    pack,
+    shape_overlong,
+)
+from dsv4.rl.config import RLConfig
+from dsv4.rl.rewards import Task, make_task
+from dsv4.rl.rollout import Sample, generate_samples, greedy_answers
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
+
+
+def sequence_logprobs(model: DeepSeekV4ForCausalLM, inputs: torch.Tensor, targets: torch.Tensor,
+                      mode: ForwardMode, temperature: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(target) [B, S], temperature-scaled logits [B, S, V]) of a forward in `mode`, with
+    the engine's formula (`engine.sampler.token_logprobs`, the temperature as an fp32 tensor)."""
+    logits = model(inputs, mode)                                          # [B, S, V] fp32
+    B, S, V = logits.shape
+    temp = torch.full((B * S,), temperature, dtype=torch.float32, device=logits.device)
+    logp = token_logprobs(logits.reshape(B * S, V), targets.reshape(-1), temp)
+    return logp.view(B, S), logits / temperature
+
+
+class RLTrainer:
+    def __init__(self, config: RLConfig) -> None:
+        self.config = c = config
+        self.run_dir = Path(c.out_dir)
+        self.device = torch.device(c.device)
+        torch.manual_seed(c.seed)
+        self.task: Task = make_task(c.task, c.levels)
+        model_dir = Path(c.model)
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.policy = load_model(model_dir, dtype="float32", device=self.device).train()
+        self.reference = (load_model(model_dir, dtype="float32", device=self.device).eval()
+                          if c.kl_coef > 0 else None)
+        served = load_model(model_dir, dtype=c.dtype, device=self.device,
+                            weight_format=check_weight_format(c.weight_format))
+        self.engine = LLMEngine(served, self.engine_config())
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=c.lr,
+                                           weight_decay=c.weight_decay, betas=(0.9, 0.999))
+        self.step = 0
+        self.elapsed_s = 0.0
+
+    def engine_config(self) -> EngineConfig:
+        c = self.config
+        batch = c.group_size * c.prompts_per_step
+        page = 128 if self.device.type == "cpu" else 256
+        return EngineConfig(page_size=page, max_running_requests=max(batch, 16),
+                            max_total_tokens=max(batch, 16) * 2 * page, chunked_prefill_size=4096,
+                            kernel_backend=c.kernel_backend,  # type: ignore[arg-type]
+                            capture_routing=True, disable_prefix_cache=True,
+                            batch_invariant=c.true_on_policy,
+                            disable_cuda_graph=c.true_on_policy, seed=c.seed)
+
+    # --- numerics ----------------------------------------------------------------------------
+    def mode(self) -> ForwardMode:
+        return INFERENCE if self.config.true_on_policy else TRAINING
+
+    @contextlib.contextmanager
+    def numerics(self) -> Iterator[None]:
+        """The trainer's forward context: batch-invariant ops (true on-policy) or bf16 autocast
+        (a bf16 engine on CUDA), else plain fp32."""
+        if self.config.true_on_policy:
+            with batch_invariant():
+                yield
+        elif self.config.dtype == "bfloat16" and self.device.type == "cuda":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+    def policy_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        mode = self.mode().with_replay(batch.replay, fixed_widths=self.config.true_on_policy)
+        with self.numerics():
+            return sequence_logprobs(self.policy, batch.inputs, batch.targets, mode,
+                                     self.config.temperature)
+
+    # --- rollout -----------------------------------------------------------------------------
+    def rollout(self) -> tuple[list[Sample], dict[str, float]]:
+        """The step's samples (grouped) and rollout statistics."""
+        c = self.config
+        kept: dict[int, list[Sample]] = {}
+        drawn: list[Sample] = []
+        for round_ in range(c.max_resample_rounds if c.algo == "dapo" else 1):
+            rng = random.Random(f"dsv4-rl-{c.seed}-{self.step}-{round_}")
+            prompts = self.task.train_prompts(rng, c.prompts_per_step)
+            samples = generate_samples(self.engine, self.tokenizer, prompts, c.group_size,
+                                       c.temperature, c.max_tokens,
+                                       seed=hash((c.seed, self.step, round_)) % 2**31,
+                                       first_group=round_ * c.prompts_per_step)
+            for s in samples:
+                s.reward = self.task.reward(s.prompt, s.text)
+            drawn += samples
+            if c.algo == "grpo":
+                kept = group_rewards(samples)
+                break
+            shape_overlong(samples, c.max_tokens, c.overlong_buffer)
+            kept.update(keep_informative(group_rewards(samples)))
+            if len(kept) >= c.prompts_per_step:
+                break
+        groups = dict(list(kept.items())[:c.prompts_per_step])
+        chosen = [s for g in groups.values() for s in g]
+        correct = [float(s.reward >= 1.0) for s in drawn]
+        stats = {"reward_mean": sum(s.reward for s in drawn) / len(drawn),
+                 "reward_std": float(torch.tensor([s.reward for s in drawn]).std()),
+                 "accuracy": sum(correct) / len(correct),
+                 "response_len": sum(s.response_len for s in drawn) / len(drawn),
+                 "groups_kept": len(groups), "samples_drawn": len(drawn)}
+        return chosen, stats
+
+    # --- one step ----------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        c = self.config
+        t0 = time.perf_counter()
+        samples, record = self.rollout()
+        t1 = time.perf_counter()
+        if samples:
+            groups = group_rewards(samples)
+            batch = pack(samples, advantages_of(groups), c.replay_routing,
+                         c.replay_indexer).to(self.device)
+            record.update(self._optimize(batch))
+        else:
+            record["skipped"] = True            # DAPO found no informative group
+        t2 = time.perf_counter()
+        self.sync()
+        t3 = time.perf_counter()
+        self.step += 1
+        record.update(step=self.step, rollout_s=round(t1 - t0, 4), train_s=round(t2 - t1, 4),
+                      sync_s=round(t3 - t2, 4))
+        return record
+
+    def _optimize(self, batch: TrainBatch) -> dict[str, float]:
+        c = self.config
+        logp, logits = self.policy_logprobs(batch)
+        old = logp.detach()              # pi_old: this policy before its one update
+        mask = batch.mask
+        drift, drift_max = alg.logprob_abs_diff(old, batch.rollout_logp, mask)
+        weights, stats = None, {}
+        if c.tis is not None:
+            weights, stats["tis_clip_frac"] = alg.tis_weights(old, batch.rollout_logp, mask,
+                                                              c.tis)
+        if c.mis is not None:
+            keep, stats["mis_mask_frac"] = alg.mis_weights(old, batch.rollout_logp, mask,
+                                                           *c.mis)
+            weights = keep if weights is None else weights * keep
+        aggregation: alg.Aggregation = "token" if c.algo == "dapo" else "sample"
+        loss, pstats = alg.policy_loss(logp, old, batch.advantages, mask, c.eps_low,
+                                       c.eps_high if c.algo == "dapo" else c.eps_low,
+                                       aggregation, weights)
+        ent = alg.masked_mean(alg.entropy(logits), mask)
+        total = loss - c.entropy_coef * ent
+        if self.reference is not None:
+            with torch.no_grad(), self.numerics():
+                ref_logp, _ = sequence_logprobs(self.reference, batch.inputs, batch.targets,
+                                                self.mode().with_replay(batch.replay,
+                                                                        c.true_on_policy),
+                                                c.temperature)
+            stats["kl_k3"] = alg.k3_kl(logp, ref_logp, mask)
+            total = total + c.kl_coef * stats["kl_k3"]
+        else:
+            stats["kl_k3"] = alg.k3_kl(logp.detach(), batch.rollout_logp, mask)
+        self.optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
+        self.optimizer.step()
+        out = {"loss": total, "entropy": ent, "grad_norm": grad_norm,
+               "train_rollout_logprob_abs_diff": drift,
+               "train_rollout_logprob_abs_diff_max": drift_max, **pstats, **stats}
+        # the step's sync point
+        return {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+                for k, v in out.items()}
+
+    def sync(self) -> int:
+        """Push the policy into the engine (in place; flushes the engine's prefix cache)."""
+        with torch.no_grad():
+            return self.engine.update_weights(dict(self.policy.state_dict()))
+
+    # --- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any]:
+        """Greedy held-out accuracy per level (the task's held-out split only)."""
+        prompts = self.task.heldout_prompts(self.config.eval_per_level, seed=self.config.seed)
+        answers = greedy_answers(self.engine, self.tokenizer, prompts, self.config.max_tokens)
+        hits: dict[int, list[float]] = {}
+        for p, a in zip(prompts, answers, strict=True):
+            hits.setdefault(p.level, []).append(self.task.reward(p, a))
+        by_level = {str(k): sum(v) / len(v) for k, v in sorted(hits.items())}
+        return {"heldout_accuracy": sum(by_level.values()) / len(by_level),
+                "heldout_by_level": by_level}
+
+    # --- the loop ----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        c = self.config
+        stop_at = c.steps if c.max_steps_this_call is None else min(
+            c.steps, self.step + c.max_steps_this_call)
+        last: dict[str, Any] = {}
+        if self.step == 0:
+            last = self._log({"step": 0, **self.evaluate()})
+        start = time.perf_counter()
+        with tqdm(total=c.steps, initial=self.step, desc="rl", unit="step", disable=None) as bar:
+            while self.step < stop_at:
+                record = self.train_step()
+                if self.step % c.eval_every == 0 or self.step == c.steps:
+                    record.update(self.evaluate())
+                last = self._log(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.2f}")
+                if (c.time_limit_s is not None
+                        and time.perf_counter() - start + self.elapsed_s > c.time_limit_s):
+                    logger.info("time limit reached at step %d; saving for resume", self.step)
+                    break
+        self.elapsed_s += time.perf_counter() - start
+        self.save()
+        return last
+
+    def _log(self, record: dict[str, Any]) -> dict[str, Any]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info("%s", record)
+        return record
+
+    # --- persistence -------------------------------------------------------------------------
+    def save(self) -> None:
+        """state.pt atomically (temporary file + rename), and the run's config."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config.save(self.run_dir / "rl_config.json")
+        state = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step, "elapsed_s": self.elapsed_s}
+        tmp = self.run_dir / "state.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.run_dir / "state.pt")
+
+    def load(self) -> None:
+        """Restore state.pt, push it into the engine, drop metrics logged after it."""
+        state = torch.load(self.run_dir / "state.pt", map_location=self.device,
+                           weights_only=True)
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.elapsed_s = int(state["step"]), float(state["elapsed_s"])
+        self.sync()
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            kept = [line for line in metrics.read_text().splitlines()
+                    if json.loads(line)["step"] <= self.step]
+            metrics.write_text("".join(line + "\n" for line in kept))
+
+
+def open_run(config: RLConfig, resume: bool) -> RLTrainer:
+    """An RLTrainer for `config.out_dir`: fresh (refusing to overwrite a run) or resumed."""
+    run_dir = Path(config.out_dir)
+    if resume:
+        if not (run_dir / "state.pt").exists():
+            raise FileNotFoundError(f"--resume: no state.pt in {run_dir}")
+        saved = RLConfig.from_dict(json.loads((run_dir / "rl_config.json").read_text()))
+        changed = saved.changed_fields(config)
+        if changed:
+            raise ValueError(f"--resume: {changed} differ from the run's rl_config.json; "
+                             "only out_dir, device, time_limit_s, max_steps_this_call may change")
+        trainer = RLTrainer(config)
+        trainer.load()
+        return trainer
+    if (run_dir / "state.pt").exists():
+        raise FileExistsError(f"{run_dir} already holds a run; "
+                              "pass --resume or choose another --out")
+    return RLTrainer(config)
