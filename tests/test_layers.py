@@ -1,7 +1,7 @@
 """dsv4's packages import one way only (DESIGN decision 10).
 
-    utils, assets -> config -> kernels -> cache -> model -> checkpoint | distributed -> engine
-        -> server | train | rl -> cli
+    utils, assets, tasks -> config -> kernels -> cache -> model -> checkpoint | distributed
+        -> engine -> server | train | rl -> cli
 
 Every `import` / `from ... import` in `src/dsv4` (at any depth: inside functions too) is an edge
 from the importing package to the imported one; an edge to a higher layer, or between the sibling
@@ -29,7 +29,7 @@ LAYERS: dict[str, int] = {
     "server": 7, "train": 7, "rl": 7,
     "cli": 8,
 }
-SIBLINGS_MAY_IMPORT = {"utils", "assets", "tasks"}   # the base layer's two packages may use each other
+SIBLINGS_MAY_IMPORT = {"utils", "assets", "tasks"}   # base-layer packages may use each other
 
 
 def package_of(module: str) -> str | None:

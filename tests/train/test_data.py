@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from dsv4.checkpoint.tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, render_chat
+from dsv4.tasks.arithmetic import Problem, is_heldout
 from dsv4.train.data import (
     HELDOUT_FILE,
     TRAIN_FILE,
@@ -23,7 +24,6 @@ from dsv4.train.data import (
     prepare_data,
     select_stdlib_files,
 )
-from dsv4.tasks.arithmetic import Problem, is_heldout
 
 MAX_TEXT_BYTES = 300_000
 FILES = ("tokenizer.json", "tokenizer_config.json", TRAIN_FILE, HELDOUT_FILE, "meta.json")

@@ -15,8 +15,8 @@ from dsv4.checkpoint.presets import tiny
 from dsv4.config.model import ModelConfig
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.train.evaluate import EASY_LEVELS, heldout_metrics, read_tokens, task_accuracy
 from dsv4.tasks.arithmetic import eval_set
+from dsv4.train.evaluate import EASY_LEVELS, heldout_metrics, read_tokens, task_accuracy
 
 MODEL = default_model_path()
 CARD = json.loads((MODEL / "eval.json").read_text())

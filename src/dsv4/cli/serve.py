@@ -3,8 +3,9 @@
 Resolves every "auto" value here, at the edge, before building the frozen ServerConfig: the model
 (the embedded default when `--model` is absent), its served name, device (cuda when available),
 dtype (bfloat16 on cuda, float32 on cpu) and, on CPU, a small page size and KV budget and one
-engine thread per core minus one for the API process. Exits with the server's status: 0 after
-SIGTERM / SIGINT, non-zero when the engine fails.
+engine thread per core minus one for the API process. `--enable-return-routing` lets requests ask
+for their routing (RL replay; the prefix cache is then off). Exits with the server's status: 0
+after SIGTERM / SIGINT, non-zero when the engine fails.
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ class ServerConfig(EngineConfig):
     finish before they are aborted. `access_log`: uvicorn's per-request log. `torch_threads`:
     intra-op threads of the engine process (None: torch's default, one per core).
     `weight_format`: "bf16" dequantises FP4 / FP8 weights at load; "checkpoint" keeps the routed
-    experts in FP4.
+    experts in FP4. `enable_return_routing`: requests may ask for their routing
+    (`return_routed_experts`, `return_indexer_topk`); the engine then captures routing and runs
+    without the prefix cache (`engine_config` sets `capture_routing` and `disable_prefix_cache`),
+    because prefix tokens served from the cache are never fed, so have no captured routing.
     """
 
     model: str = ""
@@ -45,6 +48,7 @@ class ServerConfig(EngineConfig):
     access_log: bool = False
     torch_threads: int | None = None
     weight_format: WeightFormat = "bf16"
+    enable_return_routing: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,9 +84,13 @@ class ServerConfig(EngineConfig):
 
     @property
     def engine_config(self) -> EngineConfig:
-        """The `EngineConfig` part alone (what `LLMEngine` is built from)."""
-        return EngineConfig(**{f.name: getattr(self, f.name)
-                               for f in dataclasses.fields(EngineConfig)})
+        """The `EngineConfig` part alone (what `LLMEngine` is built from), with routing captured
+        and the prefix cache off under `enable_return_routing`."""
+        config = EngineConfig(**{f.name: getattr(self, f.name)
+                                 for f in dataclasses.fields(EngineConfig)})
+        if self.enable_return_routing:
+            config = dataclasses.replace(config, capture_routing=True, disable_prefix_cache=True)
+        return config
 
     @property
     def max_inflight_requests(self) -> int:

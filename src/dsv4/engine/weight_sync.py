@@ -90,9 +90,10 @@ def _plan_copy(name: str, src: torch.Tensor, dest: torch.Tensor, config: ModelCo
                          f"(the model holds {dest.dtype})")
     elif name.endswith("tid2eid") and src.numel() and not (
             0 <= int(src.min()) and int(src.max()) < config.n_routed_experts):
-        raise ValueError(f"tensor {name!r} holds expert ids outside "
-                         f"[0, {config.n_routed_experts}); allowed: 0..{config.n_routed_experts - 1}")
-    return lambda: dest.copy_(src.to(dest.dtype))
+        num = config.n_routed_experts
+        raise ValueError(f"tensor {name!r} holds expert ids outside [0, {num}); "
+                         f"allowed: 0..{num - 1}")
+    return lambda: dest.copy_(src)     # copy_ casts to dest's dtype and device
 
 
 def _plan_quant(name: str, src: torch.Tensor, module: QuantExperts, which: str) -> Write:
@@ -153,11 +154,11 @@ def read_checkpoint_dir(path: str | Path, model: DeepSeekV4ForCausalLM) -> dict[
     if not (path / "config.json").is_file():
         raise ValueError(f"model_path={str(path)!r} is not a checkpoint directory; allowed: a "
                          "directory with config.json and *.safetensors")
-    check_architecture(_guarded(path, lambda: ModelConfig.from_hf(path)), model.config, path)
+    _check_architecture(_guarded(path, lambda: ModelConfig.from_hf(path)), model.config, path)
     loaded = _guarded(path, lambda: load_model(path, dtype="float32", device="cpu",
                                                progress=False))
     # the loader may drop MTP (a transformers-layout checkpoint without mtp.* tensors)
-    check_architecture(loaded.config, model.config, path)
+    _check_architecture(loaded.config, model.config, path)
     return dict(loaded.state_dict())
 
 
@@ -169,7 +170,7 @@ def _guarded(path: Path, read: Callable[[], T]) -> T:
         raise ValueError(f"checkpoint {str(path)!r} cannot be read: {type(e).__name__}: {e}") from e
 
 
-def check_architecture(found: ModelConfig, expected: ModelConfig, path: Path) -> None:
+def _check_architecture(found: ModelConfig, expected: ModelConfig, path: Path) -> None:
     """Raise ValueError naming every architecture field where `found` differs from `expected`."""
     diffs = [f"{f.name}={getattr(found, f.name)!r} (served: {getattr(expected, f.name)!r})"
              for f in dataclasses.fields(ModelConfig)

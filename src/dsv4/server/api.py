@@ -13,11 +13,24 @@
                                and reports "ok" or the failure
     POST /flush_cache          drop the prefix-cache entries no request uses (SGLang's name);
                                returns the stats
+    POST /update_weights_from_disk
+                               {"model_path": "<checkpoint dir>"} (SGLang's name, for RL weight
+                               sync): the engine loads that checkpoint into the served model
+                               between two steps -> {"success": true, "message", "num_tensors",
+                               "weight_version"}; 400 (OpenAI error shape, param "model_path") and
+                               the served weights unchanged for a missing directory, another
+                               architecture or a corrupt / incomplete checkpoint
     GET  /metrics              Prometheus text format (metrics.py)
 
-`/v1/*` and /flush_cache need `Authorization: Bearer <key>` when the server has an API key. Bodies
-are read with a size limit (413 past it) and parsed strictly into the protocol models (400 naming
-the field).
+`/v1/*`, /flush_cache and /update_weights_from_disk need `Authorization: Bearer <key>` when the
+server has an API key. Bodies are read with a size limit (413 past it) and parsed strictly into
+the protocol models (400 naming the field).
+
+Weight updates: the checkpoint must be in the official layout (`dsv4 train export`,
+`dsv4.checkpoint.writer`) with the served architecture (storage, e.g. FP8/FP4, may differ; experts
+served in checkpoint encoding are re-quantised). Requests in flight are not failed: they recompute
+their KV cache with the new weights and continue (their earlier tokens came from the old ones); the
+prefix cache is flushed. `weight_version` counts the updates (also in /v1/engine_stats).
 
 Test: `pytest tests/server/test_openai_client.py tests/server/test_errors.py`.
 """
@@ -37,7 +50,14 @@ from pydantic import BaseModel, ValidationError
 from dsv4.server.chat import create_chat_completion
 from dsv4.server.completions import create_completion
 from dsv4.server.errors import APIError, from_validation_error, install_handlers
-from dsv4.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from dsv4.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+)
 from dsv4.server.state import ServerState
 
 M = TypeVar("M", bound=BaseModel)
@@ -61,6 +81,8 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/v1/abort", _abort(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/engine_stats", _engine_stats(state), methods=["GET"], dependencies=auth)
     app.add_api_route("/flush_cache", _flush_cache(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/update_weights_from_disk", _update_weights_from_disk(state),
+                      methods=["POST"], dependencies=auth)
     return app
 
 
@@ -175,6 +197,18 @@ def _flush_cache(state: ServerState) -> Handler:
         return JSONResponse(dataclasses.asdict(snapshot))
 
     return flush_cache
+
+
+def _update_weights_from_disk(state: ServerState) -> Handler:
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await parse_body(request, UpdateWeightsFromDiskRequest,
+                                state.config.max_request_bytes)
+        reply = await state.client.update_weights(body.model_path)
+        return JSONResponse(UpdateWeightsFromDiskResponse(
+            success=True, message=reply.message, num_tensors=reply.num_tensors,
+            weight_version=reply.weight_version).model_dump())
+
+    return update_weights_from_disk
 
 
 def _metrics(state: ServerState) -> Handler:

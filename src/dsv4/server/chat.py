@@ -3,7 +3,8 @@
 Owns the chat request -> GenerationJob translation and the chat response / chunk formatting. The
 prompt is the checkpoint's chat template rendered with the messages (`chat_template.py`).
 `logprobs: true` with `top_logprobs: k` ->
-`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. Without `max_tokens` /
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. `return_routed_experts` /
+`return_indexer_topk`: routing.py (rows count the rendered prompt's tokens). Without `max_tokens` /
 `max_completion_tokens` a choice may use the rest of the context (and of the KV cache). Streams
 open every choice with a `{"role": "assistant", "content": ""}` delta, as OpenAI's do.
 
@@ -32,6 +33,7 @@ from dsv4.server.protocol import (
     TokenLogprob,
     TopLogprob,
 )
+from dsv4.server.routing import requested_routing
 from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
 from dsv4.server.tokenizer import ServerTokenizer
 
@@ -40,12 +42,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                  request: Request) -> Response:
     state.check_model(body.model)
     _check_supported(body)
+    routing = requested_routing(body, state.config.enable_return_routing)
     text = state.template.render(body.messages, body.add_generation_prompt,
                                  body.chat_template_kwargs)
     prompt = state.tokenizer.encode(text, add_special_tokens=False)
     job = state.start_job("chatcmpl", [prompt],
                           build_params(body, _max_tokens(state, body, len(prompt)),
-                                       _num_logprobs(body)))
+                                       _num_logprobs(body)), routing)
     streaming = False
     try:
         await job.wait_accepted(request.is_disconnected)
@@ -103,7 +106,8 @@ def _response(state: ServerState, job: GenerationJob,
         logprobs = (_token_logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs)
                     if body.logprobs else None)
         choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  logprobs=logprobs, finish_reason=c.finish_reason))
+                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                  **c.routing_fields(job.routing)))
     return ChatCompletionResponse(id=job.id, created=int(time.time()),
                                   model=state.config.served_model_name, choices=choices,
                                   usage=job.usage())

@@ -4,7 +4,8 @@ Owns the request -> GenerationJob translation for completions and the response /
 formatting: `echo` (the prompt text is prepended to the choice text, and sent in a choice's first
 chunk when streaming), `logprobs: k` -> `{"tokens", "token_logprobs", "top_logprobs",
 "text_offset"}` (offsets count characters of the returned text), `stream_options.include_usage` (a
-last chunk with `choices: []`). The default `max_tokens` is 16, as OpenAI's.
+last chunk with `choices: []`), `return_routed_experts` / `return_indexer_topk` (routing.py). The
+default `max_tokens` is 16, as OpenAI's.
 
 Test: `pytest tests/server/test_openai_client.py`.
 """
@@ -26,6 +27,7 @@ from dsv4.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from dsv4.server.routing import requested_routing
 from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
 from dsv4.server.tokenizer import ServerTokenizer
 
@@ -36,9 +38,10 @@ async def create_completion(state: ServerState, body: CompletionRequest,
                             request: Request) -> Response:
     state.check_model(body.model)
     _check_supported(body)
+    routing = requested_routing(body, state.config.enable_return_routing)
     prompts, texts = _prompts(state.tokenizer, body.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    job = state.start_job("cmpl", prompts, build_params(body, max_tokens, body.logprobs))
+    job = state.start_job("cmpl", prompts, build_params(body, max_tokens, body.logprobs), routing)
     streaming = False
     try:
         await job.wait_accepted(request.is_disconnected)
@@ -92,7 +95,8 @@ def _response(state: ServerState, job: GenerationJob, body: CompletionRequest,
         logprobs = _logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(prefix),
                              body.logprobs)
         choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=logprobs,
-                                        finish_reason=c.finish_reason))
+                                        finish_reason=c.finish_reason,
+                                        **c.routing_fields(job.routing)))
     return CompletionResponse(id=job.id, created=int(time.time()),
                               model=state.config.served_model_name, choices=choices,
                               usage=job.usage())

@@ -4,7 +4,7 @@ Owns the two ZMQ sockets (bound here; the engine connects), the routing table en
 (the HTTP job's queue, choice index, timing, output text), the readiness state and the engine's
 liveness. One reader task receives every engine message and dispatches it: `Accepted`,
 `ChoiceDelta`, `RequestError` or `EngineGone` items go into the job's asyncio.Queue as
-`(index, item)`; stats replies resolve futures.
+`(index, item)`; stats and weight-update replies resolve futures.
 
 Text. The engine sends token ids; each route detokenises its request's tokens incrementally and
 applies its stop strings (engine/stop.py::OutputText, the object the offline `LLM` uses too). A stop
@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -47,12 +48,15 @@ from dsv4.server.ipc import (
     RequestDelta,
     RequestError,
     RequestsAccepted,
+    RoutingRows,
     ShutdownEngine,
     StatsQuery,
     StatsReply,
     StepOutputs,
-    decode,
-    encode,
+    UpdateWeights,
+    UpdateWeightsReply,
+    decode_frames,
+    encode_frames,
 )
 from dsv4.server.metrics import RequestTiming, ServerMetrics
 from dsv4.utils.logging import init_logger
@@ -73,8 +77,9 @@ class EngineGone:
 @dataclass(frozen=True)
 class ChoiceDelta:
     """What one choice produced since its previous delta, as the client sees it: the tokens it
-    keeps, the new text that may be shown (stop strings excluded) and, on its last delta, why it
-    finished."""
+    keeps, the new text that may be shown (stop strings excluded), on its last delta why it
+    finished, and the routing rows the engine sent (by kind; they may run past the kept tokens:
+    the response cuts them)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -83,6 +88,7 @@ class ChoiceDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     cached_tokens: int
+    routing: dict[str, RoutingRows] = field(default_factory=dict)
 
 
 Item = Accepted | ChoiceDelta | RequestError | EngineGone
@@ -110,6 +116,7 @@ class EngineClient:
         self._pull.bind(paths.outputs)
         self._routes: dict[str, _Route] = {}
         self._queries: dict[int, asyncio.Future[EngineSnapshot]] = {}
+        self._updates: dict[int, asyncio.Future[UpdateWeightsReply]] = {}
         self._query_ids = itertools.count()
         self.model: ModelInfo | None = None
         self.engine_pid: int | None = None
@@ -147,10 +154,10 @@ class EngineClient:
                               "max_waiting_requests); retry later", "queue_full")
 
     # ---- requests -----------------------------------------------------------------------------
-    def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
-               queue: JobQueue) -> None:
+    def submit(self, requests: list[tuple[str, list[int], SamplingParams]], queue: JobQueue,
+               routing: list[str] | None = None) -> None:
         """Send engine requests `(rid, prompt_ids, params)`; their items arrive in `queue` as
-        `(index, item)`."""
+        `(index, item)`. `routing`: the routing kinds their deltas carry (none by default)."""
         self.check_available(len(requests))
         now = time.monotonic()
         for index, (rid, _, params) in enumerate(requests):
@@ -159,7 +166,7 @@ class EngineClient:
                                        OutputText(self.tokenizer, params))
         try:
             for rid, prompt_ids, params in requests:
-                self._send(AddRequest(rid, prompt_ids, params))
+                self._send(AddRequest(rid, prompt_ids, params, list(routing or [])))
         except APIError:
             self.abort([rid for rid, _, _ in requests])
             raise
@@ -187,9 +194,26 @@ class EngineClient:
         finally:
             self._queries.pop(query_id, None)
 
+    async def update_weights(self, model_path: str) -> UpdateWeightsReply:
+        """Have the engine load the checkpoint directory `model_path` between two steps; 400 (the
+        served weights unchanged) when it refuses it. Waits as long as the load takes."""
+        if not self.is_ready:
+            raise unavailable("the engine is not ready", "engine_not_ready")
+        query_id = next(self._query_ids)
+        future: asyncio.Future[UpdateWeightsReply] = asyncio.get_running_loop().create_future()
+        self._updates[query_id] = future
+        try:
+            self._send(UpdateWeights(query_id, model_path))
+            reply = await future
+        finally:
+            self._updates.pop(query_id, None)
+        if not reply.success:
+            raise bad_request(reply.message, "model_path")
+        return reply
+
     def _send(self, msg: Message, quiet: bool = False) -> None:
         try:
-            self._push.send(encode(msg), flags=zmq.NOBLOCK)
+            self._push.send_multipart(encode_frames(msg), flags=zmq.NOBLOCK)
         except zmq.Again as e:
             if not quiet:
                 raise unavailable("the engine process is not reachable",
@@ -199,8 +223,8 @@ class EngineClient:
     async def run_reader(self) -> None:
         """Receive and dispatch engine messages until cancelled."""
         while True:
-            data = await self._pull.recv()
-            self._dispatch(decode(data))
+            frames = await self._pull.recv_multipart()
+            self._dispatch(decode_frames(frames))
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, StepOutputs):
@@ -218,6 +242,10 @@ class EngineClient:
             future = self._queries.get(msg.query_id)
             if future is not None and not future.done():
                 future.set_result(msg.stats)
+        elif isinstance(msg, UpdateWeightsReply):
+            update = self._updates.get(msg.query_id)
+            if update is not None and not update.done():
+                update.set_result(msg)
         elif isinstance(msg, EngineReady):
             self.model, self.engine_pid = msg.model, msg.pid
             logger.info("engine ready (pid %d)", msg.pid)
@@ -252,7 +280,8 @@ class EngineClient:
         text = route.text.text[route.num_chars:]
         route.num_chars = len(route.text.text)
         return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep],
-                           text, reason, delta.num_prompt_tokens, delta.cached_tokens)
+                           text, reason, delta.num_prompt_tokens, delta.cached_tokens,
+                           delta.routing)
 
     # ---- liveness -----------------------------------------------------------------------------
     def engine_exited(self, exitcode: int | None) -> None:
@@ -264,9 +293,8 @@ class EngineClient:
         for route in self._routes.values():
             route.queue.put_nowait((route.index, EngineGone(message)))
         self._routes.clear()
-        for future in self._queries.values():
-            if not future.done():
-                future.set_exception(unavailable(message, "engine_failed"))
+        _fail(self._queries.values(), message)
+        _fail(self._updates.values(), message)
         if self.on_failure is not None:
             self.on_failure()
 
@@ -287,6 +315,12 @@ class EngineClient:
         self._pull.close(linger=0)
         self._sync_ctx.term()
         self._async_ctx.term()
+
+
+def _fail(futures: Iterable[asyncio.Future[Any]], message: str) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(unavailable(message, "engine_failed"))
 
 
 def raise_if_error(item: Item) -> None:

@@ -6,13 +6,19 @@ owns the only LLMEngine, so the model and the scheduler never share a GIL with H
 loop turn:
 
     drain the inbox (block up to IDLE_POLL_MS when idle)
-        -> AddRequest / AbortRequests / StatsQuery / Shutdown; one RequestsAccepted (or a
-           RequestError per refused request)
+        -> AddRequest / AbortRequests / StatsQuery / UpdateWeights / Shutdown; one
+           RequestsAccepted (or a RequestError per refused request)
     engine.step() when there is work
         -> one StepOutputs message with the new tokens of every request the step advanced
-           (token ids only: the API process detokenises and applies stop strings)
+           (token ids only: the API process detokenises and applies stop strings), plus, for the
+           requests that asked, the int32 routing rows of the positions fed since their last delta
     on becoming idle
         -> engine.check_integrity() (a failure is fatal)
+
+Weight updates (UpdateWeights) run inside the drain, i.e. between two steps: no step ever sees
+half-updated weights. `LLMEngine.load_weights_from_dir` retracts the running requests (they
+recompute their KV with the new weights and continue) and flushes the prefix cache; a checkpoint it
+refuses (ValueError) leaves the served weights unchanged and is answered with success=false.
 
 Lifecycle: EngineReady after the model loads. SIGINT/SIGTERM are ignored here — the API process owns
 shutdown and sends ShutdownEngine (abort everything, exit 0). The process also exits when its parent
@@ -40,6 +46,7 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.model.loader import load_model
 from dsv4.server.ipc import (
+    ROUTING_KINDS,
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -51,12 +58,16 @@ from dsv4.server.ipc import (
     RequestDelta,
     RequestError,
     RequestsAccepted,
+    RoutingRows,
     ShutdownEngine,
     StatsQuery,
     StatsReply,
     StepOutputs,
-    decode,
+    UpdateWeights,
+    UpdateWeightsReply,
+    decode_frames,
     encode,
+    encode_frames,
     finite_logprob,
 )
 from dsv4.utils.logging import init_logger
@@ -101,6 +112,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
         self._sent: dict[str, int] = {}      # request id -> output tokens sent to the API process
+        # request id -> (routing kinds it asked for, positions whose rows were sent)
+        self._routing: dict[str, tuple[list[str], int]] = {}
         self._accepted: list[str] = []
         self.num_finished = self.num_aborted = 0
         self._stopping = False
@@ -130,10 +143,10 @@ class EngineLoop:
             return
         while not self._stopping:
             try:
-                data = self.inbox.recv(flags=zmq.NOBLOCK)
+                frames = self.inbox.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._handle(decode(data))
+            self._handle(decode_frames(frames))
         if self._accepted:
             self._send(RequestsAccepted(self._accepted))
             self._accepted = []
@@ -148,6 +161,8 @@ class EngineLoop:
             if msg.flush_cache:
                 self.engine.flush_cache()
             self._send(StatsReply(msg.query_id, self.snapshot(msg.check_integrity)))
+        elif isinstance(msg, UpdateWeights):
+            self._send(self._update_weights(msg))
         elif isinstance(msg, ShutdownEngine):
             for rid in list(self._sent):
                 self._abort(rid, "abort")
@@ -157,15 +172,28 @@ class EngineLoop:
 
     def _add(self, msg: AddRequest) -> None:
         try:
+            self._check_routing(msg.routing)
             self.engine.add_request(msg.prompt_ids, msg.params, rid=msg.rid)
         except ValueError as e:
             self._send(RequestError(msg.rid, str(e)))
             return
         self._sent[msg.rid] = 0
+        if msg.routing:
+            self._routing[msg.rid] = (msg.routing, 0)
         self._accepted.append(msg.rid)
         self._checked_idle = False
 
+    def _check_routing(self, kinds: list[str]) -> None:
+        unknown = sorted(set(kinds) - set(ROUTING_KINDS))
+        if unknown:
+            raise ValueError(f"routing={unknown} is invalid; allowed: {list(ROUTING_KINDS)}")
+        if kinds and not self.engine.config.capture_routing:
+            raise ValueError("return_routed_experts / return_indexer_topk need the engine to "
+                             "capture routing; allowed: a server started with "
+                             "--enable-return-routing")
+
     def _abort(self, rid: str, reason: str) -> None:
+        self._routing.pop(rid, None)
         if self._sent.pop(rid, None) is None:
             return  # already finished (its final delta is on the way) or never admitted
         self.engine.finish(rid, reason)
@@ -183,6 +211,7 @@ class EngineLoop:
         for req in finished:
             self.engine.pop(req.rid)
             del self._sent[req.rid]
+            self._routing.pop(req.rid, None)
         self.num_finished += len(finished)
         self._send(StepOutputs(deltas, num_running=self.engine.num_running,
                                num_waiting=self.engine.num_waiting))
@@ -194,13 +223,47 @@ class EngineLoop:
         return RequestDelta(rid=req.rid, token_ids=req.output_ids[n:],
                             logprobs=[finite_logprob(lp) for lp in req.logprobs[n:]],
                             top_logprobs=top, finish_reason=req.finish_reason,
-                            num_prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+                            num_prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
+                            routing=self._routing_delta(req))
+
+    def _routing_delta(self, req: Request) -> dict[str, RoutingRows]:
+        """The routing rows of the positions fed since the request's previous delta.
+
+        Positions [0, num_cached) have been fed; their captured rows are `req.routing[kind]`. After
+        a recompute preemption the positions already sent are not sent again."""
+        if req.rid not in self._routing:
+            return {}
+        kinds, sent = self._routing[req.rid]
+        fed = req.num_cached
+        if fed <= sent:
+            return {}
+        self._routing[req.rid] = (kinds, fed)
+        return {kind: routing_rows(req.routing[kind], sent, fed) for kind in kinds
+                if kind in req.routing}
+
+    # ---- weights --------------------------------------------------------------------------------
+    def _update_weights(self, msg: UpdateWeights) -> UpdateWeightsReply:
+        start = time.perf_counter()
+        try:
+            num = self.engine.load_weights_from_dir(msg.model_path)
+        except ValueError as e:
+            logger.warning("weight update from %s refused: %s", msg.model_path, e)
+            return UpdateWeightsReply(msg.query_id, success=False, message=str(e), num_tensors=0,
+                                      weight_version=self.engine.weight_version)
+        self._checked_idle = False
+        version = self.engine.weight_version
+        message = (f"loaded {num} tensors from {msg.model_path} in "
+                   f"{time.perf_counter() - start:.2f} s; weight version {version}")
+        logger.info("%s", message)
+        return UpdateWeightsReply(msg.query_id, success=True, message=message, num_tensors=num,
+                                  weight_version=version)
 
     # ---- state ----------------------------------------------------------------------------------
     def snapshot(self, check_integrity: bool = False) -> EngineSnapshot:
         return EngineSnapshot(pid=_pid(), **dataclasses.asdict(self.engine.snapshot()),
                               num_finished=self.num_finished, num_aborted=self.num_aborted,
-                              integrity=self._integrity() if check_integrity else None)
+                              integrity=self._integrity() if check_integrity else None,
+                              weight_version=self.engine.weight_version)
 
     def _integrity(self) -> str:
         try:
@@ -221,10 +284,10 @@ class EngineLoop:
     def _send(self, msg: Message) -> None:
         """Send, waiting while the API process is alive but slow (backpressure); drop it if the API
         is gone."""
-        data = encode(msg)
+        frames = encode_frames(msg)
         while True:
             try:
-                self.outbox.send(data, flags=zmq.NOBLOCK)
+                self.outbox.send_multipart(frames, flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
                 if self._parent is not None and not self._parent.is_alive():
@@ -235,3 +298,17 @@ class EngineLoop:
 
 def _pid() -> int:
     return os.getpid()
+
+
+def routing_rows(chunks: list[torch.Tensor], start: int, stop: int) -> RoutingRows:
+    """Rows [start, stop) of `torch.cat(chunks)` as int32 little-endian bytes, touching only the
+    chunks that hold them. `chunks`: [positions, layers, k] int64 with `stop` rows in all."""
+    picked, first = [], stop           # first: the position of picked[-1]'s first row
+    for chunk in reversed(chunks):
+        if first <= start:
+            break
+        picked.append(chunk)
+        first -= chunk.shape[0]
+    assert first <= start, f"routing rows [{start}, {stop}) are not all captured"
+    rows = torch.cat(picked[::-1])[start - first:]
+    return RoutingRows(shape=list(rows.shape), data=rows.numpy().astype("<i4").tobytes())

@@ -6,6 +6,9 @@ k // n (OpenAI's index order) under rid "<job id>-<k>". Sample j of every prompt
 `choice_seed(seed, j)`: sample 0 keeps the request's seed, so `n=1` and the first of `n=4` agree,
 and every sample is reproducible.
 
+A job that asks for routing (`routing`: kinds, routing.py) collects each choice's routing rows as
+they arrive; `ChoiceOutput.routing_fields` returns one row per fed token of the choice.
+
 Life of a job: `GenerationJob(...)` submits (503 when the queue is full) -> `wait_accepted()` (400
 naming the field when the engine's validation refuses a choice) -> `deltas()` (streaming) or
 `collect()` -> `close()`, which aborts every choice still running; handlers call it in `finally`,
@@ -33,7 +36,9 @@ from dsv4.server.engine_client import (
     raise_if_error,
 )
 from dsv4.server.errors import APIError, bad_request
-from dsv4.server.protocol import PromptTokensDetails, SamplingFields, Usage
+from dsv4.server.ipc import RoutingRows
+from dsv4.server.protocol import PromptTokensDetails, RoutingArray, SamplingFields, Usage
+from dsv4.server.routing import choice_routing
 
 MAX_N = 128
 DISCONNECT_POLL_S = 0.5
@@ -55,6 +60,7 @@ class ChoiceOutput:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
+    routing: dict[str, list[RoutingRows]] = field(default_factory=dict)
 
     def apply(self, delta: ChoiceDelta) -> None:
         self.token_ids += delta.token_ids
@@ -62,6 +68,14 @@ class ChoiceOutput:
         self.top_logprobs += delta.top_logprobs
         self.text += delta.text
         self.finish_reason, self.cached_tokens = delta.finish_reason, delta.cached_tokens
+        for kind, rows in delta.routing.items():
+            self.routing.setdefault(kind, []).append(rows)
+
+    def routing_fields(self, kinds: list[str]) -> dict[str, RoutingArray]:
+        """The routing of `kinds` as choice fields: one row per token fed (prompt + the tokens
+        kept - 1)."""
+        return choice_routing(self.routing, kinds,
+                              max(0, self.num_prompt_tokens + len(self.token_ids) - 1))
 
 
 def choice_seed(seed: int | None, sample: int) -> int | None:
@@ -92,9 +106,10 @@ def build_params(body: SamplingFields, max_tokens: int,
 
 class GenerationJob:
     def __init__(self, client: EngineClient, job_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams]) -> None:
+                 params: list[SamplingParams], routing: list[str] | None = None) -> None:
         n = len(params)
         self.client, self.id, self.n = client, job_id, n
+        self.routing = list(routing or [])
         self.choices = [ChoiceOutput(k, len(prompts[k // n])) for k in range(len(prompts) * n)]
         self._rids = [f"{job_id}-{k}" for k in range(len(self.choices))]
         self._open = set(range(len(self.choices)))
@@ -102,7 +117,7 @@ class GenerationJob:
         # items that arrived while waiting for acceptance
         self._early: deque[tuple[int, Item]] = deque()
         client.submit([(rid, prompts[k // n], params[k % n]) for k, rid in enumerate(self._rids)],
-                      self._queue)
+                      self._queue, self.routing)
 
     @property
     def is_finished(self) -> bool:

@@ -5,14 +5,18 @@ Transport (ZMQ over `ipc://` sockets in a private temp dir, see `IpcPaths`):
 
     API process                                   engine process
     PUSH  --bind-->  <dir>/requests   --connect-->  PULL
-          AddRequest, AbortRequests, StatsQuery, ShutdownEngine
+          AddRequest, AbortRequests, StatsQuery, UpdateWeights, ShutdownEngine
     PULL  --bind-->  <dir>/outputs    --connect-->  PUSH
-          EngineReady, RequestsAccepted, RequestError, StepOutputs, StatsReply, EngineFailed
+          EngineReady, RequestsAccepted, RequestError, StepOutputs, StatsReply, UpdateWeightsReply,
+          EngineFailed
 
-Wire format: one UTF-8 JSON object per ZMQ message, `{"kind": <class name>, ...fields}`. Decoding
-goes through an explicit table of message classes, so nothing but these dataclasses (plain ints,
-floats, strings and lists) ever crosses the process boundary — no pickle. `decode(encode(m)) == m`
-for every message.
+Wire format: one multipart ZMQ message per message. Frame 0 is a UTF-8 JSON object
+`{"kind": <class name>, ...fields}`; every `bytes` field (the int32 routing rows of `RoutingRows`)
+travels raw in a frame of its own, referenced from the JSON as `{"__frame__": i}`. Decoding goes
+through an explicit table of message classes, so nothing but these dataclasses (plain ints, floats,
+strings, lists and byte buffers) ever crosses the process boundary — no pickle.
+`decode_frames(encode_frames(m)) == m` for every message, and `decode(encode(m)) == m` for those
+without byte buffers (one frame).
 
 Test: `pytest tests/server/test_ipc.py`.
 """
@@ -25,7 +29,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +39,20 @@ from dsv4.engine.sampling_params import SamplingParams
 # ---- API -> engine ------------------------------------------------------------------------------
 
 
+ROUTING_KINDS = ("experts", "indexer")
+"""Kinds of captured routing (the keys of `Request.routing`): routed experts per layer, indexer
+top-k per CSA layer."""
+
+
 @dataclass(frozen=True)
 class AddRequest:
+    """`routing`: the ROUTING_KINDS whose rows the request's deltas carry (the engine must capture
+    routing)."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    routing: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,15 @@ class StatsQuery:
     query_id: int
     check_integrity: bool = False
     flush_cache: bool = False
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    """Load the checkpoint directory `model_path` into the served model between steps
+    (`LLMEngine.load_weights_from_dir`); answered by an UpdateWeightsReply."""
+
+    query_id: int
+    model_path: str
 
 
 @dataclass(frozen=True)
@@ -84,10 +106,20 @@ class EngineReady:
 
 
 @dataclass(frozen=True)
+class RoutingRows:
+    """Captured routing of consecutive token positions: int32 little-endian bytes, row-major
+    `shape` = [positions, layers, k] (-1 = no route)."""
+
+    shape: list[int]
+    data: bytes
+
+
+@dataclass(frozen=True)
 class RequestDelta:
     """The tokens one request produced since its previous delta (the engine deals in token ids
     only; the API process detokenises them). `top_logprobs[i]` lists (token id, logprob) pairs for
-    `token_ids[i]`."""
+    `token_ids[i]`. `routing` (requests that asked, by kind): the rows of the positions fed since
+    the previous delta; a request's rows concatenate to one per fed token."""
 
     rid: str
     token_ids: list[int]
@@ -96,6 +128,7 @@ class RequestDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     cached_tokens: int
+    routing: dict[str, RoutingRows] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,6 +163,7 @@ class EngineSnapshot(EngineState):
     num_finished: int
     num_aborted: int
     integrity: str | None = None        # None: not checked; "ok"; or the failed assertion's message
+    weight_version: int = 0             # weight updates applied since the model loaded
 
 
 @dataclass(frozen=True)
@@ -139,24 +173,74 @@ class StatsReply:
 
 
 @dataclass(frozen=True)
+class UpdateWeightsReply:
+    """`success`: the new weights are served (`weight_version` counts the updates); otherwise
+    `message` says why and the served weights are unchanged."""
+
+    query_id: int
+    success: bool
+    message: str
+    num_tensors: int
+    weight_version: int
+
+
+@dataclass(frozen=True)
 class EngineFailed:
     message: str
 
 
-Message = (AddRequest | AbortRequests | StatsQuery | ShutdownEngine | EngineReady | StepOutputs
-           | RequestsAccepted | RequestError | StatsReply | EngineFailed)
+Message = (AddRequest | AbortRequests | StatsQuery | UpdateWeights | ShutdownEngine | EngineReady
+           | StepOutputs | RequestsAccepted | RequestError | StatsReply | UpdateWeightsReply
+           | EngineFailed)
 
 # ---- codec --------------------------------------------------------------------------------------
 
+_FRAME = "__frame__"
 
-def encode(msg: Message) -> bytes:
+
+def encode_frames(msg: Message) -> list[bytes]:
+    """[JSON header, then one frame per bytes field, in the order the header references them]."""
+    frames: list[bytes] = [b""]
+
+    def to_frame(value: object) -> dict[str, int]:
+        if not isinstance(value, bytes):
+            raise TypeError(f"{type(value).__name__} cannot cross the IPC")
+        frames.append(value)
+        return {_FRAME: len(frames) - 1}
+
     payload = {"kind": type(msg).__name__, **dataclasses.asdict(msg)}
     # allow_nan=False: strict JSON; senders pass logprobs through finite_logprob
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    frames[0] = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                           default=to_frame).encode()
+    return frames
+
+
+def decode_frames(frames: list[bytes]) -> Message:
+    def from_frame(obj: dict[str, Any]) -> Any:
+        if obj.keys() == {_FRAME}:
+            index = obj[_FRAME]
+            if not isinstance(index, int) or not 0 < index < len(frames):
+                raise ValueError(f"frame reference {index!r} is invalid; "
+                                 f"allowed: 1..{len(frames) - 1}")
+            return frames[index]
+        return obj
+
+    return _decode_payload(json.loads(frames[0], object_hook=from_frame))
+
+
+def encode(msg: Message) -> bytes:
+    """The one frame of a message without byte buffers."""
+    frames = encode_frames(msg)
+    if len(frames) != 1:
+        raise ValueError(f"{type(msg).__name__} carries byte buffers; use encode_frames")
+    return frames[0]
 
 
 def decode(data: bytes) -> Message:
-    payload = json.loads(data)
+    return decode_frames([data])
+
+
+def _decode_payload(payload: dict[str, Any]) -> Message:
     kind = payload.pop("kind", None)
     decoder = _DECODERS.get(kind) if isinstance(kind, str) else None
     if decoder is None:
@@ -166,12 +250,13 @@ def decode(data: bytes) -> Message:
 
 def _add_request(d: dict[str, Any]) -> AddRequest:
     return AddRequest(rid=d["rid"], prompt_ids=list(d["prompt_ids"]),
-                      params=SamplingParams.create(**d["params"]))
+                      params=SamplingParams.create(**d["params"]), routing=list(d["routing"]))
 
 
 def _delta(d: dict[str, Any]) -> RequestDelta:
     top = [[(int(t), float(lp)) for t, lp in pairs] for pairs in d.pop("top_logprobs")]
-    return RequestDelta(top_logprobs=top, **d)
+    routing = {key: RoutingRows(**rows) for key, rows in d.pop("routing").items()}
+    return RequestDelta(top_logprobs=top, routing=routing, **d)
 
 
 def _step_outputs(d: dict[str, Any]) -> StepOutputs:
@@ -183,12 +268,14 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "AddRequest": _add_request,
     "AbortRequests": lambda d: AbortRequests(**d),
     "StatsQuery": lambda d: StatsQuery(**d),
+    "UpdateWeights": lambda d: UpdateWeights(**d),
     "ShutdownEngine": lambda d: ShutdownEngine(),
     "EngineReady": lambda d: EngineReady(pid=d["pid"], model=ModelInfo(**d["model"])),
     "StepOutputs": _step_outputs,
     "RequestsAccepted": lambda d: RequestsAccepted(**d),
     "RequestError": lambda d: RequestError(**d),
     "StatsReply": lambda d: StatsReply(query_id=d["query_id"], stats=EngineSnapshot(**d["stats"])),
+    "UpdateWeightsReply": lambda d: UpdateWeightsReply(**d),
     "EngineFailed": lambda d: EngineFailed(**d),
 }
 

@@ -79,6 +79,9 @@ def serve(config: ServerConfig) -> int:
                                                          args=(config, paths), name="dsv4-engine")
     proc.start()
     logger.info("engine process started (pid %s); loading %s", proc.pid, config.model)
+    if config.enable_return_routing:
+        logger.info("--enable-return-routing: the engine captures routing per token and runs "
+                    "without the prefix cache (cached prefix tokens have no captured routing)")
     state = ServerState(config, client, tokenizer, template, metrics,
                         is_random_weights(config.model))
     try:

@@ -172,8 +172,11 @@ def _engine_gauges(s: EngineSnapshot) -> list[str]:
                       "Requests aborted in the engine (client gone, abort, shutdown).",
                       s.num_aborted)
     lines += _counter("dsv4_engine_steps_total", "Engine steps run.", s.steps)
-    lines += _counter("dsv4_preemptions_total", "Requests preempted for lack of KV pages.",
+    lines += _counter("dsv4_preemptions_total",
+                      "Requests preempted for lack of KV pages or retracted by a weight update.",
                       s.num_preemptions)
+    lines += _gauge("dsv4_weight_version", "Weight updates applied since the model loaded.",
+                    s.weight_version)
     return lines
 
 

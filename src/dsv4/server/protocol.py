@@ -4,8 +4,11 @@ and the response, stream-chunk, model-list and usage objects, field for field as
 Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion)
 and unknown fields are ignored, as OpenAI clients send extras. vLLM/SGLang extensions are accepted
 where dsv4 implements them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
-`skip_special_tokens`, `chat_template_kwargs`. Numeric sampling fields may be null (= the default);
-their ranges are checked by SamplingParams, whose ValueError names the field.
+`skip_special_tokens`, `chat_template_kwargs`, and SGLang's RL options `return_routed_experts` /
+`return_indexer_topk` (each choice then carries `routed_experts` / `indexer_topk` as a
+`RoutingArray`; see routing.py). Numeric sampling fields may be null (= the default); their ranges
+are checked by SamplingParams, whose ValueError names the field. The body of SGLang's admin
+endpoint `/update_weights_from_disk` is here too.
 
 Test: `pytest tests/server/test_errors.py`.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class _Request(BaseModel):
@@ -46,6 +49,8 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_routed_experts: bool = False
+    return_indexer_topk: bool = False
 
 
 class CompletionRequest(SamplingFields):
@@ -99,7 +104,31 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class RoutingArray(BaseModel):
+    """An int32 array: `data` is base64 of its little-endian bytes (row-major), `shape` its
+    shape [tokens, layers, k]; -1 marks "no route"."""
+
+    data: str
+    shape: list[int]
+
+
+class RoutingFields(BaseModel):
+    """`routed_experts` / `indexer_topk` of a choice, present only when the request asked."""
+
+    routed_experts: RoutingArray | None = None
+    indexer_topk: RoutingArray | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_routing(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        for name in ("routed_experts", "indexer_topk"):     # last, and only when present
+            value = out.pop(name, None)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+class CompletionChoice(RoutingFields):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -134,7 +163,7 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(RoutingFields):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
@@ -185,3 +214,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    """SGLang's `/update_weights_from_disk` body: a checkpoint directory of the served
+    architecture."""
+
+    model_path: str
+
+
+class UpdateWeightsFromDiskResponse(BaseModel):
+    success: bool
+    message: str
+    num_tensors: int
+    weight_version: int

@@ -50,9 +50,9 @@ class ServerState:
                            f"allowed: {[self.config.served_model_name]}", "model",
                            "model_not_found")
 
-    def start_job(self, kind: str, prompts: list[list[int]],
-                  params: list[SamplingParams]) -> GenerationJob:
-        job = GenerationJob(self.client, f"{kind}-{uuid.uuid4().hex}", prompts, params)
+    def start_job(self, kind: str, prompts: list[list[int]], params: list[SamplingParams],
+                  routing: list[str] | None = None) -> GenerationJob:
+        job = GenerationJob(self.client, f"{kind}-{uuid.uuid4().hex}", prompts, params, routing)
         self.jobs[job.id] = job
         return job
 

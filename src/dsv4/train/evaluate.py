@@ -23,8 +23,8 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_mode import INFERENCE
-from dsv4.train.data import heldout_windows
 from dsv4.tasks.arithmetic import Problem, chat_messages, check_answer, eval_set
+from dsv4.train.data import heldout_windows
 from dsv4.train.trainer import lm_losses
 
 # No trailing newline: BPE merges "\n" with the next line's indentation, so a prompt ending in

@@ -1,0 +1,78 @@
+"""Train / rollout log-prob drift ablation of `dsv4 rl` (issue 18): replay none / routing /
+routing+indexer x default / true on-policy, a few steps each, plus each mode's step time.
+
+    PYTHONPATH=src python benchmarks/rl_drift.py --device cuda --dtype bfloat16 \
+        --kernel-backend triton --steps 2 --out drift.json
+
+Prints a table, then one JSON line; `--out` also writes the JSON. The metric is Miles'
+`train_rollout_logprob_abs_diff` (rl-reference.md §4.3): per-sample masked mean over response
+tokens of |log pi_train - log pi_rollout|, averaged over samples; `max` is over tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dsv4.assets import default_model_path
+from dsv4.rl.config import REPLAYS, RLConfig
+from dsv4.rl.trainer import RLTrainer
+
+
+def measure(args: argparse.Namespace, replay: str, true_on_policy: bool) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = RLConfig(model=args.model, out_dir=tmp, steps=args.steps,
+                          group_size=args.group_size, prompts_per_step=args.prompts,
+                          lr=args.lr, replay=replay, true_on_policy=true_on_policy,
+                          device=args.device, dtype=args.dtype,
+                          kernel_backend=args.kernel_backend if not true_on_policy else "ref")
+        trainer = RLTrainer(config)
+        t0 = time.perf_counter()
+        records = [trainer.train_step() for _ in range(args.steps)]
+        wall = time.perf_counter() - t0
+    return {"replay": replay, "true_on_policy": true_on_policy,
+            "step0_mean": records[0]["train_rollout_logprob_abs_diff"],
+            "step0_max": records[0]["train_rollout_logprob_abs_diff_max"],
+            "last_mean": records[-1]["train_rollout_logprob_abs_diff"],
+            "last_max": records[-1]["train_rollout_logprob_abs_diff_max"],
+            "rollout_s": sum(r["rollout_s"] for r in records) / len(records),
+            "train_s": sum(r["train_s"] for r in records) / len(records),
+            "sync_s": sum(r["sync_s"] for r in records) / len(records),
+            "step_s": wall / len(records)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(default_model_path()))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kernel-backend", default="ref")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    rows = [measure(args, replay, top) for top in (False, True) for replay in REPLAYS]
+    print(f"{'mode':16} {'replay':16} {'step0 mean':>11} {'step0 max':>10} {'last mean':>10} "
+          f"{'last max':>10} {'step s':>7}")
+    for r in rows:
+        mode = "true-on-policy" if r["true_on_policy"] else "default"
+        print(f"{mode:16} {r['replay']!s:16} {r['step0_mean']:11.3g} {r['step0_max']:10.3g} "
+              f"{r['last_mean']:10.3g} {r['last_max']:10.3g} {r['step_s']:7.3f}")
+    result = {"device": args.device, "gpu": (torch.cuda.get_device_name()
+                                             if args.device.startswith("cuda") else None),
+              "dtype": args.dtype, "kernel_backend": args.kernel_backend, "steps": args.steps,
+              "torch": torch.__version__, "rows": rows}
+    print(json.dumps(result))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
