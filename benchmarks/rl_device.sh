@@ -1,5 +1,6 @@
-# RL on one H200 (issue 18): drift ablation (bf16, triton backend) and a learning run.
-#   PART=drift|learn  LEARN_ARGS='...'  (run from the repo root by the device tool)
+# RL on one H200 (issue 18): drift ablation (bf16, triton backend) and learning runs.
+#   PART=drift|learn  LEARN_ARGS='...'  (one run), or LEARN_RUNS='name:args;name:args' (several,
+#   LEARN_LIMIT_S seconds each)  (run from the repo root by the device tool)
 set -x
 export PYTHONPATH=src
 PART=${PART:-drift,learn}
@@ -10,11 +11,28 @@ if [[ $PART == *drift* ]]; then
     --steps 2 --prompts 8 --group-size 8 --out $OUT/drift_bf16.json > $OUT/drift_bf16.log 2>&1
   tail -9 $OUT/drift_bf16.log
 fi
+learn() {  # name, limit, args...
+  local name=$1 limit=$2; shift 2
+  timeout $((limit + 90)) python -m dsv4 rl run --out $OUT/$name --device cuda --dtype bfloat16 \
+    --kernel-backend triton --eval-per-level 50 --time-limit-s $limit "$@" > $OUT/$name.log 2>&1
+  tail -1 $OUT/$name.log | cut -c 1-300
+  python - "$OUT/$name/metrics.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "heldout_by_level" in r:
+        print(r["step"], round(r["heldout_accuracy"], 3), r["heldout_by_level"])
+PY
+  rm -f $OUT/$name/state.pt
+}
 if [[ $PART == *learn* ]]; then
-  timeout 420 python -m dsv4 rl run --out $OUT/learn --device cuda --dtype bfloat16 \
-    --kernel-backend triton --levels 3-6 --eval-every 20 --eval-per-level 50 \
-    --time-limit-s 330 ${LEARN_ARGS:---algo grpo --group-size 8 --prompts-per-step 32 --steps 400 --lr 5e-5} \
-    > $OUT/learn.log 2>&1
-  tail -2 $OUT/learn.log | cut -c 1-400
-  rm -f $OUT/learn/state.pt
+  if [[ -n ${LEARN_RUNS:-} ]]; then
+    IFS=';' read -ra runs <<< "$LEARN_RUNS"
+    for run in "${runs[@]}"; do
+      learn "${run%%:*}" ${LEARN_LIMIT_S:-150} ${run#*:}
+    done
+  else
+    learn learn 330 --levels 3-6 --eval-every 20 \
+      ${LEARN_ARGS:---algo grpo --group-size 8 --prompts-per-step 32 --steps 400 --lr 5e-5}
+  fi
 fi

@@ -81,6 +81,8 @@ def test_twenty_step_cpu_smoke_run(tmp_path: Path) -> None:
     (["--replay", "experts"], "replay='experts' is invalid"),
     (["--mis", "2,1"], "mis="),
     (["--levels", "9"], "levels"),
+    (["--formulation", "fast"], "formulation='fast' is invalid"),
+    (["--formulation", "training", "--true-on-policy"], "invalid with true_on_policy"),
 ])
 def test_bad_run_arguments_are_clear_errors(tmp_path: Path, args: list[str],
                                             message: str) -> None:
@@ -92,3 +94,18 @@ def test_bad_run_arguments_are_clear_errors(tmp_path: Path, args: list[str],
 def test_resume_needs_a_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no state.pt"):
         main(["rl", "run", "--out", str(tmp_path), "--resume"])
+
+
+def test_bf16_compute_copy_tracks_the_master_weights(tmp_path: Path) -> None:
+    """A bf16 engine: the trainer's forward runs on a bf16 copy cast like the engine's weights;
+    after a step the copy equals the fp32 master cast again, and the engine serves it."""
+    config = RLConfig(model=str(default_model_path()), out_dir=str(tmp_path), group_size=4,
+                      prompts_per_step=4, steps=1, lr=1e-4, dtype="bfloat16", levels=(3,))
+    trainer = RLTrainer(config)
+    record = trainer.train_step()
+    assert record["grad_norm"] > 0
+    served = trainer.engine.runner.model.state_dict()
+    for (name, master), copy in zip(trainer.policy.state_dict().items(),
+                                    trainer.compute.state_dict().values(), strict=True):
+        assert torch.equal(copy, master.to(copy.dtype)), name
+        assert torch.equal(served[name], copy), name

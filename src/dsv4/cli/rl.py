@@ -25,7 +25,7 @@ _RUN_FLAGS: dict[str, type] = {
     "lr": float, "temperature": float, "max_tokens": int, "eps_low": float, "eps_high": float,
     "tis": float, "kl_coef": float, "entropy_coef": float, "overlong_buffer": int,
     "eval_every": int, "eval_per_level": int, "seed": int, "dtype": str, "device": str,
-    "kernel_backend": str, "weight_format": str, "time_limit_s": float,
+    "kernel_backend": str, "weight_format": str, "formulation": str, "time_limit_s": float,
     "max_steps_this_call": int}
 
 

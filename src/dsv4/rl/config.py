@@ -32,7 +32,10 @@ class RLConfig:
     (lo, hi), mask tokens whose ratio leaves it (None: off). `replay`: which recorded selections
     the trainer reuses. `true_on_policy`: engine and trainer compute batch-invariantly with one
     formulation (`kernels/ref/batch_invariant.py`), so the trainer's log-probs equal the
-    sampling log-probs bit for bit. `kl_coef`: k3 KL to the frozen initial policy.
+    sampling log-probs bit for bit (implies `formulation` "serving"). `formulation`: the
+    trainer's forward, "serving" (the engine's formulation: gathered attention with fp32 scores,
+    per-expert MoE; lowest drift) or "training" (dense attention and experts: a cheaper backward,
+    scores rounded to the activation dtype). `kl_coef`: k3 KL to the frozen initial policy.
     `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level."""
 
     model: str
@@ -58,6 +61,7 @@ class RLConfig:
     max_resample_rounds: int = 4
     replay: str = "routing,indexer"
     true_on_policy: bool = False
+    formulation: str = "serving"
     eval_every: int = 10
     eval_per_level: int = 50
     seed: int = 0
@@ -99,6 +103,12 @@ class RLConfig:
         for name in ("kl_coef", "entropy_coef", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 0")
+        if self.formulation not in ("serving", "training"):
+            raise ValueError(f"formulation={self.formulation!r} is invalid; "
+                             "allowed: 'serving', 'training'")
+        if self.true_on_policy and self.formulation != "serving":
+            raise ValueError("formulation='training' is invalid with true_on_policy; "
+                             "allowed: 'serving' (the engine's formulation)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: 'float32', 'bfloat16'")
 

@@ -1,9 +1,13 @@
 """The RL loop of `dsv4 rl run`: rollout -> rewards -> advantages -> one policy step -> sync.
 
 One process, one device, trainer and engine colocated (the embedded default). The trainer owns an
-fp32 policy (AdamW master weights); the engine owns its own copy in its serving dtype / weight
-format and receives the policy after every optimizer step (`LLMEngine.update_weights`: in place,
-re-quantised where the engine keeps FP4 experts, prefix cache flushed). A step:
+fp32 policy (AdamW master weights) and, when the engine serves in bf16, a bf16 compute copy cast
+exactly as the engine casts (`cast_`: the fp32-kept parameters stay fp32), so the trainer's
+forward runs in the engine's dtype: gradients are taken on the copy, moved to the master weights
+for the optimizer step, and the copy is re-cast after it. The engine owns its own copy in its
+serving dtype / weight format and receives the policy at start and after every optimizer step
+(`LLMEngine.update_weights`: in place, re-quantised where the engine keeps FP4 experts, prefix
+cache flushed). A step:
 
 1. rollout: `prompts_per_step` prompts x `group_size` samples from the engine, with the sampling
    log-probs and the recorded routing / indexer picks (`rl/rollout.py`); DAPO over-samples and
@@ -15,11 +19,14 @@ re-quantised where the engine keeps FP4 experts, prefix cache flushed). A step:
 3. PPO clip(-higher) loss with optional TIS / MIS weights, k3 KL to the initial policy, entropy
    bonus; one AdamW step; weight sync.
 
-Formulations: by default the trainer runs the TRAINING mode (dense attention and experts: cheap
-backward) and the engine its serving kernels, so log-probs agree to rounding. With
-`true_on_policy` both run the INFERENCE formulation with fixed-width index rows under
-`batch_invariant()` (engine `batch_invariant=True`): the trainer's log-probs equal the engine's
-bit for bit, at step 0 and after every sync (tests/rl/test_true_on_policy.py).
+Formulations (`RLConfig.formulation`): "serving" runs the INFERENCE mode (gathered attention
+with fp32 scores, per-expert MoE: the engine's `ref` formulation), "training" the TRAINING mode
+(dense attention and experts: a much cheaper backward on the GPU, scores rounded to the
+activation dtype); the engine runs its kernel backend, so log-probs agree to rounding. With
+`true_on_policy` both also run fixed-width index rows under `batch_invariant()` (engine
+`batch_invariant=True`):
+on CPU the trainer's log-probs equal the engine's bit for bit, at step 0 and after every sync
+(tests/rl/test_true_on_policy.py).
 
 Run directory: `rl_config.json`, `state.pt` (policy, optimizer, step; atomic), `metrics.jsonl`,
 `rl.png`. Rollouts depend only on (seed, step), so a resumed run continues exactly.
@@ -86,6 +93,11 @@ class RLTrainer:
         model_dir = Path(c.model)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.policy = load_model(model_dir, dtype="float32", device=self.device).train()
+        self.compute = self.policy
+        if c.dtype != "float32":
+            self.compute = load_model(model_dir, dtype="float32", device=self.device).train()
+            self.compute.load_state_dict(self.policy.state_dict())
+            self.compute.cast_(torch.bfloat16)
         self.reference = (load_model(model_dir, dtype="float32", device=self.device).eval()
                           if c.kl_coef > 0 else None)
         served = load_model(model_dir, dtype=c.dtype, device=self.device,
@@ -95,6 +107,7 @@ class RLTrainer:
                                            weight_decay=c.weight_decay, betas=(0.9, 0.999))
         self.step = 0
         self.elapsed_s = 0.0
+        self.sync()                       # the engine serves the trainer's weights from step 0
 
     def engine_config(self) -> EngineConfig:
         c = self.config
@@ -109,17 +122,13 @@ class RLTrainer:
 
     # --- numerics ----------------------------------------------------------------------------
     def mode(self) -> ForwardMode:
-        return INFERENCE if self.config.true_on_policy else TRAINING
+        return INFERENCE if self.config.formulation == "serving" else TRAINING
 
     @contextlib.contextmanager
     def numerics(self) -> Iterator[None]:
-        """The trainer's forward context: batch-invariant ops (true on-policy) or bf16 autocast
-        (a bf16 engine on CUDA), else plain fp32."""
+        """The trainer's forward context: batch-invariant ops (true on-policy), else none."""
         if self.config.true_on_policy:
             with batch_invariant():
-                yield
-        elif self.config.dtype == "bfloat16" and self.device.type == "cuda":
-            with torch.autocast("cuda", dtype=torch.bfloat16):
                 yield
         else:
             yield
@@ -127,7 +136,7 @@ class RLTrainer:
     def policy_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         mode = self.mode().with_replay(batch.replay, fixed_widths=self.config.true_on_policy)
         with self.numerics():
-            return sequence_logprobs(self.policy, batch.inputs, batch.targets, mode,
+            return sequence_logprobs(self.compute, batch.inputs, batch.targets, mode,
                                      self.config.temperature)
 
     # --- rollout -----------------------------------------------------------------------------
@@ -215,15 +224,33 @@ class RLTrainer:
         else:
             stats["kl_k3"] = alg.k3_kl(logp.detach(), batch.rollout_logp, mask)
         self.optimizer.zero_grad(set_to_none=True)
+        self.compute.zero_grad(set_to_none=True)
         total.backward()
+        self._grads_to_master()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
         self.optimizer.step()
+        self._master_to_compute()
         out = {"loss": total, "entropy": ent, "grad_norm": grad_norm,
                "train_rollout_logprob_abs_diff": drift,
                "train_rollout_logprob_abs_diff_max": drift_max, **pstats, **stats}
         # the step's sync point
         return {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
                 for k, v in out.items()}
+
+    def _grads_to_master(self) -> None:
+        if self.compute is self.policy:
+            return
+        for master, copy in zip(self.policy.parameters(), self.compute.parameters(),
+                                strict=True):
+            master.grad = None if copy.grad is None else copy.grad.float()
+
+    @torch.no_grad()
+    def _master_to_compute(self) -> None:
+        if self.compute is self.policy:
+            return
+        for master, copy in zip(self.policy.parameters(), self.compute.parameters(),
+                                strict=True):
+            copy.copy_(master)
 
     def sync(self) -> int:
         """Push the policy into the engine (in place; flushes the engine's prefix cache)."""
@@ -292,6 +319,7 @@ class RLTrainer:
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed_s = int(state["step"]), float(state["elapsed_s"])
+        self._master_to_compute()
         self.sync()
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
