@@ -56,9 +56,12 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--modes", default="default,true-on-policy",
+                   help="comma list of: default, true-on-policy")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    rows = [measure(args, replay, top) for top in (False, True) for replay in REPLAYS]
+    modes = [m == "true-on-policy" for m in args.modes.split(",")]
+    rows = [measure(args, replay, top) for top in modes for replay in REPLAYS]
     print(f"{'mode':16} {'replay':16} {'step0 mean':>11} {'step0 max':>10} {'last mean':>10} "
           f"{'last max':>10} {'step s':>7}")
     for r in rows:

@@ -21,7 +21,7 @@ from torch import nn
 from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.attention import sparse_attention
-from dsv4.kernels.ref.rope_norm import apply_rope, rms_normalize
+from dsv4.kernels.ref.rope_norm import apply_rope, rms_norm, rms_normalize
 from dsv4.model.compressor import Compressor
 from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.forward_mode import ForwardMode
@@ -118,9 +118,12 @@ class Attention(nn.Module):
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, S, d] -> (q [B, S, H, D] roped, kv [B, S, D] roped, q_lat [B, S, q_lora])."""
         q_lat = self.q_norm(self.wq_a(x))
-        q = rms_normalize(self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        # normalised and rotated in fp32, rounded once (the serving ops' rounding)
+        q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(rms_normalize(q.float(), self.eps), cos.unsqueeze(-2),
+                       sin.unsqueeze(-2)).to(x.dtype)
+        kv = rms_norm(self.wkv(x).float(), self.kv_norm.weight, self.kv_norm.eps)
+        kv = apply_rope(kv, cos, sin).to(x.dtype)
         return q, kv, q_lat
 
     def output(self, o: torch.Tensor, cos: torch.Tensor | None,

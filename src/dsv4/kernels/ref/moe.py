@@ -20,7 +20,9 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
     """y[t] = Σ_k weights[t,k] * W2_e (swiglu(W1_e x, W3_e x)) with e = indices[t,k].
 
     x: [N, d]; w1, w3: [E, I, d]; w2: [E, d, I]; indices: [N, k] int64; weights: [N, k] fp32.
-    Returns [N, d] fp32 (the caller adds the shared expert and casts).
+    Returns [N, d] fp32 (the caller adds the shared expert and casts). Rounding as the grouped
+    kernel's (`kernels/triton/moe.py`): the GEMMs accumulate and return fp32, SwiGLU and the
+    routing weight run in fp32, and only the hidden h is rounded to x's dtype.
     """
     N, k = indices.shape
     num_experts = w1.shape[0]
@@ -37,10 +39,10 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
         start += count
         tokens = slots // k
         # index_select: its backward is index_add, not a sorted scatter
-        xe = x.index_select(0, tokens)
-        h = swiglu(F.linear(xe, w1[e]), F.linear(xe, w3[e]), limit)
-        h = (h.float() * weights.reshape(-1).index_select(0, slots)[:, None]).to(x.dtype)
-        out.index_add_(0, tokens, F.linear(h, w2[e]).float())
+        xe = x.index_select(0, tokens).float()
+        h = swiglu(F.linear(xe, w1[e].float()), F.linear(xe, w3[e].float()), limit)
+        h = (h * weights.reshape(-1).index_select(0, slots)[:, None]).to(x.dtype)
+        out.index_add_(0, tokens, F.linear(h.float(), w2[e].float()))
     return out
 
 

@@ -51,17 +51,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """q: [T, H, D] -> [T, H, D] (q's dtype); cos/sin: [T, rd/2] fp32 (RoPE on the last rd dims)."""
-    return apply_rope(rms_normalize(q, eps), cos.unsqueeze(-2), sin.unsqueeze(-2))
+    """q: [T, H, D] -> [T, H, D] (q's dtype); cos/sin: [T, rd/2] fp32 (RoPE on the last rd dims).
+
+    Normalised and rotated in fp32, rounded once to q's dtype (as the fused kernel does)."""
+    return apply_rope(rms_normalize(q.float(), eps), cos.unsqueeze(-2),
+                      sin.unsqueeze(-2)).to(q.dtype)
 
 
 def kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                        sin: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Writes the normed, rotated window kv into `pool[slots]` in place.
+    """Writes the normed, rotated window kv into `pool[slots]` in place (fp32 math, one
+    rounding to the pool's dtype, as the fused kernel does).
 
     kv: [T, D]; weight: [D] fp32; cos/sin: [T, rd/2]; pool: [N, D]; slots: [T] int64 rows of pool.
     """
-    pool[slots] = apply_rope(rms_norm(kv, weight, eps), cos, sin).to(pool.dtype)
+    pool[slots] = apply_rope(rms_norm(kv.float(), weight, eps), cos, sin).to(pool.dtype)
 
 
 def rope_inverse(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
