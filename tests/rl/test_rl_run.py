@@ -109,3 +109,33 @@ def test_bf16_compute_copy_tracks_the_master_weights(tmp_path: Path) -> None:
                                     trainer.compute.state_dict().values(), strict=True):
         assert torch.equal(copy, master.to(copy.dtype)), name
         assert torch.equal(served[name], copy), name
+
+
+def test_engine_releases_and_restores_its_kv_memory() -> None:
+    """release_memory frees the pools (refused with requests in flight); after resume_memory the
+    engine generates exactly what a fresh engine generates."""
+    from dsv4.config.engine import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+
+    def engine() -> LLMEngine:
+        model = load_model(default_model_path(), dtype="float32", device="cpu")
+        return LLMEngine(model, EngineConfig(page_size=128, max_total_tokens=2048))
+
+    def greedy(e: LLMEngine) -> list[int]:
+        req = e.add_request([5, 9, 13, 17], SamplingParams(max_tokens=5, temperature=0.0))
+        while e.has_unfinished():
+            e.step()
+        return e.pop(req.rid).output_ids
+
+    fresh, reused = engine(), engine()
+    expected = greedy(fresh)
+    greedy(reused)
+    reused.add_request([5, 9], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="in flight"):
+        reused.release_memory()
+    while reused.has_unfinished():
+        reused.step()
+    assert reused.release_memory() > 0 and reused.runner.memory_released
+    reused.resume_memory()
+    assert greedy(reused) == expected
+    reused.check_integrity()

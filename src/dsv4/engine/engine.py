@@ -202,6 +202,20 @@ class LLMEngine:
         corrupt or incomplete checkpoint)."""
         return self.update_weights(read_checkpoint_dir(path, self.runner.model))
 
+    def release_memory(self) -> int:
+        """Free the KV pools and CUDA graphs between batches of work (a colocated RL trainer
+        steps meanwhile); returns the bytes freed. Refused while requests are queued or running:
+        their KV would be lost. The prefix cache is flushed first (its pages would come back
+        zeroed)."""
+        if self.has_unfinished():
+            raise RuntimeError("release_memory() with requests in flight; allowed: an idle engine")
+        self.flush_cache()
+        return self.runner.release_memory()
+
+    def resume_memory(self) -> None:
+        """Undo `release_memory` (pools zeroed, graphs re-captured on first use)."""
+        self.runner.resume_memory()
+
     def prefix_hit_rate(self) -> float:
         s = self.scheduler
         return s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0

@@ -133,6 +133,7 @@ class ModelRunner:
         dtype = model.embed.weight.dtype
         mc = model.config
         self.layout = plan_cache(mc, config, dtype)
+        self.dtype = dtype
         self.pools = KVPools(mc, self.layout, dtype, self.device)
         self.table = RequestTable(self.layout, config.max_running_requests, context_length,
                                   self.device)
@@ -145,6 +146,27 @@ class ModelRunner:
                     self.layout.num_full_pages - 1, self.layout.num_swa_pages - 1,
                     self.layout.page_size, self.pools.nbytes() / 1e6)
         self.graphs = self._decode_graphs()
+
+    def release_memory(self) -> int:
+        """Free the KV pools and the CUDA graphs (which hold their addresses) while no request
+        runs, e.g. while a colocated trainer steps; returns the bytes released. `resume_memory`
+        allocates them again (empty: the prefix cache must be empty too)."""
+        freed = self.pools.nbytes()
+        self.pools.layers.clear()
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.info("KV pools and CUDA graphs released (%.1f MB)", freed / 1e6)
+        return freed
+
+    def resume_memory(self) -> None:
+        """Allocate the KV pools again (zeroed) and a fresh graph set, captured on first use."""
+        self.pools = KVPools(self.model.config, self.layout, self.dtype, self.device)
+        self.graphs = self._decode_graphs()
+
+    @property
+    def memory_released(self) -> bool:
+        return not self.pools.layers
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         c = self.config
@@ -170,6 +192,7 @@ class ModelRunner:
         return self._run(step)
 
     def _run(self, step: ScheduledStep) -> StepOutput:
+        assert not self.memory_released, "run() after release_memory(): call resume_memory()"
         self._reset_penalty_rows(step)
         if self.graphs is not None and self.graphs.fits(step.shape):
             logits, captured = self.graphs.run(step.input_ids, step.shape,

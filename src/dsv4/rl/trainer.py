@@ -17,7 +17,9 @@ cache flushed). A step:
    rollout, so the two are equal in value); drift = |log pi_old - log pi_rollout|
    (`train_rollout_logprob_abs_diff`, rl-reference.md §4.3);
 3. PPO clip(-higher) loss with optional TIS / MIS weights, k3 KL to the initial policy, entropy
-   bonus; one AdamW step; weight sync.
+   bonus; one AdamW step; weight sync. The engine's KV pools and CUDA graphs are released while
+   the trainer steps (`LLMEngine.release_memory`, logged as `kv_released_mb`) and allocated
+   again before the sync.
 
 Formulations (`RLConfig.formulation`): "serving" runs the INFERENCE mode (gathered attention
 with fp32 scores, per-expert MoE: the engine's `ref` formulation), "training" the TRAINING mode
@@ -178,6 +180,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         samples, record = self.rollout()
         t1 = time.perf_counter()
+        released = self.engine.release_memory()   # the trainer steps without the KV pools
         if samples:
             groups = group_rewards(samples)
             batch = pack(samples, advantages_of(groups), c.replay_routing,
@@ -186,6 +189,8 @@ class RLTrainer:
         else:
             record["skipped"] = True            # DAPO found no informative group
         t2 = time.perf_counter()
+        self.engine.resume_memory()
+        record["kv_released_mb"] = round(released / 1e6, 1)
         self.sync()
         t3 = time.perf_counter()
         self.step += 1
