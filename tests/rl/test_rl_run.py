@@ -139,3 +139,21 @@ def test_engine_releases_and_restores_its_kv_memory() -> None:
     reused.resume_memory()
     assert greedy(reused) == expected
     reused.check_integrity()
+
+
+@pytest.mark.parametrize("extra", [
+    {"algo": "dapo"},
+    {"tis": 2.0, "mis": (0.5, 2.0), "kl_coef": 0.1, "entropy_coef": 0.01},
+], ids=["dapo", "tis-mis-kl"])
+def test_algorithm_options_run_a_step(tmp_path: Path, extra: dict) -> None:
+    """DAPO's dynamic sampling and the TIS / MIS / KL / entropy terms in the real loop."""
+    config = RLConfig(model=str(default_model_path()), out_dir=str(tmp_path), group_size=4,
+                      prompts_per_step=3, steps=1, lr=1e-5, levels=(3,), **extra)
+    record = RLTrainer(config).train_step()
+    assert math.isfinite(record.get("loss", 0.0))
+    if extra.get("algo") == "dapo":
+        assert record["groups_kept"] <= 3 and record["samples_drawn"] >= 12
+        assert record["samples_drawn"] % 12 == 0          # whole over-sampling rounds
+    else:
+        assert 0.0 <= record["tis_clip_frac"] <= 1.0 and 0.0 <= record["mis_mask_frac"] <= 1.0
+        assert record["kl_k3"] >= 0.0

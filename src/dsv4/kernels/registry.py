@@ -81,8 +81,11 @@ def _triton() -> KernelOps:
     time). Imported lazily: a machine without a GPU never compiles them (tests use
     `TRITON_INTERPRET=1`).
 
-    NOTE: not bit-equal to `ref` in bf16 (other summation orders: online softmax, fp32
-    accumulation of the expert GEMMs). fp32 models agree to rounding
+    NOTE: not bit-equal to `ref` in bf16: the references round where the kernels do (one cast
+    after the fused norm + RoPE, fp32 expert GEMMs with only h rounded), but the summation orders
+    differ (online softmax) and the sparse-attention kernel's 16-bit path rounds the softmax
+    weights to bf16 before P.V (the largest remaining bf16 difference:
+    benchmarks/results/rl_h200_202612.md). fp32 models agree to rounding
     (`tests/kernels/test_engine_triton_backend.py`); the bf16 agreement is measured by
     `benchmarks/engine_backend_check.py`.
     """

@@ -12,9 +12,9 @@ that is ~30 launches fewer (the step is host-bound: benchmarks/results/kernels_i
 One program per row (a token's head for q and o, a token for kv): the row is loaded once, normalised
 and rotated in fp32 registers, stored once in the output dtype. RoPE rotates interleaved pairs
 (x[2i], x[2i+1]) of the trailing rd = 2 * cos.shape[-1] channels; cos / sin rows are the token's
-(row // rows_per_token). Rounding differs from the reference (fp32 throughout, one final cast, where
-the reference rounds the normalised value to x's dtype before RoPE): equal in fp32 to ~1e-6. No host
-syncs: graph-capture safe. Tests: tests/kernels/test_rope_norm.py.
+(row // rows_per_token). Rounded as the reference rounds (fp32 throughout, one final cast); the
+normalisation divides by sqrt where the reference multiplies by rsqrt (fp32-level differences). No
+host syncs: graph-capture safe. Tests: tests/kernels/test_rope_norm.py.
 """
 
 from __future__ import annotations

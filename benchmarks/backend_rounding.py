@@ -1,0 +1,127 @@
+"""Per-op rounding of the `triton` kernel backend against `ref`, on `ref`'s own inputs.
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/backend_rounding.py [--dtype bfloat16]
+
+Runs a short greedy + sampled generation of the shipped dsv4-tiny on CPU with the `ref` backend.
+Every op call also runs the Triton kernel under the interpreter on cloned inputs and records the
+mean relative difference of each output (in-place outputs: the rows the op wrote, the trash row
+excluded). A systematic rounding difference (one side rounds an intermediate to bf16, the other
+keeps fp32) shows up as ~1e-3 (about one bf16 ulp on most elements); a pure summation-order
+difference as ~1e-7. The interpreter's fp32 -> bf16 cast truncates, where the GPU rounds to
+nearest even, so the script patches it to round-to-nearest-even first (otherwise every bf16
+store differs). The interpreter runs 16-bit `tl.dot` in fp32: roundings that exist only in a
+kernel's compiled 16-bit dot path are not visible here.
+
+Prints one line per op (mean and max relative difference over its calls), then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import random
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+
+from dsv4.assets import default_model_path  # noqa: E402
+from dsv4.engine.llm import LLM  # noqa: E402
+from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
+from dsv4.kernels import registry  # noqa: E402
+from dsv4.rl.rewards import ArithmeticTask  # noqa: E402
+
+_truncating_convert = interpreter._convert_float
+
+
+def _rne_convert(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
+    if src == tl.float32 and dst == tl.bfloat16:
+        t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return _truncating_convert(data, src, dst, rounding_mode)
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*[_clone(v) for v in x])
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not a.is_floating_point():
+        return float((a != b).float().mean())
+    a, b = a.float(), b.float()
+    return float((a - b).abs().mean() / a.abs().mean().clamp(min=1e-12))
+
+
+def shadow_ops(stats: dict[str, list[float]]) -> registry.KernelOps:
+    ref, tri = registry.create_kernels("ref"), registry.create_kernels("triton")
+
+    def wrap(name: str) -> Any:
+        fr, ft = getattr(ref, name), getattr(tri, name)
+
+        def op(*args: Any) -> Any:
+            copies = _clone(args)
+            before = [t.clone() for t in _tensors(args)]
+            out_r, out_t = fr(*args), ft(*copies)
+            for a, b in zip(_tensors(out_r), _tensors(out_t), strict=False):
+                if a.shape == b.shape:
+                    stats[f"{name}:out"].append(_rel(a, b))
+            for i, (b0, a, b) in enumerate(zip(before, _tensors(args), _tensors(copies),
+                                                strict=True)):
+                if a.is_floating_point() and not torch.equal(b0, a):      # written in place
+                    rows = (b0 != a) & torch.isfinite(a)
+                    rows[-1] = False                                      # the trash row
+                    if rows.any():
+                        stats[f"{name}:arg{i}"].append(_rel(a[rows], b[rows]))
+            return out_r
+        return op
+
+    names = [f.name for f in dataclasses.fields(ref) if f.name != "name"]
+    return registry.KernelOps("ref", **{n: wrap(n) for n in names})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=4)
+    args = p.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    interpreter._convert_float = _rne_convert
+    stats: dict[str, list[float]] = collections.defaultdict(list)
+    llm = LLM(default_model_path(), dtype=args.dtype, device="cpu", page_size=128,
+              max_total_tokens=4096, disable_prefix_cache=True)
+    llm.engine.runner.ops = shadow_ops(stats)
+    prompts = [q.text for q in ArithmeticTask((4,)).train_prompts(random.Random(0), args.prompts)]
+    llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0),
+                 use_tqdm=False)
+    rows = {k: {"calls": len(v), "mean_rel": sum(v) / len(v), "max_rel": max(v)}
+            for k, v in stats.items()}
+    for k, r in sorted(rows.items(), key=lambda kv: -kv[1]["mean_rel"]):
+        print(f"{k:26} calls {r['calls']:4d}  mean rel {r['mean_rel']:.2e}  "
+              f"max rel {r['max_rel']:.2e}")
+    print(json.dumps({"dtype": args.dtype, "ops": rows}))
+
+
+if __name__ == "__main__":
+    main()
