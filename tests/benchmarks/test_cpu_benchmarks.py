@@ -41,6 +41,22 @@ def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: s
     assert result and keys <= set(_flat_keys(result)), result
 
 
+def test_rl_drift_benchmark_reports_exact_zero_on_cpu() -> None:
+    result = run_benchmark("rl_drift.py", "--steps", "1", "--prompts", "2", "--group-size", "2",
+                           "--modes", "true-on-policy")
+    assert [r["replay"] for r in result["rows"]] == ["none", "routing", "routing,indexer"]
+    assert all(r["step0_mean"] == 0.0 and r["step0_max"] == 0.0 for r in result["rows"]), result
+
+
+@pytest.mark.slow
+def test_backend_rounding_benchmark_finds_no_systematic_rounding() -> None:
+    """After the reference was aligned with the kernels, no op differs by ~1 bf16 ulp."""
+    result = run_benchmark("backend_rounding.py", "--prompts", "1", "--max-tokens", "2")
+    assert result["ops"], result
+    worst = max(r["mean_rel"] for r in result["ops"].values())
+    assert worst < 1e-4, result
+
+
 # bench_row_reads.py is GPU only
 KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glob("bench_*.py")
                            if p.name not in ("bench_common.py", "bench_row_reads.py"))

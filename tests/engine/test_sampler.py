@@ -317,6 +317,26 @@ def test_logprobs_are_raw_and_top_n_sorted() -> None:
     torch.testing.assert_close(out.top_logprobs, raw.gather(1, out.top_ids))
 
 
+def test_scaled_logprobs_are_of_the_tempered_distribution() -> None:
+    """`scaled_logprobs` rows report log_softmax(logits / T) (before top-k / top-p), the others
+    raw log-probs; greedy rows stay raw; `token_logprobs` is the same formula, bit for bit."""
+    from dsv4.engine.sampler import token_logprobs
+
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(4)) * 3
+    params = [SamplingParams(temperature=0.7, top_k=5, logprobs=0, scaled_logprobs=True),
+              SamplingParams(temperature=0.7, logprobs=0),
+              SamplingParams(temperature=0.0, logprobs=0, scaled_logprobs=True),
+              SamplingParams(temperature=1.3, top_p=0.5, logprobs=0, scaled_logprobs=True)]
+    out = sample(logits, _batch(params))
+    temps = torch.tensor([0.7, 1.0, 1.0, 1.3])
+    want = torch.log_softmax(logits / temps[:, None], dim=-1).gather(
+        1, out.token_ids[:, None])[:, 0]
+    torch.testing.assert_close(out.logprobs, want)
+    assert torch.equal(out.logprobs, token_logprobs(logits, out.token_ids, temps))
+    with pytest.raises(ValueError, match="scaled_logprobs"):
+        SamplingParams(scaled_logprobs=1)  # type: ignore[arg-type]
+
+
 def test_no_logprobs_requested() -> None:
     out = sample(torch.randn(2, 9), _batch([SamplingParams(), SamplingParams(temperature=0.0)]))
     assert out.top_logprobs is None and out.top_ids is None

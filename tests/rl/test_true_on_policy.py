@@ -50,3 +50,15 @@ def test_default_mode_drift_is_rounding(tmp_path, replay: str) -> None:
     r = records[0]
     assert 0.0 <= r["train_rollout_logprob_abs_diff"] < 1e-4, r
     assert r["train_rollout_logprob_abs_diff_max"] < 1e-3, r
+
+
+def test_leaving_the_context_restores_the_aten_kernels() -> None:
+    """Outside `batch_invariant()` a 1-row GEMM takes torch's own path again (the override is
+    gone), inside it equals the same row of a 64-row call."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 256, generator=gen), torch.randn(512, 256, generator=gen)
+    before = torch.nn.functional.linear(x[:1], w)
+    with batch_invariant():
+        assert torch.equal(torch.nn.functional.linear(x[:1], w),
+                           torch.nn.functional.linear(x, w)[:1])
+    assert torch.equal(torch.nn.functional.linear(x[:1], w), before)

@@ -1,5 +1,10 @@
 """Verified RL: rollouts from the engine, replay, GRPO/DAPO.
 
-algorithms: GRPO advantages, DAPO shaping, the clipped policy loss, TIS / MIS weights, metrics.
+config: the frozen run config (`RLConfig`) and its resume rules.
 rewards: the task registry (prompts and verifiable rewards) and `parse_levels`.
+rollout: samples from the in-process engine with sampling log-probs and recorded routing.
+batch: samples packed into [B, L-1] tensors with replay arrays; GRPO advantages, DAPO filters.
+algorithms: GRPO advantages, DAPO shaping, the clipped policy loss, TIS / MIS weights, metrics.
+trainer: the loop (rollout, one policy step, weight sync, evaluation, resume).
+plot, export: the run's curves; the policy as a servable checkpoint.
 """
