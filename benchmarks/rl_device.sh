@@ -1,5 +1,5 @@
 # RL on one H200 (issue 18): drift ablation (bf16, triton backend) and learning runs.
-#   PART=drift|learn  LEARN_ARGS='...'  (one run), or LEARN_RUNS='name:args;name:args' (several,
+#   PART=drift|flash|learn  LEARN_ARGS='...'  (one run), or LEARN_RUNS='name:args;name:args' (several,
 #   LEARN_LIMIT_S seconds each)  (run from the repo root by the device tool)
 set -x
 export PYTHONPATH=src
@@ -25,6 +25,12 @@ for line in open(sys.argv[1]):
 PY
   rm -f $OUT/$name/state.pt
 }
+if [[ $PART == *flash* ]]; then   # step-0 drift of random flash-4l weights, forward only
+  timeout 400 python benchmarks/rl_drift.py --preset flash-4l --device cuda --dtype bfloat16 \
+    --kernel-backend triton --prompts 8 --group-size 4 --prompt-len 256 --max-tokens 16 \
+    --out $OUT/drift_flash4l.json > $OUT/drift_flash4l.log 2>&1
+  tail -5 $OUT/drift_flash4l.log
+fi
 if [[ $PART == *learn* ]]; then
   if [[ -n ${LEARN_RUNS:-} ]]; then
     IFS=';' read -ra runs <<< "$LEARN_RUNS"

@@ -7,6 +7,14 @@ routing+indexer x default / true on-policy, a few steps each, plus each mode's s
 Prints a table, then one JSON line; `--out` also writes the JSON. The metric is Miles'
 `train_rollout_logprob_abs_diff` (rl-reference.md §4.3): per-sample masked mean over response
 tokens of |log pi_train - log pi_rollout|, averaged over samples; `max` is over tokens.
+
+`--preset NAME` (e.g. flash-4l) measures step 0 only, forward only, on random weights of that
+preset generated in memory: one rollout of random-token prompts from the engine, then the
+trainer's forward (the same module: equal weights, no optimizer, so the model fits once) with
+replay none / routing / routing+indexer on those same samples.
+
+    PYTHONPATH=src python benchmarks/rl_drift.py --preset flash-4l --device cuda \
+        --dtype bfloat16 --kernel-backend triton --prompts 8 --group-size 4 --prompt-len 256
 """
 
 from __future__ import annotations
@@ -46,6 +54,53 @@ def measure(args: argparse.Namespace, replay: str, true_on_policy: bool) -> dict
             "step_s": wall / len(records)}
 
 
+def measure_random(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Step-0 drift of a random-weight preset (see the module docstring)."""
+    from dsv4.checkpoint.presets import get_preset
+    from dsv4.checkpoint.writer import random_model
+    from dsv4.config.engine import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.model.forward_mode import INFERENCE, Replay
+    from dsv4.model.loader import resolve_device, resolve_dtype
+    from dsv4.rl.algorithms import logprob_abs_diff
+    from dsv4.rl.batch import pack
+    from dsv4.rl.rollout import sample_token_ids
+    from dsv4.rl.trainer import sequence_logprobs
+
+    config = get_preset(args.preset)
+    device = resolve_device(args.device)
+    model = random_model(config, resolve_dtype(args.dtype), device, seed=0)
+    n = args.prompts * args.group_size
+    page = 256 if device.type == "cuda" else 128
+    tokens = n * (args.prompt_len + args.max_tokens)
+    engine = LLMEngine(model, EngineConfig(
+        page_size=page, max_running_requests=n, max_total_tokens=2 * tokens + n * page,
+        kernel_backend=args.kernel_backend, capture_routing=True, disable_prefix_cache=True))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+               for _ in range(args.prompts)]
+    t0 = time.perf_counter()
+    samples = sample_token_ids(engine, prompts, args.group_size, 1.0, args.max_tokens, seed=0)
+    rollout_s = time.perf_counter() - t0
+    full = pack(samples, torch.zeros(len(samples)), routing=True, indexer=True).to(device)
+    assert full.replay is not None
+    rows = []
+    for replay in REPLAYS:
+        chosen = (None if replay == "none" else
+                  Replay(full.replay.experts,
+                         full.replay.indexer if replay == "routing,indexer" else None))
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(model, full.inputs, full.targets,
+                                        INFERENCE.with_replay(chosen), 1.0)
+        mean, top = logprob_abs_diff(logp, full.rollout_logp, full.mask)
+        rows.append({"replay": replay, "true_on_policy": False, "step0_mean": float(mean),
+                     "step0_max": float(top), "last_mean": float(mean), "last_max": float(top),
+                     "rollout_s": rollout_s, "train_s": time.perf_counter() - t1,
+                     "sync_s": 0.0, "step_s": rollout_s + time.perf_counter() - t1})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
@@ -58,10 +113,15 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="default,true-on-policy",
                    help="comma list of: default, true-on-policy")
+    p.add_argument("--preset", default=None,
+                   help="random weights of this preset, step 0, forward only (e.g. flash-4l)")
+    p.add_argument("--prompt-len", type=int, default=128, help="with --preset")
+    p.add_argument("--max-tokens", type=int, default=16, help="with --preset")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     modes = [m == "true-on-policy" for m in args.modes.split(",")]
-    rows = [measure(args, replay, top) for top in modes for replay in REPLAYS]
+    rows = (measure_random(args) if args.preset is not None else
+            [measure(args, replay, top) for top in modes for replay in REPLAYS])
     print(f"{'mode':16} {'replay':16} {'step0 mean':>11} {'step0 max':>10} {'last mean':>10} "
           f"{'last max':>10} {'step s':>7}")
     for r in rows:
@@ -71,6 +131,7 @@ def main() -> None:
     result = {"device": args.device, "gpu": (torch.cuda.get_device_name()
                                              if args.device.startswith("cuda") else None),
               "dtype": args.dtype, "kernel_backend": args.kernel_backend, "steps": args.steps,
+              "model": args.preset or args.model,
               "torch": torch.__version__, "rows": rows}
     print(json.dumps(result))
     if args.out is not None:

@@ -48,6 +48,15 @@ def test_rl_drift_benchmark_reports_exact_zero_on_cpu() -> None:
     assert all(r["step0_mean"] == 0.0 and r["step0_max"] == 0.0 for r in result["rows"]), result
 
 
+def test_rl_drift_benchmark_random_preset_forward_only() -> None:
+    """The flash-4l measurement's path (random weights, one rollout, three replay settings) on the
+    micro preset: fp32 drift at rounding level."""
+    result = run_benchmark("rl_drift.py", "--preset", "micro", "--prompts", "2", "--group-size",
+                           "2", "--prompt-len", "40", "--max-tokens", "4")
+    assert result["model"] == "micro" and len(result["rows"]) == 3, result
+    assert all(0.0 <= r["step0_mean"] < 1e-4 for r in result["rows"]), result
+
+
 @pytest.mark.slow
 def test_backend_rounding_benchmark_finds_no_systematic_rounding() -> None:
     """After the reference was aligned with the kernels, no op differs by ~1 bf16 ulp."""

@@ -30,9 +30,10 @@ from dsv4.rl.rewards import Prompt
 
 @dataclass
 class Sample:
-    """One completion of one prompt (see the module docstring for the arrays)."""
+    """One completion of one prompt (see the module docstring for the arrays); `prompt` is None
+    for samples of raw token ids (`sample_token_ids`)."""
 
-    prompt: Prompt
+    prompt: Prompt | None
     group: int
     tokens: list[int]
     prompt_len: int
@@ -67,28 +68,40 @@ def generate_samples(engine: LLMEngine, tokenizer: Tokenizer, prompts: list[Prom
                      group_size: int, temperature: float, max_tokens: int, seed: int,
                      first_group: int = 0) -> list[Sample]:
     """`group_size` samples of each prompt (groups numbered from `first_group`), run to
-    completion together; returned grouped, in prompt order."""
+    completion together; returned grouped, in prompt order, with their decoded text."""
+    ids = [list(tokenizer.encode(p.text).ids) for p in prompts]
+    samples = sample_token_ids(engine, ids, group_size, temperature, max_tokens, seed,
+                               first_group)
+    for s in samples:
+        s.prompt = prompts[s.group - first_group]
+        s.text = tokenizer.decode(s.tokens[s.prompt_len:])
+    return samples
+
+
+def sample_token_ids(engine: LLMEngine, prompt_ids: list[list[int]], group_size: int,
+                     temperature: float, max_tokens: int, seed: int,
+                     first_group: int = 0) -> list[Sample]:
+    """`generate_samples` on token ids (no tokenizer, no task: `prompt` None, `text` "")."""
     check_engine(engine)
     rng = random.Random(f"dsv4-rl-sample-{seed}")
     requests = []
-    for g, prompt in enumerate(prompts):
-        ids = list(tokenizer.encode(prompt.text).ids)
+    for g, ids in enumerate(prompt_ids):
         for _ in range(group_size):
             params = sampling_params(temperature, max_tokens, rng.randrange(2**62))
-            requests.append((g + first_group, prompt, engine.add_request(ids, params)))
+            requests.append((g + first_group, engine.add_request(ids, params)))
     while engine.has_unfinished():
         engine.step()
     samples = []
-    for group, prompt, req in requests:
+    for group, req in requests:
         done = engine.pop(req.rid)
         routing = {k: torch.cat(v) for k, v in done.routing.items()}
         tokens = done.prompt_ids + done.output_ids
         experts = routing["experts"].to(torch.int32)
         assert experts.shape[0] == len(tokens) - 1, "routing rows != fed tokens"
         indexer = routing.get("indexer")
-        samples.append(Sample(prompt, group, tokens, len(done.prompt_ids), list(done.logprobs),
+        samples.append(Sample(None, group, tokens, len(done.prompt_ids), list(done.logprobs),
                               experts, None if indexer is None else indexer.to(torch.int32),
-                              tokenizer.decode(done.output_ids), done.finish_reason))
+                              "", done.finish_reason))
     return samples
 
 

@@ -154,8 +154,9 @@ class RLTrainer:
                                        c.temperature, c.max_tokens,
                                        seed=hash((c.seed, self.step, round_)) % 2**31,
                                        first_group=round_ * c.prompts_per_step)
-            for s in samples:
-                s.reward = self.task.reward(s.prompt, s.text)
+            for s, prompt in zip(samples, (p for p in prompts for _ in range(c.group_size)),
+                                 strict=True):
+                s.reward = self.task.reward(prompt, s.text)
             drawn += samples
             if c.algo == "grpo":
                 kept = group_rewards(samples)
