@@ -98,7 +98,9 @@ def test_resume_needs_a_run(tmp_path: Path) -> None:
 
 def test_bf16_compute_copy_tracks_the_master_weights(tmp_path: Path) -> None:
     """A bf16 engine: the trainer's forward runs on a bf16 copy cast like the engine's weights;
-    after a step the copy equals the fp32 master cast again, and the engine serves it."""
+    after a step the copy equals the fp32 master cast again, the engine serves it, and the
+    engine's log-probs agree with the trainer's within the documented bf16 tolerance (<= 0.1 max,
+    <= 0.02 mean nats per token)."""
     config = RLConfig(model=str(default_model_path()), out_dir=str(tmp_path), group_size=4,
                       prompts_per_step=4, steps=1, lr=1e-4, dtype="bfloat16", levels=(3,))
     trainer = RLTrainer(config)
@@ -109,6 +111,23 @@ def test_bf16_compute_copy_tracks_the_master_weights(tmp_path: Path) -> None:
                                     trainer.compute.state_dict().values(), strict=True):
         assert torch.equal(copy, master.to(copy.dtype)), name
         assert torch.equal(served[name], copy), name
+
+    # bf16 tolerance of the synced engine against the trainer (greedy, teacher-forced; ref backend
+    # on CPU): measured 0, 0 and 0.028 max / 0.0049 mean nats on these prompts
+    worst, means = 0.0, []
+    for prompt in ("What is 12+34?", "def f(x):", "import os\n"):
+        ids = list(trainer.tokenizer.encode(prompt).ids)
+        req = trainer.engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0,
+                                                             logprobs=0, ignore_eos=True))
+        while trainer.engine.has_unfinished():
+            trainer.engine.step()
+        done = trainer.engine.pop(req.rid)
+        seq = torch.tensor([ids + done.output_ids])
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(trainer.compute, seq[:, :-1], seq[:, 1:], INFERENCE, 1.0)
+        diff = (logp[0, len(ids) - 1:] - torch.tensor(done.logprobs)).abs()
+        worst, means = max(worst, float(diff.max())), means + [float(diff.mean())]
+    assert worst <= 0.1 and max(means) <= 0.02, (worst, means)
 
 
 def test_engine_releases_and_restores_its_kv_memory() -> None:
