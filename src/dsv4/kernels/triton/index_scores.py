@@ -45,12 +45,11 @@ Benchmark: benchmarks/kernels/bench_index_scores.py.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton import launch
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,17 +108,11 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
         tl.store(out_ptr + t * stride_ot + offs_v, score, mask=v_mask)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def _blocks_per_program(T: int, num_blocks: int, device: torch.device) -> int:
     """Smallest power of two (<= _MAX_BLOCKS_PER_PROGRAM) whose grid fits _PROGRAMS_PER_SM programs
     per SM: one wave (1 on CPU). At decode T = 1, V = 65,536 (1024 blocks of 64) that is 2, the
     H200's fastest of 1 / 2 / 4 (benchmarks/results/kernels_i_h200_202611.md)."""
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 1
+    sms = launch.sms(device)
     want = min(_MAX_BLOCKS_PER_PROGRAM, triton.cdiv(T * num_blocks, _PROGRAMS_PER_SM * sms))
     return triton.next_power_of_2(max(1, want))
 

@@ -1,4 +1,5 @@
-"""Host-side checks and sizes shared by the mHC kernels' wrappers (`mhc.py`, `mhc_post.py`).
+"""Host-side checks and sizes shared by the Triton wrappers (the SM count by every grid planner;
+the checks by the mHC wrappers `mhc.py`, `mhc_post.py`).
 
 Owns the accepted stream dtypes, the shape / dtype / contiguity and one-device checks, the
 power-of-two check of block sizes, and the SM count that sizes grids (1 off CUDA, so the

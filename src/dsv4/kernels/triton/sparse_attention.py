@@ -78,7 +78,6 @@ benchmarks/kernels/bench_sparse_attention.py.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -86,6 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton import launch
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -203,11 +203,6 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D,  # type: ignore[
              (acc / den).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def default_config(H: int, D: int, fp32_dot: bool) -> tuple[int, int, int, int]:
     """(block_h, block_n, num_warps, num_stages): the module docstring's register budget, untuned on
     hardware (bench_sparse_attention.py --sweep compares alternatives). fp32 dots (tests) take
@@ -222,7 +217,7 @@ def choose_splits(programs: int, num_blocks: int, device: torch.device) -> int:
     full."""
     if device.type != "cuda":
         return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = launch.sms(device)
     if programs >= sms:
         return 1
     want = triton.cdiv(_PROGRAMS_PER_SM * sms, programs)

@@ -44,7 +44,6 @@ Test: tests/kernels/test_topk.py. Benchmark: benchmarks/kernels/bench_topk.py.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton import launch
 from dsv4.kernels.triton.topk_compact import CompactPlan, launch_compact, workspace_numel
 from dsv4.kernels.triton.topk_coop import CoopPlan, coop_workspace_numel, launch_coop, row_words
 from dsv4.kernels.triton.topk_radix import (
@@ -227,17 +227,10 @@ def topk_workspace_numel(B: int, N: int, k: int, config: TopKConfig = DEFAULT_CO
     return 0 if plan.compact is None else workspace_numel(B, N, k, plan.compact)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def device_sms(device: torch.device) -> int | None:
     """The GPU's SM count (the coop path's co-residency bound), None off CUDA (`plan_topk`'s
     `sms`)."""
-    if device.type != "cuda":
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return launch.sms(device) if device.type == "cuda" else None
 
 
 # ---------------------------------------------------------------------------------------------- row
