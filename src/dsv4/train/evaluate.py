@@ -100,7 +100,8 @@ def evaluate_checkpoint(model_dir: Path, heldout: Path, seq_len: int = 2048,
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype="float32", device=device, page_size=128, max_total_tokens=65536,
               max_running_requests=256, chunked_prefill_size=4096)
-    result: dict[str, Any] = heldout_metrics(llm.model, read_tokens(heldout, seq_len, max_tokens))
+    windows = read_tokens(heldout, seq_len, max_tokens)
+    result: dict[str, Any] = heldout_metrics(llm.model, windows)
     problems = eval_set(seed, per_level)
     result["task_plain"] = task_accuracy(llm, problems, "plain")
     result["task_chat"] = task_accuracy(llm, problems, "chat")
@@ -109,7 +110,8 @@ def evaluate_checkpoint(model_dir: Path, heldout: Path, seq_len: int = 2048,
     result["easy_chat_accuracy"] = (sum(chat["by_level"][lv] * chat["n_by_level"][lv]
                                         for lv in easy)
                                     / sum(chat["n_by_level"][lv] for lv in easy))
-    result["heldout_tokens"] = max_tokens // seq_len * seq_len
+    # the tokens actually scored (fewer than max_tokens when the file is shorter)
+    result["heldout_tokens"] = sum(w.shape[0] * (w.shape[1] - 1) for w in windows)
     result["samples"] = samples(llm)
     result["eval_seconds"] = round(time.perf_counter() - t0, 1)
     return result

@@ -39,7 +39,7 @@ C128 entries, which then also hit in L2.
 
 Register budget (D = 512, bf16). The accumulator is BLOCK_H x D fp32 and the loop-invariant Q
 operand stays in registers, so heads per program trade L2 traffic (each of the G programs of a
-token gathers its keys) for registers. Compiled offline for sm_90a (Triton 3.9, ptxas; registers
+token gathers its keys) for registers. Compiled offline for sm_90a (Triton 3.6, ptxas; registers
 per thread, spill bytes, shared memory):
 
     block_h/n, warps, stages   MMA                              regs  spill  smem    CTAs/SM by regs
