@@ -122,6 +122,12 @@ class DeepSeekV4ForCausalLM(nn.Module):
 
         The R rows are the tokens of `ctx.logits_index`.
         """
+        return self.forward_batch_streams(input_ids, ctx)[0]
+
+    def forward_batch_streams(self, input_ids: torch.Tensor,
+                              ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_batch`, also returning the streams after the last block for every new token,
+        [T, n, d] (the MTP block's input)."""
         pos = ctx.positions
         tables = {"main": self.rope_main(pos), "compress": self.rope_compress(pos)}
         for plan in ctx.plans.values():
@@ -131,8 +137,33 @@ class DeepSeekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
             x = layer(x, ids, cos, sin, ctx)
+        streams = x[0]
         x = x[0, ctx.logits_index].unsqueeze(0)                                 # [1, R, n, d]
-        return self.logits(self.norm(self.hc_head(x, ctx), ctx))[0]
+        return self.logits(self.norm(self.hc_head(x, ctx), ctx))[0], streams
+
+    def mtp_forward_batch(self, streams: torch.Tensor, next_ids: torch.Tensor,
+                          ctx: ForwardContext, depth: int = 0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Serving path of MTP block `depth` over the step of `ctx`: streams [T, n, d] (the main
+        streams of the step's tokens, `forward_batch_streams`), next_ids [T] (each token's
+        successor) -> (fp32 logits [R, V] of the token after next at `ctx.logits_index`, the
+        block's output streams [T, n, d]). The block reads and writes its own SWA cache,
+        `ctx.caches[num_layers + depth]`; it never adds to `ctx.captured` (MTP layers are not
+        replayed)."""
+        if not 0 <= depth < len(self.mtp):
+            raise ValueError(f"mtp depth={depth} out of range; "
+                             f"the model has {len(self.mtp)} MTP layers")
+        mtp: MTPBlock = self.mtp[depth]  # type: ignore[assignment]
+        cos, sin = self.rope_main(ctx.positions)
+        ids = next_ids.unsqueeze(0)
+        captured, ctx.captured = ctx.captured, None
+        try:
+            x = mtp.mix_inputs(streams.unsqueeze(0), self.embed(ids), ctx)
+            x = Block.forward(mtp, x, ids, cos, sin, ctx)                      # [1, T, n, d]
+        finally:
+            ctx.captured = captured
+        rows = x[0, ctx.logits_index].unsqueeze(0)
+        return self.logits(mtp.norm(mtp.hc_head(rows, ctx), ctx))[0], x[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, S, d] normed final state -> fp32 logits [B, S, V]."""

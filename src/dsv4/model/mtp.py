@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
+from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
@@ -33,9 +34,12 @@ class MTPBlock(Block):
         self.norm = RMSNorm(d, eps)
         self.hc_head = HyperHead(config)
 
-    def mix_inputs(self, streams: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """streams: [B, S, n, d] main streams; embedded: [B, S, d] embeddings -> [B, S, n, d]."""
-        return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+    def mix_inputs(self, streams: torch.Tensor, embedded: torch.Tensor,
+                   ctx: ForwardContext | None = None) -> torch.Tensor:
+        """streams: [B, S, n, d] main streams; embedded: [B, S, d] embeddings -> [B, S, n, d].
+        A serving step passes its `ctx` (the norms run as the kernel backend's op)."""
+        return (self.e_proj(self.enorm(embedded, ctx)).unsqueeze(2)
+                + self.h_proj(self.hnorm(streams, ctx)))
 
     def hidden(self, streams: torch.Tensor, embedded: torch.Tensor, input_ids: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
