@@ -7,13 +7,11 @@ invocation runs), so a run cannot silently change what it trains.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from dsv4.rl.rewards import TASKS
+from dsv4.utils.run_dir import RunConfig
 
 Algo = Literal["grpo", "dapo"]
 ALGOS: tuple[str, ...] = ("grpo", "dapo")
@@ -22,7 +20,7 @@ INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call")
 
 
 @dataclass(frozen=True)
-class RLConfig:
+class RLConfig(RunConfig):
     """`model`: checkpoint directory (official layout + tokenizer). `task` / `levels`: the
     reward task and its curriculum (`rl/rewards.py`). `algo`: "grpo" (group-normalised advantages,
     symmetric clip `eps_low`, sample-mean loss) or "dapo" (clip-higher `eps_high`, dynamic
@@ -37,6 +35,8 @@ class RLConfig:
     per-expert MoE; lowest drift) or "training" (dense attention and experts: a cheaper backward,
     scores rounded to the activation dtype). `kl_coef`: k3 KL to the frozen initial policy.
     `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level."""
+
+    INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
     model: str
     out_dir: str
@@ -120,28 +120,9 @@ class RLConfig:
     def replay_indexer(self) -> bool:
         return self.replay == "routing,indexer"
 
-    def replace(self, **changes: Any) -> RLConfig:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RLConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown RLConfig fields {unknown}; allowed: {sorted(known)}")
-        d = dict(d)
+    def _from_json(cls, d: dict[str, Any]) -> dict[str, Any]:
         d["levels"] = tuple(d.get("levels", ()))
         if d.get("mis") is not None:
             d["mis"] = tuple(d["mis"])
-        return cls(**d)
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-
-    def changed_fields(self, other: RLConfig) -> list[str]:
-        """Fields other than the invocation ones in which `other` differs from this config."""
-        a, b = self.to_dict(), other.to_dict()
-        return sorted(k for k in a if k not in INVOCATION_FIELDS and a[k] != b[k])
+        return d

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -69,6 +68,7 @@ from dsv4.rl.config import RLConfig
 from dsv4.rl.rewards import Task, make_task
 from dsv4.rl.rollout import Sample, generate_samples, greedy_answers
 from dsv4.utils.logging import init_logger
+from dsv4.utils.run_dir import append_metrics, save_state, truncate_metrics
 
 logger = init_logger(__name__)
 
@@ -301,9 +301,7 @@ class RLTrainer:
         return last
 
     def _log(self, record: dict[str, Any]) -> dict[str, Any]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_metrics(self.run_dir, record)
         logger.info("%s", record)
         return record
 
@@ -314,9 +312,7 @@ class RLTrainer:
         self.config.save(self.run_dir / "rl_config.json")
         state = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step, "elapsed_s": self.elapsed_s}
-        tmp = self.run_dir / "state.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.run_dir / "state.pt")
+        save_state(self.run_dir, state)
 
     def load(self) -> None:
         """Restore state.pt, push it into the engine, drop metrics logged after it."""
@@ -327,11 +323,7 @@ class RLTrainer:
         self.step, self.elapsed_s = int(state["step"]), float(state["elapsed_s"])
         self._master_to_compute()
         self.sync()
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if json.loads(line)["step"] <= self.step]
-            metrics.write_text("".join(line + "\n" for line in kept))
+        truncate_metrics(self.run_dir, self.step)
 
 
 def open_run(config: RLConfig, resume: bool) -> RLTrainer:

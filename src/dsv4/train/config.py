@@ -9,14 +9,11 @@ trained.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from dsv4.checkpoint.presets import PRESETS, get_preset
 from dsv4.config.model import ModelConfig
+from dsv4.utils.run_dir import RunConfig
 
 # Fields that describe the invocation, not the run: free to change between resumed invocations.
 INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir",
@@ -24,7 +21,7 @@ INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir"
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(RunConfig):
     """`preset`: model architecture (checkpoint/presets.py). `steps`: optimizer steps of the whole
     run (the cosine schedule spans them). `batch_size` x `seq_len` tokens per step. `mtp_weight`:
     weight of the MTP loss (spec §9). `indexer_weight`: weight of the indexer distillation KL
@@ -36,6 +33,8 @@ class TrainConfig:
     `time_limit_s`: stop this invocation (after saving) once its wall time exceeds it; resume
     continues. `compile`: torch.compile each decoder / MTP block (same math, fewer launches;
     evaluation stays eager)."""
+
+    INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
     data_dir: str
     out_dir: str
@@ -100,26 +99,3 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-
-    def same_run_as(self, other: TrainConfig) -> list[str]:
-        """The fields (other than the invocation ones) in which `other` differs from this run's
-        config."""
-        a, b = self.to_dict(), other.to_dict()
-        return sorted(k for k in a if k not in INVOCATION_FIELDS and a[k] != b[k])

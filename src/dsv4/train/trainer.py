@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from dsv4.train.indexer_loss import IndexerDistiller
 from dsv4.train.init import init_weights
 from dsv4.train.qat import QuantShadow
 from dsv4.utils.logging import init_logger
+from dsv4.utils.run_dir import append_metrics, save_state, truncate_metrics
 
 logger = init_logger(__name__)
 
@@ -217,9 +217,7 @@ class Trainer:
         return self._log(record)
 
     def _log(self, record: dict[str, Any]) -> dict[str, Any]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_metrics(self.run_dir, record)
         logger.info("%s", record)
         return record
 
@@ -230,9 +228,7 @@ class Trainer:
         self.config.save(self.run_dir / "train_config.json")
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step, "elapsed_s": self.elapsed_s}
-        tmp = self.run_dir / "state.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.run_dir / "state.pt")
+        save_state(self.run_dir, state)
 
     def load(self) -> None:
         """Restore state.pt and drop metrics logged after it (the resumed run logs them again,
@@ -241,11 +237,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed_s = int(state["step"]), float(state["elapsed_s"])
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if json.loads(line)["step"] <= self.step]
-            metrics.write_text("".join(line + "\n" for line in kept))
+        truncate_metrics(self.run_dir, self.step)
 
 
 def _compile_blocks(model: DeepSeekV4ForCausalLM) -> None:
@@ -281,7 +273,7 @@ def open_run(config: TrainConfig, resume: bool) -> Trainer:
         if not (run_dir / "state.pt").exists():
             raise FileNotFoundError(f"--resume: no state.pt in {run_dir}")
         previous = TrainConfig.from_dict(json.loads(saved.read_text()))
-        changed = previous.same_run_as(config)
+        changed = previous.changed_fields(config)
         if changed:
             raise ValueError(f"--resume: {changed} differ from the run's train_config.json; only "
                              f"{', '.join(INVOCATION_FIELDS)} may change")
