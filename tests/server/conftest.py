@@ -8,6 +8,7 @@ leaves it idle with every pool free); modules that need other flags start their 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -101,6 +102,19 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-20000:]
 
 
+@contextlib.contextmanager
+def running_server(log_dir: Path, *args: str, **headers: str) -> Iterator[ServerProcess]:
+    """A `ServerProcess` with `args`, healthy and its `initial` stats taken (with `headers`);
+    stopped on exit."""
+    srv = ServerProcess(log_dir, *args)
+    try:
+        srv.wait_healthy()
+        srv.initial = srv.engine_stats(check_integrity=True, **headers)
+        yield srv
+    finally:
+        srv.stop()
+
+
 def assert_pools_free(stats: dict[str, Any], initial: dict[str, Any]) -> None:
     """No request in the engine, the engine's integrity check passes, and (the prefix cache flushed,
     see `wait_idle`) every pool and the request slots are back to their initial free counts."""
@@ -122,14 +136,9 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[ServerProcess]:
     """The default server: embedded model, 64 running requests (the soak test's concurrency)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--max-running-requests", "64",
-                        "--shutdown-timeout", "5")
-    try:
-        srv.wait_healthy()
-        srv.initial = srv.engine_stats(check_integrity=True)
+    with running_server(tmp_path_factory.mktemp("server"), "--max-running-requests", "64",
+                        "--shutdown-timeout", "5") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

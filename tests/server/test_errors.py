@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import ServerProcess, assert_pools_free
+from .conftest import ServerProcess, assert_pools_free, running_server
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -21,16 +21,12 @@ MAX_RUNNING, MAX_WAITING = 2, 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("errors"), "--api-key", KEY,
+    with running_server(tmp_path_factory.mktemp("errors"), "--api-key", KEY,
                         "--max-request-bytes", str(MAX_BYTES),
                         "--max-running-requests", str(MAX_RUNNING),
-                        "--max-waiting-requests", str(MAX_WAITING), "--shutdown-timeout", "2")
-    try:
-        srv.wait_healthy()
-        srv.initial = srv.engine_stats(check_integrity=True, **AUTH)
+                        "--max-waiting-requests", str(MAX_WAITING), "--shutdown-timeout", "2",
+                        **AUTH) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

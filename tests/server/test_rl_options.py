@@ -22,7 +22,7 @@ from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.engine.request import RequestOutput
 
-from .conftest import ServerProcess, assert_pools_free
+from .conftest import ServerProcess, assert_pools_free, running_server
 
 KEY = "sk-rl"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -49,15 +49,10 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def rl_server(tmp_path_factory: pytest.TempPathFactory,
               ckpts: dict[str, Path]) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("rl_server"), "--model", str(ckpts["a"]),
+    with running_server(tmp_path_factory.mktemp("rl_server"), "--model", str(ckpts["a"]),
                         "--served-model-name", MODEL, "--enable-return-routing", "--api-key", KEY,
-                        "--shutdown-timeout", "2")
-    try:
-        srv.wait_healthy()
-        srv.initial = srv.engine_stats(check_integrity=True, **AUTH)
+                        "--shutdown-timeout", "2", **AUTH) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
