@@ -67,6 +67,7 @@ def update_weights(model: DeepSeekV4ForCausalLM, named: Mapping[str, torch.Tenso
         else:
             raise ValueError(f"tensor {name!r} is not a parameter or buffer of the model; allowed: "
                              f"names of model.state_dict(), e.g. {sorted(targets)[:3]}")
+    _check_finite({n: t for n, t in named.items() if t.is_floating_point()})
     with torch.no_grad():
         for write in writes:
             write()
@@ -135,9 +136,19 @@ def _check_shape(name: str, src: torch.Tensor, expected: tuple[int, ...]) -> Non
 def _check_float(name: str, src: torch.Tensor) -> None:
     if not src.is_floating_point():
         raise ValueError(f"tensor {name!r} is {src.dtype}; allowed: a floating tensor")
-    if not bool(torch.isfinite(src).all()):
-        raise ValueError(f"tensor {name!r} contains non-finite values (inf or nan); "
-                         "allowed: finite values")
+
+
+def _check_finite(floats: Mapping[str, torch.Tensor]) -> None:
+    """ValueError naming the first tensor with an inf or nan; one host sync per device."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in floats.items():
+        by_device.setdefault(t.device, []).append(name)
+    for names in by_device.values():
+        ok = torch.stack([torch.isfinite(floats[n]).all() for n in names]).tolist()
+        bad = [n for n, good in zip(names, ok, strict=True) if not good]
+        if bad:
+            raise ValueError(f"tensor {bad[0]!r} contains non-finite values (inf or nan); "
+                             "allowed: finite values")
 
 
 # ---- checkpoint directories -------------------------------------------------------------------
