@@ -37,6 +37,7 @@ Run directory: `rl_config.json`, `state.pt` (policy, optimizer, step; atomic), `
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import random
 import time
@@ -95,13 +96,9 @@ class RLTrainer:
         model_dir = Path(c.model)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.policy = load_model(model_dir, dtype="float32", device=self.device).train()
-        self.compute = self.policy
-        if c.dtype != "float32":
-            self.compute = load_model(model_dir, dtype="float32", device=self.device).train()
-            self.compute.load_state_dict(self.policy.state_dict())
-            self.compute.cast_(torch.bfloat16)
-        self.reference = (load_model(model_dir, dtype="float32", device=self.device).eval()
-                          if c.kl_coef > 0 else None)
+        self.compute = (self.policy if c.dtype == "float32"
+                        else copy.deepcopy(self.policy).cast_(torch.bfloat16))
+        self.reference = copy.deepcopy(self.policy).eval() if c.kl_coef > 0 else None
         served = load_model(model_dir, dtype=c.dtype, device=self.device,
                             weight_format=check_weight_format(c.weight_format))
         self.engine = LLMEngine(served, self.engine_config())
@@ -246,17 +243,17 @@ class RLTrainer:
     def _grads_to_master(self) -> None:
         if self.compute is self.policy:
             return
-        for master, copy in zip(self.policy.parameters(), self.compute.parameters(),
+        for master, replica in zip(self.policy.parameters(), self.compute.parameters(),
                                 strict=True):
-            master.grad = None if copy.grad is None else copy.grad.float()
+            master.grad = None if replica.grad is None else replica.grad.float()
 
     @torch.no_grad()
     def _master_to_compute(self) -> None:
         if self.compute is self.policy:
             return
-        for master, copy in zip(self.policy.parameters(), self.compute.parameters(),
+        for master, replica in zip(self.policy.parameters(), self.compute.parameters(),
                                 strict=True):
-            copy.copy_(master)
+            replica.copy_(master)
 
     def sync(self) -> int:
         """Push the policy into the engine (in place; flushes the engine's prefix cache)."""
