@@ -146,11 +146,12 @@ def attention_variants() -> Iterator[Variant]:
              "idx2_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
              "lse_ptr": "*fp32", "qk_scale": "fp32", "log2e": "fp32",
              **{f"stride_{k}": hint for k in ("qt", "qh", "kv1", "i1", "kv2", "i2", "ot", "oh")}}
-    for even in (True, False):
+    for even, terms in ((True, 1), (True, 2), (True, 3), (False, 3)):
         consts = {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 512, "FP32_DOT": False, "SPLIT": False,
-                  "EVEN_D": even}
-        yield (f"sparse attn even_d={even}", sparse_attention._sparse_attention_kernel, types,
-               consts, {"num_warps": 4, "num_stages": 2})
+                  "EVEN_D": even, "P_TERMS": terms}
+        yield (f"sparse attn even_d={even} p_terms={terms}",
+               sparse_attention._sparse_attention_kernel, types, consts,
+               {"num_warps": 4, "num_stages": 2})
 
 
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,

@@ -23,6 +23,9 @@ TFLOP/s), the meaningful ratio for prefill (compute-bound: 4 H D = 131 KFLOP per
 of key). Timing: parity with the reference is asserted first; then the median of CUDA-event-timed
 CUDA-graph replays (each graph holds several calls, cycling through input copies of >= 256 MB in
 all to defeat L2 reuse across calls) after warm-up. The reference is timed eagerly.
+"us P1/P2/P3": the default configuration with P.V's P written as 1, 2 or 3 16-bit terms
+(`PV_TERMS`: 3 is the default, 1 is flash attention's single rounding); "neq P1/P3": the
+fraction of output elements not bit-equal to the reference's (which keeps P in fp32).
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_sparse_attention.py --out FILE.json  # CUDA
@@ -160,23 +163,25 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def time_config(cfg: tuple[int, int, int, int, int | None], first: Inputs, sets: list[Inputs],
                 ref: torch.Tensor, scale: float, args: argparse.Namespace,
-                cuda: bool) -> tuple[float, float]:
-    """(max rel error vs the reference, us per call) of one configuration; asserts parity first."""
+                cuda: bool, p_terms: int | None = None) -> tuple[float, float, float]:
+    """(max rel error vs the reference, us per call, fraction of output elements not equal to
+    the reference's) of one configuration (and P.V precision); asserts parity first."""
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
 
     kw = dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
-              num_splits=cfg[4])
+              num_splits=cfg[4], **({} if p_terms is None else {"p_terms": p_terms}))
 
     def fn(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]],
            sink: torch.Tensor) -> torch.Tensor:
         return triton_sparse_attention(q, sources, sink, scale, **kw)  # type: ignore[arg-type]
 
-    err = rel_error(fn(*first), ref)
+    out = fn(*first)
+    err, differ = rel_error(out, ref), (out != ref).float().mean().item()
     limit = 1e-2 if ref.dtype == torch.bfloat16 else 1e-5
     assert err <= limit, f"{config_key(cfg)}: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
     us = (time_graph_us(fn, sets, args.iters, args.warmup) if cuda
           else time_eager_us(lambda: fn(*first), 2, cuda))
-    return err, us
+    return err, us, differ
 
 
 def config_key(cfg: tuple[int, int, int, int, int | None]) -> str:
@@ -205,13 +210,16 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     failed: dict[str, str] = {}
     for i, cfg in enumerate(configs):
         try:
-            cfg_err, timed[config_key(cfg)] = time_config(cfg, first, sets, ref, scale, args, cuda)
+            cfg_err, timed[config_key(cfg)], _ = time_config(cfg, first, sets, ref, scale, args,
+                                                             cuda)
             err = max(err, cfg_err)
         except Exception as e:
             # NOTE: a sweep config may not compile (shared memory); the default must
             if i == 0:
                 raise
             failed[config_key(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
+    # P.V precision (`PV_TERMS`): speed and elements that differ from the fp32-P reference
+    pv = {t: time_config(configs[0], first, sets, ref, scale, args, cuda, t) for t in (1, 2, 3)}
     default_key, best = config_key(configs[0]), min(timed, key=lambda k: timed[k])
     us = timed[best]
     ref_us = time_eager_us(lambda: sparse_attention_multi(*first, scale), max(3, args.iters // 10),
@@ -228,7 +236,9 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
             "pct_hbm": fl["bytes_once"] / (us * 1e-6) / HBM_BYTES_PER_S * 100,
             "x_floor": us / fl["floor_us"],
             "x_roof": us / max(fl["floor_us"], fl["floor_flop_us"]),
-            "tflops": fl["flops"] / us / 1e6, "max_rel_err": err, "input_sets": n_sets, **fl}
+            "tflops": fl["flops"] / us / 1e6, "max_rel_err": err, "input_sets": n_sets,
+            **{f"us_p{t}": v[1] for t, v in pv.items()},
+            **{f"differ_p{t}": v[2] for t, v in pv.items()}, **fl}
 
 
 TABLE = [("case", "{:<28}", "case"),
@@ -245,6 +255,11 @@ TABLE = [("case", "{:<28}", "case"),
          ("ref_us", "{:>10.1f}", "ref us"),
          ("speedup_vs_ref", "{:>7.1f}", "x ref"),
          ("splits", "{:>6}", "splits"),
+         ("us_p1", "{:>7.1f}", "us P1"),
+         ("us_p2", "{:>7.1f}", "us P2"),
+         ("us_p3", "{:>7.1f}", "us P3"),
+         ("differ_p1", "{:>7.4f}", "neq P1"),
+         ("differ_p3", "{:>7.4f}", "neq P3"),
          ("best_config", "{:>16}", "bh/bn/w/st/sp"),
          ("max_rel_err", "{:>8.1e}", "rel err")]
 

@@ -267,6 +267,8 @@ def test_rejects_bad_inputs() -> None:
             pytest.fail(f"accepted {name}")
     with pytest.raises(ValueError, match="block_n"):
         triton_sparse_attention(q, sources, sink, 0.1, block_n=24)
+    with pytest.raises(ValueError, match="p_terms"):
+        triton_sparse_attention(q, sources, sink, 0.1, p_terms=4)
 
 
 # ---- GPU: V4-Flash shapes ------------------------------------------------------------------------
@@ -362,3 +364,17 @@ def test_cuda_graph_replay_matches_reference(T: int) -> None:
     graph.replay()
     assert_close(captured, sparse_attention_multi(q, sources, sink, 512 ** -0.5), BF16_REL)
     assert not torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_pv_terms_round_like_the_reference_cuda(decode: bool) -> None:
+    """P as 3 bf16 terms keeps the reference's fp32 P: (almost) every output element is
+    bit-equal to the reference's, where one rounding of P (flash attention's) moves many."""
+    q, sources, sink = make_case(flash_spec("c4", 256, decode, 512), torch.bfloat16,
+                                 device="cuda")
+    ref = reference_by_rows(q, sources, sink, 512 ** -0.5)
+    differ = {t: (triton_sparse_attention(q, sources, sink, 512 ** -0.5, p_terms=t) != ref)
+              .float().mean().item() for t in (1, 2, 3)}
+    assert differ[3] <= 0.005 and differ[1] >= 10 * max(differ[3], 1e-4), differ
+    assert differ[3] <= differ[2] <= differ[1], differ

@@ -82,10 +82,10 @@ def _triton() -> KernelOps:
     `TRITON_INTERPRET=1`).
 
     NOTE: not bit-equal to `ref` in bf16: the references round where the kernels do (one cast
-    after the fused norm + RoPE, fp32 expert GEMMs with only h rounded), but the summation orders
-    differ (online softmax) and the sparse-attention kernel's 16-bit path rounds the softmax
-    weights to bf16 before P.V (the largest remaining bf16 difference:
-    benchmarks/results/rl_h200_202612.md). fp32 models agree to rounding
+    after the fused norm + RoPE, fp32 expert GEMMs with only h rounded, fp32 softmax weights in
+    P.V), but the summation orders differ (online softmax, fused reductions, split-K), about
+    1e-7 relative before each bf16 rounding; in bf16 that alone moves RL log-probs by ~0.002 -
+    0.01 nats (benchmarks/results/rl_h200_202612.md). fp32 models agree to rounding
     (`tests/kernels/test_engine_triton_backend.py`); the bf16 agreement is measured by
     `benchmarks/engine_backend_check.py`.
     """

@@ -23,7 +23,8 @@ list [source 1 | source 2] (each source cut into BLOCK_N-key blocks; source 1's 
                                                    (no bytes move)
         S     = tl.dot(Q, K^T) * scale * log2(e)   fp32; -inf where masked
         m' = max(m, rowmax S);  P = 2^(S - m');  l = l 2^(m-m') + rowsum P;
-        acc = acc 2^(m-m') + tl.dot(P, K)
+        acc = acc 2^(m-m') + P.K                  P split into PV_TERMS 16-bit terms, one dot
+                                                   each (16-bit path; `_pv_dot`)
     no split:  peak = max(m, sink);  o = acc 2^(m-peak) / (l 2^(m-peak) + 2^(sink-peak))
                (sink folded)
     split:     part[t, h, s] = acc / l, lse[t, h, s] = m + log2 l; then `_combine_kernel`
@@ -62,10 +63,12 @@ the key blocks into NS = min(ceil(2 #SMs / (T G)), #blocks / 2, 32) splits (host
 ints: no sync, graph-safe; 1 on the interpreter unless asked), with a fp32 workspace of
 T * H * NS * (D + 1) * 4 bytes (L2-resident at those T).
 
-Invariants: scores, softmax and accumulation are fp32 (the 16-bit path rounds P to the keys' dtype
-for the PV dot, as flash attention does; q and every pool must then share that 16-bit dtype,
-otherwise, and always on the interpreter, both dots run in fp32 "ieee" on upcast operands: exact,
-since 16-bit products are exact in fp32); m starts at -inf and a block with no valid key so far
+Invariants: scores, softmax and accumulation are fp32 (the 16-bit path writes P as PV_TERMS = 3
+terms of the keys' dtype, which carry its whole fp32 significand, where flash attention rounds P
+to bf16 once: the RL trainer's reference keeps P in fp32, and one rounding moved 34% of a bf16
+attention output's elements); q and every pool must share that 16-bit dtype, otherwise, and
+always on the interpreter, both dots run in fp32 "ieee" on upcast operands (exact, since 16-bit
+products are exact in fp32); m starts at -inf and a block with no valid key so far
 uses 0 as its shift, so no -inf - -inf; the sink is finite, so the final denominator is
 >= 2^(sink - peak) > 0 and a query with no valid key returns exactly 0. Every valid slot must be
 < its pool's N (not checked: that would need a host sync). Padded heads (H not a multiple of
@@ -94,12 +97,15 @@ _LOG2E = math.log2(math.e)
 _PROGRAMS_PER_SM = 2            # split-KV target: programs in flight per SM
 _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 32
+PV_TERMS = 3
+"""16-bit P.V: P as a sum of this many 16-bit terms (`_pv_dot`). 3 keeps P's fp32 value, so the
+kernel rounds like the reference (`sparse_attention_multi`, fp32 P) up to summation order."""
 
 
 @triton.jit
 def _attend_blocks(  # type: ignore[no-untyped-def]
     q, m, l_sum, acc, kv_ptr, idx_row_ptr, K, stride_kv, first, last, offs_d, d_mask, qk_scale,
-    BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr,
 ):
     """Online softmax over key blocks [first, last) of one source (idx_row_ptr: this token's index
     row)."""
@@ -123,9 +129,26 @@ def _attend_blocks(  # type: ignore[no-untyped-def]
         if FP32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
         else:
-            acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
+            acc = _pv_dot(p, k, acc * alpha[:, None], P_TERMS)
         m = m_new
     return m, l_sum, acc
+
+
+@triton.jit
+def _pv_dot(p, k, acc, P_TERMS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """acc + P.K with fp32 P written as the sum of P_TERMS values of k's 16-bit dtype, each a
+    tensor-core dot (16-bit products are exact in fp32, so only P's rounding and the fp32
+    accumulation order remain): 1 term rounds P to bf16 (flash attention), 3 terms carry all
+    24 bits of P's fp32 significand."""
+    hi = p.to(k.dtype)
+    acc = tl.dot(hi, k, acc)
+    if P_TERMS >= 2:
+        rest = p - hi.to(tl.float32)
+        mid = rest.to(k.dtype)
+        acc = tl.dot(mid, k, acc)
+        if P_TERMS >= 3:
+            acc = tl.dot((rest - mid.to(tl.float32)).to(k.dtype), k, acc)
+    return acc
 
 
 @triton.jit
@@ -134,7 +157,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     H, D, K1, K2, num_groups, blocks_per_split, num_splits, qk_scale, log2e,
     stride_qt, stride_qh, stride_kv1, stride_i1, stride_kv2, stride_i2, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr,
 ):
     # NOTE: int64 token offsets: T * H * D reaches 2^31 at T = 65,536 on Flash.
     pid = tl.program_id(0)
@@ -158,10 +181,10 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     last = tl.minimum(first + blocks_per_split, nb1 + tl.cdiv(K2, BLOCK_N))
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv1_ptr, idx1_ptr + t * stride_i1, K1,
                                    stride_kv1, first, tl.minimum(last, nb1), offs_d, d_mask,
-                                   qk_scale, BLOCK_N, FP32_DOT, EVEN_D)
+                                   qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS)
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv2_ptr, idx2_ptr + t * stride_i2, K2,
                                    stride_kv2, tl.maximum(first, nb1) - nb1, last - nb1, offs_d,
-                                   d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D)
+                                   d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS)
     if SPLIT:
         row = (t * H + offs_h) * num_splits + split                         # [BLOCK_H]
         has = l_sum > 0.0
@@ -275,15 +298,16 @@ def _check(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]]
 def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
                             sink: torch.Tensor, scale: float, *, block_h: int | None = None,
                             block_n: int | None = None, num_splits: int | None = None,
-                            num_warps: int | None = None,
-                            num_stages: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            p_terms: int = PV_TERMS) -> torch.Tensor:
     """Same contract as `sparse_attention_multi`: returns [T, H, D] in q's dtype.
 
     q: [T, H, D] bf16/fp16/fp32 (unit last stride); sources: 1 or 2 pairs (kv [N_i, D] with unit
     last stride, indices [T, K_i] int64, -1 = no key, every other slot < N_i); sink: [H] fp32. One
     device. q and every pool of one 16-bit dtype run 16-bit dots; anything else runs fp32 (ieee)
     dots. Keyword arguments are tuning knobs (benchmark sweeps, tests); num_splits = None picks
-    split-KV from the key count (`choose_splits`). No host syncs: safe inside CUDA-graph capture.
+    split-KV from the key count (`choose_splits`); p_terms (1-3) is the 16-bit P.V precision
+    (`PV_TERMS`). No host syncs: safe inside CUDA-graph capture.
     """
     _check(q, sources, sink)
     T, H, D = q.shape
@@ -294,6 +318,8 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     fp32_dot = _needs_fp32_dot(q, [kv for kv, _ in sources])
     auto = default_config(H, D, fp32_dot)
     bh, bn = block_h or auto[0], block_n or auto[1]
+    if p_terms not in (1, 2, 3):
+        raise ValueError(f"p_terms must be 1, 2 or 3; got {p_terms}")
     for name, v in (("block_h", bh), ("block_n", bn)):
         if v < _MIN_DOT or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}; got {v}")
@@ -312,7 +338,8 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         q.stride(0), q.stride(1), kv1.stride(0), idx1.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,
-        EVEN_D=D == block_d, num_warps=num_warps or auto[2], num_stages=num_stages or auto[3],
+        EVEN_D=D == block_d, P_TERMS=p_terms, num_warps=num_warps or auto[2],
+        num_stages=num_stages or auto[3],
     )
     if splits > 1:
         _combine_kernel[(T * H,)](part, lse, sink, out, H, D, splits, _LOG2E, out.stride(0),
