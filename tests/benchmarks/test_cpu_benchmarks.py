@@ -16,9 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_benchmark(script: str, *args: str) -> dict[str, Any]:
+def run_benchmark(script: str, *args: str, **extra_env: str) -> dict[str, Any]:
     """Run benchmarks/<script> and return its last output line parsed as JSON."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", **extra_env}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -49,12 +49,37 @@ def test_rl_drift_benchmark_reports_exact_zero_on_cpu() -> None:
 
 
 def test_rl_drift_benchmark_random_preset_forward_only() -> None:
-    """The flash-4l measurement's path (random weights, one rollout, three replay settings) on the
-    micro preset: fp32 drift at rounding level."""
+    """The flash-4l measurement's path (random weights, one rollout per mode, three replay
+    settings, the sync timing) on the micro preset: fp32 drift at rounding level by default,
+    exactly 0 in true on-policy mode."""
     result = run_benchmark("rl_drift.py", "--preset", "micro", "--prompts", "2", "--group-size",
                            "2", "--prompt-len", "40", "--max-tokens", "4")
-    assert result["model"] == "micro" and len(result["rows"]) == 3, result
-    assert all(0.0 <= r["step0_mean"] < 1e-4 for r in result["rows"]), result
+    rows = result["rows"]
+    assert result["model"] == "micro" and len(rows) == 6, result
+    assert [r["true_on_policy"] for r in rows] == [False] * 3 + [True] * 3, result
+    assert all(0.0 <= r["step0_mean"] < 1e-4 and r["sync_s"] > 0 for r in rows[:3]), result
+    assert all(r["step0_mean"] == 0.0 and r["step0_max"] == 0.0 for r in rows[3:]), result
+
+
+def test_drift_sensitivity_benchmark_zero_at_eps_zero() -> None:
+    """bf16 on CPU: the ref engine's sampling log-probs equal the trainer's bit for bit (eps 0),
+    and a 1e-6 relative perturbation of one op before its bf16 rounding makes drift."""
+    result = run_benchmark("drift_sensitivity.py", "--eps", "0,1e-6", "--prompts", "2",
+                           "--group-size", "4")
+    zero, perturbed = result["rows"]
+    assert zero["step0_mean"] == 0.0 and zero["step0_max"] == 0.0, result
+    assert perturbed["step0_mean"] > 0.0, result
+
+
+def test_drift_ablation_benchmark_swaps_one_op() -> None:
+    """The ablation's four variants for one op run (interpreter, fp32): drift at rounding level,
+    and the all-ref engine is the trainer's computation exactly."""
+    result = run_benchmark("drift_ablation.py", "--device", "cpu", "--dtype", "float32", "--ops",
+                           "rms_norm", "--prompts", "1", "--group-size", "2",
+                           TRITON_INTERPRET="1")
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["triton", "ref", "triton -rms_norm", "ref +rms_norm"], result
+    assert all(r["step0_mean"] < 1e-4 for r in rows.values()), result
 
 
 @pytest.mark.slow
@@ -72,7 +97,7 @@ KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glo
 
 
 def test_kernel_benchmarks_are_all_smoked() -> None:
-    assert len(KERNEL_BENCHMARKS) == 7, KERNEL_BENCHMARKS
+    assert len(KERNEL_BENCHMARKS) == 8, KERNEL_BENCHMARKS
 
 
 @pytest.mark.parametrize("script", KERNEL_BENCHMARKS)

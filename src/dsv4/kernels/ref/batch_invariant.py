@@ -1,32 +1,41 @@
-"""Batch-invariant CPU ops: a row's result does not depend on how many rows share the call.
+"""Batch-invariant ops: a row's result does not depend on how many rows share the call.
 
 Why: the engine computes a token's logits in a decode step of B requests (a [B, d] GEMM per
 linear); the RL trainer recomputes the same token inside a [S, d] GEMM over the whole sequence.
 A GEMM library picks its kernel (and its reduction order over K) from the shape, so the two
 results may differ in the last bit. True on-policy RL (`dsv4 rl run --true-on-policy`) needs them
-equal, so both sides run their matmuls under `batch_invariant()`.
+equal, so both sides run under `batch_invariant()`.
 
-Contract (what `check_row_invariance` measures): inside the context, `mm`, `addmm` and `bmm` on
-CPU give every output row bit-for-bit the value it has in any other call with the same weights,
-whatever the number of rows; and the transcendental element-wise ops (`UNARY_OPS`, softplus)
-give an element the same value wherever it sits in the tensor. Two mechanisms break this
-outside the context. Element-wise ops: torch's CPU loops run SIMD over whole vectors and a scalar
-loop over the tail, and the two round differently (measured for rsqrt, sigmoid, silu, softplus),
-so an element's bits depend on the tensor's size; the override pads the flattened input to a
-multiple of `PAD_ELEMS` so every element takes the SIMD path. GEMMs: oneDNN / MKL keep one kernel
-per weight shape for calls of at
-least `MIN_ROWS` rows (measured: 1-3 rows take a GEMV-like path with another reduction order), so
-smaller calls are padded with zero rows up to `MIN_ROWS`. The override is installed with
-`torch.library` for the CPU dispatch key and removed on exit (the aten kernels return); it
-covers autograd's backward matmuls too. CUDA needs a fixed-tile kernel instead (cuBLAS picks
-split-K and tiles by shape); entering the context with a CUDA tensor in flight is not an error,
-but CUDA matmuls are not covered, which `check_row_invariance("cuda")` reports.
+Contract (what `check_row_invariance` measures): inside the context, every output row of `mm`,
+`addmm` and `bmm` (F.linear, matmul), of row reductions (`sum`, `mean` over any dims) and of
+`softmax`, `log_softmax` and `logsumexp` has bit for bit the value it has in any other call with
+the same weights, whatever the number of rows; and the transcendental element-wise ops
+(`UNARY_OPS`, softplus) give an element the same value wherever it sits in the tensor.
 
-Scope: the override is process-wide while the context is open (the dispatcher has one table),
-so enter it where the whole process computes in this mode (the RL loop, an engine launched with
+CPU. Element-wise ops: torch's CPU loops run SIMD over whole vectors and a scalar loop over the
+tail, and the two round differently (measured for rsqrt, sigmoid, silu, softplus), so an
+element's bits depend on the tensor's size; the override pads the flattened input to a multiple
+of `PAD_ELEMS` so every element takes the SIMD path. GEMMs: oneDNN / MKL pick their kernel by
+shape (measured: 1-3 rows take a GEMV-like path with another reduction order), so every GEMM runs
+on blocks of exactly `BLOCK_ROWS` rows, the last one zero-padded. Torch's one-thread CPU
+reductions and softmax already reduce each row alone in an order fixed by its length (measured),
+so they need no override.
+
+CUDA. cuBLAS picks tiles and split-K by shape and torch's reduction kernels pick block shapes by
+shape, so on CUDA the context installs `kernels/triton/batch_invariant.py::ATEN_OVERRIDES`
+(fixed-tile Triton GEMMs and row sums whose config depends on N, K and the dtype, never on the
+row count) for mm, bmm, addmm, sum.dim_IntList, mean.dim, _softmax, _log_softmax and logsumexp
+(bf16 / fp16 / fp32; other dtypes and other ops, e.g. backward kernels, stay aten's). CUDA
+element-wise kernels round each element alone, so they need no override. The Triton module is
+imported only when CUDA is available: CPU-only processes never import Triton for this.
+
+Scope: the overrides are installed with `torch.library` for the CPU (and CUDA) dispatch keys and
+removed on exit (the aten kernels return); they cover autograd's backward matmuls too. They are
+process-wide while the context is open (the dispatcher has one table), so enter it where the
+whole process computes in this mode (the RL loop, an engine launched with
 `batch_invariant=True`). Torch runs on one intra-op thread inside (a multi-threaded loop splits a
 tensor at size-dependent offsets, each piece with its own tail); the thread count is restored on
-exit. Nested entries are counted; the override stays until the outermost exits.
+exit. Nested entries are counted; the overrides stay until the outermost exits.
 """
 
 from __future__ import annotations
@@ -126,6 +135,11 @@ def _install() -> torch.library.Library:
         lib.impl("softplus", _softplus, "CPU")
         for name in UNARY_OPS:
             lib.impl(name, _unary(name), "CPU")
+        if torch.cuda.is_available():
+            from dsv4.kernels.triton.batch_invariant import ATEN_OVERRIDES
+
+            for name, kernel in ATEN_OVERRIDES.items():
+                lib.impl(name, kernel, "CUDA")
     return lib
 
 
@@ -155,22 +169,42 @@ def is_active() -> bool:
     return _depth > 0
 
 
-def check_row_invariance(device: str = "cpu", dims: tuple[int, int] = (256, 512),
-                         max_rows: int = 64) -> list[str]:
-    """The ops whose first M rows (M in 1..max_rows) differ from the same rows of a
-    `max_rows`-row call inside `batch_invariant()`, as "op@M"; [] means the contract holds on
-    this machine and device."""
-    k, n = dims
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(max_rows, k, generator=gen).abs().add(0.5).to(device)   # rsqrt, log1p
-    w = torch.randn(n, k, generator=gen).to(device)
-    ops: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+def _row_ops(k: int, n: int, device: str, dtype: torch.dtype
+             ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The checked ops, each mapping [M, k] rows to a result whose first dim is M."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=gen).to(device, dtype)
+    bias = torch.randn(n, generator=gen).to(device, dtype)
+    wb = torch.randn(2, k // 2, n, generator=gen).to(device, dtype)
+    return {
         "linear": lambda t: torch.nn.functional.linear(t, w),
+        "linear_bias": lambda t: torch.nn.functional.linear(t, w, bias),
+        "bmm": lambda t: torch.bmm(t.view(t.shape[0], 2, -1).transpose(0, 1), wb).transpose(0, 1),
+        "sum": lambda t: t.sum(-1),
+        "sum_dim1": lambda t: t.view(t.shape[0], 4, -1).sum(1),      # a non-last dim
+        "mean": lambda t: t.mean(-1),
+        "softmax": lambda t: torch.softmax(t, -1),
+        "log_softmax": lambda t: torch.log_softmax(t, -1),
+        "logsumexp": lambda t: torch.logsumexp(t, -1),
         "softplus": torch.nn.functional.softplus,
         **{name: getattr(torch.ops.aten, name) for name in UNARY_OPS if name != "log"}}
+
+
+def check_row_invariance(device: str = "cpu", dims: tuple[int, int] = (256, 512),
+                         max_rows: int = 64, dtype: torch.dtype = torch.float32) -> list[str]:
+    """The ops whose first M rows (M in 1..max_rows) differ from the same rows of a
+    `max_rows`-row call inside `batch_invariant()`, as "op@M"; [] means the contract holds on
+    this machine and device. dims = (k, n): rows of k (a multiple of 4) features, linear
+    layers k -> n (the reductions run over the k features: a vocab-size k checks logsumexp at
+    vocab width)."""
+    k, n = dims
+    if k % 4:
+        raise ValueError(f"dims[0] = {k} is invalid; allowed: a multiple of 4")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max_rows, k, generator=gen).abs().add(0.5).to(device, dtype)  # rsqrt, log1p
     bad: list[str] = []
     with batch_invariant():
-        for name, fn in ops.items():
+        for name, fn in _row_ops(k, n, device, dtype).items():
             full = fn(x)
             bad += [f"{name}@{m}" for m in range(1, max_rows)
                     if not torch.equal(fn(x[:m]), full[:m])]
