@@ -1,6 +1,7 @@
 """Per-op rounding of the `triton` kernel backend against `ref`, on `ref`'s own inputs.
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/backend_rounding.py [--dtype bfloat16]
+    PYTHONPATH=src python3 benchmarks/backend_rounding.py --device cuda   # compiled kernels
 
 Runs a short greedy + sampled generation of the shipped dsv4-tiny on CPU with the `ref` backend.
 Every op call also runs the Triton kernel under the interpreter on cloned inputs and records the
@@ -10,7 +11,8 @@ keeps fp32) shows up as ~1e-3 (about one bf16 ulp on most elements); a pure summ
 difference as ~1e-7. The interpreter's fp32 -> bf16 cast truncates, where the GPU rounds to
 nearest even, so the script patches it to round-to-nearest-even first (otherwise every bf16
 store differs). The interpreter runs 16-bit `tl.dot` in fp32: roundings that exist only in a
-kernel's compiled 16-bit dot path are not visible here.
+kernel's compiled 16-bit dot path are not visible there; `--device cuda` compares the compiled
+kernels on the GPU instead (eager, no CUDA graphs: the comparison syncs).
 
 Prints one line per op (mean and max relative difference over its calls), then one JSON line.
 """
@@ -23,9 +25,12 @@ import dataclasses
 import json
 import os
 import random
+import sys
 from typing import Any
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = "cuda" in sys.argv[sys.argv.index("--device") + 1:][:1] if "--device" in sys.argv else False
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -105,12 +110,16 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: kernels under the interpreter; cuda: compiled")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    interpreter._convert_float = _rne_convert
+    if not CUDA:
+        interpreter._convert_float = _rne_convert
     stats: dict[str, list[float]] = collections.defaultdict(list)
-    llm = LLM(default_model_path(), dtype=args.dtype, device="cpu", page_size=128,
-              max_total_tokens=4096, disable_prefix_cache=True)
+    llm = LLM(default_model_path(), dtype=args.dtype, device=args.device,
+              page_size=128 if args.device == "cpu" else 256, max_total_tokens=8192,
+              disable_prefix_cache=True, disable_cuda_graph=True)
     llm.engine.runner.ops = shadow_ops(stats)
     prompts = [q.text for q in ArithmeticTask((4,)).train_prompts(random.Random(0), args.prompts)]
     llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0),
@@ -120,7 +129,7 @@ def main() -> None:
     for k, r in sorted(rows.items(), key=lambda kv: -kv[1]["mean_rel"]):
         print(f"{k:26} calls {r['calls']:4d}  mean rel {r['mean_rel']:.2e}  "
               f"max rel {r['max_rel']:.2e}")
-    print(json.dumps({"dtype": args.dtype, "ops": rows}))
+    print(json.dumps({"dtype": args.dtype, "device": args.device, "ops": rows}))
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ with fp32 scores, per-expert MoE: the engine's `ref` formulation), "training" th
 (dense attention and experts: a much cheaper backward on the GPU, scores rounded to the
 activation dtype); the engine runs its kernel backend, so log-probs agree to rounding. With
 `true_on_policy` both also run fixed-width index rows under `batch_invariant()` (engine
-`batch_invariant=True`):
-on CPU the trainer's log-probs equal the engine's bit for bit, at step 0 and after every sync
-(tests/rl/test_true_on_policy.py).
+`batch_invariant=True`, `ref` kernels): the trainer's log-probs equal the engine's bit for bit,
+at step 0 and after every sync, on CPU (tests/rl/test_true_on_policy.py) and on CUDA (bf16 on an
+H200: benchmarks/results/rl_h200_202612.md).
 
 Run directory: `rl_config.json`, `state.pt` (policy, optimizer, step; atomic), `metrics.jsonl`,
 `rl.png`. Rollouts depend only on (seed, step), so a resumed run continues exactly.
