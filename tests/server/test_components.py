@@ -1,9 +1,11 @@
 """API-process pieces without a server: chat templating, token bytes, per-sample seeds, parameter
-validation, error shapes and the Prometheus exposition."""
+validation, error shapes, the usage object and the Prometheus exposition (speculative series
+included)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,7 +14,13 @@ from dsv4.server.errors import APIError, field_of
 from dsv4.server.generation import build_params, choice_seed
 from dsv4.server.ipc import EngineSnapshot, RequestDelta
 from dsv4.server.metrics import RequestTiming, ServerMetrics
-from dsv4.server.protocol import ChatMessage, CompletionRequest
+from dsv4.server.protocol import (
+    ChatMessage,
+    CompletionRequest,
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    Usage,
+)
 from dsv4.server.tokenizer import ServerTokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -64,6 +72,40 @@ def test_build_params_names_the_field() -> None:
         build_params(CompletionRequest(prompt="x", top_p=0.0), 9, None)
     assert err.value.param == "top_p"
     assert field_of("prompt has 5000 tokens; allowed: ...") == "prompt"
+
+
+def test_usage_has_completion_tokens_details_only_under_speculation() -> None:
+    plain = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+    assert "completion_tokens_details" not in plain.model_dump()
+    assert "completion_tokens_details" not in plain.model_dump_json()
+    spec = plain.model_copy(update={"completion_tokens_details": CompletionTokensDetails(
+        accepted_prediction_tokens=5, rejected_prediction_tokens=1)})
+    assert spec.model_dump()["completion_tokens_details"] == {"accepted_prediction_tokens": 5,
+                                                              "rejected_prediction_tokens": 1}
+
+
+def _snapshot(**spec: Any) -> EngineSnapshot:
+    return EngineSnapshot(num_running=0, num_waiting=0, num_requests=0, full_free=90,
+                          full_usable=100, full_cached=0, swa_free=9, swa_usable=10, swa_cached=0,
+                          free_slots=64, num_slots=64, steps=5, prefill_tokens=10,
+                          decode_tokens=3, num_preemptions=0, pid=1, num_finished=1,
+                          num_aborted=0, **spec)
+
+
+def test_speculative_metrics() -> None:
+    m = ServerMetrics()
+    assert "dsv4_spec" not in m.render(_snapshot(), healthy=True, num_inflight=0)
+    fresh = m.render(_snapshot(spec_num_steps=2, spec_accept_hist=(0, 0, 0)), True, 0)
+    assert "dsv4_spec_mean_acceptance_length NaN" in fresh and "dsv4_spec_num_steps 2" in fresh
+    text = m.render(_snapshot(spec_num_steps=2, spec_accept_hist=(3, 1, 4), spec_draft_tokens=16,
+                              spec_accepted_tokens=9), True, 0)
+    for line in ('dsv4_spec_accepted_drafts_total{accepted="0"} 3',
+                 'dsv4_spec_accepted_drafts_total{accepted="2"} 4',
+                 "# TYPE dsv4_spec_accepted_drafts_total counter",
+                 "dsv4_spec_draft_tokens_total 16", "dsv4_spec_accepted_tokens_total 9",
+                 "dsv4_spec_mean_acceptance_length 2.125"):     # 1 + 9 / 8 passes
+        assert line in text.splitlines(), line
 
 
 def test_metrics_exposition() -> None:

@@ -3,6 +3,7 @@ crosses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,8 @@ SNAPSHOT = ipc.EngineSnapshot(pid=7, num_running=1, num_waiting=2, num_requests=
                               swa_cached=0, free_slots=63, num_slots=64, steps=9,
                               prefill_tokens=100, decode_tokens=50, num_finished=4, num_aborted=1,
                               num_preemptions=0, integrity="ok")
+SPEC_SNAPSHOT = dataclasses.replace(SNAPSHOT, spec_num_steps=3, spec_accept_hist=(5, 1, 0, 2),
+                                    spec_draft_tokens=24, spec_accepted_tokens=7)
 MESSAGES: list[ipc.Message] = [
     ipc.AddRequest("r-0", [0, 5, 9], SamplingParams.create(max_tokens=7, temperature=0.5,
                                                            stop=["\n", "ab"], stop_token_ids=[1],
@@ -26,11 +29,14 @@ MESSAGES: list[ipc.Message] = [
                                                 vocab_size=512, eos_token_id=1)),
     ipc.StepOutputs([ipc.RequestDelta("r-0", [4, 5], [-0.5, -1.25], [[(4, -0.5), (6, -2.0)], []],
                                       None, 3, 0),
-                     ipc.RequestDelta("r-1", [], [], [], "abort", 8, 2)],
+                     ipc.RequestDelta("r-1", [], [], [], "abort", 8, 2),
+                     ipc.RequestDelta("r-2", [7, 8, 9], [-0.1, -0.2, -0.3], [[], [], []], None, 4,
+                                      0, spec_draft_tokens=6, spec_accepted_tokens=2)],
                     num_running=1, num_waiting=0),
     ipc.RequestsAccepted(["r-0", "r-1"]),
     ipc.RequestError("r-2", "max_tokens=0 is invalid; allowed: max_tokens >= 1"),
     ipc.StatsReply(4, SNAPSHOT),
+    ipc.StatsReply(5, SPEC_SNAPSHOT),
     ipc.EngineFailed("RuntimeError: boom"),
 ]
 

@@ -56,6 +56,7 @@ def test_completion_shape_and_usage(client: openai.OpenAI, server: ServerProcess
     assert out.usage.total_tokens == prompt_len + 8
     assert (out.usage.prompt_tokens_details is not None
             and out.usage.prompt_tokens_details.cached_tokens == 0)
+    assert out.usage.completion_tokens_details is None     # no speculation: no draft counts
 
 
 def test_greedy_completion_equals_llm_generate(client: openai.OpenAI, llm: LLM) -> None:
@@ -253,6 +254,7 @@ def test_metrics_exposition(server: ServerProcess) -> None:
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if not line.startswith("#")}
     assert values["dsv4_generation_tokens_total"] > 0 and values["dsv4_prefix_cache_hit_rate"] > 0
+    assert "dsv4_spec_" not in text      # the series of speculative decoding only when it is on
 
 
 def test_pools_are_free_after_the_module(server: ServerProcess) -> None:

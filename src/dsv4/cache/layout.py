@@ -92,5 +92,5 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
         full_pages = min(full_pages, engine.max_running_requests * math.ceil(context / P) + 1)
     return CacheLayout(page_size=P, num_full_pages=max(full_pages, 2),
                        num_swa_pages=max(swa_pages, 2),
-                       ring_c4=2 * model.csa_ratio * engine.ring_multiplier,
-                       ring_c128=model.hca_ratio * engine.ring_multiplier, swa_horizon=horizon)
+                       ring_c4=2 * model.csa_ratio * engine.rings,
+                       ring_c128=model.hca_ratio * engine.rings, swa_horizon=horizon)

@@ -1,14 +1,24 @@
 """`dsv4 generate [--model PATH] "prompt" ...`: offline completion of one or more prompts, printed
-to stdout."""
+to stdout.
+
+`--speculative-num-steps N` generates with MTP speculative decoding (greedy text unchanged) and logs
+the drafts accepted. A checkpoint without an MTP block, like any invalid flag, exits with 2 and a
+message naming the flag."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
+from dsv4.cli.serve import add_speculative_arg, check_speculative
 from dsv4.config.engine import WEIGHT_FORMATS
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,22 +39,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-format", default="bf16", choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load; "
                         "checkpoint: keep routed experts in FP4")
+    add_speculative_arg(p, default=0)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    engine_args = {"page_size": args.page_size} if args.page_size else {}
+    from dsv4.assets import default_model_path
+
+    model = Path(args.model) if args.model else default_model_path()
+    try:
+        check_speculative(model, args.speculative_num_steps)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    engine_args: dict[str, Any] = {"page_size": args.page_size} if args.page_size else {}
     if args.device == "cpu" or args.device is None and not _has_cuda():
         engine_args.setdefault("page_size", 128)
         engine_args["kv_cache_memory_gb"] = 0.5
-    from dsv4.assets import default_model_path
-
-    llm = LLM(args.model or default_model_path(), dtype=args.dtype, device=args.device,
-              weight_format=args.weight_format, **engine_args)
+    llm = LLM(model, dtype=args.dtype, device=args.device, weight_format=args.weight_format,
+              speculative_num_steps=args.speculative_num_steps, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
         sys.stdout.write(out.text + "\n")
+    if args.speculative_num_steps:
+        eng = llm.engine
+        logger.info("speculative decoding: %d of %d drafts accepted, %.2f tokens per verify pass",
+                    eng.spec_accepted_tokens, eng.spec_draft_tokens,
+                    eng.mean_acceptance_length() or 0.0)
     return 0
 
 

@@ -4,8 +4,9 @@ Resolves every "auto" value here, at the edge, before building the frozen Server
 (the embedded default when `--model` is absent), its served name, device (cuda when available),
 dtype (bfloat16 on cuda, float32 on cpu) and, on CPU, a small page size and KV budget and one
 engine thread per core minus one for the API process. `--enable-return-routing` lets requests ask
-for their routing (RL replay; the prefix cache is then off). Exits with the server's status: 0
-after SIGTERM / SIGINT, non-zero when the engine fails.
+for their routing (RL replay; the prefix cache is then off). `--speculative-num-steps N` turns on
+MTP speculative decoding (the checkpoint must have an MTP block: checked here). Exits with the
+server's status: 0 after SIGTERM / SIGINT, non-zero when the engine fails; 2 for an invalid flag.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dsv4.config.engine import WEIGHT_FORMATS
+from dsv4.config.engine import MAX_SPECULATIVE_STEPS, WEIGHT_FORMATS
 from dsv4.config.server import DTYPES, ServerConfig
 from dsv4.utils.logging import init_logger
 
@@ -72,6 +73,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: CUDA graphs on cuda with --kernel-backend triton)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run as a CUDA graph (default 256)")
+    add_speculative_arg(g, default=None)
     g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                    help="engine sampling seed")
     g.add_argument("--torch-threads", type=int, default=None,
@@ -105,8 +107,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_running_requests", "context_length", "chunked_prefill_size", "page_size",
         "max_total_tokens", "kv_cache_memory_gb", "kernel_backend", "seed", "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
-        "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing")}
+        "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
+        "speculative_num_steps")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    check_speculative(model, engine_args.get("speculative_num_steps", 0))
     if device == "cpu":
         engine_args.setdefault("page_size", _cpu_page_size(model))
         engine_args.setdefault("kv_cache_memory_gb", CPU_KV_CACHE_GB)
@@ -132,6 +136,47 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     return serve(config)
+
+
+def add_speculative_arg(g: argparse._ActionsContainer, default: int | None) -> None:
+    """`--speculative-num-steps N` (shared by `dsv4 serve` and `dsv4 generate`)."""
+    g.add_argument("--speculative-num-steps", type=speculative_steps, default=default,
+                   metavar="N",
+                   help="MTP speculative decoding: the checkpoint's MTP block drafts N tokens per "
+                        "decode step and the model verifies them in one forward; greedy output "
+                        f"is unchanged. 0..{MAX_SPECULATIVE_STEPS}; default 0 (off)")
+
+
+def speculative_steps(text: str) -> int:
+    """argparse type of --speculative-num-steps: an integer in [0, MAX_SPECULATIVE_STEPS]."""
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = -1
+    if not 0 <= steps <= MAX_SPECULATIVE_STEPS:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: an integer in "
+                                         f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
+    return steps
+
+
+def check_speculative(model: Path, steps: int) -> None:
+    """Raise naming the flag when `steps` > 0 and the checkpoint has no MTP block (none in its
+    config, or no `mtp.*` tensor: transformers drops the MTP layer when it saves)."""
+    from dsv4.config.model import ModelConfig
+    from dsv4.model.weights import checkpoint_keys, shard_files
+
+    if steps == 0:
+        return
+    try:
+        keys = checkpoint_keys(shard_files(model))
+    except FileNotFoundError as e:
+        raise ValueError(f"--model={str(model)!r} is invalid ({e}); allowed: a checkpoint "
+                         "directory with its safetensors shards") from e
+    has_mtp = (ModelConfig.from_hf(model).num_mtp_layers > 0
+               and any(k.startswith("mtp.") for k in keys))
+    if not has_mtp:
+        raise ValueError(f"--speculative-num-steps={steps} needs a checkpoint with an MTP block; "
+                         f"{str(model)!r} has none (allowed: 0, speculation off)")
 
 
 def _default_name(model: Path, random_weights: bool) -> str:

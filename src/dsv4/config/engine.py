@@ -28,6 +28,11 @@ def check_weight_format(weight_format: str) -> WeightFormat:
                      f"allowed: {list(WEIGHT_FORMATS)}")
 
 
+MAX_SPECULATIVE_STEPS = 8
+"""Draft tokens per step at most: with rings of 2x, a verify step of N + 1 <= 9 tokens never
+overwrites a compressor ring row that a later token still reads (C4: ring 16, window 8)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The serving engine's knobs.
@@ -40,10 +45,15 @@ class EngineConfig:
     `capture_routing`: record routed expert ids and indexer top-k per token (RL replay).
     `batch_invariant`: compute every token as it would be computed alone and as the full-sequence
     forward computes it (matmuls under `kernels/ref/batch_invariant.py`, attention index rows of
-    one width per layer, no CUDA graphs): what true on-policy RL needs (CPU; on CUDA the GEMMs
-    are not yet covered).
-    `ring_multiplier`: compressor ring sizes are (2*m, m') times this (2 under speculative
-    decoding). `disable_prefix_cache`: turn off the radix prefix cache (`ShadowRadix`).
+    one width per layer, no CUDA graphs): what true on-policy RL needs. CPU and CUDA (CUDA: the
+    GEMMs, sums, means, softmax and logsumexp run as the fixed-tile Triton kernels of
+    `kernels/triton/batch_invariant.py`), with the `ref` kernel backend.
+    `speculative_num_steps`: N draft tokens per decode step from the model's MTP block (0: off;
+    at most `MAX_SPECULATIVE_STEPS`): the target verifies them in one forward of N + 1 tokens
+    per request (`engine/spec_decode.py`).
+    `ring_multiplier`: compressor ring sizes are (2*m, m') times this; None picks 2 under
+    speculative decoding (draft tokens write compressor rings ahead of verification), else 1.
+    `disable_prefix_cache`: turn off the radix prefix cache (`ShadowRadix`).
     `disable_cuda_graph`: run decode steps eagerly. Otherwise, on a CUDA device with the `triton`
     kernel backend, decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs
     (`engine/cuda_graph.py`); the `ref` backend syncs inside its MoE and is never captured (the
@@ -60,7 +70,8 @@ class EngineConfig:
     kernel_backend: KernelBackend = "ref"
     capture_routing: bool = False
     batch_invariant: bool = False
-    ring_multiplier: int = 1
+    speculative_num_steps: int = 0
+    ring_multiplier: int | None = None
     disable_prefix_cache: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
@@ -79,10 +90,23 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} is invalid; "
                              "allowed: > 0")
-        if self.ring_multiplier not in (1, 2):
-            raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: 1, or 2 "
-                             "under speculative decoding (draft tokens write compressor rings "
-                             "ahead of verification)")
+        spec = self.speculative_num_steps
+        if (not isinstance(spec, int) or isinstance(spec, bool)
+                or not 0 <= spec <= MAX_SPECULATIVE_STEPS):
+            raise ValueError(f"speculative_num_steps={spec!r} is invalid; allowed: an integer in "
+                             f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
+        allowed = (2,) if spec else (1, 2)
+        if self.ring_multiplier is not None and self.ring_multiplier not in allowed:
+            raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: None "
+                             f"or {' / '.join(map(str, allowed))} (2 under speculative decoding: "
+                             "draft tokens write compressor rings ahead of verification)")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; "
                              f"allowed: {list(KERNEL_BACKENDS)}")
+
+    @property
+    def rings(self) -> int:
+        """The compressor ring multiplier in effect (`ring_multiplier`, or its automatic value)."""
+        if self.ring_multiplier is not None:
+            return self.ring_multiplier
+        return 2 if self.speculative_num_steps else 1

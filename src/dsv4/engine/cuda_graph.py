@@ -81,21 +81,36 @@ class _StepGraph:
     logits: torch.Tensor           # [B * k, V] fp32, written by every replay
     captured: Captured | None      # routing outputs, written by every replay
     graph: torch.cuda.CUDAGraph | None = field(default=None)
+    streams: torch.Tensor | None = None   # [B * n, hc, d] with `with_streams`
+    draft: _DraftGraph | None = None      # the MTP pass + draft chain after this step
+
+
+@dataclass
+class _DraftGraph:
+    """Speculative decoding's drafting after a step graph (engine/spec_decode.py::draft), on the
+    step's static rows and streams: inputs `next_ids` [B * n] (each token's successor) and
+    `first` [B] (the token row where each request's new tokens begin); output `drafts` [B, N]."""
+
+    next_ids: torch.Tensor
+    first: torch.Tensor
+    drafts: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:
     def __init__(self, model: DeepSeekV4ForCausalLM, table: RequestTable, pools: KVPools,
                  ops: KernelOps, max_batch: int, capture: bool = True,
-                 max_tokens: int = 1) -> None:
+                 max_tokens: int = 1, with_streams: bool = False) -> None:
         if capture and next(model.parameters()).device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model, self.table, self.pools, self.ops = model, table, pools, ops
         self.buckets = batch_buckets(max_batch)
         self.span = table.max_pages * table.P
-        self.capture, self.max_tokens = capture, max_tokens
+        self.capture, self.max_tokens, self.with_streams = capture, max_tokens, with_streams
         self.device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._graphs: dict[GraphKey, _StepGraph] = {}
+        self._last: tuple[_StepGraph, GraphKey, int] | None = None   # the latest run's graph
         self.replays = 0
 
     @property
@@ -112,6 +127,13 @@ class DecodeGraphs:
 
         The returned tensors are views of the graph's static outputs: consume them before the next
         call."""
+        logits, captured, _ = self.run_streams(input_ids, shape, capture_routing)
+        return logits, captured
+
+    def run_streams(self, input_ids: list[int], shape: StepShape, capture_routing: bool
+                    ) -> tuple[torch.Tensor, Captured | None, torch.Tensor | None]:
+        """`run`, plus the streams after the last block of the b * n tokens (`with_streams`;
+        else None): the MTP block's input under speculative decoding."""
         nk = uniform_shape(shape)
         assert nk is not None and self.fits(shape), "not a step that a graph serves"
         n, k = nk
@@ -129,12 +151,65 @@ class DecodeGraphs:
         if step.graph is not None:
             step.graph.replay()
         else:
-            step.logits, step.captured = self._forward(step.inputs, key)
+            step.logits, step.captured, step.streams = self._forward(step.inputs, key)
         captured = None if step.captured is None else {
             name: [t[:b * n] for t in v] for name, v in step.captured.items()}
-        return step.logits[:b * k], captured
+        streams = None if step.streams is None else step.streams[:b * n]
+        self._last = (step, key, b)
+        return step.logits[:b * k], captured, streams
 
-    def _forward(self, inputs: torch.Tensor, key: GraphKey) -> tuple[torch.Tensor, Captured | None]:
+    def draft_after(self, next_ids: torch.Tensor, first: torch.Tensor,
+                    num_steps: int) -> torch.Tensor:
+        """The drafts [b, num_steps] of the b requests of the latest `run_streams` step, by replay
+        of its drafting graph (captured on first use): `next_ids` [b * n], `first` [b] as in
+        `spec_decode.draft`. Padding rows draft too; their drafts are dropped."""
+        assert self._last is not None and self.with_streams, "draft_after() needs run_streams()"
+        step, key, b = self._last
+        n = key.tokens
+        if step.draft is None:
+            step.draft = self._build_draft(step, key, num_steps)
+        d = step.draft
+        d.next_ids[:b * n].copy_(next_ids)
+        d.first[:b].copy_(first)
+        if d.graph is not None:
+            d.graph.replay()
+        else:
+            d.drafts = self._draft_forward(step, key, d.next_ids, d.first, num_steps)
+        return d.drafts[:b]
+
+    def _draft_forward(self, step: _StepGraph, key: GraphKey, next_ids: torch.Tensor,
+                       first: torch.Tensor, num_steps: int) -> torch.Tensor:
+        from dsv4.engine.spec_decode import draft
+
+        B, n = key.batch, key.tokens
+        slots, starts = step.inputs[:, n], step.inputs[:, n + 1]
+        ctx = device_context(slots, starts, torch.full_like(slots, n), first,
+                             StepBounds(B * n, key.context, n), self.table, self.pools,
+                             self.model.config)
+        ctx.ops = self.ops
+        assert step.streams is not None
+        return draft(self.model, ctx, step.streams, next_ids, first, slots, self.table,
+                     self.pools, num_steps)
+
+    def _build_draft(self, step: _StepGraph, key: GraphKey, num_steps: int) -> _DraftGraph:
+        B, n = key.batch, key.tokens
+        # padding rows: token 0, first row = the request's first token (pad slot: null page)
+        next_ids = torch.zeros(B * n, dtype=torch.int64, device=self.device)
+        first = torch.arange(B, device=self.device) * n
+        if not self.capture:
+            return _DraftGraph(next_ids, first, torch.empty(0, device=self.device))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._draft_forward(step, key, next_ids, first, num_steps)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            drafts = self._draft_forward(step, key, next_ids, first, num_steps)
+        return _DraftGraph(next_ids, first, drafts, graph)
+
+    def _forward(self, inputs: torch.Tensor, key: GraphKey
+                 ) -> tuple[torch.Tensor, Captured | None, torch.Tensor | None]:
         """The step from the static rows: device metadata, then the model's serving path."""
         B, n, k = key.batch, key.tokens, key.logits
         ids, slots, starts = inputs[:, :n].reshape(-1), inputs[:, n], inputs[:, n + 1]
@@ -145,7 +220,8 @@ class DecodeGraphs:
                              self.table, self.pools, self.model.config)
         ctx.ops = self.ops
         ctx.captured = {} if key.capture_routing else None
-        return self.model.forward_batch(ids, ctx), ctx.captured
+        logits, streams = self.model.forward_batch_streams(ids, ctx)
+        return logits, ctx.captured, streams if self.with_streams else None
 
     def _build(self, key: GraphKey) -> _StepGraph:
         # padding rows only (null-page writes) while warming up and capturing
@@ -163,8 +239,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, captured = self._forward(inputs, key)
-        return _StepGraph(inputs, logits, captured, graph)
+            logits, captured, streams = self._forward(inputs, key)
+        return _StepGraph(inputs, logits, captured, graph, streams)
 
     def num_graphs(self) -> int:
         return len(self._graphs)

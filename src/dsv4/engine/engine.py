@@ -57,6 +57,12 @@ class EngineState:
     prefill_tokens: int
     decode_tokens: int
     num_preemptions: int
+    # speculative decoding: N (0 = off), verify passes by accepted drafts (N + 1 counts), drafts
+    # fed and accepted
+    spec_num_steps: int = 0
+    spec_accept_hist: tuple[int, ...] = ()
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -75,6 +81,10 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.steps = self.prefill_tokens = self.decode_tokens = 0
         self.weight_version = 0     # weight updates applied since load
+        self.spec_steps = config.speculative_num_steps
+        # speculative decoding: verify passes by accepted drafts (0..N), drafts fed and accepted
+        self.spec_accept_hist = [0] * (self.spec_steps + 1)
+        self.spec_draft_tokens = self.spec_accepted_tokens = 0
 
     # ---- edge -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -138,10 +148,13 @@ class LLMEngine:
                 raise RuntimeError("no request can be scheduled: "
                                    "the KV cache is too small for a single request")
             return []
-        result = self.runner.run(step).resolve()
-        self.scheduler.after_step(step)
+        out = self.runner.run(step)
+        result = out.resolve()
+        self.scheduler.after_step(step, out.kept() if self.spec_steps else None)
         self.steps += 1
-        decode = sum(1 for n in step.shape.lens if n == 1)
+        # decode: every fed token has logits (one token, or a verify pass of N + 1)
+        decode = sum(n for n, k in zip(step.shape.lens, step.shape.num_logits, strict=True)
+                     if k == n)
         self.decode_tokens += decode
         self.prefill_tokens += step.num_tokens - decode
         return self._process(result)
@@ -152,16 +165,38 @@ class LLMEngine:
         for req, out in zip(result.requests, result.outputs, strict=True):
             if req.status is not ReqStatus.RUNNING:
                 continue
+            req.draft_ids = out.next_drafts
+            appended = 0
             for i, tok in enumerate(out.token_ids):
+                appended += 1
                 req.append_token(tok, out.logprobs[i],
                                  out.top_logprobs[i] if req.params.logprobs is not None else None,
                                  now)
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
+                    # tokens after this one are dropped, and with them their KV
+                    req.num_cached = min(req.num_cached, len(req.all_ids) - 1)
                     self.scheduler.finish(req, reason)
                     break
+            # accepted drafts that made it into the output (none past a stop or max_tokens)
+            self._count_drafts(req, out.num_drafts, min(len(out.token_ids) - 1, appended))
             updated.append(req)
         return updated
+
+    def _count_drafts(self, req: Request, drafts: int, accepted: int) -> None:
+        if drafts == 0:
+            return
+        req.spec_draft_tokens += drafts
+        req.spec_accepted_tokens += accepted
+        self.spec_draft_tokens += drafts
+        self.spec_accepted_tokens += accepted
+        self.spec_accept_hist[accepted] += 1
+
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verify pass (accepted drafts + 1) over the engine's life; None before any
+        verify pass."""
+        passes = sum(self.spec_accept_hist)
+        return 1 + self.spec_accepted_tokens / passes if passes else None
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
@@ -230,7 +265,10 @@ class LLMEngine:
             swa_cached=sum(1 for p in table.shared if p in table.swa_of),
             free_slots=table.num_free_slots, num_slots=self.config.max_running_requests,
             steps=self.steps, prefill_tokens=self.prefill_tokens,
-            decode_tokens=self.decode_tokens, num_preemptions=sched.num_preemptions)
+            decode_tokens=self.decode_tokens, num_preemptions=sched.num_preemptions,
+            spec_num_steps=self.spec_steps, spec_accept_hist=tuple(self.spec_accept_hist),
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens)
 
     def check_integrity(self) -> None:
         self.runner.table.check_integrity()

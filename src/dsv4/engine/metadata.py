@@ -45,7 +45,7 @@ class StepShape:
         return rows
 
 
-class _Coords:
+class Coords:
     """Position -> slot arithmetic for the tokens of one step."""
 
     def __init__(self, table: RequestTable, req_slot: torch.Tensor) -> None:
@@ -69,7 +69,7 @@ class _Coords:
         return self.swa_page(p) * ring + p.clamp(min=0) % ring
 
 
-def _plan(c: _Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ratio: int,
+def _plan(c: Coords, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ratio: int,
           overlap: bool, ring: int, ring_trash: int, entry_trash: int, num_visible: int,
           max_len: int) -> CompressPlan:
     T, device = pos.shape[0], pos.device
@@ -142,7 +142,7 @@ def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
     offsets = torch.cumsum(lens, 0) - lens
     pos = starts[tok_req] + torch.arange(T, device=device) - offsets[tok_req]   # [T]
     start, end = starts[tok_req], (starts + lens)[tok_req]
-    coords = _Coords(table, slots[tok_req])
+    coords = Coords(table, slots[tok_req])
     W = model.window
     win_pos = pos[:, None] - W + 1 + torch.arange(W, device=device)             # [T, W]
     window = torch.where(win_pos >= 0, coords.swa_slot(win_pos), -1)

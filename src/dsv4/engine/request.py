@@ -47,6 +47,11 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     routing: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     cache_lock: LockHandle | None = None     # this request's lock on its prefix-cache path
+    # speculative decoding: drafts for the positions after the pending token, and the totals of
+    # drafts fed for verification and of drafts accepted
+    draft_ids: list[int] = field(default_factory=list)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     all_ids: list[int] = field(init=False)    # prompt_ids + output_ids, kept by append_token
 
     def __post_init__(self) -> None:
@@ -106,6 +111,9 @@ class RequestOutput:
     cached_tokens: int = 0              # prompt tokens that came from the prefix cache
     # per-token captured routing (capture_routing=True)
     routing: dict[str, torch.Tensor] | None = None
+    # speculative decoding: drafts verified and drafts accepted over the request
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @staticmethod
     def from_request(req: Request, text: str = "", num_tokens: int | None = None,
@@ -124,4 +132,6 @@ class RequestOutput:
                                    else None),
                              token_latencies=[b - a for a, b in zip(times[1:], times[2:],
                                                                     strict=False)],
-                             cached_tokens=req.cached_tokens, routing=routing)
+                             cached_tokens=req.cached_tokens, routing=routing,
+                             spec_draft_tokens=req.spec_draft_tokens,
+                             spec_accepted_tokens=req.spec_accepted_tokens)

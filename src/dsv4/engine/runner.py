@@ -11,7 +11,7 @@ the engine calls it when it needs the tokens (an overlap scheduler would call it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,9 +24,11 @@ from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
 from dsv4.engine.scheduler import ScheduledStep
+from dsv4.engine.spec_decode import Drafts, Segments, draft, successors, verify
 from dsv4.kernels.ref.batch_invariant import batch_invariant
 from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.forward_context import ForwardContext
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -34,12 +36,16 @@ logger = init_logger(__name__)
 
 @dataclass
 class RequestTokens:
-    """The tokens one request got in a step (in order), with their log-probs and top log-probs."""
+    """The tokens one request got in a step (in order), with their log-probs and top log-probs;
+    under speculative decoding also the drafts it fed that were verified (`num_drafts`) and the
+    drafts for its next step."""
 
     token_ids: list[int]
     logprobs: list[float]
     # one dict per token ({} when the request asked for none)
     top_logprobs: list[dict[int, float]]
+    num_drafts: int = 0
+    next_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -69,12 +75,14 @@ class StepOutput:
 
     def __init__(self, step: ScheduledStep, requests: list[Request], rows: list[int],
                  sampled: SampleOutput | None, captured: Captured | None,
-                 device: torch.device) -> None:
+                 device: torch.device, drafts: Drafts | None = None) -> None:
         self.step, self.requests, self.rows, self.sampled = step, requests, rows, sampled
         self._host = None if sampled is None else [
             _to_host(t) for t in (sampled.token_ids, sampled.logprobs, sampled.top_ids,
                                   sampled.top_logprobs)
             if t is not None]
+        self._drafts = None if drafts is None else (
+            _to_host(drafts.accepted), _to_host(drafts.next), drafts.requests)
         self._routing = None if captured is None else {
             key: _to_host(torch.stack(per_layer, dim=1)) for key, per_layer in captured.items()}
         self._done: torch.cuda.Event | None = None
@@ -90,32 +98,50 @@ class StepOutput:
         if self._result is None:
             if self._done is not None:
                 self._done.synchronize()
-            if self._routing is not None:
-                _store_routing(self.step, self._routing)
             self._result = self._split()
+            if self._routing is not None:
+                _store_routing(self.step, self._routing, self.kept())
         return self._result
+
+    def kept(self) -> list[int]:
+        """Per request of the step, its fed tokens whose KV is valid after the step: all of
+        them, but under speculation only those before its first rejected draft."""
+        assert self._result is not None
+        emitted = {id(r): len(o.token_ids) for r, o in zip(self._result.requests,
+                                                           self._result.outputs, strict=True)}
+        return [n - k + emitted[id(r)] if id(r) in emitted else n
+                for r, n, k in zip(self.step.requests, self.step.shape.lens,
+                                   self.step.shape.num_logits, strict=True)]
 
     def _split(self) -> StepResult:
         if self._host is None:
             return StepResult([], [])
         token_ids, logprobs, *top = (t.tolist() for t in self._host)
+        accepted: list[int] = [n - 1 for n in self.rows]
+        nxt: dict[int, list[int]] = {}
+        if self._drafts is not None:
+            accepted = self._drafts[0].tolist()
+            nxt = dict(zip(self._drafts[2], self._drafts[1].tolist(), strict=True))
         outputs, row = [], 0
-        for req, n in zip(self.requests, self.rows, strict=True):
-            k = req.params.logprobs or 0
+        for i, (req, n) in enumerate(zip(self.requests, self.rows, strict=True)):
+            k, m = req.params.logprobs or 0, accepted[i] + 1
             tops = [dict(zip(top[0][r][:k], top[1][r][:k], strict=True)) if top else {}
-                    for r in range(row, row + n)]
-            outputs.append(RequestTokens(token_ids[row:row + n], logprobs[row:row + n], tops))
+                    for r in range(row, row + m)]
+            outputs.append(RequestTokens(token_ids[row:row + m], logprobs[row:row + m], tops,
+                                         num_drafts=n - 1, next_drafts=nxt.get(i, [])))
             row += n
         return StepResult(self.requests, outputs)
 
 
-def _store_routing(step: ScheduledStep, routing: dict[str, torch.Tensor]) -> None:
+def _store_routing(step: ScheduledStep, routing: dict[str, torch.Tensor], kept: list[int]) -> None:
     """Split the step's captured routing per request: experts [n, layers, k], indexer
-    [n, csa_layers, k]."""
+    [n, csa_layers, k]; only the first `kept[i]` fed tokens of request i (rejected drafts'
+    routing is dropped)."""
     lens = step.shape.lens
     for key, stacked in routing.items():                            # [T, layers, k] on the host
-        for req, start, part in zip(step.requests, step.shape.starts, stacked.split(lens),
-                                    strict=True):
+        for req, start, part, keep in zip(step.requests, step.shape.starts, stacked.split(lens),
+                                          kept, strict=True):
+            part = part[:keep]
             history = req.routing.setdefault(key, [])
             total = sum(t.shape[0] for t in history)
             # re-prefill after preemption: the recomputed routing replaces the old
@@ -146,6 +172,10 @@ class ModelRunner:
                     self.layout.num_full_pages - 1, self.layout.num_swa_pages - 1,
                     self.layout.page_size, self.pools.nbytes() / 1e6)
         self.graphs = self._decode_graphs()
+        self.spec_steps = config.speculative_num_steps
+        if self.spec_steps and not model.mtp:
+            raise ValueError(f"speculative_num_steps={self.spec_steps} needs a checkpoint with an "
+                             "MTP block; this one has none (allowed: 0)")
 
     def release_memory(self) -> int:
         """Free the KV pools and the CUDA graphs (which hold their addresses) while no request
@@ -181,7 +211,10 @@ class ModelRunner:
         max_batch = min(c.cuda_graph_max_bs, c.max_running_requests)
         logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use",
                     max_batch)
-        return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch)
+        # speculative decoding: verify steps of N + 1 tokens, returning the MTP block's input
+        spec = c.speculative_num_steps
+        return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch,
+                            max_tokens=1 + spec, with_streams=spec > 0)
 
     @torch.no_grad()
     def run(self, step: ScheduledStep) -> StepOutput:
@@ -194,6 +227,8 @@ class ModelRunner:
     def _run(self, step: ScheduledStep) -> StepOutput:
         assert not self.memory_released, "run() after release_memory(): call resume_memory()"
         self._reset_penalty_rows(step)
+        if self.spec_steps:
+            return self._run_spec(step)
         if self.graphs is not None and self.graphs.fits(step.shape):
             logits, captured = self.graphs.run(step.input_ids, step.shape,
                                                self.config.capture_routing)
@@ -206,16 +241,88 @@ class ModelRunner:
         sampled = self._sample(logits, row_reqs, steps) if row_reqs else None
         return StepOutput(step, requests, rows, sampled, captured, self.device)
 
-    def _forward_eager(self, step: ScheduledStep) -> tuple[torch.Tensor, Captured | None]:
-        """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without
-        graphs."""
+    def _context(self, step: ScheduledStep) -> ForwardContext:
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
         ctx.ops = self.ops
         ctx.fixed_widths = self.config.batch_invariant
         if self.config.capture_routing:
             ctx.captured = {}
+        return ctx
+
+    def _forward_eager(self, step: ScheduledStep) -> tuple[torch.Tensor, Captured | None]:
+        """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without
+        graphs."""
+        ctx = self._context(step)
         ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.forward_batch(ids, ctx), ctx.captured
+
+    def _run_spec(self, step: ScheduledStep) -> StepOutput:
+        """A step of a speculative engine (engine/spec_decode.py): the target's forward (with its
+        streams), verification of every sampling request's drafts, then the MTP pass over the
+        step's tokens and the draft chain of the requests that draft."""
+        ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(step.shape) else None
+        if graphs is not None:       # every request samples: the drafting graph follows
+            ctx = None
+            logits, captured, _ = graphs.run_streams(step.input_ids, step.shape,
+                                                     self.config.capture_routing)
+            logits_index = torch.tensor(step.shape.logits_index(),
+                                        dtype=torch.int64).to(self.device, non_blocking=True)
+        else:
+            ctx = self._context(step)
+            logits, streams = self.model.forward_batch_streams(ids, ctx)
+            captured, logits_index = ctx.captured, ctx.logits_index
+        index = [i for i, k in enumerate(step.shape.num_logits) if k > 0]
+        requests = [step.requests[i] for i in index]
+        rows = [step.shape.num_logits[i] for i in index]
+        next_ids = torch.tensor(successors(step), dtype=torch.int64).to(self.device,
+                                                                         non_blocking=True)
+        if not index:       # a prefill-only step: the MTP pass fills the block's cache
+            assert ctx is not None
+            draft(self.model, ctx, streams, next_ids, next_ids[:0], next_ids[:0], self.table,
+                  self.pools, 0)
+            return StepOutput(step, [], [], None, captured, self.device)
+        segs = Segments.build(rows, ids[logits_index])
+        sampled, accepted = self._verify(logits, segs, requests, rows)
+        at = segs.first + accepted                # logit row of each segment's first new token
+        first_rows = logits_index[at]
+        next_ids[first_rows] = sampled.token_ids[at]
+        drafting = [j for j, i in enumerate(index) if step.drafting[i]]
+        sel = torch.tensor(drafting, dtype=torch.int64).to(self.device, non_blocking=True)
+        if graphs is not None:
+            nxt = graphs.draft_after(next_ids, first_rows, self.spec_steps)[sel]
+        else:
+            assert ctx is not None
+            slots = torch.tensor([r.slot for r in requests],
+                                 dtype=torch.int64).to(self.device, non_blocking=True)
+            nxt = draft(self.model, ctx, streams, next_ids, first_rows[sel], slots[sel],
+                        self.table, self.pools, self.spec_steps if drafting else 0)
+        return StepOutput(step, requests, rows, sampled, captured, self.device,
+                          Drafts(accepted, nxt, drafting))
+
+    def _verify(self, logits: torch.Tensor, segs: Segments, requests: list[Request],
+                rows: list[int]) -> tuple[SampleOutput, torch.Tensor]:
+        """`spec_decode.verify` over the step's logit rows with each request's sampling state;
+        counts the emitted tokens in the penalty state. -> (emitted tokens per row (-1 after a
+        segment's last), accepted drafts per segment)."""
+        row_reqs = [r for r, k in zip(requests, rows, strict=True) for _ in range(k)]
+        slots = torch.tensor([r.slot for r in row_reqs],
+                             dtype=torch.int64).to(self.device, non_blocking=True)
+        steps = [len(r.output_ids) + j for r, k in zip(requests, rows, strict=True)
+                 for j in range(k)]
+        batch = SamplingBatch.build([r.params for r in row_reqs], steps,
+                                    [r.seed for r in row_reqs], self.device,
+                                    vocab_size=logits.shape[-1])
+        counts = self.token_counts[slots] if batch.do_penalties else None
+        seen = self.seen[slots] if batch.do_penalties else None
+        out = verify(logits, segs, batch, counts, seen)
+        valid = out.tokens >= 0
+        tok = out.tokens.clamp(min=0)
+        self.token_counts.index_put_((slots, tok), valid.to(torch.int32), accumulate=True)
+        # NOTE: from the counts: a scatter of `valid` would let a -1 row's False land last
+        self.seen[slots] |= self.token_counts[slots] > 0
+        return (SampleOutput(out.tokens, out.logprobs, out.top_logprobs, out.top_ids),
+                out.accepted)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int]) -> SampleOutput:
         """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and

@@ -314,7 +314,7 @@ def _apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Temperature, top-k, top-p, min-p: `[B, V]` probabilities, 0 for filtered tokens.
 
     Min-p zeroes tokens without renormalising: the exponential race is scale-invariant.
@@ -344,7 +344,7 @@ def _choose_tokens(penalised: Tensor, batch: SamplingBatch) -> Tensor:
     greedy = penalised.argmax(dim=-1)  # [B]; NOTE: argmax returns the first (lowest-id) maximum
     if batch.all_greedy:
         return greedy
-    drawn = _exponential_race(_filtered_probs(penalised, batch), batch)
+    drawn = _exponential_race(filtered_probs(penalised, batch), batch)
     return torch.where(batch.temperature == 0, greedy, drawn)
 
 
@@ -358,7 +358,7 @@ def token_logprobs(logits: Tensor, token_ids: Tensor,
     return logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
 
 
-def _raw_logprobs(logits: Tensor, token_ids: Tensor,
+def raw_logprobs(logits: Tensor, token_ids: Tensor,
                   num_top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Sampled-token and top-`num_top` logprobs of the distribution `log_softmax(logits)`."""
     lse = torch.logsumexp(logits, dim=-1)  # [B]
@@ -391,6 +391,6 @@ def sample(
     token_ids = _choose_tokens(penalised, batch)  # [B]
     if batch.logprob_temperature is not None:
         logits = logits / batch.logprob_temperature.unsqueeze(1)
-    logprobs, top_logprobs, top_ids = _raw_logprobs(logits, token_ids, batch.max_logprobs)
+    logprobs, top_logprobs, top_ids = raw_logprobs(logits, token_ids, batch.max_logprobs)
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
                         top_ids=top_ids)

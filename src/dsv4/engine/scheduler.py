@@ -9,12 +9,20 @@ Each step (FCFS):
      re-prefills its prompt + output so far). Nothing ever crashes for lack of pages.
 Pages are reserved here (`RequestTable.reserve`) before the step runs; the scheduler never looks
 at device tensors.
+
+Speculative decoding (`speculative_num_steps = N > 0`, engine/spec_decode.py): a decoding request
+with drafts feeds its pending token and the drafts (1 + N tokens, all with logits) when the budget
+and the pools allow them, else its pending token alone (the stale drafts are dropped). A request
+that samples in the step also drafts for the next one when the pages for the draft chain's
+positions (N - 1 past the step's last) can be had without preempting anyone. After the step a
+request's cached length grows by the tokens it fed whose KV is valid: the fed tokens before its
+logit rows, then one per emitted token (`after_step(step, emitted)`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsv4.cache.prefix_cache import PrefixCache
 from dsv4.cache.req_table import RequestTable
@@ -32,6 +40,8 @@ class ScheduledStep:
     shape: StepShape
     input_ids: list[int]
     admitted: list[bool]        # per request: it got its request slot in this step (an admission)
+    # per request: it drafts the next step's tokens at the end of this one (speculative decoding)
+    drafting: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +70,7 @@ class Scheduler:
         for req in self._by_decode_first():
             if req.status is not ReqStatus.RUNNING or budget == 0:
                 continue
-            n = min(req.num_pending, budget)
+            n = self._with_drafts(req, budget)
             if not self._reserve_or_preempt(req, n, chosen):
                 continue
             chosen.append((req, n))
@@ -70,6 +80,32 @@ class Scheduler:
         if not chosen:
             return None
         return self._step(chosen, num_running)
+
+    def _with_drafts(self, req: Request, budget: int) -> int:
+        """Tokens `req` feeds this step: its pending token and its drafts when they fit the budget
+        and the pools (no preemption for drafts), else what plain scheduling gives (the drafts are
+        dropped: they were made for the positions after its pending token)."""
+        assert req.slot is not None
+        drafts = req.draft_ids
+        n = 1 + len(drafts)
+        if (drafts and req.num_pending == 1 and n <= budget
+                and self.table.reserve(req.slot, req.num_cached, req.num_cached + n)):
+            return n
+        req.draft_ids = []
+        return min(req.num_pending, budget)
+
+    def _drafts_next(self, req: Request, n: int) -> bool:
+        """Whether `req`, feeding n tokens now, drafts at the end of the step: it samples, and the
+        draft chain's positions (up to N - 1 past the step's last) fit its page table and get
+        their pages without preempting anyone."""
+        assert req.slot is not None
+        N = self.config.speculative_num_steps
+        end = req.num_cached + n
+        if N == 0 or end < len(req.all_ids):
+            return False
+        last = end + N - 1
+        return (last <= self.table.max_pages * self.table.P
+                and self.table.reserve(req.slot, end, last))
 
     def _by_decode_first(self) -> list[Request]:
         return sorted(self.running, key=lambda r: r.num_pending > 1)
@@ -130,7 +166,9 @@ class Scheduler:
         """Hand the request's complete pages to the prefix cache and move its lock to the new path
         end."""
         assert req.slot is not None
-        pages = req.num_cached // self.table.P
+        # NOTE: under speculation the cached length runs ahead of the tokens until the step's
+        # emitted tokens are appended: only pages whose tokens are known
+        pages = min(req.num_cached, len(req.all_ids)) // self.table.P
         if pages == 0:
             return
         finished = req.status is not ReqStatus.RUNNING
@@ -144,22 +182,26 @@ class Scheduler:
     def _step(self, chosen: list[tuple[Request, int]], num_running: int) -> ScheduledStep:
         """The step of `chosen` (request, new tokens); from index `num_running` on: admitted now."""
         input_ids: list[int] = []
-        slots, starts, lens, num_logits = [], [], [], []
+        slots, starts, lens, num_logits, drafting = [], [], [], [], []
         for req, n in chosen:
             assert req.slot is not None
             input_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
+            input_ids.extend(req.draft_ids)          # [] unless it feeds drafts
             slots.append(req.slot)
             starts.append(req.num_cached)
             lens.append(n)
-            # the last token samples
-            num_logits.append(int(req.num_cached + n == len(req.all_ids)))
+            # the last token samples; with drafts, every fed token has logits
+            samples = req.num_cached + n >= len(req.all_ids)
+            num_logits.append((1 + len(req.draft_ids)) if samples else 0)
+            drafting.append(self._drafts_next(req, n))
         return ScheduledStep([r for r, _ in chosen], StepShape(slots, starts, lens, num_logits),
-                             input_ids, [i >= num_running for i in range(len(chosen))])
+                             input_ids, [i >= num_running for i in range(len(chosen))], drafting)
 
-    def after_step(self, step: ScheduledStep) -> None:
+    def after_step(self, step: ScheduledStep, kept: list[int] | None = None) -> None:
         """Advance the cached length of every request in the step and release out-of-window SWA
-        pages."""
-        for req, n in zip(step.requests, step.shape.lens, strict=True):
+        pages. `kept` (speculative decoding, `StepOutput.kept`): per request, its fed tokens
+        whose KV is valid (those before its first rejected draft); None: all it fed."""
+        for req, n in zip(step.requests, kept or step.shape.lens, strict=True):
             if req.status is not ReqStatus.RUNNING:
                 continue
             before = req.num_cached
@@ -183,7 +225,7 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempting %s (%d cached tokens)", req.rid, req.num_cached)
         self._release(req)
-        req.status, req.num_cached = ReqStatus.WAITING, 0
+        req.status, req.num_cached, req.draft_ids = ReqStatus.WAITING, 0, []
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:

@@ -8,9 +8,11 @@
     POST /v1/chat/completions  chat.py
     POST /v1/abort             {"request_id": "<id of a running completion>"}: its choices end
                                with "abort"
-    GET  /v1/engine_stats      engine state (pools, slots, queue, counters);
-                               `?check_integrity=true` also runs the engine's check_integrity()
-                               and reports "ok" or the failure
+    GET  /v1/engine_stats      engine state (pools, slots, queue, counters; speculative
+                               decoding: `spec_num_steps`, `spec_accept_hist` (verify passes by
+                               accepted drafts, N + 1 counts), `spec_draft_tokens`,
+                               `spec_accepted_tokens`); `?check_integrity=true` also runs the
+                               engine's check_integrity() and reports "ok" or the failure
     POST /flush_cache          drop the prefix-cache entries no request uses (SGLang's name);
                                returns the stats
     POST /update_weights_from_disk

@@ -79,7 +79,8 @@ class ChoiceDelta:
     """What one choice produced since its previous delta, as the client sees it: the tokens it
     keeps, the new text that may be shown (stop strings excluded), on its last delta why it
     finished, and the routing rows the engine sent (by kind; they may run past the kept tokens:
-    the response cuts them)."""
+    the response cuts them). `spec_draft_tokens` / `spec_accepted_tokens`: the request's drafts
+    verified and accepted so far (speculative decoding; totals, as the engine counts them)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -89,6 +90,8 @@ class ChoiceDelta:
     num_prompt_tokens: int
     cached_tokens: int
     routing: dict[str, RoutingRows] = field(default_factory=dict)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 Item = Accepted | ChoiceDelta | RequestError | EngineGone
@@ -281,7 +284,7 @@ class EngineClient:
         route.num_chars = len(route.text.text)
         return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep],
                            text, reason, delta.num_prompt_tokens, delta.cached_tokens,
-                           delta.routing)
+                           delta.routing, delta.spec_draft_tokens, delta.spec_accepted_tokens)
 
     # ---- liveness -----------------------------------------------------------------------------
     def engine_exited(self, exitcode: int | None) -> None:

@@ -11,7 +11,8 @@ loop turn:
     engine.step() when there is work
         -> one StepOutputs message with the new tokens of every request the step advanced
            (token ids only: the API process detokenises and applies stop strings), plus, for the
-           requests that asked, the int32 routing rows of the positions fed since their last delta
+           requests that asked, the int32 routing rows of the positions fed since their last delta,
+           and (speculative decoding) each request's drafts verified and accepted so far
     on becoming idle
         -> engine.check_integrity() (a failure is fatal)
 
@@ -224,7 +225,9 @@ class EngineLoop:
                             logprobs=[finite_logprob(lp) for lp in req.logprobs[n:]],
                             top_logprobs=top, finish_reason=req.finish_reason,
                             num_prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-                            routing=self._routing_delta(req))
+                            routing=self._routing_delta(req),
+                            spec_draft_tokens=req.spec_draft_tokens,
+                            spec_accepted_tokens=req.spec_accepted_tokens)
 
     def _routing_delta(self, req: Request) -> dict[str, RoutingRows]:
         """The routing rows of the positions fed since the request's previous delta.

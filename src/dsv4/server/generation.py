@@ -6,6 +6,9 @@ k // n (OpenAI's index order) under rid "<job id>-<k>". Sample j of every prompt
 `choice_seed(seed, j)`: sample 0 keeps the request's seed, so `n=1` and the first of `n=4` agree,
 and every sample is reproducible.
 
+Under speculative decoding (`speculative=True`) `usage()` adds `completion_tokens_details`: the
+drafts the choices' engine requests had accepted and rejected.
+
 A job that asks for routing (`routing`: kinds, routing.py) collects each choice's routing rows as
 they arrive; `ChoiceOutput.routing_fields` returns one row per fed token of the choice.
 
@@ -37,7 +40,13 @@ from dsv4.server.engine_client import (
 )
 from dsv4.server.errors import APIError, bad_request
 from dsv4.server.ipc import RoutingRows
-from dsv4.server.protocol import PromptTokensDetails, RoutingArray, SamplingFields, Usage
+from dsv4.server.protocol import (
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    RoutingArray,
+    SamplingFields,
+    Usage,
+)
 from dsv4.server.routing import choice_routing
 
 MAX_N = 128
@@ -61,6 +70,8 @@ class ChoiceOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     routing: dict[str, list[RoutingRows]] = field(default_factory=dict)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def apply(self, delta: ChoiceDelta) -> None:
         self.token_ids += delta.token_ids
@@ -68,6 +79,8 @@ class ChoiceOutput:
         self.top_logprobs += delta.top_logprobs
         self.text += delta.text
         self.finish_reason, self.cached_tokens = delta.finish_reason, delta.cached_tokens
+        self.spec_draft_tokens = delta.spec_draft_tokens
+        self.spec_accepted_tokens = delta.spec_accepted_tokens
         for kind, rows in delta.routing.items():
             self.routing.setdefault(kind, []).append(rows)
 
@@ -106,10 +119,12 @@ def build_params(body: SamplingFields, max_tokens: int,
 
 class GenerationJob:
     def __init__(self, client: EngineClient, job_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], routing: list[str] | None = None) -> None:
+                 params: list[SamplingParams], routing: list[str] | None = None,
+                 speculative: bool = False) -> None:
         n = len(params)
         self.client, self.id, self.n = client, job_id, n
         self.routing = list(routing or [])
+        self.speculative = speculative      # the engine speculates: usage reports the drafts
         self.choices = [ChoiceOutput(k, len(prompts[k // n])) for k in range(len(prompts) * n)]
         self._rids = [f"{job_id}-{k}" for k in range(len(self.choices))]
         self._open = set(range(len(self.choices)))
@@ -156,7 +171,8 @@ class GenerationJob:
         for k in open_:
             c = self.choices[k]
             self._queue.put_nowait((k, ChoiceDelta([], [], [], "", "abort", c.num_prompt_tokens,
-                                                   c.cached_tokens)))
+                                                   c.cached_tokens, {}, c.spec_draft_tokens,
+                                                   c.spec_accepted_tokens)))
 
     def close(self) -> None:
         """Abort whatever has not finished; idempotent."""
@@ -170,7 +186,16 @@ class GenerationJob:
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c.cached_tokens
-                                                                                 for c in firsts)))
+                                                                                 for c in firsts)),
+                     completion_tokens_details=self._drafts() if self.speculative else None)
+
+    def _drafts(self) -> CompletionTokensDetails:
+        """Every choice's drafts accepted and rejected (as the engine counted them: drafts accepted
+        past a stop or max_tokens are in, though their tokens were dropped)."""
+        drafts = sum(c.spec_draft_tokens for c in self.choices)
+        accepted = sum(c.spec_accepted_tokens for c in self.choices)
+        return CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                       rejected_prediction_tokens=drafts - accepted)
 
     # ---- internals ------------------------------------------------------------------------------
     async def _get(self, is_disconnected: IsDisconnected | None) -> tuple[int, Item]:

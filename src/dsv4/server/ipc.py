@@ -119,7 +119,9 @@ class RequestDelta:
     """The tokens one request produced since its previous delta (the engine deals in token ids
     only; the API process detokenises them). `top_logprobs[i]` lists (token id, logprob) pairs for
     `token_ids[i]`. `routing` (requests that asked, by kind): the rows of the positions fed since
-    the previous delta; a request's rows concatenate to one per fed token."""
+    the previous delta; a request's rows concatenate to one per fed token. `spec_draft_tokens` /
+    `spec_accepted_tokens` (speculative decoding): the request's drafts verified and accepted so
+    far (totals, not increments, like `cached_tokens`)."""
 
     rid: str
     token_ids: list[int]
@@ -129,6 +131,8 @@ class RequestDelta:
     num_prompt_tokens: int
     cached_tokens: int
     routing: dict[str, RoutingRows] = field(default_factory=dict)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,11 +157,12 @@ class RequestError:
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSnapshot(EngineState):
-    """Engine state for /metrics and the tests: `LLMEngine.snapshot()` (the `EngineState` fields)
-    plus the engine process's pid and what its loop counts. Flat on the wire and in
-    /v1/engine_stats."""
+    """Engine state for /metrics and the tests: `LLMEngine.snapshot()` (the `EngineState` fields,
+    speculative decoding's counters included) plus the engine process's pid and what its loop
+    counts. Flat on the wire and in /v1/engine_stats (`spec_accept_hist` as a JSON list).
+    Keyword-only: `EngineState` ends in fields with defaults."""
 
     pid: int
     num_finished: int
@@ -259,6 +264,11 @@ def _delta(d: dict[str, Any]) -> RequestDelta:
     return RequestDelta(top_logprobs=top, routing=routing, **d)
 
 
+def _snapshot(d: dict[str, Any]) -> EngineSnapshot:
+    # JSON has no tuples: the histogram comes back as a list
+    return EngineSnapshot(**{**d, "spec_accept_hist": tuple(d.get("spec_accept_hist", ()))})
+
+
 def _step_outputs(d: dict[str, Any]) -> StepOutputs:
     return StepOutputs(deltas=[_delta(x) for x in d["deltas"]], num_running=d["num_running"],
                        num_waiting=d["num_waiting"])
@@ -274,7 +284,7 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "StepOutputs": _step_outputs,
     "RequestsAccepted": lambda d: RequestsAccepted(**d),
     "RequestError": lambda d: RequestError(**d),
-    "StatsReply": lambda d: StatsReply(query_id=d["query_id"], stats=EngineSnapshot(**d["stats"])),
+    "StatsReply": lambda d: StatsReply(query_id=d["query_id"], stats=_snapshot(d["stats"])),
     "UpdateWeightsReply": lambda d: UpdateWeightsReply(**d),
     "EngineFailed": lambda d: EngineFailed(**d),
 }

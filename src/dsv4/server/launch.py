@@ -82,6 +82,10 @@ def serve(config: ServerConfig) -> int:
     if config.enable_return_routing:
         logger.info("--enable-return-routing: the engine captures routing per token and runs "
                     "without the prefix cache (cached prefix tokens have no captured routing)")
+    if config.speculative_num_steps:
+        logger.info("speculative decoding: the MTP block drafts %d tokens per decode step "
+                    "(usage.completion_tokens_details, dsv4_spec_* in /metrics)",
+                    config.speculative_num_steps)
     state = ServerState(config, client, tokenizer, template, metrics,
                         is_random_weights(config.model))
     try:

@@ -4,15 +4,19 @@ Owns `ServerMetrics`: counters (requests by finish reason, prompt / cached promp
 tokens), histograms (time to first token, time per output token — as the API process sees the
 tokens arrive, so they include the IPC hop), a generated-tokens/s gauge over a sliding window, and
 the render function that adds the engine's gauges (running / waiting requests, KV pool usage, free
-request slots) from an `EngineSnapshot` fetched at scrape time. The exposition is hand-written
-(format 0.0.4); names start `dsv4_`.
+request slots) from an `EngineSnapshot` fetched at scrape time. A speculating engine adds
+`dsv4_spec_*`: verify passes by accepted drafts (`dsv4_spec_accepted_drafts_total{accepted="k"}`,
+k = 0..N), drafts verified and accepted, and the mean acceptance length (tokens per verify pass).
+The exposition is hand-written (format 0.0.4); names start `dsv4_`.
 
-Test: `pytest tests/server/test_components.py -k metrics`.
+Test: `pytest tests/server/test_components.py -k metrics`,
+`pytest tests/server/test_speculative_server.py`.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -177,11 +181,36 @@ def _engine_gauges(s: EngineSnapshot) -> list[str]:
                       s.num_preemptions)
     lines += _gauge("dsv4_weight_version", "Weight updates applied since the model loaded.",
                     s.weight_version)
+    if s.spec_num_steps:
+        lines += _speculative(s)
+    return lines
+
+
+def _speculative(s: EngineSnapshot) -> list[str]:
+    """Speculative decoding's series: verify passes by accepted drafts (k = 0..N), drafts verified
+    and accepted, and tokens per verify pass (NaN before the first)."""
+    lines = _gauge("dsv4_spec_num_steps", "Draft tokens per speculative decode step (N).",
+                   s.spec_num_steps)
+    lines += ["# HELP dsv4_spec_accepted_drafts_total Verify passes by drafts accepted.",
+              "# TYPE dsv4_spec_accepted_drafts_total counter"]
+    lines += [f'dsv4_spec_accepted_drafts_total{{accepted="{k}"}} {n}'
+              for k, n in enumerate(s.spec_accept_hist)]
+    lines += _counter("dsv4_spec_draft_tokens_total", "Draft tokens verified by the target.",
+                      s.spec_draft_tokens)
+    lines += _counter("dsv4_spec_accepted_tokens_total", "Draft tokens the target accepted.",
+                      s.spec_accepted_tokens)
+    passes = sum(s.spec_accept_hist)
+    mean = 1 + s.spec_accepted_tokens / passes if passes else math.nan
+    lines += _gauge("dsv4_spec_mean_acceptance_length",
+                    "Tokens per verify pass (1 + accepted drafts / passes) since the start.",
+                    round(mean, 6))
     return lines
 
 
 def _gauge(name: str, help_text: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+    # NOTE: the exposition format spells a missing ratio "NaN" (Python prints "nan")
+    text = "NaN" if math.isnan(value) else str(value)
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {text}"]
 
 
 def _counter(name: str, help_text: str, value: float) -> list[str]:

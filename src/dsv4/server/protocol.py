@@ -6,9 +6,11 @@ and unknown fields are ignored, as OpenAI clients send extras. vLLM/SGLang exten
 where dsv4 implements them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `skip_special_tokens`, `chat_template_kwargs`, and SGLang's RL options `return_routed_experts` /
 `return_indexer_topk` (each choice then carries `routed_experts` / `indexer_topk` as a
-`RoutingArray`; see routing.py). Numeric sampling fields may be null (= the default); their ranges
-are checked by SamplingParams, whose ValueError names the field. The body of SGLang's admin
-endpoint `/update_weights_from_disk` is here too.
+`RoutingArray`; see routing.py). Under speculative decoding, `usage.completion_tokens_details`
+reports the drafts accepted and rejected (`accepted_prediction_tokens` /
+`rejected_prediction_tokens`, the fields OpenAI uses for predicted outputs). Numeric sampling
+fields may be null (= the default); their ranges are checked by SamplingParams, whose ValueError
+names the field. The body of SGLang's admin endpoint `/update_weights_from_disk` is here too.
 
 Test: `pytest tests/server/test_errors.py`.
 """
@@ -90,11 +92,30 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    """Speculative decoding's drafts, in OpenAI's predicted-outputs fields: drafts the target
+    accepted, and drafts it verified and rejected."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
+    """`completion_tokens_details` is present only when the server speculates
+    (`--speculative-num-steps`)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
 
 class CompletionLogprobs(BaseModel):

@@ -52,7 +52,8 @@ class ServerState:
 
     def start_job(self, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                   routing: list[str] | None = None) -> GenerationJob:
-        job = GenerationJob(self.client, f"{kind}-{uuid.uuid4().hex}", prompts, params, routing)
+        job = GenerationJob(self.client, f"{kind}-{uuid.uuid4().hex}", prompts, params, routing,
+                            speculative=self.config.speculative_num_steps > 0)
         self.jobs[job.id] = job
         return job
 
