@@ -1,0 +1,167 @@
+"""MTP speculative decoding: decode speed with and without it, and the cost of a verify step.
+
+    PYTHONPATH=src python benchmarks/spec_decode.py --device cuda --dtype bfloat16 \
+        --kernel-backend triton                                   # dsv4-tiny, batch 1 / 8 / 32
+    PYTHONPATH=src python benchmarks/spec_decode.py --preset flash-4l --device cuda \
+        --dtype bfloat16 --kernel-backend triton --batches 1,32   # random weights: step cost
+
+Model mode (a checkpoint, default the shipped dsv4-tiny): per batch size B, B arithmetic prompts
+decoded greedily for `--output-len` tokens (ignore_eos) by the plain engine and by the engine with
+`--num-steps` drafts; decode tokens/s (output tokens / wall time after a warm-up run of the same
+workload, prefill included), the speed-up, the mean acceptance length (tokens per verify pass)
+and the fraction of output tokens equal to the plain engine's (1.0 in fp32; bf16 verify passes
+round differently from single-token steps).
+Preset mode (random weights, so drafts are almost never accepted): per batch size, the time of a
+steady-state decode step of the plain engine and of the speculative engine (a verify pass of
+N + 1 tokens per request, the MTP pass and the draft chain), each the median over `--steps`
+CUDA-synchronised steps; the ratio, and the speed-up that acceptance length L would give
+(L / ratio) for L = 2.5.
+Prints a table, then one JSON line (also written to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.assets import default_model_path
+from dsv4.rl.rewards import ArithmeticTask
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    page = 256 if args.device.startswith("cuda") else 128
+    return dict(dtype=args.dtype, device=args.device, kernel_backend=args.kernel_backend,
+                page_size=page, max_running_requests=max(args.batch_list),
+                max_total_tokens=max(args.batch_list) * 4 * page)
+
+
+def model_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
+    kw = engine_kwargs(args)
+    llms = {n: LLM(args.model, speculative_num_steps=n, **kw) for n in (0, args.num_steps)}
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    rows = []
+    for B in args.batch_list:
+        texts = [q.text for q in ArithmeticTask((3, 4, 5)).train_prompts(random.Random(B), B)]
+        out: dict[int, Any] = {}
+        for n, llm in llms.items():
+            llm.generate(texts, params, use_tqdm=False)                 # warm-up: graphs, compile
+            before = list(llm.engine.spec_accept_hist), llm.engine.spec_accepted_tokens
+            sync(args.device)
+            t0 = time.perf_counter()
+            got = llm.generate(texts, params, use_tqdm=False)
+            sync(args.device)
+            wall = time.perf_counter() - t0
+            passes = sum(llm.engine.spec_accept_hist) - sum(before[0])
+            accepted = llm.engine.spec_accepted_tokens - before[1]
+            out[n] = (got, wall, 1 + accepted / passes if passes else None)
+        plain, spec = out[0], out[args.num_steps]
+        tokens = sum(len(o.token_ids) for o in plain[0])
+        same = sum(a == b for p, s in zip(plain[0], spec[0], strict=True)
+                   for a, b in zip(p.token_ids, s.token_ids, strict=True))
+        rows.append({"batch": B, "plain_tok_s": tokens / plain[1], "spec_tok_s": tokens / spec[1],
+                     "speedup": plain[1] / spec[1], "acceptance_length": spec[2],
+                     "token_agreement": same / tokens})
+    return rows
+
+
+def step_times(llm: LLM, B: int, prompt_len: int, steps: int, device: str) -> list[float]:
+    """Seconds per steady-state decode step of B requests (all past prefill)."""
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(B)
+    vocab = llm.model.config.vocab_size
+    params = SamplingParams(max_tokens=steps * 8 + 16, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(torch.randint(2, vocab, (prompt_len,), generator=gen).tolist(),
+                                params) for _ in range(B)]
+    while any(r.num_pending != 1 or len(r.output_ids) < 2 for r in reqs):
+        engine.step()
+    for _ in range(3):                                                  # graphs, compile
+        engine.step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    for r in reqs:
+        engine.abort(r.rid)
+    return times
+
+
+def preset_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from dsv4.checkpoint.presets import get_preset
+    from dsv4.checkpoint.writer import random_model
+    from dsv4.config.engine import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.model.loader import resolve_device, resolve_dtype
+
+    model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
+                         resolve_device(args.device), seed=0)
+    kw = engine_kwargs(args)
+    rows = []
+    for B in args.batch_list:
+        med = {}
+        for n in (0, args.num_steps):
+            config = EngineConfig(page_size=kw["page_size"], max_running_requests=B,
+                                  max_total_tokens=kw["max_total_tokens"],
+                                  kernel_backend=args.kernel_backend, disable_prefix_cache=True,
+                                  speculative_num_steps=n)
+            llm = LLM.__new__(LLM)
+            llm.model, llm.engine = model, LLMEngine(model, config)
+            med[n] = statistics.median(step_times(llm, B, args.prompt_len, args.steps,
+                                                  args.device))
+            llm.engine.release_memory()
+        ratio = med[args.num_steps] / med[0]
+        rows.append({"batch": B, "plain_step_ms": med[0] * 1e3,
+                     "spec_step_ms": med[args.num_steps] * 1e3, "ratio": ratio,
+                     "speedup_at_2_5": 2.5 / ratio})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(default_model_path()))
+    p.add_argument("--preset", default=None, help="random weights of this preset (step cost)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kernel-backend", default="ref")
+    p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128, help="with --preset")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps, with --preset")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    args.batch_list = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+    rows = preset_mode(args) if args.preset else model_mode(args)
+    keys = list(rows[0])
+    print(" ".join(f"{k:>17}" for k in keys))
+    for r in rows:
+        print(" ".join(f"{r[k]:>17.4g}" if isinstance(r[k], float) else f"{r[k]!s:>17}"
+                       for k in keys))
+    result = {"bench": "spec_decode", "device": args.device,
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+              "torch": torch.__version__, "dtype": args.dtype,
+              "kernel_backend": args.kernel_backend, "model": args.preset or args.model,
+              "num_steps": args.num_steps, "rows": rows}
+    print(json.dumps(result))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
