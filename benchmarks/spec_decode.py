@@ -16,6 +16,9 @@ steady-state decode step of the plain engine and of the speculative engine (a ve
 N + 1 tokens per request, the MTP pass and the draft chain), each the median over `--steps`
 CUDA-synchronised steps; the ratio, and the speed-up that acceptance length L would give
 (L / ratio) for L = 2.5.
+With CUDA graphs it also times the parts of a step alone: the target forward (graph replay) of
+the plain step and of the verify step (`verify_ratio`: N + 1 tokens against 1), and the drafting
+graph (the MTP pass + chain).
 Prints a table, then one JSON line (also written to --out).
 """
 
@@ -77,8 +80,10 @@ def model_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def step_times(llm: LLM, B: int, prompt_len: int, steps: int, device: str) -> list[float]:
-    """Seconds per steady-state decode step of B requests (all past prefill)."""
+def step_times(llm: LLM, B: int, prompt_len: int, steps: int,
+               device: str) -> tuple[list[float], dict[str, float]]:
+    """Seconds per steady-state decode step of B requests (all past prefill), and the step's
+    parts (`component_times`)."""
     engine = llm.engine
     gen = torch.Generator().manual_seed(B)
     vocab = llm.model.config.vocab_size
@@ -96,9 +101,44 @@ def step_times(llm: LLM, B: int, prompt_len: int, steps: int, device: str) -> li
         engine.step()
         sync(device)
         times.append(time.perf_counter() - t0)
+    parts = component_times(engine, steps, device)
     for r in reqs:
         engine.abort(r.rid)
-    return times
+    return times, parts
+
+
+def component_times(engine: Any, steps: int, device: str) -> dict[str, float]:
+    """Median seconds of the next step's target forward alone (its graph replayed) and, under
+    speculation, of its drafting graph alone (the MTP pass + chain). The step is scheduled but
+    never finished: the caller aborts every request afterwards."""
+    graphs = engine.runner.graphs
+    step = engine.scheduler.schedule()
+    if graphs is None or step is None or not graphs.fits(step.shape):
+        return {}
+    n = step.shape.lens[0]
+
+    def timed(fn: Any) -> float:
+        fn()
+        out = []
+        for _ in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    parts = {"forward": timed(lambda: graphs.run_streams(step.input_ids, step.shape, False))}
+    if engine.spec_steps:
+        b = len(step.shape.lens)
+        nxt = torch.zeros(b * n, dtype=torch.int64, device=device)
+        first = torch.arange(b, device=device) * n
+        parts["draft"] = timed(lambda: graphs.draft_after(nxt, first, engine.spec_steps))
+    return parts
+
+
+def _ms(parts: dict[str, float], key: str) -> float | None:
+    return parts[key] * 1e3 if key in parts else None
 
 
 def preset_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -113,7 +153,7 @@ def preset_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     kw = engine_kwargs(args)
     rows = []
     for B in args.batch_list:
-        med = {}
+        med, parts = {}, {}
         for n in (0, args.num_steps):
             config = EngineConfig(page_size=kw["page_size"], max_running_requests=B,
                                   max_total_tokens=kw["max_total_tokens"],
@@ -121,13 +161,18 @@ def preset_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
                                   speculative_num_steps=n)
             llm = LLM.__new__(LLM)
             llm.model, llm.engine = model, LLMEngine(model, config)
-            med[n] = statistics.median(step_times(llm, B, args.prompt_len, args.steps,
-                                                  args.device))
+            times, parts[n] = step_times(llm, B, args.prompt_len, args.steps, args.device)
+            med[n] = statistics.median(times)
             llm.engine.release_memory()
         ratio = med[args.num_steps] / med[0]
+        spec = parts[args.num_steps]
         rows.append({"batch": B, "plain_step_ms": med[0] * 1e3,
                      "spec_step_ms": med[args.num_steps] * 1e3, "ratio": ratio,
-                     "speedup_at_2_5": 2.5 / ratio})
+                     "speedup_at_2_5": 2.5 / ratio,
+                     "plain_forward_ms": _ms(parts[0], "forward"),
+                     "verify_forward_ms": _ms(spec, "forward"), "draft_ms": _ms(spec, "draft"),
+                     "verify_ratio": (spec["forward"] / parts[0]["forward"]
+                                      if "forward" in spec and "forward" in parts[0] else None)})
     return rows
 
 

@@ -82,6 +82,18 @@ def test_drift_ablation_benchmark_swaps_one_op() -> None:
     assert all(r["step0_mean"] < 1e-4 for r in rows.values()), result
 
 
+def test_spec_decode_benchmark_both_modes() -> None:
+    """dsv4-tiny: speculation keeps the fp32 greedy tokens and accepts drafts; random micro
+    weights: both step times measured."""
+    tiny = run_benchmark("spec_decode.py", "--batches", "2", "--output-len", "8")
+    row = tiny["rows"][0]
+    assert row["token_agreement"] == 1.0 and row["acceptance_length"] > 1.5, tiny
+    micro = run_benchmark("spec_decode.py", "--preset", "micro", "--batches", "2", "--steps", "2",
+                          "--prompt-len", "20")
+    row = micro["rows"][0]
+    assert row["plain_step_ms"] > 0 and row["spec_step_ms"] > 0, micro
+
+
 @pytest.mark.slow
 def test_backend_rounding_benchmark_finds_no_systematic_rounding() -> None:
     """After the reference was aligned with the kernels, no op differs by ~1 bf16 ulp."""
