@@ -94,6 +94,17 @@ def test_spec_decode_benchmark_both_modes() -> None:
     assert row["plain_step_ms"] > 0 and row["spec_step_ms"] > 0, micro
 
 
+def test_spec_acceptance_benchmark_predicts_and_measures() -> None:
+    """Offline per-position accuracy and the engine's acceptance are both well above 1 token per
+    pass on dsv4-tiny (arithmetic), and the greedy tokens are the plain engine's (asserted in the
+    script)."""
+    result = run_benchmark("spec_acceptance.py", "--prompts", "4", "--output-len", "12",
+                           "--steps", "3")
+    row = result["rows"][0]
+    assert row["N"] == 3 and row["positions"] > 10, result
+    assert 1.5 < row["predicted"] <= 4 and 1.5 < row["measured"] <= 4, result
+
+
 @pytest.mark.slow
 def test_backend_rounding_benchmark_finds_no_systematic_rounding() -> None:
     """After the reference was aligned with the kernels, no op differs by ~1 bf16 ulp."""
