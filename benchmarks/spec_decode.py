@@ -10,7 +10,8 @@ decoded greedily for `--output-len` tokens (ignore_eos) by the plain engine and 
 `--num-steps` drafts; decode tokens/s (output tokens / wall time after a warm-up run of the same
 workload, prefill included), the speed-up, the mean acceptance length (tokens per verify pass)
 and the fraction of output tokens equal to the plain engine's (1.0 in fp32; bf16 verify passes
-round differently from single-token steps).
+round differently from single-token steps): free-running, and teacher-forced
+(`teacher_forced_agreement`: every position on the plain engine's prefix).
 Preset mode (random weights, so drafts are almost never accepted): per batch size, the time of a
 steady-state decode step of the plain engine and of the speculative engine (a verify pass of
 N + 1 tokens per request, the MTP pass and the draft chain), each the median over `--steps`
@@ -51,6 +52,44 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_total_tokens=max(args.batch_list) * 4 * page)
 
 
+def teacher_forced_agreement(llm: LLM, texts: list[str], params: SamplingParams,
+                             truth: list[list[int]]) -> float:
+    """Fraction of positions where the speculative engine's greedy token equals the plain
+    engine's, teacher-forced: its drafts are always the plain engine's continuation, and a token
+    that differs is counted and overwritten with the plain one before it is fed, so every
+    position is computed on the plain engine's prefix."""
+    engine = llm.engine
+    by_rid: dict[str, list[int]] = {}
+    counts = [0, 0]                                          # differing, all
+    original = engine._process
+
+    def process(result: Any) -> Any:
+        before = {r.rid: len(r.output_ids) for r in result.requests}
+        updated = original(result)
+        for req in result.requests:
+            want = by_rid[req.rid]
+            for i in range(before[req.rid], len(req.output_ids)):
+                counts[1] += 1
+                if req.output_ids[i] != want[i]:
+                    counts[0] += 1
+                    req.overwrite_output(i, want[i])
+            if req.draft_ids:
+                n = len(req.output_ids)
+                cont = want[n:n + len(req.draft_ids)]
+                req.draft_ids = cont + [0] * (len(req.draft_ids) - len(cont))
+        return updated
+    engine._process = process  # type: ignore[method-assign]
+    try:
+        for text, want in zip(texts, truth, strict=True):
+            req = engine.add_request(llm.encode(text), params)
+            by_rid[req.rid] = want
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine._process = original  # type: ignore[method-assign]
+    return 1 - counts[0] / max(1, counts[1])
+
+
 def model_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     kw = engine_kwargs(args)
     llms = {n: LLM(args.model, speculative_num_steps=n, **kw) for n in (0, args.num_steps)}
@@ -74,9 +113,11 @@ def model_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
         tokens = sum(len(o.token_ids) for o in plain[0])
         same = sum(a == b for p, s in zip(plain[0], spec[0], strict=True)
                    for a, b in zip(p.token_ids, s.token_ids, strict=True))
+        forced = teacher_forced_agreement(llms[args.num_steps], texts, params,
+                                          [o.token_ids for o in plain[0]])
         rows.append({"batch": B, "plain_tok_s": tokens / plain[1], "spec_tok_s": tokens / spec[1],
                      "speedup": plain[1] / spec[1], "acceptance_length": spec[2],
-                     "token_agreement": same / tokens})
+                     "token_agreement": same / tokens, "teacher_forced_agreement": forced})
     return rows
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.config.engine import MAX_SPECULATIVE_STEPS, EngineConfig
+from dsv4.config.engine import (
+    CPU_KV_CACHE_GB,
+    MAX_SPECULATIVE_STEPS,
+    EngineConfig,
+    kv_budget_gb,
+    resolve_kernel_backend,
+)
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
@@ -28,3 +34,23 @@ def test_speculation_doubles_the_compressor_rings_by_default() -> None:
     assert EngineConfig(ring_multiplier=2).rings == 2
     assert EngineConfig(speculative_num_steps=3).rings == 2
     assert EngineConfig(speculative_num_steps=3, ring_multiplier=2).rings == 2
+
+
+def test_kernel_backend_resolution() -> None:
+    assert resolve_kernel_backend(None, "cuda") == "triton"
+    assert resolve_kernel_backend(None, "cpu") == "ref"
+    assert resolve_kernel_backend("ref", "cuda") == "ref"
+    assert resolve_kernel_backend("triton", "cpu") == "triton"
+
+
+def test_kv_budget_resolution() -> None:
+    gb = 2**30
+    assert kv_budget_gb(EngineConfig(kv_cache_memory_gb=2.5), "cuda", 100 * gb, 10 * gb) == 2.5
+    assert kv_budget_gb(EngineConfig(), "cpu", 0, 0) == CPU_KV_CACHE_GB
+    assert kv_budget_gb(EngineConfig(), "cuda", 100 * gb, 10 * gb) == pytest.approx(78.0)
+    assert kv_budget_gb(EngineConfig(mem_fraction_static=0.5), "cuda", 100 * gb,
+                        10 * gb) == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="mem_fraction_static=0.1 leaves no KV memory"):
+        kv_budget_gb(EngineConfig(mem_fraction_static=0.1), "cuda", 100 * gb, 20 * gb)
+    with pytest.raises(ValueError, match="^mem_fraction_static=1.0 is invalid"):
+        EngineConfig(mem_fraction_static=1.0)

@@ -37,3 +37,20 @@ def test_engine_on_gpu_equals_full_recompute(tmp_path: Path, page_size: int, chu
         assert (got - torch.stack(rows)).abs().max().item() <= 1e-4
     assert sum(o.cached_tokens for o in outs[-3:]) > 0, "repeated prompts hit the prefix cache"
     assert_pools_free(llm.engine)
+
+
+def test_cuda_defaults_are_triton_graphs_and_a_memory_fraction(tmp_path: Path) -> None:
+    """`LLM(model)` on CUDA with no engine arguments: the triton backend, CUDA graphs, and a KV
+    budget of mem_fraction_static of the GPU less the weights (capped by what the requests can
+    use)."""
+    write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
+    llm = LLM(tmp_path, device="cuda")
+    runner = llm.engine.runner
+    assert runner.config.kernel_backend == "triton" and runner.ops.name == "triton"
+    assert runner.graphs is not None
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert runner.config.kv_cache_memory_gb is not None
+    assert 0 < runner.config.kv_cache_memory_gb * 2**30 <= 0.88 * total
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
+    assert runner.graphs.replays > 0

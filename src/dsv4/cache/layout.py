@@ -80,6 +80,7 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
     if engine.max_total_tokens is not None:
         full_pages = math.ceil(engine.max_total_tokens / P) + 1
     else:
+        assert engine.kv_cache_memory_gb is not None, "the runner resolves the KV budget"
         budget = (engine.kv_cache_memory_gb * (1 << 30)
                   - swa_pages * swa_bytes_per_page(model, dtype, P))
         if budget <= 0:

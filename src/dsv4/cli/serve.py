@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dsv4.config.engine import MAX_SPECULATIVE_STEPS, WEIGHT_FORMATS
+from dsv4.config.engine import MAX_SPECULATIVE_STEPS, WEIGHT_FORMATS, resolve_kernel_backend
 from dsv4.config.server import DTYPES, ServerConfig
 from dsv4.utils.logging import init_logger
 
@@ -58,7 +58,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV budget when --max-total-tokens is unset")
-    g.add_argument("--kernel-backend", default=None, help="kernel implementation (default: ref)")
+    g.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="on cuda, the share of the GPU's memory for weights + KV pools when "
+                        "--kv-cache-memory-gb and --max-total-tokens are unset (default 0.88)")
+    g.add_argument("--kernel-backend", default=None,
+                   help="kernel implementation (default: triton on cuda, ref on cpu)")
     g.add_argument("--weight-format", default=None, choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load (default); "
                         "checkpoint: keep routed experts in FP4")
@@ -105,12 +109,15 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     given = {name: getattr(args, name) for name in (
         "max_running_requests", "context_length", "chunked_prefill_size", "page_size",
-        "max_total_tokens", "kv_cache_memory_gb", "kernel_backend", "seed", "max_waiting_requests",
+        "max_total_tokens", "kv_cache_memory_gb", "mem_fraction_static", "kernel_backend", "seed",
+        "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
         "speculative_num_steps")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
+    engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),
+                                                           device)
     if device == "cpu":
         engine_args.setdefault("page_size", _cpu_page_size(model))
         engine_args.setdefault("kv_cache_memory_gb", CPU_KV_CACHE_GB)

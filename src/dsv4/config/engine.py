@@ -39,7 +39,13 @@ class EngineConfig:
 
     `page_size`: tokens per page, a multiple of every compress ratio (256 for real models).
     `max_running_requests`: decode batch limit. `chunked_prefill_size`: token budget of one step.
-    `max_total_tokens`: full-token slots in the cache (None: from `kv_cache_memory_gb`).
+    `max_total_tokens`: full-token slots in the cache (None: from the KV budget).
+    `kv_cache_memory_gb`: the KV budget; None: on CUDA `mem_fraction_static` of the GPU's memory
+    less what is allocated when the engine starts (the weights), elsewhere `CPU_KV_CACHE_GB`
+    (`kv_budget_gb`). `mem_fraction_static`: SGLang's meaning: the share of the GPU's memory for
+    the static allocations, weights and KV pools; the rest is left to activations and graphs.
+    `kernel_backend`: None picks `triton` on CUDA and `ref` elsewhere
+    (`resolve_kernel_backend`).
     `swa_tokens`: sliding-window slots (None: enough for every running request's window).
     `context_length`: longest prompt + output (None: the model's `max_position_embeddings`).
     `capture_routing`: record routed expert ids and indexer top-k per token (RL replay).
@@ -65,9 +71,10 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     max_total_tokens: int | None = None
     swa_tokens: int | None = None
-    kv_cache_memory_gb: float = 4.0
+    kv_cache_memory_gb: float | None = None
+    mem_fraction_static: float = 0.88
     context_length: int | None = None
-    kernel_backend: KernelBackend = "ref"
+    kernel_backend: KernelBackend | None = None
     capture_routing: bool = False
     batch_invariant: bool = False
     speculative_num_steps: int = 0
@@ -87,9 +94,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: None or an integer >= 1")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} is invalid; "
-                             "allowed: > 0")
+                             "allowed: None or > 0")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static={self.mem_fraction_static} is invalid; "
+                             "allowed: 0 < mem_fraction_static < 1")
         spec = self.speculative_num_steps
         if (not isinstance(spec, int) or isinstance(spec, bool)
                 or not 0 <= spec <= MAX_SPECULATIVE_STEPS):
@@ -100,7 +110,7 @@ class EngineConfig:
             raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: None "
                              f"or {' / '.join(map(str, allowed))} (2 under speculative decoding: "
                              "draft tokens write compressor rings ahead of verification)")
-        if self.kernel_backend not in KERNEL_BACKENDS:
+        if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; "
                              f"allowed: {list(KERNEL_BACKENDS)}")
 
@@ -110,3 +120,34 @@ class EngineConfig:
         if self.ring_multiplier is not None:
             return self.ring_multiplier
         return 2 if self.speculative_num_steps else 1
+
+
+CPU_KV_CACHE_GB = 4.0
+"""The KV budget off CUDA when neither `kv_cache_memory_gb` nor `max_total_tokens` is given."""
+
+
+def resolve_kernel_backend(requested: KernelBackend | None, device_type: str) -> KernelBackend:
+    """The kernel backend an engine on `device_type` runs: the requested one, else `triton` on
+    CUDA (fused kernels, CUDA graphs) and `ref` elsewhere (the PyTorch reference)."""
+    if requested is not None:
+        return requested
+    return "triton" if device_type == "cuda" else "ref"
+
+
+def kv_budget_gb(config: EngineConfig, device_type: str, total_bytes: int,
+                 used_bytes: int) -> float:
+    """The KV budget in GB: `kv_cache_memory_gb` when given; on CUDA
+    `mem_fraction_static * total - used` (total: the GPU's memory, used: what is allocated when
+    the engine starts, i.e. the weights); elsewhere `CPU_KV_CACHE_GB`. Raises naming
+    mem_fraction_static when the weights leave nothing."""
+    if config.kv_cache_memory_gb is not None:
+        return config.kv_cache_memory_gb
+    if device_type != "cuda":
+        return CPU_KV_CACHE_GB
+    budget = config.mem_fraction_static * total_bytes - used_bytes
+    if budget <= 0:
+        raise ValueError(f"mem_fraction_static={config.mem_fraction_static} leaves no KV memory: "
+                         f"{used_bytes / 2**30:.1f} GB are in use of {total_bytes / 2**30:.1f} "
+                         "GB; allowed: a larger fraction, or kv_cache_memory_gb / "
+                         "max_total_tokens")
+    return budget / 2**30

@@ -11,6 +11,7 @@ the engine calls it when it needs the tokens (an overlap scheduler would call it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
-from dsv4.config.engine import EngineConfig
+from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_kernel_backend
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
@@ -150,12 +151,32 @@ def _store_routing(step: ScheduledStep, routing: dict[str, torch.Tensor], kept: 
             history.append(part)
 
 
+def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with its device-dependent defaults resolved (logged): the kernel backend and,
+    unless `max_total_tokens` fixes the pools, the KV budget (`config/engine.py`)."""
+    backend = resolve_kernel_backend(config.kernel_backend, device.type)
+    budget = config.kv_cache_memory_gb
+    if config.max_total_tokens is None:
+        total = used = 0
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            used = torch.cuda.memory_allocated(device)
+        budget = kv_budget_gb(config, device.type, total, used)
+        logger.info("KV budget %.2f GB (%s)", budget,
+                    "kv_cache_memory_gb" if config.kv_cache_memory_gb is not None else
+                    f"mem_fraction_static {config.mem_fraction_static} of {total / 2**30:.1f} GB,"
+                    f" {used / 2**30:.1f} GB in use" if device.type == "cuda" else "CPU default")
+    return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget)
+
+
 class ModelRunner:
     def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig,
                  context_length: int) -> None:
-        self.model, self.config = model, config
-        self.ops = create_kernels(config.kernel_backend)
         self.device = next(model.parameters()).device
+        config = resolve(config, self.device)
+        self.model, self.config = model, config
+        assert config.kernel_backend is not None
+        self.ops = create_kernels(config.kernel_backend)
         dtype = model.embed.weight.dtype
         mc = model.config
         self.layout = plan_cache(mc, config, dtype)
