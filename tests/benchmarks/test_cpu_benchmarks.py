@@ -94,6 +94,12 @@ def test_spec_decode_benchmark_both_modes() -> None:
     assert row["plain_step_ms"] > 0 and row["spec_step_ms"] > 0, micro
 
 
+def test_prefix_repeat_benchmark_reuses_the_shared_prompt() -> None:
+    result = run_benchmark("prefix_repeat.py", "--preset", "micro", "--device", "cpu",
+                           "--prompt-len", "200", "--batch", "8")
+    assert result["kernel_backend"] == "ref" and result["per_request"] == [0] + [192] * 7, result
+
+
 def test_spec_acceptance_benchmark_predicts_and_measures() -> None:
     """Offline per-position accuracy and the engine's acceptance are both well above 1 token per
     pass on dsv4-tiny (arithmetic), and the greedy tokens are the plain engine's (asserted in the

@@ -186,3 +186,21 @@ def test_penalties_start_from_the_request_on_a_cache_hit(ckpt: Path) -> None:
         outs[name] = (first.output_ids, second.output_ids, second.cached_tokens)
     assert outs["on"][2] > 0 and outs["off"][2] == 0, "only the cache-on second request hits"
     assert outs["on"][:2] == outs["off"][:2]
+
+
+def test_copies_of_one_prompt_arriving_together_compute_it_once(ckpt: Path) -> None:
+    """In-batch prefix sharing: 8 copies of a 100-token prompt added at once (the step budget
+    would admit them all together) wait for the first one's pages: every later copy reuses all
+    its whole pages but the last (96 of 100 tokens here), with the cache-off tokens. With the
+    cache off nothing waits (all 8 prefill in one step)."""
+    on, off = (LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=8192,
+                   chunked_prefill_size=2048, disable_prefix_cache=disabled)
+               for disabled in (False, True))
+    prompt = toks(100, seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = on.generate(prompt_token_ids=[prompt] * 8, sampling_params=params, use_tqdm=False)
+    want = off.generate(prompt_token_ids=[prompt] * 8, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.cached_tokens for o in got] == [0] + [96] * 7
+    assert off.engine.steps == 6 and on.engine.steps == 7   # one step of waiting, with the cache
+    assert_pools_free(on.engine)

@@ -30,6 +30,11 @@ class PrefixCache(Protocol):
         """Tokens behind a match point whose SWA state a continuing request reads."""
         ...
 
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is ever cached (False: `NoPrefixCache`)."""
+        ...
+
     def match(self, tokens: Sequence[int]) -> PrefixMatch:
         """Longest usable cached prefix of `tokens[:-1]`, whole pages (one token is always left)."""
         ...
@@ -74,6 +79,10 @@ class NoPrefixCache:
     @property
     def horizon(self) -> int:
         return self._horizon
+
+    @property
+    def enabled(self) -> bool:
+        return False
 
     def match(self, tokens: Sequence[int]) -> PrefixMatch:
         return PrefixMatch(self.root, [], 0)

@@ -85,6 +85,10 @@ class RadixPrefixCache:
         self.swa_protected = 0         # pages of live nodes with swa_lock > 0
         table.evict = self.evict
 
+    @property
+    def enabled(self) -> bool:
+        return True
+
     # ---- sizes ------------------------------------------------------------------------------
     @property
     def full_evictable(self) -> int:

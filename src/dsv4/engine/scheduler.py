@@ -10,6 +10,10 @@ Each step (FCFS):
 Pages are reserved here (`RequestTable.reserve`) before the step runs; the scheduler never looks
 at device tensors.
 
+In-batch prefix sharing: a waiting request whose first page equals that of a request prefilling
+in the same step, not yet cached, waits one step (`_wait_for_shared_prefix`), so N copies of one
+prompt arriving together compute it once.
+
 Speculative decoding (`speculative_num_steps = N > 0`, engine/spec_decode.py): a decoding request
 with drafts feeds its pending token and the drafts (1 + N tokens, all with logits) when the budget
 and the pools allow them, else its pending token alone (the stale drafts are dropped). A request
@@ -125,7 +129,7 @@ class Scheduler:
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if self.table.num_free_slots == 0:
+            if self.table.num_free_slots == 0 or self._wait_for_shared_prefix(req, chosen):
                 break
             slot = self._open(req)
             n = min(req.num_pending, budget)
@@ -139,6 +143,18 @@ class Scheduler:
             chosen.append((req, n))
             budget -= n
         return budget
+
+    def _wait_for_shared_prefix(self, req: Request, chosen: list[tuple[Request, int]]) -> bool:
+        """In-batch prefix sharing: `req` waits a step when a request prefilling in this step
+        starts with the same first page and that page is not cached yet (after the step it is,
+        and `req` matches it instead of computing it again). FCFS: admission stops here."""
+        P = self.config.page_size
+        if not self.cache.enabled or len(req.all_ids) <= P:
+            return False
+        head = req.all_ids[:P]
+        if not any(c.num_cached < P and c.all_ids[:P] == head for c, _ in chosen):
+            return False
+        return self.cache.match(req.all_ids).length < P
 
     def _open(self, req: Request) -> int:
         """A request slot for `req`, starting after its longest SWA-safe cached prefix (locked)."""
