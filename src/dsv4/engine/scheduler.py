@@ -217,20 +217,23 @@ class Scheduler:
         """Advance the cached length of every request in the step and release out-of-window SWA
         pages. `kept` (speculative decoding, `StepOutput.kept`): per request, its fed tokens
         whose KV is valid (those before its first rejected draft); None: all it fed."""
-        for req, n in zip(step.requests, kept or step.shape.lens, strict=True):
+        shape = step.shape
+        for req, n, fed, k in zip(step.requests, kept or shape.lens, shape.lens, shape.num_logits,
+                                  strict=True):
             if req.status is not ReqStatus.RUNNING:
                 continue
             before = req.num_cached
             req.num_cached += n
             assert req.slot is not None
-            self._update_cache(req, before)
+            self._update_cache(req, before, prefill=k < fed)
             self.table.release_swa(req.slot, req.num_cached)
 
-    def _update_cache(self, req: Request, before: int) -> None:
-        """Insert completed prefill pages; drop the SWA lock once the request is a horizon past its
-        path."""
+    def _update_cache(self, req: Request, before: int, prefill: bool) -> None:
+        """Insert completed prefill pages (a prefill chunk only: decode and verify steps leave the
+        insertion to the request's end, so their host work stays O(batch)); drop the SWA lock
+        once the request is a horizon past its path."""
         P = self.table.P
-        if req.num_cached - before > 1 and req.num_cached // P > before // P:
+        if prefill and req.num_cached - before > 1 and req.num_cached // P > before // P:
             self._cache_insert(req)
         lock = req.cache_lock
         if (lock is not None and lock.swa_held
