@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dsv4.rl.config import RLConfig
 from dsv4.utils.logging import init_logger
+from dsv4.utils.threads import use_cpu_threads
 
 logger = init_logger(__name__)
 
@@ -88,6 +89,8 @@ def run_rl(args: argparse.Namespace) -> int:
     from dsv4.rl.trainer import open_run
 
     config = config_from_args(args)
+    if config.device == "cpu":
+        use_cpu_threads()
     trainer = open_run(config, resume=args.resume)
     last = trainer.run()
     logger.info("stopped at step %d/%d: %s", trainer.step, config.steps, last)

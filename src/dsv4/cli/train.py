@@ -17,6 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from dsv4.utils.logging import init_logger
+from dsv4.utils.threads import use_cpu_threads
 
 logger = init_logger(__name__)
 
@@ -91,6 +92,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     config = TrainConfig(data_dir=str(args.data), out_dir=str(args.out), compile=args.compile,
                          **{name: getattr(args, name) for name in _RUN_FLAGS})
+    if config.device == "cpu":
+        use_cpu_threads()
     trainer = open_run(config, resume=args.resume)
     last = trainer.run()
     logger.info("stopped at step %d/%d: %s", trainer.step, config.steps, last)

@@ -28,6 +28,7 @@ from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.stop import OutputText
 from dsv4.model.loader import load_model
+from dsv4.utils.threads import use_cpu_threads
 
 
 def _engine_config(engine_args: dict[str, Any]) -> EngineConfig:
@@ -44,6 +45,8 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         config = _engine_config(engine_args)
+        if device == "cpu":
+            use_cpu_threads()
         path = Path(model)
         self.model = load_model(path, dtype=dtype, device=device,
                                 weight_format=check_weight_format(weight_format))
