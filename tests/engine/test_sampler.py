@@ -395,3 +395,24 @@ def test_cuda_matches_cpu() -> None:
         hash_uniform(torch.tensor(seeds), torch.tensor(steps), 1000, dev).cpu(),
         hash_uniform(torch.tensor(seeds), torch.tensor(steps), 1000, "cpu"),
     )
+
+
+def test_logit_bias_bans_and_forces_tokens() -> None:
+    """OpenAI semantics: -100 on the argmax changes a greedy row's token, +100 forces another;
+    the reported log-probs stay those of the raw logits; rows without a bias are untouched."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    top = logits.argmax(dim=-1)
+    params = [SamplingParams(temperature=0.0, logit_bias=((int(top[0]), -100.0),)),
+              SamplingParams(temperature=0.9, logit_bias=((7, 100.0),)),
+              SamplingParams(temperature=0.0)]
+    out = sample(logits, _batch(params))
+    assert int(out.token_ids[0]) != int(top[0])
+    assert int(out.token_ids[1]) == 7 and int(out.token_ids[2]) == int(top[2])
+    assert torch.allclose(out.logprobs[1], torch.log_softmax(logits[1], -1)[7])
+
+
+def test_logit_bias_is_validated() -> None:
+    assert SamplingParams.create(logit_bias={3: 1.5}).logit_bias == ((3, 1.5),)
+    for bad in ({3: 101.0}, {-1: 1.0}, [(3, 1.0), (3, 2.0)]):
+        with pytest.raises(ValueError, match="^logit_bias=.* is invalid; allowed: "):
+            SamplingParams.create(logit_bias=bad)

@@ -21,7 +21,8 @@ SPEC_SNAPSHOT = dataclasses.replace(SNAPSHOT, spec_num_steps=3, spec_accept_hist
 MESSAGES: list[ipc.Message] = [
     ipc.AddRequest("r-0", [0, 5, 9], SamplingParams.create(max_tokens=7, temperature=0.5,
                                                            stop=["\n", "ab"], stop_token_ids=[1],
-                                                           seed=3, logprobs=2)),
+                                                           seed=3, logprobs=2,
+                                                           logit_bias={5: -100.0, 9: 2.5})),
     ipc.AbortRequests(["a", "b"]),
     ipc.StatsQuery(4, check_integrity=True, flush_cache=True),
     ipc.ShutdownEngine(),

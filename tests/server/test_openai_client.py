@@ -181,6 +181,29 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_logit_bias(client: openai.OpenAI, llm: LLM) -> None:
+    """-100 on the first greedy token changes it; +100 on another forces it (the server's text
+    equals offline generation with the same bias); out-of-range values and keys that are not
+    token ids of the vocabulary are 400s naming logit_bias."""
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.0),
+                         use_tqdm=False)[0].token_ids[0]
+    for bias, n in (({plain: -100.0}, 1), ({7: 100.0}, 3)):
+        offline = llm.generate(PROMPT, SamplingParams.create(max_tokens=n, temperature=0.0,
+                                                             logit_bias=bias),
+                               use_tqdm=False)[0]
+        served = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=n,
+                                           temperature=0,
+                                           logit_bias={str(k): v for k, v in bias.items()})
+        assert served.choices[0].text == offline.text
+        if n == 1:
+            assert offline.token_ids != [plain]
+        else:
+            assert offline.token_ids == [7, 7, 7]
+    for bad in ({"7": 101}, {"x": 1}, {"99999999": 1}):
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logit_bias=bad)
+
+
 def test_stop_string_cuts_the_text(client: openai.OpenAI, server: ServerProcess) -> None:
     """Stop strings are applied in the API process: the text ends before the stop string, the tokens
     after the one that completed it are not reported, and the engine is told to finish the request

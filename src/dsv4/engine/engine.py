@@ -97,6 +97,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contains unknown token ids {bad[:5]}; "
                              f"allowed: 0..{self.vocab_size - 1}")
+        bad_bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias has unknown token ids {bad_bias[:5]}; "
+                             f"allowed: 0..{self.vocab_size - 1}")
         need = min(len(prompt_ids) + params.max_tokens, self.context_length)
         if need > self.max_total_tokens:
             raise ValueError(f"prompt + max_tokens = {need} tokens cannot fit the KV cache "

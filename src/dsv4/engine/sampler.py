@@ -4,7 +4,7 @@ Owns the per-step `SamplingBatch` (the request parameters as device tensors), th
 and the random draw:
 
     raw logits [B, V] fp32
-      -> penalties (repetition on prompt+output, frequency/presence on output)
+      -> penalties (repetition on prompt+output, frequency/presence on output), then logit_bias
       -> greedy rows: argmax            (ties -> lowest token id)
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> exponential race
 
@@ -90,6 +90,8 @@ class SamplingBatch:
     do_presence_penalty: bool = False
     # [B] fp32 divisor of the logits for the reported logprobs (temperature or 1); None: all 1
     logprob_temperature: Tensor | None = None
+    # logit bias as (row, token id, bias) triples; None: no row has one
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -145,6 +147,7 @@ class SamplingBatch:
         )
         floats, ints = _to_device(floats, device), _to_device(ints, device)
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        triples = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
         return cls(
             temperature=floats[0],
             logprob_temperature=floats[1] if any(p.scaled_logprobs for p in params) else None,
@@ -164,6 +167,7 @@ class SamplingBatch:
             do_repetition_penalty=any(p.repetition_penalty != 1 for p in params),
             do_frequency_penalty=any(p.frequency_penalty != 0 for p in params),
             do_presence_penalty=any(p.presence_penalty != 0 for p in params),
+            bias=_bias_tensors(triples, device) if triples else None,
         )
 
 
@@ -197,6 +201,13 @@ def _validate_rows(params: Sequence[SamplingParams], steps: Sequence[int],
     for seed in seeds:
         if not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seeds entry {seed} is invalid; allowed: 0 <= seed < 2**63")
+
+
+def _bias_tensors(triples: list[tuple[int, int, float]], device: torch.device | str
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    rows, toks, bias = zip(*triples, strict=True)
+    ints = _to_device(torch.tensor([rows, toks], dtype=torch.int64), device)
+    return ints[0], ints[1], _to_device(torch.tensor(bias, dtype=torch.float32), device)
 
 
 def _to_device(host: Tensor, device: torch.device | str) -> Tensor:
@@ -272,8 +283,17 @@ def apply_penalties(
 
     Formulas (HF/vLLM): where `prompt_mask`, positive logits are divided by the repetition penalty
     and negative ones multiplied; then `logits -= frequency * counts` and
-    `logits -= presence * (counts > 0)`.
+    `logits -= presence * (counts > 0)`; then each row's `logit_bias` is added (OpenAI).
     """
+    out = _penalised(logits, batch, token_counts, prompt_mask)
+    if batch.bias is not None:
+        rows, toks, bias = batch.bias
+        out = out.index_put((rows, toks), bias, accumulate=True)
+    return out
+
+
+def _penalised(logits: Tensor, batch: SamplingBatch, token_counts: Tensor | None,
+               prompt_mask: Tensor | None) -> Tensor:
     out = logits
     if batch.do_repetition_penalty:
         if prompt_mask is None:

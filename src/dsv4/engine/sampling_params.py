@@ -18,7 +18,7 @@ Test: `pytest tests/engine/test_sampling_params.py`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,9 @@ class SamplingParams:
     - `logprobs`: None = no logprobs; k in 0..20 = the sampled token's logprob plus the top-k
       alternatives.
     - `skip_special_tokens`: drop special tokens when detokenizing.
+    - `logit_bias`: (token id, bias) pairs added to the raw logits before penalties' result is
+      sampled (OpenAI's semantics: -100..100; -100 in effect bans a token, +100 forces it);
+      token ids are checked against the vocabulary by the engine. `create` takes a mapping.
     - `scaled_logprobs`: report log-probs of the temperature-scaled distribution
       `log_softmax(logits / temperature)` (the one sampled from, before top-k / top-p / min-p
       truncation: RL's rollout log-probs, as Miles defines them) instead of the raw model
@@ -85,6 +88,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     scaled_logprobs: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self._validate_length()
@@ -99,12 +103,14 @@ class SamplingParams:
         *,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: int | Sequence[int] | None = None,
+        logit_bias: Mapping[int, float] | Sequence[Sequence[float]] | None = None,
         **kwargs: Any,
     ) -> SamplingParams:
         """Build from API-style arguments: `stop` may be a str or a list, `stop_token_ids` an int
-        or a list; None means none. Every other keyword is passed through unchanged."""
+        or a list, `logit_bias` a mapping token id -> bias or (id, bias) pairs; None means none.
+        Every other keyword is passed through unchanged."""
         return cls(stop=_normalise_stop(stop), stop_token_ids=_normalise_stop_ids(stop_token_ids),
-                   **kwargs)
+                   logit_bias=_normalise_bias(logit_bias), **kwargs)
 
     @property
     def is_greedy(self) -> bool:
@@ -149,6 +155,12 @@ class SamplingParams:
         )
         _require(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed", seed,
                  "None or 0 <= seed < 2**63")
+        bias = self.logit_bias
+        bias_ok = isinstance(bias, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
+            and _is_real(p[1]) and -100 <= p[1] <= 100 for p in bias)
+        _require(bias_ok and len({p[0] for p in bias}) == len(bias), "logit_bias", bias,
+                 "distinct token ids >= 0 with biases in [-100, 100]")
         for name in ("ignore_eos", "skip_special_tokens", "scaled_logprobs"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "True or False")
@@ -160,6 +172,14 @@ def _normalise_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if isinstance(stop, str):
         return (stop,)
     return tuple(stop)
+
+
+def _normalise_bias(bias: Mapping[int, float] | Sequence[Sequence[float]] | None
+                    ) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    return tuple((p[0], p[1]) for p in pairs)  # type: ignore[misc]
 
 
 def _normalise_stop_ids(ids: int | Sequence[int] | None) -> tuple[int, ...]:

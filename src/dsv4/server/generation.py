@@ -108,7 +108,14 @@ def build_params(body: SamplingFields, max_tokens: int,
              "presence_penalty")
     kwargs = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     try:
+        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    except ValueError as e:
+        keys = sorted(body.logit_bias or {})[:5]
+        raise bad_request(f"logit_bias keys must be token ids; got {keys}; allowed: decimal "
+                          "integers", "logit_bias") from e
+    try:
         base = SamplingParams.create(stop=body.stop, stop_token_ids=body.stop_token_ids,
+                                     logit_bias=bias,
                                      max_tokens=max_tokens, seed=body.seed,
                                      ignore_eos=body.ignore_eos, logprobs=logprobs,
                                      skip_special_tokens=body.skip_special_tokens, **kwargs)

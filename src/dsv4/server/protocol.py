@@ -2,7 +2,8 @@
 and the response, stream-chunk, model-list and usage objects, field for field as OpenAI names them.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion)
-and unknown fields are ignored, as OpenAI clients send extras. vLLM/SGLang extensions are accepted
+and unknown fields are ignored, as OpenAI clients send extras. `logit_bias` (token id string ->
+bias in [-100, 100]) follows OpenAI. vLLM/SGLang extensions are accepted
 where dsv4 implements them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `skip_special_tokens`, `chat_template_kwargs`, and SGLang's RL options `return_routed_experts` /
 `return_indexer_topk` (each choice then carries `routed_experts` / `indexer_topk` as a
@@ -53,6 +54,7 @@ class SamplingFields(_Request):
     user: str | None = None
     return_routed_experts: bool = False
     return_indexer_topk: bool = False
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(SamplingFields):
