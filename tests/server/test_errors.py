@@ -127,7 +127,7 @@ def test_oversized_body_is_413(http: httpx.Client) -> None:
 
 
 def test_full_waiting_queue_is_503(http: httpx.Client, server: ServerProcess) -> None:
-    body = {"prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with ExitStack() as streams:
         for _ in range(MAX_RUNNING + MAX_WAITING):   # each returns once the engine has queued it
             r = streams.enter_context(http.stream("POST", "/v1/completions", json=body))

@@ -44,6 +44,19 @@ class ServerState:
         assert self.client.model is not None, "a job was admitted before the engine was ready"
         return self.client.model
 
+    def check_context(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """400 (param max_tokens) when a prompt plus `max_tokens` exceeds the context length, as
+        vLLM answers: the request would otherwise end early with fewer tokens than asked."""
+        limit = self.model_info.context_length
+        for ids in prompts:
+            # a prompt that alone reaches the limit is the engine's error (param "prompt")
+            if len(ids) < limit < len(ids) + max_tokens:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                               f"However, you requested {len(ids) + max_tokens} tokens "
+                               f"({len(ids)} in the prompt, {max_tokens} in the completion). "
+                               "Please reduce the length of the prompt or completion.",
+                               "max_tokens")
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
             raise APIError(404, f"model={name!r} does not exist; "
@@ -52,6 +65,7 @@ class ServerState:
 
     def start_job(self, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                   routing: list[str] | None = None) -> GenerationJob:
+        self.check_context(prompts, params[0].max_tokens)
         job = GenerationJob(self.client, f"{kind}-{uuid.uuid4().hex}", prompts, params, routing,
                             speculative=self.config.speculative_num_steps > 0)
         self.jobs[job.id] = job
