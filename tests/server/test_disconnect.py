@@ -1,5 +1,6 @@
-"""Clients that disconnect mid-stream: their requests are aborted in the engine and every KV pool,
-and every request slot, is back to its initial free count."""
+"""Clients that disconnect mid-stream, or during a non-streaming request: their requests are
+aborted in the engine and every KV pool, and every request slot, is back to its initial free
+count."""
 
 from __future__ import annotations
 
@@ -41,4 +42,21 @@ def test_disconnected_streams_are_aborted_and_free_their_pages(server: ServerPro
     after = server.wait_idle(timeout=60)
     assert after["num_aborted"] - before["num_aborted"] == NUM_CLIENTS, (before, after)
     assert after["num_finished"] == before["num_finished"], "a dropped request ran to completion"
+    assert_pools_free(after, server.initial)
+
+
+def test_disconnected_non_streaming_request_is_aborted(server: ServerProcess) -> None:
+    """A non-streaming request whose client gives up while tokens flow is aborted (not run to
+    its 2000 tokens), and its pages come back."""
+    before = server.engine_stats()
+    body = {"prompt": "def g(x):", "max_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=1.5) as http:
+        try:
+            http.post("/v1/completions", json=body)
+            raise AssertionError("the request was meant to outlast the client's timeout")
+        except httpx.ReadTimeout:
+            pass
+    after = server.wait_idle(timeout=60)
+    assert after["num_aborted"] - before["num_aborted"] == 1, (before, after)
+    assert after["num_finished"] == before["num_finished"], "the request ran to completion"
     assert_pools_free(after, server.initial)

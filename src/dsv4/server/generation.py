@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -138,6 +139,7 @@ class GenerationJob:
         self._queue: JobQueue = asyncio.Queue()
         # items that arrived while waiting for acceptance
         self._early: deque[tuple[int, Item]] = deque()
+        self._checked = time.monotonic()     # the last client-disconnect check
         client.submit([(rid, prompts[k // n], params[k % n]) for k, rid in enumerate(self._rids)],
                       self._queue, self.routing)
 
@@ -212,11 +214,17 @@ class GenerationJob:
         if is_disconnected is None:
             return await self._queue.get()
         while True:
+            # NOTE: also while tokens flow (a non-streaming request learns of its client's
+            # disconnect only here), at most every DISCONNECT_POLL_S
+            now = time.monotonic()
+            if now - self._checked >= DISCONNECT_POLL_S:
+                self._checked = now
+                if await is_disconnected():
+                    raise ClientGone()
             try:
                 return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
-                if await is_disconnected():
-                    raise ClientGone() from None
+                continue
 
     def _apply(self, index: int, item: Item) -> tuple[ChoiceOutput, ChoiceDelta] | None:
         self._fail_on_error(item)
