@@ -8,6 +8,8 @@
     POST /v1/chat/completions  chat.py
     POST /v1/abort             {"request_id": "<id of a running completion>"}: its choices end
                                with "abort"
+    POST /tokenize, /detokenize, GET /tokenizer_info
+                               the tokenizer over HTTP, as vLLM defines them (tokenize.py)
     GET  /v1/engine_stats      engine state (pools, slots, queue, counters; speculative
                                decoding: `spec_num_steps`, `spec_accept_hist` (verify passes by
                                accepted drafts, N + 1 counts), `spec_draft_tokens`,
@@ -61,6 +63,13 @@ from dsv4.server.protocol import (
     UpdateWeightsFromDiskResponse,
 )
 from dsv4.server.state import ServerState
+from dsv4.server.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenizer_info,
+)
 
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[..., Awaitable[Response]]
@@ -81,6 +90,10 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/v1/completions", _completions(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", _chat(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/abort", _abort(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/tokenize", _tokenize(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/detokenize", _detokenize(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/tokenizer_info", _tokenizer_info(state), methods=["GET"],
+                      dependencies=auth)
     app.add_api_route("/v1/engine_stats", _engine_stats(state), methods=["GET"], dependencies=auth)
     app.add_api_route("/flush_cache", _flush_cache(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/update_weights_from_disk", _update_weights_from_disk(state),
@@ -170,6 +183,29 @@ def _chat(state: ServerState) -> Handler:
         return await create_chat_completion(state, body, request)
 
     return chat
+
+
+def _tokenize(state: ServerState) -> Handler:
+    async def handler(request: Request) -> Response:
+        body = await parse_body(request, TokenizeRequest, state.config.max_request_bytes)
+        return tokenize(state, body)
+
+    return handler
+
+
+def _detokenize(state: ServerState) -> Handler:
+    async def handler(request: Request) -> Response:
+        body = await parse_body(request, DetokenizeRequest, state.config.max_request_bytes)
+        return detokenize(state, body)
+
+    return handler
+
+
+def _tokenizer_info(state: ServerState) -> Handler:
+    async def handler() -> Response:
+        return tokenizer_info(state)
+
+    return handler
 
 
 def _abort(state: ServerState) -> Handler:
