@@ -97,6 +97,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contains unknown token ids {bad[:5]}; "
                              f"allowed: 0..{self.vocab_size - 1}")
+        if params.prompt_logprobs is not None and self.spec_steps:
+            raise ValueError("prompt_logprobs is not supported with speculative decoding; "
+                             "allowed: None, or an engine with speculative_num_steps=0")
         bad_bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias has unknown token ids {bad_bias[:5]}; "
@@ -166,6 +169,8 @@ class LLMEngine:
     def _process(self, result: StepResult) -> list[Request]:
         """Append each request's tokens up to the first that finishes it (the rest are dropped)."""
         now, updated = time.perf_counter(), []
+        for req, position, logprob, top in result.prompt:
+            req.add_prompt_logprob(position, logprob, top)
         for req, out in zip(result.requests, result.outputs, strict=True):
             if req.status is not ReqStatus.RUNNING:
                 continue

@@ -52,11 +52,30 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # params.prompt_logprobs: per prompt position its token's log-prob (None at 0) and top-k
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     all_ids: list[int] = field(init=False)    # prompt_ids + output_ids, kept by append_token
 
     def __post_init__(self) -> None:
         assert not self.output_ids, "a request starts without output (append_token adds it)"
         self.all_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = [None], [{}]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt log-probs and they are still to be computed (the first
+        prefill)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_ids))
+
+    def add_prompt_logprob(self, position: int, logprob: float, top: dict[int, float]) -> None:
+        """The log-prob of prompt token `position`; a position already recorded (a prefill
+        repeated after preemption) is ignored."""
+        if position == len(self.prompt_logprobs):
+            self.prompt_logprobs.append(logprob)
+            self.prompt_top_logprobs.append(top)
 
     def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None,
                      now: float) -> None:
@@ -114,6 +133,9 @@ class RequestOutput:
     # speculative decoding: drafts verified and drafts accepted over the request
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) and its top-k
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
 
     @staticmethod
     def from_request(req: Request, text: str = "", num_tokens: int | None = None,
@@ -134,4 +156,9 @@ class RequestOutput:
                                                                     strict=False)],
                              cached_tokens=req.cached_tokens, routing=routing,
                              spec_draft_tokens=req.spec_draft_tokens,
-                             spec_accepted_tokens=req.spec_accepted_tokens)
+                             spec_accepted_tokens=req.spec_accepted_tokens,
+                             prompt_logprobs=(req.prompt_logprobs
+                                              if req.params.prompt_logprobs is not None else None),
+                             prompt_top_logprobs=(req.prompt_top_logprobs
+                                                  if req.params.prompt_logprobs is not None
+                                                  else None))

@@ -23,7 +23,7 @@ from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_kernel_backen
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
-from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
+from dsv4.engine.sampler import SampleOutput, SamplingBatch, raw_logprobs, sample
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.engine.spec_decode import Drafts, Segments, draft, successors, verify
 from dsv4.kernels.ref.batch_invariant import batch_invariant
@@ -51,10 +51,12 @@ class RequestTokens:
 
 @dataclass
 class StepResult:
-    """Host-side results for the requests of a step that sampled (in step order)."""
+    """Host-side results for the requests of a step that sampled (in step order), and the prompt
+    log-probs it computed: (request, prompt position, log-prob of its token, top-k)."""
 
     requests: list[Request]
     outputs: list[RequestTokens]
+    prompt: list[tuple[Request, int, float, dict[int, float]]] = field(default_factory=list)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -64,6 +66,27 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Prompt log-probs of a step's prompt rows, on the device: `meta` (request, position) per
+    row; `logprobs` [P]; `top_ids` / `top_logprobs` [P, k] (None when no request asks for any)."""
+
+    meta: list[tuple[Request, int]]
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+    @staticmethod
+    def compute(logits: torch.Tensor, rows: list[tuple[Request, int, int]],
+                device: torch.device) -> PromptRows:
+        """Raw log-probs (the sampler's convention) of each row's next prompt token."""
+        idx = torch.tensor([[r, req.all_ids[p]] for req, r, p in rows],
+                           dtype=torch.int64).to(device, non_blocking=True)
+        k = max(req.params.prompt_logprobs or 0 for req, _, _ in rows)
+        lp, top_lp, top_ids = raw_logprobs(logits[idx[:, 0]], idx[:, 1], k)
+        return PromptRows([(req, p) for req, _, p in rows], lp, top_ids, top_lp)
 
 
 class StepOutput:
@@ -76,8 +99,12 @@ class StepOutput:
 
     def __init__(self, step: ScheduledStep, requests: list[Request], rows: list[int],
                  sampled: SampleOutput | None, captured: Captured | None,
-                 device: torch.device, drafts: Drafts | None = None) -> None:
+                 device: torch.device, drafts: Drafts | None = None,
+                 prompt: PromptRows | None = None) -> None:
         self.step, self.requests, self.rows, self.sampled = step, requests, rows, sampled
+        self._prompt = None if prompt is None else (prompt.meta, [
+            _to_host(t) for t in (prompt.logprobs, prompt.top_ids, prompt.top_logprobs)
+            if t is not None])
         self._host = None if sampled is None else [
             _to_host(t) for t in (sampled.token_ids, sampled.logprobs, sampled.top_ids,
                                   sampled.top_logprobs)
@@ -115,8 +142,9 @@ class StepOutput:
                                    self.step.shape.num_logits, strict=True)]
 
     def _split(self) -> StepResult:
+        prompt = self._split_prompt()
         if self._host is None:
-            return StepResult([], [])
+            return StepResult([], [], prompt)
         token_ids, logprobs, *top = (t.tolist() for t in self._host)
         accepted: list[int] = [n - 1 for n in self.rows]
         nxt: dict[int, list[int]] = {}
@@ -131,7 +159,18 @@ class StepOutput:
             outputs.append(RequestTokens(token_ids[row:row + m], logprobs[row:row + m], tops,
                                          num_drafts=n - 1, next_drafts=nxt.get(i, [])))
             row += n
-        return StepResult(self.requests, outputs)
+        return StepResult(self.requests, outputs, prompt)
+
+    def _split_prompt(self) -> list[tuple[Request, int, float, dict[int, float]]]:
+        if self._prompt is None:
+            return []
+        meta, (logprobs, *top) = self._prompt[0], (t.tolist() for t in self._prompt[1])
+        out = []
+        for r, (req, position) in enumerate(meta):
+            k = req.params.prompt_logprobs or 0
+            tops = dict(zip(top[0][r][:k], top[1][r][:k], strict=True)) if top else {}
+            out.append((req, position, logprobs[r], tops))
+        return out
 
 
 def _store_routing(step: ScheduledStep, routing: dict[str, torch.Tensor], kept: list[int]) -> None:
@@ -255,12 +294,39 @@ class ModelRunner:
                                                self.config.capture_routing)
         else:
             logits, captured = self._forward_eager(step)
-        pairs = [(r, k) for r, k in zip(step.requests, step.shape.num_logits, strict=True) if k > 0]
-        requests, rows = [r for r, _ in pairs], [k for _, k in pairs]
-        row_reqs = [r for r, k in pairs for _ in range(k)]
-        steps = [len(r.output_ids) + j for r, k in pairs for j in range(k)]
-        sampled = self._sample(logits, row_reqs, steps) if row_reqs else None
-        return StepOutput(step, requests, rows, sampled, captured, self.device)
+        sample_rows, prompt = self._split_rows(step)
+        requests = [r for r, _ in sample_rows]
+        sampled = None
+        if requests:
+            rows = torch.tensor([i for _, i in sample_rows],
+                                dtype=torch.int64).to(self.device, non_blocking=True)
+            sampled = self._sample(logits[rows], requests,
+                                   [len(r.output_ids) for r in requests])
+        prompt_rows = None
+        if prompt:
+            prompt_rows = PromptRows.compute(logits, prompt, self.device)
+        return StepOutput(step, requests, [1] * len(requests), sampled, captured, self.device,
+                          prompt=prompt_rows)
+
+    @staticmethod
+    def _split_rows(step: ScheduledStep) -> tuple[list[tuple[Request, int]],
+                                                  list[tuple[Request, int, int]]]:
+        """The step's logit rows: (request, row) of each sampling row (a request's last row when
+        its chunk reaches its end), and (request, row, position of the next prompt token) of each
+        prompt log-prob row."""
+        sample_rows, prompt = [], []
+        row = 0
+        for req, start, n, k in zip(step.requests, step.shape.starts, step.shape.lens,
+                                    step.shape.num_logits, strict=True):
+            samples = start + n >= len(req.all_ids)
+            for j in range(k):
+                position = start + n - k + j + 1            # of the token this row predicts
+                if samples and j == k - 1:
+                    sample_rows.append((req, row))
+                else:
+                    prompt.append((req, row, position))
+                row += 1
+        return sample_rows, prompt
 
     def _context(self, step: ScheduledStep) -> ForwardContext:
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)

@@ -63,6 +63,10 @@ class SamplingParams:
     - `ignore_eos`: keep generating past the eos token.
     - `logprobs`: None = no logprobs; k in 0..20 = the sampled token's logprob plus the top-k
       alternatives.
+    - `prompt_logprobs`: None = none; k in 0..20 = for every prompt token after the first, its
+      log-prob under the model given the tokens before it, plus the top-k alternatives (raw
+      `log_softmax`, vLLM's semantics); the request then computes its whole prompt (no prefix
+      cache match).
     - `skip_special_tokens`: drop special tokens when detokenizing.
     - `logit_bias`: (token id, bias) pairs added to the raw logits before penalties' result is
       sampled (OpenAI's semantics: -100..100; -100 in effect bans a token, +100 forces it);
@@ -89,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     scaled_logprobs: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_length()
@@ -153,6 +158,9 @@ class SamplingParams:
             lp,
             f"None or 0 <= logprobs <= {MAX_LOGPROBS}",
         )
+        plp = self.prompt_logprobs
+        _require(plp is None or (_is_int(plp) and 0 <= plp <= MAX_LOGPROBS), "prompt_logprobs",
+                 plp, f"None or 0 <= prompt_logprobs <= {MAX_LOGPROBS}")
         _require(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed", seed,
                  "None or 0 <= seed < 2**63")
         bias = self.logit_bias

@@ -157,8 +157,9 @@ class Scheduler:
         return self.cache.match(req.all_ids).length < P
 
     def _open(self, req: Request) -> int:
-        """A request slot for `req`, starting after its longest SWA-safe cached prefix (locked)."""
-        match = self.cache.match(req.all_ids)
+        """A request slot for `req`, starting after its longest SWA-safe cached prefix (locked);
+        a request still owing its prompt log-probs computes its whole prompt."""
+        match = self.cache.match(req.all_ids[:1] if req.wants_prompt_logprobs else req.all_ids)
         req.cache_lock = self.cache.lock(match.node, match.length)
         req.num_cached = match.length
         return self.table.open(match.pages)
@@ -206,9 +207,11 @@ class Scheduler:
             slots.append(req.slot)
             starts.append(req.num_cached)
             lens.append(n)
-            # the last token samples; with drafts, every fed token has logits
+            # the last token samples; with drafts, or owing prompt log-probs, every fed token has
+            # logits
             samples = req.num_cached + n >= len(req.all_ids)
-            num_logits.append((1 + len(req.draft_ids)) if samples else 0)
+            num_logits.append(n if req.wants_prompt_logprobs else
+                              (1 + len(req.draft_ids)) if samples else 0)
             drafting.append(self._drafts_next(req, n))
         return ScheduledStep([r for r, _ in chosen], StepShape(slots, starts, lens, num_logits),
                              input_ids, [i >= num_running for i in range(len(chosen))], drafting)
