@@ -5,7 +5,10 @@ formatting: `echo` (the prompt text is prepended to the choice text, and sent in
 chunk when streaming), `logprobs: k` -> `{"tokens", "token_logprobs", "top_logprobs",
 "text_offset"}` (offsets count characters of the returned text), `stream_options.include_usage` (a
 last chunk with `choices: []`), `return_routed_experts` / `return_indexer_topk` (routing.py). The
-default `max_tokens` is 16, as OpenAI's.
+default `max_tokens` is 16, as OpenAI's. `echo` with `logprobs: k` also scores the prompt (the
+engine's `prompt_logprobs`: the prompt's tokens lead the logprobs lists, the first with null
+log-prob and top-k; the request then computes its whole prompt); `max_tokens: 0` with `echo`
+(not streamed) returns the prompt alone, as loglikelihood evaluators ask.
 
 Test: `pytest tests/server/test_openai_client.py`.
 """
@@ -41,16 +44,24 @@ async def create_completion(state: ServerState, body: CompletionRequest,
     routing = requested_routing(body, state.config.enable_return_routing)
     prompts, texts = _prompts(state.tokenizer, body.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    job = state.start_job("cmpl", prompts, build_params(body, max_tokens, body.logprobs), routing)
+    score_only = max_tokens == 0 and body.echo          # the engine samples one, dropped here
+    scored = body.logprobs if body.echo else None       # prompt log-probs (echo + logprobs)
+    job = state.start_job("cmpl", prompts,
+                          build_params(body, max(1, max_tokens) if score_only else max_tokens,
+                                       body.logprobs, scored), routing)
     streaming = False
     try:
         await job.wait_accepted(request.is_disconnected)
         if body.stream:
             streaming = True
-            return JobStreamingResponse(_stream(state, job, body, texts),
+            return JobStreamingResponse(_stream(state, job, body, texts, prompts),
                                         lambda: state.end_job(job))
         await job.collect(request.is_disconnected)
-        return JSONResponse(_response(state, job, body, texts).model_dump())
+        if score_only:
+            for c in job.choices:
+                c.token_ids, c.logprobs, c.top_logprobs, c.text = [], [], [], ""
+                c.finish_reason = "length"
+        return JSONResponse(_response(state, job, body, texts, prompts).model_dump())
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -64,9 +75,12 @@ def _check_supported(body: CompletionRequest) -> None:
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of={body.best_of} is not supported; allowed: null or equal to n",
                           "best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed); "
-                          "allowed: one of them", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens=0 is invalid without echo; allowed: max_tokens >= 1, or 0 "
+                          "with echo (score the prompt)", "max_tokens")
+    if body.max_tokens == 0 and body.stream:
+        raise bad_request("max_tokens=0 with stream is not supported; allowed: stream=false",
+                          "stream")
 
 
 def _prompts(tokenizer: ServerTokenizer, prompt: str | list[str] | list[int] | list[list[int]]
@@ -88,12 +102,14 @@ def _prompts(tokenizer: ServerTokenizer, prompt: str | list[str] | list[int] | l
 
 
 def _response(state: ServerState, job: GenerationJob, body: CompletionRequest,
-              texts: list[str]) -> CompletionResponse:
+              texts: list[str], prompts: list[list[int]]) -> CompletionResponse:
     choices = []
     for c in job.choices:
         prefix = texts[c.index // job.n] if body.echo else ""
         logprobs = _logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(prefix),
                              body.logprobs)
+        if logprobs is not None and c.prompt_logprobs is not None:
+            logprobs = _with_prompt(state.tokenizer, prompts[c.index // job.n], c, logprobs)
         choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=logprobs,
                                         finish_reason=c.finish_reason,
                                         **c.routing_fields(job.routing)))
@@ -118,14 +134,35 @@ def _logprobs(tok: ServerTokenizer, ids: list[int], lps: list[float],
     return out
 
 
+def _with_prompt(tok: ServerTokenizer, ids: list[int], c: ChoiceOutput,
+                 completion: CompletionLogprobs) -> CompletionLogprobs:
+    """The prompt's tokens and log-probs (None for the first), then the completion's (its offsets
+    already count the echoed prompt text)."""
+    out = CompletionLogprobs()
+    tops = c.prompt_top_logprobs or []
+    offset = 0
+    for i, (t, lp) in enumerate(zip(ids, c.prompt_logprobs or [], strict=True)):
+        token = tok.token_str(t)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(None if i == 0 else {tok.token_str(a): b for a, b in tops[i]})
+        out.text_offset.append(offset)
+        offset += len(token)
+    out.tokens += completion.tokens
+    out.token_logprobs += completion.token_logprobs
+    out.top_logprobs += completion.top_logprobs
+    out.text_offset += completion.text_offset
+    return out
+
+
 async def _stream(state: ServerState, job: GenerationJob, body: CompletionRequest,
-                  texts: list[str]) -> AsyncIterator[str]:
+                  texts: list[str], prompts: list[list[int]]) -> AsyncIterator[str]:
     created, model = int(time.time()), state.config.served_model_name
     offsets: dict[int, int] = {}    # choice index -> text_offset of its next token
     try:
         async for choice, delta in job.deltas():
             chunk = _chunk(state.tokenizer, choice, delta, body, texts[choice.index // job.n],
-                           offsets)
+                           offsets, prompts[choice.index // job.n])
             if chunk is not None:
                 yield sse(CompletionResponse(id=job.id, created=created, model=model,
                                              choices=[chunk]))
@@ -139,8 +176,8 @@ async def _stream(state: ServerState, job: GenerationJob, body: CompletionReques
 
 
 def _chunk(tok: ServerTokenizer, choice: ChoiceOutput, delta: ChoiceDelta,
-           body: CompletionRequest, prompt: str,
-           offsets: dict[int, int]) -> CompletionChoice | None:
+           body: CompletionRequest, prompt: str, offsets: dict[int, int],
+           prompt_ids: list[int]) -> CompletionChoice | None:
     first = choice.index not in offsets
     prefix = prompt if body.echo and first else ""
     start = offsets.get(choice.index, len(prefix))
@@ -148,6 +185,8 @@ def _chunk(tok: ServerTokenizer, choice: ChoiceOutput, delta: ChoiceDelta,
                          body.logprobs)
     offsets[choice.index] = (start + sum(len(t) for t in logprobs.tokens) if logprobs is not None
                              else start)
+    if first and logprobs is not None and delta.prompt_logprobs is not None:
+        logprobs = _with_prompt(tok, prompt_ids, choice, logprobs)
     has_tokens = logprobs is not None and bool(delta.token_ids)
     if not (prefix or delta.text or delta.finish_reason or has_tokens):
         return None

@@ -92,6 +92,10 @@ class ChoiceDelta:
     routing: dict[str, RoutingRows] = field(default_factory=dict)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: the prompt's log-probs (None for its first token) and
+    # top-k, on the request's first delta with tokens
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 Item = Accepted | ChoiceDelta | RequestError | EngineGone
@@ -284,7 +288,8 @@ class EngineClient:
         route.num_chars = len(route.text.text)
         return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep],
                            text, reason, delta.num_prompt_tokens, delta.cached_tokens,
-                           delta.routing, delta.spec_draft_tokens, delta.spec_accepted_tokens)
+                           delta.routing, delta.spec_draft_tokens, delta.spec_accepted_tokens,
+                           delta.prompt_logprobs, delta.prompt_top_logprobs)
 
     # ---- liveness -----------------------------------------------------------------------------
     def engine_exited(self, exitcode: int | None) -> None:

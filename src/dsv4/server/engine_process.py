@@ -221,13 +221,19 @@ class EngineLoop:
         n = self._sent[req.rid]
         top = [[(t, finite_logprob(lp)) for t, lp in d.items()] for d in req.top_logprobs[n:]]
         self._sent[req.rid] = len(req.output_ids)
+        prompt = n == 0 and bool(req.output_ids) and req.params.prompt_logprobs is not None
         return RequestDelta(rid=req.rid, token_ids=req.output_ids[n:],
                             logprobs=[finite_logprob(lp) for lp in req.logprobs[n:]],
                             top_logprobs=top, finish_reason=req.finish_reason,
                             num_prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
                             routing=self._routing_delta(req),
                             spec_draft_tokens=req.spec_draft_tokens,
-                            spec_accepted_tokens=req.spec_accepted_tokens)
+                            spec_accepted_tokens=req.spec_accepted_tokens,
+                            prompt_logprobs=([None if lp is None else finite_logprob(lp)
+                                              for lp in req.prompt_logprobs] if prompt else None),
+                            prompt_top_logprobs=([[(t, finite_logprob(lp)) for t, lp in d.items()]
+                                                  for d in req.prompt_top_logprobs]
+                                                 if prompt else None))
 
     def _routing_delta(self, req: Request) -> dict[str, RoutingRows]:
         """The routing rows of the positions fed since the request's previous delta.

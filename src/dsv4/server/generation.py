@@ -73,8 +73,13 @@ class ChoiceOutput:
     routing: dict[str, list[RoutingRows]] = field(default_factory=dict)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def apply(self, delta: ChoiceDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_top_logprobs = delta.prompt_top_logprobs
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.top_logprobs += delta.top_logprobs
@@ -100,8 +105,8 @@ def choice_seed(seed: int | None, sample: int) -> int | None:
     return int.from_bytes(digest[:8], "little") % (MAX_SEED + 1)
 
 
-def build_params(body: SamplingFields, max_tokens: int,
-                 logprobs: int | None) -> list[SamplingParams]:
+def build_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+                 prompt_logprobs: int | None = None) -> list[SamplingParams]:
     """The SamplingParams of the body's n samples; 400 naming the field for any invalid value."""
     if not 1 <= body.n <= MAX_N:
         raise bad_request(f"n={body.n} is invalid; allowed: 1 <= n <= {MAX_N}", "n")
@@ -118,6 +123,7 @@ def build_params(body: SamplingFields, max_tokens: int,
         base = SamplingParams.create(stop=body.stop, stop_token_ids=body.stop_token_ids,
                                      logit_bias=bias,
                                      max_tokens=max_tokens, seed=body.seed,
+                                     prompt_logprobs=prompt_logprobs,
                                      ignore_eos=body.ignore_eos, logprobs=logprobs,
                                      skip_special_tokens=body.skip_special_tokens, **kwargs)
     except ValueError as e:

@@ -133,6 +133,10 @@ class RequestDelta:
     routing: dict[str, RoutingRows] = field(default_factory=dict)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: the prompt's log-probs (None for its first token) and
+    # top-k, on the request's first delta with tokens
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -261,7 +265,10 @@ def _add_request(d: dict[str, Any]) -> AddRequest:
 def _delta(d: dict[str, Any]) -> RequestDelta:
     top = [[(int(t), float(lp)) for t, lp in pairs] for pairs in d.pop("top_logprobs")]
     routing = {key: RoutingRows(**rows) for key, rows in d.pop("routing").items()}
-    return RequestDelta(top_logprobs=top, routing=routing, **d)
+    ptop = d.pop("prompt_top_logprobs", None)
+    if ptop is not None:
+        ptop = [[(int(t), float(lp)) for t, lp in pairs] for pairs in ptop]
+    return RequestDelta(top_logprobs=top, routing=routing, prompt_top_logprobs=ptop, **d)
 
 
 def _snapshot(d: dict[str, Any]) -> EngineSnapshot:
