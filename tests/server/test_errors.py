@@ -45,7 +45,7 @@ def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
 def test_api_key_is_required_on_v1_only(server: ServerProcess) -> None:
     body = {"prompt": "hi", "max_tokens": 1}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)
-    assert error_of(missing, 401)["type"] == "AuthenticationError"
+    assert error_of(missing, 401)["type"] == "invalid_request_error"
     wrong = httpx.post(f"{server.url}/v1/completions", json=body,
                        headers={"Authorization": "Bearer nope"})
     error_of(wrong, 401)

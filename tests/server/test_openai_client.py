@@ -42,6 +42,10 @@ def test_models_lists_the_embedded_trained_model(client: openai.OpenAI,
     assert [m.id for m in models] == [MODEL]
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     assert card["random_weights"] is False and card["max_model_len"] == 2048
+    assert card["root"] == MODEL, "no server path in the model card"
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_completion_shape_and_usage(client: openai.OpenAI, server: ServerProcess) -> None:
@@ -297,4 +301,8 @@ def test_pools_are_free_after_the_module(server: ServerProcess) -> None:
 
 
 def server_model(server: ServerProcess) -> str:
-    return str(httpx.get(f"{server.url}/v1/models").json()["data"][0]["root"])
+    """The checkpoint the test server serves (the shipped dsv4-tiny; /v1/models names it only)."""
+    from dsv4.assets import default_model_path
+
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["root"] == MODEL
+    return str(default_model_path())

@@ -19,6 +19,7 @@ from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionMessageParam
 
 from dsv4 import LLM, SamplingParams
+from dsv4.assets import default_model_path
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.cli.main import build_parser
@@ -110,7 +111,7 @@ def test_streaming_completion_reports_drafts_in_the_usage_chunk(client: openai.O
 
 def test_greedy_chat_equals_plain_engine(client: openai.OpenAI, spec_server: ServerProcess,
                                          llm: LLM) -> None:
-    root = str(httpx.get(f"{spec_server.url}/v1/models").json()["data"][0]["root"])
+    root = str(default_model_path())
     text = ChatTemplate.from_checkpoint(root).render([ChatMessage(role="user", content=USER)])
     ids = ServerTokenizer.from_checkpoint(root).encode(text, add_special_tokens=False)
     expected = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY, use_tqdm=False)[0]

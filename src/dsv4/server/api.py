@@ -87,6 +87,8 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/health", _health(state), methods=["GET"])
     app.add_api_route("/metrics", _metrics(state), methods=["GET"])
     app.add_api_route("/v1/models", _models(state), methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/models/{model_id:path}", _model(state), methods=["GET"],
+                      dependencies=auth)
     app.add_api_route("/v1/completions", _completions(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", _chat(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/abort", _abort(state), methods=["POST"], dependencies=auth)
@@ -157,16 +159,28 @@ def _health(state: ServerState) -> Handler:
     return health
 
 
+def _card(state: ServerState) -> ModelCard:
+    """The served model's card; `root` is its served name (no server path leaves the host)."""
+    info = state.client.model
+    return ModelCard(id=state.config.served_model_name, created=state.created,
+                     root=state.config.served_model_name,
+                     max_model_len=info.context_length if info is not None else 0,
+                     random_weights=state.random_weights)
+
+
 def _models(state: ServerState) -> Handler:
     async def models() -> Response:
-        info = state.client.model
-        card = ModelCard(id=state.config.served_model_name, created=state.created,
-                         root=state.config.model,
-                         max_model_len=info.context_length if info is not None else 0,
-                         random_weights=state.random_weights)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[_card(state)]).model_dump())
 
     return models
+
+
+def _model(state: ServerState) -> Handler:
+    async def model(model_id: str) -> Response:
+        state.check_model(model_id)
+        return JSONResponse(_card(state).model_dump())
+
+    return model
 
 
 def _completions(state: ServerState) -> Handler:

@@ -1,4 +1,6 @@
-"""HTTP errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
+"""HTTP errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`, with
+OpenAI's `type` values (`invalid_request_error` for 4xx, `server_error` for 5xx) and `code` a
+string or null.
 
 Owns `APIError` (raised anywhere in request handling) and the FastAPI exception handlers that turn
 it, unknown routes, and stray validation errors into that shape. Status codes: 400 invalid input
@@ -17,9 +19,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          405: "BadRequestError", 413: "BadRequestError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+# OpenAI's `type` values: the client's exception class comes from the status code
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "server_error"}
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)(=| is | has | contains | \+ )")
 
 
@@ -38,8 +41,8 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "APIError"), "param": param,
-                      "code": code if code is not None else status}}
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
