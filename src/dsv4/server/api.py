@@ -186,6 +186,7 @@ def _model(state: ServerState) -> Handler:
 def _completions(state: ServerState) -> Handler:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, state.config.max_request_bytes)
+        state.warn_unknown_fields(body)
         return await create_completion(state, body, request)
 
     return completions
@@ -194,6 +195,7 @@ def _completions(state: ServerState) -> Handler:
 def _chat(state: ServerState) -> Handler:
     async def chat(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, state.config.max_request_bytes)
+        state.warn_unknown_fields(body)
         return await create_chat_completion(state, body, request)
 
     return chat

@@ -2,7 +2,8 @@
 and the response, stream-chunk, model-list and usage objects, field for field as OpenAI names them.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion)
-and unknown fields are ignored, as OpenAI clients send extras. `logit_bias` (token id string ->
+and unknown fields are ignored, as OpenAI clients send extras (the server warns once per field
+name: `unknown_fields`). `logit_bias` (token id string ->
 bias in [-100, 100]) follows OpenAI. vLLM/SGLang extensions are accepted
 where dsv4 implements them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `skip_special_tokens`, `chat_template_kwargs`, and SGLang's RL options `return_routed_experts` /
@@ -24,7 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # unknown fields are kept aside (model_extra), so the server can name them in a warning
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+def unknown_fields(body: BaseModel) -> list[str]:
+    """The body's top-level fields that the protocol does not define (sorted)."""
+    return sorted(body.model_extra or {})
 
 
 class StreamOptions(_Request):

@@ -25,7 +25,11 @@ from dsv4.server.errors import APIError
 from dsv4.server.generation import GenerationJob
 from dsv4.server.ipc import ModelInfo
 from dsv4.server.metrics import ServerMetrics
+from dsv4.server.protocol import unknown_fields
 from dsv4.server.tokenizer import ServerTokenizer
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -38,6 +42,16 @@ class ServerState:
     random_weights: bool
     created: int = field(default_factory=lambda: int(time.time()))
     jobs: dict[str, GenerationJob] = field(default_factory=dict)
+    warned_fields: set[str] = field(default_factory=set)
+
+    def warn_unknown_fields(self, body: BaseModel) -> list[str]:
+        """Log a warning for each unknown field of `body` not warned about before (vLLM's
+        behaviour: an ignored field is named once, not silently dropped); returns those named."""
+        new = [name for name in unknown_fields(body) if name not in self.warned_fields]
+        for name in new:
+            logger.warning("request field %r is not supported and is ignored", name)
+        self.warned_fields.update(new)
+        return new
 
     @property
     def model_info(self) -> ModelInfo:
