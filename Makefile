@@ -20,8 +20,9 @@ $(VPY):
 
 # torch first and pinned, so the local CPU wheel is used instead of a CUDA build.
 $(STAMP): pyproject.toml | $(VPY)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,server,train]'
+	@echo "installing torch 2.13 (CPU wheel), then dsv4[dev,server,train,rl]: a few minutes"
+	$(PIP) install --progress-bar on torch==2.13.0
+	$(PIP) install --progress-bar on -e '.[dev,server,train,rl]'
 	touch $@
 
 # Everything (what CI runs): lint, then the whole suite, `slow` tests included.
@@ -32,7 +33,8 @@ test: lint
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# The embedded default model (generated on first use); the server logs a curl example once it is ready.
+# The embedded default model (dsv4-tiny, shipped in src/dsv4/assets/tiny); the server logs a curl example
+# once it is ready.
 serve: $(STAMP)
 	$(VENV)/bin/dsv4 serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 

@@ -201,7 +201,7 @@ def _log_ready_hint(state: ServerState) -> None:
     # the key itself is never logged: the hint reads it from the shell
     auth = ' -H "Authorization: Bearer $DSV4_API_KEY"' if cfg.api_key else ""
     body = json.dumps({"model": cfg.served_model_name,
-                       "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+                       "messages": [{"role": "user", "content": "What is 12+7?"}], "max_tokens": 8})
     weights = " (RANDOM weights: the text is gibberish)" if state.random_weights else ""
     url = f"http://{cfg.host}:{cfg.port}"
     logger.info("ready: serving %s%s on %s; try:\n  curl %s/v1/chat/completions"
