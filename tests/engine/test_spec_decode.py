@@ -133,7 +133,8 @@ def _through_graphs(ckpt: Path, device: str, capture: bool, backend: str) -> Non
               max_total_tokens=4096, kernel_backend=backend)
     want = run_staggered(LLM(ckpt, disable_cuda_graph=True, **kw).engine,  # type: ignore[arg-type]
                          token_lists, max_tokens)
-    spec = LLM(ckpt, speculative_num_steps=3, disable_cuda_graph=True, **kw)  # type: ignore[arg-type]
+    spec = LLM(ckpt, speculative_num_steps=3, disable_cuda_graph=True,
+               **kw)  # type: ignore[arg-type]
     runner = spec.engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.table, runner.pools, runner.ops, 4,
                                  capture=capture, max_tokens=4, with_streams=True)
@@ -151,6 +152,33 @@ def test_verify_through_static_graph_buffers(ckpt: Path) -> None:
 def test_verify_through_captured_graphs_on_gpu(ckpt: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     _through_graphs(ckpt, "cuda", capture=True, backend="triton")
+
+
+def test_penalties_carry_across_verify_steps(ckpt: Path) -> None:
+    """A repetition penalty, then a presence penalty (their state counts every emitted token,
+    accepted drafts included), give the plain engine's greedy tokens under speculation; each
+    changes those tokens, so a state that missed a token would show."""
+    for penalty in ({"repetition_penalty": 3.0}, {"presence_penalty": 2.0}):
+        _penalised_run(ckpt, penalty)
+
+
+def _penalised_run(ckpt: Path, penalty: dict[str, float]) -> None:
+    token_lists = prompts(seed=5)[:4]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **penalty)
+    kw = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=4096)
+    plain = LLM(ckpt, **kw)  # type: ignore[arg-type]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=token_lists,
+                                                sampling_params=params, use_tqdm=False)]
+    free = [o.token_ids for o in plain.generate(prompt_token_ids=token_lists,
+                                                sampling_params=greedy(16), use_tqdm=False)]
+    assert want != free, f"{penalty} was meant to change the greedy tokens"
+    spec = LLM(ckpt, speculative_num_steps=3, **kw)  # type: ignore[arg-type]
+    Oracle(spec.engine, {str(i): w for i, w in enumerate(want)}, 3)
+    reqs = [spec.engine.add_request(p, params, rid=str(i)) for i, p in enumerate(token_lists)]
+    while spec.engine.has_unfinished():
+        spec.engine.step()
+    assert [r.output_ids for r in reqs] == want
+    assert spec.engine.spec_accepted_tokens > 0
 
 
 def test_prefix_cache_hits_and_preemption(ckpt: Path) -> None:

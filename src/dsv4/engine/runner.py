@@ -406,8 +406,9 @@ class ModelRunner:
         valid = out.tokens >= 0
         tok = out.tokens.clamp(min=0)
         self.token_counts.index_put_((slots, tok), valid.to(torch.int32), accumulate=True)
-        # NOTE: from the counts: a scatter of `valid` would let a -1 row's False land last
-        self.seen[slots] |= self.token_counts[slots] > 0
+        # a row past its segment's last emitted token re-marks the segment's first one (always
+        # emitted), so the scatter writes True only: no -1 row can land a False last
+        self.seen[slots, torch.where(valid, tok, tok[segs.first[segs.seg]])] = True
         return (SampleOutput(out.tokens, out.logprobs, out.top_logprobs, out.top_ids),
                 out.accepted)
 
