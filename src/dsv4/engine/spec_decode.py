@@ -184,9 +184,7 @@ def swa_context(table: RequestTable, pools: KVPools, slots: Tensor, positions: T
     [B], request slots [B]; no compressor plans."""
     coords = Coords(table, slots)
     win_pos = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)
-    rows = slots[:, None].expand_as(win_pos)
-    win = torch.where(win_pos >= 0, Coords(table, rows.reshape(-1)).swa_slot(
-        win_pos.reshape(-1)).view_as(win_pos), -1)
+    win = torch.where(win_pos >= 0, coords.swa_slot(win_pos), -1)      # as `device_context`
     return ForwardContext(positions=positions, swa_write=coords.swa_slot(positions), window=win,
                           plans={}, caches=pools.layers,
                           logits_index=torch.arange(positions.shape[0], device=positions.device))
