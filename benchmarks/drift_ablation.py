@@ -21,19 +21,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from rl_drift import EagerTrainer
 
 from dsv4.assets import default_model_path
-from dsv4.config.engine import EngineConfig
 from dsv4.kernels.registry import KernelOps, create_kernels
 from dsv4.rl import algorithms as alg
 from dsv4.rl.batch import advantages_of, group_rewards, pack
 from dsv4.rl.config import RLConfig
 from dsv4.rl.trainer import RLTrainer
-
-
-class _EagerTrainer(RLTrainer):
-    def engine_config(self) -> EngineConfig:
-        return dataclasses.replace(super().engine_config(), disable_cuda_graph=True)
 
 
 def step0_drift(trainer: RLTrainer, ops: KernelOps) -> tuple[float, float]:
@@ -74,7 +69,7 @@ def main() -> None:
         p.error(f"--ops: unknown {bad}; allowed: {OPS}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = _EagerTrainer(RLConfig(
+        trainer = EagerTrainer(RLConfig(
             model=args.model, out_dir=tmp, group_size=args.group_size,
             prompts_per_step=args.prompts, device=args.device, dtype=args.dtype,
             kernel_backend="triton"))

@@ -23,23 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from drift_ablation import step0_drift
+from rl_drift import EagerTrainer
 
 from dsv4.assets import default_model_path
-from dsv4.config.engine import EngineConfig
 from dsv4.kernels.ops import SparseAttentionOp
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.registry import create_kernels
-from dsv4.rl import algorithms as alg
-from dsv4.rl.batch import advantages_of, group_rewards, pack
 from dsv4.rl.config import RLConfig
-from dsv4.rl.trainer import RLTrainer
 
 Sources = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
-
-class _EagerTrainer(RLTrainer):
-    def engine_config(self) -> EngineConfig:
-        return dataclasses.replace(super().engine_config(), disable_cuda_graph=True)
 
 
 def perturbed_attention(eps: float, gen: torch.Generator) -> SparseAttentionOp:
@@ -51,17 +44,6 @@ def perturbed_attention(eps: float, gen: torch.Generator) -> SparseAttentionOp:
             wide = wide * (1 + eps * z)
         return wide.to(q.dtype)
     return op
-
-
-def step0_drift(trainer: RLTrainer) -> tuple[float, float]:
-    samples, _ = trainer.rollout()
-    c = trainer.config
-    batch = pack(samples, advantages_of(group_rewards(samples)), c.replay_routing,
-                 c.replay_indexer).to(trainer.device)
-    with torch.no_grad():
-        logp, _ = trainer.policy_logprobs(batch)
-    mean, top = alg.logprob_abs_diff(logp, batch.rollout_logp, batch.mask)
-    return float(mean), float(top)
 
 
 def plot(combined: dict[str, dict[str, Any]], png: Path,
@@ -113,15 +95,14 @@ def main() -> None:
     ref = create_kernels("ref")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = _EagerTrainer(RLConfig(
+        trainer = EagerTrainer(RLConfig(
             model=args.model, out_dir=tmp, group_size=args.group_size,
             prompts_per_step=args.prompts, device=args.device, dtype="bfloat16",
             kernel_backend="ref"))
         for eps in (float(e) for e in args.eps.split(",")):
             gen = torch.Generator().manual_seed(0)
-            trainer.engine.runner.ops = dataclasses.replace(
-                ref, sparse_attention=perturbed_attention(eps, gen))
-            mean, top = step0_drift(trainer)
+            mean, top = step0_drift(trainer, dataclasses.replace(
+                ref, sparse_attention=perturbed_attention(eps, gen)))
             rows.append({"eps": eps, "step0_mean": mean, "step0_max": top})
             print(f"eps {eps:8.1e}  step-0 mean {mean:10.3g}  max {top:10.3g}", flush=True)
     result = {"device": args.device, "torch": torch.__version__, "model": args.model,

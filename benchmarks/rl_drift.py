@@ -37,7 +37,7 @@ from dsv4.rl.config import REPLAYS, RLConfig
 from dsv4.rl.trainer import RLTrainer
 
 
-class _NoGraphTrainer(RLTrainer):
+class EagerTrainer(RLTrainer):
     """The trainer with its engine's CUDA graphs off (`--disable-cuda-graph`: isolates what the
     graphed decode contributes to the drift)."""
 
@@ -52,7 +52,7 @@ def measure(args: argparse.Namespace, replay: str, true_on_policy: bool) -> dict
                           lr=args.lr, replay=replay, true_on_policy=true_on_policy,
                           device=args.device, dtype=args.dtype,
                           kernel_backend=args.kernel_backend if not true_on_policy else "ref")
-        trainer = (_NoGraphTrainer if args.disable_cuda_graph else RLTrainer)(config)
+        trainer = (EagerTrainer if args.disable_cuda_graph else RLTrainer)(config)
         t0 = time.perf_counter()
         records = [trainer.train_step() for _ in range(args.steps)]
         wall = time.perf_counter() - t0
