@@ -27,7 +27,7 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.assets import default_model_path
 from dsv4.engine.request import Request
-from dsv4.engine.runner import StepResult
+from dsv4.engine.step_output import StepResult
 from dsv4.rl.rewards import ArithmeticTask
 
 

@@ -19,9 +19,9 @@ from dsv4.checkpoint.writer import random_model
 from dsv4.config.engine import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
-from dsv4.engine.runner import RequestTokens, StepResult
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.scheduler import ScheduledStep
+from dsv4.engine.step_output import RequestTokens, StepResult
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 
 VOCAB = micro().vocab_size

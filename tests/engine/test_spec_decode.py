@@ -26,9 +26,9 @@ from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.engine.cuda_graph import DecodeGraphs
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
-from dsv4.engine.runner import StepResult
 from dsv4.engine.sampler import SamplingBatch
 from dsv4.engine.spec_decode import Segments, verify
+from dsv4.engine.step_output import StepResult
 from dsv4.rl.rewards import ArithmeticTask
 
 MAX_TOKENS = 14

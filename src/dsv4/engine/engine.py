@@ -23,9 +23,10 @@ import torch
 from dsv4.cache.prefix_cache import create_prefix_cache
 from dsv4.config.engine import EngineConfig
 from dsv4.engine.request import ReqStatus, Request
-from dsv4.engine.runner import ModelRunner, StepResult
+from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.step_output import StepResult
 from dsv4.engine.weight_sync import read_checkpoint_dir, update_weights
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.logging import init_logger
