@@ -183,9 +183,10 @@ class Scheduler:
         """Hand the request's complete pages to the prefix cache and move its lock to the new path
         end."""
         assert req.slot is not None
-        # NOTE: under speculation the cached length runs ahead of the tokens until the step's
-        # emitted tokens are appended: only pages whose tokens are known
-        pages = min(req.num_cached, len(req.all_ids)) // self.table.P
+        # (after a verify step the cached length runs ahead of the tokens until the emitted
+        # tokens are appended; such steps insert nothing: `_update_cache`)
+        assert req.num_cached <= len(req.all_ids), "cached positions without their tokens"
+        pages = req.num_cached // self.table.P
         if pages == 0:
             return
         finished = req.status is not ReqStatus.RUNNING
