@@ -72,7 +72,7 @@ def main() -> None:
         trainer = EagerTrainer(RLConfig(
             model=args.model, out_dir=tmp, group_size=args.group_size,
             prompts_per_step=args.prompts, device=args.device, dtype=args.dtype,
-            kernel_backend="triton"))
+            kernel_backend="triton", kernel_values=False))   # the formulation's own values
         for name, ops in variants(names):
             mean, top = step0_drift(trainer, ops)
             rows.append({"variant": name, "step0_mean": mean, "step0_max": top})

@@ -45,18 +45,27 @@ class EagerTrainer(RLTrainer):
         return dataclasses.replace(super().engine_config(), disable_cuda_graph=True)
 
 
-def measure(args: argparse.Namespace, replay: str, true_on_policy: bool) -> dict[str, object]:
+MODES = ("default", "formulation", "true-on-policy", "true-on-policy-ref")
+"""default: the trainer's values from the engine's kernels (invariant plans); formulation: the
+trainer's own formulation (`--no-kernel-values`); true-on-policy: the default plus batch-invariant
+GEMMs and reductions on both sides (`--true-on-policy`); true-on-policy-ref: the same on the `ref`
+ops (fixed-width index rows, eager engine)."""
+
+
+def measure(args: argparse.Namespace, replay: str, mode: str) -> dict[str, object]:
+    true_on_policy = mode.startswith("true-on-policy")
     with tempfile.TemporaryDirectory() as tmp:
         config = RLConfig(model=args.model, out_dir=tmp, steps=args.steps,
                           group_size=args.group_size, prompts_per_step=args.prompts,
                           lr=args.lr, replay=replay, true_on_policy=true_on_policy,
-                          device=args.device, dtype=args.dtype,
-                          kernel_backend=args.kernel_backend if not true_on_policy else "ref")
+                          kernel_values=mode != "formulation", device=args.device,
+                          dtype=args.dtype, kernel_backend=("ref" if mode == "true-on-policy-ref"
+                                                            else args.kernel_backend))
         trainer = (EagerTrainer if args.disable_cuda_graph else RLTrainer)(config)
         t0 = time.perf_counter()
         records = [trainer.train_step() for _ in range(args.steps)]
         wall = time.perf_counter() - t0
-    return {"replay": replay, "true_on_policy": true_on_policy,
+    return {"replay": replay, "mode": mode, "true_on_policy": true_on_policy,
             "step0_mean": records[0]["train_rollout_logprob_abs_diff"],
             "step0_max": records[0]["train_rollout_logprob_abs_diff_max"],
             "last_mean": records[-1]["train_rollout_logprob_abs_diff"],
@@ -64,10 +73,11 @@ def measure(args: argparse.Namespace, replay: str, true_on_policy: bool) -> dict
             "rollout_s": sum(r["rollout_s"] for r in records) / len(records),
             "train_s": sum(r["train_s"] for r in records) / len(records),
             "sync_s": sum(r["sync_s"] for r in records) / len(records),
+            "last_rollout_s": records[-1]["rollout_s"], "last_train_s": records[-1]["train_s"],
             "step_s": wall / len(records)}
 
 
-def measure_random(args: argparse.Namespace, modes: list[bool]) -> list[dict[str, object]]:
+def measure_random(args: argparse.Namespace, modes: list[str]) -> list[dict[str, object]]:
     """Step-0 drift of a random-weight preset (see the module docstring), per mode."""
     from dsv4.checkpoint.presets import get_preset
     from dsv4.checkpoint.writer import random_model
@@ -79,13 +89,16 @@ def measure_random(args: argparse.Namespace, modes: list[bool]) -> list[dict[str
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.prompts)]
-    return [row for top in modes for row in random_mode(args, model, prompts, top)]
+    return [row for mode in modes for row in random_mode(args, model, prompts, mode)]
 
 
 def random_mode(args: argparse.Namespace, model: DeepSeekV4ForCausalLM, prompts: list[list[int]],
-                true_on_policy: bool) -> list[dict[str, object]]:
+                mode: str) -> list[dict[str, object]]:
     """One engine over `model` (true on-policy: batch-invariant, ref backend, no graphs), one
     rollout, then the trainer-side forward with each replay setting on the same samples."""
+    true_on_policy = mode.startswith("true-on-policy")
+    backend = "ref" if mode == "true-on-policy-ref" else args.kernel_backend
+    values = mode != "formulation" and backend != "ref"
     from dsv4.config.engine import EngineConfig
     from dsv4.engine.engine import LLMEngine
     from dsv4.kernels.ref.batch_invariant import batch_invariant
@@ -101,9 +114,11 @@ def random_mode(args: argparse.Namespace, model: DeepSeekV4ForCausalLM, prompts:
     tokens = n * (args.prompt_len + args.max_tokens)
     engine = LLMEngine(model, EngineConfig(
         page_size=page, max_running_requests=n, max_total_tokens=2 * tokens + n * page,
-        kernel_backend="ref" if true_on_policy else args.kernel_backend, capture_routing=True,
-        disable_prefix_cache=True, batch_invariant=true_on_policy,
-        disable_cuda_graph=true_on_policy))
+        kernel_backend=backend, capture_routing=True,
+        chunked_prefill_size=args.chunked_prefill_size,
+        disable_prefix_cache=True, batch_invariant=true_on_policy, invariant_plans=values))
+    # a first rollout compiles the kernels and captures the CUDA graphs; the second is timed
+    sample_token_ids(engine, prompts, args.group_size, 1.0, args.max_tokens, seed=1)
     t0 = time.perf_counter()
     samples = sample_token_ids(engine, prompts, args.group_size, 1.0, args.max_tokens, seed=0)
     rollout_s = time.perf_counter() - t0
@@ -111,6 +126,7 @@ def random_mode(args: argparse.Namespace, model: DeepSeekV4ForCausalLM, prompts:
     assert full.replay is not None
     sync_s = 0.0 if true_on_policy else time_sync(engine, model)
     engine.release_memory()
+    ops = engine.runner.ops if values else None
     numerics = batch_invariant if true_on_policy else contextlib.nullcontext
     rows = []
     for replay in REPLAYS:
@@ -120,9 +136,11 @@ def random_mode(args: argparse.Namespace, model: DeepSeekV4ForCausalLM, prompts:
         t1 = time.perf_counter()
         with torch.no_grad(), numerics():
             logp, _ = sequence_logprobs(model, full.inputs, full.targets,
-                                        INFERENCE.with_replay(chosen, true_on_policy), 1.0)
+                                        INFERENCE.with_replay(chosen,
+                                                              true_on_policy and not values)
+                                        .with_values(ops), 1.0)
         mean, top = logprob_abs_diff(logp, full.rollout_logp, full.mask)
-        rows.append({"replay": replay, "true_on_policy": true_on_policy,
+        rows.append({"replay": replay, "mode": mode, "true_on_policy": true_on_policy,
                      "step0_mean": float(mean), "step0_max": float(top), "last_mean": float(mean),
                      "last_max": float(top), "rollout_s": rollout_s,
                      "train_s": time.perf_counter() - t1, "sync_s": sync_s,
@@ -171,11 +189,12 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="default,true-on-policy",
-                   help="comma list of: default, true-on-policy")
+                   help=f"comma list of: {', '.join(MODES)}")
     p.add_argument("--preset", default=None,
                    help="random weights of this preset, step 0, forward only (e.g. flash-4l)")
     p.add_argument("--prompt-len", type=int, default=128, help="with --preset")
     p.add_argument("--max-tokens", type=int, default=16, help="with --preset")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048, help="with --preset")
     p.add_argument("--replays", default=",".join(r.replace(",", "+") for r in REPLAYS),
                    help="+-joined settings, comma list (default: all)")
     p.add_argument("--disable-cuda-graph", action="store_true",
@@ -186,14 +205,15 @@ def main() -> None:
     bad = sorted(set(replays) - set(REPLAYS))
     if bad:
         p.error(f"--replays: unknown {bad}; allowed: {[r.replace(',', '+') for r in REPLAYS]}")
-    modes = [m == "true-on-policy" for m in args.modes.split(",")]
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        p.error(f"--modes: unknown {sorted(set(modes) - set(MODES))}; allowed: {list(MODES)}")
     rows = (measure_random(args, modes) if args.preset is not None else
-            [measure(args, replay, top) for top in modes for replay in replays])
+            [measure(args, replay, mode) for mode in modes for replay in replays])
     print(f"{'mode':16} {'replay':16} {'step0 mean':>11} {'step0 max':>10} {'last mean':>10} "
           f"{'last max':>10} {'step s':>7} {'sync s':>7}")
     for r in rows:
-        mode = "true-on-policy" if r["true_on_policy"] else "default"
-        print(f"{mode:16} {r['replay']!s:16} {r['step0_mean']:11.3g} {r['step0_max']:10.3g} "
+        print(f"{r['mode']!s:16} {r['replay']!s:16} {r['step0_mean']:11.3g} {r['step0_max']:10.3g} "
               f"{r['last_mean']:10.3g} {r['last_max']:10.3g} {r['step_s']:7.3f} {r['sync_s']:7.3f}")
     result = {"device": args.device, "gpu": (torch.cuda.get_device_name()
                                              if args.device.startswith("cuda") else None),

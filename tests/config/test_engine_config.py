@@ -54,3 +54,12 @@ def test_kv_budget_resolution() -> None:
         kv_budget_gb(EngineConfig(mem_fraction_static=0.1), "cuda", 100 * gb, 20 * gb)
     with pytest.raises(ValueError, match="^mem_fraction_static=1.0 is invalid"):
         EngineConfig(mem_fraction_static=1.0)
+
+
+def test_batch_invariant_triton_needs_invariant_plans() -> None:
+    """A batch-invariant engine on the triton kernels must also run their token-count-invariant
+    launch plans; the ref ops take no plans."""
+    with pytest.raises(ValueError, match="needs invariant_plans=True"):
+        EngineConfig(kernel_backend="triton", batch_invariant=True)
+    EngineConfig(kernel_backend="triton", batch_invariant=True, invariant_plans=True)
+    EngineConfig(kernel_backend="ref", batch_invariant=True)

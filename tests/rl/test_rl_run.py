@@ -91,6 +91,19 @@ def test_bad_run_arguments_are_clear_errors(tmp_path: Path, args: list[str],
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(("kw", "values", "fixed"), [
+    ({}, False, False),                                          # CPU: the ref formulation
+    ({"true_on_policy": True}, False, True),                     # ref ops: fixed-width rows
+    ({"kernel_backend": "triton"}, True, False),                 # GPU default: kernel values
+    ({"kernel_backend": "triton", "true_on_policy": True, "formulation": "training"}, True,
+     False),                                                     # values from the kernels
+    ({"kernel_backend": "triton", "kernel_values": False}, False, False),
+])
+def test_where_the_trainer_takes_its_values(kw: dict, values: bool, fixed: bool) -> None:
+    config = RLConfig(model="m", out_dir="o", **kw)
+    assert (config.values_from_kernels, config.fixed_widths) == (values, fixed)
+
+
 def test_resume_needs_a_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no state.pt"):
         main(["rl", "run", "--out", str(tmp_path), "--resume"])

@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="recorded selections to replay: routing,indexer | routing | none")
     r.add_argument("--true-on-policy", action="store_true",
                    help="batch-invariant engine and trainer: bit-identical log-probs")
+    r.add_argument("--no-kernel-values", action="store_true",
+                   help="the trainer's forward values from its formulation, not from the "
+                        "engine's kernels (see RLConfig.kernel_values)")
     defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
     for name, kind in _RUN_FLAGS.items():
         r.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name])
@@ -82,7 +85,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
         fields["levels"] = parse_levels(args.levels)
     model = args.model if args.model is not None else default_model_path()
     return RLConfig(model=str(model), out_dir=str(args.out), mis=_mis(args.mis),
-                    replay=args.replay, true_on_policy=args.true_on_policy, **fields)
+                    replay=args.replay, true_on_policy=args.true_on_policy,
+                    kernel_values=not args.no_kernel_values, **fields)
 
 
 def run_rl(args: argparse.Namespace) -> int:

@@ -50,10 +50,15 @@ class EngineConfig:
     `context_length`: longest prompt + output (None: the model's `max_position_embeddings`).
     `capture_routing`: record routed expert ids and indexer top-k per token (RL replay).
     `batch_invariant`: compute every token as it would be computed alone and as the full-sequence
-    forward computes it (matmuls under `kernels/ref/batch_invariant.py`, attention index rows of
-    one width per layer, no CUDA graphs): what true on-policy RL needs. CPU and CUDA (CUDA: the
-    GEMMs, sums, means, softmax and logsumexp run as the fixed-tile Triton kernels of
-    `kernels/triton/batch_invariant.py`), with the `ref` kernel backend.
+    forward computes it (matmuls and reductions under `kernels/ref/batch_invariant.py`): what true
+    on-policy RL needs. CPU and CUDA (CUDA: the GEMMs, sums, means, softmax and logsumexp run as
+    the fixed-tile Triton kernels of `kernels/triton/batch_invariant.py`). With the `ref` kernel
+    backend, attention index rows have one width per layer (its softmax depends on the width) and
+    steps run eagerly; with `triton` it needs `invariant_plans`, and CUDA graphs stay on.
+    `invariant_plans`: kernels whose launch plans never depend on the token count of a step
+    (`kernels/registry.py::create_kernels`), so a token's values do not depend on the batch it ran
+    in: the RL default mode, where the trainer takes its forward values from the same kernels
+    (`ForwardMode.values`). CUDA graphs stay on.
     `speculative_num_steps`: N draft tokens per decode step from the model's MTP block (0: off;
     at most `MAX_SPECULATIVE_STEPS`): the target verifies them in one forward of N + 1 tokens
     per request (`engine/spec_decode.py`).
@@ -77,6 +82,7 @@ class EngineConfig:
     kernel_backend: KernelBackend | None = None
     capture_routing: bool = False
     batch_invariant: bool = False
+    invariant_plans: bool = False
     speculative_num_steps: int = 0
     ring_multiplier: int | None = None
     disable_prefix_cache: bool = False
@@ -110,6 +116,10 @@ class EngineConfig:
             raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: None "
                              f"or {' / '.join(map(str, allowed))} (2 under speculative decoding: "
                              "draft tokens write compressor rings ahead of verification)")
+        if self.batch_invariant and self.kernel_backend == "triton" and not self.invariant_plans:
+            raise ValueError("batch_invariant=True with kernel_backend='triton' needs "
+                             "invariant_plans=True (otherwise a kernel's launch plan, and a "
+                             "token's bits, depend on the batch)")
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; "
                              f"allowed: {list(KERNEL_BACKENDS)}")

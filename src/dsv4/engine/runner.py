@@ -61,7 +61,7 @@ class ModelRunner:
         config = resolve(config, self.device)
         self.model, self.config = model, config
         assert config.kernel_backend is not None
-        self.ops = create_kernels(config.kernel_backend)
+        self.ops = create_kernels(config.kernel_backend, config.invariant_plans)
         dtype = model.embed.weight.dtype
         mc = model.config
         self.layout = plan_cache(mc, config, dtype)
@@ -107,7 +107,6 @@ class ModelRunner:
     def _decode_graphs(self) -> DecodeGraphs | None:
         c = self.config
         why_not = ("disable_cuda_graph" if c.disable_cuda_graph else
-                   "batch_invariant" if c.batch_invariant else
                    f"device {self.device.type}" if self.device.type != "cuda" else
                    "kernel_backend=ref (host syncs in its MoE)" if c.kernel_backend != "triton" else
                    None)
@@ -177,7 +176,9 @@ class ModelRunner:
     def _context(self, step: ScheduledStep) -> ForwardContext:
         ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
         ctx.ops = self.ops
-        ctx.fixed_widths = self.config.batch_invariant
+        # the ref ops' softmax / P.V depend on the row width; the triton kernels' do not (trailing
+        # -1 columns are exact no-ops: benchmarks/kernel_invariance.py)
+        ctx.fixed_widths = self.config.batch_invariant and self.ops.name == "ref"
         if self.config.capture_routing:
             ctx.captured = {}
         return ctx

@@ -44,6 +44,13 @@ class CompressPairOp(Protocol):
                  eps: float, cos: Tensor, sin: Tensor) -> None: ...
 
 
+class ProjectOp(Protocol):
+    """`ref/compressor.py::project`: the compressors' fp32 projections, x [T, k] @ w [n, k]^T ->
+    [T, n] fp32."""
+
+    def __call__(self, x: Tensor, w: Tensor) -> Tensor: ...
+
+
 class IndexScoresOp(Protocol):
     """`ref/indexer.py::paged_index_scores`: q [T, Ih, Id], weights [T, Ih], keys [N, Id],
     candidates [T, V] pool slots (-1 = none) -> scores [T, V] fp32, -inf where there is no

@@ -8,6 +8,7 @@ raises with the valid names; nothing falls back silently.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from dsv4.kernels.ops import (
     MhcHeadOp,
     MhcPostOp,
     MhcPreOp,
+    ProjectOp,
     QNormRopeOp,
     RmsNormOp,
     RopeInverseOp,
@@ -32,7 +34,7 @@ from dsv4.kernels.ops import (
     TopKOp,
 )
 from dsv4.kernels.ref.attention import sparse_attention_multi
-from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair
+from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair, project
 from dsv4.kernels.ref.indexer import paged_index_scores
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
@@ -62,15 +64,17 @@ class KernelOps:
     kv_norm_rope_store: KvNormRopeStoreOp
     rope_inverse: RopeInverseOp
     rms_norm: RmsNormOp
+    project: ProjectOp
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
-                     routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm)
+                     routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
+                     project)
 
 
-def _triton() -> KernelOps:
+def _triton(invariant_plans: bool = False) -> KernelOps:
     """Every op as its Triton kernel.
 
     The kernels: compressor, a CSA layer's two compressors in one launch, indexer scores, top-k,
@@ -88,11 +92,23 @@ def _triton() -> KernelOps:
     0.01 nats (benchmarks/results/rl_h200_202612.md). fp32 models agree to rounding
     (`tests/kernels/test_engine_triton_backend.py`); the bf16 agreement is measured by
     `benchmarks/engine_backend_check.py`.
+
+    `invariant_plans`: every op computes a token's row with a launch plan chosen from that row's
+    shapes only, never from the token count: sparse attention without split-KV, mHC pre / head
+    with the T-invariant split-K plan, the compressor projections as fixed-tile GEMMs (the other
+    ops already are; `benchmarks/kernel_invariance.py`
+    checks each op on the GPU). A token then gets the same bits in a decode step of any batch size
+    and in one full-sequence call, so an RL trainer that takes its forward values from these ops
+    (`ForwardMode.values`) reproduces the engine's log-probs. Costs parallelism at small batches.
     """
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set "
                          "TRITON_INTERPRET=1); allowed on this machine: 'ref'")
-    from dsv4.kernels.triton.compressor import triton_compress_cached
+    from dsv4.kernels.triton.compressor import (
+        triton_compress_cached,
+        triton_project,
+        triton_project_invariant,
+    )
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
@@ -110,23 +126,35 @@ def _triton() -> KernelOps:
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
     from dsv4.kernels.triton.topk import TopKRunner
 
-    return KernelOps("triton", triton_sparse_attention, triton_compress_cached,
+    attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
+    project = triton_project
+    if invariant_plans:
+        project = triton_project_invariant
+        attention = functools.partial(triton_sparse_attention, num_splits=1)
+        pre = functools.partial(triton_mhc_pre, invariant=True)
+        head = functools.partial(triton_mhc_head, invariant=True)
+    return KernelOps("triton", attention, triton_compress_cached,
                      triton_compress_pair, triton_index_scores, TopKRunner(),
-                     triton_routed_experts, triton_mhc_pre, triton_mhc_post, triton_mhc_head,
+                     triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
-                     triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm)
+                     triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project)
 
 
-_BACKENDS: dict[KernelBackend, Callable[[], KernelOps]] = {"ref": _ref, "triton": _triton}
+_BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {
+    "ref": lambda invariant_plans: _ref(), "triton": _triton}
 assert tuple(_BACKENDS) == KERNEL_BACKENDS, "every KernelBackend name has a builder"
 REF = _ref()
 
 
-def create_kernels(name: KernelBackend) -> KernelOps:
-    """The ops of backend `name`, logged once; an unknown name raises with the allowed names."""
+def create_kernels(name: KernelBackend, invariant_plans: bool = False) -> KernelOps:
+    """The ops of backend `name`, logged once; an unknown name raises with the allowed names.
+
+    `invariant_plans`: launch plans that do not depend on the token count (`_triton`); the `ref`
+    ops take no plans (the flag changes nothing there)."""
     if name not in _BACKENDS:
         raise ValueError(f"kernel_backend={name!r} is not registered; "
                          f"allowed: {list(KERNEL_BACKENDS)}")
-    ops = _BACKENDS[name]()
-    logger.info("kernel backend: %s", ops.name)
+    ops = _BACKENDS[name](invariant_plans)
+    logger.info("kernel backend: %s%s", ops.name,
+                " (token-count-invariant plans)" if invariant_plans and name != "ref" else "")
     return ops

@@ -22,10 +22,12 @@ from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.attention import sparse_attention
 from dsv4.kernels.ref.rope_norm import apply_rope, rms_norm, rms_normalize
+from dsv4.kernels.registry import KernelOps
 from dsv4.model.compressor import Compressor
 from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.indexer import Indexer
+from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.norm import RMSNorm
 
 
@@ -75,6 +77,14 @@ def dense_masked_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Ten
     return torch.einsum("bhsk,bkd->bshd", probs.to(keys.dtype), keys).to(q.dtype)
 
 
+def _token_rows(cos: torch.Tensor, sin: torch.Tensor,
+                batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-sequence forward's cos / sin [S, rd/2] as the serving ops take them: one row per
+    token of the flattened [B * S] batch."""
+    return (cos.expand(batch, *cos.shape).reshape(-1, cos.shape[-1]),
+            sin.expand(batch, *sin.shape).reshape(-1, sin.shape[-1]))
+
+
 def pad_columns(ids: torch.Tensor, width: int) -> torch.Tensor:
     """ids [..., w] with -1 columns appended up to `width` (w <= width)."""
     extra = width - ids.shape[-1]
@@ -114,25 +124,55 @@ class Attention(nn.Module):
         if attn_type == "csa":
             self.indexer = Indexer(c)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, S, d] -> (q [B, S, H, D] roped, kv [B, S, D] roped, q_lat [B, S, q_lora])."""
-        q_lat = self.q_norm(self.wq_a(x))
-        # normalised and rotated in fp32, rounded once (the serving ops' rounding)
-        q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(rms_normalize(q.float(), self.eps), cos.unsqueeze(-2),
-                       sin.unsqueeze(-2)).to(x.dtype)
-        kv = rms_norm(self.wkv(x).float(), self.kv_norm.weight, self.kv_norm.eps)
-        kv = apply_rope(kv, cos, sin).to(x.dtype)
-        return q, kv, q_lat
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            values: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, S, d] -> (q [B, S, H, D] roped, kv [B, S, D] roped, q_lat [B, S, q_lora]).
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor | None,
-               sin: torch.Tensor | None) -> torch.Tensor:
+        `values`: `ForwardMode.values` (the q norm and the fused norm + RoPE ops' values from that
+        backend, on per-token cos / sin rows as the serving path passes them)."""
+        q_lat = self.q_norm(self.wq_a(x), None, values)
+        q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
+        kv, w, eps = self.wkv(x), self.kv_norm.weight, self.kv_norm.eps
+
+        # normalised and rotated in fp32, rounded once (the serving ops' rounding)
+        def q_ref(q_: torch.Tensor) -> torch.Tensor:
+            return apply_rope(rms_normalize(q_.float(), self.eps), cos.unsqueeze(-2),
+                              sin.unsqueeze(-2)).to(q_.dtype)
+
+        def kv_ref(kv_: torch.Tensor, w_: torch.Tensor) -> torch.Tensor:
+            return apply_rope(rms_norm(kv_.float(), w_, eps), cos, sin).to(kv_.dtype)
+
+        if values is None:
+            return q_ref(q), kv_ref(kv, w), q_lat
+        ops, (B, S), rows = values, x.shape[:2], _token_rows(cos, sin, x.shape[0])
+
+        def q_op(q_: torch.Tensor) -> torch.Tensor:
+            return ops.q_norm_rope(q_.reshape(B * S, *q_.shape[2:]), *rows, self.eps).view_as(q_)
+
+        def kv_op(kv_: torch.Tensor, w_: torch.Tensor) -> torch.Tensor:
+            pool = torch.empty(B * S, kv_.shape[-1], dtype=kv_.dtype, device=kv_.device)
+            slots = torch.arange(B * S, device=kv_.device)
+            ops.kv_norm_rope_store(kv_.reshape(B * S, -1), w_, eps, *rows, pool, slots)
+            return pool.view_as(kv_)
+
+        return kernel_values(q_op, q_ref, q), kernel_values(kv_op, kv_ref, kv, w), q_lat
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+               values: KernelOps | None = None) -> torch.Tensor:
         """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate (unless cos is None: done by the
-        caller), grouped wo_a, then wo_b."""
-        if cos is not None and sin is not None:
-            o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        caller; with `values`, that backend's `rope_inverse` values), grouped wo_a, then wo_b."""
         B, S = o.shape[:2]
+        if cos is not None and sin is not None:
+            c, s = cos, sin
+
+            def ref(o_: torch.Tensor) -> torch.Tensor:
+                return apply_rope(o_, c.unsqueeze(-2), s.unsqueeze(-2), inverse=True)
+            if values is None:
+                o = ref(o)
+            else:
+                ops, rows = values, _token_rows(c, s, B)
+                o = kernel_values(lambda o_: ops.rope_inverse(o_.reshape(B * S, *o_.shape[2:]),
+                                                              *rows).view_as(o_), ref, o)
         groups = o.reshape(B, S, self.o_groups, -1)                     # [B, S, g, H*D/g]
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*D/g]
         z = torch.einsum("bsgd,grd->bsgr", groups, w)
@@ -156,13 +196,15 @@ class Attention(nn.Module):
         the flat [window keys | entries] buffer); "dense": the same softmax as masked dense
         attention (`dense_masked_attention`), two matmuls whose backward is cheap where the
         gathered form's scatters every key into hundreds of query rows. Both are tested equal
-        (`model/forward_mode.py`).
+        (`model/forward_mode.py`). `mode.values`: the backend's `sparse_attention` gives the
+        values, the chosen form the gradients.
         """
         B, S, _ = x.shape
-        q, kv, q_lat = self.qkv(x, cos, sin)
+        q, kv, q_lat = self.qkv(x, cos, sin, mode.values)
         entries, picks = None, None
         if self.compressor is not None:
-            entries = self.compressor(x, cos, sin)                             # [B, E, D]
+            paired = self.indexer.compressor if self.indexer is not None else None
+            entries = self.compressor(x, cos, sin, mode.values, paired)         # [B, E, D]
             replay = mode.replay
             if self.indexer is not None and replay is not None and replay.indexer is not None:
                 assert self.csa_index is not None, "indexer replay on a layer outside the model"
@@ -174,20 +216,52 @@ class Attention(nn.Module):
                                             x.device)
             if mode.fixed_widths:
                 picks = pad_columns(picks, self.entry_width)
-        if mode.attention == "dense":
-            o = dense_masked_attention(q, kv, entries, picks, self.window, self.attn_sink,
-                                       self.scale)
-            return self.output(o, cos, sin)
-        keys, idx = kv.reshape(B * S, -1), window_indices(B, S, self.window, x.device)
-        if entries is not None and picks is not None:
+        if entries is None:
+            entries = kv.new_zeros(B, 0, self.head_dim)
+        attend = self._dense if mode.attention == "dense" else self._gathered
+        if mode.values is not None:
+            ops = mode.values
+            o = kernel_values(lambda *a: self._kernel(ops, picks, *a),
+                              lambda *a: attend(picks, *a), q, kv, entries, self.attn_sink)
+        else:
+            o = attend(picks, q, kv, entries, self.attn_sink)
+        return self.output(o, cos, sin, mode.values)
+
+    def _dense(self, picks: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor,
+               entries: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        """`dense_masked_attention` of a full-sequence forward: [B, S, H, D]."""
+        return dense_masked_attention(q, kv, entries if picks is not None else None, picks,
+                                      self.window, sink, self.scale)
+
+    def _gathered(self, picks: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor,
+                  entries: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        """One index row per query into the flat [window keys | entries] buffer: [B, S, H, D]."""
+        B, S = q.shape[:2]
+        keys, idx = kv.reshape(B * S, -1), window_indices(B, S, self.window, q.device)
+        if picks is not None:
             E = entries.shape[1]
-            offset = B * S + torch.arange(B, device=x.device)[:, None, None] * E
+            offset = B * S + torch.arange(B, device=q.device)[:, None, None] * E
             picks = torch.where(picks >= 0, picks + offset, picks)
             keys = torch.cat((keys, entries.reshape(B * E, self.head_dim)))
             idx = torch.cat((idx, picks), dim=-1)
         o = sparse_attention(q.reshape(B * S, self.n_heads, -1), keys, idx.reshape(B * S, -1),
-                             self.attn_sink, self.scale)
-        return self.output(o.view(B, S, self.n_heads, -1), cos, sin)
+                             sink, self.scale)
+        return o.view(B, S, self.n_heads, -1)
+
+    def _kernel(self, ops: KernelOps, picks: torch.Tensor | None, q: torch.Tensor,
+                kv: torch.Tensor, entries: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        """The backend's `sparse_attention` on the serving path's sources (window keys, then the
+        entries, each query's index rows laid out as the engine lays them out): [B, S, H, D]."""
+        B, S = q.shape[:2]
+        window = window_indices(B, S, self.window, q.device).reshape(B * S, -1)
+        sources = [(kv.reshape(B * S, -1), window)]
+        if picks is not None:
+            E = entries.shape[1]
+            rows = torch.arange(B, device=q.device)[:, None, None] * E
+            ids = torch.where(picks >= 0, picks + rows, picks).reshape(B * S, -1)
+            sources.append((entries.reshape(B * E, self.head_dim).to(kv.dtype), ids))
+        o = ops.sparse_attention(q.reshape(B * S, self.n_heads, -1), sources, sink, self.scale)
+        return o.view(B, S, self.n_heads, -1)
 
     def _compress_pair(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
                        cache: LayerCache) -> None:

@@ -34,9 +34,10 @@ class Block(nn.Module):
         """
         assert (ctx is None) != (mode is None), (
             "pass a serving ctx or a full-sequence mode, not both")
-        h, post, comb = self.hc_attn.pre(x, ctx)
-        o = self.attn(self.attn_norm(h, ctx), cos, sin, ctx, self.layer_id, mode=mode)
-        x = HyperConnection.post(o, x, post, comb, ctx)
-        h, post, comb = self.hc_ffn.pre(x, ctx)
-        return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx), input_ids, ctx, mode=mode), x,
-                                    post, comb, ctx)
+        v = mode.values if mode is not None else None
+        h, post, comb = self.hc_attn.pre(x, ctx, v)
+        o = self.attn(self.attn_norm(h, ctx, v), cos, sin, ctx, self.layer_id, mode=mode)
+        x = HyperConnection.post(o, x, post, comb, ctx, v)
+        h, post, comb = self.hc_ffn.pre(x, ctx, v)
+        return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx, v), input_ids, ctx, mode=mode),
+                                    x, post, comb, ctx, v)

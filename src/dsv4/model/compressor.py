@@ -12,10 +12,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.cache.pools import RingState
-from dsv4.kernels.ref.compressor import CompressTarget, compress_windows
-from dsv4.kernels.ref.rope_norm import apply_rope
+from dsv4.kernels.ref.compressor import CompressTarget, compress_windows, sequence_index
+from dsv4.kernels.ref.rope_norm import apply_rope, rms_norm
+from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import CompressPlan, ForwardContext
+from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.norm import RMSNorm
+
+
+def _project(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+             ape: torch.Tensor, ratio: int,
+             ops: KernelOps | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv, score) fp32 of x [..., d]; `ops`: the backend's `project` op on x as [T, d] rows."""
+    xf = x.float()
+    if ops is None:
+        kv, score = F.linear(xf, wkv.float()), F.linear(xf, wgate.float())
+    else:
+        rows = xf.reshape(-1, xf.shape[-1])
+        kv = ops.project(rows, wkv.float()).view(*x.shape[:-1], -1)
+        score = ops.project(rows, wgate.float()).view(*x.shape[:-1], -1)
+    return kv, score + ape.float()[positions % ratio]
 
 
 class Compressor(nn.Module):
@@ -29,32 +45,69 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(out_dim, eps)
 
-    def project(self, x: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor,
+                ops: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [..., d], positions: [...] -> (kv, score) [..., c*Dc] fp32.
 
-        score includes `ape[pos % ratio]`.
+        score includes `ape[pos % ratio]`. `ops`: the GEMMs as that backend's `project` op (x
+        [T, d]), else F.linear.
         """
-        xf = x.float()
-        kv = F.linear(xf, self.wkv.weight.float())
-        score = F.linear(xf, self.wgate.weight.float())
-        return kv, score + self.ape.float()[positions % self.ratio]
+        return _project(x, positions, self.wkv.weight, self.wgate.weight, self.ape, self.ratio,
+                        ops)
 
-    def finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
-        """Norm + RoPE of pooled entries.
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                values: KernelOps | None = None, paired: Compressor | None = None) -> torch.Tensor:
+        """Full-sequence path: x [B, S, d] -> entries [B, S // ratio, Dc]; cos/sin: [S, rd/2].
 
-        pooled: [B, E, Dc] fp32; cos/sin: [E, rd/2] at positions i*ratio.
-        """
-        return apply_rope(self.norm(pooled), cos, sin).to(dtype)
+        `values` (`ForwardMode.values`): the entries' values from that backend's serving ops, run
+        as one step over all B * S tokens (`sequence_index`): the projections through `project`,
+        pooling + norm + RoPE through `compress`, or with `paired` (a CSA layer's indexer
+        compressor) through `compress_pair` as the engine runs them; the gradients from the
+        formulation here."""
+        params = (self.wkv.weight, self.wgate.weight, self.ape, self.norm.weight)
+        if values is None:
+            return self._entries(cos, sin, x, *params)
+        ops = values
+        return kernel_values(lambda *a: self._entries_op(ops, paired, cos, sin, *a),
+                             lambda *a: self._entries(cos, sin, *a), x, *params)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Full-sequence path: x [B, S, d] -> entries [B, S // ratio, Dc]; cos/sin: [S, rd/2]."""
-        kv, score = self.project(x, torch.arange(x.shape[1], device=x.device))
+    def _entries(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, wkv: torch.Tensor,
+                 wgate: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+        kv, score = _project(x, torch.arange(x.shape[1], device=x.device), wkv, wgate, ape,
+                             self.ratio, None)
         pooled = compress_windows(kv, score, self.ratio, self.overlap)
-        E = pooled.shape[1]
-        return self.finish(pooled, cos[: E * self.ratio: self.ratio],
-                           sin[: E * self.ratio: self.ratio], x.dtype)
+        E, step = pooled.shape[1], self.ratio
+        return apply_rope(rms_norm(pooled, norm_w, self.norm.eps), cos[: E * step: step],
+                          sin[: E * step: step]).to(x.dtype)
+
+    def _entries_op(self, ops: KernelOps, paired: Compressor | None, cos: torch.Tensor,
+                    sin: torch.Tensor, x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+                    ape: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+        B, S = x.shape[:2]
+        E = S // self.ratio
+        index, entry_pos = sequence_index(B, S, self.ratio, self.overlap, x.device)
+        pos = torch.arange(S, device=x.device).repeat(B)
+        rows = x.reshape(B * S, -1)
+        first = self._step_target(ops, rows, pos, (wkv, wgate, ape, norm_w), B * E)
+        if paired is None:
+            ops.compress(*first[:4], index, first.norm_weight, self.norm.eps, cos[entry_pos],
+                         sin[entry_pos], first.out)
+        else:
+            second = paired._step_target(ops, rows, pos, (paired.wkv.weight, paired.wgate.weight,
+                                                          paired.ape, paired.norm.weight), B * E)
+            ops.compress_pair(first, second, index, self.norm.eps, cos[entry_pos],
+                              sin[entry_pos])
+        return first.out[:B * E].view(B, E, self.out_dim)
+
+    def _step_target(self, ops: KernelOps, rows: torch.Tensor, pos: torch.Tensor,
+                     params: tuple[torch.Tensor, ...], entries: int) -> CompressTarget:
+        """The compress ops' tensors for `rows` [T, d] as one step: a 1-row (trash) ring and
+        `entries` + 1 output rows (the last: trash)."""
+        wkv, wgate, ape, norm_w = params
+        kv, score = _project(rows, pos, wkv, wgate, ape, self.ratio, ops)
+        ring = kv.new_zeros(1, kv.shape[-1])
+        out = rows.new_empty(entries + 1, self.out_dim)
+        return CompressTarget(kv, score, ring, ring.clone(), norm_w, out)
 
     def target(self, x: torch.Tensor, ctx: ForwardContext, state: RingState,
                out: torch.Tensor) -> CompressTarget:
@@ -62,7 +115,7 @@ class Compressor(nn.Module):
 
         These are the compress ops' inputs.
         """
-        kv, score = self.project(x, ctx.positions)                              # [T, c*Dc] fp32
+        kv, score = self.project(x, ctx.positions, ctx.ops)                     # [T, c*Dc] fp32
         return CompressTarget(kv, score, state.kv, state.score, self.norm.weight, out)
 
     def forward_cached(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,

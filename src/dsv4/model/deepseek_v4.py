@@ -172,7 +172,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, mode: ForwardMode = INFERENCE) -> torch.Tensor:
         """input_ids: LongTensor [B, S] -> logits FloatTensor [B, S, V] (fp32), computed as `mode`
         says (`model/forward_mode.py`: INFERENCE, or TRAINING for a cheap backward)."""
-        return self.logits(self.norm(self.hc_head(self.forward_streams(input_ids, mode))))
+        v = mode.values
+        return self.logits(self.norm(self.hc_head(self.forward_streams(input_ids, mode), None, v),
+                                     None, v))
 
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, depth: int = 0,
                    mode: ForwardMode = INFERENCE) -> torch.Tensor:

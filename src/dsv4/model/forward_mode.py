@@ -19,6 +19,12 @@ it to rounding only where a sequence is split into steps (fp32: within 1e-4,
 (fp32: within 1e-5, `tests/model/test_dense_attention.py`); a trainer that must score tokens
 bit-identically to the engine runs INFERENCE's formulation.
 
+`values` (a `KernelOps`, None: the formulations above) takes the forward values of the ops the
+engine runs through its kernel backend (sparse attention, mHC pre / post / head, routed experts,
+RMSNorm) from those kernels, and their gradients from the formulation above
+(`model/kernel_values.py`): with the engine's ops under token-count-invariant launch plans the
+full-sequence forward reproduces the engine's values (the RL default mode on a GPU).
+
 `replay` carries the selections a rollout recorded (RL: R3 routing replay and indexer replay,
 `Replay`): a forward given one routes every token of MoE layer l to `replay.experts[b, s, l]`
 (the live router's scores are gathered at those ids, so the gate keeps its gradient) and lets
@@ -32,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
+
+from dsv4.kernels.registry import KernelOps
 
 AttentionForm = Literal["gathered", "dense"]
 ExpertsForm = Literal["sparse", "dense"]
@@ -60,13 +68,20 @@ class ForwardMode:
     `fixed_widths`: attend over index rows of a fixed width (window + `index_topk` picks, or
     window + every entry of the context for HCA) so that a query's softmax does not depend on the
     sequence length: with `batch_invariant()` matmuls this is the computation of the engine's
-    `batch_invariant` mode, token for token (true on-policy RL)."""
+    `batch_invariant` mode, token for token (true on-policy RL). `values`: the kernels that give
+    the forward values (module docstring), None for the formulations' own."""
 
     name: str
     attention: AttentionForm
     experts: ExpertsForm
     replay: Replay | None = field(default=None, compare=False)
     fixed_widths: bool = False
+    values: KernelOps | None = field(default=None, compare=False)
+
+    def with_values(self, ops: KernelOps | None) -> ForwardMode:
+        """This mode with forward values from `ops` (None: the formulations' own)."""
+        suffix = f"+{ops.name}-values" if ops is not None else ""
+        return replace(self, name=self.name + suffix, values=ops)
 
     def with_replay(self, replay: Replay | None, fixed_widths: bool | None = None
                     ) -> ForwardMode:

@@ -7,7 +7,8 @@ back with `post` and the old streams are mixed by the Sinkhorn-projected `comb`:
 The learned parameters are only `fn`, `base` and `scale` (all fp32). With a ForwardContext
 (serving) the three steps run as the kernel backend's `mhc_pre` / `mhc_post` / `mhc_head` ops on
 the [T, n, d] tokens (the `ref` ops compute exactly what the full-sequence path below computes, op
-for op).
+for op). A full-sequence forward given `values` (`ForwardMode.values`) takes those ops' values and
+the formulation's gradients (`model/kernel_values.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from torch import nn
 
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.mhc import hc_split_sinkhorn
+from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
+from dsv4.model.kernel_values import kernel_values
 
 
 def _scaled_mix(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,35 +45,59 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros(config.hc_mix_dim, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def pre(self, x: torch.Tensor, ctx: ForwardContext | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre(self, x: torch.Tensor, ctx: ForwardContext | None = None,
+            values: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, S, n, d] -> (block input h [B, S, d], post [B, S, n], comb [B, S, n, n]).
 
         h is in x's dtype.
         """
         if ctx is not None:
-            B, S, n, d = x.shape
-            flat = x.reshape(B * S, n, d).contiguous()   # (the first layer's streams are an expand)
-            h, post, comb = ctx.ops.mhc_pre(flat, self.fn, self.scale, self.base, n, self.iters,
-                                            self.hc_eps, self.norm_eps)
-            return h.view(B, S, d), post.view(B, S, n), comb.view(B, S, n, n)
-        mix = _scaled_mix(x, self.fn, self.norm_eps)
-        pre, post, comb = hc_split_sinkhorn(mix, self.scale, self.base, self.n, self.iters,
-                                            self.hc_eps)
+            return self._pre_op(ctx.ops, x, self.fn, self.scale, self.base)
+        if values is not None:
+            ops = values
+            return kernel_values(lambda *a: self._pre_op(ops, *a), self._pre_ref, x, self.fn,
+                                 self.scale, self.base)
+        return self._pre_ref(x, self.fn, self.scale, self.base)
+
+    def _pre_op(self, ops: KernelOps, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, S, n, d = x.shape
+        flat = x.reshape(B * S, n, d).contiguous()   # (the first layer's streams are an expand)
+        h, post, comb = ops.mhc_pre(flat, fn, scale, base, n, self.iters, self.hc_eps,
+                                    self.norm_eps)
+        return h.view(B, S, d), post.view(B, S, n), comb.view(B, S, n, n)
+
+    def _pre_ref(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                 base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mix = _scaled_mix(x, fn, self.norm_eps)
+        pre, post, comb = hc_split_sinkhorn(mix, scale, base, self.n, self.iters, self.hc_eps)
         h = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
         return h.to(x.dtype), post, comb
 
     @staticmethod
     def post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-             ctx: ForwardContext | None = None) -> torch.Tensor:
+             ctx: ForwardContext | None = None, values: KernelOps | None = None) -> torch.Tensor:
         """f: [B, S, d] block output; x: [B, S, n, d] old streams -> new streams [B, S, n, d]."""
         if ctx is not None:
-            B, S, n, d = x.shape
-            out = ctx.ops.mhc_post(f.reshape(B * S, d), x.reshape(B * S, n, d).contiguous(),
-                                   post.reshape(B * S, n), comb.reshape(B * S, n, n).contiguous())
-            return out.view(B, S, n, d)
-        mixed = torch.einsum("bsjk,bsjd->bskd", comb, x.float())
-        return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(x.dtype)
+            return _post_op(ctx.ops, f, x, post, comb)
+        if values is not None:
+            ops = values
+            return kernel_values(lambda *a: _post_op(ops, *a), _post_ref, f, x, post, comb)
+        return _post_ref(f, x, post, comb)
+
+
+def _post_op(ops: KernelOps, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
+    B, S, n, d = x.shape
+    out = ops.mhc_post(f.reshape(B * S, d), x.reshape(B * S, n, d).contiguous(),
+                       post.reshape(B * S, n), comb.reshape(B * S, n, n).contiguous())
+    return out.view(B, S, n, d)
+
+
+def _post_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
+              comb: torch.Tensor) -> torch.Tensor:
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb, x.float())
+    return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(x.dtype)
 
 
 class HyperHead(nn.Module):
@@ -84,12 +111,25 @@ class HyperHead(nn.Module):
         self.base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None,
+                values: KernelOps | None = None) -> torch.Tensor:
         """x: [B, S, n, d] -> [B, S, d] in x's dtype."""
         if ctx is not None:
-            B, S, n, d = x.shape
-            return ctx.ops.mhc_head(x.reshape(B * S, n, d).contiguous(), self.fn, self.scale,
-                                    self.base, self.hc_eps, self.norm_eps).view(B, S, d)
-        mix = _scaled_mix(x, self.fn, self.norm_eps)
-        pre = torch.sigmoid(mix * self.scale.float() + self.base.float()) + self.hc_eps
+            return self._op(ctx.ops, x, self.fn, self.scale, self.base)
+        if values is not None:
+            ops = values
+            return kernel_values(lambda *a: self._op(ops, *a), self._ref, x, self.fn, self.scale,
+                                 self.base)
+        return self._ref(x, self.fn, self.scale, self.base)
+
+    def _op(self, ops: KernelOps, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+            base: torch.Tensor) -> torch.Tensor:
+        B, S, n, d = x.shape
+        return ops.mhc_head(x.reshape(B * S, n, d).contiguous(), fn, scale, base, self.hc_eps,
+                            self.norm_eps).view(B, S, d)
+
+    def _ref(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+             base: torch.Tensor) -> torch.Tensor:
+        mix = _scaled_mix(x, fn, self.norm_eps)
+        pre = torch.sigmoid(mix * scale.float() + base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)

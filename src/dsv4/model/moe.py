@@ -16,6 +16,7 @@ from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_dense, swiglu
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
+from dsv4.model.kernel_values import kernel_values
 
 
 class Gate(nn.Module):
@@ -71,14 +72,21 @@ class Experts(nn.Module):
         Serving (`ctx`): the backend's op. Full sequence: `mode.experts` "sparse" runs the
         per-expert reference (the `ref` backend's op); "dense" runs three GEMMs over all experts
         (no data-dependent shapes or host syncs: what training and torch.compile want; tested
-        equal).
+        equal). With `mode.values`: that backend's op's values, the formulation's gradients.
         """
         if ctx is not None:
             return ctx.ops.routed_experts(u, self.w1, self.w2, self.w3, indices, weights,
                                           self.limit)
         assert mode is not None, "a full-sequence forward needs a ForwardMode"
         fn = routed_experts_dense if mode.experts == "dense" else routed_experts
-        return fn(u, self.w1, self.w2, self.w3, indices, weights, self.limit)
+        limit = self.limit
+        if mode.values is not None:
+            ops = mode.values
+            return kernel_values(
+                lambda u_, w1, w2, w3, wts: ops.routed_experts(u_, w1, w2, w3, indices, wts, limit),
+                lambda u_, w1, w2, w3, wts: fn(u_, w1, w2, w3, indices, wts, limit),
+                u.contiguous(), self.w1, self.w2, self.w3, weights)
+        return fn(u, self.w1, self.w2, self.w3, indices, weights, limit)
 
 
 class MLP(nn.Module):

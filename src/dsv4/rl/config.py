@@ -28,12 +28,18 @@ class RLConfig(RunConfig):
     `group_size` samples of each of `prompts_per_step` prompts per step, `steps` optimizer steps.
     `tis`: truncate the importance weight pi_old / pi_rollout at this C (None: off). `mis`:
     (lo, hi), mask tokens whose ratio leaves it (None: off). `replay`: which recorded selections
-    the trainer reuses. `true_on_policy`: engine and trainer compute batch-invariantly with one
-    formulation (`kernels/ref/batch_invariant.py`), so the trainer's log-probs equal the
-    sampling log-probs bit for bit (implies `formulation` "serving"). `formulation`: the
-    trainer's forward, "serving" (the engine's formulation: gathered attention with fp32 scores,
-    per-expert MoE; lowest drift) or "training" (dense attention and experts: a cheaper backward,
-    scores rounded to the activation dtype). `kl_coef`: k3 KL to the frozen initial policy.
+    the trainer reuses. `true_on_policy`: engine and trainer compute batch-invariantly
+    (`kernels/ref/batch_invariant.py`: GEMMs and reductions) with one set of ops (the triton
+    kernels under `kernel_values`, else the `ref` formulation), so the trainer's log-probs equal
+    the sampling log-probs bit for bit (on the `ref` ops it needs `formulation` "serving").
+    `formulation`: the trainer's forward, "serving" (the engine's formulation: gathered attention
+    with fp32 scores, per-expert MoE; lowest drift) or "training" (dense attention and experts: a
+    cheaper backward, scores rounded to the activation dtype). `kernel_values`: with a fused
+    kernel backend (not `ref`), the trainer's forward takes its values from the engine's kernels
+    and its gradients from `formulation` (`model/kernel_values.py`); both sides run launch plans
+    that do not depend on the token count (`EngineConfig.invariant_plans`). False: the
+    formulation's own values, which agree with the kernels only to summation order.
+    `kl_coef`: k3 KL to the frozen initial policy.
     `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level."""
 
     INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
@@ -62,6 +68,7 @@ class RLConfig(RunConfig):
     replay: str = "routing,indexer"
     true_on_policy: bool = False
     formulation: str = "serving"
+    kernel_values: bool = True
     eval_every: int = 10
     eval_per_level: int = 50
     seed: int = 0
@@ -106,11 +113,23 @@ class RLConfig(RunConfig):
         if self.formulation not in ("serving", "training"):
             raise ValueError(f"formulation={self.formulation!r} is invalid; "
                              "allowed: 'serving', 'training'")
-        if self.true_on_policy and self.formulation != "serving":
-            raise ValueError("formulation='training' is invalid with true_on_policy; "
-                             "allowed: 'serving' (the engine's formulation)")
+        if self.true_on_policy and self.formulation != "serving" and not self.values_from_kernels:
+            raise ValueError("formulation='training' is invalid with true_on_policy on the ref "
+                             "ops; allowed: 'serving' (the engine's formulation), or a fused "
+                             "kernel backend with kernel_values (values from the kernels)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: 'float32', 'bfloat16'")
+
+    @property
+    def values_from_kernels(self) -> bool:
+        """Whether the trainer takes its forward values from the engine's kernels."""
+        return self.kernel_values and self.kernel_backend != "ref"
+
+    @property
+    def fixed_widths(self) -> bool:
+        """Index rows of one width per layer: true on-policy on the `ref` ops, whose softmax depends
+        on the row width (the triton kernels' does not)."""
+        return self.true_on_policy and not self.values_from_kernels
 
     @property
     def replay_routing(self) -> bool:

@@ -24,11 +24,15 @@ cache flushed). A step:
 Formulations (`RLConfig.formulation`): "serving" runs the INFERENCE mode (gathered attention
 with fp32 scores, per-expert MoE: the engine's `ref` formulation), "training" the TRAINING mode
 (dense attention and experts: a much cheaper backward on the GPU, scores rounded to the
-activation dtype); the engine runs its kernel backend, so log-probs agree to rounding. With
-`true_on_policy` both also run fixed-width index rows under `batch_invariant()` (engine
-`batch_invariant=True`, `ref` kernels): the trainer's log-probs equal the engine's bit for bit,
-at step 0 and after every sync, on CPU (tests/rl/test_true_on_policy.py) and on CUDA (bf16 on an
-H200: benchmarks/results/rl_h200_202612.md).
+activation dtype). With a fused kernel backend (`triton`) and `kernel_values` (the default), the
+forward's values come from the engine's own kernels under token-count-invariant launch plans
+(`ForwardMode.values`, `model/kernel_values.py`) and only the gradients from the formulation; the
+linears stay cuBLAS, whose kernel depends on the row count, so log-probs agree to the last bits of
+the GEMMs. With `true_on_policy` both sides also run their GEMMs and reductions batch-invariantly
+(`batch_invariant()`; on the `ref` ops also with fixed-width index rows): the trainer's log-probs
+equal the engine's bit for bit, at step 0 and after every sync, on CPU
+(tests/rl/test_true_on_policy.py) and on CUDA with CUDA graphs on (bf16 on an H200:
+benchmarks/results/rl_h200_202612.md).
 
 Run directory: `rl_config.json`, `state.pt` (policy, optimizer, step; atomic), `metrics.jsonl`,
 `rl.png`. Rollouts depend only on (seed, step), so a resumed run continues exactly.
@@ -117,11 +121,15 @@ class RLTrainer:
                             kernel_backend=c.kernel_backend,  # type: ignore[arg-type]
                             capture_routing=True, disable_prefix_cache=True,
                             batch_invariant=c.true_on_policy,
-                            disable_cuda_graph=c.true_on_policy, seed=c.seed)
+                            invariant_plans=c.values_from_kernels, seed=c.seed)
 
     # --- numerics ----------------------------------------------------------------------------
     def mode(self) -> ForwardMode:
-        return INFERENCE if self.config.formulation == "serving" else TRAINING
+        """The trainer's full-sequence mode: the formulation, with forward values from the
+        engine's kernels when `values_from_kernels` (the engine's own `KernelOps`: colocated)."""
+        mode = INFERENCE if self.config.formulation == "serving" else TRAINING
+        return mode.with_values(self.engine.runner.ops if self.config.values_from_kernels
+                                else None)
 
     @contextlib.contextmanager
     def numerics(self) -> Iterator[None]:
@@ -133,7 +141,7 @@ class RLTrainer:
             yield
 
     def policy_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        mode = self.mode().with_replay(batch.replay, fixed_widths=self.config.true_on_policy)
+        mode = self.mode().with_replay(batch.replay, fixed_widths=self.config.fixed_widths)
         with self.numerics():
             return sequence_logprobs(self.compute, batch.inputs, batch.targets, mode,
                                      self.config.temperature)
@@ -220,7 +228,7 @@ class RLTrainer:
             with torch.no_grad(), self.numerics():
                 ref_logp, _ = sequence_logprobs(self.reference, batch.inputs, batch.targets,
                                                 self.mode().with_replay(batch.replay,
-                                                                        c.true_on_policy),
+                                                                        c.fixed_widths),
                                                 c.temperature)
             stats["kl_k3"] = alg.k3_kl(logp, ref_logp, mask)
             total = total + c.kl_coef * stats["kl_k3"]

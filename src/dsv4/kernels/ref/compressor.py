@@ -42,6 +42,33 @@ class CompressIndex(NamedTuple):
     ring_reads_disjoint: bool = False
 
 
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The compressor projections (the `project` op): x [T, k] fp32 @ w [n, k]^T -> [T, n] fp32."""
+    return torch.nn.functional.linear(x, w)
+
+
+def sequence_index(batch: int, seq_len: int, ratio: int, overlap: bool,
+                   device: torch.device) -> tuple[CompressIndex, torch.Tensor]:
+    """The `CompressIndex` of a [batch, seq_len] full-sequence forward run as one serving step
+    (every source is new, no ring: a 1-row trash ring), and each token's entry position [T].
+
+    Token t = b * seq_len + p writes entry b * E + p // ratio (E = seq_len // ratio) when it
+    completes a window; `out` then needs batch * E + 1 rows (the last: the trash row)."""
+    S = 2 * ratio if overlap else ratio
+    pos = torch.arange(seq_len, device=device).repeat(batch)                        # [T]
+    row = torch.arange(batch * seq_len, device=device)
+    src = pos[:, None] - S + 1 + torch.arange(S, device=device)                     # [T, S]
+    valid = src >= 0
+    E = seq_len // ratio
+    emits = (pos + 1) % ratio == 0
+    write = torch.where(emits, (row // seq_len) * E + pos // ratio, batch * E)
+    zeros = torch.zeros_like(pos)
+    index = CompressIndex(src_new=(row[:, None] - (pos[:, None] - src)).clamp(min=0),
+                          src_ring=torch.zeros_like(src), from_new=valid, src_valid=valid,
+                          write_slot=write, ring_write=zeros)
+    return index, (pos - ratio + 1).clamp(min=0)
+
+
 def compress_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int,
                      overlap: bool) -> torch.Tensor:
     """Pool complete windows. kv, score: [B, S, c*Dc] fp32 (score already includes `ape`).

@@ -410,3 +410,16 @@ def write_ring_rows(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
     _ring_write_kernel[(T,)](kv, score, ring_kv, ring_score, ring_write, width,
                              ring_kv.shape[0] - 1, kv.stride(0), ring_kv.stride(0),
                              BLOCK_W=triton.next_power_of_2(width), num_warps=4)
+
+
+def triton_project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ref.compressor.project` (the triton backend's `project` op): cuBLAS, whose
+    kernel (and a row's last bits) depends on the row count."""
+    return torch.nn.functional.linear(x, w)
+
+
+def triton_project_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`project` with a row's bits independent of the row count: the fixed-tile Triton GEMM of
+    `batch_invariant.py` (the backend's op under invariant launch plans)."""
+    from dsv4.kernels.triton.batch_invariant import bi_mm
+    return bi_mm(x, w.t())

@@ -63,6 +63,7 @@ _WS_TILE = 1024         # elements of a finish-launch workspace tile [BLOCK_T, B
 _PROGRAMS_PER_SM = 2    # split-K target: partial-launch programs per SM
 _FINISH_PROGRAMS_PER_SM = 4
 _MIN_D_SPAN = 256       # finish launch: smallest d range per program (1 KB of bf16 per stream)
+INVARIANT_SPLITS = 32   # split-K factor of the T-invariant plan (clipped to the K blocks)
 
 
 @triton.jit
@@ -265,12 +266,16 @@ def _mhc_finish_kernel(x_ptr, ws_ptr, sq_ptr, scale_ptr, base_ptr,  # type: igno
 
 
 def plan_pre(T: int, K: int, device: torch.device, block_t: int | None = None, block_k: int = 64,
-             splits: int | None = None) -> tuple[int, int, int]:
+             splits: int | None = None, invariant: bool = False) -> tuple[int, int, int]:
     """(block_t, splits, k_per_split) of the pre / head kernels; splits == 1 is the fused path.
 
     Default: token tiles of min(64, next_pow2(T)) (>= 16), split over K until there are ~2 programs
-    per SM (the interpreter counts 1 SM).
+    per SM (the interpreter counts 1 SM). `invariant`: a plan from K alone (16-token tiles,
+    `INVARIANT_SPLITS` splits), so a token's result does not depend on T.
     """
+    if invariant:
+        block_t = block_t or _MIN_DOT
+        splits = splits or INVARIANT_SPLITS
     bt = pow2("block_t", block_t or min(64, max(_MIN_DOT, triton.next_power_of_2(T))), _MIN_DOT)
     k_blocks = triton.cdiv(K, pow2("block_k", block_k, _MIN_DOT))
     want = splits if splits is not None else _PROGRAMS_PER_SM * sms(device) // triton.cdiv(T, bt)
@@ -278,18 +283,19 @@ def plan_pre(T: int, K: int, device: torch.device, block_t: int | None = None, b
     return bt, triton.cdiv(K, k_per_split), k_per_split
 
 
-def plan_finish(T: int, d: int, np_: int, S: int,
-                device: torch.device) -> tuple[int, int, int, int]:
+def plan_finish(T: int, d: int, np_: int, S: int, device: torch.device,
+                invariant: bool = False) -> tuple[int, int, int, int]:
     """(block_t, d_span, block_d, block_s) of the finish launch, aiming at ~4 programs per SM.
 
     Small T: one token per program and d split into spans (the 24-value epilogue is redone per span:
     cheap for few tokens). Large T: whole rows, and token tiles that vectorise the epilogue (one
-    Sinkhorn per token).
+    Sinkhorn per token). `invariant`: one token and all of d per program at every T (the tile
+    shapes fix the order of the sums over splits and streams, so they must not depend on T).
     """
     target = _FINISH_PROGRAMS_PER_SM * sms(device)
-    spans = max(1, min(target // T, d // _MIN_D_SPAN))
+    spans = 1 if invariant else max(1, min(target // T, d // _MIN_D_SPAN))
     spans = 1 << (spans.bit_length() - 1)
-    bt = 1 if T < 2 * target else min(16, 1 << ((T // target).bit_length() - 1))
+    bt = 1 if T < 2 * target or invariant else min(16, 1 << ((T // target).bit_length() - 1))
     block_d = min(triton.next_power_of_2(triton.cdiv(d, spans)),
                   max(_MIN_DOT, _H_TILE // (bt * np_)))
     d_span = triton.cdiv(triton.cdiv(d, spans), block_d) * block_d
@@ -312,9 +318,9 @@ def _check_streams(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
 def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                 h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, iters: int, hc_eps: float,
                 norm_eps: float, head: bool, block_t: int | None, block_k: int, splits: int | None,
-                num_warps: int, num_stages: int) -> None:
+                num_warps: int, num_stages: int, invariant: bool) -> None:
     T, n, d = x.shape
-    bt, S, k_per_split = plan_pre(T, n * d, x.device, block_t, block_k, splits)
+    bt, S, k_per_split = plan_pre(T, n * d, x.device, block_t, block_k, splits, invariant)
     np_ = max(4, triton.next_power_of_2(n))           # NP*NP >= 16: the tl.dot minimum
     geo = {"N": n, "NP": np_, "HEAD": head}
     dot = {"DOT": "bf16x3" if x.dtype == torch.bfloat16 else "tf32x3" if x.is_cuda else "ieee",
@@ -331,7 +337,7 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     _mhc_partial_kernel[(triton.cdiv(T, bt), S)](
         x, fn, ws, sq, T, n * d, k_per_split, x.stride(0), fn.stride(0), BLOCK_T=bt, **geo, **dot,
         num_warps=num_warps, num_stages=num_stages)
-    bt, d_span, bd, bs = plan_finish(T, d, np_, S, x.device)
+    bt, d_span, bd, bs = plan_finish(T, d, np_, S, x.device, invariant)
     _mhc_finish_kernel[(triton.cdiv(T, bt), triton.cdiv(d, d_span))](
         x, ws, sq, scale, base, h, post, comb, T, d, S, d_span, iters, hc_eps, norm_eps,
         x.stride(0), h.stride(0), BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, EVEN_D=d % bd == 0, **geo,
@@ -341,14 +347,16 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
 def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                    n: int, iters: int, hc_eps: float, norm_eps: float, *,
                    block_t: int | None = None, block_k: int = 64, splits: int | None = None,
-                   num_warps: int = 4, num_stages: int = 3,
+                   num_warps: int = 4, num_stages: int = 3, invariant: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `mhc_pre`: x [T, n, d] -> (h [T, d] in x's dtype, post [T, n],
     comb [T, n, n] fp32).
 
     x: bf16 / fp16 / fp32; fn [(2+n)*n, n*d], scale [3], base [(2+n)*n]: fp32. All contiguous, one
     device. Keyword arguments are tuning knobs (benchmark sweeps, tests); `splits=1` forces the
-    fused path, > 1 the split-K path (clipped to the number of BLOCK_K blocks). No host syncs: safe
+    fused path, > 1 the split-K path (clipped to the number of BLOCK_K blocks). `invariant`: the
+    plan comes from the shapes of one token only (`plan_pre`), so each token's outputs are the same
+    bits whatever T is (what lets an RL trainer reproduce the engine's values). No host syncs: safe
     inside CUDA-graph capture.
     """
     _check_streams(x, fn, scale, base, (2 + n) * n, 3)
@@ -360,19 +368,19 @@ def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     comb = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
     if T > 0:
         _launch_pre(x, fn, scale, base, h, post, comb, iters, hc_eps, norm_eps, False, block_t,
-                    block_k, splits, num_warps, num_stages)
+                    block_k, splits, num_warps, num_stages, invariant)
     return h, post, comb
 
 
 def triton_mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                     hc_eps: float, norm_eps: float, *, block_t: int | None = None,
                     block_k: int = 64, splits: int | None = None, num_warps: int = 4,
-                    num_stages: int = 3) -> torch.Tensor:
+                    num_stages: int = 3, invariant: bool = False) -> torch.Tensor:
     """Same contract as `mhc_head`: x [T, n, d] -> y [T, d] in x's dtype; fn [n, n*d], scale [1],
     base [n] fp32.
 
-    The pre kernels with HEAD=True (n projection rows, no post / comb); knobs as in
-    `triton_mhc_pre`.
+    The pre kernels with HEAD=True (n projection rows, no post / comb); knobs (and `invariant`) as
+    in `triton_mhc_pre`.
     """
     _check_streams(x, fn, scale, base, x.shape[1] if x.dim() == 3 else -1, 1)
     T, _, d = x.shape
@@ -380,5 +388,5 @@ def triton_mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     # NOTE: post / comb pointers are never dereferenced with HEAD=True; y stands in for them
     if T > 0:
         _launch_pre(x, fn, scale, base, y, y, y, 1, hc_eps, norm_eps, True, block_t, block_k,
-                    splits, num_warps, num_stages)
+                    splits, num_warps, num_stages, invariant)
     return y

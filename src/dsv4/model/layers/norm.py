@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from dsv4.kernels.ref.rope_norm import rms_norm
+from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
+from dsv4.model.kernel_values import kernel_values
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +24,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """x: [..., dim]; with a ForwardContext (serving) the kernel backend's `rms_norm` op."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None,
+                values: KernelOps | None = None) -> torch.Tensor:
+        """x: [..., dim]; with a ForwardContext (serving) the kernel backend's `rms_norm` op; with
+        `values` (a full-sequence `ForwardMode.values`) that op's values and the reference's
+        gradient."""
         if ctx is not None:
             return ctx.ops.rms_norm(x, self.weight, self.eps)
+        if values is not None:
+            ops, eps = values, self.eps
+            return kernel_values(lambda x_, w: ops.rms_norm(x_, w, eps),
+                                 lambda x_, w: rms_norm(x_, w, eps), x, self.weight)
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:

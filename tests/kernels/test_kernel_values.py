@@ -1,0 +1,143 @@
+"""Forward values from the serving kernels, gradients from the reference (`model/kernel_values.py`,
+`ForwardMode.values`), and the token-count-invariant launch plans they rely on
+(`create_kernels(..., invariant_plans=True)`). Kernels run under the Triton interpreter on CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import random_model
+from dsv4.config.engine import EngineConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.kernels.ref.batch_invariant import batch_invariant
+from dsv4.kernels.registry import create_kernels
+from dsv4.model.forward_mode import INFERENCE, TRAINING
+from dsv4.model.kernel_values import kernel_values
+from dsv4.rl.algorithms import logprob_abs_diff
+from dsv4.rl.batch import pack
+from dsv4.rl.rollout import sample_token_ids
+from dsv4.rl.trainer import sequence_logprobs
+
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CUDA GPU or the Triton interpreter")
+
+
+def test_values_from_fast_gradients_from_ref() -> None:
+    """The value is fast's (deliberately off here), the gradient ref's, for every input that
+    needs one; a tuple output whose second part gets no gradient is fine."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, generator=gen, requires_grad=True)
+    w = torch.randn(5, generator=gen, requires_grad=True)
+    idx = torch.tensor([2, 0, 1])
+
+    def ref(x_: torch.Tensor, w_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = (x_ * w_).sum(-1)
+        return y[idx], y.detach() * 0
+
+    def fast(x_: torch.Tensor, w_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, z = ref(x_, w_)
+        return y + 0.25, z
+
+    y, _ = kernel_values(fast, ref, x, w)
+    assert torch.equal(y, ref(x, w)[0] + 0.25)
+    (y * torch.arange(3.0)).sum().backward()
+    gx, gw = torch.autograd.grad((ref(x, w)[0] * torch.arange(3.0)).sum(), (x, w))
+    assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
+    with torch.no_grad():                                      # scoring: no graph, same values
+        assert torch.equal(kernel_values(fast, ref, x, w)[0], y.detach())
+
+
+@pytest.mark.slow  # the micro model's forward and backward under the Triton interpreter: ~15 s
+@needs_triton
+@pytest.mark.parametrize(("base", "seq_len"), [(INFERENCE, 20), (TRAINING, 12)],
+                         ids=["inference", "training-no-hca-entry"])
+def test_forward_with_kernel_values_matches_formulation(base, seq_len: int) -> None:
+    """Logits within fp32 rounding of the formulation's, and gradients of every parameter group
+    the kernels cover (attention, compressors, mHC, experts, norms) within rounding too: the ops
+    are wired to the right inputs and their gradients flow through the reference. 12 tokens
+    complete no HCA window (ratio 16): an empty entry set."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = random_model(micro(), torch.float32, device, seed=3)
+    ids = torch.randint(2, 512, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    ops = create_kernels("triton", invariant_plans=True)
+    grads = {}
+    for name, mode in (("ref", base), ("values", base.with_values(ops))):
+        model.zero_grad(set_to_none=True)
+        logits = model(ids, mode)
+        logits.float().logsumexp(-1).mean().backward()
+        grads[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                         if p.grad is not None})
+    (la, ga), (lb, gb) = grads["ref"], grads["values"]
+    torch.testing.assert_close(lb, la, rtol=0, atol=1e-4)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-3, atol=1e-5, msg=n)
+    for part in ("attn_sink", "hc_attn.fn", "experts.w2", "attn_norm.weight", "q_norm.weight",
+                 "compressor.wkv", "compressor.ape", "kv_norm.weight", "hc_head.fn"):
+        assert any(part in n and gb[n].abs().sum() > 0 for n in gb), f"no gradient for {part}"
+
+
+@needs_triton
+def test_invariant_plans_do_not_depend_on_the_token_count() -> None:
+    """mHC pre / head and sparse attention under the invariant plans: each token's row is the same
+    bits alone, in a 70-token call and (attention) with trailing -1 index columns."""
+    ops = create_kernels("triton", invariant_plans=True)
+    gen = torch.Generator().manual_seed(2)
+    T, n, d = 70, 4, 64
+    x = torch.randn(T, n, d, generator=gen)
+    fn, scale, base = torch.randn(24, n * d, generator=gen) * 0.1, torch.ones(3), torch.zeros(24)
+    full = ops.mhc_pre(x, fn, scale, base, n, 3, 1e-6, 1e-6)
+    head = ops.mhc_head(x, fn[:n], scale[:1], base[:n], 1e-6, 1e-6)
+    for t in (0, 33, 69):
+        alone = ops.mhc_pre(x[t:t + 1], fn, scale, base, n, 3, 1e-6, 1e-6)
+        assert all(torch.equal(a[0], b[t]) for a, b in zip(alone, full, strict=True))
+        assert torch.equal(ops.mhc_head(x[t:t + 1], fn[:n], scale[:1], base[:n], 1e-6, 1e-6)[0],
+                           head[t])
+    q, kv = torch.randn(T, 4, 32, generator=gen), torch.randn(200, 32, generator=gen)
+    idx = torch.randint(-1, 200, (T, 24), generator=gen)
+    sink = torch.zeros(4)
+    out = ops.sparse_attention(q, [(kv, idx)], sink, 0.2)
+    padded = ops.sparse_attention(q, [(kv, torch.nn.functional.pad(idx, (0, 40), value=-1))],
+                                  sink, 0.2)
+    assert torch.equal(out, padded)
+    for t in (0, 69):
+        assert torch.equal(ops.sparse_attention(q[t:t + 1], [(kv, idx[t:t + 1])], sink, 0.2)[0],
+                           out[t])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("true_on_policy", [True, False], ids=["true-on-policy", "default"])
+def test_trainer_with_kernel_values_scores_like_the_engine_cuda(true_on_policy: bool) -> None:
+    """bf16 micro model on the GPU, triton backend with invariant plans and CUDA graphs: the
+    engine samples with routing and indexer capture; the full-sequence forward with values from
+    the same kernels and the recorded selections gives the engine's sampling log-probs exactly
+    when both sides also run batch-invariant GEMMs and reductions (`--true-on-policy`), and within
+    the cuBLAS GEMMs' last bits without them (the RL default)."""
+    model = random_model(micro(), torch.bfloat16, torch.device("cuda"), seed=4)
+    engine = LLMEngine(model, EngineConfig(
+        page_size=16, max_running_requests=8, max_total_tokens=2048, kernel_backend="triton",
+        capture_routing=True, disable_prefix_cache=True, batch_invariant=true_on_policy,
+        invariant_plans=True))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (21, 37, 70)]
+    numerics = batch_invariant if true_on_policy else contextlib.nullcontext
+    with numerics():
+        samples = sample_token_ids(engine, prompts, 2, 1.0, 12, seed=0)
+    batch = pack(samples, torch.zeros(len(samples)), routing=True, indexer=True).to("cuda")
+    assert batch.replay is not None
+    mode = INFERENCE.with_replay(batch.replay).with_values(engine.runner.ops)
+    with torch.no_grad(), numerics():
+        logp, _ = sequence_logprobs(model, batch.inputs, batch.targets, mode, 1.0)
+    mean, top = (float(v) for v in logprob_abs_diff(logp, batch.rollout_logp, batch.mask))
+    if true_on_policy:
+        assert (mean, top) == (0.0, 0.0)
+    else:
+        assert mean < 5e-3, (mean, top)
