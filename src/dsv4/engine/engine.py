@@ -22,6 +22,7 @@ import torch
 
 from dsv4.cache.prefix_cache import create_prefix_cache
 from dsv4.config.engine import EngineConfig
+from dsv4.engine.grammar import Grammars
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling_params import SamplingParams
@@ -67,8 +68,12 @@ class EngineState:
 
 
 class LLMEngine:
-    def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig) -> None:
+    def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig,
+                 grammars: Grammars | None = None) -> None:
+        """`grammars`: structured output for this model's tokenizer (`engine/grammar.py`); None
+        refuses requests with `params.structured`."""
         mc = model.config
+        self.grammars = grammars
         self.config, self.vocab_size = config, mc.vocab_size
         self.eos_token_id = mc.eos_token_id
         self.context_length = config.context_length or mc.max_position_embeddings
@@ -101,6 +106,9 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.spec_steps:
             raise ValueError("prompt_logprobs is not supported with speculative decoding; "
                              "allowed: None, or an engine with speculative_num_steps=0")
+        if params.structured is not None and (self.grammars is None or self.spec_steps):
+            raise ValueError("structured output needs an engine with a tokenizer and without "
+                             "speculative decoding; allowed: structured=None here")
         bad_bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias has unknown token ids {bad_bias[:5]}; "
@@ -119,6 +127,9 @@ class LLMEngine:
             raise ValueError(f"request_id={rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**62)
         req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        if params.structured is not None:
+            assert self.grammars is not None              # validate() refused it otherwise
+            req.grammar = self.grammars.matcher(params.structured)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -183,6 +194,8 @@ class LLMEngine:
                                  out.top_logprobs[i] if req.params.logprobs is not None else None,
                                  now)
                 reason = self._finish_reason(req, tok)
+                if req.grammar is not None and reason is None:
+                    reason = self._advance_grammar(req, tok)
                 if reason is not None:
                     # tokens after this one are dropped, and with them their KV
                     req.num_cached = min(req.num_cached, len(req.all_ids) - 1)
@@ -192,6 +205,16 @@ class LLMEngine:
             self._count_drafts(req, out.num_drafts, min(len(out.token_ids) - 1, appended))
             updated.append(req)
         return updated
+
+    @staticmethod
+    def _advance_grammar(req: Request, tok: int) -> str | None:
+        """Feed `tok` to the request's grammar: "stop" once the grammar is complete (only eos is
+        allowed then; with ignore_eos that would never end) or if it rejects the token (the mask
+        allows only accepted tokens, so that is a bug: logged, the request ends cleanly)."""
+        if not req.grammar.accept_token(tok):
+            logger.error("request %s: its grammar rejected token %d; finishing it", req.rid, tok)
+            return "stop"
+        return "stop" if req.grammar.is_terminated() else None
 
     def _count_drafts(self, req: Request, drafts: int, accepted: int) -> None:
         if drafts == 0:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from dsv4.config.engine import EngineConfig, check_weight_format
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.grammar import Grammars
 from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.stop import OutputText
@@ -52,7 +53,10 @@ class LLM:
                                 weight_format=check_weight_format(weight_format))
         tok_file = path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
-        self.engine = LLMEngine(self.model, config)
+        mc = self.model.config
+        grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id])
+                    if self.tokenizer is not None else None)
+        self.engine = LLMEngine(self.model, config, grammars)
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

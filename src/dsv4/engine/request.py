@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,9 @@ class Request:
     # params.prompt_logprobs: per prompt position its token's log-prob (None at 0) and top-k
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.structured: the request's xgrammar GrammarMatcher (engine/grammar.py), advanced
+    # by the engine with every appended token
+    grammar: Any = None
     all_ids: list[int] = field(init=False)    # prompt_ids + output_ids, kept by append_token
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_kernel_backend
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
+from dsv4.engine.grammar import token_bitmask
 from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
@@ -269,7 +270,9 @@ class ModelRunner:
                                     self.device, vocab_size=logits.shape[-1])
         counts = self.token_counts[slots] if batch.do_penalties else None
         seen = self.seen[slots] if batch.do_penalties else None
-        out = sample(logits, batch, counts, seen)
+        bits = token_bitmask([r.grammar for r in reqs], logits.shape[-1])
+        allowed = bits.to(self.device, non_blocking=True) if bits is not None else None
+        out = sample(logits, batch, counts, seen, allowed)
         ones = torch.ones_like(out.token_ids, dtype=torch.int32)
         self.token_counts.index_put_((slots, out.token_ids), ones, accumulate=True)
         self.seen[slots, out.token_ids] = True

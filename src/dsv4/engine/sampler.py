@@ -5,6 +5,7 @@ and the random draw:
 
     raw logits [B, V] fp32
       -> penalties (repetition on prompt+output, frequency/presence on output), then logit_bias
+      -> structured output: tokens the row's grammar does not allow -> -inf (`allowed` bitmask)
       -> greedy rows: argmax            (ties -> lowest token id)
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> exponential race
 
@@ -292,6 +293,14 @@ def apply_penalties(
     return out
 
 
+def apply_token_bitmask(logits: Tensor, bits: Tensor) -> Tensor:
+    """`logits` [B, V] with -inf wherever bit v of row b of `bits` [B, ceil(V / 32)] int32 is 0
+    (xgrammar's layout: token v is bit v % 32 of word v // 32); a new tensor."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _penalised(logits: Tensor, batch: SamplingBatch, token_counts: Tensor | None,
                prompt_mask: Tensor | None) -> Tensor:
     out = logits
@@ -394,6 +403,7 @@ def sample(
     batch: SamplingBatch,
     token_counts: Tensor | None = None,
     prompt_mask: Tensor | None = None,
+    allowed: Tensor | None = None,
 ) -> SampleOutput:
     """Pick one token per row; no host sync.
 
@@ -401,13 +411,17 @@ def sample(
     `batch`: this step's parameters (`batch.size == B`). `token_counts`: `[B, V]` int32
     output-token counts; required if frequency or presence penalties are active. `prompt_mask`:
     `[B, V]` bool prompt-or-output membership; required if a repetition penalty is active.
-    Returns a `SampleOutput` with raw-distribution logprobs (see the module docstring).
+    `allowed`: `[B, ceil(V / 32)]` int32 token bitmask of structured-output rows (None: no row
+    is constrained; `apply_token_bitmask`). Returns a `SampleOutput` with raw-distribution
+    logprobs (see the module docstring).
     """
     assert logits.dim() == 2 and logits.shape[0] == batch.size, (
         f"logits shape {tuple(logits.shape)} does not match batch size {batch.size}"
     )
     assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
     penalised = apply_penalties(logits, batch, token_counts, prompt_mask)  # [B, V]
+    if allowed is not None:
+        penalised = apply_token_bitmask(penalised, allowed)
     token_ids = _choose_tokens(penalised, batch)  # [B]
     if batch.logprob_temperature is not None:
         logits = logits / batch.logprob_temperature.unsqueeze(1)

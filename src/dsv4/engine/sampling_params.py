@@ -28,6 +28,29 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 """Seeds are stored in int64 tensors by the sampler."""
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf")
+"""What `StructuredOutput.kind` may be."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain a request's output to a grammar (compiled by `engine/grammar.py`).
+
+    `kind`: "json_object" (any JSON object; `spec` ""), "json_schema" (`spec`: the schema as JSON
+    text), "regex" (`spec`: the pattern), "choice" (`spec`: a JSON list of the allowed strings),
+    "ebnf" (`spec`: a GBNF grammar with a `root` rule). Whether `spec` compiles is checked by the
+    engine when the request arrives."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in STRUCTURED_KINDS, "structured.kind", self.kind,
+                 f"one of {list(STRUCTURED_KINDS)}")
+        _require(isinstance(self.spec, str) and (self.kind == "json_object") == (not self.spec),
+                 "structured.spec", self.spec,
+                 "'' for json_object, else the schema, pattern, choices or grammar text")
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -71,6 +94,8 @@ class SamplingParams:
     - `logit_bias`: (token id, bias) pairs added to the raw logits before penalties' result is
       sampled (OpenAI's semantics: -100..100; -100 in effect bans a token, +100 forces it);
       token ids are checked against the vocabulary by the engine. `create` takes a mapping.
+    - `structured`: constrain the output to a grammar (JSON schema, regex, choice, EBNF; see
+      `StructuredOutput`): the sampler masks every token the grammar does not allow next.
     - `scaled_logprobs`: report log-probs of the temperature-scaled distribution
       `log_softmax(logits / temperature)` (the one sampled from, before top-k / top-p / min-p
       truncation: RL's rollout log-probs, as Miles defines them) instead of the raw model
@@ -94,6 +119,7 @@ class SamplingParams:
     scaled_logprobs: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self._validate_length()
@@ -109,13 +135,17 @@ class SamplingParams:
         stop: str | Sequence[str] | None = None,
         stop_token_ids: int | Sequence[int] | None = None,
         logit_bias: Mapping[int, float] | Sequence[Sequence[float]] | None = None,
+        structured: StructuredOutput | Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> SamplingParams:
         """Build from API-style arguments: `stop` may be a str or a list, `stop_token_ids` an int
-        or a list, `logit_bias` a mapping token id -> bias or (id, bias) pairs; None means none.
-        Every other keyword is passed through unchanged."""
+        or a list, `logit_bias` a mapping token id -> bias or (id, bias) pairs, `structured` a
+        `StructuredOutput` or its fields as a mapping; None means none. Every other keyword is
+        passed through unchanged."""
+        if isinstance(structured, Mapping):
+            structured = StructuredOutput(**structured)
         return cls(stop=_normalise_stop(stop), stop_token_ids=_normalise_stop_ids(stop_token_ids),
-                   logit_bias=_normalise_bias(logit_bias), **kwargs)
+                   logit_bias=_normalise_bias(logit_bias), structured=structured, **kwargs)
 
     @property
     def is_greedy(self) -> bool:
@@ -169,6 +199,8 @@ class SamplingParams:
             and _is_real(p[1]) and -100 <= p[1] <= 100 for p in bias)
         _require(bias_ok and len({p[0] for p in bias}) == len(bias), "logit_bias", bias,
                  "distinct token ids >= 0 with biases in [-100, 100]")
+        _require(self.structured is None or isinstance(self.structured, StructuredOutput),
+                 "structured", self.structured, "None or a StructuredOutput")
         for name in ("ignore_eos", "skip_special_tokens", "scaled_logprobs"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "True or False")

@@ -67,10 +67,6 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 def _check_supported(body: ChatCompletionRequest) -> None:
     if body.tools:
         raise bad_request("tools are not supported yet; allowed: null or []", "tools")
-    fmt = (body.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad_request(f"response_format.type={fmt!r} is not supported; allowed: 'text'",
-                          "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
 

@@ -38,12 +38,14 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import zmq
 
 from dsv4.config.server import ServerConfig
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.grammar import Grammars
 from dsv4.engine.request import Request
 from dsv4.model.loader import load_model
 from dsv4.server.ipc import (
@@ -106,7 +108,10 @@ def build_engine(config: ServerConfig) -> LLMEngine:
         torch.set_num_threads(config.torch_threads)
     model = load_model(config.model, dtype=config.dtype, device=config.device,
                        weight_format=config.weight_format)
-    return LLMEngine(model, config.engine_config)
+    tok_file, mc = Path(config.model) / "tokenizer.json", model.config
+    grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id]) if tok_file.is_file()
+                else None)
+    return LLMEngine(model, config.engine_config, grammars)
 
 
 class EngineLoop:

@@ -49,6 +49,7 @@ from dsv4.server.protocol import (
     Usage,
 )
 from dsv4.server.routing import choice_routing
+from dsv4.server.structured import structured_output
 
 MAX_N = 128
 DISCONNECT_POLL_S = 0.5
@@ -125,7 +126,8 @@ def build_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                                      max_tokens=max_tokens, seed=body.seed,
                                      prompt_logprobs=prompt_logprobs,
                                      ignore_eos=body.ignore_eos, logprobs=logprobs,
-                                     skip_special_tokens=body.skip_special_tokens, **kwargs)
+                                     skip_special_tokens=body.skip_special_tokens,
+                                     structured=structured_output(body), **kwargs)
     except ValueError as e:
         raise bad_request(str(e)) from e
     return [dataclasses.replace(base, seed=choice_seed(body.seed, j)) for j in range(body.n)]

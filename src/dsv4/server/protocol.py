@@ -6,7 +6,9 @@ and unknown fields are ignored, as OpenAI clients send extras (the server warns 
 name: `unknown_fields`). `logit_bias` (token id string ->
 bias in [-100, 100]) follows OpenAI. vLLM/SGLang extensions are accepted
 where dsv4 implements them: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
-`skip_special_tokens`, `chat_template_kwargs`, and SGLang's RL options `return_routed_experts` /
+`skip_special_tokens`, `chat_template_kwargs`, structured output (`response_format`, SGLang's
+`regex` / `ebnf`, vLLM's `guided_regex` / `guided_choice` / `guided_json`: server/structured.py),
+and SGLang's RL options `return_routed_experts` /
 `return_indexer_topk` (each choice then carries `routed_experts` / `indexer_topk` as a
 `RoutingArray`; see routing.py). Under speculative decoding, `usage.completion_tokens_details`
 reports the drafts accepted and rejected (`accepted_prediction_tokens` /
@@ -62,6 +64,12 @@ class SamplingFields(_Request):
     return_routed_experts: bool = False
     return_indexer_topk: bool = False
     logit_bias: dict[str, float] | None = None
+    # structured output (server/structured.py): SGLang's and vLLM's names
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_json: dict[str, Any] | str | None = None
 
 
 class CompletionRequest(SamplingFields):

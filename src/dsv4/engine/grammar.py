@@ -1,0 +1,136 @@
+"""Structured output: grammars compiled with xgrammar, one matcher per request, token bitmasks.
+
+`Grammars` belongs to an engine that has a tokenizer (`LLM`, the server's engine process). It
+compiles a request's `StructuredOutput` once (an LRU of compiled grammars keyed by kind and spec,
+on top of xgrammar's own cache) and hands each request a fresh `GrammarMatcher`. Per step the
+runner asks `token_bitmask` for the rows of its sampling batch ([B, ceil(V / 32)] int32, bit v of
+row b set = token v allowed; rows without a grammar allow everything) and the sampler masks the
+disallowed logits to -inf (`sampler.apply_token_bitmask`) after penalties and logit_bias, so the
+mask applies to greedy and sampled rows alike and never depends on the other rows. The engine
+advances a request's matcher with each token it appends; once the grammar is complete only the
+stop tokens (eos) are allowed, and a request whose matcher terminated finishes with "stop".
+
+JSON schemas compile without free whitespace (`any_whitespace=False`: compact JSON, so a weak
+model cannot fill its budget with spaces) and in xgrammar's strict mode (no properties or items
+beyond the schema's). Compilation happens when the request is added, on the host, before the
+request reaches the scheduler (not inside a step); a spec that does not compile raises
+ValueError naming the field. xgrammar is imported on first use: an engine that never sees a
+structured request does not load it.
+
+Test: `pytest tests/engine/test_grammar.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsv4.engine.sampling_params import StructuredOutput
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used dropped first)."""
+
+
+class Grammars:
+    """Compiles structured-output specs for one tokenizer; see the module docstring."""
+
+    def __init__(self, tokenizer_file: str | Path, vocab_size: int,
+                 stop_token_ids: list[int]) -> None:
+        self.tokenizer_file, self.vocab_size = Path(tokenizer_file), vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler: Any = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A fresh `xgrammar.GrammarMatcher` for `spec` (compiled once, then cached)."""
+        import xgrammar as xgr
+        return xgr.GrammarMatcher(self.compile(spec))
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        key = (spec.kind, spec.spec)
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured.spec does not compile as {spec.kind}: {e}; allowed: a "
+                             f"valid {spec.kind.replace('_', ' ')}") from e
+        self._compiled[key] = compiled
+        if len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        compiler = self._get_compiler()
+        if spec.kind == "json_object":          # OpenAI's json_object: an object, not any value
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                strict_mode=False)
+        if spec.kind == "json_schema":
+            return compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.spec)
+        if spec.kind == "choice":
+            return compiler.compile_regex(choice_regex(spec.spec))
+        return compiler.compile_grammar(spec.spec)
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+            vocab, kind = encoded_vocab(self.tokenizer_file)
+            info = xgr.TokenizerInfo(vocab, getattr(xgr.VocabType, kind),
+                                     vocab_size=self.vocab_size,
+                                     stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info)
+            logger.info("structured output: xgrammar, %s vocabulary of %d",
+                        info.vocab_type.name, self.vocab_size)
+        return self._compiler
+
+
+def encoded_vocab(tokenizer_file: Path) -> tuple[list[str], str]:
+    """A tokenizer.json's tokens by id as stored (byte-level BPE: GPT-2's byte-to-unicode text)
+    with added tokens, "" for unused ids, and xgrammar's name of the encoding: BYTE_LEVEL (a
+    ByteLevel decoder), BYTE_FALLBACK (a ByteFallback step, <0xNN> tokens) or RAW."""
+    spec = json.loads(Path(tokenizer_file).read_text())
+    ids = dict(spec["model"]["vocab"])
+    ids.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+    vocab = [""] * (max(ids.values()) + 1)
+    for token, i in ids.items():
+        vocab[i] = token
+    decoders = json.dumps(spec.get("decoder"))
+    kind = ("BYTE_LEVEL" if '"ByteLevel"' in decoders else
+            "BYTE_FALLBACK" if '"ByteFallback"' in decoders else "RAW")
+    return vocab, kind
+
+
+def choice_regex(choices_json: str) -> str:
+    """A regex matching exactly one of the strings of a JSON list (the "choice" kind)."""
+    try:
+        choices = json.loads(choices_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"choices must be a JSON list of strings: {e}") from e
+    if (not isinstance(choices, list) or not choices
+            or not all(isinstance(c, str) and c for c in choices)):
+        raise ValueError("choices must be a non-empty list of non-empty strings")
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def token_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor | None:
+    """[B, ceil(V / 32)] int32 allowed-token bits of each row's matcher (None: all allowed), on the
+    host; None when no row has a matcher."""
+    if all(m is None for m in matchers):
+        return None
+    import xgrammar as xgr
+    bits = xgr.allocate_token_bitmask(len(matchers), vocab_size)   # all allowed (-1)
+    for row, m in enumerate(matchers):
+        if m is not None:
+            m.fill_next_token_bitmask(bits, row)
+    return bits
