@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dsv4.server.chat_template import DEEPSEEK_V4_TEMPLATE, ChatTemplate
+from dsv4.server.chat_template import ChatTemplate
 from dsv4.server.errors import APIError, field_of
 from dsv4.server.generation import build_params, choice_seed
 from dsv4.server.ipc import EngineSnapshot, RequestDelta
@@ -38,7 +38,7 @@ def test_checkpoint_chat_template(model_path: Path) -> None:
 
 def test_deepseek_v4_fallback_template(tmp_path: Path) -> None:
     template = ChatTemplate.from_checkpoint(tmp_path)   # no tokenizer_config.json
-    assert template.source == DEEPSEEK_V4_TEMPLATE
+    assert template.source is None                      # DeepSeek-V4's own encoding
     msgs = [ChatMessage(role="user", content=[{"type": "text", "text": "a"},
                                               {"type": "text", "text": "b"}])]
     assert template.render(msgs) == f"{BOS}<｜User｜>ab<｜Assistant｜></think>"

@@ -6,7 +6,10 @@ prompt is the checkpoint's chat template rendered with the messages (`chat_templ
 `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. `return_routed_experts` /
 `return_indexer_topk`: routing.py (rows count the rendered prompt's tokens). Without `max_tokens` /
 `max_completion_tokens` a choice may use the rest of the context (and of the KV cache). Streams
-open every choice with a `{"role": "assistant", "content": ""}` delta, as OpenAI's do.
+open every choice with a `{"role": "assistant", "content": ""}` delta, as OpenAI's do. Tools,
+tool_choice and thinking mode: `chat_tools.py` (what is rendered, constrained and parsed) and
+`chat_output.py` (reasoning / content / tool calls of a choice, whole or streamed); a choice whose
+text ends in a parsed tool-call block finishes with "tool_calls".
 
 Test: `pytest tests/server/test_openai_client.py`.
 """
@@ -15,10 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dsv4.server.chat_output import ChoiceParser, parse_choice
+from dsv4.server.chat_tools import ChatMode
 from dsv4.server.errors import APIError, bad_request, error_body
 from dsv4.server.generation import ClientGone, GenerationJob, build_params
 from dsv4.server.protocol import (
@@ -30,7 +36,9 @@ from dsv4.server.protocol import (
     ChatStreamChoice,
     ChoiceLogprobs,
     DeltaMessage,
+    DeltaToolCall,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
 )
 from dsv4.server.routing import requested_routing
@@ -42,21 +50,23 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                  request: Request) -> Response:
     state.check_model(body.model)
     _check_supported(body)
+    mode = ChatMode.of(body)
     routing = requested_routing(body, state.config.enable_return_routing)
     text = state.template.render(body.messages, body.add_generation_prompt,
-                                 body.chat_template_kwargs)
+                                 body.chat_template_kwargs, mode.tools)
     prompt = state.tokenizer.encode(text, add_special_tokens=False)
     job = state.start_job("chatcmpl", [prompt],
                           build_params(body, _max_tokens(state, body, len(prompt)),
-                                       _num_logprobs(body)), routing)
+                                       _num_logprobs(body), mode=mode), routing)
     streaming = False
     try:
         await job.wait_accepted(request.is_disconnected)
         if body.stream:
             streaming = True
-            return JobStreamingResponse(_stream(state, job, body), lambda: state.end_job(job))
+            return JobStreamingResponse(_stream(state, job, body, mode),
+                                        lambda: state.end_job(job))
         await job.collect(request.is_disconnected)
-        return JSONResponse(_response(state, job, body).model_dump())
+        return JSONResponse(_response(state, job, body, mode).model_dump())
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -65,8 +75,6 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 
 def _check_supported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise bad_request("tools are not supported yet; allowed: null or []", "tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
 
@@ -95,23 +103,28 @@ def _token_logprobs(tok: ServerTokenizer, ids: list[int], lps: list[float],
     return ChoiceLogprobs(content=content)
 
 
-def _response(state: ServerState, job: GenerationJob,
-              body: ChatCompletionRequest) -> ChatCompletionResponse:
+def _response(state: ServerState, job: GenerationJob, body: ChatCompletionRequest,
+              mode: ChatMode) -> ChatCompletionResponse:
     choices = []
     for c in job.choices:
         logprobs = (_token_logprobs(state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs)
                     if body.logprobs else None)
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  logprobs=logprobs, finish_reason=c.finish_reason,
+        reasoning, content, calls = parse_choice(c.text, mode.thinking, mode.names)
+        message = AssistantMessage(content=content if content or not calls else None,
+                                   reasoning_content=reasoning if mode.thinking else None,
+                                   tool_calls=[ToolCall(**t) for t in calls] or None)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                  finish_reason="tool_calls" if calls else c.finish_reason,
                                   **c.routing_fields(job.routing)))
     return ChatCompletionResponse(id=job.id, created=int(time.time()),
                                   model=state.config.served_model_name, choices=choices,
                                   usage=job.usage())
 
 
-async def _stream(state: ServerState, job: GenerationJob,
-                  body: ChatCompletionRequest) -> AsyncIterator[str]:
+async def _stream(state: ServerState, job: GenerationJob, body: ChatCompletionRequest,
+                  mode: ChatMode) -> AsyncIterator[str]:
     created, model = int(time.time()), state.config.served_model_name
+    parsers = {c.index: ChoiceParser(mode.thinking, mode.names) for c in job.choices}
 
     def chunk(choices: list[ChatStreamChoice]) -> str:
         return sse(ChatCompletionChunk(id=job.id, created=created, model=model, choices=choices))
@@ -124,11 +137,22 @@ async def _stream(state: ServerState, job: GenerationJob,
             logprobs = (_token_logprobs(state.tokenizer, delta.token_ids, delta.logprobs,
                                         delta.top_logprobs)
                         if body.logprobs and delta.token_ids else None)
-            if delta.text or delta.finish_reason or logprobs is not None:
-                yield chunk([ChatStreamChoice(index=choice.index,
-                                              delta=DeltaMessage(content=delta.text or None),
-                                              logprobs=logprobs,
-                                              finish_reason=delta.finish_reason)])
+            parser = parsers[choice.index]
+            reasoning, content = parser.feed(delta.text)
+            calls: list[dict[str, Any]] = []
+            finish = delta.finish_reason
+            if finish is not None:
+                more_reasoning, more, calls = parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more
+                finish = "tool_calls" if calls else finish
+            if reasoning or content or calls or finish or logprobs is not None:
+                tool_deltas = [DeltaToolCall(index=i, **t) for i, t in enumerate(calls)]
+                yield chunk([ChatStreamChoice(
+                    index=choice.index,
+                    delta=DeltaMessage(content=content or None,
+                                       reasoning_content=reasoning or None,
+                                       tool_calls=tool_deltas or None),
+                    logprobs=logprobs, finish_reason=finish)])
     except APIError as e:
         yield sse(error_body(e.status, e.message, e.param, e.code))
     else:

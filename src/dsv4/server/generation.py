@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dsv4.engine.sampling_params import MAX_SEED, SamplingParams
+from dsv4.server.chat_tools import ChatMode
 from dsv4.server.engine_client import (
     Accepted,
     ChoiceDelta,
@@ -107,8 +108,10 @@ def choice_seed(seed: int | None, sample: int) -> int | None:
 
 
 def build_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
-                 prompt_logprobs: int | None = None) -> list[SamplingParams]:
-    """The SamplingParams of the body's n samples; 400 naming the field for any invalid value."""
+                 prompt_logprobs: int | None = None,
+                 mode: ChatMode | None = None) -> list[SamplingParams]:
+    """The SamplingParams of the body's n samples; 400 naming the field for any invalid value.
+    `mode` (chat): its decoding constraint replaces the body's."""
     if not 1 <= body.n <= MAX_N:
         raise bad_request(f"n={body.n} is invalid; allowed: 1 <= n <= {MAX_N}", "n")
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
@@ -127,7 +130,8 @@ def build_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                                      prompt_logprobs=prompt_logprobs,
                                      ignore_eos=body.ignore_eos, logprobs=logprobs,
                                      skip_special_tokens=body.skip_special_tokens,
-                                     structured=structured_output(body), **kwargs)
+                                     structured=(structured_output(body) if mode is None
+                                                 else mode.structured), **kwargs)
     except ValueError as e:
         raise bad_request(str(e)) from e
     return [dataclasses.replace(base, seed=choice_seed(body.seed, j)) for j in range(body.n)]
