@@ -40,7 +40,11 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(tmp_path: 
         next(events_a), next(events_b)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        assert srv.health() in (None, 503), "a draining server must not report healthy"
+        # the listener stays open during the drain: new requests get 503 with Retry-After
+        assert srv.health() == 503, "a draining server answers /health with 503"
+        refused = http.post("/v1/completions", json={"prompt": "c", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "10"
+        assert refused.json()["error"]["code"] == "shutting_down"
         finish_a = [e["choices"][0]["finish_reason"] for e in events_a]   # type: ignore[index]
         assert finish_a[-1] == "length", \
             "an in-flight request should finish within the shutdown timeout"

@@ -53,7 +53,7 @@ from pydantic import BaseModel, ValidationError
 
 from dsv4.server.chat import create_chat_completion
 from dsv4.server.completions import create_completion
-from dsv4.server.errors import APIError, from_validation_error, install_handlers
+from dsv4.server.errors import APIError, from_validation_error, install_handlers, unavailable
 from dsv4.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -151,9 +151,9 @@ def _health(state: ServerState) -> Handler:
         if client.failure is not None:
             return APIError(503, f"unhealthy: {client.failure}", code="engine_failed").response()
         if client.draining:
-            return APIError(503, "the server is shutting down", code="shutting_down").response()
+            return unavailable("the server is shutting down", "shutting_down").response()
         if not client.is_ready:
-            return APIError(503, "the engine is loading the model", code="loading").response()
+            return unavailable("the engine is loading the model", "loading").response()
         return JSONResponse({"status": "ok", "engine_pid": client.engine_pid})
 
     return health

@@ -28,15 +28,16 @@ _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)(=| is | has | contains | \+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, object]:
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -51,8 +52,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param if param is not None else field_of(message))
 
 
+RETRY_AFTER_S = {"shutting_down": 10, "loading": 5, "queue_full": 1}
+"""503s a client should retry (elsewhere, or here later): the `Retry-After` seconds they carry."""
+
+
 def unavailable(message: str, code: str = "service_unavailable") -> APIError:
-    return APIError(503, message, code=code)
+    """503; `Retry-After` for the transient codes of `RETRY_AFTER_S`."""
+    retry = RETRY_AFTER_S.get(code)
+    return APIError(503, message, code=code,
+                    headers={"Retry-After": str(retry)} if retry is not None else None)
 
 
 def field_of(message: str) -> str | None:

@@ -5,10 +5,11 @@
       the model and connects) -> run uvicorn. /health answers 503 until EngineReady arrives, then
       200.
 
-Shutdown. SIGTERM / SIGINT: new requests get 503 (and the listening socket closes), in-flight
-requests may finish for `shutdown_timeout_s`, then are aborted (finish_reason "abort"; uvicorn
-cancels whatever has not flushed ABORT_GRACE_S later); the engine gets ShutdownEngine and is joined;
-exit code 0. A second SIGINT forces the exit.
+Shutdown. SIGTERM / SIGINT: the listening socket stays open and new requests get 503 with
+`Retry-After` (code "shutting_down"; /health too) while in-flight requests may finish for
+`shutdown_timeout_s`; those still running then are aborted (finish_reason "abort") and get
+ABORT_GRACE_S to flush; then uvicorn stops (it closes the socket), the engine gets ShutdownEngine
+and is joined; exit code 0. A second signal stops uvicorn at once (a second SIGINT forces it).
 Engine crash (any exit not asked for, SIGKILL included): the engine process's sentinel wakes the
 event loop, every in-flight request fails with 503, /health answers 503, the server stops and
 `serve` returns 1.
@@ -52,20 +53,24 @@ flush before uvicorn cancels whatever is left."""
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a handled SIGTERM / SIGINT ends in a clean exit (uvicorn
-    re-raises the signal after shutdown, which would turn a graceful stop into "killed by
-    SIGTERM")."""
+    """uvicorn's server, except that the first SIGTERM / SIGINT only starts the drain (the
+    lifespan's drain task stops the server when it is over: `_drain`), and a handled signal ends in
+    a clean exit (uvicorn re-raises the signal after shutdown, which would turn a graceful stop
+    into "killed by SIGTERM")."""
 
     def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._signalled = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()
+        if not self._signalled:
+            self._signalled = True
+            return
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
-        else:
-            self.should_exit = True
+        self.should_exit = True
 
 
 def serve(config: ServerConfig) -> int:
@@ -88,9 +93,12 @@ def serve(config: ServerConfig) -> int:
                     config.speculative_num_steps)
     state = ServerState(config, client, tokenizer, template, metrics,
                         is_random_weights(config.model))
+    servers: list[_Server] = []     # the lifespan's drain task stops the server built below
     try:
-        server = _Server(_uvicorn_config(config, create_app(state, _lifespan(state, proc))),
-                         _draining(client))
+        app = create_app(state, _lifespan(state, proc,
+                                          lambda: setattr(servers[0], "should_exit", True)))
+        server = _Server(_uvicorn_config(config, app), _draining(client))
+        servers.append(server)
         client.on_failure = lambda: setattr(server, "should_exit", True)
         client.on_ready = lambda: _log_ready_hint(state)
         server.run()
@@ -120,8 +128,8 @@ def _draining(client: EngineClient) -> Callable[[], None]:
     return on_signal
 
 
-def _lifespan(state: ServerState,
-              proc: BaseProcess) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(state: ServerState, proc: BaseProcess, stop_server: Callable[[], None]
+              ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     client = state.client
 
     @asynccontextmanager
@@ -137,7 +145,7 @@ def _lifespan(state: ServerState,
                 client.engine_exited(proc.exitcode)
 
         loop.add_reader(proc.sentinel, on_engine_exit)
-        drain = asyncio.create_task(_abort_after_drain_timeout(state))
+        drain = asyncio.create_task(_drain(state, stop_server))
         try:
             yield
         finally:
@@ -152,18 +160,25 @@ def _lifespan(state: ServerState,
     return lifespan
 
 
-async def _abort_after_drain_timeout(state: ServerState) -> None:
-    """Once draining, give in-flight requests shutdown_timeout_s, then abort them: each choice ends
-    with finish_reason "abort" (streams get their last chunk and [DONE]) instead of a cut
-    connection."""
+async def _drain(state: ServerState, stop_server: Callable[[], None]) -> None:
+    """Once draining, give in-flight requests shutdown_timeout_s, abort those still running (each
+    choice ends with finish_reason "abort": streams get their last chunk and [DONE] instead of a
+    cut connection), give them ABORT_GRACE_S to flush, then stop the server."""
     while not state.client.draining:
         await asyncio.sleep(0.1)
-    await asyncio.sleep(state.config.shutdown_timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.shutdown_timeout_s
+    while state.jobs and loop.time() < deadline:
+        await asyncio.sleep(0.05)
     if state.jobs:
         logger.warning("aborting %d requests still running after the %g s shutdown timeout",
                        len(state.jobs), state.config.shutdown_timeout_s)
-    for job in list(state.jobs.values()):
-        job.abort()
+        for job in list(state.jobs.values()):
+            job.abort()
+        deadline = loop.time() + ABORT_GRACE_S
+        while state.jobs and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    stop_server()
 
 
 async def _wait_engine(proc: BaseProcess, timeout: float) -> None:
