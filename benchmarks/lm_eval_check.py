@@ -1,4 +1,4 @@
-"""lm-evaluation-harness against `dsv4 serve`: a local multiple-choice (loglikelihood) task.
+"""lm-evaluation-harness against `dsv4 serve`: local loglikelihood and generate_until tasks.
 
     PYTHONPATH=src python benchmarks/lm_eval_check.py [--problems 40] [--out FILE.json]
 
@@ -9,7 +9,10 @@ loopback (CPU, fp32), and runs `lm_eval --model local-completions` on it twice: 
 tokenizer read from the model directory (`tokenizer_backend=huggingface`) and through the
 server's /tokenize routes (`tokenizer_backend=remote`). The same accuracy is computed offline
 from `LLM(...)` prompt log-probs (sum of the choice tokens' log-probs, argmax), which lm-eval's
-`acc` must equal. Prints one line per run, then one JSON line (also written to --out).
+`acc` must equal. A second task (`generate_until`: the same questions, greedy, at most 8
+tokens, exact match of the answer) runs once over the server, and its score is checked against
+`LLM.generate` offline with the same settings. Prints one line per run, then one JSON line (also
+written to --out).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from dsv4.rl.rewards import chat_prompt
 from dsv4.tasks.arithmetic import eval_set
 
 TASK = "dsv4_arith_mc"
+GEN_TASK = "dsv4_arith_gen"
+UNTIL = ["\n", "<｜User｜>"]
 
 
 def problems(n: int) -> list[dict[str, Any]]:
@@ -58,6 +63,27 @@ def write_task(root: Path, docs: list[dict[str, Any]]) -> None:
         "doc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
         "doc_to_target: \"{{answer}}\"\ntarget_delimiter: \"\"\n"
         "metric_list:\n  - metric: acc\n")
+    gen = root / "arith_gen.jsonl"
+    gen.write_text("".join(json.dumps({"question": d["question"],
+                                       "target": d["choices"][d["answer"]]}) + "\n"
+                           for d in docs))
+    (root / f"{GEN_TASK}.yaml").write_text(
+        f"task: {GEN_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {gen}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: \"{{question}}\"\ndoc_to_target: \"{{target}}\"\ntarget_delimiter: \"\"\n"
+        f"generation_kwargs:\n  until: {json.dumps(UNTIL)}\n  do_sample: false\n"
+        "  temperature: 0.0\n  max_gen_toks: 8\n"
+        "metric_list:\n  - metric: exact_match\n")
+
+
+def offline_exact_match(docs: list[dict[str, Any]]) -> float:
+    """The generate_until task's exact match from `LLM.generate` (greedy, 8 tokens, `UNTIL`)."""
+    llm = LLM(default_model_path(), dtype="float32", device="cpu", page_size=128,
+              max_total_tokens=8192)
+    outs = llm.generate([d["question"] for d in docs], SamplingParams.create(
+        max_tokens=8, temperature=0.0, stop=UNTIL), use_tqdm=False)
+    return sum(o.text == d["choices"][d["answer"]] for o, d in zip(outs, docs, strict=True)
+               ) / len(docs)
 
 
 def offline_accuracy(docs: list[dict[str, Any]]) -> float:
@@ -85,17 +111,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_lm_eval(port: int, backend: str, include: Path, out: Path) -> float:
+def run_lm_eval(port: int, backend: str, include: Path, out: Path, task: str = TASK,
+                metric: str = "acc,none") -> float:
     args = (f"model=dsv4-tiny,base_url=http://127.0.0.1:{port}/v1/completions,"
             f"tokenizer_backend={backend},num_concurrent=1,max_retries=1,add_bos_token=True")
     if backend == "huggingface":
         args += f",tokenizer={default_model_path()}"
     subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions",
-                    "--model_args", args, "--tasks", TASK, "--include_path", str(include),
+                    "--model_args", args, "--tasks", task, "--include_path", str(include),
                     "--batch_size", "1", "--output_path", str(out)], check=True,
                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     result = next(out.rglob("results_*.json"))
-    return float(json.loads(result.read_text())["results"][TASK]["acc,none"])
+    return float(json.loads(result.read_text())["results"][task][metric])
 
 
 def main() -> None:
@@ -121,15 +148,20 @@ def main() -> None:
                 time.sleep(1)
             accs = {b: run_lm_eval(port, b, root, root / f"out_{b}")
                     for b in ("huggingface", "remote")}
+            gen = run_lm_eval(port, "huggingface", root, root / "out_gen", GEN_TASK,
+                              "exact_match,none")
         finally:
             server.terminate()
             server.wait(timeout=60)
-    offline = offline_accuracy(docs)
+    offline, offline_gen = offline_accuracy(docs), offline_exact_match(docs)
     for backend, acc in accs.items():
         print(f"lm-eval local-completions, tokenizer_backend={backend}: acc {acc:.4f}")
     print(f"offline (LLM prompt_logprobs): acc {offline:.4f}")
+    print(f"lm-eval generate_until: exact_match {gen:.4f}; offline (LLM.generate) "
+          f"{offline_gen:.4f}")
     result = {"bench": "lm_eval_check", "task": TASK, "problems": len(docs),
-              "acc": accs, "offline_acc": offline}
+              "acc": accs, "offline_acc": offline, "gen_task": GEN_TASK,
+              "gen_exact_match": gen, "offline_gen_exact_match": offline_gen}
     print(json.dumps(result))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
