@@ -127,3 +127,20 @@ def test_structured_params_cross_the_engine_process_boundary() -> None:
     params = _params("json_schema", json.dumps(SCHEMAS[1]))
     msg = AddRequest(rid="r", prompt_ids=[1, 2], params=params, routing=[])
     assert decode(encode(msg)) == msg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_structured_output_under_cuda_graphs_cuda() -> None:
+    """bf16 on the GPU with the defaults (triton kernels, CUDA graphs): the mask is applied to the
+    graphed forward's logits, batched with unconstrained rows."""
+    llm = LLM(default_model_path(), device="cuda", dtype="bfloat16")
+    assert llm.engine.runner.graphs is not None
+    prompts = [f"What is {i}+{2 * i}?" for i in range(8)]
+    free = SamplingParams(max_tokens=8, temperature=0.0)
+    for temperature in (0.0, 1.0):
+        for schema in SCHEMAS:
+            params = [_params("json_schema", json.dumps(schema), temperature), free] * 4
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            for out in outs[0::2]:
+                jsonschema.validate(json.loads(out.text), schema)
