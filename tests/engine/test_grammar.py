@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -93,6 +94,34 @@ def test_a_constrained_row_leaves_its_neighbours_alone(llm: LLM) -> None:
     while engine.has_unfinished():
         engine.step()
     assert a.output_ids == alone
+
+
+def test_compiling_requests_wait_outside_the_scheduler(llm: LLM,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar compiles on the worker thread: its request stays out of the scheduler (the
+    others keep decoding) until the grammar is ready, and can be aborted meanwhile."""
+    engine, gate = llm.engine, threading.Event()
+    assert engine.grammars is not None
+    compile_ = engine.grammars._compile
+    monkeypatch.setattr(engine.grammars, "_compile",
+                        lambda *a: compile_(*a) if gate.wait(30) else None)
+    free = engine.add_request(llm.encode("What is 5+5?"), SamplingParams(max_tokens=4,
+                                                                         temperature=0.0))
+    slow = engine.add_request(llm.encode("What is 1+2?"), _params("regex", "[0-9]{2} pears"))
+    dropped = engine.add_request(llm.encode("What is 2+2?"), _params("regex", "[a-z]{3} cats"))
+    assert slow not in engine.scheduler.waiting and engine.has_unfinished()
+    engine.abort(dropped.rid)
+    assert dropped.is_finished and dropped.finish_reason == "abort"
+    for _ in range(8):
+        engine.step()
+    assert free.is_finished and not slow.output_ids
+    gate.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert llm.tokenizer is not None
+    assert re.fullmatch(r"[0-9]{2} pears", llm.tokenizer.decode(slow.output_ids))
+    for req in (free, slow, dropped):
+        engine.pop(req.rid)
 
 
 @pytest.mark.parametrize(("kind", "spec", "message"), [

@@ -15,14 +15,16 @@ import itertools
 import random
 import time
 from collections.abc import Mapping
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dsv4.cache.prefix_cache import create_prefix_cache
 from dsv4.config.engine import EngineConfig
-from dsv4.engine.grammar import Grammars
+from dsv4.engine.grammar import Grammars, new_matcher
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling_params import SamplingParams
@@ -35,6 +37,8 @@ from dsv4.utils.logging import init_logger
 logger = init_logger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
+COMPILE_WAIT_S = 0.05
+"""With only compiling requests left, how long a step waits for a grammar before returning."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class LLMEngine:
         # speculative decoding: verify passes by accepted drafts (0..N), drafts fed and accepted
         self.spec_accept_hist = [0] * (self.spec_steps + 1)
         self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        # structured requests whose grammar is still compiling: (request, future), not scheduled
+        self._compiling: dict[str, tuple[Request, futures.Future[Any]]] = {}
 
     # ---- edge -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -126,13 +132,32 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request_id={rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**62)
-        req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        compiling = None
         if params.structured is not None:
             assert self.grammars is not None              # validate() refused it otherwise
-            req.grammar = self.grammars.matcher(params.structured)
+            compiling = self.grammars.prepare(params.structured)    # ValueError: a bad spec
+        req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
         self.requests[rid] = req
-        self.scheduler.add(req)
+        if compiling is None:
+            self.scheduler.add(req)
+        else:   # scheduled once its grammar is compiled (engine/grammar.py)
+            self._compiling[rid] = (req, compiling)
+            self._admit_compiled()
         return req
+
+    def _admit_compiled(self, wait_s: float = 0.0) -> None:
+        """Requests whose grammar is compiled go to the scheduler with a fresh matcher; with
+        nothing else to run, wait up to `wait_s` for one."""
+        if not self._compiling:
+            return
+        if wait_s > 0:
+            futures.wait([f for _, f in self._compiling.values()], timeout=wait_s,
+                         return_when=futures.FIRST_COMPLETED)
+        for rid, (req, compiling) in list(self._compiling.items()):
+            if compiling.done():
+                del self._compiling[rid]
+                req.grammar = new_matcher(compiling.result())
+                self.scheduler.add(req)
 
     def finish(self, rid: str, reason: str = "abort") -> None:
         """End a request now (its pages are freed): "abort", or "stop" when its caller saw a stop
@@ -140,14 +165,18 @@ class LLMEngine:
         if reason not in FINISH_REASONS:
             raise ValueError(f"reason={reason!r} is invalid; allowed: {list(FINISH_REASONS)}")
         req = self.requests.get(rid)
-        if req is not None and not req.is_finished:
+        if rid in self._compiling:                       # never scheduled: nothing to free
+            del self._compiling[rid]
+            assert req is not None
+            req.status, req.finish_reason = ReqStatus.FINISHED, reason
+        elif req is not None and not req.is_finished:
             self.scheduler.finish(req, reason)
 
     def abort(self, rid: str) -> None:
         self.finish(rid, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -161,6 +190,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got tokens in it (finished ones included), in
         step order."""
+        self._admit_compiled(wait_s=0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
         step = self.scheduler.schedule()
         if step is None:
             if self.scheduler.has_work:

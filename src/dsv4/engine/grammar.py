@@ -10,12 +10,16 @@ mask applies to greedy and sampled rows alike and never depends on the other row
 advances a request's matcher with each token it appends; once the grammar is complete only the
 stop tokens (eos) are allowed, and a request whose matcher terminated finishes with "stop".
 
+Off the engine's critical path: `prepare(spec)` parses and validates the spec at once (a spec that
+does not parse raises ValueError naming the field, so a bad request is refused when it arrives)
+and builds its token-mask tables (the expensive part, proportional to vocabulary x grammar) on a
+worker thread; the engine keeps the request out of the scheduler until that future is done, and
+steps the other requests meanwhile. A cached spec is ready at once.
+
 JSON schemas compile without free whitespace (`any_whitespace=False`: compact JSON, so a weak
 model cannot fill its budget with spaces) and in xgrammar's strict mode (no properties or items
-beyond the schema's). Compilation happens when the request is added, on the host, before the
-request reaches the scheduler (not inside a step); a spec that does not compile raises
-ValueError naming the field. xgrammar is imported on first use: an engine that never sees a
-structured request does not load it.
+beyond the schema's). xgrammar is imported on first use: an engine that never sees a structured
+request does not load it.
 
 Test: `pytest tests/engine/test_grammar.py`.
 """
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,39 +54,60 @@ class Grammars:
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-grammar")
 
-    def matcher(self, spec: StructuredOutput) -> Any:
-        """A fresh `xgrammar.GrammarMatcher` for `spec` (compiled once, then cached)."""
-        import xgrammar as xgr
-        return xgr.GrammarMatcher(self.compile(spec))
-
-    def compile(self, spec: StructuredOutput) -> Any:
+    def prepare(self, spec: StructuredOutput) -> Future[Any]:
+        """Validate `spec` now (ValueError naming the field) and compile it on the worker thread:
+        a future of the compiled grammar, done at once when `spec` is cached."""
         key = (spec.kind, spec.spec)
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-            return self._compiled[key]
+        with self._lock:
+            cached = self._compiled.get(key)
+            if cached is not None:
+                self._compiled.move_to_end(key)
+        if cached is not None:
+            done: Future[Any] = Future()
+            done.set_result(cached)
+            return done
         try:
-            compiled = self._compile(spec)
+            grammar = self._grammar(spec)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured.spec does not compile as {spec.kind}: {e}; allowed: a "
                              f"valid {spec.kind.replace('_', ' ')}") from e
-        self._compiled[key] = compiled
-        if len(self._compiled) > CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        compiler = self._get_compiler()
+        return self._pool.submit(self._compile, key, compiler, grammar)
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The compiled grammar of `spec`, waiting for it."""
+        return self.prepare(spec).result()
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A fresh `xgrammar.GrammarMatcher` for `spec`, waiting for its compilation."""
+        return new_matcher(self.compile(spec))
+
+    def _compile(self, key: tuple[str, str], compiler: Any, grammar: Any) -> Any:
+        compiled = compiler.compile_grammar(grammar)
+        with self._lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return compiled
 
-    def _compile(self, spec: StructuredOutput) -> Any:
-        compiler = self._get_compiler()
+    @staticmethod
+    def _grammar(spec: StructuredOutput) -> Any:
+        """The spec parsed into an `xgrammar.Grammar` (cheap; raises on an invalid spec)."""
+        import xgrammar as xgr
         if spec.kind == "json_object":          # OpenAI's json_object: an object, not any value
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
                                                 strict_mode=False)
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+            return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False,
+                                                strict_mode=True)
         if spec.kind == "regex":
-            return compiler.compile_regex(spec.spec)
+            return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
-            return compiler.compile_regex(choice_regex(spec.spec))
-        return compiler.compile_grammar(spec.spec)
+            return xgr.Grammar.from_regex(choice_regex(spec.spec))
+        return xgr.Grammar.from_ebnf(spec.spec)
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -93,6 +120,12 @@ class Grammars:
             logger.info("structured output: xgrammar, %s vocabulary of %d",
                         info.vocab_type.name, self.vocab_size)
         return self._compiler
+
+
+def new_matcher(compiled: Any) -> Any:
+    """A fresh matcher (per-request state) of a compiled grammar."""
+    import xgrammar as xgr
+    return xgr.GrammarMatcher(compiled)
 
 
 def encoded_vocab(tokenizer_file: Path) -> tuple[list[str], str]:
