@@ -62,18 +62,26 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--ops", default=",".join(OPS), help="comma list of the ops to swap")
+    p.add_argument("--variants", default=None,
+                   help="comma list of the variants to run (default: all; e.g. 'ref,ref +OP')")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     names = args.ops.split(",")
     if bad := sorted(set(names) - set(OPS)):
         p.error(f"--ops: unknown {bad}; allowed: {OPS}")
+    chosen = variants(names)
+    if args.variants is not None:
+        wanted = args.variants.split(",")
+        if bad := sorted(set(wanted) - {n for n, _ in chosen}):
+            p.error(f"--variants: unknown {bad}; allowed: {[n for n, _ in chosen]}")
+        chosen = [(n, ops) for n, ops in chosen if n in wanted]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         trainer = EagerTrainer(RLConfig(
             model=args.model, out_dir=tmp, group_size=args.group_size,
             prompts_per_step=args.prompts, device=args.device, dtype=args.dtype,
             kernel_backend="triton", kernel_values=False))   # the formulation's own values
-        for name, ops in variants(names):
+        for name, ops in chosen:
             mean, top = step0_drift(trainer, ops)
             rows.append({"variant": name, "step0_mean": mean, "step0_max": top})
             print(f"{name:28} {mean:11.3g} {top:10.3g}", flush=True)

@@ -72,13 +72,14 @@ def test_drift_sensitivity_benchmark_zero_at_eps_zero() -> None:
 
 
 def test_drift_ablation_benchmark_swaps_one_op() -> None:
-    """The ablation's four variants for one op run (interpreter, fp32): drift at rounding level,
-    and the all-ref engine is the trainer's computation exactly."""
+    """The ablation's cheap variants for one op run (interpreter, fp32): drift at rounding level.
+    (The variants with every op on the interpreted kernels cost ~80 s of CI; they run on the
+    GPU.)"""
     result = run_benchmark("drift_ablation.py", "--device", "cpu", "--dtype", "float32", "--ops",
-                           "rms_norm", "--prompts", "1", "--group-size", "2",
-                           TRITON_INTERPRET="1")
+                           "rms_norm", "--prompts", "1", "--group-size", "2", "--variants",
+                           "ref,ref +rms_norm", TRITON_INTERPRET="1")
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == ["triton", "ref", "triton -rms_norm", "ref +rms_norm"], result
+    assert list(rows) == ["ref", "ref +rms_norm"], result
     assert all(r["step0_mean"] < 1e-4 for r in rows.values()), result
 
 
