@@ -16,8 +16,7 @@ from tokenizers import Tokenizer
 from dsv4 import LLM, EngineConfig, SamplingParams
 from dsv4.assets import default_model_path
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.grammar import encoded_vocab, token_bitmask
-from dsv4.engine.sampler import apply_token_bitmask
+from dsv4.engine.grammar import apply_token_bitmask, encoded_vocab, token_bitmask
 from dsv4.engine.sampling_params import StructuredOutput
 from dsv4.server.ipc import AddRequest, decode, encode
 

@@ -5,7 +5,7 @@ compiles a request's `StructuredOutput` once (an LRU of compiled grammars keyed 
 on top of xgrammar's own cache) and hands each request a fresh `GrammarMatcher`. Per step the
 runner asks `token_bitmask` for the rows of its sampling batch ([B, ceil(V / 32)] int32, bit v of
 row b set = token v allowed; rows without a grammar allow everything) and the sampler masks the
-disallowed logits to -inf (`sampler.apply_token_bitmask`) after penalties and logit_bias, so the
+disallowed logits to -inf (`apply_token_bitmask`) after penalties and logit_bias, so the
 mask applies to greedy and sampled rows alike and never depends on the other rows. The engine
 advances a request's matcher with each token it appends; once the grammar is complete only the
 stop tokens (eos) are allowed, and a request whose matcher terminated finishes with "stop".
@@ -70,20 +70,12 @@ class Grammars:
             done.set_result(cached)
             return done
         try:
-            grammar = self._grammar(spec)
+            grammar = parse_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured.spec does not compile as {spec.kind}: {e}; allowed: a "
                              f"valid {spec.kind.replace('_', ' ')}") from e
         compiler = self._get_compiler()
         return self._pool.submit(self._compile, key, compiler, grammar)
-
-    def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar of `spec`, waiting for it."""
-        return self.prepare(spec).result()
-
-    def matcher(self, spec: StructuredOutput) -> Any:
-        """A fresh `xgrammar.GrammarMatcher` for `spec`, waiting for its compilation."""
-        return new_matcher(self.compile(spec))
 
     def _compile(self, key: tuple[str, str], compiler: Any, grammar: Any) -> Any:
         compiled = compiler.compile_grammar(grammar)
@@ -92,22 +84,6 @@ class Grammars:
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return compiled
-
-    @staticmethod
-    def _grammar(spec: StructuredOutput) -> Any:
-        """The spec parsed into an `xgrammar.Grammar` (cheap; raises on an invalid spec)."""
-        import xgrammar as xgr
-        if spec.kind == "json_object":          # OpenAI's json_object: an object, not any value
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
-                                                strict_mode=False)
-        if spec.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False,
-                                                strict_mode=True)
-        if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.spec)
-        if spec.kind == "choice":
-            return xgr.Grammar.from_regex(choice_regex(spec.spec))
-        return xgr.Grammar.from_ebnf(spec.spec)
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -120,6 +96,21 @@ class Grammars:
             logger.info("structured output: xgrammar, %s vocabulary of %d",
                         info.vocab_type.name, self.vocab_size)
         return self._compiler
+
+
+def parse_grammar(spec: StructuredOutput) -> Any:
+    """`spec` parsed into an `xgrammar.Grammar` (cheap; raises on an invalid spec): JSON schemas
+    compact and strict, json_object any object (OpenAI's, not any JSON value)."""
+    import xgrammar as xgr
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                            strict_mode=False)
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+    if spec.kind in ("regex", "choice"):
+        return xgr.Grammar.from_regex(spec.spec if spec.kind == "regex"
+                                      else choice_regex(spec.spec))
+    return xgr.Grammar.from_ebnf(spec.spec)
 
 
 def new_matcher(compiled: Any) -> Any:
@@ -154,6 +145,14 @@ def choice_regex(choices_json: str) -> str:
             or not all(isinstance(c, str) and c for c in choices)):
         raise ValueError("choices must be a non-empty list of non-empty strings")
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def apply_token_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with -inf wherever bit v of row b of `bits` [B, ceil(V / 32)] int32 is 0
+    (xgrammar's layout: token v is bit v % 32 of word v // 32); a new tensor."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def token_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsv4.engine.grammar import apply_token_bitmask
 from dsv4.engine.sampling_params import MAX_SEED, SamplingParams
 
 _MASK31 = (1 << 31) - 1
@@ -291,14 +292,6 @@ def apply_penalties(
         rows, toks, bias = batch.bias
         out = out.index_put((rows, toks), bias, accumulate=True)
     return out
-
-
-def apply_token_bitmask(logits: Tensor, bits: Tensor) -> Tensor:
-    """`logits` [B, V] with -inf wherever bit v of row b of `bits` [B, ceil(V / 32)] int32 is 0
-    (xgrammar's layout: token v is bit v % 32 of word v // 32); a new tensor."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
-    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _penalised(logits: Tensor, batch: SamplingBatch, token_counts: Tensor | None,

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4.engine.grammar import choice_regex
+from dsv4.engine.grammar import parse_grammar
 from dsv4.engine.sampling_params import StructuredOutput
 from dsv4.server.chat_template import thinking_mode
 from dsv4.server.dsv4_encoding import END_THINK
@@ -91,16 +91,7 @@ def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]
 def _after_reasoning(structured: StructuredOutput) -> StructuredOutput:
     """The same constraint after free reasoning and `</think>` (an EBNF grammar)."""
     import xgrammar as xgr
-    kind, spec = structured.kind, structured.spec
-    if kind == "json_object":
-        answer = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
-                                              strict_mode=False)
-    elif kind == "json_schema":
-        answer = xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
-    elif kind in ("regex", "choice"):
-        answer = xgr.Grammar.from_regex(spec if kind == "regex" else choice_regex(spec))
-    else:
-        answer = xgr.Grammar.from_ebnf(spec)
+    answer = parse_grammar(structured)
     reasoning = xgr.Grammar.from_ebnf(f"root ::= [^<]{{0,{MAX_REASONING_CHARS}}} "
                                       + json.dumps(END_THINK))
     return StructuredOutput("ebnf", str(xgr.Grammar.concat(reasoning, answer)))
