@@ -97,12 +97,18 @@ class StopChecker:
         return self._result
 
     def _partial_match_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        for size in range(min(self._max_len - 1, len(text)), 0, -1):
-            tail = text[-size:]
-            if any(s.startswith(tail) for s in self._stop):
-                return size
-        return 0
+        return partial_prefix_len(text, self._stop)
+
+
+def partial_prefix_len(text: str, strings: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `strings`: the
+    tail a streamer must hold back until the next text shows whether the string follows."""
+    longest = max((len(s) for s in strings), default=0)
+    for size in range(min(longest - 1, len(text)), 0, -1):
+        tail = text[-size:]
+        if any(s.startswith(tail) for s in strings):
+            return size
+    return 0
 
 
 class IncrementalDetokenizer:

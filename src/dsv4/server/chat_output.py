@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4.engine.stop import partial_prefix_len
 from dsv4.server.dsv4_encoding import END_THINK
 from dsv4.server.tool_calls import ToolCallStream
 
@@ -34,7 +35,7 @@ class ChoiceParser:
             self._held += text
             end = self._held.find(END_THINK)
             if end < 0:
-                keep = _partial_tail(self._held, END_THINK)
+                keep = partial_prefix_len(self._held, (END_THINK,))
                 reasoning, self._held = self._held[:len(self._held) - keep], self._held[
                     len(self._held) - keep:]
                 return reasoning, ""
@@ -59,11 +60,3 @@ def parse_choice(text: str, thinking: bool,
     reasoning, content = parser.feed(text)
     r, c, calls = parser.finish()
     return reasoning + r, content + c, calls
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0

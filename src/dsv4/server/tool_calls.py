@@ -22,6 +22,7 @@ import re
 import uuid
 from typing import Any
 
+from dsv4.engine.stop import partial_prefix_len
 from dsv4.server.dsv4_encoding import DSML, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN
 
 _BLOCK = re.compile(r"\s*" + re.escape(TOOL_CALLS_OPEN) + r"\n(.*?)\n" + re.escape(TOOL_CALLS_CLOSE)
@@ -85,11 +86,7 @@ class ToolCallStream:
         self._text += delta
         safe = self._text.find(TOOL_CALLS_OPEN)
         if safe < 0:   # hold a tail that could be the start of the tag
-            safe = len(self._text)
-            for k in range(min(len(TOOL_CALLS_OPEN), len(self._text)), 0, -1):
-                if TOOL_CALLS_OPEN.startswith(self._text[-k:]):
-                    safe = len(self._text) - k
-                    break
+            safe = len(self._text) - partial_prefix_len(self._text, (TOOL_CALLS_OPEN,))
         while safe > self._sent and self._text[safe - 1] == "\n":   # and newlines before it
             safe -= 1
         out = self._text[self._sent:max(safe, self._sent)]
