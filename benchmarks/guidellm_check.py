@@ -15,35 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from local_server import local_server
 
 from dsv4.assets import default_model_path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(port: int, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"dsv4 serve did not become healthy on port {port}")
 
 
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
@@ -72,30 +52,21 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "dsv4", "serve", "--port", str(port),
-                               "--device", "cpu", "--dtype", "float32"])
-    try:
-        wait_healthy(port)
-        with tempfile.TemporaryDirectory() as tmp:
-            report_path = Path(tmp) / "benchmarks.json"
-            cmd = [args.guidellm, "run",
-                   "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},"
-                                "model=dsv4-tiny",
-                   "--profile", f"kind=concurrent,streams={args.streams}",
-                   "--constraint", f"kind=max_requests,count={args.requests}",
-                   "--tokenizer", f"kind=huggingface_auto,model={default_model_path()}",
-                   "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},"
-                             f"output_tokens={args.output_tokens}",
-                   "--output", f"kind=json,path={report_path}",
-                   "--disable-console-interactive"]
-            started = time.monotonic()
-            subprocess.run(cmd, check=True)
-            wall = time.monotonic() - started
-            result = summarise(json.loads(report_path.read_text()))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with local_server() as port, tempfile.TemporaryDirectory() as tmp:
+        report_path = Path(tmp) / "benchmarks.json"
+        cmd = [args.guidellm, "run",
+               "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model=dsv4-tiny",
+               "--profile", f"kind=concurrent,streams={args.streams}",
+               "--constraint", f"kind=max_requests,count={args.requests}",
+               "--tokenizer", f"kind=huggingface_auto,model={default_model_path()}",
+               "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},"
+                         f"output_tokens={args.output_tokens}",
+               "--output", f"kind=json,path={report_path}",
+               "--disable-console-interactive"]
+        started = time.monotonic()
+        subprocess.run(cmd, check=True)
+        wall = time.monotonic() - started
+        result = summarise(json.loads(report_path.read_text()))
     result = {"bench": "guidellm_check", "streams": args.streams, "requests": args.requests,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
               "wall_s": round(wall, 1), **result}

@@ -21,15 +21,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from local_server import local_server
 
 from dsv4 import LLM, SamplingParams
 from dsv4.assets import default_model_path
@@ -105,12 +103,6 @@ def offline_accuracy(docs: list[dict[str, Any]]) -> float:
     return right / len(docs)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_lm_eval(port: int, backend: str, include: Path, out: Path, task: str = TASK,
                 metric: str = "acc,none") -> float:
     args = (f"model=dsv4-tiny,base_url=http://127.0.0.1:{port}/v1/completions,"
@@ -134,25 +126,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_task(root, docs)
-        port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "dsv4", "serve", "--port", str(port),
-                                   "--device", "cpu", "--dtype", "float32"])
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
+        with local_server() as port:
             accs = {b: run_lm_eval(port, b, root, root / f"out_{b}")
                     for b in ("huggingface", "remote")}
             gen = run_lm_eval(port, "huggingface", root, root / "out_gen", GEN_TASK,
                               "exact_match,none")
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
     offline, offline_gen = offline_accuracy(docs), offline_exact_match(docs)
     for backend, acc in accs.items():
         print(f"lm-eval local-completions, tokenizer_backend={backend}: acc {acc:.4f}")
