@@ -125,12 +125,11 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> s
         parts.append(lit(f"\n</{DSML}invoke>"))
         return xgr.Grammar.concat(*parts)
 
-    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    one = fns and (invoke(fns[0]) if len(fns) == 1 else xgr.Grammar.union(*map(invoke, fns)))
-    if not one:
+    calls = [invoke(t["function"]) for t in tools
+             if name is None or t["function"]["name"] == name]
+    if not calls:
         raise ValueError(f"tool_choice names {name!r}, which is not one of the tools")
-    more = xgr.Grammar.from_ebnf("root ::= \"\"")       # one call (a second is allowed below)
-    block = xgr.Grammar.concat(lit(TOOL_CALLS_OPEN + "\n"), one,
-                               xgr.Grammar.union(more, xgr.Grammar.concat(lit("\n"), one)),
-                               lit("\n" + TOOL_CALLS_CLOSE))
-    return str(block)
+    one = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    second = xgr.Grammar.union(lit(""), xgr.Grammar.concat(lit("\n"), one))    # optional
+    return str(xgr.Grammar.concat(lit(TOOL_CALLS_OPEN + "\n"), one, second,
+                                  lit("\n" + TOOL_CALLS_CLOSE)))
