@@ -45,22 +45,30 @@ class EagerTrainer(RLTrainer):
         return dataclasses.replace(super().engine_config(), disable_cuda_graph=True)
 
 
-MODES = ("default", "formulation", "true-on-policy", "true-on-policy-ref")
-"""default: the trainer's values from the engine's kernels (invariant plans); formulation: the
-trainer's own formulation (`--no-kernel-values`); true-on-policy: the default plus batch-invariant
-GEMMs and reductions on both sides (`--true-on-policy`); true-on-policy-ref: the same on the `ref`
-ops (fixed-width index rows, eager engine)."""
+MODES = ("default", "kernels", "formulation", "true-on-policy", "true-on-policy-ref")
+"""default: `RLConfig`'s defaults (on a fused backend: exact, the kernel values plus
+batch-invariant GEMMs and reductions on both sides; on `ref`: the formulation); kernels: the
+trainer's values from the engine's kernels (invariant plans), cuBLAS GEMMs (`--no-true-on-policy`);
+formulation: the trainer's own formulation, the kernels' usual plans (`--no-kernel-values
+--no-true-on-policy`); true-on-policy: `--true-on-policy`; true-on-policy-ref: the same on the
+`ref` ops (fixed-width index rows, eager engine)."""
+
+
+def mode_fields(mode: str, backend: str) -> dict[str, object]:
+    """The RLConfig fields of `mode` (see MODES) on kernel backend `backend`."""
+    exact = {"default": backend != "ref", "kernels": False, "formulation": False}
+    return {"true_on_policy": exact.get(mode, True), "kernel_values": mode != "formulation",
+            "kernel_backend": "ref" if mode == "true-on-policy-ref" else backend}
 
 
 def measure(args: argparse.Namespace, replay: str, mode: str) -> dict[str, object]:
-    true_on_policy = mode.startswith("true-on-policy")
+    fields = mode_fields(mode, args.kernel_backend)
+    true_on_policy = fields["true_on_policy"]
     with tempfile.TemporaryDirectory() as tmp:
         config = RLConfig(model=args.model, out_dir=tmp, steps=args.steps,
                           group_size=args.group_size, prompts_per_step=args.prompts,
-                          lr=args.lr, replay=replay, true_on_policy=true_on_policy,
-                          kernel_values=mode != "formulation", device=args.device,
-                          dtype=args.dtype, kernel_backend=("ref" if mode == "true-on-policy-ref"
-                                                            else args.kernel_backend))
+                          lr=args.lr, replay=replay, device=args.device, dtype=args.dtype,
+                          **fields)  # type: ignore[arg-type]
         trainer = (EagerTrainer if args.disable_cuda_graph else RLTrainer)(config)
         t0 = time.perf_counter()
         records = [trainer.train_step() for _ in range(args.steps)]
@@ -96,9 +104,9 @@ def random_mode(args: argparse.Namespace, model: DeepSeekV4ForCausalLM, prompts:
                 mode: str) -> list[dict[str, object]]:
     """One engine over `model` (true on-policy: batch-invariant, ref backend, no graphs), one
     rollout, then the trainer-side forward with each replay setting on the same samples."""
-    true_on_policy = mode.startswith("true-on-policy")
-    backend = "ref" if mode == "true-on-policy-ref" else args.kernel_backend
-    values = mode != "formulation" and backend != "ref"
+    fields = mode_fields(mode, args.kernel_backend)
+    true_on_policy, backend = bool(fields["true_on_policy"]), str(fields["kernel_backend"])
+    values = bool(fields["kernel_values"]) and backend != "ref"
     from dsv4.config.engine import EngineConfig
     from dsv4.engine.engine import LLMEngine
     from dsv4.kernels.ref.batch_invariant import batch_invariant

@@ -6,7 +6,7 @@
 set -x
 export PYTHONPATH=$PWD/src
 PART=${PART:-inv,tiny,flash}
-MODES=${MODES:-default,formulation,true-on-policy,true-on-policy-ref}
+MODES=${MODES:-default,kernels,formulation,true-on-policy-ref}
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python -c "import torch, triton; print(torch.__version__, triton.__version__)"
 if [[ $PART == *inv* ]]; then

@@ -59,7 +59,7 @@ MAX_SETS = 16
 SWEEP_CONFIGS = [(16, 32, 8, 2, None), (16, 64, 8, 2, None), (16, 64, 4, 2, None),
                  (16, 32, 4, 1, None), (16, 32, 4, 3, None), (32, 32, 8, 2, None),
                  (32, 64, 8, 2, None), (64, 16, 8, 2, None), (64, 32, 8, 2, None),
-                 (64, 32, 16, 2, None), (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16)]
+                 (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16)]
 
 Inputs = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 

@@ -91,17 +91,35 @@ def test_bad_run_arguments_are_clear_errors(tmp_path: Path, args: list[str],
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize(("kw", "values", "fixed"), [
-    ({}, False, False),                                          # CPU: the ref formulation
-    ({"true_on_policy": True}, False, True),                     # ref ops: fixed-width rows
-    ({"kernel_backend": "triton"}, True, False),                 # GPU default: kernel values
+@pytest.mark.parametrize(("kw", "values", "fixed", "exact"), [
+    ({}, False, False, False),                                   # CPU: the ref formulation
+    ({"true_on_policy": True}, False, True, True),               # ref ops: fixed-width rows
+    ({"kernel_backend": "triton"}, True, False, True),           # GPU default: exact, kernels
+    ({"kernel_backend": "triton", "true_on_policy": False}, True, False, False),
     ({"kernel_backend": "triton", "true_on_policy": True, "formulation": "training"}, True,
-     False),                                                     # values from the kernels
-    ({"kernel_backend": "triton", "kernel_values": False}, False, False),
+     False, True),                                               # values from the kernels
+    ({"kernel_backend": "triton", "kernel_values": False}, False, False, False),
 ])
-def test_where_the_trainer_takes_its_values(kw: dict, values: bool, fixed: bool) -> None:
+def test_where_the_trainer_takes_its_values(kw: dict, values: bool, fixed: bool,
+                                            exact: bool) -> None:
+    """`true_on_policy` None resolves to `values_from_kernels` (exact on a fused backend), once:
+    the saved config holds the bool, so a resumed run compares equal."""
     config = RLConfig(model="m", out_dir="o", **kw)
     assert (config.values_from_kernels, config.fixed_widths) == (values, fixed)
+    assert config.true_on_policy is exact
+    assert RLConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize(("flags", "exact"), [
+    ([], False), (["--kernel-backend", "triton"], True),
+    (["--kernel-backend", "triton", "--no-true-on-policy"], False),
+    (["--kernel-backend", "triton", "--no-kernel-values"], False), (["--true-on-policy"], True)])
+def test_true_on_policy_flag_defaults_to_the_backend(flags: list[str], exact: bool) -> None:
+    from dsv4.cli.main import build_parser
+    from dsv4.cli.rl import config_from_args
+
+    args = build_parser().parse_args(["rl", "run", "--out", "o", *flags])
+    assert config_from_args(args).true_on_policy is exact
 
 
 def test_resume_needs_a_run(tmp_path: Path) -> None:

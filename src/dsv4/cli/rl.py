@@ -2,7 +2,7 @@
 
     dsv4 rl run    --model PATH --task arithmetic --algo grpo|dapo --group-size G
                    --prompts-per-step P --steps N [--tis C] [--mis lo,hi]
-                   [--replay routing,indexer|routing|none] [--true-on-policy] --out runs/rl
+                   [--replay routing,indexer|routing|none] [--[no-]true-on-policy] --out runs/rl
                    [--resume] [--time-limit-s S]
     dsv4 rl plot   --run runs/rl [--out rl.png]
     dsv4 rl export --run runs/rl --out MODEL [--quant fp8+fp4]   # then: dsv4 serve --model MODEL
@@ -43,8 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--mis", default=None, help="lo,hi: mask tokens whose ratio leaves [lo, hi]")
     r.add_argument("--replay", default="routing,indexer",
                    help="recorded selections to replay: routing,indexer | routing | none")
-    r.add_argument("--true-on-policy", action="store_true",
-                   help="batch-invariant engine and trainer: bit-identical log-probs")
+    r.add_argument("--true-on-policy", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant engine and trainer: bit-identical log-probs (default: "
+                        "on with a fused kernel backend and kernel values, off on ref)")
     r.add_argument("--no-kernel-values", action="store_true",
                    help="the trainer's forward values from its formulation, not from the "
                         "engine's kernels (see RLConfig.kernel_values)")

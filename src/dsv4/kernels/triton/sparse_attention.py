@@ -100,6 +100,9 @@ _MAX_SPLITS = 32
 PV_TERMS = 3
 """16-bit P.V: P as a sum of this many 16-bit terms (`_pv_dot`). 3 keeps P's fp32 value, so the
 kernel rounds like the reference (`sparse_attention_multi`, fp32 P) up to summation order."""
+MAX_WARPS_SPLIT_P = 8
+"""The most warps with P split into 2-3 terms: 16 warps (block_h 64, block_n 32) hit an illegal
+memory access on the H200 with Triton 3.6 (the same tile with one term runs)."""
 
 
 @triton.jit
@@ -320,6 +323,10 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     bh, bn = block_h or auto[0], block_n or auto[1]
     if p_terms not in (1, 2, 3):
         raise ValueError(f"p_terms must be 1, 2 or 3; got {p_terms}")
+    if (num_warps or auto[2]) > MAX_WARPS_SPLIT_P and p_terms > 1:
+        raise ValueError(f"num_warps={num_warps} with p_terms={p_terms} is unsupported (Triton "
+                         "3.6 builds a kernel that faults on the H200); allowed: num_warps <= "
+                         f"{MAX_WARPS_SPLIT_P}, or p_terms=1")
     for name, v in (("block_h", bh), ("block_n", bn)):
         if v < _MIN_DOT or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}; got {v}")
