@@ -120,7 +120,7 @@ class RLTrainer:
                             max_total_tokens=max(batch, 16) * 2 * page, chunked_prefill_size=4096,
                             kernel_backend=c.kernel_backend,  # type: ignore[arg-type]
                             capture_routing=True, disable_prefix_cache=True,
-                            batch_invariant=c.true_on_policy,
+                            batch_invariant=bool(c.true_on_policy),
                             invariant_plans=c.values_from_kernels, seed=c.seed)
 
     # --- numerics ----------------------------------------------------------------------------
