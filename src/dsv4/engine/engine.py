@@ -112,9 +112,9 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.spec_steps:
             raise ValueError("prompt_logprobs is not supported with speculative decoding; "
                              "allowed: None, or an engine with speculative_num_steps=0")
-        if params.structured is not None and (self.grammars is None or self.spec_steps):
-            raise ValueError("structured output needs an engine with a tokenizer and without "
-                             "speculative decoding; allowed: structured=None here")
+        if params.structured is not None and self.grammars is None:
+            raise ValueError("structured output needs an engine with a tokenizer; "
+                             "allowed: structured=None here")
         bad_bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias has unknown token ids {bad_bias[:5]}; "
@@ -240,7 +240,9 @@ class LLMEngine:
     def _advance_grammar(req: Request, tok: int) -> str | None:
         """Feed `tok` to the request's grammar: "stop" once the grammar is complete (only eos is
         allowed then; with ignore_eos that would never end) or if it rejects the token (the mask
-        allows only accepted tokens, so that is a bug: logged, the request ends cleanly)."""
+        allows only accepted tokens, so that is a bug: logged, the request ends cleanly). Under
+        speculation each emitted token in turn (accepted drafts, then the final token; the
+        runner's walk along the drafts was rolled back), none after the one that finishes."""
         if not req.grammar.accept_token(tok):
             logger.error("request %s: its grammar rejected token %d; finishing it", req.rid, tok)
             return "stop"

@@ -10,6 +10,16 @@ mask applies to greedy and sampled rows alike and never depends on the other row
 advances a request's matcher with each token it appends; once the grammar is complete only the
 stop tokens (eos) are allowed, and a request whose matcher terminated finishes with "stop".
 
+Under speculative decoding a request's verify pass scores its pending token and its drafts
+d_1..d_N at once, and row i needs the grammar's state after d_1..d_i: `draft_token_bitmask` walks
+each matcher tentatively along the request's drafts, fills one row per position, and rolls the
+matcher back to the request's committed tokens (xgrammar's rollback is unlimited). The walk stops
+at the first draft the grammar rejects (or after one that terminates it); the rows after it
+repeat the last state's mask. A rejected draft is masked out of the row before it, so `verify`
+rejects it and the rows after it emit nothing; the tokens after a terminating draft are dropped
+when the request finishes on it. The engine then advances the matcher by the emitted tokens
+exactly as without speculation.
+
 Off the engine's critical path: `prepare(spec)` parses and validates the spec at once (a spec that
 does not parse raises ValueError naming the field, so a bad request is refused when it arrives)
 and builds its token-mask tables (the expensive part, proportional to vocabulary x grammar) on a
@@ -114,7 +124,9 @@ def parse_grammar(spec: StructuredOutput) -> Any:
 
 
 def new_matcher(compiled: Any) -> Any:
-    """A fresh matcher (per-request state) of a compiled grammar."""
+    """A fresh matcher (per-request state) of a compiled grammar. The pinned xgrammar keeps an
+    unlimited rollback history (its `max_rollback_tokens` is deprecated), which
+    `draft_token_bitmask` relies on."""
     import xgrammar as xgr
     return xgr.GrammarMatcher(compiled)
 
@@ -165,4 +177,34 @@ def token_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor | None:
     for row, m in enumerate(matchers):
         if m is not None:
             m.fill_next_token_bitmask(bits, row)
+    return bits
+
+
+def draft_token_bitmask(matchers: list[Any], drafts: list[list[int]],
+                        vocab_size: int) -> torch.Tensor | None:
+    """[R, ceil(V / 32)] int32 allowed-token bits of a verify pass's logit rows, on the host; None
+    when no request has a matcher. Request b owns `len(drafts[b]) + 1` consecutive rows: row i
+    is its grammar's state after its committed tokens and its drafts d_1..d_i (module
+    docstring). Every matcher is left as it was."""
+    if all(m is None for m in matchers):
+        return None
+    import xgrammar as xgr
+    bits = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
+    row = 0
+    for m, ds in zip(matchers, drafts, strict=True):
+        if m is not None:
+            m.fill_next_token_bitmask(bits, row)
+            walked, last = 0, row           # drafts accepted; the last row filled
+            for d in ds:
+                if not m.accept_token(d):
+                    break
+                walked += 1
+                if m.is_terminated():       # no next-token mask, and every token refused
+                    break
+                last = row + walked
+                m.fill_next_token_bitmask(bits, last)
+            bits[last + 1:row + len(ds) + 1] = bits[last]
+            if walked:
+                m.rollback(walked)
+        row += len(ds) + 1
     return bits

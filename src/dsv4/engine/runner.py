@@ -21,7 +21,7 @@ from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_kernel_backend
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
-from dsv4.engine.grammar import token_bitmask
+from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
 from dsv4.engine.metadata import build_context
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
@@ -218,7 +218,8 @@ class ModelRunner:
                   self.pools, 0)
             return StepOutput(step, [], [], None, captured, self.device)
         segs = Segments.build(rows, ids[logits_index])
-        sampled, accepted = self._verify(logits, segs, requests, rows)
+        sampled, accepted = self._verify(logits, segs, requests, rows,
+                                         self._fed_drafts(step, index))
         at = segs.first + accepted                # logit row of each segment's first new token
         first_rows = logits_index[at]
         next_ids[first_rows] = sampled.token_ids[at]
@@ -235,9 +236,20 @@ class ModelRunner:
         return StepOutput(step, requests, rows, sampled, captured, self.device,
                           Drafts(accepted, nxt, drafting))
 
+    @staticmethod
+    def _fed_drafts(step: ScheduledStep, index: list[int]) -> list[list[int]]:
+        """The drafts fed by each sampling request (`index`: their positions in the step): the
+        fed tokens after its first logit row's."""
+        offsets = [0]
+        for n in step.shape.lens:
+            offsets.append(offsets[-1] + n)
+        return [step.input_ids[offsets[i + 1] - step.shape.num_logits[i] + 1:offsets[i + 1]]
+                for i in index]
+
     def _verify(self, logits: torch.Tensor, segs: Segments, requests: list[Request],
-                rows: list[int]) -> tuple[SampleOutput, torch.Tensor]:
-        """`spec_decode.verify` over the step's logit rows with each request's sampling state;
+                rows: list[int], drafts: list[list[int]]) -> tuple[SampleOutput, torch.Tensor]:
+        """`spec_decode.verify` over the step's logit rows with each request's sampling state
+        and, for structured requests, each row's grammar mask along the request's `drafts`;
         counts the emitted tokens in the penalty state. -> (emitted tokens per row (-1 after a
         segment's last), accepted drafts per segment)."""
         row_reqs = [r for r, k in zip(requests, rows, strict=True) for _ in range(k)]
@@ -250,7 +262,9 @@ class ModelRunner:
                                     vocab_size=logits.shape[-1])
         counts = self.token_counts[slots] if batch.do_penalties else None
         seen = self.seen[slots] if batch.do_penalties else None
-        out = verify(logits, segs, batch, counts, seen)
+        bits = draft_token_bitmask([r.grammar for r in requests], drafts, logits.shape[-1])
+        allowed = bits.to(self.device, non_blocking=True) if bits is not None else None
+        out = verify(logits, segs, batch, counts, seen, allowed)
         valid = out.tokens >= 0
         tok = out.tokens.clamp(min=0)
         self.token_counts.index_put_((slots, tok), valid.to(torch.int32), accumulate=True)

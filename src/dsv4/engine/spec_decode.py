@@ -8,8 +8,8 @@ k = 1, no draft). Row i of a segment predicts the token at position start + i + 
 after row i (the input token of row i + 1) is its proposal.
 
 Verification (`verify`, one pass over all rows, no host sync). Per row, the target's sampling
-distribution p (penalties counting the drafts fed before the row, then temperature, top-k, top-p,
-min-p, exactly as `sampler.sample` for one row):
+distribution p (penalties counting the drafts fed before the row, then the structured-output
+mask, then temperature, top-k, top-p, min-p, exactly as `sampler.sample` for one row):
     greedy row:  ok = argmax p == draft;                 final token: argmax p
     sampled row: ok = u < p(draft), u uniform (top-1 drafter: q = one-hot(draft));
                  final token: a race draw from p without the draft (rejection residual), or from
@@ -18,6 +18,13 @@ The segment accepts its leading run of ok rows (a drafts), then emits the drafts
 token of row a: a + 1 tokens, distributed exactly as a + 1 plain samples of the target
 (speculative rejection sampling with a one-hot proposal). A k = 1 segment is the plain sampler
 bit for bit: the same race uniforms, keyed by (seed, output index).
+
+Structured output: row i of a constrained segment is masked with its grammar's state after the
+request's tokens and the drafts fed before the row (`grammar.draft_token_bitmask`), so p above is
+the target's constrained distribution and a draft the grammar disallows has p(draft) = 0: it is
+rejected (greedy: it is never the masked argmax). Rows after a draft the grammar rejects, or
+after one that ends the grammar, carry some valid mask: the former come after the segment's final
+row and emit nothing, the latter's tokens are dropped as the request finishes on that draft.
 
 Drafting (`draft`, after verification): the MTP block runs once over every token of the step
 (its SWA cache must cover every position), fed each token's successor: the next input token, or
@@ -43,6 +50,7 @@ from torch import Tensor
 
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
+from dsv4.engine.grammar import apply_token_bitmask
 from dsv4.engine.metadata import Coords
 from dsv4.engine.sampler import (
     SamplingBatch,
@@ -113,16 +121,20 @@ def _draft_counts(segs: Segments, vocab: int) -> Tensor:
 
 
 def verify(logits: Tensor, segs: Segments, batch: SamplingBatch, counts: Tensor | None,
-           seen: Tensor | None) -> Verified:
+           seen: Tensor | None, allowed: Tensor | None = None) -> Verified:
     """Accept each segment's drafts and draw its final token (module docstring). `batch` has one
     row per logit row (its step = the output index that row predicts); `counts` / `seen` [R, V]
-    are the segment's penalty state at the step's start (needed only with penalties)."""
+    are the segment's penalty state at the step's start (needed only with penalties); `allowed`
+    [R, ceil(V / 32)] int32: each row's structured-output token bitmask (None: no row is
+    constrained; `grammar.draft_token_bitmask`). Log-probs stay those of the raw logits."""
     R, V = logits.shape
     if batch.do_penalties:
         assert counts is not None and seen is not None
         extra = _draft_counts(segs, V)
         counts, seen = counts + extra, seen | (extra > 0)
     penalised = apply_penalties(logits, batch, counts, seen)
+    if allowed is not None:
+        penalised = apply_token_bitmask(penalised, allowed)
     greedy_tok = penalised.argmax(dim=-1)
     has_draft = segs.draft >= 0
     draft = segs.draft.clamp(min=0)
