@@ -1,11 +1,14 @@
 """`dsv4 serve --speculative-num-steps 3` on the embedded dsv4-tiny, through the official `openai`
 client: greedy completions and chat (streaming and not) equal the offline engine without
 speculation; `usage.completion_tokens_details` reports the drafts accepted / rejected and agrees
-with the engine's counters; `/metrics` and `/v1/engine_stats` carry the speculative series. Also the
-startup errors of the flag: an out-of-range value and a checkpoint without an MTP block."""
+with the engine's counters; `/metrics` and `/v1/engine_stats` carry the speculative series;
+structured output (`response_format` json_schema: greedy equal to the offline engine, sampled
+valid) and a forced tool call (named `tool_choice`) decode under their grammar. Also the startup
+errors of the flag: an out-of-range value and a checkpoint without an MTP block."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from openai.types import CompletionUsage
@@ -24,11 +28,13 @@ from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.cli.main import build_parser
 from dsv4.cli.serve import build_config
+from dsv4.engine.sampling_params import StructuredOutput
 from dsv4.server.chat_template import ChatTemplate
 from dsv4.server.protocol import ChatMessage
 from dsv4.server.tokenizer import ServerTokenizer
 
 from .conftest import ServerProcess, assert_pools_free, free_port, running_server
+from .test_tools import ADD, CALL_TOKENS
 
 N = 3
 MODEL = "dsv4-tiny"
@@ -38,6 +44,9 @@ MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": USER}]
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 NO_EOS = {"ignore_eos": True}
+SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "integer", "minimum": 0, "maximum": 999},
+    "unit": {"enum": ["apples", "pears"]}}, "required": ["answer", "unit"]}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +134,47 @@ def test_greedy_chat_equals_plain_engine(client: openai.OpenAI, spec_server: Ser
                                                  extra_body=NO_EOS))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert_accounted(chunks[-1].usage)
+
+
+def _chat_ids(content: str) -> list[int]:
+    root = str(default_model_path())
+    text = ChatTemplate.from_checkpoint(root).render([ChatMessage(role="user", content=content)])
+    return ServerTokenizer.from_checkpoint(root).encode(text, add_special_tokens=False)
+
+
+def test_json_schema_output_equals_plain_engine(client: openai.OpenAI, llm: LLM) -> None:
+    """Greedy: the offline engine's constrained text, without speculation; sampled: valid JSON.
+    Each response verified drafts."""
+    question = "What is 12+7?"
+    params = SamplingParams(max_tokens=64, temperature=0.0,
+                            structured=StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    expected = llm.generate(prompt_token_ids=[_chat_ids(question)], sampling_params=params,
+                            use_tqdm=False)[0]
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    for temperature, seed in ((0.0, 0), (1.0, 1), (1.0, 2)):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=64,
+            temperature=temperature, seed=seed, response_format=fmt)  # type: ignore[arg-type]
+        text = out.choices[0].message.content
+        assert text is not None and out.choices[0].finish_reason == "stop", out
+        jsonschema.validate(json.loads(text), SCHEMA)
+        if temperature == 0:
+            assert text == expected.text and expected.finish_reason == "stop"
+        assert drafts_of(out.usage)[0] > 0
+
+
+def test_named_tool_choice_returns_a_valid_call(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is 12+7?"}], tools=[ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=CALL_TOKENS,
+        temperature=0)  # type: ignore[arg-type]
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and msg.tool_calls, msg
+    for call in msg.tool_calls:
+        assert call.type == "function" and call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments),
+                            ADD["function"]["parameters"])  # type: ignore[index]
+    assert drafts_of(out.usage)[0] > 0
 
 
 def test_sampled_n_choices_sum_their_drafts(client: openai.OpenAI,
