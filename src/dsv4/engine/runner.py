@@ -218,8 +218,9 @@ class ModelRunner:
                   self.pools, 0)
             return StepOutput(step, [], [], None, captured, self.device)
         segs = Segments.build(rows, ids[logits_index])
+        constrained = any(r.grammar is not None for r in requests)
         sampled, accepted = self._verify(logits, segs, requests, rows,
-                                         self._fed_drafts(step, index))
+                                         self._fed_drafts(step, index) if constrained else None)
         at = segs.first + accepted                # logit row of each segment's first new token
         first_rows = logits_index[at]
         next_ids[first_rows] = sampled.token_ids[at]
@@ -247,9 +248,11 @@ class ModelRunner:
                 for i in index]
 
     def _verify(self, logits: torch.Tensor, segs: Segments, requests: list[Request],
-                rows: list[int], drafts: list[list[int]]) -> tuple[SampleOutput, torch.Tensor]:
+                rows: list[int], drafts: list[list[int]] | None
+                ) -> tuple[SampleOutput, torch.Tensor]:
         """`spec_decode.verify` over the step's logit rows with each request's sampling state
-        and, for structured requests, each row's grammar mask along the request's `drafts`;
+        and, for structured requests, each row's grammar mask along the request's `drafts`
+        (None: no request is constrained);
         counts the emitted tokens in the penalty state. -> (emitted tokens per row (-1 after a
         segment's last), accepted drafts per segment)."""
         row_reqs = [r for r, k in zip(requests, rows, strict=True) for _ in range(k)]
@@ -262,7 +265,8 @@ class ModelRunner:
                                     vocab_size=logits.shape[-1])
         counts = self.token_counts[slots] if batch.do_penalties else None
         seen = self.seen[slots] if batch.do_penalties else None
-        bits = draft_token_bitmask([r.grammar for r in requests], drafts, logits.shape[-1])
+        bits = (None if drafts is None else
+                draft_token_bitmask([r.grammar for r in requests], drafts, logits.shape[-1]))
         allowed = bits.to(self.device, non_blocking=True) if bits is not None else None
         out = verify(logits, segs, batch, counts, seen, allowed)
         valid = out.tokens >= 0
