@@ -68,7 +68,7 @@ def measure(args: argparse.Namespace, replay: str, mode: str) -> dict[str, objec
         config = RLConfig(model=args.model, out_dir=tmp, steps=args.steps,
                           group_size=args.group_size, prompts_per_step=args.prompts,
                           lr=args.lr, replay=replay, device=args.device, dtype=args.dtype,
-                          **fields)  # type: ignore[arg-type]
+                          formulation=args.formulation, **fields)  # type: ignore[arg-type]
         trainer = (EagerTrainer if args.disable_cuda_graph else RLTrainer)(config)
         t0 = time.perf_counter()
         records = [trainer.train_step() for _ in range(args.steps)]
@@ -78,6 +78,8 @@ def measure(args: argparse.Namespace, replay: str, mode: str) -> dict[str, objec
             "step0_max": records[0]["train_rollout_logprob_abs_diff_max"],
             "last_mean": records[-1]["train_rollout_logprob_abs_diff"],
             "last_max": records[-1]["train_rollout_logprob_abs_diff_max"],
+            "run_max": max(r["train_rollout_logprob_abs_diff_max"] for r in records),
+            "nonzero_steps": sum(r["train_rollout_logprob_abs_diff_max"] != 0 for r in records),
             "rollout_s": sum(r["rollout_s"] for r in records) / len(records),
             "train_s": sum(r["train_s"] for r in records) / len(records),
             "sync_s": sum(r["sync_s"] for r in records) / len(records),
@@ -205,6 +207,8 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="with --preset")
     p.add_argument("--replays", default=",".join(r.replace(",", "+") for r in REPLAYS),
                    help="+-joined settings, comma list (default: all)")
+    p.add_argument("--formulation", default="serving", choices=["serving", "training"],
+                   help="the trainer's formulation (RLConfig.formulation; not with --preset)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="the engine's decode runs eagerly (not with --preset)")
     p.add_argument("--out", type=Path, default=None)
