@@ -26,13 +26,13 @@ with fp32 scores, per-expert MoE: the engine's `ref` formulation), "training" th
 (dense attention and experts: a much cheaper backward on the GPU, scores rounded to the
 activation dtype). With a fused kernel backend (`triton`) and `kernel_values` (the default), the
 forward's values come from the engine's own kernels under token-count-invariant launch plans
-(`ForwardMode.values`, `model/kernel_values.py`) and only the gradients from the formulation; the
-linears stay cuBLAS, whose kernel depends on the row count, so log-probs agree to the last bits of
-the GEMMs. With `true_on_policy` both sides also run their GEMMs and reductions batch-invariantly
-(`batch_invariant()`; on the `ref` ops also with fixed-width index rows): the trainer's log-probs
-equal the engine's bit for bit, at step 0 and after every sync, on CPU
-(tests/rl/test_true_on_policy.py) and on CUDA with CUDA graphs on (bf16 on an H200:
-benchmarks/results/rl_h200_202612.md).
+(`ForwardMode.values`, `model/kernel_values.py`) and only the gradients from the formulation.
+With `true_on_policy` (the default there; on the `ref` ops only when asked) both sides also run
+their GEMMs and reductions batch-invariantly (`batch_invariant()`; on the `ref` ops also with
+fixed-width index rows): the trainer's log-probs equal the engine's bit for bit at step 0, and
+after every sync on CPU (tests/rl/test_true_on_policy.py); on CUDA with CUDA graphs on, exactly
+at step 0 and at most later steps (bf16 on an H200: benchmarks/results/rl_h200_202612.md).
+Without it the linears stay cuBLAS, whose kernel depends on the row count.
 
 Run directory: `rl_config.json`, `state.pt` (policy, optimizer, step; atomic), `metrics.jsonl`,
 `rl.png`. Rollouts depend only on (seed, step), so a resumed run continues exactly.
