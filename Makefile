@@ -6,7 +6,8 @@ VPY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Written after a successful install; re-install only when pyproject.toml changes.
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist), each with its share of cores - 1 torch threads (conftest.py).
+PYTEST_ARGS ?= -n 2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=

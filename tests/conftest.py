@@ -2,8 +2,8 @@
 
 Markers (`gpu`, `multi_gpu`, `slow`) are declared in pyproject.toml; this
 file skips GPU-marked tests on machines without CUDA, gives torch one thread fewer
-than the machine has cores (a test beside another busy process must not stall on
-oversubscribed cores) and provides a seeding fixture.
+than the machine has cores, shared among the pytest-xdist workers (a test beside another busy
+process must not stall on oversubscribed cores) and provides a seeding fixture.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import torch
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    """torch threads: the pytest-xdist workers (`make test`: two) share cores - 1, at least one
+    each, so the workers together never oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -52,8 +52,10 @@ def time_graph_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], iters: 
 
 
 def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool, warmup: int = 1) -> float:
-    """Median time of eager calls (CUDA events on the GPU, wall clock on the CPU), after `warmup`
-    calls."""
+    """Median time of eager calls (CUDA events on the GPU), after `warmup` calls. On the CPU (the
+    `--cpu-smoke` interpreter, whose times mean nothing) the wall clock of one call."""
+    if not cuda:
+        iters, warmup = 1, 0
     for _ in range(warmup):
         fn()
     times = []
