@@ -78,6 +78,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run as a CUDA graph (default 256)")
     add_speculative_arg(g, default=None)
+    add_overlap_arg(g)
     g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                    help="engine sampling seed")
     g.add_argument("--torch-threads", type=int, default=None,
@@ -113,7 +114,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
-        "speculative_num_steps")}
+        "speculative_num_steps", "overlap_schedule")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),
@@ -152,6 +153,13 @@ def add_speculative_arg(g: argparse._ActionsContainer, default: int | None) -> N
                    help="MTP speculative decoding: the checkpoint's MTP block drafts N tokens per "
                         "decode step and the model verifies them in one forward; greedy output "
                         f"is unchanged. 0..{MAX_SPECULATIVE_STEPS}; default 0 (off)")
+
+
+def add_overlap_arg(g: argparse._ActionsContainer) -> None:
+    """`--overlap-schedule` (shared by `dsv4 serve` and `dsv4 generate`)."""
+    g.add_argument("--overlap-schedule", action="store_true", default=None,
+                   help="schedule and launch step N + 1 while the device runs step N "
+                        "(EngineConfig.overlap_schedule; not with speculative decoding)")
 
 
 def speculative_steps(text: str) -> int:

@@ -69,6 +69,12 @@ class EngineConfig:
     kernel backend, decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs
     (`engine/cuda_graph.py`); the `ref` backend syncs inside its MoE and is never captured (the
     runner logs which mode it runs).
+    `overlap_schedule`: the host schedules and launches step N + 1 while the device runs step N,
+    then resolves N (`LLMEngine.step`): decode inputs of N + 1 are gathered on the device from N's
+    sampled tokens, so the host's scheduling hides behind the device's work. Greedy and seeded
+    outputs are the same as without it. A step whose requests need N's tokens on the host first
+    (a grammar mask, prompt log-probs) is scheduled after N resolves. Not with speculative
+    decoding (its drafts and accepted counts come from the host).
     """
 
     page_size: int = 256
@@ -88,6 +94,7 @@ class EngineConfig:
     disable_prefix_cache: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    overlap_schedule: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -111,6 +118,13 @@ class EngineConfig:
                 or not 0 <= spec <= MAX_SPECULATIVE_STEPS):
             raise ValueError(f"speculative_num_steps={spec!r} is invalid; allowed: an integer in "
                              f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
+        if not isinstance(self.overlap_schedule, bool):
+            raise ValueError(f"overlap_schedule={self.overlap_schedule!r} is invalid; "
+                             "allowed: True or False")
+        if self.overlap_schedule and spec:
+            raise ValueError(f"overlap_schedule=True with speculative_num_steps={spec} is not "
+                             "supported (the next step's drafts come from the host); allowed: "
+                             "overlap_schedule=False, or speculative_num_steps=0")
         allowed = (2,) if spec else (1, 2)
         if self.ring_multiplier is not None and self.ring_multiplier not in allowed:
             raise ValueError(f"ring_multiplier={self.ring_multiplier} is invalid; allowed: None "

@@ -121,16 +121,20 @@ class DecodeGraphs:
         nk = uniform_shape(shape)
         return nk is not None and nk[0] <= self.max_tokens and len(shape.lens) <= self.max_batch
 
-    def run(self, input_ids: list[int], shape: StepShape,
-            capture_routing: bool) -> tuple[torch.Tensor, Captured | None]:
+    def run(self, input_ids: list[int], shape: StepShape, capture_routing: bool,
+            fill: tuple[list[int], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, Captured | None]:
         """Logits [b * k, V] of a step of b requests (and its routing when asked), by graph replay.
+        `fill`: (indices into `input_ids`, tokens on the device) that replace those inputs, on
+        the device (overlap scheduling: tokens the step before sampled).
 
         The returned tensors are views of the graph's static outputs: consume them before the next
         call."""
-        logits, captured, _ = self.run_streams(input_ids, shape, capture_routing)
+        logits, captured, _ = self.run_streams(input_ids, shape, capture_routing, fill)
         return logits, captured
 
-    def run_streams(self, input_ids: list[int], shape: StepShape, capture_routing: bool
+    def run_streams(self, input_ids: list[int], shape: StepShape, capture_routing: bool,
+                    fill: tuple[list[int], torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, Captured | None, torch.Tensor | None]:
         """`run`, plus the streams after the last block of the b * n tokens (`with_streams`;
         else None): the MTP block's input under speculative decoding."""
@@ -147,6 +151,10 @@ class DecodeGraphs:
                 for r, (slot, start) in enumerate(zip(shape.slots, shape.starts, strict=True))]
         rows += [[0] * n + [self.table.pad_slot, 0]] * (B - b)
         step.inputs.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        if fill is not None:         # token i of the step is inputs[i // n, i % n]
+            at = torch.tensor([[i // n, i % n] for i in fill[0]],
+                              dtype=torch.int64).to(self.device, non_blocking=True)
+            step.inputs[at[:, 0], at[:, 1]] = fill[1]
         self.replays += 1
         if step.graph is not None:
             step.graph.replay()

@@ -7,6 +7,17 @@ scheduler, so the running ones keep going. `step()` runs one scheduled batch, ap
 new tokens (a step may yield several per request) and applies the token-level stop rules (eos unless
 ignore_eos, stop token ids, max_tokens, context length). Text and stop strings are the caller's
 (engine/stop.py::OutputText): a caller that sees a stop string calls `finish(rid, "stop")`.
+
+Overlap scheduling (`EngineConfig.overlap_schedule`): `step()` schedules and launches step N + 1
+before it resolves step N (the step's one host sync), so the host's scheduling and processing
+hide behind the device's work. The rule: step N + 1 is launched ahead of N's resolve unless a
+request of N has a grammar or asks for prompt log-probs (its next step needs N's results on the
+host); then N is resolved first. A decoding request's input token in N + 1 is gathered on the
+device from N's sampled tokens. A request that N finishes (stop token, max_tokens, context
+length) or that its caller finishes (abort, stop string) while it is in N + 1 frees its slot and
+pages at once, with the KV of the extra position outside the prefix cache (it is past the
+request's cached length); the device reuses them only in later steps (one stream), and its
+N + 1 token is dropped when N + 1 resolves.
 """
 
 from __future__ import annotations
@@ -28,8 +39,8 @@ from dsv4.engine.grammar import Grammars, new_matcher
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.engine.scheduler import Scheduler
-from dsv4.engine.step_output import StepResult
+from dsv4.engine.scheduler import ScheduledStep, Scheduler
+from dsv4.engine.step_output import StepOutput, StepResult
 from dsv4.engine.weight_sync import read_checkpoint_dir, update_weights
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.logging import init_logger
@@ -97,6 +108,10 @@ class LLMEngine:
         self.spec_draft_tokens = self.spec_accepted_tokens = 0
         # structured requests whose grammar is still compiling: (request, future), not scheduled
         self._compiling: dict[str, tuple[Request, futures.Future[Any]]] = {}
+        # overlap scheduling: the launched step not resolved yet, and the requests that got tokens
+        # from a step resolved outside `step()` (reported by the next `step()`)
+        self._inflight: tuple[ScheduledStep, StepOutput] | None = None
+        self._drained: list[Request] = []
 
     # ---- edge -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -176,7 +191,8 @@ class LLMEngine:
         self.finish(rid, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or bool(self._compiling)
+        """Requests queued, running or compiling, or a launched step still to resolve."""
+        return self.scheduler.has_work or bool(self._compiling) or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -189,8 +205,11 @@ class LLMEngine:
     # ---- loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got tokens in it (finished ones included), in
-        step order."""
+        step order. Under `overlap_schedule` those are the tokens of the step the call before
+        launched (this call launches the next step first)."""
         self._admit_compiled(wait_s=0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
+        if self.config.overlap_schedule:
+            return self._step_overlap()
         step = self.scheduler.schedule()
         if step is None:
             if self.scheduler.has_work:
@@ -200,13 +219,76 @@ class LLMEngine:
         out = self.runner.run(step)
         result = out.resolve()
         self.scheduler.after_step(step, out.kept() if self.spec_steps else None)
+        self._count(step)
+        return self._process(result)
+
+    def _count(self, step: ScheduledStep) -> None:
         self.steps += 1
         # decode: every fed token has logits (one token, or a verify pass of N + 1)
         decode = sum(n for n, k in zip(step.shape.lens, step.shape.num_logits, strict=True)
                      if k == n)
         self.decode_tokens += decode
         self.prefill_tokens += step.num_tokens - decode
+
+    def _step_overlap(self) -> list[Request]:
+        """Schedule and launch the next step while the one the call before launched still runs,
+        then resolve that one and process its tokens (module docstring: the rule and late
+        finishes). Its sampled tokens reach the new step on the device (`ScheduledStep.ahead`)."""
+        updated, self._drained = self._drained, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and not self._can_overlap(prev[0]):
+            updated += self._resolve(prev)
+            prev = None
+        step = self.scheduler.schedule()
+        out = None
+        if step is not None:
+            if step.ahead:
+                assert prev is not None, "a token in flight without a launched step"
+                self._feed_ahead(step, prev[1])
+            out = self.runner.run(step)
+            for req in out.requests:
+                req.num_inflight += 1
+        elif prev is None and self.scheduler.has_work:
+            raise RuntimeError("no request can be scheduled: "
+                               "the KV cache is too small for a single request")
+        if prev is not None:
+            updated += self._resolve(prev)
+        if step is not None:
+            assert out is not None
+            # after N's tokens are appended: a request N finished is skipped
+            self.scheduler.after_step(step)
+            self._count(step)
+            self._inflight = (step, out)
+        return updated
+
+    @staticmethod
+    def _can_overlap(step: ScheduledStep) -> bool:
+        """Whether the next step may be scheduled before `step` resolves: none of its requests
+        needs `step`'s results on the host first (a grammar's next mask; prompt log-probs)."""
+        return all(r.grammar is None and r.params.prompt_logprobs is None for r in step.requests)
+
+    @staticmethod
+    def _feed_ahead(step: ScheduledStep, prev: StepOutput) -> None:
+        """Point the step's in-flight inputs at their rows of `prev`'s sampled tokens (one row
+        per request without speculation)."""
+        assert prev.sampled is not None
+        rows = {id(r): i for i, r in enumerate(prev.requests)}
+        step.source = prev.sampled.token_ids
+        step.source_rows = [rows[id(req)] for _, req in step.ahead]
+
+    def _resolve(self, launched: tuple[ScheduledStep, StepOutput]) -> list[Request]:
+        """Wait for a launched step's tokens (the host sync) and process them."""
+        out = launched[1]
+        result = out.resolve()
+        for req in out.requests:
+            req.num_inflight -= 1
         return self._process(result)
+
+    def _drain(self) -> None:
+        """Resolve the launched step now (its requests are reported by the next `step()`)."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            self._drained += self._resolve(launched)
 
     def _process(self, result: StepResult) -> list[Request]:
         """Append each request's tokens up to the first that finishes it (the rest are dropped)."""
@@ -214,7 +296,8 @@ class LLMEngine:
         for req, position, logprob, top in result.prompt:
             req.add_prompt_logprob(position, logprob, top)
         for req, out in zip(result.requests, result.outputs, strict=True):
-            if req.status is not ReqStatus.RUNNING:
+            # a request preempted while its token was in flight (overlap) still gets the token
+            if req.status is ReqStatus.FINISHED:
                 continue
             req.draft_ids = out.next_drafts
             appended = 0
@@ -288,6 +371,7 @@ class LLMEngine:
         (recompute preemption: they re-prefill prompt + output so far with the new weights, then
         continue) and the prefix cache, no longer used by any request, is flushed empty.
         """
+        self._drain()
         num = update_weights(self.runner.model, named)
         for req in list(reversed(self.scheduler.running)):   # appendleft keeps the running order
             self.scheduler.preempt(req)
@@ -338,5 +422,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.runner.table.check_integrity()
         self.cache.check_integrity()
+        inflight = set() if self._inflight is None else {id(r) for r in self._inflight[1].requests}
         for req in self.requests.values():
             req.check_integrity()
+            assert req.num_inflight == (id(req) in inflight), \
+                f"request {req.rid}: in-flight count does not match the launched step"

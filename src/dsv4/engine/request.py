@@ -2,7 +2,9 @@
 
 Length invariant: `num_cached <= len(all_ids)`; positions [0, num_cached) are in the KV cache and
 `all_ids[num_cached:]` are the tokens the next steps must feed (the rest of the prompt while
-prefilling, the tokens sampled last while decoding). A preempted request drops its cache
+prefilling, the tokens sampled last while decoding). Under overlap scheduling a launched step's
+sampled token is not on the host yet: `num_inflight` (0 or 1 between steps) counts it as pending,
+and the next step feeds it from the device. A preempted request drops its cache
 (`num_cached = 0`) and later re-prefills prompt + output so far (recompute preemption).
 
 `all_ids` is kept incrementally (prompt, then every output token as `append_token` adds it), so
@@ -59,6 +61,8 @@ class Request:
     # params.structured: the request's xgrammar GrammarMatcher (engine/grammar.py), advanced
     # by the engine with every appended token
     grammar: Any = None
+    # overlap scheduling: tokens sampled by launched steps that are not appended yet
+    num_inflight: int = 0
     all_ids: list[int] = field(init=False)    # prompt_ids + output_ids, kept by append_token
 
     def __post_init__(self) -> None:
@@ -102,8 +106,8 @@ class Request:
 
     @property
     def num_pending(self) -> int:
-        """Tokens not yet in the cache (fed by the next steps)."""
-        return len(self.all_ids) - self.num_cached
+        """Tokens not yet in the cache (fed by the next steps), the in-flight one included."""
+        return len(self.all_ids) + self.num_inflight - self.num_cached
 
     def check_integrity(self) -> None:
         assert len(self.all_ids) == len(self.prompt_ids) + len(self.output_ids), \
@@ -111,6 +115,7 @@ class Request:
         assert self.all_ids[len(self.prompt_ids):] == self.output_ids, \
             "all_ids does not end in the output"
         assert 0 <= self.num_cached <= len(self.all_ids), "num_cached outside [0, len(all_ids)]"
+        assert self.num_inflight in (0, 1), "more than one step's token in flight"
 
     @property
     def is_finished(self) -> bool:

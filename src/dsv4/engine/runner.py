@@ -6,7 +6,9 @@ state.
 copy of the results to the host and returns at once: a `StepOutput` holds the device tensors, their
 host copies in flight and the event that marks them done. `StepOutput.resolve()` is a step's one
 host sync (the `.tolist()` of the sampled tokens, their log-probs and, when captured, the routing);
-the engine calls it when it needs the tokens (an overlap scheduler would call it one step later).
+the engine calls it when it needs the tokens: at once, or one step later under overlap scheduling,
+where a step's fed tokens still on the device (`ScheduledStep.ahead`) are gathered from the step
+before's sampled tokens into the inputs, on the device.
 The host-side step types live in engine/step_output.py.
 """
 
@@ -135,24 +137,37 @@ class ModelRunner:
         self._reset_penalty_rows(step)
         if self.spec_steps:
             return self._run_spec(step)
+        fill = self._ahead_tokens(step)
         if self.graphs is not None and self.graphs.fits(step.shape):
             logits, captured = self.graphs.run(step.input_ids, step.shape,
-                                               self.config.capture_routing)
+                                               self.config.capture_routing, fill)
         else:
-            logits, captured = self._forward_eager(step)
+            logits, captured = self._forward_eager(step, fill)
         sample_rows, prompt = self._split_rows(step)
         requests = [r for r, _ in sample_rows]
         sampled = None
         if requests:
             rows = torch.tensor([i for _, i in sample_rows],
                                 dtype=torch.int64).to(self.device, non_blocking=True)
+            # a token in flight counts: it is the output token before this step's
             sampled = self._sample(logits[rows], requests,
-                                   [len(r.output_ids) for r in requests])
+                                   [len(r.output_ids) + r.num_inflight for r in requests])
         prompt_rows = None
         if prompt:
             prompt_rows = PromptRows.compute(logits, prompt, self.device)
         return StepOutput(step, requests, [1] * len(requests), sampled, captured, self.device,
                           prompt=prompt_rows)
+
+    def _ahead_tokens(self, step: ScheduledStep) -> tuple[list[int], torch.Tensor] | None:
+        """Overlap scheduling: (indices into the step's input ids, their tokens on the device) of
+        the fed tokens the step before sampled, gathered from its sampled tokens (no host sync);
+        None when every fed token is on the host."""
+        if not step.ahead:
+            return None
+        assert step.source is not None and len(step.source_rows) == len(step.ahead)
+        rows = torch.tensor(step.source_rows, dtype=torch.int64).to(self.device,
+                                                                      non_blocking=True)
+        return [i for i, _ in step.ahead], step.source.index_select(0, rows)
 
     @staticmethod
     def _split_rows(step: ScheduledStep) -> tuple[list[tuple[Request, int]],
@@ -164,7 +179,7 @@ class ModelRunner:
         row = 0
         for req, start, n, k in zip(step.requests, step.shape.starts, step.shape.lens,
                                     step.shape.num_logits, strict=True):
-            samples = start + n >= len(req.all_ids)
+            samples = start + n >= len(req.all_ids) + req.num_inflight
             for j in range(k):
                 position = start + n - k + j + 1            # of the token this row predicts
                 if samples and j == k - 1:
@@ -184,11 +199,16 @@ class ModelRunner:
             ctx.captured = {}
         return ctx
 
-    def _forward_eager(self, step: ScheduledStep) -> tuple[torch.Tensor, Captured | None]:
+    def _forward_eager(self, step: ScheduledStep,
+                       fill: tuple[list[int], torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, Captured | None]:
         """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without
-        graphs."""
+        graphs; `fill` (`_ahead_tokens`) overwrites placeholder inputs on the device."""
         ctx = self._context(step)
         ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if fill is not None:
+            at = torch.tensor(fill[0], dtype=torch.int64).to(self.device, non_blocking=True)
+            ids.index_copy_(0, at, fill[1])
         return self.model.forward_batch(ids, ctx), ctx.captured
 
     def _run_spec(self, step: ScheduledStep) -> StepOutput:
@@ -301,6 +321,7 @@ class ModelRunner:
         cached prefix) gets its slot's penalty rows rebuilt from its own tokens."""
         for req, admitted in zip(step.requests, step.admitted, strict=True):
             if admitted and req.slot is not None:
+                assert not req.num_inflight, "admitted with a token still on the device"
                 self.token_counts[req.slot] = 0
                 self.seen[req.slot] = False
                 self.seen[req.slot, torch.tensor(req.all_ids, device=self.device)] = True

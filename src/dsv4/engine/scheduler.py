@@ -21,12 +21,20 @@ that samples in the step also drafts for the next one when the pages for the dra
 positions (N - 1 past the step's last) can be had without preempting anyone. After the step a
 request's cached length grows by the tokens it fed whose KV is valid: the fed tokens before its
 logit rows, then one per emitted token (`after_step(step, emitted)`).
+
+Overlap scheduling (`overlap_schedule`, engine/engine.py): a step may be scheduled while the
+step before it still runs. A request that sampled in that step has its token in flight
+(`Request.num_inflight`): it is pending like any other token, and the step feeds it as a
+placeholder listed in `ScheduledStep.ahead`, which the runner fills on the device from the step
+before's sampled tokens. A preempted request whose token is still in flight is not re-admitted
+before the token is on the host (its re-prefill feeds that token).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dsv4.cache.prefix_cache import PrefixCache
 from dsv4.cache.req_table import RequestTable
@@ -35,7 +43,13 @@ from dsv4.engine.metadata import StepShape
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.utils.logging import init_logger
 
+if TYPE_CHECKING:
+    import torch
+
 logger = init_logger(__name__)
+
+PLACEHOLDER_ID = 0
+"""The host's stand-in for a fed token still on the device (overwritten before the forward)."""
 
 
 @dataclass
@@ -46,6 +60,12 @@ class ScheduledStep:
     admitted: list[bool]        # per request: it got its request slot in this step (an admission)
     # per request: it drafts the next step's tokens at the end of this one (speculative decoding)
     drafting: list[bool] = field(default_factory=list)
+    # overlap scheduling: (index into input_ids, request) of each fed token still on the device;
+    # the engine sets `source` to the step before's sampled tokens and `source_rows` to each
+    # such request's row there (the runner gathers them into the inputs on the device)
+    ahead: list[tuple[int, Request]] = field(default_factory=list)
+    source: torch.Tensor | None = None
+    source_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +149,8 @@ class Scheduler:
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if self.table.num_free_slots == 0 or self._wait_for_shared_prefix(req, chosen):
+            if (self.table.num_free_slots == 0 or req.num_inflight
+                    or self._wait_for_shared_prefix(req, chosen)):
                 break
             slot = self._open(req)
             n = min(req.num_pending, budget)
@@ -201,21 +222,28 @@ class Scheduler:
         """The step of `chosen` (request, new tokens); from index `num_running` on: admitted now."""
         input_ids: list[int] = []
         slots, starts, lens, num_logits, drafting = [], [], [], [], []
+        ahead: list[tuple[int, Request]] = []
         for req, n in chosen:
             assert req.slot is not None
             input_ids.extend(req.all_ids[req.num_cached:req.num_cached + n])
+            if req.num_cached + n - len(req.draft_ids) > len(req.all_ids):   # (still on the device)
+                assert req.num_inflight == 1 and n == 1 and not req.draft_ids, \
+                    "only a decoding request's one pending token can be in flight"
+                ahead.append((len(input_ids), req))
+                input_ids.append(PLACEHOLDER_ID)
             input_ids.extend(req.draft_ids)          # [] unless it feeds drafts
             slots.append(req.slot)
             starts.append(req.num_cached)
             lens.append(n)
             # the last token samples; with drafts, or owing prompt log-probs, every fed token has
             # logits
-            samples = req.num_cached + n >= len(req.all_ids)
+            samples = req.num_cached + n >= len(req.all_ids) + req.num_inflight
             num_logits.append(n if req.wants_prompt_logprobs else
                               (1 + len(req.draft_ids)) if samples else 0)
             drafting.append(self._drafts_next(req, n))
         return ScheduledStep([r for r, _ in chosen], StepShape(slots, starts, lens, num_logits),
-                             input_ids, [i >= num_running for i in range(len(chosen))], drafting)
+                             input_ids, [i >= num_running for i in range(len(chosen))], drafting,
+                             ahead)
 
     def after_step(self, step: ScheduledStep, kept: list[int] | None = None) -> None:
         """Advance the cached length of every request in the step and release out-of-window SWA

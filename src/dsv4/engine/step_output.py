@@ -168,6 +168,8 @@ def _store_routing(step: ScheduledStep, routing: dict[str, torch.Tensor], kept: 
     for key, stacked in routing.items():                            # [T, layers, k] on the host
         for req, start, part, keep in zip(step.requests, step.shape.starts, stacked.split(lens),
                                           kept, strict=True):
+            if req.is_finished:      # finished while the step ran (overlap): its token is dropped
+                continue
             part = part[:keep]
             history = req.routing.setdefault(key, [])
             total = sum(t.shape[0] for t in history)
