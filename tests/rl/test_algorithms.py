@@ -11,6 +11,7 @@ from torch import Tensor
 
 from dsv4.rl.algorithms import (
     Aggregation,
+    drift_tokens,
     entropy,
     grpo_advantages,
     k3_kl,
@@ -288,3 +289,15 @@ def test_logprob_abs_diff_matches_miles_metric() -> None:
     metric, worst = logprob_abs_diff(train, rollout, torch.zeros(3, 3))
     _close(metric, 0.0)
     _close(worst, 0.0)
+
+
+def test_drift_tokens_counts_and_locates_the_worst_token() -> None:
+    # rows with responses starting at columns 1 and 0: diffs [-, 0, 0.5 | masked 9] and
+    # [0.25, 0, -]; two tokens differ, the worst (0.5) is the second token of its response
+    train = _t([[0.0, 1.0, 1.5, 9.0], [0.25, 2.0, 0.0, 0.0]])
+    rollout = _t([[0.0, 1.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
+    mask = _t([[0, 1, 1, 0], [1, 1, 0, 0]])
+    count, at = drift_tokens(train, rollout, mask)
+    assert (int(count), int(at)) == (2, 1)
+    count, at = drift_tokens(rollout, rollout, mask)          # exact: nothing to locate
+    assert (int(count), int(at)) == (0, -1)

@@ -201,6 +201,26 @@ def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     return masked_mean(torch.exp(d) - d - 1.0, mask)
 
 
+def drift_tokens(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+    """Where the train / rollout drift sits: (how many valid tokens have |a - b| > 0, the index
+    of the largest one within its sample's response: 0 = the first valid token of its row, -1
+    when no token differs), both 0-dim int64 and detached. In true on-policy mode both are
+    diagnostics of a non-zero step (is it the first sampled token, a late one, one token or
+    many)."""
+    _check_same_shape(train_logp=train_logp, rollout_logp=rollout_logp, mask=mask)
+    keep = _keep(mask)
+    diff = torch.where(keep, (train_logp.detach().float() - rollout_logp.detach().float()).abs(),
+                       0.0)
+    count = (diff > 0).sum()
+    if diff.dim() != 2 or diff.numel() == 0:
+        return count, torch.full_like(count, -1)
+    worst = diff.argmax()
+    row, col = worst // diff.shape[1], worst % diff.shape[1]
+    first = keep.int().argmax(dim=-1)[row]
+    return count, torch.where(count > 0, col - first, -1)
+
+
 def entropy(logits: Tensor) -> Tensor:
     """Entropy `[...]` fp32 of softmax(logits `[..., V]`): H = -sum_v p_v log p_v.
 

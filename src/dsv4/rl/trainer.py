@@ -15,7 +15,8 @@ cache flushed). A step:
 2. the trainer's forward on the same tokens (replaying the recorded selections: `ForwardMode
    .replay`) gives log pi_theta; pi_old = pi_theta before the update (one optimizer step per
    rollout, so the two are equal in value); drift = |log pi_old - log pi_rollout|
-   (`train_rollout_logprob_abs_diff`, rl-reference.md §4.3);
+   (`train_rollout_logprob_abs_diff`, rl-reference.md §4.3), and where it sits (`drift_tokens`:
+   how many tokens differ; `drift_worst_position`: the largest one's index in its response);
 3. PPO clip(-higher) loss with optional TIS / MIS weights, k3 KL to the initial policy, entropy
    bonus; one AdamW step; weight sync. The engine's KV pools and CUDA graphs are released while
    the trainer steps (`LLMEngine.release_memory`, logged as `kv_released_mb`) and allocated
@@ -210,6 +211,7 @@ class RLTrainer:
         old = logp.detach()              # pi_old: this policy before its one update
         mask = batch.mask
         drift, drift_max = alg.logprob_abs_diff(old, batch.rollout_logp, mask)
+        drift_count, drift_at = alg.drift_tokens(old, batch.rollout_logp, mask)
         weights, stats = None, {}
         if c.tis is not None:
             weights, stats["tis_clip_frac"] = alg.tis_weights(old, batch.rollout_logp, mask,
@@ -243,7 +245,8 @@ class RLTrainer:
         self._master_to_compute()
         out = {"loss": total, "entropy": ent, "grad_norm": grad_norm,
                "train_rollout_logprob_abs_diff": drift,
-               "train_rollout_logprob_abs_diff_max": drift_max, **pstats, **stats}
+               "train_rollout_logprob_abs_diff_max": drift_max,
+               "drift_tokens": drift_count, "drift_worst_position": drift_at, **pstats, **stats}
         # the step's sync point
         return {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
                 for k, v in out.items()}
