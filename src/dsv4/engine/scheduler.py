@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from dsv4.cache.prefix_cache import PrefixCache
 from dsv4.cache.req_table import RequestTable
@@ -42,9 +43,6 @@ from dsv4.config.engine import EngineConfig
 from dsv4.engine.metadata import StepShape
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.utils.logging import init_logger
-
-if TYPE_CHECKING:
-    import torch
 
 logger = init_logger(__name__)
 
