@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsv4.cli.serve import add_overlap_arg, add_speculative_arg, check_speculative
+from dsv4.cli.serve import add_overlap_arg, add_speculative_arg, add_warmup_arg, check_speculative
 from dsv4.config.engine import WEIGHT_FORMATS
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
@@ -41,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "checkpoint: keep routed experts in FP4")
     add_speculative_arg(p, default=0)
     add_overlap_arg(p)
+    add_warmup_arg(p)
     p.set_defaults(func=run)
 
 
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     engine_args: dict[str, Any] = {"page_size": args.page_size} if args.page_size else {}
     if args.overlap_schedule:
         engine_args["overlap_schedule"] = True
+    if args.warmup is not None:
+        engine_args["warmup"] = args.warmup
     if args.device == "cpu" or args.device is None and not _has_cuda():
         engine_args.setdefault("page_size", 128)
         engine_args["kv_cache_memory_gb"] = 0.5

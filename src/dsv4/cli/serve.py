@@ -17,7 +17,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dsv4.config.engine import MAX_SPECULATIVE_STEPS, WEIGHT_FORMATS, resolve_kernel_backend
+from dsv4.config.engine import (
+    MAX_SPECULATIVE_STEPS,
+    WARMUP_MODES,
+    WEIGHT_FORMATS,
+    resolve_kernel_backend,
+)
 from dsv4.config.server import DTYPES, ServerConfig
 from dsv4.utils.logging import init_logger
 
@@ -79,6 +84,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch run as a CUDA graph (default 256)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
+    add_warmup_arg(g)
     g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                    help="engine sampling seed")
     g.add_argument("--torch-threads", type=int, default=None,
@@ -114,7 +120,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
-        "speculative_num_steps", "overlap_schedule")}
+        "speculative_num_steps", "overlap_schedule", "warmup")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),
@@ -160,6 +166,14 @@ def add_overlap_arg(g: argparse._ActionsContainer) -> None:
     g.add_argument("--overlap-schedule", action="store_true", default=None,
                    help="schedule and launch step N + 1 while the device runs step N "
                         "(EngineConfig.overlap_schedule; not with speculative decoding)")
+
+
+def add_warmup_arg(g: argparse._ActionsContainer) -> None:
+    """`--warmup none|fast|full` (shared by `dsv4 serve` and `dsv4 generate`)."""
+    g.add_argument("--warmup", default=None, choices=WARMUP_MODES,
+                   help="compile kernels and capture decode graphs before serving: fast (a few "
+                        "batch sizes) or full (every graph bucket); default fast on cuda with "
+                        "triton, none elsewhere (EngineConfig.warmup)")
 
 
 def speculative_steps(text: str) -> int:

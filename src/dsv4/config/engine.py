@@ -28,6 +28,19 @@ def check_weight_format(weight_format: str) -> WeightFormat:
                      f"allowed: {list(WEIGHT_FORMATS)}")
 
 
+WarmupMode = Literal["none", "fast", "full"]
+"""What `LLMEngine.warmup` runs before the engine serves (`engine/warmup.py::warmup_plan`)."""
+WARMUP_MODES: tuple[WarmupMode, ...] = get_args(WarmupMode)
+
+
+def check_warmup(warmup: str) -> WarmupMode:
+    """`warmup` as a `WarmupMode`; raises naming the field and the allowed values otherwise."""
+    for name in WARMUP_MODES:
+        if warmup == name:
+            return name
+    raise ValueError(f"warmup={warmup!r} is invalid; allowed: {list(WARMUP_MODES)}")
+
+
 MAX_SPECULATIVE_STEPS = 8
 """Draft tokens per step at most: with rings of 2x, a verify step of N + 1 <= 9 tokens never
 overwrites a compressor ring row that a later token still reads (C4: ring 16, window 8)."""
@@ -75,6 +88,11 @@ class EngineConfig:
     outputs are the same as without it. A step whose requests need N's tokens on the host first
     (a grammar mask, prompt log-probs) is scheduled after N resolves. Not with speculative
     decoding (its drafts and accepted counts come from the host).
+    `warmup`: what runs before the engine serves (`LLM(...)` returns, the server reports ready),
+    so the first requests do not pay for Triton compiles and CUDA-graph captures: "none",
+    "fast" (the prefill shapes and a few decode batch sizes) or "full" (every decode graph
+    bucket, and the context buckets); `engine/warmup.py` lists the shapes. None picks "fast" on
+    CUDA with the `triton` backend and "none" elsewhere (`resolve_warmup`).
     """
 
     page_size: int = 256
@@ -95,6 +113,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
     overlap_schedule: bool = False
+    warmup: WarmupMode | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -134,6 +153,8 @@ class EngineConfig:
             raise ValueError("batch_invariant=True with kernel_backend='triton' needs "
                              "invariant_plans=True (otherwise a kernel's launch plan, and a "
                              "token's bits, depend on the batch)")
+        if self.warmup is not None:
+            check_warmup(self.warmup)
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; "
                              f"allowed: {list(KERNEL_BACKENDS)}")
@@ -156,6 +177,16 @@ def resolve_kernel_backend(requested: KernelBackend | None, device_type: str) ->
     if requested is not None:
         return requested
     return "triton" if device_type == "cuda" else "ref"
+
+
+def resolve_warmup(requested: WarmupMode | None, device_type: str,
+                   backend: KernelBackend) -> WarmupMode:
+    """The warmup an engine runs: the requested one, else "fast" on CUDA with the `triton`
+    backend (Triton compiles and graph captures would otherwise stall the first requests) and
+    "none" elsewhere (the `ref` backend compiles nothing and captures no graphs)."""
+    if requested is not None:
+        return requested
+    return "fast" if device_type == "cuda" and backend == "triton" else "none"
 
 
 def kv_budget_gb(config: EngineConfig, device_type: str, total_bytes: int,

@@ -8,7 +8,8 @@
 Keyword arguments beyond model/dtype/device/weight_format are EngineConfig fields (weight_format
 "checkpoint" keeps the routed experts in FP4, see `model/quant_experts.py`). The tokenizer is read
 from the checkpoint directory (`tokenizer.json`); without one, pass `prompt_token_ids` and read
-`token_ids` (the text stays empty).
+`token_ids` (the text stays empty). Before `LLM(...)` returns, the engine warms up
+(`EngineConfig.warmup`; by default "fast" on CUDA with Triton, "none" elsewhere).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class LLM:
         grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id])
                     if self.tokenizer is not None else None)
         self.engine = LLMEngine(self.model, config, grammars)
+        self.engine.warmup()      # the config's mode; "none" (the default off CUDA) runs nothing
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

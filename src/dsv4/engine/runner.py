@@ -21,7 +21,7 @@ import torch
 from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
-from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_kernel_backend
+from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_kernel_backend, resolve_warmup
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
 from dsv4.engine.metadata import build_context
@@ -41,7 +41,8 @@ logger = init_logger(__name__)
 
 def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
     """`config` with its device-dependent defaults resolved (logged): the kernel backend and,
-    unless `max_total_tokens` fixes the pools, the KV budget (`config/engine.py`)."""
+    unless `max_total_tokens` fixes the pools, the KV budget; and the warmup mode
+    (`config/engine.py`)."""
     backend = resolve_kernel_backend(config.kernel_backend, device.type)
     budget = config.kv_cache_memory_gb
     if config.max_total_tokens is None:
@@ -54,7 +55,9 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
                     "kv_cache_memory_gb" if config.kv_cache_memory_gb is not None else
                     f"mem_fraction_static {config.mem_fraction_static} of {total / 2**30:.1f} GB,"
                     f" {used / 2**30:.1f} GB in use" if device.type == "cuda" else "CPU default")
-    return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget)
+    warmup = resolve_warmup(config.warmup, device.type, backend)
+    return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
+                               warmup=warmup)
 
 
 class ModelRunner:

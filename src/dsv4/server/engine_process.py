@@ -104,6 +104,8 @@ def run_engine_process(config: ServerConfig, paths: IpcPaths) -> None:
 
 
 def build_engine(config: ServerConfig) -> LLMEngine:
+    """The engine of `config`, warmed up (`EngineConfig.warmup`) before the caller reports
+    ready."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     model = load_model(config.model, dtype=config.dtype, device=config.device,
@@ -111,7 +113,9 @@ def build_engine(config: ServerConfig) -> LLMEngine:
     tok_file, mc = Path(config.model) / "tokenizer.json", model.config
     grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id]) if tok_file.is_file()
                 else None)
-    return LLMEngine(model, config.engine_config, grammars)
+    engine = LLMEngine(model, config.engine_config, grammars)
+    engine.warmup()      # before EngineReady: no request pays for compiles or graph captures
+    return engine
 
 
 class EngineLoop:

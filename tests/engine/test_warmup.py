@@ -1,0 +1,251 @@
+"""Engine warmup (`engine/warmup.py`, `LLMEngine.warmup`): the plan of each mode, one step per
+planned shape through the normal engine path, and an engine left exactly as before (no request,
+free pools, empty prefix cache, counters and seed stream untouched, same greedy and seeded
+outputs)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine_equivalence import assert_pools_free
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.config.engine import EngineConfig, resolve_warmup
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.scheduler import ScheduledStep
+from dsv4.engine.step_output import StepOutput
+from dsv4.engine.warmup import FULL_MAX_CONTEXT, WarmupShape, warmup_plan
+
+KW: dict[str, object] = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=4096,
+                             chunked_prefill_size=64, max_running_requests=12)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("warmup") / "micro"
+    write_checkpoint(micro(), path, seed=3, tokenizer=False)
+    return path
+
+
+def P(tokens: int) -> WarmupShape:
+    return WarmupShape("prefill", 1, tokens)
+
+
+def D(batch: int, tokens: int = 1, context: int = 4096, anchor: int = 0) -> WarmupShape:
+    return WarmupShape("decode", batch, tokens, context, anchor)
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+def plan(mode: str, graph_max_batch: int | None, spec: int = 0, max_running: int = 64,
+         context_length: int = 32768, max_total: int = 1 << 20) -> list[WarmupShape]:
+    config = EngineConfig(warmup=mode, speculative_num_steps=spec,  # type: ignore[arg-type]
+                          max_running_requests=max_running)
+    return warmup_plan(config, context_length, context_length, max_total, graph_max_batch)
+
+
+def test_plan_none_is_empty() -> None:
+    assert plan("none", 64) == []
+
+
+def test_plan_fast_graphs_on() -> None:
+    assert plan("fast", 64) == [P(2048), P(16), D(1), D(8), D(64)]
+
+
+def test_plan_fast_small_batch_and_graphs_off() -> None:
+    assert plan("fast", 4, max_running=4) == [P(2048), P(16), D(1), D(4)]
+    # graphs off: batches up to max_running_requests
+    assert plan("fast", None, max_running=20) == [P(2048), P(16), D(1), D(8), D(20)]
+
+
+def test_plan_fast_speculative_verifies() -> None:
+    assert plan("fast", 64, spec=3) == [P(2048), P(16), D(1, 4), D(8, 4), D(64, 4)]
+
+
+def test_plan_full_graphs_on() -> None:
+    batches = [1, 2, 4, 8, 16, 20]
+    want = [P(2048), P(16)] + [D(b) for b in batches]
+    for prev, ctx in ((4096, 8192), (8192, 16384), (16384, 32768)):
+        want += [D(b, 1, ctx, prev + 1) for b in batches]
+    assert plan("full", 20, max_running=20) == want
+
+
+def test_plan_full_speculative_and_caps() -> None:
+    # the KV cache (20000 tokens) stops at the 16384 bucket; verify steps of 1 + 2 tokens
+    want = [P(2048), P(16), D(1, 3), D(2, 3), D(3, 3)]
+    want += [D(b, 3, 8192, 4097) for b in (1, 2, 3)] + [D(b, 3, 16384, 8193) for b in (1, 2, 3)]
+    assert plan("full", 3, spec=2, max_running=3, max_total=20000) == want
+    # a huge context stops at FULL_MAX_CONTEXT
+    long = plan("full", 1, max_running=1, context_length=1 << 20)
+    assert max(s.context for s in long) == FULL_MAX_CONTEXT
+
+
+def test_plan_full_graphs_off_one_batch_per_context() -> None:
+    want = [P(2048), P(16), D(1), D(8), D(12), D(1, 1, 8192, 4097)]
+    assert plan("full", None, max_running=12, context_length=8192) == want
+
+
+def test_plan_short_context_caps_the_prefill() -> None:
+    assert plan("fast", 2, max_running=2, context_length=100) == [P(99), P(16), D(1, 1, 100),
+                                                                  D(2, 1, 100)]
+
+
+@pytest.mark.parametrize("bad", ["fastest", "", "FULL", 1])
+def test_bad_warmup_value_is_a_clear_error(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"warmup=.* is invalid; allowed: \['none', 'fast', "
+                                         r"'full'\]"):
+        EngineConfig(warmup=bad)  # type: ignore[arg-type]
+
+
+def test_default_mode() -> None:
+    assert resolve_warmup(None, "cuda", "triton") == "fast"
+    assert resolve_warmup(None, "cuda", "ref") == "none"
+    assert resolve_warmup(None, "cpu", "ref") == "none"
+    assert resolve_warmup("full", "cpu", "ref") == "full"
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+def spy_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[ScheduledStep]:
+    steps: list[ScheduledStep] = []
+    run = engine.runner.run
+
+    def record(step: ScheduledStep) -> StepOutput:
+        steps.append(step)
+        return run(step)
+
+    monkeypatch.setattr(engine.runner, "run", record)
+    return steps
+
+
+def engine_plan(engine: LLMEngine, mode: str) -> list[WarmupShape]:
+    table = engine.runner.table
+    config = dataclasses.replace(engine.runner.config, warmup=mode)  # type: ignore[arg-type]
+    return warmup_plan(config, engine.context_length, table.max_pages * table.P,
+                       engine.max_total_tokens, None)
+
+
+def matches(step: ScheduledStep, shape: WarmupShape) -> bool:
+    if shape.kind == "prefill":
+        return step.shape.lens == [shape.tokens] and step.shape.num_logits == [1]
+    n = shape.tokens
+    return (len(step.requests) == shape.batch and all(x == n for x in step.shape.lens)
+            and all(k == n for k in step.shape.num_logits)
+            and (shape.anchor == 0 or max(step.shape.starts) + n > shape.context // 2))
+
+
+@pytest.mark.parametrize("mode", ["fast", "full"])
+def test_warmup_runs_one_step_per_planned_shape(ckpt: Path, mode: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(ckpt, **KW)  # type: ignore[arg-type]
+    engine = llm.engine
+    steps = spy_steps(engine, monkeypatch)
+    shapes = engine_plan(engine, mode)
+    assert len(shapes) >= 5
+    engine.warmup(mode, progress=False)
+    assert len(steps) == len(shapes)
+    for step, shape in zip(steps, shapes, strict=True):
+        assert matches(step, shape), (step.shape, shape)
+
+
+def test_full_warmup_with_a_context_bucket_anchor(ckpt: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A context of 8192 tokens: "full" decodes at the 8192 bucket beside a 4097-token anchor
+    (prefilled once, in 512-token chunks), and leaves the engine as it was."""
+    kw = dict(KW, context_length=8192, max_total_tokens=9000, chunked_prefill_size=512,
+              max_running_requests=4)
+    cold, warm = LLM(ckpt, **kw), LLM(ckpt, **kw)  # type: ignore[arg-type]
+    steps = spy_steps(warm.engine, monkeypatch)
+    shapes = engine_plan(warm.engine, "full")
+    anchored = [s for s in shapes if s.anchor]
+    assert anchored == [D(1, 1, 8192, 4097)]
+    warm.engine.warmup("full", progress=False)
+    assert len(steps) == len(shapes) + -(-4097 // 512)
+    for shape in shapes:
+        assert any(matches(step, shape) for step in steps), shape
+    assert max(steps[-1].shape.starts) + 1 > 4096          # the anchor's decode step
+    assert_clean(warm.engine)
+    assert outputs(warm) == outputs(cold)
+
+
+def test_warmup_speculative_runs_verify_steps(ckpt: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(ckpt, speculative_num_steps=2, **KW)  # type: ignore[arg-type]
+    engine = llm.engine
+    steps = spy_steps(engine, monkeypatch)
+    shapes = engine_plan(engine, "fast")
+    assert [s.tokens for s in shapes if s.kind == "decode"] == [3, 3, 3]
+    engine.warmup("fast", progress=False)
+    for shape in shapes:
+        assert any(matches(step, shape) for step in steps), shape
+    # a decode shape takes two steps: its requests' first token, then the verify step
+    assert len(steps) == len(shapes) + sum(s.kind == "decode" for s in shapes)
+    assert_clean(engine)
+
+
+def assert_clean(engine: LLMEngine) -> None:
+    table = engine.runner.table
+    engine.check_integrity()
+    assert not engine.requests and not engine.has_unfinished()
+    assert table.full.num_free == table.full.num_usable
+    assert table.swa.num_free == table.swa.num_usable
+    assert table.num_free_slots == engine.config.max_running_requests
+    state = engine.snapshot()
+    assert state.full_cached == state.swa_cached == 0
+    assert (state.steps, state.prefill_tokens, state.decode_tokens, state.num_preemptions) == \
+        (0, 0, 0, 0)
+    assert (state.spec_draft_tokens, state.spec_accepted_tokens) == (0, 0)
+    assert not any(state.spec_accept_hist)
+    assert engine.scheduler.prompt_tokens == engine.scheduler.cached_prompt_tokens == 0
+
+
+def outputs(llm: LLM) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 23, 40, 9)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=11, ignore_eos=True)
+    # unseeded sampling: its seed comes from the engine's seed stream
+    drawn = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    params = [greedy, seeded, drawn, greedy]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(("mode", "extra"), [("fast", {}), ("full", {}),
+                                              ("fast", {"speculative_num_steps": 2}),
+                                              ("fast", {"overlap_schedule": True})],
+                         ids=["fast", "full", "fast-spec", "fast-overlap"])
+def test_engine_after_warmup_is_as_before(ckpt: Path, mode: str, extra: dict[str, object]) -> None:
+    cold = LLM(ckpt, **KW, **extra)  # type: ignore[arg-type]
+    warm = LLM(ckpt, warmup=mode, **KW, **extra)  # type: ignore[arg-type]
+    assert cold.engine.runner.config.warmup == "none"      # the CPU default
+    assert_clean(warm.engine)
+    assert outputs(warm) == outputs(cold)
+    assert_pools_free(warm.engine)
+
+
+def test_warmup_refused_with_requests(ckpt: Path) -> None:
+    llm = LLM(ckpt, **KW)  # type: ignore[arg-type]
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        llm.engine.warmup("fast", progress=False)
+    assert llm.engine.warmup("none") == 0.0
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+def test_cli_warmup_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from dsv4.cli.main import build_parser
+    from dsv4.cli.serve import build_config
+
+    parser = build_parser()
+    config = build_config(parser.parse_args(["serve", "--device", "cpu", "--warmup", "full"]))
+    assert config.engine_config.warmup == "full"
+    assert build_config(parser.parse_args(["serve", "--device", "cpu"])).warmup is None
+    assert parser.parse_args(["generate", "hi", "--warmup", "fast"]).warmup == "fast"
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["serve", "--warmup", "always"])
+    assert exit_.value.code == 2
+    assert "--warmup" in capsys.readouterr().err
