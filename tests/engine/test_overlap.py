@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_equivalence import assert_pools_free as assert_no_leak
 
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
@@ -91,13 +92,7 @@ def assert_pools_free(engine: LLMEngine) -> None:
     """Nothing in flight, nothing leaked: with the prefix cache flushed every page and slot is
     free again."""
     assert not engine.has_unfinished() and engine._inflight is None
-    table = engine.runner.table
-    engine.check_integrity()
-    engine.flush_cache()
-    engine.check_integrity()
-    assert table.full.num_free == table.full.num_usable
-    assert table.swa.num_free == table.swa.num_usable
-    assert table.num_free_slots == engine.config.max_running_requests
+    assert_no_leak(engine)
     assert all(r.num_inflight == 0 for r in engine.requests.values())
 
 
