@@ -1,4 +1,4 @@
-"""Engine warmup (`engine/warmup.py`, `LLMEngine.warmup`): the plan of each mode, one step per
+"""Engine warmup (`engine/warmup.py`, `warm_up`): the plan of each mode, one step per
 planned shape through the normal engine path, and an engine left exactly as before (no request,
 free pools, empty prefix cache, counters and seed stream untouched, same greedy and seeded
 outputs)."""
@@ -19,7 +19,7 @@ from dsv4.config.engine import EngineConfig, resolve_warmup
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.engine.step_output import StepOutput
-from dsv4.engine.warmup import FULL_MAX_CONTEXT, WarmupShape, warmup_plan
+from dsv4.engine.warmup import FULL_MAX_CONTEXT, WarmupShape, warm_up, warmup_plan
 
 KW: dict[str, object] = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=4096,
                              chunked_prefill_size=64, max_running_requests=12)
@@ -145,7 +145,7 @@ def test_warmup_runs_one_step_per_planned_shape(ckpt: Path, mode: str,
     steps = spy_steps(engine, monkeypatch)
     shapes = engine_plan(engine, mode)
     assert len(shapes) >= 5
-    engine.warmup(mode, progress=False)
+    warm_up(engine, mode, progress=False)
     assert len(steps) == len(shapes)
     for step, shape in zip(steps, shapes, strict=True):
         assert matches(step, shape), (step.shape, shape)
@@ -162,7 +162,7 @@ def test_full_warmup_with_a_context_bucket_anchor(ckpt: Path,
     shapes = engine_plan(warm.engine, "full")
     anchored = [s for s in shapes if s.anchor]
     assert anchored == [D(1, 1, 8192, 4097)]
-    warm.engine.warmup("full", progress=False)
+    warm_up(warm.engine, "full", progress=False)
     assert len(steps) == len(shapes) + -(-4097 // 512)
     for shape in shapes:
         assert any(matches(step, shape) for step in steps), shape
@@ -178,7 +178,7 @@ def test_warmup_speculative_runs_verify_steps(ckpt: Path,
     steps = spy_steps(engine, monkeypatch)
     shapes = engine_plan(engine, "fast")
     assert [s.tokens for s in shapes if s.kind == "decode"] == [3, 3, 3]
-    engine.warmup("fast", progress=False)
+    warm_up(engine, "fast", progress=False)
     for shape in shapes:
         assert any(matches(step, shape) for step in steps), shape
     # a decode shape takes two steps: its requests' first token, then the verify step
@@ -231,8 +231,8 @@ def test_warmup_refused_with_requests(ckpt: Path) -> None:
     llm = LLM(ckpt, **KW)  # type: ignore[arg-type]
     llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
-        llm.engine.warmup("fast", progress=False)
-    assert llm.engine.warmup("none") == 0.0
+        warm_up(llm.engine, "fast", progress=False)
+    assert warm_up(llm.engine, "none") == 0.0
 
 
 # ---- the CLI ------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def check_weight_format(weight_format: str) -> WeightFormat:
 
 
 WarmupMode = Literal["none", "fast", "full"]
-"""What `LLMEngine.warmup` runs before the engine serves (`engine/warmup.py::warmup_plan`)."""
+"""What `warm_up` (`engine/warmup.py`) runs before the engine serves (`warmup_plan`)."""
 WARMUP_MODES: tuple[WarmupMode, ...] = get_args(WarmupMode)
 
 

@@ -22,7 +22,6 @@ N + 1 token is dropped when N + 1 resolves.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import time
@@ -33,17 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from dsv4.cache.prefix_cache import create_prefix_cache
-from dsv4.config.engine import EngineConfig, check_warmup
+from dsv4.config.engine import EngineConfig
 from dsv4.engine.grammar import Grammars, new_matcher
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.scheduler import ScheduledStep, Scheduler
 from dsv4.engine.step_output import StepOutput, StepResult
-from dsv4.engine.warmup import WarmupShape, warmup_plan
 from dsv4.engine.weight_sync import read_checkpoint_dir, update_weights
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.logging import init_logger
@@ -53,9 +50,6 @@ logger = init_logger(__name__)
 FINISH_REASONS = ("stop", "length", "abort")
 COMPILE_WAIT_S = 0.05
 """With only compiling requests left, how long a step waits for a grammar before returning."""
-WARMUP_MAX_TRIES = 64
-"""Steps a warmup decode shape may take to come up (1, or 2 under speculative decoding, unless
-the scheduler splits the admission of its requests) before warmup gives up."""
 
 
 @dataclass(frozen=True)
@@ -216,11 +210,11 @@ class LLMEngine:
         self._admit_compiled(wait_s=0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
         if self.config.overlap_schedule:
             return self._step_overlap()
-        return self._step_sync()[1]
+        return self.step_sync()[1]
 
-    def _step_sync(self) -> tuple[ScheduledStep | None, list[Request]]:
-        """Schedule, run and resolve one step: (the step, None when nothing was scheduled; the
-        requests that got tokens)."""
+    def step_sync(self) -> tuple[ScheduledStep | None, list[Request]]:
+        """Schedule, run and resolve one step now, whatever `overlap_schedule` says: (the step,
+        None when nothing was scheduled; the requests that got tokens)."""
         step = self.scheduler.schedule()
         if step is None:
             if self.scheduler.has_work:
@@ -410,111 +404,6 @@ class LLMEngine:
     def resume_memory(self) -> None:
         """Undo `release_memory` (pools zeroed, graphs re-captured on first use)."""
         self.runner.resume_memory()
-
-    # ---- warmup -----------------------------------------------------------------------------
-    def warmup(self, mode: str | None = None, progress: bool = True) -> float:
-        """Run the steps of `warmup_plan` (`engine/warmup.py`) with dummy requests through the
-        normal path, so Triton kernels compile and decode graphs are captured before the first
-        request; returns the seconds it took (0 for "none"). `mode`: None takes the config's
-        (resolved: "fast" on CUDA with triton, else "none"). `progress`: a tqdm bar.
-
-        The engine is left as it was: no request, every page and slot free, the prefix cache
-        flushed, the step / token / speculation / preemption counters and the seed stream of
-        unseeded requests restored (seeded outputs are the same with or without warmup). Refused
-        while requests are queued or running."""
-        mode = check_warmup(mode if mode is not None else self.runner.config.warmup or "none")
-        if mode == "none":
-            return 0.0
-        if self.has_unfinished() or self.requests:
-            raise RuntimeError("warmup() with requests in the engine; allowed: an idle engine")
-        graphs = self.runner.graphs
-        table = self.runner.table
-        plan = warmup_plan(dataclasses.replace(self.runner.config, warmup=mode),
-                           self.context_length, table.max_pages * table.P, self.max_total_tokens,
-                           graphs.max_batch if graphs is not None else None)
-        sched = self.scheduler
-        counters = (self.steps, self.prefill_tokens, self.decode_tokens,
-                    list(self.spec_accept_hist), self.spec_draft_tokens,
-                    self.spec_accepted_tokens, sched.num_preemptions, sched.prompt_tokens,
-                    sched.cached_prompt_tokens, graphs.replays if graphs is not None else 0)
-        seeds = self._seeds.getstate()
-        rng = random.Random(0)       # dummy token ids; never the global RNG
-        start = time.perf_counter()
-        anchor: Request | None = None
-        with tqdm(total=len(plan), desc=f"warmup ({mode})", unit="shape",
-                  disable=not progress) as bar:
-            for i, shape in enumerate(plan):
-                if anchor is not None and shape.anchor != len(anchor.prompt_ids):
-                    self._end_warmup([anchor])
-                    anchor = None
-                if shape.anchor and anchor is None:
-                    anchor = self._warmup_anchor(shape, rng)
-                self._warmup_step(shape, i, anchor, rng)
-                bar.update(1)
-        if anchor is not None:
-            self._end_warmup([anchor])
-        (self.steps, self.prefill_tokens, self.decode_tokens, self.spec_accept_hist,
-         self.spec_draft_tokens, self.spec_accepted_tokens, sched.num_preemptions,
-         sched.prompt_tokens, sched.cached_prompt_tokens, replays) = counters
-        if graphs is not None:
-            graphs.replays = replays
-        self._seeds.setstate(seeds)
-        seconds = time.perf_counter() - start
-        logger.info("warmup (%s): %d shapes in %.1f s%s", mode, len(plan), seconds,
-                    f", {graphs.num_graphs()} decode graphs" if graphs is not None else "")
-        return seconds
-
-    def _warmup_request(self, rid: str, num_tokens: int, max_tokens: int,
-                        rng: random.Random) -> Request:
-        """A dummy request: random prompt ids, greedy, ignore_eos, an explicit seed (the seed
-        stream of unseeded requests is not drawn from)."""
-        ids = [rng.randrange(self.vocab_size) for _ in range(num_tokens)]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=0)
-        return self.add_request(ids, params, rid=f"warmup-{rid}")
-
-    def _warmup_anchor(self, shape: WarmupShape, rng: random.Random) -> Request:
-        """The long request of a context bucket, prefilled (it has its first token)."""
-        anchor = self._warmup_request("anchor", shape.anchor, shape.context - shape.anchor - 1,
-                                      rng)
-        while not anchor.output_ids:
-            self._warmup_sync()
-        return anchor
-
-    def _warmup_step(self, shape: WarmupShape, index: int, anchor: Request | None,
-                     rng: random.Random) -> None:
-        """Run `shape`: a prefill request to its end, or 1-token requests (with the anchor)
-        until a step of `shape.batch` requests feeding `shape.tokens` tokens each has run."""
-        if shape.kind == "prefill":
-            req = self._warmup_request(str(index), shape.tokens, 1, rng)
-            while not req.is_finished:
-                self._warmup_sync()
-            self._end_warmup([req])
-            return
-        n = shape.tokens
-        reqs = [self._warmup_request(f"{index}.{j}", 1, 2 + 2 * n, rng)
-                for j in range(shape.batch - (anchor is not None))]
-        for _ in range(WARMUP_MAX_TRIES):
-            step = self._warmup_sync()
-            if (len(step.requests) == shape.batch and all(x == n for x in step.shape.lens)
-                    and all(k == n for k in step.shape.num_logits)):
-                break
-        else:
-            raise RuntimeError(f"warmup: no step of shape {shape} in {WARMUP_MAX_TRIES} steps")
-        self._end_warmup(reqs)
-
-    def _warmup_sync(self) -> ScheduledStep:
-        """One synchronous step of warmup; raises if nothing could be scheduled."""
-        step, _ = self._step_sync()
-        if step is None:
-            raise RuntimeError("warmup: no step could be scheduled")
-        return step
-
-    def _end_warmup(self, reqs: list[Request]) -> None:
-        """Finish and forget warmup requests; the prefix cache drops what they left."""
-        for req in reqs:
-            self.finish(req.rid)
-            self.pop(req.rid)
-        self.flush_cache()
 
     def prefix_hit_rate(self) -> float:
         s = self.scheduler

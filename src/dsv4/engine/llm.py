@@ -29,6 +29,7 @@ from dsv4.engine.grammar import Grammars
 from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.stop import OutputText
+from dsv4.engine.warmup import warm_up
 from dsv4.model.loader import load_model
 from dsv4.utils.threads import use_cpu_threads
 
@@ -58,7 +59,7 @@ class LLM:
         grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id])
                     if self.tokenizer is not None else None)
         self.engine = LLMEngine(self.model, config, grammars)
-        self.engine.warmup()      # the config's mode; "none" (the default off CUDA) runs nothing
+        warm_up(self.engine)      # the config's mode; "none" (the default off CUDA) runs nothing
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

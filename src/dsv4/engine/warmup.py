@@ -1,4 +1,4 @@
-"""Warmup planning: the step shapes `LLMEngine.warmup` runs before the engine serves.
+"""Warmup planning: the step shapes `warm_up` runs before an engine serves.
 
 The first step of a new shape pays for Triton's compiles (each kernel specialisation, seconds
 when the on-disk cache is cold) and, for a decode step served by CUDA graphs, the capture of its
@@ -27,16 +27,31 @@ shapes of its bucket) decodes together with 1-token requests.
 
 from __future__ import annotations
 
+import dataclasses
+import random
+import time
 from dataclasses import dataclass
 from typing import Literal
 
+from tqdm import tqdm
+
 from dsv4.config.engine import EngineConfig, check_warmup
 from dsv4.engine.cuda_graph import batch_buckets, context_bucket
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.request import Request
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.scheduler import ScheduledStep
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
 
 SHORT_PREFILL_TOKENS = 16
 """The short prefill step of every plan (capped by `chunked_prefill_size`)."""
 FAST_MIN_BATCH = 8
 """"fast" decodes at the smallest batch bucket >= this (besides 1 and the largest)."""
+WARMUP_MAX_TRIES = 64
+"""Steps a warmup decode shape may take to come up (1, or 2 under speculative decoding, unless
+the scheduler splits the admission of its requests) before warmup gives up."""
 FULL_MAX_CONTEXT = 131072
 """"full" warms context buckets up to this many tokens at most."""
 
@@ -98,3 +113,107 @@ def _context_buckets(base: int, span: int, context_length: int, max_total_tokens
         out.append((prev, ctx))
         prev = ctx
     return out
+
+
+def warm_up(engine: LLMEngine, mode: str | None = None, progress: bool = True) -> float:
+    """Run the steps of `warmup_plan` with dummy requests through the engine's normal path, so
+    Triton kernels compile and decode graphs are captured before the first request; returns the
+    seconds it took (0 for "none"). `mode`: None takes the engine config's (resolved: "fast" on
+    CUDA with triton, else "none"). `progress`: a tqdm bar.
+
+    The engine is left as it was: no request, every page and slot free, the prefix cache
+    flushed, the step / token / speculation / preemption counters restored. The dummy requests
+    carry explicit seeds, so the seed stream of unseeded requests is not drawn from (seeded and
+    unseeded outputs are the same with or without warmup). Refused while the engine has
+    requests."""
+    mode = check_warmup(mode if mode is not None else engine.runner.config.warmup or "none")
+    if mode == "none":
+        return 0.0
+    if engine.has_unfinished() or engine.requests:
+        raise RuntimeError("warmup with requests in the engine; allowed: an idle engine")
+    graphs, table, sched = engine.runner.graphs, engine.runner.table, engine.scheduler
+    plan = warmup_plan(dataclasses.replace(engine.runner.config, warmup=mode),
+                       engine.context_length, table.max_pages * table.P, engine.max_total_tokens,
+                       graphs.max_batch if graphs is not None else None)
+    counters = (engine.steps, engine.prefill_tokens, engine.decode_tokens,
+                list(engine.spec_accept_hist), engine.spec_draft_tokens,
+                engine.spec_accepted_tokens, sched.num_preemptions, sched.prompt_tokens,
+                sched.cached_prompt_tokens, graphs.replays if graphs is not None else 0)
+    rng = random.Random(0)           # dummy token ids; never the global RNG
+    start = time.perf_counter()
+    anchor: Request | None = None
+    with tqdm(total=len(plan), desc=f"warmup ({mode})", unit="shape", disable=not progress) as bar:
+        for i, shape in enumerate(plan):
+            if anchor is not None and shape.anchor != len(anchor.prompt_ids):
+                _end(engine, [anchor])
+                anchor = None
+            if shape.anchor and anchor is None:
+                anchor = _anchor(engine, shape, rng)
+            _run_shape(engine, shape, i, anchor, rng)
+            bar.update(1)
+    if anchor is not None:
+        _end(engine, [anchor])
+    (engine.steps, engine.prefill_tokens, engine.decode_tokens, engine.spec_accept_hist,
+     engine.spec_draft_tokens, engine.spec_accepted_tokens, sched.num_preemptions,
+     sched.prompt_tokens, sched.cached_prompt_tokens, replays) = counters
+    if graphs is not None:
+        graphs.replays = replays
+    seconds = time.perf_counter() - start
+    logger.info("warmup (%s): %d shapes in %.1f s%s", mode, len(plan), seconds,
+                f", {graphs.num_graphs()} decode graphs" if graphs is not None else "")
+    return seconds
+
+
+def _request(engine: LLMEngine, rid: str, num_tokens: int, max_tokens: int,
+             rng: random.Random) -> Request:
+    """A dummy request: random prompt ids, greedy, ignore_eos, an explicit seed."""
+    ids = [rng.randrange(engine.vocab_size) for _ in range(num_tokens)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=0)
+    return engine.add_request(ids, params, rid=f"warmup-{rid}")
+
+
+def _anchor(engine: LLMEngine, shape: WarmupShape, rng: random.Random) -> Request:
+    """The long request of a context bucket, prefilled (it has its first token)."""
+    anchor = _request(engine, "anchor", shape.anchor, shape.context - shape.anchor - 1, rng)
+    while not anchor.output_ids:
+        _sync_step(engine)
+    return anchor
+
+
+def _run_shape(engine: LLMEngine, shape: WarmupShape, index: int, anchor: Request | None,
+               rng: random.Random) -> None:
+    """Run `shape`: a prefill request to its end, or 1-token requests (with the anchor) until a
+    step of `shape.batch` requests feeding `shape.tokens` tokens each has run."""
+    if shape.kind == "prefill":
+        req = _request(engine, str(index), shape.tokens, 1, rng)
+        while not req.is_finished:
+            _sync_step(engine)
+        _end(engine, [req])
+        return
+    n = shape.tokens
+    reqs = [_request(engine, f"{index}.{j}", 1, 2 + 2 * n, rng)
+            for j in range(shape.batch - (anchor is not None))]
+    for _ in range(WARMUP_MAX_TRIES):
+        step = _sync_step(engine)
+        if (len(step.requests) == shape.batch and all(x == n for x in step.shape.lens)
+                and all(k == n for k in step.shape.num_logits)):
+            break
+    else:
+        raise RuntimeError(f"warmup: no step of shape {shape} in {WARMUP_MAX_TRIES} steps")
+    _end(engine, reqs)
+
+
+def _sync_step(engine: LLMEngine) -> ScheduledStep:
+    """One synchronous step (also under overlap scheduling); raises if nothing was scheduled."""
+    step, _ = engine.step_sync()
+    if step is None:
+        raise RuntimeError("warmup: no step could be scheduled")
+    return step
+
+
+def _end(engine: LLMEngine, reqs: list[Request]) -> None:
+    """Finish and forget warmup requests; the prefix cache drops what they left."""
+    for req in reqs:
+        engine.finish(req.rid)
+        engine.pop(req.rid)
+    engine.flush_cache()

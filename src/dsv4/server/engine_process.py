@@ -47,6 +47,7 @@ from dsv4.config.server import ServerConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
 from dsv4.engine.request import Request
+from dsv4.engine.warmup import warm_up
 from dsv4.model.loader import load_model
 from dsv4.server.ipc import (
     ROUTING_KINDS,
@@ -114,7 +115,7 @@ def build_engine(config: ServerConfig) -> LLMEngine:
     grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id]) if tok_file.is_file()
                 else None)
     engine = LLMEngine(model, config.engine_config, grammars)
-    engine.warmup()      # before EngineReady: no request pays for compiles or graph captures
+    warm_up(engine)      # before EngineReady: no request pays for compiles or graph captures
     return engine
 
 
