@@ -1,8 +1,9 @@
 # RL on one H200 (issue 18): drift ablation (bf16, triton backend) and learning runs.
-#   PART=attn|ablation|bitests|bibench|drift|flash|graphs|rounding|learn (comma list),
+#   PART=attn|ablation|bitests|bibench|drift|events|flash|graphs|rounding|learn (comma list),
 #   MODES=default,true-on-policy (drift, flash),
 #   LEARN_ARGS='...' (one run) or LEARN_RUNS='name:args;name:args' (several, LEARN_LIMIT_S
-#   seconds each). Run from the repo root by the device tool.
+#   seconds each; LEARN_PARALLEL=1 runs them at once, sharing the GPU; EVAL_PER_LEVEL held-out
+#   problems per level, default 50). Run from the repo root by the device tool.
 set -x
 export PYTHONPATH=$PWD/src
 PART=${PART:-drift,learn}
@@ -45,8 +46,9 @@ fi
 learn() {  # name, limit, args...
   local name=$1 limit=$2; shift 2
   timeout $((limit + 90)) python -m dsv4 rl run --out $OUT/$name --device cuda --dtype bfloat16 \
-    --kernel-backend triton --eval-per-level 50 --time-limit-s $limit "$@" > $OUT/$name.log 2>&1
-  tail -1 $OUT/$name.log | cut -c 1-300
+    --kernel-backend triton --eval-per-level ${EVAL_PER_LEVEL:-50} --time-limit-s $limit "$@" \
+    > $OUT/$name.log 2>&1
+  echo "== $name"; tail -1 $OUT/$name.log | cut -c 1-300
   python - "$OUT/$name/metrics.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
@@ -54,8 +56,14 @@ for line in open(sys.argv[1]):
     if "heldout_by_level" in r:
         print(r["step"], round(r["heldout_accuracy"], 3), r["heldout_by_level"])
 PY
-  rm -f $OUT/$name/state.pt
+  cp $OUT/$name/metrics.jsonl $OUT/${name}_metrics.jsonl; cp $OUT/$name/rl.png $OUT/${name}_rl.png
+  rm -rf $OUT/$name
 }
+if [[ $PART == *events* ]]; then   # true on-policy steps with drift: engine or trainer side
+  timeout ${EVENTS_LIMIT_S:-300} python benchmarks/drift_events.py --device cuda \
+    --dtype bfloat16 --steps ${EVENTS_STEPS:-25} --out $OUT/drift_events.json \
+    > $OUT/drift_events.log 2>&1 &
+fi
 if [[ $PART == *flash* ]]; then   # step-0 drift of random flash-4l weights, forward only
   timeout ${FLASH_LIMIT_S:-400} python benchmarks/rl_drift.py --preset flash-4l --device cuda \
     --dtype bfloat16 --kernel-backend triton --prompts 8 --group-size 4 --prompt-len 256 \
@@ -77,10 +85,19 @@ if [[ $PART == *learn* ]]; then
   if [[ -n ${LEARN_RUNS:-} ]]; then
     IFS=';' read -ra runs <<< "$LEARN_RUNS"
     for run in "${runs[@]}"; do
-      learn "${run%%:*}" ${LEARN_LIMIT_S:-150} ${run#*:}
+      if [[ -n ${LEARN_PARALLEL:-} ]]; then
+        learn "${run%%:*}" ${LEARN_LIMIT_S:-150} ${run#*:} > $OUT/learn_${run%%:*}.txt &
+      else
+        learn "${run%%:*}" ${LEARN_LIMIT_S:-150} ${run#*:}
+      fi
     done
+    wait
+    cat $OUT/learn_*.txt 2>/dev/null
   else
     learn learn 330 --levels 3-6 --eval-every 20 \
       ${LEARN_ARGS:---algo grpo --group-size 8 --prompts-per-step 32 --steps 400 --lr 5e-5}
   fi
+fi
+if [[ $PART == *events* ]]; then
+  wait; grep -v "INFO\|shards" $OUT/drift_events.log | tail -12 | cut -c 1-600
 fi

@@ -90,8 +90,12 @@ def test_text_prompts_and_stop_strings(llm: LLM) -> None:
     assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
-def test_routing_capture_matches_model(ckpt: Path) -> None:
-    prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+@pytest.mark.parametrize("prompt_len", [37, 1], ids=["long", "before-first-entry"])
+def test_routing_capture_matches_model(ckpt: Path, prompt_len: int) -> None:
+    """The captured experts and indexer picks are the model's, also for a prompt whose first
+    decode steps come before any compressed entry exists (index rows all -1)."""
+    prompt = torch.randint(0, 512, (prompt_len,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
     plain = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024,
                 chunked_prefill_size=16)
     capture = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=1024,

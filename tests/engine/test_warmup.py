@@ -62,6 +62,18 @@ def test_plan_fast_small_batch_and_graphs_off() -> None:
     assert plan("fast", None, max_running=20) == [P(2048), P(16), D(1), D(8), D(20)]
 
 
+def test_plan_decodes_only_batches_the_scheduler_can_form() -> None:
+    """A step's token budget and the KV pools bound a decode batch: larger buckets are left out
+    (they would never come up; graphs of those buckets are captured on first use)."""
+    config = EngineConfig(warmup="fast", chunked_prefill_size=7, max_running_requests=64,
+                          page_size=16)
+    assert warmup_plan(config, 32768, 32768, 1 << 20, None) == [P(7), D(1), D(4)]
+    assert warmup_plan(config, 32768, 32768, 1 << 20, 64, pool_pages=2) == [P(7), D(1), D(2)]
+    spec = dataclasses.replace(config, speculative_num_steps=3, chunked_prefill_size=64)
+    assert warmup_plan(spec, 32768, 32768, 1 << 20, 64) == [P(64), P(16), D(1, 4), D(8, 4),
+                                                              D(16, 4)]
+
+
 def test_plan_fast_speculative_verifies() -> None:
     assert plan("fast", 64, spec=3) == [P(2048), P(16), D(1, 4), D(8, 4), D(64, 4)]
 
@@ -125,7 +137,8 @@ def engine_plan(engine: LLMEngine, mode: str) -> list[WarmupShape]:
     table = engine.runner.table
     config = dataclasses.replace(engine.runner.config, warmup=mode)  # type: ignore[arg-type]
     return warmup_plan(config, engine.context_length, table.max_pages * table.P,
-                       engine.max_total_tokens, None)
+                       engine.max_total_tokens, None,
+                       min(table.full.num_usable, table.swa.num_usable))
 
 
 def matches(step: ScheduledStep, shape: WarmupShape) -> bool:
@@ -149,6 +162,22 @@ def test_warmup_runs_one_step_per_planned_shape(ckpt: Path, mode: str,
     assert len(steps) == len(shapes)
     for step, shape in zip(steps, shapes, strict=True):
         assert matches(step, shape), (step.shape, shape)
+
+
+def test_warmup_with_a_small_budget_and_pools(ckpt: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 7-token step budget and a KV cache of 128 pages (fewer than the 256 request slots):
+    warmup runs every planned shape (none larger than the scheduler can form) and leaves the
+    engine clean."""
+    llm = LLM(ckpt, **dict(KW, chunked_prefill_size=7, max_total_tokens=2048,  # type: ignore
+                           max_running_requests=256))
+    steps = spy_steps(llm.engine, monkeypatch)
+    shapes = engine_plan(llm.engine, "fast")
+    assert max(s.batch for s in shapes) <= 7
+    warm_up(llm.engine, "fast", progress=False)
+    for shape in shapes:
+        assert any(matches(step, shape) for step in steps), shape
+    assert_clean(llm.engine)
 
 
 def test_full_warmup_with_a_context_bucket_anchor(ckpt: Path,

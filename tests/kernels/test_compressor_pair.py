@@ -32,6 +32,8 @@ from dsv4.kernels.ref.compressor import (  # noqa: E402
     CompressTarget,
     compress_cached_pair,
 )
+from dsv4.kernels.registry import create_kernels  # noqa: E402
+from dsv4.kernels.triton import compressor_pair  # noqa: E402
 from dsv4.kernels.triton.compressor import triton_compress_cached  # noqa: E402
 from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E402
 
@@ -146,6 +148,31 @@ def test_rejects_what_one_plan_cannot_address() -> None:
     for bad in (short_ring, short_out, one_wide):
         with pytest.raises(ValueError):
             triton_compress_pair(a, bad, index, EPS, cos, cos.clone())
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["auto-plan", "invariant-plans"])
+def test_invariant_plans_run_the_pair_as_singles_at_any_step_size(
+        invariant: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under token-count-invariant plans (`create_kernels(..., invariant_plans=True)`, RL) a
+    6-token step takes the path of a > 512-token step (two single launches), so an entry's
+    rounding never depends on the step's size; the automatic plan fuses the small step."""
+    h = PairHarness(*MICRO, 16, torch.float32)
+    index = h.step([(0, 6)])
+    T = index.write_slot.shape[0]
+    proj = [(torch.randn(T, 2 * dc, device=DEVICE), torch.randn(T, 2 * dc, device=DEVICE))
+            for dc in h.dcs]
+    launches: list[str] = []
+
+    class FusedSpy:
+        def __getitem__(self, grid: object) -> object:
+            return lambda *a, **k: launches.append("fused")
+    monkeypatch.setattr(compressor_pair, "_compress_pair_kernel", FusedSpy())
+    monkeypatch.setattr(compressor_pair, "launch_compress",
+                        lambda *a, **k: launches.append("single"))
+    ops = create_kernels("triton", invariant_plans=invariant)
+    cos = torch.rand(T, 4, device=DEVICE)
+    ops.compress_pair(*h.targets("pair", proj), index, EPS, cos, cos.clone())
+    assert launches == (["single", "single"] if invariant else ["fused"])
 
 
 # ---- GPU: V4-Flash geometry (attention Dc 512 + indexer Dc 128), long decode, graph capture ----

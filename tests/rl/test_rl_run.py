@@ -224,3 +224,13 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path: Path) -> None:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if k not in drop} for r in rows]
     assert records(tmp_path / "split") == records(tmp_path / "whole")
+
+
+def test_a_run_out_of_time_ends_with_an_evaluation(tmp_path: Path) -> None:
+    """The held-out accuracy is measured where the time limit stops a run (here after 1 of 3
+    steps, off the eval_every grid), so a time-limited run reports where it ended."""
+    config = RLConfig(model=str(default_model_path()), out_dir=str(tmp_path), group_size=2,
+                      prompts_per_step=2, steps=3, max_tokens=4, eval_every=10,
+                      eval_per_level=2, levels=(3,), time_limit_s=1e-6)
+    last = RLTrainer(config).run()
+    assert last["step"] == 1 and "heldout_by_level" in last

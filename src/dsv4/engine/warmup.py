@@ -71,12 +71,15 @@ class WarmupShape:
 
 
 def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_tokens: int,
-                graph_max_batch: int | None) -> list[WarmupShape]:
+                graph_max_batch: int | None, pool_pages: int | None = None) -> list[WarmupShape]:
     """The steps `config.warmup` runs (module docstring), in order: prefills, then decode steps
     by context bucket, then batch. `context_length`: the engine's; `span`: the request table's
     tokens per request (context buckets are capped there); `max_total_tokens`: the KV cache's
     size; `graph_max_batch`: the largest batch run as a CUDA graph (None: graphs off, decode
-    batches go up to `max_running_requests`)."""
+    batches go up to `max_running_requests`); `pool_pages`: the usable pages of the smallest KV
+    pool (None: not a limit). A decode batch the scheduler can never form is left out: more
+    requests than one step's token budget (`chunked_prefill_size` // tokens per request) or the
+    pools hold; a larger graph bucket is then captured on first use."""
     mode = check_warmup(config.warmup or "none")
     if mode == "none":
         return []
@@ -85,7 +88,11 @@ def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_
     if min(SHORT_PREFILL_TOKENS, longest) < longest:
         plan.append(WarmupShape("prefill", 1, SHORT_PREFILL_TOKENS))
     n = 1 + config.speculative_num_steps
-    buckets = batch_buckets(graph_max_batch or config.max_running_requests)
+    fits = config.chunked_prefill_size // n
+    if pool_pages is not None:     # each decode request holds its pages of (1 + 2 + 2n) tokens
+        fits = min(fits, pool_pages // -(-(3 + 2 * n) // config.page_size))
+    buckets = [b for b in batch_buckets(graph_max_batch or config.max_running_requests)
+               if b <= fits] or [1]
     some = sorted({1, buckets[-1], *[b for b in buckets if b >= FAST_MIN_BATCH][:1]})
     base = context_bucket(1, span)
     plan += [WarmupShape("decode", b, n, base) for b in (buckets if mode == "full" and
@@ -134,7 +141,8 @@ def warm_up(engine: LLMEngine, mode: str | None = None, progress: bool = True) -
     graphs, table, sched = engine.runner.graphs, engine.runner.table, engine.scheduler
     plan = warmup_plan(dataclasses.replace(engine.runner.config, warmup=mode),
                        engine.context_length, table.max_pages * table.P, engine.max_total_tokens,
-                       graphs.max_batch if graphs is not None else None)
+                       graphs.max_batch if graphs is not None else None,
+                       min(table.full.num_usable, table.swa.num_usable))
     counters = (engine.steps, engine.prefill_tokens, engine.decode_tokens,
                 list(engine.spec_accept_hist), engine.spec_draft_tokens,
                 engine.spec_accepted_tokens, sched.num_preemptions, sched.prompt_tokens,

@@ -95,11 +95,14 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
 
     `invariant_plans`: every op computes a token's row with a launch plan chosen from that row's
     shapes only, never from the token count: sparse attention without split-KV, mHC pre / head
-    with the T-invariant split-K plan, the compressor projections as fixed-tile GEMMs (the other
-    ops already are; `benchmarks/kernel_invariance.py`
-    checks each op on the GPU). A token then gets the same bits in a decode step of any batch size
-    and in one full-sequence call, so an RL trainer that takes its forward values from these ops
-    (`ForwardMode.values`) reproduces the engine's log-probs. Costs parallelism at small batches.
+    with the T-invariant split-K plan, the compressor projections as fixed-tile GEMMs, a CSA
+    layer's compressor pair as two single launches at every T (the default fuses them up to 512
+    tokens, and the fused entries differ from the singles' in rounding). The other ops already
+    are; `benchmarks/kernel_invariance.py` checks the token-wise ops on the GPU,
+    `benchmarks/drift_events.py` the whole forward. A token then gets the same bits in a decode
+    step of any batch size and in one full-sequence call, so an RL trainer that takes its forward
+    values from these ops (`ForwardMode.values`) reproduces the engine's log-probs. Costs
+    parallelism at small batches.
     """
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set "
@@ -127,14 +130,15 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.topk import TopKRunner
 
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
-    project = triton_project
+    project, pair = triton_project, triton_compress_pair
     if invariant_plans:
         project = triton_project_invariant
+        pair = functools.partial(triton_compress_pair, fuse=False)
         attention = functools.partial(triton_sparse_attention, num_splits=1)
         pre = functools.partial(triton_mhc_pre, invariant=True)
         head = functools.partial(triton_mhc_head, invariant=True)
     return KernelOps("triton", attention, triton_compress_cached,
-                     triton_compress_pair, triton_index_scores, TopKRunner(),
+                     pair, triton_index_scores, TopKRunner(),
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project)

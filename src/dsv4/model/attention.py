@@ -303,7 +303,10 @@ class Attention(nn.Module):
                     ids = pad_columns(ids, self.indexer.topk)
                 if ctx.captured is not None:
                     ctx.captured.setdefault("indexer", []).append(ids)
-                slots = torch.where(ids >= 0, plan.candidates.gather(1, ids.clamp(min=0)), -1)
+                cand = plan.candidates
+                if cand.shape[1] == 0:   # no entry yet (every query before the first block ends)
+                    cand = cand.new_full((cand.shape[0], 1), -1)
+                slots = torch.where(ids >= 0, cand.gather(1, ids.clamp(min=0)), -1)
             else:
                 self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
                 slots = plan.candidates

@@ -295,13 +295,15 @@ class RLTrainer:
         with tqdm(total=c.steps, initial=self.step, desc="rl", unit="step", disable=None) as bar:
             while self.step < stop_at:
                 record = self.train_step()
-                if self.step % c.eval_every == 0 or self.step == c.steps:
+                out_of_time = (c.time_limit_s is not None and
+                               time.perf_counter() - start + self.elapsed_s > c.time_limit_s)
+                # evaluated every eval_every steps, at the last step, and where the time runs out
+                if self.step % c.eval_every == 0 or self.step == c.steps or out_of_time:
                     record.update(self.evaluate())
                 last = self._log(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward_mean']:.2f}")
-                if (c.time_limit_s is not None
-                        and time.perf_counter() - start + self.elapsed_s > c.time_limit_s):
+                if out_of_time:
                     logger.info("time limit reached at step %d; saving for resume", self.step)
                     break
         self.elapsed_s += time.perf_counter() - start
