@@ -30,9 +30,9 @@ forward's values come from the engine's own kernels under token-count-invariant 
 (`ForwardMode.values`, `model/kernel_values.py`) and only the gradients from the formulation.
 With `true_on_policy` (the default there; on the `ref` ops only when asked) both sides also run
 their GEMMs and reductions batch-invariantly (`batch_invariant()`; on the `ref` ops also with
-fixed-width index rows): the trainer's log-probs equal the engine's bit for bit at step 0, and
-after every sync on CPU (tests/rl/test_true_on_policy.py); on CUDA with CUDA graphs on, exactly
-at step 0 and at most later steps (bf16 on an H200: benchmarks/results/rl_h200_202612.md).
+fixed-width index rows): the trainer's log-probs equal the engine's bit for bit at step 0 and
+after every sync, on CPU (tests/rl/test_true_on_policy.py) and on CUDA with CUDA graphs on (bf16
+on an H200, every step of a 232-step run: benchmarks/results/rl_h200_202612.md).
 Without it the linears stay cuBLAS, whose kernel depends on the row count.
 
 Run directory: `rl_config.json`, `state.pt` (policy, optimizer, step; atomic), `metrics.jsonl`,
