@@ -27,6 +27,7 @@ import torch
 
 from dsv4.cache.allocator import PageAllocator
 from dsv4.cache.layout import CacheLayout
+from dsv4.utils.device import to_device
 
 Evictor = Callable[[int, int], None]   # (full pages wanted, SWA pages wanted) -> frees what it can
 
@@ -154,7 +155,7 @@ class RequestTable:
         self.full_to_swa[self._dev(full_pages)] = self._dev(swa_pages)
 
     def _dev(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.page_table.device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=torch.int64), self.page_table.device)
 
     # ---- invariants --------------------------------------------------------------------------
     def check_integrity(self) -> None:

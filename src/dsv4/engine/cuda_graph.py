@@ -36,6 +36,7 @@ from dsv4.cache.req_table import RequestTable
 from dsv4.engine.metadata import StepBounds, StepShape, device_context
 from dsv4.kernels.registry import KernelOps
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.utils.device import copy_from_host, to_device
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -150,10 +151,10 @@ class DecodeGraphs:
         rows = [input_ids[r * n:(r + 1) * n] + [slot, start]
                 for r, (slot, start) in enumerate(zip(shape.slots, shape.starts, strict=True))]
         rows += [[0] * n + [self.table.pad_slot, 0]] * (B - b)
-        step.inputs.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        copy_from_host(step.inputs, torch.tensor(rows, dtype=torch.int64))
         if fill is not None:         # token i of the step is inputs[i // n, i % n]
-            at = torch.tensor([[i // n, i % n] for i in fill[0]],
-                              dtype=torch.int64).to(self.device, non_blocking=True)
+            at = to_device(torch.tensor([[i // n, i % n] for i in fill[0]], dtype=torch.int64),
+                           self.device)
             step.inputs[at[:, 0], at[:, 1]] = fill[1]
         self.replays += 1
         if step.graph is not None:

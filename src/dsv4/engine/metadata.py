@@ -22,6 +22,7 @@ from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.model import ModelConfig
 from dsv4.model.forward_context import CompressPlan, ForwardContext
+from dsv4.utils.device import to_device
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,9 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
                   device: torch.device) -> ForwardContext:
     """The ForwardContext of one step; `table.reserve` must already cover every new position."""
     host = torch.tensor([shape.slots, shape.starts, shape.lens], dtype=torch.int64)
-    slots, starts, lens = host.to(device, non_blocking=True).unbind(0)
+    slots, starts, lens = to_device(host, device).unbind(0)
     total = sum(shape.lens)
-    logits_index = torch.tensor(shape.logits_index(),
-                                dtype=torch.int64).to(device, non_blocking=True)
+    logits_index = to_device(torch.tensor(shape.logits_index(), dtype=torch.int64), device)
     max_end = max(s + n for s, n in zip(shape.starts, shape.lens, strict=True))
     return device_context(slots, starts, lens, logits_index,
                           StepBounds(total, max_end, max(shape.lens)), table, pools, model)

@@ -34,6 +34,7 @@ from dsv4.kernels.ref.batch_invariant import batch_invariant
 from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
+from dsv4.utils.device import to_device
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -150,8 +151,8 @@ class ModelRunner:
         requests = [r for r, _ in sample_rows]
         sampled = None
         if requests:
-            rows = torch.tensor([i for _, i in sample_rows],
-                                dtype=torch.int64).to(self.device, non_blocking=True)
+            rows = to_device(torch.tensor([i for _, i in sample_rows], dtype=torch.int64),
+                             self.device)
             # a token in flight counts: it is the output token before this step's
             sampled = self._sample(logits[rows], requests,
                                    [len(r.output_ids) + r.num_inflight for r in requests])
@@ -168,8 +169,7 @@ class ModelRunner:
         if not step.ahead:
             return None
         assert step.source is not None and len(step.source_rows) == len(step.ahead)
-        rows = torch.tensor(step.source_rows, dtype=torch.int64).to(self.device,
-                                                                      non_blocking=True)
+        rows = to_device(torch.tensor(step.source_rows, dtype=torch.int64), self.device)
         return [i for i, _ in step.ahead], step.source.index_select(0, rows)
 
     @staticmethod
@@ -208,9 +208,9 @@ class ModelRunner:
         """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without
         graphs; `fill` (`_ahead_tokens`) overwrites placeholder inputs on the device."""
         ctx = self._context(step)
-        ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids = to_device(torch.tensor(step.input_ids, dtype=torch.int64), self.device)
         if fill is not None:
-            at = torch.tensor(fill[0], dtype=torch.int64).to(self.device, non_blocking=True)
+            at = to_device(torch.tensor(fill[0], dtype=torch.int64), self.device)
             ids.index_copy_(0, at, fill[1])
         return self.model.forward_batch(ids, ctx), ctx.captured
 
@@ -218,14 +218,14 @@ class ModelRunner:
         """A step of a speculative engine (engine/spec_decode.py): the target's forward (with its
         streams), verification of every sampling request's drafts, then the MTP pass over the
         step's tokens and the draft chain of the requests that draft."""
-        ids = torch.tensor(step.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids = to_device(torch.tensor(step.input_ids, dtype=torch.int64), self.device)
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(step.shape) else None
         if graphs is not None:       # every request samples: the drafting graph follows
             ctx = None
             logits, captured, _ = graphs.run_streams(step.input_ids, step.shape,
                                                      self.config.capture_routing)
-            logits_index = torch.tensor(step.shape.logits_index(),
-                                        dtype=torch.int64).to(self.device, non_blocking=True)
+            logits_index = to_device(torch.tensor(step.shape.logits_index(), dtype=torch.int64),
+                                     self.device)
         else:
             ctx = self._context(step)
             logits, streams = self.model.forward_batch_streams(ids, ctx)
@@ -233,8 +233,7 @@ class ModelRunner:
         index = [i for i, k in enumerate(step.shape.num_logits) if k > 0]
         requests = [step.requests[i] for i in index]
         rows = [step.shape.num_logits[i] for i in index]
-        next_ids = torch.tensor(successors(step), dtype=torch.int64).to(self.device,
-                                                                         non_blocking=True)
+        next_ids = to_device(torch.tensor(successors(step), dtype=torch.int64), self.device)
         if not index:       # a prefill-only step: the MTP pass fills the block's cache
             assert ctx is not None
             draft(self.model, ctx, streams, next_ids, next_ids[:0], next_ids[:0], self.table,
@@ -248,13 +247,13 @@ class ModelRunner:
         first_rows = logits_index[at]
         next_ids[first_rows] = sampled.token_ids[at]
         drafting = [j for j, i in enumerate(index) if step.drafting[i]]
-        sel = torch.tensor(drafting, dtype=torch.int64).to(self.device, non_blocking=True)
+        sel = to_device(torch.tensor(drafting, dtype=torch.int64), self.device)
         if graphs is not None:
             nxt = graphs.draft_after(next_ids, first_rows, self.spec_steps)[sel]
         else:
             assert ctx is not None
-            slots = torch.tensor([r.slot for r in requests],
-                                 dtype=torch.int64).to(self.device, non_blocking=True)
+            slots = to_device(torch.tensor([r.slot for r in requests], dtype=torch.int64),
+                              self.device)
             nxt = draft(self.model, ctx, streams, next_ids, first_rows[sel], slots[sel],
                         self.table, self.pools, self.spec_steps if drafting else 0)
         return StepOutput(step, requests, rows, sampled, captured, self.device,
@@ -279,8 +278,8 @@ class ModelRunner:
         counts the emitted tokens in the penalty state. -> (emitted tokens per row (-1 after a
         segment's last), accepted drafts per segment)."""
         row_reqs = [r for r, k in zip(requests, rows, strict=True) for _ in range(k)]
-        slots = torch.tensor([r.slot for r in row_reqs],
-                             dtype=torch.int64).to(self.device, non_blocking=True)
+        slots = to_device(torch.tensor([r.slot for r in row_reqs], dtype=torch.int64),
+                          self.device)
         steps = [len(r.output_ids) + j for r, k in zip(requests, rows, strict=True)
                  for j in range(k)]
         batch = SamplingBatch.build([r.params for r in row_reqs], steps,
@@ -290,7 +289,7 @@ class ModelRunner:
         seen = self.seen[slots] if batch.do_penalties else None
         bits = (None if drafts is None else
                 draft_token_bitmask([r.grammar for r in requests], drafts, logits.shape[-1]))
-        allowed = bits.to(self.device, non_blocking=True) if bits is not None else None
+        allowed = to_device(bits, self.device) if bits is not None else None
         out = verify(logits, segs, batch, counts, seen, allowed)
         valid = out.tokens >= 0
         tok = out.tokens.clamp(min=0)
@@ -305,14 +304,13 @@ class ModelRunner:
         """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and
         count the tokens in the penalty state. Rows of one request sample from the request's state
         at the step's start."""
-        slots = torch.tensor([r.slot for r in reqs],
-                             dtype=torch.int64).to(self.device, non_blocking=True)
+        slots = to_device(torch.tensor([r.slot for r in reqs], dtype=torch.int64), self.device)
         batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs],
                                     self.device, vocab_size=logits.shape[-1])
         counts = self.token_counts[slots] if batch.do_penalties else None
         seen = self.seen[slots] if batch.do_penalties else None
         bits = token_bitmask([r.grammar for r in reqs], logits.shape[-1])
-        allowed = bits.to(self.device, non_blocking=True) if bits is not None else None
+        allowed = to_device(bits, self.device) if bits is not None else None
         out = sample(logits, batch, counts, seen, allowed)
         ones = torch.ones_like(out.token_ids, dtype=torch.int32)
         self.token_counts.index_put_((slots, out.token_ids), ones, accumulate=True)
@@ -327,8 +325,8 @@ class ModelRunner:
                 assert not req.num_inflight, "admitted with a token still on the device"
                 self.token_counts[req.slot] = 0
                 self.seen[req.slot] = False
-                self.seen[req.slot, torch.tensor(req.all_ids, device=self.device)] = True
+                self.seen[req.slot, to_device(torch.tensor(req.all_ids), self.device)] = True
                 if req.output_ids:
-                    out = torch.tensor(req.output_ids, device=self.device)
+                    out = to_device(torch.tensor(req.output_ids), self.device)
                     self.token_counts[req.slot].index_add_(0, out,
                                                            torch.ones_like(out, dtype=torch.int32))

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from dsv4.engine.grammar import apply_token_bitmask
 from dsv4.engine.sampling_params import MAX_SEED, SamplingParams
+from dsv4.utils.device import to_device
 
 _MASK31 = (1 << 31) - 1
 # NOTE: multipliers are odd (so multiplication mod 2**31 is a bijection) and < 2**32, so a
@@ -147,7 +148,7 @@ class SamplingBatch:
             [[off_k if p.top_k == -1 else p.top_k for p in params], list(seeds), list(steps)],
             dtype=torch.int64,
         )
-        floats, ints = _to_device(floats, device), _to_device(ints, device)
+        floats, ints = to_device(floats, device), to_device(ints, device)
         requested = [p.logprobs for p in params if p.logprobs is not None]
         triples = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
         return cls(
@@ -208,16 +209,8 @@ def _validate_rows(params: Sequence[SamplingParams], steps: Sequence[int],
 def _bias_tensors(triples: list[tuple[int, int, float]], device: torch.device | str
                   ) -> tuple[Tensor, Tensor, Tensor]:
     rows, toks, bias = zip(*triples, strict=True)
-    ints = _to_device(torch.tensor([rows, toks], dtype=torch.int64), device)
-    return ints[0], ints[1], _to_device(torch.tensor(bias, dtype=torch.float32), device)
-
-
-def _to_device(host: Tensor, device: torch.device | str) -> Tensor:
-    """Copy a freshly built CPU tensor to `device` without blocking the host on CUDA."""
-    target = torch.device(device)
-    if target.type == "cuda":
-        return host.pin_memory().to(target, non_blocking=True)
-    return host.to(target)
+    ints = to_device(torch.tensor([rows, toks], dtype=torch.int64), device)
+    return ints[0], ints[1], to_device(torch.tensor(bias, dtype=torch.float32), device)
 
 
 def _mix31_(x: Tensor) -> Tensor:

@@ -62,6 +62,7 @@ from dsv4.engine.sampler import (
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
+from dsv4.utils.device import to_device
 
 ACCEPT_SALT = 0x3C6EF372FE94F82B
 """Seed salt of the accept-test uniforms (independent of the race uniforms of the same step)."""
@@ -84,7 +85,7 @@ class Segments:
     def build(lens: list[int], row_tokens: Tensor) -> Segments:
         """`lens`: rows per segment (host); `row_tokens` [R]: the input token of every logit row."""
         device = row_tokens.device
-        k = torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True)
+        k = to_device(torch.tensor(lens, dtype=torch.int64), device)
         seg = torch.repeat_interleave(torch.arange(len(lens), device=device), k,
                                       output_size=row_tokens.shape[0])
         last = torch.cumsum(k, 0) - 1

@@ -20,6 +20,7 @@ from dsv4.engine.request import Request
 from dsv4.engine.sampler import SampleOutput, raw_logprobs
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.engine.spec_decode import Drafts
+from dsv4.utils.device import to_device
 
 
 @dataclass
@@ -69,8 +70,8 @@ class PromptRows:
     def compute(logits: torch.Tensor, rows: list[tuple[Request, int, int]],
                 device: torch.device) -> PromptRows:
         """Raw log-probs (the sampler's convention) of each row's next prompt token."""
-        idx = torch.tensor([[r, req.all_ids[p]] for req, r, p in rows],
-                           dtype=torch.int64).to(device, non_blocking=True)
+        idx = to_device(torch.tensor([[r, req.all_ids[p]] for req, r, p in rows],
+                                     dtype=torch.int64), device)
         k = max(req.params.prompt_logprobs or 0 for req, _, _ in rows)
         lp, top_lp, top_ids = raw_logprobs(logits[idx[:, 0]], idx[:, 1], k)
         return PromptRows([(req, p) for req, _, p in rows], lp, top_ids, top_lp)
