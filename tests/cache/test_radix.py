@@ -27,6 +27,7 @@ BASES = [[1] * 12, [1] * 8 + [2] * 8, [3, 4, 5] * 5]
 class Req:
     def __init__(self, slot: int, tokens: list[int], cached: int, lock: LockHandle) -> None:
         self.slot, self.tokens, self.cached, self.lock = slot, tokens, cached, lock
+        self.prompt_len = len(tokens)
 
 
 MAX_CONTEXT = 64
@@ -92,8 +93,10 @@ class RadixMachine(RuleBasedStateMachine):
     def _insert(self, req: Req, finished: bool) -> None:
         pages = req.cached // P
         if pages:
+            repeat = (req.prompt_len - 1) // P           # as the scheduler marks anchors
             node = self.cache.insert(req.tokens[:pages * P],
-                                     self.table.full_pages[req.slot][:pages], finished)
+                                     self.table.full_pages[req.slot][:pages], finished,
+                                     anchor=repeat if repeat <= pages else None)
             lock = self.cache.lock(node, pages * P)
             self.cache.unlock(req.lock)
             req.lock = lock
@@ -150,3 +153,32 @@ def test_match_is_swa_safe_and_page_aligned() -> None:
     assert cache.num_pages == 0 and table.full.num_free == table.full.num_usable
     with pytest.raises(AssertionError, match="not locked"):
         cache.unlock(handle)
+
+
+def test_the_point_a_repeated_prompt_matches_keeps_its_swa_longest() -> None:
+    """Two requests of 14-token prompts (3 whole pages before the last token) that grew to 20
+    tokens: the prompt's end is an inner node of the cached path. Under SWA pressure the inner
+    node before it goes first; the anchor at the prompt's repeat point is tombstoned only after
+    it (least recent prompt first), so a repeat of either prompt still matches 12 tokens."""
+    table = RequestTable(LAYOUT, max_reqs=2, max_context=64, device=torch.device("cpu"))
+    cache = RadixPrefixCache(table, horizon=6)            # a horizon of 2 pages (P = 4)
+    prompts = [list(range(1, 15)), list(range(21, 35))]
+    for prompt in prompts:
+        tokens = prompt + [99] * 6
+        slot = table.open()
+        assert table.reserve(slot, 0, 20)
+        pages = table.full_pages[slot][:5]
+        cache.insert(tokens[:12], pages[:3], finished=False, anchor=3)   # the prefill
+        cache.insert(tokens[:20], pages, finished=True, anchor=3)        # at its finish
+        table.free(slot)
+    cache.check_integrity()
+    assert [cache.match(p).length for p in prompts] == [12, 12]
+    cache.evict(0, 2)                # two inner non-anchor pages: the first page of each path
+    cache.check_integrity()
+    assert [cache.match(p).length for p in prompts] == [12, 12]
+    cache.evict(0, 4)                # then anchors and leaves, least recent first: the output
+    cache.check_integrity()          # leaves (the repeats' matches touched the anchors since)
+    assert cache.num_pages == 6 and [cache.match(p).length for p in prompts] == [12, 12]
+    cache.evict(0, 1)                # prompt 0's anchor, now its path's unlocked leaf: deleted
+    cache.check_integrity()
+    assert [cache.match(p).length for p in prompts] == [0, 12]

@@ -204,3 +204,22 @@ def test_copies_of_one_prompt_arriving_together_compute_it_once(ckpt: Path) -> N
     assert [o.cached_tokens for o in got] == [0] + [96] * 7
     assert off.engine.steps == 6 and on.engine.steps == 7   # one step of waiting, with the cache
     assert_pools_free(on.engine)
+
+
+def test_repeated_prompts_hit_when_their_pages_outgrow_the_swa_pool(ckpt: Path) -> None:
+    """Issue 20's workload at 1/16 scale: 32 distinct prompts of 16 pages less one token (in two
+    prefill chunks), then the same 32 again, default pool sizing: their cached pages (512) are
+    more than the SWA pool's (201), so eviction tombstones inner nodes. The point a repeat
+    matches (the prompt's last whole page before its last token) is an anchor and keeps its SWA
+    after the other inner nodes: every repeat reuses 15 of its 16 pages, with the same outputs.
+    (Before anchors, inner nodes went least recent prompt first, its match point included: 32%
+    of the prompt tokens were reused at full scale.)"""
+    llm = LLM(ckpt, dtype="float32", device="cpu", page_size=16, chunked_prefill_size=128)
+    prompts = [toks(16 * 16 - 1, seed=100 + i) for i in range(32)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert 32 * 16 > llm.engine.runner.table.swa.num_usable, "no SWA pressure: nothing to test"
+    again = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.cached_tokens for o in again] == [15 * 16] * 32
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    llm.engine.check_integrity()

@@ -50,10 +50,11 @@ class PrefixCache(Protocol):
     def unlock(self, handle: LockHandle) -> None:
         ...
 
-    def insert(self, tokens: Sequence[int], pages: list[int], finished: bool) -> TreeNode:
+    def insert(self, tokens: Sequence[int], pages: list[int], finished: bool,
+               anchor: int | None = None) -> TreeNode:
         """Offer a request's complete pages (`len(tokens) == len(pages) * page size`).
-
-        Returns the node that ends its cached path (to lock).
+        `anchor`: pages up to the point where a repeat of the request's prompt would match (its
+        SWA is kept longer). Returns the node that ends its cached path (to lock).
         """
         ...
 
@@ -97,7 +98,8 @@ class NoPrefixCache:
     def unlock(self, handle: LockHandle) -> None:
         assert handle.node is self.root, "a lock that NoPrefixCache did not hand out"
 
-    def insert(self, tokens: Sequence[int], pages: list[int], finished: bool) -> TreeNode:
+    def insert(self, tokens: Sequence[int], pages: list[int], finished: bool,
+               anchor: int | None = None) -> TreeNode:
         return self.root
 
     def flush(self) -> None:

@@ -20,8 +20,12 @@ exact nodes it SWA-locked (splits add the new upper node to it), so unlocking is
              the request's (duplicates). At finish, a tombstoned node whose duplicates still have
              SWA is revived by moving that SWA over (tombstone recovery).
     evict:   phase 1 frees unlocked LRU leaves (full + SWA); phase 2 tombstones unlocked live
-             inner nodes in LRU order (nearer the root first), then leaves (an unlocked leaf is
-             deleted instead; leaves never stay tombstones unless full-locked).
+             inner nodes in LRU order (nearer the root first), then anchors and leaves (an
+             unlocked leaf is deleted instead; leaves never stay tombstones unless full-locked).
+             An anchor is a node that ends where a match is likely: an insert's end, or the
+             point a repeat of the inserting request's prompt matches (`insert(anchor=...)`: its
+             last full page before the prompt's last token). A node ends at one only when it is
+             an anchor or a leaf, and inner non-anchor SWA serves no such match: it goes first.
 Counters of evictable / protected pages are kept incrementally; `check_integrity` rebuilds them.
 """
 
@@ -45,6 +49,9 @@ class TreeNode:
     last_used: int = 0
     start: int = 0                      # absolute position of the node's first token
     swa_holders: set[LockHandle] = field(default_factory=set)   # handles SWA-locking this node
+    # a likely match point ends here (an insert's end, or where a repeat of a request's prompt
+    # matches): its SWA is evicted after that of the other inner nodes
+    anchor: bool = False
 
     @property
     def swa_lock(self) -> int:
@@ -183,11 +190,13 @@ class RadixPrefixCache:
         handle.swa_nodes.append(node)
 
     # ---- insert -------------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], pages: list[int], finished: bool) -> TreeNode:
+    def insert(self, tokens: Sequence[int], pages: list[int], finished: bool,
+               anchor: int | None = None) -> TreeNode:
         """Add a request's cached prefix (`len(tokens) == len(pages) * P`); returns its last node.
 
         Pages adopted by the tree become shared; the request keeps (and later frees) its
-        duplicates.
+        duplicates. The last node, and with `anchor` (pages, 1..len(pages)) a node ending
+        there spanning about one horizon, are marked anchors (module docstring).
         """
         assert len(tokens) == len(pages) * self.P, "insert needs whole pages"
         node, i = self.root, 0
@@ -203,8 +212,21 @@ class RadixPrefixCache:
             node, i = child, i + k
         if i < len(pages):
             node = self._add_new(node, tokens, pages, i)
+        node.anchor = True
+        if anchor is not None and 0 < anchor < len(pages):
+            self._anchor_at(tokens, anchor)
         self._touch(node)
         return node
+
+    def _anchor_at(self, tokens: Sequence[int], pages: int) -> None:
+        """Mark the node ending `pages` pages into `tokens` (cached) an anchor, split so that it
+        spans about one horizon (its SWA is all a match there reads)."""
+        path = self._walk(tokens, pages)
+        assert sum(len(n.pages) for n in path) == pages, "anchor past the cached path"
+        last, tail = path[-1], -(-self.horizon // self.P)
+        if len(last.pages) > tail:
+            self._split(last, len(last.pages) - tail)
+        last.anchor = True
 
     def _add_new(self, node: TreeNode, tokens: Sequence[int], pages: list[int], i: int) -> TreeNode:
         for start, stop, live in self._segments(pages, i):
@@ -283,9 +305,9 @@ class RadixPrefixCache:
             live = [n for n in self._nodes() if not n.tombstone and n.swa_lock == 0]
             if not live:
                 break
-            # inner nodes before leaves (a cached path keeps the SWA of its tail — what a match
-            # needs — longest), then least recent first, then nearest the root first
-            victim = min(live, key=lambda n: (not n.children, n.last_used, n.start))
+            # inner nodes before anchors and leaves (a cached path keeps the SWA behind its
+            # likely match points longest), then least recent first, then nearest the root first
+            victim = min(live, key=lambda n: (n.anchor or not n.children, n.last_used, n.start))
             freed_swa += len(victim.pages)
             if not victim.children and victim.full_lock == 0:
                 self._delete(victim)

@@ -209,8 +209,11 @@ class Scheduler:
         if pages == 0:
             return
         finished = req.status is not ReqStatus.RUNNING
+        # where a repeat of this prompt would match: its last full page before the last token
+        repeat = (len(req.prompt_ids) - 1) // self.table.P
         node = self.cache.insert(req.all_ids[:pages * self.table.P],
-                                 self.table.full_pages[req.slot][:pages], finished)
+                                 self.table.full_pages[req.slot][:pages], finished,
+                                 anchor=repeat if repeat <= pages else None)
         lock = self.cache.lock(node, pages * self.table.P)
         if req.cache_lock is not None:
             self.cache.unlock(req.cache_lock)
