@@ -19,6 +19,10 @@
 #                 checkpoint", or "--dtype float32 --weight-format checkpoint --shared-weights")
 #   prefix-cache  TTFT with the prefix cache on vs off, multi-turn chat on flash-4l bf16 (triton):
 #                 prefix_cache.txt
+#   serving       issue 20 in one call: 32 copies of one 4K prompt at batch 32 with default settings, and
+#                 32 distinct 4K prompts run twice (prefix_repeat.py, flash-4l), the first 128K request in a fresh process against a warm one
+#                 (cold_start.py, empty Triton cache, warmup fast), overlap scheduling on vs off (dsv4-tiny):
+#                 serving_{prefix,cold,overlap}.txt / .json
 #   train         a profile of `dsv4 train run` steps (needs data carried at .data/tiny: `dsv4 train data`):
 #                 profile_train_step.txt
 #   train-tiny    one training stage of dsv4-tiny (`dsv4 train run` + export; data at .data/tiny): STEPS=N
@@ -116,6 +120,20 @@ prefix_cache() {   # the workload of prefix_cache_h200_202611.md's runs 3-4 (32 
   grep -v " INFO " "$OUT/prefix_cache.txt" | tail -4
 }
 
+serving() {
+  timeout 150 python3 benchmarks/prefix_repeat.py --preset flash-4l --device cuda \
+    --out "$OUT/serving_prefix.json" > "$OUT/serving_prefix.txt" 2>&1
+  timeout 200 python3 benchmarks/prefix_repeat.py --preset flash-4l --device cuda --distinct \
+    >> "$OUT/serving_prefix.txt" 2>&1
+  grep -v " INFO " "$OUT/serving_prefix.txt" | grep "^reuse"
+  timeout 240 python3 benchmarks/cold_start.py --device cuda --prompt-len 131072 --fresh-triton-cache \
+    --out "$OUT/serving_cold.json" > "$OUT/serving_cold.txt" 2>&1
+  grep -v " INFO " "$OUT/serving_cold.txt" | tail -3 | cut -c 1-300
+  timeout 150 python3 benchmarks/overlap_schedule.py --device cuda --batches 1,8,32,128 \
+    --out "$OUT/serving_overlap.json" > "$OUT/serving_overlap.txt" 2>&1
+  grep -v " INFO " "$OUT/serving_overlap.txt" | tail -6 | cut -c 1-200
+}
+
 train() {
   timeout 400 python3 benchmarks/profile_train_step.py --data .data/tiny --device cuda --batch-size 16 \
     > "$OUT/profile_train_step.txt" 2>&1
@@ -156,10 +174,11 @@ for part in "$@"; do
     engine) engine ;;
     decode-hf) decode_hf ;;
     prefix-cache) prefix_cache ;;
+    serving) serving ;;
     train) train ;;
     train-tiny) train_tiny ;;
     sass) sass ;;
-    *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache train" \
-         "train-tiny sass"; exit 2 ;;
+    *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving" \
+         "train train-tiny sass"; exit 2 ;;
   esac
 done
