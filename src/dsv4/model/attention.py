@@ -115,6 +115,9 @@ class Attention(nn.Module):
                               bias=False)
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        # wo_b's output reduced across tensor-parallel ranks (`distributed/tp.py` swaps in an
+        # all-reduce; one process: identity)
+        self.reduce: nn.Module = nn.Identity()
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if attn_type != "swa":
@@ -176,7 +179,7 @@ class Attention(nn.Module):
         groups = o.reshape(B, S, self.o_groups, -1)                     # [B, S, g, H*D/g]
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*D/g]
         z = torch.einsum("bsgd,grd->bsgr", groups, w)
-        return self.wo_b(z.flatten(2))
+        return self.reduce(self.wo_b(z.flatten(2)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext | None = None, layer_id: int = -1, *,

@@ -111,6 +111,9 @@ class MoE(nn.Module):
         self.gate = Gate(config, moe_type)
         self.experts = Experts(config)
         self.shared_experts = MLP(config.hidden_size, config.moe_inter_dim, config.swiglu_limit)
+        # the fp32 output's reduction across tensor-parallel ranks (`distributed/tp.py` swaps in
+        # an all-reduce; one process: identity)
+        self.reduce: nn.Module = nn.Identity()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
                 *, mode: ForwardMode | None = None) -> torch.Tensor:
@@ -124,4 +127,4 @@ class MoE(nn.Module):
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
         y = self.experts(u, indices, weights, ctx, mode=mode) + self.shared_experts(u).float()
-        return y.to(x.dtype).view_as(x)
+        return self.reduce(y).to(x.dtype).view_as(x)

@@ -1,0 +1,1 @@
+"""Several processes over torch.distributed (gloo on CPU, NCCL on GPUs): tensor parallelism."""

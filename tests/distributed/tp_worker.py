@@ -1,0 +1,58 @@
+"""One rank of the tensor-parallel equivalence test (`test_tp.py` launches it).
+
+    python tp_worker.py CKPT OUT RANK WORLD STORE
+
+Loads CKPT (fp32, CPU), shards it for RANK of WORLD (gloo, file store STORE; WORLD 1: no
+process group), then runs the full-sequence forward in both formulations and the engine
+(chunked prefill, a prefix-cache hit, a preemption) on fixed inputs; rank 0 saves the logits,
+tokens and log-probs to OUT."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dsv4.config.engine import EngineConfig
+from dsv4.distributed.tp import TPGroup, shard_model
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.model.forward_mode import INFERENCE, TRAINING
+from dsv4.model.loader import load_model
+
+
+def main() -> None:
+    ckpt, out, rank, world, store = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
+        sys.argv[5]
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world)
+    model = shard_model(load_model(ckpt, dtype="float32", device="cpu", progress=False),
+                        TPGroup(rank, world))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, model.config.vocab_size, (2, 40), generator=gen)
+    with torch.no_grad():
+        logits = {"inference": model(ids, INFERENCE), "training": model(ids, TRAINING)}
+    engine = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=160,
+                                           chunked_prefill_size=24, max_running_requests=4))
+    prompts = [torch.randint(2, model.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (37, 5, 50)]
+    prompts.append(prompts[0][:33] + [7, 8])         # shares two whole pages: a cache hit
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    done = [engine.pop(r.rid) for r in reqs]
+    result = {"logits": logits, "tokens": [d.output_ids for d in done],
+              "logprobs": [d.logprobs for d in done], "cached": [d.cached_tokens for d in done],
+              "preemptions": engine.scheduler.num_preemptions}
+    if rank == 0:
+        torch.save(result, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
