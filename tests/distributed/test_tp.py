@@ -1,9 +1,10 @@
-"""Tensor parallelism on CPU (gloo, 2 processes) against one process (issue 22).
+"""Tensor and expert parallelism on CPU (gloo, 2 processes) against one process (issue 22).
 
-Both runs load the same `micro` checkpoint in fp32; the 2-process run shards it
-(`distributed/tp.py`). The full-sequence logits (serving and training formulations) agree to
-1e-5, and the engine's greedy tokens are identical, with log-probs within 1e-5, across chunked
-prefill, a prefix-cache hit and preemptions (a KV cache too small for every request at once)."""
+Both runs load the same `micro` checkpoint in fp32; the 2-process runs shard it
+(`distributed/tp.py`: TP 2, and TP 2 with the routed experts split by id, EP 2). The
+full-sequence logits (serving and training formulations) agree to 1e-5, and the engine's greedy
+tokens are identical, with log-probs within 1e-5, across chunked prefill, a prefix-cache hit and
+preemptions (a KV cache too small for every request at once)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ from dsv4.model.loader import load_model
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-def run(ckpt: Path, out: Path, world: int, tmp: Path) -> dict:
+def run(ckpt: Path, out: Path, world: int, tmp: Path, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
-    store = tmp / f"store-{world}"
+    store = tmp / f"store-{world}-{'-'.join(extra)}"
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(ckpt), str(out), str(r),
-                               str(world), str(store)], env=env, stderr=subprocess.PIPE,
-                              text=True) for r in range(world)]
+                               str(world), str(store), *extra], env=env,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -38,11 +39,12 @@ def run(ckpt: Path, out: Path, world: int, tmp: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_tp2_equals_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [(), ("ep",)], ids=["tp2", "tp2-ep2"])
+def test_two_ranks_equal_one_process(tmp_path: Path, layout: tuple[str, ...]) -> None:
     ckpt = tmp_path / "micro"
     write_checkpoint(micro(), ckpt, seed=4, tokenizer=False)
     one = run(ckpt, tmp_path / "one.pt", 1, tmp_path)
-    two = run(ckpt, tmp_path / "two.pt", 2, tmp_path)
+    two = run(ckpt, tmp_path / "two.pt", 2, tmp_path, *layout)
     for name in ("inference", "training"):
         diff = (one["logits"][name] - two["logits"][name]).abs().max().item()
         assert diff <= 1e-5, f"{name} logits differ by {diff}"

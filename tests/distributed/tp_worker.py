@@ -1,11 +1,11 @@
 """One rank of the tensor-parallel equivalence test (`test_tp.py` launches it).
 
-    python tp_worker.py CKPT OUT RANK WORLD STORE
+    python tp_worker.py CKPT OUT RANK WORLD STORE [ep]
 
 Loads CKPT (fp32, CPU), shards it for RANK of WORLD (gloo, file store STORE; WORLD 1: no
-process group), then runs the full-sequence forward in both formulations and the engine
-(chunked prefill, a prefix-cache hit, a preemption) on fixed inputs; rank 0 saves the logits,
-tokens and log-probs to OUT."""
+process group; `ep`: experts split by id), then runs the full-sequence forward in both
+formulations and the engine (chunked prefill, a prefix-cache hit, a preemption) on fixed inputs;
+rank 0 saves the logits, tokens and log-probs to OUT."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world)
     model = shard_model(load_model(ckpt, dtype="float32", device="cpu", progress=False),
-                        TPGroup(rank, world))
+                        TPGroup(rank, world), expert_parallel=sys.argv[6:] == ["ep"])
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(2, model.config.vocab_size, (2, 40), generator=gen)
     with torch.no_grad():

@@ -8,8 +8,11 @@
   shared KV head (wkv, kv_norm), the compressors and the indexer are replicated: the KV and the
   indexer's top-k are computed whole on every rank (their memory is per rank, not split);
 - MoE: every routed expert's and the shared expert's intermediate dimension split (w1 / w3
-  rows, w2 columns); the gate stays whole (every rank routes every token alike) and the layer's
-  fp32 output (routed + shared) is all-reduced once;
+  rows, w2 columns); or, with `expert_parallel`, whole routed experts split by id (rank r keeps
+  experts [r E / size, (r + 1) E / size) and computes only the (token, expert) pairs routed to
+  them; the others get weight 0) and the shared expert's intermediate dimension split. The gate
+  stays whole (every rank routes every token alike) and the layer's fp32 output (routed +
+  shared) is all-reduced once;
 - embedding and LM head: vocab-parallel (each rank its `vocab / size` rows; the embedding
   all-reduces the one rank's row that owns each token, the head all-gathers the logits);
 - mHC, norms, MTP blocks' non-parallel parts: replicated.
@@ -32,7 +35,9 @@ from torch import nn
 
 from dsv4.model.attention import Attention
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
-from dsv4.model.moe import MoE
+from dsv4.model.forward_context import ForwardContext
+from dsv4.model.forward_mode import ForwardMode
+from dsv4.model.moe import Experts, MoE
 
 
 @dataclass(frozen=True)
@@ -92,20 +97,23 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=-1)
 
 
-def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup) -> DeepSeekV4ForCausalLM:
+def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
+                expert_parallel: bool = False) -> DeepSeekV4ForCausalLM:
     """Shard `model` in place for rank `tp.rank` of `tp.size` (module docstring); returns it.
-    Raises ValueError naming the dimension a size does not divide, before changing anything."""
+    `expert_parallel`: routed experts split by id instead of by intermediate dimension. Raises
+    ValueError naming the dimension a size does not divide, before changing anything."""
     c = model.config
     for name, dim in (("num_heads", c.num_heads), ("o_groups", c.o_groups),
-                      ("moe_inter_dim", c.moe_inter_dim), ("vocab_size", c.vocab_size)):
+                      ("moe_inter_dim", c.moe_inter_dim), ("vocab_size", c.vocab_size),
+                      *((("n_routed_experts", c.n_routed_experts),) if expert_parallel else ())):
         _split(dim, tp, name)
     if tp.size == 1:
         return model
-    for module in model.modules():
+    for module in list(model.modules()):
         if isinstance(module, Attention):
             _shard_attention(module, tp)
         elif isinstance(module, MoE):
-            _shard_moe(module, tp)
+            _shard_moe(module, tp, expert_parallel)
     model.embed = VocabParallelEmbedding(model.embed, tp)  # type: ignore[assignment]
     model.head = VocabParallelHead(model.head, tp)         # type: ignore[assignment]
     return model
@@ -137,14 +145,38 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
     attn.reduce = AllReduce(tp)
 
 
-def _shard_moe(moe: MoE, tp: TPGroup) -> None:
+class LocalExperts(Experts):
+    """Experts [start, start + count) of a routed-expert layer (expert parallelism; parameter
+    names unchanged): the (token, expert) pairs routed elsewhere get weight 0 on an in-range id,
+    so the same op computes this rank's share of the layer's output."""
+
+    def __init__(self, experts: Experts, start: int, count: int) -> None:
+        nn.Module.__init__(self)
+        self.limit, self.start, self.count = experts.limit, start, count
+        self.w1, self.w2, self.w3 = (_rows(getattr(experts, n), count, start // count)
+                                     for n in ("w1", "w2", "w3"))
+
+    def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                ctx: ForwardContext | None = None, *,
+                mode: ForwardMode | None = None) -> torch.Tensor:
+        local = indices - self.start
+        mine = (local >= 0) & (local < self.count)
+        return super().forward(u, torch.where(mine, local, 0),
+                               torch.where(mine, weights, 0.0), ctx, mode=mode)
+
+
+def _shard_moe(moe: MoE, tp: TPGroup, expert_parallel: bool) -> None:
     experts, shared, r = moe.experts, moe.shared_experts, tp.rank
     if not all(isinstance(getattr(experts, n, None), nn.Parameter) for n in ("w1", "w2", "w3")):
         raise ValueError("tensor parallelism of checkpoint-format (FP4 / FP8) experts is not "
                          "supported; allowed: weight_format='bf16'")
-    inter = _split(experts.w1.shape[1], tp, "moe_inter_dim")
-    experts.w1, experts.w3 = _rows(experts.w1, inter, r, 1), _rows(experts.w3, inter, r, 1)
-    experts.w2 = _rows(experts.w2, inter, r, 2)
+    if expert_parallel:
+        count = _split(experts.w1.shape[0], tp, "n_routed_experts")
+        moe.experts = LocalExperts(experts, r * count, count)
+    else:
+        inter = _split(experts.w1.shape[1], tp, "moe_inter_dim")
+        experts.w1, experts.w3 = _rows(experts.w1, inter, r, 1), _rows(experts.w3, inter, r, 1)
+        experts.w2 = _rows(experts.w2, inter, r, 2)
     part = _split(shared.w1.weight.shape[0], tp, "shared expert inter dim")
     shared.w1.weight, shared.w3.weight = (_rows(shared.w1.weight, part, r),
                                           _rows(shared.w3.weight, part, r))
