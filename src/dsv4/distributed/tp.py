@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -55,14 +55,14 @@ class TPGroup:
 
 
 class AllReduce(nn.Module):
-    """Sum over the group (autograd-aware: the gradient is all-reduced back)."""
+    """Sum over the group (a functional collective: out of place, usable in graph capture)."""
 
     def __init__(self, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dist_fn.all_reduce(x, group=self.tp.group or dist.group.WORLD)
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", _group(self.tp)))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -92,9 +92,13 @@ class VocabParallelHead(nn.Module):
                                    .clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = dist_fn.all_gather(F.linear(x, self.weight), group=self.tp.group or
-                                   dist.group.WORLD)
-        return torch.cat(parts, dim=-1)
+        local = F.linear(x, self.weight).movedim(-1, 0).contiguous()      # [V/size, ...]
+        full = funcol.wait_tensor(funcol.all_gather_single(local, 0, _group(self.tp)))
+        return full.movedim(0, -1)
+
+
+def _group(tp: TPGroup) -> dist.ProcessGroup:
+    return tp.group if tp.group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
 def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,

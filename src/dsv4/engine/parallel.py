@@ -1,0 +1,207 @@
+"""Tensor / expert-parallel engines: one engine per rank, rank 0 drives (issue 22).
+
+Every rank runs an `LLMEngine` over its shard of the model (`distributed/tp.py`). Rank 0's is
+the one the caller uses, through `ParallelEngine` (the surface `LLM` uses). Every call that
+changes engine state (`add_request` with its request id and resolved seed, `finish`, `pop`,
+`step`) is recorded and, at the next step, broadcast to the other ranks over a gloo group as one
+list; they apply it in the same order and run the same step. As in SGLang, where every TP rank
+runs a scheduler over the requests rank 0 broadcasts: scheduling is deterministic given the call
+sequence, every rank computes the same logits (the head all-gathers them) and samples with the
+same per-request seeds, so all ranks take the same steps, their collectives match, and only rank
+0's outputs are read.
+
+Not yet: structured output (its grammars compile in the background, on a clock, so ranks could
+admit a request at different steps) is refused; overlap scheduling and speculative decoding run
+as on one rank (not tested across ranks). A rank that dies is detected before the next step
+(`RuntimeError` naming it) instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import socket
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsv4.config.engine import EngineConfig
+from dsv4.distributed.tp import TPGroup, shard_model
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.request import Request
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.warmup import warm_up
+from dsv4.model.loader import load_model
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
+
+Command = tuple[Any, ...]
+TIMEOUT = timedelta(minutes=10)
+"""Collectives that wait longer than this raise (a peer that stopped without dying)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build its engine: the checkpoint, how to load and shard it, the
+    engine config, and the rendezvous."""
+
+    model: str
+    dtype: str
+    device: str
+    weight_format: str
+    config: EngineConfig
+    world: int
+    expert_parallel: bool
+    init_method: str
+
+    def device_of(self, rank: int) -> str:
+        return f"cuda:{rank}" if self.device.startswith("cuda") else self.device
+
+
+def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]:
+    """Join the process group, load and shard the model, warm up; returns (engine, the gloo
+    control group)."""
+    device = spec.device_of(rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                            init_method=spec.init_method, rank=rank, world_size=spec.world,
+                            timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    model = load_model(spec.model, dtype=spec.dtype, device=device, progress=rank == 0,
+                       weight_format=spec.weight_format)  # type: ignore[arg-type]
+    shard_model(model, TPGroup(rank, spec.world), spec.expert_parallel)
+    engine = LLMEngine(model, spec.config)
+    warm_up(engine, progress=rank == 0)     # every rank the same steps: matched collectives
+    return engine, control
+
+
+def serve_rank(spec: RankSpec, rank: int) -> None:
+    """A worker rank (1..world-1): apply rank 0's broadcast commands until told to stop."""
+    if spec.device == "cpu":
+        torch.set_num_threads(1)
+    engine, control = build_rank(spec, rank)
+    try:
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            if not apply(engine, box[0]):
+                return
+    finally:
+        dist.destroy_process_group()
+
+
+def apply(engine: LLMEngine, commands: list[Command]) -> bool:
+    """Apply rank 0's commands to this rank's engine in order; False on "stop"."""
+    for cmd in commands:
+        kind = cmd[0]
+        if kind == "add":
+            _, ids, params, rid, seed = cmd
+            engine.add_request(ids, dataclasses.replace(params, seed=seed), rid=rid)
+        elif kind == "finish":
+            engine.finish(cmd[1], cmd[2])
+        elif kind == "pop":
+            engine.pop(cmd[1])
+        elif kind == "step":
+            engine.step()
+        elif kind == "stop":
+            return False
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+    return True
+
+
+class ParallelEngine:
+    """Rank 0's engine with the other ranks in lockstep (module docstring). Reads go to rank 0's
+    engine; every state change is mirrored. `close()` stops the workers."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        ctx = mp.get_context("spawn")
+        self.workers: list[BaseProcess] = [ctx.Process(target=serve_rank, args=(spec, r),
+                                                       daemon=True, name=f"dsv4-rank-{r}")
+                                           for r in range(1, spec.world)]
+        for w in self.workers:
+            w.start()
+        self.engine, self.control = build_rank(spec, 0)
+        self._pending: list[Command] = []
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:     # read-only surface: config, requests, ...
+        return getattr(self.engine, name)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if params.structured is not None:
+            raise ValueError("structured output (response_format / guided decoding) with "
+                             "tensor_parallel_size > 1 is not supported yet; allowed: None")
+        self.engine.validate(prompt_ids, params)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    rid: str | None = None) -> Request:
+        self.validate(prompt_ids, params)
+        req = self.engine.add_request(prompt_ids, params, rid)
+        self._pending.append(("add", list(prompt_ids), params, req.rid, req.seed))
+        return req
+
+    def finish(self, rid: str, reason: str = "abort") -> None:
+        self.engine.finish(rid, reason)
+        self._pending.append(("finish", rid, reason))
+
+    def pop(self, rid: str) -> Request:
+        req = self.engine.pop(rid)
+        self._pending.append(("pop", rid))
+        return req
+
+    def step(self) -> list[Request]:
+        self._send([*self._pending, ("step",)])
+        self._pending = []
+        return self.engine.step()
+
+    def close(self) -> None:
+        """Stop the worker ranks and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(w.is_alive() for w in self.workers):
+                self._send([*self._pending, ("stop",)])
+            for w in self.workers:
+                w.join(timeout=60)
+        finally:
+            for w in self.workers:
+                if w.is_alive():
+                    w.kill()
+            dist.destroy_process_group()
+
+    def _send(self, commands: list[Command]) -> None:
+        dead = [(w.name, w.exitcode) for w in self.workers if not w.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank(s) died: {dead} (name, exit code); the "
+                               "engine cannot continue")
+        dist.broadcast_object_list([commands], src=0, group=self.control)
+
+
+def free_init_method() -> str:
+    """A TCP rendezvous on a free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def check_layout(world: int, expert_parallel_size: int, device: str) -> None:
+    """Validate the parallel layout at the edge (errors name the field and what is allowed)."""
+    if world < 1:
+        raise ValueError(f"tensor_parallel_size={world} is invalid; allowed: >= 1")
+    if expert_parallel_size not in (1, world):
+        raise ValueError(f"expert_parallel_size={expert_parallel_size} is invalid; allowed: 1 "
+                         f"or tensor_parallel_size ({world}): experts split over the TP ranks")
+    if device.startswith("cuda") and world > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={world} is more than the "
+                         f"{torch.cuda.device_count()} visible GPUs; allowed: at most that")
+    if os.environ.get("RANK") is not None and world > 1:
+        raise ValueError("tensor_parallel_size > 1 launches its own ranks; do not start it "
+                         "under torchrun")

@@ -1,0 +1,83 @@
+"""`LLM(..., tensor_parallel_size=2)`: rank 0 in this process, rank 1 spawned (gloo on CPU),
+rank 0's engine calls mirrored to rank 1 each step (`engine/parallel.py`; issue 22).
+
+Greedy and seeded-sampling outputs equal one process's, with TP 2 and with TP 2 + EP 2, across
+chunked prefill, preemption (a small KV cache) and a second round served from the prefix cache;
+a dead rank is an error at the next step, not a hang; bad layouts are refused at the edge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.engine.sampling_params import StructuredOutput
+
+KW: dict[str, object] = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=160,
+                             chunked_prefill_size=24, max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tp") / "micro"
+    write_checkpoint(micro(), path, seed=4, tokenizer=False)
+    return path
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (37, 5, 50, 21)]
+    params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 1.0, seed=i,
+                             ignore_eos=True, logprobs=0) for i in range(len(prompts))]
+    return prompts, params
+
+
+def run(llm: LLM) -> list[tuple[list[int], list[float], int]]:
+    prompts, params = workload()
+    outs = []
+    for _ in range(2):                                  # the second round hits the prefix cache
+        outs += llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [(o.token_ids, o.logprobs, o.cached_tokens) for o in outs]
+
+
+@pytest.mark.slow
+def test_tensor_and_expert_parallel_llm_equals_one_process(ckpt: Path) -> None:
+    want = run(LLM(ckpt, **KW))  # type: ignore[arg-type]
+    assert any(c for _, _, c in want[4:]), "the second round never hit the prefix cache"
+    for ep in (1, 2):
+        with LLM(ckpt, tensor_parallel_size=2, expert_parallel_size=ep,
+                 **KW) as llm:  # type: ignore[arg-type]
+            got = run(llm)
+            assert llm.engine.scheduler.num_preemptions > 0
+            ids = [1, 2, 3]
+            params = SamplingParams(max_tokens=2, structured=StructuredOutput("json_object"))
+            with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+                llm.engine.validate(ids, params)
+        assert [g[0] for g in got] == [w[0] for w in want], f"ep={ep}: tokens differ"
+        assert [g[2] for g in got] == [w[2] for w in want]
+        for (_, a, _), (_, b, _) in zip(got, want, strict=True):
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_an_error_not_a_hang(ckpt: Path) -> None:
+    with LLM(ckpt, tensor_parallel_size=2, **KW) as llm:  # type: ignore[arg-type]
+        worker = llm.engine.workers[0]
+        worker.kill()
+        worker.join()
+        with pytest.raises(RuntimeError, match=r"rank\(s\) died: \[\('dsv4-rank-1'"):
+            llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(
+                max_tokens=2), use_tqdm=False)
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
+    (dict(tensor_parallel_size=2, expert_parallel_size=3), "expert_parallel_size=3"),
+])
+def test_bad_layouts_are_refused(ckpt: Path, kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LLM(ckpt, **KW, **kw)  # type: ignore[arg-type]
