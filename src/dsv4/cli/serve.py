@@ -87,6 +87,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_warmup_arg(g)
     g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                    help="engine sampling seed")
+    g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=None,
+                   help="tensor-parallel ranks, one process each (default 1; GPU rank r: cuda:r)")
+    g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=None,
+                   help="1, or --tp-size: split the routed experts by id across the ranks")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the engine process (default on cpu: one per core, "
                         "minus one for the API process; on cuda: torch's default)")
@@ -120,7 +124,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
-        "speculative_num_steps", "overlap_schedule", "warmup")}
+        "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),

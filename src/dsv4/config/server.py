@@ -33,6 +33,8 @@ class ServerConfig(EngineConfig):
     (`return_routed_experts`, `return_indexer_topk`); the engine then captures routing and runs
     without the prefix cache (`engine_config` sets `capture_routing` and `disable_prefix_cache`),
     because prefix tokens served from the cache are never fed, so have no captured routing.
+    `tp_size`: tensor-parallel ranks (the engine process is rank 0 and spawns the others;
+    `engine/parallel.py`); `ep_size`: 1, or `tp_size` to split the routed experts by id.
     """
 
     model: str = ""
@@ -49,6 +51,8 @@ class ServerConfig(EngineConfig):
     torch_threads: int | None = None
     weight_format: WeightFormat = "bf16"
     enable_return_routing: bool = False
+    tp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +82,11 @@ class ServerConfig(EngineConfig):
                                                or self.torch_threads < 1):
             raise ValueError(f"torch_threads={self.torch_threads!r} is invalid; "
                              "allowed: None or an integer >= 1")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size!r} is invalid; allowed: an integer >= 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"ep_size={self.ep_size!r} is invalid; allowed: 1 or tp_size "
+                             f"({self.tp_size})")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is invalid; "
                              "allowed: >= 0 seconds")

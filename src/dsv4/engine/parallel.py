@@ -41,6 +41,15 @@ from dsv4.utils.logging import init_logger
 logger = init_logger(__name__)
 
 Command = tuple[Any, ...]
+READS = frozenset({
+    "config", "runner", "scheduler", "cache", "requests", "context_length", "max_total_tokens",
+    "vocab_size", "eos_token_id", "has_unfinished", "num_running", "num_waiting", "snapshot",
+    "check_integrity", "steps", "prefill_tokens", "decode_tokens", "spec_accept_hist",
+    "spec_draft_tokens", "spec_accepted_tokens", "grammars", "weight_version"})
+"""`LLMEngine` attributes read through `ParallelEngine` (rank 0's values)."""
+MIRRORED = frozenset({"add_request", "finish", "pop", "step", "flush_cache", "validate", "close"})
+DEATH_GRACE_S = 2.0
+"""After a failed broadcast, how long the ranks get to be reaped (so the error names them)."""
 TIMEOUT = timedelta(minutes=10)
 """Collectives that wait longer than this raise (a peer that stopped without dying)."""
 
@@ -109,6 +118,8 @@ def apply(engine: LLMEngine, commands: list[Command]) -> bool:
             engine.pop(cmd[1])
         elif kind == "step":
             engine.step()
+        elif kind == "flush":
+            engine.flush_cache()
         elif kind == "stop":
             return False
         else:
@@ -131,8 +142,22 @@ class ParallelEngine:
         self._pending: list[Command] = []
         self._closed = False
 
-    def __getattr__(self, name: str) -> Any:     # read-only surface: config, requests, ...
-        return getattr(self.engine, name)
+    def __getattr__(self, name: str) -> Any:
+        """Rank 0's engine for reads; a state change that is not mirrored is refused."""
+        if name in READS:
+            return getattr(self.engine, name)
+        raise AttributeError(f"LLMEngine.{name} with tensor_parallel_size > 1 is not supported "
+                             f"yet; allowed: {sorted(READS | MIRRORED)}")
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+        self._pending.append(("flush",))
+
+    def update_weights(self, *args: Any, **kwargs: Any) -> int:
+        raise ValueError("weight updates with tensor_parallel_size > 1 are not supported yet")
+
+    def load_weights_from_dir(self, *args: Any, **kwargs: Any) -> int:
+        raise ValueError("weight updates with tensor_parallel_size > 1 are not supported yet")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if params.structured is not None:
@@ -178,11 +203,20 @@ class ParallelEngine:
             dist.destroy_process_group()
 
     def _send(self, commands: list[Command]) -> None:
+        self._raise_if_dead()
+        try:
+            dist.broadcast_object_list([commands], src=0, group=self.control)
+        except RuntimeError as e:       # a rank that died during the call: name it
+            for w in self.workers:
+                w.join(timeout=DEATH_GRACE_S)
+            self._raise_if_dead(e)
+            raise
+
+    def _raise_if_dead(self, cause: BaseException | None = None) -> None:
         dead = [(w.name, w.exitcode) for w in self.workers if not w.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel rank(s) died: {dead} (name, exit code); the "
-                               "engine cannot continue")
-        dist.broadcast_object_list([commands], src=0, group=self.control)
+                               "engine cannot continue") from cause
 
 
 def free_init_method() -> str:

@@ -46,6 +46,7 @@ import zmq
 from dsv4.config.server import ServerConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
+from dsv4.engine.parallel import ParallelEngine, RankSpec, check_layout, free_init_method
 from dsv4.engine.request import Request
 from dsv4.engine.warmup import warm_up
 from dsv4.model.loader import load_model
@@ -91,24 +92,33 @@ def run_engine_process(config: ServerConfig, paths: IpcPaths) -> None:
     inbox.connect(paths.requests)
     outbox.connect(paths.outputs)
     code = 0
+    engine = None
     try:
-        EngineLoop(build_engine(config), inbox, outbox).run()
+        engine = build_engine(config)
+        EngineLoop(engine, inbox, outbox).run()
     except Exception as e:
         logger.exception("engine process failed")
         outbox.send(encode(EngineFailed(f"{type(e).__name__}: {e}")), flags=zmq.NOBLOCK)
         code = 1
     finally:
+        if isinstance(engine, ParallelEngine):
+            engine.close()
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()
     sys.exit(code)
 
 
-def build_engine(config: ServerConfig) -> LLMEngine:
+def build_engine(config: ServerConfig) -> LLMEngine | ParallelEngine:
     """The engine of `config`, warmed up (`EngineConfig.warmup`) before the caller reports
-    ready."""
+    ready; with `tp_size` > 1 rank 0's, the other ranks spawned (`engine/parallel.py`)."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
+    if config.tp_size > 1:
+        check_layout(config.tp_size, config.ep_size, config.device)
+        return ParallelEngine(RankSpec(config.model, config.dtype, config.device,
+                                       config.weight_format, config.engine_config,
+                                       config.tp_size, config.ep_size > 1, free_init_method()))
     model = load_model(config.model, dtype=config.dtype, device=config.device,
                        weight_format=config.weight_format)
     tok_file, mc = Path(config.model) / "tokenizer.json", model.config
@@ -120,7 +130,8 @@ def build_engine(config: ServerConfig) -> LLMEngine:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    def __init__(self, engine: LLMEngine | ParallelEngine, inbox: zmq.Socket,
+                 outbox: zmq.Socket) -> None:
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
         self._sent: dict[str, int] = {}      # request id -> output tokens sent to the API process
         # request id -> (routing kinds it asked for, positions whose rows were sent)

@@ -1,0 +1,60 @@
+"""`dsv4 serve --tp-size 2` on CPU (gloo): the engine process is rank 0 and spawns rank 1
+(`engine/parallel.py`). Completions equal a one-process server's (greedy tokens and log-probs),
+structured output is refused with a clear error, and a killed rank takes the server down
+(non-zero exit, no hang). Each test starts its own servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import ServerProcess
+
+BODY = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0}
+
+
+def complete(srv: ServerProcess, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120.0)
+
+
+def rank_pids(engine_pid: int) -> list[int]:
+    """The engine process's spawned rank processes (not multiprocessing's resource tracker)."""
+    kids = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    return [int(k) for k in kids
+            if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_tp2_server_equals_one_process_and_dies_with_a_rank(tmp_path: Path) -> None:
+    one = ServerProcess(tmp_path, "--torch-threads", "1")
+    try:
+        one.wait_healthy()
+        want = complete(one, BODY).json()["choices"][0]
+    finally:
+        assert one.stop(timeout=30.0) == 0, one.log()
+    two = ServerProcess(tmp_path, "--tp-size", "2", "--torch-threads", "1")
+    two.wait_healthy()
+    got = complete(two, BODY).json()["choices"][0]
+    assert got["text"] == want["text"]
+    a, b = got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"]
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+    refused = complete(two, {**BODY, "response_format": {"type": "json_object"}})
+    assert refused.status_code == 400 and "tensor_parallel_size" in refused.text, refused.text
+    engine_pid = int(httpx.get(f"{two.url}/health").json()["engine_pid"])
+    (rank1,) = rank_pids(engine_pid)
+    os.kill(rank1, signal.SIGKILL)
+    failed = complete(two, BODY)
+    assert failed.status_code >= 500 or "error" in failed.text, failed.text
+    assert two.proc.wait(timeout=60.0) != 0, two.log()
+    assert "rank(s) died: [('dsv4-rank-1', -9)]" in two.log(), two.log()
+
+
+def test_bad_layouts_are_refused_at_startup(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, "--tp-size", "2", "--ep-size", "3")
+    assert srv.proc.wait(timeout=60.0) == 2
+    assert "ep_size=3 is invalid" in srv.log()
