@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks, one process each (default 1; GPU rank r: cuda:r)")
     g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=None,
                    help="1, or --tp-size: split the routed experts by id across the ranks")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the per-rank memory plan (weights, KV pools, request state) and "
+                        "exit, without loading weights")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the engine process (default on cpu: one per core, "
                         "minus one for the API process; on cuda: torch's default)")
@@ -150,10 +154,44 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = build_config(args)
+        if args.dry_run:
+            sys.stdout.write(dry_run(config) + "\n")
+            return 0
     except ValueError as e:
         logger.error("%s", e)
         return 2
     return serve(config)
+
+
+def dry_run(config: ServerConfig) -> str:
+    """The per-rank memory plan of `config` (`distributed/memory.py`), without loading weights.
+    An unset KV size resolves as the engine would on this machine: on CUDA
+    `mem_fraction_static` of the first GPU's memory less the planned weights."""
+    import dataclasses
+
+    import torch
+
+    from dsv4.config.engine import kv_budget_gb
+    from dsv4.config.model import ModelConfig
+    from dsv4.distributed.memory import format_plan, plan_memory
+    from dsv4.model.loader import resolve_dtype
+
+    model, dtype, engine = (ModelConfig.from_hf(config.model), resolve_dtype(config.dtype),
+                            config.engine_config)
+
+    def plan(e: object) -> list[Any]:
+        return plan_memory(model, e, dtype, config.tp_size,  # type: ignore[arg-type]
+                           config.ep_size > 1, config.weight_format)
+    if engine.max_total_tokens is None and engine.kv_cache_memory_gb is None:
+        one_page = dataclasses.replace(engine, max_total_tokens=engine.page_size)
+        weights = plan(one_page)[0].weights
+        total = torch.cuda.get_device_properties(0).total_memory
+        engine = dataclasses.replace(engine, kv_cache_memory_gb=kv_budget_gb(
+            engine, "cuda", total, weights))
+    head = (f"{config.model}: tp_size {config.tp_size}, ep_size {config.ep_size}, {config.dtype}, "
+            f"weights {config.weight_format}, page {engine.page_size}; activations, CUDA graphs "
+            "and the CUDA context not included")
+    return head + "\n" + format_plan(plan(engine))
 
 
 def add_speculative_arg(g: argparse._ActionsContainer, default: int | None) -> None:

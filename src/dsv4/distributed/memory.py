@@ -1,0 +1,83 @@
+"""Per-rank memory plan of a serving layout (issue 22), from the checkpoint's config alone.
+
+`plan_memory` builds what each rank allocates on the meta device, with the code that allocates
+it for real: the model shard (`empty_model` + `shard_model`: parameters and buffers), the KV pools
+(`KVPools`: SWA KV, compressed entries, indexer keys, compressor rings), and the per-request state
+(request table, penalty counts). So the plan equals the allocation (tested on CPU against a
+loaded engine) and costs no memory. Not included: activations, the CUDA graphs' private pools
+and the CUDA context (measure those on the GPU: the margin `mem_fraction_static` leaves).
+`dsv4 serve --dry-run` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from dsv4.cache.layout import plan_cache
+from dsv4.cache.pools import KVPools
+from dsv4.cache.req_table import RequestTable
+from dsv4.config.engine import EngineConfig, WeightFormat
+from dsv4.config.model import ModelConfig
+from dsv4.distributed.tp import TPGroup, shard_model
+from dsv4.model.loader import empty_model
+
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank allocates: `weights` (parameters and buffers of its shard), `kv` (the KV
+    pools), `state` (request table and per-slot penalty state); the pools' pages for reference."""
+
+    rank: int
+    weights: int
+    kv: int
+    state: int
+    full_pages: int
+    swa_pages: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.state
+
+
+def plan_memory(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype, tp_size: int = 1,
+                expert_parallel: bool = False,
+                weight_format: WeightFormat = "bf16") -> list[RankMemory]:
+    """One `RankMemory` per rank. `engine` needs a resolved KV size (`max_total_tokens` or
+    `kv_cache_memory_gb`); raises ValueError otherwise, and as `shard_model` does for a layout
+    whose sizes do not divide."""
+    if engine.max_total_tokens is None and engine.kv_cache_memory_gb is None:
+        raise ValueError("max_total_tokens and kv_cache_memory_gb are both None; allowed: one of "
+                         "them set (the plan needs the KV size)")
+    layout = plan_cache(model, engine, dtype)
+    kv = KVPools(model, layout, dtype, META).nbytes()
+    context = engine.context_length or model.max_position_embeddings
+    table = RequestTable(layout, engine.max_running_requests, context, META)
+    state = sum(_nbytes(t) for t in vars(table).values() if isinstance(t, torch.Tensor))
+    state += engine.max_running_requests * model.vocab_size * (4 + 1)   # counts int32, seen bool
+    plans = []
+    for rank in range(tp_size):
+        shard = shard_model(empty_model(model, dtype, META, weight_format),
+                            TPGroup(rank, tp_size), expert_parallel)
+        weights = sum(_nbytes(t) for t in chain(shard.parameters(), shard.buffers()))
+        plans.append(RankMemory(rank, weights, kv, state, layout.num_full_pages - 1,
+                                layout.num_swa_pages - 1))
+    return plans
+
+
+def format_plan(plans: list[RankMemory]) -> str:
+    """A table (GB, and the pools' pages) of `plan_memory`'s result."""
+    rows = [f"{'rank':>4} {'weights GB':>11} {'KV GB':>8} {'state GB':>9} {'total GB':>9} "
+            f"{'full pages':>11} {'SWA pages':>10}"]
+    for p in plans:
+        rows.append(f"{p.rank:>4} {p.weights / 1e9:11.3f} {p.kv / 1e9:8.3f} {p.state / 1e9:9.3f} "
+                    f"{p.total / 1e9:9.3f} {p.full_pages:>11} {p.swa_pages:>10}")
+    return "\n".join(rows)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

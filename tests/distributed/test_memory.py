@@ -1,0 +1,68 @@
+"""The per-rank memory plan (`distributed/memory.py`) equals what a loaded engine allocates on CPU
+(weights, KV pools, request state; and each TP-2 / EP-2 rank's shard), and `dsv4 serve --dry-run`
+prints it without loading weights (issue 22)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from itertools import chain
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM
+from dsv4.cache.pools import RingState
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.config.model import ModelConfig
+from dsv4.distributed.memory import plan_memory
+from dsv4.distributed.tp import TPGroup, shard_model
+from dsv4.model.loader import load_model
+
+
+def nbytes(tensors: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[attr-defined]
+
+
+def pool_bytes(pools: object) -> int:
+    """Every tensor the KV pools hold, counted from the objects themselves."""
+    total = 0
+    for layer in pools.layers:  # type: ignore[attr-defined]
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                total += nbytes([value])
+            elif isinstance(value, RingState):
+                total += nbytes(t for t in vars(value).values() if isinstance(t, torch.Tensor))
+    return total
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "tp-ep"])
+def test_plan_equals_the_allocation(tmp_path: Path, expert_parallel: bool) -> None:
+    ckpt = tmp_path / "micro"
+    write_checkpoint(micro(), ckpt, seed=4, tokenizer=False)
+    llm = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=4096,
+              max_running_requests=8)
+    engine, runner = llm.engine, llm.engine.runner
+    (one,) = plan_memory(ModelConfig.from_hf(ckpt), engine.config, torch.float32)
+    assert one.weights == nbytes(chain(llm.model.parameters(), llm.model.buffers()))
+    assert one.kv == pool_bytes(runner.pools)
+    state = [t for t in vars(runner.table).values() if isinstance(t, torch.Tensor)]
+    assert one.state == nbytes([*state, runner.token_counts, runner.seen])
+    plans = plan_memory(ModelConfig.from_hf(ckpt), engine.config, torch.float32, 2,
+                        expert_parallel)
+    for rank, plan in enumerate(plans):
+        shard = shard_model(load_model(ckpt, dtype="float32", device="cpu", progress=False),
+                            TPGroup(rank, 2), expert_parallel)
+        assert plan.weights == nbytes(chain(shard.parameters(), shard.buffers()))
+        assert plan.weights < one.weights and plan.kv == one.kv
+
+
+def test_serve_dry_run_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--dry-run", "--tp-size", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "tp_size 2" in lines[0] and lines[1].split()[:2] == ["rank", "weights"]
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
