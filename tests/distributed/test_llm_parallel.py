@@ -7,10 +7,12 @@ a dead rank is an error at the next step, not a hang; bad layouts are refused at
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
@@ -77,7 +79,10 @@ def test_a_dead_rank_is_an_error_not_a_hang(ckpt: Path) -> None:
 @pytest.mark.parametrize(("kw", "field"), [
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
     (dict(tensor_parallel_size=2, expert_parallel_size=3), "expert_parallel_size=3"),
+    (dict(tensor_parallel_size=3), "does not divide num_heads=4"),
 ])
 def test_bad_layouts_are_refused(ckpt: Path, kw: dict, field: str) -> None:
+    """Refused before any rank starts: no child process, no process group left behind."""
     with pytest.raises(ValueError, match=field):
         LLM(ckpt, **KW, **kw)  # type: ignore[arg-type]
+    assert not multiprocessing.active_children() and not dist.is_initialized()

@@ -33,6 +33,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.attention import Attention
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
@@ -106,11 +107,7 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     """Shard `model` in place for rank `tp.rank` of `tp.size` (module docstring); returns it.
     `expert_parallel`: routed experts split by id instead of by intermediate dimension. Raises
     ValueError naming the dimension a size does not divide, before changing anything."""
-    c = model.config
-    for name, dim in (("num_heads", c.num_heads), ("o_groups", c.o_groups),
-                      ("moe_inter_dim", c.moe_inter_dim), ("vocab_size", c.vocab_size),
-                      *((("n_routed_experts", c.n_routed_experts),) if expert_parallel else ())):
-        _split(dim, tp, name)
+    check_shardable(model.config, tp.size, expert_parallel)
     if tp.size == 1:
         return model
     for module in list(model.modules()):
@@ -121,6 +118,15 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     model.embed = VocabParallelEmbedding(model.embed, tp)  # type: ignore[assignment]
     model.head = VocabParallelHead(model.head, tp)         # type: ignore[assignment]
     return model
+
+
+def check_shardable(c: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError naming the first dimension of `c` that `size` ranks do not divide."""
+    tp = TPGroup(0, size)
+    for name, dim in (("num_heads", c.num_heads), ("o_groups", c.o_groups),
+                      ("moe_inter_dim", c.moe_inter_dim), ("vocab_size", c.vocab_size),
+                      *((("n_routed_experts", c.n_routed_experts),) if expert_parallel else ())):
+        _split(dim, tp, name)
 
 
 def _split(dim: int, tp: TPGroup, name: str) -> int:

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from dsv4.config.engine import EngineConfig
-from dsv4.distributed.tp import TPGroup, shard_model
+from dsv4.config.model import ModelConfig
+from dsv4.distributed.tp import TPGroup, check_shardable, shard_model
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams
@@ -132,6 +133,8 @@ class ParallelEngine:
     engine; every state change is mirrored. `close()` stops the workers."""
 
     def __init__(self, spec: RankSpec) -> None:
+        # before any process starts: a refused layout leaves nothing running
+        check_shardable(ModelConfig.from_hf(spec.model), spec.world, spec.expert_parallel)
         ctx = mp.get_context("spawn")
         self.workers: list[BaseProcess] = [ctx.Process(target=serve_rank, args=(spec, r),
                                                        daemon=True, name=f"dsv4-rank-{r}")
