@@ -4,6 +4,7 @@ prints it without loading weights (issue 22)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from itertools import chain
@@ -66,3 +67,10 @@ def test_serve_dry_run_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
     lines = out.stdout.splitlines()
     assert "tp_size 2" in lines[0] and lines[1].split()[:2] == ["rank", "weights"]
     assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
+
+
+def test_dry_run_for_cuda_without_a_gpu_or_a_kv_size_is_a_clear_error() -> None:
+    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--dry-run", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 2 and "allowed: --kv-cache-memory-gb" in out.stderr, out.stderr

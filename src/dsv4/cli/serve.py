@@ -171,18 +171,22 @@ def dry_run(config: ServerConfig) -> str:
 
     import torch
 
-    from dsv4.config.engine import kv_budget_gb
+    from dsv4.config.engine import EngineConfig, kv_budget_gb
     from dsv4.config.model import ModelConfig
-    from dsv4.distributed.memory import format_plan, plan_memory
+    from dsv4.distributed.memory import RankMemory, format_plan, plan_memory
     from dsv4.model.loader import resolve_dtype
 
     model, dtype, engine = (ModelConfig.from_hf(config.model), resolve_dtype(config.dtype),
                             config.engine_config)
 
-    def plan(e: object) -> list[Any]:
-        return plan_memory(model, e, dtype, config.tp_size,  # type: ignore[arg-type]
-                           config.ep_size > 1, config.weight_format)
+    def plan(e: EngineConfig) -> list[RankMemory]:
+        return plan_memory(model, e, dtype, config.tp_size, config.ep_size > 1,
+                           config.weight_format)
     if engine.max_total_tokens is None and engine.kv_cache_memory_gb is None:
+        if not torch.cuda.is_available():
+            raise ValueError("--dry-run on cuda sizes the KV budget from the GPU's memory and no "
+                             "GPU is visible; allowed: --kv-cache-memory-gb or "
+                             "--max-total-tokens")
         one_page = dataclasses.replace(engine, max_total_tokens=engine.page_size)
         weights = plan(one_page)[0].weights
         total = torch.cuda.get_device_properties(0).total_memory
