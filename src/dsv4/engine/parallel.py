@@ -163,15 +163,13 @@ class ParallelEngine:
         raise ValueError("weight updates with tensor_parallel_size > 1 are not supported yet")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if params.structured is not None:
-            raise ValueError("structured output (response_format / guided decoding) with "
-                             "tensor_parallel_size > 1 is not supported yet; allowed: None")
+        _refuse_structured(params)
         self.engine.validate(prompt_ids, params)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     rid: str | None = None) -> Request:
-        self.validate(prompt_ids, params)
-        req = self.engine.add_request(prompt_ids, params, rid)
+        _refuse_structured(params)
+        req = self.engine.add_request(prompt_ids, params, rid)      # validates the rest
         self._pending.append(("add", list(prompt_ids), params, req.rid, req.seed))
         return req
 
@@ -220,6 +218,12 @@ class ParallelEngine:
         if dead:
             raise RuntimeError(f"tensor-parallel rank(s) died: {dead} (name, exit code); the "
                                "engine cannot continue") from cause
+
+
+def _refuse_structured(params: SamplingParams) -> None:
+    if params.structured is not None:
+        raise ValueError("structured output (response_format / guided decoding) with "
+                         "tensor_parallel_size > 1 is not supported yet; allowed: None")
 
 
 def free_init_method() -> str:
