@@ -4,6 +4,7 @@
                    --prompts-per-step P --steps N [--tis C] [--mis lo,hi]
                    [--replay routing,indexer|routing|none] [--[no-]true-on-policy] --out runs/rl
                    [--resume] [--time-limit-s S]
+                   [--placement local|colocated|disaggregated] [--sync-bucket-mb MB]
     dsv4 rl plot   --run runs/rl [--out rl.png]
     dsv4 rl export --run runs/rl --out MODEL [--quant fp8+fp4]   # then: dsv4 serve --model MODEL
 """
@@ -27,7 +28,7 @@ _RUN_FLAGS: dict[str, type] = {
     "tis": float, "kl_coef": float, "entropy_coef": float, "overlong_buffer": int,
     "eval_every": int, "eval_per_level": int, "seed": int, "dtype": str, "device": str,
     "kernel_backend": str, "weight_format": str, "formulation": str, "time_limit_s": float,
-    "max_steps_this_call": int}
+    "max_steps_this_call": int, "sync_bucket_mb": float}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-kernel-values", action="store_true",
                    help="the trainer's forward values from its formulation, not from the "
                         "engine's kernels (see RLConfig.kernel_values)")
+    r.add_argument("--placement", default="local",
+                   help="where trainer and engine run: local (this process, the default) | "
+                        "colocated (one Ray actor) | disaggregated (a trainer actor and a "
+                        "rollout actor; bucketed weight broadcast): needs dsv4[rl] (Ray)")
     defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
     for name, kind in _RUN_FLAGS.items():
         r.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name])
@@ -87,18 +92,17 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
     model = args.model if args.model is not None else default_model_path()
     return RLConfig(model=str(model), out_dir=str(args.out), mis=_mis(args.mis),
                     replay=args.replay, true_on_policy=args.true_on_policy,
-                    kernel_values=not args.no_kernel_values, **fields)
+                    kernel_values=not args.no_kernel_values, placement=args.placement, **fields)
 
 
 def run_rl(args: argparse.Namespace) -> int:
-    from dsv4.rl.trainer import open_run
+    from dsv4.rl.placement import run_placed
 
     config = config_from_args(args)
     if config.device == "cpu":
         use_cpu_threads()
-    trainer = open_run(config, resume=args.resume)
-    last = trainer.run()
-    logger.info("stopped at step %d/%d: %s", trainer.step, config.steps, last)
+    step, last = run_placed(config, resume=args.resume)
+    logger.info("stopped at step %d/%d: %s", step, config.steps, last)
     _plot(args.out, args.out / "rl.png")
     return 0
 

@@ -12,13 +12,18 @@ Conventions shared by every function:
   before any nonlinearity and reductions select again, so NaN / inf on padding cannot leak into
   a loss or a gradient.
 * Empty denominators are `max(count, 1)`: a mean over no tokens is 0, never NaN.
+* Every mean over samples or tokens takes its denominator from `denom` (`Denominators`) when
+  given, else from its own inputs. A data-parallel rank holding a slice of the batch passes the
+  GLOBAL counts: its result is then its share of the global value (the shares of all ranks sum
+  to the single-process result), and so is its loss's gradient (`rl/fsdp.py`).
 * Importance weights and statistics are detached; only losses carry gradients.
 
-Test: `pytest tests/rl/test_algorithms.py`.
+Test: `pytest tests/rl/test_algorithms.py`; the `denom` shares: `tests/rl/test_fsdp.py`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -26,6 +31,20 @@ from torch import Tensor
 
 Aggregation = Literal["token", "sample"]
 AGGREGATIONS: tuple[str, ...] = ("token", "sample")
+
+
+@dataclass(frozen=True)
+class Denominators:
+    """The counts that turn sums into means: `samples` (B: the "sample" aggregation, the drift
+    metric) and `tokens` (valid tokens: the "token" aggregation and every token mean), 0-dim
+    integer tensors. `of(mask)` gives a batch's own counts; data-parallel ranks all-reduce them."""
+
+    samples: Tensor
+    tokens: Tensor
+
+    @classmethod
+    def of(cls, mask: Tensor) -> Denominators:
+        return cls(torch.tensor(mask.shape[0], device=mask.device), _keep(mask).sum())
 
 
 def _check_same_shape(**tensors: Tensor) -> None:
@@ -39,18 +58,32 @@ def _keep(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None,
+                count: Tensor | None = None) -> Tensor:
     """sum(m * x) / max(sum(m), 1) over all elements (dim=None, 0-dim result) or along `dim`.
 
     `mask` has x's shape; masked entries of x are ignored even when NaN or inf; an all-masked
-    slice gives 0.
+    slice gives 0. `count` (dim=None only) replaces sum(m) in the denominator.
     """
     _check_same_shape(x=x, mask=mask)
     keep = _keep(mask)
     total = torch.where(keep, x.float(), 0.0)
     if dim is None:
-        return total.sum() / keep.sum().clamp(min=1)
+        return total.sum() / (keep.sum() if count is None else count).clamp(min=1)
+    if count is not None:
+        raise ValueError("count replaces the denominator of a full mean only (dim=None)")
     return total.sum(dim) / keep.sum(dim).clamp(min=1)
+
+
+def _tokens(denom: Denominators | None) -> Tensor | None:
+    return None if denom is None else denom.tokens
+
+
+def _sample_mean(per_sample: Tensor, denom: Denominators | None) -> Tensor:
+    """(1/B) sum_b x_b with B = the batch's own size, or `denom.samples`."""
+    if denom is None:
+        return per_sample.mean()
+    return per_sample.sum() / denom.samples.clamp(min=1)
 
 
 def grpo_advantages(rewards: Tensor, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
@@ -101,8 +134,8 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                 eps_low: float = 0.2, eps_high: float = 0.28,
-                aggregation: Aggregation = "token",
-                weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                aggregation: Aggregation = "token", weights: Tensor | None = None,
+                denom: Denominators | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with clip-higher (DAPO), per token, then aggregated:
 
         rho_t = exp(logp_t - old_logp_t)
@@ -113,7 +146,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
     aggregation "token" (DAPO): sum_bt m l / max(sum_bt m, 1).
     aggregation "sample" (Miles' default): (1/B) sum_b [sum_t m l / max(sum_t m, 1)]; a sample
-    without tokens adds 0 and still counts in B.
+    without tokens adds 0 and still counts in B. `denom` replaces B and sum_bt m (see the module
+    docstring: a rank's share of the global loss).
 
     Returns (loss 0-dim, stats): `clip_frac`, the fraction of masked tokens where the clipped
     branch is the larger (active) one; `ratio_mean`, the masked mean of rho.
@@ -141,12 +175,13 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     if weights is not None:
         _check_same_shape(logp=logp, weights=weights)
         loss_t = loss_t * weights.detach().float()
+    count = _tokens(denom)
     if aggregation == "token":
-        loss = masked_mean(loss_t, mask)
+        loss = masked_mean(loss_t, mask, count=count)
     else:
-        loss = masked_mean(loss_t, mask, dim=1).mean()
-    stats = {"clip_frac": masked_mean((clipped > unclipped).detach(), mask),
-             "ratio_mean": masked_mean(ratio.detach(), mask)}
+        loss = _sample_mean(masked_mean(loss_t, mask, dim=1), denom)
+    stats = {"clip_frac": masked_mean((clipped > unclipped).detach(), mask, count=count),
+             "ratio_mean": masked_mean(ratio.detach(), mask, count=count)}
     return loss, stats
 
 
@@ -155,8 +190,8 @@ def _rollout_ratio(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Tens
     return torch.exp(old_logp.detach().float() - rollout_logp.detach().float())
 
 
-def tis_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
-                clip: float) -> tuple[Tensor, Tensor]:
+def tis_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, clip: float,
+                denom: Denominators | None = None) -> tuple[Tensor, Tensor]:
     """Truncated importance sampling (Miles `vanilla_tis`, lower clip 0):
 
         w_t = min(exp(old_logp_t - rollout_logp_t), clip)
@@ -167,11 +202,11 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     if clip <= 0:
         raise ValueError(f"clip={clip} must be > 0")
     ratio = _rollout_ratio(old_logp, rollout_logp, mask)
-    return ratio.clamp(max=clip), masked_mean(ratio > clip, mask)
+    return ratio.clamp(max=clip), masked_mean(ratio > clip, mask, count=_tokens(denom))
 
 
-def mis_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, lo: float,
-                hi: float) -> tuple[Tensor, Tensor]:
+def mis_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, lo: float, hi: float,
+                denom: Denominators | None = None) -> tuple[Tensor, Tensor]:
     """Masked importance sampling: drop tokens whose ratio leaves [lo, hi].
 
         rho_t = exp(old_logp_t - rollout_logp_t),  w_t = 1[lo <= rho_t <= hi]
@@ -186,10 +221,11 @@ def mis_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, lo: float,
         raise ValueError(f"lo={lo} and hi={hi} must satisfy 0 < lo < hi")
     ratio = _rollout_ratio(old_logp, rollout_logp, mask)
     keep = (ratio >= lo) & (ratio <= hi)
-    return keep.float(), masked_mean(~keep, mask)
+    return keep.float(), masked_mean(~keep, mask, count=_tokens(denom))
 
 
-def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor,
+          denom: Denominators | None = None) -> Tensor:
     """Schulman's k3 estimator of KL(pi || ref) at the sampled tokens, masked token mean:
 
         d_t = ref_logp_t - logp_t,   k3 = mean_t [exp(d_t) - d_t - 1]   (>= 0 per token)
@@ -198,7 +234,7 @@ def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     """
     _check_same_shape(logp=logp, ref_logp=ref_logp, mask=mask)
     d = torch.where(_keep(mask), ref_logp.detach().float() - logp.float(), 0.0)
-    return masked_mean(torch.exp(d) - d - 1.0, mask)
+    return masked_mean(torch.exp(d) - d - 1.0, mask, count=_tokens(denom))
 
 
 def drift_tokens(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor
@@ -231,8 +267,8 @@ def entropy(logits: Tensor) -> Tensor:
     return -p_logp.sum(dim=-1)
 
 
-def logprob_abs_diff(train_logp: Tensor, rollout_logp: Tensor,
-                     mask: Tensor) -> tuple[Tensor, Tensor]:
+def logprob_abs_diff(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
+                     denom: Denominators | None = None) -> tuple[Tensor, Tensor]:
     """Train / rollout log-prob drift, Miles' `train_rollout_logprob_abs_diff` (§4.3):
 
         d_i    = sum_t m_it |a_it - b_it| / max(sum_t m_it, 1)      per sample
@@ -243,6 +279,6 @@ def logprob_abs_diff(train_logp: Tensor, rollout_logp: Tensor,
     """
     _check_same_shape(train_logp=train_logp, rollout_logp=rollout_logp, mask=mask)
     diff = (train_logp.detach().float() - rollout_logp.detach().float()).abs()
-    metric = masked_mean(diff, mask, dim=-1).mean()
+    metric = _sample_mean(masked_mean(diff, mask, dim=-1), denom)
     worst = torch.where(_keep(mask), diff, 0.0).amax() if diff.numel() else diff.new_zeros(())
     return metric, worst

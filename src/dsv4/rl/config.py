@@ -16,7 +16,9 @@ from dsv4.utils.run_dir import RunConfig
 Algo = Literal["grpo", "dapo"]
 ALGOS: tuple[str, ...] = ("grpo", "dapo")
 REPLAYS: tuple[str, ...] = ("none", "routing", "routing,indexer")
-INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call")
+PLACEMENTS: tuple[str, ...] = ("local", "colocated", "disaggregated")
+INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call", "placement",
+                     "sync_bucket_mb")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,12 @@ class RLConfig(RunConfig):
     that do not depend on the token count (`EngineConfig.invariant_plans`). False: the
     formulation's own values, which agree with the kernels only to summation order.
     `kl_coef`: k3 KL to the frozen initial policy.
-    `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level."""
+    `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level.
+    `placement` (`rl/placement.py`): "local" (trainer and engine in this process, no Ray),
+    "colocated" (both in one Ray actor on one bundle) or "disaggregated" (a trainer actor and a
+    rollout actor on two bundles; weights broadcast after every step in buckets of
+    `sync_bucket_mb` MiB). Where the run executes does not change what it computes, so both may
+    change on resume."""
 
     INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
@@ -82,6 +89,8 @@ class RLConfig(RunConfig):
     weight_format: str = "bf16"
     time_limit_s: float | None = None
     max_steps_this_call: int | None = None
+    placement: str = "local"
+    sync_bucket_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.true_on_policy is None:     # resolved once, so rl_config.json records the value
@@ -125,6 +134,11 @@ class RLConfig(RunConfig):
                              "kernel backend with kernel_values (values from the kernels)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: 'float32', 'bfloat16'")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is unknown; "
+                             f"allowed: {list(PLACEMENTS)}")
+        if not self.sync_bucket_mb > 0:
+            raise ValueError(f"sync_bucket_mb={self.sync_bucket_mb} is invalid; allowed: > 0")
 
     @property
     def values_from_kernels(self) -> bool:
@@ -136,6 +150,11 @@ class RLConfig(RunConfig):
         """Index rows of one width per layer: true on-policy on the `ref` ops, whose softmax depends
         on the row width (the triton kernels' does not)."""
         return bool(self.true_on_policy) and not self.values_from_kernels
+
+    @property
+    def sync_bucket_bytes(self) -> int:
+        """The weight-sync bucket size in bytes (`sync_bucket_mb` MiB, at least one byte)."""
+        return max(1, int(self.sync_bucket_mb * 2**20))
 
     @property
     def replay_routing(self) -> bool:

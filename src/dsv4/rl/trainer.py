@@ -20,7 +20,8 @@ cache flushed). A step:
 3. PPO clip(-higher) loss with optional TIS / MIS weights, k3 KL to the initial policy, entropy
    bonus; one AdamW step; weight sync. The engine's KV pools and CUDA graphs are released while
    the trainer steps (`LLMEngine.release_memory`, logged as `kv_released_mb`) and allocated
-   again before the sync.
+   again before the sync. The objective and its statistics are `rl_loss`, which the FSDP2
+   data-parallel step (`rl/fsdp.py`) shares, passing the batch's global sample / token counts.
 
 Formulations (`RLConfig.formulation`): "serving" runs the INFERENCE mode (gathered attention
 with fp32 scores, per-expert MoE: the engine's `ref` formulation), "training" the TRAINING mode
@@ -91,6 +92,80 @@ def sequence_logprobs(model: DeepSeekV4ForCausalLM, inputs: torch.Tensor, target
     return logp.view(B, S), logits / temperature
 
 
+def formulation_mode(config: RLConfig) -> ForwardMode:
+    """The trainer's full-sequence mode for `config.formulation`, without kernel values."""
+    return INFERENCE if config.formulation == "serving" else TRAINING
+
+
+@contextlib.contextmanager
+def numerics(config: RLConfig) -> Iterator[None]:
+    """The trainer's forward context: batch-invariant ops (true on-policy), else none."""
+    if config.true_on_policy:
+        with batch_invariant():
+            yield
+    else:
+        yield
+
+
+# rl_loss's stats that are not shares of a global mean: a data-parallel step reduces them with
+# max (the largest drift) and with the position of that maximum, where every other stat is summed.
+DRIFT_MAX = "train_rollout_logprob_abs_diff_max"
+DRIFT_AT = "drift_worst_position"
+
+
+def rl_loss(config: RLConfig, logp: torch.Tensor, logits: torch.Tensor, batch: TrainBatch,
+            ref_logp: torch.Tensor | None = None, denom: alg.Denominators | None = None
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step's objective and statistics from the policy's forward on `batch`.
+
+    `logp` [B, T] (differentiable) and the temperature-scaled `logits` [B, T, V] come from
+    `sequence_logprobs`; pi_old = `logp` detached (one optimizer step per rollout). The objective
+    is the PPO clip(-higher) loss (sample mean for GRPO, token mean for DAPO) with the TIS / MIS
+    weights the config asks for, minus `entropy_coef` x the token-mean entropy, plus `kl_coef` x
+    the k3 KL to `ref_logp` (the frozen reference's log-probs; without them `kl_k3` is measured
+    against the rollout and not trained on).
+
+    `denom` (default: the batch's own counts) are the sample and token counts every mean divides
+    by. A data-parallel rank passes the global counts: the objective, its gradient and every
+    stat except `DRIFT_MAX` / `DRIFT_AT` are then this rank's shares, which sum over the ranks
+    to the single-process values.
+
+    Returns (objective 0-dim, stats: "loss" (the objective, detached), "entropy", the drift
+    metrics, "clip_frac", "ratio_mean", "kl_k3" and, when on, "tis_clip_frac" /
+    "mis_mask_frac"; all 0-dim tensors).
+    """
+    c = config
+    old = logp.detach()
+    mask = batch.mask
+    drift, drift_max = alg.logprob_abs_diff(old, batch.rollout_logp, mask, denom)
+    drift_count, drift_at = alg.drift_tokens(old, batch.rollout_logp, mask)
+    weights, stats = None, {}
+    if c.tis is not None:
+        weights, stats["tis_clip_frac"] = alg.tis_weights(old, batch.rollout_logp, mask, c.tis,
+                                                          denom)
+    if c.mis is not None:
+        keep, stats["mis_mask_frac"] = alg.mis_weights(old, batch.rollout_logp, mask, *c.mis,
+                                                       denom)
+        weights = keep if weights is None else weights * keep
+    aggregation: alg.Aggregation = "token" if c.algo == "dapo" else "sample"
+    loss, pstats = alg.policy_loss(logp, old, batch.advantages, mask, c.eps_low,
+                                   c.eps_high if c.algo == "dapo" else c.eps_low,
+                                   aggregation, weights, denom)
+    count = None if denom is None else denom.tokens
+    ent = alg.masked_mean(alg.entropy(logits), mask, count=count)
+    total = loss - c.entropy_coef * ent
+    if ref_logp is not None:
+        stats["kl_k3"] = alg.k3_kl(logp, ref_logp, mask, denom)
+        total = total + c.kl_coef * stats["kl_k3"]
+    else:
+        stats["kl_k3"] = alg.k3_kl(old, batch.rollout_logp, mask, denom)
+    out = {"loss": total.detach(), "entropy": ent.detach(),
+           "train_rollout_logprob_abs_diff": drift, DRIFT_MAX: drift_max,
+           "drift_tokens": drift_count, DRIFT_AT: drift_at, **pstats,
+           **{k: v.detach() for k, v in stats.items()}}
+    return total, out
+
+
 class RLTrainer:
     def __init__(self, config: RLConfig) -> None:
         self.config = c = config
@@ -128,18 +203,12 @@ class RLTrainer:
     def mode(self) -> ForwardMode:
         """The trainer's full-sequence mode: the formulation, with forward values from the
         engine's kernels when `values_from_kernels` (the engine's own `KernelOps`: colocated)."""
-        mode = INFERENCE if self.config.formulation == "serving" else TRAINING
-        return mode.with_values(self.engine.runner.ops if self.config.values_from_kernels
-                                else None)
+        return formulation_mode(self.config).with_values(
+            self.engine.runner.ops if self.config.values_from_kernels else None)
 
-    @contextlib.contextmanager
-    def numerics(self) -> Iterator[None]:
-        """The trainer's forward context: batch-invariant ops (true on-policy), else none."""
-        if self.config.true_on_policy:
-            with batch_invariant():
-                yield
-        else:
-            yield
+    def numerics(self) -> contextlib.AbstractContextManager[None]:
+        """The trainer's forward context (`numerics`): batch-invariant ops when true on-policy."""
+        return numerics(self.config)
 
     def policy_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         mode = self.mode().with_replay(batch.replay, fixed_widths=self.config.fixed_widths)
@@ -208,48 +277,22 @@ class RLTrainer:
     def _optimize(self, batch: TrainBatch) -> dict[str, float]:
         c = self.config
         logp, logits = self.policy_logprobs(batch)
-        old = logp.detach()              # pi_old: this policy before its one update
-        mask = batch.mask
-        drift, drift_max = alg.logprob_abs_diff(old, batch.rollout_logp, mask)
-        drift_count, drift_at = alg.drift_tokens(old, batch.rollout_logp, mask)
-        weights, stats = None, {}
-        if c.tis is not None:
-            weights, stats["tis_clip_frac"] = alg.tis_weights(old, batch.rollout_logp, mask,
-                                                              c.tis)
-        if c.mis is not None:
-            keep, stats["mis_mask_frac"] = alg.mis_weights(old, batch.rollout_logp, mask,
-                                                           *c.mis)
-            weights = keep if weights is None else weights * keep
-        aggregation: alg.Aggregation = "token" if c.algo == "dapo" else "sample"
-        loss, pstats = alg.policy_loss(logp, old, batch.advantages, mask, c.eps_low,
-                                       c.eps_high if c.algo == "dapo" else c.eps_low,
-                                       aggregation, weights)
-        ent = alg.masked_mean(alg.entropy(logits), mask)
-        total = loss - c.entropy_coef * ent
+        ref_logp = None
         if self.reference is not None:
+            mode = self.mode().with_replay(batch.replay, c.fixed_widths)
             with torch.no_grad(), self.numerics():
                 ref_logp, _ = sequence_logprobs(self.reference, batch.inputs, batch.targets,
-                                                self.mode().with_replay(batch.replay,
-                                                                        c.fixed_widths),
-                                                c.temperature)
-            stats["kl_k3"] = alg.k3_kl(logp, ref_logp, mask)
-            total = total + c.kl_coef * stats["kl_k3"]
-        else:
-            stats["kl_k3"] = alg.k3_kl(logp.detach(), batch.rollout_logp, mask)
+                                                mode, c.temperature)
+        total, out = rl_loss(c, logp, logits, batch, ref_logp)
         self.optimizer.zero_grad(set_to_none=True)
         self.compute.zero_grad(set_to_none=True)
         total.backward()
         self._grads_to_master()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
+        out["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
         self.optimizer.step()
         self._master_to_compute()
-        out = {"loss": total, "entropy": ent, "grad_norm": grad_norm,
-               "train_rollout_logprob_abs_diff": drift,
-               "train_rollout_logprob_abs_diff_max": drift_max,
-               "drift_tokens": drift_count, "drift_worst_position": drift_at, **pstats, **stats}
         # the step's sync point
-        return {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
-                for k, v in out.items()}
+        return {k: float(v.detach()) for k, v in out.items()}
 
     def _grads_to_master(self) -> None:
         if self.compute is self.policy:
@@ -346,7 +389,7 @@ def open_run(config: RLConfig, resume: bool) -> RLTrainer:
         changed = saved.changed_fields(config)
         if changed:
             raise ValueError(f"--resume: {changed} differ from the run's rl_config.json; "
-                             "only out_dir, device, time_limit_s, max_steps_this_call may change")
+                             f"only {sorted(RLConfig.INVOCATION_FIELDS)} may change")
         trainer = RLTrainer(config)
         trainer.load()
         return trainer
