@@ -11,7 +11,9 @@ Per request: TTFT (add -> first token) and every decode step's time; reported: t
 seconds, both TTFTs and their ratio (target <= 1.2), the slowest decode step of the first
 request against the median warm step (target <= 2x). `--fresh-triton-cache` points
 TRITON_CACHE_DIR at an empty directory first (a machine that never compiled these kernels);
-without it the persistent cache of earlier runs applies. Prints a table, then one JSON line.
+without it the persistent cache of earlier runs applies. Every Triton specialisation built in
+the process is logged with its phase (warmup, first, warm), kernel, seconds and key
+(`compiles` in the JSON: what the warmup missed). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -51,6 +53,41 @@ def serve_one(engine: Any, prompt: list[int], decode: int) -> dict[str, Any]:
     return {"ttft_s": ttft, "decode_steps_s": steps}
 
 
+class CompileLog:
+    """Triton's JIT hooks: one record per kernel specialisation built in this process (the
+    in-memory cache missed; the on-disk cache may still have it), with the current phase."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+
+        self.phase = "warmup"
+        self.records: list[dict[str, Any]] = []
+        self._started: dict[str, float] = {}
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *, key: Any, repr: str, fn: Any, **_: Any) -> bool:
+        self._started[repr] = time.perf_counter()
+        return False                          # False: compile as usual
+
+    def _after(self, *, key: Any, repr: str, fn: Any, **kw: Any) -> bool:
+        took = time.perf_counter() - self._started.pop(repr, time.perf_counter())
+        constants = kw.get("compile", {}).get("constants", {})
+        self.records.append({"phase": self.phase, "kernel": getattr(fn, "name", str(fn)),
+                             "s": round(took, 3), "key": str(key)[:1500],
+                             "constants": str(constants)[:600]})
+        return False
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for r in self.records:
+            phase = out.setdefault(r["phase"], {"count": 0, "s": 0.0, "kernels": {}})
+            phase["count"] += 1
+            phase["s"] = round(phase["s"] + r["s"], 3)
+            phase["kernels"][r["kernel"]] = phase["kernels"].get(r["kernel"], 0) + 1
+        return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="flash-4l")
@@ -61,10 +98,18 @@ def main() -> None:
     p.add_argument("--warmup", default="fast", choices=["none", "fast", "full"])
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--fresh-triton-cache", action="store_true")
+    p.add_argument("--triton-cache", type=Path, default=None,
+                   help="TRITON_CACHE_DIR for this process (e.g. the one an earlier run filled: "
+                        "a fresh process on a machine that has compiled before)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.fresh_triton_cache and args.triton_cache is not None:
+        p.error("--fresh-triton-cache and --triton-cache exclude each other")
     if args.fresh_triton_cache:           # before anything imports triton
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    elif args.triton_cache is not None:
+        args.triton_cache.mkdir(parents=True, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str(args.triton_cache)
 
     from dsv4.checkpoint.presets import get_preset
     from dsv4.checkpoint.writer import random_model
@@ -80,11 +125,15 @@ def main() -> None:
         page_size=256, max_running_requests=8, chunked_prefill_size=args.chunked_prefill_size,
         max_total_tokens=2 * (longest + 256), context_length=longest + 1,
         disable_prefix_cache=True, warmup=args.warmup))
+    compiles = CompileLog() if args.device.startswith("cuda") else None
     warmup_s = warm_up(engine)
     gen = torch.Generator().manual_seed(0)
-    runs = [serve_one(engine, torch.randint(2, config.vocab_size, (args.prompt_len,),
-                                            generator=gen).tolist(), args.decode)
-            for _ in range(2)]
+    runs = []
+    for phase in ("first", "warm"):
+        if compiles is not None:
+            compiles.phase = phase
+        runs.append(serve_one(engine, torch.randint(2, config.vocab_size, (args.prompt_len,),
+                                                    generator=gen).tolist(), args.decode))
     cold, warm = runs
     warm_step = statistics.median(warm["decode_steps_s"])
     row = {"warmup": args.warmup, "warmup_s": warmup_s, "first_ttft_s": cold["ttft_s"],
@@ -101,7 +150,11 @@ def main() -> None:
     line = {"preset": args.preset, "device": args.device, "dtype": args.dtype,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "prompt_len": args.prompt_len,
-            "fresh_triton_cache": args.fresh_triton_cache, "row": row, "runs": runs}
+            "fresh_triton_cache": args.fresh_triton_cache,
+            "triton_cache": os.environ.get("TRITON_CACHE_DIR"), "row": row, "runs": runs,
+            "compile_summary": compiles.summary() if compiles else None,
+            "compiles": [r for r in compiles.records if r["phase"] != "warmup"]
+            if compiles else None}
     print(json.dumps(line))
     if args.out is not None:
         args.out.write_text(json.dumps(line, indent=2) + "\n")

@@ -23,6 +23,8 @@
 #                 32 distinct 4K prompts run twice (prefix_repeat.py, flash-4l), the first 128K request in a fresh process against a warm one
 #                 (cold_start.py, empty Triton cache, warmup fast), overlap scheduling on vs off (dsv4-tiny):
 #                 serving_{prefix,cold,overlap}.txt / .json
+#   profile       where a decode step's GPU time goes under CUDA graphs: flash-4l bf16 (triton), 4K context, batch
+#                 1 and 32: the top kernels by GPU time, kernels and GPU ms per step: profile_b{1,32}.txt
 #   train         a profile of `dsv4 train run` steps (needs data carried at .data/tiny: `dsv4 train data`):
 #                 profile_train_step.txt
 #   train-tiny    one training stage of dsv4-tiny (`dsv4 train run` + export; data at .data/tiny): STEPS=N
@@ -134,6 +136,16 @@ serving() {
   grep -v " INFO " "$OUT/serving_overlap.txt" | tail -6 | cut -c 1-200
 }
 
+profile() {
+  for b in 1 32; do
+    timeout 200 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
+      --kernel-backend triton --num-prompts "$b" --prompt-len 4096 --decode-only --warm-steps 3 --steps 5 \
+      --rows 45 \
+      > "$OUT/profile_b$b.txt" 2>&1
+    tail -1 "$OUT/profile_b$b.txt" | cut -c 1-400
+  done
+}
+
 train() {
   timeout 400 python3 benchmarks/profile_train_step.py --data .data/tiny --device cuda --batch-size 16 \
     > "$OUT/profile_train_step.txt" 2>&1
@@ -161,7 +173,7 @@ sass() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,34p' "$0"
+  sed -n '2,36p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -175,10 +187,11 @@ for part in "$@"; do
     decode-hf) decode_hf ;;
     prefix-cache) prefix_cache ;;
     serving) serving ;;
+    profile) profile ;;
     train) train ;;
     train-tiny) train_tiny ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving" \
-         "train train-tiny sass"; exit 2 ;;
+         "profile train train-tiny sass"; exit 2 ;;
   esac
 done

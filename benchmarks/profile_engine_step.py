@@ -14,12 +14,14 @@ import json
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
 from dsv4.checkpoint.writer import random_model
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.request import Request
 from dsv4.model.loader import resolve_device, resolve_dtype
 
 
@@ -35,6 +37,10 @@ def main() -> None:
     p.add_argument("--warm-steps", type=int, default=0,
                    help="steps of the profiled batch run before profiling "
                    "(e.g. its prefill: profile decode only)")
+    p.add_argument("--rows", type=int, default=25, help="operators per table")
+    p.add_argument("--decode-only", action="store_true",
+                   help="step the batch until every request has its first token before the "
+                   "warm-up steps: the profiled steps are decode steps whatever the prompt")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device))
@@ -46,16 +52,17 @@ def main() -> None:
     params = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
                             ignore_eos=True)
 
-    def add_batch() -> None:
-        for _ in range(args.num_prompts):
-            engine.add_request(torch.randint(2, model.config.vocab_size, (args.prompt_len,),
-                                             generator=g).tolist(),
-                               params)
+    def add_batch() -> list[Request]:
+        return [engine.add_request(torch.randint(2, model.config.vocab_size, (args.prompt_len,),
+                                                 generator=g).tolist(), params)
+                for _ in range(args.num_prompts)]
 
     add_batch()
     while engine.has_unfinished():
         engine.step()
-    add_batch()
+    reqs = add_batch()
+    while args.decode_only and not all(r.output_ids for r in reqs):
+        engine.step()
     for _ in range(args.warm_steps):
         engine.step()
     cuda = args.device.startswith("cuda")
@@ -68,14 +75,20 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
             times.append(round(time.perf_counter() - start, 4))
+    averages = prof.key_averages()
+    gpu: dict[str, float] = {}
     if cuda:
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+        kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
+        gpu = {"kernels_per_step": sum(e.count for e in kernels) / args.steps,
+               "gpu_ms_per_step": sum(e.self_device_time_total for e in kernels)
+               / args.steps / 1e3}
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(json.dumps({"profile": "engine_step", "preset": args.preset, "device": args.device,
                       "backend": args.kernel_backend, "num_prompts": args.num_prompts,
                       "prompt_len": args.prompt_len,
                       "warm_steps": args.warm_steps,
-                      "step_s": times}))
+                      "step_s": times, **gpu}))
 
 
 if __name__ == "__main__":

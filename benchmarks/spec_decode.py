@@ -19,7 +19,10 @@ CUDA-synchronised steps; the ratio, and the speed-up that acceptance length L wo
 (L / ratio) for L = 2.5.
 With CUDA graphs it also times the parts of a step alone: the target forward (graph replay) of
 the plain step and of the verify step (`verify_ratio`: N + 1 tokens against 1), and the drafting
-graph (the MTP pass + chain).
+graph (the MTP pass + chain). Against the byte floor (`decode_context_sweep.weight_bytes`, uniform
+routing: random weights): `floor_verify_ratio` = the weight bytes of N + 1 tokens per request over
+those of one (what the verify / plain ratio is at the floor), and `extra_gbps` = the extra bytes
+of the verify forward over its extra time (how close the increment runs to the copy bandwidth).
 Prints a table, then one JSON line (also written to --out).
 """
 
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from decode_context_sweep import expected_experts, weight_bytes  # a sibling script
 
 from dsv4 import LLM, SamplingParams
 from dsv4.assets import default_model_path
@@ -213,8 +217,20 @@ def preset_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
                      "plain_forward_ms": _ms(parts[0], "forward"),
                      "verify_forward_ms": _ms(spec, "forward"), "draft_ms": _ms(spec, "draft"),
                      "verify_ratio": (spec["forward"] / parts[0]["forward"]
-                                      if "forward" in spec and "forward" in parts[0] else None)})
+                                      if "forward" in spec and "forward" in parts[0] else None),
+                     **floor_terms(model, B, args.num_steps, parts[0], spec)})
     return rows
+
+
+def floor_terms(model: Any, B: int, n: int, plain: dict[str, float],
+                spec: dict[str, float]) -> dict[str, float | None]:
+    """The verify pass against the byte floor (module docstring); uniform routing."""
+    cfg = model.config
+    one = weight_bytes(model, B, expected_experts(cfg, B))
+    many = weight_bytes(model, B * (n + 1), expected_experts(cfg, B * (n + 1)))
+    extra_s = spec.get("forward", 0.0) - plain.get("forward", 0.0)
+    return {"floor_verify_ratio": many / one, "extra_gb": (many - one) / 1e9,
+            "extra_gbps": (many - one) / 1e9 / extra_s if extra_s > 0 else None}
 
 
 def main() -> None:

@@ -93,6 +93,30 @@ def test_spec_decode_benchmark_both_modes() -> None:
                           "--prompt-len", "20")
     row = micro["rows"][0]
     assert row["plain_step_ms"] > 0 and row["spec_step_ms"] > 0, micro
+    # 2 x 4 tokens of micro's 8 experts (top-2) hit more experts than 2 tokens: more bytes
+    assert 1.0 < row["floor_verify_ratio"] < 4.0 and row["extra_gb"] > 0, micro
+
+
+def test_verify_floor_of_uniform_routing() -> None:
+    """4 tokens of uniform 6-of-256 routing read ~23 experts per layer where one reads 6: the
+    verify pass of flash-4l costs about 2x a plain step at the byte floor; sharing experts
+    (a scale below 1) lowers it, and the ratio falls as the batch shares experts."""
+    rows = run_benchmark("verify_floor.py", "--batches", "1,32")["rows"]
+    got = {(r["model"], r["weights"], r["batch"]): r["floor_ratio"] for r in rows}
+    assert 1.9 < got[("flash-4l", "bf16", 1)] < 2.1, got
+    assert got[("v4-flash", "checkpoint", 32)] < got[("v4-flash", "checkpoint", 1)], got
+    shared = run_benchmark("verify_floor.py", "--batches", "1", "--distinct-scale", "0.5")
+    assert shared["rows"][0]["floor_ratio"] < got[("flash-4l", "bf16", 1)], shared
+
+
+def test_routing_locality_of_the_shipped_model() -> None:
+    """Consecutive tokens of the trained dsv4-tiny share routed experts: fewer distinct experts
+    than uniform routing; one token's window hits exactly k."""
+    result = run_benchmark("routing_locality.py", "--prompts", "2", "--prompt-len", "64",
+                           "--windows", "1,4")
+    rows = {(r["window"], r["layers"]): r for r in result["rows"]}
+    assert rows[(1, "routed")]["distinct"] == rows[(1, "routed")]["single"], result
+    assert rows[(4, "routed")]["ratio"] < 1.0, result
 
 
 def test_prefix_repeat_benchmark_reuses_the_shared_prompt() -> None:

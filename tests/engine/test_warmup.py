@@ -16,6 +16,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.config.engine import EngineConfig, resolve_warmup
+from dsv4.engine.cuda_graph import DecodeGraphs, GraphKey
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.engine.step_output import StepOutput
@@ -40,6 +41,11 @@ def D(batch: int, tokens: int = 1, context: int = 4096, anchor: int = 0) -> Warm
     return WarmupShape("decode", batch, tokens, context, anchor)
 
 
+def G(batch: int, tokens: int, contexts: tuple[int, ...] = (8192, 16384, 32768)
+      ) -> list[WarmupShape]:
+    return [WarmupShape("graph", batch, tokens, c) for c in contexts]
+
+
 # ---- the plan -----------------------------------------------------------------------------------
 def plan(mode: str, graph_max_batch: int | None, spec: int = 0, max_running: int = 64,
          context_length: int = 32768, max_total: int = 1 << 20) -> list[WarmupShape]:
@@ -53,11 +59,15 @@ def test_plan_none_is_empty() -> None:
 
 
 def test_plan_fast_graphs_on() -> None:
-    assert plan("fast", 64) == [P(2048), P(16), D(1), D(8), D(64)]
+    """Graphs on: the batch-1 graph of every context bucket above the first, up to the context
+    length, captured without a request."""
+    assert plan("fast", 64) == [P(2048), P(16), D(1), D(8), D(64)] + G(1, 1)
+    long = plan("fast", 64, context_length=1 << 20)
+    assert [s.context for s in long if s.kind == "graph"] == [1 << i for i in range(13, 21)]
 
 
 def test_plan_fast_small_batch_and_graphs_off() -> None:
-    assert plan("fast", 4, max_running=4) == [P(2048), P(16), D(1), D(4)]
+    assert plan("fast", 4, max_running=4) == [P(2048), P(16), D(1), D(4)] + G(1, 1)
     # graphs off: batches up to max_running_requests
     assert plan("fast", None, max_running=20) == [P(2048), P(16), D(1), D(8), D(20)]
 
@@ -68,32 +78,50 @@ def test_plan_decodes_only_batches_the_scheduler_can_form() -> None:
     config = EngineConfig(warmup="fast", chunked_prefill_size=7, max_running_requests=64,
                           page_size=16)
     assert warmup_plan(config, 32768, 32768, 1 << 20, None) == [P(7), D(1), D(4)]
-    assert warmup_plan(config, 32768, 32768, 1 << 20, 64, pool_pages=2) == [P(7), D(1), D(2)]
+    assert warmup_plan(config, 32768, 32768, 1 << 20, 64, pool_pages=2) == [P(7), D(1), D(2)] + \
+        G(1, 1)
     spec = dataclasses.replace(config, speculative_num_steps=3, chunked_prefill_size=64)
     assert warmup_plan(spec, 32768, 32768, 1 << 20, 64) == [P(64), P(16), D(1, 4), D(8, 4),
-                                                              D(16, 4)]
+                                                              D(16, 4)] + G(1, 4)
+
+
+def test_plan_triton_adds_a_long_prefill() -> None:
+    """With the triton kernels: a prefill of whole chunks past 4096 C4 entries plus a short last
+    chunk, capped by the context length and the KV cache."""
+    config = EngineConfig(warmup="fast", kernel_backend="triton", max_running_requests=8,
+                          chunked_prefill_size=8192)
+    shapes = warmup_plan(config, 1 << 20, 1 << 20, 1 << 20, 8)
+    assert shapes[:3] == [P(8192), P(16), P(32768 + 16)]
+    capped = warmup_plan(config, 30000, 30000, 1 << 20, 8)
+    assert capped[:3] == [P(8192), P(16), P(24576 + 16)]
+    assert P(16384 + 16) not in warmup_plan(config, 16390, 16390, 1 << 20, 8)
+    assert len([s for s in warmup_plan(config, 8200, 8200, 1 << 20, 8)
+                if s.kind == "prefill"]) == 2
 
 
 def test_plan_fast_speculative_verifies() -> None:
-    assert plan("fast", 64, spec=3) == [P(2048), P(16), D(1, 4), D(8, 4), D(64, 4)]
+    assert plan("fast", 64, spec=3) == [P(2048), P(16), D(1, 4), D(8, 4), D(64, 4)] + G(1, 4)
 
 
 def test_plan_full_graphs_on() -> None:
     batches = [1, 2, 4, 8, 16, 20]
     want = [P(2048), P(16)] + [D(b) for b in batches]
-    for prev, ctx in ((4096, 8192), (8192, 16384), (16384, 32768)):
-        want += [D(b, 1, ctx, prev + 1) for b in batches]
+    want += [WarmupShape("graph", b, 1, ctx) for ctx in (8192, 16384, 32768) for b in batches]
     assert plan("full", 20, max_running=20) == want
 
 
 def test_plan_full_speculative_and_caps() -> None:
-    # the KV cache (20000 tokens) stops at the 16384 bucket; verify steps of 1 + 2 tokens
+    # a request of at most 20000 tokens (the KV cache) reaches the 32768 bucket, none above;
+    # verify steps of 1 + 2 tokens
     want = [P(2048), P(16), D(1, 3), D(2, 3), D(3, 3)]
-    want += [D(b, 3, 8192, 4097) for b in (1, 2, 3)] + [D(b, 3, 16384, 8193) for b in (1, 2, 3)]
-    assert plan("full", 3, spec=2, max_running=3, max_total=20000) == want
-    # a huge context stops at FULL_MAX_CONTEXT
+    want += [WarmupShape("graph", b, 3, ctx) for ctx in (8192, 16384, 32768) for b in (1, 2, 3)]
+    assert plan("full", 3, spec=2, max_running=3, max_total=20000, context_length=65536) == want
+    # graphs need no anchor prefill: every bucket up to the context length; eager steps do, and
+    # stop at FULL_MAX_CONTEXT
     long = plan("full", 1, max_running=1, context_length=1 << 20)
-    assert max(s.context for s in long) == FULL_MAX_CONTEXT
+    assert max(s.context for s in long) == 1 << 20
+    eager = plan("full", None, max_running=1, context_length=1 << 20)
+    assert max(s.context for s in eager) == FULL_MAX_CONTEXT
 
 
 def test_plan_full_graphs_off_one_batch_per_context() -> None:
@@ -196,6 +224,35 @@ def test_full_warmup_with_a_context_bucket_anchor(ckpt: Path,
     for shape in shapes:
         assert any(matches(step, shape) for step in steps), shape
     assert max(steps[-1].shape.starts) + 1 > 4096          # the anchor's decode step
+    assert_clean(warm.engine)
+    assert outputs(warm) == outputs(cold)
+
+
+@pytest.mark.parametrize("spec", [0, 2])
+def test_fast_warmup_captures_every_context_bucket_without_a_request(
+        ckpt: Path, spec: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With graphs (here their CPU static-buffer form), "fast" prepares the batch-1 graph of the
+    8192 and 16384 buckets (and their drafting graphs under speculation) on padding rows: no step
+    of the warmup reaches past 4096 tokens, running those graphs' forward on padding rows writes
+    nothing a request reads, and the engine is left as it was."""
+    kw = dict(KW, context_length=16384, max_total_tokens=20000, max_running_requests=4,
+              speculative_num_steps=spec)
+    cold, warm = LLM(ckpt, **kw), LLM(ckpt, **kw)  # type: ignore[arg-type]
+    for llm in (cold, warm):
+        runner = llm.engine.runner
+        runner.graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops, 4,
+                                     capture=False, max_tokens=1 + spec, with_streams=spec > 0)
+    steps = spy_steps(warm.engine, monkeypatch)
+    warm_up(warm.engine, "fast", progress=False)
+    graphs = warm.engine.runner.graphs
+    assert graphs is not None
+    n = 1 + spec
+    wanted = {GraphKey(1, n, n, ctx, False) for ctx in (8192, 16384)}
+    assert wanted <= set(graphs._graphs)
+    assert all(max(st.shape.starts) + max(st.shape.lens) <= 4096 for st in steps)
+    for key in wanted:                # what a GPU capture runs, eagerly
+        graphs._forward(graphs._graphs[key].inputs, key)
+        assert (graphs._graphs[key].draft is not None) == (spec > 0)
     assert_clean(warm.engine)
     assert outputs(warm) == outputs(cold)
 

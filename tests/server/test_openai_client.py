@@ -284,6 +284,12 @@ def test_abort_endpoint_ends_a_running_stream(server: ServerProcess) -> None:
 
 
 def test_metrics_exposition(server: ServerProcess) -> None:
+    # a repeated prompt of its own: the hit rate must not depend on which tests ran before on
+    # this server (pytest-xdist spreads them over workers)
+    prompt = "class MetricsProbe:\n" + "    def method(self, x):\n        return x + 1\n" * 12
+    for _ in range(2):
+        httpx.post(f"{server.url}/v1/completions", timeout=60.0,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("dsv4_requests_running", "dsv4_requests_waiting",
                  "dsv4_generation_tokens_per_second", "dsv4_time_to_first_token_seconds_bucket",

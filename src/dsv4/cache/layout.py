@@ -65,6 +65,14 @@ def swa_bytes_per_page(model: ModelConfig, dtype: torch.dtype, page_size: int) -
 
 
 def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> CacheLayout:
+    """Page counts of the pools. Explicit sizes (`max_total_tokens`, `swa_tokens`) win. Otherwise
+    the KV budget is split: SWA pages get every running request's horizon plus one step's chunk
+    and, with the prefix cache on and a `swa_memory_fraction` > 0 (None counts as 0: the engine
+    resolves it per device), at least that share of the budget; full pages get the rest, up to
+    what `max_running_requests` requests of `context_length` could use; then budget the full
+    pool cannot use goes to SWA pages too, so cached prefixes are not evicted for want of window
+    pages while memory sits idle; never more SWA pages than full pages (each shadows one) beyond
+    the running requests' need."""
     P = engine.page_size
     for name, ratio in (("csa_ratio", model.csa_ratio), ("hca_ratio", model.hca_ratio)):
         if P % ratio:
@@ -80,18 +88,38 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
     if engine.max_total_tokens is not None:
         full_pages = math.ceil(engine.max_total_tokens / P) + 1
     else:
-        assert engine.kv_cache_memory_gb is not None, "the runner resolves the KV budget"
-        budget = (engine.kv_cache_memory_gb * (1 << 30)
-                  - swa_pages * swa_bytes_per_page(model, dtype, P))
-        if budget <= 0:
-            raise ValueError(f"kv_cache_memory_gb={engine.kv_cache_memory_gb} is too small for the "
-                             f"SWA pools ({swa_pages} pages); allowed: a larger budget or smaller "
-                             "max_running_requests")
-        full_pages = int(budget // max(1.0, full_bytes_per_token(model, dtype) * P)) + 1
-        context = engine.context_length or model.max_position_embeddings
-        # no use for more
-        full_pages = min(full_pages, engine.max_running_requests * math.ceil(context / P) + 1)
+        full_pages, swa_pages = _split_budget(model, engine, dtype, swa_pages)
     return CacheLayout(page_size=P, num_full_pages=max(full_pages, 2),
                        num_swa_pages=max(swa_pages, 2),
                        ring_c4=2 * model.csa_ratio * engine.rings,
                        ring_c128=model.hca_ratio * engine.rings, swa_horizon=horizon)
+
+
+def _split_budget(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
+                  swa_pages: int) -> tuple[int, int]:
+    """(full pages, SWA pages) of the KV budget, SWA pages at least `swa_pages` (plan_cache)."""
+    assert engine.kv_cache_memory_gb is not None, "the runner resolves the KV budget"
+    P = engine.page_size
+    total = engine.kv_cache_memory_gb * (1 << 30)
+    swa_page = swa_bytes_per_page(model, dtype, P)
+    full_page = max(1.0, full_bytes_per_token(model, dtype) * P)
+    fraction = engine.swa_memory_fraction or 0.0
+    grow_swa = engine.swa_tokens is None and not engine.disable_prefix_cache and fraction > 0
+    running = swa_pages
+    if grow_swa:
+        swa_pages = max(swa_pages, int(total * fraction // swa_page))
+    budget = total - swa_pages * swa_page
+    if budget <= 0:
+        raise ValueError(f"kv_cache_memory_gb={engine.kv_cache_memory_gb} is too small for the "
+                         f"SWA pools ({swa_pages} pages); allowed: a larger budget or smaller "
+                         "max_running_requests")
+    full_pages = int(budget // full_page) + 1
+    context = engine.context_length or model.max_position_embeddings
+    cap = engine.max_running_requests * math.ceil(context / P) + 1          # no use for more
+    if full_pages > cap:
+        if grow_swa:
+            swa_pages += int((full_pages - cap) * full_page // swa_page)
+        full_pages = cap
+    if grow_swa:       # an SWA page shadows a full page: more could never be used
+        swa_pages = min(swa_pages, max(full_pages, running))
+    return full_pages, swa_pages

@@ -67,6 +67,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mem-fraction-static", type=float, default=None,
                    help="on cuda, the share of the GPU's memory for weights + KV pools when "
                         "--kv-cache-memory-gb and --max-total-tokens are unset (default 0.88)")
+    g.add_argument("--swa-memory-fraction", type=float, default=None,
+                   help="with the prefix cache on, the least share of the KV budget for "
+                        "sliding-window pages (default: 0.25 on cuda, 0 on cpu)")
     g.add_argument("--kernel-backend", default=None,
                    help="kernel implementation (default: triton on cuda, ref on cpu)")
     g.add_argument("--weight-format", default=None, choices=WEIGHT_FORMATS,
@@ -124,7 +127,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     given = {name: getattr(args, name) for name in (
         "max_running_requests", "context_length", "chunked_prefill_size", "page_size",
-        "max_total_tokens", "kv_cache_memory_gb", "mem_fraction_static", "kernel_backend", "seed",
+        "max_total_tokens", "kv_cache_memory_gb", "mem_fraction_static", "swa_memory_fraction",
+        "kernel_backend", "seed",
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
@@ -171,13 +175,15 @@ def dry_run(config: ServerConfig) -> str:
 
     import torch
 
-    from dsv4.config.engine import EngineConfig, kv_budget_gb
+    from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_swa_fraction
     from dsv4.config.model import ModelConfig
     from dsv4.distributed.memory import RankMemory, format_plan, plan_memory
     from dsv4.model.loader import resolve_dtype
 
     model, dtype, engine = (ModelConfig.from_hf(config.model), resolve_dtype(config.dtype),
                             config.engine_config)
+    engine = dataclasses.replace(engine, swa_memory_fraction=resolve_swa_fraction(
+        engine.swa_memory_fraction, config.device.split(":")[0]))
 
     def plan(e: EngineConfig) -> list[RankMemory]:
         return plan_memory(model, e, dtype, config.tp_size, config.ep_size > 1,

@@ -59,7 +59,13 @@ class EngineConfig:
     the static allocations, weights and KV pools; the rest is left to activations and graphs.
     `kernel_backend`: None picks `triton` on CUDA and `ref` elsewhere
     (`resolve_kernel_backend`).
-    `swa_tokens`: sliding-window slots (None: enough for every running request's window).
+    `swa_tokens`: sliding-window slots (None: planned from the KV budget, `cache/layout.py`).
+    `swa_memory_fraction`: with the prefix cache on, the least share of the KV budget that goes to
+    sliding-window pages (cached prefixes keep the window and compressor state at their ends
+    there; running requests' own needs come first either way), and with a share > 0 the budget
+    the full pool cannot use goes there too (`cache/layout.py`). None: 0.25 on CUDA, where the
+    budget is the GPU's memory; 0 elsewhere, where it is a nominal cap and pools are allocated
+    up front (`resolve_swa_fraction`). Ignored with `swa_tokens`.
     `context_length`: longest prompt + output (None: the model's `max_position_embeddings`).
     `capture_routing`: record routed expert ids and indexer top-k per token (RL replay).
     `batch_invariant`: compute every token as it would be computed alone and as the full-sequence
@@ -100,6 +106,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     max_total_tokens: int | None = None
     swa_tokens: int | None = None
+    swa_memory_fraction: float | None = None
     kv_cache_memory_gb: float | None = None
     mem_fraction_static: float = 0.88
     context_length: int | None = None
@@ -129,6 +136,9 @@ class EngineConfig:
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} is invalid; "
                              "allowed: None or > 0")
+        if self.swa_memory_fraction is not None and not 0 <= self.swa_memory_fraction < 1:
+            raise ValueError(f"swa_memory_fraction={self.swa_memory_fraction} is invalid; "
+                             "allowed: 0 <= swa_memory_fraction < 1")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} is invalid; "
                              "allowed: 0 < mem_fraction_static < 1")
@@ -177,6 +187,19 @@ def resolve_kernel_backend(requested: KernelBackend | None, device_type: str) ->
     if requested is not None:
         return requested
     return "triton" if device_type == "cuda" else "ref"
+
+
+CUDA_SWA_MEMORY_FRACTION = 0.25
+"""`swa_memory_fraction` on CUDA when not given: a quarter of the KV budget lets a 60 GB budget
+keep the window state of about 6,000 cached prefixes at V4-Flash geometry (2.5 MB per SWA page
+of 256 tokens with its rings), while the full pool keeps the rest for long contexts."""
+
+
+def resolve_swa_fraction(requested: float | None, device_type: str) -> float:
+    """The `swa_memory_fraction` an engine on `device_type` plans with (EngineConfig)."""
+    if requested is not None:
+        return requested
+    return CUDA_SWA_MEMORY_FRACTION if device_type == "cuda" else 0.0
 
 
 def resolve_warmup(requested: WarmupMode | None, device_type: str,

@@ -167,6 +167,26 @@ class DecodeGraphs:
         self._last = (step, key, b)
         return step.logits[:b * k], captured, streams
 
+    def prepare(self, batch: int, tokens: int, context: int, capture_routing: bool,
+                draft_steps: int = 0) -> int:
+        """Capture the graph of a step of `batch` requests feeding `tokens` tokens each, with
+        logits at each of them (a plain decode step: 1; a verify pass: 1 + drafts), whose
+        largest end position lies in context bucket `context`, and its drafting graph when
+        `draft_steps`; returns how many graphs this captured (0: all there). Capture needs no
+        request: it runs on padding rows (`_build`), so warmup can reach any context bucket
+        without prefilling a request that long."""
+        B = next(x for x in self.buckets if x >= batch)
+        key = GraphKey(B, tokens, tokens, context_bucket(context, self.span), capture_routing)
+        built = 0
+        step = self._graphs.get(key)
+        if step is None:
+            step = self._graphs[key] = self._build(key)
+            built += 1
+        if draft_steps and step.draft is None:
+            step.draft = self._build_draft(step, key, draft_steps)
+            built += 1
+        return built
+
     def draft_after(self, next_ids: torch.Tensor, first: torch.Tensor,
                     num_steps: int) -> torch.Tensor:
         """The drafts [b, num_steps] of the b requests of the latest `run_streams` step, by replay

@@ -21,7 +21,13 @@ import torch
 from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
-from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_kernel_backend, resolve_warmup
+from dsv4.config.engine import (
+    EngineConfig,
+    kv_budget_gb,
+    resolve_kernel_backend,
+    resolve_swa_fraction,
+    resolve_warmup,
+)
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
 from dsv4.engine.metadata import build_context
@@ -58,7 +64,8 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
                     f" {used / 2**30:.1f} GB in use" if device.type == "cuda" else "CPU default")
     warmup = resolve_warmup(config.warmup, device.type, backend)
     return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
-                               warmup=warmup)
+                               warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
+                                   config.swa_memory_fraction, device.type))
 
 
 class ModelRunner:

@@ -8,21 +8,28 @@ Warmup runs those steps with dummy requests through the normal engine path, so n
 What a mode covers (`warmup_plan`):
 - "none": nothing;
 - "fast": two prefill steps, one of `chunked_prefill_size` tokens (the largest step, the common
-  one under load) and a short one (`SHORT_PREFILL_TOKENS`: the small-M kernel specialisations),
-  then decode steps at batch 1, at the smallest batch bucket >= `FAST_MIN_BATCH` and at the
-  largest bucket, at the smallest context bucket: the kernel specialisations the other buckets
-  share are compiled, and the graphs of the most common batch sizes are captured. The other
-  buckets are still captured on first use (hundreds of ms each, no compile);
+  one under load) and a short one (`SHORT_PREFILL_TOKENS`: the small-M kernel specialisations);
+  with the `triton` kernels a long prefill (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a
+  short last chunk: the long-context prefill paths, the top-k's compact forms at a full chunk and
+  at a short one, compile there, not in a user's first long prompt); then decode steps at batch
+  1, at the smallest batch bucket >= `FAST_MIN_BATCH` and at the largest bucket, at the smallest
+  context bucket (the sampler and the kernels every bucket shares), then, with CUDA graphs, the
+  batch-1 graph of every larger context bucket a request can reach (the long-context decode
+  paths: the top-k's cooperative form, split-KV attention, compile there): a lone long request
+  never compiles or captures. Other batch buckets above the smallest context bucket are
+  captured on first use;
 - "full": the prefill steps, then a decode step at every batch bucket and, with CUDA graphs,
-  at every context bucket whose whole range fits the context length, the KV cache and
-  `FULL_MAX_CONTEXT` (beyond that cap, prefilling the long anchor request costs more than the
-  capture it saves): no step of a later request captures a graph. Without CUDA graphs there is
-  nothing per bucket to capture: "full" is "fast" plus one batch-1 step per context bucket.
-With speculative decoding every decode step is a verify step of 1 + N tokens per request.
+  the graph of every batch bucket at every reachable context bucket: no step of a later request
+  captures a graph. Without CUDA graphs there is nothing per bucket to capture: "full" is
+  "fast" plus one batch-1 step per context bucket whose whole range fits the context length,
+  the KV cache and `FULL_MAX_CONTEXT`.
+With speculative decoding every decode step is a verify step of 1 + N tokens per request, and
+each graph comes with its drafting graph.
 
-A decode step at a context bucket above the smallest one needs a request whose context reaches
-into it: an "anchor" request of `WarmupShape.anchor` prompt tokens (prefilled once, shared by the
-shapes of its bucket) decodes together with 1-token requests.
+A graph shape ("graph") is captured directly on padding rows (`DecodeGraphs.prepare`): no request
+needs to reach its context. An eager decode step at a larger context bucket needs a request whose
+context reaches into it: an "anchor" request of `WarmupShape.anchor` prompt tokens (prefilled
+once, shared by the shapes of its bucket) decodes together with 1-token requests.
 """
 
 from __future__ import annotations
@@ -47,23 +54,29 @@ logger = init_logger(__name__)
 
 SHORT_PREFILL_TOKENS = 16
 """The short prefill step of every plan (capped by `chunked_prefill_size`)."""
+LONG_PREFILL_DEPTH = 32768
+"""Tokens before the short last chunk of the long warmup prefill (capped by the context length
+and the KV cache, rounded down to whole chunks): past the top-k's in-register rows (4096 C4
+entries: 16384 tokens), where its compact forms take over."""
 FAST_MIN_BATCH = 8
 """"fast" decodes at the smallest batch bucket >= this (besides 1 and the largest)."""
 WARMUP_MAX_TRIES = 64
 """Steps a warmup decode shape may take to come up (1, or 2 under speculative decoding, unless
 the scheduler splits the admission of its requests) before warmup gives up."""
 FULL_MAX_CONTEXT = 131072
-""""full" warms context buckets up to this many tokens at most."""
+""""full" without CUDA graphs warms context buckets up to this many tokens at most (each needs
+an anchor request prefilled that far)."""
 
 
 @dataclass(frozen=True)
 class WarmupShape:
-    """One warmup step: `kind` "prefill" (one request of `tokens` prompt tokens) or "decode"
+    """One warmup step: `kind` "prefill" (one request of `tokens` prompt tokens), "decode"
     (`batch` requests feeding `tokens` tokens each, all with logits: 1, or 1 + N under
-    speculative decoding). `context`: a decode step's context bucket (prefill: 0). `anchor`:
-    prompt tokens of the long request that puts the step in its context bucket (0: none)."""
+    speculative decoding) or "graph" (the decode graph of that shape, captured on padding rows).
+    `context`: a decode step's context bucket (prefill: 0). `anchor`: prompt tokens of the long
+    request that puts an eager decode step in its context bucket (0: none)."""
 
-    kind: Literal["prefill", "decode"]
+    kind: Literal["prefill", "decode", "graph"]
     batch: int
     tokens: int
     context: int = 0
@@ -87,6 +100,12 @@ def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_
     plan = [WarmupShape("prefill", 1, longest)]
     if min(SHORT_PREFILL_TOKENS, longest) < longest:
         plan.append(WarmupShape("prefill", 1, SHORT_PREFILL_TOKENS))
+    chunk = config.chunked_prefill_size
+    depth = min(LONG_PREFILL_DEPTH, context_length - 1 - SHORT_PREFILL_TOKENS,
+                max_total_tokens - 1 - SHORT_PREFILL_TOKENS)
+    depth -= depth % chunk
+    if config.kernel_backend == "triton" and depth > chunk:
+        plan.append(WarmupShape("prefill", 1, depth + SHORT_PREFILL_TOKENS))
     n = 1 + config.speculative_num_steps
     fits = config.chunked_prefill_size // n
     if pool_pages is not None:     # each decode request holds its pages of (1 + 2 + 2n) tokens
@@ -97,12 +116,25 @@ def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_
     base = context_bucket(1, span)
     plan += [WarmupShape("decode", b, n, base) for b in (buckets if mode == "full" and
                                                           graph_max_batch else some)]
-    if mode == "full":
-        batches = buckets if graph_max_batch else [1]
+    if graph_max_batch:
+        batches = buckets if mode == "full" else [1]
+        plan += [WarmupShape("graph", b, n, ctx)
+                 for ctx in _graph_contexts(base, span, min(context_length, max_total_tokens))
+                 for b in batches]
+    elif mode == "full":
         for prev, ctx in _context_buckets(base, span, context_length, max_total_tokens,
-                                          config.page_size * buckets[-1], 2 * n * len(batches)):
-            plan += [WarmupShape("decode", b, n, ctx, prev + 1) for b in batches]
+                                          config.page_size * buckets[-1], 2 * n):
+            plan.append(WarmupShape("decode", 1, n, ctx, prev + 1))
     return plan
+
+
+def _graph_contexts(base: int, span: int, longest: int) -> list[int]:
+    """Every context bucket above `base` that a request of at most `longest` tokens reaches."""
+    out, prev = [], base
+    while prev < span and prev + 1 <= longest:
+        prev = context_bucket(prev + 1, span)
+        out.append(prev)
+    return out
 
 
 def _context_buckets(base: int, span: int, context_length: int, max_total_tokens: int,
@@ -157,7 +189,13 @@ def warm_up(engine: LLMEngine, mode: str | None = None, progress: bool = True) -
                 anchor = None
             if shape.anchor and anchor is None:
                 anchor = _anchor(engine, shape, rng)
-            _run_shape(engine, shape, i, anchor, rng)
+            if shape.kind == "graph":
+                assert graphs is not None, "graph shapes are planned with CUDA graphs only"
+                graphs.prepare(shape.batch, shape.tokens, shape.context,
+                               engine.runner.config.capture_routing,
+                               engine.runner.config.speculative_num_steps)
+            else:
+                _run_shape(engine, shape, i, anchor, rng)
             bar.update(1)
     if anchor is not None:
         _end(engine, [anchor])

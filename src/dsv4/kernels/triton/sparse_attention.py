@@ -31,6 +31,11 @@ list [source 1 | source 2] (each source cut into BLOCK_N-key blocks; source 1's 
                (grid T * H) merges the NS partial results with the sink in the denominator the
                same way.
 
+Compiled variants: the split plan (blocks per split, number of splits) changes with the context
+and is not specialised on (`do_not_specialize`); the index widths K1, K2 stay specialised (on
+1, multiples of 16, the rest: their 16-divisibility lets the index loads vectorise, 1 us of a
+B = 1 decode call), as do strides, H and D.
+
 K = V is what makes one gather serve both dots: the [BLOCK_N, D] tile (BLOCK_N x 1 KB of bf16 for
 D = 512, row-granular, coalesced) lands in shared memory once and is read as K^T by the QK dot and
 as V by the PV dot. All BLOCK_H heads of the program share it (MQA), and the G head-group programs
@@ -154,7 +159,7 @@ def _pv_dot(p, k, acc, P_TERMS: tl.constexpr):  # type: ignore[no-untyped-def]
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, lse_ptr,
     H, D, K1, K2, num_groups, blocks_per_split, num_splits, qk_scale, log2e,
@@ -204,7 +209,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
                  out.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D,  # type: ignore[no-untyped-def]
                     num_splits, log2e, stride_ot, stride_oh, BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):

@@ -35,6 +35,12 @@ Paths, chosen on the host from Python ints only (no device sync: it runs inside 
                                    candidates in its own region, and a third launch (one program per
                                    row) runs the tail, so that K2 stays small in registers.
 
+Compiled variants: the sizes that change from request to request (N, B, the split counts) are not
+specialised on (`do_not_specialize`: Triton would otherwise build a variant for 1, for multiples of
+16 and for the rest), so each path compiles once per plan class and a new prompt length does not
+compile (engine/warmup.py compiles the classes a serving engine meets). Row strides stay
+specialised (they place the loads).
+
 Only K1 and K2 read whole rows, once each; the tail reads the candidates (for Gaussian-like scores a
 few percent of the row: a digit-0 bin spans two octaves; all-equal rows keep everything: exact, just
 slower).
@@ -236,7 +242,7 @@ def device_sms(device: torch.device) -> int | None:
 # ---------------------------------------------------------------------------------------------- row
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _topk_row_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, N, K, stride_s, BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr,
 ):

@@ -132,7 +132,7 @@ def _block_hist0(x, offs, hi, MASKED: tl.constexpr,  # type: ignore[no-untyped-d
     return hist
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P1"])
 def _hist_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, slots_ptr, state_ptr, N, K, stride_s, P1, CHUNK1, STATE_LEN,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, ZERO_BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
@@ -269,7 +269,7 @@ def _cand_hists(state_ptr, cand_ptr, num, bin0,  # type: ignore[no-untyped-def]
     tl.atomic_add(state_ptr + HC1 + bins, h1, mask=h1 != 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "N", "P1", "P2"])
 def _compact_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, slots_ptr, state_ptr, cand_ptr, scr_ptr, B, N, K, stride_s,
     P1, P2, CHUNK, STATE_LEN, SCR, EXACT: tl.constexpr, CBLOCK: tl.constexpr,
@@ -318,7 +318,7 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
                         PROBE, CHUNK_TILE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P2"])
 def _tail_kernel(  # type: ignore[no-untyped-def]
     lengths_ptr, out_ptr, state_ptr, cand_ptr, scr_ptr, N, K, P2, CHUNK, STATE_LEN, SCR,
     TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr,

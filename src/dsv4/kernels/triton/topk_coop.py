@@ -155,7 +155,7 @@ def _ties_cut(tie_list, num, k_rem, CAP: tl.constexpr):  # type: ignore[no-untyp
             ok & (rank < k_rem))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P"])
 def _coop_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, ws_ptr, N, K, stride_s, P, ROW_WORDS,
     CHUNK: tl.constexpr, CAP: tl.constexpr, P_POW2: tl.constexpr, ZERO_BLOCK: tl.constexpr,
