@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +238,38 @@ def test_a_run_out_of_time_ends_with_an_evaluation(tmp_path: Path) -> None:
                       eval_per_level=2, levels=(3,), time_limit_s=1e-6)
     last = RLTrainer(config).run()
     assert last["step"] == 1 and "heldout_by_level" in last
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    """`dsv4 rl run --save-every 1` killed (SIGKILL) after its second step: `--resume` continues
+    from the last state.pt (written atomically every step) and the run logs what an undisturbed
+    run logs (true on-policy on CPU: bit for bit)."""
+    args = ["--steps", "4", "--save-every", "1", "--group-size", "2", "--prompts-per-step", "2",
+            "--max-tokens", "4", "--eval-every", "10", "--eval-per-level", "1", "--levels", "3",
+            "--lr", "1e-4", "--true-on-policy"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert main(["rl", "run", "--out", str(whole), *args]) == 0
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4", "rl", "run", "--out", str(killed),
+                             *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and '"step": 2' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.kill()
+    proc.wait()
+    saved = torch.load(killed / "state.pt", weights_only=True)["step"]
+    assert 1 <= saved < 4, saved
+    assert main(["rl", "run", "--out", str(killed), "--resume", *args]) == 0
+    drop = ("rollout_s", "train_s", "sync_s")
+
+    def records(run: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+    assert records(killed) == records(whole)

@@ -26,9 +26,9 @@ _RUN_FLAGS: dict[str, type] = {
     "task": str, "algo": str, "group_size": int, "prompts_per_step": int, "steps": int,
     "lr": float, "temperature": float, "max_tokens": int, "eps_low": float, "eps_high": float,
     "tis": float, "kl_coef": float, "entropy_coef": float, "overlong_buffer": int,
-    "eval_every": int, "eval_per_level": int, "seed": int, "dtype": str, "device": str,
-    "kernel_backend": str, "weight_format": str, "formulation": str, "time_limit_s": float,
-    "max_steps_this_call": int, "sync_bucket_mb": float}
+    "eval_every": int, "save_every": int, "eval_per_level": int, "seed": int, "dtype": str,
+    "device": str, "kernel_backend": str, "weight_format": str, "formulation": str,
+    "time_limit_s": float, "max_steps_this_call": int, "sync_bucket_mb": float}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,7 +18,7 @@ ALGOS: tuple[str, ...] = ("grpo", "dapo")
 REPLAYS: tuple[str, ...] = ("none", "routing", "routing,indexer")
 PLACEMENTS: tuple[str, ...] = ("local", "colocated", "disaggregated")
 INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call", "placement",
-                     "sync_bucket_mb")
+                     "sync_bucket_mb", "save_every")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class RLConfig(RunConfig):
     formulation's own values, which agree with the kernels only to summation order.
     `kl_coef`: k3 KL to the frozen initial policy.
     `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level.
+    `save_every` steps (and at the end, and where the time limit stops the run), `state.pt` is
+    written atomically: a trainer killed at any point resumes (`--resume`) from the last one and,
+    rollouts depending only on (seed, step) and the saved state, continues as the run would have.
     `placement` (`rl/placement.py`): "local" (trainer and engine in this process, no Ray),
     "colocated" (both in one Ray actor on one bundle) or "disaggregated" (a trainer actor and a
     rollout actor on two bundles; weights broadcast after every step in buckets of
@@ -81,6 +84,7 @@ class RLConfig(RunConfig):
     formulation: str = "serving"
     kernel_values: bool = True
     eval_every: int = 10
+    save_every: int = 10
     eval_per_level: int = 50
     seed: int = 0
     dtype: str = "float32"
@@ -102,7 +106,7 @@ class RLConfig(RunConfig):
         if self.replay not in REPLAYS:
             raise ValueError(f"replay={self.replay!r} is invalid; allowed: {list(REPLAYS)}")
         for name in ("group_size", "prompts_per_step", "steps", "max_tokens", "eval_every",
-                     "eval_per_level", "max_resample_rounds"):
+                     "save_every", "eval_per_level", "max_resample_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")

@@ -334,12 +334,12 @@ class RLTrainer:
         last: dict[str, Any] = {}
         if self.step == 0:
             last = self._log({"step": 0, **self.evaluate()})
-        start = time.perf_counter()
+        base, start = self.elapsed_s, time.perf_counter()
         with tqdm(total=c.steps, initial=self.step, desc="rl", unit="step", disable=None) as bar:
             while self.step < stop_at:
                 record = self.train_step()
-                out_of_time = (c.time_limit_s is not None and
-                               time.perf_counter() - start + self.elapsed_s > c.time_limit_s)
+                self.elapsed_s = base + time.perf_counter() - start
+                out_of_time = c.time_limit_s is not None and self.elapsed_s > c.time_limit_s
                 # evaluated every eval_every steps, at the last step, and where the time runs out
                 if self.step % c.eval_every == 0 or self.step == c.steps or out_of_time:
                     record.update(self.evaluate())
@@ -349,7 +349,9 @@ class RLTrainer:
                 if out_of_time:
                     logger.info("time limit reached at step %d; saving for resume", self.step)
                     break
-        self.elapsed_s += time.perf_counter() - start
+                if self.step % c.save_every == 0 and self.step < stop_at:
+                    self.save()              # a killed run resumes from here (state.pt: atomic)
+        self.elapsed_s = base + time.perf_counter() - start
         self.save()
         return last
 
