@@ -21,6 +21,10 @@ Each rank then runs the same forward (the full-sequence path or the engine's ste
 inputs: SPMD, so every collective is matched. The all-reduces sum fp32 partials (attention's in
 the model dtype), so outputs equal one process's to summation order (fp32: ~1e-6).
 Checkpoint-format (FP4 / FP8) experts are refused for now.
+
+`owned_slices` states the partition once, as parameter name -> `Cut` (dim, start, size):
+`shard_model` narrows a loaded model's parameters with it (then swaps in the parallel modules),
+and `loading.load_shard` reads exactly those slices from the checkpoint.
 """
 
 from __future__ import annotations
@@ -67,13 +71,13 @@ class AllReduce(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + V / size) of the embedding; other ids give zeros, then all-reduce."""
+    """Rows [start, start + V / size) of the embedding (`weight`, already this rank's rows);
+    other ids give zeros, then all-reduce."""
 
-    def __init__(self, full: nn.Embedding, tp: TPGroup) -> None:
+    def __init__(self, weight: torch.Tensor, start: int, tp: TPGroup) -> None:
         super().__init__()
-        rows = _split(full.num_embeddings, tp, "vocab_size")
-        self.start, self.reduce = tp.rank * rows, AllReduce(tp)
-        self.weight = nn.Parameter(full.weight.detach()[self.start:self.start + rows].clone())
+        self.start, self.reduce = start, AllReduce(tp)
+        self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -83,14 +87,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """This rank's vocab rows of the LM head; the logits are all-gathered (exact, no sum)."""
+    """This rank's vocab rows of the LM head (`weight`); the logits are all-gathered (exact, no
+    sum)."""
 
-    def __init__(self, full: nn.Linear, tp: TPGroup) -> None:
+    def __init__(self, weight: torch.Tensor, tp: TPGroup) -> None:
         super().__init__()
-        rows = _split(full.out_features, tp, "vocab_size")
         self.tp = tp
-        self.weight = nn.Parameter(full.weight.detach()[tp.rank * rows:(tp.rank + 1) * rows]
-                                   .clone())
+        self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight).movedim(-1, 0).contiguous()      # [V/size, ...]
@@ -102,21 +105,70 @@ def _group(tp: TPGroup) -> dist.ProcessGroup:
     return tp.group if tp.group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class Cut:
+    """The part of a full tensor that one rank owns: `size` indices from `start` along `dim`."""
+
+    dim: int
+    start: int
+    size: int
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor `t` (a view)."""
+        return t.narrow(self.dim, self.start, self.size)
+
+
+def owned_slices(model: DeepSeekV4ForCausalLM, tp: TPGroup,
+                 expert_parallel: bool = False) -> dict[str, Cut]:
+    """Parameter name -> rank `tp.rank`'s `Cut` of it, for every parameter the layout splits (a
+    name not in the dict is replicated whole; names are the same in the full model and the shard).
+
+    The one statement of the partition (module docstring): `shard_model` applies it to a loaded
+    model, `loading.load_shard` reads it from the checkpoint. `model` is the full model (any
+    device, meta included). Raises ValueError as `shard_model` does; changes nothing."""
+    check_shardable(model.config, tp.size, expert_parallel)
+    if tp.size == 1:
+        return {}
+    cuts = {"embed.weight": _part(model.embed.num_embeddings, tp, "vocab_size"),
+            "head.weight": _part(model.head.out_features, tp, "vocab_size")}
+    for prefix, module in model.named_modules():
+        if isinstance(module, Attention):
+            part = _attention_cuts(module, tp)
+        elif isinstance(module, MoE):
+            part = _moe_cuts(module, tp, expert_parallel)
+        else:
+            continue
+        cuts.update({f"{prefix}.{name}": cut for name, cut in part.items()})
+    return cuts
+
+
 def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
                 expert_parallel: bool = False) -> DeepSeekV4ForCausalLM:
     """Shard `model` in place for rank `tp.rank` of `tp.size` (module docstring); returns it.
     `expert_parallel`: routed experts split by id instead of by intermediate dimension. Raises
-    ValueError naming the dimension a size does not divide, before changing anything."""
-    check_shardable(model.config, tp.size, expert_parallel)
-    if tp.size == 1:
+    ValueError naming the dimension a size does not divide, before changing anything. Needs no
+    live process group (the collectives resolve `tp.group` when they run) and works on the meta
+    device."""
+    cuts = owned_slices(model, tp, expert_parallel)
+    if not cuts:
         return model
-    for module in list(model.modules()):
+    for name, cut in cuts.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        full = getattr(module, attr)
+        assert isinstance(full, nn.Parameter), f"{name} is cut but is not a parameter"
+        setattr(module, attr, nn.Parameter(cut.take(full.detach()).clone(),
+                                           requires_grad=full.requires_grad))
+    for prefix, module in list(model.named_modules()):
         if isinstance(module, Attention):
-            _shard_attention(module, tp)
+            _localize_attention(module, tp)
         elif isinstance(module, MoE):
-            _shard_moe(module, tp, expert_parallel)
-    model.embed = VocabParallelEmbedding(model.embed, tp)  # type: ignore[assignment]
-    model.head = VocabParallelHead(model.head, tp)         # type: ignore[assignment]
+            if expert_parallel:
+                module.experts = LocalExperts(module.experts, cuts[f"{prefix}.experts.w1"])
+            module.reduce = AllReduce(tp)
+    model.embed = VocabParallelEmbedding(  # type: ignore[assignment]
+        model.embed.weight, cuts["embed.weight"].start, tp)
+    model.head = VocabParallelHead(model.head.weight, tp)  # type: ignore[assignment]
     return model
 
 
@@ -136,35 +188,62 @@ def _split(dim: int, tp: TPGroup, name: str) -> int:
     return dim // tp.size
 
 
-def _rows(w: torch.Tensor, part: int, rank: int, dim: int = 0) -> nn.Parameter:
-    return nn.Parameter(w.detach().narrow(dim, rank * part, part).clone(),
-                        requires_grad=w.requires_grad)
+def _part(total: int, tp: TPGroup, name: str, dim: int = 0, unit: int = 1) -> Cut:
+    """Rank `tp.rank`'s equal share of `total` items of `unit` indices each, along `dim`."""
+    size = _split(total, tp, name) * unit
+    return Cut(dim, tp.rank * size, size)
 
 
-def _shard_attention(attn: Attention, tp: TPGroup) -> None:
-    heads, groups = _split(attn.n_heads, tp, "num_heads"), _split(attn.o_groups, tp, "o_groups")
-    r, D = tp.rank, attn.head_dim
+def _attention_cuts(attn: Attention, tp: TPGroup) -> dict[str, Cut]:
+    """Query heads (wq_b rows, sinks) and output groups (wo_a rows, wo_b columns)."""
     o_lora = attn.wo_a.weight.shape[0] // attn.o_groups
-    attn.wq_b.weight = _rows(attn.wq_b.weight, heads * D, r)
-    attn.attn_sink = _rows(attn.attn_sink, heads, r)
-    attn.wo_a.weight = _rows(attn.wo_a.weight, groups * o_lora, r)
-    attn.wo_b.weight = _rows(attn.wo_b.weight, groups * o_lora, r, dim=1)
-    attn.wq_b.out_features, attn.wo_a.out_features = heads * D, groups * o_lora
-    attn.wo_b.in_features = groups * o_lora
-    attn.n_heads, attn.o_groups = heads, groups
+    groups = _part(attn.o_groups, tp, "o_groups", unit=o_lora)
+    return {"wq_b.weight": _part(attn.n_heads, tp, "num_heads", unit=attn.head_dim),
+            "attn_sink": _part(attn.n_heads, tp, "num_heads"),
+            "wo_a.weight": groups, "wo_b.weight": Cut(1, groups.start, groups.size)}
+
+
+def _localize_attention(attn: Attention, tp: TPGroup) -> None:
+    """Sizes of an attention whose parameters hold this rank's heads and groups; all-reduce."""
+    attn.wq_b.out_features, attn.wo_a.out_features = (attn.wq_b.weight.shape[0],
+                                                      attn.wo_a.weight.shape[0])
+    attn.wo_b.in_features = attn.wo_b.weight.shape[1]
+    attn.n_heads, attn.o_groups = attn.attn_sink.shape[0], attn.o_groups // tp.size
     attn.reduce = AllReduce(tp)
+
+
+def _moe_cuts(moe: MoE, tp: TPGroup, expert_parallel: bool) -> dict[str, Cut]:
+    """Routed experts by id (`expert_parallel`) or by intermediate dim (w1 / w3 rows, w2
+    columns); the shared expert by intermediate dim. The gate is replicated."""
+    experts, shared = moe.experts, moe.shared_experts
+    if not all(isinstance(getattr(experts, n, None), nn.Parameter) for n in ("w1", "w2", "w3")):
+        raise ValueError("tensor parallelism of checkpoint-format (FP4 / FP8) experts is not "
+                         "supported; allowed: weight_format='bf16'")
+    if expert_parallel:
+        ids = _part(experts.w1.shape[0], tp, "n_routed_experts")
+        cuts = {f"experts.{n}": ids for n in ("w1", "w2", "w3")}
+    else:
+        inter = experts.w1.shape[1]
+        cuts = {"experts.w1": _part(inter, tp, "moe_inter_dim", dim=1),
+                "experts.w3": _part(inter, tp, "moe_inter_dim", dim=1),
+                "experts.w2": _part(inter, tp, "moe_inter_dim", dim=2)}
+    inter = shared.w1.weight.shape[0]
+    return {**cuts, "shared_experts.w1.weight": _part(inter, tp, "shared expert inter dim"),
+            "shared_experts.w3.weight": _part(inter, tp, "shared expert inter dim"),
+            "shared_experts.w2.weight": _part(inter, tp, "shared expert inter dim", dim=1)}
 
 
 class LocalExperts(Experts):
     """Experts [start, start + count) of a routed-expert layer (expert parallelism; parameter
-    names unchanged): the (token, expert) pairs routed elsewhere get weight 0 on an in-range id,
-    so the same op computes this rank's share of the layer's output."""
+    names unchanged), built from an `Experts` whose parameters already hold those experts: the
+    (token, expert) pairs routed elsewhere get weight 0 on an in-range id, so the same op computes
+    this rank's share of the layer's output."""
 
-    def __init__(self, experts: Experts, start: int, count: int) -> None:
+    def __init__(self, experts: Experts, ids: Cut) -> None:
         nn.Module.__init__(self)
-        self.limit, self.start, self.count = experts.limit, start, count
-        self.w1, self.w2, self.w3 = (_rows(getattr(experts, n), count, start // count)
-                                     for n in ("w1", "w2", "w3"))
+        assert experts.w1.shape[0] == ids.size, "experts must already be cut to `ids`"
+        self.limit, self.start, self.count = experts.limit, ids.start, ids.size
+        self.w1, self.w2, self.w3 = experts.w1, experts.w2, experts.w3
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 ctx: ForwardContext | None = None, *,
@@ -173,22 +252,3 @@ class LocalExperts(Experts):
         mine = (local >= 0) & (local < self.count)
         return super().forward(u, torch.where(mine, local, 0),
                                torch.where(mine, weights, 0.0), ctx, mode=mode)
-
-
-def _shard_moe(moe: MoE, tp: TPGroup, expert_parallel: bool) -> None:
-    experts, shared, r = moe.experts, moe.shared_experts, tp.rank
-    if not all(isinstance(getattr(experts, n, None), nn.Parameter) for n in ("w1", "w2", "w3")):
-        raise ValueError("tensor parallelism of checkpoint-format (FP4 / FP8) experts is not "
-                         "supported; allowed: weight_format='bf16'")
-    if expert_parallel:
-        count = _split(experts.w1.shape[0], tp, "n_routed_experts")
-        moe.experts = LocalExperts(experts, r * count, count)
-    else:
-        inter = _split(experts.w1.shape[1], tp, "moe_inter_dim")
-        experts.w1, experts.w3 = _rows(experts.w1, inter, r, 1), _rows(experts.w3, inter, r, 1)
-        experts.w2 = _rows(experts.w2, inter, r, 2)
-    part = _split(shared.w1.weight.shape[0], tp, "shared expert inter dim")
-    shared.w1.weight, shared.w3.weight = (_rows(shared.w1.weight, part, r),
-                                          _rows(shared.w3.weight, part, r))
-    shared.w2.weight = _rows(shared.w2.weight, part, r, dim=1)
-    moe.reduce = AllReduce(tp)

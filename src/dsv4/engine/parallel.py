@@ -1,8 +1,9 @@
 """Tensor / expert-parallel engines: one engine per rank, rank 0 drives (issue 22).
 
-Every rank runs an `LLMEngine` over its shard of the model (`distributed/tp.py`). Rank 0's is
-the one the caller uses, through `ParallelEngine` (the surface `LLM` uses). Every call that
-changes engine state (`add_request` with its request id and resolved seed, `finish`, `pop`,
+Every rank runs an `LLMEngine` over its shard of the model (`distributed/tp.py`), which it reads
+from the checkpoint itself (`distributed/loading.py`: only the tensors and slices it owns).
+Rank 0's is the one the caller uses, through `ParallelEngine` (the surface `LLM` uses). Every call
+that changes engine state (`add_request` with its request id and resolved seed, `finish`, `pop`,
 `step`) is recorded and, at the next step, broadcast to the other ranks over a gloo group as one
 list; they apply it in the same order and run the same step. As in SGLang, where every TP rank
 runs a scheduler over the requests rank 0 broadcasts: scheduling is deterministic given the call
@@ -31,12 +32,12 @@ import torch.distributed as dist
 
 from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
-from dsv4.distributed.tp import TPGroup, check_shardable, shard_model
+from dsv4.distributed.loading import load_shard
+from dsv4.distributed.tp import TPGroup, check_shardable
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.warmup import warm_up
-from dsv4.model.loader import load_model
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -74,8 +75,8 @@ class RankSpec:
 
 
 def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]:
-    """Join the process group, load and shard the model, warm up; returns (engine, the gloo
-    control group)."""
+    """Join the process group, read this rank's shard of the model, warm up; returns (engine, the
+    gloo control group)."""
     device = spec.device_of(rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -83,9 +84,8 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]
                             init_method=spec.init_method, rank=rank, world_size=spec.world,
                             timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT)
-    model = load_model(spec.model, dtype=spec.dtype, device=device, progress=rank == 0,
-                       weight_format=spec.weight_format)  # type: ignore[arg-type]
-    shard_model(model, TPGroup(rank, spec.world), spec.expert_parallel)
+    model = load_shard(spec.model, spec.dtype, device, TPGroup(rank, spec.world),
+                       spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
     engine = LLMEngine(model, spec.config)
     warm_up(engine, progress=rank == 0)     # every rank the same steps: matched collectives
     return engine, control

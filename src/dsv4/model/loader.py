@@ -77,6 +77,11 @@ def _mtp_checked(config: ModelConfig, keys: list[str]) -> ModelConfig:
     return config
 
 
+def checkpoint_config(path: Path) -> ModelConfig:
+    """The config a checkpoint loads as: its config.json, less MTP where the tensors lack it."""
+    return _mtp_checked(ModelConfig.from_hf(path), checkpoint_keys(shard_files(path)))
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16",
                device: str | torch.device = "cpu", progress: bool = True,
                weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
@@ -90,7 +95,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16",
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
-    config = _mtp_checked(ModelConfig.from_hf(path), checkpoint_keys(shard_files(path)))
+    config = checkpoint_config(path)
     model = empty_model(config, torch_dtype, dev, weight_format)
     load_weights(model, path, progress)
     logger.info("loaded %s (%d layers, dtype=%s, device=%s, weights=%s)", path, config.num_layers,

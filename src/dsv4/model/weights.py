@@ -121,6 +121,15 @@ def iter_official_tensors(files: list[Path],
                     yield key, tensor
 
 
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Codes + UE8M0 scales -> `dtype`: FP8 e4m3 with 128x128 blocks, else packed FP4 per 32.
+    Elementwise (code x its block's scale), so any block-aligned part of a tensor dequantises to
+    the same values as that part of the whole."""
+    if weight.dtype in _FP8_DTYPES:
+        return quant.dequant_fp8_block(weight, scale, dtype)
+    return quant.dequant_fp4_group(weight, scale, dtype)
+
+
 class WeightLoader:
     """Fills model parameters from official-named tensors; pairs quantised weights with scales."""
 
@@ -208,11 +217,8 @@ class WeightLoader:
         self.filled.add(key)
 
     def _dequant(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        dtype = self._target_param(name).dtype
         try:
-            if weight.dtype in _FP8_DTYPES:
-                return quant.dequant_fp8_block(weight, scale, dtype)
-            return quant.dequant_fp4_group(weight, scale, dtype)
+            return dequantize(weight, scale, self._target_param(name).dtype)
         except ValueError as err:
             raise CheckpointError(f"tensor `{name}`: {err}") from err
 

@@ -1,0 +1,123 @@
+"""Per-rank loading (`distributed/loading.py`, issue 22): `load_shard` equals load-then-shard.
+
+For `micro` (bf16, and FP8 / FP4 with cuts inside scale blocks), the shipped dsv4-tiny (official
+FP8 / FP4 layout) and `micro` in the transformers layout, at TP 2 and EP 2, both ranks computed in
+one process (no process group): every parameter and buffer of `load_shard` equals
+`shard_model(load_model(...))`'s exactly, the modules match, and each rank reads less than the
+full load (official layout: at least half the expert bytes fewer; the transformers layout's
+stacked experts are read whole, then cut). A missing tensor is reported by the rank that
+owns it; layouts `shard_model` refuses are refused before reading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from itertools import chain
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dsv4.assets import default_model_path
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.distributed.loading import load_shard, load_shard_with_report
+from dsv4.distributed.tp import TPGroup, shard_model
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.loader import load_model
+from dsv4.model.state_dict_adapter import to_hf_state_dict
+from dsv4.model.weights import CheckpointError, official_state_dict, shard_files
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(micro(), root / "micro", seed=4, tokenizer=False)
+    write_checkpoint(micro(), root / "micro-fp8-fp4", seed=4, weight_quant="fp8+fp4",
+                     tokenizer=False)
+    hf = root / "micro-hf"               # transformers in-memory names, stacked experts
+    hf.mkdir()
+    official = official_state_dict(load_model(root / "micro", "float32", progress=False))
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(official).items()},
+              str(hf / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in official.items() if k.startswith("mtp.")},
+              str(hf / "mtp.safetensors"))
+    shutil.copy(root / "micro" / "config.json", hf / "config.json")
+    return {"micro": root / "micro", "micro-fp8-fp4": root / "micro-fp8-fp4",
+            "micro-hf": hf, "tiny": default_model_path()}
+
+
+def tensors(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
+    return dict(chain(model.named_parameters(), model.named_buffers()))
+
+
+def expert_bytes(path: Path) -> int:
+    """Bytes of the routed experts' tensors (codes and scales) in the checkpoint."""
+    total = 0
+    for file in shard_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size()
+                         for k in f.keys() if ".experts." in k)
+    return total
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+@pytest.mark.parametrize(("name", "dtype"), [("micro", "float32"), ("micro-fp8-fp4", "float32"),
+                                             ("micro-hf", "float32"), ("tiny", "bfloat16")])
+def test_shard_equals_load_then_shard(checkpoints: dict[str, Path], name: str, dtype: str,
+                                      layout: str) -> None:
+    path, ep = checkpoints[name], layout == "ep2"
+    experts = expert_bytes(path)
+    for rank in range(2):
+        tp = TPGroup(rank, 2)
+        want = shard_model(load_model(path, dtype, progress=False), tp, ep)
+        got, report = load_shard_with_report(path, dtype, "cpu", tp, ep)
+        a, b = tensors(want), tensors(got)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+            assert a[key].requires_grad == b[key].requires_grad, key
+        for (na, ma), (nb, mb) in zip(want.named_modules(), got.named_modules(), strict=True):
+            assert (na, type(ma), ma.training) == (nb, type(mb), mb.training)
+        assert report.bytes_read < report.checkpoint_bytes
+        if name != "micro-hf":          # official layout: a rank reads half the experts' bytes
+            assert experts > 0 and report.bytes_read <= report.checkpoint_bytes - experts // 2
+        assert report.host_peak == report.shard_bytes + report.staged > report.shard_bytes
+
+
+def test_checkpoint_bytes_are_what_the_full_load_reads(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["tiny"]
+    full = sum(t.numel() * t.element_size() for f in shard_files(path)
+               for t in load_file(str(f)).values())
+    _, report = load_shard_with_report(path, "bfloat16", "cpu", TPGroup(0, 1))
+    assert report.checkpoint_bytes == report.bytes_read == full
+
+
+def test_a_missing_tensor_is_reported_by_its_owner(checkpoints: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    bad = shutil.copytree(checkpoints["micro"], tmp_path / "bad")
+    (file,) = shard_files(bad)
+    state = load_file(str(file))
+    del state["layers.2.ffn.experts.5.w1.weight"]          # expert 5 of 8: EP rank 1's
+    save_file(state, str(file))
+    index = bad / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())
+        del weight_map["weight_map"]["layers.2.ffn.experts.5.w1.weight"]
+        index.write_text(json.dumps(weight_map))
+    load_shard(bad, "float32", "cpu", TPGroup(0, 2), expert_parallel=True)
+    with pytest.raises(CheckpointError, match="missing 1 tensor"):
+        load_shard(bad, "float32", "cpu", TPGroup(1, 2), expert_parallel=True)
+    with pytest.raises(CheckpointError, match="missing 1 tensor"):
+        load_shard(bad, "float32", "cpu", TPGroup(0, 2))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"tp": TPGroup(0, 3)}, "does not divide num_heads="),
+    ({"tp": TPGroup(0, 2), "weight_format": "checkpoint"}, "checkpoint-format"),
+])
+def test_refused_layouts(checkpoints: dict[str, Path], kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_shard(checkpoints["micro"], "float32", "cpu", **kwargs)
