@@ -1,0 +1,329 @@
+"""HotSet (HiSparse): C4 attention entries in a host mirror, a small hot set of them per request
+on the device, and the entry -> hot row mapping that sparse attention reads through.
+
+At long context almost all KV is C4 entries, yet each query reads only the lightning indexer's
+top-k of them. The host mirror holds every entry. The device holds at most `device_entries` of
+them per request and C4 layer. After the indexer picks (its keys stay on the device, so the
+selection is unchanged), `select` copies in the picks that are not hot and returns where they are.
+
+Data layout (L C4 layers, R request slots, E = device_entries, M = max_entries, D = width,
+pe = C4 entries per full page):
+
+    host_pool      [L, num_host_rows, D]  the `LayerCache.entries` pool moved to the host (pinned
+                                          when the device is CUDA): entry i of slot r at row
+                                          page_table[r, i // pe] * pe + i % pe, so prefix-shared
+                                          pages share their entries; last row: trash
+    device_pool    [L, R * E + 1, D]      hot rows: slot r owns rows [r*E, (r+1)*E) of every
+                                          layer (one hot set per C4 layer, as SGLang keeps; no
+                                          allocator needed); last row: trash
+    entry_to_slot  [L, R + 1, M + 1] i32  hot slot j (0..E-1) holding entry i; -1: not hot
+    slot_to_entry  [L, R + 1, E + 1] i32  entry held by hot slot j; -1: empty
+    last_used      [L, R + 1, E + 1] i64  `clock` of the last select or hot write that touched
+                                          slot j; -1: empty. The LRU victim is the smallest.
+
+Row R is `RequestTable.pad_slot`: never admitted, its rows select nothing (CUDA-graph padding).
+Column M / E is the target of masked scatters and always holds -1. The empty slots of a
+(layer, request) are its free list: exactly those with slot_to_entry == -1, which the LRU sort
+puts first. The maps cost 16 bytes per (layer, request, hot slot) and 4 per (layer, request,
+entry), against the >= 584 bytes of an FP8 entry they let stay on the host.
+
+Invariants (`check_integrity`): per layer and admitted slot, entry_to_slot and slot_to_entry are
+mutual inverses; last_used is -1 exactly on empty slots and never ahead of `clock`; slots not
+admitted hold nothing; trash columns hold -1; every hot row equals the host row of its entry
+(writes go through to hot copies); no select has overflowed.
+
+`select(layer, slot_ids, topk)` is torch ops of fixed shapes with no `.item()` / `.tolist()`
+(capturable in a CUDA graph when the swap-in is; `swap_in_ref` is when both pools are on the
+device):
+    1. hits: look every pick up in entry_to_slot; stamp the hit slots with the new clock value
+    2. misses: sort (slot, entry) keys; the first of each run is a distinct miss; rank the distinct
+       misses within their request (a segmented prefix count)
+    3. victims: per request, its slots by ascending last_used (empty first, the slots hit in
+       step 1 last); the miss of rank q takes victim q, if q < E - (slots hit in step 1)
+    4. remap: unmap the victims' old entries, map the misses, stamp them
+    5. swap-in: host rows of the misses -> their hot rows (`swap_in`, one fixed-size copy)
+    6. remap the picks: hot row = slot * E + entry_to_slot[slot, entry]; -1 stays -1
+A call must pick at most E distinct entries per request (one row per request always fits: the
+layout refuses E < top_k). Beyond that the extra misses are not placed, their picks return -1 and
+`num_overflow` counts them, which `check_integrity` reports.
+
+Host syncs: `write_entries` copies to the host mirror synchronously (named sync point; the async
+write-back on a side stream is not built); `swap_in_ref` syncs when the pools are on different
+devices; `check_integrity` reads everything back. admit / release / truncate launch device ops
+from host ints and never read device memory.
+Test: tests/cache/test_hisparse.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.cache.layout import CacheLayout
+from dsv4.config.model import ModelConfig
+from dsv4.kernels.ref.hisparse import swap_in_ref
+
+# (host_pool [N_host, D], device_pool [N_dev + 1, D], src_entries [n], dst_slots [n]) -> None
+SwapIn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class HiSparseLayout:
+    """Sizes of the hot sets and the host mirror; construction validates them, so a bad
+    configuration fails at startup."""
+
+    num_layers: int       # C4 (CSA) layers
+    max_reqs: int         # request slots (RequestTable.max_reqs)
+    max_entries: int      # C4 entries one request can reach: max_context // csa_ratio
+    device_entries: int   # hot slots per request and C4 layer
+    top_k: int            # the indexer's top-k (ModelConfig.index_topk)
+    num_host_rows: int    # host mirror rows per layer, trash row included
+    page_entries: int     # C4 entries per full page: page_size // csa_ratio
+    width: int            # entry width (head_dim)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "max_reqs", "max_entries", "device_entries", "top_k",
+                     "num_host_rows", "page_entries", "width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"hisparse {name}={getattr(self, name)} is invalid; "
+                                 "allowed: >= 1")
+        if self.device_entries < self.top_k:
+            raise ValueError(f"hisparse device_entries={self.device_entries} is invalid; "
+                             f"allowed: >= top_k={self.top_k} (the indexer's index_topk): every "
+                             "pick of one query must be hot at once")
+
+    @classmethod
+    def from_configs(cls, model: ModelConfig, layout: CacheLayout, max_reqs: int,
+                     max_context: int, device_entries: int) -> HiSparseLayout:
+        """The engine's sizes: the host mirror takes the C4 entry coordinates of `layout`."""
+        r = model.csa_ratio
+        return cls(num_layers=sum(t == "csa" for t in model.attn_types), max_reqs=max_reqs,
+                   max_entries=max_context // r, device_entries=device_entries,
+                   top_k=model.index_topk, num_host_rows=layout.num_full_slots // r + 1,
+                   page_entries=layout.page_size // r, width=model.head_dim)
+
+    def pool_bytes(self, dtype: torch.dtype) -> tuple[int, int]:
+        """(device bytes: hot pools + maps, host bytes: mirror) of one HotSet."""
+        elt = torch.finfo(dtype).bits // 8
+        L, R, E, M = self.num_layers, self.max_reqs, self.device_entries, self.max_entries
+        maps = L * (R + 1) * (4 * (M + 1) + 12 * (E + 1))
+        return (L * (R * E + 1) * self.width * elt + maps,
+                L * self.num_host_rows * self.width * elt)
+
+
+class HotSet:
+    """Per request slot and C4 layer: the hot set, its maps and LRU order (module docstring)."""
+
+    def __init__(self, layout: HiSparseLayout, page_table: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device, host_device: torch.device | None = None,
+                 swap_in: SwapIn = swap_in_ref) -> None:
+        """page_table: [max_reqs + 1, max_pages] int64 full pages per slot, on `device`; held by
+        reference (`RequestTable.page_table`), so the host rows follow its updates.
+        host_device: where the mirror lives (default: the CPU, pinned when `device` is CUDA)."""
+        L, R, E, M = layout.num_layers, layout.max_reqs, layout.device_entries, layout.max_entries
+        assert page_table.shape[0] == R + 1, "page_table needs max_reqs + 1 rows (pad slot last)"
+        assert page_table.shape[1] * layout.page_entries >= M, "page_table narrower than entries"
+        self.layout, self.page_table, self.swap_in = layout, page_table, swap_in
+        host = host_device or torch.device("cpu")
+        pin = host.type == "cpu" and device.type == "cuda"
+        self.host_pool = torch.zeros(L, layout.num_host_rows, layout.width, dtype=dtype,
+                                     device=host, pin_memory=pin)
+        self.device_pool = torch.zeros(L, R * E + 1, layout.width, dtype=dtype, device=device)
+        i32, i64 = torch.int32, torch.int64
+        self.entry_to_slot = torch.full((L, R + 1, M + 1), -1, dtype=i32, device=device)
+        self.slot_to_entry = torch.full((L, R + 1, E + 1), -1, dtype=i32, device=device)
+        self.last_used = torch.full((L, R + 1, E + 1), -1, dtype=i64, device=device)
+        self.clock = torch.zeros((), dtype=i64, device=device)
+        self.num_overflow = torch.zeros((), dtype=i64, device=device)
+        self.num_picked = torch.zeros((), dtype=i64, device=device)    # valid picks selected
+        self.num_swapped = torch.zeros((), dtype=i64, device=device)   # entries copied in
+        self._admitted: set[int] = set()
+
+    # ---- request slots -------------------------------------------------------------------
+    def admit(self, slot: int) -> None:
+        """Start an empty hot set for request slot `slot` (every layer)."""
+        assert 0 <= slot < self.layout.max_reqs, f"slot {slot} out of range"
+        assert slot not in self._admitted, f"slot {slot} is already admitted"
+        self._admitted.add(slot)
+
+    def release(self, slot: int) -> None:
+        """Empty the hot set of `slot`; its host entries belong to its pages and stay."""
+        self.truncate(slot, 0)
+        self._admitted.remove(slot)
+
+    def truncate(self, slot: int, num_entries: int) -> None:
+        """Drop hot entries >= num_entries of `slot` in every layer (speculative rollback: the
+        page table may no longer map them, and their rewrite starts cold)."""
+        assert slot in self._admitted, f"slot {slot} is not admitted"
+        E, M = self.layout.device_entries, self.layout.max_entries
+        held = self.slot_to_entry[:, slot, :E]                                # [L, E]
+        drop = held >= num_entries
+        self.entry_to_slot[:, slot].scatter_(1, torch.where(drop, held, M).long(), -1)
+        held.masked_fill_(drop, -1)
+        self.last_used[:, slot, :E].masked_fill_(drop, -1)
+
+    # ---- entries ---------------------------------------------------------------------------
+    def write_entries(self, layer: int, slot_ids: torch.Tensor, entry_ids: torch.Tensor,
+                      values: torch.Tensor, hot: bool = False) -> None:
+        """Store new (or rewritten) entries: entry entry_ids[i] of slot slot_ids[i] = values[i].
+
+        slot_ids, entry_ids: [n] int (entries >= 0, distinct per slot); values: [n, D]. The host
+        mirror always gets them; a hot copy is rewritten too. With `hot`, the entries are also
+        placed in the hot set (LRU victims) straight from `values`, as the newest entries are
+        likely picks; beyond E per slot the rest just stay cold.
+        NOTE: named sync point: the host copy is blocking.
+        """
+        slots, entries = slot_ids.long(), entry_ids.long()
+        rows = self._host_rows(slots, entries)
+        host = self.host_pool[layer]
+        host.index_copy_(0, rows.to(host.device), values.to(host.device, host.dtype))
+        if hot:
+            self._plan(layer, slots, self._valid(slots, entries), strict=False)
+        dev = self.device_pool[layer]
+        hot_rows = self._lookup(layer, slots, self._valid(slots, entries))
+        dev.index_copy_(0, torch.where(hot_rows >= 0, hot_rows, dev.shape[0] - 1),
+                        values.to(dev.device, dev.dtype))
+
+    def select(self, layer: int, slot_ids: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """Make every pick hot and return the hot rows attention reads (module docstring, 1-6).
+
+        slot_ids: [T] int request slot of each row (the pad slot selects nothing); topk: [T, k]
+        int entry ids of that request, -1 padded. Returns [T, k] int64 rows of
+        `device_pool[layer]`, -1 where topk is -1: device_pool[layer][out[t, c]] is entry
+        topk[t, c] of request slot_ids[t].
+        """
+        T, k = topk.shape
+        slots = slot_ids.long()[:, None].expand(T, k).reshape(-1)
+        entries = self._valid(slots, topk.reshape(-1).long())
+        src, dst = self._plan(layer, slots, entries, strict=True)
+        self.swap_in(self.host_pool[layer], self.device_pool[layer], src, dst)
+        self.num_picked += (entries >= 0).sum()
+        self.num_swapped += (dst >= 0).sum()
+        return self._lookup(layer, slots, entries).view(T, k)
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Device counters since construction (read them at a sync point)."""
+        return {"hisparse/picked": self.num_picked, "hisparse/swapped": self.num_swapped,
+                "hisparse/overflow": self.num_overflow}
+
+    # ---- plan ------------------------------------------------------------------------------
+    def _valid(self, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Entries with the pad slot's picks turned into -1."""
+        return torch.where(slots < self.layout.max_reqs, entries, -1)
+
+    def _host_rows(self, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Host mirror row of entry entries[i] of slot slots[i] (its C4 entry slot)."""
+        pe = self.layout.page_entries
+        safe = entries.clamp(min=0)
+        return self.page_table[slots, safe // pe] * pe + safe % pe
+
+    def _lookup(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Hot rows of the picks (flat [n]), -1 where not hot or not a pick."""
+        col = torch.where(entries >= 0, entries, self.layout.max_entries)
+        j = self.entry_to_slot[layer][slots, col].long()
+        return torch.where(j >= 0, slots * self.layout.device_entries + j, -1)
+
+    def _plan(self, layer: int, slots: torch.Tensor, entries: torch.Tensor,
+              strict: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-4 for flat picks [n] (-1: none); returns (host rows, hot rows) [n] of the
+        entries to copy in, -1 where nothing is copied. `strict`: count unplaced misses as
+        overflow."""
+        now = self.clock.add_(1)
+        miss = (entries >= 0) & ~self._stamp_hits(layer, slots, entries, now)
+        slot_s, entry_s, rank = self._rank_misses(slots, entries, miss)
+        return self._place(layer, slot_s, entry_s, rank, now, strict)
+
+    def _stamp_hits(self, layer: int, slots: torch.Tensor, entries: torch.Tensor,
+                    now: torch.Tensor) -> torch.Tensor:
+        """Step 1: stamp the hot slots of the picks with `now`; returns which picks hit."""
+        E = self.layout.device_entries
+        col = torch.where(entries >= 0, entries, self.layout.max_entries)
+        cur = self.entry_to_slot[layer][slots, col].long()
+        hit = (entries >= 0) & (cur >= 0)
+        self.last_used[layer].index_put_((slots, torch.where(hit, cur, E)),
+                                         torch.where(hit, now, -1))
+        return hit
+
+    def _rank_misses(self, slots: torch.Tensor, entries: torch.Tensor,
+                     miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 2: (slot, entry, rank) in key order; rank q >= 0 marks the q-th distinct miss
+        of its request, -1 a duplicate or a non-miss.
+
+            key = slot * (M + 1) + entry      (non-misses: `none`, sorted last)
+            sorted keys   [s0 e3, s0 e3, s0 e7 | s2 e1 | none ...]
+            first         [  1,     0,     1   |   1   |  0   ...]
+            rank          [  0,    -1,     1   |   0   | -1   ...]   cumsum(first) - start[slot]
+        """
+        R, M = self.layout.max_reqs, self.layout.max_entries
+        none = (R + 1) * (M + 1)
+        keys, order = torch.sort(torch.where(miss, slots * (M + 1) + entries, none), stable=True)
+        prev = torch.cat([keys.new_full((1,), -1), keys[:-1]])
+        first = (keys != prev) & (keys < none)
+        slot_s, entry_s = slots[order], entries[order]
+        count = torch.zeros(R + 1, dtype=torch.int64, device=slots.device)
+        count.index_add_(0, slot_s, first.long())
+        start = count.cumsum(0) - count                        # distinct misses of lower slots
+        rank = first.long().cumsum(0) - 1 - start[slot_s]
+        return slot_s, entry_s, torch.where(first, rank, -1)
+
+    def _place(self, layer: int, slot_s: torch.Tensor, entry_s: torch.Tensor, rank: torch.Tensor,
+               now: torch.Tensor, strict: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 3-4: give the q-th distinct miss of a request its q-th LRU slot; remap."""
+        E, M = self.layout.device_entries, self.layout.max_entries
+        e2s, s2e, stamp = (self.entry_to_slot[layer], self.slot_to_entry[layer],
+                           self.last_used[layer])
+        # NOTE: the slots hit in step 1 carry `now`, above every other stamp, so they sort last
+        # and the first E - hit victims of a request are never slots that this call reads.
+        free = E - (stamp[:, :E] == now).sum(-1)                                  # [R + 1]
+        fits = (rank >= 0) & (rank < free[slot_s])
+        if strict:
+            self.num_overflow += ((rank >= 0) & ~fits).sum()
+        victims = torch.sort(stamp[:, :E], dim=-1, stable=True).indices           # [R + 1, E]
+        j = victims[slot_s, rank.clamp(0, E - 1)]
+        old = s2e[slot_s, j].long()
+        e2s.index_put_((slot_s, torch.where(fits & (old >= 0), old, M)), e2s.new_full((), -1))
+        e2s.index_put_((slot_s, torch.where(fits, entry_s, M)), torch.where(fits, j, -1).int())
+        s2e.index_put_((slot_s, torch.where(fits, j, E)), torch.where(fits, entry_s, -1).int())
+        stamp.index_put_((slot_s, torch.where(fits, j, E)), torch.where(fits, now, -1))
+        src = torch.where(fits, self._host_rows(slot_s, entry_s), -1)
+        return src, torch.where(fits, slot_s * E + j, -1)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Rebuild the invariants of the module docstring on the host and compare (syncs)."""
+        E, M = self.layout.device_entries, self.layout.max_entries
+        e2s, s2e = self.entry_to_slot.cpu().long(), self.slot_to_entry.cpu().long()
+        stamp, clock = self.last_used.cpu(), int(self.clock)
+        assert int(self.num_overflow) == 0, (
+            f"{int(self.num_overflow)} picks found no hot slot: a select picked more than "
+            f"device_entries={E} distinct entries of one request")
+        assert (e2s[..., M] == -1).all() and (s2e[..., E] == -1).all(), "trash column written"
+        assert (stamp[..., E] == -1).all(), "trash column of last_used written"
+        idle = torch.ones(e2s.shape[1], dtype=torch.bool)
+        idle[sorted(self._admitted)] = False
+        assert (e2s[:, idle] == -1).all() and (s2e[:, idle] == -1).all(), (
+            "a slot that is not admitted maps hot entries")
+        assert (stamp[:, idle] == -1).all(), "a slot that is not admitted has LRU stamps"
+        held, used = s2e[..., :E], s2e[..., :E] >= 0
+        assert torch.equal(used, stamp[..., :E] >= 0), "LRU stamp set on an empty slot or unset"
+        assert (stamp <= clock).all(), "LRU stamp ahead of the clock"
+        assert (held < M).all() and (e2s[..., :M] < E).all(), "map value out of range"
+        back = e2s.gather(2, torch.where(used, held, M))                         # [L, R + 1, E]
+        assert torch.equal(torch.where(used, back, -1),
+                           torch.where(used, torch.arange(E).expand_as(held), -1)), (
+            "entry_to_slot does not map a held entry back to its slot")
+        assert torch.equal((e2s[..., :M] >= 0).sum(-1), used.sum(-1)), (
+            "entry_to_slot maps an entry that no slot holds")
+        self._check_values(used, held)
+
+    def _check_values(self, used: torch.Tensor, held: torch.Tensor) -> None:
+        """Every hot row equals the host mirror row of the entry it holds."""
+        dev = self.device_pool.device
+        layer, slot, j = used.nonzero(as_tuple=True)
+        rows = self._host_rows(slot.to(dev), held[layer, slot, j].to(dev)).cpu()
+        hot = self.device_pool[layer.to(dev), (slot * self.layout.device_entries + j).to(dev)]
+        want = self.host_pool[layer.to(self.host_pool.device), rows.to(self.host_pool.device)]
+        assert torch.equal(hot.cpu(), want.cpu().to(hot.dtype)), (
+            "a hot row does not hold the host value of its entry")
