@@ -227,6 +227,18 @@ class LLMEngine:
         self._count(step)
         return step, self._process(result)
 
+    def step_or_idle(self) -> list[Request]:
+        """`step_sync`, or with nothing to schedule one forward on a padding row
+        (`ModelRunner.run_idle`): exactly one forward per call, for data-parallel attention,
+        whose MoE layers are collectives that every rank joins each step (`engine/parallel.py`).
+        Returns the requests that got tokens."""
+        assert not self.config.overlap_schedule and not self.spec_steps, \
+            "step_or_idle() runs one plain forward: no overlap scheduling or speculation"
+        step, updated = self.step_sync()
+        if step is None:
+            self.runner.run_idle()
+        return updated
+
     def _count(self, step: ScheduledStep) -> None:
         self.steps += 1
         # decode: every fed token has logits (one token, or a verify pass of N + 1)

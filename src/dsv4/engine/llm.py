@@ -6,14 +6,17 @@
     print(outs[0].text)
 
 Keyword arguments beyond model/dtype/device/weight_format/tensor_parallel_size/
-expert_parallel_size are EngineConfig fields (weight_format "checkpoint" keeps the routed experts
-in FP4, see `model/quant_experts.py`). `tensor_parallel_size=N` > 1 runs N ranks (this process
-is rank 0; the others are spawned and stopped by `close()` or the `with` block; GPU rank r uses
-cuda:r), the model sharded as `distributed/tp.py` says; `expert_parallel_size=N` also splits the
-routed experts by id (`engine/parallel.py`). The tokenizer is read
-from the checkpoint directory (`tokenizer.json`); without one, pass `prompt_token_ids` and read
-`token_ids` (the text stays empty). Before `LLM(...)` returns, the engine warms up
-(`EngineConfig.warmup`; by default "fast" on CUDA with Triton, "none" elsewhere).
+expert_parallel_size/data_parallel_size are EngineConfig fields (weight_format "checkpoint" keeps
+the routed experts in FP4, see `model/quant_experts.py`). `tensor_parallel_size=N` > 1 runs N ranks
+(this process is rank 0; the others are spawned and stopped by `close()` or the `with` block; GPU
+rank r uses cuda:r), the model sharded as `distributed/tp.py` says; `expert_parallel_size=N` also
+splits the routed experts by id (`engine/parallel.py`). `data_parallel_size=N` > 1 (with
+tensor_parallel_size 1) runs N ranks with data-parallel attention: each rank serves its own requests
+(own KV cache and prefix cache), the MoE layers run over all ranks' tokens (`distributed/dp.py`;
+`expert_parallel_size=N` splits their experts). The tokenizer is read from the checkpoint directory
+(`tokenizer.json`); without one, pass `prompt_token_ids` and read `token_ids` (the text stays
+empty). Before `LLM(...)` returns, the engine warms up (`EngineConfig.warmup`; by default "fast" on
+CUDA with Triton, "none" elsewhere).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from dsv4.config.engine import EngineConfig, check_weight_format
+from dsv4.engine.data_parallel import DataParallelEngine
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
 from dsv4.engine.parallel import ParallelEngine, RankSpec, check_layout, free_init_method
@@ -50,21 +54,24 @@ def _engine_config(engine_args: dict[str, Any]) -> EngineConfig:
 class LLM:
     def __init__(self, model: str | Path, dtype: str | None = None, device: str | None = None,
                  weight_format: str = "bf16", tensor_parallel_size: int = 1,
-                 expert_parallel_size: int = 1, **engine_args: Any) -> None:
+                 expert_parallel_size: int = 1, data_parallel_size: int = 1,
+                 **engine_args: Any) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         config = _engine_config(engine_args)
-        check_layout(tensor_parallel_size, expert_parallel_size, device)
+        check_layout(tensor_parallel_size, expert_parallel_size, device, data_parallel_size)
         if device == "cpu":
             use_cpu_threads()
         path = Path(model)
         tok_file = path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.engine: LLMEngine | ParallelEngine
-        if tensor_parallel_size > 1:
-            self.engine = ParallelEngine(RankSpec(
-                str(path), dtype, device, check_weight_format(weight_format), config,
-                tensor_parallel_size, expert_parallel_size > 1, free_init_method()))
+        world = max(tensor_parallel_size, data_parallel_size)
+        if world > 1:
+            spec = RankSpec(str(path), dtype, device, check_weight_format(weight_format), config,
+                            world, expert_parallel_size > 1, free_init_method(),
+                            data_parallel=data_parallel_size > 1)
+            self.engine = DataParallelEngine(spec) if spec.data_parallel else ParallelEngine(spec)
             self.model = self.engine.engine.runner.model  # rank 0's shard
             return
         self.model = load_model(path, dtype=dtype, device=device,
@@ -76,7 +83,7 @@ class LLM:
         warm_up(self.engine)      # the config's mode; "none" (the default off CUDA) runs nothing
 
     def close(self) -> None:
-        """Stop the other ranks (tensor_parallel_size > 1); a no-op otherwise."""
+        """Stop the other ranks (tensor or data parallel size > 1); a no-op otherwise."""
         if isinstance(self.engine, ParallelEngine):
             self.engine.close()
 

@@ -15,6 +15,18 @@ Not yet: structured output (its grammars compile in the background, on a clock, 
 admit a request at different steps) is refused; overlap scheduling and speculative decoding run
 as on one rank (not tested across ranks). A rank that dies is detected before the next step
 (`RuntimeError` naming it) instead of hanging in a collective.
+
+Data-parallel attention (`RankSpec.data_parallel`, `DataParallelEngine`; `distributed/dp.py`):
+every rank loads the full model with its MoE layers shared over all ranks' tokens, and serves
+only its own requests. Rank 0 resolves each request's id and seed as one process would, assigns
+it to the rank with the fewest unfinished requests (ties: the lowest rank; so a workload
+re-submitted after the first finished lands on the same ranks and hits their prefix caches),
+and sends `add` / `finish` / `pop` to that rank only (`("at", rank, command)`). Every step runs
+on all ranks, each exactly one forward (`LLMEngine.step_or_idle`); then each rank sends rank 0
+what its requests got in the step (`RequestDelta`, through a gloo `gather_object`), which rank 0
+applies to a mirror `Request` per remote request, so callers (`LLM.generate`) see every request
+as with one process (`engine/dp_outbox.py`, `engine/data_parallel.py`). Reads (`READS`) still
+see rank 0's engine only.
 """
 
 from __future__ import annotations
@@ -32,12 +44,15 @@ import torch.distributed as dist
 
 from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
+from dsv4.distributed.dp import DPGroup, check_dp_attention, enable_dp_attention
 from dsv4.distributed.loading import load_shard
 from dsv4.distributed.tp import TPGroup, check_shardable
+from dsv4.engine.dp_outbox import Outbox
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.warmup import warm_up
+from dsv4.model.loader import load_model
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -69,6 +84,7 @@ class RankSpec:
     world: int
     expert_parallel: bool
     init_method: str
+    data_parallel: bool = False     # DP attention over `world` ranks instead of TP
 
     def device_of(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device.startswith("cuda") else self.device
@@ -84,8 +100,13 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]
                             init_method=spec.init_method, rank=rank, world_size=spec.world,
                             timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT)
-    model = load_shard(spec.model, spec.dtype, device, TPGroup(rank, spec.world),
-                       spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
+    if spec.data_parallel:
+        full = load_model(spec.model, spec.dtype, device, progress=False,
+                          weight_format=spec.weight_format)  # type: ignore[arg-type]
+        model = enable_dp_attention(full, DPGroup(rank, spec.world), spec.expert_parallel)
+    else:
+        model = load_shard(spec.model, spec.dtype, device, TPGroup(rank, spec.world),
+                           spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
     engine = LLMEngine(model, spec.config)
     warm_up(engine, progress=rank == 0)     # every rank the same steps: matched collectives
     return engine, control
@@ -96,27 +117,35 @@ def serve_rank(spec: RankSpec, rank: int) -> None:
     if spec.device == "cpu":
         torch.set_num_threads(1)
     engine, control = build_rank(spec, rank)
+    outbox = Outbox(rank, control)
     try:
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=control)
-            if not apply(engine, box[0]):
+            if not apply(engine, box[0], outbox):
                 return
     finally:
         dist.destroy_process_group()
 
 
-def apply(engine: LLMEngine, commands: list[Command]) -> bool:
-    """Apply rank 0's commands to this rank's engine in order; False on "stop"."""
+def apply(engine: LLMEngine, commands: list[Command], outbox: Outbox) -> bool:
+    """Apply rank 0's commands to this rank's engine in order; False on "stop". Data-parallel
+    attention: "at" commands apply on their rank only, and "dp_step" reports to rank 0."""
     for cmd in commands:
         kind = cmd[0]
-        if kind == "add":
+        if kind == "at":
+            if cmd[1] == outbox.rank:
+                apply(engine, [cmd[2]], outbox)
+        elif kind == "dp_step":
+            outbox.send(engine.step_or_idle())
+        elif kind == "add":
             _, ids, params, rid, seed = cmd
             engine.add_request(ids, dataclasses.replace(params, seed=seed), rid=rid)
         elif kind == "finish":
             engine.finish(cmd[1], cmd[2])
         elif kind == "pop":
             engine.pop(cmd[1])
+            outbox.forget(cmd[1])
         elif kind == "step":
             engine.step()
         elif kind == "flush":
@@ -134,7 +163,12 @@ class ParallelEngine:
 
     def __init__(self, spec: RankSpec) -> None:
         # before any process starts: a refused layout leaves nothing running
-        check_shardable(ModelConfig.from_hf(spec.model), spec.world, spec.expert_parallel)
+        mc = ModelConfig.from_hf(spec.model)
+        if spec.data_parallel:
+            check_dp_attention(mc, spec.config, spec.world, spec.expert_parallel, spec.device)
+        else:
+            check_shardable(mc, spec.world, spec.expert_parallel)
+        self.spec = spec
         ctx = mp.get_context("spawn")
         self.workers: list[BaseProcess] = [ctx.Process(target=serve_rank, args=(spec, r),
                                                        daemon=True, name=f"dsv4-rank-{r}")
@@ -183,9 +217,12 @@ class ParallelEngine:
         return req
 
     def step(self) -> list[Request]:
-        self._send([*self._pending, ("step",)])
-        self._pending = []
+        self._flush_pending(("step",))
         return self.engine.step()
+
+    def _flush_pending(self, last: Command) -> None:
+        self._send([*self._pending, last])
+        self._pending = []
 
     def close(self) -> None:
         """Stop the worker ranks and leave the process group (idempotent)."""
@@ -233,11 +270,25 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def check_layout(world: int, expert_parallel_size: int, device: str) -> None:
-    """Validate the parallel layout at the edge (errors name the field and what is allowed)."""
+def check_layout(world: int, expert_parallel_size: int, device: str,
+                 data_parallel_size: int = 1) -> None:
+    """Validate the parallel layout at the edge (errors name the field and what is allowed).
+    `world` is tensor_parallel_size; with data_parallel_size > 1 it must be 1 and the ranks are
+    the data-parallel ones."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size={world} is invalid; allowed: >= 1")
-    if expert_parallel_size not in (1, world):
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size} is invalid; allowed: >= 1")
+    if data_parallel_size > 1:
+        if world > 1:
+            raise ValueError(f"tensor_parallel_size={world} with data_parallel_size="
+                             f"{data_parallel_size} is not supported; allowed: "
+                             "tensor_parallel_size=1 (attention DP, MoE over all ranks)")
+        if expert_parallel_size not in (1, data_parallel_size):
+            raise ValueError(f"expert_parallel_size={expert_parallel_size} is invalid; allowed:"
+                             f" 1 or data_parallel_size ({data_parallel_size})")
+        world = data_parallel_size
+    elif expert_parallel_size not in (1, world):
         raise ValueError(f"expert_parallel_size={expert_parallel_size} is invalid; allowed: 1 "
                          f"or tensor_parallel_size ({world}): experts split over the TP ranks")
     if device.startswith("cuda") and world > torch.cuda.device_count():

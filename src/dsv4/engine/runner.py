@@ -30,7 +30,7 @@ from dsv4.config.engine import (
 )
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
-from dsv4.engine.metadata import build_context
+from dsv4.engine.metadata import StepShape, build_context
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
 from dsv4.engine.scheduler import ScheduledStep
@@ -142,6 +142,16 @@ class ModelRunner:
             with batch_invariant():
                 return self._run(step)
         return self._run(step)
+
+    @torch.no_grad()
+    def run_idle(self) -> None:
+        """One forward of a 1-token decode step on the request table's `pad_slot` (its writes
+        reach only the null page; its logits are dropped), the way `DecodeGraphs` runs padding
+        rows: for a rank that has nothing scheduled but must join a step's collectives
+        (data-parallel attention's MoE layers, `distributed/dp.py`)."""
+        assert not self.memory_released, "run_idle() after release_memory(): call resume_memory()"
+        pad = DecodeGraphs(self.model, self.table, self.pools, self.ops, 1, capture=False)
+        pad.run([0], StepShape([self.table.pad_slot], [0], [1], [1]), False)
 
     def _run(self, step: ScheduledStep) -> StepOutput:
         assert not self.memory_released, "run() after release_memory(): call resume_memory()"
