@@ -1,7 +1,7 @@
-"""`dsv4 serve --tp-size 2` on CPU (gloo): the engine process is rank 0 and spawns rank 1
-(`engine/parallel.py`). Completions equal a one-process server's (greedy tokens and log-probs),
-structured output is refused with a clear error, and a killed rank takes the server down
-(non-zero exit, no hang). Each test starts its own servers."""
+"""`dsv4 serve --tp-size 2` / `--dp-size 2` on CPU (gloo): the engine process is rank 0 and
+spawns rank 1 (`engine/parallel.py`, `engine/data_parallel.py`). Completions equal a one-process
+server's (greedy tokens and log-probs), structured output is refused with a clear error, and a
+killed rank takes the server down (non-zero exit, no hang). Each test starts its own servers."""
 
 from __future__ import annotations
 
@@ -54,7 +54,35 @@ def test_tp2_server_equals_one_process_and_dies_with_a_rank(tmp_path: Path) -> N
     assert "rank(s) died: [('dsv4-rank-1', -9)]" in two.log(), two.log()
 
 
+@pytest.mark.slow
+def test_dp2_server_equals_one_process(tmp_path: Path) -> None:
+    """Data-parallel attention behind the HTTP server: three concurrent-in-flight prompts land on
+    both ranks (rank 0 assigns by load), each completion equals the one-process server's."""
+    bodies = [{**BODY, "prompt": p} for p in ("def fib(n):", "class Tree:", "import os\n")]
+    one = ServerProcess(tmp_path, "--torch-threads", "1")
+    try:
+        one.wait_healthy()
+        want = [complete(one, b).json()["choices"][0] for b in bodies]
+    finally:
+        assert one.stop(timeout=30.0) == 0, one.log()
+    two = ServerProcess(tmp_path, "--dp-size", "2", "--torch-threads", "1")
+    try:
+        two.wait_healthy()
+        with httpx.Client(timeout=120.0) as http:
+            batch = {**BODY, "prompt": [b["prompt"] for b in bodies]}   # one call, 3 requests
+            got = http.post(f"{two.url}/v1/completions", json=batch).json()["choices"]
+        for g, w in zip(sorted(got, key=lambda c: c["index"]), want, strict=True):
+            assert g["text"] == w["text"]
+            a, b = g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"]
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+    finally:
+        assert two.stop(timeout=30.0) == 0, two.log()
+
+
 def test_bad_layouts_are_refused_at_startup(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path, "--tp-size", "2", "--ep-size", "3")
     assert srv.proc.wait(timeout=60.0) == 2
     assert "ep_size=3 is invalid" in srv.log()
+    srv = ServerProcess(tmp_path, "--tp-size", "2", "--dp-size", "2")
+    assert srv.proc.wait(timeout=60.0) == 2
+    assert "tp_size=2 with dp_size=2 is not supported" in srv.log()

@@ -94,7 +94,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=None,
                    help="tensor-parallel ranks, one process each (default 1; GPU rank r: cuda:r)")
     g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=None,
-                   help="1, or --tp-size: split the routed experts by id across the ranks")
+                   help="1, or the number of ranks: split the routed experts by id across them")
+    g.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=None,
+                   help="data-parallel attention ranks (default 1): each serves its own "
+                        "requests with its own KV cache, the MoE runs over all ranks' tokens "
+                        "(eager: with --disable-cuda-graph on cuda)")
     g.add_argument("--dry-run", action="store_true",
                    help="print the per-rank memory plan (weights, KV pools, request state) and "
                         "exit, without loading weights")
@@ -132,7 +136,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
-        "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size")}
+        "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size", "dp_size")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),

@@ -34,7 +34,9 @@ class ServerConfig(EngineConfig):
     without the prefix cache (`engine_config` sets `capture_routing` and `disable_prefix_cache`),
     because prefix tokens served from the cache are never fed, so have no captured routing.
     `tp_size`: tensor-parallel ranks (the engine process is rank 0 and spawns the others;
-    `engine/parallel.py`); `ep_size`: 1, or `tp_size` to split the routed experts by id.
+    `engine/parallel.py`); `ep_size`: 1, or the number of ranks, to split the routed experts by
+    id. `dp_size`: data-parallel attention ranks (`engine/data_parallel.py`: each rank serves its
+    own requests, the MoE runs over all ranks' tokens); with `dp_size` > 1, `tp_size` is 1.
     """
 
     model: str = ""
@@ -53,6 +55,7 @@ class ServerConfig(EngineConfig):
     enable_return_routing: bool = False
     tp_size: int = 1
     ep_size: int = 1
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,11 +85,17 @@ class ServerConfig(EngineConfig):
                                                or self.torch_threads < 1):
             raise ValueError(f"torch_threads={self.torch_threads!r} is invalid; "
                              "allowed: None or an integer >= 1")
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"tp_size={self.tp_size!r} is invalid; allowed: an integer >= 1")
-        if self.ep_size not in (1, self.tp_size):
-            raise ValueError(f"ep_size={self.ep_size!r} is invalid; allowed: 1 or tp_size "
-                             f"({self.tp_size})")
+        for name in ("tp_size", "dp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
+        if self.dp_size > 1 and self.tp_size > 1:
+            raise ValueError(f"tp_size={self.tp_size} with dp_size={self.dp_size} is not "
+                             "supported; allowed: tp_size 1 with data-parallel attention")
+        ranks = max(self.tp_size, self.dp_size)
+        if self.ep_size not in (1, ranks):
+            raise ValueError(f"ep_size={self.ep_size!r} is invalid; allowed: 1 or the number "
+                             f"of ranks ({ranks}: tp_size or dp_size)")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is invalid; "
                              "allowed: >= 0 seconds")

@@ -44,6 +44,7 @@ import torch
 import zmq
 
 from dsv4.config.server import ServerConfig
+from dsv4.engine.data_parallel import DataParallelEngine
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
 from dsv4.engine.parallel import ParallelEngine, RankSpec, check_layout, free_init_method
@@ -111,14 +112,17 @@ def run_engine_process(config: ServerConfig, paths: IpcPaths) -> None:
 
 def build_engine(config: ServerConfig) -> LLMEngine | ParallelEngine:
     """The engine of `config`, warmed up (`EngineConfig.warmup`) before the caller reports
-    ready; with `tp_size` > 1 rank 0's, the other ranks spawned (`engine/parallel.py`)."""
+    ready; with `tp_size` or `dp_size` > 1 rank 0's, the other ranks spawned
+    (`engine/parallel.py`, `engine/data_parallel.py`)."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    if config.tp_size > 1:
-        check_layout(config.tp_size, config.ep_size, config.device)
-        return ParallelEngine(RankSpec(config.model, config.dtype, config.device,
-                                       config.weight_format, config.engine_config,
-                                       config.tp_size, config.ep_size > 1, free_init_method()))
+    ranks = max(config.tp_size, config.dp_size)
+    if ranks > 1:
+        check_layout(config.tp_size, config.ep_size, config.device, config.dp_size)
+        spec = RankSpec(config.model, config.dtype, config.device, config.weight_format,
+                        config.engine_config, ranks, config.ep_size > 1, free_init_method(),
+                        data_parallel=config.dp_size > 1)
+        return DataParallelEngine(spec) if spec.data_parallel else ParallelEngine(spec)
     model = load_model(config.model, dtype=config.dtype, device=config.device,
                        weight_format=config.weight_format)
     tok_file, mc = Path(config.model) / "tokenizer.json", model.config
