@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from .conftest import ServerProcess
+from .conftest import ServerProcess, free_port
 
 BODY = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
         "logprobs": 0}
@@ -79,6 +81,50 @@ def test_dp2_server_equals_one_process(tmp_path: Path) -> None:
         assert two.stop(timeout=30.0) == 0, two.log()
 
 
+@pytest.mark.slow
+def test_two_nodes_equal_one_process_and_a_lost_node_stops_the_server(tmp_path: Path) -> None:
+    """`--nnodes 2` on one machine: node 1 (`--node-rank 1`, no HTTP) runs rank 1, node 0 serves
+    and runs rank 0, both meet at `--dist-init-addr`. The completion equals a one-process
+    server's; a clean stop of node 0 stops node 1 (exit 0); with node 1 killed, node 0's next
+    request fails and its server exits non-zero."""
+    one = ServerProcess(tmp_path, "--torch-threads", "1")
+    try:
+        one.wait_healthy()
+        want = complete(one, BODY).json()["choices"][0]
+    finally:
+        assert one.stop(timeout=30.0) == 0, one.log()
+    for kill_node1 in (False, True):
+        addr = f"127.0.0.1:{free_port()}"
+        nodes = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
+                 "--torch-threads", "1"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(tmp_path / f"node1-{kill_node1}.log", "wb") as log:
+            node1 = subprocess.Popen([sys.executable, "-m", "dsv4", "serve", "--node-rank", "1",
+                                      *nodes], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        node0 = ServerProcess(tmp_path, "--node-rank", "0", *nodes)
+        try:
+            node0.wait_healthy()
+            got = complete(node0, BODY).json()["choices"][0]
+            assert got["text"] == want["text"]
+            a, b = got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"]
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+            if kill_node1:
+                os.killpg(node1.pid, signal.SIGKILL)
+                node1.wait(timeout=30.0)
+                failed = complete(node0, BODY)
+                assert failed.status_code >= 500 or "error" in failed.text, failed.text
+                assert node0.proc.wait(timeout=60.0) != 0, node0.log()
+            else:
+                assert node0.stop(timeout=60.0) == 0, node0.log()
+                assert node1.wait(timeout=60.0) == 0
+        finally:
+            if node0.proc.poll() is None:
+                node0.proc.kill()
+            if node1.poll() is None:
+                os.killpg(node1.pid, signal.SIGKILL)
+
+
 def test_bad_layouts_are_refused_at_startup(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path, "--tp-size", "2", "--ep-size", "3")
     assert srv.proc.wait(timeout=60.0) == 2
@@ -86,3 +132,9 @@ def test_bad_layouts_are_refused_at_startup(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path, "--tp-size", "2", "--dp-size", "2")
     assert srv.proc.wait(timeout=60.0) == 2
     assert "tp_size=2 with dp_size=2 is not supported" in srv.log()
+    srv = ServerProcess(tmp_path, "--tp-size", "2", "--nnodes", "2")
+    assert srv.proc.wait(timeout=60.0) == 2
+    assert "dist_init_addr=None is invalid with nnodes=2" in srv.log()
+    srv = ServerProcess(tmp_path, "--tp-size", "2", "--nnodes", "3", "--dist-init-addr", "h:1")
+    assert srv.proc.wait(timeout=60.0) == 2
+    assert "nnodes=3 is invalid" in srv.log()

@@ -99,6 +99,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention ranks (default 1): each serves its own "
                         "requests with its own KV cache, the MoE runs over all ranks' tokens "
                         "(eager: with --disable-cuda-graph on cuda)")
+    g.add_argument("--nnodes", type=int, default=None,
+                   help="machines the ranks are spread over (default 1; ranks per node: "
+                        "tp or dp size / nnodes)")
+    g.add_argument("--node-rank", type=int, default=None,
+                   help="this machine's index (default 0); node 0 serves HTTP and runs rank 0, "
+                        "the others only run their ranks")
+    g.add_argument("--dist-init-addr", default=None,
+                   help="host:port of the rendezvous, the same on every node (with --nnodes)")
     g.add_argument("--dry-run", action="store_true",
                    help="print the per-rank memory plan (weights, KV pools, request state) and "
                         "exit, without loading weights")
@@ -136,7 +144,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
-        "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size", "dp_size")}
+        "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size", "dp_size",
+        "nnodes", "node_rank", "dist_init_addr")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),
@@ -165,9 +174,15 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             sys.stdout.write(dry_run(config) + "\n")
             return 0
+        if config.node_rank > 0:
+            from dsv4.engine.parallel import serve_node
+            from dsv4.server.engine_process import rank_spec
+            spec = rank_spec(config)        # validated before any rank starts
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    if config.node_rank > 0:           # no HTTP here: this node only runs its ranks
+        return serve_node(spec)
     return serve(config)
 
 

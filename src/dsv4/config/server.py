@@ -37,6 +37,9 @@ class ServerConfig(EngineConfig):
     `engine/parallel.py`); `ep_size`: 1, or the number of ranks, to split the routed experts by
     id. `dp_size`: data-parallel attention ranks (`engine/data_parallel.py`: each rank serves its
     own requests, the MoE runs over all ranks' tokens); with `dp_size` > 1, `tp_size` is 1.
+    `nnodes` / `node_rank` / `dist_init_addr` (SGLang's names): the ranks spread over `nnodes`
+    machines that rendezvous at `dist_init_addr` ("host:port"); node 0 serves HTTP and runs rank
+    0, the others only run their ranks (`engine/parallel.py::serve_node`).
     """
 
     model: str = ""
@@ -56,6 +59,9 @@ class ServerConfig(EngineConfig):
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,9 +102,22 @@ class ServerConfig(EngineConfig):
         if self.ep_size not in (1, ranks):
             raise ValueError(f"ep_size={self.ep_size!r} is invalid; allowed: 1 or the number "
                              f"of ranks ({ranks}: tp_size or dp_size)")
+        self._check_nodes(ranks)
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is invalid; "
                              "allowed: >= 0 seconds")
+
+    def _check_nodes(self, ranks: int) -> None:
+        if not isinstance(self.nnodes, int) or self.nnodes < 1 or ranks % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes!r} is invalid; allowed: a divisor of the "
+                             f"number of ranks ({ranks}: tp_size or dp_size)")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank!r} is invalid; allowed: "
+                             f"0..{self.nnodes - 1}")
+        addr = self.dist_init_addr
+        if self.nnodes > 1 and (addr is None or not _is_host_port(addr)):
+            raise ValueError(f"dist_init_addr={addr!r} is invalid with nnodes={self.nnodes}; "
+                             "allowed: 'host:port', the same on every node")
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -114,3 +133,8 @@ class ServerConfig(EngineConfig):
     def max_inflight_requests(self) -> int:
         """Engine requests (running + waiting) the API admits before answering 503."""
         return self.max_running_requests + self.max_waiting_requests
+
+
+def _is_host_port(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -11,6 +11,12 @@ sequence, every rank computes the same logits (the head all-gathers them) and sa
 same per-request seeds, so all ranks take the same steps, their collectives match, and only rank
 0's outputs are read.
 
+Several nodes (`RankSpec.nnodes`, SGLang's `--nnodes` / `--node-rank` / `--dist-init-addr`): the
+ranks are spread evenly, node n running ranks [n * per_node, (n + 1) * per_node) on its devices
+cuda:0.. (GPU rank r: cuda:(r mod per_node)); node 0 runs rank 0's `ParallelEngine` and spawns
+its other local ranks, every other node runs `serve_node`, and all rendezvous at the given TCP
+address. The commands travel over the same gloo group, across nodes.
+
 Not yet: structured output (its grammars compile in the background, on a clock, so ranks could
 admit a request at different steps) is refused; overlap scheduling and speculative decoding run
 as on one rank (not tested across ranks). A rank that dies is detected before the next step
@@ -85,9 +91,26 @@ class RankSpec:
     expert_parallel: bool
     init_method: str
     data_parallel: bool = False     # DP attention over `world` ranks instead of TP
+    nnodes: int = 1                 # nodes the ranks are spread over, `world / nnodes` each
+    node_rank: int = 0              # this node; rank 0 (the driver) lives on node 0
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or self.world % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} is invalid for {self.world} ranks; allowed: "
+                             "a divisor of the number of ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} is invalid; "
+                             f"allowed: 0..{self.nnodes - 1}")
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node runs: node n runs [n * per_node, (n + 1) * per_node)."""
+        per_node = self.world // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     def device_of(self, rank: int) -> str:
-        return f"cuda:{rank}" if self.device.startswith("cuda") else self.device
+        local = rank % (self.world // self.nnodes)
+        return f"cuda:{local}" if self.device.startswith("cuda") else self.device
 
 
 def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]:
@@ -126,6 +149,40 @@ def serve_rank(spec: RankSpec, rank: int) -> None:
                 return
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ranks(spec: RankSpec, ranks: list[int]) -> list[BaseProcess]:
+    """Start `serve_rank` for each of `ranks` on this node (spawned, daemonic: they die with it)."""
+    ctx = mp.get_context("spawn")
+    workers: list[BaseProcess] = [ctx.Process(target=serve_rank, args=(spec, r), daemon=True,
+                                              name=f"dsv4-rank-{r}") for r in ranks]
+    for w in workers:
+        w.start()
+    return workers
+
+
+def serve_node(spec: RankSpec) -> int:
+    """Node `spec.node_rank` > 0 of a multi-node layout: run its ranks until rank 0 (node 0)
+    stops them; returns 0, or 1 when a rank failed (the others are then stopped, and their
+    peers' collectives fail, so no node hangs)."""
+    if spec.node_rank == 0:
+        raise ValueError("node_rank=0 runs the engine itself (`ParallelEngine`); allowed: > 0")
+    workers = spawn_ranks(spec, list(spec.local_ranks))
+    logger.info("node %d of %d: ranks %s", spec.node_rank, spec.nnodes, list(spec.local_ranks))
+    try:
+        while workers:
+            for w in list(workers):
+                w.join(timeout=0.5)
+                if w.exitcode is None:
+                    continue
+                workers.remove(w)
+                if w.exitcode != 0:
+                    logger.error("%s exited with %s; stopping this node", w.name, w.exitcode)
+                    return 1
+        return 0
+    finally:
+        for w in workers:
+            w.kill()
 
 
 def apply(engine: LLMEngine, commands: list[Command], outbox: Outbox) -> bool:
@@ -168,13 +225,11 @@ class ParallelEngine:
             check_dp_attention(mc, spec.config, spec.world, spec.expert_parallel, spec.device)
         else:
             check_shardable(mc, spec.world, spec.expert_parallel)
+        if spec.node_rank != 0:
+            raise ValueError(f"node_rank={spec.node_rank}: the engine (rank 0) runs on node 0; "
+                             "other nodes run `serve_node`")
         self.spec = spec
-        ctx = mp.get_context("spawn")
-        self.workers: list[BaseProcess] = [ctx.Process(target=serve_rank, args=(spec, r),
-                                                       daemon=True, name=f"dsv4-rank-{r}")
-                                           for r in range(1, spec.world)]
-        for w in self.workers:
-            w.start()
+        self.workers = spawn_ranks(spec, [r for r in spec.local_ranks if r != 0])
         self.engine, self.control = build_rank(spec, 0)
         self._pending: list[Command] = []
         self._closed = False
@@ -271,7 +326,7 @@ def free_init_method() -> str:
 
 
 def check_layout(world: int, expert_parallel_size: int, device: str,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, nnodes: int = 1) -> None:
     """Validate the parallel layout at the edge (errors name the field and what is allowed).
     `world` is tensor_parallel_size; with data_parallel_size > 1 it must be 1 and the ranks are
     the data-parallel ones."""
@@ -291,8 +346,8 @@ def check_layout(world: int, expert_parallel_size: int, device: str,
     elif expert_parallel_size not in (1, world):
         raise ValueError(f"expert_parallel_size={expert_parallel_size} is invalid; allowed: 1 "
                          f"or tensor_parallel_size ({world}): experts split over the TP ranks")
-    if device.startswith("cuda") and world > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={world} is more than the "
+    if device.startswith("cuda") and world // nnodes > torch.cuda.device_count():
+        raise ValueError(f"{world // nnodes} ranks per node are more than the "
                          f"{torch.cuda.device_count()} visible GPUs; allowed: at most that")
     if os.environ.get("RANK") is not None and world > 1:
         raise ValueError("tensor_parallel_size > 1 launches its own ranks; do not start it "

@@ -110,18 +110,27 @@ def run_engine_process(config: ServerConfig, paths: IpcPaths) -> None:
     sys.exit(code)
 
 
+def rank_spec(config: ServerConfig) -> RankSpec:
+    """The ranks of a parallel `config` (tp_size or dp_size > 1), checked: this node's share
+    of them and the rendezvous (`dist_init_addr` across nodes, else a free loopback port)."""
+    check_layout(config.tp_size, config.ep_size, config.device, config.dp_size, config.nnodes)
+    ranks = max(config.tp_size, config.dp_size)
+    init = (f"tcp://{config.dist_init_addr}" if config.dist_init_addr is not None
+            else free_init_method())
+    return RankSpec(config.model, config.dtype, config.device, config.weight_format,
+                    config.engine_config, ranks, config.ep_size > 1, init,
+                    data_parallel=config.dp_size > 1, nnodes=config.nnodes,
+                    node_rank=config.node_rank)
+
+
 def build_engine(config: ServerConfig) -> LLMEngine | ParallelEngine:
     """The engine of `config`, warmed up (`EngineConfig.warmup`) before the caller reports
     ready; with `tp_size` or `dp_size` > 1 rank 0's, the other ranks spawned
     (`engine/parallel.py`, `engine/data_parallel.py`)."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    ranks = max(config.tp_size, config.dp_size)
-    if ranks > 1:
-        check_layout(config.tp_size, config.ep_size, config.device, config.dp_size)
-        spec = RankSpec(config.model, config.dtype, config.device, config.weight_format,
-                        config.engine_config, ranks, config.ep_size > 1, free_init_method(),
-                        data_parallel=config.dp_size > 1)
+    if max(config.tp_size, config.dp_size) > 1:
+        spec = rank_spec(config)
         return DataParallelEngine(spec) if spec.data_parallel else ParallelEngine(spec)
     model = load_model(config.model, dtype=config.dtype, device=config.device,
                        weight_format=config.weight_format)
