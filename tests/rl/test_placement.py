@@ -10,8 +10,8 @@ rollout actor killed while a step's rollout is in flight is restarted, re-joined
 the step's prompts are generated again and the run's records equal the undisturbed run's.
 
 The Ray tests need `ray` (the `rl` extra) and are skipped without it; they share one Ray
-instance (2 CPUs) and one local reference run. The bucket layout tests need neither. About 60 s
-on the 2-core machine (the resume and fault tests, ~12 s each, are `slow`).
+instance (2 CPUs) and one local reference run. The bucket layout tests need neither; the resume
+and fault tests are `slow`.
 """
 
 from __future__ import annotations

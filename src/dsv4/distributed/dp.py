@@ -25,8 +25,6 @@ scheduling for now.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,22 +42,9 @@ from dsv4.utils.logging import init_logger
 logger = init_logger(__name__)
 
 
-@dataclass(frozen=True)
-class DPGroup:
-    """This rank's place in a data-parallel-attention group (`group` None: the default group)."""
-
-    rank: int
-    size: int
-    group: dist.ProcessGroup | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"rank={self.rank} is invalid for size={self.size}; "
-                             f"allowed: 0..{self.size - 1}")
-
-    def as_tp(self) -> TPGroup:
-        """The same ranks as a `TPGroup` (the expert-parallel split and its all-reduce)."""
-        return TPGroup(self.rank, self.size, self.group)
+DPGroup = TPGroup
+"""This rank's place in a data-parallel-attention group: the same (rank, size, group) record as
+tensor parallelism's, which the expert-parallel split and its all-reduce take as they are."""
 
 
 def gather_counts(n: int, dp: DPGroup, device: torch.device) -> list[int]:
@@ -116,13 +101,12 @@ def enable_dp_attention(model: DeepSeekV4ForCausalLM, dp: DPGroup,
     ValueError (before changing anything) when `dp.size` does not divide a split dimension.
     Needs no live process group until the first forward."""
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-    tp = dp.as_tp()
-    cuts = {name: _moe_cuts(m, tp, True) for name, m in moes} if expert_parallel else {}
+    cuts = {name: _moe_cuts(m, dp, True) for name, m in moes} if expert_parallel else {}
     for name, moe in moes:
         if expert_parallel:
             _narrow(moe, cuts[name])
             moe.experts = LocalExperts(moe.experts, cuts[name]["experts.w1"])
-            moe.reduce = AllReduce(tp)
+            moe.reduce = AllReduce(dp)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, DPMoE(moe, dp))
     logger.info("DP attention: rank %d of %d, %d MoE layers over all ranks' tokens (%s)",

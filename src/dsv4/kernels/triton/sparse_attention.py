@@ -33,8 +33,8 @@ list [source 1 | source 2] (each source cut into BLOCK_N-key blocks; source 1's 
 
 Compiled variants: the split plan (blocks per split, number of splits) changes with the context
 and is not specialised on (`do_not_specialize`); the index widths K1, K2 stay specialised (on
-1, multiples of 16, the rest: their 16-divisibility lets the index loads vectorise, 1 us of a
-B = 1 decode call), as do strides, H and D.
+1, multiples of 16, the rest: their 16-divisibility lets the index loads vectorise; the cost of
+not specialising them is in benchmarks/results/serving_h200_202612.md), as do strides, H and D.
 
 K = V is what makes one gather serve both dots: the [BLOCK_N, D] tile (BLOCK_N x 1 KB of bf16 for
 D = 512, row-granular, coalesced) lands in shared memory once and is read as K^T by the QK dot and
