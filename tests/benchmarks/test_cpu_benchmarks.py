@@ -41,6 +41,15 @@ def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: s
     assert result and keys <= set(_flat_keys(result)), result
 
 
+def test_op_census_counts_a_decode_step() -> None:
+    """The census of micro's decode step under the interpreter: Triton launches are counted per
+    source line, and the MoE tile map is one launch per layer (its torch form is ~30)."""
+    result = run_benchmark("op_census.py", "--preset", "micro", "--experts", "8", "--vocab",
+                           "512", TRITON_INTERPRET="1")
+    assert result["launches"] > result["triton"] > 0, result
+    assert result["by_file"]["kernels/triton/moe_tile_map.py"] == 5, result
+
+
 def test_rl_drift_benchmark_reports_exact_zero_on_cpu() -> None:
     result = run_benchmark("rl_drift.py", "--steps", "1", "--prompts", "2", "--group-size", "2",
                            "--modes", "true-on-policy")
@@ -151,7 +160,7 @@ KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glo
 
 
 def test_kernel_benchmarks_are_all_smoked() -> None:
-    assert len(KERNEL_BENCHMARKS) == 9, KERNEL_BENCHMARKS
+    assert len(KERNEL_BENCHMARKS) == 10, KERNEL_BENCHMARKS
 
 
 @pytest.mark.parametrize("script", KERNEL_BENCHMARKS)

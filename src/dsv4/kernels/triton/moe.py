@@ -25,15 +25,14 @@ act_quant of §11 is not simulated). FP4 tiles are never interleaved: per 32-wid
 contiguous [16, BLOCK_N] byte tile is decoded into its low- and high-nibble halves, which meet the
 activations' even and odd columns in two dots (`moe_decode.py::fp4_group`).
 
-Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (`torch.argsort`,
-stable); per-expert row ranges come from `torch.searchsorted` on the sorted ids (NOTE: CUDA
-`torch.bincount` reads the max on the host to size its output, which would break graph capture).
-Each expert's rows are cut into tiles of BLOCK_M ("moe_align_block_size" without materialised
+Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (stable) and each
+expert's rows are cut into tiles of BLOCK_M ("moe_align_block_size" without materialised
 padding): tile j of expert e covers sorted rows
 [start_e + j*BLOCK_M, min(start_e + (j+1)*BLOCK_M, end_e)). The grid is a fixed upper bound on the
 number of tiles, max_tiles = (N*k + min(E, N*k) * (BLOCK_M - 1)) // BLOCK_M, known from shapes
-alone; a device-side tile map (tile -> expert, row start, row end; built with torch ops) tells each
-program what it owns, and surplus programs see an empty range and exit.
+alone; a device-side tile map (tile -> expert, row start, row end: `moe_tile_map.py`, one launch
+at decode sizes, torch ops above) tells each program what it owns, and surplus programs see an
+empty range and exit.
 
 Two launches, each on grid (max_tiles, cdiv(out, BLOCK_N)):
   1. gate/up: A = x[token of each sorted row] (gathered rows), two accumulators (W1 rows n, W3 rows
@@ -56,6 +55,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.moe_decode import dot, fp4_dot, fp8_scale, w_tile
+from dsv4.kernels.triton.moe_tile_map import tile_map
 
 FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}
 _FP8_BLOCK = 128
@@ -165,33 +165,6 @@ def _down_kernel(  # type: ignore[no-untyped-def]
             tl.atomic_add(out_ptr + tok[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
         else:
             tl.store(out_ptr + slot[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
-
-
-def tile_map(indices: torch.Tensor, num_experts: int, block_m: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, tile_start, tile_end, tile_expert): the sorted (token, k) slots, per-tile row ranges.
-
-    order [N*k] int64: slots sorted by expert (stable). The tile tensors have max_tiles entries (see
-    the module docstring); surplus tiles have tile_start == tile_end == 0. Torch ops, no host sync.
-    """
-    flat = indices.reshape(-1)
-    nk = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    bounds = torch.searchsorted(flat[order].contiguous(),
-                                torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
-    starts, ends = bounds[:-1], bounds[1:]
-    tiles = (ends - starts + block_m - 1) // block_m
-    tile_cum = tiles.cumsum(0)
-    max_tiles = max(1, (nk + min(num_experts, nk) * (block_m - 1)) // block_m)
-    t = torch.arange(max_tiles, device=flat.device)
-    expert = torch.searchsorted(tile_cum, t, right=True)
-    valid = expert < num_experts
-    ec = expert.clamp(max=num_experts - 1)
-    start = starts[ec] + (t - (tile_cum[ec] - tiles[ec])) * block_m
-    end = torch.minimum(start + block_m, ends[ec])
-    zero = torch.zeros_like(start)
-    return (order, torch.where(valid, start, zero).to(torch.int32),
-            torch.where(valid, end, zero).to(torch.int32), ec.to(torch.int32))
 
 
 def _default_block_m(nk: int, num_experts: int) -> int:

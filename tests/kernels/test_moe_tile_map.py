@@ -1,0 +1,92 @@
+"""Parity of `triton_tile_map` (one launch) with `tile_map_ref` (torch ops): bit-equal outputs.
+
+CPU: the interpreter on decode-sized maps: one token, a batch, every slot on one expert, experts
+with no slots, E not a power of two, more tiles than one tile chunk, block_m 16 / 64, the largest
+fused map. GPU (`-m gpu`): V4-Flash routing (E 256, k 6) at batch 1..128, inside a CUDA graph.
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_tile_map.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dsv4.kernels.triton.moe_tile_map import (  # noqa: E402
+    MAX_FUSED_SLOTS,
+    tile_map,
+    tile_map_ref,
+    triton_tile_map,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def routing(N: int, E: int, k: int, seed: int, spread: int | None = None) -> torch.Tensor:
+    """[N, k] distinct experts per token, drawn from the first `spread` experts (default all)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = spread or E
+    rows = [torch.randperm(pool, generator=g)[:k] for _ in range(N)]
+    return torch.stack(rows).to(DEVICE)
+
+
+def assert_same(indices: torch.Tensor, E: int, block_m: int) -> None:
+    want = tile_map_ref(indices, E, block_m)
+    got = triton_tile_map(indices, E, block_m)
+    for name, w, g in zip(("order", "tile_start", "tile_end", "tile_expert"), want, got,
+                          strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape)
+        assert torch.equal(g, w), (name, g.tolist(), w.tolist())
+
+
+@pytest.mark.parametrize("N,E,k,bm,spread", [
+    (1, 256, 6, 16, None),      # decode at batch 1 (V4-Flash routing)
+    (5, 8, 2, 16, None),
+    (33, 8, 2, 16, None),       # several tiles per expert
+    (9, 6, 3, 16, 3),           # E not a power of two; half the experts get nothing
+    (40, 16, 1, 16, 1),         # every slot on one expert
+    (20, 256, 6, 16, None),     # 120 slots: more tiles than one tile chunk
+    (16, 64, 4, 64, None),      # block_m 64
+])
+def test_parity(N: int, E: int, k: int, bm: int, spread: int | None) -> None:
+    assert_same(routing(N, E, k, seed=N + E, spread=spread), E, bm)
+
+
+def test_largest_fused_map() -> None:
+    N, k = MAX_FUSED_SLOTS // 8, 8
+    assert_same(routing(N, 32, k, seed=3), 32, 16)
+
+
+def test_dispatch_and_validation() -> None:
+    """`tile_map` takes the reference above the fused limit; the kernel refuses what it cannot
+    take."""
+    big = routing(MAX_FUSED_SLOTS // 8 + 1, 16, 8, seed=1)
+    for w, g in zip(tile_map_ref(big, 16, 16), tile_map(big, 16, 16), strict=True):
+        assert torch.equal(w, g)
+    with pytest.raises(ValueError, match="slots"):
+        triton_tile_map(big, 16, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        triton_tile_map(routing(2, 8, 2, seed=0), 8, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8, 32, 128])
+def test_gpu_flash_routing_in_graph(N: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    indices = routing(N, 256, 6, seed=N)
+    want = tile_map_ref(indices, 256, 16)
+    triton_tile_map(indices, 256, 16)               # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = triton_tile_map(indices, 256, 16)
+    graph.replay()
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
