@@ -23,6 +23,9 @@
 #                 32 distinct 4K prompts run twice (prefix_repeat.py, flash-4l), the first 128K request in a fresh process against a warm one
 #                 (cold_start.py, empty Triton cache, warmup fast), overlap scheduling on vs off (dsv4-tiny):
 #                 serving_{prefix,cold,overlap}.txt / .json
+#   http          benchmarks/serving.py against `dsv4 serve` on flash-4l (random weights built in memory:
+#                 --load-format dummy), 4K-token prompts, 256 output tokens, concurrency 1, 8, 32, 128: TTFT,
+#                 TPOT, ITL p50/p99, tok/s, and the server against offline LLM.generate: http.txt
 #   profile       where a decode step's GPU time goes under CUDA graphs: flash-4l bf16 (triton), 4K context, batch
 #                 1 and 32: the top kernels by GPU time, kernels and GPU ms per step: profile_b{1,32}.txt
 #   train         a profile of `dsv4 train run` steps (needs data carried at .data/tiny: `dsv4 train data`):
@@ -136,6 +139,14 @@ serving() {
   grep -v " INFO " "$OUT/serving_overlap.txt" | tail -6 | cut -c 1-200
 }
 
+http() {
+  python3 -m dsv4 init --preset flash-4l --out /tmp/flash-4l --no-weights > "$OUT/http.txt" 2>&1
+  timeout 560 python3 benchmarks/serving.py --model /tmp/flash-4l --load-format dummy --device cuda \
+    --concurrency 1,8,32,128 --min-prompt 4096 --max-prompt 4096 --output-len 256 --num-requests 128 \
+    --repeats 2 >> "$OUT/http.txt" 2>&1
+  grep -v " INFO " "$OUT/http.txt" | tail -8 | cut -c 1-600
+}
+
 profile() {
   for b in 1 32; do
     timeout 200 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
@@ -187,11 +198,12 @@ for part in "$@"; do
     decode-hf) decode_hf ;;
     prefix-cache) prefix_cache ;;
     serving) serving ;;
+    http) http ;;
     profile) profile ;;
     train) train ;;
     train-tiny) train_tiny ;;
     sass) sass ;;
-    *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving" \
+    *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile train train-tiny sass"; exit 2 ;;
   esac
 done

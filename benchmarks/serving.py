@@ -8,7 +8,15 @@ httpx client keeps at most `c` requests in flight. TTFT = request sent -> first 
 TPOT = (last chunk - first chunk) / (output tokens - 1); throughput = output tokens / wall time of
 the level. Offline: the same prompts through `LLM.generate` with max_running_requests = the highest
 concurrency, in this process while the server idles, interleaved with repeated server runs; the
-best run of each side is compared. Prints a table, then one JSON line.
+best run of each side is compared. On CUDA (`--device cuda`) the offline runs come after the
+server has stopped (two copies of a large model do not fit one GPU), the same number of times.
+ITL = the gaps between streamed chunks (one token each), pooled over the level's requests.
+Prints a table, then one JSON line.
+
+    # flash-4l on one H200, random weights built in memory (no checkpoint on disk):
+    dsv4 init --preset flash-4l --out /tmp/flash-4l --no-weights
+    python benchmarks/serving.py --model /tmp/flash-4l --load-format dummy --device cuda \
+        --concurrency 1,8,32,128 --min-prompt 4096 --max-prompt 4096 --output-len 256
 
     python benchmarks/serving.py                            # starts a server on the default model
     python benchmarks/serving.py --url http://127.0.0.1:8000 --skip-offline  # a running server
@@ -25,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +58,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV page size (default: 16 on cpu, the server's default on cuda)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--offline-threads", type=int, default=None,
                    help="torch threads of the offline run "
@@ -62,6 +75,7 @@ class Sample:
     ttft: float
     tpot: float | None
     tokens: int
+    itl: list[float]
 
 
 def make_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list[int]]:
@@ -74,6 +88,7 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: in
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent, first, last, tokens = time.perf_counter(), None, 0.0, 0
+    gaps: list[float] = []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -84,10 +99,12 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: in
             if '"usage":{' in line:
                 tokens = json.loads(line[6:])["usage"]["completion_tokens"]
             else:
+                if first is not None:
+                    gaps.append(now - last)
                 first, last = first or now, now
     assert first is not None and tokens == output_len, f"incomplete response ({tokens} tokens)"
     return Sample(ttft=first - sent, tpot=(last - first) / (tokens - 1) if tokens > 1 else None,
-                  tokens=tokens)
+                  tokens=tokens, itl=gaps)
 
 
 async def run_level(url: str, prompts: list[list[int]], output_len: int,
@@ -114,8 +131,10 @@ def start_server(args: argparse.Namespace, model: Path,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "dsv4", "serve", "--model", str(model), "--port", str(port),
-           "--page-size", str(args.page_size), "--max-running-requests", str(max_running),
-           "--dtype", "float32", "--device", "cpu"]
+           "--max-running-requests", str(max_running), "--dtype", dtype_of(args),
+           "--device", args.device, "--load-format", args.load_format]
+    if page_size_of(args) is not None:
+        cmd += ["--page-size", str(page_size_of(args))]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -130,9 +149,20 @@ def start_server(args: argparse.Namespace, model: Path,
     raise RuntimeError("the server did not become healthy")
 
 
+def dtype_of(args: argparse.Namespace) -> str:
+    return str(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+
+
+def page_size_of(args: argparse.Namespace) -> int | None:
+    return int(args.page_size or 16) if args.device == "cpu" else args.page_size
+
+
 def offline_llm(model: Path, args: argparse.Namespace, max_running: int) -> LLM:
-    llm = LLM(model, dtype="float32", device="cpu", page_size=args.page_size,
-              max_running_requests=max_running, kv_cache_memory_gb=0.5)
+    extra = {"kv_cache_memory_gb": 0.5} if args.device == "cpu" else {}
+    if page_size_of(args) is not None:
+        extra["page_size"] = page_size_of(args)
+    llm = LLM(model, dtype=dtype_of(args), device=args.device, load_format=args.load_format,
+              max_running_requests=max_running, **extra)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=make_prompts(args, llm.model.config.vocab_size, 2),
                  sampling_params=params, use_tqdm=False)  # warm-up
@@ -148,26 +178,37 @@ def run_offline(llm: LLM, prompts: list[list[int]], args: argparse.Namespace) ->
     return len(prompts) * args.output_len / elapsed
 
 
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank below) of `values` in ms; nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return 1000 * ordered[int(q * (len(ordered) - 1))]
+
+
 def summarize(concurrency: int, elapsed: float, samples: list[Sample]) -> dict[str, float]:
-    ttft = sorted(s.ttft for s in samples)
+    ttft = [s.ttft for s in samples]
     tpot = [s.tpot for s in samples if s.tpot is not None]
+    itl = [g for s in samples for g in s.itl]
     return {"concurrency": concurrency, "requests": len(samples), "seconds": round(elapsed, 3),
             "tok_s": round(sum(s.tokens for s in samples) / elapsed, 1),
-            "ttft_ms_median": round(1000 * statistics.median(ttft), 1),
-            "ttft_ms_p90": round(1000 * ttft[int(0.9 * (len(ttft) - 1))], 1),
-            "tpot_ms_median": round(1000 * statistics.median(tpot), 2) if tpot else float("nan")}
+            "ttft_ms_median": round(pct(ttft, 0.5), 1), "ttft_ms_p90": round(pct(ttft, 0.9), 1),
+            "ttft_ms_p99": round(pct(ttft, 0.99), 1),
+            "tpot_ms_median": round(pct(tpot, 0.5), 2), "tpot_ms_p99": round(pct(tpot, 0.99), 2),
+            "itl_ms_median": round(pct(itl, 0.5), 2), "itl_ms_p99": round(pct(itl, 0.99), 2)}
 
 
 def requests_for(level: int, args: argparse.Namespace) -> int:
     return min(args.num_requests, max(16, 8 * level))
 
 
-def measure(args: argparse.Namespace, url: str, model: Path,
-            levels: list[int]) -> dict[str, object]:
+def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int],
+            stop_server: Callable[[], None]) -> dict[str, object]:
     """Every level once on the server; the top level `repeats` times, each run followed by an
     offline run of the same prompts while the server idles. Interleaving cancels slow drifts in the
     machine's load, and the comparison uses the best run of each side (on a shared machine a run can
-    only be slowed down, never sped up, by other work); the ratio of the medians is reported too."""
+    only be slowed down, never sped up, by other work); the ratio of the medians is reported too.
+    On CUDA the offline runs follow `stop_server()` instead (one model per GPU)."""
     prompts = make_prompts(args, json.loads((model / "config.json").read_text())["vocab_size"],
                            args.num_requests)
     rows = [summarize(c, *asyncio.run(run_level(url, prompts[:requests_for(c, args)],
@@ -177,13 +218,18 @@ def measure(args: argparse.Namespace, url: str, model: Path,
     top_prompts = prompts[:requests_for(top, args)]
     if args.offline_threads is not None:
         torch.set_num_threads(args.offline_threads)
-    llm = None if args.skip_offline else offline_llm(model, args, top)
+    after = args.device == "cuda"
+    llm = None if args.skip_offline or after else offline_llm(model, args, top)
     server_runs, offline_runs = [], []
     for _ in range(args.repeats):
         server_runs.append(summarize(top, *asyncio.run(run_level(url, top_prompts,
                                                                  args.output_len, top))))
         if llm is not None:
             offline_runs.append(run_offline(llm, top_prompts, args))
+    if after and not args.skip_offline:
+        stop_server()
+        llm = offline_llm(model, args, top)
+        offline_runs = [run_offline(llm, top_prompts, args) for _ in range(args.repeats)]
     rows.append(max(server_runs, key=lambda r: r["tok_s"]))
     offline = max(offline_runs) if offline_runs else float("nan")
     median_ratio = (statistics.median(r["tok_s"] for r in server_runs)
@@ -201,24 +247,31 @@ def main() -> None:
     model = Path(args.model) if args.model else default_model_path()
     load_before = os.getloadavg()[0]
     proc, url = (None, args.url) if args.url else start_server(args, model, max(levels))
-    try:
-        result = measure(args, url, model, levels)
-    finally:
-        if proc is not None:
+
+    def stop() -> None:
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=60)
+
+    try:
+        result = measure(args, url, model, levels, stop)
+    finally:
+        stop()
     rows, ratio = result["levels"], float(result["server_vs_offline"])  # type: ignore[arg-type]
-    print(f"{'concurrency':>11}{'requests':>9}{'tok/s':>10}{'TTFT med ms':>13}{'TTFT p90 ms':>13}"
-          f"{'TPOT med ms':>13}")
+    cols = [("concurrency", "concurrency"), ("requests", "requests"), ("tok_s", "tok/s"),
+            ("ttft_ms_median", "TTFT p50"), ("ttft_ms_p99", "TTFT p99"),
+            ("tpot_ms_median", "TPOT p50"), ("tpot_ms_p99", "TPOT p99"),
+            ("itl_ms_median", "ITL p50"), ("itl_ms_p99", "ITL p99")]
+    print("".join(f"{label:>12}" for _, label in cols) + "   (ms)")
     for r in rows:  # type: ignore[attr-defined]
-        print(f"{r['concurrency']:>11}{r['requests']:>9}{r['tok_s']:>10}{r['ttft_ms_median']:>13}"
-              f"{r['ttft_ms_p90']:>13}{r['tpot_ms_median']:>13}")
+        print("".join(f"{r[key]:>12}" for key, _ in cols))
     print(f"top level runs: server {result['server_tok_s_runs']} tok/s, offline LLM.generate "
           f"(max_running_requests={max(levels)}) {result['offline_tok_s_runs']} tok/s; "
           f"best server = {100 * ratio:.1f}% of best offline (target >= 90%; medians: "
           f"{100 * float(result['server_vs_offline_median']):.1f}%)")  # type: ignore[arg-type]
     print(json.dumps({
-        "benchmark": "serving", "model": str(model),
+        "benchmark": "serving", "model": str(model), "device": args.device,
+        "dtype": dtype_of(args), "load_format": args.load_format,
         "prompt_len": [args.min_prompt, args.max_prompt],
         "output_len": args.output_len, **result, "target_met": ratio >= 0.9,
         "torch": torch.__version__, "offline_threads": torch.get_num_threads(),

@@ -119,13 +119,20 @@ def _finish_shards(out: Path, weight_map: dict[str, str], num_shards: int, total
 
 
 def write_checkpoint(config: ModelConfig, out: Path, seed: int = 0, weight_quant: str = "none",
-                     shard_bytes: int = 4 << 30, tokenizer: bool = True) -> ModelConfig:
+                     shard_bytes: int = 4 << 30, tokenizer: bool = True,
+                     weights: bool = True) -> ModelConfig:
     """Write config.json, safetensors shards + index and a tokenizer to `out`; returns the written
-    config."""
-    specs = list(official_specs(config))
-    tensors = ((name, init_tensor(name, shape, config, seed)) for name, shape in
-               tqdm(specs, desc=f"init {out.name}", unit="tensor", disable=len(specs) < 2000))
-    config = write_official(config, tensors, out, weight_quant, shard_bytes)
+    config. `weights=False` writes no tensors: a directory that `dsv4 serve --load-format dummy`
+    fills with random weights in memory (a model too large to write)."""
+    if weights:
+        specs = list(official_specs(config))
+        tensors = ((name, init_tensor(name, shape, config, seed)) for name, shape in
+                   tqdm(specs, desc=f"init {out.name}", unit="tensor", disable=len(specs) < 2000))
+        config = write_official(config, tensors, out, weight_quant, shard_bytes)
+    else:
+        config = config.replace(weight_quant=weight_quant)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config.to_official_dict(), indent=2))
     marker = {"seed": seed, "random_weights": True}
     (out / GENERATED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     if tokenizer:

@@ -20,10 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", default="none", choices=list(WEIGHT_QUANTS),
                    help="fp8: FP8 e4m3 linears; fp8+fp4: also FP4 e2m1 routed experts")
     p.add_argument("--shard-size-gb", type=float, default=4.0)
+    p.add_argument("--no-weights", action="store_true",
+                   help="config.json and tokenizer only: for `dsv4 serve --load-format dummy`")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     write_checkpoint(get_preset(args.preset), args.out, seed=args.seed, weight_quant=args.quant,
-                     shard_bytes=int(args.shard_size_gb * (1 << 30)))
+                     shard_bytes=int(args.shard_size_gb * (1 << 30)), weights=not args.no_weights)
     return 0

@@ -75,6 +75,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-format", default=None, choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load (default); "
                         "checkpoint: keep routed experts in FP4")
+    g.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                   help="auto: read the checkpoint's weights (default); dummy: only its "
+                        "config.json, random weights in memory (benchmarks; --seed seeds them)")
     g.add_argument("--disable-radix-cache", "--disable-prefix-cache", dest="disable_prefix_cache",
                    action="store_true", default=None, help="turn the radix prefix cache off")
     g.add_argument("--enable-return-routing", action="store_true", default=None,
@@ -143,7 +146,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "kernel_backend", "seed",
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
-        "weight_format", "disable_cuda_graph", "cuda_graph_max_bs", "enable_return_routing",
+        "weight_format", "load_format", "disable_cuda_graph", "cuda_graph_max_bs",
+        "enable_return_routing",
         "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size", "dp_size",
         "nnodes", "node_rank", "dist_init_addr")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}

@@ -15,6 +15,7 @@ from dsv4.config.engine import EngineConfig, WeightFormat, check_weight_format
 
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,11 @@ class ServerConfig(EngineConfig):
     finish before they are aborted. `access_log`: uvicorn's per-request log. `torch_threads`:
     intra-op threads of the engine process (None: torch's default, one per core).
     `weight_format`: "bf16" dequantises FP4 / FP8 weights at load; "checkpoint" keeps the routed
-    experts in FP4. `enable_return_routing`: requests may ask for their routing
+    experts in FP4. `load_format` (vLLM's and SGLang's name): "auto" reads the checkpoint's
+    weights; "dummy" reads only its config.json (and tokenizer) and fills the model with random
+    weights in memory (`checkpoint/writer.py::random_model`, seeded by `seed`, default 0): a
+    benchmark of a model too large to write to disk (`dsv4 init --no-weights` writes such a
+    directory). `enable_return_routing`: requests may ask for their routing
     (`return_routed_experts`, `return_indexer_topk`); the engine then captures routing and runs
     without the prefix cache (`engine_config` sets `capture_routing` and `disable_prefix_cache`),
     because prefix tokens served from the cache are never fed, so have no captured routing.
@@ -55,6 +60,7 @@ class ServerConfig(EngineConfig):
     access_log: bool = False
     torch_threads: int | None = None
     weight_format: WeightFormat = "bf16"
+    load_format: str = "auto"
     enable_return_routing: bool = False
     tp_size: int = 1
     ep_size: int = 1
@@ -72,6 +78,14 @@ class ServerConfig(EngineConfig):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid; allowed: {list(DTYPES)}")
         check_weight_format(self.weight_format)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} is invalid; "
+                             f"allowed: {list(LOAD_FORMATS)}")
+        if self.load_format == "dummy" and (self.weight_format != "bf16"
+                                            or max(self.tp_size, self.dp_size) > 1):
+            raise ValueError(f"load_format='dummy' with weight_format={self.weight_format!r}, "
+                             f"tp_size={self.tp_size}, dp_size={self.dp_size} is not supported; "
+                             "allowed: weight_format 'bf16' on one rank")
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device={self.device!r} is invalid; allowed: cpu, cuda or cuda:N")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -6,11 +6,13 @@
     print(outs[0].text)
 
 Keyword arguments beyond model/dtype/device/weight_format/tensor_parallel_size/
-expert_parallel_size/data_parallel_size are EngineConfig fields (weight_format "checkpoint" keeps
-the routed experts in FP4, see `model/quant_experts.py`). `tensor_parallel_size=N` > 1 runs N ranks
-(this process is rank 0; the others are spawned and stopped by `close()` or the `with` block; GPU
-rank r uses cuda:r), the model sharded as `distributed/tp.py` says; `expert_parallel_size=N` also
-splits the routed experts by id (`engine/parallel.py`). `data_parallel_size=N` > 1 (with
+expert_parallel_size/data_parallel_size/load_format are EngineConfig fields (weight_format
+"checkpoint" keeps the routed experts in FP4, see `model/quant_experts.py`; `load_format="dummy"`
+builds random weights from the checkpoint's config.json alone, `load_served_model`).
+`tensor_parallel_size=N` > 1 runs N ranks (this process is rank 0; the others are spawned and
+stopped by `close()` or the `with` block; GPU rank r uses cuda:r), the model sharded as
+`distributed/tp.py` says; `expert_parallel_size=N` also splits the routed experts by id
+(`engine/parallel.py`). `data_parallel_size=N` > 1 (with
 tensor_parallel_size 1) runs N ranks with data-parallel attention: each rank serves its own requests
 (own KV cache and prefix cache), the MoE layers run over all ranks' tokens (`distributed/dp.py`;
 `expert_parallel_size=N` splits their experts). The tokenizer is read from the checkpoint directory
@@ -30,7 +32,10 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from dsv4.checkpoint.writer import random_model
 from dsv4.config.engine import EngineConfig, check_weight_format
+from dsv4.config.model import ModelConfig
+from dsv4.config.server import LOAD_FORMATS
 from dsv4.engine.data_parallel import DataParallelEngine
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
@@ -39,8 +44,30 @@ from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.stop import OutputText
 from dsv4.engine.warmup import warm_up
-from dsv4.model.loader import load_model
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.loader import load_model, resolve_device, resolve_dtype
+from dsv4.utils.logging import init_logger
 from dsv4.utils.threads import use_cpu_threads
+
+logger = init_logger(__name__)
+
+
+def load_served_model(path: Path, dtype: str, device: str, weight_format: str = "bf16",
+                      load_format: str = "auto", seed: int = 0) -> DeepSeekV4ForCausalLM:
+    """The checkpoint's model (`load_format` "auto"), or one of its config with random weights
+    built in memory ("dummy", vLLM's and SGLang's name: only config.json is read; `seed` seeds
+    the weights): what `LLM` and `dsv4 serve` load."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is invalid; allowed: {list(LOAD_FORMATS)}")
+    if load_format == "auto":
+        return load_model(path, dtype=dtype, device=device,
+                          weight_format=check_weight_format(weight_format))
+    if weight_format != "bf16":
+        raise ValueError(f"load_format='dummy' with weight_format={weight_format!r} is not "
+                         "supported; allowed: weight_format 'bf16'")
+    logger.info("load_format dummy: random weights for %s (seed %d)", path, seed)
+    return random_model(ModelConfig.from_hf(path), resolve_dtype(dtype), resolve_device(device),
+                        seed)
 
 
 def _engine_config(engine_args: dict[str, Any]) -> EngineConfig:
@@ -55,7 +82,7 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str | None = None, device: str | None = None,
                  weight_format: str = "bf16", tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, data_parallel_size: int = 1,
-                 **engine_args: Any) -> None:
+                 load_format: str = "auto", **engine_args: Any) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         config = _engine_config(engine_args)
@@ -67,6 +94,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.engine: LLMEngine | ParallelEngine
         world = max(tensor_parallel_size, data_parallel_size)
+        if world > 1 and load_format != "auto":
+            raise ValueError(f"load_format={load_format!r} with {world} ranks is not supported; "
+                             "allowed: 'auto'")
         if world > 1:
             spec = RankSpec(str(path), dtype, device, check_weight_format(weight_format), config,
                             world, expert_parallel_size > 1, free_init_method(),
@@ -74,8 +104,8 @@ class LLM:
             self.engine = DataParallelEngine(spec) if spec.data_parallel else ParallelEngine(spec)
             self.model = self.engine.engine.runner.model  # rank 0's shard
             return
-        self.model = load_model(path, dtype=dtype, device=device,
-                                weight_format=check_weight_format(weight_format))
+        self.model = load_served_model(path, dtype, device, weight_format, load_format,
+                                       config.seed)
         mc = self.model.config
         grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id])
                     if self.tokenizer is not None else None)

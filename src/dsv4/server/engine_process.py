@@ -47,10 +47,10 @@ from dsv4.config.server import ServerConfig
 from dsv4.engine.data_parallel import DataParallelEngine
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
+from dsv4.engine.llm import load_served_model
 from dsv4.engine.parallel import ParallelEngine, RankSpec, check_layout, free_init_method
 from dsv4.engine.request import Request
 from dsv4.engine.warmup import warm_up
-from dsv4.model.loader import load_model
 from dsv4.server.ipc import (
     ROUTING_KINDS,
     AbortRequests,
@@ -132,8 +132,8 @@ def build_engine(config: ServerConfig) -> LLMEngine | ParallelEngine:
     if max(config.tp_size, config.dp_size) > 1:
         spec = rank_spec(config)
         return DataParallelEngine(spec) if spec.data_parallel else ParallelEngine(spec)
-    model = load_model(config.model, dtype=config.dtype, device=config.device,
-                       weight_format=config.weight_format)
+    model = load_served_model(Path(config.model), config.dtype, config.device,
+                              config.weight_format, config.load_format, config.seed)
     tok_file, mc = Path(config.model) / "tokenizer.json", model.config
     grammars = (Grammars(tok_file, mc.vocab_size, [mc.eos_token_id]) if tok_file.is_file()
                 else None)

@@ -1,0 +1,67 @@
+"""`dsv4 serve --load-format dummy` (vLLM's and SGLang's name): a checkpoint directory with only
+config.json and a tokenizer (`dsv4 init --no-weights`) served with random weights built in memory.
+The server's greedy tokens equal `LLM` on `random_model` of the same config and seed; bad
+combinations are refused at the edge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from dsv4 import LLM, EngineConfig, SamplingParams
+from dsv4.checkpoint.presets import get_preset
+from dsv4.checkpoint.writer import random_model, write_checkpoint
+from dsv4.config.model import ModelConfig
+from dsv4.config.server import ServerConfig
+from dsv4.engine.engine import LLMEngine
+
+from .conftest import running_server
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_dummy_weights_equal_random_model(tmp_path: Path) -> None:
+    model_dir = tmp_path / "micro"
+    write_checkpoint(get_preset("micro"), model_dir, weights=False)
+    assert not list(model_dir.glob("*.safetensors"))
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    with running_server(tmp_path, "--model", str(model_dir), "--load-format", "dummy",
+                        "--seed", "3", "--torch-threads", "1") as srv:
+        got = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60.0).json()
+        models = httpx.get(f"{srv.url}/v1/models").json()["data"][0]
+    assert models["random_weights"] is True
+    config = ModelConfig.from_hf(model_dir)
+    model = random_model(config, torch.float32, torch.device("cpu"), seed=3)
+    engine = LLMEngine(model, EngineConfig(page_size=16))
+    req = engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0.0,
+                                                    ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    want = Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(req.output_ids)
+    assert got["usage"]["completion_tokens"] == 8
+    assert got["choices"][0]["text"] == want, (got, req.output_ids)
+
+
+def test_llm_dummy_equals_random_model(tmp_path: Path) -> None:
+    """`LLM(path, load_format="dummy")` builds the same weights as `random_model` with its seed."""
+    write_checkpoint(get_preset("micro"), tmp_path, weights=False)
+    llm = LLM(tmp_path, load_format="dummy", seed=5, page_size=16)
+    want = random_model(ModelConfig.from_hf(tmp_path), torch.float32, torch.device("cpu"), seed=5)
+    for (name, p), q in zip(llm.model.named_parameters(), want.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    with pytest.raises(ValueError, match="load_format='dummy' with weight_format"):
+        LLM(tmp_path, load_format="dummy", weight_format="checkpoint")
+
+
+def test_dummy_refuses_what_it_cannot_build() -> None:
+    with pytest.raises(ValueError, match="load_format='lazy' is invalid"):
+        ServerConfig(model="x", load_format="lazy")
+    with pytest.raises(ValueError, match="weight_format 'bf16' on one rank"):
+        ServerConfig(model="x", load_format="dummy", weight_format="checkpoint")
+    with pytest.raises(ValueError, match="weight_format 'bf16' on one rank"):
+        ServerConfig(model="x", load_format="dummy", tp_size=2)
