@@ -63,6 +63,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--server-log", default=None, help="write the started server's output here")
+    p.add_argument("--warmup-pass", action="store_true",
+                   help="run every level once, unmeasured, before measuring (and the offline "
+                   "side once): steady-state figures, without first-use costs such as a CUDA "
+                   "graph captured for a new batch / context bucket")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--offline-threads", type=int, default=None,
                    help="torch threads of the offline run "
@@ -135,7 +140,9 @@ def start_server(args: argparse.Namespace, model: Path,
            "--device", args.device, "--load-format", args.load_format]
     if page_size_of(args) is not None:
         cmd += ["--page-size", str(page_size_of(args))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(args.server_log or os.devnull)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -146,7 +153,8 @@ def start_server(args: argparse.Namespace, model: Path,
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("the server did not become healthy")
+    tail = log.read_text(errors="replace")[-3000:] if args.server_log else "(no --server-log)"
+    raise RuntimeError(f"the server did not become healthy; its log ends:\n{tail}")
 
 
 def dtype_of(args: argparse.Namespace) -> str:
@@ -211,6 +219,9 @@ def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int],
     On CUDA the offline runs follow `stop_server()` instead (one model per GPU)."""
     prompts = make_prompts(args, json.loads((model / "config.json").read_text())["vocab_size"],
                            args.num_requests)
+    if args.warmup_pass:
+        for c in levels:
+            asyncio.run(run_level(url, prompts[:requests_for(c, args)], args.output_len, c))
     rows = [summarize(c, *asyncio.run(run_level(url, prompts[:requests_for(c, args)],
                                                 args.output_len, c)))
             for c in levels[:-1]]
@@ -220,6 +231,8 @@ def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int],
         torch.set_num_threads(args.offline_threads)
     after = args.device == "cuda"
     llm = None if args.skip_offline or after else offline_llm(model, args, top)
+    if llm is not None and args.warmup_pass:
+        run_offline(llm, top_prompts, args)
     server_runs, offline_runs = [], []
     for _ in range(args.repeats):
         server_runs.append(summarize(top, *asyncio.run(run_level(url, top_prompts,
@@ -229,6 +242,8 @@ def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int],
     if after and not args.skip_offline:
         stop_server()
         llm = offline_llm(model, args, top)
+        if args.warmup_pass:
+            run_offline(llm, top_prompts, args)
         offline_runs = [run_offline(llm, top_prompts, args) for _ in range(args.repeats)]
     rows.append(max(server_runs, key=lambda r: r["tok_s"]))
     offline = max(offline_runs) if offline_runs else float("nan")

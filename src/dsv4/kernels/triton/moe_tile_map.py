@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_FUSED_SLOTS = 1024
+MAX_FUSED_SLOTS = 512
 MAX_FUSED_EXPERTS = 1024
 _CHUNK = 32          # slots compared per step of the rank / count loop
 _TILE_CHUNK = 32     # tiles resolved per step of the tile loop
