@@ -6,7 +6,8 @@ their picks from the host mirror.
 Workloads on the `micro` preset (random weights, index_topk 4): a prefix-cache hit (the same
 prompt again, and prompts sharing a prefix), preemption under a cache too small for the batch,
 chunked prefill at awkward budgets (with a hot set wide enough that short chunks go through
-`select` too), overlap scheduling, routing capture; and the shipped dsv4-tiny (index_topk 128).
+`select` too), overlap scheduling, routing capture, batch-invariant mode; and the shipped
+dsv4-tiny (index_topk 128).
 Every workload checks every manager's `check_integrity()` (the HotSet's included) after every
 step, that entries were swapped in (the HotSet's stats) and that every page is free once the
 prefix cache lets go. Plus the startup errors of bad or unsupported configurations, the CLI flags,
@@ -135,6 +136,11 @@ def test_overlap_schedule_and_routing_capture(model: DeepSeekV4ForCausalLM) -> N
     for off, on in zip(*routing, strict=True):
         assert off.keys() == on.keys() == {"experts", "indexer"}
         assert all(torch.equal(off[k], on[k]) for k in off)
+
+
+def test_batch_invariant_mode(model: DeepSeekV4ForCausalLM) -> None:
+    """Index rows of one width per layer (`fixed_widths`): padded picks select and stage too."""
+    both(model, random_prompts([50, 35, 66], seed=5), batch_invariant=True, chunked_prefill_size=8)
 
 
 def test_shipped_tiny_model() -> None:

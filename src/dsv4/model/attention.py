@@ -10,6 +10,10 @@ so the output is de-rotated at the query position before the grouped output proj
 Full-sequence path: every key (raw window keys of all rows, then compressed entries of all rows)
 goes into one flat buffer and each query gets a row of indices into it
 (`kernels/ref/attention.py`).
+
+Serving path with HiSparse (`LayerCache.hot`): a CSA layer's entries go to the HotSet's host
+mirror, and its sparse attention reads the picks from the hot rows or from the step's staged
+picks (`_c4_reads`) instead of an entry pool; same values, same index columns.
 """
 
 from __future__ import annotations
@@ -277,14 +281,24 @@ class Attention(nn.Module):
         assert plan.entry_cos is not None and plan.entry_sin is not None
         own, idx = self.compressor, self.indexer.compressor
         assert own.norm.eps == idx.norm.eps, "compress_pair takes one eps"
-        if cache.hot is None:
-            assert cache.entries is not None
-            ctx.ops.compress_pair(own.target(x, ctx, cache.state, cache.entries),
-                                  idx.target(x, ctx, cache.index_state, cache.index_keys),
-                                  plan.index, own.norm.eps, plan.entry_cos, plan.entry_sin)
+        if cache.hot is not None:
+            self._compress_pair_hot(x, ctx, plan, cache)
             return
-        # HiSparse: both compressors write a per-step scratch (one index serves the pair); the
-        # indexer keys then go to their pool, the entries to the host mirror and hot copies
+        assert cache.entries is not None
+        ctx.ops.compress_pair(own.target(x, ctx, cache.state, cache.entries),
+                              idx.target(x, ctx, cache.index_state, cache.index_keys), plan.index,
+                              own.norm.eps, plan.entry_cos, plan.entry_sin)
+
+    def _compress_pair_hot(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
+                           cache: LayerCache) -> None:
+        """`_compress_pair` with HiSparse: both compressors write a per-step scratch (one index
+        serves the pair); the indexer keys then go to their pool, the entries to the host mirror
+        and their hot copies (`HotLayer.write`)."""
+        assert self.compressor is not None and self.indexer is not None and cache.hot is not None
+        assert cache.state is not None and cache.index_state is not None
+        assert cache.index_keys is not None
+        assert plan.entry_cos is not None and plan.entry_sin is not None
+        own, idx = self.compressor, self.indexer.compressor
         hs = ctx.hisparse
         assert hs is not None, "a layer with a HotSet needs the step's HiSparse rows"
         T = x.shape[0]
