@@ -128,7 +128,8 @@ def test_overlap_schedule_and_routing_capture(model: DeepSeekV4ForCausalLM) -> N
     args = {**BASE, "capture_routing": True, "disable_prefix_cache": True}
     routing = []
     for on in (False, True):
-        engine = LLMEngine(model, EngineConfig(**args, enable_hisparse=on))  # type: ignore[arg-type]
+        config = EngineConfig(**args, enable_hisparse=on)  # type: ignore[arg-type]
+        engine = LLMEngine(model, config)
         reqs = [engine.add_request(p, GREEDY) for p in prompts]
         while engine.has_unfinished():
             engine.step()
@@ -136,6 +137,19 @@ def test_overlap_schedule_and_routing_capture(model: DeepSeekV4ForCausalLM) -> N
     for off, on in zip(*routing, strict=True):
         assert off.keys() == on.keys() == {"experts", "indexer"}
         assert all(torch.equal(off[k], on[k]) for k in off)
+
+
+def test_release_and_resume_memory(model: DeepSeekV4ForCausalLM) -> None:
+    """release_memory drops the HotSet with the pools; resume_memory builds a fresh one that the
+    request table's slots drive again, to the same outputs."""
+    prompts = random_prompts([44, 29], seed=6)
+    engine, _ = both(model, prompts)
+    expected = run(LLMEngine(model, EngineConfig(**BASE)), prompts)  # type: ignore[arg-type]
+    old = engine.runner.pools.hot
+    assert engine.release_memory() > 0 and engine.runner.table.hot is None
+    engine.resume_memory()
+    assert engine.runner.pools.hot is not old and engine.runner.table.hot is engine.runner.pools.hot
+    assert run(engine, prompts) == expected
 
 
 def test_batch_invariant_mode(model: DeepSeekV4ForCausalLM) -> None:
