@@ -32,6 +32,10 @@ mutual inverses; last_used is -1 exactly on empty slots and never ahead of `cloc
 admitted hold nothing; trash columns hold -1; every hot row equals the host row of its entry
 (writes go through to hot copies); no select has overflowed.
 
+`stage(layer, slot_ids, topk)` serves rows whose picks cannot all be hot at once (a prefill
+chunk of one request picks up to every entry it sees): it copies the distinct picks from the host
+mirror into a new device buffer and leaves the hot set alone.
+
 `select(layer, slot_ids, topk)` is torch ops of fixed shapes with no `.item()` / `.tolist()`
 (capturable in a CUDA graph when the swap-in is; `swap_in_ref` is when both pools are on the
 device):
@@ -48,9 +52,9 @@ layout refuses E < top_k). Beyond that the extra misses are not placed, their pi
 `num_overflow` counts them, which `check_integrity` reports.
 
 Host syncs: `write_entries` copies to the host mirror synchronously (named sync point; the async
-write-back on a side stream is not built); `swap_in_ref` syncs when the pools are on different
-devices; `check_integrity` reads everything back. admit / release / truncate launch device ops
-from host ints and never read device memory.
+write-back on a side stream is not built); `stage` syncs (its buffer's size); `swap_in_ref` syncs
+when the pools are on different devices; `check_integrity` reads everything back. admit /
+release / truncate launch device ops from host ints and never read device memory.
 Test: tests/cache/test_hisparse.py.
 """
 
@@ -104,6 +108,17 @@ class HiSparseLayout:
                    top_k=model.index_topk, num_host_rows=layout.num_full_slots // r + 1,
                    page_entries=layout.page_size // r, width=model.head_dim)
 
+    @staticmethod
+    def device_bytes(model: ModelConfig, max_reqs: int, max_context: int, device_entries: int,
+                     dtype: torch.dtype) -> int:
+        """Device bytes (hot pools + maps) of the engine's HotSet, before the cache layout exists
+        (`plan_cache` reserves them from the KV budget)."""
+        probe = HiSparseLayout(num_layers=sum(t == "csa" for t in model.attn_types),
+                               max_reqs=max_reqs, max_entries=max_context // model.csa_ratio,
+                               device_entries=device_entries, top_k=model.index_topk,
+                               num_host_rows=1, page_entries=1, width=model.head_dim)
+        return probe.pool_bytes(dtype)[0]
+
     def pool_bytes(self, dtype: torch.dtype) -> tuple[int, int]:
         """(device bytes: hot pools + maps, host bytes: mirror) of one HotSet."""
         elt = torch.finfo(dtype).bits // 8
@@ -139,9 +154,15 @@ class HotSet:
         self.num_overflow = torch.zeros((), dtype=i64, device=device)
         self.num_picked = torch.zeros((), dtype=i64, device=device)    # valid picks selected
         self.num_swapped = torch.zeros((), dtype=i64, device=device)   # entries copied in
+        self.num_staged = torch.zeros((), dtype=i64, device=device)    # entries staged (`stage`)
         self._admitted: set[int] = set()
 
     # ---- request slots -------------------------------------------------------------------
+    @property
+    def admitted(self) -> frozenset[int]:
+        """The request slots with a hot set (admitted, not released)."""
+        return frozenset(self._admitted)
+
     def admit(self, slot: int) -> None:
         """Start an empty hot set for request slot `slot` (every layer)."""
         assert 0 <= slot < self.layout.max_reqs, f"slot {slot} out of range"
@@ -203,10 +224,31 @@ class HotSet:
         self.num_swapped += (dst >= 0).sum()
         return self._lookup(layer, slots, entries).view(T, k)
 
+    def stage(self, layer: int, slot_ids: torch.Tensor,
+              topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The picks of rows too many to be hot at once (a prefill chunk's), read around the hot
+        set: the distinct picked entries copied from the host mirror into one new device buffer.
+
+        slot_ids, topk: as `select`. Returns (buffer [n, D] on the device pool's device, rows
+        [T, k] int64 into it, -1 where topk is -1): buffer[out[t, c]] is entry topk[t, c] of
+        request slot_ids[t]. The hot set is neither read nor changed.
+        NOTE: named sync point: the distinct count sizes the buffer, and the copy is blocking.
+        """
+        T, k = topk.shape
+        slots = slot_ids.long()[:, None].expand(T, k).reshape(-1)
+        entries = self._valid(slots, topk.reshape(-1).long())
+        rows = torch.where(entries >= 0, self._host_rows(slots, entries), -1)
+        distinct, where = torch.unique(rows, return_inverse=True)       # -1 (if any) first
+        host = self.host_pool[layer]
+        dev = self.device_pool.device
+        buffer = host[distinct.clamp(min=0).to(host.device)].to(dev, self.device_pool.dtype)
+        self.num_staged += (distinct >= 0).sum().to(self.num_staged.device)
+        return buffer, torch.where(rows >= 0, where, -1).view(T, k)
+
     def stats(self) -> dict[str, torch.Tensor]:
         """Device counters since construction (read them at a sync point)."""
         return {"hisparse/picked": self.num_picked, "hisparse/swapped": self.num_swapped,
-                "hisparse/overflow": self.num_overflow}
+                "hisparse/staged": self.num_staged, "hisparse/overflow": self.num_overflow}
 
     # ---- plan ------------------------------------------------------------------------------
     def _valid(self, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:

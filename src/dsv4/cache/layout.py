@@ -44,12 +44,14 @@ class CacheLayout:
         return (self.num_full_pages - 1) * self.page_size
 
 
-def full_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> float:
-    """Bytes of compressed-cache growth per token (C4 entries + indexer keys + C128 entries)."""
+def full_bytes_per_token(model: ModelConfig, dtype: torch.dtype, hisparse: bool = False) -> float:
+    """Bytes of compressed-cache growth per token on the device (C4 entries + indexer keys + C128
+    entries; with `hisparse` the C4 entries live in the host mirror and do not count)."""
     elt = torch.finfo(dtype).bits // 8
     csa = sum(t == "csa" for t in model.attn_types)
     hca = sum(t == "hca" for t in model.attn_types)
-    csa_bytes = csa * (model.head_dim + model.index_head_dim) / model.csa_ratio
+    c4_width = model.index_head_dim + (0 if hisparse else model.head_dim)
+    csa_bytes = csa * c4_width / model.csa_ratio
     return elt * (csa_bytes + hca * model.head_dim / model.hca_ratio)
 
 
@@ -64,7 +66,8 @@ def swa_bytes_per_page(model: ModelConfig, dtype: torch.dtype, page_size: int) -
     return layers * page_size * model.head_dim * elt + ring
 
 
-def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> CacheLayout:
+def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
+               reserved_bytes: int = 0) -> CacheLayout:
     """Page counts of the pools. Explicit sizes (`max_total_tokens`, `swa_tokens`) win. Otherwise
     the KV budget is split: SWA pages get every running request's horizon plus one step's chunk
     and, with the prefix cache on and a `swa_memory_fraction` > 0 (None counts as 0: the engine
@@ -72,7 +75,8 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
     what `max_running_requests` requests of `context_length` could use; then budget the full
     pool cannot use goes to SWA pages too, so cached prefixes are not evicted for want of window
     pages while memory sits idle; never more SWA pages than full pages (each shadows one) beyond
-    the running requests' need."""
+    the running requests' need. `reserved_bytes` (HiSparse's hot sets) come out of the KV budget
+    first; with `enable_hisparse` a full page costs no C4 entries on the device."""
     P = engine.page_size
     for name, ratio in (("csa_ratio", model.csa_ratio), ("hca_ratio", model.hca_ratio)):
         if P % ratio:
@@ -88,7 +92,7 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
     if engine.max_total_tokens is not None:
         full_pages = math.ceil(engine.max_total_tokens / P) + 1
     else:
-        full_pages, swa_pages = _split_budget(model, engine, dtype, swa_pages)
+        full_pages, swa_pages = _split_budget(model, engine, dtype, swa_pages, reserved_bytes)
     return CacheLayout(page_size=P, num_full_pages=max(full_pages, 2),
                        num_swa_pages=max(swa_pages, 2),
                        ring_c4=2 * model.csa_ratio * engine.rings,
@@ -96,13 +100,18 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> 
 
 
 def _split_budget(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
-                  swa_pages: int) -> tuple[int, int]:
-    """(full pages, SWA pages) of the KV budget, SWA pages at least `swa_pages` (plan_cache)."""
+                  swa_pages: int, reserved_bytes: int) -> tuple[int, int]:
+    """(full pages, SWA pages) of the KV budget less `reserved_bytes`, SWA pages at least
+    `swa_pages` (plan_cache)."""
     assert engine.kv_cache_memory_gb is not None, "the runner resolves the KV budget"
     P = engine.page_size
-    total = engine.kv_cache_memory_gb * (1 << 30)
+    total = engine.kv_cache_memory_gb * (1 << 30) - reserved_bytes
+    if total <= 0:
+        raise ValueError(f"kv_cache_memory_gb={engine.kv_cache_memory_gb} is too small for the "
+                         f"HiSparse hot sets ({reserved_bytes / 2**30:.2f} GB); allowed: a larger "
+                         "budget, or smaller hisparse_device_entries / max_running_requests")
     swa_page = swa_bytes_per_page(model, dtype, P)
-    full_page = max(1.0, full_bytes_per_token(model, dtype) * P)
+    full_page = max(1.0, full_bytes_per_token(model, dtype, engine.enable_hisparse) * P)
     fraction = engine.swa_memory_fraction or 0.0
     grow_swa = engine.swa_tokens is None and not engine.disable_prefix_cache and fraction > 0
     running = swa_pages

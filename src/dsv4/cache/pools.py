@@ -3,6 +3,9 @@
 Every buffer has one extra trailing "trash" row: writes that must not land anywhere (a token that
 completes no compressed entry, a ring slot that is not kept) are pointed at it, so writes stay
 branch-free index copies. Nothing ever reads the trash row as valid data.
+
+With HiSparse (`cache/hisparse.py`) a C4 layer has no device `entries` pool: its `hot` view of
+the engine's HotSet takes the entries (host mirror) and serves attention's reads (hot rows).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.cache.hisparse import HotSet
 from dsv4.cache.layout import CacheLayout
 from dsv4.config.model import ModelConfig
 
@@ -28,6 +32,34 @@ class RingState:
         return self.kv.shape[0] - 1
 
 
+@dataclass(frozen=True)
+class HotLayer:
+    """One C4 layer's view of the engine's HotSet: where its entries go and are read from."""
+
+    hot: HotSet
+    layer: int             # the layer's index among the model's C4 (CSA) layers
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """[R * E + 1, D] the layer's hot rows (what `select`'s rows index)."""
+        return self.hot.device_pool[self.layer]
+
+    def write(self, slot_ids: torch.Tensor, entry_ids: torch.Tensor, values: torch.Tensor,
+              hot: bool) -> None:
+        """`HotSet.write_entries` of this layer. Tokens that complete no entry pass the pad slot
+        (entry 0): their value lands on the null page's host row and in no hot set."""
+        self.hot.write_entries(self.layer, slot_ids, entry_ids, values, hot)
+
+    def select(self, slot_ids: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """`HotSet.select` of this layer: rows [T, k] of `pool`."""
+        return self.hot.select(self.layer, slot_ids, topk)
+
+    def stage(self, slot_ids: torch.Tensor,
+              topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`HotSet.stage` of this layer: (buffer [n, D], rows [T, k] into it)."""
+        return self.hot.stage(self.layer, slot_ids, topk)
+
+
 @dataclass
 class LayerCache:
     attn_type: str
@@ -37,6 +69,7 @@ class LayerCache:
     state: RingState | None = None
     index_keys: torch.Tensor | None = None  # [num_full_slots // csa_ratio + 1, Id] (CSA)
     index_state: RingState | None = None
+    hot: HotLayer | None = None             # CSA with HiSparse: in place of `entries`
 
     @property
     def swa_trash(self) -> int:
@@ -44,8 +77,10 @@ class LayerCache:
 
     @property
     def entry_trash(self) -> int:
-        assert self.entries is not None
-        return self.entries.shape[0] - 1
+        """The trash row of the entry coordinates (`entries`, or `index_keys`: same rows)."""
+        rows = self.entries if self.entries is not None else self.index_keys
+        assert rows is not None, "a layer without compressed entries has no entry trash row"
+        return rows.shape[0] - 1
 
 
 def _ring(layout: CacheLayout, ring: int, width: int, device: torch.device) -> RingState:
@@ -55,13 +90,15 @@ def _ring(layout: CacheLayout, ring: int, width: int, device: torch.device) -> R
 
 
 def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch.dtype,
-           device: torch.device) -> LayerCache:
+           device: torch.device, hot: HotLayer | None) -> LayerCache:
     D, Id = model.head_dim, model.index_head_dim
     cache = LayerCache(attn_type,
                        torch.zeros(layout.num_swa_slots + 1, D, dtype=dtype, device=device))
     if attn_type == "csa":
         n = layout.num_full_slots // model.csa_ratio + 1
-        cache.entries = torch.zeros(n, D, dtype=dtype, device=device)
+        if hot is None:
+            cache.entries = torch.zeros(n, D, dtype=dtype, device=device)
+        cache.hot = hot
         cache.state = _ring(layout, layout.ring_c4, 2 * D, device)
         cache.index_keys = torch.zeros(n, Id, dtype=dtype, device=device)
         cache.index_state = _ring(layout, layout.ring_c4, 2 * Id, device)
@@ -73,16 +110,22 @@ def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch
 
 
 class KVPools:
-    """All cache tensors: `layers[i]` for decoder layer i, then the MTP layers."""
+    """All cache tensors: `layers[i]` for decoder layer i, then the MTP layers. With `hot` (a
+    HotSet over the C4 layers, HiSparse), the j-th C4 layer's entries go to its j-th layer."""
 
     def __init__(self, model: ModelConfig, layout: CacheLayout, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.layout = layout
+                 device: torch.device, hot: HotSet | None = None) -> None:
+        self.layout, self.hot = layout, hot
         types = list(model.attn_types) + ["swa"] * model.num_mtp_layers
-        self.layers = [_layer(model, layout, t, dtype, device) for t in types]
+        self.layers = [_layer(model, layout, t, dtype, device,
+                              HotLayer(hot, types[:i].count("csa"))
+                              if hot is not None and t == "csa" else None)
+                       for i, t in enumerate(types)]
 
     def nbytes(self) -> int:
-        total = 0
+        """Device bytes of the pools (with HiSparse: the hot sets and their maps included, the
+        host mirror not)."""
+        total = 0 if self.hot is None else self.hot.layout.pool_bytes(self.hot.device_pool.dtype)[0]
         for c in self.layers:
             for t in (c.swa, c.entries, c.index_keys):
                 total += 0 if t is None else t.numel() * t.element_size()

@@ -16,6 +16,10 @@ every step that writes positions [start, end) — full pages cover [0, end), SWA
 [start - horizon, end), all-or-nothing, after asking the `evict` callback (the prefix cache) for
 room; `release_swa` frees private SWA pages that fell behind the horizon; `truncate` drops
 positions >= new_len (speculative rollback); `free` returns the private pages.
+
+With HiSparse, `hot` (the engine's HotSet, which reads `page_table`) follows the slots: `open`
+admits the slot's empty hot set, `truncate` drops its hot entries past the new length, `free`
+releases it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from dsv4.cache.allocator import PageAllocator
+from dsv4.cache.hisparse import HotSet
 from dsv4.cache.layout import CacheLayout
 from dsv4.utils.device import to_device
 
@@ -47,6 +52,7 @@ class RequestTable:
         self.swa_of: dict[int, int] = {}
         self.shared: set[int] = set()
         self.evict: Evictor | None = None
+        self.hot: HotSet | None = None
         self._free_slots = list(range(max_reqs - 1, -1, -1))
 
     # ---- request slots -------------------------------------------------------------------
@@ -66,6 +72,8 @@ class RequestTable:
         self.full_pages[slot] = pages
         if pages:
             self.page_table[slot, :len(pages)] = self._dev(pages)
+        if self.hot is not None:
+            self.hot.admit(slot)
         return slot
 
     # ---- pages -----------------------------------------------------------------------------
@@ -107,7 +115,22 @@ class RequestTable:
                        if p in self.swa_of and p not in self.shared])
 
     def truncate(self, slot: int, new_len: int) -> None:
-        """Forget positions >= new_len: whole private pages past it go back to the pools."""
+        """Forget positions >= new_len: whole private pages past it go back to the pools, and
+        hot C4 entries that are not complete below new_len leave the slot's hot set."""
+        self._truncate_pages(slot, new_len)
+        if self.hot is not None:
+            # entry i pools positions < m(i+1) (m = P // page_entries, the C4 ratio): complete
+            # below new_len iff i < new_len // m
+            self.hot.truncate(slot, new_len * self.hot.layout.page_entries // self.P)
+
+    def free(self, slot: int) -> None:
+        self._truncate_pages(slot, 0)
+        del self.full_pages[slot]
+        if self.hot is not None:
+            self.hot.release(slot)
+        self._free_slots.append(slot)
+
+    def _truncate_pages(self, slot: int, new_len: int) -> None:
         have = self.full_pages[slot]
         keep = math.ceil(new_len / self.P)
         dropped = [p for p in have[keep:] if p not in self.shared]
@@ -115,11 +138,6 @@ class RequestTable:
         self.full.free(dropped)
         del have[keep:]
         self.page_table[slot, keep:] = 0
-
-    def free(self, slot: int) -> None:
-        self.truncate(slot, 0)
-        del self.full_pages[slot]
-        self._free_slots.append(slot)
 
     # ---- used by the prefix cache ---------------------------------------------------------
     def share(self, pages: Iterable[int]) -> None:
@@ -184,3 +202,5 @@ class RequestTable:
         assert len(set(self._free_slots)) == len(self._free_slots), "duplicate free request slots"
         assert not set(self._free_slots) & set(self.full_pages), (
             "a request slot is both free and open")
+        assert self.hot is None or self.hot.admitted == set(self.full_pages), (
+            "the HotSet's admitted slots are not the open request slots")

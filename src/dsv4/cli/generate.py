@@ -2,8 +2,10 @@
 to stdout.
 
 `--speculative-num-steps N` generates with MTP speculative decoding (greedy text unchanged) and logs
-the drafts accepted. A checkpoint without an MTP block, like any invalid flag, exits with 2 and a
-message naming the flag."""
+the drafts accepted. `--enable-hisparse` (`--hisparse-device-entries N`) keeps the C4 attention
+entries in host memory with a hot set per request on the device (greedy text unchanged). A
+checkpoint without an MTP block, like any invalid flag, exits with 2 and a message naming the
+flag."""
 
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsv4.cli.serve import add_overlap_arg, add_speculative_arg, add_warmup_arg, check_speculative
+from dsv4.cli.serve import (
+    add_hisparse_args,
+    add_overlap_arg,
+    add_speculative_arg,
+    add_warmup_arg,
+    check_speculative,
+)
 from dsv4.config.engine import WEIGHT_FORMATS
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
@@ -42,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_speculative_arg(p, default=0)
     add_overlap_arg(p)
     add_warmup_arg(p)
+    add_hisparse_args(p)
     p.set_defaults(func=run)
 
 
@@ -59,11 +68,19 @@ def run(args: argparse.Namespace) -> int:
         engine_args["overlap_schedule"] = True
     if args.warmup is not None:
         engine_args["warmup"] = args.warmup
+    if args.enable_hisparse:
+        engine_args["enable_hisparse"] = True
+    if args.hisparse_device_entries is not None:
+        engine_args["hisparse_device_entries"] = args.hisparse_device_entries
     if args.device == "cpu" or args.device is None and not _has_cuda():
         engine_args.setdefault("page_size", 128)
         engine_args["kv_cache_memory_gb"] = 0.5
-    llm = LLM(model, dtype=args.dtype, device=args.device, weight_format=args.weight_format,
-              speculative_num_steps=args.speculative_num_steps, **engine_args)
+    try:
+        llm = LLM(model, dtype=args.dtype, device=args.device, weight_format=args.weight_format,
+                  speculative_num_steps=args.speculative_num_steps, **engine_args)
+    except ValueError as e:        # an invalid engine flag (e.g. --hisparse-device-entries)
+        logger.error("%s", e)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):

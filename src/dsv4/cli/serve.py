@@ -5,7 +5,8 @@ Resolves every "auto" value here, at the edge, before building the frozen Server
 dtype (bfloat16 on cuda, float32 on cpu) and, on CPU, a small page size and KV budget and one
 engine thread per core minus one for the API process. `--enable-return-routing` lets requests ask
 for their routing (RL replay; the prefix cache is then off). `--speculative-num-steps N` turns on
-MTP speculative decoding (the checkpoint must have an MTP block: checked here). Exits with the
+MTP speculative decoding (the checkpoint must have an MTP block: checked here). `--enable-hisparse`
+keeps the C4 attention entries in host memory (`EngineConfig.enable_hisparse`). Exits with the
 server's status: 0 after SIGTERM / SIGINT, non-zero when the engine fails; 2 for an invalid flag.
 """
 
@@ -92,6 +93,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)
+    add_hisparse_args(g)
     g.add_argument("--random-seed", "--seed", dest="seed", type=int, default=None,
                    help="engine sampling seed")
     g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=None,
@@ -149,7 +151,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "weight_format", "load_format", "disable_cuda_graph", "cuda_graph_max_bs",
         "enable_return_routing",
         "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size", "dp_size",
-        "nnodes", "node_rank", "dist_init_addr")}
+        "nnodes", "node_rank", "dist_init_addr", "enable_hisparse", "hisparse_device_entries")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),
@@ -249,6 +251,18 @@ def add_warmup_arg(g: argparse._ActionsContainer) -> None:
                    help="compile kernels and capture decode graphs before serving: fast (a few "
                         "batch sizes) or full (every graph bucket); default fast on cuda with "
                         "triton, none elsewhere (EngineConfig.warmup)")
+
+
+def add_hisparse_args(g: argparse._ActionsContainer) -> None:
+    """`--enable-hisparse` and `--hisparse-device-entries N` (shared by `dsv4 serve` and
+    `dsv4 generate`)."""
+    g.add_argument("--enable-hisparse", action="store_true", default=None,
+                   help="HiSparse: C4 attention entries in host memory, a hot set of them per "
+                        "request on the device; greedy output is unchanged "
+                        "(EngineConfig.enable_hisparse; with --disable-cuda-graph on cuda)")
+    g.add_argument("--hisparse-device-entries", type=int, default=None, metavar="N",
+                   help="hot entries per request and C4 layer, at least the model's index_topk "
+                        "(default: 2 x index_topk)")
 
 
 def speculative_steps(text: str) -> int:

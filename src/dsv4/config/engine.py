@@ -99,6 +99,21 @@ class EngineConfig:
     "fast" (the prefill shapes and a few decode batch sizes) or "full" (every decode graph
     bucket, and the context buckets); `engine/warmup.py` lists the shapes. None picks "fast" on
     CUDA with the `triton` backend and "none" elsewhere (`resolve_warmup`).
+    `enable_hisparse`: HiSparse (`cache/hisparse.py`): the C4 attention entries of every request
+    live in a host mirror (pinned CPU memory on CUDA) instead of the device's entry pools, and
+    each request keeps `hisparse_device_entries` of them per C4 layer hot on the device. The
+    indexer keys stay on the device, so the selection is unchanged and greedy outputs equal
+    those with it off. A step whose longest request feeds at most
+    `hisparse_device_entries // index_topk` tokens (decode) attends through the hot sets (LRU;
+    the picks that miss are copied in); a longer prefill chunk attends through its picks staged
+    from the host mirror. The KV budget then holds no C4 entries; the hot sets are reserved from
+    it (`cache/layout.py`). Supported with the prefix cache, chunked prefill, preemption, overlap
+    scheduling, routing capture and batch-invariant mode, on one device. Not supported (startup
+    errors): CUDA graphs (`disable_cuda_graph` must be set where they would run), speculative
+    decoding, tensor parallelism and data-parallel attention (`ServerConfig`).
+    `hisparse_device_entries`: hot entries per request and C4 layer, at least the model's
+    `index_topk` (every pick of one query is hot at once; checked when the engine starts).
+    None: `HISPARSE_ENTRIES_PER_TOPK` times `index_topk`. Only with `enable_hisparse`.
     """
 
     page_size: int = 256
@@ -122,6 +137,8 @@ class EngineConfig:
     overlap_schedule: bool = False
     warmup: WarmupMode | None = None
     seed: int = 0
+    enable_hisparse: bool = False
+    hisparse_device_entries: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -168,6 +185,26 @@ class EngineConfig:
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; "
                              f"allowed: {list(KERNEL_BACKENDS)}")
+        self._check_hisparse()
+
+    def _check_hisparse(self) -> None:
+        """The HiSparse knobs alone and with the others (the model's `index_topk` is checked by
+        `resolve_hisparse_entries` when the engine starts)."""
+        if not isinstance(self.enable_hisparse, bool):
+            raise ValueError(f"enable_hisparse={self.enable_hisparse!r} is invalid; "
+                             "allowed: True or False")
+        entries = self.hisparse_device_entries
+        if entries is not None and (not isinstance(entries, int) or isinstance(entries, bool)
+                                    or entries < 1):
+            raise ValueError(f"hisparse_device_entries={entries!r} is invalid; allowed: None or "
+                             "an integer >= the model's index_topk")
+        if entries is not None and not self.enable_hisparse:
+            raise ValueError(f"hisparse_device_entries={entries} needs enable_hisparse=True "
+                             "(--enable-hisparse); allowed: None with HiSparse off")
+        if self.enable_hisparse and self.speculative_num_steps:
+            raise ValueError(f"enable_hisparse=True with speculative_num_steps="
+                             f"{self.speculative_num_steps} is not supported; allowed: "
+                             "speculative_num_steps=0, or enable_hisparse=False")
 
     @property
     def rings(self) -> int:
@@ -175,6 +212,25 @@ class EngineConfig:
         if self.ring_multiplier is not None:
             return self.ring_multiplier
         return 2 if self.speculative_num_steps else 1
+
+
+HISPARSE_ENTRIES_PER_TOPK = 2
+"""`hisparse_device_entries` when not given, in units of the model's `index_topk`: the picks of
+one decode step plus as many again, so entries picked in recent steps stay hot."""
+
+
+def resolve_hisparse_entries(config: EngineConfig, index_topk: int) -> int:
+    """The hot entries per request and C4 layer of an engine with `enable_hisparse`: the given
+    `hisparse_device_entries`, else `HISPARSE_ENTRIES_PER_TOPK * index_topk`. Raises naming the
+    field when fewer than `index_topk` (a query's picks could not all be hot at once)."""
+    entries = config.hisparse_device_entries
+    if entries is None:
+        return HISPARSE_ENTRIES_PER_TOPK * index_topk
+    if entries < index_topk:
+        raise ValueError(f"hisparse_device_entries={entries} is invalid; allowed: an integer >= "
+                         f"the model's index_topk={index_topk} (every pick of one query must be "
+                         "hot at once)")
+    return entries
 
 
 CPU_KV_CACHE_GB = 4.0

@@ -112,6 +112,10 @@ class ServerConfig(EngineConfig):
         if self.dp_size > 1 and self.tp_size > 1:
             raise ValueError(f"tp_size={self.tp_size} with dp_size={self.dp_size} is not "
                              "supported; allowed: tp_size 1 with data-parallel attention")
+        if self.enable_hisparse and max(self.tp_size, self.dp_size) > 1:
+            raise ValueError(f"enable_hisparse=True with tp_size={self.tp_size}, dp_size="
+                             f"{self.dp_size} is not supported (--enable-hisparse with --tp-size "
+                             "/ --dp-size); allowed: tp_size 1 and dp_size 1 with HiSparse on")
         ranks = max(self.tp_size, self.dp_size)
         if self.ep_size not in (1, ranks):
             raise ValueError(f"ep_size={self.ep_size!r} is invalid; allowed: 1 or the number "

@@ -439,6 +439,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.runner.table.check_integrity()
         self.cache.check_integrity()
+        if self.runner.pools.hot is not None:
+            self.runner.pools.hot.check_integrity()
         inflight = set() if self._inflight is None else {id(r) for r in self._inflight[1].requests}
         for req in self.requests.values():
             req.check_integrity()

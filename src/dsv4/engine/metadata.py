@@ -21,7 +21,7 @@ import torch
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.model import ModelConfig
-from dsv4.model.forward_context import CompressPlan, ForwardContext
+from dsv4.model.forward_context import CompressPlan, ForwardContext, HiSparseStep
 from dsv4.utils.device import to_device
 
 
@@ -157,5 +157,24 @@ def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
             ring = layout.ring_c4 if overlap else layout.ring_c128
             plans[ratio] = _plan(coords, pos, start, end, ratio, overlap, ring, cache.state.trash,
                                  cache.entry_trash, bounds.max_end // ratio, bounds.max_len)
+    hisparse = None
+    if pools.hot is not None:
+        hisparse = _hisparse_step(pos, slots[tok_req], bounds, table.pad_slot,
+                                  pools.hot.layout.device_entries, model)
     return ForwardContext(positions=pos, swa_write=coords.swa_slot(pos), window=window,
-                          plans=plans, caches=pools.layers, logits_index=logits_index)
+                          plans=plans, caches=pools.layers, logits_index=logits_index,
+                          hisparse=hisparse)
+
+
+def _hisparse_step(pos: torch.Tensor, token_slots: torch.Tensor, bounds: StepBounds,
+                   pad_slot: int, hot_entries: int, model: ModelConfig) -> HiSparseStep:
+    """The step's HiSparse rows (`HiSparseStep`). The picks of one request fit its hot set when it
+    feeds at most hot_entries // index_topk tokens or sees at most hot_entries entries."""
+    T, m = pos.shape[0], model.csa_ratio
+    emits = (pos + 1) % m == 0
+    rows = torch.arange(T, device=pos.device)
+    fits = (bounds.max_len * model.index_topk <= hot_entries
+            or bounds.max_end // m <= hot_entries)
+    return HiSparseStep(token_slots=token_slots, scratch_rows=torch.where(emits, rows, T),
+                        write_slots=torch.where(emits, token_slots, pad_slot),
+                        write_entries=torch.where(emits, pos // m, 0), use_hot=fits)

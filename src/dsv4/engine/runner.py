@@ -18,16 +18,19 @@ import dataclasses
 
 import torch
 
+from dsv4.cache.hisparse import HiSparseLayout, HotSet
 from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import (
     EngineConfig,
     kv_budget_gb,
+    resolve_hisparse_entries,
     resolve_kernel_backend,
     resolve_swa_fraction,
     resolve_warmup,
 )
+from dsv4.config.model import ModelConfig
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
 from dsv4.engine.metadata import StepShape, build_context
@@ -41,6 +44,7 @@ from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
 from dsv4.utils.device import to_device
+from dsv4.utils.host_memory import available_host_bytes
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -68,6 +72,26 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
                                    config.swa_memory_fraction, device.type))
 
 
+def _hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:
+    """HiSparse's hot entries per request and C4 layer (None: HiSparse off); raises naming the
+    flag for a model without C4 layers or too few entries."""
+    if not config.enable_hisparse:
+        return None
+    if "csa" not in model.attn_types:
+        raise ValueError("enable_hisparse=True needs a model with C4 (csa) attention layers; "
+                         "this one has none (allowed: enable_hisparse=False)")
+    return resolve_hisparse_entries(config, model.index_topk)
+
+
+def _check_host_memory(layout: HiSparseLayout, dtype: torch.dtype) -> None:
+    """Raise naming the knobs when the host mirror would not fit the host's available memory."""
+    need, free = layout.pool_bytes(dtype)[1], available_host_bytes()
+    if need > free:
+        raise ValueError(f"enable_hisparse=True: the host mirror needs {need / 2**30:.2f} GB and "
+                         f"the host has {free / 2**30:.2f} GB available; allowed: a smaller KV "
+                         "cache (max_total_tokens / kv_cache_memory_gb / context_length)")
+
+
 class ModelRunner:
     def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig,
                  context_length: int) -> None:
@@ -78,11 +102,14 @@ class ModelRunner:
         self.ops = create_kernels(config.kernel_backend, config.invariant_plans)
         dtype = model.embed.weight.dtype
         mc = model.config
-        self.layout = plan_cache(mc, config, dtype)
-        self.dtype = dtype
-        self.pools = KVPools(mc, self.layout, dtype, self.device)
+        self.dtype, self.context_length = dtype, context_length
+        self.hot_entries = _hot_entries(config, mc)
+        reserved = 0 if self.hot_entries is None else HiSparseLayout.device_bytes(
+            mc, config.max_running_requests, context_length, self.hot_entries, dtype)
+        self.layout = plan_cache(mc, config, dtype, reserved)
         self.table = RequestTable(self.layout, config.max_running_requests, context_length,
                                   self.device)
+        self.pools = self._new_pools()
         # penalty state per request slot: output-token counts and prompt-or-output membership
         self.token_counts = torch.zeros(config.max_running_requests, mc.vocab_size,
                                         dtype=torch.int32, device=self.device)
@@ -97,12 +124,30 @@ class ModelRunner:
             raise ValueError(f"speculative_num_steps={self.spec_steps} needs a checkpoint with an "
                              "MTP block; this one has none (allowed: 0)")
 
+    def _new_pools(self) -> KVPools:
+        """Zeroed KV pools and, with HiSparse, their HotSet, which the request table's slots then
+        drive (admit / truncate / release)."""
+        hot = None
+        if self.hot_entries is not None:
+            layout = HiSparseLayout.from_configs(self.model.config, self.layout,
+                                                 self.config.max_running_requests,
+                                                 self.context_length, self.hot_entries)
+            _check_host_memory(layout, self.dtype)
+            hot = HotSet(layout, self.table.page_table, self.dtype, self.device)
+            device_bytes, host_bytes = layout.pool_bytes(self.dtype)
+            logger.info("HiSparse: %d hot entries per request and C4 layer (%.1f MB on the "
+                        "device), host mirror %.1f MB", self.hot_entries, device_bytes / 1e6,
+                        host_bytes / 1e6)
+        self.table.hot = hot
+        return KVPools(self.model.config, self.layout, self.dtype, self.device, hot)
+
     def release_memory(self) -> int:
         """Free the KV pools and the CUDA graphs (which hold their addresses) while no request
         runs, e.g. while a colocated trainer steps; returns the bytes released. `resume_memory`
         allocates them again (empty: the prefix cache must be empty too)."""
         freed = self.pools.nbytes()
         self.pools.layers.clear()
+        self.pools.hot = self.table.hot = None
         self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -111,7 +156,7 @@ class ModelRunner:
 
     def resume_memory(self) -> None:
         """Allocate the KV pools again (zeroed) and a fresh graph set, captured on first use."""
-        self.pools = KVPools(self.model.config, self.layout, self.dtype, self.device)
+        self.pools = self._new_pools()
         self.graphs = self._decode_graphs()
 
     @property
@@ -127,6 +172,11 @@ class ModelRunner:
         if why_not is not None:
             logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)
             return None
+        if c.enable_hisparse:
+            raise ValueError("enable_hisparse=True with CUDA graphs is not supported (the host "
+                             "mirror's writes and the staged prefill picks sync the host); "
+                             "allowed: disable_cuda_graph=True (--disable-cuda-graph) with "
+                             "--enable-hisparse")
         max_batch = min(c.cuda_graph_max_bs, c.max_running_requests)
         logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use",
                     max_batch)

@@ -10,6 +10,10 @@ so the output is de-rotated at the query position before the grouped output proj
 Full-sequence path: every key (raw window keys of all rows, then compressed entries of all rows)
 goes into one flat buffer and each query gets a row of indices into it
 (`kernels/ref/attention.py`).
+
+Serving path with HiSparse (`LayerCache.hot`): a CSA layer's entries go to the HotSet's host
+mirror, and its sparse attention reads the picks from the hot rows or from the step's staged
+picks (`_c4_reads`) instead of an entry pool; same values, same index columns.
 """
 
 from __future__ import annotations
@@ -273,14 +277,57 @@ class Attention(nn.Module):
         x: [T, d].
         """
         assert self.compressor is not None and self.indexer is not None and cache.state is not None
-        assert (cache.entries is not None and cache.index_state is not None
-                and cache.index_keys is not None)
+        assert cache.index_state is not None and cache.index_keys is not None
         assert plan.entry_cos is not None and plan.entry_sin is not None
         own, idx = self.compressor, self.indexer.compressor
         assert own.norm.eps == idx.norm.eps, "compress_pair takes one eps"
+        if cache.hot is not None:
+            self._compress_pair_hot(x, ctx, plan, cache)
+            return
+        assert cache.entries is not None
         ctx.ops.compress_pair(own.target(x, ctx, cache.state, cache.entries),
                               idx.target(x, ctx, cache.index_state, cache.index_keys), plan.index,
                               own.norm.eps, plan.entry_cos, plan.entry_sin)
+
+    def _compress_pair_hot(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
+                           cache: LayerCache) -> None:
+        """`_compress_pair` with HiSparse: both compressors write a per-step scratch (one index
+        serves the pair); the indexer keys then go to their pool, the entries to the host mirror
+        and their hot copies (`HotLayer.write`)."""
+        assert self.compressor is not None and self.indexer is not None and cache.hot is not None
+        assert cache.state is not None and cache.index_state is not None
+        assert cache.index_keys is not None
+        assert plan.entry_cos is not None and plan.entry_sin is not None
+        own, idx = self.compressor, self.indexer.compressor
+        hs = ctx.hisparse
+        assert hs is not None, "a layer with a HotSet needs the step's HiSparse rows"
+        T = x.shape[0]
+        entries = cache.hot.pool.new_zeros(T + 1, own.out_dim)
+        keys = cache.index_keys.new_zeros(T + 1, idx.out_dim)
+        ctx.ops.compress_pair(own.target(x, ctx, cache.state, entries),
+                              idx.target(x, ctx, cache.index_state, keys),
+                              plan.index._replace(write_slot=hs.scratch_rows), own.norm.eps,
+                              plan.entry_cos, plan.entry_sin)
+        cache.index_keys[plan.write_slot] = keys[:T]
+        cache.hot.write(hs.write_slots, hs.write_entries, entries[:T], hot=hs.use_hot)
+
+    def _c4_reads(self, ids: torch.Tensor, plan: CompressPlan, ctx: ForwardContext,
+                  cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool, rows [T, k]) the sparse attention reads for the indexer's picks ids [T, k]
+        (entry ids, -1 = none): the entry pool's slots, or with HiSparse the hot set's rows
+        (`select`: misses are copied in) or, for a step with a longer prefill chunk, the step's
+        picks staged from the host mirror (`stage`). Same values in the same columns either way."""
+        if cache.hot is not None:
+            hs = ctx.hisparse
+            assert hs is not None, "a layer with a HotSet needs the step's HiSparse rows"
+            if hs.use_hot:
+                return cache.hot.pool, cache.hot.select(hs.token_slots, ids)
+            return cache.hot.stage(hs.token_slots, ids)
+        assert cache.entries is not None
+        cand = plan.candidates
+        if cand.shape[1] == 0:   # no entry yet (every query before the first block ends)
+            cand = cand.new_full((cand.shape[0], 1), -1)
+        return cache.entries, torch.where(ids >= 0, cand.gather(1, ids.clamp(min=0)), -1)
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
@@ -295,7 +342,7 @@ class Attention(nn.Module):
                                    cache.swa, ctx.swa_write)
         sources = [(cache.swa, ctx.window)]
         if self.compressor is not None:
-            assert cache.entries is not None and cache.state is not None
+            assert cache.state is not None
             plan = ctx.plans[self.compressor.ratio]
             if self.indexer is not None:
                 # CSA: its two compressors share the plan, so one op serves both
@@ -306,16 +353,14 @@ class Attention(nn.Module):
                     ids = pad_columns(ids, self.indexer.topk)
                 if ctx.captured is not None:
                     ctx.captured.setdefault("indexer", []).append(ids)
-                cand = plan.candidates
-                if cand.shape[1] == 0:   # no entry yet (every query before the first block ends)
-                    cand = cand.new_full((cand.shape[0], 1), -1)
-                slots = torch.where(ids >= 0, cand.gather(1, ids.clamp(min=0)), -1)
+                pool, slots = self._c4_reads(ids, plan, ctx, cache)
             else:
+                assert cache.entries is not None
                 self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
-                slots = plan.candidates
+                pool, slots = cache.entries, plan.candidates
             if ctx.fixed_widths:
                 slots = pad_columns(slots, self.entry_width)
-            sources.append((cache.entries, slots))
+            sources.append((pool, slots))
         o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),
                                  cos, sin)
         return self.output(o.view(1, T, self.n_heads, -1), None, None)

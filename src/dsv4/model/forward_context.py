@@ -52,6 +52,24 @@ class CompressPlan:
 
 
 @dataclass
+class HiSparseStep:
+    """What a C4 layer with a HotSet (`LayerCache.hot`) needs of one step (HiSparse).
+
+    The C4 compressor writes its T entries to a scratch [T + 1, D] (row `scratch_rows[t]`), then
+    they go to the host mirror (and hot copies) as entry `write_entries[t]` of request slot
+    `write_slots[t]`; a token that completes no entry writes scratch row T and the pad slot.
+    """
+
+    token_slots: torch.Tensor     # [T] request slot of each token
+    scratch_rows: torch.Tensor    # [T] t if the token completes a C4 entry, else T
+    write_slots: torch.Tensor     # [T] its request slot if it completes one, else the pad slot
+    write_entries: torch.Tensor   # [T] the entry id it completes (position // ratio), else 0
+    # every request feeds at most hot entries // index_topk tokens: its picks fit its hot set
+    # (`select`); else the step's picks are staged from the host mirror (`stage`)
+    use_hot: bool
+
+
+@dataclass
 class ForwardContext:
     positions: torch.Tensor            # [T] absolute position of each new token
     swa_write: torch.Tensor            # [T] SWA slot of each new token
@@ -64,3 +82,4 @@ class ForwardContext:
     captured: dict[str, list[torch.Tensor]] | None = field(default=None)
     # index rows of one width per layer (the engine's batch-invariant mode, see ForwardMode)
     fixed_widths: bool = False
+    hisparse: HiSparseStep | None = None   # with a HotSet (engine `enable_hisparse`)

@@ -4,7 +4,8 @@ Owns `triton_swap_in`, the fast form of `kernels/ref/hisparse.py::swap_in_ref` (
 same semantics): device_pool[dst_slots[i]] = host_pool[src_entries[i]] for every i with
 dst_slots[i] >= 0, cast to the device pool's dtype. `cache/hisparse.py::HotSet` calls it through
 its `swap_in` hook with one layer's pools (`host_pool[layer]`, `device_pool[layer]`); it is not
-registered in `registry.py` yet (the engine integration is a later step).
+registered in `registry.py`: the engine's HotSet (`--enable-hisparse`) keeps its host pool in
+pinned CPU memory on a GPU and copies with `swap_in_ref` (see "Host memory" below).
 
 Kernel design: grid (n, cdiv(D, BLOCK_D)); each program reads its row's dst slot, and when it is
 >= 0 its src entry, then copies BLOCK_D elements. Rows with dst == -1 read nothing else and write

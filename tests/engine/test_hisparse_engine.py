@@ -1,0 +1,261 @@
+"""HiSparse in the engine (issue 25): greedy outputs with `enable_hisparse` equal those without it,
+token for token (fp32, CPU, `ref` kernels), with hot sets exactly `index_topk` wide and prompts
+with several times that many C4 entries, so decode steps swap entries in and prefill chunks stage
+their picks from the host mirror.
+
+Workloads on the `micro` preset (random weights, index_topk 4): a prefix-cache hit (the same
+prompt again, and prompts sharing a prefix), preemption under a cache too small for the batch,
+chunked prefill at awkward budgets (with a hot set wide enough that short chunks go through
+`select` too), overlap scheduling, routing capture, batch-invariant mode; and the shipped
+dsv4-tiny (index_topk 128).
+Every workload checks every manager's `check_integrity()` (the HotSet's included) after every
+step, that entries were swapped in (the HotSet's stats) and that every page is free once the
+prefix cache lets go. Plus the startup errors of bad or unsupported configurations, the CLI flags,
+and the memory plan of a HiSparse engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.assets import default_model_path
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import random_model, write_checkpoint
+from dsv4.cli.main import build_parser, main
+from dsv4.cli.serve import build_config
+from dsv4.config.engine import EngineConfig
+from dsv4.config.model import ModelConfig
+from dsv4.config.server import ServerConfig
+from dsv4.distributed.memory import plan_memory
+from dsv4.engine import runner as runner_module
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.runner import ModelRunner
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+
+TOPK = micro().index_topk
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+BASE: dict[str, object] = dict(page_size=16, max_total_tokens=2048, max_running_requests=4,
+                               chunked_prefill_size=32)
+
+
+@pytest.fixture(scope="module")
+def model() -> DeepSeekV4ForCausalLM:
+    return random_model(micro().replace(max_position_embeddings=1024), torch.float32,
+                        torch.device("cpu"))
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, micro().vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], sequential: bool = False) -> list[list[int]]:
+    """Greedy outputs of `prompts` (all queued at once, or each after the one before finished),
+    with every manager's check_integrity() after every step."""
+    outputs = []
+    batches = [[p] for p in prompts] if sequential else [prompts]
+    for batch in batches:
+        reqs = [engine.add_request(p, GREEDY) for p in batch]
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()
+        outputs += [r.output_ids for r in reqs]
+    return outputs
+
+
+def assert_free(engine: LLMEngine) -> None:
+    table = engine.runner.table
+    engine.flush_cache()
+    engine.check_integrity()
+    assert table.full.num_free == table.full.num_usable
+    assert table.swa.num_free == table.swa.num_usable
+    assert table.num_free_slots == engine.config.max_running_requests
+
+
+def both(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], sequential: bool = False,
+         entries: int = TOPK, **kwargs: object) -> tuple[LLMEngine, dict[str, int]]:
+    """Run `prompts` on an engine with HiSparse off and one with it on (`entries` hot per request
+    and C4 layer); assert equal outputs; return the HiSparse engine and its HotSet's stats."""
+    args = {**BASE, **kwargs}
+    plain = LLMEngine(model, EngineConfig(**args))  # type: ignore[arg-type]
+    hot = LLMEngine(model, EngineConfig(**args, enable_hisparse=True,  # type: ignore[arg-type]
+                                        hisparse_device_entries=entries))
+    assert hot.runner.pools.hot is not None and hot.runner.pools.layers[1].entries is None
+    expected = run(plain, prompts, sequential)
+    assert run(hot, prompts, sequential) == expected
+    stats = {k: int(v) for k, v in hot.runner.pools.hot.stats().items()}
+    assert stats["hisparse/swapped"] > 0, f"no entry was swapped in: {stats}"
+    assert stats["hisparse/overflow"] == 0
+    assert_free(hot)
+    return hot, stats
+
+
+def test_prefix_cache_hits(model: DeepSeekV4ForCausalLM) -> None:
+    """The same prompt twice, then prompts sharing its first pages: the cached pages' entries are
+    read from the host mirror by requests that never wrote them."""
+    first, tail = random_prompts([70, 30], seed=1)
+    prompts = [first, first, first[:48] + tail, first[:33]]
+    hot, _ = both(model, prompts, sequential=True)
+    assert hot.scheduler.cached_prompt_tokens >= 64 + 48 + 32, "the prefix cache was meant to hit"
+
+
+def test_preemption(model: DeepSeekV4ForCausalLM) -> None:
+    prompts = random_prompts([45, 60, 37, 52, 70, 41], seed=2)
+    hot, _ = both(model, prompts, max_total_tokens=112, max_running_requests=6,
+                  chunked_prefill_size=64)
+    assert hot.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+
+
+@pytest.mark.parametrize(("chunk", "entries"), [(5, TOPK), (3, 3 * TOPK), (32, 3 * TOPK)])
+def test_chunked_prefill(model: DeepSeekV4ForCausalLM, chunk: int, entries: int) -> None:
+    """Chunks of more tokens than entries // index_topk stage their picks; shorter ones (and
+    decode steps) go through the hot set, several rows of one request per select."""
+    prompts = random_prompts([61, 38, 90], seed=3)
+    _, stats = both(model, prompts, entries=entries, chunked_prefill_size=chunk)
+    if chunk * TOPK > entries:
+        assert stats["hisparse/staged"] > 0, "long chunks were meant to stage their picks"
+
+
+def test_overlap_schedule_and_routing_capture(model: DeepSeekV4ForCausalLM) -> None:
+    prompts = random_prompts([50, 35, 66], seed=4)
+    both(model, prompts, overlap_schedule=True)
+    args = {**BASE, "capture_routing": True, "disable_prefix_cache": True}
+    routing = []
+    for on in (False, True):
+        config = EngineConfig(**args, enable_hisparse=on)  # type: ignore[arg-type]
+        engine = LLMEngine(model, config)
+        reqs = [engine.add_request(p, GREEDY) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        routing.append([{k: torch.cat(v) for k, v in r.routing.items()} for r in reqs])
+    for off, on in zip(*routing, strict=True):
+        assert off.keys() == on.keys() == {"experts", "indexer"}
+        assert all(torch.equal(off[k], on[k]) for k in off)
+
+
+def test_release_and_resume_memory(model: DeepSeekV4ForCausalLM) -> None:
+    """release_memory drops the HotSet with the pools; resume_memory builds a fresh one that the
+    request table's slots drive again, to the same outputs."""
+    prompts = random_prompts([44, 29], seed=6)
+    engine, _ = both(model, prompts)
+    expected = run(LLMEngine(model, EngineConfig(**BASE)), prompts)  # type: ignore[arg-type]
+    old = engine.runner.pools.hot
+    assert engine.release_memory() > 0 and engine.runner.table.hot is None
+    engine.resume_memory()
+    assert engine.runner.pools.hot is not old and engine.runner.table.hot is engine.runner.pools.hot
+    assert run(engine, prompts) == expected
+
+
+def test_batch_invariant_mode(model: DeepSeekV4ForCausalLM) -> None:
+    """Index rows of one width per layer (`fixed_widths`): padded picks select and stage too."""
+    both(model, random_prompts([50, 35, 66], seed=5), batch_invariant=True, chunked_prefill_size=8)
+
+
+def test_shipped_tiny_model() -> None:
+    """dsv4-tiny (index_topk 128): a 700-token prompt has 175 entries per C4 layer."""
+    prompts = [torch.randint(2, 4096, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (700, 560)]
+    args: dict[str, object] = dict(dtype="float32", device="cpu", page_size=128,
+                                   max_total_tokens=4096, chunked_prefill_size=256)
+    plain = LLM(default_model_path(), **args)  # type: ignore[arg-type]
+    hot = LLM(default_model_path(), **args, enable_hisparse=True,  # type: ignore[arg-type]
+              hisparse_device_entries=plain.model.config.index_topk)
+    params = dataclasses.replace(GREEDY, max_tokens=8)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts,
+                                                    sampling_params=params, use_tqdm=False)]
+    got = hot.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in got] == expected
+    hot.engine.check_integrity()
+    assert hot.engine.runner.pools.hot is not None
+    assert int(hot.engine.runner.pools.hot.stats()["hisparse/swapped"]) > 0
+
+
+# ---- startup errors --------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(enable_hisparse=True, hisparse_device_entries=0),
+     r"hisparse_device_entries=0 is invalid; allowed: None or an integer >= the model's"),
+    (dict(hisparse_device_entries=8), r"hisparse_device_entries=8 needs enable_hisparse=True"),
+    (dict(enable_hisparse=True, speculative_num_steps=2),
+     r"enable_hisparse=True with speculative_num_steps=2 is not supported"),
+    (dict(enable_hisparse=1), r"enable_hisparse=1 is invalid; allowed: True or False"),
+])
+def test_config_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_too_few_hot_entries_is_a_startup_error(model: DeepSeekV4ForCausalLM) -> None:
+    config = EngineConfig(**BASE, enable_hisparse=True,  # type: ignore[arg-type]
+                          hisparse_device_entries=TOPK - 1)
+    with pytest.raises(ValueError, match=f"hisparse_device_entries={TOPK - 1} is invalid; "
+                                         f"allowed: an integer >= the model's index_topk={TOPK}"):
+        LLMEngine(model, config)
+
+
+def test_unsupported_paths_are_startup_errors(model: DeepSeekV4ForCausalLM,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="enable_hisparse=True with tp_size=2, dp_size=1 is not "
+                                         "supported"):
+        ServerConfig(model="m", enable_hisparse=True, tp_size=2)
+    with pytest.raises(ValueError, match="dp_size=2 is not supported"):
+        ServerConfig(model="m", enable_hisparse=True, dp_size=2)
+    # where CUDA graphs would run (a CUDA device, the triton backend): refused, naming the flag
+    fake = types.SimpleNamespace(device=torch.device("cuda"), config=EngineConfig(
+        enable_hisparse=True, kernel_backend="triton"))
+    with pytest.raises(ValueError, match=r"allowed: disable_cuda_graph=True \(--disable-cuda"):
+        ModelRunner._decode_graphs(fake)  # type: ignore[arg-type]
+    no_csa = random_model(micro().replace(attn_types=("swa", "hca") * 2 + ("swa",)),
+                          torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"needs a model with C4 \(csa\) attention layers"):
+        LLMEngine(no_csa, EngineConfig(**BASE, enable_hisparse=True))  # type: ignore[arg-type]
+    monkeypatch.setattr(runner_module, "available_host_bytes", lambda: 1024)
+    with pytest.raises(ValueError, match="the host mirror needs .* GB and the host has 0.00 GB "
+                                         "available"):
+        LLMEngine(model, EngineConfig(**BASE, enable_hisparse=True))  # type: ignore[arg-type]
+
+
+# ---- CLI and memory plan ---------------------------------------------------------------------
+def test_cli_serve_flags() -> None:
+    def config(*argv: str) -> EngineConfig:
+        args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+        return build_config(args).engine_config
+
+    assert not config().enable_hisparse and config().hisparse_device_entries is None
+    on = config("--enable-hisparse", "--hisparse-device-entries", "256")
+    assert on.enable_hisparse and on.hisparse_device_entries == 256
+    with pytest.raises(ValueError, match="--enable-hisparse with --tp-size"):
+        config("--enable-hisparse", "--tp-size", "2")
+
+
+def test_cli_generate_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_checkpoint(micro(), tmp_path, seed=8)
+    flags = ["generate", "--model", str(tmp_path), "--max-tokens", "12", "--device", "cpu",
+             "--dtype", "float32", "--page-size", "16"]
+    prompt = "def fib(n): return fib(n - 1) + fib(n - 2) if n > 1 else n"
+    assert main([*flags, prompt]) == 0
+    plain = capsys.readouterr().out
+    assert main([*flags, "--enable-hisparse", "--hisparse-device-entries", str(TOPK), prompt]) == 0
+    assert capsys.readouterr().out == plain
+    assert main([*flags, "--enable-hisparse", "--hisparse-device-entries", "1", prompt]) == 2
+
+
+def test_memory_plan_counts_the_hot_sets(model: DeepSeekV4ForCausalLM) -> None:
+    """The dry-run plan of a HiSparse engine equals its allocation: the KV pools hold the hot sets
+    and no C4 entries, the host mirror is counted apart; a KV budget holds more full pages."""
+    config = EngineConfig(page_size=16, max_running_requests=16, kv_cache_memory_gb=0.0015,
+                          swa_tokens=512, enable_hisparse=True)
+    cfg: ModelConfig = model.config
+    (plan,) = plan_memory(cfg, config, torch.float32)
+    runner = LLMEngine(model, config).runner
+    assert runner.pools.hot is not None
+    assert plan.kv == runner.pools.nbytes() and plan.full_pages == runner.layout.num_full_pages - 1
+    host = runner.pools.hot.host_pool
+    assert plan.host == host.numel() * host.element_size()
+    (off,) = plan_memory(cfg, dataclasses.replace(config, enable_hisparse=False), torch.float32)
+    assert plan.full_pages > off.full_pages
