@@ -121,14 +121,17 @@ def test_one_layer_of_stacked_pools_and_a_strided_host_pool() -> None:
 
 
 def test_repeated_identical_pairs_and_all_skipped() -> None:
+    def ids(v: list[int]) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.long, device=DEVICE)
+
     g = torch.Generator().manual_seed(5)
     host, dev = make_pool(10, 8, torch.float32, g), make_pool(6, 8, torch.float32, g)
-    src, dst = torch.tensor([4, 4, 2, 4]), torch.tensor([1, 1, 3, 1])
+    src, dst = ids([4, 4, 2, 4]), ids([1, 1, 3, 1])
     got, want = run_both(host, dev, src, dst)
     assert_equal_but_trash(got, want, dev)
-    got, _ = run_both(host, dev, torch.tensor([-1, 99]), torch.tensor([-1, -1]))
+    got, _ = run_both(host, dev, ids([-1, 99]), ids([-1, -1]))
     assert torch.equal(got, dev)
-    got, _ = run_both(host, dev, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    got, _ = run_both(host, dev, ids([]), ids([]))
     assert torch.equal(got, dev)
 
 
