@@ -7,7 +7,8 @@ a padding row on the pad slot, zero-length rows, and more requests than one scan
 (BLOCK_B); the request rows as strided columns (a CUDA graph's static inputs); an overlap (C4)
 and a non-overlap (C128 / C16) plan; candidate widths V that are no multiple of any block (and
 V = 0); default and small tiles (several T and V blocks with tails). Every field must equal the
-reference's bit for bit, dtype and shape included.
+reference's bit for bit, dtype and shape included. End to end: `device_context` over a real
+request table gives the same ForwardContext rows with the triton ops as with `ref`.
 GPU: the same tests compile the kernel (they run wherever CUDA is present).
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_metadata_kernel.py
@@ -122,6 +123,41 @@ def test_decode_rows_without_or_with_one_plan(specs: list[CompressSpec] | str) -
     rows = [(0, 0, 1), (3, 17, 1), (1, 100, 1), (2, 5, 1)]
     plan = [CompressSpec(4, True, 16, 7, 8, 101 // 4)] if specs == "one" else []
     run_both(rows, table, full_to_swa, P, W, plan)
+
+
+def test_engine_context_matches_ref() -> None:
+    """`device_context` through `build_context` over a real request table: every row of the
+    triton backend's ForwardContext equals the `ref` backend's."""
+    from dsv4.cache.layout import plan_cache
+    from dsv4.cache.pools import KVPools
+    from dsv4.cache.req_table import RequestTable
+    from dsv4.checkpoint.presets import micro
+    from dsv4.config.engine import EngineConfig
+    from dsv4.engine.metadata import StepShape, build_context
+    from dsv4.kernels.registry import REF, create_kernels
+
+    model = micro()
+    layout = plan_cache(model, EngineConfig(page_size=16, max_running_requests=8,
+                                            max_total_tokens=4096), torch.float32)
+    pools = KVPools(model, layout, torch.float32, torch.device("meta"))
+    table = RequestTable(layout, 8, 512, DEVICE)
+    work = [(0, 37), (29, 1), (61, 3)]                       # (start, new tokens) per request
+    slots = [table.open() for _ in work]
+    for slot, (start, n) in zip(slots, work, strict=True):
+        assert table.reserve(slot, 0, start + n)
+    shape = StepShape(slots, [s for s, _ in work], [n for _, n in work], [1] * len(work))
+    want = build_context(shape, table, pools, model, DEVICE, REF)
+    got = build_context(shape, table, pools, model, DEVICE, create_kernels("triton"))
+    assert got.ops.name == "triton" and list(got.plans) == list(want.plans) == [4, 16]
+    for name in ("positions", "swa_write", "window", "logits_index"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for ratio, plan in want.plans.items():
+        other = got.plans[ratio]
+        assert other.ring_reads_disjoint == plan.ring_reads_disjoint
+        for f in ("src_new", "src_ring", "from_new", "src_valid", "write_slot", "entry_pos",
+                  "ring_write", "candidates", "visible"):
+            a, b = getattr(other, f), getattr(plan, f)
+            assert a.dtype == b.dtype and torch.equal(a, b), (ratio, f)
 
 
 def test_rejects_bad_rows() -> None:
