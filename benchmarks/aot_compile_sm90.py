@@ -154,9 +154,25 @@ def attention_variants() -> Iterator[Variant]:
                {"num_warps": 4, "num_stages": 2})
 
 
+def metadata_variants() -> Iterator[Variant]:
+    from dsv4.kernels.triton import metadata
+
+    types = {name: "*i64" for name in metadata._metadata_kernel.arg_names if name.endswith("_ptr")}
+    types.update({"from_new_ptr": "*u8", "valid_ptr": "*u8"})
+    blocks = {"BLOCK_T": metadata.BLOCK_T, "BLOCK_B": metadata.BLOCK_B, "BLOCK_W": 128,
+              "BLOCK_V": metadata.BLOCK_V}
+    # the first launch (tokens + C4 plan), the second (C128 plan), a model without compressors
+    for label, ratio, S, tokens, plan in (("c4 + tokens", 4, 8, True, True),
+                                          ("c128", 128, 128, False, True),
+                                          ("tokens only", 1, 1, True, False)):
+        consts = {"RATIO": ratio, "S": S, "TOKENS": tokens, "PLAN": plan, "BLOCK_S": S, **blocks}
+        yield f"metadata {label}", metadata._metadata_kernel, types, consts, {"num_warps": 4}
+
+
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
                                                        "compressor": compressor_variants,
-                                                       "attention": attention_variants}
+                                                       "attention": attention_variants,
+                                                       "metadata": metadata_variants}
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:

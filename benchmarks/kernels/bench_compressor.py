@@ -135,6 +135,7 @@ def build_sets(case: Case, num_sets: int, device: torch.device,
     from dsv4.checkpoint.presets import flash_4l, micro
     from dsv4.config.engine import EngineConfig
     from dsv4.engine.metadata import StepShape, build_context
+    from dsv4.kernels.registry import REF
 
     geo, starts = case.geo, positions(case, num_sets)
     model = micro() if geo.Dc <= 32 else flash_4l()
@@ -162,7 +163,7 @@ def build_sets(case: Case, num_sets: int, device: torch.device,
         for slot, s in zip(slots, set_starts, strict=True):
             assert table.reserve(slot, s, s + case.n), "benchmark cache sized too small"
         shape = StepShape(slots, set_starts, [case.n] * case.B, [0] * case.B)
-        plan = build_context(shape, table, pools, model, device).plans[geo.ratio]
+        plan = build_context(shape, table, pools, model, device, REF).plans[geo.ratio]
         T = case.B * case.n
         freqs = plan.entry_pos[:, None].float() * inv_freq
         kv = torch.randn(T, geo.width, generator=g, device=device)

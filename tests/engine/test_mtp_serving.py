@@ -38,8 +38,8 @@ def _run(setup, chunks: list[int]) -> torch.Tensor:
     try:
         for n in chunks:
             shape = StepShape([slot], [start], [n], [n])
-            ctx = build_context(shape, runner.table, runner.pools, model.config, runner.device)
-            ctx.ops = runner.ops
+            ctx = build_context(shape, runner.table, runner.pools, model.config, runner.device,
+                                runner.ops)
             step = ids[start:start + n]
             with torch.no_grad():
                 _, streams = model.forward_batch_streams(step, ctx)

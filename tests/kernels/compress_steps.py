@@ -15,6 +15,7 @@ from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
 from dsv4.engine.metadata import StepShape, build_context
+from dsv4.kernels.registry import REF
 from dsv4.model.forward_context import CompressPlan
 
 
@@ -48,7 +49,8 @@ class EngineSteps:
             starts.append(start)
             self.lens[rid] = start + n
         shape = StepShape(slots, starts, [n for _, n in work], [1] * len(work))
-        return build_context(shape, self.table, self.pools, self.model, self.device).plans[ratio]
+        return build_context(shape, self.table, self.pools, self.model, self.device,
+                             REF).plans[ratio]
 
     def release(self, work: list[tuple[int, int]]) -> None:
         """As the scheduler does after a step: SWA pages (and their ring rows) behind the horizon go

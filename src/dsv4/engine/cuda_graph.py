@@ -214,8 +214,7 @@ class DecodeGraphs:
         slots, starts = step.inputs[:, n], step.inputs[:, n + 1]
         ctx = device_context(slots, starts, torch.full_like(slots, n), first,
                              StepBounds(B * n, key.context, n), self.table, self.pools,
-                             self.model.config)
-        ctx.ops = self.ops
+                             self.model.config, self.ops)
         assert step.streams is not None
         return draft(self.model, ctx, step.streams, next_ids, first, slots, self.table,
                      self.pools, num_steps)
@@ -246,8 +245,7 @@ class DecodeGraphs:
         last = torch.arange(B, device=ids.device)[:, None] * n + (n - k)
         logits_index = (last + torch.arange(k, device=ids.device)).reshape(-1)
         ctx = device_context(slots, starts, lens, logits_index, StepBounds(B * n, key.context, n),
-                             self.table, self.pools, self.model.config)
-        ctx.ops = self.ops
+                             self.table, self.pools, self.model.config, self.ops)
         ctx.captured = {} if key.capture_routing else None
         logits, streams = self.model.forward_batch_streams(ids, ctx)
         return logits, ctx.captured, streams if self.with_streams else None

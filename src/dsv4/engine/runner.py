@@ -260,8 +260,8 @@ class ModelRunner:
         return sample_rows, prompt
 
     def _context(self, step: ScheduledStep) -> ForwardContext:
-        ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device)
-        ctx.ops = self.ops
+        ctx = build_context(step.shape, self.table, self.pools, self.model.config, self.device,
+                            self.ops)
         # the ref ops' softmax / P.V depend on the row width; the triton kernels' do not (trailing
         # -1 columns are exact no-ops: benchmarks/kernel_invariance.py)
         ctx.fixed_widths = self.config.batch_invariant and self.ops.name == "ref"

@@ -51,7 +51,6 @@ from torch import Tensor
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.engine.grammar import apply_token_bitmask
-from dsv4.engine.metadata import Coords
 from dsv4.engine.sampler import (
     SamplingBatch,
     apply_penalties,
@@ -60,6 +59,7 @@ from dsv4.engine.sampler import (
     raw_logprobs,
 )
 from dsv4.engine.scheduler import ScheduledStep
+from dsv4.kernels.registry import KernelOps
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
 from dsv4.utils.device import to_device
@@ -192,15 +192,16 @@ def successors(step: ScheduledStep) -> list[int]:
 
 
 def swa_context(table: RequestTable, pools: KVPools, slots: Tensor, positions: Tensor,
-                window: int) -> ForwardContext:
+                window: int, ops: KernelOps) -> ForwardContext:
     """A one-token-per-request context that serves SWA layers only (the MTP block): positions
-    [B], request slots [B]; no compressor plans."""
-    coords = Coords(table, slots)
-    win_pos = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)
-    win = torch.where(win_pos >= 0, coords.swa_slot(win_pos), -1)      # as `device_context`
-    return ForwardContext(positions=positions, swa_write=coords.swa_slot(positions), window=win,
+    [B], request slots [B]; no compressor plans. Its rows are `device_context`'s for one new
+    token per request at `positions`."""
+    B = positions.shape[0]
+    rows = ops.step_metadata(slots, positions, torch.ones_like(positions), table.page_table,
+                             table.full_to_swa, table.P, B, window, [])
+    return ForwardContext(positions=rows.positions, swa_write=rows.swa_write, window=rows.window,
                           plans={}, caches=pools.layers,
-                          logits_index=torch.arange(positions.shape[0], device=positions.device))
+                          logits_index=torch.arange(B, device=positions.device), ops=ops)
 
 
 def draft(model: DeepSeekV4ForCausalLM, ctx: ForwardContext, streams: Tensor, next_ids: Tensor,
@@ -223,8 +224,7 @@ def draft(model: DeepSeekV4ForCausalLM, ctx: ForwardContext, streams: Tensor, ne
     state = out[first_rows]                                                   # [D, n, d]
     pos = ctx.positions[first_rows]
     for j in range(1, num_steps):
-        step_ctx = swa_context(table, pools, slots, pos + j, model.config.window)
-        step_ctx.ops = ctx.ops
+        step_ctx = swa_context(table, pools, slots, pos + j, model.config.window, ctx.ops)
         logits, state = model.mtp_forward_batch(state, tokens[-1], step_ctx)
         tokens.append(logits.argmax(dim=-1))
     return torch.stack(tokens, dim=1)

@@ -10,7 +10,7 @@ candidates per query.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -127,3 +127,53 @@ class RmsNormOp(Protocol):
     """`ref/rope_norm.py::rms_norm`: weight * x / rms(x) over the last dim, in x's dtype."""
 
     def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+
+
+class CompressSpec(NamedTuple):
+    """The host integers of one compress ratio's step plan (`StepMetadataOp`).
+
+    `ring`: compressor ring rows per SWA page; `ring_trash`, `entry_trash`: the trash rows of the
+    ring and of the compressed-entry pool; `num_visible`: V, the candidate columns per token."""
+
+    ratio: int
+    overlap: bool
+    ring: int
+    ring_trash: int
+    entry_trash: int
+    num_visible: int
+
+
+class CompressRows(NamedTuple):
+    """One ratio's index rows (the fields of `model/forward_context.py::CompressPlan`); int64 but
+    `from_new` / `src_valid` (bool). S = 2 * ratio (overlap) or ratio."""
+
+    src_new: Tensor      # [T, S]
+    src_ring: Tensor     # [T, S]
+    from_new: Tensor     # [T, S] bool
+    src_valid: Tensor    # [T, S] bool
+    write_slot: Tensor   # [T]
+    entry_pos: Tensor    # [T]
+    ring_write: Tensor   # [T]
+    candidates: Tensor   # [T, V]
+    visible: Tensor      # [T]
+
+
+class StepRows(NamedTuple):
+    """A step's device metadata: positions, SWA write slots and windows, one `CompressRows` per
+    `CompressSpec` (same order). int64."""
+
+    positions: Tensor    # [T]
+    swa_write: Tensor    # [T]
+    window: Tensor       # [T, W]
+    plans: tuple[CompressRows, ...]
+
+
+class StepMetadataOp(Protocol):
+    """`ref/metadata.py::step_metadata`: a step's index rows from the request rows `slots`,
+    `starts`, `lens` [B] int64 (request b feeds positions [starts[b], starts[b] + lens[b]), T =
+    `num_tokens` = sum of lens) and the paged tables `page_table` [R, max_pages] and `full_to_swa`
+    [N] (int64); no host sync, CUDA-graph capturable. Bit-equal across backends."""
+
+    def __call__(self, slots: Tensor, starts: Tensor, lens: Tensor, page_table: Tensor,
+                 full_to_swa: Tensor, page_size: int, num_tokens: int, window: int,
+                 specs: Sequence[CompressSpec]) -> StepRows: ...

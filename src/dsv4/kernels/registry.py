@@ -31,11 +31,13 @@ from dsv4.kernels.ops import (
     RoutedExpertsOp,
     RoutedExpertsQuantOp,
     SparseAttentionOp,
+    StepMetadataOp,
     TopKOp,
 )
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair, project
 from dsv4.kernels.ref.indexer import paged_index_scores
+from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
 from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rms_norm, rope_inverse
@@ -65,13 +67,14 @@ class KernelOps:
     rope_inverse: RopeInverseOp
     rms_norm: RmsNormOp
     project: ProjectOp
+    step_metadata: StepMetadataOp
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
-                     project)
+                     project, step_metadata)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -80,10 +83,10 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     The kernels: compressor, a CSA layer's two compressors in one launch, indexer scores, top-k,
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
-    paths and the output de-rotation, RMSNorm. Top-k runs through a `TopKRunner` owned by this
-    `KernelOps` (its held coop workspace: the engine's forward calls it from one stream at a
-    time). Imported lazily: a machine without a GPU never compiles them (tests use
-    `TRITON_INTERPRET=1`).
+    paths and the output de-rotation, RMSNorm, a step's index metadata (bit-equal to `ref`).
+    Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
+    engine's forward calls it from one stream at a time). Imported lazily: a machine without a
+    GPU never compiles them (tests use `TRITON_INTERPRET=1`).
 
     NOTE: not bit-equal to `ref` in bf16: the references round where the kernels do (one cast
     after the fused norm + RoPE, fp32 expert GEMMs with only h rounded, fp32 softmax weights in
@@ -114,6 +117,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     )
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.index_scores import triton_index_scores
+    from dsv4.kernels.triton.metadata import triton_step_metadata
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
     from dsv4.kernels.triton.mhc_post import triton_mhc_post
     from dsv4.kernels.triton.moe import (
@@ -141,7 +145,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      pair, triton_index_scores, TopKRunner(),
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
-                     triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project)
+                     triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
+                     triton_step_metadata)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {
