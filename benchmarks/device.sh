@@ -143,7 +143,7 @@ http() {
   python3 -m dsv4 init --preset flash-4l --out /tmp/flash-4l --no-weights > "$OUT/http.txt" 2>&1
   timeout 560 python3 benchmarks/serving.py --model /tmp/flash-4l --load-format dummy --device cuda \
     --concurrency 1,8,32,128 --min-prompt 4096 --max-prompt 4096 --output-len 256 --num-requests 128 \
-    --repeats 2 --warmup-pass --server-log "$OUT/http_server.txt" >> "$OUT/http.txt" 2>&1
+    --repeats 2 --warmup-pass --plot "$OUT/http.png" --server-log "$OUT/http_server.txt" >> "$OUT/http.txt" 2>&1
   grep -v " INFO " "$OUT/http.txt" | tail -8 | cut -c 1-600
 }
 

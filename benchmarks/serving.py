@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -64,6 +65,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--server-log", default=None, help="write the started server's output here")
+    p.add_argument("--plot", default=None,
+                   help="PNG path: tok/s and TTFT / TPOT p50 and p99 against concurrency")
+    p.add_argument("--replot", default=None,
+                   help="only draw --plot from this JSON line (an earlier run's output)")
     p.add_argument("--warmup-pass", action="store_true",
                    help="run every level once, unmeasured, before measuring (and the offline "
                    "side once): steady-state figures, without first-use costs such as a CUDA "
@@ -256,8 +261,43 @@ def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int],
             "server_vs_offline_median": round(median_ratio, 3)}
 
 
+def plot(result: dict[str, Any], path: str) -> None:
+    """Output tok/s (left) and TTFT / TPOT p50 and p99 (right) against concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["levels"]
+    c = [r["concurrency"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(c, [r["tok_s"] for r in rows], "o-", label="server")
+    left.axhline(result["offline_tok_s"], color="k", ls="--",
+                 label=f"offline LLM.generate at {c[-1]}")
+    left.set_ylabel("output tokens / s")
+    for key, style in (("ttft", "o-"), ("tpot", "s-")):
+        for q, alpha in (("median", 1.0), ("p99", 0.5)):
+            right.plot(c, [r[f"{key}_ms_{q}"] for r in rows], style, alpha=alpha,
+                       label=f"{key.upper()} {'p50' if q == 'median' else q}")
+    right.set_yscale("log")
+    right.set_ylabel("ms")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"dsv4 serve: {result['model']}, {result['dtype']}, prompts "
+                 f"{result['prompt_len'][0]}, {result['output_len']} output tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     args = parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.plot)
+        return
     levels = [int(c) for c in args.concurrency.split(",")]
     model = Path(args.model) if args.model else default_model_path()
     load_before = os.getloadavg()[0]
@@ -284,7 +324,7 @@ def main() -> None:
           f"(max_running_requests={max(levels)}) {result['offline_tok_s_runs']} tok/s; "
           f"best server = {100 * ratio:.1f}% of best offline (target >= 90%; medians: "
           f"{100 * float(result['server_vs_offline_median']):.1f}%)")  # type: ignore[arg-type]
-    print(json.dumps({
+    record = {
         "benchmark": "serving", "model": str(model), "device": args.device,
         "dtype": dtype_of(args), "load_format": args.load_format,
         "prompt_len": [args.min_prompt, args.max_prompt],
@@ -294,7 +334,10 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "commit": _commit(),
-    }))
+    }
+    print(json.dumps(record))
+    if args.plot:
+        plot(record, args.plot)
 
 
 def _commit() -> str:
