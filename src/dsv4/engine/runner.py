@@ -358,19 +358,21 @@ class ModelRunner:
                 draft_token_bitmask([r.grammar for r in requests], drafts, logits.shape[-1]))
         allowed = to_device(bits, self.device) if bits is not None else None
         out = verify(logits, segs, batch, counts, seen, allowed)
-        valid = out.tokens >= 0
-        tok = out.tokens.clamp(min=0)
-        self.token_counts.index_put_((slots, tok), valid.to(torch.int32), accumulate=True)
-        # a row past its segment's last emitted token re-marks the segment's first one (always
-        # emitted), so the scatter writes True only: no -1 row can land a False last
-        self.seen[slots, torch.where(valid, tok, tok[segs.first[segs.seg]])] = True
+        if batch.do_penalties:
+            valid = out.tokens >= 0
+            tok = out.tokens.clamp(min=0)
+            self.token_counts.index_put_((slots, tok), valid.to(torch.int32), accumulate=True)
+            # a row past its segment's last emitted token re-marks the segment's first one
+            # (always emitted), so the scatter writes True only: no -1 row can land a False last
+            marked = torch.where(valid, tok, tok[segs.first[segs.seg]])
+            self.seen.index_put_((slots, marked), torch.ones_like(valid))
         return (SampleOutput(out.tokens, out.logprobs, out.top_logprobs, out.top_ids),
                 out.accepted)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int]) -> SampleOutput:
-        """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and
-        count the tokens in the penalty state. Rows of one request sample from the request's state
-        at the step's start."""
+        """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and,
+        when a row uses penalties, count the tokens in the penalty state. Rows of one request
+        sample from the request's state at the step's start."""
         slots = to_device(torch.tensor([r.slot for r in reqs], dtype=torch.int64), self.device)
         batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs],
                                     self.device, vocab_size=logits.shape[-1])
@@ -379,16 +381,22 @@ class ModelRunner:
         bits = token_bitmask([r.grammar for r in reqs], logits.shape[-1])
         allowed = to_device(bits, self.device) if bits is not None else None
         out = sample(logits, batch, counts, seen, allowed)
-        ones = torch.ones_like(out.token_ids, dtype=torch.int32)
-        self.token_counts.index_put_((slots, out.token_ids), ones, accumulate=True)
-        self.seen[slots, out.token_ids] = True
+        if batch.do_penalties:
+            ones = torch.ones_like(out.token_ids, dtype=torch.int32)
+            self.token_counts.index_put_((slots, out.token_ids), ones, accumulate=True)
+            self.seen.index_put_((slots, out.token_ids), ones.bool())
         return out
 
     def _reset_penalty_rows(self, step: ScheduledStep) -> None:
-        """A request admitted in this step (new, re-admitted after preemption, or continuing a
-        cached prefix) gets its slot's penalty rows rebuilt from its own tokens."""
+        """A request with penalties admitted in this step (new, re-admitted after preemption, or
+        continuing a cached prefix) gets its slot's penalty rows rebuilt from its own tokens.
+
+        The penalty state is kept for requests with penalties only (built here, counted in steps
+        where some row uses penalties, which every step of such a request is). Another request's
+        rows hold whatever its slot last held; a step that reads them (a batch mixing both kinds)
+        applies neutral penalties to them, an identity on any values."""
         for req, admitted in zip(step.requests, step.admitted, strict=True):
-            if admitted and req.slot is not None:
+            if admitted and req.slot is not None and req.params.uses_penalties:
                 assert not req.num_inflight, "admitted with a token still on the device"
                 self.token_counts[req.slot] = 0
                 self.seen[req.slot] = False

@@ -152,6 +152,13 @@ class SamplingParams:
         """True when decoding is deterministic argmax (temperature 0 or top-k 1)."""
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether a repetition, frequency or presence penalty is set: only such a request's
+        sampling reads its penalty state (the runner keeps that state for them alone)."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0
+                or self.presence_penalty != 0)
+
     def _validate_length(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
                  "max_tokens >= 1")
