@@ -84,6 +84,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="decode eagerly (default: CUDA graphs where "
                    "the engine can capture them: CUDA device, triton backend)")
+    p.add_argument("--overlap-schedule", action="store_true",
+                   help="the engine's overlap scheduling (the host prepares step N + 1 while "
+                   "the device runs step N)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -218,7 +221,8 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: i
                           kernel_backend=args.kernel_backend,
                           max_total_tokens=batch * (longest + args.page_size),
                           context_length=longest + 1, disable_prefix_cache=True,
-                          disable_cuda_graph=args.disable_cuda_graph, seed=args.seed)
+                          disable_cuda_graph=args.disable_cuda_graph, seed=args.seed,
+                          overlap_schedule=args.overlap_schedule)
     return LLMEngine(model, config)
 
 
@@ -486,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "dtype": args.dtype, "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
               "copy_gb_s": round(gbps, 1),
-              "cuda_graph": not args.disable_cuda_graph,
+              "cuda_graph": not args.disable_cuda_graph, "overlap_schedule": args.overlap_schedule,
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)
