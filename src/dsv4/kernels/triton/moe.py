@@ -281,10 +281,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
                          f"block_k / 2); got {block_k}")
     N, topk = indices.shape
     E, d, inter = w1.shape[0], x.shape[1], w1.shape[1]
-    out = torch.zeros(N, d, dtype=torch.float32, device=x.device)
     nk = N * topk
     if nk == 0:
-        return out
+        return torch.zeros(N, d, dtype=torch.float32, device=x.device)
     bm = block_m or _default_block_m(nk, E)
     order, t_start, t_end, t_exp = tile_map(indices, E, bm)
     rw = weights.reshape(-1).contiguous()
@@ -305,11 +304,14 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         TOPK=topk, FMT=code, FP32_DOT=fp32_dot, **blocks,
     )
-    dest = out if not deterministic else torch.empty(nk, d, dtype=torch.float32, device=x.device)
+    # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
+    # row, summed over k below in a fixed order
+    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
+            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     _down_kernel[(t_start.numel(), triton.cdiv(d, block_n))](
         h, _raw(w2, fmt), s2, dest, order, t_start, t_end, t_exp,
         inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         TOPK=topk, FMT=code, FP32_DOT=fp32_dot, ATOMIC=not deterministic, **blocks,
     )
-    return out if not deterministic else dest.view(N, topk, d).sum(dim=1)
+    return dest if not deterministic else dest.view(N, topk, d).sum(dim=1)
