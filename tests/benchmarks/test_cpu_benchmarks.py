@@ -50,6 +50,19 @@ def test_op_census_counts_a_decode_step() -> None:
     assert result["by_file"]["kernels/triton/moe_tile_map.py"] == 5, result
 
 
+def test_hisparse_benchmark_swaps_on_micro() -> None:
+    """HiSparse off vs on on micro: both modes decode every level, and with HiSparse on the hot
+    set (8 entries, against prompts of 30 C4 entries) swaps entries in."""
+    result = run_benchmark("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
+                           "120", "--output-len", "8", "--concurrency", "1,2", "--steps", "2",
+                           "--kv-cache-memory-gb", "0.05", "--page-size", "16",
+                           "--max-running-requests", "4")
+    off, on = result["modes"]
+    assert [r["concurrency"] for r in off["levels"]] == [1, 2] == \
+        [r["concurrency"] for r in on["levels"]], result
+    assert all(r["hot_swapped"] > 0 and r["hot_overflow"] == 0 for r in on["levels"]), result
+
+
 def test_rl_drift_benchmark_reports_exact_zero_on_cpu() -> None:
     result = run_benchmark("rl_drift.py", "--steps", "1", "--prompts", "2", "--group-size", "2",
                            "--modes", "true-on-policy")
