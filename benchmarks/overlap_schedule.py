@@ -14,6 +14,7 @@ settings must be token-for-token equal. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -60,17 +61,22 @@ def main() -> None:
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights from the model directory's config.json")
+    p.add_argument("--warmup", default=None, help="the engine's warmup mode (default: its own)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     gen = torch.Generator().manual_seed(0)
-    extra = {} if args.kernel_backend is None else {"kernel_backend": args.kernel_backend}
+    extra = {k: v for k, v in (("kernel_backend", args.kernel_backend), ("warmup", args.warmup),
+                                ("kv_cache_memory_gb", args.kv_cache_memory_gb)) if v is not None}
     rows: dict[int, dict[str, float]] = {b: {} for b in batches}
     outputs: dict[bool, dict[int, list[list[int]]]] = {}
     prompts = {}
     for overlap in (False, True):
         llm = LLM(args.model, dtype=args.dtype, device=args.device, overlap_schedule=overlap,
-                  **extra)  # type: ignore[arg-type]
+                  load_format=args.load_format, **extra)  # type: ignore[arg-type]
         vocab = llm.model.config.vocab_size
         outputs[overlap] = {}
         for b in batches:
@@ -80,6 +86,9 @@ def main() -> None:
             rows[b]["on" if overlap else "off"] = ms
             outputs[overlap][b] = out
         del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()    # the next engine sizes its KV budget from free memory
     print(f"{'batch':>5} {'off ms/step':>12} {'on ms/step':>11} {'removed ms':>11} {'same':>5}")
     result = []
     for b in batches:
