@@ -72,6 +72,8 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:          # e.g. the candidate columns of a step before any entry exists
+        return 0.0
     if not a.is_floating_point():
         return float((a != b).float().mean())
     a, b = a.float(), b.float()
