@@ -415,3 +415,32 @@ def test_gpu_overlap_equals_no_overlap(ckpt: Path, graphs: bool,
             diff = (torch.tensor(on[rid][2]) - torch.tensor(off[rid][2])).abs().max().item()
             assert diff <= 1e-4, f"request {rid}: log-probs differ by {diff}"
     assert spy.launched_ahead() > 0
+
+
+@pytest.mark.gpu
+def test_gpu_step_launch_never_waits_for_the_device(ckpt: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ModelRunner.run` launches a step without waiting for the device (its contract, and what
+    overlap scheduling needs): under `torch.cuda.set_sync_debug_mode("error")` any hidden sync
+    in it (a copy from pageable host memory, `.item()`, a bool of a device tensor) raises. Greedy,
+    sampled, penalised and log-prob requests, CUDA graphs on."""
+    original = ModelRunner.run
+
+    def strict(self: ModelRunner, step: ScheduledStep) -> StepOutput:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self, step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(ModelRunner, "run", strict)
+    prompts = random_prompts([5, 17, 31, 9], seed=3, vocab=micro().vocab_size)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=1, logprobs=2),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0,
+                             repetition_penalty=1.3, frequency_penalty=0.5),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.7, top_p=0.9, seed=2)]
+    llm = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=2048,
+              overlap_schedule=True)
+    drive(llm.engine, prompts, params)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
