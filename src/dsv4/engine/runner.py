@@ -400,7 +400,9 @@ class ModelRunner:
                 assert not req.num_inflight, "admitted with a token still on the device"
                 self.token_counts[req.slot] = 0
                 self.seen[req.slot] = False
-                self.seen[req.slot, to_device(torch.tensor(req.all_ids), self.device)] = True
+                # index_fill_ takes the value as a scalar: no host tensor to copy (a sync)
+                ids = to_device(torch.tensor(req.all_ids), self.device)
+                self.seen[req.slot].index_fill_(0, ids, True)
                 if req.output_ids:
                     out = to_device(torch.tensor(req.output_ids), self.device)
                     self.token_counts[req.slot].index_add_(0, out,
