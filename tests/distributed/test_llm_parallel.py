@@ -66,6 +66,23 @@ def test_tensor_and_expert_parallel_llm_equals_one_process(ckpt: Path) -> None:
 
 
 @pytest.mark.slow
+def test_expert_parallel_checkpoint_format_equals_one_process(tmp_path: Path) -> None:
+    """FP4 experts kept in checkpoint encoding (`weight_format="checkpoint"`) split by id over
+    TP 2 + EP 2: each rank loads only its experts' codes and scales, and the outputs equal one
+    process's in the same format."""
+    path = tmp_path / "micro-fp4"
+    write_checkpoint(micro(), path, seed=4, weight_quant="fp8+fp4", tokenizer=False)
+    want = run(LLM(path, weight_format="checkpoint", **KW))  # type: ignore[arg-type]
+    with LLM(path, tensor_parallel_size=2, expert_parallel_size=2, weight_format="checkpoint",
+             **KW) as llm:  # type: ignore[arg-type]
+        got = run(llm)
+        assert type(llm.model.layers[2].ffn.experts).__name__ == "LocalQuantExperts"
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for (_, a, _), (_, b, _) in zip(got, want, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+
+
+@pytest.mark.slow
 def test_a_dead_rank_is_an_error_not_a_hang(ckpt: Path) -> None:
     with LLM(ckpt, tensor_parallel_size=2, **KW) as llm:  # type: ignore[arg-type]
         worker = llm.engine.workers[0]

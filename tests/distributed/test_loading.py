@@ -87,6 +87,28 @@ def test_shard_equals_load_then_shard(checkpoints: dict[str, Path], name: str, d
         assert report.host_peak == report.shard_bytes + report.staged > report.shard_bytes
 
 
+@pytest.mark.parametrize(("name", "dtype"), [("micro-fp8-fp4", "float32"), ("tiny", "bfloat16")])
+def test_expert_parallel_shard_keeps_checkpoint_format(checkpoints: dict[str, Path], name: str,
+                                                      dtype: str) -> None:
+    """EP 2 with the experts kept as FP4 codes: `load_shard` equals load-then-shard, each rank
+    holds half the experts' codes and scales, and reads about half the experts' bytes."""
+    path = checkpoints[name]
+    experts = expert_bytes(path)
+    for rank in range(2):
+        tp = TPGroup(rank, 2)
+        want = shard_model(load_model(path, dtype, progress=False, weight_format="checkpoint"),
+                           tp, True)
+        got, report = load_shard_with_report(path, dtype, "cpu", tp, True, "checkpoint")
+        a, b = tensors(want), tensors(got)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+        local = got.layers[2].ffn.experts
+        assert type(local).__name__ == "LocalQuantExperts" and local.start == rank * local.count
+        assert local.w13.shape[0] == got.config.n_routed_experts // 2
+        assert report.bytes_read <= report.checkpoint_bytes - experts // 2
+
+
 def test_checkpoint_bytes_are_what_the_full_load_reads(checkpoints: dict[str, Path]) -> None:
     path = checkpoints["tiny"]
     full = sum(t.numel() * t.element_size() for f in shard_files(path)

@@ -20,7 +20,9 @@
 Each rank then runs the same forward (the full-sequence path or the engine's steps) on the same
 inputs: SPMD, so every collective is matched. The all-reduces sum fp32 partials (attention's in
 the model dtype), so outputs equal one process's to summation order (fp32: ~1e-6).
-Checkpoint-format (FP4 / FP8) experts are refused for now.
+Experts kept in checkpoint encoding (`weight_format="checkpoint"`: FP4 / FP8 codes and scales,
+`model/quant_experts.py`) split by id only (`expert_parallel`; `LocalQuantExperts`); splitting
+their intermediate dimension is refused.
 
 `owned_slices` states the partition once, as parameter name -> `Cut` (dim, start, size):
 `shard_model` narrows a loaded model's parameters with it (then swaps in the parallel modules),
@@ -43,6 +45,7 @@ from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.moe import Experts, MoE
+from dsv4.model.quant_experts import QuantExperts
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,8 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     for name, cut in cuts.items():
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
+        if isinstance(module, QuantExperts):
+            continue                    # its buffers are cut whole by `LocalQuantExperts`
         full = getattr(module, attr)
         assert isinstance(full, nn.Parameter), f"{name} is cut but is not a parameter"
         setattr(module, attr, nn.Parameter(cut.take(full.detach()).clone(),
@@ -164,7 +169,10 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
             _localize_attention(module, tp)
         elif isinstance(module, MoE):
             if expert_parallel:
-                module.experts = LocalExperts(module.experts, cuts[f"{prefix}.experts.w1"])
+                ids = cuts[f"{prefix}.experts.w1"]
+                module.experts = (LocalQuantExperts(module.experts, ids)
+                                  if isinstance(module.experts, QuantExperts)
+                                  else LocalExperts(module.experts, ids))
             module.reduce = AllReduce(tp)
     model.embed = VocabParallelEmbedding(  # type: ignore[assignment]
         model.embed.weight, cuts["embed.weight"].start, tp)
@@ -214,13 +222,22 @@ def _localize_attention(attn: Attention, tp: TPGroup) -> None:
 
 def _moe_cuts(moe: MoE, tp: TPGroup, expert_parallel: bool) -> dict[str, Cut]:
     """Routed experts by id (`expert_parallel`) or by intermediate dim (w1 / w3 rows, w2
-    columns); the shared expert by intermediate dim. The gate is replicated."""
+    columns); the shared expert by intermediate dim. The gate is replicated. Experts kept in
+    checkpoint encoding (`QuantExperts`) split by id only; their cuts are named w1 / w2 / w3 as
+    the checkpoint's tensors are (what the per-rank loader reads), and `shard_model` cuts their
+    code and scale buffers the same way (`LocalQuantExperts`)."""
     experts, shared = moe.experts, moe.shared_experts
-    if not all(isinstance(getattr(experts, n, None), nn.Parameter) for n in ("w1", "w2", "w3")):
-        raise ValueError("tensor parallelism of checkpoint-format (FP4 / FP8) experts is not "
-                         "supported; allowed: weight_format='bf16'")
+    quant = isinstance(experts, QuantExperts)
+    if quant and not expert_parallel:
+        raise ValueError("tensor parallelism of checkpoint-format (FP4 / FP8) experts by "
+                         "intermediate dimension is not supported; allowed: expert parallelism "
+                         "(ep_size = tp_size) or weight_format='bf16'")
+    if not quant and not all(isinstance(getattr(experts, n, None), nn.Parameter)
+                             for n in ("w1", "w2", "w3")):
+        raise ValueError(f"routed experts of type {type(experts).__name__} cannot be sharded; "
+                         "allowed: Experts or QuantExperts")
     if expert_parallel:
-        ids = _part(experts.w1.shape[0], tp, "n_routed_experts")
+        ids = _part(moe.gate.weight.shape[0], tp, "n_routed_experts")
         cuts = {f"experts.{n}": ids for n in ("w1", "w2", "w3")}
     else:
         inter = experts.w1.shape[1]
@@ -244,6 +261,28 @@ class LocalExperts(Experts):
         assert experts.w1.shape[0] == ids.size, "experts must already be cut to `ids`"
         self.limit, self.start, self.count = experts.limit, ids.start, ids.size
         self.w1, self.w2, self.w3 = experts.w1, experts.w2, experts.w3
+
+    def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                ctx: ForwardContext | None = None, *,
+                mode: ForwardMode | None = None) -> torch.Tensor:
+        local = indices - self.start
+        mine = (local >= 0) & (local < self.count)
+        return super().forward(u, torch.where(mine, local, 0),
+                               torch.where(mine, weights, 0.0), ctx, mode=mode)
+
+
+class LocalQuantExperts(QuantExperts):
+    """`LocalExperts` for experts kept in checkpoint encoding: experts [start, start + count) of
+    a `QuantExperts` (its code and scale buffers cut by expert id; buffer names unchanged), the
+    pairs routed elsewhere weighted 0 on an in-range id."""
+
+    def __init__(self, experts: QuantExperts, ids: Cut) -> None:
+        nn.Module.__init__(self)
+        self.fmt, self.limit, self.inter, self.d = (experts.fmt, experts.limit, experts.inter,
+                                                    experts.d)
+        self.start, self.count = ids.start, ids.size
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):
+            self.register_buffer(name, ids.take(getattr(experts, name)).clone())
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 ctx: ForwardContext | None = None, *,
