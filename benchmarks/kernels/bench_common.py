@@ -74,6 +74,30 @@ def time_eager_us(fn: Callable[[], object], iters: int, cuda: bool, warmup: int 
     return statistics.median(times)
 
 
+def time_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], args: Any,
+            cuda: bool) -> float:
+    """`fn`'s per-call time: CUDA-graph replays cycling `sets` on the GPU (`time_graph_us`),
+    one eager call on the CPU (the interpreter's smoke run)."""
+    if cuda:
+        return time_graph_us(fn, sets, args.iters, args.warmup)
+    return time_eager_us(lambda: fn(*sets[0]), 1, cuda)
+
+
+def time_configs(fn: Callable[..., Any], sets: Sequence[Sequence[Any]],
+                 sweep: Sequence[dict[str, int]], args: Any, cuda: bool) -> dict[str, float]:
+    """`time_us` of `fn(*set, **knobs)` for the default knobs ("default") and, with `--sweep`,
+    each of `sweep` (keyed "name=value,...")."""
+    timed: dict[str, float] = {}
+    for knobs in [{}, *(sweep if args.sweep else [])]:
+        key = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+
+        def call(*a: Any, knobs: dict[str, int] = knobs) -> Any:
+            return fn(*a, **knobs)
+
+        timed[key] = time_us(call, sets, args, cuda)
+    return timed
+
+
 def bench_rows(cases: Iterable[Any], bench: Callable[[Any], dict[str, Any]], device: torch.device
                ) -> list[dict[str, Any]]:
     """One result row per case; on CUDA the caching allocator is emptied between cases (each case

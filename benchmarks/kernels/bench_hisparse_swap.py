@@ -33,8 +33,8 @@ from bench_common import (
     print_table,
     record_header,
     select_device,
-    time_eager_us,
-    time_graph_us,
+    time_configs,
+    time_us,
 )
 
 SKIP = 1 / 8                 # share of rows with dst -1
@@ -98,20 +98,10 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     assert torch.equal(got[:-1], want[:-1]), "parity failed: kernel != swap_in_ref"
     kept = int((sets[0][3] >= 0).sum())
     parts = count_bytes(case, kept)
-    timed: dict[str, float] = {}
-    for knobs in [{}, *(SWEEP if args.sweep else [])]:
-        key = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
-
-        def fn(h: torch.Tensor, d: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
-               knobs: dict[str, int] = knobs) -> None:
-            triton_swap_in(h, d, s, t, **knobs)
-
-        timed[key] = (time_graph_us(fn, sets, args.iters, args.warmup) if cuda
-                      else time_eager_us(lambda: fn(*sets[0]), 1, cuda))
+    timed = time_configs(triton_swap_in, sets, SWEEP, args, cuda)
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
-    ref_us = (time_graph_us(swap_in_ref, sets, args.iters, args.warmup) if cuda
-              else time_eager_us(lambda: swap_in_ref(*sets[0]), 1, cuda))
+    ref_us = time_us(swap_in_ref, sets, args, cuda)
     return {"case": case.name, "n": case.n, "kept": kept, "d": case.d, "dtype": "bfloat16",
             "us": us, "us_default": timed["default"], "best_config": best,
             "block_d": default_block_d(case.d), "configs_us": timed, "ref_us": ref_us,

@@ -35,8 +35,8 @@ from bench_common import (
     print_table,
     record_header,
     select_device,
-    time_eager_us,
-    time_graph_us,
+    time_configs,
+    time_us,
 )
 
 SETS = 4                     # request-row sets cycled inside one graph
@@ -125,19 +125,10 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     out = triton_step_metadata(*sets[0])
     assert_parity(out, step_metadata(*sets[0]))
     parts = count_bytes(case, out)
-    timed: dict[str, float] = {}
-    for knobs in [{}, *(SWEEP if args.sweep else [])]:
-        key = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
-
-        def fn(*a: Any, knobs: dict[str, int] = knobs) -> Any:
-            return triton_step_metadata(*a, **knobs)
-
-        timed[key] = (time_graph_us(fn, sets, args.iters, args.warmup) if cuda
-                      else time_eager_us(lambda: fn(*sets[0]), 1, cuda))
+    timed = time_configs(triton_step_metadata, sets, SWEEP, args, cuda)
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
-    ref_us = (time_graph_us(step_metadata, sets, args.iters, args.warmup) if cuda
-              else time_eager_us(lambda: step_metadata(*sets[0]), 1, cuda))
+    ref_us = time_us(step_metadata, sets, args, cuda)
     return {"case": case.name, "B": case.B, "context": case.context, "T": case.B,
             "v_c4": case.context // case.c4, "v_c128": case.context // case.c128, "us": us,
             "us_default": timed["default"], "best_config": best,

@@ -24,8 +24,7 @@ from bench_common import (
     print_table,
     record_header,
     select_device,
-    time_eager_us,
-    time_graph_us,
+    time_us,
 )
 
 SETS = 8             # routings cycled inside one graph
@@ -52,10 +51,7 @@ def bench_case(n: int, args: argparse.Namespace, device: torch.device) -> dict[s
     def ref(idx: torch.Tensor) -> None:
         tile_map_ref(idx, E, BLOCK_M)
 
-    us = (time_graph_us(fused, sets, args.iters, args.warmup) if cuda
-          else time_eager_us(lambda: fused(*sets[0]), 1, cuda))
-    ref_us = (time_graph_us(ref, sets, args.iters, args.warmup) if cuda
-              else time_eager_us(lambda: ref(*sets[0]), 1, cuda))
+    us, ref_us = time_us(fused, sets, args, cuda), time_us(ref, sets, args, cuda)
     return {"case": f"N={n}", "n": n, "slots": n * K, "us": us, "ref_us": ref_us,
             "speedup_vs_ref": ref_us / us, "saved_us": ref_us - us}
 

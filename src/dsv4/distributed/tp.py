@@ -250,6 +250,15 @@ def _moe_cuts(moe: MoE, tp: TPGroup, expert_parallel: bool) -> dict[str, Cut]:
             "shared_experts.w2.weight": _part(inter, tp, "shared expert inter dim", dim=1)}
 
 
+def _local_routing(indices: torch.Tensor, weights: torch.Tensor, start: int,
+                   count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local ids, weights) of the (token, expert) pairs for experts [start, start + count): a
+    pair routed elsewhere keeps an in-range id (0) with weight 0."""
+    local = indices - start
+    mine = (local >= 0) & (local < count)
+    return torch.where(mine, local, 0), torch.where(mine, weights, 0.0)
+
+
 class LocalExperts(Experts):
     """Experts [start, start + count) of a routed-expert layer (expert parallelism; parameter
     names unchanged), built from an `Experts` whose parameters already hold those experts: the
@@ -265,10 +274,8 @@ class LocalExperts(Experts):
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 ctx: ForwardContext | None = None, *,
                 mode: ForwardMode | None = None) -> torch.Tensor:
-        local = indices - self.start
-        mine = (local >= 0) & (local < self.count)
-        return super().forward(u, torch.where(mine, local, 0),
-                               torch.where(mine, weights, 0.0), ctx, mode=mode)
+        local, weights = _local_routing(indices, weights, self.start, self.count)
+        return super().forward(u, local, weights, ctx, mode=mode)
 
 
 class LocalQuantExperts(QuantExperts):
@@ -287,7 +294,5 @@ class LocalQuantExperts(QuantExperts):
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 ctx: ForwardContext | None = None, *,
                 mode: ForwardMode | None = None) -> torch.Tensor:
-        local = indices - self.start
-        mine = (local >= 0) & (local < self.count)
-        return super().forward(u, torch.where(mine, local, 0),
-                               torch.where(mine, weights, 0.0), ctx, mode=mode)
+        local, weights = _local_routing(indices, weights, self.start, self.count)
+        return super().forward(u, local, weights, ctx, mode=mode)
