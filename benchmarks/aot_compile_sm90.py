@@ -169,10 +169,26 @@ def metadata_variants() -> Iterator[Variant]:
         yield f"metadata {label}", metadata._metadata_kernel, types, consts, {"num_warps": 4}
 
 
+def small_variants() -> Iterator[Variant]:
+    """The decode step's small integer kernels: the MoE tile map and the indexer picks' slots."""
+    from dsv4.kernels.triton import moe_tile_map, pick_slots
+
+    yield ("tile map (E 256, 6 slots)", moe_tile_map._tile_map_kernel,
+           {"idx_ptr": "*i64", "order_ptr": "*i64", "ts_ptr": "*i32", "te_ptr": "*i32",
+            "tx_ptr": "*i32"},
+           {"E": 256, "BM": 16, "BLOCK_NK": 32, "BLOCK_E": 256, "CHUNK": 32, "TILE_CHUNK": 32},
+           {"num_warps": 4})
+    yield ("pick slots (K 512)", pick_slots._pick_slots_kernel,
+           {name: "*i64" for name in pick_slots._pick_slots_kernel.arg_names
+            if name.endswith("_ptr")},
+           {"BLOCK_T": 4, "BLOCK_K": 512}, {"num_warps": 4})
+
+
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
                                                        "compressor": compressor_variants,
                                                        "attention": attention_variants,
-                                                       "metadata": metadata_variants}
+                                                       "metadata": metadata_variants,
+                                                       "small": small_variants}
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:

@@ -67,6 +67,13 @@ class TopKOp(Protocol):
     def __call__(self, scores: Tensor, lengths: Tensor, k: int) -> Tensor: ...
 
 
+class PickSlotsOp(Protocol):
+    """`ref/indexer.py::pick_slots`: top-k picks [T, K] and candidates [T, V] -> (entry ids,
+    pool slots), each [T, K] int64, -1 = none."""
+
+    def __call__(self, picks: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
 class RoutedExpertsOp(Protocol):
     """`ref/moe.py::routed_experts`: x [N, d] through the experts `indices` [N, k] picks (weights
     [N, k]) of the float stacks w1, w3 [E, I, d] and w2 [E, d, I] -> [N, d] fp32."""

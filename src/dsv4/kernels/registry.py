@@ -24,6 +24,7 @@ from dsv4.kernels.ops import (
     MhcHeadOp,
     MhcPostOp,
     MhcPreOp,
+    PickSlotsOp,
     ProjectOp,
     QNormRopeOp,
     RmsNormOp,
@@ -36,7 +37,7 @@ from dsv4.kernels.ops import (
 )
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair, project
-from dsv4.kernels.ref.indexer import paged_index_scores
+from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
@@ -68,13 +69,14 @@ class KernelOps:
     rms_norm: RmsNormOp
     project: ProjectOp
     step_metadata: StepMetadataOp
+    pick_slots: PickSlotsOp
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
-                     project, step_metadata)
+                     project, step_metadata, pick_slots)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -83,7 +85,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     The kernels: compressor, a CSA layer's two compressors in one launch, indexer scores, top-k,
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
-    paths and the output de-rotation, RMSNorm, a step's index metadata (bit-equal to `ref`).
+    paths and the output de-rotation, RMSNorm, a step's index metadata and the indexer picks' ids
+    and slots (both bit-equal to `ref`).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -124,6 +127,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_routed_experts,
         triton_routed_experts_quant_deterministic,
     )
+    from dsv4.kernels.triton.pick_slots import triton_pick_slots
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
         triton_q_norm_rope,
@@ -146,7 +150,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
-                     triton_step_metadata)
+                     triton_step_metadata, triton_pick_slots)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

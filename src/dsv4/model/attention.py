@@ -311,12 +311,13 @@ class Attention(nn.Module):
         cache.index_keys[plan.write_slot] = keys[:T]
         cache.hot.write(hs.write_slots, hs.write_entries, entries[:T], hot=hs.use_hot)
 
-    def _c4_reads(self, ids: torch.Tensor, plan: CompressPlan, ctx: ForwardContext,
+    def _c4_reads(self, ids: torch.Tensor, slots: torch.Tensor, ctx: ForwardContext,
                   cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pool, rows [T, k]) the sparse attention reads for the indexer's picks ids [T, k]
-        (entry ids, -1 = none): the entry pool's slots, or with HiSparse the hot set's rows
-        (`select`: misses are copied in) or, for a step with a longer prefill chunk, the step's
-        picks staged from the host mirror (`stage`). Same values in the same columns either way."""
+        """(pool, rows [T, k]) the sparse attention reads for the indexer's picks: entry ids and
+        their entry-pool slots [T, k] (-1 = none; `ops.pick_slots`). The entry pool at those
+        slots, or with HiSparse the hot set's rows (`select`: misses are copied in) or, for a step
+        with a longer prefill chunk, the step's picks staged from the host mirror (`stage`). Same
+        values in the same columns either way."""
         if cache.hot is not None:
             hs = ctx.hisparse
             assert hs is not None, "a layer with a HotSet needs the step's HiSparse rows"
@@ -324,10 +325,7 @@ class Attention(nn.Module):
                 return cache.hot.pool, cache.hot.select(hs.token_slots, ids)
             return cache.hot.stage(hs.token_slots, ids)
         assert cache.entries is not None
-        cand = plan.candidates
-        if cand.shape[1] == 0:   # no entry yet (every query before the first block ends)
-            cand = cand.new_full((cand.shape[0], 1), -1)
-        return cache.entries, torch.where(ids >= 0, cand.gather(1, ids.clamp(min=0)), -1)
+        return cache.entries, slots
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
@@ -347,13 +345,17 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 # CSA: its two compressors share the plan, so one op serves both
                 self._compress_pair(x[0], ctx, plan, cache)
-                ids = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
+                picks = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
                 if ctx.captured is not None or ctx.fixed_widths:
                     # padded to index_topk: every step stacks alike, rows have one width
-                    ids = pad_columns(ids, self.indexer.topk)
+                    picks = pad_columns(picks, self.indexer.topk)
+                cand = plan.candidates
+                if cand.shape[1] == 0:   # no entry yet (every query before the first block ends)
+                    cand = cand.new_full((cand.shape[0], 1), -1)
+                ids, slots = ctx.ops.pick_slots(picks, cand)
                 if ctx.captured is not None:
                     ctx.captured.setdefault("indexer", []).append(ids)
-                pool, slots = self._c4_reads(ids, plan, ctx, cache)
+                pool, slots = self._c4_reads(ids, slots, ctx, cache)
             else:
                 assert cache.entries is not None
                 self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)

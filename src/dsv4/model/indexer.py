@@ -58,7 +58,9 @@ class Indexer(nn.Module):
     def forward_cached(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
                        cache: LayerCache) -> torch.Tensor:
-        """Serving path: x [T, d], q_lat [T, q_lora] -> picked entry ids [T, min(k, V)], -1 = none.
+        """Serving path: x [T, d], q_lat [T, q_lora] -> the top-k picks [T, min(k, V)]: candidate
+        columns, -1 = none (`ops.pick_slots` turns them into entry ids and pool slots; [T, 0]
+        while no entry is complete).
 
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path. This step's keys are already in
@@ -70,6 +72,4 @@ class Indexer(nn.Module):
         if plan.candidates.shape[1] == 0:                                    # no entry complete yet
             return plan.candidates
         scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)  # [T, V], -inf: none
-        picks = ctx.ops.topk(scores, plan.visible, self.topk)                   # [T, k'], -1: none
-        visible = (plan.candidates >= 0).gather(1, picks.clamp(min=0))
-        return torch.where((picks >= 0) & visible, picks, -1)
+        return ctx.ops.topk(scores, plan.visible, self.topk)                    # [T, k'], -1: none

@@ -57,3 +57,16 @@ def causal_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
     rows = visible.numel()
     picks = topk_ragged(scores.reshape(rows, scores.shape[-1]), visible.reshape(rows), k)
     return picks.view(*scores.shape[:-1], k)
+
+
+def pick_slots(picks: torch.Tensor,
+               candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's top-k picks as (entry ids, pool slots), each [T, K] int64, -1 = none.
+
+    picks: [T, K] candidate columns (-1 = none; every pick < V); candidates: [T, V] pool slots
+    (-1 = not visible, V >= 1). A pick counts only where its candidate is visible: ids = picks
+    there, -1 elsewhere; slots = candidates at the ids.
+    """
+    visible = (candidates >= 0).gather(1, picks.clamp(min=0))
+    ids = torch.where((picks >= 0) & visible, picks, -1)
+    return ids, torch.where(ids >= 0, candidates.gather(1, ids.clamp(min=0)), -1)
