@@ -218,10 +218,8 @@ class ModelRunner:
         requests = [r for r, _ in sample_rows]
         sampled = None
         if requests:
-            rows = to_device(torch.tensor([i for _, i in sample_rows], dtype=torch.int64),
-                             self.device)
             # a token in flight counts: it is the output token before this step's
-            sampled = self._sample(logits[rows], requests,
+            sampled = self._sample(self._rows(logits, [i for _, i in sample_rows]), requests,
                                    [len(r.output_ids) + r.num_inflight for r in requests])
         prompt_rows = None
         if prompt:
@@ -369,19 +367,28 @@ class ModelRunner:
         return (SampleOutput(out.tokens, out.logprobs, out.top_logprobs, out.top_ids),
                 out.accepted)
 
+    def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """logits[rows]; `logits` itself (no copy, no gather) when the rows are all of them in
+        order, as in a decode step where every request samples its one row."""
+        if rows == list(range(logits.shape[0])):
+            return logits
+        return logits[to_device(torch.tensor(rows, dtype=torch.int64), self.device)]
+
     def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int]) -> SampleOutput:
         """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and,
         when a row uses penalties, count the tokens in the penalty state. Rows of one request
         sample from the request's state at the step's start."""
-        slots = to_device(torch.tensor([r.slot for r in reqs], dtype=torch.int64), self.device)
         batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs],
                                     self.device, vocab_size=logits.shape[-1])
-        counts = self.token_counts[slots] if batch.do_penalties else None
-        seen = self.seen[slots] if batch.do_penalties else None
+        slots = counts = seen = None
+        if batch.do_penalties:      # the penalty state is kept for such requests only
+            slots = to_device(torch.tensor([r.slot for r in reqs], dtype=torch.int64),
+                              self.device)
+            counts, seen = self.token_counts[slots], self.seen[slots]
         bits = token_bitmask([r.grammar for r in reqs], logits.shape[-1])
         allowed = to_device(bits, self.device) if bits is not None else None
         out = sample(logits, batch, counts, seen, allowed)
-        if batch.do_penalties:
+        if slots is not None:
             ones = torch.ones_like(out.token_ids, dtype=torch.int32)
             self.token_counts.index_put_((slots, out.token_ids), ones, accumulate=True)
             self.seen.index_put_((slots, out.token_ids), ones.bool())
