@@ -43,11 +43,16 @@ def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: s
 
 def test_op_census_counts_a_decode_step() -> None:
     """The census of micro's decode step under the interpreter: Triton launches are counted per
-    source line, and the MoE tile map is one launch per layer (its torch form is ~30)."""
+    source line; the MoE tile map is one launch per layer (its torch form is ~30), the step
+    metadata one per compress ratio and no torch op, the picks' slots one per CSA layer."""
     result = run_benchmark("op_census.py", "--preset", "micro", "--experts", "8", "--vocab",
                            "512", TRITON_INTERPRET="1")
     assert result["launches"] > result["triton"] > 0, result
     assert result["by_file"]["kernels/triton/moe_tile_map.py"] == 5, result
+    # one launch per CSA layer maps the indexer picks; the metadata is one launch per ratio
+    assert result["by_file"]["kernels/triton/pick_slots.py"] == 2, result
+    assert result["by_file"]["kernels/triton/metadata.py"] == 2, result
+    assert "engine/metadata.py" not in result["by_file"], result
 
 
 def test_hisparse_benchmark_swaps_on_micro() -> None:
