@@ -34,6 +34,7 @@ from dsv4.config.model import ModelConfig
 from dsv4.engine.cuda_graph import Captured, DecodeGraphs
 from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
 from dsv4.engine.metadata import StepShape, build_context
+from dsv4.engine.penalty_state import PenaltyState
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
 from dsv4.engine.scheduler import ScheduledStep
@@ -110,11 +111,7 @@ class ModelRunner:
         self.table = RequestTable(self.layout, config.max_running_requests, context_length,
                                   self.device)
         self.pools = self._new_pools()
-        # penalty state per request slot: output-token counts and prompt-or-output membership
-        self.token_counts = torch.zeros(config.max_running_requests, mc.vocab_size,
-                                        dtype=torch.int32, device=self.device)
-        self.seen = torch.zeros(config.max_running_requests, mc.vocab_size, dtype=torch.bool,
-                                device=self.device)
+        self.penalties = PenaltyState(config.max_running_requests, mc.vocab_size, self.device)
         logger.info("KV cache: %d full pages, %d SWA pages of %d tokens (%.1f MB)",
                     self.layout.num_full_pages - 1, self.layout.num_swa_pages - 1,
                     self.layout.page_size, self.pools.nbytes() / 1e6)
@@ -205,7 +202,9 @@ class ModelRunner:
 
     def _run(self, step: ScheduledStep) -> StepOutput:
         assert not self.memory_released, "run() after release_memory(): call resume_memory()"
-        self._reset_penalty_rows(step)
+        for req, admitted in zip(step.requests, step.admitted, strict=True):
+            if admitted and req.slot is not None and req.params.uses_penalties:
+                self.penalties.admit(req)
         if self.spec_steps:
             return self._run_spec(step)
         fill = self._ahead_tokens(step)
@@ -343,27 +342,25 @@ class ModelRunner:
         counts the emitted tokens in the penalty state. -> (emitted tokens per row (-1 after a
         segment's last), accepted drafts per segment)."""
         row_reqs = [r for r, k in zip(requests, rows, strict=True) for _ in range(k)]
-        slots = to_device(torch.tensor([r.slot for r in row_reqs], dtype=torch.int64),
-                          self.device)
         steps = [len(r.output_ids) + j for r, k in zip(requests, rows, strict=True)
                  for j in range(k)]
         batch = SamplingBatch.build([r.params for r in row_reqs], steps,
                                     [r.seed for r in row_reqs], self.device,
                                     vocab_size=logits.shape[-1])
-        counts = self.token_counts[slots] if batch.do_penalties else None
-        seen = self.seen[slots] if batch.do_penalties else None
+        slots = counts = seen = None
+        if batch.do_penalties:
+            slots, counts, seen = self.penalties.read(row_reqs)
         bits = (None if drafts is None else
                 draft_token_bitmask([r.grammar for r in requests], drafts, logits.shape[-1]))
         allowed = to_device(bits, self.device) if bits is not None else None
         out = verify(logits, segs, batch, counts, seen, allowed)
-        if batch.do_penalties:
+        if slots is not None:
             valid = out.tokens >= 0
             tok = out.tokens.clamp(min=0)
-            self.token_counts.index_put_((slots, tok), valid.to(torch.int32), accumulate=True)
             # a row past its segment's last emitted token re-marks the segment's first one
             # (always emitted), so the scatter writes True only: no -1 row can land a False last
-            marked = torch.where(valid, tok, tok[segs.first[segs.seg]])
-            self.seen.index_put_((slots, marked), torch.ones_like(valid))
+            self.penalties.record(slots, tok, valid.to(torch.int32),
+                                  torch.where(valid, tok, tok[segs.first[segs.seg]]))
         return (SampleOutput(out.tokens, out.logprobs, out.top_logprobs, out.top_ids),
                 out.accepted)
 
@@ -376,41 +373,18 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int]) -> SampleOutput:
         """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and,
-        when a row uses penalties, count the tokens in the penalty state. Rows of one request
-        sample from the request's state at the step's start."""
+        when a row uses penalties, count the tokens in the penalty state (`PenaltyState`). Rows
+        of one request sample from the request's state at the step's start."""
         batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs],
                                     self.device, vocab_size=logits.shape[-1])
         slots = counts = seen = None
         if batch.do_penalties:      # the penalty state is kept for such requests only
-            slots = to_device(torch.tensor([r.slot for r in reqs], dtype=torch.int64),
-                              self.device)
-            counts, seen = self.token_counts[slots], self.seen[slots]
+            slots, counts, seen = self.penalties.read(reqs)
         bits = token_bitmask([r.grammar for r in reqs], logits.shape[-1])
         allowed = to_device(bits, self.device) if bits is not None else None
         out = sample(logits, batch, counts, seen, allowed)
         if slots is not None:
-            ones = torch.ones_like(out.token_ids, dtype=torch.int32)
-            self.token_counts.index_put_((slots, out.token_ids), ones, accumulate=True)
-            self.seen.index_put_((slots, out.token_ids), ones.bool())
+            self.penalties.record(slots, out.token_ids,
+                                  torch.ones_like(out.token_ids, dtype=torch.int32),
+                                  out.token_ids)
         return out
-
-    def _reset_penalty_rows(self, step: ScheduledStep) -> None:
-        """A request with penalties admitted in this step (new, re-admitted after preemption, or
-        continuing a cached prefix) gets its slot's penalty rows rebuilt from its own tokens.
-
-        The penalty state is kept for requests with penalties only (built here, counted in steps
-        where some row uses penalties, which every step of such a request is). Another request's
-        rows hold whatever its slot last held; a step that reads them (a batch mixing both kinds)
-        applies neutral penalties to them, an identity on any values."""
-        for req, admitted in zip(step.requests, step.admitted, strict=True):
-            if admitted and req.slot is not None and req.params.uses_penalties:
-                assert not req.num_inflight, "admitted with a token still on the device"
-                self.token_counts[req.slot] = 0
-                self.seen[req.slot] = False
-                # index_fill_ takes the value as a scalar: no host tensor to copy (a sync)
-                ids = to_device(torch.tensor(req.all_ids), self.device)
-                self.seen[req.slot].index_fill_(0, ids, True)
-                if req.output_ids:
-                    out = to_device(torch.tensor(req.output_ids), self.device)
-                    self.token_counts[req.slot].index_add_(0, out,
-                                                           torch.ones_like(out, dtype=torch.int32))
