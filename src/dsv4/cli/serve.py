@@ -25,7 +25,7 @@ from dsv4.config.engine import (
     WEIGHT_FORMATS,
     resolve_kernel_backend,
 )
-from dsv4.config.server import DTYPES, ServerConfig
+from dsv4.config.server import DTYPES, LOAD_FORMATS, ServerConfig
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -76,7 +76,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-format", default=None, choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load (default); "
                         "checkpoint: keep routed experts in FP4")
-    g.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+    g.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
                    help="auto: read the checkpoint's weights (default); dummy: only its "
                         "config.json, random weights in memory (benchmarks; --seed seeds them)")
     g.add_argument("--disable-radix-cache", "--disable-prefix-cache", dest="disable_prefix_cache",

@@ -3,7 +3,7 @@
 Owns `triton_step_metadata`, the fast form of `kernels/ref/metadata.py::step_metadata` (same
 signature, bit-equal tensors): token positions, SWA write slots and windows, and per compress
 ratio the compressor's source / ring / entry rows and the candidate entry slots. The reference
-spends ~100 tiny torch launches on this per step; a decode step pays 1-3 µs for each.
+spends ~100 small torch launches on this per step, each a fixed cost in a decode step.
 
 Kernel design: grid (cdiv(T, BLOCK_T), cdiv(V, BLOCK_V)) per ratio. Every program maps its
 BLOCK_T tokens to their requests (token t belongs to the first request whose inclusive prefix sum
