@@ -55,17 +55,18 @@ def random_prompts(lengths: list[int], seed: int, vocab: int) -> list[list[int]]
 
 def drive(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
           per_step: int = 2,
-          on_step: Callable[[LLMEngine, dict[str, Request]], None] | None = None
-          ) -> dict[str, Request]:
+          on_step: Callable[[LLMEngine, dict[str, Request]], None] | None = None,
+          rid_prefix: str = "") -> dict[str, Request]:
     """Requests join `per_step` at a time while others run; `on_step` sees the engine after
-    every step (aborts)."""
+    every step (aborts). Request ids are `rid_prefix` + the prompt's index; results are keyed by
+    the index."""
     reqs: dict[str, Request] = {}
     pending = list(enumerate(zip(prompts, params, strict=True)))
     while pending or engine.has_unfinished():
         for _ in range(per_step):
             if pending:
                 i, (p, sp) = pending.pop(0)
-                reqs[str(i)] = engine.add_request(p, sp, rid=str(i))
+                reqs[str(i)] = engine.add_request(p, sp, rid=rid_prefix + str(i))
         engine.step()
         engine.check_integrity()
         if on_step is not None:
@@ -423,7 +424,9 @@ def test_gpu_step_launch_never_waits_for_the_device(ckpt: Path,
     """`ModelRunner.run` launches a step without waiting for the device (its contract, and what
     overlap scheduling needs): under `torch.cuda.set_sync_debug_mode("error")` any hidden sync
     in it (a copy from pageable host memory, `.item()`, a bool of a device tensor) raises. Greedy,
-    sampled, penalised and log-prob requests, CUDA graphs on."""
+    sampled, penalised and log-prob requests, CUDA graphs on. A first pass of the same workload
+    runs unchecked: capturing a graph (warmup, or a shape's first use) is a named sync point. The
+    checked pass must produce what the first one did."""
     original = ModelRunner.run
 
     def strict(self: ModelRunner, step: ScheduledStep) -> StepOutput:
@@ -433,7 +436,6 @@ def test_gpu_step_launch_never_waits_for_the_device(ckpt: Path,
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(ModelRunner, "run", strict)
     prompts = random_prompts([5, 17, 31, 9], seed=3, vocab=micro().vocab_size)
     params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0),
               SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=1, logprobs=2),
@@ -441,6 +443,13 @@ def test_gpu_step_launch_never_waits_for_the_device(ckpt: Path,
                              repetition_penalty=1.3, frequency_penalty=0.5),
               SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.7, top_p=0.9, seed=2)]
     llm = LLM(ckpt, dtype="float32", device="cuda", page_size=16, max_total_tokens=2048,
-              overlap_schedule=True)
-    drive(llm.engine, prompts, params)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
+              overlap_schedule=True, disable_prefix_cache=True)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    first = {rid: r.output_ids for rid, r in drive(llm.engine, prompts, params).items()}
+    replays = graphs.replays
+    monkeypatch.setattr(ModelRunner, "run", strict)
+    checked = {rid: r.output_ids
+               for rid, r in drive(llm.engine, prompts, params, rid_prefix="b").items()}
+    assert checked == first
+    assert graphs.replays > replays
