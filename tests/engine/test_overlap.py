@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.config.engine import EngineConfig
+from dsv4.engine.cuda_graph import DecodeGraphs
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.engine.runner import ModelRunner
@@ -325,6 +327,35 @@ class Spy:
             if self.events.index(("run", k + 1)) < self.events.index(("resolve", k)):
                 ahead += 1
         return ahead
+
+
+def test_overlap_through_decode_graphs(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlap scheduling with decode steps through `DecodeGraphs` (eager replays on the CPU:
+    the same static input rows, per-key constants and in-flight token fill as the GPU's captured
+    graphs) gives the tokens and log-probs of plain steps without overlap."""
+    prompts = random_prompts([5, 17, 31, 9, 12, 3], seed=5, vocab=micro().vocab_size)
+    params = [SamplingParams(max_tokens=4 + 3 * (i % 3), ignore_eos=True, logprobs=0,
+                             temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(6)]
+
+    def run(llm: LLM) -> Outputs:
+        return outputs(drive(llm.engine, prompts, params))
+
+    off_llm, on_llm = make_llm(ckpt, False), make_llm(ckpt, True)
+    runner = on_llm.engine.runner
+    graphs = runner.graphs = DecodeGraphs(on_llm.model, runner.table, runner.pools, runner.ops,
+                                          max_batch=4, capture=False)
+    filled = []
+    original = graphs.run_streams
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        filled.append(len(args) > 3 and args[3] is not None or kwargs.get("fill") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(graphs, "run_streams", spy)
+    off, on = run(off_llm), run(on_llm)
+    assert_same(off, on)
+    assert sum(filled) >= 5, "decode steps took in-flight tokens through the graphs"
+    assert_pools_free(on_llm.engine)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

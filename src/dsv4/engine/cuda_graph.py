@@ -45,6 +45,17 @@ MIN_CONTEXT = 4096
 Captured = dict[str, list[torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """Overlap scheduling's in-flight inputs of a step: the fed tokens at `positions` (indices
+    into the step's input ids) are `source[rows]`, tokens the step before sampled, still on the
+    device. The indices travel to the device in the same host copy as the step's other inputs."""
+
+    positions: list[int]
+    source: torch.Tensor
+    rows: list[int]
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, ... up to max_batch (which is always the last bucket)."""
     small = [b for b in (1, 2, 4) if b < max_batch]
@@ -78,7 +89,9 @@ class GraphKey:
 
 @dataclass
 class _StepGraph:
-    inputs: torch.Tensor           # [B, n + 2] int64: n token ids, request slot, first position
+    staging: torch.Tensor          # [B (n + 2) + 2 B n] int64: `inputs`, then `Ahead` indices
+    inputs: torch.Tensor           # [B, n + 2] view of staging: n token ids, slot, first position
+    consts: tuple[torch.Tensor, torch.Tensor]   # (lens [B], logits_index [B k]): fixed per key
     logits: torch.Tensor           # [B * k, V] fp32, written by every replay
     captured: Captured | None      # routing outputs, written by every replay
     graph: torch.cuda.CUDAGraph | None = field(default=None)
@@ -123,11 +136,10 @@ class DecodeGraphs:
         return nk is not None and nk[0] <= self.max_tokens and len(shape.lens) <= self.max_batch
 
     def run(self, input_ids: list[int], shape: StepShape, capture_routing: bool,
-            fill: tuple[list[int], torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, Captured | None]:
+            fill: Ahead | None = None) -> tuple[torch.Tensor, Captured | None]:
         """Logits [b * k, V] of a step of b requests (and its routing when asked), by graph replay.
-        `fill`: (indices into `input_ids`, tokens on the device) that replace those inputs, on
-        the device (overlap scheduling: tokens the step before sampled).
+        `fill`: inputs that come from the step before's sampled tokens on the device (overlap
+        scheduling).
 
         The returned tensors are views of the graph's static outputs: consume them before the next
         call."""
@@ -135,7 +147,7 @@ class DecodeGraphs:
         return logits, captured
 
     def run_streams(self, input_ids: list[int], shape: StepShape, capture_routing: bool,
-                    fill: tuple[list[int], torch.Tensor] | None = None
+                    fill: Ahead | None = None
                     ) -> tuple[torch.Tensor, Captured | None, torch.Tensor | None]:
         """`run`, plus the streams after the last block of the b * n tokens (`with_streams`;
         else None): the MTP block's input under speculative decoding."""
@@ -148,19 +160,21 @@ class DecodeGraphs:
         step = self._graphs.get(key)
         if step is None:
             step = self._graphs[key] = self._build(key)
-        rows = [input_ids[r * n:(r + 1) * n] + [slot, start]
-                for r, (slot, start) in enumerate(zip(shape.slots, shape.starts, strict=True))]
-        rows += [[0] * n + [self.table.pad_slot, 0]] * (B - b)
-        copy_from_host(step.inputs, torch.tensor(rows, dtype=torch.int64))
+        flat = [v for r, (slot, start) in enumerate(zip(shape.slots, shape.starts, strict=True))
+                for v in (*input_ids[r * n:(r + 1) * n], slot, start)]
+        flat += ([0] * n + [self.table.pad_slot, 0]) * (B - b)
         if fill is not None:         # token i of the step is inputs[i // n, i % n]
-            at = to_device(torch.tensor([[i // n, i % n] for i in fill[0]], dtype=torch.int64),
-                           self.device)
-            step.inputs[at[:, 0], at[:, 1]] = fill[1]
+            flat += [i // n * (n + 2) + i % n for i in fill.positions] + fill.rows
+        copy_from_host(step.staging[:len(flat)], torch.tensor(flat, dtype=torch.int64))
+        if fill is not None:
+            at = step.staging[B * (n + 2):len(flat)].view(2, -1)
+            step.inputs.view(-1).index_copy_(0, at[0], fill.source.index_select(0, at[1]))
         self.replays += 1
         if step.graph is not None:
             step.graph.replay()
         else:
-            step.logits, step.captured, step.streams = self._forward(step.inputs, key)
+            step.logits, step.captured, step.streams = self._forward(step.inputs, step.consts,
+                                                                     key)
         captured = None if step.captured is None else {
             name: [t[:b * n] for t in v] for name, v in step.captured.items()}
         streams = None if step.streams is None else step.streams[:b * n]
@@ -236,14 +250,22 @@ class DecodeGraphs:
             drafts = self._draft_forward(step, key, next_ids, first, num_steps)
         return _DraftGraph(next_ids, first, drafts, graph)
 
-    def _forward(self, inputs: torch.Tensor, key: GraphKey
-                 ) -> tuple[torch.Tensor, Captured | None, torch.Tensor | None]:
-        """The step from the static rows: device metadata, then the model's serving path."""
+    def _consts(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lens [B], logits_index [B k]) of a graph's steps: fixed by its key, so built once
+        outside the capture instead of by kernels inside every replay."""
         B, n, k = key.batch, key.tokens, key.logits
+        lens = torch.full((B,), n, dtype=torch.int64)
+        last = torch.arange(B)[:, None] * n + (n - k)
+        index = (last + torch.arange(k)).reshape(-1)
+        return to_device(lens, self.device), to_device(index, self.device)
+
+    def _forward(self, inputs: torch.Tensor, consts: tuple[torch.Tensor, torch.Tensor],
+                 key: GraphKey) -> tuple[torch.Tensor, Captured | None, torch.Tensor | None]:
+        """The step from the static rows: device metadata, then the model's serving path."""
+        n = key.tokens
         ids, slots, starts = inputs[:, :n].reshape(-1), inputs[:, n], inputs[:, n + 1]
-        lens = torch.full_like(slots, n)
-        last = torch.arange(B, device=ids.device)[:, None] * n + (n - k)
-        logits_index = (last + torch.arange(k, device=ids.device)).reshape(-1)
+        lens, logits_index = consts
+        B = key.batch
         ctx = device_context(slots, starts, lens, logits_index, StepBounds(B * n, key.context, n),
                              self.table, self.pools, self.model.config, self.ops)
         ctx.captured = {} if key.capture_routing else None
@@ -252,22 +274,26 @@ class DecodeGraphs:
 
     def _build(self, key: GraphKey) -> _StepGraph:
         # padding rows only (null-page writes) while warming up and capturing
-        row = [0] * key.tokens + [self.table.pad_slot, 0]
-        inputs = torch.tensor([row] * key.batch, dtype=torch.int64, device=self.device)
+        B, n = key.batch, key.tokens
+        row = [0] * n + [self.table.pad_slot, 0]
+        host = torch.tensor(row * B + [0] * (2 * B * n), dtype=torch.int64)
+        staging = host.to(self.device)
+        inputs = staging[:B * (n + 2)].view(B, n + 2)
+        consts = self._consts(key)
         if not self.capture:   # eager replays fill the outputs
-            return _StepGraph(inputs, torch.empty(0, device=self.device), None)
+            return _StepGraph(staging, inputs, consts, torch.empty(0, device=self.device), None)
         logger.info("capturing the decode graph for batch %d, %d token(s) per request, "
-                    "context bucket %d%s", key.batch, key.tokens, key.context,
+                    "context bucket %d%s", B, n, key.context,
                     " with routing capture" if key.capture_routing else "")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, allocator settles
-            self._forward(inputs, key)
+            self._forward(inputs, consts, key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, captured, streams = self._forward(inputs, key)
-        return _StepGraph(inputs, logits, captured, graph, streams)
+            logits, captured, streams = self._forward(inputs, consts, key)
+        return _StepGraph(staging, inputs, consts, logits, captured, graph, streams)
 
     def num_graphs(self) -> int:
         return len(self._graphs)

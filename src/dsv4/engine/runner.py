@@ -31,7 +31,7 @@ from dsv4.config.engine import (
     resolve_warmup,
 )
 from dsv4.config.model import ModelConfig
-from dsv4.engine.cuda_graph import Captured, DecodeGraphs
+from dsv4.engine.cuda_graph import Ahead, Captured, DecodeGraphs
 from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
 from dsv4.engine.metadata import StepShape, build_context
 from dsv4.engine.penalty_state import PenaltyState
@@ -226,15 +226,15 @@ class ModelRunner:
         return StepOutput(step, requests, [1] * len(requests), sampled, captured, self.device,
                           prompt=prompt_rows)
 
-    def _ahead_tokens(self, step: ScheduledStep) -> tuple[list[int], torch.Tensor] | None:
-        """Overlap scheduling: (indices into the step's input ids, their tokens on the device) of
-        the fed tokens the step before sampled, gathered from its sampled tokens (no host sync);
-        None when every fed token is on the host."""
+    @staticmethod
+    def _ahead_tokens(step: ScheduledStep) -> Ahead | None:
+        """Overlap scheduling: the fed tokens the step before sampled (their indices into the
+        step's input ids and their rows of its sampled tokens, still on the device; no host
+        sync); None when every fed token is on the host."""
         if not step.ahead:
             return None
         assert step.source is not None and len(step.source_rows) == len(step.ahead)
-        rows = to_device(torch.tensor(step.source_rows, dtype=torch.int64), self.device)
-        return [i for i, _ in step.ahead], step.source.index_select(0, rows)
+        return Ahead([i for i, _ in step.ahead], step.source, list(step.source_rows))
 
     @staticmethod
     def _split_rows(step: ScheduledStep) -> tuple[list[tuple[Request, int]],
@@ -267,15 +267,17 @@ class ModelRunner:
         return ctx
 
     def _forward_eager(self, step: ScheduledStep,
-                       fill: tuple[list[int], torch.Tensor] | None = None
-                       ) -> tuple[torch.Tensor, Captured | None]:
+                       fill: Ahead | None = None) -> tuple[torch.Tensor, Captured | None]:
         """Logits [R, V] fp32 of the step's logit rows (and the routing when captured), without
         graphs; `fill` (`_ahead_tokens`) overwrites placeholder inputs on the device."""
         ctx = self._context(step)
-        ids = to_device(torch.tensor(step.input_ids, dtype=torch.int64), self.device)
+        T = len(step.input_ids)
+        extra = [] if fill is None else fill.positions + fill.rows
+        host = to_device(torch.tensor(step.input_ids + extra, dtype=torch.int64), self.device)
+        ids = host[:T]
         if fill is not None:
-            at = to_device(torch.tensor(fill[0], dtype=torch.int64), self.device)
-            ids.index_copy_(0, at, fill[1])
+            at = host[T:].view(2, -1)
+            ids.index_copy_(0, at[0], fill.source.index_select(0, at[1]))
         return self.model.forward_batch(ids, ctx), ctx.captured
 
     def _run_spec(self, step: ScheduledStep) -> StepOutput:
