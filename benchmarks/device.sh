@@ -10,7 +10,8 @@
 #                 KERNELS="topk compressor" runs those only; BENCH_ARGS="--sweep" (or --probe, --configs ...)
 #                 is passed to each, each under BENCH_TIMEOUT_S (150; a --sweep takes up to ~400)
 #   decode        decode ms/token vs context at batch 1 and tokens/s at batch 8/32/128 on flash-4l bf16 (triton,
-#                 CUDA graphs) against the HBM floor: decode.txt / decode.json / decode.png
+#                 CUDA graphs) against the HBM floor: decode.txt / decode.json / decode.png. DECODE_ARGS is added
+#                 (e.g. "--overlap-schedule")
 #   decode-hf     decode ms/token at batch 1, 4K-128K, against transformers eager on the same weights (the peer;
 #                 needs the pinned transformers wheel in .wheels): decode_hf.txt / .json / .png
 #   engine        the triton backend against ref on one model (engine_backend_check.py, tiny fp32 and flash-4l
@@ -91,9 +92,10 @@ kernels() {
 }
 
 decode() {
+  # shellcheck disable=SC2086  # DECODE_ARGS is a list of flags
   timeout 400 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
     --kernel-backend triton --contexts 4096,131072 --batches 8,32,128 --plot "$OUT/decode.png" \
-    --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1
+    --out "$OUT/decode.json" ${DECODE_ARGS:-} > "$OUT/decode.txt" 2>&1
   grep -v "^{" "$OUT/decode.txt" | tail -14
 }
 
