@@ -47,6 +47,7 @@ import torch
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
 from dsv4.checkpoint.writer import random_model
+from dsv4.config.engine import resolve_overlap
 from dsv4.config.model import ModelConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
@@ -84,9 +85,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="decode eagerly (default: CUDA graphs where "
                    "the engine can capture them: CUDA device, triton backend)")
-    p.add_argument("--overlap-schedule", action="store_true",
+    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's overlap scheduling (the host prepares step N + 1 while "
-                   "the device runs step N)")
+                   "the device runs step N; default: the engine's, on with CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -490,7 +491,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "dtype": args.dtype, "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
               "copy_gb_s": round(gbps, 1),
-              "cuda_graph": not args.disable_cuda_graph, "overlap_schedule": args.overlap_schedule,
+              "cuda_graph": not args.disable_cuda_graph,
+              "overlap_schedule": resolve_overlap(args.overlap_schedule,
+                                                  torch.device(args.device).type, 0),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)

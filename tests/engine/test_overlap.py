@@ -22,8 +22,8 @@ from test_engine_equivalence import assert_pools_free as assert_no_leak
 
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
-from dsv4.checkpoint.writer import write_checkpoint
-from dsv4.config.engine import EngineConfig
+from dsv4.checkpoint.writer import random_model, write_checkpoint
+from dsv4.config.engine import EngineConfig, resolve_overlap
 from dsv4.engine.cuda_graph import DecodeGraphs
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
@@ -407,11 +407,37 @@ def test_unsupported_combination_raises() -> None:
                                          r"is not supported.*allowed: overlap_schedule=False, or "
                                          r"speculative_num_steps=0"):
         EngineConfig(overlap_schedule=True, speculative_num_steps=2)
-    with pytest.raises(ValueError, match=r"overlap_schedule='yes' is invalid; allowed: True or "
-                                         r"False"):
+    with pytest.raises(ValueError, match=r"overlap_schedule='yes' is invalid; allowed: None, "
+                                         r"True or False"):
         EngineConfig(overlap_schedule="yes")  # type: ignore[arg-type]
-    assert not EngineConfig().overlap_schedule
+    assert EngineConfig().overlap_schedule is None
     EngineConfig(overlap_schedule=True)
+    EngineConfig(speculative_num_steps=2)       # the default resolves off with speculation
+
+
+def test_overlap_default_resolution() -> None:
+    """Unset, overlap is on with CUDA and no speculative decoding, off elsewhere; an explicit
+    choice wins. The CPU engine resolves it off, and the resolved value is what the engine runs."""
+    assert resolve_overlap(None, "cuda", 0)
+    assert not resolve_overlap(None, "cuda", 2)
+    assert not resolve_overlap(None, "cpu", 0)
+    assert not resolve_overlap(False, "cuda", 0)
+    assert resolve_overlap(True, "cpu", 0)
+    model = random_model(micro(), torch.float32, torch.device("cpu"))
+    engine = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=512))
+    assert engine.runner.config.overlap_schedule is False and not engine.overlap
+
+
+@pytest.mark.gpu
+def test_gpu_overlap_is_the_cuda_default() -> None:
+    """`LLM(...)` on CUDA schedules with overlap unless told otherwise."""
+    engine = LLMEngine(random_model(micro(), torch.float32, torch.device("cuda")),
+                       EngineConfig(page_size=16, max_total_tokens=2048, warmup="none"))
+    assert engine.runner.config.overlap_schedule is True and engine.overlap
+    off = LLMEngine(random_model(micro(), torch.float32, torch.device("cuda")),
+                    EngineConfig(page_size=16, max_total_tokens=2048, warmup="none",
+                                 overlap_schedule=False))
+    assert not off.overlap
 
 
 @pytest.mark.gpu

@@ -251,7 +251,7 @@ def test_fast_warmup_captures_every_context_bucket_without_a_request(
     assert wanted <= set(graphs._graphs)
     assert all(max(st.shape.starts) + max(st.shape.lens) <= 4096 for st in steps)
     for key in wanted:                # what a GPU capture runs, eagerly
-        graphs._forward(graphs._graphs[key].inputs, key)
+        graphs._forward(graphs._graphs[key].inputs, graphs._graphs[key].consts, key)
         assert (graphs._graphs[key].draft is not None) == (spec > 0)
     assert_clean(warm.engine)
     assert outputs(warm) == outputs(cold)

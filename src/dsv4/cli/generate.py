@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     engine_args: dict[str, Any] = {"page_size": args.page_size} if args.page_size else {}
-    if args.overlap_schedule:
-        engine_args["overlap_schedule"] = True
+    if args.overlap_schedule is not None:
+        engine_args["overlap_schedule"] = args.overlap_schedule
     if args.warmup is not None:
         engine_args["warmup"] = args.warmup
     if args.enable_hisparse:

@@ -239,10 +239,14 @@ def add_speculative_arg(g: argparse._ActionsContainer, default: int | None) -> N
 
 
 def add_overlap_arg(g: argparse._ActionsContainer) -> None:
-    """`--overlap-schedule` (shared by `dsv4 serve` and `dsv4 generate`)."""
-    g.add_argument("--overlap-schedule", action="store_true", default=None,
+    """`--overlap-schedule` / `--no-overlap-schedule` (SGLang: `--disable-overlap-schedule`);
+    shared by `dsv4 serve` and `dsv4 generate`. Unset: the engine's default."""
+    g.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step N + 1 while the device runs step N "
-                        "(EngineConfig.overlap_schedule; not with speculative decoding)")
+                        "(EngineConfig.overlap_schedule; default: on with CUDA and no "
+                        "speculative decoding, off elsewhere)")
+    g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   default=None, help="SGLang's name for --no-overlap-schedule")
 
 
 def add_warmup_arg(g: argparse._ActionsContainer) -> None:

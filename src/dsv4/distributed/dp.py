@@ -132,7 +132,7 @@ def check_dp_attention(model: ModelConfig, config: EngineConfig, size: int,
     (the MoE's count exchange is a host sync), and with `expert_parallel` a size that does not
     divide the routed experts or the (shared) expert's intermediate dim."""
     refused = (("speculative_num_steps", config.speculative_num_steps, 0),
-               ("overlap_schedule", config.overlap_schedule, False),
+               ("overlap_schedule", bool(config.overlap_schedule), False),
                *((("disable_cuda_graph", config.disable_cuda_graph, True),)
                  if device.startswith("cuda") else ()))
     for name, value, allowed in refused:

@@ -93,6 +93,7 @@ class LLMEngine:
         self.eos_token_id = mc.eos_token_id
         self.context_length = config.context_length or mc.max_position_embeddings
         self.runner = ModelRunner(model, config, self.context_length)
+        self.overlap = bool(self.runner.config.overlap_schedule)     # resolved for the device
         self.max_total_tokens = self.runner.layout.max_total_tokens
         self.cache = create_prefix_cache(self.runner.table, self.runner.layout.swa_horizon,
                                          enabled=not config.disable_prefix_cache)
@@ -208,7 +209,7 @@ class LLMEngine:
         step order. Under `overlap_schedule` those are the tokens of the step the call before
         launched (this call launches the next step first)."""
         self._admit_compiled(wait_s=0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
-        if self.config.overlap_schedule:
+        if self.overlap:
             return self._step_overlap()
         return self.step_sync()[1]
 
@@ -232,7 +233,7 @@ class LLMEngine:
         (`ModelRunner.run_idle`): exactly one forward per call, for data-parallel attention,
         whose MoE layers are collectives that every rank joins each step (`engine/parallel.py`).
         Returns the requests that got tokens."""
-        assert not self.config.overlap_schedule and not self.spec_steps, \
+        assert not self.overlap and not self.spec_steps, \
             "step_or_idle() runs one plain forward: no overlap scheduling or speculation"
         step, updated = self.step_sync()
         if step is None:

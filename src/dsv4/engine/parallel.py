@@ -130,7 +130,11 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]
     else:
         model = load_shard(spec.model, spec.dtype, device, TPGroup(rank, spec.world),
                            spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
-    engine = LLMEngine(model, spec.config)
+    # DP ranks step in lockstep one plain forward at a time (`step_or_idle`): no overlap
+    config = spec.config
+    if spec.data_parallel:
+        config = dataclasses.replace(config, overlap_schedule=False)
+    engine = LLMEngine(model, config)
     warm_up(engine, progress=rank == 0)     # every rank the same steps: matched collectives
     return engine, control
 

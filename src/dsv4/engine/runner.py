@@ -27,6 +27,7 @@ from dsv4.config.engine import (
     kv_budget_gb,
     resolve_hisparse_entries,
     resolve_kernel_backend,
+    resolve_overlap,
     resolve_swa_fraction,
     resolve_warmup,
 )
@@ -53,8 +54,8 @@ logger = init_logger(__name__)
 
 def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
     """`config` with its device-dependent defaults resolved (logged): the kernel backend and,
-    unless `max_total_tokens` fixes the pools, the KV budget; and the warmup mode
-    (`config/engine.py`)."""
+    unless `max_total_tokens` fixes the pools, the KV budget; the warmup mode and overlap
+    scheduling (`config/engine.py`)."""
     backend = resolve_kernel_backend(config.kernel_backend, device.type)
     budget = config.kv_cache_memory_gb
     if config.max_total_tokens is None:
@@ -68,9 +69,11 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
                     f"mem_fraction_static {config.mem_fraction_static} of {total / 2**30:.1f} GB,"
                     f" {used / 2**30:.1f} GB in use" if device.type == "cuda" else "CPU default")
     warmup = resolve_warmup(config.warmup, device.type, backend)
+    overlap = resolve_overlap(config.overlap_schedule, device.type, config.speculative_num_steps)
     return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
                                warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
-                                   config.swa_memory_fraction, device.type))
+                                   config.swa_memory_fraction, device.type),
+                               overlap_schedule=overlap)
 
 
 def _hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:

@@ -197,7 +197,10 @@ class RLTrainer:
                             kernel_backend=c.kernel_backend,  # type: ignore[arg-type]
                             capture_routing=True, disable_prefix_cache=True,
                             batch_invariant=bool(c.true_on_policy),
-                            invariant_plans=c.values_from_kernels, seed=c.seed)
+                            invariant_plans=c.values_from_kernels, seed=c.seed,
+                            # RL steps rollouts synchronously: weight updates and memory release
+                            # between phases find nothing in flight
+                            overlap_schedule=False)
 
     # --- numerics ----------------------------------------------------------------------------
     def mode(self) -> ForwardMode:
