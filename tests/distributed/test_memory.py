@@ -50,8 +50,9 @@ def test_plan_equals_the_allocation(tmp_path: Path, expert_parallel: bool) -> No
     assert one.weights == nbytes(chain(llm.model.parameters(), llm.model.buffers()))
     assert one.kv == pool_bytes(runner.pools)
     state = [t for t in vars(runner.table).values() if isinstance(t, torch.Tensor)]
+    rope = [llm.model.rope_main.cache, llm.model.rope_compress.cache]
     assert one.state == nbytes([*state, runner.penalties.token_counts,
-                                    runner.penalties.seen])
+                                    runner.penalties.seen, *rope])
     plans = plan_memory(ModelConfig.from_hf(ckpt), engine.config, torch.float32, 2,
                         expert_parallel)
     for rank, plan in enumerate(plans):

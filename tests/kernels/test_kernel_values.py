@@ -141,3 +141,35 @@ def test_trainer_with_kernel_values_scores_like_the_engine_cuda(true_on_policy: 
         assert (mean, top) == (0.0, 0.0)
     else:
         assert mean < 5e-3, (mean, top)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_query_values_are_the_serving_rope_op(dtype: torch.dtype) -> None:
+    """With `values`, the full-sequence indexer's roped queries are the `rope` op's on per-token
+    cos / sin rows, as `Indexer.forward_cached` computes them (bit for bit), and equal the torch
+    RoPE (the op is bit-equal to it); gradients flow through the reference."""
+    from dsv4.model.indexer import Indexer
+    from dsv4.model.layers.rope import RotaryEmbedding, token_rows
+
+    config = micro()
+    ops = create_kernels("triton", invariant_plans=True)
+    indexer = Indexer(config).to(dtype)
+    gen = torch.Generator().manual_seed(6)
+    B, S = 2, 11
+    x = torch.randn(B, S, config.hidden_size, generator=gen).to(dtype)
+    q_lat = torch.randn(B, S, config.q_lora_rank, generator=gen).to(dtype)
+    cos, sin = RotaryEmbedding(config, compressed=True)(torch.arange(S))
+    q_ref, w_ref = indexer.query(x, q_lat, cos, sin)
+    q_val, w_val = indexer.query(x, q_lat, cos, sin, ops)
+    H, D = indexer.n_heads, indexer.head_dim
+    serving = ops.rope(indexer.wq_b(q_lat).reshape(B * S, H, D), *token_rows(cos, sin, B))
+    assert torch.equal(q_val, serving.view(B, S, H, D)) and torch.equal(w_val, w_ref)
+    if dtype == torch.float32:       # the interpreter truncates to bf16 where torch rounds
+        assert torch.equal(q_val, q_ref)
+    probe = torch.randn(q_val.shape, generator=gen)         # a loss linear in q: same gradient
+    (q_val.float() * probe).sum().backward()
+    grad = indexer.wq_b.weight.grad.clone()
+    indexer.zero_grad()
+    (q_ref.float() * probe).sum().backward()
+    assert torch.equal(grad, indexer.wq_b.weight.grad)

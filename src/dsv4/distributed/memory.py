@@ -4,9 +4,10 @@
 it for real: the model shard (`empty_model` + `shard_model`: parameters and buffers), the KV pools
 (`KVPools`: SWA KV, compressed entries, indexer keys, compressor rings; with HiSparse the hot sets
 instead of the C4 entries, whose host mirror is counted apart), and the per-request state
-(request table, penalty counts). So the plan equals the allocation (tested on CPU against a
-loaded engine) and costs no memory. Not included: activations, the CUDA graphs' private pools
-and the CUDA context (measure those on the GPU: the margin `mem_fraction_static` leaves).
+(request table, penalty counts) with the RoPE cache of every position. So the plan equals the
+allocation (tested on CPU against a loaded engine) and costs no memory. Not included:
+activations, the CUDA graphs' private pools and the CUDA context (measure those on the GPU: the
+margin `mem_fraction_static` leaves).
 `dsv4 serve --dry-run` prints it.
 """
 
@@ -24,6 +25,7 @@ from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig, WeightFormat, resolve_hisparse_entries
 from dsv4.config.model import ModelConfig
 from dsv4.distributed.tp import TPGroup, shard_model
+from dsv4.model.layers.rope import rope_cache_bytes
 from dsv4.model.loader import empty_model
 
 META = torch.device("meta")
@@ -32,8 +34,8 @@ META = torch.device("meta")
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes one rank allocates: `weights` (parameters and buffers of its shard), `kv` (the KV
-    pools), `state` (request table and per-slot penalty state); the pools' pages for reference;
-    `host`: host memory (HiSparse's mirror of the C4 entries; not in `total`)."""
+    pools), `state` (request table, per-slot penalty state, RoPE cache); the pools' pages for
+    reference; `host`: host memory (HiSparse's mirror of the C4 entries; not in `total`)."""
 
     rank: int
     weights: int
@@ -73,6 +75,7 @@ def plan_memory(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype, tp
     kv = KVPools(model, layout, dtype, META, hot).nbytes()
     state = sum(_nbytes(t) for t in vars(table).values() if isinstance(t, torch.Tensor))
     state += engine.max_running_requests * model.vocab_size * (4 + 1)   # counts int32, seen bool
+    state += rope_cache_bytes(model, table.max_pages * table.P)       # cos / sin of every position
     plans = []
     for rank in range(tp_size):
         shard = shard_model(empty_model(model, dtype, META, weight_format),

@@ -136,6 +136,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias has unknown token ids {bad_bias[:5]}; "
                              f"allowed: 0..{self.vocab_size - 1}")
         need = min(len(prompt_ids) + params.max_tokens, self.context_length)
+        if need > self.runner.rope_positions:      # the serving path reads RoPE rows unchecked
+            raise ValueError(f"prompt + max_tokens = {need} tokens reach past the RoPE cache "
+                             f"(positions 0..{self.runner.rope_positions - 1})")
         if need > self.max_total_tokens:
             raise ValueError(f"prompt + max_tokens = {need} tokens cannot fit the KV cache "
                              f"({self.max_total_tokens} tokens); "

@@ -15,6 +15,7 @@ The host-side step types live in engine/step_output.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -100,6 +101,12 @@ class ModelRunner:
     def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig,
                  context_length: int) -> None:
         self.device = next(model.parameters()).device
+        # the RoPE rows of every position a request can reach (its page table's span, drafts
+        # included), before the KV budget is sized so that it sees them
+        self.rope_positions = math.ceil(context_length / config.page_size) * config.page_size
+        self.rope_cache_bytes = model.build_rope_cache(self.rope_positions)
+        logger.info("RoPE cache: positions 0..%d, both tables (%.1f MB)", self.rope_positions - 1,
+                    self.rope_cache_bytes / 1e6)
         config = resolve(config, self.device)
         self.model, self.config = model, config
         assert config.kernel_backend is not None
@@ -113,6 +120,7 @@ class ModelRunner:
         self.layout = plan_cache(mc, config, dtype, reserved)
         self.table = RequestTable(self.layout, config.max_running_requests, context_length,
                                   self.device)
+        assert self.table.max_pages * self.table.P == self.rope_positions, "RoPE cache != span"
         self.pools = self._new_pools()
         self.penalties = PenaltyState(config.max_running_requests, mc.vocab_size, self.device)
         logger.info("KV cache: %d full pages, %d SWA pages of %d tokens (%.1f MB)",

@@ -184,3 +184,18 @@ class StepMetadataOp(Protocol):
     def __call__(self, slots: Tensor, starts: Tensor, lens: Tensor, page_table: Tensor,
                  full_to_swa: Tensor, page_size: int, num_tokens: int, window: int,
                  specs: Sequence[CompressSpec]) -> StepRows: ...
+
+
+class RopeOp(Protocol):
+    """`ref/rope_norm.py::rope`: x [T, H, D] -> RoPE on the trailing rd channels of each head, no
+    norm (the indexer's queries); cos / sin [T, rd/2] fp32. Bit-equal across backends."""
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor: ...
+
+
+class AddApeOp(Protocol):
+    """`ref/compressor.py::add_ape`: a compressor's gate scores, in place: score [T, W] fp32 +=
+    ape[positions % ratio] (ape [ratio, W] fp32, positions [T] int64 >= 0). Bit-equal across
+    backends (one fp32 add)."""
+
+    def __call__(self, score: Tensor, ape: Tensor, positions: Tensor, ratio: int) -> None: ...

@@ -17,6 +17,7 @@ import torch
 
 from dsv4.config.engine import KERNEL_BACKENDS, KernelBackend
 from dsv4.kernels.ops import (
+    AddApeOp,
     CompressOp,
     CompressPairOp,
     IndexScoresOp,
@@ -29,6 +30,7 @@ from dsv4.kernels.ops import (
     QNormRopeOp,
     RmsNormOp,
     RopeInverseOp,
+    RopeOp,
     RoutedExpertsOp,
     RoutedExpertsQuantOp,
     SparseAttentionOp,
@@ -36,12 +38,18 @@ from dsv4.kernels.ops import (
     TopKOp,
 )
 from dsv4.kernels.ref.attention import sparse_attention_multi
-from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair, project
+from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cached_pair, project
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
-from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rms_norm, rope_inverse
+from dsv4.kernels.ref.rope_norm import (
+    kv_norm_rope_store,
+    q_norm_rope,
+    rms_norm,
+    rope,
+    rope_inverse,
+)
 from dsv4.kernels.ref.topk import topk_ragged
 from dsv4.utils.logging import init_logger
 
@@ -70,13 +78,15 @@ class KernelOps:
     project: ProjectOp
     step_metadata: StepMetadataOp
     pick_slots: PickSlotsOp
+    rope: RopeOp
+    add_ape: AddApeOp
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
-                     project, step_metadata, pick_slots)
+                     project, step_metadata, pick_slots, rope, add_ape)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -85,8 +95,9 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     The kernels: compressor, a CSA layer's two compressors in one launch, indexer scores, top-k,
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
-    paths and the output de-rotation, RMSNorm, a step's index metadata and the indexer picks' ids
-    and slots (both bit-equal to `ref`).
+    paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
+    the indexer picks' ids and slots, RoPE alone (the indexer's queries) and the compressors'
+    gate-score position embedding.
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -113,6 +124,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set "
                          "TRITON_INTERPRET=1); allowed on this machine: 'ref'")
+    from dsv4.kernels.triton.add_ape import triton_add_ape
     from dsv4.kernels.triton.compressor import (
         triton_compress_cached,
         triton_project,
@@ -132,6 +144,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_kv_norm_rope_store,
         triton_q_norm_rope,
         triton_rms_norm,
+        triton_rope,
         triton_rope_inverse,
     )
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
@@ -150,7 +163,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
-                     triton_step_metadata, triton_pick_slots)
+                     triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

@@ -33,6 +33,7 @@ from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.indexer import Indexer
 from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.norm import RMSNorm
+from dsv4.model.layers.rope import token_rows
 
 
 def window_indices(batch: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -79,14 +80,6 @@ def dense_masked_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Ten
     sinks = sink.float()[None, :, None, None].expand(B, H, S, 1)
     probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :-1]
     return torch.einsum("bhsk,bkd->bshd", probs.to(keys.dtype), keys).to(q.dtype)
-
-
-def _token_rows(cos: torch.Tensor, sin: torch.Tensor,
-                batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A full-sequence forward's cos / sin [S, rd/2] as the serving ops take them: one row per
-    token of the flattened [B * S] batch."""
-    return (cos.expand(batch, *cos.shape).reshape(-1, cos.shape[-1]),
-            sin.expand(batch, *sin.shape).reshape(-1, sin.shape[-1]))
 
 
 def pad_columns(ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -151,7 +144,7 @@ class Attention(nn.Module):
 
         if values is None:
             return q_ref(q), kv_ref(kv, w), q_lat
-        ops, (B, S), rows = values, x.shape[:2], _token_rows(cos, sin, x.shape[0])
+        ops, (B, S), rows = values, x.shape[:2], token_rows(cos, sin, x.shape[0])
 
         def q_op(q_: torch.Tensor) -> torch.Tensor:
             return ops.q_norm_rope(q_.reshape(B * S, *q_.shape[2:]), *rows, self.eps).view_as(q_)
@@ -177,7 +170,7 @@ class Attention(nn.Module):
             if values is None:
                 o = ref(o)
             else:
-                ops, rows = values, _token_rows(c, s, B)
+                ops, rows = values, token_rows(c, s, B)
                 o = kernel_values(lambda o_: ops.rope_inverse(o_.reshape(B * S, *o_.shape[2:]),
                                                               *rows).view_as(o_), ref, o)
         groups = o.reshape(B, S, self.o_groups, -1)                     # [B, S, g, H*D/g]
@@ -217,7 +210,7 @@ class Attention(nn.Module):
                 assert self.csa_index is not None, "indexer replay on a layer outside the model"
                 picks = replay.indexer[:, :, self.csa_index].long()           # [B, S, k]
             elif self.indexer is not None:
-                picks = self.indexer(x, q_lat, cos, sin)                       # [B, S, k']
+                picks = self.indexer(x, q_lat, cos, sin, mode.values)          # [B, S, k']
             else:
                 picks = dense_entry_indices(B, S, entries.shape[1], self.compressor.ratio,
                                             x.device)
@@ -274,13 +267,14 @@ class Attention(nn.Module):
                        cache: LayerCache) -> None:
         """CSA: this step's entries and ring rows of both compressors, attention and indexer.
 
-        x: [T, d].
+        x: [T, d], cast to fp32 once for both projections.
         """
         assert self.compressor is not None and self.indexer is not None and cache.state is not None
         assert cache.index_state is not None and cache.index_keys is not None
         assert plan.entry_cos is not None and plan.entry_sin is not None
         own, idx = self.compressor, self.indexer.compressor
         assert own.norm.eps == idx.norm.eps, "compress_pair takes one eps"
+        x = x.float()                           # both compressors project fp32: cast once
         if cache.hot is not None:
             self._compress_pair_hot(x, ctx, plan, cache)
             return

@@ -23,15 +23,20 @@ from dsv4.model.layers.norm import RMSNorm
 def _project(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
              ape: torch.Tensor, ratio: int,
              ops: KernelOps | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv, score) fp32 of x [..., d]; `ops`: the backend's `project` op on x as [T, d] rows."""
+    """(kv, score) fp32 of x [..., d] (an fp32 x is used as is, any other dtype cast once);
+    score includes `ape[positions % ratio]`.
+
+    `ops`: the backend's `project` op on x as [T, d] rows, then its `add_ape` op in place on the
+    score rows `project` just allocated (no other tensor sees them); else F.linear and an
+    out-of-place add. Both adds are one fp32 add of the same operands: the same bits."""
     xf = x.float()
     if ops is None:
         kv, score = F.linear(xf, wkv.float()), F.linear(xf, wgate.float())
-    else:
-        rows = xf.reshape(-1, xf.shape[-1])
-        kv = ops.project(rows, wkv.float()).view(*x.shape[:-1], -1)
-        score = ops.project(rows, wgate.float()).view(*x.shape[:-1], -1)
-    return kv, score + ape.float()[positions % ratio]
+        return kv, score + ape.float()[positions % ratio]
+    rows = xf.reshape(-1, xf.shape[-1])
+    kv, score = ops.project(rows, wkv.float()), ops.project(rows, wgate.float())
+    ops.add_ape(score, ape.float(), positions.reshape(-1), ratio)
+    return kv.view(*x.shape[:-1], -1), score.view(*x.shape[:-1], -1)
 
 
 class Compressor(nn.Module):
@@ -50,7 +55,7 @@ class Compressor(nn.Module):
         """x: [..., d], positions: [...] -> (kv, score) [..., c*Dc] fp32.
 
         score includes `ape[pos % ratio]`. `ops`: the GEMMs as that backend's `project` op (x
-        [T, d]), else F.linear.
+        [T, d]) and the ape through its `add_ape`, else F.linear and a torch add.
         """
         return _project(x, positions, self.wkv.weight, self.wgate.weight, self.ape, self.ratio,
                         ops)
@@ -87,7 +92,7 @@ class Compressor(nn.Module):
         E = S // self.ratio
         index, entry_pos = sequence_index(B, S, self.ratio, self.overlap, x.device)
         pos = torch.arange(S, device=x.device).repeat(B)
-        rows = x.reshape(B * S, -1)
+        rows = x.reshape(B * S, -1).float()              # cast once, shared with `paired`
         first = self._step_target(ops, rows, pos, (wkv, wgate, ape, norm_w), B * E)
         if paired is None:
             ops.compress(*first[:4], index, first.norm_weight, self.norm.eps, cos[entry_pos],
@@ -113,7 +118,8 @@ class Compressor(nn.Module):
                out: torch.Tensor) -> CompressTarget:
         """This step's projections of x [T, d] with the ring and entry pool they go to.
 
-        These are the compress ops' inputs.
+        These are the compress ops' inputs. x in fp32 is used as is (a CSA layer casts once for
+        its two compressors), else cast here.
         """
         kv, score = self.project(x, ctx.positions, ctx.ops)                     # [T, c*Dc] fp32
         return CompressTarget(kv, score, state.kv, state.score, self.norm.weight, out)

@@ -64,6 +64,21 @@ class DeepSeekV4ForCausalLM(nn.Module):
         self.rope_main.reset_buffers()
         self.rope_compress.reset_buffers()
 
+    def build_rope_cache(self, max_positions: int) -> int:
+        """Cache both RoPE tables' (cos, sin) rows of positions 0 .. max_positions-1 for the
+        serving path (`RotaryEmbedding.build_cache`: bit-equal to computing them); returns the
+        bytes. A serving step's positions must stay below `rope_cache_positions`."""
+        return (self.rope_main.build_cache(max_positions)
+                + self.rope_compress.build_cache(max_positions))
+
+    @property
+    def rope_cache_positions(self) -> int | None:
+        """Positions the serving path's RoPE cache covers (0..N-1); None: no cache, every row is
+        computed."""
+        if self.rope_main.cache is None or self.rope_compress.cache is None:
+            return None
+        return min(self.rope_main.cached_positions, self.rope_compress.cached_positions)
+
     def rope_tables(self, seq_len: int,
                     device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) [S, rd/2] fp32 per table at positions 0..S-1."""
@@ -120,7 +135,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
     def forward_batch(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Serving path: input_ids [T] (new tokens of all requests) -> fp32 logits [R, V].
 
-        The R rows are the tokens of `ctx.logits_index`.
+        The R rows are the tokens of `ctx.logits_index`. RoPE rows come from the tables' caches
+        when built (`build_rope_cache`), else are computed: the same bits either way.
         """
         return self.forward_batch_streams(input_ids, ctx)[0]
 
@@ -129,9 +145,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
         """`forward_batch`, also returning the streams after the last block for every new token,
         [T, n, d] (the MTP block's input)."""
         pos = ctx.positions
-        tables = {"main": self.rope_main(pos), "compress": self.rope_compress(pos)}
+        tables = {"main": self.rope_main.lookup(pos), "compress": self.rope_compress.lookup(pos)}
         for plan in ctx.plans.values():
-            plan.entry_cos, plan.entry_sin = self.rope_compress(plan.entry_pos)
+            plan.entry_cos, plan.entry_sin = self.rope_compress.lookup(plan.entry_pos)
         ids = input_ids.unsqueeze(0)                                            # [1, T]
         x = self.embed(ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
         for layer in self.layers:
@@ -154,7 +170,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
             raise ValueError(f"mtp depth={depth} out of range; "
                              f"the model has {len(self.mtp)} MTP layers")
         mtp: MTPBlock = self.mtp[depth]  # type: ignore[assignment]
-        cos, sin = self.rope_main(ctx.positions)
+        cos, sin = self.rope_main.lookup(ctx.positions)
         ids = next_ids.unsqueeze(0)
         captured, ctx.captured = ctx.captured, None
         try:

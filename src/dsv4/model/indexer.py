@@ -14,8 +14,11 @@ from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.indexer import causal_topk, index_scores
 from dsv4.kernels.ref.rope_norm import apply_rope
+from dsv4.kernels.registry import KernelOps
 from dsv4.model.compressor import Compressor
 from dsv4.model.forward_context import CompressPlan, ForwardContext
+from dsv4.model.kernel_values import kernel_values
+from dsv4.model.layers.rope import token_rows
 
 
 class Indexer(nn.Module):
@@ -29,28 +32,49 @@ class Indexer(nn.Module):
                                      config.rms_norm_eps)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def query(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(roped indexer queries [B, S, Ih, Id], head weights [B, S, Ih] fp32)."""
+    def query(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              values: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-sequence path: x [B, S, d], q_lat [B, S, q_lora], cos/sin [S, rd/2] -> (roped
+        indexer queries [B, S, Ih, Id], head weights [B, S, Ih] fp32).
+
+        `values` (`ForwardMode.values`): the RoPE's values from that backend's `rope` op on
+        per-token cos / sin rows, as the serving path (`forward_cached`) computes them."""
         q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        return q, self.weights_proj(x).float() * self.weight_scale
+
+        def ref(q_: torch.Tensor) -> torch.Tensor:
+            return apply_rope(q_, cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+        if values is None:
+            q = ref(q)
+        else:
+            ops, (B, S), rows = values, q.shape[:2], token_rows(cos, sin, q.shape[0])
+            q = kernel_values(lambda q_: ops.rope(q_.reshape(B * S, *q_.shape[2:]),
+                                                  *rows).view_as(q_), ref, q)
+        return q, self.head_weights(x)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] -> the query heads' weights [..., Ih] fp32 (scaled)."""
+        return self.weights_proj(x).float() * self.weight_scale
 
     def scores(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
-        """Full-sequence index scores [B, S, E] fp32, -inf where entry i >= (t+1)//ratio."""
+               sin: torch.Tensor, values: KernelOps | None = None) -> torch.Tensor:
+        """Full-sequence index scores [B, S, E] fp32, -inf where entry i >= (t+1)//ratio.
+
+        `values`: the queries' RoPE values from that backend (`query`)."""
         keys = self.compressor(x, cos, sin)                       # [B, E, Id]
-        q, w = self.query(x, q_lat, cos, sin)
+        q, w = self.query(x, q_lat, cos, sin, values)
         scores = index_scores(q, keys, w)
         visible = (torch.arange(x.shape[1], device=x.device) + 1) // self.ratio
         hidden = torch.arange(keys.shape[1], device=x.device) >= visible[:, None]
         return scores.masked_fill(hidden, float("-inf"))
 
     def forward(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, d], q_lat: [B, S, q_lora] -> picked entry ids [B, S, min(k, E)], -1 = none."""
+                sin: torch.Tensor, values: KernelOps | None = None) -> torch.Tensor:
+        """x: [B, S, d], q_lat: [B, S, q_lora] -> picked entry ids [B, S, min(k, E)], -1 = none.
+
+        `values`: the queries' RoPE values from that backend (`query`)."""
         with torch.no_grad():
-            scores = self.scores(x, q_lat, cos, sin)
+            scores = self.scores(x, q_lat, cos, sin, values)
         visible = (torch.arange(x.shape[1], device=x.device) + 1) // self.ratio
         return causal_topk(scores, visible.expand(x.shape[0], -1), self.topk)
 
@@ -58,9 +82,9 @@ class Indexer(nn.Module):
     def forward_cached(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
                        cache: LayerCache) -> torch.Tensor:
-        """Serving path: x [T, d], q_lat [T, q_lora] -> the top-k picks [T, min(k, V)]: candidate
-        columns, -1 = none (`ops.pick_slots` turns them into entry ids and pool slots; [T, 0]
-        while no entry is complete).
+        """Serving path: x [T, d], q_lat [T, q_lora], cos/sin [T, rd/2] -> the top-k picks
+        [T, min(k, V)]: candidate columns, -1 = none (`ops.pick_slots` turns them into entry ids
+        and pool slots; [T, 0] while no entry is complete). The queries' RoPE is the `rope` op.
 
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path. This step's keys are already in
@@ -68,7 +92,8 @@ class Indexer(nn.Module):
         (`Attention._compress_pair`).
         """
         assert cache.index_keys is not None
-        q, w = self.query(x, q_lat, cos, sin)                                # [T, Ih, Id], [T, Ih]
+        q = self.wq_b(q_lat).view(x.shape[0], self.n_heads, self.head_dim)
+        q, w = ctx.ops.rope(q, cos, sin), self.head_weights(x)               # [T, Ih, Id], [T, Ih]
         if plan.candidates.shape[1] == 0:                                    # no entry complete yet
             return plan.candidates
         scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)  # [T, V], -inf: none

@@ -47,6 +47,15 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
+def add_ape(score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, ratio: int) -> None:
+    """The gate scores' absolute position embedding (the `add_ape` op), in place:
+    score [T, W] fp32 += ape[positions % ratio] (ape [ratio, W] fp32, positions [T] int64 >= 0).
+
+    One fp32 add per element, so any form of it (this, an out-of-place `score + ape[...]`, a
+    kernel) gives the same bits."""
+    score.add_(ape[positions % ratio])
+
+
 def sequence_index(batch: int, seq_len: int, ratio: int, overlap: bool,
                    device: torch.device) -> tuple[CompressIndex, torch.Tensor]:
     """The `CompressIndex` of a [batch, seq_len] full-sequence forward run as one serving step

@@ -9,6 +9,7 @@ the same signatures.
     kv_norm_rope_store  pool[slots] = RoPE(w * kv / rms(kv))
                                                      the window kv: weighted norm, RoPE, cache write
     rope_inverse        o = RoPE^-1(o)               de-rotation of the attention output
+    rope                x = RoPE(x)                  per head, no norm (the indexer's queries)
 
 The serving ops are compositions of the first three, the same torch ops in the same order as the
 full-sequence path of `model/attention.py`, so the `ref` backend computes what that path computes.
@@ -71,3 +72,10 @@ def kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: 
 def rope_inverse(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """o: [T, H, D] -> [T, H, D] rotated by -φ on the trailing rd channels."""
     return apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] -> [T, H, D] in x's dtype; cos/sin: [T, rd/2] fp32 (one row per token, shared
+    by its heads). RoPE on the trailing rd channels of each head, the leading D - rd copied
+    unchanged: `apply_rope` with the token's row broadcast over the heads."""
+    return apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2))

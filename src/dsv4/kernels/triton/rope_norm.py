@@ -4,6 +4,7 @@ The fast forms of `kernels/ref/rope_norm.py` (same signatures):
     triton_q_norm_rope         q [T, H, D] -> RoPE(q / rms(q)) per head
     triton_kv_norm_rope_store  pool[slots[t]] = RoPE(w * kv[t] / rms(kv[t]))
     triton_rope_inverse        o [T, H, D] -> RoPE^-1(o)
+    triton_rope                x [T, H, D] -> RoPE(x) per head, no norm (the indexer's queries)
     triton_rms_norm            x [..., D] -> w * x / rms(x)  (the blocks' and the model's RMSNorms)
 
 Each replaces 8-15 eager ops (casts, square, mean, rsqrt, multiplies, the pair split / stack / cat
@@ -13,8 +14,11 @@ One program per row (a token's head for q and o, a token for kv): the row is loa
 and rotated in fp32 registers, stored once in the output dtype. RoPE rotates interleaved pairs
 (x[2i], x[2i+1]) of the trailing rd = 2 * cos.shape[-1] channels; cos / sin rows are the token's
 (row // rows_per_token). Rounded as the reference rounds (fp32 throughout, one final cast); the
-normalisation divides by sqrt where the reference multiplies by rsqrt (fp32-level differences). No
-host syncs: graph-capture safe. Tests: tests/kernels/test_rope_norm.py.
+normalisation divides by sqrt where the reference multiplies by rsqrt (fp32-level differences).
+`triton_rope` has no norm and is compiled without fp contraction (`enable_fp_fusion=False`: no
+a * cos - b * sin fused into an FMA), so each product and difference is rounded as torch rounds
+them: bit-equal to the reference. No host syncs: graph-capture safe. Tests:
+tests/kernels/test_rope_norm.py, tests/kernels/test_rope.py.
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ def _check_rope(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
             sin: torch.Tensor | None, out: torch.Tensor, norm: int, inverse: bool, eps: float = 0.0,
-            weight: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+            weight: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+            fp_fusion: bool = True) -> None:
+    """One program per row of x; `fp_fusion=False` compiles without FMA contraction."""
     rows, D = x.numel() // x.shape[-1], x.shape[-1]
     if rows == 0:
         return
@@ -85,7 +91,8 @@ def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
         D // 2 - half, float(eps),
         x2.stride(0), stride_cs, out.stride(0),
         NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None,
-        BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)))
+        BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)),
+        **({} if fp_fusion else {"enable_fp_fusion": False}))
 
 
 def triton_q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -141,4 +148,18 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty_like(x)
     _launch(x, 1, None, None, out.view(-1, x.shape[-1]), norm=2, inverse=False, eps=eps,
             weight=weight)
+    return out
+
+
+def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ref.rope_norm.rope`: x [T, H, D] -> [T, H, D] in x's dtype, RoPE on the
+    trailing 2 * cos.shape[-1] channels of each head (cos / sin [T, rd/2] fp32 contiguous);
+    bit-equal to the reference (no FMA contraction)."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [T, H, D]; got {list(x.shape)}")
+    _check_rope("x", x, cos, sin, x.shape[0])
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _launch(x, x.shape[1], cos, sin, out.view(-1, x.shape[-1]), norm=0, inverse=False,
+            fp_fusion=False)
     return out

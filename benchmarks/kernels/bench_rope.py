@@ -1,0 +1,78 @@
+"""Benchmark: RoPE alone on the indexer's queries, one launch (`triton_rope`) vs the torch form
+(`ref/rope_norm.py::rope`: cast, pair split, four multiplies, subtract, add, stack, cast, cat).
+
+Shapes: the V4-Flash indexer (Ih = 64 heads of Id = 128, rope on the trailing rd = 64) in bf16 at
+decode batches T = 1 / 32 / 128 and a prefill chunk (T = 8,192). Bytes the op must move (the
+floor): q read and written (T Ih Id 2 x 2) and the cos / sin rows read (T rd/2 4 x 2). Each form
+timed as CUDA-graph replays; parity (bit-equal) checked first. Prints a table, then ONE JSON line
+(also written to --out).
+
+    PYTHONPATH=src python3 benchmarks/kernels/bench_rope.py --out FILE.json   # CUDA
+    PYTHONPATH=src python3 benchmarks/kernels/bench_rope.py --cpu-smoke       # interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    bench_rows,
+    emit,
+    print_table,
+    record_header,
+    select_device,
+    time_us,
+)
+
+SETS = 8             # input sets cycled inside one graph
+HEADS, HEAD_DIM, ROPE_DIM = 64, 128, 64
+
+
+def make_inputs(T: int, H: int, D: int, rd: int, device: torch.device,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 queries and the fp32 cos / sin rows of random positions below 1M."""
+    g = torch.Generator(device).manual_seed(seed)
+    pos = torch.randint(0, 1 << 20, (T, 1), generator=g, device=device).float()
+    angles = pos / (10000.0 ** (torch.arange(0, rd, 2, device=device).float() / rd))
+    x = torch.randn(T, H, D, generator=g, device=device).to(torch.bfloat16)
+    return x, angles.cos(), angles.sin()
+
+
+def bench_case(c: tuple[int, int, int, int], args: argparse.Namespace,
+               device: torch.device) -> dict[str, Any]:
+    from dsv4.kernels.ref.rope_norm import rope
+    from dsv4.kernels.triton.rope_norm import triton_rope
+
+    T, H, D, rd = c
+    cuda = device.type == "cuda"
+    sets = [make_inputs(T, H, D, rd, device, args.seed + i) for i in range(SETS if cuda else 1)]
+    if cuda:   # the interpreter casts to bf16 toward zero (tests/kernels/test_rope.py)
+        assert torch.equal(rope(*sets[0]), triton_rope(*sets[0])), "parity failed"
+    us, ref_us = time_us(triton_rope, sets, args, cuda), time_us(rope, sets, args, cuda)
+    nbytes = T * H * D * 2 * 2 + T * rd // 2 * 4 * 2
+    return {"case": f"T={T}", "T": T, "H": H, "D": D, "rd": rd, "us": us, "ref_us": ref_us,
+            "speedup_vs_ref": ref_us / us, "bytes": nbytes,
+            "floor_us": nbytes / HBM_BYTES_PER_S * 1e6}
+
+
+TABLE = [("case", "{:<8}", "case"), ("bytes", "{:>10.3e}", "bytes"),
+         ("floor_us", "{:>8.2f}", "floor us"), ("us", "{:>8.2f}", "us"),
+         ("ref_us", "{:>8.2f}", "ref us"), ("speedup_vs_ref", "{:>6.1f}", "x ref")]
+
+
+def main() -> None:
+    args = base_parser(__doc__.splitlines()[0], "(no sweep)").parse_args()
+    device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
+    cases = ([(2, 4, 32, 16)] if args.cpu_smoke
+             else [(T, HEADS, HEAD_DIM, ROPE_DIM) for T in (1, 32, 128, 8192)])
+    rows = bench_rows(cases, lambda c: bench_case(c, args, device), device)
+    print_table(rows, TABLE)
+    emit({**record_header("rope", device), "results": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
