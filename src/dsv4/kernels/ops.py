@@ -184,3 +184,11 @@ class StepMetadataOp(Protocol):
     def __call__(self, slots: Tensor, starts: Tensor, lens: Tensor, page_table: Tensor,
                  full_to_swa: Tensor, page_size: int, num_tokens: int, window: int,
                  specs: Sequence[CompressSpec]) -> StepRows: ...
+
+
+class ArgmaxOp(Protocol):
+    """`ref/argmax.py::argmax`: x [B, V] float -> [B] int64, each row's first (lowest-index)
+    maximum, a NaN counting as the largest value (`torch.argmax(x, dim=-1)`); bit-equal across
+    backends. The greedy sampler's token choice."""
+
+    def __call__(self, x: Tensor) -> Tensor: ...
