@@ -413,10 +413,10 @@ def sample(
     output-token counts; required if frequency or presence penalties are active. `prompt_mask`:
     `[B, V]` bool prompt-or-output membership; required if a repetition penalty is active.
     `allowed`: `[B, ceil(V / 32)]` int32 token bitmask of structured-output rows (None: no row
-    is constrained; `apply_token_bitmask`). `argmax`: the greedy rows' row argmax (the engine
-    passes its backend's `KernelOps.argmax`; every backend returns the same ids). Returns a
-    `SampleOutput` with raw-distribution logprobs when `batch.do_logprobs` (see the module
-    docstring), else with token ids only.
+    is constrained; `apply_token_bitmask`). `argmax`: the row argmax of the greedy rows and of
+    the race (the engine passes its backend's `KernelOps.argmax`; every backend returns the same
+    ids). Returns a `SampleOutput` with raw-distribution logprobs when `batch.do_logprobs` (see
+    the module docstring), else with token ids only.
     """
     assert logits.dim() == 2 and logits.shape[0] == batch.size, (
         f"logits shape {tuple(logits.shape)} does not match batch size {batch.size}"
