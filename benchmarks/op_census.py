@@ -10,6 +10,10 @@ code paths (a scaled-down geometry keeps flash-4l's paths: `--experts`, `--vocab
 
     TRITON_INTERPRET=1 python benchmarks/op_census.py --preset flash-4l --experts 8 --vocab 512
 
+`--sample` also counts the sampling of the forward's logits, which runs eagerly after the graph
+(`engine/sampler.py::sample` with the backend's ops: greedy rows, log-probs only with
+`--logprobs K`), and reports it apart (`sample` in the JSON line).
+
 Prints a table of the busiest source lines, then one JSON line with the totals.
 """
 
@@ -32,6 +36,8 @@ from dsv4.checkpoint.presets import get_preset
 from dsv4.checkpoint.writer import random_model
 from dsv4.engine.cuda_graph import DecodeGraphs, GraphKey
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.sampler import SamplingBatch, sample
+from dsv4.engine.sampling_params import SamplingParams
 
 SRC = os.path.join("src", "dsv4") + os.sep
 # Operators that launch no kernel (views, metadata).
@@ -100,6 +106,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--kernel-backend", default="triton")
     p.add_argument("--rows", type=int, default=40)
+    p.add_argument("--sample", action="store_true",
+                   help="also count the sampling of the step's logits (greedy rows)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="with --sample: the rows ask for the sampled token's log-prob and top K")
     args = p.parse_args()
     if args.kernel_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the census runs on the CPU)")
@@ -122,7 +132,7 @@ def main() -> None:
             else (lambda: None))
     try:
         with torch.no_grad(), census:
-            graphs._forward(step.inputs, key)
+            logits = graphs._forward(step.inputs, key)[0]
     finally:
         undo()
     counter.update(census.ops)
@@ -138,9 +148,43 @@ def main() -> None:
     for (site, _), n in counter.items():
         by_file[site.split(":")[0]] += n
     triton = sum(n for (_, op), n in counter.items() if op.startswith("triton:"))
+    sampled = _sample_census(logits, runner.ops.argmax, args) if args.sample else None
     print(json.dumps({"preset": args.preset, "batch": args.batch, "context": args.context,
                       "launches": sum(counter.values()), "triton": triton,
-                      "by_file": dict(by_file.most_common())}))
+                      "by_file": dict(by_file.most_common()),
+                      **({} if sampled is None else {"sample": sampled})}))
+
+
+def _sample_census(logits: torch.Tensor, argmax: Any, args: argparse.Namespace
+                   ) -> dict[str, Any]:
+    """Launches of `sample` on the step's logits, greedy rows (`--logprobs`: asking for them):
+    printed per source line; returns the totals and the per-line counts."""
+    params = [SamplingParams(temperature=0.0, logprobs=args.logprobs)] * logits.shape[0]
+    batch = SamplingBatch.build(params, [0] * len(params), [0] * len(params), logits.device,
+                                vocab_size=logits.shape[-1])
+    logits = logits.float()                             # the model's logits are fp32 already
+    counter: collections.Counter[tuple[str, str]] = collections.Counter()
+    census = Census()
+    undo = (_count_triton(counter, census) if args.kernel_backend == "triton"
+            else (lambda: None))
+    try:
+        with torch.no_grad(), census:
+            sample(logits, batch, argmax=argmax)
+    finally:
+        undo()
+    counter.update(census.ops)
+    by_site: collections.Counter[str] = collections.Counter()
+    for (site, _), n in counter.items():
+        by_site[site] += n
+    print(f"sampling ({'logprobs=' + str(args.logprobs) if args.logprobs is not None else 'no'}"
+          f" logprobs): {sum(counter.values())} launches")
+    for site, n in by_site.most_common():
+        names = ", ".join(f"{op}x{c}" if c > 1 else op
+                          for (s, op), c in counter.most_common() if s == site)
+        print(f"{n:8d}  {site}: {names}")
+    return {"logprobs": args.logprobs, "launches": sum(counter.values()),
+            "triton": sum(n for (_, op), n in counter.items() if op.startswith("triton:")),
+            "by_site": dict(by_site.most_common())}
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Runs a warm-up, then profiles `--steps` engine steps of a batch of prompts and prints the top
 operators by self CUDA time and by self CPU time (a table each), then one JSON line with the step
-times.
+times. The profiled batch's requests get enough `max_tokens` to outlast its prefill (chunked, so
+its first requests decode while the last still prefill), the warm-up steps and the profiled ones:
+with `--decode-only` every profiled step decodes the whole batch.
 
     python benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -23,6 +26,16 @@ from dsv4.checkpoint.writer import random_model
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.model.loader import resolve_device, resolve_dtype
+
+CHUNK = 8192        # chunked prefill tokens per step
+
+
+def batch_max_tokens(num_prompts: int, prompt_len: int, warm_steps: int, steps: int) -> int:
+    """Output tokens each request of the profiled batch may make: no request finishes before the
+    last profiled step. Its prefill takes ceil(prompts x len / CHUNK) steps, and a request may
+    decode in each of them and in the up to `num_prompts` steps until every request has its first
+    token (`--decode-only`); then the warm-up and profiled steps, and 2 to spare."""
+    return (math.ceil(num_prompts * prompt_len / CHUNK) + num_prompts + warm_steps + steps + 2)
 
 
 def main() -> None:
@@ -44,27 +57,30 @@ def main() -> None:
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device))
-    engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=8192,
+    max_tokens = batch_max_tokens(args.num_prompts, args.prompt_len, args.warm_steps, args.steps)
+    engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=CHUNK,
                                            kernel_backend=args.kernel_backend,
                                            max_total_tokens=args.num_prompts
-                                           * (args.prompt_len + 512) + 4096))
+                                           * (args.prompt_len + max(512, max_tokens)) + 4096))
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
-                            ignore_eos=True)
+    warm = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
+                          ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    def add_batch() -> list[Request]:
+    def add_batch(p: SamplingParams) -> list[Request]:
         return [engine.add_request(torch.randint(2, model.config.vocab_size, (args.prompt_len,),
-                                                 generator=g).tolist(), params)
+                                                 generator=g).tolist(), p)
                 for _ in range(args.num_prompts)]
 
-    add_batch()
+    add_batch(warm)            # compiles and warms the shapes once
     while engine.has_unfinished():
         engine.step()
-    reqs = add_batch()
+    reqs = add_batch(params)
     while args.decode_only and not all(r.output_ids for r in reqs):
         engine.step()
     for _ in range(args.warm_steps):
         engine.step()
+    assert not any(r.is_finished for r in reqs), "a request finished before the profiled steps"
     cuda = args.device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     times = []
@@ -87,7 +103,8 @@ def main() -> None:
     print(json.dumps({"profile": "engine_step", "preset": args.preset, "device": args.device,
                       "backend": args.kernel_backend, "num_prompts": args.num_prompts,
                       "prompt_len": args.prompt_len,
-                      "warm_steps": args.warm_steps,
+                      "warm_steps": args.warm_steps, "max_tokens": max_tokens,
+                      "finished_in_profile": sum(r.is_finished for r in reqs),
                       "step_s": times, **gpu}))
 
 

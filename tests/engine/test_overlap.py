@@ -12,6 +12,7 @@ overlapped engine really launches step N + 1 before resolving step N.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,7 @@ def test_prefix_cache_hits(ckpt: Path) -> None:
     head = torch.randint(0, micro().vocab_size, (40,), generator=g).tolist()
     prompts = [head + torch.randint(0, micro().vocab_size, (n,), generator=g).tolist()
                for n in (1, 5, 0, 12, 3, 20)]
-    params = [SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True, logprobs=0)
               for i in range(len(prompts))]
 
     def run(llm: LLM) -> Outputs:
@@ -149,7 +150,7 @@ def test_stop_token_ids_mid_batch(ckpt: Path) -> None:
         prompt_token_ids=prompts, use_tqdm=False,
         sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
     # each request stops at a different point: on its own (1 + i)-th token, or runs to the end
-    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0,
                              stop_token_ids=(base[i][1 + 2 * i],) if i < 5 else ())
               for i in range(len(prompts))]
 
@@ -185,7 +186,8 @@ def test_stop_strings(ckpt: Path) -> None:
 
 def test_abort_mid_generation(ckpt: Path) -> None:
     prompts = random_prompts([6, 13, 2, 20, 9], seed=11, vocab=micro().vocab_size)
-    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                             logprobs=0)] * len(prompts)
     # request i is aborted once it has 3 + 2 i tokens on the host (request 4 runs to the end)
 
     def aborts(engine: LLMEngine, reqs: dict[str, Request]) -> None:
@@ -204,7 +206,8 @@ def test_preemption(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Also: a request preempted while its token is in flight gets that token when the step
     resolves (it is part of what it re-prefills)."""
     prompts = random_prompts([5, 17, 30, 2, 23, 12, 40, 8], seed=5, vocab=micro().vocab_size)
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                             logprobs=0)] * len(prompts)
     in_flight: list[tuple[Request, int]] = []      # (request, its output length) at preemption
     checked = []
     preempt = Scheduler.preempt
@@ -235,7 +238,7 @@ def test_structured_output(ckpt: Path) -> None:
     """A request with a grammar needs its tokens on the host before its next mask: its steps
     are resolved before the next is scheduled, and it follows its grammar as without overlap."""
     prompts = random_prompts([6, 15, 3, 11], seed=19, vocab=micro().vocab_size)
-    params = [SamplingParams(max_tokens=12, temperature=0.0,
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=0,
                              structured=StructuredOutput("regex", "[0-9]{2,4} apples")
                              if i % 2 == 0 else None, ignore_eos=i % 2 == 1)
               for i in range(len(prompts))]
@@ -251,7 +254,7 @@ def test_routing_capture(ckpt: Path) -> None:
     """Captured routing (RL replay) per request is the same: a finished request's dropped token
     adds none."""
     prompts = random_prompts([7, 19, 2, 30], seed=23, vocab=micro().vocab_size)
-    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=0)
               for i in range(len(prompts))]
     routes = []
 
@@ -274,7 +277,8 @@ def test_routing_capture(ckpt: Path) -> None:
 def test_seeded_sampling(ckpt: Path) -> None:
     prompts = random_prompts([3, 14, 8, 21, 1], seed=13, vocab=micro().vocab_size)
     params = [SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=100 + i,
-                             ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0)
+                             ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0,
+                             logprobs=0)
               for i in range(len(prompts))]
 
     def run(llm: LLM) -> Outputs:
@@ -283,11 +287,38 @@ def test_seeded_sampling(ckpt: Path) -> None:
     both(ckpt, run, chunked_prefill_size=10)
 
 
+def test_logprobs_only_for_requests_that_ask(ckpt: Path) -> None:
+    """Log-probs are kept for the requests that ask (one per output token) and for no other,
+    whether their batch computed them or not (a step whose requests all ask for none skips
+    them); the tokens are those of a run where every request asks."""
+    prompts = random_prompts([6, 13, 2, 20, 9, 4], seed=31, vocab=micro().vocab_size)
+    lengths = [3, 12, 5, 12, 4, 12]      # the askers finish first: later steps compute none
+    params = [SamplingParams(max_tokens=n, temperature=0.0 if i % 3 else 1.0, seed=i,
+                             ignore_eos=True, logprobs=1 if i % 2 == 0 else None)
+              for i, n in enumerate(lengths)]
+    every = [dataclasses.replace(p, logprobs=1) for p in params]
+
+    def run(llm: LLM) -> Outputs:
+        reqs = drive(llm.engine, prompts, params)
+        for i, req in enumerate(reqs[str(i)] for i in range(len(prompts))):
+            asked = params[i].logprobs is not None
+            assert len(req.logprobs) == len(req.top_logprobs) == (
+                len(req.output_ids) if asked else 0), f"request {i}"
+        return outputs(reqs)
+
+    off, _, _, _ = both(ckpt, run, chunked_prefill_size=10)
+    want = outputs(drive(make_llm(ckpt, False, chunked_prefill_size=10).engine, prompts, every))
+    assert [v[0] for v in off.values()] == [v[0] for v in want.values()]
+    for rid in off:
+        if off[rid][2]:
+            assert off[rid][2] == want[rid][2], f"request {rid}: log-probs depend on the batch"
+
+
 def test_prompt_logprobs_resolve_first(ckpt: Path) -> None:
     """A request asking for prompt log-probs makes the engine resolve its step before the next
     one is scheduled; its outputs and prompt log-probs are as without overlap."""
     prompts = random_prompts([9, 20, 4], seed=17, vocab=micro().vocab_size)
-    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0,
                              prompt_logprobs=1 if i == 1 else None) for i in range(3)]
 
     def run(llm: LLM) -> Outputs:

@@ -7,6 +7,8 @@ the sampler's implementation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import Tensor
@@ -338,9 +340,16 @@ def test_scaled_logprobs_are_of_the_tempered_distribution() -> None:
 
 
 def test_no_logprobs_requested() -> None:
-    out = sample(torch.randn(2, 9), _batch([SamplingParams(), SamplingParams(temperature=0.0)]))
-    assert out.top_logprobs is None and out.top_ids is None
-    assert out.logprobs.shape == (2,)
+    """No row asks: no log-probs are computed (`do_logprobs` is False), the tokens are the same."""
+    logits = torch.randn(2, 9)
+    params = [SamplingParams(seed=3), SamplingParams(temperature=0.0)]
+    batch = _batch(params)
+    assert not batch.do_logprobs
+    out = sample(logits, batch)
+    assert out.logprobs is None and out.top_logprobs is None and out.top_ids is None
+    asked = _batch([dataclasses.replace(p, logprobs=0) for p in params])
+    assert asked.do_logprobs
+    assert torch.equal(out.token_ids, sample(logits, asked).token_ids)
 
 
 def test_logprobs_zero_gives_empty_top() -> None:
@@ -403,11 +412,12 @@ def test_logit_bias_bans_and_forces_tokens() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     top = logits.argmax(dim=-1)
     params = [SamplingParams(temperature=0.0, logit_bias=((int(top[0]), -100.0),)),
-              SamplingParams(temperature=0.9, logit_bias=((7, 100.0),)),
+              SamplingParams(temperature=0.9, logit_bias=((7, 100.0),), logprobs=0),
               SamplingParams(temperature=0.0)]
     out = sample(logits, _batch(params))
     assert int(out.token_ids[0]) != int(top[0])
     assert int(out.token_ids[1]) == 7 and int(out.token_ids[2]) == int(top[2])
+    assert out.logprobs is not None
     assert torch.allclose(out.logprobs[1], torch.log_softmax(logits[1], -1)[7])
 
 

@@ -160,7 +160,8 @@ def test_finish_inside_a_multi_token_step(model: DeepSeekV4ForCausalLM) -> None:
     fake = FakeRunner(engine, per_step=3)
     p = prompts(1, seed=7)[0]
     fake.override[("0", len(p) + 4)] = EOS          # second token of the second step
-    req = engine.add_request(p, SamplingParams(max_tokens=50, temperature=0.0), rid="0")
+    req = engine.add_request(p, SamplingParams(max_tokens=50, temperature=0.0, logprobs=0),
+                             rid="0")
     while engine.has_unfinished():
         updated = engine.step()
         engine.check_integrity()

@@ -72,7 +72,7 @@ def test_triton_fp4_experts_match_dequantised_ref() -> None:
         d.w1.data, d.w2.data, d.w3.data = q.dequantized(torch.float32)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (9, 30)]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = []
     for m, backend in ((dense, "ref"), (model, "triton")):
         engine = LLMEngine(m, EngineConfig(page_size=16, max_total_tokens=512,

@@ -15,7 +15,8 @@ from dsv4.engine.request import ReqStatus, Request
 @dataclasses.dataclass(frozen=True)
 class RequestDelta:
     """What one step gave a request on a data-parallel rank: its new output tokens (with
-    log-probs, and top log-probs when asked), new prompt log-probs, and its state after it."""
+    log-probs and top log-probs when asked, else both empty), new prompt log-probs, and its state
+    after it."""
 
     rid: str
     token_ids: list[int]
@@ -29,9 +30,10 @@ class RequestDelta:
 
     def apply_to(self, req: Request, now: float) -> Request:
         """Bring rank 0's mirror `req` up to date (token times: `now`, rank 0's clock)."""
-        tops = req.params.logprobs is not None
-        for i, (tok, lp) in enumerate(zip(self.token_ids, self.logprobs, strict=True)):
-            req.append_token(tok, lp, self.top_logprobs[i] if tops else None, now)
+        asked = req.params.logprobs is not None
+        for i, tok in enumerate(self.token_ids):
+            req.append_token(tok, self.logprobs[i] if asked else None,
+                             self.top_logprobs[i] if asked else None, now)
         for plp, top in zip(self.prompt_logprobs, self.prompt_top_logprobs, strict=True):
             assert plp is not None, "only position 0 has no prompt log-prob (never sent)"
             req.add_prompt_logprob(len(req.prompt_logprobs), plp, top)

@@ -324,9 +324,9 @@ class LLMEngine:
             appended = 0
             for i, tok in enumerate(out.token_ids):
                 appended += 1
-                req.append_token(tok, out.logprobs[i],
-                                 out.top_logprobs[i] if req.params.logprobs is not None else None,
-                                 now)
+                asked = req.params.logprobs is not None
+                req.append_token(tok, out.logprobs[i] if asked else None,
+                                 out.top_logprobs[i] if asked else None, now)
                 reason = self._finish_reason(req, tok)
                 if req.grammar is not None and reason is None:
                     reason = self._advance_grammar(req, tok)

@@ -39,6 +39,7 @@ class Request:
     params: SamplingParams
     seed: int
     output_ids: list[int] = field(default_factory=list)
+    # params.logprobs is not None: per output token its log-prob and top-k; else both stay empty
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
@@ -85,15 +86,20 @@ class Request:
             self.prompt_logprobs.append(logprob)
             self.prompt_top_logprobs.append(top)
 
-    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None,
+    def append_token(self, token_id: int, logprob: float | None, top: dict[int, float] | None,
                      now: float) -> None:
-        """Add one sampled token (with its log-prob, top log-probs when asked, and its arrival
-        time)."""
+        """Add one sampled token and its arrival time, and when the request asked for log-probs
+        (`params.logprobs` is not None) its log-prob and top log-probs (`top`: None = {}).
+
+        A request that did not ask keeps no log-probs, whatever it is given: the sampler computes
+        them for a whole batch when any row asks, so storing them would make a request's output
+        depend on its batch."""
         self.output_ids.append(token_id)
         self.all_ids.append(token_id)
-        self.logprobs.append(logprob)
-        if top is not None:
-            self.top_logprobs.append(top)
+        if self.params.logprobs is not None:
+            assert logprob is not None, "a request that asked for log-probs got none"
+            self.logprobs.append(logprob)
+            self.top_logprobs.append({} if top is None else top)
         self.token_times.append(now)
 
     def overwrite_output(self, index: int, token_id: int) -> None:
@@ -131,6 +137,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
+    # per output token when SamplingParams.logprobs is not None; else both empty
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None

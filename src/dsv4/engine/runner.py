@@ -366,7 +366,7 @@ class ModelRunner:
         bits = (None if drafts is None else
                 draft_token_bitmask([r.grammar for r in requests], drafts, logits.shape[-1]))
         allowed = to_device(bits, self.device) if bits is not None else None
-        out = verify(logits, segs, batch, counts, seen, allowed)
+        out = verify(logits, segs, batch, counts, seen, allowed, self.ops.argmax)
         if slots is not None:
             valid = out.tokens >= 0
             tok = out.tokens.clamp(min=0)
@@ -395,7 +395,7 @@ class ModelRunner:
             slots, counts, seen = self.penalties.read(reqs)
         bits = token_bitmask([r.grammar for r in reqs], logits.shape[-1])
         allowed = to_device(bits, self.device) if bits is not None else None
-        out = sample(logits, batch, counts, seen, allowed)
+        out = sample(logits, batch, counts, seen, allowed, self.ops.argmax)
         if slots is not None:
             self.penalties.record(slots, out.token_ids,
                                   torch.ones_like(out.token_ids, dtype=torch.int32),

@@ -6,8 +6,9 @@ and the random draw:
     raw logits [B, V] fp32
       -> penalties (repetition on prompt+output, frequency/presence on output), then logit_bias
       -> structured output: tokens the row's grammar does not allow -> -inf (`allowed` bitmask)
-      -> greedy rows: argmax            (ties -> lowest token id)
+      -> greedy rows: argmax            (ties -> lowest token id; the backend's `ArgmaxOp`)
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> exponential race
+      -> log-probs of the chosen tokens, only when some row asked for them
 
 Key invariants:
 
@@ -18,6 +19,9 @@ Key invariants:
   results never depend on the other rows of the batch.
 * Randomness is a pure function of `(seed, step, token id)` (`hash_uniform`): a request samples
   the same tokens alone or in any batch, on any device.
+* Log-probs cost a logsumexp over `[B, V]` per step, so they are computed only when some row
+  asked (`SamplingParams.logprobs` is not None); otherwise `SampleOutput.logprobs` is None. When
+  computed they are computed for every row (rows that did not ask are dropped by the engine).
 * Returned logprobs are those of the RAW model distribution `log_softmax(logits)`, before
   penalties, temperature and filtering (vLLM's default "raw logprobs"): they describe what the
   model predicted, are comparable across requests with different sampling settings and match the
@@ -39,6 +43,8 @@ from torch import Tensor
 
 from dsv4.engine.grammar import apply_token_bitmask
 from dsv4.engine.sampling_params import MAX_SEED, SamplingParams
+from dsv4.kernels.ops import ArgmaxOp
+from dsv4.kernels.ref.argmax import argmax as ref_argmax
 from dsv4.utils.device import to_device
 
 _MASK31 = (1 << 31) - 1
@@ -68,10 +74,10 @@ class SamplingBatch:
     `min_p`: fp32, 0 = off. `repetition_penalty`, `frequency_penalty`, `presence_penalty`: fp32;
     1, 0, 0 = off. `seeds`: int64, the request's resolved seed (see `build`). `steps`: int64, index
     of the token being generated (number of output tokens so far). `max_logprobs`: the largest
-    requested `logprobs` in the batch, or -1 when none wants any. `all_greedy`: every row is greedy,
-    so no random numbers are drawn. `do_top_k`, `do_top_p`, `do_min_p`: some sampled (non-greedy)
-    row uses that filter. `do_repetition_penalty`, `do_frequency_penalty`, `do_presence_penalty`:
-    some row uses it.
+    requested `logprobs` in the batch, or -1 when none wants any (then `do_logprobs` is False).
+    `all_greedy`: every row is greedy, so no random numbers are drawn. `do_top_k`, `do_top_p`,
+    `do_min_p`: some sampled (non-greedy) row uses that filter. `do_repetition_penalty`,
+    `do_frequency_penalty`, `do_presence_penalty`: some row uses it.
     """
 
     temperature: Tensor
@@ -104,6 +110,12 @@ class SamplingBatch:
     @property
     def do_penalties(self) -> bool:
         return self.do_repetition_penalty or self.do_frequency_penalty or self.do_presence_penalty
+
+    @property
+    def do_logprobs(self) -> bool:
+        """Some row asked for log-probs (`SamplingParams.logprobs` is not None): `sample` and
+        `verify` compute them for the batch; otherwise they skip the logsumexp."""
+        return self.max_logprobs >= 0
 
     @classmethod
     def build(
@@ -179,13 +191,14 @@ class SampleOutput:
     """Result of `sample`; all tensors on the logits' device.
 
     `token_ids`: `[B]` int64, the chosen tokens. `logprobs`: `[B]` fp32, raw `log_softmax(logits)`
-    at `token_ids`. `top_logprobs`: `[B, n]` fp32 raw logprobs sorted descending,
-    `n = batch.max_logprobs`; None when no row asked for logprobs (the engine slices each row to
-    its own k). `top_ids`: `[B, n]` int64 token ids matching `top_logprobs`; None likewise.
+    at `token_ids`; None when no row asked for logprobs (`SamplingBatch.do_logprobs`).
+    `top_logprobs`: `[B, n]` fp32 raw logprobs sorted descending, `n = batch.max_logprobs`; None
+    likewise (the engine slices each row to its own k). `top_ids`: `[B, n]` int64 token ids
+    matching `top_logprobs`; None likewise. The three log-prob fields are all None or all set.
     """
 
     token_ids: Tensor
-    logprobs: Tensor
+    logprobs: Tensor | None = None
     top_logprobs: Tensor | None = None
     top_ids: Tensor | None = None
 
@@ -346,20 +359,21 @@ def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return probs
 
 
-def _exponential_race(probs: Tensor, batch: SamplingBatch) -> Tensor:
+def _exponential_race(probs: Tensor, batch: SamplingBatch, argmax: ArgmaxOp) -> Tensor:
     """Draw `argmax(probs / E)`, `E ~ Exp(1)` i.i.d.: an exact categorical sample of the
     (possibly unnormalised) `probs` with no host sync, unlike `torch.multinomial`."""
     # [B, V]
     exp = hash_uniform(batch.seeds, batch.steps, probs.shape[-1], probs.device).log_().neg_()
-    return (probs / exp).argmax(dim=-1)
+    return argmax(probs / exp)
 
 
-def _choose_tokens(penalised: Tensor, batch: SamplingBatch) -> Tensor:
-    """`[B]` int64: argmax for greedy rows, a seeded draw for the others."""
-    greedy = penalised.argmax(dim=-1)  # [B]; NOTE: argmax returns the first (lowest-id) maximum
+def _choose_tokens(penalised: Tensor, batch: SamplingBatch, argmax: ArgmaxOp) -> Tensor:
+    """`[B]` int64: argmax for greedy rows, a seeded draw for the others (`argmax` serves both:
+    it returns torch.argmax's ids on every backend)."""
+    greedy = argmax(penalised)  # [B]; the first (lowest-id) maximum, on every backend
     if batch.all_greedy:
         return greedy
-    drawn = _exponential_race(filtered_probs(penalised, batch), batch)
+    drawn = _exponential_race(filtered_probs(penalised, batch), batch, argmax)
     return torch.where(batch.temperature == 0, greedy, drawn)
 
 
@@ -390,6 +404,7 @@ def sample(
     token_counts: Tensor | None = None,
     prompt_mask: Tensor | None = None,
     allowed: Tensor | None = None,
+    argmax: ArgmaxOp = ref_argmax,
 ) -> SampleOutput:
     """Pick one token per row; no host sync.
 
@@ -398,8 +413,10 @@ def sample(
     output-token counts; required if frequency or presence penalties are active. `prompt_mask`:
     `[B, V]` bool prompt-or-output membership; required if a repetition penalty is active.
     `allowed`: `[B, ceil(V / 32)]` int32 token bitmask of structured-output rows (None: no row
-    is constrained; `apply_token_bitmask`). Returns a `SampleOutput` with raw-distribution
-    logprobs (see the module docstring).
+    is constrained; `apply_token_bitmask`). `argmax`: the row argmax of the greedy rows and of
+    the race (the engine passes its backend's `KernelOps.argmax`; every backend returns the same
+    ids). Returns a `SampleOutput` with raw-distribution logprobs when `batch.do_logprobs` (see
+    the module docstring), else with token ids only.
     """
     assert logits.dim() == 2 and logits.shape[0] == batch.size, (
         f"logits shape {tuple(logits.shape)} does not match batch size {batch.size}"
@@ -408,7 +425,9 @@ def sample(
     penalised = apply_penalties(logits, batch, token_counts, prompt_mask)  # [B, V]
     if allowed is not None:
         penalised = apply_token_bitmask(penalised, allowed)
-    token_ids = _choose_tokens(penalised, batch)  # [B]
+    token_ids = _choose_tokens(penalised, batch, argmax)  # [B]
+    if not batch.do_logprobs:
+        return SampleOutput(token_ids=token_ids)
     if batch.logprob_temperature is not None:
         logits = logits / batch.logprob_temperature.unsqueeze(1)
     logprobs, top_logprobs, top_ids = raw_logprobs(logits, token_ids, batch.max_logprobs)

@@ -59,6 +59,8 @@ from dsv4.engine.sampler import (
     raw_logprobs,
 )
 from dsv4.engine.scheduler import ScheduledStep
+from dsv4.kernels.ops import ArgmaxOp
+from dsv4.kernels.ref.argmax import argmax as ref_argmax
 from dsv4.kernels.registry import KernelOps
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
@@ -100,11 +102,12 @@ class Verified:
     """`tokens` [R]: the emitted token of each row (the accepted drafts, then the final token),
     -1 after the final row. `accepted` [S]: drafts accepted per segment (tokens = accepted + 1).
     `logprobs` [R], `top_logprobs` / `top_ids` [R, n]: raw log-probs of the emitted tokens (the
-    sampler's convention), rows past the final one meaningless."""
+    sampler's convention), rows past the final one meaningless; all None when no row asked for
+    log-probs (`SamplingBatch.do_logprobs`)."""
 
     tokens: Tensor
     accepted: Tensor
-    logprobs: Tensor
+    logprobs: Tensor | None
     top_logprobs: Tensor | None
     top_ids: Tensor | None
 
@@ -122,12 +125,15 @@ def _draft_counts(segs: Segments, vocab: int) -> Tensor:
 
 
 def verify(logits: Tensor, segs: Segments, batch: SamplingBatch, counts: Tensor | None,
-           seen: Tensor | None, allowed: Tensor | None = None) -> Verified:
+           seen: Tensor | None, allowed: Tensor | None = None,
+           argmax: ArgmaxOp = ref_argmax) -> Verified:
     """Accept each segment's drafts and draw its final token (module docstring). `batch` has one
     row per logit row (its step = the output index that row predicts); `counts` / `seen` [R, V]
     are the segment's penalty state at the step's start (needed only with penalties); `allowed`
     [R, ceil(V / 32)] int32: each row's structured-output token bitmask (None: no row is
-    constrained; `grammar.draft_token_bitmask`). Log-probs stay those of the raw logits."""
+    constrained; `grammar.draft_token_bitmask`); `argmax`: the row argmax of the greedy rows and
+    of the race (`KernelOps.argmax`, the same ids on every backend). Log-probs stay those of the
+    raw logits, computed only when some row asked for them (`batch.do_logprobs`)."""
     R, V = logits.shape
     if batch.do_penalties:
         assert counts is not None and seen is not None
@@ -136,7 +142,7 @@ def verify(logits: Tensor, segs: Segments, batch: SamplingBatch, counts: Tensor 
     penalised = apply_penalties(logits, batch, counts, seen)
     if allowed is not None:
         penalised = apply_token_bitmask(penalised, allowed)
-    greedy_tok = penalised.argmax(dim=-1)
+    greedy_tok = argmax(penalised)                                            # [R]
     has_draft = segs.draft >= 0
     draft = segs.draft.clamp(min=0)
     is_greedy = batch.temperature == 0
@@ -151,7 +157,7 @@ def verify(logits: Tensor, segs: Segments, batch: SamplingBatch, counts: Tensor 
         residual = torch.where(has_draft[:, None],
                                probs.scatter(1, draft[:, None], 0.0), probs)
         race = hash_uniform(batch.seeds, batch.steps, V, logits.device).log_().neg_()
-        final = torch.where(is_greedy, greedy_tok, (residual / race).argmax(dim=-1))
+        final = torch.where(is_greedy, greedy_tok, argmax(residual / race))
     rows = torch.arange(R, device=logits.device)
     # the final row of a segment: its first row that is not ok (its last row never is)
     stop = torch.where(ok, R, rows)
@@ -159,6 +165,8 @@ def verify(logits: Tensor, segs: Segments, batch: SamplingBatch, counts: Tensor 
     accepted = final_row - segs.first
     fr = final_row[segs.seg]
     tokens = torch.where(rows < fr, draft, torch.where(rows == fr, final, -1))
+    if not batch.do_logprobs:
+        return Verified(tokens, accepted, None, None, None)
     if batch.logprob_temperature is not None:
         logits = logits / batch.logprob_temperature.unsqueeze(1)
     logprobs, top_lp, top_ids = raw_logprobs(logits, tokens.clamp(min=0), batch.max_logprobs)
@@ -220,11 +228,11 @@ def draft(model: DeepSeekV4ForCausalLM, ctx: ForwardContext, streams: Tensor, ne
         ctx.logits_index = index
     if num_steps == 0:
         return next_ids.new_zeros(first_rows.shape[0], 0)
-    tokens = [logits.argmax(dim=-1)]
+    tokens = [ctx.ops.argmax(logits)]
     state = out[first_rows]                                                   # [D, n, d]
     pos = ctx.positions[first_rows]
     for j in range(1, num_steps):
         step_ctx = swa_context(table, pools, slots, pos + j, model.config.window, ctx.ops)
         logits, state = model.mtp_forward_batch(state, tokens[-1], step_ctx)
-        tokens.append(logits.argmax(dim=-1))
+        tokens.append(step_ctx.ops.argmax(logits))
     return torch.stack(tokens, dim=1)

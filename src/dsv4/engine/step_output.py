@@ -12,6 +12,7 @@ step is launched (they are not graph outputs).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class RequestTokens:
     drafts for its next step."""
 
     token_ids: list[int]
+    # one per token when the request asked for log-probs (`params.logprobs`), else empty
     logprobs: list[float]
     # one dict per token ({} when the request asked for none)
     top_logprobs: list[dict[int, float]]
@@ -93,10 +95,10 @@ class StepOutput:
         self._prompt = None if prompt is None else (prompt.meta, [
             _to_host(t) for t in (prompt.logprobs, prompt.top_ids, prompt.top_logprobs)
             if t is not None])
-        self._host = None if sampled is None else [
-            _to_host(t) for t in (sampled.token_ids, sampled.logprobs, sampled.top_ids,
-                                  sampled.top_logprobs)
-            if t is not None]
+        # (token ids, [log-probs, top ids, top log-probs] as far as computed)
+        self._host = None if sampled is None else (_to_host(sampled.token_ids), [
+            _to_host(t) for t in (sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+            if t is not None])
         self._drafts = None if drafts is None else (
             _to_host(drafts.accepted), _to_host(drafts.next), drafts.requests)
         self._routing = None if captured is None else {
@@ -133,7 +135,11 @@ class StepOutput:
         prompt = self._split_prompt()
         if self._host is None:
             return StepResult([], [], prompt)
-        token_ids, logprobs, *top = (t.tolist() for t in self._host)
+        token_ids: list[int] = self._host[0].tolist()
+        logprobs: list[float] = []
+        top: list[Any] = []           # [top ids, top log-probs] when log-probs were computed
+        if self._host[1]:
+            logprobs, *top = (t.tolist() for t in self._host[1])
         accepted: list[int] = [n - 1 for n in self.rows]
         nxt: dict[int, list[int]] = {}
         if self._drafts is not None:
@@ -142,9 +148,12 @@ class StepOutput:
         outputs, row = [], 0
         for i, (req, n) in enumerate(zip(self.requests, self.rows, strict=True)):
             k, m = req.params.logprobs or 0, accepted[i] + 1
+            asked = req.params.logprobs is not None
+            assert logprobs or not asked, "a request asked for log-probs the step did not compute"
             tops = [dict(zip(top[0][r][:k], top[1][r][:k], strict=True)) if top else {}
                     for r in range(row, row + m)]
-            outputs.append(RequestTokens(token_ids[row:row + m], logprobs[row:row + m], tops,
+            outputs.append(RequestTokens(token_ids[row:row + m],
+                                         logprobs[row:row + m] if asked else [], tops,
                                          num_drafts=n - 1, next_drafts=nxt.get(i, [])))
             row += n
         return StepResult(self.requests, outputs, prompt)

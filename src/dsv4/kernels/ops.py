@@ -199,3 +199,9 @@ class AddApeOp(Protocol):
     backends (one fp32 add)."""
 
     def __call__(self, score: Tensor, ape: Tensor, positions: Tensor, ratio: int) -> None: ...
+class ArgmaxOp(Protocol):
+    """`ref/argmax.py::argmax`: x [B, V] float -> [B] int64, each row's first (lowest-index)
+    maximum, a NaN counting as the largest value (`torch.argmax(x, dim=-1)`); bit-equal across
+    backends. The greedy sampler's token choice."""
+
+    def __call__(self, x: Tensor) -> Tensor: ...

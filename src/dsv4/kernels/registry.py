@@ -18,6 +18,7 @@ import torch
 from dsv4.config.engine import KERNEL_BACKENDS, KernelBackend
 from dsv4.kernels.ops import (
     AddApeOp,
+    ArgmaxOp,
     CompressOp,
     CompressPairOp,
     IndexScoresOp,
@@ -37,6 +38,7 @@ from dsv4.kernels.ops import (
     StepMetadataOp,
     TopKOp,
 )
+from dsv4.kernels.ref.argmax import argmax
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cached_pair, project
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
@@ -80,13 +82,14 @@ class KernelOps:
     pick_slots: PickSlotsOp
     rope: RopeOp
     add_ape: AddApeOp
+    argmax: ArgmaxOp
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
-                     project, step_metadata, pick_slots, rope, add_ape)
+                     project, step_metadata, pick_slots, rope, add_ape, argmax)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -96,8 +99,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
     paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
-    the indexer picks' ids and slots, RoPE alone (the indexer's queries) and the compressors'
-    gate-score position embedding.
+    the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
+    gate-score position embedding and the greedy sampler's row argmax.
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -125,6 +128,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set "
                          "TRITON_INTERPRET=1); allowed on this machine: 'ref'")
     from dsv4.kernels.triton.add_ape import triton_add_ape
+    from dsv4.kernels.triton.argmax import triton_argmax
     from dsv4.kernels.triton.compressor import (
         triton_compress_cached,
         triton_project,
@@ -163,7 +167,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
-                     triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape)
+                     triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape,
+                     triton_argmax)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

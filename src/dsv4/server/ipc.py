@@ -117,7 +117,8 @@ class RoutingRows:
 @dataclass(frozen=True)
 class RequestDelta:
     """The tokens one request produced since its previous delta (the engine deals in token ids
-    only; the API process detokenises them). `top_logprobs[i]` lists (token id, logprob) pairs for
+    only; the API process detokenises them). `logprobs` / `top_logprobs` are empty unless the
+    request asked for log-probs; then `top_logprobs[i]` lists (token id, logprob) pairs for
     `token_ids[i]`. `routing` (requests that asked, by kind): the rows of the positions fed since
     the previous delta; a request's rows concatenate to one per fed token. `spec_draft_tokens` /
     `spec_accepted_tokens` (speculative decoding): the request's drafts verified and accepted so
