@@ -18,6 +18,7 @@ from dsv4.checkpoint.writer import random_model, write_checkpoint
 from dsv4.config.model import ModelConfig
 from dsv4.config.server import ServerConfig
 from dsv4.engine.engine import LLMEngine
+from dsv4.model.quant_experts import QuantExperts
 
 from .conftest import running_server
 
@@ -54,14 +55,47 @@ def test_llm_dummy_equals_random_model(tmp_path: Path) -> None:
     want = random_model(ModelConfig.from_hf(tmp_path), torch.float32, torch.device("cpu"), seed=5)
     for (name, p), q in zip(llm.model.named_parameters(), want.parameters(), strict=True):
         assert torch.equal(p, q), name
-    with pytest.raises(ValueError, match="load_format='dummy' with weight_format"):
-        LLM(tmp_path, load_format="dummy", weight_format="checkpoint")
+
+
+def test_dummy_in_checkpoint_precision(tmp_path: Path) -> None:
+    """`load_format="dummy"` with `weight_format="checkpoint"`: the routed experts are random FP4
+    codes and UE8M0 scales built in place (seeded like `random_model`), decoding to weights of
+    rms about 1 / sqrt(fan_in); the model serves them, and its logits equal those of the same
+    model with the experts decoded to float (what the codes mean)."""
+    write_checkpoint(get_preset("micro"), tmp_path, weights=False)
+    llm = LLM(tmp_path, load_format="dummy", weight_format="checkpoint", seed=5, page_size=16)
+    config = ModelConfig.from_hf(tmp_path)
+    want = random_model(config, torch.float32, torch.device("cpu"), seed=5,
+                        weight_format="checkpoint")
+    coded = [m for m in llm.model.modules() if isinstance(m, QuantExperts)]
+    assert len(coded) == config.num_layers + config.num_mtp_layers
+    for (name, b), c in zip(llm.model.named_buffers(), want.buffers(), strict=True):
+        assert torch.equal(b, c), name
+    for experts in coded:
+        w1, w2, _ = experts.dequantized(torch.float32)
+        for w, fan_in in ((w1, experts.d), (w2, experts.inter)):
+            rms = w.square().mean().sqrt().item()
+            assert 0.5 < rms * fan_in ** 0.5 < 2.0, rms
+    decoded = random_model(config, torch.float32, torch.device("cpu"), seed=5)
+    for module, experts in zip((m for m in decoded.modules() if hasattr(m, "experts")),
+                               coded, strict=True):
+        w1, w2, w3 = experts.dequantized(torch.float32)
+        module.experts.w1.data.copy_(w1)
+        module.experts.w2.data.copy_(w2)
+        module.experts.w3.data.copy_(w3)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        got, ref = llm.model(ids), decoded(ids)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (got - ref).abs().max()
+    out = llm.generate(sampling_params=SamplingParams(max_tokens=4, temperature=0.0,
+                                                      ignore_eos=True),
+                       prompt_token_ids=[PROMPT], use_tqdm=False)
+    assert len(out[0].token_ids) == 4
 
 
 def test_dummy_refuses_what_it_cannot_build() -> None:
     with pytest.raises(ValueError, match="load_format='lazy' is invalid"):
         ServerConfig(model="x", load_format="lazy")
-    with pytest.raises(ValueError, match="weight_format 'bf16' on one rank"):
-        ServerConfig(model="x", load_format="dummy", weight_format="checkpoint")
-    with pytest.raises(ValueError, match="weight_format 'bf16' on one rank"):
+    with pytest.raises(ValueError, match="tp_size=2, dp_size=1 is not supported; allowed: one"):
         ServerConfig(model="x", load_format="dummy", tp_size=2)
+    ServerConfig(model="x", load_format="dummy", weight_format="checkpoint")

@@ -24,9 +24,11 @@ from tqdm import tqdm
 
 from dsv4.assets import GENERATED_MARKER
 from dsv4.checkpoint.tokenizer import build_tokenizer
+from dsv4.config.engine import WeightFormat
 from dsv4.config.model import WEIGHT_QUANTS, ModelConfig
 from dsv4.kernels.ref import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
+from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.weights import internal_to_official
 from dsv4.utils.logging import init_logger
 
@@ -170,12 +172,14 @@ def write_official(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tenso
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0) -> DeepSeekV4ForCausalLM:
+                 seed: int = 0, weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
     """A model of `config` filled in memory by `randomize_` (eval mode): benchmark weights without
-    a checkpoint."""
+    a checkpoint. `weight_format` "checkpoint": the routed experts are FP4 codes and scales built
+    on the device directly (`QuantExperts.randomize_`), as a checkpoint-precision model holds
+    them, so real-scale geometries fit where their float weights would not."""
     from dsv4.model.loader import empty_model  # local: the loader imports nothing from checkpoint/
 
-    return randomize_(empty_model(config, dtype, device), seed).eval()
+    return randomize_(empty_model(config, dtype, device, weight_format), seed).eval()
 
 
 @torch.no_grad()
@@ -184,8 +188,13 @@ def randomize_(model: DeepSeekV4ForCausalLM, seed: int = 0) -> DeepSeekV4ForCaus
     (unquantised), generated on the model's device: for benchmarks at sizes where writing a
     checkpoint is pointless."""
     config = model.config
+    coded = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, QuantExperts):
+            module.randomize_(_generator(seed, module_name, module.w13.device))
+            coded.update(id(b) for b in module.buffers())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("inv_freq"):
+        if name.endswith("inv_freq") or id(t) in coded:
             continue
         for official, expert in internal_to_official(name, config.n_routed_experts):
             dest = t[expert] if expert is not None else t

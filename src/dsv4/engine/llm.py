@@ -56,18 +56,17 @@ def load_served_model(path: Path, dtype: str, device: str, weight_format: str = 
                       load_format: str = "auto", seed: int = 0) -> DeepSeekV4ForCausalLM:
     """The checkpoint's model (`load_format` "auto"), or one of its config with random weights
     built in memory ("dummy", vLLM's and SGLang's name: only config.json is read; `seed` seeds
-    the weights): what `LLM` and `dsv4 serve` load."""
+    the weights; with weight_format "checkpoint" the routed experts are random FP4 codes built
+    on the device): what `LLM` and `dsv4 serve` load."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is invalid; allowed: {list(LOAD_FORMATS)}")
     if load_format == "auto":
         return load_model(path, dtype=dtype, device=device,
                           weight_format=check_weight_format(weight_format))
-    if weight_format != "bf16":
-        raise ValueError(f"load_format='dummy' with weight_format={weight_format!r} is not "
-                         "supported; allowed: weight_format 'bf16'")
-    logger.info("load_format dummy: random weights for %s (seed %d)", path, seed)
+    logger.info("load_format dummy: random weights for %s (seed %d, %s)", path, seed,
+                weight_format)
     return random_model(ModelConfig.from_hf(path), resolve_dtype(dtype), resolve_device(device),
-                        seed)
+                        seed, check_weight_format(weight_format))
 
 
 def _engine_config(engine_args: dict[str, Any]) -> EngineConfig:

@@ -109,6 +109,22 @@ class QuantExperts(nn.Module):
         self.load(which, expert, codes, scale=False)
         self.load(which, expert, scale, scale=True)
 
+    @torch.no_grad()
+    def randomize_(self, generator: torch.Generator) -> None:
+        """Random weights in the checkpoint encoding itself (`load_format="dummy"`): every e2m1
+        code equally likely, and one UE8M0 scale per matrix, the power of two that brings the
+        decoded rms nearest 1 / sqrt(fan_in), as `checkpoint/writer.py::init_tensor` draws float
+        linears. FP4 only: random e4m3 bytes would include NaN codes."""
+        if self.fmt != "fp4":
+            raise ValueError(f"random {self.fmt} experts are not supported; allowed: fp4")
+        code_rms = math.sqrt(sum(v * v for v in quant.E2M1_MAGNITUDES) / len(quant.E2M1_MAGNITUDES))
+        for codes, scale, fan_in in ((self.w13, self.w13_scale, self.d),
+                                     (self.w2, self.w2_scale, self.inter)):
+            codes.copy_(torch.randint(0, 256, codes.shape, generator=generator,
+                                      device=codes.device, dtype=torch.int32).to(codes.dtype))
+            exponent = round(math.log2(1.0 / (code_rms * math.sqrt(fan_in))))
+            scale.fill_(quant.E8M0_BIAS + exponent)
+
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) as the dense stacked tensors `Experts` holds."""
         w1, w3, w2 = dequant_experts(self.w13, self.w13_scale, self.w2, self.w2_scale, self.fmt,

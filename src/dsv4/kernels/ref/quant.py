@@ -31,7 +31,7 @@ FP4_GROUP = 32
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 
-_E8M0_BIAS = 127
+E8M0_BIAS = 127
 _E8M0_MIN_EXP = -127
 _E8M0_MAX_EXP = 127
 _E8M0_NAN = 255
@@ -40,7 +40,7 @@ _E8M0_NAN = 255
 _ZERO_BLOCK_EXP = 0
 
 # e2m1 magnitudes indexed by the low three bits of a nibble.
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 _FP4_X2_DTYPE: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)
 
@@ -77,7 +77,7 @@ def encode_e8m0(exponent: Tensor) -> Tensor:
     if exponent.numel() and (int(exponent.min()) < _E8M0_MIN_EXP
                              or int(exponent.max()) > _E8M0_MAX_EXP):
         raise ValueError(f"encode_e8m0: exponents must lie in [{_E8M0_MIN_EXP}, {_E8M0_MAX_EXP}]")
-    codes = (exponent.to(torch.int32) + _E8M0_BIAS).to(torch.uint8)
+    codes = (exponent.to(torch.int32) + E8M0_BIAS).to(torch.uint8)
     return codes.view(torch.float8_e8m0fnu)
 
 
@@ -93,7 +93,7 @@ def decode_e4m3(w: Tensor) -> Tensor:
 
 def _e2m1_pair_table(device: torch.device) -> Tensor:
     """[256, 2] float32 table: byte -> (low-nibble value, high-nibble value)."""
-    nibble = torch.tensor(list(_E2M1_MAGNITUDES) + [-m for m in _E2M1_MAGNITUDES],
+    nibble = torch.tensor(list(E2M1_MAGNITUDES) + [-m for m in E2M1_MAGNITUDES],
                           dtype=torch.float32, device=device)
     byte = torch.arange(256, device=device)
     return torch.stack((nibble[byte & 0xF], nibble[byte >> 4]), dim=-1)
@@ -222,7 +222,7 @@ def quant_fp8_block(w: Tensor) -> tuple[Tensor, Tensor]:
 
 def _round_e2m1_codes(v: Tensor) -> Tensor:
     """Nearest e2m1 nibble for float32 `v` with `|v| <= 6`; ties to the even code."""
-    mags = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=v.device)
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=v.device)
     mids = (mags[:-1] + mags[1:]) / 2
     a = v.abs().clamp(max=E2M1_MAX)
     # bucketize(right=False) counts midpoints strictly below a, i.e. rounds ties down; bump ties up
