@@ -184,3 +184,20 @@ class StepMetadataOp(Protocol):
     def __call__(self, slots: Tensor, starts: Tensor, lens: Tensor, page_table: Tensor,
                  full_to_swa: Tensor, page_size: int, num_tokens: int, window: int,
                  specs: Sequence[CompressSpec]) -> StepRows: ...
+
+
+class MoeGateSelectOp(Protocol):
+    """`ref/moe.py::moe_gate_select`: the gate's fp32 logits [N, E], bias [E] or None, hashed /
+    replayed ids [N, k] or None, k, route_scale -> (expert ids [N, k] int64, weights [N, k] fp32).
+    """
+
+    def __call__(self, logits: Tensor, bias: Tensor | None, hashed: Tensor | None,
+                 replayed: Tensor | None, k: int,
+                 route_scale: float) -> tuple[Tensor, Tensor]: ...
+
+
+class SwigluOp(Protocol):
+    """`ref/moe.py::swiglu`: silu(min(gate, limit)) * clamp(up, -limit, limit), gate and up of one
+    shape and dtype (the shared expert's [N, I])."""
+
+    def __call__(self, gate: Tensor, up: Tensor, limit: float) -> Tensor: ...

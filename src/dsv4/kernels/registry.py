@@ -24,6 +24,7 @@ from dsv4.kernels.ops import (
     MhcHeadOp,
     MhcPostOp,
     MhcPreOp,
+    MoeGateSelectOp,
     PickSlotsOp,
     ProjectOp,
     QNormRopeOp,
@@ -33,6 +34,7 @@ from dsv4.kernels.ops import (
     RoutedExpertsQuantOp,
     SparseAttentionOp,
     StepMetadataOp,
+    SwigluOp,
     TopKOp,
 )
 from dsv4.kernels.ref.attention import sparse_attention_multi
@@ -40,7 +42,12 @@ from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair, p
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
-from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
+from dsv4.kernels.ref.moe import (
+    moe_gate_select,
+    routed_experts,
+    routed_experts_quant,
+    swiglu,
+)
 from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rms_norm, rope_inverse
 from dsv4.kernels.ref.topk import topk_ragged
 from dsv4.utils.logging import init_logger
@@ -70,13 +77,15 @@ class KernelOps:
     project: ProjectOp
     step_metadata: StepMetadataOp
     pick_slots: PickSlotsOp
+    moe_gate_select: MoeGateSelectOp
+    swiglu: SwigluOp
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
-                     project, step_metadata, pick_slots)
+                     project, step_metadata, pick_slots, moe_gate_select, swiglu)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -86,7 +95,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
     paths and the output de-rotation, RMSNorm, a step's index metadata and the indexer picks' ids
-    and slots (both bit-equal to `ref`).
+    and slots (both bit-equal to `ref`), the MoE gate's selection and weights after its GEMM, and
+    the shared expert's SwiGLU (both bit-equal to `ref` on a GPU).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -127,6 +137,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_routed_experts,
         triton_routed_experts_quant_deterministic,
     )
+    from dsv4.kernels.triton.moe_gate import triton_moe_gate_select
     from dsv4.kernels.triton.pick_slots import triton_pick_slots
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
@@ -135,6 +146,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_rope_inverse,
     )
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
+    from dsv4.kernels.triton.swiglu import triton_swiglu
     from dsv4.kernels.triton.topk import TopKRunner
 
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
@@ -150,7 +162,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
-                     triton_step_metadata, triton_pick_slots)
+                     triton_step_metadata, triton_pick_slots, triton_moe_gate_select,
+                     triton_swiglu)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {
