@@ -44,7 +44,8 @@ def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: s
 def test_op_census_counts_a_decode_step() -> None:
     """The census of micro's decode step under the interpreter: Triton launches are counted per
     source line; the MoE tile map is one launch per layer (its torch form is ~30), the step
-    metadata one per compress ratio and no torch op, the picks' slots one per CSA layer."""
+    metadata one per compress ratio and no torch op, the picks' slots one per CSA layer, the gate's
+    selection and the shared expert's SwiGLU one each per MoE layer."""
     result = run_benchmark("op_census.py", "--preset", "micro", "--experts", "8", "--vocab",
                            "512", TRITON_INTERPRET="1")
     assert result["launches"] > result["triton"] > 0, result
@@ -53,6 +54,10 @@ def test_op_census_counts_a_decode_step() -> None:
     assert result["by_file"]["kernels/triton/pick_slots.py"] == 2, result
     assert result["by_file"]["kernels/triton/metadata.py"] == 2, result
     assert "engine/metadata.py" not in result["by_file"], result
+    # the gate after its GEMM and the shared expert's SwiGLU: one launch each per MoE layer
+    assert result["by_file"]["kernels/triton/moe_gate.py"] == 5, result
+    assert result["by_file"]["kernels/triton/swiglu.py"] == 5, result
+    assert "kernels/ref/moe.py" not in result["by_file"], result
 
 
 def test_hisparse_benchmark_swaps_on_micro() -> None:
@@ -178,7 +183,7 @@ KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glo
 
 
 def test_kernel_benchmarks_are_all_smoked() -> None:
-    assert len(KERNEL_BENCHMARKS) == 12, KERNEL_BENCHMARKS
+    assert len(KERNEL_BENCHMARKS) == 13, KERNEL_BENCHMARKS
 
 
 @pytest.mark.parametrize("script", KERNEL_BENCHMARKS)
