@@ -46,7 +46,8 @@ def test_op_census_counts_a_decode_step() -> None:
     source line; the MoE tile map is one launch per layer (its torch form is ~30), the step
     metadata one per compress ratio and no torch op, the picks' slots one per CSA layer, the
     indexer queries' RoPE one per CSA layer (no torch RoPE op left), the ape add one per
-    compressor, the RoPE rows one gather per table lookup (main, compress, one per ratio)."""
+    compressor, the RoPE rows one gather per table lookup (main, compress, one per ratio), the
+    gate's selection and the shared expert's SwiGLU one each per MoE layer."""
     result = run_benchmark("op_census.py", "--preset", "micro", "--experts", "8", "--vocab",
                            "512", TRITON_INTERPRET="1")
     assert result["launches"] > result["triton"] > 0, result
@@ -59,6 +60,10 @@ def test_op_census_counts_a_decode_step() -> None:
     assert result["by_file"]["kernels/triton/add_ape.py"] == 6, result     # 2 CSA x 2 + 2 HCA
     assert result["by_file"]["model/layers/rope.py"] == 4, result
     assert result["by_file"]["model/compressor.py"] == 2, result          # the HCA layers' casts
+    # the gate after its GEMM and the shared expert's SwiGLU: one launch each per MoE layer
+    assert result["by_file"]["kernels/triton/moe_gate.py"] == 5, result
+    assert result["by_file"]["kernels/triton/swiglu.py"] == 5, result
+    assert "kernels/ref/moe.py" not in result["by_file"], result
 
 
 def test_hisparse_benchmark_swaps_on_micro() -> None:
@@ -184,7 +189,7 @@ KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glo
 
 
 def test_kernel_benchmarks_are_all_smoked() -> None:
-    assert len(KERNEL_BENCHMARKS) == 15, KERNEL_BENCHMARKS
+    assert len(KERNEL_BENCHMARKS) == 16, KERNEL_BENCHMARKS
 
 
 @pytest.mark.parametrize("script", KERNEL_BENCHMARKS)

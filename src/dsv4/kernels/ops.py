@@ -205,3 +205,18 @@ class ArgmaxOp(Protocol):
     backends. The greedy sampler's token choice."""
 
     def __call__(self, x: Tensor) -> Tensor: ...
+class MoeGateSelectOp(Protocol):
+    """`ref/moe.py::moe_gate_select`: the gate's fp32 logits [N, E], bias [E] or None, hashed /
+    replayed ids [N, k] or None, k, route_scale -> (expert ids [N, k] int64, weights [N, k] fp32).
+    """
+
+    def __call__(self, logits: Tensor, bias: Tensor | None, hashed: Tensor | None,
+                 replayed: Tensor | None, k: int,
+                 route_scale: float) -> tuple[Tensor, Tensor]: ...
+
+
+class SwigluOp(Protocol):
+    """`ref/moe.py::swiglu`: silu(min(gate, limit)) * clamp(up, -limit, limit), gate and up of one
+    shape and dtype (the shared expert's [N, I])."""
+
+    def __call__(self, gate: Tensor, up: Tensor, limit: float) -> Tensor: ...

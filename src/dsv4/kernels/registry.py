@@ -26,6 +26,7 @@ from dsv4.kernels.ops import (
     MhcHeadOp,
     MhcPostOp,
     MhcPreOp,
+    MoeGateSelectOp,
     PickSlotsOp,
     ProjectOp,
     QNormRopeOp,
@@ -36,6 +37,7 @@ from dsv4.kernels.ops import (
     RoutedExpertsQuantOp,
     SparseAttentionOp,
     StepMetadataOp,
+    SwigluOp,
     TopKOp,
 )
 from dsv4.kernels.ref.argmax import argmax
@@ -44,7 +46,12 @@ from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cache
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
-from dsv4.kernels.ref.moe import routed_experts, routed_experts_quant
+from dsv4.kernels.ref.moe import (
+    moe_gate_select,
+    routed_experts,
+    routed_experts_quant,
+    swiglu,
+)
 from dsv4.kernels.ref.rope_norm import (
     kv_norm_rope_store,
     q_norm_rope,
@@ -83,13 +90,16 @@ class KernelOps:
     rope: RopeOp
     add_ape: AddApeOp
     argmax: ArgmaxOp
+    moe_gate_select: MoeGateSelectOp
+    swiglu: SwigluOp
 
 
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
-                     project, step_metadata, pick_slots, rope, add_ape, argmax)
+                     project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
+                     swiglu)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -100,7 +110,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
     paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
-    gate-score position embedding and the greedy sampler's row argmax.
+    gate-score position embedding and the greedy sampler's row argmax; the MoE gate's selection
+    and weights after its GEMM and the shared expert's SwiGLU (bit-equal to `ref` on a GPU).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -143,6 +154,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_routed_experts,
         triton_routed_experts_quant_deterministic,
     )
+    from dsv4.kernels.triton.moe_gate import triton_moe_gate_select
     from dsv4.kernels.triton.pick_slots import triton_pick_slots
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
@@ -152,6 +164,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_rope_inverse,
     )
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
+    from dsv4.kernels.triton.swiglu import triton_swiglu
     from dsv4.kernels.triton.topk import TopKRunner
 
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
@@ -168,7 +181,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
                      triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape,
-                     triton_argmax)
+                     triton_argmax, triton_moe_gate_select, triton_swiglu)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

@@ -4,6 +4,10 @@ Scores s = sqrt(softplus(u W_gate^T)) (fp32). Routed layers select top-k on s + 
 only steers selection); hash layers select by the fixed table tid2eid[token id]. Weights are the
 selected scores renormalised and multiplied by `routed_scaling_factor`. Experts and the shared
 expert are SwiGLU with the clamp at `swiglu_limit`. Routed expert weights are stacked [E, ...].
+
+The gate's selection and weights after its GEMM (`moe_gate_select`) and the shared expert's SwiGLU
+(`swiglu`) are kernel ops: the backend's on the serving path and under `ForwardMode.values`, the
+references of `kernels/ref/moe.py` otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ref.moe import routed_experts, routed_experts_dense, swiglu
+from dsv4.kernels.ref.moe import moe_gate_select, routed_experts, routed_experts_dense, swiglu
+from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.kernel_values import kernel_values
@@ -32,25 +37,34 @@ class Gate(nn.Module):
                                                                        dtype=torch.float32))
 
     def forward(self, u: torch.Tensor, input_ids: torch.Tensor,
-                replayed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                replayed: torch.Tensor | None = None, ctx: ForwardContext | None = None,
+                values: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """u: [N, d], input_ids: [N] -> (expert ids [N, k] int64, weights [N, k] fp32).
 
         `replayed` [N, k] (R3): use these expert ids instead of selecting; the weights are the
         live scores gathered at them, so the gate weight keeps its gradient. -1 rows (padding
         tokens) take experts 0..k-1.
+
+        The logits are a torch GEMM; the rest is the op `moe_gate_select`: the backend's with a
+        `ctx` (serving); with `values` (a full-sequence `ForwardMode.values`) that op's ids and
+        weights, the weights differentiable through the reference at those ids (so the gradient
+        reaches u and the gate weight); otherwise the reference (`kernels/ref/moe.py`).
         """
-        scores = F.softplus(F.linear(u.float(), self.weight.float())).sqrt()
-        if replayed is not None:
-            fill = torch.arange(self.topk, device=u.device).expand_as(replayed)
-            indices = torch.where(replayed >= 0, replayed, fill).long()
-        elif self.tid2eid is not None:
-            indices = self.tid2eid[input_ids]
-        else:
-            assert self.bias is not None, "routed gate without a bias"
-            indices = torch.topk(scores.detach() + self.bias.float(), self.topk, dim=-1).indices
-        weights = scores.gather(1, indices)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return indices, weights * self.route_scale
+        logits = F.linear(u.float(), self.weight.float())
+        hashed = self.tid2eid[input_ids] if self.tid2eid is not None and replayed is None else None
+        k, scale = self.topk, self.route_scale
+        if ctx is not None:
+            return ctx.ops.moe_gate_select(logits, self.bias, hashed, replayed, k, scale)
+        if values is None:
+            return moe_gate_select(logits, self.bias, hashed, replayed, k, scale)
+        with torch.no_grad():
+            indices, fast = values.moe_gate_select(logits, self.bias, hashed, replayed, k, scale)
+        # the op's weights as they are (computed once, with its ids); gradients of the reference
+        # at those ids (a replay of them: the selection carries no gradient)
+        weights = kernel_values(lambda _logits: fast,
+                                lambda l_: moe_gate_select(l_, None, None, indices, k, scale)[1],
+                                logits)
+        return indices, weights
 
 
 class Experts(nn.Module):
@@ -99,8 +113,21 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(inter_dim, hidden_size, bias=False)
         self.w3 = nn.Linear(hidden_size, inter_dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None,
+                values: KernelOps | None = None) -> torch.Tensor:
+        """x [N, d] -> [N, d] in the weights' dtype. The SwiGLU is the op `swiglu`: the backend's
+        with a `ctx` (serving); with `values` (`ForwardMode.values`) that op's values and the
+        reference's gradient; otherwise the reference."""
+        gate, up, limit = self.w1(x), self.w3(x), self.limit
+        if ctx is not None:
+            h = ctx.ops.swiglu(gate, up, limit)
+        elif values is not None:
+            ops = values
+            h = kernel_values(lambda g, u_: ops.swiglu(g, u_, limit),
+                              lambda g, u_: swiglu(g, u_, limit), gate, up)
+        else:
+            h = swiglu(gate, up, limit)
+        return self.w2(h)
 
 
 class MoE(nn.Module):
@@ -123,8 +150,10 @@ class MoE(nn.Module):
         if mode is not None and mode.replay is not None and mode.replay.experts is not None \
                 and self.replay_index is not None:
             replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
-        indices, weights = self.gate(u, input_ids.reshape(-1), replayed)
+        values = mode.values if mode is not None else None
+        indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
-        y = self.experts(u, indices, weights, ctx, mode=mode) + self.shared_experts(u).float()
+        y = (self.experts(u, indices, weights, ctx, mode=mode)
+             + self.shared_experts(u, ctx, values).float())
         return self.reduce(y).to(x.dtype).view_as(x)

@@ -15,6 +15,31 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def moe_gate_select(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None,
+                    replayed: torch.Tensor | None, k: int,
+                    route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate's expert ids and weights from its fp32 logits [N, E] (= u W_gate^T) (spec §8).
+
+    Scores s = sqrt(softplus(logits)). Ids [N, k] int64: `replayed` (R3: recorded ids, -1 slots
+    take expert j in slot j) if given, else `hashed` (the hash layers' tid2eid[token id]) if
+    given, else top-k of s + `bias` [E] (the bias only steers selection; descending order).
+    Weights [N, k] fp32: s at the ids, divided by their sum (+ 1e-20), times `route_scale`;
+    differentiable in `logits` (the selection is not).
+    """
+    scores = F.softplus(logits).sqrt()
+    if replayed is not None:
+        fill = torch.arange(k, device=logits.device).expand_as(replayed)
+        indices = torch.where(replayed >= 0, replayed, fill).long()
+    elif hashed is not None:
+        indices = hashed.long()
+    else:
+        assert bias is not None, "routed gate without a bias"
+        indices = torch.topk(scores.detach() + bias.float(), k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return indices, weights * route_scale
+
+
 def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                    indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
     """y[t] = Σ_k weights[t,k] * W2_e (swiglu(W1_e x, W3_e x)) with e = indices[t,k].

@@ -36,8 +36,9 @@ empty range and exit.
 
 Two launches, each on grid (max_tiles, cdiv(out, BLOCK_N)):
   1. gate/up: A = x[token of each sorted row] (gathered rows), two accumulators (W1 rows n, W3 rows
-     I + n) so SwiGLU + clamp and the routing weight are fused in the epilogue; writes h [N*k, I]
-     (x.dtype) in sorted order.
+     I + n) so SwiGLU + clamp and the routing weight are fused in the epilogue (the shared
+     expert's math, `swiglu.py::swiglu_f32`, in fp32); writes h [N*k, I] (x.dtype) in sorted
+     order.
   2. down: A = h rows (contiguous), y = h @ W2^T; the epilogue either atomically adds y into
      out[token] (fp32, default: the k contributions of a token land in an unspecified order, so the
      result is not bit-reproducible run to run), or with `deterministic=True` stores y at its
@@ -54,8 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import dot, fp4_dot, fp8_scale, w_tile
 from dsv4.kernels.triton.moe_tile_map import tile_map
+from dsv4.kernels.triton.swiglu import swiglu_f32
 
 FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}
 _FP8_BLOCK = 128
@@ -70,6 +73,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     row_start = tl.load(t_start_ptr + tile)
@@ -112,12 +116,13 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
                     pu *= fp8_scale(s3_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
                 acc_g += pg
                 acc_u += pu
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         rw = tl.load(rw_ptr + slot, mask=p_mask, other=0.0)
-        h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+        h = swiglu_f32(acc_g, acc_u, limit, tl.float32, LIBDEVICE) * rw[:, None]
         tl.store(h_ptr + offs_p[:, None] * stride_h + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
+
+
+_LIBDEVICE = libdevice_math(_gate_up_kernel)
 
 
 @triton.jit
@@ -302,7 +307,7 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
         d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        TOPK=topk, FMT=code, FP32_DOT=fp32_dot, **blocks,
+        TOPK=topk, FMT=code, FP32_DOT=fp32_dot, LIBDEVICE=_LIBDEVICE, **blocks,
     )
     # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
     # row, summed over k below in a fixed order
