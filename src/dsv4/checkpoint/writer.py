@@ -188,7 +188,7 @@ def randomize_(model: DeepSeekV4ForCausalLM, seed: int = 0) -> DeepSeekV4ForCaus
     (unquantised), generated on the model's device: for benchmarks at sizes where writing a
     checkpoint is pointless."""
     config = model.config
-    coded = set()
+    coded: set[int] = set()
     for module_name, module in model.named_modules():
         if isinstance(module, QuantExperts):
             module.randomize_(_generator(seed, module_name, module.w13.device))
