@@ -132,7 +132,7 @@ def main() -> None:
             else (lambda: None))
     try:
         with torch.no_grad(), census:
-            logits = graphs._forward(step.inputs, key)[0]
+            logits = graphs._forward(step.inputs, step.consts, key)[0]
     finally:
         undo()
     counter.update(census.ops)
