@@ -170,8 +170,9 @@ def metadata_variants() -> Iterator[Variant]:
 
 
 def small_variants() -> Iterator[Variant]:
-    """The decode step's small integer kernels: the MoE tile map and the indexer picks' slots."""
-    from dsv4.kernels.triton import moe_tile_map, pick_slots
+    """The decode step's small kernels: the MoE tile map, the indexer picks' slots and the
+    sampler's two argmax stages (fp32 logits, the default block)."""
+    from dsv4.kernels.triton import argmax, moe_tile_map, pick_slots
 
     yield ("tile map (E 256, 6 slots)", moe_tile_map._tile_map_kernel,
            {"idx_ptr": "*i64", "order_ptr": "*i64", "ts_ptr": "*i32", "te_ptr": "*i32",
@@ -182,6 +183,11 @@ def small_variants() -> Iterator[Variant]:
            {name: "*i64" for name in pick_slots._pick_slots_kernel.arg_names
             if name.endswith("_ptr")},
            {"BLOCK_T": 4, "BLOCK_K": 512}, {"num_warps": 4})
+    yield ("argmax partials (fp32)", argmax._argmax_partial_kernel,
+           {"x_ptr": "*fp32", "part_ptr": "*i64", "V": "i32:16", "stride_x": "i32:16"},
+           {"BLOCK_V": argmax.BLOCK_V}, {"num_warps": 4})
+    yield ("argmax final (32 chunks)", argmax._argmax_final_kernel,
+           {"part_ptr": "*i64", "out_ptr": "*i64"}, {"BLOCK_C": 32}, {"num_warps": 4})
 
 
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
