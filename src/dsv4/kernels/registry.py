@@ -95,8 +95,9 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
     paths and the output de-rotation, RMSNorm, a step's index metadata and the indexer picks' ids
-    and slots (both bit-equal to `ref`), the MoE gate's selection and weights after its GEMM, and
-    the shared expert's SwiGLU (both bit-equal to `ref` on a GPU).
+    and slots (both bit-equal to `ref`), the MoE gate's selection and weights after its GEMM (ids
+    equal to `ref`'s; weights within ~1 ulp: torch's k-sum order depends on the row count), and
+    the shared expert's SwiGLU (bit-equal to `ref` on a GPU).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
