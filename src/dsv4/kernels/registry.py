@@ -111,7 +111,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
     gate-score position embedding and the greedy sampler's row argmax; the MoE gate's selection
-    and weights after its GEMM and the shared expert's SwiGLU (bit-equal to `ref` on a GPU).
+    and weights after its GEMM (ids equal to `ref`'s; weights within ~1 ulp: torch's k-sum order
+    depends on the row count) and the shared expert's SwiGLU (bit-equal to `ref` on a GPU).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
