@@ -152,7 +152,8 @@ def main() -> None:
     prompts = [torch.randint(2, model.config.vocab_size, (args.prompt_len + 37 * i,),
                              generator=g).tolist()
                for i in range(args.num_prompts)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=0)
     ref, _ = generate(model, "ref", prompts, params, args.page_size)
     tri, _ = generate(tri_model, "triton", prompts, params, args.page_size)
     forced, chosen = generate(tri_model, "triton", prompts, params, args.page_size,

@@ -51,6 +51,27 @@ def test_smoke_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert set(result["speedup_vs_transformers"]) == {"64", "128"}
 
 
+def test_sweep_with_overlap_captures_routing(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """With overlap scheduling a step's routing reaches the host one call later: the capture
+    still records `--routing-steps` steps of every request."""
+    bench = load_benchmark("decode_context_sweep")
+    argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "64",
+            "--batches", "2", "--batch-contexts", "64", "--steps", "2", "--warmup-steps", "1",
+            "--routing-steps", "3", "--copy-gib", "0.02", "--overlap-schedule",
+            "--out", str(tmp_path / "sweep.json")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["overlap_schedule"] is True
+    for row in result["rows"]:
+        assert row["status"] == "ok" and row["routing"] == "captured", row
+
+
 def test_floor_model() -> None:
     """Bytes per step: KV grows with the context; distinct experts saturate at n_routed_experts."""
     bench = load_benchmark("decode_context_sweep")

@@ -19,7 +19,7 @@ def test_teacher_forcing_feeds_forced_tokens() -> None:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (21, 34)]
     forced = [torch.randint(2, 512, (4,), generator=g).tolist() for _ in prompts]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
     free, _ = check.generate(model, "ref", prompts, params, 16)
     reqs, chosen = check.generate(model, "ref", prompts, params, 16, forced=forced)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
