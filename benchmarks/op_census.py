@@ -126,16 +126,9 @@ def main() -> None:
                           capture=False)
     key = GraphKey(args.batch, 1, 1, args.context, False)
     step = graphs._build(key)
-    counter: collections.Counter[tuple[str, str]] = collections.Counter()
-    census = Census()
-    undo = (_count_triton(counter, census) if args.kernel_backend == "triton"
-            else (lambda: None))
-    try:
-        with torch.no_grad(), census:
-            logits = graphs._forward(step.inputs, step.consts, key)[0]
-    finally:
-        undo()
-    counter.update(census.ops)
+    out: list[torch.Tensor] = []
+    counter = _count(lambda: out.append(graphs._forward(step.inputs, step.consts, key)[0]), args)
+    logits = out[0]
     by_site: collections.Counter[str] = collections.Counter()
     for (site, _), n in counter.items():
         by_site[site] += n
@@ -155,6 +148,22 @@ def main() -> None:
                       **({} if sampled is None else {"sample": sampled})}))
 
 
+def _count(fn: Any, args: argparse.Namespace) -> collections.Counter[tuple[str, str]]:
+    """Launches of `fn()` (no grad) per (source line, operator): aten ops that launch a kernel,
+    and with the triton backend the interpreted Triton launches."""
+    counter: collections.Counter[tuple[str, str]] = collections.Counter()
+    census = Census()
+    undo = (_count_triton(counter, census) if args.kernel_backend == "triton"
+            else (lambda: None))
+    try:
+        with torch.no_grad(), census:
+            fn()
+    finally:
+        undo()
+    counter.update(census.ops)
+    return counter
+
+
 def _sample_census(logits: torch.Tensor, argmax: Any, args: argparse.Namespace
                    ) -> dict[str, Any]:
     """Launches of `sample` on the step's logits, greedy rows (`--logprobs`: asking for them):
@@ -163,16 +172,7 @@ def _sample_census(logits: torch.Tensor, argmax: Any, args: argparse.Namespace
     batch = SamplingBatch.build(params, [0] * len(params), [0] * len(params), logits.device,
                                 vocab_size=logits.shape[-1])
     logits = logits.float()                             # the model's logits are fp32 already
-    counter: collections.Counter[tuple[str, str]] = collections.Counter()
-    census = Census()
-    undo = (_count_triton(counter, census) if args.kernel_backend == "triton"
-            else (lambda: None))
-    try:
-        with torch.no_grad(), census:
-            sample(logits, batch, argmax=argmax)
-    finally:
-        undo()
-    counter.update(census.ops)
+    counter = _count(lambda: sample(logits, batch, argmax=argmax), args)
     by_site: collections.Counter[str] = collections.Counter()
     for (site, _), n in counter.items():
         by_site[site] += n
