@@ -32,6 +32,7 @@ from dsv4.checkpoint.presets import micro, tiny  # noqa: E402
 from dsv4.config.model import ModelConfig  # noqa: E402
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre  # noqa: E402
 from dsv4.kernels.triton.mhc import (  # noqa: E402
+    finish_warps,
     plan_finish,
     plan_pre,
     triton_mhc_head,
@@ -179,6 +180,18 @@ def test_plan_finish() -> None:
     assert plan_finish(1, 512, 4, 4, cpu) == (1, 256, 256, 4)       # two d spans
     assert plan_finish(17, 64, 4, 3, cpu) == (4, 64, 64, 4)         # token tiles, the last partial
     assert plan_finish(64, 256, 4, 128, cpu) == (16, 256, 128, 4)   # whole rows, 2 inner chunks
+
+
+def test_finish_warps() -> None:
+    """One warp for a decode token's small tile, more for larger tiles; the T-invariant plan's
+    tiles (and so its warps) are the same at every T."""
+    assert finish_warps(1, 4, 256) == 1 and finish_warps(1, 4, 512) == 2
+    assert finish_warps(16, 4, 128) == 4
+    cpu = torch.device("cpu")
+    plans = {plan_finish(T, 4096, 4, 32, cpu, invariant=True) for T in (1, 64, 4096)}
+    assert len(plans) == 1
+    bt, _, bd, _ = plans.pop()
+    assert finish_warps(bt, 4, bd) == 4
 
 
 def test_comb_is_column_stochastic() -> None:

@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     engine_args: dict[str, Any] = {"page_size": args.page_size} if args.page_size else {}
     if args.overlap_schedule is not None:
         engine_args["overlap_schedule"] = args.overlap_schedule
+    if args.multi_stream is not None:
+        engine_args["multi_stream"] = args.multi_stream
     if args.warmup is not None:
         engine_args["warmup"] = args.warmup
     if args.enable_hisparse:

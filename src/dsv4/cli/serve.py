@@ -150,8 +150,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "load_format", "disable_cuda_graph", "cuda_graph_max_bs",
         "enable_return_routing",
-        "speculative_num_steps", "overlap_schedule", "warmup", "tp_size", "ep_size", "dp_size",
-        "nnodes", "node_rank", "dist_init_addr", "enable_hisparse", "hisparse_device_entries")}
+        "speculative_num_steps", "overlap_schedule", "multi_stream", "warmup", "tp_size",
+        "ep_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "enable_hisparse",
+        "hisparse_device_entries")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),
@@ -239,14 +240,19 @@ def add_speculative_arg(g: argparse._ActionsContainer, default: int | None) -> N
 
 
 def add_overlap_arg(g: argparse._ActionsContainer) -> None:
-    """`--overlap-schedule` / `--no-overlap-schedule` (SGLang: `--disable-overlap-schedule`);
-    shared by `dsv4 serve` and `dsv4 generate`. Unset: the engine's default."""
+    """`--overlap-schedule` / `--no-overlap-schedule` (SGLang: `--disable-overlap-schedule`) and
+    `--multi-stream` / `--no-multi-stream`; shared by `dsv4 serve` and `dsv4 generate`. Unset:
+    the engine's default."""
     g.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step N + 1 while the device runs step N "
                         "(EngineConfig.overlap_schedule; default: on with CUDA and no "
                         "speculative decoding, off elsewhere)")
     g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
                    default=None, help="SGLang's name for --no-overlap-schedule")
+    g.add_argument("--multi-stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a layer's independent branches (compressors and indexer, the shared "
+                        "expert) on a second CUDA stream (EngineConfig.multi_stream; default: on "
+                        "with CUDA unless --enable-hisparse)")
 
 
 def add_warmup_arg(g: argparse._ActionsContainer) -> None:

@@ -97,6 +97,12 @@ class EngineConfig:
     speculative decoding, where the host's share of a step is worth hiding (about 0.2 ms a step
     at batch 1 and 0.6-1.4 ms at batch 32 on flash-4l, H200), off elsewhere
     (`resolve_overlap`).
+    `multi_stream`: a serving step runs the branches of a layer that do not depend on each other
+    on a second CUDA stream, concurrently with the main one (`model/streams.py`): a CSA / HCA
+    layer's compressors and indexer beside its query and window-KV path, the shared expert beside
+    the gate and the routed experts. Inside CUDA graphs too (the fork and join are captured).
+    Same kernels on the same inputs: outputs are bit-identical with it on and off. None: on with
+    CUDA unless HiSparse is on (`resolve_multi_stream`); True needs CUDA.
     `warmup`: what runs before the engine serves (`LLM(...)` returns, the server reports ready),
     so the first requests do not pay for Triton compiles and CUDA-graph captures: "none",
     "fast" (the prefill shapes and a few decode batch sizes) or "full" (every decode graph
@@ -138,6 +144,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
     overlap_schedule: bool | None = None
+    multi_stream: bool | None = None
     warmup: WarmupMode | None = None
     seed: int = 0
     enable_hisparse: bool = False
@@ -170,6 +177,13 @@ class EngineConfig:
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule={self.overlap_schedule!r} is invalid; "
                              "allowed: None, True or False")
+        if self.multi_stream is not None and not isinstance(self.multi_stream, bool):
+            raise ValueError(f"multi_stream={self.multi_stream!r} is invalid; "
+                             "allowed: None, True or False")
+        if self.multi_stream and self.enable_hisparse:
+            raise ValueError("multi_stream=True with enable_hisparse=True is not supported (the "
+                             "HotSet's host copies run on one stream); allowed: multi_stream=False "
+                             "or None")
         if self.overlap_schedule and spec:
             raise ValueError(f"overlap_schedule=True with speculative_num_steps={spec} is not "
                              "supported (the next step's drafts come from the host); allowed: "
@@ -268,6 +282,17 @@ def resolve_overlap(requested: bool | None, device_type: str, speculative_num_st
     if requested is not None:
         return requested
     return device_type == "cuda" and speculative_num_steps == 0
+
+
+def resolve_multi_stream(requested: bool | None, device_type: str, hisparse: bool) -> bool:
+    """Whether serving steps run their independent branches on a second CUDA stream
+    (EngineConfig.multi_stream): as requested (True needs CUDA), else on CUDA without HiSparse."""
+    if requested and device_type != "cuda":
+        raise ValueError(f"multi_stream=True needs a CUDA device; this engine runs on "
+                         f"{device_type!r} (allowed: multi_stream=False or None)")
+    if requested is not None:
+        return requested
+    return device_type == "cuda" and not hisparse
 
 
 def resolve_warmup(requested: WarmupMode | None, device_type: str,

@@ -114,13 +114,15 @@ class _DraftGraph:
 class DecodeGraphs:
     def __init__(self, model: DeepSeekV4ForCausalLM, table: RequestTable, pools: KVPools,
                  ops: KernelOps, max_batch: int, capture: bool = True,
-                 max_tokens: int = 1, with_streams: bool = False) -> None:
+                 max_tokens: int = 1, with_streams: bool = False,
+                 side_stream: torch.cuda.Stream | None = None) -> None:
         if capture and next(model.parameters()).device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model, self.table, self.pools, self.ops = model, table, pools, ops
         self.buckets = batch_buckets(max_batch)
         self.span = table.max_pages * table.P
         self.capture, self.max_tokens, self.with_streams = capture, max_tokens, with_streams
+        self.side_stream = side_stream     # `EngineConfig.multi_stream`: forked inside the graphs
         self.device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._graphs: dict[GraphKey, _StepGraph] = {}
@@ -269,6 +271,7 @@ class DecodeGraphs:
         ctx = device_context(slots, starts, lens, logits_index, StepBounds(B * n, key.context, n),
                              self.table, self.pools, self.model.config, self.ops)
         ctx.captured = {} if key.capture_routing else None
+        ctx.side_stream = self.side_stream
         logits, streams = self.model.forward_batch_streams(ids, ctx)
         return logits, ctx.captured, streams if self.with_streams else None
 

@@ -28,6 +28,7 @@ from dsv4.config.engine import (
     kv_budget_gb,
     resolve_hisparse_entries,
     resolve_kernel_backend,
+    resolve_multi_stream,
     resolve_overlap,
     resolve_swa_fraction,
     resolve_warmup,
@@ -74,7 +75,8 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
     return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
                                warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
                                    config.swa_memory_fraction, device.type),
-                               overlap_schedule=overlap)
+                               overlap_schedule=overlap, multi_stream=resolve_multi_stream(
+                                   config.multi_stream, device.type, config.enable_hisparse))
 
 
 def _hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:
@@ -126,6 +128,9 @@ class ModelRunner:
         logger.info("KV cache: %d full pages, %d SWA pages of %d tokens (%.1f MB)",
                     self.layout.num_full_pages - 1, self.layout.num_swa_pages - 1,
                     self.layout.page_size, self.pools.nbytes() / 1e6)
+        # the second stream of `multi_stream` (model/streams.py); one per engine
+        self.side_stream = torch.cuda.Stream(self.device) if config.multi_stream else None
+        logger.info("multi-stream branches: %s", "on" if config.multi_stream else "off")
         self.graphs = self._decode_graphs()
         self.spec_steps = config.speculative_num_steps
         if self.spec_steps and not model.mtp:
@@ -191,7 +196,8 @@ class ModelRunner:
         # speculative decoding: verify steps of N + 1 tokens, returning the MTP block's input
         spec = c.speculative_num_steps
         return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch,
-                            max_tokens=1 + spec, with_streams=spec > 0)
+                            max_tokens=1 + spec, with_streams=spec > 0,
+                            side_stream=self.side_stream)
 
     @torch.no_grad()
     def run(self, step: ScheduledStep) -> StepOutput:
@@ -273,6 +279,7 @@ class ModelRunner:
         # the ref ops' softmax / P.V depend on the row width; the triton kernels' do not (trailing
         # -1 columns are exact no-ops: benchmarks/kernel_invariance.py)
         ctx.fixed_widths = self.config.batch_invariant and self.ops.name == "ref"
+        ctx.side_stream = self.side_stream
         if self.config.capture_routing:
             ctx.captured = {}
         return ctx

@@ -34,6 +34,7 @@ from dsv4.model.indexer import Indexer
 from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import token_rows
+from dsv4.model.streams import join, side
 
 
 def window_indices(batch: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -324,39 +325,67 @@ class Attention(nn.Module):
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
         """Serving path over the paged pools. Writes this step's KV, compressor state and entries
-        first (a query sees itself and the entry it completes), then attends."""
+        first (a query sees itself and the entry it completes), then attends.
+
+        With `ctx.side_stream` the compressors (they read x only) and then the indexer (it needs
+        q_lat) run on the side stream while the query and window-KV path runs on the main one;
+        joined before the attention (`model/streams.py`)."""
         T = x.shape[1]
+        stream = ctx.side_stream if self.compressor is not None else None
+        with side(stream):
+            plan = self._compress(x[0], ctx, cache)
         q_lat = self.q_norm(self.wq_a(x), ctx)                                 # [1, T, q_lora]
+        with side(stream):
+            compressed = self._compressed_source(x[0], q_lat[0], cos, sin, ctx, plan, cache)
         q = ctx.ops.q_norm_rope(self.wq_b(q_lat[0]).view(T, self.n_heads, self.head_dim), cos, sin,
                                 self.eps)
         # the window kv straight to its slot
         ctx.ops.kv_norm_rope_store(self.wkv(x[0]), self.kv_norm.weight, self.kv_norm.eps, cos, sin,
                                    cache.swa, ctx.swa_write)
-        sources = [(cache.swa, ctx.window)]
-        if self.compressor is not None:
-            assert cache.state is not None
-            plan = ctx.plans[self.compressor.ratio]
-            if self.indexer is not None:
-                # CSA: its two compressors share the plan, so one op serves both
-                self._compress_pair(x[0], ctx, plan, cache)
-                picks = self.indexer.forward_cached(x[0], q_lat[0], cos, sin, ctx, plan, cache)
-                if ctx.captured is not None or ctx.fixed_widths:
-                    # padded to index_topk: every step stacks alike, rows have one width
-                    picks = pad_columns(picks, self.indexer.topk)
-                cand = plan.candidates
-                if cand.shape[1] == 0:   # no entry yet (every query before the first block ends)
-                    cand = cand.new_full((cand.shape[0], 1), -1)
-                ids, slots = ctx.ops.pick_slots(picks, cand)
-                if ctx.captured is not None:
-                    ctx.captured.setdefault("indexer", []).append(ids)
-                pool, slots = self._c4_reads(ids, slots, ctx, cache)
-            else:
-                assert cache.entries is not None
-                self.compressor.forward_cached(x[0], ctx, plan, cache.state, cache.entries)
-                pool, slots = cache.entries, plan.candidates
-            if ctx.fixed_widths:
-                slots = pad_columns(slots, self.entry_width)
-            sources.append((pool, slots))
+        join(stream)
+        sources = [(cache.swa, ctx.window)] + compressed
         o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),
                                  cos, sin)
         return self.output(o.view(1, T, self.n_heads, -1), None, None)
+
+    def _compress(self, x: torch.Tensor, ctx: ForwardContext,
+                  cache: LayerCache) -> CompressPlan | None:
+        """This step's compressor work (x [T, d]): both compressors of a CSA layer in one op, the
+        one of an HCA layer; their plan (None without a compressor)."""
+        if self.compressor is None:
+            return None
+        assert cache.state is not None
+        plan = ctx.plans[self.compressor.ratio]
+        if self.indexer is not None:
+            self._compress_pair(x, ctx, plan, cache)
+        else:
+            assert cache.entries is not None
+            self.compressor.forward_cached(x, ctx, plan, cache.state, cache.entries)
+        return plan
+
+    def _compressed_source(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, ctx: ForwardContext, plan: CompressPlan | None,
+                           cache: LayerCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The compressed entries the queries attend to, as (pool, slots [T, width]): the
+        indexer's picks in a CSA layer, every visible entry in an HCA layer; none without a
+        compressor."""
+        if plan is None:
+            return []
+        if self.indexer is not None:
+            picks = self.indexer.forward_cached(x, q_lat, cos, sin, ctx, plan, cache)
+            if ctx.captured is not None or ctx.fixed_widths:
+                # padded to index_topk: every step stacks alike, rows have one width
+                picks = pad_columns(picks, self.indexer.topk)
+            cand = plan.candidates
+            if cand.shape[1] == 0:   # no entry yet (every query before the first block ends)
+                cand = cand.new_full((cand.shape[0], 1), -1)
+            ids, slots = ctx.ops.pick_slots(picks, cand)
+            if ctx.captured is not None:
+                ctx.captured.setdefault("indexer", []).append(ids)
+            pool, slots = self._c4_reads(ids, slots, ctx, cache)
+        else:
+            assert cache.entries is not None
+            pool, slots = cache.entries, plan.candidates
+        if ctx.fixed_widths:
+            slots = pad_columns(slots, self.entry_width)
+        return [(pool, slots)]

@@ -83,3 +83,5 @@ class ForwardContext:
     # index rows of one width per layer (the engine's batch-invariant mode, see ForwardMode)
     fixed_widths: bool = False
     hisparse: HiSparseStep | None = None   # with a HotSet (engine `enable_hisparse`)
+    # a second stream for independent branches (engine `multi_stream`; `model/streams.py`)
+    side_stream: torch.cuda.Stream | None = None

@@ -22,6 +22,7 @@ from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.kernel_values import kernel_values
+from dsv4.model.streams import join, side
 
 
 class Gate(nn.Module):
@@ -151,9 +152,13 @@ class MoE(nn.Module):
                 and self.replay_index is not None:
             replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
         values = mode.values if mode is not None else None
+        # the shared expert on the side stream, beside the gate and the routed experts
+        stream = ctx.side_stream if ctx is not None else None
+        with side(stream):
+            shared = self.shared_experts(u, ctx, values).float()
         indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
-        y = (self.experts(u, indices, weights, ctx, mode=mode)
-             + self.shared_experts(u, ctx, values).float())
-        return self.reduce(y).to(x.dtype).view_as(x)
+        routed = self.experts(u, indices, weights, ctx, mode=mode)
+        join(stream)
+        return self.reduce(routed + shared).to(x.dtype).view_as(x)

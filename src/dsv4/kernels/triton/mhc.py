@@ -341,7 +341,16 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     _mhc_finish_kernel[(triton.cdiv(T, bt), triton.cdiv(d, d_span))](
         x, ws, sq, scale, base, h, post, comb, T, d, S, d_span, iters, hc_eps, norm_eps,
         x.stride(0), h.stride(0), BLOCK_T=bt, BLOCK_S=bs, BLOCK_D=bd, EVEN_D=d % bd == 0, **geo,
-        num_warps=4)
+        num_warps=finish_warps(bt, np_, bd))
+
+
+def finish_warps(block_t: int, np_: int, block_d: int) -> int:
+    """Warps of a finish program: its epilogue (Sinkhorn on [BLOCK_T, NP, NP]) is a chain of
+    tiny reductions whose cross-warp steps cost more than the work, so a small tile gets one warp
+    (32 elements of its [BLOCK_T, NP, BLOCK_D] h tile per thread at most), larger ones 2 or 4.
+    Depends on the tile shapes only (the invariant plan's are T-independent, so are its warps)."""
+    per_tile = block_t * np_ * block_d
+    return 1 if per_tile <= 1024 else 2 if per_tile <= 2048 else 4
 
 
 def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -266,6 +266,13 @@ def _topk_row_kernel(  # type: ignore[no-untyped-def]
 # --------------------------------------------------------------------------------------------- host
 
 
+def row_warps(block: int) -> int:
+    """Warps of the row path's program: 4 up to 1024 keys, 8 up to 4096, 16 above (its radix
+    passes are a chain of block-wide histograms and scans; fewer warps serialise the keys, more
+    pay for cross-warp steps). The output does not depend on it (the selection is exact)."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
 def _check_inputs(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
     if scores.dtype != torch.float32 or scores.dim() != 2 or not scores.is_contiguous():
         raise ValueError(f"scores must be a contiguous [B, N] float32 tensor, got {scores.dtype} "
@@ -310,7 +317,7 @@ def _run(scores: torch.Tensor, lengths: torch.Tensor, k: int, plan: TopKPlan,
         launch_compact(scores, lengths, out, plan.compact, workspace)
     else:
         _topk_row_kernel[(B,)](scores, lengths, out, N, k, scores.stride(0), BLOCK=plan.block,
-                               PAD_BLOCK=1024, num_warps=min(16, max(1, plan.block // 512)))
+                               PAD_BLOCK=1024, num_warps=row_warps(plan.block))
     return out
 
 

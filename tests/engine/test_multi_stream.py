@@ -1,0 +1,86 @@
+"""Multi-stream branches (`EngineConfig.multi_stream`, `model/streams.py`): the config, its
+resolution, and on a GPU the same tokens and log-probs with the side stream on and off (the same
+kernels on the same inputs), eagerly and through the decode graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import random_model, write_checkpoint
+from dsv4.config.engine import EngineConfig, resolve_multi_stream
+from dsv4.engine.engine import LLMEngine
+from dsv4.model.streams import join, side
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match=r"multi_stream='on' is invalid; allowed: None, True or "
+                                         r"False"):
+        EngineConfig(multi_stream="on")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"multi_stream=True with enable_hisparse=True is not "
+                                         r"supported.*allowed: multi_stream=False or None"):
+        EngineConfig(multi_stream=True, enable_hisparse=True)
+    assert EngineConfig().multi_stream is None
+    EngineConfig(multi_stream=False, enable_hisparse=True)
+
+
+def test_resolution() -> None:
+    """Unset: on with CUDA unless HiSparse; an explicit choice wins; True needs CUDA."""
+    assert resolve_multi_stream(None, "cuda", False)
+    assert not resolve_multi_stream(None, "cuda", True)
+    assert not resolve_multi_stream(None, "cpu", False)
+    assert not resolve_multi_stream(False, "cuda", False)
+    with pytest.raises(ValueError, match=r"multi_stream=True needs a CUDA device; this engine "
+                                         r"runs on 'cpu' \(allowed: multi_stream=False or None\)"):
+        resolve_multi_stream(True, "cpu", False)
+    model = random_model(micro(), torch.float32, torch.device("cpu"))
+    engine = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=512))
+    assert engine.runner.config.multi_stream is False and engine.runner.side_stream is None
+
+
+def test_no_stream_is_program_order() -> None:
+    """Without a stream the fork and join do nothing: the block runs where it is written."""
+    out = []
+    with side(None):
+        out.append(1)
+    join(None)
+    out.append(2)
+    assert out == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("multi_stream") / "micro"
+    write_checkpoint(micro(), path, seed=3, tokenizer=True)
+    return path
+
+
+def _generate(ckpt: Path, dtype: str, multi: bool, graphs: bool) -> list[tuple[list[int],
+                                                                               list[float]]]:
+    llm = LLM(ckpt, dtype=dtype, device="cuda", kernel_backend="triton", page_size=16,
+              max_total_tokens=8192, max_running_requests=8, chunked_prefill_size=64,
+              multi_stream=multi, disable_cuda_graph=not graphs, warmup="none")
+    assert llm.engine.runner.config.multi_stream is multi
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, micro().vocab_size, (n,), generator=g).tolist()
+               for n in (7, 150, 333, 40)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_same_outputs_on_and_off(ckpt: Path, dtype: str, graphs: bool) -> None:
+    """micro (SWA, CSA and HCA layers) on CUDA: greedy tokens and their log-probs are the same
+    bits with the side stream on and off, prefill chunks and decode steps (graphs or eager)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    off = _generate(ckpt, dtype, False, graphs)
+    on = _generate(ckpt, dtype, True, graphs)
+    assert on == off
