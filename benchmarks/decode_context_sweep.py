@@ -47,7 +47,7 @@ import torch
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
 from dsv4.checkpoint.writer import random_model
-from dsv4.config.engine import resolve_overlap
+from dsv4.config.engine import resolve_multi_stream, resolve_overlap
 from dsv4.config.model import ModelConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
@@ -88,6 +88,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's overlap scheduling (the host prepares step N + 1 while "
                    "the device runs step N; default: the engine's, on with CUDA)")
+    p.add_argument("--multi-stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's multi-stream branches (default: on with CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -223,7 +225,8 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: i
                           max_total_tokens=batch * (longest + args.page_size),
                           context_length=longest + 1, disable_prefix_cache=True,
                           disable_cuda_graph=args.disable_cuda_graph, seed=args.seed,
-                          overlap_schedule=args.overlap_schedule)
+                          overlap_schedule=args.overlap_schedule,
+                          multi_stream=args.multi_stream)
     return LLMEngine(model, config)
 
 
@@ -495,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "cuda_graph": not args.disable_cuda_graph,
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),
+              "multi_stream": resolve_multi_stream(args.multi_stream,
+                                                   torch.device(args.device).type, False),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)
