@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -190,11 +191,34 @@ def small_variants() -> Iterator[Variant]:
            {"part_ptr": "*i64", "out_ptr": "*i64"}, {"BLOCK_C": 32}, {"num_warps": 4})
 
 
+def gemv_variants() -> Iterator[Variant]:
+    """The decode projections' skinny GEMM at its default plans (bf16 and fp32 weights; the FMA
+    path at M 1 / 4, the tl.dot path at M 8 / 32; split-K on and off)."""
+    from dsv4.kernels.triton import gemv
+
+    for dt, N, K in (("bf16", 4096, 4096), ("bf16", 32768, 1024), ("fp32", 2560, 4096)):
+        torch_dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+        for M in (1, 4, 8, 32):
+            plan = gemv.plan_gemv(M, N, K, torch_dt, torch_dt, 132)
+            types = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
+                     "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32:16",
+                     "stride_xm": "i32:16", "stride_wn": "i32:16", "k_per_split": "i32:16"}
+            consts = {"BLOCK_M": gemv.block_m(M, plan.dot), "BLOCK_N": plan.block_n,
+                      "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k,
+                      "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
+                      "ROWS": 0 if plan.dot else M, "UPCAST": dt == "fp32",
+                      "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0}
+            path = "dot" if plan.dot else "fma"
+            yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k}", gemv._gemv_kernel, types,
+                   consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+
+
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
                                                        "compressor": compressor_variants,
                                                        "attention": attention_variants,
                                                        "metadata": metadata_variants,
-                                                       "small": small_variants}
+                                                       "small": small_variants,
+                                                       "gemv": gemv_variants}
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:

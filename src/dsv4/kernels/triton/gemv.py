@@ -1,0 +1,313 @@
+"""Skinny GEMM (GEMV) for decode projections: `triton_linear(x, w)` = `F.linear(x, w)` for few rows.
+
+At decode the projections multiply M = 1..64 token rows by a weight of N x K: the weight's bytes are
+the whole cost, so the kernel's job is to stream w from HBM at the copy rate on every SM. cuBLAS
+picks split-K kernels plus a separate reduce kernel at these shapes (two launches); here it is one
+launch with the cross-split reduction inside it, deterministic.
+
+    y[m, n] = sum_k x[m, k] w[n, k]    x [M, K], w [N, K] (unit stride along K), y [M, N] contiguous
+
+Grid: cdiv(N, BLOCK_N) N tiles x SPLIT_K K splits, one program each (pid = tile * SPLIT_K + split).
+N tiles come first; SPLIT_K > 1 only when the N tiles alone would leave SMs idle (`plan_gemv`).
+Each split covers a whole number of BLOCK_K blocks of K, looped with `tl.range(num_stages=)` so
+the weight loads are software-pipelined (cp.async into shared memory) even where no tl.dot uses
+them. Rows past N / past M are clamped to the last real row (unmasked, 16-byte vector loads;
+never stored); only a K tail (K % BLOCK_K != 0) is masked. Two inner products, one per plan:
+
+    FMA (DOT=False, small M): for each x row m (unrolled, ROWS = M): acc[:, m] +=
+        sum_k w[:, k] x[m, k] on the CUDA cores in fp32, each K block summed within a warp (2-D
+        tiles: a 3-D [M, N, K] product would spread K over the warps and sum through shared memory
+        every block). No padding of M to 16; served up to FMA_LIMIT_M rows.
+    DOT (DOT=True): acc[BLOCK_N, BLOCK_M] = tl.dot(w_tile, x_tile^T) -- w is the MMA's M operand
+        ("swap AB": the weight rows fill the tensor core's 64-row side, the tokens its >= 16 side,
+        wgmma at BLOCK_N 64); bf16 / fp16 operands multiply exactly, fp32 accumulates. fp32 (or
+        mixed-dtype) operands go through tl.dot in fp32 with input_precision "ieee" (no tf32: FMA
+        on the CUDA cores, M padded to 16) unless the plan asks for "tf32x3".
+
+Split-K reduction in the same launch (SPLIT_K > 1): each program stores its fp32 partial tile into
+a workspace [SPLIT_K, M, N] (fresh per call), then bumps its N tile's int32 arrival counter
+(CTA barrier, then one atomic_add, acq_rel, gpu scope: the pattern of topk_compact.py). The
+program that brings it to SPLIT_K - 1 sums the tile's SPLIT_K partials in split order 0, 1, ...
+(L1-bypassing loads), stores y and resets the counter to 0. Every y element is therefore the same
+sum in the same order whichever program arrives last: bit-identical run to run, no float atomics.
+The counters are one int32 per N tile in a buffer held per device (`counters`), zero when
+allocated and left zero by every call, so no memset node is needed; it is allocated on first use
+outside CUDA-graph capture (a first use inside a capture takes a fresh zero-filled buffer inside
+the graph, correct on every replay). Split-K calls that share a counter buffer must not overlap:
+one stream at a time, as the engine's forward runs (or pass each stream its own `counters`).
+
+Precision: fp32 accumulation of exact products (bf16 / fp16 products are exact in fp32); the sum
+order differs from cuBLAS's, so results match `F.linear` within fp32 rounding of the K-sum,
+then one rounding to the output dtype (a bf16 output can differ from cuBLAS's by one bf16 ulp).
+Output dtype: x's (F.linear's for equal dtypes); mixed x / w dtypes compute
+F.linear(x.float(), w.float()) and round to x's dtype (e.g. fp32 x against a bf16 weight, with no
+fp32 copy of the weight). On the Triton interpreter (CPU tests) the DOT path upcasts 16-bit tiles
+to fp32 before tl.dot (the interpreter's bf16 dot multiplies raw bit patterns,
+triton-lang/triton#11584): the same exact products.
+
+Plan (`plan_gemv`, host only, from (M, N, K, dtypes, SM count); no host sync, CUDA-graph safe):
+FMA for M <= FMA_MAX_M, else DOT with BLOCK_M = max(16, next_pow2(M)); BLOCK_K covers 512 bytes of
+a weight row (FMA) or 128 / 32 elements (DOT, 16-bit / fp32 operands); 4 warps; 3 / 4 stages;
+BLOCK_N 16 (FMA) or 64 (DOT), at most next_pow2(N), halved (down to the warps / 16) while even the
+most splits leave under half the target programs. Target: PROGRAMS_PER_SM programs per SM;
+SPLIT_K = the splits that reach it, capped by the K blocks and by the last arrival's registers
+(REDUCE_REGS partial values a thread), then evened out so no split is empty. Every knob is a
+keyword of `triton_linear` (tests, `benchmarks/kernels/bench_gemv.py --sweep`). M is limited to
+MAX_M: past it the call raises (a prefill-sized GEMM belongs to cuBLAS; the caller picks
+F.linear).
+
+Test: tests/kernels/test_gemv.py. Benchmark: benchmarks/kernels/bench_gemv.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
+
+MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
+FMA_MAX_M = 4               # M up to this: CUDA-core FMA path; above: tl.dot
+FMA_LIMIT_M = 32            # the FMA path (one unrolled pass per x row) serves at most this M
+PROGRAMS_PER_SM = 4         # split-K target: programs per SM
+FMA_BLOCK_BYTES = 512       # FMA path: bytes of a weight row per K block (32 lanes x 16 B)
+REDUCE_REGS = 128           # default split-K: at most this many partial values a thread sums
+MAX_TILES = 8192            # N tiles a split-K launch may have (the held counter buffer's size)
+_MIN_DOT = 16               # tl.dot needs every dimension >= 16
+PRECISIONS = ("ieee", "tf32x3")
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """Tile shape, K split and launch options of one `triton_linear` call.
+
+    `split_k` is the effective number of K splits (each a whole number of BLOCK_K blocks, none
+    empty); `dot` picks the tl.dot inner product over the FMA one; `precision` is tl.dot's
+    input_precision for fp32 operands.
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    dot: bool
+    precision: str = "ieee"
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _gemv_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)          # padding rows repeat real ones
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]     # DOT path
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # y^T tile, both paths
+    cols_m = tl.arange(0, BLOCK_M)[None, :]
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = k0 + offs_k < K                                 # used only if not EVEN_K
+        if EVEN_K:
+            wt = tl.load(w_ptrs + k0)
+        else:
+            wt = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        if DOT:
+            if EVEN_K:
+                xt = tl.load(x_ptrs + k0)
+            else:
+                xt = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc,
+                             input_precision=PRECISION)
+            else:
+                acc = tl.dot(wt, tl.trans(xt), acc)
+        else:
+            wf = wt.to(tl.float32)
+            for m in tl.static_range(ROWS):     # one x row at a time: 2-D tiles, in-warp sums
+                if EVEN_K:
+                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
+                else:
+                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
+                part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
+                acc += tl.where(cols_m == m, part[:, None], 0.0)
+    out = tl.trans(acc)                                         # [BLOCK_M, BLOCK_N]
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        plane = M.to(tl.int64) * N                               # one split's [M, N] partial
+        tl.store(part_ptr + split * plane + out_offs, out, mask=out_mask)
+        tl.debug_barrier()          # every thread's partial stores precede the release below
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:     # the tile's last arrival: sum the partials in split order
+            total = tl.load(part_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(part_ptr + s * plane + out_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(cnt_ptr + tile, 0)                          # zero for the next call
+
+
+def block_m(M: int, dot: bool) -> int:
+    """Rows of the program's x tile: next_pow2(M), at least 16 on the tl.dot path."""
+    return max(_MIN_DOT if dot else 1, triton.next_power_of_2(max(M, 1)))
+
+
+def _even_split(k_blocks: int, split_k: int) -> tuple[int, int]:
+    """(splits, blocks per split) for at most `split_k` splits of `k_blocks`, none empty."""
+    per = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks)))
+    return triton.cdiv(k_blocks, per), per
+
+
+def plan_gemv(M: int, N: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+              num_sms: int, *, block_n: int | None = None, block_k: int | None = None,
+              split_k: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None, dot: bool | None = None,
+              precision: str | None = None) -> GemvPlan:
+    """The plan of an [M, K] x [N, K]^T product on a GPU of `num_sms` SMs (module docstring);
+    host arithmetic only. A knob given replaces the default; the defaults of the others follow
+    it (the inner product picks the tile defaults, the tile sizes the split). Raises ValueError
+    on an invalid knob."""
+    dot = M > FMA_MAX_M if dot is None else dot
+    least = _MIN_DOT if dot else 1
+    if not dot and M > FMA_LIMIT_M:
+        raise ValueError(f"dot=False serves M <= {FMA_LIMIT_M}; got M = {M}")
+    w_bytes = w_dtype.itemsize
+    wide = max(w_bytes, x_dtype.itemsize) >= 4
+    if dot:
+        bn, bk, warps, stages = 64, (32 if wide else 128), 4, 4
+    else:
+        bn, bk, warps, stages = 16, FMA_BLOCK_BYTES // w_bytes, 4, 3
+    block_k = pow2("block_k", block_k, least) if block_k is not None else \
+        min(bk, max(_MIN_DOT, triton.next_power_of_2(K)))
+    num_warps = pow2("num_warps", num_warps, 1) if num_warps is not None else warps
+    num_stages = stages if num_stages is None else num_stages
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1; got {num_stages}")
+    precision = "ieee" if precision is None else precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"split_k must be >= 1; got {split_k}")
+    k_blocks = triton.cdiv(max(K, 1), block_k)
+    target = PROGRAMS_PER_SM * num_sms
+
+    def most_splits(bn: int) -> int:
+        """The default's split cap: the K blocks, and the last arrival's registers (it holds
+        every split's share of the tile at once)."""
+        if triton.cdiv(N, bn) > MAX_TILES:
+            return 1
+        per_thread = triton.cdiv(block_m(M, dot) * bn, 32 * num_warps)
+        return min(k_blocks, max(1, REDUCE_REGS // per_thread))
+
+    if block_n is None:
+        block_n = min(bn, max(least, triton.next_power_of_2(N)))
+        # narrower tiles while the split cap leaves the SMs under half the target programs
+        while block_n > (_MIN_DOT if dot else num_warps) and \
+                triton.cdiv(N, block_n) * most_splits(block_n) < target // 2:
+            block_n //= 2
+    else:
+        pow2("block_n", block_n, least)
+    if split_k is None:
+        split_k = min(triton.cdiv(target, triton.cdiv(N, block_n)), most_splits(block_n))
+    split, _ = _even_split(k_blocks, split_k)
+    return GemvPlan(block_n, block_k, split, num_warps, num_stages, dot, precision)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K]; got shape {list(x.shape)}")
+    if w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be [N, K] with K = {x.shape[1]} (x's); got {list(w.shape)}")
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype not in X_DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} is not supported; allowed: "
+                             f"{[str(d) for d in X_DTYPES]}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along K; got strides {t.stride()}")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"x has M = {x.shape[0]} rows; triton_linear serves M <= {MAX_M} "
+                         "(larger GEMMs: F.linear)")
+    if x.device != w.device:
+        raise ValueError(f"x and w must be on one device; got {x.device} and {w.device}")
+
+
+_HELD: dict[torch.device, torch.Tensor] = {}
+
+
+def held_counters(device: torch.device) -> torch.Tensor:
+    """This device's split-K arrival counters (MAX_TILES int32, zero between calls), allocated
+    zeroed on first use outside CUDA-graph capture; inside a capture without one, a fresh
+    zero-filled buffer that lives in the graph."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _HELD.get(device)
+    if buf is None:
+        buf = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _HELD[device] = buf
+    return buf
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = None,
+                  block_k: int | None = None, split_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  dot: bool | None = None, precision: str | None = None,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T (`F.linear(x, w)` without bias): x [M, K] with M <= MAX_M and unit column
+    stride (any row stride), w [N, K] with unit stride along K, both bf16 / fp16 / fp32 -> y
+    [M, N] contiguous in x's dtype, fp32 accumulation, one launch, bit-identical run to run.
+
+    The knobs override `plan_gemv`'s choice (tests and sweeps): `block_n`, `block_k` (powers of
+    two; >= 16 on the tl.dot path), `split_k` (at most this many K splits; the plan evens it out),
+    `num_warps`, `num_stages`, `dot` (tl.dot vs FMA inner product), `precision` (tl.dot's
+    input_precision for fp32 operands: "ieee" or "tf32x3"). Different knobs may give different
+    last bits (another sum order). `counters`: a zeroed int32 buffer of >= N tiles words for the
+    split-K arrival counters, left zero by every call (default: the device's held one; see the
+    module docstring on streams).
+    """
+    _check(x, w)
+    (M, K), N = x.shape, w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    plan = plan_gemv(M, N, K, x.dtype, w.dtype, sms(x.device), block_n=block_n,
+                     block_k=block_k, split_k=split_k, num_warps=num_warps,
+                     num_stages=num_stages, dot=dot, precision=precision)
+    tiles = triton.cdiv(N, plan.block_n)
+    splits, per = _even_split(triton.cdiv(K, plan.block_k), plan.split_k)
+    part, cnt = y, y                            # unused unless split
+    if splits > 1:
+        cnt = held_counters(x.device) if counters is None else counters
+        if (cnt.dtype != torch.int32 or cnt.numel() < tiles or not cnt.is_contiguous()
+                or cnt.device != x.device):
+            raise ValueError(f"counters must be a contiguous int32 tensor of >= {tiles} words on "
+                             f"{x.device}; got {cnt.dtype} {cnt.numel()} on {cnt.device}, "
+                             f"contiguous={cnt.is_contiguous()}")
+        part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    # tl.dot in fp32: fp32 or mixed operands, and 16-bit ones under the interpreter (module doc)
+    upcast = x.device.type != "cuda" or x.dtype != w.dtype or x.dtype == torch.float32
+    _gemv_kernel[(tiles * splits,)](
+        x, w, y, part, cnt, M, N, K, x.stride(0), w.stride(0), per * plan.block_k,
+        BLOCK_M=block_m(M, plan.dot), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
+        UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return y
