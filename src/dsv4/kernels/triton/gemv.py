@@ -47,7 +47,7 @@ triton-lang/triton#11584): the same exact products.
 
 Plan (`plan_gemv`, host only, from (M, N, K, dtypes, SM count); no host sync, CUDA-graph safe):
 FMA for M <= FMA_MAX_M, else DOT with BLOCK_M = max(16, next_pow2(M)); BLOCK_K covers 512 bytes of
-a weight row (FMA) or 128 / 32 elements (DOT, 16-bit / fp32 operands); 4 warps; 3 / 4 stages;
+a weight row (FMA) or 128 / 32 elements (DOT, 16-bit / fp32 operands); 4 warps; 1 / 4 stages;
 BLOCK_N 16 (FMA) or 64 (DOT), at most next_pow2(N), halved (down to the warps / 16) while even the
 most splits leave under half the target programs. Target: PROGRAMS_PER_SM programs per SM;
 SPLIT_K = the splits that reach it, capped by the K blocks and by the last arrival's registers
@@ -192,7 +192,7 @@ def plan_gemv(M: int, N: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype
     if dot:
         bn, bk, warps, stages = 64, (32 if wide else 128), 4, 4
     else:
-        bn, bk, warps, stages = 16, FMA_BLOCK_BYTES // w_bytes, 4, 3
+        bn, bk, warps, stages = 16, FMA_BLOCK_BYTES // w_bytes, 4, 1
     block_k = pow2("block_k", block_k, least) if block_k is not None else \
         min(bk, max(_MIN_DOT, triton.next_power_of_2(K)))
     num_warps = pow2("num_warps", num_warps, 1) if num_warps is not None else warps
