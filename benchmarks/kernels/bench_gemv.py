@@ -109,7 +109,7 @@ def max_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
 
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from dsv4.kernels.triton.gemv import plan_gemv, triton_linear
+    from dsv4.kernels.triton.gemv import GemvCounters, plan_gemv, triton_linear
     from dsv4.kernels.triton.launch import sms
 
     cuda = device.type == "cuda"
@@ -119,8 +119,10 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     timed: dict[str, float] = {}
     failed: dict[str, str] = {}
     err = 0.0
+    held = GemvCounters().get(device)    # held across calls, as a serving engine would
     for knobs in [{}, *(sweep_knobs(case, num_sms) if args.sweep else [])]:
         key = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+        knobs = {**knobs, "counters": held}
         try:
             err = max(err, max_error(triton_linear(*sets[0], **knobs), *sets[0]))
             timed[key] = time_us(lambda x, w, kw=knobs: triton_linear(x, w, **kw), sets, args,

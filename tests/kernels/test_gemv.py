@@ -35,7 +35,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from dsv4.kernels.triton import gemv  # noqa: E402
-from dsv4.kernels.triton.gemv import MAX_M, plan_gemv, triton_linear  # noqa: E402
+from dsv4.kernels.triton.gemv import (  # noqa: E402
+    MAX_M,
+    GemvCounters,
+    plan_gemv,
+    triton_linear,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16, F32 = torch.bfloat16, torch.float32
@@ -119,9 +124,12 @@ def test_many_splits_and_tiles() -> None:
     """More splits than SPLIT_K's default, several N tiles each reduced by its own last arrival;
     the held counters are left zero."""
     x, w = operands(2, 70, 520, F32, seed=4)
-    assert_close(triton_linear(x, w, block_n=16, block_k=16, split_k=9, dot=False), x, w)
-    assert_close(triton_linear(x, w, block_n=16, block_k=16, split_k=40, dot=True), x, w)
-    assert int(gemv.held_counters(x.device).abs().sum()) == 0
+    held = GemvCounters()
+    for dot, split in ((False, 9), (True, 40)):
+        y = triton_linear(x, w, block_n=16, block_k=16, split_k=split, dot=dot,
+                          counters=held.get(x.device))
+        assert_close(y, x, w)
+    assert int(held.get(x.device).abs().sum()) == 0
 
 
 def test_deterministic() -> None:
@@ -206,12 +214,13 @@ def test_gpu_real_shapes_in_graph(N: int, K: int, dtype: torch.dtype, M: int) ->
     g = torch.Generator(DEVICE).manual_seed(M * 7 + N)
     x = torch.randn(M, K, generator=g, device=DEVICE).to(dtype)
     w = (torch.randn(N, K, generator=g, device=DEVICE) / K**0.5).to(dtype)
-    eager = triton_linear(x, w)                   # compiles (and holds the counters) outside
+    held = GemvCounters()
+    eager = triton_linear(x, w, counters=held.get(x.device))   # compiles, holds the counters
     assert_close(eager, x, w)
-    assert torch.equal(triton_linear(x, w), eager)
+    assert torch.equal(triton_linear(x, w, counters=held.get(x.device)), eager)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = triton_linear(x, w)
+        got = triton_linear(x, w, counters=held.get(x.device))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, eager)
@@ -221,4 +230,4 @@ def test_gpu_real_shapes_in_graph(N: int, K: int, dtype: torch.dtype, M: int) ->
     torch.cuda.synchronize()
     assert_close(got, x, w)
     assert torch.equal(got, triton_linear(x, w))
-    assert int(gemv.held_counters(x.device).abs().sum()) == 0
+    assert int(held.get(x.device).abs().sum()) == 0

@@ -30,11 +30,10 @@ a workspace [SPLIT_K, M, N] (fresh per call), then bumps its N tile's int32 arri
 program that brings it to SPLIT_K - 1 sums the tile's SPLIT_K partials in split order 0, 1, ...
 (L1-bypassing loads), stores y and resets the counter to 0. Every y element is therefore the same
 sum in the same order whichever program arrives last: bit-identical run to run, no float atomics.
-The counters are one int32 per N tile in a buffer held per device (`counters`), zero when
-allocated and left zero by every call, so no memset node is needed; it is allocated on first use
-outside CUDA-graph capture (a first use inside a capture takes a fresh zero-filled buffer inside
-the graph, correct on every replay). Split-K calls that share a counter buffer must not overlap:
-one stream at a time, as the engine's forward runs (or pass each stream its own `counters`).
+The counters are one int32 per N tile in a buffer the caller holds (`counters`, e.g. from a
+`GemvCounters`), zero when allocated and left zero by every call, so no memset node is needed;
+without one a call takes a fresh zero-filled buffer (one memset). Split-K calls that share a
+counter buffer must not overlap: one stream at a time (or each stream its own buffer).
 
 Precision: fp32 accumulation of exact products (bf16 / fp16 products are exact in fp32); the sum
 order differs from cuBLAS's, so results match `F.linear` within fp32 rounding of the K-sum,
@@ -247,21 +246,25 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"x and w must be on one device; got {x.device} and {w.device}")
 
 
-_HELD: dict[torch.device, torch.Tensor] = {}
+class GemvCounters:
+    """Split-K arrival counters held across `triton_linear` calls (`counters=`): one zeroed int32
+    buffer of MAX_TILES words per device, left zero by every call, so the calls need no memset.
+    Allocated on first use outside CUDA-graph capture; a first use inside a capture takes a fresh
+    zero-filled buffer that lives in the graph (correct on every replay). Calls sharing it must
+    not overlap (one stream at a time)."""
 
+    def __init__(self) -> None:
+        self._held: dict[torch.device, torch.Tensor] = {}
 
-def held_counters(device: torch.device) -> torch.Tensor:
-    """This device's split-K arrival counters (MAX_TILES int32, zero between calls), allocated
-    zeroed on first use outside CUDA-graph capture; inside a capture without one, a fresh
-    zero-filled buffer that lives in the graph."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = _HELD.get(device)
-    if buf is None:
-        buf = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _HELD[device] = buf
-    return buf
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        buf = self._held.get(device)
+        if buf is None:
+            buf = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._held[device] = buf
+        return buf
 
 
 def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = None,
@@ -278,8 +281,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     `num_warps`, `num_stages`, `dot` (tl.dot vs FMA inner product), `precision` (tl.dot's
     input_precision for fp32 operands: "ieee" or "tf32x3"). Different knobs may give different
     last bits (another sum order). `counters`: a zeroed int32 buffer of >= N tiles words for the
-    split-K arrival counters, left zero by every call (default: the device's held one; see the
-    module docstring on streams).
+    split-K arrival counters, left zero by every call (`GemvCounters.get`; default: a fresh zeroed
+    one, i.e. one memset more; see the module docstring on streams).
     """
     _check(x, w)
     (M, K), N = x.shape, w.shape[0]
@@ -295,7 +298,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     splits, per = _even_split(triton.cdiv(K, plan.block_k), plan.split_k)
     part, cnt = y, y                            # unused unless split
     if splits > 1:
-        cnt = held_counters(x.device) if counters is None else counters
+        cnt = (torch.zeros(tiles, dtype=torch.int32, device=x.device) if counters is None
+               else counters)
         if (cnt.dtype != torch.int32 or cnt.numel() < tiles or not cnt.is_contiguous()
                 or cnt.device != x.device):
             raise ValueError(f"counters must be a contiguous int32 tensor of >= {tiles} words on "
