@@ -37,7 +37,9 @@ Variant = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]
 
 
 def moe_variants() -> Iterator[Variant]:
-    from dsv4.kernels.triton import moe
+    """Each (format, inner loop) at the plan's BLOCK_K and its two BLOCK_N (64; 32 at N = 1),
+    4 warps."""
+    from dsv4.kernels.triton import moe, moe_plan
 
     for fmt, name in ((0, "bf16"), (1, "fp8"), (2, "fp4")):
         w, s = ("*bf16", "*bf16") if fmt == 0 else ("*u8", "*u8")
@@ -45,11 +47,23 @@ def moe_variants() -> Iterator[Variant]:
                  "h_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "out_ptr": "*fp32", "order_ptr": "*i64",
                  "rw_ptr": "*fp32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
                  "t_exp_ptr": "*i32", "limit": "fp32"}
-        consts = {"TOPK": 6, "FMT": fmt, "FP32_DOT": False, "BLOCK_M": 16, "BLOCK_N": 64,
-                  "BLOCK_K": 64}
-        options = {"num_warps": 4, "num_stages": 3}
-        yield f"moe gate_up {name}", moe._gate_up_kernel, types, consts, options
-        yield f"moe down {name}", moe._down_kernel, types, {**consts, "ATOMIC": False}, options
+        # V4-Flash: every dim and stride is a multiple of 16 (the JIT specialises on it)
+        types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
+                                              "stride_wn", "stride_se", "stride_sn", "stride_h",
+                                              "stride_o")}
+        for variant, code in moe_plan.VARIANTS.items():
+            if fmt == 0 and variant != "scaled":
+                continue        # bf16 weights have one loop
+            bk = moe_plan._default_block_k(name, variant)
+            for bn in (64, 32):
+                consts = {"TOPK": 6, "FMT": fmt, "VARIANT": code, "FP32_DOT": False,
+                          "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}
+                options = {"num_warps": 4, "num_stages": 3}
+                label = f"{name} {variant} bn{bn} bk{bk}"
+                yield (f"moe gate_up {label}", moe._gate_up_kernel, types,
+                       {**consts, "LIBDEVICE": True}, options)
+                yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \
+                    options
 
 
 def topk_variants() -> Iterator[Variant]:
@@ -198,7 +212,9 @@ KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "top
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:
-    """Static SASS instruction / LDG / HMMA counts, and registers and spill bytes per thread.
+    """Static SASS instruction / LDG / HMMA (mma.sync) / HGMMA (wgmma) counts, the instructions of
+    the longest loop body (the K loop of a GEMM: its cost per step; -1 without a loop), and
+    registers and spill bytes per thread.
 
     Read with the `nvdisasm` and `cuobjdump` that ship with Triton's NVIDIA backend.
     """
@@ -214,9 +230,28 @@ def sass_counts(cubin: bytes) -> dict[str, int]:
     regs = re.search(r"REG:(\d+)", usage)
     spill = re.search(r"STACK:(\d+)", usage)
     return {"instr": len(instr), "LDG": sum("LDG" in x for x in instr),
-            "HMMA": sum("HMMA" in x for x in instr),
+            "HMMA": sum("HMMA" in x for x in instr), "HGMMA": sum("HGMMA" in x for x in instr),
+            "loop": longest_loop(lines.splitlines()),
             "regs": int(regs.group(1)) if regs else -1,
             "stack": int(spill.group(1)) if spill else -1}
+
+
+def longest_loop(lines: list[str]) -> int:
+    """Instructions between a label and the furthest backward branch to it (nvdisasm -c text)."""
+    index: dict[str, int] = {}
+    branches: list[tuple[int, str]] = []
+    count = 0
+    for line in lines:
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            index[label.group(1)] = count
+        elif line.strip().startswith("/*") and "*/" in line:
+            target = re.search(r"BRA.*`\((\.L_x_\d+)\)", line)
+            if target:
+                branches.append((count, target.group(1)))
+            count += 1
+    spans = [at - index[name] + 1 for at, name in branches if index.get(name, at + 1) <= at]
+    return max(spans, default=-1)
 
 
 def compile_variant(kernel: Any, types: dict[str, str], consts: dict[str, Any],
@@ -252,12 +287,13 @@ def main() -> int:
                 compiled = compile_variant(kernel, types, consts, options)
             except Exception as exc:  # noqa: BLE001 — report every variant, then fail
                 failed += 1
-                sys.stdout.write(f"{label:<33} COMPILE ERROR: "
+                sys.stdout.write(f"{label:<44} COMPILE ERROR: "
                                  f"{str(exc).splitlines()[0] if str(exc) else exc!r}\n")
                 continue
             c = sass_counts(compiled.asm["cubin"])
-            sys.stdout.write(f"{label:<33} instr {c['instr']:>6}  LDG {c['LDG']:>4}  "
-                             f"HMMA {c['HMMA']:>3}  shared {compiled.metadata.shared:>6} B  "
+            sys.stdout.write(f"{label:<44} instr {c['instr']:>6}  LDG {c['LDG']:>4}  "
+                             f"HMMA {c['HMMA']:>3}  HGMMA {c['HGMMA']:>3}  loop {c['loop']:>5}  "
+                             f"shared {compiled.metadata.shared:>6} B  "
                              f"regs {c['regs']:>3}  stack {c['stack']:>4} B\n")
     return 1 if failed else 0
 
