@@ -37,10 +37,12 @@ Variant = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]
 
 
 def moe_variants() -> Iterator[Variant]:
-    """Each (format, inner loop) at the plan's BLOCK_K and its two BLOCK_N (64; 32 at N = 1),
-    4 warps."""
+    """Each (format, distinct inner loop) at the plan's BLOCK_K and its two BLOCK_N (64; 32 at
+    N = 1), 4 warps. The label ends with the weight bytes one thread decodes per K step: the loop
+    count over it is the K loop's instructions per weight byte."""
     from dsv4.kernels.triton import moe, moe_plan
 
+    loops = {"bf16": ("scaled",), "fp8": ("scaled", "dot_scaled"), "fp4": tuple(moe_plan.VARIANTS)}
     for fmt, name in ((0, "bf16"), (1, "fp8"), (2, "fp4")):
         w, s = ("*bf16", "*bf16") if fmt == 0 else ("*u8", "*u8")
         types = {"x_ptr": "*bf16", "w1_ptr": w, "w3_ptr": w, "s1_ptr": s, "s3_ptr": s,
@@ -51,15 +53,14 @@ def moe_variants() -> Iterator[Variant]:
         types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
                                               "stride_wn", "stride_se", "stride_sn", "stride_h",
                                               "stride_o")}
-        for variant, code in moe_plan.VARIANTS.items():
-            if fmt == 0 and variant != "scaled":
-                continue        # bf16 weights have one loop
+        for variant in loops[name]:
             bk = moe_plan._default_block_k(name, variant)
             for bn in (64, 32):
-                consts = {"TOPK": 6, "FMT": fmt, "VARIANT": code, "FP32_DOT": False,
-                          "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}
+                consts = {"TOPK": 6, "FMT": fmt, "VARIANT": moe_plan.VARIANTS[variant],
+                          "FP32_DOT": False, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}
                 options = {"num_warps": 4, "num_stages": 3}
-                label = f"{name} {variant} bn{bn} bk{bk}"
+                per_thread = bn * bk * (2, 1, 0.5)[fmt] / 128
+                label = f"{name} {variant} {bn}x{bk} {per_thread:g}B"
                 yield (f"moe gate_up {label}", moe._gate_up_kernel, types,
                        {**consts, "LIBDEVICE": True}, options)
                 yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \

@@ -2,8 +2,9 @@
 
 Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activations, limit 10):
   N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
-  (128x128 blocks), bf16} x inner loop (`--variants`, default all: split, scaled, dot_scaled; bf16
-  weights have one loop, shown as "-").
+  (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
+  dot_scaled, words; FP8 runs its two distinct loops, scaled and dot_scaled; bf16 weights have one
+  loop, shown as "-").
 Metrics:
   weight bytes = distinct experts hit x one expert's bytes (w1, w3, w2 and their scales): what the
       kernel has to read at least once (averaged over the input sets); floor us = weight bytes /
@@ -62,7 +63,8 @@ SWEEP: dict[str, list[Config]] = {
     "bf16": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
 }
 FMTS = ("fp4", "fp8", "bf16")
-VARIANTS = ("split", "scaled", "dot_scaled")
+VARIANTS = ("split", "scaled", "dot_scaled", "words")
+FP8_LOOPS = ("scaled", "dot_scaled")       # FP8's "split" and "words" are its "scaled" loop
 
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]      # (x, indices, weights)
@@ -207,7 +209,8 @@ def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
     cuda = device.type == "cuda"
     wts = make_weights(s, fmt, device, args.seed)
     per_expert = expert_bytes(wts)
-    variants: list[str | None] = [None] if fmt == "bf16" else list(args.variants)
+    variants: list[str | None] = ([None] if fmt == "bf16" else
+                                  [v for v in args.variants if fmt == "fp4" or v in FP8_LOOPS])
     rows, all_sets = [], []
     for N in args.tokens or s.tokens:
         all_sets.append(sets := [make_inputs(s, N, device, args.seed + i)

@@ -1,11 +1,11 @@
 """Parity of `triton_routed_experts_quant` with the reference `routed_experts_quant` (spec §8, §12).
 
-CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, every inner loop
-(`variant`: split, scaled, dot_scaled) of the quantised formats, N = 1, 5, 33, 40 tokens, k = 2,
-experts with no tokens, every token on one expert (several tiles), K tiles wider than K (masked),
-I not a multiple of 128 (partial fp8 blocks), fp32 and bf16 activations, a clamp that bites, the
-deterministic epilogue, FP4 scale codes at the edges of the folded decode, the launch plan, the
-device tile map, input validation.
+CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, every inner
+loop (`variant`: split, scaled, dot_scaled, words) of the quantised formats, N = 1, 5, 33, 40
+tokens, k = 2, experts with no tokens, every token on one expert (several tiles), K tiles wider
+than K (masked), I not a multiple of 128 (partial fp8 blocks), fp32 and bf16 activations, a clamp
+that bites, the deterministic epilogue, the FP4 decodes at the edges of the scale range, the
+launch plan, the device tile map, input validation.
 GPU (`-m gpu`): V4-Flash shapes (E 256, d 4096, I 2048, k 6; N = 1, 8, 64, 512) per variant,
 graph capture, rows independent of the batch, bit-reproducible deterministic path.
 
@@ -34,7 +34,7 @@ from dsv4.kernels.triton.moe import (  # noqa: E402
     triton_routed_experts_quant,
     triton_routed_experts_quant_deterministic,
 )
-from dsv4.kernels.triton.moe_decode import fp4_tile  # noqa: E402
+from dsv4.kernels.triton.moe_decode import fp4_tile, fp4_tile_words  # noqa: E402
 from dsv4.kernels.triton.moe_plan import VARIANTS, plan_moe  # noqa: E402
 
 REL = 1e-2          # max |diff| / max |ref| against the fp32-activation reference
@@ -151,7 +151,7 @@ def test_variants_ragged(fmt: str, variant: str) -> None:
           block_m=16, block_n=16)
 
 
-@pytest.mark.parametrize("variant", ["split", "scaled"])
+@pytest.mark.parametrize("variant", ["split", "scaled", "words"])
 def test_variants_fp32_x(variant: str) -> None:
     """fp32 activations run fp32 dots in every loop but dot_scaled, which refuses them."""
     wts = make_weights(6, 128, 64, "fp4", seed=15)
@@ -163,20 +163,32 @@ def test_variants_fp32_x(variant: str) -> None:
 
 
 @triton.jit
-def _fp4_tile_kernel(w_ptr, s_ptr, out_ptr, K, FP32: tl.constexpr,  # type: ignore[no-untyped-def]
-                     BN: tl.constexpr, BK: tl.constexpr):
+def _fp4_tile_kernel(w_ptr, s_ptr, out_ptr, K, WORDS: tl.constexpr,  # type: ignore[no-untyped-def]
+                     FP32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     rows = tl.arange(0, BN)
-    w = fp4_tile(w_ptr, s_ptr, 0, rows, 0, K, rows < BN, 0, K // 2, 0, K // 32, FP32, BK)
+    if WORDS:
+        w = fp4_tile_words(w_ptr, s_ptr, 0, rows, 0, K, rows < BN, 0, K // 2, 0, K // 32, FP32, BK)
+    else:
+        w = fp4_tile(w_ptr, s_ptr, 0, rows, 0, K, rows < BN, 0, K // 2, 0, K // 32, FP32, BK)
     tl.store(out_ptr + rows[None, :] * BK + tl.arange(0, BK)[:, None], w.to(tl.float32))
 
 
+def _word_order(k: int) -> torch.Tensor:
+    """The k held at each position of an `fp4_tile_words` tile: 4h + 2u + v at 4v + 2u + h."""
+    q = torch.arange(k) % 8
+    return torch.arange(k) - q + 4 * (q % 2) + 2 * ((q // 2) % 2) + q // 4
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
-@pytest.mark.parametrize("fp32", [True, pytest.param(False, marks=pytest.mark.gpu)])
-def test_fp4_tile_scale_codes(fp32: bool) -> None:
-    """The folded FP4 decode (`fp4_tile`: e2m1 bits as v * 2^-126, times 2^(s - 1)) equals the
-    reference dequantisation exactly for every nibble and scale codes 2..128; a code above 128
-    gives inf / NaN, never a wrong finite value. The bf16 multiply (the GPU's default path; the
-    interpreter multiplies bf16 as integers) runs on a GPU only."""
+@pytest.mark.parametrize("words", [False, True], ids=["tile", "words"])
+@pytest.mark.parametrize("fp32", [True, pytest.param(False, marks=pytest.mark.gpu)],
+                         ids=["fp32", "bf16"])
+def test_fp4_tile_scale_codes(fp32: bool, words: bool) -> None:
+    """The folded FP4 decodes (`fp4_tile`, `fp4_tile_words`: e2m1 bits as v * 2^-126, times
+    2^(s - 1)) equal the reference dequantisation exactly for every nibble and scale codes 2..128;
+    a code above 128 gives inf / NaN, never a wrong finite value. The bf16 multiply (the GPU's
+    path, inline PTX for `fp4_tile_words`; the interpreter multiplies bf16 as integers) runs on a
+    GPU only."""
     from dsv4.kernels.ref.quant import dequant_fp4_group
 
     g = torch.Generator(DEVICE).manual_seed(18)
@@ -185,13 +197,18 @@ def test_fp4_tile_scale_codes(fp32: bool) -> None:
     codes = torch.randint(2, 129, (16, 8), generator=g, device=DEVICE, dtype=torch.uint8)
     codes[0, :2] = torch.tensor([2, 128], dtype=torch.uint8)
     out = torch.empty(16, 256, device=DEVICE)
-    _fp4_tile_kernel[(1,)](packed, codes, out, 256, FP32=fp32, BN=16, BK=256)
+    order = _word_order(256).to(DEVICE) if words else torch.arange(256, device=DEVICE)
+
+    def decode() -> torch.Tensor:
+        _fp4_tile_kernel[(1,)](packed, codes, out, 256, WORDS=words, FP32=fp32, BN=16, BK=256)
+        return torch.empty_like(out).index_copy_(1, order, out)
+
     ref = dequant_fp4_group(packed, codes.view(torch.float8_e8m0fnu), torch.float32)
-    assert torch.equal(out, ref)
+    assert torch.equal(decode(), ref)
     codes[3, 5] = 130
-    _fp4_tile_kernel[(1,)](packed, codes, out, 256, FP32=fp32, BN=16, BK=256)
-    assert not bool(torch.isfinite(out[3, 160:192]).any())
-    assert torch.equal(out[4:], ref[4:])
+    got = decode()
+    assert not bool(torch.isfinite(got[3, 160:192]).any())
+    assert torch.equal(got[4:], ref[4:])
 
 
 def test_deterministic_is_bit_reproducible() -> None:
@@ -212,7 +229,7 @@ def test_plan() -> None:
     assert (p1.gate_up.block_n, p1.down.block_n, p8.gate_up.block_n, p8.down.block_n) == \
         (32, 32, 64, 64)
     assert (p1.variant, p1.block_m, p1.block_k, p1.gate_up.num_warps) == \
-        (VARIANTS["scaled"], 16, 256, 4)
+        (VARIANTS["words"], 16, 256, 4)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 128
     assert plan_moe("fp4", "split", torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 64
     assert plan_moe("fp4", None, torch.float32, cpu, 6, 256, 2048, 4096, block_n=16
@@ -326,7 +343,9 @@ def flash_weights() -> dict[str, Weights]:
             for fmt in ("fp4", "fp8", "bf16")}
 
 
-FLASH_CASES = [(fmt, v) for fmt in ("fp4", "fp8") for v in VARIANTS] + [("bf16", None)]
+# FP8's split / words are its scaled loop; bf16 has one loop
+FLASH_CASES = ([("fp4", v) for v in VARIANTS] + [("fp8", "scaled"), ("fp8", "dot_scaled")]
+               + [("bf16", None)])
 
 
 @pytest.mark.gpu

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.moe_decode import tile_dot
+from dsv4.kernels.triton.moe_decode import fp4_word_order, tile_dot
 from dsv4.kernels.triton.moe_plan import MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
 from dsv4.kernels.triton.swiglu import swiglu_f32
@@ -109,14 +109,17 @@ _LIBDEVICE = libdevice_math(_gate_up_kernel)
 @triton.jit
 def _a_tile(a_rows, p_mask, k0, K, FMT: tl.constexpr,  # type: ignore[no-untyped-def]
             VARIANT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BM, BLOCK_K] activation tile at k0 (a_rows: [BM, 1] row pointers); a placeholder for split
-    FP4, which loads its even / odd columns itself."""
+    """[BM, BLOCK_K] activation tile at k0 (a_rows: [BM, 1] row pointers), its columns in the
+    weight tile's k order (FP4 "words": `fp4_word_order`); a placeholder for split FP4, which loads
+    its even / odd columns itself."""
     if FMT == 2 and VARIANT == 0:
         a = tl.zeros((1, 1), dtype=tl.float32)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + offs_k[None, :], mask=p_mask[:, None] & (offs_k < K)[None, :],
                     other=0.0)
+        if FMT == 2 and VARIANT == 3:
+            a = fp4_word_order(a)
     return a
 
 

@@ -13,10 +13,13 @@
   dot_scaled (2)  `tl.dot_scaled` on the raw bytes (and FP4's group scales): Triton decodes; on
                   Hopper it decomposes into its own e2m1 / e4m3 upcast, a bf16 scale multiply and
                   a bf16 MMA.
+  words (3)       FP4: as "scaled", decoded a 32-bit word (8 nibbles) at a time into bf16 pairs
+                  (k, k + 4) scaled by one bf16x2 multiply (`fp4_tile_words`; inline PTX on the
+                  GPU), the activation tile's columns permuted to match (`fp4_word_order`).
 
 FP8 is one dot per K tile in every variant (BLOCK_K <= 128 sits inside one 128-wide scale block),
 its [BN] per-row block scale multiplying the tile's product once (`fp8_scale`; exact, a power of
-two): "split" and "scaled" are the same loop, e4m3 -> fp32 -> bf16 (`w_tile`; on sm_90 packed
+two): "split", "scaled" and "words" are one loop, e4m3 -> fp32 -> bf16 (`w_tile`; on sm_90 packed
 converts, fewer instructions than a direct e4m3 -> bf16 convert or dot_scaled's upcast), and
 "dot_scaled" passes no scale (the block scale is applied to the product as in the others). bf16
 weights have one loop. `dot` is the bf16 MMA with fp32 accumulation (fp32 "ieee" under the
@@ -55,9 +58,10 @@ def tile_dot(acc, a, a_rows, a_mask, w_ptr, s_ptr, e, rows, k0,  # type: ignore[
 
     a: the [BM, BLOCK_K] activation tile (unused by split FP4, which loads its own columns through
     a_rows, [BM, 1] row pointers, and a_mask, [BM, 1]); rows: W's output rows [BLOCK_N] (n_mask
-    their bound). FMT 0 bf16 / 1 fp8 / 2 fp4; VARIANT per the module docstring. FP4 "scaled" and
-    "dot_scaled" and bf16 accumulate into `acc` inside the MMA (k in ascending order, so BLOCK_K
-    does not change the bits); FP8 and split FP4 scale each tile's product before adding it.
+    their bound). FMT 0 bf16 / 1 fp8 / 2 fp4; VARIANT per the module docstring ("words": `a`
+    already in `fp4_word_order`). FP4 "scaled", "words", "dot_scaled" and bf16 accumulate into
+    `acc` inside the MMA (one fixed k order, so BLOCK_K does not change the bits); FP8 and split
+    FP4 scale each tile's product before adding it.
     """
     if FMT == 2:
         if VARIANT == 0:
@@ -66,9 +70,13 @@ def tile_dot(acc, a, a_rows, a_mask, w_ptr, s_ptr, e, rows, k0,  # type: ignore[
         elif VARIANT == 1:
             acc = dot(a, fp4_tile(w_ptr, s_ptr, e, rows, k0, K, n_mask, stride_we, stride_wn,
                                   stride_se, stride_sn, FP32_DOT, BLOCK_K), acc, FP32_DOT)
-        else:
+        elif VARIANT == 2:
             acc = fp4_dot_scaled(acc, a, w_ptr, s_ptr, e, rows, k0, K, n_mask, stride_we,
                                  stride_wn, stride_se, stride_sn, BLOCK_K)
+        else:
+            acc = dot(a, fp4_tile_words(w_ptr, s_ptr, e, rows, k0, K, n_mask, stride_we,
+                                        stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K),
+                      acc, FP32_DOT)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_k < K)[:, None] & n_mask[None, :]
@@ -157,6 +165,97 @@ def fp4_tile(w_ptr, s_ptr, e, rows, k0, K, n_mask,  # type: ignore[no-untyped-de
 
 
 @triton.jit
+def fp4_tile_words(w_ptr, s_ptr, e, rows, k0, K, n_mask,  # type: ignore[no-untyped-def]
+                   stride_we, stride_wn, stride_se, stride_sn, FP32_DOT: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """`fp4_tile` decoded 32 bits at a time, its k in `fp4_word_order` (a fixed permutation within
+    each 8 k; the activations' columns get the same one, so the dot is the same sum).
+
+    A 32-bit word holds bytes 4j..4j+3 of a row: 8 nibbles, the one at bits 4r of 16-bit half h
+    being k = 8j + 4h + r. One shift of the whole word moves nibble r of both halves into the bf16
+    fields at once: ((x << 6 - 4r) & 0x01C001C0) | ((x << 12 - 4r) & 0x80008000) (negative:
+    right shifts) is the pair (k, k + 4) as bf16 bits of v * 2^-126 (`fp4_tile`'s bias trick),
+    and one `mul.rn.bf16x2` by the group factor 2^(s - 1) in both halves finishes it: ~4
+    instructions per 2 weights, no per-byte unpacking, the pairs ready for the MMA. On the GPU
+    (bf16 dots) that runs as inline PTX (Triton's own lowering of the same ops swaps the halves
+    around the multiply); with FP32_DOT (fp32 activations, the interpreter) the same bit ops run
+    as Triton ops and the multiply in fp32. Same values and scale range as `fp4_tile`.
+    Rows are read as 4-byte words: the checkpoint's d / 2 and I / 2 bytes are multiples of 16.
+    """
+    G: tl.constexpr = BLOCK_K // 32
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    offs_g = k0 // 32 + tl.arange(0, G)
+    g_mask = n_mask[:, None] & (offs_g * 32 < K)[None, :]
+    codes = tl.load(s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :],
+                    mask=g_mask, other=127).to(tl.uint32)
+    factor = (tl.minimum(codes, 129) + 126) << 7                     # [BN, G] bf16 bits
+    words = w_ptr.to(tl.pointer_type(tl.uint32)) + (e * stride_we
+                                                    + rows[:, None, None] * stride_wn) // 4
+    x = tl.load(words + offs_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
+                mask=g_mask[:, :, None], other=0)                    # [BN, G, 4] words
+    if FP32_DOT:
+        mag, sign = 0x01C001C0, 0x80008000
+        r0 = ((x << 6) & mag) | ((x << 12) & sign)
+        r1 = ((x << 2) & mag) | ((x << 8) & sign)
+        r2 = ((x >> 2) & mag) | ((x << 4) & sign)
+        r3 = ((x >> 6) & mag) | (x & sign)
+    else:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            _FP4_WORD_PTX, "=r,=r,=r,=r,r,r", [x, (factor | (factor << 16))[:, :, None] + 0 * x],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    pairs = tl.join(tl.join(r0, r1), tl.join(r2, r3))    # [BN, G, 4, v, u]: r = 2u + v
+    bits = tl.join(pairs.to(tl.uint16), (pairs >> 16).to(tl.uint16))   # [.., h]
+    if FP32_DOT:
+        w = _f32(bits) * _f32(factor[:, :, None, None, None, None])
+    else:
+        w = _bf16(bits)
+    return tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
+
+
+# $0..$3: nibble r = 0..3 of both 16-bit halves of word $4 as bf16 pairs times $5 (the group
+# factor in both halves); see `fp4_tile_words`.
+_FP4_WORD_PTX = tl.constexpr("""
+{
+.reg .b32 a, b;
+shl.b32 a, $4, 6;
+shl.b32 b, $4, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, $5;
+shl.b32 a, $4, 2;
+shl.b32 b, $4, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $1, a, $5;
+shr.b32 a, $4, 2;
+shl.b32 b, $4, 4;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $2, a, $5;
+shr.b32 a, $4, 6;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, $4, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $3, a, $5;
+}
+""")
+
+
+@triton.jit
+def fp4_word_order(a):  # type: ignore[no-untyped-def]
+    """[BM, BK] activation columns in the k order of an `fp4_tile_words` tile: within each 8,
+    position 4v + 2u + h holds k = 4h + 2u + v (the decoded tile's [.., v, u, h] flattened). A
+    permute of each thread's 8 contiguous columns: the loads stay 16-byte vectors."""
+    BM: tl.constexpr = a.shape[0]
+    BK: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(a, (BM, BK // 8, 2, 2, 2)), (0, 1, 4, 3, 2)),
+                      (BM, BK))
+
+
+@triton.jit
 def _bf16(bits):  # type: ignore[no-untyped-def]
     return bits.to(tl.bfloat16, bitcast=True)
 
@@ -234,3 +333,4 @@ def dot(a, w, acc, FP32_DOT: tl.constexpr):  # type: ignore[no-untyped-def]
         # exact here.
         return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc)
+

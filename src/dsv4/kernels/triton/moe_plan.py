@@ -4,12 +4,15 @@
 choice comes from shapes alone (no host sync).
 
 Inner loop (`VARIANTS`; `moe_decode.py` has the details): "split" (the first FP4 loop: two K = 16
-dots per 32-wide scale group), "scaled" (the whole tile decoded to bf16, scales folded in, one
-dot) and "dot_scaled" (`tl.dot_scaled`: Triton's own e2m1 / e4m3 upcast). FP8's "split" and
-"scaled" are one loop; bf16 weights have one loop (the variant changes nothing). Default:
-`DEFAULT_VARIANT[fmt]`, "scaled", the fewest instructions per weight byte in the sm_90 SASS
-(`benchmarks/aot_compile_sm90.py`). "dot_scaled" feeds the activations to the MMA as bf16, so it
-refuses fp32 activations (a float32 model; "scaled" is exact for them).
+dots per 32-wide scale group), "scaled" (the whole tile decoded to bf16 element by element, scales
+folded in, one dot), "dot_scaled" (`tl.dot_scaled`: Triton's own e2m1 / e4m3 upcast) and "words"
+(FP4 decoded 8 nibbles per 32-bit word, the pairs scaled by one bf16x2 multiply, k permuted within
+each 8 in both operands). FP8's "split", "scaled" and "words" are one loop; bf16 weights have one
+loop (the variant changes nothing). Default: `DEFAULT_VARIANT[fmt]`, the fewest instructions per
+weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V4-Flash gate/up,
+BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
+"dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
+model; the others run fp32 dots for them, exact).
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
 for "split", its first setting), FP8 128 (also the most one 128-wide scale block allows), bf16 64.
@@ -26,7 +29,8 @@ the deterministic down path may not add partials with float atomics, so a split 
 second pass; BLOCK_N = 32 already gives 3-6 programs per SM at N = 1 on V4-Flash.
 
 Bits. BLOCK_M and BLOCK_N only change which program computes an output element, and FP4
-"scaled" / bf16 accumulate the k terms in the MMA in ascending k at any BLOCK_K, so a token's row
+"words" / "scaled" and bf16 accumulate the k terms in the MMA in one fixed order at any BLOCK_K
+("words": ascending 8-groups, a fixed permutation within each), so a token's row
 does not depend on the batch around it (FP8 and split FP4 round each tile's scaled product: their
 BLOCK_K is fixed). Exception: FP4 "dot_scaled" compiles to wgmma at BLOCK_N = 64 and to mma.sync
 at 32, which may round differently, so its rows can change with N.
@@ -40,8 +44,8 @@ from functools import cache
 import torch
 import triton
 
-VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2}
-DEFAULT_VARIANT = {"fp4": "scaled", "fp8": "scaled", "bf16": "scaled"}
+VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3}
+DEFAULT_VARIANT = {"fp4": "words", "fp8": "scaled", "bf16": "scaled"}
 PROGRAMS_PER_SM = 4
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
 _MIN_DOT = 16
