@@ -37,9 +37,10 @@ Variant = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]
 
 
 def moe_variants() -> Iterator[Variant]:
-    """Each (format, distinct inner loop) at the plan's BLOCK_K and its two BLOCK_N (64; 32 at
-    N = 1), 4 warps. The label ends with the weight bytes one thread decodes per K step: the loop
-    count over it is the K loop's instructions per weight byte."""
+    """Each (format, distinct inner loop) at the plan's BLOCK_K, as BLOCK_M x BLOCK_N: 16 x 64
+    (decode), 16 x 32 (N = 1) and the largest BLOCK_M (big N), 4 warps. The label ends with the
+    bytes of one weight matrix a thread decodes per K step: the loop count over it (twice it for
+    gate/up, two matrices) is the K loop's instructions per weight byte."""
     from dsv4.kernels.triton import moe, moe_plan
 
     loops = {"bf16": ("scaled",), "fp8": ("scaled", "dot_scaled"), "fp4": tuple(moe_plan.VARIANTS)}
@@ -54,13 +55,14 @@ def moe_variants() -> Iterator[Variant]:
                                               "stride_wn", "stride_se", "stride_sn", "stride_h",
                                               "stride_o")}
         for variant in loops[name]:
-            bk = moe_plan._default_block_k(name, variant)
-            for bn in (64, 32):
+            big_m = moe_plan.max_block_m(name, variant)
+            for bm, bn in ((16, 64), (16, 32), (big_m, 64)):
+                bk = moe_plan.default_block_k(name, variant, bm)
                 consts = {"TOPK": 6, "FMT": fmt, "VARIANT": moe_plan.VARIANTS[variant],
-                          "FP32_DOT": False, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}
+                          "FP32_DOT": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
                 options = {"num_warps": 4, "num_stages": 3}
                 per_thread = bn * bk * (2, 1, 0.5)[fmt] / 128
-                label = f"{name} {variant} {bn}x{bk} {per_thread:g}B"
+                label = f"{name} {variant} {bm}x{bn}x{bk} {per_thread:g}B"
                 yield (f"moe gate_up {label}", moe._gate_up_kernel, types,
                        {**consts, "LIBDEVICE": True}, options)
                 yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \

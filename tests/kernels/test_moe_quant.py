@@ -242,6 +242,12 @@ def test_plan() -> None:
                      block_k=kw.get("block_k"), block_n=kw.get("block_n"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block_k"):
         plan_moe("fp4", "scaled", torch.bfloat16, cpu, 6, 8, 64, 64, block_k=512)
+    with pytest.raises(ValueError, match="block_m"):
+        plan_moe("fp4", "words", torch.bfloat16, cpu, 6, 8, 64, 64, block_m=64)
+    big = (12288, 256, 2048, 4096)                                     # N = 2048
+    assert (plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_m,
+            plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_k) == (32, 128)
+    assert plan_moe("fp8", None, torch.bfloat16, cpu, *big).block_m == 64
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])

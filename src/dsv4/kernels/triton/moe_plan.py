@@ -15,8 +15,10 @@ BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4;
 model; the others run fp32 dots for them, exact).
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
-for "split", its first setting), FP8 128 (also the most one 128-wide scale block allows), bf16 64.
-BLOCK_M = the mean rows per expert as a power of two in [16, 64] (decode: 16, the tl.dot minimum).
+for "split", its first setting; 128 at BLOCK_M 32), FP8 128 (also the most one 128-wide scale block
+allows), bf16 64.
+BLOCK_M = the mean rows per expert as a power of two in [16, 64] (decode: 16, the tl.dot minimum;
+at most 32 for FP4 "scaled" / "words": `max_block_m`).
 BLOCK_N: at decode the N*k rows land on ~N*k experts with one row each, so the grid
 (tiles, out / BLOCK_N) is small: N = 1, k = 6, I = 2048 gives 6 x 32 = 192 gate/up programs at
 BLOCK_N = 64 for 132 SMs (1.5 waves, few bytes in flight). Each launch (gate/up: out = I; down:
@@ -28,12 +30,14 @@ unless `num_warps` is given). No split-K: the gate/up epilogue's SwiGLU needs th
 the deterministic down path may not add partials with float atomics, so a split would cost a
 second pass; BLOCK_N = 32 already gives 3-6 programs per SM at N = 1 on V4-Flash.
 
-Bits. BLOCK_M and BLOCK_N only change which program computes an output element, and FP4
-"words" / "scaled" and bf16 accumulate the k terms in the MMA in one fixed order at any BLOCK_K
-("words": ascending 8-groups, a fixed permutation within each), so a token's row
-does not depend on the batch around it (FP8 and split FP4 round each tile's scaled product: their
-BLOCK_K is fixed). Exception: FP4 "dot_scaled" compiles to wgmma at BLOCK_N = 64 and to mma.sync
-at 32, which may round differently, so its rows can change with N.
+Bits. BLOCK_M and BLOCK_N only choose which program computes an output element, and FP4 "words" /
+"scaled" and bf16 accumulate the k terms in the MMA in one fixed order at any BLOCK_K ("words":
+ascending 8-groups, a fixed permutation within each; FP8 and split FP4 round each tile's scaled
+product, so their BLOCK_K is fixed), so a token's row does not depend on the batch around it as
+long as the MMA instruction stays the same. It changes where Triton moves a dot to wgmma: at
+BLOCK_M 64 (bf16, FP8, large N, as before) and for FP4 "dot_scaled" already at BLOCK_N 64 (so
+its rows can change between N = 1 and N = 8). FP4 "words" / "scaled" stay on mma.sync (BLOCK_M
+<= 32) at every N.
 """
 
 from __future__ import annotations
@@ -79,9 +83,13 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
     a knob given (not None) is used as is, after validation."""
     name = _variant(fmt, variant, x_dtype)
-    bk = block_k or _default_block_k(fmt, name)
+    max_m = max_block_m(fmt, name)
+    if block_m is not None and not _MIN_DOT <= block_m <= max_m:
+        raise ValueError(f"fmt {fmt!r} variant {name!r} needs 16 <= block_m <= {max_m}; "
+                         f"got {block_m}")
+    bm = block_m or max(_MIN_DOT, min(max_m, triton.next_power_of_2(max(1, nk // num_experts))))
+    bk = block_k or default_block_k(fmt, name, bm)
     _check_blocks(fmt, name, block_n, bk)
-    bm = block_m or max(_MIN_DOT, min(64, triton.next_power_of_2(max(1, nk // num_experts))))
     tiles = max(1, (nk + min(num_experts, nk) * (bm - 1)) // bm)
     target = PROGRAMS_PER_SM * _num_sms(device)
 
@@ -106,10 +114,18 @@ def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
     return variant
 
 
-def _default_block_k(fmt: str, variant: str) -> int:
-    """128 bytes of each weight row per step (split FP4: its first 64)."""
+def max_block_m(fmt: str, variant: str) -> int:
+    """64, but 32 for FP4 "scaled" / "words": at BLOCK_M = 64 Triton (3.6, sm_90) moves the MMA to
+    wgmma, whose shared-memory operand layout it cannot derive through the decoded tile's
+    join / reshape (a compile error)."""
+    return 32 if fmt == "fp4" and variant in ("scaled", "words") else 64
+
+
+def default_block_k(fmt: str, variant: str, block_m: int) -> int:
+    """128 bytes of each weight row per step (split FP4: its first 64; FP4 at BLOCK_M 32: 64
+    bytes, or the two 256-wide decoded tiles spill registers)."""
     if fmt == "fp4":
-        return 64 if variant == "split" else 256
+        return 64 if variant == "split" else 256 if block_m == _MIN_DOT else 128
     return _FP8_BLOCK if fmt == "fp8" else 64
 
 
