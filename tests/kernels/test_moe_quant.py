@@ -34,7 +34,7 @@ from dsv4.kernels.triton.moe import (  # noqa: E402
     triton_routed_experts_quant,
     triton_routed_experts_quant_deterministic,
 )
-from dsv4.kernels.triton.moe_decode import fp4_tile, fp4_tile_words  # noqa: E402
+from dsv4.kernels.triton.moe_fp4 import fp4_tile, fp4_tile_words  # noqa: E402
 from dsv4.kernels.triton.moe_plan import VARIANTS, plan_moe  # noqa: E402
 
 REL = 1e-2          # max |diff| / max |ref| against the fp32-activation reference

@@ -56,7 +56,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.moe_decode import fp4_word_order, tile_dot
+from dsv4.kernels.triton.moe_decode import tile_dot
+from dsv4.kernels.triton.moe_fp4 import fp4_word_order
 from dsv4.kernels.triton.moe_plan import MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
 from dsv4.kernels.triton.swiglu import swiglu_f32
