@@ -253,7 +253,8 @@ def longest_loop(lines: list[str]) -> int:
             if target:
                 branches.append((count, target.group(1)))
             count += 1
-    spans = [at - index[name] + 1 for at, name in branches if index.get(name, at + 1) <= at]
+    # NOTE: `index < at`: a branch to itself is the trap loop after EXIT, not a loop body
+    spans = [at - index[name] + 1 for at, name in branches if index.get(name, at) < at]
     return max(spans, default=-1)
 
 
