@@ -38,19 +38,36 @@ Variant = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]
 
 
 def moe_variants() -> Iterator[Variant]:
-    from dsv4.kernels.triton import moe
+    """Each (format, distinct inner loop) at the plan's BLOCK_K, as BLOCK_M x BLOCK_N: 16 x 64
+    (decode), 16 x 32 (N = 1) and the largest BLOCK_M (big N), 4 warps. The label ends with the
+    bytes of one weight matrix a thread decodes per K step: the loop count over it (twice it for
+    gate/up, two matrices) is the K loop's instructions per weight byte."""
+    from dsv4.kernels.triton import moe, moe_plan
 
+    loops = {"bf16": ("scaled",), "fp8": ("scaled", "dot_scaled"), "fp4": tuple(moe_plan.VARIANTS)}
     for fmt, name in ((0, "bf16"), (1, "fp8"), (2, "fp4")):
         w, s = ("*bf16", "*bf16") if fmt == 0 else ("*u8", "*u8")
         types = {"x_ptr": "*bf16", "w1_ptr": w, "w3_ptr": w, "s1_ptr": s, "s3_ptr": s,
                  "h_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "out_ptr": "*fp32", "order_ptr": "*i64",
                  "rw_ptr": "*fp32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
                  "t_exp_ptr": "*i32", "limit": "fp32"}
-        consts = {"TOPK": 6, "FMT": fmt, "FP32_DOT": False, "BLOCK_M": 16, "BLOCK_N": 64,
-                  "BLOCK_K": 64}
-        options = {"num_warps": 4, "num_stages": 3}
-        yield f"moe gate_up {name}", moe._gate_up_kernel, types, consts, options
-        yield f"moe down {name}", moe._down_kernel, types, {**consts, "ATOMIC": False}, options
+        # V4-Flash: every dim and stride is a multiple of 16 (the JIT specialises on it)
+        types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
+                                              "stride_wn", "stride_se", "stride_sn", "stride_h",
+                                              "stride_o")}
+        for variant in loops[name]:
+            big_m = moe_plan.max_block_m(name, variant)
+            for bm, bn in ((16, 64), (16, 32), (big_m, 64)):
+                bk = moe_plan.default_block_k(name, variant, bm)
+                consts = {"TOPK": 6, "FMT": fmt, "VARIANT": moe_plan.VARIANTS[variant],
+                          "FP32_DOT": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+                options = {"num_warps": 4, "num_stages": 3}
+                per_thread = bn * bk * (2, 1, 0.5)[fmt] / 128
+                label = f"{name} {variant} {bm}x{bn}x{bk} {per_thread:g}B"
+                yield (f"moe gate_up {label}", moe._gate_up_kernel, types,
+                       {**consts, "LIBDEVICE": True}, options)
+                yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \
+                    options
 
 
 def topk_variants() -> Iterator[Variant]:
@@ -222,7 +239,9 @@ KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "top
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:
-    """Static SASS instruction / LDG / HMMA counts, and registers and spill bytes per thread.
+    """Static SASS instruction / LDG / HMMA (mma.sync) / HGMMA (wgmma) counts, the instructions of
+    the longest loop body (the K loop of a GEMM: its cost per step; -1 without a loop), and
+    registers and spill bytes per thread.
 
     Read with the `nvdisasm` and `cuobjdump` that ship with Triton's NVIDIA backend.
     """
@@ -238,9 +257,29 @@ def sass_counts(cubin: bytes) -> dict[str, int]:
     regs = re.search(r"REG:(\d+)", usage)
     spill = re.search(r"STACK:(\d+)", usage)
     return {"instr": len(instr), "LDG": sum("LDG" in x for x in instr),
-            "HMMA": sum("HMMA" in x for x in instr),
+            "HMMA": sum("HMMA" in x for x in instr), "HGMMA": sum("HGMMA" in x for x in instr),
+            "loop": longest_loop(lines.splitlines()),
             "regs": int(regs.group(1)) if regs else -1,
             "stack": int(spill.group(1)) if spill else -1}
+
+
+def longest_loop(lines: list[str]) -> int:
+    """Instructions between a label and the furthest backward branch to it (nvdisasm -c text)."""
+    index: dict[str, int] = {}
+    branches: list[tuple[int, str]] = []
+    count = 0
+    for line in lines:
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            index[label.group(1)] = count
+        elif line.strip().startswith("/*") and "*/" in line:
+            target = re.search(r"BRA.*`\((\.L_x_\d+)\)", line)
+            if target:
+                branches.append((count, target.group(1)))
+            count += 1
+    # NOTE: `index < at`: a branch to itself is the trap loop after EXIT, not a loop body
+    spans = [at - index[name] + 1 for at, name in branches if index.get(name, at) < at]
+    return max(spans, default=-1)
 
 
 def compile_variant(kernel: Any, types: dict[str, str], consts: dict[str, Any],
@@ -276,12 +315,13 @@ def main() -> int:
                 compiled = compile_variant(kernel, types, consts, options)
             except Exception as exc:  # noqa: BLE001 — report every variant, then fail
                 failed += 1
-                sys.stdout.write(f"{label:<33} COMPILE ERROR: "
+                sys.stdout.write(f"{label:<44} COMPILE ERROR: "
                                  f"{str(exc).splitlines()[0] if str(exc) else exc!r}\n")
                 continue
             c = sass_counts(compiled.asm["cubin"])
-            sys.stdout.write(f"{label:<33} instr {c['instr']:>6}  LDG {c['LDG']:>4}  "
-                             f"HMMA {c['HMMA']:>3}  shared {compiled.metadata.shared:>6} B  "
+            sys.stdout.write(f"{label:<44} instr {c['instr']:>6}  LDG {c['LDG']:>4}  "
+                             f"HMMA {c['HMMA']:>3}  HGMMA {c['HGMMA']:>3}  loop {c['loop']:>5}  "
+                             f"shared {compiled.metadata.shared:>6} B  "
                              f"regs {c['regs']:>3}  stack {c['stack']:>4} B\n")
     return 1 if failed else 0
 

@@ -1,24 +1,30 @@
 """Benchmark: weight-only quantised routed experts (`triton_routed_experts_quant`) vs the reference.
 
 Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activations, limit 10):
-  N in {1, 8, 32, 128, 512, 2048} tokens x fmt in {fp4 (checkpoint layout), fp8 (128x128 blocks),
-  bf16}.
+  N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
+  (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
+  dot_scaled, words; FP8 runs its two distinct loops, scaled and dot_scaled; bf16 weights have one
+  loop, shown as "-").
 Metrics:
   weight bytes = distinct experts hit x one expert's bytes (w1, w3, w2 and their scales): what the
       kernel has to read at least once (averaged over the input sets); floor us = weight bytes /
       4.275 TB/s; x_floor = time / floor (decode is weight-bound, so x_floor is the number to drive
       towards 1);
   TFLOP/s = 6 N k I d / time (three GEMMs of N k rows);
+  best = the fastest of the plan's default config and, with `--sweep`, SWEEP[kind] (block_n /
+      block_k / num_warps / num_stages; "-" = the plan's choice);
   x ref = reference time / kernel time; the reference is `routed_experts_quant` (dequantises every
-      expert, then one dense matmul per expert with a host sync), timed eagerly; "grouped us" (CUDA)
-      is `routed_experts_grouped` (torch._grouped_mm) on weights dequantised once to bf16, the
-      non-quantised device-grouped baseline (same weight bytes as fmt bf16).
-Timing: parity with the reference is asserted first; then the median of CUDA-event-timed CUDA-graph
+      expert, then one dense matmul per expert with a host sync), timed eagerly once per (fmt, N);
+      "grouped us" (CUDA) is `routed_experts_grouped` (torch._grouped_mm) on weights dequantised
+      once to bf16, the non-quantised device-grouped baseline (same weight bytes as fmt bf16).
+Timing: every (variant, config) is checked against the reference first (a failure is reported in
+its row, "rel err" = inf, and the run goes on); then the median of CUDA-event-timed CUDA-graph
 replays, cycling through 4 routings (different experts hit) after warm-up.
 Prints a table, then ONE JSON line.
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py              # CUDA
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --sweep      # + tile/warp/stage
+    PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --variants scaled --tokens 1,8
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --cpu-smoke  # interpreter, tiny
 """
 
@@ -44,11 +50,21 @@ from bench_common import (
 
 LIMIT = 10.0
 N_SETS = 4
-# (block_n, block_k, num_warps, num_stages): the wrapper's defaults
-DEFAULT_CONFIG = (64, 64, 4, 3)
-SWEEP_CONFIGS = [(128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4),
-                 (32, 128, 4, 3)]
+MAX_REL_ERR = 1e-2
+Config = tuple[int | None, int | None, int | None, int | None]  # block_n, block_k, warps, stages
+DEFAULT_CONFIG: Config = (None, None, None, None)               # the plan's (moe_plan.py)
+# per kind (fmt, or fmt/variant for FP4): the old default first, then tiles around the plan's
+SWEEP: dict[str, list[Config]] = {
+    "fp4/split": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3)],
+    "fp4": [(64, 64, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 4, 3), (64, 256, 8, 3),
+            (32, 128, 4, 4), (16, 256, 1, 3), (128, 256, 8, 3)],
+    "fp8": [(64, 64, 4, 3), (64, 128, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 4),
+            (16, 128, 1, 3), (128, 128, 8, 3)],
+    "bf16": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
+}
 FMTS = ("fp4", "fp8", "bf16")
+VARIANTS = ("split", "scaled", "dot_scaled", "words")
+FP8_LOOPS = ("scaled", "dot_scaled")       # FP8's "split" and "words" are its "scaled" loop
 
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]      # (x, indices, weights)
@@ -136,81 +152,138 @@ def grouped_us(wts: Weights, fmt: str, sets: list[list[Inputs]],
     return times
 
 
+def config_name(cfg: Config) -> str:
+    return "/".join("-" if v is None else str(v) for v in cfg)
+
+
+def reference(s: Shape, wts: Weights, fmt: str, inputs: Inputs) -> torch.Tensor:
+    """`routed_experts_quant` on fp32 x, restricted to the experts hit (same result, less
+    memory)."""
+    from dsv4.kernels.ref.moe import routed_experts_quant
+
+    x, idx, rw = inputs
+    hit = idx.unique()
+    sub = [t[hit] if t is not None else None for t in wts]
+    return routed_experts_quant(x.float(), sub[0], sub[1], sub[2], sub[3],  # type: ignore[arg-type]
+                                torch.searchsorted(hit, idx), rw, LIMIT, fmt)
+
+
+def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs],
+                 ref: torch.Tensor, args: argparse.Namespace,
+                 cuda: bool) -> tuple[dict[str, float], float, str]:
+    """({config: us}, max rel err, first error) of one inner loop over its configs; a config that
+    is refused or fails parity is skipped (its error kept)."""
+    from dsv4.kernels.triton.moe import triton_routed_experts_quant
+
+    kind = fmt if fmt != "fp4" or variant != "split" else "fp4/split"
+    timed: dict[str, float] = {}
+    err, error = 0.0, ""
+    for cfg in [DEFAULT_CONFIG] + (SWEEP[kind] if args.sweep else []):
+        bn, bk, nw, ns = cfg
+
+        def fn(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, bn: int | None = bn,
+               bk: int | None = bk, nw: int | None = nw, ns: int | None = ns) -> torch.Tensor:
+            return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT,
+                                               fmt, variant=variant, block_n=bn, block_k=bk,
+                                               num_warps=nw, num_stages=ns)
+        try:
+            e = rel_error(fn(*sets[0]), ref)
+        except Exception as exc:  # noqa: BLE001 — a refused or failing config is reported, not fatal
+            first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            error = error or f"{config_name(cfg)}: {first}"
+            continue
+        if not e <= MAX_REL_ERR:
+            error = error or f"{config_name(cfg)}: parity failed, rel err {e:.3e}"
+            err = float("inf")
+            continue
+        err = max(err, e)
+        timed[config_name(cfg)] = time_graph_us(fn, sets, args.iters, args.warmup) if cuda else \
+            time_eager_us(lambda fn=fn: fn(*sets[0]), args.iters, cuda)
+    return timed, err, error
+
+
 def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
               device: torch.device) -> list[dict[str, Any]]:
     from dsv4.kernels.ref.moe import routed_experts_quant
-    from dsv4.kernels.triton.moe import triton_routed_experts_quant
 
     cuda = device.type == "cuda"
     wts = make_weights(s, fmt, device, args.seed)
     per_expert = expert_bytes(wts)
+    variants: list[str | None] = ([None] if fmt == "bf16" else
+                                  [v for v in args.variants if fmt == "fp4" or v in FP8_LOOPS])
     rows, all_sets = [], []
-    for N in s.tokens:
+    for N in args.tokens or s.tokens:
         all_sets.append(sets := [make_inputs(s, N, device, args.seed + i)
                                  for i in range(N_SETS if cuda else 1)])
         # NOTE: host sync, untimed
         hit = statistics.mean(int(idx.unique().numel()) for _, idx, _ in sets)
+        ref = reference(s, wts, fmt, sets[0])
         x0, idx0, rw0 = sets[0]
-        # parity reference: fp32 x, the experts hit only (same result, less memory)
-        hit_ids = idx0.unique()
-        sub = [t[hit_ids] if t is not None else None for t in wts]
-        ref = routed_experts_quant(x0.float(), sub[0], sub[1], sub[2], sub[3],  # type: ignore[arg-type]
-                                   torch.searchsorted(hit_ids, idx0), rw0, LIMIT, fmt)
-        timed: dict[str, float] = {}
-        err = 0.0
-        for bn, bk, nw, ns in [DEFAULT_CONFIG] + (SWEEP_CONFIGS if args.sweep else []):
-            def fn(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, bn: int = bn, bk: int = bk,
-                   nw: int = nw, ns: int = ns) -> torch.Tensor:
-                return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw,
-                                                   LIMIT, fmt, block_n=bn, block_k=bk,
-                                                   num_warps=nw, num_stages=ns)
-            err = max(err, rel_error(fn(*sets[0]), ref))
-            assert err <= 1e-2, f"{fmt} N={N} {bn}/{bk}/{nw}/{ns}: parity failed, rel err {err:.3e}"
-            key = f"{bn}/{bk}/{nw}/{ns}"
-            timed[key] = time_graph_us(fn, sets, args.iters, args.warmup) if cuda else \
-                time_eager_us(lambda fn=fn: fn(*sets[0]), args.iters, cuda)
-        best = min(timed, key=lambda c: timed[c])
-        us = timed[best]
         ref_us = time_eager_us(partial(routed_experts_quant, x0, wts[0], wts[1], wts[2], wts[3],
                                        idx0, rw0, LIMIT, fmt),
                                max(2, args.iters // 20), cuda)
         wbytes = hit * per_expert
+        floor_us = wbytes / HBM_BYTES_PER_S * 1e6
         flops = 6.0 * N * s.k * s.inter * s.d
-        rows.append({"case": f"{fmt} N={N}", "fmt": fmt, "N": N, "E": s.E, "d": s.d, "I": s.inter,
-                     "k": s.k, "us": us, "us_default": timed["/".join(map(str, DEFAULT_CONFIG))],
-                     "best_config": best, "configs_us": timed, "experts_hit": hit,
-                     "weight_bytes": wbytes, "floor_us": wbytes / HBM_BYTES_PER_S * 1e6,
-                     "x_floor": us / (wbytes / HBM_BYTES_PER_S * 1e6),
-                     "gbps": wbytes / us / 1e3, "tflops": flops / us / 1e6, "ref_us": ref_us,
-                     "speedup_vs_ref": ref_us / us, "grouped_us": None, "max_rel_err": err})
+        for variant in variants:
+            timed, err, error = time_variant(wts, fmt, variant, sets, ref, args, cuda)
+            default = timed.get(config_name(DEFAULT_CONFIG), float("nan"))
+            best = min(timed, key=lambda c: timed[c]) if timed else "-"
+            best_us = timed.get(best, float("nan"))
+            rows.append({"case": f"{fmt} N={N}", "fmt": fmt, "N": N, "variant": variant or "-",
+                         "E": s.E, "d": s.d, "I": s.inter, "k": s.k, "us": default,
+                         "x_floor": default / floor_us, "tflops": flops / default / 1e6,
+                         "best_config": best, "best_us": best_us,
+                         "best_x_floor": best_us / floor_us, "best_tflops": flops / best_us / 1e6,
+                         "configs_us": timed, "experts_hit": hit, "weight_bytes": wbytes,
+                         "floor_us": floor_us, "gbps": wbytes / best_us / 1e3, "ref_us": ref_us,
+                         "speedup_vs_ref": ref_us / best_us, "grouped_us": None,
+                         "max_rel_err": err, "error": error})
     if cuda:
-        for r, g_us in zip(rows, grouped_us(wts, fmt, all_sets, args), strict=True):
-            r["grouped_us"] = g_us
+        times = grouped_us(wts, fmt, all_sets, args)
+        for r in rows:
+            r["grouped_us"] = times[list(args.tokens or s.tokens).index(r["N"])]
     return rows
 
 
-TABLE = [("case", "{:<12}", "case"), ("us", "{:>9.1f}", "us"), ("ref_us", "{:>11.1f}", "ref us"),
-         ("speedup_vs_ref", "{:>7.1f}", "x ref"),
+TABLE = [("case", "{:<12}", "case"), ("variant", "{:>10}", "variant"), ("us", "{:>9.1f}", "us"),
+         ("x_floor", "{:>7.2f}", "x_floor"), ("tflops", "{:>7.1f}", "TFLOP/s"),
+         ("best_config", "{:>14}", "best bn/bk/w/st"), ("best_us", "{:>9.1f}", "best us"),
+         ("best_x_floor", "{:>7.2f}", "best xf"), ("best_tflops", "{:>7.1f}", "best TF"),
+         ("ref_us", "{:>11.1f}", "ref us"), ("speedup_vs_ref", "{:>7.1f}", "x ref"),
          ("grouped", "{:>10}", "grouped us"), ("experts_hit", "{:>6.1f}", "hit"),
-         ("weight_bytes", "{:>12.3e}", "weight B"), ("floor_us", "{:>9.1f}", "floor us"),
-         ("x_floor", "{:>7.2f}", "x_floor"), ("gbps", "{:>7.0f}", "GB/s"),
-         ("tflops", "{:>7.1f}", "TFLOP/s"),
-         ("best_config", "{:>12}", "bn/bk/w/st"), ("max_rel_err", "{:>9.1e}", "rel err")]
+         ("floor_us", "{:>9.1f}", "floor us"), ("max_rel_err", "{:>9.1e}", "rel err")]
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0],
-                       "also time SWEEP_CONFIGS and report the best").parse_args()
+    p = base_parser(__doc__.splitlines()[0], "also time SWEEP[kind] and report the best")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated inner loops of fp4 / fp8, of {VARIANTS}")
+    p.add_argument("--fmts", default=",".join(FMTS), help=f"comma-separated, of {FMTS}")
+    p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
+    args = p.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.tokens = [int(n) for n in args.tokens.split(",") if n]
+    fmts = [f for f in args.fmts.split(",") if f]
+    if not set(args.variants) <= set(VARIANTS) or not set(fmts) <= set(FMTS):
+        raise SystemExit(f"--variants must be of {VARIANTS} and --fmts of {FMTS}")
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     shape = SMOKE if args.cpu_smoke else FLASH
     if args.cpu_smoke:
         args.iters = min(args.iters, 2)
     header = record_header("moe_quant", device)
-    rows = [r for fmt in FMTS for r in bench_fmt(shape, fmt, args, device)]
+    rows = []
+    for fmt in fmts:
+        rows += bench_fmt(shape, fmt, args, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     table = [{**r, "grouped": "-" if r["grouped_us"] is None else f"{r['grouped_us']:.1f}"}
              for r in rows]
     print_table(table, TABLE)
-    emit({**header, "results": rows}, args.out)
+    for r in rows:
+        if r["error"]:
+            print(f"{r['case']} {r['variant']}: {r['error']}")
+    emit({**header, "variants": args.variants, "sweep": args.sweep, "results": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Parity of `triton_routed_experts_quant` with the reference `routed_experts_quant` (spec §8, §12).
 
-CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, N = 1, 5, 33
-tokens, k = 2, experts with no tokens, every token on one expert, I not a multiple of 128 (partial
-fp8 blocks), fp32 and bf16 activations, a clamp that bites, the deterministic epilogue, the device
-tile map, input validation.
-GPU (`-m gpu`): V4-Flash shapes (E 256, d 4096, I 2048, k 6; N = 1, 8, 64, 512), graph capture.
+CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, every inner
+loop (`variant`: split, scaled, dot_scaled, words) of the quantised formats, N = 1, 5, 33, 40
+tokens, k = 2, experts with no tokens, every token on one expert (several tiles), K tiles wider
+than K (masked), I not a multiple of 128 (partial fp8 blocks), fp32 and bf16 activations, a clamp
+that bites, the deterministic epilogue, the FP4 decodes at the edges of the scale range, the
+launch plan, the device tile map, input validation.
+GPU (`-m gpu`): V4-Flash shapes (E 256, d 4096, I 2048, k 6; N = 1, 8, 64, 512) per variant,
+graph capture, rows independent of the batch, bit-reproducible deterministic path.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_quant.py          # interpreter on CPU
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_quant.py -m gpu   # on a CUDA machine
@@ -21,13 +24,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from dsv4.kernels.ref.moe import pack_w13, routed_experts, routed_experts_quant  # noqa: E402
 from dsv4.kernels.triton.moe import (  # noqa: E402
     tile_map,
     triton_routed_experts,
     triton_routed_experts_quant,
+    triton_routed_experts_quant_deterministic,
 )
+from dsv4.kernels.triton.moe_fp4 import fp4_tile, fp4_tile_words  # noqa: E402
+from dsv4.kernels.triton.moe_plan import VARIANTS, plan_moe  # noqa: E402
 
 REL = 1e-2          # max |diff| / max |ref| against the fp32-activation reference
 # ... against the reference run in bf16 (its own roundings add ~6e-3, up to ~1.1e-2 seen)
@@ -129,6 +137,119 @@ def test_parity(E: int, d: int, inter: int, N: int, fmt: str) -> None:
     check(x, wts, idx, rw, 10.0, fmt)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_variants_ragged(fmt: str, variant: str) -> None:
+    """Every inner loop on bf16 x: N = 1 (E 8, k 2: six experts idle; K tiles wider than d = 128
+    and I = 96, so masked), then N = 40 with every token on expert 3 (its 40 rows span three
+    BLOCK_M = 16 tiles) and BLOCK_N 16 (one warp)."""
+    wts = make_weights(8, 128, 96, fmt, seed=13)
+    idx, rw = make_routing(1, 8, 2, seed=13)
+    check(randn(1, 128).to(torch.bfloat16), wts, idx, rw, 10.0, fmt, variant=variant)
+    idx, rw = make_routing(40, 8, 2, seed=14, hot=3)
+    check(randn(40, 128).to(torch.bfloat16), wts, idx, rw, 10.0, fmt, variant=variant,
+          block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("variant", ["split", "scaled", "words"])
+def test_variants_fp32_x(variant: str) -> None:
+    """fp32 activations run fp32 dots in every loop but dot_scaled, which refuses them."""
+    wts = make_weights(6, 128, 64, "fp4", seed=15)
+    idx, rw = make_routing(5, 6, 2, seed=15)
+    check(randn(5, 128) * 2, wts, idx, rw, 10.0, "fp4", variant=variant)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        triton_routed_experts_quant(randn(5, 128), *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
+                                    10.0, "fp4", variant="dot_scaled")
+
+
+@triton.jit
+def _fp4_tile_kernel(w_ptr, s_ptr, out_ptr, K, WORDS: tl.constexpr,  # type: ignore[no-untyped-def]
+                     FP32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows = tl.arange(0, BN)
+    if WORDS:
+        w = fp4_tile_words(w_ptr, s_ptr, 0, rows, 0, K, rows < BN, 0, K // 2, 0, K // 32, FP32, BK)
+    else:
+        w = fp4_tile(w_ptr, s_ptr, 0, rows, 0, K, rows < BN, 0, K // 2, 0, K // 32, FP32, BK)
+    tl.store(out_ptr + rows[None, :] * BK + tl.arange(0, BK)[:, None], w.to(tl.float32))
+
+
+def _word_order(k: int) -> torch.Tensor:
+    """The k held at each position of an `fp4_tile_words` tile: 4h + 2u + v at 4v + 2u + h."""
+    q = torch.arange(k) % 8
+    return torch.arange(k) - q + 4 * (q % 2) + 2 * ((q // 2) % 2) + q // 4
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("words", [False, True], ids=["tile", "words"])
+@pytest.mark.parametrize("fp32", [True, pytest.param(False, marks=pytest.mark.gpu)],
+                         ids=["fp32", "bf16"])
+def test_fp4_tile_scale_codes(fp32: bool, words: bool) -> None:
+    """The folded FP4 decodes (`fp4_tile`, `fp4_tile_words`: e2m1 bits as v * 2^-126, times
+    2^(s - 1)) equal the reference dequantisation exactly for every nibble and scale codes 2..128;
+    a code above 128 gives inf / NaN, never a wrong finite value. The bf16 multiply (the GPU's
+    path, inline PTX for `fp4_tile_words`; the interpreter multiplies bf16 as integers) runs on a
+    GPU only."""
+    from dsv4.kernels.ref.quant import dequant_fp4_group
+
+    g = torch.Generator(DEVICE).manual_seed(18)
+    packed = torch.randint(0, 256, (16, 128), generator=g, device=DEVICE, dtype=torch.uint8)
+    packed[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8)    # all 16 nibbles appear
+    codes = torch.randint(2, 129, (16, 8), generator=g, device=DEVICE, dtype=torch.uint8)
+    codes[0, :2] = torch.tensor([2, 128], dtype=torch.uint8)
+    out = torch.empty(16, 256, device=DEVICE)
+    order = _word_order(256).to(DEVICE) if words else torch.arange(256, device=DEVICE)
+
+    def decode() -> torch.Tensor:
+        _fp4_tile_kernel[(1,)](packed, codes, out, 256, WORDS=words, FP32=fp32, BN=16, BK=256)
+        return torch.empty_like(out).index_copy_(1, order, out)
+
+    ref = dequant_fp4_group(packed, codes.view(torch.float8_e8m0fnu), torch.float32)
+    assert torch.equal(decode(), ref)
+    codes[3, 5] = 130
+    got = decode()
+    assert not bool(torch.isfinite(got[3, 160:192]).any())
+    assert torch.equal(got[4:], ref[4:])
+
+
+def test_deterministic_is_bit_reproducible() -> None:
+    wts = make_weights(6, 128, 96, "fp4", seed=17)
+    idx, rw = make_routing(7, 6, 2, seed=17)
+    x = randn(7, 128).to(torch.bfloat16)
+    runs = [triton_routed_experts_quant_deterministic(x, *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
+                                                       10.0, "fp4") for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_plan() -> None:
+    """V4-Flash shapes: BLOCK_N 32 at N = 1 (the 64-wide grid would be 1.5 waves), 64 from N = 8;
+    BLOCK_K 128 bytes of a row; BLOCK_N 16 takes one warp; bad knobs raise."""
+    cpu = torch.device("cpu")
+    p1 = plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096)
+    p8 = plan_moe("fp4", None, torch.bfloat16, cpu, 48, 256, 2048, 4096)
+    assert (p1.gate_up.block_n, p1.down.block_n, p8.gate_up.block_n, p8.down.block_n) == \
+        (32, 32, 64, 64)
+    assert (p1.variant, p1.block_m, p1.block_k, p1.gate_up.num_warps) == \
+        (VARIANTS["words"], 16, 256, 4)
+    assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 128
+    assert plan_moe("fp4", "split", torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 64
+    assert plan_moe("fp4", None, torch.float32, cpu, 6, 256, 2048, 4096, block_n=16
+                    ).down == plan_moe("fp8", None, torch.float32, cpu, 6, 256, 2048, 4096,
+                                       block_n=16).down
+    assert plan_moe("bf16", None, torch.bfloat16, cpu, 6, 8, 64, 64, block_n=16).down.num_warps == 1
+    for kw in ({"variant": "nibble"}, {"block_k": 256}, {"block_n": 48}):
+        with pytest.raises(ValueError):
+            plan_moe("fp8", kw.get("variant"), torch.bfloat16, cpu, 6, 8, 64, 64,  # type: ignore[arg-type]
+                     block_k=kw.get("block_k"), block_n=kw.get("block_n"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_k"):
+        plan_moe("fp4", "scaled", torch.bfloat16, cpu, 6, 8, 64, 64, block_k=512)
+    with pytest.raises(ValueError, match="block_m"):
+        plan_moe("fp4", "words", torch.bfloat16, cpu, 6, 8, 64, 64, block_m=64)
+    big = (12288, 256, 2048, 4096)                                     # N = 2048
+    assert (plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_m,
+            plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_k) == (32, 128)
+    assert plan_moe("fp8", None, torch.bfloat16, cpu, *big).block_m == 64
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_one_hot_expert_fp32_x_tight_clamp(fmt: str) -> None:
     """All 33 tokens on expert 2 (one expert's rows span several tiles), most experts idle, fp32 x,
@@ -228,13 +349,36 @@ def flash_weights() -> dict[str, Weights]:
             for fmt in ("fp4", "fp8", "bf16")}
 
 
+# FP8's split / words are its scaled loop; bf16 has one loop
+FLASH_CASES = ([("fp4", v) for v in VARIANTS] + [("fp8", "scaled"), ("fp8", "dot_scaled")]
+               + [("bf16", None)])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 64, 512])
-@pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
-def test_flash_parity(flash_weights: dict[str, Weights], N: int, fmt: str) -> None:
+@pytest.mark.parametrize("fmt,variant", FLASH_CASES)
+def test_flash_parity(flash_weights: dict[str, Weights], N: int, fmt: str,
+                      variant: str | None) -> None:
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
-    check(x, flash_weights[fmt], idx, rw, 10.0, fmt)
+    check(x, flash_weights[fmt], idx, rw, 10.0, fmt, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
+def test_flash_rows_batch_invariant(flash_weights: dict[str, Weights], fmt: str) -> None:
+    """The default (deterministic) op gives a token the same bits alone (N = 1: BLOCK_N 32) as in
+    a batch of 8 (BLOCK_N 64), and the same bits run to run."""
+    wts = flash_weights[fmt]
+    idx, rw = make_routing(8, FLASH["E"], FLASH["k"], seed=21)
+    x = randn(8, FLASH["d"]).to(torch.bfloat16)
+    batch = triton_routed_experts_quant_deterministic(x, *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
+                                                       10.0, fmt)
+    alone = triton_routed_experts_quant_deterministic(x[:1], *wts[:2], *wts[2:], idx[:1],  # type: ignore[arg-type]
+                                                       rw[:1], 10.0, fmt)
+    assert torch.equal(alone[0], batch[0])
+    assert torch.equal(batch, triton_routed_experts_quant_deterministic(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, fmt))  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu

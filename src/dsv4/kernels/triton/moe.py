@@ -16,15 +16,15 @@ load time into one `w13` ([W1; W3], rows [0, I) gate, [I, 2I) up; `ref/moe.py::p
     "bf16"  plain [E, 2I, d] / [E, d, I] (any float dtype); scales are None.
 
 Kernel design. Weights are dequantised in registers inside the K-loop: each [BLOCK_K, BLOCK_N] tile
-of W^T is loaded as raw codes, decoded (e2m1: sign + 2-bit exponent + 1-bit mantissa by integer
-arithmetic; e4m3: bitcast to float8e4nv and convert), cast to bf16 (exact: both formats have <= 3
-mantissa bits) and fed to tl.dot with fp32 accumulation; the 2^(code-127) scale multiplies the
-dot's [BM, BLOCK_N] result once per scale block and output row (exact: a power of two), never each
-weight. Hopper has no FP4 MMA, so this is the weight-only scheme; the activations stay bf16 (the QAT
-act_quant of §11 is not simulated). FP4 tiles are never interleaved: per 32-wide scale group a
-contiguous [16, BLOCK_N] byte tile is decoded into its low- and high-nibble halves, which meet the
-activations' even and odd columns in two dots (`moe_decode.py::fp4_group`).
-
+of W^T is loaded as raw codes, decoded to bf16 (exact: both formats have <= 3 mantissa bits) and
+fed to tl.dot with fp32 accumulation. Hopper has no FP4 MMA, so this is the weight-only scheme;
+the activations stay bf16 (the QAT act_quant of §11 is not simulated). The power-of-two UE8M0
+scales are exact wherever they are applied: FP8's 128x128 block scale multiplies each tile's
+[BM, BLOCK_N] product once per output row; FP4's per-32 group scale is folded into the decoded
+elements (default loop "scaled": the whole tile decoded, one dot per K tile), or into the product
+per group ("split", the first loop), or left to `tl.dot_scaled` ("dot_scaled"). The inner loops
+live in `moe_decode.py`; which loop and which tiles a call uses, in `moe_plan.py` (`variant=` and
+the block knobs pin them).
 Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (stable) and each
 expert's rows are cut into tiles of BLOCK_M ("moe_align_block_size" without materialised
 padding): tile j of expert e covers sorted rows
@@ -34,7 +34,7 @@ alone; a device-side tile map (tile -> expert, row start, row end: `moe_tile_map
 at decode sizes, torch ops above) tells each program what it owns, and surplus programs see an
 empty range and exit.
 
-Two launches, each on grid (max_tiles, cdiv(out, BLOCK_N)):
+Two launches, each on grid (max_tiles, cdiv(out, BLOCK_N)) (BLOCK_N per launch: `moe_plan.py`):
   1. gate/up: A = x[token of each sorted row] (gathered rows), two accumulators (W1 rows n, W3 rows
      I + n) so SwiGLU + clamp and the routing weight are fused in the epilogue (the shared
      expert's math, `swiglu.py::swiglu_f32`, in fp32); writes h [N*k, I] (x.dtype) in sorted
@@ -56,14 +56,15 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.moe_decode import dot, fp4_dot, fp8_scale, w_tile
+from dsv4.kernels.triton.moe_decode import tile_dot
+from dsv4.kernels.triton.moe_fp4 import fp4_word_order
+from dsv4.kernels.triton.moe_plan import MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}
 _FP8_BLOCK = 128
 _FP4_GROUP = 32
-_MIN_DOT = 16
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr,
     t_exp_ptr, K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-    TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
+    TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
@@ -86,36 +87,17 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
         tok = slot // TOPK
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
-        if FMT == 1:
-            srow = offs_n // 128
-        else:
-            srow = offs_n
+        x_rows = x_ptr + tok[:, None] * stride_x
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if FMT == 2:
-                x_rows = x_ptr + tok[:, None] * stride_x
-                acc_g += fp4_dot(x_rows, p_mask[:, None], w1_ptr, s1_ptr, e, offs_n, k0, K,
-                                  n_mask, stride_we, stride_wn, stride_se, stride_sn, FP32_DOT,
-                                  BLOCK_K)
-                acc_u += fp4_dot(x_rows, p_mask[:, None], w3_ptr, s3_ptr, e, offs_n, k0, K,
-                                  n_mask, stride_we, stride_wn, stride_se, stride_sn, FP32_DOT,
-                                  BLOCK_K)
-            else:
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < K
-                a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
-                            mask=p_mask[:, None] & k_mask[None, :], other=0.0)
-                mask = k_mask[:, None] & n_mask[None, :]
-                pg = dot(a, w_tile(w1_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT),
-                          FP32_DOT)
-                pu = dot(a, w_tile(w3_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, FMT),
-                          FP32_DOT)
-                if FMT == 1:
-                    pg *= fp8_scale(s1_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
-                    pu *= fp8_scale(s3_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
-                acc_g += pg
-                acc_u += pu
+            a = _a_tile(x_rows, p_mask, k0, K, FMT, VARIANT, BLOCK_K)
+            acc_g = tile_dot(acc_g, a, x_rows, p_mask[:, None], w1_ptr, s1_ptr, e, offs_n, k0, K,
+                             n_mask, stride_we, stride_wn, stride_se, stride_sn, FMT, VARIANT,
+                             FP32_DOT, BLOCK_K)
+            acc_u = tile_dot(acc_u, a, x_rows, p_mask[:, None], w3_ptr, s3_ptr, e, offs_n, k0, K,
+                             n_mask, stride_we, stride_wn, stride_se, stride_sn, FMT, VARIANT,
+                             FP32_DOT, BLOCK_K)
         rw = tl.load(rw_ptr + slot, mask=p_mask, other=0.0)
         h = swiglu_f32(acc_g, acc_u, limit, tl.float32, LIBDEVICE) * rw[:, None]
         tl.store(h_ptr + offs_p[:, None] * stride_h + offs_n[None, :],
@@ -126,12 +108,29 @@ _LIBDEVICE = libdevice_math(_gate_up_kernel)
 
 
 @triton.jit
+def _a_tile(a_rows, p_mask, k0, K, FMT: tl.constexpr,  # type: ignore[no-untyped-def]
+            VARIANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BM, BLOCK_K] activation tile at k0 (a_rows: [BM, 1] row pointers), its columns in the
+    weight tile's k order (FP4 "words": `fp4_word_order`); a placeholder for split FP4, which loads
+    its even / odd columns itself."""
+    if FMT == 2 and VARIANT == 0:
+        a = tl.zeros((1, 1), dtype=tl.float32)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + offs_k[None, :], mask=p_mask[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
+        if FMT == 2 and VARIANT == 3:
+            a = fp4_word_order(a)
+    return a
+
+
+@triton.jit
 def _down_kernel(  # type: ignore[no-untyped-def]
     h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
     K, D,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr, ATOMIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
+    ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
     row_start = tl.load(t_start_ptr + tile)
@@ -143,38 +142,19 @@ def _down_kernel(  # type: ignore[no-untyped-def]
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < D
-        if FMT == 1:
-            srow = offs_n // 128
-        else:
-            srow = offs_n
+        h_rows = h_ptr + offs_p[:, None] * stride_h
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if FMT == 2:
-                acc += fp4_dot(h_ptr + offs_p[:, None] * stride_h, p_mask[:, None], w_ptr, s_ptr,
-                                e, offs_n, k0, K, n_mask, stride_we, stride_wn, stride_se,
-                                stride_sn, FP32_DOT, BLOCK_K)
-            else:
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < K
-                a = tl.load(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
-                            mask=p_mask[:, None] & k_mask[None, :], other=0.0)
-                w = w_tile(w_ptr, e, offs_n, offs_k, k_mask[:, None] & n_mask[None, :],
-                            stride_we, stride_wn, FMT)
-                part = dot(a, w, FP32_DOT)
-                if FMT == 1:
-                    part *= fp8_scale(s_ptr, e, srow, k0, n_mask, stride_se, stride_sn)[None, :]
-                acc += part
+            a = _a_tile(h_rows, p_mask, k0, K, FMT, VARIANT, BLOCK_K)
+            acc = tile_dot(acc, a, h_rows, p_mask[:, None], w_ptr, s_ptr, e, offs_n, k0, K,
+                           n_mask, stride_we, stride_wn, stride_se, stride_sn, FMT, VARIANT,
+                           FP32_DOT, BLOCK_K)
         o_mask = p_mask[:, None] & n_mask[None, :]
         if ATOMIC:
             tok = slot // TOPK
             tl.atomic_add(out_ptr + tok[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
         else:
             tl.store(out_ptr + slot[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
-
-
-def _default_block_m(nk: int, num_experts: int) -> int:
-    """Rows per tile ~ the mean rows per expert, in [16, 64] (decode: 16, the tl.dot minimum)."""
-    return max(_MIN_DOT, min(64, triton.next_power_of_2(max(1, nk // num_experts))))
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
@@ -217,22 +197,29 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 w2: torch.Tensor, w2_scale: torch.Tensor | None,
                                 indices: torch.Tensor, weights: torch.Tensor, limit: float,
                                 fmt: str, *, deterministic: bool = False,
-                                block_m: int | None = None, block_n: int = 64, block_k: int = 64,
-                                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                                variant: str | None = None, block_m: int | None = None,
+                                block_n: int | None = None, block_k: int | None = None,
+                                num_warps: int | None = None,
+                                num_stages: int | None = None) -> torch.Tensor:
     """Same contract as `routed_experts_quant`: [N, d] fp32 (the caller adds the shared expert).
 
     x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts
-    per `fmt` in the module docstring. Keyword arguments are tuning knobs; block sizes are powers of
-    two >= 16 and block_k <= 128 (an fp8 tile must sit inside one 128-wide scale block).
+    per `fmt` in the module docstring. Keyword arguments are tuning knobs, None = the plan's choice
+    (`moe_plan.py`): `variant` the inner loop ("split", "scaled", "dot_scaled"; "dot_scaled" needs
+    bf16 x), block sizes powers of two >= 16 (block_k <= 128, or <= 256 for FP4 "scaled" /
+    "dot_scaled"; >= 32 for FP4); `block_n` pins both launches' BLOCK_N.
     """
     _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
     inter = w13.shape[1] // 2
     split = triton.cdiv(inter, _FP8_BLOCK) if fmt == "fp8" else inter  # w1 scale rows (fp8: blocks)
     s1 = w13_scale[:, :split] if w13_scale is not None else None
     s3 = w13_scale[:, split:] if w13_scale is not None else None
+    plan = plan_moe(fmt, variant, x.dtype, x.device, indices.numel(), w13.shape[0], inter,
+                    x.shape[1], block_m=block_m, block_n=block_n, block_k=block_k,
+                    num_warps=num_warps, num_stages=num_stages)
     # w1 / w3 (and their scales) are views into w13 with identical strides, passed separately
     return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit,
-                   fmt, deterministic, block_m, block_n, block_k, num_warps, num_stages)
+                   fmt, deterministic, plan)
 
 
 def triton_routed_experts_quant_deterministic(x: torch.Tensor, w13: torch.Tensor,
@@ -268,29 +255,23 @@ def triton_routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w
             or weights.shape != indices.shape):
         raise ValueError(f"indices [N, k] int64 and weights [N, k] float32; got {indices.dtype} "
                          f"{tuple(indices.shape)}, {weights.dtype} {tuple(weights.shape)}")
+    plan = plan_moe("bf16", None, x.dtype, x.device, indices.numel(), w1.shape[0], w1.shape[1],
+                    x.shape[1])
     return _launch(x.contiguous(), w1, w3, None, None, w2, None, indices, weights, limit, "bf16",
-                   True, None, 64, 64, 4, 3)
+                   True, plan)
 
 
 def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor | None,
             s3: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
             indices: torch.Tensor, weights: torch.Tensor, limit: float, fmt: str,
-            deterministic: bool, block_m: int | None, block_n: int, block_k: int, num_warps: int,
-            num_stages: int) -> torch.Tensor:
+            deterministic: bool, plan: MoePlan) -> torch.Tensor:
     """The two launches; w1 / w3 (and s1 / s3) share their strides. The callers check shapes."""
-    if any(b < _MIN_DOT or b & (b - 1) for b in (block_n, block_k)) or block_k > _FP8_BLOCK:
-        raise ValueError("block_n / block_k must be powers of two >= 16 (block_k <= 128); "
-                         f"got {block_n}, {block_k}")
-    if fmt == "fp4" and block_k < 2 * _MIN_DOT:
-        raise ValueError(f"fp4 needs block_k >= {2 * _MIN_DOT} (each nibble half feeds a dot of "
-                         f"block_k / 2); got {block_k}")
     N, topk = indices.shape
     E, d, inter = w1.shape[0], x.shape[1], w1.shape[1]
     nk = N * topk
     if nk == 0:
         return torch.zeros(N, d, dtype=torch.float32, device=x.device)
-    bm = block_m or _default_block_m(nk, E)
-    order, t_start, t_end, t_exp = tile_map(indices, E, bm)
+    order, t_start, t_end, t_exp = tile_map(indices, E, plan.block_m)
     rw = weights.reshape(-1).contiguous()
     s1 = s1.view(torch.uint8) if s1 is not None else w1
     s3 = s3.view(torch.uint8) if s3 is not None else w3
@@ -300,23 +281,25 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
     # and the interpreter's bf16 dot is broken.
     fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32 or w1.dtype == torch.float32
-    blocks = {"BLOCK_M": bm, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps,
-              "num_stages": num_stages}
+    common = {"TOPK": topk, "FMT": code, "VARIANT": plan.variant, "FP32_DOT": fp32_dot,
+              "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k, "num_stages": plan.num_stages}
     h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(t_start.numel(), triton.cdiv(inter, block_n))](
+    bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
+    _gate_up_kernel[(t_start.numel(), triton.cdiv(inter, bn))](
         x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
         d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        TOPK=topk, FMT=code, FP32_DOT=fp32_dot, LIBDEVICE=_LIBDEVICE, **blocks,
+        LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common,
     )
     # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
     # row, summed over k below in a fixed order
     dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
             else torch.empty(nk, d, dtype=torch.float32, device=x.device))
-    _down_kernel[(t_start.numel(), triton.cdiv(d, block_n))](
+    bn, warps = plan.down.block_n, plan.down.num_warps
+    _down_kernel[(t_start.numel(), triton.cdiv(d, bn))](
         h, _raw(w2, fmt), s2, dest, order, t_start, t_end, t_exp,
         inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        TOPK=topk, FMT=code, FP32_DOT=fp32_dot, ATOMIC=not deterministic, **blocks,
+        ATOMIC=not deterministic, BLOCK_N=bn, num_warps=warps, **common,
     )
     return dest if not deterministic else dest.view(N, topk, d).sum(dim=1)

@@ -1,0 +1,156 @@
+"""Launch plan of the routed-expert kernels (kernels/triton/moe.py): inner loop and tile sizes.
+
+`plan_moe` turns the shapes of one call (and any knobs the caller pins) into a `MoePlan`. Every
+choice comes from shapes alone (no host sync).
+
+Inner loop (`VARIANTS`; `moe_decode.py` has the details): "split" (the first FP4 loop: two K = 16
+dots per 32-wide scale group), "scaled" (the whole tile decoded to bf16 element by element, scales
+folded in, one dot), "dot_scaled" (`tl.dot_scaled`: Triton's own e2m1 / e4m3 upcast) and "words"
+(FP4 decoded 8 nibbles per 32-bit word, the pairs scaled by one bf16x2 multiply, k permuted within
+each 8 in both operands). FP8's "split", "scaled" and "words" are one loop; bf16 weights have one
+loop (the variant changes nothing). Default: `DEFAULT_VARIANT[fmt]`, the fewest instructions per
+weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V4-Flash gate/up,
+BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
+"dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
+model; the others run fp32 dots for them, exact).
+
+Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
+for "split", its first setting; 128 at BLOCK_M 32), FP8 128 (also the most one 128-wide scale block
+allows), bf16 64.
+BLOCK_M = the mean rows per expert as a power of two in [16, 64] (decode: 16, the tl.dot minimum;
+at most 32 for FP4 "scaled" / "words": `max_block_m`).
+BLOCK_N: at decode the N*k rows land on ~N*k experts with one row each, so the grid
+(tiles, out / BLOCK_N) is small: N = 1, k = 6, I = 2048 gives 6 x 32 = 192 gate/up programs at
+BLOCK_N = 64 for 132 SMs (1.5 waves, few bytes in flight). Each launch (gate/up: out = I; down:
+out = d) takes BLOCK_N = 64 if its grid reaches `PROGRAMS_PER_SM` programs per SM, else 32 (V4-
+Flash N = 1: 384 gate/up and 768 down programs); 4 warps. Narrower tiles cost more than they
+give: at BLOCK_M = 16 the MMA spreads a [16, BLOCK_N] tile over BLOCK_N / 8 warps and the others
+decode the same weights again, so BLOCK_N = 16 needs 1 warp (a knob: `block_n=16` picks 1 warp
+unless `num_warps` is given). No split-K: the gate/up epilogue's SwiGLU needs the whole sum and
+the deterministic down path may not add partials with float atomics, so a split would cost a
+second pass; BLOCK_N = 32 already gives 3-6 programs per SM at N = 1 on V4-Flash.
+
+Bits. BLOCK_M and BLOCK_N only choose which program computes an output element, and FP4 "words" /
+"scaled" and bf16 accumulate the k terms in the MMA in one fixed order at any BLOCK_K ("words":
+ascending 8-groups, a fixed permutation within each; FP8 and split FP4 round each tile's scaled
+product, so their BLOCK_K is fixed), so a token's row does not depend on the batch around it as
+long as the MMA instruction stays the same. It changes where Triton moves a dot to wgmma: at
+BLOCK_M 64 (bf16, FP8, large N, as before) and for FP4 "dot_scaled" already at BLOCK_N 64 (so
+its rows can change between N = 1 and N = 8). FP4 "words" / "scaled" stay on mma.sync (BLOCK_M
+<= 32) at every N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+
+VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3}
+DEFAULT_VARIANT = {"fp4": "words", "fp8": "scaled", "bf16": "scaled"}
+PROGRAMS_PER_SM = 4
+_NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
+_MIN_DOT = 16
+_FP8_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch's output tile width and warps."""
+
+    block_n: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """One call's launch parameters; `variant` is the VARIANTS code."""
+
+    variant: int
+    block_m: int
+    block_k: int
+    num_stages: int
+    gate_up: Launch
+    down: Launch
+
+
+def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.device, nk: int,
+             num_experts: int, inter: int, d: int, *, block_m: int | None = None,
+             block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+             num_stages: int | None = None) -> MoePlan:
+    """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
+    a knob given (not None) is used as is, after validation."""
+    name = _variant(fmt, variant, x_dtype)
+    max_m = max_block_m(fmt, name)
+    if block_m is not None and not _MIN_DOT <= block_m <= max_m:
+        raise ValueError(f"fmt {fmt!r} variant {name!r} needs 16 <= block_m <= {max_m}; "
+                         f"got {block_m}")
+    bm = block_m or max(_MIN_DOT, min(max_m, triton.next_power_of_2(max(1, nk // num_experts))))
+    bk = block_k or default_block_k(fmt, name, bm)
+    _check_blocks(fmt, name, block_n, bk)
+    tiles = max(1, (nk + min(num_experts, nk) * (bm - 1)) // bm)
+    target = PROGRAMS_PER_SM * _num_sms(device)
+
+    def launch(out: int) -> Launch:
+        bn = block_n or (64 if tiles * triton.cdiv(out, 64) >= target else 32)
+        return Launch(bn, num_warps or (4 if bn >= 32 else 1))
+
+    return MoePlan(VARIANTS[name], bm, bk, num_stages or 3, launch(inter), launch(d))
+
+
+def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
+    if fmt == "bf16":
+        return "scaled"
+    if variant is None:
+        variant = DEFAULT_VARIANT[fmt]
+        return "scaled" if variant == "dot_scaled" and x_dtype != torch.bfloat16 else variant
+    if variant == "dot_scaled" and x_dtype != torch.bfloat16:
+        raise ValueError(f"variant 'dot_scaled' feeds bf16 activations to the MMA; got {x_dtype} "
+                         "(use 'scaled', exact for fp32 activations)")
+    return variant
+
+
+def max_block_m(fmt: str, variant: str) -> int:
+    """64, but 32 for FP4 "scaled" / "words": at BLOCK_M = 64 Triton (3.6, sm_90) moves the MMA to
+    wgmma, whose shared-memory operand layout it cannot derive through the decoded tile's
+    join / reshape (a compile error)."""
+    return 32 if fmt == "fp4" and variant in ("scaled", "words") else 64
+
+
+def default_block_k(fmt: str, variant: str, block_m: int) -> int:
+    """128 bytes of each weight row per step (split FP4: its first 64; FP4 at BLOCK_M 32: 64
+    bytes, or the two 256-wide decoded tiles spill registers)."""
+    if fmt == "fp4":
+        return 64 if variant == "split" else 256 if block_m == _MIN_DOT else 128
+    return _FP8_BLOCK if fmt == "fp8" else 64
+
+
+def _check_blocks(fmt: str, variant: str, block_n: int | None, block_k: int) -> None:
+    """Powers of two >= 16; block_k <= 128 (an fp8 tile inside one scale block), <= 256 for FP4
+    "scaled" / "dot_scaled", >= 32 for FP4 (a whole scale group per step)."""
+    wide = fmt == "fp4" and variant != "split"
+    max_k = 2 * _FP8_BLOCK if wide else _FP8_BLOCK
+    min_k = 2 * _MIN_DOT if fmt == "fp4" else _MIN_DOT
+    for b in (block_n, block_k):
+        if b is not None and (b < _MIN_DOT or b & (b - 1)):
+            raise ValueError(f"block_n / block_k must be powers of two >= {_MIN_DOT}; "
+                             f"got {block_n}, {block_k}")
+    if not min_k <= block_k <= max_k:
+        raise ValueError(f"fmt {fmt!r} variant {variant!r} needs block_k >= {min_k} and <= "
+                         f"{max_k} (fp4: whole 32-wide scale groups; fp8: one 128-wide scale "
+                         f"block); got {block_k}")
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _NUM_SMS_CPU
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
