@@ -47,7 +47,8 @@ def test_op_census_counts_a_decode_step() -> None:
     metadata one per compress ratio and no torch op, the picks' slots one per CSA layer, the
     indexer queries' RoPE one per CSA layer (no torch RoPE op left), the ape add one per
     compressor, the RoPE rows one gather per table lookup (main, compress, one per ratio), the
-    gate's selection and the shared expert's SwiGLU one each per MoE layer."""
+    gate's selection and the shared expert's SwiGLU one each per MoE layer, the projections that
+    read one input one GEMM per group (fused projections)."""
     result = run_benchmark("op_census.py", "--preset", "micro", "--experts", "8", "--vocab",
                            "512", TRITON_INTERPRET="1")
     assert result["launches"] > result["triton"] > 0, result
@@ -59,7 +60,10 @@ def test_op_census_counts_a_decode_step() -> None:
     assert "kernels/ref/rope_norm.py" not in result["by_file"], result
     assert result["by_file"]["kernels/triton/add_ape.py"] == 6, result     # 2 CSA x 2 + 2 HCA
     assert result["by_file"]["model/layers/rope.py"] == 4, result
-    assert result["by_file"]["model/compressor.py"] == 2, result          # the HCA layers' casts
+    # fused projections: one GEMM per group (x of 5 layers, q_lat of the 2 CSA layers, 5 shared
+    # experts) and one fp32 `project` per compressed layer, after its one cast of x
+    assert result["by_file"]["model/layers/fused.py"] == 12, result
+    assert "model/compressor.py" not in result["by_file"], result
     # the gate after its GEMM and the shared expert's SwiGLU: one launch each per MoE layer
     assert result["by_file"]["kernels/triton/moe_gate.py"] == 5, result
     assert result["by_file"]["kernels/triton/swiglu.py"] == 5, result

@@ -308,6 +308,28 @@ def test_rejects_bad_inputs() -> None:
             pytest.fail(f"accepted {name}")
 
 
+def test_column_slices_of_one_projection() -> None:
+    """kv and score as column slices of one wider tensor (a fused projection's output: one row
+    stride) give their contiguous copies' results bit for bit; kv and score of two different row
+    strides are refused."""
+    h = Harness(MICRO_C4, 16, torch.float32)
+    index = h.step([(0, 6)])
+    T = index.write_slot.shape[0]
+    wide = torch.randn(T, 200, device=DEVICE)
+    kv, score = wide[:, :64], wide[:, 100:164]
+    cos, sin = torch.rand(T, 4, device=DEVICE), torch.rand(T, 4, device=DEVICE)
+    results = []
+    for a, b in ((kv, score), (kv.contiguous(), score.contiguous())):
+        state = [x.clone() for x in h.tri]
+        triton_compress_cached(a, b, state[0], state[1], index, h.norm_weight, 1e-6, cos, sin,
+                               state[2])
+        results.append(state)
+    assert all(torch.equal(x, y) for x, y in zip(*results, strict=True))
+    with pytest.raises(ValueError, match="row stride"):
+        triton_compress_cached(kv, score.contiguous(), h.tri[0], h.tri[1], index, h.norm_weight,
+                               1e-6, cos, sin, h.tri[2])
+
+
 def test_empty_step() -> None:
     h = Harness(MICRO_C4, 16, torch.float32)
     index = h.step([(0, 5)])

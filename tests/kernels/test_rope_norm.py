@@ -3,7 +3,8 @@
 The kernels of `kernels/triton/rope_norm.py` against `kernels/ref/rope_norm.py` (and
 `kernels.ref.rope_norm.rms_norm` for the plain RMSNorm): micro / tiny head geometries under the
 interpreter on CPU (fp32 and bf16, T = 1 and ragged 7 tokens, a rope slice narrower than the head,
-scattered pool slots, the inverse rotation), V4-Flash shapes (H 64, D 512, rd 64; norms over 4096
+scattered pool slots, the inverse rotation, column slices of a wider tensor read in place),
+V4-Flash shapes (H 64, D 512, rd 64; norms over 4096
 and 1024) compiled on the GPU (`-m gpu`).
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_rope_norm.py [-m gpu]
@@ -19,6 +20,7 @@ from dsv4.kernels.triton.rope_norm import (
     triton_kv_norm_rope_store,
     triton_q_norm_rope,
     triton_rms_norm,
+    triton_rope,
     triton_rope_inverse,
 )
 
@@ -70,6 +72,32 @@ def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     x = (torch.randn(*shape, generator=g, device=DEVICE) * 4).to(dtype)
     w = torch.rand(shape[-1], generator=g, device=DEVICE) + 0.5
     _close(triton_rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_column_slices_read_in_place(T: int) -> None:
+    """Inputs that are column slices of one wider tensor (a fused projection's output: rows a
+    stride apart, heads D apart) give their contiguous copies' results bit for bit."""
+    H, D, rd = 4, 32, 8
+    g = torch.Generator(DEVICE).manual_seed(T)
+    cos, sin = _tables(T, rd, g)
+    wide = torch.randn(T, 48 + H * D + D, generator=g, device=DEVICE) * 3
+    q, kv = wide[:, 48:48 + H * D].view(T, H, D), wide[:, 48 + H * D:]
+    for op in (lambda x: triton_q_norm_rope(x, cos, sin, 1e-6),
+               lambda x: triton_rope(x, cos, sin)):
+        assert torch.equal(op(q), op(q.contiguous()))
+    weight = torch.rand(D, generator=g, device=DEVICE) + 0.5
+    slots = torch.randperm(T + 3, generator=g, device=DEVICE)[:T]
+    pools = [torch.zeros(T + 3, D, device=DEVICE) for _ in range(2)]
+    triton_kv_norm_rope_store(kv, weight, 1e-6, cos, sin, pools[0], slots)
+    triton_kv_norm_rope_store(kv.contiguous(), weight, 1e-6, cos, sin, pools[1], slots)
+    assert torch.equal(pools[0], pools[1])
+    for x in (kv, wide[None, :, :H * D]):          # [T, D] and [1, T, H * D] slices
+        got = triton_rms_norm(x, torch.ones(x.shape[-1], device=DEVICE), 1e-6)
+        assert got.is_contiguous()
+        assert torch.equal(got, triton_rms_norm(x.contiguous(), torch.ones(x.shape[-1],
+                                                                              device=DEVICE),
+                                                1e-6))
 
 
 def test_validation() -> None:

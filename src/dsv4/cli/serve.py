@@ -90,6 +90,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: CUDA graphs on cuda with --kernel-backend triton)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run as a CUDA graph (default 256)")
+    g.add_argument("--disable-fused-projections", dest="fuse_projections", action="store_false",
+                   default=None,
+                   help="run each projection as its own GEMM (default: the projections that "
+                        "read one input run as one GEMM per group)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)
@@ -152,7 +156,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "enable_return_routing",
         "speculative_num_steps", "overlap_schedule", "multi_stream", "warmup", "tp_size",
         "ep_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "enable_hisparse",
-        "hisparse_device_entries")}
+        "hisparse_device_entries", "fuse_projections")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),

@@ -123,6 +123,13 @@ class EngineConfig:
     `hisparse_device_entries`: hot entries per request and C4 layer, at least the model's
     `index_topk` (every pick of one query is hot at once; checked when the engine starts).
     None: `HISPARSE_ENTRIES_PER_TOPK` times `index_topk`. Only with `enable_hisparse`.
+    `fuse_projections`: the serving path runs the projections that read one input as one GEMM
+    (attention's wq_a | wkv | indexer weights_proj, wq_b | indexer wq_b, the fp32 compressor
+    projections, the shared expert's w1 | w3: `model/fused_projections.py`), the parameters
+    becoming views of the stacked weights (no extra memory; names and weight updates unchanged).
+    Fewer launches per decode step; outputs equal to GEMM rounding. Not applied with
+    `invariant_plans` or `batch_invariant` (a token's bits must match the unfused full-sequence
+    forward; the runner logs it).
     """
 
     page_size: int = 256
@@ -149,6 +156,7 @@ class EngineConfig:
     seed: int = 0
     enable_hisparse: bool = False
     hisparse_device_entries: int | None = None
+    fuse_projections: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -174,6 +182,9 @@ class EngineConfig:
                 or not 0 <= spec <= MAX_SPECULATIVE_STEPS):
             raise ValueError(f"speculative_num_steps={spec!r} is invalid; allowed: an integer in "
                              f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
+        if not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"fuse_projections={self.fuse_projections!r} is invalid; "
+                             "allowed: True or False")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule={self.overlap_schedule!r} is invalid; "
                              "allowed: None, True or False")

@@ -10,6 +10,8 @@ the engine calls it when it needs the tokens: at once, or one step later under o
 where a step's fed tokens still on the device (`ScheduledStep.ahead`) are gathered from the step
 before's sampled tokens into the inputs, on the device.
 The host-side step types live in engine/step_output.py.
+At start-up the runner fuses the model's projections that read one input into one GEMM per group
+(`model/fused_projections.py`, `EngineConfig.fuse_projections`; not in the invariant modes).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dsv4.kernels.ref.batch_invariant import batch_invariant
 from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
+from dsv4.model.fused_projections import fuse_projections, unfuse_projections
 from dsv4.utils.device import to_device
 from dsv4.utils.host_memory import available_host_bytes
 from dsv4.utils.logging import init_logger
@@ -99,10 +102,36 @@ def _check_host_memory(layout: HiSparseLayout, dtype: torch.dtype) -> None:
                          "cache (max_total_tokens / kv_cache_memory_gb / context_length)")
 
 
+def _fuse(model: DeepSeekV4ForCausalLM, config: EngineConfig) -> int:
+    """Fuse the model's projection groups for serving (`model/fused_projections.py`), or undo a
+    fusion when this engine runs unfused: off by `fuse_projections`, or in an invariant mode,
+    where a token's bits must equal those of the trainer's unfused full-sequence forward. Logged;
+    returns the number of fused groups."""
+    why_not = ("fuse_projections=False" if not config.fuse_projections else
+               "invariant_plans: a token's bits match the unfused full-sequence forward"
+               if config.invariant_plans else
+               "batch_invariant: a token's bits match the unfused full-sequence forward"
+               if config.batch_invariant else None)
+    if why_not is not None:
+        unfuse_projections(model)
+        logger.info("fused projections: off (%s)", why_not)
+        return 0
+    # with multi-stream branches the indexer's query projection runs beside wq_b (side stream)
+    device = next(model.parameters()).device
+    multi = resolve_multi_stream(config.multi_stream, device.type, config.enable_hisparse)
+    groups = fuse_projections(model, query_group=not multi)
+    logger.info("fused projections: %d groups of projections that read one input run as one GEMM "
+                "each%s", groups, " (wq_b and the indexer's wq_b apart: multi-stream)" if multi
+                else "")
+    return groups
+
+
 class ModelRunner:
     def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig,
                  context_length: int) -> None:
         self.device = next(model.parameters()).device
+        # before the KV budget is sized: fusing re-allocates the grouped weights
+        self.fused_groups = _fuse(model, config)
         # the RoPE rows of every position a request can reach (its page table's span, drafts
         # included), before the KV budget is sized so that it sees them
         self.rope_positions = math.ceil(context_length / config.page_size) * config.page_size

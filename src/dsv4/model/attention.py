@@ -14,6 +14,11 @@ goes into one flat buffer and each query gets a row of indices into it
 Serving path with HiSparse (`LayerCache.hot`): a CSA layer's entries go to the HotSet's host
 mirror, and its sparse attention reads the picks from the hot rows or from the step's staged
 picks (`_c4_reads`) instead of an entry pool; same values, same index columns.
+
+Serving path with fused projections (`model/fused_projections.py`, the engine's default): the
+projections that read one input run as one GEMM per group (x: wq_a, wkv and the indexer's
+weights_proj; q_lat: wq_b and the indexer's wq_b; x in fp32: the compressors' wkv and wgate, through
+the `project` op), and the ops read the output's column slices in place.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dsv4.model.forward_context import CompressPlan, ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.indexer import Indexer
 from dsv4.model.kernel_values import kernel_values
+from dsv4.model.layers.fused import FusedRows
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import token_rows
 from dsv4.model.streams import join, side
@@ -124,6 +130,12 @@ class Attention(nn.Module):
                                          c.rms_norm_eps)
         if attn_type == "csa":
             self.indexer = Indexer(c)
+        # the serving path's fused projections (`model/fused_projections.py`; None: one GEMM per
+        # projection): x -> wq_a | wkv (| indexer weights_proj); q_lat -> wq_b (| indexer wq_b);
+        # x fp32 -> compressor wkv | wgate (| indexer compressor wkv | wgate)
+        self.fused_x: FusedRows | None = None
+        self.fused_q: FusedRows | None = None
+        self.fused_compress: FusedRows | None = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             values: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -264,28 +276,46 @@ class Attention(nn.Module):
         o = ops.sparse_attention(q.reshape(B * S, self.n_heads, -1), sources, sink, self.scale)
         return o.view(B, S, self.n_heads, -1)
 
-    def _compress_pair(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
-                       cache: LayerCache) -> None:
-        """CSA: this step's entries and ring rows of both compressors, attention and indexer.
+    def compressors(self) -> list[Compressor]:
+        """The layer's compressors: its own, then (CSA) its indexer's."""
+        assert self.compressor is not None
+        return [self.compressor] + ([self.indexer.compressor] if self.indexer is not None else [])
 
-        x: [T, d], cast to fp32 once for both projections.
-        """
+    def _compress_projections(self, x: torch.Tensor,
+                              ctx: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(kv, score) [T, c*Dc] fp32 of each compressor (`compressors`) for x [T, d], cast to fp32
+        once: each compressor's two `project` ops, or one `project` on the fused weight whose
+        column slices they are (score with its compressor's ape added in place either way)."""
+        xf, compressors = x.float(), self.compressors()
+        if self.fused_compress is None:
+            return [c.project(xf, ctx.positions, ctx.ops) for c in compressors]
+        parts = self.fused_compress(xf, ctx.ops.project)
+        projected = []
+        for i, c in enumerate(compressors):
+            kv, score = parts[2 * i], parts[2 * i + 1]
+            c.add_ape(score, ctx.positions, ctx.ops)
+            projected.append((kv, score))
+        return projected
+
+    def _compress_pair(self, projected: list[tuple[torch.Tensor, torch.Tensor]],
+                       ctx: ForwardContext, plan: CompressPlan, cache: LayerCache) -> None:
+        """CSA: this step's entries and ring rows of both compressors, attention and indexer, from
+        their projections (`_compress_projections`)."""
         assert self.compressor is not None and self.indexer is not None and cache.state is not None
         assert cache.index_state is not None and cache.index_keys is not None
         assert plan.entry_cos is not None and plan.entry_sin is not None
         own, idx = self.compressor, self.indexer.compressor
         assert own.norm.eps == idx.norm.eps, "compress_pair takes one eps"
-        x = x.float()                           # both compressors project fp32: cast once
         if cache.hot is not None:
-            self._compress_pair_hot(x, ctx, plan, cache)
+            self._compress_pair_hot(projected, ctx, plan, cache)
             return
         assert cache.entries is not None
-        ctx.ops.compress_pair(own.target(x, ctx, cache.state, cache.entries),
-                              idx.target(x, ctx, cache.index_state, cache.index_keys), plan.index,
-                              own.norm.eps, plan.entry_cos, plan.entry_sin)
+        ctx.ops.compress_pair(own.target(projected[0], cache.state, cache.entries),
+                              idx.target(projected[1], cache.index_state, cache.index_keys),
+                              plan.index, own.norm.eps, plan.entry_cos, plan.entry_sin)
 
-    def _compress_pair_hot(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
-                           cache: LayerCache) -> None:
+    def _compress_pair_hot(self, projected: list[tuple[torch.Tensor, torch.Tensor]],
+                           ctx: ForwardContext, plan: CompressPlan, cache: LayerCache) -> None:
         """`_compress_pair` with HiSparse: both compressors write a per-step scratch (one index
         serves the pair); the indexer keys then go to their pool, the entries to the host mirror
         and their hot copies (`HotLayer.write`)."""
@@ -296,11 +326,11 @@ class Attention(nn.Module):
         own, idx = self.compressor, self.indexer.compressor
         hs = ctx.hisparse
         assert hs is not None, "a layer with a HotSet needs the step's HiSparse rows"
-        T = x.shape[0]
+        T = projected[0][0].shape[0]
         entries = cache.hot.pool.new_zeros(T + 1, own.out_dim)
         keys = cache.index_keys.new_zeros(T + 1, idx.out_dim)
-        ctx.ops.compress_pair(own.target(x, ctx, cache.state, entries),
-                              idx.target(x, ctx, cache.index_state, keys),
+        ctx.ops.compress_pair(own.target(projected[0], cache.state, entries),
+                              idx.target(projected[1], cache.index_state, keys),
                               plan.index._replace(write_slot=hs.scratch_rows), own.norm.eps,
                               plan.entry_cos, plan.entry_sin)
         cache.index_keys[plan.write_slot] = keys[:T]
@@ -322,26 +352,47 @@ class Attention(nn.Module):
         assert cache.entries is not None
         return cache.entries, slots
 
+    def _x_projections(self, x: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, d] -> (wq_a [T, q_lora], wkv [T, D], the indexer's weights_proj [T, Ih] or None
+        without an indexer): one GEMM when fused (`fused_x`), else one each."""
+        if self.fused_x is not None:
+            parts = self.fused_x(x)
+            return parts[0], parts[1], parts[2] if len(parts) > 2 else None
+        return (self.wq_a(x), self.wkv(x),
+                self.indexer.weights_proj(x) if self.indexer is not None else None)
+
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
         """Serving path over the paged pools. Writes this step's KV, compressor state and entries
-        first (a query sees itself and the entry it completes), then attends.
+        first (a query sees itself and the entry it completes), then attends. The projections
+        that read one input run as one GEMM each where the layer is fused (`fused_x`, `fused_q`,
+        `fused_compress`), their outputs then column slices of it (row stride: the group's width),
+        which the ops read in place.
 
-        With `ctx.side_stream` the compressors (they read x only) and then the indexer (it needs
-        q_lat) run on the side stream while the query and window-KV path runs on the main one;
-        joined before the attention (`model/streams.py`)."""
-        T = x.shape[1]
+        With `ctx.side_stream` the compressors (they read x only) and then the indexer (after
+        q_lat; unfused, its query projection too, beside wq_b) run on the side stream while the
+        query and window-KV path runs on the main one; joined before the attention
+        (`model/streams.py`)."""
+        T, x = x.shape[1], x[0]                                               # x: [T, d]
         stream = ctx.side_stream if self.compressor is not None else None
         with side(stream):
-            plan = self._compress(x[0], ctx, cache)
-        q_lat = self.q_norm(self.wq_a(x), ctx)                                 # [1, T, q_lora]
+            plan = self._compress(x, ctx, cache)
+        q_a, kv, index_w = self._x_projections(x)
+        q_lat = self.q_norm(q_a, ctx)                                         # [T, q_lora]
+        q_raw = index_q = None
+        if self.fused_q is not None:
+            q_raw, index_q = self.fused_q(q_lat)
         with side(stream):
-            compressed = self._compressed_source(x[0], q_lat[0], cos, sin, ctx, plan, cache)
-        q = ctx.ops.q_norm_rope(self.wq_b(q_lat[0]).view(T, self.n_heads, self.head_dim), cos, sin,
-                                self.eps)
+            if index_q is None and self.indexer is not None:
+                index_q = self.indexer.wq_b(q_lat)
+            compressed = self._compressed_source(index_q, index_w, cos, sin, ctx, plan, cache)
+        if q_raw is None:
+            q_raw = self.wq_b(q_lat)
+        q = ctx.ops.q_norm_rope(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.eps)
         # the window kv straight to its slot
-        ctx.ops.kv_norm_rope_store(self.wkv(x[0]), self.kv_norm.weight, self.kv_norm.eps, cos, sin,
-                                   cache.swa, ctx.swa_write)
+        ctx.ops.kv_norm_rope_store(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.swa,
+                                   ctx.swa_write)
         join(stream)
         sources = [(cache.swa, ctx.window)] + compressed
         o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),
@@ -350,29 +401,33 @@ class Attention(nn.Module):
 
     def _compress(self, x: torch.Tensor, ctx: ForwardContext,
                   cache: LayerCache) -> CompressPlan | None:
-        """This step's compressor work (x [T, d]): both compressors of a CSA layer in one op, the
-        one of an HCA layer; their plan (None without a compressor)."""
+        """This step's compressor work from x [T, d]: the projections (`_compress_projections`),
+        then both compressors of a CSA layer in one op, or the one of an HCA layer; their plan
+        (None without a compressor)."""
         if self.compressor is None:
             return None
         assert cache.state is not None
         plan = ctx.plans[self.compressor.ratio]
+        projected = self._compress_projections(x, ctx)
         if self.indexer is not None:
-            self._compress_pair(x, ctx, plan, cache)
+            self._compress_pair(projected, ctx, plan, cache)
         else:
             assert cache.entries is not None
-            self.compressor.forward_cached(x, ctx, plan, cache.state, cache.entries)
+            self.compressor.forward_cached(projected[0], ctx, plan, cache.state, cache.entries)
         return plan
 
-    def _compressed_source(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, ctx: ForwardContext, plan: CompressPlan | None,
+    def _compressed_source(self, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
+                           cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                           plan: CompressPlan | None,
                            cache: LayerCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The compressed entries the queries attend to, as (pool, slots [T, width]): the
-        indexer's picks in a CSA layer, every visible entry in an HCA layer; none without a
-        compressor."""
+        indexer's picks (from its projections `index_q`, `index_w`) in a CSA layer, every visible
+        entry in an HCA layer; none without a compressor."""
         if plan is None:
             return []
         if self.indexer is not None:
-            picks = self.indexer.forward_cached(x, q_lat, cos, sin, ctx, plan, cache)
+            assert index_q is not None and index_w is not None
+            picks = self.indexer.forward_cached(index_q, index_w, cos, sin, ctx, plan, cache)
             if ctx.captured is not None or ctx.fixed_widths:
                 # padded to index_topk: every step stacks alike, rows have one width
                 picks = pad_columns(picks, self.indexer.topk)

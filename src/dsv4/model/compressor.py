@@ -3,6 +3,10 @@
 Entry i summarises the tokens of window i (and, for overlap, the Ca half of window i-1) by gated
 per-channel softmax pooling; then a weighted RMSNorm and RoPE at position i*ratio (the first
 token of its own window). Projections and pooling run in fp32, as in the DeepSeek reference.
+
+On the serving path the layer projects (`Attention._compress_projections`): where it is fused
+(`model/fused_projections.py`) all its compressors' wkv and wgate are one `project` op, and the
+compress ops read the column slices (kv and score of one row stride).
 """
 
 from __future__ import annotations
@@ -114,26 +118,30 @@ class Compressor(nn.Module):
         out = rows.new_empty(entries + 1, self.out_dim)
         return CompressTarget(kv, score, ring, ring.clone(), norm_w, out)
 
-    def target(self, x: torch.Tensor, ctx: ForwardContext, state: RingState,
-               out: torch.Tensor) -> CompressTarget:
-        """This step's projections of x [T, d] with the ring and entry pool they go to.
+    def add_ape(self, score: torch.Tensor, positions: torch.Tensor, ops: KernelOps) -> None:
+        """score [T, c*Dc] fp32 += ape[positions % ratio] in place, the backend's `add_ape` op: the
+        gate scores of a fused projection (`Attention.fused_compress`), a column slice of its
+        output, as `project` adds them to its own."""
+        ops.add_ape(score, self.ape.float(), positions.reshape(-1), self.ratio)
 
-        These are the compress ops' inputs. x in fp32 is used as is (a CSA layer casts once for
-        its two compressors), else cast here.
-        """
-        kv, score = self.project(x, ctx.positions, ctx.ops)                     # [T, c*Dc] fp32
+    def target(self, projected: tuple[torch.Tensor, torch.Tensor], state: RingState,
+               out: torch.Tensor) -> CompressTarget:
+        """This step's projections (kv, score) [T, c*Dc] fp32 (`project` with the step's ops, or
+        the columns of the layer's fused projection) with the ring and entry pool they go to: the
+        compress ops' inputs."""
+        kv, score = projected
         return CompressTarget(kv, score, state.kv, state.score, self.norm.weight, out)
 
-    def forward_cached(self, x: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
-                       state: RingState, out: torch.Tensor) -> None:
+    def forward_cached(self, projected: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
+                       plan: CompressPlan, state: RingState, out: torch.Tensor) -> None:
         """Serving path: pool each window the new tokens complete into `out`; keep the ring current.
 
-        x: [T, d] new tokens. The `compress` op (`kernels/ref/compressor.py::compress_cached`)
-        pools, norms, ropes and writes the entries, reading older sources from the ring BEFORE
-        overwriting any ring row. (A CSA layer serves this and its indexer's compressor in one
-        `compress_pair` op: `model/attention.py`.)
+        projected: this step's (kv, score) [T, c*Dc] fp32 (`target`). The `compress` op
+        (`kernels/ref/compressor.py::compress_cached`) pools, norms, ropes and writes the entries,
+        reading older sources from the ring BEFORE overwriting any ring row. (A CSA layer serves
+        this and its indexer's compressor in one `compress_pair` op: `model/attention.py`.)
         """
         assert plan.entry_cos is not None and plan.entry_sin is not None
-        c = self.target(x, ctx, state, out)
+        c = self.target(projected, state, out)
         ctx.ops.compress(c.kv, c.score, c.ring_kv, c.ring_score, plan.index, c.norm_weight,
                          self.norm.eps, plan.entry_cos, plan.entry_sin, c.out)

@@ -3,6 +3,10 @@
 The scores are used only for selection (no gradient path to the attention logits); visibility
 is `entry i < (t+1) // ratio`. Ties break toward the lower entry index
 (`kernels/ref/indexer.py`).
+
+On the serving path the layer runs the projections (`forward_cached` takes their outputs): with
+fused projections (`model/fused_projections.py`) `weights_proj` rides the layer's x GEMM and `wq_b`
+its q_lat GEMM, and the compressor its fp32 one.
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ class Indexer(nn.Module):
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] -> the query heads' weights [..., Ih] fp32 (scaled)."""
-        return self.weights_proj(x).float() * self.weight_scale
+        return self.scale_weights(self.weights_proj(x))
+
+    def scale_weights(self, projected: torch.Tensor) -> torch.Tensor:
+        """`weights_proj`'s output [..., Ih] -> the query heads' weights [..., Ih] fp32 (scaled)."""
+        return projected.float() * self.weight_scale
 
     def scores(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, values: KernelOps | None = None) -> torch.Tensor:
@@ -79,12 +87,14 @@ class Indexer(nn.Module):
         return causal_topk(scores, visible.expand(x.shape[0], -1), self.topk)
 
     @torch.no_grad()
-    def forward_cached(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor,
+    def forward_cached(self, q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, ctx: ForwardContext, plan: CompressPlan,
                        cache: LayerCache) -> torch.Tensor:
-        """Serving path: x [T, d], q_lat [T, q_lora], cos/sin [T, rd/2] -> the top-k picks
-        [T, min(k, V)]: candidate columns, -1 = none (`ops.pick_slots` turns them into entry ids
-        and pool slots; [T, 0] while no entry is complete). The queries' RoPE is the `rope` op.
+        """Serving path: this step's projections q = wq_b(q_lat) [T, Ih*Id] and weights =
+        weights_proj(x) [T, Ih] (the layer computes them: alone, or as column slices of its fused
+        GEMMs, `Attention.forward_cached`), cos/sin [T, rd/2] -> the top-k picks [T, min(k, V)]:
+        candidate columns, -1 = none (`ops.pick_slots` turns them into entry ids and pool slots;
+        [T, 0] while no entry is complete). The queries' RoPE is the `rope` op.
 
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path. This step's keys are already in
@@ -92,8 +102,8 @@ class Indexer(nn.Module):
         (`Attention._compress_pair`).
         """
         assert cache.index_keys is not None
-        q = self.wq_b(q_lat).view(x.shape[0], self.n_heads, self.head_dim)
-        q, w = ctx.ops.rope(q, cos, sin), self.head_weights(x)               # [T, Ih, Id], [T, Ih]
+        q = ctx.ops.rope(q.view(q.shape[0], self.n_heads, self.head_dim), cos, sin)  # [T, Ih, Id]
+        w = self.scale_weights(weights)                                                # [T, Ih]
         if plan.candidates.shape[1] == 0:                                    # no entry complete yet
             return plan.candidates
         scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)  # [T, V], -inf: none

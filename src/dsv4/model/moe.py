@@ -7,7 +7,8 @@ expert are SwiGLU with the clamp at `swiglu_limit`. Routed expert weights are st
 
 The gate's selection and weights after its GEMM (`moe_gate_select`) and the shared expert's SwiGLU
 (`swiglu`) are kernel ops: the backend's on the serving path and under `ForwardMode.values`, the
-references of `kernels/ref/moe.py` otherwise.
+references of `kernels/ref/moe.py` otherwise. On the serving path a fused shared expert
+(`model/fused_projections.py`) runs w1 and w3 as one GEMM and `swiglu` reads its two column halves.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.kernel_values import kernel_values
+from dsv4.model.layers.fused import FusedRows
 from dsv4.model.streams import join, side
 
 
@@ -113,16 +115,21 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(hidden_size, inter_dim, bias=False)
         self.w2 = nn.Linear(inter_dim, hidden_size, bias=False)
         self.w3 = nn.Linear(hidden_size, inter_dim, bias=False)
+        # w1 | w3 as one weight on the serving path (`model/fused_projections.py`; None: two GEMMs)
+        self.fused_w13: FusedRows | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None,
                 values: KernelOps | None = None) -> torch.Tensor:
         """x [N, d] -> [N, d] in the weights' dtype. The SwiGLU is the op `swiglu`: the backend's
-        with a `ctx` (serving); with `values` (`ForwardMode.values`) that op's values and the
+        with a `ctx` (serving, where a fused w1 | w3 is one GEMM whose two column halves the op
+        reads in place); with `values` (`ForwardMode.values`) that op's values and the
         reference's gradient; otherwise the reference."""
-        gate, up, limit = self.w1(x), self.w3(x), self.limit
+        limit = self.limit
         if ctx is not None:
-            h = ctx.ops.swiglu(gate, up, limit)
-        elif values is not None:
+            gate, up = self.fused_w13(x) if self.fused_w13 is not None else (self.w1(x), self.w3(x))
+            return self.w2(ctx.ops.swiglu(gate, up, limit))
+        gate, up = self.w1(x), self.w3(x)
+        if values is not None:
             ops = values
             h = kernel_values(lambda g, u_: ops.swiglu(g, u_, limit),
                               lambda g, u_: swiglu(g, u_, limit), gate, up)

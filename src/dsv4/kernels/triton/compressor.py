@@ -312,11 +312,16 @@ def check_inputs(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                          f"(Dc = {Dc}, even), rd/2 = {half_rd} <= Dc/2, S = {S} > 0 "
                          f"(even with overlap)")
     fp32 = (torch.float32,)
-    for name, x, shape in (("score", score, (T, width)), ("kv", kv, (T, width)),
-                           ("sin", sin, (T, half_rd)), ("cos", cos, (T, half_rd)),
+    for name, x, shape in (("sin", sin, (T, half_rd)), ("cos", cos, (T, half_rd)),
                            ("ring_kv", ring_kv, (ring_kv.shape[0], width)),
                            ("ring_score", ring_score, tuple(ring_kv.shape))):
         _check_rows(name, x, shape, fp32)
+    # kv and score: rows of one stride, e.g. column slices of one fused projection's output
+    for name, x in (("score", score), ("kv", kv)):
+        _check_rows(name, x, (T, width), fp32, contiguous=False)
+    if T > 1 and score.stride(0) != kv.stride(0):
+        raise ValueError(f"kv and score must share one row stride; got {kv.stride(0)} and "
+                         f"{score.stride(0)}")
     _check_rows("out", out, tuple(out.shape), _OUT_DTYPES, contiguous=False)
     _check_rows("norm_weight", norm_weight, (Dc,), _OUT_DTYPES)
     for name, x, shape, dtype in (("src_new", index.src_new, (T, S), torch.int64),
@@ -344,15 +349,16 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     ring).
 
     `kv`, `score`: [T, c*Dc] fp32; `ring_kv`, `ring_score`: [N_ring, c*Dc] fp32; `index`:
-    CompressIndex ([T, S] rows); `norm_weight`: [Dc]; `cos`, `sin`: [T, rd/2] fp32; `out`:
-    [N_out, Dc] bf16 / fp16 / fp32. All contiguous except `out` (unit last stride: a row-sliced
-    view of a pool is fine); all on one device. One launch when `index.ring_reads_disjoint`, else
-    two (module docstring). Keyword arguments are tuning knobs (benchmark sweeps, tests);
-    `prefetch` (default: short windows, S <= 16) keeps index rows two chunks ahead of the gathers
-    when the window takes several chunks; `tokens` > 1 (a power of two, S <= 16) serves that many
-    tokens per program (`compressor_group.py`; `block_s` and `prefetch` then do not apply;
-    default `default_tokens`, or 1 when `block_s` or `prefetch` is given). No host syncs: safe
-    inside CUDA-graph capture.
+    CompressIndex ([T, S] rows); `norm_weight`: [Dc]; `cos`, `sin`: [T, rd/2] fp32; `out`: [N_out,
+    Dc] bf16 / fp16 / fp32. All contiguous except `out` (unit last stride: a row-sliced view of a
+    pool is fine) and `kv` / `score` (unit last stride, one row stride for both: column slices of
+    one fused projection's output are fine); all on one device. One launch when
+    `index.ring_reads_disjoint`, else two (module docstring). Keyword arguments are tuning knobs
+    (benchmark sweeps, tests); `prefetch` (default: short windows, S <= 16) keeps index rows two
+    chunks ahead of the gathers when the window takes several chunks; `tokens` > 1 (a power of two,
+    S <= 16) serves that many tokens per program (`compressor_group.py`; `block_s` and `prefetch`
+    then do not apply; default `default_tokens`, or 1 when `block_s` or `prefetch` is given). No
+    host syncs: safe inside CUDA-graph capture.
     """
     check_inputs(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
     launch_compress(kv, score, ring_kv, ring_score, index, norm_weight, eps, cos, sin, out,

@@ -32,14 +32,15 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
-                      slot_ptr, D, rows_per_token, rope_first, eps, stride_x, stride_cs, stride_out,
-                      NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+                      slot_ptr, D, rows_per_token, rope_first, eps, stride_xt, stride_xh, stride_cs,
+                      stride_out, NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
                       SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = row // rows_per_token
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x_row = x_ptr + t * stride_xt + (row - t * rows_per_token) * stride_xh
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM > 0:   # 1: x / rms(x); 2: w * x / rms(x)
         x = x / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         if NORM == 2:
@@ -78,18 +79,22 @@ def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
             sin: torch.Tensor | None, out: torch.Tensor, norm: int, inverse: bool, eps: float = 0.0,
             weight: torch.Tensor | None = None, slots: torch.Tensor | None = None,
             fp_fusion: bool = True) -> None:
-    """One program per row of x; `fp_fusion=False` compiles without FMA contraction."""
+    """One program per row of x (`rows_per_token` rows of D per token); `fp_fusion=False` compiles
+    without FMA contraction. x is read through its token and row strides (unit last stride), so
+    column slices of a wider tensor (a fused projection's output) are read in place."""
     rows, D = x.numel() // x.shape[-1], x.shape[-1]
     if rows == 0:
         return
-    x2 = x.reshape(rows, D)
+    x3 = x.reshape(-1, rows_per_token, D)         # a view wherever x's strides allow one
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
     block_d = max(16, triton.next_power_of_2(D))
     half, stride_cs = (cos.shape[-1], cos.stride(0)) if cos is not None else (0, 0)
     _norm_rope_kernel[(rows,)](
-        x2, weight if weight is not None else x2, cos if cos is not None else x2,
-        sin if sin is not None else x2, out, slots if slots is not None else x2, D, rows_per_token,
-        D // 2 - half, float(eps),
-        x2.stride(0), stride_cs, out.stride(0),
+        x3, weight if weight is not None else x3, cos if cos is not None else x3,
+        sin if sin is not None else x3, out, slots if slots is not None else x3, D,
+        rows_per_token, D // 2 - half, float(eps),
+        x3.stride(0), x3.stride(1), stride_cs, out.stride(0),
         NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None,
         BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)),
         **({} if fp_fusion else {"enable_fp_fusion": False}))
@@ -101,8 +106,7 @@ def triton_q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D]; got {list(q.shape)}")
     _check_rope("q", q, cos, sin, q.shape[0])
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch(q, q.shape[1], cos, sin, out.view(-1, q.shape[-1]), norm=1, inverse=False, eps=eps)
     return out
 
@@ -134,7 +138,7 @@ def triton_kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float
         raise ValueError(f"slots must be [{kv.shape[0]}] int64 and weight [{kv.shape[1]}]; got "
                          f"{list(slots.shape)} {slots.dtype}, {list(weight.shape)}")
     _check_rope("kv", kv, cos, sin, kv.shape[0])
-    _launch(kv.contiguous(), 1, cos, sin, pool, norm=2, inverse=False, eps=eps, weight=weight,
+    _launch(kv, 1, cos, sin, pool, norm=2, inverse=False, eps=eps, weight=weight,
             slots=slots.contiguous())
 
 
@@ -144,8 +148,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if x.dtype not in _DTYPES or tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"x must be one of {[str(d) for d in _DTYPES]} and weight "
                          f"[{x.shape[-1]}]; got {x.dtype}, {list(weight.shape)}")
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, 1, None, None, out.view(-1, x.shape[-1]), norm=2, inverse=False, eps=eps,
             weight=weight)
     return out
@@ -158,8 +161,7 @@ def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if x.dim() != 3:
         raise ValueError(f"x must be [T, H, D]; got {list(x.shape)}")
     _check_rope("x", x, cos, sin, x.shape[0])
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, x.shape[1], cos, sin, out.view(-1, x.shape[-1]), norm=0, inverse=False,
             fp_fusion=False)
     return out
