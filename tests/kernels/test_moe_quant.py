@@ -248,6 +248,11 @@ def test_plan() -> None:
     assert (plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_m,
             plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_k) == (32, 128)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, *big).block_m == 64
+    # FP4 dot_scaled stays at BLOCK_N 32 (its wgmma form at 64 is wrong on sm_90)
+    assert plan_moe("fp4", "dot_scaled", torch.bfloat16, cpu, 48, 256, 2048, 4096
+                    ).gate_up.block_n == 32
+    with pytest.raises(ValueError, match="needs block_n <= 32"):
+        plan_moe("fp4", "dot_scaled", torch.bfloat16, cpu, 6, 8, 64, 64, block_n=64)
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])

@@ -93,8 +93,12 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     tiles = max(1, (nk + min(num_experts, nk) * (bm - 1)) // bm)
     target = PROGRAMS_PER_SM * _num_sms(device)
 
+    widest = max_block_n(fmt, name)
+    if block_n is not None and block_n > widest:
+        raise ValueError(f"fmt {fmt!r} variant {name!r} needs block_n <= {widest}; got {block_n}")
+
     def launch(out: int) -> Launch:
-        bn = block_n or (64 if tiles * triton.cdiv(out, 64) >= target else 32)
+        bn = block_n or (64 if tiles * triton.cdiv(out, 64) >= target and widest >= 64 else 32)
         return Launch(bn, num_warps or (4 if bn >= 32 else 1))
 
     return MoePlan(VARIANTS[name], bm, bk, num_stages or 3, launch(inter), launch(d))
@@ -119,6 +123,13 @@ def max_block_m(fmt: str, variant: str) -> int:
     wgmma, whose shared-memory operand layout it cannot derive through the decoded tile's
     join / reshape (a compile error)."""
     return 32 if fmt == "fp4" and variant in ("scaled", "words") else 64
+
+
+def max_block_n(fmt: str, variant: str) -> int:
+    """64, but 32 for FP4 "dot_scaled": at BLOCK_N 64 Triton (3.6, sm_90) lowers its
+    `tl.dot_scaled` to wgmma, whose products are wrong on the H200 (the GPU parity test
+    `test_flash_parity` fails with a relative error above 1); at 32 it runs mma.sync and passes."""
+    return 32 if fmt == "fp4" and variant == "dot_scaled" else 64
 
 
 def default_block_k(fmt: str, variant: str, block_m: int) -> int:
