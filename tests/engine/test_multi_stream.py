@@ -63,7 +63,8 @@ def _generate(ckpt: Path, dtype: str, multi: bool, graphs: bool) -> list[tuple[l
                                                                                list[float]]]:
     llm = LLM(ckpt, dtype=dtype, device="cuda", kernel_backend="triton", page_size=16,
               max_total_tokens=8192, max_running_requests=8, chunked_prefill_size=64,
-              multi_stream=multi, disable_cuda_graph=not graphs, warmup="none")
+              multi_stream=multi, disable_cuda_graph=not graphs, warmup="none",
+              fuse_projections=False)
     assert llm.engine.runner.config.multi_stream is multi
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, micro().vocab_size, (n,), generator=g).tolist()
@@ -78,7 +79,9 @@ def _generate(ckpt: Path, dtype: str, multi: bool, graphs: bool) -> list[tuple[l
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_same_outputs_on_and_off(ckpt: Path, dtype: str, graphs: bool) -> None:
     """micro (SWA, CSA and HCA layers) on CUDA: greedy tokens and their log-probs are the same
-    bits with the side stream on and off, prefill chunks and decode steps (graphs or eager)."""
+    bits with the side stream on and off, prefill chunks and decode steps (graphs or eager).
+    Projections unfused in both (multi-stream changes which groups fuse, and a fused GEMM may
+    round differently)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     off = _generate(ckpt, dtype, False, graphs)
