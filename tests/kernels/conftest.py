@@ -7,8 +7,35 @@ setting it here, before any test module of this folder imports a kernel, is enou
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def round_bf16_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU (the
+    interpreter's own cast truncates). A test module opts in with
+    `pytestmark = pytest.mark.usefixtures("round_bf16_to_nearest_even")`."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    truncating = interpreter._convert_float
+
+    def rne(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
+        if src == tl.float32 and dst == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return truncating(data, src, dst, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", rne)
+    yield

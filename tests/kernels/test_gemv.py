@@ -20,10 +20,7 @@ bit-equal to eager, new inputs replayed), against the float64 reference.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
 import torch
 
 # NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
@@ -51,26 +48,7 @@ REAL_SHAPES = [(1024, 4096, BF16), (1536, 4096, BF16), (4096, 4096, BF16), (4096
                (2560, 4096, F32), (256, 4096, F32)]
 
 
-@pytest.fixture(autouse=True)
-def _round_bf16_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU (the
-    interpreter's own cast truncates)."""
-    if DEVICE == "cuda":
-        yield
-        return
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    truncating = interpreter._convert_float
-
-    def rne(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
-        if src == tl.float32 and dst == tl.bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return truncating(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", rne)
-    yield
+pytestmark = pytest.mark.usefixtures("round_bf16_to_nearest_even")
 
 
 def operands(M: int, N: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype | None = None,

@@ -16,8 +16,6 @@ bit-equal.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -25,7 +23,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from dsv4.kernels.ref.moe import swiglu  # noqa: E402
@@ -36,25 +33,7 @@ FP32_TOL = {"rtol": 5e-7, "atol": 1e-6}
 BF16_TOL = {"rtol": 2 ** -8, "atol": 0.0}
 
 
-@pytest.fixture(autouse=True)
-def _round_bf16_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU."""
-    if DEVICE == "cuda":
-        yield
-        return
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    truncating = interpreter._convert_float
-
-    def rne(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
-        if src == tl.float32 and dst == tl.bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return truncating(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", rne)
-    yield
+pytestmark = pytest.mark.usefixtures("round_bf16_to_nearest_even")
 
 
 def inputs(N: int, inter: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
