@@ -33,7 +33,7 @@ from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
 from dsv4.config.server import ServerConfig
 from dsv4.distributed.memory import plan_memory
-from dsv4.engine import runner as runner_module
+from dsv4.engine import runner_setup as runner_module
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.runner import ModelRunner
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM

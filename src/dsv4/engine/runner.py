@@ -10,13 +10,12 @@ the engine calls it when it needs the tokens: at once, or one step later under o
 where a step's fed tokens still on the device (`ScheduledStep.ahead`) are gathered from the step
 before's sampled tokens into the inputs, on the device.
 The host-side step types live in engine/step_output.py.
-At start-up the runner fuses the model's projections that read one input into one GEMM per group
-(`model/fused_projections.py`, `EngineConfig.fuse_projections`; not in the invariant modes).
+What the runner settles before it allocates (the config resolved for the device, HiSparse's hot
+entries, the projection fusion) is in engine/runner_setup.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -25,22 +24,13 @@ from dsv4.cache.hisparse import HiSparseLayout, HotSet
 from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
-from dsv4.config.engine import (
-    EngineConfig,
-    kv_budget_gb,
-    resolve_hisparse_entries,
-    resolve_kernel_backend,
-    resolve_multi_stream,
-    resolve_overlap,
-    resolve_swa_fraction,
-    resolve_warmup,
-)
-from dsv4.config.model import ModelConfig
+from dsv4.config.engine import EngineConfig
 from dsv4.engine.cuda_graph import Ahead, Captured, DecodeGraphs
 from dsv4.engine.grammar import draft_token_bitmask, token_bitmask
 from dsv4.engine.metadata import StepShape, build_context
 from dsv4.engine.penalty_state import PenaltyState
 from dsv4.engine.request import Request
+from dsv4.engine.runner_setup import check_host_memory, fuse_for_serving, hot_entries, resolve
 from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.engine.spec_decode import Drafts, Segments, draft, successors, verify
@@ -49,81 +39,10 @@ from dsv4.kernels.ref.batch_invariant import batch_invariant
 from dsv4.kernels.registry import create_kernels
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
-from dsv4.model.fused_projections import fuse_projections, unfuse_projections
 from dsv4.utils.device import to_device
-from dsv4.utils.host_memory import available_host_bytes
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
-
-
-def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
-    """`config` with its device-dependent defaults resolved (logged): the kernel backend and,
-    unless `max_total_tokens` fixes the pools, the KV budget; the warmup mode and overlap
-    scheduling (`config/engine.py`)."""
-    backend = resolve_kernel_backend(config.kernel_backend, device.type)
-    budget = config.kv_cache_memory_gb
-    if config.max_total_tokens is None:
-        total = used = 0
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            used = torch.cuda.memory_allocated(device)
-        budget = kv_budget_gb(config, device.type, total, used)
-        logger.info("KV budget %.2f GB (%s)", budget,
-                    "kv_cache_memory_gb" if config.kv_cache_memory_gb is not None else
-                    f"mem_fraction_static {config.mem_fraction_static} of {total / 2**30:.1f} GB,"
-                    f" {used / 2**30:.1f} GB in use" if device.type == "cuda" else "CPU default")
-    warmup = resolve_warmup(config.warmup, device.type, backend)
-    overlap = resolve_overlap(config.overlap_schedule, device.type, config.speculative_num_steps)
-    return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
-                               warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
-                                   config.swa_memory_fraction, device.type),
-                               overlap_schedule=overlap, multi_stream=resolve_multi_stream(
-                                   config.multi_stream, device.type, config.enable_hisparse))
-
-
-def _hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:
-    """HiSparse's hot entries per request and C4 layer (None: HiSparse off); raises naming the
-    flag for a model without C4 layers or too few entries."""
-    if not config.enable_hisparse:
-        return None
-    if "csa" not in model.attn_types:
-        raise ValueError("enable_hisparse=True needs a model with C4 (csa) attention layers; "
-                         "this one has none (allowed: enable_hisparse=False)")
-    return resolve_hisparse_entries(config, model.index_topk)
-
-
-def _check_host_memory(layout: HiSparseLayout, dtype: torch.dtype) -> None:
-    """Raise naming the knobs when the host mirror would not fit the host's available memory."""
-    need, free = layout.pool_bytes(dtype)[1], available_host_bytes()
-    if need > free:
-        raise ValueError(f"enable_hisparse=True: the host mirror needs {need / 2**30:.2f} GB and "
-                         f"the host has {free / 2**30:.2f} GB available; allowed: a smaller KV "
-                         "cache (max_total_tokens / kv_cache_memory_gb / context_length)")
-
-
-def _fuse(model: DeepSeekV4ForCausalLM, config: EngineConfig) -> int:
-    """Fuse the model's projection groups for serving (`model/fused_projections.py`), or undo a
-    fusion when this engine runs unfused: off by `fuse_projections`, or in an invariant mode,
-    where a token's bits must equal those of the trainer's unfused full-sequence forward. Logged;
-    returns the number of fused groups."""
-    why_not = ("fuse_projections=False" if not config.fuse_projections else
-               "invariant_plans: a token's bits match the unfused full-sequence forward"
-               if config.invariant_plans else
-               "batch_invariant: a token's bits match the unfused full-sequence forward"
-               if config.batch_invariant else None)
-    if why_not is not None:
-        unfuse_projections(model)
-        logger.info("fused projections: off (%s)", why_not)
-        return 0
-    # with multi-stream branches the indexer's query projection runs beside wq_b (side stream)
-    device = next(model.parameters()).device
-    multi = resolve_multi_stream(config.multi_stream, device.type, config.enable_hisparse)
-    groups = fuse_projections(model, query_group=not multi)
-    logger.info("fused projections: %d groups of projections that read one input run as one GEMM "
-                "each%s", groups, " (wq_b and the indexer's wq_b apart: multi-stream)" if multi
-                else "")
-    return groups
 
 
 class ModelRunner:
@@ -131,7 +50,7 @@ class ModelRunner:
                  context_length: int) -> None:
         self.device = next(model.parameters()).device
         # before the KV budget is sized: fusing re-allocates the grouped weights
-        self.fused_groups = _fuse(model, config)
+        self.fused_groups = fuse_for_serving(model, config)
         # the RoPE rows of every position a request can reach (its page table's span, drafts
         # included), before the KV budget is sized so that it sees them
         self.rope_positions = math.ceil(context_length / config.page_size) * config.page_size
@@ -145,7 +64,7 @@ class ModelRunner:
         dtype = model.embed.weight.dtype
         mc = model.config
         self.dtype, self.context_length = dtype, context_length
-        self.hot_entries = _hot_entries(config, mc)
+        self.hot_entries = hot_entries(config, mc)
         reserved = 0 if self.hot_entries is None else HiSparseLayout.device_bytes(
             mc, config.max_running_requests, context_length, self.hot_entries, dtype)
         self.layout = plan_cache(mc, config, dtype, reserved)
@@ -174,7 +93,7 @@ class ModelRunner:
             layout = HiSparseLayout.from_configs(self.model.config, self.layout,
                                                  self.config.max_running_requests,
                                                  self.context_length, self.hot_entries)
-            _check_host_memory(layout, self.dtype)
+            check_host_memory(layout, self.dtype)
             hot = HotSet(layout, self.table.page_table, self.dtype, self.device)
             device_bytes, host_bytes = layout.pool_bytes(self.dtype)
             logger.info("HiSparse: %d hot entries per request and C4 layer (%.1f MB on the "
