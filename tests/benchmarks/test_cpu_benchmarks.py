@@ -209,3 +209,16 @@ def _flat_keys(d: dict[str, Any]) -> list[str]:
         if isinstance(v, dict):
             out += _flat_keys(v)
     return out
+
+
+def test_model_memory_counts_the_loader_tensors() -> None:
+    """Checkpoint precision holds fewer bytes than bf16 (FP4 experts: 4.25 bits a weight), the
+    per-GPU rows split only the routed experts, and the total is the loaded model's bytes."""
+    result = run_benchmark("model_memory.py", "--presets", "micro", "--ranks", "1,2")
+    row = result["rows"][0]
+    bf16, ckpt = row["bytes"]["bf16"], row["bytes"]["checkpoint"]
+    assert ckpt["routed experts"] < bf16["routed experts"] / 3
+    assert ckpt["attention"] == bf16["attention"]
+    gpu = row["per_gpu_ep"]["checkpoint"]
+    assert gpu["1"] == row["total"]["checkpoint"]
+    assert gpu["1"] - gpu["2"] == ckpt["routed experts"] / 2

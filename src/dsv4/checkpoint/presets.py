@@ -62,8 +62,15 @@ def flash_43l_e16() -> ModelConfig:
     return _flash(43, attn, ("hash",) * 3 + ("routed",) * 40, 16)
 
 
+def flash() -> ModelConfig:
+    """The full V4-Flash geometry: 43 layers, 256 routed experts (random weights only: built in
+    memory, e.g. `--model in-memory:flash`; ~160 GB in checkpoint precision)."""
+    attn = ("swa", "swa") + ("csa", "hca") * 20 + ("csa",)
+    return _flash(43, attn, ("hash",) * 3 + ("routed",) * 40, 256)
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {"micro": micro, "tiny": tiny, "flash-4l": flash_4l,
-                                                 "flash-43l-e16": flash_43l_e16}
+                                                 "flash-43l-e16": flash_43l_e16, "flash": flash}
 
 
 def get_preset(name: str) -> ModelConfig:

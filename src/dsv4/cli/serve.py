@@ -37,7 +37,9 @@ CPU_MIN_PAGE_SIZE = 16
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API")
     p.add_argument("--model", default=None,
-                   help="checkpoint directory (default: the embedded model in dsv4/assets)")
+                   help="checkpoint directory, or in-memory:PRESET (random weights of a preset's "
+                        "geometry built in memory: micro, tiny, flash-4l, flash-43l-e16, flash; "
+                        "default: the embedded model in dsv4/assets)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: from the path)")
     p.add_argument("--host", default="127.0.0.1")
@@ -139,8 +141,11 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig of the parsed flags, with every "auto" value resolved."""
     from dsv4.assets import default_model_path, is_random_weights
+    from dsv4.checkpoint.source import is_in_memory, resolve_model_source
 
     model = Path(args.model) if args.model else default_model_path()
+    if args.model and is_in_memory(args.model):
+        model, args.load_format = resolve_model_source(args.model, args.load_format or "auto")
     if not (model / "config.json").is_file() or not (model / "tokenizer.json").is_file():
         raise ValueError(f"--model={str(model)!r} is invalid; allowed: a checkpoint directory "
                          "with config.json and tokenizer.json")

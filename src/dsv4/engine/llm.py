@@ -8,7 +8,9 @@
 Keyword arguments beyond model/dtype/device/weight_format/tensor_parallel_size/
 expert_parallel_size/data_parallel_size/load_format are EngineConfig fields (weight_format
 "checkpoint" keeps the routed experts in FP4, see `model/quant_experts.py`; `load_format="dummy"`
-builds random weights from the checkpoint's config.json alone, `load_served_model`).
+builds random weights from the checkpoint's config.json alone, `load_served_model`;
+`model="in-memory:<preset>"` builds a preset's geometry with random weights, no checkpoint at all:
+`checkpoint/source.py`).
 `tensor_parallel_size=N` > 1 runs N ranks (this process is rank 0; the others are spawned and
 stopped by `close()` or the `with` block; GPU rank r uses cuda:r), the model sharded as
 `distributed/tp.py` says; `expert_parallel_size=N` also splits the routed experts by id
@@ -32,6 +34,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from dsv4.checkpoint.source import resolve_model_source
 from dsv4.checkpoint.writer import random_model
 from dsv4.config.engine import EngineConfig, check_weight_format
 from dsv4.config.model import ModelConfig
@@ -88,7 +91,7 @@ class LLM:
         check_layout(tensor_parallel_size, expert_parallel_size, device, data_parallel_size)
         if device == "cpu":
             use_cpu_threads()
-        path = Path(model)
+        path, load_format = resolve_model_source(model, load_format)
         tok_file = path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.engine: LLMEngine | ParallelEngine
