@@ -51,6 +51,8 @@ def main() -> None:
                    help="steps of the profiled batch run before profiling "
                    "(e.g. its prefill: profile decode only)")
     p.add_argument("--rows", type=int, default=25, help="operators per table")
+    p.add_argument("--trace", default=None,
+                   help="CUDA: also write the profile as a Chrome trace (chrome://tracing)")
     p.add_argument("--decode-only", action="store_true",
                    help="step the batch until every request has its first token before the "
                    "warm-up steps: the profiled steps are decode steps whatever the prompt")
@@ -98,7 +100,9 @@ def main() -> None:
         kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
         gpu = {"kernels_per_step": sum(e.count for e in kernels) / args.steps,
                "gpu_ms_per_step": sum(e.self_device_time_total for e in kernels)
-               / args.steps / 1e3}
+               / args.steps / 1e3, **busy(prof, args.steps)}
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(json.dumps({"profile": "engine_step", "preset": args.preset, "device": args.device,
                       "backend": args.kernel_backend, "num_prompts": args.num_prompts,
@@ -106,6 +110,25 @@ def main() -> None:
                       "warm_steps": args.warm_steps, "max_tokens": max_tokens,
                       "finished_in_profile": sum(r.is_finished for r in reqs),
                       "step_s": times, **gpu}))
+
+
+def busy(prof: profile, steps: int) -> dict[str, float]:
+    """GPU time per step with concurrent kernels counted once: the union of the kernels'
+    intervals over every stream (`gpu_busy_ms_per_step`; below `gpu_ms_per_step`, the sum of
+    their durations, when streams overlap, e.g. `EngineConfig.multi_stream`), and the number of
+    streams that ran kernels."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            total += b - a
+        elif b > end:
+            total += b - end
+        end = max(end, b)
+    streams = {getattr(e, "device_resource_id", 0) for e in prof.events()
+               if e.device_type == DeviceType.CUDA}
+    return {"gpu_busy_ms_per_step": total / steps / 1e3, "streams": len(streams)}
 
 
 if __name__ == "__main__":
