@@ -90,6 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "the device runs step N; default: the engine's, on with CUDA)")
     p.add_argument("--multi-stream", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's multi-stream branches (default: on with CUDA)")
+    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's fused projection groups (default: on, as the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -226,7 +228,8 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: i
                           context_length=longest + 1, disable_prefix_cache=True,
                           disable_cuda_graph=args.disable_cuda_graph, seed=args.seed,
                           overlap_schedule=args.overlap_schedule,
-                          multi_stream=args.multi_stream)
+                          multi_stream=args.multi_stream,
+                          fuse_projections=args.fuse_projections)
     return LLMEngine(model, config)
 
 
@@ -498,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "cuda_graph": not args.disable_cuda_graph,
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),
+              "fuse_projections": args.fuse_projections,
               "multi_stream": resolve_multi_stream(args.multi_stream,
                                                    torch.device(args.device).type, False),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
