@@ -19,6 +19,7 @@ from dsv4.engine.weight_sync import read_checkpoint_dir, update_weights
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import load_model
 from dsv4.model.quant_experts import QuantExperts, quantize_experts_
+from dsv4.model.quant_linear import QuantLinear, quantize_linears_
 from dsv4.model.weights import official_state_dict
 
 TOL = 1e-6
@@ -141,12 +142,18 @@ def test_bad_update_changes_nothing(ckpts: dict[str, Path], change: object, matc
 
 
 def assert_same_weights(a: DeepSeekV4ForCausalLM, b: DeepSeekV4ForCausalLM) -> None:
-    """Bitwise equal weights; checkpoint-format experts compare decoded (an FP4 group whose largest
-    code is 3 re-encodes as 6 at half the scale: other codes, the same values)."""
+    """Bitwise equal weights; checkpoint-format experts and FP8 linears compare decoded (an FP4
+    group whose largest code is 3 re-encodes as 6 at half the scale: other codes, the same
+    values; likewise an FP8 block whose largest magnitude is under 224)."""
     quant = {n for n, m in a.named_modules() if isinstance(m, QuantExperts)}
+    linears = {n for n, m in a.named_modules() if isinstance(m, QuantLinear)}
     for name, t in b.state_dict().items():
-        if name.rsplit(".", 1)[0] not in quant:
+        if name.rsplit(".", 1)[0] not in quant | linears:
             assert torch.equal(a.state_dict()[name], t), name
+    for name in linears:
+        mine, theirs = a.get_submodule(name), b.get_submodule(name)
+        assert isinstance(mine, QuantLinear) and isinstance(theirs, QuantLinear)
+        assert torch.equal(mine.dequantized(torch.float32), theirs.dequantized(torch.float32))
     for name in quant:
         mine, theirs = a.get_submodule(name), b.get_submodule(name)
         assert isinstance(mine, QuantExperts) and isinstance(theirs, QuantExperts)
@@ -156,7 +163,8 @@ def assert_same_weights(a: DeepSeekV4ForCausalLM, b: DeepSeekV4ForCausalLM) -> N
 
 
 def test_checkpoint_format_requantises(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    """Float experts into FP4 codes: the codes `quantize_experts_` makes; and an update read from
+    """Float experts into FP4 codes and float linears into FP8 codes and block scales: the codes
+    `quantize_experts_` / `quantize_linears_` make; and an update read from
     an exported checkpoint serves exactly what loading that checkpoint serves."""
     engine = LLMEngine(load_model(ckpts["quant"], dtype="float32", weight_format="checkpoint"),
                        EngineConfig(page_size=16, max_total_tokens=1024))
@@ -167,7 +175,8 @@ def test_checkpoint_format_requantises(ckpts: dict[str, Path], tmp_path: Path) -
     engine.update_weights(new)
     assert {name: t.data_ptr() for name, t in model.state_dict().items()} == ptrs
     float_model.load_state_dict(new)
-    expected = quantize_experts_(float_model).state_dict()
+    quantize_linears_(quantize_experts_(float_model))
+    expected = float_model.state_dict()
     got = model.state_dict()
     assert any(isinstance(m, QuantExperts) for m in model.modules())
     assert got.keys() == expected.keys()

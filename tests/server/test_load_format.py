@@ -19,6 +19,7 @@ from dsv4.config.model import ModelConfig
 from dsv4.config.server import ServerConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.model.quant_experts import QuantExperts
+from dsv4.model.quant_linear import QuantLinear
 
 from .conftest import running_server
 
@@ -59,7 +60,8 @@ def test_llm_dummy_equals_random_model(tmp_path: Path) -> None:
 
 def test_dummy_in_checkpoint_precision(tmp_path: Path) -> None:
     """`load_format="dummy"` with `weight_format="checkpoint"`: the routed experts are random FP4
-    codes and UE8M0 scales built in place (seeded like `random_model`), decoding to weights of
+    codes and UE8M0 scales (the FP8 linears random e4m3 codes and scales) built in place (seeded
+    like `random_model`), decoding to weights of
     rms about 1 / sqrt(fan_in); the model serves them, and its logits equal those of the same
     model with the experts decoded to float (what the codes mean)."""
     write_checkpoint(get_preset("micro"), tmp_path, weights=False)
@@ -83,6 +85,9 @@ def test_dummy_in_checkpoint_precision(tmp_path: Path) -> None:
         module.experts.w1.data.copy_(w1)
         module.experts.w2.data.copy_(w2)
         module.experts.w3.data.copy_(w3)
+    for name, m in llm.model.named_modules():     # the FP8 linears: random codes too
+        if isinstance(m, QuantLinear):
+            decoded.get_submodule(name).weight.data.copy_(m.dequantized(torch.float32))
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         got, ref = llm.model(ids), decoded(ids)

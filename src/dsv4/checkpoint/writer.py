@@ -29,13 +29,12 @@ from dsv4.config.model import WEIGHT_QUANTS, ModelConfig
 from dsv4.kernels.ref import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.quant_experts import QuantExperts
+from dsv4.model.quant_linear import QuantLinear, is_fp8_linear
 from dsv4.model.weights import internal_to_official
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
 
-_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
-                         r"|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
 _EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
 _FP32_STORED = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bias)$")
 
@@ -95,7 +94,8 @@ def encode_tensor(name: str, value: torch.Tensor, weight_quant: str) -> dict[str
     if weight_quant == "fp8+fp4" and _EXPERT.search(name):
         packed, scale = quant.quant_fp4_group(value)
         return {name: packed.view(torch.int8), scale_name: scale}
-    if weight_quant != "none" and (_FP8_LINEAR.search(name) or _EXPERT.search(name)):
+    fp8_linear = name.endswith(".weight") and is_fp8_linear(name.removesuffix(".weight"))
+    if weight_quant != "none" and (fp8_linear or _EXPERT.search(name)):
         w, scale = quant.quant_fp8_block(value)
         return {name: w, scale_name: scale}
     if value.dtype == torch.int64:
@@ -176,7 +176,8 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     """A model of `config` filled in memory by `randomize_` (eval mode): benchmark weights without
     a checkpoint. `weight_format` "checkpoint": the routed experts are FP4 codes and scales built
     on the device directly (`QuantExperts.randomize_`), as a checkpoint-precision model holds
-    them, so real-scale geometries fit where their float weights would not."""
+    them, and so are the linears the official release stores in FP8 (`QuantLinear.randomize_`),
+    so real-scale geometries fit where their float weights would not."""
     from dsv4.model.loader import empty_model  # local: the loader imports nothing from checkpoint/
 
     return randomize_(empty_model(config, dtype, device, weight_format), seed).eval()
@@ -192,6 +193,9 @@ def randomize_(model: DeepSeekV4ForCausalLM, seed: int = 0) -> DeepSeekV4ForCaus
     for module_name, module in model.named_modules():
         if isinstance(module, QuantExperts):
             module.randomize_(_generator(seed, module_name, module.w13.device))
+            coded.update(id(b) for b in module.buffers())
+        elif isinstance(module, QuantLinear):
+            module.randomize_(_generator(seed, module_name, module.weight.device))
             coded.update(id(b) for b in module.buffers())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq") or id(t) in coded:

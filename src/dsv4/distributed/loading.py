@@ -51,7 +51,9 @@ from dsv4.model.state_dict_adapter import hf_to_official, is_hf_name
 from dsv4.model.weights import (
     CheckpointError,
     WeightLoader,
+    checkpoint_keys,
     dequantize,
+    fp8_linear_names,
     internal_to_official,
     official_to_internal,
     shard_files,
@@ -108,7 +110,8 @@ def load_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
-    full = empty_model(checkpoint_config(path), torch_dtype, META, weight_format).eval()
+    full = empty_model(checkpoint_config(path), torch_dtype, META, weight_format,
+                       fp8_linear_names(checkpoint_keys(shard_files(path)))).eval()
     cuts = owned_slices(full, tp, expert_parallel)      # before shard_model cuts `full`
     shard = shard_model(full, tp, expert_parallel)
     shard.to_empty(device=dev)

@@ -24,6 +24,11 @@ Experts kept in checkpoint encoding (`weight_format="checkpoint"`: FP4 / FP8 cod
 `model/quant_experts.py`) split by id only (`expert_parallel`; `LocalQuantExperts`); splitting
 their intermediate dimension is refused.
 
+FP8 linears kept in checkpoint encoding (`QuantLinear`, `model/quant_linear.py`) are not cut: with
+more than one rank `shard_model` first dequantises them to the model dtype (exact, logged), so a
+tensor-parallel model holds bf16 linears and FP4 experts. Cutting their codes and scales on
+128-row / 128-column block boundaries is not implemented.
+
 `owned_slices` states the partition once, as parameter name -> `Cut` (dim, start, size):
 `shard_model` narrows a loaded model's parameters with it (then swaps in the parallel modules),
 and `loading.load_shard` reads exactly those slices from the checkpoint.
@@ -46,6 +51,10 @@ from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.moe import Experts, MoE
 from dsv4.model.quant_experts import QuantExperts
+from dsv4.model.quant_linear import dequantize_linears_
+from dsv4.utils.logging import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,10 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     cuts = owned_slices(model, tp, expert_parallel)
     if not cuts:
         return model
+    if dequantize_linears_(model, model.embed.weight.dtype):
+        logger.warning("tensor parallelism cuts FP8 linears as %s: checkpoint-format linears "
+                       "dequantised (the routed experts stay in checkpoint encoding)",
+                       model.embed.weight.dtype)
     for name, cut in cuts.items():
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)

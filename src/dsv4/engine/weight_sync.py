@@ -15,6 +15,9 @@ model (`layers.0.attn.wq_a.weight`, stacked experts `layers.2.ffn.experts.w1` [E
   stacks `...experts.w1/w2/w3` and re-quantise them into their codes and scales with the codecs of
   `kernels/ref/quant.py` (round to nearest: exact for weights that were decoded from that format).
   Their code buffers (`w13`, `w13_scale`, ...) are not accepted by name.
+- FP8 linears in checkpoint encoding (`QuantLinear`) likewise take a float `....weight` [out, in]
+  and re-quantise it into their codes and 128x128 block scales (`quant.quant_fp8_block`, the
+  checkpoint writer's codec); their `scale` is not accepted by name.
 
 `read_checkpoint_dir(path, model)` reads an official-layout checkpoint directory (what
 `dsv4.checkpoint.writer` and `dsv4 train export` write) into such a dict of float32 CPU tensors,
@@ -41,6 +44,7 @@ from dsv4.kernels.ref import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import load_model
 from dsv4.model.quant_experts import QuantExperts
+from dsv4.model.quant_linear import QuantLinear
 
 _FLOAT_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 _STORAGE_FIELDS = ("weight_quant",)
@@ -57,11 +61,15 @@ def update_weights(model: DeepSeekV4ForCausalLM, named: Mapping[str, torch.Tenso
         raise ValueError("named is empty; allowed: at least one tensor to update")
     targets = _targets(model)
     quant_experts = {name: m for name, m in model.named_modules() if isinstance(m, QuantExperts)}
+    quant_linears = {f"{name}.weight": m for name, m in model.named_modules()
+                     if isinstance(m, QuantLinear)}
     writes: list[Write] = []
     for name, tensor in named.items():
         m = _FLOAT_EXPERTS.match(name)
         if m is not None and m.group(1) in quant_experts:
             writes.append(_plan_quant(name, tensor, quant_experts[m.group(1)], m.group(2)))
+        elif name in quant_linears:
+            writes.append(_plan_quant_linear(name, tensor, quant_linears[name]))
         elif name in targets:
             writes.append(_plan_copy(name, tensor, targets[name], model.config))
         else:
@@ -76,8 +84,9 @@ def update_weights(model: DeepSeekV4ForCausalLM, named: Mapping[str, torch.Tenso
 
 def _targets(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
     """Writable tensors by name: persistent parameters and buffers, except checkpoint-encoded
-    experts (written through their float stacks)."""
-    quant_prefixes = {name for name, m in model.named_modules() if isinstance(m, QuantExperts)}
+    experts and FP8 linears (written through their float stacks and weights)."""
+    quant_prefixes = {name for name, m in model.named_modules()
+                      if isinstance(m, QuantExperts | QuantLinear)}
     return {name: t for name, t in model.state_dict(keep_vars=True).items()
             if name.rsplit(".", 1)[0] not in quant_prefixes}
 
@@ -106,6 +115,18 @@ def _plan_quant(name: str, src: torch.Tensor, module: QuantExperts, which: str) 
     _check_float(name, src)
     codes, scales = _encode(src.detach(), module.fmt)
     return functools.partial(_load_codes, module, which, codes, scales)
+
+
+def _plan_quant_linear(name: str, src: torch.Tensor, module: QuantLinear) -> Write:
+    """Encode a float [out, in] weight for an FP8 linear now; the write copies codes and scales."""
+    _check_shape(name, src, (module.out_features, module.in_features))
+    _check_float(name, src)
+    codes, scales = quant.quant_fp8_block(src.detach().to(module.weight.device))
+
+    def write() -> None:
+        module.load(codes, scale=False)
+        module.load(scales, scale=True)
+    return write
 
 
 def _load_codes(module: QuantExperts, which: str, codes: torch.Tensor,

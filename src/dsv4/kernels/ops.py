@@ -220,3 +220,10 @@ class SwigluOp(Protocol):
     shape and dtype (the shared expert's [N, I])."""
 
     def __call__(self, gate: Tensor, up: Tensor, limit: float) -> Tensor: ...
+
+
+class QuantLinearOp(Protocol):
+    """`ref/fp8_linear.py::fp8_linear`: x [..., K] through a checkpoint-format FP8 linear (w
+    [N, K] e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes) -> [..., N] in x's dtype."""
+
+    def __call__(self, x: Tensor, w: Tensor, scale: Tensor) -> Tensor: ...

@@ -30,6 +30,7 @@ from dsv4.kernels.ops import (
     PickSlotsOp,
     ProjectOp,
     QNormRopeOp,
+    QuantLinearOp,
     RmsNormOp,
     RopeInverseOp,
     RopeOp,
@@ -43,6 +44,7 @@ from dsv4.kernels.ops import (
 from dsv4.kernels.ref.argmax import argmax
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cached_pair, project
+from dsv4.kernels.ref.fp8_linear import fp8_linear
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
@@ -92,6 +94,7 @@ class KernelOps:
     argmax: ArgmaxOp
     moe_gate_select: MoeGateSelectOp
     swiglu: SwigluOp
+    quant_linear: QuantLinearOp
 
 
 def _ref() -> KernelOps:
@@ -99,7 +102,7 @@ def _ref() -> KernelOps:
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
                      project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
-                     swiglu)
+                     swiglu, fp8_linear)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -112,7 +115,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
     gate-score position embedding and the greedy sampler's row argmax; the MoE gate's selection
     and weights after its GEMM (ids equal to `ref`'s; weights within ~1 ulp: torch's k-sum order
-    depends on the row count) and the shared expert's SwiGLU (bit-equal to `ref` on a GPU).
+    depends on the row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU) and the
+    checkpoint-format FP8 linears (`quant_linear`: codes decoded in registers, fp32 sums).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -147,6 +151,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_project_invariant,
     )
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
+    from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.metadata import triton_step_metadata
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
@@ -182,7 +187,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
                      triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape,
-                     triton_argmax, triton_moe_gate_select, triton_swiglu)
+                     triton_argmax, triton_moe_gate_select, triton_swiglu,
+                     triton_fp8_linear)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

@@ -40,6 +40,7 @@ from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.fused import FusedRows
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import token_rows
+from dsv4.model.quant_linear import QuantLinear, linear
 from dsv4.model.streams import join, side
 
 
@@ -171,9 +172,11 @@ class Attention(nn.Module):
         return kernel_values(q_op, q_ref, q), kernel_values(kv_op, kv_ref, kv, w), q_lat
 
     def output(self, o: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-               values: KernelOps | None = None) -> torch.Tensor:
+               values: KernelOps | None = None, ops: KernelOps | None = None) -> torch.Tensor:
         """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate (unless cos is None: done by the
-        caller; with `values`, that backend's `rope_inverse` values), grouped wo_a, then wo_b."""
+        caller; with `values`, that backend's `rope_inverse` values), grouped wo_a, then wo_b.
+        `ops`: the serving path's backend, for checkpoint-format FP8 projections
+        (`model/quant_linear.py`)."""
         B, S = o.shape[:2]
         if cos is not None and sin is not None:
             c, s = cos, sin
@@ -187,9 +190,12 @@ class Attention(nn.Module):
                 o = kernel_values(lambda o_: ops.rope_inverse(o_.reshape(B * S, *o_.shape[2:]),
                                                               *rows).view_as(o_), ref, o)
         groups = o.reshape(B, S, self.o_groups, -1)                     # [B, S, g, H*D/g]
-        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*D/g]
-        z = torch.einsum("bsgd,grd->bsgr", groups, w)
-        return self.reduce(self.wo_b(z.flatten(2)))
+        if isinstance(self.wo_a, QuantLinear):
+            z = self.wo_a.grouped(groups, ops)
+        else:
+            w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*D/g]
+            z = torch.einsum("bsgd,grd->bsgr", groups, w)
+        return self.reduce(linear(self.wo_b, z.flatten(2), ops))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext | None = None, layer_id: int = -1, *,
@@ -352,14 +358,14 @@ class Attention(nn.Module):
         assert cache.entries is not None
         return cache.entries, slots
 
-    def _x_projections(self, x: torch.Tensor
+    def _x_projections(self, x: torch.Tensor, ops: KernelOps
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, d] -> (wq_a [T, q_lora], wkv [T, D], the indexer's weights_proj [T, Ih] or None
         without an indexer): one GEMM when fused (`fused_x`), else one each."""
         if self.fused_x is not None:
             parts = self.fused_x(x)
             return parts[0], parts[1], parts[2] if len(parts) > 2 else None
-        return (self.wq_a(x), self.wkv(x),
+        return (linear(self.wq_a, x, ops), linear(self.wkv, x, ops),
                 self.indexer.weights_proj(x) if self.indexer is not None else None)
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -378,17 +384,17 @@ class Attention(nn.Module):
         stream = ctx.side_stream if self.compressor is not None else None
         with side(stream):
             plan = self._compress(x, ctx, cache)
-        q_a, kv, index_w = self._x_projections(x)
+        q_a, kv, index_w = self._x_projections(x, ctx.ops)
         q_lat = self.q_norm(q_a, ctx)                                         # [T, q_lora]
         q_raw = index_q = None
         if self.fused_q is not None:
             q_raw, index_q = self.fused_q(q_lat)
         with side(stream):
             if index_q is None and self.indexer is not None:
-                index_q = self.indexer.wq_b(q_lat)
+                index_q = linear(self.indexer.wq_b, q_lat, ctx.ops)
             compressed = self._compressed_source(index_q, index_w, cos, sin, ctx, plan, cache)
         if q_raw is None:
-            q_raw = self.wq_b(q_lat)
+            q_raw = linear(self.wq_b, q_lat, ctx.ops)
         q = ctx.ops.q_norm_rope(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.eps)
         # the window kv straight to its slot
         ctx.ops.kv_norm_rope_store(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.swa,
@@ -397,7 +403,7 @@ class Attention(nn.Module):
         sources = [(cache.swa, ctx.window)] + compressed
         o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),
                                  cos, sin)
-        return self.output(o.view(1, T, self.n_heads, -1), None, None)
+        return self.output(o.view(1, T, self.n_heads, -1), None, None, ops=ctx.ops)
 
     def _compress(self, x: torch.Tensor, ctx: ForwardContext,
                   cache: LayerCache) -> CompressPlan | None:

@@ -42,7 +42,8 @@ from dsv4.model.moe import MLP
 def fuse_projections(model: nn.Module, query_group: bool = True) -> int:
     """Fuse every group (module docstring) of `model`'s attention layers and shared experts in
     place; returns the number of fused groups (a group already fused counts, unchanged). A group
-    whose members are not bias-free linears of one dtype, device and input width stays unfused.
+    whose members are not bias-free `nn.Linear`s of one dtype, device and input width stays
+    unfused: one with a checkpoint-format FP8 member (`model/quant_linear.py`) among them.
 
     `query_group=False` leaves wq_b | the indexer's wq_b unfused (and undoes that group): with
     multi-stream branches (`model/streams.py`) the indexer's query projection then runs on the
@@ -107,7 +108,8 @@ def _fuse(current: FusedRows | None, members: Sequence[nn.Linear]) -> FusedRows 
     """`current` while it still holds `members`' weights; else a new stacked weight whose row
     blocks the members' weights become (copied in, then rebound); None for fewer than two
     members or members that cannot share one GEMM."""
-    if len(members) < 2 or any(m.bias is not None for m in members):
+    if len(members) < 2 or any(not isinstance(m, nn.Linear) or m.bias is not None
+                               for m in members):
         return None
     weights = [m.weight for m in members]
     if current is not None and current.holds(weights):

@@ -15,8 +15,9 @@ from dsv4.config.model import ModelConfig
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.moe import Experts
 from dsv4.model.quant_experts import QuantExperts
+from dsv4.model.quant_linear import quantize_linears_
 from dsv4.model.state_dict_adapter import is_hf_name
-from dsv4.model.weights import checkpoint_keys, load_weights, shard_files
+from dsv4.model.weights import checkpoint_keys, fp8_linear_names, load_weights, shard_files
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -44,11 +45,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
+                weight_format: WeightFormat = "bf16",
+                fp8_linears: set[str] | None = None) -> DeepSeekV4ForCausalLM:
     """Uninitialised model with the right dtypes on `device` (contents are garbage until loaded).
 
     weight_format "checkpoint": routed experts are `QuantExperts` (FP4 codes + scales, as official
-    V4 stores them).
+    V4 stores them) and the linears the checkpoint stores in FP8 are `QuantLinear`s
+    (`model/quant_linear.py`): those named in `fp8_linears` (module names; the loaders pass the
+    checkpoint's), by default the official release's FP8 set (`quant_linear.FP8_LINEAR`, what
+    the writer quantises; random weights of `load_format="dummy"`).
     """
     check_weight_format(weight_format)
     with torch.device("meta"):
@@ -57,6 +62,7 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
             for module in model.modules():
                 if isinstance(getattr(module, "experts", None), Experts):
                     module.experts = QuantExperts.from_config(config, "fp4")
+            quantize_linears_(model, fp8_linears)
     model.cast_(dtype)
     model.to_empty(device=device)
     model.reset_buffers()
@@ -88,7 +94,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16",
     """Load a DeepSeek-V4 checkpoint (official or transformers layout) for inference or training.
 
     `weight_format`: "bf16" dequantises the FP4 / FP8 weights to `dtype`; "checkpoint" keeps the
-    routed experts in their FP4 encoding (serving only; see `model/quant_experts.py`).
+    routed experts in their FP4 encoding and the linears the checkpoint stores in FP8 in theirs
+    (serving only; see `model/quant_experts.py`, `model/quant_linear.py`).
     """
     check_weight_format(weight_format)
     path = Path(path)
@@ -96,7 +103,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16",
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
     config = checkpoint_config(path)
-    model = empty_model(config, torch_dtype, dev, weight_format)
+    fp8_linears = fp8_linear_names(checkpoint_keys(shard_files(path)))
+    model = empty_model(config, torch_dtype, dev, weight_format, fp8_linears)
     load_weights(model, path, progress)
     logger.info("loaded %s (%d layers, dtype=%s, device=%s, weights=%s)", path, config.num_layers,
                 torch_dtype, dev, weight_format)

@@ -24,6 +24,7 @@ from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.fused import FusedRows
+from dsv4.model.quant_linear import linear
 from dsv4.model.streams import join, side
 
 
@@ -126,8 +127,10 @@ class MLP(nn.Module):
         reference's gradient; otherwise the reference."""
         limit = self.limit
         if ctx is not None:
-            gate, up = self.fused_w13(x) if self.fused_w13 is not None else (self.w1(x), self.w3(x))
-            return self.w2(ctx.ops.swiglu(gate, up, limit))
+            ops = ctx.ops
+            gate, up = (self.fused_w13(x) if self.fused_w13 is not None else
+                        (linear(self.w1, x, ops), linear(self.w3, x, ops)))
+            return linear(self.w2, ops.swiglu(gate, up, limit), ops)
         gate, up = self.w1(x), self.w3(x)
         if values is not None:
             ops = values

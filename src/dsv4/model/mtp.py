@@ -21,6 +21,7 @@ from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
+from dsv4.model.quant_linear import linear
 
 
 class MTPBlock(Block):
@@ -38,8 +39,9 @@ class MTPBlock(Block):
                    ctx: ForwardContext | None = None) -> torch.Tensor:
         """streams: [B, S, n, d] main streams; embedded: [B, S, d] embeddings -> [B, S, n, d].
         A serving step passes its `ctx` (the norms run as the kernel backend's op)."""
-        return (self.e_proj(self.enorm(embedded, ctx)).unsqueeze(2)
-                + self.h_proj(self.hnorm(streams, ctx)))
+        ops = ctx.ops if ctx is not None else None
+        return (linear(self.e_proj, self.enorm(embedded, ctx), ops).unsqueeze(2)
+                + linear(self.h_proj, self.hnorm(streams, ctx), ops))
 
     def hidden(self, streams: torch.Tensor, embedded: torch.Tensor, input_ids: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, mode: ForwardMode) -> torch.Tensor:

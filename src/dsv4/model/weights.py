@@ -3,9 +3,11 @@
 Reads the official DeepSeek layout (FP8 e4m3 weights with UE8M0 128x128 block scales in
 `X.scale`, FP4 e2m1 experts packed [out, in/2] with per-32 UE8M0 scales, `mtp.*`) and both
 transformers layouts (converted to official names by `state_dict_adapter.py`). Quantised weights are
-dequantised on load to the model dtype. Every parameter must be filled exactly once: missing,
-unexpected or mis-shaped tensors raise a `CheckpointError` naming the tensor (and both shapes).
-Never uses pickle: only `safetensors`.
+dequantised on load to the model dtype, except into modules kept in checkpoint encoding
+(`QuantExperts`, `QuantLinear`: `weight_format="checkpoint"`), which take the codes and scales as
+they are (a float weight, as transformers-layout files hold, is encoded). Every parameter must be
+filled exactly once: missing, unexpected or mis-shaped tensors raise a `CheckpointError` naming
+the tensor (and both shapes). Never uses pickle: only `safetensors`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tqdm import tqdm
 from dsv4.kernels.ref import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.quant_experts import QuantExperts
+from dsv4.model.quant_linear import QuantLinear
 from dsv4.model.state_dict_adapter import hf_to_official, is_hf_name
 from dsv4.utils.logging import init_logger
 
@@ -65,8 +68,8 @@ def internal_to_official(name: str, num_experts: int) -> list[tuple[str, int | N
 
 def official_state_dict(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
     """Official-named tensors of the model (dequantised; stacked experts fanned out as views)."""
-    if any(isinstance(m, QuantExperts) for m in model.modules()):
-        raise ValueError("this model keeps its experts in checkpoint encoding "
+    if any(isinstance(m, QuantExperts | QuantLinear) for m in model.modules()):
+        raise ValueError("this model keeps its weights in checkpoint encoding "
                          "(weight_format='checkpoint'); load it with weight_format='bf16' to "
                          "export or train it")
     out: dict[str, torch.Tensor] = {}
@@ -107,6 +110,20 @@ def checkpoint_keys(files: list[Path]) -> list[str]:
     return keys
 
 
+def fp8_linear_names(keys: list[str]) -> set[str]:
+    """Official names (less `.weight`) of the non-expert weights the checkpoint stores with a
+    block scale (`X.scale`, or transformers' `X.weight_scale_inv`): its FP8 linears."""
+    names = set()
+    for key in keys:
+        if is_hf_name(key):
+            if ".mlp.experts." in key:
+                continue
+            key = next(hf_to_official(key, torch.empty(0)))[0]
+        if key.endswith(".scale") and not _EXPERT.match(key):
+            names.add(key.removesuffix(".scale"))
+    return names
+
+
 def iter_official_tensors(files: list[Path],
                           progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (official name, tensor) over the shards, converting transformers names on the fly."""
@@ -139,18 +156,25 @@ class WeightLoader:
         # no dequant)
         self.quant_experts = {name: m for name, m in model.named_modules()
                               if isinstance(m, QuantExperts)}
+        # FP8 linears kept in checkpoint encoding: codes and scales copied in as they are
+        self.quant_linears = {name: m for name, m in model.named_modules()
+                              if isinstance(m, QuantLinear)}
+        coded = self.quant_experts.keys() | self.quant_linears.keys()
         self.params = {name: t
                        for name, t in list(model.named_parameters()) + list(model.named_buffers())
-                       if name.rsplit(".", 1)[0] not in self.quant_experts}
+                       if name.rsplit(".", 1)[0] not in coded}
         self.pending_weights: dict[str, torch.Tensor] = {}
         self.pending_scales: dict[str, torch.Tensor] = {}
         self.filled: set[tuple[str, int | None]] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         m = _EXPERT.match(name)
+        prefix, _, kind = name.rpartition(".")
         if m and m.group(1) in self.quant_experts:
             self._assign_code(name, m.group(1), int(m.group(2)), m.group(3), tensor,
                               m.group(4) == "scale")
+        elif prefix in self.quant_linears and kind in ("weight", "scale"):
+            self._assign_linear(name, prefix, tensor, kind == "scale")
         elif name.endswith(".scale"):
             base = name[: -len(".scale")] + ".weight"
             if base in self.pending_weights:
@@ -188,6 +212,9 @@ class WeightLoader:
             missing += [f"{prefix}.{e}.{w}.{kind}" for e in range(module.w13.shape[0])
                         for w in ("w1", "w2", "w3") for kind in ("weight", "scale")
                         if (f"{prefix}.{w}.{kind}", e) not in self.filled]
+        missing += [f"{prefix}.{kind}" for prefix in self.quant_linears
+                    for kind in ("weight", "scale")
+                    if (f"{prefix}.{kind}", None) not in self.filled]
         if missing:
             raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), "
                                   f"e.g. {missing[:8]}")
@@ -212,6 +239,22 @@ class WeightLoader:
                 self.filled.add((f"{prefix}.{which}.scale", expert))
             else:
                 module.load(which, expert, tensor.to(module.w13.device), scale)
+        except ValueError as err:
+            raise CheckpointError(f"tensor `{name}`: {err}") from err
+        self.filled.add(key)
+
+    def _assign_linear(self, name: str, prefix: str, tensor: torch.Tensor, scale: bool) -> None:
+        """A weight or scale of a `QuantLinear`: codes / scales copied in; a float weight (no
+        scale in the file) is encoded, exactly for a weight decoded from FP8."""
+        module, key = self.quant_linears[prefix], (name, None)
+        if key in self.filled:
+            raise CheckpointError(f"tensor `{name}` appears twice in the checkpoint")
+        try:
+            if not scale and tensor.is_floating_point() and tensor.element_size() > 1:
+                module.quantize_from(tensor)
+                self.filled.add((f"{prefix}.scale", None))
+            else:
+                module.load(tensor, scale)
         except ValueError as err:
             raise CheckpointError(f"tensor `{name}`: {err}") from err
         self.filled.add(key)

@@ -1,0 +1,129 @@
+"""Benchmark: the weight-only FP8 linear (`triton_fp8_linear`, e4m3 codes + 128x128 UE8M0 block
+scales decoded in registers) vs `F.linear` on the dequantised bf16 weight, and the byte floor.
+
+Shapes: flash-4l's FP8 linears (out x in: wq_a, wkv, wq_b, the indexer's wq_b, one wo_a group,
+wo_b, shared w1 / w3, shared w2), bf16 activations, at M = 1, 8, 32, 512, 2048 tokens. Bytes the
+op must move (the floor): the codes and scales once, x and y once (bf16), at the measured H200
+copy rate (bench_common.HBM_BYTES_PER_S); F.linear's floor is its bf16 weight's (twice the codes).
+TFLOP/s: 2 M N K / time, for both. Parity first (against F.linear on the dequantised weight in
+float64: within half a bf16 ulp + 2e-6 of max |y|; a whole ulp under the interpreter), then the
+median of CUDA-graph replays cycling weight copies of 512 MB (bench_common.time_us).
+Prints a table, then ONE JSON line (also written to --out).
+
+    PYTHONPATH=src python3 benchmarks/kernels/bench_fp8_linear.py --out FILE.json   # CUDA
+    PYTHONPATH=src python3 benchmarks/kernels/bench_fp8_linear.py --cpu-smoke       # interpreter
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from bench_common import (
+    HBM_BYTES_PER_S,
+    base_parser,
+    bench_rows,
+    emit,
+    print_table,
+    record_header,
+    select_device,
+    time_us,
+)
+
+ROTATE_BYTES = 512e6
+MAX_SETS = 256
+BF16 = torch.bfloat16
+SHAPES = [(1024, 4096), (512, 4096), (32768, 1024), (8192, 1024), (1024, 4096), (4096, 8192),
+          (2048, 4096), (4096, 2048)]
+SMOKE_SHAPES = [(200, 300), (64, 129)]
+
+
+@dataclass(frozen=True)
+class Case:
+    m: int
+    n: int
+    k: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.n}x{self.k} M={self.m}"
+
+
+def make_sets(case: Case, device: torch.device,
+              seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(x, codes, scale, dequantised bf16 weight) per weight copy."""
+    from dsv4.kernels.ref import quant
+
+    n = (min(MAX_SETS, max(2, math.ceil(ROTATE_BYTES / (case.n * case.k * 3))))
+         if device.type == "cuda" else 1)
+    g = torch.Generator(device).manual_seed(seed)
+    sets = []
+    for _ in range(n):
+        w = torch.randn(case.n, case.k, generator=g, device=device) / case.k**0.5
+        codes, scale = quant.quant_fp8_block(w)
+        sets.append((torch.randn(case.m, case.k, generator=g, device=device).to(BF16), codes,
+                     scale.view(torch.uint8), quant.dequant_fp8_block(codes, scale, BF16)))
+    return sets
+
+
+def max_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    ref = F.linear(x.double(), w.double())
+    scale = float(ref.abs().max().clamp_min(1e-30))
+    half_ulp = 2.0**-8 * (2 if y.device.type == "cpu" else 1)
+    err = (y.double() - ref).abs()
+    assert bool((err <= half_ulp * ref.abs() + 2e-6 * scale).all()), \
+        f"parity failed: max err {float(err.max()):.3e} of {scale:.3e}"
+    return float(err.max()) / scale
+
+
+def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
+    from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear
+    from dsv4.kernels.triton.launch import sms
+
+    cuda = device.type == "cuda"
+    sets = make_sets(case, device, args.seed)
+    x, codes, scale, dense = sets[0]
+    err = max_error(triton_fp8_linear(x, codes, scale), x, dense)
+    us = time_us(lambda x_, c, s, _w: triton_fp8_linear(x_, c, s), sets, args, cuda)
+    bf16_us = time_us(lambda x_, _c, _s, w: F.linear(x_, w), sets, args, cuda)
+    act = case.m * (case.k + case.n) * 2
+    nbytes = case.n * case.k + scale.numel() + act
+    floor_us = nbytes / HBM_BYTES_PER_S * 1e6
+    bf16_floor_us = (2 * case.n * case.k + act) / HBM_BYTES_PER_S * 1e6
+    flops = 2 * case.m * case.n * case.k
+    return {"case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
+            "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
+            "bf16_x_floor": bf16_us / bf16_floor_us, "speedup_vs_bf16": bf16_us / us,
+            "tflops": flops / us / 1e6, "bf16_tflops": flops / bf16_us / 1e6,
+            "plan": asdict(plan_fp8_linear(case.m, case.n, case.k, sms(device))),
+            "max_rel_err": err, "weight_sets": len(sets)}
+
+
+TABLE = [("case", "{:<20}", "case"), ("floor_us", "{:>8.2f}", "floor us"),
+         ("us", "{:>8.2f}", "us"), ("x_floor", "{:>6.2f}", "x floor"),
+         ("tflops", "{:>7.1f}", "TFLOP/s"), ("bf16_us", "{:>8.2f}", "bf16 us"),
+         ("bf16_x_floor", "{:>7.2f}", "x floor"), ("bf16_tflops", "{:>7.1f}", "TFLOP/s"),
+         ("speedup_vs_bf16", "{:>6.2f}", "x bf16"), ("max_rel_err", "{:>8.1e}", "rel err")]
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0], "unused (no knob sweep yet)")
+    p.add_argument("--m", default=None,
+                   help="token counts, comma-separated (default 1,8,32,512,2048; --cpu-smoke "
+                        "1,3,17,200)")
+    args = p.parse_args()
+    device = select_device(args.cpu_smoke)
+    shapes = SMOKE_SHAPES if args.cpu_smoke else SHAPES
+    ms = [int(m) for m in (args.m or ("1,3,17,200" if args.cpu_smoke
+                                      else "1,8,32,512,2048")).split(",")]
+    cases = [Case(m, n, k) for m in ms for n, k in dict.fromkeys(shapes)]
+    rows = bench_rows(cases, lambda c: bench_case(c, args, device), device)
+    print_table(rows, TABLE)
+    emit({**record_header("fp8_linear", device), "results": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()

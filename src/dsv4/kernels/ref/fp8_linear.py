@@ -1,0 +1,22 @@
+"""Reference weight-only FP8 linear: `y = x @ dequant(w, scale).T`, the spec of
+`kernels/triton/fp8_linear.py::triton_fp8_linear` (op `quant_linear`, `kernels/ops.py`).
+
+w [N, K] holds e4m3 codes (torch.float8_e4m3fn, or their raw uint8 bytes), scale
+[ceil(N/128), ceil(K/128)] UE8M0 exponent codes (uint8 or float8_e8m0fnu, 2^(c-127)), one per
+128x128 block, as DeepSeek-V4 checkpoints store their dense linears (`ref/quant.py`). The weight is
+dequantised to x's dtype, which is exact for bf16 / fp32 (a code times a power of two), then
+`F.linear`: the same values as the model whose linears were dequantised at load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.kernels.ref.quant import dequant_fp8_block
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 / fp16 / fp32 -> [..., N] in x's dtype (`F.linear` on the decoded w)."""
+    codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
+    return F.linear(x, dequant_fp8_block(codes, scale, x.dtype))

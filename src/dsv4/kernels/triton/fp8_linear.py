@@ -1,0 +1,266 @@
+"""Weight-only FP8 linear: `triton_fp8_linear(x, w, scale)` = `x @ dequant(w, scale).T`, any M.
+
+DeepSeek-V4 stores its dense linears as e4m3 codes w [N, K] with one UE8M0 scale per 128x128 block
+(scale [ceil(N/128), ceil(K/128)], 2^(c-127)). The weight stays in that encoding in GPU memory (one
+byte per weight, half of bf16) and is decoded in registers; the spec is `ref/fp8_linear.py`.
+
+    y[m, n] = sum_kb s[n // 128, kb] * sum_{k in block kb} x[m, k] code[n, k]
+
+Grid: M tiles x N tiles x SPLIT_K K splits, one program each (pid = tile * SPLIT_K + split, tile =
+m_tile * n_tiles + n_tile). BLOCK_K is 128, one scale block, and BLOCK_N divides 128, so a program's
+K step meets exactly one scale: the step's partial product (fp32) is multiplied by that power of two
+and added to the accumulator, which is exact (the scale only shifts exponents). Codes are loaded as
+bytes, bitcast to float8e4nv and converted through fp32 to x's dtype (exact). Rows past N / M are
+clamped to the last real row (never stored); only a K tail (K % 128 != 0) is masked. Inner products,
+as in `gemv.py`:
+
+    FMA (small M): per x row (unrolled, ROWS = M) a [BLOCK_N, 128] multiply and in-warp row sums on
+        the CUDA cores in fp32.
+    DOT: acc[BLOCK_N, BLOCK_M] += s * tl.dot(w_tile, x_tile^T) ("swap AB": the weight rows fill the
+        MMA's 64-row side); 16-bit x multiplies the decoded codes exactly in the MMA, fp32
+        accumulates; fp32 x (or the interpreter) runs tl.dot in fp32 with input_precision "ieee".
+
+Split-K (one M tile only): each program stores its fp32 partial [M, N] tile into a workspace, bumps
+its N tile's int32 arrival counter, and the last arrival sums the partials in split order (the
+in-launch, deterministic reduction of `gemv.py`, same counter contract: a zeroed buffer left zero;
+by default a fresh one per call, so concurrent streams never share one).
+
+Plan (`plan_fp8_linear`, host only, from (M, N, K, x dtype, SM count); CUDA-graph safe):
+- decode, M <= FMA_MAX_M: FMA, BLOCK_N 32, BLOCK_M next_pow2(M), 4 warps, 2 stages;
+- decode, M <= DECODE_MAX_M: DOT, BLOCK_M max(16, next_pow2(M)), BLOCK_N 64, 4 warps, 4 stages;
+- then split-K (one M tile) up to PROGRAMS_PER_SM programs per SM, capped by the K blocks and the
+  last arrival's registers, evened out so no split is empty; BLOCK_N halves (down to 16) while the
+  splits alone cannot fill half the target;
+- prefill, M > DECODE_MAX_M: DOT tiles BLOCK_M 64 (M <= 128) or 128, BLOCK_N 128, 8 warps, 3
+  stages, no split.
+Every knob is a keyword of `triton_fp8_linear` (tests, sweeps).
+
+Precision: exact products and power-of-two scales, fp32 sums in another order than F.linear's,
+one rounding to x's dtype: fp32 results within fp32 rounding of the reference, bf16 within one ulp.
+
+Test: tests/kernels/test_fp8_linear.py. Benchmark: benchmarks/kernels/bench_fp8_linear.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
+from dsv4.kernels.triton.moe_decode import e8m0
+
+BLOCK = 128                 # the scale block (and the K step)
+FMA_MAX_M = 4               # M up to this: the FMA inner product
+FMA_LIMIT_M = 32            # the FMA path unrolls one pass per x row: at most this M
+DECODE_MAX_M = 64           # above: prefill tiles, no split-K
+PROGRAMS_PER_SM = 4
+REDUCE_REGS = 128           # split-K cap: partial values a thread of the last arrival sums
+_MIN_DOT = 16
+
+
+@dataclass(frozen=True)
+class Fp8LinearPlan:
+    """Tile shape, K split and launch options of one `triton_fp8_linear` call."""
+
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    dot: bool
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+    k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = 128
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    m_tile = tile // n_tiles
+    n_tile = tile % n_tiles
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
+    s_row = s_ptr + ((n_tile * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn   # one block row
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    cols_m = tl.arange(0, BLOCK_M)[None, :]
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = k0 + offs_k < K
+        if EVEN_K:
+            codes = tl.load(w_ptrs + k0)
+        else:
+            codes = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0)
+        wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = e8m0(tl.load(s_row + k0 // BLOCK_K))
+        if DOT:
+            if EVEN_K:
+                xt = tl.load(x_ptrs + k0)
+            else:
+                xt = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            if FP32_DOT:
+                part = tl.dot(wf, tl.trans(xt.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(wf.to(xt.dtype), tl.trans(xt))
+            acc += part * s
+        else:
+            for m in tl.static_range(ROWS):
+                if EVEN_K:
+                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
+                else:
+                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
+                part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1) * s
+                acc += tl.where(cols_m == m, part[:, None], 0.0)
+    out = tl.trans(acc)                                         # [BLOCK_M, BLOCK_N]
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        plane = M.to(tl.int64) * N
+        tl.store(part_ptr + split * plane + out_offs, out, mask=out_mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + n_tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            total = tl.load(part_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLIT_K):
+                total += tl.load(part_ptr + sp * plane + out_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(cnt_ptr + n_tile, 0)
+
+
+def _even_split(k_blocks: int, split_k: int) -> tuple[int, int]:
+    """(splits, blocks per split) for at most `split_k` splits of `k_blocks`, none empty."""
+    per = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks)))
+    return triton.cdiv(k_blocks, per), per
+
+
+def _tile_defaults(M: int, dot: bool) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of the module docstring's plan."""
+    if not dot:
+        return triton.next_power_of_2(max(M, 1)), 32, 4, 2
+    if M <= DECODE_MAX_M:
+        return max(_MIN_DOT, triton.next_power_of_2(M)), 64, 4, 4
+    return (64 if M <= 128 else 128), 128, 8, 3
+
+
+def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None = None,
+                    block_n: int | None = None, split_k: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    dot: bool | None = None) -> Fp8LinearPlan:
+    """The plan of an [M, K] x FP8 [N, K]^T product on `num_sms` SMs (module docstring); a knob
+    given replaces its default. Raises ValueError on an invalid knob."""
+    dot = M > FMA_MAX_M if dot is None else dot
+    if not dot and M > FMA_LIMIT_M:
+        raise ValueError(f"dot=False serves M <= {FMA_LIMIT_M}; got M = {M}")
+    bm, bn, warps, stages = _tile_defaults(M, dot)
+    least = _MIN_DOT if dot else 1
+    block_m = bm if block_m is None else pow2("block_m", block_m, least)
+    if not dot and block_m < M:
+        raise ValueError(f"dot=False needs block_m >= M = {M}; got {block_m}")
+    num_warps = warps if num_warps is None else pow2("num_warps", num_warps, 1)
+    num_stages = stages if num_stages is None else num_stages
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1; got {num_stages}")
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"split_k must be >= 1; got {split_k}")
+    k_blocks, m_tiles = triton.cdiv(max(K, 1), BLOCK), triton.cdiv(max(M, 1), block_m)
+    target = PROGRAMS_PER_SM * num_sms
+
+    def most_splits(bn_: int) -> int:
+        if m_tiles > 1:
+            return 1
+        per_thread = triton.cdiv(block_m * bn_, 32 * num_warps)
+        return min(k_blocks, max(1, REDUCE_REGS // per_thread))
+
+    if block_n is None:
+        block_n = min(bn, max(least, triton.next_power_of_2(N)))
+        while M <= DECODE_MAX_M and block_n > max(least, 16) and \
+                triton.cdiv(N, block_n) * most_splits(block_n) < target // 2:
+            block_n //= 2
+    elif pow2("block_n", block_n, least) > BLOCK:
+        raise ValueError(f"block_n must divide the scale block {BLOCK}; got {block_n}")
+    if split_k is None:
+        split_k = min(triton.cdiv(target, m_tiles * triton.cdiv(N, block_n)),
+                      most_splits(block_n))
+    elif m_tiles > 1 and split_k > 1:
+        raise ValueError(f"split_k > 1 needs one M tile (M <= block_m = {block_m}); got M = {M}")
+    splits, _ = _even_split(k_blocks, split_k)
+    return Fp8LinearPlan(block_m, block_n, splits, num_warps, num_stages, dot)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in X_DTYPES:
+        raise ValueError(f"x must be [M, K] of {[str(d) for d in X_DTYPES]}; "
+                         f"got {list(x.shape)} {x.dtype}")
+    if w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype not in (torch.float8_e4m3fn,
+                                                                   torch.uint8):
+        raise ValueError(f"w must be [N, K = {x.shape[1]}] e4m3 codes (float8_e4m3fn or uint8); "
+                         f"got {list(w.shape)} {w.dtype}")
+    blocks = (triton.cdiv(w.shape[0], BLOCK), triton.cdiv(w.shape[1], BLOCK))
+    if tuple(scale.shape) != blocks or scale.element_size() != 1:
+        raise ValueError(f"scale must be {list(blocks)} UE8M0 codes (one byte each); "
+                         f"got {list(scale.shape)} {scale.dtype}")
+    for name, t in (("x", x), ("w", w), ("scale", scale)):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along its last dim; "
+                             f"got strides {t.stride()}")
+    if len({x.device, w.device, scale.device}) != 1:
+        raise ValueError(f"x, w and scale must be on one device; got {x.device}, {w.device}, "
+                         f"{scale.device}")
+
+
+def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
+                      block_m: int | None = None, block_n: int | None = None,
+                      split_k: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None, dot: bool | None = None,
+                      counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(w, scale).T: x [..., K] bf16 / fp16 / fp32 (unit stride along K), w [N, K]
+    e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes -> y [..., N] in x's dtype, fp32
+    accumulation, one launch, bit-identical run to run. The knobs override `plan_fp8_linear`
+    (tests, sweeps); `counters`: a zeroed int32 buffer of >= N tiles words for split-K, left
+    zero (default: a fresh one per call)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    _check(x2, w, scale)
+    (M, _), N = x2.shape, w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y.view(*lead, N)
+    if K == 0:
+        return y.zero_().view(*lead, N)
+    plan = plan_fp8_linear(M, N, K, sms(x.device), block_m=block_m, block_n=block_n,
+                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot)
+    m_tiles, n_tiles = triton.cdiv(M, plan.block_m), triton.cdiv(N, plan.block_n)
+    splits, per = _even_split(triton.cdiv(K, BLOCK), plan.split_k)
+    part, cnt = y, y                                    # unused unless split
+    if splits > 1:
+        cnt = (torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if counters is None
+               else counters)
+        if cnt.dtype != torch.int32 or cnt.numel() < n_tiles or cnt.device != x.device:
+            raise ValueError(f"counters must be int32 of >= {n_tiles} words on {x.device}; "
+                             f"got {cnt.dtype} {cnt.numel()} on {cnt.device}")
+        part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32
+    _fp8_linear_kernel[(m_tiles * n_tiles * splits,)](
+        x2, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K, x2.stride(0),
+        w.stride(0), scale.stride(0), per * BLOCK, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
+        FP32_DOT=fp32_dot, EVEN_K=K % BLOCK == 0, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return y.view(*lead, N)

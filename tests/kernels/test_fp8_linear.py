@@ -1,0 +1,183 @@
+"""Parity of `triton_fp8_linear` (kernels/triton/fp8_linear.py) with its reference
+`ref/fp8_linear.py::fp8_linear` (dequantise, then F.linear), plan and validation.
+
+Reference: F.linear of x and the dequantised weight in float64. Tolerance, with scale = max
+|y_ref|: fp32 outputs within 2e-6 * scale (exact products, fp32 sums in another order); bf16
+outputs within half an output ulp of y_ref + 2e-6 * scale (the final rounding).
+
+CPU: the interpreter at M in {1, 3, 17, 200} with N, K not multiples of 128, bf16 and fp32, the
+FMA and tl.dot inner products, split-K off and on (counters left zero), row-strided x, a
+3-D x; two calls bit-equal; the host plan; shape errors. The interpreter's fp32 -> bf16 cast
+truncates; the tests patch it to round to nearest even, as the GPU does.
+Engine (slow): micro in checkpoint format served by the `triton` backend against the dequantised
+checkpoint on `ref`: greedy tokens equal, log-probs within 1e-5.
+GPU (`-m gpu`): the V4-Flash FP8 linears (benchmarks/kernels/bench_fp8_linear.py) at M = 1, 8,
+32, 512 against the reference.
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_fp8_linear.py
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dsv4 import LLM, SamplingParams  # noqa: E402
+from dsv4.checkpoint.presets import micro  # noqa: E402
+from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
+from dsv4.kernels.ref import quant  # noqa: E402
+from dsv4.kernels.ref.fp8_linear import fp8_linear  # noqa: E402
+from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear  # noqa: E402
+from dsv4.model.quant_linear import QuantLinear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16, F32 = torch.bfloat16, torch.float32
+HALF_ULP = {BF16: 2.0**-8, F32: 0.0}
+# (N, K) of flash-4l's FP8 linears: wq_a, wkv, wq_b, indexer wq_b, wo_a (one group), wo_b,
+# shared w1 / w3, shared w2
+FLASH_SHAPES = [(1024, 4096), (512, 4096), (32768, 1024), (8192, 1024), (1024, 4096),
+                (4096, 8192), (2048, 4096), (4096, 2048)]
+
+
+@pytest.fixture(autouse=True)
+def _round_bf16_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU."""
+    if DEVICE == "cuda":
+        yield
+        return
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    truncating = interpreter._convert_float
+
+    def rne(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
+        if src == tl.float32 and dst == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return truncating(data, src, dst, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", rne)
+    yield
+
+
+def operands(M: int, N: int, K: int, dtype: torch.dtype,
+             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K], and an FP8 weight [N, K] with varied block scales (codes, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g) / K**0.5
+    w *= torch.exp2(torch.randint(-3, 4, (N, 1), generator=g).float())   # blocks differ
+    codes, scale = quant.quant_fp8_block(w)
+    return x.to(DEVICE), codes.to(DEVICE), scale.view(torch.uint8).to(DEVICE)
+
+
+def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
+    ref = F.linear(x.double(), quant.dequant_fp8_block(w, s, torch.float64))
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    scale = float(ref.abs().max().clamp_min(1e-30))
+    bound = HALF_ULP[y.dtype] * ref.abs() + 2e-6 * scale
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max err {float(err.max()):.3g}, scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 200])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize(("N", "K"), [(200, 300), (130, 256), (64, 129)])
+def test_matches_reference(M: int, dtype: torch.dtype, N: int, K: int) -> None:
+    x, w, s = operands(M, N, K, dtype)
+    y = triton_fp8_linear(x, w, s)
+    assert_close(y, x, w, s)
+    ref = fp8_linear(x, w, s)
+    assert ref.dtype == y.dtype and ref.shape == y.shape
+
+
+@pytest.mark.parametrize("knobs", [{"split_k": 1}, {"split_k": 3}, {"dot": True, "split_k": 2},
+                                   {"dot": False, "block_n": 16}, {"block_n": 128}])
+def test_knobs_and_split_k(knobs: dict[str, Any]) -> None:
+    x, w, s = operands(3, 300, 520, F32, seed=1)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    y = triton_fp8_linear(x, w, s, counters=counters, **knobs)
+    assert_close(y, x, w, s)
+    assert int(counters.abs().sum()) == 0
+    assert torch.equal(y, triton_fp8_linear(x, w, s, counters=counters, **knobs))
+
+
+def test_strided_and_batched_x() -> None:
+    x, w, s = operands(6, 140, 256, BF16, seed=2)
+    wide = torch.cat((x, x), dim=1)[:, :256]                 # row stride 512
+    assert_close(triton_fp8_linear(wide, w, s), x, w, s)
+    y3 = triton_fp8_linear(x.view(2, 3, 256), w, s)
+    assert y3.shape == (2, 3, 140)
+    assert torch.equal(y3.view(6, 140), triton_fp8_linear(x, w, s))
+
+
+def test_float8_dtype_and_uint8_codes_agree() -> None:
+    x, w, s = operands(2, 128, 128, F32, seed=3)
+    assert torch.equal(triton_fp8_linear(x, w, s), triton_fp8_linear(x, w.view(torch.uint8), s))
+    assert torch.equal(fp8_linear(x, w, s), fp8_linear(x, w.view(torch.uint8), s))
+
+
+def test_errors_name_the_argument() -> None:
+    x, w, s = operands(2, 130, 256, F32)
+    with pytest.raises(ValueError, match="scale must be"):
+        triton_fp8_linear(x, w, s[:1])
+    with pytest.raises(ValueError, match="w must be"):
+        triton_fp8_linear(x, w.float(), s)
+    with pytest.raises(ValueError, match="block_n must divide"):
+        triton_fp8_linear(x, w, s, block_n=256)
+    with pytest.raises(ValueError, match="split_k > 1 needs one M tile"):
+        plan_fp8_linear(300, 128, 1024, 132, split_k=2)
+
+
+def test_plan_at_h200_shapes() -> None:
+    decode = plan_fp8_linear(1, 1024, 4096, 132)
+    assert not decode.dot and decode.split_k > 1 and 128 % decode.block_n == 0
+    mid = plan_fp8_linear(32, 4096, 8192, 132)
+    assert mid.dot and mid.block_m == 32 and mid.split_k >= 1
+    prefill = plan_fp8_linear(2048, 32768, 1024, 132)
+    assert prefill.dot and prefill.split_k == 1 and (prefill.block_m, prefill.block_n) == (128,
+                                                                                            128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("N", "K"), sorted(set(FLASH_SHAPES)))
+@pytest.mark.parametrize("M", [1, 8, 32, 512])
+def test_flash_shapes_on_gpu(M: int, N: int, K: int) -> None:
+    x, w, s = operands(M, N, K, BF16, seed=M)
+    assert_close(triton_fp8_linear(x, w, s), x, w, s)
+
+
+@pytest.mark.slow  # the whole engine's kernels under the Triton interpreter
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a CUDA GPU or the Triton interpreter")
+def test_engine_triton_serves_like_dequantised(tmp_path: Path) -> None:
+    """`weight_format="checkpoint"` served by the `triton` backend (FP8 linears through
+    `triton_fp8_linear`) gives the greedy tokens of the checkpoint with its linears dequantised
+    (`ref` backend, fp32), chosen log-probs within 1e-5."""
+    write_checkpoint(micro(), tmp_path, seed=4, tokenizer=False, weight_quant="fp8+fp4")
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = [[5, 9, 17, 33, 2, 80, 41], [7, 7, 100, 3]]
+    outs = []
+    for fmt, backend in (("bf16", "ref"), ("checkpoint", "triton")):
+        llm = LLM(tmp_path, dtype="float32", device=DEVICE, weight_format=fmt, page_size=16,
+                  max_total_tokens=512, kernel_backend=backend)
+        if backend == "triton":
+            assert llm.engine.runner.ops.quant_linear is triton_fp8_linear
+            assert any(isinstance(m, QuantLinear) for m in llm.model.modules())
+        outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                 use_tqdm=False))
+    for a, b in zip(*outs, strict=True):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
