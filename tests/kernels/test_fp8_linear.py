@@ -20,11 +20,9 @@ GPU (`-m gpu`): the V4-Flash FP8 linears (benchmarks/kernels/bench_fp8_linear.py
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -50,25 +48,7 @@ FLASH_SHAPES = [(1024, 4096), (512, 4096), (32768, 1024), (8192, 1024), (1024, 4
                 (4096, 8192), (2048, 4096), (4096, 2048)]
 
 
-@pytest.fixture(autouse=True)
-def _round_bf16_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU."""
-    if DEVICE == "cuda":
-        yield
-        return
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    truncating = interpreter._convert_float
-
-    def rne(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
-        if src == tl.float32 and dst == tl.bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return truncating(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", rne)
-    yield
+pytestmark = pytest.mark.usefixtures("round_bf16_to_nearest_even")
 
 
 def operands(M: int, N: int, K: int, dtype: torch.dtype,

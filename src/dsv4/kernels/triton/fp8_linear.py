@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.gemv import even_split, store_tile
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.moe_decode import e8m0
 
@@ -125,29 +126,7 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
                     xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
                 part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1) * s
                 acc += tl.where(cols_m == m, part[:, None], 0.0)
-    out = tl.trans(acc)                                         # [BLOCK_M, BLOCK_N]
-    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        plane = M.to(tl.int64) * N
-        tl.store(part_ptr + split * plane + out_offs, out, mask=out_mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + n_tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.load(part_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for sp in tl.static_range(1, SPLIT_K):
-                total += tl.load(part_ptr + sp * plane + out_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(cnt_ptr + n_tile, 0)
-
-
-def _even_split(k_blocks: int, split_k: int) -> tuple[int, int]:
-    """(splits, blocks per split) for at most `split_k` splits of `k_blocks`, none empty."""
-    per = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks)))
-    return triton.cdiv(k_blocks, per), per
+    store_tile(acc, y_ptr, part_ptr, cnt_ptr, n_tile, split, M, N, offs_m, offs_n, SPLIT_K)
 
 
 def _tile_defaults(M: int, dot: bool) -> tuple[int, int, int, int]:
@@ -200,7 +179,7 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
                       most_splits(block_n))
     elif m_tiles > 1 and split_k > 1:
         raise ValueError(f"split_k > 1 needs one M tile (M <= block_m = {block_m}); got M = {M}")
-    splits, _ = _even_split(k_blocks, split_k)
+    splits, _ = even_split(k_blocks, split_k)
     return Fp8LinearPlan(block_m, block_n, splits, num_warps, num_stages, dot)
 
 
@@ -247,7 +226,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     plan = plan_fp8_linear(M, N, K, sms(x.device), block_m=block_m, block_n=block_n,
                            split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot)
     m_tiles, n_tiles = triton.cdiv(M, plan.block_m), triton.cdiv(N, plan.block_n)
-    splits, per = _even_split(triton.cdiv(K, BLOCK), plan.split_k)
+    splits, per = even_split(triton.cdiv(K, BLOCK), plan.split_k)
     part, cnt = y, y                                    # unused unless split
     if splits > 1:
         cnt = (torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if counters is None

@@ -143,6 +143,16 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
                     xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
                 part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
                 acc += tl.where(cols_m == m, part[:, None], 0.0)
+    store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, split, M, N, offs_m, offs_n, SPLIT_K)
+
+
+@triton.jit
+def store_tile(acc, y_ptr, part_ptr, cnt_ptr, counter, split, M, N,  # type: ignore[no-untyped-def]
+               offs_m, offs_n, SPLIT_K: tl.constexpr):
+    """Store the y^T tile `acc` [BLOCK_N, BLOCK_M] (fp32) at rows offs_m, columns offs_n of y
+    [M, N]: at once without a K split; else as split `split`'s partial into part [SPLIT_K, M, N],
+    and the tile's last arrival on counter `counter` sums the partials in split order, stores y
+    and resets the counter to zero (module docstring). Shared with `fp8_linear.py`."""
     out = tl.trans(acc)                                         # [BLOCK_M, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -152,14 +162,14 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
         plane = M.to(tl.int64) * N                               # one split's [M, N] partial
         tl.store(part_ptr + split * plane + out_offs, out, mask=out_mask)
         tl.debug_barrier()          # every thread's partial stores precede the release below
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(cnt_ptr + counter, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:     # the tile's last arrival: sum the partials in split order
             total = tl.load(part_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
                 total += tl.load(part_ptr + s * plane + out_offs, mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(cnt_ptr + tile, 0)                          # zero for the next call
+            tl.store(cnt_ptr + counter, 0)                       # zero for the next call
 
 
 def block_m(M: int, dot: bool) -> int:
@@ -167,7 +177,7 @@ def block_m(M: int, dot: bool) -> int:
     return max(_MIN_DOT if dot else 1, triton.next_power_of_2(max(M, 1)))
 
 
-def _even_split(k_blocks: int, split_k: int) -> tuple[int, int]:
+def even_split(k_blocks: int, split_k: int) -> tuple[int, int]:
     """(splits, blocks per split) for at most `split_k` splits of `k_blocks`, none empty."""
     per = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks)))
     return triton.cdiv(k_blocks, per), per
@@ -224,7 +234,7 @@ def plan_gemv(M: int, N: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype
         pow2("block_n", block_n, least)
     if split_k is None:
         split_k = min(triton.cdiv(target, triton.cdiv(N, block_n)), most_splits(block_n))
-    split, _ = _even_split(k_blocks, split_k)
+    split, _ = even_split(k_blocks, split_k)
     return GemvPlan(block_n, block_k, split, num_warps, num_stages, dot, precision)
 
 
@@ -295,7 +305,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
                      block_k=block_k, split_k=split_k, num_warps=num_warps,
                      num_stages=num_stages, dot=dot, precision=precision)
     tiles = triton.cdiv(N, plan.block_n)
-    splits, per = _even_split(triton.cdiv(K, plan.block_k), plan.split_k)
+    splits, per = even_split(triton.cdiv(K, plan.block_k), plan.split_k)
     part, cnt = y, y                            # unused unless split
     if splits > 1:
         cnt = (torch.zeros(tiles, dtype=torch.int32, device=x.device) if counters is None
