@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV page size (default: 256; 128 on CPU)")
     p.add_argument("--weight-format", default="bf16", choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load; "
-                        "checkpoint: keep routed experts in FP4")
+                        "checkpoint: keep routed experts in FP4 and the FP8 linears in FP8")
     add_speculative_arg(p, default=0)
     add_overlap_arg(p)
     add_warmup_arg(p)

@@ -77,7 +77,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="kernel implementation (default: triton on cuda, ref on cpu)")
     g.add_argument("--weight-format", default=None, choices=WEIGHT_FORMATS,
                    help="bf16: dequantise FP4/FP8 weights at load (default); "
-                        "checkpoint: keep routed experts in FP4")
+                        "checkpoint: keep routed experts in FP4 and the FP8 linears in FP8")
     g.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
                    help="auto: read the checkpoint's weights (default); dummy: only its "
                         "config.json, random weights in memory (benchmarks; --seed seeds them)")

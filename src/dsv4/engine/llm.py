@@ -7,8 +7,9 @@
 
 Keyword arguments beyond model/dtype/device/weight_format/tensor_parallel_size/
 expert_parallel_size/data_parallel_size/load_format are EngineConfig fields (weight_format
-"checkpoint" keeps the routed experts in FP4, see `model/quant_experts.py`; `load_format="dummy"`
-builds random weights from the checkpoint's config.json alone, `load_served_model`;
+"checkpoint" keeps the routed experts in FP4 and the FP8 linears in FP8, see
+`model/quant_experts.py` and `model/quant_linear.py`; `load_format="dummy"` builds random weights
+from the checkpoint's config.json alone, `load_served_model`;
 `model="in-memory:<preset>"` builds a preset's geometry with random weights, no checkpoint at all:
 `checkpoint/source.py`).
 `tensor_parallel_size=N` > 1 runs N ranks (this process is rank 0; the others are spawned and
