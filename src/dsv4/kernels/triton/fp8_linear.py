@@ -95,7 +95,7 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
-    s_row = s_ptr + ((n_tile * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn   # one block row
+    s_row = s_ptr + ((n_tile * BLOCK_N) // BLOCK_K).to(tl.int64) * stride_sn  # one block row
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
