@@ -168,3 +168,25 @@ def test_flash_4l_weight_bytes() -> None:
     print(f"flash-4l: FP8 linears {fp8 / dense:.4f}x of bf16; whole model {ratio:.4f}x "
           f"({_nbytes(coded) / 1e9:.2f} of {_nbytes(bf16) / 1e9:.2f} GB)")
     assert ratio <= 0.35
+
+
+def test_split_k_counters_are_held_zero_and_not_state() -> None:
+    """Each FP8 linear holds its kernel's split-K counters: zero after an uninitialised build
+    (`to_empty` leaves garbage; `reset_buffers` zeroes them), not in the state dict (checkpoint
+    names unchanged), and handed to the op on every call."""
+    model = empty_model(micro(), torch.float32, torch.device("cpu"), "checkpoint")
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(int(m.counters.abs().sum()) == 0 for m in linears)
+    assert not any(k.endswith("counters") for k in model.state_dict())
+    seen: list[torch.Tensor | None] = []
+
+    class Ops:
+        @staticmethod
+        def quant_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *,
+                         counters: torch.Tensor | None = None) -> torch.Tensor:
+            seen.append(counters)
+            return x.new_zeros(*x.shape[:-1], w.shape[0])
+
+    q = linears[0]
+    q(torch.zeros(2, q.in_features), Ops())  # type: ignore[arg-type]
+    assert len(seen) == 1 and seen[0] is q.counters

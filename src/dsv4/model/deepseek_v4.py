@@ -22,6 +22,7 @@ from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import RotaryEmbedding
 from dsv4.model.mtp import MTPBlock
+from dsv4.model.quant_linear import QuantLinear
 
 # Parameters kept in fp32 whatever the model dtype (the reference's precision choices, spec
 # §11/§12).
@@ -60,9 +61,13 @@ class DeepSeekV4ForCausalLM(nn.Module):
         return self
 
     def reset_buffers(self) -> None:
-        """Recompute non-persistent buffers (RoPE tables), e.g. after `to_empty` from meta."""
+        """Recompute non-persistent buffers (RoPE tables; FP8 linears' split-K counters), e.g.
+        after `to_empty` from meta."""
         self.rope_main.reset_buffers()
         self.rope_compress.reset_buffers()
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.reset_buffers()
 
     def build_rope_cache(self, max_positions: int) -> int:
         """Cache both RoPE tables' (cos, sin) rows of positions 0 .. max_positions-1 for the

@@ -18,7 +18,9 @@ trainable; a model holding them cannot be exported).
 
 Composition: the serving path's fused projection groups (`model/fused_projections.py`) skip any
 group with a `QuantLinear` member (those projections run one launch each); tensor parallelism
-refuses a model holding them (`distributed/tp.py`).
+dequantises them first (`distributed/tp.py`). Each module holds the kernel's split-K arrival
+counters (`counters`, not in the state dict; zero between calls), so a decode call needs no memset;
+a module's calls run one at a time on one stream, whichever stream that is (multi-stream).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class QuantLinear(nn.Module):
 
     weight: torch.Tensor
     scale: torch.Tensor
+    counters: torch.Tensor
     bias: None = None
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -58,11 +61,14 @@ class QuantLinear(nn.Module):
                                                    dtype=torch.float8_e4m3fn))
         self.register_buffer("scale", torch.zeros(math.ceil(out_features / b),
                                                   math.ceil(in_features / b), dtype=torch.uint8))
+        # one word per output tile of the narrowest tile the kernel plans (16 rows)
+        self.register_buffer("counters", torch.zeros(math.ceil(out_features / 16),
+                                                     dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype: `ops.quant_linear`, or the reference."""
         fn = fp8_linear if ops is None else ops.quant_linear
-        return fn(x, self.weight, self.scale)
+        return fn(x, self.weight, self.scale, counters=self.counters)
 
     def grouped(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
         """Block-diagonal product of the output projection's groups (attention `wo_a`): x
@@ -77,7 +83,13 @@ class QuantLinear(nn.Module):
         fn = fp8_linear if ops is None else ops.quant_linear
         blocks = rows // quant.FP8_BLOCK
         return torch.stack([fn(x[..., i, :], self.weight[i * rows:(i + 1) * rows],
-                               self.scale[i * blocks:(i + 1) * blocks]) for i in range(g)], -2)
+                               self.scale[i * blocks:(i + 1) * blocks], counters=self.counters)
+                            for i in range(g)], -2)
+
+    def reset_buffers(self) -> None:
+        """Zero the split-K counters (e.g. after `to_empty`: the loader fills only the codes and
+        scales)."""
+        self.counters.zero_()
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [out, in] the codes and scales encode (exact in bf16 / fp32)."""

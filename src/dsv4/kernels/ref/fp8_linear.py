@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from dsv4.kernels.ref.quant import dequant_fp8_block
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 / fp16 / fp32 -> [..., N] in x's dtype (`F.linear` on the decoded w)."""
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 / fp16 / fp32 -> [..., N] in x's dtype (`F.linear` on the decoded w);
+    `counters` (the kernel's split-K scratch) is unused here."""
     codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
     return F.linear(x, dequant_fp8_block(codes, scale, x.dtype))

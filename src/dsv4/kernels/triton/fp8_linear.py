@@ -49,17 +49,21 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.gemv import even_split, store_tile
+from dsv4.kernels.triton.gemv import (
+    FMA_LIMIT_M,
+    FMA_MAX_M,
+    PROGRAMS_PER_SM,
+    REDUCE_REGS,
+    even_split,
+    store_tile,
+)
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.moe_decode import e8m0
 
 BLOCK = 128                 # the scale block (and the K step)
-FMA_MAX_M = 4               # M up to this: the FMA inner product
-FMA_LIMIT_M = 32            # the FMA path unrolls one pass per x row: at most this M
 DECODE_MAX_M = 64           # above: prefill tiles, no split-K
-PROGRAMS_PER_SM = 4
-REDUCE_REGS = 128           # split-K cap: partial values a thread of the last arrival sums
-_MIN_DOT = 16
+_MIN_DOT = 16               # tl.dot needs every dimension >= 16
+# FMA_MAX_M, FMA_LIMIT_M, PROGRAMS_PER_SM, REDUCE_REGS: the skinny GEMM's (`gemv.py`), same plan
 
 
 @dataclass(frozen=True)
