@@ -92,6 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's multi-stream branches (default: on with CUDA)")
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's fused projection groups (default: on, as the engine's)")
+    p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
+                   help="checkpoint: FP4 routed experts and FP8 linears, as the official "
+                   "release stores them (the floor counts their bytes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -152,11 +155,17 @@ def failure(exc: BaseException) -> str:
 
 
 # ---- HBM floor -----------------------------------------------------------------------------------
+# Checkpoint-precision weights are buffers (`QuantExperts`: w13 / w2 codes and scales,
+# `QuantLinear`: weight and scale); their split-K counters and the hash table are not weights.
+CODED_BUFFERS = (".w13", ".w13_scale", ".w2", ".w2_scale", ".weight", ".scale")
+
+
 def weight_bytes(model: DeepSeekV4ForCausalLM, batch: int, experts_hit: list[float]) -> float:
     """Active weight bytes of one decode step (no MTP): dense weights, routed experts hit, head."""
     cfg = model.config
     dense, per_expert = 0.0, [0.0] * cfg.num_layers
-    for name, p in model.named_parameters():
+    coded = [(n, b) for n, b in model.named_buffers() if n.endswith(CODED_BUFFERS)]
+    for name, p in list(model.named_parameters()) + coded:
         nbytes = p.numel() * p.element_size()
         if name.startswith("layers."):
             layer = int(name.split(".")[1])
@@ -478,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     args.kernel_backend = args.kernel_backend or ("triton" if device.type == "cuda" else "ref")
-    model = random_model(get_preset(args.preset), dtype, device, args.seed)
+    model = random_model(get_preset(args.preset), dtype, device, args.seed, args.weight_format)
     gbps = copy_bandwidth(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
     print(f"{args.preset} on {device}: device copy {gbps:.1f} GB/s", flush=True)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1, "routing_steps": 0})
@@ -495,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     result = {"benchmark": "decode_context_sweep", "preset": args.preset, "device": name,
-              "dtype": args.dtype, "kernel_backend": args.kernel_backend, "steps": args.steps,
+              "dtype": args.dtype, "weight_format": args.weight_format,
+              "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
               "copy_gb_s": round(gbps, 1),
               "cuda_graph": not args.disable_cuda_graph,

@@ -103,3 +103,26 @@ def test_failing_configuration_is_a_row() -> None:
     assert row["status"] == "oom" and row["prefill_fit"] is True and row["prefill_s"] == 1.5
     row = bench.measure("transformers", 1, 16384, broken)
     assert row["status"] == "error: ValueError: bad" and row["prefill_fit"] is False
+
+
+def test_floor_counts_checkpoint_precision_bytes() -> None:
+    """With FP4 experts and FP8 linears the floor counts their codes and scales (buffers: the
+    experts' per hit expert, the linears' whole), not their split-K counters."""
+    bench = load_benchmark("decode_context_sweep")
+    from dsv4.checkpoint.presets import micro
+    from dsv4.checkpoint.writer import random_model
+
+    cfg = micro()
+    coded = random_model(cfg, torch.bfloat16, torch.device("cpu"), 0, "checkpoint")
+    hits = [6.0] * cfg.num_layers
+    buffers = dict(coded.named_buffers())
+    experts = sum(b.nbytes for n, b in buffers.items()
+                  if n.startswith("layers.") and ".experts.w" in n)
+    linears = sum(b.nbytes for n, b in buffers.items()
+                  if n.startswith("layers.") and n.endswith((".weight", ".scale"))
+                  and ".experts." not in n)       # (the MTP head is not in a decode step)
+    assert experts > 0 and linears > 0
+    params = bench.weight_bytes(coded, 1, hits)
+    bench.CODED_BUFFERS = ("-",)                # the parameters alone
+    want = bench.weight_bytes(coded, 1, hits) + linears + experts * 6 / cfg.n_routed_experts
+    assert params == pytest.approx(want)
