@@ -152,6 +152,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     )
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
+    from dsv4.kernels.triton.gemv import GemvCounters
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.metadata import triton_step_metadata
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
@@ -174,7 +175,9 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.topk import TopKRunner
 
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
-    project, pair = triton_project, triton_compress_pair
+    project: ProjectOp = functools.partial(
+        triton_project, counters=GemvCounters())
+    pair = triton_compress_pair
     if invariant_plans:
         project = triton_project_invariant
         pair = functools.partial(triton_compress_pair, fuse=False)

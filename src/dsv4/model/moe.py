@@ -162,13 +162,14 @@ class MoE(nn.Module):
                 and self.replay_index is not None:
             replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
         values = mode.values if mode is not None else None
-        # the shared expert on the side stream, beside the gate and the routed experts
+        # the gate and routed experts (the longer chain: the step's critical path) on the side
+        # stream, which has the higher priority (`model/streams.py`), the shared expert beside
         stream = ctx.side_stream if ctx is not None else None
         with side(stream):
-            shared = self.shared_experts(u, ctx, values).float()
-        indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
-        if ctx is not None and ctx.captured is not None:
-            ctx.captured.setdefault("experts", []).append(indices)
-        routed = self.experts(u, indices, weights, ctx, mode=mode)
+            indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
+            if ctx is not None and ctx.captured is not None:
+                ctx.captured.setdefault("experts", []).append(indices)
+            routed = self.experts(u, indices, weights, ctx, mode=mode)
+        shared = self.shared_experts(u, ctx, values).float()
         join(stream)
         return self.reduce(routed + shared).to(x.dtype).view_as(x)

@@ -1,0 +1,47 @@
+"""The triton backend's `project` op (`kernels/triton/compressor.py::triton_project`) at decode
+sizes: the one-launch skinny GEMM with tiles and splits fixed, so a fused group's columns are the
+members' own bits (what `tests/kernels/test_fused_projections_triton.py` relies on end to end).
+Runs under the Triton interpreter on CPU and compiled on CUDA.
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 -m pytest -q tests/kernels/test_project_gemv.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4.kernels.triton.compressor import triton_project
+from dsv4.kernels.triton.gemv import GemvCounters
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CUDA GPU or the Triton interpreter")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return x.to(DEVICE), w.to(DEVICE)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_decode_rows_match_linear_and_fused_columns_are_exact(m: int) -> None:
+    x, w = _data(m, 96, 512)
+    counters = GemvCounters()
+    got = triton_project(x, w, counters)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # a fused group (the rows of two members stacked): each member's columns, bit for bit
+    parts = [triton_project(x, w[:32], counters), triton_project(x, w[32:], counters)]
+    assert torch.equal(got, torch.cat(parts, dim=1))
+    assert int(counters.get(x.device).abs().sum()) == 0, "split-K counters left non-zero"
+
+
+def test_prefill_rows_take_linear() -> None:
+    x, w = _data(9, 48, 256)
+    assert torch.equal(triton_project(x, w, GemvCounters()), F.linear(x, w))
