@@ -92,6 +92,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's multi-stream branches (default: on with CUDA)")
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's fused projection groups (default: on, as the engine's)")
+    p.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's one-launch decode GEMVs (default: on, as the engine's)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")
@@ -238,7 +240,8 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: i
                           disable_cuda_graph=args.disable_cuda_graph, seed=args.seed,
                           overlap_schedule=args.overlap_schedule,
                           multi_stream=args.multi_stream,
-                          fuse_projections=args.fuse_projections)
+                          fuse_projections=args.fuse_projections,
+                          decode_gemv=args.decode_gemv)
     return LLMEngine(model, config)
 
 
@@ -511,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "cuda_graph": not args.disable_cuda_graph,
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),
-              "fuse_projections": args.fuse_projections,
+              "fuse_projections": args.fuse_projections, "decode_gemv": args.decode_gemv,
               "multi_stream": resolve_multi_stream(args.multi_stream,
                                                    torch.device(args.device).type, False),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,

@@ -24,6 +24,7 @@ from dsv4.config.engine import (
     ({"ring_multiplier": 3}, "ring_multiplier"),
     ({"speculative_num_steps": 2, "ring_multiplier": 1}, "ring_multiplier"),
     ({"fuse_projections": "yes"}, "fuse_projections"),
+    ({"decode_gemv": 1}, "decode_gemv"),
 ])
 def test_bad_values_name_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field}=.* is invalid; allowed: "):

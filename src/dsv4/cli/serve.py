@@ -96,6 +96,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="run each projection as its own GEMM (default: the projections that "
                         "read one input run as one GEMM per group)")
+    g.add_argument("--disable-decode-gemv", dest="decode_gemv", action="store_false",
+                   default=None,
+                   help="run the decode projections through cuBLAS (default: one-launch "
+                        "split-K GEMVs on the triton backend)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)
@@ -161,7 +165,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "enable_return_routing",
         "speculative_num_steps", "overlap_schedule", "multi_stream", "warmup", "tp_size",
         "ep_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "enable_hisparse",
-        "hisparse_device_entries", "fuse_projections")}
+        "hisparse_device_entries", "fuse_projections", "decode_gemv")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),

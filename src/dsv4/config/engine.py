@@ -130,6 +130,11 @@ class EngineConfig:
     Fewer launches per decode step; outputs equal to GEMM rounding. Not applied with
     `invariant_plans` or `batch_invariant` (a token's bits must match the unfused full-sequence
     forward; the runner logs it).
+    `decode_gemv`: the serving path's 16-bit projections (attention, indexer, shared expert; the
+    fused groups too) run, at up to 4 token rows, as one-launch skinny GEMMs with in-launch
+    deterministic split-K on the triton backend (`model/decode_gemv.py`,
+    `kernels/triton/gemv.py::triton_decode_linear`) instead of cuBLAS's split-K kernel plus its
+    reduce. Outputs equal to GEMM rounding. Not applied in the invariant modes (as above).
     """
 
     page_size: int = 256
@@ -157,6 +162,7 @@ class EngineConfig:
     enable_hisparse: bool = False
     hisparse_device_entries: int | None = None
     fuse_projections: bool = True
+    decode_gemv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -182,9 +188,10 @@ class EngineConfig:
                 or not 0 <= spec <= MAX_SPECULATIVE_STEPS):
             raise ValueError(f"speculative_num_steps={spec!r} is invalid; allowed: an integer in "
                              f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
-        if not isinstance(self.fuse_projections, bool):
-            raise ValueError(f"fuse_projections={self.fuse_projections!r} is invalid; "
-                             "allowed: True or False")
+        for name in ("fuse_projections", "decode_gemv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; "
+                                 "allowed: True or False")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule={self.overlap_schedule!r} is invalid; "
                              "allowed: None, True or False")

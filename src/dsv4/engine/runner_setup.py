@@ -1,8 +1,8 @@
 """What a `ModelRunner` settles before it allocates anything: the `EngineConfig` resolved for its
 device (`resolve`: kernel backend, KV budget, warmup, SWA share, overlap, multi-stream), HiSparse's
-hot entries and host-memory check, and the serving model's projection fusion
-(`fuse_for_serving`: `model/fused_projections.py`, `EngineConfig.fuse_projections`; not in the
-invariant modes).
+hot entries and host-memory check, and the serving model's projection fusion and decode GEMV
+counters (`fuse_for_serving`: `model/fused_projections.py`, `model/decode_gemv.py`,
+`EngineConfig.fuse_projections` / `decode_gemv`; neither in the invariant modes).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dsv4.config.engine import (
     resolve_warmup,
 )
 from dsv4.config.model import ModelConfig
+from dsv4.model.decode_gemv import attach_decode_gemv
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.fused_projections import fuse_projections, unfuse_projections
 from dsv4.utils.host_memory import available_host_bytes
@@ -86,6 +87,11 @@ def fuse_for_serving(model: DeepSeekV4ForCausalLM, config: EngineConfig) -> int:
                if config.invariant_plans else
                "batch_invariant: a token's bits match the unfused full-sequence forward"
                if config.batch_invariant else None)
+    invariant = config.invariant_plans or config.batch_invariant
+    sites = attach_decode_gemv(model, config.decode_gemv and not invariant)
+    logger.info("decode GEMV (one-launch split-K projections): %s", f"{sites} call sites"
+                if sites else "off (decode_gemv=False)" if not config.decode_gemv else
+                "off (an invariant mode)" if invariant else "off (no 16-bit projections)")
     if why_not is not None:
         unfuse_projections(model)
         logger.info("fused projections: off (%s)", why_not)
@@ -94,6 +100,7 @@ def fuse_for_serving(model: DeepSeekV4ForCausalLM, config: EngineConfig) -> int:
     device = next(model.parameters()).device
     multi = resolve_multi_stream(config.multi_stream, device.type, config.enable_hisparse)
     groups = fuse_projections(model, query_group=not multi)
+    attach_decode_gemv(model, config.decode_gemv)           # the new groups' counters
     logger.info("fused projections: %d groups of projections that read one input run as one GEMM "
                 "each%s", groups, " (wq_b and the indexer's wq_b apart: multi-stream)" if multi
                 else "")

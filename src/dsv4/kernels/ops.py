@@ -230,3 +230,12 @@ class QuantLinearOp(Protocol):
 
     def __call__(self, x: Tensor, w: Tensor, scale: Tensor, *,
                  counters: Tensor | None = None) -> Tensor: ...
+
+
+class LinearOp(Protocol):
+    """`ref/fp8_linear.py::dense_linear`: x [..., K] @ w [N, K]^T -> [..., N] in x's dtype (the
+    serving path's bf16 projections). `counters`: the call site's zeroed int32 split-K arrival
+    counters (>= N / 16 words, left zero), ignored by the reference; without them every backend
+    runs `F.linear`."""
+
+    def __call__(self, x: Tensor, w: Tensor, *, counters: Tensor | None = None) -> Tensor: ...

@@ -23,6 +23,7 @@ from dsv4.kernels.ops import (
     CompressPairOp,
     IndexScoresOp,
     KvNormRopeStoreOp,
+    LinearOp,
     MhcHeadOp,
     MhcPostOp,
     MhcPreOp,
@@ -44,7 +45,7 @@ from dsv4.kernels.ops import (
 from dsv4.kernels.ref.argmax import argmax
 from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cached_pair, project
-from dsv4.kernels.ref.fp8_linear import fp8_linear
+from dsv4.kernels.ref.fp8_linear import dense_linear, fp8_linear
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
@@ -95,6 +96,7 @@ class KernelOps:
     moe_gate_select: MoeGateSelectOp
     swiglu: SwigluOp
     quant_linear: QuantLinearOp
+    linear: LinearOp
 
 
 def _ref() -> KernelOps:
@@ -102,7 +104,7 @@ def _ref() -> KernelOps:
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
                      project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
-                     swiglu, fp8_linear)
+                     swiglu, fp8_linear, dense_linear)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -152,7 +154,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     )
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
-    from dsv4.kernels.triton.gemv import GemvCounters
+    from dsv4.kernels.triton.gemv import GemvCounters, triton_decode_linear
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.metadata import triton_step_metadata
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
@@ -191,7 +193,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
                      triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape,
                      triton_argmax, triton_moe_gate_select, triton_swiglu,
-                     triton_fp8_linear)
+                     triton_fp8_linear,
+                     dense_linear if invariant_plans else triton_decode_linear)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

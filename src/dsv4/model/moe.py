@@ -128,7 +128,8 @@ class MLP(nn.Module):
         limit = self.limit
         if ctx is not None:
             ops = ctx.ops
-            gate, up = (self.fused_w13(x) if self.fused_w13 is not None else
+            gate, up = (self.fused_w13(x, self.fused_w13.gemm(ops.linear))
+                        if self.fused_w13 is not None else
                         (linear(self.w1, x, ops), linear(self.w3, x, ops)))
             return linear(self.w2, ops.swiglu(gate, up, limit), ops)
         gate, up = self.w1(x), self.w3(x)

@@ -137,9 +137,21 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128"
 
 
+# the buffer name of a float linear's decode split-K counters (`model/decode_gemv.py` adds them)
+GEMV_COUNTERS = "gemv_counters"
+
+
 def linear(module: nn.Module, x: torch.Tensor, ops: KernelOps | None) -> torch.Tensor:
-    """`module(x)`; a `QuantLinear` gets the serving path's `ops` (None: the reference)."""
-    return module(x, ops) if isinstance(module, QuantLinear) else module(x)
+    """`module(x)`; a `QuantLinear` gets the serving path's `ops` (None: the reference), and so
+    does a float linear the engine gave split-K counters (`GEMV_COUNTERS`: the `linear` op)."""
+    if isinstance(module, QuantLinear):
+        return module(x, ops)
+    counters = getattr(module, GEMV_COUNTERS, None)
+    if ops is None or counters is None:
+        return module(x)
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor) and isinstance(counters, torch.Tensor)
+    return ops.linear(x, weight, counters=counters)
 
 
 @torch.no_grad()

@@ -22,3 +22,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     `counters` (the kernel's split-K scratch) is unused here."""
     codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
     return F.linear(x, dequant_fp8_block(codes, scale, x.dtype))
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, *,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The `linear` op's reference: `F.linear(x, w)` (x [..., K], w [N, K] float); `counters`
+    (the kernel's split-K scratch) is unused here."""
+    return F.linear(x, w)

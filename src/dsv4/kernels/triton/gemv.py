@@ -325,3 +325,26 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
         UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return y
+
+
+DECODE_BLOCK_N = 16         # `triton_decode_linear`: output columns per program (the FMA tile)
+DECODE_SPLIT_K = 1024       # and K elements per split at least (splits = K // this, >= 1)
+
+
+def triton_decode_linear(x: torch.Tensor, w: torch.Tensor, *,
+                         counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The triton backend's `linear` op: x [..., K] @ w [N, K]^T in x's dtype. Decode-sized calls
+    (at most FMA_MAX_M rows, 16-bit x and w of one dtype, a call site's `counters`) run
+    `triton_linear` on the FMA path with the tile width and the K splits fixed from K alone
+    (`DECODE_BLOCK_N`, `DECODE_SPLIT_K`): a column's sum order then depends on K only, so a fused
+    group's columns are the bits of its members' own calls, and a row's on nothing but its own
+    values (the FMA path computes each row alone). Everything else: `F.linear` (cuBLAS)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if (counters is None or rows > FMA_MAX_M or rows == 0 or x.dtype != w.dtype
+            or x.dtype not in (torch.bfloat16, torch.float16)
+            or triton.cdiv(w.shape[0], DECODE_BLOCK_N) > counters.numel()):
+        return torch.nn.functional.linear(x, w)
+    K = x.shape[-1]
+    y = triton_linear(x.reshape(rows, K), w, block_n=DECODE_BLOCK_N,
+                      split_k=max(1, K // DECODE_SPLIT_K), dot=False, counters=counters)
+    return y.view(*x.shape[:-1], w.shape[0])

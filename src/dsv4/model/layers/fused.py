@@ -10,10 +10,13 @@ rows with a stride of sum(out) elements and a unit column stride.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from dsv4.kernels.ops import LinearOp
 
 
 class FusedRows:
@@ -22,6 +25,15 @@ class FusedRows:
     def __init__(self, weight: torch.Tensor, sizes: Sequence[int]) -> None:
         assert weight.dim() == 2 and sum(sizes) == weight.shape[0], "sizes must tile the rows"
         self.weight, self.sizes = weight, tuple(sizes)
+        # the group's zeroed split-K counters for the `linear` op (`model/decode_gemv.py`)
+        self.counters: torch.Tensor | None = None
+
+    def gemm(self, ops: LinearOp | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The GEMM this group runs: the serving path's `linear` op with the group's counters
+        when it has them (and `ops`), else F.linear."""
+        if ops is None or self.counters is None:
+            return F.linear
+        return functools.partial(ops, counters=self.counters)
 
     def __call__(self, x: torch.Tensor,
                  gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
