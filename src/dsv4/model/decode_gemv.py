@@ -69,7 +69,7 @@ def _set_module(module: nn.Module, on: bool) -> bool:
     if not (isinstance(module, nn.Linear) and module.bias is None and _eligible(module.weight)):
         return False
     if on and getattr(module, GEMV_COUNTERS, None) is None:
-        module.register_buffer(GEMV_COUNTERS, _counters(module.out_features,
+        module.register_buffer(GEMV_COUNTERS, _counters(module.weight.shape[0],  # (TP shards)
                                                         module.weight.device), persistent=False)
     elif not on and GEMV_COUNTERS in module._buffers:
         del module._buffers[GEMV_COUNTERS]
