@@ -132,7 +132,7 @@ def _mhc_one_launch_kernel(x_ptr, fn_ptr, ws_ptr, sq_ptr, cnt_ptr,  # type: igno
     if done == S - 1:           # the tile's last arrival: every split's partials are visible
         t_lo = tile * BLOCK_T
         for t0 in range(t_lo, tl.minimum(t_lo + BLOCK_T, T), FINISH_T):
-            offs_f = t0.to(tl.int64) + tl.arange(0, FINISH_T)
+            offs_f = tl.arange(0, FINISH_T).to(tl.int64) + t0
             f_mask = offs_f < T
             pp, cm, sq = sum_partials(ws_ptr, sq_ptr, offs_f, f_mask, T, S, NP, HEAD, FINISH_T,
                                       BLOCK_S, ".cg")
@@ -190,7 +190,7 @@ def plan_one_launch(T: int, d: int, np_: int, S: int, num_warps: int, device: to
     of the two-launch form with `d_spans=1`; module docstring). `one_launch=True` forces it on a
     split-K plan, False forbids it. S == 1 is the fused path: always None.
     """
-    if S == 1 or one_launch is False:
+    if S == 1 or (one_launch is not None and not one_launch):
         return None
     tiles = plan_finish(T, d, np_, S, device, invariant, spans=1)
     if one_launch is None and (T > ONE_LAUNCH_MAX_T
