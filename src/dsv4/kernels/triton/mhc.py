@@ -49,7 +49,8 @@ one read of X' (project X' as it is written); that needs the model to hand both 
 Invariants: x contiguous [T, n, d]; padded streams (NP > n) carry weight 0 and padded tokens are
 masked, so every sum equals the unpadded one. No host syncs: CUDA-graph safe.
 
-Test: tests/kernels/test_mhc_triton.py. Benchmark: benchmarks/kernels/bench_mhc.py.
+Tests: tests/kernels/test_mhc_triton.py, test_mhc_one_launch.py. Benchmark:
+benchmarks/kernels/bench_mhc.py.
 """
 
 from __future__ import annotations
