@@ -251,13 +251,48 @@ def fp8_linear_variants() -> Iterator[Variant]:
                    consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
 
 
+def mhc_variants() -> Iterator[Variant]:
+    """mHC pre / head at decode (V4-Flash: n 4, d 4096; T 1 on 132 SMs): the one-launch split-K
+    kernel (bf16 / fp32 x pre, bf16 head), and the two-launch pair it replaces (bf16 pre)."""
+    from dsv4.kernels.triton import mhc, mhc_split
+
+    T, n, d, warps = 1, 4, 4096, 4
+    cpu = torch.device("cpu")                   # the plans below are the H200's at T = 1
+    bt, S, _ = mhc.plan_pre(T, n * d, cpu, splits=2 * 132)
+    tiles = mhc_split.plan_one_launch(T, d, 4, S, warps, cpu)
+    assert tiles is not None, "the decode plan is one launch"
+    fbt, _, bd, bs = tiles
+    ints = {"T": "i32", "K": "i32:16", "D": "i32:16", "S": "i32", "k_per_split": "i32:16",
+            "iters": "i32", "hc_eps": "fp32", "norm_eps": "fp32", "stride_xt": "i32:16",
+            "stride_fn": "i32:16", "stride_ht": "i32:16", "d_span": "i32:16"}
+    for dt, head in (("bf16", False), ("fp32", False), ("bf16", True)):
+        types = {**ints, "x_ptr": f"*{dt}", "h_ptr": f"*{dt}", "cnt_ptr": "*i32",
+                 **{p: "*fp32" for p in ("fn_ptr", "ws_ptr", "sq_ptr", "scale_ptr", "base_ptr",
+                                         "post_ptr", "comb_ptr")}}
+        geo = {"N": n, "NP": 4, "HEAD": head}
+        dot = {"BLOCK_K": 64, "EVEN_K": True, "INTERPRET": False,
+               "DOT": "bf16x3" if dt == "bf16" else "tf32x3"}
+        label = f"mhc {'head' if head else 'pre'} {dt} T={T} s{S}"
+        yield (f"{label} one launch", mhc_split._mhc_one_launch_kernel, types,
+               {**geo, **dot, "BLOCK_T": bt, "FINISH_T": fbt, "BLOCK_S": bs, "BLOCK_D": bd,
+                "EVEN_D": True}, {"num_warps": warps, "num_stages": 3})
+        if dt == "bf16" and not head:
+            yield (f"{label} partial", mhc_split._mhc_partial_kernel, types,
+                   {**geo, **dot, "BLOCK_T": bt}, {"num_warps": warps, "num_stages": 3})
+            fbt, _, fbd, fbs = mhc_split.plan_finish(T, d, 4, S, cpu, spans=16)
+            yield (f"{label} finish", mhc_split._mhc_finish_kernel, types,
+                   {**geo, "BLOCK_T": fbt, "BLOCK_S": fbs, "BLOCK_D": fbd, "EVEN_D": True},
+                   {"num_warps": mhc_split.finish_warps(fbt, 4, fbd)})
+
+
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
                                                        "compressor": compressor_variants,
                                                        "attention": attention_variants,
                                                        "metadata": metadata_variants,
                                                        "small": small_variants,
                                                        "gemv": gemv_variants,
-                                                       "fp8_linear": fp8_linear_variants}
+                                                       "fp8_linear": fp8_linear_variants,
+                                                       "mhc": mhc_variants}
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:

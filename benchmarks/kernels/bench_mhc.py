@@ -18,6 +18,11 @@ median of CUDA-event-timed CUDA-graph replays, each graph cycling through enough
 L2. The reference (~25 small torch ops plus 2 per Sinkhorn iteration) is timed the same way
 (graph: its launch gaps shrink to the GPU's) and eagerly (CUDA events, one call); "x ref" is the
 speed-up over the graph-replayed reference.
+One launch vs two (split-K pre / head, `kernels/triton/mhc_split.py`): at T in LAUNCH_T (and in
+--cpu-smoke) every pre / head case also times `one_launch=True`, `one_launch=False` (today's
+two-launch plan) and `one_launch=False, d_spans=1` (the two-launch form with the one-launch form's
+finish tiles: the same bits); columns "1-launch" / "2-launch", all in "configs_us"; "path" ends in
+1L / 2L (the launches of the best config).
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_mhc.py --out FILE.json     # CUDA
@@ -54,6 +59,9 @@ PRE_SWEEP: list[dict[str, int]] = [
     {"block_t": 16}, {"block_t": 32}, {"block_t": 128, "num_warps": 8}, {"block_k": 128},
     {"num_warps": 8}, {"num_stages": 4}, {"splits": 1}, {"block_t": 32, "splits": 1},
     {"splits": 32}, {"splits": 128}]
+LAUNCH_T = (1, 2, 8, 32)        # pre / head: one launch vs two launches timed at these T
+LAUNCH_KNOBS: list[dict[str, int]] = [{"one_launch": True}, {"one_launch": False},
+                                      {"one_launch": False, "d_spans": 1}]
 POST_SWEEP: list[dict[str, int]] = [{"block_d": 256}, {"block_d": 512}, {"block_d": 1024},
                                     {"block_d": 2048, "num_warps": 8},
                                     {"block_d": 1024, "num_warps": 8}]
@@ -73,7 +81,8 @@ class Case:
 
 
 def cuda_cases() -> list[Case]:
-    return [Case(op, T) for op in ("pre", "post", "head") for T in (1, 8, 32, 128, 1024, 8192)]
+    return [Case(op, T) for op in ("pre", "post", "head")
+            for T in (1, 2, 8, 32, 128, 1024, 8192) if T != 2 or op != "post"]
 
 
 def smoke_cases() -> list[Case]:
@@ -169,11 +178,17 @@ def path_of(case: Case, knobs: dict[str, int], device: torch.device) -> str:
         from dsv4.kernels.triton.mhc_post import default_post_block_d
 
         return f"bd{knobs.get('block_d') or default_post_block_d(case.T, case.d, device)}"
-    from dsv4.kernels.triton.mhc import plan_pre
+    from dsv4.kernels.triton.mhc import plan_one_launch, plan_pre
 
     bt, splits, _ = plan_pre(case.T, case.n * case.d, device, knobs.get("block_t"),
                              knobs.get("block_k", 64), knobs.get("splits"))
-    return f"bt{bt} " + ("fused" if splits == 1 else f"split{splits}")
+    if splits == 1:
+        return f"bt{bt} fused"
+    np_ = max(4, 1 << (case.n - 1).bit_length())
+    one = plan_one_launch(case.T, case.d, np_, splits, knobs.get("num_warps", 4), device,
+                          one_launch=None if "one_launch" not in knobs else
+                          bool(knobs["one_launch"])) is not None
+    return f"bt{bt} split{splits}" + (" 1L" if one else " 2L")
 
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
@@ -183,6 +198,8 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / per_set))) if cuda else 1
     sets = [make_set(case, device, args.seed + i) for i in range(n_sets)]
     sweep = (PRE_SWEEP if case.op != "post" else POST_SWEEP) if args.sweep else []
+    if case.op != "post" and (case.T in LAUNCH_T or not cuda):
+        sweep = [*LAUNCH_KNOBS, *sweep]
     timed: dict[str, float] = {}
     paths: dict[str, str] = {}
     err = 0.0
@@ -201,7 +218,10 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
               else time_eager_us(ref_fn, sets, 2, cuda))
     ref_eager_us = time_eager_us(ref_fn, ref_sets, max(3, args.iters // 5), cuda)
     return {"case": case.name, "op": case.op, "T": case.T, "n": case.n, "d": case.d, "us": us,
-            "us_default": timed["default"], "best_config": best, "path": paths[best],
+            "us_default": timed["default"],
+            "us_one_launch": timed.get("one_launch=True", math.nan),
+            "us_two_launch": timed.get("one_launch=False", math.nan),
+            "best_config": best, "path": paths[best],
             "configs_us": timed,
             "ref_us": ref_us, "ref_eager_us": ref_eager_us, "speedup_vs_ref": ref_us / us,
             "speedup_vs_ref_eager": ref_eager_us / us, "gbps": per_set / us / 1e3,
@@ -212,6 +232,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
 
 TABLE = [("case", "{:<12}", "case"), ("path", "{:>13}", "path"), ("bytes", "{:>10.3e}", "bytes"),
          ("floor_us", "{:>8.2f}", "floor us"), ("us", "{:>8.2f}", "us"),
+         ("us_one_launch", "{:>8.2f}", "1-launch"), ("us_two_launch", "{:>8.2f}", "2-launch"),
          ("ref_us", "{:>9.1f}", "ref us"), ("ref_eager_us", "{:>9.1f}", "eager us"),
          ("speedup_vs_ref", "{:>7.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
          ("pct_hbm", "{:>6.1f}", "%HBM"), ("best_config", "{:>22}", "config"),

@@ -11,6 +11,8 @@ n = 3 / 8 (padded stream tiles), d = 40 (K not a multiple of BLOCK_K), partial t
 validation.
 GPU (`-m gpu`): V4-Flash shapes (n = 4, d = 4096, bf16 x, fp32 params), T in {1, 8, 64, 512, 4096},
 both paths, the fp32-x (tf32x3) path, CUDA-graph replay.
+The split-K path's one-launch form (`mhc_split.py`) has its own file, test_mhc_one_launch.py (it
+imports this file's helpers).
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_mhc_triton.py         # interpreter, CPU
     PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_mhc_triton.py  # a CUDA machine
