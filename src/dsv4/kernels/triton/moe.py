@@ -58,7 +58,8 @@ import triton.language as tl
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import tile_dot
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order
-from dsv4.kernels.triton.moe_plan import MoePlan, plan_moe
+from dsv4.kernels.triton.moe_fma import fma_launches
+from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
@@ -277,6 +278,10 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s3 = s3.view(torch.uint8) if s3 is not None else w3
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     code = FMTS[fmt]
+    if plan.variant == VARIANTS["fma"]:
+        return fma_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
+                            (order, t_start, t_end, t_exp), rw, limit, code, topk,
+                            deterministic, plan, _LIBDEVICE)
     # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot
     # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
     # and the interpreter's bf16 dot is broken.

@@ -48,8 +48,13 @@ from functools import cache
 import torch
 import triton
 
-VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3}
+VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3, "fma": 4}
 DEFAULT_VARIANT = {"fp4": "words", "fp8": "scaled", "bf16": "scaled"}
+FMA_MAX_MEAN_ROWS = 1.0      # default loop "fma" while nk <= this * num_experts (quantised fmts)
+FMA_BLOCK_M = 1
+FMA_BLOCK_N = 32
+FMA_BLOCK_K = {"fp4": 256, "fp8": 128}
+FMA_WARPS = 4
 PROGRAMS_PER_SM = 4
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
 _MIN_DOT = 16
@@ -79,10 +84,15 @@ class MoePlan:
 def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.device, nk: int,
              num_experts: int, inter: int, d: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None) -> MoePlan:
+             num_stages: int | None = None, fma_rows: float = FMA_MAX_MEAN_ROWS) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
-    a knob given (not None) is used as is, after validation."""
+    a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
+    up to which the quantised formats default to "fma"."""
     name = _variant(fmt, variant, x_dtype)
+    if variant is None and fmt != "bf16" and nk <= fma_rows * num_experts:
+        name = "fma"
+    if name == "fma":
+        return _plan_fma(fmt, block_m, block_n, block_k, num_warps, num_stages)
     max_m = max_block_m(fmt, name)
     if block_m is not None and not _MIN_DOT <= block_m <= max_m:
         raise ValueError(f"fmt {fmt!r} variant {name!r} needs 16 <= block_m <= {max_m}; "
@@ -104,11 +114,30 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     return MoePlan(VARIANTS[name], bm, bk, num_stages or 3, launch(inter), launch(d))
 
 
+def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int | None,
+              num_warps: int | None, num_stages: int | None) -> MoePlan:
+    """The fma loop's fixed tiles (the same at every N: a row's bits do not depend on the batch):
+    BLOCK_M 1, 2 or 4; BLOCK_N a power of two in [4, 128]; BLOCK_K a power of two, whole chunks
+    (FP4 >= 32, FP8 >= 16) and FP8 <= 128 (one scale block per step)."""
+    bm, bn = block_m or FMA_BLOCK_M, block_n or FMA_BLOCK_N
+    bk = block_k or FMA_BLOCK_K[fmt]
+    min_k, max_k = (32, 2048) if fmt == "fp4" else (16, _FP8_BLOCK)
+    if (bm not in (1, 2, 4) or not 4 <= bn <= 128 or bn & (bn - 1)
+            or not min_k <= bk <= max_k or bk & (bk - 1)):
+        raise ValueError(f"fmt {fmt!r} variant 'fma' needs block_m in (1, 2, 4), block_n a power "
+                         f"of two in [4, 128], block_k a power of two in [{min_k}, {max_k}]; "
+                         f"got {bm}, {bn}, {bk}")
+    launch = Launch(bn, num_warps or FMA_WARPS)
+    return MoePlan(VARIANTS["fma"], bm, bk, num_stages or 1, launch, launch)
+
+
 def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
     if fmt == "bf16":
         return "scaled"
+    if variant == "fma" and x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"variant 'fma' takes bf16 / fp16 / fp32 activations; got {x_dtype}")
     if variant is None:
         variant = DEFAULT_VARIANT[fmt]
         return "scaled" if variant == "dot_scaled" and x_dtype != torch.bfloat16 else variant
