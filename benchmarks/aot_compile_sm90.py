@@ -92,7 +92,8 @@ def moe_fma_variants() -> Iterator[Variant]:
         if fmt == 2:
             tiles += [(1, 64, bk0, 1), (1, bn0, 2 * bk0, 1), (1, bn0, bk0, 2)]
         for bm, bn, bk, stages in tiles:
-            consts = {"TOPK": 6, "FMT": fmt, "SHIFT": moe_fma.act_shift(fmt), "BLOCK_M": bm,
+            consts = {"TOPK": 6, "FMT": fmt, "SHIFT": moe_fma.act_shift(fmt), "ASM": True,
+                      "EVEN_K": True, "BLOCK_M": bm,
                       "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages}
             per_thread = bn * bk * (1, 0.5)[fmt - 1] / (32 * warps)
             label = f"{name} fma {bm}x{bn}x{bk} s{stages} {per_thread:g}B"
