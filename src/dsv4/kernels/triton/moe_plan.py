@@ -89,7 +89,8 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
     up to which the quantised formats default to "fma"."""
     name = _variant(fmt, variant, x_dtype)
-    if variant is None and fmt != "bf16" and nk <= fma_rows * num_experts:
+    if (variant is None and fmt != "bf16" and nk <= fma_rows * num_experts
+            and block_m in (None, 1, 2, 4)):
         name = "fma"
     if name == "fma":
         return _plan_fma(fmt, block_m, block_n, block_k, num_warps, num_stages)
