@@ -57,8 +57,8 @@ import triton.language as tl
 
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import tile_dot
-from dsv4.kernels.triton.moe_fp4 import fp4_word_order
 from dsv4.kernels.triton.moe_fma import fma_launches
+from dsv4.kernels.triton.moe_fp4 import fp4_word_order
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
 from dsv4.kernels.triton.swiglu import swiglu_f32

@@ -298,8 +298,8 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
     K, D,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
-    EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
