@@ -57,16 +57,18 @@ def test_fma_fp32_x_exact(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_fma_rows_independent(fmt: str) -> None:
     """A token's output bits do not depend on the batch around it nor on BLOCK_M (each row is
-    computed alone in a fixed k order): token 0 alone, in a batch of 7 (some rows sharing its
-    experts) at BLOCK_M 1 and 4."""
+    computed alone in a fixed k order): tokens 0, 3, 5 alone equal their rows of a batch of 7 at
+    BLOCK_M 1 and 4 (E 4, k 2: experts shared; tokens 3 and 5 sit at rows 1-3 of 4-row tiles)."""
     wts = make_weights(4, 64, 64, fmt, seed=31)
     idx, rw = make_routing(7, 4, 2, seed=31)
     x = randn(7, 64, seed=31).to(torch.bfloat16)
 
-    def run(n: int, bm: int) -> torch.Tensor:
-        return triton_routed_experts_quant(x[:n], *wts[:2], *wts[2:], idx[:n], rw[:n],  # type: ignore[arg-type]
+    def run(t: slice, bm: int) -> torch.Tensor:
+        return triton_routed_experts_quant(x[t], *wts[:2], *wts[2:], idx[t], rw[t],  # type: ignore[arg-type]
                                            10.0, fmt, variant="fma", block_m=bm,
                                            deterministic=True)
 
-    alone = run(1, 1)
-    assert torch.equal(alone[0], run(7, 1)[0]) and torch.equal(alone[0], run(7, 4)[0])
+    batch = [run(slice(0, 7), bm) for bm in (1, 4)]
+    for t in (0, 3, 5):
+        alone = run(slice(t, t + 1), 1)[0]
+        assert all(torch.equal(alone, b[t]) for b in batch)
