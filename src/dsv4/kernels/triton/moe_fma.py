@@ -5,26 +5,31 @@ At decode the N*k rows spread over the experts with ~1 row each, so a [16, BLOCK
 memory. Here the weights stay in the layout they are loaded in and meet the activations on the CUDA
 cores; `plan_moe` picks this loop while nk <= `FMA_MAX_MEAN_ROWS` * E (or `variant="fma"`).
 
-One program: BLOCK_M sorted rows of one expert (`moe_tile_map.py`; BLOCK_M 1, 2 or 4: the rows are
-a leading dim of every product), BLOCK_N output rows of W. Each K step loads W's
-[BLOCK_N, C, CHUNK] tile, CHUNK k contiguous in one thread (16 bytes: FP4 one 32-wide scale group
-as 4 words, FP8 16 codes), decodes it in registers, and per (row m, n, chunk) sums the CHUNK
-products in-thread in a fixed order (an FFMA chain), multiplies the chunk's partial by its scale
-factor and adds it to the element-wise fp32 accumulator acc[m, n, c]. After the K loop one
-`tl.sum` over c (in-thread, then lanes) gives the [BLOCK_M, BLOCK_N] result. So a row's value is
-a fixed function of its own activations and BLOCK_K / BLOCK_N / num_warps (the reduction's
-layout): never of the other rows of its tile or batch; the plan's fma tiles do not depend on N.
+One program: up to BLOCK_M (1, 2, 4) sorted rows of one expert (`moe_tile_map.py`), BLOCK_N
+output rows of W. Each K step loads W's [BLOCK_N, C, 4] 32-bit words (C = BLOCK_K / CHUNK chunks of
+CHUNK k; 16 bytes per (n, c), one vector load per thread: FP4 one 32-wide scale group, FP8 16
+codes), decodes them in registers into CHUNK / 4 fp32 tensors W_q[n, c, j] of the same layout, and
+for each row (its own [BLOCK_N, C] accumulator; the decode is shared by the rows) loads its
+activations A_q[n, c, j] through pointers of the words' shape and contiguity, so the load takes
+the same layout (nothing through shared memory), then s = W_0 A_0 + W_1 A_1 + ... (an FFMA chain
+in q order per (n, c, j)), part = the in-thread sum of s over j, acc += part * factor. After the K
+loop one `tl.sum` over c (in-thread, then lanes) gives the row's BLOCK_N outputs. The order of a
+row's sum is fixed by BLOCK_K and the layout (BLOCK_N, num_warps) and never involves the other rows
+of its tile or batch; the plan's fma tiles do not depend on N, so a token's bits do not either.
+The activations are read in a per-chunk transposed order (`fma_activations`; the gate/up epilogue
+writes h the same way) so that A_q's four j are contiguous.
 
-FP4 (why the scale goes on the partial, not into the weights as "words" does): the e2m1 bits are
-placed as in `moe_fp4.py` ("words" shifts: the pair (k, k + 4) of nibble r in one 32-bit word)
-and each bf16 half moved to an fp32's top half (`<< 16`, `& 0xFFFF0000`): v * 2^-126 exactly, no
-multiply. The activations enter pre-scaled by 2^ACT_SHIFT (a fp32 copy written once per launch:
-x by `fma_activations`, h by the gate/up epilogue), so the products v * a * 2^(ACT_SHIFT - 126)
-stay normal, and the group factor 2^(s - 1 - ACT_SHIFT) multiplies each 32-product partial: per
-weight 2 shifts + 2 logic ops per pair, 1 unpack, 1 FFMA, plus 1/32 FFMA; folding the scale
-would add a bf16x2 multiply per pair and force a per-element accumulator. Exact products for
-|a| < 2^(128 - ACT_SHIFT) and scale codes <= 190 (2^63); a code above is clamped to 191, whose
-factor is inf (inf / NaN out, never a wrong finite value), as in `moe_fp4.py`.
+FP4 (why the scale goes on the partial, not into the weights as "words" does): each nibble is
+decoded straight into an fp32 as v * 2^-126 (`moe_fp4.py`'s bias trick at fp32's top: sign to
+bit 31, magnitude to bits 24..22) by one AND per word pair of nibbles, then one multiply and one
+AND per weight (`_at_top`), no bf16 multiply. The activations enter pre-scaled by 2^ACT_SHIFT (a
+fp32 copy written once per launch: x by `fma_activations`, h by the gate/up epilogue), so the
+products v * a * 2^(ACT_SHIFT - 126) stay normal, and the group factor 2^(s - 1 - ACT_SHIFT)
+multiplies each 32-product partial: ~2.6 instructions per weight to decode plus 1 FFMA (+1/32);
+folding the scale would add a bf16x2 multiply per pair, an unpack per weight, and force a
+per-element accumulator. Exact products for |a| < 2^(128 - ACT_SHIFT) and scale codes <= 190
+(2^63); a code above is clamped to 191, whose factor is inf (inf / NaN out, never a wrong finite
+value), as in `moe_fp4.py`.
 FP8: e4m3 -> fp32 with the packed converts (`w_tile`'s), activations unscaled; the tile's
 128x128 block scale ([BLOCK_N] per K step: BLOCK_K divides 128) multiplies each chunk's partial.
 """

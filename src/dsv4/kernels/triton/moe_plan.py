@@ -13,6 +13,12 @@ weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V
 BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
 "dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
 model; the others run fp32 dots for them, exact).
+"fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is the quantised formats' default
+while the mean rows per expert is at most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where
+a 16-row MMA tile would hold ~1 real row), from shapes only; its tiles are fixed (`_plan_fma`:
+BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage), the same at every N.
+SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8.5 instructions per weight byte (gate/up;
+down ~9), FP8 ~3.4 (down ~4).
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
 for "split", its first setting; 128 at BLOCK_M 32), FP8 128 (also the most one 128-wide scale block
