@@ -242,6 +242,9 @@ def test_plan() -> None:
         == VARIANTS["words"]
     with pytest.raises(ValueError, match="'fma' needs"):
         plan_moe("fp8", "fma", torch.bfloat16, cpu, 6, 8, 64, 64, block_k=256)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        plan_moe("fp8", "fma", torch.bfloat16, cpu, 6, 8, 72, 64)
+    assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 8, 72, 64).variant == VARIANTS["scaled"]
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 128
     assert plan_moe("fp4", "split", torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 64
     assert plan_moe("fp4", None, torch.float32, cpu, 6, 256, 2048, 4096, block_n=16

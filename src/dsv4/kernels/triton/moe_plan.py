@@ -95,10 +95,13 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
     up to which the quantised formats default to "fma"."""
     name = _variant(fmt, variant, x_dtype)
+    fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
     if (variant is None and fmt != "bf16" and nk <= fma_rows * num_experts
-            and block_m in (None, 1, 2, 4)):
+            and block_m in (None, 1, 2, 4) and fits):
         name = "fma"
     if name == "fma":
+        if not fits:
+            raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
         return _plan_fma(fmt, block_m, block_n, block_k, num_warps, num_stages)
     max_m = max_block_m(fmt, name)
     if block_m is not None and not _MIN_DOT <= block_m <= max_m:
