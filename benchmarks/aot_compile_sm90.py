@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -44,7 +45,9 @@ def moe_variants() -> Iterator[Variant]:
     gate/up, two matrices) is the K loop's instructions per weight byte."""
     from dsv4.kernels.triton import moe, moe_plan
 
-    loops = {"bf16": ("scaled",), "fp8": ("scaled", "dot_scaled"), "fp4": tuple(moe_plan.VARIANTS)}
+    # "fma" has kernels of its own (`moe_fma_variants`)
+    loops = {"bf16": ("scaled",), "fp8": ("scaled", "dot_scaled"),
+             "fp4": tuple(v for v in moe_plan.VARIANTS if v != "fma")}
     for fmt, name in ((0, "bf16"), (1, "fp8"), (2, "fp4")):
         w, s = ("*bf16", "*bf16") if fmt == 0 else ("*u8", "*u8")
         types = {"x_ptr": "*bf16", "w1_ptr": w, "w3_ptr": w, "s1_ptr": s, "s3_ptr": s,
@@ -68,6 +71,39 @@ def moe_variants() -> Iterator[Variant]:
                        {**consts, "LIBDEVICE": True}, options)
                 yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \
                     options
+    yield from moe_fma_variants()
+
+
+def moe_fma_variants() -> Iterator[Variant]:
+    """The "fma" loop (`moe_fma.py`) of FP4 / FP8 at BLOCK_M 1, 2, 4 on the plan's tiles, and FP4
+    at BLOCK_N 64 / BLOCK_K 512 / 2 stages; labels as `moe_variants`' (bytes of one matrix a
+    thread decodes per K step)."""
+    from dsv4.kernels.triton import moe_fma, moe_plan
+
+    types = {"x_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
+             "h_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32",
+             "order_ptr": "*i64", "rw_ptr": "*fp32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
+             "t_exp_ptr": "*i32", "limit": "fp32"}
+    types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
+                                          "stride_wn", "stride_se", "stride_sn", "stride_h",
+                                          "stride_o")}
+    bn0, warps = moe_plan.FMA_BLOCK_N, moe_plan.FMA_WARPS
+    for fmt, name in ((1, "fp8"), (2, "fp4")):
+        bk0 = moe_plan.FMA_BLOCK_K[name]
+        tiles = [(bm, bn0, bk0, 1) for bm in (1, 2, 4)]
+        if fmt == 2:
+            tiles += [(1, 64, bk0, 1), (1, bn0, 2 * bk0, 1), (1, bn0, bk0, 2)]
+        for bm, bn, bk, stages in tiles:
+            consts = {"TOPK": 6, "FMT": fmt, "SHIFT": moe_fma.act_shift(fmt), "ASM": True,
+                      "EVEN_K": True, "BLOCK_M": bm,
+                      "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages}
+            per_thread = bn * bk * (1, 0.5)[fmt - 1] / (32 * warps)
+            label = f"{name} fma {bm}x{bn}x{bk} s{stages} {per_thread:g}B"
+            options = {"num_warps": warps}
+            yield (f"moe gate_up {label}", moe_fma._gate_up_fma_kernel, types,
+                   {**consts, "H_DTYPE": tl.bfloat16, "LIBDEVICE": True}, options)
+            yield (f"moe down {label}", moe_fma._down_fma_kernel, types,
+                   {**consts, "ATOMIC": False}, options)
 
 
 def topk_variants() -> Iterator[Variant]:

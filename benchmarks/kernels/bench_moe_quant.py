@@ -3,8 +3,9 @@
 Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activations, limit 10):
   N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
   (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
-  dot_scaled, words; FP8 runs its two distinct loops, scaled and dot_scaled; bf16 weights have one
-  loop, shown as "-").
+  dot_scaled, words, fma; FP8 runs its distinct loops, scaled, dot_scaled and fma; bf16 weights
+  have one loop, shown as "-"). The fma loop (CUDA cores, the plan's default while N*k <= E) has
+  its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`.
 Metrics:
   weight bytes = distinct experts hit x one expert's bytes (w1, w3, w2 and their scales): what the
       kernel has to read at least once (averaged over the input sets); floor us = weight bytes /
@@ -25,6 +26,8 @@ Prints a table, then ONE JSON line.
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py              # CUDA
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --sweep      # + tile/warp/stage
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --variants scaled --tokens 1,8
+    PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4,fp8 \
+        --variants fma,words,scaled --tokens 1,8,32,128 --sweep
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --cpu-smoke  # interpreter, tiny
 """
 
@@ -61,10 +64,17 @@ SWEEP: dict[str, list[Config]] = {
     "fp8": [(64, 64, 4, 3), (64, 128, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 4),
             (16, 128, 1, 3), (128, 128, 8, 3)],
     "bf16": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
+    # the fma loop (no tl.dot): stages = the K loop's software pipelining (1: none)
+    "fp4/fma": [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (256, 512) for w in (2, 4)
+                for st in (1, 2)] + [(32, 128, 4, 1), (64, 256, 8, 1), (128, 256, 8, 1),
+                                     (32, 1024, 4, 1), (16, 256, 1, 1), (32, 256, 4, 3)],
+    "fp8/fma": [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128) for w in (2, 4)
+                for st in (1, 2)] + [(64, 128, 8, 1), (128, 128, 8, 1), (16, 128, 1, 1),
+                                     (32, 128, 4, 3)],
 }
 FMTS = ("fp4", "fp8", "bf16")
-VARIANTS = ("split", "scaled", "dot_scaled", "words")
-FP8_LOOPS = ("scaled", "dot_scaled")       # FP8's "split" and "words" are its "scaled" loop
+VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma")
+FP8_LOOPS = ("scaled", "dot_scaled", "fma")  # FP8's "split" and "words" are its "scaled" loop
 
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]      # (x, indices, weights)
@@ -175,7 +185,9 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     is refused or fails parity is skipped (its error kept)."""
     from dsv4.kernels.triton.moe import triton_routed_experts_quant
 
-    kind = fmt if fmt != "fp4" or variant != "split" else "fp4/split"
+    kind = (f"{fmt}/{variant}" if (fmt, variant) in (("fp4", "split"), ("fp4", "fma"),
+                                                      ("fp8", "fma")) else fmt)
+    block_m = args.fma_block_m if variant == "fma" else None
     timed: dict[str, float] = {}
     err, error = 0.0, ""
     for cfg in [DEFAULT_CONFIG] + (SWEEP[kind] if args.sweep else []):
@@ -184,8 +196,9 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
         def fn(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, bn: int | None = bn,
                bk: int | None = bk, nw: int | None = nw, ns: int | None = ns) -> torch.Tensor:
             return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT,
-                                               fmt, variant=variant, block_n=bn, block_k=bk,
-                                               num_warps=nw, num_stages=ns)
+                                               fmt, variant=variant, block_m=block_m,
+                                               block_n=bn, block_k=bk, num_warps=nw,
+                                               num_stages=ns)
         try:
             e = rel_error(fn(*sets[0]), ref)
         except Exception as exc:  # noqa: BLE001 — a refused or failing config is reported, not fatal
@@ -261,6 +274,8 @@ def main() -> None:
                    help=f"comma-separated inner loops of fp4 / fp8, of {VARIANTS}")
     p.add_argument("--fmts", default=",".join(FMTS), help=f"comma-separated, of {FMTS}")
     p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
+    p.add_argument("--fma-block-m", type=int, default=None, choices=(1, 2, 4),
+                   help="BLOCK_M of the fma loop (default: the plan's, 1)")
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     args.tokens = [int(n) for n in args.tokens.split(",") if n]

@@ -1,7 +1,8 @@
 """Parity of `triton_routed_experts_quant` with the reference `routed_experts_quant` (spec §8, §12).
 
 CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, every inner
-loop (`variant`: split, scaled, dot_scaled, words) of the quantised formats, N = 1, 5, 33, 40
+loop (`variant`: split, scaled, dot_scaled, words, fma; more fma in test_moe_fma.py) of the
+quantised formats, N = 1, 5, 33, 40
 tokens, k = 2, experts with no tokens, every token on one expert (several tiles), K tiles wider
 than K (masked), I not a multiple of 128 (partial fp8 blocks), fp32 and bf16 activations, a clamp
 that bites, the deterministic epilogue, the FP4 decodes at the edges of the scale range, the
@@ -148,10 +149,10 @@ def test_variants_ragged(fmt: str, variant: str) -> None:
     check(randn(1, 128).to(torch.bfloat16), wts, idx, rw, 10.0, fmt, variant=variant)
     idx, rw = make_routing(40, 8, 2, seed=14, hot=3)
     check(randn(40, 128).to(torch.bfloat16), wts, idx, rw, 10.0, fmt, variant=variant,
-          block_m=16, block_n=16)
+          block_m=4 if variant == "fma" else 16, block_n=16)
 
 
-@pytest.mark.parametrize("variant", ["split", "scaled", "words"])
+@pytest.mark.parametrize("variant", ["split", "scaled", "words", "fma"])
 def test_variants_fp32_x(variant: str) -> None:
     """fp32 activations run fp32 dots in every loop but dot_scaled, which refuses them."""
     wts = make_weights(6, 128, 64, "fp4", seed=15)
@@ -224,12 +225,26 @@ def test_plan() -> None:
     """V4-Flash shapes: BLOCK_N 32 at N = 1 (the 64-wide grid would be 1.5 waves), 64 from N = 8;
     BLOCK_K 128 bytes of a row; BLOCK_N 16 takes one warp; bad knobs raise."""
     cpu = torch.device("cpu")
-    p1 = plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096)
-    p8 = plan_moe("fp4", None, torch.bfloat16, cpu, 48, 256, 2048, 4096)
+    p1 = plan_moe("fp4", "words", torch.bfloat16, cpu, 6, 256, 2048, 4096)
+    p8 = plan_moe("fp4", "words", torch.bfloat16, cpu, 48, 256, 2048, 4096)
     assert (p1.gate_up.block_n, p1.down.block_n, p8.gate_up.block_n, p8.down.block_n) == \
         (32, 32, 64, 64)
     assert (p1.variant, p1.block_m, p1.block_k, p1.gate_up.num_warps) == \
         (VARIANTS["words"], 16, 256, 4)
+    # decode (N*k <= E rows): "fma", the same tiles at every N; past it (or fma_rows=0) the MMA
+    for fmt, nk in (("fp4", 6), ("fp8", 6), ("fp4", 256)):
+        p = plan_moe(fmt, None, torch.bfloat16, cpu, nk, 256, 2048, 4096)
+        assert (p.variant, p.block_m, p.gate_up, p.down) == \
+            (VARIANTS["fma"], 1, p.down, plan_moe(fmt, None, torch.bfloat16, cpu, 6, 256, 2048,
+                                                  4096).down)
+    assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096, fma_rows=0).variant \
+        == plan_moe("fp4", None, torch.bfloat16, cpu, 258, 256, 2048, 4096).variant \
+        == VARIANTS["words"]
+    with pytest.raises(ValueError, match="'fma' needs"):
+        plan_moe("fp8", "fma", torch.bfloat16, cpu, 6, 8, 64, 64, block_k=256)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        plan_moe("fp8", "fma", torch.bfloat16, cpu, 6, 8, 72, 64)
+    assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 8, 72, 64).variant == VARIANTS["scaled"]
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 128
     assert plan_moe("fp4", "split", torch.bfloat16, cpu, 6, 256, 2048, 4096).block_k == 64
     assert plan_moe("fp4", None, torch.float32, cpu, 6, 256, 2048, 4096, block_n=16
@@ -289,7 +304,8 @@ def test_fp4_block_k(block_k: int) -> None:
 
 
 @pytest.mark.parametrize("N,E,k,bm",
-                         [(1, 8, 2, 16), (33, 8, 2, 16), (50, 4, 3, 16), (7, 256, 6, 16)])
+                         [(1, 8, 2, 16), (33, 8, 2, 16), (50, 4, 3, 16), (7, 256, 6, 16),
+                          (9, 8, 2, 1)])
 def test_tile_map_covers_rows_once(N: int, E: int, k: int, bm: int) -> None:
     idx, _ = make_routing(N, E, k, seed=N)
     order, start, end, expert = tile_map(idx, E, bm)
@@ -355,8 +371,8 @@ def flash_weights() -> dict[str, Weights]:
 
 
 # FP8's split / words are its scaled loop; bf16 has one loop
-FLASH_CASES = ([("fp4", v) for v in VARIANTS] + [("fp8", "scaled"), ("fp8", "dot_scaled")]
-               + [("bf16", None)])
+FLASH_CASES = ([("fp4", v) for v in VARIANTS]
+               + [("fp8", "scaled"), ("fp8", "dot_scaled"), ("fp8", "fma")] + [("bf16", None)])
 
 
 @pytest.mark.gpu

@@ -24,7 +24,9 @@ scales are exact wherever they are applied: FP8's 128x128 block scale multiplies
 elements (default loop "scaled": the whole tile decoded, one dot per K tile), or into the product
 per group ("split", the first loop), or left to `tl.dot_scaled` ("dot_scaled"). The inner loops
 live in `moe_decode.py`; which loop and which tiles a call uses, in `moe_plan.py` (`variant=` and
-the block knobs pin them).
+the block knobs pin them). At decode (N*k <= E rows) the quantised formats default to "fma"
+(`moe_fma.py`): no tl.dot, the weights decoded in their load layout and multiplied on the CUDA
+cores, BLOCK_M 1..4; its own two kernels, with the same tile map and epilogues.
 Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (stable) and each
 expert's rows are cut into tiles of BLOCK_M ("moe_align_block_size" without materialised
 padding): tile j of expert e covers sorted rows
@@ -57,8 +59,9 @@ import triton.language as tl
 
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import tile_dot
+from dsv4.kernels.triton.moe_fma import fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order
-from dsv4.kernels.triton.moe_plan import MoePlan, plan_moe
+from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
@@ -205,9 +208,10 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
 
     x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts
     per `fmt` in the module docstring. Keyword arguments are tuning knobs, None = the plan's choice
-    (`moe_plan.py`): `variant` the inner loop ("split", "scaled", "dot_scaled"; "dot_scaled" needs
-    bf16 x), block sizes powers of two >= 16 (block_k <= 128, or <= 256 for FP4 "scaled" /
-    "dot_scaled"; >= 32 for FP4); `block_n` pins both launches' BLOCK_N.
+    (`moe_plan.py`): `variant` the inner loop ("split", "scaled", "dot_scaled", "words", "fma";
+    "dot_scaled" needs bf16 x), block sizes powers of two >= 16 (block_k <= 128, or <= 256 for
+    FP4 "scaled" / "dot_scaled"; >= 32 for FP4; "fma": `plan_moe`'s `_plan_fma` limits);
+    `block_n` pins both launches' BLOCK_N.
     """
     _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
     inter = w13.shape[1] // 2
@@ -277,6 +281,10 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s3 = s3.view(torch.uint8) if s3 is not None else w3
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     code = FMTS[fmt]
+    if plan.variant == VARIANTS["fma"]:
+        return fma_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
+                            (order, t_start, t_end, t_exp), rw, limit, code, topk,
+                            deterministic, plan, _LIBDEVICE)
     # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot
     # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
     # and the interpreter's bf16 dot is broken.

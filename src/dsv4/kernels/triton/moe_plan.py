@@ -13,6 +13,12 @@ weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V
 BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
 "dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
 model; the others run fp32 dots for them, exact).
+"fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is the quantised formats' default
+while the mean rows per expert is at most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where
+a 16-row MMA tile would hold ~1 real row), from shapes only; its tiles are fixed (`_plan_fma`:
+BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage), the same at every N.
+SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8.5 instructions per weight byte (gate/up;
+down ~9), FP8 ~3.4 (down ~4).
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
 for "split", its first setting; 128 at BLOCK_M 32), FP8 128 (also the most one 128-wide scale block
@@ -48,8 +54,13 @@ from functools import cache
 import torch
 import triton
 
-VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3}
+VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3, "fma": 4}
 DEFAULT_VARIANT = {"fp4": "words", "fp8": "scaled", "bf16": "scaled"}
+FMA_MAX_MEAN_ROWS = 1.0      # default loop "fma" while nk <= this * num_experts (quantised fmts)
+FMA_BLOCK_M = 1
+FMA_BLOCK_N = 32
+FMA_BLOCK_K = {"fp4": 256, "fp8": 128}
+FMA_WARPS = 4
 PROGRAMS_PER_SM = 4
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
 _MIN_DOT = 16
@@ -79,10 +90,19 @@ class MoePlan:
 def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.device, nk: int,
              num_experts: int, inter: int, d: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None) -> MoePlan:
+             num_stages: int | None = None, fma_rows: float = FMA_MAX_MEAN_ROWS) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
-    a knob given (not None) is used as is, after validation."""
+    a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
+    up to which the quantised formats default to "fma"."""
     name = _variant(fmt, variant, x_dtype)
+    fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
+    if (variant is None and fmt != "bf16" and nk <= fma_rows * num_experts
+            and block_m in (None, 1, 2, 4) and fits):
+        name = "fma"
+    if name == "fma":
+        if not fits:
+            raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
+        return _plan_fma(fmt, block_m, block_n, block_k, num_warps, num_stages)
     max_m = max_block_m(fmt, name)
     if block_m is not None and not _MIN_DOT <= block_m <= max_m:
         raise ValueError(f"fmt {fmt!r} variant {name!r} needs 16 <= block_m <= {max_m}; "
@@ -104,11 +124,30 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     return MoePlan(VARIANTS[name], bm, bk, num_stages or 3, launch(inter), launch(d))
 
 
+def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int | None,
+              num_warps: int | None, num_stages: int | None) -> MoePlan:
+    """The fma loop's fixed tiles (the same at every N: a row's bits do not depend on the batch):
+    BLOCK_M 1, 2 or 4; BLOCK_N a power of two in [4, 128]; BLOCK_K a power of two, whole chunks
+    (FP4 >= 32, FP8 >= 16) and FP8 <= 128 (one scale block per step)."""
+    bm, bn = block_m or FMA_BLOCK_M, block_n or FMA_BLOCK_N
+    bk = block_k or FMA_BLOCK_K[fmt]
+    min_k, max_k = (32, 2048) if fmt == "fp4" else (16, _FP8_BLOCK)
+    if (bm not in (1, 2, 4) or not 4 <= bn <= 128 or bn & (bn - 1)
+            or not min_k <= bk <= max_k or bk & (bk - 1)):
+        raise ValueError(f"fmt {fmt!r} variant 'fma' needs block_m in (1, 2, 4), block_n a power "
+                         f"of two in [4, 128], block_k a power of two in [{min_k}, {max_k}]; "
+                         f"got {bm}, {bn}, {bk}")
+    launch = Launch(bn, num_warps or FMA_WARPS)
+    return MoePlan(VARIANTS["fma"], bm, bk, num_stages or 1, launch, launch)
+
+
 def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
     if fmt == "bf16":
         return "scaled"
+    if variant == "fma" and x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"variant 'fma' takes bf16 / fp16 / fp32 activations; got {x_dtype}")
     if variant is None:
         variant = DEFAULT_VARIANT[fmt]
         return "scaled" if variant == "dot_scaled" and x_dtype != torch.bfloat16 else variant

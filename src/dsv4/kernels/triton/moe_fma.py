@@ -1,0 +1,407 @@
+"""The routed experts' "fma" inner loop (kernels/triton/moe.py): few rows per expert, no tl.dot.
+
+At decode the N*k rows spread over the experts with ~1 row each, so a [16, BLOCK_N] MMA tile is
+15/16 padding and the decoded weight tile has to reach the MMA operand layout through shared
+memory. Here the weights stay in the layout they are loaded in and meet the activations on the CUDA
+cores; `plan_moe` picks this loop while nk <= `FMA_MAX_MEAN_ROWS` * E (or `variant="fma"`).
+
+One program: up to BLOCK_M (1, 2, 4) sorted rows of one expert (`moe_tile_map.py`), BLOCK_N
+output rows of W. Each K step loads W's [BLOCK_N, C, 4] 32-bit words (C = BLOCK_K / CHUNK chunks of
+CHUNK k; 16 bytes per (n, c), one vector load per thread: FP4 one 32-wide scale group, FP8 16
+codes), decodes them in registers into CHUNK / 4 fp32 tensors W_q[n, c, j] of the same layout, and
+for each row (its own [BLOCK_N, C] accumulator; the decode is shared by the rows) loads its
+activations A_q[n, c, j] through pointers of the words' shape and contiguity, so the load takes
+the same layout (nothing through shared memory), then s = W_0 A_0 + W_1 A_1 + ... (an FFMA chain
+in q order per (n, c, j)), part = the in-thread sum of s over j, acc += part * factor. After the K
+loop one `tl.sum` over c (in-thread, then lanes) gives the row's BLOCK_N outputs. The order of a
+row's sum is fixed by BLOCK_K and the layout (BLOCK_N, num_warps) and never involves the other rows
+of its tile or batch; the plan's fma tiles do not depend on N, so a token's bits do not either.
+The activations are read in a per-chunk transposed order (`fma_activations`; the gate/up epilogue
+writes h the same way) so that A_q's four j are contiguous.
+
+FP4 (why the scale goes on the partial, not into the weights as "words" does): each nibble is
+decoded straight into an fp32 as v * 2^-126 (`moe_fp4.py`'s bias trick at fp32's top: sign to
+bit 31, magnitude to bits 24..22) by one AND per word pair of nibbles, then one multiply and one
+AND per weight (`_at_top`), no bf16 multiply. The activations enter pre-scaled by 2^ACT_SHIFT (a
+fp32 copy written once per launch: x by `fma_activations`, h by the gate/up epilogue), so the
+products v * a * 2^(ACT_SHIFT - 126) stay normal, and the group factor 2^(s - 1 - ACT_SHIFT)
+multiplies each 32-product partial: ~2.6 instructions per weight to decode plus 1 FFMA (+1/32);
+folding the scale would add a bf16x2 multiply per pair, an unpack per weight, and force a
+per-element accumulator. Exact products for |a| < 2^(128 - ACT_SHIFT) and scale codes <= 190
+(2^63); a code above is clamped to 191, whose factor is inf (inf / NaN out, never a wrong finite
+value), as in `moe_fp4.py`.
+FP8: e4m3 -> fp32 with the packed converts (`w_tile`'s), activations unscaled; the tile's
+128x128 block scale ([BLOCK_N] per K step: BLOCK_K divides 128) multiplies each chunk's partial.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.kernels.triton.moe_decode import e8m0
+from dsv4.kernels.triton.moe_plan import MoePlan
+from dsv4.kernels.triton.moe_tile_map import TileMap
+from dsv4.kernels.triton.swiglu import swiglu_f32
+
+ACT_SHIFT = 62          # FP4: activations enter the K loop times 2^ACT_SHIFT (module docstring)
+FP4_CHUNK = 32          # k per thread chunk: one scale group, 16 bytes
+FP8_CHUNK = 16          # 16 e4m3 codes
+
+
+def act_shift(fmt: int) -> int:
+    """log2 of the activations' pre-scale for FMT code `fmt` (2 = fp4)."""
+    return ACT_SHIFT if fmt == 2 else 0
+
+
+@triton.jit
+def _fp4_weights(w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
+                 stride_we, stride_wn, stride_se, stride_sn, C: tl.constexpr,
+                 SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    """The 8 [BLOCK_N, C, 4] fp32 tensors W_q[n, c, j] = v * 2^-126 of W row n at
+    k = k0 + 32c + 8j + q (word j of group c, nibble q), and the [BLOCK_N, C] group factors
+    2^(s - 1 - SHIFT). Pair r of a word: nibble r of both 16-bit halves (q = r, 4 + r). rows are
+    in range (clamped); groups past K (only without EVEN_K) load as 0 with factor 1."""
+    offs_g = k0 // 32 + tl.arange(0, C)
+    codes = _codes(s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :],
+                   (offs_g * 32 < K)[None, :], ASM, EVEN_K)
+    factor = ((tl.minimum(codes, 191) + (126 - SHIFT)) << 23).to(tl.float32, bitcast=True)
+    x = _words(w_ptr, e, rows, offs_g, K, stride_we, stride_wn, 32, EVEN_K)
+    x8 = x >> 8
+    t0, t1 = x & 0x000F000F, x & 0x00F000F0          # nibble 0 / 1 of both halves
+    t2, t3 = x8 & 0x000F000F, x8 & 0x00F000F0        # nibble 2 / 3
+    return ((_at_top(t0, 28, 22), _at_top(t1, 24, 18), _at_top(t2, 28, 22), _at_top(t3, 24, 18),
+             _at_top(t0, 12, 6), _at_top(t1, 8, 2), _at_top(t2, 12, 6), _at_top(t3, 8, 2)),
+            factor)
+
+
+@triton.jit
+def _at_top(t, A: tl.constexpr, B: tl.constexpr):  # type: ignore[no-untyped-def]
+    """fp32 v * 2^-126 of the e2m1 nibble that t * (2^A + 2^B) moves to bits 31 (sign, from copy A)
+    and 24..22 (magnitude, from copy B): the bias trick of `moe_fp4.py` in an fp32. t holds one
+    nibble per 16-bit half; the two copies of each never overlap (no carries), and the other
+    half's copies fall outside the mask or past bit 31. One multiply (IMAD) and one AND."""
+    return ((t * ((1 << A) + (1 << B))) & 0x81C00000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _words(w_ptr, e, rows, offs_c, K, stride_we, stride_wn,  # type: ignore[no-untyped-def]
+           CHUNK: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_N, C, 4] uint32: the 16 bytes of chunk offs_c (CHUNK k) of each row, one 16-byte
+    vector per thread (rows in range; chunks past K read as 0 unless EVEN_K)."""
+    words = w_ptr.to(tl.pointer_type(tl.uint32)) + (e * stride_we
+                                                    + rows[:, None, None] * stride_wn) // 4
+    ptrs = words + offs_c[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    if EVEN_K:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_c * CHUNK < K)[None, :, None], other=0)
+    return x
+
+
+@triton.jit
+def _codes(ptrs, k_ok, ASM: tl.constexpr, EVEN_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    """UE8M0 codes at ptrs as uint32 (127 where not k_ok, without EVEN_K). On the GPU an inline
+    `ld.global.nc.u8` per element: a tl.load is a layout anchor of its own, and its [BLOCK_N, C]
+    codes would reach the words' layout through shared memory (a barrier per K step)."""
+    if ASM and EVEN_K:
+        codes = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs],
+                                          dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        codes = tl.load(ptrs, mask=k_ok, other=127).to(tl.uint32)
+    return codes
+
+
+@triton.jit
+def _fp8_weights(w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
+                 stride_we, stride_wn, stride_se, stride_sn, C: tl.constexpr,
+                 ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    """The 4 [BLOCK_N, C, 4] fp32 tensors W_b[n, c, j] = the e4m3 value of W row n at
+    k = k0 + 16c + 4j + b (byte b of word j of chunk c), and the [BLOCK_N, 1] block scales
+    2^(s - 127) (one per row: the step lies in one 128-wide k block)."""
+    x = _words(w_ptr, e, rows, k0 // 16 + tl.arange(0, C), K, stride_we, stride_wn, 16, EVEN_K)
+    if ASM:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            _E4M3_WORD_PTX, "=r,=r,=r,=r,r", [x],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        w0 = _e4m3(x)
+        w1 = _e4m3(x >> 8)
+        w2 = _e4m3(x >> 16)
+        w3 = _e4m3(x >> 24)
+    scale = e8m0(tl.load(s_ptr + e * stride_se + (rows // 128) * stride_sn + k0 // 128))
+    return (w0, w1, w2, w3), scale[:, None]
+
+
+@triton.jit
+def _e4m3(x):  # type: ignore[no-untyped-def]
+    return (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+# $0..$3: the e4m3 bytes 0..3 of word $4 as fp32 (two packed e4m3x2 -> f16x2 converts, then
+# f16 -> f32)
+_E4M3_WORD_PTX = tl.constexpr("""
+{
+.reg .b16 l, h, a, b, c, d;
+.reg .b32 lo, hi;
+mov.b32 {l, h}, $4;
+cvt.rn.f16x2.e4m3x2 lo, l;
+cvt.rn.f16x2.e4m3x2 hi, h;
+mov.b32 {a, b}, lo;
+mov.b32 {c, d}, hi;
+cvt.f32.f16 $0, a;
+cvt.f32.f16 $1, b;
+cvt.f32.f16 $2, c;
+cvt.f32.f16 $3, d;
+}
+""")
+
+
+@triton.jit
+def _act(a_row, k0, K, n_like, CHUNK: tl.constexpr, C: tl.constexpr,  # type: ignore[no-untyped-def]
+         q, EVEN_K: tl.constexpr):
+    """[BLOCK_N, C, 4] activations A_q[n, c, j] = a[k0 + CHUNK c + 4q + j] of one row (a_row: [1]
+    pointer; the pre-pass's / epilogue's in-chunk transpose: the weights' W_q[n, c, j] k), the
+    same for every n: the pointer tensor has the weights' shape and contiguity, so the load gets
+    their layout (no conversion)."""
+    offs = (k0 + tl.arange(0, C) * CHUNK)[:, None] + 4 * q + tl.arange(0, 4)[None, :]
+    ptrs = tl.broadcast_to(a_row[:, None, None] + offs[None, :, :], (n_like.shape[0], C, 4))
+    if EVEN_K:
+        a = tl.load(ptrs)
+    else:
+        a = tl.load(ptrs, mask=(offs < K)[None, :, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _row_step(acc, w, factor, a_row, k0, K, rows,  # type: ignore[no-untyped-def]
+              FMT: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N, C] + one row's scaled chunk partials: per (n, c) the products summed in
+    q order (W_0 A_0 + W_1 A_1 + ...) element-wise over j, then over j in-thread."""
+    CHUNK: tl.constexpr = 32 if FMT == 2 else 16
+    s = w[0] * _act(a_row, k0, K, rows, CHUNK, C, 0, EVEN_K)
+    for q in tl.static_range(1, CHUNK // 4):
+        s += w[q] * _act(a_row, k0, K, rows, CHUNK, C, q, EVEN_K)
+    return acc + tl.sum(s, axis=2) * factor
+
+
+@triton.jit
+def _weights(w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
+             stride_we, stride_wn, stride_se, stride_sn, FMT: tl.constexpr, C: tl.constexpr,
+             SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    if FMT == 2:
+        w, factor = _fp4_weights(w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn,
+                                 stride_se, stride_sn, C, SHIFT, ASM, EVEN_K)
+    else:
+        w, factor = _fp8_weights(w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn,
+                                 stride_se, stride_sn, C, ASM, EVEN_K)
+    return w, factor
+
+
+@triton.jit
+def _step(accs, a_rows, w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
+          stride_we, stride_wn, stride_se, stride_sn, FMT: tl.constexpr, C: tl.constexpr,
+          SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+          BLOCK_M: tl.constexpr):
+    """One K step of one weight matrix for the tile's rows: accs (4 [BLOCK_N, C] accumulators,
+    the first BLOCK_M live) plus each row's `_row_step`; the tile is decoded once for all rows."""
+    w, factor = _weights(w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn, stride_se,
+                         stride_sn, FMT, C, SHIFT, ASM, EVEN_K)
+    acc0, acc1, acc2, acc3 = accs
+    acc0 = _row_step(acc0, w, factor, a_rows[0], k0, K, rows, FMT, C, EVEN_K)
+    if BLOCK_M > 1:
+        acc1 = _row_step(acc1, w, factor, a_rows[1], k0, K, rows, FMT, C, EVEN_K)
+    if BLOCK_M > 2:
+        acc2 = _row_step(acc2, w, factor, a_rows[2], k0, K, rows, FMT, C, EVEN_K)
+        acc3 = _row_step(acc3, w, factor, a_rows[3], k0, K, rows, FMT, C, EVEN_K)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _row(order_ptr, row_start, row_end, m: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(sorted row index, in range, the row whose data the loads read (the tile's last one past
+    its end: loads need no mask), its (token, k) slot) of the tile's row m, as [1] tensors (the
+    interpreter refuses scalar masks)."""
+    p = row_start.to(tl.int64) + m + tl.arange(0, 1)  # NOTE: int64: N*k*I can pass 2^31
+    p_load = tl.minimum(p, row_end - 1)
+    return p, p < row_end, p_load, tl.load(order_ptr + p_load)
+
+
+@triton.jit
+def _perm(n, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Column n of h -> its place in the down launch's activation order (`fma_activations`)."""
+    P: tl.constexpr = CHUNK // 4
+    c = n // CHUNK
+    j = (n % CHUNK) // P
+    return c * CHUNK + (n % P) * 4 + j
+
+
+@triton.jit
+def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr,
+    t_exp_ptr, K, INTER, limit,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    TOPK: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr, H_DTYPE: tl.constexpr,
+    ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """h rows of one tile: the gate/up epilogue; x in `fma_activations` form, h written in it too
+    (fp32 of the H_DTYPE-rounded value times 2^SHIFT, columns in chunk order) for the down
+    launch."""
+    CHUNK: tl.constexpr = 32 if FMT == 2 else 16
+    C: tl.constexpr = BLOCK_K // CHUNK
+    tile = tl.program_id(0)
+    row_start = tl.load(t_start_ptr + tile)
+    row_end = tl.load(t_end_ptr + tile)
+    if row_start < row_end:
+        e = tl.load(t_exp_ptr + tile).to(tl.int64)  # NOTE: int64: e * stride_we passes 2^31 (Flash)
+        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0)
+        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1)
+        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2)
+        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3)
+        a_rows = (x_ptr + (slot0 // TOPK) * stride_x, x_ptr + (slot1 // TOPK) * stride_x,
+                  x_ptr + (slot2 // TOPK) * stride_x, x_ptr + (slot3 // TOPK) * stride_x)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < INTER
+        rows = tl.minimum(offs_n, INTER - 1)      # loads need no mask; the stores have n_mask
+        z = tl.zeros((BLOCK_N, C), dtype=tl.float32)
+        acc_g = (z, z, z, z)
+        acc_u = (z, z, z, z)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            acc_g = _step(acc_g, a_rows, w1_ptr, s1_ptr, e, rows, k0, K, stride_we, stride_wn,
+                          stride_se, stride_sn, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
+            acc_u = _step(acc_u, a_rows, w3_ptr, s3_ptr, e, rows, k0, K, stride_we, stride_wn,
+                          stride_se, stride_sn, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
+        cols = _perm(offs_n, CHUNK)
+        _h_row(h_ptr, acc_g[0], acc_u[0], rw_ptr, p0, ok0, slot0, cols, n_mask, stride_h, limit,
+               SHIFT, H_DTYPE, LIBDEVICE)
+        if BLOCK_M > 1:
+            _h_row(h_ptr, acc_g[1], acc_u[1], rw_ptr, p1, ok1, slot1, cols, n_mask, stride_h,
+                   limit, SHIFT, H_DTYPE, LIBDEVICE)
+        if BLOCK_M > 2:
+            _h_row(h_ptr, acc_g[2], acc_u[2], rw_ptr, p2, ok2, slot2, cols, n_mask, stride_h,
+                   limit, SHIFT, H_DTYPE, LIBDEVICE)
+            _h_row(h_ptr, acc_g[3], acc_u[3], rw_ptr, p3, ok3, slot3, cols, n_mask, stride_h,
+                   limit, SHIFT, H_DTYPE, LIBDEVICE)
+
+
+@triton.jit
+def _h_row(h_ptr, acc_g, acc_u, rw_ptr, p, ok, slot, cols, n_mask,  # type: ignore[no-untyped-def]
+           stride_h, limit, SHIFT: tl.constexpr, H_DTYPE: tl.constexpr,
+           LIBDEVICE: tl.constexpr):
+    rw = tl.load(rw_ptr + slot)
+    h = swiglu_f32(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, tl.float32,
+                   LIBDEVICE) * rw
+    h = h.to(H_DTYPE).to(tl.float32) * _pow2(SHIFT)
+    tl.store(h_ptr + p * stride_h + cols, h, mask=n_mask & ok)
+
+
+@triton.jit
+def _down_fma_kernel(  # type: ignore[no-untyped-def]
+    h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
+    K, D,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    TOPK: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
+    EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    CHUNK: tl.constexpr = 32 if FMT == 2 else 16
+    C: tl.constexpr = BLOCK_K // CHUNK
+    tile = tl.program_id(0)
+    row_start = tl.load(t_start_ptr + tile)
+    row_end = tl.load(t_end_ptr + tile)
+    if row_start < row_end:
+        e = tl.load(t_exp_ptr + tile).to(tl.int64)
+        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0)
+        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1)
+        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2)
+        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3)
+        a_rows = (h_ptr + q0 * stride_h, h_ptr + q1 * stride_h, h_ptr + q2 * stride_h,
+                  h_ptr + q3 * stride_h)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < D
+        rows = tl.minimum(offs_n, D - 1)
+        z = tl.zeros((BLOCK_N, C), dtype=tl.float32)
+        acc = (z, z, z, z)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            acc = _step(acc, a_rows, w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn,
+                        stride_se, stride_sn, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
+        _out_row(out_ptr, acc[0], ok0, slot0, offs_n, n_mask, stride_o, TOPK, ATOMIC)
+        if BLOCK_M > 1:
+            _out_row(out_ptr, acc[1], ok1, slot1, offs_n, n_mask, stride_o, TOPK, ATOMIC)
+        if BLOCK_M > 2:
+            _out_row(out_ptr, acc[2], ok2, slot2, offs_n, n_mask, stride_o, TOPK, ATOMIC)
+            _out_row(out_ptr, acc[3], ok3, slot3, offs_n, n_mask, stride_o, TOPK, ATOMIC)
+
+
+@triton.jit
+def _out_row(out_ptr, acc, ok, slot, offs_n, n_mask, stride_o,  # type: ignore[no-untyped-def]
+             TOPK: tl.constexpr, ATOMIC: tl.constexpr):
+    """The down epilogue of one row: atomic add into out[token], or a store at its slot."""
+    y = tl.sum(acc, axis=1)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + offs_n, y, mask=n_mask & ok)
+    else:
+        tl.store(out_ptr + slot * stride_o + offs_n, y, mask=n_mask & ok)
+
+
+@triton.jit
+def _pow2(SHIFT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """2^SHIFT as fp32 (0 <= SHIFT < 128), built from its bits."""
+    return tl.full((1,), (SHIFT + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+
+
+def chunk(fmt: int) -> int:
+    """k per thread chunk of FMT code `fmt` (2 = fp4: one scale group; fp8: 16)."""
+    return FP4_CHUNK if fmt == 2 else FP8_CHUNK
+
+
+def fma_activations(x: torch.Tensor, fmt: int) -> torch.Tensor:
+    """x [N, d] as the fma kernels read it: fp32 times 2^act_shift(fmt) (exact below
+    2^(128 - ACT_SHIFT)), each CHUNK columns transposed as [4, CHUNK / 4] -> [CHUNK / 4, 4]
+    (column CHUNK c + P j + q moves to CHUNK c + 4 q + j, P = CHUNK / 4): the weights' W_q
+    order. One launch; d is a multiple of CHUNK."""
+    N, d = x.shape
+    step = chunk(fmt)
+    out = torch.empty(N, d // step, step // 4, 4, dtype=torch.float32, device=x.device)
+    torch.mul(x.view(N, d // step, 4, step // 4).transpose(2, 3), float(2 ** act_shift(fmt)),
+              out=out)
+    return out.view(N, d)
+
+
+_H_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
+                 s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, tiles: TileMap,
+                 rw: torch.Tensor, limit: float, fmt: int, topk: int, deterministic: bool,
+                 plan: MoePlan, libdevice: bool) -> torch.Tensor:
+    """The fma loop's gate/up and down launches (`moe.py::_launch` contract): quantised codes as
+    uint8, w1 / w3 (s1 / s3) sharing strides; [N, d] fp32 out (deterministic: [N*k, d] rows
+    summed over k in a fixed order)."""
+    order, t_start, t_end, t_exp = tiles
+    nk, inter, d = order.numel(), w1.shape[1], x.shape[1]
+    N = nk // topk
+    xs = fma_activations(x, fmt)
+    common = {"TOPK": topk, "FMT": fmt, "SHIFT": act_shift(fmt), "ASM": libdevice,
+              "BLOCK_M": plan.block_m,
+              "BLOCK_K": plan.block_k, "NUM_STAGES": plan.num_stages}
+    h = torch.empty(nk, inter, dtype=torch.float32, device=x.device)
+    bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
+    _gate_up_fma_kernel[(t_start.numel(), triton.cdiv(inter, bn))](
+        xs, w1, w3, s1, s3, h, order, rw, t_start, t_end, t_exp, d, inter, float(limit),
+        xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        H_DTYPE=_H_DTYPES[x.dtype], LIBDEVICE=libdevice, EVEN_K=d % plan.block_k == 0,
+        BLOCK_N=bn, num_warps=warps, **common,
+    )
+    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
+            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
+    bn, warps = plan.down.block_n, plan.down.num_warps
+    _down_fma_kernel[(t_start.numel(), triton.cdiv(d, bn))](
+        h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
+        ATOMIC=not deterministic, EVEN_K=inter % plan.block_k == 0, BLOCK_N=bn,
+        num_warps=warps, **common,
+    )
+    return dest if not deterministic else dest.view(N, topk, d).sum(dim=1)

@@ -1,0 +1,74 @@
+"""The routed experts' "fma" inner loop (`kernels/triton/moe_fma.py`, no tl.dot) against the
+reference and the MMA loops; helpers from test_moe_quant.py (which also runs fma in its
+every-variant tests and the GPU Flash parity rows).
+
+CPU (interpreter): FP4 / FP8, BLOCK_M 1, 2, 4 with one expert holding every token, a masked K
+tail, fp32 activations (no rounding: fp32-exact), rows independent of the batch and of BLOCK_M.
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_fma.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from test_moe_quant import check, make_routing, make_weights, randn, reference  # noqa: E402
+
+from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
+
+
+@pytest.mark.parametrize("N,block_m", [(1, 1), (3, 2), (12, 4)])
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_fma_ragged(fmt: str, N: int, block_m: int) -> None:
+    """The "fma" loop (no tl.dot): E 8, k 2, every token on expert 5 (one expert holds N rows,
+    several tiles at BLOCK_M < N; most experts idle), I = 96 (a masked K tail in the down launch,
+    BLOCK_K 256 / 128 > K), BLOCK_N 16. Against the reference (fp32 and bf16 x), and within 2e-3 of
+    the "scaled" MMA loop (the same h rounding, only the fp32 summation order differs)."""
+    wts = make_weights(8, 128, 96, fmt, seed=23)
+    idx, rw = make_routing(N, 8, 2, seed=23, hot=5)
+    x = randn(N, 128, seed=N).to(torch.bfloat16)
+    out = check(x, wts, idx, rw, 10.0, fmt, variant="fma", block_m=block_m, block_n=16)
+    mma = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, fmt,  # type: ignore[arg-type]
+                                      variant="scaled")
+    assert ((out - mma).abs().max() / mma.abs().max()).item() <= 2e-3
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_fma_fp32_x_exact(fmt: str) -> None:
+    """fp32 activations: no bf16 rounding anywhere (h stays fp32), so the fma loop equals the
+    fp32 reference up to fp32 summation order; also with BLOCK_K 32 / 16 (one chunk a step)."""
+    wts = make_weights(6, 128, 64, fmt, seed=29)
+    idx, rw = make_routing(5, 6, 2, seed=29)
+    x = randn(5, 128, seed=29) * 3
+    ref = reference(x, wts, idx, rw, 10.0, fmt)
+    for bk in (None, 32 if fmt == "fp4" else 16):
+        out = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, fmt,  # type: ignore[arg-type]
+                                          variant="fma", block_k=bk)
+        assert ((out - ref).abs().max() / ref.abs().max()).item() <= 2e-6
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_fma_rows_independent(fmt: str) -> None:
+    """A token's output bits do not depend on the batch around it nor on BLOCK_M (each row is
+    computed alone in a fixed k order): tokens 0, 3, 5 alone equal their rows of a batch of 7 at
+    BLOCK_M 1 and 4 (E 4, k 2: experts shared; tokens 3 and 5 sit at rows 1-3 of 4-row tiles)."""
+    wts = make_weights(4, 64, 64, fmt, seed=31)
+    idx, rw = make_routing(7, 4, 2, seed=31)
+    x = randn(7, 64, seed=31).to(torch.bfloat16)
+
+    def run(t: slice, bm: int) -> torch.Tensor:
+        return triton_routed_experts_quant(x[t], *wts[:2], *wts[2:], idx[t], rw[t],  # type: ignore[arg-type]
+                                           10.0, fmt, variant="fma", block_m=bm,
+                                           deterministic=True)
+
+    batch = [run(slice(0, 7), bm) for bm in (1, 4)]
+    for t in (0, 3, 5):
+        alone = run(slice(t, t + 1), 1)[0]
+        assert all(torch.equal(alone, b[t]) for b in batch)
