@@ -13,12 +13,21 @@ references of `kernels/ref/moe.py` otherwise. On the serving path a fused shared
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ref.moe import moe_gate_select, routed_experts, routed_experts_dense, swiglu
+from dsv4.kernels.ref.moe import (
+    WaitShared,
+    moe_gate_select,
+    routed_experts,
+    routed_experts_dense,
+    swiglu,
+)
 from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
@@ -71,6 +80,24 @@ class Gate(nn.Module):
         return indices, weights
 
 
+@dataclass(frozen=True)
+class Combine:
+    """What the routed-expert op adds and casts at its end (`kernels/ref/moe.py`): the shared
+    expert's output `shared` [N, d] (None: nothing), the result dtype, and the stream join to run
+    before `shared` is read (None: it is produced on the current stream)."""
+
+    shared: torch.Tensor | None = None
+    out_dtype: torch.dtype = torch.float32
+    wait_shared: WaitShared | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"shared": self.shared, "out_dtype": self.out_dtype,
+                "wait_shared": self.wait_shared}
+
+
+NO_COMBINE = Combine()
+
+
 class Experts(nn.Module):
     """The routed experts, stacked: w1, w3 [E, I, d]; w2 [E, d, I]."""
 
@@ -83,28 +110,34 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, inter, d))
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None, *,
-                mode: ForwardMode | None = None) -> torch.Tensor:
-        """u [N, d] -> [N, d] fp32.
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None,
+                combine: Combine = NO_COMBINE) -> torch.Tensor:
+        """u [N, d] -> [N, d] in `combine.out_dtype`, `combine.shared` added in fp32 first.
 
         Serving (`ctx`): the backend's op. Full sequence: `mode.experts` "sparse" runs the
         per-expert reference (the `ref` backend's op); "dense" runs three GEMMs over all experts
         (no data-dependent shapes or host syncs: what training and torch.compile want; tested
-        equal). With `mode.values`: that backend's op's values, the formulation's gradients.
+        equal). With `mode.values`: that backend's op's values (its combine included), the
+        formulation's gradients (`shared` gets its gradient too).
         """
         if ctx is not None:
             return ctx.ops.routed_experts(u, self.w1, self.w2, self.w3, indices, weights,
-                                          self.limit)
+                                          self.limit, **combine.kwargs())
         assert mode is not None, "a full-sequence forward needs a ForwardMode"
         fn = routed_experts_dense if mode.experts == "dense" else routed_experts
-        limit = self.limit
+        limit, out_dtype, wait = self.limit, combine.out_dtype, combine.wait_shared
         if mode.values is not None:
             ops = mode.values
+            shared = () if combine.shared is None else (combine.shared,)
             return kernel_values(
-                lambda u_, w1, w2, w3, wts: ops.routed_experts(u_, w1, w2, w3, indices, wts, limit),
-                lambda u_, w1, w2, w3, wts: fn(u_, w1, w2, w3, indices, wts, limit),
-                u.contiguous(), self.w1, self.w2, self.w3, weights)
-        return fn(u, self.w1, self.w2, self.w3, indices, weights, limit)
+                lambda u_, w1, w2, w3, wts, *sh: ops.routed_experts(
+                    u_, w1, w2, w3, indices, wts, limit, shared=sh[0] if sh else None,
+                    out_dtype=out_dtype, wait_shared=wait),
+                lambda u_, w1, w2, w3, wts, *sh: fn(
+                    u_, w1, w2, w3, indices, wts, limit, shared=sh[0] if sh else None,
+                    out_dtype=out_dtype),
+                u.contiguous(), self.w1, self.w2, self.w3, weights, *shared)
+        return fn(u, self.w1, self.w2, self.w3, indices, weights, limit, **combine.kwargs())
 
 
 class MLP(nn.Module):
@@ -155,7 +188,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
                 *, mode: ForwardMode | None = None) -> torch.Tensor:
-        """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
+        """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once.
+
+        The routed-expert op adds the shared expert's output and casts (`Combine`): one launch on
+        the kernel backend. On one process the cast is the op's; under tensor parallelism
+        (`self.reduce` an all-reduce) the op returns the fp32 sum, reduced across ranks, then cast
+        (the ranks' partial sums are never rounded before the reduction)."""
         u = x.reshape(-1, x.shape[-1])
         replayed = None
         if mode is not None and mode.replay is not None and mode.replay.experts is not None \
@@ -165,10 +203,15 @@ class MoE(nn.Module):
         # the shared expert on the side stream, beside the gate and the routed experts
         stream = ctx.side_stream if ctx is not None else None
         with side(stream):
-            shared = self.shared_experts(u, ctx, values).float()
+            shared = self.shared_experts(u, ctx, values)
         indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
-        routed = self.experts(u, indices, weights, ctx, mode=mode)
-        join(stream)
-        return self.reduce(routed + shared).to(x.dtype).view_as(x)
+        local = isinstance(self.reduce, nn.Identity)
+        # the side stream joins inside the op, right before its combine reads `shared`
+        combine = Combine(shared, x.dtype if local else torch.float32,
+                          (lambda: join(stream)) if stream is not None else None)
+        out = self.experts(u, indices, weights, ctx, mode=mode, combine=combine)
+        if not local:
+            out = self.reduce(out).to(x.dtype)
+        return out.view_as(x)
