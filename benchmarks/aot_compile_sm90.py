@@ -188,8 +188,8 @@ def metadata_variants() -> Iterator[Variant]:
 
 
 def small_variants() -> Iterator[Variant]:
-    """The decode step's small kernels: the MoE tile map, the indexer picks' slots and the
-    sampler's two argmax stages (fp32 logits, the default block)."""
+    """The decode step's small kernels: the MoE tile map, the indexer picks' slots, the
+    sampler's two argmax stages (fp32 logits, the default block) and the MoE combine."""
     from dsv4.kernels.triton import argmax, moe_tile_map, pick_slots
 
     yield ("tile map (E 256, 6 slots)", moe_tile_map._tile_map_kernel,
@@ -206,6 +206,19 @@ def small_variants() -> Iterator[Variant]:
            {"BLOCK_V": argmax.BLOCK_V}, {"num_warps": 4})
     yield ("argmax final (32 chunks)", argmax._argmax_final_kernel,
            {"part_ptr": "*i64", "out_ptr": "*i64"}, {"BLOCK_C": 32}, {"num_warps": 4})
+    from dsv4.kernels.triton import moe_combine as mc
+
+    # the MoE combine: 6 slots + bf16 shared -> bf16 (one process) / fp32 (before a TP reduce);
+    # the atomic path's k = 1 form
+    for topk, shared, out in ((6, True, "bf16"), (6, True, "fp32"), (6, False, "fp32"),
+                              (1, True, "bf16")):
+        yield (f"moe combine k{topk}{' +shared' if shared else ''} -> {out}",
+               mc._combine_kernel,
+               {"parts_ptr": "*fp32", "shared_ptr": "*bf16" if shared else "*fp32",
+                "out_ptr": f"*{out}", "D": "i32:16", "stride_pn": "i32:16", "stride_pk": "i32:16",
+                "stride_s": "i32:16", "stride_o": "i32:16"},
+               {"TOPK": topk, "HAS_SHARED": shared, "BLOCK": mc.BLOCK_D},
+               {"num_warps": mc.NUM_WARPS})
 
 
 def gemv_variants() -> Iterator[Variant]:

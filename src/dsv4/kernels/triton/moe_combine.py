@@ -26,7 +26,7 @@ BLOCK_D = 512           # columns per program: 4 fp32 (one 16-byte vector) per t
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["stride_pn", "stride_s", "stride_o"])
+@triton.jit
 def _combine_kernel(  # type: ignore[no-untyped-def]
     parts_ptr, shared_ptr, out_ptr, D, stride_pn, stride_pk, stride_s, stride_o,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
