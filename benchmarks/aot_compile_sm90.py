@@ -189,7 +189,8 @@ def metadata_variants() -> Iterator[Variant]:
 
 def small_variants() -> Iterator[Variant]:
     """The decode step's small kernels: the MoE tile map, the indexer picks' slots, the
-    sampler's two argmax stages (fp32 logits, the default block) and the MoE combine."""
+    sampler's two argmax stages (fp32 logits, the default block), the MoE combine and the MoE
+    gate's logits."""
     from dsv4.kernels.triton import argmax, moe_tile_map, pick_slots
 
     yield ("tile map (E 256, 6 slots)", moe_tile_map._tile_map_kernel,
@@ -219,6 +220,17 @@ def small_variants() -> Iterator[Variant]:
                 "stride_s": "i32:16", "stride_o": "i32:16"},
                {"TOPK": topk, "HAS_SHARED": shared, "BLOCK": mc.BLOCK_D},
                {"num_warps": mc.NUM_WARPS})
+    from dsv4.kernels.triton import moe_gate_logits as gl
+
+    # the gate logits: bf16 (the served model) and fp32 (an fp32 model) operands, d 4096
+    for dt, torch_dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        block_e, block_k = gl.gate_logits_config(4096, torch_dt)
+        yield (f"moe gate logits {dt} E 256 d 4096", gl._gate_logits_kernel,
+               {"u_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": "*fp32", "M": "i32",
+                "E": "i32:16", "K": "i32:16", "stride_u": "i32:16", "stride_w": "i32:16"},
+               {"BLOCK_M": gl.BLOCK_M, "BLOCK_E": block_e, "BLOCK_K": block_k,
+                "NUM_STAGES": gl.NUM_STAGES, "EVEN_K": True},
+               {"num_warps": gl.NUM_WARPS, "num_stages": gl.NUM_STAGES})
 
 
 def gemv_variants() -> Iterator[Variant]:

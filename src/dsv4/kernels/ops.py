@@ -75,6 +75,14 @@ class PickSlotsOp(Protocol):
     def __call__(self, picks: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
+class MoeGateLogitsOp(Protocol):
+    """`ref/moe.py::moe_gate_logits`: u [N, d] times the gate weight [E, d]^T -> [N, E] fp32
+    (products exact for 16-bit operands); a row's bits must not depend on N (the RL values mode
+    reproduces the engine's one-token rows in a full-sequence call)."""
+
+    def __call__(self, u: Tensor, weight: Tensor) -> Tensor: ...
+
+
 class RoutedExpertsOp(Protocol):
     """`ref/moe.py::routed_experts`: x [N, d] through the experts `indices` [N, k] picks (weights
     [N, k]) of the float stacks w1, w3 [E, I, d] and w2 [E, d, I], plus the optional `shared`

@@ -27,6 +27,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def moe_gate_logits(u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gate's fp32 logits: u [N, d] (any float dtype) times weight [E, d]^T -> [N, E] fp32,
+    both operands cast to fp32 first (bf16 / fp16 products are then exact)."""
+    return F.linear(u.float(), weight.float())
+
+
 def moe_gate_select(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None,
                     replayed: torch.Tensor | None, k: int,
                     route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
