@@ -224,8 +224,9 @@ def metadata_variants() -> Iterator[Variant]:
 
 
 def small_variants() -> Iterator[Variant]:
-    """The decode step's small kernels: the MoE tile map, the indexer picks' slots and the
-    sampler's two argmax stages (fp32 logits, the default block)."""
+    """The decode step's small kernels: the MoE tile map, the indexer picks' slots, the
+    sampler's two argmax stages (fp32 logits, the default block), the MoE combine and the MoE
+    gate's logits."""
     from dsv4.kernels.triton import argmax, moe_tile_map, pick_slots
 
     yield ("tile map (E 256, 6 slots)", moe_tile_map._tile_map_kernel,
@@ -242,6 +243,30 @@ def small_variants() -> Iterator[Variant]:
            {"BLOCK_V": argmax.BLOCK_V}, {"num_warps": 4})
     yield ("argmax final (32 chunks)", argmax._argmax_final_kernel,
            {"part_ptr": "*i64", "out_ptr": "*i64"}, {"BLOCK_C": 32}, {"num_warps": 4})
+    from dsv4.kernels.triton import moe_combine as mc
+
+    # the MoE combine: 6 slots + bf16 shared -> bf16 (one process) / fp32 (before a TP reduce);
+    # the atomic path's k = 1 form
+    for topk, shared, out in ((6, True, "bf16"), (6, True, "fp32"), (6, False, "fp32"),
+                              (1, True, "bf16")):
+        yield (f"moe combine k{topk}{' +shared' if shared else ''} -> {out}",
+               mc._combine_kernel,
+               {"parts_ptr": "*fp32", "shared_ptr": "*bf16" if shared else "*fp32",
+                "out_ptr": f"*{out}", "D": "i32:16", "stride_pn": "i32:16", "stride_pk": "i32:16",
+                "stride_s": "i32:16", "stride_o": "i32:16"},
+               {"TOPK": topk, "HAS_SHARED": shared, "BLOCK": mc.BLOCK_D},
+               {"num_warps": mc.NUM_WARPS})
+    from dsv4.kernels.triton import moe_gate_logits as gl
+
+    # the gate logits: bf16 (the served model) and fp32 (an fp32 model) operands, d 4096
+    for dt, torch_dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        block_e, block_k = gl.gate_logits_config(4096, torch_dt)
+        yield (f"moe gate logits {dt} E 256 d 4096", gl._gate_logits_kernel,
+               {"u_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": "*fp32", "M": "i32",
+                "E": "i32:16", "K": "i32:16", "stride_u": "i32:16", "stride_w": "i32:16"},
+               {"BLOCK_M": gl.BLOCK_M, "BLOCK_E": block_e, "BLOCK_K": block_k,
+                "NUM_STAGES": gl.NUM_STAGES, "EVEN_K": True},
+               {"num_warps": gl.NUM_WARPS, "num_stages": gl.NUM_STAGES})
 
 
 def gemv_variants() -> Iterator[Variant]:

@@ -86,10 +86,12 @@ def shadow_ops(stats: dict[str, list[float]]) -> registry.KernelOps:
     def wrap(name: str) -> Any:
         fr, ft = getattr(ref, name), getattr(tri, name)
 
-        def op(*args: Any) -> Any:
+        def op(*args: Any, **kwargs: Any) -> Any:
             copies = _clone(args)
             before = [t.clone() for t in _tensors(args)]
-            out_r, out_t = fr(*args), ft(*copies)
+            # keyword arguments (the routed experts' combine: shared addend, out dtype, stream
+            # join) are read, not written: both forms take them as they are
+            out_r, out_t = fr(*args, **kwargs), ft(*copies, **kwargs)
             for a, b in zip(_tensors(out_r), _tensors(out_t), strict=False):
                 if a.shape == b.shape:
                     stats[f"{name}:out"].append(_rel(a, b))

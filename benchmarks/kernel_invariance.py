@@ -39,7 +39,7 @@ TOKEN_ARGS: dict[str, tuple[int, ...]] = {
     "sparse_attention": (0,), "mhc_pre": (0,), "mhc_post": (0, 1, 2, 3), "mhc_head": (0,),
     "routed_experts": (0, 4, 5), "routed_experts_quant": (0, 5, 6), "rms_norm": (0,),
     "q_norm_rope": (0, 1, 2), "rope_inverse": (0, 1, 2), "index_scores": (0, 1, 3),
-    "topk": (0, 1), "rope": (0, 1, 2),
+    "topk": (0, 1), "rope": (0, 1, 2), "moe_gate_logits": (0,),
 }
 Stats = dict[str, list[float]]
 
@@ -71,8 +71,17 @@ def _compare(stats: Stats, key: str, ref: torch.Tensor, got: torch.Tensor) -> No
     stats[key] += [float(a.shape[0]), float((~same.all(dim=1)).sum().item()), diff]
 
 
+def _take_kw(kwargs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """Keyword arguments restricted to token rows `rows`: the routed experts' `shared` addend (the
+    stream join `wait_shared` is the probed call's alone)."""
+    out = {k: v for k, v in kwargs.items() if k != "wait_shared"}
+    if out.get("shared") is not None:
+        out["shared"] = out["shared"][rows]
+    return out
+
+
 def probe(name: str, fn: Callable[..., Any], stats: Stats, big: int) -> Callable[..., Any]:
-    def op(*args: Any) -> Any:
+    def op(*args: Any, **kwargs: Any) -> Any:
         if name == "rms_norm":
             shape = args[0].shape
             out = fn(args[0].reshape(-1, shape[-1]), *args[1:])
@@ -80,17 +89,19 @@ def probe(name: str, fn: Callable[..., Any], stats: Stats, big: int) -> Callable
             args = (args[0].reshape(-1, shape[-1]), *args[1:])
             out = out.view(shape)
         else:
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             rows_out = _first(out)
         T = args[0].shape[0]
         if T == 0:
             return out
         dev = args[0].device
         for r in range(min(T, 4)):
-            got = _first(fn(*_take(args, name, torch.tensor([r], device=dev))))
+            one = torch.tensor([r], device=dev)
+            got = _first(fn(*_take(args, name, one), **_take_kw(kwargs, one)))
             _compare(stats, f"{name}:alone", rows_out[r:r + 1], got)
         reps = -(-big // T)
-        got = _first(fn(*_take(args, name, torch.arange(T, device=dev).repeat(reps))))
+        many = torch.arange(T, device=dev).repeat(reps)
+        got = _first(fn(*_take(args, name, many), **_take_kw(kwargs, many)))
         _compare(stats, f"{name}:big", rows_out, got[:T])
         if name == "sparse_attention":
             _compare(stats, f"{name}:pad", rows_out, _first(fn(*_padded(args))))

@@ -1,12 +1,15 @@
-"""Benchmark: the MoE gate's selection and weights in one launch (`triton_moe_gate_select`) and the
-shared expert's SwiGLU in one launch (`triton_swiglu`) vs their torch forms
-(`ref/moe.py::moe_gate_select`: softplus, sqrt, bias add, top-k, gather, sum, division, scaling;
-`ref/moe.py::swiglu`: two clamps, silu, product).
+"""Benchmark: the MoE gate's selection and weights in one launch (`triton_moe_gate_select`), the
+shared expert's SwiGLU in one launch (`triton_swiglu`) and the gate's logits in one launch
+(`triton_moe_gate_logits`) vs their torch forms (`ref/moe.py::moe_gate_select`: softplus, sqrt,
+bias add, top-k, gather, sum, division, scaling; `ref/moe.py::swiglu`: two clamps, silu, product;
+`ref/moe.py::moe_gate_logits`: the two fp32 casts and an fp32 GEMM).
 
 Shapes: V4-Flash routing (E = 256, k = 6, top-k on scores + bias, from the gate GEMM's fp32
 logits) and shared expert (gate / up [N, 2048] bf16) at N = 1, 8, 32, 128, 512 tokens. Bytes the
 op must move (the floor): gate: logits and bias read, ids and weights written (N E 4 + E 4 +
-N k 12); SwiGLU: gate and up read, h written (N I 2 x 3). Each form timed as CUDA-graph replays;
+N k 12); SwiGLU: gate and up read, h written (N I 2 x 3); logits: u and the bf16 gate weight read
+(d 4096), the fp32 logits written (N d 2 + E d 2 + N E 4; LOGIT_SETS weight copies cycled, 128 MB,
+so the weight comes from HBM). Each form timed as CUDA-graph replays;
 parity first: equal expert ids (asserted), the weights' / SwiGLU's bit-equality and max |diff|
 recorded (SwiGLU bit-equal on the GPU; the gate's weights within ~1 ulp past a few rows, where
 torch's k-sum changes order; the interpreter's smoke run differs by a few ulp). Prints a table,
@@ -34,7 +37,8 @@ from bench_common import (
 )
 
 SETS = 8             # input sets cycled inside one graph
-E, K, INTER, SCALE, LIMIT = 256, 6, 2048, 2.5, 10.0
+LOGIT_SETS = 64      # gate weight copies (2 MB each) cycled: more than the H200's L2
+E, K, INTER, SCALE, LIMIT, D = 256, 6, 2048, 2.5, 10.0, 4096
 
 
 def gate_inputs(N: int, E: int, device: torch.device,
@@ -51,22 +55,35 @@ def swiglu_inputs(N: int, inter: int, device: torch.device,
             (torch.randn(N, inter, generator=g, device=device) * 6).bfloat16())
 
 
+def logits_inputs(N: int, E: int, d: int, device: torch.device,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device).manual_seed(seed)
+    return (torch.randn(N, d, generator=g, device=device).bfloat16(),
+            (torch.randn(E, d, generator=g, device=device) * d ** -0.5).bfloat16())
+
+
 def bench_case(c: tuple[str, int], args: argparse.Namespace,
                device: torch.device) -> dict[str, Any]:
-    from dsv4.kernels.ref.moe import moe_gate_select, swiglu
+    from dsv4.kernels.ref.moe import moe_gate_logits, moe_gate_select, swiglu
     from dsv4.kernels.triton.moe_gate import triton_moe_gate_select
+    from dsv4.kernels.triton.moe_gate_logits import triton_moe_gate_logits
     from dsv4.kernels.triton.swiglu import triton_swiglu
 
     op, N = c
     cuda = device.type == "cuda"
     n_sets = SETS if cuda else 1
-    e, k, inter = (E, K, INTER) if cuda else (16, 2, 64)
+    e, k, inter, d = (E, K, INTER, D) if cuda else (16, 2, 64, 128)
     if op == "gate":
         sets: list[tuple[Any, ...]] = [(*gate_inputs(N, e, device, args.seed + i), None, None,
                                         k, SCALE) for i in range(n_sets)]
         fast: Any = triton_moe_gate_select
         ref: Any = moe_gate_select
         nbytes = N * e * 4 + e * 4 + N * k * 12
+    elif op == "logits":
+        sets = [logits_inputs(N, e, d, device, args.seed + i)
+                for i in range(LOGIT_SETS if cuda else 1)]
+        fast, ref = triton_moe_gate_logits, moe_gate_logits
+        nbytes = N * d * 2 + e * d * 2 + N * e * 4
     else:
         sets = [(*swiglu_inputs(N, inter, device, args.seed + i), LIMIT) for i in range(n_sets)]
         fast, ref = triton_swiglu, swiglu
@@ -93,7 +110,7 @@ def main() -> None:
     args = base_parser(__doc__.splitlines()[0], "(no sweep)").parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     sizes = [3] if args.cpu_smoke else [1, 8, 32, 128, 512]
-    cases = [(op, n) for op in ("gate", "swiglu") for n in sizes]
+    cases = [(op, n) for op in ("gate", "swiglu", "logits") for n in sizes]
     rows = bench_rows(cases, lambda c: bench_case(c, args, device), device)
     print_table(rows, TABLE)
     emit({**record_header("moe_gate", device), "results": rows}, args.out)

@@ -47,8 +47,8 @@ def test_op_census_counts_a_decode_step() -> None:
     metadata one per compress ratio and no torch op, the picks' slots one per CSA layer, the
     indexer queries' RoPE one per CSA layer (no torch RoPE op left), the ape add one per
     compressor, the RoPE rows one gather per table lookup (main, compress, one per ratio), the
-    gate's selection and the shared expert's SwiGLU one each per MoE layer, the projections that
-    read one input one GEMM per group (fused projections)."""
+    gate's logits, its selection, the shared expert's SwiGLU and the combine one each per MoE
+    layer, the projections that read one input one GEMM per group (fused projections)."""
     result = run_benchmark("op_census.py", "--preset", "micro", "--experts", "8", "--vocab",
                            "512", TRITON_INTERPRET="1")
     assert result["launches"] > result["triton"] > 0, result
@@ -68,6 +68,11 @@ def test_op_census_counts_a_decode_step() -> None:
     assert result["by_file"]["kernels/triton/moe_gate.py"] == 5, result
     assert result["by_file"]["kernels/triton/swiglu.py"] == 5, result
     assert "kernels/ref/moe.py" not in result["by_file"], result
+    # the gate's logits and the layer's combine (k-sum + shared expert + cast): one launch each
+    # per MoE layer; model/moe.py keeps only the hash layers' table lookups (2 hash layers)
+    assert result["by_file"]["kernels/triton/moe_gate_logits.py"] == 5, result
+    assert result["by_file"]["kernels/triton/moe_combine.py"] == 5, result
+    assert result["by_file"]["model/moe.py"] == 2, result
 
 
 def test_hisparse_benchmark_swaps_on_micro() -> None:
@@ -193,7 +198,7 @@ KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glo
 
 
 def test_kernel_benchmarks_are_all_smoked() -> None:
-    assert len(KERNEL_BENCHMARKS) == 18, KERNEL_BENCHMARKS
+    assert len(KERNEL_BENCHMARKS) == 19, KERNEL_BENCHMARKS
 
 
 @pytest.mark.parametrize("script", KERNEL_BENCHMARKS)

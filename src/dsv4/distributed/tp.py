@@ -49,7 +49,7 @@ from dsv4.model.attention import Attention
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
-from dsv4.model.moe import Experts, MoE
+from dsv4.model.moe import NO_COMBINE, Combine, Experts, MoE
 from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.quant_linear import dequantize_linears_
 from dsv4.utils.logging import init_logger
@@ -285,10 +285,10 @@ class LocalExperts(Experts):
         self.w1, self.w2, self.w3 = experts.w1, experts.w2, experts.w3
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None, *,
-                mode: ForwardMode | None = None) -> torch.Tensor:
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None,
+                combine: Combine = NO_COMBINE) -> torch.Tensor:
         local, weights = _local_routing(indices, weights, self.start, self.count)
-        return super().forward(u, local, weights, ctx, mode=mode)
+        return super().forward(u, local, weights, ctx, mode=mode, combine=combine)
 
 
 class LocalQuantExperts(QuantExperts):
@@ -305,7 +305,7 @@ class LocalQuantExperts(QuantExperts):
             self.register_buffer(name, ids.take(getattr(experts, name)).clone())
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None, *,
-                mode: ForwardMode | None = None) -> torch.Tensor:
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None,
+                combine: Combine = NO_COMBINE) -> torch.Tensor:
         local, weights = _local_routing(indices, weights, self.start, self.count)
-        return super().forward(u, local, weights, ctx, mode=mode)
+        return super().forward(u, local, weights, ctx, mode=mode, combine=combine)

@@ -44,8 +44,6 @@ from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
 
-SIDE_PRIORITY = -1      # CUDA stream priority of the multi-stream side stream (lower is higher)
-
 
 class ModelRunner:
     def __init__(self, model: DeepSeekV4ForCausalLM, config: EngineConfig,
@@ -78,10 +76,8 @@ class ModelRunner:
         logger.info("KV cache: %d full pages, %d SWA pages of %d tokens (%.1f MB)",
                     self.layout.num_full_pages - 1, self.layout.num_swa_pages - 1,
                     self.layout.page_size, self.pools.nbytes() / 1e6)
-        # the second stream of `multi_stream` (model/streams.py); one per engine, at a higher
-        # priority than the main stream: the branches it runs are the critical ones
-        self.side_stream = (torch.cuda.Stream(self.device, priority=SIDE_PRIORITY)
-                            if config.multi_stream else None)
+        # the second stream of `multi_stream` (model/streams.py); one per engine
+        self.side_stream = torch.cuda.Stream(self.device) if config.multi_stream else None
         logger.info("multi-stream branches: %s", "on" if config.multi_stream else "off")
         self.graphs = self._decode_graphs()
         self.spec_steps = config.speculative_num_steps

@@ -9,9 +9,10 @@ candidates per query.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
+import torch
 from torch import Tensor
 
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget
@@ -74,21 +75,36 @@ class PickSlotsOp(Protocol):
     def __call__(self, picks: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
+class MoeGateLogitsOp(Protocol):
+    """`ref/moe.py::moe_gate_logits`: u [N, d] times the gate weight [E, d]^T -> [N, E] fp32
+    (products exact for 16-bit operands); a row's bits must not depend on N (the RL values mode
+    reproduces the engine's one-token rows in a full-sequence call)."""
+
+    def __call__(self, u: Tensor, weight: Tensor) -> Tensor: ...
+
+
 class RoutedExpertsOp(Protocol):
     """`ref/moe.py::routed_experts`: x [N, d] through the experts `indices` [N, k] picks (weights
-    [N, k]) of the float stacks w1, w3 [E, I, d] and w2 [E, d, I] -> [N, d] fp32."""
+    [N, k]) of the float stacks w1, w3 [E, I, d] and w2 [E, d, I], plus the optional `shared`
+    addend [N, d] in fp32 -> [N, d] `out_dtype`; `wait_shared` is called once before `shared` is
+    read (the caller's stream join)."""
 
     def __call__(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, indices: Tensor,
-                 weights: Tensor, limit: float) -> Tensor: ...
+                 weights: Tensor, limit: float, *, shared: Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32,
+                 wait_shared: Callable[[], None] | None = None) -> Tensor: ...
 
 
 class RoutedExpertsQuantOp(Protocol):
     """`ref/moe.py::routed_experts_quant`: `routed_experts` on checkpoint-format experts (w13 / w2
-    codes and UE8M0 scales in format `fmt`: "fp4", "fp8" or "bf16") -> [N, d] fp32."""
+    codes and UE8M0 scales in format `fmt`: "fp4", "fp8" or "bf16") -> [N, d] `out_dtype`
+    (`shared`, `wait_shared`: as `RoutedExpertsOp`'s)."""
 
     def __call__(self, x: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor,
                  w2_scale: Tensor | None, indices: Tensor, weights: Tensor, limit: float,
-                 fmt: str) -> Tensor: ...
+                 fmt: str, *, shared: Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32,
+                 wait_shared: Callable[[], None] | None = None) -> Tensor: ...
 
 
 class MhcPreOp(Protocol):

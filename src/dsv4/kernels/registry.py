@@ -27,6 +27,7 @@ from dsv4.kernels.ops import (
     MhcHeadOp,
     MhcPostOp,
     MhcPreOp,
+    MoeGateLogitsOp,
     MoeGateSelectOp,
     PickSlotsOp,
     ProjectOp,
@@ -50,6 +51,7 @@ from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4.kernels.ref.moe import (
+    moe_gate_logits,
     moe_gate_select,
     routed_experts,
     routed_experts_quant,
@@ -96,6 +98,7 @@ class KernelOps:
     moe_gate_select: MoeGateSelectOp
     swiglu: SwigluOp
     quant_linear: QuantLinearOp
+    moe_gate_logits: MoeGateLogitsOp
     linear: LinearOp
 
 
@@ -104,7 +107,7 @@ def _ref() -> KernelOps:
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
                      project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
-                     swiglu, fp8_linear, dense_linear)
+                     swiglu, fp8_linear, moe_gate_logits, dense_linear)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -115,10 +118,11 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
     paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
-    gate-score position embedding and the greedy sampler's row argmax; the MoE gate's selection
-    and weights after its GEMM (ids equal to `ref`'s; weights within ~1 ulp: torch's k-sum order
-    depends on the row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU) and the
-    checkpoint-format FP8 linears (`quant_linear`: codes decoded in registers, fp32 sums).
+    gate-score position embedding and the greedy sampler's row argmax; the MoE gate's logits
+    (bf16 operands read as they are, fp32 sums, a row's bits independent of the row count), its
+    selection and weights after them (ids equal to `ref`'s; weights within ~1 ulp: torch's k-sum
+    order depends on the row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU) and
+    the checkpoint-format FP8 linears (`quant_linear`: codes decoded in registers, fp32 sums).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -164,6 +168,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_routed_experts_quant_deterministic,
     )
     from dsv4.kernels.triton.moe_gate import triton_moe_gate_select
+    from dsv4.kernels.triton.moe_gate_logits import triton_moe_gate_logits
     from dsv4.kernels.triton.pick_slots import triton_pick_slots
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
@@ -193,7 +198,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
                      triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape,
                      triton_argmax, triton_moe_gate_select, triton_swiglu,
-                     triton_fp8_linear,
+                     triton_fp8_linear, triton_moe_gate_logits,
                      dense_linear if invariant_plans else triton_decode_linear)
 
 

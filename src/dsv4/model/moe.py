@@ -5,20 +5,32 @@ only steers selection); hash layers select by the fixed table tid2eid[token id].
 selected scores renormalised and multiplied by `routed_scaling_factor`. Experts and the shared
 expert are SwiGLU with the clamp at `swiglu_limit`. Routed expert weights are stacked [E, ...].
 
-The gate's selection and weights after its GEMM (`moe_gate_select`) and the shared expert's SwiGLU
-(`swiglu`) are kernel ops: the backend's on the serving path and under `ForwardMode.values`, the
-references of `kernels/ref/moe.py` otherwise. On the serving path a fused shared expert
-(`model/fused_projections.py`) runs w1 and w3 as one GEMM and `swiglu` reads its two column halves.
+The gate's logits (`moe_gate_logits`), its selection and weights after them (`moe_gate_select`),
+the shared expert's SwiGLU (`swiglu`) and the routed experts with the layer's combine (the shared
+expert's output added, one cast: `routed_experts`) are kernel ops: the backend's on the serving
+path and under `ForwardMode.values`, the references of `kernels/ref/moe.py` otherwise. On the
+serving path a fused shared expert (`model/fused_projections.py`) runs w1 and w3 as one GEMM and
+`swiglu` reads its two column halves.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ref.moe import moe_gate_select, routed_experts, routed_experts_dense, swiglu
+from dsv4.kernels.ref.moe import (
+    WaitShared,
+    moe_gate_logits,
+    moe_gate_select,
+    routed_experts,
+    routed_experts_dense,
+    swiglu,
+)
 from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
@@ -49,12 +61,21 @@ class Gate(nn.Module):
         live scores gathered at them, so the gate weight keeps its gradient. -1 rows (padding
         tokens) take experts 0..k-1.
 
-        The logits are a torch GEMM; the rest is the op `moe_gate_select`: the backend's with a
-        `ctx` (serving); with `values` (a full-sequence `ForwardMode.values`) that op's ids and
-        weights, the weights differentiable through the reference at those ids (so the gradient
-        reaches u and the gate weight); otherwise the reference (`kernels/ref/moe.py`).
+        The logits are the op `moe_gate_logits` and the rest the op `moe_gate_select`: the
+        backend's with a `ctx` (serving); with `values` (a full-sequence `ForwardMode.values`)
+        those ops' values: the logits differentiable through the reference GEMM, the ids and
+        weights as the op gives them, the weights differentiable through the reference at those
+        ids (so the gradient reaches u and the gate weight); otherwise the references
+        (`kernels/ref/moe.py`; the logits `F.linear` of the fp32 casts).
         """
-        logits = F.linear(u.float(), self.weight.float())
+        if ctx is not None:
+            logits = ctx.ops.moe_gate_logits(u, self.weight)
+        elif values is not None:
+            ops = values
+            logits = kernel_values(lambda u_, w_: ops.moe_gate_logits(u_, w_), moe_gate_logits,
+                                   u, self.weight)
+        else:
+            logits = F.linear(u.float(), self.weight.float())
         hashed = self.tid2eid[input_ids] if self.tid2eid is not None and replayed is None else None
         k, scale = self.topk, self.route_scale
         if ctx is not None:
@@ -71,6 +92,24 @@ class Gate(nn.Module):
         return indices, weights
 
 
+@dataclass(frozen=True)
+class Combine:
+    """What the routed-expert op adds and casts at its end (`kernels/ref/moe.py`): the shared
+    expert's output `shared` [N, d] (None: nothing), the result dtype, and the stream join to run
+    before `shared` is read (None: it is produced on the current stream)."""
+
+    shared: torch.Tensor | None = None
+    out_dtype: torch.dtype = torch.float32
+    wait_shared: WaitShared | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"shared": self.shared, "out_dtype": self.out_dtype,
+                "wait_shared": self.wait_shared}
+
+
+NO_COMBINE = Combine()
+
+
 class Experts(nn.Module):
     """The routed experts, stacked: w1, w3 [E, I, d]; w2 [E, d, I]."""
 
@@ -83,28 +122,34 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, inter, d))
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None, *,
-                mode: ForwardMode | None = None) -> torch.Tensor:
-        """u [N, d] -> [N, d] fp32.
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None,
+                combine: Combine = NO_COMBINE) -> torch.Tensor:
+        """u [N, d] -> [N, d] in `combine.out_dtype`, `combine.shared` added in fp32 first.
 
         Serving (`ctx`): the backend's op. Full sequence: `mode.experts` "sparse" runs the
         per-expert reference (the `ref` backend's op); "dense" runs three GEMMs over all experts
         (no data-dependent shapes or host syncs: what training and torch.compile want; tested
-        equal). With `mode.values`: that backend's op's values, the formulation's gradients.
+        equal). With `mode.values`: that backend's op's values (its combine included), the
+        formulation's gradients (`shared` gets its gradient too).
         """
         if ctx is not None:
             return ctx.ops.routed_experts(u, self.w1, self.w2, self.w3, indices, weights,
-                                          self.limit)
+                                          self.limit, **combine.kwargs())
         assert mode is not None, "a full-sequence forward needs a ForwardMode"
         fn = routed_experts_dense if mode.experts == "dense" else routed_experts
-        limit = self.limit
+        limit, out_dtype, wait = self.limit, combine.out_dtype, combine.wait_shared
         if mode.values is not None:
             ops = mode.values
+            shared = () if combine.shared is None else (combine.shared,)
             return kernel_values(
-                lambda u_, w1, w2, w3, wts: ops.routed_experts(u_, w1, w2, w3, indices, wts, limit),
-                lambda u_, w1, w2, w3, wts: fn(u_, w1, w2, w3, indices, wts, limit),
-                u.contiguous(), self.w1, self.w2, self.w3, weights)
-        return fn(u, self.w1, self.w2, self.w3, indices, weights, limit)
+                lambda u_, w1, w2, w3, wts, *sh: ops.routed_experts(
+                    u_, w1, w2, w3, indices, wts, limit, shared=sh[0] if sh else None,
+                    out_dtype=out_dtype, wait_shared=wait),
+                lambda u_, w1, w2, w3, wts, *sh: fn(
+                    u_, w1, w2, w3, indices, wts, limit, shared=sh[0] if sh else None,
+                    out_dtype=out_dtype),
+                u.contiguous(), self.w1, self.w2, self.w3, weights, *shared)
+        return fn(u, self.w1, self.w2, self.w3, indices, weights, limit, **combine.kwargs())
 
 
 class MLP(nn.Module):
@@ -156,21 +201,30 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
                 *, mode: ForwardMode | None = None) -> torch.Tensor:
-        """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once."""
+        """x: [B, S, d], input_ids: [B, S] -> [B, S, d]; accumulated in fp32, cast back once.
+
+        The routed-expert op adds the shared expert's output and casts (`Combine`): one launch on
+        the kernel backend. On one process the cast is the op's; under tensor parallelism
+        (`self.reduce` an all-reduce) the op returns the fp32 sum, reduced across ranks, then cast
+        (the ranks' partial sums are never rounded before the reduction)."""
         u = x.reshape(-1, x.shape[-1])
         replayed = None
         if mode is not None and mode.replay is not None and mode.replay.experts is not None \
                 and self.replay_index is not None:
             replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
         values = mode.values if mode is not None else None
-        # the gate and routed experts (the longer chain: the step's critical path) on the side
-        # stream, which has the higher priority (`model/streams.py`), the shared expert beside
+        # the shared expert on the side stream, beside the gate and the routed experts
         stream = ctx.side_stream if ctx is not None else None
         with side(stream):
-            indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
-            if ctx is not None and ctx.captured is not None:
-                ctx.captured.setdefault("experts", []).append(indices)
-            routed = self.experts(u, indices, weights, ctx, mode=mode)
-        shared = self.shared_experts(u, ctx, values).float()
-        join(stream)
-        return self.reduce(routed + shared).to(x.dtype).view_as(x)
+            shared = self.shared_experts(u, ctx, values)
+        indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
+        if ctx is not None and ctx.captured is not None:
+            ctx.captured.setdefault("experts", []).append(indices)
+        local = isinstance(self.reduce, nn.Identity)
+        # the side stream joins inside the op, right before its combine reads `shared`
+        combine = Combine(shared, x.dtype if local else torch.float32,
+                          (lambda: join(stream)) if stream is not None else None)
+        out = self.experts(u, indices, weights, ctx, mode=mode, combine=combine)
+        if not local:
+            out = self.reduce(out).to(x.dtype)
+        return out.view_as(x)

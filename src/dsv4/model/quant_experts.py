@@ -24,7 +24,7 @@ from dsv4.kernels.ref import quant
 from dsv4.kernels.ref.moe import dequant_experts, routed_experts_quant
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
-from dsv4.model.moe import Experts
+from dsv4.model.moe import NO_COMBINE, Combine, Experts
 
 EXPERT_FORMATS = ("fp4", "fp8")
 
@@ -69,15 +69,16 @@ class QuantExperts(nn.Module):
                    config.swiglu_limit, fmt)
 
     def forward(self, u: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                ctx: ForwardContext | None = None, *,
-                mode: ForwardMode | None = None) -> torch.Tensor:
-        """`Experts.forward`'s contract: u [N, d] -> [N, d] fp32 (serving only: no "dense" form)."""
+                ctx: ForwardContext | None = None, *, mode: ForwardMode | None = None,
+                combine: Combine = NO_COMBINE) -> torch.Tensor:
+        """`Experts.forward`'s contract: u [N, d] -> [N, d] in `combine.out_dtype`, the shared
+        addend included (serving only: no "dense" form)."""
         if ctx is None and (mode is None or mode.experts != "sparse"):
             raise ValueError(f"checkpoint-format experts run the sparse form only; "
                              f"got mode={mode}")
         fn = routed_experts_quant if ctx is None else ctx.ops.routed_experts_quant
         return fn(u, self.w13, self.w13_scale, self.w2, self.w2_scale, indices, weights, self.limit,
-                  self.fmt)
+                  self.fmt, **combine.kwargs())
 
     def _rows(self, which: str, scale: bool) -> tuple[torch.Tensor, slice]:
         """The buffer holding expert matrix `which` (w1 / w2 / w3) and its row range in it."""

@@ -2,11 +2,8 @@
 
 At small batch most of a decode step's kernels occupy a few SMs each and run one after another;
 the branches of a layer that do not depend on each other (a CSA layer's compressors and indexer
-beside its query / window-KV path; the MoE gate and routed experts beside the shared expert) can
-run at the same time. The side stream carries the branch on the critical path in both (the
-indexer's chain and the routed experts' are the longer ones) and has the higher priority
-(`engine/runner.py::SIDE_PRIORITY`), so its small kernels get SMs ahead of the other branch's
-wide GEMMs. `side(stream)` forks: the side stream first waits for everything already
+beside its query / window-KV path; the shared expert beside the MoE gate and routed experts) can
+run at the same time. `side(stream)` forks: the side stream first waits for everything already
 queued on the current stream, then the block's kernels go to the side stream; `join(stream)`
 makes the current stream wait for everything queued on the side. Both are captured into CUDA
 graphs as graph edges (torch's multi-stream capture), so replays keep the concurrency.

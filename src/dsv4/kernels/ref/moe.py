@@ -2,17 +2,35 @@
 
 Tokens are grouped by expert with one sort; the per-expert counts come to the host once
 (the named sync point of this op) so each expert runs one dense matmul over its tokens.
+
+The routed-expert ops end with the layer's combine: an optional `shared` addend [N, d] (the shared
+expert's output, any float dtype) is added in fp32 and the sum cast to `out_dtype` once
+(`add_shared`), so the MoE layer needs no glue of its own. `wait_shared` (None: nothing to wait
+for) is called once, after the routed sums and before `shared` is read: the caller's stream join
+when `shared` is produced on a side stream (`model/streams.py`), so the two branches overlap up to
+the combine. `moe_combine` is the fixed-order sum over k the Triton kernels' combine launch
+computes (`kernels/triton/moe_combine.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+WaitShared = Callable[[], None]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit)."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def moe_gate_logits(u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gate's fp32 logits: u [N, d] (any float dtype) times weight [E, d]^T -> [N, E] fp32,
+    both operands cast to fp32 first (bf16 / fp16 products are then exact)."""
+    return F.linear(u.float(), weight.float())
 
 
 def moe_gate_select(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None,
@@ -40,14 +58,39 @@ def moe_gate_select(logits: torch.Tensor, bias: torch.Tensor | None, hashed: tor
     return indices, weights * route_scale
 
 
+def add_shared(routed: torch.Tensor, shared: torch.Tensor | None, out_dtype: torch.dtype,
+               wait_shared: WaitShared | None = None) -> torch.Tensor:
+    """The combine's tail: `(routed + shared.float()).to(out_dtype)` (`routed` alone if `shared`
+    is None): routed [N, d] fp32; `wait_shared` is called first (module docstring). With no
+    shared and fp32 out this returns `routed` itself."""
+    if wait_shared is not None:
+        wait_shared()
+    out = routed if shared is None else routed + shared.float()
+    return out.to(out_dtype)
+
+
+def moe_combine(parts: torch.Tensor, shared: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """parts [N, k, d] fp32 (one routed expert's weighted output per slot) -> [N, d] `out_dtype`:
+    the slots summed in ascending order in fp32, ((p0 + p1) + p2) + ..., plus `shared` [N, d]
+    (any float dtype, added in fp32 last), one rounding to `out_dtype`. k >= 1."""
+    acc = parts[:, 0]
+    for j in range(1, parts.shape[1]):
+        acc = acc + parts[:, j]
+    return add_shared(acc, shared, out_dtype)
+
+
 def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                   indices: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+                   indices: torch.Tensor, weights: torch.Tensor, limit: float, *,
+                   shared: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                   wait_shared: WaitShared | None = None) -> torch.Tensor:
     """y[t] = Σ_k weights[t,k] * W2_e (swiglu(W1_e x, W3_e x)) with e = indices[t,k].
 
     x: [N, d]; w1, w3: [E, I, d]; w2: [E, d, I]; indices: [N, k] int64; weights: [N, k] fp32.
-    Returns [N, d] fp32 (the caller adds the shared expert and casts). Rounding as the grouped
-    kernel's (`kernels/triton/moe.py`): the GEMMs accumulate and return fp32, SwiGLU and the
-    routing weight run in fp32, and only the hidden h is rounded to x's dtype.
+    Returns [N, d] `out_dtype`: y in fp32 plus `shared` (`add_shared`, the module docstring), cast
+    once. Rounding as the grouped kernel's (`kernels/triton/moe.py`): the GEMMs accumulate and
+    return fp32, SwiGLU and the routing weight run in fp32, and only the hidden h is rounded to x's
+    dtype.
     """
     N, k = indices.shape
     num_experts = w1.shape[0]
@@ -68,12 +111,14 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
         h = swiglu(F.linear(xe, w1[e].float()), F.linear(xe, w3[e].float()), limit)
         h = (h * weights.reshape(-1).index_select(0, slots)[:, None]).to(x.dtype)
         out.index_add_(0, tokens, F.linear(h.float(), w2[e].float()))
-    return out
+    return add_shared(out, shared, out_dtype, wait_shared)
 
 
 def routed_experts_dense(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                         indices: torch.Tensor, weights: torch.Tensor,
-                         limit: float) -> torch.Tensor:
+                         indices: torch.Tensor, weights: torch.Tensor, limit: float, *,
+                         shared: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.float32,
+                         wait_shared: WaitShared | None = None) -> torch.Tensor:
     """Same contract as `routed_experts`, computed for every expert on every token.
 
     Three dense GEMMs over the experts stacked as one [E*I]-wide SwiGLU, its hidden units scaled by
@@ -93,12 +138,15 @@ def routed_experts_dense(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3
     up = F.linear(x, w3.reshape(E * inter, d)).view(N, E, inter)
     h = (swiglu(gate, up, limit).float() * combine[:, :, None]).to(x.dtype)
     w2_flat = w2.permute(1, 0, 2).reshape(d, E * inter)        # column e*I+i is w2[e, :, i]
-    return F.linear(h.reshape(N, E * inter), w2_flat).float()
+    return add_shared(F.linear(h.reshape(N, E * inter), w2_flat).float(), shared, out_dtype,
+                      wait_shared)
 
 
 def routed_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                           indices: torch.Tensor, weights: torch.Tensor,
-                           limit: float) -> torch.Tensor:
+                           indices: torch.Tensor, weights: torch.Tensor, limit: float, *,
+                           shared: torch.Tensor | None = None,
+                           out_dtype: torch.dtype = torch.float32,
+                           wait_shared: WaitShared | None = None) -> torch.Tensor:
     """Same contract as `routed_experts`, as three grouped GEMMs.
 
     `torch._grouped_mm` (CUDA bf16, Hopper) with the token-to-expert grouping on the device: no
@@ -114,8 +162,9 @@ def routed_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
     h = (swiglu(gate, up, limit).float() * weights.reshape(-1)[order, None]).to(x.dtype)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                 # [N*k, d]
-    return torch.zeros(N, x.shape[1], dtype=torch.float32,
-                       device=x.device).index_add_(0, tokens, y.float())
+    out = torch.zeros(N, x.shape[1], dtype=torch.float32,
+                      device=x.device).index_add_(0, tokens, y.float())
+    return add_shared(out, shared, out_dtype, wait_shared)
 
 
 def pack_w13(w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None
@@ -150,7 +199,10 @@ def _dequant_stack(w: torch.Tensor, scale: torch.Tensor | None, fmt: str,
 
 def routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
                          w2: torch.Tensor, w2_scale: torch.Tensor | None, indices: torch.Tensor,
-                         weights: torch.Tensor, limit: float, fmt: str) -> torch.Tensor:
+                         weights: torch.Tensor, limit: float, fmt: str, *,
+                         shared: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.float32,
+                         wait_shared: WaitShared | None = None) -> torch.Tensor:
     """`routed_experts` on quantised experts: dequantise to x.dtype, then the bf16 reference.
 
     fmt "fp4": w13 [E, 2I, d/2] e2m1 packed + e8m0 [E, 2I, d/32]; w2 [E, d, I/2] + [E, d, I/32].
@@ -159,7 +211,8 @@ def routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Te
     w13 = `pack_w13(w1, s1, w3, s3)`.
     """
     w1, w3, w2d = dequant_experts(w13, w13_scale, w2, w2_scale, fmt, x.dtype)
-    return routed_experts(x, w1, w2d, w3, indices, weights, limit)
+    return routed_experts(x, w1, w2d, w3, indices, weights, limit, shared=shared,
+                          out_dtype=out_dtype, wait_shared=wait_shared)
 
 
 def dequant_experts(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,

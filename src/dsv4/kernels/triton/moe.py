@@ -44,8 +44,13 @@ Two launches, each on grid (max_tiles, cdiv(out, BLOCK_N)) (BLOCK_N per launch: 
   2. down: A = h rows (contiguous), y = h @ W2^T; the epilogue either atomically adds y into
      out[token] (fp32, default: the k contributions of a token land in an unspecified order, so the
      result is not bit-reproducible run to run), or with `deterministic=True` stores y at its
-     (token, k) slot of an [N*k, d] fp32 buffer that is then summed over k in a fixed order (extra
-     N*k*d*8 bytes of traffic).
+     (token, k) slot of an [N*k, d] fp32 buffer (extra N*k*d*8 bytes of traffic).
+The combine (`shared` addend, `out_dtype`; `kernels/ref/moe.py`'s module docstring): the
+deterministic path's third launch, `moe_combine.py`, sums the k slots in ascending order in fp32,
+adds `shared` and casts. The atomic path's sum is already in its [N, d] buffer: with a `shared`
+or a 16-bit `out_dtype` the same kernel runs on it as k = 1 (sum + shared, cast); otherwise that
+buffer is returned. Either way `wait_shared` is called after the down launch, right before the
+combine reads `shared`.
 
 No host syncs: safe inside CUDA-graph capture. Every index must lie in [0, E) (not checked: a host
 sync). Test: tests/kernels/test_moe_quant.py. Benchmark: benchmarks/kernels/bench_moe_quant.py.
@@ -57,7 +62,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.ref.moe import WaitShared, add_shared
 from dsv4.kernels.triton.libm import libdevice_math
+from dsv4.kernels.triton.moe_combine import triton_moe_combine
 from dsv4.kernels.triton.moe_decode import tile_dot
 from dsv4.kernels.triton.moe_fma import fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order
@@ -203,8 +210,11 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 variant: str | None = None, block_m: int | None = None,
                                 block_n: int | None = None, block_k: int | None = None,
                                 num_warps: int | None = None,
-                                num_stages: int | None = None) -> torch.Tensor:
-    """Same contract as `routed_experts_quant`: [N, d] fp32 (the caller adds the shared expert).
+                                num_stages: int | None = None,
+                                shared: torch.Tensor | None = None,
+                                out_dtype: torch.dtype = torch.float32,
+                                wait_shared: WaitShared | None = None) -> torch.Tensor:
+    """Same contract as `routed_experts_quant`: [N, d] `out_dtype` (plus `shared`: module doc).
 
     x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts
     per `fmt` in the module docstring. Keyword arguments are tuning knobs, None = the plan's choice
@@ -223,23 +233,30 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                     num_warps=num_warps, num_stages=num_stages)
     # w1 / w3 (and their scales) are views into w13 with identical strides, passed separately
     return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit,
-                   fmt, deterministic, plan)
+                   fmt, deterministic, plan, (shared, out_dtype, wait_shared))
 
 
 def triton_routed_experts_quant_deterministic(x: torch.Tensor, w13: torch.Tensor,
                                               w13_scale: torch.Tensor | None, w2: torch.Tensor,
                                               w2_scale: torch.Tensor | None,
                                               indices: torch.Tensor, weights: torch.Tensor,
-                                              limit: float, fmt: str) -> torch.Tensor:
+                                              limit: float, fmt: str, *,
+                                              shared: torch.Tensor | None = None,
+                                              out_dtype: torch.dtype = torch.float32,
+                                              wait_shared: WaitShared | None = None
+                                              ) -> torch.Tensor:
     """The kernel backend's `routed_experts_quant` op: `triton_routed_experts_quant` with the
     fixed-order (deterministic) epilogue, so greedy decoding is reproducible run to run."""
     return triton_routed_experts_quant(x, w13, w13_scale, w2, w2_scale, indices, weights, limit,
-                                       fmt, deterministic=True)
+                                       fmt, deterministic=True, shared=shared,
+                                       out_dtype=out_dtype, wait_shared=wait_shared)
 
 
 def triton_routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                          indices: torch.Tensor, weights: torch.Tensor,
-                          limit: float) -> torch.Tensor:
+                          indices: torch.Tensor, weights: torch.Tensor, limit: float, *,
+                          shared: torch.Tensor | None = None,
+                          out_dtype: torch.dtype = torch.float32,
+                          wait_shared: WaitShared | None = None) -> torch.Tensor:
     """Same contract as `ref.moe.routed_experts` (the kernel backend's `routed_experts` op): plain
     float experts w1, w3 [E, I, d] and w2 [E, d, I] as the model stores them (no w13 copy), the bf16
     path of the kernel.
@@ -262,19 +279,21 @@ def triton_routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w
     plan = plan_moe("bf16", None, x.dtype, x.device, indices.numel(), w1.shape[0], w1.shape[1],
                     x.shape[1])
     return _launch(x.contiguous(), w1, w3, None, None, w2, None, indices, weights, limit, "bf16",
-                   True, plan)
+                   True, plan, (shared, out_dtype, wait_shared))
 
 
 def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor | None,
             s3: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
             indices: torch.Tensor, weights: torch.Tensor, limit: float, fmt: str,
-            deterministic: bool, plan: MoePlan) -> torch.Tensor:
-    """The two launches; w1 / w3 (and s1 / s3) share their strides. The callers check shapes."""
+            deterministic: bool, plan: MoePlan,
+            combine: tuple[torch.Tensor | None, torch.dtype, WaitShared | None]) -> torch.Tensor:
+    """The two launches and the combine (`combine` = (shared, out_dtype, wait_shared)); w1 / w3
+    (and s1 / s3) share their strides. The callers check shapes."""
     N, topk = indices.shape
     E, d, inter = w1.shape[0], x.shape[1], w1.shape[1]
     nk = N * topk
     if nk == 0:
-        return torch.zeros(N, d, dtype=torch.float32, device=x.device)
+        return add_shared(torch.zeros(N, d, dtype=torch.float32, device=x.device), *combine)
     order, t_start, t_end, t_exp = tile_map(indices, E, plan.block_m)
     rw = weights.reshape(-1).contiguous()
     s1 = s1.view(torch.uint8) if s1 is not None else w1
@@ -310,4 +329,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         ATOMIC=not deterministic, BLOCK_N=bn, num_warps=warps, **common,
     )
-    return dest if not deterministic else dest.view(N, topk, d).sum(dim=1)
+    shared, out_dtype, wait_shared = combine
+    if wait_shared is not None:
+        wait_shared()
+    if not deterministic and shared is None and out_dtype == torch.float32:
+        return dest
+    return triton_moe_combine(dest.view(N, topk if deterministic else 1, d), shared, out_dtype)
