@@ -72,3 +72,31 @@ def test_fma_rows_independent(fmt: str) -> None:
     for t in (0, 3, 5):
         alone = run(slice(t, t + 1), 1)[0]
         assert all(torch.equal(alone, b[t]) for b in batch)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_fma_with_the_combine(fmt: str, deterministic: bool) -> None:
+    """The fma plan goes through the op's combine like the MMA loops: `shared` added, `out_dtype`
+    cast and `wait_shared` called once (the fma launches once returned before it). fp32 out: the
+    plain result + shared exactly; bf16 out: its cast (bit-equal on a GPU; the interpreter's
+    fp32 -> bf16 cast truncates, so there within one bf16 ulp)."""
+    wts = make_weights(8, 128, 64, fmt, seed=31)
+    idx, rw = make_routing(3, 8, 2, seed=31)
+    x = randn(3, 128, seed=31).to(torch.bfloat16)
+    sh = randn(3, 128, seed=32).to(torch.bfloat16)
+    calls: list[int] = []
+
+    def run(**kw: object) -> torch.Tensor:
+        return triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, fmt,  # type: ignore[arg-type]
+                                           variant="fma", deterministic=deterministic, **kw)
+
+    plain = run()
+    assert torch.equal(run(shared=sh), plain + sh.float())
+    got = run(shared=sh, out_dtype=torch.bfloat16, wait_shared=lambda: calls.append(1))
+    assert got.dtype == torch.bfloat16 and calls == [1]
+    want = (plain + sh.float()).to(torch.bfloat16)
+    if x.is_cuda:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)

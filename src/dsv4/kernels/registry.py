@@ -152,13 +152,13 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.add_ape import triton_add_ape
     from dsv4.kernels.triton.argmax import triton_argmax
     from dsv4.kernels.triton.compressor import (
+        HeldProject,
         triton_compress_cached,
-        triton_project,
         triton_project_invariant,
     )
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
-    from dsv4.kernels.triton.gemv import GemvCounters, triton_decode_linear
+    from dsv4.kernels.triton.gemv import triton_decode_linear
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.metadata import triton_step_metadata
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
@@ -182,8 +182,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.topk import TopKRunner
 
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
-    project: ProjectOp = functools.partial(
-        triton_project, counters=GemvCounters())
+    project: ProjectOp = HeldProject()
     pair = triton_compress_pair
     if invariant_plans:
         project = triton_project_invariant

@@ -437,6 +437,17 @@ def triton_project(x: torch.Tensor, w: torch.Tensor,
                          counters=held)
 
 
+class HeldProject:
+    """The triton backend's `project` op: `triton_project` with split-K counters held for the
+    backend instance's lifetime (calls are serial: the compressors run on one stream)."""
+
+    def __init__(self) -> None:
+        self.counters = GemvCounters()
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return triton_project(x, w, self.counters)
+
+
 def triton_project_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`project` with a row's bits independent of the row count: the fixed-tile Triton GEMM of
     `batch_invariant.py` (the backend's op under invariant launch plans)."""

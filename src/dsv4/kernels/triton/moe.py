@@ -290,7 +290,7 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     """The two launches and the combine (`combine` = (shared, out_dtype, wait_shared)); w1 / w3
     (and s1 / s3) share their strides. The callers check shapes."""
     N, topk = indices.shape
-    E, d, inter = w1.shape[0], x.shape[1], w1.shape[1]
+    E, d = w1.shape[0], x.shape[1]
     nk = N * topk
     if nk == 0:
         return add_shared(torch.zeros(N, d, dtype=torch.float32, device=x.device), *combine)
@@ -301,9 +301,30 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     code = FMTS[fmt]
     if plan.variant == VARIANTS["fma"]:
-        return fma_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
+        dest = fma_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             (order, t_start, t_end, t_exp), rw, limit, code, topk,
                             deterministic, plan, _LIBDEVICE)
+    else:
+        dest = _mma_launches(x, w1, w3, s1, s3, w2, s2, (order, t_start, t_end, t_exp), rw,
+                             limit, fmt, topk, deterministic, plan)
+    shared, out_dtype, wait_shared = combine
+    if wait_shared is not None:
+        wait_shared()
+    if not deterministic and shared is None and out_dtype == torch.float32:
+        return dest
+    return triton_moe_combine(dest.view(N, topk if deterministic else 1, d), shared, out_dtype)
+
+
+def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
+                  s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                  tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                  rw: torch.Tensor, limit: float, fmt: str, topk: int, deterministic: bool,
+                  plan: MoePlan) -> torch.Tensor:
+    """The gate/up and down launches of the tl.dot loops: [N, d] fp32 (atomic) or the [N*k, d]
+    rows (deterministic) that the combine sums over k."""
+    order, t_start, t_end, t_exp = tiles
+    N, d, inter, nk = x.shape[0], w2.shape[1], w1.shape[1], rw.numel()
+    code = FMTS[fmt]
     # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot
     # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
     # and the interpreter's bf16 dot is broken.
@@ -319,7 +340,7 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common,
     )
     # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
-    # row, summed over k below in a fixed order
+    # row, which the combine sums over k in a fixed order
     dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
             else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     bn, warps = plan.down.block_n, plan.down.num_warps
@@ -329,9 +350,4 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         ATOMIC=not deterministic, BLOCK_N=bn, num_warps=warps, **common,
     )
-    shared, out_dtype, wait_shared = combine
-    if wait_shared is not None:
-        wait_shared()
-    if not deterministic and shared is None and out_dtype == torch.float32:
-        return dest
-    return triton_moe_combine(dest.view(N, topk if deterministic else 1, d), shared, out_dtype)
+    return dest

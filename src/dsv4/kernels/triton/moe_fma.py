@@ -378,8 +378,8 @@ def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.
                  rw: torch.Tensor, limit: float, fmt: int, topk: int, deterministic: bool,
                  plan: MoePlan, libdevice: bool) -> torch.Tensor:
     """The fma loop's gate/up and down launches (`moe.py::_launch` contract): quantised codes as
-    uint8, w1 / w3 (s1 / s3) sharing strides; [N, d] fp32 out (deterministic: [N*k, d] rows
-    summed over k in a fixed order)."""
+    uint8, w1 / w3 (s1 / s3) sharing strides; [N, d] fp32 out (deterministic: the [N*k, d] rows,
+    which `moe.py::_launch`'s combine sums over k in a fixed order)."""
     order, t_start, t_end, t_exp = tiles
     nk, inter, d = order.numel(), w1.shape[1], x.shape[1]
     N = nk // topk
@@ -404,4 +404,4 @@ def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.
         ATOMIC=not deterministic, EVEN_K=inter % plan.block_k == 0, BLOCK_N=bn,
         num_warps=warps, **common,
     )
-    return dest if not deterministic else dest.view(N, topk, d).sum(dim=1)
+    return dest
