@@ -31,10 +31,11 @@ Two paths, picked on the host from T and the SM count (`plan_pre`; no host sync)
       d spans) (`plan_finish`), sums the partials, runs the epilogue and writes its span of h
       (span-0 programs write post / comb); small T: one token per program and d in spans (the
       epilogue is redone per span: cheap for few tokens); large T: whole rows and token tiles, so
-      each Sinkhorn runs once per token on a vectorised tile instead of 16 scattered lanes. Or, at
-      decode (`plan_one_launch`: T <= ONE_LAUNCH_MAX_T), ONE launch: each token tile's last
-      partial program to arrive (an arrival counter per tile) runs that finish over all of d.
-      `mhc_split.py` has both forms, their bits and the counters; `mhc_math.py` the shared code.
+      each Sinkhorn runs once per token on a vectorised tile instead of 16 scattered lanes. Or, on
+      request only (`one_launch=True`: slower on the H200, `mhc_split.py::plan_one_launch`), ONE
+      launch: each token tile's last partial program to arrive (an arrival counter per tile) runs
+      that finish over all of d. `mhc_split.py` has both forms, their bits and the counters;
+      `mhc_math.py` the shared code.
 Precision: the reference matmul is fp32. bf16 x is exact in bf16, so fn is split in registers into
 bf16 pieces w1 + w2 + w3 (= fn to ~24 bits) and the projection is three bf16 MMAs with exact
 products and fp32 accumulation ("bf16x3": ~26 GFLOP at T = 8192 with the padding, ~30 us of H200
@@ -64,14 +65,13 @@ import triton.language as tl
 from dsv4.kernels.triton.launch import X_DTYPES, expect, one_device, pow2, sms
 from dsv4.kernels.triton.mhc_math import finish, project
 from dsv4.kernels.triton.mhc_split import (
-    ONE_LAUNCH_MAX_T,
     finish_warps,
     launch_split,
     plan_finish,
     plan_one_launch,
 )
 
-__all__ = ["INVARIANT_SPLITS", "ONE_LAUNCH_MAX_T", "finish_warps", "plan_finish",
+__all__ = ["INVARIANT_SPLITS", "finish_warps", "plan_finish",
            "plan_one_launch", "plan_pre", "triton_mhc_head", "triton_mhc_pre"]
 
 _MIN_DOT = 16

@@ -23,13 +23,11 @@ TRITON_INTERPRET=1 (programs run in turn) the last program in order finishes.
 
 Bit-identity: the tail sums the partials with the finish launch's code (`sum_partials`, same
 BLOCK_S chunks in split order) on the finish tiles `plan_finish(..., spans=1)` gives, and runs
-`finish` over d in the same BLOCK_D chunks. Its outputs are therefore the bits of the two-launch
-form with one d span (`d_spans=1`) whenever the kernels run with the same warps (Triton's
-reductions follow the layout, which depends on num_warps): the default picks one launch only when
-`finish_warps` of those tiles equals the partial launch's warps. The T-invariant plan's finish is
-already one span with those warps on real shapes (d = 4096: 4 warps), so its one-launch form gives
-today's invariant bits. Against the default two-launch plan at small T (d in spans, 1 warp) the
-bits agree on the interpreter and may differ in the last place on a GPU (other reduction trees).
+`finish` over d in the same BLOCK_D chunks, so its outputs are the bits of the two-launch form with
+one d span (`d_spans=1`) whenever the kernels run with the same warps (Triton's reductions follow
+the layout): on V4-Flash shapes (d = 4096: 4 warps both; checked on the H200), not on small test
+shapes whose finish gets 1 warp (there: equal under the interpreter only). It is slower at decode
+(`plan_one_launch`), so it runs only on request.
 
 Counters: one int32 per token tile, from a buffer held per device (`_COUNTERS`, mHC's own
 `GemvCounters`), zero when allocated and left zero by every call, so no memset node per call, in
@@ -60,7 +58,6 @@ _H_TILE = 8192          # elements of an h-loop tile [BLOCK_T, NP, BLOCK_D]
 _WS_TILE = 1024         # elements of a finish workspace tile [BLOCK_T, BLOCK_S, NP*NP]
 _FINISH_PROGRAMS_PER_SM = 4
 _MIN_D_SPAN = 256       # finish launch: smallest d range per program (1 KB of bf16 per stream)
-ONE_LAUNCH_MAX_T = 2    # default: one launch up to this many tokens (the tail is one program's)
 _COUNTERS = GemvCounters()
 
 
@@ -184,19 +181,16 @@ def plan_one_launch(T: int, d: int, np_: int, S: int, num_warps: int, device: to
     """The finish tiles (`plan_finish` with one d span) of the one-launch form, or None for two
     launches; from shapes only.
 
-    Default (`one_launch=None`): one launch when the path is split-K (S > 1), T <= ONE_LAUNCH_MAX_T
-    (the last arrival finishes the whole tile alone: a few tokens' worth) and those tiles'
-    `finish_warps` equal the partial launch's `num_warps` (what makes the one-launch bits those
-    of the two-launch form with `d_spans=1`; module docstring). `one_launch=True` forces it on a
-    split-K plan, False forbids it. S == 1 is the fused path: always None.
+    Default (`one_launch=None`): two launches. Measured on the H200 (flash shapes, bf16): the one
+    launch takes 15.95 us at T = 1 and 25.1 us at T = 2 against 11.9 / 12.3 us for the two
+    launches (its last arrival finishes the whole of d alone, where the finish launch spreads d
+    over 16 programs). `one_launch=True` forces it on a split-K plan (the benchmark; its bits are
+    the two-launch form's with `d_spans=1` where the warps match, as on flash shapes); S == 1 is
+    the fused path: always None.
     """
-    if S == 1 or (one_launch is not None and not one_launch):
+    if S == 1 or not one_launch:
         return None
-    tiles = plan_finish(T, d, np_, S, device, invariant, spans=1)
-    if one_launch is None and (T > ONE_LAUNCH_MAX_T
-                               or finish_warps(tiles[0], np_, tiles[2]) != num_warps):
-        return None
-    return tiles
+    return plan_finish(T, d, np_, S, device, invariant, spans=1)
 
 
 def _counter_buffer(counters: torch.Tensor | None, tiles: int,

@@ -13,9 +13,11 @@ weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V
 BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
 "dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
 model; the others run fp32 dots for them, exact).
-"fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is the quantised formats' default
-while the mean rows per expert is at most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where
-a 16-row MMA tile would hold ~1 real row), from shapes only; its tiles are fixed (`_plan_fma`:
+"fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default while the mean rows
+per expert is at most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row MMA tile
+would hold ~1 real row), from shapes only (H200, V4-Flash experts: FP4 fma 82 / 440 / 1,604 us at
+N = 1 / 8 / 32 against "words" 100 / 571 / 1,674; FP8 fma 110 / 534 us against "scaled" 61 / 292,
+so FP8 keeps "scaled"); its tiles are fixed (`_plan_fma`:
 BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage), the same at every N.
 SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8.5 instructions per weight byte (gate/up;
 down ~9), FP8 ~3.4 (down ~4).
@@ -93,10 +95,10 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
              num_stages: int | None = None, fma_rows: float = FMA_MAX_MEAN_ROWS) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
     a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
-    up to which the quantised formats default to "fma"."""
+    up to which FP4 defaults to "fma"."""
     name = _variant(fmt, variant, x_dtype)
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
-    if (variant is None and fmt != "bf16" and nk <= fma_rows * num_experts
+    if (variant is None and fmt == "fp4" and nk <= fma_rows * num_experts
             and block_m in (None, 1, 2, 4) and fits):
         name = "fma"
     if name == "fma":
