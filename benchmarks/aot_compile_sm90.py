@@ -314,14 +314,15 @@ def fp8_linear_variants() -> Iterator[Variant]:
 
 def mhc_variants() -> Iterator[Variant]:
     """mHC pre / head at decode (V4-Flash: n 4, d 4096; T 1 on 132 SMs): the one-launch split-K
-    kernel (bf16 / fp32 x pre, bf16 head), and the two-launch pair it replaces (bf16 pre)."""
+    kernel (bf16 / fp32 x pre, bf16 head; a knob, `one_launch=True`), and the default two-launch
+    pair (bf16 pre)."""
     from dsv4.kernels.triton import mhc, mhc_split
 
     T, n, d, warps = 1, 4, 4096, 4
     cpu = torch.device("cpu")                   # the plans below are the H200's at T = 1
     bt, S, _ = mhc.plan_pre(T, n * d, cpu, splits=2 * 132)
-    tiles = mhc_split.plan_one_launch(T, d, 4, S, warps, cpu)
-    assert tiles is not None, "the decode plan is one launch"
+    tiles = mhc_split.plan_one_launch(T, d, 4, S, warps, cpu, one_launch=True)
+    assert tiles is not None, "a split-K decode plan"
     fbt, _, bd, bs = tiles
     ints = {"T": "i32", "K": "i32:16", "D": "i32:16", "S": "i32", "k_per_split": "i32:16",
             "iters": "i32", "hc_eps": "fp32", "norm_eps": "fp32", "stride_xt": "i32:16",

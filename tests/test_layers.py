@@ -122,3 +122,17 @@ def test_checker_catches_upward_edges(tmp_path: Path, source: str, expected: str
     (pkg / "bad.py").write_text(source)
     bad = violations(tmp_path / "dsv4")
     assert any(expected in b for b in bad), bad
+
+
+def test_engine_and_server_import_no_triton_kernels() -> None:
+    """Importing the engine, the LLM entry point and the server defines no Triton kernel: the
+    Triton modules load lazily (kernels/registry.py), so a CPU process that sets TRITON_INTERPRET
+    later (the kernel tests' conftest) still gets interpreted kernels."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import dsv4.engine.engine, dsv4.engine.llm, dsv4.model.decode_gemv; "
+            "bad = sorted(m for m in sys.modules if m.startswith('dsv4.kernels.triton')); "
+            "assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.kernels.triton.gemv import DECODE_BLOCK_N, triton_decode_linear
+from dsv4.kernels.ops import DECODE_BLOCK_N
+from dsv4.kernels.triton.gemv import triton_decode_linear
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -248,6 +248,11 @@ class QuantLinearOp(Protocol):
                  counters: Tensor | None = None) -> Tensor: ...
 
 
+# the `linear` op's output columns per program on its skinny-GEMM path: a call site's counters
+# hold one word per DECODE_BLOCK_N rows of the weight (`model/decode_gemv.py` sizes them)
+DECODE_BLOCK_N = 16
+
+
 class LinearOp(Protocol):
     """`ref/fp8_linear.py::dense_linear`: x [..., K] @ w [N, K]^T -> [..., N] in x's dtype (the
     serving path's bf16 projections). `counters`: the call site's zeroed int32 split-K arrival

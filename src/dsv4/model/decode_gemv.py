@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.kernels.triton.gemv import DECODE_BLOCK_N
+from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.model.attention import Attention
 from dsv4.model.layers.fused import FusedRows
 from dsv4.model.moe import MLP

@@ -5,7 +5,8 @@ only steers selection); hash layers select by the fixed table tid2eid[token id].
 selected scores renormalised and multiplied by `routed_scaling_factor`. Experts and the shared
 expert are SwiGLU with the clamp at `swiglu_limit`. Routed expert weights are stacked [E, ...].
 
-The gate's logits (`moe_gate_logits`), its selection and weights after them (`moe_gate_select`),
+The gate's logits are `F.linear` of fp32 casts (the `moe_gate_logits` op's kernel measured slower
+at decode); its selection and weights after them (`moe_gate_select`),
 the shared expert's SwiGLU (`swiglu`) and the routed experts with the layer's combine (the shared
 expert's output added, one cast: `routed_experts`) are kernel ops: the backend's on the serving
 path and under `ForwardMode.values`, the references of `kernels/ref/moe.py` otherwise. On the
@@ -25,7 +26,6 @@ from torch import nn
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.moe import (
     WaitShared,
-    moe_gate_logits,
     moe_gate_select,
     routed_experts,
     routed_experts_dense,
@@ -61,21 +61,15 @@ class Gate(nn.Module):
         live scores gathered at them, so the gate weight keeps its gradient. -1 rows (padding
         tokens) take experts 0..k-1.
 
-        The logits are the op `moe_gate_logits` and the rest the op `moe_gate_select`: the
+        The logits are `F.linear` of the fp32 casts; the rest is the op `moe_gate_select`: the
         backend's with a `ctx` (serving); with `values` (a full-sequence `ForwardMode.values`)
-        those ops' values: the logits differentiable through the reference GEMM, the ids and
-        weights as the op gives them, the weights differentiable through the reference at those
-        ids (so the gradient reaches u and the gate weight); otherwise the references
-        (`kernels/ref/moe.py`; the logits `F.linear` of the fp32 casts).
+        that op's ids and weights, the weights differentiable through the reference at those ids
+        (so the gradient reaches u and the gate weight); otherwise the reference
+        (`kernels/ref/moe.py`).
         """
-        if ctx is not None:
-            logits = ctx.ops.moe_gate_logits(u, self.weight)
-        elif values is not None:
-            ops = values
-            logits = kernel_values(lambda u_, w_: ops.moe_gate_logits(u_, w_), moe_gate_logits,
-                                   u, self.weight)
-        else:
-            logits = F.linear(u.float(), self.weight.float())
+        # NOTE: the `moe_gate_logits` op is not used here: its Triton kernel measured 31.5 us
+        # per layer at batch-1 decode on the H200, slower than these casts + cuBLAS (~25 us)
+        logits = F.linear(u.float(), self.weight.float())
         hashed = self.tid2eid[input_ids] if self.tid2eid is not None and replayed is None else None
         k, scale = self.topk, self.route_scale
         if ctx is not None:

@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
@@ -327,7 +328,6 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     return y
 
 
-DECODE_BLOCK_N = 16         # `triton_decode_linear`: output columns per program (the FMA tile)
 DECODE_SPLIT_K = 1024       # and K elements per split at least (splits = K // this, >= 1)
 
 
