@@ -35,7 +35,7 @@ def test_fma_ragged(fmt: str, N: int, block_m: int) -> None:
     idx, rw = make_routing(N, 8, 2, seed=23, hot=5)
     x = randn(N, 128, seed=N).to(torch.bfloat16)
     out = check(x, wts, idx, rw, 10.0, fmt, variant="fma", block_m=block_m, block_n=16)
-    mma = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, fmt,  # type: ignore[arg-type]
+    mma = triton_routed_experts_quant(x, *wts, idx, rw, 10.0, fmt,
                                       variant="scaled")
     assert ((out - mma).abs().max() / mma.abs().max()).item() <= 2e-3
 
@@ -49,7 +49,7 @@ def test_fma_fp32_x_exact(fmt: str) -> None:
     x = randn(5, 128, seed=29) * 3
     ref = reference(x, wts, idx, rw, 10.0, fmt)
     for bk in (None, 32 if fmt == "fp4" else 16):
-        out = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, fmt,  # type: ignore[arg-type]
+        out = triton_routed_experts_quant(x, *wts, idx, rw, 10.0, fmt,
                                           variant="fma", block_k=bk)
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 2e-6
 
@@ -64,7 +64,7 @@ def test_fma_rows_independent(fmt: str) -> None:
     x = randn(7, 64, seed=31).to(torch.bfloat16)
 
     def run(t: slice, bm: int) -> torch.Tensor:
-        return triton_routed_experts_quant(x[t], *wts[:2], *wts[2:], idx[t], rw[t],  # type: ignore[arg-type]
+        return triton_routed_experts_quant(x[t], *wts, idx[t], rw[t],
                                            10.0, fmt, variant="fma", block_m=bm,
                                            deterministic=True)
 
@@ -88,7 +88,7 @@ def test_fma_with_the_combine(fmt: str, deterministic: bool) -> None:
     calls: list[int] = []
 
     def run(**kw: object) -> torch.Tensor:
-        return triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, fmt,  # type: ignore[arg-type]
+        return triton_routed_experts_quant(x, *wts, idx, rw, 10.0, fmt,
                                            variant="fma", deterministic=deterministic, **kw)
 
     plain = run()
