@@ -256,17 +256,24 @@ def small_variants() -> Iterator[Variant]:
                 "stride_s": "i32:16", "stride_o": "i32:16"},
                {"TOPK": topk, "HAS_SHARED": shared, "BLOCK": mc.BLOCK_D},
                {"num_warps": mc.NUM_WARPS})
+    from dsv4.kernels.triton import gemv
     from dsv4.kernels.triton import moe_gate_logits as gl
 
-    # the gate logits: bf16 (the served model) and fp32 (an fp32 model) operands, d 4096
-    for dt, torch_dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        block_e, block_k = gl.gate_logits_config(4096, torch_dt)
-        yield (f"moe gate logits {dt} E 256 d 4096", gl._gate_logits_kernel,
-               {"u_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": "*fp32", "M": "i32",
-                "E": "i32:16", "K": "i32:16", "stride_u": "i32:16", "stride_w": "i32:16"},
-               {"BLOCK_M": gl.BLOCK_M, "BLOCK_E": block_e, "BLOCK_K": block_k,
-                "NUM_STAGES": gl.NUM_STAGES, "EVEN_K": True},
-               {"num_warps": gl.NUM_WARPS, "num_stages": gl.NUM_STAGES})
+    # the gate's logits at decode: the GEMV on bf16 operands with fp32 sums out, E 256, d 4096
+    block_n, splits = gl.gate_plan(256, 4096)
+    for M in (1, 4):
+        plan = gemv.plan_gemv(M, 256, 4096, torch.bfloat16, torch.bfloat16, 132,
+                              block_n=block_n, split_k=splits, dot=False)
+        split = gemv.even_split(4096 // plan.block_k, plan.split_k)[0]
+        yield (f"moe gate logits bf16 -> fp32 E 256 d 4096 M={M}", gemv._gemv_kernel,
+               {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "part_ptr": "*fp32",
+                "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32:16",
+                "stride_xm": "i32:16", "stride_wn": "i32:16", "k_per_split": "i32:16"},
+               {"BLOCK_M": gemv.block_m(M, False), "BLOCK_N": plan.block_n,
+                "BLOCK_K": plan.block_k, "SPLIT_K": split, "NUM_STAGES": plan.num_stages,
+                "DOT": False, "ROWS": M, "UPCAST": False, "PRECISION": plan.precision,
+                "EVEN_K": True},
+               {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
 
 
 def gemv_variants() -> Iterator[Variant]:

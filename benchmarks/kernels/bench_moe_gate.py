@@ -1,8 +1,9 @@
 """Benchmark: the MoE gate's selection and weights in one launch (`triton_moe_gate_select`), the
-shared expert's SwiGLU in one launch (`triton_swiglu`) and the gate's logits in one launch
-(`triton_moe_gate_logits`) vs their torch forms (`ref/moe.py::moe_gate_select`: softplus, sqrt,
-bias add, top-k, gather, sum, division, scaling; `ref/moe.py::swiglu`: two clamps, silu, product;
-`ref/moe.py::moe_gate_logits`: the two fp32 casts and an fp32 GEMM).
+shared expert's SwiGLU in one launch (`triton_swiglu`) and the gate's logits
+(`triton_moe_gate_logits`: at N <= 4 the decode GEMV, one launch; above, the reference) vs their
+torch forms (`ref/moe.py::moe_gate_select`: softplus, sqrt, bias add, top-k, gather, sum,
+division, scaling; `ref/moe.py::swiglu`: two clamps, silu, product; `ref/moe.py::moe_gate_logits`:
+the two fp32 casts and an fp32 GEMM).
 
 Shapes: V4-Flash routing (E = 256, k = 6, top-k on scores + bias, from the gate GEMM's fp32
 logits) and shared expert (gate / up [N, 2048] bf16) at N = 1, 8, 32, 128, 512 tokens. Bytes the
@@ -22,6 +23,7 @@ then ONE JSON line (also written to --out).
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -82,7 +84,8 @@ def bench_case(c: tuple[str, int], args: argparse.Namespace,
     elif op == "logits":
         sets = [logits_inputs(N, e, d, device, args.seed + i)
                 for i in range(LOGIT_SETS if cuda else 1)]
-        fast, ref = triton_moe_gate_logits, moe_gate_logits
+        held = torch.zeros(e, dtype=torch.int32, device=device)     # split-K counters
+        fast, ref = functools.partial(triton_moe_gate_logits, counters=held), moe_gate_logits
         nbytes = N * d * 2 + e * d * 2 + N * e * 4
     else:
         sets = [(*swiglu_inputs(N, inter, device, args.seed + i), LIMIT) for i in range(n_sets)]
@@ -110,7 +113,9 @@ def main() -> None:
     args = base_parser(__doc__.splitlines()[0], "(no sweep)").parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     sizes = [3] if args.cpu_smoke else [1, 8, 32, 128, 512]
-    cases = [(op, n) for op in ("gate", "swiglu", "logits") for n in sizes]
+    logit_sizes = [3] if args.cpu_smoke else [1, 4, 32]          # decode GEMV up to 4 rows
+    cases = ([(op, n) for op in ("gate", "swiglu") for n in sizes]
+             + [("logits", n) for n in logit_sizes])
     rows = bench_rows(cases, lambda c: bench_case(c, args, device), device)
     print_table(rows, TABLE)
     emit({**record_header("moe_gate", device), "results": rows}, args.out)

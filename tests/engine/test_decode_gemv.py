@@ -1,6 +1,7 @@
 """`EngineConfig.decode_gemv` (`model/decode_gemv.py`): the decode path's 16-bit projections get
-their own split-K counters and run through the triton backend's `linear` op; off, in the
-invariant modes and for float32 weights they run F.linear as before.
+their own split-K counters and run through the triton backend's `linear` op, and the MoE gates
+through its `moe_gate_logits` op; off, in the invariant modes and for float32 weights they run
+F.linear (the gates: F.linear of fp32 casts) as before.
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 -m pytest -q tests/engine/test_decode_gemv.py
 """
@@ -21,7 +22,7 @@ from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.attention import Attention
 from dsv4.model.decode_gemv import attach_decode_gemv
 from dsv4.model.fused_projections import fuse_projections
-from dsv4.model.moe import MLP
+from dsv4.model.moe import MLP, Gate
 from dsv4.model.quant_linear import GEMV_COUNTERS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,12 +30,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _sites(model: nn.Module) -> int:
     """Call sites `attach_decode_gemv` serves: 4 attention linears, 2 indexer ones, 3 per MLP
-    (shared experts, MTP blocks' too), and the 16-bit fused groups (x, q, w1 | w3)."""
+    (shared experts, MTP blocks' too), the MoE gates, and the 16-bit fused groups (x, q,
+    w1 | w3)."""
     attn = [m for m in model.modules() if isinstance(m, Attention)]
     mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    gates = [m for m in model.modules() if isinstance(m, Gate)]
     groups = [g for a in attn for g in (a.fused_x, a.fused_q)] + [m.fused_w13 for m in mlps]
     return (4 * len(attn) + 2 * sum(a.indexer is not None for a in attn) + 3 * len(mlps)
-            + sum(g is not None for g in groups))
+            + len(gates) + sum(g is not None for g in groups))
 
 
 def test_attach_and_detach() -> None:

@@ -45,3 +45,16 @@ def test_decode_rows_match_linear_and_fused_columns_are_exact(m: int) -> None:
 def test_prefill_rows_take_linear() -> None:
     x, w = _data(9, 48, 256)
     assert torch.equal(triton_project(x, w, GemvCounters()), F.linear(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_a_16_bit_x_is_its_fp32_values(m: int) -> None:
+    """The compressors hand the `project` op their bf16 x as it is (no cast launch): the result is
+    fp32 and bit-equal to projecting x.float() (decode rows read and widen x in the kernel; more
+    rows take F.linear of the cast)."""
+    x, w = _data(m, 96, 512, seed=1)
+    xb = x.bfloat16()
+    counters = GemvCounters()
+    got = triton_project(xb, w, counters)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, triton_project(xb.float(), w, counters))

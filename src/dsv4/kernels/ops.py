@@ -46,8 +46,8 @@ class CompressPairOp(Protocol):
 
 
 class ProjectOp(Protocol):
-    """`ref/compressor.py::project`: the compressors' fp32 projections, x [T, k] @ w [n, k]^T ->
-    [T, n] fp32."""
+    """`ref/compressor.py::project`: the compressors' fp32 projections, x [T, k] (any float dtype,
+    taken as its fp32 values) @ w [n, k]^T (fp32) -> [T, n] fp32."""
 
     def __call__(self, x: Tensor, w: Tensor) -> Tensor: ...
 
@@ -77,10 +77,11 @@ class PickSlotsOp(Protocol):
 
 class MoeGateLogitsOp(Protocol):
     """`ref/moe.py::moe_gate_logits`: u [N, d] times the gate weight [E, d]^T -> [N, E] fp32
-    (products exact for 16-bit operands); a row's bits must not depend on N (the RL values mode
-    reproduces the engine's one-token rows in a full-sequence call)."""
+    (products exact for 16-bit operands). `counters`: the call site's zeroed int32 split-K
+    arrival counters (>= E / 16 words, left zero), ignored by the reference; without them every
+    backend runs the reference."""
 
-    def __call__(self, u: Tensor, weight: Tensor) -> Tensor: ...
+    def __call__(self, u: Tensor, weight: Tensor, *, counters: Tensor | None = None) -> Tensor: ...
 
 
 class RoutedExpertsOp(Protocol):

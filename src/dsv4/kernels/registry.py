@@ -119,9 +119,10 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
     gate-score position embedding and the greedy sampler's row argmax; the MoE gate's logits
-    (bf16 operands read as they are, fp32 sums, a row's bits independent of the row count), its
-    selection and weights after them (ids equal to `ref`'s; weights within ~1 ulp: torch's k-sum
-    order depends on the row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU) and
+    (at decode, with the call site's counters: the decode GEMV on the bf16 operands as they are,
+    fp32 sums; the reference otherwise and under `invariant_plans`), its selection and weights
+    after them (ids equal to `ref`'s; weights within ~1 ulp: torch's k-sum order depends on the
+    row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU) and
     the checkpoint-format FP8 linears (`quant_linear`: codes decoded in registers, fp32 sums).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
@@ -139,8 +140,9 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     shapes only, never from the token count: sparse attention without split-KV, mHC pre / head
     with the T-invariant split-K plan, the compressor projections as fixed-tile GEMMs, a CSA
     layer's compressor pair as two single launches at every T (the default fuses them up to 512
-    tokens, and the fused entries differ from the singles' in rounding). The other ops already
-    are; `benchmarks/kernel_invariance.py` checks the token-wise ops on the GPU,
+    tokens, and the fused entries differ from the singles' in rounding), the dense projections and
+    the gate's logits as their references. The other ops already are;
+    `benchmarks/kernel_invariance.py` checks the token-wise ops on the GPU,
     `benchmarks/drift_events.py` the whole forward. A token then gets the same bits in a decode
     step of any batch size and in one full-sequence call, so an RL trainer that takes its forward
     values from these ops (`ForwardMode.values`) reproduces the engine's log-probs. Costs
@@ -197,7 +199,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
                      triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape,
                      triton_argmax, triton_moe_gate_select, triton_swiglu,
-                     triton_fp8_linear, triton_moe_gate_logits,
+                     triton_fp8_linear,
+                     moe_gate_logits if invariant_plans else triton_moe_gate_logits,
                      dense_linear if invariant_plans else triton_decode_linear)
 
 

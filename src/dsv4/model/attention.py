@@ -289,13 +289,14 @@ class Attention(nn.Module):
 
     def _compress_projections(self, x: torch.Tensor,
                               ctx: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(kv, score) [T, c*Dc] fp32 of each compressor (`compressors`) for x [T, d], cast to fp32
-        once: each compressor's two `project` ops, or one `project` on the fused weight whose
-        column slices they are (score with its compressor's ape added in place either way)."""
-        xf, compressors = x.float(), self.compressors()
+        """(kv, score) [T, c*Dc] fp32 of each compressor (`compressors`) for x [T, d] (the
+        `project` op takes x's fp32 values: no cast here): each compressor's two `project` ops,
+        or one `project` on the fused weight whose column slices they are (score with its
+        compressor's ape added in place either way)."""
+        compressors = self.compressors()
         if self.fused_compress is None:
-            return [c.project(xf, ctx.positions, ctx.ops) for c in compressors]
-        parts = self.fused_compress(xf, ctx.ops.project)
+            return [c.project(x, ctx.positions, ctx.ops) for c in compressors]
+        parts = self.fused_compress(x, ctx.ops.project)
         projected = []
         for i, c in enumerate(compressors):
             kv, score = parts[2 * i], parts[2 * i + 1]

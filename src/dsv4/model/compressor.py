@@ -27,17 +27,18 @@ from dsv4.model.layers.norm import RMSNorm
 def _project(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
              ape: torch.Tensor, ratio: int,
              ops: KernelOps | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv, score) fp32 of x [..., d] (an fp32 x is used as is, any other dtype cast once);
-    score includes `ape[positions % ratio]`.
+    """(kv, score) fp32 of x [..., d] (x's fp32 values: an fp32 x is used as is, any other dtype
+    cast once, or, by the `project` op, widened as it reads it); score includes
+    `ape[positions % ratio]`.
 
     `ops`: the backend's `project` op on x as [T, d] rows, then its `add_ape` op in place on the
     score rows `project` just allocated (no other tensor sees them); else F.linear and an
     out-of-place add. Both adds are one fp32 add of the same operands: the same bits."""
-    xf = x.float()
     if ops is None:
+        xf = x.float()
         kv, score = F.linear(xf, wkv.float()), F.linear(xf, wgate.float())
         return kv, score + ape.float()[positions % ratio]
-    rows = xf.reshape(-1, xf.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
     kv, score = ops.project(rows, wkv.float()), ops.project(rows, wgate.float())
     ops.add_ape(score, ape.float(), positions.reshape(-1), ratio)
     return kv.view(*x.shape[:-1], -1), score.view(*x.shape[:-1], -1)

@@ -8,9 +8,11 @@ of arrival counters that every call leaves zero (no memset per step). This modul
 projection of the decode path its own: the bias-free 16-bit `nn.Linear`s of attention (wq_a, wkv,
 wq_b, wo_b), the indexer (wq_b, weights_proj) and the shared expert (w1, w2, w3) a non-persistent
 buffer `GEMV_COUNTERS` (not in `state_dict`), and each fused group (`layers/fused.py::FusedRows`)
-its `counters`. `model/quant_linear.py::linear` and `FusedRows.gemm` route a projection to the
-`linear` op only when it has counters, so a model without them (training, the reference path)
-runs `F.linear` exactly as before.
+its `counters`. The MoE gate (`moe.py::Gate`, 16-bit weight) gets the same buffer: its logits then
+go through the backend's `moe_gate_logits` op (a decode GEMV with fp32 sums, no fp32 copy of the
+weight per step) instead of the reference's casts. `model/quant_linear.py::linear` and
+`FusedRows.gemm` route a projection to the `linear` op only when it has counters, so a model
+without them (training, the reference path) runs `F.linear` exactly as before.
 
 Own buffers per call site, not one shared one: under multi-stream branches (`model/streams.py`)
 the indexer's wq_b runs on the side stream while wq_b runs on the main one; calls that share a
@@ -29,7 +31,7 @@ from torch import nn
 from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.model.attention import Attention
 from dsv4.model.layers.fused import FusedRows
-from dsv4.model.moe import MLP
+from dsv4.model.moe import MLP, Gate
 from dsv4.model.quant_linear import GEMV_COUNTERS
 
 _ATTENTION = ("wq_a", "wkv", "wq_b", "wo_b")
@@ -49,6 +51,9 @@ def attach_decode_gemv(model: nn.Module, on: bool = True) -> int:
             groups = [module.fused_x, module.fused_q]
         elif isinstance(module, MLP):
             linears, groups = [getattr(module, n) for n in _MLP], [module.fused_w13]
+        elif isinstance(module, Gate):
+            sites += _set_buffer(module, module.weight, on)
+            continue
         else:
             continue
         sites += sum(_set_module(m, on) for m in linears)
@@ -66,11 +71,19 @@ def _eligible(weight: torch.Tensor) -> bool:
 
 def _set_module(module: nn.Module, on: bool) -> bool:
     """Counters on a bias-free 16-bit nn.Linear (a `QuantLinear` has its own op and buffer)."""
-    if not (isinstance(module, nn.Linear) and module.bias is None and _eligible(module.weight)):
+    if not (isinstance(module, nn.Linear) and module.bias is None):
         return False
+    return _set_buffer(module, module.weight, on)
+
+
+def _set_buffer(module: nn.Module, weight: torch.Tensor, on: bool) -> bool:
+    """Give (on) or take (off) `module` its counters buffer for `weight` [rows, K]; False (and
+    no buffer) when the weight is not a 16-bit matrix."""
+    if not _eligible(weight):
+        on = False
     if on and getattr(module, GEMV_COUNTERS, None) is None:
-        module.register_buffer(GEMV_COUNTERS, _counters(module.weight.shape[0],  # (TP shards)
-                                                        module.weight.device), persistent=False)
+        module.register_buffer(GEMV_COUNTERS, _counters(weight.shape[0],  # (TP shards)
+                                                        weight.device), persistent=False)
     elif not on and GEMV_COUNTERS in module._buffers:
         del module._buffers[GEMV_COUNTERS]
     return on

@@ -5,8 +5,9 @@ only steers selection); hash layers select by the fixed table tid2eid[token id].
 selected scores renormalised and multiplied by `routed_scaling_factor`. Experts and the shared
 expert are SwiGLU with the clamp at `swiglu_limit`. Routed expert weights are stacked [E, ...].
 
-The gate's logits are `F.linear` of fp32 casts (the `moe_gate_logits` op's kernel measured slower
-at decode); its selection and weights after them (`moe_gate_select`),
+The gate's logits (`moe_gate_logits`: fp32 sums of the 16-bit operands; on the serving path a
+decode GEMV when the engine gave the gate split-K counters, `model/decode_gemv.py`), its selection
+and weights after them (`moe_gate_select`),
 the shared expert's SwiGLU (`swiglu`) and the routed experts with the layer's combine (the shared
 expert's output added, one cast: `routed_experts`) are kernel ops: the backend's on the serving
 path and under `ForwardMode.values`, the references of `kernels/ref/moe.py` otherwise. On the
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.moe import (
     WaitShared,
+    moe_gate_logits,
     moe_gate_select,
     routed_experts,
     routed_experts_dense,
@@ -36,7 +37,7 @@ from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.fused import FusedRows
-from dsv4.model.quant_linear import linear
+from dsv4.model.quant_linear import GEMV_COUNTERS, linear
 from dsv4.model.streams import join, side
 
 
@@ -61,15 +62,19 @@ class Gate(nn.Module):
         live scores gathered at them, so the gate weight keeps its gradient. -1 rows (padding
         tokens) take experts 0..k-1.
 
-        The logits are `F.linear` of the fp32 casts; the rest is the op `moe_gate_select`: the
-        backend's with a `ctx` (serving); with `values` (a full-sequence `ForwardMode.values`)
-        that op's ids and weights, the weights differentiable through the reference at those ids
-        (so the gradient reaches u and the gate weight); otherwise the reference
-        (`kernels/ref/moe.py`).
+        The logits: the backend's op `moe_gate_logits` with a `ctx` (serving) and the gate's
+        split-K counters (`GEMV_COUNTERS`, given by the engine outside its invariant modes);
+        otherwise the reference, `F.linear` of the fp32 casts. The rest is the op
+        `moe_gate_select`: the backend's with a `ctx` (serving); with `values` (a full-sequence
+        `ForwardMode.values`) that op's ids and weights, the weights differentiable through the
+        reference at those ids (so the gradient reaches u and the gate weight); otherwise the
+        reference (`kernels/ref/moe.py`).
         """
-        # NOTE: the `moe_gate_logits` op is not used here: its Triton kernel measured 31.5 us
-        # per layer at batch-1 decode on the H200, slower than these casts + cuBLAS (~25 us)
-        logits = F.linear(u.float(), self.weight.float())
+        counters = getattr(self, GEMV_COUNTERS, None)
+        if ctx is not None and counters is not None:
+            logits = ctx.ops.moe_gate_logits(u, self.weight, counters=counters)
+        else:
+            logits = moe_gate_logits(u, self.weight)
         hashed = self.tid2eid[input_ids] if self.tid2eid is not None and replayed is None else None
         k, scale = self.topk, self.route_scale
         if ctx is not None:
@@ -207,7 +212,7 @@ class MoE(nn.Module):
                 and self.replay_index is not None:
             replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
         values = mode.values if mode is not None else None
-        # the shared expert on the side stream, beside the gate and the routed experts
+        # the shared expert on the side stream, beside the gate and the routed experts' tile map
         stream = ctx.side_stream if ctx is not None else None
         with side(stream):
             shared = self.shared_experts(u, ctx, values)
@@ -215,7 +220,7 @@ class MoE(nn.Module):
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
         local = isinstance(self.reduce, nn.Identity)
-        # the side stream joins inside the op, right before its combine reads `shared`
+        # the side stream joins inside the op (the triton one: before its expert GEMMs)
         combine = Combine(shared, x.dtype if local else torch.float32,
                           (lambda: join(stream)) if stream is not None else None)
         out = self.experts(u, indices, weights, ctx, mode=mode, combine=combine)

@@ -43,8 +43,9 @@ class CompressIndex(NamedTuple):
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The compressor projections (the `project` op): x [T, k] fp32 @ w [n, k]^T -> [T, n] fp32."""
-    return torch.nn.functional.linear(x, w)
+    """The compressor projections (the `project` op): x [T, k] (any float dtype: its fp32 values)
+    @ w [n, k]^T (fp32) -> [T, n] fp32."""
+    return torch.nn.functional.linear(x.float(), w)
 
 
 def add_ape(score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, ratio: int) -> None:

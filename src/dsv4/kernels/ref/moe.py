@@ -27,9 +27,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def moe_gate_logits(u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def moe_gate_logits(u: torch.Tensor, weight: torch.Tensor, *,
+                    counters: torch.Tensor | None = None) -> torch.Tensor:
     """The gate's fp32 logits: u [N, d] (any float dtype) times weight [E, d]^T -> [N, E] fp32,
-    both operands cast to fp32 first (bf16 / fp16 products are then exact)."""
+    both operands cast to fp32 first (bf16 / fp16 products are then exact). `counters` (the
+    kernel's split-K scratch) is unused here."""
     return F.linear(u.float(), weight.float())
 
 

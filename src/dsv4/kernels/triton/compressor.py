@@ -424,17 +424,18 @@ def write_ring_rows(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
 def triton_project(x: torch.Tensor, w: torch.Tensor,
                    counters: GemvCounters | None = None) -> torch.Tensor:
     """Same contract as `ref.compressor.project` (the triton backend's `project` op). Decode-sized
-    x (at most `gemv.FMA_MAX_M` rows): `triton_linear`, one launch streaming the fp32 weight
-    (cuBLAS runs these fp32 GEMVs at about half the copy rate), its tiles and K splits fixed
-    (`PROJECT_BLOCK_N`, `PROJECT_SPLITS`) so a column's sum order depends on K alone: a fused
-    group's columns get the bits of the members' own projections. `counters`: the backend's held
-    split-K counters (calls are serial: the compressors run on one stream). More rows: cuBLAS,
-    whose kernel (and a row's last bits) depends on the row count."""
+    x (at most `gemv.FMA_MAX_M` rows, any float dtype: a 16-bit x is read as it is and widened
+    in registers, no fp32 copy of it per step): `triton_linear`, one launch streaming the fp32
+    weight (cuBLAS runs these fp32 GEMVs at about half the copy rate), its tiles and K splits
+    fixed (`PROJECT_BLOCK_N`, `PROJECT_SPLITS`) so a column's sum order depends on K alone: a
+    fused group's columns get the bits of the members' own projections. `counters`: the backend's
+    held split-K counters (calls are serial: the compressors run on one stream). More rows:
+    cuBLAS, whose kernel (and a row's last bits) depends on the row count."""
     if x.shape[0] > FMA_MAX_M or w.shape[0] > PROJECT_BLOCK_N * MAX_TILES:
-        return torch.nn.functional.linear(x, w)
+        return torch.nn.functional.linear(x.float(), w)
     held = counters.get(x.device) if counters is not None else None
     return triton_linear(x, w, block_n=PROJECT_BLOCK_N, split_k=PROJECT_SPLITS, dot=False,
-                         counters=held)
+                         counters=held, out_dtype=torch.float32)
 
 
 class HeldProject:
@@ -452,4 +453,4 @@ def triton_project_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`project` with a row's bits independent of the row count: the fixed-tile Triton GEMM of
     `batch_invariant.py` (the backend's op under invariant launch plans)."""
     from dsv4.kernels.triton.batch_invariant import bi_mm
-    return bi_mm(x, w.t())
+    return bi_mm(x.float(), w.t())

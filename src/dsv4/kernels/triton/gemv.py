@@ -282,7 +282,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
                   block_k: int | None = None, split_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   dot: bool | None = None, precision: str | None = None,
-                  counters: torch.Tensor | None = None) -> torch.Tensor:
+                  counters: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ w.T (`F.linear(x, w)` without bias): x [M, K] with M <= MAX_M and unit column
     stride (any row stride), w [N, K] with unit stride along K, both bf16 / fp16 / fp32 -> y
     [M, N] contiguous in x's dtype, fp32 accumulation, one launch, bit-identical run to run.
@@ -293,11 +294,17 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     input_precision for fp32 operands: "ieee" or "tf32x3"). Different knobs may give different
     last bits (another sum order). `counters`: a zeroed int32 buffer of >= N tiles words for the
     split-K arrival counters, left zero by every call (`GemvCounters.get`; default: a fresh zeroed
-    one, i.e. one memset more; see the module docstring on streams).
+    one, i.e. one memset more; see the module docstring on streams). `out_dtype`: y's dtype
+    (default x's): the fp32 sums are rounded to it once, so an fp32 y of 16-bit operands is
+    `F.linear(x.float(), w.float())` up to the sum order.
     """
     _check(x, w)
     (M, K), N = x.shape, w.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in X_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not supported; allowed: "
+                         f"{[str(d) for d in X_DTYPES]}")
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:

@@ -49,8 +49,10 @@ The combine (`shared` addend, `out_dtype`; `kernels/ref/moe.py`'s module docstri
 deterministic path's third launch, `moe_combine.py`, sums the k slots in ascending order in fp32,
 adds `shared` and casts. The atomic path's sum is already in its [N, d] buffer: with a `shared`
 or a 16-bit `out_dtype` the same kernel runs on it as k = 1 (sum + shared, cast); otherwise that
-buffer is returned. Either way `wait_shared` is called after the down launch, right before the
-combine reads `shared`.
+buffer is returned. `wait_shared` (the caller's join of the stream that produces `shared`) is
+called after the tile map, before the gate/up launch: a side-stream kernel still running when the
+gate/up grid starts slowed the launch from 53 to 79 us at batch-1 decode on the H200 (V4-Flash
+shapes), more than the overlap gained.
 
 No host syncs: safe inside CUDA-graph capture. Every index must lie in [0, E) (not checked: a host
 sync). Test: tests/kernels/test_moe_quant.py. Benchmark: benchmarks/kernels/bench_moe_quant.py.
@@ -295,6 +297,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     if nk == 0:
         return add_shared(torch.zeros(N, d, dtype=torch.float32, device=x.device), *combine)
     order, t_start, t_end, t_exp = tile_map(indices, E, plan.block_m)
+    shared, out_dtype, wait_shared = combine
+    if wait_shared is not None:     # before the expert GEMMs (module docstring)
+        wait_shared()
     rw = weights.reshape(-1).contiguous()
     s1 = s1.view(torch.uint8) if s1 is not None else w1
     s3 = s3.view(torch.uint8) if s3 is not None else w3
@@ -307,9 +312,6 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     else:
         dest = _mma_launches(x, w1, w3, s1, s3, w2, s2, (order, t_start, t_end, t_exp), rw,
                              limit, fmt, topk, deterministic, plan)
-    shared, out_dtype, wait_shared = combine
-    if wait_shared is not None:
-        wait_shared()
     if not deterministic and shared is None and out_dtype == torch.float32:
         return dest
     return triton_moe_combine(dest.view(N, topk if deterministic else 1, d), shared, out_dtype)
