@@ -154,7 +154,9 @@ class DeepSeekV4ForCausalLM(nn.Module):
         for plan in ctx.plans.values():
             plan.entry_cos, plan.entry_sin = self.rope_compress.lookup(plan.entry_pos)
         ids = input_ids.unsqueeze(0)                                            # [1, T]
-        x = self.embed(ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
+        # the n streams start as copies of the embedding, materialised once here: the first
+        # layer's mHC pre and post ops take contiguous streams (an expand is copied by each)
+        x = self.embed(ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
             x = layer(x, ids, cos, sin, ctx)
