@@ -209,17 +209,21 @@ def attention_variants() -> Iterator[Variant]:
 
 
 def metadata_variants() -> Iterator[Variant]:
+    """The one launch of V4-Flash (page 256, window 128): both specs (C4 with overlap, ring 8;
+    C128, ring 128), one spec (a model with CSA or HCA layers only), none (the MTP draft's
+    context)."""
     from dsv4.kernels.triton import metadata
 
     types = {name: "*i64" for name in metadata._metadata_kernel.arg_names if name.endswith("_ptr")}
-    types.update({"from_new_ptr": "*u8", "valid_ptr": "*u8"})
-    blocks = {"BLOCK_T": metadata.BLOCK_T, "BLOCK_B": metadata.BLOCK_B, "BLOCK_W": 128,
-              "BLOCK_V": metadata.BLOCK_V}
-    # the first launch (tokens + C4 plan), the second (C128 plan), a model without compressors
-    for label, ratio, S, tokens, plan in (("c4 + tokens", 4, 8, True, True),
-                                          ("c128", 128, 128, False, True),
-                                          ("tokens only", 1, 1, True, False)):
-        consts = {"RATIO": ratio, "S": S, "TOKENS": tokens, "PLAN": plan, "BLOCK_S": S, **blocks}
+    types.update({f"{name}{i}_ptr": "*u8" for name in ("from_new", "valid") for i in (0, 1)})
+    base = {"P": 256, "W": 128, "BLOCK_T": metadata.BLOCK_T, "BLOCK_B": metadata.BLOCK_B,
+            "BLOCK_W": metadata.MAX_BLOCK_W, "BLOCK_V": metadata.BLOCK_V}
+    c4, c128, unused = (4, 8, 8), (128, 128, 128), (1, 1, 1)     # RATIO, S, RING
+    for label, slots in (("c4 + c128", (c4, c128)), ("c4", (c4, unused)),
+                         ("c128", (c128, unused)), ("tokens only", (unused, unused))):
+        consts = {**base, "NSPEC": sum(s != unused for s in slots)}
+        for i, (ratio, S, ring) in enumerate(slots):
+            consts |= {f"RATIO{i}": ratio, f"S{i}": S, f"RING{i}": ring, f"BLOCK_S{i}": S}
         yield f"metadata {label}", metadata._metadata_kernel, types, consts, {"num_warps": 4}
 
 

@@ -5,9 +5,12 @@ CPU: the Triton interpreter. Random page tables (the padding slot's row all null
 rows (n = 4), chunked-prefill rows, a request at position 0, positions across page boundaries,
 a padding row on the pad slot, zero-length rows, and more requests than one scan chunk
 (BLOCK_B); the request rows as strided columns (a CUDA graph's static inputs); an overlap (C4)
-and a non-overlap (C128 / C16) plan; candidate widths V that are no multiple of any block (and
-V = 0); default and small tiles (several T and V blocks with tails). Every field must equal the
-reference's bit for bit, dtype and shape included. End to end: `device_context` over a real
+and a non-overlap (C128 / C16) plan; a geometry with no power of two (page size, window,
+ratios, rings: the kernel's constexpr divisors); candidate widths V that are no multiple of any
+block (and V = 0); default and small tiles (several T and V blocks with tails). Every field must
+equal the reference's bit for bit, dtype and shape included. One launch per step: two, one or no
+specs launch the kernel once (grid: token blocks x (1 + specs + every spec's candidate tiles)),
+an empty step not at all; a third spec is refused. End to end: `device_context` over a real
 request table gives the same ForwardContext rows with the triton ops as with `ref`.
 GPU: the same tests compile the kernel (they run wherever CUDA is present).
 
@@ -17,6 +20,7 @@ GPU: the same tests compile the kernel (they run wherever CUDA is present).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -28,6 +32,7 @@ import pytest  # noqa: E402
 
 from dsv4.kernels.ops import CompressSpec, StepRows  # noqa: E402
 from dsv4.kernels.ref.metadata import step_metadata  # noqa: E402
+from dsv4.kernels.triton import metadata  # noqa: E402
 from dsv4.kernels.triton.metadata import triton_step_metadata  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,12 +85,12 @@ def run_both(rows: list[Row], table: torch.Tensor, full_to_swa: torch.Tensor, P:
     assert_rows_equal(got, want)
 
 
-# (page size, window, C4 ratio, compressed ratio, max pages)
-GEOMETRIES = [(16, 8, 4, 16, 12), (256, 128, 4, 128, 3)]
+# (page size, window, C4 ratio, compressed ratio, max pages); the last: no power of two anywhere
+GEOMETRIES = [(16, 8, 4, 16, 12), (256, 128, 4, 128, 3), (12, 6, 3, 6, 10)]
 KNOBS = [{}, {"block_t": 4, "block_v": 16}]
 
 
-@pytest.mark.parametrize("geo", GEOMETRIES, ids=["P16", "P256"])
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=["P16", "P256", "P12"])
 @pytest.mark.parametrize("knobs", KNOBS, ids=["default", "small-tiles"])
 def test_mixed_step_matches_ref(geo: tuple[int, int, int, int, int], knobs: dict[str, int]
                                 ) -> None:
@@ -123,6 +128,44 @@ def test_decode_rows_without_or_with_one_plan(specs: list[CompressSpec] | str) -
     rows = [(0, 0, 1), (3, 17, 1), (1, 100, 1), (2, 5, 1)]
     plan = [CompressSpec(4, True, 16, 7, 8, 101 // 4)] if specs == "one" else []
     run_both(rows, table, full_to_swa, P, W, plan)
+
+
+class _CountLaunches:
+    """Stands in for `_metadata_kernel`: records each launch's grid, then launches."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid: tuple[int, int]) -> Any:
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("nspec", [2, 1, 0])
+def test_one_launch_per_step(nspec: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token rows and every spec's rows in ONE launch: grid (token blocks, 1 + specs + candidate
+    tiles of every spec); none for an empty step (and the same empty rows as the reference)."""
+    P, W = 16, 8
+    g = torch.Generator().manual_seed(4)
+    table, full_to_swa = make_tables(g, 4, 8, 30, 20)
+    rows = [(0, 3, 1), (3, 40, 5), (1, 100, 1)]
+    specs = specs_for(rows, (4, 16), extra=0)[:nspec]          # V = 25 (C4) and 6 (C16)
+    counter = _CountLaunches(metadata._metadata_kernel)
+    monkeypatch.setattr(metadata, "_metadata_kernel", counter)
+    run_both(rows, table, full_to_swa, P, W, specs, block_t=4, block_v=16)
+    tiles = {2: 2 + 1, 1: 2, 0: 0}[nspec]
+    assert counter.grids == [(2, 1 + nspec + tiles)]
+    run_both([(0, 3, 0), (2, 9, 0)], table, full_to_swa, P, W, specs)
+    assert len(counter.grids) == 1
+
+
+def test_rejects_more_specs_than_slots() -> None:
+    g = torch.Generator().manual_seed(5)
+    table, full_to_swa = make_tables(g, 2, 4, 10, 10)
+    slots, starts, lens = strided_rows([(0, 3, 1)])
+    specs = [CompressSpec(r, False, r, 1, 2, 1) for r in (2, 4, 8)]
+    with pytest.raises(ValueError, match="at most 2 compress specs"):
+        triton_step_metadata(slots, starts, lens, table, full_to_swa, 16, 1, 8, specs)
 
 
 def test_engine_context_matches_ref() -> None:

@@ -4,8 +4,8 @@ Input: per request its slot in the request table, the first new position `start`
 of new tokens `n`; three small host lists, copied once. Everything else — token positions, SWA
 window slots, compressed-entry write slots and visibility, compressor source rows — is computed
 from the device page tables by the kernel op `step_metadata` (`KernelOps`; its specification is
-`kernels/ref/metadata.py`, the triton backend runs it in one launch per compress ratio), so no
-per-request Python runs per step and the step's index rows cost a few launches.
+`kernels/ref/metadata.py`, the triton backend runs it in one launch), so no per-request Python
+runs per step and the step's index rows cost one launch.
 
         request r:  positions [start_r, start_r + n_r)  ->  tokens t in [off_r, off_r + n_r)
         full slot of position p  = page_table[r, p // P] * P + p % P
