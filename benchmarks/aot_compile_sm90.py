@@ -34,6 +34,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dsv4.kernels.ops import DECODE_BLOCK_N
+
 # label, kernel, types, constexprs, options
 Variant = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]
 
@@ -270,36 +272,58 @@ def small_variants() -> Iterator[Variant]:
                               block_n=block_n, split_k=splits, dot=False)
         split = gemv.even_split(4096 // plan.block_k, plan.split_k)[0]
         yield (f"moe gate logits bf16 -> fp32 E 256 d 4096 M={M}", gemv._gemv_kernel,
-               {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "part_ptr": "*fp32",
-                "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32:16",
-                "stride_xm": "i32:16", "stride_wn": "i32:16", "k_per_split": "i32:16"},
+               gemv_types("bf16", "fp32"),
                {"BLOCK_M": gemv.block_m(M, False), "BLOCK_N": plan.block_n,
                 "BLOCK_K": plan.block_k, "SPLIT_K": split, "NUM_STAGES": plan.num_stages,
                 "DOT": False, "ROWS": M, "UPCAST": False, "PRECISION": plan.precision,
-                "EVEN_K": True},
+                "EVEN_K": True, "SWIGLU": False, "LIBDEVICE": True},
                {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+
+
+def gemv_types(dt: str, out: str) -> dict[str, str]:
+    """`gemv._gemv_kernel`'s argument types: x (and up) / w of `dt`, y of `out`; K, the row
+    strides and the split length divisible by 16 (V4-Flash)."""
+    return {"x_ptr": f"*{dt}", "u_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": f"*{out}",
+            "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32:16",
+            "stride_xm": "i32:16", "stride_um": "i32:16", "stride_wn": "i32:16",
+            "k_per_split": "i32:16", "limit": "fp32"}
 
 
 def gemv_variants() -> Iterator[Variant]:
     """The decode projections' skinny GEMM at its default plans (bf16 and fp32 weights; the FMA
-    path at M 1 / 4, the tl.dot path at M 8 / 32; split-K on and off)."""
+    path at M 1 / 4, the tl.dot path at M 8 / 32; split-K on and off), then the shared expert's
+    w2 at the `linear` op's decode plan (V4-Flash: I 2048 -> d 4096, bf16, M 1 / 4) plain and in
+    the SwiGLU mode (`swiglu_linear`: the gate / up loads and the SwiGLU in the K loop)."""
     from dsv4.kernels.triton import gemv
 
     for dt, N, K in (("bf16", 4096, 4096), ("bf16", 32768, 1024), ("fp32", 2560, 4096)):
         torch_dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
         for M in (1, 4, 8, 32):
             plan = gemv.plan_gemv(M, N, K, torch_dt, torch_dt, 132)
-            types = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
-                     "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32:16",
-                     "stride_xm": "i32:16", "stride_wn": "i32:16", "k_per_split": "i32:16"}
             consts = {"BLOCK_M": gemv.block_m(M, plan.dot), "BLOCK_N": plan.block_n,
                       "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k,
                       "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
                       "ROWS": 0 if plan.dot else M, "UPCAST": dt == "fp32",
-                      "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0}
+                      "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0,
+                      "SWIGLU": False, "LIBDEVICE": True}
             path = "dot" if plan.dot else "fma"
-            yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k}", gemv._gemv_kernel, types,
-                   consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+            yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k}", gemv._gemv_kernel,
+                   gemv_types(dt, dt), consts,
+                   {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+    N, K = 4096, 2048
+    for M in (1, 4):
+        plan = gemv.plan_gemv(M, N, K, torch.bfloat16, torch.bfloat16, 132,
+                              block_n=DECODE_BLOCK_N, split_k=K // gemv.DECODE_SPLIT_K, dot=False)
+        for swiglu in (False, True):
+            consts = {"BLOCK_M": gemv.block_m(M, False), "BLOCK_N": plan.block_n,
+                      "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k,
+                      "NUM_STAGES": plan.num_stages, "DOT": False, "ROWS": M, "UPCAST": False,
+                      "PRECISION": plan.precision, "EVEN_K": True, "SWIGLU": swiglu,
+                      "LIBDEVICE": True}
+            label = "swiglu+gemv" if swiglu else "gemv"
+            yield (f"{label} w2 bf16 {N}x{K} M={M} fma s{plan.split_k}", gemv._gemv_kernel,
+                   gemv_types("bf16", "bf16"), consts,
+                   {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
 
 
 def fp8_linear_variants() -> Iterator[Variant]:

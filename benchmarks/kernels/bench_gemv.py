@@ -12,7 +12,12 @@ sets. `--sweep` also times plan knobs around the default (tile widths, K
 block, warps, stages, splits; the FMA / tl.dot path at M = 8; tf32x3 for fp32) and prints the best
 per case, the input for `kernels/triton/gemv.py::plan_gemv`'s defaults. `--m` / `--shapes` pick
 a subset (a full sweep compiles a few hundred variants).
-Prints a table, then ONE JSON line (also written to --out).
+SwiGLU rows (`--swiglu-m`, default M = 1, 4; "" skips them): the shared expert's SwiGLU + w2 at
+V4-Flash's decode shape (I 2048 -> d 4096, bf16; gate / up the column halves of one [M, 4096]
+w1 | w3 output), `triton_swiglu_linear` (one launch, the SwiGLU computed in the GEMV's x loads)
+vs `triton_swiglu` then `triton_decode_linear` (the two launches it replaces; bit-equal, asserted)
+and vs `triton_swiglu` then `F.linear`; floor: the weight, gate / up and y once.
+Prints a table (two with the SwiGLU rows), then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_gemv.py --out FILE.json            # CUDA
     PYTHONPATH=src python3 benchmarks/kernels/bench_gemv.py --sweep --out FILE.json    # + knobs
@@ -49,6 +54,9 @@ SHAPES: list[tuple[int, int, torch.dtype]] = [
     (2560, 4096, F32), (256, 4096, F32)]
 # --cpu-smoke: a partial N tile; a K tail and (planned for one SM) two K splits
 SMOKE_SHAPES: list[tuple[int, int, torch.dtype]] = [(40, 96, BF16), (24, 300, F32)]
+# the shared expert's w2 (d, I) at decode; --cpu-smoke: a partial N tile, two K splits, a K tail
+SWIGLU_SHAPE, SWIGLU_SMOKE_SHAPE = (4096, 2048), (40, 1100)
+SWIGLU_LIMIT = 10.0         # V4-Flash's swiglu_limit
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,64 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
             "configs_failed": failed, "max_rel_err": err, "weight_sets": len(sets)}
 
 
+def swiglu_sets(m: int, d: int, inter: int, device: torch.device, seed: int
+                ) -> list[tuple[torch.Tensor, ...]]:
+    """(gate, up, w) sets: gate / up the column halves of one [m, 2 inter] bf16 tensor (~6 N(0, 1),
+    some beyond the clamp), w [d, inter] bf16; as many weight copies as `make_sets` takes."""
+    n = min(MAX_SETS, max(2, math.ceil(ROTATE_BYTES / (d * inter * 2)))) if device.type == "cuda" \
+        else 1
+    g = torch.Generator(device).manual_seed(seed)
+    sets = []
+    for _ in range(n):
+        both = (torch.randn(m, 2 * inter, generator=g, device=device) * 6).to(BF16)
+        w = (torch.randn(d, inter, generator=g, device=device) / inter**0.5).to(BF16)
+        sets.append((both[:, :inter], both[:, inter:], w))
+    return sets
+
+
+def bench_swiglu(m: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The shared expert's SwiGLU + w2 at M = m: one launch vs the two it replaces (bit-equal)
+    vs the SwiGLU launch and cuBLAS."""
+    from dsv4.kernels.ops import DECODE_BLOCK_N
+    from dsv4.kernels.triton.gemv import triton_decode_linear
+    from dsv4.kernels.triton.swiglu import triton_swiglu
+    from dsv4.kernels.triton.swiglu_linear import triton_swiglu_linear
+
+    cuda = device.type == "cuda"
+    d, inter = SWIGLU_SHAPE if cuda else SWIGLU_SMOKE_SHAPE
+    sets = swiglu_sets(m, d, inter, device, args.seed)
+    held = torch.zeros(-(-d // DECODE_BLOCK_N), dtype=torch.int32, device=device)
+    lim = SWIGLU_LIMIT
+
+    def fused(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return triton_swiglu_linear(g, u, lim, w, counters=held)
+
+    def two(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return triton_decode_linear(triton_swiglu(g, u, lim), w, counters=held)
+
+    def cublas(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(triton_swiglu(g, u, lim), w)
+
+    assert torch.equal(fused(*sets[0]), two(*sets[0])), "fused bits differ from the two launches"
+    gate, up, w = sets[0]
+    err = max_error(fused(gate, up, w), triton_swiglu(gate, up, lim), w)   # h @ w.T in float64
+    us, two_us, cublas_us = (time_us(f, sets, args, cuda) for f in (fused, two, cublas))
+    nbytes = (d * inter + m * (2 * inter + d)) * 2
+    floor_us = nbytes / HBM_BYTES_PER_S * 1e6
+    return {"case": f"swiglu+w2 bf16 {d}x{inter} M={m}", "m": m, "n": d, "k": inter,
+            "bytes": nbytes, "floor_us": floor_us, "us": us, "two_launch_us": two_us,
+            "cublas_us": cublas_us, "x_floor": us / floor_us, "saved_us": two_us - us,
+            "max_rel_err": err, "weight_sets": len(sets)}
+
+
+SWIGLU_TABLE = [("case", "{:<30}", "case"), ("floor_us", "{:>8.2f}", "floor us"),
+                ("us", "{:>8.2f}", "fused us"), ("x_floor", "{:>6.2f}", "x floor"),
+                ("two_launch_us", "{:>14.2f}", "swiglu+gemv us"),
+                ("saved_us", "{:>8.2f}", "saved us"),
+                ("cublas_us", "{:>16.2f}", "swiglu+cuBLAS us"),
+                ("max_rel_err", "{:>8.1e}", "rel err")]
+
+
 TABLE = [("case", "{:<24}", "case"), ("floor_us", "{:>8.2f}", "floor us"),
          ("us", "{:>8.2f}", "us"), ("x_floor", "{:>6.2f}", "x floor"),
          ("cublas_us", "{:>9.2f}", "cuBLAS us"), ("cublas_x_floor", "{:>7.2f}", "x floor"),
@@ -165,6 +231,9 @@ def main() -> None:
                    help="token counts, comma-separated (default 1,8,32; --cpu-smoke 1,3,8)")
     p.add_argument("--shapes", default="",
                    help="indices into SHAPES, comma-separated (default: all)")
+    p.add_argument("--swiglu-m", default=None,
+                   help="token counts of the SwiGLU + w2 rows (default 1,4; --cpu-smoke 1,3; "
+                   "'' skips them)")
     args = p.parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     shapes = SMOKE_SHAPES if args.cpu_smoke else SHAPES
@@ -185,7 +254,14 @@ def main() -> None:
         print("\nbest config per case (us, x floor; default plan's us):")
         for r in rows:
             print(best_line(r))
-    emit({**record_header("gemv", device), "results": rows}, args.out)
+    swiglu_m = args.swiglu_m if args.swiglu_m is not None else \
+        ("1,3" if args.cpu_smoke else "1,4")
+    swiglu_rows = bench_rows([int(m) for m in swiglu_m.split(",") if m],
+                             lambda m: bench_swiglu(m, args, device), device)
+    if swiglu_rows:
+        print()
+        print_table(swiglu_rows, SWIGLU_TABLE)
+    emit({**record_header("gemv", device), "results": rows, "swiglu": swiglu_rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -239,6 +239,17 @@ class SwigluOp(Protocol):
     def __call__(self, gate: Tensor, up: Tensor, limit: float) -> Tensor: ...
 
 
+class SwigluLinearOp(Protocol):
+    """`ref/moe.py::swiglu_linear`: the shared expert's w2 projection of its SwiGLU, gate, up
+    [N, I] (one shape and dtype; e.g. the two column halves of a fused w1 | w3 output) and w
+    [d, I] -> `linear(swiglu(gate, up, limit), w)` [N, d] in gate's dtype. `counters`: w's call
+    site's zeroed int32 split-K arrival counters (>= d / 16 words, left zero), ignored by the
+    reference; without them every backend runs its `swiglu` op, then `F.linear`."""
+
+    def __call__(self, gate: Tensor, up: Tensor, limit: float, w: Tensor, *,
+                 counters: Tensor | None = None) -> Tensor: ...
+
+
 class QuantLinearOp(Protocol):
     """`ref/fp8_linear.py::fp8_linear`: x [..., K] through a checkpoint-format FP8 linear (w
     [N, K] e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes) -> [..., N] in x's dtype.

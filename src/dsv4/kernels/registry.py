@@ -40,6 +40,7 @@ from dsv4.kernels.ops import (
     RoutedExpertsQuantOp,
     SparseAttentionOp,
     StepMetadataOp,
+    SwigluLinearOp,
     SwigluOp,
     TopKOp,
 )
@@ -56,6 +57,7 @@ from dsv4.kernels.ref.moe import (
     routed_experts,
     routed_experts_quant,
     swiglu,
+    swiglu_linear,
 )
 from dsv4.kernels.ref.rope_norm import (
     kv_norm_rope_store,
@@ -100,6 +102,7 @@ class KernelOps:
     quant_linear: QuantLinearOp
     moe_gate_logits: MoeGateLogitsOp
     linear: LinearOp
+    swiglu_linear: SwigluLinearOp
 
 
 def _ref() -> KernelOps:
@@ -107,7 +110,7 @@ def _ref() -> KernelOps:
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
                      project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
-                     swiglu, fp8_linear, moe_gate_logits, dense_linear)
+                     swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -122,7 +125,9 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     (at decode, with the call site's counters: the decode GEMV on the bf16 operands as they are,
     fp32 sums; the reference otherwise and under `invariant_plans`), its selection and weights
     after them (ids equal to `ref`'s; weights within ~1 ulp: torch's k-sum order depends on the
-    row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU) and
+    row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU; at decode with w2's
+    counters computed inside w2's GEMV, `swiglu_linear`: the bits of the `swiglu` op then the
+    `linear` op; under `invariant_plans` the `swiglu` op then F.linear) and
     the checkpoint-format FP8 linears (`quant_linear`: codes decoded in registers, fp32 sums).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
@@ -181,6 +186,10 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     )
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
     from dsv4.kernels.triton.swiglu import triton_swiglu
+    from dsv4.kernels.triton.swiglu_linear import (
+        triton_swiglu_linear,
+        triton_swiglu_linear_invariant,
+    )
     from dsv4.kernels.triton.topk import TopKRunner
 
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
@@ -201,7 +210,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_argmax, triton_moe_gate_select, triton_swiglu,
                      triton_fp8_linear,
                      moe_gate_logits if invariant_plans else triton_moe_gate_logits,
-                     dense_linear if invariant_plans else triton_decode_linear)
+                     dense_linear if invariant_plans else triton_decode_linear,
+                     triton_swiglu_linear_invariant if invariant_plans else triton_swiglu_linear)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

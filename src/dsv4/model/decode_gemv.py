@@ -12,7 +12,9 @@ its `counters`. The MoE gate (`moe.py::Gate`, 16-bit weight) gets the same buffe
 go through the backend's `moe_gate_logits` op (a decode GEMV with fp32 sums, no fp32 copy of the
 weight per step) instead of the reference's casts. `model/quant_linear.py::linear` and
 `FusedRows.gemm` route a projection to the `linear` op only when it has counters, so a model
-without them (training, the reference path) runs `F.linear` exactly as before.
+without them (training, the reference path) runs `F.linear` exactly as before. The shared expert's
+w2 with counters takes the `swiglu_linear` op instead (`MLP.forward`: its SwiGLU computed inside
+the w2 GEMV, one launch, the bits of the `swiglu` op then the `linear` op).
 
 Own buffers per call site, not one shared one: under multi-stream branches (`model/streams.py`)
 the indexer's wq_b runs on the side stream while wq_b runs on the main one; calls that share a

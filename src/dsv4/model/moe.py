@@ -12,7 +12,9 @@ the shared expert's SwiGLU (`swiglu`) and the routed experts with the layer's co
 expert's output added, one cast: `routed_experts`) are kernel ops: the backend's on the serving
 path and under `ForwardMode.values`, the references of `kernels/ref/moe.py` otherwise. On the
 serving path a fused shared expert (`model/fused_projections.py`) runs w1 and w3 as one GEMM and
-`swiglu` reads its two column halves.
+`swiglu` reads its two column halves; where the engine gave w2 decode counters, the SwiGLU and w2
+are one op, `swiglu_linear` (on the triton backend one GEMV launch at decode that computes the
+SwiGLU as it loads its input, bit-equal to the two ops).
 """
 
 from __future__ import annotations
@@ -168,13 +170,18 @@ class MLP(nn.Module):
         """x [N, d] -> [N, d] in the weights' dtype. The SwiGLU is the op `swiglu`: the backend's
         with a `ctx` (serving, where a fused w1 | w3 is one GEMM whose two column halves the op
         reads in place); with `values` (`ForwardMode.values`) that op's values and the
-        reference's gradient; otherwise the reference."""
+        reference's gradient; otherwise the reference. Serving with w2's split-K counters
+        (`GEMV_COUNTERS`, `model/decode_gemv.py`), the SwiGLU and w2 are the one op
+        `swiglu_linear` (one launch at decode; the same bits as `swiglu` then the `linear` op)."""
         limit = self.limit
         if ctx is not None:
             ops = ctx.ops
             gate, up = (self.fused_w13(x, self.fused_w13.gemm(ops.linear))
                         if self.fused_w13 is not None else
                         (linear(self.w1, x, ops), linear(self.w3, x, ops)))
+            counters = getattr(self.w2, GEMV_COUNTERS, None)
+            if counters is not None:
+                return ops.swiglu_linear(gate, up, limit, self.w2.weight, counters=counters)
             return linear(self.w2, ops.swiglu(gate, up, limit), ops)
         gate, up = self.w1(x), self.w3(x)
         if values is not None:

@@ -19,12 +19,22 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dsv4.kernels.ref.fp8_linear import dense_linear
+
 WaitShared = Callable[[], None]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit)."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, w: torch.Tensor, *,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert's output projection of its SwiGLU: `dense_linear(swiglu(gate, up,
+    limit), w)` (gate, up [N, I], w [d, I] -> [N, d] in gate's dtype). `counters` (the kernel's
+    split-K scratch) is unused here."""
+    return dense_linear(swiglu(gate, up, limit), w)
 
 
 def moe_gate_logits(u: torch.Tensor, weight: torch.Tensor, *,

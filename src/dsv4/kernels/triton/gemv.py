@@ -17,7 +17,10 @@ never stored); only a K tail (K % BLOCK_K != 0) is masked. Two inner products, o
     FMA (DOT=False, small M): for each x row m (unrolled, ROWS = M): acc[:, m] +=
         sum_k w[:, k] x[m, k] on the CUDA cores in fp32, each K block summed within a warp (2-D
         tiles: a 3-D [M, N, K] product would spread K over the warps and sum through shared memory
-        every block). No padding of M to 16; served up to FMA_LIMIT_M rows.
+        every block). No padding of M to 16; served up to FMA_LIMIT_M rows. SwiGLU mode (`up=`,
+        FMA only): x is the gate, and each K block's x row is h = swiglu(gate, up) of the
+        block's gate and up loads (`swiglu.py::swiglu_f32`) rounded to x's dtype, so y has the
+        bits of `triton_swiglu` followed by the plain product (`swiglu_linear.py`).
     DOT (DOT=True): acc[BLOCK_N, BLOCK_M] = tl.dot(w_tile, x_tile^T) -- w is the MMA's M operand
         ("swap AB": the weight rows fill the tensor core's 64-row side, the tokens its >= 16 side,
         wgmma at BLOCK_N 64); bf16 / fp16 operands multiply exactly, fp32 accumulates. fp32 (or
@@ -55,7 +58,8 @@ keyword of `triton_linear` (tests, `benchmarks/kernels/bench_gemv.py --sweep`). 
 MAX_M: past it the call raises (a prefill-sized GEMM belongs to cuBLAS; the caller picks
 F.linear).
 
-Test: tests/kernels/test_gemv.py. Benchmark: benchmarks/kernels/bench_gemv.py.
+Test: tests/kernels/test_gemv.py (the SwiGLU mode: test_swiglu_linear.py). Benchmark:
+benchmarks/kernels/bench_gemv.py.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ import triton.language as tl
 
 from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
+from dsv4.kernels.triton.libm import libdevice_math
+from dsv4.kernels.triton.swiglu import swiglu_f32
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
 FMA_MAX_M = 4               # M up to this: CUDA-core FMA path; above: tl.dot
@@ -100,10 +106,12 @@ class GemvPlan:
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _gemv_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, k_per_split,
+    x_ptr, u_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_um, stride_wn,
+    k_per_split, limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -142,7 +150,16 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
                     xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
                 else:
                     xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-                part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
+                xf = xm.to(tl.float32)
+                if SWIGLU:                      # x is the gate; h = swiglu(gate, up), rounded
+                    if EVEN_K:
+                        um = tl.load(u_ptr + m * stride_um + k0 + offs_k)
+                    else:
+                        um = tl.load(u_ptr + m * stride_um + k0 + offs_k, mask=k_ok, other=0.0)
+                    dtype = x_ptr.dtype.element_ty
+                    xf = swiglu_f32(xf, um.to(tl.float32), limit, dtype, LIBDEVICE)
+                    xf = xf.to(dtype).to(tl.float32)
+                part = tl.sum(wf * xf[None, :], axis=1)
                 acc += tl.where(cols_m == m, part[:, None], 0.0)
     store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, split, M, N, offs_m, offs_n, SPLIT_K)
 
@@ -171,6 +188,9 @@ def store_tile(acc, y_ptr, part_ptr, cnt_ptr, counter, split, M, N,  # type: ign
                                  cache_modifier=".cg")
             tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.store(cnt_ptr + counter, 0)                       # zero for the next call
+
+
+_LIBDEVICE = libdevice_math(_gemv_kernel)     # the SwiGLU mode's exp / division (libm.py)
 
 
 def block_m(M: int, dot: bool) -> int:
@@ -283,7 +303,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
                   num_warps: int | None = None, num_stages: int | None = None,
                   dot: bool | None = None, precision: str | None = None,
                   counters: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, up: torch.Tensor | None = None,
+                  limit: float = 0.0) -> torch.Tensor:
     """y = x @ w.T (`F.linear(x, w)` without bias): x [M, K] with M <= MAX_M and unit column
     stride (any row stride), w [N, K] with unit stride along K, both bf16 / fp16 / fp32 -> y
     [M, N] contiguous in x's dtype, fp32 accumulation, one launch, bit-identical run to run.
@@ -297,8 +318,22 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     one, i.e. one memset more; see the module docstring on streams). `out_dtype`: y's dtype
     (default x's): the fp32 sums are rounded to it once, so an fp32 y of 16-bit operands is
     `F.linear(x.float(), w.float())` up to the sum order.
+
+    `up` (SwiGLU mode, FMA path only): x is the gate and the product's x is h = `swiglu(x, up,
+    limit)` computed as `swiglu.py::swiglu_f32` does and rounded to x's dtype, where each K block
+    is loaded; `up` matches x in shape, dtype and device (any row stride, unit column stride).
+    The result is the bits of `triton_swiglu(x, up, limit)` through the same plan.
     """
     _check(x, w)
+    if up is not None:
+        if (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device
+                or (up.shape[1] > 1 and up.stride(1) != 1)):
+            raise ValueError(f"up must match x in shape, dtype and device, with unit stride "
+                             f"along K; got {list(up.shape)} {up.dtype} {up.device} strides "
+                             f"{up.stride()}, x {list(x.shape)} {x.dtype} {x.device}")
+        if dot:
+            raise ValueError("the SwiGLU mode (up=) runs on the FMA path only; got dot=True")
+        dot = False
     (M, K), N = x.shape, w.shape[0]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in X_DTYPES:
@@ -326,12 +361,14 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
         part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     # tl.dot in fp32: fp32 or mixed operands, and 16-bit ones under the interpreter (module doc)
     upcast = x.device.type != "cuda" or x.dtype != w.dtype or x.dtype == torch.float32
+    u = x if up is None else up                 # unread without the SwiGLU mode
     _gemv_kernel[(tiles * splits,)](
-        x, w, y, part, cnt, M, N, K, x.stride(0), w.stride(0), per * plan.block_k,
-        BLOCK_M=block_m(M, plan.dot), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        x, u, w, y, part, cnt, M, N, K, x.stride(0), u.stride(0), w.stride(0), per * plan.block_k,
+        float(limit), BLOCK_M=block_m(M, plan.dot), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
     return y
 
 

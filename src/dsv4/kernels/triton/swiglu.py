@@ -8,8 +8,9 @@ computes silu with torch's CUDA math (`libm.py`), so on a GPU the result is bit-
 reference's. Under the interpreter silu differs from torch's CPU one by a few fp32 ulp, which the
 rounding to bf16 almost always hides. The shared expert's gate and up [N, I] go through it on the
 serving path and under `ForwardMode.values`, read in place where they are the two column halves of
-one fused GEMM's output (row-strided). No host sync: CUDA-graph capturable; element-wise, so a
-token's row does not depend on the row count.
+one fused GEMM's output (row-strided); at decode, where w2 has split-K counters, `swiglu_f32` runs
+inside w2's GEMV instead (`swiglu_linear.py`, the same bits). No host sync: CUDA-graph capturable;
+element-wise, so a token's row does not depend on the row count.
 
 Test: tests/kernels/test_swiglu.py. Benchmark: benchmarks/kernels/bench_moe_gate.py (with the
 gate's selection).
