@@ -269,7 +269,8 @@ class DecodeGraphs:
         lens, logits_index = consts
         B = key.batch
         ctx = device_context(slots, starts, lens, logits_index, StepBounds(B * n, key.context, n),
-                             self.table, self.pools, self.model.config, self.ops)
+                             self.table, self.pools, self.model.config, self.ops,
+                             logits_all=key.logits == n)
         ctx.captured = {} if key.capture_routing else None
         ctx.side_stream = self.side_stream
         logits, streams = self.model.forward_batch_streams(ids, ctx)

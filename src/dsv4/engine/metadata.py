@@ -84,7 +84,8 @@ def build_context(shape: StepShape, table: RequestTable, pools: KVPools, model: 
     logits_index = to_device(torch.tensor(shape.logits_index(), dtype=torch.int64), device)
     max_end = max(s + n for s, n in zip(shape.starts, shape.lens, strict=True))
     return device_context(slots, starts, lens, logits_index,
-                          StepBounds(total, max_end, max(shape.lens)), table, pools, model, ops)
+                          StepBounds(total, max_end, max(shape.lens)), table, pools, model, ops,
+                          logits_all=shape.num_logits == shape.lens)
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,11 @@ class StepBounds:
 
 def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                    logits_index: torch.Tensor, bounds: StepBounds, table: RequestTable,
-                   pools: KVPools, model: ModelConfig, ops: KernelOps) -> ForwardContext:
+                   pools: KVPools, model: ModelConfig, ops: KernelOps, *,
+                   logits_all: bool = False) -> ForwardContext:
     """The ForwardContext from device rows only: `slots`, `starts`, `lens` [B] int64 and
     `logits_index` [R]; its index rows come from `ops.step_metadata`, and it carries `ops`.
+    `logits_all`: the caller knows `logits_index` is arange(sum(lens)) (`ForwardContext`).
 
     Device work with shapes from `bounds` only: no host sync and no host-to-device copy, so it can
     run inside CUDA-graph capture (engine/cuda_graph.py) as well as eagerly."""
@@ -123,7 +126,7 @@ def device_context(slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
                                   pools.hot.layout.device_entries, model)
     return ForwardContext(positions=rows.positions, swa_write=rows.swa_write, window=rows.window,
                           plans=plans, caches=pools.layers, logits_index=logits_index, ops=ops,
-                          hisparse=hisparse)
+                          hisparse=hisparse, logits_all=logits_all)
 
 
 def _hisparse_step(pos: torch.Tensor, token_slots: torch.Tensor, bounds: StepBounds,

@@ -209,7 +209,8 @@ def swa_context(table: RequestTable, pools: KVPools, slots: Tensor, positions: T
                              table.full_to_swa, table.P, B, window, [])
     return ForwardContext(positions=rows.positions, swa_write=rows.swa_write, window=rows.window,
                           plans={}, caches=pools.layers,
-                          logits_index=torch.arange(B, device=positions.device), ops=ops)
+                          logits_index=torch.arange(B, device=positions.device), ops=ops,
+                          logits_all=True)
 
 
 def draft(model: DeepSeekV4ForCausalLM, ctx: ForwardContext, streams: Tensor, next_ids: Tensor,
@@ -221,11 +222,12 @@ def draft(model: DeepSeekV4ForCausalLM, ctx: ForwardContext, streams: Tensor, ne
     `ctx`, `streams` [T, n, d]: the step's context and the target's streams; `next_ids` [T]: each
     token's successor (the emitted token at `first_rows`); `first_rows` [D]: per drafting request
     the token row where its new tokens begin; `slots` [D]: their request slots."""
-    index, ctx.logits_index = ctx.logits_index, first_rows
+    (index, every), (ctx.logits_index, ctx.logits_all) = (ctx.logits_index, ctx.logits_all), \
+        (first_rows, False)
     try:
         logits, out = model.mtp_forward_batch(streams, next_ids, ctx)
     finally:
-        ctx.logits_index = index
+        ctx.logits_index, ctx.logits_all = index, every
     if num_steps == 0:
         return next_ids.new_zeros(first_rows.shape[0], 0)
     tokens = [ctx.ops.argmax(logits)]

@@ -161,7 +161,8 @@ class DeepSeekV4ForCausalLM(nn.Module):
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
             x = layer(x, ids, cos, sin, ctx)
         streams = x[0]
-        x = x[0, ctx.logits_index].unsqueeze(0)                                 # [1, R, n, d]
+        if not ctx.logits_all:
+            x = x[0, ctx.logits_index].unsqueeze(0)                             # [1, R, n, d]
         return self.logits(self.norm(self.hc_head(x, ctx), ctx))[0], streams
 
     def mtp_forward_batch(self, streams: torch.Tensor, next_ids: torch.Tensor,
@@ -185,7 +186,7 @@ class DeepSeekV4ForCausalLM(nn.Module):
             x = Block.forward(mtp, x, ids, cos, sin, ctx)                      # [1, T, n, d]
         finally:
             ctx.captured = captured
-        rows = x[0, ctx.logits_index].unsqueeze(0)
+        rows = x if ctx.logits_all else x[0, ctx.logits_index].unsqueeze(0)
         return self.logits(mtp.norm(mtp.hc_head(rows, ctx), ctx))[0], x[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,9 @@ class ForwardContext:
     plans: dict[int, CompressPlan]     # by compress ratio
     caches: list[LayerCache]           # per layer (decoder layers, then MTP layers)
     logits_index: torch.Tensor         # [R] tokens whose logits are returned
+    # host-known: logits_index is arange(T) (every new token, in order: a plain decode step), so
+    # the model takes the logits rows as they are instead of gathering them
+    logits_all: bool = False
     ops: KernelOps = REF                # the kernel backend chosen at start-up
     # routing replay capture
     captured: dict[str, list[torch.Tensor]] | None = field(default=None)
