@@ -57,6 +57,8 @@ def test_op_census_counts_a_decode_step() -> None:
     # one launch per CSA layer maps the indexer picks; the metadata is one launch
     assert result["by_file"]["kernels/triton/pick_slots.py"] == 2, result
     assert result["by_file"]["kernels/triton/metadata.py"] == 1, result
+    # the indexer's head weights are cast and scaled inside its `index_scores` launch
+    assert "model/indexer.py" not in result["by_file"], result
     assert "engine/metadata.py" not in result["by_file"], result
     assert "kernels/ref/rope_norm.py" not in result["by_file"], result
     assert result["by_file"]["kernels/triton/add_ape.py"] == 6, result     # 2 CSA x 2 + 2 HCA

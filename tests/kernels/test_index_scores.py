@@ -2,9 +2,11 @@
 
 CPU: small shapes under the Triton interpreter (ragged -1 padding, all -1 rows, V not a multiple of
 BLOCK_V, decode T = 1 and prefill T > 1, permuted pool slots, Ih/Id small and not powers of two,
-several blocks per program, fp32 / bf16 / mixed dtypes, exact ReLU zeros, input validation).
+several blocks per program, fp32 / bf16 / mixed dtypes, exact ReLU zeros, input validation; raw
+bf16 / fp16 / fp32 weights, a strided column slice and a `weight_scale`, bit-equal to pre-scaled
+fp32 weights in both the reference and the kernel).
 GPU (`-m gpu`): real V4-Flash shapes (Ih 64, Id 128, bf16, V up to 262,144), fp32 ieee dot, graph
-capture.
+capture, the folded weight scale.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py  # interpreter on CPU
     PYTHONPATH=src python -m pytest -q tests/kernels/test_index_scores.py -m gpu  # on CUDA
@@ -13,6 +15,7 @@ capture.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -124,7 +127,9 @@ def test_rejects_bad_inputs() -> None:
     q, w, keys, cand = make_case(2, 4, 16, 8, torch.float32, shared=False)
     bad = {
         "candidates int32": (q, w, keys, cand.int()),
-        "weights bf16": (q, w.bfloat16(), keys, cand),
+        "weights int32": (q, w.int(), keys, cand),
+        "weights column stride 2": (q, torch.stack([w, w], dim=-1).flatten(1)[:, ::2], keys,
+                                    cand),
         "keys int8": (q, w, keys.to(torch.int8), cand),
         "keys not contiguous": (q, w, keys.t().contiguous().t(), cand),
         "Id mismatch": (q, w, keys[:, :8].contiguous(), cand),
@@ -137,6 +142,54 @@ def test_rejects_bad_inputs() -> None:
             pytest.fail(f"accepted {name}")
     with pytest.raises(ValueError, match="block_v"):
         triton_index_scores(q, w, keys, cand, block_v=48)
+
+
+INDEXER_SCALE = 128 ** -0.5 * 64 ** -0.5     # the V4 indexer's Id^-1/2 Ih^-1/2 (model/indexer.py)
+
+
+def raw_weights(T: int, Ih: int, dtype: torch.dtype, strided: bool, device: str,
+                seed: int = 0) -> torch.Tensor:
+    """Unscaled head weights [T, Ih] in `dtype` like `weights_proj`'s output; `strided`: a column
+    slice of a wider row (as from the layer's fused x GEMM), row stride Ih + 9, offset 5."""
+    g = torch.Generator(device).manual_seed(seed)
+    if not strided:
+        return torch.randn(T, Ih, generator=g, device=device).to(dtype)
+    wide = torch.randn(T, Ih + 9, generator=g, device=device).to(dtype)
+    return wide[:, 5:5 + Ih]
+
+
+WEIGHT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+WEIGHT_DTYPE_IDS = ["w-bf16", "w-fp16", "w-fp32"]
+
+
+@pytest.mark.parametrize("op", [paged_index_scores, triton_index_scores], ids=["ref", "triton"])
+@pytest.mark.parametrize("scale", [1.0, INDEXER_SCALE, 0.3], ids=["s1", "s-indexer", "s0.3"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "column-slice"])
+@pytest.mark.parametrize("wdtype", WEIGHT_DTYPES, ids=WEIGHT_DTYPE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_weight_scale_bit_equal_to_prescaled(op: Callable[..., torch.Tensor], scale: float,
+                                             strided: bool, wdtype: torch.dtype,
+                                             dtype: torch.dtype) -> None:
+    """Raw weights (any float dtype, a strided column slice) + `weight_scale` give the bits of the
+    op called with `weights.float() * weight_scale`: the cast and the fp32 multiply move into the
+    op unchanged."""
+    q, _, keys, cand = make_case(3, 8, 32, 45, dtype, shared=False, seed=4)
+    w = raw_weights(3, 8, wdtype, strided, q.device.type)
+    assert w.is_contiguous() != strided
+    out = op(q, w, keys, cand, weight_scale=scale)
+    prescaled = op(q, w.float() * scale, keys, cand)
+    assert out.dtype == torch.float32 and torch.equal(out, prescaled)
+    if scale == 1.0 and wdtype == torch.float32:
+        assert torch.equal(op(q, w, keys, cand), out)
+
+
+def test_weight_scale_triton_matches_ref() -> None:
+    """The folded scale through both backends: the kernel agrees with the reference as before."""
+    q, _, keys, cand = make_case(2, 8, 32, 40, torch.float32, shared=False, seed=5)
+    w = raw_weights(2, 8, torch.bfloat16, True, q.device.type, seed=5)
+    assert_scores_close(triton_index_scores(q, w, keys, cand, weight_scale=INDEXER_SCALE),
+                        paged_index_scores(q, w, keys, cand, weight_scale=INDEXER_SCALE),
+                        FP32_REL)
 
 
 def reference_by_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
@@ -164,6 +217,21 @@ def test_parity_fp32_ieee_cuda(shared: bool) -> None:
     q, w, keys, cand = make_case(32, 64, 128, 4096, torch.float32, shared=shared, device="cuda")
     assert_scores_close(triton_index_scores(q, w, keys, cand), paged_index_scores(q, w, keys, cand),
                         FP32_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("wdtype", WEIGHT_DTYPES, ids=WEIGHT_DTYPE_IDS)
+def test_weight_scale_bit_equal_cuda(T: int, wdtype: torch.dtype) -> None:
+    """Real shapes: raw column-sliced weights + the indexer's scale are bit-equal to the
+    pre-scaled fp32 weights (bf16 16-bit dot), and to the reference within bf16 rounding."""
+    q, _, keys, cand = make_case(T, 64, 128, 65536, torch.bfloat16, shared=False, seed=T,
+                                 device="cuda")
+    w = raw_weights(T, 64, wdtype, True, "cuda", seed=T)
+    out = triton_index_scores(q, w, keys, cand, weight_scale=INDEXER_SCALE)
+    assert torch.equal(out, triton_index_scores(q, w.float() * INDEXER_SCALE, keys, cand))
+    assert_scores_close(out, reference_by_rows(q, w.float() * INDEXER_SCALE, keys, cand),
+                        BF16_REL)
 
 
 @pytest.mark.gpu

@@ -55,9 +55,13 @@ class ProjectOp(Protocol):
 class IndexScoresOp(Protocol):
     """`ref/indexer.py::paged_index_scores`: q [T, Ih, Id], weights [T, Ih], keys [N, Id],
     candidates [T, V] pool slots (-1 = none) -> scores [T, V] fp32, -inf where there is no
-    candidate."""
+    candidate. The heads' weights are `weights.float() * weight_scale` (an fp32 multiply, the
+    same bits as a caller passing that product with the default 1.0): `weights` of any float
+    dtype, any row stride, unit column stride (the raw `weights_proj` output, a column slice of
+    the layer's fused GEMM output on the serving path)."""
 
-    def __call__(self, q: Tensor, weights: Tensor, keys: Tensor, candidates: Tensor) -> Tensor: ...
+    def __call__(self, q: Tensor, weights: Tensor, keys: Tensor, candidates: Tensor, *,
+                 weight_scale: float = 1.0) -> Tensor: ...
 
 
 class TopKOp(Protocol):

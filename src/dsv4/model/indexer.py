@@ -94,7 +94,9 @@ class Indexer(nn.Module):
         weights_proj(x) [T, Ih] (the layer computes them: alone, or as column slices of its fused
         GEMMs, `Attention.forward_cached`), cos/sin [T, rd/2] -> the top-k picks [T, min(k, V)]:
         candidate columns, -1 = none (`ops.pick_slots` turns them into entry ids and pool slots;
-        [T, 0] while no entry is complete). The queries' RoPE is the `rope` op.
+        [T, 0] while no entry is complete). The queries' RoPE is the `rope` op; the weights go to
+        the `index_scores` op raw, with `weight_scale` (the op casts and scales them as
+        `scale_weights` does, to the same bits).
 
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path. This step's keys are already in
@@ -103,8 +105,8 @@ class Indexer(nn.Module):
         """
         assert cache.index_keys is not None
         q = ctx.ops.rope(q.view(q.shape[0], self.n_heads, self.head_dim), cos, sin)  # [T, Ih, Id]
-        w = self.scale_weights(weights)                                                # [T, Ih]
         if plan.candidates.shape[1] == 0:                                    # no entry complete yet
             return plan.candidates
-        scores = ctx.ops.index_scores(q, w, cache.index_keys, plan.candidates)  # [T, V], -inf: none
+        scores = ctx.ops.index_scores(q, weights, cache.index_keys, plan.candidates,
+                                      weight_scale=self.weight_scale)   # [T, V], -inf: none
         return ctx.ops.topk(scores, plan.visible, self.topk)                    # [T, k'], -1: none

@@ -24,17 +24,20 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
 
 
 def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                       candidates: torch.Tensor) -> torch.Tensor:
+                       candidates: torch.Tensor, *, weight_scale: float = 1.0) -> torch.Tensor:
     """Serving-path scores over paged keys.
 
-    I[t,j] = Σ_h weights[t,h] * ReLU(q[t,h] · keys[candidates[t,j]]).
+    I[t,j] = Σ_h w[t,h] * ReLU(q[t,h] · keys[candidates[t,j]]),  w = weights.float() * weight_scale
+    (an fp32 multiply).
 
-    q: [T, Ih, Id]; weights: [T, Ih] fp32 (already scaled); keys: [N, Id] the indexer-key pool;
-    candidates: [T, V] int64 pool slots, -1 = none. Returns [T, V] fp32, -inf where candidates < 0.
+    q: [T, Ih, Id]; weights: [T, Ih] any float dtype and strides (the raw `weights_proj` output
+    with the indexer's Id^-1/2 Ih^-1/2 as `weight_scale`, or weights already scaled in fp32 with
+    the default 1.0); keys: [N, Id] the indexer-key pool; candidates: [T, V] int64 pool slots,
+    -1 = none. Returns [T, V] fp32, -inf where candidates < 0.
     """
     gathered = keys[candidates.clamp(min=0)].float()                         # [T, V, Id]
     dots = torch.einsum("thd,tvd->thv", q.float(), gathered)
-    scores = torch.einsum("thv,th->tv", torch.relu(dots), weights.float())
+    scores = torch.einsum("thv,th->tv", torch.relu(dots), weights.float() * weight_scale)
     return scores.masked_fill(candidates < 0, float("-inf"))
 
 

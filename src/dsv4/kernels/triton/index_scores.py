@@ -4,13 +4,15 @@ Owns `triton_index_scores`, the fast form of `kernels/ref/indexer.py::paged_inde
 (serving-reference §1.7; same signature, same semantics; the `triton` kernel backend maps
 `KernelOps.index_scores` to it):
 
-    scores[t, v] = Σ_h weights[t, h] * ReLU(q[t, h] · keys[candidates[t, v]])     fp32
+    scores[t, v] = Σ_h w[t, h] * ReLU(q[t, h] · keys[candidates[t, v]])           fp32
     scores[t, v] = -inf                                 where candidates[t, v] < 0
+    w[t, h]      = fp32(weights[t, h]) * weight_scale                               fp32
 
 Kernel design. Grid = (T, num_splits); program (t, s) owns the contiguous candidate range
 [s * blocks_per_program * BLOCK_V, (s + 1) * blocks_per_program * BLOCK_V) of query row t:
 
-    load q[t]^T once ([BLOCK_D, BLOCK_H] tile) and weights[t] ([BLOCK_H]), reused by every block
+    load q[t]^T once ([BLOCK_D, BLOCK_H] tile) and w[t] ([BLOCK_H]: the raw weights row in its
+    dtype and row stride, cast to fp32 and scaled in registers), reused by every block
     for each BLOCK_V block of the range:
         slots = candidates[t, block]          # -1 (and columns >= V) -> masked
         K     = keys[slots]                   # [BLOCK_V, BLOCK_D] gathered rows, 0 where masked
@@ -62,7 +64,7 @@ _MAX_GRID_Y = 65535             # CUDA limit on grid dim 1 (the splits)
 @triton.jit
 def _index_scores_kernel(  # type: ignore[no-untyped-def]
     q_ptr, w_ptr, k_ptr, cand_ptr, out_ptr,
-    V, Ih, Id, blocks_per_program,
+    V, Ih, Id, blocks_per_program, weight_scale,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ct, stride_ot,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -83,7 +85,10 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
         q_mask = d_mask[:, None] & h_mask[None, :]
     qt = tl.load(q_ptr + t * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
                  mask=q_mask, other=0.0)                                # [BLOCK_D, BLOCK_H]
-    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0)  # [BLOCK_H] fp32
+    # NOTE: the caller's `weights.float() * weight_scale`, bit for bit: an fp32 multiply of the
+    # fp32 cast (exact from bf16 / fp16); a scale of 1.0 leaves the weights' bits as they are
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0)
+    w = w.to(tl.float32) * weight_scale                                 # [BLOCK_H] fp32
     if FP32_DOT:
         qt = qt.to(tl.float32)
 
@@ -141,30 +146,35 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if q.dtype not in _DOT_DTYPES or keys.dtype not in _DOT_DTYPES:
         raise ValueError(f"q/keys dtype must be one of {_DOT_DTYPES}; got {q.dtype}, "
                          f"{keys.dtype}")
-    if weights.dtype != torch.float32 or candidates.dtype != torch.int64:
-        raise ValueError(f"weights must be float32 and candidates int64; got {weights.dtype}, "
-                         f"{candidates.dtype}")
+    if weights.dtype not in _DOT_DTYPES or candidates.dtype != torch.int64:
+        raise ValueError(f"weights must be one of {_DOT_DTYPES} and candidates int64; got "
+                         f"{weights.dtype}, {candidates.dtype}")
     devices = {q.device, weights.device, keys.device, candidates.device}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
-    for name, x in (("q", q), ("weights", weights), ("keys", keys), ("candidates", candidates)):
+    for name, x in (("q", q), ("keys", keys), ("candidates", candidates)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous; got strides {x.stride()} for shape "
                              f"{tuple(x.shape)}")
+    if Ih > 1 and weights.stride(1) != 1:
+        raise ValueError(f"weights must have unit column stride; got strides {weights.stride()}")
 
 
 def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                        candidates: torch.Tensor, *, block_v: int = 64,
-                        blocks_per_program: int | None = None, num_warps: int = 4,
-                        num_stages: int = 2) -> torch.Tensor:
+                        candidates: torch.Tensor, *, weight_scale: float = 1.0,
+                        block_v: int = 64, blocks_per_program: int | None = None,
+                        num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Same contract as `paged_index_scores`: returns [T, V] fp32, -inf where candidates < 0.
 
-    `q`: [T, Ih, Id] bf16/fp16/fp32; `weights`: [T, Ih] fp32 (already scaled); `keys`: [N, Id]
-    bf16/fp16/fp32; `candidates`: [T, V] int64 pool slots, -1 = none, every other slot < N. All
-    contiguous, one device. q and keys of the same 16-bit dtype run a 16-bit tl.dot; anything else
-    runs an fp32 (ieee) dot. Keyword arguments are tuning knobs (benchmark sweeps, tests); the
-    defaults (block_v 64, 4 warps, 2 stages) are the H200 sweep's best of 11 configurations for
-    Ih = 64, Id = 128 at decode T = 1 and V 65,536 / 262,144 (`bench_index_scores.py --sweep`;
+    `q`: [T, Ih, Id] bf16/fp16/fp32; `weights`: [T, Ih] bf16/fp16/fp32, any row stride (unit
+    column stride: e.g. a column slice of a fused projection's output); the heads' weights are
+    `weights.float() * weight_scale` (cast and fp32 multiply in the kernel, bit-equal to the
+    caller doing them); `keys`: [N, Id] bf16/fp16/fp32; `candidates`: [T, V] int64 pool slots,
+    -1 = none, every other slot < N. q, keys and candidates contiguous; one device. q and keys of
+    the same 16-bit dtype run a 16-bit tl.dot; anything else runs an fp32 (ieee) dot. The other
+    keyword arguments are tuning knobs (benchmark sweeps, tests); the defaults (block_v 64,
+    4 warps, 2 stages) are the H200 sweep's best of 11 configurations for Ih = 64, Id = 128 at
+    decode T = 1 and V 65,536 / 262,144 (`bench_index_scores.py --sweep`;
     benchmarks/results/kernels_i_h200_202611.md); blocks per program by `_blocks_per_program`. No
     host syncs: safe inside CUDA-graph capture.
     """
@@ -182,7 +192,7 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     grid = (T, triton.cdiv(num_blocks, bpp))
     _index_scores_kernel[grid](
         q, weights, keys, candidates, out,
-        V, Ih, Id, bpp,
+        V, Ih, Id, bpp, float(weight_scale),
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), candidates.stride(0),
         out.stride(0),
         BLOCK_V=block_v,
