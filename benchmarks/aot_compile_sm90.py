@@ -233,9 +233,10 @@ def metadata_variants() -> Iterator[Variant]:
 
 def small_variants() -> Iterator[Variant]:
     """The decode step's small kernels: the MoE tile map, the indexer picks' slots, the
-    sampler's two argmax stages (fp32 logits, the default block), the MoE combine and the MoE
-    gate's logits."""
+    sampler's two argmax stages (fp32 logits, the default block), the MoE combine, the MoE
+    gate's logits and the step's RoPE rows."""
     from dsv4.kernels.triton import argmax, moe_tile_map, pick_slots
+    from dsv4.kernels.triton import rope_rows as rr
 
     yield ("tile map (E 256, 6 slots)", moe_tile_map._tile_map_kernel,
            {"idx_ptr": "*i64", "order_ptr": "*i64", "ts_ptr": "*i32", "te_ptr": "*i32",
@@ -251,6 +252,13 @@ def small_variants() -> Iterator[Variant]:
            {"BLOCK_V": argmax.BLOCK_V}, {"num_warps": 4})
     yield ("argmax final (32 chunks)", argmax._argmax_final_kernel,
            {"part_ptr": "*i64", "out_ptr": "*i64"}, {"BLOCK_C": 32}, {"num_warps": 4})
+    # a V4 step's four RoPE-row lookups (rd / 2 = 32) in one launch
+    block_t, block_r = rr.rope_rows_blocks([32] * 4)
+    yield ("rope rows (4 pairs, R 32)", rr._rope_rows_kernel,
+           {name: "*i64" if name.startswith("pos") else "*fp32"
+            for name in rr._rope_rows_kernel.arg_names if name.endswith("_ptr")},
+           {"NPAIRS": 4, "R0": 32, "R1": 32, "R2": 32, "R3": 32, "BLOCK_T": block_t,
+            "BLOCK_R": block_r}, {"num_warps": rr.NUM_WARPS})
     from dsv4.kernels.triton import moe_combine as mc
 
     # the MoE combine: 6 slots + bf16 shared -> bf16 (one process) / fp32 (before a TP reduce);

@@ -214,6 +214,21 @@ class RopeOp(Protocol):
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor: ...
 
 
+# (cache, positions) pairs one `rope_rows` call takes: a V4 step's main and compress tables at the
+# step's positions and the compress table at each of its (at most two) ratios' entry positions
+ROPE_ROWS_MAX_PAIRS = 4
+
+
+class RopeRowsOp(Protocol):
+    """`ref/rope_rows.py::rope_rows`: per (cache [2, P, R] fp32 contiguous, positions [*S] int64)
+    pair, at most `ROPE_ROWS_MAX_PAIRS` of them, (cos, sin) [*S, R] fp32, each contiguous: the
+    cache rows `RotaryEmbedding.lookup` gathers. No host sync, CUDA-graph capturable. Bit-equal
+    across backends."""
+
+    def __call__(self, pairs: Sequence[tuple[Tensor, Tensor]]
+                 ) -> tuple[tuple[Tensor, Tensor], ...]: ...
+
+
 class AddApeOp(Protocol):
     """`ref/compressor.py::add_ape`: a compressor's gate scores, in place: score [T, W] fp32 +=
     ape[positions % ratio] (ape [ratio, W] fp32, positions [T] int64 >= 0). Bit-equal across

@@ -36,6 +36,7 @@ from dsv4.kernels.ops import (
     RmsNormOp,
     RopeInverseOp,
     RopeOp,
+    RopeRowsOp,
     RoutedExpertsOp,
     RoutedExpertsQuantOp,
     SparseAttentionOp,
@@ -66,6 +67,7 @@ from dsv4.kernels.ref.rope_norm import (
     rope,
     rope_inverse,
 )
+from dsv4.kernels.ref.rope_rows import rope_rows
 from dsv4.kernels.ref.topk import topk_ragged
 from dsv4.utils.logging import init_logger
 
@@ -103,6 +105,7 @@ class KernelOps:
     moe_gate_logits: MoeGateLogitsOp
     linear: LinearOp
     swiglu_linear: SwigluLinearOp
+    rope_rows: RopeRowsOp
 
 
 def _ref() -> KernelOps:
@@ -110,7 +113,8 @@ def _ref() -> KernelOps:
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
                      project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
-                     swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear)
+                     swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear,
+                     rope_rows)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -128,7 +132,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     row count), the shared expert's SwiGLU (bit-equal to `ref` on a GPU; at decode with w2's
     counters computed inside w2's GEMV, `swiglu_linear`: the bits of the `swiglu` op then the
     `linear` op; under `invariant_plans` the `swiglu` op then F.linear) and
-    the checkpoint-format FP8 linears (`quant_linear`: codes decoded in registers, fp32 sums).
+    the checkpoint-format FP8 linears (`quant_linear`: codes decoded in registers, fp32 sums),
+    and a step's RoPE-row gathers of every table in one launch (`rope_rows`, bit-equal).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -184,6 +189,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_rope,
         triton_rope_inverse,
     )
+    from dsv4.kernels.triton.rope_rows import triton_rope_rows
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
     from dsv4.kernels.triton.swiglu import triton_swiglu
     from dsv4.kernels.triton.swiglu_linear import (
@@ -211,7 +217,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_fp8_linear,
                      moe_gate_logits if invariant_plans else triton_moe_gate_logits,
                      dense_linear if invariant_plans else triton_decode_linear,
-                     triton_swiglu_linear_invariant if invariant_plans else triton_swiglu_linear)
+                     triton_swiglu_linear_invariant if invariant_plans else triton_swiglu_linear,
+                     triton_rope_rows)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

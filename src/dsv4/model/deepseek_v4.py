@@ -20,7 +20,7 @@ from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import INFERENCE, ForwardMode, Replay
 from dsv4.model.hyper_connection import HyperHead
 from dsv4.model.layers.norm import RMSNorm
-from dsv4.model.layers.rope import RotaryEmbedding
+from dsv4.model.layers.rope import RotaryEmbedding, lookup_rows
 from dsv4.model.mtp import MTPBlock
 from dsv4.model.quant_linear import QuantLinear
 
@@ -149,10 +149,14 @@ class DeepSeekV4ForCausalLM(nn.Module):
                               ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_batch`, also returning the streams after the last block for every new token,
         [T, n, d] (the MTP block's input)."""
-        pos = ctx.positions
-        tables = {"main": self.rope_main.lookup(pos), "compress": self.rope_compress.lookup(pos)}
-        for plan in ctx.plans.values():
-            plan.entry_cos, plan.entry_sin = self.rope_compress.lookup(plan.entry_pos)
+        # every RoPE row of the step in one gather (`lookup_rows`: one launch with the caches)
+        plans = list(ctx.plans.values())
+        rows = lookup_rows([(self.rope_main, ctx.positions), (self.rope_compress, ctx.positions),
+                            *((self.rope_compress, plan.entry_pos) for plan in plans)],
+                           ctx.ops.rope_rows)
+        tables = {"main": rows[0], "compress": rows[1]}
+        for plan, (cos, sin) in zip(plans, rows[2:], strict=True):
+            plan.entry_cos, plan.entry_sin = cos, sin
         ids = input_ids.unsqueeze(0)                                            # [1, T]
         # the n streams start as copies of the embedding, materialised once here: the first
         # layer's mHC pre and post ops take contiguous streams (an expand is copied by each)

@@ -9,11 +9,13 @@ de-rotation). Pairs are (x[2i], x[2i+1]) inside the rope slice (GPT-J / complex 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from dsv4.config.model import ModelConfig
+from dsv4.kernels.ops import ROPE_ROWS_MAX_PAIRS, RopeRowsOp
 
 
 def yarn_inv_freq_bounds(c: ModelConfig) -> tuple[int, int] | None:
@@ -56,8 +58,9 @@ class RotaryEmbedding(nn.Module):
     """Holds one inverse-frequency table; `forward(positions)` returns fp32 (cos, sin).
 
     The serving path reads (cos, sin) rows from a cache of positions 0 .. N-1 instead
-    (`build_cache`, then `lookup`): one gather per lookup, the same bits as `forward` (the cache
-    IS `forward(arange(N))`, and each element of `forward` depends only on its own position).
+    (`build_cache`, then `lookup`, or `lookup_rows` for several lookups in one kernel op): one
+    gather per lookup, the same bits as `forward` (the cache IS `forward(arange(N))`, and each
+    element of `forward` depends only on its own position).
     The cache is engine state, sized by the engine's context: a plain attribute, not a buffer,
     so it is in no state_dict, checkpoint name list or weight count (`distributed/memory.py`
     counts it with the engine's state)."""
@@ -105,6 +108,22 @@ class RotaryEmbedding(nn.Module):
         rows = self.cache.index_select(1, positions.reshape(-1))
         rows = rows.view(2, *positions.shape, rows.shape[-1])
         return rows[0], rows[1]
+
+
+def lookup_rows(lookups: Sequence[tuple[RotaryEmbedding, torch.Tensor]],
+                rope_rows: RopeRowsOp) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`table.lookup(positions)` of each (table, positions) lookup, the same bits and shapes: with
+    every table's cache built, the `rope_rows` kernel op gathers them all, one call per
+    `ROPE_ROWS_MAX_PAIRS` lookups (one launch on the triton backend); else each `lookup`."""
+    pairs = []
+    for table, positions in lookups:
+        if table.cache is None:
+            return [t.lookup(p) for t, p in lookups]
+        pairs.append((table.cache, positions))
+    rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in range(0, len(pairs), ROPE_ROWS_MAX_PAIRS):
+        rows += rope_rows(pairs[i:i + ROPE_ROWS_MAX_PAIRS])
+    return rows
 
 
 def token_rows(cos: torch.Tensor, sin: torch.Tensor,
