@@ -21,6 +21,11 @@ device, batch 1 at every `--contexts`, its own KV cache (`use_cache=True`), gree
 out-of-memory is recorded as such. Targets: >= 5x faster than transformers at 4K; prefill of 128K
 tokens without OOM (results: benchmarks/results/kernels_ii_h200_202611.md).
 
+Timing protocol: the warm-up and timed steps follow the prefill at once (`--settle-s` sleeps that
+many seconds in between: on the H200 a 128K step timed right after its 2 s prefill measured up to
+110 us slower than 3 s later, the GPU idle between steps). `--step-times` records each timed
+step's time on the device timeline (events between the step calls) and on the host, per row.
+
 Any failing configuration (out of memory, error) is a row with its status; the sweep goes on.
 Prints a table, writes the plot (`--plot`), then exactly one JSON line (also to `--out`).
 
@@ -97,6 +102,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")
+    p.add_argument("--settle-s", type=float, default=0.0,
+                   help="seconds to sleep between the prefill and the decode steps (default 0)")
+    p.add_argument("--step-times", action="store_true",
+                   help="record every timed step's device and host ms in the row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -128,6 +137,31 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
     end.record()
     sync(device)
     return float(begin.elapsed_time(end)) / 1e3
+
+
+def step_times(step: Callable[[], object], n: int,
+               device: torch.device) -> tuple[list[float], list[float]]:
+    """(device ms, host ms) of each of `n` calls of `step`: on a GPU the device timeline between
+    events recorded after each call (idle time between steps included), read after the loop (no
+    sync inside it); on the host the wall time of each call. Without CUDA both are wall times."""
+    host: list[float] = []
+    if device.type != "cuda":
+        for _ in range(n):
+            start = time.perf_counter()
+            step()
+            host.append(round((time.perf_counter() - start) * 1e3, 4))
+        return list(host), host
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    sync(device)
+    marks[0].record()
+    for i in range(n):
+        start = time.perf_counter()
+        step()
+        marks[i + 1].record()
+        host.append(round((time.perf_counter() - start) * 1e3, 4))
+    sync(device)
+    spans = zip(marks[:-1], marks[1:], strict=True)
+    return [round(float(a.elapsed_time(b)), 4) for a, b in spans], host
 
 
 def copy_bandwidth(device: torch.device, gib: float, reps: int = 10) -> float:
@@ -280,10 +314,17 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
 
     row["prefill_s"] = round(timed(prefill, device), 4)
     row["prefill_fit"] = True
+    if args.settle_s > 0:
+        time.sleep(args.settle_s)
     timed(decode(args.warmup_steps), device)
     graphs = engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
-    seconds = timed(decode(args.steps), device)
+    if args.step_times:
+        device_ms, host_ms = step_times(engine.step, args.steps, device)
+        row["step_ms_device"], row["step_ms_host"] = device_ms, host_ms
+        seconds = sum(device_ms) / 1e3
+    else:
+        seconds = timed(decode(args.steps), device)
     row["cuda_graph"] = graphs is not None and graphs.replays - replays == args.steps
     assert not any(r.is_finished for r in reqs), "a request finished inside the timed loop"
     row["ms_per_step"] = round(seconds / args.steps * 1e3, 4)
@@ -510,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "dtype": args.dtype, "weight_format": args.weight_format,
               "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
-              "copy_gb_s": round(gbps, 1),
+              "settle_s": args.settle_s, "copy_gb_s": round(gbps, 1),
               "cuda_graph": not args.disable_cuda_graph,
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),

@@ -126,3 +126,20 @@ def test_floor_counts_checkpoint_precision_bytes() -> None:
     bench.CODED_BUFFERS = ("-",)                # the parameters alone
     want = bench.weight_bytes(coded, 1, hits) + linears + experts * 6 / cfg.n_routed_experts
     assert params == pytest.approx(want)
+
+
+def test_step_times_count_each_call() -> None:
+    """`--step-times` (CPU: wall times): one entry per call, each covering the call's work, and
+    the device list equals the host list without CUDA."""
+    import time as _time
+
+    bench = load_benchmark("decode_context_sweep")
+    calls: list[int] = []
+
+    def step() -> None:
+        calls.append(1)
+        _time.sleep(0.002)
+
+    device_ms, host_ms = bench.step_times(step, 3, torch.device("cpu"))
+    assert len(calls) == 3 and len(host_ms) == 3 and device_ms == host_ms
+    assert all(ms >= 2.0 for ms in host_ms)
