@@ -1,4 +1,4 @@
-"""The triton backend's `project` op (`kernels/triton/compressor.py::triton_project`) at decode
+"""The triton backend's `project` op (`kernels/triton/project.py::triton_project`) at decode
 sizes: the one-launch skinny GEMM with tiles and splits fixed, so a fused group's columns are the
 members' own bits (what `tests/kernels/test_fused_projections_triton.py` relies on end to end).
 Runs under the Triton interpreter on CPU and compiled on CUDA.
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.kernels.triton.compressor import triton_project
 from dsv4.kernels.triton.gemv import GemvCounters
+from dsv4.kernels.triton.project import triton_project
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

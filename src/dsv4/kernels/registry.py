@@ -163,11 +163,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                          "TRITON_INTERPRET=1); allowed on this machine: 'ref'")
     from dsv4.kernels.triton.add_ape import triton_add_ape
     from dsv4.kernels.triton.argmax import triton_argmax
-    from dsv4.kernels.triton.compressor import (
-        HeldProject,
-        triton_compress_cached,
-        triton_project_invariant,
-    )
+    from dsv4.kernels.triton.compressor import triton_compress_cached
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
     from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
     from dsv4.kernels.triton.gemv import triton_decode_linear
@@ -182,6 +178,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.moe_gate import triton_moe_gate_select
     from dsv4.kernels.triton.moe_gate_logits import triton_moe_gate_logits
     from dsv4.kernels.triton.pick_slots import triton_pick_slots
+    from dsv4.kernels.triton.project import HeldProject, triton_project_invariant
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
         triton_q_norm_rope,

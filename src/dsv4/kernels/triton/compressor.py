@@ -86,11 +86,8 @@ import triton.language as tl
 from dsv4.kernels.ref.compressor import CompressIndex, compress_geometry
 from dsv4.kernels.triton.compressor_config import SHORT_WINDOW, default_config, default_tokens
 from dsv4.kernels.triton.compressor_group import launch_group
-from dsv4.kernels.triton.gemv import FMA_MAX_M, MAX_TILES, GemvCounters, triton_linear
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PROJECT_BLOCK_N = 16    # decode `triton_project`: output columns per program (FMA path)
-PROJECT_SPLITS = 8      # and K splits (V4-Flash CSA: 160 tiles x 8 = 1,280 programs)
 
 
 @triton.jit
@@ -419,38 +416,3 @@ def write_ring_rows(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
     _ring_write_kernel[(T,)](kv, score, ring_kv, ring_score, ring_write, width,
                              ring_kv.shape[0] - 1, kv.stride(0), ring_kv.stride(0),
                              BLOCK_W=triton.next_power_of_2(width), num_warps=4)
-
-
-def triton_project(x: torch.Tensor, w: torch.Tensor,
-                   counters: GemvCounters | None = None) -> torch.Tensor:
-    """Same contract as `ref.compressor.project` (the triton backend's `project` op). Decode-sized
-    x (at most `gemv.FMA_MAX_M` rows, any float dtype: a 16-bit x is read as it is and widened
-    in registers, no fp32 copy of it per step): `triton_linear`, one launch streaming the fp32
-    weight (cuBLAS runs these fp32 GEMVs at about half the copy rate), its tiles and K splits
-    fixed (`PROJECT_BLOCK_N`, `PROJECT_SPLITS`) so a column's sum order depends on K alone: a
-    fused group's columns get the bits of the members' own projections. `counters`: the backend's
-    held split-K counters (calls are serial: the compressors run on one stream). More rows:
-    cuBLAS, whose kernel (and a row's last bits) depends on the row count."""
-    if x.shape[0] > FMA_MAX_M or w.shape[0] > PROJECT_BLOCK_N * MAX_TILES:
-        return torch.nn.functional.linear(x.float(), w)
-    held = counters.get(x.device) if counters is not None else None
-    return triton_linear(x, w, block_n=PROJECT_BLOCK_N, split_k=PROJECT_SPLITS, dot=False,
-                         counters=held, out_dtype=torch.float32)
-
-
-class HeldProject:
-    """The triton backend's `project` op: `triton_project` with split-K counters held for the
-    backend instance's lifetime (calls are serial: the compressors run on one stream)."""
-
-    def __init__(self) -> None:
-        self.counters = GemvCounters()
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return triton_project(x, w, self.counters)
-
-
-def triton_project_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`project` with a row's bits independent of the row count: the fixed-tile Triton GEMM of
-    `batch_invariant.py` (the backend's op under invariant launch plans)."""
-    from dsv4.kernels.triton.batch_invariant import bi_mm
-    return bi_mm(x.float(), w.t())
