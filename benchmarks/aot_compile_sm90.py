@@ -359,9 +359,10 @@ def fp8_linear_variants() -> Iterator[Variant]:
 
 def mhc_variants() -> Iterator[Variant]:
     """mHC pre / head at decode (V4-Flash: n 4, d 4096; T 1 on 132 SMs): the one-launch split-K
-    kernel (bf16 / fp32 x pre, bf16 head; a knob, `one_launch=True`), and the default two-launch
-    pair (bf16 pre)."""
-    from dsv4.kernels.triton import mhc, mhc_split
+    kernel (bf16 / fp32 x pre, bf16 head; a knob, `one_launch=True`), the default two-launch
+    pair (bf16 pre), and the post + projection launch of `mhc_post_pre` at each BLOCK_D its plan
+    picks for T = 1..8."""
+    from dsv4.kernels.triton import mhc, mhc_post_pre, mhc_split
 
     T, n, d, warps = 1, 4, 4096, 4
     cpu = torch.device("cpu")                   # the plans below are the H200's at T = 1
@@ -390,6 +391,13 @@ def mhc_variants() -> Iterator[Variant]:
             yield (f"{label} finish", mhc_split._mhc_finish_kernel, types,
                    {**geo, "BLOCK_T": fbt, "BLOCK_S": fbs, "BLOCK_D": fbd, "EVEN_D": True},
                    {"num_warps": mhc_split.finish_warps(fbt, 4, fbd)})
+    post_types = {**ints, **{p: "*bf16" for p in ("f_ptr", "x_ptr", "out_ptr")},
+                  **{p: "*fp32" for p in ("post_ptr", "comb_ptr", "fn_ptr", "ws_ptr", "sq_ptr")},
+                  "stride_ft": "i32:16"}
+    for bd in (32, 64, 128):
+        yield (f"mhc post+project bf16 BLOCK_D={bd}", mhc_post_pre._post_project_kernel,
+               post_types, {"N": n, "NP": 4, "BLOCK_D": bd, "EVEN_D": True},
+               {"num_warps": mhc_post_pre._warps(bd)})
 
 
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
@@ -450,8 +458,12 @@ def compile_variant(kernel: Any, types: dict[str, str], consts: dict[str, Any],
                     options: dict[str, int]) -> Any:
     """Compile for sm_90 with the JIT's divisibility hints.
 
-    Pointers and ":16"-typed integers are marked divisible by 16 (see the module docstring).
+    Pointers and ":16"-typed integers are marked divisible by 16 (see the module docstring). A
+    kernel with the `PDL` constexpr compiles as it launches on the H200: PDL on
+    (`kernels/triton/pdl.py`), unless the variant sets it.
     """
+    if "PDL" in kernel.arg_names and "PDL" not in consts:
+        consts, options = {**consts, "PDL": True}, {**options, "launch_pdl": True}
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, name in enumerate(kernel.arg_names):

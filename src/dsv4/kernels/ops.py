@@ -125,6 +125,15 @@ class MhcPostOp(Protocol):
     def __call__(self, f: Tensor, x: Tensor, post: Tensor, comb: Tensor) -> Tensor: ...
 
 
+class MhcPostPreOp(Protocol):
+    """`ref/mhc.py::mhc_post_pre`: a post step, then the next site's pre on the new streams ->
+    (X' [T, n, d], h [T, d], post' [T, n], comb' [T, n, n])."""
+
+    def __call__(self, f: Tensor, x: Tensor, post: Tensor, comb: Tensor, fn: Tensor,
+                 scale: Tensor, base: Tensor, n: int, iters: int, hc_eps: float,
+                 norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+
+
 class MhcHeadOp(Protocol):
     """`ref/mhc.py::mhc_head`: the final collapse of the streams x [T, n, d] -> [T, d]."""
 

@@ -26,6 +26,7 @@ from dsv4.kernels.ops import (
     LinearOp,
     MhcHeadOp,
     MhcPostOp,
+    MhcPostPreOp,
     MhcPreOp,
     MoeGateLogitsOp,
     MoeGateSelectOp,
@@ -51,7 +52,7 @@ from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cache
 from dsv4.kernels.ref.fp8_linear import dense_linear, fp8_linear
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
-from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_pre
+from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_post_pre, mhc_pre
 from dsv4.kernels.ref.moe import (
     moe_gate_logits,
     moe_gate_select,
@@ -106,6 +107,7 @@ class KernelOps:
     linear: LinearOp
     swiglu_linear: SwigluLinearOp
     rope_rows: RopeRowsOp
+    mhc_post_pre: MhcPostPreOp
 
 
 def _ref() -> KernelOps:
@@ -114,7 +116,7 @@ def _ref() -> KernelOps:
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
                      project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
                      swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear,
-                     rope_rows)
+                     rope_rows, mhc_post_pre)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -122,7 +124,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
 
     The kernels: compressor, a CSA layer's two compressors in one launch, indexer scores, top-k,
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
-    weights, fused mHC pre / post / head, fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
+    weights, fused mHC pre / post / head (and at a few tokens a post fused with the next pre's
+    projection, `mhc_post_pre`), fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
     paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
     gate-score position embedding and the greedy sampler's row argmax; the MoE gate's logits
@@ -148,6 +151,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
 
     `invariant_plans`: every op computes a token's row with a launch plan chosen from that row's
     shapes only, never from the token count: sparse attention without split-KV, mHC pre / head
+    (and the post + pre op, unfused)
     with the T-invariant split-K plan, the compressor projections as fixed-tile GEMMs, a CSA
     layer's compressor pair as two single launches at every T (the default fuses them up to 512
     tokens, and the fused entries differ from the singles' in rounding), the dense projections and
@@ -171,6 +175,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.metadata import triton_step_metadata
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
     from dsv4.kernels.triton.mhc_post import triton_mhc_post
+    from dsv4.kernels.triton.mhc_post_pre import triton_mhc_post_pre
     from dsv4.kernels.triton.moe import (
         triton_routed_experts,
         triton_routed_experts_quant_deterministic,
@@ -198,12 +203,14 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
     project: ProjectOp = HeldProject()
     pair = triton_compress_pair
+    post_pre: MhcPostPreOp = triton_mhc_post_pre
     if invariant_plans:
         project = triton_project_invariant
         pair = functools.partial(triton_compress_pair, fuse=False)
         attention = functools.partial(triton_sparse_attention, num_splits=1)
         pre = functools.partial(triton_mhc_pre, invariant=True)
         head = functools.partial(triton_mhc_head, invariant=True)
+        post_pre = functools.partial(triton_mhc_post_pre, invariant=True)
     return KernelOps("triton", attention, triton_compress_cached,
                      pair, triton_index_scores, TopKRunner(),
                      triton_routed_experts, pre, triton_mhc_post, head,
@@ -215,7 +222,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      moe_gate_logits if invariant_plans else triton_moe_gate_logits,
                      dense_linear if invariant_plans else triton_decode_linear,
                      triton_swiglu_linear_invariant if invariant_plans else triton_swiglu_linear,
-                     triton_rope_rows)
+                     triton_rope_rows, post_pre)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

@@ -9,7 +9,7 @@ from dsv4.config.model import ModelConfig
 from dsv4.model.attention import Attention
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
-from dsv4.model.hyper_connection import HyperConnection
+from dsv4.model.hyper_connection import HyperConnection, PreOut
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.moe import MoE
 
@@ -34,6 +34,8 @@ class Block(nn.Module):
         """
         assert (ctx is None) != (mode is None), (
             "pass a serving ctx or a full-sequence mode, not both")
+        if ctx is not None:
+            return self.serve(x, self.hc_attn.pre(x, ctx), input_ids, cos, sin, ctx, None)[0]
         v = mode.values if mode is not None else None
         h, post, comb = self.hc_attn.pre(x, ctx, v)
         o = self.attn(self.attn_norm(h, ctx, v), cos, sin, ctx, self.layer_id, mode=mode)
@@ -41,3 +43,18 @@ class Block(nn.Module):
         h, post, comb = self.hc_ffn.pre(x, ctx, v)
         return HyperConnection.post(self.ffn(self.ffn_norm(h, ctx, v), input_ids, ctx, mode=mode),
                                     x, post, comb, ctx, v)
+
+    def serve(self, x: torch.Tensor, pre: PreOut, input_ids: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, ctx: ForwardContext, next_site: HyperConnection | None,
+              ) -> tuple[torch.Tensor, PreOut | None]:
+        """A serving step of the block from its attention site's pre outputs `pre` on streams x:
+        the attention, its post fused with the FFN site's pre, the MoE, and its post fused with
+        `next_site`'s pre (the next block's attention site) -> (new streams, next_site's pre
+        outputs), or the plain post -> (new streams, None) without a next site."""
+        h, post, comb = pre
+        o = self.attn(self.attn_norm(h, ctx), cos, sin, ctx, self.layer_id)
+        x, (h, post, comb) = self.hc_ffn.post_pre(o, x, post, comb, ctx)
+        f = self.ffn(self.ffn_norm(h, ctx), input_ids, ctx)
+        if next_site is None:
+            return HyperConnection.post(f, x, post, comb, ctx), None
+        return next_site.post_pre(f, x, post, comb, ctx)

@@ -10,6 +10,7 @@ stacked.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 from torch import nn
@@ -161,9 +162,14 @@ class DeepSeekV4ForCausalLM(nn.Module):
         # the n streams start as copies of the embedding, materialised once here: the first
         # layer's mHC pre and post ops take contiguous streams (an expand is copied by each)
         x = self.embed(ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
-            x = layer(x, ids, cos, sin, ctx)
+        # each block's last post runs fused with the next block's first pre (`Block.serve`)
+        blocks = [cast(Block, layer) for layer in self.layers]
+        pre = blocks[0].hc_attn.pre(x, ctx) if blocks else None
+        for i, block in enumerate(blocks):
+            cos, sin = tables["main" if block.attn_type == "swa" else "compress"]
+            nxt = blocks[i + 1].hc_attn if i + 1 < len(blocks) else None
+            assert pre is not None
+            x, pre = block.serve(x, pre, ids, cos, sin, ctx, nxt)
         streams = x[0]
         if not ctx.logits_all:
             x = x[0, ctx.logits_index].unsqueeze(0)                             # [1, R, n, d]

@@ -7,8 +7,10 @@ back with `post` and the old streams are mixed by the Sinkhorn-projected `comb`:
 The learned parameters are only `fn`, `base` and `scale` (all fp32). With a ForwardContext
 (serving) the three steps run as the kernel backend's `mhc_pre` / `mhc_post` / `mhc_head` ops on
 the [T, n, d] tokens (the `ref` ops compute exactly what the full-sequence path below computes, op
-for op). A full-sequence forward given `values` (`ForwardMode.values`) takes those ops' values and
-the formulation's gradients (`model/kernel_values.py`).
+for op); where a post step is followed by another site's pre (inside a block, and from one block
+to the next) both run as one `mhc_post_pre` op. A full-sequence forward given `values`
+(`ForwardMode.values`) takes those ops' values and the formulation's gradients
+(`model/kernel_values.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from dsv4.kernels.ref.mhc import hc_split_sinkhorn
 from dsv4.kernels.registry import KernelOps
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.kernel_values import kernel_values
+
+PreOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A pre step's (block input h [B, S, d], post [B, S, n], comb [B, S, n, n])."""
 
 
 def _scaled_mix(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,6 +78,18 @@ class HyperConnection(nn.Module):
         pre, post, comb = hc_split_sinkhorn(mix, scale, base, self.n, self.iters, self.hc_eps)
         h = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
         return h.to(x.dtype), post, comb
+
+    def post_pre(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 ctx: ForwardContext) -> tuple[torch.Tensor, PreOut]:
+        """Serving: the previous site's post step (f: its block output, x / post / comb: its
+        streams and weights), then this site's pre on the new streams, as one op
+        (`mhc_post_pre`) -> (new streams [B, S, n, d], this site's (h, post, comb))."""
+        B, S, n, d = x.shape
+        new, h, p, c = ctx.ops.mhc_post_pre(
+            f.reshape(B * S, d), x.reshape(B * S, n, d).contiguous(), post.reshape(B * S, n),
+            comb.reshape(B * S, n, n).contiguous(), self.fn, self.scale, self.base, n,
+            self.iters, self.hc_eps, self.norm_eps)
+        return new.view(B, S, n, d), (h.view(B, S, d), p.view(B, S, n), c.view(B, S, n, n))
 
     @staticmethod
     def post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

@@ -2,7 +2,8 @@
 steps.
 
 `hc_split_sinkhorn` splits the RMS-scaled mix into pre/post/comb. `mhc_pre`, `mhc_post` and
-`mhc_head` are the executable specs of `kernels/triton/mhc.py` / `mhc_post.py` (same signatures):
+`mhc_head` are the executable specs of `kernels/triton/mhc.py` / `mhc_post.py` (same signatures),
+`mhc_post_pre` (post, then the next site's pre) that of `kernels/triton/mhc_post_pre.py`:
 they compute exactly what `model/hyper_connection.py::HyperConnection.pre` / `.post` and
 `HyperHead.forward` compute, op for op, on tokens flattened to [T, n, d] (any leading dims work;
 `tests/kernels/test_mhc_triton.py` checks bit-equality in fp32 against the modules).
@@ -71,6 +72,17 @@ def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
     """
     mixed = torch.einsum("...jk,...jd->...kd", comb, x.float())
     return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(x.dtype)
+
+
+def mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
+                 hc_eps: float, norm_eps: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sub-block's post step, then the next site's pre step on the new streams: (X' [T, n, d],
+    h [T, d], post' [T, n], comb' [T, n, n]) = `mhc_post` then `mhc_pre` (fn / scale / base: the
+    next site's), op for op."""
+    new = mhc_post(f, x, post, comb)
+    return (new, *mhc_pre(new, fn, scale, base, n, iters, hc_eps, norm_eps))
 
 
 def mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK_ELEMS = 4096      # score elements per program (rows x the row width, powers of two)
 
@@ -23,7 +26,9 @@ BLOCK_ELEMS = 4096      # score elements per program (rows x the row width, powe
 @triton.jit(do_not_specialize=["T", "W", "ratio", "stride_s", "stride_a"])
 def _add_ape_kernel(score_ptr, ape_ptr, pos_ptr,  # type: ignore[no-untyped-def]
                     T, W, ratio, stride_s, stride_a,
-                    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_W)
     live_t = rows < T
@@ -60,4 +65,4 @@ def triton_add_ape(score: torch.Tensor, ape: torch.Tensor, positions: torch.Tens
     block_t = max(1, min(triton.next_power_of_2(T), BLOCK_ELEMS // block_w))
     _add_ape_kernel[(triton.cdiv(T, block_t),)](
         score, ape, positions, T, W, ratio, score.stride(0), ape.stride(0),
-        BLOCK_T=block_t, BLOCK_W=block_w)
+        BLOCK_T=block_t, BLOCK_W=block_w, **pdl_args(score.device))

@@ -33,8 +33,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, pow2
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK_V = 4096       # columns per stage-1 program: 32 programs per row at V = 129,280
 MAX_V = 2**28        # chunks per row stay within a grid's second axis (65,535)
@@ -42,7 +44,9 @@ MAX_V = 2**28        # chunks per row stay within a grid's second axis (65,535)
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_x,  # type: ignore[no-untyped-def]
-                           num_chunks, BLOCK_V: tl.constexpr):
+                           num_chunks, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -59,7 +63,9 @@ def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_x,  # type: ignore[no-unty
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_final_kernel(part_ptr, out_ptr, num_chunks,  # type: ignore[no-untyped-def]
-                         BLOCK_C: tl.constexpr):
+                         BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     # padding lanes repeat chunk 0's key: a max over copies of a real key changes nothing
@@ -89,6 +95,8 @@ def triton_argmax(x: torch.Tensor, block_v: int = BLOCK_V) -> torch.Tensor:
     block_v = min(block_v, triton.next_power_of_2(V))
     chunks = triton.cdiv(V, block_v)
     part = torch.empty(B, chunks, dtype=torch.int64, device=x.device)
-    _argmax_partial_kernel[(B, chunks)](x, part, V, x.stride(0), chunks, BLOCK_V=block_v)
-    _argmax_final_kernel[(B,)](part, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
+    _argmax_partial_kernel[(B, chunks)](x, part, V, x.stride(0), chunks, BLOCK_V=block_v,
+                            **pdl_args(x.device))
+    _argmax_final_kernel[(B,)](part, out, chunks, BLOCK_C=triton.next_power_of_2(chunks),
+                          **pdl_args(part.device))
     return out

@@ -82,10 +82,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.compressor import CompressIndex, compress_geometry
 from dsv4.kernels.triton.compressor_config import SHORT_WINDOW, default_config, default_tokens
 from dsv4.kernels.triton.compressor_group import launch_group
+from dsv4.kernels.triton.pdl import pdl_args
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -180,8 +182,9 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
     stride_kv, stride_ring, stride_cs, stride_out,
     S: tl.constexpr, RATIO: tl.constexpr, DC: tl.constexpr, WIDTH: tl.constexpr,
     ROPE_FIRST: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
-    OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PREFETCH: tl.constexpr,
-):
+    OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     # NOTE: the geometry is compile-time (a model has 3 compressor shapes): masks over d vanish for
     # Dc = 2^k. Index rows are [T, S] contiguous (checked by the wrapper): token t's start at t * S,
     # a multiple of S that lets the compiler vectorise their loads.
@@ -272,7 +275,9 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def _ring_write_kernel(kv_ptr, score_ptr, ring_kv_ptr,  # type: ignore[no-untyped-def]
                        ring_score_ptr, ring_write_ptr, width, ring_trash, stride_kv, stride_ring,
-                       BLOCK_W: tl.constexpr):
+                       BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     # Prefill / extend: most tokens keep no ring row, so the row is loaded only where it is written
     # (masked on `dst`: two round trips, which a launch this small can afford).
     t = tl.program_id(0).to(tl.int64)
@@ -402,7 +407,7 @@ def launch_compress(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
             BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(Dc),
             BLOCK_W=triton.next_power_of_2(width), OVERLAP=overlap, WRITE_RING=fused,
             PREFETCH=(S <= SHORT_WINDOW if prefetch is None else prefetch) and block_s < S,
-            num_warps=num_warps or auto_w, num_stages=num_stages or auto_st,
+            num_warps=num_warps or auto_w, num_stages=num_stages or auto_st, **pdl_args(kv.device),
         )
     if not fused:  # NOTE: after every ring read of the launch above (module docstring)
         write_ring_rows(kv, score, ring_kv, ring_score, index.ring_write)
@@ -415,4 +420,5 @@ def write_ring_rows(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
     T, width = kv.shape
     _ring_write_kernel[(T,)](kv, score, ring_kv, ring_score, ring_write, width,
                              ring_kv.shape[0] - 1, kv.stride(0), ring_kv.stride(0),
-                             BLOCK_W=triton.next_power_of_2(width), num_warps=4)
+                             BLOCK_W=triton.next_power_of_2(width), num_warps=4,
+                             **pdl_args(kv.device))

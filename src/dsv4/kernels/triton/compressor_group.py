@@ -29,6 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from dsv4.kernels.triton.pdl import pdl_args
 
 
 @triton.jit
@@ -40,8 +43,9 @@ def _compress_group_kernel(  # type: ignore[no-untyped-def]
     stride_kv, stride_ring, stride_cs, stride_out,
     S: tl.constexpr, RATIO: tl.constexpr, DC: tl.constexpr, WIDTH: tl.constexpr,
     ROPE_FIRST: tl.constexpr, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_W: tl.constexpr, OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr,
-):
+    BLOCK_W: tl.constexpr, OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     tok = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)                  # [G]
     t_ok = tok < T
     offs_s = tl.arange(0, BLOCK_S)
@@ -122,4 +126,5 @@ def launch_group(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
         BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(Dc),
         BLOCK_W=triton.next_power_of_2(width),
         OVERLAP=overlap, WRITE_RING=write_ring, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(kv.device),
     )

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_geometry
 from dsv4.kernels.triton.compressor import (
@@ -46,6 +47,7 @@ from dsv4.kernels.triton.compressor import (
     store_entry,
     write_ring_rows,
 )
+from dsv4.kernels.triton.pdl import pdl_args
 
 _MAX_WINDOW = 16            # S: the window is pooled in one [next_pow2(S), Dc] tile per compressor
 # the H200 sweep's best at B 64, 256, 4096 (2 warps at 1024, where singles win anyway)
@@ -84,8 +86,9 @@ def _compress_pair_kernel(  # type: ignore[no-untyped-def]
     stride_kv_a, stride_ring_a, stride_out_a, stride_kv_b, stride_ring_b, stride_out_b, stride_cs,
     S: tl.constexpr, RATIO: tl.constexpr, DC_A: tl.constexpr, DC_B: tl.constexpr,
     ROPE_FIRST_A: tl.constexpr, ROPE_FIRST_B: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, WRITE_RING: tl.constexpr,
-):
+    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, WRITE_RING: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     # Load schedule as in compressor._compress_kernel (its module docstring, "Latency"), for two
     # compressors.
     t = tl.program_id(0).to(tl.int64)
@@ -190,6 +193,7 @@ def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: C
         ROPE_FIRST_B=Db // 2 - half_rd, BLOCK_S=triton.next_power_of_2(S),
         BLOCK_DA=triton.next_power_of_2(Da), BLOCK_DB=triton.next_power_of_2(Db),
         WRITE_RING=fused, num_warps=num_warps or _DEFAULT_WARPS, num_stages=num_stages,
+        **pdl_args(a.kv.device),
     )
     if not fused:  # NOTE: after every ring read of the launch above (compressor.py's docstring)
         for c in (a, b):

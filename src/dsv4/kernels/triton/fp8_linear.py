@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.gemv import (
     FMA_LIMIT_M,
@@ -59,6 +60,7 @@ from dsv4.kernels.triton.gemv import (
 )
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.moe_decode import e8m0
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK = 128                 # the scale block (and the K step)
 DECODE_MAX_M = 64           # above: prefill tiles, no split-K
@@ -83,8 +85,9 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
     k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
+    EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -245,5 +248,5 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         w.stride(0), scale.stride(0), per * BLOCK, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         FP32_DOT=fp32_dot, EVEN_K=K % BLOCK == 0, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        num_stages=plan.num_stages, **pdl_args(x2.device))
     return y.view(*lead, N)

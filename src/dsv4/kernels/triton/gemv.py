@@ -69,10 +69,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.libm import libdevice_math
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
@@ -111,8 +113,9 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-):
+    LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -368,7 +371,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
         SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        num_stages=plan.num_stages, **pdl_args(x.device))
     return y
 
 

@@ -32,8 +32,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, pow2
+from dsv4.kernels.triton.pdl import pdl_args
 
 # Same dtype: a bit copy (uint8: packed FP8 entries); different dtypes: cast within X_DTYPES.
 POOL_DTYPES = (*X_DTYPES, torch.uint8)
@@ -42,7 +44,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 @triton.jit
 def _swap_in_kernel(host_ptr, dev_ptr, src_ptr, dst_ptr, D,  # type: ignore[no-untyped-def]
-                    stride_host, stride_dev, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+                    stride_host, stride_dev, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                    PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     i = tl.program_id(0)
     dst = tl.load(dst_ptr + i).to(tl.int64)
     if dst >= 0:
@@ -110,4 +115,4 @@ def triton_swap_in(host_pool: torch.Tensor, device_pool: torch.Tensor, src_entri
     _swap_in_kernel[(n, triton.cdiv(D, bd))](
         host_pool, device_pool, src_entries.contiguous(), dst_slots.contiguous(), D,
         host_pool.stride(0), device_pool.stride(0), BLOCK_D=bd, EVEN_D=D % bd == 0,
-        num_warps=num_warps or max(1, min(8, bd * elt // 512)))
+        num_warps=num_warps or max(1, min(8, bd * elt // 512)), **pdl_args(device_pool.device))

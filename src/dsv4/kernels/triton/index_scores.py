@@ -50,8 +50,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton import launch
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,8 +69,9 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     V, Ih, Id, blocks_per_program, weight_scale,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ct, stride_ot,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
-    EVEN_D: tl.constexpr,
-):
+    EVEN_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     # NOTE: int64 row offsets: T * V reaches 2^31 at T = 8192, V = 262,144.
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -200,6 +203,6 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(Id)),
         FP32_DOT=_needs_fp32_dot(q, keys),
         EVEN_D=Id == max(_MIN_DOT, triton.next_power_of_2(Id)),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
     return out

@@ -44,9 +44,11 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ops import CompressRows, CompressSpec, StepRows
 from dsv4.kernels.triton.launch import one_device, pow2
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK_T = 8          # tokens per program
 BLOCK_V = 512        # candidate columns per program
@@ -198,7 +200,9 @@ def _metadata_kernel(  # type: ignore[no-untyped-def]
     RATIO0: tl.constexpr, S0: tl.constexpr, RING0: tl.constexpr, BLOCK_S0: tl.constexpr,
     RATIO1: tl.constexpr, S1: tl.constexpr, RING1: tl.constexpr, BLOCK_S1: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_V: tl.constexpr,
-):
+    PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     j = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = t < T
@@ -313,5 +317,5 @@ def triton_step_metadata(slots: torch.Tensor, starts: torch.Tensor, lens: torch.
         page_table.stride(0), page_table.shape[1], full_to_swa, pos, swa, win, *args, T,
         slots.shape[0], P=page_size, W=window, NSPEC=len(specs), **consts, BLOCK_T=block_t,
         BLOCK_B=BLOCK_B, BLOCK_W=min(MAX_BLOCK_W, triton.next_power_of_2(max(window, 1))),
-        BLOCK_V=block_v, num_warps=num_warps)
+        BLOCK_V=block_v, num_warps=num_warps, **pdl_args(slots.device))
     return StepRows(positions=pos, swa_write=swa, window=win, plans=plans)

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, expect, one_device, pow2, sms
 from dsv4.kernels.triton.mhc_math import finish, project
@@ -70,6 +71,7 @@ from dsv4.kernels.triton.mhc_split import (
     plan_finish,
     plan_one_launch,
 )
+from dsv4.kernels.triton.pdl import pdl_args
 
 __all__ = ["INVARIANT_SPLITS", "finish_warps", "plan_finish",
            "plan_one_launch", "plan_pre", "triton_mhc_head", "triton_mhc_pre"]
@@ -86,7 +88,9 @@ def _mhc_fused_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, h_ptr,  # type: ignore
                       stride_ht, N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                       EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     pp, cm, sq = project(x_ptr, fn_ptr, offs_t, t_mask, 0, N * D, stride_xt, stride_fn,
@@ -164,7 +168,7 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     _mhc_fused_kernel[(triton.cdiv(T, bt),)](
         x, fn, scale, base, h, post, comb, T, d, iters, hc_eps, norm_eps, x.stride(0),
         fn.stride(0), h.stride(0), BLOCK_T=bt, BLOCK_D=bd, EVEN_D=d % bd == 0, **consts,
-        num_warps=k.num_warps, num_stages=k.num_stages)
+        num_warps=k.num_warps, num_stages=k.num_stages, **pdl_args(x.device))
 
 
 def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -17,14 +17,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, expect, one_device, pow2, sms
+from dsv4.kernels.triton.pdl import pdl_args
 
 
 @triton.jit
 def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,  # type: ignore[no-untyped-def]
                      stride_ft, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
-                     EVEN_D: tl.constexpr):
+                     EVEN_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, NP)
@@ -56,15 +60,8 @@ def default_post_block_d(T: int, d: int, device: torch.device) -> int:
     return bd
 
 
-def triton_mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-                    block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """Same contract as `mhc_post`: X'[k] = post[k] f + Σ_j comb[j, k] X[j] -> [T, n, d] in x's
-    dtype.
-
-    f: [T, d] (unit stride in d; any row stride), bf16 / fp16 / fp32; x: [T, n, d] contiguous;
-    post [T, n], comb [T, n, n] contiguous fp32. One pass: x and f read once, x' written once.
-    Graph-capture safe.
-    """
+def check_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    """The post step's input contract (`triton_mhc_post`); raises ValueError naming the field."""
     if x.dim() != 3:
         raise ValueError(f"x must be [T, n, d]; got {list(x.shape)}")
     T, n, d = x.shape
@@ -75,11 +72,24 @@ def triton_mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: 
         raise ValueError(f"f must be [{T}, {d}] of {X_DTYPES} with unit stride in d; "
                          f"got {list(f.shape)} {f.dtype} strides {f.stride()}")
     one_device(f, x, post, comb)
+
+
+def triton_mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+                    block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Same contract as `mhc_post`: X'[k] = post[k] f + Σ_j comb[j, k] X[j] -> [T, n, d] in x's
+    dtype.
+
+    f: [T, d] (unit stride in d; any row stride), bf16 / fp16 / fp32; x: [T, n, d] contiguous;
+    post [T, n], comb [T, n, n] contiguous fp32. One pass: x and f read once, x' written once.
+    Graph-capture safe.
+    """
+    check_post(f, x, post, comb)
+    T, n, d = x.shape
     out = torch.empty_like(x)
     if T == 0:
         return out
     bd = pow2("block_d", block_d or default_post_block_d(T, d, x.device), 1)
     _mhc_post_kernel[(T, triton.cdiv(d, bd))](
         f, x, post, comb, out, d, f.stride(0), N=n, NP=triton.next_power_of_2(n), BLOCK_D=bd,
-        EVEN_D=d % bd == 0, num_warps=num_warps or max(1, min(8, bd // 256)))
+        EVEN_D=d % bd == 0, num_warps=num_warps or max(1, min(8, bd // 256)), **pdl_args(f.device))
     return out

@@ -48,10 +48,12 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.gemv import GemvCounters
 from dsv4.kernels.triton.launch import sms
 from dsv4.kernels.triton.mhc_math import finish, project, sum_partials
+from dsv4.kernels.triton.pdl import pdl_args
 
 _MIN_DOT = 16
 _H_TILE = 8192          # elements of an h-loop tile [BLOCK_T, NP, BLOCK_D]
@@ -84,7 +86,10 @@ def _store_partials(x_ptr, fn_ptr, ws_ptr, sq_ptr, offs_t, t_mask,  # type: igno
 def _mhc_partial_kernel(x_ptr, fn_ptr, ws_ptr, sq_ptr, T, K,  # type: ignore[no-untyped-def]
                         k_per_split, stride_xt, stride_fn, N: tl.constexpr, NP: tl.constexpr,
                         HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, DOT: tl.constexpr, INTERPRET: tl.constexpr):
+                        EVEN_K: tl.constexpr, DOT: tl.constexpr, INTERPRET: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     _store_partials(x_ptr, fn_ptr, ws_ptr, sq_ptr, offs_t, offs_t < T, tl.program_id(1), T, K,
                     k_per_split, stride_xt, stride_fn, N, NP, HEAD, BLOCK_T, BLOCK_K, EVEN_K, DOT,
@@ -96,7 +101,9 @@ def _mhc_finish_kernel(x_ptr, ws_ptr, sq_ptr, scale_ptr, base_ptr,  # type: igno
                        h_ptr, post_ptr, comb_ptr, T, D, S, d_span, iters, hc_eps, norm_eps,
                        stride_xt, stride_ht, N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EVEN_D: tl.constexpr):
+                       EVEN_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     pid_d = tl.program_id(1)
@@ -115,10 +122,13 @@ def _mhc_one_launch_kernel(x_ptr, fn_ptr, ws_ptr, sq_ptr, cnt_ptr,  # type: igno
                            N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            DOT: tl.constexpr, INTERPRET: tl.constexpr, FINISH_T: tl.constexpr,
-                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                           PDL: tl.constexpr):
     """The partial program (tile, split), then the tile's last arrival finishes the tile.
 
     FINISH_T divides BLOCK_T, so the finish tiles t0 + [0, FINISH_T) are the finish launch's."""
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     tile = tl.program_id(0)
     offs_t = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     _store_partials(x_ptr, fn_ptr, ws_ptr, sq_ptr, offs_t, offs_t < T, tl.program_id(1), T, K,
@@ -230,13 +240,28 @@ def launch_split(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
             x, fn, ws, sq, cnt, scale, base, h, post, comb, T, n * d, d, S, k_per_split, iters,
             hc_eps, norm_eps, x.stride(0), fn.stride(0), h.stride(0), BLOCK_T=bt, FINISH_T=fbt,
             BLOCK_S=bs, BLOCK_D=bd, EVEN_D=d % bd == 0, **consts, num_warps=num_warps,
-            num_stages=num_stages)
+            num_stages=num_stages, **pdl_args(x.device))
         return
     _mhc_partial_kernel[grid](
         x, fn, ws, sq, T, n * d, k_per_split, x.stride(0), fn.stride(0), BLOCK_T=bt, **consts,
-        num_warps=num_warps, num_stages=num_stages)
-    fbt, d_span, bd, bs = plan_finish(T, d, np_, S, x.device, invariant, d_spans)
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
+    launch_finish(x, ws, sq, scale, base, outs, eps, geo, plan_finish(T, d, np_, S, x.device,
+                                                                      invariant, d_spans))
+
+
+def launch_finish(x: torch.Tensor, ws: torch.Tensor, sq: torch.Tensor, scale: torch.Tensor,
+                  base: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  eps: tuple[int, float, float], geo: dict[str, Any],
+                  tiles: tuple[int, int, int, int]) -> None:
+    """The finish launch on the partials ws [S, T, 2, NP*NP] + sq [S, T] of x [T, n, d]: outs =
+    (h, post, comb), geo = the N, NP, HEAD constexprs, tiles = `plan_finish`'s. Also the second
+    launch of `mhc_post_pre.py` (whose first launch writes the partials)."""
+    T, _, d = x.shape
+    S = ws.shape[0]
+    h, post, comb = outs
+    iters, hc_eps, norm_eps = eps
+    fbt, d_span, bd, bs = tiles
     _mhc_finish_kernel[(triton.cdiv(T, fbt), triton.cdiv(d, d_span))](
         x, ws, sq, scale, base, h, post, comb, T, d, S, d_span, iters, hc_eps, norm_eps,
         x.stride(0), h.stride(0), BLOCK_T=fbt, BLOCK_S=bs, BLOCK_D=bd, EVEN_D=d % bd == 0, **geo,
-        num_warps=finish_warps(fbt, np_, bd))
+        num_warps=finish_warps(fbt, geo["NP"], bd), **pdl_args(x.device))

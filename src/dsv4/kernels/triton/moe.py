@@ -63,6 +63,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.moe import WaitShared, add_shared
 from dsv4.kernels.triton.libm import libdevice_math
@@ -72,6 +73,7 @@ from dsv4.kernels.triton.moe_fma import fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}
@@ -86,8 +88,9 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-):
+    LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     tile = tl.program_id(0)
     row_start = tl.load(t_start_ptr + tile)
     row_end = tl.load(t_end_ptr + tile)
@@ -143,7 +146,9 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
     ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
+    PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     tile = tl.program_id(0)
     row_start = tl.load(t_start_ptr + tile)
     row_end = tl.load(t_end_ptr + tile)
@@ -339,7 +344,7 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
         d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common,
+        LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common, **pdl_args(x.device),
     )
     # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
     # row, which the combine sums over k in a fixed order
@@ -350,6 +355,6 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         h, _raw(w2, fmt), s2, dest, order, t_start, t_end, t_exp,
         inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        ATOMIC=not deterministic, BLOCK_N=bn, num_warps=warps, **common,
+        ATOMIC=not deterministic, BLOCK_N=bn, num_warps=warps, **common, **pdl_args(h.device),
     )
     return dest

@@ -19,8 +19,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK_D = 512           # columns per program: 4 fp32 (one 16-byte vector) per thread at 4 warps
 NUM_WARPS = 4
@@ -29,8 +31,9 @@ NUM_WARPS = 4
 @triton.jit
 def _combine_kernel(  # type: ignore[no-untyped-def]
     parts_ptr, shared_ptr, out_ptr, D, stride_pn, stride_pk, stride_s, stride_o,
-    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
-):
+    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -79,5 +82,5 @@ def triton_moe_combine(parts: torch.Tensor, shared: torch.Tensor | None,
     _combine_kernel[(N, triton.cdiv(d, block))](
         parts, shared_arg, out, d, parts.stride(0), parts.stride(1), shared_arg.stride(0),
         out.stride(0), TOPK=topk, HAS_SHARED=shared is not None, BLOCK=block,
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, **pdl_args(parts.device))
     return out

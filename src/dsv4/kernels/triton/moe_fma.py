@@ -39,10 +39,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_decode import e8m0
 from dsv4.kernels.triton.moe_plan import MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 ACT_SHIFT = 62          # FP4: activations enter the K loop times 2^ACT_SHIFT (module docstring)
@@ -244,11 +246,12 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr, H_DTYPE: tl.constexpr,
     ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, LIBDEVICE: tl.constexpr,
-):
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     """h rows of one tile: the gate/up epilogue; x in `fma_activations` form, h written in it too
     (fp32 of the H_DTYPE-rounded value times 2^SHIFT, columns in chunk order) for the down
     launch."""
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
     tile = tl.program_id(0)
@@ -304,8 +307,9 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
     EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
     tile = tl.program_id(0)
@@ -393,7 +397,7 @@ def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.
         xs, w1, w3, s1, s3, h, order, rw, t_start, t_end, t_exp, d, inter, float(limit),
         xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         H_DTYPE=_H_DTYPES[x.dtype], LIBDEVICE=libdevice, EVEN_K=d % plan.block_k == 0,
-        BLOCK_N=bn, num_warps=warps, **common,
+        BLOCK_N=bn, num_warps=warps, **common, **pdl_args(xs.device),
     )
     dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
             else torch.empty(nk, d, dtype=torch.float32, device=x.device))
@@ -402,6 +406,6 @@ def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         ATOMIC=not deterministic, EVEN_K=inter % plan.block_k == 0, BLOCK_N=bn,
-        num_warps=warps, **common,
+        num_warps=warps, **common, **pdl_args(h.device),
     )
     return dest

@@ -31,8 +31,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.libm import libdevice_math, softplus_f32
+from dsv4.kernels.triton.pdl import pdl_args
 
 MAX_EXPERTS = 4096
 _TOPK, _HASH, _REPLAY = 0, 1, 2
@@ -42,7 +44,10 @@ _TOPK, _HASH, _REPLAY = 0, 1, 2
 def _gate_select_kernel(logits_ptr, bias_ptr, sel_ptr, ids_ptr,  # type: ignore[no-untyped-def]
                         w_ptr, E, stride_l, stride_s, route_scale,
                         K: tl.constexpr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
-                        WIDTH: tl.constexpr, LOG_WIDTH: tl.constexpr, LIBDEVICE: tl.constexpr):
+                        WIDTH: tl.constexpr, LOG_WIDTH: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, 2 * WIDTH)
     live_k = slot < K
@@ -123,5 +128,5 @@ def triton_moe_gate_select(logits: torch.Tensor, bias: torch.Tensor | None,
         logits, bias_arg, sel_arg, ids, weights, E, logits.stride(0), sel_arg.stride(0),
         float(route_scale), K=k, MODE=mode, BLOCK_E=block_e, WIDTH=1 << log_width,
         LOG_WIDTH=log_width, LIBDEVICE=_LIBDEVICE,
-        num_warps=max(1, min(8, block_e // 256)))
+        num_warps=max(1, min(8, block_e // 256)), **pdl_args(logits.device))
     return ids, weights

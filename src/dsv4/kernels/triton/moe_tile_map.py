@@ -25,6 +25,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from dsv4.kernels.triton.pdl import pdl_args
 
 MAX_FUSED_SLOTS = 512
 MAX_FUSED_EXPERTS = 1024
@@ -68,7 +71,10 @@ def tile_map_ref(indices: torch.Tensor, num_experts: int, block_m: int) -> TileM
 @triton.jit(do_not_specialize=["nk", "num_tiles"])
 def _tile_map_kernel(idx_ptr, order_ptr, ts_ptr, te_ptr, tx_ptr,  # type: ignore[no-untyped-def]
                      nk, num_tiles, E: tl.constexpr, BM: tl.constexpr, BLOCK_NK: tl.constexpr,
-                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
+                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     offs_i = tl.arange(0, BLOCK_NK)
     mi = offs_i < nk
     e_i = tl.load(idx_ptr + offs_i, mask=mi, other=E).to(tl.int32)
@@ -124,7 +130,7 @@ def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> Ti
     _tile_map_kernel[(1,)](flat, order, ts, te, tx, nk, n_tiles, E=num_experts, BM=block_m,
                            BLOCK_NK=max(_CHUNK, triton.next_power_of_2(nk)),
                            BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=_CHUNK,
-                           TILE_CHUNK=_TILE_CHUNK, num_warps=4)
+                           TILE_CHUNK=_TILE_CHUNK, num_warps=4, **pdl_args(flat.device))
     return order, ts, te, tx
 
 

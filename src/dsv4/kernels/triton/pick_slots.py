@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK_ELEMS = 2048      # picks per program (rows x the picks' width, rounded to powers of two)
 
@@ -24,7 +27,9 @@ BLOCK_ELEMS = 2048      # picks per program (rows x the picks' width, rounded to
 @triton.jit(do_not_specialize=["T", "K", "stride_p", "stride_c"])
 def _pick_slots_kernel(picks_ptr, cand_ptr, ids_ptr, slots_ptr,  # type: ignore[no-untyped-def]
                        T, K, stride_p, stride_c,
-                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_K)
     live = (rows < T)[:, None] & (cols < K)[None, :]
@@ -62,5 +67,5 @@ def triton_pick_slots(picks: torch.Tensor,
     block_t = max(1, min(triton.next_power_of_2(T), BLOCK_ELEMS // block_k))
     _pick_slots_kernel[(triton.cdiv(T, block_t),)](
         picks, candidates, ids, slots, T, K, picks.stride(0), candidates.stride(0),
-        BLOCK_T=block_t, BLOCK_K=block_k)
+        BLOCK_T=block_t, BLOCK_K=block_k, **pdl_args(picks.device))
     return ids, slots

@@ -26,6 +26,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from dsv4.kernels.triton.pdl import pdl_args
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -34,7 +37,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
                       slot_ptr, D, rows_per_token, rope_first, eps, stride_xt, stride_xh, stride_cs,
                       stride_out, NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-                      SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
+                      SCATTER: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     t = row // rows_per_token
     offs = tl.arange(0, BLOCK_D)
@@ -97,7 +102,7 @@ def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
         x3.stride(0), x3.stride(1), stride_cs, out.stride(0),
         NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None,
         BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)),
-        **({} if fp_fusion else {"enable_fp_fusion": False}))
+        **({} if fp_fusion else {"enable_fp_fusion": False}), **pdl_args(x3.device))
 
 
 def triton_q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -32,9 +32,11 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ops import ROPE_ROWS_MAX_PAIRS
 from dsv4.kernels.ref.rope_rows import check_pairs
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK_ELEMS = 2048      # cos elements per program (BLOCK_T rows x BLOCK_R columns)
 NUM_WARPS = 4
@@ -64,8 +66,9 @@ def _rope_rows_kernel(  # type: ignore[no-untyped-def]
     cache2_ptr, pos2_ptr, out2_ptr, N2, P2,
     cache3_ptr, pos3_ptr, out3_ptr, N3, P3,
     NPAIRS: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    R3: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-):
+    R3: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     block = tl.program_id(0)
     pair = tl.program_id(1)
     if pair == 0:
@@ -111,5 +114,5 @@ def triton_rope_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
     grid = (max(triton.cdiv(pos.numel(), block_t) for _, pos in pairs), len(pairs))
     _rope_rows_kernel[grid](*args, NPAIRS=len(pairs), R0=widths[0], R1=widths[1], R2=widths[2],
                             R3=widths[3], BLOCK_T=block_t, BLOCK_R=block_r,
-                            num_warps=NUM_WARPS)
+                            num_warps=NUM_WARPS, **pdl_args(pairs[0][0].device))
     return result

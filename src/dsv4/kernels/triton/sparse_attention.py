@@ -92,8 +92,10 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton import launch
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -165,8 +167,9 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     H, D, K1, K2, num_groups, blocks_per_split, num_splits, qk_scale, log2e,
     stride_qt, stride_qh, stride_kv1, stride_i1, stride_kv2, stride_i2, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr,
-):
+    SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     # NOTE: int64 token offsets: T * H * D reaches 2^31 at T = 65,536 on Flash.
     pid = tl.program_id(0)
     t = (pid // num_groups).to(tl.int64)
@@ -212,9 +215,11 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D,  # type: ignore[no-untyped-def]
                     num_splits, log2e, stride_ot, stride_oh, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PDL: tl.constexpr):
     """o[t, h] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak)); grid
     (T * H,)."""
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)                                     # t * H + h
     t, h = row // H, row % H
     offs_s = tl.arange(0, BLOCK_S)
@@ -351,10 +356,11 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         out.stride(0), out.stride(1),
         BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,
         EVEN_D=D == block_d, P_TERMS=p_terms, num_warps=num_warps or auto[2],
-        num_stages=num_stages or auto[3],
+        num_stages=num_stages or auto[3], **pdl_args(q.device),
     )
     if splits > 1:
         _combine_kernel[(T * H,)](part, lse, sink, out, H, D, splits, _LOG2E, out.stride(0),
                                   out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
-                                  BLOCK_D=block_d, EVEN_D=D == block_d, num_warps=4)
+                                  BLOCK_D=block_d, EVEN_D=D == block_d, num_warps=4,
+                                  **pdl_args(part.device))
     return out

@@ -21,9 +21,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES
 from dsv4.kernels.triton.libm import libdevice_math, silu_f32
+from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK = 1024
 
@@ -41,7 +43,10 @@ def swiglu_f32(g, u, limit, DTYPE: tl.constexpr,  # type: ignore[no-untyped-def]
 
 @triton.jit(do_not_specialize=["n", "cols", "stride_g", "stride_u"])
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, cols,  # type: ignore[no-untyped-def]
-                   stride_g, stride_u, limit, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+                   stride_g, stride_u, limit, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     # element i of the contiguous output is (row, col) = divmod(i, cols) of gate / up, whose rows
     # may lie `stride_g` / `stride_u` elements apart (contiguous inputs: one row of n)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -79,5 +84,5 @@ def triton_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.T
         g, u = gate.contiguous(), up.contiguous()
         cols = stride_g = stride_u = n
     _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, out, n, cols, stride_g, stride_u, float(limit),
-                                            BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE)
+                                            BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, **pdl_args(g.device))
     return out

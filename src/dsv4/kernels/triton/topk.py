@@ -56,8 +56,10 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton import launch
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.topk_compact import CompactPlan, launch_compact, workspace_numel
 from dsv4.kernels.triton.topk_coop import CoopPlan, coop_workspace_numel, launch_coop, row_words
 from dsv4.kernels.triton.topk_radix import (
@@ -245,7 +247,9 @@ def device_sms(device: torch.device) -> int | None:
 @triton.jit(do_not_specialize=["N"])
 def _topk_row_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, N, K, stride_s, BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr,
-):
+    PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0)
     n = row_len(lengths_ptr, row, N)
     k_eff = tl.minimum(n, K)
@@ -317,7 +321,8 @@ def _run(scores: torch.Tensor, lengths: torch.Tensor, k: int, plan: TopKPlan,
         launch_compact(scores, lengths, out, plan.compact, workspace)
     else:
         _topk_row_kernel[(B,)](scores, lengths, out, N, k, scores.stride(0), BLOCK=plan.block,
-                               PAD_BLOCK=1024, num_warps=row_warps(plan.block))
+                               PAD_BLOCK=1024, num_warps=row_warps(plan.block),
+                               **pdl_args(scores.device))
     return out
 
 

@@ -55,7 +55,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.topk_radix import bin_floor, digit_hist, order_key, row_len
 from dsv4.kernels.triton.topk_tail import (
     BIN0,
@@ -136,7 +138,9 @@ def _block_hist0(x, offs, hi, MASKED: tl.constexpr,  # type: ignore[no-untyped-d
 def _hist_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, slots_ptr, state_ptr, N, K, stride_s, P1, CHUNK1, STATE_LEN,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, ZERO_BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
-):
+    PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     pid = tl.program_id(0)
     row = pid // P1
     lo = (pid % P1) * CHUNK1
@@ -276,7 +280,9 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
     FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr, P2_POW2: tl.constexpr,
     PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr, CHUNK_TILE: tl.constexpr,
-):
+    PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     pid = tl.program_id(0)
     probe = probe_ptr + pid * 16
     stamp(probe, 0, PROBE)
@@ -323,13 +329,14 @@ def _tail_kernel(  # type: ignore[no-untyped-def]
     lengths_ptr, out_ptr, state_ptr, cand_ptr, scr_ptr, N, K, P2, CHUNK, STATE_LEN, SCR,
     TBLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr,
     P2_POW2: tl.constexpr, PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
-    CHUNK_TILE: tl.constexpr,
-):
+    CHUNK_TILE: tl.constexpr, PDL: tl.constexpr):
     """Bound mode: one program per row runs `select_tail` after K2 (its own launch, so K2 does not
     carry the tail's registers: at 8 warps ~3x K2's otherwise, which cost K2 most of its occupancy
     at large batch). K2's lower-bound bin0 comes from the row state (stored by the row's first K2
     program), not recomputed from K1's slots; the tail finds the exact bin0 and k_rem from hc0
     itself, so k_eff stands in for K2's k_rem."""
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     row = tl.program_id(0)
     probe = probe_ptr + row.to(tl.int64) * P2 * 16
     stamp(probe, 4, PROBE)
@@ -397,12 +404,14 @@ def launch_compact(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
     _hist_kernel[(B * plan.hist_splits,)](
         scores, lengths, slots, state, N, K, scores.stride(0), plan.hist_splits, plan.hist_chunk,
         _state_len(plan), GROUP=plan.group, BLOCK=plan.block, ZERO_BLOCK=1024, SAMPLE=plan.sample,
-        num_warps=plan.hist_warps)
+        num_warps=plan.hist_warps, **pdl_args(scores.device))
     _compact_kernel[(B * plan.splits,)](
         scores, lengths, out, slots, state, cand, scr, B, N, K, scores.stride(0), plan.hist_splits,
         plan.splits, plan.chunk, _state_len(plan), K + plan.block, EXACT=plan.exact,
         CBLOCK=plan.compact_block, SMALL_BLOCK=plan.small_block,
-        P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)), num_warps=plan.warps, **tail)
+        P1_POW2=max(16, triton.next_power_of_2(plan.hist_splits)), num_warps=plan.warps, **tail,
+        **pdl_args(scores.device))
     if not plan.exact:
         _tail_kernel[(B,)](lengths, out, state, cand, scr, N, K, plan.splits, plan.chunk,
-                           _state_len(plan), K + plan.block, num_warps=8, **tail)
+                           _state_len(plan), K + plan.block, num_warps=8, **tail,
+                           **pdl_args(lengths.device))

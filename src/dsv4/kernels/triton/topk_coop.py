@@ -56,7 +56,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.topk_radix import (
     find_bin,
     find_bin_count,
@@ -160,7 +162,9 @@ def _coop_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, ws_ptr, N, K, stride_s, P, ROW_WORDS,
     CHUNK: tl.constexpr, CAP: tl.constexpr, P_POW2: tl.constexpr, ZERO_BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr, STAGE: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
-):
+    PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
     FUSED: tl.constexpr = STAGE == 0
     pid = tl.program_id(0)
     probe = probe_ptr + pid * 8
@@ -289,6 +293,6 @@ def launch_coop(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, 
     meta = dict(CHUNK=plan.chunk, CAP=plan.cap, P_POW2=p_pow2,
                 probe_ptr=out if probe is None else probe, PROBE=probe is not None,
                 ZERO_BLOCK=triton.next_power_of_2(triton.cdiv(HIST_WORDS.value, plan.programs)),
-                PAD_BLOCK=1024, num_warps=plan.warps)
+                PAD_BLOCK=1024, num_warps=plan.warps, **pdl_args(scores.device))
     for stage in range(1, STAGES.value + 1) if plan.split else (0,):
         _coop_kernel[(B * plan.programs,)](*args, STAGE=stage, **meta)
