@@ -45,8 +45,9 @@ broken, triton-lang/triton#11584): the same products.
 Traffic: x is read twice (projection, then h). Between the two reads the other tiles stream far more
 than L2 holds, so on Flash shapes the second read comes from HBM: ~72 KB per token against the
 40 KB floor. Keeping a tile's x on chip (32 KB per token) needs BLOCK_T ~4, which tl.dot's M >= 16
-and fn's L2 traffic (1.5 MB / BLOCK_T per token) forbid. Fusing post with the next pre would drop
-one read of X' (project X' as it is written); that needs the model to hand both steps to one op.
+and fn's L2 traffic (1.5 MB / BLOCK_T per token) forbid. At a few tokens the serving forward
+projects X' as the post step writes it instead (`mhc_post_pre.py`: the partial launch is dropped,
+the finish launch here runs on its partials).
 Invariants: x contiguous [T, n, d]; padded streams (NP > n) carry weight 0 and padded tokens are
 masked, so every sum equals the unpadded one. No host syncs: CUDA-graph safe.
 

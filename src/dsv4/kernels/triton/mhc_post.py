@@ -24,15 +24,12 @@ from dsv4.kernels.triton.pdl import pdl_args
 
 
 @triton.jit
-def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,  # type: ignore[no-untyped-def]
-                     stride_ft, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
-                     EVEN_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
-    t = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+def post_mix(f_ptr, x_ptr, post_ptr, comb_ptr, t, offs_d,  # type: ignore[no-untyped-def]
+             d_ok, D, stride_ft, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+             EVEN_D: tl.constexpr):
+    """Token t's X'[k, offs_d] = post[k] f + Σ_j comb[j, k] X[j] in fp32, [NP, BLOCK_D] (rows
+    k >= N are 0). Shared with `mhc_post_pre.py`'s kernel, so both store the same bits."""
     k = tl.arange(0, NP)
-    d_ok = offs_d < D
     mixed = tl.zeros([NP, BLOCK_D], tl.float32)
     for j in tl.static_range(N):
         if EVEN_D:
@@ -46,7 +43,21 @@ def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,  # type: igno
     else:
         f = tl.load(f_ptr + t * stride_ft + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + t * N + k, mask=k < N, other=0.0)
-    out = post[:, None] * f[None, :] + mixed                                # [NP, BLOCK_D]
+    return post[:, None] * f[None, :] + mixed
+
+
+@triton.jit
+def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,  # type: ignore[no-untyped-def]
+                     stride_ft, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+                     EVEN_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    k = tl.arange(0, NP)
+    d_ok = offs_d < D
+    out = post_mix(f_ptr, x_ptr, post_ptr, comb_ptr, t, offs_d, d_ok, D, stride_ft, N, NP,
+                   BLOCK_D, EVEN_D)                                         # [NP, BLOCK_D]
     tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(k < N)[:, None] & d_ok[None, :])
 

@@ -6,11 +6,12 @@ fp32 on V4-Flash, read by ~256 programs) and the finish (the epilogue and h). Th
 projection is latency-bound at a few tokens (one K block per program), and it only re-reads the X'
 that the post step has just written. Here the post kernel projects X' as it writes it:
 
-    post + project  grid (T, S = cdiv(d, BLOCK_D)): program (t, s) mixes its [n, BLOCK_D] slice of
-                    X' (as `mhc_post.py`), rounds it to x's dtype and stores it, then reduces that
-                    rounded slice against the 24 fn rows' columns {i d + s BLOCK_D + [0, BLOCK_D)}
-                    of every stream i into the split-K workspace ws [S, T, 2, NP*NP] + sq [S, T]
-                    (the layout `mhc_split.py`'s partial kernel writes);
+    post + project  grid (T, S = cdiv(d, BLOCK_D)): program (t, s) mixes its [n, BLOCK_D]
+                    slice of X' (`mhc_post.py::post_mix`), rounds it to x's dtype and stores it,
+                    then reduces that rounded slice against the 24 fn rows' columns
+                    {i d + s BLOCK_D + [0, BLOCK_D)} of every stream i into the split-K workspace
+                    ws [S, T, 2, NP*NP] + sq [S, T] (the layout `mhc_split.py`'s partial kernel
+                    writes);
     finish          `mhc_split.py`'s finish kernel on (X', ws, sq) with S splits, unchanged.
 
 One launch fewer per site boundary, and the finish sums S = d / BLOCK_D partials instead of 256.
@@ -36,7 +37,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import expect, one_device
 from dsv4.kernels.triton.mhc import triton_mhc_pre
-from dsv4.kernels.triton.mhc_post import check_post, triton_mhc_post
+from dsv4.kernels.triton.mhc_post import check_post, post_mix, triton_mhc_post
 from dsv4.kernels.triton.mhc_split import launch_finish, plan_finish
 from dsv4.kernels.triton.pdl import pdl_args
 
@@ -57,20 +58,8 @@ def _post_project_kernel(f_ptr, x_ptr, post_ptr, comb_ptr,  # type: ignore[no-un
     offs_d = split * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, NP)
     d_ok = offs_d < D
-    mixed = tl.zeros([NP, BLOCK_D], tl.float32)
-    for j in tl.static_range(N):
-        if EVEN_D:
-            xj = tl.load(x_ptr + (t * N + j) * D + offs_d)
-        else:
-            xj = tl.load(x_ptr + (t * N + j) * D + offs_d, mask=d_ok, other=0.0)
-        cj = tl.load(comb_ptr + t * N * N + j * N + k, mask=k < N, other=0.0)  # comb[t, j, :]
-        mixed += cj[:, None] * xj.to(tl.float32)[None, :]
-    if EVEN_D:
-        f = tl.load(f_ptr + t * stride_ft + offs_d).to(tl.float32)              # [BLOCK_D]
-    else:
-        f = tl.load(f_ptr + t * stride_ft + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + t * N + k, mask=k < N, other=0.0)
-    out = (post[:, None] * f[None, :] + mixed).to(out_ptr.dtype.element_ty)   # [NP, BLOCK_D]
+    out = post_mix(f_ptr, x_ptr, post_ptr, comb_ptr, t, offs_d, d_ok, D, stride_ft, N, NP,
+                   BLOCK_D, EVEN_D).to(out_ptr.dtype.element_ty)             # [NP, BLOCK_D]
     live = (k < N)[:, None] & d_ok[None, :]
     tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :], out, mask=live)
     xr = tl.where(live, out.to(tl.float32), 0.0)                            # X' as stored
