@@ -13,6 +13,7 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.kernels.triton import pdl
 from dsv4.kernels.triton.pdl import ENV, pdl_args, pdl_enabled
 
 _GPU = pytest.mark.skipif(not torch.cuda.is_available()
@@ -23,6 +24,24 @@ _GPU = pytest.mark.skipif(not torch.cuda.is_available()
 def test_off_the_gpu() -> None:
     assert pdl_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
     assert not pdl_enabled(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("capability,hip,on", [((9, 0), None, True), ((10, 0), None, True),
+                                               ((8, 0), None, False), ((9, 4), "6.2", False)])
+def test_device_rule(capability: tuple[int, int], hip: str | None, on: bool,
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On for NVIDIA GPUs of capability >= 9.0 (whatever this machine has: the query is faked),
+    off for older ones and for ROCm devices, and off with DSV4_PDL=0."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.delenv(ENV, raising=False)
+    pdl._hopper.cache_clear()
+    try:
+        assert pdl_enabled(torch.device("cuda", 0)) is on
+        monkeypatch.setenv(ENV, "0")
+        assert not pdl_enabled(torch.device("cuda", 0))
+    finally:
+        pdl._hopper.cache_clear()
 
 
 @pytest.mark.gpu

@@ -13,8 +13,8 @@ B reads what A wrote before B: C's wait covers B, and B finished only after its 
 A). No kernel calls `gdc_launch_dependents()`: a dependent starts only once all programs of the
 kernel ahead have exited, so its waiting programs never take SM slots from that kernel.
 
-`pdl_args(device)` gives the two launch keywords, on where the device runs it: CUDA, compute
-capability >= 9.0, and the `DSV4_PDL` environment variable not "0" (the A/B switch of the
+`pdl_args(device)` gives the two launch keywords, on where the device runs it: an NVIDIA GPU of
+compute capability >= 9.0, and the `DSV4_PDL` environment variable not "0" (the A/B switch of the
 benchmarks and tests; read at each launch, so it holds for kernels launched or graphs captured
 after it is set). Off CUDA (the interpreter) PDL is off: `gdc_wait` is inline
 PTX. Kernels of other libraries (cuBLAS, torch) stay ordinary launches; a PDL kernel after one
@@ -33,7 +33,9 @@ ENV = "DSV4_PDL"
 
 @functools.cache
 def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    """An NVIDIA GPU of compute capability >= 9.0 (ROCm devices report their own numbers here
+    and have no griddepcontrol)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def pdl_enabled(device: torch.device) -> bool:
