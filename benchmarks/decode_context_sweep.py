@@ -24,7 +24,8 @@ tokens without OOM (results: benchmarks/results/kernels_ii_h200_202611.md).
 Timing protocol: the warm-up and timed steps follow the prefill at once (`--settle-s` sleeps that
 many seconds in between: on the H200 a 128K step timed right after its 2 s prefill measured up to
 110 us slower than 3 s later, the GPU idle between steps). `--step-times` records each timed
-step's time on the device timeline (events between the step calls) and on the host, per row.
+step's time on the device timeline and on the host, and the host's time blocked waiting for the
+device (the rest is the host's own work), per row.
 
 Any failing configuration (out of memory, error) is a row with its status; the sweep goes on.
 Prints a table, writes the plot (`--plot`), then exactly one JSON line (also to `--out`).
@@ -37,6 +38,7 @@ Prints a table, writes the plot (`--plot`), then exactly one JSON line (also to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -44,7 +46,7 @@ import json
 import math
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -105,7 +107,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=0.0,
                    help="seconds to sleep between the prefill and the decode steps (default 0)")
     p.add_argument("--step-times", action="store_true",
-                   help="record every timed step's device and host ms in the row")
+                   help="record every timed step's device ms, host ms and host ms blocked on the "
+                        "device in the row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -139,29 +142,58 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
     return float(begin.elapsed_time(end)) / 1e3
 
 
-def step_times(step: Callable[[], object], n: int,
-               device: torch.device) -> tuple[list[float], list[float]]:
-    """(device ms, host ms) of each of `n` calls of `step`: on a GPU the device timeline between
-    events recorded after each call (idle time between steps included), read after the loop (no
-    sync inside it); on the host the wall time of each call. Without CUDA both are wall times."""
+@contextlib.contextmanager
+def time_in(cls: type, name: str) -> Iterator[list[float]]:
+    """While open, every call of method `cls.name` adds its wall time (s) to the yielded one-cell
+    list (the caller reads and resets it); the method is restored on exit."""
+    spent = [0.0]
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(cls, name, timed)
+    try:
+        yield spent
+    finally:
+        setattr(cls, name, original)
+
+
+def step_times(step: Callable[[], object], n: int, device: torch.device
+               ) -> tuple[list[float], list[float], list[float]]:
+    """(device ms, host ms, host wait ms) of each of `n` calls of `step`: on a GPU the device
+    timeline between events recorded after each call (idle time between steps included), read
+    after the loop (no sync inside it); on the host the wall time of each call, and of it the time
+    spent blocked in `torch.cuda.Event.synchronize` (the engine's one wait: a step's sampled
+    tokens). host - wait is the host's own work: when it reaches the device time, the host, not
+    the GPU, sets the pace. Without CUDA the device times are the wall times, the waits 0."""
     host: list[float] = []
     if device.type != "cuda":
         for _ in range(n):
             start = time.perf_counter()
             step()
             host.append(round((time.perf_counter() - start) * 1e3, 4))
-        return list(host), host
+        return list(host), host, [0.0] * n
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    wait: list[float] = []
     sync(device)
-    marks[0].record()
-    for i in range(n):
-        start = time.perf_counter()
-        step()
-        marks[i + 1].record()
-        host.append(round((time.perf_counter() - start) * 1e3, 4))
+    with time_in(torch.cuda.Event, "synchronize") as spent:
+        marks[0].record()
+        for i in range(n):
+            spent[0] = 0.0
+            start = time.perf_counter()
+            step()
+            marks[i + 1].record()
+            host.append(round((time.perf_counter() - start) * 1e3, 4))
+            wait.append(round(spent[0] * 1e3, 4))
     sync(device)
     spans = zip(marks[:-1], marks[1:], strict=True)
-    return [round(float(a.elapsed_time(b)), 4) for a, b in spans], host
+    return [round(float(a.elapsed_time(b)), 4) for a, b in spans], host, wait
 
 
 def copy_bandwidth(device: torch.device, gib: float, reps: int = 10) -> float:
@@ -320,8 +352,9 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
     graphs = engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
     if args.step_times:
-        device_ms, host_ms = step_times(engine.step, args.steps, device)
+        device_ms, host_ms, wait_ms = step_times(engine.step, args.steps, device)
         row["step_ms_device"], row["step_ms_host"] = device_ms, host_ms
+        row["step_ms_host_wait"] = wait_ms
         seconds = sum(device_ms) / 1e3
     else:
         seconds = timed(decode(args.steps), device)

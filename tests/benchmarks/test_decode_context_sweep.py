@@ -140,6 +140,32 @@ def test_step_times_count_each_call() -> None:
         calls.append(1)
         _time.sleep(0.002)
 
-    device_ms, host_ms = bench.step_times(step, 3, torch.device("cpu"))
+    device_ms, host_ms, wait_ms = bench.step_times(step, 3, torch.device("cpu"))
     assert len(calls) == 3 and len(host_ms) == 3 and device_ms == host_ms
-    assert all(ms >= 2.0 for ms in host_ms)
+    assert all(ms >= 2.0 for ms in host_ms) and wait_ms == [0.0] * 3
+
+
+def test_time_in_accumulates_and_restores() -> None:
+    """`time_in` (the host-wait timer of `--step-times`): each wrapped call adds its wall time,
+    results and exceptions pass through, and the method is restored on exit."""
+    import time as _time
+
+    bench = load_benchmark("decode_context_sweep")
+
+    class Event:
+        def synchronize(self, ms: float = 2.0) -> str:
+            _time.sleep(ms / 1e3)
+            return "done"
+
+    original = Event.synchronize
+    with bench.time_in(Event, "synchronize") as spent:
+        assert Event().synchronize() == "done"
+        first = spent[0]
+        assert first >= 2e-3
+        Event().synchronize(1.0)
+        assert spent[0] >= first + 1e-3
+        spent[0] = 0.0
+        with pytest.raises(TypeError):
+            Event().synchronize("x")        # type: ignore[arg-type]
+        assert spent[0] > 0.0
+    assert Event.synchronize is original
