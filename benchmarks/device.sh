@@ -29,6 +29,11 @@
 #                 TPOT, ITL p50/p99, tok/s, and the server against offline LLM.generate: http.txt
 #   profile       where a decode step's GPU time goes under CUDA graphs: flash-4l bf16 (triton), 4K context, batch
 #                 1 and 32: the top kernels by GPU time, kernels and GPU ms per step: profile_b{1,32}.txt
+#   transient     the post-prefill slowdown of long-context decode (issue 20's 900K line): flash-4l bf16 batch 1
+#                 at 4K and 900K (4,096-token prefill chunks) timed right after the prefill and after a 3 s pause,
+#                 each step's device ms, host ms and host ms blocked on the device (--step-times); then a trace
+#                 of three 128K decode steps right after their prefill, read by trace_gaps.py:
+#                 transient_settle{0,3}.json, transient_trace_gaps.txt
 #   train         a profile of `dsv4 train run` steps (needs data carried at .data/tiny: `dsv4 train data`):
 #                 profile_train_step.txt
 #   train-tiny    one training stage of dsv4-tiny (`dsv4 train run` + export; data at .data/tiny): STEPS=N
@@ -159,6 +164,20 @@ profile() {
   done
 }
 
+transient() {
+  for s in 0 3; do
+    timeout 150 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+      --kernel-backend triton --contexts 4096,921600 --batches "" --chunked-prefill-size 4096 --step-times \
+      --settle-s "$s" --out "$OUT/transient_settle$s.json" > "$OUT/transient_settle$s.txt" 2>&1
+    grep -v "^{" "$OUT/transient_settle$s.txt" | tail -3
+  done
+  timeout 120 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
+    --kernel-backend triton --num-prompts 1 --prompt-len 131072 --decode-only --warm-steps 0 --steps 3 \
+    --rows 20 --trace /tmp/transient_trace.json > "$OUT/transient_profile.txt" 2>&1
+  python3 benchmarks/trace_gaps.py /tmp/transient_trace.json --top 15 > "$OUT/transient_trace_gaps.txt" 2>&1
+  grep -E "^step" "$OUT/transient_trace_gaps.txt"
+}
+
 train() {
   timeout 400 python3 benchmarks/profile_train_step.py --data .data/tiny --device cuda --batch-size 16 \
     > "$OUT/profile_train_step.txt" 2>&1
@@ -202,10 +221,11 @@ for part in "$@"; do
     serving) serving ;;
     http) http ;;
     profile) profile ;;
+    transient) transient ;;
     train) train ;;
     train-tiny) train_tiny ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile train train-tiny sass"; exit 2 ;;
+         "profile transient train train-tiny sass"; exit 2 ;;
   esac
 done
