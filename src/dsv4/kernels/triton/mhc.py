@@ -74,7 +74,7 @@ from dsv4.kernels.triton.mhc_split import (
 )
 from dsv4.kernels.triton.pdl import pdl_args
 
-__all__ = ["INVARIANT_SPLITS", "finish_warps", "plan_finish",
+__all__ = ["INVARIANT_SPLITS", "check_streams", "finish_warps", "plan_finish",
            "plan_one_launch", "plan_pre", "triton_mhc_head", "triton_mhc_pre"]
 
 _MIN_DOT = 16
@@ -122,8 +122,10 @@ def plan_pre(T: int, K: int, device: torch.device, block_t: int | None = None, b
     return bt, triton.cdiv(K, k_per_split), k_per_split
 
 
-def _check_streams(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                   rows: int, n_scale: int) -> None:
+def check_streams(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                  rows: int, n_scale: int, n: int | None = None) -> None:
+    """The pre / head input contract: x [T, n, d] contiguous in `X_DTYPES` (n streams when given),
+    fn [rows, n*d], scale [n_scale], base [rows] fp32, one device; ValueError names the field."""
     if x.dim() != 3:
         raise ValueError(f"x must be [T, n, d]; got {list(x.shape)}")
     T, n, d = x.shape
@@ -133,6 +135,8 @@ def _check_streams(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     expect("scale", scale, (n_scale,), fp32)
     expect("base", base, (rows,), fp32)
     one_device(x, fn, scale, base)
+    if n is not None and x.shape[1] != n:
+        raise ValueError(f"x has {x.shape[1]} streams but n = {n}")
 
 
 @dataclass(frozen=True)
@@ -193,9 +197,7 @@ def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     left zero; default: mHC's buffer held per device, `mhc_split.py` says when to pass one). No
     host syncs: safe inside CUDA-graph capture.
     """
-    _check_streams(x, fn, scale, base, (2 + n) * n, 3)
-    if x.shape[1] != n:
-        raise ValueError(f"x has {x.shape[1]} streams but n = {n}")
+    check_streams(x, fn, scale, base, (2 + n) * n, 3, n)
     T, _, d = x.shape
     h = torch.empty(T, d, dtype=x.dtype, device=x.device)
     post = torch.empty(T, n, dtype=torch.float32, device=x.device)
@@ -219,7 +221,7 @@ def triton_mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     The pre kernels with HEAD=True (n projection rows, no post / comb); knobs (`invariant`,
     `one_launch`, ...) as in `triton_mhc_pre`.
     """
-    _check_streams(x, fn, scale, base, x.shape[1] if x.dim() == 3 else -1, 1)
+    check_streams(x, fn, scale, base, x.shape[1] if x.dim() == 3 else -1, 1)
     T, _, d = x.shape
     y = torch.empty(T, d, dtype=x.dtype, device=x.device)
     # NOTE: post / comb pointers are never dereferenced with HEAD=True; y stands in for them

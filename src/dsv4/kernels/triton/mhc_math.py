@@ -35,20 +35,30 @@ def mix_dot(xt, w, acc, DOT: tl.constexpr,  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def project(x_ptr, fn_ptr, offs_t, t_mask, k_lo, k_hi,  # type: ignore[no-untyped-def]
-            stride_xt, stride_fn, N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
-            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            DOT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Σ over k in [k_lo, k_hi) of x̂[t, k] fn[row, k] for both operands, and Σ x̂[t, k]²."""
+def operand_rows(N: tl.constexpr, NP: tl.constexpr,  # type: ignore[no-untyped-def]
+                 HEAD: tl.constexpr):
+    """The fn row of each column c = a*NP + b of the two [NP, NP] operands and whether it is one
+    (`mhc.py`'s operand layout): pre / post operand rows b (a = 0) and n + b (a = 1; not for
+    HEAD), comb operand rows 2n + a*n + b; columns past n are zero. The projection and the post +
+    project kernel (`mhc_post_pre.py`) both read fn through it."""
     c = tl.arange(0, NP * NP)
     a, b = c // NP, c % NP
     if HEAD:
         pp_ok = (a == 0) & (b < N)
     else:
         pp_ok = (a < 2) & (b < N)
-    cm_ok = (a < N) & (b < N)
-    pp_ptr = fn_ptr + (a * N + b)[None, :] * stride_fn
-    cm_ptr = fn_ptr + (2 * N + a * N + b)[None, :] * stride_fn
+    return a * N + b, pp_ok, 2 * N + a * N + b, (a < N) & (b < N)
+
+
+@triton.jit
+def project(x_ptr, fn_ptr, offs_t, t_mask, k_lo, k_hi,  # type: ignore[no-untyped-def]
+            stride_xt, stride_fn, N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
+            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Σ over k in [k_lo, k_hi) of x̂[t, k] fn[row, k] for both operands, and Σ x̂[t, k]²."""
+    pp_row, pp_ok, cm_row, cm_ok = operand_rows(N, NP, HEAD)
+    pp_ptr = fn_ptr + pp_row[None, :] * stride_fn
+    cm_ptr = fn_ptr + cm_row[None, :] * stride_fn
     x_row = x_ptr + offs_t[:, None] * stride_xt
     acc_pp = tl.zeros([BLOCK_T, NP * NP], tl.float32)
     acc_cm = tl.zeros([BLOCK_T, NP * NP], tl.float32)

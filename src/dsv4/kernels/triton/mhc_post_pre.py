@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.launch import expect, one_device
-from dsv4.kernels.triton.mhc import triton_mhc_pre
+from dsv4.kernels.triton.mhc import check_streams, triton_mhc_pre
+from dsv4.kernels.triton.mhc_math import operand_rows
 from dsv4.kernels.triton.mhc_post import check_post, post_mix, triton_mhc_post
 from dsv4.kernels.triton.mhc_split import launch_finish, plan_finish
 from dsv4.kernels.triton.pdl import pdl_args
@@ -63,17 +63,15 @@ def _post_project_kernel(f_ptr, x_ptr, post_ptr, comb_ptr,  # type: ignore[no-un
     live = (k < N)[:, None] & d_ok[None, :]
     tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :], out, mask=live)
     xr = tl.where(live, out.to(tl.float32), 0.0)                            # X' as stored
-    # the pre projection of this slice: column c of the [NP, NP] operands (`mhc_math.project`)
+    # the pre projection of this slice, column c of the [NP, NP] operands (`operand_rows`)
     c = tl.arange(0, NP * NP)
-    a, b = c // NP, c % NP
-    pp_ok = (a < 2) & (b < N)
-    cm_ok = (a < N) & (b < N)
+    pp_row, pp_ok, cm_row, cm_ok = operand_rows(N, NP, False)
     col = (k[:, None] * D + offs_d[None, :])[None, :, :]                   # [1, NP, BLOCK_D]
     w_ok = live[None, :, :]
-    pp_w = tl.load(fn_ptr + (a * N + b)[:, None, None] * stride_fn + col,
+    pp_w = tl.load(fn_ptr + pp_row[:, None, None] * stride_fn + col,
                    mask=pp_ok[:, None, None] & w_ok, other=0.0)            # [NP*NP, NP, BLOCK_D]
     pp = tl.sum(tl.sum(pp_w * xr[None, :, :], axis=2), axis=1)
-    cm_w = tl.load(fn_ptr + (2 * N + a * N + b)[:, None, None] * stride_fn + col,
+    cm_w = tl.load(fn_ptr + cm_row[:, None, None] * stride_fn + col,
                    mask=cm_ok[:, None, None] & w_ok, other=0.0)
     cm = tl.sum(tl.sum(cm_w * xr[None, :, :], axis=2), axis=1)
     row = (split * T + t) * (2 * NP * NP)                                   # ws [S, T, 2, NP*NP]
@@ -114,14 +112,8 @@ def triton_mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, co
         return (new, *triton_mhc_pre(new, fn, scale, base, n, iters, hc_eps, norm_eps,
                                      invariant=invariant))
     check_post(f, x, post, comb)
-    _, _, d = x.shape
-    expect("fn", fn, ((2 + n) * n, n * d), (torch.float32,))
-    expect("scale", scale, (3,), (torch.float32,))
-    expect("base", base, ((2 + n) * n,), (torch.float32,))
-    one_device(x, f, post, comb, fn, scale, base)
-    if x.shape[1] != n:
-        raise ValueError(f"x has {x.shape[1]} streams but n = {n}")
-    bd = block_d or plan_post_pre(T, d)
+    check_streams(x, fn, scale, base, (2 + n) * n, 3, n)
+    bd = block_d or plan_post_pre(T, x.shape[2])
     if bd < 16 or bd & (bd - 1):
         raise ValueError(f"block_d must be a power of two >= 16; got {bd}")
     return _launch(f, x, post, comb, (fn, scale, base), (iters, hc_eps, norm_eps), bd)
