@@ -109,6 +109,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-times", action="store_true",
                    help="record every timed step's device ms, host ms and host ms blocked on the "
                         "device in the row")
+    p.add_argument("--one-engine", action="store_true",
+                   help="run every point (and the warm-up) in one engine sized for the largest, "
+                        "as a server runs all its requests; default: a fresh engine per point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -298,10 +301,15 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[in
 def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int,
                 max_tokens: int) -> LLMEngine:
     longest = context + max_tokens + 1
+    return engine_for(model, args, batch, longest, batch * (longest + args.page_size))
+
+
+def engine_for(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, longest: int,
+               total_tokens: int) -> LLMEngine:
     config = EngineConfig(page_size=args.page_size, max_running_requests=batch,
                           chunked_prefill_size=args.chunked_prefill_size,
                           kernel_backend=args.kernel_backend,
-                          max_total_tokens=batch * (longest + args.page_size),
+                          max_total_tokens=total_tokens,
                           context_length=longest + 1, disable_prefix_cache=True,
                           disable_cuda_graph=args.disable_cuda_graph, seed=args.seed,
                           overlap_schedule=args.overlap_schedule,
@@ -311,12 +319,39 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: i
     return LLMEngine(model, config)
 
 
+def point_max_tokens(args: argparse.Namespace, batch: int, context: int) -> int:
+    """Output tokens a point's requests may make: prefill chunks (early decodes), warm-up, timed
+    and routing-capture steps, with a margin; none finishes inside the timed loop."""
+    prefill_steps = math.ceil(batch * context / args.chunked_prefill_size) + batch + 2
+    return prefill_steps + args.warmup_steps + args.steps + args.routing_steps + 2
+
+
+def shared_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
+                  points: list[tuple[int, int]]) -> LLMEngine:
+    """One engine whose pools and context length hold every point (`--one-engine`)."""
+    longest = max(c + point_max_tokens(args, b, c) + 1 for b, c in points)
+    total = max(b * (c + point_max_tokens(args, b, c) + 1 + args.page_size) for b, c in points)
+    return engine_for(model, args, max(b for b, _ in points), longest, total)
+
+
+def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int,
+               row: Row) -> None:
+    """One point in the shared engine; its requests are aborted after (their pages freed) and
+    a step still in flight resolved, so the next point starts on an idle engine."""
+    try:
+        engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context), row)
+    finally:
+        for r in list(engine.requests.values()):
+            if not r.is_finished:
+                engine.abort(r.rid)
+        while engine.has_unfinished():
+            engine.step()
+
+
 def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int,
                row: Row) -> None:
     """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row`."""
-    # bounds early decodes
-    prefill_steps = math.ceil(batch * context / args.chunked_prefill_size) + batch + 2
-    max_tokens = prefill_steps + args.warmup_steps + args.steps + args.routing_steps + 2
+    max_tokens = point_max_tokens(args, batch, context)
     engine = make_engine(model, args, batch, context, max_tokens)
     try:
         engine_steps(engine, args, batch, context, max_tokens, row)
@@ -568,10 +603,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gbps = copy_bandwidth(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
     print(f"{args.preset} on {device}: device copy {gbps:.1f} GB/s", flush=True)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1, "routing_steps": 0})
-    measure("warm-up", 1, min(args.contexts),
-            functools.partial(run_engine, model, warm, 1, min(args.contexts)))
-    rows = [measure("dsv4", b, c, functools.partial(run_engine, model, args, b, c))
-            for b, c in sweep_points(args)]
+    points = sweep_points(args)
+    if args.one_engine:
+        run: Callable[..., None] = functools.partial(run_shared,
+                                                     shared_engine(model, args, points))
+    else:
+        run = functools.partial(run_engine, model)
+    measure("warm-up", 1, min(args.contexts), functools.partial(run, warm, 1, min(args.contexts)))
+    rows = [measure("dsv4", b, c, functools.partial(run, args, b, c)) for b, c in points]
+    del run  # the shared engine's pools
+    free_memory(device)
     peer, hf_version = hf_rows(model, args) if args.hf else ([], None)
     rows = [add_floor(row, model, gbps) for row in rows + peer]
     print_table(rows)
@@ -584,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "dtype": args.dtype, "weight_format": args.weight_format,
               "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
-              "settle_s": args.settle_s, "copy_gb_s": round(gbps, 1),
+              "settle_s": args.settle_s, "one_engine": args.one_engine, "copy_gb_s": round(gbps, 1),
               "cuda_graph": not args.disable_cuda_graph,
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),

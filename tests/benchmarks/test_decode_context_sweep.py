@@ -169,3 +169,45 @@ def test_time_in_accumulates_and_restores() -> None:
             Event().synchronize("x")        # type: ignore[arg-type]
         assert spent[0] > 0.0
     assert Event.synchronize is original
+
+
+def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--one-engine: the warm-up and every point share one engine sized for the largest point,
+    each point's requests aborted after it (the server's protocol: no engine built per point)."""
+    bench = load_benchmark("decode_context_sweep")
+    built: list[object] = []
+    original = bench.LLMEngine
+
+    def counting(*a: object, **k: object) -> object:
+        engine = original(*a, **k)
+        built.append(engine)
+        return engine
+
+    monkeypatch.setattr(bench, "LLMEngine", counting)
+    out = tmp_path / "one.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main(["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts",
+                    "64,160", "--batches", "2", "--steps", "3", "--warmup-steps", "1",
+                    "--routing-steps", "1", "--copy-gib", "0.02", "--one-engine", "--step-times",
+                    "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    assert result["one_engine"] is True and len(built) == 1
+    engine = built[0]
+    assert not engine.has_unfinished() and engine.num_running == 0
+    assert len(engine.requests) == 1 + 1 + 1 + 2 + 2  # the warm-up and the four points
+    assert all(r.is_finished for r in engine.requests.values())
+    engine.check_integrity()
+    rows = [r for r in result["rows"] if r["system"] == "dsv4"]
+    assert sorted((r["batch"], r["context"]) for r in rows) == [(1, 64), (1, 160), (2, 64),
+                                                               (2, 160)]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["ms_per_step"] > 0 and len(row["step_ms_device"]) == 3
+    # the pools hold the largest point: 2 requests of 160 prompt tokens and their outputs
+    assert engine.max_total_tokens >= 2 * (160 + 3)
