@@ -126,7 +126,12 @@ def run_mode(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, name: str, 
              graphs: bool, levels: list[int]) -> dict[str, Any]:
     engine = make_engine(model, args, hisparse, graphs)
     fit = admitted(engine, args)
-    rows = [decode_level(engine, args, c) for c in levels if c <= fit]
+    print(f"{name}: {engine.max_total_tokens} tokens in the full pool, {fit} requests admitted",
+          flush=True)
+    rows = []
+    for c in (c for c in levels if c <= fit):
+        rows.append(decode_level(engine, args, c))
+        print(f"  {name} level: {json.dumps(rows[-1])}", flush=True)  # kept if a later one dies
     engine.check_integrity()
     return {"mode": name, "hisparse": hisparse, "cuda_graphs": graphs,
             "max_total_tokens": engine.max_total_tokens, "admitted": fit, "levels": rows}
