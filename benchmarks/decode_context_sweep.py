@@ -109,6 +109,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-times", action="store_true",
                    help="record every timed step's device ms, host ms and host ms blocked on the "
                         "device in the row")
+    p.add_argument("--phases", type=int, default=1,
+                   help="after the timed steps, time N - 1 more runs of --steps steps, each "
+                        "after a device sync and --phase-pause-s: each run's ms / step in "
+                        "phase_ms (the 900K slow state changes only between such runs)")
+    p.add_argument("--phase-pause-s", type=float, default=0.0,
+                   help="seconds to sleep before each extra phase (default 0: a sync only)")
     p.add_argument("--one-engine", action="store_true",
                    help="run every point (and the warm-up) in one engine sized for the largest, "
                         "as a server runs all its requests; default: a fresh engine per point")
@@ -323,7 +329,8 @@ def point_max_tokens(args: argparse.Namespace, batch: int, context: int) -> int:
     """Output tokens a point's requests may make: prefill chunks (early decodes), warm-up, timed
     and routing-capture steps, with a margin; none finishes inside the timed loop."""
     prefill_steps = math.ceil(batch * context / args.chunked_prefill_size) + batch + 2
-    return prefill_steps + args.warmup_steps + args.steps + args.routing_steps + 2
+    return (prefill_steps + args.warmup_steps + args.steps * max(1, args.phases)
+            + args.routing_steps + 2)
 
 
 def shared_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
@@ -397,7 +404,23 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
     assert not any(r.is_finished for r in reqs), "a request finished inside the timed loop"
     row["ms_per_step"] = round(seconds / args.steps * 1e3, 4)
     row["tok_s"] = round(batch * args.steps / seconds, 2)
+    if args.phases > 1:
+        row["phase_ms"] = [row["ms_per_step"]] + extra_phases(engine, args, device)
     row["experts_hit"], row["routing"] = capture(engine, reqs, args.routing_steps, cfg, batch)
+
+
+def extra_phases(engine: LLMEngine, args: argparse.Namespace, device: torch.device
+                 ) -> list[float]:
+    """ms / step of `args.phases - 1` more runs of `args.steps` steps, each after a device sync
+    and `args.phase_pause_s` of sleep (device timeline, as `step_times`)."""
+    out = []
+    for _ in range(args.phases - 1):
+        sync(device)
+        if args.phase_pause_s > 0:
+            time.sleep(args.phase_pause_s)
+        device_ms, _, _ = step_times(engine.step, args.steps, device)
+        out.append(round(sum(device_ms) / len(device_ms), 4))
+    return out
 
 
 def capture(engine: LLMEngine, reqs: list[Request], steps: int, cfg: ModelConfig,

@@ -193,6 +193,7 @@ def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
         bench.main(["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts",
                     "64,160", "--batches", "2", "--steps", "3", "--warmup-steps", "1",
                     "--routing-steps", "1", "--copy-gib", "0.02", "--one-engine", "--step-times",
+                    "--phases", "3",
                     "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
@@ -209,5 +210,7 @@ def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
     for row in rows:
         assert row["status"] == "ok", row
         assert row["ms_per_step"] > 0 and len(row["step_ms_device"]) == 3
+        assert len(row["phase_ms"]) == 3 and row["phase_ms"][0] == row["ms_per_step"]
+        assert all(ms > 0 for ms in row["phase_ms"])
     # the pools hold the largest point: 2 requests of 160 prompt tokens and their outputs
     assert engine.max_total_tokens >= 2 * (160 + 3)
