@@ -304,27 +304,6 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[in
     return [torch.randint(2, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
-def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int,
-                max_tokens: int) -> LLMEngine:
-    longest = context + max_tokens + 1
-    return engine_for(model, args, batch, longest, batch * (longest + args.page_size))
-
-
-def engine_for(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, longest: int,
-               total_tokens: int) -> LLMEngine:
-    config = EngineConfig(page_size=args.page_size, max_running_requests=batch,
-                          chunked_prefill_size=args.chunked_prefill_size,
-                          kernel_backend=args.kernel_backend,
-                          max_total_tokens=total_tokens,
-                          context_length=longest + 1, disable_prefix_cache=True,
-                          disable_cuda_graph=args.disable_cuda_graph, seed=args.seed,
-                          overlap_schedule=args.overlap_schedule,
-                          multi_stream=args.multi_stream,
-                          fuse_projections=args.fuse_projections,
-                          decode_gemv=args.decode_gemv)
-    return LLMEngine(model, config)
-
-
 def point_max_tokens(args: argparse.Namespace, batch: int, context: int) -> int:
     """Output tokens a point's requests may make: prefill chunks (early decodes), warm-up, timed
     and routing-capture steps, with a margin; none finishes inside the timed loop."""
@@ -333,12 +312,23 @@ def point_max_tokens(args: argparse.Namespace, batch: int, context: int) -> int:
             + args.routing_steps + 2)
 
 
-def shared_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
-                  points: list[tuple[int, int]]) -> LLMEngine:
-    """One engine whose pools and context length hold every point (`--one-engine`)."""
+def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
+                points: list[tuple[int, int]]) -> LLMEngine:
+    """An engine whose pools and context length hold every (batch, context) point: one point for
+    a fresh engine per point, all of them under `--one-engine`."""
     longest = max(c + point_max_tokens(args, b, c) + 1 for b, c in points)
     total = max(b * (c + point_max_tokens(args, b, c) + 1 + args.page_size) for b, c in points)
-    return engine_for(model, args, max(b for b, _ in points), longest, total)
+    config = EngineConfig(page_size=args.page_size, max_running_requests=max(b for b, _ in points),
+                          chunked_prefill_size=args.chunked_prefill_size,
+                          kernel_backend=args.kernel_backend,
+                          max_total_tokens=total,
+                          context_length=longest + 1, disable_prefix_cache=True,
+                          disable_cuda_graph=args.disable_cuda_graph, seed=args.seed,
+                          overlap_schedule=args.overlap_schedule,
+                          multi_stream=args.multi_stream,
+                          fuse_projections=args.fuse_projections,
+                          decode_gemv=args.decode_gemv)
+    return LLMEngine(model, config)
 
 
 def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int,
@@ -358,10 +348,9 @@ def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context:
 def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: int, context: int,
                row: Row) -> None:
     """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row`."""
-    max_tokens = point_max_tokens(args, batch, context)
-    engine = make_engine(model, args, batch, context, max_tokens)
+    engine = make_engine(model, args, [(batch, context)])
     try:
-        engine_steps(engine, args, batch, context, max_tokens, row)
+        engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context), row)
     finally:
         for r in list(engine.requests.values()):
             engine.abort(r.rid)
@@ -628,8 +617,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1, "routing_steps": 0})
     points = sweep_points(args)
     if args.one_engine:
-        run: Callable[..., None] = functools.partial(run_shared,
-                                                     shared_engine(model, args, points))
+        run: Callable[..., None] = functools.partial(run_shared, make_engine(model, args, points))
     else:
         run = functools.partial(run_engine, model)
     measure("warm-up", 1, min(args.contexts), functools.partial(run, warm, 1, min(args.contexts)))

@@ -129,7 +129,7 @@ def run_mode(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, name: str, 
     print(f"{name}: {engine.max_total_tokens} tokens in the full pool, {fit} requests admitted",
           flush=True)
     rows = []
-    for c in (c for c in levels if c <= fit):
+    for c in [c for c in levels if c <= fit]:
         rows.append(decode_level(engine, args, c))
         print(f"  {name} level: {json.dumps(rows[-1])}", flush=True)  # kept if a later one dies
     engine.check_integrity()
