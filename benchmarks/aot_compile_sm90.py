@@ -233,8 +233,8 @@ def metadata_variants() -> Iterator[Variant]:
 
 def small_variants() -> Iterator[Variant]:
     """The decode step's small kernels: the MoE tile map, the indexer picks' slots, the
-    sampler's two argmax stages (fp32 logits, the default block), the MoE combine, the MoE
-    gate's logits and the step's RoPE rows."""
+    sampler's two argmax stages (fp32 logits, the default block), HiSparse's two copies, the MoE
+    combine, the MoE gate's logits and the step's RoPE rows."""
     from dsv4.kernels.triton import argmax, moe_tile_map, pick_slots
     from dsv4.kernels.triton import rope_rows as rr
 
@@ -259,6 +259,18 @@ def small_variants() -> Iterator[Variant]:
             for name in rr._rope_rows_kernel.arg_names if name.endswith("_ptr")},
            {"NPAIRS": 4, "R0": 32, "R1": 32, "R2": 32, "R3": 32, "BLOCK_T": block_t,
             "BLOCK_R": block_r}, {"num_warps": rr.NUM_WARPS})
+    from dsv4.kernels.triton import hisparse as hs
+
+    # HiSparse's copies of V4-Flash entries (D 512 bf16, one program per row): the swap-in reads
+    # the pinned host mirror, the write stores into it (UVA pointers compile as any global)
+    rows16 = {"D": "i32:16", "stride_host": "i32:16", "stride_dev": "i32:16",
+              "stride_pool": "i32:16", "stride_val": "i32:16"}
+    yield ("hisparse swap-in (D 512 bf16)", hs._swap_in_kernel,
+           {"host_ptr": "*bf16", "dev_ptr": "*bf16", "src_ptr": "*i64", "dst_ptr": "*i64",
+            **rows16}, {"BLOCK_D": 512, "EVEN_D": True}, {"num_warps": 2})
+    yield ("hisparse write rows (D 512 bf16)", hs._write_rows_kernel,
+           {"pool_ptr": "*bf16", "rows_ptr": "*i64", "val_ptr": "*bf16", **rows16},
+           {"BLOCK_D": 512, "EVEN_D": True}, {"num_warps": 2})
     from dsv4.kernels.triton import moe_combine as mc
 
     # the MoE combine: 6 slots + bf16 shared -> bf16 (one process) / fp32 (before a TP reduce);

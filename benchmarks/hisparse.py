@@ -7,15 +7,28 @@ holds more tokens. For each mode, one engine on the same model and the same `--k
 1. **admitted**: how many requests of `--prompt-len` + `--output-len` tokens the planned pools
    hold at once (the full pool's tokens over one request's pages, capped by the running-request
    limit): what the scheduler can admit without preempting;
-2. **decode** at each `--concurrency` (at most what the mode admits): prefill that many prompts,
-   then time `--steps` decode steps: output tokens/s, TPOT p50 / p99 (per step), and with HiSparse
-   the hot set's counters (picks, entries swapped in, bytes swapped per output token).
-HiSparse refuses CUDA graphs, so by default both modes decode eagerly (`--off-graphs` also times
-HiSparse off with its CUDA graphs). Random weights built in memory (`random_model`). Prints a
-table, then one JSON line.
+2. **decode** at each `--concurrency` (at most what the mode admits; `max`: exactly that): fill
+   that many requests' caches, then time `--steps` decode steps: output tokens/s, TPOT p50 / p99
+   (per step), and with HiSparse the hot set's counters (picks, entries swapped in, bytes swapped
+   per output token).
+Both modes decode through the CUDA graphs on a GPU (HiSparse's copies read and write the pinned
+mirror in place); `--eager` runs both eagerly.
+
+Filling the caches. `--fill prefill` (default) prefills every request's own random prompt: the
+honest fill, but a 200K-token prompt costs tens of seconds on one GPU, so dozens of them do not
+fit one device call. `--fill shared-prefix` prefills one random prompt of `--prompt-len` -
+`--unique-len` tokens once and gives every request that prefix (a prefix-cache hit) plus its own
+`--unique-len` random tokens: each request then decodes over a `--prompt-len` context with its
+own queries, picks and (HiSparse) hot set, at the cost of one long prefill. The shared pages cost
+no memory per request, so the admitted counts come from the plan (1.), never from what the shared
+fill happens to hold; HiSparse off reads the shared C4 entries from one pool, which can only help
+its caches (a conservative comparison for HiSparse on).
+
+Random weights built in memory (`random_model`). Prints a table, then one JSON line.
 
     PYTHONPATH=src python3 benchmarks/hisparse.py --preset flash-43l-e16 --device cuda \\
-        --kv-cache-memory-gb 40 --prompt-len 200000 --output-len 2048 --concurrency 1,4,16
+        --kv-cache-memory-gb 40 --prompt-len 200000 --output-len 2048 --concurrency 1,16,max \\
+        --fill shared-prefix
     PYTHONPATH=src python3 benchmarks/hisparse.py --preset micro --device cpu \\
         --prompt-len 200 --output-len 16 --concurrency 1,2 --steps 4        # CPU smoke
 """
@@ -47,7 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-gb", type=float, default=40.0)
     p.add_argument("--prompt-len", type=int, default=200_000)
     p.add_argument("--output-len", type=int, default=2048)
-    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--concurrency", default="1,4,16",
+                   help="comma-separated request counts; 'max': the mode's admitted count")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="the running-request limit (it also caps the full pool: keep it large)")
     p.add_argument("--hot-entries", type=int, default=None,
@@ -55,8 +69,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per level")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=256)
-    p.add_argument("--off-graphs", action="store_true",
-                   help="also time HiSparse off with CUDA graphs")
+    p.add_argument("--eager", action="store_true", help="both modes without CUDA graphs")
+    p.add_argument("--fill", choices=("prefill", "shared-prefix"), default="prefill",
+                   help="how each level's caches are filled (module docstring)")
+    p.add_argument("--unique-len", type=int, default=256,
+                   help="--fill shared-prefix: each request's own tokens after the shared prefix")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -71,7 +88,8 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, hisparse
     return LLMEngine(model, EngineConfig(
         page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests, kernel_backend=args.kernel_backend,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, disable_prefix_cache=True,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        disable_prefix_cache=args.fill != "shared-prefix",
         context_length=args.prompt_len + args.output_len + 1, disable_cuda_graph=not graphs,
         enable_hisparse=hisparse, hisparse_device_entries=args.hot_entries if hisparse else None,
         warmup="none", seed=args.seed))
@@ -84,18 +102,42 @@ def admitted(engine: LLMEngine, args: argparse.Namespace) -> int:
     return min(engine.max_total_tokens // (pages * P), args.max_running_requests)
 
 
-def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[str, Any]:
-    """Prefill `c` prompts, then time `args.steps` decode steps one by one."""
-    device, vocab = engine.runner.device, engine.runner.model.config.vocab_size
+def prompts(engine: LLMEngine, args: argparse.Namespace, c: int) -> list[list[int]]:
+    """`c` random prompts of `args.prompt_len` tokens; with `--fill shared-prefix`, one shared
+    prefix (prefilled here by a one-token request, so the prefix cache holds it) and a random
+    tail of `args.unique_len` tokens each."""
+    vocab = engine.runner.model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed + c)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(2, vocab, (n,), generator=g).tolist()
+
+    if args.fill == "prefill":
+        return [rand(args.prompt_len) for _ in range(c)]
+    if not 0 < args.unique_len < args.prompt_len:
+        raise ValueError(f"--unique-len={args.unique_len} is invalid; allowed: 1 .. "
+                         f"--prompt-len - 1 = {args.prompt_len - 1}")
+    prefix = rand(args.prompt_len - args.unique_len)
+    seed = engine.add_request(prefix, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert seed.output_ids, "the shared prefix's request finished without a token"
+    return [prefix + rand(args.unique_len) for _ in range(c)]
+
+
+def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[str, Any]:
+    """Fill `c` requests' caches (`prompts`, then their prefills), then time `args.steps` decode
+    steps one by one."""
+    device = engine.runner.device
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    reqs = [engine.add_request(torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist(),
-                               params) for _ in range(c)]
     start = time.perf_counter()
+    cached = engine.scheduler.cached_prompt_tokens
+    reqs = [engine.add_request(p, params) for p in prompts(engine, args, c)]
     while not all(r.output_ids for r in reqs):
         engine.step()
     sync(device)
     prefill_s = time.perf_counter() - start
+    cached = engine.scheduler.cached_prompt_tokens - cached
     hot = engine.runner.pools.hot
     before = {k: int(v) for k, v in hot.stats().items()} if hot is not None else {}
     steps = []
@@ -105,7 +147,8 @@ def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[st
         sync(device)
         steps.append(time.perf_counter() - t0)
     row: dict[str, Any] = {
-        "concurrency": c, "prefill_s": round(prefill_s, 3),
+        "concurrency": c, "fill": args.fill, "fill_s": round(prefill_s, 3),
+        "cached_prompt_tokens": cached,
         "running": engine.num_running, "tok_s": round(c * len(steps) / sum(steps), 1),
         "tpot_ms_p50": round(1000 * statistics.median(steps), 3),
         "tpot_ms_p99": round(1000 * sorted(steps)[int(0.99 * (len(steps) - 1))], 3)}
@@ -119,17 +162,21 @@ def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[st
                    swapped_bytes_per_token=round(delta["swapped"] * row_bytes / tokens))
     for r in reqs:
         engine.abort(r.rid)
+    while engine.has_unfinished():      # a step still in flight (overlap scheduling)
+        engine.step()
+    engine.flush_cache()                # the next level fills its own shared prefix
     return row
 
 
 def run_mode(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, name: str, hisparse: bool,
-             graphs: bool, levels: list[int]) -> dict[str, Any]:
+             graphs: bool, levels: list[str]) -> dict[str, Any]:
     engine = make_engine(model, args, hisparse, graphs)
     fit = admitted(engine, args)
     print(f"{name}: {engine.max_total_tokens} tokens in the full pool, {fit} requests admitted",
           flush=True)
     rows = []
-    for c in [c for c in levels if c <= fit]:
+    wanted = sorted({fit if c == "max" else int(c) for c in levels})
+    for c in [c for c in wanted if c <= fit]:
         rows.append(decode_level(engine, args, c))
         print(f"  {name} level: {json.dumps(rows[-1])}", flush=True)  # kept if a later one dies
     engine.check_integrity()
@@ -142,11 +189,14 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = random_model(get_preset(args.preset), dtype, device, args.seed)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    modes = [("off", False, False), ("on", True, False)]
-    if args.off_graphs:
-        modes.append(("off+graphs", False, True))
-    results = [run_mode(model, args, *m, levels) for m in modes]
+    levels = args.concurrency.split(",")
+    for c in levels:
+        if c != "max" and not (c.isdigit() and int(c) > 0):
+            raise ValueError(f"--concurrency level {c!r} is invalid; allowed: integers >= 1 "
+                             "or 'max'")
+    graphs = device.type == "cuda" and not args.eager
+    results = [run_mode(model, args, name, on, graphs, levels)
+               for name, on in (("off", False), ("on", True))]
     off, on = results[0], results[1]
     print(f"{'mode':<11}{'admitted':>9}{'c':>5}{'tok/s':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
           f"{'hit rate':>10}{'swap B/tok':>12}")
@@ -161,7 +211,9 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "hisparse", "preset": args.preset, "device": str(device),
         "dtype": str(dtype).removeprefix("torch."), "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "prompt_len": args.prompt_len, "output_len": args.output_len, "modes": results,
+        "prompt_len": args.prompt_len, "output_len": args.output_len, "fill": args.fill,
+        "unique_len": args.unique_len if args.fill == "shared-prefix" else None,
+        "cuda_graphs": graphs, "modes": results,
         "admitted_ratio": round(on["admitted"] / max(1, off["admitted"]), 3),
         "best_tok_s_ratio": round(best["on"] / best["off"], 3) if best["off"] else None,
         "torch": torch.__version__}))

@@ -90,7 +90,7 @@ class Shape:
 
 
 FLASH = Shape(256, 4096, 2048, 6, (1, 8, 32, 128, 512, 2048))
-SMOKE = Shape(8, 128, 128, 2, (1, 5, 33))
+SMOKE = Shape(8, 128, 128, 2, (1, 3))
 
 
 def _codes(w: torch.Tensor, fmt: str,

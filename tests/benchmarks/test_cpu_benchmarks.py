@@ -98,6 +98,22 @@ def test_hisparse_benchmark_swaps_on_micro() -> None:
     assert all(r["hot_swapped"] > 0 and r["hot_overflow"] == 0 for r in on["levels"]), result
 
 
+def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:
+    """`--fill shared-prefix`: every request after the first reads the prefilled prefix from the
+    prefix cache; `max` is the mode's admitted count (from the plan, not from the fill)."""
+    result = run_benchmark("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
+                           "120", "--output-len", "8", "--concurrency", "1,max", "--steps", "2",
+                           "--kv-cache-memory-gb", "0.05", "--page-size", "16",
+                           "--max-running-requests", "3", "--fill", "shared-prefix",
+                           "--unique-len", "20")
+    for mode in result["modes"]:
+        assert [r["concurrency"] for r in mode["levels"]] == [1, mode["admitted"]], result
+        assert mode["admitted"] == 3, result
+        # whole pages of the 100-token prefix hit: 96 tokens per request
+        assert [r["cached_prompt_tokens"] for r in mode["levels"]] == [96, 3 * 96], result
+    assert all(r["hot_swapped"] > 0 for r in result["modes"][1]["levels"]), result
+
+
 def test_rl_drift_benchmark_reports_exact_zero_on_cpu() -> None:
     result = run_benchmark("rl_drift.py", "--steps", "1", "--prompts", "2", "--group-size", "2",
                            "--modes", "true-on-policy")

@@ -6,8 +6,9 @@ their picks from the host mirror.
 Workloads on the `micro` preset (random weights, index_topk 4): a prefix-cache hit (the same
 prompt again, and prompts sharing a prefix), preemption under a cache too small for the batch,
 chunked prefill at awkward budgets (with a hot set wide enough that short chunks go through
-`select` too), overlap scheduling, routing capture, batch-invariant mode; and the shipped
-dsv4-tiny (index_topk 128).
+`select` too), overlap scheduling, routing capture, batch-invariant mode, the decode graphs'
+static-buffer step; and the shipped dsv4-tiny (index_topk 128). On a GPU (`-m gpu`): captured
+decode graphs with the Triton copies through the pinned mirror.
 Every workload checks every manager's `check_integrity()` (the HotSet's included) after every
 step, that entries were swapped in (the HotSet's stats) and that every page is free once the
 prefix cache lets go. Plus the startup errors of bad or unsupported configurations, the CLI flags,
@@ -17,7 +18,6 @@ and the memory plan of a HiSparse engine.
 from __future__ import annotations
 
 import dataclasses
-import types
 from pathlib import Path
 
 import pytest
@@ -34,8 +34,8 @@ from dsv4.config.model import ModelConfig
 from dsv4.config.server import ServerConfig
 from dsv4.distributed.memory import plan_memory
 from dsv4.engine import runner_setup as runner_module
+from dsv4.engine.cuda_graph import DecodeGraphs
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.runner import ModelRunner
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 
 TOPK = micro().index_topk
@@ -176,6 +176,52 @@ def test_shipped_tiny_model() -> None:
     assert int(hot.engine.runner.pools.hot.stats()["hisparse/swapped"]) > 0
 
 
+def test_decode_through_the_graphs_static_buffers(model: DeepSeekV4ForCausalLM) -> None:
+    """The decode graphs' step (`DecodeGraphs`, run eagerly from its static buffers on CPU: what
+    the GPU captures) with HiSparse: its metadata carries the HotSet's rows, its picks go through
+    `select`, and the outputs equal HiSparse off."""
+    prompts = random_prompts([50, 35, 66], seed=9)
+    expected = run(LLMEngine(model, EngineConfig(**BASE)), prompts)  # type: ignore[arg-type]
+    engine = LLMEngine(model, EngineConfig(**BASE, enable_hisparse=True,  # type: ignore[arg-type]
+                                           hisparse_device_entries=TOPK))
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.table, runner.pools, runner.ops,
+                                 max_batch=4, capture=False)
+    assert run(engine, prompts) == expected
+    assert runner.graphs.replays >= 8, "decode steps were meant to run through the graphs"
+    assert runner.pools.hot is not None
+    assert int(runner.pools.hot.stats()["hisparse/swapped"]) > 0
+    assert_free(engine)
+
+
+def test_hot_set_takes_the_backends_copies(model: DeepSeekV4ForCausalLM) -> None:
+    """The engine's HotSet copies through its kernel backend's `swap_in` / `write_rows` ops (the
+    Triton ones read and write the pinned mirror in place on a GPU)."""
+    engine = LLMEngine(model, EngineConfig(**BASE, enable_hisparse=True))  # type: ignore[arg-type]
+    hot, ops = engine.runner.pools.hot, engine.runner.ops
+    assert hot is not None
+    assert hot.swap_in is ops.swap_in and hot.write_rows is ops.write_rows
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_on_gpu_equal_hisparse_off() -> None:
+    """fp32 micro on a GPU with the triton backend and captured decode graphs: HiSparse on (hot
+    set = top-k, swaps every step, the mirror read and written in place) equals it off."""
+    gpu_model = random_model(micro().replace(max_position_embeddings=1024), torch.float32,
+                             torch.device("cuda"))
+    prompts = random_prompts([50, 35, 66, 90], seed=10)
+    args = {**BASE, "kernel_backend": "triton", "warmup": "none"}
+    expected = run(LLMEngine(gpu_model, EngineConfig(**args)), prompts)  # type: ignore[arg-type]
+    engine = LLMEngine(gpu_model, EngineConfig(**args, enable_hisparse=True,  # type: ignore[arg-type]
+                                               hisparse_device_entries=TOPK))
+    assert engine.runner.graphs is not None
+    assert engine.runner.pools.hot is not None and engine.runner.pools.hot.host_pool.is_pinned()
+    assert run(engine, prompts) == expected
+    assert engine.runner.graphs.replays >= 8
+    assert int(engine.runner.pools.hot.stats()["hisparse/swapped"]) > 0
+    assert_free(engine)
+
+
 # ---- startup errors --------------------------------------------------------------------------
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(enable_hisparse=True, hisparse_device_entries=0),
@@ -205,11 +251,6 @@ def test_unsupported_paths_are_startup_errors(model: DeepSeekV4ForCausalLM,
         ServerConfig(model="m", enable_hisparse=True, tp_size=2)
     with pytest.raises(ValueError, match="dp_size=2 is not supported"):
         ServerConfig(model="m", enable_hisparse=True, dp_size=2)
-    # where CUDA graphs would run (a CUDA device, the triton backend): refused, naming the flag
-    fake = types.SimpleNamespace(device=torch.device("cuda"), config=EngineConfig(
-        enable_hisparse=True, kernel_backend="triton"))
-    with pytest.raises(ValueError, match=r"allowed: disable_cuda_graph=True \(--disable-cuda"):
-        ModelRunner._decode_graphs(fake)  # type: ignore[arg-type]
     no_csa = random_model(micro().replace(attn_types=("swa", "hca") * 2 + ("swa",)),
                           torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"needs a model with C4 \(csa\) attention layers"):

@@ -1,16 +1,19 @@
-"""Parity of the HiSparse swap-in kernel `triton_swap_in` with the reference `swap_in_ref`.
+"""Parity of the HiSparse copy kernels `triton_swap_in` / `triton_write_rows` with the references
+`swap_in_ref` / `write_rows_ref`.
 
-CPU: small shapes under the Triton interpreter: random indices with ~1/3 skipped rows (dst -1,
-their src garbage: -1 or past the pool) and repeated source entries; fp32, bf16, fp32 -> bf16
-(the cast), uint8 (packed entries, a bit copy); int32 and int64 indices; D not a multiple of
-BLOCK_D; one layer's views of [L, N, D] pools (other layers untouched) and a strided host pool;
-repeated identical (src, dst) pairs; validation (devices, shapes, dtypes). The kernel must equal
-the reference bit for bit on every row but the trash row (overwritten freely; the kernel leaves
-it alone). Repeated destinations with different sources are outside both contracts (the
-reference's index_copy_ picks any) and are not tested. End to end: a HotSet driven through
-`select` with `swap_in=triton_swap_in` equals one with the reference.
+CPU: small shapes under the Triton interpreter: random indices with ~1/3 skipped rows (-1
+destinations, their sources garbage: -1 or past the pool) and repeated source entries; fp32, bf16,
+fp32 -> bf16 (the cast), uint8 (packed entries, a bit copy); int32 and int64 indices; D not a
+multiple of BLOCK_D; one layer's views of [L, N, D] pools (other layers untouched) and a strided
+host pool; repeated identical (src, dst) pairs and repeated write rows with equal values;
+validation (devices, shapes, dtypes). The kernels must equal the references bit for bit on every
+row but the trash row (overwritten freely; the kernels leave it alone). Repeated destinations with
+different sources are outside both contracts (the reference's index_copy_ picks any) and are not
+tested. End to end: a HotSet driven through `write_entries` and `select` with the Triton hooks
+equals one with the references.
 GPU (`-m gpu`): V4-Flash shape (D = 512, bf16, 8192 rows into a 64K-row pool), CUDA-graph
-replay, and the pinned-host-pool refusal.
+replay, and both kernels on a pinned host pool (UVA: read and written in place, also inside a
+captured graph).
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_hisparse_swap.py         # interpreter
     PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_hisparse_swap.py  # a CUDA machine
@@ -29,8 +32,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from dsv4.cache.hisparse import HiSparseLayout, HotSet  # noqa: E402
-from dsv4.kernels.ref.hisparse import swap_in_ref  # noqa: E402
-from dsv4.kernels.triton.hisparse import triton_swap_in  # noqa: E402
+from dsv4.kernels.ref.hisparse import swap_in_ref, write_rows_ref  # noqa: E402
+from dsv4.kernels.triton.hisparse import triton_swap_in, triton_write_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -138,8 +141,11 @@ def test_repeated_identical_pairs_and_all_skipped() -> None:
 def test_bad_inputs_are_value_errors() -> None:
     host, dev = torch.zeros(10, 8), torch.zeros(6, 8)
     idx = torch.tensor([0, 1])
-    with pytest.raises(ValueError, match=r"host_pool on meta, device_pool on cpu"):
+    with pytest.raises(ValueError, match=r"got host_pool on meta, device_pool on cpu"):
         triton_swap_in(host.to("meta"), dev, idx, idx)
+    with pytest.raises(ValueError, match=r"must be on one device; got host_pool on cpu, "
+                                         r"device_pool on meta"):
+        triton_swap_in(host, dev.to("meta"), idx, idx)
     with pytest.raises(ValueError, match="N_host, D"):
         triton_swap_in(torch.zeros(10, 4), dev, idx, idx)
     with pytest.raises(ValueError, match="int32 / int64"):
@@ -154,15 +160,77 @@ def test_bad_inputs_are_value_errors() -> None:
         triton_swap_in(host, dev, idx, idx, block_d=12)
 
 
+def write_both(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+               **knobs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel's pool, reference's pool), both from `pool`."""
+    got, want = pool.clone(), pool.clone()
+    triton_write_rows(got, rows, values, **knobs)
+    write_rows_ref(want, rows, values)
+    return got, want
+
+
+@pytest.mark.parametrize(("val_dtype", "pool_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16), (torch.uint8, torch.uint8)])
+@pytest.mark.parametrize("n", [1, 9, 33])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_write_rows_matches_reference(val_dtype: torch.dtype, pool_dtype: torch.dtype, n: int,
+                                      index_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(100 + n)
+    d, rows_n = 32, 40
+    pool = make_pool(rows_n + 1, d, pool_dtype, g)
+    values = make_pool(n, d, val_dtype, g)
+    _, rows = make_indices(n, 1, rows_n, g, index_dtype)       # distinct rows, ~1/3 of them -1
+    got, want = write_both(pool, rows, values)
+    assert_equal_but_trash(got, want, pool, cast=val_dtype != pool_dtype)
+
+
+@pytest.mark.parametrize(("d", "block_d"), [(40, 16), (100, 32), (24, None)])
+def test_write_rows_split_over_d_blocks_and_repeated_rows(d: int, block_d: int | None) -> None:
+    """Rows over several D blocks; a row written by several tokens with equal values (the pad
+    slot's null-page row); one layer of a stacked pool, the others untouched."""
+    g = torch.Generator().manual_seed(d)
+    stacked = make_pool(3 * 21, d, torch.bfloat16, g).view(3, 21, d)
+    values = make_pool(12, d, torch.bfloat16, g)
+    rows = torch.tensor([3, 0, 0, 7, -1, 0, 19, 5, -1, 11, 0, 2], device=DEVICE)
+    values[rows == 0] = values[1].clone()
+    got, want = stacked.clone(), stacked.clone()
+    triton_write_rows(got[1], rows, values, **({"block_d": block_d} if block_d else {}))
+    write_rows_ref(want[1], rows, values)
+    assert torch.equal(got[0], stacked[0]) and torch.equal(got[2], stacked[2])
+    assert_equal_but_trash(got[1], want[1], stacked[1])
+
+
+def test_write_rows_bad_inputs_are_value_errors() -> None:
+    pool, values, rows = torch.zeros(10, 8), torch.zeros(2, 8), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"rows, values must be on one device; got pool on cpu, "
+                                         r"rows on meta, values on cpu"):
+        triton_write_rows(pool, rows.to("meta"), values)
+    with pytest.raises(ValueError, match=r"pool must be on the device of the others"):
+        triton_write_rows(pool.to("meta"), rows, values)
+    with pytest.raises(ValueError, match=r"\[N, D\] and values \[n, D\]"):
+        triton_write_rows(pool, rows, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="n = values.shape"):
+        triton_write_rows(pool, rows[:1], values)
+    with pytest.raises(ValueError, match="int32 / int64"):
+        triton_write_rows(pool, rows.float(), values)
+    with pytest.raises(ValueError, match="uint8"):
+        triton_write_rows(pool.to(torch.uint8), rows, values)
+    with pytest.raises(ValueError, match="unit stride"):
+        triton_write_rows(pool, rows, torch.zeros(8, 2).t())
+
+
 def test_hot_set_select_with_the_kernel_equals_the_reference() -> None:
-    """HotSet's swap_in hook: the same picks through both copies give identical pools and rows."""
+    """HotSet's swap_in / write_rows hooks: the same writes and picks through both pairs of
+    copies give identical host mirrors, hot pools and rows."""
     layout = HiSparseLayout(num_layers=2, max_reqs=2, max_entries=16, device_entries=6, top_k=4,
                             num_host_rows=(2 * 8 + 1) * 2 + 1, page_entries=2, width=8)
     page_table = 1 + torch.arange(3 * 8).view(3, 8)       # page 0: the null page
     page_table[2] = 0                                     # the pad slot
     sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
-                   host_device=torch.device(DEVICE), swap_in=fn)
-            for fn in (swap_in_ref, triton_swap_in)]
+                   host_device=torch.device(DEVICE), swap_in=swap, write_rows=write)
+            for swap, write in ((swap_in_ref, write_rows_ref),
+                                (triton_swap_in, triton_write_rows))]
     g = torch.Generator().manual_seed(7)
     values = torch.randn(2, 16, 8, generator=g).to(DEVICE)
     picks = [torch.randint(-1, 16, (3, 4), generator=g).to(DEVICE) for _ in range(4)]
@@ -177,6 +245,7 @@ def test_hot_set_select_with_the_kernel_equals_the_reference() -> None:
     for a, b in zip(*rows, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(sets[0].device_pool[:, :-1], sets[1].device_pool[:, :-1])
+    assert torch.equal(sets[0].host_pool[:, :-1], sets[1].host_pool[:, :-1])
     assert int(sets[1].num_swapped) > 0
     sets[1].check_integrity()
 
@@ -219,9 +288,36 @@ def test_cuda_graph_replay_copies_the_new_indices() -> None:
 
 
 @pytest.mark.gpu
-def test_pinned_host_pool_is_refused_with_the_devices_named() -> None:
-    host = torch.zeros(16, 512, dtype=torch.bfloat16, pin_memory=True)
-    dev = torch.zeros(9, 512, dtype=torch.bfloat16, device="cuda")
-    idx = torch.tensor([0, 1], device="cuda")
-    with pytest.raises(ValueError, match=r"host_pool on cpu, device_pool on cuda"):
-        triton_swap_in(host, dev, idx, idx)
+def test_pinned_host_pool_is_read_and_written_in_place() -> None:
+    """UVA: the swap-in reads a pinned CPU pool and the write stores into it, eagerly and from a
+    captured graph replayed with new indices and values; the host sees the writes after a sync."""
+    g = torch.Generator().manual_seed(2)
+    host = make_pool(4096, 512, torch.bfloat16, g, "cpu").pin_memory()
+    dev = torch.zeros(1025, 512, dtype=torch.bfloat16, device="cuda")
+    src, dst = make_indices(512, 4096, 1024, g, torch.int64, "cuda")
+    got, want = run_both(host, dev, src, dst)
+    assert_equal_but_trash(got, want, dev)
+    values = make_pool(64, 512, torch.bfloat16, g, "cuda")
+    _, rows = make_indices(64, 1, 4095, g, torch.int64, "cuda")
+    written, want_host = host.clone().pin_memory(), host.clone()
+    triton_write_rows(written, rows, values)
+    write_rows_ref(want_host, rows, values)
+    torch.cuda.synchronize()
+    assert_equal_but_trash(written, want_host, host)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_write_rows(written, rows, values)
+        triton_swap_in(written, got, src, dst)
+    new_values = make_pool(64, 512, torch.bfloat16, g, "cuda")
+    _, new_rows = make_indices(64, 1, 4095, g, torch.int64, "cuda")
+    new_src, new_dst = make_indices(512, 4096, 1024, g, torch.int64, "cuda")
+    for buf, new in ((values, new_values), (rows, new_rows), (src, new_src), (dst, new_dst)):
+        buf.copy_(new)
+    host_before, dev_before = written.clone(), got.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    write_rows_ref(host_before, new_rows, new_values)
+    want_dev = dev_before.clone()
+    swap_in_ref(host_before, want_dev, new_src, new_dst)
+    assert torch.equal(written[:-1], host_before[:-1])
+    assert_equal_but_trash(got, want_dev, dev_before)

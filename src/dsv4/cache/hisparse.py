@@ -37,8 +37,8 @@ chunk of one request picks up to every entry it sees): it copies the distinct pi
 mirror into a new device buffer and leaves the hot set alone.
 
 `select(layer, slot_ids, topk)` is torch ops of fixed shapes with no `.item()` / `.tolist()`
-(capturable in a CUDA graph when the swap-in is; `swap_in_ref` is when both pools are on the
-device):
+(capturable in a CUDA graph when the swap-in is: the Triton op, or `swap_in_ref` with both pools
+on the device):
     1. hits: look every pick up in entry_to_slot; stamp the hit slots with the new clock value
     2. misses: sort (slot, entry) keys; the first of each run is a distinct miss; rank the distinct
        misses within their request (a segmented prefix count)
@@ -51,26 +51,25 @@ A call must pick at most E distinct entries per request (one row per request alw
 layout refuses E < top_k). Beyond that the extra misses are not placed, their picks return -1 and
 `num_overflow` counts them, which `check_integrity` reports.
 
-Host syncs: `write_entries` copies to the host mirror synchronously (named sync point; the async
-write-back on a side stream is not built); `stage` syncs (its buffer's size); `swap_in_ref` syncs
-when the pools are on different devices; `check_integrity` reads everything back. admit /
-release / truncate launch device ops from host ints and never read device memory.
+Host syncs: the copies between the mirror and the device go through the `swap_in` and
+`write_rows` hooks (the kernel backend's ops). The references sync when the mirror is on another
+device (blocking copies); the Triton ops read and store the pinned mirror in place (UVA) with no
+sync, so `write_entries` and `select` are then capturable in a CUDA graph (the engine's decode
+graphs). `stage` syncs (its buffer's size: prefill only); `check_integrity` reads everything
+back. admit / release / truncate launch device ops from host ints and never read device memory.
 Test: tests/cache/test_hisparse.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dsv4.cache.layout import CacheLayout
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ref.hisparse import swap_in_ref
-
-# (host_pool [N_host, D], device_pool [N_dev + 1, D], src_entries [n], dst_slots [n]) -> None
-SwapIn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+from dsv4.kernels.ops import SwapInOp, WriteRowsOp
+from dsv4.kernels.ref.hisparse import swap_in_ref, write_rows_ref
 
 
 @dataclass(frozen=True)
@@ -133,14 +132,18 @@ class HotSet:
 
     def __init__(self, layout: HiSparseLayout, page_table: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, host_device: torch.device | None = None,
-                 swap_in: SwapIn = swap_in_ref) -> None:
+                 swap_in: SwapInOp = swap_in_ref,
+                 write_rows: WriteRowsOp = write_rows_ref) -> None:
         """page_table: [max_reqs + 1, max_pages] int64 full pages per slot, on `device`; held by
         reference (`RequestTable.page_table`), so the host rows follow its updates.
-        host_device: where the mirror lives (default: the CPU, pinned when `device` is CUDA)."""
+        host_device: where the mirror lives (default: the CPU, pinned when `device` is CUDA).
+        swap_in / write_rows: the copies host mirror -> hot rows and new entries -> host mirror
+        (the kernel backend's ops; the references sync when the mirror is on another device)."""
         L, R, E, M = layout.num_layers, layout.max_reqs, layout.device_entries, layout.max_entries
         assert page_table.shape[0] == R + 1, "page_table needs max_reqs + 1 rows (pad slot last)"
         assert page_table.shape[1] * layout.page_entries >= M, "page_table narrower than entries"
-        self.layout, self.page_table, self.swap_in = layout, page_table, swap_in
+        self.layout, self.page_table = layout, page_table
+        self.swap_in, self.write_rows = swap_in, write_rows
         host = host_device or torch.device("cpu")
         pin = host.type == "cpu" and device.type == "cuda"
         self.host_pool = torch.zeros(L, layout.num_host_rows, layout.width, dtype=dtype,
@@ -194,12 +197,11 @@ class HotSet:
         mirror always gets them; a hot copy is rewritten too. With `hot`, the entries are also
         placed in the hot set (LRU victims) straight from `values`, as the newest entries are
         likely picks; beyond E per slot the rest just stay cold.
-        NOTE: named sync point: the host copy is blocking.
+        NOTE: named sync point with the reference `write_rows` and the mirror on the host (a
+        blocking copy); none with the Triton op, which stores into the pinned mirror in place.
         """
         slots, entries = slot_ids.long(), entry_ids.long()
-        rows = self._host_rows(slots, entries)
-        host = self.host_pool[layer]
-        host.index_copy_(0, rows.to(host.device), values.to(host.device, host.dtype))
+        self.write_rows(self.host_pool[layer], self._host_rows(slots, entries), values)
         if hot:
             self._plan(layer, slots, self._valid(slots, entries), strict=False)
         dev = self.device_pool[layer]

@@ -282,7 +282,7 @@ def add_hisparse_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--enable-hisparse", action="store_true", default=None,
                    help="HiSparse: C4 attention entries in host memory, a hot set of them per "
                         "request on the device; greedy output is unchanged "
-                        "(EngineConfig.enable_hisparse; with --disable-cuda-graph on cuda)")
+                        "(EngineConfig.enable_hisparse)")
     g.add_argument("--hisparse-device-entries", type=int, default=None, metavar="N",
                    help="hot entries per request and C4 layer, at least the model's index_topk "
                         "(default: 2 x index_topk)")

@@ -117,9 +117,10 @@ class EngineConfig:
     the picks that miss are copied in); a longer prefill chunk attends through its picks staged
     from the host mirror. The KV budget then holds no C4 entries; the hot sets are reserved from
     it (`cache/layout.py`). Supported with the prefix cache, chunked prefill, preemption, overlap
-    scheduling, routing capture and batch-invariant mode, on one device. Not supported (startup
-    errors): CUDA graphs (`disable_cuda_graph` must be set where they would run), speculative
-    decoding, tensor parallelism and data-parallel attention (`ServerConfig`).
+    scheduling, routing capture, batch-invariant mode and the decode CUDA graphs (the `triton`
+    backend reads and writes the pinned mirror in place, no host sync), on one device. Not
+    supported (startup errors): speculative decoding, tensor parallelism and data-parallel
+    attention (`ServerConfig`).
     `hisparse_device_entries`: hot entries per request and C4 layer, at least the model's
     `index_topk` (every pick of one query is hot at once; checked when the engine starts).
     None: `HISPARSE_ENTRIES_PER_TOPK` times `index_topk`. Only with `enable_hisparse`.

@@ -94,7 +94,8 @@ class ModelRunner:
                                                  self.config.max_running_requests,
                                                  self.context_length, self.hot_entries)
             check_host_memory(layout, self.dtype)
-            hot = HotSet(layout, self.table.page_table, self.dtype, self.device)
+            hot = HotSet(layout, self.table.page_table, self.dtype, self.device,
+                         swap_in=self.ops.swap_in, write_rows=self.ops.write_rows)
             device_bytes, host_bytes = layout.pool_bytes(self.dtype)
             logger.info("HiSparse: %d hot entries per request and C4 layer (%.1f MB on the "
                         "device), host mirror %.1f MB", self.hot_entries, device_bytes / 1e6,
@@ -133,11 +134,6 @@ class ModelRunner:
         if why_not is not None:
             logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)
             return None
-        if c.enable_hisparse:
-            raise ValueError("enable_hisparse=True with CUDA graphs is not supported (the host "
-                             "mirror's writes and the staged prefill picks sync the host); "
-                             "allowed: disable_cuda_graph=True (--disable-cuda-graph) with "
-                             "--enable-hisparse")
         max_batch = min(c.cuda_graph_max_bs, c.max_running_requests)
         logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use",
                     max_batch)

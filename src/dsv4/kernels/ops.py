@@ -300,3 +300,21 @@ class LinearOp(Protocol):
     runs `F.linear`."""
 
     def __call__(self, x: Tensor, w: Tensor, *, counters: Tensor | None = None) -> Tensor: ...
+
+
+class SwapInOp(Protocol):
+    """`ref/hisparse.py::swap_in_ref`: HiSparse's swap-in, in place: device_pool [N_dev + 1, D]
+    row dst_slots[i] = host_pool [N_host, D] row src_entries[i] for every dst_slots[i] >= 0
+    (src ignored where dst is -1; the non-negative dst distinct), cast to the device pool's dtype.
+    The host pool may be pinned CPU memory beside a CUDA device pool."""
+
+    def __call__(self, host_pool: Tensor, device_pool: Tensor, src_entries: Tensor,
+                 dst_slots: Tensor) -> None: ...
+
+
+class WriteRowsOp(Protocol):
+    """`ref/hisparse.py::write_rows_ref`: HiSparse's write to the host mirror, in place: pool
+    [N, D] row rows[i] = values [n, D] row i for every rows[i] >= 0 (repeated rows with equal
+    values), cast to the pool's dtype. The pool may be pinned CPU memory beside CUDA values."""
+
+    def __call__(self, pool: Tensor, rows: Tensor, values: Tensor) -> None: ...

@@ -1,28 +1,30 @@
-"""HiSparse swap-in in Triton: copy C4 entries from the host mirror's rows into hot rows.
+"""HiSparse copies in Triton: hot rows from the host mirror (`triton_swap_in`) and new entries
+into the host mirror (`triton_write_rows`), reading and writing pinned host memory in place.
 
-Owns `triton_swap_in`, the fast form of `kernels/ref/hisparse.py::swap_in_ref` (same signature,
-same semantics): device_pool[dst_slots[i]] = host_pool[src_entries[i]] for every i with
-dst_slots[i] >= 0, cast to the device pool's dtype. `cache/hisparse.py::HotSet` calls it through
-its `swap_in` hook with one layer's pools (`host_pool[layer]`, `device_pool[layer]`); it is not
-registered in `registry.py`: the engine's HotSet (`--enable-hisparse`) keeps its host pool in
-pinned CPU memory on a GPU and copies with `swap_in_ref` (see "Host memory" below).
+The fast forms of `kernels/ref/hisparse.py::swap_in_ref` / `write_rows_ref` (same signatures,
+same semantics):
+    device_pool[dst_slots[i]] = host_pool[src_entries[i]]   for every i with dst_slots[i] >= 0
+    pool[rows[i]] = values[i]                               for every i with rows[i] >= 0
+cast to the destination's dtype. The `triton` backend's `swap_in` / `write_rows` ops
+(`registry.py`); `cache/hisparse.py::HotSet` calls them with one layer's pools.
 
-Kernel design: grid (n, cdiv(D, BLOCK_D)); each program reads its row's dst slot, and when it is
->= 0 its src entry, then copies BLOCK_D elements. Rows with dst == -1 read nothing else and write
-nothing: their src entry is never dereferenced (it may be garbage), and the trash row (the device
-pool's last, which the reference overwrites with host row 0) is left alone, which its "overwritten
-freely" contract allows. Row offsets are int64 (entry * row stride passes 2^31 at V4 sizes).
-Fixed grid for a fixed n, no host syncs: CUDA-graph safe.
+Kernel design (both): grid (n, cdiv(D, BLOCK_D)); each program reads its row's destination, and
+when it is >= 0 its source, then copies BLOCK_D elements. Rows with a -1 destination read nothing
+else and write nothing: their source is never dereferenced (it may be garbage), and the trash row
+(the last, which the references overwrite) is left alone, which its "overwritten freely" contract
+allows. Row offsets are int64 (entry * row stride passes 2^31 at V4 sizes). Fixed grid for a
+fixed n, no host syncs: CUDA-graph safe.
+
+Host memory (UVA): on a GPU the HotSet's host mirror is pinned CPU memory, which is mapped into
+the device's address space under unified virtual addressing, so the kernels take it as it is:
+each program's loads (swap-in) or stores (write) of a host row cross PCIe / NVLink-C2C as memory
+transactions, with no copy-engine call and no host sync, inside a CUDA graph too. Every other
+argument is on one CUDA device. Without CUDA (the interpreter) every tensor is on the CPU.
 
 Contract not checked (a check would read device memory on the host): the non-negative dst slots of
-one call are distinct (as the reference requires; duplicates with different sources leave the row
-undefined, possibly mixed across D blocks) and all indices are in range.
-
-Host memory: on a GPU the HotSet's host pool is pinned CPU memory, which a Triton kernel cannot
-read through its pointer. This wrapper therefore requires both pools (and the indices) on one
-device and raises ValueError otherwise; moving the rows host -> device is the copy engine's job
-(a later step stages the missed rows through a pinned buffer, or maps the pool with UVA) and is
-not done here.
+one swap-in are distinct (as the reference requires; duplicates with different sources leave the
+row undefined, possibly mixed across D blocks), repeated rows of one write carry equal values, and
+all indices are in range.
 
 Test: tests/kernels/test_hisparse_swap.py. Benchmark: benchmarks/kernels/bench_hisparse_swap.py.
 """
@@ -67,15 +69,23 @@ def default_block_d(D: int) -> int:
     return min(1024, triton.next_power_of_2(D))
 
 
+def _check_devices(host: torch.Tensor, others: dict[str, torch.Tensor], host_name: str) -> None:
+    """`others` on one device; `host` there too, or pinned CPU memory beside a CUDA device."""
+    devices = {t.device for t in others.values()}
+    where = ", ".join(f"{k} on {t.device}" for k, t in {host_name: host, **others}.items())
+    if len(devices) != 1:
+        raise ValueError(f"{', '.join(others)} must be on one device; got {where}")
+    device = devices.pop()
+    uva = host.device.type == "cpu" and device.type == "cuda" and host.is_pinned()
+    if host.device != device and not uva:
+        raise ValueError(f"{host_name} must be on the device of the others or in pinned CPU "
+                         f"memory beside a CUDA device (UVA); got {where}")
+
+
 def _check(host_pool: torch.Tensor, device_pool: torch.Tensor, src_entries: torch.Tensor,
            dst_slots: torch.Tensor) -> None:
-    devices = {t.device for t in (host_pool, device_pool, src_entries, dst_slots)}
-    if len(devices) != 1:
-        raise ValueError(
-            "triton_swap_in needs host_pool, device_pool, src_entries and dst_slots on one device; "
-            f"got host_pool on {host_pool.device}, device_pool on {device_pool.device}, "
-            f"src_entries on {src_entries.device}, dst_slots on {dst_slots.device} (a pinned host "
-            "pool reaches the device through the copy engine, not this kernel)")
+    _check_devices(host_pool, {"device_pool": device_pool, "src_entries": src_entries,
+                               "dst_slots": dst_slots}, "host_pool")
     if host_pool.dim() != 2 or device_pool.dim() != 2 or host_pool.shape[1] != device_pool.shape[1]:
         raise ValueError(f"host_pool must be [N_host, D] and device_pool [N_dev + 1, D]; got "
                          f"{list(host_pool.shape)} and {list(device_pool.shape)}")
@@ -103,8 +113,8 @@ def triton_swap_in(host_pool: torch.Tensor, device_pool: torch.Tensor, src_entri
 
     host_pool: [N_host, D]; device_pool: [N_dev + 1, D] (last row: trash), both with unit stride
     in D (any row stride), bf16 / fp16 / fp32 (or both uint8); src_entries, dst_slots: [n] int32 /
-    int64. All four on ONE device (ValueError otherwise): a pinned CPU host pool must first reach
-    the device through the copy engine (module docstring). Graph-capture safe; no host sync.
+    int64. All on one device, or host_pool in pinned CPU memory and the rest on one CUDA device
+    (read in place: module docstring); ValueError otherwise. Graph-capture safe; no host sync.
     """
     _check(host_pool, device_pool, src_entries, dst_slots)
     n, D = src_entries.shape[0], host_pool.shape[1]
@@ -115,4 +125,57 @@ def triton_swap_in(host_pool: torch.Tensor, device_pool: torch.Tensor, src_entri
     _swap_in_kernel[(n, triton.cdiv(D, bd))](
         host_pool, device_pool, src_entries.contiguous(), dst_slots.contiguous(), D,
         host_pool.stride(0), device_pool.stride(0), BLOCK_D=bd, EVEN_D=D % bd == 0,
-        num_warps=num_warps or max(1, min(8, bd * elt // 512)), **pdl_args(device_pool.device))
+        num_warps=num_warps or max(1, min(8, bd * elt // 512)), **pdl_args(src_entries.device))
+
+
+@triton.jit
+def _write_rows_kernel(pool_ptr, rows_ptr, val_ptr, D,  # type: ignore[no-untyped-def]
+                       stride_pool, stride_val, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                       PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the prior kernel's writes first
+        gdc_wait()
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    if row >= 0:
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        src = val_ptr + i.to(tl.int64) * stride_val + offs
+        dst = pool_ptr + row * stride_pool + offs
+        if EVEN_D:
+            tl.store(dst, tl.load(src).to(pool_ptr.dtype.element_ty))
+        else:
+            ok = offs < D
+            tl.store(dst, tl.load(src, mask=ok).to(pool_ptr.dtype.element_ty), mask=ok)
+
+
+def triton_write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, *,
+                      block_d: int | None = None, num_warps: int | None = None) -> None:
+    """Same contract as `write_rows_ref`: pool[rows[i]] = values[i] in place; -1 in rows: no
+    write. Casts to the pool's dtype.
+
+    pool: [N, D] with unit stride in D (any row stride); rows: [n] int32 / int64; values: [n, D]
+    with unit stride in D; dtypes as `triton_swap_in` (values -> pool). rows and values on one
+    device; pool there too or in pinned CPU memory beside a CUDA device (written in place: module
+    docstring); ValueError otherwise. Graph-capture safe; no host sync.
+    """
+    _check_devices(pool, {"rows": rows, "values": values}, "pool")
+    if pool.dim() != 2 or values.dim() != 2 or pool.shape[1] != values.shape[1]:
+        raise ValueError(f"pool must be [N, D] and values [n, D]; got {list(pool.shape)} and "
+                         f"{list(values.shape)}")
+    for name, t in (("pool", pool), ("values", values)):
+        if t.dtype not in POOL_DTYPES or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be of {[str(d) for d in POOL_DTYPES]} with unit stride "
+                             f"in D; got {t.dtype} strides {t.stride()}")
+    if pool.dtype != values.dtype and torch.uint8 in (pool.dtype, values.dtype):
+        raise ValueError(f"uint8 rows copy bits only: pool and values must both be uint8; got "
+                         f"{values.dtype} -> {pool.dtype}")
+    if rows.dim() != 1 or rows.shape[0] != values.shape[0] or rows.dtype not in INDEX_DTYPES:
+        raise ValueError(f"rows must be [n] of int32 / int64 with n = values.shape[0]; got "
+                         f"{list(rows.shape)} {rows.dtype} for {values.shape[0]} values")
+    n, D = rows.shape[0], pool.shape[1]
+    if n == 0 or D == 0:
+        return
+    bd = pow2("block_d", block_d or default_block_d(D), 1)
+    _write_rows_kernel[(n, triton.cdiv(D, bd))](
+        pool, rows.contiguous(), values, D, pool.stride(0), values.stride(0), BLOCK_D=bd,
+        EVEN_D=D % bd == 0, num_warps=num_warps or max(1, min(8, bd * pool.element_size() // 512)),
+        **pdl_args(values.device))
