@@ -104,20 +104,21 @@ def admitted(engine: LLMEngine, args: argparse.Namespace) -> int:
 
 def prompts(engine: LLMEngine, args: argparse.Namespace, c: int) -> list[list[int]]:
     """`c` random prompts of `args.prompt_len` tokens; with `--fill shared-prefix`, one shared
-    prefix (prefilled here by a one-token request, so the prefix cache holds it) and a random
-    tail of `args.unique_len` tokens each."""
+    prefix (the same at every level; a one-token request puts it in the prefix cache, prefilled
+    at the first level and a cache hit after) and a random tail of `args.unique_len` tokens
+    each."""
     vocab = engine.runner.model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed + c)
 
-    def rand(n: int) -> list[int]:
-        return torch.randint(2, vocab, (n,), generator=g).tolist()
+    def rand(n: int, gen: torch.Generator = g) -> list[int]:
+        return torch.randint(2, vocab, (n,), generator=gen).tolist()
 
     if args.fill == "prefill":
         return [rand(args.prompt_len) for _ in range(c)]
     if not 0 < args.unique_len < args.prompt_len:
         raise ValueError(f"--unique-len={args.unique_len} is invalid; allowed: 1 .. "
                          f"--prompt-len - 1 = {args.prompt_len - 1}")
-    prefix = rand(args.prompt_len - args.unique_len)
+    prefix = rand(args.prompt_len - args.unique_len, torch.Generator().manual_seed(args.seed))
     seed = engine.add_request(prefix, SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
@@ -164,7 +165,6 @@ def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[st
         engine.abort(r.rid)
     while engine.has_unfinished():      # a step still in flight (overlap scheduling)
         engine.step()
-    engine.flush_cache()                # the next level fills its own shared prefix
     return row
 
 

@@ -109,8 +109,9 @@ def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:
     for mode in result["modes"]:
         assert [r["concurrency"] for r in mode["levels"]] == [1, mode["admitted"]], result
         assert mode["admitted"] == 3, result
-        # whole pages of the 100-token prefix hit: 96 tokens per request
-        assert [r["cached_prompt_tokens"] for r in mode["levels"]] == [96, 3 * 96], result
+        # whole pages of the 100-token prefix hit: 96 tokens per request (and the second
+        # level's one-token request for the prefix)
+        assert [r["cached_prompt_tokens"] for r in mode["levels"]] == [96, 4 * 96], result
     assert all(r["hot_swapped"] > 0 for r in result["modes"][1]["levels"]), result
 
 
