@@ -40,6 +40,11 @@
 #                 required; BATCH (16), LR (2e-3), WARMUP (200), QAT_START (0.8), INIT (an earlier export),
 #                 COMPILE=1 (per-block torch.compile), TIME_LIMIT_S (540). Returns train.log, metrics.jsonl,
 #                 loss.png, the model shards and model_meta.tar: run it alone
+#   hisparse      issue 25 in one call: the HiSparse GPU tests (UVA copies in a graph, engine on vs off through the
+#                 captured decode graphs, fp32), the copy benchmark (mirror on the device and pinned), then
+#                 hisparse.py on flash-43l-e16 (40 GB KV, 200K + 2K, --fill shared-prefix, concurrency 1 and each
+#                 mode's admitted count): hisparse_tests.txt, bench_hisparse_swap.txt / .json, hisparse.txt.
+#                 HISPARSE_ARGS is added to hisparse.py
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -199,13 +204,27 @@ train_tiny() {   # the stages of train_tiny_h200_202611.md; give STEPS (a fixed 
   tar -C "$run/model" -cf "$OUT/model_meta.tar" config.json model.safetensors.index.json training.json
 }
 
+hisparse() {
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_hisparse_swap.py \
+    tests/engine/test_hisparse_engine.py tests/cache/test_hisparse.py > "$OUT/hisparse_tests.txt" 2>&1
+  summary "$OUT/hisparse_tests.txt"
+  timeout 90 python3 benchmarks/kernels/bench_hisparse_swap.py --out "$OUT/bench_hisparse_swap.json" \
+    > "$OUT/bench_hisparse_swap.txt" 2>&1
+  grep -v "^{" "$OUT/bench_hisparse_swap.txt" | tail -18
+  # shellcheck disable=SC2086  # HISPARSE_ARGS is a list of flags
+  timeout 330 python3 benchmarks/hisparse.py --preset flash-43l-e16 --device cuda --kv-cache-memory-gb 40 \
+    --prompt-len 200000 --output-len 2048 --concurrency 1,max --fill shared-prefix \
+    --max-running-requests 256 ${HISPARSE_ARGS:-} > "$OUT/hisparse.txt" 2>&1
+  grep -v "^{" "$OUT/hisparse.txt" | tail -14
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,36p' "$0"
+  sed -n '2,49p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -224,8 +243,9 @@ for part in "$@"; do
     transient) transient ;;
     train) train ;;
     train-tiny) train_tiny ;;
+    hisparse) hisparse ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile transient train train-tiny sass"; exit 2 ;;
+         "profile transient train train-tiny hisparse sass"; exit 2 ;;
   esac
 done

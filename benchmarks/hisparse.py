@@ -8,7 +8,8 @@ holds more tokens. For each mode, one engine on the same model and the same `--k
    hold at once (the full pool's tokens over one request's pages, capped by the running-request
    limit): what the scheduler can admit without preempting;
 2. **decode** at each `--concurrency` (at most what the mode admits; `max`: exactly that): fill
-   that many requests' caches, then time `--steps` decode steps: output tokens/s, TPOT p50 / p99
+   that many requests' caches, run `--warm-steps` decode steps (the CUDA graph of that batch is
+   captured there), then time `--steps` decode steps: output tokens/s, TPOT p50 / p99
    (per step), and with HiSparse the hot set's counters (picks, entries swapped in, bytes swapped
    per output token).
 Both modes decode through the CUDA graphs on a GPU (HiSparse's copies read and write the pinned
@@ -67,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hot-entries", type=int, default=None,
                    help="hisparse_device_entries (default: the engine's)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per level")
+    p.add_argument("--warm-steps", type=int, default=2,
+                   help="untimed decode steps first (the batch's CUDA graph is captured there)")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--eager", action="store_true", help="both modes without CUDA graphs")
@@ -139,6 +142,9 @@ def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[st
     sync(device)
     prefill_s = time.perf_counter() - start
     cached = engine.scheduler.cached_prompt_tokens - cached
+    for _ in range(args.warm_steps):
+        engine.step()
+    sync(device)
     hot = engine.runner.pools.hot
     before = {k: int(v) for k, v in hot.stats().items()} if hot is not None else {}
     steps = []

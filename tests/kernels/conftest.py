@@ -1,7 +1,9 @@
 """Kernel tests run the Triton kernels under the Triton interpreter when there is no CUDA GPU.
 
 Triton reads TRITON_INTERPRET when a kernel is defined; dsv4 imports its Triton modules lazily, so
-setting it here, before any test module of this folder imports a kernel, is enough.
+setting it here, before any test module of this folder imports a kernel, is enough. The interpreter
+then skips its redundant nested re-patching (`dsv4/utils/triton_interpreter.py`), for every test
+of the process (the engine tests with the triton backend included).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from dsv4.utils.triton_interpreter import skip_nested_interpreter_patching
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # every process of the suite imports this conftest while collecting, before any test runs
+    skip_nested_interpreter_patching()
 
 
 @pytest.fixture

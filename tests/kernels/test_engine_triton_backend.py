@@ -33,7 +33,7 @@ def test_triton_backend_matches_ref(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(2, 512, (29,), generator=g).tolist()
     prompts = [shared] + [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 41)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = {}
     for backend in ("ref", "triton"):
         llm = LLM(tmp_path, dtype="float32", device=device, page_size=16, max_total_tokens=1024,
@@ -72,7 +72,7 @@ def test_triton_fp4_experts_match_dequantised_ref() -> None:
         d.w1.data, d.w2.data, d.w3.data = q.dequantized(torch.float32)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (9, 30)]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = []
     for m, backend in ((dense, "ref"), (model, "triton")):
         engine = LLMEngine(m, EngineConfig(page_size=16, max_total_tokens=512,
