@@ -76,7 +76,10 @@ def _check_devices(host: torch.Tensor, others: dict[str, torch.Tensor], host_nam
     if len(devices) != 1:
         raise ValueError(f"{', '.join(others)} must be on one device; got {where}")
     device = devices.pop()
-    uva = host.device.type == "cpu" and device.type == "cuda" and host.is_pinned()
+    # no driver query while a CUDA graph is captured: the engine's eager warm-up before every
+    # capture has validated the same tensors
+    uva = host.device.type == "cpu" and device.type == "cuda" and (
+        torch.cuda.is_current_stream_capturing() or host.is_pinned())
     if host.device != device and not uva:
         raise ValueError(f"{host_name} must be on the device of the others or in pinned CPU "
                          f"memory beside a CUDA device (UVA); got {where}")
