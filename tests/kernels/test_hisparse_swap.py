@@ -208,7 +208,7 @@ def test_write_rows_bad_inputs_are_value_errors() -> None:
         triton_write_rows(pool, rows.to("meta"), values)
     with pytest.raises(ValueError, match=r"pool must be on the device of the others"):
         triton_write_rows(pool.to("meta"), rows, values)
-    with pytest.raises(ValueError, match=r"\[N, D\] and values \[n, D\]"):
+    with pytest.raises(ValueError, match=r"values must be \[n, D\] and pool \[N, D\]"):
         triton_write_rows(pool, rows, torch.zeros(2, 4))
     with pytest.raises(ValueError, match="n = values.shape"):
         triton_write_rows(pool, rows[:1], values)

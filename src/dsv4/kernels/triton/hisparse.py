@@ -45,6 +45,18 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
+def _copy_row(src, dst, D, BLOCK_D: tl.constexpr,  # type: ignore[no-untyped-def]
+              EVEN_D: tl.constexpr):
+    """This program's BLOCK_D elements of one row: src row -> dst row, cast to dst's dtype."""
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        tl.store(dst + offs, tl.load(src + offs).to(dst.dtype.element_ty))
+    else:
+        ok = offs < D
+        tl.store(dst + offs, tl.load(src + offs, mask=ok).to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _swap_in_kernel(host_ptr, dev_ptr, src_ptr, dst_ptr, D,  # type: ignore[no-untyped-def]
                     stride_host, stride_dev, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PDL: tl.constexpr):
@@ -54,14 +66,7 @@ def _swap_in_kernel(host_ptr, dev_ptr, src_ptr, dst_ptr, D,  # type: ignore[no-u
     dst = tl.load(dst_ptr + i).to(tl.int64)
     if dst >= 0:
         src = tl.load(src_ptr + i).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        if EVEN_D:
-            row = tl.load(host_ptr + src * stride_host + offs)
-            tl.store(dev_ptr + dst * stride_dev + offs, row.to(dev_ptr.dtype.element_ty))
-        else:
-            ok = offs < D
-            row = tl.load(host_ptr + src * stride_host + offs, mask=ok)
-            tl.store(dev_ptr + dst * stride_dev + offs, row.to(dev_ptr.dtype.element_ty), mask=ok)
+        _copy_row(host_ptr + src * stride_host, dev_ptr + dst * stride_dev, D, BLOCK_D, EVEN_D)
 
 
 def default_block_d(D: int) -> int:
@@ -85,20 +90,28 @@ def _check_devices(host: torch.Tensor, others: dict[str, torch.Tensor], host_nam
                          f"memory beside a CUDA device (UVA); got {where}")
 
 
+def _check_rows(src: tuple[str, str, torch.Tensor], dst: tuple[str, str, torch.Tensor]) -> None:
+    """(name, shape label, tensor) of the copy's source and destination: both 2-D with one D, of
+    POOL_DTYPES with unit stride in D, uint8 only into uint8 (a bit copy)."""
+    (s_name, s_shape, s), (d_name, d_shape, d) = src, dst
+    if s.dim() != 2 or d.dim() != 2 or s.shape[1] != d.shape[1]:
+        raise ValueError(f"{s_name} must be {s_shape} and {d_name} {d_shape}; got "
+                         f"{list(s.shape)} and {list(d.shape)}")
+    for name, t in ((s_name, s), (d_name, d)):
+        if t.dtype not in POOL_DTYPES or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be of {[str(x) for x in POOL_DTYPES]} with unit stride "
+                             f"in D; got {t.dtype} strides {t.stride()}")
+    if s.dtype != d.dtype and torch.uint8 in (s.dtype, d.dtype):
+        raise ValueError(f"uint8 rows copy bits only: {s_name} and {d_name} must both be uint8; "
+                         f"got {s.dtype} -> {d.dtype}")
+
+
 def _check(host_pool: torch.Tensor, device_pool: torch.Tensor, src_entries: torch.Tensor,
            dst_slots: torch.Tensor) -> None:
     _check_devices(host_pool, {"device_pool": device_pool, "src_entries": src_entries,
                                "dst_slots": dst_slots}, "host_pool")
-    if host_pool.dim() != 2 or device_pool.dim() != 2 or host_pool.shape[1] != device_pool.shape[1]:
-        raise ValueError(f"host_pool must be [N_host, D] and device_pool [N_dev + 1, D]; got "
-                         f"{list(host_pool.shape)} and {list(device_pool.shape)}")
-    for name, pool in (("host_pool", host_pool), ("device_pool", device_pool)):
-        if pool.dtype not in POOL_DTYPES or (pool.shape[1] > 1 and pool.stride(1) != 1):
-            raise ValueError(f"{name} must be of {[str(d) for d in POOL_DTYPES]} with unit stride "
-                             f"in D; got {pool.dtype} strides {pool.stride()}")
-    if host_pool.dtype != device_pool.dtype and torch.uint8 in (host_pool.dtype, device_pool.dtype):
-        raise ValueError(f"uint8 pools copy bits only: both pools must be uint8; got "
-                         f"{host_pool.dtype} -> {device_pool.dtype}")
+    _check_rows(("host_pool", "[N_host, D]", host_pool),
+                ("device_pool", "[N_dev + 1, D]", device_pool))
     if device_pool.shape[0] < 1:
         raise ValueError("device_pool needs at least its trash row")
     if (src_entries.dim() != 1 or src_entries.shape != dst_slots.shape
@@ -140,14 +153,8 @@ def _write_rows_kernel(pool_ptr, rows_ptr, val_ptr, D,  # type: ignore[no-untype
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     if row >= 0:
-        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        src = val_ptr + i.to(tl.int64) * stride_val + offs
-        dst = pool_ptr + row * stride_pool + offs
-        if EVEN_D:
-            tl.store(dst, tl.load(src).to(pool_ptr.dtype.element_ty))
-        else:
-            ok = offs < D
-            tl.store(dst, tl.load(src, mask=ok).to(pool_ptr.dtype.element_ty), mask=ok)
+        _copy_row(val_ptr + i.to(tl.int64) * stride_val, pool_ptr + row * stride_pool, D,
+                  BLOCK_D, EVEN_D)
 
 
 def triton_write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, *,
@@ -161,16 +168,7 @@ def triton_write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tens
     docstring); ValueError otherwise. Graph-capture safe; no host sync.
     """
     _check_devices(pool, {"rows": rows, "values": values}, "pool")
-    if pool.dim() != 2 or values.dim() != 2 or pool.shape[1] != values.shape[1]:
-        raise ValueError(f"pool must be [N, D] and values [n, D]; got {list(pool.shape)} and "
-                         f"{list(values.shape)}")
-    for name, t in (("pool", pool), ("values", values)):
-        if t.dtype not in POOL_DTYPES or (t.shape[1] > 1 and t.stride(1) != 1):
-            raise ValueError(f"{name} must be of {[str(d) for d in POOL_DTYPES]} with unit stride "
-                             f"in D; got {t.dtype} strides {t.stride()}")
-    if pool.dtype != values.dtype and torch.uint8 in (pool.dtype, values.dtype):
-        raise ValueError(f"uint8 rows copy bits only: pool and values must both be uint8; got "
-                         f"{values.dtype} -> {pool.dtype}")
+    _check_rows(("values", "[n, D]", values), ("pool", "[N, D]", pool))
     if rows.dim() != 1 or rows.shape[0] != values.shape[0] or rows.dtype not in INDEX_DTYPES:
         raise ValueError(f"rows must be [n] of int32 / int64 with n = values.shape[0]; got "
                          f"{list(rows.shape)} {rows.dtype} for {values.shape[0]} values")
