@@ -5,6 +5,7 @@ their picks from the host mirror.
 
 Workloads on the `micro` preset (random weights, index_topk 4): a prefix-cache hit (the same
 prompt again, and prompts sharing a prefix), preemption under a cache too small for the batch,
+MTP speculative decoding with rejected drafts,
 chunked prefill at awkward budgets (with a hot set wide enough that short chunks go through
 `select` too), overlap scheduling, routing capture, batch-invariant mode, the decode graphs'
 static-buffer step; and the shipped dsv4-tiny (index_topk 128). On a GPU (`-m gpu`): captured
@@ -18,10 +19,12 @@ and the memory plan of a HiSparse engine.
 from __future__ import annotations
 
 import dataclasses
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from test_spec_decode import Oracle, run_staggered
 
 from dsv4 import LLM, SamplingParams
 from dsv4.assets import default_model_path
@@ -29,13 +32,14 @@ from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import random_model, write_checkpoint
 from dsv4.cli.main import build_parser, main
 from dsv4.cli.serve import build_config
-from dsv4.config.engine import EngineConfig
+from dsv4.config.engine import EngineConfig, resolve_hisparse_entries
 from dsv4.config.model import ModelConfig
 from dsv4.config.server import ServerConfig
 from dsv4.distributed.memory import plan_memory
 from dsv4.engine import runner_setup as runner_module
 from dsv4.engine.cuda_graph import DecodeGraphs
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.runner import ModelRunner
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 
 TOPK = micro().index_topk
@@ -203,6 +207,38 @@ def test_hot_set_takes_the_backends_copies(model: DeepSeekV4ForCausalLM) -> None
     assert hot.swap_in is ops.swap_in and hot.write_rows is ops.write_rows
 
 
+@pytest.mark.parametrize(("N", "entries"), [(1, 2 * TOPK), (3, 4 * TOPK), (3, 2 * TOPK)])
+def test_speculative_decoding(tmp_path: Path, N: int, entries: int) -> None:
+    """MTP speculative decoding with HiSparse, drafts rejected at every position in turn (the
+    oracle of tests/engine/test_spec_decode.py): verify passes of N + 1 tokens attend through the
+    hot sets when their picks fit ((N + 1) * index_topk <= entries), else stage them; rejected
+    drafts' hot entries are dropped (`truncate`); greedy outputs equal plain decoding."""
+    write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
+    prompts = random_prompts([61, 38, 90, 17], seed=12)
+    max_tokens = [9, 14, 6, 11]
+    args: dict[str, object] = dict(dtype="float32", device="cpu", page_size=16,
+                                   chunked_prefill_size=32, max_running_requests=4,
+                                   max_total_tokens=2048)
+    want = run_staggered(LLM(tmp_path, **args).engine, prompts,  # type: ignore[arg-type]
+                         max_tokens)
+    spec = LLM(tmp_path, speculative_num_steps=N, enable_hisparse=True,  # type: ignore[arg-type]
+               hisparse_device_entries=entries, **args)
+    Oracle(spec.engine, want, N)
+    assert run_staggered(spec.engine, prompts, max_tokens) == want
+    assert all(h > 0 for h in spec.engine.spec_accept_hist), spec.engine.spec_accept_hist
+    hot = spec.engine.runner.pools.hot
+    assert hot is not None
+    stats = {k: int(v) for k, v in hot.stats().items()}
+    assert stats["hisparse/swapped"] > 0 and stats["hisparse/overflow"] == 0, stats
+    assert_free(spec.engine)
+
+
+def test_default_hot_entries_hold_a_verify_pass() -> None:
+    assert resolve_hisparse_entries(EngineConfig(enable_hisparse=True), 512) == 1024
+    spec = EngineConfig(enable_hisparse=True, speculative_num_steps=3)
+    assert resolve_hisparse_entries(spec, 512) == 4 * 512
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_on_gpu_equal_hisparse_off() -> None:
     """fp32 micro on a GPU with the triton backend and captured decode graphs: HiSparse on (hot
@@ -222,13 +258,33 @@ def test_cuda_graphs_on_gpu_equal_hisparse_off() -> None:
     assert_free(engine)
 
 
+@pytest.mark.gpu
+def test_captured_verify_passes_on_gpu(tmp_path: Path) -> None:
+    """Speculative decoding (N = 2, drafts rejected in turn) with HiSparse through the captured
+    decode graphs (triton, fp32): verify passes attend through the hot sets inside the graphs;
+    greedy outputs equal plain decoding."""
+    write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
+    prompts = random_prompts([61, 38, 90, 17], seed=13)
+    max_tokens = [9, 14, 6, 11]
+    args: dict[str, object] = dict(dtype="float32", device="cuda", page_size=16,
+                                   max_running_requests=4, max_total_tokens=2048,
+                                   kernel_backend="triton", warmup="none")
+    want = run_staggered(LLM(tmp_path, **args).engine, prompts,  # type: ignore[arg-type]
+                         max_tokens)
+    spec = LLM(tmp_path, speculative_num_steps=2, enable_hisparse=True,  # type: ignore[arg-type]
+               hisparse_device_entries=3 * TOPK, **args)
+    assert spec.engine.runner.graphs is not None
+    Oracle(spec.engine, want, 2)
+    assert run_staggered(spec.engine, prompts, max_tokens) == want
+    assert spec.engine.runner.graphs.replays > 0
+    assert_free(spec.engine)
+
+
 # ---- startup errors --------------------------------------------------------------------------
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(enable_hisparse=True, hisparse_device_entries=0),
      r"hisparse_device_entries=0 is invalid; allowed: None or an integer >= the model's"),
     (dict(hisparse_device_entries=8), r"hisparse_device_entries=8 needs enable_hisparse=True"),
-    (dict(enable_hisparse=True, speculative_num_steps=2),
-     r"enable_hisparse=True with speculative_num_steps=2 is not supported"),
     (dict(enable_hisparse=1), r"enable_hisparse=1 is invalid; allowed: True or False"),
 ])
 def test_config_errors(kwargs: dict[str, object], message: str) -> None:
@@ -251,6 +307,16 @@ def test_unsupported_paths_are_startup_errors(model: DeepSeekV4ForCausalLM,
         ServerConfig(model="m", enable_hisparse=True, tp_size=2)
     with pytest.raises(ValueError, match="dp_size=2 is not supported"):
         ServerConfig(model="m", enable_hisparse=True, dp_size=2)
+    # CUDA graphs with speculative decoding: a captured verify pass must attend through the hot
+    # sets (a staged one syncs the host)
+    fake = types.SimpleNamespace(
+        device=torch.device("cuda"), hot_entries=2 * TOPK, model=types.SimpleNamespace(
+            config=micro()), config=EngineConfig(enable_hisparse=True, kernel_backend="triton",
+                                                 speculative_num_steps=2))
+    with pytest.raises(ValueError, match=r"hisparse_device_entries=8 is too few for CUDA graphs "
+                                         r"with speculative_num_steps=2.*allowed: "
+                                         r"hisparse_device_entries >= 12"):
+        ModelRunner._decode_graphs(fake)  # type: ignore[arg-type]
     no_csa = random_model(micro().replace(attn_types=("swa", "hca") * 2 + ("swa",)),
                           torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"needs a model with C4 \(csa\) attention layers"):

@@ -285,7 +285,7 @@ def add_hisparse_args(g: argparse._ActionsContainer) -> None:
                         "(EngineConfig.enable_hisparse)")
     g.add_argument("--hisparse-device-entries", type=int, default=None, metavar="N",
                    help="hot entries per request and C4 layer, at least the model's index_topk "
-                        "(default: 2 x index_topk)")
+                        "(default: 2 x index_topk, at least (speculative steps + 1) x)")
 
 
 def speculative_steps(text: str) -> int:

@@ -117,13 +117,15 @@ class EngineConfig:
     the picks that miss are copied in); a longer prefill chunk attends through its picks staged
     from the host mirror. The KV budget then holds no C4 entries; the hot sets are reserved from
     it (`cache/layout.py`). Supported with the prefix cache, chunked prefill, preemption, overlap
-    scheduling, routing capture, batch-invariant mode and the decode CUDA graphs (the `triton`
-    backend reads and writes the pinned mirror in place, no host sync), on one device. Not
-    supported (startup errors): speculative decoding, tensor parallelism and data-parallel
-    attention (`ServerConfig`).
+    scheduling, routing capture, batch-invariant mode, speculative decoding (a verify pass of
+    N + 1 tokens attends through the hot sets when (N + 1) * index_topk fit) and the decode CUDA
+    graphs (the `triton` backend reads and writes the pinned mirror in place, no host sync; with
+    speculative decoding the hot sets must hold a verify pass's picks), on one device. Not
+    supported (startup errors): tensor parallelism and data-parallel attention (`ServerConfig`).
     `hisparse_device_entries`: hot entries per request and C4 layer, at least the model's
     `index_topk` (every pick of one query is hot at once; checked when the engine starts).
-    None: `HISPARSE_ENTRIES_PER_TOPK` times `index_topk`. Only with `enable_hisparse`.
+    None: `HISPARSE_ENTRIES_PER_TOPK` times `index_topk`, at least (speculative_num_steps + 1)
+    times. Only with `enable_hisparse`.
     `fuse_projections`: the serving path runs the projections that read one input as one GEMM
     (attention's wq_a | wkv | indexer weights_proj, wq_b | indexer wq_b, the fp32 compressor
     projections, the shared expert's w1 | w3: `model/fused_projections.py`), the parameters
@@ -237,10 +239,6 @@ class EngineConfig:
         if entries is not None and not self.enable_hisparse:
             raise ValueError(f"hisparse_device_entries={entries} needs enable_hisparse=True "
                              "(--enable-hisparse); allowed: None with HiSparse off")
-        if self.enable_hisparse and self.speculative_num_steps:
-            raise ValueError(f"enable_hisparse=True with speculative_num_steps="
-                             f"{self.speculative_num_steps} is not supported; allowed: "
-                             "speculative_num_steps=0, or enable_hisparse=False")
 
     @property
     def rings(self) -> int:
@@ -257,11 +255,14 @@ one decode step plus as many again, so entries picked in recent steps stay hot."
 
 def resolve_hisparse_entries(config: EngineConfig, index_topk: int) -> int:
     """The hot entries per request and C4 layer of an engine with `enable_hisparse`: the given
-    `hisparse_device_entries`, else `HISPARSE_ENTRIES_PER_TOPK * index_topk`. Raises naming the
-    field when fewer than `index_topk` (a query's picks could not all be hot at once)."""
+    `hisparse_device_entries`, else `HISPARSE_ENTRIES_PER_TOPK * index_topk`, at least
+    (speculative_num_steps + 1) * index_topk (a verify pass's picks then fit the hot set, so it
+    attends through `select` like a decode step). Raises naming the field when fewer than
+    `index_topk` (a query's picks could not all be hot at once)."""
     entries = config.hisparse_device_entries
     if entries is None:
-        return HISPARSE_ENTRIES_PER_TOPK * index_topk
+        per_topk = max(HISPARSE_ENTRIES_PER_TOPK, config.speculative_num_steps + 1)
+        return per_topk * index_topk
     if entries < index_topk:
         raise ValueError(f"hisparse_device_entries={entries} is invalid; allowed: an integer >= "
                          f"the model's index_topk={index_topk} (every pick of one query must be "

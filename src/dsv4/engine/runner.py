@@ -134,11 +134,19 @@ class ModelRunner:
         if why_not is not None:
             logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)
             return None
+        spec = c.speculative_num_steps
+        top_k = self.model.config.index_topk
+        if self.hot_entries is not None and self.hot_entries < (spec + 1) * top_k:
+            raise ValueError(
+                f"hisparse_device_entries={self.hot_entries} is too few for CUDA graphs with "
+                f"speculative_num_steps={spec}: a captured verify pass of {spec + 1} tokens must "
+                f"attend through the hot sets; allowed: hisparse_device_entries >= "
+                f"{(spec + 1) * top_k} (speculative_num_steps + 1 times index_topk), or "
+                "disable_cuda_graph=True")
         max_batch = min(c.cuda_graph_max_bs, c.max_running_requests)
         logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use",
                     max_batch)
         # speculative decoding: verify steps of N + 1 tokens, returning the MTP block's input
-        spec = c.speculative_num_steps
         return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch,
                             max_tokens=1 + spec, with_streams=spec > 0,
                             side_stream=self.side_stream)
