@@ -180,14 +180,18 @@ def test_shipped_tiny_model() -> None:
     assert int(hot.engine.runner.pools.hot.stats()["hisparse/swapped"]) > 0
 
 
-def test_decode_through_the_graphs_static_buffers(model: DeepSeekV4ForCausalLM) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_through_the_graphs_static_buffers(model: DeepSeekV4ForCausalLM,
+                                                  overlap: bool) -> None:
     """The decode graphs' step (`DecodeGraphs`, run eagerly from its static buffers on CPU: what
-    the GPU captures) with HiSparse: its metadata carries the HotSet's rows, its picks go through
+    the GPU captures) with HiSparse, with and without overlap scheduling (in-flight tokens
+    through the graphs' fill path): its metadata carries the HotSet's rows, its picks go through
     `select`, and the outputs equal HiSparse off."""
     prompts = random_prompts([50, 35, 66], seed=9)
     expected = run(LLMEngine(model, EngineConfig(**BASE)), prompts)  # type: ignore[arg-type]
     engine = LLMEngine(model, EngineConfig(**BASE, enable_hisparse=True,  # type: ignore[arg-type]
-                                           hisparse_device_entries=TOPK))
+                                           hisparse_device_entries=TOPK,
+                                           overlap_schedule=overlap))
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.table, runner.pools, runner.ops,
                                  max_batch=4, capture=False)
