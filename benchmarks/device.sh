@@ -42,8 +42,9 @@
 #                 loss.png, the model shards and model_meta.tar: run it alone
 #   hisparse      issue 25 in one call: the HiSparse GPU tests (UVA copies in a graph, engine on vs off through the
 #                 captured decode graphs, fp32), the copy benchmark (mirror on the device and pinned), then
-#                 hisparse.py on flash-43l-e16 (40 GB KV, 200K + 2K, --fill shared-prefix, concurrency 1 and each
-#                 mode's admitted count): hisparse_tests.txt, bench_hisparse_swap.txt / .json, hisparse.txt.
+#                 hisparse.py on flash-43l-e16 (40 GB KV, 200K + 2K, --fill shared-prefix; concurrency 1 and 16 in
+#                 both modes, for TPOT at equal load, and each mode's admitted count): hisparse_tests.txt,
+#                 bench_hisparse_swap.txt / .json, hisparse.txt.
 #                 HISPARSE_ARGS is added to hisparse.py
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
@@ -212,8 +213,8 @@ hisparse() {
     > "$OUT/bench_hisparse_swap.txt" 2>&1
   grep -v "^{" "$OUT/bench_hisparse_swap.txt" | tail -18
   # shellcheck disable=SC2086  # HISPARSE_ARGS is a list of flags
-  timeout 330 python3 benchmarks/hisparse.py --preset flash-43l-e16 --device cuda --kv-cache-memory-gb 40 \
-    --prompt-len 200000 --output-len 2048 --concurrency 1,max --fill shared-prefix \
+  timeout 340 python3 benchmarks/hisparse.py --preset flash-43l-e16 --device cuda --kv-cache-memory-gb 40 \
+    --prompt-len 200000 --output-len 2048 --concurrency 1,16,max --fill shared-prefix \
     --max-running-requests 256 ${HISPARSE_ARGS:-} > "$OUT/hisparse.txt" 2>&1
   grep -v "^{" "$OUT/hisparse.txt" | tail -14
 }
@@ -224,7 +225,7 @@ sass() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,49p' "$0"
+  sed -n '2,50p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
