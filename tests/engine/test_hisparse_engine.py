@@ -252,8 +252,9 @@ def test_cuda_graphs_on_gpu_equal_hisparse_off() -> None:
     prompts = random_prompts([50, 35, 66, 90], seed=10)
     args = {**BASE, "kernel_backend": "triton", "warmup": "none"}
     expected = run(LLMEngine(gpu_model, EngineConfig(**args)), prompts)  # type: ignore[arg-type]
-    engine = LLMEngine(gpu_model, EngineConfig(**args, enable_hisparse=True,  # type: ignore[arg-type]
-                                               hisparse_device_entries=TOPK))
+    config = EngineConfig(**args, enable_hisparse=True,  # type: ignore[arg-type]
+                          hisparse_device_entries=TOPK)
+    engine = LLMEngine(gpu_model, config)
     assert engine.runner.graphs is not None
     assert engine.runner.pools.hot is not None and engine.runner.pools.hot.host_pool.is_pinned()
     assert run(engine, prompts) == expected
