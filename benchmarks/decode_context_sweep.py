@@ -118,6 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--one-engine", action="store_true",
                    help="run every point (and the warm-up) in one engine sized for the largest, "
                         "as a server runs all its requests; default: a fresh engine per point")
+    p.add_argument("--order", choices=("asc", "desc"), default="asc",
+                   help="order of the points (desc with --one-engine: the 4K step timed after "
+                        "the 900K prefill, in the same engine and process state)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--out", default=None, help="JSON path")
@@ -127,7 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def sweep_points(args: argparse.Namespace) -> list[tuple[int, int]]:
     batch_ctx = [c for c in args.batch_contexts if c <= max(args.contexts)] or list(args.contexts)
     points = [(1, c) for c in args.contexts] + [(b, c) for b in args.batches for c in batch_ctx]
-    return sorted(set(points))
+    return sorted(set(points), reverse=args.order == "desc")
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -376,6 +379,7 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
         return loop
 
     row["prefill_s"] = round(timed(prefill, device), 4)
+    row["prefill_end_unix"] = round(time.time(), 3)   # aligns the row with a clock / power log
     row["prefill_fit"] = True
     if args.settle_s > 0:
         time.sleep(args.settle_s)
@@ -394,22 +398,24 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
     row["ms_per_step"] = round(seconds / args.steps * 1e3, 4)
     row["tok_s"] = round(batch * args.steps / seconds, 2)
     if args.phases > 1:
-        row["phase_ms"] = [row["ms_per_step"]] + extra_phases(engine, args, device)
+        ms, starts = extra_phases(engine, args, device)
+        row["phase_ms"], row["phase_start_unix"] = [row["ms_per_step"]] + ms, starts
     row["experts_hit"], row["routing"] = capture(engine, reqs, args.routing_steps, cfg, batch)
 
 
 def extra_phases(engine: LLMEngine, args: argparse.Namespace, device: torch.device
-                 ) -> list[float]:
-    """ms / step of `args.phases - 1` more runs of `args.steps` steps, each after a device sync
-    and `args.phase_pause_s` of sleep (device timeline, as `step_times`)."""
-    out = []
+                 ) -> tuple[list[float], list[float]]:
+    """(ms / step, start unix time) of `args.phases - 1` more runs of `args.steps` steps, each
+    after a device sync and `args.phase_pause_s` of sleep (device timeline, as `step_times`)."""
+    out, starts = [], []
     for _ in range(args.phases - 1):
         sync(device)
         if args.phase_pause_s > 0:
             time.sleep(args.phase_pause_s)
+        starts.append(round(time.time(), 3))
         device_ms, _, _ = step_times(engine.step, args.steps, device)
         out.append(round(sum(device_ms) / len(device_ms), 4))
-    return out
+    return out, starts
 
 
 def capture(engine: LLMEngine, reqs: list[Request], steps: int, cfg: ModelConfig,
@@ -636,7 +642,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "dtype": args.dtype, "weight_format": args.weight_format,
               "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
-              "settle_s": args.settle_s, "one_engine": args.one_engine, "copy_gb_s": round(gbps, 1),
+              "settle_s": args.settle_s, "one_engine": args.one_engine,
+              "order": args.order, "copy_gb_s": round(gbps, 1),
               "cuda_graph": not args.disable_cuda_graph,
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),

@@ -34,6 +34,11 @@
 #                 each step's device ms, host ms and host ms blocked on the device (--step-times); then a trace
 #                 of three 128K decode steps right after their prefill, read by trace_gaps.py:
 #                 transient_settle{0,3}.json, transient_trace_gaps.txt
+#   drift         the 900K slow state against the GPU's temperatures and clocks: nvidia-smi every 50 ms
+#                 (smi.csv: SM / HBM temperature, clocks, power, clock-event reasons) beside three one-engine
+#                 runs (4K and 900K, 6 phases of 32 steps each): 900K first then 4K (--order desc), and 4K
+#                 first without overlap scheduling and without multi-stream: drift_{desc,no_overlap,
+#                 no_ms}.json; the phases carry unix start times to align with smi.csv
 #   train         a profile of `dsv4 train run` steps (needs data carried at .data/tiny: `dsv4 train data`):
 #                 profile_train_step.txt
 #   train-tiny    one training stage of dsv4-tiny (`dsv4 train run` + export; data at .data/tiny): STEPS=N
@@ -184,6 +189,25 @@ transient() {
   grep -E "^step" "$OUT/transient_trace_gaps.txt"
 }
 
+drift() {
+  nvidia-smi --query-gpu=timestamp,temperature.gpu,temperature.memory,clocks.sm,clocks.mem,power.draw,\
+clocks_event_reasons.active --format=csv,noheader -lms 50 > "$OUT/smi.csv" 2>&1 &
+  local smi=$! name flags
+  for name in desc no_overlap no_ms; do
+    case $name in
+      desc) flags="--order desc" ;;
+      no_overlap) flags="--no-overlap-schedule" ;;
+      no_ms) flags="--no-multi-stream" ;;
+    esac
+    # shellcheck disable=SC2086  # flags is a list of flags
+    timeout 170 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+      --kernel-backend triton --contexts 4096,921600 --batches "" --chunked-prefill-size 4096 --step-times \
+      --one-engine --phases 6 $flags --out "$OUT/drift_$name.json" > "/tmp/drift_$name.txt" 2>&1
+    echo "$name exit $?"; grep -E "dsv4 batch|Error" "/tmp/drift_$name.txt" | tail -4
+  done
+  kill "$smi"
+}
+
 train() {
   timeout 400 python3 benchmarks/profile_train_step.py --data .data/tiny --device cuda --batch-size 16 \
     > "$OUT/profile_train_step.txt" 2>&1
@@ -245,8 +269,9 @@ for part in "$@"; do
     train) train ;;
     train-tiny) train_tiny ;;
     hisparse) hisparse ;;
+    drift) drift ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile transient train train-tiny hisparse sass"; exit 2 ;;
+         "profile transient drift train train-tiny hisparse sass"; exit 2 ;;
   esac
 done

@@ -175,7 +175,8 @@ def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """--one-engine: the warm-up and every point share one engine sized for the largest point,
-    each point's requests aborted after it (the server's protocol: no engine built per point)."""
+    each point's requests aborted after it (the server's protocol: no engine built per point);
+    --order desc runs the points largest first; phases carry their start times."""
     bench = load_benchmark("decode_context_sweep")
     built: list[object] = []
     original = bench.LLMEngine
@@ -193,7 +194,7 @@ def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
         bench.main(["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts",
                     "64,160", "--batches", "2", "--steps", "3", "--warmup-steps", "1",
                     "--routing-steps", "1", "--copy-gib", "0.02", "--one-engine", "--step-times",
-                    "--phases", "3",
+                    "--phases", "3", "--order", "desc",
                     "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
@@ -205,12 +206,14 @@ def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
     assert all(r.is_finished for r in engine.requests.values())
     engine.check_integrity()
     rows = [r for r in result["rows"] if r["system"] == "dsv4"]
-    assert sorted((r["batch"], r["context"]) for r in rows) == [(1, 64), (1, 160), (2, 64),
-                                                               (2, 160)]
+    # --order desc: the largest point first (the 4K step timed after the 900K one)
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 160), (2, 64), (1, 160), (1, 64)]
     for row in rows:
         assert row["status"] == "ok", row
         assert row["ms_per_step"] > 0 and len(row["step_ms_device"]) == 3
         assert len(row["phase_ms"]) == 3 and row["phase_ms"][0] == row["ms_per_step"]
         assert all(ms > 0 for ms in row["phase_ms"])
+        starts = row["phase_start_unix"]
+        assert len(starts) == 2 and row["prefill_end_unix"] <= starts[0] <= starts[1]
     # the pools hold the largest point: 2 requests of 160 prompt tokens and their outputs
     assert engine.max_total_tokens >= 2 * (160 + 3)
