@@ -230,7 +230,7 @@ train_tiny() {   # the stages of train_tiny_h200_202611.md; give STEPS (a fixed 
 }
 
 hisparse() {
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_hisparse_swap.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_hisparse_swap.py tests/kernels/test_hot_plan.py \
     tests/engine/test_hisparse_engine.py tests/cache/test_hisparse.py > "$OUT/hisparse_tests.txt" 2>&1
   summary "$OUT/hisparse_tests.txt"
   timeout 90 python3 benchmarks/kernels/bench_hisparse_swap.py --out "$OUT/bench_hisparse_swap.json" \

@@ -36,17 +36,19 @@ admitted hold nothing; trash columns hold -1; every hot row equals the host row 
 chunk of one request picks up to every entry it sees): it copies the distinct picks from the host
 mirror into a new device buffer and leaves the hot set alone.
 
-`select(layer, slot_ids, topk)` is torch ops of fixed shapes with no `.item()` / `.tolist()`
+`select(layer, slot_ids, topk)` is ops of fixed shapes with no `.item()` / `.tolist()`
 (capturable in a CUDA graph when the swap-in is: the Triton op, or `swap_in_ref` with both pools
 on the device):
     1. hits: look every pick up in entry_to_slot; stamp the hit slots with the new clock value
-    2. misses: sort (slot, entry) keys; the first of each run is a distinct miss; rank the distinct
-       misses within their request (a segmented prefix count)
+    2. misses: the distinct picks not hot, ranked within their request in entry order
     3. victims: per request, its slots by ascending last_used (empty first, the slots hit in
        step 1 last); the miss of rank q takes victim q, if q < E - (slots hit in step 1)
     4. remap: unmap the victims' old entries, map the misses, stamp them
     5. swap-in: host rows of the misses -> their hot rows (`swap_in`, one fixed-size copy)
     6. remap the picks: hot row = slot * E + entry_to_slot[slot, entry]; -1 stays -1
+Steps 1-4 and 6 are the `plan` op (`kernels/ref/hot_plan.py`): ~50 torch ops in the reference,
+one launch in the Triton kernel, which needs one row per request with distinct picks (a plain
+decode step; callers say so with `one_row`, else the reference runs).
 A call must pick at most E distinct entries per request (one row per request always fits: the
 layout refuses E < top_k). Beyond that the extra misses are not placed, their picks return -1 and
 `num_overflow` counts them, which `check_integrity` reports.
@@ -68,8 +70,9 @@ import torch
 
 from dsv4.cache.layout import CacheLayout
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ops import SwapInOp, WriteRowsOp
+from dsv4.kernels.ops import HotPlanOp, SwapInOp, WriteRowsOp
 from dsv4.kernels.ref.hisparse import swap_in_ref, write_rows_ref
+from dsv4.kernels.ref.hot_plan import host_rows, hot_plan_ref
 
 
 @dataclass(frozen=True)
@@ -132,18 +135,20 @@ class HotSet:
 
     def __init__(self, layout: HiSparseLayout, page_table: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, host_device: torch.device | None = None,
-                 swap_in: SwapInOp = swap_in_ref,
-                 write_rows: WriteRowsOp = write_rows_ref) -> None:
+                 swap_in: SwapInOp = swap_in_ref, write_rows: WriteRowsOp = write_rows_ref,
+                 plan: HotPlanOp = hot_plan_ref) -> None:
         """page_table: [max_reqs + 1, max_pages] int64 full pages per slot, on `device`; held by
         reference (`RequestTable.page_table`), so the host rows follow its updates.
         host_device: where the mirror lives (default: the CPU, pinned when `device` is CUDA).
         swap_in / write_rows: the copies host mirror -> hot rows and new entries -> host mirror
-        (the kernel backend's ops; the references sync when the mirror is on another device)."""
+        (the kernel backend's ops; the references sync when the mirror is on another device).
+        plan: the backend's `hot_plan` op, run where a call promises one row per request
+        (`one_row`); the reference runs otherwise."""
         L, R, E, M = layout.num_layers, layout.max_reqs, layout.device_entries, layout.max_entries
         assert page_table.shape[0] == R + 1, "page_table needs max_reqs + 1 rows (pad slot last)"
         assert page_table.shape[1] * layout.page_entries >= M, "page_table narrower than entries"
         self.layout, self.page_table = layout, page_table
-        self.swap_in, self.write_rows = swap_in, write_rows
+        self.swap_in, self.write_rows, self.plan = swap_in, write_rows, plan
         host = host_device or torch.device("cpu")
         pin = host.type == "cpu" and device.type == "cuda"
         self.host_pool = torch.zeros(L, layout.num_host_rows, layout.width, dtype=dtype,
@@ -154,9 +159,9 @@ class HotSet:
         self.slot_to_entry = torch.full((L, R + 1, E + 1), -1, dtype=i32, device=device)
         self.last_used = torch.full((L, R + 1, E + 1), -1, dtype=i64, device=device)
         self.clock = torch.zeros((), dtype=i64, device=device)
-        self.num_overflow = torch.zeros((), dtype=i64, device=device)
-        self.num_picked = torch.zeros((), dtype=i64, device=device)    # valid picks selected
-        self.num_swapped = torch.zeros((), dtype=i64, device=device)   # entries copied in
+        # valid picks selected, entries copied in, picks found no hot slot (`plan`'s counters)
+        self.counters = torch.zeros(3, dtype=i64, device=device)
+        self.num_picked, self.num_swapped, self.num_overflow = self.counters.unbind()
         self.num_staged = torch.zeros((), dtype=i64, device=device)    # entries staged (`stage`)
         self._admitted: set[int] = set()
 
@@ -190,41 +195,40 @@ class HotSet:
 
     # ---- entries ---------------------------------------------------------------------------
     def write_entries(self, layer: int, slot_ids: torch.Tensor, entry_ids: torch.Tensor,
-                      values: torch.Tensor, hot: bool = False) -> None:
+                      values: torch.Tensor, hot: bool = False, one_row: bool = False) -> None:
         """Store new (or rewritten) entries: entry entry_ids[i] of slot slot_ids[i] = values[i].
 
         slot_ids, entry_ids: [n] int (entries >= 0, distinct per slot); values: [n, D]. The host
         mirror always gets them; a hot copy is rewritten too. With `hot`, the entries are also
         placed in the hot set (LRU victims) straight from `values`, as the newest entries are
-        likely picks; beyond E per slot the rest just stay cold.
+        likely picks; beyond E per slot the rest just stay cold. `one_row`: each request slot
+        (but the pad slot) appears at most once in slot_ids (the `plan` op may run).
         NOTE: named sync point with the reference `write_rows` and the mirror on the host (a
         blocking copy); none with the Triton op, which stores into the pinned mirror in place.
         """
         slots, entries = slot_ids.long(), entry_ids.long()
         self.write_rows(self.host_pool[layer], self._host_rows(slots, entries), values)
         if hot:
-            self._plan(layer, slots, self._valid(slots, entries), strict=False)
+            hot_rows = self._plan(layer, slots, entries[:, None], False, one_row)[0].view(-1)
+        else:
+            hot_rows = self._lookup(layer, slots, self._valid(slots, entries))
         dev = self.device_pool[layer]
-        hot_rows = self._lookup(layer, slots, self._valid(slots, entries))
         dev.index_copy_(0, torch.where(hot_rows >= 0, hot_rows, dev.shape[0] - 1),
                         values.to(dev.device, dev.dtype))
 
-    def select(self, layer: int, slot_ids: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    def select(self, layer: int, slot_ids: torch.Tensor, topk: torch.Tensor,
+               one_row: bool = False) -> torch.Tensor:
         """Make every pick hot and return the hot rows attention reads (module docstring, 1-6).
 
         slot_ids: [T] int request slot of each row (the pad slot selects nothing); topk: [T, k]
         int entry ids of that request, -1 padded. Returns [T, k] int64 rows of
         `device_pool[layer]`, -1 where topk is -1: device_pool[layer][out[t, c]] is entry
-        topk[t, c] of request slot_ids[t].
+        topk[t, c] of request slot_ids[t]. `one_row`: each request slot (but the pad slot) has
+        at most one row and its picks are distinct (a plain decode step; the `plan` op may run).
         """
-        T, k = topk.shape
-        slots = slot_ids.long()[:, None].expand(T, k).reshape(-1)
-        entries = self._valid(slots, topk.reshape(-1).long())
-        src, dst = self._plan(layer, slots, entries, strict=True)
+        rows, src, dst = self._plan(layer, slot_ids, topk, True, one_row)
         self.swap_in(self.host_pool[layer], self.device_pool[layer], src, dst)
-        self.num_picked += (entries >= 0).sum()
-        self.num_swapped += (dst >= 0).sum()
-        return self._lookup(layer, slots, entries).view(T, k)
+        return rows
 
     def stage(self, layer: int, slot_ids: torch.Tensor,
               topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,9 +263,7 @@ class HotSet:
 
     def _host_rows(self, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Host mirror row of entry entries[i] of slot slots[i] (its C4 entry slot)."""
-        pe = self.layout.page_entries
-        safe = entries.clamp(min=0)
-        return self.page_table[slots, safe // pe] * pe + safe % pe
+        return host_rows(self.page_table, self.layout.page_entries, slots, entries)
 
     def _lookup(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Hot rows of the picks (flat [n]), -1 where not hot or not a pick."""
@@ -269,70 +271,15 @@ class HotSet:
         j = self.entry_to_slot[layer][slots, col].long()
         return torch.where(j >= 0, slots * self.layout.device_entries + j, -1)
 
-    def _plan(self, layer: int, slots: torch.Tensor, entries: torch.Tensor,
-              strict: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 1-4 for flat picks [n] (-1: none); returns (host rows, hot rows) [n] of the
-        entries to copy in, -1 where nothing is copied. `strict`: count unplaced misses as
-        overflow."""
-        now = self.clock.add_(1)
-        miss = (entries >= 0) & ~self._stamp_hits(layer, slots, entries, now)
-        slot_s, entry_s, rank = self._rank_misses(slots, entries, miss)
-        return self._place(layer, slot_s, entry_s, rank, now, strict)
-
-    def _stamp_hits(self, layer: int, slots: torch.Tensor, entries: torch.Tensor,
-                    now: torch.Tensor) -> torch.Tensor:
-        """Step 1: stamp the hot slots of the picks with `now`; returns which picks hit."""
-        E = self.layout.device_entries
-        col = torch.where(entries >= 0, entries, self.layout.max_entries)
-        cur = self.entry_to_slot[layer][slots, col].long()
-        hit = (entries >= 0) & (cur >= 0)
-        self.last_used[layer].index_put_((slots, torch.where(hit, cur, E)),
-                                         torch.where(hit, now, -1))
-        return hit
-
-    def _rank_misses(self, slots: torch.Tensor, entries: torch.Tensor,
-                     miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step 2: (slot, entry, rank) in key order; rank q >= 0 marks the q-th distinct miss
-        of its request, -1 a duplicate or a non-miss.
-
-            key = slot * (M + 1) + entry      (non-misses: `none`, sorted last)
-            sorted keys   [s0 e3, s0 e3, s0 e7 | s2 e1 | none ...]
-            first         [  1,     0,     1   |   1   |  0   ...]
-            rank          [  0,    -1,     1   |   0   | -1   ...]   cumsum(first) - start[slot]
-        """
-        R, M = self.layout.max_reqs, self.layout.max_entries
-        none = (R + 1) * (M + 1)
-        keys, order = torch.sort(torch.where(miss, slots * (M + 1) + entries, none), stable=True)
-        prev = torch.cat([keys.new_full((1,), -1), keys[:-1]])
-        first = (keys != prev) & (keys < none)
-        slot_s, entry_s = slots[order], entries[order]
-        count = torch.zeros(R + 1, dtype=torch.int64, device=slots.device)
-        count.index_add_(0, slot_s, first.long())
-        start = count.cumsum(0) - count                        # distinct misses of lower slots
-        rank = first.long().cumsum(0) - 1 - start[slot_s]
-        return slot_s, entry_s, torch.where(first, rank, -1)
-
-    def _place(self, layer: int, slot_s: torch.Tensor, entry_s: torch.Tensor, rank: torch.Tensor,
-               now: torch.Tensor, strict: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 3-4: give the q-th distinct miss of a request its q-th LRU slot; remap."""
-        E, M = self.layout.device_entries, self.layout.max_entries
-        e2s, s2e, stamp = (self.entry_to_slot[layer], self.slot_to_entry[layer],
-                           self.last_used[layer])
-        # NOTE: the slots hit in step 1 carry `now`, above every other stamp, so they sort last
-        # and the first E - hit victims of a request are never slots that this call reads.
-        free = E - (stamp[:, :E] == now).sum(-1)                                  # [R + 1]
-        fits = (rank >= 0) & (rank < free[slot_s])
-        if strict:
-            self.num_overflow += ((rank >= 0) & ~fits).sum()
-        victims = torch.sort(stamp[:, :E], dim=-1, stable=True).indices           # [R + 1, E]
-        j = victims[slot_s, rank.clamp(0, E - 1)]
-        old = s2e[slot_s, j].long()
-        e2s.index_put_((slot_s, torch.where(fits & (old >= 0), old, M)), e2s.new_full((), -1))
-        e2s.index_put_((slot_s, torch.where(fits, entry_s, M)), torch.where(fits, j, -1).int())
-        s2e.index_put_((slot_s, torch.where(fits, j, E)), torch.where(fits, entry_s, -1).int())
-        stamp.index_put_((slot_s, torch.where(fits, j, E)), torch.where(fits, now, -1))
-        src = torch.where(fits, self._host_rows(slot_s, entry_s), -1)
-        return src, torch.where(fits, slot_s * E + j, -1)
+    def _plan(self, layer: int, slot_ids: torch.Tensor, picks: torch.Tensor, strict: bool,
+              one_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-4 and 6 for picks [T, k] of slot_ids [T] (`hot_plan_ref`): (rows [T, k], src,
+        dst) of the entries to copy in. `one_row`: the caller promises each request one row
+        with distinct picks, so the `plan` op (the backend's one-launch kernel) may run."""
+        plan = self.plan if one_row else hot_plan_ref
+        return plan(self.entry_to_slot[layer], self.slot_to_entry[layer], self.last_used[layer],
+                    self.clock, slot_ids, picks, self.page_table, self.layout.page_entries,
+                    self.counters, strict)
 
     # ---- checks ----------------------------------------------------------------------------
     def check_integrity(self) -> None:

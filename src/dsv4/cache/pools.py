@@ -45,14 +45,15 @@ class HotLayer:
         return self.hot.device_pool[self.layer]
 
     def write(self, slot_ids: torch.Tensor, entry_ids: torch.Tensor, values: torch.Tensor,
-              hot: bool) -> None:
+              hot: bool, one_row: bool = False) -> None:
         """`HotSet.write_entries` of this layer. Tokens that complete no entry pass the pad slot
         (entry 0): their value lands on the null page's host row and in no hot set."""
-        self.hot.write_entries(self.layer, slot_ids, entry_ids, values, hot)
+        self.hot.write_entries(self.layer, slot_ids, entry_ids, values, hot, one_row)
 
-    def select(self, slot_ids: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    def select(self, slot_ids: torch.Tensor, topk: torch.Tensor,
+               one_row: bool = False) -> torch.Tensor:
         """`HotSet.select` of this layer: rows [T, k] of `pool`."""
-        return self.hot.select(self.layer, slot_ids, topk)
+        return self.hot.select(self.layer, slot_ids, topk, one_row)
 
     def stage(self, slot_ids: torch.Tensor,
               topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

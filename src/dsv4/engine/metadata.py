@@ -140,4 +140,5 @@ def _hisparse_step(pos: torch.Tensor, token_slots: torch.Tensor, bounds: StepBou
             or bounds.max_end // m <= hot_entries)
     return HiSparseStep(token_slots=token_slots, scratch_rows=torch.where(emits, rows, T),
                         write_slots=torch.where(emits, token_slots, pad_slot),
-                        write_entries=torch.where(emits, pos // m, 0), use_hot=fits)
+                        write_entries=torch.where(emits, pos // m, 0), use_hot=fits,
+                        one_row=bounds.max_len == 1)

@@ -302,6 +302,19 @@ class LinearOp(Protocol):
     def __call__(self, x: Tensor, w: Tensor, *, counters: Tensor | None = None) -> Tensor: ...
 
 
+class HotPlanOp(Protocol):
+    """`ref/hot_plan.py::hot_plan_ref`: HiSparse's plan of one C4 layer, in place on its maps
+    e2s [R + 1, M + 1] int32, s2e / stamp [R + 1, E + 1] int32 / int64 and the clock [] int64
+    (incremented): the picks [T, k] of request slots slot_ids [T] made hot (LRU); returns (hot
+    rows [T, k], host rows src [T * k], hot rows dst [T * k]) int64 of the copies to make, -1 for
+    none. `strict` adds (picks, placed misses, unplaced misses) to counters [3] int64. The Triton
+    op needs distinct slots (but the pad slot R) and distinct picks per row."""
+
+    def __call__(self, e2s: Tensor, s2e: Tensor, stamp: Tensor, clock: Tensor, slot_ids: Tensor,
+                 picks: Tensor, page_table: Tensor, page_entries: int, counters: Tensor,
+                 strict: bool) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
 class SwapInOp(Protocol):
     """`ref/hisparse.py::swap_in_ref`: HiSparse's swap-in, in place: device_pool [N_dev + 1, D]
     row dst_slots[i] = host_pool [N_host, D] row src_entries[i] for every dst_slots[i] >= 0

@@ -341,7 +341,8 @@ class Attention(nn.Module):
                               plan.index._replace(write_slot=hs.scratch_rows), own.norm.eps,
                               plan.entry_cos, plan.entry_sin)
         cache.index_keys[plan.write_slot] = keys[:T]
-        cache.hot.write(hs.write_slots, hs.write_entries, entries[:T], hot=hs.use_hot)
+        cache.hot.write(hs.write_slots, hs.write_entries, entries[:T], hot=hs.use_hot,
+                        one_row=hs.one_row)
 
     def _c4_reads(self, ids: torch.Tensor, slots: torch.Tensor, ctx: ForwardContext,
                   cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,7 +355,7 @@ class Attention(nn.Module):
             hs = ctx.hisparse
             assert hs is not None, "a layer with a HotSet needs the step's HiSparse rows"
             if hs.use_hot:
-                return cache.hot.pool, cache.hot.select(hs.token_slots, ids)
+                return cache.hot.pool, cache.hot.select(hs.token_slots, ids, hs.one_row)
             return cache.hot.stage(hs.token_slots, ids)
         assert cache.entries is not None
         return cache.entries, slots

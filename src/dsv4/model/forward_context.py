@@ -67,6 +67,8 @@ class HiSparseStep:
     # every request feeds at most hot entries // index_topk tokens: its picks fit its hot set
     # (`select`); else the step's picks are staged from the host mirror (`stage`)
     use_hot: bool
+    # every request feeds one token (a plain decode step): the HotSet's one-launch plan may run
+    one_row: bool = False
 
 
 @dataclass

@@ -1,0 +1,154 @@
+"""HiSparse's plan in one launch per C4 layer (`triton_hot_plan`): the fast form of
+`kernels/ref/hot_plan.py::hot_plan_ref` (same signature, same results) for calls where each
+request has at most one row and a row's picks are distinct (a plain decode step: the indexer's
+top-k of one query; the new entries of one token). The reference runs ~50 small torch ops per
+call, which inside a decode graph cost more than the copies they plan.
+
+Kernel design: grid (T,), one program per row t = one request slot s (pad-slot rows write -1 and
+touch no map). With k picks (BLOCK_K >= k) and E hot slots (BLOCK_E >= E) held in registers:
+    1. hits: j = e2s[s, pick]; stamp[s, j] = now where hit            (barrier)
+    2. victims: the E stamps of s as keys (stamp + 1) * BLOCK_E + slot, sorted (`tl.sort`,
+       bitonic): ascending (stamp, slot), the reference's stable sort; the slot order goes to a
+       [T, BLOCK_E] scratch row so miss q can read victim q               (barrier)
+    3. misses: the non-hit picks sorted by entry id (the reference ranks a request's distinct
+       misses in entry order); miss q < E - (slots stamped now) takes victim q: its old entry
+       unmapped, the miss mapped, stamped, and (host row, hot row) stored at src / dst [t * k + q]
+       (-1 past the misses)                                                  (barrier)
+    4. rows: e2s read again for every pick: s * E + j, or -1
+Counters (strict) by atomic adds. The clock is incremented by one torch op before the launch (the
+programs share `now`). Fixed grid for a fixed T, no host syncs: CUDA-graph safe.
+
+Contract not checked (a check would read device memory on the host): slot_ids below R are
+distinct, the non-negative picks of a row are distinct and < M, stamps stay below 2^40 (the clock
+counts calls: two per C4 layer and step). Where a caller cannot promise distinct slots (a verify
+pass, a prefill chunk) it runs the reference (`HotSet.select(..., one_row=False)`).
+
+Test: tests/kernels/test_hot_plan.py. Benchmark: benchmarks/kernels/bench_hot_plan.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.kernels.triton.launch import pow2
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_E = 16384   # hot slots per request one program sorts in registers
+
+
+@triton.jit
+def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-untyped-def]
+                     slot_ptr, pick_ptr, pt_ptr, rows_ptr, src_ptr, dst_ptr, scratch_ptr, cnt_ptr,
+                     k, E, M, R, pe, stride_e2s, stride_s2e, stride_stamp, stride_pick, stride_pt,
+                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, STRICT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    s = tl.load(slot_ptr + t).to(tl.int64)
+    active = (s + tl.zeros([BLOCK_K], tl.int64)) < R    # per pick: the interpreter masks blocks
+    s = tl.minimum(s, R)                        # the pad slot's row: all -1, never written
+    e2s, s2e = e2s_ptr + s * stride_e2s, s2e_ptr + s * stride_s2e
+    stamp = stamp_ptr + s * stride_stamp
+    now = tl.load(clock_ptr)
+    in_k = offs_k < k
+    p = tl.load(pick_ptr + t * stride_pick + offs_k, mask=in_k, other=-1).to(tl.int64)
+    valid = in_k & (p >= 0) & active
+    col = tl.where(valid, p, M)
+    j = tl.load(e2s + col).to(tl.int64)                                   # 1. hits
+    hit = valid & (j >= 0)
+    tl.store(stamp + j, now + tl.zeros_like(j), mask=hit)
+    tl.debug_barrier()
+    offs_e = tl.arange(0, BLOCK_E)                                        # 2. victims
+    in_e = offs_e < E
+    st = tl.load(stamp + offs_e, mask=in_e, other=0)
+    big = tl.full([BLOCK_E], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    order = tl.sort(tl.where(in_e, (st + 1) * BLOCK_E + offs_e, big)) % BLOCK_E
+    tl.store(scratch_ptr + t * BLOCK_E + offs_e, order)
+    free = E - tl.sum((in_e & (st == now)).to(tl.int64), axis=0)
+    miss_key = tl.where(valid & (j < 0), p, 0x7FFFFFFFFFFFFFFF)           # 3. misses
+    me = tl.sort(miss_key)
+    is_miss = me != 0x7FFFFFFFFFFFFFFF
+    fits = is_miss & (offs_k < free) & active
+    tl.debug_barrier()
+    v = tl.load(scratch_ptr + t * BLOCK_E + offs_k, mask=fits, other=0)
+    old = tl.load(s2e + v, mask=fits, other=-1).to(tl.int64)
+    tl.store(e2s + old, tl.full([BLOCK_K], -1, tl.int32), mask=fits & (old >= 0))
+    tl.store(e2s + me, v.to(tl.int32), mask=fits)
+    tl.store(s2e + v, me.to(tl.int32), mask=fits)
+    tl.store(stamp + v, now + tl.zeros_like(v), mask=fits)
+    safe = tl.where(fits, me, 0)
+    host = tl.load(pt_ptr + s * stride_pt + safe // pe, mask=fits, other=0) * pe + safe % pe
+    tl.store(src_ptr + t * k + offs_k, tl.where(fits, host, -1), mask=in_k)
+    tl.store(dst_ptr + t * k + offs_k, tl.where(fits, s * E + v, -1), mask=in_k)
+    if STRICT:
+        placed = tl.sum(fits.to(tl.int64), axis=0)
+        tl.atomic_add(cnt_ptr, tl.sum(valid.to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 1, placed)
+        tl.atomic_add(cnt_ptr + 2, tl.sum((is_miss & active).to(tl.int64), axis=0) - placed)
+    tl.debug_barrier()
+    j = tl.load(e2s + col).to(tl.int64)                                   # 4. rows
+    tl.store(rows_ptr + t * k + offs_k, tl.where(valid & (j >= 0), s * E + j, -1), mask=in_k)
+
+
+def _check(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
+           slot_ids: torch.Tensor, picks: torch.Tensor, page_table: torch.Tensor,
+           counters: torch.Tensor) -> None:
+    named = {"e2s": e2s, "s2e": s2e, "stamp": stamp, "clock": clock, "slot_ids": slot_ids,
+             "picks": picks, "page_table": page_table, "counters": counters}
+    if len({t.device for t in named.values()}) != 1:
+        raise ValueError("hot_plan tensors must be on one device; got "
+                         + ", ".join(f"{k} on {t.device}" for k, t in named.items()))
+    R = e2s.shape[0] - 1
+    dtypes = {"e2s": torch.int32, "s2e": torch.int32, "stamp": torch.int64,
+              "clock": torch.int64, "page_table": torch.int64, "counters": torch.int64}
+    for name, dtype in dtypes.items():
+        if named[name].dtype != dtype:
+            raise ValueError(f"hot_plan {name} must be {dtype}; got {named[name].dtype}")
+    if (e2s.dim() != 2 or s2e.dim() != 2 or stamp.shape != s2e.shape or s2e.shape[0] != R + 1
+            or page_table.shape[0] != R + 1 or clock.dim() != 0 or counters.shape != (3,)):
+        raise ValueError(f"hot_plan needs e2s [R + 1, M + 1], s2e and stamp [R + 1, E + 1], "
+                         f"page_table [R + 1, P], clock [], counters [3]; got e2s "
+                         f"{list(e2s.shape)}, s2e {list(s2e.shape)}, stamp {list(stamp.shape)}, "
+                         f"page_table {list(page_table.shape)}, clock {list(clock.shape)}, "
+                         f"counters {list(counters.shape)}")
+    if (picks.dim() != 2 or slot_ids.shape != (picks.shape[0],)
+            or picks.dtype not in INDEX_DTYPES or slot_ids.dtype not in INDEX_DTYPES):
+        raise ValueError(f"hot_plan needs picks [T, k] and slot_ids [T] of int32 / int64; got "
+                         f"{list(picks.shape)} {picks.dtype}, {list(slot_ids.shape)} "
+                         f"{slot_ids.dtype}")
+    for name in ("e2s", "s2e", "stamp", "page_table"):
+        if named[name].stride(1) != 1:
+            raise ValueError(f"hot_plan {name} must have unit stride in its last dim")
+
+
+def triton_hot_plan(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
+                    clock: torch.Tensor, slot_ids: torch.Tensor, picks: torch.Tensor,
+                    page_table: torch.Tensor, page_entries: int, counters: torch.Tensor,
+                    strict: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `hot_plan_ref` for rows of distinct request slots with distinct picks
+    (module docstring). Shapes and dtypes as there (e2s / s2e int32, stamp / clock / page_table /
+    counters int64), all on one device; ValueError otherwise. Returns (rows [T, k], src [T * k],
+    dst [T * k]) int64. Graph-capture safe; no host sync."""
+    _check(e2s, s2e, stamp, clock, slot_ids, picks, page_table, counters)
+    T, k = picks.shape
+    E, M, R = s2e.shape[1] - 1, e2s.shape[1] - 1, e2s.shape[0] - 1
+    if E > MAX_E:
+        raise ValueError(f"hot_plan E={E} hot slots per request is invalid; allowed: <= {MAX_E}")
+    dev = picks.device
+    rows = torch.empty(T, k, dtype=torch.int64, device=dev)
+    src = torch.empty(T * k, dtype=torch.int64, device=dev)
+    dst = torch.empty(T * k, dtype=torch.int64, device=dev)
+    clock.add_(1)
+    if T == 0 or k == 0:
+        return rows, src, dst
+    block_k = pow2("block_k", max(16, triton.next_power_of_2(k)), 1)
+    block_e = max(16, triton.next_power_of_2(E))
+    scratch = torch.empty(T, block_e, dtype=torch.int64, device=dev)
+    picks = picks if picks.stride(1) == 1 else picks.contiguous()
+    _hot_plan_kernel[(T,)](
+        e2s, s2e, stamp, clock, slot_ids.contiguous(), picks, page_table, rows, src, dst,
+        scratch, counters, k, E, M, R, page_entries, e2s.stride(0), s2e.stride(0),
+        stamp.stride(0), picks.stride(0), page_table.stride(0), BLOCK_K=block_k,
+        BLOCK_E=block_e, STRICT=strict, num_warps=8 if block_e >= 2048 else 4)
+    return rows, src, dst

@@ -1,0 +1,187 @@
+"""Parity of HiSparse's one-launch plan `triton_hot_plan` with `hot_plan_ref`.
+
+CPU: small shapes under the Triton interpreter. A state is evolved through a sequence of calls
+from empty hot sets; before each call both implementations get clones of the same maps and must
+agree exactly on the maps after it (e2s, s2e, stamps), the clock, the counters, the rows, and the
+set of (host row, hot row) copies. Calls mix hits and misses, more misses than free slots
+(k > E: overflow counted with strict, unplaced without), pad-slot rows, -1 picks, k = 1 (the hot
+placement of new entries), int32 picks, a non-contiguous picks view, and E not a power of two.
+Validation errors name the field. A HotSet with the kernel as its `plan` hook equals one with the
+reference through decode-shaped writes and selects. GPU (`-m gpu`): V4-Flash shape (k 512,
+E 1024, 64 requests) inside a captured CUDA graph, against the reference.
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_hot_plan.py          # interpreter
+    PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_hot_plan.py   # a CUDA machine
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dsv4.cache.hisparse import HiSparseLayout, HotSet  # noqa: E402
+from dsv4.kernels.ref.hot_plan import hot_plan_ref  # noqa: E402
+from dsv4.kernels.triton.hot_plan import triton_hot_plan  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+State = dict[str, torch.Tensor]
+
+
+def empty_state(R: int, E: int, M: int, pe: int, device: str = DEVICE) -> State:
+    """Empty maps of R request slots (+ pad), a page table of distinct pages per slot."""
+    pages = -(-M // pe)
+    table = torch.randperm((R + 1) * pages, generator=torch.Generator().manual_seed(7))
+    return {"e2s": torch.full((R + 1, M + 1), -1, dtype=torch.int32, device=device),
+            "s2e": torch.full((R + 1, E + 1), -1, dtype=torch.int32, device=device),
+            "stamp": torch.full((R + 1, E + 1), -1, dtype=torch.int64, device=device),
+            "clock": torch.zeros((), dtype=torch.int64, device=device),
+            "counters": torch.zeros(3, dtype=torch.int64, device=device),
+            "page_table": table.view(R + 1, pages).to(device)}
+
+
+def clone(state: State) -> State:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def call(fn: object, state: State, slots: torch.Tensor, picks: torch.Tensor, pe: int,
+         strict: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return fn(state["e2s"], state["s2e"], state["stamp"], state["clock"], slots,  # type: ignore
+              picks, state["page_table"], pe, state["counters"], strict)
+
+
+def random_picks(T: int, k: int, M: int, g: torch.Generator, window: int) -> torch.Tensor:
+    """[T, k] distinct entries per row from a window of the first `window` entries (repeats across
+    calls make hits), ~1/6 of them -1."""
+    rows = [torch.randperm(window, generator=g)[:k] for _ in range(T)]
+    picks = torch.stack(rows)
+    return torch.where(torch.rand(T, k, generator=g) < 1 / 6, -1, picks)
+
+
+def assert_same(ref: State, tri: State, got_ref: tuple[torch.Tensor, ...],
+                got_tri: tuple[torch.Tensor, ...]) -> None:
+    for name in ("e2s", "s2e", "stamp", "clock", "counters"):
+        assert torch.equal(ref[name].cpu(), tri[name].cpu()), name
+    assert torch.equal(got_ref[0].cpu(), got_tri[0].cpu()), "rows"
+
+    def copies(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int]]:
+        keep = dst >= 0
+        assert torch.equal(keep, src >= 0)
+        return sorted(zip(src[keep].tolist(), dst[keep].tolist(), strict=True))
+
+    assert copies(*got_ref[1:]) == copies(*got_tri[1:]), "copies"
+
+
+@pytest.mark.parametrize(("R", "E", "M", "k", "pe"), [(3, 16, 40, 8, 4), (4, 12, 64, 20, 8)])
+def test_matches_reference_over_a_sequence(R: int, E: int, M: int, k: int, pe: int) -> None:
+    g = torch.Generator().manual_seed(R * 100 + E)
+    ref = empty_state(R, E, M, pe)
+    for step in range(7):
+        T = R + 1                                              # every slot once and a pad row
+        slots = torch.cat([torch.randperm(R, generator=g), torch.tensor([R])])
+        window = M if step % 3 == 2 else min(M, max(E, k) + 4)  # every 3rd call: mostly misses
+        picks = random_picks(T, k, M, g, window)
+        if step == 4:
+            picks = picks.int()
+        strict = step != 5                                     # overflow counted only if strict
+        tri = clone(ref)
+        got_tri = call(triton_hot_plan, tri, slots.to(DEVICE), picks.to(DEVICE), pe, strict)
+        got_ref = call(hot_plan_ref, ref, slots.to(DEVICE), picks.to(DEVICE), pe, strict)
+        assert_same(ref, tri, got_ref, got_tri)
+    assert int(ref["counters"][1]) > 0, "nothing swapped"
+    assert (int(ref["counters"][2]) > 0) == (k > E), "overflow exactly when k > E"
+
+
+def test_single_entry_rows_and_views() -> None:
+    """k = 1 rows (the hot placement of new entries), a pad row, and a strided picks view."""
+    R, E, M, pe = 3, 16, 48, 4
+    g = torch.Generator().manual_seed(3)
+    ref = empty_state(R, E, M, pe)
+    for step in range(5):
+        slots = torch.tensor([2, R, 0, 1]).to(DEVICE)
+        wide = torch.randint(-1, M, (4, 3), generator=g).to(DEVICE)
+        picks = wide[:, 1:2] if step % 2 else torch.randint(0, M, (4, 1), generator=g).to(DEVICE)
+        tri = clone(ref)
+        got_tri = call(triton_hot_plan, tri, slots, picks, pe, False)
+        got_ref = call(hot_plan_ref, ref, slots, picks, pe, False)
+        assert_same(ref, tri, got_ref, got_tri)
+    assert int(ref["counters"].abs().sum()) == 0, "counters move only with strict"
+
+
+def test_validation_names_the_field() -> None:
+    state = empty_state(2, 16, 32, 4)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    picks = torch.zeros(2, 4, dtype=torch.int64, device=DEVICE)
+    bad = clone(state)
+    bad["stamp"] = bad["stamp"].int()
+    with pytest.raises(ValueError, match="stamp must be torch.int64"):
+        call(triton_hot_plan, bad, slots, picks, 4, True)
+    with pytest.raises(ValueError, match="picks"):
+        call(triton_hot_plan, state, slots[:1], picks, 4, True)
+    bad = clone(state)
+    bad["counters"] = bad["counters"][:2]
+    with pytest.raises(ValueError, match="counters"):
+        call(triton_hot_plan, bad, slots, picks, 4, True)
+
+
+@pytest.mark.gpu
+def test_flash_shape_in_a_cuda_graph() -> None:
+    """V4-Flash decode: 64 requests, k 512 picks of 50K entries, E 1024 hot slots; replays of a
+    captured graph against the reference, call for call."""
+    R, E, M, k, pe = 64, 1024, 50_000, 512, 64
+    g = torch.Generator().manual_seed(0)
+    ref = empty_state(R, E, M, pe)
+    tri = clone(ref)
+    slots = torch.randperm(R, generator=g).cuda()
+    picks = torch.zeros(R, k, dtype=torch.int64, device="cuda")
+    out: list[tuple[torch.Tensor, ...]] = []
+    call(triton_hot_plan, clone(tri), slots, picks, pe, True)              # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.append(call(triton_hot_plan, tri, slots, picks, pe, True))
+    for step in range(6):
+        window = 3000 if step % 2 else 1500
+        picks.copy_(random_picks(R, k, M, g, window))
+        graph.replay()
+        got_ref = call(hot_plan_ref, ref, slots, picks, pe, True)
+        assert_same(ref, tri, got_ref, out[0])
+
+
+def test_hot_set_with_the_kernel_plan_equals_the_reference() -> None:
+    """HotSet's `plan` hook: decode-shaped writes (one new entry per request, placed hot) and
+    selects (one row per request) with `one_row` run the kernel and give the same maps, hot
+    pools, rows and counters as the reference plan; the result passes `check_integrity`."""
+    layout = HiSparseLayout(num_layers=2, max_reqs=3, max_entries=24, device_entries=8, top_k=5,
+                            num_host_rows=(4 * 6 + 1) * 4 + 1, page_entries=4, width=8)
+    page_table = 1 + torch.arange(4 * 6).view(4, 6)       # page 0: the null page
+    page_table[3] = 0                                      # the pad slot
+    sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
+                   host_device=torch.device(DEVICE), plan=plan)
+            for plan in (hot_plan_ref, triton_hot_plan)]
+    g = torch.Generator().manual_seed(11)
+    slots = torch.tensor([2, 0, 3, 1], device=DEVICE)     # the pad slot's row in between
+    for hs in sets:
+        for slot in range(3):
+            hs.admit(slot)
+    for step in range(6):                                  # entries 4 * step .. 4 * step + 3
+        for n in range(4):
+            values = torch.randn(4, 8, generator=g).to(DEVICE)
+            entries = torch.full((4,), 4 * step + n, device=DEVICE)
+            picks = random_picks(4, 5, 24, g, max(5, 4 * step + n + 1)).to(DEVICE)
+            for hs, v in zip(sets, (values, values.clone()), strict=True):
+                for layer in range(2):
+                    hs.write_entries(layer, slots, entries, v, hot=True, one_row=True)
+            rows = [hs.select(step % 2, slots, picks, one_row=True) for hs in sets]
+            assert torch.equal(rows[0], rows[1])
+    for name in ("entry_to_slot", "slot_to_entry", "last_used", "clock", "counters"):
+        assert torch.equal(getattr(sets[0], name), getattr(sets[1], name)), name
+    assert torch.equal(sets[0].device_pool[:, :-1], sets[1].device_pool[:, :-1])
+    assert int(sets[1].num_swapped) > 0 and int(sets[1].num_picked) > 0
+    sets[1].check_integrity()
