@@ -7,7 +7,8 @@ set of (host row, hot row) copies. Calls mix hits and misses, more misses than f
 (k > E: overflow counted with strict, unplaced without), pad-slot rows, -1 picks, k = 1 (the hot
 placement of new entries), int32 picks, a non-contiguous picks view, and E not a power of two.
 Validation errors name the field. A HotSet with the kernel as its `plan` hook equals one with the
-reference through decode-shaped writes and selects. GPU (`-m gpu`): V4-Flash shape (k 512,
+reference through decode-shaped writes and selects, and a micro engine whose decode steps run
+the kernel gives the greedy tokens of HiSparse off. GPU (`-m gpu`): V4-Flash shape (k 512,
 E 1024, 64 requests) inside a captured CUDA graph, against the reference.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_hot_plan.py          # interpreter
@@ -26,7 +27,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from dsv4 import EngineConfig, SamplingParams  # noqa: E402
 from dsv4.cache.hisparse import HiSparseLayout, HotSet  # noqa: E402
+from dsv4.checkpoint.presets import micro  # noqa: E402
+from dsv4.checkpoint.writer import random_model  # noqa: E402
+from dsv4.engine.engine import LLMEngine  # noqa: E402
 from dsv4.kernels.ref.hot_plan import hot_plan_ref  # noqa: E402
 from dsv4.kernels.triton.hot_plan import triton_hot_plan  # noqa: E402
 
@@ -185,3 +190,35 @@ def test_hot_set_with_the_kernel_plan_equals_the_reference() -> None:
     assert torch.equal(sets[0].device_pool[:, :-1], sets[1].device_pool[:, :-1])
     assert int(sets[1].num_swapped) > 0 and int(sets[1].num_picked) > 0
     sets[1].check_integrity()
+
+
+def test_engine_decode_runs_the_kernel_plan() -> None:
+    """A micro engine (fp32, `ref` ops) with HiSparse on and the kernel as its HotSet's `plan`:
+    decode steps (one row per request) run the kernel, prefill chunks the reference, and the
+    greedy outputs equal those with HiSparse off; every manager passes `check_integrity` after
+    every step."""
+    model = random_model(micro().replace(max_position_embeddings=512), torch.float32,
+                         torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, micro().vocab_size, (n,), generator=g).tolist() for n in (45, 70)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    base = dict(page_size=16, max_total_tokens=1024, max_running_requests=2,
+                chunked_prefill_size=32)
+    outs, calls = [], []
+    for hisparse in (False, True):
+        extra = dict(enable_hisparse=True, hisparse_device_entries=micro().index_topk)
+        engine = LLMEngine(model, EngineConfig(**base, **(extra if hisparse else {})))
+        hot = engine.runner.pools.hot
+        if hot is not None:
+            def plan(*args: object, **kwargs: object) -> object:
+                calls.append(1)
+                return triton_hot_plan(*args, **kwargs)  # type: ignore[arg-type]
+            hot.plan = plan
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()
+        outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]
+    assert hot is not None and int(hot.num_swapped) > 0 and int(hot.num_overflow) == 0
+    assert len(calls) >= 2 * 7 * micro().attn_types.count("csa"), "decode steps ran the kernel"
