@@ -49,7 +49,7 @@
 #                 captured decode graphs, fp32), the copy benchmark (mirror on the device and pinned), then
 #                 hisparse.py on flash-43l-e16 (40 GB KV, 200K + 2K, --fill shared-prefix; concurrency 1 and 16 in
 #                 both modes, for TPOT at equal load, and each mode's admitted count): hisparse_tests.txt,
-#                 bench_hisparse_swap.txt / .json, hisparse.txt.
+#                 bench_hisparse_swap.txt / .json, bench_hot_plan.txt / .json (the plan kernel), hisparse.txt.
 #                 HISPARSE_ARGS is added to hisparse.py
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
@@ -233,9 +233,12 @@ hisparse() {
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_hisparse_swap.py tests/kernels/test_hot_plan.py \
     tests/engine/test_hisparse_engine.py tests/cache/test_hisparse.py > "$OUT/hisparse_tests.txt" 2>&1
   summary "$OUT/hisparse_tests.txt"
-  timeout 90 python3 benchmarks/kernels/bench_hisparse_swap.py --out "$OUT/bench_hisparse_swap.json" \
+  timeout 80 python3 benchmarks/kernels/bench_hisparse_swap.py --out "$OUT/bench_hisparse_swap.json" \
     > "$OUT/bench_hisparse_swap.txt" 2>&1
   grep -v "^{" "$OUT/bench_hisparse_swap.txt" | tail -18
+  timeout 45 python3 benchmarks/kernels/bench_hot_plan.py --out "$OUT/bench_hot_plan.json" \
+    > "$OUT/bench_hot_plan.txt" 2>&1
+  grep -v "^{" "$OUT/bench_hot_plan.txt" | tail -5
   # shellcheck disable=SC2086  # HISPARSE_ARGS is a list of flags
   timeout 340 python3 benchmarks/hisparse.py --preset flash-43l-e16 --device cuda --kv-cache-memory-gb 40 \
     --prompt-len 200000 --output-len 2048 --concurrency 1,16,max --fill shared-prefix \
