@@ -85,9 +85,10 @@ def test_op_census_counts_a_decode_step() -> None:
     assert result["by_file"]["model/moe.py"] == 2, result
 
 
-def test_hisparse_benchmark_swaps_on_micro() -> None:
+def test_hisparse_benchmark_swaps_on_micro(tmp_path: Path) -> None:
     """HiSparse off vs on on micro: both modes decode every level, and with HiSparse on the hot
-    set (8 entries, against prompts of 30 C4 entries) swaps entries in."""
+    set (8 entries, against prompts of 30 C4 entries) swaps entries in; plot_hisparse.py draws
+    the result."""
     result = run_benchmark("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
                            "120", "--output-len", "8", "--concurrency", "1,2", "--steps", "2",
                            "--kv-cache-memory-gb", "0.05", "--page-size", "16",
@@ -96,6 +97,11 @@ def test_hisparse_benchmark_swaps_on_micro() -> None:
     assert [r["concurrency"] for r in off["levels"]] == [1, 2] == \
         [r["concurrency"] for r in on["levels"]], result
     assert all(r["hot_swapped"] > 0 and r["hot_overflow"] == 0 for r in on["levels"]), result
+    (tmp_path / "r.json").write_text(json.dumps(result) + "\n")
+    png = tmp_path / "r.png"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_hisparse.py"),
+                    str(tmp_path / "r.json"), str(png)], check=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:
