@@ -72,7 +72,7 @@ from dsv4.cache.layout import CacheLayout
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ops import HotPlanOp, SwapInOp, WriteRowsOp
 from dsv4.kernels.ref.hisparse import swap_in_ref, write_rows_ref
-from dsv4.kernels.ref.hot_plan import host_rows, hot_plan_ref
+from dsv4.kernels.ref.hot_plan import host_rows, hot_plan_ref, lookup_rows
 
 
 @dataclass(frozen=True)
@@ -267,9 +267,7 @@ class HotSet:
 
     def _lookup(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Hot rows of the picks (flat [n]), -1 where not hot or not a pick."""
-        col = torch.where(entries >= 0, entries, self.layout.max_entries)
-        j = self.entry_to_slot[layer][slots, col].long()
-        return torch.where(j >= 0, slots * self.layout.device_entries + j, -1)
+        return lookup_rows(self.entry_to_slot[layer], self.layout.device_entries, slots, entries)
 
     def _plan(self, layer: int, slot_ids: torch.Tensor, picks: torch.Tensor, strict: bool,
               one_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

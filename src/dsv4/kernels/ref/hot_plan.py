@@ -48,10 +48,16 @@ def hot_plan_ref(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor, cloc
                                       page_entries)
     if strict:
         counters += torch.stack([(entries >= 0).sum(), placed, missed - placed])
-    E = s2e.shape[1] - 1
+    return lookup_rows(e2s, s2e.shape[1] - 1, slots, entries).view(T, k), src, dst
+
+
+def lookup_rows(e2s: torch.Tensor, device_entries: int, slots: torch.Tensor,
+                entries: torch.Tensor) -> torch.Tensor:
+    """Hot rows slot * E + j of entries[i] of request slot slots[i] (flat [n]), -1 where not hot
+    or not a pick (entry -1)."""
     col = torch.where(entries >= 0, entries, e2s.shape[1] - 1)
     j = e2s[slots, col].long()
-    return torch.where(j >= 0, slots * E + j, -1).view(T, k), src, dst
+    return torch.where(j >= 0, slots * device_entries + j, -1)
 
 
 def host_rows(page_table: torch.Tensor, page_entries: int, slots: torch.Tensor,

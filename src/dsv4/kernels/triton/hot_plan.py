@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.hisparse import INDEX_DTYPES
 from dsv4.kernels.triton.launch import pow2
 
-INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_E = 16384   # hot slots per request one program sorts in registers
 
 
