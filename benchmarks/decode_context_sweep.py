@@ -649,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                   torch.device(args.device).type, 0),
               "fuse_projections": args.fuse_projections, "decode_gemv": args.decode_gemv,
               "multi_stream": resolve_multi_stream(args.multi_stream,
-                                                   torch.device(args.device).type, False),
+                                                   torch.device(args.device).type),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)

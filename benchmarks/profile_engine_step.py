@@ -56,6 +56,10 @@ def main() -> None:
     p.add_argument("--decode-only", action="store_true",
                    help="step the batch until every request has its first token before the "
                    "warm-up steps: the profiled steps are decode steps whatever the prompt")
+    p.add_argument("--enable-hisparse", action="store_true",
+                   help="HiSparse on (C4 entries in host memory, hot sets on the device)")
+    p.add_argument("--hot-entries", type=int, default=None,
+                   help="hot entries per request and C4 layer (default: the engine's)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device))
@@ -63,7 +67,9 @@ def main() -> None:
     engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=CHUNK,
                                            kernel_backend=args.kernel_backend,
                                            max_total_tokens=args.num_prompts
-                                           * (args.prompt_len + max(512, max_tokens)) + 4096))
+                                           * (args.prompt_len + max(512, max_tokens)) + 4096,
+                                           enable_hisparse=args.enable_hisparse,
+                                           hisparse_device_entries=args.hot_entries))
     g = torch.Generator().manual_seed(0)
     warm = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
                           ignore_eos=True)

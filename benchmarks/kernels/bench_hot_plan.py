@@ -2,7 +2,8 @@
 (~50 torch ops), at the decode shapes the engine runs inside its CUDA graphs.
 
 Shapes: V4-Flash at a 200K context: k = 512 picks per request (index_topk), M = 50,000 entries,
-E = 1024 hot slots per request (two picks' worth), T in {1, 16, 64} requests, one row each. Each
+E = 1024 hot slots per request (two picks' worth), T in {1, 16, 64} requests, one row each; and
+k = 1 at T in {1, 16} (a decode step's new entries placed hot: the min-key victim, no sort). Each
 index set draws every request's picks from a window of 1,536 entries around a moving centre, so
 a call hits about two thirds of its picks and swaps the rest, as decode does once a hot set is
 warm. Parity first: both implementations from the same state must give the same maps, rows and
@@ -50,7 +51,8 @@ class Case:
 
 
 def cuda_cases() -> list[Case]:
-    return [Case(1), Case(16), Case(64)]
+    # k = 1: a decode step's new entries placed hot (`write_entries(hot=True)`)
+    return [Case(1), Case(16), Case(64), Case(1, k=1), Case(16, k=1)]
 
 
 def smoke_cases() -> list[Case]:

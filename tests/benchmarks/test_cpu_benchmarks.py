@@ -189,6 +189,31 @@ def test_verify_floor_of_uniform_routing() -> None:
     assert shared["rows"][0]["floor_ratio"] < got[("flash-4l", "bf16", 1)], shared
 
 
+def test_hisparse_hit_rate_of_the_shipped_model() -> None:
+    """The hot sets' decode hit rate on held-out text, trained weights and random ones: every
+    decode pick is counted, and a hot set holding every visible entry misses none once warm."""
+    result = run_benchmark("hisparse_hit_rate.py", "--requests", "1", "--prompt-len", "640",
+                           "--output-len", "4", "--hot-entries", "128,256")
+    rows = {(r["weights"], r["hot_entries"]): r for r in result["rows"]}
+    assert set(rows) == {(w, e) for w in ("trained", "random") for e in (128, 256)}, result
+    for r in rows.values():   # 160 visible entries >= top-k: 3 C4 layers x 128 picks a token
+        assert r["decode_tokens"] == 3 and r["picks_per_token"] == 3 * 128, r
+        assert 0.0 <= r["hit_rate"] <= 1.0, r
+    # 640 tokens: 160 entries per C4 layer fit E = 256 and are hot after the prefill's writes
+    assert rows[("trained", 256)]["swapped"] <= rows[("trained", 128)]["swapped"], result
+
+
+def test_host_profile_per_context() -> None:
+    """profile_host_step.py: a per-context cProfile of decode steps, and the functions whose own
+    time grew from the first context to the last."""
+    result = run_benchmark("profile_host_step.py", "--device", "cpu", "--preset", "micro",
+                           "--dtype", "float32", "--contexts", "128,512", "--steps", "3",
+                           "--warm-steps", "1", "--page-size", "128")
+    assert [r["context"] for r in result["rows"]] == [128, 512], result
+    assert all(r["ms_per_step"] > 0 and r["own_us_per_step"] for r in result["rows"]), result
+    assert result["grown_us"], result
+
+
 def test_routing_locality_of_the_shipped_model() -> None:
     """Consecutive tokens of the trained dsv4-tiny share routed experts: fewer distinct experts
     than uniform routing; one token's window hits exactly k."""

@@ -87,3 +87,40 @@ def test_allocator_errors() -> None:
     with pytest.raises(AssertionError, match="not allocated"):
         alloc.free(pages[:1])
     alloc.check_integrity()
+
+
+class _SliceLog(list):
+    """A page list that records how many pages each slice read returns."""
+
+    def __init__(self, pages: list[int]) -> None:
+        super().__init__(pages)
+        self.scanned = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        out = super().__getitem__(index)
+        if isinstance(index, slice):
+            self.scanned += len(out)
+        return out
+
+
+def test_release_swa_scans_only_pages_that_left_the_horizon() -> None:
+    """Per-step host work is O(batch), not O(context): a decode step's `release_swa` looks at the
+    pages that fell behind the horizon since the last call, not at every page of the request."""
+    layout = CacheLayout(page_size=4, num_full_pages=300, num_swa_pages=10, ring_c4=8,
+                         ring_c128=16, swa_horizon=6)
+    table = RequestTable(layout, max_reqs=1, max_context=1024, device=torch.device("cpu"))
+    slot = table.open()
+    log = _SliceLog(table.full_pages[slot])
+    table.full_pages[slot] = log
+    for end in range(1, 1001):
+        assert table.reserve(slot, end - 1, end)
+        table.release_swa(slot, end)
+    # reserve reads a horizon's worth of pages per step; release_swa adds one page per P steps
+    horizon_pages = math.ceil(layout.swa_horizon / layout.page_size) + 2
+    assert log.scanned <= 1000 * horizon_pages + 1000 // layout.page_size
+    table.check_integrity()
+    # a truncate below the floor lets reserve give those pages SWA again; release frees them
+    table.truncate(slot, 400)
+    assert table.reserve(slot, 400, 401)
+    table.release_swa(slot, 401)
+    table.check_integrity()

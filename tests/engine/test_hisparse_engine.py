@@ -244,18 +244,21 @@ def test_default_hot_entries_hold_a_verify_pass() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_on_gpu_equal_hisparse_off() -> None:
+@pytest.mark.parametrize("multi_stream", [False, True])
+def test_cuda_graphs_on_gpu_equal_hisparse_off(multi_stream: bool) -> None:
     """fp32 micro on a GPU with the triton backend and captured decode graphs: HiSparse on (hot
-    set = top-k, swaps every step, the mirror read and written in place) equals it off."""
+    set = top-k, swaps every step, the mirror read and written in place) equals it off, with the
+    HotSet's work on the side stream (multi-stream) or in line."""
     gpu_model = random_model(micro().replace(max_position_embeddings=1024), torch.float32,
                              torch.device("cuda"))
     prompts = random_prompts([50, 35, 66, 90], seed=10)
-    args = {**BASE, "kernel_backend": "triton", "warmup": "none"}
+    args = {**BASE, "kernel_backend": "triton", "warmup": "none", "multi_stream": False}
     expected = run(LLMEngine(gpu_model, EngineConfig(**args)), prompts)  # type: ignore[arg-type]
-    config = EngineConfig(**args, enable_hisparse=True,  # type: ignore[arg-type]
-                          hisparse_device_entries=TOPK)
+    config = EngineConfig(**{**args, "multi_stream": multi_stream},  # type: ignore[arg-type]
+                          enable_hisparse=True, hisparse_device_entries=TOPK)
     engine = LLMEngine(gpu_model, config)
     assert engine.runner.graphs is not None
+    assert (engine.runner.side_stream is not None) == multi_stream
     assert engine.runner.pools.hot is not None and engine.runner.pools.hot.host_pool.is_pinned()
     assert run(engine, prompts) == expected
     assert engine.runner.graphs.replays >= 8

@@ -21,22 +21,19 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match=r"multi_stream='on' is invalid; allowed: None, True or "
                                          r"False"):
         EngineConfig(multi_stream="on")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"multi_stream=True with enable_hisparse=True is not "
-                                         r"supported.*allowed: multi_stream=False or None"):
-        EngineConfig(multi_stream=True, enable_hisparse=True)
     assert EngineConfig().multi_stream is None
+    EngineConfig(multi_stream=True, enable_hisparse=True)   # the HotSet's work is a side branch
     EngineConfig(multi_stream=False, enable_hisparse=True)
 
 
 def test_resolution() -> None:
-    """Unset: on with CUDA unless HiSparse; an explicit choice wins; True needs CUDA."""
-    assert resolve_multi_stream(None, "cuda", False)
-    assert not resolve_multi_stream(None, "cuda", True)
-    assert not resolve_multi_stream(None, "cpu", False)
-    assert not resolve_multi_stream(False, "cuda", False)
+    """Unset: on with CUDA; an explicit choice wins; True needs CUDA."""
+    assert resolve_multi_stream(None, "cuda")
+    assert not resolve_multi_stream(None, "cpu")
+    assert not resolve_multi_stream(False, "cuda")
     with pytest.raises(ValueError, match=r"multi_stream=True needs a CUDA device; this engine "
                                          r"runs on 'cpu' \(allowed: multi_stream=False or None\)"):
-        resolve_multi_stream(True, "cpu", False)
+        resolve_multi_stream(True, "cpu")
     model = random_model(micro(), torch.float32, torch.device("cpu"))
     engine = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=512))
     assert engine.runner.config.multi_stream is False and engine.runner.side_stream is None

@@ -120,6 +120,24 @@ def test_single_entry_rows_and_views() -> None:
     assert int(ref["counters"].abs().sum()) == 0, "counters move only with strict"
 
 
+def test_single_entry_rows_evict_the_least_recently_used() -> None:
+    """k = 1 calls (the min-key victim, no sort) between k = 5 calls, on hot sets kept full, so
+    each new entry's victim is a real LRU choice among stamped slots."""
+    R, E, M, pe = 2, 8, 64, 4
+    g = torch.Generator().manual_seed(5)
+    ref = empty_state(R, E, M, pe)
+    for step in range(40):
+        slots = torch.tensor([1, R, 0]).to(DEVICE)
+        k = 1 if step % 3 else 5
+        picks = random_picks(3, k, M, g, 3 * E).to(DEVICE)
+        tri = clone(ref)
+        got_tri = call(triton_hot_plan, tri, slots, picks, pe, step % 2 == 0)
+        got_ref = call(hot_plan_ref, ref, slots, picks, pe, step % 2 == 0)
+        assert_same(ref, tri, got_ref, got_tri)
+    assert bool((ref["s2e"][:R, :E] >= 0).all()), "the hot sets never filled up"
+    assert int(ref["counters"][1]) > 0, "nothing swapped"
+
+
 def test_validation_names_the_field() -> None:
     state = empty_state(2, 16, 32, 4)
     slots = torch.tensor([0, 1], device=DEVICE)

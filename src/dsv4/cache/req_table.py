@@ -49,6 +49,9 @@ class RequestTable:
         self.pad_slot = max_reqs
         self.full_to_swa = torch.zeros(layout.num_full_pages, dtype=torch.int64, device=device)
         self.full_pages: dict[int, list[int]] = {}
+        # per slot: page index below which `release_swa` has already freed every private SWA
+        # page (so each call scans only the pages that fell out of the horizon since the last)
+        self._swa_floor: dict[int, int] = {}
         self.swa_of: dict[int, int] = {}
         self.shared: set[int] = set()
         self.evict: Evictor | None = None
@@ -70,6 +73,7 @@ class RequestTable:
         assert all(p in self.shared for p in pages), (
             "a matched prefix page is not owned by the prefix cache")
         self.full_pages[slot] = pages
+        self._swa_floor[slot] = 0
         if pages:
             self.page_table[slot, :len(pages)] = self._dev(pages)
         if self.hot is not None:
@@ -109,10 +113,16 @@ class RequestTable:
         return True
 
     def release_swa(self, slot: int, keep_from: int) -> None:
-        """Free the SWA pages of private full pages lying entirely before `keep_from - horizon`."""
+        """Free the SWA pages of private full pages lying entirely before `keep_from - horizon`.
+
+        O(pages that left the horizon since the last call), not O(context): called every step."""
         limit = max(0, keep_from - self.layout.swa_horizon) // self.P
-        self.drop_swa([p for p in self.full_pages[slot][:limit]
+        floor = self._swa_floor[slot]
+        if limit <= floor:
+            return
+        self.drop_swa([p for p in self.full_pages[slot][floor:limit]
                        if p in self.swa_of and p not in self.shared])
+        self._swa_floor[slot] = limit
 
     def truncate(self, slot: int, new_len: int) -> None:
         """Forget positions >= new_len: whole private pages past it go back to the pools, and
@@ -125,7 +135,7 @@ class RequestTable:
 
     def free(self, slot: int) -> None:
         self._truncate_pages(slot, 0)
-        del self.full_pages[slot]
+        del self.full_pages[slot], self._swa_floor[slot]
         if self.hot is not None:
             self.hot.release(slot)
         self._free_slots.append(slot)
@@ -138,6 +148,9 @@ class RequestTable:
         self.full.free(dropped)
         del have[keep:]
         self.page_table[slot, keep:] = 0
+        # a later `reserve` may give SWA again to pages from new_len - horizon on
+        floor = max(0, new_len - self.layout.swa_horizon) // self.P
+        self._swa_floor[slot] = min(self._swa_floor[slot], floor)
 
     # ---- used by the prefix cache ---------------------------------------------------------
     def share(self, pages: Iterable[int]) -> None:
@@ -202,5 +215,9 @@ class RequestTable:
         assert len(set(self._free_slots)) == len(self._free_slots), "duplicate free request slots"
         assert not set(self._free_slots) & set(self.full_pages), (
             "a request slot is both free and open")
+        for slot, pages in self.full_pages.items():
+            below = pages[:self._swa_floor[slot]]
+            assert not any(p in self.swa_of for p in below if p not in self.shared), (
+                f"slot {slot} holds a private SWA page below its release floor")
         assert self.hot is None or self.hot.admitted == set(self.full_pages), (
             "the HotSet's admitted slots are not the open request slots")

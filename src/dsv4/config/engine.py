@@ -101,8 +101,10 @@ class EngineConfig:
     on a second CUDA stream, concurrently with the main one (`model/streams.py`): a CSA / HCA
     layer's compressors and indexer beside its query and window-KV path, the shared expert beside
     the gate and the routed experts. Inside CUDA graphs too (the fork and join are captured).
-    Same kernels on the same inputs: outputs are bit-identical with it on and off. None: on with
-    CUDA unless HiSparse is on (`resolve_multi_stream`); True needs CUDA.
+    Same kernels on the same inputs: outputs are bit-identical with it on and off. With HiSparse
+    a CSA layer's HotSet work (mirror writes, plans, swap-ins) is part of the side branch, so it
+    stays in program order on that stream. None: on with CUDA (`resolve_multi_stream`); True needs
+    CUDA.
     `warmup`: what runs before the engine serves (`LLM(...)` returns, the server reports ready),
     so the first requests do not pay for Triton compiles and CUDA-graph captures: "none",
     "fast" (the prefill shapes and a few decode batch sizes) or "full" (every decode graph
@@ -201,10 +203,6 @@ class EngineConfig:
         if self.multi_stream is not None and not isinstance(self.multi_stream, bool):
             raise ValueError(f"multi_stream={self.multi_stream!r} is invalid; "
                              "allowed: None, True or False")
-        if self.multi_stream and self.enable_hisparse:
-            raise ValueError("multi_stream=True with enable_hisparse=True is not supported (the "
-                             "HotSet's host copies run on one stream); allowed: multi_stream=False "
-                             "or None")
         if self.overlap_schedule and spec:
             raise ValueError(f"overlap_schedule=True with speculative_num_steps={spec} is not "
                              "supported (the next step's drafts come from the host); allowed: "
@@ -304,15 +302,15 @@ def resolve_overlap(requested: bool | None, device_type: str, speculative_num_st
     return device_type == "cuda" and speculative_num_steps == 0
 
 
-def resolve_multi_stream(requested: bool | None, device_type: str, hisparse: bool) -> bool:
+def resolve_multi_stream(requested: bool | None, device_type: str) -> bool:
     """Whether serving steps run their independent branches on a second CUDA stream
-    (EngineConfig.multi_stream): as requested (True needs CUDA), else on CUDA without HiSparse."""
+    (EngineConfig.multi_stream): as requested (True needs CUDA), else on CUDA."""
     if requested and device_type != "cuda":
         raise ValueError(f"multi_stream=True needs a CUDA device; this engine runs on "
                          f"{device_type!r} (allowed: multi_stream=False or None)")
     if requested is not None:
         return requested
-    return device_type == "cuda" and not hisparse
+    return device_type == "cuda"
 
 
 def resolve_warmup(requested: WarmupMode | None, device_type: str,

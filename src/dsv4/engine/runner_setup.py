@@ -54,7 +54,7 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
                                warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
                                    config.swa_memory_fraction, device.type),
                                overlap_schedule=overlap, multi_stream=resolve_multi_stream(
-                                   config.multi_stream, device.type, config.enable_hisparse))
+                                   config.multi_stream, device.type))
 
 
 def hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:
@@ -98,7 +98,7 @@ def fuse_for_serving(model: DeepSeekV4ForCausalLM, config: EngineConfig) -> int:
         return 0
     # with multi-stream branches the indexer's query projection runs beside wq_b (side stream)
     device = next(model.parameters()).device
-    multi = resolve_multi_stream(config.multi_stream, device.type, config.enable_hisparse)
+    multi = resolve_multi_stream(config.multi_stream, device.type)
     groups = fuse_projections(model, query_group=not multi)
     attach_decode_gemv(model, config.decode_gemv)           # the new groups' counters
     logger.info("fused projections: %d groups of projections that read one input run as one GEMM "

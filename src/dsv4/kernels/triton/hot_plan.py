@@ -10,6 +10,8 @@ touch no map). With k picks (BLOCK_K >= k) and E hot slots (BLOCK_E >= E) held i
     2. victims: the E stamps of s as keys (stamp + 1) * BLOCK_E + slot, sorted (`tl.sort`,
        bitonic): ascending (stamp, slot), the reference's stable sort; the slot order goes to a
        [T, BLOCK_E] scratch row so miss q can read victim q               (barrier)
+       With one pick per row (k = 1: a decode step's new entries, `write_entries(hot=True)`)
+       only victim 0 can be taken: the smallest key (a min), no sort and no scratch
     3. misses: the non-hit picks sorted by entry id (the reference ranks a request's distinct
        misses in entry order); miss q < E - (slots stamped now) takes victim q: its old entry
        unmapped, the miss mapped, stamped, and (host row, hot row) stored at src / dst [t * k + q]
@@ -42,7 +44,8 @@ MAX_E = 16384   # hot slots per request one program sorts in registers
 def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-untyped-def]
                      slot_ptr, pick_ptr, pt_ptr, rows_ptr, src_ptr, dst_ptr, scratch_ptr, cnt_ptr,
                      k, E, M, R, pe, stride_e2s, stride_s2e, stride_stamp, stride_pick, stride_pt,
-                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, STRICT: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, STRICT: tl.constexpr,
+                     ONE_PICK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     s = tl.load(slot_ptr + t).to(tl.int64)
@@ -63,15 +66,23 @@ def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-
     in_e = offs_e < E
     st = tl.load(stamp + offs_e, mask=in_e, other=0)
     big = tl.full([BLOCK_E], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    order = tl.sort(tl.where(in_e, (st + 1) * BLOCK_E + offs_e, big)) % BLOCK_E
-    tl.store(scratch_ptr + t * BLOCK_E + offs_e, order)
+    keys = tl.where(in_e, (st + 1) * BLOCK_E + offs_e, big)
     free = E - tl.sum((in_e & (st == now)).to(tl.int64), axis=0)
     miss_key = tl.where(valid & (j < 0), p, 0x7FFFFFFFFFFFFFFF)           # 3. misses
-    me = tl.sort(miss_key)
-    is_miss = me != 0x7FFFFFFFFFFFFFFF
-    fits = is_miss & (offs_k < free) & active
-    tl.debug_barrier()
-    v = tl.load(scratch_ptr + t * BLOCK_E + offs_k, mask=fits, other=0)
+    if ONE_PICK:
+        # one pick (a new entry's write): its miss, if any, is lane 0 and takes the first
+        # victim, the smallest key: a min instead of two sorts and the scratch round trip
+        me = miss_key
+        is_miss = me != 0x7FFFFFFFFFFFFFFF
+        fits = is_miss & (offs_k < free) & active
+        v = tl.min(keys, axis=0) % BLOCK_E + tl.zeros([BLOCK_K], tl.int64)
+    else:
+        tl.store(scratch_ptr + t * BLOCK_E + offs_e, tl.sort(keys) % BLOCK_E)
+        me = tl.sort(miss_key)
+        is_miss = me != 0x7FFFFFFFFFFFFFFF
+        fits = is_miss & (offs_k < free) & active
+        tl.debug_barrier()
+        v = tl.load(scratch_ptr + t * BLOCK_E + offs_k, mask=fits, other=0)
     old = tl.load(s2e + v, mask=fits, other=-1).to(tl.int64)
     tl.store(e2s + old, tl.full([BLOCK_K], -1, tl.int32), mask=fits & (old >= 0))
     tl.store(e2s + me, v.to(tl.int32), mask=fits)
@@ -150,5 +161,5 @@ def triton_hot_plan(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
         e2s, s2e, stamp, clock, slot_ids.contiguous(), picks, page_table, rows, src, dst,
         scratch, counters, k, E, M, R, page_entries, e2s.stride(0), s2e.stride(0),
         stamp.stride(0), picks.stride(0), page_table.stride(0), BLOCK_K=block_k,
-        BLOCK_E=block_e, STRICT=strict, num_warps=8 if block_e >= 2048 else 4)
+        BLOCK_E=block_e, STRICT=strict, ONE_PICK=k == 1, num_warps=8 if block_e >= 2048 else 4)
     return rows, src, dst
