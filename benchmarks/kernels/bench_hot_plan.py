@@ -9,7 +9,8 @@ a call hits about two thirds of its picks and swaps the rest, as decode does onc
 warm. Parity first: both implementations from the same state must give the same maps, rows and
 copies. Timing: the median of CUDA-event-timed CUDA-graph replays cycling 8 index sets (the
 maps evolve across replays, as in decode); the metric is us per call (a latency: the op moves
-~T * k * 20 bytes of maps, far from any bandwidth bound).
+~T * k * 20 bytes of maps, far from any bandwidth bound). `--sweep` also times the kernel at
+2, 4, 8 and 16 warps (`us_by_warps`).
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_hot_plan.py --out FILE.json   # CUDA
@@ -19,6 +20,8 @@ Prints a table, then ONE JSON line (also written to --out).
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,7 @@ from bench_common import (
 
 SETS = 8
 WINDOW = 1536
+SWEEP_WARPS = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -85,15 +89,17 @@ def make_sets(case: Case, state: dict[str, torch.Tensor], device: torch.device, 
     return sets
 
 
-def check_parity(case: Case, device: torch.device, seed: int) -> float:
-    """Both implementations through every set from one state; returns the hit share."""
+def check_parity(case: Case, device: torch.device, seed: int,
+                 kernel: Callable[..., Any] | None = None) -> float:
+    """The reference and `kernel` (default `triton_hot_plan`) through every set from one state;
+    returns the hit share."""
     from dsv4.kernels.ref.hot_plan import hot_plan_ref
     from dsv4.kernels.triton.hot_plan import triton_hot_plan
 
     states = [make_state(case, device) for _ in range(2)]
     sets = [make_sets(case, s, device, seed) for s in states]
     for a, b in zip(*sets, strict=True):
-        rows = [fn(*args)[0] for fn, args in ((hot_plan_ref, a), (triton_hot_plan, b))]
+        rows = [fn(*args)[0] for fn, args in ((hot_plan_ref, a), (kernel or triton_hot_plan, b))]
         assert torch.equal(rows[0], rows[1]), f"{case.name}: rows differ"
     for name in ("e2s", "s2e", "stamp", "clock", "counters"):
         assert torch.equal(states[0][name], states[1][name]), f"{case.name}: {name} differs"
@@ -103,17 +109,27 @@ def check_parity(case: Case, device: torch.device, seed: int) -> float:
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from dsv4.kernels.ref.hot_plan import hot_plan_ref
-    from dsv4.kernels.triton.hot_plan import triton_hot_plan
+    from dsv4.kernels.triton.hot_plan import plan_warps, triton_hot_plan
 
     cuda = device.type == "cuda"
     hit = check_parity(case, device, args.seed)
+    default = plan_warps(max(16, 1 << (case.E - 1).bit_length()), case.k == 1)
+    fns: dict[str, Callable[..., Any]] = {"kernel": triton_hot_plan, "ref": hot_plan_ref}
+    if args.sweep:      # the same kernel at other warp counts, each checked first
+        fns.update({f"w{w}": functools.partial(triton_hot_plan, num_warps=w)
+                    for w in SWEEP_WARPS if w != default})
+        for name, fn in fns.items():
+            if name.startswith("w"):
+                check_parity(case, device, args.seed, fn)
     timed = {}
-    for name, fn in (("kernel", triton_hot_plan), ("ref", hot_plan_ref)):
+    for name, fn in fns.items():
         sets = make_sets(case, make_state(case, device), device, args.seed)
         timed[name] = time_us(fn, sets if cuda else sets[:1], args, cuda)
+    sweep = {name: us for name, us in timed.items() if name.startswith("w")}
     return {"case": case.name, "T": case.T, "k": case.k, "E": case.E, "M": case.M,
             "hit_share": hit, "us": timed["kernel"], "ref_us": timed["ref"],
-            "speedup_vs_ref": timed["ref"] / timed["kernel"], "index_sets": SETS}
+            "speedup_vs_ref": timed["ref"] / timed["kernel"], "index_sets": SETS,
+            "warps": default, **({"us_by_warps": sweep} if sweep else {})}
 
 
 TABLE = [("case", "{:<22}", "case"), ("hit_share", "{:>6.2f}", "hits"), ("us", "{:>8.2f}", "us"),
@@ -121,11 +137,16 @@ TABLE = [("case", "{:<22}", "case"), ("hit_share", "{:>6.2f}", "hits"), ("us", "
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0], "no sweep: one launch plan").parse_args()
+    args = base_parser(__doc__.splitlines()[0],
+                       f"also the kernel at num_warps in {SWEEP_WARPS}").parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     cases = smoke_cases() if args.cpu_smoke else cuda_cases()
     rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)
+    for r in rows:
+        if "us_by_warps" in r:
+            print(f"{r['case']}: {r['warps']} warps (default) {r['us']:.2f} us; " + ", ".join(
+                f"{k[1:]} warps {v:.2f}" for k, v in r["us_by_warps"].items()))
     emit({**record_header("hot_plan", device), "window": WINDOW, "results": rows}, args.out)
 
 
