@@ -51,6 +51,10 @@
 #                 both modes, for TPOT at equal load, and each mode's admitted count): hisparse_tests.txt,
 #                 bench_hisparse_swap.txt / .json, bench_hot_plan.txt / .json (the plan kernel), hisparse.txt.
 #                 HISPARSE_ARGS is added to hisparse.py
+#   hisparse-trace  issue 25's one-request step on flash-43l-e16 (32K context) with HiSparse off and on: torch.profiler
+#                 tables (prof_hisparse_{off,on}.txt) and, with it on, a Chrome trace of 3 decode steps read by
+#                 trace_gaps.py (the two streams' busy and idle time, the largest gaps: hisparse_trace_gaps.txt);
+#                 then hisparse.py at concurrency 1 and 16 in both modes (hisparse.txt) for TPOT
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -246,13 +250,32 @@ hisparse() {
   grep -v "^{" "$OUT/hisparse.txt" | tail -14
 }
 
+hisparse_trace() {
+  local m flags
+  for m in off on; do
+    flags=""
+    [ "$m" = on ] && flags="--enable-hisparse --trace /tmp/hisparse_trace.json"
+    # shellcheck disable=SC2086  # flags is a list of flags
+    timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-43l-e16 --device cuda --dtype bfloat16 \
+      --kernel-backend triton --num-prompts 1 --prompt-len 32768 --decode-only --warm-steps 4 --steps 3 \
+      --rows 40 $flags > "$OUT/prof_hisparse_$m.txt" 2>&1
+    tail -1 "$OUT/prof_hisparse_$m.txt" | cut -c 1-400
+  done
+  python3 benchmarks/trace_gaps.py /tmp/hisparse_trace.json --top 15 > "$OUT/hisparse_trace_gaps.txt" 2>&1
+  grep -E "^step" "$OUT/hisparse_trace_gaps.txt"
+  timeout 300 python3 benchmarks/hisparse.py --preset flash-43l-e16 --device cuda --kv-cache-memory-gb 40 \
+    --prompt-len 200000 --output-len 2048 --concurrency 1,16 --fill shared-prefix \
+    --max-running-requests 256 > "$OUT/hisparse.txt" 2>&1
+  grep -v "^{" "$OUT/hisparse.txt" | tail -6
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,50p' "$0"
+  sed -n '2,64p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -272,9 +295,10 @@ for part in "$@"; do
     train) train ;;
     train-tiny) train_tiny ;;
     hisparse) hisparse ;;
+    hisparse-trace) hisparse_trace ;;
     drift) drift ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile transient drift train train-tiny hisparse sass"; exit 2 ;;
+         "profile transient drift train train-tiny hisparse hisparse-trace sass"; exit 2 ;;
   esac
 done
