@@ -138,6 +138,21 @@ def test_single_entry_rows_evict_the_least_recently_used() -> None:
     assert int(ref["counters"][1]) > 0, "nothing swapped"
 
 
+def test_misses_take_victims_in_order_of_first_appearance() -> None:
+    """Into an empty hot set (victims: slots 0, 1, 2 ..), the q-th distinct miss of a request
+    in pick order (row by row, repeats skipped) takes slot q; the kernel, whose rows hold
+    distinct picks, ranks them the same way."""
+    R, E, M, pe = 1, 4, 16, 4
+    slots = torch.tensor([0, 0]).to(DEVICE)
+    state = empty_state(R, E, M, pe)
+    call(hot_plan_ref, state, slots, torch.tensor([[7, 3, -1], [3, 5, 7]]).to(DEVICE), pe, True)
+    assert state["e2s"][0, [7, 3, 5]].tolist() == [0, 1, 2]
+    for fn in (hot_plan_ref, triton_hot_plan):
+        state = empty_state(R, E, M, pe)
+        call(fn, state, slots[:1], torch.tensor([[9, 2, 11]]).to(DEVICE), pe, True)
+        assert state["e2s"][0, [9, 2, 11]].tolist() == [0, 1, 2], fn
+
+
 def test_validation_names_the_field() -> None:
     state = empty_state(2, 16, 32, 4)
     slots = torch.tensor([0, 1], device=DEVICE)

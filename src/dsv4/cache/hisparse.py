@@ -40,7 +40,8 @@ mirror into a new device buffer and leaves the hot set alone.
 (capturable in a CUDA graph when the swap-in is: the Triton op, or `swap_in_ref` with both pools
 on the device):
     1. hits: look every pick up in entry_to_slot; stamp the hit slots with the new clock value
-    2. misses: the distinct picks not hot, ranked within their request in entry order
+    2. misses: the distinct picks not hot, ranked within their request in order of first
+       appearance (row by row, column by column)
     3. victims: per request, its slots by ascending last_used (empty first, the slots hit in
        step 1 last); the miss of rank q takes victim q, if q < E - (slots hit in step 1)
     4. remap: unmap the victims' old entries, map the misses, stamp them

@@ -13,7 +13,8 @@ slot, column E / M the trash column, always -1):
 One call, for picks[t, c] (entry ids of request slot_ids[t]; -1: none; rows of the pad slot pick
 nothing), with `now` = the clock after its increment:
     1. hits: every pick already hot has its slot stamped `now`
-    2. misses: the distinct picks not hot, per request in ascending entry order, rank q = 0, 1, ..
+    2. misses: the distinct picks not hot, per request in the order they first appear in picks
+       (row by row, column by column), rank q = 0, 1, ..
     3. victims: per request its E slots by ascending (stamp, slot) (empty first, this call's hits
        last); miss q takes victim q when q < E - (slots stamped `now`), else it is not placed
     4. remap: the victims' old entries unmapped, the placed misses mapped and stamped `now`
@@ -79,18 +80,25 @@ def _stamp_hits(e2s: torch.Tensor, stamp: torch.Tensor, slots: torch.Tensor,
 
 def _rank_misses(slots: torch.Tensor, entries: torch.Tensor, miss: torch.Tensor, R: int, M: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 2: (slot, entry, rank) in key order; rank q >= 0 marks the q-th distinct miss of its
-    request, -1 a duplicate or a non-miss.
+    """Step 2: (slot, entry, rank) of every pick, reordered; rank q >= 0 marks the q-th distinct
+    miss of its request in order of first appearance, -1 a repeat or a non-miss.
 
-        key = slot * (M + 1) + entry      (non-misses: `none`, sorted last)
-        sorted keys   [s0 e3, s0 e3, s0 e7 | s2 e1 | none ...]
-        first         [  1,     0,     1   |   1   |  0   ...]
-        rank          [  0,    -1,     1   |   0   | -1   ...]   cumsum(first) - start[slot]
+    Sort 1 groups repeats: key = slot * (M + 1) + entry (non-misses: `none`, last), stable, so a
+    group's first element is its earliest position. Sort 2 orders those firsts by
+    (slot, position); ranks count them per slot:
+
+        positions     [0: s0 e7, 1: s0 e3, 2: s0 e3, 3: s2 e1]
+        sort 1        [s0 e3 @1, s0 e3 @2, s0 e7 @0 | s2 e1 @3]   first [1, 0, 1 | 1]
+        sort 2        [s0 @0 (e7), s0 @1 (e3) | s2 @3 (e1) | repeats ...]
+        rank          [  0,          1        |   0        |  -1 ...]   cumsum(first) - start[slot]
     """
+    n = slots.shape[0]
     none = (R + 1) * (M + 1)
     keys, order = torch.sort(torch.where(miss, slots * (M + 1) + entries, none), stable=True)
     prev = torch.cat([keys.new_full((1,), -1), keys[:-1]])
     first = (keys != prev) & (keys < none)
+    by_pos = torch.sort(torch.where(first, slots[order] * n + order, (R + 1) * n)).indices
+    order, first = order[by_pos], first[by_pos]
     slot_s, entry_s = slots[order], entries[order]
     count = torch.zeros(R + 1, dtype=torch.int64, device=slots.device)
     count.index_add_(0, slot_s, first.long())

@@ -12,10 +12,10 @@ touch no map). With k picks (BLOCK_K >= k) and E hot slots (BLOCK_E >= E) held i
        [T, BLOCK_E] scratch row so miss q can read victim q               (barrier)
        With one pick per row (k = 1: a decode step's new entries, `write_entries(hot=True)`)
        only victim 0 can be taken: the smallest key (a min), no sort and no scratch
-    3. misses: the non-hit picks sorted by entry id (the reference ranks a request's distinct
-       misses in entry order); miss q < E - (slots stamped now) takes victim q: its old entry
-       unmapped, the miss mapped, stamped, and (host row, hot row) stored at src / dst [t * k + q]
-       (-1 past the misses)                                                  (barrier)
+    3. misses: the non-hit picks ranked in pick order (a prefix sum: a row's picks are
+       distinct, so this is the reference's order of first appearance); miss q < E - (slots
+       stamped now) takes victim q: its old entry unmapped, the miss mapped, stamped, and
+       (host row, hot row) stored at src / dst [t * k + c], c its column (-1 elsewhere) (barrier)
     4. rows: e2s read again for every pick: s * E + j, or -1
 Counters (strict) by atomic adds. The clock is incremented by one torch op before the launch (the
 programs share `now`). Fixed grid for a fixed T, no host syncs: CUDA-graph safe.
@@ -68,21 +68,19 @@ def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-
     big = tl.full([BLOCK_E], 0x7FFFFFFFFFFFFFFF, tl.int64)
     keys = tl.where(in_e, (st + 1) * BLOCK_E + offs_e, big)
     free = E - tl.sum((in_e & (st == now)).to(tl.int64), axis=0)
-    miss_key = tl.where(valid & (j < 0), p, 0x7FFFFFFFFFFFFFFF)           # 3. misses
+    is_miss = valid & (j < 0)                                             # 3. misses
     if ONE_PICK:
         # one pick (a new entry's write): its miss, if any, is lane 0 and takes the first
-        # victim, the smallest key: a min instead of two sorts and the scratch round trip
-        me = miss_key
-        is_miss = me != 0x7FFFFFFFFFFFFFFF
-        fits = is_miss & (offs_k < free) & active
+        # victim, the smallest key: a min instead of a sort and the scratch round trip
+        fits = is_miss & (offs_k < free)
         v = tl.min(keys, axis=0) % BLOCK_E + tl.zeros([BLOCK_K], tl.int64)
     else:
         tl.store(scratch_ptr + t * BLOCK_E + offs_e, tl.sort(keys) % BLOCK_E)
-        me = tl.sort(miss_key)
-        is_miss = me != 0x7FFFFFFFFFFFFFFF
-        fits = is_miss & (offs_k < free) & active
+        rank = tl.cumsum(is_miss.to(tl.int64), axis=0) - 1
+        fits = is_miss & (rank < free)
         tl.debug_barrier()
-        v = tl.load(scratch_ptr + t * BLOCK_E + offs_k, mask=fits, other=0)
+        v = tl.load(scratch_ptr + t * BLOCK_E + rank, mask=fits, other=0)
+    me = p
     old = tl.load(s2e + v, mask=fits, other=-1).to(tl.int64)
     tl.store(e2s + old, tl.full([BLOCK_K], -1, tl.int32), mask=fits & (old >= 0))
     tl.store(e2s + me, v.to(tl.int32), mask=fits)
@@ -96,7 +94,7 @@ def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-
         placed = tl.sum(fits.to(tl.int64), axis=0)
         tl.atomic_add(cnt_ptr, tl.sum(valid.to(tl.int64), axis=0))
         tl.atomic_add(cnt_ptr + 1, placed)
-        tl.atomic_add(cnt_ptr + 2, tl.sum((is_miss & active).to(tl.int64), axis=0) - placed)
+        tl.atomic_add(cnt_ptr + 2, tl.sum(is_miss.to(tl.int64), axis=0) - placed)
     tl.debug_barrier()
     j = tl.load(e2s + col).to(tl.int64)                                   # 4. rows
     tl.store(rows_ptr + t * k + offs_k, tl.where(valid & (j >= 0), s * E + j, -1), mask=in_k)
