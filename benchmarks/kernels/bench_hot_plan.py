@@ -113,7 +113,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
 
     cuda = device.type == "cuda"
     hit = check_parity(case, device, args.seed)
-    default = plan_warps(max(16, 1 << (case.E - 1).bit_length()), case.k == 1)
+    default = plan_warps(case.E, case.k == 1)
     fns: dict[str, Callable[..., Any]] = {"kernel": triton_hot_plan, "ref": hot_plan_ref}
     if args.sweep:      # the same kernel at other warp counts, each checked first
         fns.update({f"w{w}": functools.partial(triton_hot_plan, num_warps=w)

@@ -69,24 +69,22 @@ def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-
     keys = tl.where(in_e, (st + 1) * BLOCK_E + offs_e, big)
     free = E - tl.sum((in_e & (st == now)).to(tl.int64), axis=0)
     is_miss = valid & (j < 0)                                             # 3. misses
+    rank = tl.cumsum(is_miss.to(tl.int64), axis=0) - 1
+    fits = is_miss & (rank < free)
     if ONE_PICK:
-        # one pick (a new entry's write): its miss, if any, is lane 0 and takes the first
-        # victim, the smallest key: a min instead of a sort and the scratch round trip
-        fits = is_miss & (offs_k < free)
+        # one pick (a new entry's write): its miss, if any, takes the first victim, the
+        # smallest key: a min instead of a sort and the scratch round trip
         v = tl.min(keys, axis=0) % BLOCK_E + tl.zeros([BLOCK_K], tl.int64)
     else:
         tl.store(scratch_ptr + t * BLOCK_E + offs_e, tl.sort(keys) % BLOCK_E)
-        rank = tl.cumsum(is_miss.to(tl.int64), axis=0) - 1
-        fits = is_miss & (rank < free)
         tl.debug_barrier()
         v = tl.load(scratch_ptr + t * BLOCK_E + rank, mask=fits, other=0)
-    me = p
     old = tl.load(s2e + v, mask=fits, other=-1).to(tl.int64)
     tl.store(e2s + old, tl.full([BLOCK_K], -1, tl.int32), mask=fits & (old >= 0))
-    tl.store(e2s + me, v.to(tl.int32), mask=fits)
-    tl.store(s2e + v, me.to(tl.int32), mask=fits)
+    tl.store(e2s + p, v.to(tl.int32), mask=fits)
+    tl.store(s2e + v, p.to(tl.int32), mask=fits)
     tl.store(stamp + v, now + tl.zeros_like(v), mask=fits)
-    safe = tl.where(fits, me, 0)
+    safe = tl.where(fits, p, 0)
     host = tl.load(pt_ptr + s * stride_pt + safe // pe, mask=fits, other=0) * pe + safe % pe
     tl.store(src_ptr + t * k + offs_k, tl.where(fits, host, -1), mask=in_k)
     tl.store(dst_ptr + t * k + offs_k, tl.where(fits, s * E + v, -1), mask=in_k)
@@ -154,7 +152,7 @@ def triton_hot_plan(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
     if T == 0 or k == 0:
         return rows, src, dst
     block_k = pow2("block_k", max(16, triton.next_power_of_2(k)), 1)
-    block_e = max(16, triton.next_power_of_2(E))
+    block_e = _block_e(E)
     scratch = torch.empty(T, block_e, dtype=torch.int64, device=dev)
     picks = picks if picks.stride(1) == 1 else picks.contiguous()
     _hot_plan_kernel[(T,)](
@@ -162,14 +160,20 @@ def triton_hot_plan(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
         scratch, counters, k, E, M, R, page_entries, e2s.stride(0), s2e.stride(0),
         stamp.stride(0), picks.stride(0), page_table.stride(0), BLOCK_K=block_k,
         BLOCK_E=block_e, STRICT=strict, ONE_PICK=k == 1,
-        num_warps=num_warps or plan_warps(block_e, k == 1))
+        num_warps=num_warps or plan_warps(E, k == 1))
     return rows, src, dst
 
 
-def plan_warps(block_e: int, one_pick: bool) -> int:
-    """Warps of one plan program. The bitonic sorts of BLOCK_E keys are its latency and shorten
-    with more threads (H200, E 1024, k 512: 25.3 us at 4 warps, 18.6 at 8, 15.1 at 16); one pick
-    per row sorts nothing (6.2 us at 4 warps, 5.3 at 8)."""
+def _block_e(E: int) -> int:
+    return max(16, triton.next_power_of_2(E))
+
+
+def plan_warps(E: int, one_pick: bool) -> int:
+    """Warps of one plan program for E hot slots. The bitonic sort of the BLOCK_E LRU keys is
+    the program's latency and shortens with more threads, up to 16 warps at E = 1024; one pick
+    per row sorts nothing and gains little past 8 (H200 timings: `bench_hot_plan.py --sweep`,
+    benchmarks/results/hisparse_h200_202612.md)."""
+    block_e = _block_e(E)
     if one_pick:
         return 8 if block_e >= 1024 else 4
     return max(4, min(16, block_e // 64))
