@@ -77,9 +77,9 @@ def moe_variants() -> Iterator[Variant]:
 
 
 def moe_fma_variants() -> Iterator[Variant]:
-    """The "fma" loop (`moe_fma.py`) of FP4 / FP8 at BLOCK_M 1, 2, 4 on the plan's tiles, and FP4
-    at BLOCK_N 64 / BLOCK_K 512 / 2 stages; labels as `moe_variants`' (bytes of one matrix a
-    thread decodes per K step)."""
+    """The "fma" loop (`moe_fma.py`) of FP4 / FP8 at BLOCK_M 1, 2, 4 on the plan's tiles with and
+    without the register prefetch, and FP4 at BLOCK_N 64 / BLOCK_K 512 / 2 stages; labels as
+    `moe_variants`' (bytes of one matrix a thread decodes per K step)."""
     from dsv4.kernels.triton import moe_fma, moe_plan
 
     types = {"x_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
@@ -92,15 +92,15 @@ def moe_fma_variants() -> Iterator[Variant]:
     bn0, warps = moe_plan.FMA_BLOCK_N, moe_plan.FMA_WARPS
     for fmt, name in ((1, "fp8"), (2, "fp4")):
         bk0 = moe_plan.FMA_BLOCK_K[name]
-        tiles = [(bm, bn0, bk0, 1) for bm in (1, 2, 4)]
+        tiles = [(bm, bn0, bk0, 1, pf) for bm in (1, 2, 4) for pf in (False, True)]
         if fmt == 2:
-            tiles += [(1, 64, bk0, 1), (1, bn0, 2 * bk0, 1), (1, bn0, bk0, 2)]
-        for bm, bn, bk, stages in tiles:
+            tiles += [(1, 64, bk0, 1, True), (1, bn0, 2 * bk0, 1, False), (1, bn0, bk0, 2, False)]
+        for bm, bn, bk, stages, pf in tiles:
             consts = {"TOPK": 6, "FMT": fmt, "SHIFT": moe_fma.act_shift(fmt), "ASM": True,
-                      "EVEN_K": True, "BLOCK_M": bm,
-                      "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages}
+                      "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                      "NUM_STAGES": stages, "PREFETCH": pf, "SLOTS": bm == 1}
             per_thread = bn * bk * (1, 0.5)[fmt - 1] / (32 * warps)
-            label = f"{name} fma {bm}x{bn}x{bk} s{stages} {per_thread:g}B"
+            label = f"{name} fma {bm}x{bn}x{bk} s{stages}{' pf' if pf else ''} {per_thread:g}B"
             options = {"num_warps": warps}
             yield (f"moe gate_up {label}", moe_fma._gate_up_fma_kernel, types,
                    {**consts, "H_DTYPE": tl.bfloat16, "LIBDEVICE": True}, options)

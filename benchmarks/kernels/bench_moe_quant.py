@@ -54,23 +54,29 @@ from bench_common import (
 LIMIT = 10.0
 N_SETS = 4
 MAX_REL_ERR = 1e-2
-Config = tuple[int | None, int | None, int | None, int | None]  # block_n, block_k, warps, stages
-DEFAULT_CONFIG: Config = (None, None, None, None)               # the plan's (moe_plan.py)
+# block_n, block_k, warps, stages, prefetch (the fma loop's register prefetch; None elsewhere)
+Config = tuple[int | None, int | None, int | None, int | None, bool | None]
+DEFAULT_CONFIG: Config = (None, None, None, None, None)         # the plan's (moe_plan.py)
 # per kind (fmt, or fmt/variant for FP4): the old default first, then tiles around the plan's
 SWEEP: dict[str, list[Config]] = {
-    "fp4/split": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3)],
-    "fp4": [(64, 64, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 4, 3), (64, 256, 8, 3),
-            (32, 128, 4, 4), (16, 256, 1, 3), (128, 256, 8, 3)],
-    "fp8": [(64, 64, 4, 3), (64, 128, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 4),
-            (16, 128, 1, 3), (128, 128, 8, 3)],
-    "bf16": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
-    # the fma loop (no tl.dot): stages = the K loop's software pipelining (1: none)
-    "fp4/fma": [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (256, 512) for w in (2, 4)
-                for st in (1, 2)] + [(32, 128, 4, 1), (64, 256, 8, 1), (128, 256, 8, 1),
-                                     (32, 1024, 4, 1), (16, 256, 1, 1), (32, 256, 4, 3)],
-    "fp8/fma": [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128) for w in (2, 4)
-                for st in (1, 2)] + [(64, 128, 8, 1), (128, 128, 8, 1), (16, 128, 1, 1),
-                                     (32, 128, 4, 3)],
+    "fp4/split": [(64, 64, 4, 3, None), (32, 64, 4, 3, None), (64, 128, 4, 3, None),
+                  (128, 64, 8, 3, None)],
+    "fp4": [(64, 64, 4, 3, None), (64, 128, 4, 3, None), (32, 256, 4, 3, None),
+            (64, 256, 4, 3, None), (64, 256, 8, 3, None), (32, 128, 4, 4, None),
+            (16, 256, 1, 3, None), (128, 256, 8, 3, None)],
+    "fp8": [(64, 64, 4, 3, None), (64, 128, 4, 3, None), (32, 128, 4, 3, None),
+            (64, 128, 8, 3, None), (64, 128, 4, 4, None), (16, 128, 1, 3, None),
+            (128, 128, 8, 3, None)],
+    "bf16": [(64, 64, 4, 3, None), (32, 64, 4, 3, None), (64, 128, 4, 3, None),
+             (128, 64, 8, 3, None), (64, 64, 4, 4, None)],
+    # the fma loop (no tl.dot): stages = the K loop's cp.async pipelining (1: none); prefetch =
+    # the next step's words loaded into registers before this step's decode
+    "fp4/fma": [(32, 256, 2, 1, True), (64, 256, 4, 1, False), (64, 256, 4, 1, True),
+                (128, 256, 8, 1, True), (32, 256, 4, 1, True), (32, 256, 4, 1, False),
+                (16, 256, 4, 1, True), (64, 256, 8, 1, True), (32, 512, 4, 1, True),
+                (64, 128, 4, 1, True)],
+    "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
+                (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }
 FMTS = ("fp4", "fp8", "bf16")
 VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma")
@@ -163,7 +169,9 @@ def grouped_us(wts: Weights, fmt: str, sets: list[list[Inputs]],
 
 
 def config_name(cfg: Config) -> str:
-    return "/".join("-" if v is None else str(v) for v in cfg)
+    """bn/bk/w/st/pf, "-" for the plan's choice (pf: "pf" with the prefetch, else "-")."""
+    *tiles, pf = cfg
+    return "/".join(["-" if v is None else str(v) for v in tiles] + ["pf" if pf else "-"])
 
 
 def reference(s: Shape, wts: Weights, fmt: str, inputs: Inputs) -> torch.Tensor:
@@ -191,14 +199,15 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     timed: dict[str, float] = {}
     err, error = 0.0, ""
     for cfg in [DEFAULT_CONFIG] + (SWEEP[kind] if args.sweep else []):
-        bn, bk, nw, ns = cfg
+        bn, bk, nw, ns, pf = cfg
 
         def fn(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, bn: int | None = bn,
-               bk: int | None = bk, nw: int | None = nw, ns: int | None = ns) -> torch.Tensor:
+               bk: int | None = bk, nw: int | None = nw, ns: int | None = ns,
+               pf: bool | None = pf) -> torch.Tensor:
             return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT,
                                                fmt, variant=variant, block_m=block_m,
                                                block_n=bn, block_k=bk, num_warps=nw,
-                                               num_stages=ns)
+                                               num_stages=ns, prefetch=pf)
         try:
             e = rel_error(fn(*sets[0]), ref)
         except Exception as exc:  # noqa: BLE001 — a refused or failing config is reported, not fatal
@@ -261,7 +270,7 @@ def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
 
 TABLE = [("case", "{:<12}", "case"), ("variant", "{:>10}", "variant"), ("us", "{:>9.1f}", "us"),
          ("x_floor", "{:>7.2f}", "x_floor"), ("tflops", "{:>7.1f}", "TFLOP/s"),
-         ("best_config", "{:>14}", "best bn/bk/w/st"), ("best_us", "{:>9.1f}", "best us"),
+         ("best_config", "{:>14}", "best bn/bk/w/st/pf"), ("best_us", "{:>9.1f}", "best us"),
          ("best_x_floor", "{:>7.2f}", "best xf"), ("best_tflops", "{:>7.1f}", "best TF"),
          ("ref_us", "{:>11.1f}", "ref us"), ("speedup_vs_ref", "{:>7.1f}", "x ref"),
          ("grouped", "{:>10}", "grouped us"), ("experts_hit", "{:>6.1f}", "hit"),

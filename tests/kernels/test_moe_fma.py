@@ -22,6 +22,25 @@ import pytest  # noqa: E402
 from test_moe_quant import check, make_routing, make_weights, randn, reference  # noqa: E402
 
 from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
+from dsv4.kernels.triton.moe_fma import act_shift, chunk, fma_activations  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt,block_k", [(2, 256), (2, 64), (1, 128), (1, 32)])
+def test_fma_activations_order(fmt: int, block_k: int) -> None:
+    """The activations' copy: within each BLOCK_K block, k = CHUNK c + P j + q (P = CHUNK / 4)
+    sits at 4C q + 4c + j, times 2^act_shift; d = 320 is not whole blocks at BLOCK_K 256 / 128, so
+    the last block is zero-padded."""
+    step, d = chunk(fmt), 320
+    x = torch.arange(2 * d, dtype=torch.float32).view(2, d) + 1
+    out = fma_activations(x, fmt, block_k)
+    blocks, C, P = -(-d // block_k), block_k // step, step // 4
+    assert out.shape == (2, blocks * block_k)
+    want = torch.zeros_like(out)
+    for k in range(d):
+        b, r = divmod(k, block_k)
+        c, j, q = r // step, (r % step) // P, r % P
+        want[:, b * block_k + 4 * C * q + 4 * c + j] = x[:, k] * 2.0 ** act_shift(fmt)
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("N,block_m", [(1, 1), (3, 2), (12, 4)])
@@ -52,6 +71,25 @@ def test_fma_fp32_x_exact(fmt: str) -> None:
         out = triton_routed_experts_quant(x, *wts, idx, rw, 10.0, fmt,
                                           variant="fma", block_k=bk)
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 2e-6
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_fma_prefetch_same_bits(fmt: str) -> None:
+    """The register prefetch (each K step issues the next step's loads before it decodes its
+    own) changes when words are loaded, never the sums: bit-equal to the plain loop at BLOCK_M 1
+    and 4, over a one-step masked loop (the plan's BLOCK_K > K), several whole steps (EVEN_K:
+    the last prefetch is clamped to the last step) and several steps with a masked tail (the
+    prefetch past K reads nothing). d 128, I 96."""
+    wts = make_weights(8, 128, 96, fmt, seed=37)
+    idx, rw = make_routing(6, 8, 2, seed=37, hot=1)
+    x = randn(6, 128, seed=37).to(torch.bfloat16)
+    for bk in (None, 32, 64) if fmt == "fp4" else (None, 16, 64):
+        for bm in (1, 4):
+            plain, pre = (triton_routed_experts_quant(x, *wts, idx, rw, 10.0, fmt, variant="fma",
+                                                      block_m=bm, block_k=bk, prefetch=pf,
+                                                      deterministic=True)
+                          for pf in (False, True))
+            assert torch.equal(plain, pre), (bk, bm)
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])

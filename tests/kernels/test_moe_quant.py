@@ -245,6 +245,9 @@ def test_plan() -> None:
         == VARIANTS["words"]
     with pytest.raises(ValueError, match="'fma' needs"):
         plan_moe("fp8", "fma", torch.bfloat16, cpu, 6, 8, 64, 64, block_k=256)
+    assert plan_moe("fp4", "fma", torch.bfloat16, cpu, 6, 8, 64, 64, prefetch=True).prefetch
+    with pytest.raises(ValueError, match="prefetch is a knob of variant 'fma'"):
+        plan_moe("fp4", "words", torch.bfloat16, cpu, 6, 8, 64, 64, prefetch=True)
     with pytest.raises(ValueError, match="multiples of 16"):
         plan_moe("fp8", "fma", torch.bfloat16, cpu, 6, 8, 72, 64)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 8, 72, 64).variant == VARIANTS["scaled"]

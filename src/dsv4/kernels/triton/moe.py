@@ -218,6 +218,7 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 block_n: int | None = None, block_k: int | None = None,
                                 num_warps: int | None = None,
                                 num_stages: int | None = None,
+                                prefetch: bool | None = None,
                                 shared: torch.Tensor | None = None,
                                 out_dtype: torch.dtype = torch.float32,
                                 wait_shared: WaitShared | None = None) -> torch.Tensor:
@@ -237,7 +238,7 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     s3 = w13_scale[:, split:] if w13_scale is not None else None
     plan = plan_moe(fmt, variant, x.dtype, x.device, indices.numel(), w13.shape[0], inter,
                     x.shape[1], block_m=block_m, block_n=block_n, block_k=block_k,
-                    num_warps=num_warps, num_stages=num_stages)
+                    num_warps=num_warps, num_stages=num_stages, prefetch=prefetch)
     # w1 / w3 (and their scales) are views into w13 with identical strides, passed separately
     return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit,
                    fmt, deterministic, plan, (shared, out_dtype, wait_shared))
@@ -301,7 +302,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     nk = N * topk
     if nk == 0:
         return add_shared(torch.zeros(N, d, dtype=torch.float32, device=x.device), *combine)
-    order, t_start, t_end, t_exp = tile_map(indices, E, plan.block_m)
+    fma = plan.variant == VARIANTS["fma"]
+    # the fma loop at BLOCK_M 1 needs no tile map: one program row per slot (`fma_launches`)
+    tiles = None if fma and plan.block_m == 1 else tile_map(indices, E, plan.block_m)
     shared, out_dtype, wait_shared = combine
     if wait_shared is not None:     # before the expert GEMMs (module docstring)
         wait_shared()
@@ -310,13 +313,13 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s3 = s3.view(torch.uint8) if s3 is not None else w3
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     code = FMTS[fmt]
-    if plan.variant == VARIANTS["fma"]:
-        dest = fma_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
-                            (order, t_start, t_end, t_exp), rw, limit, code, topk,
-                            deterministic, plan, _LIBDEVICE)
+    if fma:
+        dest = fma_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, indices,
+                            tiles, rw, limit, code, topk, deterministic, plan, _LIBDEVICE)
     else:
-        dest = _mma_launches(x, w1, w3, s1, s3, w2, s2, (order, t_start, t_end, t_exp), rw,
-                             limit, fmt, topk, deterministic, plan)
+        assert tiles is not None
+        dest = _mma_launches(x, w1, w3, s1, s3, w2, s2, tiles, rw, limit, fmt, topk,
+                             deterministic, plan)
     if not deterministic and shared is None and out_dtype == torch.float32:
         return dest
     return triton_moe_combine(dest.view(N, topk if deterministic else 1, d), shared, out_dtype)

@@ -5,19 +5,24 @@ At decode the N*k rows spread over the experts with ~1 row each, so a [16, BLOCK
 memory. Here the weights stay in the layout they are loaded in and meet the activations on the CUDA
 cores; `plan_moe` picks this loop while nk <= `FMA_MAX_MEAN_ROWS` * E (or `variant="fma"`).
 
-One program: up to BLOCK_M (1, 2, 4) sorted rows of one expert (`moe_tile_map.py`), BLOCK_N
-output rows of W. Each K step loads W's [BLOCK_N, C, 4] 32-bit words (C = BLOCK_K / CHUNK chunks of
-CHUNK k; 16 bytes per (n, c), one vector load per thread: FP4 one 32-wide scale group, FP8 16
-codes), decodes them in registers into CHUNK / 4 fp32 tensors W_q[n, c, j] of the same layout, and
-for each row (its own [BLOCK_N, C] accumulator; the decode is shared by the rows) loads its
-activations A_q[n, c, j] through pointers of the words' shape and contiguity, so the load takes
-the same layout (nothing through shared memory), then s = W_0 A_0 + W_1 A_1 + ... (an FFMA chain
-in q order per (n, c, j)), part = the in-thread sum of s over j, acc += part * factor. After the K
-loop one `tl.sum` over c (in-thread, then lanes) gives the row's BLOCK_N outputs. The order of a
-row's sum is fixed by BLOCK_K and the layout (BLOCK_N, num_warps) and never involves the other rows
-of its tile or batch; the plan's fma tiles do not depend on N, so a token's bits do not either.
-The activations are read in a per-chunk transposed order (`fma_activations`; the gate/up epilogue
-writes h the same way) so that A_q's four j are contiguous.
+One program: up to BLOCK_M (1, 2, 4) sorted rows of one expert (`moe_tile_map.py`; at BLOCK_M 1
+no tile map: program t is (token, k) slot t, its expert read from the routing indices), BLOCK_N
+output rows of W. Each K step loads W's words as one row-contiguous [BLOCK_N, 4C] tile viewed as
+[BLOCK_N, C, 4] (C = BLOCK_K / CHUNK chunks of CHUNK k; 16 bytes per (n, c), one vector load per
+thread: FP4 one 32-wide scale group, FP8 16 codes; a warp's lanes run along a row's chunks, so
+each load reads whole 128-byte lines), decodes them in registers into CHUNK / 4 fp32 tensors
+W_q[n, c, j] of the same layout, and for each row (its own [BLOCK_N, C] accumulator; the decode
+is shared by the rows) loads its activations A_q[c, j] once per chunk (shared by the thread's
+output rows and, in gate/up, by both matrices; in the weights' layout, nothing through shared
+memory), then s = W_0 A_0 + W_1 A_1 + ... (an FFMA chain in q order per (n, c, j)), part = the
+in-thread sum of s over j, acc += part * factor. After the K loop one `tl.sum` over c
+(in-thread, then lanes) gives the row's BLOCK_N outputs. The order of a row's sum is fixed by
+BLOCK_K and the layout (BLOCK_N, num_warps) and never involves the other rows of its tile or
+batch; the plan's fma tiles do not depend on N, so a token's bits do not either. PREFETCH: each
+K step issues the next step's word and scale loads before it decodes its own (two steps of
+words in flight per thread; the sums are unchanged).
+The activations are read in a per-block reordered copy (`fma_activations`; the gate/up epilogue
+writes h the same way) where A_q's four j are contiguous and a q's chunks sit side by side.
 
 FP4 (why the scale goes on the partial, not into the weights as "words" does): each nibble is
 decoded straight into an fp32 as v * 2^-126 (`moe_fp4.py`'s bias trick at fp32's top: sign to
@@ -58,18 +63,54 @@ def act_shift(fmt: int) -> int:
 
 
 @triton.jit
-def _fp4_weights(w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
-                 stride_we, stride_wn, stride_se, stride_sn, C: tl.constexpr,
-                 SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+def _load(w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn,  # type: ignore[no-untyped-def]
+          stride_se, stride_sn, FMT: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr,
+          EVEN_K: tl.constexpr):
+    """One K step's raw data of W rows `rows` at k0: the [BLOCK_N, C, 4] uint32 words (FP4: 32
+    nibbles per (n, c); FP8: 16 codes) and the scale codes (FP4: [BLOCK_N, C], one per group;
+    FP8: [BLOCK_N], the row's 128x128 block: BLOCK_K divides 128). Split from the decode so a
+    K loop can issue the next step's loads before it decodes this one (PREFETCH)."""
+    if FMT == 2:
+        offs_g = k0 // 32 + tl.arange(0, C)
+        codes = _codes(s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :],
+                       (offs_g * 32 < K)[None, :], ASM, EVEN_K)
+        x = _words(w_ptr, e, rows, k0 // 32, K, stride_we, stride_wn, C, 32, EVEN_K)
+    else:
+        x = _words(w_ptr, e, rows, k0 // 16, K, stride_we, stride_wn, C, 16, EVEN_K)
+        codes = tl.load(s_ptr + e * stride_se + (rows // 128) * stride_sn + k0 // 128)
+    return x, codes
+
+
+@triton.jit
+def _next_k(k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The step a prefetch loads after k0: k0 + BLOCK_K, clamped to the last step with EVEN_K
+    (unmasked loads stay in range; the last step's reload hits the cache), else past K (its
+    masked loads read nothing)."""
+    if EVEN_K:
+        nxt = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
+    else:
+        nxt = k0 + BLOCK_K
+    return nxt
+
+
+@triton.jit
+def _decode(raw, FMT: tl.constexpr, SHIFT: tl.constexpr,  # type: ignore[no-untyped-def]
+            ASM: tl.constexpr):
+    if FMT == 2:
+        w, factor = _fp4_weights(raw, SHIFT)
+    else:
+        w, factor = _fp8_weights(raw, ASM)
+    return w, factor
+
+
+@triton.jit
+def _fp4_weights(raw, SHIFT: tl.constexpr):  # type: ignore[no-untyped-def]
     """The 8 [BLOCK_N, C, 4] fp32 tensors W_q[n, c, j] = v * 2^-126 of W row n at
     k = k0 + 32c + 8j + q (word j of group c, nibble q), and the [BLOCK_N, C] group factors
-    2^(s - 1 - SHIFT). Pair r of a word: nibble r of both 16-bit halves (q = r, 4 + r). rows are
-    in range (clamped); groups past K (only without EVEN_K) load as 0 with factor 1."""
-    offs_g = k0 // 32 + tl.arange(0, C)
-    codes = _codes(s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :],
-                   (offs_g * 32 < K)[None, :], ASM, EVEN_K)
+    2^(s - 1 - SHIFT), from `_load`'s words and codes. Pair r of a word: nibble r of both 16-bit
+    halves (q = r, 4 + r). Groups past K (only without EVEN_K) loaded as 0 with factor 1."""
+    x, codes = raw
     factor = ((tl.minimum(codes, 191) + (126 - SHIFT)) << 23).to(tl.float32, bitcast=True)
-    x = _words(w_ptr, e, rows, offs_g, K, stride_we, stride_wn, 32, EVEN_K)
     x8 = x >> 8
     t0, t1 = x & 0x000F000F, x & 0x00F000F0          # nibble 0 / 1 of both halves
     t2, t3 = x8 & 0x000F000F, x8 & 0x00F000F0        # nibble 2 / 3
@@ -88,18 +129,21 @@ def _at_top(t, A: tl.constexpr, B: tl.constexpr):  # type: ignore[no-untyped-def
 
 
 @triton.jit
-def _words(w_ptr, e, rows, offs_c, K, stride_we, stride_wn,  # type: ignore[no-untyped-def]
-           CHUNK: tl.constexpr, EVEN_K: tl.constexpr):
-    """[BLOCK_N, C, 4] uint32: the 16 bytes of chunk offs_c (CHUNK k) of each row, one 16-byte
-    vector per thread (rows in range; chunks past K read as 0 unless EVEN_K)."""
-    words = w_ptr.to(tl.pointer_type(tl.uint32)) + (e * stride_we
-                                                    + rows[:, None, None] * stride_wn) // 4
-    ptrs = words + offs_c[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+def _words(w_ptr, e, rows, c0, K, stride_we, stride_wn,  # type: ignore[no-untyped-def]
+           C: tl.constexpr, CHUNK: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_N, C, 4] uint32: the 16 bytes of chunks c0 .. c0 + C - 1 (CHUNK k each) of each row,
+    one 16-byte vector per thread (rows in range; chunks past K read as 0 unless EVEN_K). Loaded
+    as one [BLOCK_N, 4C] row-contiguous tile, then viewed as [BLOCK_N, C, 4]: the load's layout
+    puts a warp's lanes along a row's chunks (4C words = 128 bytes at C 8), so each warp reads
+    whole 128-byte lines; a 3-D pointer tensor would put them across rows instead (one 16-byte
+    piece of 32 rows per load)."""
+    words = w_ptr.to(tl.pointer_type(tl.uint32)) + (e * stride_we + rows[:, None] * stride_wn) // 4
+    cols = c0 * 4 + tl.arange(0, 4 * C)
     if EVEN_K:
-        x = tl.load(ptrs)
+        x = tl.load(words + cols[None, :])
     else:
-        x = tl.load(ptrs, mask=(offs_c * CHUNK < K)[None, :, None], other=0)
-    return x
+        x = tl.load(words + cols[None, :], mask=((cols // 4) * CHUNK < K)[None, :], other=0)
+    return tl.reshape(x, (rows.shape[0], C, 4))
 
 
 @triton.jit
@@ -116,13 +160,11 @@ def _codes(ptrs, k_ok, ASM: tl.constexpr, EVEN_K: tl.constexpr):  # type: ignore
 
 
 @triton.jit
-def _fp8_weights(w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
-                 stride_we, stride_wn, stride_se, stride_sn, C: tl.constexpr,
-                 ASM: tl.constexpr, EVEN_K: tl.constexpr):
+def _fp8_weights(raw, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     """The 4 [BLOCK_N, C, 4] fp32 tensors W_b[n, c, j] = the e4m3 value of W row n at
     k = k0 + 16c + 4j + b (byte b of word j of chunk c), and the [BLOCK_N, 1] block scales
-    2^(s - 127) (one per row: the step lies in one 128-wide k block)."""
-    x = _words(w_ptr, e, rows, k0 // 16 + tl.arange(0, C), K, stride_we, stride_wn, 16, EVEN_K)
+    2^(s - 127), from `_load`'s words and codes."""
+    x, codes = raw
     if ASM:
         w0, w1, w2, w3 = tl.inline_asm_elementwise(
             _E4M3_WORD_PTX, "=r,=r,=r,=r,r", [x],
@@ -132,8 +174,7 @@ def _fp8_weights(w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
         w1 = _e4m3(x >> 8)
         w2 = _e4m3(x >> 16)
         w3 = _e4m3(x >> 24)
-    scale = e8m0(tl.load(s_ptr + e * stride_se + (rows // 128) * stride_sn + k0 // 128))
-    return (w0, w1, w2, w3), scale[:, None]
+    return (w0, w1, w2, w3), e8m0(codes)[:, None]
 
 
 @triton.jit
@@ -161,19 +202,15 @@ cvt.f32.f16 $3, d;
 
 
 @triton.jit
-def _act(a_row, k0, K, n_like, CHUNK: tl.constexpr, C: tl.constexpr,  # type: ignore[no-untyped-def]
-         q, EVEN_K: tl.constexpr):
-    """[BLOCK_N, C, 4] activations A_q[n, c, j] = a[k0 + CHUNK c + 4q + j] of one row (a_row: [1]
-    pointer; the pre-pass's / epilogue's in-chunk transpose: the weights' W_q[n, c, j] k), the
-    same for every n: the pointer tensor has the weights' shape and contiguity, so the load gets
-    their layout (no conversion)."""
-    offs = (k0 + tl.arange(0, C) * CHUNK)[:, None] + 4 * q + tl.arange(0, 4)[None, :]
-    ptrs = tl.broadcast_to(a_row[:, None, None] + offs[None, :, :], (n_like.shape[0], C, 4))
-    if EVEN_K:
-        a = tl.load(ptrs)
-    else:
-        a = tl.load(ptrs, mask=(offs < K)[None, :, :], other=0.0)
-    return a
+def _act(a_row, k0, C: tl.constexpr, q):  # type: ignore[no-untyped-def]
+    """[1, C, 4] activations A_q[c, j] = a[k0 + CHUNK c + P j + q] of one row, which the product
+    broadcasts over the weights' n (a_row: [1] pointer into the `fma_activations` order, where
+    they sit at k0 + 4C q + 4c + j: a q's 16-byte pieces are contiguous over c, so a warp's lanes
+    along c read whole lines). Loaded at this shape (one load per chunk and q, not one per output
+    row), it takes the weights' layout (nothing through shared memory). Rows are padded to whole
+    BLOCK_K blocks (zeros), so no load needs a mask."""
+    offs = (k0 + 4 * C * q + tl.arange(0, C) * 4)[:, None] + tl.arange(0, 4)[None, :]
+    return tl.load(a_row[:, None, None] + offs[None, :, :])
 
 
 @triton.jit
@@ -182,34 +219,36 @@ def _row_step(acc, w, factor, a_row, k0, K, rows,  # type: ignore[no-untyped-def
     """acc [BLOCK_N, C] + one row's scaled chunk partials: per (n, c) the products summed in
     q order (W_0 A_0 + W_1 A_1 + ...) element-wise over j, then over j in-thread."""
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
-    s = w[0] * _act(a_row, k0, K, rows, CHUNK, C, 0, EVEN_K)
+    s = w[0] * _act(a_row, k0, C, 0)
     for q in tl.static_range(1, CHUNK // 4):
-        s += w[q] * _act(a_row, k0, K, rows, CHUNK, C, q, EVEN_K)
+        s += w[q] * _act(a_row, k0, C, q)
     return acc + tl.sum(s, axis=2) * factor
 
 
 @triton.jit
-def _weights(w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
-             stride_we, stride_wn, stride_se, stride_sn, FMT: tl.constexpr, C: tl.constexpr,
-             SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
-    if FMT == 2:
-        w, factor = _fp4_weights(w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn,
-                                 stride_se, stride_sn, C, SHIFT, ASM, EVEN_K)
-    else:
-        w, factor = _fp8_weights(w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn,
-                                 stride_se, stride_sn, C, ASM, EVEN_K)
-    return w, factor
+def _row_step2(acc_g, acc_u, wg, fg, wu, fu, a_row, k0, K,  # type: ignore[no-untyped-def]
+               rows, FMT: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexpr):
+    """`_row_step` of the gate and up matrices at once: each activation load serves both (the
+    same sums, in the same order, as two `_row_step` calls)."""
+    CHUNK: tl.constexpr = 32 if FMT == 2 else 16
+    a = _act(a_row, k0, C, 0)
+    sg = wg[0] * a
+    su = wu[0] * a
+    for q in tl.static_range(1, CHUNK // 4):
+        a = _act(a_row, k0, C, q)
+        sg += wg[q] * a
+        su += wu[q] * a
+    return acc_g + tl.sum(sg, axis=2) * fg, acc_u + tl.sum(su, axis=2) * fu
 
 
 @triton.jit
-def _step(accs, a_rows, w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped-def]
-          stride_we, stride_wn, stride_se, stride_sn, FMT: tl.constexpr, C: tl.constexpr,
-          SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
-          BLOCK_M: tl.constexpr):
-    """One K step of one weight matrix for the tile's rows: accs (4 [BLOCK_N, C] accumulators,
-    the first BLOCK_M live) plus each row's `_row_step`; the tile is decoded once for all rows."""
-    w, factor = _weights(w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn, stride_se,
-                         stride_sn, FMT, C, SHIFT, ASM, EVEN_K)
+def _step(accs, a_rows, raw, k0, K, rows,  # type: ignore[no-untyped-def]
+          FMT: tl.constexpr, C: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
+          EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K step of one weight matrix (`_load`'s raw data at k0) for the tile's rows: accs (4
+    [BLOCK_N, C] accumulators, the first BLOCK_M live) plus each row's `_row_step`; the tile is
+    decoded once for all rows."""
+    w, factor = _decode(raw, FMT, SHIFT, ASM)
     acc0, acc1, acc2, acc3 = accs
     acc0 = _row_step(acc0, w, factor, a_rows[0], k0, K, rows, FMT, C, EVEN_K)
     if BLOCK_M > 1:
@@ -221,22 +260,61 @@ def _step(accs, a_rows, w_ptr, s_ptr, e, rows, k0, K,  # type: ignore[no-untyped
 
 
 @triton.jit
-def _row(order_ptr, row_start, row_end, m: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(sorted row index, in range, the row whose data the loads read (the tile's last one past
-    its end: loads need no mask), its (token, k) slot) of the tile's row m, as [1] tensors (the
-    interpreter refuses scalar masks)."""
-    p = row_start.to(tl.int64) + m + tl.arange(0, 1)  # NOTE: int64: N*k*I can pass 2^31
-    p_load = tl.minimum(p, row_end - 1)
-    return p, p < row_end, p_load, tl.load(order_ptr + p_load)
+def _step2(accs_g, accs_u, a_rows, raw_g, raw_u, k0, K, rows,  # type: ignore[no-untyped-def]
+           FMT: tl.constexpr, C: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
+           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`_step` of the gate and up matrices at once (`_row_step2`)."""
+    wg, fg = _decode(raw_g, FMT, SHIFT, ASM)
+    wu, fu = _decode(raw_u, FMT, SHIFT, ASM)
+    g0, g1, g2, g3 = accs_g
+    u0, u1, u2, u3 = accs_u
+    g0, u0 = _row_step2(g0, u0, wg, fg, wu, fu, a_rows[0], k0, K, rows, FMT, C, EVEN_K)
+    if BLOCK_M > 1:
+        g1, u1 = _row_step2(g1, u1, wg, fg, wu, fu, a_rows[1], k0, K, rows, FMT, C, EVEN_K)
+    if BLOCK_M > 2:
+        g2, u2 = _row_step2(g2, u2, wg, fg, wu, fu, a_rows[2], k0, K, rows, FMT, C, EVEN_K)
+        g3, u3 = _row_step2(g3, u3, wg, fg, wu, fu, a_rows[3], k0, K, rows, FMT, C, EVEN_K)
+    return (g0, g1, g2, g3), (u0, u1, u2, u3)
 
 
 @triton.jit
-def _perm(n, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Column n of h -> its place in the down launch's activation order (`fma_activations`)."""
+def _row(order_ptr, row_start, row_end, m: tl.constexpr,  # type: ignore[no-untyped-def]
+         SLOTS: tl.constexpr):
+    """(sorted row index, in range, the row whose data the loads read (the tile's last one past
+    its end: loads need no mask), its (token, k) slot) of the tile's row m, as [1] tensors (the
+    interpreter refuses scalar masks). SLOTS: no tile map, the row is the slot itself."""
+    p = row_start.to(tl.int64) + m + tl.arange(0, 1)  # NOTE: int64: N*k*I can pass 2^31
+    p_load = tl.minimum(p, row_end - 1)
+    if SLOTS:
+        slot = p_load
+    else:
+        slot = tl.load(order_ptr + p_load)
+    return p, p < row_end, p_load, slot
+
+
+@triton.jit
+def _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(first sorted row, end, expert) of this program's tile: from the tile map, or with SLOTS
+    (BLOCK_M 1 and no tile map) program t is slot t alone and t_exp_ptr the flat indices."""
+    tile = tl.program_id(0)
+    if SLOTS:
+        row_start = tile
+        row_end = tile + 1
+    else:
+        row_start = tl.load(t_start_ptr + tile)
+        row_end = tl.load(t_end_ptr + tile)
+    # NOTE: int64: e * stride_we passes 2^31 (V4-Flash)
+    return row_start, row_end, tl.load(t_exp_ptr + tile).to(tl.int64)
+
+
+@triton.jit
+def _perm(n, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Column n of h -> its place in the down launch's activation order (`fma_activations`:
+    within each BLOCK_K block, k = CHUNK c + P j + q goes to 4C q + 4c + j, P = CHUNK / 4)."""
     P: tl.constexpr = CHUNK // 4
-    c = n // CHUNK
-    j = (n % CHUNK) // P
-    return c * CHUNK + (n % P) * 4 + j
+    C: tl.constexpr = BLOCK_K // CHUNK
+    r = n % BLOCK_K
+    return (n - r) + (r % P) * (4 * C) + (r // CHUNK) * 4 + (r % CHUNK) // P
 
 
 @triton.jit
@@ -246,7 +324,8 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr, H_DTYPE: tl.constexpr,
     ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    SLOTS: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     """h rows of one tile: the gate/up epilogue; x in `fma_activations` form, h written in it too
     (fp32 of the H_DTYPE-rounded value times 2^SHIFT, columns in chunk order) for the down
     launch."""
@@ -254,15 +333,12 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
         gdc_wait()
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
-    tile = tl.program_id(0)
-    row_start = tl.load(t_start_ptr + tile)
-    row_end = tl.load(t_end_ptr + tile)
+    row_start, row_end, e = _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
     if row_start < row_end:
-        e = tl.load(t_exp_ptr + tile).to(tl.int64)  # NOTE: int64: e * stride_we passes 2^31 (Flash)
-        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0)
-        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1)
-        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2)
-        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3)
+        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0, SLOTS)
+        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1, SLOTS)
+        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2, SLOTS)
+        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3, SLOTS)
         a_rows = (x_ptr + (slot0 // TOPK) * stride_x, x_ptr + (slot1 // TOPK) * stride_x,
                   x_ptr + (slot2 // TOPK) * stride_x, x_ptr + (slot3 // TOPK) * stride_x)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -271,12 +347,23 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
         z = tl.zeros((BLOCK_N, C), dtype=tl.float32)
         acc_g = (z, z, z, z)
         acc_u = (z, z, z, z)
+        raw_g = _load(w1_ptr, s1_ptr, e, rows, 0, K, stride_we, stride_wn, stride_se,
+                      stride_sn, FMT, C, ASM, EVEN_K)
+        raw_u = _load(w3_ptr, s3_ptr, e, rows, 0, K, stride_we, stride_wn, stride_se,
+                      stride_sn, FMT, C, ASM, EVEN_K)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            acc_g = _step(acc_g, a_rows, w1_ptr, s1_ptr, e, rows, k0, K, stride_we, stride_wn,
-                          stride_se, stride_sn, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
-            acc_u = _step(acc_u, a_rows, w3_ptr, s3_ptr, e, rows, k0, K, stride_we, stride_wn,
-                          stride_se, stride_sn, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
-        cols = _perm(offs_n, CHUNK)
+            # PREFETCH: this step's words came with the last one; the next step's go out first
+            k_load = _next_k(k0, K, BLOCK_K, EVEN_K) if PREFETCH else k0
+            cur_g, cur_u = raw_g, raw_u
+            raw_g = _load(w1_ptr, s1_ptr, e, rows, k_load, K, stride_we, stride_wn, stride_se,
+                          stride_sn, FMT, C, ASM, EVEN_K)
+            raw_u = _load(w3_ptr, s3_ptr, e, rows, k_load, K, stride_we, stride_wn, stride_se,
+                          stride_sn, FMT, C, ASM, EVEN_K)
+            if not PREFETCH:
+                cur_g, cur_u = raw_g, raw_u
+            acc_g, acc_u = _step2(acc_g, acc_u, a_rows, cur_g, cur_u, k0, K, rows, FMT, C, SHIFT,
+                                  ASM, EVEN_K, BLOCK_M)
+        cols = _perm(offs_n, CHUNK, BLOCK_K)
         _h_row(h_ptr, acc_g[0], acc_u[0], rw_ptr, p0, ok0, slot0, cols, n_mask, stride_h, limit,
                SHIFT, H_DTYPE, LIBDEVICE)
         if BLOCK_M > 1:
@@ -307,20 +394,18 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
     EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    SLOTS: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
-    tile = tl.program_id(0)
-    row_start = tl.load(t_start_ptr + tile)
-    row_end = tl.load(t_end_ptr + tile)
+    row_start, row_end, e = _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
     if row_start < row_end:
-        e = tl.load(t_exp_ptr + tile).to(tl.int64)
-        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0)
-        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1)
-        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2)
-        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3)
+        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0, SLOTS)
+        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1, SLOTS)
+        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2, SLOTS)
+        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3, SLOTS)
         a_rows = (h_ptr + q0 * stride_h, h_ptr + q1 * stride_h, h_ptr + q2 * stride_h,
                   h_ptr + q3 * stride_h)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,9 +413,16 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
         rows = tl.minimum(offs_n, D - 1)
         z = tl.zeros((BLOCK_N, C), dtype=tl.float32)
         acc = (z, z, z, z)
+        raw = _load(w_ptr, s_ptr, e, rows, 0, K, stride_we, stride_wn, stride_se, stride_sn,
+                    FMT, C, ASM, EVEN_K)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _step(acc, a_rows, w_ptr, s_ptr, e, rows, k0, K, stride_we, stride_wn,
-                        stride_se, stride_sn, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
+            k_load = _next_k(k0, K, BLOCK_K, EVEN_K) if PREFETCH else k0
+            cur = raw
+            raw = _load(w_ptr, s_ptr, e, rows, k_load, K, stride_we, stride_wn, stride_se,
+                        stride_sn, FMT, C, ASM, EVEN_K)
+            if not PREFETCH:
+                cur = raw
+            acc = _step(acc, a_rows, cur, k0, K, rows, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
         _out_row(out_ptr, acc[0], ok0, slot0, offs_n, n_mask, stride_o, TOPK, ATOMIC)
         if BLOCK_M > 1:
             _out_row(out_ptr, acc[1], ok1, slot1, offs_n, n_mask, stride_o, TOPK, ATOMIC)
@@ -361,39 +453,56 @@ def chunk(fmt: int) -> int:
     return FP4_CHUNK if fmt == 2 else FP8_CHUNK
 
 
-def fma_activations(x: torch.Tensor, fmt: int) -> torch.Tensor:
+def fma_activations(x: torch.Tensor, fmt: int, block_k: int) -> torch.Tensor:
     """x [N, d] as the fma kernels read it: fp32 times 2^act_shift(fmt) (exact below
-    2^(128 - ACT_SHIFT)), each CHUNK columns transposed as [4, CHUNK / 4] -> [CHUNK / 4, 4]
-    (column CHUNK c + P j + q moves to CHUNK c + 4 q + j, P = CHUNK / 4): the weights' W_q
-    order. One launch; d is a multiple of CHUNK."""
+    2^(128 - ACT_SHIFT)), each BLOCK_K block of columns reordered from k = CHUNK c + P j + q to
+    4C q + 4c + j (C = BLOCK_K / CHUNK, P = CHUNK / 4: the weights' W_q[c, j] order, with a q's
+    16-byte pieces side by side over c), zero-padded to whole blocks. One launch when d is whole
+    blocks."""
     N, d = x.shape
     step = chunk(fmt)
-    out = torch.empty(N, d // step, step // 4, 4, dtype=torch.float32, device=x.device)
-    torch.mul(x.view(N, d // step, 4, step // 4).transpose(2, 3), float(2 ** act_shift(fmt)),
-              out=out)
-    return out.view(N, d)
+    blocks = triton.cdiv(d, block_k)
+    if d % block_k:
+        x = torch.nn.functional.pad(x, (0, blocks * block_k - d))
+    out = torch.empty(N, blocks, step // 4, block_k // step, 4, dtype=torch.float32,
+                      device=x.device)
+    torch.mul(x.view(N, blocks, block_k // step, 4, step // 4).permute(0, 1, 4, 2, 3),
+              float(2 ** act_shift(fmt)), out=out)
+    return out.view(N, blocks * block_k)
 
 
 _H_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
-                 s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, tiles: TileMap,
-                 rw: torch.Tensor, limit: float, fmt: int, topk: int, deterministic: bool,
-                 plan: MoePlan, libdevice: bool) -> torch.Tensor:
+                 s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, indices: torch.Tensor,
+                 tiles: TileMap | None, rw: torch.Tensor, limit: float, fmt: int, topk: int,
+                 deterministic: bool, plan: MoePlan, libdevice: bool) -> torch.Tensor:
     """The fma loop's gate/up and down launches (`moe.py::_launch` contract): quantised codes as
     uint8, w1 / w3 (s1 / s3) sharing strides; [N, d] fp32 out (deterministic: the [N*k, d] rows,
-    which `moe.py::_launch`'s combine sums over k in a fixed order)."""
-    order, t_start, t_end, t_exp = tiles
-    nk, inter, d = order.numel(), w1.shape[1], x.shape[1]
+    which `moe.py::_launch`'s combine sums over k in a fixed order). tiles None (BLOCK_M 1
+    only): no tile map, one program row per (token, k) slot reading its expert from indices."""
+    slots = tiles is None
+    if tiles is None:
+        assert plan.block_m == 1, "the slot grid holds one row per program"
+        flat = indices.reshape(-1)
+        order = t_start = t_end = t_exp = flat          # only t_exp is read (SLOTS)
+    else:
+        order, t_start, t_end, t_exp = tiles
+    nk, inter, d = indices.numel(), w1.shape[1], x.shape[1]
     N = nk // topk
-    xs = fma_activations(x, fmt)
+    xs = fma_activations(x, fmt, plan.block_k)
     common = {"TOPK": topk, "FMT": fmt, "SHIFT": act_shift(fmt), "ASM": libdevice,
               "BLOCK_M": plan.block_m,
-              "BLOCK_K": plan.block_k, "NUM_STAGES": plan.num_stages}
-    h = torch.empty(nk, inter, dtype=torch.float32, device=x.device)
+              "BLOCK_K": plan.block_k, "NUM_STAGES": plan.num_stages,
+              "PREFETCH": plan.prefetch, "SLOTS": slots}
+    # h in the down launch's activation order, padded to whole blocks (zeros: its loads are
+    # unmasked; the padding's weights are masked to 0, and 0 * garbage could be NaN)
+    width = triton.cdiv(inter, plan.block_k) * plan.block_k
+    h = (torch.empty if width == inter else torch.zeros)(nk, width, dtype=torch.float32,
+                                                         device=x.device)
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
-    _gate_up_fma_kernel[(t_start.numel(), triton.cdiv(inter, bn))](
+    _gate_up_fma_kernel[(t_exp.numel(), triton.cdiv(inter, bn))](
         xs, w1, w3, s1, s3, h, order, rw, t_start, t_end, t_exp, d, inter, float(limit),
         xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         H_DTYPE=_H_DTYPES[x.dtype], LIBDEVICE=libdevice, EVEN_K=d % plan.block_k == 0,
@@ -402,7 +511,7 @@ def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.
     dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
             else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     bn, warps = plan.down.block_n, plan.down.num_warps
-    _down_fma_kernel[(t_start.numel(), triton.cdiv(d, bn))](
+    _down_fma_kernel[(t_exp.numel(), triton.cdiv(d, bn))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         ATOMIC=not deterministic, EVEN_K=inter % plan.block_k == 0, BLOCK_N=bn,

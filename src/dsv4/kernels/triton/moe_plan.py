@@ -15,12 +15,12 @@ BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4;
 model; the others run fp32 dots for them, exact).
 "fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default while the mean rows
 per expert is at most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row MMA tile
-would hold ~1 real row), from shapes only (H200, V4-Flash experts: FP4 fma 82 / 440 / 1,604 us at
-N = 1 / 8 / 32 against "words" 100 / 571 / 1,674; FP8 fma 110 / 534 us against "scaled" 61 / 292,
-so FP8 keeps "scaled"); its tiles are fixed (`_plan_fma`:
-BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage), the same at every N.
-SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8.5 instructions per weight byte (gate/up;
-down ~9), FP8 ~3.4 (down ~4).
+would hold ~1 real row), from shapes only: on the H200 at V4-Flash's experts FP4 fma is 2-3x
+faster than "words" at N = 1 to 32, while FP8's fma ties "scaled", so FP8 keeps "scaled"
+(benchmarks/results/quant_moe_h200_202612.md). Its tiles are fixed (`_plan_fma`: BLOCK_M 1,
+BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage, no register prefetch), the same
+at every N; `prefetch=True` issues each K step's next loads first (a knob: no faster there).
+SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8 instructions per weight byte, FP8 ~3.4.
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
 for "split", its first setting; 128 at BLOCK_M 32), FP8 128 (also the most one 128-wide scale block
@@ -63,6 +63,7 @@ FMA_BLOCK_M = 1
 FMA_BLOCK_N = 32
 FMA_BLOCK_K = {"fp4": 256, "fp8": 128}
 FMA_WARPS = 4
+FMA_PREFETCH = False
 PROGRAMS_PER_SM = 4
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
 _MIN_DOT = 16
@@ -87,12 +88,14 @@ class MoePlan:
     num_stages: int
     gate_up: Launch
     down: Launch
+    prefetch: bool = False   # "fma": each K step issues the next step's weight loads first
 
 
 def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.device, nk: int,
              num_experts: int, inter: int, d: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None, fma_rows: float = FMA_MAX_MEAN_ROWS) -> MoePlan:
+             num_stages: int | None = None, prefetch: bool | None = None,
+             fma_rows: float = FMA_MAX_MEAN_ROWS) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
     a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
     up to which FP4 defaults to "fma"."""
@@ -104,7 +107,9 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     if name == "fma":
         if not fits:
             raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
-        return _plan_fma(fmt, block_m, block_n, block_k, num_warps, num_stages)
+        return _plan_fma(fmt, block_m, block_n, block_k, num_warps, num_stages, prefetch)
+    if prefetch:
+        raise ValueError(f"prefetch is a knob of variant 'fma'; got variant {name!r}")
     max_m = max_block_m(fmt, name)
     if block_m is not None and not _MIN_DOT <= block_m <= max_m:
         raise ValueError(f"fmt {fmt!r} variant {name!r} needs 16 <= block_m <= {max_m}; "
@@ -127,7 +132,7 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
 
 
 def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int | None,
-              num_warps: int | None, num_stages: int | None) -> MoePlan:
+              num_warps: int | None, num_stages: int | None, prefetch: bool | None) -> MoePlan:
     """The fma loop's fixed tiles (the same at every N: a row's bits do not depend on the batch):
     BLOCK_M 1, 2 or 4; BLOCK_N a power of two in [4, 128]; BLOCK_K a power of two, whole chunks
     (FP4 >= 32, FP8 >= 16) and FP8 <= 128 (one scale block per step)."""
@@ -140,7 +145,8 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
                          f"of two in [4, 128], block_k a power of two in [{min_k}, {max_k}]; "
                          f"got {bm}, {bn}, {bk}")
     launch = Launch(bn, num_warps or FMA_WARPS)
-    return MoePlan(VARIANTS["fma"], bm, bk, num_stages or 1, launch, launch)
+    pf = FMA_PREFETCH if prefetch is None else prefetch
+    return MoePlan(VARIANTS["fma"], bm, bk, num_stages or 1, launch, launch, pf)
 
 
 def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
