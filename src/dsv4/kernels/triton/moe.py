@@ -26,7 +26,8 @@ per group ("split", the first loop), or left to `tl.dot_scaled` ("dot_scaled"). 
 live in `moe_decode.py`; which loop and which tiles a call uses, in `moe_plan.py` (`variant=` and
 the block knobs pin them). At decode (N*k <= E rows) the quantised formats default to "fma"
 (`moe_fma.py`): no tl.dot, the weights decoded in their load layout and multiplied on the CUDA
-cores, BLOCK_M 1..4; its own two kernels, with the same tile map and epilogues.
+cores, BLOCK_M 1..4; its own two kernels, with the same epilogues and the same tile map (none at
+BLOCK_M 1: one program row per slot), after a reordered fp32 copy of x (`fma_activations`).
 Grouping without a host sync. The N*k (token, slot) pairs are sorted by expert (stable) and each
 expert's rows are cut into tiles of BLOCK_M ("moe_align_block_size" without materialised
 padding): tile j of expert e covers sorted rows
@@ -69,7 +70,7 @@ from dsv4.kernels.ref.moe import WaitShared, add_shared
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_combine import triton_moe_combine
 from dsv4.kernels.triton.moe_decode import tile_dot
-from dsv4.kernels.triton.moe_fma import fma_launches
+from dsv4.kernels.triton.moe_fma import fma_activations, fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
@@ -303,8 +304,10 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     if nk == 0:
         return add_shared(torch.zeros(N, d, dtype=torch.float32, device=x.device), *combine)
     fma = plan.variant == VARIANTS["fma"]
-    # the fma loop at BLOCK_M 1 needs no tile map: one program row per slot (`fma_launches`)
+    # the fma loop at BLOCK_M 1 needs no tile map: one program row per slot (`fma_launches`);
+    # its activation copy is preparation too, so it runs before the join
     tiles = None if fma and plan.block_m == 1 else tile_map(indices, E, plan.block_m)
+    xs = fma_activations(x, FMTS[fmt], plan.block_k) if fma else x
     shared, out_dtype, wait_shared = combine
     if wait_shared is not None:     # before the expert GEMMs (module docstring)
         wait_shared()
@@ -314,8 +317,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     code = FMTS[fmt]
     if fma:
-        dest = fma_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, indices,
-                            tiles, rw, limit, code, topk, deterministic, plan, _LIBDEVICE)
+        dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
+                            indices, tiles, rw, limit, code, topk, deterministic, plan,
+                            _LIBDEVICE)
     else:
         assert tiles is not None
         dest = _mma_launches(x, w1, w3, s1, s3, w2, s2, tiles, rw, limit, fmt, topk,

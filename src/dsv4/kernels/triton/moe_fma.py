@@ -325,14 +325,16 @@ def fma_activations(x: torch.Tensor, fmt: int, block_k: int) -> torch.Tensor:
 _H_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
-                 s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, indices: torch.Tensor,
-                 tiles: TileMap | None, rw: torch.Tensor, limit: float, fmt: int, topk: int,
-                 deterministic: bool, plan: MoePlan, libdevice: bool) -> torch.Tensor:
+def fma_launches(x: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 s1: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                 indices: torch.Tensor, tiles: TileMap | None, rw: torch.Tensor, limit: float,
+                 fmt: int, topk: int, deterministic: bool, plan: MoePlan,
+                 libdevice: bool) -> torch.Tensor:
     """The fma loop's gate/up and down launches (`moe.py::_launch` contract): quantised codes as
     uint8, w1 / w3 (s1 / s3) sharing strides; [N, d] fp32 out (deterministic: the [N*k, d] rows,
-    which `moe.py::_launch`'s combine sums over k in a fixed order). tiles None (BLOCK_M 1
-    only): no tile map, one program row per (token, k) slot reading its expert from indices."""
+    which `moe.py::_launch`'s combine sums over k in a fixed order). xs: x's
+    `fma_activations(x, fmt, plan.block_k)` copy. tiles None (BLOCK_M 1 only): no tile map, one
+    program row per (token, k) slot reading its expert from indices."""
     slots = tiles is None
     if tiles is None:
         assert plan.block_m == 1, "the slot grid holds one row per program"
@@ -342,7 +344,6 @@ def fma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.
         order, t_start, t_end, t_exp = tiles
     nk, inter, d = indices.numel(), w1.shape[1], x.shape[1]
     N = nk // topk
-    xs = fma_activations(x, fmt, plan.block_k)
     common = {"TOPK": topk, "FMT": fmt, "SHIFT": act_shift(fmt), "ASM": libdevice,
               "BLOCK_M": plan.block_m,
               "BLOCK_K": plan.block_k, "NUM_STAGES": plan.num_stages,
