@@ -5,7 +5,9 @@ Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activat
   (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
   dot_scaled, words, fma; FP8 runs its distinct loops, scaled, dot_scaled and fma; bf16 weights
   have one loop, shown as "-"). The fma loop (CUDA cores, the plan's default while N*k <= E) has
-  its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`.
+  its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`. `--kernels`: each kernel's
+  device us per call at the default config (the gate/up and down launches, the activation copy,
+  the tile map, the combine; CUDA only).
 Metrics:
   weight bytes = distinct experts hit x one expert's bytes (w1, w3, w2 and their scales): what the
       kernel has to read at least once (averaged over the input sets); floor us = weight bytes /
@@ -224,6 +226,29 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     return timed, err, error
 
 
+def kernel_us(wts: Weights, fmt: str, variant: str | None, block_m: int | None,
+              sets: list[Inputs], calls: int = 20) -> dict[str, float]:
+    """Device us per call of each kernel the plan's default config launches (torch.profiler over
+    `calls` eager calls cycling `sets`; kernel names cut to 40 characters). CUDA only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsv4.kernels.triton.moe import triton_routed_experts_quant
+
+    def fn(i: int) -> torch.Tensor:
+        x, idx, rw = sets[i % len(sets)]
+        return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT, fmt,
+                                           variant=variant, block_m=block_m)
+
+    fn(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(i)
+        torch.cuda.synchronize()
+    return {e.key[:40]: e.device_time_total / calls for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.count}
+
+
 def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
               device: torch.device) -> list[dict[str, Any]]:
     from dsv4.kernels.ref.moe import routed_experts_quant
@@ -252,7 +277,10 @@ def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
             default = timed.get(config_name(DEFAULT_CONFIG), float("nan"))
             best = min(timed, key=lambda c: timed[c]) if timed else "-"
             best_us = timed.get(best, float("nan"))
+            kernels = (kernel_us(wts, fmt, variant, args.fma_block_m if variant == "fma"
+                                 else None, sets) if args.kernels and cuda and timed else {})
             rows.append({"case": f"{fmt} N={N}", "fmt": fmt, "N": N, "variant": variant or "-",
+                         "kernels_us": kernels,
                          "E": s.E, "d": s.d, "I": s.inter, "k": s.k, "us": default,
                          "x_floor": default / floor_us, "tflops": flops / default / 1e6,
                          "best_config": best, "best_us": best_us,
@@ -285,6 +313,9 @@ def main() -> None:
     p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
     p.add_argument("--fma-block-m", type=int, default=None, choices=(1, 2, 4),
                    help="BLOCK_M of the fma loop (default: the plan's, 1)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also each kernel's device us per call at the plan's default config "
+                        "(torch.profiler; CUDA only), printed after the table")
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     args.tokens = [int(n) for n in args.tokens.split(",") if n]
@@ -307,6 +338,9 @@ def main() -> None:
     for r in rows:
         if r["error"]:
             print(f"{r['case']} {r['variant']}: {r['error']}")
+        if r["kernels_us"]:
+            print(f"{r['case']} {r['variant']} kernels us: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()))
     emit({**header, "variants": args.variants, "sweep": args.sweep, "results": rows}, args.out)
 
 
