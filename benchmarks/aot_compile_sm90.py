@@ -271,6 +271,19 @@ def small_variants() -> Iterator[Variant]:
     yield ("hisparse write rows (D 512 bf16)", hs._write_rows_kernel,
            {"pool_ptr": "*bf16", "rows_ptr": "*i64", "val_ptr": "*bf16", **rows16},
            {"BLOCK_D": 512, "EVEN_D": True}, {"num_warps": 2})
+    from dsv4.kernels.triton import hot_plan as hp
+
+    # HiSparse's plan of V4-Flash (E 1024 hot slots): a select (k 512 picks) and the write of a
+    # step's new entries (one pick, the D 512 bf16 values stored into the mirror and hot pool)
+    plan_types = {name: "*i64" for name in hp._hot_plan_kernel.arg_names if name.endswith("_ptr")}
+    plan_types |= {"e2s_ptr": "*i32", "s2e_ptr": "*i32", "val_ptr": "*bf16", "host_ptr": "*bf16",
+                   "dev_ptr": "*bf16", "D": "i32:16", "stride_val": "i32:16",
+                   "stride_host": "i32:16", "stride_dev": "i32:16"}
+    for label, k, write in (("select k 512", 512, False), ("write (one pick, D 512)", 1, True)):
+        yield (f"hot plan E 1024 {label}", hp._hot_plan_kernel, plan_types,
+               {"BLOCK_K": max(16, k), "BLOCK_E": 1024, "STRICT": not write, "ONE_PICK": k == 1,
+                "WRITE": write, "BLOCK_D": 512},
+               {"num_warps": hp.plan_warps(1024, k == 1)})
     from dsv4.kernels.triton import moe_combine as mc
 
     # the MoE combine: 6 slots + bf16 shared -> bf16 (one process) / fp32 (before a TP reduce);

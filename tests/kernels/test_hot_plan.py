@@ -32,8 +32,8 @@ from dsv4.cache.hisparse import HiSparseLayout, HotSet  # noqa: E402
 from dsv4.checkpoint.presets import micro  # noqa: E402
 from dsv4.checkpoint.writer import random_model  # noqa: E402
 from dsv4.engine.engine import LLMEngine  # noqa: E402
-from dsv4.kernels.ref.hot_plan import hot_plan_ref  # noqa: E402
-from dsv4.kernels.triton.hot_plan import triton_hot_plan  # noqa: E402
+from dsv4.kernels.ref.hot_plan import hot_plan_ref, hot_write_ref  # noqa: E402
+from dsv4.kernels.triton.hot_plan import triton_hot_plan, triton_hot_write  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -192,6 +192,115 @@ def test_flash_shape_in_a_cuda_graph() -> None:
         assert_same(ref, tri, got_ref, out[0])
 
 
+@pytest.mark.gpu
+def test_hot_write_pinned_mirror_in_a_cuda_graph() -> None:
+    """V4-Flash decode writes: 64 requests, one new entry each, E 1024, D 512 bf16, the host
+    mirror pinned CPU memory written in place (UVA) from a captured graph; against the reference
+    on device copies, call for call."""
+    R, E, M, pe, D = 64, 1024, 50_000, 64, 512
+    g = torch.Generator().manual_seed(1)
+    ref, tri = empty_state(R, E, M, pe), empty_state(R, E, M, pe)
+    rows = (R + 1) * -(-M // pe) * pe + 1
+    host = torch.zeros(rows, D, dtype=torch.bfloat16, pin_memory=True)
+    host_ref = torch.zeros(rows, D, dtype=torch.bfloat16, device="cuda")
+    dev, dev_ref = (torch.zeros(R * E + 1, D, dtype=torch.bfloat16, device="cuda")
+                    for _ in range(2))
+    slots = torch.randperm(R, generator=g).cuda()
+    entries = torch.zeros(R, dtype=torch.int64, device="cuda")
+    values = torch.zeros(R, D, dtype=torch.bfloat16, device="cuda")
+
+    def run(fn: object, st: State, h: torch.Tensor, d: torch.Tensor) -> None:
+        fn(st["e2s"], st["s2e"], st["stamp"], st["clock"], slots, entries,  # type: ignore
+           st["page_table"], pe, values, h, d)
+
+    warm = empty_state(R, E, M, pe)
+    run(triton_hot_write, warm, host.clone().pin_memory(), dev.clone())    # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(triton_hot_write, tri, host, dev)
+    for step in range(1, 2 * E, 97):
+        entries.copy_(torch.randint(0, M, (R,), generator=g))
+        values.copy_(torch.randn(R, D, generator=g).to(torch.bfloat16))
+        graph.replay()
+        run(hot_write_ref, ref, host_ref, dev_ref)
+        torch.cuda.synchronize()
+        for name in ("e2s", "s2e", "stamp", "clock"):
+            assert torch.equal(ref[name], tri[name]), (step, name)
+    assert torch.equal(host[:-1], host_ref[:-1].cpu()) and torch.equal(dev[:-1], dev_ref[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hot_write_matches_reference(dtype: torch.dtype) -> None:
+    """`triton_hot_write` (one launch: the one-pick plan and the stores) against `hot_write_ref`
+    over a sequence of decode-shaped writes (one new entry per request, the pad slot's row in
+    between, entries past E evicting the least recently used): same maps, clock, host mirror
+    and hot pool; D 40 is not a power of two (a masked tail)."""
+    R, E, M, pe, D = 3, 4, 32, 4, 40
+    states = [empty_state(R, E, M, pe) for _ in range(2)]
+    pools = [(torch.zeros((R + 1) * -(-M // pe) * pe + 1, D, dtype=dtype, device=DEVICE),
+              torch.zeros(R * E + 1, D, dtype=dtype, device=DEVICE)) for _ in range(2)]
+    g = torch.Generator().manual_seed(5)
+    slots = torch.tensor([1, R, 0, 2], device=DEVICE)
+    for step in range(10):
+        entries = torch.tensor([step, 0, 2 * step, step + 3], device=DEVICE)
+        values = torch.randn(4, D, generator=g).to(DEVICE, dtype)
+        for fn, st, (host, dev) in zip((hot_write_ref, triton_hot_write), states, pools,
+                                       strict=True):
+            fn(st["e2s"], st["s2e"], st["stamp"], st["clock"], slots, entries,
+               st["page_table"], pe, values, host, dev)
+    for name in ("e2s", "s2e", "stamp", "clock"):
+        assert torch.equal(states[0][name], states[1][name]), name
+    assert torch.equal(pools[0][0][:-1], pools[1][0][:-1]), "host mirror"
+    assert torch.equal(pools[0][1][:-1], pools[1][1][:-1]), "hot pool"
+    assert bool((pools[1][1][:-1] != 0).any()) and bool((pools[1][0][:-1] != 0).any())
+
+
+def test_hot_write_validation_names_the_field() -> None:
+    st = empty_state(2, 4, 16, 4)
+    host = torch.zeros(20, 8, device=DEVICE)
+    dev = torch.zeros(9, 8, device=DEVICE)
+    slots, entries = torch.tensor([0, 1], device=DEVICE), torch.tensor([0, 1], device=DEVICE)
+    args = (st["e2s"], st["s2e"], st["stamp"], st["clock"], slots, entries, st["page_table"], 4)
+    with pytest.raises(ValueError, match="values"):
+        triton_hot_write(*args, torch.zeros(3, 8, device=DEVICE), host, dev)   # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device_pool"):
+        triton_hot_write(*args, torch.zeros(2, 8, device=DEVICE), host,  # type: ignore[arg-type]
+                         torch.zeros(9, 4, device=DEVICE))
+
+
+def test_write_entries_in_one_call_equals_the_general_path() -> None:
+    """`write_entries(hot=True, one_row=True)` (the `write` op: plan and stores in one call)
+    leaves the same maps, clock, hot pool and host mirror as the general path (`one_row=False`:
+    the reference plan, the mirror write, the hot copy), but for the pad slot's rows, which the
+    one call does not store (the general path writes them to the null page's rows)."""
+    layout = HiSparseLayout(num_layers=1, max_reqs=3, max_entries=24, device_entries=6, top_k=5,
+                            num_host_rows=(4 * 6 + 1) * 4 + 1, page_entries=4, width=8)
+    page_table = 1 + torch.arange(4 * 6).view(4, 6)       # page 0: the null page
+    page_table[3] = 0                                      # the pad slot
+    sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
+                   host_device=torch.device(DEVICE), plan=triton_hot_plan, write=triton_hot_write)
+            for _ in range(2)]
+    g = torch.Generator().manual_seed(13)
+    slots = torch.tensor([2, 3, 0, 1], device=DEVICE)
+    for hs in sets:
+        for slot in range(3):
+            hs.admit(slot)
+    for step in range(12):
+        values = torch.randn(4, 8, generator=g).to(DEVICE)
+        entries = torch.tensor([step, 0, step + 5, 2 * step], device=DEVICE)
+        for hs, one_row in zip(sets, (True, False), strict=True):
+            hs.write_entries(0, slots, entries, values, hot=True, one_row=one_row)
+    for name in ("entry_to_slot", "slot_to_entry", "last_used", "clock"):
+        assert torch.equal(getattr(sets[0], name), getattr(sets[1], name)), name
+    assert torch.equal(sets[0].device_pool[:, :-1], sets[1].device_pool[:, :-1])
+    null_page = 4                                          # host rows 0..3: the pad slot's writes
+    assert torch.equal(sets[0].host_pool[:, null_page:-1], sets[1].host_pool[:, null_page:-1])
+    assert bool((sets[1].host_pool[:, :null_page] != 0).any())
+    assert not bool((sets[0].host_pool[:, :null_page] != 0).any())
+    for hs in sets:
+        hs.check_integrity()
+
+
 def test_hot_set_with_the_kernel_plan_equals_the_reference() -> None:
     """HotSet's `plan` hook: decode-shaped writes (one new entry per request, placed hot) and
     selects (one row per request) with `one_row` run the kernel and give the same maps, hot
@@ -201,8 +310,8 @@ def test_hot_set_with_the_kernel_plan_equals_the_reference() -> None:
     page_table = 1 + torch.arange(4 * 6).view(4, 6)       # page 0: the null page
     page_table[3] = 0                                      # the pad slot
     sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
-                   host_device=torch.device(DEVICE), plan=plan)
-            for plan in (hot_plan_ref, triton_hot_plan)]
+                   host_device=torch.device(DEVICE), plan=plan, write=write)
+            for plan, write in ((hot_plan_ref, hot_write_ref), (triton_hot_plan, triton_hot_write))]
     g = torch.Generator().manual_seed(11)
     slots = torch.tensor([2, 0, 3, 1], device=DEVICE)     # the pad slot's row in between
     for hs in sets:
@@ -221,6 +330,7 @@ def test_hot_set_with_the_kernel_plan_equals_the_reference() -> None:
     for name in ("entry_to_slot", "slot_to_entry", "last_used", "clock", "counters"):
         assert torch.equal(getattr(sets[0], name), getattr(sets[1], name)), name
     assert torch.equal(sets[0].device_pool[:, :-1], sets[1].device_pool[:, :-1])
+    assert torch.equal(sets[0].host_pool[:, :-1], sets[1].host_pool[:, :-1])
     assert int(sets[1].num_swapped) > 0 and int(sets[1].num_picked) > 0
     sets[1].check_integrity()
 
@@ -229,8 +339,8 @@ def test_hot_set_with_the_kernel_plan_equals_the_reference() -> None:
                     "the triton backend's engine tests run the kernel plan in captured graphs "
                     "(tests/engine/test_hisparse_engine.py -m gpu)")
 def test_engine_decode_runs_the_kernel_plan() -> None:
-    """A micro engine (fp32, `ref` ops) with HiSparse on and the kernel as its HotSet's `plan`:
-    decode steps (one row per request) run the kernel, prefill chunks the reference, and the
+    """A micro engine (fp32, `ref` ops) with HiSparse on and the kernels as its HotSet's `plan`
+    and `write`: decode steps (one row per request) run them, prefill chunks the reference, and the
     greedy outputs equal those with HiSparse off; every manager passes `check_integrity` after
     every step."""
     model = random_model(micro().replace(max_position_embeddings=512), torch.float32,
@@ -240,16 +350,21 @@ def test_engine_decode_runs_the_kernel_plan() -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     base = dict(page_size=16, max_total_tokens=1024, max_running_requests=2,
                 chunked_prefill_size=32)
-    outs, calls = [], []
+    outs: list[list[list[int]]] = []
+    calls: list[str] = []
     for hisparse in (False, True):
         extra = dict(enable_hisparse=True, hisparse_device_entries=micro().index_topk)
         engine = LLMEngine(model, EngineConfig(**base, **(extra if hisparse else {})))
         hot = engine.runner.pools.hot
         if hot is not None:
             def plan(*args: object, **kwargs: object) -> object:
-                calls.append(1)
+                calls.append("plan")
                 return triton_hot_plan(*args, **kwargs)  # type: ignore[arg-type]
-            hot.plan = plan
+
+            def write(*args: object, **kwargs: object) -> None:
+                calls.append("write")
+                triton_hot_write(*args, **kwargs)  # type: ignore[arg-type]
+            hot.plan, hot.write = plan, write
         reqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
@@ -257,4 +372,6 @@ def test_engine_decode_runs_the_kernel_plan() -> None:
         outs.append([r.output_ids for r in reqs])
     assert outs[0] == outs[1]
     assert hot is not None and int(hot.num_swapped) > 0 and int(hot.num_overflow) == 0
-    assert len(calls) >= 2 * 7 * micro().attn_types.count("csa"), "decode steps ran the kernel"
+    steps = 7 * micro().attn_types.count("csa")       # decode steps x C4 layers, per request
+    assert calls.count("plan") >= steps and calls.count("write") >= steps, (
+        "decode steps ran the kernels (select: the plan; new entries: the write)")

@@ -71,9 +71,9 @@ import torch
 
 from dsv4.cache.layout import CacheLayout
 from dsv4.config.model import ModelConfig
-from dsv4.kernels.ops import HotPlanOp, SwapInOp, WriteRowsOp
+from dsv4.kernels.ops import HotPlanOp, HotWriteOp, SwapInOp, WriteRowsOp
 from dsv4.kernels.ref.hisparse import swap_in_ref, write_rows_ref
-from dsv4.kernels.ref.hot_plan import host_rows, hot_plan_ref, lookup_rows
+from dsv4.kernels.ref.hot_plan import host_rows, hot_plan_ref, hot_write_ref, lookup_rows
 
 
 @dataclass(frozen=True)
@@ -137,19 +137,20 @@ class HotSet:
     def __init__(self, layout: HiSparseLayout, page_table: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, host_device: torch.device | None = None,
                  swap_in: SwapInOp = swap_in_ref, write_rows: WriteRowsOp = write_rows_ref,
-                 plan: HotPlanOp = hot_plan_ref) -> None:
+                 plan: HotPlanOp = hot_plan_ref, write: HotWriteOp = hot_write_ref) -> None:
         """page_table: [max_reqs + 1, max_pages] int64 full pages per slot, on `device`; held by
         reference (`RequestTable.page_table`), so the host rows follow its updates.
         host_device: where the mirror lives (default: the CPU, pinned when `device` is CUDA).
         swap_in / write_rows: the copies host mirror -> hot rows and new entries -> host mirror
         (the kernel backend's ops; the references sync when the mirror is on another device).
         plan: the backend's `hot_plan` op, run where a call promises one row per request
-        (`one_row`); the reference runs otherwise."""
+        (`one_row`); the reference runs otherwise. write: the backend's `hot_write` op, the
+        plan and stores of `write_entries(hot=True, one_row=True)` in one call."""
         L, R, E, M = layout.num_layers, layout.max_reqs, layout.device_entries, layout.max_entries
         assert page_table.shape[0] == R + 1, "page_table needs max_reqs + 1 rows (pad slot last)"
         assert page_table.shape[1] * layout.page_entries >= M, "page_table narrower than entries"
         self.layout, self.page_table = layout, page_table
-        self.swap_in, self.write_rows, self.plan = swap_in, write_rows, plan
+        self.swap_in, self.write_rows, self.plan, self.write = swap_in, write_rows, plan, write
         host = host_device or torch.device("cpu")
         pin = host.type == "cpu" and device.type == "cuda"
         self.host_pool = torch.zeros(L, layout.num_host_rows, layout.width, dtype=dtype,
@@ -203,10 +204,16 @@ class HotSet:
         mirror always gets them; a hot copy is rewritten too. With `hot`, the entries are also
         placed in the hot set (LRU victims) straight from `values`, as the newest entries are
         likely picks; beyond E per slot the rest just stay cold. `one_row`: each request slot
-        (but the pad slot) appears at most once in slot_ids (the `plan` op may run).
+        (but the pad slot) appears at most once in slot_ids; with `hot` the `write` op then runs
+        (the plan and every store in one call; the pad slot's rows store nothing).
         NOTE: named sync point with the reference `write_rows` and the mirror on the host (a
         blocking copy); none with the Triton op, which stores into the pinned mirror in place.
         """
+        if hot and one_row:     # plan and stores in one call (the pad slot's rows store nothing)
+            self.write(self.entry_to_slot[layer], self.slot_to_entry[layer], self.last_used[layer],
+                       self.clock, slot_ids, entry_ids, self.page_table, self.layout.page_entries,
+                       values, self.host_pool[layer], self.device_pool[layer])
+            return
         slots, entries = slot_ids.long(), entry_ids.long()
         self.write_rows(self.host_pool[layer], self._host_rows(slots, entries), values)
         if hot:

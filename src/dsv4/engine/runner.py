@@ -96,7 +96,7 @@ class ModelRunner:
             check_host_memory(layout, self.dtype)
             hot = HotSet(layout, self.table.page_table, self.dtype, self.device,
                          swap_in=self.ops.swap_in, write_rows=self.ops.write_rows,
-                         plan=self.ops.hot_plan)
+                         plan=self.ops.hot_plan, write=self.ops.hot_write)
             device_bytes, host_bytes = layout.pool_bytes(self.dtype)
             logger.info("HiSparse: %d hot entries per request and C4 layer (%.1f MB on the "
                         "device), host mirror %.1f MB", self.hot_entries, device_bytes / 1e6,

@@ -315,6 +315,19 @@ class HotPlanOp(Protocol):
                  strict: bool) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
+class HotWriteOp(Protocol):
+    """`ref/hot_plan.py::hot_write_ref`: HiSparse's write of new entries in one call, in place:
+    the plan of one pick per row (entries [T] of request slots slot_ids [T], strict off) on the
+    maps and clock as `HotPlanOp`, then values [T, D] stored into host_pool [N_host, D] at each
+    entry's mirror row and into device_pool [N_dev, D] at its hot row, if placed; pad-slot rows
+    store nothing. The host pool may be pinned CPU memory beside CUDA values. The Triton op needs
+    distinct slots (but the pad slot R)."""
+
+    def __call__(self, e2s: Tensor, s2e: Tensor, stamp: Tensor, clock: Tensor, slot_ids: Tensor,
+                 entries: Tensor, page_table: Tensor, page_entries: int, values: Tensor,
+                 host_pool: Tensor, device_pool: Tensor) -> None: ...
+
+
 class SwapInOp(Protocol):
     """`ref/hisparse.py::swap_in_ref`: HiSparse's swap-in, in place: device_pool [N_dev + 1, D]
     row dst_slots[i] = host_pool [N_host, D] row src_entries[i] for every dst_slots[i] >= 0

@@ -22,6 +22,7 @@ from dsv4.kernels.ops import (
     CompressOp,
     CompressPairOp,
     HotPlanOp,
+    HotWriteOp,
     IndexScoresOp,
     KvNormRopeStoreOp,
     LinearOp,
@@ -54,7 +55,7 @@ from dsv4.kernels.ref.attention import sparse_attention_multi
 from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cached_pair, project
 from dsv4.kernels.ref.fp8_linear import dense_linear, fp8_linear
 from dsv4.kernels.ref.hisparse import swap_in_ref, write_rows_ref
-from dsv4.kernels.ref.hot_plan import hot_plan_ref
+from dsv4.kernels.ref.hot_plan import hot_plan_ref, hot_write_ref
 from dsv4.kernels.ref.indexer import paged_index_scores, pick_slots
 from dsv4.kernels.ref.metadata import step_metadata
 from dsv4.kernels.ref.mhc import mhc_head, mhc_post, mhc_post_pre, mhc_pre
@@ -116,6 +117,7 @@ class KernelOps:
     swap_in: SwapInOp
     write_rows: WriteRowsOp
     hot_plan: HotPlanOp
+    hot_write: HotWriteOp
 
 
 def _ref() -> KernelOps:
@@ -124,7 +126,8 @@ def _ref() -> KernelOps:
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
                      project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
                      swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear,
-                     rope_rows, mhc_post_pre, swap_in_ref, write_rows_ref, hot_plan_ref)
+                     rope_rows, mhc_post_pre, swap_in_ref, write_rows_ref, hot_plan_ref,
+                     hot_write_ref)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -148,7 +151,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     HiSparse's copies between the pinned host mirror and the device (`swap_in`, `write_rows`:
     bit copies, or one cast; the mirror read and written in place, no host sync) and its plan of
     a decode step's picks in one launch per C4 layer (`hot_plan`: the same maps and rows as the
-    reference).
+    reference), with a decode step's new entries stored by the same launch (`hot_write`).
     Top-k runs through a `TopKRunner` owned by this `KernelOps` (its held coop workspace: the
     engine's forward calls it from one stream at a time). Imported lazily: a machine without a
     GPU never compiles them (tests use `TRITON_INTERPRET=1`).
@@ -184,7 +187,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
     from dsv4.kernels.triton.gemv import triton_decode_linear
     from dsv4.kernels.triton.hisparse import triton_swap_in, triton_write_rows
-    from dsv4.kernels.triton.hot_plan import triton_hot_plan
+    from dsv4.kernels.triton.hot_plan import triton_hot_plan, triton_hot_write
     from dsv4.kernels.triton.index_scores import triton_index_scores
     from dsv4.kernels.triton.metadata import triton_step_metadata
     from dsv4.kernels.triton.mhc import triton_mhc_head, triton_mhc_pre
@@ -237,7 +240,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      dense_linear if invariant_plans else triton_decode_linear,
                      triton_swiglu_linear_invariant if invariant_plans else triton_swiglu_linear,
                      triton_rope_rows, post_pre, triton_swap_in, triton_write_rows,
-                     triton_hot_plan)
+                     triton_hot_plan, triton_hot_write)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

@@ -25,11 +25,17 @@ page_table[r, i // pe] * pe + i % pe. With `strict` (a select) the counters [3] 
 += (valid picks, placed misses, misses not placed); otherwise they are left alone.
 
 Fixed shapes and no host reads: capturable in a CUDA graph. Test: tests/kernels/test_hot_plan.py.
+
+`hot_write_ref` is the write path of new entries in one call: their plan with one pick per row
+(strict off), then each value stored into the host mirror row of its entry and, where the entry
+is now hot, into its hot row; the pad slot's rows store nothing.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dsv4.kernels.ref.hisparse import write_rows_ref
 
 
 def hot_plan_ref(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
@@ -76,6 +82,26 @@ def _stamp_hits(e2s: torch.Tensor, stamp: torch.Tensor, slots: torch.Tensor,
     hit = (entries >= 0) & (cur >= 0)
     stamp.index_put_((slots, torch.where(hit, cur, E)), torch.where(hit, now, -1))
     return hit
+
+
+def hot_write_ref(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
+                  slot_ids: torch.Tensor, entries: torch.Tensor, page_table: torch.Tensor,
+                  page_entries: int, values: torch.Tensor, host_pool: torch.Tensor,
+                  device_pool: torch.Tensor) -> None:
+    """Store new entries (module docstring): entry entries[t] of request slot slot_ids[t] =
+    values[t] ([T, D]) in host_pool (its mirror row) and, once placed hot by the plan, in
+    device_pool (its hot row). Rows of the pad slot (and entries < 0) store nothing. The host
+    pool may be pinned CPU memory beside CUDA values (a blocking copy here)."""
+    R = e2s.shape[0] - 1
+    unused = torch.zeros(3, dtype=torch.int64, device=e2s.device)
+    rows = hot_plan_ref(e2s, s2e, stamp, clock, slot_ids, entries[:, None], page_table,
+                        page_entries, unused, False)[0].view(-1)
+    slots = slot_ids.long()
+    valid = (slots < R) & (entries >= 0)
+    host = torch.where(valid, host_rows(page_table, page_entries, slots.clamp(max=R),
+                                        entries.long()), -1)
+    write_rows_ref(host_pool, host, values)
+    write_rows_ref(device_pool, rows, values)
 
 
 def _rank_misses(slots: torch.Tensor, entries: torch.Tensor, miss: torch.Tensor, R: int, M: int

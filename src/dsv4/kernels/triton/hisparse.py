@@ -74,7 +74,7 @@ def default_block_d(D: int) -> int:
     return min(1024, triton.next_power_of_2(D))
 
 
-def _check_devices(host: torch.Tensor, others: dict[str, torch.Tensor], host_name: str) -> None:
+def check_devices(host: torch.Tensor, others: dict[str, torch.Tensor], host_name: str) -> None:
     """`others` on one device; `host` there too, or pinned CPU memory beside a CUDA device."""
     devices = {t.device for t in others.values()}
     where = ", ".join(f"{k} on {t.device}" for k, t in {host_name: host, **others}.items())
@@ -90,7 +90,7 @@ def _check_devices(host: torch.Tensor, others: dict[str, torch.Tensor], host_nam
                          f"memory beside a CUDA device (UVA); got {where}")
 
 
-def _check_rows(src: tuple[str, str, torch.Tensor], dst: tuple[str, str, torch.Tensor]) -> None:
+def check_rows(src: tuple[str, str, torch.Tensor], dst: tuple[str, str, torch.Tensor]) -> None:
     """(name, shape label, tensor) of the copy's source and destination: both 2-D with one D, of
     POOL_DTYPES with unit stride in D, uint8 only into uint8 (a bit copy)."""
     (s_name, s_shape, s), (d_name, d_shape, d) = src, dst
@@ -108,9 +108,9 @@ def _check_rows(src: tuple[str, str, torch.Tensor], dst: tuple[str, str, torch.T
 
 def _check(host_pool: torch.Tensor, device_pool: torch.Tensor, src_entries: torch.Tensor,
            dst_slots: torch.Tensor) -> None:
-    _check_devices(host_pool, {"device_pool": device_pool, "src_entries": src_entries,
+    check_devices(host_pool, {"device_pool": device_pool, "src_entries": src_entries,
                                "dst_slots": dst_slots}, "host_pool")
-    _check_rows(("host_pool", "[N_host, D]", host_pool),
+    check_rows(("host_pool", "[N_host, D]", host_pool),
                 ("device_pool", "[N_dev + 1, D]", device_pool))
     if device_pool.shape[0] < 1:
         raise ValueError("device_pool needs at least its trash row")
@@ -167,8 +167,8 @@ def triton_write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tens
     device; pool there too or in pinned CPU memory beside a CUDA device (written in place: module
     docstring); ValueError otherwise. Graph-capture safe; no host sync.
     """
-    _check_devices(pool, {"rows": rows, "values": values}, "pool")
-    _check_rows(("values", "[n, D]", values), ("pool", "[N, D]", pool))
+    check_devices(pool, {"rows": rows, "values": values}, "pool")
+    check_rows(("values", "[n, D]", values), ("pool", "[N, D]", pool))
     if rows.dim() != 1 or rows.shape[0] != values.shape[0] or rows.dtype not in INDEX_DTYPES:
         raise ValueError(f"rows must be [n] of int32 / int64 with n = values.shape[0]; got "
                          f"{list(rows.shape)} {rows.dtype} for {values.shape[0]} values")

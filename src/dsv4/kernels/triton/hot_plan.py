@@ -17,6 +17,9 @@ touch no map). With k picks (BLOCK_K >= k) and E hot slots (BLOCK_E >= E) held i
        stamped now) takes victim q: its old entry unmapped, the miss mapped, stamped, and
        (host row, hot row) stored at src / dst [t * k + c], c its column (-1 elsewhere) (barrier)
     4. rows: e2s read again for every pick: s * E + j, or -1
+    5. (WRITE, `triton_hot_write`: a decode step's new entries, one per row) the row's value is
+       stored into the host mirror row of its entry (pinned memory through UVA) and, if the
+       entry is now hot, into its hot row: the plan and the write path's stores in one launch
 Counters (strict) by atomic adds. The clock is incremented by one torch op before the launch (the
 programs share `now`). Fixed grid for a fixed T, no host syncs: CUDA-graph safe.
 
@@ -34,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.hisparse import INDEX_DTYPES
+from dsv4.kernels.triton.hisparse import INDEX_DTYPES, check_devices, check_rows
 from dsv4.kernels.triton.launch import pow2
 
 MAX_E = 16384   # hot slots per request one program sorts in registers
@@ -43,9 +46,11 @@ MAX_E = 16384   # hot slots per request one program sorts in registers
 @triton.jit
 def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-untyped-def]
                      slot_ptr, pick_ptr, pt_ptr, rows_ptr, src_ptr, dst_ptr, scratch_ptr, cnt_ptr,
-                     k, E, M, R, pe, stride_e2s, stride_s2e, stride_stamp, stride_pick, stride_pt,
+                     val_ptr, host_ptr, dev_ptr,
+                     k, E, M, R, pe, D, stride_e2s, stride_s2e, stride_stamp, stride_pick,
+                     stride_pt, stride_val, stride_host, stride_dev,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, STRICT: tl.constexpr,
-                     ONE_PICK: tl.constexpr):
+                     ONE_PICK: tl.constexpr, WRITE: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     s = tl.load(slot_ptr + t).to(tl.int64)
@@ -95,7 +100,36 @@ def _hot_plan_kernel(e2s_ptr, s2e_ptr, stamp_ptr, clock_ptr,  # type: ignore[no-
         tl.atomic_add(cnt_ptr + 2, tl.sum(is_miss.to(tl.int64), axis=0) - placed)
     tl.debug_barrier()
     j = tl.load(e2s + col).to(tl.int64)                                   # 4. rows
-    tl.store(rows_ptr + t * k + offs_k, tl.where(valid & (j >= 0), s * E + j, -1), mask=in_k)
+    row = tl.where(valid & (j >= 0), s * E + j, -1)
+    tl.store(rows_ptr + t * k + offs_k, row, mask=in_k)
+    if WRITE:   # 5. the new entry's value (k == 1): its host mirror row, and its hot row if any
+        first = offs_k == 0
+        safe_p = tl.where(valid, p, 0)
+        host_all = tl.load(pt_ptr + s * stride_pt + safe_p // pe, mask=valid, other=0) * pe \
+            + safe_p % pe
+        _write_value(val_ptr + t * stride_val, host_ptr, dev_ptr,
+                     tl.sum(tl.where(first & valid, host_all, 0), axis=0),
+                     tl.sum(tl.where(first, valid.to(tl.int64), 0), axis=0),
+                     tl.sum(tl.where(first, row, 0), axis=0), D, stride_host, stride_dev, BLOCK_D)
+
+
+@triton.jit
+def _write_value(val, host_ptr, dev_ptr, host_row, has_host,  # type: ignore[no-untyped-def]
+                 dev_row, D, stride_host, stride_dev, BLOCK_D: tl.constexpr):
+    """values row `val` [D] -> host_ptr row host_row (if has_host) and dev_ptr row dev_row (if
+    >= 0), cast to each pool's dtype; masks as [BLOCK_D] tensors (the interpreter refuses
+    scalar masks)."""
+    offs = tl.arange(0, BLOCK_D)
+    zero = tl.zeros([BLOCK_D], tl.int64)
+    to_host = (zero + has_host) > 0
+    to_dev = (zero + dev_row) >= 0
+    host = host_ptr + host_row * stride_host
+    dev = dev_ptr + tl.maximum(dev_row, 0) * stride_dev
+    for d0 in range(0, D, BLOCK_D):
+        in_d = d0 + offs < D
+        v = tl.load(val + d0 + offs, mask=in_d)
+        tl.store(host + d0 + offs, v.to(host_ptr.dtype.element_ty), mask=in_d & to_host)
+        tl.store(dev + d0 + offs, v.to(dev_ptr.dtype.element_ty), mask=in_d & to_dev)
 
 
 def _check(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor,
@@ -157,11 +191,53 @@ def triton_hot_plan(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
     picks = picks if picks.stride(1) == 1 else picks.contiguous()
     _hot_plan_kernel[(T,)](
         e2s, s2e, stamp, clock, slot_ids.contiguous(), picks, page_table, rows, src, dst,
-        scratch, counters, k, E, M, R, page_entries, e2s.stride(0), s2e.stride(0),
-        stamp.stride(0), picks.stride(0), page_table.stride(0), BLOCK_K=block_k,
-        BLOCK_E=block_e, STRICT=strict, ONE_PICK=k == 1,
-        num_warps=num_warps or plan_warps(E, k == 1))
+        scratch, counters, rows, rows, rows, k, E, M, R, page_entries, 0, e2s.stride(0),
+        s2e.stride(0), stamp.stride(0), picks.stride(0), page_table.stride(0), 0, 0, 0,
+        BLOCK_K=block_k, BLOCK_E=block_e, STRICT=strict, ONE_PICK=k == 1, WRITE=False,
+        BLOCK_D=16, num_warps=num_warps or plan_warps(E, k == 1))
     return rows, src, dst
+
+
+def triton_hot_write(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
+                     clock: torch.Tensor, slot_ids: torch.Tensor, entries: torch.Tensor,
+                     page_table: torch.Tensor, page_entries: int, values: torch.Tensor,
+                     host_pool: torch.Tensor, device_pool: torch.Tensor,
+                     num_warps: int | None = None) -> None:
+    """Same contract as `hot_write_ref` for rows of distinct request slots (but the pad slot):
+    the one-pick plan of `triton_hot_plan` (strict off) and the values' stores in one launch,
+    instead of the plan, the host rows' lookup, the mirror write and the hot copy. entries [T]
+    int32 / int64; values [T, D]; host_pool [N_host, D] (pinned CPU memory beside CUDA values,
+    written in place through UVA, or on their device); device_pool [N_dev, D]; pools of
+    `hisparse.py`'s POOL_DTYPES with unit stride in D. ValueError otherwise. Graph-capture safe;
+    no host sync."""
+    T = entries.shape[0]
+    # NOTE: no counters here (strict off); the clock's broadcast view passes their check
+    _check(e2s, s2e, stamp, clock, slot_ids, entries.view(T, 1), page_table, clock.expand(3))
+    check_devices(host_pool, {"values": values, "device_pool": device_pool, "e2s": e2s},
+                   "host_pool")
+    check_rows(("values", "[T, D]", values), ("host_pool", "[N_host, D]", host_pool))
+    check_rows(("values", "[T, D]", values), ("device_pool", "[N_dev, D]", device_pool))
+    if entries.dim() != 1 or values.shape[0] != T:
+        raise ValueError(f"hot_write needs entries [T] and values [T, D]; got "
+                         f"{list(entries.shape)} and {list(values.shape)}")
+    E, M, R = s2e.shape[1] - 1, e2s.shape[1] - 1, e2s.shape[0] - 1
+    if E > MAX_E:
+        raise ValueError(f"hot_plan E={E} hot slots per request is invalid; allowed: <= {MAX_E}")
+    clock.add_(1)
+    D = values.shape[1]
+    if T == 0 or D == 0:
+        return
+    dev = e2s.device
+    rows = torch.empty(T, 1, dtype=torch.int64, device=dev)
+    unused = torch.empty(T, dtype=torch.int64, device=dev)     # src / dst: nothing swaps in
+    block_e = _block_e(E)
+    _hot_plan_kernel[(T,)](
+        e2s, s2e, stamp, clock, slot_ids.contiguous(), entries.contiguous().view(T, 1),
+        page_table, rows, unused, unused, unused, unused, values, host_pool, device_pool,
+        1, E, M, R, page_entries, D, e2s.stride(0), s2e.stride(0), stamp.stride(0), 1,
+        page_table.stride(0), values.stride(0), host_pool.stride(0), device_pool.stride(0),
+        BLOCK_K=16, BLOCK_E=block_e, STRICT=False, ONE_PICK=True, WRITE=True,
+        BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=num_warps or plan_warps(E, True))
 
 
 def _block_e(E: int) -> int:
