@@ -268,23 +268,30 @@ def test_hot_write_validation_names_the_field() -> None:
                          torch.zeros(9, 4, device=DEVICE))
 
 
+def small_hot_sets(layers: int, hot: int, ops: list[tuple[object, object]]) -> list[HotSet]:
+    """One fp32 HotSet per (plan, write) op pair: 3 request slots (every one admitted) of 24
+    entries, 4 per page, `hot` hot slots, width 8; page 0 is the null page, the pad slot's."""
+    layout = HiSparseLayout(num_layers=layers, max_reqs=3, max_entries=24, device_entries=hot,
+                            top_k=5, num_host_rows=(4 * 6 + 1) * 4 + 1, page_entries=4, width=8)
+    page_table = 1 + torch.arange(4 * 6).view(4, 6)       # page 0: the null page
+    page_table[3] = 0                                      # the pad slot
+    sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
+                   host_device=torch.device(DEVICE), plan=plan, write=write)  # type: ignore[arg-type]
+            for plan, write in ops]
+    for hs in sets:
+        for slot in range(3):
+            hs.admit(slot)
+    return sets
+
+
 def test_write_entries_in_one_call_equals_the_general_path() -> None:
     """`write_entries(hot=True, one_row=True)` (the `write` op: plan and stores in one call)
     leaves the same maps, clock, hot pool and host mirror as the general path (`one_row=False`:
     the reference plan, the mirror write, the hot copy), but for the pad slot's rows, which the
     one call does not store (the general path writes them to the null page's rows)."""
-    layout = HiSparseLayout(num_layers=1, max_reqs=3, max_entries=24, device_entries=6, top_k=5,
-                            num_host_rows=(4 * 6 + 1) * 4 + 1, page_entries=4, width=8)
-    page_table = 1 + torch.arange(4 * 6).view(4, 6)       # page 0: the null page
-    page_table[3] = 0                                      # the pad slot
-    sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
-                   host_device=torch.device(DEVICE), plan=triton_hot_plan, write=triton_hot_write)
-            for _ in range(2)]
+    sets = small_hot_sets(1, 6, [(triton_hot_plan, triton_hot_write)] * 2)
     g = torch.Generator().manual_seed(13)
     slots = torch.tensor([2, 3, 0, 1], device=DEVICE)
-    for hs in sets:
-        for slot in range(3):
-            hs.admit(slot)
     for step in range(12):
         values = torch.randn(4, 8, generator=g).to(DEVICE)
         entries = torch.tensor([step, 0, step + 5, 2 * step], device=DEVICE)
@@ -305,18 +312,10 @@ def test_hot_set_with_the_kernel_plan_equals_the_reference() -> None:
     """HotSet's `plan` hook: decode-shaped writes (one new entry per request, placed hot) and
     selects (one row per request) with `one_row` run the kernel and give the same maps, hot
     pools, rows and counters as the reference plan; the result passes `check_integrity`."""
-    layout = HiSparseLayout(num_layers=2, max_reqs=3, max_entries=24, device_entries=8, top_k=5,
-                            num_host_rows=(4 * 6 + 1) * 4 + 1, page_entries=4, width=8)
-    page_table = 1 + torch.arange(4 * 6).view(4, 6)       # page 0: the null page
-    page_table[3] = 0                                      # the pad slot
-    sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
-                   host_device=torch.device(DEVICE), plan=plan, write=write)
-            for plan, write in ((hot_plan_ref, hot_write_ref), (triton_hot_plan, triton_hot_write))]
+    sets = small_hot_sets(2, 8, [(hot_plan_ref, hot_write_ref),
+                                 (triton_hot_plan, triton_hot_write)])
     g = torch.Generator().manual_seed(11)
     slots = torch.tensor([2, 0, 3, 1], device=DEVICE)     # the pad slot's row in between
-    for hs in sets:
-        for slot in range(3):
-            hs.admit(slot)
     for step in range(6):                                  # entries 4 * step .. 4 * step + 3
         for n in range(4):
             values = torch.randn(4, 8, generator=g).to(DEVICE)
