@@ -144,6 +144,17 @@ def _row(order_ptr, row_start, row_end, m: tl.constexpr,  # type: ignore[no-unty
 
 
 @triton.jit
+def _tile_rows(order_ptr, row_start, row_end, SLOTS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """`_row` of the tile's rows 0..3 as four 4-tuples: (p, ok, q, slot)[m] (rows past BLOCK_M go
+    unused)."""
+    p0, ok0, q0, s0 = _row(order_ptr, row_start, row_end, 0, SLOTS)
+    p1, ok1, q1, s1 = _row(order_ptr, row_start, row_end, 1, SLOTS)
+    p2, ok2, q2, s2 = _row(order_ptr, row_start, row_end, 2, SLOTS)
+    p3, ok3, q3, s3 = _row(order_ptr, row_start, row_end, 3, SLOTS)
+    return (p0, p1, p2, p3), (ok0, ok1, ok2, ok3), (q0, q1, q2, q3), (s0, s1, s2, s3)
+
+
+@triton.jit
 def _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS: tl.constexpr):  # type: ignore[no-untyped-def]
     """(first sorted row, end, expert) of this program's tile: from the tile map, or with SLOTS
     (BLOCK_M 1 and no tile map) program t is slot t alone and t_exp_ptr the flat indices."""
@@ -186,12 +197,9 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
     C: tl.constexpr = BLOCK_K // CHUNK
     row_start, row_end, e = _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
     if row_start < row_end:
-        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0, SLOTS)
-        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1, SLOTS)
-        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2, SLOTS)
-        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3, SLOTS)
-        a_rows = (x_ptr + (slot0 // TOPK) * stride_x, x_ptr + (slot1 // TOPK) * stride_x,
-                  x_ptr + (slot2 // TOPK) * stride_x, x_ptr + (slot3 // TOPK) * stride_x)
+        p, ok, q, slot = _tile_rows(order_ptr, row_start, row_end, SLOTS)
+        a_rows = (x_ptr + (slot[0] // TOPK) * stride_x, x_ptr + (slot[1] // TOPK) * stride_x,
+                  x_ptr + (slot[2] // TOPK) * stride_x, x_ptr + (slot[3] // TOPK) * stride_x)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
         rows = tl.minimum(offs_n, INTER - 1)      # loads need no mask; the stores have n_mask
@@ -215,17 +223,9 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
             acc_g, acc_u = _step2(acc_g, acc_u, a_rows, cur_g, cur_u, k0, K, rows, FMT, C, SHIFT,
                                   ASM, EVEN_K, BLOCK_M)
         cols = _perm(offs_n, CHUNK, BLOCK_K)
-        _h_row(h_ptr, acc_g[0], acc_u[0], rw_ptr, p0, ok0, slot0, cols, n_mask, stride_h, limit,
-               SHIFT, H_DTYPE, LIBDEVICE)
-        if BLOCK_M > 1:
-            _h_row(h_ptr, acc_g[1], acc_u[1], rw_ptr, p1, ok1, slot1, cols, n_mask, stride_h,
-                   limit, SHIFT, H_DTYPE, LIBDEVICE)
-        if BLOCK_M > 2:
-            _h_row(h_ptr, acc_g[2], acc_u[2], rw_ptr, p2, ok2, slot2, cols, n_mask, stride_h,
-                   limit, SHIFT, H_DTYPE, LIBDEVICE)
-            _h_row(h_ptr, acc_g[3], acc_u[3], rw_ptr, p3, ok3, slot3, cols, n_mask, stride_h,
-                   limit, SHIFT, H_DTYPE, LIBDEVICE)
-
+        for m in tl.static_range(BLOCK_M):
+            _h_row(h_ptr, acc_g[m], acc_u[m], rw_ptr, p[m], ok[m], slot[m], cols, n_mask,
+                   stride_h, limit, SHIFT, H_DTYPE, LIBDEVICE)
 
 @triton.jit
 def _h_row(h_ptr, acc_g, acc_u, rw_ptr, p, ok, slot, cols, n_mask,  # type: ignore[no-untyped-def]
@@ -253,12 +253,9 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
     C: tl.constexpr = BLOCK_K // CHUNK
     row_start, row_end, e = _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
     if row_start < row_end:
-        p0, ok0, q0, slot0 = _row(order_ptr, row_start, row_end, 0, SLOTS)
-        p1, ok1, q1, slot1 = _row(order_ptr, row_start, row_end, 1, SLOTS)
-        p2, ok2, q2, slot2 = _row(order_ptr, row_start, row_end, 2, SLOTS)
-        p3, ok3, q3, slot3 = _row(order_ptr, row_start, row_end, 3, SLOTS)
-        a_rows = (h_ptr + q0 * stride_h, h_ptr + q1 * stride_h, h_ptr + q2 * stride_h,
-                  h_ptr + q3 * stride_h)
+        p, ok, q, slot = _tile_rows(order_ptr, row_start, row_end, SLOTS)
+        a_rows = (h_ptr + q[0] * stride_h, h_ptr + q[1] * stride_h, h_ptr + q[2] * stride_h,
+                  h_ptr + q[3] * stride_h)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < D
         rows = tl.minimum(offs_n, D - 1)
@@ -274,13 +271,8 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
             if not PREFETCH:
                 cur = raw
             acc = _step(acc, a_rows, cur, k0, K, rows, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
-        _out_row(out_ptr, acc[0], ok0, slot0, offs_n, n_mask, stride_o, TOPK, ATOMIC)
-        if BLOCK_M > 1:
-            _out_row(out_ptr, acc[1], ok1, slot1, offs_n, n_mask, stride_o, TOPK, ATOMIC)
-        if BLOCK_M > 2:
-            _out_row(out_ptr, acc[2], ok2, slot2, offs_n, n_mask, stride_o, TOPK, ATOMIC)
-            _out_row(out_ptr, acc[3], ok3, slot3, offs_n, n_mask, stride_o, TOPK, ATOMIC)
-
+        for m in tl.static_range(BLOCK_M):
+            _out_row(out_ptr, acc[m], ok[m], slot[m], offs_n, n_mask, stride_o, TOPK, ATOMIC)
 
 @triton.jit
 def _out_row(out_ptr, acc, ok, slot, offs_n, n_mask, stride_o,  # type: ignore[no-untyped-def]
