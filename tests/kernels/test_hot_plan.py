@@ -262,7 +262,8 @@ def test_hot_write_validation_names_the_field() -> None:
     slots, entries = torch.tensor([0, 1], device=DEVICE), torch.tensor([0, 1], device=DEVICE)
     args = (st["e2s"], st["s2e"], st["stamp"], st["clock"], slots, entries, st["page_table"], 4)
     with pytest.raises(ValueError, match="values"):
-        triton_hot_write(*args, torch.zeros(3, 8, device=DEVICE), host, dev)   # type: ignore[arg-type]
+        triton_hot_write(*args, torch.zeros(3, 8, device=DEVICE), host,  # type: ignore[arg-type]
+                         dev)
     with pytest.raises(ValueError, match="device_pool"):
         triton_hot_write(*args, torch.zeros(2, 8, device=DEVICE), host,  # type: ignore[arg-type]
                          torch.zeros(9, 4, device=DEVICE))
@@ -275,8 +276,9 @@ def small_hot_sets(layers: int, hot: int, ops: list[tuple[object, object]]) -> l
                             top_k=5, num_host_rows=(4 * 6 + 1) * 4 + 1, page_entries=4, width=8)
     page_table = 1 + torch.arange(4 * 6).view(4, 6)       # page 0: the null page
     page_table[3] = 0                                      # the pad slot
-    sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, torch.device(DEVICE),
-                   host_device=torch.device(DEVICE), plan=plan, write=write)  # type: ignore[arg-type]
+    device = torch.device(DEVICE)
+    sets = [HotSet(layout, page_table.to(DEVICE), torch.float32, device, host_device=device,
+                   plan=plan, write=write)  # type: ignore[arg-type]
             for plan, write in ops]
     for hs in sets:
         for slot in range(3):

@@ -98,8 +98,7 @@ def hot_write_ref(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor, clo
                         page_entries, unused, False)[0].view(-1)
     slots = slot_ids.long()
     valid = (slots < R) & (entries >= 0)
-    host = torch.where(valid, host_rows(page_table, page_entries, slots.clamp(max=R),
-                                        entries.long()), -1)
+    host = torch.where(valid, host_rows(page_table, page_entries, slots, entries.long()), -1)
     write_rows_ref(host_pool, host, values)
     write_rows_ref(device_pool, rows, values)
 

@@ -161,6 +161,9 @@ def _check(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor, clock: tor
     for name in ("e2s", "s2e", "stamp", "page_table"):
         if named[name].stride(1) != 1:
             raise ValueError(f"hot_plan {name} must have unit stride in its last dim")
+    if s2e.shape[1] - 1 > MAX_E:
+        raise ValueError(f"hot_plan E={s2e.shape[1] - 1} hot slots per request is invalid; "
+                         f"allowed: <= {MAX_E}")
 
 
 def triton_hot_plan(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
@@ -176,8 +179,6 @@ def triton_hot_plan(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
     _check(e2s, s2e, stamp, clock, slot_ids, picks, page_table, counters)
     T, k = picks.shape
     E, M, R = s2e.shape[1] - 1, e2s.shape[1] - 1, e2s.shape[0] - 1
-    if E > MAX_E:
-        raise ValueError(f"hot_plan E={E} hot slots per request is invalid; allowed: <= {MAX_E}")
     dev = picks.device
     rows = torch.empty(T, k, dtype=torch.int64, device=dev)
     src = torch.empty(T * k, dtype=torch.int64, device=dev)
@@ -221,8 +222,6 @@ def triton_hot_write(e2s: torch.Tensor, s2e: torch.Tensor, stamp: torch.Tensor,
         raise ValueError(f"hot_write needs entries [T] and values [T, D]; got "
                          f"{list(entries.shape)} and {list(values.shape)}")
     E, M, R = s2e.shape[1] - 1, e2s.shape[1] - 1, e2s.shape[0] - 1
-    if E > MAX_E:
-        raise ValueError(f"hot_plan E={E} hot slots per request is invalid; allowed: <= {MAX_E}")
     clock.add_(1)
     D = values.shape[1]
     if T == 0 or D == 0:

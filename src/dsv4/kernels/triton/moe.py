@@ -307,7 +307,8 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     # the fma loop at BLOCK_M 1 needs no tile map: one program row per slot (`fma_launches`);
     # its activation copy is preparation too, so it runs before the join
     tiles = None if fma and plan.block_m == 1 else tile_map(indices, E, plan.block_m)
-    xs = fma_activations(x, FMTS[fmt], plan.block_k) if fma else x
+    code = FMTS[fmt]
+    xs = fma_activations(x, code, plan.block_k) if fma else x
     shared, out_dtype, wait_shared = combine
     if wait_shared is not None:     # before the expert GEMMs (module docstring)
         wait_shared()
@@ -315,7 +316,6 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s1 = s1.view(torch.uint8) if s1 is not None else w1
     s3 = s3.view(torch.uint8) if s3 is not None else w3
     s2 = s2.view(torch.uint8) if s2 is not None else w2
-    code = FMTS[fmt]
     if fma:
         dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             indices, tiles, rw, limit, code, topk, deterministic, plan,

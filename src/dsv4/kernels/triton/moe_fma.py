@@ -65,8 +65,8 @@ def _act(a_row, k0, C: tl.constexpr, q):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _row_step(acc, w, factor, a_row, k0, K, rows,  # type: ignore[no-untyped-def]
-              FMT: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexpr):
+def _row_step(acc, w, factor, a_row, k0,  # type: ignore[no-untyped-def]
+              FMT: tl.constexpr, C: tl.constexpr):
     """acc [BLOCK_N, C] + one row's scaled chunk partials: per (n, c) the products summed in
     q order (W_0 A_0 + W_1 A_1 + ...) element-wise over j, then over j in-thread."""
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
@@ -77,8 +77,8 @@ def _row_step(acc, w, factor, a_row, k0, K, rows,  # type: ignore[no-untyped-def
 
 
 @triton.jit
-def _row_step2(acc_g, acc_u, wg, fg, wu, fu, a_row, k0, K,  # type: ignore[no-untyped-def]
-               rows, FMT: tl.constexpr, C: tl.constexpr, EVEN_K: tl.constexpr):
+def _row_step2(acc_g, acc_u, wg, fg, wu, fu, a_row, k0,  # type: ignore[no-untyped-def]
+               FMT: tl.constexpr, C: tl.constexpr):
     """`_row_step` of the gate and up matrices at once: each activation load serves both (the
     same sums, in the same order, as two `_row_step` calls)."""
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
@@ -93,38 +93,37 @@ def _row_step2(acc_g, acc_u, wg, fg, wu, fu, a_row, k0, K,  # type: ignore[no-un
 
 
 @triton.jit
-def _step(accs, a_rows, raw, k0, K, rows,  # type: ignore[no-untyped-def]
-          FMT: tl.constexpr, C: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
-          EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One K step of one weight matrix (`_load`'s raw data at k0) for the tile's rows: accs (4
+def _step(accs, a_rows, raw, k0, FMT: tl.constexpr,  # type: ignore[no-untyped-def]
+          C: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K step of one weight matrix (`load_words`' raw data at k0) for the tile's rows: accs (4
     [BLOCK_N, C] accumulators, the first BLOCK_M live) plus each row's `_row_step`; the tile is
     decoded once for all rows."""
     w, factor = decode_words(raw, FMT, SHIFT, ASM)
     acc0, acc1, acc2, acc3 = accs
-    acc0 = _row_step(acc0, w, factor, a_rows[0], k0, K, rows, FMT, C, EVEN_K)
+    acc0 = _row_step(acc0, w, factor, a_rows[0], k0, FMT, C)
     if BLOCK_M > 1:
-        acc1 = _row_step(acc1, w, factor, a_rows[1], k0, K, rows, FMT, C, EVEN_K)
+        acc1 = _row_step(acc1, w, factor, a_rows[1], k0, FMT, C)
     if BLOCK_M > 2:
-        acc2 = _row_step(acc2, w, factor, a_rows[2], k0, K, rows, FMT, C, EVEN_K)
-        acc3 = _row_step(acc3, w, factor, a_rows[3], k0, K, rows, FMT, C, EVEN_K)
+        acc2 = _row_step(acc2, w, factor, a_rows[2], k0, FMT, C)
+        acc3 = _row_step(acc3, w, factor, a_rows[3], k0, FMT, C)
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _step2(accs_g, accs_u, a_rows, raw_g, raw_u, k0, K, rows,  # type: ignore[no-untyped-def]
+def _step2(accs_g, accs_u, a_rows, raw_g, raw_u, k0,  # type: ignore[no-untyped-def]
            FMT: tl.constexpr, C: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr,
-           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
+           BLOCK_M: tl.constexpr):
     """`_step` of the gate and up matrices at once (`_row_step2`)."""
     wg, fg = decode_words(raw_g, FMT, SHIFT, ASM)
     wu, fu = decode_words(raw_u, FMT, SHIFT, ASM)
     g0, g1, g2, g3 = accs_g
     u0, u1, u2, u3 = accs_u
-    g0, u0 = _row_step2(g0, u0, wg, fg, wu, fu, a_rows[0], k0, K, rows, FMT, C, EVEN_K)
+    g0, u0 = _row_step2(g0, u0, wg, fg, wu, fu, a_rows[0], k0, FMT, C)
     if BLOCK_M > 1:
-        g1, u1 = _row_step2(g1, u1, wg, fg, wu, fu, a_rows[1], k0, K, rows, FMT, C, EVEN_K)
+        g1, u1 = _row_step2(g1, u1, wg, fg, wu, fu, a_rows[1], k0, FMT, C)
     if BLOCK_M > 2:
-        g2, u2 = _row_step2(g2, u2, wg, fg, wu, fu, a_rows[2], k0, K, rows, FMT, C, EVEN_K)
-        g3, u3 = _row_step2(g3, u3, wg, fg, wu, fu, a_rows[3], k0, K, rows, FMT, C, EVEN_K)
+        g2, u2 = _row_step2(g2, u2, wg, fg, wu, fu, a_rows[2], k0, FMT, C)
+        g3, u3 = _row_step2(g3, u3, wg, fg, wu, fu, a_rows[3], k0, FMT, C)
     return (g0, g1, g2, g3), (u0, u1, u2, u3)
 
 
@@ -220,12 +219,13 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
                                stride_se, stride_sn, FMT, C, ASM, EVEN_K)
             if not PREFETCH:
                 cur_g, cur_u = raw_g, raw_u
-            acc_g, acc_u = _step2(acc_g, acc_u, a_rows, cur_g, cur_u, k0, K, rows, FMT, C, SHIFT,
-                                  ASM, EVEN_K, BLOCK_M)
+            acc_g, acc_u = _step2(acc_g, acc_u, a_rows, cur_g, cur_u, k0, FMT, C, SHIFT, ASM,
+                                  BLOCK_M)
         cols = _perm(offs_n, CHUNK, BLOCK_K)
         for m in tl.static_range(BLOCK_M):
             _h_row(h_ptr, acc_g[m], acc_u[m], rw_ptr, p[m], ok[m], slot[m], cols, n_mask,
                    stride_h, limit, SHIFT, H_DTYPE, LIBDEVICE)
+
 
 @triton.jit
 def _h_row(h_ptr, acc_g, acc_u, rw_ptr, p, ok, slot, cols, n_mask,  # type: ignore[no-untyped-def]
@@ -270,9 +270,10 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
                              stride_se, stride_sn, FMT, C, ASM, EVEN_K)
             if not PREFETCH:
                 cur = raw
-            acc = _step(acc, a_rows, cur, k0, K, rows, FMT, C, SHIFT, ASM, EVEN_K, BLOCK_M)
+            acc = _step(acc, a_rows, cur, k0, FMT, C, SHIFT, ASM, BLOCK_M)
         for m in tl.static_range(BLOCK_M):
             _out_row(out_ptr, acc[m], ok[m], slot[m], offs_n, n_mask, stride_o, TOPK, ATOMIC)
+
 
 @triton.jit
 def _out_row(out_ptr, acc, ok, slot, offs_n, n_mask, stride_o,  # type: ignore[no-untyped-def]
