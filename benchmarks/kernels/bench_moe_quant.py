@@ -3,7 +3,7 @@
 Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activations, limit 10):
   N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
   (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
-  dot_scaled, words, fma; FP8 runs its distinct loops, scaled, dot_scaled and fma; bf16 weights
+  dot_scaled, words, fma, planes; FP8 runs its distinct loops, scaled, dot_scaled and fma; bf16 weights
   have one loop, shown as "-"). The fma loop (CUDA cores, the plan's default while N*k <= E) has
   its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`. `--kernels`: each kernel's
   device us per call at the default config (the gate/up and down launches, the activation copy,
@@ -15,7 +15,8 @@ Metrics:
       towards 1);
   TFLOP/s = 6 N k I d / time (three GEMMs of N k rows);
   best = the fastest of the plan's default config and, with `--sweep`, SWEEP[kind] (block_n /
-      block_k / num_warps / num_stages; "-" = the plan's choice);
+      block_k / num_warps / num_stages; "-" = the plan's choice), or with `--prefill-sweep`,
+      PREFILL_SWEEP[kind] (the same plus BLOCK_M 64 / 128: wgmma tiles for N >= 2048);
   x ref = reference time / kernel time; the reference is `routed_experts_quant` (dequantises every
       expert, then one dense matmul per expert with a host sync), timed eagerly once per (fmt, N);
       "grouped us" (CUDA) is `routed_experts_grouped` (torch._grouped_mm) on weights dequantised
@@ -30,6 +31,8 @@ Prints a table, then ONE JSON line.
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --variants scaled --tokens 1,8
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4,fp8 \
         --variants fma,words,scaled --tokens 1,8,32,128 --sweep
+    PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --fmts bf16,fp8,fp4 \
+        --variants planes,scaled --tokens 2048,8192 --prefill-sweep
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_quant.py --cpu-smoke  # interpreter, tiny
 """
 
@@ -57,7 +60,9 @@ LIMIT = 10.0
 N_SETS = 4
 MAX_REL_ERR = 1e-2
 # block_n, block_k, warps, stages, prefetch (the fma loop's register prefetch; None elsewhere)
-Config = tuple[int | None, int | None, int | None, int | None, bool | None]
+# [, block_m] (PREFILL_SWEEP's; else the plan's, or --fma-block-m)
+Config = (tuple[int | None, int | None, int | None, int | None, bool | None]
+          | tuple[int | None, int | None, int | None, int | None, bool | None, int])
 DEFAULT_CONFIG: Config = (None, None, None, None, None)         # the plan's (moe_plan.py)
 # per kind (fmt, or fmt/variant for FP4): the old default first, then tiles around the plan's
 SWEEP: dict[str, list[Config]] = {
@@ -80,8 +85,20 @@ SWEEP: dict[str, list[Config]] = {
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }
+# `--prefill-sweep`: tiles for N >= 2048 (wgmma from BLOCK_M 64), the 6th entry BLOCK_M
+PREFILL_SWEEP: dict[str, list[Config]] = {
+    "bf16": [(64, 64, 4, 3, None, 64), (64, 64, 8, 3, None, 128), (128, 64, 8, 3, None, 128),
+             (128, 64, 8, 4, None, 128), (128, 64, 4, 3, None, 64), (64, 64, 4, 4, None, 128),
+             (128, 32, 8, 4, None, 128)],
+    "fp8": [(64, 128, 4, 3, None, 64), (64, 128, 8, 3, None, 128), (128, 128, 8, 3, None, 128),
+            (128, 64, 8, 3, None, 128), (128, 128, 4, 3, None, 64), (64, 64, 4, 4, None, 128)],
+    "fp4/planes": [(64, 128, 4, 3, None, 64), (64, 128, 8, 3, None, 128),
+                   (128, 128, 8, 3, None, 128), (64, 256, 8, 3, None, 128),
+                   (128, 64, 8, 3, None, 128), (128, 128, 4, 3, None, 64),
+                   (64, 128, 8, 4, None, 128), (64, 64, 4, 3, None, 64)],
+}
 FMTS = ("fp4", "fp8", "bf16")
-VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma")
+VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes")
 FP8_LOOPS = ("scaled", "dot_scaled", "fma")  # FP8's "split" and "words" are its "scaled" loop
 
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
@@ -171,9 +188,11 @@ def grouped_us(wts: Weights, fmt: str, sets: list[list[Inputs]],
 
 
 def config_name(cfg: Config) -> str:
-    """bn/bk/w/st/pf, "-" for the plan's choice (pf: "pf" with the prefetch, else "-")."""
-    *tiles, pf = cfg
-    return "/".join(["-" if v is None else str(v) for v in tiles] + ["pf" if pf else "-"])
+    """bn/bk/w/st/pf[/m<block_m>], "-" for the plan's choice (pf: "pf" with the prefetch, else
+    "-")."""
+    tiles, pf, bm = cfg[:4], cfg[4], cfg[5:]
+    return "/".join(["-" if v is None else str(v) for v in tiles] + ["pf" if pf else "-"]
+                    + [f"m{m}" for m in bm])
 
 
 def reference(s: Shape, wts: Weights, fmt: str, inputs: Inputs) -> torch.Tensor:
@@ -196,16 +215,17 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     from dsv4.kernels.triton.moe import triton_routed_experts_quant
 
     kind = (f"{fmt}/{variant}" if (fmt, variant) in (("fp4", "split"), ("fp4", "fma"),
-                                                      ("fp8", "fma")) else fmt)
-    block_m = args.fma_block_m if variant == "fma" else None
+                                                      ("fp8", "fma"), ("fp4", "planes")) else fmt)
+    sweep = PREFILL_SWEEP if args.prefill_sweep else SWEEP if args.sweep else {}
     timed: dict[str, float] = {}
     err, error = 0.0, ""
-    for cfg in [DEFAULT_CONFIG] + (SWEEP[kind] if args.sweep else []):
-        bn, bk, nw, ns, pf = cfg
+    for cfg in [DEFAULT_CONFIG] + sweep.get(kind, []):
+        bn, bk, nw, ns, pf = cfg[:5]
+        bm = cfg[5] if len(cfg) > 5 else args.fma_block_m if variant == "fma" else None
 
         def fn(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, bn: int | None = bn,
                bk: int | None = bk, nw: int | None = nw, ns: int | None = ns,
-               pf: bool | None = pf) -> torch.Tensor:
+               pf: bool | None = pf, block_m: int | None = bm) -> torch.Tensor:
             return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT,
                                                fmt, variant=variant, block_m=block_m,
                                                block_n=bn, block_k=bk, num_warps=nw,
@@ -313,6 +333,9 @@ def main() -> None:
     p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
     p.add_argument("--fma-block-m", type=int, default=None, choices=(1, 2, 4),
                    help="BLOCK_M of the fma loop (default: the plan's, 1)")
+    p.add_argument("--prefill-sweep", action="store_true",
+                   help="time PREFILL_SWEEP[kind] (BLOCK_M 64 / 128 tiles; N >= 2048) instead "
+                        "of SWEEP")
     p.add_argument("--kernels", action="store_true",
                    help="also each kernel's device us per call at the plan's default config "
                         "(torch.profiler; CUDA only), printed after the table")
@@ -341,7 +364,8 @@ def main() -> None:
         if r["kernels_us"]:
             print(f"{r['case']} {r['variant']} kernels us: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()))
-    emit({**header, "variants": args.variants, "sweep": args.sweep, "results": rows}, args.out)
+    emit({**header, "variants": args.variants, "sweep": args.sweep,
+          "prefill_sweep": args.prefill_sweep, "results": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Parity of `triton_routed_experts_quant` with the reference `routed_experts_quant` (spec §8, §12).
 
 CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, every inner
-loop (`variant`: split, scaled, dot_scaled, words, fma; more fma in test_moe_fma.py) of the
+loop (`variant`: split, scaled, dot_scaled, words, fma, planes; more fma in test_moe_fma.py) of the
 quantised formats, N = 1, 5, 33, 40
 tokens, k = 2, experts with no tokens, every token on one expert (several tiles), K tiles wider
 than K (masked), I not a multiple of 128 (partial fp8 blocks), fp32 and bf16 activations, a clamp
@@ -152,7 +152,7 @@ def test_variants_ragged(fmt: str, variant: str) -> None:
           block_m=4 if variant == "fma" else 16, block_n=16)
 
 
-@pytest.mark.parametrize("variant", ["split", "scaled", "words", "fma"])
+@pytest.mark.parametrize("variant", ["split", "scaled", "words", "fma", "planes"])
 def test_variants_fp32_x(variant: str) -> None:
     """fp32 activations run fp32 dots in every loop but dot_scaled, which refuses them."""
     wts = make_weights(6, 128, 64, "fp4", seed=15)
@@ -161,6 +161,22 @@ def test_variants_fp32_x(variant: str) -> None:
     with pytest.raises(ValueError, match="bf16 activations"):
         triton_routed_experts_quant(randn(5, 128), *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
                                     10.0, "fp4", variant="dot_scaled")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_planes_prefill_tiles(x_dtype: torch.dtype) -> None:
+    """FP4 "planes" at a wgmma-sized BLOCK_M 64 with BLOCK_K 64 (so d = 128 is two permuted blocks
+    and the gate/up epilogue stores h in the down launch's planes order across I = 64): 40 tokens,
+    all on one expert, plus spread rows; a BLOCK_K that does not divide d and I is refused."""
+    wts = make_weights(4, 128, 64, "fp4", seed=23)
+    idx, rw = make_routing(40, 4, 2, seed=23, hot=1)
+    check(randn(40, 128).to(x_dtype), wts, idx, rw, 10.0, "fp4", variant="planes", block_m=64,
+          block_k=64)
+    wts = make_weights(4, 128, 96, "fp4", seed=24)
+    with pytest.raises(ValueError, match="must divide d"):
+        triton_routed_experts_quant(randn(3, 128), *wts[:2], *wts[2:],  # type: ignore[arg-type]
+                                    *make_routing(3, 4, 2, seed=24), 10.0, "fp4",
+                                    variant="planes", block_k=64)
 
 
 @triton.jit
@@ -269,6 +285,13 @@ def test_plan() -> None:
     assert (plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_m,
             plan_moe("fp4", None, torch.bfloat16, cpu, *big).block_k) == (32, 128)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, *big).block_m == 64
+    # N = 8192: the plan stays at BLOCK_M 64; 128-row tiles (wgmma, prefill) by knob, "planes"
+    # included, and BLOCK_N up to 128
+    huge = (49152, 256, 2048, 4096)
+    assert plan_moe("bf16", None, torch.bfloat16, cpu, *huge).block_m == 64
+    p = plan_moe("fp4", "planes", torch.bfloat16, cpu, *huge, block_m=128, block_n=128)
+    assert (p.variant, p.block_m, p.block_k, p.down.block_n) == (VARIANTS["planes"], 128, 128, 128)
+    assert plan_moe("fp4", "planes", torch.bfloat16, cpu, 6, 8, 96, 128).block_k == 32
     # FP4 dot_scaled stays at BLOCK_N 32 (its wgmma form at 64 is wrong on sm_90)
     assert plan_moe("fp4", "dot_scaled", torch.bfloat16, cpu, 48, 256, 2048, 4096
                     ).gate_up.block_n == 32
@@ -389,6 +412,20 @@ def test_flash_parity(flash_weights: dict[str, Weights], N: int, fmt: str,
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
     check(x, flash_weights[fmt], idx, rw, 10.0, fmt, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,variant,block_m,block_n,warps",
+                         [("fp4", "planes", 128, 64, 8), ("fp4", "planes", 64, 128, 4),
+                          ("fp8", None, 128, 64, 8), ("bf16", None, 128, 64, 8)])
+def test_flash_parity_prefill_tiles(flash_weights: dict[str, Weights], fmt: str,
+                                    variant: str | None, block_m: int, block_n: int,
+                                    warps: int) -> None:
+    """N = 2048 (~48 rows per expert) on the wgmma tiles of `--prefill-sweep`."""
+    idx, rw = make_routing(2048, FLASH["E"], FLASH["k"], seed=25)
+    x = randn(2048, FLASH["d"]).to(torch.bfloat16)
+    check(x, flash_weights[fmt], idx, rw, 10.0, fmt, variant=variant, block_m=block_m,
+          block_n=block_n, num_warps=warps)
 
 
 @pytest.mark.gpu

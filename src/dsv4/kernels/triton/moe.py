@@ -71,7 +71,7 @@ from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_combine import triton_moe_combine
 from dsv4.kernels.triton.moe_decode import tile_dot
 from dsv4.kernels.triton.moe_fma import fma_activations, fma_launches
-from dsv4.kernels.triton.moe_fp4 import fp4_word_order
+from dsv4.kernels.triton.moe_fp4 import fp4_word_order, planes_activations, planes_column
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_map
 from dsv4.kernels.triton.pdl import pdl_args
@@ -116,7 +116,10 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
                              FP32_DOT, BLOCK_K)
         rw = tl.load(rw_ptr + slot, mask=p_mask, other=0.0)
         h = swiglu_f32(acc_g, acc_u, limit, tl.float32, LIBDEVICE) * rw[:, None]
-        tl.store(h_ptr + offs_p[:, None] * stride_h + offs_n[None, :],
+        cols = offs_n
+        if FMT == 2 and VARIANT == 5:   # h in the down launch's planes order
+            cols = planes_column(offs_n, BLOCK_K)
+        tl.store(h_ptr + offs_p[:, None] * stride_h + cols[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
 
 
@@ -127,9 +130,9 @@ _LIBDEVICE = libdevice_math(_gate_up_kernel)
 def _a_tile(a_rows, p_mask, k0, K, FMT: tl.constexpr,  # type: ignore[no-untyped-def]
             VARIANT: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BM, BLOCK_K] activation tile at k0 (a_rows: [BM, 1] row pointers), its columns in the
-    weight tile's k order (FP4 "words": `fp4_word_order`); a placeholder for split FP4, which loads
-    its even / odd columns itself."""
-    if FMT == 2 and VARIANT == 0:
+    weight tile's k order (FP4 "words": `fp4_word_order`); a placeholder for split and planes FP4,
+    which load their columns themselves."""
+    if FMT == 2 and (VARIANT == 0 or VARIANT == 5):
         a = tl.zeros((1, 1), dtype=tl.float32)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -346,11 +349,13 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     common = {"TOPK": topk, "FMT": code, "VARIANT": plan.variant, "FP32_DOT": fp32_dot,
               "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k, "num_stages": plan.num_stages}
     h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
+    planes = fmt == "fp4" and plan.variant == VARIANTS["planes"]
+    xs = planes_activations(x, plan.block_k) if planes else x
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
     _gate_up_kernel[(t_start.numel(), triton.cdiv(inter, bn))](
-        x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
+        xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
         d, inter, float(limit),
-        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common, **pdl_args(x.device),
     )
     # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)

@@ -16,6 +16,10 @@
   words (3)       FP4: as "scaled", decoded a 32-bit word (8 nibbles) at a time into bf16 pairs
                   (k, k + 4) scaled by one bf16x2 multiply (`fp4_tile_words`; inline PTX on the
                   GPU), the activation tile's columns permuted to match (`fp4_word_order`).
+  planes (5)      FP4: the words' decode kept as 8 planes (k = 8q + 4h + r for fixed (r, h)) in
+                  8 dots of K = BLOCK_K / 8, no join / reshape, so the decoded tiles can feed
+                  wgmma (BLOCK_M >= 64, prefill); the activations are in `planes_activations`
+                  order (`moe_fp4.py::fp4_planes_dot`).
 
 FP8 is one dot per K tile in every variant (BLOCK_K <= 128 sits inside one 128-wide scale block),
 its [BN] per-row block scale multiplying the tile's product once (`fp8_scale`; exact, a power of
@@ -31,7 +35,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.moe_fp4 import fp4_dot_scaled, fp4_tile, fp4_tile_words
+from dsv4.kernels.triton.moe_fp4 import (
+    fp4_dot_scaled,
+    fp4_planes_dot,
+    fp4_tile,
+    fp4_tile_words,
+)
 
 
 @triton.jit
@@ -58,12 +67,13 @@ def tile_dot(acc, a, a_rows, a_mask, w_ptr, s_ptr, e, rows, k0,  # type: ignore[
     """acc + A[:, k0:k0+BLOCK_K] @ W_e^T[k0:k0+BLOCK_K, rows], W's scales applied: [BM, BLOCK_N]
     fp32.
 
-    a: the [BM, BLOCK_K] activation tile (unused by split FP4, which loads its own columns through
-    a_rows, [BM, 1] row pointers, and a_mask, [BM, 1]); rows: W's output rows [BLOCK_N] (n_mask
-    their bound). FMT 0 bf16 / 1 fp8 / 2 fp4; VARIANT per the module docstring ("words": `a`
-    already in `fp4_word_order`). FP4 "scaled", "words", "dot_scaled" and bf16 accumulate into
-    `acc` inside the MMA (one fixed k order, so BLOCK_K does not change the bits); FP8 and split
-    FP4 scale each tile's product before adding it.
+    a: the [BM, BLOCK_K] activation tile (unused by split and planes FP4, which load their own
+    columns through a_rows, [BM, 1] row pointers, and a_mask, [BM, 1]); rows: W's output rows
+    [BLOCK_N] (n_mask their bound). FMT 0 bf16 / 1 fp8 / 2 fp4; VARIANT per the module docstring
+    ("words": `a` already in `fp4_word_order`). FP4 "scaled", "words", "dot_scaled" and bf16
+    accumulate into `acc` inside the MMA (one fixed k order, so BLOCK_K does not change the bits;
+    "planes" too, in an order that depends on BLOCK_K); FP8 and split FP4 scale each tile's
+    product before adding it.
     """
     if FMT == 2:
         if VARIANT == 0:
@@ -75,6 +85,9 @@ def tile_dot(acc, a, a_rows, a_mask, w_ptr, s_ptr, e, rows, k0,  # type: ignore[
         elif VARIANT == 2:
             acc = fp4_dot_scaled(acc, a, w_ptr, s_ptr, e, rows, k0, K, n_mask, stride_we,
                                  stride_wn, stride_se, stride_sn, BLOCK_K)
+        elif VARIANT == 5:
+            acc = fp4_planes_dot(acc, a_rows, a_mask, w_ptr, s_ptr, e, rows, k0, K, n_mask,
+                                 stride_we, stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K)
         else:
             acc = dot(a, fp4_tile_words(w_ptr, s_ptr, e, rows, k0, K, n_mask, stride_we,
                                         stride_wn, stride_se, stride_sn, FP32_DOT, BLOCK_K),

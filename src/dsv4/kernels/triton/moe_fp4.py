@@ -14,6 +14,7 @@ FP32_DOT (fp32 activations, the interpreter) the multiply runs in fp32 on the sa
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -128,6 +129,81 @@ or.b32 a, a, b;
 mul.rn.bf16x2 $3, a, $5;
 }
 """)
+
+
+@triton.jit
+def fp4_planes_dot(acc, a_rows, a_mask, w_ptr, s_ptr, e, rows,  # type: ignore[no-untyped-def]
+                   k0, K, n_mask, stride_we, stride_wn, stride_se, stride_sn,
+                   FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + A[:, k0:k0+BLOCK_K] @ W_e^T tile as 8 dots of K = BLOCK_K / 8 (the "planes" loop):
+    no join / reshape, so Triton can feed the decoded tiles to wgmma (BLOCK_M 64 and up).
+
+    The tile's words load as one 2-D [BLOCK_N, BLOCK_K / 8] uint32 tile (word q of a row holds
+    k = 8q + 4h + r at half h, nibble r: `fp4_tile_words`). `fp4_tile_words`' shift-and-mask
+    decode yields, per nibble r, the bf16 pairs (8q + r, 8q + 4 + r): its low halves are plane
+    p = 2r (k = 8q + r over q) and its high halves plane 2r + 1 (k = 8q + 4 + r). Plane p meets
+    the activation columns [k0 + p * BLOCK_K / 8, ...) of A in `planes_order` (the caller's
+    activations are permuted so: `planes_activations`; a_rows: [BM, 1] row pointers into them,
+    a_mask [BM, 1]). The group factor is gathered per word (word q's group: q // 4). Needs
+    K % BLOCK_K == 0 (the permutation is per BLOCK_K block; `plan_moe` checks)."""
+    PW: tl.constexpr = BLOCK_K // 8
+    offs_q = k0 // 8 + tl.arange(0, PW)
+    q_mask = n_mask[:, None] & (offs_q * 8 < K)[None, :]
+    codes = tl.load(s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_q[None, :] // 4,
+                    mask=q_mask, other=127).to(tl.uint32)
+    factor = (tl.minimum(codes, 129) + 126) << 7                     # [BN, PW] bf16 bits
+    words = w_ptr.to(tl.pointer_type(tl.uint32)) + (e * stride_we + rows[:, None] * stride_wn) // 4
+    x = tl.load(words + offs_q[None, :], mask=q_mask, other=0)      # [BN, PW] words
+    if FP32_DOT:
+        mag, sign = 0x01C001C0, 0x80008000
+        r0 = ((x << 6) & mag) | ((x << 12) & sign)
+        r1 = ((x << 2) & mag) | ((x << 8) & sign)
+        r2 = ((x >> 2) & mag) | ((x << 4) & sign)
+        r3 = ((x >> 6) & mag) | (x & sign)
+    else:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            _FP4_WORD_PTX, "=r,=r,=r,=r,r,r", [x, factor | (factor << 16)],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    offs_a = k0 + tl.arange(0, PW)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 0 * PW, r0, factor, False, FP32_DOT)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 1 * PW, r0, factor, True, FP32_DOT)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 2 * PW, r1, factor, False, FP32_DOT)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 3 * PW, r1, factor, True, FP32_DOT)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 4 * PW, r2, factor, False, FP32_DOT)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 5 * PW, r2, factor, True, FP32_DOT)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 6 * PW, r3, factor, False, FP32_DOT)
+    acc = _plane_dot(acc, a_rows, a_mask, offs_a, 7 * PW, r3, factor, True, FP32_DOT)
+    return acc
+
+
+@triton.jit
+def _plane_dot(acc, a_rows, a_mask, offs_a, shift,  # type: ignore[no-untyped-def]
+               pairs, factor, HIGH: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc + A[:, offs_a + shift] @ one plane^T: the low (or HIGH) bf16 halves of `pairs`
+    ([BN, PW], scaled already on the GPU; unscaled bits times `factor` in fp32 with FP32_DOT)."""
+    a = tl.load(a_rows + shift + offs_a[None, :], mask=a_mask, other=0.0)
+    bits = ((pairs >> 16) if HIGH else pairs).to(tl.uint16)
+    if FP32_DOT:
+        w = _f32(bits) * _f32(factor)
+        return tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), tl.trans(_bf16(bits)), acc)
+
+
+def planes_activations(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [N, K] with each BLOCK_K block's columns in "planes" order (`fp4_planes_dot`): position
+    (2r + h) * BLOCK_K / 8 + q of a block holds its column 8q + 4h + r. One copy of x."""
+    n, k = x.shape
+    assert k % block_k == 0, (k, block_k)
+    return (x.view(n, k // block_k, block_k // 8, 2, 4).permute(0, 1, 4, 3, 2)
+            .reshape(n, k).contiguous())
+
+
+@triton.jit
+def planes_column(n, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Where column n of a row lands in `planes_activations` order (the gate/up epilogue stores h
+    so for the down launch)."""
+    rem = n % BLOCK_K
+    return (n - rem) + (2 * (rem % 4) + (rem // 4) % 2) * (BLOCK_K // 8) + rem // 8
 
 
 @triton.jit

@@ -50,13 +50,14 @@ its rows can change between N = 1 and N = 8). FP4 "words" / "scaled" stay on mma
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 import triton
 
-VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3, "fma": 4}
+VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3, "fma": 4, "planes": 5}
 DEFAULT_VARIANT = {"fp4": "words", "fp8": "scaled", "bf16": "scaled"}
 FMA_MAX_MEAN_ROWS = 1.0      # default loop "fma" while nk <= this * num_experts (quantised fmts)
 FMA_BLOCK_M = 1
@@ -65,6 +66,7 @@ FMA_BLOCK_K = {"fp4": 256, "fp8": 128}
 FMA_WARPS = 4
 FMA_PREFETCH = False
 PROGRAMS_PER_SM = 4
+DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m) only by knob
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
 _MIN_DOT = 16
 _FP8_BLOCK = 128
@@ -114,9 +116,15 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     if block_m is not None and not _MIN_DOT <= block_m <= max_m:
         raise ValueError(f"fmt {fmt!r} variant {name!r} needs 16 <= block_m <= {max_m}; "
                          f"got {block_m}")
-    bm = block_m or max(_MIN_DOT, min(max_m, triton.next_power_of_2(max(1, nk // num_experts))))
+    bm = block_m or max(_MIN_DOT, min(max_m, DEFAULT_MAX_BLOCK_M,
+                                      triton.next_power_of_2(max(1, nk // num_experts))))
     bk = block_k or default_block_k(fmt, name, bm)
+    if block_k is None and fmt == "fp4" and name == "planes":
+        bk = min(bk, _pow2_divisor(math.gcd(d, inter)))
     _check_blocks(fmt, name, block_n, bk)
+    if fmt == "fp4" and name == "planes" and (d % bk or inter % bk):
+        raise ValueError(f"fp4 variant 'planes' permutes whole BLOCK_K blocks: block_k must "
+                         f"divide d = {d} and I = {inter}; got {bk}")
     tiles = max(1, (nk + min(num_experts, nk) * (bm - 1)) // bm)
     target = PROGRAMS_PER_SM * _num_sms(device)
 
@@ -166,17 +174,18 @@ def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
 
 
 def max_block_m(fmt: str, variant: str) -> int:
-    """64, but 32 for FP4 "scaled" / "words": at BLOCK_M = 64 Triton (3.6, sm_90) moves the MMA to
-    wgmma, whose shared-memory operand layout it cannot derive through the decoded tile's
-    join / reshape (a compile error)."""
-    return 32 if fmt == "fp4" and variant in ("scaled", "words") else 64
+    """128 (the plan itself goes up to DEFAULT_MAX_BLOCK_M), but 32 for FP4 "scaled" / "words": at
+    BLOCK_M = 64 Triton (3.6, sm_90) moves the MMA to wgmma, whose shared-memory operand layout it
+    cannot derive through the decoded tile's join / reshape (a compile error; "planes" has
+    none)."""
+    return 32 if fmt == "fp4" and variant in ("scaled", "words") else 128
 
 
 def max_block_n(fmt: str, variant: str) -> int:
-    """64, but 32 for FP4 "dot_scaled": at BLOCK_N 64 Triton (3.6, sm_90) lowers its
+    """128, but 32 for FP4 "dot_scaled": at BLOCK_N 64 Triton (3.6, sm_90) lowers its
     `tl.dot_scaled` to wgmma, whose products are wrong on the H200 (the GPU parity test
     `test_flash_parity` fails with a relative error above 1); at 32 it runs mma.sync and passes."""
-    return 32 if fmt == "fp4" and variant == "dot_scaled" else 64
+    return 32 if fmt == "fp4" and variant == "dot_scaled" else 128
 
 
 def default_block_k(fmt: str, variant: str, block_m: int) -> int:
@@ -201,6 +210,11 @@ def _check_blocks(fmt: str, variant: str, block_n: int | None, block_k: int) -> 
         raise ValueError(f"fmt {fmt!r} variant {variant!r} needs block_k >= {min_k} and <= "
                          f"{max_k} (fp4: whole 32-wide scale groups; fp8: one 128-wide scale "
                          f"block); got {block_k}")
+
+
+def _pow2_divisor(n: int) -> int:
+    """The largest power of two dividing n > 0."""
+    return n & -n
 
 
 @cache
