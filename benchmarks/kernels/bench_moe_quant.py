@@ -87,15 +87,12 @@ SWEEP: dict[str, list[Config]] = {
 }
 # `--prefill-sweep`: tiles for N >= 2048 (wgmma from BLOCK_M 64), the 6th entry BLOCK_M
 PREFILL_SWEEP: dict[str, list[Config]] = {
-    "bf16": [(64, 64, 4, 3, None, 64), (64, 64, 8, 3, None, 128), (128, 64, 8, 3, None, 128),
-             (128, 64, 8, 4, None, 128), (128, 64, 4, 3, None, 64), (64, 64, 4, 4, None, 128),
-             (128, 32, 8, 4, None, 128)],
-    "fp8": [(64, 128, 4, 3, None, 64), (64, 128, 8, 3, None, 128), (128, 128, 8, 3, None, 128),
-            (128, 64, 8, 3, None, 128), (128, 128, 4, 3, None, 64), (64, 64, 4, 4, None, 128)],
-    "fp4/planes": [(64, 128, 4, 3, None, 64), (64, 128, 8, 3, None, 128),
-                   (128, 128, 8, 3, None, 128), (64, 256, 8, 3, None, 128),
-                   (128, 64, 8, 3, None, 128), (128, 128, 4, 3, None, 64),
-                   (64, 128, 8, 4, None, 128), (64, 64, 4, 3, None, 64)],
+    "bf16": [(64, 64, 4, 3, None, 64), (128, 64, 8, 4, None, 128), (128, 64, 4, 3, None, 64),
+             (128, 64, 8, 3, None, 128)],
+    "fp8": [(64, 128, 4, 3, None, 64), (128, 128, 8, 3, None, 128), (128, 64, 8, 3, None, 128),
+            (128, 128, 4, 3, None, 64)],
+    "fp4/planes": [(128, 128, 4, 3, None, 64), (128, 128, 8, 3, None, 128),
+                   (64, 128, 4, 3, None, 64)],
 }
 FMTS = ("fp4", "fp8", "bf16")
 VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes")

@@ -37,7 +37,9 @@ alone; a device-side tile map (tile -> expert, row start, row end: `moe_tile_map
 at decode sizes, torch ops above) tells each program what it owns, and surplus programs see an
 empty range and exit.
 
-Two launches, each on grid (max_tiles, cdiv(out, BLOCK_N)) (BLOCK_N per launch: `moe_plan.py`):
+Two launches, each on a 1-D grid of max_tiles x cdiv(out, BLOCK_N) programs, the output blocks of
+one tile adjacent (BLOCK_N per launch: `moe_plan.py`; the order only decides which programs run
+together: a tile's activation rows are read from HBM about once, not once per output block):
   1. gate/up: A = x[token of each sorted row] (gathered rows), two accumulators (W1 rows n, W3 rows
      I + n) so SwiGLU + clamp and the routing weight are fused in the epilogue (the shared
      expert's math, `swiglu.py::swiglu_f32`, in fp32); writes h [N*k, I] (x.dtype) in sorted
@@ -92,7 +94,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    tile = tl.program_id(0)
+    tile, n_block = _tile_and_block(INTER, BLOCK_N)
     row_start = tl.load(t_start_ptr + tile)
     row_end = tl.load(t_end_ptr + tile)
     if row_start < row_end:
@@ -101,7 +103,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
         p_mask = offs_p < row_end
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
         tok = slot // TOPK
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
         x_rows = x_ptr + tok[:, None] * stride_x
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -124,6 +126,16 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
 
 
 _LIBDEVICE = libdevice_math(_gate_up_kernel)
+
+
+@triton.jit
+def _tile_and_block(OUT, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(row tile, output block) of this program on a 1-D grid of tiles x cdiv(OUT, BLOCK_N), the
+    output blocks fastest: the programs that run together share a tile's activation rows (read
+    once into L2, not once per output block) and one expert's weights."""
+    blocks = tl.cdiv(OUT, BLOCK_N)
+    pid = tl.program_id(0)
+    return pid // blocks, pid % blocks
 
 
 @triton.jit
@@ -153,7 +165,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    tile = tl.program_id(0)
+    tile, n_block = _tile_and_block(D, BLOCK_N)
     row_start = tl.load(t_start_ptr + tile)
     row_end = tl.load(t_end_ptr + tile)
     if row_start < row_end:
@@ -161,7 +173,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
         offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)  # NOTE: int64: N*k*I can pass 2^31
         p_mask = offs_p < row_end
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < D
         h_rows = h_ptr + offs_p[:, None] * stride_h
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -352,7 +364,7 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     planes = fmt == "fp4" and plan.variant == VARIANTS["planes"]
     xs = planes_activations(x, plan.block_k) if planes else x
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
-    _gate_up_kernel[(t_start.numel(), triton.cdiv(inter, bn))](
+    _gate_up_kernel[(t_start.numel() * triton.cdiv(inter, bn),)](
         xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
         d, inter, float(limit),
         xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
@@ -363,7 +375,7 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
             else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     bn, warps = plan.down.block_n, plan.down.num_warps
-    _down_kernel[(t_start.numel(), triton.cdiv(d, bn))](
+    _down_kernel[(t_start.numel() * triton.cdiv(d, bn),)](
         h, _raw(w2, fmt), s2, dest, order, t_start, t_end, t_exp,
         inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
