@@ -80,6 +80,21 @@ def fp4_tile_words(w_ptr, s_ptr, e, rows, k0, K, n_mask,  # type: ignore[no-unty
                                                     + rows[:, None, None] * stride_wn) // 4
     x = tl.load(words + offs_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
                 mask=g_mask[:, :, None], other=0)                    # [BN, G, 4] words
+    r0, r1, r2, r3 = word_pairs(x, (factor | (factor << 16))[:, :, None] + 0 * x, FP32_DOT)
+    pairs = tl.join(tl.join(r0, r1), tl.join(r2, r3))    # [BN, G, 4, v, u]: r = 2u + v
+    bits = tl.join(pairs.to(tl.uint16), (pairs >> 16).to(tl.uint16))   # [.., h]
+    if FP32_DOT:
+        w = _f32(bits) * _f32(factor[:, :, None, None, None, None])
+    else:
+        w = _bf16(bits)
+    return tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
+
+
+@triton.jit
+def word_pairs(x, factor2, FP32_DOT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Nibble r = 0..3 of both 16-bit halves of the words x as bf16-bit pairs (k, k + 4): on the
+    GPU times factor2 (the group factor in both halves, `mul.rn.bf16x2`, inline PTX); with
+    FP32_DOT unscaled, as Triton bit ops (the caller multiplies in fp32)."""
     if FP32_DOT:
         mag, sign = 0x01C001C0, 0x80008000
         r0 = ((x << 6) & mag) | ((x << 12) & sign)
@@ -88,15 +103,9 @@ def fp4_tile_words(w_ptr, s_ptr, e, rows, k0, K, n_mask,  # type: ignore[no-unty
         r3 = ((x >> 6) & mag) | (x & sign)
     else:
         r0, r1, r2, r3 = tl.inline_asm_elementwise(
-            _FP4_WORD_PTX, "=r,=r,=r,=r,r,r", [x, (factor | (factor << 16))[:, :, None] + 0 * x],
+            _FP4_WORD_PTX, "=r,=r,=r,=r,r,r", [x, factor2],
             dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-    pairs = tl.join(tl.join(r0, r1), tl.join(r2, r3))    # [BN, G, 4, v, u]: r = 2u + v
-    bits = tl.join(pairs.to(tl.uint16), (pairs >> 16).to(tl.uint16))   # [.., h]
-    if FP32_DOT:
-        w = _f32(bits) * _f32(factor[:, :, None, None, None, None])
-    else:
-        w = _bf16(bits)
-    return tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
+    return r0, r1, r2, r3
 
 
 # $0..$3: nibble r = 0..3 of both 16-bit halves of word $4 as bf16 pairs times $5 (the group
@@ -154,16 +163,7 @@ def fp4_planes_dot(acc, a_rows, a_mask, w_ptr, s_ptr, e, rows,  # type: ignore[n
     factor = (tl.minimum(codes, 129) + 126) << 7                     # [BN, PW] bf16 bits
     words = w_ptr.to(tl.pointer_type(tl.uint32)) + (e * stride_we + rows[:, None] * stride_wn) // 4
     x = tl.load(words + offs_q[None, :], mask=q_mask, other=0)      # [BN, PW] words
-    if FP32_DOT:
-        mag, sign = 0x01C001C0, 0x80008000
-        r0 = ((x << 6) & mag) | ((x << 12) & sign)
-        r1 = ((x << 2) & mag) | ((x << 8) & sign)
-        r2 = ((x >> 2) & mag) | ((x << 4) & sign)
-        r3 = ((x >> 6) & mag) | (x & sign)
-    else:
-        r0, r1, r2, r3 = tl.inline_asm_elementwise(
-            _FP4_WORD_PTX, "=r,=r,=r,=r,r,r", [x, factor | (factor << 16)],
-            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    r0, r1, r2, r3 = word_pairs(x, factor | (factor << 16), FP32_DOT)
     offs_a = k0 + tl.arange(0, PW)
     acc = _plane_dot(acc, a_rows, a_mask, offs_a, 0 * PW, r0, factor, False, FP32_DOT)
     acc = _plane_dot(acc, a_rows, a_mask, offs_a, 1 * PW, r0, factor, True, FP32_DOT)
