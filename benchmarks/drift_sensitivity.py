@@ -4,7 +4,10 @@
 
 The engine runs the `ref` kernels (the trainer's own ops), except that its sparse attention
 computes the fp32 result, multiplies it by (1 + eps * z), z ~ N(0, 1) per element, and only then
-rounds to bf16. eps = 0 is the `ref` op bit for bit; eps ~ 1e-7 is the size of a summation-order
+rounds to bf16. Engine and trainer run true on-policy (batch-invariant GEMMs and reductions on
+both sides, fixed-width index rows), so eps = 0 is zero drift on any machine (a GEMM library's
+shape-dependent kernels, e.g. oneDNN's bf16 GEMM on AVX-512 CPUs, would otherwise make drift
+there). eps ~ 1e-7 is the size of a summation-order
 difference between a fused kernel and the reference (`backend_rounding.py` measures the kernels
 at 1e-8 .. 3e-7 mean relative difference). Each eps gets a fresh step-0 rollout of the same
 prompts, scored by the trainer (routing + indexer replay): `train_rollout_logprob_abs_diff`
@@ -98,7 +101,7 @@ def main() -> None:
         trainer = EagerTrainer(RLConfig(
             model=args.model, out_dir=tmp, group_size=args.group_size,
             prompts_per_step=args.prompts, device=args.device, dtype="bfloat16",
-            kernel_backend="ref"))
+            kernel_backend="ref", true_on_policy=True))
         for eps in (float(e) for e in args.eps.split(",")):
             gen = torch.Generator().manual_seed(0)
             mean, top = step0_drift(trainer, dataclasses.replace(

@@ -64,6 +64,10 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
 # max |updated parameter difference|: 1e-6 with the batch-invariant forward, half of an Adam
 # step (lr / 2) with the default one (see the module docstring).
 PARAM_TOL = {"grpo-default": 5e-6}
+# The default forward's log-probs depend on the batch's size at fp32 rounding (the GEMM library
+# picks its kernel by shape; measured on an AVX-512 CPU: a few 1e-6), and the drift statistics
+# are differences of that size: each side's drift is itself a few 1e-6.
+STAT_TOL = {("grpo-default", k): 2e-5 for k in ("train_rollout_logprob_abs_diff", DRIFT_MAX)}
 
 
 def _config(out_dir: Path, **kw: Any) -> RLConfig:
@@ -182,7 +186,7 @@ def test_two_ranks_equal_one_process(runs: dict[str, Any], case: str) -> None:
     # fp32 norms of 27.7M elements: each side within ~1.2e-5 (relative) of the fp64 norm
     assert abs(two["grad_norm"] - one["grad_norm"]) <= 3e-5 * one["grad_norm"]
     for k in one.keys() - {"loss", "grad_norm", "drift_tokens", DRIFT_AT}:
-        assert abs(two[k] - one[k]) <= 1e-6, (k, one[k], two[k])
+        assert abs(two[k] - one[k]) <= STAT_TOL.get((case, k), 1e-6), (k, one[k], two[k])
     if runs["cases"][case][0].true_on_policy:       # the trainer's log-probs are the engine's
         assert one["drift_tokens"] == two["drift_tokens"] == 0
         assert one[DRIFT_AT] == two[DRIFT_AT] == -1
