@@ -47,9 +47,9 @@ def moe_variants() -> Iterator[Variant]:
     gate/up, two matrices) is the K loop's instructions per weight byte."""
     from dsv4.kernels.triton import moe, moe_plan
 
-    # "fma" has kernels of its own (`moe_fma_variants`)
+    # "fma" and "w8a8" have kernels of their own (`moe_fma_variants`, `moe_w8a8_variants`)
     loops = {"bf16": ("scaled",), "fp8": ("scaled", "dot_scaled"),
-             "fp4": tuple(v for v in moe_plan.VARIANTS if v != "fma")}
+             "fp4": tuple(v for v in moe_plan.VARIANTS if v not in ("fma", "w8a8"))}
     for fmt, name in ((0, "bf16"), (1, "fp8"), (2, "fp4")):
         w, s = ("*bf16", "*bf16") if fmt == 0 else ("*u8", "*u8")
         types = {"x_ptr": "*bf16", "w1_ptr": w, "w3_ptr": w, "s1_ptr": s, "s3_ptr": s,
@@ -74,6 +74,36 @@ def moe_variants() -> Iterator[Variant]:
                 yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \
                     options
     yield from moe_fma_variants()
+    yield from moe_w8a8_variants()
+
+
+def moe_w8a8_variants() -> Iterator[Variant]:
+    """The W8A8 loop (`moe_w8a8.py`) at the plan's tiles (BLOCK_M 16 / 64 / 128; gate/up BLOCK_N
+    128, down 128 and 64), and the activation quantisation it starts with (`act_quant.py`);
+    HGMMA counts the FP8 wgmma."""
+    from dsv4.kernels.triton import act_quant, moe_w8a8
+
+    types = {"x_ptr": "*u8", "xs_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8",
+             "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*u8", "hs_ptr": "*fp32", "w_ptr": "*u8",
+             "s_ptr": "*u8", "out_ptr": "*fp32", "order_ptr": "*i64", "rw_ptr": "*fp32",
+             "t_start_ptr": "*i32", "t_end_ptr": "*i32", "t_exp_ptr": "*i32", "limit": "fp32"}
+    types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_xs",
+                                          "stride_we", "stride_wn", "stride_se", "stride_sn",
+                                          "stride_h", "stride_hs", "stride_o")}
+    for bm, bn, stages in ((16, 128, 3), (64, 128, 3), (64, 64, 4), (128, 128, 3)):
+        consts = {"TOPK": 6, "FP32_DOT": False, "BLOCK_M": bm, "BLOCK_N": bn}
+        warps = {"num_stages": stages}
+        label = f"fp8 w8a8 {bm}x{bn}x128 s{stages}"
+        if bn == 128:
+            yield (f"moe gate_up {label}", moe_w8a8._w8a8_gate_up_kernel, types,
+                   {**consts, "H_BF16": True, "LIBDEVICE": True},
+                   {**warps, "num_warps": 8 if bm >= 32 else 4})
+        yield (f"moe down {label}", moe_w8a8._w8a8_down_kernel, types,
+               {**consts, "ATOMIC": False}, {**warps, "num_warps": 8 if bm * bn >= 8192 else 4})
+    yield ("act_quant bf16 -> e4m3 block 128", act_quant._act_quant_kernel,
+           {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "N": "i32", "D": "i32:16",
+            "stride_x": "i32:16", "stride_q": "i32:16", "stride_s": "i32"},
+           {"BLOCK": 128, "BLOCK_ROWS": act_quant.BLOCK_ROWS}, {"num_warps": 4})
 
 
 def moe_fma_variants() -> Iterator[Variant]:
@@ -436,9 +466,9 @@ KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "top
 
 
 def sass_counts(cubin: bytes) -> dict[str, int]:
-    """Static SASS instruction / LDG / HMMA (mma.sync) / HGMMA (wgmma) counts, the instructions of
-    the longest loop body (the K loop of a GEMM: its cost per step; -1 without a loop), and
-    registers and spill bytes per thread.
+    """Static SASS instruction / LDG / HMMA (mma.sync) / HGMMA (16-bit wgmma) / QGMMA (FP8 wgmma)
+    counts, the instructions of the longest loop body (the K loop of a GEMM: its cost per step;
+    -1 without a loop), and registers and spill bytes per thread.
 
     Read with the `nvdisasm` and `cuobjdump` that ship with Triton's NVIDIA backend.
     """
@@ -455,6 +485,7 @@ def sass_counts(cubin: bytes) -> dict[str, int]:
     spill = re.search(r"STACK:(\d+)", usage)
     return {"instr": len(instr), "LDG": sum("LDG" in x for x in instr),
             "HMMA": sum("HMMA" in x for x in instr), "HGMMA": sum("HGMMA" in x for x in instr),
+            "QGMMA": sum("QGMMA" in x for x in instr),
             "loop": longest_loop(lines.splitlines()),
             "regs": int(regs.group(1)) if regs else -1,
             "stack": int(spill.group(1)) if spill else -1}
@@ -521,7 +552,8 @@ def main() -> int:
                 continue
             c = sass_counts(compiled.asm["cubin"])
             sys.stdout.write(f"{label:<44} instr {c['instr']:>6}  LDG {c['LDG']:>4}  "
-                             f"HMMA {c['HMMA']:>3}  HGMMA {c['HGMMA']:>3}  loop {c['loop']:>5}  "
+                             f"HMMA {c['HMMA']:>3}  HGMMA {c['HGMMA']:>3}  QGMMA {c['QGMMA']:>3}  "
+                             f"loop {c['loop']:>5}  "
                              f"shared {compiled.metadata.shared:>6} B  "
                              f"regs {c['regs']:>3}  stack {c['stack']:>4} B\n")
     return 1 if failed else 0

@@ -3,11 +3,12 @@
 Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activations, limit 10):
   N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
   (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
-  dot_scaled, words, fma, planes; FP8 runs its distinct loops, scaled, dot_scaled and fma; bf16
-  weights have one loop, shown as "-"). The fma loop (CUDA cores, the plan's default while
-  N*k <= E) has its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`. `--kernels`: each
-  kernel's device us per call at the default config (the gate/up and down launches, the
-  activation copy, the tile map, the combine; CUDA only).
+  dot_scaled, words, fma, planes, w8a8; FP8 runs its distinct loops, scaled, dot_scaled, fma
+  and w8a8, the FP8-tensor-core loop with FP8 activations, checked against the reference with
+  act_quant; bf16 weights have one loop, shown as "-"). The fma loop (CUDA cores, the plan's
+  default while N*k <= E) has its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`.
+  `--kernels`: each kernel's device us per call at the default config (the gate/up and down
+  launches, the activation copy, the tile map, the combine; CUDA only).
 Metrics:
   weight bytes = distinct experts hit x one expert's bytes (w1, w3, w2 and their scales): what the
       kernel has to read at least once (averaged over the input sets); floor us = weight bytes /
@@ -93,10 +94,15 @@ PREFILL_SWEEP: dict[str, list[Config]] = {
             (128, 128, 4, 3, None, 64)],
     "fp4/planes": [(128, 128, 4, 3, None, 64), (128, 128, 8, 3, None, 128),
                    (64, 128, 4, 3, None, 64)],
+    # block_n is the down launch's (gate/up's is 128); warps pin both launches
+    "fp8/w8a8": [(128, 128, 8, 4, None, 64), (64, 128, 4, 4, None, 64),
+                 (128, 128, 8, 3, None, 128), (64, 128, 4, 3, None, 128)],
 }
 FMTS = ("fp4", "fp8", "bf16")
-VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes")
-FP8_LOOPS = ("scaled", "dot_scaled", "fma")  # FP8's "split" and "words" are its "scaled" loop
+VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes", "w8a8")
+# FP8's "split" and "words" are its "scaled" loop; "w8a8" (FP8 only) quantises the activations
+FP8_LOOPS = ("scaled", "dot_scaled", "fma", "w8a8")
+FP4_LOOPS = tuple(v for v in VARIANTS if v != "w8a8")
 
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]      # (x, indices, weights)
@@ -192,16 +198,18 @@ def config_name(cfg: Config) -> str:
                     + [f"m{m}" for m in bm])
 
 
-def reference(s: Shape, wts: Weights, fmt: str, inputs: Inputs) -> torch.Tensor:
-    """`routed_experts_quant` on fp32 x, restricted to the experts hit (same result, less
-    memory)."""
+def reference(s: Shape, wts: Weights, fmt: str, inputs: Inputs,
+              act_quant: bool = False) -> torch.Tensor:
+    """`routed_experts_quant` on fp32 x (with `act_quant`: on x as is, whose dtype h is rounded
+    to), restricted to the experts hit (same result, less memory)."""
     from dsv4.kernels.ref.moe import routed_experts_quant
 
     x, idx, rw = inputs
     hit = idx.unique()
     sub = [t[hit] if t is not None else None for t in wts]
-    return routed_experts_quant(x.float(), sub[0], sub[1], sub[2], sub[3],  # type: ignore[arg-type]
-                                torch.searchsorted(hit, idx), rw, LIMIT, fmt)
+    return routed_experts_quant(x if act_quant else x.float(), sub[0], sub[1], sub[2],
+                                sub[3], torch.searchsorted(hit, idx), rw, LIMIT,  # type: ignore[arg-type]
+                                fmt, act_quant=act_quant)
 
 
 def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs],
@@ -212,7 +220,8 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     from dsv4.kernels.triton.moe import triton_routed_experts_quant
 
     kind = (f"{fmt}/{variant}" if (fmt, variant) in (("fp4", "split"), ("fp4", "fma"),
-                                                      ("fp8", "fma"), ("fp4", "planes")) else fmt)
+                                                      ("fp8", "fma"), ("fp4", "planes"),
+                                                      ("fp8", "w8a8")) else fmt)
     sweep = PREFILL_SWEEP if args.prefill_sweep else SWEEP if args.sweep else {}
     timed: dict[str, float] = {}
     err, error = 0.0, ""
@@ -226,7 +235,8 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
             return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT,
                                                fmt, variant=variant, block_m=block_m,
                                                block_n=bn, block_k=bk, num_warps=nw,
-                                               num_stages=ns, prefetch=pf)
+                                               num_stages=ns, prefetch=pf,
+                                               act_quant=variant == "w8a8")
         try:
             e = rel_error(fn(*sets[0]), ref)
         except Exception as exc:  # noqa: BLE001 — a refused or failing config is reported, not fatal
@@ -254,7 +264,8 @@ def kernel_us(wts: Weights, fmt: str, variant: str | None, block_m: int | None,
     def fn(i: int) -> torch.Tensor:
         x, idx, rw = sets[i % len(sets)]
         return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT, fmt,
-                                           variant=variant, block_m=block_m)
+                                           variant=variant, block_m=block_m,
+                                           act_quant=variant == "w8a8")
 
     fn(0)
     torch.cuda.synchronize()
@@ -274,7 +285,8 @@ def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
     wts = make_weights(s, fmt, device, args.seed)
     per_expert = expert_bytes(wts)
     variants: list[str | None] = ([None] if fmt == "bf16" else
-                                  [v for v in args.variants if fmt == "fp4" or v in FP8_LOOPS])
+                                  [v for v in args.variants
+                                   if v in (FP8_LOOPS if fmt == "fp8" else FP4_LOOPS)])
     rows, all_sets = [], []
     for N in args.tokens or s.tokens:
         all_sets.append(sets := [make_inputs(s, N, device, args.seed + i)
@@ -290,7 +302,8 @@ def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
         floor_us = wbytes / HBM_BYTES_PER_S * 1e6
         flops = 6.0 * N * s.k * s.inter * s.d
         for variant in variants:
-            timed, err, error = time_variant(wts, fmt, variant, sets, ref, args, cuda)
+            want = reference(s, wts, fmt, sets[0], act_quant=True) if variant == "w8a8" else ref
+            timed, err, error = time_variant(wts, fmt, variant, sets, want, args, cuda)
             default = timed.get(config_name(DEFAULT_CONFIG), float("nan"))
             best = min(timed, key=lambda c: timed[c]) if timed else "-"
             best_us = timed.get(best, float("nan"))

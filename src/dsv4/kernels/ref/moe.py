@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dsv4.kernels.ref.act_quant import fake_act_quant
 from dsv4.kernels.ref.fp8_linear import dense_linear
 
 WaitShared = Callable[[], None]
@@ -126,6 +127,39 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
     return add_shared(out, shared, out_dtype, wait_shared)
 
 
+def routed_experts_a8(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                      indices: torch.Tensor, weights: torch.Tensor, limit: float, *,
+                      shared: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                      wait_shared: WaitShared | None = None) -> torch.Tensor:
+    """`routed_experts` with the reference model's FP8 activations (spec §11.1-2): each expert
+    linear reads its input through `act_quant` (per token, per 128 channels, e4m3 with a
+    power-of-two scale), as the W8A8 kernels (`kernels/triton/moe_w8a8.py`) compute it.
+
+    y[t] = Σ_k weights[t,k] * W2_e q(h), h = swiglu(W1_e q(x_t), W3_e q(x_t)) rounded to x's
+    dtype, q = `fake_act_quant`: the routing weight multiplies W2's product (as the reference
+    model's MoE does), not h, whose quantisation it would change. Products and sums in fp32.
+    """
+    N, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # sync point: per-expert token counts
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    xq = fake_act_quant(x)
+    out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start:start + count]
+        start += count
+        tokens = slots // k
+        xe = xq.index_select(0, tokens)
+        h = swiglu(F.linear(xe, w1[e].float()), F.linear(xe, w3[e].float()), limit).to(x.dtype)
+        y = F.linear(fake_act_quant(h), w2[e].float())
+        out.index_add_(0, tokens, y * weights.reshape(-1).index_select(0, slots)[:, None])
+    return add_shared(out, shared, out_dtype, wait_shared)
+
+
 def routed_experts_dense(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                          indices: torch.Tensor, weights: torch.Tensor, limit: float, *,
                          shared: torch.Tensor | None = None,
@@ -214,17 +248,22 @@ def routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Te
                          weights: torch.Tensor, limit: float, fmt: str, *,
                          shared: torch.Tensor | None = None,
                          out_dtype: torch.dtype = torch.float32,
-                         wait_shared: WaitShared | None = None) -> torch.Tensor:
-    """`routed_experts` on quantised experts: dequantise to x.dtype, then the bf16 reference.
+                         wait_shared: WaitShared | None = None,
+                         act_quant: bool = False) -> torch.Tensor:
+    """`routed_experts` on quantised experts: dequantise to x.dtype, then the bf16 reference;
+    with `act_quant` (fmt "fp8" or "fp4") the activations FP8 too: `routed_experts_a8`.
 
     fmt "fp4": w13 [E, 2I, d/2] e2m1 packed + e8m0 [E, 2I, d/32]; w2 [E, d, I/2] + [E, d, I/32].
     fmt "fp8": w13 [E, 2I, d] e4m3 + e8m0 [E, 2 * ceil(I/128), ceil(d/128)]; w2 [E, d, I] +
     [E, ceil(d/128), ceil(I/128)]. fmt "bf16": w13 [E, 2I, d], w2 [E, d, I], scales None.
     w13 = `pack_w13(w1, s1, w3, s3)`.
     """
+    if act_quant and fmt == "bf16":
+        raise ValueError("act_quant=True needs quantised experts; allowed fmt: 'fp8', 'fp4'")
     w1, w3, w2d = dequant_experts(w13, w13_scale, w2, w2_scale, fmt, x.dtype)
-    return routed_experts(x, w1, w2d, w3, indices, weights, limit, shared=shared,
-                          out_dtype=out_dtype, wait_shared=wait_shared)
+    apply = routed_experts_a8 if act_quant else routed_experts
+    return apply(x, w1, w2d, w3, indices, weights, limit, shared=shared, out_dtype=out_dtype,
+                 wait_shared=wait_shared)
 
 
 def dequant_experts(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,

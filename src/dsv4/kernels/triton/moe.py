@@ -75,7 +75,8 @@ from dsv4.kernels.triton.moe_decode import tile_dot
 from dsv4.kernels.triton.moe_fma import fma_activations, fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order, planes_activations, planes_column
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
-from dsv4.kernels.triton.moe_tile_map import tile_map
+from dsv4.kernels.triton.moe_tile_map import tile_and_block, tile_map
+from dsv4.kernels.triton.moe_w8a8 import w8a8_launches
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
@@ -94,7 +95,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    tile, n_block = _tile_and_block(INTER, BLOCK_N)
+    tile, n_block = tile_and_block(INTER, BLOCK_N)
     row_start = tl.load(t_start_ptr + tile)
     row_end = tl.load(t_end_ptr + tile)
     if row_start < row_end:
@@ -129,16 +130,6 @@ _LIBDEVICE = libdevice_math(_gate_up_kernel)
 
 
 @triton.jit
-def _tile_and_block(OUT, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(row tile, output block) of this program on a 1-D grid of tiles x cdiv(OUT, BLOCK_N), the
-    output blocks fastest: the programs that run together share a tile's activation rows (read
-    once into L2, not once per output block) and one expert's weights."""
-    blocks = tl.cdiv(OUT, BLOCK_N)
-    pid = tl.program_id(0)
-    return pid // blocks, pid % blocks
-
-
-@triton.jit
 def _a_tile(a_rows, p_mask, k0, K, FMT: tl.constexpr,  # type: ignore[no-untyped-def]
             VARIANT: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BM, BLOCK_K] activation tile at k0 (a_rows: [BM, 1] row pointers), its columns in the
@@ -165,7 +156,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    tile, n_block = _tile_and_block(D, BLOCK_N)
+    tile, n_block = tile_and_block(D, BLOCK_N)
     row_start = tl.load(t_start_ptr + tile)
     row_end = tl.load(t_end_ptr + tile)
     if row_start < row_end:
@@ -237,15 +228,17 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 prefetch: bool | None = None,
                                 shared: torch.Tensor | None = None,
                                 out_dtype: torch.dtype = torch.float32,
-                                wait_shared: WaitShared | None = None) -> torch.Tensor:
-    """Same contract as `routed_experts_quant`: [N, d] `out_dtype` (plus `shared`: module doc).
+                                wait_shared: WaitShared | None = None,
+                                act_quant: bool = False) -> torch.Tensor:
+    """Same contract as `routed_experts_quant`: [N, d] `out_dtype` (plus `shared`: module doc);
+    `act_quant` (fmt "fp8" only): FP8 activations on FP8 tensor cores (`moe_w8a8.py`).
 
     x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts
     per `fmt` in the module docstring. Keyword arguments are tuning knobs, None = the plan's choice
     (`moe_plan.py`): `variant` the inner loop ("split", "scaled", "dot_scaled", "words", "fma";
     "dot_scaled" needs bf16 x), block sizes powers of two >= 16 (block_k <= 128, or <= 256 for
     FP4 "scaled" / "dot_scaled"; >= 32 for FP4; "fma": `plan_moe`'s `_plan_fma` limits);
-    `block_n` pins both launches' BLOCK_N.
+    `block_n` pins both launches' BLOCK_N ("w8a8": the down launch's; gate/up's is 128).
     """
     _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
     inter = w13.shape[1] // 2
@@ -254,7 +247,8 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     s3 = w13_scale[:, split:] if w13_scale is not None else None
     plan = plan_moe(fmt, variant, x.dtype, x.device, indices.numel(), w13.shape[0], inter,
                     x.shape[1], block_m=block_m, block_n=block_n, block_k=block_k,
-                    num_warps=num_warps, num_stages=num_stages, prefetch=prefetch)
+                    num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
+                    act_quant=act_quant)
     # w1 / w3 (and their scales) are views into w13 with identical strides, passed separately
     return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit,
                    fmt, deterministic, plan, (shared, out_dtype, wait_shared))
@@ -331,7 +325,11 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s1 = s1.view(torch.uint8) if s1 is not None else w1
     s3 = s3.view(torch.uint8) if s3 is not None else w3
     s2 = s2.view(torch.uint8) if s2 is not None else w2
-    if fma:
+    if plan.variant == VARIANTS["w8a8"]:
+        assert tiles is not None
+        dest = w8a8_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, tiles,
+                             rw, limit, topk, deterministic, plan, _LIBDEVICE)
+    elif fma:
         dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             indices, tiles, rw, limit, code, topk, deterministic, plan,
                             _LIBDEVICE)

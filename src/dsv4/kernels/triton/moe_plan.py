@@ -57,7 +57,8 @@ from functools import cache
 import torch
 import triton
 
-VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3, "fma": 4, "planes": 5}
+VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3, "fma": 4, "planes": 5,
+            "w8a8": 6}
 DEFAULT_VARIANT = {"fp4": "words", "fp8": "scaled", "bf16": "scaled"}
 FMA_MAX_MEAN_ROWS = 1.0      # default loop "fma" while nk <= this * num_experts (quantised fmts)
 FMA_BLOCK_M = 1
@@ -97,10 +98,13 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
              num_experts: int, inter: int, d: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: bool | None = None,
-             fma_rows: float = FMA_MAX_MEAN_ROWS) -> MoePlan:
+             fma_rows: float = FMA_MAX_MEAN_ROWS, act_quant: bool = False) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
     a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
-    up to which FP4 defaults to "fma"."""
+    up to which FP4 defaults to "fma". `act_quant`: FP8 activations (the only loop: "w8a8")."""
+    if act_quant or variant == "w8a8":
+        return _plan_w8a8(fmt, variant, act_quant, nk, num_experts, block_m, block_n, block_k,
+                          num_warps, num_stages, prefetch)
     name = _variant(fmt, variant, x_dtype)
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
     if (variant is None and fmt == "fp4" and nk <= fma_rows * num_experts
@@ -155,6 +159,35 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
     launch = Launch(bn, num_warps or FMA_WARPS)
     pf = FMA_PREFETCH if prefetch is None else prefetch
     return MoePlan(VARIANTS["fma"], bm, bk, num_stages or 1, launch, launch, pf)
+
+
+def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_experts: int,
+               block_m: int | None, block_n: int | None, block_k: int | None,
+               num_warps: int | None, num_stages: int | None,
+               prefetch: bool | None) -> MoePlan:
+    """The W8A8 loop (`moe_w8a8.py`): FP8 weights and activations, K steps of one 128-wide scale
+    block; gate/up BLOCK_N 128 (its epilogue quantises one block of h per row), 8 warps from
+    BLOCK_M 64 (two [BM, 128] fp32 accumulators); BLOCK_M as the other MMA loops; down BLOCK_N
+    128 (a knob: 16..128)."""
+    if fmt != "fp8" or not act_quant or variant not in (None, "w8a8"):
+        raise ValueError(f"variant 'w8a8' is the loop of fmt 'fp8' with act_quant=True; got fmt "
+                         f"{fmt!r}, variant {variant!r}, act_quant={act_quant}")
+    if prefetch or block_k not in (None, _FP8_BLOCK):
+        raise ValueError(f"variant 'w8a8' takes block_k {_FP8_BLOCK} and no prefetch; got "
+                         f"{block_k}, {prefetch}")
+    if block_m is not None and (not _MIN_DOT <= block_m <= 128 or block_m & (block_m - 1)):
+        raise ValueError(f"variant 'w8a8' needs block_m a power of two in [16, 128]; got {block_m}")
+    if block_n is not None and (not _MIN_DOT <= block_n <= 128 or block_n & (block_n - 1)):
+        raise ValueError(f"variant 'w8a8' needs block_n a power of two in [16, 128]; got {block_n}")
+    bm = block_m or max(_MIN_DOT, min(DEFAULT_MAX_BLOCK_M,
+                                      triton.next_power_of_2(max(1, nk // num_experts))))
+    bn = block_n or _FP8_BLOCK
+
+    def warps(width: int) -> int:
+        return num_warps or (8 if bm * width >= 64 * _FP8_BLOCK else 4)
+
+    return MoePlan(VARIANTS["w8a8"], bm, _FP8_BLOCK, num_stages or 3,
+                   Launch(_FP8_BLOCK, warps(2 * _FP8_BLOCK)), Launch(bn, warps(bn)))
 
 
 def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:

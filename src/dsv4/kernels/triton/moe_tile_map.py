@@ -37,6 +37,16 @@ _TILE_CHUNK = 32     # tiles resolved per step of the tile loop
 TileMap = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@triton.jit
+def tile_and_block(OUT, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(row tile, output block) of this program on a 1-D grid of tiles x cdiv(OUT, BLOCK_N), the
+    output blocks fastest: the programs that run together share a tile's activation rows (read
+    once into L2, not once per output block) and one expert's weights."""
+    blocks = tl.cdiv(OUT, BLOCK_N)
+    pid = tl.program_id(0)
+    return pid // blocks, pid % blocks
+
+
 def max_tiles(nk: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the tiles of nk slots over `num_experts` experts (>= 1), from shapes only."""
     return max(1, (nk + min(num_experts, nk) * (block_m - 1)) // block_m)
