@@ -23,7 +23,8 @@ Metrics:
       "grouped us" (CUDA) is `routed_experts_grouped` (torch._grouped_mm) on weights dequantised
       once to bf16, the non-quantised device-grouped baseline (same weight bytes as fmt bf16).
 Timing: every (variant, config) is checked against the reference first (a failure is reported in
-its row, "rel err" = inf, and the run goes on); then the median of CUDA-event-timed CUDA-graph
+its row, "rel err" = inf, and the run goes on; "rel err" is max |diff| / max |ref|, for w8a8
+||diff|| / ||ref||); then the median of CUDA-event-timed CUDA-graph
 replays, cycling through 4 routings (different experts hit) after warm-up.
 Prints a table, then ONE JSON line.
 
@@ -60,6 +61,9 @@ from bench_common import (
 LIMIT = 10.0
 N_SETS = 4
 MAX_REL_ERR = 1e-2
+# w8a8: norm-wise, as its max error moves with the e4m3 steps of h it flips (tests/kernels/
+# test_moe_w8a8.py; FP8 wgmma measured 2.3e-3 norm-wise, 1.5e-2 max at N = 2048)
+MAX_NORM_ERR_W8A8 = 5e-3
 # block_n, block_k, warps, stages, prefetch (the fma loop's register prefetch; None elsewhere)
 # [, block_m] (PREFILL_SWEEP's; else the plan's, or --fma-block-m)
 Config = (tuple[int | None, int | None, int | None, int | None, bool | None]
@@ -169,6 +173,10 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
+def norm_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-6)).item()
+
+
 def grouped_us(wts: Weights, fmt: str, sets: list[list[Inputs]],
                args: argparse.Namespace) -> list[float | None]:
     """`routed_experts_grouped` on bf16 weights dequantised once, per token count (None where it
@@ -237,13 +245,15 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
                                                block_n=bn, block_k=bk, num_warps=nw,
                                                num_stages=ns, prefetch=pf,
                                                act_quant=variant == "w8a8")
+        measure, limit = ((norm_error, MAX_NORM_ERR_W8A8) if variant == "w8a8"
+                          else (rel_error, MAX_REL_ERR))
         try:
-            e = rel_error(fn(*sets[0]), ref)
+            e = measure(fn(*sets[0]), ref)
         except Exception as exc:  # noqa: BLE001 — a refused or failing config is reported, not fatal
             first = str(exc).splitlines()[0] if str(exc) else repr(exc)
             error = error or f"{config_name(cfg)}: {first}"
             continue
-        if not e <= MAX_REL_ERR:
+        if not e <= limit:
             error = error or f"{config_name(cfg)}: parity failed, rel err {e:.3e}"
             err = float("inf")
             continue
