@@ -410,6 +410,22 @@ def fp8_linear_variants() -> Iterator[Variant]:
             path = "dot" if plan.dot else "fma"
             yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
                    consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+    yield from fp8_linear_a8_variants()
+
+
+def fp8_linear_a8_variants() -> Iterator[Variant]:
+    """The W8A8 linear (`fp8_linear_a8.py`) at its default tiles (BLOCK_M 64 / 128 x BLOCK_N 128:
+    QGMMA) and a BLOCK_M 16 tile (mma.sync), bf16 out."""
+    from dsv4.kernels.triton import fp8_linear_a8 as a8
+
+    types = {"x_ptr": "*u8", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
+             "M": "i32", "N": "i32", "K": "i32:16", "stride_x": "i32:16", "stride_xs": "i32",
+             "stride_w": "i32:16", "stride_s": "i32", "stride_y": "i32:16"}
+    for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (16, 128, 4)):
+        consts = {"FP32_DOT": False, "Y_BF16": True, "BLOCK_M": bm, "BLOCK_N": bn,
+                  "GROUP_M": a8.GROUP_M}
+        yield (f"fp8_linear_a8 {bm}x{bn}x128", a8._fp8_linear_a8_kernel, types, consts,
+               {"num_warps": warps, "num_stages": 3})
 
 
 def mhc_variants() -> Iterator[Variant]:

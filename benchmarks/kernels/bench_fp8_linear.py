@@ -7,7 +7,9 @@ op must move (the floor): the codes and scales once, x and y once (bf16), at the
 copy rate (bench_common.HBM_BYTES_PER_S); F.linear's floor is its bf16 weight's (twice the codes).
 TFLOP/s: 2 M N K / time, for both. Parity first (against F.linear on the dequantised weight in
 float64: within half a bf16 ulp + 2e-6 of max |y|; a whole ulp under the interpreter), then the
-median of CUDA-graph replays cycling weight copies of 512 MB (bench_common.time_us).
+median of CUDA-graph replays cycling weight copies of 512 MB (bench_common.time_us). From M =
+A8_MIN_M the W8A8 linear on FP8 tensor cores (`triton_fp8_linear_a8`: act_quant(x) included) is
+timed too: "a8 us", its TFLOP/s and x bf16, checked norm-wise against `fp8_linear_a8` (<= 5e-4).
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_fp8_linear.py --out FILE.json   # CUDA
@@ -39,6 +41,8 @@ BF16 = torch.bfloat16
 SHAPES = [(1024, 4096), (512, 4096), (32768, 1024), (8192, 1024), (1024, 4096), (4096, 8192),
           (2048, 4096), (4096, 2048)]
 SMOKE_SHAPES = [(200, 300), (64, 129)]
+A8_MIN_M = 128               # prefill: the W8A8 linear's rows
+A8_MAX_NORM_ERR = 5e-4
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,20 @@ def max_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return float(err.max()) / scale
 
 
+def a8_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], args: Any,
+           cuda: bool, flops: float) -> dict[str, Any]:
+    """The W8A8 linear's time, TFLOP/s and norm-wise error against its reference."""
+    from dsv4.kernels.ref.fp8_linear import fp8_linear_a8
+    from dsv4.kernels.triton.fp8_linear_a8 import triton_fp8_linear_a8
+
+    x, codes, scale, _ = sets[0]
+    ref = fp8_linear_a8(x, codes, scale).float()
+    err = float((triton_fp8_linear_a8(x, codes, scale).float() - ref).norm() / ref.norm())
+    assert err <= A8_MAX_NORM_ERR, f"a8 parity failed: norm-wise err {err:.3e}"
+    us = time_us(lambda x_, c, s, _w: triton_fp8_linear_a8(x_, c, s), sets, args, cuda)
+    return {"a8_us": us, "a8_tflops": flops / us / 1e6, "a8_norm_err": err}
+
+
 def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear
     from dsv4.kernels.triton.launch import sms
@@ -94,7 +112,8 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     floor_us = nbytes / HBM_BYTES_PER_S * 1e6
     bf16_floor_us = (2 * case.n * case.k + act) / HBM_BYTES_PER_S * 1e6
     flops = 2 * case.m * case.n * case.k
-    return {"case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
+    a8 = a8_row(sets, args, cuda, flops) if case.m >= A8_MIN_M else {}
+    return {**a8, "case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
             "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
             "bf16_x_floor": bf16_us / bf16_floor_us, "speedup_vs_bf16": bf16_us / us,
             "tflops": flops / us / 1e6, "bf16_tflops": flops / bf16_us / 1e6,
@@ -106,7 +125,8 @@ TABLE = [("case", "{:<20}", "case"), ("floor_us", "{:>8.2f}", "floor us"),
          ("us", "{:>8.2f}", "us"), ("x_floor", "{:>6.2f}", "x floor"),
          ("tflops", "{:>7.1f}", "TFLOP/s"), ("bf16_us", "{:>8.2f}", "bf16 us"),
          ("bf16_x_floor", "{:>7.2f}", "x floor"), ("bf16_tflops", "{:>7.1f}", "TFLOP/s"),
-         ("speedup_vs_bf16", "{:>6.2f}", "x bf16"), ("max_rel_err", "{:>8.1e}", "rel err")]
+         ("speedup_vs_bf16", "{:>6.2f}", "x bf16"), ("max_rel_err", "{:>8.1e}", "rel err"),
+         ("a8", "{:>9}", "a8 us"), ("a8_tf", "{:>7}", "a8 TF"), ("a8_x", "{:>7}", "a8 x bf16")]
 
 
 def main() -> None:
@@ -121,7 +141,10 @@ def main() -> None:
                                       else "1,8,32,512,2048")).split(",")]
     cases = [Case(m, n, k) for m in ms for n, k in dict.fromkeys(shapes)]
     rows = bench_rows(cases, lambda c: bench_case(c, args, device), device)
-    print_table(rows, TABLE)
+    print_table([{**r, "a8": f"{r['a8_us']:.2f}" if "a8_us" in r else "-",
+                  "a8_tf": f"{r['a8_tflops']:.1f}" if "a8_us" in r else "-",
+                  "a8_x": f"{r['bf16_us'] / r['a8_us']:.2f}" if "a8_us" in r else "-"}
+                 for r in rows], TABLE)
     emit({**record_header("fp8_linear", device), "results": rows}, args.out)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4.kernels.ref.act_quant import fake_act_quant
 from dsv4.kernels.ref.quant import dequant_fp8_block
 
 
@@ -22,6 +23,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     `counters` (the kernel's split-K scratch) is unused here."""
     codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
     return F.linear(x, dequant_fp8_block(codes, scale, x.dtype))
+
+
+def fp8_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference model's FP8 linear (spec §11.1): x [..., K] through `act_quant` (per token,
+    per 128 channels, e4m3) times the decoded w, fp32 products and sums, one rounding to x's
+    dtype. The spec of `kernels/triton/fp8_linear_a8.py::triton_fp8_linear_a8`."""
+    codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
+    return F.linear(fake_act_quant(x), dequant_fp8_block(codes, scale, torch.float32)).to(x.dtype)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, *,

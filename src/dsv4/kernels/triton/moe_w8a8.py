@@ -6,8 +6,8 @@ and per 128 channels (`act_quant.py`), weights e4m3 with 128x128 block scales. E
 128-wide block: an e4m3 x e4m3 dot into a fresh fp32 tile (wgmma at BLOCK_M >= 64 on sm_90, whose
 accumulation inside one dot is less precise than fp32), then promoted: multiplied by the
 activation rows' scales times the weight block's scale (one per tile: BLOCK_N <= 128 divides
-128; powers of two: exact) and added to the fp32 accumulator, one FFMA per element. So the MMA
-runs at FP8 rate and no rounding crosses a 128-block boundary below fp32.
+128; powers of two: exact) and added to the fp32 accumulator, one FFMA per element (`fp8_dot.py`).
+So the MMA runs at FP8 rate and no rounding crosses a 128-block boundary below fp32.
 
 Two launches on the tile map and 1-D grid of `moe.py` (a tile's output blocks adjacent):
   1. gate/up: A = the token's e4m3 row of x (gathered; its scales beside it), two accumulators,
@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.act_quant import quant_rows, triton_act_quant
-from dsv4.kernels.triton.moe_decode import e8m0
+from dsv4.kernels.triton.fp8_dot import fp8_block_dot, promote, round_bf16
 from dsv4.kernels.triton.moe_plan import MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap, tile_and_block
 from dsv4.kernels.triton.pdl import pdl_args
@@ -41,41 +41,6 @@ W8A8_BLOCK = 128
 """The K step, the activation scale block and the weight scale block, all one."""
 
 X_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@triton.jit
-def _fp8(codes):  # type: ignore[no-untyped-def]
-    return codes.to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def _round_bf16(v):  # type: ignore[no-untyped-def]
-    """Finite fp32 v rounded to bf16 precision (nearest, ties to even) on the bits, still fp32:
-    the GPU's convert, and the interpreter's (which truncates) made exact."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _block_dot(a_ptrs, a_mask, w_ptrs, w_mask,  # type: ignore[no-untyped-def]
-               FP32_DOT: tl.constexpr):
-    """One 128-wide K block: [BM, 128] e4m3 codes times [128, BN] e4m3 codes -> [BM, BN] fp32 (a
-    fresh accumulator: the caller scales it before adding)."""
-    a = _fp8(tl.load(a_ptrs, mask=a_mask, other=0))
-    w = _fp8(tl.load(w_ptrs, mask=w_mask, other=0))
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, w)
-
-
-@triton.jit
-def _promote(acc, part, a_scale, s_ptr):  # type: ignore[no-untyped-def]
-    """acc + part * (a_scale * w_scale)[:, None]: a_scale [BM] the rows' activation scales, w_scale
-    the weight block's e8m0 scale at s_ptr, one for the whole tile (BLOCK_N <= 128 divides 128,
-    so a tile's output rows lie in one 128-row scale block). Powers of two: exact (barring an
-    underflow of the product below 2^-126, far from real scales). One FFMA per element."""
-    return acc + part * (a_scale * e8m0(tl.load(s_ptr)))[:, None]
 
 
 @triton.jit
@@ -108,13 +73,15 @@ def _w8a8_gate_up_kernel(  # type: ignore[no-untyped-def]
             a_mask = p_mask[:, None] & k_mask[None, :]
             w_mask = k_mask[:, None] & n_mask[None, :]
             xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=p_mask, other=0.0)
-            part = _block_dot(a_ptrs, a_mask, w1_ptr + w_rows + offs_k[:, None], w_mask, FP32_DOT)
-            acc_g = _promote(acc_g, part, xs, s1_ptr + s_row + k0 // 128)
-            part = _block_dot(a_ptrs, a_mask, w3_ptr + w_rows + offs_k[:, None], w_mask, FP32_DOT)
-            acc_u = _promote(acc_u, part, xs, s3_ptr + s_row + k0 // 128)
+            part = fp8_block_dot(a_ptrs, a_mask, w1_ptr + w_rows + offs_k[:, None], w_mask,
+                                 FP32_DOT)
+            acc_g = promote(acc_g, part, xs, s1_ptr + s_row + k0 // 128)
+            part = fp8_block_dot(a_ptrs, a_mask, w3_ptr + w_rows + offs_k[:, None], w_mask,
+                                 FP32_DOT)
+            acc_u = promote(acc_u, part, xs, s3_ptr + s_row + k0 // 128)
         h = swiglu_f32(acc_g, acc_u, limit, tl.float32, LIBDEVICE)
         if H_BF16:    # rounded to x's dtype, as the reference's h
-            h = _round_bf16(h)
+            h = round_bf16(h)
         codes, scale = quant_rows(tl.where(n_mask[None, :], h, 0.0))
         tl.store(h_ptr + offs_p[:, None] * stride_h + offs_n[None, :], codes,
                  mask=p_mask[:, None] & n_mask[None, :])
@@ -146,10 +113,10 @@ def _w8a8_down_kernel(  # type: ignore[no-untyped-def]
             offs_k = k0 + tl.arange(0, 128)
             k_mask = offs_k < K
             hs = tl.load(hs_ptr + offs_p * stride_hs + k0 // 128, mask=p_mask, other=0.0)
-            part = _block_dot(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
+            part = fp8_block_dot(h_ptr + offs_p[:, None] * stride_h + offs_k[None, :],
                               p_mask[:, None] & k_mask[None, :], w_ptr + w_rows + offs_k[:, None],
                               k_mask[:, None] & n_mask[None, :], FP32_DOT)
-            acc = _promote(acc, part, hs, s_ptr + s_row + k0 // 128)
+            acc = promote(acc, part, hs, s_ptr + s_row + k0 // 128)
         acc = acc * tl.load(rw_ptr + slot, mask=p_mask, other=0.0)[:, None]
         o_mask = p_mask[:, None] & n_mask[None, :]
         if ATOMIC:
