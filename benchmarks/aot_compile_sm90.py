@@ -78,9 +78,9 @@ def moe_variants() -> Iterator[Variant]:
 
 
 def moe_w8a8_variants() -> Iterator[Variant]:
-    """The W8A8 loop (`moe_w8a8.py`) at the plan's tiles (BLOCK_M 16 / 64 / 128; gate/up BLOCK_N
-    128, down 128 and 64), and the activation quantisation it starts with (`act_quant.py`);
-    HGMMA counts the FP8 wgmma."""
+    """The W8A8 loop (`moe_w8a8.py`), FP8 and FP4 weights, at the plan's tiles (BLOCK_M 16 / 64 /
+    128; gate/up BLOCK_N 128, down 128 and 64), and the activation quantisation it starts with
+    (`act_quant.py`); QGMMA counts the FP8 wgmma."""
     from dsv4.kernels.triton import act_quant, moe_w8a8
 
     types = {"x_ptr": "*u8", "xs_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8",
@@ -90,10 +90,13 @@ def moe_w8a8_variants() -> Iterator[Variant]:
     types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_xs",
                                           "stride_we", "stride_wn", "stride_se", "stride_sn",
                                           "stride_h", "stride_hs", "stride_o")}
-    for bm, bn, stages in ((16, 128, 3), (64, 128, 3), (64, 64, 4), (128, 128, 3)):
-        consts = {"TOPK": 6, "FP32_DOT": False, "BLOCK_M": bm, "BLOCK_N": bn}
+    tiles = [(1, bm, bn, st) for bm, bn, st in ((16, 128, 3), (64, 128, 3), (64, 64, 4),
+                                                   (128, 128, 3))]
+    tiles += [(2, bm, bn, st) for bm, bn, st in ((16, 128, 3), (64, 128, 3), (128, 128, 3))]
+    for fmt, bm, bn, stages in tiles:
+        consts = {"TOPK": 6, "FMT": fmt, "FP32_DOT": False, "BLOCK_M": bm, "BLOCK_N": bn}
         warps = {"num_stages": stages}
-        label = f"fp8 w8a8 {bm}x{bn}x128 s{stages}"
+        label = f"{('fp8', 'fp4')[fmt - 1]} w8a8 {bm}x{bn}x128 s{stages}"
         if bn == 128:
             yield (f"moe gate_up {label}", moe_w8a8._w8a8_gate_up_kernel, types,
                    {**consts, "H_BF16": True, "LIBDEVICE": True},
@@ -103,7 +106,8 @@ def moe_w8a8_variants() -> Iterator[Variant]:
     yield ("act_quant bf16 -> e4m3 block 128", act_quant._act_quant_kernel,
            {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "N": "i32", "D": "i32:16",
             "stride_x": "i32:16", "stride_q": "i32:16", "stride_s": "i32"},
-           {"BLOCK": 128, "BLOCK_ROWS": act_quant.BLOCK_ROWS}, {"num_warps": 4})
+           {"BLOCK": 128, "BLOCK_ROWS": act_quant.BLOCK_ROWS, "HALF_ORDER": False},
+           {"num_warps": 4})
 
 
 def moe_fma_variants() -> Iterator[Variant]:

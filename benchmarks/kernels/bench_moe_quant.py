@@ -4,11 +4,12 @@ Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activat
   N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
   (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
   dot_scaled, words, fma, planes, w8a8; FP8 runs its distinct loops, scaled, dot_scaled, fma
-  and w8a8, the FP8-tensor-core loop with FP8 activations, checked against the reference with
-  act_quant; bf16 weights have one loop, shown as "-"). The fma loop (CUDA cores, the plan's
-  default while N*k <= E) has its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`.
-  `--kernels`: each kernel's device us per call at the default config (the gate/up and down
-  launches, the activation copy, the tile map, the combine; CUDA only).
+  and w8a8, the FP8-tensor-core loop with FP8 activations (FP4 too: its codes decoded to e4m3),
+  checked against the reference with act_quant; bf16 weights have one loop, shown as "-"). The
+  fma loop (CUDA cores, the plan's default while N*k <= E) has its own SWEEP kinds "fp4/fma" /
+  "fp8/fma" and `--fma-block-m`. `--kernels`: each kernel's device us per call at the default
+  config (the gate/up and down launches, the activation copy, the tile map, the combine; CUDA
+  only).
 Metrics:
   weight bytes = distinct experts hit x one expert's bytes (w1, w3, w2 and their scales): what the
       kernel has to read at least once (averaged over the input sets); floor us = weight bytes /
@@ -101,12 +102,14 @@ PREFILL_SWEEP: dict[str, list[Config]] = {
     # block_n is the down launch's (gate/up's is 128); warps pin both launches
     "fp8/w8a8": [(128, 128, 8, 4, None, 64), (64, 128, 4, 4, None, 64),
                  (128, 128, 8, 3, None, 128), (64, 128, 4, 3, None, 128)],
+    "fp4/w8a8": [(128, 128, 8, 3, None, 64), (128, 128, 8, 3, None, 128),
+                 (64, 128, 8, 2, None, 128)],
 }
 FMTS = ("fp4", "fp8", "bf16")
 VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes", "w8a8")
 # FP8's "split" and "words" are its "scaled" loop; "w8a8" (FP8 only) quantises the activations
 FP8_LOOPS = ("scaled", "dot_scaled", "fma", "w8a8")
-FP4_LOOPS = tuple(v for v in VARIANTS if v != "w8a8")
+FP4_LOOPS = VARIANTS
 
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]      # (x, indices, weights)
@@ -229,7 +232,8 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
 
     kind = (f"{fmt}/{variant}" if (fmt, variant) in (("fp4", "split"), ("fp4", "fma"),
                                                       ("fp8", "fma"), ("fp4", "planes"),
-                                                      ("fp8", "w8a8")) else fmt)
+                                                      ("fp8", "w8a8"), ("fp4", "w8a8"))
+            else fmt)
     sweep = PREFILL_SWEEP if args.prefill_sweep else SWEEP if args.sweep else {}
     timed: dict[str, float] = {}
     err, error = 0.0, ""

@@ -108,6 +108,20 @@ def test_triton_strided_rows_and_validation() -> None:
         triton_act_quant(wide, block=96)
 
 
+def test_triton_half_order() -> None:
+    """`half_order`: each 128-block's codes with its even columns first, then its odd ones (the
+    FP4 W8A8 loop's operand order); the scales unchanged."""
+    x = _rows(5, 256, seed=4)
+    codes, scale = triton_act_quant(x.to(DEVICE), half_order=True)
+    ref_codes, ref_scale = act_quant(x)
+    c = torch.arange(128)
+    order = torch.cat([b * 128 + torch.cat((c[0::2], c[1::2])) for b in range(2)])
+    assert torch.equal(scale.cpu(), ref_scale)
+    assert torch.equal(codes.view(torch.uint8).cpu(), ref_codes.view(torch.uint8)[:, order])
+    with pytest.raises(ValueError, match="half_order"):
+        triton_act_quant(x[:, :200].to(DEVICE), half_order=True)
+
+
 @pytest.mark.gpu
 def test_triton_flash_batch_on_gpu() -> None:
     """A prefill-sized batch of V4-Flash activations (N 4096, d 4096) bit for bit."""

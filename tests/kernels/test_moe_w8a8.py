@@ -2,10 +2,12 @@
 `routed_experts_quant(..., act_quant=True)` (`ref/moe.py::routed_experts_a8`), and that
 reference against its definition.
 
-CPU: the interpreter on small shapes: bf16 and fp32 activations, experts with no tokens, every
-token on one expert (several tiles), I not a multiple of 128 (a partial scale block of h),
-several K blocks, both epilogues; the plan and the refusals. The interpreter's dots are fp32 on
-exact e4m3 products, so the kernel equals the reference up to fp32 summation order.
+FP4 experts run the same loop, their e2m1 codes decoded to e4m3 in registers (exact while a
+128-block's group scales span at most 8 binades: `check_fp4_a8_exact`).
+CPU: the interpreter on small shapes (FP8 and FP4): bf16 and fp32 activations, experts with no
+tokens, every token on one expert (several tiles), I not a multiple of 128 (FP8: a partial scale
+block of h), several K blocks, both epilogues; the plan and the refusals. The interpreter's dots
+are fp32 on exact e4m3 products, so the kernel equals the reference up to fp32 summation order.
 GPU (`-m gpu`): V4-Flash shapes (E 256, d 4096, I 2048, k 6) at N = 1, 512, 2048, rows
 independent of the batch, a bit-reproducible deterministic path. Tolerances there (H200, N 2048,
 benchmarks/results/quant_moe_h200_202612.md): the e4m3 re-quantisation of h turns any difference
@@ -35,6 +37,7 @@ from dsv4.kernels.ref.act_quant import fake_act_quant  # noqa: E402
 from dsv4.kernels.ref.moe import dequant_experts, routed_experts_quant, swiglu  # noqa: E402
 from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
 from dsv4.kernels.triton.moe_plan import VARIANTS, plan_moe  # noqa: E402
+from dsv4.kernels.triton.moe_w8a8 import check_fp4_a8_exact  # noqa: E402
 
 CPU_TOL = (1e-6, 1e-6)          # interpreter: fp32 summation order only
 MMA_SYNC_TOL = (5e-3, 5e-4)     # (max, norm-wise) relative error: module docstring
@@ -46,15 +49,15 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor,
-          tol: tuple[float, float], **kw: object) -> torch.Tensor:
+          tol: tuple[float, float], fmt: str = "fp8", **kw: object) -> torch.Tensor:
     """The kernel against the reference on the experts hit (same result, cheaper): max |diff| /
     max |ref| <= tol[0] and ||diff|| / ||ref|| <= tol[1]."""
     out = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0,  # type: ignore[arg-type]
-                                      "fp8", act_quant=True, **kw)
+                                      fmt, act_quant=True, **kw)
     hit = idx.unique()
     sub = [t[hit] if t is not None else None for t in wts]
     ref = routed_experts_quant(x, sub[0], sub[1], sub[2], sub[3],  # type: ignore[arg-type]
-                               torch.searchsorted(hit, idx), rw, 10.0, "fp8", act_quant=True)
+                               torch.searchsorted(hit, idx), rw, 10.0, fmt, act_quant=True)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     err, norm = _rel(out, ref), ((out - ref).norm() / ref.norm().clamp(min=1e-6)).item()
     assert err <= tol[0] and norm <= tol[1], f"max {err:.3e}, norm-wise {norm:.3e} > {tol}"
@@ -95,14 +98,55 @@ def test_parity_ragged(x_dtype: torch.dtype, deterministic: bool) -> None:
           block_m=16, block_n=32)
 
 
-def test_parity_wgmma_tiles() -> None:
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_parity_wgmma_tiles(fmt: str) -> None:
     """BLOCK_M 64 and 128 (wgmma tiles on the GPU, 8 warps): 40 rows of one expert in one tile,
     the rest spread."""
-    wts = make_weights(4, 256, 128, "fp8", seed=21)
+    wts = make_weights(4, 256, 128, fmt, seed=21)
     idx, rw = make_routing(40, 4, 2, seed=21, hot=1)
     x = randn(40, 256).to(torch.bfloat16)
     for block_m in (64, 128):
-        check(x, wts, idx, rw, CPU_TOL, block_m=block_m)
+        check(x, wts, idx, rw, CPU_TOL, fmt, block_m=block_m)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_fp4_parity_ragged(x_dtype: torch.dtype, deterministic: bool) -> None:
+    """FP4 experts (e2m1 decoded to e4m3 in registers; x and h in even / odd order per block):
+    N = 1 on E 8 (six experts idle), then N = 40 on expert 3 (three BLOCK_M 16 tiles) over d =
+    256, I = 256 (two K blocks each way) at a down BLOCK_N of 32; the test weights' group scales
+    span 2 binades per block (exact)."""
+    wts = make_weights(8, 128, 128, "fp4", seed=13)
+    check_fp4_a8_exact(wts[1])            # type: ignore[arg-type]
+    idx, rw = make_routing(1, 8, 2, seed=13)
+    check(randn(1, 128).to(x_dtype), wts, idx, rw, CPU_TOL, "fp4", deterministic=deterministic)
+    wts = make_weights(8, 256, 256, "fp4", seed=14)
+    idx, rw = make_routing(40, 8, 2, seed=14, hot=3)
+    check(randn(40, 256).to(x_dtype) * 3, wts, idx, rw, CPU_TOL, "fp4",
+          deterministic=deterministic, block_m=16, block_n=32)
+
+
+def test_fp4_scale_spread() -> None:
+    """Within a 128-wide block, group scales up to 8 binades apart decode exactly (e2m1 x 2^-8
+    is still e4m3) and the kernel equals the reference; 9 apart is refused by the check, and the
+    kernel then rounds the smallest group's weights (it differs from the reference)."""
+    wts = list(make_weights(4, 128, 128, "fp4", seed=9))
+    idx, rw = make_routing(6, 4, 2, seed=9)
+    x = randn(6, 128).to(torch.bfloat16)
+    for spread, exact in ((8, True), (9, False)):
+        for j in (1, 3):                  # every row's first group `spread` binades down
+            codes = wts[j].view(torch.uint8).clone()  # type: ignore[union-attr]
+            codes[..., 0::4] = codes[..., 1::4] - spread
+            codes[..., 2:4] = codes[..., 1:2]
+            wts[j] = codes.view(torch.float8_e8m0fnu)
+        if exact:
+            check_fp4_a8_exact(wts[1])    # type: ignore[arg-type]
+            check(x, tuple(wts), idx, rw, CPU_TOL, "fp4")  # type: ignore[arg-type]
+        else:
+            with pytest.raises(ValueError, match="span 9 binades"):
+                check_fp4_a8_exact(wts[1])  # type: ignore[arg-type]
+            with pytest.raises(AssertionError):
+                check(x, tuple(wts), idx, rw, CPU_TOL, "fp4")  # type: ignore[arg-type]
 
 
 def test_combine_shared_and_out_dtype() -> None:
@@ -127,8 +171,10 @@ def test_plan_and_refusals() -> None:
         128, 8, 128, 8)
     p = plan_moe("fp8", "w8a8", torch.bfloat16, cpu, 6, 256, 2048, 4096, act_quant=True)
     assert (p.block_m, p.gate_up.num_warps, p.down.num_warps) == (16, 4, 4)
-    for fmt, variant, act in (("fp4", None, True), ("bf16", None, True), ("fp8", "w8a8", False),
-                              ("fp8", "scaled", True)):
+    assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 8, 128, 128,
+                    act_quant=True).variant == VARIANTS["w8a8"]
+    for fmt, variant, act in (("bf16", None, True), ("fp8", "w8a8", False), ("fp4", "w8a8", False),
+                              ("fp8", "scaled", True), ("fp4", "words", True)):
         with pytest.raises(ValueError, match="w8a8"):
             plan_moe(fmt, variant, torch.bfloat16, cpu, 6, 8, 128, 128, act_quant=act)
     for knobs in ({"block_k": 64}, {"block_m": 24}, {"block_n": 256}, {"prefetch": True}):
@@ -140,6 +186,9 @@ def test_plan_and_refusals() -> None:
     with pytest.raises(ValueError, match="bf16 or fp32"):
         triton_routed_experts_quant(randn(3, 128).half(), *wts[:2],  # type: ignore[arg-type]
                                     *wts[2:], idx, rw, 10.0, "fp8", act_quant=True)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        triton_routed_experts_quant(randn(3, 128), *make_weights(4, 128, 96, "fp4"),  # type: ignore[misc]
+                                    idx, rw, 10.0, "fp4", act_quant=True)
     with pytest.raises(ValueError, match="quantised experts"):
         routed_experts_quant(randn(3, 128), *make_weights(4, 128, 128, "bf16"),  # type: ignore[misc]
                              idx, rw, 10.0, "bf16", act_quant=True)
@@ -149,28 +198,34 @@ FLASH = {"E": 256, "d": 4096, "inter": 2048, "k": 6}
 
 
 @pytest.fixture(scope="module")
-def flash_weights() -> Weights:
-    return make_weights(FLASH["E"], FLASH["d"], FLASH["inter"], "fp8")
+def flash_weights() -> dict[str, Weights]:
+    return {fmt: make_weights(FLASH["E"], FLASH["d"], FLASH["inter"], fmt)
+            for fmt in ("fp8", "fp4")}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("N", [1, 512, 2048])
-def test_flash_parity(flash_weights: Weights, N: int) -> None:
+def test_flash_parity(flash_weights: dict[str, Weights], N: int, fmt: str) -> None:
+    """FP4 is held to FP8's measured tolerances (its own not yet measured on the GPU)."""
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
-    check(x, flash_weights, idx, rw, MMA_SYNC_TOL, block_m=32)
-    check(x, flash_weights, idx, rw, WGMMA_TOL, block_m=64)
-    check(x, flash_weights, idx, rw, WGMMA_TOL, block_m=128)
+    wts = flash_weights[fmt]
+    check(x, wts, idx, rw, MMA_SYNC_TOL, fmt, block_m=32)
+    check(x, wts, idx, rw, WGMMA_TOL, fmt, block_m=64)
+    check(x, wts, idx, rw, WGMMA_TOL, fmt, block_m=128)
 
 
 @pytest.mark.gpu
-def test_flash_rows_independent_of_batch_and_reproducible(flash_weights: Weights) -> None:
+def test_flash_rows_independent_of_batch_and_reproducible(
+        flash_weights: dict[str, Weights]) -> None:
     """A token's row is the same alone as in a batch of 512 at the same plan (fixed tiles), and the
     deterministic path repeats bit for bit."""
     idx, rw = make_routing(512, FLASH["E"], FLASH["k"], seed=9)
     x = randn(512, FLASH["d"]).to(torch.bfloat16)
+    wts = flash_weights["fp8"]
     run = lambda a, i, w: triton_routed_experts_quant(  # noqa: E731
-        a, *flash_weights[:2], *flash_weights[2:], i, w, 10.0, "fp8",  # type: ignore[arg-type]
+        a, *wts[:2], *wts[2:], i, w, 10.0, "fp8",  # type: ignore[arg-type]
         act_quant=True, deterministic=True, block_m=64)
     full = run(x, idx, rw)
     assert torch.equal(full, run(x, idx, rw))

@@ -65,21 +65,27 @@ def round_e4m3(v):  # type: ignore[no-untyped-def]
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, N, D,  # type: ignore[no-untyped-def]
                       stride_x, stride_q, stride_s,
-                      BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+                      BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, HALF_ORDER: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     q, scale = quant_rows(x.to(tl.float32))
-    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=mask)
+    dest = cols
+    if HALF_ORDER:      # a block's even columns first, then its odd ones
+        c = tl.arange(0, BLOCK)
+        dest = cb * BLOCK + (c % 2) * (BLOCK // 2) + c // 2
+    tl.store(q_ptr + rows[:, None] * stride_q + dest[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_s + cb, scale, mask=rows < N)
 
 
-def triton_act_quant(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_act_quant(x: torch.Tensor, block: int = ACT_BLOCK, *,
+                     half_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `ref/act_quant.py::act_quant` for x [N, d] (bf16 / fp16 / fp32; rows may
     be strided, columns contiguous): (codes [N, d] float8_e4m3fn, scales [N, ceil(d/block)] fp32).
-    `block` a power of two >= 16."""
+    `block` a power of two >= 16. `half_order`: each block's codes stored with its even columns
+    first, then its odd ones (the FP4 W8A8 loop's operand order; d a multiple of block)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [N, d] with contiguous columns; got shape {tuple(x.shape)}, "
                          f"strides {x.stride()}")
@@ -88,10 +94,12 @@ def triton_act_quant(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Ten
     if block < 16 or block & (block - 1):
         raise ValueError(f"block={block} is invalid; allowed: a power of two >= 16")
     N, d = x.shape
+    if half_order and d % block:
+        raise ValueError(f"half_order needs d a multiple of block = {block}; got d = {d}")
     q = torch.empty(N, d, dtype=torch.uint8, device=x.device)
     s = torch.empty(N, triton.cdiv(d, block), dtype=torch.float32, device=x.device)
     if N and d:
         _act_quant_kernel[(triton.cdiv(N, BLOCK_ROWS), s.shape[1])](
             x, q, s, N, d, x.stride(0), q.stride(0), s.stride(0),
-            BLOCK=block, BLOCK_ROWS=BLOCK_ROWS, num_warps=4)
+            BLOCK=block, BLOCK_ROWS=BLOCK_ROWS, HALF_ORDER=half_order, num_warps=4)
     return q.view(torch.float8_e4m3fn), s

@@ -231,7 +231,8 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 wait_shared: WaitShared | None = None,
                                 act_quant: bool = False) -> torch.Tensor:
     """Same contract as `routed_experts_quant`: [N, d] `out_dtype` (plus `shared`: module doc);
-    `act_quant` (fmt "fp8" only): FP8 activations on FP8 tensor cores (`moe_w8a8.py`).
+    `act_quant` (fmt "fp8" or "fp4"; FP4 exact where `moe_w8a8.py::check_fp4_a8_exact` holds):
+    FP8 activations on FP8 tensor cores (`moe_w8a8.py`).
 
     x: [N, d] bf16 (or fp32); indices: [N, k] int64 in [0, E); weights: [N, k] fp32; weight layouts
     per `fmt` in the module docstring. Keyword arguments are tuning knobs, None = the plan's choice
@@ -328,7 +329,7 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     if plan.variant == VARIANTS["w8a8"]:
         assert tiles is not None
         dest = w8a8_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, tiles,
-                             rw, limit, topk, deterministic, plan, _LIBDEVICE)
+                             rw, limit, code, topk, deterministic, plan, _LIBDEVICE)
     elif fma:
         dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             indices, tiles, rw, limit, code, topk, deterministic, plan,

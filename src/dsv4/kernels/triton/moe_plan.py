@@ -165,13 +165,13 @@ def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_expe
                block_m: int | None, block_n: int | None, block_k: int | None,
                num_warps: int | None, num_stages: int | None,
                prefetch: bool | None) -> MoePlan:
-    """The W8A8 loop (`moe_w8a8.py`): FP8 weights and activations, K steps of one 128-wide scale
-    block; gate/up BLOCK_N 128 (its epilogue quantises one block of h per row), 8 warps from
-    BLOCK_M 64 (two [BM, 128] fp32 accumulators); BLOCK_M as the other MMA loops; down BLOCK_N
-    128 (a knob: 16..128)."""
-    if fmt != "fp8" or not act_quant or variant not in (None, "w8a8"):
-        raise ValueError(f"variant 'w8a8' is the loop of fmt 'fp8' with act_quant=True; got fmt "
-                         f"{fmt!r}, variant {variant!r}, act_quant={act_quant}")
+    """The W8A8 loop (`moe_w8a8.py`): FP8 activations, FP8 weights or FP4 ones decoded to e4m3,
+    K steps of one 128-wide scale block; gate/up BLOCK_N 128 (its epilogue quantises one block
+    of h per row), 8 warps from BLOCK_M 64 (two [BM, 128] fp32 accumulators); BLOCK_M as the
+    other MMA loops; down BLOCK_N 128 (a knob: 16..128)."""
+    if fmt not in ("fp8", "fp4") or not act_quant or variant not in (None, "w8a8"):
+        raise ValueError(f"variant 'w8a8' is the loop of fmt 'fp8' / 'fp4' with act_quant=True; "
+                         f"got fmt {fmt!r}, variant {variant!r}, act_quant={act_quant}")
     if prefetch or block_k not in (None, _FP8_BLOCK):
         raise ValueError(f"variant 'w8a8' takes block_k {_FP8_BLOCK} and no prefetch; got "
                          f"{block_k}, {prefetch}")
