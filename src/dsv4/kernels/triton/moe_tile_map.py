@@ -47,6 +47,18 @@ def tile_and_block(OUT, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
     return pid // blocks, pid % blocks
 
 
+@triton.jit
+def tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile,  # type: ignore[no-untyped-def]
+              BLOCK_M: tl.constexpr):
+    """(expert, sorted rows [BLOCK_M], their mask, whether the tile has any row) of tile `tile`
+    from the tile map; expert and rows int64 (e * stride_we and N*k*I pass 2^31 on V4-Flash)."""
+    row_start = tl.load(t_start_ptr + tile)
+    row_end = tl.load(t_end_ptr + tile)
+    offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)
+    return (tl.load(t_exp_ptr + tile).to(tl.int64), offs_p, offs_p < row_end,
+            row_start < row_end)
+
+
 def max_tiles(nk: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the tiles of nk slots over `num_experts` experts (>= 1), from shapes only."""
     return max(1, (nk + min(num_experts, nk) * (block_m - 1)) // block_m)

@@ -41,7 +41,7 @@ from dsv4.kernels.triton.act_quant import quant_rows, triton_act_quant
 from dsv4.kernels.triton.fp8_dot import fp8_block_dot, fp8_codes, promote, round_bf16
 from dsv4.kernels.triton.moe_decode import e8m0
 from dsv4.kernels.triton.moe_plan import MoePlan
-from dsv4.kernels.triton.moe_tile_map import TileMap, tile_and_block
+from dsv4.kernels.triton.moe_tile_map import TileMap, tile_and_block, tile_rows
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
@@ -142,12 +142,8 @@ def _w8a8_gate_up_kernel(  # type: ignore[no-untyped-def]
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     tile, n_block = tile_and_block(INTER, BLOCK_N)
-    row_start = tl.load(t_start_ptr + tile)
-    row_end = tl.load(t_end_ptr + tile)
-    if row_start < row_end:
-        e = tl.load(t_exp_ptr + tile).to(tl.int64)  # NOTE: int64: e * stride_we passes 2^31 (Flash)
-        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)  # NOTE: int64: N*k*I can pass 2^31
-        p_mask = offs_p < row_end
+    e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
+    if live:
         tok = tl.load(order_ptr + offs_p, mask=p_mask, other=0) // TOPK
         offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
@@ -183,12 +179,8 @@ def _w8a8_down_kernel(  # type: ignore[no-untyped-def]
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     tile, n_block = tile_and_block(D, BLOCK_N)
-    row_start = tl.load(t_start_ptr + tile)
-    row_end = tl.load(t_end_ptr + tile)
-    if row_start < row_end:
-        e = tl.load(t_exp_ptr + tile).to(tl.int64)
-        offs_p = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)  # NOTE: int64: N*k*I can pass 2^31
-        p_mask = offs_p < row_end
+    e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
+    if live:
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
         offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < D
