@@ -55,6 +55,11 @@
 #                 tables (prof_hisparse_{off,on}.txt) and, with it on, a Chrome trace of 3 decode steps read by
 #                 trace_gaps.py (the two streams' busy and idle time, the largest gaps: hisparse_trace_gaps.txt);
 #                 then hisparse.py at concurrency 1 and 16 in both modes (hisparse.txt) for TPOT
+#   w8a8          issue 21's FP8-tensor-core loops in one call: their GPU tests (act_quant bit-equality, the
+#                 W8A8 experts FP8 / FP4 and the W8A8 linear against their references: w8a8_tests.txt), the
+#                 experts at N 2048 / 8192 with the prefill sweep, w8a8 beside the bf16-MMA "scaled" loop
+#                 (w8a8_moe_{fp8,fp4}.txt / .json, with each kernel's us), the linears at M 512 / 2048 / 8192
+#                 (w8a8_linear.txt / .json: weight-only, bf16 and W8A8)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -269,13 +274,29 @@ hisparse_trace() {
   grep -v "^{" "$OUT/hisparse.txt" | tail -6
 }
 
+w8a8() {
+  local fmt
+  timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_act_quant.py tests/kernels/test_moe_w8a8.py \
+    tests/kernels/test_fp8_linear_a8.py > "$OUT/w8a8_tests.txt" 2>&1
+  tail -3 "$OUT/w8a8_tests.txt"
+  for fmt in fp8 fp4; do
+    timeout 200 python3 benchmarks/kernels/bench_moe_quant.py --fmts "$fmt" --variants w8a8,scaled \
+      --tokens 2048,8192 --prefill-sweep --iters 20 --kernels --out "$OUT/w8a8_moe_$fmt.json" \
+      > "$OUT/w8a8_moe_$fmt.txt" 2>&1
+    grep -v "^{" "$OUT/w8a8_moe_$fmt.txt" | tail -8
+  done
+  timeout 150 python3 benchmarks/kernels/bench_fp8_linear.py --m 512,2048,8192 \
+    --out "$OUT/w8a8_linear.json" > "$OUT/w8a8_linear.txt" 2>&1
+  grep -v "^{" "$OUT/w8a8_linear.txt" | tail -12
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,64p' "$0"
+  sed -n '2,69p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -297,8 +318,9 @@ for part in "$@"; do
     hisparse) hisparse ;;
     hisparse-trace) hisparse_trace ;;
     drift) drift ;;
+    w8a8) w8a8 ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile transient drift train train-tiny hisparse hisparse-trace sass"; exit 2 ;;
+         "profile transient drift train train-tiny hisparse hisparse-trace w8a8 sass"; exit 2 ;;
   esac
 done
