@@ -23,6 +23,7 @@ MMA_SYNC_TOL and WGMMA_TOL (max, norm-wise).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -48,16 +49,30 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
+def kernel(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor,
+           fmt: str = "fp8", **kw: Any) -> torch.Tensor:
+    """`triton_routed_experts_quant(..., act_quant=True)` (limit 10)."""
+    w13, s13, w2, s2 = wts
+    return triton_routed_experts_quant(x, w13, s13, w2, s2, idx, rw, 10.0, fmt, act_quant=True,
+                                       **kw)
+
+
+def reference(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor,
+              fmt: str = "fp8", **kw: Any) -> torch.Tensor:
+    """`routed_experts_quant(..., act_quant=True)` (limit 10)."""
+    w13, s13, w2, s2 = wts
+    return routed_experts_quant(x, w13, s13, w2, s2, idx, rw, 10.0, fmt, act_quant=True, **kw)
+
+
 def check(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor,
-          tol: tuple[float, float], fmt: str = "fp8", **kw: object) -> torch.Tensor:
+          tol: tuple[float, float], fmt: str = "fp8", **kw: Any) -> torch.Tensor:
     """The kernel against the reference on the experts hit (same result, cheaper): max |diff| /
     max |ref| <= tol[0] and ||diff|| / ||ref|| <= tol[1]."""
-    out = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0,  # type: ignore[arg-type]
-                                      fmt, act_quant=True, **kw)
+    out = kernel(x, wts, idx, rw, fmt, **kw)
     hit = idx.unique()
-    sub = [t[hit] if t is not None else None for t in wts]
-    ref = routed_experts_quant(x, sub[0], sub[1], sub[2], sub[3],  # type: ignore[arg-type]
-                               torch.searchsorted(hit, idx), rw, 10.0, fmt, act_quant=True)
+    w13, s13, w2, s2 = (t[hit] if t is not None else None for t in wts)
+    assert w13 is not None and w2 is not None
+    ref = reference(x, (w13, s13, w2, s2), torch.searchsorted(hit, idx), rw, fmt)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     err, norm = _rel(out, ref), ((out - ref).norm() / ref.norm().clamp(min=1e-6)).item()
     assert err <= tol[0] and norm <= tol[1], f"max {err:.3e}, norm-wise {norm:.3e} > {tol}"
@@ -75,8 +90,7 @@ def test_reference_is_its_definition() -> None:
         e = int(idx[0, j])
         h = swiglu(fake_act_quant(x) @ w1[e].T, fake_act_quant(x) @ w3[e].T, 10.0)
         want += rw[0, j] * (fake_act_quant(h.to(torch.bfloat16)) @ w2[e].T)
-    got = routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp8",  # type: ignore[misc]
-                               act_quant=True)
+    got = reference(x, wts, idx, rw)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     plain = routed_experts_quant(x.float(), *wts[:2], *wts[2:], idx, rw, 10.0,  # type: ignore[misc]
                                  "fp8")
@@ -154,11 +168,8 @@ def test_combine_shared_and_out_dtype() -> None:
     idx, rw = make_routing(5, 6, 2, seed=17)
     x = randn(5, 128).to(torch.bfloat16)
     shared = randn(5, 128, seed=3).to(torch.bfloat16)
-    out = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0,  # type: ignore[arg-type]
-                                      "fp8", act_quant=True, shared=shared,
-                                      out_dtype=torch.bfloat16)
-    ref = routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp8",  # type: ignore[arg-type]
-                               act_quant=True, shared=shared, out_dtype=torch.bfloat16)
+    out = kernel(x, wts, idx, rw, shared=shared, out_dtype=torch.bfloat16)
+    ref = reference(x, wts, idx, rw, shared=shared, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert _rel(out.float(), ref.float()) <= 2 ** -8
 
@@ -201,14 +212,11 @@ def test_plan_and_refusals() -> None:
     wts = make_weights(4, 128, 128, "fp8", seed=2)
     idx, rw = make_routing(3, 4, 2, seed=2)
     with pytest.raises(ValueError, match="bf16 or fp32"):
-        triton_routed_experts_quant(randn(3, 128).half(), *wts[:2],  # type: ignore[arg-type]
-                                    *wts[2:], idx, rw, 10.0, "fp8", act_quant=True)
+        kernel(randn(3, 128).half(), wts, idx, rw)
     with pytest.raises(ValueError, match="multiples of 128"):
-        triton_routed_experts_quant(randn(3, 128), *make_weights(4, 128, 96, "fp4"),  # type: ignore[misc]
-                                    idx, rw, 10.0, "fp4", act_quant=True)
+        kernel(randn(3, 128), make_weights(4, 128, 96, "fp4"), idx, rw, "fp4")
     with pytest.raises(ValueError, match="quantised experts"):
-        routed_experts_quant(randn(3, 128), *make_weights(4, 128, 128, "bf16"),  # type: ignore[misc]
-                             idx, rw, 10.0, "bf16", act_quant=True)
+        reference(randn(3, 128), make_weights(4, 128, 128, "bf16"), idx, rw, "bf16")
 
 
 FLASH = {"E": 256, "d": 4096, "inter": 2048, "k": 6}
@@ -241,9 +249,7 @@ def test_flash_rows_independent_of_batch_and_reproducible(
     idx, rw = make_routing(512, FLASH["E"], FLASH["k"], seed=9)
     x = randn(512, FLASH["d"]).to(torch.bfloat16)
     wts = flash_weights["fp8"]
-    run = lambda a, i, w: triton_routed_experts_quant(  # noqa: E731
-        a, *wts[:2], *wts[2:], i, w, 10.0, "fp8",  # type: ignore[arg-type]
-        act_quant=True, deterministic=True, block_m=64)
-    full = run(x, idx, rw)
-    assert torch.equal(full, run(x, idx, rw))
-    assert torch.equal(full[7:8], run(x[7:8], idx[7:8], rw[7:8]))
+    full = kernel(x, wts, idx, rw, deterministic=True, block_m=64)
+    assert torch.equal(full, kernel(x, wts, idx, rw, deterministic=True, block_m=64))
+    one = kernel(x[7:8], wts, idx[7:8], rw[7:8], deterministic=True, block_m=64)
+    assert torch.equal(full[7:8], one)

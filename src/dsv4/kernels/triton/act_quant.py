@@ -63,6 +63,13 @@ def round_e4m3(v):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def half_order(c, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Where column c (0..BLOCK-1) of a block sits in the even / odd order (the FP4 W8A8 loop's
+    operand order): the even columns first (c / 2), then the odd ones (BLOCK / 2 + c // 2)."""
+    return (c % 2) * (BLOCK // 2) + c // 2
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, N, D,  # type: ignore[no-untyped-def]
                       stride_x, stride_q, stride_s,
                       BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, HALF_ORDER: tl.constexpr):
@@ -73,9 +80,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, N, D,  # type: ignore[no-untyped-def]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     q, scale = quant_rows(x.to(tl.float32))
     dest = cols
-    if HALF_ORDER:      # a block's even columns first, then its odd ones
-        c = tl.arange(0, BLOCK)
-        dest = cb * BLOCK + (c % 2) * (BLOCK // 2) + c // 2
+    if HALF_ORDER:
+        dest = cb * BLOCK + half_order(tl.arange(0, BLOCK), BLOCK)
     tl.store(q_ptr + rows[:, None] * stride_q + dest[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_s + cb, scale, mask=rows < N)
 

@@ -190,7 +190,9 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
     return Fp8LinearPlan(block_m, block_n, splits, num_warps, num_stages, dot)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
+def check_operands(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
+    """x [M, K], w [N, K] e4m3 codes, scale the UE8M0 codes of its 128x128 blocks: shapes,
+    dtypes, unit last-dim strides, one device (ValueError naming the operand)."""
     if x.dim() != 2 or x.dtype not in X_DTYPES:
         raise ValueError(f"x must be [M, K] of {[str(d) for d in X_DTYPES]}; "
                          f"got {list(x.shape)} {x.dtype}")
@@ -223,7 +225,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     zero (default: a fresh one per call)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    _check(x2, w, scale)
+    check_operands(x2, w, scale)
     (M, _), N = x2.shape, w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:

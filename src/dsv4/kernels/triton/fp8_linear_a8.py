@@ -29,6 +29,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.act_quant import triton_act_quant
 from dsv4.kernels.triton.fp8_dot import fp8_block_dot, promote, round_bf16
+from dsv4.kernels.triton.fp8_linear import check_operands
 from dsv4.kernels.triton.pdl import pdl_args
 
 BLOCK = 128
@@ -71,19 +72,11 @@ def _fp8_linear_a8_kernel(  # type: ignore[no-untyped-def]
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
-    if x.dim() != 2 or x.dtype not in X_DTYPES or x.stride(1) != 1:
-        raise ValueError(f"x must be [M, K] bf16 / fp32 with contiguous columns; got "
-                         f"{tuple(x.shape)} {x.dtype}")
-    if w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype not in (torch.uint8,
-                                                                    torch.float8_e4m3fn):
-        raise ValueError(f"w must be [N, K = {x.shape[1]}] e4m3 codes (uint8 or float8_e4m3fn); "
-                         f"got {tuple(w.shape)} {w.dtype}")
-    blocks = (triton.cdiv(w.shape[0], BLOCK), triton.cdiv(w.shape[1], BLOCK))
-    if tuple(scale.shape) != blocks or scale.element_size() != 1:
-        raise ValueError(f"scale must be [{blocks[0]}, {blocks[1]}] UE8M0 codes; got "
-                         f"{tuple(scale.shape)} {scale.dtype}")
-    if not (w.is_contiguous() and scale.is_contiguous()):
-        raise ValueError("w and scale must be contiguous")
+    """The weight-only linear's operand rules, and x bf16 / fp32 (the store's rounding is made
+    exact for those: `round_bf16`)."""
+    check_operands(x, w, scale)
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"x must be [M, K] of {[str(d) for d in X_DTYPES]}; got {x.dtype}")
 
 
 def triton_fp8_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,

@@ -120,8 +120,7 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     if block_m is not None and not _MIN_DOT <= block_m <= max_m:
         raise ValueError(f"fmt {fmt!r} variant {name!r} needs 16 <= block_m <= {max_m}; "
                          f"got {block_m}")
-    bm = block_m or max(_MIN_DOT, min(max_m, DEFAULT_MAX_BLOCK_M,
-                                      triton.next_power_of_2(max(1, nk // num_experts))))
+    bm = block_m or _default_block_m(nk, num_experts, max_m)
     bk = block_k or default_block_k(fmt, name, bm)
     if block_k is None and fmt == "fp4" and name == "planes":
         bk = min(bk, _pow2_divisor(math.gcd(d, inter)))
@@ -179,8 +178,7 @@ def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_expe
         raise ValueError(f"variant 'w8a8' needs block_m a power of two in [16, 128]; got {block_m}")
     if block_n is not None and (not _MIN_DOT <= block_n <= 128 or block_n & (block_n - 1)):
         raise ValueError(f"variant 'w8a8' needs block_n a power of two in [16, 128]; got {block_n}")
-    bm = block_m or max(_MIN_DOT, min(DEFAULT_MAX_BLOCK_M,
-                                      triton.next_power_of_2(max(1, nk // num_experts))))
+    bm = block_m or _default_block_m(nk, num_experts, DEFAULT_MAX_BLOCK_M)
     bn = block_n or _FP8_BLOCK
 
     def warps(width: int) -> int:
@@ -243,6 +241,12 @@ def _check_blocks(fmt: str, variant: str, block_n: int | None, block_k: int) -> 
         raise ValueError(f"fmt {fmt!r} variant {variant!r} needs block_k >= {min_k} and <= "
                          f"{max_k} (fp4: whole 32-wide scale groups; fp8: one 128-wide scale "
                          f"block); got {block_k}")
+
+
+def _default_block_m(nk: int, num_experts: int, cap: int) -> int:
+    """The mean rows per expert as a power of two in [16, min(cap, DEFAULT_MAX_BLOCK_M)]."""
+    mean = triton.next_power_of_2(max(1, nk // num_experts))
+    return max(_MIN_DOT, min(cap, DEFAULT_MAX_BLOCK_M, mean))
 
 
 def _pow2_divisor(n: int) -> int:

@@ -27,7 +27,7 @@ Two launches on the tile map and 1-D grid of `moe.py` (a tile's output blocks ad
      row (deterministic), as `moe.py`.
 The fp32 dots of the interpreter (FP32_DOT) decode both operands to fp32: exact products.
 Test: tests/kernels/test_moe_w8a8.py. Benchmark: benchmarks/kernels/bench_moe_quant.py
-(`--act-quant`).
+(variant `w8a8`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.act_quant import quant_rows, triton_act_quant
+from dsv4.kernels.triton.act_quant import half_order, quant_rows, triton_act_quant
 from dsv4.kernels.triton.fp8_dot import fp8_block_dot, fp8_codes, promote, round_bf16
 from dsv4.kernels.triton.moe_decode import e8m0
 from dsv4.kernels.triton.moe_plan import MoePlan
@@ -51,13 +51,6 @@ W8A8_BLOCK = 128
 X_DTYPES = (torch.float32, torch.bfloat16)
 FP8, FP4 = 1, 2             # the FMT codes of `moe.py::FMTS`
 MAX_FP4_SPREAD = 8          # binades between a 128-block's group scales that decode exactly
-
-
-@triton.jit
-def half_order(c):  # type: ignore[no-untyped-def]
-    """Where column c (0..127) of a 128-wide block sits in the even / odd order of the FP4 loop:
-    the even columns first (c / 2), then the odd ones (64 + c // 2)."""
-    return (c % 2) * 64 + c // 2
 
 
 @triton.jit
@@ -164,7 +157,7 @@ def _w8a8_gate_up_kernel(  # type: ignore[no-untyped-def]
         codes, scale = quant_rows(tl.where(n_mask[None, :], h, 0.0))
         cols = offs_n
         if FMT == 2:     # FP4 weights: h in the down launch's even / odd order (module doc)
-            cols = n_block * BLOCK_N + half_order(tl.arange(0, BLOCK_N))
+            cols = n_block * BLOCK_N + half_order(tl.arange(0, BLOCK_N), BLOCK_N)
         tl.store(h_ptr + offs_p[:, None] * stride_h + cols[None, :], codes,
                  mask=p_mask[:, None] & n_mask[None, :])
         tl.store(hs_ptr + offs_p * stride_hs + n_block, scale, mask=p_mask)
