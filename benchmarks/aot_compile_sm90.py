@@ -77,14 +77,24 @@ def moe_variants() -> Iterator[Variant]:
     yield from moe_w8a8_variants()
 
 
+def _cap(regs: int | None) -> str:
+    return "" if regs is None else f" r{regs}"
+
+
+def _maxnreg(regs: int | None) -> dict[str, int]:
+    return {} if regs is None else {"maxnreg": regs}
+
+
 def moe_w8a8_variants() -> Iterator[Variant]:
     """The W8A8 loop (`moe_w8a8.py`), FP8 and FP4 weights, at the plan's tiles (BLOCK_M 16 / 64 /
     128; gate/up BLOCK_N 128, down 128 and 64), and the activation quantisation it starts with
     (`act_quant.py`); QGMMA counts the FP8 wgmma."""
-    from dsv4.kernels.triton import act_quant, moe_w8a8
+    from dsv4.kernels.triton import act_quant, moe_plan, moe_w8a8
 
-    types = {"x_ptr": "*u8", "xs_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8",
-             "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*u8", "hs_ptr": "*fp32", "w_ptr": "*u8",
+    # the dots' operands are float8e4nv pointers (`fp8_dot.py`); FP4 weights stay packed bytes
+    types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8",
+             "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32",
+             "w_ptr": "*u8",
              "s_ptr": "*u8", "out_ptr": "*fp32", "order_ptr": "*i64", "rw_ptr": "*fp32",
              "t_start_ptr": "*i32", "t_end_ptr": "*i32", "t_exp_ptr": "*i32", "limit": "fp32"}
     types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_xs",
@@ -94,15 +104,19 @@ def moe_w8a8_variants() -> Iterator[Variant]:
                                                    (128, 128, 3))]
     tiles += [(2, bm, bn, st) for bm, bn, st in ((16, 128, 3), (64, 128, 3), (128, 128, 3))]
     for fmt, bm, bn, stages in tiles:
+        w = "*fp8e4nv" if fmt == 1 else "*u8"
+        typed = types | {"w1_ptr": w, "w3_ptr": w, "w_ptr": w}
         consts = {"TOPK": 6, "FMT": fmt, "FP32_DOT": False, "BLOCK_M": bm, "BLOCK_N": bn}
         warps = {"num_stages": stages}
+        # the plan's register cap of down at BLOCK_M 64 (two CTAs per SM)
+        caps = (None, moe_plan.W8A8_DOWN_REGS if bm == 64 and bn == 128 else None)
         label = f"{('fp8', 'fp4')[fmt - 1]} w8a8 {bm}x{bn}x128 s{stages}"
         if bn == 128:
-            yield (f"moe gate_up {label}", moe_w8a8._w8a8_gate_up_kernel, types,
+            yield (f"moe gate_up {label}{_cap(caps[0])}", moe_w8a8._w8a8_gate_up_kernel, typed,
                    {**consts, "H_BF16": True, "LIBDEVICE": True},
-                   {**warps, "num_warps": 8 if bm >= 32 else 4})
-        yield (f"moe down {label}", moe_w8a8._w8a8_down_kernel, types,
-               {**consts, "ATOMIC": False}, {**warps, "num_warps": 8 if bm * bn >= 8192 else 4})
+                   {**warps, "num_warps": 8 if bm >= 32 else 4, **_maxnreg(caps[0])})
+        yield (f"moe down {label}{_cap(caps[1])}", moe_w8a8._w8a8_down_kernel, typed,
+               consts, {**warps, "num_warps": 8 if bm * bn >= 8192 else 4, **_maxnreg(caps[1])})
     yield ("act_quant bf16 -> e4m3 block 128", act_quant._act_quant_kernel,
            {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "N": "i32", "D": "i32:16",
             "stride_x": "i32:16", "stride_q": "i32:16", "stride_s": "i32"},
@@ -422,7 +436,8 @@ def fp8_linear_a8_variants() -> Iterator[Variant]:
     QGMMA) and a BLOCK_M 16 tile (mma.sync), bf16 out."""
     from dsv4.kernels.triton import fp8_linear_a8 as a8
 
-    types = {"x_ptr": "*u8", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
+    types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8",
+             "y_ptr": "*bf16",
              "M": "i32", "N": "i32", "K": "i32:16", "stride_x": "i32:16", "stride_xs": "i32",
              "stride_w": "i32:16", "stride_s": "i32", "stride_y": "i32:16"}
     for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (16, 128, 4)):

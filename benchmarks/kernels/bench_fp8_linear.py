@@ -42,7 +42,8 @@ SHAPES = [(1024, 4096), (512, 4096), (32768, 1024), (8192, 1024), (1024, 4096), 
           (2048, 4096), (4096, 2048)]
 SMOKE_SHAPES = [(200, 300), (64, 129)]
 A8_MIN_M = 128               # prefill: the W8A8 linear's rows
-A8_MAX_NORM_ERR = 5e-4
+A8_MAX_NORM_ERR = 1.5e-3     # bf16 out: QGMMA's sums flip bf16 roundings (tests/kernels/
+                             # test_fp8_linear_a8.py; H200: 6.9e-4)
 
 
 @dataclass(frozen=True)

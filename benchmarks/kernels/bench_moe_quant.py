@@ -66,9 +66,10 @@ MAX_REL_ERR = 1e-2
 # test_moe_w8a8.py; FP8 wgmma measured 2.3e-3 norm-wise, 1.5e-2 max at N = 2048)
 MAX_NORM_ERR_W8A8 = 5e-3
 # block_n, block_k, warps, stages, prefetch (the fma loop's register prefetch; None elsewhere)
-# [, block_m] (PREFILL_SWEEP's; else the plan's, or --fma-block-m)
+# [, block_m (PREFILL_SWEEP's; else the plan's, or --fma-block-m) [, max_regs ("w8a8")]]
 Config = (tuple[int | None, int | None, int | None, int | None, bool | None]
-          | tuple[int | None, int | None, int | None, int | None, bool | None, int])
+          | tuple[int | None, int | None, int | None, int | None, bool | None, int]
+          | tuple[int | None, int | None, int | None, int | None, bool | None, int, int])
 DEFAULT_CONFIG: Config = (None, None, None, None, None)         # the plan's (moe_plan.py)
 # per kind (fmt, or fmt/variant for FP4): the old default first, then tiles around the plan's
 SWEEP: dict[str, list[Config]] = {
@@ -100,8 +101,11 @@ PREFILL_SWEEP: dict[str, list[Config]] = {
     "fp4/planes": [(128, 128, 4, 3, None, 64), (128, 128, 8, 3, None, 128),
                    (64, 128, 4, 3, None, 64)],
     # block_n is the down launch's (gate/up's is 128); warps pin both launches
-    "fp8/w8a8": [(128, 128, 8, 4, None, 64), (64, 128, 4, 4, None, 64),
-                 (128, 128, 8, 3, None, 128), (64, 128, 4, 3, None, 128)],
+    # the 7th entry caps registers per thread: 128 lets two 8-warp CTAs share an SM
+    "fp8/w8a8": [(128, 128, 8, 4, None, 64), (128, 128, 8, 3, None, 64, 128),
+                 (128, 128, 8, 2, None, 64, 128), (128, 128, 8, 3, None, 64, 168),
+                 (128, 128, 8, 3, None, 128), (128, 128, 8, 2, None, 128),
+                 (128, 128, 4, 2, None, 64)],
     "fp4/w8a8": [(128, 128, 8, 3, None, 64), (128, 128, 8, 3, None, 128),
                  (64, 128, 8, 2, None, 128)],
 }
@@ -202,11 +206,11 @@ def grouped_us(wts: Weights, fmt: str, sets: list[list[Inputs]],
 
 
 def config_name(cfg: Config) -> str:
-    """bn/bk/w/st/pf[/m<block_m>], "-" for the plan's choice (pf: "pf" with the prefetch, else
-    "-")."""
-    tiles, pf, bm = cfg[:4], cfg[4], cfg[5:]
-    return "/".join(["-" if v is None else str(v) for v in tiles] + ["pf" if pf else "-"]
-                    + [f"m{m}" for m in bm])
+    """bn/bk/w/st/pf[/m<block_m>[/r<max_regs>]], "-" for the plan's choice (pf: "pf" with the
+    prefetch, else "-")."""
+    tiles, pf = cfg[:4], cfg[4]
+    tail = [f"{p}{v}" for p, v in zip(("m", "r"), cfg[5:], strict=False)]
+    return "/".join(["-" if v is None else str(v) for v in tiles] + ["pf" if pf else "-"] + tail)
 
 
 def reference(s: Shape, wts: Weights, fmt: str, inputs: Inputs,
@@ -240,15 +244,18 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     for cfg in [DEFAULT_CONFIG] + sweep.get(kind, []):
         bn, bk, nw, ns, pf = cfg[:5]
         bm = cfg[5] if len(cfg) > 5 else args.fma_block_m if variant == "fma" else None
+        regs = cfg[6] if len(cfg) > 6 else None
 
         def fn(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, bn: int | None = bn,
                bk: int | None = bk, nw: int | None = nw, ns: int | None = ns,
-               pf: bool | None = pf, block_m: int | None = bm) -> torch.Tensor:
+               pf: bool | None = pf, block_m: int | None = bm,
+               max_regs: int | None = regs) -> torch.Tensor:
             return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT,
                                                fmt, variant=variant, block_m=block_m,
                                                block_n=bn, block_k=bk, num_warps=nw,
                                                num_stages=ns, prefetch=pf,
-                                               act_quant=variant == "w8a8")
+                                               act_quant=variant == "w8a8",
+                                               max_regs=max_regs)
         measure, limit = ((norm_error, MAX_NORM_ERR_W8A8) if variant == "w8a8"
                           else (rel_error, MAX_REL_ERR))
         try:

@@ -5,8 +5,12 @@ CPU: the interpreter's fp32 dots on exact e4m3 products: equal to the reference 
 summation order (fp32 out), or within one bf16 ulp (bf16 out; both round the same fp32 value on
 the bits, so only a sum that lands on a rounding boundary can differ). Partial M / N tiles, a
 partial last K block, both knob tile sizes, validation.
-GPU (`-m gpu`): prefill shapes of V4-Flash's FP8 linears at M 2048 (QGMMA tiles: ~1e-4 relative
-inside each 128-block's sum; held to 2e-3 max, 5e-4 norm-wise), rows independent of M.
+GPU (`-m gpu`): prefill shapes of V4-Flash's FP8 linears at M 2048, rows independent of M. The
+QGMMA tiles accumulate inside one instruction less precisely than fp32, so the fp32 sums move
+slightly (fp32 out: held to 2e-3 max, 5e-4 norm-wise). In bf16 out each such move that crosses a
+rounding boundary becomes a whole bf16 ulp: measured on the H200 (benchmarks/results/
+quant_moe_h200_202612.md, twentieth session) 3.4e-3 max (one ulp of the largest element is up to
+3.9e-3) and 6.9e-4 norm-wise, held to 8e-3 and 1.5e-3.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_fp8_linear_a8.py
 """
@@ -85,9 +89,11 @@ def test_validation() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 2048), (512, 4096)])
 def test_flash_prefill_shapes(N: int, K: int) -> None:
-    x, w, s = operands(2048, N, K, torch.bfloat16, seed=N)
-    for bm in (64, 128):
-        max_rel, norm_rel = _rel(triton_fp8_linear_a8(x, w, s, block_m=bm), fp8_linear_a8(x, w, s))
-        assert max_rel <= 2e-3 and norm_rel <= 5e-4, (bm, max_rel, norm_rel)
+    for dtype, tol in ((torch.float32, (2e-3, 5e-4)), (torch.bfloat16, (8e-3, 1.5e-3))):
+        x, w, s = operands(2048, N, K, dtype, seed=N)
+        ref = fp8_linear_a8(x, w, s)
+        for bm in (64, 128):
+            max_rel, norm_rel = _rel(triton_fp8_linear_a8(x, w, s, block_m=bm), ref)
+            assert max_rel <= tol[0] and norm_rel <= tol[1], (dtype, bm, max_rel, norm_rel)
     full = triton_fp8_linear_a8(x, w, s)
     assert torch.equal(full[5:6], triton_fp8_linear_a8(x[5:6], w, s, block_m=128))

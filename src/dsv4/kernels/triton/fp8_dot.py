@@ -5,6 +5,10 @@ tile (`fp8_block_dot`; FP8 wgmma, QGMMA, at BLOCK_M >= 64 on sm_90, whose accumu
 instruction is less precise than fp32), promoted into the fp32 accumulator by the activation rows'
 scales times the weight block's scale (`promote`: powers of two, exact; one FFMA per element).
 Under the interpreter (FP32_DOT) both operands are decoded to fp32: exact products.
+Operand pointers are float8e4nv (torch.float8_e4m3fn storage): the codes go from global into
+shared memory as they are and the wgmma reads both operands there. Loading uint8 and bitcasting
+would route A through registers (a register-operand wgmma: ~45 more registers per thread at the
+64 x 128 tile, the difference between one resident CTA per SM and two).
 """
 
 from __future__ import annotations
@@ -13,12 +17,6 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.moe_decode import e8m0
-
-
-@triton.jit
-def fp8_codes(codes):  # type: ignore[no-untyped-def]
-    """uint8 e4m3 codes as float8e4nv values (a bitcast)."""
-    return codes.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -33,10 +31,10 @@ def round_bf16(v):  # type: ignore[no-untyped-def]
 @triton.jit
 def fp8_block_dot(a_ptrs, a_mask, w_ptrs, w_mask,  # type: ignore[no-untyped-def]
                   FP32_DOT: tl.constexpr):
-    """One 128-wide K block: [BM, 128] e4m3 codes times [128, BN] e4m3 codes -> [BM, BN] fp32 (a
-    fresh accumulator: the caller scales it before adding)."""
-    a = fp8_codes(tl.load(a_ptrs, mask=a_mask, other=0))
-    w = fp8_codes(tl.load(w_ptrs, mask=w_mask, other=0))
+    """One 128-wide K block: [BM, 128] e4m3 values times [128, BN] e4m3 values (float8e4nv
+    pointers) -> [BM, BN] fp32 (a fresh accumulator: the caller scales it before adding)."""
+    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     return tl.dot(a, w)

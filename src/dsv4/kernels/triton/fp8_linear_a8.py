@@ -98,10 +98,9 @@ def triton_fp8_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, 
     if M == 0 or N == 0:
         return y
     q, xs = triton_act_quant(x, BLOCK)
-    q = q.view(torch.uint8)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _fp8_linear_a8_kernel[grid](
-        q, xs, w.view(torch.uint8), scale.view(torch.uint8), y, M, N, K, q.stride(0),
+        q, xs, w.view(torch.float8_e4m3fn), scale.view(torch.uint8), y, M, N, K, q.stride(0),
         xs.stride(0), w.stride(0), scale.stride(0), y.stride(0),
         FP32_DOT=x.device.type != "cuda", Y_BF16=x.dtype == torch.bfloat16, BLOCK_M=bm,
         BLOCK_N=bn, GROUP_M=GROUP_M, num_warps=num_warps or (8 if bm * bn >= 128 * 128 else 4),

@@ -47,7 +47,10 @@ together: a tile's activation rows are read from HBM about once, not once per ou
   2. down: A = h rows (contiguous), y = h @ W2^T; the epilogue either atomically adds y into
      out[token] (fp32, default: the k contributions of a token land in an unspecified order, so the
      result is not bit-reproducible run to run), or with `deterministic=True` stores y at its
-     (token, k) slot of an [N*k, d] fp32 buffer (extra N*k*d*8 bytes of traffic).
+     (token, k) slot of an [N*k, d] fp32 buffer (extra N*k*d*8 bytes of traffic). The W8A8
+     loop always stores rows: on the H200 (V4-Flash experts) its atomic epilogue took the down
+     launch from 1693 to 2957 us at N = 8192 and was slower at N = 512 and 2048 too
+     (benchmarks/results/quant_moe_h200_202612.md, twentieth session).
 The combine (`shared` addend, `out_dtype`; `kernels/ref/moe.py`'s module docstring): the
 deterministic path's third launch, `moe_combine.py`, sums the k slots in ascending order in fp32,
 adds `shared` and casts. The atomic path's sum is already in its [N, d] buffer: with a `shared`
@@ -221,7 +224,8 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 shared: torch.Tensor | None = None,
                                 out_dtype: torch.dtype = torch.float32,
                                 wait_shared: WaitShared | None = None,
-                                act_quant: bool = False) -> torch.Tensor:
+                                act_quant: bool = False,
+                                max_regs: int | None = None) -> torch.Tensor:
     """Same contract as `routed_experts_quant`: [N, d] `out_dtype` (plus `shared`: module doc);
     `act_quant` (fmt "fp8" or "fp4"; FP4 exact where `moe_w8a8.py::check_fp4_a8_exact` holds):
     FP8 activations on FP8 tensor cores (`moe_w8a8.py`).
@@ -231,7 +235,8 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     (`moe_plan.py`): `variant` the inner loop ("split", "scaled", "dot_scaled", "words", "fma";
     "dot_scaled" needs bf16 x), block sizes powers of two >= 16 (block_k <= 128, or <= 256 for
     FP4 "scaled" / "dot_scaled"; >= 32 for FP4; "fma": `plan_moe`'s `_plan_fma` limits);
-    `block_n` pins both launches' BLOCK_N ("w8a8": the down launch's; gate/up's is 128).
+    `block_n` pins both launches' BLOCK_N ("w8a8": the down launch's; gate/up's is 128);
+    `max_regs` ("w8a8") caps the registers per thread of both launches.
     """
     _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
     inter = w13.shape[1] // 2
@@ -241,7 +246,7 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     plan = plan_moe(fmt, variant, x.dtype, x.device, indices.numel(), w13.shape[0], inter,
                     x.shape[1], block_m=block_m, block_n=block_n, block_k=block_k,
                     num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-                    act_quant=act_quant)
+                    act_quant=act_quant, max_regs=max_regs)
     # w1 / w3 (and their scales) are views into w13 with identical strides, passed separately
     return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit,
                    fmt, deterministic, plan, (shared, out_dtype, wait_shared))
@@ -320,8 +325,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     if plan.variant == VARIANTS["w8a8"]:
         assert tiles is not None
+        deterministic = True      # its row stores beat the atomic epilogue (module docstring)
         dest = w8a8_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, tiles,
-                             rw, limit, code, topk, deterministic, plan, _LIBDEVICE)
+                             rw, limit, code, topk, plan, _LIBDEVICE)
     elif fma:
         dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             indices, tiles, rw, limit, code, topk, deterministic, plan,

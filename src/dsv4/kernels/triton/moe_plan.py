@@ -71,6 +71,8 @@ DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
 _MIN_DOT = 16
 _FP8_BLOCK = 128
+MIN_REGS, MAX_REGS = 64, 255     # "w8a8"'s max_regs knob
+W8A8_DOWN_REGS = 128             # "w8a8": the register cap of its 8-warp BLOCK_M 64 down launch
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Launch:
 
     block_n: int
     num_warps: int
+    max_regs: int | None = None   # "w8a8": registers per thread the compiler may use (maxnreg)
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,17 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
              num_experts: int, inter: int, d: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: bool | None = None,
-             fma_rows: float = FMA_MAX_MEAN_ROWS, act_quant: bool = False) -> MoePlan:
+             fma_rows: float = FMA_MAX_MEAN_ROWS, act_quant: bool = False,
+             max_regs: int | None = None) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
     a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
-    up to which FP4 defaults to "fma". `act_quant`: FP8 activations (the only loop: "w8a8")."""
+    up to which FP4 defaults to "fma". `act_quant`: FP8 activations (the only loop: "w8a8").
+    `max_regs` ("w8a8" only): a register cap per thread (two CTAs of 8 warps per SM at 128)."""
     if act_quant or variant == "w8a8":
         return _plan_w8a8(fmt, variant, act_quant, nk, num_experts, block_m, block_n, block_k,
-                          num_warps, num_stages, prefetch)
+                          num_warps, num_stages, prefetch, max_regs)
+    if max_regs is not None:
+        raise ValueError(f"max_regs is a knob of variant 'w8a8'; got variant {variant!r}")
     name = _variant(fmt, variant, x_dtype)
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
     if (variant is None and fmt == "fp4" and nk <= fma_rows * num_experts
@@ -162,12 +169,15 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
 
 def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_experts: int,
                block_m: int | None, block_n: int | None, block_k: int | None,
-               num_warps: int | None, num_stages: int | None,
-               prefetch: bool | None) -> MoePlan:
+               num_warps: int | None, num_stages: int | None, prefetch: bool | None,
+               max_regs: int | None) -> MoePlan:
     """The W8A8 loop (`moe_w8a8.py`): FP8 activations, FP8 weights or FP4 ones decoded to e4m3,
     K steps of one 128-wide scale block; gate/up BLOCK_N 128 (its epilogue quantises one block
-    of h per row), 8 warps from BLOCK_M 64 (two [BM, 128] fp32 accumulators); BLOCK_M as the
-    other MMA loops; down BLOCK_N 128 (a knob: 16..128)."""
+    of h per row), 8 warps from BLOCK_M 64 (two [BM, 128] fp32 accumulators); down BLOCK_N 128
+    (a knob: 16..128). BLOCK_M as the other MMA loops. The down launch at BLOCK_M 64 with 8 warps
+    is capped at W8A8_DOWN_REGS registers, so two CTAs share an SM; capping gate/up (two
+    accumulators) made it slower (H200, N 512 / 2048 / 8192:
+    benchmarks/results/quant_moe_h200_202612.md)."""
     if fmt not in ("fp8", "fp4") or not act_quant or variant not in (None, "w8a8"):
         raise ValueError(f"variant 'w8a8' is the loop of fmt 'fp8' / 'fp4' with act_quant=True; "
                          f"got fmt {fmt!r}, variant {variant!r}, act_quant={act_quant}")
@@ -178,14 +188,20 @@ def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_expe
         raise ValueError(f"variant 'w8a8' needs block_m a power of two in [16, 128]; got {block_m}")
     if block_n is not None and (not _MIN_DOT <= block_n <= 128 or block_n & (block_n - 1)):
         raise ValueError(f"variant 'w8a8' needs block_n a power of two in [16, 128]; got {block_n}")
+    if max_regs is not None and not MIN_REGS <= max_regs <= MAX_REGS:
+        raise ValueError(f"variant 'w8a8' takes max_regs in [{MIN_REGS}, {MAX_REGS}]; got "
+                         f"{max_regs}")
     bm = block_m or _default_block_m(nk, num_experts, DEFAULT_MAX_BLOCK_M)
     bn = block_n or _FP8_BLOCK
 
-    def warps(width: int) -> int:
-        return num_warps or (8 if bm * width >= 64 * _FP8_BLOCK else 4)
+    def warps(acc_width: int) -> int:
+        return num_warps or (8 if bm * acc_width >= 64 * _FP8_BLOCK else 4)
 
+    capped = block_m is None and num_warps is None and bm == 64 and warps(bn) == 8
+    # gate/up holds two accumulators of its width
     return MoePlan(VARIANTS["w8a8"], bm, _FP8_BLOCK, num_stages or 3,
-                   Launch(_FP8_BLOCK, warps(2 * _FP8_BLOCK)), Launch(bn, warps(bn)))
+                   Launch(_FP8_BLOCK, warps(2 * _FP8_BLOCK), max_regs),
+                   Launch(bn, warps(bn), max_regs or (W8A8_DOWN_REGS if capped else None)))
 
 
 def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:

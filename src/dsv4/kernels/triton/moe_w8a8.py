@@ -23,8 +23,8 @@ Two launches on the tile map and 1-D grid of `moe.py` (a tile's output blocks ad
      and one scale per row ([N*k, I] bytes + [N*k, ceil(I/128)] fp32, sorted order). No routing
      weight here: it would change h's quantisation.
   2. down: A = h's codes (contiguous rows) with their scales; the epilogue multiplies the fp32
-     rows by the routing weight, then adds atomically into out[token] or stores the (token, k)
-     row (deterministic), as `moe.py`.
+     rows by the routing weight and stores the (token, k) row, which `moe.py`'s combine sums
+     in a fixed order: always, as it is faster than atomic adds into out[token] here (`moe.py`).
 The fp32 dots of the interpreter (FP32_DOT) decode both operands to fp32: exact products.
 Test: tests/kernels/test_moe_w8a8.py. Benchmark: benchmarks/kernels/bench_moe_quant.py
 (variant `w8a8`).
@@ -38,9 +38,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.act_quant import half_order, quant_rows, triton_act_quant
-from dsv4.kernels.triton.fp8_dot import fp8_block_dot, fp8_codes, promote, round_bf16
+from dsv4.kernels.triton.fp8_dot import fp8_block_dot, promote, round_bf16
 from dsv4.kernels.triton.moe_decode import e8m0
-from dsv4.kernels.triton.moe_plan import MoePlan
+from dsv4.kernels.triton.moe_plan import Launch, MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap, tile_and_block, tile_rows
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
@@ -60,17 +60,21 @@ def _weight_block(acc, a_rows, p_mask, a_scale, w_ptr, s_ptr, e,  # type: ignore
     """acc + the 128-wide K block at k0 of A (rows a_rows [BM, 1], e4m3 codes; scales a_scale
     [BM]) times W_e^T (rows offs_n, the first n0), promoted in fp32. FMT 1: e4m3 weights, one
     dot. FMT 2: e2m1 weights decoded to e4m3 (`_fp4_block`), two dots (K a multiple of 128)."""
+    # if / else, not an early return: the compiler type-checks code after a return (FMT 2's
+    # weights are bytes, FMT 1's e4m3)
     if FMT == 2:
-        return _fp4_block(acc, a_rows, p_mask, a_scale, w_ptr, s_ptr, e, offs_n, n_mask, k0,
-                          stride_we, stride_wn, stride_se, stride_sn, FP32_DOT)
-    offs_k = k0 + tl.arange(0, 128)
-    k_mask = offs_k < K
-    part = fp8_block_dot(a_rows + offs_k[None, :], p_mask[:, None] & k_mask[None, :],
-                         w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
-                         k_mask[:, None] & n_mask[None, :], FP32_DOT)
-    # one scale block row for the tile: BLOCK_N <= 128 divides 128
-    s_row = s_ptr + e * stride_se + (n0 // 128) * stride_sn
-    return promote(acc, part, a_scale, s_row + k0 // 128)
+        acc = _fp4_block(acc, a_rows, p_mask, a_scale, w_ptr, s_ptr, e, offs_n, n_mask, k0,
+                         stride_we, stride_wn, stride_se, stride_sn, FP32_DOT)
+    else:
+        offs_k = k0 + tl.arange(0, 128)
+        k_mask = offs_k < K
+        part = fp8_block_dot(a_rows + offs_k[None, :], p_mask[:, None] & k_mask[None, :],
+                             w_ptr + e * stride_we + offs_n[None, :] * stride_wn
+                             + offs_k[:, None], k_mask[:, None] & n_mask[None, :], FP32_DOT)
+        # one scale block row for the tile: BLOCK_N <= 128 divides 128
+        s_row = s_ptr + e * stride_se + (n0 // 128) * stride_sn
+        acc = promote(acc, part, a_scale, s_row + k0 // 128)
+    return acc
 
 
 @triton.jit
@@ -115,8 +119,8 @@ def _fp4_block(acc, a_rows, p_mask, a_scale, w_ptr, s_ptr, e,  # type: ignore[no
     lo = tl.trans(_fp4_e4m3(raw & 15, t))
     hi = tl.trans(_fp4_e4m3(raw >> 4, t))
     offs_a = k0 + offs_j
-    a_lo = fp8_codes(tl.load(a_rows + offs_a[None, :], mask=p_mask[:, None], other=0))
-    a_hi = fp8_codes(tl.load(a_rows + 64 + offs_a[None, :], mask=p_mask[:, None], other=0))
+    a_lo = tl.load(a_rows + offs_a[None, :], mask=p_mask[:, None], other=0.0)
+    a_hi = tl.load(a_rows + 64 + offs_a[None, :], mask=p_mask[:, None], other=0.0)
     if FP32_DOT:
         part = tl.dot(a_lo.to(tl.float32), lo.to(tl.float32), input_precision="ieee")
         part = tl.dot(a_hi.to(tl.float32), hi.to(tl.float32), part, input_precision="ieee")
@@ -158,7 +162,8 @@ def _w8a8_gate_up_kernel(  # type: ignore[no-untyped-def]
         cols = offs_n
         if FMT == 2:     # FP4 weights: h in the down launch's even / odd order (module doc)
             cols = n_block * BLOCK_N + half_order(tl.arange(0, BLOCK_N), BLOCK_N)
-        tl.store(h_ptr + offs_p[:, None] * stride_h + cols[None, :], codes,
+        tl.store(h_ptr + offs_p[:, None] * stride_h + cols[None, :],
+                 codes.to(tl.float8e4nv, bitcast=True),
                  mask=p_mask[:, None] & n_mask[None, :])
         tl.store(hs_ptr + offs_p * stride_hs + n_block, scale, mask=p_mask)
 
@@ -167,7 +172,7 @@ def _w8a8_gate_up_kernel(  # type: ignore[no-untyped-def]
 def _w8a8_down_kernel(  # type: ignore[no-untyped-def]
     h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
     K, D, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr, ATOMIC: tl.constexpr,
+    TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
@@ -185,12 +190,8 @@ def _w8a8_down_kernel(  # type: ignore[no-untyped-def]
                                 n_block * BLOCK_N, k0, K, stride_we, stride_wn, stride_se,
                                 stride_sn, FMT, FP32_DOT)
         acc = acc * tl.load(rw_ptr + slot, mask=p_mask, other=0.0)[:, None]
-        o_mask = p_mask[:, None] & n_mask[None, :]
-        if ATOMIC:
-            tok = slot // TOPK
-            tl.atomic_add(out_ptr + tok[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
-        else:
-            tl.store(out_ptr + slot[:, None] * stride_o + offs_n[None, :], acc, mask=o_mask)
+        tl.store(out_ptr + slot[:, None] * stride_o + offs_n[None, :], acc,
+                 mask=p_mask[:, None] & n_mask[None, :])
 
 
 def check_fp4_a8_exact(scale: torch.Tensor) -> None:
@@ -207,25 +208,32 @@ def check_fp4_a8_exact(scale: torch.Tensor) -> None:
                          f"loop decodes to e4m3 exactly up to {MAX_FP4_SPREAD}")
 
 
+def _regs(launch: Launch) -> dict[str, int]:
+    """The launch's register cap as Triton's compile option (none: the compiler's choice)."""
+    return {} if launch.max_regs is None else {"maxnreg": launch.max_regs}
+
+
 def w8a8_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
                   s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, tiles: TileMap,
-                  rw: torch.Tensor, limit: float, fmt: int, topk: int, deterministic: bool,
-                  plan: MoePlan, libdevice: bool) -> torch.Tensor:
-    """x's quantisation and the two launches (fmt: FP8 or FP4): [N, d] fp32 (atomic) or the
-    [N*k, d] rows (deterministic) that `moe.py`'s combine sums over k. Weights are uint8 e4m3
-    codes (FP8) or packed e2m1 pairs (FP4: exact only where `check_fp4_a8_exact` holds), scales
-    uint8 e8m0 codes (w1 / w3 and s1 / s3 share their strides); the callers check shapes."""
+                  rw: torch.Tensor, limit: float, fmt: int, topk: int, plan: MoePlan,
+                  libdevice: bool) -> torch.Tensor:
+    """x's quantisation and the two launches (fmt: FP8 or FP4): the [N*k, d] fp32 rows that
+    `moe.py`'s combine sums over k (always: faster than an atomic epilogue, and deterministic).
+    Weights are e4m3 codes (FP8) or packed e2m1 pairs (FP4: exact only where
+    `check_fp4_a8_exact` holds), scales uint8 e8m0 codes (w1 / w3 and s1 / s3 share their
+    strides); the callers check shapes."""
     if x.dtype not in X_DTYPES:
         raise ValueError(f"act_quant takes bf16 or fp32 activations; got {x.dtype}")
     assert fmt in (FP8, FP4), fmt
     order, t_start, t_end, t_exp = tiles
-    N, d, inter, nk = x.shape[0], w2.shape[1], w1.shape[1], rw.numel()
+    d, inter, nk = w2.shape[1], w1.shape[1], rw.numel()
     if fmt == FP4 and (d % W8A8_BLOCK or inter % W8A8_BLOCK):
         raise ValueError(f"fp4 with act_quant needs d and I multiples of {W8A8_BLOCK}; got "
                          f"d = {d}, I = {inter}")
     xq, xs = triton_act_quant(x, W8A8_BLOCK, half_order=fmt == FP4)
-    xq = xq.view(torch.uint8)
-    h = torch.empty(nk, inter, dtype=torch.uint8, device=x.device)
+    e4m3 = torch.float8_e4m3fn     # the dots' operands (`fp8_dot.py`), FP4 weights stay packed
+    w1, w3, w2 = ((w.view(e4m3) for w in (w1, w3, w2)) if fmt == FP8 else (w1, w3, w2))
+    h = torch.empty(nk, inter, dtype=e4m3, device=x.device)
     hs = torch.empty(nk, triton.cdiv(inter, W8A8_BLOCK), dtype=torch.float32, device=x.device)
     fp32_dot = x.device.type != "cuda"
     common = {"TOPK": topk, "FMT": fmt, "FP32_DOT": fp32_dot, "BLOCK_M": plan.block_m,
@@ -236,13 +244,12 @@ def w8a8_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         xq, xs, w1, w3, s1, s3, h, hs, order, t_start, t_end, t_exp, d, inter, float(limit),
         xq.stride(0), xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         h.stride(0), hs.stride(0), H_BF16=x.dtype == torch.bfloat16, BLOCK_N=bn, num_warps=warps,
-        LIBDEVICE=libdevice, **common, **pdl_args(x.device))
-    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
-            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
+        LIBDEVICE=libdevice, **common, **_regs(plan.gate_up), **pdl_args(x.device))
+    dest = torch.empty(nk, d, dtype=torch.float32, device=x.device)
     bn, warps = plan.down.block_n, plan.down.num_warps
     _w8a8_down_kernel[(t_start.numel() * triton.cdiv(d, bn),)](
         h, hs, w2, s2, dest, order, rw, t_start, t_end, t_exp, inter, d,
         h.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        dest.stride(0), ATOMIC=not deterministic, BLOCK_N=bn, num_warps=warps, **common,
-        **pdl_args(h.device))
+        dest.stride(0), BLOCK_N=bn, num_warps=warps, **common,
+        **_regs(plan.down), **pdl_args(h.device))
     return dest
