@@ -81,10 +81,6 @@ def _cap(regs: int | None) -> str:
     return "" if regs is None else f" r{regs}"
 
 
-def _maxnreg(regs: int | None) -> dict[str, int]:
-    return {} if regs is None else {"maxnreg": regs}
-
-
 def moe_w8a8_variants() -> Iterator[Variant]:
     """The W8A8 loop (`moe_w8a8.py`), FP8 and FP4 weights, at the plan's tiles (BLOCK_M 16 / 64 /
     128; gate/up BLOCK_N 128, down 128 and 64), and the activation quantisation it starts with
@@ -110,13 +106,14 @@ def moe_w8a8_variants() -> Iterator[Variant]:
         warps = {"num_stages": stages}
         # the plan's register cap of down at BLOCK_M 64 (two CTAs per SM)
         caps = (None, moe_plan.W8A8_DOWN_REGS if bm == 64 and bn == 128 else None)
+        cap = moe_w8a8.maxnreg_option
         label = f"{('fp8', 'fp4')[fmt - 1]} w8a8 {bm}x{bn}x128 s{stages}"
         if bn == 128:
             yield (f"moe gate_up {label}{_cap(caps[0])}", moe_w8a8._w8a8_gate_up_kernel, typed,
                    {**consts, "H_BF16": True, "LIBDEVICE": True},
-                   {**warps, "num_warps": 8 if bm >= 32 else 4, **_maxnreg(caps[0])})
+                   {**warps, "num_warps": 8 if bm >= 32 else 4, **cap(caps[0])})
         yield (f"moe down {label}{_cap(caps[1])}", moe_w8a8._w8a8_down_kernel, typed,
-               consts, {**warps, "num_warps": 8 if bm * bn >= 8192 else 4, **_maxnreg(caps[1])})
+               consts, {**warps, "num_warps": 8 if bm * bn >= 8192 else 4, **cap(caps[1])})
     yield ("act_quant bf16 -> e4m3 block 128", act_quant._act_quant_kernel,
            {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "N": "i32", "D": "i32:16",
             "stride_x": "i32:16", "stride_q": "i32:16", "stride_s": "i32"},

@@ -9,7 +9,7 @@ GPU (`-m gpu`): prefill shapes of V4-Flash's FP8 linears at M 2048, rows indepen
 QGMMA tiles accumulate inside one instruction less precisely than fp32, so the fp32 sums move
 slightly (fp32 out: held to 2e-3 max, 5e-4 norm-wise). In bf16 out each such move that crosses a
 rounding boundary becomes a whole bf16 ulp: measured on the H200 (benchmarks/results/
-quant_moe_h200_202612.md, twentieth session) 3.4e-3 max (one ulp of the largest element is up to
+quant_moe_h200_202612.md) 3.4e-3 max (one ulp of the largest element is up to
 3.9e-3) and 6.9e-4 norm-wise, held to 8e-3 and 1.5e-3.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_fp8_linear_a8.py

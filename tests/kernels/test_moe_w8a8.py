@@ -15,7 +15,7 @@ in the gate/up sums into whole e4m3 steps (~6%) of the elements it moves across 
 boundary. With exact products (mma.sync at BLOCK_M <= 32, or fp32 dots at BLOCK_M 64) the kernel
 is 1.7e-3 (max) / 6.8e-5 (norm-wise) from the reference; FP8 wgmma (BLOCK_M >= 64: QGMMA, whose
 accumulation inside one instruction is less precise than fp32) 1.5e-2 / 2.3e-3; at N = 1, where a
-few flipped elements weigh more in the norm (twentieth session), up to 7.5e-3 norm-wise (FP8) and
+few flipped elements weigh more in the norm, up to 7.5e-3 norm-wise (FP8) and
 5.8e-3 (FP4). Those are held to MMA_SYNC_TOL and WGMMA_TOL (max, norm-wise): the WGMMA bound is
 under a quarter of what the activations' FP8 quantisation itself changes (the reference with and
 without act_quant: 4.6% norm-wise at d = I = 512), and a logic error (a wrong scale or block)

@@ -48,9 +48,8 @@ together: a tile's activation rows are read from HBM about once, not once per ou
      out[token] (fp32, default: the k contributions of a token land in an unspecified order, so the
      result is not bit-reproducible run to run), or with `deterministic=True` stores y at its
      (token, k) slot of an [N*k, d] fp32 buffer (extra N*k*d*8 bytes of traffic). The W8A8
-     loop always stores rows: on the H200 (V4-Flash experts) its atomic epilogue took the down
-     launch from 1693 to 2957 us at N = 8192 and was slower at N = 512 and 2048 too
-     (benchmarks/results/quant_moe_h200_202612.md, twentieth session).
+     loop always stores rows: on the H200 its atomic epilogue was slower at every N measured
+     (benchmarks/results/quant_moe_h200_202612.md).
 The combine (`shared` addend, `out_dtype`; `kernels/ref/moe.py`'s module docstring): the
 deterministic path's third launch, `moe_combine.py`, sums the k slots in ascending order in fp32,
 adds `shared` and casts. The atomic path's sum is already in its [N, d] buffer: with a `shared`
@@ -325,7 +324,6 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     s2 = s2.view(torch.uint8) if s2 is not None else w2
     if plan.variant == VARIANTS["w8a8"]:
         assert tiles is not None
-        deterministic = True      # its row stores beat the atomic epilogue (module docstring)
         dest = w8a8_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, tiles,
                              rw, limit, code, topk, plan, _LIBDEVICE)
     elif fma:
@@ -336,9 +334,11 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         assert tiles is not None
         dest = _mma_launches(x, w1, w3, s1, s3, w2, s2, tiles, rw, limit, fmt, topk,
                              deterministic, plan)
-    if not deterministic and shared is None and out_dtype == torch.float32:
+    # the W8A8 loop always stores (token, k) rows (module docstring)
+    rows = deterministic or plan.variant == VARIANTS["w8a8"]
+    if not rows and shared is None and out_dtype == torch.float32:
         return dest
-    return triton_moe_combine(dest.view(N, topk if deterministic else 1, d), shared, out_dtype)
+    return triton_moe_combine(dest.view(N, topk if rows else 1, d), shared, out_dtype)
 
 
 def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,

@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_wait
 from dsv4.kernels.triton.act_quant import half_order, quant_rows, triton_act_quant
 from dsv4.kernels.triton.fp8_dot import fp8_block_dot, promote, round_bf16
 from dsv4.kernels.triton.moe_decode import e8m0
-from dsv4.kernels.triton.moe_plan import Launch, MoePlan
+from dsv4.kernels.triton.moe_plan import MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap, tile_and_block, tile_rows
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
@@ -208,9 +208,9 @@ def check_fp4_a8_exact(scale: torch.Tensor) -> None:
                          f"loop decodes to e4m3 exactly up to {MAX_FP4_SPREAD}")
 
 
-def _regs(launch: Launch) -> dict[str, int]:
-    """The launch's register cap as Triton's compile option (none: the compiler's choice)."""
-    return {} if launch.max_regs is None else {"maxnreg": launch.max_regs}
+def maxnreg_option(max_regs: int | None) -> dict[str, int]:
+    """A register cap as Triton's launch / compile option (None: the compiler's choice)."""
+    return {} if max_regs is None else {"maxnreg": max_regs}
 
 
 def w8a8_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
@@ -244,12 +244,13 @@ def w8a8_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         xq, xs, w1, w3, s1, s3, h, hs, order, t_start, t_end, t_exp, d, inter, float(limit),
         xq.stride(0), xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         h.stride(0), hs.stride(0), H_BF16=x.dtype == torch.bfloat16, BLOCK_N=bn, num_warps=warps,
-        LIBDEVICE=libdevice, **common, **_regs(plan.gate_up), **pdl_args(x.device))
+        LIBDEVICE=libdevice, **common, **maxnreg_option(plan.gate_up.max_regs),
+        **pdl_args(x.device))
     dest = torch.empty(nk, d, dtype=torch.float32, device=x.device)
     bn, warps = plan.down.block_n, plan.down.num_warps
     _w8a8_down_kernel[(t_start.numel() * triton.cdiv(d, bn),)](
         h, hs, w2, s2, dest, order, rw, t_start, t_end, t_exp, inter, d,
         h.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         dest.stride(0), BLOCK_N=bn, num_warps=warps, **common,
-        **_regs(plan.down), **pdl_args(h.device))
+        **maxnreg_option(plan.down.max_regs), **pdl_args(h.device))
     return dest
