@@ -11,7 +11,10 @@ holds more tokens. For each mode, one engine on the same model and the same `--k
    that many requests' caches, run `--warm-steps` decode steps (the CUDA graph of that batch is
    captured there), then time `--steps` decode steps: output tokens/s, TPOT p50 / p99
    (per step), and with HiSparse the hot set's counters (picks, entries swapped in, bytes swapped
-   per output token).
+   per output token); with `--profile-steps N`, N more steps under `torch.profiler`: the GPU
+   time per step by kernel family (`KERNEL_FAMILIES`: the HiSparse copies and plan, the
+   indexer, top-k, attention, experts, ...) and the top kernels, which is where a missed target's
+   bottleneck is read.
 Both modes decode through the CUDA graphs on a GPU (HiSparse's copies read and write the pinned
 mirror in place); `--eager` runs both eagerly.
 
@@ -38,11 +41,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from typing import Any
 
 import torch
+from profile_engine_step import busy  # a sibling script
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
@@ -50,6 +57,21 @@ from dsv4.checkpoint.writer import random_model
 from dsv4.engine.engine import LLMEngine
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import resolve_device, resolve_dtype
+
+# kernel families of a decode step, first match wins (a kernel's name against each pattern);
+# `_combine_kernel` is both the experts' sum over k and sparse attention's split merge
+KERNEL_FAMILIES = (
+    ("hisparse copies", r"_swap_in_|_write_rows_"),
+    ("hisparse plan", r"_hot_plan_"),
+    ("indexer scores", r"_index_scores_"),
+    ("top-k", r"_coop_|_hist_|_compact_|_tail_|_topk_|_pick_slots_"),
+    ("sparse attention", r"_sparse_attention_"),
+    ("compressors", r"_compress|_ring_write_"),
+    ("experts", r"_gate_up|_down_|_tile_map_|_gate_select_|_swiglu_"),
+    ("combines", r"_combine_"),
+    ("projections", r"_gemv_|_mm_kernel|_fp8_linear|gemm|nvjet|cutlass|xmma|sm90_"),
+    ("mhc, norms, rope", r"_mhc_|_post_project_|_norm_rope_|_rope_rows_|_add_ape_"),
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,6 +99,9 @@ def parse_args() -> argparse.Namespace:
                    help="how each level's caches are filled (module docstring)")
     p.add_argument("--unique-len", type=int, default=256,
                    help="--fill shared-prefix: each request's own tokens after the shared prefix")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed steps of each level, profile this many more: GPU ms "
+                   "per step by kernel family and the top kernels (0: no profile)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -167,11 +192,49 @@ def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[st
         row.update({f"hot_{k}": v for k, v in delta.items()},
                    hit_rate=round(1 - delta["swapped"] / max(1, delta["picked"]), 4),
                    swapped_bytes_per_token=round(delta["swapped"] * row_bytes / tokens))
+    if args.profile_steps:
+        row["profile"] = profile_steps(engine, args.profile_steps)
     for r in reqs:
         engine.abort(r.rid)
     while engine.has_unfinished():      # a step still in flight (overlap scheduling)
         engine.step()
     return row
+
+
+def kernel_family(kernel: str) -> str:
+    """The `KERNEL_FAMILIES` name of a kernel (its profiler name), or "other"."""
+    return next((name for name, pat in KERNEL_FAMILIES if re.search(pat, kernel)), "other")
+
+
+def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict[str, Any]:
+    """`steps` more decode steps under `torch.profiler`: GPU ms per step (the kernels' summed
+    durations, and their union over the streams), by `KERNEL_FAMILIES` ("other": the rest) and
+    the `top` kernels. On the CPU there are no kernels: the step's wall ms only."""
+    device = engine.runner.device
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+            sync(device)
+    out: dict[str, Any] = {"steps": steps,
+                           "wall_ms_per_step": round(1e3 * (time.perf_counter() - start) / steps,
+                                                     3)}
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    if not kernels:
+        return out
+    ms = {e.key: e.self_device_time_total / steps / 1e3 for e in kernels}
+    families = {name: 0.0 for name, _ in KERNEL_FAMILIES} | {"other": 0.0}
+    for key, t in ms.items():
+        families[kernel_family(key)] += t
+    out.update({"gpu_ms_per_step": round(sum(ms.values()), 3),
+                "kernels_per_step": sum(e.count for e in kernels) / steps,
+                **{k: round(v, 3) for k, v in busy(prof, steps).items()},
+                "families_ms": {k: round(v, 3) for k, v in families.items()},
+                "top_ms": [[k[:80], round(t, 3)] for k, t in
+                           sorted(ms.items(), key=lambda kv: -kv[1])[:top]]})
+    return out
 
 
 def run_mode(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, name: str, hisparse: bool,
@@ -212,6 +275,12 @@ def main() -> None:
                   f"{r.get('tok_s', '-'):>10}{r.get('tpot_ms_p50', '-'):>10}"
                   f"{r.get('tpot_ms_p99', '-'):>10}{r.get('hit_rate', '-'):>10}"
                   f"{r.get('swapped_bytes_per_token', '-'):>12}")
+    for res in results:
+        for r in res["levels"]:
+            fams = r.get("profile", {}).get("families_ms")
+            if fams:
+                print(f"{res['mode']} c={r['concurrency']} GPU ms/step by family: "
+                      + ", ".join(f"{k} {v}" for k, v in fams.items() if v))
     best = {res["mode"]: max((r["tok_s"] for r in res["levels"]), default=0.0)
             for res in results}
     print(json.dumps({

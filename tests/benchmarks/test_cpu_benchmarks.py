@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_script import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,16 +93,37 @@ def test_hisparse_benchmark_swaps_on_micro(tmp_path: Path) -> None:
     result = run_benchmark("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
                            "120", "--output-len", "8", "--concurrency", "1,2", "--steps", "2",
                            "--kv-cache-memory-gb", "0.05", "--page-size", "16",
-                           "--max-running-requests", "4")
+                           "--max-running-requests", "4", "--profile-steps", "1")
     off, on = result["modes"]
     assert [r["concurrency"] for r in off["levels"]] == [1, 2] == \
         [r["concurrency"] for r in on["levels"]], result
+    # the CPU has no kernels to sort into families: the profiled step's wall time only
+    assert all(r["profile"]["steps"] == 1 and r["profile"]["wall_ms_per_step"] > 0
+               and "families_ms" not in r["profile"]
+               for mode in (off, on) for r in mode["levels"]), result
     assert all(r["hot_swapped"] > 0 and r["hot_overflow"] == 0 for r in on["levels"]), result
     (tmp_path / "r.json").write_text(json.dumps(result) + "\n")
     png = tmp_path / "r.png"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_hisparse.py"),
                     str(tmp_path / "r.json"), str(png)], check=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hisparse_benchmark_sorts_kernels_into_families() -> None:
+    """The profile's families match the engine's kernel names (first match wins), so its
+    bottleneck table reads the right rows; a name no family claims is "other"."""
+    family = load_benchmark("hisparse").kernel_family
+    assert family("_swap_in_kernel") == family("_write_rows_kernel") == "hisparse copies"
+    assert family("_hot_plan_kernel") == "hisparse plan"
+    assert family("_index_scores_kernel") == "indexer scores"
+    assert family("_hist_kernel") == family("_coop_kernel") == family("_pick_slots_kernel") \
+        == "top-k"
+    assert family("_gate_up_fma_kernel") == family("_down_kernel") == "experts"
+    assert family("_combine_kernel") == "combines"
+    assert family("nvjet_tst_128x64_64x8_2x1_v_bz_TNT") == family("_gemv_kernel") \
+        == "projections"
+    assert family("_mhc_post_kernel") == "mhc, norms, rope"
+    assert family("void at::native::vectorized_elementwise_kernel<4>") == "other"
 
 
 def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:
