@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.kernels.triton.gemv import GemvCounters
+from dsv4.kernels.triton.gemv import FMA_MAX_M, MAX_M, GemvCounters
 from dsv4.kernels.triton.project import triton_project
 
 pytestmark = pytest.mark.skipif(
@@ -30,12 +30,15 @@ def _data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return x.to(DEVICE), w.to(DEVICE)
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 9, 40])
 def test_decode_rows_match_linear_and_fused_columns_are_exact(m: int) -> None:
+    """Both decode paths: FMA (m <= 4) and tf32x3 tl.dot (up to MAX_M rows; within 2e-6 of max
+    |y| of the float64 product, the tolerance its H200 benchmark asserts)."""
     x, w = _data(m, 96, 512)
     counters = GemvCounters()
     got = triton_project(x, w, counters)
-    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    ref = F.linear(x.double(), w.double())
+    assert float((got.double() - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
     # a fused group (the rows of two members stacked): each member's columns, bit for bit
     parts = [triton_project(x, w[:32], counters), triton_project(x, w[32:], counters)]
     assert torch.equal(got, torch.cat(parts, dim=1))
@@ -43,18 +46,23 @@ def test_decode_rows_match_linear_and_fused_columns_are_exact(m: int) -> None:
 
 
 def test_prefill_rows_take_linear() -> None:
-    x, w = _data(9, 48, 256)
+    x, w = _data(MAX_M + 1, 48, 256)
     assert torch.equal(triton_project(x, w, GemvCounters()), F.linear(x, w))
 
 
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9, MAX_M + 1])
 def test_a_16_bit_x_is_its_fp32_values(m: int) -> None:
     """The compressors hand the `project` op their bf16 x as it is (no cast launch): the result is
-    fp32 and bit-equal to projecting x.float() (decode rows read and widen x in the kernel; more
-    rows take F.linear of the cast)."""
+    fp32 and equal to projecting x.float() (decode rows read and widen x in the kernel; more
+    rows take F.linear of the cast): bit for bit but on the GPU's tf32x3 rows, which are within
+    the path's tolerance."""
     x, w = _data(m, 96, 512, seed=1)
     xb = x.bfloat16()
     counters = GemvCounters()
     got = triton_project(xb, w, counters)
     assert got.dtype == torch.float32
-    assert torch.equal(got, triton_project(xb.float(), w, counters))
+    want = triton_project(xb.float(), w, counters)
+    if m <= FMA_MAX_M or m > MAX_M or DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:   # the tf32x3 tl.dot rows: as close as the path is to the exact product (module doc)
+        assert float((got - want).abs().max()) <= 2e-6 * float(want.abs().max())

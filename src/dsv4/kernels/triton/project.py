@@ -2,11 +2,20 @@
 (`kernels/ref/compressor.py::project`: x [T, k] in any float dtype, taken as its fp32 values, @ w
 [n, k]^T fp32 -> [T, n] fp32).
 
-Decode-sized calls run the skinny GEMM of `gemv.py` with fixed tiles and K splits
-(`PROJECT_BLOCK_N`, `PROJECT_SPLITS`), so a column's sum order depends on K alone and a fused
-group's columns (`model/fused_projections.py`) get the bits of the members' own projections;
-larger calls run cuBLAS. `HeldProject` is the op with split-K counters held for the backend's
-lifetime; `triton_project_invariant` the op under invariant launch plans.
+Decode-sized calls run the skinny GEMM of `gemv.py` with fixed tiles and K splits, so a column's
+sum order depends on K (and the row count's class) alone and a fused group's columns
+(`model/fused_projections.py`) get the bits of the members' own projections:
+- up to `gemv.FMA_MAX_M` rows: the FMA path (`PROJECT_BLOCK_N`, `PROJECT_SPLITS`), exact fp32
+  products; a 16-bit x gives the bits of its fp32 copy;
+- up to `gemv.MAX_M` rows: the tl.dot path in "tf32x3" (`PROJECT_DOT_BLOCK_N`,
+  `PROJECT_DOT_SPLITS`): each fp32 operand split into a tf32 head and tail, three tensor-core
+  products (tail x tail dropped), fp32 accumulation: within 1.5e-6 of max |y| of the float64
+  product on the H200 at V4-Flash's compressor shapes, where cuBLAS's fp32 GEMM (FFMA on the
+  CUDA cores, its kernel chosen per row count) ran 1.1-4.1x slower at 8-56 rows
+  (benchmarks/results/serving_h200_202612.md). A 16-bit x is not bit-equal to its fp32 copy
+  here (the tensor cores' accumulation of the products its zero tails drop), only as close.
+Larger calls (prefill) run cuBLAS. `HeldProject` is the op with split-K counters held for the
+backend's lifetime; `triton_project_invariant` the op under invariant launch plans.
 
 Test: tests/kernels/test_project_gemv.py (decode rows),
 tests/kernels/test_fused_projections_triton.py (fused groups).
@@ -15,28 +24,37 @@ tests/kernels/test_fused_projections_triton.py (fused groups).
 from __future__ import annotations
 
 import torch
+import triton
 
-from dsv4.kernels.triton.gemv import FMA_MAX_M, MAX_TILES, GemvCounters, triton_linear
+from dsv4.kernels.triton.gemv import FMA_MAX_M, MAX_M, MAX_TILES, GemvCounters, triton_linear
 
 PROJECT_BLOCK_N = 16    # decode `triton_project`: output columns per program (FMA path)
 PROJECT_SPLITS = 8      # and K splits (V4-Flash CSA: 160 tiles x 8 = 1,280 programs)
+PROJECT_DOT_BLOCK_N = 64    # the tf32x3 tl.dot path (FMA_MAX_M < rows <= MAX_M): columns per
+PROJECT_DOT_SPLITS = 8      # program and K splits (the best pinned pair for the fused V4-Flash
+                            # groups, 2560 and 1024 columns, at 8 to 56 rows on the H200)
 
 
 def triton_project(x: torch.Tensor, w: torch.Tensor,
                    counters: GemvCounters | None = None) -> torch.Tensor:
     """Same contract as `ref.compressor.project` (the triton backend's `project` op). Decode-sized
-    x (at most `gemv.FMA_MAX_M` rows, any float dtype: a 16-bit x is read as it is and widened
-    in registers, no fp32 copy of it per step): `triton_linear`, one launch streaming the fp32
-    weight (cuBLAS runs these fp32 GEMVs at about half the copy rate), its tiles and K splits
-    fixed (`PROJECT_BLOCK_N`, `PROJECT_SPLITS`) so a column's sum order depends on K alone: a
-    fused group's columns get the bits of the members' own projections. `counters`: the backend's
-    held split-K counters (calls are serial: the compressors run on one stream). More rows:
-    cuBLAS, whose kernel (and a row's last bits) depends on the row count."""
-    if x.shape[0] > FMA_MAX_M or w.shape[0] > PROJECT_BLOCK_N * MAX_TILES:
+    x (at most `gemv.MAX_M` rows, any float dtype: a 16-bit x is read as it is and widened in
+    registers, no fp32 copy of it per step): `triton_linear`, one launch streaming the fp32
+    weight, its tiles and K splits fixed (module docstring) so a column's sum order depends on K
+    and the path alone: a fused group's columns get the bits of the members' own projections.
+    `counters`: the backend's held split-K counters (calls are serial: the compressors run on one
+    stream). More rows: cuBLAS, whose kernel (and a row's last bits) depends on the row count."""
+    m, n = x.shape[0], w.shape[0]
+    fma = m <= FMA_MAX_M
+    block_n = PROJECT_BLOCK_N if fma else PROJECT_DOT_BLOCK_N
+    if m > MAX_M or triton.cdiv(n, block_n) > MAX_TILES:
         return torch.nn.functional.linear(x.float(), w)
     held = counters.get(x.device) if counters is not None else None
-    return triton_linear(x, w, block_n=PROJECT_BLOCK_N, split_k=PROJECT_SPLITS, dot=False,
-                         counters=held, out_dtype=torch.float32)
+    if fma:
+        return triton_linear(x, w, block_n=block_n, split_k=PROJECT_SPLITS, dot=False,
+                             counters=held, out_dtype=torch.float32)
+    return triton_linear(x, w, block_n=block_n, split_k=PROJECT_DOT_SPLITS, dot=True,
+                         precision="tf32x3", counters=held, out_dtype=torch.float32)
 
 
 class HeldProject:
