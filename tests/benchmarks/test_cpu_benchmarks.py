@@ -97,6 +97,9 @@ def test_hisparse_benchmark_swaps_on_micro(tmp_path: Path) -> None:
     off, on = result["modes"]
     assert [r["concurrency"] for r in off["levels"]] == [1, 2] == \
         [r["concurrency"] for r in on["levels"]], result
+    # TPOT both as a server runs the steps (pipelined) and with a sync after each
+    assert all(r["tpot_ms_p50"] > 0 and r["synced_tpot_ms_p50"] > 0
+               for mode in (off, on) for r in mode["levels"]), result
     # the CPU has no kernels to sort into families: the profiled step's wall time only
     assert all(r["profile"]["steps"] == 1 and r["profile"]["wall_ms_per_step"] > 0
                and "families_ms" not in r["profile"]
