@@ -129,6 +129,25 @@ def test_hisparse_benchmark_sorts_kernels_into_families() -> None:
     assert family("void at::native::vectorized_elementwise_kernel<4>") == "other"
 
 
+def test_hisparse_plot_draws_the_kernel_families(tmp_path: Path) -> None:
+    """A `--profile-steps` result on a GPU carries each level's GPU ms by kernel family: the plot
+    gets its third panel from them (a result without them keeps two: the test above)."""
+    families = {"hisparse copies": 3.4, "experts": 9.2, "other": 1.9}
+    level = {"concurrency": 16, "tok_s": 586.1, "tpot_ms_p50": 27.3,
+             "profile": {"steps": 4, "families_ms": families}}
+    result = {"preset": "flash-43l-e16", "dtype": "bfloat16", "prompt_len": 200000,
+              "output_len": 2048, "kv_cache_memory_gb": 40.0,
+              "modes": [{"mode": "off", "admitted": 17, "levels": [level]},
+                        {"mode": "on", "admitted": 56, "levels": [level]}]}
+    plot = load_benchmark("plot_hisparse")
+    png = tmp_path / "r.png"
+    plot.plot(result, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.pyplot as plt
+    assert len(plt.get_fignums()) == 1 and len(plt.gcf().axes) == 3
+    plt.close("all")
+
+
 def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:
     """`--fill shared-prefix`: every request after the first reads the prefilled prefix from the
     prefix cache; `max` is the mode's admitted count (from the plan, not from the fill)."""
