@@ -22,9 +22,10 @@ reductions and softmax already reduce each row alone in an order fixed by its le
 so they need no override.
 
 CUDA. cuBLAS picks tiles and split-K by shape and torch's reduction kernels pick block shapes by
-shape, so on CUDA the context installs `kernels/triton/batch_invariant.py::ATEN_OVERRIDES`
-(fixed-tile Triton GEMMs and row sums whose config depends on N, K and the dtype, never on the
-row count) for mm, bmm, addmm, sum.dim_IntList, mean.dim, _softmax, _log_softmax and logsumexp
+shape, so on CUDA the context installs
+`kernels/triton/batch_invariant_aten.py::ATEN_OVERRIDES` (fixed-tile Triton GEMMs and row sums
+whose config depends on N, K and the dtype, never on the row count) for mm, bmm, addmm,
+sum.dim_IntList, mean.dim, _softmax, _log_softmax and logsumexp
 (bf16 / fp16 / fp32; other dtypes and other ops, e.g. backward kernels, stay aten's). CUDA
 element-wise kernels round each element alone, so they need no override. The Triton module is
 imported only when CUDA is available: CPU-only processes never import Triton for this.
@@ -136,7 +137,7 @@ def _install() -> torch.library.Library:
         for name in UNARY_OPS:
             lib.impl(name, _unary(name), "CPU")
         if torch.cuda.is_available():
-            from dsv4.kernels.triton.batch_invariant import ATEN_OVERRIDES
+            from dsv4.kernels.triton.batch_invariant_aten import ATEN_OVERRIDES
 
             for name, kernel in ATEN_OVERRIDES.items():
                 lib.impl(name, kernel, "CUDA")

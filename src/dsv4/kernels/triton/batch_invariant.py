@@ -4,7 +4,8 @@ Owns the CUDA side of `kernels/ref/batch_invariant.py::batch_invariant()`: while
 open, `ATEN_OVERRIDES` replaces aten's CUDA kernels of mm, bmm, addmm, sum.dim_IntList, mean.dim,
 _softmax, _log_softmax and logsumexp. cuBLAS and torch's reduction kernels pick tiles, split-K and
 block shapes from the whole shape, so an output row's reduction order (and its last bits) depends
-on how many rows share the call; here it depends on the reduction length alone.
+on how many rows share the call; here it depends on the reduction length alone. The aten
+overloads' table (`ATEN_OVERRIDES`, with the dtype fallbacks) is `batch_invariant_aten.py`.
 
     bi_mm / bi_bmm / bi_addmm   c[b, m, :] = alpha * a[b, m, :] @ w[b] + beta * bias[m, :]
         grid (tiles_m * tiles_n, B); one program per BLOCK_M x BLOCK_N output tile, one sequential
@@ -70,7 +71,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import triton
@@ -383,75 +383,3 @@ def logsumexp(x: torch.Tensor, dim: Sequence[int], keepdim: bool = False) -> tor
         m = m.masked_fill(m.abs() == math.inf, 0.0)
     out = bi_sum_rows((rows - m[:, None]).exp_()).log_().add_(m)
     return out.to(x.dtype).view(_reduced_shape(x, dims, keepdim))
-
-
-def _aten_out(op: Any, result_dtype: torch.dtype, like: torch.Tensor, /, *args: Any,
-              **kwargs: Any) -> torch.Tensor:
-    """aten's own kernel through the op's `.out` overload (not overridden), into a new tensor."""
-    out: torch.Tensor = op(*args, **kwargs, out=like.new_empty(0, dtype=result_dtype))
-    return out
-
-
-def _same_float(*tensors: torch.Tensor) -> bool:
-    return tensors[0].dtype in FLOAT_DTYPES and len({t.dtype for t in tensors}) == 1
-
-
-def _float_result(x: torch.Tensor, dtype: torch.dtype | None) -> bool:
-    return (dtype or x.dtype) in FLOAT_DTYPES and not x.is_complex()
-
-
-def _matmul(fast: Callable[..., torch.Tensor], out_op: Any) -> Callable[..., torch.Tensor]:
-    def impl(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return fast(a, w) if _same_float(a, w) else _aten_out(out_op, a.dtype, a, a, w)
-    return impl
-
-
-def _addmm(bias: torch.Tensor, a: torch.Tensor, w: torch.Tensor, *, beta: float = 1,
-           alpha: float = 1) -> torch.Tensor:
-    if _same_float(bias, a, w):
-        return bi_addmm(bias, a, w, beta=beta, alpha=alpha)
-    return _aten_out(torch.ops.aten.addmm.out, a.dtype, a, bias, a, w, beta=beta, alpha=alpha)
-
-
-def _sum(x: torch.Tensor, dim: Sequence[int] | None = None, keepdim: bool = False, *,
-         dtype: torch.dtype | None = None) -> torch.Tensor:
-    if _float_result(x, dtype):
-        return sum_dim(x, dim, keepdim, dtype=dtype)
-    real = x.is_floating_point() or x.is_complex()
-    want = dtype or (x.dtype if real else torch.int64)
-    return _aten_out(torch.ops.aten.sum.IntList_out, want, x, x, dim, keepdim, dtype=dtype)
-
-
-def _mean(x: torch.Tensor, dim: Sequence[int] | None = None, keepdim: bool = False, *,
-          dtype: torch.dtype | None = None) -> torch.Tensor:
-    if _float_result(x, dtype):
-        return mean_dim(x, dim, keepdim, dtype=dtype)
-    return _aten_out(torch.ops.aten.mean.out, dtype or x.dtype, x, x, dim, keepdim, dtype=dtype)
-
-
-def _softmax_like(fast: Callable[..., torch.Tensor], out_op: Any) -> Callable[..., torch.Tensor]:
-    def impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-        if x.dtype in FLOAT_DTYPES and not (half_to_float and x.dtype == torch.float32):
-            return fast(x, dim, half_to_float)
-        want = torch.float32 if half_to_float else x.dtype
-        return _aten_out(out_op, want, x, x, dim, half_to_float)
-    return impl
-
-
-def _logsumexp(x: torch.Tensor, dim: Sequence[int], keepdim: bool = False) -> torch.Tensor:
-    if x.dtype in FLOAT_DTYPES:
-        return logsumexp(x, dim, keepdim)
-    real = x.is_floating_point() or x.is_complex()
-    want = x.dtype if real else torch.get_default_dtype()
-    return _aten_out(torch.ops.aten.logsumexp.out, want, x, x, dim, keepdim)
-
-
-ATEN_OVERRIDES: dict[str, Callable[..., torch.Tensor]] = {
-    "mm": _matmul(bi_mm, torch.ops.aten.mm.out), "bmm": _matmul(bi_bmm, torch.ops.aten.bmm.out),
-    "addmm": _addmm, "sum.dim_IntList": _sum, "mean.dim": _mean,
-    "_softmax": _softmax_like(softmax, torch.ops.aten._softmax.out),
-    "_log_softmax": _softmax_like(log_softmax, torch.ops.aten._log_softmax.out),
-    "logsumexp": _logsumexp,
-}
-"""aten overload -> CUDA kernel while `batch_invariant()` is open; dtypes these do not cover go
-to aten's `.out` kernels."""
