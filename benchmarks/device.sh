@@ -48,7 +48,8 @@
 #   hisparse      issue 25 in one call: the HiSparse GPU tests (UVA copies in a graph, engine on vs off through the
 #                 captured decode graphs, fp32), the copy benchmark (mirror on the device and pinned), then
 #                 hisparse.py on flash-43l-e16 (40 GB KV, 200K + 2K, --fill shared-prefix; concurrency 1 and 16 in
-#                 both modes, for TPOT at equal load, and each mode's admitted count): hisparse_tests.txt,
+#                 both modes, for TPOT at equal load, and each mode's admitted count; the step's GPU time by
+#                 kernel family at every level: --profile-steps 4): hisparse_tests.txt,
 #                 bench_hisparse_swap.txt / .json, bench_hot_plan.txt / .json (the plan kernel), hisparse.txt.
 #                 HISPARSE_ARGS is added to hisparse.py
 #   hisparse-trace  issue 25's one-request step on flash-43l-e16 (32K context) with HiSparse off and on: torch.profiler
@@ -251,8 +252,8 @@ hisparse() {
   # shellcheck disable=SC2086  # HISPARSE_ARGS is a list of flags
   timeout 340 python3 benchmarks/hisparse.py --preset flash-43l-e16 --device cuda --kv-cache-memory-gb 40 \
     --prompt-len 200000 --output-len 2048 --concurrency 1,16,max --fill shared-prefix \
-    --max-running-requests 256 ${HISPARSE_ARGS:-} > "$OUT/hisparse.txt" 2>&1
-  grep -v "^{" "$OUT/hisparse.txt" | tail -14
+    --max-running-requests 256 --profile-steps 4 ${HISPARSE_ARGS:-} > "$OUT/hisparse.txt" 2>&1
+  grep -v "^{" "$OUT/hisparse.txt" | grep -v "level:" | tail -20
 }
 
 hisparse_trace() {
