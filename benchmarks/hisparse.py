@@ -198,7 +198,8 @@ def _p99_ms(steps: list[float]) -> float:
 
 def decode_level(engine: LLMEngine, args: argparse.Namespace, c: int) -> dict[str, Any]:
     """Fill `c` requests' caches (`prompts`, then their prefills), then time `args.steps` decode
-    steps one by one."""
+    steps as a server runs them and `args.steps` more each synced (`pipelined_steps`,
+    `synced_steps`); with `--profile-steps`, profile more (`profile_steps`)."""
     device = engine.runner.device
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()

@@ -139,13 +139,16 @@ def test_hisparse_plot_draws_the_kernel_families(tmp_path: Path) -> None:
               "output_len": 2048, "kv_cache_memory_gb": 40.0,
               "modes": [{"mode": "off", "admitted": 17, "levels": [level]},
                         {"mode": "on", "admitted": 56, "levels": [level]}]}
+    import matplotlib.pyplot as plt
+
     plot = load_benchmark("plot_hisparse")
     png = tmp_path / "r.png"
+    before = set(plt.get_fignums())      # figures other tests in this process left open
     plot.plot(result, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    import matplotlib.pyplot as plt
-    assert len(plt.get_fignums()) == 1 and len(plt.gcf().axes) == 3
-    plt.close("all")
+    (new,) = set(plt.get_fignums()) - before
+    assert len(plt.figure(new).axes) == 3
+    plt.close(new)
 
 
 def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:

@@ -44,17 +44,15 @@ def triton_project(x: torch.Tensor, w: torch.Tensor,
     and the path alone: a fused group's columns get the bits of the members' own projections.
     `counters`: the backend's held split-K counters (calls are serial: the compressors run on one
     stream). More rows: cuBLAS, whose kernel (and a row's last bits) depends on the row count."""
-    m, n = x.shape[0], w.shape[0]
-    fma = m <= FMA_MAX_M
-    block_n = PROJECT_BLOCK_N if fma else PROJECT_DOT_BLOCK_N
-    if m > MAX_M or triton.cdiv(n, block_n) > MAX_TILES:
+    fma = x.shape[0] <= FMA_MAX_M
+    block_n, splits = ((PROJECT_BLOCK_N, PROJECT_SPLITS) if fma
+                       else (PROJECT_DOT_BLOCK_N, PROJECT_DOT_SPLITS))
+    if x.shape[0] > MAX_M or triton.cdiv(w.shape[0], block_n) > MAX_TILES:
         return torch.nn.functional.linear(x.float(), w)
     held = counters.get(x.device) if counters is not None else None
-    if fma:
-        return triton_linear(x, w, block_n=block_n, split_k=PROJECT_SPLITS, dot=False,
-                             counters=held, out_dtype=torch.float32)
-    return triton_linear(x, w, block_n=block_n, split_k=PROJECT_DOT_SPLITS, dot=True,
-                         precision="tf32x3", counters=held, out_dtype=torch.float32)
+    return triton_linear(x, w, block_n=block_n, split_k=splits, dot=not fma,
+                         precision=None if fma else "tf32x3", counters=held,
+                         out_dtype=torch.float32)
 
 
 class HeldProject:
