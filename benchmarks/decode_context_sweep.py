@@ -420,14 +420,19 @@ def extra_phases(engine: LLMEngine, args: argparse.Namespace, device: torch.devi
 
 def capture(engine: LLMEngine, reqs: list[Request], steps: int, cfg: ModelConfig,
             batch: int) -> tuple[list[float], str]:
-    """Turn routing capture on for `steps` more decode steps (after timing: it syncs to host)."""
+    """Turn routing capture on for `steps` more decode steps (after timing: it syncs to host),
+    then off again: with `--one-engine` the next point's steps must not capture."""
     if steps <= 0:
         return [round(x, 2) for x in expected_experts(cfg, batch)], "expected"
     runner = engine.runner
-    runner.config = dataclasses.replace(runner.config, capture_routing=True)
-    # with overlap scheduling a call resolves the step the call before launched: one call more
-    for _ in range(steps + int(engine.overlap)):
-        engine.step()
+    before = runner.config
+    runner.config = dataclasses.replace(before, capture_routing=True)
+    try:
+        # with overlap scheduling a call resolves the step the call before launched: one more
+        for _ in range(steps + int(engine.overlap)):
+            engine.step()
+    finally:
+        runner.config = before
     hits = captured_experts(reqs, steps, cfg.num_layers)
     return [round(x, 2) for x in hits], "captured"
 

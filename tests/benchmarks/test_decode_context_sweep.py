@@ -205,6 +205,9 @@ def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
     assert len(engine.requests) == 1 + 1 + 1 + 2 + 2  # the warm-up and the four points
     assert all(r.is_finished for r in engine.requests.values())
     engine.check_integrity()
+    # each point's routing capture is switched off after it: the next point's timed steps (and
+    # their graphs) must not capture routing
+    assert engine.runner.config.capture_routing is False
     rows = [r for r in result["rows"] if r["system"] == "dsv4"]
     # --order desc: the largest point first (the 4K step timed after the 900K one)
     assert [(r["batch"], r["context"]) for r in rows] == [(2, 160), (2, 64), (1, 160), (1, 64)]
