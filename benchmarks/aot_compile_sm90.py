@@ -74,6 +74,7 @@ def moe_variants() -> Iterator[Variant]:
                 yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \
                     options
     yield from moe_fma_variants()
+    yield from moe_frag_variants()
     yield from moe_w8a8_variants()
 
 
@@ -151,6 +152,28 @@ def moe_fma_variants() -> Iterator[Variant]:
                    {**consts, "H_DTYPE": tl.bfloat16, "LIBDEVICE": True}, options)
             yield (f"moe down {label}", moe_fma._down_fma_kernel, types,
                    {**consts, "ATOMIC": False}, options)
+
+
+def moe_frag_variants() -> Iterator[Variant]:
+    """The "frag" loop (`moe_frag.py`, FP4 decoded into mma.sync fragments) at WK x WN warps =
+    (1, 1), (2, 1), (4, 1), (2, 2); the label ends with the bytes of one matrix a thread decodes
+    per K step (64: two 16-byte groups... of 2 rows)."""
+    from dsv4.kernels.triton import moe_frag
+
+    types = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
+             "h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32",
+             "rw_ptr": "*fp32", "exp_ptr": "*i64", "limit": "fp32"}
+    types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
+                                          "stride_wn", "stride_se", "stride_sn", "stride_h",
+                                          "stride_o")}
+    for wk, wn in ((1, 1), (2, 1), (4, 1), (2, 2)):
+        consts = {"TOPK": 6, "WK": wk, "WN": wn, "ASM": True}
+        label = f"fp4 frag wk{wk} wn{wn} 32B"
+        options = {"num_warps": wk * wn}
+        yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
+               {**consts, "LIBDEVICE": True}, options)
+        yield (f"moe down {label}", moe_frag._down_frag_kernel, types,
+               {**consts, "ATOMIC": False}, options)
 
 
 def topk_variants() -> Iterator[Variant]:

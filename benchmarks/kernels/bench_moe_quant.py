@@ -89,6 +89,11 @@ SWEEP: dict[str, list[Config]] = {
                 (128, 256, 8, 1, True), (32, 256, 4, 1, True), (32, 256, 4, 1, False),
                 (16, 256, 4, 1, True), (64, 256, 8, 1, True), (32, 512, 4, 1, True),
                 (64, 128, 4, 1, True)],
+    # the frag loop (FP4 into mma.sync fragments): block_n = 16 x warps across N, the other
+    # warps split K
+    "fp4/frag": [(16, None, 1, None, None), (16, None, 2, None, None), (16, None, 8, None, None),
+                 (32, None, 2, None, None), (32, None, 4, None, None), (32, None, 8, None, None),
+                 (64, None, 4, None, None), (16, None, 16, None, None)],
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }
@@ -110,7 +115,7 @@ PREFILL_SWEEP: dict[str, list[Config]] = {
                  (64, 128, 8, 2, None, 128)],
 }
 FMTS = ("fp4", "fp8", "bf16")
-VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes", "w8a8")
+VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes", "w8a8", "frag")
 # FP8's "split" and "words" are its "scaled" loop; "w8a8" (FP8 only) quantises the activations
 FP8_LOOPS = ("scaled", "dot_scaled", "fma", "w8a8")
 FP4_LOOPS = VARIANTS
@@ -236,7 +241,8 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
 
     kind = (f"{fmt}/{variant}" if (fmt, variant) in (("fp4", "split"), ("fp4", "fma"),
                                                       ("fp8", "fma"), ("fp4", "planes"),
-                                                      ("fp8", "w8a8"), ("fp4", "w8a8"))
+                                                      ("fp8", "w8a8"), ("fp4", "w8a8"),
+                                                      ("fp4", "frag"))
             else fmt)
     sweep = PREFILL_SWEEP if args.prefill_sweep else SWEEP if args.sweep else {}
     timed: dict[str, float] = {}

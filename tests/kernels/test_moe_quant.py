@@ -42,7 +42,9 @@ REL = 1e-2          # max |diff| / max |ref| against the fp32-activation referen
 # ... against the reference run in bf16 (its own roundings add ~6e-3, up to ~1.1e-2 seen)
 REL_BF16_REF = 2e-2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-WEIGHT_ONLY = [v for v in VARIANTS if v != "w8a8"]   # w8a8 (FP8 activations): test_moe_w8a8.py
+# w8a8 (FP8 activations): test_moe_w8a8.py; frag (FP4, bf16 x, one slot per program):
+# test_moe_frag.py
+WEIGHT_ONLY = [v for v in VARIANTS if v not in ("w8a8", "frag")]
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
@@ -248,15 +250,16 @@ def test_plan() -> None:
         (32, 32, 64, 64)
     assert (p1.variant, p1.block_m, p1.block_k, p1.gate_up.num_warps) == \
         (VARIANTS["words"], 16, 256, 4)
-    # decode (N*k <= E rows): FP4 "fma", the same tiles at every N; past it (or fma_rows=0) the
-    # MMA; FP8 keeps "scaled" (its fma loop is slower on the H200)
+    # decode (N*k <= E rows): FP4 "frag" for bf16 x ("fma" for fp32 x or fma knobs), the same
+    # tiles at every N; past it (or fma_rows=0) the MMA; FP8 keeps "scaled" (its fma loop is
+    # slower on the H200)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).variant == \
         VARIANTS["scaled"]
-    for fmt, nk in (("fp4", 6), ("fp4", 256)):
-        p = plan_moe(fmt, None, torch.bfloat16, cpu, nk, 256, 2048, 4096)
-        assert (p.variant, p.block_m, p.gate_up, p.down) == \
-            (VARIANTS["fma"], 1, p.down, plan_moe(fmt, None, torch.bfloat16, cpu, 6, 256, 2048,
-                                                  4096).down)
+    for dtype, name in ((torch.bfloat16, "frag"), (torch.float32, "fma")):
+        plans = [plan_moe("fp4", None, dtype, cpu, nk, 256, 2048, 4096) for nk in (6, 256)]
+        assert plans[0] == plans[1] and (plans[0].variant, plans[0].block_m) == (VARIANTS[name], 1)
+    assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096,
+                    prefetch=True).variant == VARIANTS["fma"]
     assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096, fma_rows=0).variant \
         == plan_moe("fp4", None, torch.bfloat16, cpu, 258, 256, 2048, 4096).variant \
         == VARIANTS["words"]
@@ -401,7 +404,7 @@ def flash_weights() -> dict[str, Weights]:
 
 
 # FP8's split / words are its scaled loop; bf16 has one loop
-FLASH_CASES = ([("fp4", v) for v in WEIGHT_ONLY]
+FLASH_CASES = ([("fp4", v) for v in WEIGHT_ONLY + ["frag"]]
                + [("fp8", "scaled"), ("fp8", "dot_scaled"), ("fp8", "fma")] + [("bf16", None)])
 
 

@@ -76,6 +76,7 @@ from dsv4.kernels.triton.moe_combine import triton_moe_combine
 from dsv4.kernels.triton.moe_decode import tile_dot
 from dsv4.kernels.triton.moe_fma import fma_activations, fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order, planes_activations, planes_column
+from dsv4.kernels.triton.moe_frag import frag_launches
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_and_block, tile_map, tile_rows
 from dsv4.kernels.triton.moe_w8a8 import w8a8_launches
@@ -310,9 +311,10 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     if nk == 0:
         return add_shared(torch.zeros(N, d, dtype=torch.float32, device=x.device), *combine)
     fma = plan.variant == VARIANTS["fma"]
-    # the fma loop at BLOCK_M 1 needs no tile map: one program row per slot (`fma_launches`);
-    # its activation copy is preparation too, so it runs before the join
-    tiles = None if fma and plan.block_m == 1 else tile_map(indices, E, plan.block_m)
+    frag = plan.variant == VARIANTS["frag"]
+    # the fma loop at BLOCK_M 1 and the frag loop need no tile map: one program row per slot;
+    # the fma activation copy is preparation too, so it runs before the join
+    tiles = None if frag or (fma and plan.block_m == 1) else tile_map(indices, E, plan.block_m)
     code = FMTS[fmt]
     xs = fma_activations(x, code, plan.block_k) if fma else x
     shared, out_dtype, wait_shared = combine
@@ -326,6 +328,9 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         assert tiles is not None
         dest = w8a8_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, tiles,
                              rw, limit, code, topk, plan, _LIBDEVICE)
+    elif frag:
+        dest = frag_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, indices,
+                             rw, limit, topk, deterministic, plan, _LIBDEVICE)
     elif fma:
         dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             indices, tiles, rw, limit, code, topk, deterministic, plan,

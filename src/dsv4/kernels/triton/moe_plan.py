@@ -13,10 +13,13 @@ weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V
 BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
 "dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
 model; the others run fp32 dots for them, exact).
-"fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default while the mean rows
-per expert is at most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row MMA tile
-would hold ~1 real row), from shapes only: on the H200 at V4-Flash's experts FP4 fma is 2-3x
-faster than "words" at N = 1 to 32, while FP8's fma ties "scaled", so FP8 keeps "scaled"
+"frag" (`moe_frag.py`: FP4 decoded into mma.sync register fragments, one slot per program) is
+FP4's default for bf16 activations while the mean rows per expert is at most `fma_rows` (default
+FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row tl.dot tile would hold ~1 real row), from shapes
+only; "fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) there for fp32 / fp16
+activations or the fma knobs (block_m 2 / 4, block_k, stages, prefetch). On the H200 at
+V4-Flash's experts FP4 frag is 1.1-1.2x faster than fma at N = 1 and 8, and fma 2-3x faster than
+"words" at N = 1 to 32, while FP8's fma ties "scaled", so FP8 keeps "scaled"
 (benchmarks/results/quant_moe_h200_202612.md). Its tiles are fixed (`_plan_fma`: BLOCK_M 1,
 BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage, no register prefetch), the same
 at every N; `prefetch=True` issues each K step's next loads first (a knob: no faster there).
@@ -58,7 +61,7 @@ import torch
 import triton
 
 VARIANTS = {"split": 0, "scaled": 1, "dot_scaled": 2, "words": 3, "fma": 4, "planes": 5,
-            "w8a8": 6}
+            "w8a8": 6, "frag": 7}
 DEFAULT_VARIANT = {"fp4": "words", "fp8": "scaled", "bf16": "scaled"}
 FMA_MAX_MEAN_ROWS = 1.0      # default loop "fma" while nk <= this * num_experts (quantised fmts)
 FMA_BLOCK_M = 1
@@ -66,6 +69,10 @@ FMA_BLOCK_N = 32
 FMA_BLOCK_K = {"fp4": 256, "fp8": 128}
 FMA_WARPS = 4
 FMA_PREFETCH = False
+FRAG_STEP = 128              # "frag": k per warp K step (a quad's 4 lanes x 32-k groups)
+FRAG_ROWS = 16               # "frag": weight rows per warp (the m of m16n8k16)
+FRAG_GATE_UP = (16, 4)       # "frag" (block_n, warps): 16 rows per program, 4 warps split K
+FRAG_DOWN = (16, 2)          # ... the down launch: 2 warps split K
 PROGRAMS_PER_SM = 4
 DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m) only by knob
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
@@ -116,7 +123,10 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
     if (variant is None and fmt == "fp4" and nk <= fma_rows * num_experts
             and block_m in (None, 1, 2, 4) and fits):
-        name = "fma"
+        frag_knobs = block_m in (None, 1) and block_k is None and num_stages is None
+        name = "frag" if x_dtype == torch.bfloat16 and frag_knobs and not prefetch else "fma"
+    if name == "frag":
+        return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch)
     if name == "fma":
         if not fits:
             raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
@@ -167,6 +177,38 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
     return MoePlan(VARIANTS["fma"], bm, bk, num_stages or 1, launch, launch, pf)
 
 
+def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
+               num_warps: int | None, num_stages: int | None, prefetch: bool | None) -> MoePlan:
+    """The frag loop (`moe_frag.py`): one slot per program, BLOCK_N = 16 x WN rows, num_warps =
+    WK x WN (WK warps split the K steps); no BLOCK_M, BLOCK_K, stages or prefetch knobs. The
+    tiles are fixed at every N (WK orders a row's sum): gate/up FRAG_GATE_UP, down FRAG_DOWN, the
+    fastest of the H200 sweep at N = 1 and 8 (benchmarks/results/quant_moe_h200_202612.md); a
+    knob pins both launches."""
+    if block_m not in (None, 1) or block_k not in (None, FRAG_STEP) or num_stages not in (None, 1) \
+            or prefetch:
+        raise ValueError(f"variant 'frag' takes block_m 1, block_k {FRAG_STEP}, one stage and no "
+                         f"prefetch; got {block_m}, {block_k}, {num_stages}, {prefetch}")
+    launches = []
+    for default_bn, default_warps in (FRAG_GATE_UP, FRAG_DOWN):
+        bn, warps = block_n or default_bn, num_warps or default_warps
+        frag_warps(bn, warps)
+        if warps > 16:
+            raise ValueError(f"variant 'frag' takes at most 16 warps; got {warps}")
+        launches.append(Launch(bn, warps))
+    return MoePlan(VARIANTS["frag"], 1, FRAG_STEP, 1, launches[0], launches[1])
+
+
+def frag_warps(block_n: int, num_warps: int) -> tuple[int, int]:
+    """(WK, WN) of a frag launch: WN = block_n / 16 row blocks, WK = num_warps / WN K splits."""
+    wn = block_n // FRAG_ROWS
+    if block_n % FRAG_ROWS or wn < 1 or num_warps % wn or wn & (wn - 1) or num_warps & (
+            num_warps - 1):
+        raise ValueError(f"variant 'frag' needs block_n = 16 x a power of two dividing "
+                         f"16 x num_warps (a power of two); got block_n {block_n}, num_warps "
+                         f"{num_warps}")
+    return num_warps // wn, wn
+
+
 def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_experts: int,
                block_m: int | None, block_n: int | None, block_k: int | None,
                num_warps: int | None, num_stages: int | None, prefetch: bool | None,
@@ -209,6 +251,9 @@ def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
     if fmt == "bf16":
         return "scaled"
+    if variant == "frag" and (fmt != "fp4" or x_dtype != torch.bfloat16):
+        raise ValueError(f"variant 'frag' is fmt 'fp4' with bf16 activations; got fmt {fmt!r}, "
+                         f"{x_dtype}")
     if variant == "fma" and x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"variant 'fma' takes bf16 / fp16 / fp32 activations; got {x_dtype}")
     if variant is None:

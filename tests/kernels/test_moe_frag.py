@@ -1,0 +1,87 @@
+"""The routed experts' "frag" loop (`kernels/triton/moe_frag.py`: FP4 decoded into mma.sync
+fragments) against the reference and the fma loop; helpers from test_moe_quant.py (whose GPU
+Flash parity rows also run frag).
+
+CPU (interpreter, the MMA emulated): a masked K tail (I = 96: the down launch's last step holds
+3 of a quad's 4 groups), one expert holding every token, 1 and 2 warps across N, K split over
+warps, both epilogues; the plan's knobs and refusals.
+GPU (`-m gpu`): V4-Flash experts at N = 1, 8, 32 on every launch shape the sweep uses, rows
+independent of the batch.
+
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py
+    PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py -m gpu   # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# NOTE: must precede the first `import triton` (tests/kernels/conftest.py may already do this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from test_moe_quant import FLASH, check, make_routing, make_weights, randn  # noqa: E402
+
+from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
+from dsv4.kernels.triton.moe_plan import VARIANTS, frag_warps, plan_moe  # noqa: E402
+
+
+@pytest.mark.parametrize("N,block_n,warps", [(1, 16, 4), (3, 32, 2)])
+def test_frag_ragged(N: int, block_n: int, warps: int) -> None:
+    """E 8, k 2, every token on expert 5; d = 128 (one K step: 4 warps split it, 3 idle), I = 96
+    (a masked K tail in the down launch and a row tail in gate/up at BLOCK_N 32). Against the
+    reference (fp32 and bf16 x), the atomic and the row epilogue, and within 2e-3 of the fma loop
+    (the same products and h rounding; only the fp32 summation order differs)."""
+    wts = make_weights(8, 128, 96, "fp4", seed=23)
+    idx, rw = make_routing(N, 8, 2, seed=23, hot=5)
+    x = randn(N, 128, seed=N).to(torch.bfloat16)
+    rows = check(x, wts, idx, rw, 10.0, "fp4", variant="frag", block_n=block_n,
+                 num_warps=warps, deterministic=True)
+    added = check(x, wts, idx, rw, 10.0, "fp4", variant="frag", block_n=block_n,
+                  num_warps=warps)
+    fma = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+                                      variant="fma")
+    for out in (rows, added):
+        assert ((out - fma).abs().max() / fma.abs().max()).item() <= 2e-3
+
+
+def test_frag_plan() -> None:
+    """The plan: frag (fp4, bf16 x), one slot per program, gate/up 4 warps, down 2 (knobs pin
+    both); (WK, WN) from block_n and num_warps; other knobs refused."""
+    cpu = torch.device("cpu")
+    p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096)
+    assert (p.variant, p.block_m, p.gate_up.block_n, p.gate_up.num_warps, p.down.block_n,
+            p.down.num_warps) == (VARIANTS["frag"], 1, 16, 4, 16, 2)
+    p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, block_n=32, num_warps=8)
+    assert p.gate_up == p.down and (p.gate_up.block_n, p.gate_up.num_warps) == (32, 8)
+    assert frag_warps(32, 8) == (4, 2) and frag_warps(16, 1) == (1, 1)
+    for kw in ({"block_n": 24}, {"block_n": 64, "num_warps": 2}, {"num_warps": 3},
+               {"block_m": 16}, {"block_k": 256}, {"prefetch": True}, {"num_warps": 32}):
+        with pytest.raises(ValueError, match="frag"):
+            plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, **kw)  # type: ignore[arg-type]
+    for fmt, dtype in (("fp8", torch.bfloat16), ("fp4", torch.float32)):
+        with pytest.raises(ValueError, match="bf16 activations"):
+            plan_moe(fmt, "frag", dtype, cpu, 6, 256, 2048, 4096)
+
+
+@pytest.fixture(scope="module")
+def flash_fp4() -> tuple[torch.Tensor, ...]:
+    return make_weights(FLASH["E"], FLASH["d"], FLASH["inter"], "fp4")  # type: ignore[return-value]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n,warps", [(16, 1), (16, 2), (16, 4), (16, 8), (32, 4), (64, 4)])
+@pytest.mark.parametrize("N", [1, 8, 32])
+def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int, block_n: int,
+                    warps: int) -> None:
+    """V4-Flash experts on the GPU (the inline-PTX MMA): against the reference, and the
+    deterministic rows of a token the same alone as in the batch."""
+    idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
+    x = randn(N, FLASH["d"]).to(torch.bfloat16)
+    kw = {"variant": "frag", "block_n": block_n, "num_warps": warps, "deterministic": True}
+    out = check(x, flash_fp4, idx, rw, 10.0, "fp4", **kw)
+    alone = triton_routed_experts_quant(x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
+    assert torch.equal(alone[0], out[0])
