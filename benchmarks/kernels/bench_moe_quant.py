@@ -3,13 +3,13 @@
 Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activations, limit 10):
   N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
   (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
-  dot_scaled, words, fma, planes, w8a8; FP8 runs its distinct loops, scaled, dot_scaled, fma
+  dot_scaled, words, fma, planes, w8a8, frag; FP8 runs its distinct loops, scaled, dot_scaled, fma
   and w8a8, the FP8-tensor-core loop with FP8 activations (FP4 too: its codes decoded to e4m3),
   checked against the reference with act_quant; bf16 weights have one loop, shown as "-"). The
-  fma loop (CUDA cores, the plan's default while N*k <= E) has its own SWEEP kinds "fp4/fma" /
-  "fp8/fma" and `--fma-block-m`. `--kernels`: each kernel's device us per call at the default
-  config (the gate/up and down launches, the activation copy, the tile map, the combine; CUDA
-  only).
+  fma loop (CUDA cores) has its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`; the
+  frag loop (FP4 into mma.sync fragments, the plan's FP4 default while N*k <= E) "fp4/frag".
+  `--kernels`: each kernel's device us per call at the default config (the gate/up and down
+  launches, the activation copy, the tile map, the combine; CUDA only).
 Metrics:
   weight bytes = distinct experts hit x one expert's bytes (w1, w3, w2 and their scales): what the
       kernel has to read at least once (averaged over the input sets); floor us = weight bytes /
