@@ -224,6 +224,24 @@ def _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b,  # type: ignore[no-unty
 
 
 @triton.jit
+def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(wk, q, the lane's rows g and g + 8 clamped below OUT) of this program's block (its loads
+    need no mask; the epilogue masks the stores)."""
+    wk, wn, g, q = _lanes(WK, WN)
+    row = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g
+    return wk, q, tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1)
+
+
+@triton.jit
+def _lane_k(s, wk, q, K, WK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(first k of the lane's group in K step s of warp wk, in range): warp wk takes steps
+    wk, wk + WK, ...; a group past K reads group 0 (in range, its factor zeroed)."""
+    k = (s * WK + wk) * _STEP + 32 * q
+    ok = k < K
+    return tl.where(ok, k, 0), ok
+
+
+@triton.jit
 def _zeros(WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
     z = tl.zeros((WK, WN, 8, 4), dtype=tl.float32)
     return z, z, z, z
@@ -258,16 +276,12 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
         gdc_wait()
     slot = tl.program_id(0)
     e = tl.load(exp_ptr + slot).to(tl.int64)    # NOTE: int64: e * stride_we passes 2^31
-    wk, wn, g, q = _lanes(WK, WN)
-    row = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g
-    lo, hi = tl.minimum(row, INTER - 1), tl.minimum(row + 8, INTER - 1)
+    wk, q, lo, hi = _rows(INTER, WK, WN)
     x_row = x_ptr.to(tl.pointer_type(tl.uint32)) + (slot // TOPK).to(tl.int64) * (stride_x // 2)
     acc_g = _zeros(WK, WN)
     acc_u = _zeros(WK, WN)
     for s in range(0, tl.cdiv(K, _STEP * WK)):
-        k = (s * WK + wk) * _STEP + 32 * q
-        ok = k < K
-        k = tl.where(ok, k, 0)
+        k, ok = _lane_k(s, wk, q, K, WK)
         b = _b_regs(x_row, k, False, ASM)
         acc_g = _matrix_step(acc_g, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, stride_we, stride_wn,
                              stride_se, stride_sn, ASM)
@@ -297,15 +311,11 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         gdc_wait()
     slot = tl.program_id(0)
     e = tl.load(exp_ptr + slot).to(tl.int64)
-    wk, wn, g, q = _lanes(WK, WN)
-    row = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g
-    lo, hi = tl.minimum(row, D - 1), tl.minimum(row + 8, D - 1)
+    wk, q, lo, hi = _rows(D, WK, WN)
     h_row = h_ptr.to(tl.pointer_type(tl.uint32)) + slot.to(tl.int64) * (stride_h // 2)
     acc = _zeros(WK, WN)
     for s in range(0, tl.cdiv(K, _STEP * WK)):
-        k = (s * WK + wk) * _STEP + 32 * q
-        ok = k < K
-        k = tl.where(ok, k, 0)
+        k, ok = _lane_k(s, wk, q, K, WK)
         b = _b_regs(h_row, k, True, ASM)
         acc = _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b, stride_we, stride_wn,
                            stride_se, stride_sn, ASM)
