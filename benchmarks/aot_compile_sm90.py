@@ -156,19 +156,22 @@ def moe_fma_variants() -> Iterator[Variant]:
 
 def moe_frag_variants() -> Iterator[Variant]:
     """The "frag" loop (`moe_frag.py`, FP4 decoded into mma.sync fragments) at WK x WN warps =
-    (1, 1), (2, 1), (4, 1), (2, 2); the label ends with the bytes of one matrix a thread decodes
+    (1, 1), (2, 1), (4, 1), (2, 2) and BLOCK_M 1 (slots) or 8 (tile map), as BLOCK_M x BLOCK_N;
+    the label ends with the bytes of one matrix a thread decodes
     per K step (64: two 16-byte groups... of 2 rows)."""
     from dsv4.kernels.triton import moe_frag
 
     types = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
              "h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32",
-             "rw_ptr": "*fp32", "exp_ptr": "*i64", "limit": "fp32"}
+             "rw_ptr": "*fp32", "exp_ptr": "*i64", "order_ptr": "*i64", "t_start_ptr": "*i32",
+             "t_end_ptr": "*i32", "limit": "fp32"}
     types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
                                           "stride_wn", "stride_se", "stride_sn", "stride_h",
                                           "stride_o")}
-    for wk, wn in ((1, 1), (2, 1), (4, 1), (2, 2)):
-        consts = {"TOPK": 6, "WK": wk, "WN": wn, "ASM": True}
-        label = f"fp4 frag wk{wk} wn{wn} 32B"
+    for wk, wn, slots in ((1, 1, True), (2, 1, True), (4, 1, True), (2, 2, True),
+                          (4, 1, False), (2, 1, False)):
+        consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": slots, "ASM": True}
+        label = f"fp4 frag {'1' if slots else '8'}x{16 * wn} wk{wk} 32B"
         options = {"num_warps": wk * wn}
         yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
                {**consts, "LIBDEVICE": True}, options)

@@ -4,7 +4,8 @@ Flash parity rows also run frag).
 
 CPU (interpreter, the MMA emulated): a masked K tail (I = 96: the down launch's last step holds
 3 of a quad's 4 groups), one expert holding every token, 1 and 2 warps across N, K split over
-warps, both epilogues; the plan's knobs and refusals.
+warps, both epilogues, BLOCK_M 8 tiles (bits equal to BLOCK_M 1's); the plan's knobs and
+refusals.
 GPU (`-m gpu`): V4-Flash experts at N = 1, 8, 32 on every launch shape the sweep uses, rows
 independent of the batch.
 
@@ -48,6 +49,21 @@ def test_frag_ragged(N: int, block_n: int, warps: int) -> None:
         assert ((out - fma).abs().max() / fma.abs().max()).item() <= 2e-3
 
 
+def test_frag_tiles() -> None:
+    """BLOCK_M 8 (the tile map; each MMA's 8 columns are up to 8 rows of one expert): E 4, k 2,
+    9 tokens all on expert 1 (9 rows: a full tile and one of 1), the rest spread; d = I = 64 (half
+    a K step). Against the reference, and the rows' bits equal to BLOCK_M 1's (the same MMAs in
+    the same order: a column's sum never sees the others)."""
+    wts = make_weights(4, 64, 64, "fp4", seed=29)
+    idx, rw = make_routing(9, 4, 2, seed=29, hot=1)
+    x = randn(9, 64, seed=9).to(torch.bfloat16)
+    kw = {"variant": "frag", "block_n": 32, "num_warps": 4}
+    tiles = check(x, wts, idx, rw, 10.0, "fp4", block_m=8, deterministic=True, **kw)
+    slots = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+                                        block_m=1, deterministic=True, **kw)
+    assert torch.equal(tiles, slots)
+
+
 def test_frag_plan() -> None:
     """The plan: frag (fp4, bf16 x), one slot per program, gate/up 4 warps, down 2 (knobs pin
     both); (WK, WN) from block_n and num_warps; other knobs refused."""
@@ -58,6 +74,8 @@ def test_frag_plan() -> None:
     p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, block_n=32, num_warps=8)
     assert p.gate_up == p.down and (p.gate_up.block_n, p.gate_up.num_warps) == (32, 8)
     assert frag_warps(32, 8) == (4, 2) and frag_warps(16, 1) == (1, 1)
+    assert plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096,
+                    block_m=8).block_m == 8
     for kw in ({"block_n": 24}, {"block_n": 64, "num_warps": 2}, {"num_warps": 3},
                {"block_m": 16}, {"block_k": 256}, {"prefetch": True}, {"num_warps": 32}):
         with pytest.raises(ValueError, match="frag"):
@@ -85,3 +103,16 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int, block_n: int,
     out = check(x, flash_fp4, idx, rw, 10.0, "fp4", **kw)
     alone = triton_routed_experts_quant(x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
     assert torch.equal(alone[0], out[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [8, 32, 128, 512])
+def test_flash_frag_tiles(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
+    """BLOCK_M 8 on the GPU: against the reference, and the same bits as BLOCK_M 1 (the inline
+    MMA's columns are independent)."""
+    idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 1)
+    x = randn(N, FLASH["d"]).to(torch.bfloat16)
+    kw = {"variant": "frag", "deterministic": True}
+    tiles = check(x, flash_fp4, idx, rw, 10.0, "fp4", block_m=8, **kw)
+    slots = triton_routed_experts_quant(x, *flash_fp4, idx, rw, 10.0, "fp4", block_m=1, **kw)  # type: ignore[arg-type]
+    assert torch.equal(tiles, slots)

@@ -250,19 +250,27 @@ def test_plan() -> None:
         (32, 32, 64, 64)
     assert (p1.variant, p1.block_m, p1.block_k, p1.gate_up.num_warps) == \
         (VARIANTS["words"], 16, 256, 4)
-    # decode (N*k <= E rows): FP4 "frag" for bf16 x ("fma" for fp32 x or fma knobs), the same
-    # tiles at every N; past it (or fma_rows=0) the MMA; FP8 keeps "scaled" (its fma loop is
-    # slower on the H200)
+    # decode: FP4 "frag" for bf16 x (nk <= 16 E), "fma" for fp32 x or fma knobs (nk <= E), the
+    # same launches at every N; past them (or frag_rows = fma_rows = 0) the MMA; FP8 keeps
+    # "scaled" (its fma loop is slower on the H200)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).variant == \
         VARIANTS["scaled"]
     for dtype, name in ((torch.bfloat16, "frag"), (torch.float32, "fma")):
-        plans = [plan_moe("fp4", None, dtype, cpu, nk, 256, 2048, 4096) for nk in (6, 256)]
+        plans = [plan_moe("fp4", None, dtype, cpu, nk, 256, 2048, 4096) for nk in (6, 96)]
         assert plans[0] == plans[1] and (plans[0].variant, plans[0].block_m) == (VARIANTS[name], 1)
+    # frag: tiles of 8 rows from 1/2 row per expert, up to 16 rows per expert; the same launches
+    slots = plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096)
+    for nk in (128, 4096):
+        p = plan_moe("fp4", None, torch.bfloat16, cpu, nk, 256, 2048, 4096)
+        assert (p.variant, p.block_m, p.gate_up, p.down) == (VARIANTS["frag"], 8, slots.gate_up,
+                                                             slots.down)
+    assert plan_moe("fp4", None, torch.bfloat16, cpu, 4097, 256, 2048, 4096).variant == \
+        plan_moe("fp4", None, torch.float32, cpu, 257, 256, 2048, 4096).variant == \
+        VARIANTS["words"]
     assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096,
                     prefetch=True).variant == VARIANTS["fma"]
-    assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096, fma_rows=0).variant \
-        == plan_moe("fp4", None, torch.bfloat16, cpu, 258, 256, 2048, 4096).variant \
-        == VARIANTS["words"]
+    assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096, fma_rows=0,
+                    frag_rows=0).variant == VARIANTS["words"]
     with pytest.raises(ValueError, match="'fma' needs"):
         plan_moe("fp8", "fma", torch.bfloat16, cpu, 6, 8, 64, 64, block_k=256)
     assert plan_moe("fp4", "fma", torch.bfloat16, cpu, 6, 8, 64, 64, prefetch=True).prefetch

@@ -314,9 +314,10 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
         return add_shared(torch.zeros(N, d, dtype=torch.float32, device=x.device), *combine)
     fma = plan.variant == VARIANTS["fma"]
     frag = plan.variant == VARIANTS["frag"]
-    # the fma loop at BLOCK_M 1 and the frag loop need no tile map: one program row per slot;
+    # the fma and frag loops at BLOCK_M 1 need no tile map: one program row per slot;
     # the fma activation copy is preparation too, so it runs before the join
-    tiles = None if frag or (fma and plan.block_m == 1) else tile_map(indices, E, plan.block_m)
+    slots = (frag or fma) and plan.block_m == 1
+    tiles = None if slots else tile_map(indices, E, plan.block_m)
     code = FMTS[fmt]
     xs = fma_activations(x, code, plan.block_k) if fma else x
     shared, out_dtype, wait_shared = combine
@@ -332,7 +333,7 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
                              rw, limit, code, topk, plan, _LIBDEVICE)
     elif frag:
         dest = frag_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, indices,
-                             rw, limit, topk, deterministic, plan, _LIBDEVICE)
+                             tiles, rw, limit, topk, deterministic, plan, _LIBDEVICE)
     elif fma:
         dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             indices, tiles, rw, limit, code, topk, deterministic, plan,

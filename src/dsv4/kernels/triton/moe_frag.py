@@ -43,14 +43,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.moe_plan import FRAG_ROWS as ROWS
+from dsv4.kernels.triton.moe_plan import FRAG_ROWS, MoePlan, frag_warps
 from dsv4.kernels.triton.moe_plan import FRAG_STEP as STEP
-from dsv4.kernels.triton.moe_plan import MoePlan, frag_warps
+from dsv4.kernels.triton.moe_tile_map import TileMap
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 _STEP = tl.constexpr(STEP)
-_ROWS = tl.constexpr(ROWS)
+_ROWS = tl.constexpr(FRAG_ROWS)
 
 
 @triton.jit
@@ -176,15 +176,25 @@ def _hmul2(a, f2):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _quad(t):  # type: ignore[no-untyped-def]
-    """The sum over a quad's 4 lanes (axis 3), in each of them."""
-    return tl.broadcast_to(tl.expand_dims(tl.sum(t, axis=3), 3), t.shape)
+def _cols(a, b, c, d):  # type: ignore[no-untyped-def]
+    """The emulated MMA's (D[g, 2q], D[g, 2q + 1]), [.., 8 (g), 4 (q)] each, of one row half:
+    D[g, n] = sum over the quad q' of a(g, q') . b(n, q') + c(g, q') . d(n, q') (a, c: A pairs,
+    b, d: B pairs, (lo, hi) fp32 each [.., 8, 4] in the lane grid; B's g is the column n)."""
+    p = (_outer(a[0], b[0]) + _outer(a[1], b[1])) + (_outer(c[0], d[0]) + _outer(c[1], d[1]))
+    m = tl.sum(p, axis=4)                                     # [WK, WN, 8 (g), 8 (n)]
+    return tl.split(tl.reshape(m, (m.shape[0], m.shape[1], 8, 4, 2)))
+
+
+@triton.jit
+def _outer(a, b):  # type: ignore[no-untyped-def]
+    """[.., 8 (g), 8 (n), 4 (q)]: a(g, q) * b(n, q)."""
+    return tl.expand_dims(a, 3) * tl.expand_dims(b, 2)
 
 
 @triton.jit
 def _mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     """acc (c0..c3) + the m16n8k16 product of A (a0 / a2: row g, a1 / a3: row g + 8) and B (b0,
-    b1): inline PTX on the GPU; else emulated, every column being the token's (c1 = c0, c3 = c2)."""
+    b1: column g): inline PTX on the GPU; else emulated in fp32 (`_cols`)."""
     c0, c1, c2, c3 = acc
     if ASM:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
@@ -193,9 +203,9 @@ def _mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unt
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
-        lo = _quad(a0[0] * b0[0] + a0[1] * b0[1] + a2[0] * b1[0] + a2[1] * b1[1])
-        hi = _quad(a1[0] * b0[0] + a1[1] * b0[1] + a3[0] * b1[0] + a3[1] * b1[1])
-        c0, c1, c2, c3 = c0 + lo, c1 + lo, c2 + hi, c3 + hi
+        lo0, lo1 = _cols(a0, b0, a2, b1)
+        hi0, hi1 = _cols(a1, b0, a3, b1)
+        c0, c1, c2, c3 = c0 + lo0, c1 + lo1, c2 + hi0, c3 + hi1
     return c0, c1, c2, c3
 
 
@@ -225,11 +235,11 @@ def _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b,  # type: ignore[no-unty
 
 @triton.jit
 def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(wk, q, the lane's rows g and g + 8 clamped below OUT) of this program's block (its loads
-    need no mask; the epilogue masks the stores)."""
+    """(wk, g, q, the lane's rows g and g + 8 clamped below OUT) of this program's block (its
+    loads need no mask; the epilogue masks the stores)."""
     wk, wn, g, q = _lanes(WK, WN)
     row = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g
-    return wk, q, tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1)
+    return wk, g, q, tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1)
 
 
 @triton.jit
@@ -242,19 +252,54 @@ def _lane_k(s, wk, q, K, WK: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _tile(t_start_ptr, t_end_ptr, exp_ptr,  # type: ignore[no-untyped-def]
+          SLOTS: tl.constexpr):
+    """(first sorted row, row count, expert) of this program's tile: the tile map's, or with SLOTS
+    (no tile map) program t is sorted row t = slot t alone, its expert from the flat indices."""
+    t = tl.program_id(0)
+    if SLOTS:
+        start, count = t, 1
+    else:
+        start = tl.load(t_start_ptr + t)
+        count = tl.load(t_end_ptr + t) - start
+    return start, count, tl.load(exp_ptr + t).to(tl.int64)   # NOTE: int64: e * stride_we > 2^31
+
+
+@triton.jit
+def _slot(order_ptr, p, SLOTS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The (token, k) slot of sorted row p (in range)."""
+    if SLOTS:
+        slot = p
+    else:
+        slot = tl.load(order_ptr + p)
+    return slot
+
+
+@triton.jit
+def _col_rows(start, count, g):  # type: ignore[no-untyped-def]
+    """The sorted row of MMA column g (tile row g; past the tile's end its last row: loads stay
+    in range, and those columns are never stored)."""
+    return (start + tl.minimum(g, count - 1)).to(tl.int64)
+
+
+@triton.jit
 def _zeros(WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
     z = tl.zeros((WK, WN, 8, 4), dtype=tl.float32)
     return z, z, z, z
 
 
 @triton.jit
-def _out_index(WN: tl.constexpr):  # type: ignore[no-untyped-def]
-    """[WN, 8, 4] (row offset in the program's block, is the quad's first lane) after the sum
-    over the warp axis: rows 16 wn + g (c0) and + 8 (c2)."""
+def _output(c, IDX: tl.constexpr, start, count, OUT,  # type: ignore[no-untyped-def]
+            WN: tl.constexpr):
+    """Output IDX = 0..3 of the lanes after the sum over the K warps, [WN, 8, 4] each: (value,
+    sorted row, output column, mask) of c0 .. c3 = D[g, 2q], D[g, 2q + 1], D[g + 8, 2q],
+    D[g + 8, 2q + 1] (D's column n is tile row n)."""
     wn = tl.arange(0, WN)[:, None, None]
     g = tl.arange(0, 8)[None, :, None]
     q = tl.arange(0, 4)[None, None, :]
-    return 16 * wn + g + 0 * q, q == 0
+    n = 2 * q + IDX % 2
+    col = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g + 8 * (IDX // 2)
+    return tl.sum(c, axis=0), start + tl.minimum(n, count - 1), col, (n < count) & (col < OUT)
 
 
 @triton.jit
@@ -266,97 +311,97 @@ def _paired(n):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rw_ptr, exp_ptr, K, INTER, limit,
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rw_ptr, order_ptr, t_start_ptr, t_end_ptr,
+    exp_ptr, K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, ASM: tl.constexpr,
-    LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
-    """h[slot, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program
-    (slot, block of 16 WN rows of I)."""
+    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
+    ASM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
+    block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    slot = tl.program_id(0)
-    e = tl.load(exp_ptr + slot).to(tl.int64)    # NOTE: int64: e * stride_we passes 2^31
-    wk, q, lo, hi = _rows(INTER, WK, WN)
-    x_row = x_ptr.to(tl.pointer_type(tl.uint32)) + (slot // TOPK).to(tl.int64) * (stride_x // 2)
-    acc_g = _zeros(WK, WN)
-    acc_u = _zeros(WK, WN)
-    for s in range(0, tl.cdiv(K, _STEP * WK)):
-        k, ok = _lane_k(s, wk, q, K, WK)
-        b = _b_regs(x_row, k, False, ASM)
-        acc_g = _matrix_step(acc_g, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, stride_we, stride_wn,
-                             stride_se, stride_sn, ASM)
-        acc_u = _matrix_step(acc_u, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, stride_we, stride_wn,
-                             stride_se, stride_sn, ASM)
-    off, first = _out_index(WN)
-    rows = tl.program_id(1) * (_ROWS * WN) + off
-    rw = tl.load(rw_ptr + slot)
-    h_row = h_ptr + slot.to(tl.int64) * stride_h
-    for half in tl.static_range(2):            # c0: row g; c2: row g + 8
-        gate = tl.sum(acc_g[2 * half], axis=0)
-        up = tl.sum(acc_u[2 * half], axis=0)
-        h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
-        r = rows + 8 * half
-        tl.store(h_row + _paired(r), h.to(h_ptr.dtype.element_ty), mask=first & (r < INTER))
+    start, count, e = _tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
+    if count > 0:
+        wk, g, q, lo, hi = _rows(INTER, WK, WN)
+        token = _slot(order_ptr, _col_rows(start, count, g), SLOTS) // TOPK
+        x_row = x_ptr.to(tl.pointer_type(tl.uint32)) + token * (stride_x // 2)
+        acc_g = _zeros(WK, WN)
+        acc_u = _zeros(WK, WN)
+        for s in range(0, tl.cdiv(K, _STEP * WK)):
+            k, ok = _lane_k(s, wk, q, K, WK)
+            b = _b_regs(x_row, k, False, ASM)
+            acc_g = _matrix_step(acc_g, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, stride_we,
+                                 stride_wn, stride_se, stride_sn, ASM)
+            acc_u = _matrix_step(acc_u, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, stride_we,
+                                 stride_wn, stride_se, stride_sn, ASM)
+        for i in tl.static_range(4):
+            gate, p, col, mask = _output(acc_g[i], i, start, count, INTER, WN)
+            up = tl.sum(acc_u[i], axis=0)
+            rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
+            h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
+            tl.store(h_ptr + p.to(tl.int64) * stride_h + _paired(col),
+                     h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _down_frag_kernel(  # type: ignore[no-untyped-def]
-    h_ptr, w_ptr, s_ptr, out_ptr, exp_ptr, K, D,
+    h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, exp_ptr, K, D,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, ASM: tl.constexpr,
-    ATOMIC: tl.constexpr, PDL: tl.constexpr):
-    """y = h[slot] w2^T for program (slot, block of 16 WN rows of d): stored at the slot's row, or
+    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
+    ASM: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
+    """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
     added into its token's (ATOMIC)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    slot = tl.program_id(0)
-    e = tl.load(exp_ptr + slot).to(tl.int64)
-    wk, q, lo, hi = _rows(D, WK, WN)
-    h_row = h_ptr.to(tl.pointer_type(tl.uint32)) + slot.to(tl.int64) * (stride_h // 2)
-    acc = _zeros(WK, WN)
-    for s in range(0, tl.cdiv(K, _STEP * WK)):
-        k, ok = _lane_k(s, wk, q, K, WK)
-        b = _b_regs(h_row, k, True, ASM)
-        acc = _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b, stride_we, stride_wn,
-                           stride_se, stride_sn, ASM)
-    off, first = _out_index(WN)
-    rows = tl.program_id(1) * (_ROWS * WN) + off
-    dest = (slot // TOPK) if ATOMIC else slot
-    out_row = out_ptr + dest.to(tl.int64) * stride_o
-    for half in tl.static_range(2):
-        y = tl.sum(acc[2 * half], axis=0)
-        r = rows + 8 * half
-        if ATOMIC:
-            tl.atomic_add(out_row + r, y, mask=first & (r < D))
-        else:
-            tl.store(out_row + r, y, mask=first & (r < D))
+    start, count, e = _tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
+    if count > 0:
+        wk, g, q, lo, hi = _rows(D, WK, WN)
+        h_row = (h_ptr.to(tl.pointer_type(tl.uint32))
+                 + _col_rows(start, count, g) * (stride_h // 2))
+        acc = _zeros(WK, WN)
+        for s in range(0, tl.cdiv(K, _STEP * WK)):
+            k, ok = _lane_k(s, wk, q, K, WK)
+            b = _b_regs(h_row, k, True, ASM)
+            acc = _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b, stride_we, stride_wn,
+                               stride_se, stride_sn, ASM)
+        for i in tl.static_range(4):
+            y, p, col, mask = _output(acc[i], i, start, count, D, WN)
+            slot = _slot(order_ptr, p, SLOTS)
+            if ATOMIC:
+                tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
+            else:
+                tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
 
 
 def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
                   s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, indices: torch.Tensor,
-                  rw: torch.Tensor, limit: float, topk: int, deterministic: bool, plan: MoePlan,
-                  asm: bool) -> torch.Tensor:
+                  tiles: TileMap | None, rw: torch.Tensor, limit: float, topk: int,
+                  deterministic: bool, plan: MoePlan, asm: bool) -> torch.Tensor:
     """The frag loop's gate/up and down launches (`moe.py::_launch` contract): FP4 codes as
     uint8, w1 / w3 (s1 / s3) sharing strides, x bf16; [N, d] fp32 out (deterministic: the
-    [N*k, d] rows that the combine sums over k in a fixed order). asm: the inline PTX (GPU)."""
+    [N*k, d] rows that the combine sums over k in a fixed order). tiles: the tile map of
+    BLOCK_M 8 (up to 8 rows of one expert share each MMA), or None (BLOCK_M 1: program t is slot
+    t, its expert read from indices). asm: the inline PTX (GPU)."""
     assert x.dtype == torch.bfloat16, "the frag loop feeds bf16 activations to the MMA"
     flat = indices.reshape(-1)
+    slots = tiles is None
+    order, t_start, t_end, t_exp = (flat, flat, flat, flat) if tiles is None else tiles
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
     wk, wn = frag_warps(plan.gate_up.block_n, plan.gate_up.num_warps)
-    _gate_up_frag_kernel[(nk, triton.cdiv(inter, ROWS * wn))](
-        x, w1, w3, s1, s3, h, rw, flat, d, inter, float(limit),
+    _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
+        x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        TOPK=topk, WK=wk, WN=wn, ASM=asm, LIBDEVICE=asm, num_warps=wk * wn,
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, ASM=asm, LIBDEVICE=asm, num_warps=wk * wn,
         **pdl_args(x.device),
     )
     dest = (torch.zeros(nk // topk, d, dtype=torch.float32, device=x.device)
             if not deterministic else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
-    _down_frag_kernel[(nk, triton.cdiv(d, ROWS * wn))](
-        h, w2, s2, dest, flat, inter, d,
+    _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
+        h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        TOPK=topk, WK=wk, WN=wn, ASM=asm, ATOMIC=not deterministic, num_warps=wk * wn,
-        **pdl_args(h.device),
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, ASM=asm, ATOMIC=not deterministic,
+        num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

@@ -13,16 +13,20 @@ weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V
 BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
 "dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
 model; the others run fp32 dots for them, exact).
-"frag" (`moe_frag.py`: FP4 decoded into mma.sync register fragments, one slot per program) is
-FP4's default for bf16 activations while the mean rows per expert is at most `fma_rows` (default
-FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row tl.dot tile would hold ~1 real row), from shapes
-only; "fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) there for fp32 / fp16
-activations or the fma knobs (block_m 2 / 4, block_k, stages, prefetch). On the H200 at
-V4-Flash's experts FP4 frag is 1.1-1.2x faster than fma at N = 1 and 8, and fma 2-3x faster than
-"words" at N = 1 to 32, while FP8's fma ties "scaled", so FP8 keeps "scaled"
-(benchmarks/results/quant_moe_h200_202612.md). Its tiles are fixed (`_plan_fma`: BLOCK_M 1,
-BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage, no register prefetch), the same
-at every N; `prefetch=True` issues each K step's next loads first (a knob: no faster there).
+"frag" (`moe_frag.py`: FP4 decoded into mma.sync register fragments) is FP4's default for bf16
+activations while the mean rows per expert is at most `frag_rows` (default FRAG_MAX_MEAN_ROWS =
+16: V4-Flash up to N = 682 at k 6), from shapes only: one slot per program (BLOCK_M 1, no tile
+map) below FRAG_TILE_MEAN_ROWS = 1/2 row per expert, then tiles of up to FRAG_TILE_M = 8 rows of
+one expert sharing each MMA (its 8 columns); both give a row the same bits. "fma" (`moe_fma.py`:
+FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default for fp32 / fp16 activations or the fma
+knobs (block_m 2 / 4, block_k, stages, prefetch) while the mean rows per expert is at most
+`fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row tl.dot tile would hold ~1
+real row). On the H200 at V4-Flash's experts FP4 frag is 1.1-1.2x faster than fma at N = 1 and 8
+and 2.3x faster than "words" at N = 128; fma is 2-3x faster than "words" at N = 1 to 32, while
+FP8's fma ties "scaled", so FP8 keeps "scaled" (benchmarks/results/quant_moe_h200_202612.md).
+The fma tiles are fixed (`_plan_fma`: BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row,
+4 warps, 1 stage, no register prefetch), the same at every N; `prefetch=True` issues each K
+step's next loads first (a knob: no faster there).
 SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8 instructions per weight byte, FP8 ~3.4.
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
@@ -71,6 +75,9 @@ FMA_WARPS = 4
 FMA_PREFETCH = False
 FRAG_STEP = 128              # "frag": k per warp K step (a quad's 4 lanes x 32-k groups)
 FRAG_ROWS = 16               # "frag": weight rows per warp (the m of m16n8k16)
+FRAG_MAX_MEAN_ROWS = 16.0    # default loop "frag" (FP4, bf16 x) while nk <= this * num_experts
+FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M FRAG_TILE_M (a tile map) from nk >= this * E
+FRAG_TILE_M = 8
 FRAG_GATE_UP = (16, 4)       # "frag" (block_n, warps): 16 rows per program, 4 warps split K
 FRAG_DOWN = (16, 2)          # ... the down launch: 2 warps split K
 PROGRAMS_PER_SM = 4
@@ -108,11 +115,12 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
              num_experts: int, inter: int, d: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: bool | None = None,
-             fma_rows: float = FMA_MAX_MEAN_ROWS, act_quant: bool = False,
-             max_regs: int | None = None) -> MoePlan:
+             fma_rows: float = FMA_MAX_MEAN_ROWS, frag_rows: float = FRAG_MAX_MEAN_ROWS,
+             act_quant: bool = False, max_regs: int | None = None) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
-    a knob given (not None) is used as is, after validation. `fma_rows`: the mean rows per expert
-    up to which FP4 defaults to "fma". `act_quant`: FP8 activations (the only loop: "w8a8").
+    a knob given (not None) is used as is, after validation. `frag_rows` / `fma_rows`: the mean
+    rows per expert up to which FP4 defaults to "frag" (bf16 x) / "fma" (other x). `act_quant`:
+    FP8 activations (the only loop: "w8a8").
     `max_regs` ("w8a8" only): a register cap per thread (two CTAs of 8 warps per SM at 128)."""
     if act_quant or variant == "w8a8":
         return _plan_w8a8(fmt, variant, act_quant, nk, num_experts, block_m, block_n, block_k,
@@ -121,11 +129,16 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
         raise ValueError(f"max_regs is a knob of variant 'w8a8'; got variant {variant!r}")
     name = _variant(fmt, variant, x_dtype)
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
-    if (variant is None and fmt == "fp4" and nk <= fma_rows * num_experts
+    frag_knobs = block_m in (None, 1, 8) and block_k is None and num_stages is None
+    if (variant is None and fmt == "fp4" and x_dtype == torch.bfloat16 and frag_knobs
+            and not prefetch and nk <= frag_rows * num_experts):
+        name = "frag"
+    elif (variant is None and fmt == "fp4" and nk <= fma_rows * num_experts
             and block_m in (None, 1, 2, 4) and fits):
-        frag_knobs = block_m in (None, 1) and block_k is None and num_stages is None
-        name = "frag" if x_dtype == torch.bfloat16 and frag_knobs and not prefetch else "fma"
+        name = "fma"
     if name == "frag":
+        if block_m is None:
+            block_m = FRAG_TILE_M if nk >= FRAG_TILE_MEAN_ROWS * num_experts else 1
         return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch)
     if name == "fma":
         if not fits:
@@ -179,15 +192,16 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
 
 def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
                num_warps: int | None, num_stages: int | None, prefetch: bool | None) -> MoePlan:
-    """The frag loop (`moe_frag.py`): one slot per program, BLOCK_N = 16 x WN rows, num_warps =
-    WK x WN (WK warps split the K steps); no BLOCK_M, BLOCK_K, stages or prefetch knobs. The
+    """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map) or 8 (a tile
+    of up to 8 rows of one expert, the MMA's 8 columns), BLOCK_N = 16 x WN rows, num_warps =
+    WK x WN (WK warps split the K steps); no BLOCK_K, stages or prefetch knobs. The
     tiles are fixed at every N (WK orders a row's sum): gate/up FRAG_GATE_UP, down FRAG_DOWN, the
     fastest of the H200 sweep at N = 1 and 8 (benchmarks/results/quant_moe_h200_202612.md); a
     knob pins both launches."""
-    if block_m not in (None, 1) or block_k not in (None, FRAG_STEP) or num_stages not in (None, 1) \
-            or prefetch:
-        raise ValueError(f"variant 'frag' takes block_m 1, block_k {FRAG_STEP}, one stage and no "
-                         f"prefetch; got {block_m}, {block_k}, {num_stages}, {prefetch}")
+    if block_m not in (None, 1, 8) or block_k not in (None, FRAG_STEP) \
+            or num_stages not in (None, 1) or prefetch:
+        raise ValueError(f"variant 'frag' takes block_m 1 or 8, block_k {FRAG_STEP}, one stage and "
+                         f"no prefetch; got {block_m}, {block_k}, {num_stages}, {prefetch}")
     launches = []
     for default_bn, default_warps in (FRAG_GATE_UP, FRAG_DOWN):
         bn, warps = block_n or default_bn, num_warps or default_warps
@@ -195,7 +209,7 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
         if warps > 16:
             raise ValueError(f"variant 'frag' takes at most 16 warps; got {warps}")
         launches.append(Launch(bn, warps))
-    return MoePlan(VARIANTS["frag"], 1, FRAG_STEP, 1, launches[0], launches[1])
+    return MoePlan(VARIANTS["frag"], block_m or 1, FRAG_STEP, 1, launches[0], launches[1])
 
 
 def frag_warps(block_n: int, num_warps: int) -> tuple[int, int]:
