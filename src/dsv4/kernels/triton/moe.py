@@ -24,9 +24,10 @@ scales are exact wherever they are applied: FP8's 128x128 block scale multiplies
 elements (default loop "scaled": the whole tile decoded, one dot per K tile), or into the product
 per group ("split", the first loop), or left to `tl.dot_scaled` ("dot_scaled"). The inner loops
 live in `moe_decode.py`; which loop and which tiles a call uses, in `moe_plan.py` (`variant=` and
-the block knobs pin them). At decode (N*k <= E rows) FP4 with bf16 x defaults to "frag"
-(`moe_frag.py`: the words decoded straight into mma.sync fragments, one slot per program, no tile
-map, no copy of x); otherwise the quantised formats default to "fma" (`moe_fma.py`): no tl.dot,
+the block knobs pin them). FP4 with bf16 x defaults to "frag" up to 16 rows per expert
+(`moe_frag.py`: the words decoded straight into mma.sync fragments; one slot per program and no
+tile map below 1/2 row per expert, then tiles of 8 rows; no copy of x); at decode (N*k <= E rows)
+the other quantised cases default to "fma" (`moe_fma.py`): no tl.dot,
 the weights decoded in their load layout and multiplied on the CUDA cores, BLOCK_M 1..4; its own
 two kernels, with the same epilogues and the same tile map (none at BLOCK_M 1: one program row
 per slot), after a reordered fp32 copy of x (`fma_activations`).

@@ -1,12 +1,12 @@
 """The routed experts' "frag" loop (kernels/triton/moe.py): FP4 weights decoded in registers
-straight into mma.sync A fragments, one (token, k) slot per program, no shared memory.
+straight into mma.sync A fragments, no shared memory; up to 8 rows of one expert per program.
 
 Why: at decode each expert holds ~1 row, and the "fma" loop (`moe_fma.py`) spends ~3.6 CUDA-core
 instructions per weight (decode ~2.6, one FFMA); its kernels issue on about half their cycles and
 run at 2.2x their byte floor (benchmarks/results/quant_moe_h200_202612.md). Here a pair of weights
-costs ~4 instructions (the shift / mask decode and one `mul.rn.bf16x2` by the group scale of
-`moe_fp4.py::word_pairs`) and the multiply-adds run on the tensor cores: one m16n8k16 per 256
-weights of a warp, its 8 columns all the token's (7 of them redundant; the instruction is cheap).
+costs ~4 instructions (one AND, one multiply and one AND place both nibbles: `moe_fp4.py`'s bias
+trick; then one `mul.rn.bf16x2` by the group scale) and the multiply-adds run on the tensor
+cores: one m16n8k16 per 256 weights of a warp, whose 8 columns are up to 8 rows of the expert.
 
 Fragments, read from the checkpoint's layout as it is (no re-layout; byte j of a row holds
 k = 2j, 2j + 1). A warp owns 16 weight rows; lane (g, q) = (lane / 4, lane % 4) holds rows g and
@@ -16,24 +16,28 @@ and one scale code per row. Word w of that group (k = 8w .. 8w + 7) decodes into
 (nibble r of both halves: k = 8w + r, 8w + r + 4), scaled by the group factor; pairs 0, 1 feed one
 mma (a0 / a2 from row g, a1 / a3 from row g + 8) and pairs 2, 3 a second one. An MMA's 16 k slots
 are thus 4 lanes x 4 k of 4 different groups: the dot product does not care which k sits in which
-slot as long as B holds the same activations there, so lane (g, q) builds its B registers from the
-same k: the activations x[k0 + 32q ..] as bf16 words, repacked into the pairs (k, k + 4) (the
-token's row for every g, so all 8 columns of D are equal). D's c0 / c2 are then the partial sums of
-rows g / g + 8, the same in the quad's 4 lanes.
+slot as long as B holds the same activations there, so lane (g, q) builds its B registers (column
+g) from the same k: the activations x[k0 + 32q ..] of tile row g as bf16 words, repacked into the
+pairs (k, k + 4) (h: written in that order by the gate/up epilogue). D's c0 / c1 are then rows g's
+partial sums for tile rows 2q / 2q + 1, c2 / c3 row g + 8's.
 
-A program is WK x WN warps: WN row blocks of 16 (BLOCK_N = 16 WN) times WK warps splitting the K
-steps (warp wk takes steps wk, wk + WK, ...: neighbouring warps read neighbouring bytes), summed
-across warps (`tl.sum` over the warp axis) before the epilogue. Every tensor is [WK, WN, 8, 4]
-(or broadcast to it), one element per thread: Triton's default layout puts lane 4g + q at
-[., ., g, q] and the warps on the first two axes, which is what the inline-PTX mma assumes (no
-load or store anchors another layout before the sum; `benchmarks/aot_compile_sm90.py` shows the
-layouts; the GPU parity tests check the products).
+A program is one (token, k) slot (BLOCK_M 1: no tile map; every column is the slot's row and the
+7 copies are never stored) or one tile of the tile map (BLOCK_M 8: up to 8 sorted rows of one
+expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps: WN row
+blocks of 16 (BLOCK_N = 16 WN) and WK warps splitting the K steps (warp wk takes steps wk,
+wk + WK, ...: neighbouring warps read neighbouring bytes), summed across warps (`tl.sum` over the
+warp axis) before the epilogue. Every tensor is [WK, WN, 8, 4] (or broadcast to it), one element
+per thread: Triton's default layout puts lane 4g + q at [., ., g, q] and the warps on the first
+two axes, which is what the inline-PTX mma assumes (no load or store anchors another layout before
+the sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the
+products).
 
 Bits: a row's sum runs over fixed steps, lanes and MMA slots that depend only on (K, WK), never on
-N or the other rows, so a token's output does not depend on its batch. The gate/up epilogue writes
-h = swiglu(g, u) * w rounded to bf16 in its natural order; the down launch reads it as it reads x.
-Without the inline PTX (the interpreter) the same fragments are formed and the MMA is emulated in
-fp32 (the quad's sum by `tl.sum` over q): the same values up to fp32 summation order.
+N, BLOCK_M or the other columns (an MMA column's sum never sees the others), so a token's output
+does not depend on its batch. The gate/up epilogue writes h = swiglu(g, u) * w rounded to bf16
+(row: the sorted row; BLOCK_M 1: the slot). Without the inline PTX (the interpreter) the same
+fragments are formed and the MMA is emulated in fp32 (`_cols`): the same values up to fp32
+summation order.
 """
 
 from __future__ import annotations
