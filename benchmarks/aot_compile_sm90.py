@@ -156,7 +156,8 @@ def moe_fma_variants() -> Iterator[Variant]:
 
 def moe_frag_variants() -> Iterator[Variant]:
     """The "frag" loop (`moe_frag.py`, FP4 decoded into mma.sync fragments) at WK x WN warps =
-    (1, 1), (2, 1), (4, 1), (2, 2) and BLOCK_M 1 (slots) or 8 (tile map), as BLOCK_M x BLOCK_N;
+    (1, 1), (2, 1), (4, 1), (2, 2) and BLOCK_M 1 (slots), 8 or 16 (tile map), as BLOCK_M x
+    BLOCK_N;
     the label ends with the bytes of one matrix a thread decodes
     per K step (64: two 16-byte groups... of 2 rows)."""
     from dsv4.kernels.triton import moe_frag
@@ -168,10 +169,11 @@ def moe_frag_variants() -> Iterator[Variant]:
     types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
                                           "stride_wn", "stride_se", "stride_sn", "stride_h",
                                           "stride_o")}
-    for wk, wn, slots in ((1, 1, True), (2, 1, True), (4, 1, True), (2, 2, True),
-                          (4, 1, False), (2, 1, False)):
-        consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": slots, "ASM": True}
-        label = f"fp4 frag {'1' if slots else '8'}x{16 * wn} wk{wk} 32B"
+    for wk, wn, bm in ((1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 8), (2, 1, 8),
+                       (4, 1, 16), (2, 1, 16)):
+        consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
+                  "ASM": True}
+        label = f"fp4 frag {bm}x{16 * wn} wk{wk} 32B"
         options = {"num_warps": wk * wn}
         yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
                {**consts, "LIBDEVICE": True}, options)

@@ -90,12 +90,15 @@ SWEEP: dict[str, list[Config]] = {
                 (16, 256, 4, 1, True), (64, 256, 8, 1, True), (32, 512, 4, 1, True),
                 (64, 128, 4, 1, True)],
     # the frag loop (FP4 into mma.sync fragments): block_n = 16 x warps across N, the other
-    # warps split K; the 6th entry block_m 8 (a tile map, up to 8 rows of an expert per MMA)
+    # warps split K; the 6th entry block_m 8 / 16 (a tile map, up to 8 rows of an expert per
+    # MMA, one or two MMAs per A fragment)
     "fp4/frag": [(16, None, 1, None, None), (16, None, 2, None, None), (16, None, 8, None, None),
                  (32, None, 2, None, None), (32, None, 4, None, None), (32, None, 8, None, None),
                  (64, None, 4, None, None), (16, None, 16, None, None),
                  (16, None, 4, None, None, 8), (16, None, 2, None, None, 8),
-                 (32, None, 4, None, None, 8), (16, None, 8, None, None, 8)],
+                 (32, None, 4, None, None, 8), (16, None, 8, None, None, 8),
+                 (16, None, 4, None, None, 16), (16, None, 2, None, None, 16),
+                 (32, None, 4, None, None, 16)],
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }

@@ -50,18 +50,20 @@ def test_frag_ragged(N: int, block_n: int, warps: int) -> None:
 
 
 def test_frag_tiles() -> None:
-    """BLOCK_M 8 (the tile map; each MMA's 8 columns are up to 8 rows of one expert): E 4, k 2,
-    9 tokens all on expert 1 (9 rows: a full tile and one of 1), the rest spread; d = I = 64 (half
-    a K step). Against the reference, and the rows' bits equal to BLOCK_M 1's (the same MMAs in
-    the same order: a column's sum never sees the others)."""
+    """BLOCK_M 8 and 16 (the tile map; each MMA's 8 columns are up to 8 rows of one expert, two
+    MMAs per A fragment at 16): E 4, k 2, 9 tokens all on expert 1 (9 rows: at 8 a full tile and
+    one of 1; at 16 one tile whose second column set holds 1 row), the rest spread; d = I = 64
+    (half a K step). Against the reference, and the rows' bits equal to BLOCK_M 1's (the same
+    MMAs in the same order: a column's sum never sees the others)."""
     wts = make_weights(4, 64, 64, "fp4", seed=29)
     idx, rw = make_routing(9, 4, 2, seed=29, hot=1)
     x = randn(9, 64, seed=9).to(torch.bfloat16)
     kw = {"variant": "frag", "block_n": 32, "num_warps": 4}
-    tiles = check(x, wts, idx, rw, 10.0, "fp4", block_m=8, deterministic=True, **kw)
     slots = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
                                         block_m=1, deterministic=True, **kw)
-    assert torch.equal(tiles, slots)
+    for block_m in (8, 16):
+        tiles = check(x, wts, idx, rw, 10.0, "fp4", block_m=block_m, deterministic=True, **kw)
+        assert torch.equal(tiles, slots)
 
 
 def test_frag_plan() -> None:
@@ -77,7 +79,7 @@ def test_frag_plan() -> None:
     assert plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096,
                     block_m=8).block_m == 8
     for kw in ({"block_n": 24}, {"block_n": 64, "num_warps": 2}, {"num_warps": 3},
-               {"block_m": 16}, {"block_k": 256}, {"prefetch": True}, {"num_warps": 32}):
+               {"block_m": 4}, {"block_k": 256}, {"prefetch": True}, {"num_warps": 32}):
         with pytest.raises(ValueError, match="frag"):
             plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, **kw)  # type: ignore[arg-type]
     for fmt, dtype in (("fp8", torch.bfloat16), ("fp4", torch.float32)):
@@ -108,11 +110,12 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int, block_n: int,
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [8, 32, 128, 512])
 def test_flash_frag_tiles(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
-    """BLOCK_M 8 on the GPU: against the reference, and the same bits as BLOCK_M 1 (the inline
-    MMA's columns are independent)."""
+    """BLOCK_M 8 and 16 on the GPU: against the reference, and the same bits as BLOCK_M 1 (the
+    inline MMA's columns are independent)."""
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 1)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
     kw = {"variant": "frag", "deterministic": True}
-    tiles = check(x, flash_fp4, idx, rw, 10.0, "fp4", block_m=8, **kw)
     slots = triton_routed_experts_quant(x, *flash_fp4, idx, rw, 10.0, "fp4", block_m=1, **kw)  # type: ignore[arg-type]
-    assert torch.equal(tiles, slots)
+    for block_m in (8, 16):
+        assert torch.equal(check(x, flash_fp4, idx, rw, 10.0, "fp4", block_m=block_m, **kw),
+                           slots)

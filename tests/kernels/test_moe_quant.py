@@ -258,11 +258,12 @@ def test_plan() -> None:
     for dtype, name in ((torch.bfloat16, "frag"), (torch.float32, "fma")):
         plans = [plan_moe("fp4", None, dtype, cpu, nk, 256, 2048, 4096) for nk in (6, 96)]
         assert plans[0] == plans[1] and (plans[0].variant, plans[0].block_m) == (VARIANTS[name], 1)
-    # frag: tiles of 8 rows from 1/2 row per expert, up to 16 rows per expert; the same launches
+    # frag: tiles of 8 rows from 1/2 row per expert, of 16 from 8, up to 16 rows per expert; the
+    # same launches
     slots = plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096)
-    for nk in (128, 4096):
+    for nk, bm in ((128, 8), (2047, 8), (2048, 16), (4096, 16)):
         p = plan_moe("fp4", None, torch.bfloat16, cpu, nk, 256, 2048, 4096)
-        assert (p.variant, p.block_m, p.gate_up, p.down) == (VARIANTS["frag"], 8, slots.gate_up,
+        assert (p.variant, p.block_m, p.gate_up, p.down) == (VARIANTS["frag"], bm, slots.gate_up,
                                                              slots.down)
     assert plan_moe("fp4", None, torch.bfloat16, cpu, 4097, 256, 2048, 4096).variant == \
         plan_moe("fp4", None, torch.float32, cpu, 257, 256, 2048, 4096).variant == \

@@ -214,10 +214,12 @@ def _mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unt
 
 
 @triton.jit
-def _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b,  # type: ignore[no-untyped-def]
-                 stride_we, stride_wn, stride_se, stride_sn, ASM: tl.constexpr):
-    """acc + one K step of one weight matrix: the lane's group at k of rows lo / hi (clamped in
-    range), 8 MMAs with the B registers b (`_b_regs`)."""
+def _matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
+                 b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
+                 ASM: tl.constexpr):
+    """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
+    (clamped in range), 8 MMAs with the B registers b (`_b_regs`: columns 0..7) and, with NT 2,
+    8 more with b2 (columns 8..15) on the same A fragments."""
     base = w_ptr + e * stride_we
     wl0, wl1, wl2, wl3 = _ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
                               ASM)
@@ -234,7 +236,11 @@ def _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b,  # type: ignore[no-unty
         bw = b[w]
         acc = _mma(acc, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
         acc = _mma(acc, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
-    return acc
+        if NT == 2:
+            bw = b2[w]
+            acc2 = _mma(acc2, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
+            acc2 = _mma(acc2, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
+    return acc, acc2
 
 
 @triton.jit
@@ -319,7 +325,7 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     exp_ptr, K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
-    ASM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
@@ -327,24 +333,30 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     start, count, e = _tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     if count > 0:
         wk, g, q, lo, hi = _rows(INTER, WK, WN)
-        token = _slot(order_ptr, _col_rows(start, count, g), SLOTS) // TOPK
-        x_row = x_ptr.to(tl.pointer_type(tl.uint32)) + token * (stride_x // 2)
-        acc_g = _zeros(WK, WN)
-        acc_u = _zeros(WK, WN)
+        x_u32 = x_ptr.to(tl.pointer_type(tl.uint32))
+        x_row = x_u32 + _slot(order_ptr, _col_rows(start, count, g), SLOTS) // TOPK * (
+            stride_x // 2)
+        x_row2 = x_u32 + _slot(order_ptr, _col_rows(start, count, g + 8), SLOTS) // TOPK * (
+            stride_x // 2)
+        acc_g, acc_g2 = _zeros(WK, WN), _zeros(WK, WN)
+        acc_u, acc_u2 = _zeros(WK, WN), _zeros(WK, WN)
         for s in range(0, tl.cdiv(K, _STEP * WK)):
             k, ok = _lane_k(s, wk, q, K, WK)
             b = _b_regs(x_row, k, False, ASM)
-            acc_g = _matrix_step(acc_g, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, stride_we,
-                                 stride_wn, stride_se, stride_sn, ASM)
-            acc_u = _matrix_step(acc_u, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, stride_we,
-                                 stride_wn, stride_se, stride_sn, ASM)
-        for i in tl.static_range(4):
-            gate, p, col, mask = _output(acc_g[i], i, start, count, INTER, WN)
-            up = tl.sum(acc_u[i], axis=0)
-            rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
-            h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
-            tl.store(h_ptr + p.to(tl.int64) * stride_h + _paired(col),
-                     h.to(h_ptr.dtype.element_ty), mask=mask)
+            b2 = _b_regs(x_row2, k, False, ASM) if NT == 2 else b
+            acc_g, acc_g2 = _matrix_step(acc_g, acc_g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2,
+                                         stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
+            acc_u, acc_u2 = _matrix_step(acc_u, acc_u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2,
+                                         stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
+        for j in tl.static_range(NT):          # column set j: tile rows 8j ..
+            for i in tl.static_range(4):
+                gate, p, col, mask = _output((acc_g, acc_g2)[j][i], i, start + 8 * j,
+                                             count - 8 * j, INTER, WN)
+                up = tl.sum((acc_u, acc_u2)[j][i], axis=0)
+                rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
+                h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
+                tl.store(h_ptr + p.to(tl.int64) * stride_h + _paired(col),
+                         h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -352,7 +364,7 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, exp_ptr, K, D,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
-    ASM: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
+    NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
     added into its token's (ATOMIC)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
@@ -360,21 +372,25 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     start, count, e = _tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     if count > 0:
         wk, g, q, lo, hi = _rows(D, WK, WN)
-        h_row = (h_ptr.to(tl.pointer_type(tl.uint32))
-                 + _col_rows(start, count, g) * (stride_h // 2))
-        acc = _zeros(WK, WN)
+        h_u32 = h_ptr.to(tl.pointer_type(tl.uint32))
+        h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
+        h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
+        acc, acc2 = _zeros(WK, WN), _zeros(WK, WN)
         for s in range(0, tl.cdiv(K, _STEP * WK)):
             k, ok = _lane_k(s, wk, q, K, WK)
             b = _b_regs(h_row, k, True, ASM)
-            acc = _matrix_step(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b, stride_we, stride_wn,
-                               stride_se, stride_sn, ASM)
-        for i in tl.static_range(4):
-            y, p, col, mask = _output(acc[i], i, start, count, D, WN)
-            slot = _slot(order_ptr, p, SLOTS)
-            if ATOMIC:
-                tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
-            else:
-                tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
+            b2 = _b_regs(h_row2, k, True, ASM) if NT == 2 else b
+            acc, acc2 = _matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we,
+                                     stride_wn, stride_se, stride_sn, NT, ASM)
+        for j in tl.static_range(NT):
+            for i in tl.static_range(4):
+                y, p, col, mask = _output((acc, acc2)[j][i], i, start + 8 * j, count - 8 * j, D,
+                                          WN)
+                slot = _slot(order_ptr, p, SLOTS)
+                if ATOMIC:
+                    tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
+                else:
+                    tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
 
 
 def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
@@ -384,11 +400,13 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     """The frag loop's gate/up and down launches (`moe.py::_launch` contract): FP4 codes as
     uint8, w1 / w3 (s1 / s3) sharing strides, x bf16; [N, d] fp32 out (deterministic: the
     [N*k, d] rows that the combine sums over k in a fixed order). tiles: the tile map of
-    BLOCK_M 8 (up to 8 rows of one expert share each MMA), or None (BLOCK_M 1: program t is slot
-    t, its expert read from indices). asm: the inline PTX (GPU)."""
+    BLOCK_M 8 / 16 (up to 8 / 16 rows of one expert share each A fragment: one or two MMAs), or
+    None (BLOCK_M 1: program t is slot t, its expert read from indices). asm: the inline PTX
+    (GPU)."""
     assert x.dtype == torch.bfloat16, "the frag loop feeds bf16 activations to the MMA"
     flat = indices.reshape(-1)
     slots = tiles is None
+    nt = 1 if slots else plan.block_m // 8         # MMA column sets of 8 tile rows
     order, t_start, t_end, t_exp = (flat, flat, flat, flat) if tiles is None else tiles
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
@@ -396,7 +414,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, ASM=asm, LIBDEVICE=asm, num_warps=wk * wn,
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, num_warps=wk * wn,
         **pdl_args(x.device),
     )
     dest = (torch.zeros(nk // topk, d, dtype=torch.float32, device=x.device)
@@ -405,7 +423,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, ASM=asm, ATOMIC=not deterministic,
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic,
         num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

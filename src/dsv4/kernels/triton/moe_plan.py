@@ -16,8 +16,9 @@ model; the others run fp32 dots for them, exact).
 "frag" (`moe_frag.py`: FP4 decoded into mma.sync register fragments) is FP4's default for bf16
 activations while the mean rows per expert is at most `frag_rows` (default FRAG_MAX_MEAN_ROWS =
 16: V4-Flash up to N = 682 at k 6), from shapes only: one slot per program (BLOCK_M 1, no tile
-map) below FRAG_TILE_MEAN_ROWS = 1/2 row per expert, then tiles of up to FRAG_TILE_M = 8 rows of
-one expert sharing each MMA (its 8 columns); both give a row the same bits. "fma" (`moe_fma.py`:
+map) below FRAG_TILE_MEAN_ROWS = 1/2 row per expert, then tiles of up to 8 rows of one expert
+sharing each MMA (its 8 columns), from FRAG_WIDE_MEAN_ROWS = 8 tiles of 16 (two MMAs per decoded
+A fragment); all give a row the same bits. "fma" (`moe_fma.py`:
 FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default for fp32 / fp16 activations or the fma
 knobs (block_m 2 / 4, block_k, stages, prefetch) while the mean rows per expert is at most
 `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row tl.dot tile would hold ~1
@@ -76,8 +77,8 @@ FMA_PREFETCH = False
 FRAG_STEP = 128              # "frag": k per warp K step (a quad's 4 lanes x 32-k groups)
 FRAG_ROWS = 16               # "frag": weight rows per warp (the m of m16n8k16)
 FRAG_MAX_MEAN_ROWS = 16.0    # default loop "frag" (FP4, bf16 x) while nk <= this * num_experts
-FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M FRAG_TILE_M (a tile map) from nk >= this * E
-FRAG_TILE_M = 8
+FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M 8 (a tile map) from nk >= this * E
+FRAG_WIDE_MEAN_ROWS = 8.0    # ... and BLOCK_M 16 (two MMAs per A fragment) from this * E
 FRAG_GATE_UP = (16, 4)       # "frag" (block_n, warps): 16 rows per program, 4 warps split K
 FRAG_DOWN = (16, 2)          # ... the down launch: 2 warps split K
 PROGRAMS_PER_SM = 4
@@ -129,7 +130,7 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
         raise ValueError(f"max_regs is a knob of variant 'w8a8'; got variant {variant!r}")
     name = _variant(fmt, variant, x_dtype)
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
-    frag_knobs = block_m in (None, 1, 8) and block_k is None and num_stages is None
+    frag_knobs = block_m in (None, 1, 8, 16) and block_k is None and num_stages is None
     if (variant is None and fmt == "fp4" and x_dtype == torch.bfloat16 and frag_knobs
             and not prefetch and nk <= frag_rows * num_experts):
         name = "frag"
@@ -138,7 +139,8 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
         name = "fma"
     if name == "frag":
         if block_m is None:
-            block_m = FRAG_TILE_M if nk >= FRAG_TILE_MEAN_ROWS * num_experts else 1
+            mean = nk / num_experts
+            block_m = 16 if mean >= FRAG_WIDE_MEAN_ROWS else 8 if mean >= FRAG_TILE_MEAN_ROWS else 1
         return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch)
     if name == "fma":
         if not fits:
@@ -198,10 +200,11 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     tiles are fixed at every N (WK orders a row's sum): gate/up FRAG_GATE_UP, down FRAG_DOWN, the
     fastest of the H200 sweep at N = 1 and 8 (benchmarks/results/quant_moe_h200_202612.md); a
     knob pins both launches."""
-    if block_m not in (None, 1, 8) or block_k not in (None, FRAG_STEP) \
+    if block_m not in (None, 1, 8, 16) or block_k not in (None, FRAG_STEP) \
             or num_stages not in (None, 1) or prefetch:
-        raise ValueError(f"variant 'frag' takes block_m 1 or 8, block_k {FRAG_STEP}, one stage and "
-                         f"no prefetch; got {block_m}, {block_k}, {num_stages}, {prefetch}")
+        raise ValueError(f"variant 'frag' takes block_m 1, 8 or 16, block_k {FRAG_STEP}, one "
+                         f"stage and no prefetch; got {block_m}, {block_k}, {num_stages}, "
+                         f"{prefetch}")
     launches = []
     for default_bn, default_warps in (FRAG_GATE_UP, FRAG_DOWN):
         bn, warps = block_n or default_bn, num_warps or default_warps
