@@ -1,0 +1,188 @@
+"""One K step of the routed experts' "frag" loop in registers (kernels/triton/moe_frag.py, whose
+docstring has the fragment layout): the lane's vector loads, the B registers from bf16
+activation words, the FP4 words decoded into scaled bf16 pairs (A registers) and the m16n8k16 MMA
+as inline PTX, or, without it (the interpreter), the same fragments as fp32 pairs and the MMA
+emulated in fp32 (`_cols`). Every tensor is in the [WK, WN, 8, 4] lane grid, one element per
+thread.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ld4(ptr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The 4 uint32 words at ptr (16-byte aligned): one vector load per thread on the GPU."""
+    if ASM:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        w0, w1, w2, w3 = tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _scale_code(ptr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """One UE8M0 scale code as uint32 (an inline byte load on the GPU: no layout anchor)."""
+    if ASM:
+        c = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr],
+                                      dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        c = tl.load(ptr).to(tl.uint32)
+    return c
+
+
+@triton.jit
+def _f32(bits):  # type: ignore[no-untyped-def]
+    """The fp32 of the bf16 in the low 16 bits."""
+    return ((bits & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _b_word(x0, x1, x2, x3, PAIRED: tl.constexpr,  # type: ignore[no-untyped-def]
+            ASM: tl.constexpr):
+    """The B registers of one 8-k word: the pairs (r, r + 4), r = 0..3, as bf16x2 bits (GPU) or
+    (lo, hi) fp32. PAIRED: x0..x3 already are those pairs (h as the gate/up epilogue writes it);
+    else they are the activation words (0, 1) .. (6, 7), repacked (one `prmt` each on the GPU)."""
+    if PAIRED:
+        if ASM:
+            b = (x0, x1, x2, x3)
+        else:
+            b = ((_f32(x0), _f32(x0 >> 16)), (_f32(x1), _f32(x1 >> 16)),
+                 (_f32(x2), _f32(x2 >> 16)), (_f32(x3), _f32(x3 >> 16)))
+    elif ASM:
+        b = (_prmt_lo(x0, x2), _prmt_hi(x0, x2), _prmt_lo(x1, x3), _prmt_hi(x1, x3))
+    else:
+        b = ((_f32(x0), _f32(x2)), (_f32(x0 >> 16), _f32(x2 >> 16)),
+             (_f32(x1), _f32(x3)), (_f32(x1 >> 16), _f32(x3 >> 16)))
+    return b
+
+
+@triton.jit
+def _prmt_lo(a, b):  # type: ignore[no-untyped-def]
+    """(a.lo, b.lo) as 16-bit halves: one `prmt.b32`."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _prmt_hi(a, b):  # type: ignore[no-untyped-def]
+    """(a.hi, b.hi) as 16-bit halves: one `prmt.b32`."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The lane's B registers for its 32-k group at k (4 words x 4 pairs): the activations
+    x[k .. k + 32) of the row at row_ptr (uint32 words of bf16 pairs; `_b_word`)."""
+    p = row_ptr + k // 2
+    a0, a1, a2, a3 = _ld4(p, ASM)
+    a4, a5, a6, a7 = _ld4(p + 4, ASM)
+    a8, a9, a10, a11 = _ld4(p + 8, ASM)
+    a12, a13, a14, a15 = _ld4(p + 12, ASM)
+    return (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
+            _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
+
+
+@triton.jit
+def _a_word(w, code, ok, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The 4 scaled pairs of one weight word, nibble r of both 16-bit halves (k = r, r + 4), times
+    the group factor 2^(code - 1), as bf16x2 bits (GPU) or (lo, hi) fp32; the factor is 0 where
+    the lane's group is past K (not ok: w was read in range, so its values are finite).
+    Each pair: the nibbles isolated (one AND; the odd r from the word shifted by 8 once), one
+    multiply placing two copies of each (sign to bit 15 / 31, magnitude to bits 8..6 / 24..22:
+    v * 2^-126 as bf16, `moe_fp4.py`'s bias trick; the copies never overlap, so no carries) and
+    one AND; then one `mul.rn.bf16x2` by 2^(code - 1) (exact; code > 128 gives inf)."""
+    w8 = w >> 8
+    t = (_place(w & 0x000F000F, 12, 6), _place(w & 0x00F000F0, 8, 2),
+         _place(w8 & 0x000F000F, 12, 6), _place(w8 & 0x00F000F0, 8, 2))
+    if ASM:
+        f = (tl.minimum(code, 129) + 126) << 7
+        f2 = tl.where(ok, f | (f << 16), 0)
+        a = (_hmul2(t[0], f2), _hmul2(t[1], f2), _hmul2(t[2], f2), _hmul2(t[3], f2))
+    else:
+        f = tl.where(ok, ((tl.minimum(code, 129) + 126) << 23).to(tl.float32, bitcast=True), 0.0)
+        a = ((_f32(t[0]) * f, _f32(t[0] >> 16) * f), (_f32(t[1]) * f, _f32(t[1] >> 16) * f),
+             (_f32(t[2]) * f, _f32(t[2] >> 16) * f), (_f32(t[3]) * f, _f32(t[3] >> 16) * f))
+    return a
+
+
+@triton.jit
+def _place(t, A: tl.constexpr, B: tl.constexpr):  # type: ignore[no-untyped-def]
+    """bf16x2 bits of the nibbles t holds, one per 16-bit half: t * (2^A + 2^B) puts the sign
+    (copy A) at bit 15 / 31 and the magnitude (copy B) at bits 8..6 / 24..22."""
+    return (t * ((1 << A) + (1 << B))) & 0x81C081C0
+
+
+@triton.jit
+def _hmul2(a, f2):  # type: ignore[no-untyped-def]
+    return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, f2],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _cols(a, b, c, d):  # type: ignore[no-untyped-def]
+    """The emulated MMA's (D[g, 2q], D[g, 2q + 1]), [.., 8 (g), 4 (q)] each, of one row half:
+    D[g, n] = sum over the quad q' of a(g, q') . b(n, q') + c(g, q') . d(n, q') (a, c: A pairs,
+    b, d: B pairs, (lo, hi) fp32 each [.., 8, 4] in the lane grid; B's g is the column n)."""
+    p = (_outer(a[0], b[0]) + _outer(a[1], b[1])) + (_outer(c[0], d[0]) + _outer(c[1], d[1]))
+    m = tl.sum(p, axis=4)                                     # [WK, WN, 8 (g), 8 (n)]
+    return tl.split(tl.reshape(m, (m.shape[0], m.shape[1], 8, 4, 2)))
+
+
+@triton.jit
+def _outer(a, b):  # type: ignore[no-untyped-def]
+    """[.., 8 (g), 8 (n), 4 (q)]: a(g, q) * b(n, q)."""
+    return tl.expand_dims(a, 3) * tl.expand_dims(b, 2)
+
+
+@triton.jit
+def _mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """acc (c0..c3) + the m16n8k16 product of A (a0 / a2: row g, a1 / a3: row g + 8) and B (b0,
+    b1: column g): inline PTX on the GPU; else emulated in fp32 (`_cols`)."""
+    c0, c1, c2, c3 = acc
+    if ASM:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+            "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo0, lo1 = _cols(a0, b0, a2, b1)
+        hi0, hi1 = _cols(a1, b0, a3, b1)
+        c0, c1, c2, c3 = c0 + lo0, c1 + lo1, c2 + hi0, c3 + hi1
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
+                 b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
+                 ASM: tl.constexpr):
+    """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
+    (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
+    8 more with b2 (columns 8..15) on the same A fragments."""
+    base = w_ptr + e * stride_we
+    wl0, wl1, wl2, wl3 = _ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
+                              ASM)
+    wh0, wh1, wh2, wh3 = _ld4((base + hi * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
+                              ASM)
+    sbase = s_ptr + e * stride_se + k // 32
+    cl = _scale_code(sbase + lo * stride_sn, ASM)
+    ch = _scale_code(sbase + hi * stride_sn, ASM)
+    for w in tl.static_range(4):
+        wl = (wl0, wl1, wl2, wl3)[w]
+        wh = (wh0, wh1, wh2, wh3)[w]
+        al = _a_word(wl, cl, ok, ASM)
+        ah = _a_word(wh, ch, ok, ASM)
+        bw = b[w]
+        acc = _mma(acc, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
+        acc = _mma(acc, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
+        if NT == 2:
+            bw = b2[w]
+            acc2 = _mma(acc2, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
+            acc2 = _mma(acc2, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
+    return acc, acc2
