@@ -36,28 +36,31 @@ def _scale_code(ptr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _f32(bits):  # type: ignore[no-untyped-def]
-    """The fp32 of the bf16 in the low 16 bits."""
-    return ((bits & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _b_word(x0, x1, x2, x3, PAIRED: tl.constexpr,  # type: ignore[no-untyped-def]
             ASM: tl.constexpr):
     """The B registers of one 8-k word: the pairs (r, r + 4), r = 0..3, as bf16x2 bits (GPU) or
     (lo, hi) fp32. PAIRED: x0..x3 already are those pairs (h as the gate/up epilogue writes it);
     else they are the activation words (0, 1) .. (6, 7), repacked (one `prmt` each on the GPU)."""
-    if PAIRED:
-        if ASM:
+    if ASM:
+        if PAIRED:
             b = (x0, x1, x2, x3)
         else:
-            b = ((_f32(x0), _f32(x0 >> 16)), (_f32(x1), _f32(x1 >> 16)),
-                 (_f32(x2), _f32(x2 >> 16)), (_f32(x3), _f32(x3 >> 16)))
-    elif ASM:
-        b = (_prmt_lo(x0, x2), _prmt_hi(x0, x2), _prmt_lo(x1, x3), _prmt_hi(x1, x3))
+            b = (_prmt_lo(x0, x2), _prmt_hi(x0, x2), _prmt_lo(x1, x3), _prmt_hi(x1, x3))
     else:
-        b = ((_f32(x0), _f32(x2)), (_f32(x0 >> 16), _f32(x2 >> 16)),
-             (_f32(x1), _f32(x3)), (_f32(x1 >> 16), _f32(x3 >> 16)))
+        # NOTE: the interpreter re-patches builtins at every jit call: the halves are inline
+        # bit casts (lo: << 16, hi: & 0xFFFF0000), no helper
+        lo0 = (x0 << 16).to(tl.float32, bitcast=True)
+        hi0 = (x0 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        lo1 = (x1 << 16).to(tl.float32, bitcast=True)
+        hi1 = (x1 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        lo2 = (x2 << 16).to(tl.float32, bitcast=True)
+        hi2 = (x2 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        lo3 = (x3 << 16).to(tl.float32, bitcast=True)
+        hi3 = (x3 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        if PAIRED:
+            b = ((lo0, hi0), (lo1, hi1), (lo2, hi2), (lo3, hi3))
+        else:
+            b = ((lo0, lo2), (hi0, hi2), (lo1, lo3), (hi1, hi3))
     return b
 
 
@@ -98,24 +101,27 @@ def _a_word(w, code, ok, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     v * 2^-126 as bf16, `moe_fp4.py`'s bias trick; the copies never overlap, so no carries) and
     one AND; then one `mul.rn.bf16x2` by 2^(code - 1) (exact; code > 128 gives inf)."""
     w8 = w >> 8
-    t = (_place(w & 0x000F000F, 12, 6), _place(w & 0x00F000F0, 8, 2),
-         _place(w8 & 0x000F000F, 12, 6), _place(w8 & 0x00F000F0, 8, 2))
+    # t * (2^A + 2^B) puts a nibble's sign (copy A) at bit 15 / 31 and its magnitude (copy B) at
+    # bits 8..6 / 24..22: (A, B) = (12, 6) for nibbles at bits 0 / 16, (8, 2) at bits 4 / 20
+    t0 = ((w & 0x000F000F) * ((1 << 12) + (1 << 6))) & 0x81C081C0
+    t1 = ((w & 0x00F000F0) * ((1 << 8) + (1 << 2))) & 0x81C081C0
+    t2 = ((w8 & 0x000F000F) * ((1 << 12) + (1 << 6))) & 0x81C081C0
+    t3 = ((w8 & 0x00F000F0) * ((1 << 8) + (1 << 2))) & 0x81C081C0
     if ASM:
         f = (tl.minimum(code, 129) + 126) << 7
         f2 = tl.where(ok, f | (f << 16), 0)
-        a = (_hmul2(t[0], f2), _hmul2(t[1], f2), _hmul2(t[2], f2), _hmul2(t[3], f2))
+        a = (_hmul2(t0, f2), _hmul2(t1, f2), _hmul2(t2, f2), _hmul2(t3, f2))
     else:
         f = tl.where(ok, ((tl.minimum(code, 129) + 126) << 23).to(tl.float32, bitcast=True), 0.0)
-        a = ((_f32(t[0]) * f, _f32(t[0] >> 16) * f), (_f32(t[1]) * f, _f32(t[1] >> 16) * f),
-             (_f32(t[2]) * f, _f32(t[2] >> 16) * f), (_f32(t[3]) * f, _f32(t[3] >> 16) * f))
+        a = (((t0 << 16).to(tl.float32, bitcast=True) * f,
+              (t0 & 0xFFFF0000).to(tl.float32, bitcast=True) * f),
+             ((t1 << 16).to(tl.float32, bitcast=True) * f,
+              (t1 & 0xFFFF0000).to(tl.float32, bitcast=True) * f),
+             ((t2 << 16).to(tl.float32, bitcast=True) * f,
+              (t2 & 0xFFFF0000).to(tl.float32, bitcast=True) * f),
+             ((t3 << 16).to(tl.float32, bitcast=True) * f,
+              (t3 & 0xFFFF0000).to(tl.float32, bitcast=True) * f))
     return a
-
-
-@triton.jit
-def _place(t, A: tl.constexpr, B: tl.constexpr):  # type: ignore[no-untyped-def]
-    """bf16x2 bits of the nibbles t holds, one per 16-bit half: t * (2^A + 2^B) puts the sign
-    (copy A) at bit 15 / 31 and the magnitude (copy B) at bits 8..6 / 24..22."""
-    return (t * ((1 << A) + (1 << B))) & 0x81C081C0
 
 
 @triton.jit
@@ -129,15 +135,13 @@ def _cols(a, b, c, d):  # type: ignore[no-untyped-def]
     """The emulated MMA's (D[g, 2q], D[g, 2q + 1]), [.., 8 (g), 4 (q)] each, of one row half:
     D[g, n] = sum over the quad q' of a(g, q') . b(n, q') + c(g, q') . d(n, q') (a, c: A pairs,
     b, d: B pairs, (lo, hi) fp32 each [.., 8, 4] in the lane grid; B's g is the column n)."""
-    p = (_outer(a[0], b[0]) + _outer(a[1], b[1])) + (_outer(c[0], d[0]) + _outer(c[1], d[1]))
+    # [.., 8 (g), 8 (n), 4 (q)] products a(g, q) * b(n, q), inline (no helper: see `_b_word`)
+    p = ((tl.expand_dims(a[0], 3) * tl.expand_dims(b[0], 2)
+          + tl.expand_dims(a[1], 3) * tl.expand_dims(b[1], 2))
+         + (tl.expand_dims(c[0], 3) * tl.expand_dims(d[0], 2)
+            + tl.expand_dims(c[1], 3) * tl.expand_dims(d[1], 2)))
     m = tl.sum(p, axis=4)                                     # [WK, WN, 8 (g), 8 (n)]
     return tl.split(tl.reshape(m, (m.shape[0], m.shape[1], 8, 4, 2)))
-
-
-@triton.jit
-def _outer(a, b):  # type: ignore[no-untyped-def]
-    """[.., 8 (g), 8 (n), 4 (q)]: a(g, q) * b(n, q)."""
-    return tl.expand_dims(a, 3) * tl.expand_dims(b, 2)
 
 
 @triton.jit
