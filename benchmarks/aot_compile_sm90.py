@@ -47,9 +47,10 @@ def moe_variants() -> Iterator[Variant]:
     gate/up, two matrices) is the K loop's instructions per weight byte."""
     from dsv4.kernels.triton import moe, moe_plan
 
-    # "fma" and "w8a8" have kernels of their own (`moe_fma_variants`, `moe_w8a8_variants`)
+    # "fma", "frag" and "w8a8" have kernels of their own (`moe_fma_variants`, `moe_frag_variants`,
+    # `moe_w8a8_variants`)
     loops = {"bf16": ("scaled",), "fp8": ("scaled", "dot_scaled"),
-             "fp4": tuple(v for v in moe_plan.VARIANTS if v not in ("fma", "w8a8"))}
+             "fp4": tuple(v for v in moe_plan.VARIANTS if v not in ("fma", "w8a8", "frag"))}
     for fmt, name in ((0, "bf16"), (1, "fp8"), (2, "fp4")):
         w, s = ("*bf16", "*bf16") if fmt == 0 else ("*u8", "*u8")
         types = {"x_ptr": "*bf16", "w1_ptr": w, "w3_ptr": w, "s1_ptr": s, "s3_ptr": s,

@@ -43,8 +43,8 @@ def test_frag_ragged(N: int, block_n: int, warps: int) -> None:
                  num_warps=warps, deterministic=True)
     added = check(x, wts, idx, rw, 10.0, "fp4", variant="frag", block_n=block_n,
                   num_warps=warps)
-    fma = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
-                                      variant="fma")
+    fma = triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", variant="fma")  # type: ignore[arg-type]
     for out in (rows, added):
         assert ((out - fma).abs().max() / fma.abs().max()).item() <= 2e-3
 
@@ -59,8 +59,9 @@ def test_frag_tiles() -> None:
     idx, rw = make_routing(9, 4, 2, seed=29, hot=1)
     x = randn(9, 64, seed=9).to(torch.bfloat16)
     kw = {"variant": "frag", "block_n": 32, "num_warps": 4}
-    slots = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
-                                        block_m=1, deterministic=True, **kw)
+    slots = triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+        block_m=1, deterministic=True, **kw)
     for block_m in (8, 16):
         tiles = check(x, wts, idx, rw, 10.0, "fp4", block_m=block_m, deterministic=True, **kw)
         assert torch.equal(tiles, slots)
@@ -81,7 +82,8 @@ def test_frag_plan() -> None:
     for kw in ({"block_n": 24}, {"block_n": 64, "num_warps": 2}, {"num_warps": 3},
                {"block_m": 4}, {"block_k": 256}, {"prefetch": True}, {"num_warps": 32}):
         with pytest.raises(ValueError, match="frag"):
-            plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, **kw)  # type: ignore[arg-type]
+            plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048,  # type: ignore[arg-type]
+                     4096, **kw)
     for fmt, dtype in (("fp8", torch.bfloat16), ("fp4", torch.float32)):
         with pytest.raises(ValueError, match="bf16 activations"):
             plan_moe(fmt, "frag", dtype, cpu, 6, 256, 2048, 4096)
@@ -103,7 +105,8 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int, block_n: int,
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
     kw = {"variant": "frag", "block_n": block_n, "num_warps": warps, "deterministic": True}
     out = check(x, flash_fp4, idx, rw, 10.0, "fp4", **kw)
-    alone = triton_routed_experts_quant(x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
+    alone = triton_routed_experts_quant(
+        x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
     assert torch.equal(alone[0], out[0])
 
 
@@ -115,7 +118,8 @@ def test_flash_frag_tiles(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 1)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
     kw = {"variant": "frag", "deterministic": True}
-    slots = triton_routed_experts_quant(x, *flash_fp4, idx, rw, 10.0, "fp4", block_m=1, **kw)  # type: ignore[arg-type]
+    slots = triton_routed_experts_quant(
+        x, *flash_fp4, idx, rw, 10.0, "fp4", block_m=1, **kw)  # type: ignore[arg-type]
     for block_m in (8, 16):
         assert torch.equal(check(x, flash_fp4, idx, rw, 10.0, "fp4", block_m=block_m, **kw),
                            slots)

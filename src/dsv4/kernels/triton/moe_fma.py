@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_fma_words import decode_words, load_words, next_k
 from dsv4.kernels.triton.moe_plan import MoePlan
-from dsv4.kernels.triton.moe_tile_map import TileMap
+from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
@@ -154,21 +154,6 @@ def _tile_rows(order_ptr, row_start, row_end, SLOTS: tl.constexpr):  # type: ign
 
 
 @triton.jit
-def _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(first sorted row, end, expert) of this program's tile: from the tile map, or with SLOTS
-    (BLOCK_M 1 and no tile map) program t is slot t alone and t_exp_ptr the flat indices."""
-    tile = tl.program_id(0)
-    if SLOTS:
-        row_start = tile
-        row_end = tile + 1
-    else:
-        row_start = tl.load(t_start_ptr + tile)
-        row_end = tl.load(t_end_ptr + tile)
-    # NOTE: int64: e * stride_we passes 2^31 (V4-Flash)
-    return row_start, row_end, tl.load(t_exp_ptr + tile).to(tl.int64)
-
-
-@triton.jit
 def _perm(n, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
     """Column n of h -> its place in the down launch's activation order (`fma_activations`:
     within each BLOCK_K block, k = CHUNK c + P j + q goes to 4C q + 4c + j, P = CHUNK / 4)."""
@@ -194,7 +179,7 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
         gdc_wait()
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
-    row_start, row_end, e = _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
+    row_start, row_end, e = slot_or_tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
     if row_start < row_end:
         p, ok, q, slot = _tile_rows(order_ptr, row_start, row_end, SLOTS)
         a_rows = (x_ptr + (slot[0] // TOPK) * stride_x, x_ptr + (slot[1] // TOPK) * stride_x,
@@ -251,7 +236,7 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
         gdc_wait()
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
-    row_start, row_end, e = _tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
+    row_start, row_end, e = slot_or_tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
     if row_start < row_end:
         p, ok, q, slot = _tile_rows(order_ptr, row_start, row_end, SLOTS)
         a_rows = (h_ptr + q[0] * stride_h, h_ptr + q[1] * stride_h, h_ptr + q[2] * stride_h,

@@ -48,13 +48,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_frag_regs import b_regs, matrix_step
-from dsv4.kernels.triton.moe_plan import FRAG_ROWS, MoePlan, frag_warps
-from dsv4.kernels.triton.moe_plan import FRAG_STEP as STEP
-from dsv4.kernels.triton.moe_tile_map import TileMap
+from dsv4.kernels.triton.moe_plan import FRAG_ROWS, FRAG_STEP, MoePlan, frag_warps
+from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
-_STEP = tl.constexpr(STEP)
+_STEP = tl.constexpr(FRAG_STEP)
 _ROWS = tl.constexpr(FRAG_ROWS)
 
 
@@ -84,20 +83,6 @@ def _lane_k(s, wk, q, K, WK: tl.constexpr):  # type: ignore[no-untyped-def]
     k = (s * WK + wk) * _STEP + 32 * q
     ok = k < K
     return tl.where(ok, k, 0), ok
-
-
-@triton.jit
-def _tile(t_start_ptr, t_end_ptr, exp_ptr,  # type: ignore[no-untyped-def]
-          SLOTS: tl.constexpr):
-    """(first sorted row, row count, expert) of this program's tile: the tile map's, or with SLOTS
-    (no tile map) program t is sorted row t = slot t alone, its expert from the flat indices."""
-    t = tl.program_id(0)
-    if SLOTS:
-        start, count = t, 1
-    else:
-        start = tl.load(t_start_ptr + t)
-        count = tl.load(t_end_ptr + t) - start
-    return start, count, tl.load(exp_ptr + t).to(tl.int64)   # NOTE: int64: e * stride_we > 2^31
 
 
 @triton.jit
@@ -155,7 +140,8 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    start, count, e = _tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
+    start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
+    count = end - start
     if count > 0:
         wk, g, q, lo, hi = _rows(INTER, WK, WN)
         x_u32 = x_ptr.to(tl.pointer_type(tl.uint32))
@@ -194,7 +180,8 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     added into its token's (ATOMIC)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    start, count, e = _tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
+    start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
+    count = end - start
     if count > 0:
         wk, g, q, lo, hi = _rows(D, WK, WN)
         h_u32 = h_ptr.to(tl.pointer_type(tl.uint32))

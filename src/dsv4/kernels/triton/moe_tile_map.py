@@ -59,6 +59,22 @@ def tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile,  # type: ignore[no-untype
             row_start < row_end)
 
 
+@triton.jit
+def slot_or_tile(t_start_ptr, t_end_ptr, t_exp_ptr,  # type: ignore[no-untyped-def]
+                 SLOTS: tl.constexpr):
+    """(first sorted row, end, expert) of this program (program_id 0): its tile of the tile map,
+    or with SLOTS (one row per program, no tile map) program t is slot t alone and t_exp_ptr the
+    flat indices. The expert is int64 (e * stride_we passes 2^31 on V4-Flash)."""
+    tile = tl.program_id(0)
+    if SLOTS:
+        row_start = tile
+        row_end = tile + 1
+    else:
+        row_start = tl.load(t_start_ptr + tile)
+        row_end = tl.load(t_end_ptr + tile)
+    return row_start, row_end, tl.load(t_exp_ptr + tile).to(tl.int64)
+
+
 def max_tiles(nk: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the tiles of nk slots over `num_experts` experts (>= 1), from shapes only."""
     return max(1, (nk + min(num_experts, nk) * (block_m - 1)) // block_m)
