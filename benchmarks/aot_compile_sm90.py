@@ -157,10 +157,9 @@ def moe_fma_variants() -> Iterator[Variant]:
 
 def moe_frag_variants() -> Iterator[Variant]:
     """The "frag" loop (`moe_frag.py`, FP4 decoded into mma.sync fragments) at WK x WN warps =
-    (1, 1), (2, 1), (4, 1), (2, 2) and BLOCK_M 1 (slots), 8 or 16 (tile map), as BLOCK_M x
-    BLOCK_N;
-    the label ends with the bytes of one matrix a thread decodes
-    per K step (64: two 16-byte groups... of 2 rows)."""
+    (2, 1), (4, 1), (2, 2), (2, 4) and BLOCK_M 1 (slots), 8 or 16 (tile map), as BLOCK_M x
+    BLOCK_N (WK 2: two virtual K splits per warp, two 32-byte steps per loop iteration); the
+    label ends with the bytes of one matrix a thread decodes per K step."""
     from dsv4.kernels.triton import moe_frag
 
     types = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
@@ -170,8 +169,9 @@ def moe_frag_variants() -> Iterator[Variant]:
     types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
                                           "stride_wn", "stride_se", "stride_sn", "stride_h",
                                           "stride_o")}
-    for wk, wn, bm in ((1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 8), (2, 1, 8),
-                       (4, 1, 16), (2, 1, 16)):
+    # the plan's launches (moe_plan.FRAG_LAUNCHES) and their neighbours
+    for wk, wn, bm in ((2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 8), (2, 2, 8), (4, 1, 16),
+                       (2, 2, 16), (2, 4, 16)):
         consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
                   "ASM": True}
         label = f"fp4 frag {bm}x{16 * wn} wk{wk} 32B"
@@ -315,7 +315,7 @@ def small_variants() -> Iterator[Variant]:
     yield ("tile map (E 256, 6 slots)", moe_tile_map._tile_map_kernel,
            {"idx_ptr": "*i64", "order_ptr": "*i64", "ts_ptr": "*i32", "te_ptr": "*i32",
             "tx_ptr": "*i32"},
-           {"E": 256, "BM": 16, "BLOCK_NK": 32, "BLOCK_E": 256, "CHUNK": 32, "TILE_CHUNK": 32},
+           {"E": 256, "BM": 16, "BLOCK_NK": 32, "BLOCK_E": 256, "CHUNK": 32},
            {"num_warps": 4})
     yield ("pick slots (K 512)", pick_slots._pick_slots_kernel,
            {name: "*i64" for name in pick_slots._pick_slots_kernel.arg_names

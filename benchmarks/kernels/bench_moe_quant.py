@@ -90,15 +90,14 @@ SWEEP: dict[str, list[Config]] = {
                 (16, 256, 4, 1, True), (64, 256, 8, 1, True), (32, 512, 4, 1, True),
                 (64, 128, 4, 1, True)],
     # the frag loop (FP4 into mma.sync fragments): block_n = 16 x warps across N, the other
-    # warps split K; the 6th entry block_m 8 / 16 (a tile map, up to 8 rows of an expert per
-    # MMA, one or two MMAs per A fragment)
-    "fp4/frag": [(16, None, 1, None, None), (16, None, 2, None, None), (16, None, 8, None, None),
-                 (32, None, 2, None, None), (32, None, 4, None, None), (32, None, 8, None, None),
-                 (64, None, 4, None, None), (16, None, 16, None, None),
-                 (16, None, 4, None, None, 8), (16, None, 2, None, None, 8),
-                 (32, None, 4, None, None, 8), (16, None, 8, None, None, 8),
-                 (16, None, 4, None, None, 16), (16, None, 2, None, None, 16),
-                 (32, None, 4, None, None, 16)],
+    # 2 or 4 warps split K; the 6th entry block_m 8 / 16 (a tile map, up to 8 rows of an expert
+    # per MMA, one or two MMAs per A fragment)
+    "fp4/frag": [(16, None, 2, None, None), (16, None, 4, None, None), (32, None, 4, None, None),
+                 (32, None, 8, None, None), (64, None, 8, None, None), (64, None, 16, None, None),
+                 (16, None, 2, None, None, 8), (16, None, 4, None, None, 8),
+                 (32, None, 4, None, None, 8), (32, None, 8, None, None, 8),
+                 (16, None, 2, None, None, 16), (16, None, 4, None, None, 16),
+                 (32, None, 4, None, None, 16), (32, None, 8, None, None, 16)],
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }
@@ -266,7 +265,8 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
                                                block_n=bn, block_k=bk, num_warps=nw,
                                                num_stages=ns, prefetch=pf,
                                                act_quant=variant == "w8a8",
-                                               max_regs=max_regs)
+                                               max_regs=max_regs,
+                                               deterministic=args.deterministic)
         measure, limit = ((norm_error, MAX_NORM_ERR_W8A8) if variant == "w8a8"
                           else (rel_error, MAX_REL_ERR))
         try:
@@ -286,7 +286,7 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
 
 
 def kernel_us(wts: Weights, fmt: str, variant: str | None, block_m: int | None,
-              sets: list[Inputs], calls: int = 20) -> dict[str, float]:
+              sets: list[Inputs], deterministic: bool, calls: int = 20) -> dict[str, float]:
     """Device us per call of each kernel the plan's default config launches (torch.profiler over
     `calls` eager calls cycling `sets`; kernel names cut to 40 characters). CUDA only."""
     from torch.profiler import ProfilerActivity, profile
@@ -297,7 +297,8 @@ def kernel_us(wts: Weights, fmt: str, variant: str | None, block_m: int | None,
         x, idx, rw = sets[i % len(sets)]
         return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT, fmt,
                                            variant=variant, block_m=block_m,
-                                           act_quant=variant == "w8a8")
+                                           act_quant=variant == "w8a8",
+                                           deterministic=deterministic)
 
     fn(0)
     torch.cuda.synchronize()
@@ -340,7 +341,8 @@ def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
             best = min(timed, key=lambda c: timed[c]) if timed else "-"
             best_us = timed.get(best, float("nan"))
             kernels = (kernel_us(wts, fmt, variant, args.fma_block_m if variant == "fma"
-                                 else None, sets) if args.kernels and cuda and timed else {})
+                                 else None, sets, args.deterministic)
+                       if args.kernels and cuda and timed else {})
             rows.append({"case": f"{fmt} N={N}", "fmt": fmt, "N": N, "variant": variant or "-",
                          "kernels_us": kernels,
                          "E": s.E, "d": s.d, "I": s.inter, "k": s.k, "us": default,
@@ -378,6 +380,9 @@ def main() -> None:
     p.add_argument("--prefill-sweep", action="store_true",
                    help="time PREFILL_SWEEP[kind] (BLOCK_M 64 / 128 tiles; N >= 2048) instead "
                         "of SWEEP")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the fixed-order epilogue the model runs (per-(token, k) rows, then the "
+                        "combine) instead of the atomic one")
     p.add_argument("--kernels", action="store_true",
                    help="also each kernel's device us per call at the plan's default config "
                         "(torch.profiler; CUDA only), printed after the table")
@@ -407,6 +412,7 @@ def main() -> None:
             print(f"{r['case']} {r['variant']} kernels us: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()))
     emit({**header, "variants": args.variants, "sweep": args.sweep,
+          "deterministic": args.deterministic,
           "prefill_sweep": args.prefill_sweep, "results": rows}, args.out)
 
 

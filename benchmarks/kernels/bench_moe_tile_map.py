@@ -1,7 +1,7 @@
 """Benchmark: the routed experts' tile map, one launch (`triton_tile_map`) vs torch ops
 (`tile_map_ref`, ~30 launches).
 
-Shapes: V4-Flash routing (E 256 experts, k 6, block_m 16) at N = 1, 8, 32, 64, 128 tokens (the
+Shapes: V4-Flash routing (E 256 experts, k 6, block_m 16) at N = 1 .. 682 tokens (the
 decode batches the fused map serves). The work is a few KB of integers, so there is no useful
 byte floor: the figure of merit is the time per MoE layer, each form timed as CUDA-graph replays
 (what a decode step pays). Parity with the reference (bit-equal) is checked first.
@@ -64,7 +64,7 @@ TABLE = [("case", "{:<8}", "case"), ("slots", "{:>6}", "slots"), ("us", "{:>8.2f
 def main() -> None:
     args = base_parser(__doc__.splitlines()[0], "(no sweep)").parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
-    cases = [1, 4] if args.cpu_smoke else [1, 8, 32, 64, 128]
+    cases = [1, 4] if args.cpu_smoke else [1, 8, 32, 64, 128, 512, 682]
     rows = bench_rows(cases, lambda n: bench_case(n, args, device), device)
     print_table(rows, TABLE)
     emit({**record_header("moe_tile_map", device), "experts": E, "topk": K, "block_m": BLOCK_M,

@@ -4,10 +4,10 @@ Flash parity rows also run frag).
 
 CPU (interpreter, the MMA emulated): a masked K tail (I = 96: the down launch's last step holds
 3 of a quad's 4 groups), one expert holding every token, 1 and 2 warps across N, K split over
-warps, both epilogues, BLOCK_M 8 tiles (bits equal to BLOCK_M 1's); the plan's knobs and
-refusals.
-GPU (`-m gpu`): V4-Flash experts at N = 1, 8, 32 on every launch shape the sweep uses, rows
-independent of the batch.
+2 or 4 warps (bits equal), both epilogues, BLOCK_M 8 / 16 tiles (bits equal to BLOCK_M 1's); the
+plan's knobs and refusals.
+GPU (`-m gpu`): V4-Flash experts at N = 1, 8, 32 on every launch shape the sweep uses (bits
+equal), rows independent of the batch.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py -m gpu   # on a CUDA machine
@@ -30,7 +30,7 @@ from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
 from dsv4.kernels.triton.moe_plan import VARIANTS, frag_warps, plan_moe  # noqa: E402
 
 
-@pytest.mark.parametrize("N,block_n,warps", [(1, 16, 4), (3, 32, 2)])
+@pytest.mark.parametrize("N,block_n,warps", [(1, 16, 4), (3, 32, 4)])
 def test_frag_ragged(N: int, block_n: int, warps: int) -> None:
     """E 8, k 2, every token on expert 5; d = 128 (one K step: 4 warps split it, 3 idle), I = 96
     (a masked K tail in the down launch and a row tail in gate/up at BLOCK_N 32). Against the
@@ -67,20 +67,35 @@ def test_frag_tiles() -> None:
         assert torch.equal(tiles, slots)
 
 
+def test_frag_launches() -> None:
+    """A row's bits do not depend on the launch: WK 2 warps (two virtual K splits each) and WK 4
+    (one each) give the same output bit for bit (4 warps across N: few interpreted programs).
+    d = 384: 3 K steps, so split 3 has none; I = 160: the down launch's second step holds one
+    group, and gate/up's last row block is partial."""
+    wts = make_weights(8, 384, 160, "fp4", seed=31)
+    idx, rw = make_routing(1, 8, 2, seed=31)
+    x = randn(1, 384, seed=31).to(torch.bfloat16)
+    outs = [check(x, wts, idx, rw, 10.0, "fp4", variant="frag", block_n=bn, num_warps=w,
+                  deterministic=True) for bn, w in ((64, 8), (64, 16))]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 def test_frag_plan() -> None:
     """The plan: frag (fp4, bf16 x), one slot per program, gate/up 4 warps, down 2 (knobs pin
-    both); (WK, WN) from block_n and num_warps; other knobs refused."""
+    both); (WK, WN) from block_n and num_warps (WK 2 or 4); other knobs refused."""
     cpu = torch.device("cpu")
     p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096)
     assert (p.variant, p.block_m, p.gate_up.block_n, p.gate_up.num_warps, p.down.block_n,
             p.down.num_warps) == (VARIANTS["frag"], 1, 16, 4, 16, 2)
     p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, block_n=32, num_warps=8)
     assert p.gate_up == p.down and (p.gate_up.block_n, p.gate_up.num_warps) == (32, 8)
-    assert frag_warps(32, 8) == (4, 2) and frag_warps(16, 1) == (1, 1)
+    assert frag_warps(32, 8) == (4, 2) and frag_warps(16, 2) == (2, 1)
     assert plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096,
                     block_m=8).block_m == 8
     for kw in ({"block_n": 24}, {"block_n": 64, "num_warps": 2}, {"num_warps": 3},
-               {"block_m": 4}, {"block_k": 256}, {"prefetch": True}, {"num_warps": 32}):
+               {"num_warps": 1}, {"num_warps": 8}, {"block_n": 128, "num_warps": 32},
+               {"block_m": 4}, {"block_k": 256}, {"prefetch": True}):
         with pytest.raises(ValueError, match="frag"):
             plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048,  # type: ignore[arg-type]
                      4096, **kw)
@@ -95,19 +110,22 @@ def flash_fp4() -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,warps", [(16, 1), (16, 2), (16, 4), (16, 8), (32, 4), (64, 4)])
 @pytest.mark.parametrize("N", [1, 8, 32])
-def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int, block_n: int,
-                    warps: int) -> None:
-    """V4-Flash experts on the GPU (the inline-PTX MMA): against the reference, and the
-    deterministic rows of a token the same alone as in the batch."""
+def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
+    """V4-Flash experts on the GPU (the inline-PTX MMA), every launch shape the sweep uses:
+    against the reference, the same bits on every launch, and the deterministic rows of a token
+    the same alone as in the batch."""
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
-    kw = {"variant": "frag", "block_n": block_n, "num_warps": warps, "deterministic": True}
-    out = check(x, flash_fp4, idx, rw, 10.0, "fp4", **kw)
-    alone = triton_routed_experts_quant(
-        x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
-    assert torch.equal(alone[0], out[0])
+    first = None
+    for block_n, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8), (64, 16)):
+        kw = {"variant": "frag", "block_n": block_n, "num_warps": warps, "deterministic": True}
+        out = check(x, flash_fp4, idx, rw, 10.0, "fp4", **kw)
+        first = out if first is None else first
+        assert torch.equal(out, first), (block_n, warps)
+        alone = triton_routed_experts_quant(
+            x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
+        assert torch.equal(alone[0], out[0])
 
 
 @pytest.mark.gpu

@@ -251,20 +251,26 @@ def test_plan() -> None:
     assert (p1.variant, p1.block_m, p1.block_k, p1.gate_up.num_warps) == \
         (VARIANTS["words"], 16, 256, 4)
     # decode: FP4 "frag" for bf16 x (nk <= 16 E), "fma" for fp32 x or fma knobs (nk <= E), the
-    # same launches at every N; past them (or frag_rows = fma_rows = 0) the MMA; FP8 keeps
+    # same fma launches at every N; past them (or frag_rows = fma_rows = 0) the MMA; FP8 keeps
     # "scaled" (its fma loop is slower on the H200)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).variant == \
         VARIANTS["scaled"]
     for dtype, name in ((torch.bfloat16, "frag"), (torch.float32, "fma")):
         plans = [plan_moe("fp4", None, dtype, cpu, nk, 256, 2048, 4096) for nk in (6, 96)]
-        assert plans[0] == plans[1] and (plans[0].variant, plans[0].block_m) == (VARIANTS[name], 1)
-    # frag: tiles of 8 rows from 1/2 row per expert, of 16 from 8, up to 16 rows per expert; the
-    # same launches
-    slots = plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096)
-    for nk, bm in ((128, 8), (2047, 8), (2048, 16), (4096, 16)):
+        assert (plans[0].variant, plans[0].block_m) == (plans[1].variant, plans[1].block_m) \
+            == (VARIANTS[name], 1)
+    assert plans[0] == plans[1]
+    # frag: one slot per program below 1/2 row per expert (gate/up K over 4 warps while the grid
+    # is short of warps), tiles of 8 rows from there, of 16 from 8, up to 16 rows per expert; the
+    # launches per BLOCK_M (they never change a row's bits)
+    for nk, bm, gate_up, down in ((6, 1, (16, 4), (16, 2)), (12, 1, (16, 4), (16, 2)),
+                                  (24, 1, (16, 2), (16, 2)), (96, 1, (16, 2), (16, 2)),
+                                  (128, 8, (32, 4), (32, 4)), (2047, 8, (32, 4), (32, 4)),
+                                  (2048, 16, (64, 8), (32, 4)), (4096, 16, (64, 8), (32, 4))):
         p = plan_moe("fp4", None, torch.bfloat16, cpu, nk, 256, 2048, 4096)
-        assert (p.variant, p.block_m, p.gate_up, p.down) == (VARIANTS["frag"], bm, slots.gate_up,
-                                                             slots.down)
+        assert (p.variant, p.block_m) == (VARIANTS["frag"], bm), nk
+        assert ((p.gate_up.block_n, p.gate_up.num_warps), (p.down.block_n, p.down.num_warps)) \
+            == (gate_up, down), nk
     assert plan_moe("fp4", None, torch.bfloat16, cpu, 4097, 256, 2048, 4096).variant == \
         plan_moe("fp4", None, torch.float32, cpu, 257, 256, 2048, 4096).variant == \
         VARIANTS["words"]

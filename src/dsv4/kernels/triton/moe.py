@@ -367,6 +367,11 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     common = {"TOPK": topk, "FMT": code, "VARIANT": plan.variant, "FP32_DOT": fp32_dot,
               "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k, "num_stages": plan.num_stages}
     h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
+    # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
+    # row, which the combine sums over k in a fixed order; zeroed before gate/up, so that no
+    # torch kernel sits between the two PDL launches
+    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
+            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     planes = fmt == "fp4" and plan.variant == VARIANTS["planes"]
     xs = planes_activations(x, plan.block_k) if planes else x
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
@@ -376,10 +381,6 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common, **pdl_args(x.device),
     )
-    # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
-    # row, which the combine sums over k in a fixed order
-    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
-            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     bn, warps = plan.down.block_n, plan.down.num_warps
     _down_kernel[(t_start.numel() * triton.cdiv(d, bn),)](
         h, _raw(w2, fmt), s2, dest, order, t_start, t_end, t_exp,

@@ -331,6 +331,9 @@ def fma_launches(x: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, w3: torch.
     width = triton.cdiv(inter, plan.block_k) * plan.block_k
     h = (torch.empty if width == inter else torch.zeros)(nk, width, dtype=torch.float32,
                                                          device=x.device)
+    # zeroed before gate/up, so that no torch kernel sits between the two PDL launches
+    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
+            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
     _gate_up_fma_kernel[(t_exp.numel(), triton.cdiv(inter, bn))](
         xs, w1, w3, s1, s3, h, order, rw, t_start, t_end, t_exp, d, inter, float(limit),
@@ -338,8 +341,6 @@ def fma_launches(x: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, w3: torch.
         H_DTYPE=_H_DTYPES[x.dtype], LIBDEVICE=libdevice, EVEN_K=d % plan.block_k == 0,
         BLOCK_N=bn, num_warps=warps, **common, **pdl_args(xs.device),
     )
-    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
-            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     bn, warps = plan.down.block_n, plan.down.num_warps
     _down_fma_kernel[(t_exp.numel(), triton.cdiv(d, bn))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,

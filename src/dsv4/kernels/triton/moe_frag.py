@@ -22,21 +22,23 @@ pairs (k, k + 4) (h: written in that order by the gate/up epilogue). D's c0 / c1
 partial sums for tile rows 2q / 2q + 1, c2 / c3 row g + 8's.
 
 A program is one (token, k) slot (BLOCK_M 1: no tile map; every column is the slot's row and the
-7 copies are never stored) or one tile of the tile map (BLOCK_M 8: up to 8 sorted rows of one
-expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps: WN row
-blocks of 16 (BLOCK_N = 16 WN) and WK warps splitting the K steps (warp wk takes steps wk,
-wk + WK, ...: neighbouring warps read neighbouring bytes), summed across warps (`tl.sum` over the
-warp axis) before the epilogue. Every tensor is [WK, WN, 8, 4] (or broadcast to it), one element
-per thread: Triton's default layout puts lane 4g + q at [., ., g, q] and the warps on the first
-two axes, which is what the inline-PTX mma assumes (no load or store anchors another layout before
-the sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the
+7 copies are never stored) or one tile of the tile map (BLOCK_M 8 / 16: up to 8 / 16 sorted rows
+of one expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps:
+WN row blocks of 16 (BLOCK_N = 16 WN) and WK = 2 or 4 warps over the K steps. The steps are dealt to
+FRAG_SPLITS = 4 virtual splits (split v takes steps v, v + 4, ...: neighbouring warps read
+neighbouring bytes), each with its own accumulators: warp wk runs split wk and, at WK 2, split
+wk + 2 too (two independent MMA chains). The splits are summed in the fixed order (s0 + s2) +
+(s1 + s3) before the epilogue (`_ksum`). Every tensor is [WK, WN, 8, 4] (or broadcast to it), one
+element per thread: Triton's default layout puts lane 4g + q at [., ., g, q] and the warps on the
+first two axes, which is what the inline-PTX mma assumes (no load or store anchors another layout
+before the sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the
 products).
 
-Bits: a row's sum runs over fixed steps, lanes and MMA slots that depend only on (K, WK), never on
-N, BLOCK_M or the other columns (an MMA column's sum never sees the others), so a token's output
-does not depend on its batch. The gate/up epilogue writes h = swiglu(g, u) * w rounded to bf16
-(row: the sorted row; BLOCK_M 1: the slot). Without the inline PTX (the interpreter) the same
-fragments are formed and the MMA is emulated in fp32 (`moe_frag_regs.py`, which holds one K
+Bits: a row's sum runs over fixed steps, splits, lanes and MMA slots that depend only on K, never on
+WK, N, BLOCK_M or the other columns (an MMA column's sum never sees the others), so a token's output
+does not depend on its batch or the launch. The gate/up epilogue writes h = swiglu(g, u) * w rounded
+to bf16 (row: the sorted row; BLOCK_M 1: the slot). Without the inline PTX (the interpreter) the
+same fragments are formed and the MMA is emulated in fp32 (`moe_frag_regs.py`, which holds one K
 step's register work): the same values up to fp32 summation order.
 """
 
@@ -48,13 +50,20 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_frag_regs import b_regs, matrix_step
-from dsv4.kernels.triton.moe_plan import FRAG_ROWS, FRAG_STEP, MoePlan, frag_warps
+from dsv4.kernels.triton.moe_plan import (
+    FRAG_ROWS,
+    FRAG_SPLITS,
+    FRAG_STEP,
+    MoePlan,
+    frag_warps,
+)
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 _STEP = tl.constexpr(FRAG_STEP)
 _ROWS = tl.constexpr(FRAG_ROWS)
+_VK = tl.constexpr(FRAG_SPLITS)
 
 
 @triton.jit
@@ -77,10 +86,10 @@ def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-d
 
 
 @triton.jit
-def _lane_k(s, wk, q, K, WK: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(first k of the lane's group in K step s of warp wk, in range): warp wk takes steps
-    wk, wk + WK, ...; a group past K reads group 0 (in range, its factor zeroed)."""
-    k = (s * WK + wk) * _STEP + 32 * q
+def _lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
+    """(first k of the lane's group in K step s of virtual split v, in range): split v takes steps
+    v, v + VK, ...; a group past K reads group 0 (in range, its factor zeroed)."""
+    k = (s * _VK + v) * _STEP + 32 * q
     ok = k < K
     return tl.where(ok, k, 0), ok
 
@@ -109,17 +118,40 @@ def _zeros(WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _output(c, IDX: tl.constexpr, start, count, OUT,  # type: ignore[no-untyped-def]
+def _add2(a0, b0, a1, b1):  # type: ignore[no-untyped-def]
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _ksum(a, b, wk, WK: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The sum over the 4 virtual K splits of one output, [WN, 8, 4], in the fixed order
+    (s0 + s2) + (s1 + s3): a [WK, WN, 8, 4] holds split wk of each warp, b (WK 2) split wk + 2.
+    WK 2: a + b = (s0 + s2, s1 + s3), summed over the 2 warps. WK 4 on the GPU: Triton's own
+    reduction over the 4 warps, whose butterfly pairs warps 0 / 2 and 1 / 3 (the GPU tests
+    assert that WK 2 and 4 agree bit for bit); the interpreter sums an axis in sequence, so
+    there the pairs are written out (masked sums whose other terms are exact zeros)."""
+    if WK == 2:
+        tot = tl.sum(a + b, axis=0)
+    elif ASM:
+        tot = tl.sum(a, axis=0)
+    else:
+        lo, hi = tl.reduce((tl.where(wk % 2 == 0, a, 0.0), tl.where(wk % 2 == 1, a, 0.0)), 0,
+                           _add2)
+        tot = lo + hi
+    return tot
+
+
+@triton.jit
+def _output(start, count, OUT, IDX: tl.constexpr,  # type: ignore[no-untyped-def]
             WN: tl.constexpr):
-    """Output IDX = 0..3 of the lanes after the sum over the K warps, [WN, 8, 4] each: (value,
-    sorted row, output column, mask) of c0 .. c3 = D[g, 2q], D[g, 2q + 1], D[g + 8, 2q],
-    D[g + 8, 2q + 1] (D's column n is tile row n)."""
+    """(sorted row, output column, mask) of output IDX = 0..3 of the lanes, [WN, 8, 4] each: c0 ..
+    c3 = D[g, 2q], D[g, 2q + 1], D[g + 8, 2q], D[g + 8, 2q + 1] (D's column n is tile row n)."""
     wn = tl.arange(0, WN)[:, None, None]
     g = tl.arange(0, 8)[None, :, None]
     q = tl.arange(0, 4)[None, None, :]
     n = 2 * q + IDX % 2
     col = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g + 8 * (IDX // 2)
-    return tl.sum(c, axis=0), start + tl.minimum(n, count - 1), col, (n < count) & (col < OUT)
+    return start + tl.minimum(n, count - 1), col, (n < count) & (col < OUT)
 
 
 @triton.jit
@@ -130,6 +162,33 @@ def _paired(n):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
+                  s1_ptr, s3_ptr, e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se,
+                  stride_sn, NT: tl.constexpr, ASM: tl.constexpr):
+    """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15)."""
+    k, ok = _lane_k(s, v, q, K)
+    b = b_regs(x_row, k, False, ASM)
+    b2 = b_regs(x_row2, k, False, ASM) if NT == 2 else b
+    g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
+                        stride_se, stride_sn, NT, ASM)
+    u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
+                        stride_se, stride_sn, NT, ASM)
+    return g, g2, u, u2
+
+
+@triton.jit
+def _down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
+               s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
+               ASM: tl.constexpr):
+    """(a, a2) + K step s of virtual split v (a2: columns 8..15)."""
+    k, ok = _lane_k(s, v, q, K)
+    b = b_regs(h_row, k, True, ASM)
+    b2 = b_regs(h_row2, k, True, ASM) if NT == 2 else b
+    return matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
+                       stride_se, stride_sn, NT, ASM)
+
+
+@triton.jit
 def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rw_ptr, order_ptr, t_start_ptr, t_end_ptr,
     exp_ptr, K, INTER, limit,
@@ -137,7 +196,8 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
-    block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot)."""
+    block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
+    K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
@@ -149,21 +209,22 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
             stride_x // 2)
         x_row2 = x_u32 + _slot(order_ptr, _col_rows(start, count, g + 8), SLOTS) // TOPK * (
             stride_x // 2)
-        acc_g, acc_g2 = _zeros(WK, WN), _zeros(WK, WN)
-        acc_u, acc_u2 = _zeros(WK, WN), _zeros(WK, WN)
-        for s in range(0, tl.cdiv(K, _STEP * WK)):
-            k, ok = _lane_k(s, wk, q, K, WK)
-            b = b_regs(x_row, k, False, ASM)
-            b2 = b_regs(x_row2, k, False, ASM) if NT == 2 else b
-            acc_g, acc_g2 = matrix_step(acc_g, acc_g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2,
-                                         stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
-            acc_u, acc_u2 = matrix_step(acc_u, acc_u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2,
-                                         stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
+        ga, ga2, ua, ua2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
+        gb, gb2, ub, ub2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
+        for s in range(0, tl.cdiv(K, _STEP * _VK)):
+            ga, ga2, ua, ua2 = _gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
+                                             s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
+                                             stride_wn, stride_se, stride_sn, NT, ASM)
+            if WK == 2:
+                gb, gb2, ub, ub2 = _gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
+                                                 s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
+                                                 stride_we, stride_wn, stride_se, stride_sn, NT,
+                                                 ASM)
         for j in tl.static_range(NT):          # column set j: tile rows 8j ..
             for i in tl.static_range(4):
-                gate, p, col, mask = _output((acc_g, acc_g2)[j][i], i, start + 8 * j,
-                                             count - 8 * j, INTER, WN)
-                up = tl.sum((acc_u, acc_u2)[j][i], axis=0)
+                p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
+                gate = _ksum((ga, ga2)[j][i], (gb, gb2)[j][i], wk, WK, ASM)
+                up = _ksum((ua, ua2)[j][i], (ub, ub2)[j][i], wk, WK, ASM)
                 rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
                 h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
                 tl.store(h_ptr + p.to(tl.int64) * stride_h + _paired(col),
@@ -177,7 +238,7 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
-    added into its token's (ATOMIC)."""
+    added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
@@ -187,17 +248,17 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         h_u32 = h_ptr.to(tl.pointer_type(tl.uint32))
         h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
         h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
-        acc, acc2 = _zeros(WK, WN), _zeros(WK, WN)
-        for s in range(0, tl.cdiv(K, _STEP * WK)):
-            k, ok = _lane_k(s, wk, q, K, WK)
-            b = b_regs(h_row, k, True, ASM)
-            b2 = b_regs(h_row2, k, True, ASM) if NT == 2 else b
-            acc, acc2 = matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                                     stride_wn, stride_se, stride_sn, NT, ASM)
+        a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
+        for s in range(0, tl.cdiv(K, _STEP * _VK)):
+            a, a2 = _down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
+                               stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
+            if WK == 2:
+                b, b2 = _down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
+                                   K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
         for j in tl.static_range(NT):
             for i in tl.static_range(4):
-                y, p, col, mask = _output((acc, acc2)[j][i], i, start + 8 * j, count - 8 * j, D,
-                                          WN)
+                p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
+                y = _ksum((a, a2)[j][i], (b, b2)[j][i], wk, WK, ASM)
                 slot = _slot(order_ptr, p, SLOTS)
                 if ATOMIC:
                     tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
@@ -222,6 +283,9 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     order, t_start, t_end, t_exp = (flat, flat, flat, flat) if tiles is None else tiles
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
+    # zeroed before gate/up, so that no torch kernel sits between the two PDL launches
+    dest = (torch.zeros(nk // topk, d, dtype=torch.float32, device=x.device)
+            if not deterministic else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     wk, wn = frag_warps(plan.gate_up.block_n, plan.gate_up.num_warps)
     _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
@@ -229,8 +293,6 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, num_warps=wk * wn,
         **pdl_args(x.device),
     )
-    dest = (torch.zeros(nk // topk, d, dtype=torch.float32, device=x.device)
-            if not deterministic else torch.empty(nk, d, dtype=torch.float32, device=x.device))
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,

@@ -14,20 +14,20 @@ BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4;
 "dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
 model; the others run fp32 dots for them, exact).
 "frag" (`moe_frag.py`: FP4 decoded into mma.sync register fragments) is FP4's default for bf16
-activations while the mean rows per expert is at most `frag_rows` (default FRAG_MAX_MEAN_ROWS =
-16: V4-Flash up to N = 682 at k 6), from shapes only: one slot per program (BLOCK_M 1, no tile
-map) below FRAG_TILE_MEAN_ROWS = 1/2 row per expert, then tiles of up to 8 rows of one expert
-sharing each MMA (its 8 columns), from FRAG_WIDE_MEAN_ROWS = 8 tiles of 16 (two MMAs per decoded
-A fragment); all give a row the same bits. "fma" (`moe_fma.py`:
-FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default for fp32 / fp16 activations or the fma
-knobs (block_m 2 / 4, block_k, stages, prefetch) while the mean rows per expert is at most
-`fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row tl.dot tile would hold ~1
-real row). On the H200 at V4-Flash's experts FP4 frag is 1.1-1.2x faster than fma at N = 1 and 8
-and 2.3x faster than "words" at N = 128; fma is 2-3x faster than "words" at N = 1 to 32, while
-FP8's fma ties "scaled", so FP8 keeps "scaled" (benchmarks/results/quant_moe_h200_202612.md).
-The fma tiles are fixed (`_plan_fma`: BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row,
-4 warps, 1 stage, no register prefetch), the same at every N; `prefetch=True` issues each K
-step's next loads first (a knob: no faster there).
+activations while the mean rows per expert is at most `frag_rows` (default FRAG_MAX_MEAN_ROWS = 16:
+V4-Flash up to N = 682 at k 6), from shapes only: one slot per program (BLOCK_M 1, no tile map)
+below FRAG_TILE_MEAN_ROWS = 1/2 row per expert, then tiles of up to 8 rows of one expert sharing
+each MMA (its 8 columns), from FRAG_WIDE_MEAN_ROWS = 8 tiles of 16 (two MMAs per decoded A
+fragment); all give a row the same bits, and so do the launches (FRAG_LAUNCHES per BLOCK_M). "fma"
+(`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default for fp32 / fp16 activations
+or the fma knobs (block_m 2 / 4, block_k, stages, prefetch) while the mean rows per expert is at
+most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row tl.dot tile would hold ~1
+real row). On the H200 at V4-Flash's experts FP4 frag is 1.1-1.2x faster than fma at N = 1 and 8 and
+2.3x faster than "words" at N = 128; fma is 2-3x faster than "words" at N = 1 to 32, while FP8's fma
+ties "scaled", so FP8 keeps "scaled" (benchmarks/results/quant_moe_h200_202612.md). The fma tiles
+are fixed (`_plan_fma`: BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage,
+no register prefetch), the same at every N; `prefetch=True` issues each K step's next loads first (a
+knob: no faster there).
 SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8 instructions per weight byte, FP8 ~3.4.
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
@@ -79,8 +79,11 @@ FRAG_ROWS = 16               # "frag": weight rows per warp (the m of m16n8k16)
 FRAG_MAX_MEAN_ROWS = 16.0    # default loop "frag" (FP4, bf16 x) while nk <= this * num_experts
 FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M 8 (a tile map) from nk >= this * E
 FRAG_WIDE_MEAN_ROWS = 8.0    # ... and BLOCK_M 16 (two MMAs per A fragment) from this * E
-FRAG_GATE_UP = (16, 4)       # "frag" (block_n, warps): 16 rows per program, 4 warps split K
-FRAG_DOWN = (16, 2)          # ... the down launch: 2 warps split K
+FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order (any WK)
+# "frag": ((block_n, warps) of gate/up, of down) per BLOCK_M: block_n / 16 warps across the rows,
+# WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
+FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
+FRAG_DEEP_WARPS = 32         # BLOCK_M 1: gate/up at WK 4 while WK 2 fills < this many warps per SM
 PROGRAMS_PER_SM = 4
 DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m) only by knob
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
@@ -141,7 +144,10 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
         if block_m is None:
             mean = nk / num_experts
             block_m = 16 if mean >= FRAG_WIDE_MEAN_ROWS else 8 if mean >= FRAG_TILE_MEAN_ROWS else 1
-        return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch)
+        # few slots: gate/up splits K over 4 warps, so the grid holds enough warps to stream
+        deep = block_m == 1 and nk * triton.cdiv(inter, FRAG_ROWS) * 2 < (
+            FRAG_DEEP_WARPS * _num_sms(device))
+        return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep)
     if name == "fma":
         if not fits:
             raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
@@ -193,37 +199,41 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
 
 
 def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
-               num_warps: int | None, num_stages: int | None, prefetch: bool | None) -> MoePlan:
-    """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map) or 8 (a tile
-    of up to 8 rows of one expert, the MMA's 8 columns), BLOCK_N = 16 x WN rows, num_warps =
-    WK x WN (WK warps split the K steps); no BLOCK_K, stages or prefetch knobs. The
-    tiles are fixed at every N (WK orders a row's sum): gate/up FRAG_GATE_UP, down FRAG_DOWN, the
-    fastest of the H200 sweep at N = 1 and 8 (benchmarks/results/quant_moe_h200_202612.md); a
-    knob pins both launches."""
+               num_warps: int | None, num_stages: int | None, prefetch: bool | None,
+               deep: bool = False) -> MoePlan:
+    """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map), 8 or 16 (a
+    tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x WN rows,
+    num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits); no BLOCK_K,
+    stages or prefetch knobs. Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
+    (benchmarks/results/quant_moe_h200_202612.md), and gate/up at (16, 4) when `deep` (so few
+    slots that 2 warps per program would leave the SMs short of warps); a knob pins both
+    launches. The launches never change a row's bits: the splits' order is fixed."""
     if block_m not in (None, 1, 8, 16) or block_k not in (None, FRAG_STEP) \
             or num_stages not in (None, 1) or prefetch:
         raise ValueError(f"variant 'frag' takes block_m 1, 8 or 16, block_k {FRAG_STEP}, one "
                          f"stage and no prefetch; got {block_m}, {block_k}, {num_stages}, "
                          f"{prefetch}")
+    bm = block_m or 1
+    gate_up, down = FRAG_LAUNCHES[bm]
     launches = []
-    for default_bn, default_warps in (FRAG_GATE_UP, FRAG_DOWN):
+    for default_bn, default_warps in ((16, 4) if deep else gate_up, down):
         bn, warps = block_n or default_bn, num_warps or default_warps
         frag_warps(bn, warps)
-        if warps > 16:
-            raise ValueError(f"variant 'frag' takes at most 16 warps; got {warps}")
         launches.append(Launch(bn, warps))
-    return MoePlan(VARIANTS["frag"], block_m or 1, FRAG_STEP, 1, launches[0], launches[1])
+    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, 1, launches[0], launches[1])
 
 
 def frag_warps(block_n: int, num_warps: int) -> tuple[int, int]:
-    """(WK, WN) of a frag launch: WN = block_n / 16 row blocks, WK = num_warps / WN K splits."""
+    """(WK, WN) of a frag launch: WN = block_n / 16 row blocks (a power of two), WK = num_warps /
+    WN = 2 or 4 (each warp runs FRAG_SPLITS / WK of the virtual K splits)."""
     wn = block_n // FRAG_ROWS
-    if block_n % FRAG_ROWS or wn < 1 or num_warps % wn or wn & (wn - 1) or num_warps & (
-            num_warps - 1):
-        raise ValueError(f"variant 'frag' needs block_n = 16 x a power of two dividing "
-                         f"16 x num_warps (a power of two); got block_n {block_n}, num_warps "
+    wk = num_warps // wn if wn >= 1 else 0
+    if (block_n % FRAG_ROWS or wn < 1 or wn & (wn - 1) or wk * wn != num_warps
+            or wk not in (2, 4) or num_warps > 16):
+        raise ValueError(f"variant 'frag' needs block_n = 16 x a power of two WN and num_warps = "
+                         f"WN x 2 or WN x 4, at most 16; got block_n {block_n}, num_warps "
                          f"{num_warps}")
-    return num_warps // wn, wn
+    return wk, wn
 
 
 def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_experts: int,

@@ -6,16 +6,17 @@ torch ops (`tile_map_ref`: argsort, two searchsorted, cumsum and glue) that is a
 launches per MoE layer, which at decode cost more GPU time than the expert GEMMs' fixed part. The
 kernel builds the same four tensors in one program:
 
-    rank[i]     = #{j : e_j < e_i} + #{j < i : e_j == e_i}      (stable counting sort)
-    order[rank[i]] = i
-    count[e]    = #{j : e_j == e};  start[e] = Σ_{e' < e} count[e'];  tiles[e] = ceil(count / bm)
-    expert(t)   = #{e : tile_cum[e] <= t}                        (searchsorted, right)
-    tile t      = rows [start[e] + (t - tile_base[e]) * bm, min(.. + bm, start[e] + count[e]))
+    order       = the slots sorted by (expert, slot): one in-register `tl.sort` of the unique
+                  keys e * BLOCK_NK + slot (a stable sort by expert)
+    count[e]    = #{j : e_j == e} (`tl.histogram`);  start[e] = Σ_{e' < e} count[e']
+    tiles[e]    = ceil(count / bm);  tile_base[e] = Σ_{e' < e} tiles[e']
+    tile tile_base[e] + j = rows [start[e] + j * bm, min(.. + bm, start[e] + count[e])), expert e
+    tiles past Σ tiles: rows [0, 0), expert E - 1
 
-Comparisons are blocked (slots against chunks of slots, tiles against all experts), so the work is
-O(nk^2 + max_tiles * E) in one CTA: meant for decode-sized maps. `tile_map` dispatches: the kernel
-up to `MAX_FUSED_SLOTS` slots and `MAX_FUSED_EXPERTS` experts, the reference above. Both are
-integer-exact, so the choice never changes a value.
+Each expert writes its own tiles (max_e tiles[e] steps of E-wide stores), so the work is a sort of
+next_pow2(nk) keys plus O(E * max tiles per expert) in one CTA: meant for decode-sized maps.
+`tile_map` dispatches: the kernel up to `MAX_FUSED_SLOTS` slots and `MAX_FUSED_EXPERTS` experts,
+the reference above. Both are integer-exact, so the choice never changes a value.
 No host sync; safe inside CUDA-graph capture. Test: tests/kernels/test_moe_tile_map.py.
 Benchmark: benchmarks/kernels/bench_moe_tile_map.py.
 """
@@ -29,10 +30,9 @@ from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.pdl import pdl_args
 
-MAX_FUSED_SLOTS = 512
+MAX_FUSED_SLOTS = 4096
 MAX_FUSED_EXPERTS = 1024
-_CHUNK = 32          # slots compared per step of the rank / count loop
-_TILE_CHUNK = 32     # tiles resolved per step of the tile loop
+_CHUNK = 32          # surplus tiles cleared per step
 
 TileMap = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -109,46 +109,38 @@ def tile_map_ref(indices: torch.Tensor, num_experts: int, block_m: int) -> TileM
 @triton.jit(do_not_specialize=["nk", "num_tiles"])
 def _tile_map_kernel(idx_ptr, order_ptr, ts_ptr, te_ptr, tx_ptr,  # type: ignore[no-untyped-def]
                      nk, num_tiles, E: tl.constexpr, BM: tl.constexpr, BLOCK_NK: tl.constexpr,
-                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     offs_i = tl.arange(0, BLOCK_NK)
     mi = offs_i < nk
-    e_i = tl.load(idx_ptr + offs_i, mask=mi, other=E).to(tl.int32)
+    e_i = tl.load(idx_ptr + offs_i, mask=mi, other=0).to(tl.int32)
+    # stable counting sort as one in-register sort of unique keys (expert, slot); padding last
+    keys = tl.sort(tl.where(mi, e_i, E) * BLOCK_NK + offs_i)
+    tl.store(order_ptr + offs_i, (keys % BLOCK_NK).to(tl.int64), mask=mi)
     offs_e = tl.arange(0, BLOCK_E)
-    count = tl.zeros([BLOCK_E], dtype=tl.int32)
-    rank = tl.zeros([BLOCK_NK], dtype=tl.int32)
-    for j0 in range(0, nk, CHUNK):
-        offs_j = j0 + tl.arange(0, CHUNK)
-        mj = offs_j < nk
-        e_j = tl.load(idx_ptr + offs_j, mask=mj, other=E).to(tl.int32)
-        same = e_j[None, :] == e_i[:, None]
-        before = (e_j[None, :] < e_i[:, None]) | (same & (offs_j[None, :] < offs_i[:, None]))
-        rank += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
-        hit = (e_j[None, :] == offs_e[:, None]) & mj[None, :]
-        count += tl.sum(hit.to(tl.int32), axis=1)
-    tl.store(order_ptr + rank, offs_i.to(tl.int64), mask=mi)
+    count = tl.histogram(e_i, BLOCK_E, mask=mi)
     ends = tl.cumsum(count, 0)
     starts = ends - count
     tiles = (count + BM - 1) // BM
     tile_cum = tl.cumsum(tiles, 0)
     tile_base = tile_cum - tiles
-    for t0 in range(0, num_tiles, TILE_CHUNK):
-        t = t0 + tl.arange(0, TILE_CHUNK)
-        expert = tl.sum((tile_cum[None, :] <= t[:, None]).to(tl.int32), axis=1)
-        ec = tl.minimum(expert, E - 1)
-        sel = offs_e[None, :] == ec[:, None]
-        start_e = tl.sum(tl.where(sel, starts[None, :], 0), axis=1)
-        end_e = tl.sum(tl.where(sel, ends[None, :], 0), axis=1)
-        base_e = tl.sum(tl.where(sel, tile_base[None, :], 0), axis=1)
-        start = start_e + (t - base_e) * BM
-        end = tl.minimum(start + BM, end_e)
-        valid = expert < E
+    # each expert writes its own tiles (tile j of expert e is tile tile_base[e] + j) ...
+    for j in range(0, tl.max(tiles, 0)):
+        mt = j < tiles
+        t = tile_base + j
+        start = starts + j * BM
+        tl.store(ts_ptr + t, start, mask=mt)
+        tl.store(te_ptr + t, tl.minimum(start + BM, ends), mask=mt)
+        tl.store(tx_ptr + t, offs_e, mask=mt)
+    # ... and the surplus tiles past the last one own nothing (expert E - 1, rows [0, 0))
+    for t0 in range(tl.sum(tiles, 0), num_tiles, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
         mt = t < num_tiles
-        tl.store(ts_ptr + t, tl.where(valid, start, 0), mask=mt)
-        tl.store(te_ptr + t, tl.where(valid, end, 0), mask=mt)
-        tl.store(tx_ptr + t, ec, mask=mt)
+        zero = tl.zeros([CHUNK], dtype=tl.int32)
+        tl.store(ts_ptr + t, zero, mask=mt)
+        tl.store(te_ptr + t, zero, mask=mt)
+        tl.store(tx_ptr + t, zero + (E - 1), mask=mt)
 
 
 def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> TileMap:
@@ -165,10 +157,11 @@ def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> Ti
     n_tiles = max_tiles(nk, num_experts, block_m)
     order = torch.empty(nk, dtype=torch.int64, device=flat.device)
     ts, te, tx = (torch.empty(n_tiles, dtype=torch.int32, device=flat.device) for _ in range(3))
+    block_nk = max(_CHUNK, triton.next_power_of_2(nk))
     _tile_map_kernel[(1,)](flat, order, ts, te, tx, nk, n_tiles, E=num_experts, BM=block_m,
-                           BLOCK_NK=max(_CHUNK, triton.next_power_of_2(nk)),
+                           BLOCK_NK=block_nk,
                            BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=_CHUNK,
-                           TILE_CHUNK=_TILE_CHUNK, num_warps=4, **pdl_args(flat.device))
+                           num_warps=min(16, max(4, block_nk // 256)), **pdl_args(flat.device))
     return order, ts, te, tx
 
 
