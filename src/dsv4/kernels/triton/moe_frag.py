@@ -164,28 +164,28 @@ def _paired(n):  # type: ignore[no-untyped-def]
 @triton.jit
 def _gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
                   s1_ptr, s3_ptr, e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se,
-                  stride_sn, NT: tl.constexpr, ASM: tl.constexpr):
+                  stride_sn, NT: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr):
     """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15)."""
     k, ok = _lane_k(s, v, q, K)
-    b = b_regs(x_row, k, False, ASM)
-    b2 = b_regs(x_row2, k, False, ASM) if NT == 2 else b
+    b = b_regs(x_row, k, False, ASM, L2PF)
+    b2 = b_regs(x_row2, k, False, ASM, L2PF) if NT == 2 else b
     g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                        stride_se, stride_sn, NT, ASM)
+                        stride_se, stride_sn, NT, ASM, L2PF)
     u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                        stride_se, stride_sn, NT, ASM)
+                        stride_se, stride_sn, NT, ASM, L2PF)
     return g, g2, u, u2
 
 
 @triton.jit
 def _down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
                s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, L2PF: tl.constexpr):
     """(a, a2) + K step s of virtual split v (a2: columns 8..15)."""
     k, ok = _lane_k(s, v, q, K)
-    b = b_regs(h_row, k, True, ASM)
-    b2 = b_regs(h_row2, k, True, ASM) if NT == 2 else b
+    b = b_regs(h_row, k, True, ASM, L2PF)
+    b2 = b_regs(h_row2, k, True, ASM, L2PF) if NT == 2 else b
     return matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                       stride_se, stride_sn, NT, ASM)
+                       stride_se, stride_sn, NT, ASM, L2PF)
 
 
 @triton.jit
@@ -194,7 +194,8 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     exp_ptr, K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
-    NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
+    PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
     K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
@@ -214,12 +215,12 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
             ga, ga2, ua, ua2 = _gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
                                              s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
-                                             stride_wn, stride_se, stride_sn, NT, ASM)
+                                             stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
             if WK == 2:
                 gb, gb2, ub, ub2 = _gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
                                                  s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
                                                  stride_we, stride_wn, stride_se, stride_sn, NT,
-                                                 ASM)
+                                                 ASM, L2PF)
         for j in tl.static_range(NT):          # column set j: tile rows 8j ..
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
@@ -236,7 +237,8 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, exp_ptr, K, D,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
-    NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
+    NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
+    PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
     added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
@@ -251,10 +253,11 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
             a, a2 = _down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
-                               stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
+                               stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
             if WK == 2:
                 b, b2 = _down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
-                                   K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM)
+                                   K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM,
+                                   L2PF)
         for j in tl.static_range(NT):
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
@@ -280,6 +283,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     flat = indices.reshape(-1)
     slots = tiles is None
     nt = 1 if slots else plan.block_m // 8         # MMA column sets of 8 tile rows
+    l2pf = 128 if slots else 256                    # the loads' L2 prefetch size (H200 sweep)
     order, t_start, t_end, t_exp = (flat, flat, flat, flat) if tiles is None else tiles
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
@@ -290,14 +294,15 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, num_warps=wk * wn,
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
+        num_warps=wk * wn,
         **pdl_args(x.device),
     )
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic,
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
         num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

@@ -13,12 +13,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _ld4(ptr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The 4 uint32 words at ptr (16-byte aligned): one vector load per thread on the GPU."""
+def _ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The 4 uint32 words at ptr (16-byte aligned): one vector load per thread on the GPU, with
+    the L2 prefetch-size hint L2PF (128 or 256 bytes: the aligned block around the 16 bytes is
+    fetched into L2, where the neighbouring K splits' warps find it)."""
     if ASM:
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
-            "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+        if L2PF == 256:
+            w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                "ld.global.nc.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+        else:
+            w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                "ld.global.nc.L2::128B.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
     else:
         w0, w1, w2, w3 = tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
     return w0, w1, w2, w3
@@ -79,14 +86,15 @@ def _prmt_hi(a, b):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr,  # type: ignore[no-untyped-def]
+           L2PF: tl.constexpr):
     """The lane's B registers for its 32-k group at k (4 words x 4 pairs): the activations
     x[k .. k + 32) of the row at row_ptr (uint32 words of bf16 pairs; `_b_word`)."""
     p = row_ptr + k // 2
-    a0, a1, a2, a3 = _ld4(p, ASM)
-    a4, a5, a6, a7 = _ld4(p + 4, ASM)
-    a8, a9, a10, a11 = _ld4(p + 8, ASM)
-    a12, a13, a14, a15 = _ld4(p + 12, ASM)
+    a0, a1, a2, a3 = _ld4(p, ASM, L2PF)
+    a4, a5, a6, a7 = _ld4(p + 4, ASM, L2PF)
+    a8, a9, a10, a11 = _ld4(p + 8, ASM, L2PF)
+    a12, a13, a14, a15 = _ld4(p + 12, ASM, L2PF)
     return (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
             _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
 
@@ -165,15 +173,15 @@ def _mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unt
 @triton.jit
 def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
                  b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, L2PF: tl.constexpr):
     """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
     (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
     8 more with b2 (columns 8..15) on the same A fragments."""
     base = w_ptr + e * stride_we
     wl0, wl1, wl2, wl3 = _ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
-                              ASM)
+                              ASM, L2PF)
     wh0, wh1, wh2, wh3 = _ld4((base + hi * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
-                              ASM)
+                              ASM, L2PF)
     sbase = s_ptr + e * stride_se + k // 32
     cl = _scale_code(sbase + lo * stride_sn, ASM)
     ch = _scale_code(sbase + hi * stride_sn, ASM)
