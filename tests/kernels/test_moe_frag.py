@@ -58,7 +58,7 @@ def test_frag_tiles() -> None:
     wts = make_weights(4, 64, 64, "fp4", seed=29)
     idx, rw = make_routing(9, 4, 2, seed=29, hot=1)
     x = randn(9, 64, seed=9).to(torch.bfloat16)
-    kw = {"variant": "frag", "block_n": 32, "num_warps": 4}
+    kw = {"variant": "frag", "block_n": 64, "num_warps": 8}   # one row block: few programs
     slots = triton_routed_experts_quant(
         x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
         block_m=1, deterministic=True, **kw)
