@@ -75,7 +75,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.moe import WaitShared, add_shared
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.moe_combine import triton_moe_combine
+from dsv4.kernels.triton.moe_combine import down_output, triton_moe_combine
 from dsv4.kernels.triton.moe_decode import tile_dot
 from dsv4.kernels.triton.moe_fma import fma_activations, fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order, planes_activations, planes_column
@@ -358,7 +358,7 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     """The gate/up and down launches of the tl.dot loops: [N, d] fp32 (atomic) or the [N*k, d]
     rows (deterministic) that the combine sums over k."""
     order, t_start, t_end, t_exp = tiles
-    N, d, inter, nk = x.shape[0], w2.shape[1], w1.shape[1], rw.numel()
+    d, inter, nk = w2.shape[1], w1.shape[1], rw.numel()
     code = FMTS[fmt]
     # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot
     # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
@@ -367,11 +367,7 @@ def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     common = {"TOPK": topk, "FMT": code, "VARIANT": plan.variant, "FP32_DOT": fp32_dot,
               "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k, "num_stages": plan.num_stages}
     h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
-    # the atomic epilogue adds into a zeroed [N, d]; the deterministic one stores each (token, k)
-    # row, which the combine sums over k in a fixed order; zeroed before gate/up, so that no
-    # torch kernel sits between the two PDL launches
-    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
-            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
+    dest = down_output(nk, topk, d, deterministic, x.device)
     planes = fmt == "fp4" and plan.variant == VARIANTS["planes"]
     xs = planes_activations(x, plan.block_k) if planes else x
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps

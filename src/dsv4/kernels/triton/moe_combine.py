@@ -65,6 +65,16 @@ def _check(parts: torch.Tensor, shared: torch.Tensor | None, out_dtype: torch.dt
                          f"{shared.device}")
 
 
+def down_output(nk: int, topk: int, d: int, deterministic: bool,
+                device: torch.device) -> torch.Tensor:
+    """The fp32 buffer an expert down launch writes: [N*k, d] rows that the combine sums over k
+    (deterministic), or a zeroed [N, d] the atomic epilogue adds into. Made before the gate/up
+    launch, so that no torch kernel sits between the two PDL launches."""
+    if deterministic:
+        return torch.empty(nk, d, dtype=torch.float32, device=device)
+    return torch.zeros(nk // topk, d, dtype=torch.float32, device=device)
+
+
 def triton_moe_combine(parts: torch.Tensor, shared: torch.Tensor | None,
                        out_dtype: torch.dtype) -> torch.Tensor:
     """Same contract as `moe_combine`: parts [N, k, d] fp32 (unit stride along d), shared [N, d]

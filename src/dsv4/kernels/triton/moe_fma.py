@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from dsv4.kernels.triton.moe_combine import down_output
 from dsv4.kernels.triton.moe_fma_words import decode_words, load_words, next_k
 from dsv4.kernels.triton.moe_plan import MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
@@ -321,7 +322,6 @@ def fma_launches(x: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, w3: torch.
     else:
         order, t_start, t_end, t_exp = tiles
     nk, inter, d = indices.numel(), w1.shape[1], x.shape[1]
-    N = nk // topk
     common = {"TOPK": topk, "FMT": fmt, "SHIFT": act_shift(fmt), "ASM": libdevice,
               "BLOCK_M": plan.block_m,
               "BLOCK_K": plan.block_k, "NUM_STAGES": plan.num_stages,
@@ -331,9 +331,7 @@ def fma_launches(x: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, w3: torch.
     width = triton.cdiv(inter, plan.block_k) * plan.block_k
     h = (torch.empty if width == inter else torch.zeros)(nk, width, dtype=torch.float32,
                                                          device=x.device)
-    # zeroed before gate/up, so that no torch kernel sits between the two PDL launches
-    dest = (torch.zeros(N, d, dtype=torch.float32, device=x.device) if not deterministic
-            else torch.empty(nk, d, dtype=torch.float32, device=x.device))
+    dest = down_output(nk, topk, d, deterministic, x.device)
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
     _gate_up_fma_kernel[(t_exp.numel(), triton.cdiv(inter, bn))](
         xs, w1, w3, s1, s3, h, order, rw, t_start, t_end, t_exp, d, inter, float(limit),

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from dsv4.kernels.triton.moe_combine import down_output
 from dsv4.kernels.triton.moe_frag_regs import b_regs, matrix_step
 from dsv4.kernels.triton.moe_plan import (
     FRAG_ROWS,
@@ -287,9 +288,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     order, t_start, t_end, t_exp = (flat, flat, flat, flat) if tiles is None else tiles
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
-    # zeroed before gate/up, so that no torch kernel sits between the two PDL launches
-    dest = (torch.zeros(nk // topk, d, dtype=torch.float32, device=x.device)
-            if not deterministic else torch.empty(nk, d, dtype=torch.float32, device=x.device))
+    dest = down_output(nk, topk, d, deterministic, x.device)
     wk, wn = frag_warps(plan.gate_up.block_n, plan.gate_up.num_warps)
     _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),

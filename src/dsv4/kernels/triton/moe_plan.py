@@ -83,7 +83,8 @@ FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order
 # "frag": ((block_n, warps) of gate/up, of down) per BLOCK_M: block_n / 16 warps across the rows,
 # WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
 FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
-FRAG_DEEP_WARPS = 32         # BLOCK_M 1: gate/up at WK 4 while WK 2 fills < this many warps per SM
+FRAG_DEEP_WARPS = 32         # BLOCK_M 1: gate/up at FRAG_DEEP_GATE_UP while the launch of
+FRAG_DEEP_GATE_UP = (16, 4)  # ... FRAG_LAUNCHES[1] (WK 2) would fill < this many warps per SM
 PROGRAMS_PER_SM = 4
 DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m) only by knob
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
@@ -144,8 +145,9 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
         if block_m is None:
             mean = nk / num_experts
             block_m = 16 if mean >= FRAG_WIDE_MEAN_ROWS else 8 if mean >= FRAG_TILE_MEAN_ROWS else 1
-        # few slots: gate/up splits K over 4 warps, so the grid holds enough warps to stream
-        deep = block_m == 1 and nk * triton.cdiv(inter, FRAG_ROWS) * 2 < (
+        # few slots: gate/up splits K over more warps, so the grid holds enough warps to stream
+        bn, warps = FRAG_LAUNCHES[1][0]
+        deep = block_m == 1 and nk * triton.cdiv(inter, bn) * warps < (
             FRAG_DEEP_WARPS * _num_sms(device))
         return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep)
     if name == "fma":
@@ -205,8 +207,8 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x WN rows,
     num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits); no BLOCK_K,
     stages or prefetch knobs. Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
-    (benchmarks/results/quant_moe_h200_202612.md), and gate/up at (16, 4) when `deep` (so few
-    slots that 2 warps per program would leave the SMs short of warps); a knob pins both
+    (benchmarks/results/quant_moe_h200_202612.md), and gate/up at FRAG_DEEP_GATE_UP when `deep`
+    (so few slots that FRAG_LAUNCHES[1] would leave the SMs short of warps); a knob pins both
     launches. The launches never change a row's bits: the splits' order is fixed."""
     if block_m not in (None, 1, 8, 16) or block_k not in (None, FRAG_STEP) \
             or num_stages not in (None, 1) or prefetch:
@@ -216,7 +218,7 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     bm = block_m or 1
     gate_up, down = FRAG_LAUNCHES[bm]
     launches = []
-    for default_bn, default_warps in ((16, 4) if deep else gate_up, down):
+    for default_bn, default_warps in (FRAG_DEEP_GATE_UP if deep else gate_up, down):
         bn, warps = block_n or default_bn, num_warps or default_warps
         frag_warps(bn, warps)
         launches.append(Launch(bn, warps))
