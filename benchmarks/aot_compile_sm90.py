@@ -443,14 +443,16 @@ def fp8_linear_variants() -> Iterator[Variant]:
     for N, K in ((1536, 4096), (32768, 1024), (4096, 8192)):
         for M in (1, 4, 8, 32, 512):
             plan = f8.plan_fp8_linear(M, N, K, 132)
-            splits, per = f8.even_split(triton.cdiv(K, f8.BLOCK), plan.split_k)
+            splits, per = f8.even_split(triton.cdiv(K, f8.BLOCK * plan.kb), plan.split_k)
             types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
-                     "K": "i32:16", "stride_xm": "i32:16", "stride_wn": "i32:16",
-                     "stride_sn": "i32", "k_per_split": "i32:16"}
-            consts = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "SPLIT_K": splits,
-                      "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
-                      "ROWS": 0 if plan.dot else M, "FP32_DOT": False, "EVEN_K": K % f8.BLOCK == 0}
+                     "K": "i32:16", "stride_xm": "i32:16", "stride_xg": "i32:16",
+                     "rows_g": "i32:16", "stride_wn": "i32:16", "stride_sn": "i32",
+                     "k_per_split": "i32:16"}
+            consts = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "KB": plan.kb,
+                      "SPLIT_K": splits, "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
+                      "ROWS": 0 if plan.dot else M, "FP32_DOT": False,
+                      "EVEN_K": K % (f8.BLOCK * plan.kb) == 0}
             path = "dot" if plan.dot else "fma"
             yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
                    consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})

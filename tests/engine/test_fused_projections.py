@@ -88,19 +88,26 @@ def assert_same_rows(a: Rows, b: Rows) -> None:
         assert torch.equal(torch.stack(a[rid]), torch.stack(b[rid])), f"request {rid}: logits"
 
 
-@pytest.mark.parametrize(("preset", "lengths"), [
-    (micro, (1, 9, 37, 70)),
-    (tiny, (5, 140, 530)),
-], ids=["micro", "tiny"])
+@pytest.mark.parametrize(("preset", "lengths", "fmt"), [
+    (micro, (1, 9, 37, 70), "bf16"),
+    (tiny, (5, 140, 530), "bf16"),
+    (tiny, (5, 140, 530), "checkpoint"),
+], ids=["micro", "tiny", "tiny-fp8"])
 def test_fused_equals_unfused(monkeypatch: pytest.MonkeyPatch,
-                              preset: Callable[[], ModelConfig], lengths: tuple[int, ...]) -> None:
+                              preset: Callable[[], ModelConfig], lengths: tuple[int, ...],
+                              fmt: str) -> None:
+    """fmt "checkpoint": FP8 linears in checkpoint encoding, fused among themselves (wq_a | wkv,
+    shared w1 | w3: codes and block scales stacked)."""
     cfg = preset()
     rec, prompts = Recorder(monkeypatch), prompts_of(cfg, lengths)
     outs, rows = [], []
     for fuse in (True, False):
-        engine = engine_for(random_model(cfg, torch.float32, CPU, seed=3),
+        engine = engine_for(random_model(cfg, torch.float32, CPU, 3, fmt),
                             fuse_projections=fuse)
         assert (engine.runner.fused_groups > 0) == fuse == is_fused(engine.runner.model)
+        fp8 = [m.fused_w13 for m in engine.runner.model.modules()
+               if isinstance(m, MLP) and m.fused_w13 is not None and m.fused_w13.scale is not None]
+        assert bool(fp8) == (fuse and fmt == "checkpoint")
         outs.append(serve(engine, prompts))
         rows.append(rec.rows[id(engine.runner)])
     assert outs[0] == outs[1]

@@ -83,7 +83,8 @@ def test_matches_reference(M: int, dtype: torch.dtype, N: int, K: int) -> None:
 
 
 @pytest.mark.parametrize("knobs", [{"split_k": 1}, {"split_k": 3}, {"dot": True, "split_k": 2},
-                                   {"dot": False, "block_n": 16}, {"block_n": 128}])
+                                   {"dot": False, "block_n": 16}, {"block_n": 128},
+                                   {"dot": False, "kb": 1}, {"dot": False, "kb": 2, "split_k": 2}])
 def test_knobs_and_split_k(knobs: dict[str, Any]) -> None:
     x, w, s = operands(3, 300, 520, F32, seed=1)
     counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
@@ -100,6 +101,28 @@ def test_strided_and_batched_x() -> None:
     y3 = triton_fp8_linear(x.view(2, 3, 256), w, s)
     assert y3.shape == (2, 3, 140)
     assert torch.equal(y3.view(6, 140), triton_fp8_linear(x, w, s))
+
+
+@pytest.mark.parametrize(("M", "knobs"), [(1, {}), (3, {"split_k": 1}), (5, {"dot": True}),
+                                           (2, {"dot": False, "kb": 1, "split_k": 3})])
+def test_groups_match_per_group_products(M: int, knobs: dict[str, Any]) -> None:
+    """groups=g (attention's wo_a): x [M, g, K] -> [M, g, N / g], group i through weight rows
+    [i N / g, (i + 1) N / g), in one launch: each group as the ungrouped kernel's product of its
+    own rows, within the tolerance (the split plans differ), and the reference's form."""
+    g, rows, K = 3, 128, 640
+    x, w, s = operands(M * g, g * rows, K, BF16, seed=5)
+    x3 = x.view(M, g, K)
+    y = triton_fp8_linear(x3, w, s, groups=g, **knobs)
+    assert y.shape == (M, g, rows)
+    blocks = rows // 128
+    for i in range(g):
+        wi, si = w[i * rows:(i + 1) * rows], s[i * blocks:(i + 1) * blocks]
+        assert_close(y[:, i], x3[:, i].contiguous(), wi, si)
+    ref = fp8_linear(x3.float(), w, s, groups=g)
+    assert ref.shape == y.shape
+    assert float((ref - y.float()).abs().max()) <= 2.0**-7 * float(ref.abs().max())
+    with pytest.raises(ValueError, match="groups"):
+        triton_fp8_linear(x3, w[:200], s[:2], groups=g)
 
 
 def test_float8_dtype_and_uint8_codes_agree() -> None:

@@ -176,7 +176,7 @@ def test_shared_expert_keeps_its_bits(backend: str, M: int, fuse: bool,
     ops = create_kernels(backend)  # type: ignore[arg-type]
     ctx: Any = SimpleNamespace(ops=ops)
     x = (torch.randn(M, 64) * 4).to(DEVICE, torch.bfloat16)
-    gate, up = (mlp.fused_w13(x, mlp.fused_w13.gemm(ops.linear)) if mlp.fused_w13 is not None
+    gate, up = (mlp.fused_w13(x, mlp.fused_w13.gemm(ops)) if mlp.fused_w13 is not None
                 else (linear(mlp.w1, x, ops), linear(mlp.w3, x, ops)))
     want = linear(mlp.w2, ops.swiglu(gate, up, LIMIT), ops)
     calls: list[int] = []

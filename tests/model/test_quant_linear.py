@@ -112,14 +112,28 @@ def test_grouped_equals_einsum(rows: int, monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.allclose(q.grouped(x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_fusion_skips_fp8_groups(ckpt: Path) -> None:
+def test_fusion_stacks_fp8_groups(ckpt: Path) -> None:
+    """FP8 members fuse among themselves when every member but the last holds whole 128-row
+    scale blocks: on micro wq_b (128 rows) | the indexer's wq_b does; wq_a (32 rows) | wkv and
+    w1 (32) | w3 do not. The members' codes and scales become views of the stacked ones, and the
+    group's one `quant_linear` call gives each member's own output."""
     model = load_model(ckpt, dtype="float32", progress=False, weight_format="checkpoint")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     fuse_projections(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    fused = 0
     for m in model.modules():
         if isinstance(m, MLP):
             assert isinstance(m.w1, QuantLinear) and m.fused_w13 is None
-        if hasattr(m, "fused_x"):
-            assert m.fused_x is None and m.fused_q is None
+        if hasattr(m, "fused_x") and m.indexer is not None:
+            assert m.fused_x is None and m.fused_q is not None and m.fused_q.scale is not None
+            members = [m.wq_b, m.indexer.wq_b]
+            assert m.fused_q.holds([q.weight for q in members], [q.scale for q in members])
+            x = torch.randn(3, m.wq_b.in_features)
+            for got, q in zip(m.fused_q(x, m.fused_q.gemm(None)), members, strict=True):
+                assert torch.equal(got, q(x))
+            fused += 1
+    assert fused > 0
 
 
 def test_tensor_parallel_dequantises_the_linears(ckpt: Path) -> None:

@@ -281,10 +281,12 @@ class SwigluLinearOp(Protocol):
 class QuantLinearOp(Protocol):
     """`ref/fp8_linear.py::fp8_linear`: x [..., K] through a checkpoint-format FP8 linear (w
     [N, K] e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes) -> [..., N] in x's dtype.
+    `groups` g > 1: the block-diagonal product (attention `wo_a`), x [..., g, K] -> [..., g, N /
+    g], group i through weight rows [i N / g, (i + 1) N / g) (whole scale blocks for the kernel).
     `counters`: the call site's zeroed int32 split-K arrival counters (>= N / 16 words, left zero;
     the kernel's, so that no call pays a memset), ignored by the reference."""
 
-    def __call__(self, x: Tensor, w: Tensor, scale: Tensor, *,
+    def __call__(self, x: Tensor, w: Tensor, scale: Tensor, *, groups: int = 1,
                  counters: Tensor | None = None) -> Tensor: ...
 
 

@@ -364,9 +364,11 @@ class Attention(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, d] -> (wq_a [T, q_lora], wkv [T, D], the indexer's weights_proj [T, Ih] or None
         without an indexer): one GEMM when fused (`fused_x`), else one each."""
-        if self.fused_x is not None:
-            parts = self.fused_x(x, self.fused_x.gemm(ops.linear))
-            return parts[0], parts[1], parts[2] if len(parts) > 2 else None
+        if self.fused_x is not None:             # (FP8 checkpoints: wq_a | wkv only)
+            parts = self.fused_x(x, self.fused_x.gemm(ops))
+            index_w = (parts[2] if len(parts) > 2 else None if self.indexer is None else
+                       linear(self.indexer.weights_proj, x, ops))
+            return parts[0], parts[1], index_w
         return (linear(self.wq_a, x, ops), linear(self.wkv, x, ops),
                 linear(self.indexer.weights_proj, x, ops) if self.indexer is not None else None)
 
@@ -390,7 +392,7 @@ class Attention(nn.Module):
         q_lat = self.q_norm(q_a, ctx)                                         # [T, q_lora]
         q_raw = index_q = None
         if self.fused_q is not None:
-            q_raw, index_q = self.fused_q(q_lat, self.fused_q.gemm(ctx.ops.linear))
+            q_raw, index_q = self.fused_q(q_lat, self.fused_q.gemm(ctx.ops))
         with side(stream):
             if index_q is None and self.indexer is not None:
                 index_q = linear(self.indexer.wq_b, q_lat, ctx.ops)

@@ -92,6 +92,8 @@ def _set_buffer(module: nn.Module, weight: torch.Tensor, on: bool) -> bool:
 
 
 def _set_group(group: FusedRows, on: bool) -> bool:
+    if group.scale is not None:      # FP8 codes: the `quant_linear` op's counters, always held
+        return False
     if not _eligible(group.weight):
         group.counters = None
         return False

@@ -12,6 +12,12 @@ reads the output's column slices. The groups:
   indexer's compressor), through the backend's `project` op, then `add_ape` on each score slice;
 - shared expert, input u: w1 | w3, then `swiglu` on the two halves.
 
+Checkpoint-format FP8 linears (`model/quant_linear.py`) fuse among themselves: codes and 128x128
+block scales stacked (`FusedRows.scale`), one `quant_linear` call, when every member but the last
+holds whole 128-row scale blocks. On the official checkpoint that is wq_a | wkv (the float
+weights_proj then runs alone), wq_b | the indexer's wq_b and w1 | w3; a group mixing FP8 and float
+members never fuses. The members' `weight` and `scale` buffers become views like the parameters.
+
 The members' parameters become views of the stacked weight's row blocks (`nn.Parameter(buf[a:b])`:
 same names, shapes, dtypes and bytes, no second copy), so `state_dict`, in-place weight updates
 (`engine/weight_sync.py::update_weights` copies into them, so the fused GEMM sees the new values)
@@ -35,8 +41,9 @@ import torch
 from torch import nn
 
 from dsv4.model.attention import Attention
-from dsv4.model.layers.fused import FusedRows
+from dsv4.model.layers.fused import FP8_BLOCK, FusedRows
 from dsv4.model.moe import MLP
+from dsv4.model.quant_linear import QuantLinear
 
 
 def fuse_projections(model: nn.Module, query_group: bool = True) -> int:
@@ -51,7 +58,9 @@ def fuse_projections(model: nn.Module, query_group: bool = True) -> int:
     fused = 0
     for module in model.modules():
         if isinstance(module, Attention):
-            module.fused_x = _fuse(module.fused_x, _x_group(module))
+            x_group = _x_group(module)
+            module.fused_x = (_fuse(module.fused_x, x_group)
+                              or _fuse(module.fused_x, x_group[:2]))   # FP8 wq_a | wkv
             module.fused_q = (_fuse(module.fused_q, _q_group(module)) if query_group else
                               None)
             module.fused_compress = _fuse(module.fused_compress, _compress_group(module))
@@ -83,13 +92,13 @@ def is_fused(model: nn.Module) -> bool:
     return False
 
 
-def _x_group(attn: Attention) -> list[nn.Linear]:
+def _x_group(attn: Attention) -> list[nn.Module]:
     """The projections of the layer input x, in `Attention._x_projections`' order."""
     extra = [attn.indexer.weights_proj] if attn.indexer is not None else []
     return [attn.wq_a, attn.wkv, *extra]
 
 
-def _q_group(attn: Attention) -> list[nn.Linear]:
+def _q_group(attn: Attention) -> list[nn.Module]:
     """The projections of q_lat (wq_b | the indexer's wq_b): a group only with an indexer."""
     return [attn.wq_b, attn.indexer.wq_b] if attn.indexer is not None else []
 
@@ -104,28 +113,70 @@ def _compress_group(attn: Attention) -> list[nn.Linear]:
     return group
 
 
-def _fuse(current: FusedRows | None, members: Sequence[nn.Linear]) -> FusedRows | None:
+def _fuse(current: FusedRows | None, members: Sequence[nn.Module]) -> FusedRows | None:
     """`current` while it still holds `members`' weights; else a new stacked weight whose row
     blocks the members' weights become (copied in, then rebound); None for fewer than two
-    members or members that cannot share one GEMM."""
-    if len(members) < 2 or any(not isinstance(m, nn.Linear) or m.bias is not None
-                               for m in members):
+    members or members that cannot share one GEMM. Checkpoint-format FP8 members
+    (`QuantLinear`) fuse among themselves: codes and scales stacked (`_fuse_quant`)."""
+    if len(members) < 2:
         return None
-    weights = [m.weight for m in members]
+    if all(isinstance(m, QuantLinear) for m in members):
+        return _fuse_quant(current, [m for m in members if isinstance(m, QuantLinear)])
+    linears = [m for m in members if isinstance(m, nn.Linear) and m.bias is None]
+    if len(linears) != len(members):
+        return None
+    weights = [_tensor(m, "weight") for m in linears]
     if current is not None and current.holds(weights):
         return current
-    first = weights[0]
-    if (first.device.type == "meta"
-            or any(w.dim() != 2 or w.dtype != first.dtype or w.device != first.device
-                   or w.shape[1] != first.shape[1] for w in weights)):
+    if not _stackable(weights):
         return None
-    sizes = [w.shape[0] for w in weights]
-    stacked = torch.empty(sum(sizes), first.shape[1], dtype=first.dtype, device=first.device)
+    stacked = _stack(members, weights, "weight")
+    return FusedRows(stacked, [w.shape[0] for w in weights])
+
+
+def _fuse_quant(current: FusedRows | None, members: Sequence[QuantLinear]) -> FusedRows | None:
+    """The FP8 form of `_fuse`: codes [sum(out), in] and scales stacked, the members' `weight`
+    and `scale` buffers rebound to their blocks; None unless every member but the last holds
+    whole 128-row scale blocks (so the stacked blocks stay each member's own)."""
+    weights, scales = [m.weight for m in members], [m.scale for m in members]
+    if current is not None and current.holds(weights, scales):
+        return current
+    if not _stackable(weights) or any(w.shape[0] % FP8_BLOCK for w in weights[:-1]) or \
+            any(sc.shape[1] != scales[0].shape[1] for sc in scales):
+        return None
+    stacked = _stack(members, weights, "weight")
+    stacked_scale = _stack(members, scales, "scale")
+    return FusedRows(stacked, [w.shape[0] for w in weights], stacked_scale)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    t = getattr(module, name)
+    assert isinstance(t, torch.Tensor)
+    return t
+
+
+def _stackable(weights: Sequence[torch.Tensor]) -> bool:
+    """Matrices of one dtype, device and input width, not on the meta device."""
+    first = weights[0]
+    return first.device.type != "meta" and all(
+        w.dim() == 2 and w.dtype == first.dtype and w.device == first.device
+        and w.shape[1] == first.shape[1] for w in weights)
+
+
+def _stack(members: Sequence[nn.Module], tensors: Sequence[torch.Tensor],
+           name: str) -> torch.Tensor:
+    """One [sum(rows), cols] tensor holding `tensors` in order; each member's `name` (a
+    parameter keeps its requires_grad; a buffer stays a buffer) rebound to its row block."""
+    stacked = torch.empty(sum(t.shape[0] for t in tensors), tensors[0].shape[1],
+                          dtype=tensors[0].dtype, device=tensors[0].device)
     row = 0
     with torch.no_grad():
-        for member, w, size in zip(members, weights, sizes, strict=True):
-            block = stacked[row:row + size]
-            block.copy_(w)
-            member.weight = nn.Parameter(block, requires_grad=w.requires_grad)
-            row += size
-    return FusedRows(stacked, sizes)
+        for member, t in zip(members, tensors, strict=True):
+            block = stacked[row:row + t.shape[0]]
+            block.copy_(t)
+            if isinstance(t, nn.Parameter):
+                setattr(member, name, nn.Parameter(block, requires_grad=t.requires_grad))
+            else:
+                setattr(member, name, block)
+            row += t.shape[0]
+    return stacked

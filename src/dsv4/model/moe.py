@@ -176,7 +176,7 @@ class MLP(nn.Module):
         limit = self.limit
         if ctx is not None:
             ops = ctx.ops
-            gate, up = (self.fused_w13(x, self.fused_w13.gemm(ops.linear))
+            gate, up = (self.fused_w13(x, self.fused_w13.gemm(ops))
                         if self.fused_w13 is not None else
                         (linear(self.w1, x, ops), linear(self.w3, x, ops)))
             counters = getattr(self.w2, GEMV_COUNTERS, None)

@@ -16,11 +16,13 @@ the weight to x's dtype on the fly on every call and runs F.linear: exact values
 those of the model whose linears were dequantised at load, and gradients reach x (the codes are not
 trainable; a model holding them cannot be exported).
 
-Composition: the serving path's fused projection groups (`model/fused_projections.py`) skip any
-group with a `QuantLinear` member (those projections run one launch each); tensor parallelism
-dequantises them first (`distributed/tp.py`). Each module holds the kernel's split-K arrival
-counters (`counters`, not in the state dict; zero between calls), so a decode call needs no memset;
-a module's calls run one at a time on one stream, whichever stream that is (multi-stream).
+Composition: the serving path's fused projection groups (`model/fused_projections.py`) fuse
+FP8 members among themselves (codes and block scales stacked, one `quant_linear` call: wq_a | wkv,
+wq_b | the indexer's wq_b, w1 | w3, where every member but the last holds whole 128-row scale
+blocks) and never mix them with float ones; the grouped `wo_a` is one call (`groups=`); tensor
+parallelism dequantises them first (`distributed/tp.py`). Each module holds the kernel's split-K
+arrival counters (`counters`, not in the state dict; zero between calls), so a decode call needs no
+memset; a module's calls run one at a time on one stream, whichever stream that is (multi-stream).
 """
 
 from __future__ import annotations
@@ -72,10 +74,10 @@ class QuantLinear(nn.Module):
 
     def grouped(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
         """Block-diagonal product of the output projection's groups (attention `wo_a`): x
-        [..., g, in] -> [..., g, out / g], group i through rows [i out/g, (i+1) out/g). Each group
-        runs the op on its own rows when they are whole scale blocks; otherwise (small test
-        geometries) on all rows, keeping its own: g times the work, but no dequantised copy and
-        no host sync (this runs inside CUDA-graph capture)."""
+        [..., g, in] -> [..., g, out / g], group i through rows [i out/g, (i+1) out/g). One call
+        of the op (`groups=g`) when the groups are whole scale blocks; otherwise (small test
+        geometries) one call per group on all rows, keeping its own: g times the work, but no
+        dequantised copy and no host sync (this runs inside CUDA-graph capture)."""
         g = x.shape[-2]
         rows = self.out_features // g
         fn = fp8_linear if ops is None else ops.quant_linear
@@ -83,10 +85,7 @@ class QuantLinear(nn.Module):
             return torch.stack([fn(x[..., i, :], self.weight, self.scale,
                                    counters=self.counters)[..., i * rows:(i + 1) * rows]
                                 for i in range(g)], -2)
-        blocks = rows // quant.FP8_BLOCK
-        return torch.stack([fn(x[..., i, :], self.weight[i * rows:(i + 1) * rows],
-                               self.scale[i * blocks:(i + 1) * blocks], counters=self.counters)
-                            for i in range(g)], -2)
+        return fn(x, self.weight, self.scale, groups=g, counters=self.counters)
 
     def reset_buffers(self) -> None:
         """Zero the split-K counters (e.g. after `to_empty`: the loader fills only the codes and

@@ -17,12 +17,22 @@ from dsv4.kernels.ref.act_quant import fake_act_quant
 from dsv4.kernels.ref.quant import dequant_fp8_block
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, groups: int = 1,
                counters: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bf16 / fp16 / fp32 -> [..., N] in x's dtype (`F.linear` on the decoded w);
-    `counters` (the kernel's split-K scratch) is unused here."""
+    """x [..., K] bf16 / fp16 / fp32 -> [..., N] in x's dtype (`F.linear` on the decoded w).
+    `groups` g > 1: the block-diagonal product of the grouped output projection (attention
+    `wo_a`): x [..., g, K] -> [..., g, N / g], group i through weight rows [i N / g, (i + 1) N /
+    g). `counters` (the kernel's split-K scratch) is unused here."""
     codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
-    return F.linear(x, dequant_fp8_block(codes, scale, x.dtype))
+    weight = dequant_fp8_block(codes, scale, x.dtype)
+    if groups == 1:
+        return F.linear(x, weight)
+    if x.dim() < 2 or x.shape[-2] != groups or weight.shape[0] % groups:
+        raise ValueError(f"groups {groups} needs x [..., {groups}, K] and N a multiple of it; got "
+                         f"x {list(x.shape)}, N {weight.shape[0]}")
+    rows = weight.shape[0] // groups
+    return torch.stack([F.linear(x[..., i, :], weight[i * rows:(i + 1) * rows])
+                        for i in range(groups)], -2)
 
 
 def fp8_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

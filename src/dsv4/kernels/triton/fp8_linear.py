@@ -7,18 +7,24 @@ byte per weight, half of bf16) and is decoded in registers; the spec is `ref/fp8
     y[m, n] = sum_kb s[n // 128, kb] * sum_{k in block kb} x[m, k] code[n, k]
 
 Grid: M tiles x N tiles x SPLIT_K K splits, one program each (pid = tile * SPLIT_K + split, tile =
-m_tile * n_tiles + n_tile). BLOCK_K is 128, one scale block, and BLOCK_N divides 128, so a program's
-K step meets exactly one scale: the step's partial product (fp32) is multiplied by that power of two
-and added to the accumulator, which is exact (the scale only shifts exponents). Codes are loaded as
-bytes, bitcast to float8e4nv and converted through fp32 to x's dtype (exact). Rows past N / M are
-clamped to the last real row (never stored); only a K tail (K % 128 != 0) is masked. Inner products,
-as in `gemv.py`:
+m_tile * n_tiles + n_tile). A K step is KB whole scale blocks (BLOCK_K = 128 KB), and BLOCK_N
+divides 128, so each block of a step meets exactly one scale: a block's partial product (fp32) is
+multiplied by that power of two, which is exact (the scale only shifts exponents). Codes are loaded
+as bytes, bitcast to float8e4nv and converted through fp32 to x's dtype (exact). Rows past N / M
+are clamped to the last real row (never stored); only a K tail (K % BLOCK_K != 0) is masked. Inner
+products, as in `gemv.py`:
 
-    FMA (small M): per x row (unrolled, ROWS = M) a [BLOCK_N, 128] multiply and in-warp row sums on
-        the CUDA cores in fp32.
-    DOT: acc[BLOCK_N, BLOCK_M] += s * tl.dot(w_tile, x_tile^T) ("swap AB": the weight rows fill the
-        MMA's 64-row side); 16-bit x multiplies the decoded codes exactly in the MMA, fp32
-        accumulates; fp32 x (or the interpreter) runs tl.dot in fp32 with input_precision "ieee".
+    FMA (small M): per x row (unrolled, ROWS = M) a [BLOCK_N, KB, 128] multiply, in-warp sums per
+        block, times the blocks' scales, summed, on the CUDA cores in fp32 (KB 2-4: 256-512 bytes
+        of a weight row per step, so a program streams whole lines with few steps);
+    DOT (KB = 1): acc[BLOCK_N, BLOCK_M] += s * tl.dot(w_tile, x_tile^T) ("swap AB": the weight
+        rows fill the MMA's 64-row side); 16-bit x multiplies the decoded codes exactly in the MMA,
+        fp32 accumulates; fp32 x (or the interpreter) runs tl.dot in fp32 with input_precision
+        "ieee".
+
+Groups (`groups=g`, attention's grouped `wo_a`): x [M, g, K], and output row n reads x row
+(m, n // (N / g)): the block-diagonal product of g groups in one launch (N / g whole scale blocks,
+so a program's rows sit in one group).
 
 Split-K (one M tile only): each program stores its fp32 partial [M, N] tile into a workspace, bumps
 its N tile's int32 arrival counter, and the last arrival sums the partials in split order (the
@@ -26,7 +32,8 @@ in-launch, deterministic reduction of `gemv.py`, same counter contract: a zeroed
 by default a fresh one per call, so concurrent streams never share one).
 
 Plan (`plan_fp8_linear`, host only, from (M, N, K, x dtype, SM count); CUDA-graph safe):
-- decode, M <= FMA_MAX_M: FMA, BLOCK_N 32, BLOCK_M next_pow2(M), 4 warps, 2 stages;
+- decode, M <= FMA_MAX_M: FMA, BLOCK_M next_pow2(M), (KB, BLOCK_N, stages) FMA_TILES[BLOCK_M],
+  4 warps;
 - decode, M <= DECODE_MAX_M: DOT, BLOCK_M max(16, next_pow2(M)), BLOCK_N 64, 4 warps, 4 stages;
 - then split-K (one M tile) up to PROGRAMS_PER_SM programs per SM, capped by the K blocks and the
   last arrival's registers, evened out so no split is empty; BLOCK_N halves (down to 16) while the
@@ -65,6 +72,10 @@ from dsv4.kernels.triton.pdl import pdl_args
 BLOCK = 128                 # the scale block (and the K step)
 DECODE_MAX_M = 64           # above: prefill tiles, no split-K
 _MIN_DOT = 16               # tl.dot needs every dimension >= 16
+# FMA path per BLOCK_M (next_pow2(M) <= FMA_MAX_M): (scale blocks of 128 k per K step, weight
+# rows per program, pipeline stages), the fastest of an H200 sweep over flash-4l's FP8 linears
+# (benchmarks/results/quant_moe_h200_202612.md, twenty-fifth session)
+FMA_TILES = {1: (4, 32, 1), 2: (4, 32, 1), 4: (2, 32, 2)}
 # FMA_MAX_M, FMA_LIMIT_M, PROGRAMS_PER_SM, REDUCE_REGS: the skinny GEMM's (`gemv.py`), same plan
 
 
@@ -78,17 +89,27 @@ class Fp8LinearPlan:
     num_warps: int
     num_stages: int
     dot: bool
+    kb: int = 1             # scale blocks (128 k) per K step: FMA_BLOCKS on the FMA path
+
+
+@triton.jit
+def _x_rows(x_ptr, rows_x, stride_xm, stride_xg, n_tile, rows_g,  # type: ignore[no-untyped-def]
+            BLOCK_N: tl.constexpr):
+    """The x row pointers of this program's M rows: group n_tile * BLOCK_N // rows_g of each
+    token (rows_g = N without groups: group 0)."""
+    group = (n_tile * BLOCK_N // rows_g).to(tl.int64)
+    return x_ptr + rows_x * stride_xm + group * stride_xg
 
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-    k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, rows_g,
+    stride_wn, stride_sn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KB: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr,
+    ROWS: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
-    BLOCK_K: tl.constexpr = 128
+    BLOCK_K: tl.constexpr = 128 * KB
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -97,41 +118,57 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     n_tile = tile % n_tiles
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
-    s_row = s_ptr + ((n_tile * BLOCK_N) // BLOCK_K).to(tl.int64) * stride_sn  # one block row
+    s_row = s_ptr + ((n_tile * BLOCK_N) // 128).to(tl.int64) * stride_sn  # one block row
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    cols_m = tl.arange(0, BLOCK_M)[None, :]
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        k_ok = k0 + offs_k < K
-        if EVEN_K:
-            codes = tl.load(w_ptrs + k0)
-        else:
-            codes = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0)
-        wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = e8m0(tl.load(s_row + k0 // BLOCK_K))
-        if DOT:
+    if DOT:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_rows = _x_rows(x_ptr, rows_x, stride_xm, stride_xg, n_tile, rows_g, BLOCK_N)
+        x_ptrs = x_rows[:, None] + offs_k[None, :]
+        w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = k0 + offs_k < K
             if EVEN_K:
+                codes = tl.load(w_ptrs + k0)
                 xt = tl.load(x_ptrs + k0)
             else:
+                codes = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0)
                 xt = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            s = e8m0(tl.load(s_row + k0 // 128))
             if FP32_DOT:
                 part = tl.dot(wf, tl.trans(xt.to(tl.float32)), input_precision="ieee")
             else:
                 part = tl.dot(wf.to(xt.dtype), tl.trans(xt))
             acc += part * s
-        else:
+    else:
+        # a step is KB scale blocks of 128 k: [BLOCK_N, KB, 128] codes, x as [KB, 128]
+        kb = tl.arange(0, KB)
+        offs_k = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
+        w_ptrs = w_ptr + rows_w[:, None, None] * stride_wn + offs_k[None, :, :]
+        cols_m = tl.arange(0, BLOCK_M)[None, :]
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = k0 + offs_k < K
+            b_ok = k0 // 128 + kb < tl.cdiv(K, 128)
+            if EVEN_K:
+                codes = tl.load(w_ptrs + k0)
+                s = e8m0(tl.load(s_row + k0 // 128 + kb))
+            else:
+                codes = tl.load(w_ptrs + k0, mask=k_ok[None, :, :], other=0)
+                s = e8m0(tl.load(s_row + k0 // 128 + kb, mask=b_ok, other=0))
+            wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             for m in tl.static_range(ROWS):
+                xm_ptr = _x_rows(x_ptr, tl.minimum(m, M - 1).to(tl.int64), stride_xm, stride_xg,
+                                 n_tile, rows_g, BLOCK_N)
                 if EVEN_K:
-                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
+                    xm = tl.load(xm_ptr + k0 + offs_k)
                 else:
-                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-                part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1) * s
+                    xm = tl.load(xm_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+                blocks = tl.sum(wf * xm.to(tl.float32)[None, :, :], axis=2)   # [BLOCK_N, KB]
+                part = tl.sum(blocks * s[None, :], axis=1)
                 acc += tl.where(cols_m == m, part[:, None], 0.0)
     store_tile(acc, y_ptr, part_ptr, cnt_ptr, n_tile, split, M, N, offs_m, offs_n, SPLIT_K)
 
@@ -139,7 +176,9 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
 def _tile_defaults(M: int, dot: bool) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of the module docstring's plan."""
     if not dot:
-        return triton.next_power_of_2(max(M, 1)), 32, 4, 2
+        bm = triton.next_power_of_2(max(M, 1))
+        _, bn, stages = FMA_TILES.get(bm, FMA_TILES[FMA_MAX_M])
+        return bm, bn, 4, stages
     if M <= DECODE_MAX_M:
         return max(_MIN_DOT, triton.next_power_of_2(M)), 64, 4, 4
     return (64 if M <= 128 else 128), 128, 8, 3
@@ -148,7 +187,7 @@ def _tile_defaults(M: int, dot: bool) -> tuple[int, int, int, int]:
 def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None = None,
                     block_n: int | None = None, split_k: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    dot: bool | None = None) -> Fp8LinearPlan:
+                    dot: bool | None = None, kb: int | None = None) -> Fp8LinearPlan:
     """The plan of an [M, K] x FP8 [N, K]^T product on `num_sms` SMs (module docstring); a knob
     given replaces its default. Raises ValueError on an invalid knob."""
     dot = M > FMA_MAX_M if dot is None else dot
@@ -166,13 +205,19 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1; got {split_k}")
     k_blocks, m_tiles = triton.cdiv(max(K, 1), BLOCK), triton.cdiv(max(M, 1), block_m)
+    if kb is None:
+        most = FMA_TILES.get(block_m, FMA_TILES[FMA_MAX_M])[0]
+        kb = 1 if dot else min(most, triton.next_power_of_2(k_blocks))
+    elif pow2("kb", kb, 1) > 1 and dot:
+        raise ValueError(f"kb > 1 (scale blocks per K step) is the FMA path's; got {kb}")
+    k_steps = triton.cdiv(k_blocks, kb)
     target = PROGRAMS_PER_SM * num_sms
 
     def most_splits(bn_: int) -> int:
         if m_tiles > 1:
             return 1
         per_thread = triton.cdiv(block_m * bn_, 32 * num_warps)
-        return min(k_blocks, max(1, REDUCE_REGS // per_thread))
+        return min(k_steps, max(1, REDUCE_REGS // per_thread))
 
     if block_n is None:
         block_n = min(bn, max(least, triton.next_power_of_2(N)))
@@ -186,8 +231,8 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
                       most_splits(block_n))
     elif m_tiles > 1 and split_k > 1:
         raise ValueError(f"split_k > 1 needs one M tile (M <= block_m = {block_m}); got M = {M}")
-    splits, _ = even_split(k_blocks, split_k)
-    return Fp8LinearPlan(block_m, block_n, splits, num_warps, num_stages, dot)
+    splits, _ = even_split(k_steps, split_k)
+    return Fp8LinearPlan(block_m, block_n, splits, num_warps, num_stages, dot, kb)
 
 
 def check_operands(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
@@ -214,28 +259,38 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> Non
 
 
 def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
-                      block_m: int | None = None, block_n: int | None = None,
+                      groups: int = 1, block_m: int | None = None, block_n: int | None = None,
                       split_k: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, dot: bool | None = None,
+                      kb: int | None = None,
                       counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(w, scale).T: x [..., K] bf16 / fp16 / fp32 (unit stride along K), w [N, K]
     e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes -> y [..., N] in x's dtype, fp32
-    accumulation, one launch, bit-identical run to run. The knobs override `plan_fp8_linear`
-    (tests, sweeps); `counters`: a zeroed int32 buffer of >= N tiles words for split-K, left
-    zero (default: a fresh one per call)."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    check_operands(x2, w, scale)
-    (M, _), N = x2.shape, w.shape[0]
+    accumulation, one launch, bit-identical run to run. `groups` g > 1: the block-diagonal
+    product (`ref/fp8_linear.py::fp8_linear`): x [..., g, K] -> [..., g, N / g], group i through
+    weight rows [i N / g, (i + 1) N / g), which must be whole scale blocks; one launch. The knobs
+    override `plan_fp8_linear` (tests, sweeps); `counters`: a zeroed int32 buffer of >= N tiles
+    words for split-K, left zero (default: a fresh one per call)."""
+    K, N = x.shape[-1], w.shape[0]
+    if groups < 1 or (groups > 1 and (x.dim() < 2 or x.shape[-2] != groups
+                                      or N % (groups * BLOCK))):
+        raise ValueError(f"groups must be >= 1, with x [..., groups, K] and N = {N} a multiple "
+                         f"of groups x {BLOCK}; got groups {groups}, x {list(x.shape)}")
+    lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
+    x3 = x.reshape(-1, groups, K)
+    check_operands(x3[:, 0], w, scale)
+    M = x3.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    shape = (*lead, groups, N // groups) if groups > 1 else (*lead, N)
     if M == 0 or N == 0:
-        return y.view(*lead, N)
+        return y.view(shape)
     if K == 0:
-        return y.zero_().view(*lead, N)
+        return y.zero_().view(shape)
     plan = plan_fp8_linear(M, N, K, sms(x.device), block_m=block_m, block_n=block_n,
-                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot)
+                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot,
+                           kb=kb)
     m_tiles, n_tiles = triton.cdiv(M, plan.block_m), triton.cdiv(N, plan.block_n)
-    splits, per = even_split(triton.cdiv(K, BLOCK), plan.split_k)
+    splits, per = even_split(triton.cdiv(K, BLOCK * plan.kb), plan.split_k)
     part, cnt = y, y                                    # unused unless split
     if splits > 1:
         cnt = (torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if counters is None
@@ -246,9 +301,10 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32
     _fp8_linear_kernel[(m_tiles * n_tiles * splits,)](
-        x2, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K, x2.stride(0),
-        w.stride(0), scale.stride(0), per * BLOCK, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
-        FP32_DOT=fp32_dot, EVEN_K=K % BLOCK == 0, num_warps=plan.num_warps,
-        num_stages=plan.num_stages, **pdl_args(x2.device))
-    return y.view(*lead, N)
+        x3, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K, x3.stride(0),
+        x3.stride(1), N // groups, w.stride(0), scale.stride(0), per * BLOCK * plan.kb,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KB=plan.kb, SPLIT_K=splits,
+        NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
+        FP32_DOT=fp32_dot, EVEN_K=K % (BLOCK * plan.kb) == 0, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **pdl_args(x.device))
+    return y.view(shape)
