@@ -456,7 +456,22 @@ def fp8_linear_variants() -> Iterator[Variant]:
             path = "dot" if plan.dot else "fma"
             yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
                    consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+    yield from fp8_frag_variants()
     yield from fp8_linear_a8_variants()
+
+
+def fp8_frag_variants() -> Iterator[Variant]:
+    """The FP8 linear's tensor-core decode path (`fp8_frag.py`, M <= 8) at BLOCK_N 16 / 32 / 64
+    (1 / 2 / 4 warps), split-K on."""
+    from dsv4.kernels.triton import fp8_frag
+
+    types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
+             "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32:16",
+             "stride_xm": "i32:16", "stride_xg": "i32:16", "rows_g": "i32:16",
+             "stride_wn": "i32:16", "stride_sn": "i32", "steps_per_split": "i32"}
+    for wn in (1, 2, 4):
+        yield (f"fp8_linear frag {16 * wn} rows s4", fp8_frag._fp8_frag_kernel, types,
+               {"WN": wn, "SPLIT_K": 4, "ASM": True}, {"num_warps": wn})
 
 
 def fp8_linear_a8_variants() -> Iterator[Variant]:

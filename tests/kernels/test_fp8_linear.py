@@ -125,6 +125,34 @@ def test_groups_match_per_group_products(M: int, knobs: dict[str, Any]) -> None:
         triton_fp8_linear(x3, w[:200], s[:2], groups=g)
 
 
+@pytest.mark.parametrize(("M", "knobs"), [(1, {}), (5, {"split_k": 3}), (8, {"block_n": 16}),
+                                           (2, {"block_n": 64, "split_k": 1})])
+def test_frag_path(M: int, knobs: dict[str, Any]) -> None:
+    """The tensor-core decode path (bf16 x, M <= 8, K % 128 == 0): within the tolerance of the
+    reference, counters left zero, and a token's row the same bits in a batch of 1 and of M (the
+    plan does not depend on M)."""
+    x, w, s = operands(M, 200, 640, BF16, seed=6)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    assert plan_fp8_linear(M, 200, 640, 132, frag_ok=True).frag == (M > 4)   # the default
+    y = triton_fp8_linear(x, w, s, frag=True, counters=counters, **knobs)
+    assert_close(y, x, w, s)
+    assert int(counters.abs().sum()) == 0
+    one = triton_fp8_linear(x[-1:].contiguous(), w, s, frag=True, counters=counters, **knobs)
+    assert torch.equal(one[0], y[-1])
+
+
+def test_frag_refusals() -> None:
+    x, w, s = operands(2, 128, 256, F32)
+    with pytest.raises(ValueError, match="frag=True needs bf16"):
+        triton_fp8_linear(x, w, s, frag=True)
+    xb = x.to(BF16)
+    with pytest.raises(ValueError, match="frag=True takes block_n"):
+        triton_fp8_linear(xb, w, s, frag=True, block_n=128)
+    assert not plan_fp8_linear(9, 128, 256, 132, frag_ok=True).frag      # M > 8: tl.dot
+    assert not plan_fp8_linear(4, 128, 256, 132, frag_ok=True).frag      # M <= 4: FMA
+    assert not plan_fp8_linear(1, 128, 200, 132).frag                   # not frag_ok
+
+
 def test_float8_dtype_and_uint8_codes_agree() -> None:
     x, w, s = operands(2, 128, 128, F32, seed=3)
     assert torch.equal(triton_fp8_linear(x, w, s), triton_fp8_linear(x, w.view(torch.uint8), s))

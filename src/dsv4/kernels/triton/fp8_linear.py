@@ -34,6 +34,10 @@ by default a fresh one per call, so concurrent streams never share one).
 Plan (`plan_fp8_linear`, host only, from (M, N, K, x dtype, SM count); CUDA-graph safe):
 - decode, M <= FMA_MAX_M: FMA, BLOCK_M next_pow2(M), (KB, BLOCK_N, stages) FMA_TILES[BLOCK_M],
   4 warps;
+- decode, M <= 8 with bf16 x, K % 128 == 0 and 16-byte aligned rows: the tensor-core decode path
+  (`fp8_frag.py`: codes decoded into mma.sync fragments, BLOCK_N FRAG_BLOCK_N, split-K to
+  FRAG_PROGRAMS_PER_SM programs per SM, at least FRAG_MIN_STEPS 128-k steps a split; 0.79-1.03x the
+  swap-AB tl.dot's time at M = 8 on flash-4l's shapes, slower than FMA at M = 1);
 - decode, M <= DECODE_MAX_M: DOT, BLOCK_M max(16, next_pow2(M)), BLOCK_N 64, 4 warps, 4 stages;
 - then split-K (one M tile) up to PROGRAMS_PER_SM programs per SM, capped by the K blocks and the
   last arrival's registers, evened out so no split is empty; BLOCK_N halves (down to 16) while the
@@ -57,6 +61,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from dsv4.kernels.triton.fp8_frag import MAX_M as FRAG_MAX_M
+from dsv4.kernels.triton.fp8_frag import _fp8_frag_kernel
 from dsv4.kernels.triton.gemv import (
     FMA_LIMIT_M,
     FMA_MAX_M,
@@ -76,6 +82,9 @@ _MIN_DOT = 16               # tl.dot needs every dimension >= 16
 # rows per program, pipeline stages), the fastest of an H200 sweep over flash-4l's FP8 linears
 # (benchmarks/results/quant_moe_h200_202612.md, twenty-fifth session)
 FMA_TILES = {1: (4, 32, 1), 2: (4, 32, 1), 4: (2, 32, 2)}
+FRAG_BLOCK_N = 32           # frag path: weight rows per program (2 warps)
+FRAG_PROGRAMS_PER_SM = 16   # frag path: split-K target
+FRAG_MIN_STEPS = 2          # frag path: 128-k steps per split at least
 # FMA_MAX_M, FMA_LIMIT_M, PROGRAMS_PER_SM, REDUCE_REGS: the skinny GEMM's (`gemv.py`), same plan
 
 
@@ -89,7 +98,8 @@ class Fp8LinearPlan:
     num_warps: int
     num_stages: int
     dot: bool
-    kb: int = 1             # scale blocks (128 k) per K step: FMA_BLOCKS on the FMA path
+    kb: int = 1             # scale blocks (128 k) per K step: FMA_TILES' on the FMA path
+    frag: bool = False      # the tensor-core decode path (`fp8_frag.py`): block_n = 16 x warps
 
 
 @triton.jit
@@ -187,9 +197,18 @@ def _tile_defaults(M: int, dot: bool) -> tuple[int, int, int, int]:
 def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None = None,
                     block_n: int | None = None, split_k: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    dot: bool | None = None, kb: int | None = None) -> Fp8LinearPlan:
+                    dot: bool | None = None, kb: int | None = None, frag: bool | None = None,
+                    frag_ok: bool = False) -> Fp8LinearPlan:
     """The plan of an [M, K] x FP8 [N, K]^T product on `num_sms` SMs (module docstring); a knob
-    given replaces its default. Raises ValueError on an invalid knob."""
+    given replaces its default. `frag_ok`: the operands suit the frag path (bf16 x, K % 128 ==
+    0, aligned rows), which is then the default for FMA_MAX_M < M <= 8 unless another path's
+    knob is given (at M <= FMA_MAX_M the FMA path measured faster on the H200).
+    Raises ValueError on an invalid knob."""
+    if frag is None:
+        frag = frag_ok and FMA_MAX_M < M <= FRAG_MAX_M and dot is None and kb is None \
+            and block_m is None and num_stages is None
+    if frag:
+        return _plan_frag(M, N, K, num_sms, block_n, split_k, num_warps, frag_ok)
     dot = M > FMA_MAX_M if dot is None else dot
     if not dot and M > FMA_LIMIT_M:
         raise ValueError(f"dot=False serves M <= {FMA_LIMIT_M}; got M = {M}")
@@ -235,6 +254,26 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
     return Fp8LinearPlan(block_m, block_n, splits, num_warps, num_stages, dot, kb)
 
 
+def _plan_frag(M: int, N: int, K: int, num_sms: int, block_n: int | None, split_k: int | None,
+               num_warps: int | None, frag_ok: bool) -> Fp8LinearPlan:
+    """The frag path's plan: BLOCK_N 16 x warps rows per program (FRAG_BLOCK_N), K split into
+    whole 128-k steps until FRAG_PROGRAMS_PER_SM programs per SM, each split at least
+    FRAG_MIN_STEPS steps."""
+    if not frag_ok or M > FRAG_MAX_M:
+        raise ValueError(f"frag=True needs bf16 x with 16-byte aligned rows, K % {BLOCK} == 0 and "
+                         f"M <= {FRAG_MAX_M}; got M = {M}, K = {K}")
+    bn = FRAG_BLOCK_N if block_n is None else pow2("block_n", block_n, 16)
+    if bn > 64 or (num_warps is not None and num_warps != bn // 16):
+        raise ValueError(f"frag=True takes block_n 16, 32 or 64 and num_warps = block_n / 16; "
+                         f"got {bn}, {num_warps}")
+    steps, tiles = K // BLOCK, triton.cdiv(N, bn)
+    if split_k is None:
+        split_k = min(triton.cdiv(FRAG_PROGRAMS_PER_SM * num_sms, tiles),
+                      max(1, steps // FRAG_MIN_STEPS))
+    splits, _ = even_split(steps, split_k)
+    return Fp8LinearPlan(min(M, FRAG_MAX_M), bn, splits, bn // 16, 1, False, 1, True)
+
+
 def check_operands(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
     """x [M, K], w [N, K] e4m3 codes, scale the UE8M0 codes of its 128x128 blocks: shapes,
     dtypes, unit last-dim strides, one device (ValueError naming the operand)."""
@@ -258,11 +297,19 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> Non
                          f"{scale.device}")
 
 
+def _frag_ok(x3: torch.Tensor, w: torch.Tensor, K: int) -> bool:
+    """Whether the frag path can read these operands: bf16 x whose rows and groups start on 16
+    bytes, codes whose rows do too, K whole 128-k steps."""
+    return (x3.dtype == torch.bfloat16 and K % BLOCK == 0 and x3.stride(0) % 8 == 0
+            and x3.stride(1) % 8 == 0 and x3.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
+            and w.data_ptr() % 16 == 0)
+
+
 def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                       groups: int = 1, block_m: int | None = None, block_n: int | None = None,
                       split_k: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, dot: bool | None = None,
-                      kb: int | None = None,
+                      kb: int | None = None, frag: bool | None = None,
                       counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(w, scale).T: x [..., K] bf16 / fp16 / fp32 (unit stride along K), w [N, K]
     e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes -> y [..., N] in x's dtype, fp32
@@ -288,7 +335,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         return y.zero_().view(shape)
     plan = plan_fp8_linear(M, N, K, sms(x.device), block_m=block_m, block_n=block_n,
                            split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot,
-                           kb=kb)
+                           kb=kb, frag=frag, frag_ok=_frag_ok(x3, w, K))
     m_tiles, n_tiles = triton.cdiv(M, plan.block_m), triton.cdiv(N, plan.block_n)
     splits, per = even_split(triton.cdiv(K, BLOCK * plan.kb), plan.split_k)
     part, cnt = y, y                                    # unused unless split
@@ -299,6 +346,13 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
             raise ValueError(f"counters must be int32 of >= {n_tiles} words on {x.device}; "
                              f"got {cnt.dtype} {cnt.numel()} on {cnt.device}")
         part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    if plan.frag:
+        _fp8_frag_kernel[(n_tiles * splits,)](
+            x3, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K,
+            x3.stride(0), x3.stride(1), N // groups, w.stride(0), scale.stride(0), per,
+            WN=plan.num_warps, SPLIT_K=splits, ASM=x.device.type == "cuda",
+            num_warps=plan.num_warps, **pdl_args(x.device))
+        return y.view(shape)
     fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32
     _fp8_linear_kernel[(m_tiles * n_tiles * splits,)](
         x3, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K, x3.stride(0),

@@ -2,7 +2,7 @@
 docstring has the fragment layout): the lane's vector loads, the B registers from bf16
 activation words, the FP4 words decoded into scaled bf16 pairs (A registers) and the m16n8k16 MMA
 as inline PTX, or, without it (the interpreter), the same fragments as fp32 pairs and the MMA
-emulated in fp32 (`_cols`). Every tensor is in the [WK, WN, 8, 4] lane grid, one element per
+emulated in fp32 (`cols`). Every tensor is in the [WK, WN, 8, 4] lane grid, one element per
 thread.
 """
 
@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
+def ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
     """The 4 uint32 words at ptr (16-byte aligned): one vector load per thread on the GPU, with
     the L2 prefetch-size hint L2PF (128 or 256 bytes: the aligned block around the 16 bytes is
     fetched into L2, where the neighbouring K splits' warps find it)."""
@@ -32,7 +32,7 @@ def _ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped
 
 
 @triton.jit
-def _scale_code(ptr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+def scale_code(ptr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     """One UE8M0 scale code as uint32 (an inline byte load on the GPU: no layout anchor)."""
     if ASM:
         c = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr],
@@ -52,7 +52,7 @@ def _b_word(x0, x1, x2, x3, PAIRED: tl.constexpr,  # type: ignore[no-untyped-def
         if PAIRED:
             b = (x0, x1, x2, x3)
         else:
-            b = (_prmt_lo(x0, x2), _prmt_hi(x0, x2), _prmt_lo(x1, x3), _prmt_hi(x1, x3))
+            b = (prmt_lo(x0, x2), prmt_hi(x0, x2), prmt_lo(x1, x3), prmt_hi(x1, x3))
     else:
         # NOTE: the interpreter re-patches builtins at every jit call: the halves are inline
         # bit casts (lo: << 16, hi: & 0xFFFF0000), no helper
@@ -72,14 +72,14 @@ def _b_word(x0, x1, x2, x3, PAIRED: tl.constexpr,  # type: ignore[no-untyped-def
 
 
 @triton.jit
-def _prmt_lo(a, b):  # type: ignore[no-untyped-def]
+def prmt_lo(a, b):  # type: ignore[no-untyped-def]
     """(a.lo, b.lo) as 16-bit halves: one `prmt.b32`."""
     return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b],
                                      dtype=tl.uint32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _prmt_hi(a, b):  # type: ignore[no-untyped-def]
+def prmt_hi(a, b):  # type: ignore[no-untyped-def]
     """(a.hi, b.hi) as 16-bit halves: one `prmt.b32`."""
     return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b],
                                      dtype=tl.uint32, is_pure=True, pack=1)
@@ -91,10 +91,10 @@ def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr,  # type: ignore[
     """The lane's B registers for its 32-k group at k (4 words x 4 pairs): the activations
     x[k .. k + 32) of the row at row_ptr (uint32 words of bf16 pairs; `_b_word`)."""
     p = row_ptr + k // 2
-    a0, a1, a2, a3 = _ld4(p, ASM, L2PF)
-    a4, a5, a6, a7 = _ld4(p + 4, ASM, L2PF)
-    a8, a9, a10, a11 = _ld4(p + 8, ASM, L2PF)
-    a12, a13, a14, a15 = _ld4(p + 12, ASM, L2PF)
+    a0, a1, a2, a3 = ld4(p, ASM, L2PF)
+    a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF)
+    a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF)
+    a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF)
     return (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
             _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
 
@@ -118,7 +118,7 @@ def _a_word(w, code, ok, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     if ASM:
         f = (tl.minimum(code, 129) + 126) << 7
         f2 = tl.where(ok, f | (f << 16), 0)
-        a = (_hmul2(t0, f2), _hmul2(t1, f2), _hmul2(t2, f2), _hmul2(t3, f2))
+        a = (hmul2(t0, f2), hmul2(t1, f2), hmul2(t2, f2), hmul2(t3, f2))
     else:
         f = tl.where(ok, ((tl.minimum(code, 129) + 126) << 23).to(tl.float32, bitcast=True), 0.0)
         a = (((t0 << 16).to(tl.float32, bitcast=True) * f,
@@ -133,13 +133,13 @@ def _a_word(w, code, ok, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _hmul2(a, f2):  # type: ignore[no-untyped-def]
+def hmul2(a, f2):  # type: ignore[no-untyped-def]
     return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, f2],
                                      dtype=tl.uint32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _cols(a, b, c, d):  # type: ignore[no-untyped-def]
+def cols(a, b, c, d):  # type: ignore[no-untyped-def]
     """The emulated MMA's (D[g, 2q], D[g, 2q + 1]), [.., 8 (g), 4 (q)] each, of one row half:
     D[g, n] = sum over the quad q' of a(g, q') . b(n, q') + c(g, q') . d(n, q') (a, c: A pairs,
     b, d: B pairs, (lo, hi) fp32 each [.., 8, 4] in the lane grid; B's g is the column n)."""
@@ -153,9 +153,9 @@ def _cols(a, b, c, d):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+def mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     """acc (c0..c3) + the m16n8k16 product of A (a0 / a2: row g, a1 / a3: row g + 8) and B (b0,
-    b1: column g): inline PTX on the GPU; else emulated in fp32 (`_cols`)."""
+    b1: column g): inline PTX on the GPU; else emulated in fp32 (`cols`)."""
     c0, c1, c2, c3 = acc
     if ASM:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
@@ -164,8 +164,8 @@ def _mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unt
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
-        lo0, lo1 = _cols(a0, b0, a2, b1)
-        hi0, hi1 = _cols(a1, b0, a3, b1)
+        lo0, lo1 = cols(a0, b0, a2, b1)
+        hi0, hi1 = cols(a1, b0, a3, b1)
         c0, c1, c2, c3 = c0 + lo0, c1 + lo1, c2 + hi0, c3 + hi1
     return c0, c1, c2, c3
 
@@ -178,23 +178,23 @@ def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-un
     (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
     8 more with b2 (columns 8..15) on the same A fragments."""
     base = w_ptr + e * stride_we
-    wl0, wl1, wl2, wl3 = _ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
+    wl0, wl1, wl2, wl3 = ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
                               ASM, L2PF)
-    wh0, wh1, wh2, wh3 = _ld4((base + hi * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
+    wh0, wh1, wh2, wh3 = ld4((base + hi * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
                               ASM, L2PF)
     sbase = s_ptr + e * stride_se + k // 32
-    cl = _scale_code(sbase + lo * stride_sn, ASM)
-    ch = _scale_code(sbase + hi * stride_sn, ASM)
+    cl = scale_code(sbase + lo * stride_sn, ASM)
+    ch = scale_code(sbase + hi * stride_sn, ASM)
     for w in tl.static_range(4):
         wl = (wl0, wl1, wl2, wl3)[w]
         wh = (wh0, wh1, wh2, wh3)[w]
         al = _a_word(wl, cl, ok, ASM)
         ah = _a_word(wh, ch, ok, ASM)
         bw = b[w]
-        acc = _mma(acc, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
-        acc = _mma(acc, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
+        acc = mma(acc, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
+        acc = mma(acc, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
         if NT == 2:
             bw = b2[w]
-            acc2 = _mma(acc2, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
-            acc2 = _mma(acc2, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
+            acc2 = mma(acc2, al[0], ah[0], al[1], ah[1], bw[0], bw[1], ASM)
+            acc2 = mma(acc2, al[2], ah[2], al[3], ah[3], bw[2], bw[3], ASM)
     return acc, acc2
