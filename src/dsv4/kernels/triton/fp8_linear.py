@@ -36,7 +36,7 @@ Plan (`plan_fp8_linear`, host only, from (M, N, K, x dtype, SM count); CUDA-grap
   4 warps;
 - decode, M <= 8 with bf16 x, K % 128 == 0 and 16-byte aligned rows: the tensor-core decode path
   (`fp8_frag.py`: codes decoded into mma.sync fragments, BLOCK_N FRAG_BLOCK_N, split-K to
-  FRAG_PROGRAMS_PER_SM programs per SM, at least FRAG_MIN_STEPS 128-k steps a split; 0.79-1.03x the
+  FRAG_PROGRAMS_PER_SM programs per SM, at least FRAG_MIN_STEPS 128-k steps a split; 0.70-1.06x the
   swap-AB tl.dot's time at M = 8 on flash-4l's shapes, slower than FMA at M = 1);
 - decode, M <= DECODE_MAX_M: DOT, BLOCK_M max(16, next_pow2(M)), BLOCK_N 64, 4 warps, 4 stages;
 - then split-K (one M tile) up to PROGRAMS_PER_SM programs per SM, capped by the K blocks and the
@@ -82,7 +82,7 @@ _MIN_DOT = 16               # tl.dot needs every dimension >= 16
 # rows per program, pipeline stages), the fastest of an H200 sweep over flash-4l's FP8 linears
 # (benchmarks/results/quant_moe_h200_202612.md, twenty-fifth session)
 FMA_TILES = {1: (4, 32, 1), 2: (4, 32, 1), 4: (2, 32, 2)}
-FRAG_BLOCK_N = 32           # frag path: weight rows per program (2 warps)
+FRAG_BLOCK_N = 16           # frag path: weight rows per program (1 warp; H200 sweep at M = 8)
 FRAG_PROGRAMS_PER_SM = 16   # frag path: split-K target
 FRAG_MIN_STEPS = 2          # frag path: 128-k steps per split at least
 # FMA_MAX_M, FMA_LIMIT_M, PROGRAMS_PER_SM, REDUCE_REGS: the skinny GEMM's (`gemv.py`), same plan
