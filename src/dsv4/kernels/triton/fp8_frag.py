@@ -38,11 +38,13 @@ is emulated in fp32 (`moe_frag_regs.py::cols`): the same values up to fp32 summa
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_frag_regs import hmul2, ld4, mma, prmt_hi, prmt_lo, scale_code
+from dsv4.kernels.triton.pdl import pdl_args
 
 STEP = 128                   # k per K step: one scale block (a quad's 4 lanes x 32 k)
 MAX_M = 8                    # token rows: the MMA's 8 columns
@@ -176,6 +178,15 @@ def _fp8_frag_kernel(  # type: ignore[no-untyped-def]
             tl.store(cnt_ptr + tile, 0)                          # zero for the next call
 
 
-def frag_grid(N: int, block_n: int, splits: int) -> tuple[int]:
-    """The launch grid: N tiles x K splits."""
-    return (triton.cdiv(N, block_n) * splits,)
+def frag_launch(x3: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
+                part: torch.Tensor, cnt: torch.Tensor, rows_g: int, block_n: int, splits: int,
+                steps_per_split: int) -> None:
+    """Launch the kernel: x3 [M, g, K] bf16, w [N, K] codes, scale, y [M, N] out; part / cnt
+    the split-K workspace and counters (unused at one split); grid N tiles x splits."""
+    M, _, K = x3.shape
+    N = w.shape[0]
+    _fp8_frag_kernel[(triton.cdiv(N, block_n) * splits,)](
+        x3, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K, x3.stride(0),
+        x3.stride(1), rows_g, w.stride(0), scale.stride(0), steps_per_split, WN=block_n // 16,
+        SPLIT_K=splits, ASM=x3.device.type == "cuda", num_warps=block_n // 16,
+        **pdl_args(x3.device))

@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.fp8_frag import MAX_M as FRAG_MAX_M
-from dsv4.kernels.triton.fp8_frag import _fp8_frag_kernel
+from dsv4.kernels.triton.fp8_frag import frag_launch
 from dsv4.kernels.triton.gemv import (
     FMA_LIMIT_M,
     FMA_MAX_M,
@@ -347,11 +347,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                              f"got {cnt.dtype} {cnt.numel()} on {cnt.device}")
         part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     if plan.frag:
-        _fp8_frag_kernel[(n_tiles * splits,)](
-            x3, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K,
-            x3.stride(0), x3.stride(1), N // groups, w.stride(0), scale.stride(0), per,
-            WN=plan.num_warps, SPLIT_K=splits, ASM=x.device.type == "cuda",
-            num_warps=plan.num_warps, **pdl_args(x.device))
+        frag_launch(x3, w, scale, y, part, cnt, N // groups, plan.block_n, splits, per)
         return y.view(shape)
     fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32
     _fp8_linear_kernel[(m_tiles * n_tiles * splits,)](
