@@ -158,6 +158,24 @@ def test_update_weights_requantises(ckpt: Path) -> None:
         update_weights(model, {f"{name}.weight": new[:-1]})
 
 
+def test_update_weights_reaches_a_fused_fp8_group(ckpt: Path) -> None:
+    """`update_weights` writes an FP8 member's codes and scales in place, so its fused group
+    (views of the stacked buffers) computes with the new weight at once."""
+    model = load_model(ckpt, dtype="float32", progress=False, weight_format="checkpoint")
+    fuse_projections(model)
+    attn = model.get_submodule("layers.1.attn")
+    group = attn.fused_q
+    assert group is not None and group.scale is not None
+    new = (torch.randn(attn.wq_b.out_features, attn.wq_b.in_features) / 8).to(torch.bfloat16)
+    update_weights(model, {"layers.1.attn.wq_b.weight": new})
+    assert group.holds([attn.wq_b.weight, attn.indexer.wq_b.weight],
+                       [attn.wq_b.scale, attn.indexer.wq_b.scale])
+    x = torch.randn(2, attn.wq_b.in_features)
+    got = group(x, group.gemm(None))[0]
+    want = x @ quant.dequant_fp8_block(*quant.quant_fp8_block(new), torch.float32).T
+    assert torch.equal(got, want)
+
+
 def test_random_weights_in_the_encoding() -> None:
     model = random_model(micro(), torch.float32, torch.device("cpu"), seed=3,
                          weight_format="checkpoint")
