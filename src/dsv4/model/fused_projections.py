@@ -40,8 +40,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dsv4.kernels.ref.quant import FP8_BLOCK
 from dsv4.model.attention import Attention
-from dsv4.model.layers.fused import FP8_BLOCK, FusedRows
+from dsv4.model.layers.fused import FusedRows
 from dsv4.model.moe import MLP
 from dsv4.model.quant_linear import QuantLinear
 

@@ -80,7 +80,7 @@ DECODE_MAX_M = 64           # above: prefill tiles, no split-K
 _MIN_DOT = 16               # tl.dot needs every dimension >= 16
 # FMA path per BLOCK_M (next_pow2(M) <= FMA_MAX_M): (scale blocks of 128 k per K step, weight
 # rows per program, pipeline stages), the fastest of an H200 sweep over flash-4l's FP8 linears
-# (benchmarks/results/quant_moe_h200_202612.md, twenty-fifth session)
+# (benchmarks/results/quant_moe_h200_202612.md)
 FMA_TILES = {1: (4, 32, 1), 2: (4, 32, 1), 4: (2, 32, 2)}
 FRAG_BLOCK_N = 16           # frag path: weight rows per program (1 warp; H200 sweep at M = 8)
 FRAG_PROGRAMS_PER_SM = 16   # frag path: split-K target

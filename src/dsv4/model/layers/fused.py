@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.ref.fp8_linear import fp8_linear
+from dsv4.kernels.ref.quant import FP8_BLOCK
 from dsv4.kernels.registry import KernelOps
-
-FP8_BLOCK = 128      # rows of one scale block (`ref/quant.py`)
 
 
 class FusedRows:
@@ -38,10 +38,10 @@ class FusedRows:
             "FP8 members but the last must hold whole scale blocks"
         self.weight, self.sizes, self.scale = weight, tuple(sizes), scale
         # the group's zeroed split-K counters for the `linear` op (`model/decode_gemv.py`); an
-        # FP8 group always has them (the `quant_linear` op's, one word per 16 rows)
+        # FP8 group always has them (the `quant_linear` op's, one word per DECODE_BLOCK_N rows)
         self.counters: torch.Tensor | None = (
-            None if scale is None else
-            torch.zeros(-(-weight.shape[0] // 16), dtype=torch.int32, device=weight.device))
+            None if scale is None else torch.zeros(-(-weight.shape[0] // DECODE_BLOCK_N),
+                                                   dtype=torch.int32, device=weight.device))
 
     def gemm(self, ops: KernelOps | None
              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -50,7 +50,7 @@ class FusedRows:
         them (and `ops`), else F.linear."""
         if self.scale is not None:
             op = fp8_linear if ops is None else ops.quant_linear
-            return functools.partial(_quant_gemm, op, self.scale, self.counters)
+            return functools.partial(op, scale=self.scale, counters=self.counters)
         if ops is None or self.counters is None:
             return F.linear
         return functools.partial(ops.linear, counters=self.counters)
@@ -93,9 +93,3 @@ def _views_rows(t: torch.Tensor, base: torch.Tensor, row: int, rows: int) -> boo
             and t.storage_offset() == base.storage_offset() + row * base.stride(0)
             and tuple(t.shape) == (rows, base.shape[1]) and t.stride() == base.stride()
             and t.dtype == base.dtype)
-
-
-def _quant_gemm(op: Callable[..., torch.Tensor], scale: torch.Tensor,
-                counters: torch.Tensor | None, x: torch.Tensor,
-                weight: torch.Tensor) -> torch.Tensor:
-    return op(x, weight, scale, counters=counters)
