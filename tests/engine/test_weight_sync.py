@@ -164,7 +164,8 @@ def assert_same_weights(a: DeepSeekV4ForCausalLM, b: DeepSeekV4ForCausalLM) -> N
 
 def test_checkpoint_format_requantises(ckpts: dict[str, Path], tmp_path: Path) -> None:
     """Float experts into FP4 codes and float linears into FP8 codes and block scales: the codes
-    `quantize_experts_` / `quantize_linears_` make; and an update read from
+    `quantize_experts_` / `quantize_linears_` make; the compressor projections rounded to the
+    bf16 they are stored in (`cast_(checkpoint_precision=True)`); and an update read from
     an exported checkpoint serves exactly what loading that checkpoint serves."""
     engine = LLMEngine(load_model(ckpts["quant"], dtype="float32", weight_format="checkpoint"),
                        EngineConfig(page_size=16, max_total_tokens=1024))
@@ -176,6 +177,7 @@ def test_checkpoint_format_requantises(ckpts: dict[str, Path], tmp_path: Path) -
     assert {name: t.data_ptr() for name, t in model.state_dict().items()} == ptrs
     float_model.load_state_dict(new)
     quantize_linears_(quantize_experts_(float_model))
+    float_model.cast_(torch.float32, checkpoint_precision=True)
     expected = float_model.state_dict()
     got = model.state_dict()
     assert any(isinstance(m, QuantExperts) for m in model.modules())

@@ -66,3 +66,24 @@ def test_a_16_bit_x_is_its_fp32_values(m: int) -> None:
         assert torch.equal(got, want)
     else:   # the tf32x3 tl.dot rows: as close as the path is to the exact product (module doc)
         assert float((got - want).abs().max()) <= 2e-6 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("m", [1, 3, 9, MAX_M + 1])
+def test_a_bf16_weight_is_its_fp32_values(m: int) -> None:
+    """A checkpoint-format model holds the compressor projections in bf16, as stored: the op
+    widens them as it reads them (no fp32 copy at decode rows), so the result is the product
+    with w.float() (within the decode paths' tolerance of the float64 product; prefill rows take
+    F.linear of the fp32 copy), and a fused group's columns are still the members' own bits."""
+    x, w = _data(m, 96, 512, seed=2)
+    wb = w.bfloat16()
+    counters = GemvCounters()
+    got = triton_project(x, wb, counters)
+    assert got.dtype == torch.float32
+    if m > MAX_M:
+        assert torch.equal(got, F.linear(x, wb.float()))
+        return
+    ref = F.linear(x.double(), wb.double())
+    assert float((got.double() - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+    parts = [triton_project(x, wb[:32], counters), triton_project(x, wb[32:], counters)]
+    assert torch.equal(got, torch.cat(parts, dim=1))
+    assert int(counters.get(x.device).abs().sum()) == 0, "split-K counters left non-zero"

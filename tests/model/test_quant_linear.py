@@ -5,8 +5,9 @@ codes and scales byte for byte in `QuantLinear`s exactly where the file has FP8 
 (fp32, `ref` backend) gives the greedy tokens and logits of the same checkpoint with its linears
 dequantised; the grouped wo_a product on 128-row groups equals the float einsum; fusion skips
 FP8 groups; tensor parallelism dequantises them before cutting; `update_weights` re-quantises a
-float weight with the writer's codec; random weights build in the encoding; and the flash-4l
-geometry's weight bytes (meta device) against bf16.
+float weight with the writer's codec; random weights build in the encoding; the compressor
+projections stay the bf16 they are stored in; and the flash-4l geometry's weight bytes (meta
+device) against bf16.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def test_load_keeps_the_file_bytes(ckpt: Path) -> None:
         assert m.weight.dtype == torch.float8_e4m3fn
         assert torch.equal(m.weight.view(torch.uint8), files[f"{name}.weight"].view(torch.uint8))
         assert torch.equal(m.scale, files[f"{name}.scale"].view(torch.uint8))
+    # the compressor projections: bf16 as stored (fp32 in a float model), the file's bytes
+    projections = {n: p for n, p in model.named_parameters()
+                   if n.endswith(("compressor.wkv.weight", "compressor.wgate.weight"))}
+    assert any(".indexer." in n for n in projections)
+    for name, p in projections.items():
+        assert files[name].dtype == p.dtype == torch.bfloat16, name
+        assert torch.equal(p.view(torch.int16), files[name].view(torch.int16)), name
     dense = load_model(ckpt, dtype="float32", progress=False)
     for name, m in coded.items():
         assert torch.equal(m.dequantized(torch.float32), dense.get_submodule(name).weight)
@@ -204,6 +212,12 @@ def test_flash_4l_weight_bytes() -> None:
     dense = sum(bf16.get_submodule(n).weight.numel() * 2 for n in linears)
     fp8 = sum(_nbytes(m) for m in linears.values())
     assert 0.5 < fp8 / dense < 0.5002
+    projections = [n for n, _ in bf16.named_parameters()
+                   if n.endswith(("compressor.wkv.weight", "compressor.wgate.weight"))]
+    assert projections
+    for n in projections:   # fp32 in the float model, bf16 as stored in checkpoint precision
+        assert bf16.get_parameter(n).dtype == torch.float32
+        assert coded.get_parameter(n).dtype == torch.bfloat16
     ratio = _nbytes(coded) / _nbytes(bf16)
     print(f"flash-4l: FP8 linears {fp8 / dense:.4f}x of bf16; whole model {ratio:.4f}x "
           f"({_nbytes(coded) / 1e9:.2f} of {_nbytes(bf16) / 1e9:.2f} GB)")

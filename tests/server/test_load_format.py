@@ -60,8 +60,8 @@ def test_llm_dummy_equals_random_model(tmp_path: Path) -> None:
 
 def test_dummy_in_checkpoint_precision(tmp_path: Path) -> None:
     """`load_format="dummy"` with `weight_format="checkpoint"`: the routed experts are random FP4
-    codes and UE8M0 scales (the FP8 linears random e4m3 codes and scales) built in place (seeded
-    like `random_model`), decoding to weights of
+    codes and UE8M0 scales (the FP8 linears random e4m3 codes and scales, the compressor
+    projections bf16) built in place (seeded like `random_model`), decoding to weights of
     rms about 1 / sqrt(fan_in); the model serves them, and its logits equal those of the same
     model with the experts decoded to float (what the codes mean)."""
     write_checkpoint(get_preset("micro"), tmp_path, weights=False)
@@ -88,6 +88,10 @@ def test_dummy_in_checkpoint_precision(tmp_path: Path) -> None:
     for name, m in llm.model.named_modules():     # the FP8 linears: random codes too
         if isinstance(m, QuantLinear):
             decoded.get_submodule(name).weight.data.copy_(m.dequantized(torch.float32))
+    for name, p in llm.model.named_parameters():  # the compressor projections: bf16, as stored
+        if name.endswith(("compressor.wkv.weight", "compressor.wgate.weight")):
+            assert p.dtype == torch.bfloat16, name
+            decoded.get_parameter(name).data.copy_(p)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         got, ref = llm.model(ids), decoded(ids)

@@ -46,8 +46,9 @@ class CompressPairOp(Protocol):
 
 
 class ProjectOp(Protocol):
-    """`ref/compressor.py::project`: the compressors' fp32 projections, x [T, k] (any float dtype,
-    taken as its fp32 values) @ w [n, k]^T (fp32) -> [T, n] fp32."""
+    """`ref/compressor.py::project`: the compressors' fp32 projections, x [T, k] (any float dtype)
+    @ w [n, k]^T (fp32, or bf16 in a checkpoint-format model) -> [T, n] fp32, both operands taken
+    as their fp32 values."""
 
     def __call__(self, x: Tensor, w: Tensor) -> Tensor: ...
 

@@ -2,7 +2,10 @@
 
 Entry i summarises the tokens of window i (and, for overlap, the Ca half of window i-1) by gated
 per-channel softmax pooling; then a weighted RMSNorm and RoPE at position i*ratio (the first
-token of its own window). Projections and pooling run in fp32, as in the DeepSeek reference.
+token of its own window). Projections and pooling run in fp32, as in the DeepSeek reference. The
+projection weights are held in fp32, or, in a checkpoint-format model (`weight_format=
+"checkpoint"`), in bf16 as the checkpoint stores them (`DeepSeekV4ForCausalLM.cast_`): the same
+values, read at half the bytes and widened to fp32 where they are multiplied.
 
 On the serving path the layer projects (`Attention._compress_projections`): where it is fused
 (`model/fused_projections.py`) all its compressors' wkv and wgate are one `project` op, and the
@@ -31,15 +34,16 @@ def _project(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor, wgate:
     cast once, or, by the `project` op, widened as it reads it); score includes
     `ape[positions % ratio]`.
 
-    `ops`: the backend's `project` op on x as [T, d] rows, then its `add_ape` op in place on the
-    score rows `project` just allocated (no other tensor sees them); else F.linear and an
+    `ops`: the backend's `project` op on x as [T, d] rows and the weights as they are held (fp32,
+    or bf16 under the checkpoint format: widened as it reads them), then its `add_ape` op in place
+    on the score rows `project` just allocated (no other tensor sees them); else F.linear and an
     out-of-place add. Both adds are one fp32 add of the same operands: the same bits."""
     if ops is None:
         xf = x.float()
         kv, score = F.linear(xf, wkv.float()), F.linear(xf, wgate.float())
         return kv, score + ape.float()[positions % ratio]
     rows = x.reshape(-1, x.shape[-1])
-    kv, score = ops.project(rows, wkv.float()), ops.project(rows, wgate.float())
+    kv, score = ops.project(rows, wkv), ops.project(rows, wgate)
     ops.add_ape(score, ape.float(), positions.reshape(-1), ratio)
     return kv.view(*x.shape[:-1], -1), score.view(*x.shape[:-1], -1)
 

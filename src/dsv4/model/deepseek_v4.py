@@ -30,6 +30,7 @@ from dsv4.model.quant_linear import QuantLinear
 _FP32_PARAMS = re.compile(
     r"(norm\.weight|hc_\w+\.(fn|base|scale)|hc_head\.(fn|base|scale)|attn_sink|\.ape|gate\.bias"
     r"|compressor\.(wkv|wgate)\.weight)$")
+_COMPRESSOR_PROJ = re.compile(r"compressor\.(wkv|wgate)\.weight$")
 
 
 def keeps_fp32(name: str) -> bool:
@@ -38,6 +39,13 @@ def keeps_fp32(name: str) -> bool:
     These are norms, mHC, sinks, ape, gate bias and the compressor projections.
     """
     return bool(_FP32_PARAMS.search(name))
+
+
+def _param_dtype(name: str, dtype: torch.dtype, checkpoint_precision: bool) -> torch.dtype:
+    """The dtype `cast_` gives parameter `name` of a `dtype` model."""
+    if checkpoint_precision and _COMPRESSOR_PROJ.search(name):
+        return torch.bfloat16
+    return torch.float32 if keeps_fp32(name) else dtype
 
 
 class DeepSeekV4ForCausalLM(nn.Module):
@@ -54,11 +62,16 @@ class DeepSeekV4ForCausalLM(nn.Module):
         self.rope_main = RotaryEmbedding(c, compressed=False)
         self.rope_compress = RotaryEmbedding(c, compressed=True)
 
-    def cast_(self, dtype: torch.dtype) -> DeepSeekV4ForCausalLM:
-        """Cast floating parameters to `dtype`, keeping the fp32 set (see `keeps_fp32`) in fp32."""
+    def cast_(self, dtype: torch.dtype,
+              checkpoint_precision: bool = False) -> DeepSeekV4ForCausalLM:
+        """Cast floating parameters to `dtype`, keeping the fp32 set (see `keeps_fp32`) in fp32.
+
+        `checkpoint_precision` (a `weight_format="checkpoint"` model): the compressor projections
+        instead stay bf16, as the checkpoint stores them (spec §12): the same values, half the
+        bytes; they still run in fp32 (the `project` op widens them as it reads them)."""
         for name, p in self.named_parameters():
             if p.is_floating_point():
-                p.data = p.data.to(torch.float32 if keeps_fp32(name) else dtype)
+                p.data = p.data.to(_param_dtype(name, dtype, checkpoint_precision))
         return self
 
     def reset_buffers(self) -> None:

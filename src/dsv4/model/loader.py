@@ -50,10 +50,11 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     """Uninitialised model with the right dtypes on `device` (contents are garbage until loaded).
 
     weight_format "checkpoint": routed experts are `QuantExperts` (FP4 codes + scales, as official
-    V4 stores them) and the linears the checkpoint stores in FP8 are `QuantLinear`s
+    V4 stores them), the linears the checkpoint stores in FP8 are `QuantLinear`s
     (`model/quant_linear.py`): those named in `fp8_linears` (module names; the loaders pass the
     checkpoint's), by default the official release's FP8 set (`quant_linear.FP8_LINEAR`, what
-    the writer quantises; random weights of `load_format="dummy"`).
+    the writer quantises; random weights of `load_format="dummy"`), and the compressor
+    projections stay bf16 as stored (`DeepSeekV4ForCausalLM.cast_`).
     """
     check_weight_format(weight_format)
     with torch.device("meta"):
@@ -63,7 +64,7 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                 if isinstance(getattr(module, "experts", None), Experts):
                     module.experts = QuantExperts.from_config(config, "fp4")
             quantize_linears_(model, fp8_linears)
-    model.cast_(dtype)
+    model.cast_(dtype, checkpoint_precision=weight_format == "checkpoint")
     model.to_empty(device=device)
     model.reset_buffers()
     return model

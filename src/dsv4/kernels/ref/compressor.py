@@ -43,9 +43,10 @@ class CompressIndex(NamedTuple):
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The compressor projections (the `project` op): x [T, k] (any float dtype: its fp32 values)
-    @ w [n, k]^T (fp32) -> [T, n] fp32."""
-    return torch.nn.functional.linear(x.float(), w)
+    """The compressor projections (the `project` op): x [T, k] @ w [n, k]^T -> [T, n] fp32, each
+    operand taken as its fp32 values (x of any float dtype; w fp32, or bf16 as a
+    checkpoint-format model holds it)."""
+    return torch.nn.functional.linear(x.float(), w.float())
 
 
 def add_ape(score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, ratio: int) -> None:

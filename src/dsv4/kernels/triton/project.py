@@ -1,6 +1,6 @@
 """The compressors' fp32 projections on the triton backend: the `project` op
-(`kernels/ref/compressor.py::project`: x [T, k] in any float dtype, taken as its fp32 values, @ w
-[n, k]^T fp32 -> [T, n] fp32).
+(`kernels/ref/compressor.py::project`: x [T, k] in any float dtype @ w [n, k]^T, fp32 or, in a
+checkpoint-format model, bf16 -> [T, n] fp32, both operands taken as their fp32 values).
 
 Decode-sized calls run the skinny GEMM of `gemv.py` with fixed tiles and K splits, so a column's
 sum order depends on K (and the row count's class) alone and a fused group's columns
@@ -14,8 +14,11 @@ sum order depends on K (and the row count's class) alone and a fused group's col
   CUDA cores, its kernel chosen per row count) ran 1.1-4.1x slower at 8-56 rows
   (benchmarks/results/serving_h200_202612.md). A 16-bit x is not bit-equal to its fp32 copy
   here (the tensor cores' accumulation of the products its zero tails drop), only as close.
-Larger calls (prefill) run cuBLAS. `HeldProject` is the op with split-K counters held for the
-backend's lifetime; `triton_project_invariant` the op under invariant launch plans.
+A bf16 weight is widened in registers on both paths (half the bytes streamed; its values are
+exact in fp32 and in tf32, so tf32x3 drops nothing of it). Larger calls (prefill) run cuBLAS, on
+an fp32 copy of a bf16 weight (one per call, small beside a prefill's GEMM). `HeldProject` is the
+op with split-K counters held for the backend's lifetime; `triton_project_invariant` the op
+under invariant launch plans.
 
 Test: tests/kernels/test_project_gemv.py (decode rows),
 tests/kernels/test_fused_projections_triton.py (fused groups).
@@ -39,16 +42,17 @@ def triton_project(x: torch.Tensor, w: torch.Tensor,
                    counters: GemvCounters | None = None) -> torch.Tensor:
     """Same contract as `ref.compressor.project` (the triton backend's `project` op). Decode-sized
     x (at most `gemv.MAX_M` rows, any float dtype: a 16-bit x is read as it is and widened in
-    registers, no fp32 copy of it per step): `triton_linear`, one launch streaming the fp32
-    weight, its tiles and K splits fixed (module docstring) so a column's sum order depends on K
-    and the path alone: a fused group's columns get the bits of the members' own projections.
-    `counters`: the backend's held split-K counters (calls are serial: the compressors run on one
-    stream). More rows: cuBLAS, whose kernel (and a row's last bits) depends on the row count."""
+    registers, no fp32 copy of it per step; likewise a bf16 w): `triton_linear`, one launch
+    streaming the weight, its tiles and K splits fixed (module docstring) so a column's sum order
+    depends on K, the path and w's dtype alone: a fused group's columns get the bits of the
+    members' own projections. `counters`: the backend's held split-K counters (calls are serial:
+    the compressors run on one stream). More rows: cuBLAS, whose kernel (and a row's last bits)
+    depends on the row count."""
     fma = x.shape[0] <= FMA_MAX_M
     block_n, splits = ((PROJECT_BLOCK_N, PROJECT_SPLITS) if fma
                        else (PROJECT_DOT_BLOCK_N, PROJECT_DOT_SPLITS))
     if x.shape[0] > MAX_M or triton.cdiv(w.shape[0], block_n) > MAX_TILES:
-        return torch.nn.functional.linear(x.float(), w)
+        return torch.nn.functional.linear(x.float(), w.float())
     held = counters.get(x.device) if counters is not None else None
     return triton_linear(x, w, block_n=block_n, split_k=splits, dot=not fma,
                          precision=None if fma else "tf32x3", counters=held,
@@ -70,4 +74,4 @@ def triton_project_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`project` with a row's bits independent of the row count: the fixed-tile Triton GEMM of
     `batch_invariant.py` (the backend's op under invariant launch plans)."""
     from dsv4.kernels.triton.batch_invariant import bi_mm
-    return bi_mm(x.float(), w.t())
+    return bi_mm(x.float(), w.float().t())
