@@ -20,6 +20,7 @@ bytes per thread); exits 1 on any compile error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import subprocess
 import sys
@@ -437,25 +438,31 @@ def gemv_variants() -> Iterator[Variant]:
 
 def fp8_linear_variants() -> Iterator[Variant]:
     """The checkpoint-format FP8 linears at their default plans (bf16 x; the FMA path at M 1 / 4,
-    swap-AB tl.dot at M 8 / 32, tiled tl.dot at M 512)."""
+    swap-AB tl.dot at M 8 / 32, tiled tl.dot at M 512), and the shared expert's w2 (4096 x 2048)
+    in the SwiGLU mode on the FMA path (M 1 / 4)."""
     from dsv4.kernels.triton import fp8_linear as f8
+    from dsv4.kernels.triton import fp8_plan
 
-    for N, K in ((1536, 4096), (32768, 1024), (4096, 8192)):
-        for M in (1, 4, 8, 32, 512):
-            plan = f8.plan_fp8_linear(M, N, K, 132)
-            splits, per = f8.even_split(triton.cdiv(K, f8.BLOCK * plan.kb), plan.split_k)
-            types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
-                     "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
-                     "K": "i32:16", "stride_xm": "i32:16", "stride_xg": "i32:16",
-                     "rows_g": "i32:16", "stride_wn": "i32:16", "stride_sn": "i32",
-                     "k_per_split": "i32:16"}
-            consts = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "KB": plan.kb,
-                      "SPLIT_K": splits, "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
-                      "ROWS": 0 if plan.dot else M, "FP32_DOT": False,
-                      "EVEN_K": K % (f8.BLOCK * plan.kb) == 0}
-            path = "dot" if plan.dot else "fma"
-            yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
-                   consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+    shapes = [(N, K, M, False) for N, K in ((1536, 4096), (32768, 1024), (4096, 8192))
+              for M in (1, 4, 8, 32, 512)] + [(4096, 2048, M, True) for M in (1, 4)]
+    for N, K, M, swiglu in shapes:
+        plan = fp8_plan.plan_fp8_linear(M, N, K, 132)
+        if swiglu:          # the SwiGLU mode runs unpipelined (`triton_fp8_linear`)
+            plan = dataclasses.replace(plan, num_stages=1)
+        splits, per = f8.even_split(triton.cdiv(K, fp8_plan.BLOCK * plan.kb), plan.split_k)
+        types = {"x_ptr": "*bf16", "u_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8",
+                 "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+                 "K": "i32:16", "stride_xm": "i32:16", "stride_xg": "i32:16",
+                 "stride_um": "i32:16", "rows_g": "i32:16", "stride_wn": "i32:16",
+                 "stride_sn": "i32", "k_per_split": "i32:16", "limit": "fp32"}
+        consts = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "KB": plan.kb,
+                  "SPLIT_K": splits, "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
+                  "ROWS": 0 if plan.dot else M, "FP32_DOT": False,
+                  "EVEN_K": K % (fp8_plan.BLOCK * plan.kb) == 0, "SWIGLU": swiglu,
+                  "LIBDEVICE": True}
+        path = "dot" if plan.dot else "fma swiglu" if swiglu else "fma"
+        yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
+               consts, {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
     yield from fp8_frag_variants()
     yield from fp8_linear_a8_variants()
 

@@ -10,6 +10,10 @@ float64: within half a bf16 ulp + 2e-6 of max |y|; a whole ulp under the interpr
 median of CUDA-graph replays cycling weight copies of 512 MB (bench_common.time_us). From M =
 A8_MIN_M the W8A8 linear on FP8 tensor cores (`triton_fp8_linear_a8`: act_quant(x) included) is
 timed too: "a8 us", its TFLOP/s and x bf16, checked norm-wise against `fp8_linear_a8` (<= 5e-4).
+For the shared expert's w2 (4096 x 2048) at M <= 4 the SwiGLU mode (`up=`: h = swiglu(gate, up)
+computed as the kernel loads x, one launch) is timed against its two launches (`triton_swiglu`,
+then the product), bit-equal: "swiglu us" and "2-launch us" (gate and up: the same tensor;
+--cpu-smoke: on its first shape).
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_fp8_linear.py --out FILE.json   # CUDA
@@ -42,6 +46,8 @@ SHAPES = [(1024, 4096), (512, 4096), (32768, 1024), (8192, 1024), (1024, 4096), 
           (2048, 4096), (4096, 2048)]
 SMOKE_SHAPES = [(200, 300), (64, 129)]
 A8_MIN_M = 128               # prefill: the W8A8 linear's rows
+SWIGLU_SHAPE = (4096, 2048)  # the shared expert's w2 (out x in)
+SWIGLU_LIMIT = 10.0
 A8_MAX_NORM_ERR = 1.5e-3     # bf16 out: QGMMA's sums flip bf16 roundings (tests/kernels/
                              # test_fp8_linear_a8.py; H200: 6.9e-4)
 
@@ -98,8 +104,26 @@ def a8_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
     return {"a8_us": us, "a8_tflops": flops / us / 1e6, "a8_norm_err": err}
 
 
+def swiglu_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+               args: Any, cuda: bool) -> dict[str, Any]:
+    """The SwiGLU mode's time against its two launches (bit-equal, checked first)."""
+    from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
+    from dsv4.kernels.triton.swiglu import triton_swiglu
+
+    def fused(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, _w: torch.Tensor) -> Any:
+        return triton_fp8_linear(x, c, s, up=x, limit=SWIGLU_LIMIT)
+
+    def two(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, _w: torch.Tensor) -> Any:
+        return triton_fp8_linear(triton_swiglu(x, x, SWIGLU_LIMIT), c, s)
+
+    assert torch.equal(fused(*sets[0]), two(*sets[0])), "SwiGLU mode parity failed"
+    return {"swiglu_us": time_us(fused, sets, args, cuda),
+            "swiglu_two_us": time_us(two, sets, args, cuda)}
+
+
 def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear
+    from dsv4.kernels.triton.gemv import FMA_MAX_M
     from dsv4.kernels.triton.launch import sms
 
     cuda = device.type == "cuda"
@@ -114,6 +138,9 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     bf16_floor_us = (2 * case.n * case.k + act) / HBM_BYTES_PER_S * 1e6
     flops = 2 * case.m * case.n * case.k
     a8 = a8_row(sets, args, cuda, flops) if case.m >= A8_MIN_M else {}
+    swiglu_shape = SMOKE_SHAPES[0] if args.cpu_smoke else SWIGLU_SHAPE
+    if (case.n, case.k) == swiglu_shape and case.m <= FMA_MAX_M:
+        a8 = {**a8, **swiglu_row(sets, args, cuda)}
     return {**a8, "case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
             "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
             "bf16_x_floor": bf16_us / bf16_floor_us, "speedup_vs_bf16": bf16_us / us,
@@ -127,7 +154,8 @@ TABLE = [("case", "{:<20}", "case"), ("floor_us", "{:>8.2f}", "floor us"),
          ("tflops", "{:>7.1f}", "TFLOP/s"), ("bf16_us", "{:>8.2f}", "bf16 us"),
          ("bf16_x_floor", "{:>7.2f}", "x floor"), ("bf16_tflops", "{:>7.1f}", "TFLOP/s"),
          ("speedup_vs_bf16", "{:>6.2f}", "x bf16"), ("max_rel_err", "{:>8.1e}", "rel err"),
-         ("a8", "{:>9}", "a8 us"), ("a8_tf", "{:>7}", "a8 TF"), ("a8_x", "{:>7}", "a8 x bf16")]
+         ("a8", "{:>9}", "a8 us"), ("a8_tf", "{:>7}", "a8 TF"), ("a8_x", "{:>7}", "a8 x bf16"),
+         ("sw", "{:>9}", "swiglu us"), ("sw2", "{:>10}", "2-launch us")]
 
 
 def main() -> None:
@@ -144,7 +172,9 @@ def main() -> None:
     rows = bench_rows(cases, lambda c: bench_case(c, args, device), device)
     print_table([{**r, "a8": f"{r['a8_us']:.2f}" if "a8_us" in r else "-",
                   "a8_tf": f"{r['a8_tflops']:.1f}" if "a8_us" in r else "-",
-                  "a8_x": f"{r['bf16_us'] / r['a8_us']:.2f}" if "a8_us" in r else "-"}
+                  "a8_x": f"{r['bf16_us'] / r['a8_us']:.2f}" if "a8_us" in r else "-",
+                  "sw": f"{r['swiglu_us']:.2f}" if "swiglu_us" in r else "-",
+                  "sw2": f"{r['swiglu_two_us']:.2f}" if "swiglu_us" in r else "-"}
                  for r in rows], TABLE)
     emit({**record_header("fp8_linear", device), "results": rows}, args.out)
 

@@ -237,7 +237,8 @@ def test_split_k_counters_are_held_zero_and_not_state() -> None:
     class Ops:
         @staticmethod
         def quant_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *,
-                         counters: torch.Tensor | None = None) -> torch.Tensor:
+                         counters: torch.Tensor | None = None, up: torch.Tensor | None = None,
+                         limit: float = 0.0) -> torch.Tensor:
             seen.append(counters)
             return x.new_zeros(*x.shape[:-1], w.shape[0])
 

@@ -285,10 +285,13 @@ class QuantLinearOp(Protocol):
     `groups` g > 1: the block-diagonal product (attention `wo_a`), x [..., g, K] -> [..., g, N /
     g], group i through weight rows [i N / g, (i + 1) N / g) (whole scale blocks for the kernel).
     `counters`: the call site's zeroed int32 split-K arrival counters (>= N / 16 words, left zero;
-    the kernel's, so that no call pays a memset), ignored by the reference."""
+    the kernel's, so that no call pays a memset), ignored by the reference. `up` (SwiGLU mode,
+    the shared expert's w2; groups 1): x is the gate and the input `swiglu(x, up, limit)`, the
+    values of the `swiglu` op then this op (the triton kernel computes it as it loads x)."""
 
     def __call__(self, x: Tensor, w: Tensor, scale: Tensor, *, groups: int = 1,
-                 counters: Tensor | None = None) -> Tensor: ...
+                 counters: Tensor | None = None, up: Tensor | None = None,
+                 limit: float = 0.0) -> Tensor: ...
 
 
 # the `linear` op's output columns per program on its skinny-GEMM path: a call site's counters

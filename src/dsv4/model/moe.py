@@ -14,7 +14,8 @@ path and under `ForwardMode.values`, the references of `kernels/ref/moe.py` othe
 serving path a fused shared expert (`model/fused_projections.py`) runs w1 and w3 as one GEMM and
 `swiglu` reads its two column halves; where the engine gave w2 decode counters, the SwiGLU and w2
 are one op, `swiglu_linear` (on the triton backend one GEMV launch at decode that computes the
-SwiGLU as it loads its input, bit-equal to the two ops).
+SwiGLU as it loads its input, bit-equal to the two ops); a checkpoint-format FP8 w2 runs its
+`quant_linear` op in the SwiGLU mode (`up=`) alike.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.fused import FusedRows
-from dsv4.model.quant_linear import GEMV_COUNTERS, linear
+from dsv4.model.quant_linear import GEMV_COUNTERS, QuantLinear, linear
 from dsv4.model.streams import join, side
 
 
@@ -172,13 +173,17 @@ class MLP(nn.Module):
         reads in place); with `values` (`ForwardMode.values`) that op's values and the
         reference's gradient; otherwise the reference. Serving with w2's split-K counters
         (`GEMV_COUNTERS`, `model/decode_gemv.py`), the SwiGLU and w2 are the one op
-        `swiglu_linear` (one launch at decode; the same bits as `swiglu` then the `linear` op)."""
+        `swiglu_linear` (one launch at decode; the same bits as `swiglu` then the `linear` op);
+        with an FP8 w2 (`QuantLinear`) the `quant_linear` op in its SwiGLU mode (the same bits as
+        `swiglu` then `quant_linear`)."""
         limit = self.limit
         if ctx is not None:
             ops = ctx.ops
             gate, up = (self.fused_w13(x, self.fused_w13.gemm(ops))
                         if self.fused_w13 is not None else
                         (linear(self.w1, x, ops), linear(self.w3, x, ops)))
+            if isinstance(self.w2, QuantLinear):
+                return self.w2(gate, ops, up=up, limit=limit)
             counters = getattr(self.w2, GEMV_COUNTERS, None)
             if counters is not None:
                 return ops.swiglu_linear(gate, up, limit, self.w2.weight, counters=counters)

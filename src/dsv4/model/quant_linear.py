@@ -67,10 +67,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("counters", torch.zeros(math.ceil(out_features / 16),
                                                      dtype=torch.int32), persistent=False)
 
-    def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype: `ops.quant_linear`, or the reference."""
+    def forward(self, x: torch.Tensor, ops: KernelOps | None = None, *,
+                up: torch.Tensor | None = None, limit: float = 0.0) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype: `ops.quant_linear`, or the reference. `up`
+        (the shared expert's w2): x is the gate and the input `swiglu(x, up, limit)`, computed
+        by the op (its SwiGLU mode)."""
         fn = fp8_linear if ops is None else ops.quant_linear
-        return fn(x, self.weight, self.scale, counters=self.counters)
+        return fn(x, self.weight, self.scale, counters=self.counters, up=up, limit=limit)
 
     def grouped(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
         """Block-diagonal product of the output projection's groups (attention `wo_a`): x

@@ -15,14 +15,22 @@ import torch.nn.functional as F
 
 from dsv4.kernels.ref.act_quant import fake_act_quant
 from dsv4.kernels.ref.quant import dequant_fp8_block
+from dsv4.kernels.ref.swiglu import swiglu
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, groups: int = 1,
-               counters: torch.Tensor | None = None) -> torch.Tensor:
+               counters: torch.Tensor | None = None, up: torch.Tensor | None = None,
+               limit: float = 0.0) -> torch.Tensor:
     """x [..., K] bf16 / fp16 / fp32 -> [..., N] in x's dtype (`F.linear` on the decoded w).
     `groups` g > 1: the block-diagonal product of the grouped output projection (attention
     `wo_a`): x [..., g, K] -> [..., g, N / g], group i through weight rows [i N / g, (i + 1) N /
-    g). `counters` (the kernel's split-K scratch) is unused here."""
+    g). `up` (SwiGLU mode, groups 1): x is the gate and the input is `swiglu(x, up, limit)`
+    (`ref/moe.py`). `counters` (the kernel's split-K scratch) is unused here."""
+    if up is not None:
+        if groups != 1 or up.shape != x.shape:
+            raise ValueError(f"the SwiGLU mode (up=) takes groups 1 and up of x's shape "
+                             f"{list(x.shape)}; got groups {groups}, up {list(up.shape)}")
+        x = swiglu(x, up, limit)
     codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
     weight = dequant_fp8_block(codes, scale, x.dtype)
     if groups == 1:

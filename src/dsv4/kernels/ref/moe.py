@@ -21,13 +21,9 @@ import torch.nn.functional as F
 
 from dsv4.kernels.ref.act_quant import fake_act_quant
 from dsv4.kernels.ref.fp8_linear import dense_linear
+from dsv4.kernels.ref.swiglu import swiglu
 
 WaitShared = Callable[[], None]
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, w: torch.Tensor, *,
