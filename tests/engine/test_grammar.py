@@ -16,7 +16,12 @@ from tokenizers import Tokenizer
 from dsv4 import LLM, EngineConfig, SamplingParams
 from dsv4.assets import default_model_path
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.grammar import apply_token_bitmask, encoded_vocab, token_bitmask
+from dsv4.engine.grammar import (
+    advance_grammar,
+    apply_token_bitmask,
+    encoded_vocab,
+    token_bitmask,
+)
 from dsv4.engine.sampling_params import StructuredOutput
 from dsv4.server.ipc import AddRequest, decode, encode
 
@@ -172,3 +177,28 @@ def test_structured_output_under_cuda_graphs_cuda() -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             for out in outs[0::2]:
                 jsonschema.validate(json.loads(out.text), schema)
+
+
+class _Matcher:
+    """A matcher that accepts the tokens in `ok` and is complete after `done` of them."""
+
+    def __init__(self, ok: set[int], done: int) -> None:
+        self.ok, self.done, self.fed = ok, done, 0
+
+    def accept_token(self, tok: int) -> bool:
+        self.fed += tok in self.ok
+        return tok in self.ok
+
+    def is_terminated(self) -> bool:
+        return self.fed >= self.done
+
+
+def test_advance_grammar_stops_when_complete_or_on_a_rejected_token(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """None while the grammar runs; "stop" once it is complete; a token it rejects (a bug: the
+    mask allows only accepted ones) ends the request with "stop", logged as an error."""
+    m = _Matcher({1, 2}, done=2)
+    assert advance_grammar(m, 1, "r") is None
+    assert advance_grammar(m, 2, "r") == "stop"
+    assert advance_grammar(_Matcher({1}, done=9), 7, "r7") == "stop"
+    assert "request r7: its grammar rejected token 7" in caplog.text

@@ -27,7 +27,6 @@ import random
 import time
 from collections.abc import Mapping
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,8 @@ import torch
 
 from dsv4.cache.prefix_cache import create_prefix_cache
 from dsv4.config.engine import EngineConfig
-from dsv4.engine.grammar import Grammars, new_matcher
+from dsv4.engine.engine_state import EngineState
+from dsv4.engine.grammar import Grammars, advance_grammar, new_matcher
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling_params import SamplingParams
@@ -50,36 +50,6 @@ logger = init_logger(__name__)
 FINISH_REASONS = ("stop", "length", "abort")
 COMPILE_WAIT_S = 0.05
 """With only compiling requests left, how long a step waits for a grammar before returning."""
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """What the engine reports about itself (the server's /v1/engine_stats and /metrics).
-
-    Pages `*_cached` are held by the prefix cache: with no request in flight, `*_free + *_cached ==
-    *_usable` for both pools."""
-
-    num_running: int
-    num_waiting: int
-    num_requests: int
-    full_free: int
-    full_usable: int
-    full_cached: int
-    swa_free: int
-    swa_usable: int
-    swa_cached: int
-    free_slots: int
-    num_slots: int
-    steps: int
-    prefill_tokens: int
-    decode_tokens: int
-    num_preemptions: int
-    # speculative decoding: N (0 = off), verify passes by accepted drafts (N + 1 counts), drafts
-    # fed and accepted
-    spec_num_steps: int = 0
-    spec_accept_hist: tuple[int, ...] = ()
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -329,7 +299,9 @@ class LLMEngine:
                                  out.top_logprobs[i] if asked else None, now)
                 reason = self._finish_reason(req, tok)
                 if req.grammar is not None and reason is None:
-                    reason = self._advance_grammar(req, tok)
+                    # under speculation each emitted token in turn (the runner's walk along the
+                    # drafts was rolled back), none after the one that finishes
+                    reason = advance_grammar(req.grammar, tok, req.rid)
                 if reason is not None:
                     # tokens after this one are dropped, and with them their KV
                     req.num_cached = min(req.num_cached, len(req.all_ids) - 1)
@@ -339,18 +311,6 @@ class LLMEngine:
             self._count_drafts(req, out.num_drafts, min(len(out.token_ids) - 1, appended))
             updated.append(req)
         return updated
-
-    @staticmethod
-    def _advance_grammar(req: Request, tok: int) -> str | None:
-        """Feed `tok` to the request's grammar: "stop" once the grammar is complete (only eos is
-        allowed then; with ignore_eos that would never end) or if it rejects the token (the mask
-        allows only accepted tokens, so that is a bug: logged, the request ends cleanly). Under
-        speculation each emitted token in turn (accepted drafts, then the final token; the
-        runner's walk along the drafts was rolled back), none after the one that finishes."""
-        if not req.grammar.accept_token(tok):
-            logger.error("request %s: its grammar rejected token %d; finishing it", req.rid, tok)
-            return "stop"
-        return "stop" if req.grammar.is_terminated() else None
 
     def _count_drafts(self, req: Request, drafts: int, accepted: int) -> None:
         if drafts == 0:

@@ -208,3 +208,14 @@ def draft_token_bitmask(matchers: list[Any], drafts: list[list[int]],
                 m.rollback(walked)
         row += len(ds) + 1
     return bits
+
+
+def advance_grammar(matcher: Any, tok: int, rid: str) -> str | None:
+    """Feed `tok` to request `rid`'s grammar matcher: "stop" once the grammar is complete (only
+    eos is allowed then; with ignore_eos that would never end) or if it rejects the token (the
+    mask allows only accepted tokens, so that is a bug: logged, the request ends cleanly); else
+    None."""
+    if not matcher.accept_token(tok):
+        logger.error("request %s: its grammar rejected token %d; finishing it", rid, tok)
+        return "stop"
+    return "stop" if matcher.is_terminated() else None

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4.engine.engine import EngineState
+from dsv4.engine.engine_state import EngineState
 from dsv4.engine.sampling_params import SamplingParams
 
 # ---- API -> engine ------------------------------------------------------------------------------
