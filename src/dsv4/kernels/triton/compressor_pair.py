@@ -38,7 +38,6 @@ from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_geometry
 from dsv4.kernels.triton.compressor import (
-    check_inputs,
     fold_chunk,
     gather_chunk,
     launch_compress,
@@ -47,6 +46,7 @@ from dsv4.kernels.triton.compressor import (
     store_entry,
     write_ring_rows,
 )
+from dsv4.kernels.triton.compressor_checks import check_inputs
 from dsv4.kernels.triton.pdl import pdl_args
 
 _MAX_WINDOW = 16            # S: the window is pooled in one [next_pow2(S), Dc] tile per compressor
