@@ -61,6 +61,12 @@
 #                 experts at N 2048 / 8192 with the prefill sweep, w8a8 beside the bf16-MMA "scaled" loop
 #                 (w8a8_moe_{fp8,fp4}.txt / .json, with each kernel's us), the linears at M 512 / 2048 / 8192
 #                 (w8a8_linear.txt / .json: weight-only, bf16 and W8A8)
+#   checkpoint    issue 21's end-to-end line in one call: the GPU tests of the checkpoint-format kernels
+#                 (FP8 linear and its SwiGLU mode, the project op on bf16 weights: checkpoint_tests.txt), the
+#                 FP8 linear at M 1 / 2 / 4 with the SwiGLU rows (checkpoint_fp8_linear.txt / .json), flash-4l
+#                 decode at batch 1 and 32 (4K) in bf16 and in checkpoint precision, each in its own process
+#                 (checkpoint_decode_{bf16,checkpoint}.json), and a profile of the checkpoint batch-1 step
+#                 (checkpoint_profile.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -291,13 +297,33 @@ w8a8() {
   grep -v "^{" "$OUT/w8a8_linear.txt" | tail -12
 }
 
+checkpoint() {
+  local fmt
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_swiglu.py \
+    tests/kernels/test_fp8_linear.py tests/kernels/test_project_gemv.py > "$OUT/checkpoint_tests.txt" 2>&1
+  tail -3 "$OUT/checkpoint_tests.txt"
+  timeout 120 python3 benchmarks/kernels/bench_fp8_linear.py --m 1,2,4 \
+    --out "$OUT/checkpoint_fp8_linear.json" > "$OUT/checkpoint_fp8_linear.txt" 2>&1
+  grep -v "^{" "$OUT/checkpoint_fp8_linear.txt" | tail -26
+  for fmt in bf16 checkpoint; do
+    timeout 150 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+      --kernel-backend triton --contexts 4096 --batches 32 --batch-contexts 4096 --weight-format "$fmt" \
+      --out "$OUT/checkpoint_decode_$fmt.json" > /tmp/checkpoint_decode_$fmt.txt 2>&1
+    grep -v "^{" /tmp/checkpoint_decode_$fmt.txt | tail -4
+  done
+  timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
+    --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only --warm-steps 3 --steps 20 \
+    --rows 40 --weight-format checkpoint > "$OUT/checkpoint_profile.txt" 2>&1
+  tail -1 "$OUT/checkpoint_profile.txt" | cut -c 1-400
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,69p' "$0"
+  sed -n '2,75p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -320,8 +346,9 @@ for part in "$@"; do
     hisparse-trace) hisparse_trace ;;
     drift) drift ;;
     w8a8) w8a8 ;;
+    checkpoint) checkpoint ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile transient drift train train-tiny hisparse hisparse-trace w8a8 sass"; exit 2 ;;
+         "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint sass"; exit 2 ;;
   esac
 done

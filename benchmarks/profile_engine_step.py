@@ -7,6 +7,7 @@ its first requests decode while the last still prefill), the warm-up steps and t
 with `--decode-only` every profiled step decodes the whole batch.
 
     python benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16
+    python benchmarks/profile_engine_step.py ... --weight-format checkpoint   # FP4 / FP8 weights
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def main() -> None:
                    help="HiSparse on (C4 entries in host memory, hot sets on the device)")
     p.add_argument("--hot-entries", type=int, default=None,
                    help="hot entries per request and C4 layer (default: the engine's)")
+    p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
+                   help="checkpoint: FP4 experts, FP8 linears, bf16 compressor projections")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
-                         resolve_device(args.device))
+                         resolve_device(args.device), weight_format=args.weight_format)
     max_tokens = batch_max_tokens(args.num_prompts, args.prompt_len, args.warm_steps, args.steps)
     engine = LLMEngine(model, EngineConfig(page_size=128, chunked_prefill_size=CHUNK,
                                            kernel_backend=args.kernel_backend,
@@ -105,17 +108,27 @@ def main() -> None:
         print(averages.table(sort_by="self_cuda_time_total", row_limit=args.rows))
         kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
         gpu = {"kernels_per_step": sum(e.count for e in kernels) / args.steps,
+               "kernels": per_kernel(kernels, args.steps, args.rows),
                "gpu_ms_per_step": sum(e.self_device_time_total for e in kernels)
                / args.steps / 1e3, **busy(prof, args.steps)}
         if args.trace:
             prof.export_chrome_trace(args.trace)
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(json.dumps({"profile": "engine_step", "preset": args.preset, "device": args.device,
-                      "backend": args.kernel_backend, "num_prompts": args.num_prompts,
+                      "backend": args.kernel_backend, "weight_format": args.weight_format,
+                      "num_prompts": args.num_prompts,
                       "prompt_len": args.prompt_len,
                       "warm_steps": args.warm_steps, "max_tokens": max_tokens,
                       "finished_in_profile": sum(r.is_finished for r in reqs),
                       "step_s": times, **gpu}))
+
+
+def per_kernel(kernels: list, steps: int, rows: int) -> list[tuple[str, float, float]]:
+    """The `rows` kernels of most GPU time: (name cut to 80 characters, us per step, launches
+    per step)."""
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]
+    return [(e.key[:80], round(e.self_device_time_total / steps, 2), e.count / steps)
+            for e in top]
 
 
 def busy(prof: profile, steps: int) -> dict[str, float]:
