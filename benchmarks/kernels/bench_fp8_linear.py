@@ -14,6 +14,9 @@ For the shared expert's w2 (4096 x 2048) at M <= 4 the SwiGLU mode (`up=`: h = s
 computed as the kernel loads x, one launch) is timed against its two launches (`triton_swiglu`,
 then the product), bit-equal: "swiglu us" and "2-launch us" (gate and up: the same tensor;
 --cpu-smoke: on its first shape).
+`--sweep` (M <= 4, the FMA path): every knob set of `fma_sweep` (rows per program 4..32 with and
+without a K split, 1 / 2 / 4 scale blocks a step, 1 / 2 stages), each checked for parity, then
+timed; a row's "sweep" holds each set's us and "best" the fastest ("default" is the plan's).
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_fp8_linear.py --out FILE.json   # CUDA
@@ -36,6 +39,7 @@ from bench_common import (
     print_table,
     record_header,
     select_device,
+    time_configs,
     time_us,
 )
 
@@ -121,6 +125,34 @@ def swiglu_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
             "swiglu_two_us": time_us(two, sets, args, cuda)}
 
 
+def fma_sweep() -> list[dict[str, int]]:
+    """The FMA path's knob sets: rows per program 4..32, the plan's K split or none (small tiles
+    reach the SMs without the split's reduction), scale blocks per step, pipeline stages."""
+    sets = []
+    for block_n in (4, 8, 16, 32):
+        for kb in (1, 2, 4):
+            for stages in (1, 2):
+                for split in ({}, {"split_k": 1}):
+                    sets.append({"dot": False, "block_n": block_n, "kb": kb,
+                                 "num_stages": stages, **split})
+    return sets
+
+
+def sweep_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+              args: Any, cuda: bool) -> dict[str, Any]:
+    """Each `fma_sweep` set checked against the reference, then timed (`time_configs`)."""
+    from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
+
+    x, codes, scale, dense = sets[0]
+    knob_sets = fma_sweep()
+    for knobs in knob_sets:
+        max_error(triton_fp8_linear(x, codes, scale, **knobs), x, dense)
+    timed = time_configs(lambda x_, c, s, _w, **k: triton_fp8_linear(x_, c, s, **k), sets,
+                         knob_sets, args, cuda)
+    best = min(timed, key=timed.__getitem__)
+    return {"sweep": timed, "best": best, "best_us": timed[best]}
+
+
 def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear
     from dsv4.kernels.triton.gemv import FMA_MAX_M
@@ -141,6 +173,8 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     swiglu_shape = SMOKE_SHAPES[0] if args.cpu_smoke else SWIGLU_SHAPE
     if (case.n, case.k) == swiglu_shape and case.m <= FMA_MAX_M:
         a8 = {**a8, **swiglu_row(sets, args, cuda)}
+    if args.sweep and case.m <= FMA_MAX_M:
+        a8 = {**a8, **sweep_row(sets, args, cuda)}
     return {**a8, "case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
             "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
             "bf16_x_floor": bf16_us / bf16_floor_us, "speedup_vs_bf16": bf16_us / us,
@@ -159,7 +193,7 @@ TABLE = [("case", "{:<20}", "case"), ("floor_us", "{:>8.2f}", "floor us"),
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0], "unused (no knob sweep yet)")
+    p = base_parser(__doc__.splitlines()[0], "at M <= 4: time every FMA knob set (fma_sweep)")
     p.add_argument("--m", default=None,
                    help="token counts, comma-separated (default 1,8,32,512,2048; --cpu-smoke "
                         "1,3,17,200)")
@@ -176,6 +210,10 @@ def main() -> None:
                   "sw": f"{r['swiglu_us']:.2f}" if "swiglu_us" in r else "-",
                   "sw2": f"{r['swiglu_two_us']:.2f}" if "swiglu_us" in r else "-"}
                  for r in rows], TABLE)
+    for r in rows:
+        if "best" in r:
+            print(f"{r['case']:<20} best {r['best_us']:8.2f} us ({r['us']:.2f} default): "
+                  f"{r['best']}")
     emit({**record_header("fp8_linear", device), "results": rows}, args.out)
 
 
