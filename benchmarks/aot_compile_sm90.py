@@ -434,6 +434,31 @@ def gemv_variants() -> Iterator[Variant]:
             yield (f"{label} w2 bf16 {N}x{K} M={M} fma s{plan.split_k}", gemv._gemv_kernel,
                    gemv_types("bf16", "bf16"), consts,
                    {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+    yield from project_variants()
+
+
+def project_variants() -> Iterator[Variant]:
+    """The compressors' `project` op (`project.py`) at its pinned plans on a checkpoint-format
+    model's bf16 weights (V4-Flash CSA group: 2560 x 4096; bf16 x, fp32 y): FMA at M 1 / 4, the
+    tl.dot path at M 8 / 32 (bf16 operands: exact MMA products, tf32x3 unused)."""
+    from dsv4.kernels.triton import gemv, project
+
+    N, K = 2560, 4096
+    for M in (1, 4, 8, 32):
+        fma = M <= gemv.FMA_MAX_M
+        block_n, splits = ((project.PROJECT_BLOCK_N, project.PROJECT_SPLITS) if fma
+                           else (project.PROJECT_DOT_BLOCK_N, project.PROJECT_DOT_SPLITS))
+        plan = gemv.plan_gemv(M, N, K, torch.bfloat16, torch.bfloat16, 132, block_n=block_n,
+                              split_k=splits, dot=not fma,
+                              precision=None if fma else "tf32x3")
+        consts = {"BLOCK_M": gemv.block_m(M, plan.dot), "BLOCK_N": plan.block_n,
+                  "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k, "NUM_STAGES": plan.num_stages,
+                  "DOT": plan.dot, "ROWS": 0 if plan.dot else M, "UPCAST": False,
+                  "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0, "SWIGLU": False,
+                  "LIBDEVICE": True}
+        yield (f"project bf16 w {N}x{K} M={M} {'fma' if fma else 'dot'} s{plan.split_k}",
+               gemv._gemv_kernel, gemv_types("bf16", "fp32"), consts,
+               {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
 
 
 def fp8_linear_variants() -> Iterator[Variant]:

@@ -69,18 +69,20 @@ def test_a_16_bit_x_is_its_fp32_values(m: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 3, 9, MAX_M + 1])
-def test_a_bf16_weight_is_its_fp32_values(m: int) -> None:
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_a_bf16_weight_is_its_fp32_values(m: int, x_dtype: torch.dtype) -> None:
     """A checkpoint-format model holds the compressor projections in bf16, as stored: the op
     widens them as it reads them (no fp32 copy at decode rows), so the result is the product
     with w.float() (within the decode paths' tolerance of the float64 product; prefill rows take
-    F.linear of the fp32 copy), and a fused group's columns are still the members' own bits."""
+    F.linear of the fp32 copies), and a fused group's columns are still the members' own bits.
+    With a bf16 x (the serving path's) too, the GPU's tl.dot rows run bf16 MMAs."""
     x, w = _data(m, 96, 512, seed=2)
-    wb = w.bfloat16()
+    x, wb = x.to(x_dtype), w.bfloat16()
     counters = GemvCounters()
     got = triton_project(x, wb, counters)
     assert got.dtype == torch.float32
     if m > MAX_M:
-        assert torch.equal(got, F.linear(x, wb.float()))
+        assert torch.equal(got, F.linear(x.float(), wb.float()))
         return
     ref = F.linear(x.double(), wb.double())
     assert float((got.double() - ref).abs().max()) <= 2e-6 * float(ref.abs().max())

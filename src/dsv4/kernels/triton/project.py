@@ -14,8 +14,9 @@ sum order depends on K (and the row count's class) alone and a fused group's col
   CUDA cores, its kernel chosen per row count) ran 1.1-4.1x slower at 8-56 rows
   (benchmarks/results/serving_h200_202612.md). A 16-bit x is not bit-equal to its fp32 copy
   here (the tensor cores' accumulation of the products its zero tails drop), only as close.
-A bf16 weight is widened in registers on both paths (half the bytes streamed; its values are
-exact in fp32 and in tf32, so tf32x3 drops nothing of it). Larger calls (prefill) run cuBLAS, on
+A bf16 weight (checkpoint format) streams half the bytes: widened in registers on the FMA path
+and, with an fp32 x, on the tl.dot path (exact in tf32: tf32x3 drops nothing of it); with a
+16-bit x as well, the tl.dot path multiplies both in bf16 MMAs (exact products, fp32 sums). Larger calls (prefill) run cuBLAS, on
 an fp32 copy of a bf16 weight (one per call, small beside a prefill's GEMM). `HeldProject` is the
 op with split-K counters held for the backend's lifetime; `triton_project_invariant` the op
 under invariant launch plans.
