@@ -73,7 +73,7 @@ KERNEL_FAMILIES = (
     ("experts", r"_gate_up|_down_|_tile_map_|_gate_select_|_swiglu_"),
     ("combines", r"_combine_"),
     ("projections", r"_gemv_|_mm_kernel|_fp8_linear|gemm|nvjet|cutlass|xmma|sm90_"),
-    ("mhc, norms, rope", r"_mhc_|_post_project_|_norm_rope_|_rope_rows_|_add_ape_"),
+    ("mhc, norms, rope", r"_mhc_|_post_project_|_norm_rope_|_rope_rows_"),
 )
 
 

@@ -2,8 +2,9 @@
 
 Geometries (V4-Flash, flash-4l): C4 attention (ratio 4, overlap, Dc 512), C4 indexer (ratio 4,
 overlap, Dc 128), C128 attention (ratio 128, Dc 512); rope 64, bf16 entries, fp32 projections and
-rings. Plans come from the engine's own metadata builder (engine/metadata.py over a request table,
-page size 256):
+rings; raw gate scores with the compressor's ape added per slot by the op (the serving form).
+Plans come from the engine's own metadata builder (engine/metadata.py over a request table, page
+size 256):
   decode   B in {1, 64, 256, 1024, 4096} (--batches) requests, one token each, every one
            completing a window (position p with (p+1) % ratio == 0, p >= 2 ratio - 1): the
            heaviest decode step, S - 1 sources from the ring. In steady-state serving only
@@ -40,6 +41,7 @@ Prints a table, then ONE JSON line (also written to --out).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -238,6 +240,9 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     )
 
     cuda = device.type == "cuda"
+    g = torch.Generator(device).manual_seed(args.seed + 1)
+    ape = torch.randn(case.geo.ratio, case.geo.width, generator=g, device=device)
+    ref = functools.partial(compress_cached, ape=ape)
     probe, _ = build_sets(case, 1, device, args.seed)
     per_set = count_bytes(case, probe[0])
     n_sets = min(MAX_SETS, math.ceil(ROTATE_BYTES / per_set["bytes"])) if cuda else 1
@@ -254,17 +259,17 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
         key = "/".join(map(str, cfg or auto))
 
         def fn(*x: object, kw: dict[str, int] = kw) -> None:
-            triton_compress_cached(*x, **kw)  # type: ignore[arg-type]
+            triton_compress_cached(*x, ape=ape, **kw)  # type: ignore[arg-type]
 
-        err = max(err, check_parity(fn, compress_cached, sets[0]))
+        err = max(err, check_parity(fn, ref, sets[0]))
         timed[key] = (time_graph_us(fn, sets, args.iters, args.warmup) if cuda
                       else time_cpu_us(fn, sets[0], 2))
     default_key = next(iter(timed))
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
     ref_sets = sets[:max(1, min(len(sets), 8))]
-    ref_us = time_graph_us(compress_cached, ref_sets, max(3, args.iters // 5), 1) if cuda \
-        else time_cpu_us(compress_cached, sets[0], 2)
+    ref_us = time_graph_us(ref, ref_sets, max(3, args.iters // 5), 1) if cuda \
+        else time_cpu_us(ref, sets[0], 2)
     b = per_set["bytes"]
     return {"case": case.name, "geometry": case.geo.name, "phase": case.phase, "B": case.B,
             "n": case.n, "ratio": case.geo.ratio, "Dc": case.geo.Dc, "us": us,

@@ -64,7 +64,10 @@ def pair_sets(a: Case, b: Case, n_sets: int, device: torch.device, seed: int) ->
     for x, y, ia, ib in zip(sets_a, sets_b, idx_a, idx_b, strict=True):
         assert all(torch.equal(u, v)
                    for u, v in zip(ia[:6], ib[:6], strict=True)), "plans differ"  # type: ignore
-        ta, tb = (CompressTarget(s[0], s[1], s[2], s[3], s[5], s[9]) for s in (x, y))   # type: ignore[arg-type]
+        # raw gate scores, each compressor's ape added per slot by the op (the serving form)
+        ta, tb = (CompressTarget(s[0], s[1], s[2], s[3], s[5], s[9],  # type: ignore[arg-type]
+                                 torch.randn(c.geo.ratio, c.geo.width, device=device))
+                  for s, c in ((x, a), (y, b)))
         out.append((ta, tb, x[4], x[6], x[7], x[8]))
     return out
 
@@ -138,7 +141,7 @@ def bench_case(a: Case, b: Case, args: argparse.Namespace,
         for c in (first, second):
             triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index,  # type: ignore
                                    c.norm_weight, eps,  # type: ignore[attr-defined]
-                                   cos, sin, c.out)  # type: ignore[attr-defined]
+                                   cos, sin, c.out, ape=c.ape)  # type: ignore[attr-defined]
 
     pair_us: dict[str, float] = {}
     err = 0.0

@@ -62,7 +62,8 @@ def test_op_census_counts_a_decode_step() -> None:
     assert "model/indexer.py" not in result["by_file"], result
     assert "engine/metadata.py" not in result["by_file"], result
     assert "kernels/ref/rope_norm.py" not in result["by_file"], result
-    assert result["by_file"]["kernels/triton/add_ape.py"] == 6, result     # 2 CSA x 2 + 2 HCA
+    # the gate scores' ape is added inside the compress launches: no launch of its own
+    assert not any("add_ape" in f for f in result["by_file"]), result
     # the step's four RoPE-row lookups: one `rope_rows` launch, no torch gather
     assert result["by_file"]["kernels/triton/rope_rows.py"] == 1, result
     assert "model/layers/rope.py" not in result["by_file"], result
@@ -303,7 +304,7 @@ KERNEL_BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks" / "kernels").glo
 
 
 def test_kernel_benchmarks_are_all_smoked() -> None:
-    assert len(KERNEL_BENCHMARKS) == 22, KERNEL_BENCHMARKS
+    assert len(KERNEL_BENCHMARKS) == 21, KERNEL_BENCHMARKS
 
 
 @pytest.mark.parametrize("script", KERNEL_BENCHMARKS)

@@ -52,6 +52,11 @@ class EngineSteps:
         return build_context(shape, self.table, self.pools, self.model, self.device,
                              REF).plans[ratio]
 
+    def positions(self, work: list[tuple[int, int]]) -> torch.Tensor:
+        """The positions of the tokens of the step `plan` just planned for `work`, in its order."""
+        return torch.cat([torch.arange(self.lens[rid] - n, self.lens[rid], device=self.device)
+                          for rid, n in work])
+
     def release(self, work: list[tuple[int, int]]) -> None:
         """As the scheduler does after a step: SWA pages (and their ring rows) behind the horizon go
         back."""

@@ -5,9 +5,10 @@ engine's own metadata (`build_context` over a real request table) and keeps thre
 layer's two compressor states (attention: overlap Dc_a; indexer: overlap Dc_b; one plan for both):
 the reference pair op's, the fused kernel's, and two single `triton_compress_cached` calls'. After
 every step: rings bit-equal to the reference and to the single kernels', entries within 1e-5
-(fp32) / 1e-2 (bf16) of both (on the H200 the fused and single kernels' entries differ in rounding:
-other warp counts, other summation orders). The default (`fuse=None`) fuses steps of up to 512
-tokens; tests force each path.
+(fp32) / 1e-2 (bf16) of both. On the H200 the fused and single kernels' entries differ in
+rounding: other warp counts, other summation orders. The scores are raw, and the ops add each
+compressor's `ape` per slot, as the serving path runs them (`ape=False`: scores that include
+it). The default (`fuse=None`) fuses steps of up to 512 tokens; tests force each path.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_compressor_pair.py  # interpreter on CPU
     PYTHONPATH=src python -m pytest -q -m gpu tests/kernels/test_compressor_pair.py  # on CUDA
@@ -51,7 +52,8 @@ class PairHarness:
     single kernels."""
 
     def __init__(self, dcs: tuple[int, int], rd: int, page_size: int, out_dtype: torch.dtype,
-                 seed: int = 0, knobs: dict[str, int | bool] | None = None) -> None:
+                 seed: int = 0, knobs: dict[str, int | bool] | None = None,
+                 ape: bool = True) -> None:
         self.dcs, self.rd, self.device, self.knobs = dcs, rd, torch.device(DEVICE), knobs or {}
         self.steps = EngineSteps(micro(), page_size, self.device)
         cache = self.steps.cache("csa")
@@ -65,6 +67,8 @@ class PairHarness:
         for name in ("ref", "pair", "single"):
             self.states[name] = [[x.clone() for x in s] for s in base]
         self.weights = [torch.rand(dc, generator=self.gen, device=DEVICE) + 0.5 for dc in dcs]
+        self.apes = [torch.randn(4, 2 * dc, generator=self.gen, device=DEVICE) if ape else None
+                     for dc in dcs]
         self.inv_freq = 1.0 / 10000 ** (torch.arange(0, rd, 2, device=DEVICE) / rd)
         self.emitted = 0
 
@@ -73,8 +77,8 @@ class PairHarness:
 
     def targets(self, name: str,
                 proj: list[tuple[torch.Tensor, torch.Tensor]]) -> list[CompressTarget]:
-        return [CompressTarget(kv, score, s[0], s[1], w, s[2])
-                for (kv, score), s, w in zip(proj, self.states[name], self.weights, strict=True)]
+        return [CompressTarget(kv, score, s[0], s[1], w, s[2], a) for (kv, score), s, w, a
+                in zip(proj, self.states[name], self.weights, self.apes, strict=True)]
 
     def step(self, work: list[tuple[int, int]]) -> CompressIndex:
         plan = self.steps.plan(work, 4)
@@ -87,7 +91,7 @@ class PairHarness:
         triton_compress_pair(*self.targets("pair", proj), plan.index, EPS, cos, sin, **self.knobs)
         for c in self.targets("single", proj):
             triton_compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, plan.index,
-                                   c.norm_weight, EPS, cos, sin, c.out)
+                                   c.norm_weight, EPS, cos, sin, c.out, ape=c.ape)
         self.check(plan.index)
         self.steps.release(work)
         return plan.index
@@ -112,9 +116,11 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("geo", [pytest.param(MICRO, id="micro"), pytest.param(FLASH, id="flash")])
-def test_decode_across_windows(geo: tuple[tuple[int, int], int], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("ape", [pytest.param(True, id="ape"), pytest.param(False, id="no-ape")])
+def test_decode_across_windows(geo: tuple[tuple[int, int], int], dtype: torch.dtype,
+                               ape: bool) -> None:
     """Prefill (three-launch path), then decode across window boundaries (one fused launch)."""
-    h = PairHarness(geo[0], geo[1], 16, dtype, seed=1)
+    h = PairHarness(geo[0], geo[1], 16, dtype, seed=1, ape=ape)
     prompts = [1, 2, 7, 13]
     index = h.step(list(enumerate(prompts)))
     assert not index.ring_reads_disjoint
@@ -148,6 +154,11 @@ def test_rejects_what_one_plan_cannot_address() -> None:
     for bad in (short_ring, short_out, one_wide):
         with pytest.raises(ValueError):
             triton_compress_pair(a, bad, index, EPS, cos, cos.clone())
+    assert b.ape is not None
+    with pytest.raises(ValueError, match="both targets carry an ape or neither"):
+        triton_compress_pair(a, b._replace(ape=None), index, EPS, cos, cos.clone())
+    with pytest.raises(ValueError, match="ape must be"):           # [ratio, 2 Dc]
+        triton_compress_pair(a, b._replace(ape=b.ape[:2]), index, EPS, cos, cos.clone())
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["auto-plan", "invariant-plans"])

@@ -4,8 +4,11 @@ Spec §6.5. Plans are the engine's own: a harness drives `engine/metadata.py::bu
 real request table step by step (prefill, decode, chunked extend, several requests per step) and
 keeps two copies of one compressor's state, the reference's and the kernel's. After every step the
 entry pools agree to 1e-5 (fp32) or 1e-2 (bf16) relative to max |ref| and the ring pools are
-bit-equal (trash rows excluded: neither is read). Geometries: micro (ratio 4 overlap Dc 32 / 16,
-ratio 16 Dc 32, rope 8) and V4-Flash (C4 Dc 512 and indexer Dc 128 with overlap, C128 Dc 512;
+bit-equal (trash rows excluded: neither is read). The scores are raw and the ops add the gate
+scores' `ape` per source slot (the serving path's form; `ape=False` cases: scores that include it);
+a third copy, the reference on scores with the ape added by position up front (the full-sequence
+path's form), has the reference's entries bit for bit. Geometries: micro (ratio 4 overlap Dc 32 /
+16, ratio 16 Dc 32, rope 8) and V4-Flash (C4 Dc 512 and indexer Dc 128 with overlap, C128 Dc 512;
 rope 64). Also: the engine's own compress calls (prefix-cache hits, chunked prefill) checked call
 by call. The engine's greedy tokens with kernel_backend='triton' (this kernel active) are tested
 in tests/kernels/test_engine_triton_backend.py.
@@ -74,7 +77,7 @@ class Harness:
 
     def __init__(self, geo: Geometry, page_size: int, out_dtype: torch.dtype, *,
                  ring_multiplier: int = 1, knobs: dict[str, int | bool] | None = None,
-                 seed: int = 0, device: str = DEVICE) -> None:
+                 seed: int = 0, device: str = DEVICE, ape: bool = True) -> None:
         self.geo, self.device, self.knobs = geo, torch.device(device), knobs or {}
         model = micro().replace(hca_ratio=128) if geo.ratio == 128 else micro()
         self.steps = EngineSteps(model, page_size, self.device, ring_multiplier)
@@ -90,6 +93,11 @@ class Harness:
         self.norm_weight = torch.rand(geo.Dc, generator=self.gen, device=device) + 0.5
         self.inv_freq = 1.0 / 10000 ** (torch.arange(0, geo.rd, 2, device=device) / geo.rd)
         self.emitted = 0
+        # the gate scores' ape, added per slot by the ops; `old`: the reference on scores with the
+        # ape added by position before the op (rings holding it), as the full-sequence path adds it
+        self.ape = (torch.randn(geo.ratio, width, generator=self.gen, device=device) if ape
+                    else None)
+        self.old = [x.clone() for x in self.ref]
 
     def step(self, work: list[tuple[int, int]]) -> CompressIndex:
         """Run one engine step (request id -> number of new tokens); returns its CompressIndex."""
@@ -99,9 +107,12 @@ class Harness:
         kv = torch.randn(T, width, generator=self.gen, device=self.device)
         score = 2 * torch.randn(T, width, generator=self.gen, device=self.device)
         args = (plan.index, self.norm_weight, 1e-6, freqs.cos(), freqs.sin())
-        compress_cached(kv, score, self.ref[0], self.ref[1], *args, self.ref[2])
+        compress_cached(kv, score, self.ref[0], self.ref[1], *args, self.ref[2], ape=self.ape)
         triton_compress_cached(kv, score, self.tri[0], self.tri[1], *args, self.tri[2],
-                               **self.knobs)  # type: ignore[arg-type]
+                               ape=self.ape, **self.knobs)  # type: ignore[arg-type]
+        if self.ape is not None:
+            by_position = score + self.ape[self.steps.positions(work) % self.geo.ratio]
+            compress_cached(kv, by_position, self.old[0], self.old[1], *args, self.old[2])
         self.check(plan.index)
         self.steps.release(work)
         return plan.index
@@ -117,6 +128,8 @@ class Harness:
         limit = FP32_REL if self.ref[2].dtype == torch.float32 else BF16_REL
         err = rel_error(self.tri[2][:-1], self.ref[2][:-1])
         assert err <= limit, f"entries: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
+        if self.ape is not None:     # the ape per slot is the ape by position (module docstring)
+            assert torch.equal(self.old[2][:-1], self.ref[2][:-1]), "ape per slot != by position"
         # the promise the fused single launch relies on (engine/metadata.py)
         if index.ring_reads_disjoint:
             read = set(index.src_ring[index.src_valid & ~index.from_new].tolist())
@@ -146,9 +159,11 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("geo", CPU_GEOMETRIES)
-def test_prefill_batch(geo: Geometry, dtype: torch.dtype) -> None:
-    """One multi-request prefill step, prompt lengths around window boundaries (two-launch path)."""
-    h = Harness(geo, page_for(geo), dtype)
+@pytest.mark.parametrize("ape", [pytest.param(True, id="ape"), pytest.param(False, id="no-ape")])
+def test_prefill_batch(geo: Geometry, dtype: torch.dtype, ape: bool) -> None:
+    """One multi-request prefill step, prompt lengths around window boundaries (two-launch path);
+    scores raw with the ape per slot, or including it (no ape)."""
+    h = Harness(geo, page_for(geo), dtype, ape=ape)
     lengths = boundary_lengths(geo.ratio) + ([2 * page_for(geo) + 5] if geo.ratio < 128 else [])
     index = h.step(list(enumerate(lengths)))
     assert not index.ring_reads_disjoint
@@ -160,7 +175,9 @@ KNOBS = [pytest.param({}, id="default"), pytest.param({"block_s": 2}, id="bs2-pr
          pytest.param({"block_s": 4, "num_warps": 2}, id="bs4-w2"),   # C4 in 2 chunks
          pytest.param({"tokens": 4}, id="tokens4"),
          pytest.param({"tokens": 2, "num_warps": 2}, id="tokens2-w2"),
-         pytest.param({"tokens": 1}, id="tokens1")]
+         pytest.param({"tokens": 1}, id="tokens1"),
+         pytest.param({"ape": False}, id="no-ape"),
+         pytest.param({"tokens": 4, "ape": False}, id="tokens4-no-ape")]
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -171,7 +188,9 @@ def test_decode_across_windows(geo: Geometry, knobs: dict[str, int | bool]) -> N
     """Prefill, then decode one token per request across several window boundaries (fused single
     launch). block_s = 2 walks the slots in chunks, the first entirely masked for an early window:
     index rows prefetched two chunks ahead (short windows' default) and per chunk (C128's path)."""
-    h = Harness(geo, page_for(geo), torch.float32, knobs=knobs, seed=1)
+    knobs = dict(knobs)
+    ape = bool(knobs.pop("ape", True))
+    h = Harness(geo, page_for(geo), torch.float32, knobs=knobs, seed=1, ape=ape)
     r = geo.ratio
     prompts = [1, r - 2, 2 * r - 1, 3 * r + 1]
     h.step(list(enumerate(prompts)))
@@ -361,12 +380,15 @@ def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
     calls = {"n": 0, "disjoint": 0}
 
     def checked(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
-                ring_score: torch.Tensor, index: CompressIndex, *rest: object) -> None:
+                ring_score: torch.Tensor, index: CompressIndex, *rest: object,
+                ape: torch.Tensor | None = None) -> None:
+        assert ape is not None, "the engine hands the op raw scores and the ape"
         out: torch.Tensor = rest[-1]  # type: ignore[assignment]
         mine = [ring_kv.clone(), ring_score.clone(), out.clone()]
         triton_compress_cached(kv, score, mine[0], mine[1], index,
-                               *rest[:-1], mine[2])  # type: ignore[arg-type]
-        compress_cached(kv, score, ring_kv, ring_score, index, *rest)  # type: ignore[arg-type]
+                               *rest[:-1], mine[2], ape=ape)  # type: ignore[arg-type]
+        compress_cached(kv, score, ring_kv, ring_score, index, *rest,  # type: ignore[arg-type]
+                        ape=ape)
         assert (torch.equal(mine[0][:-1], ring_kv[:-1])
                 and torch.equal(mine[1][:-1], ring_score[:-1]))
         assert rel_error(mine[2][:-1], out[:-1]) <= FP32_REL
@@ -375,6 +397,7 @@ def test_engine_calls_match_call_by_call(ckpt: Path) -> None:
 
     def checked_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex,
                      *rest: object) -> None:
+        assert first.ape is not None and second.ape is not None
         mine = [c._replace(ring_kv=c.ring_kv.clone(), ring_score=c.ring_score.clone(),
                            out=c.out.clone()) for c in (first, second)]
         triton_compress_pair(*mine, index, *rest)  # type: ignore[arg-type]

@@ -36,12 +36,12 @@ STRIDED_OPS = ("q_norm_rope", "kv_norm_rope_store", "rope", "rms_norm", "swiglu"
 def _spy(op: Callable[..., Any], name: str, seen: set[str]) -> Callable[..., Any]:
     """`op`, noting `name` in `seen` when a tensor argument (or a compress target's kv / score)
     arrives with rows that are not contiguous."""
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [t for a in args if isinstance(a, CompressTarget) for t in (a.kv, a.score)]
         if any(t.dim() >= 2 and t.shape[-2] > 1 and not t.is_contiguous() for t in tensors):
             seen.add(name)
-        return op(*args)
+        return op(*args, **kwargs)
     return call
 
 

@@ -21,7 +21,8 @@ from dsv4.config.model import ModelConfig
 
 @dataclass
 class RingState:
-    """Compressor partial state: fp32 projected kv and gate scores (with `ape`) of recent tokens."""
+    """Compressor partial state: fp32 projected kv and raw gate scores (the compress ops add `ape`
+    per slot as they pool) of recent tokens."""
 
     kv: torch.Tensor       # [num_swa_pages * ring + 1, c * Dc]
     score: torch.Tensor    # [num_swa_pages * ring + 1, c * Dc]

@@ -30,11 +30,12 @@ class SparseAttentionOp(Protocol):
 class CompressOp(Protocol):
     """`ref/compressor.py::compress_cached`: one serving step of a compressor, in place (entries of
     the windows completed by this step's tokens into `out`, this step's ring rows into the rings).
-    """
+    `ape`: the gate scores' position embedding, added per source slot as the step pools (raw
+    scores and rings); None: the scores and rings include it already."""
 
     def __call__(self, kv: Tensor, score: Tensor, ring_kv: Tensor, ring_score: Tensor,
                  index: CompressIndex, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
-                 out: Tensor) -> None: ...
+                 out: Tensor, *, ape: Tensor | None = None) -> None: ...
 
 
 class CompressPairOp(Protocol):
@@ -239,12 +240,6 @@ class RopeRowsOp(Protocol):
                  ) -> tuple[tuple[Tensor, Tensor], ...]: ...
 
 
-class AddApeOp(Protocol):
-    """`ref/compressor.py::add_ape`: a compressor's gate scores, in place: score [T, W] fp32 +=
-    ape[positions % ratio] (ape [ratio, W] fp32, positions [T] int64 >= 0). Bit-equal across
-    backends (one fp32 add)."""
-
-    def __call__(self, score: Tensor, ape: Tensor, positions: Tensor, ratio: int) -> None: ...
 class ArgmaxOp(Protocol):
     """`ref/argmax.py::argmax`: x [B, V] float -> [B] int64, each row's first (lowest-index)
     maximum, a NaN counting as the largest value (`torch.argmax(x, dim=-1)`); bit-equal across

@@ -17,7 +17,6 @@ import torch
 
 from dsv4.config.engine import KERNEL_BACKENDS, KernelBackend
 from dsv4.kernels.ops import (
-    AddApeOp,
     ArgmaxOp,
     CompressOp,
     CompressPairOp,
@@ -52,7 +51,7 @@ from dsv4.kernels.ops import (
 )
 from dsv4.kernels.ref.argmax import argmax
 from dsv4.kernels.ref.attention import sparse_attention_multi
-from dsv4.kernels.ref.compressor import add_ape, compress_cached, compress_cached_pair, project
+from dsv4.kernels.ref.compressor import compress_cached, compress_cached_pair, project
 from dsv4.kernels.ref.fp8_linear import dense_linear, fp8_linear
 from dsv4.kernels.ref.hisparse import swap_in_ref, write_rows_ref
 from dsv4.kernels.ref.hot_plan import hot_plan_ref, hot_write_ref
@@ -104,7 +103,6 @@ class KernelOps:
     step_metadata: StepMetadataOp
     pick_slots: PickSlotsOp
     rope: RopeOp
-    add_ape: AddApeOp
     argmax: ArgmaxOp
     moe_gate_select: MoeGateSelectOp
     swiglu: SwigluOp
@@ -124,7 +122,7 @@ def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
                      routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
-                     project, step_metadata, pick_slots, rope, add_ape, argmax, moe_gate_select,
+                     project, step_metadata, pick_slots, rope, argmax, moe_gate_select,
                      swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear,
                      rope_rows, mhc_post_pre, swap_in_ref, write_rows_ref, hot_plan_ref,
                      hot_write_ref)
@@ -180,7 +178,6 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernel_backend='triton' needs a CUDA GPU (tests on CPU set "
                          "TRITON_INTERPRET=1); allowed on this machine: 'ref'")
-    from dsv4.kernels.triton.add_ape import triton_add_ape
     from dsv4.kernels.triton.argmax import triton_argmax
     from dsv4.kernels.triton.compressor import triton_compress_cached
     from dsv4.kernels.triton.compressor_pair import triton_compress_pair
@@ -233,7 +230,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
-                     triton_step_metadata, triton_pick_slots, triton_rope, triton_add_ape,
+                     triton_step_metadata, triton_pick_slots, triton_rope,
                      triton_argmax, triton_moe_gate_select, triton_swiglu,
                      triton_fp8_linear,
                      moe_gate_logits if invariant_plans else triton_moe_gate_logits,

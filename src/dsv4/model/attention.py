@@ -242,20 +242,15 @@ class Attention(nn.Module):
 
     def _compress_projections(self, x: torch.Tensor,
                               ctx: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(kv, score) [T, c*Dc] fp32 of each compressor (`compressors`) for x [T, d] (the
+        """The raw (kv, score) [T, c*Dc] fp32 of each compressor (`compressors`) for x [T, d] (the
         `project` op takes x's fp32 values: no cast here): each compressor's two `project` ops,
-        or one `project` on the fused weight whose column slices they are (score with its
-        compressor's ape added in place either way)."""
+        or one `project` on the fused weight whose column slices they are. The compress ops add
+        the scores' ape as they pool (`model/compressor.py`)."""
         compressors = self.compressors()
         if self.fused_compress is None:
-            return [c.project(x, ctx.positions, ctx.ops) for c in compressors]
+            return [c.project(x, ctx.ops) for c in compressors]
         parts = self.fused_compress(x, ctx.ops.project)
-        projected = []
-        for i, c in enumerate(compressors):
-            kv, score = parts[2 * i], parts[2 * i + 1]
-            c.add_ape(score, ctx.positions, ctx.ops)
-            projected.append((kv, score))
-        return projected
+        return [(parts[2 * i], parts[2 * i + 1]) for i in range(len(compressors))]
 
     def _compress_pair(self, projected: list[tuple[torch.Tensor, torch.Tensor]],
                        ctx: ForwardContext, plan: CompressPlan, cache: LayerCache) -> None:

@@ -9,7 +9,10 @@ values, read at half the bytes and widened to fp32 where they are multiplied.
 
 On the serving path the layer projects (`Attention._compress_projections`): where it is fused
 (`model/fused_projections.py`) all its compressors' wkv and wgate are one `project` op, and the
-compress ops read the column slices (kv and score of one row stride).
+compress ops read the column slices (kv and score of one row stride). The gate scores stay raw
+there, in the rings too: the compress ops add the position embedding `ape` per source slot as
+they pool (`kernels/ref/compressor.py`: the same fp32 add as the full-sequence path's
+`score + ape[position % ratio]`, which needs no launch of its own).
 """
 
 from __future__ import annotations
@@ -27,24 +30,18 @@ from dsv4.model.kernel_values import kernel_values
 from dsv4.model.layers.norm import RMSNorm
 
 
-def _project(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
-             ape: torch.Tensor, ratio: int,
+def _project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
              ops: KernelOps | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv, score) fp32 of x [..., d] (x's fp32 values: an fp32 x is used as is, any other dtype
-    cast once, or, by the `project` op, widened as it reads it); score includes
-    `ape[positions % ratio]`.
+    """(kv, score) fp32 of x [..., d], the raw projections (no ape): x's fp32 values (an fp32 x
+    used as is, any other dtype cast once, or, by the `project` op, widened as it reads it).
 
     `ops`: the backend's `project` op on x as [T, d] rows and the weights as they are held (fp32,
-    or bf16 under the checkpoint format: widened as it reads them), then its `add_ape` op in place
-    on the score rows `project` just allocated (no other tensor sees them); else F.linear and an
-    out-of-place add. Both adds are one fp32 add of the same operands: the same bits."""
+    or bf16 under the checkpoint format: widened as it reads them); else F.linear."""
     if ops is None:
         xf = x.float()
-        kv, score = F.linear(xf, wkv.float()), F.linear(xf, wgate.float())
-        return kv, score + ape.float()[positions % ratio]
+        return F.linear(xf, wkv.float()), F.linear(xf, wgate.float())
     rows = x.reshape(-1, x.shape[-1])
     kv, score = ops.project(rows, wkv), ops.project(rows, wgate)
-    ops.add_ape(score, ape.float(), positions.reshape(-1), ratio)
     return kv.view(*x.shape[:-1], -1), score.view(*x.shape[:-1], -1)
 
 
@@ -59,15 +56,12 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(out_dim, eps)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor,
+    def project(self, x: torch.Tensor,
                 ops: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [..., d], positions: [...] -> (kv, score) [..., c*Dc] fp32.
-
-        score includes `ape[pos % ratio]`. `ops`: the GEMMs as that backend's `project` op (x
-        [T, d]) and the ape through its `add_ape`, else F.linear and a torch add.
-        """
-        return _project(x, positions, self.wkv.weight, self.wgate.weight, self.ape, self.ratio,
-                        ops)
+        """x: [..., d] -> the raw projections (kv, score) [..., c*Dc] fp32 (score without `ape`,
+        which the compress ops add). `ops`: the GEMMs as that backend's `project` op (x [T, d]),
+        else F.linear."""
+        return _project(x, self.wkv.weight, self.wgate.weight, ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 values: KernelOps | None = None, paired: Compressor | None = None) -> torch.Tensor:
@@ -87,9 +81,10 @@ class Compressor(nn.Module):
 
     def _entries(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, wkv: torch.Tensor,
                  wgate: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
-        kv, score = _project(x, torch.arange(x.shape[1], device=x.device), wkv, wgate, ape,
-                             self.ratio, None)
-        pooled = compress_windows(kv, score, self.ratio, self.overlap)
+        kv, score = _project(x, wkv, wgate, None)
+        positions = torch.arange(x.shape[1], device=x.device)
+        pooled = compress_windows(kv, score + ape.float()[positions % self.ratio], self.ratio,
+                                  self.overlap)
         E, step = pooled.shape[1], self.ratio
         return apply_rope(rms_norm(pooled, norm_w, self.norm.eps), cos[: E * step: step],
                           sin[: E * step: step]).to(x.dtype)
@@ -100,42 +95,36 @@ class Compressor(nn.Module):
         B, S = x.shape[:2]
         E = S // self.ratio
         index, entry_pos = sequence_index(B, S, self.ratio, self.overlap, x.device)
-        pos = torch.arange(S, device=x.device).repeat(B)
         rows = x.reshape(B * S, -1).float()              # cast once, shared with `paired`
-        first = self._step_target(ops, rows, pos, (wkv, wgate, ape, norm_w), B * E)
+        first = self._step_target(ops, rows, (wkv, wgate, ape, norm_w), B * E)
         if paired is None:
             ops.compress(*first[:4], index, first.norm_weight, self.norm.eps, cos[entry_pos],
-                         sin[entry_pos], first.out)
+                         sin[entry_pos], first.out, ape=first.ape)
         else:
-            second = paired._step_target(ops, rows, pos, (paired.wkv.weight, paired.wgate.weight,
-                                                          paired.ape, paired.norm.weight), B * E)
+            second = paired._step_target(ops, rows, (paired.wkv.weight, paired.wgate.weight,
+                                                     paired.ape, paired.norm.weight), B * E)
             ops.compress_pair(first, second, index, self.norm.eps, cos[entry_pos],
                               sin[entry_pos])
         return first.out[:B * E].view(B, E, self.out_dim)
 
-    def _step_target(self, ops: KernelOps, rows: torch.Tensor, pos: torch.Tensor,
-                     params: tuple[torch.Tensor, ...], entries: int) -> CompressTarget:
-        """The compress ops' tensors for `rows` [T, d] as one step: a 1-row (trash) ring and
-        `entries` + 1 output rows (the last: trash)."""
+    def _step_target(self, ops: KernelOps, rows: torch.Tensor, params: tuple[torch.Tensor, ...],
+                     entries: int) -> CompressTarget:
+        """The compress ops' tensors for `rows` [T, d] as one step: the raw projections with the
+        ape to add, a 1-row (trash) ring and `entries` + 1 output rows (the last: trash)."""
         wkv, wgate, ape, norm_w = params
-        kv, score = _project(rows, pos, wkv, wgate, ape, self.ratio, ops)
+        kv, score = _project(rows, wkv, wgate, ops)
         ring = kv.new_zeros(1, kv.shape[-1])
         out = rows.new_empty(entries + 1, self.out_dim)
-        return CompressTarget(kv, score, ring, ring.clone(), norm_w, out)
-
-    def add_ape(self, score: torch.Tensor, positions: torch.Tensor, ops: KernelOps) -> None:
-        """score [T, c*Dc] fp32 += ape[positions % ratio] in place, the backend's `add_ape` op: the
-        gate scores of a fused projection (`Attention.fused_compress`), a column slice of its
-        output, as `project` adds them to its own."""
-        ops.add_ape(score, self.ape.float(), positions.reshape(-1), self.ratio)
+        return CompressTarget(kv, score, ring, ring.clone(), norm_w, out, ape.float())
 
     def target(self, projected: tuple[torch.Tensor, torch.Tensor], state: RingState,
                out: torch.Tensor) -> CompressTarget:
-        """This step's projections (kv, score) [T, c*Dc] fp32 (`project` with the step's ops, or
-        the columns of the layer's fused projection) with the ring and entry pool they go to: the
-        compress ops' inputs."""
+        """This step's raw projections (kv, score) [T, c*Dc] fp32 (`project` with the step's ops,
+        or the columns of the layer's fused projection) with the ring and entry pool they go to
+        and the ape the op adds per slot: the compress ops' inputs."""
         kv, score = projected
-        return CompressTarget(kv, score, state.kv, state.score, self.norm.weight, out)
+        return CompressTarget(kv, score, state.kv, state.score, self.norm.weight, out,
+                              self.ape.float())
 
     def forward_cached(self, projected: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                        plan: CompressPlan, state: RingState, out: torch.Tensor) -> None:
@@ -149,4 +138,4 @@ class Compressor(nn.Module):
         assert plan.entry_cos is not None and plan.entry_sin is not None
         c = self.target(projected, state, out)
         ctx.ops.compress(c.kv, c.score, c.ring_kv, c.ring_score, plan.index, c.norm_weight,
-                         self.norm.eps, plan.entry_cos, plan.entry_sin, c.out)
+                         self.norm.eps, plan.entry_cos, plan.entry_sin, c.out, ape=c.ape)

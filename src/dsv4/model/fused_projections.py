@@ -9,7 +9,8 @@ reads the output's column slices. The groups:
 - attention, input x: wq_a | wkv (| the indexer's weights_proj on CSA layers), in the model dtype;
 - attention, input q_lat: wq_b | the indexer's wq_b (CSA layers);
 - compressors, input x in fp32: wkv | wgate of the layer's compressor (| wkv | wgate of its
-  indexer's compressor), through the backend's `project` op, then `add_ape` on each score slice;
+  indexer's compressor), through the backend's `project` op (raw scores: the compress ops add
+  each compressor's ape as they pool);
 - shared expert, input u: w1 | w3, then `swiglu` on the two halves.
 
 Checkpoint-format FP8 linears (`model/quant_linear.py`) fuse among themselves: codes and 128x128

@@ -9,6 +9,14 @@ over positions. The overlap (C4) compressor pools 8 slots: the Ca half of window
 is `kernels/triton/compressor.py::triton_compress_cached`): gather each token's S source rows from
 this step's projections or the ring state, pool, weighted RMSNorm, RoPE at the entry position,
 cast, write the entry, then write this step's ring rows. All ring reads precede all ring writes.
+
+The gate scores' absolute position embedding (`ape`, [ratio, c*Dc]) is added per source slot as
+the step pools: the serving path hands the op raw scores and the rings hold raw scores. Only a
+token that completes a window pools, and for it slot s holds position p - S + 1 + s with
+(p + 1) % ratio == 0 (S = ratio or 2 ratio): its ape row is s % ratio, whatever p is. So the
+sum `score + ape[s % ratio]` is the fp32 add of the same two operands as the full-sequence
+path's `score + ape[position % ratio]`: the same bits, with no position needed and no launch of
+its own. Without `ape` (None) the scores and ring rows are taken to include it already.
 """
 
 from __future__ import annotations
@@ -47,15 +55,6 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     operand taken as its fp32 values (x of any float dtype; w fp32, or bf16 as a
     checkpoint-format model holds it)."""
     return torch.nn.functional.linear(x.float(), w.float())
-
-
-def add_ape(score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, ratio: int) -> None:
-    """The gate scores' absolute position embedding (the `add_ape` op), in place:
-    score [T, W] fp32 += ape[positions % ratio] (ape [ratio, W] fp32, positions [T] int64 >= 0).
-
-    One fp32 add per element, so any form of it (this, an out-of-place `score + ape[...]`, a
-    kernel) gives the same bits."""
-    score.add_(ape[positions % ratio])
 
 
 def sequence_index(batch: int, seq_len: int, ratio: int, overlap: bool,
@@ -139,19 +138,23 @@ def compress_geometry(kv: torch.Tensor, index: CompressIndex,
 
 def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                     ring_score: torch.Tensor, index: CompressIndex, norm_weight: torch.Tensor,
-                    eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, *,
+                    ape: torch.Tensor | None = None) -> None:
     """One serving step of a compressor, in place (the steps of spec §6.5 after the projections).
 
-    kv, score: [T, c*Dc] fp32 projections of this step's tokens (score includes `ape`); c = 2 with
-    overlap. ring_kv, ring_score: [N_ring, c*Dc] fp32 ring state (RingState), read for older
-    sources, then updated. norm_weight: [Dc] (compressor.norm); cos, sin: [T, rd/2] fp32 RoPE of
-    each token's entry position. out: [N_out, Dc] entry pool (bf16 / fp32), row `write_slot[t]`
-    receives token t's entry.
+    kv, score: [T, c*Dc] fp32 projections of this step's tokens; c = 2 with overlap. ring_kv,
+    ring_score: [N_ring, c*Dc] fp32 ring state (RingState), read for older sources, then updated.
+    norm_weight: [Dc] (compressor.norm); cos, sin: [T, rd/2] fp32 RoPE of each token's entry
+    position. out: [N_out, Dc] entry pool (bf16 / fp32), row `write_slot[t]` receives token t's
+    entry. ape: [ratio, c*Dc] fp32, added to the scores per source slot (module docstring; the
+    scores and the rings stay raw); None: the scores and rings include it already.
     """
     ratio, overlap = compress_geometry(kv, index, out)
     new, ring = index.from_new[..., None], index.src_ring
     src_kv = torch.where(new, kv[index.src_new], ring_kv[ring])                   # [T, S, c*Dc]
     src_score = torch.where(new, score[index.src_new], ring_score[ring])
+    if ape is not None:                          # slot s: ape row s % ratio
+        src_score = src_score + ape.repeat(index.src_new.shape[1] // ratio, 1)
     pooled = pool_sources(src_kv, src_score, index.src_valid, ratio, overlap)     # [T, Dc] fp32
     normed = norm_weight * rms_normalize(pooled, eps)
     out[index.write_slot] = apply_rope(normed, cos, sin).to(out.dtype)
@@ -162,12 +165,14 @@ def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
 class CompressTarget(NamedTuple):
     """One compressor's tensors in a serving step: `compress_cached`'s unshared arguments."""
 
-    kv: torch.Tensor            # [T, c*Dc] fp32 projections (score includes `ape`)
+    kv: torch.Tensor            # [T, c*Dc] fp32 projections
     score: torch.Tensor         # [T, c*Dc] fp32
     ring_kv: torch.Tensor       # [N_ring, c*Dc] fp32 ring state
     ring_score: torch.Tensor    # [N_ring, c*Dc] fp32
     norm_weight: torch.Tensor   # [Dc]
     out: torch.Tensor           # [N_out, Dc] entry pool
+    # [ratio, c*Dc] fp32, added per source slot (raw scores and rings); None: included already
+    ape: torch.Tensor | None = None
 
 
 def compress_cached_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex,
@@ -181,4 +186,4 @@ def compress_cached_pair(first: CompressTarget, second: CompressTarget, index: C
     """
     for c in (first, second):
         compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin,
-                        c.out)
+                        c.out, ape=c.ape)

@@ -86,6 +86,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.compressor import CompressIndex, compress_geometry
+from dsv4.kernels.triton.compressor_ape import slot_ape
 from dsv4.kernels.triton.compressor_checks import check_inputs
 from dsv4.kernels.triton.compressor_config import SHORT_WINDOW, default_config, default_tokens
 from dsv4.kernels.triton.compressor_group import launch_group
@@ -108,11 +109,11 @@ def load_index(src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr,  # type: igno
 
 @triton.jit
 def gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,  # type: ignore[no-untyped-def]
-                 stride_kv, stride_ring, new_row, ring_row, is_new, ok, s0, offs_d, d_mask,
-                 RATIO: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr,
-                 OVERLAP: tl.constexpr):
+                 ape_ptr, stride_kv, stride_ring, stride_ape, new_row, ring_row, is_new, ok, s0,
+                 offs_d, d_mask, RATIO: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr,
+                 OVERLAP: tl.constexpr, HAS_APE: tl.constexpr):
     """K, Z ([BLOCK_S, BLOCK_D] fp32) of slots [s0, s0 + BLOCK_S): K = 0 and Z = -inf where a slot
-    is invalid."""
+    is invalid; with HAS_APE, Z includes the slot's ape (the scores and rings hold raw scores)."""
     offs_s = s0 + tl.arange(0, BLOCK_S)
     if OVERLAP:   # slots [0, ratio) read the Ca half, [ratio, 2 ratio) the Cb half
         # NOTE: a product, not tl.where(s >= RATIO, DC, 0): it keeps the x16 divisibility that lets
@@ -130,6 +131,8 @@ def gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,  # type: ignore
                           ring_score_ptr + ring_row * stride_ring)
     k = tl.load(kv_rows[:, None] + cols, mask=take, other=0.0)
     z = tl.load(score_rows[:, None] + cols, mask=take, other=float("-inf"))
+    if HAS_APE:   # an address of constants only: its load needs no round trip before it
+        z += slot_ape(ape_ptr, stride_ape, offs_s, cols, take, RATIO)
     return k, z
 
 
@@ -177,12 +180,13 @@ def store_entry(den, acc, w, cos, sin, is_rope, eps,  # type: ignore[no-untyped-
 def _compress_kernel(  # type: ignore[no-untyped-def]
     kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,
     src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr, write_slot_ptr, ring_write_ptr,
-    w_ptr, cos_ptr, sin_ptr, out_ptr,
+    w_ptr, cos_ptr, sin_ptr, out_ptr, ape_ptr,
     out_trash, ring_trash, eps,
-    stride_kv, stride_ring, stride_cs, stride_out,
+    stride_kv, stride_ring, stride_cs, stride_out, stride_ape,
     S: tl.constexpr, RATIO: tl.constexpr, DC: tl.constexpr, WIDTH: tl.constexpr,
     ROPE_FIRST: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
-    OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_APE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     # NOTE: the geometry is compile-time (a model has 3 compressor shapes): masks over d vanish for
@@ -242,9 +246,9 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
                 pf_new, pf_ring, pf_is_new, pf_ok = load_index(src_new_ptr, src_ring_ptr,
                                                                from_new_ptr, valid_ptr, t * S,
                                                                2 * BLOCK_S, S, BLOCK_S)
-            k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv,
-                                stride_ring, new_row, ring_row, is_new, ok, 0, offs_d, d_mask,
-                                RATIO, DC, BLOCK_S, OVERLAP)
+            k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, ape_ptr,
+                                stride_kv, stride_ring, stride_ape, new_row, ring_row, is_new, ok,
+                                0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP, HAS_APE)
             cos, sin = load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
             m, den, acc = fold_chunk(k, z, m, den, acc)
             if PREFETCH:  # chunks 1, 2, ... (none without PREFETCH: the window is one chunk)
@@ -254,18 +258,19 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
                     pf_new, pf_ring, pf_is_new, pf_ok = load_index(src_new_ptr, src_ring_ptr,
                                                                    from_new_ptr, valid_ptr, t * S,
                                                                    s0 + 2 * BLOCK_S, S, BLOCK_S)
-                    k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,
-                                        stride_kv, stride_ring, new_row, ring_row, is_new, ok,
-                                        s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+                    k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, ape_ptr,
+                                        stride_kv, stride_ring, stride_ape, new_row, ring_row,
+                                        is_new, ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S,
+                                        OVERLAP, HAS_APE)
                     m, den, acc = fold_chunk(k, z, m, den, acc)
         else:
             for s0 in range(0, S, BLOCK_S):
                 new_row, ring_row, is_new, ok = load_index(src_new_ptr, src_ring_ptr,
                                                            from_new_ptr, valid_ptr, t * S, s0,
                                                            S, BLOCK_S)
-                k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, stride_kv,
-                                    stride_ring, new_row, ring_row, is_new, ok, s0, offs_d,
-                                    d_mask, RATIO, DC, BLOCK_S, OVERLAP)
+                k, z = gather_chunk(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, ape_ptr,
+                                    stride_kv, stride_ring, stride_ape, new_row, ring_row, is_new,
+                                    ok, s0, offs_d, d_mask, RATIO, DC, BLOCK_S, OVERLAP, HAS_APE)
                 m, den, acc = fold_chunk(k, z, m, den, acc)
             cos, sin = load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope, ROPE_FIRST)
         store_entry(den, acc, w, cos, sin, is_rope, eps, out_ptr + slot * stride_out, offs_d,
@@ -293,17 +298,19 @@ def _ring_write_kernel(kv_ptr, score_ptr, ring_kv_ptr,  # type: ignore[no-untype
 def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                            ring_score: torch.Tensor, index: CompressIndex,
                            norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                           sin: torch.Tensor, out: torch.Tensor, *, block_s: int | None = None,
-                           num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: bool | None = None, tokens: int | None = None) -> None:
+                           sin: torch.Tensor, out: torch.Tensor, *, ape: torch.Tensor | None = None,
+                           block_s: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, prefetch: bool | None = None,
+                           tokens: int | None = None) -> None:
     """Same contract as `compress_cached` (in place: entries into `out`, this step's rows into the
     ring).
 
     `kv`, `score`: [T, c*Dc] fp32; `ring_kv`, `ring_score`: [N_ring, c*Dc] fp32; `index`:
     CompressIndex ([T, S] rows); `norm_weight`: [Dc]; `cos`, `sin`: [T, rd/2] fp32; `out`: [N_out,
-    Dc] bf16 / fp16 / fp32. All contiguous except `out` (unit last stride: a row-sliced view of a
-    pool is fine) and `kv` / `score` (unit last stride, one row stride for both: column slices of
-    one fused projection's output are fine); all on one device. One launch when
+    Dc] bf16 / fp16 / fp32; `ape`: [ratio, c*Dc] fp32 (added per slot as the step pools: raw scores
+    and rings; None: they include it). All contiguous except `out` (unit last stride: a row-sliced
+    view of a pool is fine) and `kv` / `score` (unit last stride, one row stride for both: column
+    slices of one fused projection's output are fine); all on one device. One launch when
     `index.ring_reads_disjoint`, else two (module docstring). Keyword arguments are tuning knobs
     (benchmark sweeps, tests); `prefetch` (default: short windows, S <= 16) keeps index rows two
     chunks ahead of the gathers when the window takes several chunks; `tokens` > 1 (a power of two,
@@ -311,18 +318,18 @@ def triton_compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch
     then do not apply; default `default_tokens`, or 1 when `block_s` or `prefetch` is given). No
     host syncs: safe inside CUDA-graph capture.
     """
-    check_inputs(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out)
+    check_inputs(kv, score, ring_kv, ring_score, index, norm_weight, cos, sin, out, ape)
     launch_compress(kv, score, ring_kv, ring_score, index, norm_weight, eps, cos, sin, out,
-                    block_s=block_s, num_warps=num_warps, num_stages=num_stages,
+                    ape=ape, block_s=block_s, num_warps=num_warps, num_stages=num_stages,
                     prefetch=prefetch, tokens=tokens)
 
 
 def launch_compress(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                     ring_score: torch.Tensor, index: CompressIndex, norm_weight: torch.Tensor,
                     eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, *,
-                    block_s: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, prefetch: bool | None = None,
-                    tokens: int | None = None) -> None:
+                    ape: torch.Tensor | None = None, block_s: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    prefetch: bool | None = None, tokens: int | None = None) -> None:
     """`triton_compress_cached` on inputs its caller has checked (`check_inputs`): the launches
     only."""
     T, width = kv.shape
@@ -342,17 +349,19 @@ def launch_compress(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
                          f"slots; got tokens={tokens}, S={S}")
     if tokens > 1:
         launch_group(kv, score, ring_kv, ring_score, tuple(index[:6]), norm_weight, eps, cos, sin,
-                     out, ratio=ratio, overlap=overlap, tokens=tokens, write_ring=fused,
+                     out, ape=ape, ratio=ratio, overlap=overlap, tokens=tokens, write_ring=fused,
                      num_warps=num_warps or auto_w, num_stages=num_stages or auto_st)
     else:
         _compress_kernel[(T,)](
             kv, score, ring_kv, ring_score, *index[:6], norm_weight, cos, sin, out,
-            out.shape[0] - 1, ring_kv.shape[0] - 1, eps,
+            score if ape is None else ape, out.shape[0] - 1, ring_kv.shape[0] - 1, eps,
             kv.stride(0), ring_kv.stride(0), cos.stride(0), out.stride(0),
+            0 if ape is None else ape.stride(0),
             S=S, RATIO=ratio, DC=Dc, WIDTH=width, ROPE_FIRST=Dc // 2 - cos.shape[1],
             BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(Dc),
             BLOCK_W=triton.next_power_of_2(width), OVERLAP=overlap, WRITE_RING=fused,
             PREFETCH=(S <= SHORT_WINDOW if prefetch is None else prefetch) and block_s < S,
+            HAS_APE=ape is not None,
             num_warps=num_warps or auto_w, num_stages=num_stages or auto_st, **pdl_args(kv.device),
         )
     if not fused:  # NOTE: after every ring read of the launch above (module docstring)

@@ -24,7 +24,8 @@ def _check_rows(name: str, x: torch.Tensor, shape: tuple[int, ...],
 
 def check_inputs(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                  ring_score: torch.Tensor, index: CompressIndex, norm_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+                 cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
+                 ape: torch.Tensor | None = None) -> None:
     """`triton_compress_cached`'s layout checks (ValueError naming the tensor): shapes, dtypes,
     strides, device."""
     if kv.dim() != 2 or out.dim() != 2 or index.src_new.dim() != 2 or cos.dim() != 2:
@@ -50,6 +51,8 @@ def check_inputs(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                          f"{score.stride(0)}")
     _check_rows("out", out, tuple(out.shape), _OUT_DTYPES, contiguous=False)
     _check_rows("norm_weight", norm_weight, (Dc,), _OUT_DTYPES)
+    if ape is not None:        # [ratio, width]: ratio = S, or S / 2 with overlap
+        _check_rows("ape", ape, (S // 2 if width == 2 * Dc else S, width), fp32)
     for name, x, shape, dtype in (("src_new", index.src_new, (T, S), torch.int64),
                                   ("src_ring", index.src_ring, (T, S), torch.int64),
                                   ("from_new", index.from_new, (T, S), torch.bool),
@@ -59,7 +62,8 @@ def check_inputs(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
         if tuple(x.shape) != shape or x.dtype != dtype or not x.is_contiguous():
             raise ValueError(f"index.{name} must be a contiguous {list(shape)} {dtype}; "
                              f"got {list(x.shape)} {x.dtype} strides {x.stride()}")
-    tensors = (kv, score, ring_kv, ring_score, norm_weight, cos, sin, out, *index[:6])
+    tensors = (kv, score, ring_kv, ring_score, norm_weight, cos, sin, out, *index[:6],
+               *(() if ape is None else (ape,)))
     devices = {x.device for x in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")

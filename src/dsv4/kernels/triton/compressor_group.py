@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from dsv4.kernels.triton.compressor_ape import slot_ape
 from dsv4.kernels.triton.pdl import pdl_args
 
 
@@ -38,12 +39,13 @@ from dsv4.kernels.triton.pdl import pdl_args
 def _compress_group_kernel(  # type: ignore[no-untyped-def]
     kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr,
     src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr, write_slot_ptr, ring_write_ptr,
-    w_ptr, cos_ptr, sin_ptr, out_ptr,
+    w_ptr, cos_ptr, sin_ptr, out_ptr, ape_ptr,
     T, out_trash, ring_trash, eps,
-    stride_kv, stride_ring, stride_cs, stride_out,
+    stride_kv, stride_ring, stride_cs, stride_out, stride_ape,
     S: tl.constexpr, RATIO: tl.constexpr, DC: tl.constexpr, WIDTH: tl.constexpr,
     ROPE_FIRST: tl.constexpr, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_W: tl.constexpr, OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PDL: tl.constexpr):
+    BLOCK_W: tl.constexpr, OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr,
+    HAS_APE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     tok = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)                  # [G]
@@ -86,6 +88,9 @@ def _compress_group_kernel(  # type: ignore[no-untyped-def]
                           ring_score_ptr + ring_row * stride_ring)
     k = tl.load(kv_rows[:, :, None] + cols[None, :, :], mask=take, other=0.0)
     z = tl.load(score_rows[:, :, None] + cols[None, :, :], mask=take, other=float("-inf"))
+    if HAS_APE:   # the slots' ape, one [BLOCK_S, BLOCK_D] tile for every token (compressor.py)
+        z += slot_ape(ape_ptr, stride_ape, offs_s, cols,
+                      (offs_s < S)[:, None] & d_mask[None, :], RATIO)[None, :, :]
     pair = tl.arange(0, BLOCK_D // 2)
     is_rope = (pair >= ROPE_FIRST) & (2 * pair < DC)
     cs_off = tok[:, None] * stride_cs + (pair - ROPE_FIRST)[None, :]
@@ -112,19 +117,21 @@ def _compress_group_kernel(  # type: ignore[no-untyped-def]
 def launch_group(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                  ring_score: torch.Tensor, index: tuple[torch.Tensor, ...],
                  norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 out: torch.Tensor, *, ratio: int, overlap: bool, tokens: int, write_ring: bool,
-                 num_warps: int, num_stages: int) -> None:
+                 out: torch.Tensor, *, ape: torch.Tensor | None, ratio: int, overlap: bool,
+                 tokens: int, write_ring: bool, num_warps: int, num_stages: int) -> None:
     """One launch of ceil(T / tokens) programs (inputs checked by `triton_compress_cached`;
-    S <= 16)."""
+    S <= 16); `ape`: added per slot (None: the scores include it)."""
     T, width = kv.shape
     Dc, S = out.shape[1], index[0].shape[1]
     _compress_group_kernel[(triton.cdiv(T, tokens),)](
         kv, score, ring_kv, ring_score, *index[:6], norm_weight, cos, sin, out,
-        T, out.shape[0] - 1, ring_kv.shape[0] - 1, eps,
+        score if ape is None else ape, T, out.shape[0] - 1, ring_kv.shape[0] - 1, eps,
         kv.stride(0), ring_kv.stride(0), cos.stride(0), out.stride(0),
+        0 if ape is None else ape.stride(0),
         S=S, RATIO=ratio, DC=Dc, WIDTH=width, ROPE_FIRST=Dc // 2 - cos.shape[1], G=tokens,
         BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(Dc),
         BLOCK_W=triton.next_power_of_2(width),
-        OVERLAP=overlap, WRITE_RING=write_ring, num_warps=num_warps, num_stages=num_stages,
+        OVERLAP=overlap, WRITE_RING=write_ring, HAS_APE=ape is not None, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_args(kv.device),
     )

@@ -78,15 +78,16 @@ def _store_ring_row(ring_kv_ptr, ring_score_ptr, dst, ring_trash,  # type: ignor
 
 @triton.jit
 def _compress_pair_kernel(  # type: ignore[no-untyped-def]
-    kv_a, score_a, ring_kv_a, ring_score_a, w_a, out_a,
-    kv_b, score_b, ring_kv_b, ring_score_b, w_b, out_b,
+    kv_a, score_a, ring_kv_a, ring_score_a, w_a, out_a, ape_a,
+    kv_b, score_b, ring_kv_b, ring_score_b, w_b, out_b, ape_b,
     src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr, write_slot_ptr, ring_write_ptr, cos_ptr,
     sin_ptr,
     out_trash, ring_trash, eps,
     stride_kv_a, stride_ring_a, stride_out_a, stride_kv_b, stride_ring_b, stride_out_b, stride_cs,
     S: tl.constexpr, RATIO: tl.constexpr, DC_A: tl.constexpr, DC_B: tl.constexpr,
     ROPE_FIRST_A: tl.constexpr, ROPE_FIRST_B: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, WRITE_RING: tl.constexpr, PDL: tl.constexpr):
+    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, WRITE_RING: tl.constexpr,
+    HAS_APE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     # Load schedule as in compressor._compress_kernel (its module docstring, "Latency"), for two
@@ -118,12 +119,13 @@ def _compress_pair_kernel(  # type: ignore[no-untyped-def]
         rope_a = (pair_a >= ROPE_FIRST_A) & (2 * pair_a < DC_A)
         rope_b = (pair_b >= ROPE_FIRST_B) & (2 * pair_b < DC_B)
         # ---- round trip 2: both gathers, then cos / sin (their layout conversions wait for them)
-        k_a, z_a = gather_chunk(kv_a, score_a, ring_kv_a, ring_score_a, stride_kv_a, stride_ring_a,
-                                new_row, ring_row, is_new, ok, 0, offs_a, mask_a, RATIO, DC_A,
-                                BLOCK_S, True)
-        k_b, z_b = gather_chunk(kv_b, score_b, ring_kv_b, ring_score_b, stride_kv_b, stride_ring_b,
-                                new_row, ring_row, is_new, ok, 0, offs_b, mask_b, RATIO, DC_B,
-                                BLOCK_S, True)
+        # (the ape rows: 2 DC wide, contiguous, so their row stride is the ring rows' width)
+        k_a, z_a = gather_chunk(kv_a, score_a, ring_kv_a, ring_score_a, ape_a, stride_kv_a,
+                                stride_ring_a, 2 * DC_A, new_row, ring_row, is_new, ok, 0, offs_a,
+                                mask_a, RATIO, DC_A, BLOCK_S, True, HAS_APE)
+        k_b, z_b = gather_chunk(kv_b, score_b, ring_kv_b, ring_score_b, ape_b, stride_kv_b,
+                                stride_ring_b, 2 * DC_B, new_row, ring_row, is_new, ok, 0, offs_b,
+                                mask_b, RATIO, DC_B, BLOCK_S, True, HAS_APE)
         cos_a, sin_a = load_rope(cos_ptr, sin_ptr, t, stride_cs, pair_a, rope_a, ROPE_FIRST_A)
         cos_b, sin_b = load_rope(cos_ptr, sin_ptr, t, stride_cs, pair_b, rope_b, ROPE_FIRST_B)
         _, den_a, acc_a = fold_chunk(k_a, z_a, tl.full([BLOCK_DA], float("-inf"), tl.float32),
@@ -142,7 +144,10 @@ def _check_pair(first: CompressTarget, second: CompressTarget, index: CompressIn
                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int]:
     """Each compressor's own checks, then what sharing one plan needs. Returns (ratio, S)."""
     for c in (first, second):
-        check_inputs(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, cos, sin, c.out)
+        check_inputs(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, cos, sin, c.out,
+                     c.ape)
+    if (first.ape is None) != (second.ape is None):
+        raise ValueError("compress_pair: both targets carry an ape or neither does; got one")
     (ratio, overlap), (ratio_b, overlap_b) = (compress_geometry(c.kv, index, c.out)
                                               for c in (first, second))
     S = index.src_new.shape[1]
@@ -164,12 +169,13 @@ def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: C
                          fuse: bool | None = None, num_warps: int | None = None,
                          num_stages: int = 2) -> None:
     """Same contract as `compress_cached_pair` (in place). Each target as
-    `triton_compress_cached`'s arguments (kv / score [T, 2 Dc] fp32, rings [N_ring, 2 Dc] fp32,
-    norm weight [Dc], out [N_out, Dc]); both overlap compressors of S <= 16 slots with equal ring
-    and entry row counts. Fused (default: T <= 512 tokens; module docstring): one launch when
-    `index.ring_reads_disjoint` (decode), else three (the ring writes after the reads); not fused:
-    `triton_compress_cached` per compressor. Keyword arguments are tuning knobs (benchmark sweeps,
-    tests). No host syncs: safe inside CUDA-graph capture.
+    `triton_compress_cached`'s arguments (kv / score [T, 2 Dc] fp32, rings [N_ring, 2 Dc] fp32, norm
+    weight [Dc], out [N_out, Dc], ape [ratio, 2 Dc] fp32 or None, in both or neither); both overlap
+    compressors of S <= 16 slots with equal ring and entry row counts. Fused (default: T <= 512
+    tokens; module docstring): one launch when `index.ring_reads_disjoint` (decode), else three (the
+    ring writes after the reads); not fused: `triton_compress_cached` per compressor. Keyword
+    arguments are tuning knobs (benchmark sweeps, tests). No host syncs: safe inside CUDA-graph
+    capture.
     """
     ratio, S = _check_pair(first, second, index, cos, sin)
     T = first.kv.shape[0]
@@ -178,21 +184,24 @@ def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: C
     if not (T <= _FUSE_MAX_TOKENS if fuse is None else fuse):
         for c in (first, second):     # checked above (_check_pair)
             launch_compress(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos,
-                            sin, c.out)
+                            sin, c.out, ape=c.ape)
         return
     fused = index.ring_reads_disjoint
     a, b = first, second
     Da, Db, half_rd = a.out.shape[1], b.out.shape[1], cos.shape[1]
     _compress_pair_kernel[(T,)](
         a.kv, a.score, a.ring_kv, a.ring_score, a.norm_weight, a.out,
+        a.score if a.ape is None else a.ape,
         b.kv, b.score, b.ring_kv, b.ring_score, b.norm_weight, b.out,
+        b.score if b.ape is None else b.ape,
         *index[:6], cos, sin, a.out.shape[0] - 1, a.ring_kv.shape[0] - 1, eps,
         a.kv.stride(0), a.ring_kv.stride(0), a.out.stride(0), b.kv.stride(0), b.ring_kv.stride(0),
         b.out.stride(0), cos.stride(0),
         S=S, RATIO=ratio, DC_A=Da, DC_B=Db, ROPE_FIRST_A=Da // 2 - half_rd,
         ROPE_FIRST_B=Db // 2 - half_rd, BLOCK_S=triton.next_power_of_2(S),
         BLOCK_DA=triton.next_power_of_2(Da), BLOCK_DB=triton.next_power_of_2(Db),
-        WRITE_RING=fused, num_warps=num_warps or _DEFAULT_WARPS, num_stages=num_stages,
+        WRITE_RING=fused, HAS_APE=a.ape is not None, num_warps=num_warps or _DEFAULT_WARPS,
+        num_stages=num_stages,
         **pdl_args(a.kv.device),
     )
     if not fused:  # NOTE: after every ring read of the launch above (compressor.py's docstring)

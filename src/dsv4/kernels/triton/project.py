@@ -16,8 +16,9 @@ sum order depends on K (and the row count's class) alone and a fused group's col
   here (the tensor cores' accumulation of the products its zero tails drop), only as close.
 A bf16 weight (checkpoint format) streams half the bytes: widened in registers on the FMA path
 and, with an fp32 x, on the tl.dot path (exact in tf32: tf32x3 drops nothing of it); with a
-16-bit x as well, the tl.dot path multiplies both in bf16 MMAs (exact products, fp32 sums). Larger calls (prefill) run cuBLAS, on
-an fp32 copy of a bf16 weight (one per call, small beside a prefill's GEMM). `HeldProject` is the
+16-bit x as well, the tl.dot path multiplies both in bf16 MMAs (exact products, fp32 sums).
+Larger calls (prefill) run cuBLAS, on an fp32 copy of a bf16 weight (one per call, small beside
+a prefill's GEMM). `HeldProject` is the
 op with split-K counters held for the backend's lifetime; `triton_project_invariant` the op
 under invariant launch plans.
 

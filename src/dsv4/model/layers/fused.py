@@ -62,7 +62,7 @@ class FusedRows:
         `gemm(x, weight)`: F.linear, or e.g. a kernel backend's `project` op).
 
         Each slice is its own `narrow` view, not one of `split`'s outputs: an op may then write a
-        slice in place (`add_ape` on the gate scores) with autograd recording on as well."""
+        slice in place with autograd recording on as well."""
         y, start, out = gemm(x, self.weight), 0, []
         for size in self.sizes:
             out.append(y.narrow(-1, start, size))
