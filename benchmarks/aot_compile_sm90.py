@@ -217,6 +217,13 @@ def topk_variants() -> Iterator[Variant]:
 
 
 def compressor_variants() -> Iterator[Variant]:
+    """The Flash Compressor's kernels at V4-Flash's geometries, each with the gate scores' ape
+    added per slot (the serving path's form) and without it ("no ape": scores that include it)."""
+    for ape in (True, False):
+        yield from _compressor_variants(ape)
+
+
+def _compressor_variants(ape: bool) -> Iterator[Variant]:
     from dsv4.kernels.triton import compressor
 
     f32, i64 = "*fp32", "*i64"
@@ -225,7 +232,8 @@ def compressor_variants() -> Iterator[Variant]:
              "write_slot_ptr": i64, "ring_write_ptr": i64, "w_ptr": "*bf16", "cos_ptr": f32,
              "sin_ptr": f32, "out_ptr": "*bf16", "out_trash": "i64", "ring_trash": "i64",
              "eps": "fp32", "stride_kv": "i32:16", "stride_ring": "i32:16", "stride_cs": "i32:16",
-             "stride_out": "i32:16"}
+             "stride_out": "i32:16", "ape_ptr": f32, "stride_ape": "i32:16"}
+    tag = "" if ape else " no ape"
     for name, S, ratio, Dc, overlap in (("c4-attn", 8, 4, 512, True),
                                         ("c4-indexer", 8, 4, 128, True),
                                         ("c128-attn", 128, 128, 512, False)):
@@ -233,20 +241,21 @@ def compressor_variants() -> Iterator[Variant]:
         width = (2 if overlap else 1) * Dc
         consts = {"S": S, "RATIO": ratio, "DC": Dc, "WIDTH": width, "ROPE_FIRST": Dc // 2 - 32,
                   "BLOCK_S": block_s, "BLOCK_D": Dc, "BLOCK_W": width, "OVERLAP": overlap,
-                  "WRITE_RING": True, "PREFETCH": False}
-        yield (f"compress {name} {block_s}/{warps}/{stages}", compressor._compress_kernel, types,
-               consts, {"num_warps": warps, "num_stages": stages})
+                  "WRITE_RING": True, "PREFETCH": False, "HAS_APE": ape}
+        yield (f"compress {name} {block_s}/{warps}/{stages}{tag}", compressor._compress_kernel,
+               types, consts, {"num_warps": warps, "num_stages": stages})
     from dsv4.kernels.triton import compressor_group
     group_types = types | {"T": "i32"}
     for name, Dc, tokens, warps in (("c4-indexer", 128, 4, 4), ("c4-indexer", 128, 8, 8),
                                     ("c4-indexer", 128, 2, 2), ("c4-attn", 512, 2, 8)):
         consts = {"S": 8, "RATIO": 4, "DC": Dc, "WIDTH": 2 * Dc, "ROPE_FIRST": Dc // 2 - 32,
                   "G": tokens, "BLOCK_S": 8, "BLOCK_D": Dc, "BLOCK_W": 2 * Dc, "OVERLAP": True,
-                  "WRITE_RING": True}
-        yield (f"compress {name} x{tokens} {warps}w", compressor_group._compress_group_kernel,
+                  "WRITE_RING": True, "HAS_APE": ape}
+        yield (f"compress {name} x{tokens} {warps}w{tag}", compressor_group._compress_group_kernel,
                group_types, consts, {"num_warps": warps, "num_stages": 2})
     pair_types = {f"{k}_{ab}": f32 for k in ("kv", "score", "ring_kv", "ring_score") for ab in "ab"}
-    pair_types |= {"w_a": "*bf16", "w_b": "*bf16", "out_a": "*bf16", "out_b": "*bf16"}
+    pair_types |= {"w_a": "*bf16", "w_b": "*bf16", "out_a": "*bf16", "out_b": "*bf16",
+                   "ape_a": f32, "ape_b": f32}
     pair_types |= {k: v for k, v in types.items()
                    if k.startswith(("src_", "from_", "valid", "write_", "ring_write", "cos", "sin",
                                     "out_trash", "ring_trash", "eps"))}
@@ -254,10 +263,10 @@ def compressor_variants() -> Iterator[Variant]:
                    | {"stride_cs": "i32:16"})
     pair_consts = {"S": 8, "RATIO": 4, "DC_A": 512, "DC_B": 128, "ROPE_FIRST_A": 256 - 32,
                    "ROPE_FIRST_B": 64 - 32, "BLOCK_S": 8, "BLOCK_DA": 512, "BLOCK_DB": 128,
-                   "WRITE_RING": True}
+                   "WRITE_RING": True, "HAS_APE": ape}
     from dsv4.kernels.triton import compressor_pair
     for warps in (2, 4, 8):
-        yield (f"compress c4-pair {warps} warps", compressor_pair._compress_pair_kernel,
+        yield (f"compress c4-pair {warps} warps{tag}", compressor_pair._compress_pair_kernel,
                pair_types, pair_consts, {"num_warps": warps, "num_stages": 2})
 
 
