@@ -110,13 +110,16 @@ def main() -> None:
                    help="also count the sampling of the step's logits (greedy rows)")
     p.add_argument("--logprobs", type=int, default=None,
                    help="with --sample: the rows ask for the sampled token's log-prob and top K")
+    p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
+                   help="checkpoint: FP4 experts, FP8 linears (their own code paths)")
     args = p.parse_args()
     if args.kernel_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the census runs on the CPU)")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     config = dataclasses.replace(get_preset(args.preset), n_routed_experts=args.experts,
                                  vocab_size=args.vocab, num_mtp_layers=0)
-    model = random_model(config, torch.bfloat16, torch.device("cpu"))
+    model = random_model(config, torch.bfloat16, torch.device("cpu"),
+                         weight_format=args.weight_format)
     engine = LLMEngine(model, EngineConfig(kernel_backend=args.kernel_backend,
                                            max_total_tokens=2 * args.context + 4096,
                                            max_running_requests=max(args.batch, 2),
@@ -142,7 +145,8 @@ def main() -> None:
         by_file[site.split(":")[0]] += n
     triton = sum(n for (_, op), n in counter.items() if op.startswith("triton:"))
     sampled = _sample_census(logits, runner.ops.argmax, args) if args.sample else None
-    print(json.dumps({"preset": args.preset, "batch": args.batch, "context": args.context,
+    print(json.dumps({"preset": args.preset, "weight_format": args.weight_format,
+                      "batch": args.batch, "context": args.context,
                       "launches": sum(counter.values()), "triton": triton,
                       "by_file": dict(by_file.most_common()),
                       **({} if sampled is None else {"sample": sampled})}))
