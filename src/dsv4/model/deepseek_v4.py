@@ -27,10 +27,12 @@ from dsv4.model.quant_linear import QuantLinear
 
 # Parameters kept in fp32 whatever the model dtype (the reference's precision choices, spec
 # §11/§12).
+_COMPRESSOR_PROJ_NAME = r"compressor\.(wkv|wgate)\.weight"
 _FP32_PARAMS = re.compile(
     r"(norm\.weight|hc_\w+\.(fn|base|scale)|hc_head\.(fn|base|scale)|attn_sink|\.ape|gate\.bias"
-    r"|compressor\.(wkv|wgate)\.weight)$")
-_COMPRESSOR_PROJ = re.compile(r"compressor\.(wkv|wgate)\.weight$")
+    rf"|{_COMPRESSOR_PROJ_NAME})$")
+# kept bf16 in checkpoint precision, as stored (`cast_`)
+_COMPRESSOR_PROJ = re.compile(rf"{_COMPRESSOR_PROJ_NAME}$")
 
 
 def keeps_fp32(name: str) -> bool:

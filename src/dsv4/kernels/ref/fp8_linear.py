@@ -25,7 +25,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, groups:
     `groups` g > 1: the block-diagonal product of the grouped output projection (attention
     `wo_a`): x [..., g, K] -> [..., g, N / g], group i through weight rows [i N / g, (i + 1) N /
     g). `up` (SwiGLU mode, groups 1): x is the gate and the input is `swiglu(x, up, limit)`
-    (`ref/moe.py`). `counters` (the kernel's split-K scratch) is unused here."""
+    (`ref/swiglu.py`). `counters` (the kernel's split-K scratch) is unused here."""
     if up is not None:
         if groups != 1 or up.shape != x.shape:
             raise ValueError(f"the SwiGLU mode (up=) takes groups 1 and up of x's shape "

@@ -172,7 +172,6 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
 _LIBDEVICE = libdevice_math(_fp8_linear_kernel)  # the SwiGLU mode's exp / division (libm.py)
 
 
-
 def check_operands(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
     """x [M, K], w [N, K] e4m3 codes, scale the UE8M0 codes of its 128x128 blocks: shapes,
     dtypes, unit last-dim strides, one device (ValueError naming the operand)."""
