@@ -16,7 +16,9 @@ then the product), bit-equal: "swiglu us" and "2-launch us" (gate and up: the sa
 --cpu-smoke: on its first shape).
 `--sweep` (M <= 4, the FMA path): every knob set of `fma_sweep` (rows per program 4..32 with and
 without a K split, 1 / 2 / 4 scale blocks a step, 1 / 2 stages), each checked for parity, then
-timed; a row's "sweep" holds each set's us and "best" the fastest ("default" is the plan's).
+timed; a row's "sweep" holds each set's us and "best" the fastest ("default" is the plan's); on
+the SwiGLU shape the same sets in the SwiGLU mode ("swiglu_sweep", "swiglu_best"), each checked
+bit-equal to its two launches.
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_fp8_linear.py --out FILE.json   # CUDA
@@ -153,6 +155,25 @@ def sweep_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     return {"sweep": timed, "best": best, "best_us": timed[best]}
 
 
+def swiglu_sweep_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                     args: Any, cuda: bool) -> dict[str, Any]:
+    """The SwiGLU mode (x as gate and up) under each `fma_sweep` set, each checked bit-equal to
+    `triton_swiglu` then the plain call with the same knobs, then timed."""
+    from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
+    from dsv4.kernels.triton.swiglu import triton_swiglu
+
+    x, codes, scale, _ = sets[0]
+    knob_sets = fma_sweep()
+    for knobs in knob_sets:
+        two = triton_fp8_linear(triton_swiglu(x, x, SWIGLU_LIMIT), codes, scale, **knobs)
+        fused = triton_fp8_linear(x, codes, scale, up=x, limit=SWIGLU_LIMIT, **knobs)
+        assert torch.equal(fused, two), f"SwiGLU mode parity failed at {knobs}"
+    timed = time_configs(lambda x_, c, s, _w, **k: triton_fp8_linear(
+        x_, c, s, up=x_, limit=SWIGLU_LIMIT, **k), sets, knob_sets, args, cuda)
+    best = min(timed, key=timed.__getitem__)
+    return {"swiglu_sweep": timed, "swiglu_best": best, "swiglu_best_us": timed[best]}
+
+
 def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear
     from dsv4.kernels.triton.gemv import FMA_MAX_M
@@ -175,6 +196,8 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
         a8 = {**a8, **swiglu_row(sets, args, cuda)}
     if args.sweep and case.m <= FMA_MAX_M:
         a8 = {**a8, **sweep_row(sets, args, cuda)}
+        if (case.n, case.k) == swiglu_shape:
+            a8 = {**a8, **swiglu_sweep_row(sets, args, cuda)}
     return {**a8, "case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
             "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
             "bf16_x_floor": bf16_us / bf16_floor_us, "speedup_vs_bf16": bf16_us / us,
@@ -214,6 +237,9 @@ def main() -> None:
         if "best" in r:
             print(f"{r['case']:<20} best {r['best_us']:8.2f} us ({r['us']:.2f} default): "
                   f"{r['best']}")
+        if "swiglu_best" in r:
+            print(f"{r['case']:<20} SwiGLU best {r['swiglu_best_us']:8.2f} us "
+                  f"({r['swiglu_us']:.2f} default): {r['swiglu_best']}")
     emit({**record_header("fp8_linear", device), "results": rows}, args.out)
 
 

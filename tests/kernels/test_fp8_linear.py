@@ -174,6 +174,18 @@ def test_errors_name_the_argument() -> None:
 def test_plan_at_h200_shapes() -> None:
     decode = plan_fp8_linear(1, 1024, 4096, 132)
     assert not decode.dot and decode.split_k > 1 and 128 % decode.block_n == 0
+    # M <= 2, K <= 2048: no K split; rows per program halved, down to 8 per x row, while the
+    # programs stay <= 8 per SM
+    for M, rows in ((1, 8), (2, 16)):
+        assert plan_fp8_linear(M, 8192, 1024, 132).split_k == 1
+        assert plan_fp8_linear(M, 8192, 1024, 132).block_n == rows   # <= 1024 programs
+        assert plan_fp8_linear(M, 4096, 2048, 132).block_n == rows
+        assert plan_fp8_linear(M, 4096, 2048, 132).split_k == 1
+        assert plan_fp8_linear(M, 32768, 1024, 132).block_n == 32    # 1024 programs
+        assert plan_fp8_linear(M, 100, 256, 132).block_n == rows
+    assert plan_fp8_linear(4, 8192, 1024, 132).split_k > 1               # M = 4: split as before
+    assert plan_fp8_linear(1, 4096, 2048, 132, split_k=4).split_k == 4   # a given knob holds
+    assert plan_fp8_linear(1, 4096, 2048, 132, block_n=32).split_k > 1
     mid = plan_fp8_linear(32, 4096, 8192, 132)
     assert mid.dot and mid.block_m == 32 and mid.split_k >= 1
     prefill = plan_fp8_linear(2048, 32768, 1024, 132)

@@ -1,11 +1,13 @@
 """The FP8 linear's SwiGLU mode (`triton_fp8_linear(gate, w, scale, up=, limit=)`, the
 `quant_linear` op's `up=`): the checkpoint-format shared expert's w2 computes h = swiglu(gate,
-up) where it loads its input on the FMA path (one launch instead of the `swiglu` op's and the
-product's), with the bits of `triton_swiglu` followed by the plain call; the other paths run
-those two; the shared expert's serving forward keeps its bits and calls the op once.
+up) where it loads its input on the FMA path at M <= 2 (one launch instead of the `swiglu` op's
+and the product's), with the bits of `triton_swiglu` followed by the plain call; larger M and the
+other paths run those two; the shared expert's serving forward keeps its bits and calls the op
+once.
 
 CPU: the interpreter on small shapes: bf16, fp16 and fp32, M = 1..4 on the FMA path (gate / up as
-the column halves of one tensor and apart, a K tail, a K split, the clamps biting), M = 8 (frag)
+the column halves of one tensor and apart, a K tail, a K split, the clamps biting; M = 3, 4 as
+two launches), M = 8 (frag)
 and 17 (tl.dot); validation; `MLP.forward` with FP8 w1 / w2 / w3 on the ref and triton backends.
 fp32 -> bf16 casts round to nearest even as on the GPU (`round_bf16_to_nearest_even`).
 GPU (`-m gpu`): V4-Flash's shared expert w2 (I 2048 -> d 4096) at M = 1..4, bit-equal to the two
@@ -33,7 +35,11 @@ from dsv4.kernels.ref.fp8_linear import fp8_linear  # noqa: E402
 from dsv4.kernels.ref.swiglu import swiglu  # noqa: E402
 from dsv4.kernels.registry import create_kernels  # noqa: E402
 from dsv4.kernels.triton import fp8_linear as fp8_module  # noqa: E402
-from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear  # noqa: E402
+from dsv4.kernels.triton.fp8_linear import (  # noqa: E402
+    SWIGLU_MAX_M,
+    plan_fp8_linear,
+    triton_fp8_linear,
+)
 from dsv4.kernels.triton.swiglu import triton_swiglu  # noqa: E402
 from dsv4.model.fused_projections import fuse_projections  # noqa: E402
 from dsv4.model.moe import MLP  # noqa: E402
@@ -77,15 +83,19 @@ def no_swiglu_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("halves", [True, False], ids=["halves", "separate"])
 def test_fma_path_bits_equal_swiglu_then_linear(M: int, dtype: torch.dtype, halves: bool,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """I = 1100: K splits and a K tail (1100 % 512 at M <= 2's four blocks a step, % 256 at M =
-    3, 4); d = 200: two scale-block rows, a partial N tile."""
+    """I = 1100: a K tail (1100 % 512 at M <= 2's four blocks a step, % 256 at M = 3, 4), three
+    K splits at odd M (the plan splits no K this short at M <= 2); d = 200: two scale-block
+    rows, a partial N tile. M = 3, 4 (above SWIGLU_MAX_M) run `triton_swiglu` first."""
     gate, up, w, s = operands(M, 1100, 200, dtype, seed=M, halves=halves)
     assert (gate.abs() > LIMIT).any() and (up.abs() > LIMIT).any(), "the clamps must bite"
     assert not plan_fp8_linear(M, 200, 1100, 132).dot
-    want = triton_fp8_linear(triton_swiglu(gate, up, LIMIT), w, s, counters=counters(200))
+    knobs = {"split_k": 3} if M % 2 else {}
+    want = triton_fp8_linear(triton_swiglu(gate, up, LIMIT), w, s, counters=counters(200),
+                             **knobs)
     held = counters(200)
-    no_swiglu_launch(monkeypatch)
-    got = triton_fp8_linear(gate, w, s, up=up, limit=LIMIT, counters=held)
+    if M <= SWIGLU_MAX_M:
+        no_swiglu_launch(monkeypatch)       # above: the two launches, by design
+    got = triton_fp8_linear(gate, w, s, up=up, limit=LIMIT, counters=held, **knobs)
     assert got.dtype == dtype and got.shape == (M, 200)
     assert torch.equal(got, want)
     assert int(held.abs().sum()) == 0, "split-K counters left non-zero"
@@ -102,7 +112,7 @@ def test_fma_path_bits_equal_swiglu_then_linear(M: int, dtype: torch.dtype, halv
 @pytest.mark.parametrize("knobs", [{"split_k": 1}, {"kb": 1, "split_k": 3}, {"block_n": 16}])
 def test_fma_knobs(knobs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A limit bf16 cannot represent (7.3: the clamped elements round as the reference's do)."""
-    gate, up, w, s = operands(3, 520, 130, torch.bfloat16, seed=7)
+    gate, up, w, s = operands(2, 520, 130, torch.bfloat16, seed=7)
     want = triton_fp8_linear(triton_swiglu(gate, up, 7.3), w, s, **knobs)
     no_swiglu_launch(monkeypatch)
     assert torch.equal(triton_fp8_linear(gate, w, s, up=up, limit=7.3, **knobs), want)

@@ -22,10 +22,12 @@ products, as in `gemv.py`:
         fp32 accumulates; fp32 x (or the interpreter) runs tl.dot in fp32 with input_precision
         "ieee".
 
-SwiGLU mode (`up=`, the shared expert's w2 at decode): x is the gate, and the FMA path computes
-h = swiglu(gate, up) where it loads each x block (`swiglu.py::swiglu_f32`, rounded to x's dtype),
-so the `swiglu` op's launch is saved and the bits are those of `triton_swiglu` then the product;
-the other paths run `triton_swiglu` first.
+SwiGLU mode (`up=`, the shared expert's w2 at decode): x is the gate, and at M <= SWIGLU_MAX_M
+the FMA path computes h = swiglu(gate, up) where it loads each x block (`swiglu.py::swiglu_f32`,
+rounded to x's dtype), so the `swiglu` op's launch is saved and the bits are those of
+`triton_swiglu` then the product; larger M and the other paths run `triton_swiglu` first (at M =
+4 the one launch, whose every tile recomputes h, measured 13-26 us against the two launches' 12
+on the H200 at 4096 x 2048).
 
 Groups (`groups=g`, attention's grouped `wo_a`): x [M, g, K], and output row n reads x row
 (m, n // (N / g)): the block-diagonal product of g groups in one launch (N / g whole scale blocks,
@@ -63,6 +65,8 @@ from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import e8m0
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32, triton_swiglu
+
+SWIGLU_MAX_M = 2            # the SwiGLU mode computes h in the FMA kernel up to this M
 
 
 @triton.jit
@@ -254,7 +258,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     plan = plan_fp8_linear(M, N, K, sms(x.device), block_m=block_m, block_n=block_n,
                            split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot,
                            kb=kb, frag=frag, frag_ok=_frag_ok(x3, w, K))
-    if up is not None and (plan.dot or plan.frag):     # SwiGLU mode off the FMA path
+    if up is not None and (plan.dot or plan.frag or M > SWIGLU_MAX_M):   # two launches
         return triton_fp8_linear(triton_swiglu(x, up, limit), w, scale, block_m=block_m,
                                  block_n=block_n, split_k=split_k, num_warps=num_warps,
                                  num_stages=num_stages, dot=dot, kb=kb, frag=frag,

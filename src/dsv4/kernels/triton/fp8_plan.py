@@ -3,7 +3,12 @@ host arithmetic only (no host sync; CUDA-graph safe).
 
 From (M, N, K, whether the operands suit the frag path, SM count):
 - decode, M <= FMA_MAX_M: FMA, BLOCK_M next_pow2(M), (KB, BLOCK_N, stages) FMA_TILES[BLOCK_M],
-  4 warps;
+  4 warps; at M <= NOSPLIT_MAX_M with K <= NOSPLIT_MAX_K no K split at all: BLOCK_N halves (down
+  to NOSPLIT_ROWS x BLOCK_M) while the halved tiles stay within NOSPLIT_PROGRAMS_PER_SM per SM
+  (the split's last-arrival reduction costs ~2 us, more than a short K saves: on the H200 8192 x
+  1024 7.2 -> 4.8 us at M = 1 and 8.3 -> 6.2 at M = 2; the SwiGLU mode, which recomputes h in
+  every tile, 7.5 -> 6.4 us at M = 1 and 10.2 -> 8.7 at M = 2 at 4096 x 2048; at M = 4 the small
+  tiles lose);
 - decode, M <= 8 with bf16 x, K % 128 == 0 and 16-byte aligned rows: the tensor-core decode path
   (`fp8_frag.py`: codes decoded into mma.sync fragments, BLOCK_N FRAG_BLOCK_N, split-K to
   FRAG_PROGRAMS_PER_SM programs per SM, at least FRAG_MIN_STEPS 128-k steps a split; 0.70-1.06x the
@@ -40,6 +45,10 @@ _MIN_DOT = 16               # tl.dot needs every dimension >= 16
 # rows per program, pipeline stages), the fastest of an H200 sweep over flash-4l's FP8 linears
 # (benchmarks/results/quant_moe_h200_202612.md)
 FMA_TILES = {1: (4, 32, 1), 2: (4, 32, 1), 4: (2, 32, 2)}
+NOSPLIT_MAX_K = 2048        # FMA path: K up to this runs without a K split (module docstring)
+NOSPLIT_MAX_M = 2           # ... at M up to this
+NOSPLIT_ROWS = 8            # ... in tiles of at least this many weight rows per x row
+NOSPLIT_PROGRAMS_PER_SM = 8  # ... and at most about this many programs per SM
 FRAG_BLOCK_N = 16           # frag path: weight rows per program (1 warp; H200 sweep at M = 8)
 FRAG_PROGRAMS_PER_SM = 16   # frag path: split-K target
 FRAG_MIN_STEPS = 2          # frag path: 128-k steps per split at least
@@ -115,6 +124,11 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
         per_thread = triton.cdiv(block_m * bn_, 32 * num_warps)
         return min(k_steps, max(1, REDUCE_REGS // per_thread))
 
+    if not dot and block_m <= NOSPLIT_MAX_M and K <= NOSPLIT_MAX_K and block_n is None \
+            and split_k is None:
+        least = NOSPLIT_ROWS * block_m
+        return Fp8LinearPlan(block_m, _nosplit_block_n(N, max(bn, least), least, num_sms), 1,
+                             num_warps, num_stages, dot, kb)
     if block_n is None:
         block_n = min(bn, max(least, triton.next_power_of_2(N)))
         while M <= DECODE_MAX_M and block_n > max(least, 16) and \
@@ -129,6 +143,16 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
         raise ValueError(f"split_k > 1 needs one M tile (M <= block_m = {block_m}); got M = {M}")
     splits, _ = even_split(k_steps, split_k)
     return Fp8LinearPlan(block_m, block_n, splits, num_warps, num_stages, dot, kb)
+
+
+def _nosplit_block_n(N: int, block_n: int, least: int, num_sms: int) -> int:
+    """The FMA path's rows per program without a K split: `block_n` halved (down to `least`)
+    while the halved tiles number at most NOSPLIT_PROGRAMS_PER_SM per SM."""
+    block_n = min(block_n, max(least, triton.next_power_of_2(N)))
+    while block_n > least and \
+            triton.cdiv(N, block_n // 2) <= NOSPLIT_PROGRAMS_PER_SM * num_sms:
+        block_n //= 2
+    return block_n
 
 
 def _plan_frag(M: int, N: int, K: int, num_sms: int, block_n: int | None, split_k: int | None,
