@@ -63,10 +63,11 @@
 #                 (w8a8_linear.txt / .json: weight-only, bf16 and W8A8)
 #   checkpoint    issue 21's end-to-end line in one call: the GPU tests of the checkpoint-format kernels
 #                 (FP8 linear and its SwiGLU mode, the project op on bf16 weights: checkpoint_tests.txt), the
-#                 FP8 linear at M 1 / 2 / 4 with the SwiGLU rows (checkpoint_fp8_linear.txt / .json), flash-4l
+#                 FP8 linear at M 1 / 2 / 4 with the SwiGLU rows (checkpoint_fp8_linear.json), flash-4l
 #                 decode at batch 1 and 32 (4K) in bf16 and in checkpoint precision, each in its own process
-#                 (checkpoint_decode_{bf16,checkpoint}.json), and a profile of the checkpoint batch-1 step
-#                 (checkpoint_profile.txt)
+#                 (checkpoint_decode_{bf16,checkpoint}.json), and profiles of the batch-1 step in both formats
+#                 ({checkpoint,bf16}_profile.txt) with their traces read by trace_gaps.py (each stream's busy
+#                 time, the idle gaps: checkpoint_trace_gaps.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -303,18 +304,23 @@ checkpoint() {
     tests/kernels/test_fp8_linear.py tests/kernels/test_project_gemv.py > "$OUT/checkpoint_tests.txt" 2>&1
   tail -3 "$OUT/checkpoint_tests.txt"
   timeout 120 python3 benchmarks/kernels/bench_fp8_linear.py --m 1,2,4 \
-    --out "$OUT/checkpoint_fp8_linear.json" > "$OUT/checkpoint_fp8_linear.txt" 2>&1
-  grep -v "^{" "$OUT/checkpoint_fp8_linear.txt" | tail -26
+    --out "$OUT/checkpoint_fp8_linear.json" > /tmp/checkpoint_fp8_linear.txt 2>&1
+  grep -v "^{" /tmp/checkpoint_fp8_linear.txt | tail -26
   for fmt in bf16 checkpoint; do
     timeout 150 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
       --kernel-backend triton --contexts 4096 --batches 32 --batch-contexts 4096 --weight-format "$fmt" \
       --out "$OUT/checkpoint_decode_$fmt.json" > /tmp/checkpoint_decode_$fmt.txt 2>&1
     grep -v "^{" /tmp/checkpoint_decode_$fmt.txt | tail -4
   done
-  timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
-    --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only --warm-steps 3 --steps 20 \
-    --rows 40 --weight-format checkpoint > "$OUT/checkpoint_profile.txt" 2>&1
-  tail -1 "$OUT/checkpoint_profile.txt" | cut -c 1-400
+  for fmt in checkpoint bf16; do
+    timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
+      --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only --warm-steps 3 --steps 20 \
+      --rows 40 --weight-format "$fmt" --trace "/tmp/${fmt}_trace.json" > "$OUT/${fmt}_profile.txt" 2>&1
+    tail -1 "$OUT/${fmt}_profile.txt" | cut -c 1-300
+    echo "=== $fmt" >> "$OUT/checkpoint_trace_gaps.txt"
+    python3 benchmarks/trace_gaps.py "/tmp/${fmt}_trace.json" --top 15 >> "$OUT/checkpoint_trace_gaps.txt" 2>&1
+    grep -E "^step" "$OUT/checkpoint_trace_gaps.txt" | tail -3
+  done
 }
 
 sass() {

@@ -7,9 +7,12 @@ work between profiled steps); runs of fewer than `--min-events` events are dropp
 sampler tail, warm-up copies).
 
 Per step: its span (first start to last end), busy time (the union of the events' intervals over
-all streams) and idle time (span - busy). For the step picked by `--step` (default: the last):
-the `--top` largest gaps with the events on both sides (a gap: an event's start minus the latest
-end of every event before it, when positive: nothing ran on any stream), and time per event name.
+all streams) and idle time (span - busy). Per stream of the detailed step: its events and their
+summed time (one stream's events never overlap, so a stream whose sum nears the span is the
+step's critical path; the sums over the span's busy time are the streams' overlap). For the step
+picked by `--step` (default: the last): the `--top` largest gaps with the events on both sides
+(a gap: an event's start minus the latest end of every event before it, when positive: nothing
+ran on any stream), and time per event name.
 
 Prints a table, then ONE JSON line (also written to --out).
 
@@ -85,11 +88,16 @@ def summarise(step: Sequence[Event], top: int) -> dict[str, Any]:
     for e in step:
         per_name.setdefault(e.name, []).append(e.dur)
     largest = sorted(gaps(step), key=lambda g: -g[0])[:top]
+    per_stream: dict[int, list[float]] = {}
+    for e in step:
+        per_stream.setdefault(e.stream, []).append(e.dur)
     return {"events": len(step), "span_us": round(span, 2), "busy_us": round(span - idle, 2),
             "idle_us": round(idle, 2),
             "top_gaps": [{"gap_us": round(g, 2), "at_us": round(e.start - step[0].start, 2),
                           "after": b.name if b else None, "before": e.name}
                          for g, b, e in largest],
+            "streams": sorted(({"stream": k, "events": len(d), "busy_us": round(sum(d), 2)}
+                               for k, d in per_stream.items()), key=lambda r: -r["busy_us"]),
             "by_name": sorted(({"name": n, "count": len(d), "total_us": round(sum(d), 2)}
                                for n, d in per_name.items()), key=lambda r: -r["total_us"])}
 
@@ -119,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"step {i}: {r['events']} events, span {r['span_us']:.1f} us, busy "
               f"{r['busy_us']:.1f}, idle {r['idle_us']:.1f}")
     detail = summarise(steps[args.step], args.top)
+    print(f"\nstreams of step {args.step % len(steps)} (span {detail['span_us']:.1f} us):")
+    for r in detail["streams"]:
+        print(f"  stream {r['stream']:>4}: {r['events']:4d} events, {r['busy_us']:8.1f} us")
     print(f"\nlargest gaps of step {args.step % len(steps)}:")
     for g in detail["top_gaps"]:
         print(f"  {g['gap_us']:7.2f} us at {g['at_us']:8.1f}: {str(g['after'])[:48]} -> "

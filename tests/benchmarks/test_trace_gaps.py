@@ -1,5 +1,6 @@
 """`benchmarks/trace_gaps.py` on a synthetic Chrome trace: steps split on idle time, busy time as
-the union over streams, the largest gaps with their neighbours, time per name, gz input."""
+the union over streams, each stream's summed time, the largest gaps with their neighbours, time
+per name, gz input."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def test_steps_gaps_and_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert detail["top_gaps"] == [{"gap_us": 3.0, "at_us": 15.0, "after": "k2",
                                    "before": "Memcpy HtoD"}]
     assert detail["by_name"][0] == {"name": "k1", "count": 2, "total_us": 12.0}
+    assert detail["streams"] == [{"stream": 7, "events": 3, "busy_us": 14.0},
+                                 {"stream": 9, "events": 1, "busy_us": 7.0}]
 
 
 def test_rejects_a_trace_without_steps(tmp_path: Path) -> None:
