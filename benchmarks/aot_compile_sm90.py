@@ -173,14 +173,15 @@ def moe_frag_variants() -> Iterator[Variant]:
     # the plan's launches (moe_plan.FRAG_LAUNCHES) and their neighbours
     for wk, wn, bm in ((2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 8), (2, 2, 8), (4, 1, 16),
                        (2, 2, 16), (2, 4, 16)):
-        consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
-                  "ASM": True, "L2PF": 128 if bm == 1 else 256}
-        label = f"fp4 frag {bm}x{16 * wn} wk{wk} 32B"
-        options = {"num_warps": wk * wn}
-        yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
-               {**consts, "LIBDEVICE": True}, options)
-        yield (f"moe down {label}", moe_frag._down_frag_kernel, types,
-               {**consts, "ATOMIC": False}, options)
+        for pipe in (False, True) if bm < 16 else (False,):   # PIPE: one column set only
+            consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
+                      "ASM": True, "L2PF": 128 if bm == 1 else 256, "PIPE": pipe}
+            label = f"fp4 frag {bm}x{16 * wn} wk{wk}{' pipe' if pipe else ''} 32B"
+            options = {"num_warps": wk * wn}
+            yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
+                   {**consts, "LIBDEVICE": True}, options)
+            yield (f"moe down {label}", moe_frag._down_frag_kernel, types,
+                   {**consts, "ATOMIC": False}, options)
 
 
 def topk_variants() -> Iterator[Variant]:
@@ -574,7 +575,9 @@ def mhc_variants() -> Iterator[Variant]:
                {"num_warps": mhc_post_pre._warps(bd)})
 
 
-KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants, "topk": topk_variants,
+KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants,
+                                                       "moe_frag": moe_frag_variants,
+                                                       "topk": topk_variants,
                                                        "compressor": compressor_variants,
                                                        "attention": attention_variants,
                                                        "metadata": metadata_variants,
@@ -655,8 +658,9 @@ def compile_variant(kernel: Any, types: dict[str, str], consts: dict[str, Any],
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernels", default=",".join(KERNELS),
-                   help=f"comma-separated, of {sorted(KERNELS)}")
+    p.add_argument("--kernels", default=",".join(k for k in KERNELS if k != "moe_frag"),
+                   help=f"comma-separated, of {sorted(KERNELS)} (moe_frag: the part of moe "
+                   "that is the frag loop)")
     args = p.parse_args()
     sys.stdout.write(f"triton {triton.__version__}, target sm_90\n")
     failed = 0

@@ -4,10 +4,10 @@ Flash parity rows also run frag).
 
 CPU (interpreter, the MMA emulated): a masked K tail (I = 96: the down launch's last step holds
 3 of a quad's 4 groups), one expert holding every token, 1 and 2 warps across N, K split over
-2 or 4 warps (bits equal), both epilogues, BLOCK_M 8 / 16 tiles (bits equal to BLOCK_M 1's); the
-plan's knobs and refusals.
+2 or 4 warps (bits equal), both epilogues, BLOCK_M 8 / 16 tiles (bits equal to BLOCK_M 1's), the
+K-step prefetch (bits equal to the plain loop); the plan's knobs and refusals.
 GPU (`-m gpu`): V4-Flash experts at N = 1, 8, 32 on every launch shape the sweep uses (bits
-equal), rows independent of the batch.
+equal), rows independent of the batch, the prefetch on and off (bits equal).
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py -m gpu   # on a CUDA machine
@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from test_moe_quant import FLASH, check, make_routing, make_weights, randn  # noqa: E402
 
+from dsv4.kernels.triton import moe_frag  # noqa: E402
 from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
 from dsv4.kernels.triton.moe_plan import VARIANTS, frag_warps, plan_moe  # noqa: E402
 
@@ -81,6 +82,27 @@ def test_frag_launches() -> None:
         assert torch.equal(out, outs[0])
 
 
+@pytest.mark.parametrize("block_m", [1, 8])
+def test_frag_pipe_keeps_the_bits(block_m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K-step prefetch (PIPE, one column set: BLOCK_M 1 and 8) gives the bits of the plain
+    loop: d = 384 (3 K steps: a prologue, one pipelined iteration, the epilogue; split 3 has
+    none), I = 160 (a masked tail); WK 2 (two chains per warp) and WK 4."""
+    wts = make_weights(8, 384, 160, "fp4", seed=37)
+    idx, rw = make_routing(3, 8, 2, seed=37, hot=2)
+    x = randn(3, 384, seed=37).to(torch.bfloat16)
+    for bn, w in ((32, 4), (16, 4)):
+        kw = {"variant": "frag", "block_n": bn, "num_warps": w, "block_m": block_m,
+              "deterministic": True}
+        monkeypatch.setenv(moe_frag.PIPE_ENV, "0")
+        assert not moe_frag.pipe_enabled()
+        plain = triton_routed_experts_quant(
+            x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", **kw)  # type: ignore[arg-type]
+        monkeypatch.setenv(moe_frag.PIPE_ENV, "1")
+        assert moe_frag.pipe_enabled()
+        piped = check(x, wts, idx, rw, 10.0, "fp4", **kw)
+        assert torch.equal(piped, plain), (bn, w)
+
+
 def test_frag_plan() -> None:
     """The plan: frag (fp4, bf16 x), one slot per program, gate/up 4 warps, down 2 (knobs pin
     both); (WK, WN) from block_n and num_warps (WK 2 or 4); other knobs refused."""
@@ -126,6 +148,22 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
         alone = triton_routed_experts_quant(
             x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
         assert torch.equal(alone[0], out[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8, 32])
+def test_flash_frag_pipe(flash_fp4: tuple[torch.Tensor, ...], N: int,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """V4-Flash experts on the GPU: the K-step prefetch on and off, the same bits at the plan's
+    launches (BLOCK_M 1 at N = 1, 8 at N >= 8)."""
+    idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 2)
+    x = randn(N, FLASH["d"]).to(torch.bfloat16)
+    outs = []
+    for pipe in ("0", "1"):
+        monkeypatch.setenv(moe_frag.PIPE_ENV, pipe)
+        outs.append(check(x, flash_fp4, idx, rw, 10.0, "fp4", variant="frag",
+                          deterministic=True))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

@@ -34,6 +34,13 @@ first two axes, which is what the inline-PTX mma assumes (no load or store ancho
 before the sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the
 products).
 
+Prefetch (PIPE, opt-in: `pipe_enabled`; the launches with one column set, BLOCK_M 1 and 8): a
+warp's loop issues the loads of its next K step before the decode and MMAs of the step it loaded
+one iteration earlier, so the loads' latency overlaps that work (without it each iteration waits
+for its own loads; the decode is ~4 instructions per weight pair). The loads are the same and the
+MMAs run in the same order: the bits do not change. It holds one more step's words in registers
+(x or h 16, each matrix 10, per chain).
+
 Bits: a row's sum runs over fixed steps, splits, lanes and MMA slots that depend only on K, never on
 WK, N, BLOCK_M or the other columns (an MMA column's sum never sees the others), so a token's output
 does not depend on its batch or the launch. The gate/up epilogue writes h = swiglu(g, u) * w rounded
@@ -44,13 +51,22 @@ step's register work): the same values up to fp32 summation order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_combine import down_output
-from dsv4.kernels.triton.moe_frag_regs import b_regs, matrix_step
+from dsv4.kernels.triton.moe_frag_regs import (
+    down_load,
+    down_mma,
+    down_step,
+    gate_up_load,
+    gate_up_mma,
+    gate_up_step,
+)
 from dsv4.kernels.triton.moe_plan import (
     FRAG_ROWS,
     FRAG_SPLITS,
@@ -61,6 +77,8 @@ from dsv4.kernels.triton.moe_plan import (
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
+
+PIPE_ENV = "DSV4_FRAG_PIPE"     # "1": the K-step prefetch (opt-in until timed on the H200)
 
 _STEP = tl.constexpr(FRAG_STEP)
 _ROWS = tl.constexpr(FRAG_ROWS)
@@ -84,15 +102,6 @@ def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-d
     wk, wn, g, q = _lanes(WK, WN)
     row = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g
     return wk, g, q, tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1)
-
-
-@triton.jit
-def _lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
-    """(first k of the lane's group in K step s of virtual split v, in range): split v takes steps
-    v, v + VK, ...; a group past K reads group 0 (in range, its factor zeroed)."""
-    k = (s * _VK + v) * _STEP + 32 * q
-    ok = k < K
-    return tl.where(ok, k, 0), ok
 
 
 @triton.jit
@@ -163,43 +172,18 @@ def _paired(n):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
-                  s1_ptr, s3_ptr, e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se,
-                  stride_sn, NT: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr):
-    """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15)."""
-    k, ok = _lane_k(s, v, q, K)
-    b = b_regs(x_row, k, False, ASM, L2PF)
-    b2 = b_regs(x_row2, k, False, ASM, L2PF) if NT == 2 else b
-    g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                        stride_se, stride_sn, NT, ASM, L2PF)
-    u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                        stride_se, stride_sn, NT, ASM, L2PF)
-    return g, g2, u, u2
-
-
-@triton.jit
-def _down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
-               s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-               ASM: tl.constexpr, L2PF: tl.constexpr):
-    """(a, a2) + K step s of virtual split v (a2: columns 8..15)."""
-    k, ok = _lane_k(s, v, q, K)
-    b = b_regs(h_row, k, True, ASM, L2PF)
-    b2 = b_regs(h_row2, k, True, ASM, L2PF) if NT == 2 else b
-    return matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                       stride_se, stride_sn, NT, ASM, L2PF)
-
-
-@triton.jit
 def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rw_ptr, order_ptr, t_start_ptr, t_end_ptr,
     exp_ptr, K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
-    PDL: tl.constexpr):
+    PIPE: tl.constexpr, PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
-    K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
+    K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2). PIPE (NT 1):
+    each iteration issues the next K step's loads before the MMAs of the step loaded one
+    iteration earlier (the same products in the same order)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
@@ -213,15 +197,40 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
             stride_x // 2)
         ga, ga2, ua, ua2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         gb, gb2, ub, ub2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        for s in range(0, tl.cdiv(K, _STEP * _VK)):
-            ga, ga2, ua, ua2 = _gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
-                                             s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
-                                             stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+        steps = tl.cdiv(K, _STEP * _VK)
+        if PIPE:
+            tl.static_assert(NT == 1, "PIPE serves one column set")
+            la = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, 0, wk, q, K,
+                               stride_we, stride_wn, stride_se, stride_sn, ASM, L2PF)
+            lb = la
             if WK == 2:
-                gb, gb2, ub, ub2 = _gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
-                                                 s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
+                lb = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, 0, wk + 2,
+                                   q, K, stride_we, stride_wn, stride_se, stride_sn, ASM, L2PF)
+            for s in range(1, steps):
+                na = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s, wk, q,
+                                   K, stride_we, stride_wn, stride_se, stride_sn, ASM, L2PF)
+                ga, ua = gate_up_mma(ga, ua, la, ASM)
+                la = na
+                if WK == 2:
+                    nb = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s,
+                                       wk + 2, q, K, stride_we, stride_wn, stride_se, stride_sn,
+                                       ASM, L2PF)
+                    gb, ub = gate_up_mma(gb, ub, lb, ASM)
+                    lb = nb
+            ga, ua = gate_up_mma(ga, ua, la, ASM)
+            if WK == 2:
+                gb, ub = gate_up_mma(gb, ub, lb, ASM)
+        else:
+            for s in range(0, steps):
+                ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr,
+                                                 w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K,
                                                  stride_we, stride_wn, stride_se, stride_sn, NT,
                                                  ASM, L2PF)
+                if WK == 2:
+                    gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr,
+                                                     w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s,
+                                                     wk + 2, q, K, stride_we, stride_wn,
+                                                     stride_se, stride_sn, NT, ASM, L2PF)
         for j in tl.static_range(NT):          # column set j: tile rows 8j ..
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
@@ -239,9 +248,9 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
-    PDL: tl.constexpr):
+    PIPE: tl.constexpr, PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
-    added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
+    added into its token's (ATOMIC). Virtual K splits and PIPE as in the gate/up kernel."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
@@ -252,13 +261,36 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
         h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
         a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        for s in range(0, tl.cdiv(K, _STEP * _VK)):
-            a, a2 = _down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
-                               stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+        steps = tl.cdiv(K, _STEP * _VK)
+        if PIPE:
+            tl.static_assert(NT == 1, "PIPE serves one column set")
+            la = down_load(h_row, w_ptr, s_ptr, e, lo, hi, 0, wk, q, K, stride_we, stride_wn,
+                            stride_se, stride_sn, ASM, L2PF)
+            lb = la
             if WK == 2:
-                b, b2 = _down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
-                                   K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM,
-                                   L2PF)
+                lb = down_load(h_row, w_ptr, s_ptr, e, lo, hi, 0, wk + 2, q, K, stride_we,
+                                stride_wn, stride_se, stride_sn, ASM, L2PF)
+            for s in range(1, steps):
+                na = down_load(h_row, w_ptr, s_ptr, e, lo, hi, s, wk, q, K, stride_we,
+                                stride_wn, stride_se, stride_sn, ASM, L2PF)
+                a = down_mma(a, la, ASM)
+                la = na
+                if WK == 2:
+                    nb = down_load(h_row, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q, K, stride_we,
+                                    stride_wn, stride_se, stride_sn, ASM, L2PF)
+                    b = down_mma(b, lb, ASM)
+                    lb = nb
+            a = down_mma(a, la, ASM)
+            if WK == 2:
+                b = down_mma(b, lb, ASM)
+        else:
+            for s in range(0, steps):
+                a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
+                                   stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                if WK == 2:
+                    b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s,
+                                       wk + 2, q, K, stride_we, stride_wn, stride_se, stride_sn,
+                                       NT, ASM, L2PF)
         for j in tl.static_range(NT):
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
@@ -268,6 +300,15 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
                     tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
                 else:
                     tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
+
+
+def pipe_enabled() -> bool:
+    """Whether the launches with one MMA column set (BLOCK_M 1 and 8) prefetch the next K step
+    (`PIPE`): when the PIPE_ENV environment variable is "1" (read at each launch, so it holds
+    for kernels launched or graphs captured after it is set). Off by default: it is not yet
+    timed on the H200, and it costs registers (sm_90, BLOCK_M 1: gate/up at 4 warps 68 -> 113
+    per thread, down at 2 warps 52 -> 124), hence programs per SM."""
+    return os.environ.get(PIPE_ENV, "0") == "1"
 
 
 def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
@@ -285,6 +326,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     slots = tiles is None
     nt = 1 if slots else plan.block_m // 8         # MMA column sets of 8 tile rows
     l2pf = 128 if slots else 256                    # the loads' L2 prefetch size (H200 sweep)
+    pipe = nt == 1 and pipe_enabled()
     order, t_start, t_end, t_exp = (flat, flat, flat, flat) if tiles is None else tiles
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
@@ -294,7 +336,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
-        num_warps=wk * wn,
+        PIPE=pipe, num_warps=wk * wn,
         **pdl_args(x.device),
     )
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
@@ -302,6 +344,6 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
-        num_warps=wk * wn, **pdl_args(h.device),
+        PIPE=pipe, num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest
