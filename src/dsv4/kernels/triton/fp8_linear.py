@@ -26,8 +26,8 @@ SwiGLU mode (`up=`, the shared expert's w2 at decode): x is the gate, and at M <
 the FMA path computes h = swiglu(gate, up) where it loads each x block (`swiglu.py::swiglu_f32`,
 rounded to x's dtype), so the `swiglu` op's launch is saved and the bits are those of
 `triton_swiglu` then the product; larger M and the other paths run `triton_swiglu` first (at M =
-4 the one launch, whose every tile recomputes h, measured 13-26 us against the two launches' 12
-on the H200 at 4096 x 2048).
+4 the one launch, whose every tile recomputes h, is slower than the two on the H200:
+benchmarks/results/quant_moe_h200_202612.md).
 
 Groups (`groups=g`, attention's grouped `wo_a`): x [M, g, K], and output row n reads x row
 (m, n // (N / g)): the block-diagonal product of g groups in one launch (N / g whole scale blocks,

@@ -5,10 +5,9 @@ From (M, N, K, whether the operands suit the frag path, SM count):
 - decode, M <= FMA_MAX_M: FMA, BLOCK_M next_pow2(M), (KB, BLOCK_N, stages) FMA_TILES[BLOCK_M],
   4 warps; at M <= NOSPLIT_MAX_M with K <= NOSPLIT_MAX_K no K split at all: BLOCK_N halves (down
   to NOSPLIT_ROWS x BLOCK_M) while the halved tiles stay within NOSPLIT_PROGRAMS_PER_SM per SM
-  (the split's last-arrival reduction costs ~2 us, more than a short K saves: on the H200 8192 x
-  1024 7.2 -> 4.8 us at M = 1 and 8.3 -> 6.2 at M = 2; the SwiGLU mode, which recomputes h in
-  every tile, 7.5 -> 6.4 us at M = 1 and 10.2 -> 8.7 at M = 2 at 4096 x 2048; at M = 4 the small
-  tiles lose);
+  (the split's last-arrival reduction costs ~2 us on the H200, more than a short K saves; the
+  SwiGLU mode, which recomputes h in every tile, gains too; at M = 4 the small tiles lose: the
+  sweeps are in benchmarks/results/quant_moe_h200_202612.md);
 - decode, M <= 8 with bf16 x, K % 128 == 0 and 16-byte aligned rows: the tensor-core decode path
   (`fp8_frag.py`: codes decoded into mma.sync fragments, BLOCK_N FRAG_BLOCK_N, split-K to
   FRAG_PROGRAMS_PER_SM programs per SM, at least FRAG_MIN_STEPS 128-k steps a split; 0.70-1.06x the
@@ -126,8 +125,8 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
 
     if not dot and block_m <= NOSPLIT_MAX_M and K <= NOSPLIT_MAX_K and block_n is None \
             and split_k is None:
-        least = NOSPLIT_ROWS * block_m
-        return Fp8LinearPlan(block_m, _nosplit_block_n(N, max(bn, least), least, num_sms), 1,
+        rows = NOSPLIT_ROWS * block_m
+        return Fp8LinearPlan(block_m, _nosplit_block_n(N, max(bn, rows), rows, num_sms), 1,
                              num_warps, num_stages, dot, kb)
     if block_n is None:
         block_n = min(bn, max(least, triton.next_power_of_2(N)))
