@@ -93,9 +93,16 @@ def test_fma_path_bits_equal_swiglu_then_linear(M: int, dtype: torch.dtype, halv
     want = triton_fp8_linear(triton_swiglu(gate, up, LIMIT), w, s, counters=counters(200),
                              **knobs)
     held = counters(200)
+    launches: list[int] = []
     if M <= SWIGLU_MAX_M:
-        no_swiglu_launch(monkeypatch)       # above: the two launches, by design
+        no_swiglu_launch(monkeypatch)
+    else:                                   # above: the two launches, by design
+        def counted(*args: Any) -> torch.Tensor:
+            launches.append(1)
+            return triton_swiglu(*args)
+        monkeypatch.setattr(fp8_module, "triton_swiglu", counted)
     got = triton_fp8_linear(gate, w, s, up=up, limit=LIMIT, counters=held, **knobs)
+    assert len(launches) == (0 if M <= SWIGLU_MAX_M else 1)
     assert got.dtype == dtype and got.shape == (M, 200)
     assert torch.equal(got, want)
     assert int(held.abs().sum()) == 0, "split-K counters left non-zero"
