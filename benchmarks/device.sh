@@ -68,10 +68,6 @@
 #                 (checkpoint_decode_{bf16,checkpoint}.json), and profiles of the batch-1 step in both formats
 #                 ({checkpoint,bf16}_profile.txt) with their traces read by trace_gaps.py (each stream's busy
 #                 time, the idle gaps: checkpoint_trace_gaps.txt)
-#   frag-pipe     the frag loop's K-step prefetch off and on (DSV4_FRAG_PIPE=0 / 1): its GPU tests
-#                 (test_moe_frag.py -m gpu, bits equal on and off: frag_pipe_tests.txt), the FP4 experts at N
-#                 1 / 8 / 32 with each kernel's us (frag_pipe{0,1}.json), flash-4l checkpoint decode at batch 1
-#                 and 32 (4K) with each (frag_pipe{0,1}_decode.json)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -327,33 +323,13 @@ checkpoint() {
   done
 }
 
-frag_pipe() {   # the frag loop's K-step prefetch (DSV4_FRAG_PIPE), off against on
-  local pipe
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
-    > "$OUT/frag_pipe_tests.txt" 2>&1
-  tail -3 "$OUT/frag_pipe_tests.txt"
-  for pipe in 0 1; do
-    DSV4_FRAG_PIPE=$pipe timeout 120 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
-      --variants frag --tokens 1,8,32 --deterministic --kernels --out "$OUT/frag_pipe$pipe.json" \
-      > /tmp/frag_pipe$pipe.txt 2>&1
-    echo "--- DSV4_FRAG_PIPE=$pipe"; grep -v "^{" /tmp/frag_pipe$pipe.txt | tail -8
-  done
-  for pipe in 0 1; do
-    DSV4_FRAG_PIPE=$pipe timeout 120 python3 benchmarks/decode_context_sweep.py --device cuda \
-      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
-      --batch-contexts 4096 --weight-format checkpoint --out "$OUT/frag_pipe${pipe}_decode.json" \
-      > /tmp/frag_pipe${pipe}_decode.txt 2>&1
-    echo "--- DSV4_FRAG_PIPE=$pipe"; grep -v "^{" /tmp/frag_pipe${pipe}_decode.txt | tail -3
-  done
-}
-
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,81p' "$0"
+  sed -n '2,77p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -377,7 +353,6 @@ for part in "$@"; do
     drift) drift ;;
     w8a8) w8a8 ;;
     checkpoint) checkpoint ;;
-    frag-pipe) frag_pipe ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint sass"; exit 2 ;;

@@ -26,7 +26,6 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from test_moe_quant import FLASH, check, make_routing, make_weights, randn  # noqa: E402
 
-from dsv4.kernels.triton import moe_frag  # noqa: E402
 from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
 from dsv4.kernels.triton.moe_plan import VARIANTS, frag_warps, plan_moe  # noqa: E402
 
@@ -82,27 +81,6 @@ def test_frag_launches() -> None:
         assert torch.equal(out, outs[0])
 
 
-@pytest.mark.parametrize("block_m", [1, 8])
-def test_frag_pipe_keeps_the_bits(block_m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The K-step prefetch (PIPE, one column set: BLOCK_M 1 and 8) gives the bits of the plain
-    loop: d = 384 (3 K steps: a prologue, one pipelined iteration, the epilogue; split 3 has
-    none), I = 160 (a masked tail); WK 2 (two chains per warp) and WK 4."""
-    wts = make_weights(8, 384, 160, "fp4", seed=37)
-    idx, rw = make_routing(3, 8, 2, seed=37, hot=2)
-    x = randn(3, 384, seed=37).to(torch.bfloat16)
-    for bn, w in ((32, 4), (16, 4)):
-        kw = {"variant": "frag", "block_n": bn, "num_warps": w, "block_m": block_m,
-              "deterministic": True}
-        monkeypatch.setenv(moe_frag.PIPE_ENV, "0")
-        assert not moe_frag.pipe_enabled()
-        plain = triton_routed_experts_quant(
-            x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4", **kw)  # type: ignore[arg-type]
-        monkeypatch.setenv(moe_frag.PIPE_ENV, "1")
-        assert moe_frag.pipe_enabled()
-        piped = check(x, wts, idx, rw, 10.0, "fp4", **kw)
-        assert torch.equal(piped, plain), (bn, w)
-
-
 def test_frag_plan() -> None:
     """The plan: frag (fp4, bf16 x), one slot per program, gate/up 4 warps, down 2 (knobs pin
     both); (WK, WN) from block_n and num_warps (WK 2 or 4); other knobs refused."""
@@ -148,22 +126,6 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
         alone = triton_routed_experts_quant(
             x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
         assert torch.equal(alone[0], out[0])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N", [1, 8, 32])
-def test_flash_frag_pipe(flash_fp4: tuple[torch.Tensor, ...], N: int,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """V4-Flash experts on the GPU: the K-step prefetch on and off, the same bits at the plan's
-    launches (BLOCK_M 1 at N = 1, 8 at N >= 8)."""
-    idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 2)
-    x = randn(N, FLASH["d"]).to(torch.bfloat16)
-    outs = []
-    for pipe in ("0", "1"):
-        monkeypatch.setenv(moe_frag.PIPE_ENV, pipe)
-        outs.append(check(x, flash_fp4, idx, rw, 10.0, "fp4", variant="frag",
-                          deterministic=True))
-    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

@@ -34,13 +34,6 @@ first two axes, which is what the inline-PTX mma assumes (no load or store ancho
 before the sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the
 products).
 
-Prefetch (PIPE, opt-in: `pipe_enabled`; the launches with one column set, BLOCK_M 1 and 8): a
-warp's loop issues the loads of its next K step before the decode and MMAs of the step it loaded
-one iteration earlier, so the loads' latency overlaps that work (without it each iteration waits
-for its own loads; the decode is ~4 instructions per weight pair). The loads are the same and the
-MMAs run in the same order: the bits do not change. It holds one more step's words in registers
-(x or h 16, each matrix 10, per chain).
-
 Bits: a row's sum runs over fixed steps, splits, lanes and MMA slots that depend only on K, never on
 WK, N, BLOCK_M or the other columns (an MMA column's sum never sees the others), so a token's output
 does not depend on its batch or the launch. The gate/up epilogue writes h = swiglu(g, u) * w rounded
@@ -51,22 +44,13 @@ step's register work): the same values up to fp32 summation order.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_combine import down_output
-from dsv4.kernels.triton.moe_frag_regs import (
-    down_load,
-    down_mma,
-    down_step,
-    gate_up_load,
-    gate_up_mma,
-    gate_up_step,
-)
+from dsv4.kernels.triton.moe_frag_regs import down_step, gate_up_step
 from dsv4.kernels.triton.moe_plan import (
     FRAG_ROWS,
     FRAG_SPLITS,
@@ -77,8 +61,6 @@ from dsv4.kernels.triton.moe_plan import (
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.swiglu import swiglu_f32
-
-PIPE_ENV = "DSV4_FRAG_PIPE"     # "1": the K-step prefetch (opt-in until timed on the H200)
 
 _STEP = tl.constexpr(FRAG_STEP)
 _ROWS = tl.constexpr(FRAG_ROWS)
@@ -178,12 +160,10 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr):
+    PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
-    K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2). PIPE (NT 1):
-    each iteration issues the next K step's loads before the MMAs of the step loaded one
-    iteration earlier (the same products in the same order)."""
+    K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
@@ -197,40 +177,15 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
             stride_x // 2)
         ga, ga2, ua, ua2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         gb, gb2, ub, ub2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        steps = tl.cdiv(K, _STEP * _VK)
-        if PIPE:
-            tl.static_assert(NT == 1, "PIPE serves one column set")
-            la = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, 0, wk, q, K,
-                               stride_we, stride_wn, stride_se, stride_sn, ASM, L2PF)
-            lb = la
+        for s in range(0, tl.cdiv(K, _STEP * _VK)):
+            ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
+                                            s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
+                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
             if WK == 2:
-                lb = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, 0, wk + 2,
-                                   q, K, stride_we, stride_wn, stride_se, stride_sn, ASM, L2PF)
-            for s in range(1, steps):
-                na = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s, wk, q,
-                                   K, stride_we, stride_wn, stride_se, stride_sn, ASM, L2PF)
-                ga, ua = gate_up_mma(ga, ua, la, ASM)
-                la = na
-                if WK == 2:
-                    nb = gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s,
-                                       wk + 2, q, K, stride_we, stride_wn, stride_se, stride_sn,
-                                       ASM, L2PF)
-                    gb, ub = gate_up_mma(gb, ub, lb, ASM)
-                    lb = nb
-            ga, ua = gate_up_mma(ga, ua, la, ASM)
-            if WK == 2:
-                gb, ub = gate_up_mma(gb, ub, lb, ASM)
-        else:
-            for s in range(0, steps):
-                ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr,
-                                                 w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K,
-                                                 stride_we, stride_wn, stride_se, stride_sn, NT,
-                                                 ASM, L2PF)
-                if WK == 2:
-                    gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr,
-                                                     w3_ptr, s1_ptr, s3_ptr, e, lo, hi, s,
-                                                     wk + 2, q, K, stride_we, stride_wn,
-                                                     stride_se, stride_sn, NT, ASM, L2PF)
+                gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
+                                                s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
+                                                stride_we, stride_wn, stride_se, stride_sn, NT,
+                                                ASM, L2PF)
         for j in tl.static_range(NT):          # column set j: tile rows 8j ..
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
@@ -248,9 +203,9 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr):
+    PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
-    added into its token's (ATOMIC). Virtual K splits and PIPE as in the gate/up kernel."""
+    added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
     if PDL:  # programmatic dependent launch: the prior kernel's writes first
         gdc_wait()
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
@@ -261,36 +216,12 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
         h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
         a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        steps = tl.cdiv(K, _STEP * _VK)
-        if PIPE:
-            tl.static_assert(NT == 1, "PIPE serves one column set")
-            la = down_load(h_row, w_ptr, s_ptr, e, lo, hi, 0, wk, q, K, stride_we, stride_wn,
-                            stride_se, stride_sn, ASM, L2PF)
-            lb = la
+        for s in range(0, tl.cdiv(K, _STEP * _VK)):
+            a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
+                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
             if WK == 2:
-                lb = down_load(h_row, w_ptr, s_ptr, e, lo, hi, 0, wk + 2, q, K, stride_we,
-                                stride_wn, stride_se, stride_sn, ASM, L2PF)
-            for s in range(1, steps):
-                na = down_load(h_row, w_ptr, s_ptr, e, lo, hi, s, wk, q, K, stride_we,
-                                stride_wn, stride_se, stride_sn, ASM, L2PF)
-                a = down_mma(a, la, ASM)
-                la = na
-                if WK == 2:
-                    nb = down_load(h_row, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q, K, stride_we,
-                                    stride_wn, stride_se, stride_sn, ASM, L2PF)
-                    b = down_mma(b, lb, ASM)
-                    lb = nb
-            a = down_mma(a, la, ASM)
-            if WK == 2:
-                b = down_mma(b, lb, ASM)
-        else:
-            for s in range(0, steps):
-                a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
-                                   stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
-                if WK == 2:
-                    b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s,
-                                       wk + 2, q, K, stride_we, stride_wn, stride_se, stride_sn,
-                                       NT, ASM, L2PF)
+                b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
+                                  K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
         for j in tl.static_range(NT):
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
@@ -300,15 +231,6 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
                     tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
                 else:
                     tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
-
-
-def pipe_enabled() -> bool:
-    """Whether the launches with one MMA column set (BLOCK_M 1 and 8) prefetch the next K step
-    (`PIPE`): when the PIPE_ENV environment variable is "1" (read at each launch, so it holds
-    for kernels launched or graphs captured after it is set). Off by default: it is not yet
-    timed on the H200, and it costs registers, hence programs per SM (sm_90, BLOCK_M 1: gate/up
-    at 4 warps 113 per thread against 68 without, down at 2 warps 124 against 52)."""
-    return os.environ.get(PIPE_ENV, "0") == "1"
 
 
 def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
@@ -326,7 +248,6 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     slots = tiles is None
     nt = 1 if slots else plan.block_m // 8         # MMA column sets of 8 tile rows
     l2pf = 128 if slots else 256                    # the loads' L2 prefetch size (H200 sweep)
-    pipe = nt == 1 and pipe_enabled()
     order, t_start, t_end, t_exp = (flat, flat, flat, flat) if tiles is None else tiles
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
@@ -336,7 +257,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
-        PIPE=pipe, num_warps=wk * wn,
+        num_warps=wk * wn,
         **pdl_args(x.device),
     )
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
@@ -344,6 +265,6 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
-        PIPE=pipe, num_warps=wk * wn, **pdl_args(h.device),
+        num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

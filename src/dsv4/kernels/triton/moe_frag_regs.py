@@ -3,9 +3,8 @@ docstring has the fragment layout): the lane's vector loads, the B registers fro
 activation words, the FP4 words decoded into scaled bf16 pairs (A registers) and the m16n8k16 MMA
 as inline PTX, or, without it (the interpreter), the same fragments as fp32 pairs and the MMA
 emulated in fp32 (`cols`). Every tensor is in the [WK, WN, 8, 4] lane grid, one element per
-thread. The kernels' steps come whole (`gate_up_step`, `down_step`: loads then MMAs) or split
-for the prefetch (`*_load` one iteration, `*_mma` the next: the same products in the same
-order).
+thread. The kernels' K steps (`gate_up_step`, `down_step`: loads, then decode and MMAs) are
+here too.
 """
 
 from __future__ import annotations
@@ -93,32 +92,17 @@ def prmt_hi(a, b):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def b_load(row_ptr, k, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The 16 uint32 words of x[k .. k + 32) of the row at row_ptr (bf16 pairs): four vector
-    loads, as loaded (`b_build` makes the B registers)."""
+def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr,  # type: ignore[no-untyped-def]
+           L2PF: tl.constexpr):
+    """The lane's B registers for its 32-k group at k (4 words x 4 pairs): the activations
+    x[k .. k + 32) of the row at row_ptr (uint32 words of bf16 pairs; `_b_word`)."""
     p = row_ptr + k // 2
     a0, a1, a2, a3 = ld4(p, ASM, L2PF)
     a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF)
     a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF)
     a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF)
-    return (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
-
-
-@triton.jit
-def b_build(a, PAIRED: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The lane's B registers (4 words x 4 pairs, `_b_word`) from `b_load`'s 16 words."""
-    return (_b_word(a[0], a[1], a[2], a[3], PAIRED, ASM),
-            _b_word(a[4], a[5], a[6], a[7], PAIRED, ASM),
-            _b_word(a[8], a[9], a[10], a[11], PAIRED, ASM),
-            _b_word(a[12], a[13], a[14], a[15], PAIRED, ASM))
-
-
-@triton.jit
-def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr,  # type: ignore[no-untyped-def]
-           L2PF: tl.constexpr):
-    """The lane's B registers for its 32-k group at k (4 words x 4 pairs): the activations
-    x[k .. k + 32) of the row at row_ptr (uint32 words of bf16 pairs; `_b_word`)."""
-    return b_build(b_load(row_ptr, k, ASM, L2PF), PAIRED, ASM)
+    return (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
+            _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
 
 
 @triton.jit
@@ -193,11 +177,12 @@ def mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unty
 
 
 @triton.jit
-def matrix_load(w_ptr, s_ptr, e, lo, hi, k,  # type: ignore[no-untyped-def]
-                stride_we, stride_wn, stride_se, stride_sn, ASM: tl.constexpr,
-                L2PF: tl.constexpr):
-    """One K step's loads of one weight matrix: the lane's group at k of rows lo / hi (clamped
-    in range), 4 words each, and their scale codes: (wl0..3, wh0..3, cl, ch)."""
+def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
+                 b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
+                 ASM: tl.constexpr, L2PF: tl.constexpr):
+    """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
+    (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
+    8 more with b2 (columns 8..15) on the same A fragments."""
     base = w_ptr + e * stride_we
     wl0, wl1, wl2, wl3 = ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
                               ASM, L2PF)
@@ -206,28 +191,6 @@ def matrix_load(w_ptr, s_ptr, e, lo, hi, k,  # type: ignore[no-untyped-def]
     sbase = s_ptr + e * stride_se + k // 32
     cl = scale_code(sbase + lo * stride_sn, ASM)
     ch = scale_code(sbase + hi * stride_sn, ASM)
-    return (wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3, cl, ch)
-
-
-@triton.jit
-def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
-                 b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                 ASM: tl.constexpr, L2PF: tl.constexpr):
-    """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
-    (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
-    8 more with b2 (columns 8..15) on the same A fragments."""
-    m = matrix_load(w_ptr, s_ptr, e, lo, hi, k, stride_we, stride_wn, stride_se, stride_sn,
-                    ASM, L2PF)
-    return matrix_mma(acc, acc2, m, ok, b, b2, NT, ASM)
-
-
-@triton.jit
-def matrix_mma(acc, acc2, m, ok, b, b2, NT: tl.constexpr,  # type: ignore[no-untyped-def]
-               ASM: tl.constexpr):
-    """(acc, acc2) + the MMAs of one K step of one matrix from its loads m (`matrix_load`): the
-    words decoded into scaled A fragments (factor 0 where not ok), 8 MMAs with b and, with NT 2,
-    8 more with b2."""
-    wl0, wl1, wl2, wl3, wh0, wh1, wh2, wh3, cl, ch = m
     for w in tl.static_range(4):
         wl = (wl0, wl1, wl2, wl3)[w]
         wh = (wh0, wh1, wh2, wh3)[w]
@@ -268,31 +231,6 @@ def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no
 
 
 @triton.jit
-def gate_up_load(x_row, w1_ptr, w3_ptr, s1_ptr, s3_ptr,  # type: ignore[no-untyped-def]
-                  e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se, stride_sn,
-                  ASM: tl.constexpr, L2PF: tl.constexpr):
-    """K step s of virtual split v, loads only (NT 1; PIPE): (x words, w1 loads, w3 loads, ok)
-    for `_gate_up_mma` one iteration later."""
-    k, ok = lane_k(s, v, q, K)
-    return (b_load(x_row, k, ASM, L2PF),
-            matrix_load(w1_ptr, s1_ptr, e, lo, hi, k, stride_we, stride_wn, stride_se,
-                        stride_sn, ASM, L2PF),
-            matrix_load(w3_ptr, s3_ptr, e, lo, hi, k, stride_we, stride_wn, stride_se,
-                        stride_sn, ASM, L2PF), ok)
-
-
-@triton.jit
-def gate_up_mma(g, u, ld, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(g, u) + the MMAs of one K step from its loads (`_gate_up_load`): the same products in
-    the same order as `_gate_up_step`'s."""
-    xw, m1, m3, ok = ld
-    b = b_build(xw, False, ASM)
-    g, _ = matrix_mma(g, g, m1, ok, b, b, 1, ASM)
-    u, _ = matrix_mma(u, u, m3, ok, b, b, 1, ASM)
-    return g, u
-
-
-@triton.jit
 def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
                s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
                ASM: tl.constexpr, L2PF: tl.constexpr):
@@ -302,23 +240,3 @@ def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-
     b2 = b_regs(h_row2, k, True, ASM, L2PF) if NT == 2 else b
     return matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
                        stride_se, stride_sn, NT, ASM, L2PF)
-
-
-@triton.jit
-def down_load(h_row, w_ptr, s_ptr, e, lo, hi, s, v, q, K,  # type: ignore[no-untyped-def]
-               stride_we, stride_wn, stride_se, stride_sn, ASM: tl.constexpr,
-               L2PF: tl.constexpr):
-    """K step s of virtual split v, loads only (NT 1; PIPE): (h words, w2 loads, ok)."""
-    k, ok = lane_k(s, v, q, K)
-    return (b_load(h_row, k, ASM, L2PF),
-            matrix_load(w_ptr, s_ptr, e, lo, hi, k, stride_we, stride_wn, stride_se, stride_sn,
-                        ASM, L2PF), ok)
-
-
-@triton.jit
-def down_mma(a, ld, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """a + the MMAs of one K step from its loads (`_down_load`)."""
-    hw, m, ok = ld
-    b = b_build(hw, True, ASM)
-    a, _ = matrix_mma(a, a, m, ok, b, b, 1, ASM)
-    return a
