@@ -1,7 +1,8 @@
 """Programmatic dependent launch (`kernels/triton/pdl.py`): off the GPU it is off; on an H200 the
-same tokens and log-probs with PDL on and off, eagerly and through the decode graphs (the same
-kernels on the same inputs: PDL changes when a kernel starts, never what it reads), and a chain of
-PDL GEMVs in a CUDA graph gives the bits of the plain launches."""
+same tokens and log-probs with PDL off, in WAIT and in EARLY mode, eagerly and through the decode
+graphs (the same kernels on the same inputs: PDL changes when a kernel starts, never what it
+reads), and a chain of PDL GEMVs and FP8 linears in a CUDA graph gives the bits of the plain
+launches in every mode."""
 
 from __future__ import annotations
 
@@ -14,16 +15,61 @@ from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.kernels.triton import pdl
-from dsv4.kernels.triton.pdl import ENV, pdl_args, pdl_enabled
+from dsv4.kernels.triton.pdl import (
+    EARLY,
+    ENV,
+    OFF,
+    PREFETCH_ENV,
+    WAIT,
+    pdl_args,
+    pdl_enabled,
+    pdl_mode,
+    prefetch_lines,
+)
 
 _GPU = pytest.mark.skipif(not torch.cuda.is_available()
                           or torch.cuda.get_device_capability() < (9, 0),
                           reason="needs a CUDA GPU of compute capability >= 9.0")
 
 
-def test_off_the_gpu() -> None:
-    assert pdl_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
-    assert not pdl_enabled(torch.device("cpu"))
+def test_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the GPU every mode is OFF, and no weight is prefetched."""
+    for value in ("0", "1", "2"):
+        monkeypatch.setenv(ENV, value)
+        assert pdl_args(torch.device("cpu")) == {"PDL": OFF, "launch_pdl": False}
+        assert not pdl_enabled(torch.device("cpu"))
+        assert prefetch_lines(torch.device("cpu"), 4096) == 0
+
+
+def test_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DSV4_PDL other than 0 / 1 / 2, or a prefetch size that is not a whole number of bytes,
+    is refused with the variable and the allowed values named."""
+    monkeypatch.setenv(ENV, "early")
+    with pytest.raises(ValueError, match="DSV4_PDL must be one of"):
+        pdl_mode(torch.device("cpu"))
+    monkeypatch.setenv(ENV, "2")
+    monkeypatch.setattr(pdl, "_hopper", lambda index: True)
+    monkeypatch.setenv(PREFETCH_ENV, "-5")
+    with pytest.raises(ValueError, match="DSV4_PDL_PREFETCH must be a whole number"):
+        prefetch_lines(torch.device("cuda", 0), 4096)
+
+
+@pytest.mark.parametrize("value,mode", [("0", OFF), ("1", WAIT), ("2", EARLY), (None, WAIT)])
+def test_modes(value: str | None, mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4_PDL picks the mode on a Hopper GPU (faked), WAIT by default; only EARLY prefetches:
+    a row's first min(row bytes, DSV4_PDL_PREFETCH or 1024) bytes, in whole 128-byte lines."""
+    monkeypatch.setattr(pdl, "_hopper", lambda index: True)
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    monkeypatch.delenv(PREFETCH_ENV, raising=False)
+    dev = torch.device("cuda", 0)
+    assert pdl_args(dev) == {"PDL": mode, "launch_pdl": mode != OFF}
+    lines = prefetch_lines(dev, 4096), prefetch_lines(dev, 300)
+    assert lines == ((8, 3) if mode == EARLY else (0, 0))
+    monkeypatch.setenv(PREFETCH_ENV, "256")
+    assert prefetch_lines(dev, 4096) == (2 if mode == EARLY else 0)
 
 
 @pytest.mark.parametrize("capability,hip,on", [((9, 0), None, True), ((10, 0), None, True),
@@ -49,33 +95,43 @@ def test_device_rule(capability: tuple[int, int], hip: str | None, on: bool,
 def test_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = torch.device("cuda")
     monkeypatch.delenv(ENV, raising=False)
-    assert pdl_args(dev) == {"PDL": True, "launch_pdl": True}
+    assert pdl_args(dev) == {"PDL": WAIT, "launch_pdl": True}
+    monkeypatch.setenv(ENV, "2")
+    assert pdl_args(dev) == {"PDL": EARLY, "launch_pdl": True}
     monkeypatch.setenv(ENV, "0")
-    assert pdl_args(dev) == {"PDL": False, "launch_pdl": False}
+    assert pdl_args(dev) == {"PDL": OFF, "launch_pdl": False}
 
 
-def _gemv_chain(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _chain(ws: list[torch.Tensor], codes: list[tuple[torch.Tensor, torch.Tensor]],
+           x: torch.Tensor) -> torch.Tensor:
+    """GEMVs and FP8 linears in turn, each reading the one before's output."""
+    from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
     from dsv4.kernels.triton.gemv import triton_linear
 
-    for w in ws:
-        x = triton_linear(x, w)
+    for w, (c, s) in zip(ws, codes, strict=True):
+        x = triton_fp8_linear(triton_linear(x, w), c, s)
     return x
 
 
 @pytest.mark.gpu
 @_GPU
-def test_gemv_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """32 dependent GEMVs captured with and without PDL: the same bits, replay after replay."""
+def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 GEMVs and 16 FP8 linears (both split-K at M = 1), each reading the one before's output,
+    captured with PDL off, in WAIT and in EARLY mode (the weight prefetch on): the same bits,
+    replay after replay."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    ws = [torch.randn(1024, 1024, device="cuda", generator=g).bfloat16() / 32 for _ in range(32)]
+    ws = [torch.randn(4096, 1024, device="cuda", generator=g).bfloat16() / 32 for _ in range(16)]
+    # [1024, 4096] codes (K 4096: split-K at M = 1), every block scaled by 2^-9: outputs ~ 1
+    codes = [((torch.randn(1024, 4096, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn),
+              torch.full((8, 32), 118, dtype=torch.uint8, device="cuda")) for _ in range(16)]
     x = torch.randn(1, 1024, device="cuda", generator=g).bfloat16()
     outs = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", "2"):
         monkeypatch.setenv(ENV, flag)
-        _gemv_chain(ws, x)                      # compile outside the capture
+        _chain(ws, codes, x)                    # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = _gemv_chain(ws, x)
+            y = _chain(ws, codes, x)
         replays = []
         for _ in range(5):
             graph.replay()
@@ -83,7 +139,7 @@ def test_gemv_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.cuda.synchronize()
         assert all(torch.equal(r, replays[0]) for r in replays)
         outs[flag] = replays[0]
-    assert torch.equal(outs["0"], outs["1"])
+    assert torch.equal(outs["0"], outs["1"]) and torch.equal(outs["0"], outs["2"])
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +165,12 @@ def _generate(ckpt: Path, dtype: str, graphs: bool) -> list[tuple[list[int], lis
 @_GPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_same_outputs_on_and_off(ckpt: Path, dtype: str, graphs: bool,
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_same_outputs_on_and_off(ckpt: Path, dtype: str, graphs: bool, mode: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """micro's greedy tokens and log-probs with PDL off and in WAIT / EARLY mode: equal."""
     monkeypatch.setenv(ENV, "0")
     off = _generate(ckpt, dtype, graphs)
-    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv(ENV, mode)
     on = _generate(ckpt, dtype, graphs)
     assert on == off

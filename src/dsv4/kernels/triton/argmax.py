@@ -33,10 +33,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, pow2
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 BLOCK_V = 4096       # columns per stage-1 program: 32 programs per row at V = 129,280
 MAX_V = 2**28        # chunks per row stay within a grid's second axis (65,535)
@@ -45,8 +44,7 @@ MAX_V = 2**28        # chunks per row stay within a grid's second axis (65,535)
 @triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_x,  # type: ignore[no-untyped-def]
                            num_chunks, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -64,8 +62,7 @@ def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_x,  # type: ignore[no-unty
 @triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_final_kernel(part_ptr, out_ptr, num_chunks,  # type: ignore[no-untyped-def]
                          BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     # padding lanes repeat chunk 0's key: a max over copies of a real key changes nothing

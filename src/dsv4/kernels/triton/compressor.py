@@ -83,14 +83,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.compressor import CompressIndex, compress_geometry
 from dsv4.kernels.triton.compressor_ape import slot_ape
 from dsv4.kernels.triton.compressor_checks import check_inputs
 from dsv4.kernels.triton.compressor_config import SHORT_WINDOW, default_config, default_tokens
 from dsv4.kernels.triton.compressor_group import launch_group
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
@@ -187,8 +186,7 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
     ROPE_FIRST: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
     OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_APE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     # NOTE: the geometry is compile-time (a model has 3 compressor shapes): masks over d vanish for
     # Dc = 2^k. Index rows are [T, S] contiguous (checked by the wrapper): token t's start at t * S,
     # a multiple of S that lets the compiler vectorise their loads.
@@ -281,8 +279,7 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
 def _ring_write_kernel(kv_ptr, score_ptr, ring_kv_ptr,  # type: ignore[no-untyped-def]
                        ring_score_ptr, ring_write_ptr, width, ring_trash, stride_kv, stride_ring,
                        BLOCK_W: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     # Prefill / extend: most tokens keep no ring row, so the row is loaded only where it is written
     # (masked on `dst`: two round trips, which a launch this small can afford).
     t = tl.program_id(0).to(tl.int64)

@@ -29,10 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.compressor_ape import slot_ape
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
@@ -46,8 +45,7 @@ def _compress_group_kernel(  # type: ignore[no-untyped-def]
     ROPE_FIRST: tl.constexpr, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_W: tl.constexpr, OVERLAP: tl.constexpr, WRITE_RING: tl.constexpr,
     HAS_APE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)                  # [G]
     t_ok = tok < T
     offs_s = tl.arange(0, BLOCK_S)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_geometry
 from dsv4.kernels.triton.compressor import (
@@ -47,7 +46,7 @@ from dsv4.kernels.triton.compressor import (
     write_ring_rows,
 )
 from dsv4.kernels.triton.compressor_checks import check_inputs
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 _MAX_WINDOW = 16            # S: the window is pooled in one [next_pow2(S), Dc] tile per compressor
 # the H200 sweep's best at B 64, 256, 4096 (2 warps at 1024, where singles win anyway)
@@ -88,8 +87,7 @@ def _compress_pair_kernel(  # type: ignore[no-untyped-def]
     ROPE_FIRST_A: tl.constexpr, ROPE_FIRST_B: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, WRITE_RING: tl.constexpr,
     HAS_APE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     # Load schedule as in compressor._compress_kernel (its module docstring, "Latency"), for two
     # compressors.
     t = tl.program_id(0).to(tl.int64)

@@ -41,10 +41,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_frag_regs import hmul2, ld4, mma, prmt_hi, prmt_lo, scale_code
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 STEP = 128                   # k per K step: one scale block (a quad's 4 lanes x 32 k)
 MAX_M = 8                    # token rows: the MMA's 8 columns
@@ -139,8 +138,7 @@ def _fp8_frag_kernel(  # type: ignore[no-untyped-def]
     ASM: tl.constexpr, PDL: tl.constexpr):
     """y[tok, row] = sum_k x[tok, group(row), k] dequant(w)[row, k] for program (tile of 16 WN
     rows, K split); x bf16 with even strides (16-byte aligned rows), w uint8 codes."""
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K

@@ -25,12 +25,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.act_quant import triton_act_quant
 from dsv4.kernels.triton.fp8_dot import fp8_block_dot, promote, round_bf16
 from dsv4.kernels.triton.fp8_linear import check_operands
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 BLOCK = 128
 GROUP_M = 8
@@ -42,8 +41,7 @@ def _fp8_linear_a8_kernel(  # type: ignore[no-untyped-def]
     x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_xs, stride_w, stride_s,
     stride_y, FP32_DOT: tl.constexpr, Y_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     m_tiles, n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * n_tiles)

@@ -34,10 +34,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, pow2
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 # Same dtype: a bit copy (uint8: packed FP8 entries); different dtypes: cast within X_DTYPES.
 POOL_DTYPES = (*X_DTYPES, torch.uint8)
@@ -60,8 +59,7 @@ def _copy_row(src, dst, D, BLOCK_D: tl.constexpr,  # type: ignore[no-untyped-def
 def _swap_in_kernel(host_ptr, dev_ptr, src_ptr, dst_ptr, D,  # type: ignore[no-untyped-def]
                     stride_host, stride_dev, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     i = tl.program_id(0)
     dst = tl.load(dst_ptr + i).to(tl.int64)
     if dst >= 0:
@@ -148,8 +146,7 @@ def triton_swap_in(host_pool: torch.Tensor, device_pool: torch.Tensor, src_entri
 def _write_rows_kernel(pool_ptr, rows_ptr, val_ptr, D,  # type: ignore[no-untyped-def]
                        stride_pool, stride_val, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                        PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     if row >= 0:

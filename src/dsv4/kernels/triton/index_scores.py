@@ -50,10 +50,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton import launch
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,8 +69,7 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ct, stride_ot,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
     EVEN_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     # NOTE: int64 row offsets: T * V reaches 2^31 at T = 8192, V = 262,144.
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)

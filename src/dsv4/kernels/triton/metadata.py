@@ -44,11 +44,10 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ops import CompressRows, CompressSpec, StepRows
 from dsv4.kernels.triton.launch import one_device, pow2
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 BLOCK_T = 8          # tokens per program
 BLOCK_V = 512        # candidate columns per program
@@ -201,8 +200,7 @@ def _metadata_kernel(  # type: ignore[no-untyped-def]
     RATIO1: tl.constexpr, S1: tl.constexpr, RING1: tl.constexpr, BLOCK_S1: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_V: tl.constexpr,
     PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     j = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = t < T

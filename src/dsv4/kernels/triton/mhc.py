@@ -62,7 +62,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, expect, one_device, pow2, sms
 from dsv4.kernels.triton.mhc_math import finish, project
@@ -72,7 +71,7 @@ from dsv4.kernels.triton.mhc_split import (
     plan_finish,
     plan_one_launch,
 )
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 __all__ = ["INVARIANT_SPLITS", "check_streams", "finish_warps", "plan_finish",
            "plan_one_launch", "plan_pre", "triton_mhc_head", "triton_mhc_pre"]
@@ -90,8 +89,7 @@ def _mhc_fused_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, h_ptr,  # type: ignore
                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                       EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr,
                       INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     pp, cm, sq = project(x_ptr, fn_ptr, offs_t, t_mask, 0, N * D, stride_xt, stride_fn,

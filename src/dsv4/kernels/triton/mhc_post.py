@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES, expect, one_device, pow2, sms
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
@@ -50,8 +49,7 @@ def post_mix(f_ptr, x_ptr, post_ptr, comb_ptr, t, offs_d,  # type: ignore[no-unt
 def _mhc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,  # type: ignore[no-untyped-def]
                      stride_ft, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
                      EVEN_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, NP)

@@ -33,13 +33,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.mhc import check_streams, triton_mhc_pre
 from dsv4.kernels.triton.mhc_math import operand_rows
 from dsv4.kernels.triton.mhc_post import check_post, post_mix, triton_mhc_post
 from dsv4.kernels.triton.mhc_split import launch_finish, plan_finish
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 POST_PRE_MAX_T = 8      # fused up to this many tokens (fn is read from L2 once per token)
 _BLOCK_D_ONE_TOKEN = 32   # BLOCK_D of the fused launch at T = 1 (`plan_post_pre`)
@@ -51,8 +50,7 @@ def _post_project_kernel(f_ptr, x_ptr, post_ptr, comb_ptr,  # type: ignore[no-un
                          out_ptr, fn_ptr, ws_ptr, sq_ptr, T, D, stride_ft, stride_fn,
                          N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
                          EVEN_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     offs_d = split * BLOCK_D + tl.arange(0, BLOCK_D)

@@ -48,12 +48,11 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.gemv import GemvCounters
 from dsv4.kernels.triton.launch import sms
 from dsv4.kernels.triton.mhc_math import finish, project, sum_partials
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 _MIN_DOT = 16
 _H_TILE = 8192          # elements of an h-loop tile [BLOCK_T, NP, BLOCK_D]
@@ -88,8 +87,7 @@ def _mhc_partial_kernel(x_ptr, fn_ptr, ws_ptr, sq_ptr, T, K,  # type: ignore[no-
                         HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     _store_partials(x_ptr, fn_ptr, ws_ptr, sq_ptr, offs_t, offs_t < T, tl.program_id(1), T, K,
                     k_per_split, stride_xt, stride_fn, N, NP, HEAD, BLOCK_T, BLOCK_K, EVEN_K, DOT,
@@ -102,8 +100,7 @@ def _mhc_finish_kernel(x_ptr, ws_ptr, sq_ptr, scale_ptr, base_ptr,  # type: igno
                        stride_xt, stride_ht, N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                        EVEN_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     pid_d = tl.program_id(1)
@@ -127,8 +124,7 @@ def _mhc_one_launch_kernel(x_ptr, fn_ptr, ws_ptr, sq_ptr, cnt_ptr,  # type: igno
     """The partial program (tile, split), then the tile's last arrival finishes the tile.
 
     FINISH_T divides BLOCK_T, so the finish tiles t0 + [0, FINISH_T) are the finish launch's."""
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     offs_t = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     _store_partials(x_ptr, fn_ptr, ws_ptr, sq_ptr, offs_t, offs_t < T, tl.program_id(1), T, K,

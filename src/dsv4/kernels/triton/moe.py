@@ -71,7 +71,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ref.moe import WaitShared, add_shared
 from dsv4.kernels.triton.libm import libdevice_math
@@ -83,7 +82,7 @@ from dsv4.kernels.triton.moe_frag import frag_launches
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_and_block, tile_map, tile_rows
 from dsv4.kernels.triton.moe_w8a8 import w8a8_launches
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}
@@ -99,8 +98,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     tile, n_block = tile_and_block(INTER, BLOCK_N)
     e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
     if live:
@@ -156,8 +154,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
     ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     tile, n_block = tile_and_block(D, BLOCK_N)
     e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
     if live:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 BLOCK_D = 512           # columns per program: 4 fp32 (one 16-byte vector) per thread at 4 warps
 NUM_WARPS = 4
@@ -32,8 +31,7 @@ NUM_WARPS = 4
 def _combine_kernel(  # type: ignore[no-untyped-def]
     parts_ptr, shared_ptr, out_ptr, D, stride_pn, stride_pk, stride_s, stride_o,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D

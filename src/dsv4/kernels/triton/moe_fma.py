@@ -34,13 +34,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_combine import down_output
 from dsv4.kernels.triton.moe_fma_words import decode_words, load_words, next_k
 from dsv4.kernels.triton.moe_plan import MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 ACT_SHIFT = 62          # FP4: activations enter the K loop times 2^ACT_SHIFT (module docstring)
@@ -176,8 +175,7 @@ def _gate_up_fma_kernel(  # type: ignore[no-untyped-def]
     """h rows of one tile: the gate/up epilogue; x in `fma_activations` form, h written in it too
     (fp32 of the H_DTYPE-rounded value times 2^SHIFT, columns in chunk order) for the down
     launch."""
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
     row_start, row_end, e = slot_or_tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)
@@ -233,8 +231,7 @@ def _down_fma_kernel(  # type: ignore[no-untyped-def]
     EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     SLOTS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     CHUNK: tl.constexpr = 32 if FMT == 2 else 16
     C: tl.constexpr = BLOCK_K // CHUNK
     row_start, row_end, e = slot_or_tile(t_start_ptr, t_end_ptr, t_exp_ptr, SLOTS)

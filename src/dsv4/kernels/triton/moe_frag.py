@@ -47,7 +47,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.moe_combine import down_output
 from dsv4.kernels.triton.moe_frag_regs import down_step, gate_up_step
@@ -59,7 +58,7 @@ from dsv4.kernels.triton.moe_plan import (
     frag_warps,
 )
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 _STEP = tl.constexpr(FRAG_STEP)
@@ -164,8 +163,7 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
     K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     count = end - start
     if count > 0:
@@ -206,8 +204,7 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
     added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     count = end - start
     if count > 0:

@@ -31,10 +31,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.libm import libdevice_math, softplus_f32
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 MAX_EXPERTS = 4096
 _TOPK, _HASH, _REPLAY = 0, 1, 2
@@ -46,8 +45,7 @@ def _gate_select_kernel(logits_ptr, bias_ptr, sel_ptr, ids_ptr,  # type: ignore[
                         K: tl.constexpr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
                         WIDTH: tl.constexpr, LOG_WIDTH: tl.constexpr, LIBDEVICE: tl.constexpr,
                         PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, 2 * WIDTH)
     live_k = slot < K

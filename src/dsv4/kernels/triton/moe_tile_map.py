@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 MAX_FUSED_SLOTS = 4096
 MAX_FUSED_EXPERTS = 1024
@@ -110,8 +109,7 @@ def tile_map_ref(indices: torch.Tensor, num_experts: int, block_m: int) -> TileM
 def _tile_map_kernel(idx_ptr, order_ptr, ts_ptr, te_ptr, tx_ptr,  # type: ignore[no-untyped-def]
                      nk, num_tiles, E: tl.constexpr, BM: tl.constexpr, BLOCK_NK: tl.constexpr,
                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     offs_i = tl.arange(0, BLOCK_NK)
     mi = offs_i < nk
     e_i = tl.load(idx_ptr + offs_i, mask=mi, other=0).to(tl.int32)

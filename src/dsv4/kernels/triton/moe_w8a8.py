@@ -35,14 +35,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.act_quant import half_order, quant_rows, triton_act_quant
 from dsv4.kernels.triton.fp8_dot import fp8_block_dot, promote, round_bf16
 from dsv4.kernels.triton.moe_decode import e8m0
 from dsv4.kernels.triton.moe_plan import MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap, tile_and_block, tile_rows
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 W8A8_BLOCK = 128
@@ -136,8 +135,7 @@ def _w8a8_gate_up_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
     TOPK: tl.constexpr, FMT: tl.constexpr, H_BF16: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     tile, n_block = tile_and_block(INTER, BLOCK_N)
     e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
     if live:
@@ -174,8 +172,7 @@ def _w8a8_down_kernel(  # type: ignore[no-untyped-def]
     K, D, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     tile, n_block = tile_and_block(D, BLOCK_N)
     e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
     if live:

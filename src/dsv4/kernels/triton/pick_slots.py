@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 BLOCK_ELEMS = 2048      # picks per program (rows x the picks' width, rounded to powers of two)
 
@@ -28,8 +27,7 @@ BLOCK_ELEMS = 2048      # picks per program (rows x the picks' width, rounded to
 def _pick_slots_kernel(picks_ptr, cand_ptr, ids_ptr, slots_ptr,  # type: ignore[no-untyped-def]
                        T, K, stride_p, stride_c,
                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_K)
     live = (rows < T)[:, None] & (cols < K)[None, :]

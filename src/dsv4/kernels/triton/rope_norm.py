@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -38,8 +37,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[n
                       slot_ptr, D, rows_per_token, rope_first, eps, stride_xt, stride_xh, stride_cs,
                       stride_out, NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
                       SCATTER: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     t = row // rows_per_token
     offs = tl.arange(0, BLOCK_D)

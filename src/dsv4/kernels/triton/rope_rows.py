@@ -32,11 +32,10 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.ops import ROPE_ROWS_MAX_PAIRS
 from dsv4.kernels.ref.rope_rows import check_pairs
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 BLOCK_ELEMS = 2048      # cos elements per program (BLOCK_T rows x BLOCK_R columns)
 NUM_WARPS = 4
@@ -67,8 +66,7 @@ def _rope_rows_kernel(  # type: ignore[no-untyped-def]
     cache3_ptr, pos3_ptr, out3_ptr, N3, P3,
     NPAIRS: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
     R3: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     block = tl.program_id(0)
     pair = tl.program_id(1)
     if pair == 0:

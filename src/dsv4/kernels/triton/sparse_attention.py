@@ -92,10 +92,9 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton import launch
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -168,8 +167,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     stride_qt, stride_qh, stride_kv1, stride_i1, stride_kv2, stride_i2, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     # NOTE: int64 token offsets: T * H * D reaches 2^31 at T = 65,536 on Flash.
     pid = tl.program_id(0)
     t = (pid // num_groups).to(tl.int64)
@@ -218,8 +216,7 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D,  # type: ignore[
                     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PDL: tl.constexpr):
     """o[t, h] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak)); grid
     (T * H,)."""
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)                                     # t * H + h
     t, h = row // H, row % H
     offs_s = tl.arange(0, BLOCK_S)

@@ -21,11 +21,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton.launch import X_DTYPES
 from dsv4.kernels.triton.libm import libdevice_math, silu_f32
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 
 BLOCK = 1024
 
@@ -45,8 +44,7 @@ def swiglu_f32(g, u, limit, DTYPE: tl.constexpr,  # type: ignore[no-untyped-def]
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, cols,  # type: ignore[no-untyped-def]
                    stride_g, stride_u, limit, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
                    PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     # element i of the contiguous output is (row, col) = divmod(i, cols) of gate / up, whose rows
     # may lie `stride_g` / `stride_u` elements apart (contiguous inputs: one row of n)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

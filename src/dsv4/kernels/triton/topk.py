@@ -56,10 +56,9 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from dsv4.kernels.triton import launch
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.topk_compact import CompactPlan, launch_compact, workspace_numel
 from dsv4.kernels.triton.topk_coop import CoopPlan, coop_workspace_numel, launch_coop, row_words
 from dsv4.kernels.triton.topk_radix import (
@@ -248,8 +247,7 @@ def device_sms(device: torch.device) -> int | None:
 def _topk_row_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, out_ptr, N, K, stride_s, BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr,
     PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0)
     n = row_len(lengths_ptr, row, N)
     k_eff = tl.minimum(n, K)

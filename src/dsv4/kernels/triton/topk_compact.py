@@ -55,9 +55,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.topk_radix import bin_floor, digit_hist, order_key, row_len
 from dsv4.kernels.triton.topk_tail import (
     BIN0,
@@ -139,8 +138,7 @@ def _hist_kernel(  # type: ignore[no-untyped-def]
     scores_ptr, lengths_ptr, slots_ptr, state_ptr, N, K, stride_s, P1, CHUNK1, STATE_LEN,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, ZERO_BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
     PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     row = pid // P1
     lo = (pid % P1) * CHUNK1
@@ -281,8 +279,7 @@ def _compact_kernel(  # type: ignore[no-untyped-def]
     FINISH_BLOCK: tl.constexpr, P1_POW2: tl.constexpr, P2_POW2: tl.constexpr,
     PAD_BLOCK: tl.constexpr, probe_ptr, PROBE: tl.constexpr, CHUNK_TILE: tl.constexpr,
     PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     probe = probe_ptr + pid * 16
     stamp(probe, 0, PROBE)
@@ -335,8 +332,7 @@ def _tail_kernel(  # type: ignore[no-untyped-def]
     at large batch). K2's lower-bound bin0 comes from the row state (stored by the row's first K2
     program), not recomputed from K1's slots; the tail finds the exact bin0 and k_rem from hc0
     itself, so k_eff stands in for K2's k_rem."""
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     row = tl.program_id(0)
     probe = probe_ptr + row.to(tl.int64) * P2 * 16
     stamp(probe, 4, PROBE)

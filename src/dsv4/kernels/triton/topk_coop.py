@@ -56,9 +56,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.topk_radix import (
     find_bin,
     find_bin_count,
@@ -163,8 +162,7 @@ def _coop_kernel(  # type: ignore[no-untyped-def]
     CHUNK: tl.constexpr, CAP: tl.constexpr, P_POW2: tl.constexpr, ZERO_BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr, STAGE: tl.constexpr, probe_ptr, PROBE: tl.constexpr,
     PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the prior kernel's writes first
-        gdc_wait()
+    pdl_enter(PDL)
     FUSED: tl.constexpr = STAGE == 0
     pid = tl.program_id(0)
     probe = probe_ptr + pid * 8
