@@ -430,11 +430,10 @@ def gemv_variants() -> Iterator[Variant]:
             options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
             yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k}", gemv._gemv_kernel,
                    gemv_types(dt, dt), consts, options)
-            if M == 1:      # EARLY PDL with the weight prefetch (pdl.py)
-                lines = pdl.PREFETCH_ROW_BYTES // pdl.LINE
-                yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k} early pf{lines}",
-                       gemv._gemv_kernel, gemv_types(dt, dt),
-                       {**consts, "PDL": pdl.EARLY, "PF": lines}, {**options, "launch_pdl": True})
+            if M == 1:      # PDL's EARLY mode (pdl.py)
+                yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k} early",
+                       gemv._gemv_kernel, gemv_types(dt, dt), {**consts, "PDL": pdl.EARLY},
+                       {**options, "launch_pdl": True})
     N, K = 4096, 2048
     for M in (1, 4):
         plan = gemv.plan_gemv(M, N, K, torch.bfloat16, torch.bfloat16, 132,
@@ -504,12 +503,9 @@ def fp8_linear_variants() -> Iterator[Variant]:
         options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
         yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
                consts, options)
-        if M == 1 and not swiglu:   # EARLY PDL with the weight prefetch (pdl.py)
-            lines = triton.cdiv(min(per * fp8_plan.BLOCK * plan.kb, pdl.PREFETCH_ROW_BYTES),
-                                pdl.LINE)
-            yield (f"fp8_linear {N}x{K} M={M} {path} s{splits} early pf{lines}",
-                   f8._fp8_linear_kernel, types, {**consts, "PDL": pdl.EARLY, "PF": lines},
-                   {**options, "launch_pdl": True})
+        if M == 1 and not swiglu:   # PDL's EARLY mode (pdl.py)
+            yield (f"fp8_linear {N}x{K} M={M} {path} s{splits} early", f8._fp8_linear_kernel,
+                   types, {**consts, "PDL": pdl.EARLY}, {**options, "launch_pdl": True})
     yield from fp8_frag_variants()
     yield from fp8_linear_a8_variants()
 
@@ -651,13 +647,10 @@ def compile_variant(kernel: Any, types: dict[str, str], consts: dict[str, Any],
 
     Pointers and ":16"-typed integers are marked divisible by 16 (see the module docstring). A
     kernel with the `PDL` constexpr compiles as it launches on the H200 by default: PDL in WAIT
-    mode (`kernels/triton/pdl.py`), unless the variant sets it; one with the weight prefetch
-    constexpr `PF` without it (PF 0) unless the variant sets it.
+    mode (`kernels/triton/pdl.py`), unless the variant sets it.
     """
     if "PDL" in kernel.arg_names and "PDL" not in consts:
         consts, options = {**consts, "PDL": pdl.WAIT}, {**options, "launch_pdl": True}
-    if "PF" in kernel.arg_names and "PF" not in consts:
-        consts = {**consts, "PF": 0}
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, name in enumerate(kernel.arg_names):

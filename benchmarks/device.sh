@@ -68,12 +68,11 @@
 #                 (checkpoint_decode_{bf16,checkpoint}.json), and profiles of the batch-1 step in both formats
 #                 ({checkpoint,bf16}_profile.txt) with their traces read by trace_gaps.py (each stream's busy
 #                 time, the idle gaps: checkpoint_trace_gaps.txt)
-#   pdl-early     PDL's EARLY mode (DSV4_PDL=2: dependents scheduled while a kernel runs, weight rows
-#                 prefetched into L2 before the wait) against WAIT (1): the PDL GPU tests (a GEMV / FP8 chain
-#                 in a graph in every mode, micro's outputs in bf16 through graphs in EARLY mode) and the FP8
-#                 linear's GPU tests in EARLY mode (pdl_tests.txt); flash-4l decode at batch 1 and 32 (4K),
-#                 checkpoint in WAIT, EARLY, EARLY without prefetch and EARLY with 4 KB prefetched per row,
-#                 bf16 in WAIT and EARLY (pdl_{checkpoint,bf16}_<mode>.json)
+#   pdl-ab        PDL's EARLY mode (DSV4_PDL=2: the next kernel's programs scheduled while a kernel runs)
+#                 against WAIT (1): flash-4l decode at batch 1 and 32 (4K) in checkpoint precision, WAIT and
+#                 EARLY twice each in turn (pdl_checkpoint_{1,2}_{a,b}.json), bf16 in EARLY
+#                 (pdl_bf16_2_a.json); then the checkpoint batch-1 step's profile in WAIT with its trace read
+#                 by trace_gaps.py (each stream's busy time, the gaps: pdl_profile.txt, pdl_trace_gaps.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -329,22 +328,23 @@ checkpoint() {
   done
 }
 
-pdl_early() {   # PDL's EARLY mode (DSV4_PDL=2) against WAIT (1), with the weight prefetch sizes
-  local run fmt mode pf
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl.py \
-    -k "not same_outputs or 2-True-bfloat16" > "$OUT/pdl_tests.txt" 2>&1
-  tail -2 "$OUT/pdl_tests.txt"
-  DSV4_PDL=2 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_linear.py \
-    >> "$OUT/pdl_tests.txt" 2>&1
-  tail -1 "$OUT/pdl_tests.txt"
-  for run in checkpoint:1:1024 checkpoint:2:1024 checkpoint:2:0 checkpoint:2:4096 bf16:1:1024 bf16:2:1024; do
-    IFS=: read -r fmt mode pf <<< "$run"
-    DSV4_PDL=$mode DSV4_PDL_PREFETCH=$pf timeout 100 python3 benchmarks/decode_context_sweep.py \
-      --device cuda --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 \
-      --batches 32 --batch-contexts 4096 --weight-format "$fmt" \
-      --out "$OUT/pdl_${fmt}_${mode}_${pf}.json" > /tmp/pdl_run.txt 2>&1
-    echo "--- $fmt DSV4_PDL=$mode prefetch $pf"; grep -v "^{" /tmp/pdl_run.txt | tail -3
+pdl_ab() {   # PDL's EARLY mode (DSV4_PDL=2) against WAIT (1), then the step's trace in WAIT
+  local run fmt mode rep
+  for run in checkpoint:1:a checkpoint:2:a checkpoint:1:b checkpoint:2:b bf16:2:a; do
+    IFS=: read -r fmt mode rep <<< "$run"
+    DSV4_PDL=$mode timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
+      --batch-contexts 4096 --weight-format "$fmt" --out "$OUT/pdl_${fmt}_${mode}_$rep.json" \
+      > /tmp/pdl_run.txt 2>&1
+    echo "--- $fmt DSV4_PDL=$mode ($rep)"; grep -v "^{" /tmp/pdl_run.txt | tail -3
   done
+  timeout 120 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda \
+    --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only \
+    --warm-steps 3 --steps 20 --rows 40 --weight-format checkpoint --trace /tmp/pdl_trace.json \
+    > "$OUT/pdl_profile.txt" 2>&1
+  tail -1 "$OUT/pdl_profile.txt" | cut -c 1-300
+  python3 benchmarks/trace_gaps.py /tmp/pdl_trace.json --top 15 > "$OUT/pdl_trace_gaps.txt" 2>&1
+  grep -E "^step|stream" "$OUT/pdl_trace_gaps.txt" | head -8
 }
 
 sass() {
@@ -353,7 +353,7 @@ sass() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,83p' "$0"
+  sed -n '2,82p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -377,7 +377,7 @@ for part in "$@"; do
     drift) drift ;;
     w8a8) w8a8 ;;
     checkpoint) checkpoint ;;
-    pdl-early) pdl_early ;;
+    pdl-ab) pdl_ab ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint sass"; exit 2 ;;

@@ -15,17 +15,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.kernels.triton import pdl
-from dsv4.kernels.triton.pdl import (
-    EARLY,
-    ENV,
-    OFF,
-    PREFETCH_ENV,
-    WAIT,
-    pdl_args,
-    pdl_enabled,
-    pdl_mode,
-    prefetch_lines,
-)
+from dsv4.kernels.triton.pdl import EARLY, ENV, OFF, WAIT, pdl_args, pdl_enabled, pdl_mode
 
 _GPU = pytest.mark.skipif(not torch.cuda.is_available()
                           or torch.cuda.get_device_capability() < (9, 0),
@@ -33,43 +23,31 @@ _GPU = pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def test_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off the GPU every mode is OFF, and no weight is prefetched."""
+    """Off the GPU every mode is OFF."""
     for value in ("0", "1", "2"):
         monkeypatch.setenv(ENV, value)
         assert pdl_args(torch.device("cpu")) == {"PDL": OFF, "launch_pdl": False}
         assert not pdl_enabled(torch.device("cpu"))
-        assert prefetch_lines(torch.device("cpu"), 4096) == 0
 
 
-def test_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A DSV4_PDL other than 0 / 1 / 2, or a prefetch size that is not a whole number of bytes,
-    is refused with the variable and the allowed values named."""
+def test_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DSV4_PDL other than 0 / 1 / 2 is refused with the variable and the allowed values."""
     monkeypatch.setenv(ENV, "early")
-    with pytest.raises(ValueError, match="DSV4_PDL must be one of"):
+    with pytest.raises(ValueError, match=r"DSV4_PDL must be one of \['0', '1', '2'\]"):
         pdl_mode(torch.device("cpu"))
-    monkeypatch.setenv(ENV, "2")
-    monkeypatch.setattr(pdl, "_hopper", lambda index: True)
-    monkeypatch.setenv(PREFETCH_ENV, "-5")
-    with pytest.raises(ValueError, match="DSV4_PDL_PREFETCH must be a whole number"):
-        prefetch_lines(torch.device("cuda", 0), 4096)
 
 
 @pytest.mark.parametrize("value,mode", [("0", OFF), ("1", WAIT), ("2", EARLY), (None, WAIT)])
 def test_modes(value: str | None, mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DSV4_PDL picks the mode on a Hopper GPU (faked), WAIT by default; only EARLY prefetches:
-    a row's first min(row bytes, DSV4_PDL_PREFETCH or 1024) bytes, in whole 128-byte lines."""
+    """DSV4_PDL picks the mode on a Hopper GPU (faked), WAIT by default."""
     monkeypatch.setattr(pdl, "_hopper", lambda index: True)
     if value is None:
         monkeypatch.delenv(ENV, raising=False)
     else:
         monkeypatch.setenv(ENV, value)
-    monkeypatch.delenv(PREFETCH_ENV, raising=False)
     dev = torch.device("cuda", 0)
     assert pdl_args(dev) == {"PDL": mode, "launch_pdl": mode != OFF}
-    lines = prefetch_lines(dev, 4096), prefetch_lines(dev, 300)
-    assert lines == ((8, 3) if mode == EARLY else (0, 0))
-    monkeypatch.setenv(PREFETCH_ENV, "256")
-    assert prefetch_lines(dev, 4096) == (2 if mode == EARLY else 0)
+    assert pdl_enabled(dev) is (mode != OFF)
 
 
 @pytest.mark.parametrize("capability,hip,on", [((9, 0), None, True), ((10, 0), None, True),
@@ -117,7 +95,7 @@ def _chain(ws: list[torch.Tensor], codes: list[tuple[torch.Tensor, torch.Tensor]
 @_GPU
 def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 GEMVs and 16 FP8 linears (both split-K at M = 1), each reading the one before's output,
-    captured with PDL off, in WAIT and in EARLY mode (the weight prefetch on): the same bits,
+    captured with PDL off, in WAIT and in EARLY mode: the same bits,
     replay after replay."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(4096, 1024, device="cuda", generator=g).bfloat16() / 32 for _ in range(16)]

@@ -62,7 +62,7 @@ from dsv4.kernels.triton.gemv import even_split, store_tile
 from dsv4.kernels.triton.launch import X_DTYPES, sms
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import e8m0
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter, prefetch_lines, prefetch_rows
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32, triton_swiglu
 
 SWIGLU_MAX_M = 2            # the SwiGLU mode computes h in the FMA kernel up to this M
@@ -106,7 +106,8 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     stride_um, rows_g, stride_wn, stride_sn, k_per_split, limit, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-    SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+    SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     BLOCK_K: tl.constexpr = 128 * KB
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -121,9 +122,6 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     s_row = s_ptr + ((n_tile * BLOCK_N) // 128).to(tl.int64) * stride_sn  # one block row
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if PF > 0:   # EARLY PDL: this program's first weight bytes into L2 before the wait (pdl.py)
-        prefetch_rows(w_ptr + rows_w * stride_wn + k_lo, k_hi - k_lo, PF)
-    pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if DOT:
         offs_k = tl.arange(0, BLOCK_K)
@@ -288,6 +286,6 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         per * BLOCK * plan.kb, limit, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KB=plan.kb,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         FP32_DOT=fp32_dot, EVEN_K=K % (BLOCK * plan.kb) == 0, SWIGLU=up is not None,
-        LIBDEVICE=_LIBDEVICE, PF=prefetch_lines(x.device, per * BLOCK * plan.kb),
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(x.device))
+        LIBDEVICE=_LIBDEVICE, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **pdl_args(x.device))
     return y.view(shape)

@@ -73,7 +73,7 @@ import triton.language as tl
 from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter, prefetch_lines, prefetch_rows
+from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
@@ -112,7 +112,8 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-    LIBDEVICE: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+    LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -125,11 +126,6 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if PF > 0:   # EARLY PDL: this program's first weight bytes into L2 before the wait (pdl.py)
-        size: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_rows((w_ptr + rows_w * stride_wn + k_lo).to(tl.pointer_type(tl.uint8)),
-                      (k_hi - k_lo) * size, PF)
-    pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # y^T tile, both paths
     cols_m = tl.arange(0, BLOCK_M)[None, :]
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -372,9 +368,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
         float(limit), BLOCK_M=block_m(M, plan.dot), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
-        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE,
-        PF=prefetch_lines(x.device, per * plan.block_k * w.element_size()),
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(x.device))
+        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **pdl_args(x.device))
     return y
 
 
