@@ -6,6 +6,9 @@ launches in every mode."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,15 @@ def test_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(ENV, value)
         assert pdl_args(torch.device("cpu")) == {"PDL": OFF, "launch_pdl": False}
         assert not pdl_enabled(torch.device("cpu"))
+
+
+def test_host_side_defines_no_kernel() -> None:
+    """Importing `pdl.py` (the engine's tests do, before the kernel tests' conftest sets
+    TRITON_INTERPRET) imports no Triton: a Triton function defined then would be compiled, not
+    interpreted, and every interpreted kernel calling it would fail."""
+    code = "import sys, dsv4.kernels.triton.pdl; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env={**os.environ, "PYTHONPATH": str(Path(pdl.__file__).parents[3])})
 
 
 def test_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:

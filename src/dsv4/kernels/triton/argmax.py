@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.launch import X_DTYPES, pow2
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 BLOCK_V = 4096       # columns per stage-1 program: 32 programs per row at V = 129,280
 MAX_V = 2**28        # chunks per row stay within a grid's second axis (65,535)

@@ -89,7 +89,8 @@ from dsv4.kernels.triton.compressor_ape import slot_ape
 from dsv4.kernels.triton.compressor_checks import check_inputs
 from dsv4.kernels.triton.compressor_config import SHORT_WINDOW, default_config, default_tokens
 from dsv4.kernels.triton.compressor_group import launch_group
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 
 @triton.jit

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.compressor_ape import slot_ape
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 
 @triton.jit

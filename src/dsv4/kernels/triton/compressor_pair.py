@@ -46,7 +46,8 @@ from dsv4.kernels.triton.compressor import (
     write_ring_rows,
 )
 from dsv4.kernels.triton.compressor_checks import check_inputs
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 _MAX_WINDOW = 16            # S: the window is pooled in one [next_pow2(S), Dc] tile per compressor
 # the H200 sweep's best at B 64, 256, 4096 (2 warps at 1024, where singles win anyway)

@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.moe_frag_regs import hmul2, ld4, mma, prmt_hi, prmt_lo, scale_code
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 STEP = 128                   # k per K step: one scale block (a quad's 4 lanes x 32 k)
 MAX_M = 8                    # token rows: the MMA's 8 columns

@@ -62,7 +62,8 @@ from dsv4.kernels.triton.gemv import even_split, store_tile
 from dsv4.kernels.triton.launch import X_DTYPES, sms
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import e8m0
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32, triton_swiglu
 
 SWIGLU_MAX_M = 2            # the SwiGLU mode computes h in the FMA kernel up to this M

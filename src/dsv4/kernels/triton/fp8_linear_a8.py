@@ -29,7 +29,8 @@ import triton.language as tl
 from dsv4.kernels.triton.act_quant import triton_act_quant
 from dsv4.kernels.triton.fp8_dot import fp8_block_dot, promote, round_bf16
 from dsv4.kernels.triton.fp8_linear import check_operands
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 BLOCK = 128
 GROUP_M = 8

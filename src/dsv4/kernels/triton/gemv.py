@@ -73,7 +73,8 @@ import triton.language as tl
 from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)

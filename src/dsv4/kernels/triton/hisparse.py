@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.launch import X_DTYPES, pow2
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 # Same dtype: a bit copy (uint8: packed FP8 entries); different dtypes: cast within X_DTYPES.
 POOL_DTYPES = (*X_DTYPES, torch.uint8)

@@ -47,7 +47,8 @@ import triton.language as tl
 
 from dsv4.kernels.ops import CompressRows, CompressSpec, StepRows
 from dsv4.kernels.triton.launch import one_device, pow2
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 BLOCK_T = 8          # tokens per program
 BLOCK_V = 512        # candidate columns per program

@@ -71,7 +71,8 @@ from dsv4.kernels.triton.mhc_split import (
     plan_finish,
     plan_one_launch,
 )
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 __all__ = ["INVARIANT_SPLITS", "check_streams", "finish_warps", "plan_finish",
            "plan_one_launch", "plan_pre", "triton_mhc_head", "triton_mhc_pre"]

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.launch import X_DTYPES, expect, one_device, pow2, sms
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 
 @triton.jit

@@ -38,7 +38,8 @@ from dsv4.kernels.triton.mhc import check_streams, triton_mhc_pre
 from dsv4.kernels.triton.mhc_math import operand_rows
 from dsv4.kernels.triton.mhc_post import check_post, post_mix, triton_mhc_post
 from dsv4.kernels.triton.mhc_split import launch_finish, plan_finish
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 POST_PRE_MAX_T = 8      # fused up to this many tokens (fn is read from L2 once per token)
 _BLOCK_D_ONE_TOKEN = 32   # BLOCK_D of the fused launch at T = 1 (`plan_post_pre`)

@@ -52,7 +52,8 @@ import triton.language as tl
 from dsv4.kernels.triton.gemv import GemvCounters
 from dsv4.kernels.triton.launch import sms
 from dsv4.kernels.triton.mhc_math import finish, project, sum_partials
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 _MIN_DOT = 16
 _H_TILE = 8192          # elements of an h-loop tile [BLOCK_T, NP, BLOCK_D]

@@ -82,7 +82,8 @@ from dsv4.kernels.triton.moe_frag import frag_launches
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
 from dsv4.kernels.triton.moe_tile_map import tile_and_block, tile_map, tile_rows
 from dsv4.kernels.triton.moe_w8a8 import w8a8_launches
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 FMTS = {"bf16": 0, "fp8": 1, "fp4": 2}

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.launch import X_DTYPES
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 BLOCK_D = 512           # columns per program: 4 fp32 (one 16-byte vector) per thread at 4 warps
 NUM_WARPS = 4

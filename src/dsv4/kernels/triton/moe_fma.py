@@ -39,7 +39,8 @@ from dsv4.kernels.triton.moe_combine import down_output
 from dsv4.kernels.triton.moe_fma_words import decode_words, load_words, next_k
 from dsv4.kernels.triton.moe_plan import MoePlan
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 ACT_SHIFT = 62          # FP4: activations enter the K loop times 2^ACT_SHIFT (module docstring)

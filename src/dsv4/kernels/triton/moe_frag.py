@@ -58,7 +58,8 @@ from dsv4.kernels.triton.moe_plan import (
     frag_warps,
 )
 from dsv4.kernels.triton.moe_tile_map import TileMap, slot_or_tile
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
 _STEP = tl.constexpr(FRAG_STEP)

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.libm import libdevice_math, softplus_f32
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 MAX_EXPERTS = 4096
 _TOPK, _HASH, _REPLAY = 0, 1, 2

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 MAX_FUSED_SLOTS = 4096
 MAX_FUSED_EXPERTS = 1024

@@ -16,7 +16,9 @@ Modes (the `PDL` constexpr, from `pdl_args`):
   H200 it helps the batch-1 decode step and slows the batch-32 one
   (benchmarks/results/quant_moe_h200_202612.md).
 
-Contract of every kernel that takes the `PDL` constexpr: its first statement is `pdl_enter(PDL)`,
+Contract of every kernel that takes the `PDL` constexpr: its first statement is `pdl_enter(PDL)`
+(`pdl_enter.py`; this module defines no Triton function, so importing it, as the engine and its
+tests do before TRITON_INTERPRET may be set, creates no kernel),
 unconditionally, before any load, store or early return. So no program reads a prior kernel's
 output early, and no grid completes before the grid ahead of it: a kernel C launched after B
 reads what A wrote before B, since C's wait covers B and B finished only after its own wait
@@ -37,9 +39,6 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENV = "DSV4_PDL"
 OFF, WAIT, EARLY = 0, 1, 2     # the PDL constexpr's modes (module docstring)
@@ -75,13 +74,3 @@ def pdl_args(device: torch.device) -> dict[str, int | bool]:
     `launch_pdl`."""
     mode = pdl_mode(device)
     return {"PDL": mode, "launch_pdl": mode != OFF}
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):  # type: ignore[no-untyped-def]
-    """A PDL kernel's entry (module docstring): wait for the kernels ahead (WAIT, EARLY), then
-    let the next kernel's programs be scheduled (EARLY)."""
-    if PDL:
-        gdc_wait()
-    if PDL == 2:
-        gdc_launch_dependents()

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 BLOCK_ELEMS = 2048      # picks per program (rows x the picks' width, rounded to powers of two)
 

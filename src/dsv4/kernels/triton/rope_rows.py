@@ -35,7 +35,8 @@ import triton.language as tl
 
 from dsv4.kernels.ops import ROPE_ROWS_MAX_PAIRS
 from dsv4.kernels.ref.rope_rows import check_pairs
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 BLOCK_ELEMS = 2048      # cos elements per program (BLOCK_T rows x BLOCK_R columns)
 NUM_WARPS = 4

@@ -94,7 +94,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton import launch
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -24,7 +24,8 @@ import triton.language as tl
 
 from dsv4.kernels.triton.launch import X_DTYPES
 from dsv4.kernels.triton.libm import libdevice_math, silu_f32
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 BLOCK = 1024
 

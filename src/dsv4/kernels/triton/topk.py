@@ -58,7 +58,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton import launch
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.topk_compact import CompactPlan, launch_compact, workspace_numel
 from dsv4.kernels.triton.topk_coop import CoopPlan, coop_workspace_numel, launch_coop, row_words
 from dsv4.kernels.triton.topk_radix import (

@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.pdl import pdl_args, pdl_enter
+from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.topk_radix import (
     find_bin,
     find_bin_count,
