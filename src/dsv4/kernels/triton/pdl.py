@@ -17,13 +17,13 @@ Modes (the `PDL` constexpr, from `pdl_args`):
   (benchmarks/results/quant_moe_h200_202612.md).
 
 Contract of every kernel that takes the `PDL` constexpr: its first statement is `pdl_enter(PDL)`
-(`pdl_enter.py`; this module defines no Triton function, so importing it, as the engine and its
-tests do before TRITON_INTERPRET may be set, creates no kernel),
-unconditionally, before any load, store or early return. So no program reads a prior kernel's
-output early, and no grid completes before the grid ahead of it: a kernel C launched after B
-reads what A wrote before B, since C's wait covers B and B finished only after its own wait
-covered A (with EARLY too: B triggers C only after its wait returned). A trigger placed after
-the wait keeps at most one kernel's programs waiting ahead of the running one.
+(`pdl_enter.py`), unconditionally, before any load, store or early return. So no program reads a
+prior kernel's output early, and no grid completes before the grid ahead of it: a kernel C
+launched after B reads what A wrote before B, since C's wait covers B and B finished only after
+its own wait covered A (with EARLY too: B triggers C only after its wait returned). A trigger
+placed after the wait keeps at most one kernel's programs waiting ahead of the running one. This
+module defines no Triton function: the engine and its tests import it before TRITON_INTERPRET
+may be set, and a Triton function defined then would be compiled, not interpreted.
 
 `pdl_args(device)` gives the two launch keywords, on where the device runs it: an NVIDIA GPU of
 compute capability >= 9.0, and the `DSV4_PDL` environment variable ("0" off, "1" WAIT, "2" EARLY;
