@@ -380,6 +380,6 @@ for part in "$@"; do
     pdl-ab) pdl_ab ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint sass"; exit 2 ;;
+         "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab sass"; exit 2 ;;
   esac
 done

@@ -107,8 +107,7 @@ def _chain(ws: list[torch.Tensor], codes: list[tuple[torch.Tensor, torch.Tensor]
 @_GPU
 def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 GEMVs and 16 FP8 linears (both split-K at M = 1), each reading the one before's output,
-    captured with PDL off, in WAIT and in EARLY mode: the same bits,
-    replay after replay."""
+    captured with PDL off, in WAIT and in EARLY mode: the same bits, replay after replay."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(4096, 1024, device="cuda", generator=g).bfloat16() / 32 for _ in range(16)]
     # [1024, 4096] codes (K 4096: split-K at M = 1), every block scaled by 2^-9: outputs ~ 1

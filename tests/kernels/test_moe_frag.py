@@ -4,10 +4,10 @@ Flash parity rows also run frag).
 
 CPU (interpreter, the MMA emulated): a masked K tail (I = 96: the down launch's last step holds
 3 of a quad's 4 groups), one expert holding every token, 1 and 2 warps across N, K split over
-2 or 4 warps (bits equal), both epilogues, BLOCK_M 8 / 16 tiles (bits equal to BLOCK_M 1's), the
-K-step prefetch (bits equal to the plain loop); the plan's knobs and refusals.
+2 or 4 warps (bits equal), both epilogues, BLOCK_M 8 / 16 tiles (bits equal to BLOCK_M 1's); the
+plan's knobs and refusals.
 GPU (`-m gpu`): V4-Flash experts at N = 1, 8, 32 on every launch shape the sweep uses (bits
-equal), rows independent of the batch, the prefetch on and off (bits equal).
+equal), rows independent of the batch.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_frag.py -m gpu   # on a CUDA machine
