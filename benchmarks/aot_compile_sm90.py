@@ -571,9 +571,11 @@ def mhc_variants() -> Iterator[Variant]:
             yield (f"{label} partial", mhc_split._mhc_partial_kernel, types,
                    {**geo, **dot, "BLOCK_T": bt}, {"num_warps": warps, "num_stages": 3})
             fbt, _, fbd, fbs = mhc_split.plan_finish(T, d, 4, S, cpu, spans=16)
-            yield (f"{label} finish", mhc_split._mhc_finish_kernel, types,
-                   {**geo, "BLOCK_T": fbt, "BLOCK_S": fbs, "BLOCK_D": fbd, "EVEN_D": True},
-                   {"num_warps": mhc_split.finish_warps(fbt, 4, fbd)})
+            for apart in (False, True):
+                yield (f"{label} finish{' apart' if apart else ''}",
+                       mhc_split._mhc_finish_kernel, types,
+                       {**geo, "BLOCK_T": fbt, "BLOCK_S": fbs, "BLOCK_D": fbd, "EVEN_D": True,
+                        "APART": apart}, {"num_warps": mhc_split.finish_warps(fbt, 4, fbd)})
     post_types = {**ints, **{p: "*bf16" for p in ("f_ptr", "x_ptr", "out_ptr")},
                   **{p: "*fp32" for p in ("post_ptr", "comb_ptr", "fn_ptr", "ws_ptr", "sq_ptr")},
                   "stride_ft": "i32:16"}

@@ -22,11 +22,13 @@ L2. The reference (~25 small torch ops plus 2 per Sinkhorn iteration) is timed t
 speed-up over the graph-replayed reference.
 One launch vs two (split-K pre / head, `kernels/triton/mhc_split.py`): at T in LAUNCH_T (and in
 --cpu-smoke) every pre / head case also times `one_launch=True`, `one_launch=False` (today's
-two-launch plan) and `one_launch=False, d_spans=1` (the two-launch form with the one-launch form's
-finish tiles: the same bits); columns "1-launch" / "2-launch", all in "configs_us"; "path" ends in
-1L / 2L (the launches of the best config).
-Post + pre (`mhc_post_pre.py`, T in {1, 2, 8, 32}): every case also times `fuse=True` and
-`fuse=False` (the post kernel, then the two pre launches); `--sweep` adds BLOCK_D 32 / 64 / 128.
+two-launch plan), `one_launch=False, d_spans=1` (the two-launch form with the one-launch form's
+finish tiles: the same bits) and `one_launch=False, weights_apart=False` (the finish without its
+post / comb programs, `mhc_split.plan_apart`: the same bits); columns "1-launch" / "2-launch" /
+"together", all in "configs_us"; "path" ends in 1L / 2L (the launches of the best config).
+Post + pre (`mhc_post_pre.py`, T in {1, 2, 8, 32}): every case also times `fuse=True`,
+`fuse=False` (the post kernel, then the two pre launches) and `fuse=True, weights_apart=False`
+(column "together"); `--sweep` adds BLOCK_D 32 / 64 / 128.
 Its parity bound on the fp32 outputs is 1e-2 (post' / comb' come from a bf16 X' that may sit a
 rounding away from the reference's; tests/kernels/test_mhc_post_pre.py checks them at fp32
 accuracy against the reference pre on the kernel's X').
@@ -68,8 +70,10 @@ PRE_SWEEP: list[dict[str, int]] = [
     {"splits": 32}, {"splits": 128}]
 LAUNCH_T = (1, 2, 8, 32)        # pre / head: one launch vs two launches timed at these T
 LAUNCH_KNOBS: list[dict[str, int]] = [{"one_launch": True}, {"one_launch": False},
-                                      {"one_launch": False, "d_spans": 1}]
-POST_PRE_KNOBS: list[dict[str, int]] = [{"fuse": True}, {"fuse": False}]
+                                      {"one_launch": False, "d_spans": 1},
+                                      {"one_launch": False, "weights_apart": False}]
+POST_PRE_KNOBS: list[dict[str, int]] = [{"fuse": True}, {"fuse": False},
+                                        {"fuse": True, "weights_apart": False}]
 POST_PRE_SWEEP: list[dict[str, int]] = [{"fuse": True, "block_d": bd} for bd in (32, 64, 128)]
 POST_SWEEP: list[dict[str, int]] = [{"block_d": 256}, {"block_d": 512}, {"block_d": 1024},
                                     {"block_d": 2048, "num_warps": 8},
@@ -253,6 +257,8 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
             "us_two_launch": timed.get("one_launch=False", math.nan),
             "us_fused": timed.get("fuse=True", math.nan),
             "us_unfused": timed.get("fuse=False", math.nan),
+            "us_weights_together": timed.get("one_launch=False,weights_apart=False",
+                                             timed.get("fuse=True,weights_apart=False", math.nan)),
             "best_config": best, "path": paths[best],
             "configs_us": timed,
             "ref_us": ref_us, "ref_eager_us": ref_eager_us, "speedup_vs_ref": ref_us / us,
@@ -266,6 +272,7 @@ TABLE = [("case", "{:<12}", "case"), ("path", "{:>13}", "path"), ("bytes", "{:>1
          ("floor_us", "{:>8.2f}", "floor us"), ("us", "{:>8.2f}", "us"),
          ("us_one_launch", "{:>8.2f}", "1-launch"), ("us_two_launch", "{:>8.2f}", "2-launch"),
          ("us_fused", "{:>8.2f}", "fused"), ("us_unfused", "{:>8.2f}", "unfused"),
+         ("us_weights_together", "{:>8.2f}", "together"),
          ("ref_us", "{:>9.1f}", "ref us"), ("ref_eager_us", "{:>9.1f}", "eager us"),
          ("speedup_vs_ref", "{:>7.1f}", "x ref"), ("gbps", "{:>7.0f}", "GB/s"),
          ("pct_hbm", "{:>6.1f}", "%HBM"), ("best_config", "{:>22}", "config"),

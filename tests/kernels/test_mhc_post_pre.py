@@ -90,6 +90,18 @@ def test_block_d_and_padded_streams(block_d: int) -> None:
     check(make_case(9, 4, 64, torch.bfloat16, block_d), 4, block_d=block_d, fuse=True)
 
 
+@pytest.mark.parametrize("T,d", [(1, 512), (3, 256)], ids=["T1-d512", "T3-d256"])
+def test_weights_apart_same_bits(T: int, d: int) -> None:
+    """The finish with its post / comb programs apart (`mhc_split.plan_apart`; the plan's at
+    decode) writes the bits of the finish without them."""
+    f, x, post, comb, params = make_case(T, 4, d, torch.bfloat16, d)
+    args = (f, x, post, comb, *params, 4, ITERS, HC_EPS, NORM_EPS)
+    apart = triton_mhc_post_pre(*args, fuse=True, block_d=128, weights_apart=True)
+    together = triton_mhc_post_pre(*args, fuse=True, block_d=128, weights_apart=False)
+    for name, a, b in zip(("x'", "h", "post", "comb"), apart, together, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_unfused_above_the_limit_and_invariant() -> None:
     """Past POST_PRE_MAX_T tokens (and under `invariant`) the op is the post then the pre."""
     for T, knobs in ((POST_PRE_MAX_T + 1, {}), (2, {"invariant": True}), (2, {"fuse": False})):

@@ -41,6 +41,7 @@ from dsv4.kernels.triton.mhc import (  # noqa: E402
     triton_mhc_pre,
 )
 from dsv4.kernels.triton.mhc_post import triton_mhc_post  # noqa: E402
+from dsv4.kernels.triton.mhc_split import plan_apart  # noqa: E402
 from dsv4.model.hyper_connection import HyperConnection, HyperHead  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,6 +185,38 @@ def test_plan_finish() -> None:
     assert plan_finish(64, 256, 4, 128, cpu) == (16, 256, 128, 4)   # whole rows, 2 inner chunks
 
 
+def test_plan_apart() -> None:
+    """post / comb get programs of their own when d is in spans of one tile each (decode), not
+    for the head, whole-row tiles or when turned off."""
+    assert plan_apart(False, 512, (1, 256, 256, 4))                  # two spans
+    assert not plan_apart(True, 512, (1, 256, 256, 4))               # head: no post / comb
+    assert not plan_apart(False, 512, (1, 256, 256, 4), apart=False)
+    assert not plan_apart(False, 256, (16, 256, 128, 4))             # a span of 2 tiles
+    assert not plan_apart(False, 256, (1, 256, 256, 4))              # one span
+    assert plan_apart(False, 256, (1, 256, 256, 4), apart=True)      # forced
+
+
+@pytest.mark.parametrize("T,d,d_spans,dtype", [
+    pytest.param(1, 512, None, torch.float32, id="T1-d512-plan"),
+    pytest.param(1, 512, None, torch.bfloat16, id="T1-d512-plan-bf16"),
+    pytest.param(3, 64, 2, torch.float32, id="T3-two-spans"),
+    pytest.param(2, 72, 2, torch.bfloat16, id="T2-d72-uneven"),
+    pytest.param(1, 256, 1, torch.float32, id="T1-one-span-forced"),
+])
+def test_finish_weights_apart_same_bits(T: int, d: int, d_spans: int | None,
+                                        dtype: torch.dtype) -> None:
+    """The finish's weights programs (`plan_apart`) write the bits span 0 writes without them."""
+    x, (fn, scale, base) = make_x(T, 4, d, dtype, d), make_params(4, d, 24, 3, d)
+    knobs = {"splits": 4, "d_spans": d_spans}
+    apart = triton_mhc_pre(x, fn, scale, base, 4, 20, HC_EPS, NORM_EPS, weights_apart=True,
+                           **knobs)
+    together = triton_mhc_pre(x, fn, scale, base, 4, 20, HC_EPS, NORM_EPS, weights_apart=False,
+                              **knobs)
+    for name, a, b in zip(("h", "post", "comb"), apart, together, strict=True):
+        assert torch.equal(a, b), name
+    check_pre(x, (fn, scale, base), 4, 20, **knobs)
+
+
 def test_finish_warps() -> None:
     """One warp for a decode token's small tile, more for larger tiles; the T-invariant plan's
     tiles (and so its warps) are the same at every T."""
@@ -286,6 +319,19 @@ def test_pre_flash_cuda(T: int) -> None:
     _, splits, _ = plan_pre(T, 4 * FLASH_D, x.device)
     check_pre(x, params, 4, 20, weights_rel=1e-4)
     check_pre(x, params, 4, 20, weights_rel=1e-4, splits=8 if splits == 1 else 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_finish_weights_apart_flash_cuda(T: int) -> None:
+    """V4-Flash decode: the plan's finish (post / comb programs apart) against span 0 writing
+    them, bit for bit."""
+    x = make_x(T, 4, FLASH_D, torch.bfloat16, T, "cuda")
+    params = make_params(4, FLASH_D, 24, 3, T, "cuda")
+    got = triton_mhc_pre(x, *params, 4, 20, HC_EPS, NORM_EPS)
+    want = triton_mhc_pre(x, *params, 4, 20, HC_EPS, NORM_EPS, weights_apart=False)
+    for name, a, b in zip(("h", "post", "comb"), got, want, strict=True):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

@@ -29,8 +29,9 @@ Two paths, picked on the host from T and the SM count (`plan_pre`; no host sync)
       (token tiles, S); program (t, s) reduces split s's K range into ws [S, T, 2, NP*NP] +
       sq [S, T] (fp32, S * 132 B per token). Then either a second launch, grid (token tiles,
       d spans) (`plan_finish`), sums the partials, runs the epilogue and writes its span of h
-      (span-0 programs write post / comb); small T: one token per program and d in spans (the
-      epilogue is redone per span: cheap for few tokens); large T: whole rows and token tiles, so
+      (span-0 programs, or at decode a column of programs of their own, write post / comb);
+      small T: one token per program and d in spans (the pre weights are redone per span: cheap
+      for few tokens); large T: whole rows and token tiles, so
       each Sinkhorn runs once per token on a vectorised tile instead of 16 scattered lanes. Or, on
       request only (`one_launch=True`: slower on the H200, `mhc_split.py::plan_one_launch`), ONE
       launch: each token tile's last partial program to arrive (an arrival counter per tile) runs
@@ -151,6 +152,7 @@ class _Knobs:
     one_launch: bool | None
     d_spans: int | None
     counters: torch.Tensor | None
+    weights_apart: bool | None = None
 
 
 def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -164,7 +166,8 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
               "INTERPRET": not x.is_cuda, "EVEN_K": (n * d) % k.block_k == 0}
     if S > 1:
         launch_split(x, fn, scale, base, outs, eps, (bt, S, k_per_split), consts, k.num_warps,
-                     k.num_stages, k.invariant, k.one_launch, k.d_spans, k.counters)
+                     k.num_stages, k.invariant, k.one_launch, k.d_spans, k.counters,
+                     k.weights_apart)
         return
     h, post, comb = outs
     iters, hc_eps, norm_eps = eps
@@ -180,7 +183,7 @@ def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
                    block_t: int | None = None, block_k: int = 64, splits: int | None = None,
                    num_warps: int = 4, num_stages: int = 3, invariant: bool = False,
                    one_launch: bool | None = None, d_spans: int | None = None,
-                   counters: torch.Tensor | None = None,
+                   counters: torch.Tensor | None = None, weights_apart: bool | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `mhc_pre`: x [T, n, d] -> (h [T, d] in x's dtype, post [T, n],
     comb [T, n, n] fp32).
@@ -193,8 +196,9 @@ def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     `one_launch` (None: the plan's choice, `plan_one_launch`; True / False: one launch / two),
     `d_spans` (the two-launch finish's d spans; 1 gives the one-launch form's bits), `counters`
     (the one-launch arrival counters: a zeroed contiguous int32 buffer of >= token tiles words,
-    left zero; default: mHC's buffer held per device, `mhc_split.py` says when to pass one). No
-    host syncs: safe inside CUDA-graph capture.
+    left zero; default: mHC's buffer held per device, `mhc_split.py` says when to pass one),
+    `weights_apart` (the two-launch finish's post / comb programs, `mhc_split.plan_apart`: None
+    the plan's choice; the same bits either way). No host syncs: safe inside CUDA-graph capture.
     """
     check_streams(x, fn, scale, base, (2 + n) * n, 3, n)
     T, _, d = x.shape
@@ -204,7 +208,7 @@ def triton_mhc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     if T > 0:
         _launch_pre(x, fn, scale, base, (h, post, comb), (iters, hc_eps, norm_eps), False,
                     _Knobs(block_t, block_k, splits, num_warps, num_stages, invariant, one_launch,
-                           d_spans, counters))
+                           d_spans, counters, weights_apart))
     return h, post, comb
 
 

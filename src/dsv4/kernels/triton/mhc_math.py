@@ -84,31 +84,50 @@ def project(x_ptr, fn_ptr, offs_t, t_mask, k_lo, k_hi,  # type: ignore[no-untype
 
 
 @triton.jit
-def pre_weights(pp, r, scale_ptr, base_ptr, hc_eps,  # type: ignore[no-untyped-def]
+def pre_params(scale_ptr, base_ptr, N: tl.constexpr,  # type: ignore[no-untyped-def]
+               NP: tl.constexpr):
+    """The pre weights' scale and base [NP] (0 past N). Loaded apart from their use, so a
+    kernel can issue them before its projection sums."""
+    i = tl.arange(0, NP)
+    return tl.load(scale_ptr), tl.load(base_ptr + i, mask=i < N, other=0.0)
+
+
+@triton.jit
+def comb_params(scale_ptr, base_ptr, N: tl.constexpr,  # type: ignore[no-untyped-def]
+                NP: tl.constexpr):
+    """post's and comb's scales, post's base [NP] and comb's bias [1, NP, NP] (0 outside N)."""
+    a = tl.arange(0, NP)[None, :, None]
+    b = tl.arange(0, NP)[None, None, :]
+    i = tl.arange(0, NP)
+    bias = tl.load(base_ptr + 2 * N + a * N + b, mask=(a < N) & (b < N), other=0.0)
+    return (tl.load(scale_ptr + 1), tl.load(scale_ptr + 2),
+            tl.load(base_ptr + N + i, mask=i < N, other=0.0), bias)
+
+
+@triton.jit
+def pre_weights(pp, r, scale, base, hc_eps,  # type: ignore[no-untyped-def]
                 N: tl.constexpr, NP: tl.constexpr):
-    """pp: [BT, NP, NP] raw projection (row 0 = pre), r: [BT] -> pre [BT, NP], 0 in padded
-    streams."""
+    """pp: [BT, NP, NP] raw projection (row 0 = pre), r: [BT], (scale, base) `pre_params` ->
+    pre [BT, NP], 0 in padded streams."""
     a = tl.arange(0, NP)[None, :, None]
     i = tl.arange(0, NP)
     mix = tl.sum(tl.where(a == 0, pp, 0.0), axis=1) * r[:, None]
-    z = mix * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=i < N, other=0.0)[None, :]
+    z = mix * scale + base[None, :]
     return tl.where((i < N)[None, :], tl.sigmoid(z) + hc_eps, 0.0)
 
 
 @triton.jit
-def post_comb(pp, cm, r, scale_ptr, base_ptr, iters, hc_eps,  # type: ignore[no-untyped-def]
+def post_comb(pp, cm, r, params, iters, hc_eps,  # type: ignore[no-untyped-def]
               N: tl.constexpr, NP: tl.constexpr):
-    """pp (row 1 = post), cm (comb logits [j, k]): [BT, NP, NP] raw -> post [BT, NP],
-    comb [BT, NP, NP]."""
+    """pp (row 1 = post), cm (comb logits [j, k]): [BT, NP, NP] raw, params `comb_params` ->
+    post [BT, NP], comb [BT, NP, NP]."""
+    scale_post, scale_comb, base_post, bias = params
     a = tl.arange(0, NP)[None, :, None]
     b = tl.arange(0, NP)[None, None, :]
-    i = tl.arange(0, NP)
     mix = tl.sum(tl.where(a == 1, pp, 0.0), axis=1) * r[:, None]
-    post = 2 * tl.sigmoid(mix * tl.load(scale_ptr + 1)
-                          + tl.load(base_ptr + N + i, mask=i < N, other=0.0)[None, :])
+    post = 2 * tl.sigmoid(mix * scale_post + base_post[None, :])
     ok = (a < N) & (b < N)                                                  # [1, NP, NP]
-    bias = tl.load(base_ptr + 2 * N + a * N + b, mask=ok, other=0.0)
-    logits = tl.where(ok, cm * r[:, None, None] * tl.load(scale_ptr + 2) + bias, float("-inf"))
+    logits = tl.where(ok, cm * r[:, None, None] * scale_comb + bias, float("-inf"))
     mx = tl.max(logits, axis=2)
     e = tl.exp(logits - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None])  # padded rows: all 0
     den = tl.sum(e, axis=2)
@@ -121,41 +140,81 @@ def post_comb(pp, cm, r, scale_ptr, base_ptr, iters, hc_eps,  # type: ignore[no-
 
 
 @triton.jit
+def inv_rms(sq, norm_eps, D, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """r = 1 / rms(x̂) per token from Σ x̂² over the N * D values: [BLOCK_T]."""
+    return 1.0 / tl.sqrt_rn(sq / (N * D) + norm_eps)
+
+
+@triton.jit
+def store_weights(pp, cm, r, params, post_ptr, comb_ptr,  # type: ignore[no-untyped-def]
+                  offs_t, t_mask, iters, hc_eps, N: tl.constexpr, NP: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+    """post [T, N] and comb [T, N, N] of tokens offs_t from the summed projection (pp, cm:
+    [BLOCK_T, NP*NP]), r and `comb_params`."""
+    i = tl.arange(0, NP)
+    post, comb = post_comb(tl.reshape(pp, (BLOCK_T, NP, NP)), tl.reshape(cm, (BLOCK_T, NP, NP)),
+                           r, params, iters, hc_eps, N, NP)
+    tl.store(post_ptr + offs_t[:, None] * N + i[None, :], post,
+             mask=t_mask[:, None] & (i < N)[None, :])
+    jk = (i[:, None] * N + i[None, :])[None, :, :]
+    ok = ((i[:, None] < N) & (i[None, :] < N))[None, :, :]
+    tl.store(comb_ptr + offs_t[:, None, None] * (N * N) + jk, comb,
+             mask=t_mask[:, None, None] & ok)
+
+
+@triton.jit
+def load_streams(x_ptr, offs_t, t_mask, d0, d_hi, D,  # type: ignore[no-untyped-def]
+                 stride_xt, N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """The N streams' x[t, s, d] for d in [d0, d0 + BLOCK_D), each [BLOCK_T, BLOCK_D] in x's
+    dtype (0 in padded tokens and past d_hi): a tuple, one 2-D tile per stream, so that holding
+    them (the finish issues them before its partials) keeps the loads' own layout."""
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    m = t_mask[:, None]
+    if not EVEN_D:
+        m = m & (offs_d < d_hi)[None, :]
+    row = x_ptr + offs_t[:, None] * stride_xt + offs_d[None, :]
+    xs = ()
+    for s in tl.static_range(N):
+        xs = xs + (tl.load(row + s * D, mask=m, other=0.0),)  # type: ignore[assignment]
+    return xs
+
+
+@triton.jit
+def store_h(h_ptr, pre, xs, offs_t, t_mask, d0, d_hi,  # type: ignore[no-untyped-def]
+            stride_ht, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+            EVEN_D: tl.constexpr):
+    """h[t, d] = Σ_s pre[t, s] x[t, s, d] in fp32, streams in order, for the tiles xs
+    (`load_streams` at d0); stored in h's dtype."""
+    i = tl.arange(0, NP)[None, :]
+    h = tl.zeros([xs[0].shape[0], BLOCK_D], tl.float32)
+    for s in tl.static_range(N):
+        w = tl.sum(tl.where(i == s, pre, 0.0), axis=1)                      # [BLOCK_T]
+        h += w[:, None] * xs[s].to(tl.float32)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    m = t_mask[:, None]
+    if not EVEN_D:
+        m = m & (offs_d < d_hi)[None, :]
+    tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_d[None, :],
+             h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def finish(x_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr,  # type: ignore[no-untyped-def]
            pp, cm, sq, offs_t, t_mask, d_lo, d_hi, D, iters, hc_eps, norm_eps, stride_xt,
            stride_ht, write_weights, N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
            BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    """Epilogue on the summed projection, post / comb stores (if write_weights), h over
-    [d_lo, d_hi)."""
-    r = 1.0 / tl.sqrt_rn(sq / (N * D) + norm_eps)                           # [BLOCK_T]
-    pp3 = tl.reshape(pp, (BLOCK_T, NP, NP))
-    pre = pre_weights(pp3, r, scale_ptr, base_ptr, hc_eps, N, NP)
-    i = tl.arange(0, NP)
+    """Epilogue on the summed projection, post / comb stores (if write_weights and not HEAD), h
+    over [d_lo, d_hi)."""
+    r = inv_rms(sq, norm_eps, D, N)                                         # [BLOCK_T]
+    scale, base = pre_params(scale_ptr, base_ptr, N, NP)
+    pre = pre_weights(tl.reshape(pp, (BLOCK_T, NP, NP)), r, scale, base, hc_eps, N, NP)
     if not HEAD:
-        post, comb = post_comb(pp3, tl.reshape(cm, (BLOCK_T, NP, NP)), r, scale_ptr, base_ptr,
-                               iters, hc_eps, N, NP)
         if write_weights:
-            tl.store(post_ptr + offs_t[:, None] * N + i[None, :], post,
-                     mask=t_mask[:, None] & (i < N)[None, :])
-            jk = (i[:, None] * N + i[None, :])[None, :, :]
-            ok = ((i[:, None] < N) & (i[None, :] < N))[None, :, :]
-            tl.store(comb_ptr + offs_t[:, None, None] * (N * N) + jk, comb,
-                     mask=t_mask[:, None, None] & ok)
-    s = i[None, :, None]
-    w = pre[:, :, None]                                                     # [BLOCK_T, NP, 1]
-    x_row = x_ptr + offs_t[:, None, None] * stride_xt + s * D
-    h_row = h_ptr + offs_t[:, None] * stride_ht
-    xm = t_mask[:, None, None] & (s < N)
+            store_weights(pp, cm, r, comb_params(scale_ptr, base_ptr, N, NP), post_ptr, comb_ptr,
+                          offs_t, t_mask, iters, hc_eps, N, NP, BLOCK_T)
     for d0 in range(d_lo, d_hi, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        if EVEN_D:
-            x_m, h_m = xm, t_mask[:, None]
-        else:
-            x_m = xm & (offs_d < d_hi)[None, None, :]
-            h_m = t_mask[:, None] & (offs_d < d_hi)[None, :]
-        xv = tl.load(x_row + offs_d[None, None, :], mask=x_m, other=0.0).to(tl.float32)
-        h = tl.sum(w * xv, axis=1)                                          # [BLOCK_T, BLOCK_D]
-        tl.store(h_row + offs_d[None, :], h.to(h_ptr.dtype.element_ty), mask=h_m)
+        xs = load_streams(x_ptr, offs_t, t_mask, d0, d_hi, D, stride_xt, N, BLOCK_D, EVEN_D)
+        store_h(h_ptr, pre, xs, offs_t, t_mask, d0, d_hi, stride_ht, N, NP, BLOCK_D, EVEN_D)
 
 
 @triton.jit

@@ -91,7 +91,7 @@ def triton_mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, co
                         fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
                         iters: int, hc_eps: float, norm_eps: float, *,
                         fuse: bool | None = None, block_d: int | None = None,
-                        invariant: bool = False,
+                        invariant: bool = False, weights_apart: bool | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `mhc_post_pre`: (X' [T, n, d] in x's dtype, h [T, d] in x's dtype,
     post' [T, n], comb' [T, n, n] fp32).
@@ -100,7 +100,9 @@ def triton_mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, co
     contiguous (the next site's). `fuse`: None: fused up to `POST_PRE_MAX_T` tokens; True /
     False: force (the benchmark, tests). `block_d`: the fused launch's d slice (a power of two
     >= 16; default `plan_post_pre`). `invariant`: never fused, the pre with its T-invariant plan
-    (`triton_mhc_pre(invariant=True)`; the registry's `invariant_plans`). Graph-capture safe.
+    (`triton_mhc_pre(invariant=True)`; the registry's `invariant_plans`). `weights_apart`: the
+    fused form's finish knob (`mhc_split.plan_apart`; the same bits either way). Graph-capture
+    safe.
     """
     T = x.shape[0] if x.dim() == 3 else 0
     if invariant and fuse:
@@ -115,12 +117,13 @@ def triton_mhc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, co
     bd = block_d or plan_post_pre(T, x.shape[2])
     if bd < 16 or bd & (bd - 1):
         raise ValueError(f"block_d must be a power of two >= 16; got {bd}")
-    return _launch(f, x, post, comb, (fn, scale, base), (iters, hc_eps, norm_eps), bd)
+    return _launch(f, x, post, comb, (fn, scale, base), (iters, hc_eps, norm_eps), bd,
+                   weights_apart)
 
 
 def _launch(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
             params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-            eps: tuple[int, float, float], bd: int,
+            eps: tuple[int, float, float], bd: int, apart: bool | None,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, n, d = x.shape
     fn, scale, base = params
@@ -137,7 +140,7 @@ def _launch(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
             torch.empty(T, n, dtype=torch.float32, device=x.device),
             torch.empty(T, n, n, dtype=torch.float32, device=x.device))
     launch_finish(new, ws, sq, scale, base, outs, eps, {"N": n, "NP": np_, "HEAD": False},
-                  plan_finish(T, d, np_, S, x.device))
+                  plan_finish(T, d, np_, S, x.device), apart)
     return (new, *outs)
 
 

@@ -7,7 +7,11 @@ Owns the partial, finish and one-launch kernels, the finish launch's tile plan (
     two launches  partial, grid (token tiles, S): program (t, s) reduces split s's K range into
                   ws [S, T, 2, NP*NP] + sq [S, T] (fp32). finish, grid (finish tiles, d spans):
                   sums the partials (`sum_partials`), runs the epilogue, writes its span of h
-                  (span-0 programs write post / comb).
+                  (span-0 programs write post / comb). At decode (`plan_apart`: spans of one
+                  tile) post / comb get a column of programs of their own, so the Sinkhorn's
+                  serial chain (~20 dependent row / column normalisations) runs beside the h
+                  programs instead of before span 0's h, and the h programs issue their stream
+                  and parameter loads before the partials'.
     one launch    grid (token tiles, S): each program stores its partials as above, then takes a
                   ticket on its token tile's arrival counter; the tile's last arrival runs the
                   finish for the whole tile over ALL of d (one d span), finish tile by finish
@@ -51,7 +55,18 @@ import triton.language as tl
 
 from dsv4.kernels.triton.gemv import GemvCounters
 from dsv4.kernels.triton.launch import sms
-from dsv4.kernels.triton.mhc_math import finish, project, sum_partials
+from dsv4.kernels.triton.mhc_math import (
+    comb_params,
+    finish,
+    inv_rms,
+    load_streams,
+    pre_params,
+    pre_weights,
+    project,
+    store_h,
+    store_weights,
+    sum_partials,
+)
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
@@ -100,17 +115,37 @@ def _mhc_finish_kernel(x_ptr, ws_ptr, sq_ptr, scale_ptr, base_ptr,  # type: igno
                        h_ptr, post_ptr, comb_ptr, T, D, S, d_span, iters, hc_eps, norm_eps,
                        stride_xt, stride_ht, N: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EVEN_D: tl.constexpr, PDL: tl.constexpr):
+                       EVEN_D: tl.constexpr, APART: tl.constexpr, PDL: tl.constexpr):
+    """Grid (finish tiles, d spans [+ 1 with APART]). APART: the last column's programs write
+    post / comb only (the Sinkhorn), the span programs h only, each span one BLOCK_D tile whose
+    stream loads are issued before the partials' (`plan_apart`); else span 0 writes both."""
     pdl_enter(PDL)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     pid_d = tl.program_id(1)
-    pp, cm, sq = sum_partials(ws_ptr, sq_ptr, offs_t, t_mask, T, S, NP, HEAD, BLOCK_T, BLOCK_S,
-                              "")
-    d_lo = pid_d * d_span
-    finish(x_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, pp, cm, sq, offs_t, t_mask, d_lo,
-           tl.minimum(d_lo + d_span, D), D, iters, hc_eps, norm_eps, stride_xt, stride_ht,
-           pid_d == 0, N, NP, HEAD, BLOCK_T, BLOCK_D, EVEN_D)
+    if APART:      # every load that does not need the partials is issued before them
+        if pid_d == tl.num_programs(1) - 1:
+            params = comb_params(scale_ptr, base_ptr, N, NP)
+            pp, cm, sq = sum_partials(ws_ptr, sq_ptr, offs_t, t_mask, T, S, NP, False, BLOCK_T,
+                                      BLOCK_S, "")
+            store_weights(pp, cm, inv_rms(sq, norm_eps, D, N), params, post_ptr, comb_ptr,
+                          offs_t, t_mask, iters, hc_eps, N, NP, BLOCK_T)
+        else:
+            d_lo = pid_d * BLOCK_D
+            xs = load_streams(x_ptr, offs_t, t_mask, d_lo, D, D, stride_xt, N, BLOCK_D, EVEN_D)
+            scale, base = pre_params(scale_ptr, base_ptr, N, NP)
+            pp, cm, sq = sum_partials(ws_ptr, sq_ptr, offs_t, t_mask, T, S, NP, True, BLOCK_T,
+                                      BLOCK_S, "")
+            pre = pre_weights(tl.reshape(pp, (BLOCK_T, NP, NP)), inv_rms(sq, norm_eps, D, N),
+                              scale, base, hc_eps, N, NP)
+            store_h(h_ptr, pre, xs, offs_t, t_mask, d_lo, D, stride_ht, N, NP, BLOCK_D, EVEN_D)
+    else:
+        pp, cm, sq = sum_partials(ws_ptr, sq_ptr, offs_t, t_mask, T, S, NP, HEAD, BLOCK_T,
+                                  BLOCK_S, "")
+        d_lo = pid_d * d_span
+        finish(x_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr, pp, cm, sq, offs_t, t_mask,
+               d_lo, tl.minimum(d_lo + d_span, D), D, iters, hc_eps, norm_eps, stride_xt,
+               stride_ht, pid_d == 0, N, NP, HEAD, BLOCK_T, BLOCK_D, EVEN_D)
 
 
 @triton.jit
@@ -216,7 +251,7 @@ def launch_split(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                  eps: tuple[int, float, float], plan: tuple[int, int, int],
                  consts: dict[str, Any], num_warps: int, num_stages: int, invariant: bool,
                  one_launch: bool | None, d_spans: int | None,
-                 counters: torch.Tensor | None) -> None:
+                 counters: torch.Tensor | None, apart: bool | None = None) -> None:
     """The split-K path: outs = (h, post, comb), eps = (iters, hc_eps, norm_eps), plan =
     (block_t, S, k_per_split) from `plan_pre`, consts = the partial kernels' constexprs (N, NP,
     HEAD, DOT, INTERPRET, BLOCK_K, EVEN_K). One launch or two (`plan_one_launch`)."""
@@ -242,23 +277,39 @@ def launch_split(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     _mhc_partial_kernel[grid](
         x, fn, ws, sq, T, n * d, k_per_split, x.stride(0), fn.stride(0), BLOCK_T=bt, **consts,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
-    launch_finish(x, ws, sq, scale, base, outs, eps, geo, plan_finish(T, d, np_, S, x.device,
-                                                                      invariant, d_spans))
+    launch_finish(x, ws, sq, scale, base, outs, eps, geo,
+                  plan_finish(T, d, np_, S, x.device, invariant, d_spans), apart)
+
+
+def plan_apart(head: bool, d: int, tiles: tuple[int, int, int, int],
+               apart: bool | None = None) -> bool:
+    """Whether the finish writes post / comb from programs of their own (`_mhc_finish_kernel`'s
+    APART), from shapes only. Needs a pre (not HEAD) and spans of one BLOCK_D tile. Default
+    (`apart=None`): whenever d is in two spans or more (decode), so the Sinkhorn's serial chain
+    runs beside the h programs instead of before span 0's h. True forces it where it applies (a
+    single span gets its own weights program too); False: span 0 writes both. Same bits either
+    way: the same functions on the same tiles."""
+    _, d_span, block_d, _ = tiles
+    if head or d_span != block_d or apart is False:
+        return False
+    return apart is True or triton.cdiv(d, d_span) > 1
 
 
 def launch_finish(x: torch.Tensor, ws: torch.Tensor, sq: torch.Tensor, scale: torch.Tensor,
                   base: torch.Tensor, outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                   eps: tuple[int, float, float], geo: dict[str, Any],
-                  tiles: tuple[int, int, int, int]) -> None:
+                  tiles: tuple[int, int, int, int], apart: bool | None = None) -> None:
     """The finish launch on the partials ws [S, T, 2, NP*NP] + sq [S, T] of x [T, n, d]: outs =
-    (h, post, comb), geo = the N, NP, HEAD constexprs, tiles = `plan_finish`'s. Also the second
-    launch of `mhc_post_pre.py` (whose first launch writes the partials)."""
+    (h, post, comb), geo = the N, NP, HEAD constexprs, tiles = `plan_finish`'s, apart =
+    `plan_apart`'s knob. Also the second launch of `mhc_post_pre.py` (whose first launch writes
+    the partials)."""
     T, _, d = x.shape
     S = ws.shape[0]
     h, post, comb = outs
     iters, hc_eps, norm_eps = eps
     fbt, d_span, bd, bs = tiles
-    _mhc_finish_kernel[(triton.cdiv(T, fbt), triton.cdiv(d, d_span))](
+    split = plan_apart(geo["HEAD"], d, tiles, apart)
+    _mhc_finish_kernel[(triton.cdiv(T, fbt), triton.cdiv(d, d_span) + split)](
         x, ws, sq, scale, base, h, post, comb, T, d, S, d_span, iters, hc_eps, norm_eps,
-        x.stride(0), h.stride(0), BLOCK_T=fbt, BLOCK_S=bs, BLOCK_D=bd, EVEN_D=d % bd == 0, **geo,
-        num_warps=finish_warps(fbt, geo["NP"], bd), **pdl_args(x.device))
+        x.stride(0), h.stride(0), BLOCK_T=fbt, BLOCK_S=bs, BLOCK_D=bd, EVEN_D=d % bd == 0,
+        APART=split, **geo, num_warps=finish_warps(fbt, geo["NP"], bd), **pdl_args(x.device))
