@@ -70,8 +70,8 @@ PRE_SWEEP: list[dict[str, int]] = [
     {"splits": 32}, {"splits": 128}]
 LAUNCH_T = (1, 2, 8, 32)        # pre / head: one launch vs two launches timed at these T
 LAUNCH_KNOBS: list[dict[str, int]] = [{"one_launch": True}, {"one_launch": False},
-                                      {"one_launch": False, "d_spans": 1},
-                                      {"one_launch": False, "weights_apart": False}]
+                                      {"one_launch": False, "d_spans": 1}]
+APART_KNOBS: list[dict[str, int]] = [{"one_launch": False, "weights_apart": False}]  # pre only
 POST_PRE_KNOBS: list[dict[str, int]] = [{"fuse": True}, {"fuse": False},
                                         {"fuse": True, "weights_apart": False}]
 POST_PRE_SWEEP: list[dict[str, int]] = [{"fuse": True, "block_d": bd} for bd in (32, 64, 128)]
@@ -233,7 +233,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     if case.op == "post_pre":
         sweep = [*POST_PRE_KNOBS, *sweep]
     elif case.op != "post" and (case.T in LAUNCH_T or not cuda):
-        sweep = [*LAUNCH_KNOBS, *sweep]
+        sweep = [*LAUNCH_KNOBS, *(APART_KNOBS if case.op == "pre" else []), *sweep]
     timed: dict[str, float] = {}
     paths: dict[str, str] = {}
     err = 0.0

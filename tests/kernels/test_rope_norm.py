@@ -3,7 +3,8 @@
 The kernels of `kernels/triton/rope_norm.py` against `kernels/ref/rope_norm.py` (and
 `kernels.ref.rope_norm.rms_norm` for the plain RMSNorm): micro / tiny head geometries under the
 interpreter on CPU (fp32 and bf16, T = 1 and ragged 7 tokens, a rope slice narrower than the head,
-scattered pool slots, the inverse rotation, column slices of a wider tensor read in place),
+scattered pool slots, the inverse rotation, column slices of a wider tensor read in place; q and
+kv in one launch bit-equal to their two launches),
 V4-Flash shapes (H 64, D 512, rd 64; norms over 4096
 and 1024) compiled on the GPU (`-m gpu`).
 
@@ -15,10 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.kernels.ref.rope_norm import kv_norm_rope_store, q_norm_rope, rms_norm, rope_inverse
+from dsv4.kernels.ref.rope_norm import (
+    kv_norm_rope_store,
+    q_norm_rope,
+    qkv_norm_rope,
+    rms_norm,
+    rope_inverse,
+)
 from dsv4.kernels.triton.rope_norm import (
     triton_kv_norm_rope_store,
     triton_q_norm_rope,
+    triton_qkv_norm_rope,
     triton_rms_norm,
     triton_rope,
     triton_rope_inverse,
@@ -57,6 +65,14 @@ def check_all(T: int, H: int, D: int, rd: int, dtype: torch.dtype, seed: int = 0
     untouched[slots] = False
     assert bool((pools[1][untouched] == 7.0).all()), "a row outside `slots` was written"
     _close(pools[1][slots], pools[0][slots], dtype)
+    # both in one launch: the two launches' bits; the reference's values
+    both = torch.full_like(pools[1], 7.0)
+    q_both = triton_qkv_norm_rope(q, 1e-6, kv, weight, 1e-6, cos, sin, both, slots)
+    assert torch.equal(q_both, triton_q_norm_rope(q, cos, sin, 1e-6))
+    assert torch.equal(both, pools[1])
+    ref_pool = torch.full_like(pools[0], 7.0)
+    _close(q_both, qkv_norm_rope(q, 1e-6, kv, weight, 1e-6, cos, sin, ref_pool, slots), dtype)
+    assert torch.equal(ref_pool, pools[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,6 +108,10 @@ def test_column_slices_read_in_place(T: int) -> None:
     triton_kv_norm_rope_store(kv, weight, 1e-6, cos, sin, pools[0], slots)
     triton_kv_norm_rope_store(kv.contiguous(), weight, 1e-6, cos, sin, pools[1], slots)
     assert torch.equal(pools[0], pools[1])
+    pool = torch.zeros(T + 3, D, device=DEVICE)
+    got = triton_qkv_norm_rope(q, 1e-6, kv, weight, 1e-6, cos, sin, pool, slots)
+    assert torch.equal(got, triton_q_norm_rope(q.contiguous(), cos, sin, 1e-6))
+    assert torch.equal(pool, pools[1])
     for x in (kv, wide[None, :, :H * D]):          # [T, D] and [1, T, H * D] slices
         got = triton_rms_norm(x, torch.ones(x.shape[-1], device=DEVICE), 1e-6)
         assert got.is_contiguous()
@@ -108,6 +128,11 @@ def test_validation() -> None:
         triton_kv_norm_rope_store(torch.randn(2, 32, device=DEVICE), torch.ones(32, device=DEVICE),
                                   1e-6, cos, sin, torch.zeros(8, 32, device=DEVICE),
                                   torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="must share T and D"):
+        triton_qkv_norm_rope(torch.randn(2, 4, 32, device=DEVICE), 1e-6,
+                             torch.randn(2, 16, device=DEVICE), torch.ones(16, device=DEVICE),
+                             1e-6, cos, sin, torch.zeros(8, 16, device=DEVICE),
+                             torch.zeros(2, dtype=torch.int64, device=DEVICE))
 
 
 @pytest.mark.gpu

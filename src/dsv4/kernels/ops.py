@@ -156,6 +156,14 @@ class KvNormRopeStoreOp(Protocol):
                  pool: Tensor, slots: Tensor) -> None: ...
 
 
+class QkvNormRopeOp(Protocol):
+    """`ref/rope_norm.py::qkv_norm_rope`: `q_norm_rope` of q [T, H, D] (returned) and
+    `kv_norm_rope_store` of kv [T, D] into pool[slots], as one op (one launch in Triton)."""
+
+    def __call__(self, q: Tensor, eps: float, kv: Tensor, weight: Tensor, kv_eps: float,
+                 cos: Tensor, sin: Tensor, pool: Tensor, slots: Tensor) -> Tensor: ...
+
+
 class RopeInverseOp(Protocol):
     """`ref/rope_norm.py::rope_inverse`: o [T, H, D] de-rotated on its trailing rope channels."""
 

@@ -33,6 +33,7 @@ from dsv4.kernels.ops import (
     MoeGateSelectOp,
     PickSlotsOp,
     ProjectOp,
+    QkvNormRopeOp,
     QNormRopeOp,
     QuantLinearOp,
     RmsNormOp,
@@ -69,6 +70,7 @@ from dsv4.kernels.ref.moe import (
 from dsv4.kernels.ref.rope_norm import (
     kv_norm_rope_store,
     q_norm_rope,
+    qkv_norm_rope,
     rms_norm,
     rope,
     rope_inverse,
@@ -116,6 +118,7 @@ class KernelOps:
     write_rows: WriteRowsOp
     hot_plan: HotPlanOp
     hot_write: HotWriteOp
+    qkv_norm_rope: QkvNormRopeOp
 
 
 def _ref() -> KernelOps:
@@ -125,7 +128,7 @@ def _ref() -> KernelOps:
                      project, step_metadata, pick_slots, rope, argmax, moe_gate_select,
                      swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear,
                      rope_rows, mhc_post_pre, swap_in_ref, write_rows_ref, hot_plan_ref,
-                     hot_write_ref)
+                     hot_write_ref, qkv_norm_rope)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -135,7 +138,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head (and at a few tokens a post fused with the next pre's
     projection, `mhc_post_pre`), fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
-    paths and the output de-rotation, RMSNorm, and bit-equal to `ref`: a step's index metadata,
+    paths (both in one launch, `qkv_norm_rope`) and the output de-rotation, RMSNorm, and
+    bit-equal to `ref`: a step's index metadata,
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
     gate-score position embedding and the greedy sampler's row argmax; the MoE gate's logits
     (at decode, with the call site's counters: the decode GEMV on the bf16 operands as they are,
@@ -201,6 +205,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
         triton_q_norm_rope,
+        triton_qkv_norm_rope,
         triton_rms_norm,
         triton_rope,
         triton_rope_inverse,
@@ -237,7 +242,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      dense_linear if invariant_plans else triton_decode_linear,
                      triton_swiglu_linear_invariant if invariant_plans else triton_swiglu_linear,
                      triton_rope_rows, post_pre, triton_swap_in, triton_write_rows,
-                     triton_hot_plan, triton_hot_write)
+                     triton_hot_plan, triton_hot_write, triton_qkv_norm_rope)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

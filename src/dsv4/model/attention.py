@@ -347,10 +347,10 @@ class Attention(nn.Module):
             compressed = self._compressed_source(index_q, index_w, cos, sin, ctx, plan, cache)
         if q_raw is None:
             q_raw = linear(self.wq_b, q_lat, ctx.ops)
-        q = ctx.ops.q_norm_rope(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.eps)
-        # the window kv straight to its slot
-        ctx.ops.kv_norm_rope_store(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.swa,
-                                   ctx.swa_write)
+        # q normed and rotated; the window kv normed, rotated, straight to its slot: one op
+        q = ctx.ops.qkv_norm_rope(q_raw.view(T, self.n_heads, self.head_dim), self.eps, kv,
+                                  self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.swa,
+                                  ctx.swa_write)
         join(stream)
         sources = [(cache.swa, ctx.window)] + compressed
         o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),

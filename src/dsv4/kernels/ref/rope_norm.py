@@ -8,6 +8,7 @@ the same signatures.
     q_norm_rope         q = RoPE(q / rms(q))         per head, unweighted norm (q path after wq_b)
     kv_norm_rope_store  pool[slots] = RoPE(w * kv / rms(kv))
                                                      the window kv: weighted norm, RoPE, cache write
+    qkv_norm_rope       q_norm_rope + kv_norm_rope_store, one op (one launch in Triton)
     rope_inverse        o = RoPE^-1(o)               de-rotation of the attention output
     rope                x = RoPE(x)                  per head, no norm (the indexer's queries)
 
@@ -67,6 +68,16 @@ def kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: 
     kv: [T, D]; weight: [D] fp32; cos/sin: [T, rd/2]; pool: [N, D]; slots: [T] int64 rows of pool.
     """
     pool[slots] = apply_rope(rms_norm(kv.float(), weight, eps), cos, sin).to(pool.dtype)
+
+
+def qkv_norm_rope(q: torch.Tensor, eps: float, kv: torch.Tensor, weight: torch.Tensor,
+                  kv_eps: float, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+                  slots: torch.Tensor) -> torch.Tensor:
+    """`q_norm_rope(q, cos, sin, eps)` (returned), then `kv_norm_rope_store(kv, weight, kv_eps,
+    cos, sin, pool, slots)`: the attention's two per-token norms after its projections, one op."""
+    out = q_norm_rope(q, cos, sin, eps)
+    kv_norm_rope_store(kv, weight, kv_eps, cos, sin, pool, slots)
+    return out
 
 
 def rope_inverse(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 The fast forms of `kernels/ref/rope_norm.py` (same signatures):
     triton_q_norm_rope         q [T, H, D] -> RoPE(q / rms(q)) per head
     triton_kv_norm_rope_store  pool[slots[t]] = RoPE(w * kv[t] / rms(kv[t]))
+    triton_qkv_norm_rope       the two above in one launch (their rows' code: the same bits)
     triton_rope_inverse        o [T, H, D] -> RoPE^-1(o)
     triton_rope                x [T, H, D] -> RoPE(x) per head, no norm (the indexer's queries)
     triton_rms_norm            x [..., D] -> w * x / rms(x)  (the blocks' and the model's RMSNorms)
@@ -34,18 +35,18 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
-                      slot_ptr, D, rows_per_token, rope_first, eps, stride_xt, stride_xh, stride_cs,
-                      stride_out, NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-                      SCATTER: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
+                   slot_ptr, row, D, rows_per_token, rope_first, eps, stride_xt, stride_xh,
+                   stride_cs, stride_out, NORM: tl.constexpr, ROPE: tl.constexpr,
+                   INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row (int64 `row`) of x: normalised (NORM 1: x / rms(x); 2: w * x / rms(x)), rotated,
+    stored at out[row] or out[slots[row]] (SCATTER)."""
     t = row // rows_per_token
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x_row = x_ptr + t * stride_xt + (row - t * rows_per_token) * stride_xh
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM > 0:   # 1: x / rms(x); 2: w * x / rms(x)
+    if NORM > 0:
         x = x / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         if NORM == 2:
             x = x * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -66,6 +67,41 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[n
     tl.store(out_ptr + dest * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
+                      slot_ptr, D, rows_per_token, rope_first, eps, stride_xt, stride_xh, stride_cs,
+                      stride_out, NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+                      SCATTER: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr,
+                   tl.program_id(0).to(tl.int64), D, rows_per_token, rope_first, eps, stride_xt,
+                   stride_xh, stride_cs, stride_out, NORM, ROPE, INVERSE, SCATTER, BLOCK_D)
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(q_ptr, q_out_ptr, kv_ptr, w_ptr,  # type: ignore[no-untyped-def]
+                          cos_ptr, sin_ptr, pool_ptr, slot_ptr, q_rows, D, H, rope_first, eps,
+                          kv_eps, stride_qt, stride_qh, stride_kvt, stride_cs, stride_q_out,
+                          stride_pool, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Programs [0, q_rows): `triton_q_norm_rope`'s rows; the next T: `triton_kv_norm_rope_store`'s
+    (the same row code and warps as their own launches: the same bits)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    if row < q_rows:
+        _norm_rope_row(q_ptr, q_ptr, cos_ptr, sin_ptr, q_out_ptr, q_ptr, row, D, H, rope_first,
+                       eps, stride_qt, stride_qh, stride_cs, stride_q_out, 1, True, False, False,
+                       BLOCK_D)
+    else:
+        _norm_rope_row(kv_ptr, w_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr, row - q_rows, D, 1,
+                       rope_first, kv_eps, stride_kvt, stride_kvt, stride_cs, stride_pool, 2, True,
+                       False, True, BLOCK_D)
+
+
+def _warps(block_d: int) -> int:
+    """Warps of a row program: up to 8, one per 256 channels (the row's sum follows them)."""
+    return max(1, min(8, block_d // 256))
+
+
 def _check_rope(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, T: int) -> None:
     if x.dtype not in _DTYPES or x.stride(-1) != 1:
         raise ValueError(f"{name} must be one of {[str(d) for d in _DTYPES]} with unit last "
@@ -77,6 +113,18 @@ def _check_rope(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if rd > x.shape[-1] or x.shape[-1] % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"rope dim {rd} must fit the even head dim {x.shape[-1]}; "
                          f"cos / sin contiguous")
+
+
+def _check_kv(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              pool: torch.Tensor, slots: torch.Tensor) -> None:
+    if kv.dim() != 2 or pool.dim() != 2 or pool.shape[1] != kv.shape[1] or pool.stride(1) != 1:
+        raise ValueError(f"kv [T, D] and pool [N, D] (unit last stride) must share D; got "
+                         f"{list(kv.shape)}, {list(pool.shape)}")
+    if (tuple(slots.shape) != (kv.shape[0],) or slots.dtype != torch.int64
+            or tuple(weight.shape) != (kv.shape[1],)):
+        raise ValueError(f"slots must be [{kv.shape[0]}] int64 and weight [{kv.shape[1]}]; got "
+                         f"{list(slots.shape)} {slots.dtype}, {list(weight.shape)}")
+    _check_rope("kv", kv, cos, sin, kv.shape[0])
 
 
 def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
@@ -100,7 +148,7 @@ def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
         rows_per_token, D // 2 - half, float(eps),
         x3.stride(0), x3.stride(1), stride_cs, out.stride(0),
         NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None,
-        BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)),
+        BLOCK_D=block_d, num_warps=_warps(block_d),
         **({} if fp_fusion else {"enable_fp_fusion": False}), **pdl_args(x3.device))
 
 
@@ -134,16 +182,35 @@ def triton_kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float
     `kv`: [T, D]; `weight`: [D] fp32; `pool`: [N, D] with unit last stride; `slots`: [T] int64 in
     [0, N) (not checked: a host sync). Slots must be distinct (the engine's SWA write slots are).
     """
-    if kv.dim() != 2 or pool.dim() != 2 or pool.shape[1] != kv.shape[1] or pool.stride(1) != 1:
-        raise ValueError(f"kv [T, D] and pool [N, D] (unit last stride) must share D; got "
-                         f"{list(kv.shape)}, {list(pool.shape)}")
-    if (tuple(slots.shape) != (kv.shape[0],) or slots.dtype != torch.int64
-            or tuple(weight.shape) != (kv.shape[1],)):
-        raise ValueError(f"slots must be [{kv.shape[0]}] int64 and weight [{kv.shape[1]}]; got "
-                         f"{list(slots.shape)} {slots.dtype}, {list(weight.shape)}")
-    _check_rope("kv", kv, cos, sin, kv.shape[0])
+    _check_kv(kv, weight, cos, sin, pool, slots)
     _launch(kv, 1, cos, sin, pool, norm=2, inverse=False, eps=eps, weight=weight,
             slots=slots.contiguous())
+
+
+def triton_qkv_norm_rope(q: torch.Tensor, eps: float, kv: torch.Tensor, weight: torch.Tensor,
+                         kv_eps: float, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor:
+    """Same contract as `ref.rope_norm.qkv_norm_rope`: `triton_q_norm_rope(q, cos, sin, eps)`
+    (returned) and `triton_kv_norm_rope_store(kv, weight, kv_eps, cos, sin, pool, slots)` in one
+    launch, bit for bit (the same row code at the same warps). q's head dim must equal kv's (the
+    attention's single KV head has the query heads' dim)."""
+    if q.dim() != 3 or kv.dim() != 2 or q.shape[-1] != kv.shape[-1] or q.shape[0] != kv.shape[0]:
+        raise ValueError(f"q [T, H, D] and kv [T, D] must share T and D; got {list(q.shape)}, "
+                         f"{list(kv.shape)}")
+    _check_rope("q", q, cos, sin, q.shape[0])
+    _check_kv(kv, weight, cos, sin, pool, slots)
+    T, H, D = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    q3 = q if q.stride(-1) == 1 else q.contiguous()
+    block_d = max(16, triton.next_power_of_2(D))
+    _qkv_norm_rope_kernel[(T * H + T,)](
+        q3, out, kv, weight, cos, sin, pool, slots.contiguous(), T * H, D, H,
+        D // 2 - cos.shape[-1], float(eps), float(kv_eps), q3.stride(0), q3.stride(1),
+        kv.stride(0), cos.stride(0), D, pool.stride(0), BLOCK_D=block_d,
+        num_warps=_warps(block_d), **pdl_args(q.device))
+    return out
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
