@@ -101,6 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's fused projection groups (default: on, as the engine's)")
     p.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's one-launch decode GEMVs (default: on, as the engine's)")
+    p.add_argument("--pdl-early-max-batch", type=int, default=0,
+                   help="decode graphs of batch buckets up to this size in PDL's EARLY mode "
+                   "(default 0, as the engine's)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")
@@ -330,7 +333,8 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
                           overlap_schedule=args.overlap_schedule,
                           multi_stream=args.multi_stream,
                           fuse_projections=args.fuse_projections,
-                          decode_gemv=args.decode_gemv)
+                          decode_gemv=args.decode_gemv,
+                          pdl_early_max_batch=args.pdl_early_max_batch)
     return LLMEngine(model, config)
 
 
@@ -653,6 +657,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),
               "fuse_projections": args.fuse_projections, "decode_gemv": args.decode_gemv,
+              "pdl_early_max_batch": args.pdl_early_max_batch,
               "multi_stream": resolve_multi_stream(args.multi_stream,
                                                    torch.device(args.device).type),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,

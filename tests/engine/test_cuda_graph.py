@@ -19,7 +19,14 @@ from dsv4 import LLM, SamplingParams
 from dsv4.cache.pools import KVPools
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
-from dsv4.engine.cuda_graph import MIN_CONTEXT, DecodeGraphs, batch_buckets, context_bucket
+from dsv4.engine.cuda_graph import (
+    MIN_CONTEXT,
+    DecodeGraphs,
+    batch_buckets,
+    context_bucket,
+    graph_pdl_mode,
+)
+from dsv4.kernels.triton.pdl import EARLY
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +172,18 @@ def test_cuda_graph_max_bs_is_validated() -> None:
 
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineConfig(cuda_graph_max_bs=0)
+
+
+def test_pdl_early_buckets() -> None:
+    """Buckets up to `pdl_early_max_batch` are captured in PDL's EARLY mode, the rest in
+    DSV4_PDL's (None); a negative or non-integer bound is refused."""
+    from dsv4.config.engine import EngineConfig
+
+    assert [graph_pdl_mode(b, 2) for b in (1, 2, 4, 8)] == [EARLY, EARLY, None, None]
+    assert graph_pdl_mode(1, 0) is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="pdl_early_max_batch"):
+            EngineConfig(pdl_early_max_batch=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu

@@ -18,7 +18,16 @@ from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.kernels.triton import pdl
-from dsv4.kernels.triton.pdl import EARLY, ENV, OFF, WAIT, pdl_args, pdl_enabled, pdl_mode
+from dsv4.kernels.triton.pdl import (
+    EARLY,
+    ENV,
+    OFF,
+    WAIT,
+    pdl_args,
+    pdl_enabled,
+    pdl_mode,
+    pdl_scope,
+)
 
 _GPU = pytest.mark.skipif(not torch.cuda.is_available()
                           or torch.cuda.get_device_capability() < (9, 0),
@@ -60,6 +69,36 @@ def test_modes(value: str | None, mode: int, monkeypatch: pytest.MonkeyPatch) ->
     dev = torch.device("cuda", 0)
     assert pdl_args(dev) == {"PDL": mode, "launch_pdl": mode != OFF}
     assert pdl_enabled(dev) is (mode != OFF)
+
+
+@pytest.mark.parametrize("value", ["1", "2", None])
+def test_scope(value: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdl_scope` sets the mode of the launches inside it (nested: the innermost), None keeps
+    DSV4_PDL's, and it is restored on exit, also after an error; DSV4_PDL=0 and devices
+    without PDL stay off inside."""
+    monkeypatch.setattr(pdl, "_hopper", lambda index: True)
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    dev = torch.device("cuda", 0)
+    outside = pdl_mode(dev)
+    with pdl_scope(EARLY):
+        assert pdl_mode(dev) == EARLY and pdl_args(dev) == {"PDL": EARLY, "launch_pdl": True}
+        with pdl_scope(WAIT):
+            assert pdl_mode(dev) == WAIT
+        with pdl_scope(None):
+            assert pdl_mode(dev) == EARLY
+        assert pdl_mode(torch.device("cpu")) == OFF
+        monkeypatch.setenv(ENV, "0")
+        assert pdl_mode(dev) == OFF
+        monkeypatch.setenv(ENV, value or "1")
+    assert pdl_mode(dev) == outside
+    with pytest.raises(RuntimeError), pdl_scope(EARLY):
+        raise RuntimeError("restored after an error")
+    assert pdl_mode(dev) == outside
+    with pytest.raises(ValueError, match="pdl_scope mode must be"), pdl_scope(OFF):
+        pass
 
 
 @pytest.mark.parametrize("capability,hip,on", [((9, 0), None, True), ((10, 0), None, True),
@@ -138,10 +177,11 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _generate(ckpt: Path, dtype: str, graphs: bool) -> list[tuple[list[int], list[float]]]:
+def _generate(ckpt: Path, dtype: str, graphs: bool,
+              early_max_batch: int = 0) -> list[tuple[list[int], list[float]]]:
     llm = LLM(ckpt, dtype=dtype, device="cuda", kernel_backend="triton", page_size=16,
               max_total_tokens=8192, max_running_requests=8, chunked_prefill_size=64,
-              disable_cuda_graph=not graphs, warmup="none")
+              disable_cuda_graph=not graphs, warmup="none", pdl_early_max_batch=early_max_batch)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, micro().vocab_size, (n,), generator=g).tolist()
                for n in (9, 150, 333, 41)]
@@ -163,3 +203,14 @@ def test_same_outputs_on_and_off(ckpt: Path, dtype: str, graphs: bool, mode: str
     monkeypatch.setenv(ENV, mode)
     on = _generate(ckpt, dtype, graphs)
     assert on == off
+
+
+@pytest.mark.gpu
+@_GPU
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_early_graph_buckets_same_outputs(ckpt: Path, dtype: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs of buckets up to 2 in EARLY mode (`pdl_early_max_batch`), the rest in WAIT: the
+    outputs of every graph in WAIT. The 4 requests finish one by one, so buckets 4, 2 and 1 run."""
+    monkeypatch.setenv(ENV, "1")
+    assert _generate(ckpt, dtype, True, early_max_batch=2) == _generate(ckpt, dtype, True)

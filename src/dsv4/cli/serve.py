@@ -100,6 +100,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="run the decode projections through cuBLAS (default: one-launch "
                         "split-K GEMVs on the triton backend)")
+    g.add_argument("--pdl-early-max-batch", type=int, default=None,
+                   help="capture the decode graphs of batch buckets up to this size with PDL's "
+                        "EARLY mode (default 0: none; EngineConfig.pdl_early_max_batch)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)
@@ -165,7 +168,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "enable_return_routing",
         "speculative_num_steps", "overlap_schedule", "multi_stream", "warmup", "tp_size",
         "ep_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "enable_hisparse",
-        "hisparse_device_entries", "fuse_projections", "decode_gemv")}
+        "hisparse_device_entries", "fuse_projections", "decode_gemv", "pdl_early_max_batch")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),

@@ -140,6 +140,12 @@ class EngineConfig:
     deterministic split-K on the triton backend (`model/decode_gemv.py`,
     `kernels/triton/gemv.py::triton_decode_linear`) instead of cuBLAS's split-K kernel plus its
     reduce. Outputs equal to GEMM rounding. Not applied in the invariant modes (as above).
+    `pdl_early_max_batch`: decode graphs of batch buckets up to this size are captured with
+    PDL's EARLY mode (`kernels/triton/pdl.py`: a kernel's dependents are scheduled while it runs),
+    the larger ones in `DSV4_PDL`'s mode (WAIT by default). On the H200 EARLY sped up the batch-1
+    flash-4l step and slowed the batch-32 one (`benchmarks/results/quant_moe_h200_202612.md`).
+    0 (default): every graph in DSV4_PDL's mode. Same outputs either way (PDL changes when a
+    kernel starts, not what it reads); each mode compiles its own kernel variants.
     """
 
     page_size: int = 256
@@ -168,6 +174,7 @@ class EngineConfig:
     hisparse_device_entries: int | None = None
     fuse_projections: bool = True
     decode_gemv: bool = True
+    pdl_early_max_batch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -193,6 +200,10 @@ class EngineConfig:
                 or not 0 <= spec <= MAX_SPECULATIVE_STEPS):
             raise ValueError(f"speculative_num_steps={spec!r} is invalid; allowed: an integer in "
                              f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
+        early = self.pdl_early_max_batch
+        if not isinstance(early, int) or isinstance(early, bool) or early < 0:
+            raise ValueError(f"pdl_early_max_batch={early!r} is invalid; allowed: an integer >= 0 "
+                             "(0: no graph in EARLY mode)")
         for name in ("fuse_projections", "decode_gemv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; "

@@ -19,6 +19,8 @@ Buckets. A graph is keyed by (batch bucket, n, k, context bucket, routing captur
   `MIN_CONTEXT`, at most the request table's span). It sizes the compressed-candidate lists, whose
   columns past a query's visible count are -1 in every form of the metadata: a larger bucket adds
   masked columns (at most 2x), never changes which entries a query sees.
+PDL: the graphs of batch buckets up to `pdl_early_max_batch` are captured (with their warm-up
+launches) inside `pdl_scope(EARLY)` (`graph_pdl_mode`), the others in DSV4_PDL's mode.
 Graphs share one memory pool and are replayed one at a time on the current stream. With
 `capture=False` (CPU, tests) the same static-buffer step runs eagerly: that path is what the CPU
 equivalence tests check against the plain eager step, and the GPU tests check graph replay against
@@ -35,6 +37,7 @@ from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.engine.metadata import StepBounds, StepShape, device_context
 from dsv4.kernels.registry import KernelOps
+from dsv4.kernels.triton.pdl import EARLY, pdl_scope
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.device import copy_from_host, to_device
 from dsv4.utils.logging import init_logger
@@ -67,6 +70,12 @@ def context_bucket(max_end: int, span: int) -> int:
     (>= max_end)."""
     assert 1 <= max_end <= span, f"end position {max_end} outside the request table's span {span}"
     return min(1 << (max(max_end, MIN_CONTEXT) - 1).bit_length(), span)
+
+
+def graph_pdl_mode(batch: int, early_max_batch: int) -> int | None:
+    """The PDL mode a decode graph of batch bucket `batch` is captured in: EARLY up to
+    `early_max_batch` (`EngineConfig.pdl_early_max_batch`), else None (DSV4_PDL's)."""
+    return EARLY if batch <= early_max_batch else None
 
 
 def uniform_shape(shape: StepShape) -> tuple[int, int] | None:
@@ -115,7 +124,8 @@ class DecodeGraphs:
     def __init__(self, model: DeepSeekV4ForCausalLM, table: RequestTable, pools: KVPools,
                  ops: KernelOps, max_batch: int, capture: bool = True,
                  max_tokens: int = 1, with_streams: bool = False,
-                 side_stream: torch.cuda.Stream | None = None) -> None:
+                 side_stream: torch.cuda.Stream | None = None,
+                 pdl_early_max_batch: int = 0) -> None:
         if capture and next(model.parameters()).device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model, self.table, self.pools, self.ops = model, table, pools, ops
@@ -123,6 +133,7 @@ class DecodeGraphs:
         self.span = table.max_pages * table.P
         self.capture, self.max_tokens, self.with_streams = capture, max_tokens, with_streams
         self.side_stream = side_stream     # `EngineConfig.multi_stream`: forked inside the graphs
+        self.pdl_early_max_batch = pdl_early_max_batch  # `EngineConfig.pdl_early_max_batch`
         self.device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._graphs: dict[GraphKey, _StepGraph] = {}
@@ -244,12 +255,13 @@ class DecodeGraphs:
             return _DraftGraph(next_ids, first, torch.empty(0, device=self.device))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._draft_forward(step, key, next_ids, first, num_steps)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            drafts = self._draft_forward(step, key, next_ids, first, num_steps)
+        with pdl_scope(graph_pdl_mode(B, self.pdl_early_max_batch)):
+            with torch.cuda.stream(side):
+                self._draft_forward(step, key, next_ids, first, num_steps)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                drafts = self._draft_forward(step, key, next_ids, first, num_steps)
         return _DraftGraph(next_ids, first, drafts, graph)
 
     def _consts(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,12 +303,13 @@ class DecodeGraphs:
                     " with routing capture" if key.capture_routing else "")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, allocator settles
-            self._forward(inputs, consts, key)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, captured, streams = self._forward(inputs, consts, key)
+        with pdl_scope(graph_pdl_mode(B, self.pdl_early_max_batch)):
+            with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator settles
+                self._forward(inputs, consts, key)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits, captured, streams = self._forward(inputs, consts, key)
         return _StepGraph(staging, inputs, consts, logits, captured, graph, streams)
 
     def num_graphs(self) -> int:

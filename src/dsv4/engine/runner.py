@@ -150,7 +150,8 @@ class ModelRunner:
         # speculative decoding: verify steps of N + 1 tokens, returning the MTP block's input
         return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch,
                             max_tokens=1 + spec, with_streams=spec > 0,
-                            side_stream=self.side_stream)
+                            side_stream=self.side_stream,
+                            pdl_early_max_batch=c.pdl_early_max_batch)
 
     @torch.no_grad()
     def run(self, step: ScheduledStep) -> StepOutput:

@@ -28,21 +28,30 @@ may be set, and a Triton function defined then would be compiled, not interprete
 `pdl_args(device)` gives the two launch keywords, on where the device runs it: an NVIDIA GPU of
 compute capability >= 9.0, and the `DSV4_PDL` environment variable ("0" off, "1" WAIT, "2" EARLY;
 default WAIT: the A/B switch of the benchmarks and tests; read at each launch, so it holds for
-kernels launched or graphs captured after it is set). Off CUDA (the interpreter) PDL is off:
-`gdc_wait` is inline PTX. Kernels of other libraries (cuBLAS, torch) stay ordinary launches; a PDL
-kernel after one simply waits for it as usual.
+kernels launched or graphs captured after it is set). `pdl_scope(mode)` sets WAIT or EARLY for
+the launches made inside it (a context variable: this thread or task only, restored on exit), so
+an engine can capture some decode graphs in one mode and the rest in the other
+(`EngineConfig.pdl_early_max_batch`); "0" in DSV4_PDL still turns PDL off inside a scope. Off
+CUDA (the interpreter) PDL is off: `gdc_wait` is inline PTX. Kernels of other libraries (cuBLAS,
+torch) stay ordinary launches; a PDL kernel after one simply waits for it as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
 ENV = "DSV4_PDL"
 OFF, WAIT, EARLY = 0, 1, 2     # the PDL constexpr's modes (module docstring)
 _MODES = {"0": OFF, "1": WAIT, "2": EARLY}
+# the mode `pdl_scope` sets for the launches inside it (None: DSV4_PDL's)
+_SCOPE: contextvars.ContextVar[int | None] = contextvars.ContextVar("dsv4_pdl_scope",
+                                                                    default=None)
 
 
 @functools.cache
@@ -60,8 +69,27 @@ def pdl_mode(device: torch.device) -> int:
         raise ValueError(f"{ENV} must be one of {sorted(_MODES)}; got {value!r}")
     if device.type != "cuda" or _MODES[value] == OFF:
         return OFF
-    return _MODES[value] if _hopper(device.index if device.index is not None
-                                    else torch.cuda.current_device()) else OFF
+    mode = _SCOPE.get()
+    mode = _MODES[value] if mode is None else mode
+    return mode if _hopper(device.index if device.index is not None
+                           else torch.cuda.current_device()) else OFF
+
+
+@contextlib.contextmanager
+def pdl_scope(mode: int | None) -> Iterator[None]:
+    """Launches inside use `mode` (WAIT or EARLY) instead of DSV4_PDL's WAIT / EARLY; None: no
+    change. DSV4_PDL="0" and devices without PDL stay off. Raises ValueError on another mode."""
+    if mode is None:
+        yield
+        return
+    if mode not in (WAIT, EARLY):
+        raise ValueError(f"pdl_scope mode must be WAIT ({WAIT}), EARLY ({EARLY}) or None; "
+                         f"got {mode!r}")
+    token = _SCOPE.set(mode)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
 def pdl_enabled(device: torch.device) -> bool:
