@@ -68,11 +68,18 @@
 #                 (checkpoint_decode_{bf16,checkpoint}.json), and profiles of the batch-1 step in both formats
 #                 ({checkpoint,bf16}_profile.txt) with their traces read by trace_gaps.py (each stream's busy
 #                 time, the idle gaps: checkpoint_trace_gaps.txt)
-#   pdl-ab        PDL's EARLY mode (DSV4_PDL=2: the next kernel's programs scheduled while a kernel runs)
-#                 against WAIT (1): flash-4l decode at batch 1 and 32 (4K) in checkpoint precision, WAIT and
-#                 EARLY twice each in turn (pdl_checkpoint_{1,2}_{a,b}.json), bf16 in EARLY
-#                 (pdl_bf16_2_a.json); then the checkpoint batch-1 step's profile in WAIT with its trace read
-#                 by trace_gaps.py (each stream's busy time, the gaps: pdl_profile.txt, pdl_trace_gaps.txt)
+#   pdl-ab        PDL's EARLY mode (the next kernel's programs scheduled while a kernel runs) for the
+#                 small decode graphs only (--pdl-early-max-batch 8) against none (0): flash-4l decode at
+#                 batch 1 and 32 (4K) in checkpoint precision, twice each in turn
+#                 (pdl_checkpoint_e{0,8}_{a,b}.json), bf16 with 8 (pdl_bf16_e8_a.json); then the checkpoint
+#                 batch-1 step's profile with 0 and its trace read by trace_gaps.py (each stream's busy
+#                 time, the gaps: pdl_profile.txt, pdl_trace_gaps.txt)
+#   fixed-costs   the 29th session's batch-1 savings in one call: bench_mhc.py pre / post_pre with the
+#                 finish's post / comb programs apart and together (fixed_mhc.json), flash-4l decode at
+#                 batch 1 and 32 (4K) in bf16 and checkpoint precision, each in its own process
+#                 (fixed_decode_{bf16,checkpoint}.json), the checkpoint batch-1 step's profile
+#                 (fixed_profile.txt), then their GPU tests (the finish apart bit-equal to together, q and kv
+#                 norms in one launch bit-equal to two, PDL's EARLY graph buckets: fixed_tests.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -328,15 +335,15 @@ checkpoint() {
   done
 }
 
-pdl_ab() {   # PDL's EARLY mode (DSV4_PDL=2) against WAIT (1), then the step's trace in WAIT
-  local run fmt mode rep
-  for run in checkpoint:1:a checkpoint:2:a checkpoint:1:b checkpoint:2:b bf16:2:a; do
-    IFS=: read -r fmt mode rep <<< "$run"
-    DSV4_PDL=$mode timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda \
+pdl_ab() {   # EARLY for the decode graphs of batch <= 8 (--pdl-early-max-batch 8) against none (0)
+  local run fmt early rep
+  for run in checkpoint:0:a checkpoint:8:a checkpoint:0:b checkpoint:8:b bf16:8:a; do
+    IFS=: read -r fmt early rep <<< "$run"
+    timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
-      --batch-contexts 4096 --weight-format "$fmt" --out "$OUT/pdl_${fmt}_${mode}_$rep.json" \
-      > /tmp/pdl_run.txt 2>&1
-    echo "--- $fmt DSV4_PDL=$mode ($rep)"; grep -v "^{" /tmp/pdl_run.txt | tail -3
+      --batch-contexts 4096 --weight-format "$fmt" --pdl-early-max-batch "$early" \
+      --out "$OUT/pdl_${fmt}_e${early}_$rep.json" > /tmp/pdl_run.txt 2>&1
+    echo "--- $fmt early<=$early ($rep)"; grep -v "^{" /tmp/pdl_run.txt | tail -3
   done
   timeout 120 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda \
     --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only \
@@ -347,13 +354,34 @@ pdl_ab() {   # PDL's EARLY mode (DSV4_PDL=2) against WAIT (1), then the step's t
   grep -E "^step|stream" "$OUT/pdl_trace_gaps.txt" | head -8
 }
 
+fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
+  local fmt           # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
+  timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops pre,post_pre --out "$OUT/fixed_mhc.json" \
+    > /tmp/fixed_mhc.txt 2>&1
+  grep -v "^{" /tmp/fixed_mhc.txt | tail -14
+  for fmt in bf16 checkpoint; do
+    timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 \
+      --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 --batch-contexts 4096 \
+      --weight-format "$fmt" --out "$OUT/fixed_decode_$fmt.json" > /tmp/fixed_decode_$fmt.txt 2>&1
+    grep -v "^{" /tmp/fixed_decode_$fmt.txt | tail -3
+  done
+  timeout 100 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda \
+    --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only \
+    --warm-steps 3 --steps 20 --rows 40 --weight-format checkpoint > "$OUT/fixed_profile.txt" 2>&1
+  tail -1 "$OUT/fixed_profile.txt" | cut -c 1-300
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
+    tests/kernels/test_mhc_post_pre.py tests/kernels/test_rope_norm.py tests/engine/test_pdl.py \
+    > "$OUT/fixed_tests.txt" 2>&1
+  tail -3 "$OUT/fixed_tests.txt"
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,82p' "$0"
+  sed -n '2,89p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -378,8 +406,10 @@ for part in "$@"; do
     w8a8) w8a8 ;;
     checkpoint) checkpoint ;;
     pdl-ab) pdl_ab ;;
+    fixed-costs) fixed_costs ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
-         "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab sass"; exit 2 ;;
+         "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
+         "sass"; exit 2 ;;
   esac
 done
