@@ -218,24 +218,44 @@ def finish(x_ptr, scale_ptr, base_ptr, h_ptr, post_ptr, comb_ptr,  # type: ignor
 
 
 @triton.jit
+def _chunk(ws_ptr, sq_ptr, offs_t, t_mask, T, S, s0,  # type: ignore[no-untyped-def]
+           NP: tl.constexpr, HEAD: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """The partials of splits [s0, s0 + BLOCK_S) (0 past S): pp, cm [BLOCK_T, BLOCK_S, NP*NP]
+    (cm 0 for HEAD) and sq [BLOCK_T, BLOCK_S]."""
+    c = tl.arange(0, NP * NP)[None, None, :]
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    m = t_mask[:, None] & (offs_s < S)[None, :]                             # [BLOCK_T, BLOCK_S]
+    rows = offs_s[None, :] * T + offs_t[:, None]
+    part = ws_ptr + (rows * (2 * NP * NP))[:, :, None] + c
+    pp = tl.load(part, mask=m[:, :, None], other=0.0, cache_modifier=CACHE)
+    cm = tl.zeros_like(pp)
+    if not HEAD:
+        cm = tl.load(part + NP * NP, mask=m[:, :, None], other=0.0, cache_modifier=CACHE)
+    return pp, cm, tl.load(sq_ptr + rows, mask=m, other=0.0, cache_modifier=CACHE)
+
+
+@triton.jit
 def sum_partials(ws_ptr, sq_ptr, offs_t, t_mask, T, S,  # type: ignore[no-untyped-def]
                   NP: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
     """Σ over the S splits of ws [S, T, 2, NP*NP] and sq [S, T] for tokens offs_t, in chunks of
-    BLOCK_S splits (chunk sums in split order). CACHE: the loads' cache modifier (".cg" when other
-    programs of the same launch wrote the partials)."""
-    c = tl.arange(0, NP * NP)[None, None, :]
+    BLOCK_S splits (chunk sums in split order). Two chunks' loads are issued before either is
+    summed (one memory round trip per two chunks; the same adds in the same order). CACHE: the
+    loads' cache modifier (".cg" when other programs of the same launch wrote the partials)."""
     pp = tl.zeros([BLOCK_T, NP * NP], tl.float32)
     cm = tl.zeros([BLOCK_T, NP * NP], tl.float32)
     sq = tl.zeros([BLOCK_T], tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        m = t_mask[:, None] & (offs_s < S)[None, :]                         # [BLOCK_T, BLOCK_S]
-        rows = offs_s[None, :] * T + offs_t[:, None]
-        part = ws_ptr + (rows * (2 * NP * NP))[:, :, None] + c
-        pp += tl.sum(tl.load(part, mask=m[:, :, None], other=0.0, cache_modifier=CACHE), axis=1)
+    for s0 in range(0, S, 2 * BLOCK_S):
+        pp0, cm0, sq0 = _chunk(ws_ptr, sq_ptr, offs_t, t_mask, T, S, s0, NP, HEAD, BLOCK_S, CACHE)
+        pp1, cm1, sq1 = _chunk(ws_ptr, sq_ptr, offs_t, t_mask, T, S, s0 + BLOCK_S, NP, HEAD,
+                               BLOCK_S, CACHE)
+        pp += tl.sum(pp0, axis=1)
         if not HEAD:
-            cm += tl.sum(tl.load(part + NP * NP, mask=m[:, :, None], other=0.0,
-                                 cache_modifier=CACHE), axis=1)
-        sq += tl.sum(tl.load(sq_ptr + rows, mask=m, other=0.0, cache_modifier=CACHE), axis=1)
+            cm += tl.sum(cm0, axis=1)
+        sq += tl.sum(sq0, axis=1)
+        if s0 + BLOCK_S < S:             # (an empty second chunk adds nothing: no +0 either)
+            pp += tl.sum(pp1, axis=1)
+            if not HEAD:
+                cm += tl.sum(cm1, axis=1)
+            sq += tl.sum(sq1, axis=1)
     return pp, cm, sq
