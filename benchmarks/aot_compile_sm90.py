@@ -185,10 +185,13 @@ def moe_frag_variants() -> Iterator[Variant]:
 
 
 def topk_variants() -> Iterator[Variant]:
-    from dsv4.kernels.triton import topk_compact
+    from dsv4.kernels.triton import topk, topk_compact
 
     types = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*i64", "slots_ptr": "*i32",
              "state_ptr": "*i32", "cand_ptr": "*i64", "scr_ptr": "*i64", "probe_ptr": "*i64"}
+    for block in (1024, 2048, 4096):     # the row path (decode up to 16K context)
+        yield (f"topk row {block}", topk._topk_row_kernel, types,
+               {"BLOCK": block, "PAD_BLOCK": 1024}, {"num_warps": topk.row_warps(block)})
     tail = {"TBLOCK": 2048, "LIST_BLOCK": 1024, "FINISH_BLOCK": 1024, "PAD_BLOCK": 1024}
     for exact in (True, False):
         mode = "exact" if exact else "bound"

@@ -300,6 +300,33 @@ def test_workspace_reused_with_garbage() -> None:
                        workspace=workspace[:10])
 
 
+@pytest.mark.parametrize("case", ["pass0", "n_le_k", "pass1", "gauss", "no_exit"])
+def test_row_whole_bin_exits(case: str) -> None:
+    """The row path stops its radix passes once a pass's bin is kept whole (its count is the keys
+    still wanted): the k winners split at a digit-0 bin edge (stops after pass 0), fewer
+    candidates than k (pass 0), at a digit-1 edge (pass 1), Gaussian rows (mostly pass 1 or 2),
+    and all-equal rows (never stops: the tie rule picks the lower indices). Exact either way."""
+    g = torch.Generator().manual_seed(len(case))
+    n, k = 1000, 512
+    if case == "pass0":     # 512 scores in [64, 128), the rest in [0.5, 1): one digit-0 bin each
+        s = torch.cat((64 + 63 * torch.rand(512, generator=g), 0.5 + 0.4 * torch.rand(488,
+                                                                             generator=g)))
+    elif case == "n_le_k":
+        n, s = 300, torch.randn(300, generator=g)
+    elif case == "pass1":   # [1.0, 1.5) and [1.5, 2.0) share digit 0, differ in digit 1
+        s = torch.cat((1.5 + 0.4 * torch.rand(512, generator=g), 1.0 + 0.4 * torch.rand(488,
+                                                                               generator=g)))
+    elif case == "gauss":
+        s = torch.randn(n, generator=g)
+    else:
+        s = torch.full((n,), 0.25)
+    scores = s[torch.randperm(n, generator=g)][None].to(DEVICE).contiguous()
+    for lengths in ([n], [n - 1], [k]):
+        lens = torch.tensor(lengths, device=DEVICE)
+        assert plan_topk(1, n).path == "row"
+        assert torch.equal(lightning_topk(scores, lens, k), topk_ragged(scores, lens, k)), lengths
+
+
 def test_reference_matches_topk_lower_index() -> None:
     """On full rows the reference picks exactly the set `topk_lower_index` ranks first."""
     for dist in DISTS:

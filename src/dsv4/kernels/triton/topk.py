@@ -15,7 +15,12 @@ so every candidate is kept.
 
 Paths, chosen on the host from Python ints only (no device sync: it runs inside CUDA-graph capture):
 
-    row      N <= row_max (4096)   one program per row, the whole row in registers, 1 launch
+    row      N <= row_max (4096)   one program per row, the whole row in registers, 1 launch;
+                                   it stops its passes once a pass's bin is kept whole (the
+                                   bin's count is the keys still wanted: with Gaussian-like
+                                   scores after pass 1 at 1,024 keys and k = 512, pass 2 at
+                                   4,096; at pass 0 when n <= k), then keeps every key >= the
+                                   bin's lowest key
     coop     N >  row_max, B * P <= coop_programs (and the GPU's SMs), P = N / chunk:
                                    1 launch (`topk_coop.py`), chunk 2048..8192: every program keeps
                                    its chunk's keys in registers and the row's programs take the
@@ -64,7 +69,7 @@ from dsv4.kernels.triton.topk_compact import CompactPlan, launch_compact, worksp
 from dsv4.kernels.triton.topk_coop import CoopPlan, coop_workspace_numel, launch_coop, row_words
 from dsv4.kernels.triton.topk_radix import (
     digit_hist,
-    find_bin,
+    find_bin_count,
     order_key,
     pad_tail,
     row_len,
@@ -257,10 +262,15 @@ def _topk_row_kernel(  # type: ignore[no-untyped-def]
     key = order_key(tl.load(scores_ptr + row.to(tl.int64) * stride_s + offs, mask=valid, other=0.0))
     prefix = tl.full([], 0, tl.uint32)
     k_rem = k_eff
+    whole = k_rem < 0               # the pass's bin is kept whole: the later passes are skipped
     for p in tl.static_range(4):
-        digit, k_rem = find_bin(digit_hist(key, valid, prefix, 24 - 8 * p), k_rem)
-        prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * p))
-    keep, pos, _, _ = select_block(key, valid, prefix, k_rem, 0, 0)
+        if not whole:
+            digit, k_rem, count = find_bin_count(digit_hist(key, valid, prefix, 24 - 8 * p), k_rem)
+            prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * p))
+            whole = count == k_rem
+    # a whole bin: its keys are those >= prefix (lower digits 0) up to the next bin; every tie
+    # == prefix is kept then
+    keep, pos, _, _ = select_block(key, valid, prefix, tl.where(whole, BLOCK, k_rem), 0, 0)
     out_row = out_ptr + row.to(tl.int64) * K
     tl.store(out_row + pos, offs.to(tl.int64), mask=keep & (pos < K))
     pad_tail(out_row, k_eff, K, PAD_BLOCK)
