@@ -75,7 +75,8 @@
 #                 batch-1 step's profile with 0 and its trace read by trace_gaps.py (each stream's busy
 #                 time, the gaps: pdl_profile.txt, pdl_trace_gaps.txt)
 #   fixed-costs   the 29th session's batch-1 savings in one call: bench_mhc.py pre / post_pre with the
-#                 finish's post / comb programs apart and together (fixed_mhc.json), flash-4l decode at
+#                 finish's post / comb programs apart and together (fixed_mhc.json), the top-k row path
+#                 at 1,024-4,096 keys (its early stop: fixed_topk.txt), flash-4l decode at
 #                 batch 1 and 32 (4K) in bf16 and checkpoint precision, each in its own process
 #                 (fixed_decode_{bf16,checkpoint}.json), the checkpoint batch-1 step's profile
 #                 (fixed_profile.txt), then their GPU tests (the finish apart bit-equal to together, q and kv
@@ -359,6 +360,9 @@ fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY grap
   timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops pre,post_pre --out "$OUT/fixed_mhc.json" \
     > /tmp/fixed_mhc.txt 2>&1
   grep -v "^{" /tmp/fixed_mhc.txt | tail -14
+  timeout 90 python3 benchmarks/kernels/bench_topk.py --cases 1x1024x512,1x2048x512,1x4096x512 \
+    > "$OUT/fixed_topk.txt" 2>&1
+  grep -v "^{" "$OUT/fixed_topk.txt" | tail -5
   for fmt in bf16 checkpoint; do
     timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 \
       --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 --batch-contexts 4096 \
