@@ -290,14 +290,22 @@ def attention_variants() -> Iterator[Variant]:
                consts, {"num_warps": 4, "num_stages": 2})
     types = {"q_ptr": "*bf16", "kv1_ptr": "*bf16", "idx1_ptr": "*i64", "kv2_ptr": "*bf16",
              "idx2_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
-             "lse_ptr": "*fp32", "qk_scale": "fp32", "log2e": "fp32",
+             "lse_ptr": "*fp32", "qk_scale": "fp32", "log2e": "fp32", "cos_ptr": "*fp32",
+             "sin_ptr": "*fp32",
              **{f"stride_{k}": hint for k in ("qt", "qh", "kv1", "i1", "kv2", "i2", "ot", "oh")}}
-    for even, terms in ((True, 1), (True, 2), (True, 3), (False, 3)):
+    # the serving path's: de-rotated in the store (`inverse_rope`)
+    for even, terms, derotate in ((True, 1, True), (True, 2, True), (True, 3, True),
+                                  (False, 3, True), (True, 3, False)):
         consts = {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 512, "FP32_DOT": False, "SPLIT": False,
-                  "EVEN_D": even, "P_TERMS": terms}
-        yield (f"sparse attn even_d={even} p_terms={terms}",
+                  "EVEN_D": even, "P_TERMS": terms, "DEROTATE": derotate}
+        yield (f"sparse attn even_d={even} p_terms={terms} derotate={derotate}",
                sparse_attention._sparse_attention_kernel, types, consts,
                {"num_warps": 4, "num_stages": 2})
+    for derotate in (True, False):
+        yield (f"sparse attn combine derotate={derotate}", sparse_attention._combine_kernel,
+               {**types, "part_ptr": "*fp32"},
+               {"BLOCK_S": 32, "BLOCK_D": 512, "EVEN_D": True, "DEROTATE": derotate},
+               {"num_warps": 4})
 
 
 def metadata_variants() -> Iterator[Variant]:

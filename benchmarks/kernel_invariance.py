@@ -38,7 +38,7 @@ from dsv4.kernels import registry
 TOKEN_ARGS: dict[str, tuple[int, ...]] = {
     "sparse_attention": (0,), "mhc_pre": (0,), "mhc_post": (0, 1, 2, 3), "mhc_head": (0,),
     "routed_experts": (0, 4, 5), "routed_experts_quant": (0, 5, 6), "rms_norm": (0,),
-    "q_norm_rope": (0, 1, 2), "rope_inverse": (0, 1, 2), "index_scores": (0, 1, 3),
+    "q_norm_rope": (0, 1, 2), "index_scores": (0, 1, 3),
     "topk": (0, 1), "rope": (0, 1, 2), "moe_gate_logits": (0,),
 }
 Stats = dict[str, list[float]]

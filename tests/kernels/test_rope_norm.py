@@ -3,7 +3,7 @@
 The kernels of `kernels/triton/rope_norm.py` against `kernels/ref/rope_norm.py` (and
 `kernels.ref.rope_norm.rms_norm` for the plain RMSNorm): micro / tiny head geometries under the
 interpreter on CPU (fp32 and bf16, T = 1 and ragged 7 tokens, a rope slice narrower than the head,
-scattered pool slots, the inverse rotation, column slices of a wider tensor read in place; q and
+scattered pool slots, column slices of a wider tensor read in place; q and
 kv in one launch bit-equal to their two launches),
 V4-Flash shapes (H 64, D 512, rd 64; norms over 4096
 and 1024) compiled on the GPU (`-m gpu`).
@@ -21,7 +21,6 @@ from dsv4.kernels.ref.rope_norm import (
     q_norm_rope,
     qkv_norm_rope,
     rms_norm,
-    rope_inverse,
 )
 from dsv4.kernels.triton.rope_norm import (
     triton_kv_norm_rope_store,
@@ -29,7 +28,6 @@ from dsv4.kernels.triton.rope_norm import (
     triton_qkv_norm_rope,
     triton_rms_norm,
     triton_rope,
-    triton_rope_inverse,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,7 +52,6 @@ def check_all(T: int, H: int, D: int, rd: int, dtype: torch.dtype, seed: int = 0
     cos, sin = _tables(T, rd, g)
     q = (torch.randn(T, H, D, generator=g, device=DEVICE) * 3).to(dtype)
     _close(triton_q_norm_rope(q, cos, sin, 1e-6), q_norm_rope(q, cos, sin, 1e-6), dtype)
-    _close(triton_rope_inverse(q, cos, sin), rope_inverse(q, cos, sin), dtype)
     kv = (torch.randn(T, D, generator=g, device=DEVICE) * 2).to(dtype)
     weight = torch.rand(D, generator=g, device=DEVICE) + 0.5
     slots = torch.randperm(3 * T + 5, generator=g, device=DEVICE)[:T]

@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from dsv4.kernels.ref.attention import sparse_attention_multi  # noqa: E402
+from dsv4.kernels.ref.rope_norm import rope_inverse  # noqa: E402
 from dsv4.kernels.triton.sparse_attention import (  # noqa: E402
     choose_splits,
     triton_sparse_attention,
@@ -178,6 +179,37 @@ def test_split_kv_bf16_empty_splits_rows() -> None:
     q, sources, sink = make_case(Spec(4, 8, 32, 32, "c128", ratio=2, decode=True, last=70),
                                  torch.bfloat16, seed=2)
     check(q, sources, sink, block_n=16, num_splits=4)
+
+
+def rope_tables(T: int, rd: int, seed: int, device: str = DEVICE) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device).manual_seed(seed)
+    angles = torch.rand(T, rd // 2, generator=g, device=device) * 6.3
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["no-split", "split-combine"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rd", [8, 32], ids=["rope-slice", "rope-whole-head"])
+def test_inverse_rope_in_the_store(num_splits: int, dtype: torch.dtype, rd: int) -> None:
+    """`inverse_rope`: the output de-rotated in the kernel's store (or the split combine's) is
+    `rope_inverse` of the plain output: bit for bit in fp32 (the interpreter has no FMA
+    contraction), within one rounding in bf16 (the interpreter's float -> bf16 cast truncates,
+    torch's rounds to nearest); and the reference's with the same argument to the tolerance."""
+    q, sources, sink = make_case(Spec(5, 8, 32, 8, "c4", k=16, decode=True, last=90), dtype)
+    cos, sin = rope_tables(5, rd, rd)
+    scale = 32 ** -0.5
+    plain = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=num_splits)
+    got = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=num_splits,
+                                  inverse_rope=(cos, sin))
+    if dtype == torch.float32:
+        assert torch.equal(got, rope_inverse(plain, cos, sin))
+    else:
+        assert_close(got, rope_inverse(plain, cos, sin), 8e-3)
+        assert torch.equal(got[..., :32 - rd], plain[..., :32 - rd]), "no-RoPE channels"
+    want = sparse_attention_multi(q, sources, sink, scale, inverse_rope=(cos, sin))
+    assert_close(got, want, FP32_REL if dtype == torch.float32 else BF16_REL)
+    with pytest.raises(ValueError, match="inverse_rope must be"):
+        triton_sparse_attention(q, sources, sink, scale, inverse_rope=(cos[:4], sin[:4]))
 
 
 def test_scattered_invalid_slots() -> None:
@@ -332,6 +364,22 @@ def test_flash_split_kv_cuda(T: int, num_splits: int) -> None:
     check_cuda(q, sources, sink, num_splits=num_splits)
     blocks = sum(-(-idx.shape[1] // 32) for _, idx in sources)
     assert choose_splits(T * 4, blocks, q.device) > 1, "decode at small batch is meant to split"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 8])
+@pytest.mark.parametrize("T", [1, 8])
+def test_flash_inverse_rope_cuda(T: int, num_splits: int) -> None:
+    """V4-Flash decode (rd 64 of D 512): the de-rotation in the store against `rope_inverse` of the
+    plain output, within one bf16 rounding (a contracted a * cos - b * sin may round once less)."""
+    q, sources, sink = make_case(flash_spec("c4", T, True, 512), torch.bfloat16, seed=T,
+                                 device="cuda")
+    cos, sin = rope_tables(T, 64, T, "cuda")
+    plain = triton_sparse_attention(q, sources, sink, 512 ** -0.5, num_splits=num_splits)
+    got = triton_sparse_attention(q, sources, sink, 512 ** -0.5, num_splits=num_splits,
+                                  inverse_rope=(cos, sin))
+    assert_close(got, rope_inverse(plain, cos, sin), 8e-3)
+    assert torch.equal(got[..., :448], plain[..., :448]), "channels without RoPE are untouched"
 
 
 @pytest.mark.gpu

@@ -20,11 +20,13 @@ from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget
 
 class SparseAttentionOp(Protocol):
     """`ref/attention.py::sparse_attention_multi`: one softmax (with a per-head sink) over the union
-    of several key buffers; q [T, H, D], sources [(kv [N_i, D], indices [T, K_i])] -> o [T, H, D].
+    of several key buffers; q [T, H, D], sources [(kv [N_i, D], indices [T, K_i])] -> o [T, H, D];
+    with `inverse_rope` = (cos, sin) [T, rd/2], o de-rotated (`rope_inverse`) in the same op.
     """
 
     def __call__(self, q: Tensor, sources: Sequence[tuple[Tensor, Tensor]], sink: Tensor,
-                 scale: float) -> Tensor: ...
+                 scale: float, *,
+                 inverse_rope: tuple[Tensor, Tensor] | None = None) -> Tensor: ...
 
 
 class CompressOp(Protocol):
@@ -162,12 +164,6 @@ class QkvNormRopeOp(Protocol):
 
     def __call__(self, q: Tensor, eps: float, kv: Tensor, weight: Tensor, kv_eps: float,
                  cos: Tensor, sin: Tensor, pool: Tensor, slots: Tensor) -> Tensor: ...
-
-
-class RopeInverseOp(Protocol):
-    """`ref/rope_norm.py::rope_inverse`: o [T, H, D] de-rotated on its trailing rope channels."""
-
-    def __call__(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor: ...
 
 
 class RmsNormOp(Protocol):

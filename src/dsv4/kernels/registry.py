@@ -37,7 +37,6 @@ from dsv4.kernels.ops import (
     QNormRopeOp,
     QuantLinearOp,
     RmsNormOp,
-    RopeInverseOp,
     RopeOp,
     RopeRowsOp,
     RoutedExpertsOp,
@@ -73,7 +72,6 @@ from dsv4.kernels.ref.rope_norm import (
     qkv_norm_rope,
     rms_norm,
     rope,
-    rope_inverse,
 )
 from dsv4.kernels.ref.rope_rows import rope_rows
 from dsv4.kernels.ref.topk import topk_ragged
@@ -99,7 +97,6 @@ class KernelOps:
     routed_experts_quant: RoutedExpertsQuantOp
     q_norm_rope: QNormRopeOp
     kv_norm_rope_store: KvNormRopeStoreOp
-    rope_inverse: RopeInverseOp
     rms_norm: RmsNormOp
     project: ProjectOp
     step_metadata: StepMetadataOp
@@ -124,7 +121,7 @@ class KernelOps:
 def _ref() -> KernelOps:
     return KernelOps("ref", sparse_attention_multi, compress_cached, compress_cached_pair,
                      paged_index_scores, topk_ragged, routed_experts, mhc_pre, mhc_post, mhc_head,
-                     routed_experts_quant, q_norm_rope, kv_norm_rope_store, rope_inverse, rms_norm,
+                     routed_experts_quant, q_norm_rope, kv_norm_rope_store, rms_norm,
                      project, step_metadata, pick_slots, rope, argmax, moe_gate_select,
                      swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear,
                      rope_rows, mhc_post_pre, swap_in_ref, write_rows_ref, hot_plan_ref,
@@ -138,8 +135,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     hybrid sparse attention, grouped routed experts on float or checkpoint-format (FP4 / FP8)
     weights, fused mHC pre / post / head (and at a few tokens a post fused with the next pre's
     projection, `mhc_post_pre`), fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
-    paths (both in one launch, `qkv_norm_rope`) and the output de-rotation, RMSNorm, and
-    bit-equal to `ref`: a step's index metadata,
+    paths (both in one launch, `qkv_norm_rope`), RMSNorm, and bit-equal to `ref`: a step's
+    index metadata,
     the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
     gate-score position embedding and the greedy sampler's row argmax; the MoE gate's logits
     (at decode, with the call site's counters: the decode GEMV on the bf16 operands as they are,
@@ -208,7 +205,6 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         triton_qkv_norm_rope,
         triton_rms_norm,
         triton_rope,
-        triton_rope_inverse,
     )
     from dsv4.kernels.triton.rope_rows import triton_rope_rows
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
@@ -234,7 +230,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      pair, triton_index_scores, TopKRunner(),
                      triton_routed_experts, pre, triton_mhc_post, head,
                      triton_routed_experts_quant_deterministic, triton_q_norm_rope,
-                     triton_kv_norm_rope_store, triton_rope_inverse, triton_rms_norm, project,
+                     triton_kv_norm_rope_store, triton_rms_norm, project,
                      triton_step_metadata, triton_pick_slots, triton_rope,
                      triton_argmax, triton_moe_gate_select, triton_swiglu,
                      triton_fp8_linear,

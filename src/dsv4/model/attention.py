@@ -125,23 +125,13 @@ class Attention(nn.Module):
         return kernel_values(q_op, q_ref, q), kernel_values(kv_op, kv_ref, kv, w), q_lat
 
     def output(self, o: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-               values: KernelOps | None = None, ops: KernelOps | None = None) -> torch.Tensor:
+               ops: KernelOps | None = None) -> torch.Tensor:
         """o: [B, S, H, D] attention output -> [B, S, d]: de-rotate (unless cos is None: done by the
-        caller; with `values`, that backend's `rope_inverse` values), grouped wo_a, then wo_b.
-        `ops`: the serving path's backend, for checkpoint-format FP8 projections
-        (`model/quant_linear.py`)."""
+        attention op, `inverse_rope`), grouped wo_a, then wo_b. `ops`: the serving path's
+        backend, for checkpoint-format FP8 projections (`model/quant_linear.py`)."""
         B, S = o.shape[:2]
         if cos is not None and sin is not None:
-            c, s = cos, sin
-
-            def ref(o_: torch.Tensor) -> torch.Tensor:
-                return apply_rope(o_, c.unsqueeze(-2), s.unsqueeze(-2), inverse=True)
-            if values is None:
-                o = ref(o)
-            else:
-                ops, rows = values, token_rows(c, s, B)
-                o = kernel_values(lambda o_: ops.rope_inverse(o_.reshape(B * S, *o_.shape[2:]),
-                                                              *rows).view_as(o_), ref, o)
+            o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
         groups = o.reshape(B, S, self.o_groups, -1)                     # [B, S, g, H*D/g]
         if isinstance(self.wo_a, QuantLinear):
             z = self.wo_a.grouped(groups, ops)
@@ -191,13 +181,17 @@ class Attention(nn.Module):
         if entries is None:
             entries = kv.new_zeros(B, 0, self.head_dim)
         attend = self._dense if mode.attention == "dense" else self._gathered
-        if mode.values is not None:
-            ops = mode.values
-            o = kernel_values(lambda *a: self._kernel(ops, picks, *a),
-                              lambda *a: attend(picks, *a), q, kv, entries, self.attn_sink)
-        else:
-            o = attend(picks, q, kv, entries, self.attn_sink)
-        return self.output(o, cos, sin, mode.values)
+        if mode.values is None:
+            return self.output(attend(picks, q, kv, entries, self.attn_sink), cos, sin)
+        # the serving op de-rotates o itself (`inverse_rope`), as the serving path calls it
+        ops, rows = mode.values, token_rows(cos, sin, B)
+
+        def ref(*a: torch.Tensor) -> torch.Tensor:
+            return apply_rope(attend(picks, *a), cos.unsqueeze(-2), sin.unsqueeze(-2),
+                              inverse=True)
+        o = kernel_values(lambda *a: self._kernel(ops, picks, *a, inverse_rope=rows), ref, q, kv,
+                          entries, self.attn_sink)
+        return self.output(o, None, None)
 
     def _dense(self, picks: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor,
                entries: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -221,9 +215,12 @@ class Attention(nn.Module):
         return o.view(B, S, self.n_heads, -1)
 
     def _kernel(self, ops: KernelOps, picks: torch.Tensor | None, q: torch.Tensor,
-                kv: torch.Tensor, entries: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+                kv: torch.Tensor, entries: torch.Tensor, sink: torch.Tensor, *,
+                inverse_rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The backend's `sparse_attention` on the serving path's sources (window keys, then the
-        entries, each query's index rows laid out as the engine lays them out): [B, S, H, D]."""
+        entries, each query's index rows laid out as the engine lays them out) with its output
+        de-rotated (`inverse_rope`: per-token rows, as the serving path passes them):
+        [B, S, H, D]."""
         B, S = q.shape[:2]
         window = window_indices(B, S, self.window, q.device).reshape(B * S, -1)
         sources = [(kv.reshape(B * S, -1), window)]
@@ -232,7 +229,8 @@ class Attention(nn.Module):
             rows = torch.arange(B, device=q.device)[:, None, None] * E
             ids = torch.where(picks >= 0, picks + rows, picks).reshape(B * S, -1)
             sources.append((entries.reshape(B * E, self.head_dim).to(kv.dtype), ids))
-        o = ops.sparse_attention(q.reshape(B * S, self.n_heads, -1), sources, sink, self.scale)
+        o = ops.sparse_attention(q.reshape(B * S, self.n_heads, -1), sources, sink, self.scale,
+                                 inverse_rope=inverse_rope)
         return o.view(B, S, self.n_heads, -1)
 
     def compressors(self) -> list[Compressor]:
@@ -353,8 +351,8 @@ class Attention(nn.Module):
                                   ctx.swa_write)
         join(stream)
         sources = [(cache.swa, ctx.window)] + compressed
-        o = ctx.ops.rope_inverse(ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale),
-                                 cos, sin)
+        o = ctx.ops.sparse_attention(q, sources, self.attn_sink, self.scale,
+                                     inverse_rope=(cos, sin))
         return self.output(o.view(1, T, self.n_heads, -1), None, None, ops=ctx.ops)
 
     def _compress(self, x: torch.Tensor, ctx: ForwardContext,

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dsv4.kernels.ref.rope_norm import rope_inverse
+
 # Bound on gathered elements per chunk (queries * keys * head_dim) so long sequences fit in memory.
 _CHUNK_ELEMS = 1 << 26
 
@@ -29,12 +31,21 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
 
 
 def sparse_attention_multi(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                           sink: torch.Tensor, scale: float) -> torch.Tensor:
+                           sink: torch.Tensor, scale: float, *,
+                           inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           ) -> torch.Tensor:
     """One softmax over the union of several key buffers.
 
     `sources` = [(kv [N_i, D], indices [T, K_i])]. The serving path uses two: the SWA pool with
-    window indices and the compressed pool with entry ids.
+    window indices and the compressed pool with entry ids. `inverse_rope` = (cos, sin) [T, rd/2]:
+    the output then de-rotated by `rope_inverse` (the serving path's form: K = V carries RoPE).
     """
+    o = _attend_sources(q, sources, sink, scale)
+    return o if inverse_rope is None else rope_inverse(o, *inverse_rope)
+
+
+def _attend_sources(q: torch.Tensor, sources: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    sink: torch.Tensor, scale: float) -> torch.Tensor:
     T, _, D = q.shape
     K = sum(idx.shape[1] for _, idx in sources)
     step = max(1, _CHUNK_ELEMS // max(1, K * D))

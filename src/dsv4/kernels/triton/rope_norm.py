@@ -4,14 +4,13 @@ The fast forms of `kernels/ref/rope_norm.py` (same signatures):
     triton_q_norm_rope         q [T, H, D] -> RoPE(q / rms(q)) per head
     triton_kv_norm_rope_store  pool[slots[t]] = RoPE(w * kv[t] / rms(kv[t]))
     triton_qkv_norm_rope       the two above in one launch (their rows' code: the same bits)
-    triton_rope_inverse        o [T, H, D] -> RoPE^-1(o)
     triton_rope                x [T, H, D] -> RoPE(x) per head, no norm (the indexer's queries)
     triton_rms_norm            x [..., D] -> w * x / rms(x)  (the blocks' and the model's RMSNorms)
 
 Each replaces 8-15 eager ops (casts, square, mean, rsqrt, multiplies, the pair split / stack / cat
 of the interleaved RoPE, the index_put of the cache write) by one launch: per decode step and layer
 that is ~30 launches fewer (the step is host-bound: benchmarks/results/kernels_ii_h200_202611.md).
-One program per row (a token's head for q and o, a token for kv): the row is loaded once, normalised
+One program per row (a token's head for q, a token for kv): the row is loaded once, normalised
 and rotated in fp32 registers, stored once in the output dtype. RoPE rotates interleaved pairs
 (x[2i], x[2i+1]) of the trailing rd = 2 * cos.shape[-1] channels; cos / sin rows are the token's
 (row // rows_per_token). Rounded as the reference rounds (fp32 throughout, one final cast); the
@@ -38,7 +37,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
                    slot_ptr, row, D, rows_per_token, rope_first, eps, stride_xt, stride_xh,
                    stride_cs, stride_out, NORM: tl.constexpr, ROPE: tl.constexpr,
-                   INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
+                   SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
     """One row (int64 `row`) of x: normalised (NORM 1: x / rms(x); 2: w * x / rms(x)), rotated,
     stored at out[row] or out[slots[row]] (SCATTER)."""
     t = row // rows_per_token
@@ -57,8 +56,6 @@ def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-u
         is_rope = (pair >= rope_first) & (2 * pair < D)
         cos = tl.load(cos_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=1.0)
         sin = tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
-        if INVERSE:
-            sin = -sin
         y = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a),
                                tl.where(is_rope, a * sin + b * cos, b)), (BLOCK_D,))
     dest = row
@@ -70,12 +67,12 @@ def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-u
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
                       slot_ptr, D, rows_per_token, rope_first, eps, stride_xt, stride_xh, stride_cs,
-                      stride_out, NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-                      SCATTER: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                      stride_out, NORM: tl.constexpr, ROPE: tl.constexpr, SCATTER: tl.constexpr,
+                      BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr,
                    tl.program_id(0).to(tl.int64), D, rows_per_token, rope_first, eps, stride_xt,
-                   stride_xh, stride_cs, stride_out, NORM, ROPE, INVERSE, SCATTER, BLOCK_D)
+                   stride_xh, stride_cs, stride_out, NORM, ROPE, SCATTER, BLOCK_D)
 
 
 @triton.jit
@@ -89,12 +86,11 @@ def _qkv_norm_rope_kernel(q_ptr, q_out_ptr, kv_ptr, w_ptr,  # type: ignore[no-un
     row = tl.program_id(0).to(tl.int64)
     if row < q_rows:
         _norm_rope_row(q_ptr, q_ptr, cos_ptr, sin_ptr, q_out_ptr, q_ptr, row, D, H, rope_first,
-                       eps, stride_qt, stride_qh, stride_cs, stride_q_out, 1, True, False, False,
-                       BLOCK_D)
+                       eps, stride_qt, stride_qh, stride_cs, stride_q_out, 1, True, False, BLOCK_D)
     else:
         _norm_rope_row(kv_ptr, w_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr, row - q_rows, D, 1,
                        rope_first, kv_eps, stride_kvt, stride_kvt, stride_cs, stride_pool, 2, True,
-                       False, True, BLOCK_D)
+                       True, BLOCK_D)
 
 
 def _warps(block_d: int) -> int:
@@ -128,7 +124,7 @@ def _check_kv(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
-            sin: torch.Tensor | None, out: torch.Tensor, norm: int, inverse: bool, eps: float = 0.0,
+            sin: torch.Tensor | None, out: torch.Tensor, norm: int, eps: float = 0.0,
             weight: torch.Tensor | None = None, slots: torch.Tensor | None = None,
             fp_fusion: bool = True) -> None:
     """One program per row of x (`rows_per_token` rows of D per token); `fp_fusion=False` compiles
@@ -147,7 +143,7 @@ def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
         sin if sin is not None else x3, out, slots if slots is not None else x3, D,
         rows_per_token, D // 2 - half, float(eps),
         x3.stride(0), x3.stride(1), stride_cs, out.stride(0),
-        NORM=norm, ROPE=cos is not None, INVERSE=inverse, SCATTER=slots is not None,
+        NORM=norm, ROPE=cos is not None, SCATTER=slots is not None,
         BLOCK_D=block_d, num_warps=_warps(block_d),
         **({} if fp_fusion else {"enable_fp_fusion": False}), **pdl_args(x3.device))
 
@@ -159,18 +155,7 @@ def triton_q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"q must be [T, H, D]; got {list(q.shape)}")
     _check_rope("q", q, cos, sin, q.shape[0])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q, q.shape[1], cos, sin, out.view(-1, q.shape[-1]), norm=1, inverse=False, eps=eps)
-    return out
-
-
-def triton_rope_inverse(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Same contract as `ref.rope_norm.rope_inverse`: o [T, H, D] -> [T, H, D] rotated by -φ."""
-    if o.dim() != 3:
-        raise ValueError(f"o must be [T, H, D]; got {list(o.shape)}")
-    _check_rope("o", o, cos, sin, o.shape[0])
-    o = o.contiguous()
-    out = torch.empty_like(o)
-    _launch(o, o.shape[1], cos, sin, out.view(-1, o.shape[-1]), norm=0, inverse=True)
+    _launch(q, q.shape[1], cos, sin, out.view(-1, q.shape[-1]), norm=1, eps=eps)
     return out
 
 
@@ -183,7 +168,7 @@ def triton_kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float
     [0, N) (not checked: a host sync). Slots must be distinct (the engine's SWA write slots are).
     """
     _check_kv(kv, weight, cos, sin, pool, slots)
-    _launch(kv, 1, cos, sin, pool, norm=2, inverse=False, eps=eps, weight=weight,
+    _launch(kv, 1, cos, sin, pool, norm=2, eps=eps, weight=weight,
             slots=slots.contiguous())
 
 
@@ -220,7 +205,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         raise ValueError(f"x must be one of {[str(d) for d in _DTYPES]} and weight "
                          f"[{x.shape[-1]}]; got {x.dtype}, {list(weight.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, 1, None, None, out.view(-1, x.shape[-1]), norm=2, inverse=False, eps=eps,
+    _launch(x, 1, None, None, out.view(-1, x.shape[-1]), norm=2, eps=eps,
             weight=weight)
     return out
 
@@ -233,6 +218,5 @@ def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         raise ValueError(f"x must be [T, H, D]; got {list(x.shape)}")
     _check_rope("x", x, cos, sin, x.shape[0])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, x.shape[1], cos, sin, out.view(-1, x.shape[-1]), norm=0, inverse=False,
-            fp_fusion=False)
+    _launch(x, x.shape[1], cos, sin, out.view(-1, x.shape[-1]), norm=0, fp_fusion=False)
     return out

@@ -161,13 +161,37 @@ def _pv_dot(p, k, acc, P_TERMS: tl.constexpr):  # type: ignore[no-untyped-def]
     return acc
 
 
+@triton.jit
+def _store_rows(out_ptr, o, t, offs_h, offs_d, mask, cos_ptr, sin_ptr,  # type: ignore[no-untyped-def]
+                stride_ot, stride_oh, D, rope_first, stride_cs, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr, DEROTATE: tl.constexpr):
+    """Store o [BLOCK_H, BLOCK_D] fp32 rows of token t in out's dtype; DEROTATE: rounded to out's
+    dtype first, then rotated by -φ on the trailing rope pairs (x[2i], x[2i+1]) in fp32 and
+    rounded again: `rope_inverse` applied to the stored rows, in the same fp32 expressions as
+    `rope_norm.py`'s row kernel."""
+    dt = out_ptr.dtype.element_ty
+    if DEROTATE:
+        a, b = tl.split(tl.reshape(o.to(dt).to(tl.float32), (BLOCK_H, BLOCK_D // 2, 2)))
+        pair = tl.arange(0, BLOCK_D // 2)
+        is_rope = (pair >= rope_first) & (2 * pair < D)
+        cos = tl.load(cos_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=1.0)
+        sin = -tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
+        cos, sin, is_rope = cos[None, :], sin[None, :], is_rope[None, :]
+        o = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a),
+                               tl.where(is_rope, a * sin + b * cos, b)), (BLOCK_H, BLOCK_D))
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o.to(dt),
+             mask=mask)
+
+
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, lse_ptr,
-    H, D, K1, K2, num_groups, blocks_per_split, num_splits, qk_scale, log2e,
+    cos_ptr, sin_ptr, H, D, K1, K2, num_groups, blocks_per_split, num_splits, qk_scale, log2e,
+    rope_first, stride_cs,
     stride_qt, stride_qh, stride_kv1, stride_i1, stride_kv2, stride_i2, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr, PDL: tl.constexpr):
+    SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr, DEROTATE: tl.constexpr,
+    PDL: tl.constexpr):
     pdl_enter(PDL)
     # NOTE: int64 token offsets: T * H * D reaches 2^31 at T = 65,536 on Flash.
     pid = tl.program_id(0)
@@ -207,16 +231,17 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
         peak = tl.maximum(m, sink)                                          # finite
         alpha = tl.exp2(m - peak)                                           # 0 when no valid key
         out = acc * (alpha / (l_sum * alpha + tl.exp2(sink - peak)))[:, None]
-        tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+        _store_rows(out_ptr, out, t, offs_h, offs_d, hd_mask, cos_ptr, sin_ptr, stride_ot,
+                    stride_oh, D, rope_first, stride_cs, BLOCK_H, BLOCK_D, DEROTATE)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D,  # type: ignore[no-untyped-def]
-                    num_splits, log2e, stride_ot, stride_oh, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr,  # type: ignore[no-untyped-def]
+                    cos_ptr, sin_ptr, H, D, num_splits, log2e, rope_first, stride_cs, stride_ot,
+                    stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                    DEROTATE: tl.constexpr, PDL: tl.constexpr):
     """o[t, h] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak)); grid
-    (T * H,)."""
+    (T * H,); DEROTATE as `_store_rows`."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)                                     # t * H + h
     t, h = row // H, row % H
@@ -233,8 +258,9 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, H, D,  # type: ignore[
     for s in range(0, num_splits):
         w = tl.exp2(tl.load(lse_ptr + row * num_splits + s) - peak)
         acc += w * tl.load(part_ptr + (row * num_splits + s) * D + offs_d, mask=d_mask, other=0.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
-             (acc / den).to(out_ptr.dtype.element_ty), mask=d_mask)
+    _store_rows(out_ptr, tl.reshape(acc / den, (1, BLOCK_D)), t, tl.full([1], 0, tl.int64) + h,
+                offs_d, d_mask[None, :], cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first,
+                stride_cs, 1, BLOCK_D, DEROTATE)
 
 
 def default_config(H: int, D: int, fp32_dot: bool) -> tuple[int, int, int, int]:
@@ -310,7 +336,9 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
                             sink: torch.Tensor, scale: float, *, block_h: int | None = None,
                             block_n: int | None = None, num_splits: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            p_terms: int = PV_TERMS) -> torch.Tensor:
+                            p_terms: int = PV_TERMS,
+                            inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            ) -> torch.Tensor:
     """Same contract as `sparse_attention_multi`: returns [T, H, D] in q's dtype.
 
     q: [T, H, D] bf16/fp16/fp32 (unit last stride); sources: 1 or 2 pairs (kv [N_i, D] with unit
@@ -318,10 +346,15 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     device. q and every pool of one 16-bit dtype run 16-bit dots; anything else runs fp32 (ieee)
     dots. Keyword arguments are tuning knobs (benchmark sweeps, tests); num_splits = None picks
     split-KV from the key count (`choose_splits`); p_terms (1-3) is the 16-bit P.V precision
-    (`PV_TERMS`). No host syncs: safe inside CUDA-graph capture.
+    (`PV_TERMS`). `inverse_rope` = (cos, sin) [T, rd/2] fp32: the output is de-rotated as
+    `rope_inverse(o, cos, sin)` would de-rotate it, in the same launch (the store, or the split
+    combine's store). No host syncs: safe inside CUDA-graph capture.
     """
     _check(q, sources, sink)
     T, H, D = q.shape
+    cos, sin = inverse_rope if inverse_rope is not None else (sink, sink)
+    if inverse_rope is not None:
+        _check_rope(cos, sin, T, D)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     live = [(kv, idx) for kv, idx in sources if idx.shape[1] > 0]  # NOTE: a [T, 0] source: no key
     if T == 0 or not live:
@@ -347,18 +380,31 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
     block_d = max(_MIN_DOT, triton.next_power_of_2(D))
+    derotate = inverse_rope is not None
+    rope_first, stride_cs = (D // 2 - cos.shape[-1], cos.stride(0)) if derotate else (0, 0)
     _sparse_attention_kernel[(T * groups, splits)](
-        q, kv1, idx1, kv2, idx2, sink, out, part, lse,
-        H, D, K1, K2, groups, per_split, splits, scale * _LOG2E, _LOG2E,
+        q, kv1, idx1, kv2, idx2, sink, out, part, lse, cos, sin,
+        H, D, K1, K2, groups, per_split, splits, scale * _LOG2E, _LOG2E, rope_first, stride_cs,
         q.stride(0), q.stride(1), kv1.stride(0), idx1.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,
-        EVEN_D=D == block_d, P_TERMS=p_terms, num_warps=num_warps or auto[2],
+        EVEN_D=D == block_d, P_TERMS=p_terms, DEROTATE=derotate, num_warps=num_warps or auto[2],
         num_stages=num_stages or auto[3], **pdl_args(q.device),
     )
     if splits > 1:
-        _combine_kernel[(T * H,)](part, lse, sink, out, H, D, splits, _LOG2E, out.stride(0),
-                                  out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
-                                  BLOCK_D=block_d, EVEN_D=D == block_d, num_warps=4,
+        _combine_kernel[(T * H,)](part, lse, sink, out, cos, sin, H, D, splits, _LOG2E,
+                                  rope_first, stride_cs, out.stride(0), out.stride(1),
+                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                                  EVEN_D=D == block_d, DEROTATE=derotate, num_warps=4,
                                   **pdl_args(part.device))
     return out
+
+
+def _check_rope(cos: torch.Tensor, sin: torch.Tensor, T: int, D: int) -> None:
+    """`inverse_rope`'s tables: [T, rd/2] fp32 contiguous, rd even and <= D."""
+    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != T
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or not (cos.is_contiguous() and sin.is_contiguous()) or 2 * cos.shape[1] > D or D % 2):
+        raise ValueError(f"inverse_rope must be (cos, sin) [{T}, rd/2] contiguous float32 with "
+                         f"rd <= {D} (even D); got {list(cos.shape)} {cos.dtype}, "
+                         f"{list(sin.shape)} {sin.dtype}")
