@@ -79,7 +79,8 @@
 #                 at 1,024-4,096 keys (its early stop: fixed_topk.txt), flash-4l decode at
 #                 batch 1 and 32 (4K) in bf16 and checkpoint precision, each in its own process
 #                 (fixed_decode_{bf16,checkpoint}.json), the checkpoint batch-1 step's profile
-#                 (fixed_profile.txt), then their GPU tests (the finish apart bit-equal to together, q and kv
+#                 (fixed_profile.txt), then their tests on the GPU (the top-k row path's early stops, the
+#                 attention's de-rotation in its store, the finish apart bit-equal to together, q and kv
 #                 norms in one launch bit-equal to two, PDL's EARLY graph buckets: fixed_tests.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
@@ -373,10 +374,13 @@ fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY grap
     --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only \
     --warm-steps 3 --steps 20 --rows 40 --weight-format checkpoint > "$OUT/fixed_profile.txt" 2>&1
   tail -1 "$OUT/fixed_profile.txt" | cut -c 1-300
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
+    tests/kernels/test_sparse_attention_triton.py -k "whole_bin or inverse_rope" \
+    > "$OUT/fixed_tests.txt" 2>&1
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
     tests/kernels/test_mhc_post_pre.py tests/kernels/test_rope_norm.py tests/engine/test_pdl.py \
-    > "$OUT/fixed_tests.txt" 2>&1
-  tail -3 "$OUT/fixed_tests.txt"
+    >> "$OUT/fixed_tests.txt" 2>&1
+  grep -E "passed|failed" "$OUT/fixed_tests.txt"
 }
 
 sass() {
@@ -385,7 +389,7 @@ sass() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,89p' "$0"
+  sed -n '2,91p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
