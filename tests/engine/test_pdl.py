@@ -58,15 +58,20 @@ def test_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
         pdl_mode(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("value,mode", [("0", OFF), ("1", WAIT), ("2", EARLY), (None, WAIT)])
-def test_modes(value: str | None, mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DSV4_PDL picks the mode on a Hopper GPU (faked), WAIT by default."""
+def _fake_hopper(value: str | None, monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """A Hopper GPU (faked: `_hopper` says yes) with DSV4_PDL = value (None: unset)."""
     monkeypatch.setattr(pdl, "_hopper", lambda index: True)
     if value is None:
         monkeypatch.delenv(ENV, raising=False)
     else:
         monkeypatch.setenv(ENV, value)
-    dev = torch.device("cuda", 0)
+    return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("value,mode", [("0", OFF), ("1", WAIT), ("2", EARLY), (None, WAIT)])
+def test_modes(value: str | None, mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4_PDL picks the mode on a Hopper GPU (faked), WAIT by default."""
+    dev = _fake_hopper(value, monkeypatch)
     assert pdl_args(dev) == {"PDL": mode, "launch_pdl": mode != OFF}
     assert pdl_enabled(dev) is (mode != OFF)
 
@@ -76,12 +81,7 @@ def test_scope(value: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """`pdl_scope` sets the mode of the launches inside it (nested: the innermost), None keeps
     DSV4_PDL's, and it is restored on exit, also after an error; DSV4_PDL=0 and devices
     without PDL stay off inside."""
-    monkeypatch.setattr(pdl, "_hopper", lambda index: True)
-    if value is None:
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, value)
-    dev = torch.device("cuda", 0)
+    dev = _fake_hopper(value, monkeypatch)
     outside = pdl_mode(dev)
     with pdl_scope(EARLY):
         assert pdl_mode(dev) == EARLY and pdl_args(dev) == {"PDL": EARLY, "launch_pdl": True}
