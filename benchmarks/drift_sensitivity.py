@@ -32,6 +32,7 @@ from rl_drift import EagerTrainer
 from dsv4.assets import default_model_path
 from dsv4.kernels.ops import SparseAttentionOp
 from dsv4.kernels.ref.attention import sparse_attention_multi
+from dsv4.kernels.ref.rope_norm import rope_inverse
 from dsv4.kernels.registry import create_kernels
 from dsv4.rl.config import RLConfig
 
@@ -39,13 +40,15 @@ Sources = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 def perturbed_attention(eps: float, gen: torch.Generator) -> SparseAttentionOp:
-    def op(q: torch.Tensor, sources: Sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    def op(q: torch.Tensor, sources: Sources, sink: torch.Tensor, scale: float, *,
+           inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         wide = sparse_attention_multi(q.float(), [(kv.float(), idx) for kv, idx in sources],
                                       sink, scale)
         if eps:
             z = torch.randn(wide.shape, generator=gen).to(wide.device)
             wide = wide * (1 + eps * z)
-        return wide.to(q.dtype)
+        out = wide.to(q.dtype)            # rounded, then de-rotated, as the op's contract
+        return out if inverse_rope is None else rope_inverse(out, *inverse_rope)
     return op
 
 

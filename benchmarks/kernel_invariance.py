@@ -38,7 +38,7 @@ from dsv4.kernels import registry
 TOKEN_ARGS: dict[str, tuple[int, ...]] = {
     "sparse_attention": (0,), "mhc_pre": (0,), "mhc_post": (0, 1, 2, 3), "mhc_head": (0,),
     "routed_experts": (0, 4, 5), "routed_experts_quant": (0, 5, 6), "rms_norm": (0,),
-    "q_norm_rope": (0, 1, 2), "index_scores": (0, 1, 3),
+    "q_norm_rope": (0, 1, 2), "qkv_norm_rope": (0, 2, 5, 6, 8), "index_scores": (0, 1, 3),
     "topk": (0, 1), "rope": (0, 1, 2), "moe_gate_logits": (0,),
 }
 Stats = dict[str, list[float]]
@@ -72,11 +72,14 @@ def _compare(stats: Stats, key: str, ref: torch.Tensor, got: torch.Tensor) -> No
 
 
 def _take_kw(kwargs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-    """Keyword arguments restricted to token rows `rows`: the routed experts' `shared` addend (the
-    stream join `wait_shared` is the probed call's alone)."""
+    """Keyword arguments restricted to token rows `rows`: the routed experts' `shared` addend and
+    the attention's `inverse_rope` tables (the stream join `wait_shared` is the probed call's
+    alone)."""
     out = {k: v for k, v in kwargs.items() if k != "wait_shared"}
     if out.get("shared") is not None:
         out["shared"] = out["shared"][rows]
+    if out.get("inverse_rope") is not None:
+        out["inverse_rope"] = tuple(t[rows] for t in out["inverse_rope"])
     return out
 
 
@@ -104,7 +107,7 @@ def probe(name: str, fn: Callable[..., Any], stats: Stats, big: int) -> Callable
         got = _first(fn(*_take(args, name, many), **_take_kw(kwargs, many)))
         _compare(stats, f"{name}:big", rows_out, got[:T])
         if name == "sparse_attention":
-            _compare(stats, f"{name}:pad", rows_out, _first(fn(*_padded(args))))
+            _compare(stats, f"{name}:pad", rows_out, _first(fn(*_padded(args), **kwargs)))
         return out
     return op
 

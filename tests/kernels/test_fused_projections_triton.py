@@ -29,8 +29,7 @@ from dsv4.engine.sampling_params import SamplingParams
 from dsv4.kernels.ref.compressor import CompressTarget
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-STRIDED_OPS = ("q_norm_rope", "kv_norm_rope_store", "rope", "rms_norm", "swiglu", "compress",
-               "compress_pair")
+STRIDED_OPS = ("qkv_norm_rope", "rope", "rms_norm", "swiglu", "compress", "compress_pair")
 
 
 def _spy(op: Callable[..., Any], name: str, seen: set[str]) -> Callable[..., Any]:
@@ -67,7 +66,7 @@ def test_triton_fused_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
     for fuse in (True, False):
         model = random_model(cfg, torch.float32, torch.device(DEVICE), seed=4)
         # multi-stream off: with it (CUDA's default) the q_lat group stays apart (its indexer
-        # query runs on the side stream), so q_norm_rope and rope would see no strided rows
+        # query runs on the side stream), so qkv_norm_rope and rope would see no strided rows
         engine = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=1024,
                                                chunked_prefill_size=16, kernel_backend="triton",
                                                disable_cuda_graph=True, fuse_projections=fuse,

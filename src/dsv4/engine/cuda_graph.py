@@ -29,6 +29,7 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,6 @@ from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.engine.metadata import StepBounds, StepShape, device_context
 from dsv4.kernels.registry import KernelOps
-from dsv4.kernels.triton.pdl import EARLY, pdl_scope
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.utils.device import copy_from_host, to_device
 from dsv4.utils.logging import init_logger
@@ -74,8 +74,18 @@ def context_bucket(max_end: int, span: int) -> int:
 
 def graph_pdl_mode(batch: int, early_max_batch: int) -> int | None:
     """The PDL mode a decode graph of batch bucket `batch` is captured in: EARLY up to
-    `early_max_batch` (`EngineConfig.pdl_early_max_batch`), else None (DSV4_PDL's)."""
+    `early_max_batch` (`EngineConfig.pdl_early_max_batch`), else None (DSV4_PDL's). Imported
+    lazily: importing the engine loads no `dsv4.kernels.triton` module (`kernels/registry.py`)."""
+    from dsv4.kernels.triton.pdl import EARLY
+
     return EARLY if batch <= early_max_batch else None
+
+
+def _pdl_scope(batch: int, early_max_batch: int) -> contextlib.AbstractContextManager[None]:
+    """`pdl_scope` of a capture of batch bucket `batch` (`graph_pdl_mode`; imported lazily)."""
+    from dsv4.kernels.triton.pdl import pdl_scope
+
+    return pdl_scope(graph_pdl_mode(batch, early_max_batch))
 
 
 def uniform_shape(shape: StepShape) -> tuple[int, int] | None:
@@ -255,7 +265,7 @@ class DecodeGraphs:
             return _DraftGraph(next_ids, first, torch.empty(0, device=self.device))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with pdl_scope(graph_pdl_mode(B, self.pdl_early_max_batch)):
+        with _pdl_scope(B, self.pdl_early_max_batch):
             with torch.cuda.stream(side):
                 self._draft_forward(step, key, next_ids, first, num_steps)
             torch.cuda.current_stream().wait_stream(side)
@@ -303,7 +313,7 @@ class DecodeGraphs:
                     " with routing capture" if key.capture_routing else "")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with pdl_scope(graph_pdl_mode(B, self.pdl_early_max_batch)):
+        with _pdl_scope(B, self.pdl_early_max_batch):
             with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator settles
                 self._forward(inputs, consts, key)
             torch.cuda.current_stream().wait_stream(side)
