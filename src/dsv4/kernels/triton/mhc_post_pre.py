@@ -57,21 +57,23 @@ def _post_project_kernel(f_ptr, x_ptr, post_ptr, comb_ptr,  # type: ignore[no-un
     offs_d = split * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, NP)
     d_ok = offs_d < D
-    out = post_mix(f_ptr, x_ptr, post_ptr, comb_ptr, t, offs_d, d_ok, D, stride_ft, N, NP,
-                   BLOCK_D, EVEN_D).to(out_ptr.dtype.element_ty)             # [NP, BLOCK_D]
     live = (k < N)[:, None] & d_ok[None, :]
-    tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :], out, mask=live)
-    xr = tl.where(live, out.to(tl.float32), 0.0)                            # X' as stored
-    # the pre projection of this slice, column c of the [NP, NP] operands (`operand_rows`)
+    # the pre projection's fn columns of this slice: column c of the [NP, NP] operands
+    # (`operand_rows`). Loaded first: they do not depend on the kernels ahead, so their round
+    # trip overlaps post_mix's loads instead of following its store
     c = tl.arange(0, NP * NP)
     pp_row, pp_ok, cm_row, cm_ok = operand_rows(N, NP, False)
     col = (k[:, None] * D + offs_d[None, :])[None, :, :]                   # [1, NP, BLOCK_D]
     w_ok = live[None, :, :]
     pp_w = tl.load(fn_ptr + pp_row[:, None, None] * stride_fn + col,
                    mask=pp_ok[:, None, None] & w_ok, other=0.0)            # [NP*NP, NP, BLOCK_D]
-    pp = tl.sum(tl.sum(pp_w * xr[None, :, :], axis=2), axis=1)
     cm_w = tl.load(fn_ptr + cm_row[:, None, None] * stride_fn + col,
                    mask=cm_ok[:, None, None] & w_ok, other=0.0)
+    out = post_mix(f_ptr, x_ptr, post_ptr, comb_ptr, t, offs_d, d_ok, D, stride_ft, N, NP,
+                   BLOCK_D, EVEN_D).to(out_ptr.dtype.element_ty)             # [NP, BLOCK_D]
+    tl.store(out_ptr + (t * N + k[:, None]) * D + offs_d[None, :], out, mask=live)
+    xr = tl.where(live, out.to(tl.float32), 0.0)                            # X' as stored
+    pp = tl.sum(tl.sum(pp_w * xr[None, :, :], axis=2), axis=1)
     cm = tl.sum(tl.sum(cm_w * xr[None, :, :], axis=2), axis=1)
     row = (split * T + t) * (2 * NP * NP)                                   # ws [S, T, 2, NP*NP]
     tl.store(ws_ptr + row + c, pp)
