@@ -45,10 +45,12 @@ def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-u
     mask = offs < D
     x_row = x_ptr + t * stride_xt + (row - t * rows_per_token) * stride_xh
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    # w before the row's sum: its load then shares x's memory round trip
+    w = tl.load(w_ptr + offs, mask=mask & (NORM == 2), other=0.0).to(tl.float32)
     if NORM > 0:
         x = x / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         if NORM == 2:
-            x = x * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = x * w
     y = x
     if ROPE:
         a, b = tl.split(tl.reshape(x, (BLOCK_D // 2, 2)))
