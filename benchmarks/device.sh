@@ -74,7 +74,7 @@
 #                 (pdl_checkpoint_e{0,8}_{a,b}.json), bf16 with 8 (pdl_bf16_e8_a.json); then the checkpoint
 #                 batch-1 step's profile with 0 and its trace read by trace_gaps.py (each stream's busy
 #                 time, the gaps: pdl_profile.txt, pdl_trace_gaps.txt)
-#   fixed-costs   the 29th session's batch-1 savings in one call: bench_mhc.py pre / post_pre with the
+#   fixed-costs   the 29th session's batch-1 savings in one call: bench_mhc.py post_pre (the decode op) with the
 #                 finish's post / comb programs apart and together (fixed_mhc.json), the top-k row path
 #                 at 1,024-4,096 keys (its early stop: fixed_topk.txt), flash-4l decode at
 #                 batch 1 and 32 (4K) in bf16 and checkpoint precision, each in its own process
@@ -358,7 +358,7 @@ pdl_ab() {   # EARLY for the decode graphs of batch <= 8 (--pdl-early-max-batch 
 
 fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
   local fmt           # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
-  timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops pre,post_pre --out "$OUT/fixed_mhc.json" \
+  timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops post_pre --out "$OUT/fixed_mhc.json" \
     > /tmp/fixed_mhc.txt 2>&1
   grep -v "^{" /tmp/fixed_mhc.txt | tail -14
   timeout 90 python3 benchmarks/kernels/bench_topk.py --cases 1x1024x512,1x2048x512,1x4096x512 \
