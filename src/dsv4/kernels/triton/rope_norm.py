@@ -100,12 +100,16 @@ def _warps(block_d: int) -> int:
     return max(1, min(8, block_d // 256))
 
 
-def _check_rope(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, T: int) -> None:
+def check_rope(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, T: int) -> None:
+    """The RoPE ops' input contract (also `sparse_attention`'s `inverse_rope`): x [T, ..., D] of
+    `_DTYPES` with unit last stride, cos / sin [T, rd/2] float32 contiguous, rd <= D, D even;
+    ValueError names the field."""
     if x.dtype not in _DTYPES or x.stride(-1) != 1:
         raise ValueError(f"{name} must be one of {[str(d) for d in _DTYPES]} with unit last "
                          f"stride; got {x.dtype} strides {x.stride()}")
     rd = 2 * cos.shape[-1]
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != T or cos.dtype != torch.float32:
+    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != T
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32):
         raise ValueError(f"cos / sin must be [{T}, rd/2] float32; got {list(cos.shape)} "
                          f"{cos.dtype}, {list(sin.shape)} {sin.dtype}")
     if rd > x.shape[-1] or x.shape[-1] % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
@@ -122,7 +126,7 @@ def _check_kv(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: to
             or tuple(weight.shape) != (kv.shape[1],)):
         raise ValueError(f"slots must be [{kv.shape[0]}] int64 and weight [{kv.shape[1]}]; got "
                          f"{list(slots.shape)} {slots.dtype}, {list(weight.shape)}")
-    _check_rope("kv", kv, cos, sin, kv.shape[0])
+    check_rope("kv", kv, cos, sin, kv.shape[0])
 
 
 def _launch(x: torch.Tensor, rows_per_token: int, cos: torch.Tensor | None,
@@ -155,7 +159,7 @@ def triton_q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """Same contract as `ref.rope_norm.q_norm_rope`: q [T, H, D] -> [T, H, D] in q's dtype."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D]; got {list(q.shape)}")
-    _check_rope("q", q, cos, sin, q.shape[0])
+    check_rope("q", q, cos, sin, q.shape[0])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch(q, q.shape[1], cos, sin, out.view(-1, q.shape[-1]), norm=1, eps=eps)
     return out
@@ -184,7 +188,7 @@ def triton_qkv_norm_rope(q: torch.Tensor, eps: float, kv: torch.Tensor, weight: 
     if q.dim() != 3 or kv.dim() != 2 or q.shape[-1] != kv.shape[-1] or q.shape[0] != kv.shape[0]:
         raise ValueError(f"q [T, H, D] and kv [T, D] must share T and D; got {list(q.shape)}, "
                          f"{list(kv.shape)}")
-    _check_rope("q", q, cos, sin, q.shape[0])
+    check_rope("q", q, cos, sin, q.shape[0])
     _check_kv(kv, weight, cos, sin, pool, slots)
     T, H, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -218,7 +222,7 @@ def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     bit-equal to the reference (no FMA contraction)."""
     if x.dim() != 3:
         raise ValueError(f"x must be [T, H, D]; got {list(x.shape)}")
-    _check_rope("x", x, cos, sin, x.shape[0])
+    check_rope("x", x, cos, sin, x.shape[0])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, x.shape[1], cos, sin, out.view(-1, x.shape[-1]), norm=0, fp_fusion=False)
     return out

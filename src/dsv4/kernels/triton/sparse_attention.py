@@ -96,6 +96,7 @@ import triton.language as tl
 from dsv4.kernels.triton import launch
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
+from dsv4.kernels.triton.rope_norm import check_rope
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -162,13 +163,12 @@ def _pv_dot(p, k, acc, P_TERMS: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _store_rows(out_ptr, o, t, offs_h, offs_d, mask, cos_ptr, sin_ptr,  # type: ignore[no-untyped-def]
-                stride_ot, stride_oh, D, rope_first, stride_cs, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr, DEROTATE: tl.constexpr):
+def _store_rows(out_ptr, o, t, offs_h, offs_d, mask,  # type: ignore[no-untyped-def]
+                cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first, stride_cs,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DEROTATE: tl.constexpr):
     """Store o [BLOCK_H, BLOCK_D] fp32 rows of token t in out's dtype; DEROTATE: rounded to out's
     dtype first, then rotated by -φ on the trailing rope pairs (x[2i], x[2i+1]) in fp32 and
-    rounded again: `rope_inverse` applied to the stored rows, in the same fp32 expressions as
-    `rope_norm.py`'s row kernel."""
+    rounded again: `ref/rope_norm.py::rope_inverse` of the stored rows."""
     dt = out_ptr.dtype.element_ty
     if DEROTATE:
         a, b = tl.split(tl.reshape(o.to(dt).to(tl.float32), (BLOCK_H, BLOCK_D // 2, 2)))
@@ -354,7 +354,7 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     T, H, D = q.shape
     cos, sin = inverse_rope if inverse_rope is not None else (sink, sink)
     if inverse_rope is not None:
-        _check_rope(cos, sin, T, D)
+        check_rope("q", q, cos, sin, T)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     live = [(kv, idx) for kv, idx in sources if idx.shape[1] > 0]  # NOTE: a [T, 0] source: no key
     if T == 0 or not live:
@@ -399,12 +399,3 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
                                   **pdl_args(part.device))
     return out
 
-
-def _check_rope(cos: torch.Tensor, sin: torch.Tensor, T: int, D: int) -> None:
-    """`inverse_rope`'s tables: [T, rd/2] fp32 contiguous, rd even and <= D."""
-    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != T
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32
-            or not (cos.is_contiguous() and sin.is_contiguous()) or 2 * cos.shape[1] > D or D % 2):
-        raise ValueError(f"inverse_rope must be (cos, sin) [{T}, rd/2] contiguous float32 with "
-                         f"rd <= {D} (even D); got {list(cos.shape)} {cos.dtype}, "
-                         f"{list(sin.shape)} {sin.dtype}")
