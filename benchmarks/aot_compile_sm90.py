@@ -509,14 +509,17 @@ def fp8_linear_variants() -> Iterator[Variant]:
                   "SPLIT_K": splits, "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
                   "ROWS": 0 if plan.dot else M, "FP32_DOT": False,
                   "EVEN_K": K % (fp8_plan.BLOCK * plan.kb) == 0, "SWIGLU": swiglu,
-                  "LIBDEVICE": True}
+                  "LIBDEVICE": True, "PRELOAD": False}
         path = "dot" if plan.dot else "fma swiglu" if swiglu else "fma"
         options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
         yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
                consts, options)
-        if M == 1 and not swiglu:   # PDL's EARLY mode (pdl.py)
+        if M == 1 and not swiglu:   # PDL's EARLY mode (pdl.py), and its first step preloaded
             yield (f"fp8_linear {N}x{K} M={M} {path} s{splits} early", f8._fp8_linear_kernel,
                    types, {**consts, "PDL": pdl.EARLY}, {**options, "launch_pdl": True})
+            yield (f"fp8_linear {N}x{K} M={M} {path} s{splits} early preload",
+                   f8._fp8_linear_kernel, types, {**consts, "PDL": pdl.EARLY, "PRELOAD": True},
+                   {**options, "launch_pdl": True})
     yield from fp8_frag_variants()
     yield from fp8_linear_a8_variants()
 

@@ -57,12 +57,12 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.fp8_frag import frag_launch
-from dsv4.kernels.triton.fp8_plan import BLOCK, plan_fp8_linear
+from dsv4.kernels.triton.fp8_plan import BLOCK, Fp8LinearPlan, plan_fp8_linear
 from dsv4.kernels.triton.gemv import even_split, store_tile
 from dsv4.kernels.triton.launch import X_DTYPES, sms
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import e8m0
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_preload
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32, triton_swiglu
 
@@ -101,14 +101,51 @@ def _fma_x(  # type: ignore[no-untyped-def]
     return xf
 
 
+@triton.jit
+def _fma_load(w_ptrs, s_row, k0, offs_k, kb, K,  # type: ignore[no-untyped-def]
+              EVEN_K: tl.constexpr):
+    """One FMA step's weight operands at k0: the codes [BLOCK_N, KB, 128] and the KB blocks'
+    scales (fp32 powers of two)."""
+    if EVEN_K:
+        codes = tl.load(w_ptrs + k0)
+        s = e8m0(tl.load(s_row + k0 // 128 + kb))
+    else:
+        k_ok = k0 + offs_k < K
+        b_ok = k0 // 128 + kb < tl.cdiv(K, 128)
+        codes = tl.load(w_ptrs + k0, mask=k_ok[None, :, :], other=0)
+        s = e8m0(tl.load(s_row + k0 // 128 + kb, mask=b_ok, other=0))
+    return codes, s
+
+
+@triton.jit
+def _fma_step(  # type: ignore[no-untyped-def]
+    acc, codes, s, k0, offs_k, x_ptr, u_ptr, M, K, stride_xm, stride_xg, stride_um, n_tile,
+    rows_g, limit, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] plus one FMA step: per x row (unrolled) the [BLOCK_N, KB, 128]
+    products, in-warp sums per block, times the blocks' scales, summed."""
+    k_ok = k0 + offs_k < K
+    cols_m = tl.arange(0, BLOCK_M)[None, :]
+    if not SWIGLU:
+        wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    for m in tl.static_range(ROWS):
+        xf = _fma_x(x_ptr, u_ptr, m, M, k0 + offs_k, k_ok, stride_xm, stride_xg,
+                    stride_um, n_tile, rows_g, limit, BLOCK_N, EVEN_K, SWIGLU, LIBDEVICE)
+        if SWIGLU:  # decoded after h: the codes' fp32 copies and h's temporaries are
+            wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)   # not live at once
+        blocks = tl.sum(wf * xf[None, :, :], axis=2)                  # [BLOCK_N, KB]
+        part = tl.sum(blocks * s[None, :], axis=1)
+        acc += tl.where(cols_m == m, part[:, None], 0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "N"])
 def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     x_ptr, u_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg,
     stride_um, rows_g, stride_wn, stride_sn, k_per_split, limit, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-    SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+    SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     BLOCK_K: tl.constexpr = 128 * KB
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -123,6 +160,13 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     s_row = s_ptr + ((n_tile * BLOCK_N) // 128).to(tl.int64) * stride_sn  # one block row
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    # FMA path: a step is KB scale blocks of 128 k: [BLOCK_N, KB, 128] codes, x as [KB, 128]
+    kb = tl.arange(0, KB)
+    fma_k = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
+    fma_w = w_ptr + rows_w[:, None, None] * stride_wn + fma_k[None, :, :]
+    if PRELOAD:   # the first step's weights (no kernel ahead writes them) before the PDL wait
+        codes0, s0 = _fma_load(fma_w, s_row, k_lo, fma_k, kb, K, EVEN_K)
+    pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if DOT:
         offs_k = tl.arange(0, BLOCK_K)
@@ -145,30 +189,17 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
                 part = tl.dot(wf.to(xt.dtype), tl.trans(xt))
             acc += part * s
     else:
-        # a step is KB scale blocks of 128 k: [BLOCK_N, KB, 128] codes, x as [KB, 128]
-        kb = tl.arange(0, KB)
-        offs_k = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
-        w_ptrs = w_ptr + rows_w[:, None, None] * stride_wn + offs_k[None, :, :]
-        cols_m = tl.arange(0, BLOCK_M)[None, :]
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-            k_ok = k0 + offs_k < K
-            b_ok = k0 // 128 + kb < tl.cdiv(K, 128)
-            if EVEN_K:
-                codes = tl.load(w_ptrs + k0)
-                s = e8m0(tl.load(s_row + k0 // 128 + kb))
-            else:
-                codes = tl.load(w_ptrs + k0, mask=k_ok[None, :, :], other=0)
-                s = e8m0(tl.load(s_row + k0 // 128 + kb, mask=b_ok, other=0))
-            if not SWIGLU:
-                wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            for m in tl.static_range(ROWS):
-                xf = _fma_x(x_ptr, u_ptr, m, M, k0 + offs_k, k_ok, stride_xm, stride_xg,
-                            stride_um, n_tile, rows_g, limit, BLOCK_N, EVEN_K, SWIGLU, LIBDEVICE)
-                if SWIGLU:  # decoded after h: the codes' fp32 copies and h's temporaries are
-                    wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)   # not live at once
-                blocks = tl.sum(wf * xf[None, :, :], axis=2)                  # [BLOCK_N, KB]
-                part = tl.sum(blocks * s[None, :], axis=1)
-                acc += tl.where(cols_m == m, part[:, None], 0.0)
+        k_first = k_lo
+        if PRELOAD:
+            acc = _fma_step(acc, codes0, s0, k_lo, fma_k, x_ptr, u_ptr, M, K, stride_xm,
+                            stride_xg, stride_um, n_tile, rows_g, limit, BLOCK_N, BLOCK_M, ROWS,
+                            EVEN_K, SWIGLU, LIBDEVICE)
+            k_first = k_lo + BLOCK_K
+        for k0 in tl.range(k_first, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            codes, s = _fma_load(fma_w, s_row, k0, fma_k, kb, K, EVEN_K)
+            acc = _fma_step(acc, codes, s, k0, fma_k, x_ptr, u_ptr, M, K, stride_xm, stride_xg,
+                            stride_um, n_tile, rows_g, limit, BLOCK_N, BLOCK_M, ROWS, EVEN_K,
+                            SWIGLU, LIBDEVICE)
     store_tile(acc, y_ptr, part_ptr, cnt_ptr, n_tile, split, M, N, offs_m, offs_n, SPLIT_K)
 
 
@@ -217,13 +248,24 @@ def _frag_ok(x3: torch.Tensor, w: torch.Tensor, K: int) -> bool:
             and w.data_ptr() % 16 == 0)
 
 
+def _preload(plan: Fp8LinearPlan, device: torch.device, preload: bool | None) -> bool:
+    """Whether the FMA loop's first step is loaded before the PDL wait (`triton_fp8_linear`):
+    only on the FMA path at one stage (a pipelined loop issues its own prologue loads)."""
+    if plan.dot or plan.frag or plan.num_stages != 1:
+        if preload:
+            raise ValueError("preload=True needs the FMA path at num_stages 1; the plan is "
+                             f"{plan}")
+        return False
+    return pdl_preload(device) if preload is None else preload
+
+
 def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                       groups: int = 1, block_m: int | None = None, block_n: int | None = None,
                       split_k: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, dot: bool | None = None,
                       kb: int | None = None, frag: bool | None = None,
                       counters: torch.Tensor | None = None, up: torch.Tensor | None = None,
-                      limit: float = 0.0) -> torch.Tensor:
+                      limit: float = 0.0, preload: bool | None = None) -> torch.Tensor:
     """y = x @ dequant(w, scale).T: x [..., K] bf16 / fp16 / fp32 (unit stride along K), w [N, K]
     e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes -> y [..., N] in x's dtype, fp32
     accumulation, one launch, bit-identical run to run. `groups` g > 1: the block-diagonal
@@ -236,7 +278,12 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     is h = swiglu(x, up, limit), `up` matching x in shape, dtype and device (unit stride along
     K). On the FMA path h is computed where x is loaded (`swiglu_f32`, rounded to x's dtype: the
     `triton_swiglu` bits, one launch); on the other paths `triton_swiglu` runs first. Either way
-    the result is the bits of `triton_swiglu` followed by this call without `up`."""
+    the result is the bits of `triton_swiglu` followed by this call without `up`.
+
+    `preload` (FMA path at one stage): each program loads its first K step's codes and scales
+    before its PDL wait, so they stream in while the kernel ahead finishes (same bits); None:
+    `pdl.pdl_preload`'s choice. The weights must not be written by a kernel ahead in the stream
+    (true inside a forward: the PDL contract, `pdl.py`)."""
     K, N = x.shape[-1], w.shape[0]
     if up is not None:
         _check_up(x, up, groups)
@@ -287,6 +334,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         per * BLOCK * plan.kb, limit, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KB=plan.kb,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         FP32_DOT=fp32_dot, EVEN_K=K % (BLOCK * plan.kb) == 0, SWIGLU=up is not None,
-        LIBDEVICE=_LIBDEVICE, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        LIBDEVICE=_LIBDEVICE, PRELOAD=_preload(plan, x.device, preload),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl_args(x.device))
     return y.view(shape)

@@ -21,9 +21,13 @@ Contract of every kernel that takes the `PDL` constexpr: its first statement is 
 prior kernel's output early, and no grid completes before the grid ahead of it: a kernel C
 launched after B reads what A wrote before B, since C's wait covers B and B finished only after
 its own wait covered A (with EARLY too: B triggers C only after its wait returned). A trigger
-placed after the wait keeps at most one kernel's programs waiting ahead of the running one. This
-module defines no Triton function: the engine and its tests import it before TRITON_INTERPRET
-may be set, and a Triton function defined then would be compiled, not interpreted.
+placed after the wait keeps at most one kernel's programs waiting ahead of the running one. One
+exception (`pdl_preload`): inside CUDA-graph capture a kernel may load constant weights before its
+wait, since no kernel of a captured forward writes weights and the graph's first kernel waits for
+all work before the graph (eager launches never preload: a weight update may be the kernel
+ahead). This module defines no Triton function: the engine and its tests import it before
+TRITON_INTERPRET may be set, and a Triton function defined then would be compiled, not
+interpreted.
 
 `pdl_args(device)` gives the two launch keywords, on where the device runs it: an NVIDIA GPU of
 compute capability >= 9.0, and the `DSV4_PDL` environment variable ("0" off, "1" WAIT, "2" EARLY;
@@ -47,6 +51,7 @@ from collections.abc import Iterator
 import torch
 
 ENV = "DSV4_PDL"
+PRELOAD_ENV = "DSV4_PDL_PRELOAD"
 OFF, WAIT, EARLY = 0, 1, 2     # the PDL constexpr's modes (module docstring)
 _MODES = {"0": OFF, "1": WAIT, "2": EARLY}
 # the mode `pdl_scope` sets for the launches inside it (None: DSV4_PDL's)
@@ -102,3 +107,15 @@ def pdl_args(device: torch.device) -> dict[str, int | bool]:
     `launch_pdl`."""
     mode = pdl_mode(device)
     return {"PDL": mode, "launch_pdl": mode != OFF}
+
+
+def pdl_preload(device: torch.device) -> bool:
+    """Whether weight-streaming kernels that can (`fp8_linear.py`'s FMA loop) load their first
+    weights before their PDL wait: PDL on for `device`, the current stream capturing a CUDA graph
+    (the contract's exception, module docstring) and DSV4_PDL_PRELOAD "1" (default "0": the A/B
+    switch while it is timed). Raises ValueError on another value."""
+    value = os.environ.get(PRELOAD_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PRELOAD_ENV} must be '0' or '1'; got {value!r}")
+    return (value == "1" and pdl_enabled(device)
+            and torch.cuda.is_current_stream_capturing())
