@@ -22,10 +22,12 @@ from dsv4.kernels.triton.pdl import (
     EARLY,
     ENV,
     OFF,
+    PRELOAD_ENV,
     WAIT,
     pdl_args,
     pdl_enabled,
     pdl_mode,
+    pdl_preload,
     pdl_scope,
 )
 
@@ -99,6 +101,27 @@ def test_scope(value: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl_mode(dev) == outside
     with pytest.raises(ValueError, match="pdl_scope mode must be"), pdl_scope(OFF):
         pass
+
+
+@pytest.mark.parametrize("pdl_value,preload,capturing,on", [
+    ("1", "1", True, True), ("2", "1", True, True), ("1", "0", True, False),
+    (None, None, True, False), ("0", "1", True, False), ("1", "1", False, False)])
+def test_preload_rule(pdl_value: str | None, preload: str | None, capturing: bool, on: bool,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights load before the wait only with PDL on, DSV4_PDL_PRELOAD=1 (off by default) and
+    the stream capturing a CUDA graph (the contract's exception: never eagerly); another
+    DSV4_PDL_PRELOAD value is refused naming the variable; off the GPU it is off."""
+    dev = _fake_hopper(pdl_value, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    if preload is None:
+        monkeypatch.delenv(PRELOAD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PRELOAD_ENV, preload)
+    assert pdl_preload(dev) is on
+    assert not pdl_preload(torch.device("cpu"))
+    monkeypatch.setenv(PRELOAD_ENV, "yes")
+    with pytest.raises(ValueError, match="DSV4_PDL_PRELOAD must be"):
+        pdl_preload(dev)
 
 
 @pytest.mark.parametrize("capability,hip,on", [((9, 0), None, True), ((10, 0), None, True),
