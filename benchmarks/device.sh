@@ -88,6 +88,10 @@
 #                 WAIT, EARLY for batch <= 8 (--pdl-early-max-batch 8), EARLY + preload, WAIT + preload,
 #                 bf16 EARLY for batch <= 8 (preload_decode.txt: the per-run lines), then the GPU tests
 #                 (test_fp8_linear.py -k preload; preload_tests.txt)
+#   step-ab       the shortest call over the 29th / 30th sessions' batch-1 work: flash-4l decode at batch
+#                 1 / 32 (4K) in turn, checkpoint WAIT, EARLY <= 8 + preload, EARLY <= 8, then bf16 EARLY
+#                 <= 8 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
+#                 batch-1 profile with preload (step_profile.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -383,6 +387,30 @@ preload() {   # the FP8 linears' first K step loaded before the PDL wait, A/B in
   grep -E "passed|failed" "$OUT/preload_tests.txt"
 }
 
+step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile
+  local run fmt early pre
+  for run in checkpoint:0:0 checkpoint:8:1 checkpoint:8:0 bf16:8:0; do
+    IFS=: read -r fmt early pre <<< "$run"
+    DSV4_PDL_PRELOAD=$pre timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
+      --batch-contexts 4096 --weight-format "$fmt" --pdl-early-max-batch "$early" \
+      --out "/tmp/step_${fmt}_e${early}_p$pre.json" > /tmp/step_run.txt 2>&1
+    { echo "--- $fmt early<=$early preload=$pre"; grep -v "^{" /tmp/step_run.txt | tail -3
+      grep "^{" /tmp/step_run.txt | tail -1; } | tee -a "$OUT/step_decode.txt"
+  done
+  { timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
+      tests/kernels/test_sparse_attention_triton.py tests/kernels/test_fp8_linear.py \
+      -k "whole_bin or inverse_rope or preload"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_post_pre.py \
+      tests/kernels/test_rope_norm.py tests/engine/test_pdl.py; } > "$OUT/step_tests.txt" 2>&1
+  grep -E "passed|failed" "$OUT/step_tests.txt"
+  DSV4_PDL_PRELOAD=1 timeout 60 python3 benchmarks/profile_engine_step.py --preset flash-4l \
+    --device cuda --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 \
+    --decode-only --warm-steps 3 --steps 20 --rows 40 --weight-format checkpoint \
+    --pdl-early-max-batch 8 > "$OUT/step_profile.txt" 2>&1
+  tail -1 "$OUT/step_profile.txt" | cut -c 1-300
+}
+
 fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
   local fmt           # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
   timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops post_pre --out "$OUT/fixed_mhc.json" \
@@ -416,7 +444,7 @@ sass() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,97p' "$0"
+  sed -n '2,101p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -443,9 +471,10 @@ for part in "$@"; do
     pdl-ab) pdl_ab ;;
     fixed-costs) fixed_costs ;;
     preload) preload ;;
+    step-ab) step_ab ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "preload sass"; exit 2 ;;
+         "preload step-ab sass"; exit 2 ;;
   esac
 done

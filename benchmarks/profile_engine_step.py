@@ -63,6 +63,8 @@ def main() -> None:
                    help="hot entries per request and C4 layer (default: the engine's)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 experts, FP8 linears, bf16 compressor projections")
+    p.add_argument("--pdl-early-max-batch", type=int, default=0,
+                   help="decode graphs of batch <= this in PDL's EARLY mode (EngineConfig)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device), weight_format=args.weight_format)
@@ -72,7 +74,8 @@ def main() -> None:
                                            max_total_tokens=args.num_prompts
                                            * (args.prompt_len + max(512, max_tokens)) + 4096,
                                            enable_hisparse=args.enable_hisparse,
-                                           hisparse_device_entries=args.hot_entries))
+                                           hisparse_device_entries=args.hot_entries,
+                                           pdl_early_max_batch=args.pdl_early_max_batch))
     g = torch.Generator().manual_seed(0)
     warm = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
                           ignore_eos=True)
