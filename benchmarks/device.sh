@@ -82,12 +82,6 @@
 #                 (fixed_profile.txt), then their tests on the GPU (the top-k row path's early stops, the
 #                 attention's de-rotation in its store, the finish apart bit-equal to together, q and kv
 #                 norms in one launch bit-equal to two, PDL's EARLY graph buckets: fixed_tests.txt)
-#   preload       the FP8 linears' first weights loaded before their PDL wait (DSV4_PDL_PRELOAD=1,
-#                 inside CUDA graphs only): bench_fp8_linear.py at M 1 in EARLY mode with and without
-#                 (preload_fp8_p{0,1}.json), flash-4l decode at batch 1 / 32 (4K) in turn: checkpoint
-#                 WAIT, EARLY for batch <= 8 (--pdl-early-max-batch 8), EARLY + preload, WAIT + preload,
-#                 bf16 EARLY for batch <= 8 (preload_decode.txt: the per-run lines), then the GPU tests
-#                 (test_fp8_linear.py -k preload; preload_tests.txt)
 #   step-ab       the shortest call over the 29th / 30th sessions' batch-1 work: flash-4l decode at batch
 #                 1 / 32 (4K) in turn, checkpoint WAIT, EARLY <= 8 + preload, EARLY <= 8, then bf16 EARLY
 #                 <= 8 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
@@ -366,27 +360,6 @@ pdl_ab() {   # EARLY for the decode graphs of batch <= 8 (--pdl-early-max-batch 
   grep -E "^step|stream" "$OUT/pdl_trace_gaps.txt" | head -8
 }
 
-preload() {   # the FP8 linears' first K step loaded before the PDL wait, A/B in one call
-  local run fmt early pre p
-  for p in 0 1; do
-    DSV4_PDL=2 DSV4_PDL_PRELOAD=$p timeout 120 python3 benchmarks/kernels/bench_fp8_linear.py \
-      --m 1 --out "$OUT/preload_fp8_p$p.json" > /tmp/preload_fp8_p$p.txt 2>&1
-    echo "--- fp8_linear M=1 EARLY preload=$p"; grep -v "^{" /tmp/preload_fp8_p$p.txt | tail -10
-  done
-  for run in checkpoint:0:0 checkpoint:8:0 checkpoint:8:1 checkpoint:0:1 bf16:8:0; do
-    IFS=: read -r fmt early pre <<< "$run"
-    DSV4_PDL_PRELOAD=$pre timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda \
-      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
-      --batch-contexts 4096 --weight-format "$fmt" --pdl-early-max-batch "$early" \
-      --out "/tmp/preload_${fmt}_e${early}_p$pre.json" > /tmp/preload_run.txt 2>&1
-    { echo "--- $fmt early<=$early preload=$pre"; grep -v "^{" /tmp/preload_run.txt | tail -3
-      grep "^{" /tmp/preload_run.txt | tail -1; } | tee -a "$OUT/preload_decode.txt"
-  done
-  DSV4_PDL=2 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py \
-    -k preload > "$OUT/preload_tests.txt" 2>&1
-  grep -E "passed|failed" "$OUT/preload_tests.txt"
-}
-
 step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile
   local run fmt early pre
   for run in checkpoint:0:0 checkpoint:8:1 checkpoint:8:0 bf16:8:0; do
@@ -444,7 +417,7 @@ sass() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,101p' "$0"
+  sed -n '2,95p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -470,11 +443,10 @@ for part in "$@"; do
     checkpoint) checkpoint ;;
     pdl-ab) pdl_ab ;;
     fixed-costs) fixed_costs ;;
-    preload) preload ;;
     step-ab) step_ab ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "preload step-ab sass"; exit 2 ;;
+         "step-ab sass"; exit 2 ;;
   esac
 done

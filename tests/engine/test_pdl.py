@@ -103,24 +103,31 @@ def test_scope(value: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
         pass
 
 
-@pytest.mark.parametrize("pdl_value,preload,capturing,on", [
+@pytest.mark.parametrize("pdl_value,preload,scoped,on", [
     ("1", "1", True, True), ("2", "1", True, True), ("1", "0", True, False),
     (None, None, True, False), ("0", "1", True, False), ("1", "1", False, False)])
-def test_preload_rule(pdl_value: str | None, preload: str | None, capturing: bool, on: bool,
+def test_preload_rule(pdl_value: str | None, preload: str | None, scoped: bool, on: bool,
                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights load before the wait only with PDL on, DSV4_PDL_PRELOAD=1 (off by default) and
-    the stream capturing a CUDA graph (the contract's exception: never eagerly); another
-    DSV4_PDL_PRELOAD value is refused naming the variable; off the GPU it is off."""
+    inside `pdl_scope(..., preload=True)` (the contract's exception; restored on exit, the mode
+    untouched); another DSV4_PDL_PRELOAD value is refused naming the variable; off the GPU it is
+    off."""
     dev = _fake_hopper(pdl_value, monkeypatch)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     if preload is None:
         monkeypatch.delenv(PRELOAD_ENV, raising=False)
     else:
         monkeypatch.setenv(PRELOAD_ENV, preload)
-    assert pdl_preload(dev) is on
-    assert not pdl_preload(torch.device("cpu"))
+    mode = pdl_mode(dev)
+    with pdl_scope(None, preload=scoped):
+        assert pdl_preload(dev) is on
+        assert pdl_mode(dev) == mode
+        assert not pdl_preload(torch.device("cpu"))
+        with pdl_scope(EARLY):                      # a nested mode keeps the preload scope
+            assert pdl_preload(dev) is on
+    assert not pdl_preload(dev)
     monkeypatch.setenv(PRELOAD_ENV, "yes")
-    with pytest.raises(ValueError, match="DSV4_PDL_PRELOAD must be"):
+    with pytest.raises(ValueError, match="DSV4_PDL_PRELOAD must be"), pdl_scope(None,
+                                                                              preload=True):
         pdl_preload(dev)
 
 

@@ -37,6 +37,7 @@ from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
 from dsv4.kernels.ref import quant  # noqa: E402
 from dsv4.kernels.ref.fp8_linear import fp8_linear  # noqa: E402
 from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear  # noqa: E402
+from dsv4.kernels.triton.pdl import pdl_scope  # noqa: E402
 from dsv4.model.quant_linear import QuantLinear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,8 +237,9 @@ def test_flash_shapes_on_gpu(M: int, N: int, K: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["1", "2"])
 def test_preload_in_a_graph_on_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chain of FP8 linears captured with PDL (WAIT / EARLY) and DSV4_PDL_PRELOAD=1 (the first
-    weights loaded before each wait): the same bits as the chain launched without PDL."""
+    """A chain of FP8 linears captured with PDL (WAIT / EARLY) and DSV4_PDL_PRELOAD=1 inside
+    `pdl_scope(preload=True)` (the first weights loaded before each wait; warmed up in the
+    scope, so nothing compiles during the capture): the same bits as without PDL."""
     torch.manual_seed(0)
     chain = [operands(1, 4096, 4096, BF16, seed=i)[1:] for i in range(6)]
     x0 = torch.randn(1, 4096, device=DEVICE, dtype=BF16)
@@ -251,10 +253,11 @@ def test_preload_in_a_graph_on_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -
     want = run(x0)
     monkeypatch.setenv("DSV4_PDL", mode)
     monkeypatch.setenv("DSV4_PDL_PRELOAD", "1")
-    run(x0)                                                   # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = run(x0)
+    with pdl_scope(None, preload=True):
+        assert torch.equal(run(x0), want)                     # eager: compiles the variant
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = run(x0)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)

@@ -22,12 +22,13 @@ prior kernel's output early, and no grid completes before the grid ahead of it: 
 launched after B reads what A wrote before B, since C's wait covers B and B finished only after
 its own wait covered A (with EARLY too: B triggers C only after its wait returned). A trigger
 placed after the wait keeps at most one kernel's programs waiting ahead of the running one. One
-exception (`pdl_preload`): inside CUDA-graph capture a kernel may load constant weights before its
-wait, since no kernel of a captured forward writes weights and the graph's first kernel waits for
-all work before the graph (eager launches never preload: a weight update may be the kernel
-ahead). This module defines no Triton function: the engine and its tests import it before
-TRITON_INTERPRET may be set, and a Triton function defined then would be compiled, not
-interpreted.
+exception (`pdl_preload`): inside `pdl_scope(..., preload=True)`, whose caller guarantees that no
+kernel ahead in the stream writes weights (a forward: the engine's decode graphs, their warm-up
+and capture), a kernel may load its weights before its wait. Elsewhere nothing is preloaded: a
+weight update may be the kernel ahead. (The same kernels run in the warm-up as in the capture,
+so none is compiled while a stream captures, which the driver forbids.) This module defines no
+Triton function: the engine and its tests import it before TRITON_INTERPRET may be set, and a
+Triton function defined then would be compiled, not interpreted.
 
 `pdl_args(device)` gives the two launch keywords, on where the device runs it: an NVIDIA GPU of
 compute capability >= 9.0, and the `DSV4_PDL` environment variable ("0" off, "1" WAIT, "2" EARLY;
@@ -57,6 +58,9 @@ _MODES = {"0": OFF, "1": WAIT, "2": EARLY}
 # the mode `pdl_scope` sets for the launches inside it (None: DSV4_PDL's)
 _SCOPE: contextvars.ContextVar[int | None] = contextvars.ContextVar("dsv4_pdl_scope",
                                                                     default=None)
+# whether `pdl_scope(..., preload=True)` allows the launches inside to preload weights
+_PRELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("dsv4_pdl_preload",
+                                                                default=False)
 
 
 @functools.cache
@@ -81,20 +85,24 @@ def pdl_mode(device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def pdl_scope(mode: int | None) -> Iterator[None]:
+def pdl_scope(mode: int | None, *, preload: bool = False) -> Iterator[None]:
     """Launches inside use `mode` (WAIT or EARLY) instead of DSV4_PDL's WAIT / EARLY; None: no
-    change. DSV4_PDL="0" and devices without PDL stay off. Raises ValueError on another mode."""
-    if mode is None:
-        yield
-        return
-    if mode not in (WAIT, EARLY):
+    change. DSV4_PDL="0" and devices without PDL stay off. `preload`: kernels launched inside
+    may load weights before their wait (`pdl_preload`); the caller guarantees that no kernel
+    ahead of them in the stream writes weights (true of a forward: the engine's decode graphs,
+    their warm-up and capture). Raises ValueError on another mode."""
+    if mode is not None and mode not in (WAIT, EARLY):
         raise ValueError(f"pdl_scope mode must be WAIT ({WAIT}), EARLY ({EARLY}) or None; "
                          f"got {mode!r}")
-    token = _SCOPE.set(mode)
+    mode_token = None if mode is None else _SCOPE.set(mode)
+    preload_token = _PRELOAD.set(True) if preload else None
     try:
         yield
     finally:
-        _SCOPE.reset(token)
+        if preload_token is not None:
+            _PRELOAD.reset(preload_token)
+        if mode_token is not None:
+            _SCOPE.reset(mode_token)
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -111,11 +119,10 @@ def pdl_args(device: torch.device) -> dict[str, int | bool]:
 
 def pdl_preload(device: torch.device) -> bool:
     """Whether weight-streaming kernels that can (`fp8_linear.py`'s FMA loop) load their first
-    weights before their PDL wait: PDL on for `device`, the current stream capturing a CUDA graph
+    weights before their PDL wait: PDL on for `device`, inside `pdl_scope(..., preload=True)`
     (the contract's exception, module docstring) and DSV4_PDL_PRELOAD "1" (default "0": the A/B
     switch while it is timed). Raises ValueError on another value."""
     value = os.environ.get(PRELOAD_ENV, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{PRELOAD_ENV} must be '0' or '1'; got {value!r}")
-    return (value == "1" and pdl_enabled(device)
-            and torch.cuda.is_current_stream_capturing())
+    return value == "1" and _PRELOAD.get() and pdl_enabled(device)
