@@ -374,7 +374,8 @@ step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile
   { timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
       tests/kernels/test_sparse_attention_triton.py tests/kernels/test_fp8_linear.py \
       -k "whole_bin or inverse_rope or preload"
-    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_post_pre.py \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
+      tests/kernels/test_mhc_post_pre.py \
       tests/kernels/test_rope_norm.py tests/engine/test_pdl.py; } > "$OUT/step_tests.txt" 2>&1
   grep -E "passed|failed" "$OUT/step_tests.txt"
   DSV4_PDL_PRELOAD=1 timeout 60 python3 benchmarks/profile_engine_step.py --preset flash-4l \
