@@ -407,7 +407,7 @@ def small_variants() -> Iterator[Variant]:
                {"BLOCK_M": gemv.block_m(M, False), "BLOCK_N": plan.block_n,
                 "BLOCK_K": plan.block_k, "SPLIT_K": split, "NUM_STAGES": plan.num_stages,
                 "DOT": False, "ROWS": M, "UPCAST": False, "PRECISION": plan.precision,
-                "EVEN_K": True, "SWIGLU": False, "LIBDEVICE": True},
+                "EVEN_K": True, "SWIGLU": False, "LIBDEVICE": True, "PRELOAD": False},
                {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
 
 
@@ -436,14 +436,18 @@ def gemv_variants() -> Iterator[Variant]:
                       "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
                       "ROWS": 0 if plan.dot else M, "UPCAST": dt == "fp32",
                       "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0,
-                      "SWIGLU": False, "LIBDEVICE": True}
+                      "SWIGLU": False, "LIBDEVICE": True, "PRELOAD": False}
             path = "dot" if plan.dot else "fma"
             options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
             yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k}", gemv._gemv_kernel,
                    gemv_types(dt, dt), consts, options)
-            if M == 1:      # PDL's EARLY mode (pdl.py)
+            if M == 1:      # PDL's EARLY mode (pdl.py), and its first block preloaded
                 yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k} early",
                        gemv._gemv_kernel, gemv_types(dt, dt), {**consts, "PDL": pdl.EARLY},
+                       {**options, "launch_pdl": True})
+                yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k} early preload",
+                       gemv._gemv_kernel, gemv_types(dt, dt),
+                       {**consts, "PDL": pdl.EARLY, "PRELOAD": True},
                        {**options, "launch_pdl": True})
     N, K = 4096, 2048
     for M in (1, 4):
@@ -454,7 +458,7 @@ def gemv_variants() -> Iterator[Variant]:
                       "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k,
                       "NUM_STAGES": plan.num_stages, "DOT": False, "ROWS": M, "UPCAST": False,
                       "PRECISION": plan.precision, "EVEN_K": True, "SWIGLU": swiglu,
-                      "LIBDEVICE": True}
+                      "LIBDEVICE": True, "PRELOAD": False}
             label = "swiglu+gemv" if swiglu else "gemv"
             yield (f"{label} w2 bf16 {N}x{K} M={M} fma s{plan.split_k}", gemv._gemv_kernel,
                    gemv_types("bf16", "bf16"), consts,
@@ -480,7 +484,7 @@ def project_variants() -> Iterator[Variant]:
                   "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k, "NUM_STAGES": plan.num_stages,
                   "DOT": plan.dot, "ROWS": 0 if plan.dot else M, "UPCAST": False,
                   "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0, "SWIGLU": False,
-                  "LIBDEVICE": True}
+                  "LIBDEVICE": True, "PRELOAD": False}
         yield (f"project bf16 w {N}x{K} M={M} {'fma' if fma else 'dot'} s{plan.split_k}",
                gemv._gemv_kernel, gemv_types("bf16", "fp32"), consts,
                {"num_warps": plan.num_warps, "num_stages": plan.num_stages})

@@ -83,9 +83,10 @@
 #                 attention's de-rotation in its store, the finish apart bit-equal to together, q and kv
 #                 norms in one launch bit-equal to two, PDL's EARLY graph buckets: fixed_tests.txt)
 #   step-ab       the shortest call over the 29th / 30th sessions' batch-1 work: flash-4l decode at batch
-#                 1 / 32 (4K) in turn, checkpoint WAIT, EARLY <= 8 + preload, EARLY <= 8, then bf16 EARLY
-#                 <= 8 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
-#                 batch-1 profile with preload (step_profile.txt)
+#                 1 / 32 (4K) in turn, each format in WAIT (the defaults) and in EARLY <= 8 with the GEMV /
+#                 FP8 first weights preloaded (DSV4_PDL_PRELOAD=1), then checkpoint EARLY <= 8 alone
+#                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
+#                 batch-1 profile, EARLY <= 8 + preload (step_profile.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -362,7 +363,7 @@ pdl_ab() {   # EARLY for the decode graphs of batch <= 8 (--pdl-early-max-batch 
 
 step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile
   local run fmt early pre
-  for run in checkpoint:0:0 checkpoint:8:1 checkpoint:8:0 bf16:8:0; do
+  for run in checkpoint:0:0 checkpoint:8:1 bf16:0:0 bf16:8:1 checkpoint:8:0; do
     IFS=: read -r fmt early pre <<< "$run"
     DSV4_PDL_PRELOAD=$pre timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
@@ -373,7 +374,7 @@ step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile
   done
   { timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
       tests/kernels/test_sparse_attention_triton.py tests/kernels/test_fp8_linear.py \
-      -k "whole_bin or inverse_rope or preload"
+      tests/kernels/test_gemv.py -k "whole_bin or inverse_rope or preload"
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
       tests/kernels/test_mhc_post_pre.py \
       tests/kernels/test_rope_norm.py tests/engine/test_pdl.py; } > "$OUT/step_tests.txt" 2>&1
@@ -418,7 +419,7 @@ sass() {
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,95p' "$0"
+  sed -n '2,96p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"

@@ -176,7 +176,9 @@ def _chain(ws: list[torch.Tensor], codes: list[tuple[torch.Tensor, torch.Tensor]
 @_GPU
 def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 GEMVs and 16 FP8 linears (both split-K at M = 1), each reading the one before's output,
-    captured with PDL off, in WAIT and in EARLY mode: the same bits, replay after replay."""
+    captured with PDL off, in WAIT and in EARLY mode, and in both modes with their first weights
+    loaded before the wait (DSV4_PDL_PRELOAD=1 inside `pdl_scope(preload=True)`, warmed up in
+    the scope): the same bits, replay after replay."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(4096, 1024, device="cuda", generator=g).bfloat16() / 32 for _ in range(16)]
     # [1024, 4096] codes (K 4096: split-K at M = 1), every block scaled by 2^-9: outputs ~ 1
@@ -184,12 +186,14 @@ def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
               torch.full((8, 32), 118, dtype=torch.uint8, device="cuda")) for _ in range(16)]
     x = torch.randn(1, 1024, device="cuda", generator=g).bfloat16()
     outs = {}
-    for flag in ("0", "1", "2"):
-        monkeypatch.setenv(ENV, flag)
-        _chain(ws, codes, x)                    # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = _chain(ws, codes, x)
+    for flag in ("0", "1", "2", "1p", "2p"):
+        monkeypatch.setenv(ENV, flag[0])
+        monkeypatch.setenv(PRELOAD_ENV, "1" if flag.endswith("p") else "0")
+        with pdl_scope(None, preload=True):
+            _chain(ws, codes, x)                # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = _chain(ws, codes, x)
         replays = []
         for _ in range(5):
             graph.replay()
@@ -197,7 +201,7 @@ def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.cuda.synchronize()
         assert all(torch.equal(r, replays[0]) for r in replays)
         outs[flag] = replays[0]
-    assert torch.equal(outs["0"], outs["1"]) and torch.equal(outs["0"], outs["2"])
+    assert all(torch.equal(outs["0"], outs[flag]) for flag in ("1", "2", "1p", "2p"))
 
 
 @pytest.fixture(scope="module")

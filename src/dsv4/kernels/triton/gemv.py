@@ -73,7 +73,7 @@ import triton.language as tl
 from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.pdl import pdl_args
+from dsv4.kernels.triton.pdl import pdl_args, pdl_preload
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32
 
@@ -106,6 +106,44 @@ class GemvPlan:
     precision: str = "ieee"
 
 
+@triton.jit
+def _w_block(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The [BLOCK_N, BLOCK_K] weight block at k0 (a K tail masked to zero)."""
+    if EVEN_K:
+        wt = tl.load(w_ptrs + k0)
+    else:
+        wt = tl.load(w_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
+    return wt
+
+
+@triton.jit
+def _fma_block(acc, wt, k0, offs_k, x_ptr, u_ptr, K, stride_xm,  # type: ignore[no-untyped-def]
+               stride_um, limit, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+               EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] plus the FMA products of weight block wt (at k0) with each x row
+    (unrolled; 2-D tiles, in-warp sums)."""
+    k_ok = k0 + offs_k < K                                     # used only if not EVEN_K
+    cols_m = tl.arange(0, BLOCK_M)[None, :]
+    wf = wt.to(tl.float32)
+    for m in tl.static_range(ROWS):
+        if EVEN_K:
+            xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
+        else:
+            xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
+        xf = xm.to(tl.float32)
+        if SWIGLU:                      # x is the gate; h = swiglu(gate, up), rounded
+            if EVEN_K:
+                um = tl.load(u_ptr + m * stride_um + k0 + offs_k)
+            else:
+                um = tl.load(u_ptr + m * stride_um + k0 + offs_k, mask=k_ok, other=0.0)
+            dtype = x_ptr.dtype.element_ty
+            xf = swiglu_f32(xf, um.to(tl.float32), limit, dtype, LIBDEVICE)
+            xf = xf.to(dtype).to(tl.float32)
+        part = tl.sum(wf * xf[None, :], axis=1)
+        acc += tl.where(cols_m == m, part[:, None], 0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "N"])
 def _gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr, u_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_um, stride_wn,
@@ -113,8 +151,7 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-    LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+    LIBDEVICE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -127,42 +164,32 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PRELOAD:   # the FMA path's first weight block (no kernel ahead writes it) before the wait
+        w0 = _w_block(w_ptrs, k_lo, offs_k, K, EVEN_K)
+    pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # y^T tile, both paths
-    cols_m = tl.arange(0, BLOCK_M)[None, :]
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        k_ok = k0 + offs_k < K                                 # used only if not EVEN_K
-        if EVEN_K:
-            wt = tl.load(w_ptrs + k0)
-        else:
-            wt = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        if DOT:
+    if DOT:
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            wt = _w_block(w_ptrs, k0, offs_k, K, EVEN_K)
             if EVEN_K:
                 xt = tl.load(x_ptrs + k0)
             else:
-                xt = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
+                xt = tl.load(x_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
             if UPCAST:
                 acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc,
                              input_precision=PRECISION)
             else:
                 acc = tl.dot(wt, tl.trans(xt), acc)
-        else:
-            wf = wt.to(tl.float32)
-            for m in tl.static_range(ROWS):     # one x row at a time: 2-D tiles, in-warp sums
-                if EVEN_K:
-                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
-                else:
-                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-                xf = xm.to(tl.float32)
-                if SWIGLU:                      # x is the gate; h = swiglu(gate, up), rounded
-                    if EVEN_K:
-                        um = tl.load(u_ptr + m * stride_um + k0 + offs_k)
-                    else:
-                        um = tl.load(u_ptr + m * stride_um + k0 + offs_k, mask=k_ok, other=0.0)
-                    dtype = x_ptr.dtype.element_ty
-                    xf = swiglu_f32(xf, um.to(tl.float32), limit, dtype, LIBDEVICE)
-                    xf = xf.to(dtype).to(tl.float32)
-                part = tl.sum(wf * xf[None, :], axis=1)
-                acc += tl.where(cols_m == m, part[:, None], 0.0)
+    else:
+        k_first = k_lo
+        if PRELOAD:
+            acc = _fma_block(acc, w0, k_lo, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
+                             BLOCK_M, ROWS, EVEN_K, SWIGLU, LIBDEVICE)
+            k_first = k_lo + BLOCK_K
+        for k0 in tl.range(k_first, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            wt = _w_block(w_ptrs, k0, offs_k, K, EVEN_K)
+            acc = _fma_block(acc, wt, k0, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
+                             BLOCK_M, ROWS, EVEN_K, SWIGLU, LIBDEVICE)
     store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, split, M, N, offs_m, offs_n, SPLIT_K)
 
 
@@ -300,13 +327,23 @@ class GemvCounters:
         return buf
 
 
+def _preload(plan: GemvPlan, device: torch.device, preload: bool | None) -> bool:
+    """Whether the FMA loop's first weight block is loaded before the PDL wait (`triton_linear`):
+    only on the FMA path at one stage (a pipelined loop issues its own prologue loads)."""
+    if plan.dot or plan.num_stages != 1:
+        if preload:
+            raise ValueError(f"preload=True needs the FMA path at num_stages 1; the plan is {plan}")
+        return False
+    return pdl_preload(device) if preload is None else preload
+
+
 def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = None,
                   block_k: int | None = None, split_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   dot: bool | None = None, precision: str | None = None,
                   counters: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, up: torch.Tensor | None = None,
-                  limit: float = 0.0) -> torch.Tensor:
+                  limit: float = 0.0, preload: bool | None = None) -> torch.Tensor:
     """y = x @ w.T (`F.linear(x, w)` without bias): x [M, K] with M <= MAX_M and unit column
     stride (any row stride), w [N, K] with unit stride along K, both bf16 / fp16 / fp32 -> y
     [M, N] contiguous in x's dtype, fp32 accumulation, one launch, bit-identical run to run.
@@ -325,6 +362,10 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     limit)` computed as `swiglu.py::swiglu_f32` does and rounded to x's dtype, where each K block
     is loaded; `up` matches x in shape, dtype and device (any row stride, unit column stride).
     The result is the bits of `triton_swiglu(x, up, limit)` through the same plan.
+
+    `preload` (FMA path at one stage): each program loads its first weight block before its PDL
+    wait (same bits); None: `pdl.pdl_preload`'s choice (only inside `pdl_scope(...,
+    preload=True)`, whose caller guarantees no kernel ahead writes w).
     """
     _check(x, w)
     if up is not None:
@@ -369,8 +410,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
         float(limit), BLOCK_M=block_m(M, plan.dot), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
-        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, num_warps=plan.num_warps,
-        num_stages=plan.num_stages, **pdl_args(x.device))
+        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, PRELOAD=_preload(plan, x.device, preload),
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(x.device))
     return y
 
 
