@@ -361,23 +361,28 @@ pdl_ab() {   # EARLY for the decode graphs of batch <= 8 (--pdl-early-max-batch 
   grep -E "^step|stream" "$OUT/pdl_trace_gaps.txt" | head -8
 }
 
-step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile
-  local run fmt early pre
-  for run in checkpoint:0:0 checkpoint:8:1 bf16:0:0 bf16:8:1 checkpoint:8:0; do
-    IFS=: read -r fmt early pre <<< "$run"
+step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile (most wanted first)
+  local run
+  step_decode() {   # FORMAT:EARLY_MAX_BATCH:PRELOAD
+    local fmt early pre
+    IFS=: read -r fmt early pre <<< "$1"
     DSV4_PDL_PRELOAD=$pre timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
       --batch-contexts 4096 --weight-format "$fmt" --pdl-early-max-batch "$early" \
       --out "/tmp/step_${fmt}_e${early}_p$pre.json" > /tmp/step_run.txt 2>&1
     { echo "--- $fmt early<=$early preload=$pre"; grep -v "^{" /tmp/step_run.txt | tail -3
       grep "^{" /tmp/step_run.txt | tail -1; } | tee -a "$OUT/step_decode.txt"
-  done
-  { timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
-      tests/kernels/test_sparse_attention_triton.py tests/kernels/test_fp8_linear.py \
-      tests/kernels/test_gemv.py -k "whole_bin or inverse_rope or preload"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
-      tests/kernels/test_mhc_post_pre.py \
-      tests/kernels/test_rope_norm.py tests/engine/test_pdl.py; } > "$OUT/step_tests.txt" 2>&1
+  }
+  for run in checkpoint:0:0 checkpoint:8:1 bf16:0:0 bf16:8:1; do step_decode "$run"; done
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
+    tests/kernels/test_sparse_attention_triton.py tests/kernels/test_fp8_linear.py \
+    tests/kernels/test_gemv.py -k "whole_bin or inverse_rope or preload" \
+    > "$OUT/step_tests.txt" 2>&1
+  grep -E "passed|failed" "$OUT/step_tests.txt"
+  step_decode checkpoint:8:0
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
+    tests/kernels/test_mhc_post_pre.py tests/kernels/test_rope_norm.py tests/engine/test_pdl.py \
+    >> "$OUT/step_tests.txt" 2>&1
   grep -E "passed|failed" "$OUT/step_tests.txt"
   DSV4_PDL_PRELOAD=1 timeout 60 python3 benchmarks/profile_engine_step.py --preset flash-4l \
     --device cuda --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 \
