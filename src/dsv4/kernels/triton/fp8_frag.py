@@ -26,11 +26,11 @@ word w of both rows: a0 / a2 = row g's pairs A / B, a1 / a3 = row g + 8's. D's c
 g's outputs for tokens 2q / 2q + 1, c2 / c3 row g + 8's.
 
 Grid: N tiles of BLOCK_N = 16 WN rows (WN warps) x SPLIT_K K splits (whole steps), one program
-each; the splits reduce in the launch (`gemv.py::store_tile`'s contract: fp32 partials, an arrival
-counter per tile, the last arrival sums in split order). A row's sum runs over fixed steps, lanes
-and MMA slots that depend on K and the plan's split only, never on M: a token's output does not
-depend on the other rows of its batch (M = 1..8) at one plan. Groups (`rows_g`): output row n
-reads x's group n // rows_g (attention's grouped wo_a; rows_g % BLOCK_N == 0).
+each; the splits reduce in the launch (`gemv_tile.py::store_tile`'s contract: fp32 partials, an
+arrival counter per tile, the last arrival sums in split order). A row's sum runs over fixed
+steps, lanes and MMA slots that depend on K and the plan's split only, never on M: a token's
+output does not depend on the other rows of its batch (M = 1..8) at one plan. Groups (`rows_g`):
+output row n reads x's group n // rows_g (attention's grouped wo_a; rows_g % BLOCK_N == 0).
 
 Without the inline PTX (the interpreter) the same fragments are formed as fp32 pairs and the MMA
 is emulated in fp32 (`moe_frag_regs.py::cols`): the same values up to fp32 summation order.

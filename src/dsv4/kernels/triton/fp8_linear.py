@@ -58,7 +58,8 @@ import triton.language as tl
 
 from dsv4.kernels.triton.fp8_frag import frag_launch
 from dsv4.kernels.triton.fp8_plan import BLOCK, Fp8LinearPlan, plan_fp8_linear
-from dsv4.kernels.triton.gemv import even_split, store_tile
+from dsv4.kernels.triton.gemv import even_split
+from dsv4.kernels.triton.gemv_tile import store_tile
 from dsv4.kernels.triton.launch import X_DTYPES, sms
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import e8m0

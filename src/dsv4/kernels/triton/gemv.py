@@ -71,11 +71,11 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.ops import DECODE_BLOCK_N
+from dsv4.kernels.triton.gemv_tile import fma_block, store_tile, w_block
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.pdl import pdl_args, pdl_preload
 from dsv4.kernels.triton.pdl_enter import pdl_enter
-from dsv4.kernels.triton.swiglu import swiglu_f32
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
 FMA_MAX_M = 4               # M up to this: CUDA-core FMA path; above: tl.dot
@@ -106,44 +106,6 @@ class GemvPlan:
     precision: str = "ieee"
 
 
-@triton.jit
-def _w_block(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The [BLOCK_N, BLOCK_K] weight block at k0 (a K tail masked to zero)."""
-    if EVEN_K:
-        wt = tl.load(w_ptrs + k0)
-    else:
-        wt = tl.load(w_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
-    return wt
-
-
-@triton.jit
-def _fma_block(acc, wt, k0, offs_k, x_ptr, u_ptr, K, stride_xm,  # type: ignore[no-untyped-def]
-               stride_um, limit, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-               EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] plus the FMA products of weight block wt (at k0) with each x row
-    (unrolled; 2-D tiles, in-warp sums)."""
-    k_ok = k0 + offs_k < K                                     # used only if not EVEN_K
-    cols_m = tl.arange(0, BLOCK_M)[None, :]
-    wf = wt.to(tl.float32)
-    for m in tl.static_range(ROWS):
-        if EVEN_K:
-            xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
-        else:
-            xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-        xf = xm.to(tl.float32)
-        if SWIGLU:                      # x is the gate; h = swiglu(gate, up), rounded
-            if EVEN_K:
-                um = tl.load(u_ptr + m * stride_um + k0 + offs_k)
-            else:
-                um = tl.load(u_ptr + m * stride_um + k0 + offs_k, mask=k_ok, other=0.0)
-            dtype = x_ptr.dtype.element_ty
-            xf = swiglu_f32(xf, um.to(tl.float32), limit, dtype, LIBDEVICE)
-            xf = xf.to(dtype).to(tl.float32)
-        part = tl.sum(wf * xf[None, :], axis=1)
-        acc += tl.where(cols_m == m, part[:, None], 0.0)
-    return acc
-
-
 @triton.jit(do_not_specialize=["M", "N"])
 def _gemv_kernel(  # type: ignore[no-untyped-def]
     x_ptr, u_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_um, stride_wn,
@@ -165,12 +127,12 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PRELOAD:   # the FMA path's first weight block (no kernel ahead writes it) before the wait
-        w0 = _w_block(w_ptrs, k_lo, offs_k, K, EVEN_K)
+        w0 = w_block(w_ptrs, k_lo, offs_k, K, EVEN_K)
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # y^T tile, both paths
     if DOT:
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-            wt = _w_block(w_ptrs, k0, offs_k, K, EVEN_K)
+            wt = w_block(w_ptrs, k0, offs_k, K, EVEN_K)
             if EVEN_K:
                 xt = tl.load(x_ptrs + k0)
             else:
@@ -183,40 +145,14 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     else:
         k_first = k_lo
         if PRELOAD:
-            acc = _fma_block(acc, w0, k_lo, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
+            acc = fma_block(acc, w0, k_lo, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
                              BLOCK_M, ROWS, EVEN_K, SWIGLU, LIBDEVICE)
             k_first = k_lo + BLOCK_K
         for k0 in tl.range(k_first, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-            wt = _w_block(w_ptrs, k0, offs_k, K, EVEN_K)
-            acc = _fma_block(acc, wt, k0, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
+            wt = w_block(w_ptrs, k0, offs_k, K, EVEN_K)
+            acc = fma_block(acc, wt, k0, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
                              BLOCK_M, ROWS, EVEN_K, SWIGLU, LIBDEVICE)
     store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, split, M, N, offs_m, offs_n, SPLIT_K)
-
-
-@triton.jit
-def store_tile(acc, y_ptr, part_ptr, cnt_ptr, counter, split, M, N,  # type: ignore[no-untyped-def]
-               offs_m, offs_n, SPLIT_K: tl.constexpr):
-    """Store the y^T tile `acc` [BLOCK_N, BLOCK_M] (fp32) at rows offs_m, columns offs_n of y
-    [M, N]: at once without a K split; else as split `split`'s partial into part [SPLIT_K, M, N],
-    and the tile's last arrival on counter `counter` sums the partials in split order, stores y
-    and resets the counter to zero (module docstring). Shared with `fp8_linear.py`."""
-    out = tl.trans(acc)                                         # [BLOCK_M, BLOCK_N]
-    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        plane = M.to(tl.int64) * N                               # one split's [M, N] partial
-        tl.store(part_ptr + split * plane + out_offs, out, mask=out_mask)
-        tl.debug_barrier()          # every thread's partial stores precede the release below
-        done = tl.atomic_add(cnt_ptr + counter, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:     # the tile's last arrival: sum the partials in split order
-            total = tl.load(part_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(part_ptr + s * plane + out_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(cnt_ptr + counter, 0)                       # zero for the next call
 
 
 _LIBDEVICE = libdevice_math(_gemv_kernel)     # the SwiGLU mode's exp / division (libm.py)

@@ -19,7 +19,7 @@ Owns the partial, finish and one-launch kernels, the finish launch's tile plan (
                   (T of a few tokens) the finish is one program's work.
 
 Memory ordering (one launch): every thread's partial stores precede a CTA barrier; then one
-atomic_add (acq_rel, gpu scope) on the counter: the pattern of `gemv.py::store_tile` and
+atomic_add (acq_rel, gpu scope) on the counter: the pattern of `gemv_tile.py::store_tile` and
 `topk_compact.py` (the barrier orders the CTA's writes before the release, the counter's RMWs form
 a release sequence, so the program that reads S - 1 acquires every split's partials; it still
 reads them with L1-bypassing .cg loads). Nobody waits, so no deadlock at any occupancy; under
