@@ -120,9 +120,12 @@ def test_preload_with_groups_and_swiglu() -> None:
 
 def test_preload_refused_off_the_one_stage_fma_loop() -> None:
     x, w, s = operands(1, 256, 512, BF16)
-    for knobs in ({"dot": True}, {"dot": False, "num_stages": 2}):
+    for knobs in ({"dot": True}, {"dot": False, "num_stages": 2}, {"frag": True}):
         with pytest.raises(ValueError, match="preload"):
             triton_fp8_linear(x, w, s, preload=True, **knobs)
+    up = torch.randn_like(x)          # M 1 SwiGLU on the tl.dot path: two launches, both refuse
+    with pytest.raises(ValueError, match="preload"):
+        triton_fp8_linear(x, w, s, up=up, dot=True, preload=True)
 
 
 def test_strided_and_batched_x() -> None:

@@ -57,13 +57,13 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.fp8_frag import frag_launch
-from dsv4.kernels.triton.fp8_plan import BLOCK, Fp8LinearPlan, plan_fp8_linear
+from dsv4.kernels.triton.fp8_plan import BLOCK, plan_fp8_linear
 from dsv4.kernels.triton.gemv import even_split
 from dsv4.kernels.triton.gemv_tile import store_tile
 from dsv4.kernels.triton.launch import X_DTYPES, sms
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import e8m0
-from dsv4.kernels.triton.pdl import pdl_args, pdl_preload
+from dsv4.kernels.triton.pdl import launch_preload, pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32, triton_swiglu
 
@@ -249,17 +249,6 @@ def _frag_ok(x3: torch.Tensor, w: torch.Tensor, K: int) -> bool:
             and w.data_ptr() % 16 == 0)
 
 
-def _preload(plan: Fp8LinearPlan, device: torch.device, preload: bool | None) -> bool:
-    """Whether the FMA loop's first step is loaded before the PDL wait (`triton_fp8_linear`):
-    only on the FMA path at one stage (a pipelined loop issues its own prologue loads)."""
-    if plan.dot or plan.frag or plan.num_stages != 1:
-        if preload:
-            raise ValueError("preload=True needs the FMA path at num_stages 1; the plan is "
-                             f"{plan}")
-        return False
-    return pdl_preload(device) if preload is None else preload
-
-
 def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                       groups: int = 1, block_m: int | None = None, block_n: int | None = None,
                       split_k: int | None = None, num_warps: int | None = None,
@@ -309,11 +298,13 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         return triton_fp8_linear(triton_swiglu(x, up, limit), w, scale, block_m=block_m,
                                  block_n=block_n, split_k=split_k, num_warps=num_warps,
                                  num_stages=num_stages, dot=dot, kb=kb, frag=frag,
-                                 counters=counters)
+                                 counters=counters, preload=preload)
     if up is not None and num_stages is None:
         # the SwiGLU mode runs unpipelined: pipelined, its sm_90 loop grows ~5x and reaches 228
         # registers (benchmarks/aot_compile_sm90.py); the stages change no sum, only the loads
         plan = dataclasses.replace(plan, num_stages=1)
+    early = launch_preload(preload, x.device, not (plan.dot or plan.frag) and plan.num_stages == 1,
+                           plan)
     m_tiles, n_tiles = triton.cdiv(M, plan.block_m), triton.cdiv(N, plan.block_n)
     splits, per = even_split(triton.cdiv(K, BLOCK * plan.kb), plan.split_k)
     part, cnt = y, y                                    # unused unless split
@@ -335,7 +326,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         per * BLOCK * plan.kb, limit, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KB=plan.kb,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         FP32_DOT=fp32_dot, EVEN_K=K % (BLOCK * plan.kb) == 0, SWIGLU=up is not None,
-        LIBDEVICE=_LIBDEVICE, PRELOAD=_preload(plan, x.device, preload),
+        LIBDEVICE=_LIBDEVICE, PRELOAD=early,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl_args(x.device))
     return y.view(shape)

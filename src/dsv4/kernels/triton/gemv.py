@@ -74,7 +74,7 @@ from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.gemv_tile import fma_block, store_tile, w_block
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.pdl import pdl_args, pdl_preload
+from dsv4.kernels.triton.pdl import launch_preload, pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
@@ -263,16 +263,6 @@ class GemvCounters:
         return buf
 
 
-def _preload(plan: GemvPlan, device: torch.device, preload: bool | None) -> bool:
-    """Whether the FMA loop's first weight block is loaded before the PDL wait (`triton_linear`):
-    only on the FMA path at one stage (a pipelined loop issues its own prologue loads)."""
-    if plan.dot or plan.num_stages != 1:
-        if preload:
-            raise ValueError(f"preload=True needs the FMA path at num_stages 1; the plan is {plan}")
-        return False
-    return pdl_preload(device) if preload is None else preload
-
-
 def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = None,
                   block_k: int | None = None, split_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
@@ -341,12 +331,13 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     # tl.dot in fp32: fp32 or mixed operands, and 16-bit ones under the interpreter (module doc)
     upcast = x.device.type != "cuda" or x.dtype != w.dtype or x.dtype == torch.float32
     u = x if up is None else up                 # unread without the SwiGLU mode
+    early = launch_preload(preload, x.device, not plan.dot and plan.num_stages == 1, plan)
     _gemv_kernel[(tiles * splits,)](
         x, u, w, y, part, cnt, M, N, K, x.stride(0), u.stride(0), w.stride(0), per * plan.block_k,
         float(limit), BLOCK_M=block_m(M, plan.dot), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
-        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, PRELOAD=_preload(plan, x.device, preload),
+        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, PRELOAD=early,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(x.device))
     return y
 

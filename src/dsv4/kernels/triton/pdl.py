@@ -118,7 +118,8 @@ def pdl_args(device: torch.device) -> dict[str, int | bool]:
 
 
 def pdl_preload(device: torch.device) -> bool:
-    """Whether weight-streaming kernels that can (`fp8_linear.py`'s FMA loop) load their first
+    """Whether weight-streaming kernels that can (the FMA loops of `gemv.py` and
+    `fp8_linear.py`: `launch_preload`) load their first
     weights before their PDL wait: PDL on for `device`, inside `pdl_scope(..., preload=True)`
     (the contract's exception, module docstring) and DSV4_PDL_PRELOAD "1" (default "0": the A/B
     switch while it is timed). Raises ValueError on another value."""
@@ -126,3 +127,16 @@ def pdl_preload(device: torch.device) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{PRELOAD_ENV} must be '0' or '1'; got {value!r}")
     return value == "1" and _PRELOAD.get() and pdl_enabled(device)
+
+
+def launch_preload(preload: bool | None, device: torch.device, eligible: bool,
+                   plan: object) -> bool:
+    """A launch's PRELOAD constexpr: `preload` (a wrapper's keyword) where given, else
+    `pdl_preload`'s choice; only where `eligible` (the plan's loop is the one-stage FMA loop: a
+    pipelined loop issues its own prologue loads). Raises ValueError on preload=True for an
+    ineligible `plan` (named in the message)."""
+    if not eligible:
+        if preload:
+            raise ValueError(f"preload=True needs the FMA path at num_stages 1; the plan is {plan}")
+        return False
+    return pdl_preload(device) if preload is None else preload
