@@ -29,6 +29,7 @@ from dsv4.engine.request import Request
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampler import SampleOutput
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.kernels.registry import create_kernels
 from dsv4.model.attention import Attention
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.fused_projections import fuse_projections, is_fused
@@ -222,3 +223,25 @@ def test_serve_flag_reaches_the_engine_config() -> None:
     assert build_config(args).engine_config.fuse_projections is False
     default = build_config(build_parser().parse_args(["serve", "--device", "cpu"]))
     assert default.engine_config.fuse_projections is True
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "checkpoint"])
+def test_index_weights_run_once(fmt: str) -> None:
+    """The indexer's weights_proj runs once per CSA layer: as a column slice of the fused x GEMM
+    where it rides it (float weights), else as a GEMM of its own in the indexer's branch
+    (`Attention._index_weights_alone`: on the side stream with multi-stream), since an FP8
+    checkpoint's wq_a | wkv never carries it. Either way its values are weights_proj(x)."""
+    cfg = micro()
+    model = random_model(cfg, torch.float32, CPU, 3, fmt)
+    fuse_projections(model)
+    ops = create_kernels("ref")
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    layers = [m for m in model.modules() if isinstance(m, Attention) and m.indexer is not None]
+    assert layers
+    for attn in layers:
+        assert attn.indexer is not None
+        alone = attn._index_weights_alone(x, ops)
+        fused = attn._x_projections(x, ops)[2]
+        assert (alone is None) is (fmt == "bf16") and (fused is None) is (fmt == "checkpoint")
+        got = alone if alone is not None else fused
+        assert got is not None and torch.equal(got, attn.indexer.weights_proj(x))

@@ -308,15 +308,19 @@ class Attention(nn.Module):
 
     def _x_projections(self, x: torch.Tensor, ops: KernelOps
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [T, d] -> (wq_a [T, q_lora], wkv [T, D], the indexer's weights_proj [T, Ih] or None
-        without an indexer): one GEMM when fused (`fused_x`), else one each."""
+        """x [T, d] -> (wq_a [T, q_lora], wkv [T, D], the indexer's weights_proj [T, Ih] where it
+        rides the fused GEMM, else None): one GEMM when fused (`fused_x`), else one each."""
         if self.fused_x is not None:             # (FP8 checkpoints: wq_a | wkv only)
             parts = self.fused_x(x, self.fused_x.gemm(ops))
-            index_w = (parts[2] if len(parts) > 2 else None if self.indexer is None else
-                       linear(self.indexer.weights_proj, x, ops))
-            return parts[0], parts[1], index_w
-        return (linear(self.wq_a, x, ops), linear(self.wkv, x, ops),
-                linear(self.indexer.weights_proj, x, ops) if self.indexer is not None else None)
+            return parts[0], parts[1], parts[2] if len(parts) > 2 else None
+        return linear(self.wq_a, x, ops), linear(self.wkv, x, ops), None
+
+    def _index_weights_alone(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor | None:
+        """The indexer's weights_proj(x) [T, Ih] where no fused x GEMM carries it (an FP8
+        checkpoint's wq_a | wkv cannot), run in the indexer's branch; else None."""
+        if self.indexer is None or (self.fused_x is not None and len(self.fused_x.sizes) > 2):
+            return None
+        return linear(self.indexer.weights_proj, x, ops)
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
@@ -326,15 +330,18 @@ class Attention(nn.Module):
         `fused_compress`), their outputs then column slices of it (row stride: the group's width),
         which the ops read in place.
 
-        With `ctx.side_stream` the compressors (they read x only) and then the indexer (after
-        q_lat; unfused, its query projection too, beside wq_b) run on the side stream while the
+        With `ctx.side_stream` the compressors (they read x only; and the indexer's
+        weights_proj where no fused GEMM carries it) and then the indexer (after q_lat; unfused,
+        its query projection too, beside wq_b) run on the side stream while the
         query and window-KV path runs on the main one; joined before the attention
         (`model/streams.py`)."""
         T, x = x.shape[1], x[0]                                               # x: [T, d]
         stream = ctx.side_stream if self.compressor is not None else None
         with side(stream):
             plan = self._compress(x, ctx, cache)
-        q_a, kv, index_w = self._x_projections(x, ctx.ops)
+            index_w = self._index_weights_alone(x, ctx.ops)
+        q_a, kv, fused_w = self._x_projections(x, ctx.ops)
+        index_w = fused_w if index_w is None else index_w
         q_lat = self.q_norm(q_a, ctx)                                         # [T, q_lora]
         q_raw = index_q = None
         if self.fused_q is not None:

@@ -5,8 +5,9 @@ is `entry i < (t+1) // ratio`. Ties break toward the lower entry index
 (`kernels/ref/indexer.py`).
 
 On the serving path the layer runs the projections (`forward_cached` takes their outputs): with
-fused projections (`model/fused_projections.py`) `weights_proj` rides the layer's x GEMM and `wq_b`
-its q_lat GEMM, and the compressor its fp32 one.
+fused projections (`model/fused_projections.py`) `weights_proj` rides the layer's x GEMM (an FP8
+checkpoint's x GEMM cannot carry it: then it runs alone, in the indexer's branch) and `wq_b` its
+q_lat GEMM, and the compressor its fp32 one.
 """
 
 from __future__ import annotations
