@@ -87,6 +87,10 @@
 #                 FP8 first weights preloaded (DSV4_PDL_PRELOAD=1), then checkpoint EARLY <= 8 alone
 #                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
 #                 batch-1 profile, EARLY <= 8 + preload (step_profile.txt)
+#   frag-stages   the frag loop's weight loads pipelined through shared memory (DSV4_FRAG_STAGES 1 / 3 / 4):
+#                 bench_moe_quant fp4 frag N = 1 / 8 / 32 per stage count (frag_stages.txt, its JSON lines),
+#                 test_moe_frag.py -m gpu (frag_tests.txt), checkpoint flash-4l decode per stage count
+#                 (frag_decode.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -391,6 +395,28 @@ step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile 
   tail -1 "$OUT/step_profile.txt" | cut -c 1-300
 }
 
+frag_stages() {   # the frag loop's pipelined weight loads (DSV4_FRAG_STAGES): kernels, bits, e2e
+  local st fmt
+  for st in 1 3 4; do
+    DSV4_FRAG_STAGES=$st timeout 120 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
+      --variants frag --tokens 1,8,32 --deterministic --kernels --out "/tmp/frag_stages_$st.json" \
+      > /tmp/frag_stages_$st.txt 2>&1
+    { echo "--- stages $st"; grep -v "^{" /tmp/frag_stages_$st.txt | tail -12
+      grep "^{" /tmp/frag_stages_$st.txt | tail -1; } | tee -a "$OUT/frag_stages.txt"
+  done
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
+    > "$OUT/frag_tests.txt" 2>&1
+  grep -E "passed|failed" "$OUT/frag_tests.txt"
+  for st in 1 3 4; do
+    DSV4_FRAG_STAGES=$st timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
+      --batch-contexts 4096 --weight-format checkpoint --out "/tmp/frag_decode_$st.json" \
+      > /tmp/frag_decode.txt 2>&1
+    { echo "--- checkpoint decode, stages $st"; grep -v "^{" /tmp/frag_decode.txt | tail -3
+      grep "^{" /tmp/frag_decode.txt | tail -1; } | tee -a "$OUT/frag_decode.txt"
+  done
+}
+
 fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
   local fmt           # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
   timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops post_pre --out "$OUT/fixed_mhc.json" \
@@ -451,9 +477,10 @@ for part in "$@"; do
     pdl-ab) pdl_ab ;;
     fixed-costs) fixed_costs ;;
     step-ab) step_ab ;;
+    frag-stages) frag_stages ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab sass"; exit 2 ;;
+         "step-ab frag-stages sass"; exit 2 ;;
   esac
 done

@@ -81,6 +81,40 @@ def test_frag_launches() -> None:
         assert torch.equal(out, outs[0])
 
 
+@pytest.mark.parametrize("block_m", [1, 8])
+def test_frag_stages(block_m: int) -> None:
+    """Pipelined loads (num_stages 2 / 3: `tl.load`s of the same words and the scale bytes' aligned
+    words, which Triton copies ahead on the GPU) give the bits of the one-stage loop: d = 384 (3
+    K steps, the 4th split empty: its clamped groups read word 0), I = 160 (a down step of one
+    group), BLOCK_M 1 and 8 (tiles of 8 rows of one expert)."""
+    wts = make_weights(8, 384, 160, "fp4", seed=37)
+    idx, rw = make_routing(3, 8, 2, seed=37, hot=2)
+    x = randn(3, 384, seed=37).to(torch.bfloat16)
+    kw = {"variant": "frag", "block_m": block_m, "block_n": 64, "num_warps": 8,
+          "deterministic": True}
+    outs = [check(x, wts, idx, rw, 10.0, "fp4", num_stages=st, **kw) for st in (1, 2, 3)]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_frag_stages_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stages knob (1..4; default DSV4_FRAG_STAGES, "1" unset); other values refused."""
+    cpu = torch.device("cpu")
+    args = ("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096)
+    monkeypatch.delenv("DSV4_FRAG_STAGES", raising=False)
+    assert plan_moe(*args).num_stages == 1
+    assert plan_moe(*args, num_stages=3).num_stages == 3
+    monkeypatch.setenv("DSV4_FRAG_STAGES", "2")
+    assert plan_moe(*args).num_stages == 2
+    assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).num_stages == 2
+    with pytest.raises(ValueError, match="num_stages 1..4"):
+        plan_moe(*args, num_stages=5)
+    monkeypatch.setenv("DSV4_FRAG_STAGES", "0")
+    with pytest.raises(ValueError, match=r"DSV4_FRAG_STAGES must be one of \['1', '2', '3', "
+                                         r"'4'\]; got '0'"):
+        plan_moe(*args)
+
+
 def test_frag_plan() -> None:
     """The plan: frag (fp4, bf16 x), one slot per program, gate/up 4 warps, down 2 (knobs pin
     both); (WK, WN) from block_n and num_warps (WK 2 or 4); other knobs refused."""
@@ -123,6 +157,12 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
         out = check(x, flash_fp4, idx, rw, 10.0, "fp4", **kw)
         first = out if first is None else first
         assert torch.equal(out, first), (block_n, warps)
+        if (block_n, warps) in ((16, 2), (16, 4)):      # the plan's launches, loads pipelined
+            for stages in (2, 3):
+                piped = triton_routed_experts_quant(
+                    x, *flash_fp4, idx, rw, 10.0, "fp4", num_stages=stages,  # type: ignore[arg-type]
+                    **kw)
+                assert torch.equal(piped, first), (block_n, warps, stages)
         alone = triton_routed_experts_quant(
             x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
         assert torch.equal(alone[0], out[0])

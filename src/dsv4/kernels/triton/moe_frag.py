@@ -160,7 +160,7 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
-    PDL: tl.constexpr):
+    PIPE: tl.constexpr, PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
     K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
@@ -176,15 +176,15 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
             stride_x // 2)
         ga, ga2, ua, ua2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         gb, gb2, ub, ub2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        for s in range(0, tl.cdiv(K, _STEP * _VK)):
+        for s in tl.range(0, tl.cdiv(K, _STEP * _VK), num_stages=PIPE):
             ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
                                             s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
-                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
             if WK == 2:
                 gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
                                                 s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
                                                 stride_we, stride_wn, stride_se, stride_sn, NT,
-                                                ASM, L2PF)
+                                                ASM, L2PF, PIPE)
         for j in tl.static_range(NT):          # column set j: tile rows 8j ..
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
@@ -202,7 +202,7 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
-    PDL: tl.constexpr):
+    PIPE: tl.constexpr, PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
     added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
     pdl_enter(PDL)
@@ -214,12 +214,13 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
         h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
         a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        for s in range(0, tl.cdiv(K, _STEP * _VK)):
+        for s in tl.range(0, tl.cdiv(K, _STEP * _VK), num_stages=PIPE):
             a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
-                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
             if WK == 2:
                 b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
-                                  K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                                  K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
+                                  PIPE)
         for j in tl.static_range(NT):
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
@@ -255,7 +256,7 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
-        num_warps=wk * wn,
+        PIPE=plan.num_stages, num_warps=wk * wn,
         **pdl_args(x.device),
     )
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
@@ -263,6 +264,6 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
-        num_warps=wk * wn, **pdl_args(h.device),
+        PIPE=plan.num_stages, num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

@@ -59,6 +59,7 @@ its rows can change between N = 1 and N = 8). FP4 "words" / "scaled" stay on mma
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -80,6 +81,8 @@ FRAG_MAX_MEAN_ROWS = 16.0    # default loop "frag" (FP4, bf16 x) while nk <= thi
 FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M 8 (a tile map) from nk >= this * E
 FRAG_WIDE_MEAN_ROWS = 8.0    # ... and BLOCK_M 16 (two MMAs per A fragment) from this * E
 FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order (any WK)
+FRAG_MAX_STAGES = 4          # "frag": pipeline stages of the loads (`_plan_frag`)
+FRAG_STAGES_ENV = "DSV4_FRAG_STAGES"   # "frag": the default stages (`frag_stages`)
 # "frag": ((block_n, warps) of gate/up, of down) per BLOCK_M: block_n / 16 warps across the rows,
 # WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
 FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
@@ -206,15 +209,18 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map), 8 or 16 (a
     tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x WN rows,
     num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits); no BLOCK_K,
-    stages or prefetch knobs. Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
+    prefetch knob. `num_stages` (default `frag_stages()`): 1 = the loads as inline PTX in the
+    loop; 2..FRAG_MAX_STAGES = `tl.load`s that Triton's pipeliner copies num_stages - 1 K steps
+    ahead into shared memory (cp.async; `moe_frag_regs.ld4`), the same values, so the same bits.
+    Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
     (benchmarks/results/quant_moe_h200_202612.md), and gate/up at FRAG_DEEP_GATE_UP when `deep`
     (so few slots that FRAG_LAUNCHES[1] would leave the SMs short of warps); a knob pins both
     launches. The launches never change a row's bits: the splits' order is fixed."""
     if block_m not in (None, 1, 8, 16) or block_k not in (None, FRAG_STEP) \
-            or num_stages not in (None, 1) or prefetch:
-        raise ValueError(f"variant 'frag' takes block_m 1, 8 or 16, block_k {FRAG_STEP}, one "
-                         f"stage and no prefetch; got {block_m}, {block_k}, {num_stages}, "
-                         f"{prefetch}")
+            or num_stages not in (None, *range(1, FRAG_MAX_STAGES + 1)) or prefetch:
+        raise ValueError(f"variant 'frag' takes block_m 1, 8 or 16, block_k {FRAG_STEP}, "
+                         f"num_stages 1..{FRAG_MAX_STAGES} and no prefetch; got {block_m}, "
+                         f"{block_k}, {num_stages}, {prefetch}")
     bm = block_m or 1
     gate_up, down = FRAG_LAUNCHES[bm]
     launches = []
@@ -222,7 +228,19 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
         bn, warps = block_n or default_bn, num_warps or default_warps
         frag_warps(bn, warps)
         launches.append(Launch(bn, warps))
-    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, 1, launches[0], launches[1])
+    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, num_stages or frag_stages(), launches[0],
+                   launches[1])
+
+
+def frag_stages() -> int:
+    """The frag loop's default pipeline stages: DSV4_FRAG_STAGES ("1" .. FRAG_MAX_STAGES, default
+    "1": the A/B switch while the pipelined loads are timed). Raises ValueError on another
+    value."""
+    value = os.environ.get(FRAG_STAGES_ENV, "1")
+    allowed = [str(n) for n in range(1, FRAG_MAX_STAGES + 1)]
+    if value not in allowed:
+        raise ValueError(f"{FRAG_STAGES_ENV} must be one of {allowed}; got {value!r}")
+    return int(value)
 
 
 def frag_warps(block_n: int, num_warps: int) -> tuple[int, int]:
