@@ -85,9 +85,10 @@ def test_frag_launches() -> None:
 def test_frag_stages(block_m: int) -> None:
     """Pipelined loads (num_stages 2 / 3: `tl.load`s of the same words and the scale bytes' aligned
     words, which Triton copies ahead on the GPU) give the bits of the one-stage loop: d = 384 (3
-    K steps, the 4th split empty: its clamped groups read word 0), I = 160 (a down step of one
-    group), BLOCK_M 1 and 8 (tiles of 8 rows of one expert)."""
-    wts = make_weights(8, 384, 160, "fp4", seed=37)
+    K steps, the 4th split empty: its clamped groups read word 0), I = 256, BLOCK_M 1 and 8
+    (tiles of 8 rows of one expert). Scale rows that are not whole words (K = 160: 5 groups)
+    are refused."""
+    wts = make_weights(8, 384, 256, "fp4", seed=37)
     idx, rw = make_routing(3, 8, 2, seed=37, hot=2)
     x = randn(3, 384, seed=37).to(torch.bfloat16)
     kw = {"variant": "frag", "block_m": block_m, "block_n": 64, "num_warps": 8,
@@ -95,6 +96,10 @@ def test_frag_stages(block_m: int) -> None:
     outs = [check(x, wts, idx, rw, 10.0, "fp4", num_stages=st, **kw) for st in (1, 2, 3)]
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+    odd = make_weights(8, 384, 160, "fp4", seed=37)
+    with pytest.raises(ValueError, match="multiples of 4 bytes"):
+        triton_routed_experts_quant(x, *odd, idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+                                    num_stages=2, **kw)
 
 
 def test_frag_stages_plan(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -243,6 +243,10 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     None (BLOCK_M 1: program t is slot t, its expert read from indices). asm: the inline PTX
     (GPU)."""
     assert x.dtype == torch.bfloat16, "the frag loop feeds bf16 activations to the MMA"
+    if plan.num_stages > 1 and any(t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4
+                                   for t in (s1, s3, s2)):
+        raise ValueError("pipelined frag loads (num_stages > 1) read the scale rows as aligned "
+                         "words: their data and strides must be multiples of 4 bytes")
     flat = indices.reshape(-1)
     slots = tiles is None
     nt = 1 if slots else plan.block_m // 8         # MMA column sets of 8 tile rows
