@@ -532,7 +532,7 @@ def fp8_linear_variants() -> Iterator[Variant]:
 
 def fp8_frag_variants() -> Iterator[Variant]:
     """The FP8 linear's tensor-core decode path (`fp8_frag.py`, M <= 8) at BLOCK_N 16 / 32 / 64
-    (1 / 2 / 4 warps), split-K on."""
+    (1 / 2 / 4 warps), split-K on; BLOCK_N 16 also with its weight loads pipelined."""
     from dsv4.kernels.triton import fp8_frag
 
     types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
@@ -540,8 +540,10 @@ def fp8_frag_variants() -> Iterator[Variant]:
              "stride_xm": "i32:16", "stride_xg": "i32:16", "rows_g": "i32:16",
              "stride_wn": "i32:16", "stride_sn": "i32", "steps_per_split": "i32"}
     for wn in (1, 2, 4):
-        yield (f"fp8_linear frag {16 * wn} rows s4", fp8_frag._fp8_frag_kernel, types,
-               {"WN": wn, "SPLIT_K": 4, "ASM": True}, {"num_warps": wn})
+        for pipe in (1, 3, 4) if wn == 1 else (1,):      # the weight loads pipelined (PIPE)
+            yield (f"fp8_linear frag {16 * wn} rows s4{f' pipe{pipe}' if pipe > 1 else ''}",
+                   fp8_frag._fp8_frag_kernel, types,
+                   {"WN": wn, "SPLIT_K": 4, "ASM": True, "PIPE": pipe}, {"num_warps": wn})
 
 
 def fp8_linear_a8_variants() -> Iterator[Variant]:

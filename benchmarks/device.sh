@@ -88,9 +88,12 @@
 #                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
 #                 batch-1 profile, EARLY <= 8 + preload (step_profile.txt)
 #   frag-stages   the frag loop's weight loads pipelined through shared memory (DSV4_FRAG_STAGES 1 / 3 / 4):
-#                 bench_moe_quant fp4 frag N = 1 / 8 / 32 per stage count (frag_stages.txt, its JSON lines),
-#                 test_moe_frag.py -m gpu (frag_tests.txt), checkpoint flash-4l decode per stage count
+#                 bench_moe_quant fp4 frag N = 1 / 8 / 32 per stage count and test_moe_frag.py -m gpu
+#                 (frag_stages.txt, with the JSON lines), checkpoint flash-4l decode per stage count
 #                 (frag_decode.txt)
+#   fp8-frag      the FP8 linear's frag path at M = 1 / 4 with 1 / 3 / 4 stages of pipelined weight
+#                 loads against the plan's default (bench_fp8_linear.py --frag-sweep) and the flash
+#                 shapes' GPU tests (fp8_frag.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -405,8 +408,8 @@ frag_stages() {   # the frag loop's pipelined weight loads (DSV4_FRAG_STAGES): k
       grep "^{" /tmp/frag_stages_$st.txt | tail -1; } | tee -a "$OUT/frag_stages.txt"
   done
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
-    > "$OUT/frag_tests.txt" 2>&1
-  grep -E "passed|failed" "$OUT/frag_tests.txt"
+    > /tmp/frag_tests.txt 2>&1
+  grep -E "passed|failed|Error" /tmp/frag_tests.txt | tail -12 | tee -a "$OUT/frag_stages.txt"
   for st in 1 3 4; do
     DSV4_FRAG_STAGES=$st timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
@@ -415,6 +418,16 @@ frag_stages() {   # the frag loop's pipelined weight loads (DSV4_FRAG_STAGES): k
     { echo "--- checkpoint decode, stages $st"; grep -v "^{" /tmp/frag_decode.txt | tail -3
       grep "^{" /tmp/frag_decode.txt | tail -1; } | tee -a "$OUT/frag_decode.txt"
   done
+}
+
+fp8_frag() {   # the FP8 linear's frag path at M = 1 / 4, weight loads in 1 / 3 / 4 stages
+  timeout 360 python3 benchmarks/kernels/bench_fp8_linear.py --frag-sweep --m 1,4 \
+    --out /tmp/fp8_frag.json > /tmp/fp8_frag.txt 2>&1
+  { grep -v "^{" /tmp/fp8_frag.txt | tail -20; grep "^{" /tmp/fp8_frag.txt | tail -1; } \
+    | tee "$OUT/fp8_frag.txt" | cut -c 1-200
+  timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_linear.py \
+    -k flash_shapes > /tmp/fp8_frag_tests.txt 2>&1
+  grep -E "passed|failed|Error" /tmp/fp8_frag_tests.txt | tail -12 | tee -a "$OUT/fp8_frag.txt"
 }
 
 fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
@@ -478,9 +491,10 @@ for part in "$@"; do
     fixed-costs) fixed_costs ;;
     step-ab) step_ab ;;
     frag-stages) frag_stages ;;
+    fp8-frag) fp8_frag ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab frag-stages sass"; exit 2 ;;
+         "step-ab frag-stages fp8-frag sass"; exit 2 ;;
   esac
 done

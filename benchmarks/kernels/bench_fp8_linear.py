@@ -15,7 +15,8 @@ computed as the kernel loads x, one launch) is timed against its two launches (`
 then the product), bit-equal: "swiglu us" and "2-launch us" (gate and up: the same tensor;
 --cpu-smoke: on its first shape).
 `--sweep` (M <= 4, the FMA path): every knob set of `fma_sweep` (rows per program 4..32 with and
-without a K split, 1 / 2 / 4 scale blocks a step, 1 / 2 stages), each checked for parity, then
+without a K split, 1 / 2 / 4 scale blocks a step, 1 / 2 stages; and the frag path at 16 / 32
+rows with 1 / 3 / 4 stages of pipelined weight loads), each checked for parity, then
 timed; a row's "sweep" holds each set's us and "best" the fastest ("default" is the plan's); on
 the SwiGLU shape the same sets in the SwiGLU mode ("swiglu_sweep", "swiglu_best"), each checked
 bit-equal to its two launches.
@@ -127,10 +128,15 @@ def swiglu_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
             "swiglu_two_us": time_us(two, sets, args, cuda)}
 
 
-def fma_sweep() -> list[dict[str, int]]:
+def fma_sweep(frag: bool = False) -> list[dict[str, int]]:
     """The FMA path's knob sets: rows per program 4..32, the plan's K split or none (small tiles
-    reach the SMs without the split's reduction), scale blocks per step, pipeline stages."""
-    sets = []
+    reach the SMs without the split's reduction), scale blocks per step, pipeline stages; with
+    `frag`, also the tensor-core decode path at 16 / 32 rows with its weight loads in 1, 3 or 4
+    pipeline stages."""
+    sets: list[dict[str, int]] = []
+    if frag:
+        sets += [{"frag": True, "block_n": bn, "num_stages": st} for bn in (16, 32)
+                 for st in (1, 3, 4)]
     for block_n in (4, 8, 16, 32):
         for kb in (1, 2, 4):
             for stages in (1, 2):
@@ -146,7 +152,11 @@ def sweep_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     from dsv4.kernels.triton.fp8_linear import triton_fp8_linear
 
     x, codes, scale, dense = sets[0]
-    knob_sets = fma_sweep()
+    knob_sets = fma_sweep(frag=x.dtype == BF16 and x.shape[-1] % 128 == 0)
+    if args.frag_sweep:
+        knob_sets = [k for k in knob_sets if k.get("frag")]
+    if not knob_sets:           # --frag-sweep on a shape the frag path cannot take
+        return {}
     for knobs in knob_sets:
         max_error(triton_fp8_linear(x, codes, scale, **knobs), x, dense)
     timed = time_configs(lambda x_, c, s, _w, **k: triton_fp8_linear(x_, c, s, **k), sets,
@@ -194,9 +204,9 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     swiglu_shape = SMOKE_SHAPES[0] if args.cpu_smoke else SWIGLU_SHAPE
     if (case.n, case.k) == swiglu_shape and case.m <= FMA_MAX_M:
         a8 = {**a8, **swiglu_row(sets, args, cuda)}
-    if args.sweep and case.m <= FMA_MAX_M:
+    if (args.sweep or args.frag_sweep) and case.m <= FMA_MAX_M:
         a8 = {**a8, **sweep_row(sets, args, cuda)}
-        if (case.n, case.k) == swiglu_shape:
+        if args.sweep and (case.n, case.k) == swiglu_shape:
             a8 = {**a8, **swiglu_sweep_row(sets, args, cuda)}
     return {**a8, "case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
             "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
@@ -220,6 +230,8 @@ def main() -> None:
     p.add_argument("--m", default=None,
                    help="token counts, comma-separated (default 1,8,32,512,2048; --cpu-smoke "
                         "1,3,17,200)")
+    p.add_argument("--frag-sweep", action="store_true",
+                   help="at M <= 4: time only the frag path's knob sets of the sweep")
     args = p.parse_args()
     device = select_device(args.cpu_smoke)
     shapes = SMOKE_SHAPES if args.cpu_smoke else SHAPES
