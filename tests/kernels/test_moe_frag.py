@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 from test_moe_quant import FLASH, check, make_routing, make_weights, randn  # noqa: E402
 
 from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
-from dsv4.kernels.triton.moe_plan import VARIANTS, frag_warps, plan_moe  # noqa: E402
+from dsv4.kernels.triton.moe_plan import FRAG_STAGES, VARIANTS, frag_warps, plan_moe  # noqa: E402
 
 
 @pytest.mark.parametrize("N,block_n,warps", [(1, 16, 4), (3, 32, 4)])
@@ -103,11 +103,13 @@ def test_frag_stages(block_m: int) -> None:
 
 
 def test_frag_stages_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stages knob (1..4; default DSV4_FRAG_STAGES, "1" unset); other values refused."""
+    """The stages knob (1..4; default DSV4_FRAG_STAGES, else FRAG_STAGES per BLOCK_M); other
+    values refused."""
     cpu = torch.device("cpu")
     args = ("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096)
     monkeypatch.delenv("DSV4_FRAG_STAGES", raising=False)
-    assert plan_moe(*args).num_stages == 1
+    assert plan_moe(*args).num_stages == FRAG_STAGES[1]
+    assert plan_moe(*args, block_m=8).num_stages == FRAG_STAGES[8]
     assert plan_moe(*args, num_stages=3).num_stages == 3
     monkeypatch.setenv("DSV4_FRAG_STAGES", "2")
     assert plan_moe(*args).num_stages == 2

@@ -82,6 +82,7 @@ FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M 8 (a tile map) from nk >= this *
 FRAG_WIDE_MEAN_ROWS = 8.0    # ... and BLOCK_M 16 (two MMAs per A fragment) from this * E
 FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order (any WK)
 FRAG_MAX_STAGES = 4          # "frag": pipeline stages of the loads (`_plan_frag`)
+FRAG_STAGES = {1: 1, 8: 1, 16: 1}      # "frag": the default stages per BLOCK_M (`frag_stages`)
 FRAG_STAGES_ENV = "DSV4_FRAG_STAGES"   # "frag": the default stages (`frag_stages`)
 # "frag": ((block_n, warps) of gate/up, of down) per BLOCK_M: block_n / 16 warps across the rows,
 # WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
@@ -209,7 +210,7 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map), 8 or 16 (a
     tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x WN rows,
     num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits); no BLOCK_K,
-    prefetch knob. `num_stages` (default `frag_stages()`): 1 = the loads as inline PTX in the
+    prefetch knob. `num_stages` (default `frag_stages(bm)`): 1 = the loads as inline PTX in the
     loop; 2..FRAG_MAX_STAGES = `tl.load`s that Triton's pipeliner copies num_stages - 1 K steps
     ahead into shared memory (cp.async; `moe_frag_regs.ld4`), the same values, so the same bits.
     Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
@@ -228,15 +229,17 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
         bn, warps = block_n or default_bn, num_warps or default_warps
         frag_warps(bn, warps)
         launches.append(Launch(bn, warps))
-    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, num_stages or frag_stages(), launches[0],
+    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, num_stages or frag_stages(bm), launches[0],
                    launches[1])
 
 
-def frag_stages() -> int:
-    """The frag loop's default pipeline stages: DSV4_FRAG_STAGES ("1" .. FRAG_MAX_STAGES, default
-    "1": the A/B switch while the pipelined loads are timed). Raises ValueError on another
-    value."""
-    value = os.environ.get(FRAG_STAGES_ENV, "1")
+def frag_stages(block_m: int) -> int:
+    """The frag loop's default pipeline stages at `block_m`: DSV4_FRAG_STAGES where set ("1" ..
+    FRAG_MAX_STAGES: the A/B switch of the benchmarks), else FRAG_STAGES[block_m]. Raises
+    ValueError on another value."""
+    value = os.environ.get(FRAG_STAGES_ENV)
+    if value is None:
+        return FRAG_STAGES[block_m]
     allowed = [str(n) for n in range(1, FRAG_MAX_STAGES + 1)]
     if value not in allowed:
         raise ValueError(f"{FRAG_STAGES_ENV} must be one of {allowed}; got {value!r}")
