@@ -92,8 +92,8 @@
 #                 (frag_stages.txt, with the JSON lines), checkpoint flash-4l decode per stage count
 #                 (frag_decode.txt)
 #   fp8-frag      the FP8 linear's frag path at M = 1 / 4 with 1 / 3 / 4 stages of pipelined weight
-#                 loads against the plan's default (bench_fp8_linear.py --frag-sweep) and the flash
-#                 shapes' GPU tests (fp8_frag.txt)
+#                 loads, and the plan's FMA tile at 3 / 4 stages, against the default
+#                 (bench_fp8_linear.py --pipe-sweep); the flash shapes' GPU tests (fp8_frag.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -420,8 +420,8 @@ frag_stages() {   # the frag loop's pipelined weight loads (DSV4_FRAG_STAGES): k
   done
 }
 
-fp8_frag() {   # the FP8 linear's frag path at M = 1 / 4, weight loads in 1 / 3 / 4 stages
-  timeout 360 python3 benchmarks/kernels/bench_fp8_linear.py --frag-sweep --m 1,4 \
+fp8_frag() {   # the FP8 linear's loads pipelined at M = 1 / 4: frag 1 / 3 / 4 stages, FMA 3 / 4
+  timeout 360 python3 benchmarks/kernels/bench_fp8_linear.py --pipe-sweep --m 1,4 \
     --out /tmp/fp8_frag.json > /tmp/fp8_frag.txt 2>&1
   { grep -v "^{" /tmp/fp8_frag.txt | tail -20; grep "^{" /tmp/fp8_frag.txt | tail -1; } \
     | tee "$OUT/fp8_frag.txt" | cut -c 1-200

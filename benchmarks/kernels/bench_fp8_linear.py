@@ -19,7 +19,8 @@ without a K split, 1 / 2 / 4 scale blocks a step, 1 / 2 stages; and the frag pat
 rows with 1 / 3 / 4 stages of pipelined weight loads), each checked for parity, then
 timed; a row's "sweep" holds each set's us and "best" the fastest ("default" is the plan's); on
 the SwiGLU shape the same sets in the SwiGLU mode ("swiglu_sweep", "swiglu_best"), each checked
-bit-equal to its two launches.
+bit-equal to its two launches. `--pipe-sweep`: only the frag sets and the plan's FMA tile at 3 / 4
+stages (Triton copies loads S - 1 steps ahead; at 2 stages it has one buffer, so nothing overlaps).
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_fp8_linear.py --out FILE.json   # CUDA
@@ -153,10 +154,9 @@ def sweep_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 
     x, codes, scale, dense = sets[0]
     knob_sets = fma_sweep(frag=x.dtype == BF16 and x.shape[-1] % 128 == 0)
-    if args.frag_sweep:
-        knob_sets = [k for k in knob_sets if k.get("frag")]
-    if not knob_sets:           # --frag-sweep on a shape the frag path cannot take
-        return {}
+    if args.pipe_sweep:         # the frag sets, and the plan's FMA tile with 3 / 4 stages
+        knob_sets = [k for k in knob_sets if k.get("frag")] + [{"num_stages": 3},
+                                                               {"num_stages": 4}]
     for knobs in knob_sets:
         max_error(triton_fp8_linear(x, codes, scale, **knobs), x, dense)
     timed = time_configs(lambda x_, c, s, _w, **k: triton_fp8_linear(x_, c, s, **k), sets,
@@ -204,7 +204,7 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     swiglu_shape = SMOKE_SHAPES[0] if args.cpu_smoke else SWIGLU_SHAPE
     if (case.n, case.k) == swiglu_shape and case.m <= FMA_MAX_M:
         a8 = {**a8, **swiglu_row(sets, args, cuda)}
-    if (args.sweep or args.frag_sweep) and case.m <= FMA_MAX_M:
+    if (args.sweep or args.pipe_sweep) and case.m <= FMA_MAX_M:
         a8 = {**a8, **sweep_row(sets, args, cuda)}
         if args.sweep and (case.n, case.k) == swiglu_shape:
             a8 = {**a8, **swiglu_sweep_row(sets, args, cuda)}
@@ -230,8 +230,9 @@ def main() -> None:
     p.add_argument("--m", default=None,
                    help="token counts, comma-separated (default 1,8,32,512,2048; --cpu-smoke "
                         "1,3,17,200)")
-    p.add_argument("--frag-sweep", action="store_true",
-                   help="at M <= 4: time only the frag path's knob sets of the sweep")
+    p.add_argument("--pipe-sweep", action="store_true",
+                   help="at M <= 4: time the loads' pipeline stages only: the frag path's sets "
+                        "and the plan's FMA tile at 3 / 4 stages")
     args = p.parse_args()
     device = select_device(args.cpu_smoke)
     shapes = SMOKE_SHAPES if args.cpu_smoke else SHAPES
