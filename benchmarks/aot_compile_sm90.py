@@ -174,11 +174,15 @@ def moe_frag_variants() -> Iterator[Variant]:
     # the plan's launches (moe_plan.FRAG_LAUNCHES) and their neighbours
     for wk, wn, bm in ((2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 8), (2, 2, 8), (4, 1, 16),
                        (2, 2, 16), (2, 4, 16)):
-        # the plan's launches also with the loads pipelined (PIPE: `moe_plan._plan_frag`)
-        for pipe in (1, 3, 4) if (wk, wn, bm) in ((2, 1, 1), (4, 1, 1), (4, 1, 8)) else (1,):
+        # the plan's launches also with the loads pipelined (PIPE: `moe_plan._plan_frag`), and
+        # with e4m3 codes (FP8: BLOCK_M 1)
+        plans = (wk, wn, bm) in ((2, 1, 1), (4, 1, 1), (4, 1, 8))
+        for pipe, fp8 in [(p, f) for p in ((1, 3, 4) if plans else (1,))
+                          for f in ((False, True) if plans and bm == 1 else (False,))]:
             consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
-                      "ASM": True, "L2PF": 128 if bm == 1 else 256, "PIPE": pipe}
-            label = f"fp4 frag {bm}x{16 * wn} wk{wk}{f' pipe{pipe}' if pipe > 1 else ''} 32B"
+                      "ASM": True, "L2PF": 128 if bm == 1 else 256, "PIPE": pipe, "FP8": fp8}
+            label = (f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * wn} wk{wk}"
+                     f"{f' pipe{pipe}' if pipe > 1 else ''} {32 if fp8 else 16 * 2}B")
             options = {"num_warps": wk * wn}
             yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
                    {**consts, "LIBDEVICE": True}, options)

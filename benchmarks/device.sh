@@ -93,7 +93,8 @@
 #                 (frag_decode.txt)
 #   fp8-frag      the FP8 linear's frag path at M = 1 / 4 with 1 / 3 / 4 stages of pipelined weight
 #                 loads, and the plan's FMA tile at 3 / 4 stages, against the default
-#                 (bench_fp8_linear.py --pipe-sweep); the flash shapes' GPU tests (fp8_frag.txt)
+#                 (bench_fp8_linear.py --pipe-sweep); the FP8 routed experts' frag loop (1 / 3 stages)
+#                 against "scaled" at N = 1 / 8 / 32; their GPU tests (fp8_frag.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -425,8 +426,15 @@ fp8_frag() {   # the FP8 linear's loads pipelined at M = 1 / 4: frag 1 / 3 / 4 s
     --out /tmp/fp8_frag.json > /tmp/fp8_frag.txt 2>&1
   { grep -v "^{" /tmp/fp8_frag.txt | tail -20; grep "^{" /tmp/fp8_frag.txt | tail -1; } \
     | tee "$OUT/fp8_frag.txt" | cut -c 1-200
+  for st in 1 3; do   # the FP8 routed experts' frag loop against the plan's default ("scaled")
+    DSV4_FRAG_STAGES=$st timeout 120 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp8 \
+      --variants frag,scaled --tokens 1,8,32 --deterministic --kernels \
+      --out "/tmp/fp8_moe_$st.json" > /tmp/fp8_moe_$st.txt 2>&1
+    { echo "--- fp8 experts, frag stages $st"; grep -v "^{" /tmp/fp8_moe_$st.txt | tail -10
+      grep "^{" /tmp/fp8_moe_$st.txt | tail -1; } | tee -a "$OUT/fp8_frag.txt" | cut -c 1-200
+  done
   timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_linear.py \
-    -k flash_shapes > /tmp/fp8_frag_tests.txt 2>&1
+    tests/kernels/test_moe_frag.py -k "flash_shapes or frag_fp8" > /tmp/fp8_frag_tests.txt 2>&1
   grep -E "passed|failed|Error" /tmp/fp8_frag_tests.txt | tail -12 | tee -a "$OUT/fp8_frag.txt"
 }
 

@@ -3,9 +3,10 @@
 Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activations, limit 10):
   N in {1, 8, 32, 128, 512, 2048} tokens (`--tokens`) x fmt in {fp4 (checkpoint layout), fp8
   (128x128 blocks), bf16} (`--fmts`) x inner loop (`--variants`, default all: split, scaled,
-  dot_scaled, words, fma, planes, w8a8, frag; FP8 runs its distinct loops, scaled, dot_scaled, fma
-  and w8a8, the FP8-tensor-core loop with FP8 activations (FP4 too: its codes decoded to e4m3),
-  checked against the reference with act_quant; bf16 weights have one loop, shown as "-"). The
+  dot_scaled, words, fma, planes, w8a8, frag; FP8 runs its distinct loops, scaled, dot_scaled, fma,
+  frag (e4m3 into mma.sync fragments) and w8a8, the FP8-tensor-core loop with FP8 activations
+  (FP4 too: its codes decoded to e4m3), checked against the reference with act_quant; bf16
+  weights have one loop, shown as "-"). The
   fma loop (CUDA cores) has its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`; the
   frag loop (FP4 into mma.sync fragments, the plan's FP4 default while N*k <= E) "fp4/frag".
   `--kernels`: each kernel's device us per call at the default config (the gate/up and down
@@ -122,7 +123,7 @@ PREFILL_SWEEP: dict[str, list[Config]] = {
 FMTS = ("fp4", "fp8", "bf16")
 VARIANTS = ("split", "scaled", "dot_scaled", "words", "fma", "planes", "w8a8", "frag")
 # FP8's "split" and "words" are its "scaled" loop; "w8a8" (FP8 only) quantises the activations
-FP8_LOOPS = ("scaled", "dot_scaled", "fma", "w8a8")
+FP8_LOOPS = ("scaled", "dot_scaled", "fma", "w8a8", "frag")
 FP4_LOOPS = VARIANTS
 
 Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]

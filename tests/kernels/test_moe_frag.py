@@ -102,6 +102,33 @@ def test_frag_stages(block_m: int) -> None:
                                     num_stages=2, **kw)
 
 
+@pytest.mark.parametrize("N", [1, 9])
+def test_frag_fp8(N: int) -> None:
+    """e4m3 experts in the frag loop (the codes decoded into the MMA's A fragments as in
+    `fp8_frag.py`, h stored in plain order): E 8, k 2, tokens on expert 3; d = 384 (3 K steps:
+    the 4th split empty), I = 96 (the down step's last lane group past K: zeroed; and partial
+    128-row scale blocks). Against the reference; BLOCK_M 1 and 8 and WK 2 and 4 warps give the
+    same bits, and so do 1 and 3 stages where the scale rows are whole words (d = I = 512). d or
+    I not a multiple of 32 is refused."""
+    wts = make_weights(8, 384, 96, "fp8", seed=41)
+    idx, rw = make_routing(N, 8, 2, seed=41, hot=3)
+    x = randn(N, 384, seed=41).to(torch.bfloat16)
+    kw = {"variant": "frag", "deterministic": True}
+    first = check(x, wts, idx, rw, 10.0, "fp8", block_m=1, block_n=64, num_warps=8, **kw)
+    for knobs in ({"block_m": 8, "block_n": 64, "num_warps": 8},
+                  {"block_m": 1, "block_n": 64, "num_warps": 16}):
+        assert torch.equal(check(x, wts, idx, rw, 10.0, "fp8", **knobs, **kw), first), knobs
+    words = make_weights(8, 512, 512, "fp8", seed=43)
+    x5 = randn(N, 512, seed=43).to(torch.bfloat16)
+    one, three = (check(x5, words, idx, rw, 10.0, "fp8", block_n=64, num_warps=8, num_stages=st,
+                        **kw) for st in (1, 3))
+    assert torch.equal(one, three)
+    odd = make_weights(8, 384, 80, "fp8", seed=41)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        triton_routed_experts_quant(x, *odd, idx, rw, 10.0, "fp8",  # type: ignore[arg-type]
+                                    **kw)
+
+
 def test_frag_stages_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stages knob (1..4; default DSV4_FRAG_STAGES, else FRAG_STAGES per BLOCK_M); other
     values refused."""
@@ -140,7 +167,7 @@ def test_frag_plan() -> None:
         with pytest.raises(ValueError, match="frag"):
             plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048,  # type: ignore[arg-type]
                      4096, **kw)
-    for fmt, dtype in (("fp8", torch.bfloat16), ("fp4", torch.float32)):
+    for fmt, dtype in (("fp8", torch.float32), ("fp4", torch.float32)):
         with pytest.raises(ValueError, match="bf16 activations"):
             plan_moe(fmt, "frag", dtype, cpu, 6, 256, 2048, 4096)
 
@@ -188,3 +215,20 @@ def test_flash_frag_tiles(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
     for block_m in (8, 16):
         assert torch.equal(check(x, flash_fp4, idx, rw, 10.0, "fp4", block_m=block_m, **kw),
                            slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8, 32])
+def test_flash_frag_fp8(N: int) -> None:
+    """V4-Flash e4m3 experts in the frag loop on the GPU: against the reference; the plan's
+    launches, the other WK, BLOCK_M 8 and 3 / 4 stages give the same bits."""
+    wts = make_weights(FLASH["E"], FLASH["d"], FLASH["inter"], "fp8")
+    idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 2)
+    x = randn(N, FLASH["d"]).to(torch.bfloat16)
+    kw = {"variant": "frag", "deterministic": True}
+    first = check(x, wts, idx, rw, 10.0, "fp8", block_m=1, **kw)
+    for knobs in ({"block_m": 1, "block_n": 16, "num_warps": 2}, {"block_m": 8},
+                  {"block_m": 1, "num_stages": 3}, {"block_m": 1, "num_stages": 4}):
+        out = triton_routed_experts_quant(x, *wts, idx, rw, 10.0, "fp8",  # type: ignore[arg-type]
+                                          **knobs, **kw)
+        assert torch.equal(out, first), knobs

@@ -42,46 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.moe_frag_regs import hmul2, ld4, mma, prmt_hi, prmt_lo, scale_code
+from dsv4.kernels.triton.moe_frag_regs import b_pair, fp8_pairs, ld4, mma, scale_code
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 STEP = 128                   # k per K step: one scale block (a quad's 4 lanes x 32 k)
 MAX_M = 8                    # token rows: the MMA's 8 columns
 _STEP = tl.constexpr(STEP)
-
-
-@triton.jit
-def _pairs(w, code, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(pair A: bytes 0, 2; pair B: bytes 1, 3) of code word w times the block factor 2^(code -
-    7), as bf16x2 bits (GPU) or ((lo, hi) fp32, (lo, hi) fp32)."""
-    a = ((w & 0x007F007F) << 4) | ((w & 0x00800080) << 8)
-    b = ((w >> 4) & 0x07F007F0) | (w & 0x80008000)
-    if ASM:
-        f = (tl.minimum(code, 135) + 120) << 7
-        f2 = f | (f << 16)
-        pa, pb = hmul2(a, f2), hmul2(b, f2)
-    else:
-        f = ((tl.minimum(code, 135) + 120) << 23).to(tl.float32, bitcast=True)
-        pa = ((a << 16).to(tl.float32, bitcast=True) * f,
-              (a & 0xFFFF0000).to(tl.float32, bitcast=True) * f)
-        pb = ((b << 16).to(tl.float32, bitcast=True) * f,
-              (b & 0xFFFF0000).to(tl.float32, bitcast=True) * f)
-    return pa, pb
-
-
-@triton.jit
-def _b_pair(x0, x1, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The B registers (x[4w], x[4w + 2]), (x[4w + 1], x[4w + 3]) from the activation words
-    x0 = (x[4w], x[4w + 1]), x1 = (x[4w + 2], x[4w + 3])."""
-    if ASM:
-        b = (prmt_lo(x0, x1), prmt_hi(x0, x1))
-    else:
-        # NOTE: inline bit casts, no helper (the interpreter re-patches builtins per jit call)
-        b = (((x0 << 16).to(tl.float32, bitcast=True), (x1 << 16).to(tl.float32, bitcast=True)),
-             ((x0 & 0xFFFF0000).to(tl.float32, bitcast=True),
-              (x1 & 0xFFFF0000).to(tl.float32, bitcast=True)))
-    return b
 
 
 @triton.jit
@@ -111,9 +78,9 @@ def _step(acc, x_row, w_lo, w_hi, s_row, s, q,  # type: ignore[no-untyped-def]
     ls = (l0, l1, l2, l3, l4, l5, l6, l7)
     hs = (h0, h1, h2, h3, h4, h5, h6, h7)
     for w in tl.static_range(8):
-        la, lb = _pairs(ls[w], code, ASM)
-        ha, hb = _pairs(hs[w], code, ASM)
-        b0, b1 = _b_pair(xs[2 * w], xs[2 * w + 1], ASM)
+        la, lb = fp8_pairs(ls[w], code, True, False, ASM)
+        ha, hb = fp8_pairs(hs[w], code, True, False, ASM)
+        b0, b1 = b_pair(xs[2 * w], xs[2 * w + 1], ASM)
         acc = mma(acc, la, ha, lb, hb, b0, b1, ASM)
     return acc
 

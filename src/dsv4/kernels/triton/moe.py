@@ -332,7 +332,8 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
                              rw, limit, code, topk, plan, _LIBDEVICE)
     elif frag:
         dest = frag_launches(x, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2, indices,
-                             tiles, rw, limit, topk, deterministic, plan, _LIBDEVICE)
+                             tiles, rw, limit, topk, deterministic, plan, _LIBDEVICE,
+                             fp8=fmt == "fp8")
     elif fma:
         dest = fma_launches(x, xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, _raw(w2, fmt), s2,
                             indices, tiles, rw, limit, code, topk, deterministic, plan,

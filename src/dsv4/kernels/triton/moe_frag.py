@@ -160,7 +160,7 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr):
+    PIPE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
     K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
@@ -179,12 +179,13 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
         for s in tl.range(0, tl.cdiv(K, _STEP * _VK), num_stages=PIPE):
             ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
                                             s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
-                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE,
+                                            FP8)
             if WK == 2:
                 gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
                                                 s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
                                                 stride_we, stride_wn, stride_se, stride_sn, NT,
-                                                ASM, L2PF, PIPE)
+                                                ASM, L2PF, PIPE, FP8)
         for j in tl.static_range(NT):          # column set j: tile rows 8j ..
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
@@ -192,8 +193,9 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
                 up = _ksum((ua, ua2)[j][i], (ub, ub2)[j][i], wk, WK, ASM)
                 rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
                 h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
-                tl.store(h_ptr + p.to(tl.int64) * stride_h + _paired(col),
-                         h.to(h_ptr.dtype.element_ty), mask=mask)
+                hcol = col if FP8 else _paired(col)
+                tl.store(h_ptr + p.to(tl.int64) * stride_h + hcol, h.to(h_ptr.dtype.element_ty),
+                         mask=mask)
 
 
 @triton.jit
@@ -202,7 +204,7 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
-    PIPE: tl.constexpr, PDL: tl.constexpr):
+    PIPE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
     added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
     pdl_enter(PDL)
@@ -216,11 +218,12 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         for s in tl.range(0, tl.cdiv(K, _STEP * _VK), num_stages=PIPE):
             a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
-                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE,
+                              FP8)
             if WK == 2:
                 b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
                                   K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
-                                  PIPE)
+                                  PIPE, FP8)
         for j in tl.static_range(NT):
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
@@ -235,14 +238,18 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
 def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
                   s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, indices: torch.Tensor,
                   tiles: TileMap | None, rw: torch.Tensor, limit: float, topk: int,
-                  deterministic: bool, plan: MoePlan, asm: bool) -> torch.Tensor:
-    """The frag loop's gate/up and down launches (`moe.py::_launch` contract): FP4 codes as
-    uint8, w1 / w3 (s1 / s3) sharing strides, x bf16; [N, d] fp32 out (deterministic: the
+                  deterministic: bool, plan: MoePlan, asm: bool,
+                  fp8: bool = False) -> torch.Tensor:
+    """The frag loop's gate/up and down launches (`moe.py::_launch` contract): FP4 (fp8: e4m3)
+    codes as uint8, w1 / w3 (s1 / s3) sharing strides, x bf16; [N, d] fp32 out (deterministic: the
     [N*k, d] rows that the combine sums over k in a fixed order). tiles: the tile map of
     BLOCK_M 8 / 16 (up to 8 / 16 rows of one expert share each A fragment: one or two MMAs), or
     None (BLOCK_M 1: program t is slot t, its expert read from indices). asm: the inline PTX
     (GPU)."""
     assert x.dtype == torch.bfloat16, "the frag loop feeds bf16 activations to the MMA"
+    if fp8 and (x.shape[1] % 32 or w1.shape[1] % 32):
+        raise ValueError(f"fp8 variant 'frag' reads 32-k groups: d and I must be multiples of "
+                         f"32; got {x.shape[1]}, {w1.shape[1]}")
     if plan.num_stages > 1 and any(t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4
                                    for t in (s1, s3, s2)):
         raise ValueError("pipelined frag loads (num_stages > 1) read the scale rows as aligned "
@@ -260,14 +267,13 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
-        PIPE=plan.num_stages, num_warps=wk * wn,
-        **pdl_args(x.device),
+        PIPE=plan.num_stages, FP8=fp8, num_warps=wk * wn, **pdl_args(x.device),
     )
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
-        PIPE=plan.num_stages, num_warps=wk * wn, **pdl_args(h.device),
+        PIPE=plan.num_stages, FP8=fp8, num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

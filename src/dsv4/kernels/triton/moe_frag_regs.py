@@ -232,6 +232,100 @@ def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-un
 
 
 @triton.jit
+def fp8_pairs(w, code, ok, MASK: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(pair A: bytes 0, 2; pair B: bytes 1, 3) of e4m3 code word w times the block factor
+    2^(code - 7) (`fp8_frag.py` has the decode), as bf16x2 bits (GPU) or ((lo, hi) fp32, (lo, hi)
+    fp32); MASK: the factor is 0 where not ok (a group past K, read in range)."""
+    a = ((w & 0x007F007F) << 4) | ((w & 0x00800080) << 8)
+    b = ((w >> 4) & 0x07F007F0) | (w & 0x80008000)
+    if ASM:
+        f = (tl.minimum(code, 135) + 120) << 7
+        f2 = f | (f << 16)
+        if MASK:
+            f2 = tl.where(ok, f2, 0)
+        pa, pb = hmul2(a, f2), hmul2(b, f2)
+    else:
+        f = ((tl.minimum(code, 135) + 120) << 23).to(tl.float32, bitcast=True)
+        if MASK:
+            f = tl.where(ok, f, 0.0)
+        pa = ((a << 16).to(tl.float32, bitcast=True) * f,
+              (a & 0xFFFF0000).to(tl.float32, bitcast=True) * f)
+        pb = ((b << 16).to(tl.float32, bitcast=True) * f,
+              (b & 0xFFFF0000).to(tl.float32, bitcast=True) * f)
+    return pa, pb
+
+
+@triton.jit
+def b_pair(x0, x1, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The FP8 decode's B registers (x[4w], x[4w + 2]), (x[4w + 1], x[4w + 3]) from the activation
+    words x0 = (x[4w], x[4w + 1]), x1 = (x[4w + 2], x[4w + 3])."""
+    if ASM:
+        b = (prmt_lo(x0, x1), prmt_hi(x0, x1))
+    else:
+        # NOTE: inline bit casts, no helper (the interpreter re-patches builtins per jit call)
+        b = (((x0 << 16).to(tl.float32, bitcast=True), (x1 << 16).to(tl.float32, bitcast=True)),
+             ((x0 & 0xFFFF0000).to(tl.float32, bitcast=True),
+              (x1 & 0xFFFF0000).to(tl.float32, bitcast=True)))
+    return b
+
+
+@triton.jit
+def b_pairs_fp8(row_ptr, k, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The lane's B registers for its 32 k at k against FP8 codes: 8 (b0, b1) pairs (`b_pair`)
+    from the row's bf16 words x[k .. k + 32) (plain order)."""
+    p = row_ptr + k // 2
+    a0, a1, a2, a3 = ld4(p, ASM, L2PF, 1)
+    a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF, 1)
+    a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF, 1)
+    a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF, 1)
+    return (b_pair(a0, a1, ASM), b_pair(a2, a3, ASM), b_pair(a4, a5, ASM), b_pair(a6, a7, ASM),
+            b_pair(a8, a9, ASM), b_pair(a10, a11, ASM), b_pair(a12, a13, ASM),
+            b_pair(a14, a15, ASM))
+
+
+@triton.jit
+def fp8_code(row_ptr, k, ASM: tl.constexpr, PIPE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The UE8M0 code of the 128-k block at k of the FP8 scale row at row_ptr: a byte load, or
+    (PIPE > 1) byte (k // 128) % 4 of the row's aligned word (k // 512): `group_code`'s reason."""
+    if PIPE > 1:
+        word = tl.load((row_ptr + (k // 512) * 4).to(tl.pointer_type(tl.uint32)))
+        c = (word >> ((k // 128) % 4 * 8).to(tl.uint32)) & 0xFF
+    else:
+        c = scale_code(row_ptr + k // 128, ASM)
+    return c
+
+
+@triton.jit
+def matrix_step_fp8(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
+                    b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
+                    ASM: tl.constexpr, L2PF: tl.constexpr, PIPE: tl.constexpr):
+    """`matrix_step` for e4m3 codes: the lane's 32 codes at k of rows lo / hi (8 words each, two
+    16-byte loads), each row's 128 x 128 block code, 8 MMAs with the B pairs b (`b_pairs_fp8`;
+    NT 2: 8 more with b2)."""
+    base = w_ptr + e * stride_we
+    rl = (base + lo * stride_wn + k).to(tl.pointer_type(tl.uint32))
+    rh = (base + hi * stride_wn + k).to(tl.pointer_type(tl.uint32))
+    l0, l1, l2, l3 = ld4(rl, ASM, L2PF, PIPE)
+    l4, l5, l6, l7 = ld4(rl + 4, ASM, L2PF, PIPE)
+    h0, h1, h2, h3 = ld4(rh, ASM, L2PF, PIPE)
+    h4, h5, h6, h7 = ld4(rh + 4, ASM, L2PF, PIPE)
+    sbase = s_ptr + e * stride_se
+    cl = fp8_code(sbase + (lo // 128) * stride_sn, k, ASM, PIPE)
+    ch = fp8_code(sbase + (hi // 128) * stride_sn, k, ASM, PIPE)
+    ls = (l0, l1, l2, l3, l4, l5, l6, l7)
+    hs = (h0, h1, h2, h3, h4, h5, h6, h7)
+    for w in tl.static_range(8):
+        la, lb = fp8_pairs(ls[w], cl, ok, True, ASM)
+        ha, hb = fp8_pairs(hs[w], ch, ok, True, ASM)
+        bw = b[w]
+        acc = mma(acc, la, ha, lb, hb, bw[0], bw[1], ASM)
+        if NT == 2:
+            bw = b2[w]
+            acc2 = mma(acc2, la, ha, lb, hb, bw[0], bw[1], ASM)
+    return acc, acc2
+
+
+@triton.jit
 def lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
     """(first k of the lane's group in K step s of virtual split v, in range): split v takes steps
     v, v + VK, ...; a group past K reads group 0 (in range, its factor zeroed)."""
@@ -244,25 +338,42 @@ def lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
 def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
                   s1_ptr, s3_ptr, e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se,
                   stride_sn, NT: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr,
-                  PIPE: tl.constexpr):
-    """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15)."""
+                  PIPE: tl.constexpr, FP8: tl.constexpr):
+    """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15);
+    FP8: e4m3 codes (`matrix_step_fp8`), else FP4."""
     k, ok = lane_k(s, v, q, K)
-    b = b_regs(x_row, k, False, ASM, L2PF)
-    b2 = b_regs(x_row2, k, False, ASM, L2PF) if NT == 2 else b
-    g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                        stride_se, stride_sn, NT, ASM, L2PF, PIPE)
-    u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                        stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+    if FP8:
+        bf = b_pairs_fp8(x_row, k, ASM, L2PF)
+        bf2 = b_pairs_fp8(x_row2, k, ASM, L2PF) if NT == 2 else bf
+        g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+        u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+    else:
+        b = b_regs(x_row, k, False, ASM, L2PF)
+        b2 = b_regs(x_row2, k, False, ASM, L2PF) if NT == 2 else b
+        g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
+                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+        u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
+                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
     return g, g2, u, u2
 
 
 @triton.jit
 def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
                s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-               ASM: tl.constexpr, L2PF: tl.constexpr, PIPE: tl.constexpr):
-    """(a, a2) + K step s of virtual split v (a2: columns 8..15)."""
+               ASM: tl.constexpr, L2PF: tl.constexpr, PIPE: tl.constexpr, FP8: tl.constexpr):
+    """(a, a2) + K step s of virtual split v (a2: columns 8..15); FP8: e4m3 codes, h in plain
+    order (the FP4 loop's gate/up stores it paired: `b_regs`)."""
     k, ok = lane_k(s, v, q, K)
-    b = b_regs(h_row, k, True, ASM, L2PF)
-    b2 = b_regs(h_row2, k, True, ASM, L2PF) if NT == 2 else b
-    return matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                       stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+    if FP8:
+        bf = b_pairs_fp8(h_row, k, ASM, L2PF)
+        bf2 = b_pairs_fp8(h_row2, k, ASM, L2PF) if NT == 2 else bf
+        a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+    else:
+        b = b_regs(h_row, k, True, ASM, L2PF)
+        b2 = b_regs(h_row2, k, True, ASM, L2PF) if NT == 2 else b
+        a, a2 = matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
+                            stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+    return a, a2

@@ -301,9 +301,9 @@ def _variant(fmt: str, variant: str | None, x_dtype: torch.dtype) -> str:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
     if fmt == "bf16":
         return "scaled"
-    if variant == "frag" and (fmt != "fp4" or x_dtype != torch.bfloat16):
-        raise ValueError(f"variant 'frag' is fmt 'fp4' with bf16 activations; got fmt {fmt!r}, "
-                         f"{x_dtype}")
+    if variant == "frag" and (fmt not in ("fp4", "fp8") or x_dtype != torch.bfloat16):
+        raise ValueError(f"variant 'frag' is fmt 'fp4' or 'fp8' with bf16 activations; got fmt "
+                         f"{fmt!r}, {x_dtype}")
     if variant == "fma" and x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"variant 'fma' takes bf16 / fp16 / fp32 activations; got {x_dtype}")
     if variant is None:
