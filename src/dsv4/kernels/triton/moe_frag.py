@@ -40,6 +40,12 @@ does not depend on its batch or the launch. The gate/up epilogue writes h = swig
 to bf16 (row: the sorted row; BLOCK_M 1: the slot). Without the inline PTX (the interpreter) the
 same fragments are formed and the MMA is emulated in fp32 (`moe_frag_regs.py`, which holds one K
 step's register work): the same values up to fp32 summation order.
+
+FP8 (`fp8`; e4m3 codes, 128 x 128 UE8M0 blocks): the same programs, lanes, steps and splits; a
+lane reads 32 codes (32 bytes) of each of its rows per K step, decoded as `fp8_frag.py` decodes
+them (`moe_frag_regs.matrix_step_fp8`), against activations repacked into the matching pairs;
+gate/up stores h in plain order. Both formats can pipeline their weight and scale loads through
+shared memory (the plan's num_stages > 1, `moe_frag_regs.ld4`).
 """
 
 from __future__ import annotations
