@@ -401,10 +401,10 @@ step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile 
 
 frag_stages() {   # the frag loop's pipelined weight loads (DSV4_FRAG_STAGES): kernels, bits, e2e
   local st fmt
-  for st in 1 3 4; do
-    DSV4_FRAG_STAGES=$st timeout 120 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
+  for st in 1 3 4; do   # stage 1 also sweeps the launches (with stages 3 / 4 among them)
+    DSV4_FRAG_STAGES=$st timeout 150 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
       --variants frag --tokens 1,8,32 --deterministic --kernels --out "/tmp/frag_stages_$st.json" \
-      > /tmp/frag_stages_$st.txt 2>&1
+      $([ "$st" = 1 ] && echo --sweep) > /tmp/frag_stages_$st.txt 2>&1
     { echo "--- stages $st"; grep -v "^{" /tmp/frag_stages_$st.txt | tail -12
       grep "^{" /tmp/frag_stages_$st.txt | tail -1; } | tee -a "$OUT/frag_stages.txt"
   done

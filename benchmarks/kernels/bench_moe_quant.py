@@ -99,7 +99,11 @@ SWEEP: dict[str, list[Config]] = {
                  (16, None, 2, None, None, 8), (16, None, 4, None, None, 8),
                  (32, None, 4, None, None, 8), (32, None, 8, None, None, 8),
                  (16, None, 2, None, None, 16), (16, None, 4, None, None, 16),
-                 (32, None, 4, None, None, 16), (32, None, 8, None, None, 16)],
+                 (32, None, 4, None, None, 16), (32, None, 8, None, None, 16),
+                 # the weight loads pipelined through shared memory (stages 3 / 4)
+                 (16, None, 2, 3, None), (16, None, 4, 3, None), (16, None, 2, 4, None),
+                 (16, None, 4, 4, None), (32, None, 4, 3, None), (16, None, 4, 3, None, 8),
+                 (32, None, 4, 3, None, 8), (32, None, 4, 4, None, 8)],
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }
@@ -248,7 +252,7 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     kind = (f"{fmt}/{variant}" if (fmt, variant) in (("fp4", "split"), ("fp4", "fma"),
                                                       ("fp8", "fma"), ("fp4", "planes"),
                                                       ("fp8", "w8a8"), ("fp4", "w8a8"),
-                                                      ("fp4", "frag"))
+                                                      ("fp4", "frag"), ("fp8", "frag"))
             else fmt)
     sweep = PREFILL_SWEEP if args.prefill_sweep else SWEEP if args.sweep else {}
     timed: dict[str, float] = {}
