@@ -17,7 +17,8 @@ Checkpoint-format FP8 linears (`model/quant_linear.py`) fuse among themselves: c
 block scales stacked (`FusedRows.scale`), one `quant_linear` call, when every member but the last
 holds whole 128-row scale blocks. On the official checkpoint that is wq_a | wkv (the float
 weights_proj then runs alone, in the indexer's branch), wq_b | the indexer's wq_b and w1 | w3; a
-group mixing FP8 and float members never fuses. The members' `weight` and `scale` buffers become views like the parameters.
+group mixing FP8 and float members never fuses. The members' `weight` and `scale` buffers become
+views like the parameters.
 
 The members' parameters become views of the stacked weight's row blocks (`nn.Parameter(buf[a:b])`:
 same names, shapes, dtypes and bytes, no second copy), so `state_dict`, in-place weight updates
