@@ -95,6 +95,11 @@
 #                 loads, and the plan's FMA tile at 3 / 4 stages, against the default
 #                 (bench_fp8_linear.py --pipe-sweep); the FP8 routed experts' frag loop (1 / 3 stages)
 #                 against "scaled" at N = 1 / 8 / 32; their GPU tests (fp8_frag.txt)
+#   pipe-ab       frag-stages and fp8-frag in one call, most wanted first: the FP4 experts per stage count
+#                 (stage 1 with the launch sweep) and the FP8 experts' frag loop against "scaled"
+#                 (pipe_moe.txt), the FP8 linears' --pipe-sweep at M = 1 (pipe_fp8_linear.txt),
+#                 checkpoint decode with frag stages 1 / 3 (pipe_decode.txt), the GPU tests
+#                 (pipe_tests.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -438,6 +443,39 @@ fp8_frag() {   # the FP8 linear's loads pipelined at M = 1 / 4: frag 1 / 3 / 4 s
   grep -E "passed|failed|Error" /tmp/fp8_frag_tests.txt | tail -12 | tee -a "$OUT/fp8_frag.txt"
 }
 
+pipe_ab() {   # the 31st session's pipelined loads in one call, most wanted first
+  local st
+  for st in 1 3 4; do   # FP4 experts (stage 1 also sweeps the launches, stages 3 / 4 among them)
+    DSV4_FRAG_STAGES=$st timeout 150 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
+      --variants frag --tokens 1,8,32 --deterministic --kernels --out "/tmp/frag_stages_$st.json" \
+      $([ "$st" = 1 ] && echo --sweep) > /tmp/frag_stages_$st.txt 2>&1
+    { echo "--- fp4 experts, stages $st"; grep -v "^{" /tmp/frag_stages_$st.txt | tail -8
+      grep "^{" /tmp/frag_stages_$st.txt | tail -1; } | tee -a "$OUT/pipe_moe.txt" | cut -c 1-160
+  done
+  for st in 1 3; do     # FP8 experts: the frag loop against "scaled"
+    DSV4_FRAG_STAGES=$st timeout 100 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp8 \
+      --variants frag,scaled --tokens 1,8,32 --deterministic --kernels \
+      --out "/tmp/fp8_moe_$st.json" > /tmp/fp8_moe_$st.txt 2>&1
+    { echo "--- fp8 experts, frag stages $st"; grep -v "^{" /tmp/fp8_moe_$st.txt | tail -8
+      grep "^{" /tmp/fp8_moe_$st.txt | tail -1; } | tee -a "$OUT/pipe_moe.txt" | cut -c 1-160
+  done
+  timeout 150 python3 benchmarks/kernels/bench_fp8_linear.py --pipe-sweep --m 1 \
+    --out /tmp/fp8_pipe.json > /tmp/fp8_pipe.txt 2>&1
+  { grep -v "^{" /tmp/fp8_pipe.txt | tail -12; grep "^{" /tmp/fp8_pipe.txt | tail -1; } \
+    | tee "$OUT/pipe_fp8_linear.txt" | cut -c 1-160
+  for st in 1 3; do
+    DSV4_FRAG_STAGES=$st timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
+      --batch-contexts 4096 --weight-format checkpoint --out "/tmp/pipe_decode_$st.json" \
+      > /tmp/pipe_decode.txt 2>&1
+    { echo "--- checkpoint decode, frag stages $st"; grep -v "^{" /tmp/pipe_decode.txt | tail -3
+      grep "^{" /tmp/pipe_decode.txt | tail -1; } | tee -a "$OUT/pipe_decode.txt"
+  done
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
+    tests/kernels/test_fp8_linear.py -k "frag or flash_shapes" > "$OUT/pipe_tests.txt" 2>&1
+  grep -E "passed|failed" "$OUT/pipe_tests.txt"
+}
+
 fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
   local fmt           # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
   timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops post_pre --out "$OUT/fixed_mhc.json" \
@@ -500,9 +538,10 @@ for part in "$@"; do
     step-ab) step_ab ;;
     frag-stages) frag_stages ;;
     fp8-frag) fp8_frag ;;
+    pipe-ab) pipe_ab ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab frag-stages fp8-frag sass"; exit 2 ;;
+         "step-ab frag-stages fp8-frag pipe-ab sass"; exit 2 ;;
   esac
 done
