@@ -174,15 +174,11 @@ def moe_frag_variants() -> Iterator[Variant]:
     # the plan's launches (moe_plan.FRAG_LAUNCHES) and their neighbours
     for wk, wn, bm in ((2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 8), (2, 2, 8), (4, 1, 16),
                        (2, 2, 16), (2, 4, 16)):
-        # the plan's launches also with the loads pipelined (PIPE: `moe_plan._plan_frag`), and
-        # with e4m3 codes (FP8: BLOCK_M 1)
-        plans = (wk, wn, bm) in ((2, 1, 1), (4, 1, 1), (4, 1, 8))
-        for pipe, fp8 in [(p, f) for p in ((1, 3, 4) if plans else (1,))
-                          for f in ((False, True) if plans and bm == 1 else (False,))]:
+        # the plan's launches also with e4m3 codes (FP8, BLOCK_M 1)
+        for fp8 in (False, True) if (wk, wn, bm) in ((2, 1, 1), (4, 1, 1)) else (False,):
             consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
-                      "ASM": True, "L2PF": 128 if bm == 1 else 256, "PIPE": pipe, "FP8": fp8}
-            label = (f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * wn} wk{wk}"
-                     f"{f' pipe{pipe}' if pipe > 1 else ''} {32 if fp8 else 16 * 2}B")
+                      "ASM": True, "L2PF": 128 if bm == 1 else 256, "FP8": fp8}
+            label = f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * wn} wk{wk} {64 if fp8 else 32}B"
             options = {"num_warps": wk * wn}
             yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
                    {**consts, "LIBDEVICE": True}, options)
@@ -536,7 +532,7 @@ def fp8_linear_variants() -> Iterator[Variant]:
 
 def fp8_frag_variants() -> Iterator[Variant]:
     """The FP8 linear's tensor-core decode path (`fp8_frag.py`, M <= 8) at BLOCK_N 16 / 32 / 64
-    (1 / 2 / 4 warps), split-K on; BLOCK_N 16 also with its weight loads pipelined."""
+    (1 / 2 / 4 warps), split-K on."""
     from dsv4.kernels.triton import fp8_frag
 
     types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
@@ -544,10 +540,8 @@ def fp8_frag_variants() -> Iterator[Variant]:
              "stride_xm": "i32:16", "stride_xg": "i32:16", "rows_g": "i32:16",
              "stride_wn": "i32:16", "stride_sn": "i32", "steps_per_split": "i32"}
     for wn in (1, 2, 4):
-        for pipe in (1, 3, 4) if wn == 1 else (1,):      # the weight loads pipelined (PIPE)
-            yield (f"fp8_linear frag {16 * wn} rows s4{f' pipe{pipe}' if pipe > 1 else ''}",
-                   fp8_frag._fp8_frag_kernel, types,
-                   {"WN": wn, "SPLIT_K": 4, "ASM": True, "PIPE": pipe}, {"num_warps": wn})
+        yield (f"fp8_linear frag {16 * wn} rows s4", fp8_frag._fp8_frag_kernel, types,
+               {"WN": wn, "SPLIT_K": 4, "ASM": True}, {"num_warps": wn})
 
 
 def fp8_linear_a8_variants() -> Iterator[Variant]:

@@ -87,22 +87,15 @@
 #                 FP8 first weights preloaded (DSV4_PDL_PRELOAD=1), then checkpoint EARLY <= 8 alone
 #                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
 #                 batch-1 profile, EARLY <= 8 + preload (step_profile.txt)
-#   frag-stages   the frag loop's weight loads pipelined through shared memory (DSV4_FRAG_STAGES 1 / 3 / 4):
-#                 bench_moe_quant fp4 frag N = 1 / 8 / 32 per stage count and test_moe_frag.py -m gpu
-#                 (frag_stages.txt, with the JSON lines), checkpoint flash-4l decode per stage count
-#                 (frag_decode.txt)
-#   fp8-frag      the FP8 linear's frag path at M = 1 / 4 with 1 / 3 / 4 stages of pipelined weight
-#                 loads, and the plan's FMA tile at 3 / 4 stages, against the default
-#                 (bench_fp8_linear.py --pipe-sweep); the FP8 routed experts' frag loop (1 / 3 stages)
-#                 against "scaled" at N = 1 / 8 / 32; their GPU tests (fp8_frag.txt)
-#   pipe-ab       frag-stages and fp8-frag in one call, most wanted first: the FP4 experts per stage count
-#                 (stage 1 with the launch sweep) and the FP8 experts' frag loop against "scaled"
-#                 (pipe_moe.txt), the FP8 linears' --pipe-sweep at M = 1 (pipe_fp8_linear.txt),
-#                 checkpoint decode with frag stages 1 / 3 (pipe_decode.txt), the GPU tests
-#                 (pipe_tests.txt)
+#   fp8-frag      the FP8 routed experts' frag loop (the default at N*k < E / 2) against "scaled" at N = 1 / 8 /
+#                 16 / 32 with the kernels' times, the FP8 linears' FMA tile at 3 / 4 pipeline stages and
+#                 the frag path at M = 1 (bench_fp8_linear.py --stage-sweep), test_moe_frag.py -m gpu
+#                 (fp8_frag.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
+# The flash-4l decode runs of pdl-ab, step-ab and fixed-costs stop after DECODE_TIMEOUT_S (default 240 s:
+# a fresh machine's first run builds the model and compiles every kernel; 90 s was too short).
 # Every part writes its logs under $OUT (at most 8 files come back from one call: run few parts per call)
 # and env.txt (GPU, driver, torch / triton / transformers versions, commit). The device has no registry:
 # wheels carried in .wheels/ (e.g. the transformers version pyproject pins) are installed first.
@@ -359,7 +352,7 @@ pdl_ab() {   # EARLY for the decode graphs of batch <= 8 (--pdl-early-max-batch 
   local run fmt early rep
   for run in checkpoint:0:a checkpoint:8:a checkpoint:0:b checkpoint:8:b bf16:8:a; do
     IFS=: read -r fmt early rep <<< "$run"
-    timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda \
+    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
       --batch-contexts 4096 --weight-format "$fmt" --pdl-early-max-batch "$early" \
       --out "$OUT/pdl_${fmt}_e${early}_$rep.json" > /tmp/pdl_run.txt 2>&1
@@ -379,7 +372,7 @@ step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile 
   step_decode() {   # FORMAT:EARLY_MAX_BATCH:PRELOAD
     local fmt early pre
     IFS=: read -r fmt early pre <<< "$1"
-    DSV4_PDL_PRELOAD=$pre timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
+    DSV4_PDL_PRELOAD=$pre timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
       --batch-contexts 4096 --weight-format "$fmt" --pdl-early-max-batch "$early" \
       --out "/tmp/step_${fmt}_e${early}_p$pre.json" > /tmp/step_run.txt 2>&1
@@ -404,76 +397,18 @@ step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile 
   tail -1 "$OUT/step_profile.txt" | cut -c 1-300
 }
 
-frag_stages() {   # the frag loop's pipelined weight loads (DSV4_FRAG_STAGES): kernels, bits, e2e
-  local st fmt
-  for st in 1 3 4; do   # stage 1 also sweeps the launches (with stages 3 / 4 among them)
-    DSV4_FRAG_STAGES=$st timeout 150 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
-      --variants frag --tokens 1,8,32 --deterministic --kernels --out "/tmp/frag_stages_$st.json" \
-      $([ "$st" = 1 ] && echo --sweep) > /tmp/frag_stages_$st.txt 2>&1
-    { echo "--- stages $st"; grep -v "^{" /tmp/frag_stages_$st.txt | tail -12
-      grep "^{" /tmp/frag_stages_$st.txt | tail -1; } | tee -a "$OUT/frag_stages.txt"
-  done
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
-    > /tmp/frag_tests.txt 2>&1
-  grep -E "passed|failed|Error" /tmp/frag_tests.txt | tail -12 | tee -a "$OUT/frag_stages.txt"
-  for st in 1 3 4; do
-    DSV4_FRAG_STAGES=$st timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
-      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
-      --batch-contexts 4096 --weight-format checkpoint --out "/tmp/frag_decode_$st.json" \
-      > /tmp/frag_decode.txt 2>&1
-    { echo "--- checkpoint decode, stages $st"; grep -v "^{" /tmp/frag_decode.txt | tail -3
-      grep "^{" /tmp/frag_decode.txt | tail -1; } | tee -a "$OUT/frag_decode.txt"
-  done
-}
-
-fp8_frag() {   # the FP8 linear's loads pipelined at M = 1 / 4: frag 1 / 3 / 4 stages, FMA 3 / 4
-  timeout 360 python3 benchmarks/kernels/bench_fp8_linear.py --pipe-sweep --m 1,4 \
-    --out /tmp/fp8_frag.json > /tmp/fp8_frag.txt 2>&1
-  { grep -v "^{" /tmp/fp8_frag.txt | tail -20; grep "^{" /tmp/fp8_frag.txt | tail -1; } \
+fp8_frag() {   # FP8 experts: "frag" (the default at N*k < E/2) against "scaled"; FP8 linear stages
+  timeout 150 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp8 --variants frag,scaled \
+    --tokens 1,8,16,32 --deterministic --kernels --out /tmp/fp8_moe.json > /tmp/fp8_moe.txt 2>&1
+  { grep -v "^{" /tmp/fp8_moe.txt | tail -16; grep "^{" /tmp/fp8_moe.txt | tail -1; } \
     | tee "$OUT/fp8_frag.txt" | cut -c 1-200
-  for st in 1 3; do   # the FP8 routed experts' frag loop against the plan's default ("scaled")
-    DSV4_FRAG_STAGES=$st timeout 120 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp8 \
-      --variants frag,scaled --tokens 1,8,32 --deterministic --kernels \
-      --out "/tmp/fp8_moe_$st.json" > /tmp/fp8_moe_$st.txt 2>&1
-    { echo "--- fp8 experts, frag stages $st"; grep -v "^{" /tmp/fp8_moe_$st.txt | tail -10
-      grep "^{" /tmp/fp8_moe_$st.txt | tail -1; } | tee -a "$OUT/fp8_frag.txt" | cut -c 1-200
-  done
-  timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_linear.py \
-    tests/kernels/test_moe_frag.py -k "flash_shapes or frag_fp8" > /tmp/fp8_frag_tests.txt 2>&1
+  timeout 150 python3 benchmarks/kernels/bench_fp8_linear.py --stage-sweep --m 1 \
+    --out /tmp/fp8_stages.json > /tmp/fp8_stages.txt 2>&1
+  { grep -v "^{" /tmp/fp8_stages.txt | tail -12; grep "^{" /tmp/fp8_stages.txt | tail -1; } \
+    | tee -a "$OUT/fp8_frag.txt" | cut -c 1-200
+  timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
+    > /tmp/fp8_frag_tests.txt 2>&1
   grep -E "passed|failed|Error" /tmp/fp8_frag_tests.txt | tail -12 | tee -a "$OUT/fp8_frag.txt"
-}
-
-pipe_ab() {   # the 31st session's pipelined loads in one call, most wanted first
-  local st
-  for st in 1 3 4; do   # FP4 experts (stage 1 also sweeps the launches, stages 3 / 4 among them)
-    DSV4_FRAG_STAGES=$st timeout 150 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
-      --variants frag --tokens 1,8,32 --deterministic --kernels --out "/tmp/frag_stages_$st.json" \
-      $([ "$st" = 1 ] && echo --sweep) > /tmp/frag_stages_$st.txt 2>&1
-    { echo "--- fp4 experts, stages $st"; grep -v "^{" /tmp/frag_stages_$st.txt | tail -8
-      grep "^{" /tmp/frag_stages_$st.txt | tail -1; } | tee -a "$OUT/pipe_moe.txt" | cut -c 1-160
-  done
-  for st in 1 3; do     # FP8 experts: the frag loop against "scaled"
-    DSV4_FRAG_STAGES=$st timeout 100 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp8 \
-      --variants frag,scaled --tokens 1,8,32 --deterministic --kernels \
-      --out "/tmp/fp8_moe_$st.json" > /tmp/fp8_moe_$st.txt 2>&1
-    { echo "--- fp8 experts, frag stages $st"; grep -v "^{" /tmp/fp8_moe_$st.txt | tail -8
-      grep "^{" /tmp/fp8_moe_$st.txt | tail -1; } | tee -a "$OUT/pipe_moe.txt" | cut -c 1-160
-  done
-  timeout 150 python3 benchmarks/kernels/bench_fp8_linear.py --pipe-sweep --m 1 \
-    --out /tmp/fp8_pipe.json > /tmp/fp8_pipe.txt 2>&1
-  { grep -v "^{" /tmp/fp8_pipe.txt | tail -12; grep "^{" /tmp/fp8_pipe.txt | tail -1; } \
-    | tee "$OUT/pipe_fp8_linear.txt" | cut -c 1-160
-  for st in 1 3; do
-    DSV4_FRAG_STAGES=$st timeout 90 python3 benchmarks/decode_context_sweep.py --device cuda \
-      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
-      --batch-contexts 4096 --weight-format checkpoint --out "/tmp/pipe_decode_$st.json" \
-      > /tmp/pipe_decode.txt 2>&1
-    { echo "--- checkpoint decode, frag stages $st"; grep -v "^{" /tmp/pipe_decode.txt | tail -3
-      grep "^{" /tmp/pipe_decode.txt | tail -1; } | tee -a "$OUT/pipe_decode.txt"
-  done
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
-    tests/kernels/test_fp8_linear.py -k "frag or flash_shapes" > "$OUT/pipe_tests.txt" 2>&1
-  grep -E "passed|failed" "$OUT/pipe_tests.txt"
 }
 
 fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
@@ -485,7 +420,7 @@ fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY grap
     > "$OUT/fixed_topk.txt" 2>&1
   grep -v "^{" "$OUT/fixed_topk.txt" | tail -5
   for fmt in bf16 checkpoint; do
-    timeout 100 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 \
+    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 \
       --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 --batch-contexts 4096 \
       --weight-format "$fmt" --out "$OUT/fixed_decode_$fmt.json" > /tmp/fixed_decode_$fmt.txt 2>&1
     grep -v "^{" /tmp/fixed_decode_$fmt.txt | tail -3
@@ -536,12 +471,10 @@ for part in "$@"; do
     pdl-ab) pdl_ab ;;
     fixed-costs) fixed_costs ;;
     step-ab) step_ab ;;
-    frag-stages) frag_stages ;;
     fp8-frag) fp8_frag ;;
-    pipe-ab) pipe_ab ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab frag-stages fp8-frag pipe-ab sass"; exit 2 ;;
+         "step-ab fp8-frag sass"; exit 2 ;;
   esac
 done

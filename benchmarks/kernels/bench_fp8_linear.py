@@ -16,10 +16,10 @@ then the product), bit-equal: "swiglu us" and "2-launch us" (gate and up: the sa
 --cpu-smoke: on its first shape).
 `--sweep` (M <= 4, the FMA path): every knob set of `fma_sweep` (rows per program 4..32 with and
 without a K split, 1 / 2 / 4 scale blocks a step, 1 / 2 stages; and the frag path at 16 / 32
-rows with 1 / 3 / 4 stages of pipelined weight loads), each checked for parity, then
+rows), each checked for parity, then
 timed; a row's "sweep" holds each set's us and "best" the fastest ("default" is the plan's); on
 the SwiGLU shape the same sets in the SwiGLU mode ("swiglu_sweep", "swiglu_best"), each checked
-bit-equal to its two launches. `--pipe-sweep`: only the frag sets and the plan's FMA tile at 3 / 4
+bit-equal to its two launches. `--stage-sweep`: only the frag sets and the plan's FMA tile at 3 / 4
 stages (Triton copies loads S - 1 steps ahead; at 2 stages it has one buffer, so nothing overlaps).
 Prints a table, then ONE JSON line (also written to --out).
 
@@ -132,12 +132,10 @@ def swiglu_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
 def fma_sweep(frag: bool = False) -> list[dict[str, int]]:
     """The FMA path's knob sets: rows per program 4..32, the plan's K split or none (small tiles
     reach the SMs without the split's reduction), scale blocks per step, pipeline stages; with
-    `frag`, also the tensor-core decode path at 16 / 32 rows with its weight loads in 1, 3 or 4
-    pipeline stages."""
+    `frag`, also the tensor-core decode path at 16 / 32 rows."""
     sets: list[dict[str, int]] = []
     if frag:
-        sets += [{"frag": True, "block_n": bn, "num_stages": st} for bn in (16, 32)
-                 for st in (1, 3, 4)]
+        sets += [{"frag": True, "block_n": bn} for bn in (16, 32)]
     for block_n in (4, 8, 16, 32):
         for kb in (1, 2, 4):
             for stages in (1, 2):
@@ -154,7 +152,7 @@ def sweep_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 
     x, codes, scale, dense = sets[0]
     knob_sets = fma_sweep(frag=x.dtype == BF16 and x.shape[-1] % 128 == 0)
-    if args.pipe_sweep:         # the frag sets, and the plan's FMA tile with 3 / 4 stages
+    if args.stage_sweep:        # the frag sets, and the plan's FMA tile with 3 / 4 stages
         knob_sets = [k for k in knob_sets if k.get("frag")] + [{"num_stages": 3},
                                                                {"num_stages": 4}]
     for knobs in knob_sets:
@@ -204,7 +202,7 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     swiglu_shape = SMOKE_SHAPES[0] if args.cpu_smoke else SWIGLU_SHAPE
     if (case.n, case.k) == swiglu_shape and case.m <= FMA_MAX_M:
         a8 = {**a8, **swiglu_row(sets, args, cuda)}
-    if (args.sweep or args.pipe_sweep) and case.m <= FMA_MAX_M:
+    if (args.sweep or args.stage_sweep) and case.m <= FMA_MAX_M:
         a8 = {**a8, **sweep_row(sets, args, cuda)}
         if args.sweep and (case.n, case.k) == swiglu_shape:
             a8 = {**a8, **swiglu_sweep_row(sets, args, cuda)}
@@ -230,9 +228,9 @@ def main() -> None:
     p.add_argument("--m", default=None,
                    help="token counts, comma-separated (default 1,8,32,512,2048; --cpu-smoke "
                         "1,3,17,200)")
-    p.add_argument("--pipe-sweep", action="store_true",
-                   help="at M <= 4: time the loads' pipeline stages only: the frag path's sets "
-                        "and the plan's FMA tile at 3 / 4 stages")
+    p.add_argument("--stage-sweep", action="store_true",
+                   help="at M <= 4: time the plan's FMA tile at 3 / 4 pipeline stages and the "
+                        "frag path's sets only")
     args = p.parse_args()
     device = select_device(args.cpu_smoke)
     shapes = SMOKE_SHAPES if args.cpu_smoke else SHAPES

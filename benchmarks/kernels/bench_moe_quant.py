@@ -99,11 +99,7 @@ SWEEP: dict[str, list[Config]] = {
                  (16, None, 2, None, None, 8), (16, None, 4, None, None, 8),
                  (32, None, 4, None, None, 8), (32, None, 8, None, None, 8),
                  (16, None, 2, None, None, 16), (16, None, 4, None, None, 16),
-                 (32, None, 4, None, None, 16), (32, None, 8, None, None, 16),
-                 # the weight loads pipelined through shared memory (stages 3 / 4)
-                 (16, None, 2, 3, None), (16, None, 4, 3, None), (16, None, 2, 4, None),
-                 (16, None, 4, 4, None), (32, None, 4, 3, None), (16, None, 4, 3, None, 8),
-                 (32, None, 4, 3, None, 8), (32, None, 4, 4, None, 8)],
+                 (32, None, 4, None, None, 16), (32, None, 8, None, None, 16)],
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }

@@ -175,24 +175,6 @@ def test_frag_path(M: int, knobs: dict[str, Any]) -> None:
     assert torch.equal(one[0], y[-1])
 
 
-@pytest.mark.parametrize(("M", "split"), [(1, 1), (5, 2)])
-def test_frag_stages(M: int, split: int) -> None:
-    """The frag path's weight and scale loads pipelined (num_stages 2 / 3: `tl.load`s of the same
-    words, the scale code from its row's aligned word): the one-stage bits. K = 512 (4 codes a
-    scale row); K = 640 (5: not whole words) and a 5th stage are refused."""
-    x, w, s = operands(M, 200, 512, BF16, seed=9)
-    kw = {"frag": True, "split_k": split}
-    one = triton_fp8_linear(x, w, s, num_stages=1, **kw)
-    assert_close(one, x, w, s)
-    for stages in (2, 3):
-        assert torch.equal(triton_fp8_linear(x, w, s, num_stages=stages, **kw), one)
-    x5, w5, s5 = operands(M, 200, 640, BF16, seed=9)
-    with pytest.raises(ValueError, match="multiples of 4 bytes"):
-        triton_fp8_linear(x5, w5, s5, num_stages=2, **kw)
-    with pytest.raises(ValueError, match=r"frag=True takes num_stages 1..4; got 5"):
-        triton_fp8_linear(x, w, s, num_stages=5, **kw)
-
-
 def test_frag_refusals() -> None:
     x, w, s = operands(2, 128, 256, F32)
     with pytest.raises(ValueError, match="frag=True needs bf16"):
@@ -252,11 +234,6 @@ def test_plan_at_h200_shapes() -> None:
 def test_flash_shapes_on_gpu(M: int, N: int, K: int) -> None:
     x, w, s = operands(M, N, K, BF16, seed=M)
     assert_close(triton_fp8_linear(x, w, s), x, w, s)
-    if M <= 8:      # the frag path, its weight loads pipelined or not: the same bits
-        frag = triton_fp8_linear(x, w, s, frag=True, num_stages=1)
-        assert_close(frag, x, w, s)
-        for stages in (3, 4):
-            assert torch.equal(triton_fp8_linear(x, w, s, frag=True, num_stages=stages), frag)
 
 
 @pytest.mark.gpu

@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 from test_moe_quant import FLASH, check, make_routing, make_weights, randn  # noqa: E402
 
 from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
-from dsv4.kernels.triton.moe_plan import FRAG_STAGES, VARIANTS, frag_warps, plan_moe  # noqa: E402
+from dsv4.kernels.triton.moe_plan import VARIANTS, frag_warps, plan_moe  # noqa: E402
 
 
 @pytest.mark.parametrize("N,block_n,warps", [(1, 16, 4), (3, 32, 4)])
@@ -81,35 +81,14 @@ def test_frag_launches() -> None:
         assert torch.equal(out, outs[0])
 
 
-@pytest.mark.parametrize("block_m", [1, 8])
-def test_frag_stages(block_m: int) -> None:
-    """Pipelined loads (num_stages 2 / 3: `tl.load`s of the same words and the scale bytes' aligned
-    words, which Triton copies ahead on the GPU) give the bits of the one-stage loop: d = 384 (3
-    K steps, the 4th split empty: its clamped groups read word 0), I = 256, BLOCK_M 1 and 8
-    (tiles of 8 rows of one expert). Scale rows that are not whole words (K = 160: 5 groups)
-    are refused."""
-    wts = make_weights(8, 384, 256, "fp4", seed=37)
-    idx, rw = make_routing(3, 8, 2, seed=37, hot=2)
-    x = randn(3, 384, seed=37).to(torch.bfloat16)
-    kw = {"variant": "frag", "block_m": block_m, "block_n": 64, "num_warps": 8,
-          "deterministic": True}
-    outs = [check(x, wts, idx, rw, 10.0, "fp4", num_stages=st, **kw) for st in (1, 2, 3)]
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-    odd = make_weights(8, 384, 160, "fp4", seed=37)
-    with pytest.raises(ValueError, match="multiples of 4 bytes"):
-        triton_routed_experts_quant(x, *odd, idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
-                                    num_stages=2, **kw)
-
-
 @pytest.mark.parametrize("N", [1, 9])
 def test_frag_fp8(N: int) -> None:
     """e4m3 experts in the frag loop (the codes decoded into the MMA's A fragments as in
     `fp8_frag.py`, h stored in plain order): E 8, k 2, tokens on expert 3; d = 384 (3 K steps:
     the 4th split empty), I = 96 (the down step's last lane group past K: zeroed; and partial
     128-row scale blocks). Against the reference; BLOCK_M 1 and 8 and WK 2 and 4 warps give the
-    same bits, and so do 1 and 3 stages where the scale rows are whole words (d = I = 512). d or
-    I not a multiple of 32 is refused."""
+    same bits. d or I not a multiple of 32 is refused; the plan's default for FP8 with bf16 x is
+    frag in its one-slot regime (mean rows per expert below 1/2), "scaled" from there."""
     wts = make_weights(8, 384, 96, "fp8", seed=41)
     idx, rw = make_routing(N, 8, 2, seed=41, hot=3)
     x = randn(N, 384, seed=41).to(torch.bfloat16)
@@ -118,35 +97,16 @@ def test_frag_fp8(N: int) -> None:
     for knobs in ({"block_m": 8, "block_n": 64, "num_warps": 8},
                   {"block_m": 1, "block_n": 64, "num_warps": 16}):
         assert torch.equal(check(x, wts, idx, rw, 10.0, "fp8", **knobs, **kw), first), knobs
-    words = make_weights(8, 512, 512, "fp8", seed=43)
-    x5 = randn(N, 512, seed=43).to(torch.bfloat16)
-    one, three = (check(x5, words, idx, rw, 10.0, "fp8", block_n=64, num_warps=8, num_stages=st,
-                        **kw) for st in (1, 3))
-    assert torch.equal(one, three)
+    cpu = torch.device("cpu")
+    for nk, name in ((6, "frag"), (127, "frag"), (128, "scaled")):
+        plan = plan_moe("fp8", None, torch.bfloat16, cpu, nk, 256, 2048, 4096)
+        assert plan.variant == VARIANTS[name] and (name != "frag" or plan.block_m == 1), nk
+    assert plan_moe("fp8", None, torch.float32, cpu, 6, 256, 2048, 4096).variant != \
+        VARIANTS["frag"]
     odd = make_weights(8, 384, 80, "fp8", seed=41)
     with pytest.raises(ValueError, match="multiples of 32"):
         triton_routed_experts_quant(x, *odd, idx, rw, 10.0, "fp8",  # type: ignore[arg-type]
                                     **kw)
-
-
-def test_frag_stages_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stages knob (1..4; default DSV4_FRAG_STAGES, else FRAG_STAGES per BLOCK_M); other
-    values refused."""
-    cpu = torch.device("cpu")
-    args = ("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096)
-    monkeypatch.delenv("DSV4_FRAG_STAGES", raising=False)
-    assert plan_moe(*args).num_stages == FRAG_STAGES[1]
-    assert plan_moe(*args, block_m=8).num_stages == FRAG_STAGES[8]
-    assert plan_moe(*args, num_stages=3).num_stages == 3
-    monkeypatch.setenv("DSV4_FRAG_STAGES", "2")
-    assert plan_moe(*args).num_stages == 2
-    assert plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).num_stages == 2
-    with pytest.raises(ValueError, match="num_stages 1..4"):
-        plan_moe(*args, num_stages=5)
-    monkeypatch.setenv("DSV4_FRAG_STAGES", "0")
-    with pytest.raises(ValueError, match=r"DSV4_FRAG_STAGES must be one of \['1', '2', '3', "
-                                         r"'4'\]; got '0'"):
-        plan_moe(*args)
 
 
 def test_frag_plan() -> None:
@@ -191,12 +151,6 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
         out = check(x, flash_fp4, idx, rw, 10.0, "fp4", **kw)
         first = out if first is None else first
         assert torch.equal(out, first), (block_n, warps)
-        if (block_n, warps) in ((16, 2), (16, 4)):      # the plan's launches, loads pipelined
-            for stages in (2, 3):
-                piped = triton_routed_experts_quant(
-                    x, *flash_fp4, idx, rw, 10.0, "fp4", num_stages=stages,  # type: ignore[arg-type]
-                    **kw)
-                assert torch.equal(piped, first), (block_n, warps, stages)
         alone = triton_routed_experts_quant(
             x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
         assert torch.equal(alone[0], out[0])
@@ -221,14 +175,13 @@ def test_flash_frag_tiles(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
 @pytest.mark.parametrize("N", [1, 8, 32])
 def test_flash_frag_fp8(N: int) -> None:
     """V4-Flash e4m3 experts in the frag loop on the GPU: against the reference; the plan's
-    launches, the other WK, BLOCK_M 8 and 3 / 4 stages give the same bits."""
+    launches, the other WK and BLOCK_M 8 give the same bits."""
     wts = make_weights(FLASH["E"], FLASH["d"], FLASH["inter"], "fp8")
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 2)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
     kw = {"variant": "frag", "deterministic": True}
     first = check(x, wts, idx, rw, 10.0, "fp8", block_m=1, **kw)
-    for knobs in ({"block_m": 1, "block_n": 16, "num_warps": 2}, {"block_m": 8},
-                  {"block_m": 1, "num_stages": 3}, {"block_m": 1, "num_stages": 4}):
+    for knobs in ({"block_m": 1, "block_n": 16, "num_warps": 2}, {"block_m": 8}):
         out = triton_routed_experts_quant(x, *wts, idx, rw, 10.0, "fp8",  # type: ignore[arg-type]
                                           **knobs, **kw)
         assert torch.equal(out, first), knobs

@@ -251,9 +251,11 @@ def test_plan() -> None:
     assert (p1.variant, p1.block_m, p1.block_k, p1.gate_up.num_warps) == \
         (VARIANTS["words"], 16, 256, 4)
     # decode: FP4 "frag" for bf16 x (nk <= 16 E), "fma" for fp32 x or fma knobs (nk <= E), the
-    # same fma launches at every N; past them (or frag_rows = fma_rows = 0) the MMA; FP8 keeps
-    # "scaled" (its fma loop is slower on the H200)
+    # same fma launches at every N; past them (or frag_rows = fma_rows = 0) the MMA; FP8 takes
+    # "frag" below half a row per expert and "scaled" from there (its fma loop is slower)
     assert plan_moe("fp8", None, torch.bfloat16, cpu, 6, 256, 2048, 4096).variant == \
+        VARIANTS["frag"]
+    assert plan_moe("fp8", None, torch.bfloat16, cpu, 192, 256, 2048, 4096).variant == \
         VARIANTS["scaled"]
     for dtype, name in ((torch.bfloat16, "frag"), (torch.float32, "fma")):
         plans = [plan_moe("fp4", None, dtype, cpu, nk, 256, 2048, 4096) for nk in (6, 96)]

@@ -53,27 +53,21 @@ _STEP = tl.constexpr(STEP)
 
 @triton.jit
 def _step(acc, x_row, w_lo, w_hi, s_row, s, q,  # type: ignore[no-untyped-def]
-          ASM: tl.constexpr, PIPE: tl.constexpr):
-    """acc + K step s: the lane's 32 k of rows lo / hi (8 code words each) against token g's.
-    PIPE > 1: the code words and the scale row's aligned word holding code s as `tl.load`s,
-    which the pipeliner copies PIPE - 1 steps ahead (`moe_frag_regs.ld4`)."""
+          ASM: tl.constexpr):
+    """acc + K step s: the lane's 32 k of rows lo / hi (8 code words each) against token g's."""
     k = s * _STEP + 32 * q
     xp = x_row + k // 2
     wl = w_lo + k // 4
     wh = w_hi + k // 4
-    x0, x1, x2, x3 = ld4(xp, ASM, 128, 1)
-    x4, x5, x6, x7 = ld4(xp + 4, ASM, 128, 1)
-    x8, x9, x10, x11 = ld4(xp + 8, ASM, 128, 1)
-    x12, x13, x14, x15 = ld4(xp + 12, ASM, 128, 1)
-    l0, l1, l2, l3 = ld4(wl, ASM, 128, PIPE)
-    l4, l5, l6, l7 = ld4(wl + 4, ASM, 128, PIPE)
-    h0, h1, h2, h3 = ld4(wh, ASM, 128, PIPE)
-    h4, h5, h6, h7 = ld4(wh + 4, ASM, 128, PIPE)
-    if PIPE > 1:
-        word = tl.load((s_row + (s // 4) * 4).to(tl.pointer_type(tl.uint32)))
-        code = (word >> (8 * (s % 4))) & 0xFF
-    else:
-        code = scale_code(s_row + s, ASM)
+    x0, x1, x2, x3 = ld4(xp, ASM, 128)
+    x4, x5, x6, x7 = ld4(xp + 4, ASM, 128)
+    x8, x9, x10, x11 = ld4(xp + 8, ASM, 128)
+    x12, x13, x14, x15 = ld4(xp + 12, ASM, 128)
+    l0, l1, l2, l3 = ld4(wl, ASM, 128)
+    l4, l5, l6, l7 = ld4(wl + 4, ASM, 128)
+    h0, h1, h2, h3 = ld4(wh, ASM, 128)
+    h4, h5, h6, h7 = ld4(wh + 4, ASM, 128)
+    code = scale_code(s_row + s, ASM)
     xs = (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     ls = (l0, l1, l2, l3, l4, l5, l6, l7)
     hs = (h0, h1, h2, h3, h4, h5, h6, h7)
@@ -109,7 +103,7 @@ def _out(c, row, tok, y_ptr, part_ptr, split, M, N,  # type: ignore[no-untyped-d
 def _fp8_frag_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, rows_g,
     stride_wn, stride_sn, steps_per_split, WN: tl.constexpr, SPLIT_K: tl.constexpr,
-    ASM: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr):
+    ASM: tl.constexpr, PDL: tl.constexpr):
     """y[tok, row] = sum_k x[tok, group(row), k] dequant(w)[row, k] for program (tile of 16 WN
     rows, K split); x bf16 with even strides (16-byte aligned rows), w uint8 codes."""
     pdl_enter(PDL)
@@ -134,8 +128,8 @@ def _fp8_frag_kernel(  # type: ignore[no-untyped-def]
     acc = (z, z, z, z)
     s_lo = split * steps_per_split
     s_hi = tl.minimum(K // _STEP, s_lo + steps_per_split)
-    for s in tl.range(s_lo, s_hi, num_stages=PIPE):            # K % 128 == 0: whole groups
-        acc = _step(acc, x_row, w_lo, w_hi, s_row, s, q, ASM, PIPE)
+    for s in range(s_lo, s_hi):                               # K % 128 == 0: whole groups
+        acc = _step(acc, x_row, w_lo, w_hi, s_row, s, q, ASM)
     t0, t1 = 2 * q, 2 * q + 1
     outs = ((acc[0], row, t0), (acc[1], row, t1), (acc[2], row + 8, t0), (acc[3], row + 8, t1))
     for i in tl.static_range(4):
@@ -152,18 +146,13 @@ def _fp8_frag_kernel(  # type: ignore[no-untyped-def]
 
 def frag_launch(x3: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
                 part: torch.Tensor, cnt: torch.Tensor, rows_g: int, block_n: int, splits: int,
-                steps_per_split: int, stages: int = 1) -> None:
+                steps_per_split: int) -> None:
     """Launch the kernel: x3 [M, g, K] bf16, w [N, K] codes, scale, y [M, N] out; part / cnt
-    the split-K workspace and counters (unused at one split); grid N tiles x splits. `stages` >
-    1: the weight and scale loads pipelined (`_step`); the scale rows must then be whole words
-    (raises ValueError)."""
+    the split-K workspace and counters (unused at one split); grid N tiles x splits."""
     M, _, K = x3.shape
-    if stages > 1 and (scale.data_ptr() % 4 or scale.stride(0) % 4):
-        raise ValueError("pipelined frag loads (num_stages > 1) read the scale rows as aligned "
-                         "words: their data and row stride must be multiples of 4 bytes")
     N = w.shape[0]
     _fp8_frag_kernel[(triton.cdiv(N, block_n) * splits,)](
         x3, w.view(torch.uint8), scale.view(torch.uint8), y, part, cnt, M, N, K, x3.stride(0),
         x3.stride(1), rows_g, w.stride(0), scale.stride(0), steps_per_split, WN=block_n // 16,
-        SPLIT_K=splits, ASM=x3.device.type == "cuda", PIPE=stages, num_warps=block_n // 16,
+        SPLIT_K=splits, ASM=x3.device.type == "cuda", num_warps=block_n // 16,
         **pdl_args(x3.device))

@@ -316,8 +316,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                              f"got {cnt.dtype} {cnt.numel()} on {cnt.device}")
         part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     if plan.frag:
-        frag_launch(x3, w, scale, y, part, cnt, N // groups, plan.block_n, splits, per,
-                    plan.num_stages)
+        frag_launch(x3, w, scale, y, part, cnt, N // groups, plan.block_n, splits, per)
         return y.view(shape)
     fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32
     u2 = x3[:, 0] if up is None else up.reshape(M, K)

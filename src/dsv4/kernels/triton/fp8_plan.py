@@ -51,7 +51,6 @@ NOSPLIT_PROGRAMS_PER_SM = 8  # ... and at most about this many programs per SM
 FRAG_BLOCK_N = 16           # frag path: weight rows per program (1 warp; H200 sweep at M = 8)
 FRAG_PROGRAMS_PER_SM = 16   # frag path: split-K target
 FRAG_MIN_STEPS = 2          # frag path: 128-k steps per split at least
-FRAG_MAX_STAGES = 4         # frag path: pipeline stages of its weight loads (a knob)
 # FMA_MAX_M, FMA_LIMIT_M, PROGRAMS_PER_SM, REDUCE_REGS: the skinny GEMM's (`gemv.py`), same plan
 
 
@@ -94,7 +93,7 @@ def plan_fp8_linear(M: int, N: int, K: int, num_sms: int, *, block_m: int | None
         frag = frag_ok and FMA_MAX_M < M <= FRAG_MAX_M and dot is None and kb is None \
             and block_m is None and num_stages is None
     if frag:
-        return _plan_frag(M, N, K, num_sms, block_n, split_k, num_warps, num_stages, frag_ok)
+        return _plan_frag(M, N, K, num_sms, block_n, split_k, num_warps, frag_ok)
     dot = M > FMA_MAX_M if dot is None else dot
     if not dot and M > FMA_LIMIT_M:
         raise ValueError(f"dot=False serves M <= {FMA_LIMIT_M}; got M = {M}")
@@ -156,14 +155,10 @@ def _nosplit_block_n(N: int, block_n: int, least: int, num_sms: int) -> int:
 
 
 def _plan_frag(M: int, N: int, K: int, num_sms: int, block_n: int | None, split_k: int | None,
-               num_warps: int | None, num_stages: int | None,
-               frag_ok: bool) -> Fp8LinearPlan:
+               num_warps: int | None, frag_ok: bool) -> Fp8LinearPlan:
     """The frag path's plan: BLOCK_N 16 x warps rows per program (FRAG_BLOCK_N), K split into
     whole 128-k steps until FRAG_PROGRAMS_PER_SM programs per SM, each split at least
-    FRAG_MIN_STEPS steps; num_stages 1 (default) or up to FRAG_MAX_STAGES (the weight loads
-    pipelined through shared memory: `fp8_frag.py`)."""
-    if num_stages is not None and not 1 <= num_stages <= FRAG_MAX_STAGES:
-        raise ValueError(f"frag=True takes num_stages 1..{FRAG_MAX_STAGES}; got {num_stages}")
+    FRAG_MIN_STEPS steps."""
     if not frag_ok or M > FRAG_MAX_M:
         raise ValueError(f"frag=True needs bf16 x with 16-byte aligned rows, K % {BLOCK} == 0 and "
                          f"M <= {FRAG_MAX_M}; got M = {M}, K = {K}")
@@ -176,5 +171,4 @@ def _plan_frag(M: int, N: int, K: int, num_sms: int, block_n: int | None, split_
         split_k = min(triton.cdiv(FRAG_PROGRAMS_PER_SM * num_sms, tiles),
                       max(1, steps // FRAG_MIN_STEPS))
     splits, _ = even_split(steps, split_k)
-    return Fp8LinearPlan(min(M, FRAG_MAX_M), bn, splits, bn // 16, num_stages or 1, False, 1,
-                         True)
+    return Fp8LinearPlan(min(M, FRAG_MAX_M), bn, splits, bn // 16, 1, False, 1, True)

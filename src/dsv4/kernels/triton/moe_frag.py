@@ -44,8 +44,7 @@ step's register work): the same values up to fp32 summation order.
 FP8 (`fp8`; e4m3 codes, 128 x 128 UE8M0 blocks): the same programs, lanes, steps and splits; a
 lane reads 32 codes (32 bytes) of each of its rows per K step, decoded as `fp8_frag.py` decodes
 them (`moe_frag_regs.matrix_step_fp8`), against activations repacked into the matching pairs;
-gate/up stores h in plain order. Both formats can pipeline their weight and scale loads through
-shared memory (the plan's num_stages > 1, `moe_frag_regs.ld4`).
+gate/up stores h in plain order.
 """
 
 from __future__ import annotations
@@ -166,7 +165,7 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
-    PIPE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    FP8: tl.constexpr, PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
     K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
@@ -182,16 +181,15 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
             stride_x // 2)
         ga, ga2, ua, ua2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         gb, gb2, ub, ub2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        for s in tl.range(0, tl.cdiv(K, _STEP * _VK), num_stages=PIPE):
+        for s in range(0, tl.cdiv(K, _STEP * _VK)):
             ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
                                             s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
-                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE,
-                                            FP8)
+                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
             if WK == 2:
                 gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
                                                 s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
                                                 stride_we, stride_wn, stride_se, stride_sn, NT,
-                                                ASM, L2PF, PIPE, FP8)
+                                                ASM, L2PF, FP8)
         for j in tl.static_range(NT):          # column set j: tile rows 8j ..
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
@@ -210,7 +208,7 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
     NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
-    PIPE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    FP8: tl.constexpr, PDL: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
     added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
     pdl_enter(PDL)
@@ -222,14 +220,13 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
         h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
         a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        for s in tl.range(0, tl.cdiv(K, _STEP * _VK), num_stages=PIPE):
+        for s in range(0, tl.cdiv(K, _STEP * _VK)):
             a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
-                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE,
-                              FP8)
+                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
             if WK == 2:
                 b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
                                   K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
-                                  PIPE, FP8)
+                                  FP8)
         for j in tl.static_range(NT):
             for i in tl.static_range(4):
                 p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
@@ -256,10 +253,6 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     if fp8 and (x.shape[1] % 32 or w1.shape[1] % 32):
         raise ValueError(f"fp8 variant 'frag' reads 32-k groups: d and I must be multiples of "
                          f"32; got {x.shape[1]}, {w1.shape[1]}")
-    if plan.num_stages > 1 and any(t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4
-                                   for t in (s1, s3, s2)):
-        raise ValueError("pipelined frag loads (num_stages > 1) read the scale rows as aligned "
-                         "words: their data and strides must be multiples of 4 bytes")
     flat = indices.reshape(-1)
     slots = tiles is None
     nt = 1 if slots else plan.block_m // 8         # MMA column sets of 8 tile rows
@@ -273,13 +266,13 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
-        PIPE=plan.num_stages, FP8=fp8, num_warps=wk * wn, **pdl_args(x.device),
+        FP8=fp8, num_warps=wk * wn, **pdl_args(x.device),
     )
     wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
-        PIPE=plan.num_stages, FP8=fp8, num_warps=wk * wn, **pdl_args(h.device),
+        FP8=fp8, num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

@@ -19,21 +19,13 @@ _VK = tl.constexpr(FRAG_SPLITS)
 
 
 @triton.jit
-def ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr,  # type: ignore[no-untyped-def]
-        PIPE: tl.constexpr):
-    """The 4 uint32 words at ptr (16-byte aligned; ptr a 4-D pointer tensor): one vector load
-    per thread on the GPU, with the L2 prefetch-size hint L2PF (128 or 256 bytes: the aligned
-    block around the 16 bytes is fetched into L2, where the neighbouring K splits' warps find
-    it). PIPE > 1: one `tl.load` of the 4 words instead, which Triton's software pipeliner turns
-    into a 16-byte cp.async PIPE - 1 K steps ahead into shared memory (sm_90 SASS: LDGSTS.128,
-    then LDS.128), so the bytes in flight cost no registers."""
-    if PIPE > 1:
-        w = tl.load(tl.expand_dims(ptr, 4) + tl.arange(0, 4)[None, None, None, None, :])
-        w = tl.reshape(w, (w.shape[0], w.shape[1], w.shape[2], w.shape[3], 2, 2))
-        even, odd = tl.split(w)                  # words (0, 2) and (1, 3)
-        w0, w2 = tl.split(even)
-        w1, w3 = tl.split(odd)
-    elif ASM:
+def ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The 4 uint32 words at ptr (16-byte aligned): one vector load per thread on the GPU, with
+    the L2 prefetch-size hint L2PF (128 or 256 bytes: the aligned block around the 16 bytes is
+    fetched into L2, where the neighbouring K splits' warps find it). Inline PTX, not `tl.load`:
+    a `tl.load` anchors a layout, and the inline MMA needs every tensor in the default lane grid
+    (`moe_frag.py`); on the H200 `tl.load`s here gave wrong products."""
+    if ASM:
         if L2PF == 256:
             w0, w1, w2, w3 = tl.inline_asm_elementwise(
                 "ld.global.nc.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
@@ -56,16 +48,6 @@ def scale_code(ptr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     else:
         c = tl.load(ptr).to(tl.uint32)
     return c
-
-
-@triton.jit
-def group_code(row_ptr, k):  # type: ignore[no-untyped-def]
-    """The scale code (as uint32) of the 32-k group at k of the scale row at row_ptr for the
-    pipelined loop (`ld4`'s PIPE): the row's aligned word holding it (groups 4j .. 4j + 3 are
-    bytes 0..3 of word j = k // 128), one `tl.load` the pipeliner can copy ahead (cp.async takes
-    4, 8 or 16 bytes), then byte (k // 32) % 4 of it. The row must be 4-byte aligned."""
-    word = tl.load((row_ptr + (k // 128) * 4).to(tl.pointer_type(tl.uint32)))
-    return (word >> ((k // 32) % 4 * 8).to(tl.uint32)) & 0xFF
 
 
 @triton.jit
@@ -117,10 +99,10 @@ def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr,  # type: ignore[
     """The lane's B registers for its 32-k group at k (4 words x 4 pairs): the activations
     x[k .. k + 32) of the row at row_ptr (uint32 words of bf16 pairs; `_b_word`)."""
     p = row_ptr + k // 2
-    a0, a1, a2, a3 = ld4(p, ASM, L2PF, 1)
-    a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF, 1)
-    a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF, 1)
-    a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF, 1)
+    a0, a1, a2, a3 = ld4(p, ASM, L2PF)
+    a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF)
+    a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF)
+    a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF)
     return (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
             _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
 
@@ -199,23 +181,18 @@ def mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unty
 @triton.jit
 def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
                  b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                 ASM: tl.constexpr, L2PF: tl.constexpr, PIPE: tl.constexpr):
+                 ASM: tl.constexpr, L2PF: tl.constexpr):
     """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
     (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
     8 more with b2 (columns 8..15) on the same A fragments."""
     base = w_ptr + e * stride_we
     wl0, wl1, wl2, wl3 = ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
-                              ASM, L2PF, PIPE)
+                              ASM, L2PF)
     wh0, wh1, wh2, wh3 = ld4((base + hi * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
-                              ASM, L2PF, PIPE)
-    if PIPE > 1:
-        sbase = s_ptr + e * stride_se
-        cl = group_code(sbase + lo * stride_sn, k)
-        ch = group_code(sbase + hi * stride_sn, k)
-    else:
-        sbase = s_ptr + e * stride_se + k // 32
-        cl = scale_code(sbase + lo * stride_sn, ASM)
-        ch = scale_code(sbase + hi * stride_sn, ASM)
+                              ASM, L2PF)
+    sbase = s_ptr + e * stride_se + k // 32
+    cl = scale_code(sbase + lo * stride_sn, ASM)
+    ch = scale_code(sbase + hi * stride_sn, ASM)
     for w in tl.static_range(4):
         wl = (wl0, wl1, wl2, wl3)[w]
         wh = (wh0, wh1, wh2, wh3)[w]
@@ -274,44 +251,38 @@ def b_pairs_fp8(row_ptr, k, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ign
     """The lane's B registers for its 32 k at k against FP8 codes: 8 (b0, b1) pairs (`b_pair`)
     from the row's bf16 words x[k .. k + 32) (plain order)."""
     p = row_ptr + k // 2
-    a0, a1, a2, a3 = ld4(p, ASM, L2PF, 1)
-    a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF, 1)
-    a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF, 1)
-    a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF, 1)
+    a0, a1, a2, a3 = ld4(p, ASM, L2PF)
+    a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF)
+    a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF)
+    a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF)
     return (b_pair(a0, a1, ASM), b_pair(a2, a3, ASM), b_pair(a4, a5, ASM), b_pair(a6, a7, ASM),
             b_pair(a8, a9, ASM), b_pair(a10, a11, ASM), b_pair(a12, a13, ASM),
             b_pair(a14, a15, ASM))
 
 
 @triton.jit
-def fp8_code(row_ptr, k, ASM: tl.constexpr, PIPE: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The UE8M0 code of the 128-k block at k of the FP8 scale row at row_ptr: a byte load, or
-    (PIPE > 1) byte (k // 128) % 4 of the row's aligned word (k // 512): `group_code`'s reason."""
-    if PIPE > 1:
-        word = tl.load((row_ptr + (k // 512) * 4).to(tl.pointer_type(tl.uint32)))
-        c = (word >> ((k // 128) % 4 * 8).to(tl.uint32)) & 0xFF
-    else:
-        c = scale_code(row_ptr + k // 128, ASM)
-    return c
+def fp8_code(row_ptr, k, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The UE8M0 code of the 128-k block at k of the FP8 scale row at row_ptr."""
+    return scale_code(row_ptr + k // 128, ASM)
 
 
 @triton.jit
 def matrix_step_fp8(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
                     b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                    ASM: tl.constexpr, L2PF: tl.constexpr, PIPE: tl.constexpr):
+                    ASM: tl.constexpr, L2PF: tl.constexpr):
     """`matrix_step` for e4m3 codes: the lane's 32 codes at k of rows lo / hi (8 words each, two
     16-byte loads), each row's 128 x 128 block code, 8 MMAs with the B pairs b (`b_pairs_fp8`;
     NT 2: 8 more with b2)."""
     base = w_ptr + e * stride_we
     rl = (base + lo * stride_wn + k).to(tl.pointer_type(tl.uint32))
     rh = (base + hi * stride_wn + k).to(tl.pointer_type(tl.uint32))
-    l0, l1, l2, l3 = ld4(rl, ASM, L2PF, PIPE)
-    l4, l5, l6, l7 = ld4(rl + 4, ASM, L2PF, PIPE)
-    h0, h1, h2, h3 = ld4(rh, ASM, L2PF, PIPE)
-    h4, h5, h6, h7 = ld4(rh + 4, ASM, L2PF, PIPE)
+    l0, l1, l2, l3 = ld4(rl, ASM, L2PF)
+    l4, l5, l6, l7 = ld4(rl + 4, ASM, L2PF)
+    h0, h1, h2, h3 = ld4(rh, ASM, L2PF)
+    h4, h5, h6, h7 = ld4(rh + 4, ASM, L2PF)
     sbase = s_ptr + e * stride_se
-    cl = fp8_code(sbase + (lo // 128) * stride_sn, k, ASM, PIPE)
-    ch = fp8_code(sbase + (hi // 128) * stride_sn, k, ASM, PIPE)
+    cl = fp8_code(sbase + (lo // 128) * stride_sn, k, ASM)
+    ch = fp8_code(sbase + (hi // 128) * stride_sn, k, ASM)
     ls = (l0, l1, l2, l3, l4, l5, l6, l7)
     hs = (h0, h1, h2, h3, h4, h5, h6, h7)
     for w in tl.static_range(8):
@@ -338,7 +309,7 @@ def lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
 def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
                   s1_ptr, s3_ptr, e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se,
                   stride_sn, NT: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr,
-                  PIPE: tl.constexpr, FP8: tl.constexpr):
+                  FP8: tl.constexpr):
     """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15);
     FP8: e4m3 codes (`matrix_step_fp8`), else FP4."""
     k, ok = lane_k(s, v, q, K)
@@ -346,23 +317,23 @@ def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no
         bf = b_pairs_fp8(x_row, k, ASM, L2PF)
         bf2 = b_pairs_fp8(x_row2, k, ASM, L2PF) if NT == 2 else bf
         g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
-                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
         u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
-                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
     else:
         b = b_regs(x_row, k, False, ASM, L2PF)
         b2 = b_regs(x_row2, k, False, ASM, L2PF) if NT == 2 else b
         g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
         u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
     return g, g2, u, u2
 
 
 @triton.jit
 def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
                s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-               ASM: tl.constexpr, L2PF: tl.constexpr, PIPE: tl.constexpr, FP8: tl.constexpr):
+               ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr):
     """(a, a2) + K step s of virtual split v (a2: columns 8..15); FP8: e4m3 codes, h in plain
     order (the FP4 loop's gate/up stores it paired: `b_regs`)."""
     k, ok = lane_k(s, v, q, K)
@@ -370,10 +341,10 @@ def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-
         bf = b_pairs_fp8(h_row, k, ASM, L2PF)
         bf2 = b_pairs_fp8(h_row2, k, ASM, L2PF) if NT == 2 else bf
         a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
-                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
     else:
         b = b_regs(h_row, k, True, ASM, L2PF)
         b2 = b_regs(h_row2, k, True, ASM, L2PF) if NT == 2 else b
         a, a2 = matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                            stride_se, stride_sn, NT, ASM, L2PF, PIPE)
+                            stride_se, stride_sn, NT, ASM, L2PF)
     return a, a2

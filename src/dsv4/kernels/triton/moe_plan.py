@@ -13,21 +13,23 @@ weight byte in the K loop of the sm_90 SASS (`benchmarks/aot_compile_sm90.py`, V
 BLOCK_N 64: FP4 "words" ~9, "scaled" ~15, "dot_scaled" ~18, "split" ~47; FP8 ~4; bf16 ~0.8).
 "dot_scaled" feeds the activations to the MMA as bf16, so it refuses fp32 activations (a float32
 model; the others run fp32 dots for them, exact).
-"frag" (`moe_frag.py`: FP4 decoded into mma.sync register fragments) is FP4's default for bf16
-activations while the mean rows per expert is at most `frag_rows` (default FRAG_MAX_MEAN_ROWS = 16:
-V4-Flash up to N = 682 at k 6), from shapes only: one slot per program (BLOCK_M 1, no tile map)
-below FRAG_TILE_MEAN_ROWS = 1/2 row per expert, then tiles of up to 8 rows of one expert sharing
-each MMA (its 8 columns), from FRAG_WIDE_MEAN_ROWS = 8 tiles of 16 (two MMAs per decoded A
-fragment); all give a row the same bits, and so do the launches (FRAG_LAUNCHES per BLOCK_M). "fma"
-(`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's default for fp32 / fp16 activations
-or the fma knobs (block_m 2 / 4, block_k, stages, prefetch) while the mean rows per expert is at
-most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where a 16-row tl.dot tile would hold ~1
-real row). On the H200 at V4-Flash's experts FP4 frag is 1.1-1.2x faster than fma at N = 1 and 8 and
-2.3x faster than "words" at N = 128; fma is 2-3x faster than "words" at N = 1 to 32, while FP8's fma
-ties "scaled", so FP8 keeps "scaled" (benchmarks/results/quant_moe_h200_202612.md). The fma tiles
-are fixed (`_plan_fma`: BLOCK_M 1, BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage,
-no register prefetch), the same at every N; `prefetch=True` issues each K step's next loads first (a
-knob: no faster there).
+"frag" (`moe_frag.py`: FP4 or e4m3 codes decoded into mma.sync register fragments) is FP4's
+default for bf16 activations while the mean rows per expert is at most `frag_rows` (default
+FRAG_MAX_MEAN_ROWS = 16: V4-Flash up to N = 682 at k 6), and FP8's below FRAG_FP8_MAX_MEAN_ROWS
+= 1/2 (its one-slot programs: faster than "scaled" at V4-Flash N = 1 and 8 on the H200, slower in
+tiles of 8 at N = 32; benchmarks/results/quant_moe_h200_202612.md), from shapes only: one slot
+per program (BLOCK_M 1, no tile map) below FRAG_TILE_MEAN_ROWS = 1/2 row per expert, then tiles
+of up to 8 rows of one expert sharing each MMA (its 8 columns), from FRAG_WIDE_MEAN_ROWS = 8 tiles
+of 16 (two MMAs per decoded A fragment); all give a row the same bits, and so do the launches
+(FRAG_LAUNCHES per BLOCK_M). "fma" (`moe_fma.py`: FP4 / FP8 on the CUDA cores, no tl.dot) is FP4's
+default for fp32 / fp16 activations or the fma knobs (block_m 2 / 4, block_k, stages, prefetch)
+while the mean rows per expert is at most `fma_rows` (default FMA_MAX_MEAN_ROWS = 1: nk <= E, where
+a 16-row tl.dot tile would hold ~1 real row). On the H200 at V4-Flash's experts FP4 frag is 1.1-1.2x
+faster than fma at N = 1 and 8 and 2.3x faster than "words" at N = 128; fma is 2-3x faster than
+"words" at N = 1 to 32, while FP8's fma ties "scaled", so FP8 keeps "scaled" past frag's regime
+(benchmarks/results/quant_moe_h200_202612.md). The fma tiles are fixed (`_plan_fma`: BLOCK_M 1,
+BLOCK_N 32, BLOCK_K 256 / 128 bytes of a row, 4 warps, 1 stage, no register prefetch), the same at
+every N; `prefetch=True` issues each K step's next loads first (a knob: no faster there).
 SASS K loop (V4-Flash, BLOCK_N 32, Triton 3.6): FP4 ~8 instructions per weight byte, FP8 ~3.4.
 
 Tiles. BLOCK_K: one step reads 128 bytes of each weight row (full 128-byte lines): FP4 256 (64
@@ -59,7 +61,6 @@ its rows can change between N = 1 and N = 8). FP4 "words" / "scaled" stay on mma
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -80,10 +81,8 @@ FRAG_ROWS = 16               # "frag": weight rows per warp (the m of m16n8k16)
 FRAG_MAX_MEAN_ROWS = 16.0    # default loop "frag" (FP4, bf16 x) while nk <= this * num_experts
 FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M 8 (a tile map) from nk >= this * E
 FRAG_WIDE_MEAN_ROWS = 8.0    # ... and BLOCK_M 16 (two MMAs per A fragment) from this * E
+FRAG_FP8_MAX_MEAN_ROWS = FRAG_TILE_MEAN_ROWS   # FP8 (bf16 x): "frag" below this * E (BLOCK_M 1)
 FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order (any WK)
-FRAG_MAX_STAGES = 4          # "frag": pipeline stages of the loads (`_plan_frag`)
-FRAG_STAGES = {1: 1, 8: 1, 16: 1}      # "frag": the default stages per BLOCK_M (`frag_stages`)
-FRAG_STAGES_ENV = "DSV4_FRAG_STAGES"   # "frag": the default stages (`frag_stages`)
 # "frag": ((block_n, warps) of gate/up, of down) per BLOCK_M: block_n / 16 warps across the rows,
 # WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
 FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
@@ -141,6 +140,10 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
     frag_knobs = block_m in (None, 1, 8, 16) and block_k is None and num_stages is None
     if (variant is None and fmt == "fp4" and x_dtype == torch.bfloat16 and frag_knobs
             and not prefetch and nk <= frag_rows * num_experts):
+        name = "frag"
+    elif (variant is None and fmt == "fp8" and x_dtype == torch.bfloat16 and frag_knobs
+            and not prefetch and nk < FRAG_FP8_MAX_MEAN_ROWS * num_experts
+            and d % 32 == 0 and inter % 32 == 0):
         name = "frag"
     elif (variant is None and fmt == "fp4" and nk <= fma_rows * num_experts
             and block_m in (None, 1, 2, 4) and fits):
@@ -210,18 +213,15 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map), 8 or 16 (a
     tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x WN rows,
     num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits); no BLOCK_K,
-    prefetch knob. `num_stages` (default `frag_stages(bm)`): 1 = the loads as inline PTX in the
-    loop; 2..FRAG_MAX_STAGES = `tl.load`s that Triton's pipeliner copies num_stages - 1 K steps
-    ahead into shared memory (cp.async; `moe_frag_regs.ld4`), the same values, so the same bits.
-    Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
+    stages or prefetch knobs. Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
     (benchmarks/results/quant_moe_h200_202612.md), and gate/up at FRAG_DEEP_GATE_UP when `deep`
     (so few slots that FRAG_LAUNCHES[1] would leave the SMs short of warps); a knob pins both
     launches. The launches never change a row's bits: the splits' order is fixed."""
     if block_m not in (None, 1, 8, 16) or block_k not in (None, FRAG_STEP) \
-            or num_stages not in (None, *range(1, FRAG_MAX_STAGES + 1)) or prefetch:
-        raise ValueError(f"variant 'frag' takes block_m 1, 8 or 16, block_k {FRAG_STEP}, "
-                         f"num_stages 1..{FRAG_MAX_STAGES} and no prefetch; got {block_m}, "
-                         f"{block_k}, {num_stages}, {prefetch}")
+            or num_stages not in (None, 1) or prefetch:
+        raise ValueError(f"variant 'frag' takes block_m 1, 8 or 16, block_k {FRAG_STEP}, one "
+                         f"stage and no prefetch; got {block_m}, {block_k}, {num_stages}, "
+                         f"{prefetch}")
     bm = block_m or 1
     gate_up, down = FRAG_LAUNCHES[bm]
     launches = []
@@ -229,21 +229,7 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
         bn, warps = block_n or default_bn, num_warps or default_warps
         frag_warps(bn, warps)
         launches.append(Launch(bn, warps))
-    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, num_stages or frag_stages(bm), launches[0],
-                   launches[1])
-
-
-def frag_stages(block_m: int) -> int:
-    """The frag loop's default pipeline stages at `block_m`: DSV4_FRAG_STAGES where set ("1" ..
-    FRAG_MAX_STAGES: the A/B switch of the benchmarks), else FRAG_STAGES[block_m]. Raises
-    ValueError on another value."""
-    value = os.environ.get(FRAG_STAGES_ENV)
-    if value is None:
-        return FRAG_STAGES[block_m]
-    allowed = [str(n) for n in range(1, FRAG_MAX_STAGES + 1)]
-    if value not in allowed:
-        raise ValueError(f"{FRAG_STAGES_ENV} must be one of {allowed}; got {value!r}")
-    return int(value)
+    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, 1, launches[0], launches[1])
 
 
 def frag_warps(block_n: int, num_warps: int) -> tuple[int, int]:
