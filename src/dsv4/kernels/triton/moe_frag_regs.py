@@ -1,10 +1,11 @@
 """One K step of the routed experts' "frag" loop in registers (kernels/triton/moe_frag.py, whose
 docstring has the fragment layout): the lane's vector loads, the B registers from bf16
-activation words, the FP4 words decoded into scaled bf16 pairs (A registers) and the m16n8k16 MMA
-as inline PTX, or, without it (the interpreter), the same fragments as fp32 pairs and the MMA
-emulated in fp32 (`cols`). Every tensor is in the [WK, WN, 8, 4] lane grid, one element per
-thread. The kernels' K steps (`gate_up_step`, `down_step`: loads, then decode and MMAs) are
-here too.
+activation words, the FP4 words (or e4m3 words: `fp8_pairs`, shared with `fp8_frag.py`) decoded
+into scaled bf16 pairs (A registers) and the m16n8k16 MMA as inline PTX, or, without it (the
+interpreter), the same fragments as fp32 pairs and the MMA emulated in fp32 (`cols`). Every tensor
+is in the [WK, WN, 8, 4] lane grid, one element per thread; the loads are inline PTX too, since a
+`tl.load` would anchor another layout (`ld4`). The kernels' K steps (`gate_up_step`,
+`down_step`: loads, then decode and MMAs) are here too.
 """
 
 from __future__ import annotations
