@@ -332,9 +332,8 @@ class Attention(nn.Module):
 
         With `ctx.side_stream` the compressors (they read x only; and the indexer's
         weights_proj where no fused GEMM carries it) and then the indexer (after q_lat; unfused,
-        its query projection too, beside wq_b) run on the side stream while the
-        query and window-KV path runs on the main one; joined before the attention
-        (`model/streams.py`)."""
+        its query projection too, beside wq_b) run on the side stream while the query and
+        window-KV path runs on the main one; joined before the attention (`model/streams.py`)."""
         T, x = x.shape[1], x[0]                                               # x: [T, d]
         stream = ctx.side_stream if self.compressor is not None else None
         with side(stream):

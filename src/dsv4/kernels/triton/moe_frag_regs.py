@@ -96,16 +96,23 @@ def prmt_hi(a, b):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr,  # type: ignore[no-untyped-def]
-           L2PF: tl.constexpr):
-    """The lane's B registers for its 32-k group at k (4 words x 4 pairs): the activations
-    x[k .. k + 32) of the row at row_ptr (uint32 words of bf16 pairs; `_b_word`)."""
+           L2PF: tl.constexpr, FP8: tl.constexpr):
+    """The lane's B registers for its 32-k group at k: the activations x[k .. k + 32) of the row
+    at row_ptr (uint32 words of bf16 pairs) as 4 words x 4 pairs (`_b_word`), or against e4m3
+    codes (FP8; plain order) as 8 (b0, b1) pairs (`b_pair`)."""
     p = row_ptr + k // 2
     a0, a1, a2, a3 = ld4(p, ASM, L2PF)
     a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF)
     a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF)
     a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF)
-    return (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
-            _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
+    if FP8:
+        b = (b_pair(a0, a1, ASM), b_pair(a2, a3, ASM), b_pair(a4, a5, ASM), b_pair(a6, a7, ASM),
+             b_pair(a8, a9, ASM), b_pair(a10, a11, ASM), b_pair(a12, a13, ASM),
+             b_pair(a14, a15, ASM))
+    else:
+        b = (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
+             _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
+    return b
 
 
 @triton.jit
@@ -248,20 +255,6 @@ def b_pair(x0, x1, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def b_pairs_fp8(row_ptr, k, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The lane's B registers for its 32 k at k against FP8 codes: 8 (b0, b1) pairs (`b_pair`)
-    from the row's bf16 words x[k .. k + 32) (plain order)."""
-    p = row_ptr + k // 2
-    a0, a1, a2, a3 = ld4(p, ASM, L2PF)
-    a4, a5, a6, a7 = ld4(p + 4, ASM, L2PF)
-    a8, a9, a10, a11 = ld4(p + 8, ASM, L2PF)
-    a12, a13, a14, a15 = ld4(p + 12, ASM, L2PF)
-    return (b_pair(a0, a1, ASM), b_pair(a2, a3, ASM), b_pair(a4, a5, ASM), b_pair(a6, a7, ASM),
-            b_pair(a8, a9, ASM), b_pair(a10, a11, ASM), b_pair(a12, a13, ASM),
-            b_pair(a14, a15, ASM))
-
-
-@triton.jit
 def fp8_code(row_ptr, k, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
     """The UE8M0 code of the 128-k block at k of the FP8 scale row at row_ptr."""
     return scale_code(row_ptr + k // 128, ASM)
@@ -272,8 +265,8 @@ def matrix_step_fp8(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[n
                     b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
                     ASM: tl.constexpr, L2PF: tl.constexpr):
     """`matrix_step` for e4m3 codes: the lane's 32 codes at k of rows lo / hi (8 words each, two
-    16-byte loads), each row's 128 x 128 block code, 8 MMAs with the B pairs b (`b_pairs_fp8`;
-    NT 2: 8 more with b2)."""
+    16-byte loads), each row's 128 x 128 block code, 8 MMAs with the B pairs b (`b_regs`' FP8
+    form; NT 2: 8 more with b2)."""
     base = w_ptr + e * stride_we
     rl = (base + lo * stride_wn + k).to(tl.pointer_type(tl.uint32))
     rh = (base + hi * stride_wn + k).to(tl.pointer_type(tl.uint32))
@@ -315,15 +308,15 @@ def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no
     FP8: e4m3 codes (`matrix_step_fp8`), else FP4."""
     k, ok = lane_k(s, v, q, K)
     if FP8:
-        bf = b_pairs_fp8(x_row, k, ASM, L2PF)
-        bf2 = b_pairs_fp8(x_row2, k, ASM, L2PF) if NT == 2 else bf
+        bf = b_regs(x_row, k, False, ASM, L2PF, True)
+        bf2 = b_regs(x_row2, k, False, ASM, L2PF, True) if NT == 2 else bf
         g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
         u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
     else:
-        b = b_regs(x_row, k, False, ASM, L2PF)
-        b2 = b_regs(x_row2, k, False, ASM, L2PF) if NT == 2 else b
+        b = b_regs(x_row, k, False, ASM, L2PF, False)
+        b2 = b_regs(x_row2, k, False, ASM, L2PF, False) if NT == 2 else b
         g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
                             stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
         u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
@@ -339,13 +332,13 @@ def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-
     order (the FP4 loop's gate/up stores it paired: `b_regs`)."""
     k, ok = lane_k(s, v, q, K)
     if FP8:
-        bf = b_pairs_fp8(h_row, k, ASM, L2PF)
-        bf2 = b_pairs_fp8(h_row2, k, ASM, L2PF) if NT == 2 else bf
+        bf = b_regs(h_row, k, False, ASM, L2PF, True)
+        bf2 = b_regs(h_row2, k, False, ASM, L2PF, True) if NT == 2 else bf
         a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
     else:
-        b = b_regs(h_row, k, True, ASM, L2PF)
-        b2 = b_regs(h_row2, k, True, ASM, L2PF) if NT == 2 else b
+        b = b_regs(h_row, k, True, ASM, L2PF, False)
+        b2 = b_regs(h_row2, k, True, ASM, L2PF, False) if NT == 2 else b
         a, a2 = matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
                             stride_se, stride_sn, NT, ASM, L2PF)
     return a, a2
