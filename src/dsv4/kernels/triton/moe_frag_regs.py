@@ -109,9 +109,10 @@ def b_regs(row_ptr, k, PAIRED: tl.constexpr, ASM: tl.constexpr,  # type: ignore[
         b = (b_pair(a0, a1, ASM), b_pair(a2, a3, ASM), b_pair(a4, a5, ASM), b_pair(a6, a7, ASM),
              b_pair(a8, a9, ASM), b_pair(a10, a11, ASM), b_pair(a12, a13, ASM),
              b_pair(a14, a15, ASM))
-    else:
-        b = (_b_word(a0, a1, a2, a3, PAIRED, ASM), _b_word(a4, a5, a6, a7, PAIRED, ASM),
-             _b_word(a8, a9, a10, a11, PAIRED, ASM), _b_word(a12, a13, a14, a15, PAIRED, ASM))
+    else:   # (a constexpr branch: the tuples' lengths differ by design)
+        b = (_b_word(a0, a1, a2, a3, PAIRED, ASM),  # type: ignore[assignment]
+             _b_word(a4, a5, a6, a7, PAIRED, ASM), _b_word(a8, a9, a10, a11, PAIRED, ASM),
+             _b_word(a12, a13, a14, a15, PAIRED, ASM))
     return b
 
 
