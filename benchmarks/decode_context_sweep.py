@@ -101,9 +101,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's fused projection groups (default: on, as the engine's)")
     p.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's one-launch decode GEMVs (default: on, as the engine's)")
-    p.add_argument("--pdl-early-max-batch", type=int, default=0,
+    p.add_argument("--pdl-early-max-batch", type=int,
+                   default=EngineConfig.pdl_early_max_batch,
                    help="decode graphs of batch buckets up to this size in PDL's EARLY mode "
-                   "(default 0, as the engine's)")
+                   "(default: the engine's)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")

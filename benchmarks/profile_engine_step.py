@@ -63,7 +63,8 @@ def main() -> None:
                    help="hot entries per request and C4 layer (default: the engine's)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 experts, FP8 linears, bf16 compressor projections")
-    p.add_argument("--pdl-early-max-batch", type=int, default=0,
+    p.add_argument("--pdl-early-max-batch", type=int,
+                   default=EngineConfig.pdl_early_max_batch,
                    help="decode graphs of batch <= this in PDL's EARLY mode (EngineConfig)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),

@@ -176,11 +176,13 @@ def test_cuda_graph_max_bs_is_validated() -> None:
 
 def test_pdl_early_buckets() -> None:
     """Buckets up to `pdl_early_max_batch` are captured in PDL's EARLY mode, the rest in
-    DSV4_PDL's (None); a negative or non-integer bound is refused."""
+    DSV4_PDL's (None); by default EARLY up to 8 requests; a bad bound is refused."""
     from dsv4.config.engine import EngineConfig
 
     assert [graph_pdl_mode(b, 2) for b in (1, 2, 4, 8)] == [EARLY, EARLY, None, None]
     assert graph_pdl_mode(1, 0) is None
+    default = EngineConfig().pdl_early_max_batch    # EARLY for the small decode graphs only
+    assert graph_pdl_mode(1, default) == EARLY and graph_pdl_mode(32, default) is None
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="pdl_early_max_batch"):
             EngineConfig(pdl_early_max_batch=bad)  # type: ignore[arg-type]

@@ -192,17 +192,21 @@ def rope_tables(T: int, rd: int, seed: int, device: str = DEVICE) -> tuple[torch
 @pytest.mark.parametrize("rd", [8, 32], ids=["rope-slice", "rope-whole-head"])
 def test_inverse_rope_in_the_store(num_splits: int, dtype: torch.dtype, rd: int) -> None:
     """`inverse_rope`: the output de-rotated in the kernel's store (or the split combine's) is
-    `rope_inverse` of the plain output: bit for bit in fp32 (the interpreter has no FMA
-    contraction), within one rounding in bf16 (the interpreter's float -> bf16 cast truncates,
-    torch's rounds to nearest); and the reference's with the same argument to the tolerance."""
+    `rope_inverse` of the plain output: bit for bit in fp32 on the interpreter (no FMA
+    contraction; on the GPU the compiler fuses the rotation's multiply-adds, a rounding apart),
+    within one rounding in bf16 (the interpreter's float -> bf16 cast truncates, torch's rounds
+    to nearest); and the reference's with the same argument to the tolerance."""
     q, sources, sink = make_case(Spec(5, 8, 32, 8, "c4", k=16, decode=True, last=90), dtype)
     cos, sin = rope_tables(5, rd, rd)
     scale = 32 ** -0.5
     plain = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=num_splits)
     got = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=num_splits,
                                   inverse_rope=(cos, sin))
-    if dtype == torch.float32:
+    if dtype == torch.float32 and DEVICE == "cpu":
         assert torch.equal(got, rope_inverse(plain, cos, sin))
+    elif dtype == torch.float32:
+        assert_close(got, rope_inverse(plain, cos, sin), 1e-6)
+        assert torch.equal(got[..., :32 - rd], plain[..., :32 - rd]), "no-RoPE channels"
     else:
         assert_close(got, rope_inverse(plain, cos, sin), 8e-3)
         assert torch.equal(got[..., :32 - rd], plain[..., :32 - rd]), "no-RoPE channels"

@@ -142,10 +142,11 @@ class EngineConfig:
     reduce. Outputs equal to GEMM rounding. Not applied in the invariant modes (as above).
     `pdl_early_max_batch`: decode graphs of batch buckets up to this size are captured with
     PDL's EARLY mode (`kernels/triton/pdl.py`: a kernel's dependents are scheduled while it runs),
-    the larger ones in `DSV4_PDL`'s mode (WAIT by default). On the H200 EARLY sped up the batch-1
-    flash-4l step and slowed the batch-32 one (`benchmarks/results/quant_moe_h200_202612.md`).
-    0 (default): every graph in DSV4_PDL's mode. Same outputs either way (PDL changes when a
-    kernel starts, not what it reads); each mode compiles its own kernel variants.
+    the larger ones in `DSV4_PDL`'s mode (WAIT by default). 8 (default): EARLY speeds up the
+    small decode steps (the batch-1 flash-4l step on the H200 and the H100) and slows the
+    batch-32 one (`benchmarks/results/quant_moe_h200_202612.md`); 0: every graph in DSV4_PDL's
+    mode. Same outputs either way (PDL changes when a kernel starts, not what it reads); each
+    mode compiles its own kernel variants.
     """
 
     page_size: int = 256
@@ -174,7 +175,7 @@ class EngineConfig:
     hisparse_device_entries: int | None = None
     fuse_projections: bool = True
     decode_gemv: bool = True
-    pdl_early_max_batch: int = 0
+    pdl_early_max_batch: int = 8
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
