@@ -1,5 +1,5 @@
-"""Shared pieces of the kernel benchmarks: the H200 copy-rate anchor, CUDA-graph timing, the table,
-the JSON line.
+"""Shared pieces of the kernel benchmarks: the device's copy-rate anchor, CUDA-graph timing, the
+table, the JSON line.
 
 Imported by the `bench_*.py` scripts of this folder (run as
 `python3 benchmarks/kernels/bench_X.py`, so this folder is on sys.path).
@@ -18,7 +18,40 @@ from typing import Any
 
 import torch
 
-HBM_BYTES_PER_S = 4.275e12       # measured device copy on the H200 (docs/DESIGN.md §3)
+# Measured device-to-device copy rates (read + write), the byte floors' anchor, by device name:
+# the H200's (docs/DESIGN.md §3) and the H100 SXM's (decode_context_sweep.py's copy_gb_s on the
+# H100 80GB HBM3, 2026-12-05). A floor against another GPU's rate misstates every ratio.
+COPY_RATES = {"H200": 4.275e12, "H100 80GB HBM3": 3.022e12}
+
+
+def measure_copy_rate(gib: float = 1.0, reps: int = 10) -> float:
+    """Bytes/s of a device-to-device copy on the current CUDA device, counting read + write."""
+    src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * reps / (start.elapsed_time(end) * 1e-3)
+
+
+def copy_rate() -> float:
+    """The byte floors' anchor for this process's device: `COPY_RATES` by the CUDA device's name,
+    measured where the name is not listed; the H200's without CUDA (interpreter smoke runs)."""
+    if not torch.cuda.is_available():
+        return COPY_RATES["H200"]
+    name = torch.cuda.get_device_name()
+    rate = next((r for key, r in COPY_RATES.items() if key in name), None)
+    if rate is None:
+        rate = measure_copy_rate()
+        print(f"{name}: no listed copy rate; measured {rate / 1e12:.3f} TB/s")
+    return rate
+
+
+HBM_BYTES_PER_S = copy_rate()    # the device's copy rate: every floor and % of HBM divides by it
 
 
 def time_graph_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], iters: int,
@@ -85,10 +118,10 @@ def time_us(fn: Callable[..., Any], sets: Sequence[Sequence[Any]], args: Any,
 
 def time_configs(fn: Callable[..., Any], sets: Sequence[Sequence[Any]],
                  sweep: Sequence[dict[str, int]], args: Any, cuda: bool) -> dict[str, float]:
-    """`time_us` of `fn(*set, **knobs)` for the default knobs ("default") and, with `--sweep`,
-    each of `sweep` (keyed "name=value,...")."""
+    """`time_us` of `fn(*set, **knobs)` for the default knobs ("default") and each of `sweep`
+    (keyed "name=value,..."; the caller passes an empty one where no sweep is asked for)."""
     timed: dict[str, float] = {}
-    for knobs in [{}, *(sweep if args.sweep else [])]:
+    for knobs in [{}, *sweep]:
         key = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
 
         def call(*a: Any, knobs: dict[str, int] = knobs) -> Any:

@@ -155,7 +155,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device,
     kept = check_parity(case, ops, sets[0])
     link_bytes = kept * case.d * 2
     total = 2 * link_bytes + case.n * 8 * (2 if case.op == "swap" else 1)
-    timed = time_configs(ops[0], sets, SWEEP, args, cuda)
+    timed = time_configs(ops[0], sets, SWEEP if args.sweep else [], args, cuda)
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
     if case.host == "pinned":          # the reference copies through the host: not capturable

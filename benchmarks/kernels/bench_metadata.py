@@ -125,7 +125,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     out = triton_step_metadata(*sets[0])
     assert_parity(out, step_metadata(*sets[0]))
     parts = count_bytes(case, out)
-    timed = time_configs(triton_step_metadata, sets, SWEEP, args, cuda)
+    timed = time_configs(triton_step_metadata, sets, SWEEP if args.sweep else [], args, cuda)
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
     ref_us = time_us(step_metadata, sets, args, cuda)

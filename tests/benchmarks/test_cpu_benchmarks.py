@@ -313,6 +313,15 @@ def test_kernel_benchmark_cpu_smoke(script: str) -> None:
     assert result["device"] == "cpu-interpreter", result
 
 
+def test_fp8_linear_stage_sweep_times_its_sets() -> None:
+    """`--stage-sweep` times the FMA tile at 3 / 4 stages beside the default (without `--sweep`
+    too: the caller, not `time_configs`, decides which knob sets run)."""
+    result = run_benchmark("kernels/bench_fp8_linear.py", "--cpu-smoke", "--stage-sweep",
+                           "--m", "1")
+    for row in result["results"]:
+        assert set(row["sweep"]) == {"default", "num_stages=3", "num_stages=4"}, row["case"]
+
+
 def _flat_keys(d: dict[str, Any]) -> list[str]:
     out = []
     for k, v in d.items():
