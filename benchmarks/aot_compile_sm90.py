@@ -409,7 +409,7 @@ def small_variants() -> Iterator[Variant]:
                {"BLOCK_M": gemv.block_m(M, False), "BLOCK_N": plan.block_n,
                 "BLOCK_K": plan.block_k, "SPLIT_K": split, "NUM_STAGES": plan.num_stages,
                 "DOT": False, "ROWS": M, "UPCAST": False, "PRECISION": plan.precision,
-                "EVEN_K": True, "SWIGLU": False, "LIBDEVICE": True, "PRELOAD": False},
+                "EVEN_K": True, "SWIGLU": False, "LIBDEVICE": True},
                {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
 
 
@@ -438,18 +438,14 @@ def gemv_variants() -> Iterator[Variant]:
                       "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
                       "ROWS": 0 if plan.dot else M, "UPCAST": dt == "fp32",
                       "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0,
-                      "SWIGLU": False, "LIBDEVICE": True, "PRELOAD": False}
+                      "SWIGLU": False, "LIBDEVICE": True}
             path = "dot" if plan.dot else "fma"
             options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
             yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k}", gemv._gemv_kernel,
                    gemv_types(dt, dt), consts, options)
-            if M == 1:      # PDL's EARLY mode (pdl.py), and its first block preloaded
+            if M == 1:      # PDL's EARLY mode (pdl.py)
                 yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k} early",
                        gemv._gemv_kernel, gemv_types(dt, dt), {**consts, "PDL": pdl.EARLY},
-                       {**options, "launch_pdl": True})
-                yield (f"gemv {dt} {N}x{K} M={M} {path} s{plan.split_k} early preload",
-                       gemv._gemv_kernel, gemv_types(dt, dt),
-                       {**consts, "PDL": pdl.EARLY, "PRELOAD": True},
                        {**options, "launch_pdl": True})
     N, K = 4096, 2048
     for M in (1, 4):
@@ -460,7 +456,7 @@ def gemv_variants() -> Iterator[Variant]:
                       "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k,
                       "NUM_STAGES": plan.num_stages, "DOT": False, "ROWS": M, "UPCAST": False,
                       "PRECISION": plan.precision, "EVEN_K": True, "SWIGLU": swiglu,
-                      "LIBDEVICE": True, "PRELOAD": False}
+                      "LIBDEVICE": True}
             label = "swiglu+gemv" if swiglu else "gemv"
             yield (f"{label} w2 bf16 {N}x{K} M={M} fma s{plan.split_k}", gemv._gemv_kernel,
                    gemv_types("bf16", "bf16"), consts,
@@ -486,7 +482,7 @@ def project_variants() -> Iterator[Variant]:
                   "BLOCK_K": plan.block_k, "SPLIT_K": plan.split_k, "NUM_STAGES": plan.num_stages,
                   "DOT": plan.dot, "ROWS": 0 if plan.dot else M, "UPCAST": False,
                   "PRECISION": plan.precision, "EVEN_K": K % plan.block_k == 0, "SWIGLU": False,
-                  "LIBDEVICE": True, "PRELOAD": False}
+                  "LIBDEVICE": True}
         yield (f"project bf16 w {N}x{K} M={M} {'fma' if fma else 'dot'} s{plan.split_k}",
                gemv._gemv_kernel, gemv_types("bf16", "fp32"), consts,
                {"num_warps": plan.num_warps, "num_stages": plan.num_stages})
@@ -515,17 +511,14 @@ def fp8_linear_variants() -> Iterator[Variant]:
                   "SPLIT_K": splits, "NUM_STAGES": plan.num_stages, "DOT": plan.dot,
                   "ROWS": 0 if plan.dot else M, "FP32_DOT": False,
                   "EVEN_K": K % (fp8_plan.BLOCK * plan.kb) == 0, "SWIGLU": swiglu,
-                  "LIBDEVICE": True, "PRELOAD": False}
+                  "LIBDEVICE": True}
         path = "dot" if plan.dot else "fma swiglu" if swiglu else "fma"
         options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
         yield (f"fp8_linear {N}x{K} M={M} {path} s{splits}", f8._fp8_linear_kernel, types,
                consts, options)
-        if M == 1 and not swiglu:   # PDL's EARLY mode (pdl.py), and its first step preloaded
+        if M == 1 and not swiglu:   # PDL's EARLY mode (pdl.py)
             yield (f"fp8_linear {N}x{K} M={M} {path} s{splits} early", f8._fp8_linear_kernel,
                    types, {**consts, "PDL": pdl.EARLY}, {**options, "launch_pdl": True})
-            yield (f"fp8_linear {N}x{K} M={M} {path} s{splits} early preload",
-                   f8._fp8_linear_kernel, types, {**consts, "PDL": pdl.EARLY, "PRELOAD": True},
-                   {**options, "launch_pdl": True})
     yield from fp8_frag_variants()
     yield from fp8_linear_a8_variants()
 

@@ -74,19 +74,15 @@
 #                 (pdl_checkpoint_e{0,8}_{a,b}.json), bf16 with 8 (pdl_bf16_e8_a.json); then the checkpoint
 #                 batch-1 step's profile with 0 and its trace read by trace_gaps.py (each stream's busy
 #                 time, the gaps: pdl_profile.txt, pdl_trace_gaps.txt)
-#   fixed-costs   the 29th session's batch-1 savings in one call: bench_mhc.py post_pre (the decode op) with the
-#                 finish's post / comb programs apart and together (fixed_mhc.json), the top-k row path
-#                 at 1,024-4,096 keys (its early stop: fixed_topk.txt), flash-4l decode at
-#                 batch 1 and 32 (4K) in bf16 and checkpoint precision, each in its own process
-#                 (fixed_decode_{bf16,checkpoint}.json), the checkpoint batch-1 step's profile
-#                 (fixed_profile.txt), then their tests on the GPU (the top-k row path's early stops, the
-#                 attention's de-rotation in its store, the finish apart bit-equal to together, q and kv
-#                 norms in one launch bit-equal to two, PDL's EARLY graph buckets: fixed_tests.txt)
+#   fixed-costs   the 29th session's batch-1 kernels in one call: bench_mhc.py post_pre (the decode op) with
+#                 the finish's post / comb programs apart and together (fixed_mhc.json), the top-k row
+#                 path at 1,024-4,096 keys (its early stop: fixed_topk.txt), then the GPU tests of the
+#                 kernels PDL launches (top-k, sparse attention, mHC, RoPE / norms, FP8 linear, GEMV, the
+#                 PDL chain and graph buckets: fixed_tests.txt); step-ab has the decode runs
 #   step-ab       the shortest call over the 29th / 30th sessions' batch-1 work: flash-4l decode at batch
-#                 1 / 32 (4K) in turn, each format in WAIT (the defaults) and in EARLY <= 8 with the GEMV /
-#                 FP8 first weights preloaded (DSV4_PDL_PRELOAD=1), then checkpoint EARLY <= 8 alone
+#                 1 / 32 (4K) in turn, each format with PDL's EARLY mode off (0) and at the default (<= 8)
 #                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
-#                 batch-1 profile, EARLY <= 8 + preload (step_profile.txt)
+#                 batch-1 profile, EARLY <= 8 (step_profile.txt)
 #   fp8-frag      the FP8 routed experts' frag loop (the default at N*k < E / 2) against "scaled" at N = 1 / 8 /
 #                 16 / 32 with the kernels' times, the FP8 linears' FMA tile at 3 / 4 pipeline stages and
 #                 the frag path at M = 1 (bench_fp8_linear.py --stage-sweep), test_moe_frag.py -m gpu
@@ -369,28 +365,26 @@ pdl_ab() {   # EARLY for the decode graphs of batch <= 8 (--pdl-early-max-batch 
 
 step_ab() {   # one call: the step's A/B, the new kernels' GPU tests, a profile (most wanted first)
   local run
-  step_decode() {   # FORMAT:EARLY_MAX_BATCH:PRELOAD
-    local fmt early pre
-    IFS=: read -r fmt early pre <<< "$1"
-    DSV4_PDL_PRELOAD=$pre timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
+  step_decode() {   # FORMAT:EARLY_MAX_BATCH
+    local fmt early
+    IFS=: read -r fmt early <<< "$1"
+    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 \
       --batch-contexts 4096 --weight-format "$fmt" --pdl-early-max-batch "$early" \
-      --out "/tmp/step_${fmt}_e${early}_p$pre.json" > /tmp/step_run.txt 2>&1
-    { echo "--- $fmt early<=$early preload=$pre"; grep -v "^{" /tmp/step_run.txt | tail -3
+      --out "/tmp/step_${fmt}_e${early}.json" > /tmp/step_run.txt 2>&1
+    { echo "--- $fmt early<=$early"; grep -v "^{" /tmp/step_run.txt | tail -3
       grep "^{" /tmp/step_run.txt | tail -1; } | tee -a "$OUT/step_decode.txt"
   }
-  for run in checkpoint:0:0 checkpoint:8:1 bf16:0:0 bf16:8:1; do step_decode "$run"; done
+  for run in checkpoint:0 checkpoint:8 bf16:0 bf16:8; do step_decode "$run"; done
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
-    tests/kernels/test_sparse_attention_triton.py tests/kernels/test_fp8_linear.py \
-    tests/kernels/test_gemv.py -k "whole_bin or inverse_rope or preload" \
+    tests/kernels/test_sparse_attention_triton.py -k "whole_bin or inverse_rope" \
     > "$OUT/step_tests.txt" 2>&1
   grep -E "passed|failed" "$OUT/step_tests.txt"
-  step_decode checkpoint:8:0
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
     tests/kernels/test_mhc_post_pre.py tests/kernels/test_rope_norm.py tests/engine/test_pdl.py \
     >> "$OUT/step_tests.txt" 2>&1
   grep -E "passed|failed" "$OUT/step_tests.txt"
-  DSV4_PDL_PRELOAD=1 timeout 60 python3 benchmarks/profile_engine_step.py --preset flash-4l \
+  timeout 60 python3 benchmarks/profile_engine_step.py --preset flash-4l \
     --device cuda --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 \
     --decode-only --warm-steps 3 --steps 20 --rows 40 --weight-format checkpoint \
     --pdl-early-max-batch 8 > "$OUT/step_profile.txt" 2>&1
@@ -411,30 +405,21 @@ fp8_frag() {   # FP8 experts: "frag" (the default at N*k < E/2) against "scaled"
   grep -E "passed|failed|Error" /tmp/fp8_frag_tests.txt | tail -12 | tee -a "$OUT/fp8_frag.txt"
 }
 
-fixed_costs() {   # the mHC finish apart, q / kv norms in one launch, EARLY graph buckets
-  local fmt           # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
+fixed_costs() {   # the mHC finish apart, the top-k row path, the PDL kernels' GPU tests
+  local f             # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
   timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops post_pre --out "$OUT/fixed_mhc.json" \
     > /tmp/fixed_mhc.txt 2>&1
   grep -v "^{" /tmp/fixed_mhc.txt | tail -14
   timeout 90 python3 benchmarks/kernels/bench_topk.py --cases 1x1024x512,1x2048x512,1x4096x512 \
     > "$OUT/fixed_topk.txt" 2>&1
   grep -v "^{" "$OUT/fixed_topk.txt" | tail -5
-  for fmt in bf16 checkpoint; do
-    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 \
-      --preset flash-4l --kernel-backend triton --contexts 4096 --batches 32 --batch-contexts 4096 \
-      --weight-format "$fmt" --out "$OUT/fixed_decode_$fmt.json" > /tmp/fixed_decode_$fmt.txt 2>&1
-    grep -v "^{" /tmp/fixed_decode_$fmt.txt | tail -3
+  for f in test_topk test_sparse_attention_triton test_mhc_triton test_mhc_post_pre test_rope_norm \
+      test_fp8_linear test_gemv; do   # SIGINT: pytest still prints its summary on a timeout
+    timeout -s INT 120 python3 -m pytest -q -p no:cacheprovider -m gpu "tests/kernels/$f.py" \
+      2>&1 | tail -20 >> "$OUT/fixed_tests.txt"
   done
-  timeout 100 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda \
-    --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only \
-    --warm-steps 3 --steps 20 --rows 40 --weight-format checkpoint > "$OUT/fixed_profile.txt" 2>&1
-  tail -1 "$OUT/fixed_profile.txt" | cut -c 1-300
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
-    tests/kernels/test_sparse_attention_triton.py -k "whole_bin or inverse_rope" \
-    > "$OUT/fixed_tests.txt" 2>&1
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc_triton.py \
-    tests/kernels/test_mhc_post_pre.py tests/kernels/test_rope_norm.py tests/engine/test_pdl.py \
-    >> "$OUT/fixed_tests.txt" 2>&1
+  timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl.py \
+    2>&1 | tail -20 >> "$OUT/fixed_tests.txt"
   grep -E "passed|failed" "$OUT/fixed_tests.txt"
 }
 

@@ -22,12 +22,10 @@ from dsv4.kernels.triton.pdl import (
     EARLY,
     ENV,
     OFF,
-    PRELOAD_ENV,
     WAIT,
     pdl_args,
     pdl_enabled,
     pdl_mode,
-    pdl_preload,
     pdl_scope,
 )
 
@@ -103,34 +101,6 @@ def test_scope(value: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
         pass
 
 
-@pytest.mark.parametrize("pdl_value,preload,scoped,on", [
-    ("1", "1", True, True), ("2", "1", True, True), ("1", "0", True, False),
-    (None, None, True, False), ("0", "1", True, False), ("1", "1", False, False)])
-def test_preload_rule(pdl_value: str | None, preload: str | None, scoped: bool, on: bool,
-                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weights load before the wait only with PDL on, DSV4_PDL_PRELOAD=1 (off by default) and
-    inside `pdl_scope(..., preload=True)` (the contract's exception; restored on exit, the mode
-    untouched); another DSV4_PDL_PRELOAD value is refused naming the variable; off the GPU it is
-    off."""
-    dev = _fake_hopper(pdl_value, monkeypatch)
-    if preload is None:
-        monkeypatch.delenv(PRELOAD_ENV, raising=False)
-    else:
-        monkeypatch.setenv(PRELOAD_ENV, preload)
-    mode = pdl_mode(dev)
-    with pdl_scope(None, preload=scoped):
-        assert pdl_preload(dev) is on
-        assert pdl_mode(dev) == mode
-        assert not pdl_preload(torch.device("cpu"))
-        with pdl_scope(EARLY):                      # a nested mode keeps the preload scope
-            assert pdl_preload(dev) is on
-    assert not pdl_preload(dev)
-    monkeypatch.setenv(PRELOAD_ENV, "yes")
-    with pytest.raises(ValueError, match="DSV4_PDL_PRELOAD must be"), pdl_scope(None,
-                                                                              preload=True):
-        pdl_preload(dev)
-
-
 @pytest.mark.parametrize("capability,hip,on", [((9, 0), None, True), ((10, 0), None, True),
                                                ((8, 0), None, False), ((9, 4), "6.2", False)])
 def test_device_rule(capability: tuple[int, int], hip: str | None, on: bool,
@@ -176,9 +146,7 @@ def _chain(ws: list[torch.Tensor], codes: list[tuple[torch.Tensor, torch.Tensor]
 @_GPU
 def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 GEMVs and 16 FP8 linears (both split-K at M = 1), each reading the one before's output,
-    captured with PDL off, in WAIT and in EARLY mode, and in both modes with their first weights
-    loaded before the wait (DSV4_PDL_PRELOAD=1 inside `pdl_scope(preload=True)`, warmed up in
-    the scope): the same bits, replay after replay."""
+    captured with PDL off, in WAIT and in EARLY mode: the same bits, replay after replay."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(4096, 1024, device="cuda", generator=g).bfloat16() / 32 for _ in range(16)]
     # [1024, 4096] codes (K 4096: split-K at M = 1), every block scaled by 2^-9: outputs ~ 1
@@ -186,14 +154,12 @@ def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
               torch.full((8, 32), 118, dtype=torch.uint8, device="cuda")) for _ in range(16)]
     x = torch.randn(1, 1024, device="cuda", generator=g).bfloat16()
     outs = {}
-    for flag in ("0", "1", "2", "1p", "2p"):
-        monkeypatch.setenv(ENV, flag[0])
-        monkeypatch.setenv(PRELOAD_ENV, "1" if flag.endswith("p") else "0")
-        with pdl_scope(None, preload=True):
-            _chain(ws, codes, x)                # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y = _chain(ws, codes, x)
+    for flag in ("0", "1", "2"):
+        monkeypatch.setenv(ENV, flag)
+        _chain(ws, codes, x)                    # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = _chain(ws, codes, x)
         replays = []
         for _ in range(5):
             graph.replay()
@@ -201,7 +167,7 @@ def test_chain_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.cuda.synchronize()
         assert all(torch.equal(r, replays[0]) for r in replays)
         outs[flag] = replays[0]
-    assert all(torch.equal(outs["0"], outs[flag]) for flag in ("1", "2", "1p", "2p"))
+    assert torch.equal(outs["0"], outs["1"]) and torch.equal(outs["0"], outs["2"])
 
 
 @pytest.fixture(scope="module")

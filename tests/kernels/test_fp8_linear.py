@@ -37,7 +37,6 @@ from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
 from dsv4.kernels.ref import quant  # noqa: E402
 from dsv4.kernels.ref.fp8_linear import fp8_linear  # noqa: E402
 from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear  # noqa: E402
-from dsv4.kernels.triton.pdl import pdl_scope  # noqa: E402
 from dsv4.model.quant_linear import QuantLinear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,39 +92,6 @@ def test_knobs_and_split_k(knobs: dict[str, Any]) -> None:
     assert_close(y, x, w, s)
     assert int(counters.abs().sum()) == 0
     assert torch.equal(y, triton_fp8_linear(x, w, s, counters=counters, **knobs))
-
-
-@pytest.mark.parametrize(("M", "N", "K", "knobs"), [
-    (1, 300, 520, {}), (2, 300, 512, {"split_k": 2}), (1, 256, 1024, {"kb": 2, "split_k": 3}),
-    (2, 130, 256, {"block_n": 16})])
-def test_preload_keeps_the_bits(M: int, N: int, K: int, knobs: dict[str, Any]) -> None:
-    """The FMA loop's first step loaded before the PDL wait (`preload=True`) runs the same sums:
-    bit-equal to the plain loop, K tails and splits included."""
-    x, w, s = operands(M, N, K, BF16, seed=K)
-    plain = triton_fp8_linear(x, w, s, dot=False, num_stages=1, preload=False, **knobs)
-    early = triton_fp8_linear(x, w, s, dot=False, num_stages=1, preload=True, **knobs)
-    assert torch.equal(plain, early)
-    assert_close(early, x, w, s)
-
-
-def test_preload_with_groups_and_swiglu() -> None:
-    x, w, s = operands(1, 512, 256, BF16, seed=5)
-    xg = torch.stack((x, 2 * x), dim=1)                       # [1, 2, 256], 2 groups of 256 rows
-    assert torch.equal(triton_fp8_linear(xg, w, s, groups=2, preload=True),
-                       triton_fp8_linear(xg, w, s, groups=2, preload=False))
-    up = torch.randn_like(x)
-    assert torch.equal(triton_fp8_linear(x, w, s, up=up, limit=7.0, preload=True),
-                       triton_fp8_linear(x, w, s, up=up, limit=7.0, preload=False))
-
-
-def test_preload_refused_off_the_one_stage_fma_loop() -> None:
-    x, w, s = operands(1, 256, 512, BF16)
-    for knobs in ({"dot": True}, {"dot": False, "num_stages": 2}, {"frag": True}):
-        with pytest.raises(ValueError, match="preload"):
-            triton_fp8_linear(x, w, s, preload=True, **knobs)
-    up = torch.randn_like(x)          # M 1 SwiGLU on the tl.dot path: two launches, both refuse
-    with pytest.raises(ValueError, match="preload"):
-        triton_fp8_linear(x, w, s, up=up, dot=True, preload=True)
 
 
 def test_strided_and_batched_x() -> None:
@@ -234,36 +200,6 @@ def test_plan_at_h200_shapes() -> None:
 def test_flash_shapes_on_gpu(M: int, N: int, K: int) -> None:
     x, w, s = operands(M, N, K, BF16, seed=M)
     assert_close(triton_fp8_linear(x, w, s), x, w, s)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["1", "2"])
-def test_preload_in_a_graph_on_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chain of FP8 linears captured with PDL (WAIT / EARLY) and DSV4_PDL_PRELOAD=1 inside
-    `pdl_scope(preload=True)` (the first weights loaded before each wait; warmed up in the
-    scope, so nothing compiles during the capture): the same bits as without PDL."""
-    torch.manual_seed(0)
-    chain = [operands(1, 4096, 4096, BF16, seed=i)[1:] for i in range(6)]
-    x0 = torch.randn(1, 4096, device=DEVICE, dtype=BF16)
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        for w, s in chain:
-            x = triton_fp8_linear(x, w, s) * 0.5
-        return x
-
-    monkeypatch.setenv("DSV4_PDL", "0")
-    want = run(x0)
-    monkeypatch.setenv("DSV4_PDL", mode)
-    monkeypatch.setenv("DSV4_PDL_PRELOAD", "1")
-    with pdl_scope(None, preload=True):
-        assert torch.equal(run(x0), want)                     # eager: compiles the variant
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = run(x0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want)
 
 
 @pytest.mark.slow  # the whole engine's kernels under the Triton interpreter

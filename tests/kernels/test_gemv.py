@@ -120,25 +120,6 @@ def test_deterministic() -> None:
         assert torch.equal(a, b), knobs
 
 
-@pytest.mark.parametrize(("M", "K", "knobs"), [(1, 300, {"split_k": 1}), (2, 512, {"split_k": 4}),
-                                               (1, 256, {"split_k": 3, "block_k": 32})])
-def test_preload_keeps_the_bits(M: int, K: int, knobs: dict[str, int]) -> None:
-    """The FMA loop's first weight block loaded before the PDL wait (`preload=True`): bit-equal
-    to the plain loop (K tails and splits; the SwiGLU mode too); refused off the one-stage FMA
-    loop."""
-    x, w = operands(M, 70, K, BF16, seed=K)
-    kw = {"dot": False, "num_stages": 1, "block_n": 16, **knobs}
-    early = triton_linear(x, w, preload=True, **kw)
-    assert torch.equal(early, triton_linear(x, w, preload=False, **kw))
-    assert_close(early, x, w)
-    up = torch.randn_like(x)
-    assert torch.equal(triton_linear(x, w, up=up, limit=7.0, preload=True, **kw),
-                       triton_linear(x, w, up=up, limit=7.0, preload=False, **kw))
-    for bad in ({"dot": True}, {"dot": False, "num_stages": 2}):
-        with pytest.raises(ValueError, match="preload"):
-            triton_linear(x, w, preload=True, **bad)
-
-
 def test_own_counters() -> None:
     counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
     x, w = operands(1, 40, 128, BF16, seed=6)

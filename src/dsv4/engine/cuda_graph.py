@@ -83,10 +83,10 @@ def graph_pdl_mode(batch: int, early_max_batch: int) -> int | None:
 
 def _pdl_scope(batch: int, early_max_batch: int) -> contextlib.AbstractContextManager[None]:
     """`pdl_scope` of a capture of batch bucket `batch` and its warm-up (`graph_pdl_mode`;
-    imported lazily), with weight preloads allowed: a decode forward writes no weights."""
+    imported lazily)."""
     from dsv4.kernels.triton.pdl import pdl_scope
 
-    return pdl_scope(graph_pdl_mode(batch, early_max_batch), preload=True)
+    return pdl_scope(graph_pdl_mode(batch, early_max_batch))
 
 
 def uniform_shape(shape: StepShape) -> tuple[int, int] | None:

@@ -63,7 +63,7 @@ from dsv4.kernels.triton.gemv_tile import store_tile
 from dsv4.kernels.triton.launch import X_DTYPES, sms
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_decode import e8m0
-from dsv4.kernels.triton.pdl import launch_preload, pdl_args
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32, triton_swiglu
 
@@ -146,7 +146,7 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     stride_um, rows_g, stride_wn, stride_sn, k_per_split, limit, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-    SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     BLOCK_K: tl.constexpr = 128 * KB
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -165,8 +165,6 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
     kb = tl.arange(0, KB)
     fma_k = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
     fma_w = w_ptr + rows_w[:, None, None] * stride_wn + fma_k[None, :, :]
-    if PRELOAD:   # the first step's weights (no kernel ahead writes them) before the PDL wait
-        codes0, s0 = _fma_load(fma_w, s_row, k_lo, fma_k, kb, K, EVEN_K)
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if DOT:
@@ -190,13 +188,7 @@ def _fp8_linear_kernel(  # type: ignore[no-untyped-def]
                 part = tl.dot(wf.to(xt.dtype), tl.trans(xt))
             acc += part * s
     else:
-        k_first = k_lo
-        if PRELOAD:
-            acc = _fma_step(acc, codes0, s0, k_lo, fma_k, x_ptr, u_ptr, M, K, stride_xm,
-                            stride_xg, stride_um, n_tile, rows_g, limit, BLOCK_N, BLOCK_M, ROWS,
-                            EVEN_K, SWIGLU, LIBDEVICE)
-            k_first = k_lo + BLOCK_K
-        for k0 in tl.range(k_first, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
             codes, s = _fma_load(fma_w, s_row, k0, fma_k, kb, K, EVEN_K)
             acc = _fma_step(acc, codes, s, k0, fma_k, x_ptr, u_ptr, M, K, stride_xm, stride_xg,
                             stride_um, n_tile, rows_g, limit, BLOCK_N, BLOCK_M, ROWS, EVEN_K,
@@ -255,7 +247,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                       num_stages: int | None = None, dot: bool | None = None,
                       kb: int | None = None, frag: bool | None = None,
                       counters: torch.Tensor | None = None, up: torch.Tensor | None = None,
-                      limit: float = 0.0, preload: bool | None = None) -> torch.Tensor:
+                      limit: float = 0.0) -> torch.Tensor:
     """y = x @ dequant(w, scale).T: x [..., K] bf16 / fp16 / fp32 (unit stride along K), w [N, K]
     e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes -> y [..., N] in x's dtype, fp32
     accumulation, one launch, bit-identical run to run. `groups` g > 1: the block-diagonal
@@ -268,12 +260,7 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     is h = swiglu(x, up, limit), `up` matching x in shape, dtype and device (unit stride along
     K). On the FMA path h is computed where x is loaded (`swiglu_f32`, rounded to x's dtype: the
     `triton_swiglu` bits, one launch); on the other paths `triton_swiglu` runs first. Either way
-    the result is the bits of `triton_swiglu` followed by this call without `up`.
-
-    `preload` (FMA path at one stage): each program loads its first K step's codes and scales
-    before its PDL wait, so they stream in while the kernel ahead finishes (same bits); None:
-    `pdl.pdl_preload`'s choice. The weights must not be written by a kernel ahead in the stream
-    (true inside a forward: the PDL contract, `pdl.py`)."""
+    the result is the bits of `triton_swiglu` followed by this call without `up`."""
     K, N = x.shape[-1], w.shape[0]
     if up is not None:
         _check_up(x, up, groups)
@@ -298,13 +285,11 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         return triton_fp8_linear(triton_swiglu(x, up, limit), w, scale, block_m=block_m,
                                  block_n=block_n, split_k=split_k, num_warps=num_warps,
                                  num_stages=num_stages, dot=dot, kb=kb, frag=frag,
-                                 counters=counters, preload=preload)
+                                 counters=counters)
     if up is not None and num_stages is None:
         # the SwiGLU mode runs unpipelined: pipelined, its sm_90 loop grows ~5x and reaches 228
         # registers (benchmarks/aot_compile_sm90.py); the stages change no sum, only the loads
         plan = dataclasses.replace(plan, num_stages=1)
-    early = launch_preload(preload, x.device, not (plan.dot or plan.frag) and plan.num_stages == 1,
-                           plan)
     m_tiles, n_tiles = triton.cdiv(M, plan.block_m), triton.cdiv(N, plan.block_n)
     splits, per = even_split(triton.cdiv(K, BLOCK * plan.kb), plan.split_k)
     part, cnt = y, y                                    # unused unless split
@@ -326,7 +311,6 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         per * BLOCK * plan.kb, limit, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KB=plan.kb,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         FP32_DOT=fp32_dot, EVEN_K=K % (BLOCK * plan.kb) == 0, SWIGLU=up is not None,
-        LIBDEVICE=_LIBDEVICE, PRELOAD=early,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        LIBDEVICE=_LIBDEVICE, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl_args(x.device))
     return y.view(shape)

@@ -74,7 +74,7 @@ from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.triton.gemv_tile import fma_block, store_tile, w_block
 from dsv4.kernels.triton.launch import X_DTYPES, pow2, sms
 from dsv4.kernels.triton.libm import libdevice_math
-from dsv4.kernels.triton.pdl import launch_preload, pdl_args
+from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 MAX_M = 64                  # rows served; more raise ValueError (use F.linear)
@@ -113,7 +113,7 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-    LIBDEVICE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -126,8 +126,6 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if PRELOAD:   # the FMA path's first weight block (no kernel ahead writes it) before the wait
-        w0 = w_block(w_ptrs, k_lo, offs_k, K, EVEN_K)
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)            # y^T tile, both paths
     if DOT:
@@ -143,12 +141,7 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]
             else:
                 acc = tl.dot(wt, tl.trans(xt), acc)
     else:
-        k_first = k_lo
-        if PRELOAD:
-            acc = fma_block(acc, w0, k_lo, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
-                             BLOCK_M, ROWS, EVEN_K, SWIGLU, LIBDEVICE)
-            k_first = k_lo + BLOCK_K
-        for k0 in tl.range(k_first, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
             wt = w_block(w_ptrs, k0, offs_k, K, EVEN_K)
             acc = fma_block(acc, wt, k0, offs_k, x_ptr, u_ptr, K, stride_xm, stride_um, limit,
                              BLOCK_M, ROWS, EVEN_K, SWIGLU, LIBDEVICE)
@@ -269,7 +262,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
                   dot: bool | None = None, precision: str | None = None,
                   counters: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, up: torch.Tensor | None = None,
-                  limit: float = 0.0, preload: bool | None = None) -> torch.Tensor:
+                  limit: float = 0.0) -> torch.Tensor:
     """y = x @ w.T (`F.linear(x, w)` without bias): x [M, K] with M <= MAX_M and unit column
     stride (any row stride), w [N, K] with unit stride along K, both bf16 / fp16 / fp32 -> y
     [M, N] contiguous in x's dtype, fp32 accumulation, one launch, bit-identical run to run.
@@ -288,10 +281,6 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     limit)` computed as `swiglu.py::swiglu_f32` does and rounded to x's dtype, where each K block
     is loaded; `up` matches x in shape, dtype and device (any row stride, unit column stride).
     The result is the bits of `triton_swiglu(x, up, limit)` through the same plan.
-
-    `preload` (FMA path at one stage): each program loads its first weight block before its PDL
-    wait (same bits); None: `pdl.pdl_preload`'s choice (only inside `pdl_scope(...,
-    preload=True)`, whose caller guarantees no kernel ahead writes w).
     """
     _check(x, w)
     if up is not None:
@@ -331,13 +320,12 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = Non
     # tl.dot in fp32: fp32 or mixed operands, and 16-bit ones under the interpreter (module doc)
     upcast = x.device.type != "cuda" or x.dtype != w.dtype or x.dtype == torch.float32
     u = x if up is None else up                 # unread without the SwiGLU mode
-    early = launch_preload(preload, x.device, not plan.dot and plan.num_stages == 1, plan)
     _gemv_kernel[(tiles * splits,)](
         x, u, w, y, part, cnt, M, N, K, x.stride(0), u.stride(0), w.stride(0), per * plan.block_k,
         float(limit), BLOCK_M=block_m(M, plan.dot), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         SPLIT_K=splits, NUM_STAGES=plan.num_stages, DOT=plan.dot, ROWS=0 if plan.dot else M,
         UPCAST=upcast, PRECISION=plan.precision, EVEN_K=K % plan.block_k == 0,
-        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE, PRELOAD=early,
+        SWIGLU=up is not None, LIBDEVICE=_LIBDEVICE,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(x.device))
     return y
 

@@ -1,5 +1,6 @@
-"""The device side of programmatic dependent launch: `pdl_enter(PDL)`, the first statement of
-every PDL-aware kernel (the modes, the contract and the launch keywords: `pdl.py`).
+"""The device side of programmatic dependent launch: `pdl_enter(PDL)`, which every PDL-aware
+kernel calls before any load, store or early return (the modes, the contract and the launch
+keywords: `pdl.py`).
 
 Kept apart from `pdl.py` so that the host side can be imported before TRITON_INTERPRET is set
 (the engine's tests do) without defining a Triton function: one defined then would be compiled,
