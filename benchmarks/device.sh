@@ -413,8 +413,8 @@ fixed_costs() {   # the mHC finish apart, the top-k row path, the PDL kernels' G
   timeout 90 python3 benchmarks/kernels/bench_topk.py --cases 1x1024x512,1x2048x512,1x4096x512 \
     > "$OUT/fixed_topk.txt" 2>&1
   grep -v "^{" "$OUT/fixed_topk.txt" | tail -5
-  for f in test_topk test_sparse_attention_triton test_mhc_triton test_mhc_post_pre test_rope_norm \
-      test_fp8_linear test_gemv; do   # SIGINT: pytest still prints its summary on a timeout
+  for f in test_fp8_linear test_gemv test_topk test_sparse_attention_triton test_mhc_triton \
+      test_mhc_post_pre test_rope_norm; do   # SIGINT: pytest still prints its summary on a timeout
     timeout -s INT 120 python3 -m pytest -q -p no:cacheprovider -m gpu "tests/kernels/$f.py" \
       2>&1 | tail -20 >> "$OUT/fixed_tests.txt"
   done
