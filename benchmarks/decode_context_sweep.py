@@ -54,7 +54,11 @@ import torch
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
 from dsv4.checkpoint.writer import random_model
-from dsv4.config.engine import resolve_multi_stream, resolve_overlap
+from dsv4.config.engine import (
+    resolve_multi_stream,
+    resolve_overlap,
+    resolve_pdl_early_max_batch,
+)
 from dsv4.config.model import ModelConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
@@ -658,7 +662,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "overlap_schedule": resolve_overlap(args.overlap_schedule,
                                                   torch.device(args.device).type, 0),
               "fuse_projections": args.fuse_projections, "decode_gemv": args.decode_gemv,
-              "pdl_early_max_batch": args.pdl_early_max_batch,
+              "pdl_early_max_batch": resolve_pdl_early_max_batch(
+                  args.pdl_early_max_batch, args.weight_format == "checkpoint"),
               "multi_stream": resolve_multi_stream(args.multi_stream,
                                                    torch.device(args.device).type),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,

@@ -176,16 +176,35 @@ def test_cuda_graph_max_bs_is_validated() -> None:
 
 def test_pdl_early_buckets() -> None:
     """Buckets up to `pdl_early_max_batch` are captured in PDL's EARLY mode, the rest in
-    DSV4_PDL's (None); by default EARLY up to 8 requests; a bad bound is refused."""
-    from dsv4.config.engine import EngineConfig
+    DSV4_PDL's (None); by default EARLY up to 8 requests with FP8 linears, none with float
+    ones; a bad bound is refused."""
+    from dsv4.config.engine import EngineConfig, resolve_pdl_early_max_batch
 
     assert [graph_pdl_mode(b, 2) for b in (1, 2, 4, 8)] == [EARLY, EARLY, None, None]
     assert graph_pdl_mode(1, 0) is None
-    default = EngineConfig().pdl_early_max_batch    # EARLY for the small decode graphs only
-    assert graph_pdl_mode(1, default) == EARLY and graph_pdl_mode(32, default) is None
+    # by default EARLY for the small decode graphs of a model with FP8 linears only
+    fp8 = resolve_pdl_early_max_batch(EngineConfig().pdl_early_max_batch, fp8_linears=True)
+    assert graph_pdl_mode(1, fp8) == EARLY and graph_pdl_mode(32, fp8) is None
+    assert resolve_pdl_early_max_batch(None, fp8_linears=False) == 0
+    assert resolve_pdl_early_max_batch(2, fp8_linears=False) == 2
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="pdl_early_max_batch"):
             EngineConfig(pdl_early_max_batch=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("weight_format", "early"), [("checkpoint", 8), ("bf16", 0)])
+def test_runner_resolves_early_buckets_by_the_weights(weight_format: str, early: int) -> None:
+    """The runner's resolution of `pdl_early_max_batch=None`: 8 for a model with FP8 linears
+    (checkpoint precision), 0 for float linears; an explicit bound wins either way."""
+    from dsv4.checkpoint.writer import random_model
+    from dsv4.config.engine import EngineConfig
+    from dsv4.engine.runner_setup import resolve
+
+    model = random_model(micro(), torch.float32, torch.device("cpu"), seed=0,
+                         weight_format=weight_format)  # type: ignore[arg-type]
+    cpu = torch.device("cpu")
+    assert resolve(EngineConfig(), cpu, model).pdl_early_max_batch == early
+    assert resolve(EngineConfig(pdl_early_max_batch=3), cpu, model).pdl_early_max_batch == 3
 
 
 @pytest.mark.gpu

@@ -102,7 +102,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "split-K GEMVs on the triton backend)")
     g.add_argument("--pdl-early-max-batch", type=int, default=None,
                    help="capture the decode graphs of batch buckets up to this size with PDL's "
-                        "EARLY mode (default 8; 0: none; EngineConfig.pdl_early_max_batch)")
+                        "EARLY mode (default: 8 with FP8 linears, else 0; "
+                        "EngineConfig.pdl_early_max_batch)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)

@@ -142,11 +142,10 @@ class EngineConfig:
     reduce. Outputs equal to GEMM rounding. Not applied in the invariant modes (as above).
     `pdl_early_max_batch`: decode graphs of batch buckets up to this size are captured with
     PDL's EARLY mode (`kernels/triton/pdl.py`: a kernel's dependents are scheduled while it runs),
-    the larger ones in `DSV4_PDL`'s mode (WAIT by default). 8 (default): EARLY speeds up the
-    small decode steps (the batch-1 flash-4l step on the H200 and the H100) and slows the
-    batch-32 one (`benchmarks/results/quant_moe_h200_202612.md`); 0: every graph in DSV4_PDL's
-    mode. Same outputs either way (PDL changes when a kernel starts, not what it reads); each
-    mode compiles its own kernel variants.
+    the larger ones in `DSV4_PDL`'s mode (WAIT by default); 0: every graph in DSV4_PDL's mode.
+    None (default): `resolve_pdl_early_max_batch`, 8 for a model with FP8 linears, else 0. Same
+    outputs either way (PDL changes when a kernel starts, not what it reads); each mode compiles
+    its own kernel variants.
     """
 
     page_size: int = 256
@@ -175,7 +174,7 @@ class EngineConfig:
     hisparse_device_entries: int | None = None
     fuse_projections: bool = True
     decode_gemv: bool = True
-    pdl_early_max_batch: int = 8
+    pdl_early_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -202,9 +201,10 @@ class EngineConfig:
             raise ValueError(f"speculative_num_steps={spec!r} is invalid; allowed: an integer in "
                              f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
         early = self.pdl_early_max_batch
-        if not isinstance(early, int) or isinstance(early, bool) or early < 0:
-            raise ValueError(f"pdl_early_max_batch={early!r} is invalid; allowed: an integer >= 0 "
-                             "(0: no graph in EARLY mode)")
+        if early is not None and (not isinstance(early, int) or isinstance(early, bool)
+                                  or early < 0):
+            raise ValueError(f"pdl_early_max_batch={early!r} is invalid; allowed: None (by the "
+                             "weights' format) or an integer >= 0 (0: no graph in EARLY mode)")
         for name in ("fuse_projections", "decode_gemv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; "
@@ -312,6 +312,21 @@ def resolve_overlap(requested: bool | None, device_type: str, speculative_num_st
     if requested is not None:
         return requested
     return device_type == "cuda" and speculative_num_steps == 0
+
+
+PDL_EARLY_MAX_BATCH_FP8 = 8    # `resolve_pdl_early_max_batch`'s bound with FP8 linears
+
+
+def resolve_pdl_early_max_batch(requested: int | None, fp8_linears: bool) -> int:
+    """The largest decode-graph batch captured in PDL's EARLY mode
+    (EngineConfig.pdl_early_max_batch): as requested, else `PDL_EARLY_MAX_BATCH_FP8` for a model
+    with FP8 linears (checkpoint precision) and 0 for float linears. On the H200 EARLY took the
+    batch-1 flash-4l step from 0.859 to 0.842 ms in checkpoint precision and from 1.160 to 1.235
+    ms in bf16 (on the H100: 1.058 -> 1.029 ms, and 1.538 -> 1.539 ms;
+    `benchmarks/results/quant_moe_h200_202612.md`)."""
+    if requested is not None:
+        return requested
+    return PDL_EARLY_MAX_BATCH_FP8 if fp8_linears else 0
 
 
 def resolve_multi_stream(requested: bool | None, device_type: str) -> bool:

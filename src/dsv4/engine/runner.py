@@ -57,7 +57,7 @@ class ModelRunner:
         self.rope_cache_bytes = model.build_rope_cache(self.rope_positions)
         logger.info("RoPE cache: positions 0..%d, both tables (%.1f MB)", self.rope_positions - 1,
                     self.rope_cache_bytes / 1e6)
-        config = resolve(config, self.device)
+        config = resolve(config, self.device, model)
         self.model, self.config = model, config
         assert config.kernel_backend is not None
         self.ops = create_kernels(config.kernel_backend, config.invariant_plans)
@@ -147,6 +147,7 @@ class ModelRunner:
         max_batch = min(c.cuda_graph_max_bs, c.max_running_requests)
         logger.info("CUDA graphs: decode steps of up to %d requests, captured on first use",
                     max_batch)
+        assert c.pdl_early_max_batch is not None, "resolved by runner_setup.resolve"
         # speculative decoding: verify steps of N + 1 tokens, returning the MTP block's input
         return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch,
                             max_tokens=1 + spec, with_streams=spec > 0,

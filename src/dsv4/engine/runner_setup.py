@@ -19,6 +19,7 @@ from dsv4.config.engine import (
     resolve_kernel_backend,
     resolve_multi_stream,
     resolve_overlap,
+    resolve_pdl_early_max_batch,
     resolve_swa_fraction,
     resolve_warmup,
 )
@@ -26,16 +27,19 @@ from dsv4.config.model import ModelConfig
 from dsv4.model.decode_gemv import attach_decode_gemv
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.fused_projections import fuse_projections, unfuse_projections
+from dsv4.model.quant_linear import QuantLinear
 from dsv4.utils.host_memory import available_host_bytes
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
 
 
-def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
-    """`config` with its device-dependent defaults resolved (logged): the kernel backend and,
-    unless `max_total_tokens` fixes the pools, the KV budget; the warmup mode and overlap
-    scheduling (`config/engine.py`)."""
+def resolve(config: EngineConfig, device: torch.device, model: DeepSeekV4ForCausalLM
+            ) -> EngineConfig:
+    """`config` with its device- and model-dependent defaults resolved (logged): the kernel
+    backend and, unless `max_total_tokens` fixes the pools, the KV budget; the warmup mode,
+    overlap scheduling, multi-stream and PDL's EARLY graph buckets (by whether `model` holds FP8
+    linears; `config/engine.py`)."""
     backend = resolve_kernel_backend(config.kernel_backend, device.type)
     budget = config.kv_cache_memory_gb
     if config.max_total_tokens is None:
@@ -50,11 +54,17 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
                     f" {used / 2**30:.1f} GB in use" if device.type == "cuda" else "CPU default")
     warmup = resolve_warmup(config.warmup, device.type, backend)
     overlap = resolve_overlap(config.overlap_schedule, device.type, config.speculative_num_steps)
+    fp8 = any(isinstance(m, QuantLinear) for m in model.modules())
+    early = resolve_pdl_early_max_batch(config.pdl_early_max_batch, fp8)
+    if device.type == "cuda":
+        logger.info("PDL EARLY mode: decode graphs of up to %d requests (%s)", early,
+                    "pdl_early_max_batch" if config.pdl_early_max_batch is not None else
+                    "FP8 linears" if fp8 else "float linears")
     return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
                                warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
                                    config.swa_memory_fraction, device.type),
                                overlap_schedule=overlap, multi_stream=resolve_multi_stream(
-                                   config.multi_stream, device.type))
+                                   config.multi_stream, device.type), pdl_early_max_batch=early)
 
 
 def hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:
