@@ -103,6 +103,22 @@ def test_routing_equals_the_offline_engine(http: httpx.Client, ckpts: dict[str, 
     assert "routed_experts" not in complete(http)["choices"][0]
 
 
+def test_native_generate_carries_the_same_routing(http: httpx.Client) -> None:
+    """SGLang's /generate (Miles' rollout call): meta_info's routed_experts / indexer_topk are the
+    base64 rows /v1/completions returns, and output_token_logprobs its log-probs (greedy)."""
+    choice = complete(http, **ROUTING)["choices"][0]
+    r = http.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, **ROUTING,
+                                     "sampling_params": {"max_new_tokens": MAX_TOKENS,
+                                                         "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["routed_experts"] == choice["routed_experts"]["data"]
+    assert meta["indexer_topk"] == choice["indexer_topk"]["data"]
+    lps = [t[0] for t in meta["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(lps, choice["logprobs"]["token_logprobs"],
+                                          strict=True)) <= TOL
+
+
 def test_routing_stops_at_the_kept_tokens(http: httpx.Client) -> None:
     """A stop string cuts the choice inside the engine's output: rows follow the kept tokens."""
     full = complete(http, **ROUTING)["choices"][0]

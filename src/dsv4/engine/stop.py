@@ -185,6 +185,11 @@ class OutputText:
     def stopped(self) -> bool:
         return self._stop.stopped
 
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the output, or None."""
+        return self._stop.matched
+
     def feed(self, token_ids: Sequence[int]) -> int:
         assert not self.stopped, "feeding a request a stop string has ended"
         for i, token_id in enumerate(token_ids):

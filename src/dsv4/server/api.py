@@ -25,10 +25,13 @@
                                the served weights unchanged for a missing directory, another
                                architecture or a corrupt / incomplete checkpoint
     GET  /metrics              Prometheus text format (metrics.py)
+    POST /generate             SGLang's native generation API (native.py): text or input_ids,
+                               sampling_params, return_logprob, stream, the RL options
+    POST /abort_request        {"rid": ..., "abort_all": bool}: abort /generate requests (SGLang)
 
-`/v1/*`, /flush_cache and /update_weights_from_disk need `Authorization: Bearer <key>` when the
-server has an API key. Bodies are read with a size limit (413 past it) and parsed strictly into
-the protocol models (400 naming the field).
+`/v1/*`, /generate, /abort_request, /flush_cache and /update_weights_from_disk need
+`Authorization: Bearer <key>` when the server has an API key. Bodies are read with a size limit
+(413 past it) and parsed strictly into the protocol models (400 naming the field).
 
 Weight updates: the checkpoint must be in the official layout (`dsv4 train export`,
 `dsv4.checkpoint.writer`) with the served architecture (storage, e.g. FP8/FP4, may differ; experts
@@ -54,6 +57,7 @@ from pydantic import BaseModel, ValidationError
 from dsv4.server.chat import create_chat_completion
 from dsv4.server.completions import create_completion
 from dsv4.server.errors import APIError, from_validation_error, install_handlers, unavailable
+from dsv4.server.native import AbortRequest, GenerateRequest, abort, generate
 from dsv4.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -100,6 +104,10 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/flush_cache", _flush_cache(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/update_weights_from_disk", _update_weights_from_disk(state),
                       methods=["POST"], dependencies=auth)
+    # SGLang's native API (native.py)
+    app.add_api_route("/generate", _generate(state), methods=["POST", "PUT"], dependencies=auth)
+    app.add_api_route("/abort_request", _abort_request(state), methods=["POST"],
+                      dependencies=auth)
     return app
 
 
@@ -220,6 +228,23 @@ def _detokenize(state: ServerState) -> Handler:
 def _tokenizer_info(state: ServerState) -> Handler:
     async def handler() -> Response:
         return tokenizer_info(state)
+
+    return handler
+
+
+def _generate(state: ServerState) -> Handler:
+    async def handler(request: Request) -> Response:
+        body = await parse_body(request, GenerateRequest, state.config.max_request_bytes)
+        state.warn_unknown_fields(body)
+        return await generate(state, body, request)
+
+    return handler
+
+
+def _abort_request(state: ServerState) -> Handler:
+    async def handler(request: Request) -> Response:
+        return abort(state, await parse_body(request, AbortRequest,
+                                             state.config.max_request_bytes))
 
     return handler
 

@@ -96,6 +96,8 @@ class ChoiceDelta:
     # top-k, on the request's first delta with tokens
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # the stop string that ended the choice (finish_reason "stop" by a string), else None
+    stop_matched: str | None = None
 
 
 Item = Accepted | ChoiceDelta | RequestError | EngineGone
@@ -289,7 +291,7 @@ class EngineClient:
         return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep],
                            text, reason, delta.num_prompt_tokens, delta.cached_tokens,
                            delta.routing, delta.spec_draft_tokens, delta.spec_accepted_tokens,
-                           delta.prompt_logprobs, delta.prompt_top_logprobs)
+                           delta.prompt_logprobs, delta.prompt_top_logprobs, route.text.matched)
 
     # ---- liveness -----------------------------------------------------------------------------
     def engine_exited(self, exitcode: int | None) -> None:

@@ -77,6 +77,7 @@ class ChoiceOutput:
     spec_accepted_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_matched: str | None = None
 
     def apply(self, delta: ChoiceDelta) -> None:
         if delta.prompt_logprobs is not None:
@@ -89,6 +90,7 @@ class ChoiceOutput:
         self.finish_reason, self.cached_tokens = delta.finish_reason, delta.cached_tokens
         self.spec_draft_tokens = delta.spec_draft_tokens
         self.spec_accepted_tokens = delta.spec_accepted_tokens
+        self.stop_matched = delta.stop_matched or self.stop_matched
         for kind, rows in delta.routing.items():
             self.routing.setdefault(kind, []).append(rows)
 

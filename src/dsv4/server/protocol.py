@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
     # unknown fields are kept aside (model_extra), so the server can name them in a warning
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -36,11 +36,11 @@ def unknown_fields(body: BaseModel) -> list[str]:
     return sorted(body.model_extra or {})
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestBody):
     """Fields shared by both endpoints."""
 
     model: str | None = None
@@ -80,12 +80,12 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TextPart(_Request):
+class TextPart(RequestBody):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestBody):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -278,7 +278,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class UpdateWeightsFromDiskRequest(_Request):
+class UpdateWeightsFromDiskRequest(RequestBody):
     """SGLang's `/update_weights_from_disk` body: a checkpoint directory of the served
     architecture."""
 
@@ -294,7 +294,7 @@ class UpdateWeightsFromDiskResponse(BaseModel):
 
 # ---- /tokenize, /detokenize (vLLM) ------------------------------------------------------------
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -311,7 +311,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

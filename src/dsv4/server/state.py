@@ -78,10 +78,14 @@ class ServerState:
                            "model_not_found")
 
     def start_job(self, kind: str, prompts: list[list[int]], params: list[SamplingParams],
-                  routing: list[str] | None = None) -> GenerationJob:
+                  routing: list[str] | None = None, job_id: str | None = None) -> GenerationJob:
+        """Submit a job, its id `job_id` (a client's: SGLang's `rid`; 400 while one with that id
+        is in flight) or "<kind>-<uuid>"."""
+        if job_id is not None and job_id in self.jobs:
+            raise APIError(400, f"rid={job_id!r} is already in flight; allowed: a new id", "rid")
         self.check_context(prompts, params[0].max_tokens)
-        job = GenerationJob(self.client, f"{kind}-{uuid.uuid4().hex}", prompts, params, routing,
-                            speculative=self.config.speculative_num_steps > 0)
+        job = GenerationJob(self.client, job_id or f"{kind}-{uuid.uuid4().hex}", prompts, params,
+                            routing, speculative=self.config.speculative_num_steps > 0)
         self.jobs[job.id] = job
         return job
 

@@ -1,0 +1,254 @@
+"""POST /generate and /abort_request: SGLang's native API, for the clients written against it
+(Miles' and slime's rollouts, `sglang.bench_serving --backend sglang`), served by the same engine
+requests as the OpenAI endpoints (generation.py).
+
+Request (SGLang's names): `text` or `input_ids` (one prompt or a list of them); `sampling_params`,
+one object for every prompt: `max_new_tokens` (default 128), `temperature`, `top_p`, `top_k` (-1:
+off), `min_p`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, `stop`,
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `n`, `sampling_seed`, `regex` / `ebnf` /
+`json_schema` (structured.py); `rid` (the request's id, for `/abort_request`); `return_logprob`,
+`logprob_start_len` (-1: the output's log-probs only; L >= 0: the prompt's too, from position
+L), `top_logprobs_num`, `return_text_in_logprobs`; `stream`; `return_routed_experts` /
+`return_indexer_topk` (routing.py: a server started with --enable-return-routing, no streaming).
+
+Response: per choice `{"text", "output_ids", "meta_info"}`, a list of them when the request has
+several prompts or n > 1 (prompt-major: choice k samples prompt k // n). `meta_info`: `id`,
+`finish_reason` (`{"type": "stop", "matched": the stop string, else the stop token's id}`,
+`{"type": "length", "length": tokens}`, `{"type": "abort", "message"}`), `prompt_tokens`,
+`completion_tokens`, `cached_tokens`, `e2e_latency` (s); with `return_logprob`
+`output_token_logprobs` (`[logprob, token id, token text or null]` per token: the
+temperature-scaled log-probs the token was sampled from, which is what RL trainers take from
+SGLang as rollout log-probs; raw where greedy) and `input_token_logprobs` (the prompt's, raw
+`log_softmax`, null for its first token), with `top_logprobs_num` k also `output_top_logprobs` /
+`input_top_logprobs` (k triples per position); `routed_experts` / `indexer_topk`: base64 of the
+little-endian int32 rows, one per token fed (prompt + output - 1), as SGLang sends them.
+
+Stream: server-sent events of the same objects, `text`, `output_ids` and `completion_tokens`
+cumulative (SGLang's default), the log-prob lists only the event's new tokens, `index` naming the
+choice; then `data: [DONE]`. Validation errors are 400s in the OpenAI error shape (errors.py),
+which carries SGLang's `{"error": {"message"}}`.
+
+Test: `pytest tests/server/test_native_generate.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.server.engine_client import ChoiceDelta
+from dsv4.server.errors import APIError, bad_request, error_body
+from dsv4.server.generation import ChoiceOutput, ClientGone, GenerationJob, build_params
+from dsv4.server.protocol import RequestBody, SamplingFields
+from dsv4.server.routing import requested_routing
+from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
+from dsv4.server.tokenizer import ServerTokenizer
+
+DEFAULT_MAX_NEW_TOKENS = 128     # SGLang's default
+
+
+class NativeSamplingParams(RequestBody):
+    """SGLang's `sampling_params` (the fields dsv4 implements; others are named in a warning)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    sampling_seed: int | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    min_new_tokens: int = 0
+    no_stop_trim: bool = False
+
+
+class GenerateRequest(RequestBody):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    return_routed_experts: bool = False
+    return_indexer_topk: bool = False
+
+
+class AbortRequest(RequestBody):
+    rid: str = ""
+    abort_all: bool = False
+
+
+async def generate(state: ServerState, body: GenerateRequest, request: Request) -> Response:
+    start = time.monotonic()
+    sp = body.sampling_params or NativeSamplingParams()
+    state.warn_unknown_fields(sp)
+    prompts, batched = _prompts(state.tokenizer, body)
+    fields = _sampling_fields(body, sp)
+    routing = requested_routing(fields, state.config.enable_return_routing)
+    job = state.start_job("gen", prompts, _params(body, sp, fields, prompts), routing, body.rid)
+    streaming = False
+    try:
+        await job.wait_accepted(request.is_disconnected)
+        if body.stream:
+            streaming = True
+            return JobStreamingResponse(_stream(state, job, body, prompts, start),
+                                        lambda: state.end_job(job))
+        await job.collect(request.is_disconnected)
+        outs = [_output(state.tokenizer, job, c, body, prompts, start) for c in job.choices]
+        return JSONResponse(outs if batched or sp.n > 1 else outs[0])
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        if not streaming:
+            state.end_job(job)
+
+
+def abort(state: ServerState, body: AbortRequest) -> Response:
+    """Abort the /generate request `rid` (every job with `abort_all`); 200 either way, as SGLang."""
+    jobs = list(state.jobs.values()) if body.abort_all else [
+        job for job in (state.jobs.get(body.rid),) if job is not None]
+    for job in jobs:
+        job.abort()
+    return JSONResponse({"rid": body.rid, "aborted": [job.id for job in jobs]})
+
+
+# ---- request -> engine requests ---------------------------------------------------------------
+
+def _prompts(tok: ServerTokenizer, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """(token ids of every prompt, whether the body gave a list of prompts)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", "text")
+    if isinstance(body.text, str):
+        return [tok.encode(body.text)], False
+    if body.text is not None:
+        if not body.text:
+            raise bad_request("text is an empty list; allowed: a string or a list of strings",
+                              "text")
+        return [tok.encode(t) for t in body.text], True
+    ids = body.input_ids
+    assert ids is not None
+    if not ids:
+        raise bad_request("input_ids is empty; allowed: token ids or a list of them", "input_ids")
+    if isinstance(ids[0], int):
+        return [[t for t in ids if isinstance(t, int)]], False
+    return [p for p in ids if isinstance(p, list)], True
+
+
+def _sampling_fields(body: GenerateRequest, sp: NativeSamplingParams) -> SamplingFields:
+    """The OpenAI endpoints' sampling fields with SGLang's values (`build_params` reads them)."""
+    if sp.no_stop_trim:
+        raise bad_request("no_stop_trim=true is not supported; allowed: false",
+                          "sampling_params.no_stop_trim")
+    if sp.min_new_tokens:
+        raise bad_request(f"min_new_tokens={sp.min_new_tokens} is not supported; allowed: 0",
+                          "sampling_params.min_new_tokens")
+    return SamplingFields(
+        temperature=sp.temperature, top_p=sp.top_p, min_p=sp.min_p,
+        top_k=None if sp.top_k is not None and sp.top_k < 0 else sp.top_k,
+        repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty, n=sp.n, seed=sp.sampling_seed, stop=sp.stop,
+        stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+        skip_special_tokens=sp.skip_special_tokens, stream=body.stream, regex=sp.regex,
+        ebnf=sp.ebnf, guided_json=sp.json_schema,
+        return_routed_experts=body.return_routed_experts,
+        return_indexer_topk=body.return_indexer_topk)
+
+
+def _params(body: GenerateRequest, sp: NativeSamplingParams, fields: SamplingFields,
+            prompts: list[list[int]]) -> list[SamplingParams]:
+    """The engine's SamplingParams of the n samples: log-probs temperature-scaled (SGLang's),
+    the prompt's from `logprob_start_len` when it is >= 0."""
+    top = body.top_logprobs_num
+    start = body.logprob_start_len
+    if body.return_logprob and start != -1 and not 0 <= start < min(len(p) for p in prompts):
+        raise bad_request(f"logprob_start_len={start} is invalid; allowed: -1 or 0 <= "
+                          "logprob_start_len < the prompt's length", "logprob_start_len")
+    logprobs = top if body.return_logprob else None
+    scored = top if body.return_logprob and start >= 0 else None
+    params = build_params(fields, sp.max_new_tokens, logprobs, scored)
+    return [dataclasses.replace(p, scaled_logprobs=body.return_logprob) for p in params]
+
+
+# ---- engine outputs -> SGLang's objects ----------------------------------------------------------
+
+def _output(tok: ServerTokenizer, job: GenerationJob, c: ChoiceOutput, body: GenerateRequest,
+            prompts: list[list[int]], start: float, delta: ChoiceDelta | None = None
+            ) -> dict[str, Any]:
+    """One choice's object: cumulative text / ids; log-probs of `delta`'s tokens (streaming) or of
+    every token."""
+    meta: dict[str, Any] = {
+        "id": job.id if job.n * len(prompts) == 1 else f"{job.id}-{c.index}",
+        "finish_reason": _finish_reason(c), "prompt_tokens": c.num_prompt_tokens,
+        "completion_tokens": len(c.token_ids), "cached_tokens": c.cached_tokens,
+        "e2e_latency": time.monotonic() - start}
+    if body.return_logprob:
+        meta.update(_logprobs(tok, c, body, prompts[c.index // job.n], delta))
+    meta.update({name: a.data for name, a in c.routing_fields(job.routing).items()})
+    out = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+    return {**out, "index": c.index} if body.stream else out
+
+
+def _finish_reason(c: ChoiceOutput) -> dict[str, Any] | None:
+    if c.finish_reason is None:
+        return None
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    if c.finish_reason == "stop":
+        matched = c.stop_matched if c.stop_matched is not None else (
+            c.token_ids[-1] if c.token_ids else None)
+        return {"type": "stop", "matched": matched}
+    if c.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted"}
+    return {"type": c.finish_reason}
+
+
+def _logprobs(tok: ServerTokenizer, c: ChoiceOutput, body: GenerateRequest, prompt: list[int],
+              delta: ChoiceDelta | None) -> dict[str, Any]:
+    def triple(lp: float | None, t: int) -> list[Any]:
+        return [lp, t, tok.decode([t]) if body.return_text_in_logprobs else None]
+
+    ids, lps, tops = ((delta.token_ids, delta.logprobs, delta.top_logprobs) if delta is not None
+                      else (c.token_ids, c.logprobs, c.top_logprobs))
+    out: dict[str, Any] = {"output_token_logprobs": [triple(lp, t) for t, lp in zip(ids, lps,
+                                                                                     strict=True)]}
+    if body.top_logprobs_num:
+        out["output_top_logprobs"] = [[triple(lp, t) for t, lp in row] for row in tops]
+    first = delta is None or delta.prompt_logprobs is not None
+    if body.logprob_start_len >= 0 and c.prompt_logprobs is not None and first:
+        L = body.logprob_start_len
+        out["input_token_logprobs"] = [triple(lp, t) for t, lp in
+                                       zip(prompt[L:], c.prompt_logprobs[L:], strict=True)]
+        if body.top_logprobs_num:
+            rows = (c.prompt_top_logprobs or [])[L:]
+            out["input_top_logprobs"] = [None if L + i == 0 else [triple(lp, t) for t, lp in row]
+                                         for i, row in enumerate(rows)]
+    return out
+
+
+async def _stream(state: ServerState, job: GenerationJob, body: GenerateRequest,
+                  prompts: list[list[int]], start: float) -> AsyncIterator[str]:
+    try:
+        async for choice, delta in job.deltas():
+            if delta.token_ids or delta.text or delta.finish_reason is not None:
+                yield sse(_output(state.tokenizer, job, choice, body, prompts, start, delta))
+    except APIError as e:
+        yield sse(error_body(e.status, e.message, e.param, e.code))
+    yield SSE_DONE
