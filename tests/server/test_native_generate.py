@@ -134,10 +134,25 @@ def test_stop_reasons_name_what_matched(http: httpx.Client, tok: ServerTokenizer
                                                        "stop": [stop]})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == text[:text.index(stop)]
+    kept = generate(http, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 12,
+                                                        "stop": [stop], "no_stop_trim": True})
+    assert kept["text"] == text[:text.index(stop) + len(stop)]
     token = full["output_ids"][3]
-    out = generate(http, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 12,
-                                                       "stop_token_ids": [token]})
+    by_token = {**GREEDY, "max_new_tokens": 12, "stop_token_ids": [token]}
+    out = generate(http, text=PROMPT, sampling_params=by_token)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    # SGLang's trim: output_ids keep the stop token, the text drops it
+    assert out["output_ids"][-1] == token and out["text"] == tok.decode(out["output_ids"][:-1])
+    cmpl = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True, "stop_token_ids": [token]})
+    assert cmpl.json()["choices"][0]["text"] == tok.decode(out["output_ids"]), "vLLM's: kept"
+    kept = generate(http, text=PROMPT, sampling_params={**by_token, "no_stop_trim": True,
+                                                        "skip_special_tokens": False})
+    assert kept["text"] == tok.decode(kept["output_ids"])
+    done = generate(http, text=PROMPT, sampling_params={**GREEDY, "regex": "[0-9]{3}"})
+    assert done["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}, \
+        "a grammar's completion is no matched stop"
+    assert len(done["text"]) == 3 and done["text"].isdigit()
 
 
 def stream_events(http: httpx.Client, body: dict[str, Any]) -> list[Any]:
@@ -193,7 +208,6 @@ def test_abort_request_by_rid(http: httpx.Client, server: ServerProcess) -> None
 @pytest.mark.parametrize(("body", "param"), [
     ({"text": PROMPT, "input_ids": [1, 2]}, "text"),
     ({"sampling_params": GREEDY}, "text"),
-    ({"text": PROMPT, "sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim"),
     ({"text": PROMPT, "sampling_params": {"min_new_tokens": 2}},
      "sampling_params.min_new_tokens"),
     ({"text": PROMPT, "return_logprob": True, "logprob_start_len": 10_000}, "logprob_start_len"),

@@ -82,7 +82,8 @@ class SamplingParams:
     - `presence_penalty`: subtracted once if the token occurs in the output; -2..2 (0 = off).
     - `seed`: seed for reproducible sampling, 0 <= seed < 2**63; None lets the engine draw one.
     - `stop`: stop strings; the output is cut before the earliest occurrence (excluded).
-    - `stop_token_ids`: token ids that end the request (the token itself is not emitted as text).
+    - `stop_token_ids`: token ids that end the request; the token stays in the output, its text
+      too unless `skip_special_tokens` drops it (vLLM's semantics).
     - `ignore_eos`: keep generating past the eos token.
     - `logprobs`: None = no logprobs; k in 0..20 = the sampled token's logprob plus the top-k
       alternatives.

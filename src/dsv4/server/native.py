@@ -5,15 +5,17 @@ requests as the OpenAI endpoints (generation.py).
 Request (SGLang's names): `text` or `input_ids` (one prompt or a list of them); `sampling_params`,
 one object for every prompt: `max_new_tokens` (default 128), `temperature`, `top_p`, `top_k` (-1:
 off), `min_p`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, `stop`,
-`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `n`, `sampling_seed`, `regex` / `ebnf` /
-`json_schema` (structured.py); `rid` (the request's id, for `/abort_request`); `return_logprob`,
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim` (the text keeps the stop
+string or stop token that ended it), `n`, `sampling_seed`, `regex` / `ebnf` / `json_schema`
+(structured.py); `rid` (the request's id, for `/abort_request`); `return_logprob`,
 `logprob_start_len` (-1: the output's log-probs only; L >= 0: the prompt's too, from position
 L), `top_logprobs_num`, `return_text_in_logprobs`; `stream`; `return_routed_experts` /
 `return_indexer_topk` (routing.py: a server started with --enable-return-routing, no streaming).
 
 Response: per choice `{"text", "output_ids", "meta_info"}`, a list of them when the request has
 several prompts or n > 1 (prompt-major: choice k samples prompt k // n). `meta_info`: `id`,
-`finish_reason` (`{"type": "stop", "matched": the stop string, else the stop token's id}`,
+`finish_reason` (`{"type": "stop", "matched": the stop string or stop token id; null when a
+grammar completed}`,
 `{"type": "length", "length": tokens}`, `{"type": "abort", "message"}`), `prompt_tokens`,
 `completion_tokens`, `cached_tokens`, `e2e_latency` (s); with `return_logprob`
 `output_token_logprobs` (`[logprob, token id, token text or null]` per token: the
@@ -109,10 +111,13 @@ async def generate(state: ServerState, body: GenerateRequest, request: Request) 
         await job.wait_accepted(request.is_disconnected)
         if body.stream:
             streaming = True
-            return JobStreamingResponse(_stream(state, job, body, prompts, start),
+            return JobStreamingResponse(_stream(state, job, body, prompts, start,
+                                                _stop_tokens(state, sp)),
                                         lambda: state.end_job(job))
         await job.collect(request.is_disconnected)
-        outs = [_output(state.tokenizer, job, c, body, prompts, start) for c in job.choices]
+        stops = _stop_tokens(state, sp)
+        outs = [_output(state.tokenizer, job, c, body, prompts, start, stops)
+                for c in job.choices]
         return JSONResponse(outs if batched or sp.n > 1 else outs[0])
     except ClientGone:
         return Response(status_code=499)
@@ -154,9 +159,6 @@ def _prompts(tok: ServerTokenizer, body: GenerateRequest) -> tuple[list[list[int
 
 def _sampling_fields(body: GenerateRequest, sp: NativeSamplingParams) -> SamplingFields:
     """The OpenAI endpoints' sampling fields with SGLang's values (`build_params` reads them)."""
-    if sp.no_stop_trim:
-        raise bad_request("no_stop_trim=true is not supported; allowed: false",
-                          "sampling_params.no_stop_trim")
     if sp.min_new_tokens:
         raise bad_request(f"min_new_tokens={sp.min_new_tokens} is not supported; allowed: 0",
                           "sampling_params.min_new_tokens")
@@ -189,32 +191,58 @@ def _params(body: GenerateRequest, sp: NativeSamplingParams, fields: SamplingFie
 
 # ---- engine outputs -> SGLang's objects ----------------------------------------------------------
 
+def _stop_tokens(state: ServerState, sp: NativeSamplingParams) -> frozenset[int]:
+    """The tokens that end a choice as a matched stop: its stop_token_ids and, unless
+    ignore_eos, the model's eos (a grammar's completion also finishes "stop", on another token)."""
+    eos = () if sp.ignore_eos else (state.model_info.eos_token_id,)
+    return frozenset((*(sp.stop_token_ids or ()), *eos))
+
+
 def _output(tok: ServerTokenizer, job: GenerationJob, c: ChoiceOutput, body: GenerateRequest,
-            prompts: list[list[int]], start: float, delta: ChoiceDelta | None = None
-            ) -> dict[str, Any]:
+            prompts: list[list[int]], start: float, stops: frozenset[int],
+            delta: ChoiceDelta | None = None) -> dict[str, Any]:
     """One choice's object: cumulative text / ids; log-probs of `delta`'s tokens (streaming) or of
     every token."""
+    token = _stop_token(c, stops)
     meta: dict[str, Any] = {
         "id": job.id if job.n * len(prompts) == 1 else f"{job.id}-{c.index}",
-        "finish_reason": _finish_reason(c), "prompt_tokens": c.num_prompt_tokens,
+        "finish_reason": _finish_reason(c, token), "prompt_tokens": c.num_prompt_tokens,
         "completion_tokens": len(c.token_ids), "cached_tokens": c.cached_tokens,
         "e2e_latency": time.monotonic() - start}
     if body.return_logprob:
         meta.update(_logprobs(tok, c, body, prompts[c.index // job.n], delta))
     meta.update({name: a.data for name, a in c.routing_fields(job.routing).items()})
-    out = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+    out = {"text": _text(tok, c, body, token), "output_ids": list(c.token_ids),
+           "meta_info": meta}
     return {**out, "index": c.index} if body.stream else out
 
 
-def _finish_reason(c: ChoiceOutput) -> dict[str, Any] | None:
+def _stop_token(c: ChoiceOutput, stops: frozenset[int]) -> int | None:
+    """The stop token that ended the choice (its last token), or None."""
+    if c.finish_reason != "stop" or c.stop_matched is not None or not c.token_ids:
+        return None
+    return c.token_ids[-1] if c.token_ids[-1] in stops else None
+
+
+def _text(tok: ServerTokenizer, c: ChoiceOutput, body: GenerateRequest, token: int | None
+          ) -> str:
+    """The choice's text as SGLang returns it: without the stop token's text (`output_ids` keep
+    the token), or with `no_stop_trim` with what stopped it, string or token."""
+    sp = body.sampling_params or NativeSamplingParams()
+    if sp.no_stop_trim and c.stop_matched is not None:
+        return c.text + c.stop_matched
+    if token is None or sp.no_stop_trim:
+        return c.text
+    return tok.decode(c.token_ids[:-1], skip_special_tokens=sp.skip_special_tokens)
+
+
+def _finish_reason(c: ChoiceOutput, token: int | None) -> dict[str, Any] | None:
     if c.finish_reason is None:
         return None
     if c.finish_reason == "length":
         return {"type": "length", "length": len(c.token_ids)}
     if c.finish_reason == "stop":
-        matched = c.stop_matched if c.stop_matched is not None else (
-            c.token_ids[-1] if c.token_ids else None)
-        return {"type": "stop", "matched": matched}
+        return {"type": "stop", "matched": c.stop_matched if token is None else token}
     if c.finish_reason == "abort":
         return {"type": "abort", "message": "aborted"}
     return {"type": c.finish_reason}
@@ -244,11 +272,13 @@ def _logprobs(tok: ServerTokenizer, c: ChoiceOutput, body: GenerateRequest, prom
 
 
 async def _stream(state: ServerState, job: GenerationJob, body: GenerateRequest,
-                  prompts: list[list[int]], start: float) -> AsyncIterator[str]:
+                  prompts: list[list[int]], start: float, stops: frozenset[int]
+                  ) -> AsyncIterator[str]:
     try:
         async for choice, delta in job.deltas():
             if delta.token_ids or delta.text or delta.finish_reason is not None:
-                yield sse(_output(state.tokenizer, job, choice, body, prompts, start, delta))
+                yield sse(_output(state.tokenizer, job, choice, body, prompts, start, stops,
+                                  delta))
     except APIError as e:
         yield sse(error_body(e.status, e.message, e.param, e.code))
     yield SSE_DONE

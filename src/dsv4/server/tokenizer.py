@@ -52,8 +52,8 @@ class ServerTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         cached = self._bytes.get(token_id)
