@@ -220,3 +220,19 @@ def test_bad_requests_name_the_field(http: httpx.Client, body: dict[str, Any],
     """The field in `param`, or (SamplingParams' range checks) in the message."""
     got, message = error_of(http, body)
     assert got == param or (got is None and param in message), (got, message)
+
+
+def test_info_and_deep_health(http: httpx.Client) -> None:
+    """/get_model_info, /get_server_info (/server_info) and /health_generate, as SGLang clients
+    (routers, bench_serving) read them; no server path or key in them."""
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info == {"model_path": "dsv4-tiny", "tokenizer_path": "dsv4-tiny",
+                    "is_generation": True}
+    server = http.get("/get_server_info").json()
+    assert server["model_path"] == "dsv4-tiny" and "api_key" not in server and "model" not in server
+    assert server["context_length"] == 2048 and server["max_running_requests"] == 64
+    states = server["internal_states"]
+    assert len(states) == 1 and states[0]["avg_spec_accept_length"] is None
+    assert states[0]["steps"] > 0, "the engine's counters"
+    assert http.get("/server_info").json()["version"] == server["version"]

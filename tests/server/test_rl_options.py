@@ -103,9 +103,14 @@ def test_routing_equals_the_offline_engine(http: httpx.Client, ckpts: dict[str, 
     assert "routed_experts" not in complete(http)["choices"][0]
 
 
-def test_native_generate_carries_the_same_routing(http: httpx.Client) -> None:
+def test_native_generate_carries_the_same_routing(http: httpx.Client,
+                                                  rl_server: ServerProcess) -> None:
     """SGLang's /generate (Miles' rollout call): meta_info's routed_experts / indexer_topk are the
-    base64 rows /v1/completions returns, and output_token_logprobs its log-probs (greedy)."""
+    base64 rows /v1/completions returns, and output_token_logprobs its log-probs (greedy); the
+    native endpoints need the API key too."""
+    for path in ("/generate", "/abort_request"):
+        assert httpx.post(rl_server.url + path, json={"input_ids": PROMPT}).status_code == 401
+    assert httpx.get(rl_server.url + "/get_server_info").status_code == 401
     choice = complete(http, **ROUTING)["choices"][0]
     r = http.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, **ROUTING,
                                      "sampling_params": {"max_new_tokens": MAX_TOKENS,

@@ -28,6 +28,9 @@
     POST /generate             SGLang's native generation API (native.py): text or input_ids,
                                sampling_params, return_logprob, stream, the RL options
     POST /abort_request        {"rid": ..., "abort_all": bool}: abort /generate requests (SGLang)
+    GET  /health_generate      200 once a one-token generation went through (SGLang); 503 if not
+    GET  /get_model_info, /get_server_info (/server_info)
+                               SGLang's info endpoints (native.py)
 
 `/v1/*`, /generate, /abort_request, /flush_cache and /update_weights_from_disk need
 `Authorization: Bearer <key>` when the server has an API key. Bodies are read with a size limit
@@ -57,7 +60,15 @@ from pydantic import BaseModel, ValidationError
 from dsv4.server.chat import create_chat_completion
 from dsv4.server.completions import create_completion
 from dsv4.server.errors import APIError, from_validation_error, install_handlers, unavailable
-from dsv4.server.native import AbortRequest, GenerateRequest, abort, generate
+from dsv4.server.native import (
+    AbortRequest,
+    GenerateRequest,
+    abort,
+    generate,
+    health_generate,
+    model_info,
+    server_info,
+)
 from dsv4.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -108,6 +119,10 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/generate", _generate(state), methods=["POST", "PUT"], dependencies=auth)
     app.add_api_route("/abort_request", _abort_request(state), methods=["POST"],
                       dependencies=auth)
+    app.add_api_route("/health_generate", _health_generate(state), methods=["GET"])
+    app.add_api_route("/get_model_info", _model_info(state), methods=["GET"], dependencies=auth)
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, _server_info(state), methods=["GET"], dependencies=auth)
     return app
 
 
@@ -245,6 +260,27 @@ def _abort_request(state: ServerState) -> Handler:
     async def handler(request: Request) -> Response:
         return abort(state, await parse_body(request, AbortRequest,
                                              state.config.max_request_bytes))
+
+    return handler
+
+
+def _health_generate(state: ServerState) -> Handler:
+    async def handler() -> Response:
+        return await health_generate(state)
+
+    return handler
+
+
+def _model_info(state: ServerState) -> Handler:
+    async def handler() -> Response:
+        return model_info(state)
+
+    return handler
+
+
+def _server_info(state: ServerState) -> Handler:
+    async def handler() -> Response:
+        return await server_info(state)
 
     return handler
 

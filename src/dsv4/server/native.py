@@ -25,6 +25,9 @@ SGLang as rollout log-probs; raw where greedy) and `input_token_logprobs` (the p
 `input_top_logprobs` (k triples per position); `routed_experts` / `indexer_topk`: base64 of the
 little-endian int32 rows, one per token fed (prompt + output - 1), as SGLang sends them.
 
+GET /get_model_info, /get_server_info (/server_info) and /health_generate answer as SGLang's do
+(`model_info`, `server_info`, `health_generate`).
+
 Stream: server-sent events of the same objects, `text`, `output_ids` and `completion_tokens`
 cumulative (SGLang's default), the log-prob lists only the event's new tokens, `index` naming the
 choice; then `data: [DONE]`. Validation errors are 400s in the OpenAI error shape (errors.py),
@@ -35,6 +38,7 @@ Test: `pytest tests/server/test_native_generate.py`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -43,9 +47,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dsv4 import __version__
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.server.engine_client import ChoiceDelta
-from dsv4.server.errors import APIError, bad_request, error_body
+from dsv4.server.errors import APIError, bad_request, error_body, unavailable
 from dsv4.server.generation import ChoiceOutput, ClientGone, GenerationJob, build_params
 from dsv4.server.protocol import RequestBody, SamplingFields
 from dsv4.server.routing import requested_routing
@@ -133,6 +138,56 @@ def abort(state: ServerState, body: AbortRequest) -> Response:
     for job in jobs:
         job.abort()
     return JSONResponse({"rid": body.rid, "aborted": [job.id for job in jobs]})
+
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0     # SGLang's default for /health_generate
+PRIVATE_FIELDS = ("model", "api_key")   # a server path and a secret never leave the host
+
+
+async def health_generate(state: ServerState) -> Response:
+    """GET /health_generate: 200 once a one-token greedy generation went through the engine
+    (SGLang's deep health check), 503 when it failed or took over HEALTH_GENERATE_TIMEOUT_S."""
+    if not state.client.is_ready:
+        return unavailable("the engine is loading the model", "loading").response()
+    params = SamplingParams.create(max_tokens=1, temperature=0.0, ignore_eos=True)
+    job = state.start_job("health", [[0]], [params])
+    try:
+        await asyncio.wait_for(_finish(job), HEALTH_GENERATE_TIMEOUT_S)
+    except (TimeoutError, APIError) as e:
+        return APIError(503, f"health generation failed: {e!r}", code="unhealthy").response()
+    finally:
+        state.end_job(job)
+    return Response(status_code=200)
+
+
+async def _finish(job: GenerationJob) -> None:
+    await job.wait_accepted()
+    await job.collect()
+
+
+def model_info(state: ServerState) -> Response:
+    """GET /get_model_info, as SGLang names it (the served name stands for the paths)."""
+    name = state.config.served_model_name
+    return JSONResponse({"model_path": name, "tokenizer_path": name, "is_generation": True})
+
+
+async def server_info(state: ServerState) -> Response:
+    """GET /get_server_info (/server_info): the server's knobs (no path, no key), the engine's
+    sizes and, in `internal_states`, what SGLang reports there (speculative decoding's mean
+    acceptance length, null when not speculating) and the engine's counters."""
+    if not state.client.is_ready:
+        return unavailable("the engine is loading the model", "loading").response()
+    snap = await state.client.query_stats()
+    info = {k: v for k, v in dataclasses.asdict(state.config).items()
+            if k not in PRIVATE_FIELDS}
+    passes = sum(snap.spec_accept_hist)
+    accept = 1 + snap.spec_accepted_tokens / passes if passes else None
+    info.update(model_path=state.config.served_model_name, version=__version__,
+                context_length=state.model_info.context_length,
+                max_total_num_tokens=state.model_info.max_total_tokens,
+                weight_version=snap.weight_version,
+                internal_states=[{"avg_spec_accept_length": accept, **dataclasses.asdict(snap)}])
+    return JSONResponse(info)
 
 
 # ---- request -> engine requests ---------------------------------------------------------------
