@@ -87,6 +87,10 @@
 #                 16 / 32 with the kernels' times, the FP8 linears' FMA tile at 3 / 4 pipeline stages and
 #                 the frag path at M = 1 (bench_fp8_linear.py --stage-sweep), test_moe_frag.py -m gpu
 #                 (fp8_frag.txt)
+#   pdl-auto      flash-4l decode batch 1 / 4K at the engine's default PDL buckets (EARLY <= 8 with FP8
+#                 linears, none in bf16), checkpoint and bf16 twice in turn (pdl_auto.txt); the FP8 linear's
+#                 FMA tile at 3 / 4 stages (bench_fp8_linear.py --stage-sweep --m 1: fp8_stages.txt); the
+#                 PDL tests on the GPU (pdl_tests.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -423,13 +427,30 @@ fixed_costs() {   # the mHC finish apart, the top-k row path, the PDL kernels' G
   grep -E "passed|failed" "$OUT/fixed_tests.txt"
 }
 
+pdl_auto() {   # the engine's default PDL buckets per format, the 3 / 4-stage FP8 tile, test_pdl
+  local fmt
+  for fmt in checkpoint bf16 checkpoint bf16; do   # batch 1 / 4K, each run its own process
+    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches= \
+      --weight-format "$fmt" --out /tmp/auto.json > /tmp/auto.txt 2>&1
+    { echo "--- $fmt (engine default)"; grep "^{" /tmp/auto.txt | tail -1; } \
+      | tee -a "$OUT/pdl_auto.txt" | cut -c 1-160
+  done
+  timeout 150 python3 benchmarks/kernels/bench_fp8_linear.py --stage-sweep --m 1 \
+    > /tmp/stages.txt 2>&1
+  { grep -v "^{" /tmp/stages.txt | tail -9; grep "^{" /tmp/stages.txt | tail -1; } \
+    | tee "$OUT/fp8_stages.txt" | cut -c 1-160
+  timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl.py \
+    2>&1 | tail -20 | tee "$OUT/pdl_tests.txt" | grep -E "passed|failed"
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,96p' "$0"
+  sed -n '2,100p' "$0"
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -457,9 +478,10 @@ for part in "$@"; do
     fixed-costs) fixed_costs ;;
     step-ab) step_ab ;;
     fp8-frag) fp8_frag ;;
+    pdl-auto) pdl_auto ;;
     sass) sass ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag sass"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass"; exit 2 ;;
   esac
 done
