@@ -80,6 +80,9 @@ def test_batches_and_n_are_prompt_major(http: httpx.Client, tok: ServerTokenizer
         assert generate(http, input_ids=p, sampling_params=GREEDY)["output_ids"] == o["output_ids"]
     single = generate(http, text=[PROMPT], sampling_params=GREEDY)
     assert isinstance(single, list) and len(single) == 1
+    long = generate(http, input_ids=prompts[0][:5] * 400,
+                    sampling_params={**GREEDY, "max_new_tokens": None})
+    assert long["meta_info"]["completion_tokens"] == 2048 - 2000, "null: up to the context"
 
 
 def test_output_logprobs_are_the_sampled_distributions(http: httpx.Client,

@@ -3,9 +3,9 @@
 requests as the OpenAI endpoints (generation.py).
 
 Request (SGLang's names): `text` or `input_ids` (one prompt or a list of them); `sampling_params`,
-one object for every prompt: `max_new_tokens` (default 128), `temperature`, `top_p`, `top_k` (-1:
-off), `min_p`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, `stop`,
-`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim` (the text keeps the stop
+one object for every prompt: `max_new_tokens` (default 128; null: up to the context length),
+`temperature`, `top_p`, `top_k` (-1: off), `min_p`, `repetition_penalty`, `frequency_penalty`,
+`presence_penalty`, `stop`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim` (the text keeps the stop
 string or stop token that ended it), `n`, `sampling_seed`, `regex` / `ebnf` / `json_schema`
 (structured.py); `rid` (the request's id, for `/abort_request`); `return_logprob`,
 `logprob_start_len` (-1: the output's log-probs only; L >= 0: the prompt's too, from position
@@ -63,7 +63,7 @@ DEFAULT_MAX_NEW_TOKENS = 128     # SGLang's default
 class NativeSamplingParams(RequestBody):
     """SGLang's `sampling_params` (the fields dsv4 implements; others are named in a warning)."""
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -110,7 +110,8 @@ async def generate(state: ServerState, body: GenerateRequest, request: Request) 
     prompts, batched = _prompts(state.tokenizer, body)
     fields = _sampling_fields(body, sp)
     routing = requested_routing(fields, state.config.enable_return_routing)
-    job = state.start_job("gen", prompts, _params(body, sp, fields, prompts), routing, body.rid)
+    job = state.start_job("gen", prompts, _params(state, body, sp, fields, prompts), routing,
+                          body.rid)
     streaming = False
     try:
         await job.wait_accepted(request.is_disconnected)
@@ -229,8 +230,8 @@ def _sampling_fields(body: GenerateRequest, sp: NativeSamplingParams) -> Samplin
         return_indexer_topk=body.return_indexer_topk)
 
 
-def _params(body: GenerateRequest, sp: NativeSamplingParams, fields: SamplingFields,
-            prompts: list[list[int]]) -> list[SamplingParams]:
+def _params(state: ServerState, body: GenerateRequest, sp: NativeSamplingParams,
+            fields: SamplingFields, prompts: list[list[int]]) -> list[SamplingParams]:
     """The engine's SamplingParams of the n samples: log-probs temperature-scaled (SGLang's),
     the prompt's from `logprob_start_len` when it is >= 0."""
     top = body.top_logprobs_num
@@ -240,7 +241,9 @@ def _params(body: GenerateRequest, sp: NativeSamplingParams, fields: SamplingFie
                           "logprob_start_len < the prompt's length", "logprob_start_len")
     logprobs = top if body.return_logprob else None
     scored = top if body.return_logprob and start >= 0 else None
-    params = build_params(fields, sp.max_new_tokens, logprobs, scored)
+    room = state.model_info.context_length - max(len(p) for p in prompts)
+    max_new = sp.max_new_tokens if sp.max_new_tokens is not None else max(1, room)
+    params = build_params(fields, max_new, logprobs, scored)
     return [dataclasses.replace(p, scaled_logprobs=body.return_logprob) for p in params]
 
 
