@@ -239,3 +239,4 @@ def test_info_and_deep_health(http: httpx.Client) -> None:
     assert len(states) == 1 and states[0]["avg_spec_accept_length"] is None
     assert states[0]["steps"] > 0, "the engine's counters"
     assert http.get("/server_info").json()["version"] == server["version"]
+    assert http.get("/flush_cache").status_code == 200, "SGLang's clients flush with GET too"

@@ -15,8 +15,8 @@
                                accepted drafts, N + 1 counts), `spec_draft_tokens`,
                                `spec_accepted_tokens`); `?check_integrity=true` also runs the
                                engine's check_integrity() and reports "ok" or the failure
-    POST /flush_cache          drop the prefix-cache entries no request uses (SGLang's name);
-                               returns the stats
+    POST /flush_cache          drop the prefix-cache entries no request uses (SGLang's name;
+                               GET too); returns the stats
     POST /update_weights_from_disk
                                {"model_path": "<checkpoint dir>"} (SGLang's name, for RL weight
                                sync): the engine loads that checkpoint into the served model
@@ -112,7 +112,8 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/tokenizer_info", _tokenizer_info(state), methods=["GET"],
                       dependencies=auth)
     app.add_api_route("/v1/engine_stats", _engine_stats(state), methods=["GET"], dependencies=auth)
-    app.add_api_route("/flush_cache", _flush_cache(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/flush_cache", _flush_cache(state), methods=["GET", "POST"],
+                      dependencies=auth)
     app.add_api_route("/update_weights_from_disk", _update_weights_from_disk(state),
                       methods=["POST"], dependencies=auth)
     # SGLang's native API (native.py)

@@ -5,18 +5,19 @@ requests as the OpenAI endpoints (generation.py).
 Request (SGLang's names): `text` or `input_ids` (one prompt or a list of them); `sampling_params`,
 one object for every prompt: `max_new_tokens` (default 128; null: up to the context length),
 `temperature`, `top_p`, `top_k` (-1: off), `min_p`, `repetition_penalty`, `frequency_penalty`,
-`presence_penalty`, `stop`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim` (the text keeps the stop
-string or stop token that ended it), `n`, `sampling_seed`, `regex` / `ebnf` / `json_schema`
-(structured.py); `rid` (the request's id, for `/abort_request`); `return_logprob`,
-`logprob_start_len` (-1: the output's log-probs only; L >= 0: the prompt's too, from position
-L), `top_logprobs_num`, `return_text_in_logprobs`; `stream`; `return_routed_experts` /
-`return_indexer_topk` (routing.py: a server started with --enable-return-routing, no streaming).
+`presence_penalty`, `stop`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
+`no_stop_trim` (the text keeps the stop string or stop token that ended it), `n`,
+`sampling_seed`, `regex` / `ebnf` / `json_schema` (structured.py); `rid` (the request's id, for
+`/abort_request`); `return_logprob`, `logprob_start_len` (-1: the output's log-probs only;
+L >= 0: the prompt's too, from position L), `top_logprobs_num`, `return_text_in_logprobs`;
+`stream`; `return_routed_experts` / `return_indexer_topk` (routing.py: a server started with
+--enable-return-routing, no streaming).
 
 Response: per choice `{"text", "output_ids", "meta_info"}`, a list of them when the request has
 several prompts or n > 1 (prompt-major: choice k samples prompt k // n). `meta_info`: `id`,
-`finish_reason` (`{"type": "stop", "matched": the stop string or stop token id; null when a
-grammar completed}`,
-`{"type": "length", "length": tokens}`, `{"type": "abort", "message"}`), `prompt_tokens`,
+`finish_reason` (`{"type": "stop", "matched": the stop string or stop token id, null when a
+grammar completed}`, `{"type": "length", "length": tokens}`, `{"type": "abort", "message"}`;
+the text drops a stop token's text, `output_ids` keep the token), `prompt_tokens`,
 `completion_tokens`, `cached_tokens`, `e2e_latency` (s); with `return_logprob`
 `output_token_logprobs` (`[logprob, token id, token text or null]` per token: the
 temperature-scaled log-probs the token was sampled from, which is what RL trainers take from
