@@ -26,8 +26,10 @@ SGLang as rollout log-probs; raw where greedy) and `input_token_logprobs` (the p
 `input_top_logprobs` (k triples per position); `routed_experts` / `indexer_topk`: base64 of the
 little-endian int32 rows, one per token fed (prompt + output - 1), as SGLang sends them.
 
-GET /get_model_info, /get_server_info (/server_info) and /health_generate answer as SGLang's do
-(`model_info`, `server_info`, `health_generate`).
+POST /abort_request `{"rid"}` aborts that request (`{"abort_all": true}`: every request): each
+of its choices finishes with `{"type": "abort"}`. GET /get_model_info, /get_server_info
+(/server_info) and /health_generate answer as SGLang's do (`model_info`, `server_info`,
+`health_generate`).
 
 Stream: server-sent events of the same objects, `text`, `output_ids` and `completion_tokens`
 cumulative (SGLang's default), the log-prob lists only the event's new tokens, `index` naming the
