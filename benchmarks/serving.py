@@ -20,6 +20,7 @@ Prints a table, then one JSON line.
 
     python benchmarks/serving.py                            # starts a server on the default model
     python benchmarks/serving.py --url http://127.0.0.1:8000 --skip-offline  # a running server
+    python benchmarks/serving.py --api native     # through SGLang's /generate instead
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api", default="openai", choices=("openai", "native"),
+                   help="openai: /v1/completions; native: SGLang's /generate (server/native.py)")
     p.add_argument("--page-size", type=int, default=None,
-                   help="KV page size (default: 16 on cpu, the server's default on cuda)")
+                   help="KV page size (default: the server's; a multiple of the model's "
+                   "C128 ratio)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
@@ -94,7 +98,12 @@ def make_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list[int]
     return [torch.randint(2, vocab, (k,), generator=g).tolist() for k in lens]
 
 
-async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: int) -> Sample:
+async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: int,
+                      api: str = "openai") -> Sample:
+    """One streamed request through /v1/completions, or through SGLang's native /generate
+    (`api="native"`: server/native.py, as `sglang.bench_serving --backend sglang` sends it)."""
+    if api == "native":
+        return await one_native_request(http, prompt, output_len)
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent, first, last, tokens = time.perf_counter(), None, 0.0, 0
@@ -117,14 +126,40 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: in
                   tokens=tokens, itl=gaps)
 
 
+async def one_native_request(http: httpx.AsyncClient, prompt: list[int],
+                             output_len: int) -> Sample:
+    """/generate streamed: each event carries the cumulative `completion_tokens`; a token's gap is
+    its event's gap over the tokens that event added."""
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0,
+                                "ignore_eos": True}}
+    sent, first, last, tokens = time.perf_counter(), None, 0.0, 0
+    gaps: list[float] = []
+    async with http.stream("POST", "/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            count = json.loads(line[6:])["meta_info"]["completion_tokens"]
+            if count == tokens:
+                continue
+            if first is not None:
+                gaps += [(now - last) / (count - tokens)] * (count - tokens)
+            first, last, tokens = first or now, now, count
+    assert first is not None and tokens == output_len, f"incomplete response ({tokens} tokens)"
+    return Sample(ttft=first - sent, tpot=(last - first) / (tokens - 1) if tokens > 1 else None,
+                  tokens=tokens, itl=gaps)
+
+
 async def run_level(url: str, prompts: list[list[int]], output_len: int,
-                    concurrency: int) -> tuple[float, list[Sample]]:
+                    concurrency: int, api: str = "openai") -> tuple[float, list[Sample]]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def bounded(http: httpx.AsyncClient, prompt: list[int]) -> Sample:
         async with sem:
-            return await one_request(http, prompt, output_len)
+            return await one_request(http, prompt, output_len, api)
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600.0) as http:
         await asyncio.gather(*(bounded(http, p) for p in prompts[:2]))     # warm-up
@@ -143,8 +178,8 @@ def start_server(args: argparse.Namespace, model: Path,
     cmd = [sys.executable, "-m", "dsv4", "serve", "--model", str(model), "--port", str(port),
            "--max-running-requests", str(max_running), "--dtype", dtype_of(args),
            "--device", args.device, "--load-format", args.load_format]
-    if page_size_of(args) is not None:
-        cmd += ["--page-size", str(page_size_of(args))]
+    if args.page_size is not None:
+        cmd += ["--page-size", str(args.page_size)]
     log = Path(args.server_log or os.devnull)
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -166,14 +201,10 @@ def dtype_of(args: argparse.Namespace) -> str:
     return str(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
 
 
-def page_size_of(args: argparse.Namespace) -> int | None:
-    return int(args.page_size or 16) if args.device == "cpu" else args.page_size
-
-
 def offline_llm(model: Path, args: argparse.Namespace, max_running: int) -> LLM:
     extra = {"kv_cache_memory_gb": 0.5} if args.device == "cpu" else {}
-    if page_size_of(args) is not None:
-        extra["page_size"] = page_size_of(args)
+    if args.page_size is not None:
+        extra["page_size"] = args.page_size
     llm = LLM(model, dtype=dtype_of(args), device=args.device, load_format=args.load_format,
               max_running_requests=max_running, **extra)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -226,9 +257,10 @@ def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int],
                            args.num_requests)
     if args.warmup_pass:
         for c in levels:
-            asyncio.run(run_level(url, prompts[:requests_for(c, args)], args.output_len, c))
+            asyncio.run(run_level(url, prompts[:requests_for(c, args)], args.output_len, c,
+                                  args.api))
     rows = [summarize(c, *asyncio.run(run_level(url, prompts[:requests_for(c, args)],
-                                                args.output_len, c)))
+                                                args.output_len, c, args.api)))
             for c in levels[:-1]]
     top = levels[-1]
     top_prompts = prompts[:requests_for(top, args)]
@@ -241,7 +273,8 @@ def measure(args: argparse.Namespace, url: str, model: Path, levels: list[int],
     server_runs, offline_runs = [], []
     for _ in range(args.repeats):
         server_runs.append(summarize(top, *asyncio.run(run_level(url, top_prompts,
-                                                                 args.output_len, top))))
+                                                                 args.output_len, top,
+                                                                 args.api))))
         if llm is not None:
             offline_runs.append(run_offline(llm, top_prompts, args))
     if after and not args.skip_offline:
@@ -325,7 +358,7 @@ def main() -> None:
           f"best server = {100 * ratio:.1f}% of best offline (target >= 90%; medians: "
           f"{100 * float(result['server_vs_offline_median']):.1f}%)")  # type: ignore[arg-type]
     record = {
-        "benchmark": "serving", "model": str(model), "device": args.device,
+        "benchmark": "serving", "api": args.api, "model": str(model), "device": args.device,
         "dtype": dtype_of(args), "load_format": args.load_format,
         "prompt_len": [args.min_prompt, args.max_prompt],
         "output_len": args.output_len, **result, "target_met": ratio >= 0.9,

@@ -42,6 +42,18 @@ def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: s
     assert result and keys <= set(_flat_keys(result)), result
 
 
+@pytest.mark.parametrize("api", ["openai", "native"])
+def test_serving_benchmark_through_either_api(api: str) -> None:
+    """benchmarks/serving.py starts `dsv4 serve` on the default model (its default page size) and
+    streams through /v1/completions or SGLang's /generate: every request returns its tokens."""
+    result = run_benchmark("serving.py", "--api", api, "--concurrency", "2", "--num-requests",
+                           "4", "--repeats", "1", "--output-len", "4", "--max-prompt", "24",
+                           "--skip-offline")
+    assert result["api"] == api
+    (level,) = result["levels"]
+    assert level["requests"] == 4 and level["tok_s"] > 0, level
+
+
 def test_op_census_counts_a_decode_step() -> None:
     """The census of micro's decode step under the interpreter: Triton launches are counted per
     source line; the MoE tile map is one launch per layer (its torch form is ~30), the step
