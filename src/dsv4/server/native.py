@@ -60,7 +60,9 @@ from dsv4.server.routing import requested_routing
 from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
 from dsv4.server.tokenizer import ServerTokenizer
 
-DEFAULT_MAX_NEW_TOKENS = 128     # SGLang's default
+DEFAULT_MAX_NEW_TOKENS = 128            # SGLang's default
+HEALTH_GENERATE_TIMEOUT_S = 20.0        # SGLang's default for /health_generate
+PRIVATE_FIELDS = ("model", "api_key")   # a server path and a secret never leave the host
 
 
 class NativeSamplingParams(RequestBody):
@@ -142,10 +144,6 @@ def abort(state: ServerState, body: AbortRequest) -> Response:
     for job in jobs:
         job.abort()
     return JSONResponse({"rid": body.rid, "aborted": [job.id for job in jobs]})
-
-
-HEALTH_GENERATE_TIMEOUT_S = 20.0     # SGLang's default for /health_generate
-PRIVATE_FIELDS = ("model", "api_key")   # a server path and a secret never leave the host
 
 
 async def health_generate(state: ServerState) -> Response:
