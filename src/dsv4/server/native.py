@@ -55,7 +55,7 @@ from dsv4.engine.sampling_params import SamplingParams
 from dsv4.server.engine_client import ChoiceDelta
 from dsv4.server.errors import APIError, bad_request, error_body, unavailable
 from dsv4.server.generation import ChoiceOutput, ClientGone, GenerationJob, build_params
-from dsv4.server.protocol import RequestBody, SamplingFields
+from dsv4.server.protocol import RequestBody, SamplingFields, SamplingKnobs
 from dsv4.server.routing import requested_routing
 from dsv4.server.state import SSE_DONE, JobStreamingResponse, ServerState, sse
 from dsv4.server.tokenizer import ServerTokenizer
@@ -65,25 +65,12 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0        # SGLang's default for /health_generate
 PRIVATE_FIELDS = ("model", "api_key")   # a server path and a secret never leave the host
 
 
-class NativeSamplingParams(RequestBody):
-    """SGLang's `sampling_params` (the fields dsv4 implements; others are named in a warning)."""
+class NativeSamplingParams(SamplingKnobs):
+    """SGLang's `sampling_params`: the knobs named as the OpenAI endpoints name them, plus SGLang's
+    own (the fields dsv4 implements; others are named in a warning)."""
 
     max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
     sampling_seed: int | None = None
-    regex: str | None = None
-    ebnf: str | None = None
     json_schema: str | None = None
     min_new_tokens: int = 0
     no_stop_trim: bool = False
@@ -219,16 +206,13 @@ def _sampling_fields(body: GenerateRequest, sp: NativeSamplingParams) -> Samplin
     if sp.min_new_tokens:
         raise bad_request(f"min_new_tokens={sp.min_new_tokens} is not supported; allowed: 0",
                           "sampling_params.min_new_tokens")
-    return SamplingFields(
-        temperature=sp.temperature, top_p=sp.top_p, min_p=sp.min_p,
-        top_k=None if sp.top_k is not None and sp.top_k < 0 else sp.top_k,
-        repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty, n=sp.n, seed=sp.sampling_seed, stop=sp.stop,
-        stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-        skip_special_tokens=sp.skip_special_tokens, stream=body.stream, regex=sp.regex,
-        ebnf=sp.ebnf, guided_json=sp.json_schema,
-        return_routed_experts=body.return_routed_experts,
-        return_indexer_topk=body.return_indexer_topk)
+    knobs = {name: getattr(sp, name) for name in SamplingKnobs.model_fields}
+    if sp.top_k is not None and sp.top_k < 0:
+        knobs["top_k"] = None                 # SGLang's -1: off
+    return SamplingFields(**knobs, seed=sp.sampling_seed, stream=body.stream,
+                          guided_json=sp.json_schema,
+                          return_routed_experts=body.return_routed_experts,
+                          return_indexer_topk=body.return_indexer_topk)
 
 
 def _params(state: ServerState, body: GenerateRequest, sp: NativeSamplingParams,

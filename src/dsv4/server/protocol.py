@@ -40,11 +40,10 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(RequestBody):
-    """Fields shared by both endpoints."""
+class SamplingKnobs(RequestBody):
+    """The sampling fields that the OpenAI endpoints and SGLang's /generate `sampling_params`
+    (native.py) name alike."""
 
-    model: str | None = None
-    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -53,20 +52,28 @@ class SamplingFields(RequestBody):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     n: int = 1
-    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # structured output (server/structured.py): SGLang's names
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class SamplingFields(SamplingKnobs):
+    """Fields shared by both OpenAI endpoints."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_routed_experts: bool = False
     return_indexer_topk: bool = False
     logit_bias: dict[str, float] | None = None
-    # structured output (server/structured.py): SGLang's and vLLM's names
-    regex: str | None = None
-    ebnf: str | None = None
+    # structured output: vLLM's names
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_json: dict[str, Any] | str | None = None
