@@ -28,6 +28,10 @@
     POST /generate             SGLang's native generation API (native.py): text or input_ids,
                                sampling_params, return_logprob, stream, the RL options
     POST /abort_request        {"rid": ..., "abort_all": bool}: abort /generate requests (SGLang)
+    POST /init_weights_update_group, /update_weights_from_distributed,
+         /destroy_weights_update_group
+                               SGLang's weight push from a trainer's process group
+                               (weight_update.py)
     GET  /health_generate      200 once a one-token generation went through (SGLang); 503 if not
     GET  /get_model_info, /get_server_info (/server_info)
                                SGLang's info endpoints (native.py)
@@ -85,6 +89,14 @@ from dsv4.server.tokenize import (
     tokenize,
     tokenizer_info,
 )
+from dsv4.server.weight_update import (
+    DestroyGroupRequest,
+    InitGroupRequest,
+    UpdateDistributedRequest,
+    destroy_group,
+    init_group,
+    update_distributed,
+)
 
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[..., Awaitable[Response]]
@@ -120,6 +132,9 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/generate", _generate(state), methods=["POST", "PUT"], dependencies=auth)
     app.add_api_route("/abort_request", _abort_request(state), methods=["POST"],
                       dependencies=auth)
+    for path, model, handler in _WEIGHT_ROUTES:       # SGLang's (weight_update.py)
+        app.add_api_route(path, _body_route(state, model, handler), methods=["POST"],
+                          dependencies=auth)
     app.add_api_route("/health_generate", _health_generate(state), methods=["GET"])
     app.add_api_route("/get_model_info", _model_info(state), methods=["GET"], dependencies=auth)
     for path in ("/get_server_info", "/server_info"):
@@ -263,6 +278,24 @@ def _abort_request(state: ServerState) -> Handler:
                                              state.config.max_request_bytes))
 
     return handler
+
+
+_WEIGHT_ROUTES: list[tuple[str, type[BaseModel], Handler]] = [
+    ("/init_weights_update_group", InitGroupRequest, init_group),
+    ("/update_weights_from_distributed", UpdateDistributedRequest, update_distributed),
+    ("/destroy_weights_update_group", DestroyGroupRequest, destroy_group),
+]
+
+
+def _body_route(state: ServerState, model: type[BaseModel],
+                handler: Handler) -> Handler:
+    """A POST route: the body parsed into `model`, then `handler(state, body)`."""
+    async def route(request: Request) -> Response:
+        body = await parse_body(request, model, state.config.max_request_bytes)
+        state.warn_unknown_fields(body)
+        return await handler(state, body)
+
+    return route
 
 
 def _health_generate(state: ServerState) -> Handler:

@@ -206,18 +206,24 @@ class EngineClient:
     async def update_weights(self, model_path: str) -> UpdateWeightsReply:
         """Have the engine load the checkpoint directory `model_path` between two steps; 400 (the
         served weights unchanged) when it refuses it. Waits as long as the load takes."""
+        return await self.weights_call(lambda q: UpdateWeights(q, model_path), "model_path")
+
+    async def weights_call(self, make: Callable[[int], Message], param: str
+                           ) -> UpdateWeightsReply:
+        """Send `make(query_id)` (a message the engine answers with an UpdateWeightsReply) and
+        wait, as long as the engine takes, for the reply; 400 naming `param` when it refuses."""
         if not self.is_ready:
             raise unavailable("the engine is not ready", "engine_not_ready")
         query_id = next(self._query_ids)
         future: asyncio.Future[UpdateWeightsReply] = asyncio.get_running_loop().create_future()
         self._updates[query_id] = future
         try:
-            self._send(UpdateWeights(query_id, model_path))
+            self._send(make(query_id))
             reply = await future
         finally:
             self._updates.pop(query_id, None)
         if not reply.success:
-            raise bad_request(reply.message, "model_path")
+            raise bad_request(reply.message, param)
         return reply
 
     def _send(self, msg: Message, quiet: bool = False) -> None:

@@ -16,10 +16,12 @@ loop turn:
     on becoming idle
         -> engine.check_integrity() (a failure is fatal)
 
-Weight updates (UpdateWeights) run inside the drain, i.e. between two steps: no step ever sees
-half-updated weights. `LLMEngine.load_weights_from_dir` retracts the running requests (they
-recompute their KV with the new weights and continue) and flushes the prefix cache; a checkpoint it
-refuses (ValueError) leaves the served weights unchanged and is answered with success=false.
+Weight updates (UpdateWeights; UpdateWeightsDistributed from a trainer's process group, joined
+and left with InitWeightsGroup / DestroyWeightsGroup: weight_update.py) run inside the drain, i.e.
+between two steps: no step ever sees half-updated weights. `LLMEngine.update_weights` retracts the
+running requests (they recompute their KV with the new weights and continue) and flushes the
+prefix cache; weights it refuses (ValueError) leave the served ones unchanged and are answered
+with success=false.
 
 Lifecycle: EngineReady after the model loads. SIGINT/SIGTERM are ignored here — the API process owns
 shutdown and sends ShutdownEngine (abort everything, exit 0). The process also exits when its parent
@@ -55,9 +57,11 @@ from dsv4.server.ipc import (
     ROUTING_KINDS,
     AbortRequests,
     AddRequest,
+    DestroyWeightsGroup,
     EngineFailed,
     EngineReady,
     EngineSnapshot,
+    InitWeightsGroup,
     IpcPaths,
     Message,
     ModelInfo,
@@ -70,12 +74,14 @@ from dsv4.server.ipc import (
     StatsReply,
     StepOutputs,
     UpdateWeights,
+    UpdateWeightsDistributed,
     UpdateWeightsReply,
     decode_frames,
     encode,
     encode_frames,
     finite_logprob,
 )
+from dsv4.server.weight_update import WeightGroups
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -155,6 +161,7 @@ class EngineLoop:
         self._checked_idle = True
         self._parent = multiprocessing.parent_process()
         self._parent_checked = time.monotonic()
+        self.weight_groups = WeightGroups()     # SGLang's weight-update groups (weight_update.py)
 
     def run(self) -> None:
         eng = self.engine
@@ -198,6 +205,9 @@ class EngineLoop:
             self._send(StatsReply(msg.query_id, self.snapshot(msg.check_integrity)))
         elif isinstance(msg, UpdateWeights):
             self._send(self._update_weights(msg))
+        elif isinstance(msg, InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup):
+            self._send(self.weight_groups.handle(msg, self.engine))
+            self._checked_idle = False
         elif isinstance(msg, ShutdownEngine):
             for rid in list(self._sent):
                 self._abort(rid, "abort")

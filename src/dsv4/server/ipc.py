@@ -5,7 +5,8 @@ Transport (ZMQ over `ipc://` sockets in a private temp dir, see `IpcPaths`):
 
     API process                                   engine process
     PUSH  --bind-->  <dir>/requests   --connect-->  PULL
-          AddRequest, AbortRequests, StatsQuery, UpdateWeights, ShutdownEngine
+          AddRequest, AbortRequests, StatsQuery, UpdateWeights, InitWeightsGroup,
+          UpdateWeightsDistributed, DestroyWeightsGroup, ShutdownEngine
     PULL  --bind-->  <dir>/outputs    --connect-->  PUSH
           EngineReady, RequestsAccepted, RequestError, StepOutputs, StatsReply, UpdateWeightsReply,
           EngineFailed
@@ -81,6 +82,43 @@ class UpdateWeights:
 
     query_id: int
     model_path: str
+
+
+@dataclass(frozen=True)
+class InitWeightsGroup:
+    """Join the weight-update group `group_name` (`engine/weight_group.py`) as `rank`; answered by
+    an UpdateWeightsReply (num_tensors 0)."""
+
+    query_id: int
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class UpdateWeightsDistributed:
+    """Receive the announced tensors from the group's rank 0 and serve them between steps
+    (`LLMEngine.update_weights`); answered by an UpdateWeightsReply."""
+
+    query_id: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+
+
+@dataclass(frozen=True)
+class DestroyWeightsGroup:
+    """Leave the weight-update group `group_name`; answered by an UpdateWeightsReply."""
+
+    query_id: int
+    group_name: str
+
+
+WeightsGroupMessage = InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup
 
 
 @dataclass(frozen=True)
@@ -199,7 +237,8 @@ class EngineFailed:
     message: str
 
 
-Message = (AddRequest | AbortRequests | StatsQuery | UpdateWeights | ShutdownEngine | EngineReady
+Message = (AddRequest | AbortRequests | StatsQuery | UpdateWeights | InitWeightsGroup
+           | UpdateWeightsDistributed | DestroyWeightsGroup | ShutdownEngine | EngineReady
            | StepOutputs | RequestsAccepted | RequestError | StatsReply | UpdateWeightsReply
            | EngineFailed)
 
@@ -287,6 +326,9 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "AbortRequests": lambda d: AbortRequests(**d),
     "StatsQuery": lambda d: StatsQuery(**d),
     "UpdateWeights": lambda d: UpdateWeights(**d),
+    "InitWeightsGroup": lambda d: InitWeightsGroup(**d),
+    "UpdateWeightsDistributed": lambda d: UpdateWeightsDistributed(**d),
+    "DestroyWeightsGroup": lambda d: DestroyWeightsGroup(**d),
     "ShutdownEngine": lambda d: ShutdownEngine(),
     "EngineReady": lambda d: EngineReady(pid=d["pid"], model=ModelInfo(**d["model"])),
     "StepOutputs": _step_outputs,

@@ -1,0 +1,141 @@
+"""SGLang's weight push over a process group (server/weight_update.py) against a real `dsv4 serve`
+on a micro checkpoint, gloo on the CPU: the test process is the trainer, rank 0 of the group. After
+/update_weights_from_distributed with checkpoint b's tensors the server's greedy tokens and
+log-probs are an offline engine's on b; a refused update (unknown tensor) is a 400 after its
+broadcasts and changes nothing; the refusals that need no transfer; the pools free afterwards."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.engine.weight_group import open_group, send_tensors
+from dsv4.model.loader import load_model
+
+from .conftest import ServerProcess, assert_pools_free, free_port, running_server
+
+PROMPT = torch.randint(3, 512, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+MAX_TOKENS = 6
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("push_ckpts")
+    out = {"a": root / "a", "b": root / "b"}
+    write_checkpoint(micro(), out["a"], seed=1)
+    write_checkpoint(micro(), out["b"], seed=2, tokenizer=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory,
+        ckpts: dict[str, Path]) -> Iterator[ServerProcess]:
+    with running_server(tmp_path_factory.mktemp("push_server"), "--model", str(ckpts["a"]),
+                        "--shutdown-timeout", "2") as s:
+        yield s
+
+
+def offline(path: Path) -> tuple[list[int], list[float]]:
+    llm = LLM(path, dtype="float32", device="cpu", max_total_tokens=1024)
+    out = llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0))[0]
+    return out.token_ids, out.logprobs
+
+
+def served(srv: ServerProcess) -> tuple[list[int], list[float]]:
+    r = httpx.post(f"{srv.url}/generate", timeout=60.0, json={
+        "input_ids": PROMPT, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"], [t[0] for t in r.json()["meta_info"]["output_token_logprobs"]]
+
+
+class Call(threading.Thread):
+    """One POST in the background (it returns only once the trainer's side is done too)."""
+
+    def __init__(self, srv: ServerProcess, path: str, body: dict[str, Any]) -> None:
+        super().__init__()
+        self.url, self.body = f"{srv.url}{path}", body
+        self.response: httpx.Response | None = None
+        self.start()
+
+    def run(self) -> None:
+        self.response = httpx.post(self.url, json=self.body, timeout=120.0)
+
+    def result(self) -> httpx.Response:
+        self.join(120.0)
+        assert self.response is not None, f"{self.url} did not answer"
+        return self.response
+
+
+def spec(tensors: dict[str, torch.Tensor], group: str) -> dict[str, Any]:
+    return {"names": list(tensors), "group_name": group,
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()]}
+
+
+def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -> None:
+    assert served(srv)[0] == offline(ckpts["a"])[0]
+    port = free_port()
+    join = Call(srv, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "wg", "backend": "gloo"})
+    group = open_group("127.0.0.1", port, 0, 2, "wg", "gloo", timeout_s=60.0)
+    r = join.result()
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+    trainer = dict(load_model(ckpts["b"], dtype="float32", device="cpu",
+                              progress=False).state_dict())
+    push = Call(srv, "/update_weights_from_distributed", spec(trainer, "wg"))
+    send_tensors(group, trainer)
+    r = push.result()
+    assert r.status_code == 200, r.text
+    assert r.json()["num_tensors"] == len(trainer) and r.json()["weight_version"] == 1
+    want_ids, want_lps = offline(ckpts["b"])
+    ids, lps = served(srv)
+    assert ids == want_ids
+    assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) <= TOL
+
+    # a tensor the model does not have: received (the broadcast completes), then refused whole
+    bad = {"layers.0.attn.wq_a.weight": trainer["layers.0.attn.wq_a.weight"] * 0,
+           "no.such.weight": torch.ones(3)}
+    push = Call(srv, "/update_weights_from_distributed", spec(bad, "wg"))
+    send_tensors(group, bad)
+    r = push.result()
+    assert r.status_code == 400 and "no.such.weight" in r.json()["error"]["message"], r.text
+    assert served(srv)[0] == want_ids, "a refused update changes nothing"
+
+    r = httpx.post(f"{srv.url}/destroy_weights_update_group", json={"group_name": "wg"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{srv.url}/destroy_weights_update_group", json={"group_name": "wg"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "group_name", r.text
+    assert_pools_free(srv.wait_idle(), srv.initial)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/update_weights_from_distributed",
+     {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "none"}, "names"),
+    ("/update_weights_from_distributed",
+     {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1], [1]]}, "names"),
+    ("/update_weights_from_distributed",
+     {"names": ["a"], "dtypes": ["float77"], "shapes": [[1]]}, "dtypes"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                    "rank_offset": 1, "world_size": 2, "backend": "nccl"},
+     "backend"),
+])
+def test_refusals_without_a_transfer(srv: ServerProcess, path: str, body: dict[str, Any],
+                                     param: str) -> None:
+    """An unknown group, unequal lists or a bad dtype, and a backend that does not suit the
+    engine's device (NCCL for CPU weights): 400s naming the field, nothing joined or received."""
+    r = httpx.post(f"{srv.url}{path}", json=body, timeout=30.0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
