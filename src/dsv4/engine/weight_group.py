@@ -7,7 +7,10 @@ weights into a running `dsv4 serve` without a checkpoint on disk.
 TCP store that the trainer, rank 0, hosts at `address:port`, its keys under `group_name`; an engine
 process may already run its own default group (tensor parallelism), which this one leaves alone.
 Every rank must call `open_group` with the same address, group name and world size; it returns
-once all have joined.
+once all have joined. The trainer's side is this function too: SGLang's trainer-side helper
+(`init_custom_process_group`) builds its group through torch's internal group constructor, which
+nests further store prefixes, so a trainer written for SGLang needs `open_group` (or the same
+store layout) to rendezvous with dsv4; that pairing is not tested here.
 
 A transfer is a sequence of broadcasts from rank 0, one per tensor, in the order of the names the
 trainer announced (`send_tensors` / `receive_tensors`): receivers allocate each tensor from its
