@@ -1,12 +1,15 @@
-"""SGLang's weight push over a process group (server/weight_update.py) against a real `dsv4 serve`
-on a micro checkpoint, gloo on the CPU: the test process is the trainer, rank 0 of the group. After
+"""SGLang's trainer-facing endpoints (server/weight_update.py) against a real `dsv4 serve` on a
+micro checkpoint, gloo on the CPU: the test process is the trainer, rank 0 of the group. After
 /update_weights_from_distributed with checkpoint b's tensors the server's greedy tokens and
 log-probs are an offline engine's on b; a refused update (unknown tensor) is a 400 after its
-broadcasts and changes nothing; the refusals that need no transfer; the pools free afterwards."""
+broadcasts and changes nothing; the refusals that need no transfer. /pause_generation's three
+modes: requests wait while paused, retracted ones recompute to the same tokens, aborted ones end
+with "abort". The pools are free afterwards."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,3 +142,59 @@ def test_refusals_without_a_transfer(srv: ServerProcess, path: str, body: dict[s
     engine's device (NCCL for CPU weights): 400s naming the field, nothing joined or received."""
     r = httpx.post(f"{srv.url}{path}", json=body, timeout=30.0)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def generate_body(tokens: int) -> dict[str, Any]:
+    return {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": tokens, "temperature": 0,
+                                                     "ignore_eos": True}}
+
+
+def control(srv: ServerProcess, path: str, **body: Any) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", json=body, timeout=30.0)
+
+
+def wait_for(srv: ServerProcess, ready: Any) -> dict[str, Any]:
+    """Poll the engine's stats until `ready(stats)` (bounded)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stats = srv.engine_stats()
+        if ready(stats):
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"engine never reached the state: {stats}")
+
+
+def test_pause_modes(srv: ServerProcess) -> None:
+    long = 300
+    want = Call(srv, "/generate", generate_body(long)).result().json()["output_ids"]
+
+    # in_place: a request sent while paused waits, then completes as if never paused
+    assert control(srv, "/pause_generation", mode="in_place").status_code == 200
+    call = Call(srv, "/generate", generate_body(long))
+    before = wait_for(srv, lambda st: st["num_requests"] == 1)
+    time.sleep(0.5)
+    assert call.response is None and srv.engine_stats()["decode_tokens"] == \
+        before["decode_tokens"], "no step while paused"
+    assert control(srv, "/continue_generation").status_code == 200
+    assert call.result().json()["output_ids"] == want
+
+    # retract: the running request loses its KV and recomputes to the same tokens
+    call = Call(srv, "/generate", generate_body(long))
+    wait_for(srv, lambda st: st["num_running"] == 1 and st["decode_tokens"] > 0)
+    assert control(srv, "/pause_generation", mode="retract").status_code == 200
+    stats = srv.engine_stats()
+    assert (stats["num_running"], stats["num_waiting"]) == (0, 1), stats
+    assert control(srv, "/continue_generation").status_code == 200
+    assert call.result().json()["output_ids"] == want
+
+    # abort: running requests end with "abort"; generation resumes on the continue
+    call = Call(srv, "/generate", generate_body(long))
+    wait_for(srv, lambda st: st["num_running"] == 1)
+    assert control(srv, "/pause_generation").status_code == 200       # SGLang's default
+    meta = call.result().json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < long
+    assert control(srv, "/continue_generation").status_code == 200
+    r = control(srv, "/pause_generation", mode="sideways")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
+    assert Call(srv, "/generate", generate_body(4)).result().status_code == 200
+    assert_pools_free(srv.wait_idle(), srv.initial)

@@ -354,12 +354,20 @@ class LLMEngine:
         """
         self._drain()
         num = update_weights(self.runner.model, named)
-        for req in list(reversed(self.scheduler.running)):   # appendleft keeps the running order
-            self.scheduler.preempt(req)
+        self.retract_running()
         self.flush_cache()
         self.weight_version += 1
         logger.info("weights updated: %d tensors, weight version %d", num, self.weight_version)
         return num
+
+    def retract_running(self) -> int:
+        """Preempt every running request (recompute: its KV is freed, and it re-prefills prompt +
+        output so far when scheduled again, in its running order); returns how many."""
+        self._drain()
+        running = list(reversed(self.scheduler.running))   # appendleft keeps the running order
+        for req in running:
+            self.scheduler.preempt(req)
+        return len(running)
 
     def load_weights_from_dir(self, path: str | Path) -> int:
         """`update_weights` with every tensor of the official-layout checkpoint at `path`

@@ -29,9 +29,9 @@
                                sampling_params, return_logprob, stream, the RL options
     POST /abort_request        {"rid": ..., "abort_all": bool}: abort /generate requests (SGLang)
     POST /init_weights_update_group, /update_weights_from_distributed,
-         /destroy_weights_update_group
-                               SGLang's weight push from a trainer's process group
-                               (weight_update.py)
+         /destroy_weights_update_group, /pause_generation, /continue_generation
+                               SGLang's weight push from a trainer's process group, and
+                               generation paused around it (weight_update.py)
     GET  /health_generate      200 once a one-token generation went through (SGLang); 503 if not
     GET  /get_model_info, /get_server_info (/server_info)
                                SGLang's info endpoints (native.py)
@@ -90,11 +90,15 @@ from dsv4.server.tokenize import (
     tokenizer_info,
 )
 from dsv4.server.weight_update import (
+    ContinueRequest,
     DestroyGroupRequest,
     InitGroupRequest,
+    PauseRequest,
     UpdateDistributedRequest,
     destroy_group,
     init_group,
+    pause,
+    resume,
     update_distributed,
 )
 
@@ -284,6 +288,8 @@ _WEIGHT_ROUTES: list[tuple[str, type[BaseModel], Handler]] = [
     ("/init_weights_update_group", InitGroupRequest, init_group),
     ("/update_weights_from_distributed", UpdateDistributedRequest, update_distributed),
     ("/destroy_weights_update_group", DestroyGroupRequest, destroy_group),
+    ("/pause_generation", PauseRequest, pause),
+    ("/continue_generation", ContinueRequest, resume),
 ]
 
 

@@ -57,6 +57,7 @@ from dsv4.server.ipc import (
     ROUTING_KINDS,
     AbortRequests,
     AddRequest,
+    ContinueGeneration,
     DestroyWeightsGroup,
     EngineFailed,
     EngineReady,
@@ -65,6 +66,7 @@ from dsv4.server.ipc import (
     IpcPaths,
     Message,
     ModelInfo,
+    PauseGeneration,
     RequestDelta,
     RequestError,
     RequestsAccepted,
@@ -87,6 +89,7 @@ from dsv4.utils.logging import init_logger
 logger = init_logger(__name__)
 
 IDLE_POLL_MS = 50
+PAUSE_MODES = ("abort", "retract", "in_place")     # SGLang's /pause_generation modes
 PARENT_CHECK_S = 1.0
 
 
@@ -162,6 +165,7 @@ class EngineLoop:
         self._parent = multiprocessing.parent_process()
         self._parent_checked = time.monotonic()
         self.weight_groups = WeightGroups()     # SGLang's weight-update groups (weight_update.py)
+        self.paused = False                     # PauseGeneration: no step until the continue
 
     def run(self) -> None:
         eng = self.engine
@@ -171,9 +175,11 @@ class EngineLoop:
         logger.info("engine ready: context %d tokens, KV cache %d tokens", info.context_length,
                     info.max_total_tokens)
         while not self._stopping:
-            self._drain(timeout_ms=0 if eng.has_unfinished() else IDLE_POLL_MS)
+            busy = eng.has_unfinished() and not self.paused
+            self._drain(timeout_ms=0 if busy else IDLE_POLL_MS)
             if eng.has_unfinished():
-                self._step()
+                if not self.paused:     # paused: they wait, queued or in place, for the continue
+                    self._step()
             elif not self._checked_idle:
                 eng.check_integrity()
                 self._checked_idle = True
@@ -208,6 +214,8 @@ class EngineLoop:
         elif isinstance(msg, InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup):
             self._send(self.weight_groups.handle(msg, self.engine))
             self._checked_idle = False
+        elif isinstance(msg, PauseGeneration | ContinueGeneration):
+            self._send(self._pause(msg))
         elif isinstance(msg, ShutdownEngine):
             for rid in list(self._sent):
                 self._abort(rid, "abort")
@@ -247,6 +255,19 @@ class EngineLoop:
             self.num_aborted += 1
         else:
             self.num_finished += 1
+
+    def _abort_all(self) -> None:
+        """Abort every request here, each ending with an "abort" delta to the API process."""
+        deltas = []
+        for rid in list(self._sent):
+            self.engine.finish(rid, "abort")
+            deltas.append(self._delta(self.engine.pop(rid)))
+            del self._sent[rid]
+            self._routing.pop(rid, None)
+            self.num_aborted += 1
+        if deltas:
+            self._send(StepOutputs(deltas, num_running=self.engine.num_running,
+                                   num_waiting=self.engine.num_waiting))
 
     # ---- stepping -------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -310,6 +331,29 @@ class EngineLoop:
         logger.info("%s", message)
         return UpdateWeightsReply(msg.query_id, success=True, message=message, num_tensors=num,
                                   weight_version=version)
+
+    def _pause(self, msg: PauseGeneration | ContinueGeneration) -> UpdateWeightsReply:
+        """SGLang's pause modes: "abort" every request, "retract" the running ones (their KV is
+        freed; they recompute on the continue), "in_place" (they keep their KV); a request that
+        arrives meanwhile waits. Retract needs one engine process."""
+        version = self.engine.weight_version if isinstance(self.engine, LLMEngine) else 0
+        if isinstance(msg, ContinueGeneration):
+            self.paused = False
+            return UpdateWeightsReply(msg.query_id, True, "generation continues", 0, version)
+        if msg.mode not in PAUSE_MODES or (msg.mode == "retract"
+                                           and not isinstance(self.engine, LLMEngine)):
+            return UpdateWeightsReply(msg.query_id, False, f"mode={msg.mode!r} is invalid; "
+                                      f"allowed: {list(PAUSE_MODES)} (retract: one engine "
+                                      "process)", 0, version)
+        if msg.mode == "abort":
+            self._abort_all()
+        elif msg.mode == "retract":
+            assert isinstance(self.engine, LLMEngine)
+            self.engine.retract_running()
+        self.paused = True
+        logger.info("generation paused (%s)", msg.mode)
+        return UpdateWeightsReply(msg.query_id, True, f"generation paused ({msg.mode})", 0,
+                                  version)
 
     # ---- state ----------------------------------------------------------------------------------
     def snapshot(self, check_integrity: bool = False) -> EngineSnapshot:

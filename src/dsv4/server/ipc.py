@@ -6,7 +6,8 @@ Transport (ZMQ over `ipc://` sockets in a private temp dir, see `IpcPaths`):
     API process                                   engine process
     PUSH  --bind-->  <dir>/requests   --connect-->  PULL
           AddRequest, AbortRequests, StatsQuery, UpdateWeights, InitWeightsGroup,
-          UpdateWeightsDistributed, DestroyWeightsGroup, ShutdownEngine
+          UpdateWeightsDistributed, DestroyWeightsGroup, PauseGeneration, ContinueGeneration,
+          ShutdownEngine
     PULL  --bind-->  <dir>/outputs    --connect-->  PUSH
           EngineReady, RequestsAccepted, RequestError, StepOutputs, StatsReply, UpdateWeightsReply,
           EngineFailed
@@ -118,6 +119,22 @@ class DestroyWeightsGroup:
     group_name: str
 
 
+@dataclass(frozen=True)
+class PauseGeneration:
+    """Stop stepping until ContinueGeneration (SGLang's modes: "abort" every request, "retract"
+    the running ones, "in_place" keep them); answered by an UpdateWeightsReply."""
+
+    query_id: int
+    mode: str
+
+
+@dataclass(frozen=True)
+class ContinueGeneration:
+    """Step again after a PauseGeneration; answered by an UpdateWeightsReply."""
+
+    query_id: int
+
+
 WeightsGroupMessage = InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup
 
 
@@ -223,7 +240,8 @@ class StatsReply:
 @dataclass(frozen=True)
 class UpdateWeightsReply:
     """`success`: the new weights are served (`weight_version` counts the updates); otherwise
-    `message` says why and the served weights are unchanged."""
+    `message` says why and the served weights are unchanged. Also the answer to the weight-group
+    and pause / continue messages (num_tensors 0 where none moved)."""
 
     query_id: int
     success: bool
@@ -238,7 +256,8 @@ class EngineFailed:
 
 
 Message = (AddRequest | AbortRequests | StatsQuery | UpdateWeights | InitWeightsGroup
-           | UpdateWeightsDistributed | DestroyWeightsGroup | ShutdownEngine | EngineReady
+           | UpdateWeightsDistributed | DestroyWeightsGroup | PauseGeneration | ContinueGeneration
+           | ShutdownEngine | EngineReady
            | StepOutputs | RequestsAccepted | RequestError | StatsReply | UpdateWeightsReply
            | EngineFailed)
 
@@ -329,6 +348,8 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "InitWeightsGroup": lambda d: InitWeightsGroup(**d),
     "UpdateWeightsDistributed": lambda d: UpdateWeightsDistributed(**d),
     "DestroyWeightsGroup": lambda d: DestroyWeightsGroup(**d),
+    "PauseGeneration": lambda d: PauseGeneration(**d),
+    "ContinueGeneration": lambda d: ContinueGeneration(**d),
     "ShutdownEngine": lambda d: ShutdownEngine(),
     "EngineReady": lambda d: EngineReady(pid=d["pid"], model=ModelInfo(**d["model"])),
     "StepOutputs": _step_outputs,

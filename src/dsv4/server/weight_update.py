@@ -1,5 +1,6 @@
-"""SGLang's weight-update endpoints over a process group: an external trainer pushes new weights
-into `dsv4 serve` without a checkpoint on disk (the disaggregated placement of Miles and slime).
+"""SGLang's trainer-facing endpoints: an external trainer pushes new weights into `dsv4 serve`
+over a process group, without a checkpoint on disk (the disaggregated placement of Miles and
+slime), and pauses / continues generation around its updates.
 
     POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
         "group_name" (default "weight_update_group"), "backend" ("gloo" | "nccl")}
@@ -13,6 +14,11 @@ into `dsv4 serve` without a checkpoint on disk (the disaggregated placement of M
         weights; the prefix cache is flushed whatever `flush_cache` says)
         -> {"success", "message", "num_tensors", "weight_version"}
     POST /destroy_weights_update_group {"group_name"}
+    POST /pause_generation {"mode": "abort" (default) | "retract" | "in_place"}
+        stop stepping: abort every request, or retract the running ones (their KV is freed; they
+        recompute when generation continues), or keep them in place with their KV; requests that
+        arrive meanwhile wait
+    POST /continue_generation {}
 
 Names are those `/update_weights_from_disk` serves (engine/weight_sync.py: the float model's
 state-dict names). An update the engine refuses (unknown name, wrong shape, non-finite values) is
@@ -36,8 +42,10 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.engine.weight_group import WeightGroup, open_group, parse_dtype, receive_tensors
 from dsv4.server.errors import bad_request
 from dsv4.server.ipc import (
+    ContinueGeneration,
     DestroyWeightsGroup,
     InitWeightsGroup,
+    PauseGeneration,
     UpdateWeightsDistributed,
     UpdateWeightsReply,
     WeightsGroupMessage,
@@ -73,6 +81,14 @@ class DestroyGroupRequest(RequestBody):
     group_name: str = GROUP
 
 
+class PauseRequest(RequestBody):
+    mode: str = "abort"
+
+
+class ContinueRequest(RequestBody):
+    pass
+
+
 async def init_group(state: ServerState, body: InitGroupRequest) -> Response:
     reply = await state.client.weights_call(lambda q: InitWeightsGroup(
         q, body.master_address, body.master_port, body.rank_offset, body.world_size,
@@ -99,6 +115,16 @@ async def update_distributed(state: ServerState, body: UpdateDistributedRequest)
 async def destroy_group(state: ServerState, body: DestroyGroupRequest) -> Response:
     reply = await state.client.weights_call(lambda q: DestroyWeightsGroup(q, body.group_name),
                                             "group_name")
+    return JSONResponse({"success": True, "message": reply.message})
+
+
+async def pause(state: ServerState, body: PauseRequest) -> Response:
+    reply = await state.client.weights_call(lambda q: PauseGeneration(q, body.mode), "mode")
+    return JSONResponse({"success": True, "message": reply.message})
+
+
+async def resume(state: ServerState, body: ContinueRequest) -> Response:
+    reply = await state.client.weights_call(ContinueGeneration, "mode")
     return JSONResponse({"success": True, "message": reply.message})
 
 
