@@ -198,3 +198,30 @@ def test_pause_modes(srv: ServerProcess) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
     assert Call(srv, "/generate", generate_body(4)).result().status_code == 200
     assert_pools_free(srv.wait_idle(), srv.initial)
+
+
+def test_release_and_resume_memory(srv: ServerProcess) -> None:
+    """An idle engine frees its KV pools (a colocated trainer steps meanwhile); a request sent
+    then waits, even through /continue_generation, until the resume, then completes as if nothing
+    happened. The weights stay: "weights" is refused, and so is a release with requests running."""
+    want = Call(srv, "/generate", generate_body(8)).result().json()["output_ids"]
+    r = control(srv, "/release_memory_occupation")
+    assert r.status_code == 200 and "released" in r.json()["message"], r.text
+    call = Call(srv, "/generate", generate_body(8))
+    wait_for(srv, lambda st: st["num_requests"] == 1)
+    assert control(srv, "/continue_generation").status_code == 200
+    time.sleep(0.3)
+    assert call.response is None, "no step while the pools are released"
+    assert control(srv, "/resume_memory_occupation").status_code == 200
+    assert call.result().json()["output_ids"] == want
+
+    r = control(srv, "/release_memory_occupation", tags=["weights"])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tags", r.text
+    call = Call(srv, "/generate", generate_body(300))
+    wait_for(srv, lambda st: st["num_running"] == 1)
+    r = control(srv, "/release_memory_occupation", tags=["kv_cache", "cuda_graph"])
+    assert r.status_code == 400 and "in flight" in r.json()["error"]["message"], r.text
+    assert control(srv, "/pause_generation", mode="abort").status_code == 200
+    assert call.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert control(srv, "/continue_generation").status_code == 200
+    assert_pools_free(srv.wait_idle(), srv.initial)

@@ -29,9 +29,11 @@
                                sampling_params, return_logprob, stream, the RL options
     POST /abort_request        {"rid": ..., "abort_all": bool}: abort /generate requests (SGLang)
     POST /init_weights_update_group, /update_weights_from_distributed,
-         /destroy_weights_update_group, /pause_generation, /continue_generation
-                               SGLang's weight push from a trainer's process group, and
-                               generation paused around it (weight_update.py)
+         /destroy_weights_update_group, /pause_generation, /continue_generation,
+         /release_memory_occupation, /resume_memory_occupation
+                               SGLang's weight push from a trainer's process group, generation
+                               paused around it, KV memory freed for a colocated trainer
+                               (weight_update.py)
     GET  /health_generate      200 once a one-token generation went through (SGLang); 503 if not
     GET  /get_model_info, /get_server_info (/server_info)
                                SGLang's info endpoints (native.py)
@@ -93,12 +95,15 @@ from dsv4.server.weight_update import (
     ContinueRequest,
     DestroyGroupRequest,
     InitGroupRequest,
+    MemoryRequest,
     PauseRequest,
     UpdateDistributedRequest,
     destroy_group,
     init_group,
     pause,
+    release_memory,
     resume,
+    resume_memory,
     update_distributed,
 )
 
@@ -290,6 +295,8 @@ _WEIGHT_ROUTES: list[tuple[str, type[BaseModel], Handler]] = [
     ("/destroy_weights_update_group", DestroyGroupRequest, destroy_group),
     ("/pause_generation", PauseRequest, pause),
     ("/continue_generation", ContinueRequest, resume),
+    ("/release_memory_occupation", MemoryRequest, release_memory),
+    ("/resume_memory_occupation", MemoryRequest, resume_memory),
 ]
 
 

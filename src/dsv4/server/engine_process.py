@@ -67,6 +67,7 @@ from dsv4.server.ipc import (
     Message,
     ModelInfo,
     PauseGeneration,
+    ReleaseMemory,
     RequestDelta,
     RequestError,
     RequestsAccepted,
@@ -90,6 +91,7 @@ logger = init_logger(__name__)
 
 IDLE_POLL_MS = 50
 PAUSE_MODES = ("abort", "retract", "in_place")     # SGLang's /pause_generation modes
+RELEASABLE = ("kv_cache", "cuda_graph")             # SGLang's memory tags dsv4 releases
 PARENT_CHECK_S = 1.0
 
 
@@ -165,7 +167,8 @@ class EngineLoop:
         self._parent = multiprocessing.parent_process()
         self._parent_checked = time.monotonic()
         self.weight_groups = WeightGroups()     # SGLang's weight-update groups (weight_update.py)
-        self.paused = False                     # PauseGeneration: no step until the continue
+        self.paused = False     # PauseGeneration / ReleaseMemory: no step until continued
+        self._released = False  # ReleaseMemory: the KV pools and graphs are freed
 
     def run(self) -> None:
         eng = self.engine
@@ -178,7 +181,7 @@ class EngineLoop:
             busy = eng.has_unfinished() and not self.paused
             self._drain(timeout_ms=0 if busy else IDLE_POLL_MS)
             if eng.has_unfinished():
-                if not self.paused:     # paused: they wait, queued or in place, for the continue
+                if not self.paused:     # paused (or released): requests wait for the continue
                     self._step()
             elif not self._checked_idle:
                 eng.check_integrity()
@@ -216,6 +219,8 @@ class EngineLoop:
             self._checked_idle = False
         elif isinstance(msg, PauseGeneration | ContinueGeneration):
             self._send(self._pause(msg))
+        elif isinstance(msg, ReleaseMemory):
+            self._send(self._memory(msg))
         elif isinstance(msg, ShutdownEngine):
             for rid in list(self._sent):
                 self._abort(rid, "abort")
@@ -255,6 +260,33 @@ class EngineLoop:
             self.num_aborted += 1
         else:
             self.num_finished += 1
+
+    def _memory(self, msg: ReleaseMemory) -> UpdateWeightsReply:
+        """SGLang's release / resume of memory occupation: the KV pools and CUDA graphs of an
+        idle engine ("kv_cache", "cuda_graph"; the weights stay resident). Steps wait while
+        released; the prefix cache comes back empty."""
+        eng = self.engine
+        version = eng.weight_version if isinstance(eng, LLMEngine) else 0
+        tags = set(msg.tags or RELEASABLE)
+        why = (f"tags={sorted(tags)} is invalid; allowed: a subset of {list(RELEASABLE)} (the "
+               "weights stay resident)" if not tags <= set(RELEASABLE) else
+               "release / resume needs one engine process" if not isinstance(eng, LLMEngine) else
+               "requests are in flight; allowed: an idle engine (/pause_generation first)"
+               if not msg.resume and eng.has_unfinished() else None)
+        if why is not None:
+            return UpdateWeightsReply(msg.query_id, False, why, 0, version)
+        assert isinstance(eng, LLMEngine)
+        if msg.resume:
+            if self._released:
+                eng.resume_memory()
+            self._released = self.paused = False
+            self._checked_idle = False
+            return UpdateWeightsReply(msg.query_id, True, "KV pools and CUDA graphs resumed", 0,
+                                      version)
+        freed = eng.release_memory() if not self._released else 0
+        self._released = self.paused = self._checked_idle = True   # no integrity check: freed
+        return UpdateWeightsReply(msg.query_id, True, f"released {freed / 1e6:.1f} MB of KV pools "
+                                  "and CUDA graphs; the weights stay resident", 0, version)
 
     def _abort_all(self) -> None:
         """Abort every request here, each ending with an "abort" delta to the API process."""
@@ -338,7 +370,7 @@ class EngineLoop:
         arrives meanwhile waits. Retract needs one engine process."""
         version = self.engine.weight_version if isinstance(self.engine, LLMEngine) else 0
         if isinstance(msg, ContinueGeneration):
-            self.paused = False
+            self.paused = self._released
             return UpdateWeightsReply(msg.query_id, True, "generation continues", 0, version)
         if msg.mode not in PAUSE_MODES or (msg.mode == "retract"
                                            and not isinstance(self.engine, LLMEngine)):

@@ -7,7 +7,7 @@ Transport (ZMQ over `ipc://` sockets in a private temp dir, see `IpcPaths`):
     PUSH  --bind-->  <dir>/requests   --connect-->  PULL
           AddRequest, AbortRequests, StatsQuery, UpdateWeights, InitWeightsGroup,
           UpdateWeightsDistributed, DestroyWeightsGroup, PauseGeneration, ContinueGeneration,
-          ShutdownEngine
+          ReleaseMemory, ShutdownEngine
     PULL  --bind-->  <dir>/outputs    --connect-->  PUSH
           EngineReady, RequestsAccepted, RequestError, StepOutputs, StatsReply, UpdateWeightsReply,
           EngineFailed
@@ -135,6 +135,17 @@ class ContinueGeneration:
     query_id: int
 
 
+@dataclass(frozen=True)
+class ReleaseMemory:
+    """Free the KV pools and CUDA graphs of an idle engine (`resume=False`) or allocate them again
+    (`resume=True`): SGLang's release / resume of memory occupation, `tags` as it names them (None:
+    every tag dsv4 releases); answered by an UpdateWeightsReply."""
+
+    query_id: int
+    resume: bool
+    tags: list[str] | None = None
+
+
 WeightsGroupMessage = InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup
 
 
@@ -257,7 +268,7 @@ class EngineFailed:
 
 Message = (AddRequest | AbortRequests | StatsQuery | UpdateWeights | InitWeightsGroup
            | UpdateWeightsDistributed | DestroyWeightsGroup | PauseGeneration | ContinueGeneration
-           | ShutdownEngine | EngineReady
+           | ReleaseMemory | ShutdownEngine | EngineReady
            | StepOutputs | RequestsAccepted | RequestError | StatsReply | UpdateWeightsReply
            | EngineFailed)
 
@@ -350,6 +361,7 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "DestroyWeightsGroup": lambda d: DestroyWeightsGroup(**d),
     "PauseGeneration": lambda d: PauseGeneration(**d),
     "ContinueGeneration": lambda d: ContinueGeneration(**d),
+    "ReleaseMemory": lambda d: ReleaseMemory(**d),
     "ShutdownEngine": lambda d: ShutdownEngine(),
     "EngineReady": lambda d: EngineReady(pid=d["pid"], model=ModelInfo(**d["model"])),
     "StepOutputs": _step_outputs,

@@ -19,6 +19,11 @@ slime), and pauses / continues generation around its updates.
         recompute when generation continues), or keep them in place with their KV; requests that
         arrive meanwhile wait
     POST /continue_generation {}
+    POST /release_memory_occupation {"tags": null | ["kv_cache", "cuda_graph"]}
+        an idle engine frees its KV pools and CUDA graphs (a colocated trainer steps meanwhile;
+        the weights stay resident: "weights" is refused); requests wait until
+    POST /resume_memory_occupation {"tags"}
+        allocates them again (the prefix cache empty, graphs re-captured on first use)
 
 Names are those `/update_weights_from_disk` serves (engine/weight_sync.py: the float model's
 state-dict names). An update the engine refuses (unknown name, wrong shape, non-finite values) is
@@ -46,6 +51,7 @@ from dsv4.server.ipc import (
     DestroyWeightsGroup,
     InitWeightsGroup,
     PauseGeneration,
+    ReleaseMemory,
     UpdateWeightsDistributed,
     UpdateWeightsReply,
     WeightsGroupMessage,
@@ -89,6 +95,10 @@ class ContinueRequest(RequestBody):
     pass
 
 
+class MemoryRequest(RequestBody):
+    tags: list[str] | None = None
+
+
 async def init_group(state: ServerState, body: InitGroupRequest) -> Response:
     reply = await state.client.weights_call(lambda q: InitWeightsGroup(
         q, body.master_address, body.master_port, body.rank_offset, body.world_size,
@@ -125,6 +135,16 @@ async def pause(state: ServerState, body: PauseRequest) -> Response:
 
 async def resume(state: ServerState, body: ContinueRequest) -> Response:
     reply = await state.client.weights_call(ContinueGeneration, "mode")
+    return JSONResponse({"success": True, "message": reply.message})
+
+
+async def release_memory(state: ServerState, body: MemoryRequest) -> Response:
+    reply = await state.client.weights_call(lambda q: ReleaseMemory(q, False, body.tags), "tags")
+    return JSONResponse({"success": True, "message": reply.message})
+
+
+async def resume_memory(state: ServerState, body: MemoryRequest) -> Response:
+    reply = await state.client.weights_call(lambda q: ReleaseMemory(q, True, body.tags), "tags")
     return JSONResponse({"success": True, "message": reply.message})
 
 
