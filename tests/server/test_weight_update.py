@@ -55,12 +55,16 @@ def offline(path: Path) -> tuple[list[int], list[float]]:
     return out.token_ids, out.logprobs
 
 
-def served(srv: ServerProcess) -> tuple[list[int], list[float]]:
+def served(srv: ServerProcess, version: str | None = None) -> tuple[list[int], list[float]]:
+    """The greedy tokens and log-probs through /generate; `version`: the weight_version label its
+    meta_info must carry."""
     r = httpx.post(f"{srv.url}/generate", timeout=60.0, json={
         "input_ids": PROMPT, "return_logprob": True,
         "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}})
     assert r.status_code == 200, r.text
-    return r.json()["output_ids"], [t[0] for t in r.json()["meta_info"]["output_token_logprobs"]]
+    meta = r.json()["meta_info"]
+    assert version is None or meta["weight_version"] == version, meta["weight_version"]
+    return r.json()["output_ids"], [t[0] for t in meta["output_token_logprobs"]]
 
 
 class Call(threading.Thread):
@@ -88,7 +92,7 @@ def spec(tensors: dict[str, torch.Tensor], group: str) -> dict[str, Any]:
 
 
 def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -> None:
-    assert served(srv)[0] == offline(ckpts["a"])[0]
+    assert served(srv, "0")[0] == offline(ckpts["a"])[0]
     port = free_port()
     join = Call(srv, "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
@@ -99,13 +103,14 @@ def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -
 
     trainer = dict(load_model(ckpts["b"], dtype="float32", device="cpu",
                               progress=False).state_dict())
-    push = Call(srv, "/update_weights_from_distributed", spec(trainer, "wg"))
+    push = Call(srv, "/update_weights_from_distributed",
+                {**spec(trainer, "wg"), "weight_version": "step-1"})
     send_tensors(group, trainer)
     r = push.result()
     assert r.status_code == 200, r.text
     assert r.json()["num_tensors"] == len(trainer) and r.json()["weight_version"] == 1
     want_ids, want_lps = offline(ckpts["b"])
-    ids, lps = served(srv)
+    ids, lps = served(srv, "step-1")
     assert ids == want_ids
     assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) <= TOL
 
@@ -116,7 +121,11 @@ def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -
     send_tensors(group, bad)
     r = push.result()
     assert r.status_code == 400 and "no.such.weight" in r.json()["error"]["message"], r.text
-    assert served(srv)[0] == want_ids, "a refused update changes nothing"
+    assert served(srv, "step-1")[0] == want_ids, "a refused update changes nothing"
+    r = httpx.post(f"{srv.url}/update_weights_from_disk", timeout=60.0,
+                   json={"model_path": str(ckpts["a"]), "weight_version": "disk-a"})
+    assert r.status_code == 200 and r.json()["weight_version"] == 2, r.text
+    assert served(srv, "disk-a")[0] == offline(ckpts["a"])[0], "the label follows the weights"
 
     r = httpx.post(f"{srv.url}/destroy_weights_update_group", json={"group_name": "wg"})
     assert r.status_code == 200, r.text

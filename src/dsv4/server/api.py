@@ -18,10 +18,12 @@
     POST /flush_cache          drop the prefix-cache entries no request uses (SGLang's name;
                                GET too); returns the stats
     POST /update_weights_from_disk
-                               {"model_path": "<checkpoint dir>"} (SGLang's name, for RL weight
-                               sync): the engine loads that checkpoint into the served model
-                               between two steps -> {"success": true, "message", "num_tensors",
-                               "weight_version"}; 400 (OpenAI error shape, param "model_path") and
+                               {"model_path": "<checkpoint dir>", "weight_version": label}
+                               (SGLang's names, for RL weight sync): the engine loads that
+                               checkpoint into the served model between two steps (its tokens
+                               labelled `weight_version` in /generate's meta_info) ->
+                               {"success": true, "message", "num_tensors", "weight_version": the
+                               update count}; 400 (OpenAI error shape, param "model_path") and
                                the served weights unchanged for a missing directory, another
                                architecture or a corrupt / incomplete checkpoint
     GET  /metrics              Prometheus text format (metrics.py)
@@ -365,7 +367,7 @@ def _update_weights_from_disk(state: ServerState) -> Handler:
     async def update_weights_from_disk(request: Request) -> Response:
         body = await parse_body(request, UpdateWeightsFromDiskRequest,
                                 state.config.max_request_bytes)
-        reply = await state.client.update_weights(body.model_path)
+        reply = await state.client.update_weights(body.model_path, body.weight_version)
         return JSONResponse(UpdateWeightsFromDiskResponse(
             success=True, message=reply.message, num_tensors=reply.num_tensors,
             weight_version=reply.weight_version).model_dump())

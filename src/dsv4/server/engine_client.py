@@ -23,6 +23,7 @@ Test: `pytest tests/server` (every test goes through it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -98,6 +99,8 @@ class ChoiceDelta:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # the stop string that ended the choice (finish_reason "stop" by a string), else None
     stop_matched: str | None = None
+    # the label of the weights that produced these tokens (StepOutputs.weight_version)
+    weight_version: str | None = None
 
 
 Item = Accepted | ChoiceDelta | RequestError | EngineGone
@@ -203,10 +206,13 @@ class EngineClient:
         finally:
             self._queries.pop(query_id, None)
 
-    async def update_weights(self, model_path: str) -> UpdateWeightsReply:
-        """Have the engine load the checkpoint directory `model_path` between two steps; 400 (the
-        served weights unchanged) when it refuses it. Waits as long as the load takes."""
-        return await self.weights_call(lambda q: UpdateWeights(q, model_path), "model_path")
+    async def update_weights(self, model_path: str, weight_version: str | None = None
+                             ) -> UpdateWeightsReply:
+        """Have the engine load the checkpoint directory `model_path` between two steps (its
+        tokens labelled `weight_version`); 400 (the served weights unchanged) when it refuses it.
+        Waits as long as the load takes."""
+        return await self.weights_call(lambda q: UpdateWeights(q, model_path, weight_version),
+                                       "model_path")
 
     async def weights_call(self, make: Callable[[int], Message], param: str
                            ) -> UpdateWeightsReply:
@@ -245,7 +251,7 @@ class EngineClient:
         if isinstance(msg, StepOutputs):
             now = time.monotonic()
             for delta in msg.deltas:
-                self._on_delta(delta, now)
+                self._on_delta(delta, now, msg.weight_version)
         elif isinstance(msg, RequestsAccepted):
             for rid in msg.rids:
                 if (route := self._routes.get(rid)) is not None:
@@ -272,11 +278,11 @@ class EngineClient:
         else:
             raise AssertionError(f"the API cannot handle {type(msg).__name__}")
 
-    def _on_delta(self, delta: RequestDelta, now: float) -> None:
+    def _on_delta(self, delta: RequestDelta, now: float, version: str) -> None:
         route = self._routes.get(delta.rid)
         if route is None:
             return  # aborted (or stopped) here while the delta was on its way
-        out = self._with_text(route, delta)
+        out = dataclasses.replace(self._with_text(route, delta), weight_version=version)
         self.metrics.on_delta(route.timing, out, now)
         if out.finish_reason is not None:
             del self._routes[delta.rid]

@@ -169,6 +169,7 @@ class EngineLoop:
         self.weight_groups = WeightGroups()     # SGLang's weight-update groups (weight_update.py)
         self.paused = False     # PauseGeneration / ReleaseMemory: no step until continued
         self._released = False  # ReleaseMemory: the KV pools and graphs are freed
+        self.weight_label = "0"  # the served weights' label (SGLang's weight_version)
 
     def run(self) -> None:
         eng = self.engine
@@ -213,9 +214,9 @@ class EngineLoop:
                 self.engine.flush_cache()
             self._send(StatsReply(msg.query_id, self.snapshot(msg.check_integrity)))
         elif isinstance(msg, UpdateWeights):
-            self._send(self._update_weights(msg))
+            self._send(self._labelled(msg, self._update_weights(msg)))
         elif isinstance(msg, InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup):
-            self._send(self.weight_groups.handle(msg, self.engine))
+            self._send(self._labelled(msg, self.weight_groups.handle(msg, self.engine)))
             self._checked_idle = False
         elif isinstance(msg, PauseGeneration | ContinueGeneration):
             self._send(self._pause(msg))
@@ -261,6 +262,13 @@ class EngineLoop:
         else:
             self.num_finished += 1
 
+    def _labelled(self, msg: Message, reply: UpdateWeightsReply) -> UpdateWeightsReply:
+        """After a weight update that succeeded, the label its tokens carry: the update's
+        `weight_version`, else the update count."""
+        if reply.success and isinstance(msg, UpdateWeights | UpdateWeightsDistributed):
+            self.weight_label = msg.weight_version or str(reply.weight_version)
+        return reply
+
     def _memory(self, msg: ReleaseMemory) -> UpdateWeightsReply:
         """SGLang's release / resume of memory occupation: the KV pools and CUDA graphs of an
         idle engine ("kv_cache", "cuda_graph"; the weights stay resident). Steps wait while
@@ -299,7 +307,8 @@ class EngineLoop:
             self.num_aborted += 1
         if deltas:
             self._send(StepOutputs(deltas, num_running=self.engine.num_running,
-                                   num_waiting=self.engine.num_waiting))
+                                   num_waiting=self.engine.num_waiting,
+                                   weight_version=self.weight_label))
 
     # ---- stepping -------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -312,7 +321,8 @@ class EngineLoop:
             self._routing.pop(req.rid, None)
         self.num_finished += len(finished)
         self._send(StepOutputs(deltas, num_running=self.engine.num_running,
-                               num_waiting=self.engine.num_waiting))
+                               num_waiting=self.engine.num_waiting,
+                               weight_version=self.weight_label))
 
     def _delta(self, req: Request) -> RequestDelta:
         n = self._sent[req.rid]

@@ -78,6 +78,7 @@ class ChoiceOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_matched: str | None = None
+    weight_version: str | None = None     # the label of the weights of its latest tokens
 
     def apply(self, delta: ChoiceDelta) -> None:
         if delta.prompt_logprobs is not None:
@@ -91,6 +92,7 @@ class ChoiceOutput:
         self.spec_draft_tokens = delta.spec_draft_tokens
         self.spec_accepted_tokens = delta.spec_accepted_tokens
         self.stop_matched = delta.stop_matched or self.stop_matched
+        self.weight_version = delta.weight_version or self.weight_version
         for kind, rows in delta.routing.items():
             self.routing.setdefault(kind, []).append(rows)
 

@@ -79,10 +79,12 @@ class StatsQuery:
 @dataclass(frozen=True)
 class UpdateWeights:
     """Load the checkpoint directory `model_path` into the served model between steps
-    (`LLMEngine.load_weights_from_dir`); answered by an UpdateWeightsReply."""
+    (`LLMEngine.load_weights_from_dir`); answered by an UpdateWeightsReply. `weight_version`:
+    the label the new weights' tokens carry (SGLang's; None: the update count)."""
 
     query_id: int
     model_path: str
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class UpdateWeightsDistributed:
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str
+    weight_version: str | None = None     # as UpdateWeights'
 
 
 @dataclass(frozen=True)
@@ -208,9 +211,13 @@ class RequestDelta:
 
 @dataclass(frozen=True)
 class StepOutputs:
+    """One step's deltas; `weight_version`: the label of the weights that produced them (every
+    token of one step comes from one version: updates run between steps)."""
+
     deltas: list[RequestDelta]
     num_running: int
     num_waiting: int
+    weight_version: str = "0"
 
 
 @dataclass(frozen=True)
@@ -348,7 +355,7 @@ def _snapshot(d: dict[str, Any]) -> EngineSnapshot:
 
 def _step_outputs(d: dict[str, Any]) -> StepOutputs:
     return StepOutputs(deltas=[_delta(x) for x in d["deltas"]], num_running=d["num_running"],
-                       num_waiting=d["num_waiting"])
+                       num_waiting=d["num_waiting"], weight_version=d["weight_version"])
 
 
 _DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {

@@ -18,7 +18,9 @@ several prompts or n > 1 (prompt-major: choice k samples prompt k // n). `meta_i
 `finish_reason` (`{"type": "stop", "matched": the stop string or stop token id, null when a
 grammar completed}`, `{"type": "length", "length": tokens}`, `{"type": "abort", "message"}`;
 the text drops a stop token's text, `output_ids` keep the token), `prompt_tokens`,
-`completion_tokens`, `cached_tokens`, `e2e_latency` (s); with `return_logprob`
+`completion_tokens`, `cached_tokens`, `e2e_latency` (s), `weight_version` (the label of the
+weights that produced the choice's latest tokens: "0" at start, then the update's
+`weight_version` or the update count); with `return_logprob`
 `output_token_logprobs` (`[logprob, token id, token text or null]` per token: the
 temperature-scaled log-probs the token was sampled from, which is what RL trainers take from
 SGLang as rollout log-probs; raw where greedy) and `input_token_logprobs` (the prompt's, raw
@@ -251,7 +253,7 @@ def _output(tok: ServerTokenizer, job: GenerationJob, c: ChoiceOutput, body: Gen
         "id": job.id if job.n * len(prompts) == 1 else f"{job.id}-{c.index}",
         "finish_reason": _finish_reason(c, token), "prompt_tokens": c.num_prompt_tokens,
         "completion_tokens": len(c.token_ids), "cached_tokens": c.cached_tokens,
-        "e2e_latency": time.monotonic() - start}
+        "e2e_latency": time.monotonic() - start, "weight_version": c.weight_version}
     if body.return_logprob:
         meta.update(_logprobs(tok, c, body, prompts[c.index // job.n], delta))
     meta.update({name: a.data for name, a in c.routing_fields(job.routing).items()})

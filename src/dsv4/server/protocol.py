@@ -290,6 +290,7 @@ class UpdateWeightsFromDiskRequest(RequestBody):
     architecture."""
 
     model_path: str
+    weight_version: str | None = None     # the label /generate reports (None: the update count)
 
 
 class UpdateWeightsFromDiskResponse(BaseModel):

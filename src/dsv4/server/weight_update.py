@@ -7,7 +7,7 @@ slime), and pauses / continues generation around its updates.
         the engine joins the group as rank `rank_offset`; the trainer is rank 0, hosts the store
         and joins at the same time (the request returns once every rank has joined)
     POST /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
-        "flush_cache"}
+        "flush_cache", "weight_version" (the label /generate reports for the new weights' tokens)}
         the engine takes one broadcast per name from rank 0, in order (the trainer sends them
         while this request is open), then serves the tensors between two steps
         (`LLMEngine.update_weights`: atomic; running requests recompute their KV with the new
@@ -81,6 +81,7 @@ class UpdateDistributedRequest(RequestBody):
     shapes: list[list[int]]
     group_name: str = GROUP
     flush_cache: bool = True
+    weight_version: str | None = None
 
 
 class DestroyGroupRequest(RequestBody):
@@ -117,7 +118,7 @@ async def update_distributed(state: ServerState, body: UpdateDistributedRequest)
         except ValueError as e:
             raise bad_request(str(e), "dtypes") from e
     reply = await state.client.weights_call(lambda q: UpdateWeightsDistributed(
-        q, body.names, body.dtypes, body.shapes, body.group_name), "names")
+        q, body.names, body.dtypes, body.shapes, body.group_name, body.weight_version), "names")
     return JSONResponse({"success": True, "message": reply.message,
                          "num_tensors": reply.num_tensors, "weight_version": reply.weight_version})
 
