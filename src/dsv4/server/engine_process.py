@@ -167,8 +167,8 @@ class EngineLoop:
         self._parent = multiprocessing.parent_process()
         self._parent_checked = time.monotonic()
         self.weight_groups = WeightGroups()     # SGLang's weight-update groups (weight_update.py)
-        self.paused = False     # PauseGeneration / ReleaseMemory: no step until continued
-        self._released = False  # ReleaseMemory: the KV pools and graphs are freed
+        self.paused = False     # PauseGeneration: no step until the ContinueGeneration
+        self._released = False  # ReleaseMemory: the KV pools and graphs are freed; no step
         self.weight_label = "0"  # the served weights' label (SGLang's weight_version)
 
     def run(self) -> None:
@@ -179,10 +179,10 @@ class EngineLoop:
         logger.info("engine ready: context %d tokens, KV cache %d tokens", info.context_length,
                     info.max_total_tokens)
         while not self._stopping:
-            busy = eng.has_unfinished() and not self.paused
-            self._drain(timeout_ms=0 if busy else IDLE_POLL_MS)
+            held = self.paused or self._released    # requests wait for the continue / resume
+            self._drain(timeout_ms=0 if eng.has_unfinished() and not held else IDLE_POLL_MS)
             if eng.has_unfinished():
-                if not self.paused:     # paused (or released): requests wait for the continue
+                if not (self.paused or self._released):     # the drain may have changed them
                     self._step()
             elif not self._checked_idle:
                 eng.check_integrity()
@@ -287,12 +287,11 @@ class EngineLoop:
         if msg.resume:
             if self._released:
                 eng.resume_memory()
-            self._released = self.paused = False
-            self._checked_idle = False
+            self._released = self._checked_idle = False
             return UpdateWeightsReply(msg.query_id, True, "KV pools and CUDA graphs resumed", 0,
                                       version)
         freed = eng.release_memory() if not self._released else 0
-        self._released = self.paused = self._checked_idle = True   # no integrity check: freed
+        self._released = self._checked_idle = True     # no integrity check: the pools are freed
         return UpdateWeightsReply(msg.query_id, True, f"released {freed / 1e6:.1f} MB of KV pools "
                                   "and CUDA graphs; the weights stay resident", 0, version)
 
@@ -380,7 +379,7 @@ class EngineLoop:
         arrives meanwhile waits. Retract needs one engine process."""
         version = self.engine.weight_version if isinstance(self.engine, LLMEngine) else 0
         if isinstance(msg, ContinueGeneration):
-            self.paused = self._released
+            self.paused = False
             return UpdateWeightsReply(msg.query_id, True, "generation continues", 0, version)
         if msg.mode not in PAUSE_MODES or (msg.mode == "retract"
                                            and not isinstance(self.engine, LLMEngine)):
