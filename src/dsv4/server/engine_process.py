@@ -16,12 +16,12 @@ loop turn:
     on becoming idle
         -> engine.check_integrity() (a failure is fatal)
 
-Weight updates (UpdateWeights; UpdateWeightsDistributed from a trainer's process group, joined
-and left with InitWeightsGroup / DestroyWeightsGroup: weight_update.py) run inside the drain, i.e.
-between two steps: no step ever sees half-updated weights. `LLMEngine.update_weights` retracts the
-running requests (they recompute their KV with the new weights and continue) and flushes the
-prefix cache; weights it refuses (ValueError) leave the served ones unchanged and are answered
-with success=false.
+Weight updates (UpdateWeights; UpdateWeightsDistributed from a trainer's process group) and a
+trainer's other controls (engine_control.py: the group, pause / continue, memory release / resume)
+run inside the drain, i.e. between two steps: no step ever sees half-updated weights.
+`LLMEngine.update_weights` retracts the running requests (they recompute their KV with the new
+weights and continue) and flushes the prefix cache; weights it refuses (ValueError) leave the
+served ones unchanged and are answered with success=false.
 
 Lifecycle: EngineReady after the model loads. SIGINT/SIGTERM are ignored here — the API process owns
 shutdown and sends ShutdownEngine (abort everything, exit 0). The process also exits when its parent
@@ -53,6 +53,7 @@ from dsv4.engine.llm import load_served_model
 from dsv4.engine.parallel import ParallelEngine, RankSpec, check_layout, free_init_method
 from dsv4.engine.request import Request
 from dsv4.engine.warmup import warm_up
+from dsv4.server.engine_control import EngineControls
 from dsv4.server.ipc import (
     ROUTING_KINDS,
     AbortRequests,
@@ -84,14 +85,11 @@ from dsv4.server.ipc import (
     encode_frames,
     finite_logprob,
 )
-from dsv4.server.weight_update import WeightGroups
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
 
 IDLE_POLL_MS = 50
-PAUSE_MODES = ("abort", "retract", "in_place")     # SGLang's /pause_generation modes
-RELEASABLE = ("kv_cache", "cuda_graph")             # SGLang's memory tags dsv4 releases
 PARENT_CHECK_S = 1.0
 
 
@@ -166,10 +164,7 @@ class EngineLoop:
         self._checked_idle = True
         self._parent = multiprocessing.parent_process()
         self._parent_checked = time.monotonic()
-        self.weight_groups = WeightGroups()     # SGLang's weight-update groups (weight_update.py)
-        self.paused = False     # PauseGeneration: no step until the ContinueGeneration
-        self._released = False  # ReleaseMemory: the KV pools and graphs are freed; no step
-        self.weight_label = "0"  # the served weights' label (SGLang's weight_version)
+        self.controls = EngineControls()    # a trainer's control messages (engine_control.py)
 
     def run(self) -> None:
         eng = self.engine
@@ -179,10 +174,10 @@ class EngineLoop:
         logger.info("engine ready: context %d tokens, KV cache %d tokens", info.context_length,
                     info.max_total_tokens)
         while not self._stopping:
-            held = self.paused or self._released    # requests wait for the continue / resume
-            self._drain(timeout_ms=0 if eng.has_unfinished() and not held else IDLE_POLL_MS)
+            busy = eng.has_unfinished() and not self.controls.holds_steps
+            self._drain(timeout_ms=0 if busy else IDLE_POLL_MS)
             if eng.has_unfinished():
-                if not (self.paused or self._released):     # the drain may have changed them
+                if not self.controls.holds_steps:   # else requests wait: paused or released
                     self._step()
             elif not self._checked_idle:
                 eng.check_integrity()
@@ -214,14 +209,11 @@ class EngineLoop:
                 self.engine.flush_cache()
             self._send(StatsReply(msg.query_id, self.snapshot(msg.check_integrity)))
         elif isinstance(msg, UpdateWeights):
-            self._send(self._labelled(msg, self._update_weights(msg)))
-        elif isinstance(msg, InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup):
-            self._send(self._labelled(msg, self.weight_groups.handle(msg, self.engine)))
-            self._checked_idle = False
-        elif isinstance(msg, PauseGeneration | ContinueGeneration):
-            self._send(self._pause(msg))
-        elif isinstance(msg, ReleaseMemory):
-            self._send(self._memory(msg))
+            self._send(self.controls.labelled(msg, self._update_weights(msg)))
+        elif isinstance(msg, InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup
+                        | PauseGeneration | ContinueGeneration | ReleaseMemory):
+            self._send(self.controls.handle(msg, self))
+            self._checked_idle = self.controls.released     # released: no integrity check
         elif isinstance(msg, ShutdownEngine):
             for rid in list(self._sent):
                 self._abort(rid, "abort")
@@ -262,40 +254,7 @@ class EngineLoop:
         else:
             self.num_finished += 1
 
-    def _labelled(self, msg: Message, reply: UpdateWeightsReply) -> UpdateWeightsReply:
-        """After a weight update that succeeded, the label its tokens carry: the update's
-        `weight_version`, else the update count."""
-        if reply.success and isinstance(msg, UpdateWeights | UpdateWeightsDistributed):
-            self.weight_label = msg.weight_version or str(reply.weight_version)
-        return reply
-
-    def _memory(self, msg: ReleaseMemory) -> UpdateWeightsReply:
-        """SGLang's release / resume of memory occupation: the KV pools and CUDA graphs of an
-        idle engine ("kv_cache", "cuda_graph"; the weights stay resident). Steps wait while
-        released; the prefix cache comes back empty."""
-        eng = self.engine
-        version = eng.weight_version if isinstance(eng, LLMEngine) else 0
-        tags = set(msg.tags or RELEASABLE)
-        why = (f"tags={sorted(tags)} is invalid; allowed: a subset of {list(RELEASABLE)} (the "
-               "weights stay resident)" if not tags <= set(RELEASABLE) else
-               "release / resume needs one engine process" if not isinstance(eng, LLMEngine) else
-               "requests are in flight; allowed: an idle engine (/pause_generation first)"
-               if not msg.resume and eng.has_unfinished() else None)
-        if why is not None:
-            return UpdateWeightsReply(msg.query_id, False, why, 0, version)
-        assert isinstance(eng, LLMEngine)
-        if msg.resume:
-            if self._released:
-                eng.resume_memory()
-            self._released = self._checked_idle = False
-            return UpdateWeightsReply(msg.query_id, True, "KV pools and CUDA graphs resumed", 0,
-                                      version)
-        freed = eng.release_memory() if not self._released else 0
-        self._released = self._checked_idle = True     # no integrity check: the pools are freed
-        return UpdateWeightsReply(msg.query_id, True, f"released {freed / 1e6:.1f} MB of KV pools "
-                                  "and CUDA graphs; the weights stay resident", 0, version)
-
-    def _abort_all(self) -> None:
+    def abort_all(self) -> None:
         """Abort every request here, each ending with an "abort" delta to the API process."""
         deltas = []
         for rid in list(self._sent):
@@ -307,7 +266,7 @@ class EngineLoop:
         if deltas:
             self._send(StepOutputs(deltas, num_running=self.engine.num_running,
                                    num_waiting=self.engine.num_waiting,
-                                   weight_version=self.weight_label))
+                                   weight_version=self.controls.label))
 
     # ---- stepping -------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -321,7 +280,7 @@ class EngineLoop:
         self.num_finished += len(finished)
         self._send(StepOutputs(deltas, num_running=self.engine.num_running,
                                num_waiting=self.engine.num_waiting,
-                               weight_version=self.weight_label))
+                               weight_version=self.controls.label))
 
     def _delta(self, req: Request) -> RequestDelta:
         n = self._sent[req.rid]
@@ -372,29 +331,6 @@ class EngineLoop:
         logger.info("%s", message)
         return UpdateWeightsReply(msg.query_id, success=True, message=message, num_tensors=num,
                                   weight_version=version)
-
-    def _pause(self, msg: PauseGeneration | ContinueGeneration) -> UpdateWeightsReply:
-        """SGLang's pause modes: "abort" every request, "retract" the running ones (their KV is
-        freed; they recompute on the continue), "in_place" (they keep their KV); a request that
-        arrives meanwhile waits. Retract needs one engine process."""
-        version = self.engine.weight_version if isinstance(self.engine, LLMEngine) else 0
-        if isinstance(msg, ContinueGeneration):
-            self.paused = False
-            return UpdateWeightsReply(msg.query_id, True, "generation continues", 0, version)
-        if msg.mode not in PAUSE_MODES or (msg.mode == "retract"
-                                           and not isinstance(self.engine, LLMEngine)):
-            return UpdateWeightsReply(msg.query_id, False, f"mode={msg.mode!r} is invalid; "
-                                      f"allowed: {list(PAUSE_MODES)} (retract: one engine "
-                                      "process)", 0, version)
-        if msg.mode == "abort":
-            self._abort_all()
-        elif msg.mode == "retract":
-            assert isinstance(self.engine, LLMEngine)
-            self.engine.retract_running()
-        self.paused = True
-        logger.info("generation paused (%s)", msg.mode)
-        return UpdateWeightsReply(msg.query_id, True, f"generation paused ({msg.mode})", 0,
-                                  version)
 
     # ---- state ----------------------------------------------------------------------------------
     def snapshot(self, check_integrity: bool = False) -> EngineSnapshot:

@@ -31,20 +31,16 @@ a 400 after its tensors were received, so the trainer's broadcasts complete, and
 stay as they were; malformed dtypes or lengths are a 400 before anything is received (the trainer's
 broadcasts then fail at the group's timeout). One engine process for now (tp_size = dp_size = 1),
 and the backend must suit its device: gloo on the CPU, NCCL on CUDA. The transport:
-engine/weight_group.py. `WeightGroups` is the engine process's side.
+engine/weight_group.py; the engine process's side: engine_control.py.
 
 Test: `pytest tests/server/test_weight_update.py`.
 """
 
 from __future__ import annotations
 
-import time
-
-import torch
 from fastapi.responses import JSONResponse, Response
 
-from dsv4.engine.engine import LLMEngine
-from dsv4.engine.weight_group import WeightGroup, open_group, parse_dtype, receive_tensors
+from dsv4.engine.weight_group import parse_dtype
 from dsv4.server.errors import bad_request
 from dsv4.server.ipc import (
     ContinueGeneration,
@@ -53,17 +49,11 @@ from dsv4.server.ipc import (
     PauseGeneration,
     ReleaseMemory,
     UpdateWeightsDistributed,
-    UpdateWeightsReply,
-    WeightsGroupMessage,
 )
 from dsv4.server.protocol import RequestBody
 from dsv4.server.state import ServerState
-from dsv4.utils.logging import init_logger
-
-logger = init_logger(__name__)
 
 GROUP = "weight_update_group"        # SGLang's default group name
-JOIN_TIMEOUT_S = 600.0               # a join or a broadcast waiting longer fails
 
 
 class InitGroupRequest(RequestBody):
@@ -147,63 +137,3 @@ async def release_memory(state: ServerState, body: MemoryRequest) -> Response:
 async def resume_memory(state: ServerState, body: MemoryRequest) -> Response:
     reply = await state.client.weights_call(lambda q: ReleaseMemory(q, True, body.tags), "tags")
     return JSONResponse({"success": True, "message": reply.message})
-
-
-class WeightGroups:
-    """The engine process's weight-update groups, by name; `handle` answers each message with an
-    UpdateWeightsReply (success=false and the reason, the served weights unchanged, on a refusal
-    or a failed join / transfer)."""
-
-    def __init__(self) -> None:
-        self._groups: dict[str, WeightGroup] = {}
-
-    def handle(self, msg: WeightsGroupMessage, engine: object) -> UpdateWeightsReply:
-        version = engine.weight_version if isinstance(engine, LLMEngine) else 0
-        try:
-            if not isinstance(engine, LLMEngine):
-                raise ValueError("weight updates over a process group need one engine process; "
-                                 "allowed: tp_size 1 and dp_size 1")
-            message, num = self._apply(msg, engine)
-        except (ValueError, RuntimeError) as e:     # RuntimeError: a join or broadcast failed
-            logger.warning("%s refused: %s", type(msg).__name__, e)
-            return UpdateWeightsReply(msg.query_id, success=False, message=str(e), num_tensors=0,
-                                      weight_version=version)
-        logger.info("%s", message)
-        return UpdateWeightsReply(msg.query_id, success=True, message=message, num_tensors=num,
-                                  weight_version=engine.weight_version)
-
-    def _apply(self, msg: WeightsGroupMessage, engine: LLMEngine) -> tuple[str, int]:
-        if isinstance(msg, InitWeightsGroup):
-            return self._join(msg, engine.runner.device), 0
-        if isinstance(msg, DestroyWeightsGroup):
-            self._group(msg.group_name)
-            del self._groups[msg.group_name]
-            return f"left weight-update group {msg.group_name!r}", 0
-        start = time.perf_counter()
-        named = receive_tensors(self._group(msg.group_name), msg.names, msg.dtypes, msg.shapes,
-                                engine.runner.device)
-        num = engine.update_weights(named)
-        return (f"updated {num} tensors from group {msg.group_name!r} in "
-                f"{time.perf_counter() - start:.2f} s; weight version {engine.weight_version}",
-                num)
-
-    def _join(self, msg: InitWeightsGroup, device: torch.device) -> str:
-        if msg.group_name in self._groups:
-            raise ValueError(f"group_name={msg.group_name!r} is already joined; allowed: a new "
-                             "name, or /destroy_weights_update_group first")
-        suits = "nccl" if device.type == "cuda" else "gloo"
-        if msg.backend != suits:
-            raise ValueError(f"backend={msg.backend!r} does not suit the engine's {device.type} "
-                             f"weights; allowed: {suits!r}")
-        self._groups[msg.group_name] = open_group(msg.master_address, msg.master_port, msg.rank,
-                                                  msg.world_size, msg.group_name, msg.backend,
-                                                  JOIN_TIMEOUT_S)
-        return (f"joined weight-update group {msg.group_name!r} as rank {msg.rank} of "
-                f"{msg.world_size} ({msg.backend})")
-
-    def _group(self, name: str) -> WeightGroup:
-        group = self._groups.get(name)
-        if group is None:
-            raise ValueError(f"group_name={name!r} is not joined; allowed: "
-                             f"{sorted(self._groups)} (/init_weights_update_group first)")
-        return group
