@@ -78,17 +78,22 @@ def generate_samples(engine: LLMEngine, tokenizer: Tokenizer, prompts: list[Prom
     return samples
 
 
+def sample_seeds(prompt_ids: list[list[int]], group_size: int, seed: int,
+                 first_group: int = 0) -> list[tuple[int, list[int], int]]:
+    """(group, prompt ids, sampling seed) of every sample, in order: the seeds of rollout `seed`
+    (one stream; the server-backed rollouts draw the same: rl/server_rollout.py)."""
+    rng = random.Random(f"dsv4-rl-sample-{seed}")
+    return [(g + first_group, ids, rng.randrange(2**62)) for g, ids in enumerate(prompt_ids)
+            for _ in range(group_size)]
+
+
 def sample_token_ids(engine: LLMEngine, prompt_ids: list[list[int]], group_size: int,
                      temperature: float, max_tokens: int, seed: int,
                      first_group: int = 0) -> list[Sample]:
     """`generate_samples` on token ids (no tokenizer, no task: `prompt` None, `text` "")."""
     check_engine(engine)
-    rng = random.Random(f"dsv4-rl-sample-{seed}")
-    requests = []
-    for g, ids in enumerate(prompt_ids):
-        for _ in range(group_size):
-            params = sampling_params(temperature, max_tokens, rng.randrange(2**62))
-            requests.append((g + first_group, engine.add_request(ids, params)))
+    requests = [(group, engine.add_request(ids, sampling_params(temperature, max_tokens, s)))
+                for group, ids, s in sample_seeds(prompt_ids, group_size, seed, first_group)]
     while engine.has_unfinished():
         engine.step()
     samples = []

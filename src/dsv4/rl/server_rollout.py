@@ -1,0 +1,80 @@
+"""Rollouts from a running `dsv4 serve` over SGLang's /generate (server/native.py): the `Sample`s
+that `rollout.sample_token_ids` draws in process (the same seed stream, the temperature-scaled
+log-probs, the recorded routing), so a rollout server can stand in for the trainer's own engine.
+
+Each sample is one /generate request (its own `sampling_seed`), all in flight at once (or at most
+`max_in_flight`), so the server batches them as it likes. The server must run with
+`--enable-return-routing` (routing capture; the prefix cache off, as `rollout.check_engine`
+demands in process). Routing comes back as base64 int32 rows, one per token fed; the model
+config gives their shapes ([rows, layers, experts per token], [rows, C4 layers, index_topk]).
+
+Test: `pytest tests/rl/test_server_rollout.py` (equal to the in-process rollout at batch 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from dsv4.config.model import ModelConfig
+from dsv4.rl.rollout import Sample, sample_seeds
+
+
+def sample_token_ids_http(url: str, config: ModelConfig, prompt_ids: list[list[int]],
+                          group_size: int, temperature: float, max_tokens: int, seed: int,
+                          first_group: int = 0, *, api_key: str | None = None,
+                          max_in_flight: int | None = None, timeout_s: float = 600.0
+                          ) -> list[Sample]:
+    """`rollout.sample_token_ids` through the server at `url` (no tokenizer, no task: `prompt`
+    None, `text` the server's); raises RuntimeError naming the server's error."""
+    jobs = sample_seeds(prompt_ids, group_size, seed, first_group)
+    indexer = "csa" in config.attn_types
+    bodies = [{"input_ids": ids, "return_logprob": True, "return_routed_experts": True,
+               "return_indexer_topk": indexer,
+               "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature,
+                                   "sampling_seed": s}} for _, ids, s in jobs]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    outs = asyncio.run(_post_all(url, bodies, headers, max_in_flight or len(bodies), timeout_s))
+    return [_sample(group, ids, out, config) for (group, ids, _), out in zip(jobs, outs,
+                                                                              strict=True)]
+
+
+async def _post_all(url: str, bodies: list[dict[str, Any]], headers: dict[str, str],
+                    max_in_flight: int, timeout_s: float) -> list[dict[str, Any]]:
+    gate = asyncio.Semaphore(max_in_flight)
+    limits = httpx.Limits(max_connections=max_in_flight)
+
+    async def post(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+        async with gate:
+            r = await http.post("/generate", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")
+        out: dict[str, Any] = r.json()
+        return out
+
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
+                                 timeout=timeout_s) as http:
+        return list(await asyncio.gather(*(post(http, b) for b in bodies)))
+
+
+def _rows(data: str, rows: int, layers: int, k: int) -> torch.Tensor:
+    array = np.frombuffer(base64.b64decode(data), dtype="<i4").reshape(rows, layers, k)
+    return torch.from_numpy(array.copy())
+
+
+def _sample(group: int, prompt: list[int], out: dict[str, Any], config: ModelConfig) -> Sample:
+    meta = out["meta_info"]
+    tokens = prompt + list(out["output_ids"])
+    rows = len(tokens) - 1
+    experts = _rows(meta["routed_experts"], rows, config.num_layers,
+                    config.num_experts_per_tok)
+    csa = config.attn_types.count("csa")
+    indexer = (_rows(meta["indexer_topk"], rows, csa, config.index_topk)
+               if "indexer_topk" in meta else None)
+    return Sample(None, group, tokens, len(prompt), [t[0] for t in meta["output_token_logprobs"]],
+                  experts, indexer, out["text"], meta["finish_reason"]["type"])
