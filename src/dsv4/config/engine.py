@@ -320,10 +320,9 @@ PDL_EARLY_MAX_BATCH_FP8 = 8    # `resolve_pdl_early_max_batch`'s bound with FP8 
 def resolve_pdl_early_max_batch(requested: int | None, fp8_linears: bool) -> int:
     """The largest decode-graph batch captured in PDL's EARLY mode
     (EngineConfig.pdl_early_max_batch): as requested, else `PDL_EARLY_MAX_BATCH_FP8` for a model
-    with FP8 linears (checkpoint precision) and 0 for float linears. On the H200 EARLY took the
-    batch-1 flash-4l step from 0.859 to 0.842 ms in checkpoint precision and from 1.160 to 1.235
-    ms in bf16 (on the H100: 1.058 -> 1.029 ms, and 1.538 -> 1.539 ms;
-    `benchmarks/results/quant_moe_h200_202612.md`)."""
+    with FP8 linears (checkpoint precision) and 0 for float linears: EARLY speeds up the small
+    decode steps of FP8 linears and slows those of bf16 ones on the H200 (the A/B:
+    `benchmarks/results/quant_moe_h200_202612.md`, "Thirty-second session")."""
     if requested is not None:
         return requested
     return PDL_EARLY_MAX_BATCH_FP8 if fp8_linears else 0
