@@ -35,3 +35,10 @@ class EngineState:
     spec_accept_hist: tuple[int, ...] = ()
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verify pass (1 + accepted drafts / passes) since the start; None before any
+        verify pass (speculative decoding off or not yet run)."""
+        passes = sum(self.spec_accept_hist)
+        return 1 + self.spec_accepted_tokens / passes if passes else None

@@ -199,11 +199,10 @@ def _speculative(s: EngineSnapshot) -> list[str]:
                       s.spec_draft_tokens)
     lines += _counter("dsv4_spec_accepted_tokens_total", "Draft tokens the target accepted.",
                       s.spec_accepted_tokens)
-    passes = sum(s.spec_accept_hist)
-    mean = 1 + s.spec_accepted_tokens / passes if passes else math.nan
+    mean = s.mean_acceptance_length
     lines += _gauge("dsv4_spec_mean_acceptance_length",
                     "Tokens per verify pass (1 + accepted drafts / passes) since the start.",
-                    round(mean, 6))
+                    math.nan if mean is None else round(mean, 6))
     return lines
 
 

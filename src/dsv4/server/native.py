@@ -171,13 +171,12 @@ async def server_info(state: ServerState) -> Response:
     snap = await state.client.query_stats()
     info = {k: v for k, v in dataclasses.asdict(state.config).items()
             if k not in PRIVATE_FIELDS}
-    passes = sum(snap.spec_accept_hist)
-    accept = 1 + snap.spec_accepted_tokens / passes if passes else None
     info.update(model_path=state.config.served_model_name, version=__version__,
                 context_length=state.model_info.context_length,
                 max_total_num_tokens=state.model_info.max_total_tokens,
                 weight_version=snap.weight_version,
-                internal_states=[{"avg_spec_accept_length": accept, **dataclasses.asdict(snap)}])
+                internal_states=[{"avg_spec_accept_length": snap.mean_acceptance_length,
+                                                 **dataclasses.asdict(snap)}])
     return JSONResponse(info)
 
 
