@@ -23,7 +23,6 @@ Test: `pytest tests/server` (every test goes through it).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -282,7 +281,7 @@ class EngineClient:
         route = self._routes.get(delta.rid)
         if route is None:
             return  # aborted (or stopped) here while the delta was on its way
-        out = dataclasses.replace(self._with_text(route, delta), weight_version=version)
+        out = self._with_text(route, delta, version)
         self.metrics.on_delta(route.timing, out, now)
         if out.finish_reason is not None:
             del self._routes[delta.rid]
@@ -291,9 +290,9 @@ class EngineClient:
         route.queue.put_nowait((route.index, out))
 
     @staticmethod
-    def _with_text(route: _Route, delta: RequestDelta) -> ChoiceDelta:
+    def _with_text(route: _Route, delta: RequestDelta, version: str) -> ChoiceDelta:
         """Detokenise the delta's tokens and apply the stop strings: the tokens kept, the new text,
-        the reason."""
+        the reason; `version` labels the weights that produced them."""
         keep = route.text.feed(delta.token_ids)
         reason = "stop" if route.text.stopped else delta.finish_reason
         if reason is not None and not route.text.stopped:
@@ -303,7 +302,8 @@ class EngineClient:
         return ChoiceDelta(delta.token_ids[:keep], delta.logprobs[:keep], delta.top_logprobs[:keep],
                            text, reason, delta.num_prompt_tokens, delta.cached_tokens,
                            delta.routing, delta.spec_draft_tokens, delta.spec_accepted_tokens,
-                           delta.prompt_logprobs, delta.prompt_top_logprobs, route.text.matched)
+                           delta.prompt_logprobs, delta.prompt_top_logprobs, route.text.matched,
+                           version)
 
     # ---- liveness -----------------------------------------------------------------------------
     def engine_exited(self, exitcode: int | None) -> None:
