@@ -45,8 +45,10 @@ import gc
 import json
 import math
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +66,9 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import resolve_device, resolve_dtype
+
+sys.path.insert(0, str(Path(__file__).parent / "kernels"))
+from bench_common import measure_copy_rate  # noqa: E402
 
 Row = dict[str, Any]
 
@@ -214,20 +219,6 @@ def step_times(step: Callable[[], object], n: int, device: torch.device
     sync(device)
     spans = zip(marks[:-1], marks[1:], strict=True)
     return [round(float(a.elapsed_time(b)), 4) for a, b in spans], host, wait
-
-
-def copy_bandwidth(device: torch.device, gib: float, reps: int = 10) -> float:
-    """GB/s of a device-to-device copy, counting read + write."""
-    n = int(gib * (1 << 30))
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-
-    def copies() -> None:
-        for _ in range(reps):
-            dst.copy_(src)
-
-    return 2 * n * reps / timed(copies, device) / 1e9
 
 
 def free_memory(device: torch.device) -> None:
@@ -632,7 +623,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     args.kernel_backend = args.kernel_backend or ("triton" if device.type == "cuda" else "ref")
     model = random_model(get_preset(args.preset), dtype, device, args.seed, args.weight_format)
-    gbps = copy_bandwidth(device, args.copy_gib or (4.0 if device.type == "cuda" else 0.25))
+    gib = args.copy_gib or (4.0 if device.type == "cuda" else 0.25)
+    gbps = measure_copy_rate(device, gib) / 1e9
     print(f"{args.preset} on {device}: device copy {gbps:.1f} GB/s", flush=True)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1, "routing_steps": 0})
     points = sweep_points(args)

@@ -24,18 +24,26 @@ import torch
 COPY_RATES = {"H200": 4.275e12, "H100 80GB HBM3": 3.022e12}
 
 
-def measure_copy_rate(gib: float = 1.0, reps: int = 10) -> float:
-    """Bytes/s of a device-to-device copy on the current CUDA device, counting read + write."""
-    src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device="cuda")
+def measure_copy_rate(device: torch.device, gib: float = 1.0, reps: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of `gib` GiB on `device`, counting read + write: `reps`
+    copies timed together (CUDA events on a GPU, the wall clock on the CPU)."""
+    src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    nbytes = 2 * src.numel() * reps
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        return nbytes / (time.perf_counter() - start)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    begin.record()
     for _ in range(reps):
         dst.copy_(src)
     end.record()
     end.synchronize()
-    return 2 * src.numel() * reps / (start.elapsed_time(end) * 1e-3)
+    return nbytes / (begin.elapsed_time(end) * 1e-3)
 
 
 def copy_rate() -> float:
@@ -46,7 +54,7 @@ def copy_rate() -> float:
     name = torch.cuda.get_device_name()
     rate = next((r for key, r in COPY_RATES.items() if key in name), None)
     if rate is None:
-        rate = measure_copy_rate()
+        rate = measure_copy_rate(torch.device("cuda"))
         print(f"{name}: no listed copy rate; measured {rate / 1e12:.3f} TB/s")
     return rate
 
