@@ -127,8 +127,12 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/v1/models", _models(state), methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", _model(state), methods=["GET"],
                       dependencies=auth)
-    app.add_api_route("/v1/completions", _completions(state), methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", _chat(state), methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/completions", _generation_route(state, CompletionRequest,
+                                                           create_completion),
+                      methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", _generation_route(state, ChatCompletionRequest,
+                                                                create_chat_completion),
+                      methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/abort", _abort(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/tokenize", _tokenize(state), methods=["POST"], dependencies=auth)
     app.add_api_route("/detokenize", _detokenize(state), methods=["POST"], dependencies=auth)
@@ -140,7 +144,8 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_api_route("/update_weights_from_disk", _update_weights_from_disk(state),
                       methods=["POST"], dependencies=auth)
     # SGLang's native API (native.py)
-    app.add_api_route("/generate", _generate(state), methods=["POST", "PUT"], dependencies=auth)
+    app.add_api_route("/generate", _generation_route(state, GenerateRequest, generate),
+                      methods=["POST", "PUT"], dependencies=auth)
     app.add_api_route("/abort_request", _abort_request(state), methods=["POST"],
                       dependencies=auth)
     for path, model, handler in _WEIGHT_ROUTES:       # SGLang's (weight_update.py)
@@ -233,22 +238,15 @@ def _model(state: ServerState) -> Handler:
     return model
 
 
-def _completions(state: ServerState) -> Handler:
-    async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, state.config.max_request_bytes)
+def _generation_route(state: ServerState, model: type[BaseModel], create: Handler) -> Handler:
+    """A generation route: the body parsed into `model` (unknown fields named in a warning), then
+    `create(state, body, request)` (the request: to notice a client that goes away)."""
+    async def route(request: Request) -> Response:
+        body = await parse_body(request, model, state.config.max_request_bytes)
         state.warn_unknown_fields(body)
-        return await create_completion(state, body, request)
+        return await create(state, body, request)
 
-    return completions
-
-
-def _chat(state: ServerState) -> Handler:
-    async def chat(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, state.config.max_request_bytes)
-        state.warn_unknown_fields(body)
-        return await create_chat_completion(state, body, request)
-
-    return chat
+    return route
 
 
 def _tokenize(state: ServerState) -> Handler:
@@ -270,15 +268,6 @@ def _detokenize(state: ServerState) -> Handler:
 def _tokenizer_info(state: ServerState) -> Handler:
     async def handler() -> Response:
         return tokenizer_info(state)
-
-    return handler
-
-
-def _generate(state: ServerState) -> Handler:
-    async def handler(request: Request) -> Response:
-        body = await parse_body(request, GenerateRequest, state.config.max_request_bytes)
-        state.warn_unknown_fields(body)
-        return await generate(state, body, request)
 
     return handler
 
