@@ -121,9 +121,7 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], output_len: in
                 if first is not None:
                     gaps.append(now - last)
                 first, last = first or now, now
-    assert first is not None and tokens == output_len, f"incomplete response ({tokens} tokens)"
-    return Sample(ttft=first - sent, tpot=(last - first) / (tokens - 1) if tokens > 1 else None,
-                  tokens=tokens, itl=gaps)
+    return timed_sample(sent, first, last, tokens, gaps, output_len)
 
 
 async def one_native_request(http: httpx.AsyncClient, prompt: list[int],
@@ -147,6 +145,13 @@ async def one_native_request(http: httpx.AsyncClient, prompt: list[int],
             if first is not None:
                 gaps += [(now - last) / (count - tokens)] * (count - tokens)
             first, last, tokens = first or now, now, count
+    return timed_sample(sent, first, last, tokens, gaps, output_len)
+
+
+def timed_sample(sent: float, first: float | None, last: float, tokens: int, gaps: list[float],
+                 output_len: int) -> Sample:
+    """A streamed request's timings (sent, first and last token arrivals); asserts that all of its
+    `output_len` tokens came."""
     assert first is not None and tokens == output_len, f"incomplete response ({tokens} tokens)"
     return Sample(ttft=first - sent, tpot=(last - first) / (tokens - 1) if tokens > 1 else None,
                   tokens=tokens, itl=gaps)
