@@ -40,6 +40,11 @@ SOURCE = 0
 BACKENDS = ("gloo", "nccl")
 
 
+def backend_for(device: torch.device) -> str:
+    """The collective backend for weights on `device`: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """A torch dtype from its name ("bfloat16" or "torch.bfloat16", as trainers send it); raises
     ValueError naming the allowed floating and integer dtypes."""

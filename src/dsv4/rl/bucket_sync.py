@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsv4.engine.weight_group import backend_for
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -149,11 +150,6 @@ def receive_weights(plan: list[Bucket], device: torch.device,
 
 
 # ---- the group ---------------------------------------------------------------------------------
-
-
-def backend_for(device: torch.device) -> str:
-    """The collective backend for weights on `device`: NCCL on CUDA, gloo on the CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.weight_group import WeightGroup, open_group, receive_tensors
+from dsv4.engine.weight_group import WeightGroup, backend_for, open_group, receive_tensors
 from dsv4.server.ipc import (
     ContinueGeneration,
     DestroyWeightsGroup,
@@ -146,7 +146,7 @@ class EngineControls:
         if msg.group_name in self._groups:
             raise ValueError(f"group_name={msg.group_name!r} is already joined; allowed: a new "
                              "name, or /destroy_weights_update_group first")
-        suits = "nccl" if device.type == "cuda" else "gloo"
+        suits = backend_for(device)
         if msg.backend != suits:
             raise ValueError(f"backend={msg.backend!r} does not suit the engine's {device.type} "
                              f"weights; allowed: {suits!r}")
