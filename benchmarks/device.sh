@@ -91,6 +91,9 @@
 #                 linears, none in bf16), checkpoint and bf16 twice in turn (pdl_auto.txt); the FP8 linear's
 #                 FMA tile at 3 / 4 stages (bench_fp8_linear.py --stage-sweep --m 1: fp8_stages.txt); the
 #                 PDL tests on the GPU (pdl_tests.txt)
+#   crit          flash-4l batch 1 / 4K: checkpoint and bf16 at the engine default (crit_decode.txt), then a
+#                 traced profile of each (crit_profile_<fmt>.txt) read by trace_gaps.py (per-stream sums, idle
+#                 gaps: crit_gaps_<fmt>.txt); the PDL tests on the GPU (pdl_tests.txt)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -444,6 +447,29 @@ pdl_auto() {   # the engine's default PDL buckets per format, the 3 / 4-stage FP
     2>&1 | tail -20 | tee "$OUT/pdl_tests.txt" | grep -E "passed|failed"
 }
 
+crit() {   # batch 1 / 4K: both formats at the engine default, then where each step's time goes
+  local fmt           # (per-kernel profile + Chrome trace read by trace_gaps: per-stream sums, gaps)
+  for fmt in checkpoint bf16; do
+    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches= \
+      --weight-format "$fmt" --out /tmp/crit.json > /tmp/crit.txt 2>&1
+    { echo "--- $fmt (engine default)"; grep "^{" /tmp/crit.txt | tail -1; } \
+      | tee -a "$OUT/crit_decode.txt" | cut -c 1-160
+  done
+  for fmt in checkpoint bf16; do
+    timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda \
+      --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only \
+      --warm-steps 3 --steps 6 --rows 60 --weight-format "$fmt" --trace "/tmp/trace_$fmt.json" \
+      > "$OUT/crit_profile_$fmt.txt" 2>&1
+    tail -1 "$OUT/crit_profile_$fmt.txt" | cut -c 1-200
+    timeout 60 python3 benchmarks/trace_gaps.py "/tmp/trace_$fmt.json" --top 15 \
+      > "$OUT/crit_gaps_$fmt.txt" 2>&1
+    grep -v "^{" "$OUT/crit_gaps_$fmt.txt" | head -30
+  done
+  timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl.py \
+    2>&1 | tail -20 | tee "$OUT/pdl_tests.txt" | grep -E "passed|failed"
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
@@ -480,8 +506,9 @@ for part in "$@"; do
     fp8-frag) fp8_frag ;;
     pdl-auto) pdl_auto ;;
     sass) sass ;;
+    crit) crit ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit"; exit 2 ;;
   esac
 done
