@@ -92,8 +92,10 @@
 #                 FMA tile at 3 / 4 stages (bench_fp8_linear.py --stage-sweep --m 1: fp8_stages.txt); the
 #                 PDL tests on the GPU (pdl_tests.txt)
 #   crit          flash-4l batch 1 / 4K: checkpoint and bf16 at the engine default (crit_decode.txt), then a
-#                 traced profile of each (crit_profile_<fmt>.txt) read by trace_gaps.py (per-stream sums, idle
-#                 gaps: crit_gaps_<fmt>.txt); the PDL tests on the GPU (pdl_tests.txt)
+#                 traced profile of each read by trace_gaps.py (per-stream sums, idle gaps: both in
+#                 crit_profile_<fmt>.txt; the trace: trace_<fmt>.json.gz); the PDL tests (pdl_tests.txt).
+#                 CRIT_FORMATS (default "checkpoint bf16"), CRIT_DECODE_ARGS (added to the decode runs),
+#                 CRIT_TESTS= (empty: no PDL tests)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -340,7 +342,7 @@ checkpoint() {
       --out "$OUT/checkpoint_decode_$fmt.json" > /tmp/checkpoint_decode_$fmt.txt 2>&1
     grep -v "^{" /tmp/checkpoint_decode_$fmt.txt | tail -4
   done
-  for fmt in checkpoint bf16; do
+  for fmt in ${CRIT_FORMATS:-checkpoint bf16}; do
     timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda --dtype bfloat16 \
       --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only --warm-steps 3 --steps 20 \
       --rows 40 --weight-format "$fmt" --trace "/tmp/${fmt}_trace.json" > "$OUT/${fmt}_profile.txt" 2>&1
@@ -449,23 +451,27 @@ pdl_auto() {   # the engine's default PDL buckets per format, the 3 / 4-stage FP
 
 crit() {   # batch 1 / 4K: both formats at the engine default, then where each step's time goes
   local fmt           # (per-kernel profile + Chrome trace read by trace_gaps: per-stream sums, gaps)
-  for fmt in checkpoint bf16; do
+  for fmt in ${CRIT_FORMATS:-checkpoint bf16}; do
+    # shellcheck disable=SC2086
     timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --contexts 4096 --batches= \
-      --weight-format "$fmt" --out /tmp/crit.json > /tmp/crit.txt 2>&1
-    { echo "--- $fmt (engine default)"; grep "^{" /tmp/crit.txt | tail -1; } \
+      --weight-format "$fmt" ${CRIT_DECODE_ARGS:-} --out /tmp/crit.json > /tmp/crit.txt 2>&1
+    { echo "--- $fmt (engine default ${CRIT_DECODE_ARGS:-})"; grep "^{" /tmp/crit.txt | tail -1; } \
       | tee -a "$OUT/crit_decode.txt" | cut -c 1-160
   done
-  for fmt in checkpoint bf16; do
+  for fmt in ${CRIT_FORMATS:-checkpoint bf16}; do
     timeout 150 python3 benchmarks/profile_engine_step.py --preset flash-4l --device cuda \
       --dtype bfloat16 --kernel-backend triton --num-prompts 1 --prompt-len 4096 --decode-only \
       --warm-steps 3 --steps 6 --rows 60 --weight-format "$fmt" --trace "/tmp/trace_$fmt.json" \
       > "$OUT/crit_profile_$fmt.txt" 2>&1
     tail -1 "$OUT/crit_profile_$fmt.txt" | cut -c 1-200
     timeout 60 python3 benchmarks/trace_gaps.py "/tmp/trace_$fmt.json" --top 15 \
-      > "$OUT/crit_gaps_$fmt.txt" 2>&1
-    grep -v "^{" "$OUT/crit_gaps_$fmt.txt" | head -30
+      > /tmp/crit_gaps.txt 2>&1
+    grep -v "^{" /tmp/crit_gaps.txt | head -30
+    cat /tmp/crit_gaps.txt >> "$OUT/crit_profile_$fmt.txt"
+    gzip -c "/tmp/trace_$fmt.json" > "$OUT/trace_$fmt.json.gz"
   done
+  [ -n "${CRIT_TESTS-1}" ] || return 0
   timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl.py \
     2>&1 | tail -20 | tee "$OUT/pdl_tests.txt" | grep -E "passed|failed"
 }
