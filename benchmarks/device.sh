@@ -96,6 +96,9 @@
 #                 crit_profile_<fmt>.txt; the trace: trace_<fmt>.json.gz); the PDL tests (pdl_tests.txt).
 #                 CRIT_FORMATS (default "checkpoint bf16"), CRIT_DECODE_ARGS (added to the decode runs),
 #                 CRIT_TESTS= (empty: no PDL tests)
+#   shared-join   flash-4l checkpoint decode with the shared expert beside the gate or beside the routed experts
+#                 (--shared-expert-beside), batch 1 / 4K in turn with bf16 at its default, then batch 32 / 4K;
+#                 the GPU tests of test_multi_stream.py and test_moe_combine.py: shared_join*.txt
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -476,6 +479,25 @@ crit() {   # batch 1 / 4K: both formats at the engine default, then where each s
     2>&1 | tail -20 | tee "$OUT/pdl_tests.txt" | grep -E "passed|failed"
 }
 
+shared_join() {   # the shared expert beside the gate or the routed experts: b1 / 4K, b32 / 4K, tests
+  local run fmt beside batch
+  for run in checkpoint:experts:1 checkpoint:gate:1 bf16:default:1 checkpoint:experts:1 \
+      checkpoint:gate:1 bf16:default:1 checkpoint:experts:32 checkpoint:gate:32; do
+    IFS=: read -r fmt beside batch <<< "$run"
+    local args=(--contexts 4096 --batches=)
+    [ "$batch" = 1 ] || args=(--contexts= --batches "$batch" --batch-contexts 4096)
+    [ "$beside" = default ] || args+=(--shared-expert-beside "$beside")
+    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \
+      "${args[@]}" --out /tmp/sj.json > /tmp/sj.txt 2>&1
+    { echo "--- $fmt beside=$beside batch=$batch"; grep "^{" /tmp/sj.txt | tail -1; } \
+      | tee -a "$OUT/shared_join.txt" | grep -o '"ms_per_step": [0-9.]*\|"tok_s": [0-9.]*'
+  done
+  timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/engine/test_multi_stream.py tests/kernels/test_moe_combine.py 2>&1 | tail -20 \
+    | tee "$OUT/shared_join_tests.txt" | grep -E "passed|failed"
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
@@ -513,8 +535,9 @@ for part in "$@"; do
     pdl-auto) pdl_auto ;;
     sass) sass ;;
     crit) crit ;;
+    shared-join) shared_join ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join"; exit 2 ;;
   esac
 done

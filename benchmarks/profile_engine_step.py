@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--pdl-early-max-batch", type=int,
                    default=EngineConfig.pdl_early_max_batch,
                    help="decode graphs of batch <= this in PDL's EARLY mode (EngineConfig)")
+    p.add_argument("--shared-expert-beside", choices=["gate", "experts"], default=None,
+                   help="with multi-stream, what the shared expert runs beside (EngineConfig)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device), weight_format=args.weight_format)
@@ -76,7 +78,8 @@ def main() -> None:
                                            * (args.prompt_len + max(512, max_tokens)) + 4096,
                                            enable_hisparse=args.enable_hisparse,
                                            hisparse_device_entries=args.hot_entries,
-                                           pdl_early_max_batch=args.pdl_early_max_batch))
+                                           pdl_early_max_batch=args.pdl_early_max_batch,
+                                           shared_expert_beside=args.shared_expert_beside))
     g = torch.Generator().manual_seed(0)
     warm = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
                           ignore_eos=True)

@@ -24,10 +24,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from test_moe_quant import make_weights  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dsv4.checkpoint.presets import micro  # noqa: E402
-from dsv4.kernels.ref.moe import add_shared, moe_combine, routed_experts  # noqa: E402
+import contextlib  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import dsv4.kernels.triton.moe as triton_moe  # noqa: E402
+import dsv4.model.moe as moe_module  # noqa: E402
+from dsv4.kernels.ref.moe import SharedJoin, add_shared, moe_combine, routed_experts  # noqa: E402
+from dsv4.kernels.registry import REF  # noqa: E402
 from dsv4.kernels.triton.moe import (  # noqa: E402
     triton_routed_experts,
     triton_routed_experts_quant,
@@ -171,6 +179,85 @@ def test_moe_reference_path_unchanged(dtype: torch.dtype) -> None:
         moe.reduce = _Double()
         assert torch.equal(moe(x, ids, mode=INFERENCE), (2 * total).to(dtype).view_as(x))
         assert moe.reduce.seen == [torch.float32]
+
+
+@pytest.mark.parametrize("beside", [False, True])
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str,
+                                    beside: bool) -> None:
+    """A `SharedJoin` runs before the expert GEMMs, or with `beside_gemms` after them and before
+    the combine (a plain callable: before the GEMMs); the values are the same either way."""
+    events: list[str] = []
+    for name in ("_mma_launches", "frag_launches", "fma_launches"):
+        launch = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, _f=launch, **k: (
+            events.append("gemms"), _f(*a, **k))[1])
+    combine = triton_moe.triton_moe_combine
+    monkeypatch.setattr(triton_moe, "triton_moe_combine", lambda *a, **k: (
+        events.append("combine"), combine(*a, **k))[1])
+    x, w1, w2, w3, idx, rw = _experts(8, 64, 64, 3, 2)
+    sh = randn(3, 64, seed=9).to(torch.bfloat16)
+    kw = {"shared": sh, "out_dtype": torch.bfloat16}
+    if fmt == "bf16":
+        def run(**k: object) -> torch.Tensor:
+            return triton_routed_experts(x, w1, w2, w3, idx, rw, 1.5, **kw, **k)
+    else:
+        codes = make_weights(8, 64, 64, "fp4", seed=31)
+
+        def run(**k: object) -> torch.Tensor:
+            return triton_routed_experts_quant(x.to(torch.bfloat16), *codes, idx, rw, 1.5, "fp4",
+                                               deterministic=True, **kw, **k)
+    plain = run()
+    events.clear()
+    joined = run(wait_shared=SharedJoin(lambda: events.append("join"), beside))
+    want = ["gemms", "join", "combine"] if beside else ["join", "gemms", "combine"]
+    assert events == want and torch.equal(joined, plain)
+    events.clear()
+    run(wait_shared=lambda: events.append("join"))
+    assert events == ["join", "gemms", "combine"]
+
+
+@pytest.mark.parametrize("beside", [None, False, True])
+def test_moe_forks_the_shared_expert_where_told(monkeypatch: pytest.MonkeyPatch,
+                                                beside: bool | None) -> None:
+    """With a side stream the shared expert is forked before the gate (its join called before
+    the expert GEMMs) or, `shared_beside_experts`, after the gate (a `SharedJoin` with
+    `beside_gemms`); without one (None) it runs first in program order. Same output always."""
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def side(stream: object) -> Iterator[None]:
+        events.append("fork" if stream is not None else "inline")
+        yield
+
+    monkeypatch.setattr(moe_module, "side", side)
+    monkeypatch.setattr(moe_module, "join", lambda stream: events.append("join"))
+    moe, x, ids = _moe(torch.float32)
+    for part in ("gate", "shared_experts"):
+        forward = getattr(moe, part).forward
+        monkeypatch.setattr(getattr(moe, part), "forward", lambda *a, _f=forward, _p=part, **k: (
+            events.append(_p), _f(*a, **k))[1])
+    joins: list[object] = []
+
+    def routed(*a: object, wait_shared: object = None, **k: object) -> torch.Tensor:
+        joins.append(wait_shared)
+        return REF.routed_experts(*a, wait_shared=wait_shared, **k)  # type: ignore[arg-type]
+
+    ctx = SimpleNamespace(ops=SimpleNamespace(**{n: getattr(REF, n) for n in (
+        "moe_gate_logits", "moe_gate_select", "swiglu")}, routed_experts=routed),
+        side_stream=None if beside is None else "side", shared_beside_experts=bool(beside),
+        captured=None)
+    with torch.no_grad():
+        want = moe(x, ids, mode=INFERENCE)
+        events.clear()
+        got = moe(x, ids, ctx)  # type: ignore[arg-type]
+    assert torch.equal(got, want)
+    order = {None: ["inline", "shared_experts", "gate"],
+             False: ["fork", "shared_experts", "gate", "join"],
+             True: ["gate", "fork", "shared_experts", "join"]}[beside]
+    assert events == order
+    assert joins[0] is None if beside is None else (
+        isinstance(joins[0], SharedJoin) and joins[0].beside_gemms is beside)
 
 
 # ---- GPU: V4-Flash shapes ------------------------------------------------------------------------

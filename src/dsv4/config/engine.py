@@ -29,6 +29,8 @@ def check_weight_format(weight_format: str) -> WeightFormat:
 
 
 WarmupMode = Literal["none", "fast", "full"]
+# where the shared expert runs with multi_stream (EngineConfig.shared_expert_beside)
+SharedExpertBeside = Literal["gate", "experts"]
 """What `warm_up` (`engine/warmup.py`) runs before the engine serves (`warmup_plan`)."""
 WARMUP_MODES: tuple[WarmupMode, ...] = get_args(WarmupMode)
 
@@ -146,6 +148,12 @@ class EngineConfig:
     None (default): `resolve_pdl_early_max_batch`, 8 for a model with FP8 linears, else 0. Same
     outputs either way (PDL changes when a kernel starts, not what it reads); each mode compiles
     its own kernel variants.
+    `shared_expert_beside`: with `multi_stream`, what the MoE layer's shared expert runs beside on
+    the side stream: "gate" (forked before the gate, joined before the routed experts' GEMMs) or
+    "experts" (forked after the gate, joined before the combine: it fills the memory system the
+    routed experts' decode loops leave idle). None: `resolve_shared_expert_beside`, "experts"
+    for checkpoint-format (FP4 / FP8) routed experts, "gate" for float ones. Same kernels on the
+    same inputs: the same outputs either way.
     """
 
     page_size: int = 256
@@ -175,6 +183,7 @@ class EngineConfig:
     fuse_projections: bool = True
     decode_gemv: bool = True
     pdl_early_max_batch: int | None = None
+    shared_expert_beside: SharedExpertBeside | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -205,6 +214,10 @@ class EngineConfig:
                                   or early < 0):
             raise ValueError(f"pdl_early_max_batch={early!r} is invalid; allowed: None (by the "
                              "weights' format) or an integer >= 0 (0: no graph in EARLY mode)")
+        beside = self.shared_expert_beside
+        if beside is not None and beside not in get_args(SharedExpertBeside):
+            raise ValueError(f"shared_expert_beside={beside!r} is invalid; allowed: None (by the "
+                             f"routed experts' format) or one of {list(get_args(SharedExpertBeside))}")
         for name in ("fuse_projections", "decode_gemv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; "
@@ -326,6 +339,18 @@ def resolve_pdl_early_max_batch(requested: int | None, fp8_linears: bool) -> int
     if requested is not None:
         return requested
     return PDL_EARLY_MAX_BATCH_FP8 if fp8_linears else 0
+
+
+def resolve_shared_expert_beside(requested: SharedExpertBeside | None,
+                                 quant_experts: bool) -> SharedExpertBeside:
+    """What the shared expert runs beside on the side stream (EngineConfig.shared_expert_beside):
+    as requested, else "experts" for checkpoint-format routed experts, whose decode loops leave
+    the memory system idle part of the time, and "gate" for float ones, whose loops run near
+    their byte floor (a concurrent shared expert only contends; the A/B:
+    `benchmarks/results/quant_moe_h200_202612.md`, "Thirty-third session")."""
+    if requested is not None:
+        return requested
+    return "experts" if quant_experts else "gate"
 
 
 def resolve_multi_stream(requested: bool | None, device_type: str) -> bool:

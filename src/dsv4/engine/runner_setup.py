@@ -20,6 +20,7 @@ from dsv4.config.engine import (
     resolve_multi_stream,
     resolve_overlap,
     resolve_pdl_early_max_batch,
+    resolve_shared_expert_beside,
     resolve_swa_fraction,
     resolve_warmup,
 )
@@ -27,6 +28,7 @@ from dsv4.config.model import ModelConfig
 from dsv4.model.decode_gemv import attach_decode_gemv
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.fused_projections import fuse_projections, unfuse_projections
+from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.quant_linear import QuantLinear
 from dsv4.utils.host_memory import available_host_bytes
 from dsv4.utils.logging import init_logger
@@ -38,8 +40,9 @@ def resolve(config: EngineConfig, device: torch.device, model: DeepSeekV4ForCaus
             ) -> EngineConfig:
     """`config` with its device- and model-dependent defaults resolved (logged): the kernel
     backend and, unless `max_total_tokens` fixes the pools, the KV budget; the warmup mode,
-    overlap scheduling, multi-stream and PDL's EARLY graph buckets (by whether `model` holds FP8
-    linears; `config/engine.py`)."""
+    overlap scheduling, multi-stream, PDL's EARLY graph buckets (by whether `model` holds FP8
+    linears) and what the shared expert runs beside (by its routed experts' format;
+    `config/engine.py`)."""
     backend = resolve_kernel_backend(config.kernel_backend, device.type)
     budget = config.kv_cache_memory_gb
     if config.max_total_tokens is None:
@@ -60,11 +63,18 @@ def resolve(config: EngineConfig, device: torch.device, model: DeepSeekV4ForCaus
         logger.info("PDL EARLY mode: decode graphs of up to %d requests (%s)", early,
                     "pdl_early_max_batch" if config.pdl_early_max_batch is not None else
                     "FP8 linears" if fp8 else "float linears")
+    multi_stream = resolve_multi_stream(config.multi_stream, device.type)
+    quant = any(isinstance(m, QuantExperts) for m in model.modules())
+    beside = resolve_shared_expert_beside(config.shared_expert_beside, quant)
+    if multi_stream:
+        logger.info("shared expert beside the %s (%s)", beside,
+                    "shared_expert_beside" if config.shared_expert_beside is not None else
+                    "checkpoint-format routed experts" if quant else "float routed experts")
     return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
                                warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
                                    config.swa_memory_fraction, device.type),
-                               overlap_schedule=overlap, multi_stream=resolve_multi_stream(
-                                   config.multi_stream, device.type), pdl_early_max_batch=early)
+                               overlap_schedule=overlap, multi_stream=multi_stream,
+                               pdl_early_max_batch=early, shared_expert_beside=beside)
 
 
 def hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:

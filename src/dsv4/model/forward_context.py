@@ -90,3 +90,6 @@ class ForwardContext:
     hisparse: HiSparseStep | None = None   # with a HotSet (engine `enable_hisparse`)
     # a second stream for independent branches (engine `multi_stream`; `model/streams.py`)
     side_stream: torch.cuda.Stream | None = None
+    # with a side stream: the shared expert runs beside the routed experts, not beside the gate
+    # (engine `shared_expert_beside` "experts"; `model/moe.py`)
+    shared_beside_experts: bool = False

@@ -28,6 +28,7 @@ from torch import nn
 
 from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.moe import (
+    SharedJoin,
     WaitShared,
     moe_gate_logits,
     moe_gate_select,
@@ -224,17 +225,23 @@ class MoE(nn.Module):
                 and self.replay_index is not None:
             replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
         values = mode.values if mode is not None else None
-        # the shared expert on the side stream, beside the gate and the routed experts' tile map
+        # the shared expert on the side stream: beside the gate (joined before the routed GEMMs)
+        # or, `ctx.shared_beside_experts`, forked after the gate and beside the routed experts
+        # (joined before the combine); one stream: in program order, the same values either way
         stream = ctx.side_stream if ctx is not None else None
-        with side(stream):
-            shared = self.shared_experts(u, ctx, values)
+        beside = stream is not None and ctx is not None and ctx.shared_beside_experts
+        if not beside:
+            with side(stream):
+                shared = self.shared_experts(u, ctx, values)
         indices, weights = self.gate(u, input_ids.reshape(-1), replayed, ctx, values)
+        if beside:
+            with side(stream):
+                shared = self.shared_experts(u, ctx, values)
         if ctx is not None and ctx.captured is not None:
             ctx.captured.setdefault("experts", []).append(indices)
         local = isinstance(self.reduce, nn.Identity)
-        # the side stream joins inside the op (the triton one: before its expert GEMMs)
         combine = Combine(shared, x.dtype if local else torch.float32,
-                          (lambda: join(stream)) if stream is not None else None)
+                          SharedJoin(lambda: join(stream), beside) if stream is not None else None)
         out = self.experts(u, indices, weights, ctx, mode=mode, combine=combine)
         if not local:
             out = self.reduce(out).to(x.dtype)

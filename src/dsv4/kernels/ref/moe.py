@@ -15,6 +15,7 @@ computes (`kernels/triton/moe_combine.py`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,20 @@ from dsv4.kernels.ref.fp8_linear import dense_linear
 from dsv4.kernels.ref.swiglu import swiglu
 
 WaitShared = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class SharedJoin:
+    """A `wait_shared` that says where the Triton ops call it: before the expert GEMMs (the
+    default; the side branch ran beside the gate) or, with `beside_gemms`, only before the combine
+    reads `shared`, so the side branch runs beside the GEMMs (`model/moe.py`, EngineConfig
+    `shared_expert_beside`). The reference ops always call it at the combine."""
+
+    wait: WaitShared
+    beside_gemms: bool = False
+
+    def __call__(self) -> None:
+        self.wait()
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, w: torch.Tensor, *,

@@ -60,7 +60,9 @@ or a 16-bit `out_dtype` the same kernel runs on it as k = 1 (sum + shared, cast)
 buffer is returned. `wait_shared` (the caller's join of the stream that produces `shared`) is
 called after the tile map, before the gate/up launch: a side-stream kernel still running when the
 gate/up grid starts slowed the launch from 53 to 79 us at batch-1 decode on the H200 (V4-Flash
-shapes), more than the overlap gained.
+shapes), more than the overlap gained. A `SharedJoin` with `beside_gemms` is called only before
+the combine instead: the caller forked its side branch after the gate, for expert loops that
+leave the memory system idle part of the time (the frag loops at decode; `model/moe.py`).
 
 No host syncs: safe inside CUDA-graph capture. Every index must lie in [0, E) (not checked: a host
 sync). Test: tests/kernels/test_moe_quant.py. Benchmark: benchmarks/kernels/bench_moe_quant.py.
@@ -72,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.ref.moe import WaitShared, add_shared
+from dsv4.kernels.ref.moe import SharedJoin, WaitShared, add_shared
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_combine import down_output, triton_moe_combine
 from dsv4.kernels.triton.moe_decode import tile_dot
@@ -320,7 +322,8 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     code = FMTS[fmt]
     xs = fma_activations(x, code, plan.block_k) if fma else x
     shared, out_dtype, wait_shared = combine
-    if wait_shared is not None:     # before the expert GEMMs (module docstring)
+    beside = isinstance(wait_shared, SharedJoin) and wait_shared.beside_gemms
+    if wait_shared is not None and not beside:     # before the expert GEMMs (module docstring)
         wait_shared()
     rw = weights.reshape(-1).contiguous()
     s1 = s1.view(torch.uint8) if s1 is not None else w1
@@ -344,6 +347,8 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
                              deterministic, plan)
     # the W8A8 loop always stores (token, k) rows (module docstring)
     rows = deterministic or plan.variant == VARIANTS["w8a8"]
+    if wait_shared is not None and beside:         # the side branch ran beside the GEMMs
+        wait_shared()
     if not rows and shared is None and out_dtype == torch.float32:
         return dest
     return triton_moe_combine(dest.view(N, topk if rows else 1, d), shared, out_dtype)
