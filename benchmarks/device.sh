@@ -98,7 +98,8 @@
 #                 CRIT_TESTS= (empty: no PDL tests)
 #   shared-join   flash-4l checkpoint decode with the shared expert beside the gate or beside the routed experts
 #                 (--shared-expert-beside), batch 1 / 4K in turn with bf16 at its default, then batch 32 / 4K;
-#                 the GPU tests of test_multi_stream.py and test_moe_combine.py: shared_join*.txt
+#                 the GPU tests of test_multi_stream.py and test_moe_combine.py: shared_join*.txt. SJ_RUNS
+#                 ("format:beside:batch ..."), SJ_TESTS= (empty: no tests)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -481,11 +482,11 @@ crit() {   # batch 1 / 4K: both formats at the engine default, then where each s
 
 shared_join() {   # the shared expert beside the gate or the routed experts: b1 / 4K, b32 / 4K, tests
   local run fmt beside batch
-  for run in checkpoint:experts:1 checkpoint:gate:1 bf16:default:1 checkpoint:experts:1 \
-      checkpoint:gate:1 bf16:default:1 checkpoint:experts:32 checkpoint:gate:32; do
+  for run in ${SJ_RUNS:-checkpoint:experts:1 checkpoint:gate:1 bf16:default:1 checkpoint:experts:1 \
+      checkpoint:gate:1 bf16:default:1 checkpoint:experts:32 checkpoint:gate:32}; do
     IFS=: read -r fmt beside batch <<< "$run"
     local args=(--contexts 4096 --batches=)
-    [ "$batch" = 1 ] || args=(--contexts= --batches "$batch" --batch-contexts 4096)
+    [ "$batch" = 1 ] || args=(--contexts 4096 --batches "$batch" --batch-contexts 4096)
     [ "$beside" = default ] || args+=(--shared-expert-beside "$beside")
     timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \
@@ -493,6 +494,7 @@ shared_join() {   # the shared expert beside the gate or the routed experts: b1 
     { echo "--- $fmt beside=$beside batch=$batch"; grep "^{" /tmp/sj.txt | tail -1; } \
       | tee -a "$OUT/shared_join.txt" | grep -o '"ms_per_step": [0-9.]*\|"tok_s": [0-9.]*'
   done
+  [ -n "${SJ_TESTS-1}" ] || return 0
   timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/engine/test_multi_stream.py tests/kernels/test_moe_combine.py 2>&1 | tail -20 \
     | tee "$OUT/shared_join_tests.txt" | grep -E "passed|failed"
