@@ -60,7 +60,7 @@ from dsv4.config.engine import (
     resolve_multi_stream,
     resolve_overlap,
     resolve_pdl_early_max_batch,
-    resolve_shared_expert_beside,
+    resolve_shared_expert_beside_max_tokens,
 )
 from dsv4.config.model import ModelConfig
 from dsv4.engine.engine import LLMEngine
@@ -115,9 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    default=EngineConfig.pdl_early_max_batch,
                    help="decode graphs of batch buckets up to this size in PDL's EARLY mode "
                    "(default: the engine's)")
-    p.add_argument("--shared-expert-beside", choices=["gate", "experts"], default=None,
-                   help="with multi-stream, what the shared expert runs beside (default: the "
-                   "engine's, by the routed experts' format)")
+    p.add_argument("--shared-expert-beside-max-tokens", type=int, default=None,
+                   help="with multi-stream, forwards of up to this many tokens run the shared "
+                   "expert beside the routed experts (default: the engine's, by the format)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")
@@ -335,7 +335,7 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
                           fuse_projections=args.fuse_projections,
                           decode_gemv=args.decode_gemv,
                           pdl_early_max_batch=args.pdl_early_max_batch,
-                          shared_expert_beside=args.shared_expert_beside)
+                          shared_expert_beside_max_tokens=args.shared_expert_beside_max_tokens)
     return LLMEngine(model, config)
 
 
@@ -663,8 +663,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   args.pdl_early_max_batch, args.weight_format == "checkpoint"),
               "multi_stream": resolve_multi_stream(args.multi_stream,
                                                    torch.device(args.device).type),
-              "shared_expert_beside": resolve_shared_expert_beside(
-                  args.shared_expert_beside, args.weight_format == "checkpoint"),
+              "shared_expert_beside_max_tokens": resolve_shared_expert_beside_max_tokens(
+                  args.shared_expert_beside_max_tokens, args.weight_format == "checkpoint"),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)

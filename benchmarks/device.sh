@@ -96,8 +96,9 @@
 #                 crit_profile_<fmt>.txt; the trace: trace_<fmt>.json.gz); the PDL tests (pdl_tests.txt).
 #                 CRIT_FORMATS (default "checkpoint bf16"), CRIT_DECODE_ARGS (added to the decode runs),
 #                 CRIT_TESTS= (empty: no PDL tests)
-#   shared-join   flash-4l checkpoint decode with the shared expert beside the gate or beside the routed experts
-#                 (--shared-expert-beside), batch 1 / 4K in turn with bf16 at its default, then batch 32 / 4K;
+#   shared-join   flash-4l checkpoint decode with the shared expert beside the routed experts up to a batch bound
+#                 (--shared-expert-beside-max-tokens 8) or never (0), batch 1 / 4K in turn with bf16 at its
+#                 default, then batch 8 and the default at batch 32 (4K);
 #                 the GPU tests of test_multi_stream.py and test_moe_combine.py: shared_join*.txt. SJ_RUNS
 #                 ("format:beside:batch ..."), SJ_TESTS= (empty: no tests)
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
@@ -480,18 +481,18 @@ crit() {   # batch 1 / 4K: both formats at the engine default, then where each s
     2>&1 | tail -20 | tee "$OUT/pdl_tests.txt" | grep -E "passed|failed"
 }
 
-shared_join() {   # the shared expert beside the gate or the routed experts: b1 / 4K, b32 / 4K, tests
+shared_join() {   # the shared expert beside the gate or the routed experts: b1, b8, b32 (4K), tests
   local run fmt beside batch
-  for run in ${SJ_RUNS:-checkpoint:experts:1 checkpoint:gate:1 bf16:default:1 checkpoint:experts:1 \
-      checkpoint:gate:1 bf16:default:1 checkpoint:experts:32 checkpoint:gate:32}; do
+  for run in ${SJ_RUNS:-checkpoint:8:1 checkpoint:0:1 bf16:default:1 checkpoint:8:1 \
+      checkpoint:0:1 bf16:default:1 checkpoint:8:8 checkpoint:0:8 checkpoint:default:32}; do
     IFS=: read -r fmt beside batch <<< "$run"
     local args=(--contexts 4096 --batches=)
     [ "$batch" = 1 ] || args=(--contexts 4096 --batches "$batch" --batch-contexts 4096)
-    [ "$beside" = default ] || args+=(--shared-expert-beside "$beside")
+    [ "$beside" = default ] || args+=(--shared-expert-beside-max-tokens "$beside")
     timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
       --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \
       "${args[@]}" --out /tmp/sj.json > /tmp/sj.txt 2>&1
-    { echo "--- $fmt beside=$beside batch=$batch"; grep "^{" /tmp/sj.txt | tail -1; } \
+    { echo "--- $fmt beside_max_tokens=$beside batch=$batch"; grep "^{" /tmp/sj.txt | tail -1; } \
       | tee -a "$OUT/shared_join.txt" | grep -o '"ms_per_step": [0-9.]*\|"tok_s": [0-9.]*'
   done
   [ -n "${SJ_TESTS-1}" ] || return 0

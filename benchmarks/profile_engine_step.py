@@ -66,8 +66,9 @@ def main() -> None:
     p.add_argument("--pdl-early-max-batch", type=int,
                    default=EngineConfig.pdl_early_max_batch,
                    help="decode graphs of batch <= this in PDL's EARLY mode (EngineConfig)")
-    p.add_argument("--shared-expert-beside", choices=["gate", "experts"], default=None,
-                   help="with multi-stream, what the shared expert runs beside (EngineConfig)")
+    p.add_argument("--shared-expert-beside-max-tokens", type=int, default=None,
+                   help="with multi-stream, forwards of up to this many tokens run the shared "
+                   "expert beside the routed experts (EngineConfig)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device), weight_format=args.weight_format)
@@ -79,7 +80,7 @@ def main() -> None:
                                            enable_hisparse=args.enable_hisparse,
                                            hisparse_device_entries=args.hot_entries,
                                            pdl_early_max_batch=args.pdl_early_max_batch,
-                                           shared_expert_beside=args.shared_expert_beside))
+                                           shared_expert_beside_max_tokens=args.shared_expert_beside_max_tokens))
     g = torch.Generator().manual_seed(0)
     warm = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
                           ignore_eos=True)

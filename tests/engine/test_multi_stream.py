@@ -12,7 +12,11 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import random_model, write_checkpoint
-from dsv4.config.engine import EngineConfig, resolve_multi_stream, resolve_shared_expert_beside
+from dsv4.config.engine import (
+    EngineConfig,
+    resolve_multi_stream,
+    resolve_shared_expert_beside_max_tokens,
+)
 from dsv4.engine.engine import LLMEngine
 from dsv4.model.streams import join, side
 
@@ -40,21 +44,23 @@ def test_resolution() -> None:
 
 
 def test_shared_expert_beside_resolution() -> None:
-    """Unset: beside the routed experts for checkpoint-format experts, beside the gate for float
-    ones (the engine reads the model's modules); an explicit choice wins; bad values name the
-    field."""
-    assert resolve_shared_expert_beside(None, quant_experts=True) == "experts"
-    assert resolve_shared_expert_beside(None, quant_experts=False) == "gate"
-    assert resolve_shared_expert_beside("gate", quant_experts=True) == "gate"
-    with pytest.raises(ValueError, match=r"shared_expert_beside='routed' is invalid; allowed: "
-                                         r"None \(by the routed experts' format\) or one of "
-                                         r"\['gate', 'experts'\]"):
-        EngineConfig(shared_expert_beside="routed")  # type: ignore[arg-type]
-    for fmt, want in (("bf16", "gate"), ("checkpoint", "experts")):
+    """Unset: forwards of up to 8 tokens run the shared expert beside the routed experts with
+    checkpoint-format experts, none with float ones (the engine reads the model's modules); an
+    explicit bound wins; bad values name the field."""
+    assert resolve_shared_expert_beside_max_tokens(None, quant_experts=True) == 8
+    assert resolve_shared_expert_beside_max_tokens(None, quant_experts=False) == 0
+    assert resolve_shared_expert_beside_max_tokens(0, quant_experts=True) == 0
+    assert resolve_shared_expert_beside_max_tokens(32, quant_experts=False) == 32
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match=r"shared_expert_beside_max_tokens=.* is invalid; "
+                                             r"allowed: None \(by the weights' format\) or an "
+                                             r"integer >= 0"):
+            EngineConfig(shared_expert_beside_max_tokens=bad)  # type: ignore[arg-type]
+    for fmt, want in (("bf16", 0), ("checkpoint", 8)):
         model = random_model(micro(), torch.float32, torch.device("cpu"), weight_format=fmt)
         runner = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=512)).runner
-        assert runner.config.shared_expert_beside == want
-        assert runner.shared_beside_experts is (want == "experts")
+        assert runner.config.shared_expert_beside_max_tokens == want
+        assert runner.shared_beside_max_tokens == want
 
 
 def test_no_stream_is_program_order() -> None:
@@ -74,12 +80,13 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _generate(ckpt: Path, dtype: str, multi: bool, graphs: bool, beside: str | None = None,
+def _generate(ckpt: Path, dtype: str, multi: bool, graphs: bool, beside: int | None = None,
               weight_format: str = "bf16") -> list[tuple[list[int], list[float]]]:
     llm = LLM(ckpt, dtype=dtype, device="cuda", kernel_backend="triton", page_size=16,
               max_total_tokens=8192, max_running_requests=8, chunked_prefill_size=64,
               multi_stream=multi, disable_cuda_graph=not graphs, warmup="none",
-              fuse_projections=False, shared_expert_beside=beside, weight_format=weight_format)
+              fuse_projections=False, shared_expert_beside_max_tokens=beside,
+              weight_format=weight_format)
     assert llm.engine.runner.config.multi_stream is multi
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, micro().vocab_size, (n,), generator=g).tolist()
@@ -109,10 +116,11 @@ def test_gpu_same_outputs_on_and_off(ckpt: Path, dtype: str, graphs: bool) -> No
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_shared_expert_beside_same_outputs(ckpt: Path, weight_format: str,
                                                graphs: bool) -> None:
-    """The shared expert beside the gate or beside the routed experts: the same kernels on the
-    same inputs, so the same tokens and log-probs (bf16, prefill chunks and decode steps)."""
+    """The shared expert beside the gate (bound 0) or beside the routed experts (every forward,
+    and decode steps only): the same kernels on the same inputs, so the same tokens and log-probs
+    (bf16, prefill chunks and decode steps)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    gate = _generate(ckpt, "bfloat16", True, graphs, "gate", weight_format)
-    experts = _generate(ckpt, "bfloat16", True, graphs, "experts", weight_format)
-    assert experts == gate
+    gate = _generate(ckpt, "bfloat16", True, graphs, 0, weight_format)
+    for bound in (8, 1 << 20):
+        assert _generate(ckpt, "bfloat16", True, graphs, bound, weight_format) == gate

@@ -23,17 +23,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-from test_moe_quant import make_weights  # noqa: E402
-from torch import nn  # noqa: E402
-
-from dsv4.checkpoint.presets import micro  # noqa: E402
 import contextlib  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+import pytest  # noqa: E402
+from test_moe_quant import make_weights  # noqa: E402
+from torch import nn  # noqa: E402
+
 import dsv4.kernels.triton.moe as triton_moe  # noqa: E402
 import dsv4.model.moe as moe_module  # noqa: E402
+from dsv4.checkpoint.presets import micro  # noqa: E402
 from dsv4.kernels.ref.moe import SharedJoin, add_shared, moe_combine, routed_experts  # noqa: E402
 from dsv4.kernels.registry import REF  # noqa: E402
 from dsv4.kernels.triton.moe import (  # noqa: E402
@@ -221,7 +221,8 @@ def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str,
 def test_moe_forks_the_shared_expert_where_told(monkeypatch: pytest.MonkeyPatch,
                                                 beside: bool | None) -> None:
     """With a side stream the shared expert is forked before the gate (its join called before
-    the expert GEMMs) or, `shared_beside_experts`, after the gate (a `SharedJoin` with
+    the expert GEMMs) or, in forwards within `shared_beside_max_tokens`, after the gate (a
+    `SharedJoin` with
     `beside_gemms`); without one (None) it runs first in program order. Same output always."""
     events: list[str] = []
 
@@ -245,7 +246,8 @@ def test_moe_forks_the_shared_expert_where_told(monkeypatch: pytest.MonkeyPatch,
 
     ctx = SimpleNamespace(ops=SimpleNamespace(**{n: getattr(REF, n) for n in (
         "moe_gate_logits", "moe_gate_select", "swiglu")}, routed_experts=routed),
-        side_stream=None if beside is None else "side", shared_beside_experts=bool(beside),
+        side_stream=None if beside is None else "side",
+        shared_beside_max_tokens=x.shape[0] * x.shape[1] if beside else x.shape[0] * x.shape[1] - 1,
         captured=None)
     with torch.no_grad():
         want = moe(x, ids, mode=INFERENCE)

@@ -104,10 +104,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="capture the decode graphs of batch buckets up to this size with PDL's "
                         "EARLY mode (default: 8 with FP8 linears, else 0; "
                         "EngineConfig.pdl_early_max_batch)")
-    g.add_argument("--shared-expert-beside", choices=["gate", "experts"], default=None,
-                   help="with multi-stream, what the shared expert runs beside: the gate, or the "
-                        "routed experts (default: experts for checkpoint-format experts, else "
-                        "gate; EngineConfig.shared_expert_beside)")
+    g.add_argument("--shared-expert-beside-max-tokens", type=int, default=None,
+                   help="with multi-stream, run the shared expert beside the routed experts in "
+                        "forwards of up to this many tokens, else beside the gate (default: 8 "
+                        "with checkpoint-format experts, else 0; "
+                        "EngineConfig.shared_expert_beside_max_tokens)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)
@@ -174,7 +175,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "speculative_num_steps", "overlap_schedule", "multi_stream", "warmup", "tp_size",
         "ep_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "enable_hisparse",
         "hisparse_device_entries", "fuse_projections", "decode_gemv", "pdl_early_max_batch",
-        "shared_expert_beside")}
+        "shared_expert_beside_max_tokens")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),

@@ -29,8 +29,6 @@ def check_weight_format(weight_format: str) -> WeightFormat:
 
 
 WarmupMode = Literal["none", "fast", "full"]
-# where the shared expert runs with multi_stream (EngineConfig.shared_expert_beside)
-SharedExpertBeside = Literal["gate", "experts"]
 """What `warm_up` (`engine/warmup.py`) runs before the engine serves (`warmup_plan`)."""
 WARMUP_MODES: tuple[WarmupMode, ...] = get_args(WarmupMode)
 
@@ -148,12 +146,13 @@ class EngineConfig:
     None (default): `resolve_pdl_early_max_batch`, 8 for a model with FP8 linears, else 0. Same
     outputs either way (PDL changes when a kernel starts, not what it reads); each mode compiles
     its own kernel variants.
-    `shared_expert_beside`: with `multi_stream`, what the MoE layer's shared expert runs beside on
-    the side stream: "gate" (forked before the gate, joined before the routed experts' GEMMs) or
-    "experts" (forked after the gate, joined before the combine: it fills the memory system the
-    routed experts' decode loops leave idle). None: `resolve_shared_expert_beside`, "experts"
-    for checkpoint-format (FP4 / FP8) routed experts, "gate" for float ones. Same kernels on the
-    same inputs: the same outputs either way.
+    `shared_expert_beside_max_tokens`: with `multi_stream`, the MoE layers of a forward of up to
+    this many tokens run the shared expert on the side stream beside the routed experts (forked
+    after the gate, joined before the combine: it fills the memory system that the routed
+    experts' small-batch decode loops leave idle); larger forwards run it beside the gate (joined
+    before the routed GEMMs). 0: always beside the gate. None (default):
+    `resolve_shared_expert_beside_max_tokens`, 8 for checkpoint-format (FP4 / FP8) routed
+    experts, else 0. Same kernels on the same inputs: the same outputs either way.
     """
 
     page_size: int = 256
@@ -183,7 +182,7 @@ class EngineConfig:
     fuse_projections: bool = True
     decode_gemv: bool = True
     pdl_early_max_batch: int | None = None
-    shared_expert_beside: SharedExpertBeside | None = None
+    shared_expert_beside_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -209,15 +208,12 @@ class EngineConfig:
                 or not 0 <= spec <= MAX_SPECULATIVE_STEPS):
             raise ValueError(f"speculative_num_steps={spec!r} is invalid; allowed: an integer in "
                              f"[0, {MAX_SPECULATIVE_STEPS}] (0 = off)")
-        early = self.pdl_early_max_batch
-        if early is not None and (not isinstance(early, int) or isinstance(early, bool)
-                                  or early < 0):
-            raise ValueError(f"pdl_early_max_batch={early!r} is invalid; allowed: None (by the "
-                             "weights' format) or an integer >= 0 (0: no graph in EARLY mode)")
-        beside = self.shared_expert_beside
-        if beside is not None and beside not in get_args(SharedExpertBeside):
-            raise ValueError(f"shared_expert_beside={beside!r} is invalid; allowed: None (by the "
-                             f"routed experts' format) or one of {list(get_args(SharedExpertBeside))}")
+        for name in ("pdl_early_max_batch", "shared_expert_beside_max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise ValueError(f"{name}={value!r} is invalid; allowed: None (by the weights' "
+                                 "format) or an integer >= 0 (0: never)")
         for name in ("fuse_projections", "decode_gemv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; "
@@ -328,6 +324,7 @@ def resolve_overlap(requested: bool | None, device_type: str, speculative_num_st
 
 
 PDL_EARLY_MAX_BATCH_FP8 = 8    # `resolve_pdl_early_max_batch`'s bound with FP8 linears
+SHARED_BESIDE_MAX_TOKENS_QUANT = 8  # `resolve_shared_expert_beside_max_tokens`'s, quantized experts
 
 
 def resolve_pdl_early_max_batch(requested: int | None, fp8_linears: bool) -> int:
@@ -341,16 +338,16 @@ def resolve_pdl_early_max_batch(requested: int | None, fp8_linears: bool) -> int
     return PDL_EARLY_MAX_BATCH_FP8 if fp8_linears else 0
 
 
-def resolve_shared_expert_beside(requested: SharedExpertBeside | None,
-                                 quant_experts: bool) -> SharedExpertBeside:
-    """What the shared expert runs beside on the side stream (EngineConfig.shared_expert_beside):
-    as requested, else "experts" for checkpoint-format routed experts, whose decode loops leave
-    the memory system idle part of the time, and "gate" for float ones, whose loops run near
-    their byte floor (a concurrent shared expert only contends; the A/B:
-    `benchmarks/results/quant_moe_h200_202612.md`, "Thirty-third session")."""
+def resolve_shared_expert_beside_max_tokens(requested: int | None, quant_experts: bool) -> int:
+    """The largest forward (in tokens) whose shared expert runs beside the routed experts
+    (EngineConfig.shared_expert_beside_max_tokens): as requested, else
+    `SHARED_BESIDE_MAX_TOKENS_QUANT` for checkpoint-format routed experts, whose small-batch decode
+    loops leave the memory system idle part of the time, and 0 for float ones, whose loops run
+    near their byte floor, so a concurrent shared expert only contends (the A/B at batch 1 and
+    32: `benchmarks/results/quant_moe_h200_202612.md`, "Thirty-third session")."""
     if requested is not None:
         return requested
-    return "experts" if quant_experts else "gate"
+    return SHARED_BESIDE_MAX_TOKENS_QUANT if quant_experts else 0
 
 
 def resolve_multi_stream(requested: bool | None, device_type: str) -> bool:

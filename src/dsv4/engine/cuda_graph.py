@@ -136,7 +136,7 @@ class DecodeGraphs:
                  ops: KernelOps, max_batch: int, capture: bool = True,
                  max_tokens: int = 1, with_streams: bool = False,
                  side_stream: torch.cuda.Stream | None = None,
-                 pdl_early_max_batch: int = 0, shared_beside_experts: bool = False) -> None:
+                 pdl_early_max_batch: int = 0, shared_beside_max_tokens: int = 0) -> None:
         if capture and next(model.parameters()).device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model, self.table, self.pools, self.ops = model, table, pools, ops
@@ -144,7 +144,8 @@ class DecodeGraphs:
         self.span = table.max_pages * table.P
         self.capture, self.max_tokens, self.with_streams = capture, max_tokens, with_streams
         self.side_stream = side_stream     # `EngineConfig.multi_stream`: forked inside the graphs
-        self.shared_beside_experts = shared_beside_experts  # `EngineConfig.shared_expert_beside`
+        # `EngineConfig.shared_expert_beside_max_tokens`
+        self.shared_beside_max_tokens = shared_beside_max_tokens
         self.pdl_early_max_batch = pdl_early_max_batch  # `EngineConfig.pdl_early_max_batch`
         self.device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -297,7 +298,7 @@ class DecodeGraphs:
                              logits_all=key.logits == n)
         ctx.captured = {} if key.capture_routing else None
         ctx.side_stream = self.side_stream
-        ctx.shared_beside_experts = self.shared_beside_experts
+        ctx.shared_beside_max_tokens = self.shared_beside_max_tokens
         logits, streams = self.model.forward_batch_streams(ids, ctx)
         return logits, ctx.captured, streams if self.with_streams else None
 

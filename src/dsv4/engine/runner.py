@@ -78,7 +78,8 @@ class ModelRunner:
                     self.layout.page_size, self.pools.nbytes() / 1e6)
         # the second stream of `multi_stream` (model/streams.py); one per engine
         self.side_stream = torch.cuda.Stream(self.device) if config.multi_stream else None
-        self.shared_beside_experts = config.shared_expert_beside == "experts"
+        assert config.shared_expert_beside_max_tokens is not None, "resolved by runner_setup"
+        self.shared_beside_max_tokens = config.shared_expert_beside_max_tokens
         logger.info("multi-stream branches: %s", "on" if config.multi_stream else "off")
         self.graphs = self._decode_graphs()
         self.spec_steps = config.speculative_num_steps
@@ -153,7 +154,7 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.table, self.pools, self.ops, max_batch,
                             max_tokens=1 + spec, with_streams=spec > 0,
                             side_stream=self.side_stream,
-                            shared_beside_experts=self.shared_beside_experts,
+                            shared_beside_max_tokens=self.shared_beside_max_tokens,
                             pdl_early_max_batch=c.pdl_early_max_batch)
 
     @torch.no_grad()
@@ -237,7 +238,7 @@ class ModelRunner:
         # -1 columns are exact no-ops: benchmarks/kernel_invariance.py)
         ctx.fixed_widths = self.config.batch_invariant and self.ops.name == "ref"
         ctx.side_stream = self.side_stream
-        ctx.shared_beside_experts = self.shared_beside_experts
+        ctx.shared_beside_max_tokens = self.shared_beside_max_tokens
         if self.config.capture_routing:
             ctx.captured = {}
         return ctx

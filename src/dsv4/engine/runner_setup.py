@@ -20,7 +20,7 @@ from dsv4.config.engine import (
     resolve_multi_stream,
     resolve_overlap,
     resolve_pdl_early_max_batch,
-    resolve_shared_expert_beside,
+    resolve_shared_expert_beside_max_tokens,
     resolve_swa_fraction,
     resolve_warmup,
 )
@@ -65,16 +65,18 @@ def resolve(config: EngineConfig, device: torch.device, model: DeepSeekV4ForCaus
                     "FP8 linears" if fp8 else "float linears")
     multi_stream = resolve_multi_stream(config.multi_stream, device.type)
     quant = any(isinstance(m, QuantExperts) for m in model.modules())
-    beside = resolve_shared_expert_beside(config.shared_expert_beside, quant)
+    beside = resolve_shared_expert_beside_max_tokens(config.shared_expert_beside_max_tokens, quant)
     if multi_stream:
-        logger.info("shared expert beside the %s (%s)", beside,
-                    "shared_expert_beside" if config.shared_expert_beside is not None else
+        logger.info("shared expert beside the routed experts in forwards of up to %d tokens (%s)",
+                    beside, "shared_expert_beside_max_tokens"
+                    if config.shared_expert_beside_max_tokens is not None else
                     "checkpoint-format routed experts" if quant else "float routed experts")
     return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
                                warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
                                    config.swa_memory_fraction, device.type),
                                overlap_schedule=overlap, multi_stream=multi_stream,
-                               pdl_early_max_batch=early, shared_expert_beside=beside)
+                               pdl_early_max_batch=early,
+                               shared_expert_beside_max_tokens=beside)
 
 
 def hot_entries(config: EngineConfig, model: ModelConfig) -> int | None:

@@ -90,6 +90,7 @@ class ForwardContext:
     hisparse: HiSparseStep | None = None   # with a HotSet (engine `enable_hisparse`)
     # a second stream for independent branches (engine `multi_stream`; `model/streams.py`)
     side_stream: torch.cuda.Stream | None = None
-    # with a side stream: the shared expert runs beside the routed experts, not beside the gate
-    # (engine `shared_expert_beside` "experts"; `model/moe.py`)
-    shared_beside_experts: bool = False
+    # with a side stream: MoE layers of forwards of up to this many tokens run the shared expert
+    # beside the routed experts, not beside the gate (engine `shared_expert_beside_max_tokens`;
+    # `model/moe.py`)
+    shared_beside_max_tokens: int = 0

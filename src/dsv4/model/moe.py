@@ -226,10 +226,12 @@ class MoE(nn.Module):
             replayed = mode.replay.experts[:, :, self.replay_index].reshape(u.shape[0], -1)
         values = mode.values if mode is not None else None
         # the shared expert on the side stream: beside the gate (joined before the routed GEMMs)
-        # or, `ctx.shared_beside_experts`, forked after the gate and beside the routed experts
-        # (joined before the combine); one stream: in program order, the same values either way
+        # or, in forwards of up to `ctx.shared_beside_max_tokens` tokens, forked after the gate
+        # and beside the routed experts (joined before the combine); one stream: in program
+        # order, the same values either way
         stream = ctx.side_stream if ctx is not None else None
-        beside = stream is not None and ctx is not None and ctx.shared_beside_experts
+        beside = (stream is not None and ctx is not None
+                  and u.shape[0] <= ctx.shared_beside_max_tokens)
         if not beside:
             with side(stream):
                 shared = self.shared_experts(u, ctx, values)

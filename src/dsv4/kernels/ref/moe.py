@@ -32,7 +32,7 @@ class SharedJoin:
     """A `wait_shared` that says where the Triton ops call it: before the expert GEMMs (the
     default; the side branch ran beside the gate) or, with `beside_gemms`, only before the combine
     reads `shared`, so the side branch runs beside the GEMMs (`model/moe.py`, EngineConfig
-    `shared_expert_beside`). The reference ops always call it at the combine."""
+    `shared_expert_beside_max_tokens`). The reference ops always call it at the combine."""
 
     wait: WaitShared
     beside_gemms: bool = False
