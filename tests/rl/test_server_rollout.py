@@ -1,7 +1,8 @@
 """Rollouts through a real `dsv4 serve --enable-return-routing` (rl/server_rollout.py) against the
 in-process rollout (rl/rollout.py) on one micro checkpoint: at batch 1 on both sides the same
 sample (tokens, temperature-scaled log-probs within 1e-5, recorded experts and indexer picks); with
-several groups in flight, the seeds of the same stream, every array shaped and valid."""
+several groups in flight, the seeds of the same stream, every array shaped and valid; groups
+spread over several servers give the samples of one server."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dsv4.config.engine import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.model.loader import load_model
 from dsv4.rl.rollout import sample_token_ids
-from dsv4.rl.server_rollout import sample_token_ids_http
+from dsv4.rl.server_rollout import assign_servers, sample_token_ids_http
 from server.conftest import ServerProcess, running_server
 
 PROMPTS = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -69,3 +70,29 @@ def test_groups_in_flight(srv: ServerProcess) -> None:
     assert len(set(responses)) > 3, "each sample draws with its own seed"
     with pytest.raises(RuntimeError, match="answered 400"):
         sample_token_ids_http(srv.url, config, PROMPTS[:1], 1, 1.0, 0, seed=0)
+
+
+def test_assign_servers_deals_whole_groups() -> None:
+    assert assign_servers([5, 5, 6, 6, 7, 7, 8], 2) == [0, 0, 1, 1, 0, 0, 1]
+    assert assign_servers([2, 2, 2], 3) == [0, 0, 0]
+    assert assign_servers([0, 1, 2, 3], 1) == [0, 0, 0, 0]
+
+
+def test_groups_spread_over_servers(srv: ServerProcess) -> None:
+    """Two server addresses (here the same server twice) give the samples of one: each sample's
+    tokens depend on its seed alone (its log-probs within the batches' fp32 rounding). A dead
+    second server fails naming its address, so the groups really go to both."""
+    config = micro()
+    one = sample_token_ids_http(srv.url, config, PROMPTS, 2, 1.0, 5, seed=11)
+    two = sample_token_ids_http([srv.url, srv.url], config, PROMPTS, 2, 1.0, 5, seed=11,
+                                max_in_flight=2)
+    assert [(s.group, s.tokens) for s in two] == [(s.group, s.tokens) for s in one]
+    for a, b in zip(one, two, strict=True):     # other batches: fp32 rounding of the log-probs
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= TOL
+        assert torch.equal(a.experts, b.experts)
+    dead = "http://127.0.0.1:9"
+    with pytest.raises(RuntimeError, match=f"{dead}/generate failed"):
+        sample_token_ids_http([srv.url, dead], config, PROMPTS[:2], 1, 1.0, 3, seed=0,
+                              timeout_s=5.0)
+    with pytest.raises(ValueError, match=r"urls=\[\] is invalid"):
+        sample_token_ids_http([], config, PROMPTS, 1, 1.0, 3, seed=0)

@@ -3,7 +3,10 @@ that `rollout.sample_token_ids` draws in process (the same seed stream, the temp
 log-probs, the recorded routing), so a rollout server can stand in for the trainer's own engine.
 
 Each sample is one /generate request (its own `sampling_seed`), all in flight at once (or at most
-`max_in_flight`), so the server batches them as it likes. The server must run with
+`max_in_flight` per server), so each server batches them as it likes. Given several servers (the
+rollout engines of one policy version), the groups are dealt round-robin: group g goes whole to
+server g mod S (`assign_servers`), so a GRPO group's samples share one engine; a sample's tokens
+depend only on its seed and the weights, not on the server it ran on. The server must run with
 `--enable-return-routing` (routing capture; the prefix cache off, as `rollout.check_engine`
 demands in process). Routing comes back as base64 int32 rows, one per token fed; the model
 config gives their shapes ([rows, layers, experts per token], [rows, C4 layers, index_topk]).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -25,13 +29,17 @@ from dsv4.config.model import ModelConfig
 from dsv4.rl.rollout import Sample, sample_seeds
 
 
-def sample_token_ids_http(url: str, config: ModelConfig, prompt_ids: list[list[int]],
-                          group_size: int, temperature: float, max_tokens: int, seed: int,
-                          first_group: int = 0, *, api_key: str | None = None,
-                          max_in_flight: int | None = None, timeout_s: float = 600.0
-                          ) -> list[Sample]:
-    """`rollout.sample_token_ids` through the server at `url` (no tokenizer, no task: `prompt`
-    None, `text` the server's); raises RuntimeError naming the server's error."""
+def sample_token_ids_http(urls: str | Sequence[str], config: ModelConfig,
+                          prompt_ids: list[list[int]], group_size: int, temperature: float,
+                          max_tokens: int, seed: int, first_group: int = 0, *,
+                          api_key: str | None = None, max_in_flight: int | None = None,
+                          timeout_s: float = 600.0) -> list[Sample]:
+    """`rollout.sample_token_ids` through the server(s) at `urls` (no tokenizer, no task:
+    `prompt` None, `text` the server's), the groups spread over the servers (`assign_servers`);
+    raises RuntimeError naming the server and its error."""
+    servers = [urls] if isinstance(urls, str) else list(urls)
+    if not servers:
+        raise ValueError("urls=[] is invalid; allowed: one server URL or more")
     jobs = sample_seeds(prompt_ids, group_size, seed, first_group)
     indexer = "csa" in config.attn_types
     bodies = [{"input_ids": ids, "return_logprob": True, "return_routed_experts": True,
@@ -39,9 +47,35 @@ def sample_token_ids_http(url: str, config: ModelConfig, prompt_ids: list[list[i
                "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature,
                                    "sampling_seed": s}} for _, ids, s in jobs]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    outs = asyncio.run(_post_all(url, bodies, headers, max_in_flight or len(bodies), timeout_s))
+    where = assign_servers([g for g, _, _ in jobs], len(servers))
+    outs = asyncio.run(_post_everywhere(servers, where, bodies, headers, max_in_flight,
+                                        timeout_s))
     return [_sample(group, ids, out, config) for (group, ids, _), out in zip(jobs, outs,
                                                                               strict=True)]
+
+
+def assign_servers(groups: list[int], num_servers: int) -> list[int]:
+    """The server of each sample: its group's index among the distinct groups (in order of first
+    appearance), mod `num_servers`: whole groups dealt round-robin."""
+    order: dict[int, int] = {}
+    for g in groups:
+        order.setdefault(g, len(order))
+    return [order[g] % num_servers for g in groups]
+
+
+async def _post_everywhere(servers: list[str], where: list[int], bodies: list[dict[str, Any]],
+                           headers: dict[str, str], max_in_flight: int | None,
+                           timeout_s: float) -> list[dict[str, Any]]:
+    """Each server's share of `bodies` posted at once; the answers in `bodies`' order."""
+    shares = [[j for j, w in enumerate(where) if w == i] for i in range(len(servers))]
+    answers = await asyncio.gather(*(
+        _post_all(url, [bodies[j] for j in share], headers, max_in_flight or len(share),
+                  timeout_s) for url, share in zip(servers, shares, strict=True) if share))
+    out: list[dict[str, Any]] = [{} for _ in bodies]
+    for share, got in zip([s for s in shares if s], answers, strict=True):
+        for j, answer in zip(share, got, strict=True):
+            out[j] = answer
+    return out
 
 
 async def _post_all(url: str, bodies: list[dict[str, Any]], headers: dict[str, str],
@@ -51,7 +85,10 @@ async def _post_all(url: str, bodies: list[dict[str, Any]], headers: dict[str, s
 
     async def post(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
         async with gate:
-            r = await http.post("/generate", json=body)
+            try:
+                r = await http.post("/generate", json=body)
+            except httpx.HTTPError as e:
+                raise RuntimeError(f"{url}/generate failed: {e!r}") from e
         if r.status_code != 200:
             raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")
         out: dict[str, Any] = r.json()
