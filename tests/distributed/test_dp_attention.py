@@ -36,6 +36,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"micro": path, "tiny": default_model_path()}
 
 
+
 # dsv4-tiny: pages of 128 tokens (its HCA ratio), so prefix hits need prompts over 128 tokens
 TINY_KW: dict[str, object] = {**KW, "page_size": 128, "max_total_tokens": 768,
                               "chunked_prefill_size": 96}
@@ -127,6 +128,22 @@ def test_dp_attention_equals_one_process(checkpoints: dict[str, Path], name: str
         assert any(c for _, _, c, _ in got[5:10]), "no rank's prefix cache was ever hit"
         diff = assert_same(got, want, f"{name} ep={ep}")
         logger.info("%s ep=%d: max log-prob difference %.3g", name, ep, diff)
+
+
+@pytest.mark.slow
+def test_dp_attention_checkpoint_format_equals_one_process(
+        checkpoints: dict[str, Path]) -> None:
+    """dsv4-tiny in checkpoint precision (FP4 experts, FP8 linears) under DP 2 with EP 2: each
+    rank reads only its experts (`load_dp_shard`), keeps them as FP4 codes and cuts the FP8
+    shared experts, dequantised; the outputs equal one process in checkpoint precision."""
+    path, (kw, lens) = checkpoints["tiny"], SETUPS["tiny"]
+    fmt = {**kw, "weight_format": "checkpoint"}
+    want = run(LLM(path, **fmt), lens)  # type: ignore[arg-type]
+    with LLM(path, data_parallel_size=2, expert_parallel_size=2,
+             **fmt) as llm:  # type: ignore[arg-type]
+        got = run(llm, lens)
+    diff = assert_same(got, want, "tiny checkpoint ep=2")
+    logger.info("tiny checkpoint ep=2: max log-prob difference %.3g", diff)
 
 
 @pytest.mark.parametrize(("kw", "field"), [

@@ -5,8 +5,10 @@ FP8 / FP4 layout) and `micro` in the transformers layout, at TP 2 and EP 2, both
 one process (no process group): every parameter and buffer of `load_shard` equals
 `shard_model(load_model(...))`'s exactly, the modules match, and each rank reads less than the
 full load (official layout: at least half the expert bytes fewer; the transformers layout's
-stacked experts are read whole, then cut). A missing tensor is reported by the rank that
-owns it; layouts `shard_model` refuses are refused before reading."""
+stacked experts are read whole, then cut). Under DP attention `load_dp_shard` equals
+`enable_dp_attention(load_model(...))` the same way, in both weight formats, with and without EP.
+A missing tensor is reported by the rank that owns it; layouts `shard_model` refuses are refused
+before reading."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from dsv4.assets import default_model_path
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
-from dsv4.distributed.loading import load_shard, load_shard_with_report
+from dsv4.distributed.dp import DPGroup, enable_dp_attention
+from dsv4.distributed.loading import load_dp_shard_with_report, load_shard, load_shard_with_report
 from dsv4.distributed.tp import TPGroup, shard_model
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import load_model
@@ -85,6 +88,37 @@ def test_shard_equals_load_then_shard(checkpoints: dict[str, Path], name: str, d
         if name != "micro-hf":          # official layout: a rank reads half the experts' bytes
             assert experts > 0 and report.bytes_read <= report.checkpoint_bytes - experts // 2
         assert report.host_peak == report.shard_bytes + report.staged > report.shard_bytes
+
+
+@pytest.mark.parametrize("ep", [False, True])
+@pytest.mark.parametrize(("name", "dtype", "fmt"), [
+    ("micro", "float32", "bf16"), ("micro-hf", "float32", "bf16"),
+    ("micro-fp8-fp4", "float32", "checkpoint"), ("tiny", "bfloat16", "checkpoint")])
+def test_dp_shard_equals_load_then_enable(checkpoints: dict[str, Path], name: str, dtype: str,
+                                          fmt: str, ep: bool) -> None:
+    """Under DP attention each rank's `load_dp_shard` holds what `enable_dp_attention` makes of
+    the full load, bit for bit (tiny in checkpoint format: FP4 experts cut by id, the FP8 shared
+    experts dequantised and cut); with EP it reads at least half the experts' bytes fewer
+    (official layouts), without it the whole checkpoint."""
+    path = checkpoints[name]
+    experts = expert_bytes(path)
+    for rank in range(2):
+        dp = DPGroup(rank, 2)
+        want = enable_dp_attention(load_model(path, dtype, progress=False, weight_format=fmt),
+                                   dp, ep)
+        got, report = load_dp_shard_with_report(path, dtype, "cpu", dp, ep, fmt)
+        a, b = tensors(want), tensors(got)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+        for (na, ma), (nb, mb) in zip(want.named_modules(), got.named_modules(), strict=True):
+            assert (na, type(ma)) == (nb, type(mb))
+        if not ep:
+            assert report.bytes_read == report.checkpoint_bytes
+        elif name != "micro-hf":
+            assert experts > 0 and report.bytes_read <= report.checkpoint_bytes - experts // 2
+            local = got.layers[2].ffn.experts
+            assert local.start == rank * local.count == rank * got.config.n_routed_experts // 2
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("micro-fp8-fp4", "float32"), ("tiny", "bfloat16")])

@@ -5,6 +5,10 @@
 and buffers, bit for bit) without ever holding the full model: the skeleton is `shard_model`
 applied to the full model on the meta device, and the tensors are read from the safetensors files
 through `tp.owned_slices`, the partition `shard_model` applies (stated once, in `tp.py`).
+`load_dp_shard(path, dtype, device, dp, expert_parallel, weight_format)` does the same for
+data-parallel attention: `enable_dp_attention(load_model(path, ...), dp, expert_parallel)`, read
+through `dp.dp_owned_slices` (with expert parallelism only this rank's routed experts and its
+share of each shared expert; everything else whole).
 
 What a rank reads, per official tensor:
 - replicated: the whole tensor, as the full loader reads it (`WeightLoader` pairs codes with
@@ -43,6 +47,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4.config.engine import WeightFormat
+from dsv4.distributed.dp import DPGroup, dp_owned_slices, enable_dp_attention
 from dsv4.distributed.tp import Cut, TPGroup, owned_slices, shard_model
 from dsv4.kernels.ref.quant import FP4_GROUP, FP8_BLOCK
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
@@ -106,14 +111,50 @@ def load_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
                            weight_format: WeightFormat = "bf16",
                            ) -> tuple[DeepSeekV4ForCausalLM, LoadReport]:
     """`load_shard`, and what it read and held (logged once)."""
+    return _load_layout(model_dir, dtype, device, weight_format, tp,
+                        "expert parallel" if expert_parallel else "tensor parallel",
+                        lambda full: owned_slices(full, tp, expert_parallel),
+                        lambda full: shard_model(full, tp, expert_parallel))
+
+
+def load_dp_shard(model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device,
+                  dp: DPGroup, expert_parallel: bool = False,
+                  weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
+    """Rank `dp.rank`'s model under data-parallel attention, read directly: equal to
+    `enable_dp_attention(load_model(model_dir, dtype, device, weight_format=...), dp,
+    expert_parallel)`; with `expert_parallel` another rank's routed experts are never read (the
+    rest is held whole on every rank). Needs no process group."""
+    return load_dp_shard_with_report(model_dir, dtype, device, dp, expert_parallel,
+                                     weight_format)[0]
+
+
+def load_dp_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
+                              device: str | torch.device, dp: DPGroup,
+                              expert_parallel: bool = False, weight_format: WeightFormat = "bf16",
+                              ) -> tuple[DeepSeekV4ForCausalLM, LoadReport]:
+    """`load_dp_shard`, and what it read and held (logged once)."""
+    return _load_layout(model_dir, dtype, device, weight_format, dp,
+                        "DP attention, experts by id" if expert_parallel else
+                        "DP attention, experts replicated",
+                        lambda full: dp_owned_slices(full, dp, expert_parallel),
+                        lambda full: enable_dp_attention(full, dp, expert_parallel))
+
+
+def _load_layout(model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device,
+                 weight_format: WeightFormat, group: TPGroup, layout: str,
+                 cuts_of: Callable[[DeepSeekV4ForCausalLM], dict[str, Cut]],
+                 build: Callable[[DeepSeekV4ForCausalLM], DeepSeekV4ForCausalLM],
+                 ) -> tuple[DeepSeekV4ForCausalLM, LoadReport]:
+    """One rank's model read directly: the full model on the meta device, this rank's `cuts_of`
+    it (before `build` cuts it), the skeleton `build` makes of it, filled from the files."""
     path = Path(model_dir)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
     full = empty_model(checkpoint_config(path), torch_dtype, META, weight_format,
                        fp8_linear_names(checkpoint_keys(shard_files(path)))).eval()
-    cuts = owned_slices(full, tp, expert_parallel)      # before shard_model cuts `full`
-    shard = shard_model(full, tp, expert_parallel)
+    cuts = cuts_of(full)
+    shard = build(full)
     shard.to_empty(device=dev)
     shard.reset_buffers()
     files = shard_files(path)
@@ -122,12 +163,11 @@ def load_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
         handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
         reader.read_all(handles)
     shard_bytes = sum(_nbytes(t) for t in chain(shard.parameters(), shard.buffers()))
-    report = LoadReport(tp.rank, reader.bytes_read, sum(_data_bytes(f) for f in files),
+    report = LoadReport(group.rank, reader.bytes_read, sum(_data_bytes(f) for f in files),
                         shard_bytes, reader.staged,
                         (shard_bytes if dev.type == "cpu" else 0) + reader.staged)
     logger.info("rank %d/%d loaded %s (%s, weights=%s): read %.1f of %.1f MB (%.0f%%); shard "
-                "%.1f MB; host peak %.1f MB", tp.rank, tp.size, path,
-                "expert parallel" if expert_parallel else "tensor parallel", weight_format,
+                "%.1f MB; host peak %.1f MB", group.rank, group.size, path, layout, weight_format,
                 report.bytes_read / 1e6, report.checkpoint_bytes / 1e6,
                 100 * report.bytes_read / max(report.checkpoint_bytes, 1), shard_bytes / 1e6,
                 report.host_peak / 1e6)

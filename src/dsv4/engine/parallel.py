@@ -50,15 +50,14 @@ import torch.distributed as dist
 
 from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
-from dsv4.distributed.dp import DPGroup, check_dp_attention, enable_dp_attention
-from dsv4.distributed.loading import load_shard
+from dsv4.distributed.dp import DPGroup, check_dp_attention
+from dsv4.distributed.loading import load_dp_shard, load_shard
 from dsv4.distributed.tp import TPGroup, check_shardable
 from dsv4.engine.dp_outbox import Outbox
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.warmup import warm_up
-from dsv4.model.loader import load_model
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -123,10 +122,9 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]
                             init_method=spec.init_method, rank=rank, world_size=spec.world,
                             timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT)
-    if spec.data_parallel:
-        full = load_model(spec.model, spec.dtype, device, progress=False,
-                          weight_format=spec.weight_format)  # type: ignore[arg-type]
-        model = enable_dp_attention(full, DPGroup(rank, spec.world), spec.expert_parallel)
+    if spec.data_parallel:     # with EP, another rank's routed experts are never read
+        model = load_dp_shard(spec.model, spec.dtype, device, DPGroup(rank, spec.world),
+                              spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
     else:
         model = load_shard(spec.model, spec.dtype, device, TPGroup(rank, spec.world),
                            spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
