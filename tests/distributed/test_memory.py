@@ -1,6 +1,6 @@
 """The per-rank memory plan (`distributed/memory.py`) equals what a loaded engine allocates on CPU
-(weights, KV pools, request state; and each TP-2 / EP-2 rank's shard), and `dsv4 serve --dry-run`
-prints it without loading weights (issue 22)."""
+(weights, KV pools, request state; and each TP-2 / EP-2 rank's shard, each DP-2 rank's model),
+and `dsv4 serve --dry-run` prints it without loading weights (issue 22)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from dsv4.cache.pools import RingState
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
 from dsv4.config.model import ModelConfig
+from dsv4.distributed.dp import DPGroup
+from dsv4.distributed.loading import load_dp_shard
 from dsv4.distributed.memory import plan_memory
 from dsv4.distributed.tp import TPGroup, shard_model
 from dsv4.model.loader import load_model
@@ -62,12 +64,34 @@ def test_plan_equals_the_allocation(tmp_path: Path, expert_parallel: bool) -> No
         assert plan.weights < one.weights and plan.kv == one.kv
 
 
-def test_serve_dry_run_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--dry-run", "--tp-size", "2"],
+@pytest.mark.parametrize("fmt", ["bf16", "checkpoint"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["dp", "dp-ep"])
+def test_dp_plan_equals_each_ranks_model(tmp_path: Path, expert_parallel: bool, fmt: str) -> None:
+    """Data-parallel attention: each rank's planned weights are what `load_dp_shard` holds (the
+    whole model without EP; with EP half the routed experts, checkpoint-format ones as codes);
+    the KV pools are each rank's own, the same as one process's."""
+    ckpt = tmp_path / "micro"
+    write_checkpoint(micro(), ckpt, seed=4, tokenizer=False, weight_quant="fp8+fp4")
+    config = ModelConfig.from_hf(ckpt)
+    llm = LLM(ckpt, dtype="float32", device="cpu", page_size=16, max_total_tokens=4096,
+              max_running_requests=8, weight_format=fmt)
+    (one,) = plan_memory(config, llm.engine.config, torch.float32, weight_format=fmt)
+    plans = plan_memory(config, llm.engine.config, torch.float32, 1, expert_parallel, fmt, 2)
+    for rank, plan in enumerate(plans):
+        model = load_dp_shard(ckpt, "float32", "cpu", DPGroup(rank, 2), expert_parallel, fmt)
+        assert plan.weights == nbytes(chain(model.parameters(), model.buffers()))
+        assert plan.kv == one.kv and (plan.weights < one.weights) == expert_parallel
+    with pytest.raises(ValueError, match="tp_size=2 with dp_size=2 is not supported"):
+        plan_memory(config, llm.engine.config, torch.float32, 2, False, fmt, 2)
+
+
+@pytest.mark.parametrize("flags", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2")])
+def test_serve_dry_run_prints_the_plan_and_exits_0(flags: tuple[str, ...]) -> None:
+    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--dry-run", *flags],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "tp_size 2" in lines[0] and lines[1].split()[:2] == ["rank", "weights"]
+    assert f"{flags[0][2:4]}_size 2" in lines[0] and lines[1].split()[:2] == ["rank", "weights"]
     assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
 
 

@@ -236,7 +236,7 @@ def dry_run(config: ServerConfig) -> str:
 
     def plan(e: EngineConfig) -> list[RankMemory]:
         return plan_memory(model, e, dtype, config.tp_size, config.ep_size > 1,
-                           config.weight_format)
+                           config.weight_format, config.dp_size)
     if engine.max_total_tokens is None and engine.kv_cache_memory_gb is None:
         if not torch.cuda.is_available():
             raise ValueError("--dry-run on cuda sizes the KV budget from the GPU's memory and no "
@@ -247,7 +247,8 @@ def dry_run(config: ServerConfig) -> str:
         total = torch.cuda.get_device_properties(0).total_memory
         engine = dataclasses.replace(engine, kv_cache_memory_gb=kv_budget_gb(
             engine, "cuda", total, weights))
-    head = (f"{config.model}: tp_size {config.tp_size}, ep_size {config.ep_size}, {config.dtype}, "
+    head = (f"{config.model}: tp_size {config.tp_size}, dp_size {config.dp_size}, ep_size "
+            f"{config.ep_size}, {config.dtype}, "
             f"weights {config.weight_format}, page {engine.page_size}; activations, CUDA graphs "
             "and the CUDA context not included")
     return head + "\n" + format_plan(plan(engine))

@@ -1,7 +1,8 @@
 """Per-rank memory plan of a serving layout (issue 22), from the checkpoint's config alone.
 
 `plan_memory` builds what each rank allocates on the meta device, with the code that allocates
-it for real: the model shard (`empty_model` + `shard_model`: parameters and buffers), the KV pools
+it for real: the model shard (`empty_model` + `shard_model`, or `enable_dp_attention` for
+data-parallel attention: parameters and buffers), the KV pools
 (`KVPools`: SWA KV, compressed entries, indexer keys, compressor rings; with HiSparse the hot sets
 instead of the C4 entries, whose host mirror is counted apart), and the per-request state
 (request table, penalty counts) with the RoPE cache of every position. So the plan equals the
@@ -24,6 +25,7 @@ from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
 from dsv4.config.engine import EngineConfig, WeightFormat, resolve_hisparse_entries
 from dsv4.config.model import ModelConfig
+from dsv4.distributed.dp import DPGroup, enable_dp_attention
 from dsv4.distributed.tp import TPGroup, shard_model
 from dsv4.model.layers.rope import rope_cache_bytes
 from dsv4.model.loader import empty_model
@@ -51,11 +53,15 @@ class RankMemory:
 
 
 def plan_memory(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype, tp_size: int = 1,
-                expert_parallel: bool = False,
-                weight_format: WeightFormat = "bf16") -> list[RankMemory]:
-    """One `RankMemory` per rank. `engine` needs a resolved KV size (`max_total_tokens` or
-    `kv_cache_memory_gb`); raises ValueError otherwise, and as `shard_model` does for a layout
-    whose sizes do not divide."""
+                expert_parallel: bool = False, weight_format: WeightFormat = "bf16",
+                dp_size: int = 1) -> list[RankMemory]:
+    """One `RankMemory` per rank: `tp_size` tensor-parallel ranks, or (`dp_size` > 1, with
+    `tp_size` 1) data-parallel-attention ranks, each with its own KV pools. `engine` needs a
+    resolved KV size (`max_total_tokens` or `kv_cache_memory_gb`); raises ValueError otherwise,
+    and as `shard_model` / `enable_dp_attention` do for a layout whose sizes do not divide."""
+    if dp_size > 1 and tp_size > 1:
+        raise ValueError(f"tp_size={tp_size} with dp_size={dp_size} is not supported; allowed: "
+                         "tp_size 1 with data-parallel attention")
     if engine.max_total_tokens is None and engine.kv_cache_memory_gb is None:
         raise ValueError("max_total_tokens and kv_cache_memory_gb are both None; allowed: one of "
                          "them set (the plan needs the KV size)")
@@ -77,9 +83,10 @@ def plan_memory(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype, tp
     state += engine.max_running_requests * model.vocab_size * (4 + 1)   # counts int32, seen bool
     state += rope_cache_bytes(model, table.max_pages * table.P)       # cos / sin of every position
     plans = []
-    for rank in range(tp_size):
-        shard = shard_model(empty_model(model, dtype, META, weight_format),
-                            TPGroup(rank, tp_size), expert_parallel)
+    for rank in range(max(tp_size, dp_size)):
+        full = empty_model(model, dtype, META, weight_format)
+        shard = (enable_dp_attention(full, DPGroup(rank, dp_size), expert_parallel)
+                 if dp_size > 1 else shard_model(full, TPGroup(rank, tp_size), expert_parallel))
         weights = sum(_nbytes(t) for t in chain(shard.parameters(), shard.buffers()))
         plans.append(RankMemory(rank, weights, kv, state, layout.num_full_pages - 1,
                                 layout.num_swa_pages - 1, host))
