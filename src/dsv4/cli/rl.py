@@ -4,7 +4,8 @@
                    --prompts-per-step P --steps N [--tis C] [--mis lo,hi]
                    [--replay routing,indexer|routing|none] [--[no-]true-on-policy] --out runs/rl
                    [--resume] [--time-limit-s S]
-                   [--placement local|colocated|disaggregated] [--sync-bucket-mb MB]
+                   [--placement local|colocated|disaggregated|servers] [--sync-bucket-mb MB]
+                   [--rollout-url URL ...]
     dsv4 rl plot   --run runs/rl [--out rl.png]
     dsv4 rl export --run runs/rl --out MODEL [--quant fp8+fp4]   # then: dsv4 serve --model MODEL
 """
@@ -53,7 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--placement", default="local",
                    help="where trainer and engine run: local (this process, the default) | "
                         "colocated (one Ray actor) | disaggregated (a trainer actor and a "
-                        "rollout actor; bucketed weight broadcast): needs dsv4[rl] (Ray)")
+                        "rollout actor; bucketed weight broadcast): needs dsv4[rl] (Ray) | "
+                        "servers (rollouts on running `dsv4 serve --enable-return-routing` "
+                        "instances: --rollout-url)")
+    r.add_argument("--rollout-url", dest="rollout_urls", action="append", default=[],
+                   metavar="URL", help="a rollout server of --placement servers (repeat for "
+                                       "several; whole groups are dealt over them)")
     defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
     for name, kind in _RUN_FLAGS.items():
         r.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name])
@@ -92,7 +98,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
     model = args.model if args.model is not None else default_model_path()
     return RLConfig(model=str(model), out_dir=str(args.out), mis=_mis(args.mis),
                     replay=args.replay, true_on_policy=args.true_on_policy,
-                    kernel_values=not args.no_kernel_values, placement=args.placement, **fields)
+                    kernel_values=not args.no_kernel_values, placement=args.placement,
+                    rollout_urls=tuple(args.rollout_urls), **fields)
 
 
 def run_rl(args: argparse.Namespace) -> int:

@@ -16,9 +16,9 @@ from dsv4.utils.run_dir import RunConfig
 Algo = Literal["grpo", "dapo"]
 ALGOS: tuple[str, ...] = ("grpo", "dapo")
 REPLAYS: tuple[str, ...] = ("none", "routing", "routing,indexer")
-PLACEMENTS: tuple[str, ...] = ("local", "colocated", "disaggregated")
+PLACEMENTS: tuple[str, ...] = ("local", "colocated", "disaggregated", "servers")
 INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call", "placement",
-                     "sync_bucket_mb", "save_every")
+                     "sync_bucket_mb", "save_every", "rollout_urls")
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,11 @@ class RLConfig(RunConfig):
     `placement` (`rl/placement.py`): "local" (trainer and engine in this process, no Ray),
     "colocated" (both in one Ray actor on one bundle) or "disaggregated" (a trainer actor and a
     rollout actor on two bundles; weights broadcast after every step in buckets of
-    `sync_bucket_mb` MiB). Where the run executes does not change what it computes, so both may
-    change on resume."""
+    `sync_bucket_mb` MiB), or "servers" (the trainer in this process, the rollouts and
+    evaluations on running `dsv4 serve --enable-return-routing` instances at `rollout_urls`,
+    whole groups dealt over them, the weights pushed to them over a weight-update group after
+    every step: `rl/server_trainer.py`). Where the run executes does not change what it computes,
+    so these may change on resume."""
 
     INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
@@ -95,6 +98,7 @@ class RLConfig(RunConfig):
     max_steps_this_call: int | None = None
     placement: str = "local"
     sync_bucket_mb: float = 256.0
+    rollout_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.true_on_policy is None:     # resolved once, so rl_config.json records the value
@@ -141,6 +145,10 @@ class RLConfig(RunConfig):
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is unknown; "
                              f"allowed: {list(PLACEMENTS)}")
+        if (self.placement == "servers") != bool(self.rollout_urls):
+            raise ValueError(f"rollout_urls={list(self.rollout_urls)} with placement="
+                             f"{self.placement!r} is invalid; allowed: placement 'servers' with "
+                             "one server URL or more, no URLs with the other placements")
         if not self.sync_bucket_mb > 0:
             raise ValueError(f"sync_bucket_mb={self.sync_bucket_mb} is invalid; allowed: > 0")
 
@@ -171,6 +179,7 @@ class RLConfig(RunConfig):
     @classmethod
     def _from_json(cls, d: dict[str, Any]) -> dict[str, Any]:
         d["levels"] = tuple(d.get("levels", ()))
+        d["rollout_urls"] = tuple(d.get("rollout_urls", ()))
         if d.get("mis") is not None:
             d["mis"] = tuple(d["mis"])
         return d

@@ -3,6 +3,8 @@
 `RLConfig.placement` picks it; `run_placed` runs (or resumes) a run with it:
 
 * "local" (the default; no Ray): `RLTrainer` in this process (`trainer.open_run(...).run()`).
+* "servers" (no Ray): `server_trainer.ServerTrainer` in this process, the rollouts on running
+  `dsv4 serve` instances (`RLConfig.rollout_urls`).
 * "colocated": the same run inside one Ray actor (`workers.ColocatedWorker`) on the group's
   single bundle: trainer and engine share the bundle's device and one process, the engine's KV
   pools are released while the trainer steps, and the weight sync is the in-process
@@ -223,9 +225,16 @@ class ColocatedRun:
 def run_placed(config: RLConfig, resume: bool = False) -> tuple[int, dict[str, Any]]:
     """Run (or resume) `config`'s run with its placement; returns (the step reached, the last
     logged record)."""
-    if config.placement == "local":
-        trainer = open_run(config, resume)
-        last = trainer.run()
+    if config.placement in ("local", "servers"):
+        if config.placement == "servers":
+            from dsv4.rl.server_trainer import ServerTrainer
+            trainer = open_run(config, resume, ServerTrainer)
+        else:
+            trainer = open_run(config, resume)
+        try:
+            last = trainer.run()
+        finally:
+            trainer.close()
         return trainer.step, last
     with start_placement(config, resume) as run:
         last = run.run()
@@ -255,8 +264,8 @@ def start_placement(config: RLConfig, resume: bool = False
                     ) -> Iterator[ColocatedRun | DisaggregatedRun]:
     """The run's actors on a new placement group, as a driver with `run()` and `step`; the
     actors, the group and a Ray instance started here are gone on exit."""
-    if config.placement == "local":
-        raise ValueError("placement='local' runs without Ray; allowed here: "
+    if config.placement in ("local", "servers"):
+        raise ValueError(f"placement={config.placement!r} runs without Ray; allowed here: "
                          "'colocated', 'disaggregated'")
     try:
         import ray

@@ -69,9 +69,18 @@ def generate_samples(engine: LLMEngine, tokenizer: Tokenizer, prompts: list[Prom
                      first_group: int = 0) -> list[Sample]:
     """`group_size` samples of each prompt (groups numbered from `first_group`), run to
     completion together; returned grouped, in prompt order, with their decoded text."""
-    ids = [list(tokenizer.encode(p.text).ids) for p in prompts]
-    samples = sample_token_ids(engine, ids, group_size, temperature, max_tokens, seed,
-                               first_group)
+    samples = sample_token_ids(engine, prompt_token_ids(tokenizer, prompts), group_size,
+                               temperature, max_tokens, seed, first_group)
+    return label_samples(samples, tokenizer, prompts, first_group)
+
+
+def prompt_token_ids(tokenizer: Tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    return [list(tokenizer.encode(p.text).ids) for p in prompts]
+
+
+def label_samples(samples: list[Sample], tokenizer: Tokenizer, prompts: list[Prompt],
+                  first_group: int) -> list[Sample]:
+    """`samples` (of groups numbered from `first_group`) with their prompt and decoded text."""
     for s in samples:
         s.prompt = prompts[s.group - first_group]
         s.text = tokenizer.decode(s.tokens[s.prompt_len:])

@@ -33,10 +33,12 @@ def sample_token_ids_http(urls: str | Sequence[str], config: ModelConfig,
                           prompt_ids: list[list[int]], group_size: int, temperature: float,
                           max_tokens: int, seed: int, first_group: int = 0, *,
                           api_key: str | None = None, max_in_flight: int | None = None,
-                          timeout_s: float = 600.0) -> list[Sample]:
+                          timeout_s: float = 600.0,
+                          weight_version: str | None = None) -> list[Sample]:
     """`rollout.sample_token_ids` through the server(s) at `urls` (no tokenizer, no task:
     `prompt` None, `text` the server's), the groups spread over the servers (`assign_servers`);
-    raises RuntimeError naming the server and its error."""
+    raises RuntimeError naming the server and its error, or (`weight_version` given) a sample
+    made with weights of another label (synchronous on-policy RL)."""
     servers = [urls] if isinstance(urls, str) else list(urls)
     if not servers:
         raise ValueError("urls=[] is invalid; allowed: one server URL or more")
@@ -50,8 +52,31 @@ def sample_token_ids_http(urls: str | Sequence[str], config: ModelConfig,
     where = assign_servers([g for g, _, _ in jobs], len(servers))
     outs = asyncio.run(_post_everywhere(servers, where, bodies, headers, max_in_flight,
                                         timeout_s))
+    if weight_version is not None:
+        stale = sorted({(servers[w], str(o["meta_info"]["weight_version"]))
+                        for w, o in zip(where, outs, strict=True)
+                        if str(o["meta_info"]["weight_version"]) != weight_version})
+        if stale:
+            raise RuntimeError(f"samples of weight versions {stale} (server, label); expected "
+                               f"{weight_version!r}")
     return [_sample(group, ids, out, config) for (group, ids, _), out in zip(jobs, outs,
                                                                               strict=True)]
+
+
+def greedy_token_ids_http(urls: str | Sequence[str], prompt_ids: list[list[int]],
+                          max_tokens: int, *, api_key: str | None = None,
+                          timeout_s: float = 600.0) -> list[list[int]]:
+    """Greedy completions (output token ids) of `prompt_ids` through the server(s) at `urls`,
+    one prompt per request, dealt round-robin; in order."""
+    servers = [urls] if isinstance(urls, str) else list(urls)
+    if not servers:
+        raise ValueError("urls=[] is invalid; allowed: one server URL or more")
+    bodies = [{"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens,
+                                                     "temperature": 0.0}} for ids in prompt_ids]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    where = assign_servers(list(range(len(bodies))), len(servers))
+    outs = asyncio.run(_post_everywhere(servers, where, bodies, headers, None, timeout_s))
+    return [list(out["output_ids"]) for out in outs]
 
 
 def assign_servers(groups: list[int], num_servers: int) -> list[int]:

@@ -72,7 +72,7 @@ from dsv4.rl.batch import (
     shape_overlong,
 )
 from dsv4.rl.config import RLConfig
-from dsv4.rl.rewards import Task, make_task
+from dsv4.rl.rewards import Prompt, Task, make_task
 from dsv4.rl.rollout import Sample, generate_samples, greedy_answers
 from dsv4.utils.logging import init_logger
 from dsv4.utils.run_dir import append_metrics, save_state, truncate_metrics
@@ -167,7 +167,21 @@ def rl_loss(config: RLConfig, logp: torch.Tensor, logits: torch.Tensor, batch: T
 
 
 class RLTrainer:
+    """The local run: trainer and engine in this process. Where the rollouts run is behind four
+    methods (`_generate`, `_greedy`, `_release`, `_resume`) and `sync`, which the other
+    placements' trainers override (`rl/workers.py`, `rl/server_trainer.py`)."""
+
     def __init__(self, config: RLConfig) -> None:
+        self._init_policy(config)
+        c = self.config
+        served = load_model(Path(c.model), dtype=c.dtype, device=self.device,
+                            weight_format=check_weight_format(c.weight_format))
+        self.engine = LLMEngine(served, self.engine_config())
+        self.sync()                       # the engine serves the trainer's weights from step 0
+
+    def _init_policy(self, config: RLConfig) -> None:
+        """The trainer's half: the task and tokenizer, the fp32 policy, its compute copy, the KL
+        reference, AdamW; step 0."""
         self.config = c = config
         self.run_dir = Path(c.out_dir)
         self.device = torch.device(c.device)
@@ -179,14 +193,10 @@ class RLTrainer:
         self.compute = (self.policy if c.dtype == "float32"
                         else copy.deepcopy(self.policy).cast_(torch.bfloat16))
         self.reference = copy.deepcopy(self.policy).eval() if c.kl_coef > 0 else None
-        served = load_model(model_dir, dtype=c.dtype, device=self.device,
-                            weight_format=check_weight_format(c.weight_format))
-        self.engine = LLMEngine(served, self.engine_config())
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=c.lr,
                                            weight_decay=c.weight_decay, betas=(0.9, 0.999))
         self.step = 0
         self.elapsed_s = 0.0
-        self.sync()                       # the engine serves the trainer's weights from step 0
 
     def engine_config(self) -> EngineConfig:
         c = self.config
@@ -228,10 +238,8 @@ class RLTrainer:
         for round_ in range(c.max_resample_rounds if c.algo == "dapo" else 1):
             rng = random.Random(f"dsv4-rl-{c.seed}-{self.step}-{round_}")
             prompts = self.task.train_prompts(rng, c.prompts_per_step)
-            samples = generate_samples(self.engine, self.tokenizer, prompts, c.group_size,
-                                       c.temperature, c.max_tokens,
-                                       seed=hash((c.seed, self.step, round_)) % 2**31,
-                                       first_group=round_ * c.prompts_per_step)
+            samples = self._generate(prompts, seed=hash((c.seed, self.step, round_)) % 2**31,
+                                     first_group=round_ * c.prompts_per_step)
             for s, prompt in zip(samples, (p for p in prompts for _ in range(c.group_size)),
                                  strict=True):
                 s.reward = self.task.reward(prompt, s.text)
@@ -259,7 +267,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         samples, record = self.rollout()
         t1 = time.perf_counter()
-        released = self.engine.release_memory()   # the trainer steps without the KV pools
+        released = self._release()          # the trainer steps without the KV pools
         if samples:
             groups = group_rewards(samples)
             batch = pack(samples, advantages_of(groups), c.replay_routing,
@@ -268,7 +276,7 @@ class RLTrainer:
         else:
             record["skipped"] = True            # DAPO found no informative group
         t2 = time.perf_counter()
-        self.engine.resume_memory()
+        self._resume()
         record["kv_released_mb"] = round(released / 1e6, 1)
         self.sync()
         t3 = time.perf_counter()
@@ -312,16 +320,36 @@ class RLTrainer:
                                 strict=True):
             replica.copy_(master)
 
+    # --- the engine --------------------------------------------------------------------------
+    def _generate(self, prompts: list[Prompt], seed: int, first_group: int) -> list[Sample]:
+        """`group_size` samples of each prompt (`rollout.generate_samples`)."""
+        c = self.config
+        return generate_samples(self.engine, self.tokenizer, prompts, c.group_size,
+                                c.temperature, c.max_tokens, seed=seed, first_group=first_group)
+
+    def _greedy(self, prompts: list[Prompt]) -> list[str]:
+        return greedy_answers(self.engine, self.tokenizer, prompts, self.config.max_tokens)
+
+    def _release(self) -> int:
+        """Free the engine's KV pools while the trainer steps; returns the bytes freed."""
+        return self.engine.release_memory()
+
+    def _resume(self) -> None:
+        self.engine.resume_memory()
+
     def sync(self) -> int:
         """Push the policy into the engine (in place; flushes the engine's prefix cache)."""
         with torch.no_grad():
             return self.engine.update_weights(dict(self.policy.state_dict()))
 
+    def close(self) -> None:
+        """Let go of what the run holds outside this process (nothing here)."""
+
     # --- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
         """Greedy held-out accuracy per level (the task's held-out split only)."""
         prompts = self.task.heldout_prompts(self.config.eval_per_level, seed=self.config.seed)
-        answers = greedy_answers(self.engine, self.tokenizer, prompts, self.config.max_tokens)
+        answers = self._greedy(prompts)
         hits: dict[int, list[float]] = {}
         for p, a in zip(prompts, answers, strict=True):
             hits.setdefault(p.level, []).append(self.task.reward(p, a))
@@ -384,8 +412,9 @@ class RLTrainer:
         truncate_metrics(self.run_dir, self.step)
 
 
-def open_run(config: RLConfig, resume: bool) -> RLTrainer:
-    """An RLTrainer for `config.out_dir`: fresh (refusing to overwrite a run) or resumed."""
+def open_run(config: RLConfig, resume: bool,
+             trainer_cls: type[RLTrainer] = RLTrainer) -> RLTrainer:
+    """A `trainer_cls` for `config.out_dir`: fresh (refusing to overwrite a run) or resumed."""
     run_dir = Path(config.out_dir)
     if resume:
         if not (run_dir / "state.pt").exists():
@@ -395,10 +424,10 @@ def open_run(config: RLConfig, resume: bool) -> RLTrainer:
         if changed:
             raise ValueError(f"--resume: {changed} differ from the run's rl_config.json; "
                              f"only {sorted(RLConfig.INVOCATION_FIELDS)} may change")
-        trainer = RLTrainer(config)
+        trainer = trainer_cls(config)
         trainer.load()
         return trainer
     if (run_dir / "state.pt").exists():
         raise FileExistsError(f"{run_dir} already holds a run; "
                               "pass --resume or choose another --out")
-    return RLTrainer(config)
+    return trainer_cls(config)

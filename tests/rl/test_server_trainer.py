@@ -1,0 +1,86 @@
+"""The "servers" placement (`rl/server_trainer.py`, issue 24): an RL run whose rollouts and
+evaluations go to a real `dsv4 serve --enable-return-routing` on loopback, its weights pushed over
+a gloo weight-update group after every step, logs the local run's records on dsv4-tiny: the same
+samples and rewards at every step (so the pushed weights are the trainer's), losses and drift to
+fp32 summation order (the server batches on its own), and the same final policy to 1e-5. A server
+that runs other knobs than the run's engine would is refused by name before any group forms."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from dsv4.assets import default_model_path
+from dsv4.rl.config import RLConfig
+from dsv4.rl.placement import run_placed
+from dsv4.rl.server_trainer import ServerTrainer
+from server.conftest import ServerProcess, running_server
+
+# timings, each placement's own bookkeeping, and where the fp32-noise drift peaks (not true
+# on-policy: which tokens exceed the drift threshold follows the batches' summation order)
+UNCOMPARED = {"rollout_s", "train_s", "sync_s", "kv_released_mb", "drift_tokens",
+              "drift_worst_position"}
+EXACT = {"reward_mean", "reward_std", "accuracy", "response_len", "groups_kept",
+         "samples_drawn", "step", "heldout_accuracy", "heldout_by_level"}
+
+
+def _config(out: Path, urls: tuple[str, ...] = (), **kw: Any) -> RLConfig:
+    return RLConfig(model=str(default_model_path()), out_dir=str(out), group_size=2,
+                    prompts_per_step=2, steps=2, max_tokens=4, lr=1e-4, entropy_coef=0.01,
+                    eval_every=10, eval_per_level=1, levels=(3,), sync_bucket_mb=3.0,
+                    placement="servers" if urls else "local", rollout_urls=urls, **kw)
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(tmp_path_factory.mktemp("rl_server"), "--model",
+                        str(default_model_path()), "--enable-return-routing",
+                        "--shutdown-timeout", "2") as s:
+        yield s
+
+
+def test_config_needs_urls_with_servers_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"rollout_urls=\[\] with placement='servers'"):
+        RLConfig(model="m", out_dir=str(tmp_path), placement="servers")
+    with pytest.raises(ValueError, match=r"with placement='local' is invalid"):
+        RLConfig(model="m", out_dir=str(tmp_path), rollout_urls=("http://127.0.0.1:1",))
+
+
+@pytest.mark.slow
+def test_servers_run_equals_the_local_run(srv: ServerProcess, tmp_path: Path) -> None:
+    local, served = tmp_path / "local", tmp_path / "servers"
+    run_placed(_config(local))
+    step, last = run_placed(_config(served, (srv.url,)))
+    assert step == 2 and last["step"] == 2
+    got, want = _records(served), _records(local)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for g, w in zip(got, want, strict=True):
+        assert set(g) - UNCOMPARED == set(w) - UNCOMPARED, g["step"]
+        for key in set(w) - UNCOMPARED:
+            if key in EXACT:
+                assert g[key] == w[key], (g["step"], key)
+            else:
+                assert g[key] == pytest.approx(w[key], abs=1e-5), (g["step"], key)
+    policy = torch.load(served / "state.pt", weights_only=True)["policy"]
+    reference = torch.load(local / "state.pt", weights_only=True)["policy"]
+    for name, t in reference.items():
+        torch.testing.assert_close(policy[name], t, rtol=0, atol=1e-5, msg=name)
+    r = httpx.post(f"{srv.url}/generate", timeout=60.0, json={
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+    assert r.json()["meta_info"]["weight_version"] == "3", "pushed at start and after 2 steps"
+
+
+def test_a_mismatched_server_is_refused_by_name(srv: ServerProcess, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=rf"rollout server {srv.url} runs dtype='float32'; "
+                                         r"allowed: dtype='bfloat16'"):
+        ServerTrainer(_config(tmp_path / "run", (srv.url,), dtype="bfloat16"))
