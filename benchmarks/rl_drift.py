@@ -115,8 +115,8 @@ def random_mode(args: argparse.Namespace, model: DeepSeekV4ForCausalLM, prompts:
     from dsv4.model.forward_mode import INFERENCE, Replay
     from dsv4.rl.algorithms import logprob_abs_diff
     from dsv4.rl.batch import pack
+    from dsv4.rl.objective import sequence_logprobs
     from dsv4.rl.rollout import sample_token_ids
-    from dsv4.rl.trainer import sequence_logprobs
 
     device = next(model.parameters()).device
     n = args.prompts * args.group_size

@@ -21,8 +21,8 @@ from dsv4.model.kernel_values import kernel_values
 from dsv4.model.moe import MLP, Gate
 from dsv4.rl.algorithms import logprob_abs_diff
 from dsv4.rl.batch import pack
+from dsv4.rl.objective import sequence_logprobs
 from dsv4.rl.rollout import sample_token_ids
-from dsv4.rl.trainer import sequence_logprobs
 
 needs_triton = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -39,15 +39,15 @@ from dsv4.rl.algorithms import Denominators
 from dsv4.rl.batch import TrainBatch, pack
 from dsv4.rl.config import RLConfig
 from dsv4.rl.fsdp import fsdp_rl_step, reduce_stats, shard_policy, split_batch
-from dsv4.rl.trainer import (
+from dsv4.rl.objective import (
     DRIFT_AT,
     DRIFT_MAX,
-    RLTrainer,
     formulation_mode,
     numerics,
     rl_loss,
     sequence_logprobs,
 )
+from dsv4.rl.trainer import RLTrainer
 
 WORLD = 2
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.75])

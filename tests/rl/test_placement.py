@@ -16,7 +16,6 @@ and fault tests are `slow`.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,8 @@ from dsv4.assets import default_model_path
 from dsv4.rl.bucket_sync import ALIGN, pack_bucket, plan_buckets, unpack_bucket
 from dsv4.rl.config import RLConfig
 from dsv4.rl.placement import run_placed, start_placement
+
+from .records import assert_same_records, read_records
 
 # measured per run, not compared: timings, and each placement's own bookkeeping
 UNCOMPARED = {"rollout_s", "train_s", "sync_s", "kv_released_mb", "weight_version", "sync_mb"}
@@ -45,7 +46,7 @@ def _config(out: Path, placement: str) -> RLConfig:
 
 
 def _records(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return read_records(run)
 
 
 def _assert_same_run(run: Path, local: Path) -> None:
@@ -53,13 +54,7 @@ def _assert_same_run(run: Path, local: Path) -> None:
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     assert got[1]["train_rollout_logprob_abs_diff"] == 0.0        # step-0 drift, exactly
     assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in got[1:])
-    for g, w in zip(got, want, strict=True):
-        assert set(g) - UNCOMPARED == set(w) - UNCOMPARED, g["step"]
-        for key in set(w) - UNCOMPARED:
-            if key in EXACT:
-                assert g[key] == w[key], (g["step"], key)
-            else:
-                assert g[key] == pytest.approx(w[key], abs=1e-6), (g["step"], key)
+    assert_same_records(got, want, UNCOMPARED, EXACT, 1e-6)
     policy = torch.load(run / "state.pt", weights_only=True)["policy"]
     reference = torch.load(local / "state.pt", weights_only=True)["policy"]
     for name, t in reference.items():

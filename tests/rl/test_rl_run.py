@@ -24,7 +24,8 @@ from dsv4.kernels.ref.batch_invariant import batch_invariant
 from dsv4.model.forward_mode import INFERENCE
 from dsv4.model.loader import load_model
 from dsv4.rl.config import RLConfig
-from dsv4.rl.trainer import RLTrainer, open_run, sequence_logprobs
+from dsv4.rl.objective import sequence_logprobs
+from dsv4.rl.trainer import RLTrainer, open_run
 
 SMOKE = ["--group-size", "4", "--prompts-per-step", "4", "--max-tokens", "6", "--lr", "1e-4",
          "--eval-every", "10", "--eval-per-level", "3", "--levels", "3-5", "--true-on-policy"]

@@ -7,7 +7,6 @@ that runs other knobs than the run's engine would is refused by name before any 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from dsv4.rl.placement import run_placed
 from dsv4.rl.server_trainer import ServerTrainer
 from server.conftest import ServerProcess, running_server
 
+from .records import assert_same_records, read_records
+
 # timings, each placement's own bookkeeping, and where the fp32-noise drift peaks (not true
 # on-policy: which tokens exceed the drift threshold follows the batches' summation order)
 UNCOMPARED = {"rollout_s", "train_s", "sync_s", "kv_released_mb", "drift_tokens",
@@ -35,10 +36,6 @@ def _config(out: Path, urls: tuple[str, ...] = (), **kw: Any) -> RLConfig:
                     prompts_per_step=2, steps=2, max_tokens=4, lr=1e-4, entropy_coef=0.01,
                     eval_every=10, eval_per_level=1, levels=(3,), sync_bucket_mb=3.0,
                     placement="servers" if urls else "local", rollout_urls=urls, **kw)
-
-
-def _records(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +59,9 @@ def test_servers_run_equals_the_local_run(srv: ServerProcess, tmp_path: Path) ->
     run_placed(_config(local))
     step, last = run_placed(_config(served, (srv.url,)))
     assert step == 2 and last["step"] == 2
-    got, want = _records(served), _records(local)
+    got = read_records(served)
     assert [r["step"] for r in got] == [0, 1, 2]
-    for g, w in zip(got, want, strict=True):
-        assert set(g) - UNCOMPARED == set(w) - UNCOMPARED, g["step"]
-        for key in set(w) - UNCOMPARED:
-            if key in EXACT:
-                assert g[key] == w[key], (g["step"], key)
-            else:
-                assert g[key] == pytest.approx(w[key], abs=1e-5), (g["step"], key)
+    assert_same_records(got, read_records(local), UNCOMPARED, EXACT, 1e-5)
     policy = torch.load(served / "state.pt", weights_only=True)["policy"]
     reference = torch.load(local / "state.pt", weights_only=True)["policy"]
     for name, t in reference.items():

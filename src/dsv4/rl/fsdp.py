@@ -51,7 +51,7 @@ from dsv4.model.forward_mode import ForwardMode, Replay
 from dsv4.rl.algorithms import Denominators
 from dsv4.rl.batch import TrainBatch
 from dsv4.rl.config import RLConfig
-from dsv4.rl.trainer import (
+from dsv4.rl.objective import (
     DRIFT_AT,
     DRIFT_MAX,
     formulation_mode,

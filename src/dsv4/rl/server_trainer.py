@@ -41,10 +41,11 @@ from dsv4.kernels.registry import KernelOps, create_kernels
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.rl.bucket_sync import free_port, plan_buckets
 from dsv4.rl.config import RLConfig
+from dsv4.rl.objective import formulation_mode
 from dsv4.rl.rewards import Prompt
 from dsv4.rl.rollout import Sample, label_samples, prompt_token_ids
 from dsv4.rl.server_rollout import greedy_token_ids_http, sample_token_ids_http
-from dsv4.rl.trainer import RLTrainer, formulation_mode
+from dsv4.rl.trainer import RLTrainer
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)

@@ -51,8 +51,9 @@ from dsv4.rl.bucket_sync import (
     send_weights,
 )
 from dsv4.rl.config import RLConfig
+from dsv4.rl.objective import formulation_mode
 from dsv4.rl.rewards import make_task
-from dsv4.rl.trainer import RLTrainer, formulation_mode, open_run
+from dsv4.rl.trainer import RLTrainer, open_run
 from dsv4.utils.logging import init_logger
 from dsv4.utils.threads import use_cpu_threads
 
