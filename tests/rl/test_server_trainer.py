@@ -2,8 +2,9 @@
 evaluations go to a real `dsv4 serve --enable-return-routing` on loopback, its weights pushed over
 a gloo weight-update group after every step, logs the local run's records on dsv4-tiny: the same
 samples and rewards at every step (so the pushed weights are the trainer's), losses and drift to
-fp32 summation order (the server batches on its own), and the same final policy to 1e-5. A server
-that runs other knobs than the run's engine would is refused by name before any group forms."""
+fp32 summation order (the server batches on its own), and the same final policy to 1e-5; through a
+`--batch-invariant` server a true-on-policy run's drift is exactly 0. A server that runs other
+knobs than the run's engine would is refused by name before any group forms."""
 
 from __future__ import annotations
 
@@ -69,6 +70,20 @@ def test_servers_run_equals_the_local_run(srv: ServerProcess, tmp_path: Path) ->
     r = httpx.post(f"{srv.url}/generate", timeout=60.0, json={
         "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
     assert r.json()["meta_info"]["weight_version"] == "3", "pushed at start and after 2 steps"
+
+
+@pytest.mark.slow
+def test_true_on_policy_through_a_batch_invariant_server(tmp_path: Path) -> None:
+    """`dsv4 serve --batch-invariant` and a true-on-policy run: the trainer's log-probs equal the
+    server's sampling log-probs bit for bit at every step (drift exactly 0), across processes
+    and whatever the server's batches."""
+    with running_server(tmp_path, "--model", str(default_model_path()),
+                        "--enable-return-routing", "--batch-invariant",
+                        "--shutdown-timeout", "2") as s:
+        run_placed(_config(tmp_path / "run", (s.url,), true_on_policy=True))
+    records = read_records(tmp_path / "run")[1:]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in records), records
 
 
 def test_a_mismatched_server_is_refused_by_name(srv: ServerProcess, tmp_path: Path) -> None:

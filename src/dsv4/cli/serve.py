@@ -87,6 +87,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="let requests ask for their routing (return_routed_experts, "
                         "return_indexer_topk; RL replay): the engine captures routing and runs "
                         "without the prefix cache")
+    g.add_argument("--batch-invariant", "--enable-deterministic-inference",
+                   dest="batch_invariant", action="store_true", default=None,
+                   help="a token's log-probs do not depend on its batch: batch-invariant GEMMs "
+                        "and reductions (true on-policy RL rollouts; EngineConfig."
+                        "batch_invariant; with --kernel-backend triton also --invariant-plans)")
+    g.add_argument("--invariant-plans", action="store_true", default=None,
+                   help="kernel launch plans that do not depend on the token count (the RL "
+                        "trainer's kernel values; EngineConfig.invariant_plans)")
     g.add_argument("--disable-cuda-graph", action="store_true", default=None,
                    help="decode eagerly "
                         "(default: CUDA graphs on cuda with --kernel-backend triton)")
@@ -171,7 +179,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "max_waiting_requests",
         "max_request_bytes", "shutdown_timeout_s", "torch_threads", "disable_prefix_cache",
         "weight_format", "load_format", "disable_cuda_graph", "cuda_graph_max_bs",
-        "enable_return_routing",
+        "enable_return_routing", "batch_invariant", "invariant_plans",
         "speculative_num_steps", "overlap_schedule", "multi_stream", "warmup", "tp_size",
         "ep_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "enable_hisparse",
         "hisparse_device_entries", "fuse_projections", "decode_gemv", "pdl_early_max_batch",
