@@ -8,6 +8,7 @@ knobs than the run's engine would is refused by name before any group forms."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,22 +55,38 @@ def test_config_needs_urls_with_servers_only(tmp_path: Path) -> None:
         RLConfig(model="m", out_dir=str(tmp_path), rollout_urls=("http://127.0.0.1:1",))
 
 
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("rl_local") / "run"
+    run_placed(_config(out))
+    return out
+
+
 @pytest.mark.slow
-def test_servers_run_equals_the_local_run(srv: ServerProcess, tmp_path: Path) -> None:
-    local, served = tmp_path / "local", tmp_path / "servers"
-    run_placed(_config(local))
-    step, last = run_placed(_config(served, (srv.url,)))
-    assert step == 2 and last["step"] == 2
+@pytest.mark.parametrize("servers", [1, 2])
+def test_servers_run_equals_the_local_run(srv: ServerProcess, local_run: Path, tmp_path: Path,
+                                          servers: int) -> None:
+    """One server, or two (a second `dsv4 serve`: the weight group has 3 ranks, and the groups
+    are dealt over both)."""
+    with contextlib.ExitStack() as stack:
+        urls = [srv.url] + [stack.enter_context(running_server(
+            tmp_path, "--model", str(default_model_path()), "--enable-return-routing",
+            "--shutdown-timeout", "2")).url for _ in range(servers - 1)]
+        served = tmp_path / "servers"
+        step, last = run_placed(_config(served, tuple(urls)))
+        assert step == 2 and last["step"] == 2
+        for url in urls:
+            r = httpx.post(f"{url}/generate", timeout=60.0, json={
+                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+            label = r.json()["meta_info"]["weight_version"]
+            assert label == "3", f"{url}: pushed at start and after 2 steps, got {label}"
     got = read_records(served)
     assert [r["step"] for r in got] == [0, 1, 2]
-    assert_same_records(got, read_records(local), UNCOMPARED, EXACT, 1e-5)
+    assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
     policy = torch.load(served / "state.pt", weights_only=True)["policy"]
-    reference = torch.load(local / "state.pt", weights_only=True)["policy"]
+    reference = torch.load(local_run / "state.pt", weights_only=True)["policy"]
     for name, t in reference.items():
         torch.testing.assert_close(policy[name], t, rtol=0, atol=1e-5, msg=name)
-    r = httpx.post(f"{srv.url}/generate", timeout=60.0, json={
-        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
-    assert r.json()["meta_info"]["weight_version"] == "3", "pushed at start and after 2 steps"
 
 
 @pytest.mark.slow
