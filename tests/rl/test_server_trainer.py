@@ -90,6 +90,19 @@ def test_servers_run_equals_the_local_run(srv: ServerProcess, local_run: Path, t
 
 
 @pytest.mark.slow
+def test_a_resumed_servers_run_continues_the_run(srv: ServerProcess, local_run: Path,
+                                                 tmp_path: Path) -> None:
+    """Stopped after step 1 and resumed (`--resume`: the restored policy pushed again), the run
+    logs what the uninterrupted run logs."""
+    out = tmp_path / "run"
+    assert run_placed(_config(out, (srv.url,), max_steps_this_call=1))[0] == 1
+    assert run_placed(_config(out, (srv.url,)), resume=True)[0] == 2
+    got = read_records(out)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
+
+
+@pytest.mark.slow
 def test_true_on_policy_through_a_batch_invariant_server(tmp_path: Path) -> None:
     """`dsv4 serve --batch-invariant` and a true-on-policy run: the trainer's log-probs equal the
     server's sampling log-probs bit for bit at every step (drift exactly 0), across processes
