@@ -146,6 +146,34 @@ def test_dp_attention_checkpoint_format_equals_one_process(
     logger.info("tiny checkpoint ep=2: max log-prob difference %.3g", diff)
 
 
+def conversations(llm: LLM) -> Result:
+    """Two conversations of two turns; the second turns in the other order, so that the shortest
+    queue sends each to the rank that did not serve its first turn."""
+    gen = torch.Generator().manual_seed(3)
+    firsts = [torch.randint(2, 512, (40,), generator=gen).tolist() for _ in range(2)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompt_token_ids=firsts, sampling_params=params, use_tqdm=False)
+    seconds = [firsts[i] + outs[i].token_ids + [7, 8, 9] for i in (1, 0)]
+    outs += llm.generate(prompt_token_ids=seconds, sampling_params=params, use_tqdm=False)
+    return [(o.token_ids, o.logprobs, o.cached_tokens, o.finish_reason) for o in outs]
+
+
+@pytest.mark.slow
+def test_cache_aware_routing_sends_a_conversation_back(checkpoints: dict[str, Path]) -> None:
+    """`load_balance_method="cache_aware"`: each second turn goes to the rank that served its
+    first and reads its prompt's pages from that rank's prefix cache, where the shortest queue
+    misses both; the outputs are the same either way."""
+    kw = {**KW, "max_total_tokens": 1024}
+    runs = {}
+    for method in ("shortest_queue", "cache_aware"):
+        with LLM(checkpoints["micro"], data_parallel_size=2, load_balance_method=method,
+                 **kw) as llm:  # type: ignore[arg-type]
+            runs[method] = conversations(llm)
+    assert_same(runs["cache_aware"], runs["shortest_queue"], "cache_aware")
+    assert [r[2] for r in runs["shortest_queue"][2:]] == [0, 0]
+    assert all(r[2] >= 32 for r in runs["cache_aware"][2:]), runs["cache_aware"]
+
+
 @pytest.mark.parametrize(("kw", "field"), [
     (dict(data_parallel_size=0), "data_parallel_size=0"),
     (dict(data_parallel_size=2, tensor_parallel_size=2), "tensor_parallel_size=2 with"),

@@ -131,6 +131,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention ranks (default 1): each serves its own "
                         "requests with its own KV cache, the MoE runs over all ranks' tokens "
                         "(eager: with --disable-cuda-graph on cuda)")
+    g.add_argument("--load-balance-method", default=None, choices=["shortest_queue",
+                                                                   "cache_aware"],
+                   help="which data-parallel rank takes a request: the one with the fewest "
+                        "unfinished requests (default) or the one whose prefix cache likely "
+                        "holds the most of its prompt")
     g.add_argument("--nnodes", type=int, default=None,
                    help="machines the ranks are spread over (default 1; ranks per node: "
                         "tp or dp size / nnodes)")
@@ -181,7 +186,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "weight_format", "load_format", "disable_cuda_graph", "cuda_graph_max_bs",
         "enable_return_routing", "batch_invariant", "invariant_plans",
         "speculative_num_steps", "overlap_schedule", "multi_stream", "warmup", "tp_size",
-        "ep_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "enable_hisparse",
+        "ep_size", "dp_size", "load_balance_method", "nnodes", "node_rank", "dist_init_addr",
+        "enable_hisparse",
         "hisparse_device_entries", "fuse_projections", "decode_gemv", "pdl_early_max_batch",
         "shared_expert_beside_max_tokens")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from dsv4.config.engine import EngineConfig, WeightFormat, check_weight_format
 
 DTYPES = ("bfloat16", "float16", "float32")
+# which data-parallel rank takes a request (`engine/dp_router.py`; SGLang's / sgl-router's names)
+LOAD_BALANCE_METHODS = ("shortest_queue", "cache_aware")
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -42,6 +44,9 @@ class ServerConfig(EngineConfig):
     `engine/parallel.py`); `ep_size`: 1, or the number of ranks, to split the routed experts by
     id. `dp_size`: data-parallel attention ranks (`engine/data_parallel.py`: each rank serves its
     own requests, the MoE runs over all ranks' tokens); with `dp_size` > 1, `tp_size` is 1.
+    `load_balance_method` (SGLang's name): which DP rank takes a request, "shortest_queue" or
+    "cache_aware" (the rank whose prefix cache likely holds the most of its prompt;
+    `engine/dp_router.py`).
     `nnodes` / `node_rank` / `dist_init_addr` (SGLang's names): the ranks spread over `nnodes`
     machines that rendezvous at `dist_init_addr` ("host:port"); node 0 serves HTTP and runs rank
     0, the others only run their ranks (`engine/parallel.py::serve_node`).
@@ -65,6 +70,7 @@ class ServerConfig(EngineConfig):
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1
+    load_balance_method: str = "shortest_queue"
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -119,6 +125,7 @@ class ServerConfig(EngineConfig):
             raise ValueError(f"ep_size={self.ep_size!r} is invalid; allowed: 1 or the number "
                              f"of ranks ({ranks}: tp_size or dp_size)")
         self._check_nodes(ranks)
+        check_load_balance_method(self.load_balance_method)
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is invalid; "
                              "allowed: >= 0 seconds")
@@ -154,3 +161,10 @@ class ServerConfig(EngineConfig):
 def _is_host_port(addr: str) -> bool:
     host, _, port = addr.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def check_load_balance_method(method: str) -> str:
+    if method not in LOAD_BALANCE_METHODS:
+        raise ValueError(f"load_balance_method={method!r} is invalid; "
+                         f"allowed: {list(LOAD_BALANCE_METHODS)}")
+    return method

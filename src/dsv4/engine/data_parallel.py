@@ -1,6 +1,7 @@
 """`DataParallelEngine`: rank 0's surface of data-parallel attention (`engine/parallel.py`'s
-module docstring: request assignment, one forward per rank per step, mirrors of remote requests
-updated from each step's `RequestDelta`s)."""
+module docstring: request assignment by `RankSpec.load_balance_method` (`engine/dp_router.py`),
+one forward per rank per step, mirrors of remote requests updated from each step's
+`RequestDelta`s)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dsv4.engine.dp_router import PrefixRouter, shortest_queue
 from dsv4.engine.engine import FINISH_REASONS
 from dsv4.engine.parallel import DEATH_GRACE_S, ParallelEngine, RankSpec
 from dsv4.engine.request import ReqStatus, Request
@@ -30,6 +32,9 @@ class DataParallelEngine(ParallelEngine):
         # ids and seeds drawn as `LLMEngine.add_request` draws them in one process
         self._ids = itertools.count()
         self._seeds = random.Random(spec.config.seed)
+        layout = self.engine.runner.layout          # every rank's pools: the same config
+        self.router = (PrefixRouter(spec.world, layout.page_size, layout.num_full_pages)
+                       if spec.load_balance_method == "cache_aware" else None)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished() or any(not r.is_finished
@@ -43,7 +48,9 @@ class DataParallelEngine(ParallelEngine):
             raise ValueError(f"request_id={rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**62)
         params = dataclasses.replace(params, seed=seed)
-        rank = self._least_loaded()
+        load = self._loads()
+        rank = (self.router.pick(prompt_ids, load) if self.router is not None
+                else shortest_queue(load))
         self._owner[rid] = rank
         if rank == 0:
             return self.engine.add_request(prompt_ids, params, rid)
@@ -52,13 +59,13 @@ class DataParallelEngine(ParallelEngine):
         self._pending.append(("at", rank, ("add", list(prompt_ids), params, rid, seed)))
         return req
 
-    def _least_loaded(self) -> int:
-        """The rank with the fewest unfinished requests (ties: the lowest)."""
+    def _loads(self) -> list[int]:
+        """Each rank's unfinished requests."""
         load = [0] * self.spec.world
         for rid, rank in self._owner.items():
             req = self._mirrors[rid] if rank else self.engine.requests[rid]
             load[rank] += not req.is_finished
-        return min(range(self.spec.world), key=lambda r: (load[r], r))
+        return load
 
     def finish(self, rid: str, reason: str = "abort") -> None:
         rank = self._owner.get(rid, 0)

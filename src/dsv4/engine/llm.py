@@ -6,8 +6,8 @@
     print(outs[0].text)
 
 Keyword arguments beyond model/dtype/device/weight_format/tensor_parallel_size/
-expert_parallel_size/data_parallel_size/load_format are EngineConfig fields (weight_format
-"checkpoint" keeps the routed experts in FP4 and the FP8 linears in FP8, see
+expert_parallel_size/data_parallel_size/load_format/load_balance_method are EngineConfig fields
+(weight_format "checkpoint" keeps the routed experts in FP4 and the FP8 linears in FP8, see
 `model/quant_experts.py` and `model/quant_linear.py`; `load_format="dummy"` builds random weights
 from the checkpoint's config.json alone, `load_served_model`;
 `model="in-memory:<preset>"` builds a preset's geometry with random weights, no checkpoint at all:
@@ -18,10 +18,11 @@ stopped by `close()` or the `with` block; GPU rank r uses cuda:r), the model sha
 (`engine/parallel.py`). `data_parallel_size=N` > 1 (with
 tensor_parallel_size 1) runs N ranks with data-parallel attention: each rank serves its own requests
 (own KV cache and prefix cache), the MoE layers run over all ranks' tokens (`distributed/dp.py`;
-`expert_parallel_size=N` splits their experts). The tokenizer is read from the checkpoint directory
-(`tokenizer.json`); without one, pass `prompt_token_ids` and read `token_ids` (the text stays
-empty). Before `LLM(...)` returns, the engine warms up (`EngineConfig.warmup`; by default "fast" on
-CUDA with Triton, "none" elsewhere).
+`expert_parallel_size=N` splits their experts; `load_balance_method` "shortest_queue" or
+"cache_aware" picks each request's rank: `engine/dp_router.py`). The tokenizer is read from the
+checkpoint directory (`tokenizer.json`); without one, pass `prompt_token_ids` and read
+`token_ids` (the text stays empty). Before `LLM(...)` returns, the engine warms up
+(`EngineConfig.warmup`; by default "fast" on CUDA with Triton, "none" elsewhere).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str | None = None, device: str | None = None,
                  weight_format: str = "bf16", tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, data_parallel_size: int = 1,
-                 load_format: str = "auto", **engine_args: Any) -> None:
+                 load_format: str = "auto", load_balance_method: str = "shortest_queue",
+                 **engine_args: Any) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         config = _engine_config(engine_args)
@@ -103,7 +105,8 @@ class LLM:
         if world > 1:
             spec = RankSpec(str(path), dtype, device, check_weight_format(weight_format), config,
                             world, expert_parallel_size > 1, free_init_method(),
-                            data_parallel=data_parallel_size > 1)
+                            data_parallel=data_parallel_size > 1,
+                            load_balance_method=load_balance_method)
             self.engine = DataParallelEngine(spec) if spec.data_parallel else ParallelEngine(spec)
             self.model = self.engine.engine.runner.model  # rank 0's shard
             return

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
+from dsv4.config.server import check_load_balance_method
 from dsv4.distributed.dp import DPGroup, check_dp_attention
 from dsv4.distributed.loading import load_dp_shard, load_shard
 from dsv4.distributed.tp import TPGroup, check_shardable
@@ -90,10 +91,13 @@ class RankSpec:
     expert_parallel: bool
     init_method: str
     data_parallel: bool = False     # DP attention over `world` ranks instead of TP
+    # DP: which rank takes a new request (`engine/dp_router.py`)
+    load_balance_method: str = "shortest_queue"
     nnodes: int = 1                 # nodes the ranks are spread over, `world / nnodes` each
     node_rank: int = 0              # this node; rank 0 (the driver) lives on node 0
 
     def __post_init__(self) -> None:
+        check_load_balance_method(self.load_balance_method)
         if self.nnodes < 1 or self.world % self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} is invalid for {self.world} ranks; allowed: "
                              "a divisor of the number of ranks")

@@ -129,7 +129,8 @@ def rank_spec(config: ServerConfig) -> RankSpec:
     return RankSpec(config.model, config.dtype, config.device, config.weight_format,
                     config.engine_config, ranks, config.ep_size > 1, init,
                     data_parallel=config.dp_size > 1, nnodes=config.nnodes,
-                    node_rank=config.node_rank)
+                    node_rank=config.node_rank,
+                    load_balance_method=config.load_balance_method)
 
 
 def build_engine(config: ServerConfig) -> LLMEngine | ParallelEngine:
