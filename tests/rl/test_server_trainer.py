@@ -3,12 +3,14 @@ evaluations go to a real `dsv4 serve --enable-return-routing` on loopback, its w
 a gloo weight-update group after every step, logs the local run's records on dsv4-tiny: the same
 samples and rewards at every step (so the pushed weights are the trainer's), losses and drift to
 fp32 summation order (the server batches on its own), and the same final policy to 1e-5; through a
-`--batch-invariant` server a true-on-policy run's drift is exactly 0. A server that runs other
-knobs than the run's engine would is refused by name before any group forms."""
+`--batch-invariant` server a true-on-policy run's drift is exactly 0. A server killed mid-run is
+dropped and the run goes on unchanged. A server that runs other knobs than the run's engine would
+is refused by name before any group forms."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,29 @@ def test_a_resumed_servers_run_continues_the_run(srv: ServerProcess, local_run: 
     assert run_placed(_config(out, (srv.url,)), resume=True)[0] == 2
     got = read_records(out)
     assert [r["step"] for r in got] == [0, 1, 2]
+    assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_is_dropped(srv: ServerProcess, local_run: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second of two servers killed (SIGKILL) before step 2's rollout: that rollout's requests
+    go to the first server, which forms the weight group again alone, and the run logs what the
+    undisturbed run logs."""
+    with running_server(tmp_path, "--model", str(default_model_path()),
+                        "--enable-return-routing", "--shutdown-timeout", "2") as doomed:
+        generate = ServerTrainer._generate
+
+        def kill_before_step_2(self: ServerTrainer, *args: Any, **kw: Any) -> Any:
+            if self.step == 1 and doomed.proc.poll() is None:
+                doomed.stop(signal.SIGKILL)
+            return generate(self, *args, **kw)
+
+        monkeypatch.setattr(ServerTrainer, "_generate", kill_before_step_2)
+        out = tmp_path / "run"
+        assert run_placed(_config(out, (srv.url, doomed.url)))[0] == 2
+        assert doomed.proc.returncode == -signal.SIGKILL
+    got = read_records(out)
     assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
 
 

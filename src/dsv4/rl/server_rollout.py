@@ -29,6 +29,14 @@ from dsv4.config.model import ModelConfig
 from dsv4.rl.rollout import Sample, sample_seeds
 
 
+class ServerUnreachable(RuntimeError):
+    """No answer from the server at `url` (refused, reset or timed out): it is gone, or going."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
 def sample_token_ids_http(urls: str | Sequence[str], config: ModelConfig,
                           prompt_ids: list[list[int]], group_size: int, temperature: float,
                           max_tokens: int, seed: int, first_group: int = 0, *,
@@ -37,8 +45,9 @@ def sample_token_ids_http(urls: str | Sequence[str], config: ModelConfig,
                           weight_version: str | None = None) -> list[Sample]:
     """`rollout.sample_token_ids` through the server(s) at `urls` (no tokenizer, no task:
     `prompt` None, `text` the server's), the groups spread over the servers (`assign_servers`);
-    raises RuntimeError naming the server and its error, or (`weight_version` given) a sample
-    made with weights of another label (synchronous on-policy RL)."""
+    raises RuntimeError naming the server and its error (`ServerUnreachable` for one that does not
+    answer), or (`weight_version` given) a sample made with weights of another label
+    (synchronous on-policy RL)."""
     servers = [urls] if isinstance(urls, str) else list(urls)
     if not servers:
         raise ValueError("urls=[] is invalid; allowed: one server URL or more")
@@ -112,8 +121,8 @@ async def _post_all(url: str, bodies: list[dict[str, Any]], headers: dict[str, s
         async with gate:
             try:
                 r = await http.post("/generate", json=body)
-            except httpx.HTTPError as e:
-                raise RuntimeError(f"{url}/generate failed: {e!r}") from e
+            except httpx.TransportError as e:
+                raise ServerUnreachable(url, f"{url}/generate failed: {e!r}") from e
         if r.status_code != 200:
             raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")
         out: dict[str, Any] = r.json()

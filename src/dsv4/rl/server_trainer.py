@@ -7,7 +7,9 @@ groups dealt over the servers, each sample checked to come from the latest pushe
 `_greedy` the held-out answers through `greedy_token_ids_http`, and `sync` pushes the fp32 policy
 into every server over one weight-update group (`RolloutServers`). The servers are apart from
 the trainer (their own processes and devices), so no memory is released around the trainer's
-step.
+step. A server that stops answering during a rollout or an evaluation is dropped: the others form
+the group again and take its requests (the same samples: they depend on their seeds and the
+weights alone); one that dies during a push stops the run, which `--resume` continues.
 
 `RolloutServers` is the trainer's side of SGLang's weight-update protocol
 (`server/weight_update.py`): it checks each server once (`/get_server_info`: routing capture on,
@@ -28,9 +30,9 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import httpx
@@ -44,11 +46,17 @@ from dsv4.rl.config import RLConfig
 from dsv4.rl.objective import formulation_mode
 from dsv4.rl.rewards import Prompt
 from dsv4.rl.rollout import Sample, label_samples, prompt_token_ids
-from dsv4.rl.server_rollout import greedy_token_ids_http, sample_token_ids_http
+from dsv4.rl.server_rollout import (
+    ServerUnreachable,
+    greedy_token_ids_http,
+    sample_token_ids_http,
+)
 from dsv4.rl.trainer import RLTrainer
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
+
+T = TypeVar("T")
 
 GROUP_TIMEOUT_S = 600.0
 """A weight-update collective waiting longer than this raises (a server died mid-push)."""
@@ -110,6 +118,19 @@ class RolloutServers:
                 _results(posts)
         return label, sent
 
+    def drop(self, url: str) -> None:
+        """Go on without the server at `url` (it stopped answering): the group formed again with
+        the others, which hold the current weights already. Raises RuntimeError when none is
+        left."""
+        self.urls.remove(url)
+        if not self.urls:
+            raise RuntimeError(f"rollout server {url} stopped answering and no other is left")
+        logger.warning("rollout server %s stopped answering: going on with %d other(s)", url,
+                       len(self.urls))
+        self.close()
+        self.group_name = f"dsv4-rl-{uuid.uuid4().hex[:8]}"
+        self.open()
+
     def close(self) -> None:
         """Destroy the group on every server (best effort: a server may be gone)."""
         if self.group is None:
@@ -155,16 +176,26 @@ class ServerTrainer(RLTrainer):
 
     def _generate(self, prompts: list[Prompt], seed: int, first_group: int) -> list[Sample]:
         c = self.config
-        samples = sample_token_ids_http(self.servers.urls, self.policy.config,
-                                        prompt_token_ids(self.tokenizer, prompts), c.group_size,
-                                        c.temperature, c.max_tokens, seed, first_group,
-                                        weight_version=self.label)
+        ids = prompt_token_ids(self.tokenizer, prompts)
+        samples = self._retrying(lambda urls: sample_token_ids_http(
+            urls, self.policy.config, ids, c.group_size, c.temperature, c.max_tokens, seed,
+            first_group, weight_version=self.label))
         return label_samples(samples, self.tokenizer, prompts, first_group)
 
     def _greedy(self, prompts: list[Prompt]) -> list[str]:
-        outs = greedy_token_ids_http(self.servers.urls, prompt_token_ids(self.tokenizer, prompts),
-                                     self.config.max_tokens)
-        return [self.tokenizer.decode(ids) for ids in outs]
+        ids = prompt_token_ids(self.tokenizer, prompts)
+        outs = self._retrying(lambda urls: greedy_token_ids_http(urls, ids,
+                                                                 self.config.max_tokens))
+        return [self.tokenizer.decode(out) for out in outs]
+
+    def _retrying(self, call: Callable[[list[str]], T]) -> T:
+        """`call(the servers' URLs)`, again without a server that stopped answering (its
+        requests re-dealt: samples depend on their seeds and the weights alone)."""
+        while True:
+            try:
+                return call(list(self.servers.urls))
+            except ServerUnreachable as e:
+                self.servers.drop(e.url)
 
     def _release(self) -> int:
         return 0                          # the servers hold their own memory
