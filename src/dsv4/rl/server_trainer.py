@@ -17,7 +17,10 @@ and the dtype, weight format, kernel backend and invariant modes the run's own e
 `RLTrainer.engine_config`), forms the group with the trainer as rank 0 and server i as rank
 i + 1 (`/init_weights_update_group`; gloo on the CPU, NCCL on CUDA), then per push posts
 `/update_weights_from_distributed` to every server for each bucket of `sync_bucket_mb` MiB while
-broadcasting its tensors, labelled with the push count. `close` destroys the group.
+broadcasting its tensors, labelled with the push count. `close` destroys the group. A server that
+refused to join or to take a bucket would leave the trainer's collective waiting until
+`GROUP_TIMEOUT_S`; the check refuses mismatched servers before any group forms, and the buckets
+name the policy's own tensors (a server must serve the run's checkpoint).
 
 A run with servers computes what the local run computes, up to the servers' batching: the same
 prompts, seeds and weights; log-probs agree to fp32 summation order unless the servers run the
