@@ -63,3 +63,24 @@ def test_bad_method_names_the_field() -> None:
         RankSpec("m", "float32", "cpu", "bf16", ServerConfig(model="m").engine_config, 2, False,
                  "tcp://",
                  data_parallel=True, load_balance_method="x")
+
+
+def test_serve_flags_reach_the_configs() -> None:
+    """`dsv4 serve` flags of this module's and the RL servers' knobs reach the server config,
+    the engine config and the DP ranks' spec."""
+    from dsv4.cli.main import build_parser
+    from dsv4.cli.serve import build_config
+    from dsv4.server.engine_process import rank_spec
+
+    args = build_parser().parse_args([
+        "serve", "--device", "cpu", "--dp-size", "2", "--load-balance-method", "cache_aware",
+        "--batch-invariant", "--shared-expert-beside-max-tokens", "4"])
+    config = build_config(args)
+    assert config.load_balance_method == "cache_aware"
+    assert rank_spec(config).load_balance_method == "cache_aware"
+    engine = config.engine_config
+    assert engine.batch_invariant and engine.shared_expert_beside_max_tokens == 4
+    default = build_config(build_parser().parse_args(["serve", "--device", "cpu"]))
+    assert default.load_balance_method == "shortest_queue"
+    assert not default.engine_config.batch_invariant
+    assert default.engine_config.shared_expert_beside_max_tokens is None
