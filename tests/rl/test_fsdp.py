@@ -7,7 +7,8 @@ pieces and is checked equal to it bit for bit). Two gloo ranks shard a fresh pol
 (`shard_policy`), each steps on its slice (`split_batch`, `fsdp_rl_step`), and the loss, the
 statistics and every updated parameter (`full_tensor()`) equal the single process's to 1e-6, for
 GRPO ("sample" aggregation, TIS, entropy bonus, an even 2/2 split), DAPO ("token" aggregation,
-MIS, k3 KL to a reference, 2/2) and GRPO on an uneven 2/1 split.
+MIS, k3 KL to a reference, 2/2), GRPO on an uneven 2/1 split, and GRPO with activation
+checkpointing per block (which changes no bit of the single-process step).
 
 Why those cases run the true on-policy numerics (a batch-invariant forward): the first AdamW
 step moves each weight by lr * g / (|g| + 1e-8), so where a gradient element is near 1e-8 its
@@ -60,6 +61,8 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "grpo-uneven": ({"algo": "grpo", "tis": 2.0, "entropy_coef": 0.01,
                      "true_on_policy": True}, 3),
     "grpo-default": ({"algo": "grpo", "tis": 2.0, "entropy_coef": 0.01}, 4),
+    "grpo-ac": ({"algo": "grpo", "tis": 2.0, "entropy_coef": 0.01, "true_on_policy": True,
+                 "activation_checkpointing": True}, 4),
 }
 # max |updated parameter difference|: 1e-6 with the batch-invariant forward, half of an Adam
 # step (lr / 2) with the default one (see the module docstring).
@@ -190,6 +193,16 @@ def test_two_ranks_equal_one_process(runs: dict[str, Any], case: str) -> None:
     if runs["cases"][case][0].true_on_policy:       # the trainer's log-probs are the engine's
         assert one["drift_tokens"] == two["drift_tokens"] == 0
         assert one[DRIFT_AT] == two[DRIFT_AT] == -1
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_changes_no_bit(runs: dict[str, Any]) -> None:
+    """Blocks recomputed in the backward: the single-process step's record and updated weights
+    are those without activation checkpointing, bit for bit (the two-rank run of "grpo-ac"
+    equals it as the other cases do)."""
+    (ac, ac_params), (plain, plain_params) = runs["one"]["grpo-ac"], runs["one"]["grpo"]
+    assert ac == plain
+    assert all(torch.equal(ac_params[n], p) for n, p in plain_params.items())
 
 
 @pytest.mark.slow

@@ -57,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "rollout actor; bucketed weight broadcast): needs dsv4[rl] (Ray) | "
                         "servers (rollouts on running `dsv4 serve --enable-return-routing` "
                         "instances: --rollout-url)")
+    r.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in the trainer's backward (less "
+                        "memory, a second forward; the same values)")
     r.add_argument("--rollout-url", dest="rollout_urls", action="append", default=[],
                    metavar="URL", help="a rollout server of --placement servers (repeat for "
                                        "several; whole groups are dealt over them)")
@@ -99,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
     return RLConfig(model=str(model), out_dir=str(args.out), mis=_mis(args.mis),
                     replay=args.replay, true_on_policy=args.true_on_policy,
                     kernel_values=not args.no_kernel_values, placement=args.placement,
-                    rollout_urls=tuple(args.rollout_urls), **fields)
+                    rollout_urls=tuple(args.rollout_urls),
+                    activation_checkpointing=args.activation_checkpointing, **fields)
 
 
 def run_rl(args: argparse.Namespace) -> int:

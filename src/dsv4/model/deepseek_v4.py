@@ -9,13 +9,17 @@ stacked.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import cast
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dsv4.config.model import ModelConfig
+from dsv4.kernels.ref.batch_invariant import batch_invariant
+from dsv4.kernels.ref.batch_invariant import is_active as batch_invariant_active
 from dsv4.model.block import Block
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import INFERENCE, ForwardMode, Replay
@@ -118,7 +122,11 @@ class DeepSeekV4ForCausalLM(nn.Module):
         tables = self.rope_tables(input_ids.shape[1], input_ids.device)
         for layer in self.layers:
             cos, sin = tables["main" if layer.attn_type == "swa" else "compress"]
-            x = layer(x, input_ids, cos, sin, mode=mode)
+            if mode.checkpoint_blocks:      # its activations recomputed in the backward
+                x = checkpoint(layer, x, input_ids, cos, sin, mode=mode, use_reentrant=False,
+                               context_fn=_recompute_contexts)
+            else:
+                x = layer(x, input_ids, cos, sin, mode=mode)
         return x
 
     def check_replay(self, input_ids: torch.Tensor, replay: Replay) -> None:
@@ -235,6 +243,15 @@ class DeepSeekV4ForCausalLM(nn.Module):
         mtp: MTPBlock = self.mtp[depth]  # type: ignore[assignment]
         hidden = mtp.hidden(streams, self.embed(next_ids), next_ids, cos, sin, mode)
         return self.logits(hidden)
+
+
+def _recompute_contexts() -> tuple[contextlib.AbstractContextManager[None],
+                                   contextlib.AbstractContextManager[None]]:
+    """A checkpointed block's (forward, recompute) contexts, chosen at its forward: the recompute
+    runs under the batch-invariant ops when the forward did (the backward runs outside the
+    trainer's `numerics()` context), so it recomputes the forward's bits."""
+    recompute = batch_invariant() if batch_invariant_active() else contextlib.nullcontext()
+    return contextlib.nullcontext(), recompute
 
 
 def num_params(config: ModelConfig) -> int:

@@ -69,7 +69,11 @@ class ForwardMode:
     window + every entry of the context for HCA) so that a query's softmax does not depend on the
     sequence length: with `batch_invariant()` matmuls this is the computation of the engine's
     `batch_invariant` mode, token for token (true on-policy RL). `values`: the kernels that give
-    the forward values (module docstring), None for the formulations' own."""
+    the forward values (module docstring), None for the formulations' own. `checkpoint_blocks`:
+    activation checkpointing per block (`torch.utils.checkpoint`, non-reentrant): a block keeps
+    only its input for the backward and recomputes its activations there, so a backward holds
+    one block's activations at a time for a second forward's compute; the same values and
+    gradients (the forward is deterministic)."""
 
     name: str
     attention: AttentionForm
@@ -77,6 +81,11 @@ class ForwardMode:
     replay: Replay | None = field(default=None, compare=False)
     fixed_widths: bool = False
     values: KernelOps | None = field(default=None, compare=False)
+    checkpoint_blocks: bool = False
+
+    def with_checkpointing(self, on: bool) -> ForwardMode:
+        """This mode with activation checkpointing per block on or off."""
+        return replace(self, checkpoint_blocks=on)
 
     def with_values(self, ops: KernelOps | None) -> ForwardMode:
         """This mode with forward values from `ops` (None: the formulations' own)."""

@@ -18,7 +18,7 @@ ALGOS: tuple[str, ...] = ("grpo", "dapo")
 REPLAYS: tuple[str, ...] = ("none", "routing", "routing,indexer")
 PLACEMENTS: tuple[str, ...] = ("local", "colocated", "disaggregated", "servers")
 INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call", "placement",
-                     "sync_bucket_mb", "save_every", "rollout_urls")
+                     "sync_bucket_mb", "save_every", "rollout_urls", "activation_checkpointing")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,10 @@ class RLConfig(RunConfig):
     and its gradients from `formulation` (`model/kernel_values.py`); both sides run launch plans
     that do not depend on the token count (`EngineConfig.invariant_plans`). False: the
     formulation's own values, which agree with the kernels only to summation order.
-    `kl_coef`: k3 KL to the frozen initial policy.
+    `kl_coef`: k3 KL to the frozen initial policy. `activation_checkpointing`: the trainer's
+    forward keeps only each block's input and recomputes the block in the backward
+    (`ForwardMode.checkpoint_blocks`): less activation memory for a second forward, the same
+    values and gradients.
     `eval_every` steps, held-out greedy accuracy on `eval_per_level` problems per level.
     `save_every` steps (and at the end, and where the time limit stops the run), `state.pt` is
     written atomically: a trainer killed at any point resumes (`--resume`) from the last one and,
@@ -99,6 +102,7 @@ class RLConfig(RunConfig):
     placement: str = "local"
     sync_bucket_mb: float = 256.0
     rollout_urls: tuple[str, ...] = ()
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.true_on_policy is None:     # resolved once, so rl_config.json records the value

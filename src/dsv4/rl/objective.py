@@ -34,8 +34,10 @@ def sequence_logprobs(model: DeepSeekV4ForCausalLM, inputs: torch.Tensor, target
 
 
 def formulation_mode(config: RLConfig) -> ForwardMode:
-    """The trainer's full-sequence mode for `config.formulation`, without kernel values."""
-    return INFERENCE if config.formulation == "serving" else TRAINING
+    """The trainer's full-sequence mode for `config.formulation` (activation checkpointing per
+    block with `activation_checkpointing`), without kernel values."""
+    mode = INFERENCE if config.formulation == "serving" else TRAINING
+    return mode.with_checkpointing(config.activation_checkpointing)
 
 
 @contextlib.contextmanager
