@@ -2,7 +2,8 @@
 evaluations go to a real `dsv4 serve --enable-return-routing` on loopback, its weights pushed over
 a gloo weight-update group after every step, logs the local run's records on dsv4-tiny: the same
 samples and rewards at every step (so the pushed weights are the trainer's), losses and drift to
-fp32 summation order (the server batches on its own), and the same final policy to 1e-5; through a
+fp32 summation order (the server batches on its own), and the same final policy to 1e-5, also when
+the server releases its memory around each step (`rollout_colocated`); through a
 `--batch-invariant` server a true-on-policy run's drift is exactly 0. A server killed mid-run is
 dropped and the run goes on unchanged. A server that runs other knobs than the run's engine would
 is refused by name before any group forms."""
@@ -22,7 +23,7 @@ import torch
 from dsv4.assets import default_model_path
 from dsv4.rl.config import RLConfig
 from dsv4.rl.placement import run_placed
-from dsv4.rl.server_trainer import ServerTrainer
+from dsv4.rl.server_trainer import RolloutServers, ServerTrainer
 from server.conftest import ServerProcess, running_server
 
 from .records import assert_same_records, read_records
@@ -101,6 +102,29 @@ def test_a_resumed_servers_run_continues_the_run(srv: ServerProcess, local_run: 
     got = read_records(out)
     assert [r["step"] for r in got] == [0, 1, 2]
     assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
+
+
+@pytest.mark.slow
+def test_colocated_servers_release_their_memory_around_each_step(
+        srv: ServerProcess, local_run: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rollout_colocated`: the server frees its KV pools before each optimizer step and
+    allocates them again before the push (its replies say so), and the run is the local run."""
+    replies: list[str] = []
+    release = RolloutServers.release
+
+    def recorded(self: RolloutServers, resume: bool = False) -> list[str]:
+        replies.extend(release(self, resume))
+        return replies[-len(self.urls):]
+
+    monkeypatch.setattr(RolloutServers, "release", recorded)
+    out = tmp_path / "run"
+    run_placed(_config(out, (srv.url,), rollout_colocated=True))
+    assert [r.split()[0] for r in replies] == ["released", "KV"] * 2, replies
+    assert all("resumed" in r for r in replies[1::2])
+    assert_same_records(read_records(out), read_records(local_run), UNCOMPARED, EXACT, 1e-5)
+    with pytest.raises(ValueError, match="rollout_colocated=True with placement='local'"):
+        _config(tmp_path / "bad", rollout_colocated=True)
 
 
 @pytest.mark.slow

@@ -60,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in the trainer's backward (less "
                         "memory, a second forward; the same values)")
+    r.add_argument("--rollout-colocated", action="store_true",
+                   help="--placement servers on the trainer's devices: the servers release "
+                        "their KV pools while the trainer steps")
     r.add_argument("--rollout-url", dest="rollout_urls", action="append", default=[],
                    metavar="URL", help="a rollout server of --placement servers (repeat for "
                                        "several; whole groups are dealt over them)")
@@ -103,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                     replay=args.replay, true_on_policy=args.true_on_policy,
                     kernel_values=not args.no_kernel_values, placement=args.placement,
                     rollout_urls=tuple(args.rollout_urls),
+                    rollout_colocated=args.rollout_colocated,
                     activation_checkpointing=args.activation_checkpointing, **fields)
 
 

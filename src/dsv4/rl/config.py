@@ -18,7 +18,8 @@ ALGOS: tuple[str, ...] = ("grpo", "dapo")
 REPLAYS: tuple[str, ...] = ("none", "routing", "routing,indexer")
 PLACEMENTS: tuple[str, ...] = ("local", "colocated", "disaggregated", "servers")
 INVOCATION_FIELDS = ("out_dir", "device", "time_limit_s", "max_steps_this_call", "placement",
-                     "sync_bucket_mb", "save_every", "rollout_urls", "activation_checkpointing")
+                     "sync_bucket_mb", "save_every", "rollout_urls", "rollout_colocated",
+                     "activation_checkpointing")
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,10 @@ class RLConfig(RunConfig):
     `sync_bucket_mb` MiB), or "servers" (the trainer in this process, the rollouts and
     evaluations on running `dsv4 serve --enable-return-routing` instances at `rollout_urls`,
     whole groups dealt over them, the weights pushed to them over a weight-update group after
-    every step: `rl/server_trainer.py`). Where the run executes does not change what it computes,
-    so these may change on resume."""
+    every step: `rl/server_trainer.py`; `rollout_colocated`: the servers share the trainer's
+    devices, so their KV pools and CUDA graphs are released while the trainer steps, as in Miles'
+    colocated mode). Where the run executes does not change what it computes, so these may change
+    on resume."""
 
     INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
@@ -102,6 +105,7 @@ class RLConfig(RunConfig):
     placement: str = "local"
     sync_bucket_mb: float = 256.0
     rollout_urls: tuple[str, ...] = ()
+    rollout_colocated: bool = False
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -153,6 +157,10 @@ class RLConfig(RunConfig):
             raise ValueError(f"rollout_urls={list(self.rollout_urls)} with placement="
                              f"{self.placement!r} is invalid; allowed: placement 'servers' with "
                              "one server URL or more, no URLs with the other placements")
+        if self.rollout_colocated and self.placement != "servers":
+            raise ValueError(f"rollout_colocated=True with placement={self.placement!r} is "
+                             "invalid; allowed: placement 'servers' (the 'local' and "
+                             "'colocated' placements release their own engine's memory)")
         if not self.sync_bucket_mb > 0:
             raise ValueError(f"sync_bucket_mb={self.sync_bucket_mb} is invalid; allowed: > 0")
 

@@ -5,11 +5,12 @@ evaluations on running `dsv4 serve` instances, as Miles drives SGLang servers.
 samples through `server_rollout.sample_token_ids_http` (the in-process rollout's seeds, whole
 groups dealt over the servers, each sample checked to come from the latest pushed weights),
 `_greedy` the held-out answers through `greedy_token_ids_http`, and `sync` pushes the fp32 policy
-into every server over one weight-update group (`RolloutServers`). The servers are apart from
-the trainer (their own processes and devices), so no memory is released around the trainer's
-step. A server that stops answering during a rollout or an evaluation is dropped: the others form
-the group again and take its requests (the same samples: they depend on their seeds and the
-weights alone); one that dies during a push stops the run, which `--resume` continues.
+into every server over one weight-update group (`RolloutServers`). The servers run in their own
+processes; unless `rollout_colocated` says they share the trainer's devices (below), no memory is
+released around the trainer's step. A server that stops answering during a rollout or an
+evaluation is dropped: the others form the group again and take its requests (the same samples:
+they depend on their seeds and the weights alone); one that dies during a push stops the run,
+which `--resume` continues.
 
 `RolloutServers` is the trainer's side of SGLang's weight-update protocol
 (`server/weight_update.py`): it checks each server once (`/get_server_info`: routing capture on,
@@ -20,7 +21,10 @@ i + 1 (`/init_weights_update_group`; gloo on the CPU, NCCL on CUDA), then per pu
 broadcasting its tensors, labelled with the push count. `close` destroys the group. A server that
 refused to join or to take a bucket would leave the trainer's collective waiting until
 `GROUP_TIMEOUT_S`; the check refuses mismatched servers before any group forms, and the buckets
-name the policy's own tensors (a server must serve the run's checkpoint).
+name the policy's own tensors (a server must serve the run's checkpoint). With
+`rollout_colocated` (servers on the trainer's devices) every server releases its KV pools and
+CUDA graphs before the trainer's step and allocates them again before the push
+(`/release_memory_occupation`, `/resume_memory_occupation`).
 
 A run with servers computes what the local run computes, up to the servers' batching: the same
 prompts, seeds and weights; log-probs agree to fp32 summation order unless the servers run the
@@ -121,6 +125,16 @@ class RolloutServers:
                 _results(posts)
         return label, sent
 
+    def release(self, resume: bool = False) -> list[str]:
+        """Every server frees its KV pools and CUDA graphs (`resume`: allocates them again):
+        SGLang's /release_memory_occupation and /resume_memory_occupation; their messages."""
+        path = "/resume_memory_occupation" if resume else "/release_memory_occupation"
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            calls = [pool.submit(self._call, "POST", url, path, {}) for url in self.urls]
+            messages = [str(f.result()["message"]) for f in calls]
+        logger.debug("rollout servers: %s", messages)
+        return messages
+
     def drop(self, url: str) -> None:
         """Go on without the server at `url` (it stopped answering): the group formed again with
         the others, which hold the current weights already. Raises RuntimeError when none is
@@ -201,10 +215,15 @@ class ServerTrainer(RLTrainer):
                 self.servers.drop(e.url)
 
     def _release(self) -> int:
-        return 0                          # the servers hold their own memory
+        """Colocated servers free their KV pools while the trainer steps (they report the bytes
+        in their replies; this process frees none)."""
+        if self.config.rollout_colocated:
+            self.servers.release()
+        return 0
 
     def _resume(self) -> None:
-        pass
+        if self.config.rollout_colocated:
+            self.servers.release(resume=True)
 
     def sync(self) -> int:
         self.label, sent = self.servers.push(self.policy.state_dict(),
