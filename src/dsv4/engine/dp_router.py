@@ -51,8 +51,9 @@ class PrefixRouter:
         assert len(load) == len(self.views), "one load per rank"
         chain = self.chain(prompt_ids)
         least = shortest_queue(load)
-        best = max(range(len(load)), key=lambda r: (self.matched(chain, r), -load[r], -r))
-        hit = self.matched(chain, best) > 0 and load[best] - load[least] <= BALANCE_SLACK
+        pages = [self.matched(chain, r) for r in range(len(load))]
+        best = max(range(len(load)), key=lambda r: (pages[r], -load[r], -r))
+        hit = pages[best] > 0 and load[best] - load[least] <= BALANCE_SLACK
         rank = best if hit else least
         self._record(chain, rank)
         return rank

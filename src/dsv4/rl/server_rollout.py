@@ -48,9 +48,7 @@ def sample_token_ids_http(urls: str | Sequence[str], config: ModelConfig,
     raises RuntimeError naming the server and its error (`ServerUnreachable` for one that does not
     answer), or (`weight_version` given) a sample made with weights of another label
     (synchronous on-policy RL)."""
-    servers = [urls] if isinstance(urls, str) else list(urls)
-    if not servers:
-        raise ValueError("urls=[] is invalid; allowed: one server URL or more")
+    servers = _server_list(urls)
     jobs = sample_seeds(prompt_ids, group_size, seed, first_group)
     indexer = "csa" in config.attn_types
     bodies = [{"input_ids": ids, "return_logprob": True, "return_routed_experts": True,
@@ -77,15 +75,20 @@ def greedy_token_ids_http(urls: str | Sequence[str], prompt_ids: list[list[int]]
                           timeout_s: float = 600.0) -> list[list[int]]:
     """Greedy completions (output token ids) of `prompt_ids` through the server(s) at `urls`,
     one prompt per request, dealt round-robin; in order."""
-    servers = [urls] if isinstance(urls, str) else list(urls)
-    if not servers:
-        raise ValueError("urls=[] is invalid; allowed: one server URL or more")
+    servers = _server_list(urls)
     bodies = [{"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens,
                                                      "temperature": 0.0}} for ids in prompt_ids]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     where = assign_servers(list(range(len(bodies))), len(servers))
     outs = asyncio.run(_post_everywhere(servers, where, bodies, headers, None, timeout_s))
     return [list(out["output_ids"]) for out in outs]
+
+
+def _server_list(urls: str | Sequence[str]) -> list[str]:
+    servers = [urls] if isinstance(urls, str) else list(urls)
+    if not servers:
+        raise ValueError("urls=[] is invalid; allowed: one server URL or more")
+    return servers
 
 
 def assign_servers(groups: list[int], num_servers: int) -> list[int]:

@@ -179,7 +179,8 @@ class ServerTrainer(RLTrainer):
     def __init__(self, config: RLConfig) -> None:   # no super(): no engine in this process
         self._init_policy(config)
         c = self.config
-        self.ops: KernelOps | None = (create_kernels(c.kernel_backend, True)  # type: ignore[arg-type]
+        backend = c.kernel_backend
+        self.ops: KernelOps | None = (create_kernels(backend, True)  # type: ignore[arg-type]
                                       if c.values_from_kernels else None)
         self.servers = RolloutServers(c.rollout_urls, self.device)
         self.servers.check(server_knobs(c))

@@ -1,7 +1,7 @@
 """The processes of the Ray placements (`rl/placement.py`): what each actor holds and runs.
 
-* `TrainerWorker` (disaggregated): the policy half of `RLTrainer`, built as `RLTrainer.__init__`
-  builds it (fp32 policy, compute copy, KL reference, AdamW; no engine). `optimize` is
+* `TrainerWorker` (disaggregated): the policy half of `RLTrainer`, built by its `_init_policy`
+  (fp32 policy, compute copy, KL reference, AdamW; no engine). `optimize` is
   `RLTrainer._optimize`; `push_weights` broadcasts the fp32 policy (what `RLTrainer.sync` hands
   its engine) as rank 0 of the weight-sync group (`rl/bucket_sync.py`).
 * `RolloutWorker` (disaggregated): the engine half (task, tokenizer, `LLMEngine` from
@@ -27,7 +27,6 @@ Test: `pytest tests/rl/test_placement.py`.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,17 +85,9 @@ class TrainerWorker(RLTrainer):
     of its state dict."""
 
     def __init__(self, config: RLConfig) -> None:   # no super(): the engine half is not built
-        self.config = c = config
-        _init_process(c)
-        self.run_dir = Path(c.out_dir)
-        self.device = torch.device(c.device)
-        self.policy = load_model(Path(c.model), dtype="float32", device=self.device).train()
-        self.compute = (self.policy if c.dtype == "float32"
-                        else copy.deepcopy(self.policy).cast_(torch.bfloat16))
-        self.reference = copy.deepcopy(self.policy).eval() if c.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=c.lr,
-                                           weight_decay=c.weight_decay, betas=(0.9, 0.999))
-        self.step, self.elapsed_s = 0, 0.0
+        _init_process(config)
+        self._init_policy(config)
+        c = self.config
         self.ops = (create_kernels(c.kernel_backend, True)  # type: ignore[arg-type]
                     if c.values_from_kernels else None)
         self.plan = plan_buckets(self.policy.state_dict(), c.sync_bucket_bytes)
