@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_geometry import micro_blocks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -30,6 +31,7 @@ from dsv4.distributed.loading import load_dp_shard_with_report, load_shard, load
 from dsv4.distributed.tp import TPGroup, shard_model
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import load_model
+from dsv4.model.quant_linear import QuantLinear
 from dsv4.model.state_dict_adapter import to_hf_state_dict
 from dsv4.model.weights import CheckpointError, official_state_dict, shard_files
 
@@ -48,8 +50,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_file({k: v.contiguous() for k, v in official.items() if k.startswith("mtp.")},
               str(hf / "mtp.safetensors"))
     shutil.copy(root / "micro" / "config.json", hf / "config.json")
+    write_checkpoint(micro_blocks(), root / "blocks", seed=4, weight_quant="fp8+fp4",
+                     tokenizer=False)
     return {"micro": root / "micro", "micro-fp8-fp4": root / "micro-fp8-fp4",
-            "micro-hf": hf, "tiny": default_model_path()}
+            "micro-hf": hf, "tiny": default_model_path(), "blocks": root / "blocks"}
 
 
 def tensors(model: DeepSeekV4ForCausalLM) -> dict[str, torch.Tensor]:
@@ -93,7 +97,8 @@ def test_shard_equals_load_then_shard(checkpoints: dict[str, Path], name: str, d
 @pytest.mark.parametrize("ep", [False, True])
 @pytest.mark.parametrize(("name", "dtype", "fmt"), [
     ("micro", "float32", "bf16"), ("micro-hf", "float32", "bf16"),
-    ("micro-fp8-fp4", "float32", "checkpoint"), ("tiny", "bfloat16", "checkpoint")])
+    ("micro-fp8-fp4", "float32", "checkpoint"), ("tiny", "bfloat16", "checkpoint"),
+    ("blocks", "float32", "checkpoint")])
 def test_dp_shard_equals_load_then_enable(checkpoints: dict[str, Path], name: str, dtype: str,
                                           fmt: str, ep: bool) -> None:
     """Under DP attention each rank's `load_dp_shard` holds what `enable_dp_attention` makes of
@@ -121,7 +126,8 @@ def test_dp_shard_equals_load_then_enable(checkpoints: dict[str, Path], name: st
             assert local.start == rank * local.count == rank * got.config.n_routed_experts // 2
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("micro-fp8-fp4", "float32"), ("tiny", "bfloat16")])
+@pytest.mark.parametrize(("name", "dtype"), [("micro-fp8-fp4", "float32"), ("tiny", "bfloat16"),
+                                             ("blocks", "float32")])
 def test_expert_parallel_shard_keeps_checkpoint_format(checkpoints: dict[str, Path], name: str,
                                                       dtype: str) -> None:
     """EP 2 with the experts kept as FP4 codes: `load_shard` equals load-then-shard, each rank
@@ -141,6 +147,55 @@ def test_expert_parallel_shard_keeps_checkpoint_format(checkpoints: dict[str, Pa
         assert type(local).__name__ == "LocalQuantExperts" and local.start == rank * local.count
         assert local.w13.shape[0] == got.config.n_routed_experts // 2
         assert report.bytes_read <= report.checkpoint_bytes - experts // 2
+
+
+def named_bytes(path: Path, ends: tuple[str, ...]) -> int:
+    """Bytes of the checkpoint's non-expert tensors (codes and scales alike) whose name, or module
+    name, ends with one of `ends`."""
+    total = 0
+    for file in shard_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size()
+                         for k in f.keys()
+                         if (k.endswith(ends) or k.rsplit(".", 1)[0].endswith(ends))
+                         and ".experts." not in k)
+    return total
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["tp2-ep2", "dp2-ep2"])
+def test_fp8_linears_cut_on_scale_blocks_stay_fp8(checkpoints: dict[str, Path], dp: bool) -> None:
+    """On a geometry whose cuts are whole 128x128 blocks (as V4-Flash's), every FP8 linear of the
+    full load is still FP8 codes in each rank's shard: a cut one holds half its codes and
+    scales, and decodes exactly to the full weight's cut; the rank reads half of those linears'
+    bytes (the official layout's codes and scales, less a rounding of the scale rows)."""
+    path = checkpoints["blocks"]
+    full = load_model(path, "float32", progress=False, weight_format="checkpoint")
+    dense = {n: m.dequantized(torch.float32) for n, m in full.named_modules()
+             if isinstance(m, QuantLinear)}
+    cut = ("shared_experts.w1", "shared_experts.w2", "shared_experts.w3")
+    if not dp:
+        cut += ("attn.wq_b", "attn.wo_a", "attn.wo_b")
+    for rank in range(2):
+        group = TPGroup(rank, 2)
+        got, report = (load_dp_shard_with_report(path, "float32", "cpu", group, True, "checkpoint")
+                       if dp else load_shard_with_report(path, "float32", "cpu", group, True,
+                                                         "checkpoint"))
+        kept = {n: m for n, m in got.named_modules() if isinstance(m, QuantLinear)}
+        assert set(kept) == set(dense)
+        halved = 0
+        for name, m in kept.items():
+            want = dense[name]
+            if name.endswith(cut) and ".indexer." not in name:
+                dim = 1 if name.endswith(("wo_b", "w2")) else 0
+                size = want.shape[dim] // 2
+                want = want.narrow(dim, rank * size, size)
+                halved += 1
+            assert torch.equal(m.dequantized(torch.float32), want), name
+        assert halved == len([n for n in dense if n.endswith(cut) and ".indexer." not in n]) > 0
+        split = named_bytes(path, cut) + expert_bytes(path)
+        if not dp:
+            split += named_bytes(path, ("embed", "head", "attn_sink"))
+        assert report.bytes_read == report.checkpoint_bytes - split // 2
 
 
 def test_checkpoint_bytes_are_what_the_full_load_reads(checkpoints: dict[str, Path]) -> None:

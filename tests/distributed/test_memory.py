@@ -15,14 +15,18 @@ import torch
 
 from dsv4 import LLM
 from dsv4.cache.pools import RingState
-from dsv4.checkpoint.presets import micro
+from dsv4.checkpoint.presets import PRESETS, micro
 from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
 from dsv4.distributed.dp import DPGroup
 from dsv4.distributed.loading import load_dp_shard
 from dsv4.distributed.memory import plan_memory
 from dsv4.distributed.tp import TPGroup, shard_model
-from dsv4.model.loader import load_model
+from dsv4.model.loader import empty_model, load_model
+from dsv4.model.quant_linear import QuantLinear, dequantize_linears_
+
+META = torch.device("meta")
 
 
 def nbytes(tensors: object) -> int:
@@ -100,3 +104,23 @@ def test_dry_run_for_cuda_without_a_gpu_or_a_kv_size_is_a_clear_error() -> None:
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 2 and "allowed: --kv-cache-memory-gb" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("preset", "tp_size"), [("flash-4l", 2), ("flash-4l", 4),
+                                                 ("flash-4l", 8), ("flash", 2)])
+def test_v4_flash_cuts_keep_every_fp8_linear(preset: str, tp_size: int) -> None:
+    """V4-Flash's tensor-parallel cuts (TP 2-8, experts by id) are whole 128x128 scale blocks, so
+    every FP8 linear stays FP8 codes on every rank (`QuantLinear.narrow_`), and the plan counts
+    one byte per weight: a rank holds fewer bytes than with the cut linears dequantised."""
+    config = PRESETS[preset]()
+    full = empty_model(config, torch.bfloat16, META, "checkpoint")
+    fp8 = sum(isinstance(m, QuantLinear) for m in full.modules())
+    shard = shard_model(full, TPGroup(tp_size - 1, tp_size), True)
+    assert sum(isinstance(m, QuantLinear) for m in shard.modules()) == fp8 > 0
+    dense = empty_model(config, torch.bfloat16, META, "checkpoint")
+    dequantize_linears_(dense, torch.bfloat16)
+    dense = shard_model(dense, TPGroup(tp_size - 1, tp_size), True)
+    engine = EngineConfig(max_total_tokens=4096, max_running_requests=1)
+    plan = plan_memory(config, engine, torch.bfloat16, tp_size, True, "checkpoint")[-1]
+    assert plan.weights == nbytes(chain(shard.parameters(), shard.buffers()))
+    assert plan.weights < nbytes(chain(dense.parameters(), dense.buffers()))

@@ -1,9 +1,10 @@
 """One rank of the tensor-parallel equivalence test (`test_tp.py` launches it).
 
-    python tp_worker.py CKPT OUT RANK WORLD STORE [ep]
+    python tp_worker.py CKPT OUT RANK WORLD STORE [ep] [checkpoint]
 
-Loads CKPT (fp32, CPU), shards it for RANK of WORLD (gloo, file store STORE; WORLD 1: no
-process group; `ep`: experts split by id), then runs the full-sequence forward in both
+Loads CKPT (fp32, CPU; `checkpoint`: FP4 experts and FP8 linears kept in their encoding), shards
+it for RANK of WORLD (gloo, file store STORE; WORLD 1: no process group; `ep`: experts split by
+id), then runs the full-sequence forward in both
 formulations and the engine (chunked prefill, a prefix-cache hit, a preemption) on fixed inputs;
 rank 0 saves the logits, tokens and log-probs to OUT."""
 
@@ -20,6 +21,7 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.forward_mode import INFERENCE, TRAINING
 from dsv4.model.loader import load_model
+from dsv4.model.quant_linear import QuantLinear
 
 
 def main() -> None:
@@ -29,12 +31,20 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world)
-    model = shard_model(load_model(ckpt, dtype="float32", device="cpu", progress=False),
-                        TPGroup(rank, world), expert_parallel=sys.argv[6:] == ["ep"])
+    flags = set(sys.argv[6:])
+    assert flags <= {"ep", "checkpoint"}, flags
+    full = load_model(ckpt, dtype="float32", device="cpu", progress=False,
+                      weight_format="checkpoint" if "checkpoint" in flags else "bf16")
+    fp8 = sum(isinstance(m, QuantLinear) for m in full.modules())
+    model = shard_model(full, TPGroup(rank, world), expert_parallel="ep" in flags)
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == fp8, "FP8 dequantised"
+    assert "checkpoint" not in flags or fp8 > 0
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(2, model.config.vocab_size, (2, 40), generator=gen)
     with torch.no_grad():
-        logits = {"inference": model(ids, INFERENCE), "training": model(ids, TRAINING)}
+        logits = {"inference": model(ids, INFERENCE)}
+        if "checkpoint" not in flags:     # checkpoint-format experts run the sparse form only
+            logits["training"] = model(ids, TRAINING)
     engine = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=160,
                                            chunked_prefill_size=24, max_running_requests=4))
     prompts = [torch.randint(2, model.config.vocab_size, (n,), generator=gen).tolist()

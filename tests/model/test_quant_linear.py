@@ -4,7 +4,8 @@ On `micro` written in the official layout (FP8 linears, FP4 experts): the load k
 codes and scales byte for byte in `QuantLinear`s exactly where the file has FP8 linears; serving
 (fp32, `ref` backend) gives the greedy tokens and logits of the same checkpoint with its linears
 dequantised; the grouped wo_a product on 128-row groups equals the float einsum; fusion skips
-FP8 groups; tensor parallelism dequantises them before cutting; `update_weights` re-quantises a
+FP8 groups; tensor parallelism cuts whole scale blocks and dequantises a linear cut inside
+one (`narrow_`); `update_weights` re-quantises a
 float weight with the writer's codec; random weights build in the encoding; the compressor
 projections stay the bf16 they are stored in; and the flash-4l geometry's weight bytes (meta
 device) against bf16.
@@ -144,13 +145,42 @@ def test_fusion_stacks_fp8_groups(ckpt: Path) -> None:
     assert fused > 0
 
 
-def test_tensor_parallel_dequantises_the_linears(ckpt: Path) -> None:
+def test_tensor_parallel_dequantises_only_cuts_off_the_blocks(ckpt: Path) -> None:
+    """micro's cut FP8 linears (wq_b: 64 rows per rank, wo_a / wo_b, the shared experts) are not
+    whole 128-wide scale blocks: dequantised exactly, then cut; the replicated ones (wq_a, wkv,
+    the indexer's wq_b) stay FP8 codes."""
     model = load_model(ckpt, dtype="float32", progress=False, weight_format="checkpoint")
     wq_b = _quant_linears(model)["layers.0.attn.wq_b"].dequantized(torch.float32)
+    kept = {n for n in _quant_linears(model) if not n.endswith(("wq_b", "wo_a", "wo_b"))
+            and ".shared_experts." not in n or ".indexer." in n}
     shard = shard_model(model, TPGroup(0, 2), expert_parallel=True)
-    assert not _quant_linears(shard)
+    assert set(_quant_linears(shard)) == kept and kept
     got = shard.get_submodule("layers.0.attn.wq_b").weight
-    assert torch.equal(got, wq_b[:got.shape[0]])
+    assert isinstance(got, nn.Parameter) and torch.equal(got, wq_b[:got.shape[0]])
+
+
+@pytest.mark.parametrize(("dim", "start", "size"), [(0, 128, 128), (1, 0, 128), (0, 256, 44),
+                                                    (1, 128, 72)])
+def test_narrow_keeps_the_codes_of_whole_blocks(dim: int, start: int, size: int) -> None:
+    """A cut of whole scale blocks (the matrix's last partial block included) decodes to exactly
+    the full weight's cut; its split-K counters cover the new rows."""
+    q = QuantLinear(200, 300)
+    q.randomize_(torch.Generator().manual_seed(0))
+    q.scale.copy_(torch.randint(120, 134, q.scale.shape, dtype=torch.uint8))
+    full = q.dequantized(torch.float32)
+    q.narrow_(dim, start, size)
+    assert torch.equal(q.dequantized(torch.float32), full.narrow(dim, start, size))
+    assert (q.out_features, q.in_features) == tuple(q.weight.shape)
+    assert q.counters.shape[0] * 16 >= q.out_features and not q.counters.any()
+
+
+@pytest.mark.parametrize(("dim", "start", "size", "match"), [
+    (0, 64, 128, "whole 128-wide"), (1, 0, 100, "whole 128-wide"), (0, 256, 128, "outside")])
+def test_narrow_refuses_cuts_inside_blocks(dim: int, start: int, size: int, match: str) -> None:
+    q = QuantLinear(200, 300)
+    with pytest.raises(ValueError, match=match):
+        q.narrow_(dim, start, size)
+    assert tuple(q.weight.shape) == (300, 200)
 
 
 def test_update_weights_requantises(ckpt: Path) -> None:

@@ -4,7 +4,8 @@ a gloo weight-update group after every step, logs the local run's records on dsv
 samples and rewards at every step (so the pushed weights are the trainer's), losses and drift to
 fp32 summation order (the server batches on its own), and the same final policy to 1e-5, also when
 the server releases its memory around each step (`rollout_colocated`); through a
-`--batch-invariant` server a true-on-policy run's drift is exactly 0. A server killed mid-run is
+`--batch-invariant` server a true-on-policy run's drift is exactly 0; a `--tp-size 2 --ep-size 2`
+server serves the run as one process does. A server killed mid-run is
 dropped and the run goes on unchanged. A server that runs other knobs than the run's engine would
 is refused by name before any group forms."""
 
@@ -89,6 +90,19 @@ def test_servers_run_equals_the_local_run(srv: ServerProcess, local_run: Path,
     reference = torch.load(local_run / "state.pt", weights_only=True)["policy"]
     for name, t in reference.items():
         torch.testing.assert_close(policy[name], t, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_server_serves_the_run(local_run: Path, tmp_path: Path) -> None:
+    """A `--tp-size 2 --ep-size 2` server (issue 24's rollout engines with TP / EP): its rank 0
+    joins the weight group and hands each rank its part of every push; the run logs the local
+    run's records (the rollouts' routing included, the replay's input)."""
+    with running_server(tmp_path, "--model", str(default_model_path()), "--tp-size", "2",
+                        "--ep-size", "2", "--torch-threads", "1", "--enable-return-routing",
+                        "--shutdown-timeout", "2") as tp:
+        out = tmp_path / "run"
+        assert run_placed(_config(out, (tp.url,)))[0] == 2
+    assert_same_records(read_records(out), read_records(local_run), UNCOMPARED, EXACT, 1e-5)
 
 
 @pytest.mark.slow

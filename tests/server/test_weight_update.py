@@ -234,3 +234,47 @@ def test_release_and_resume_memory(srv: ServerProcess) -> None:
     assert call.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert control(srv, "/continue_generation").status_code == 200
     assert_pools_free(srv.wait_idle(), srv.initial)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_server_takes_pushed_weights(tmp_path: Path,
+                                                      ckpts: dict[str, Path]) -> None:
+    """`dsv4 serve --tp-size 2 --ep-size 2`: rank 0 joins the trainer's group, takes the push and
+    hands each rank its part (`engine/parallel_weights.py`); the greedy tokens and log-probs are
+    then the offline engine's on b, a disk update brings a back; a retracting pause (which both
+    ranks must apply, or their collectives no longer match) and a memory release with its resume
+    leave the served tokens unchanged."""
+    with running_server(tmp_path, "--model", str(ckpts["a"]), "--tp-size", "2", "--ep-size", "2",
+                        "--torch-threads", "1", "--shutdown-timeout", "2") as srv:
+        port = free_port()
+        join = Call(srv, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": "tp", "backend": "gloo"})
+        group = open_group("127.0.0.1", port, 0, 2, "tp", "gloo", timeout_s=60.0)
+        assert join.result().status_code == 200
+        trainer = dict(load_model(ckpts["b"], dtype="float32", device="cpu",
+                                  progress=False).state_dict())
+        push = Call(srv, "/update_weights_from_distributed",
+                    {**spec(trainer, "tp"), "weight_version": "step-1"})
+        send_tensors(group, trainer)
+        r = push.result()
+        assert r.status_code == 200 and r.json()["num_tensors"] == len(trainer), r.text
+        want_ids, want_lps = offline(ckpts["b"])
+        ids, lps = served(srv, "step-1")
+        assert ids == want_ids
+        assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) <= TOL
+
+        call = Call(srv, "/generate", generate_body(300))
+        wait_for(srv, lambda st: st["num_running"] == 1 and st["decode_tokens"] > 0)
+        assert control(srv, "/pause_generation", mode="retract").status_code == 200
+        assert control(srv, "/continue_generation").status_code == 200
+        assert call.result().status_code == 200
+        assert control(srv, "/release_memory_occupation").status_code == 200
+        assert control(srv, "/resume_memory_occupation").status_code == 200
+        assert served(srv, "step-1")[0] == want_ids
+
+        r = httpx.post(f"{srv.url}/update_weights_from_disk", timeout=60.0,
+                       json={"model_path": str(ckpts["a"]), "weight_version": "disk-a"})
+        assert r.status_code == 200 and r.json()["weight_version"] == 2, r.text
+        assert served(srv, "disk-a")[0] == offline(ckpts["a"])[0]
+        assert_pools_free(srv.wait_idle(), srv.initial)

@@ -10,7 +10,7 @@ every `MoE` (the MTP blocks' too) for a `DPMoE`, which
    rank order;
 2. runs the MoE on all gathered tokens: experts replicated, or with `expert_parallel` split by id
    (`tp.LocalExperts`, `tp.LocalQuantExperts` for checkpoint-format experts; the shared expert's
-   intermediate dim split, its FP8 linears dequantised first as tensor parallelism does) and the
+   intermediate dim split, its FP8 linears cut as tensor parallelism cuts them) and the
    fp32 output all-reduced, exactly as `tp.shard_model` does for expert parallelism (the cuts:
    `dp_owned_slices`, which `loading.load_dp_shard` reads from the checkpoint per rank);
 3. keeps its own rows.
@@ -41,13 +41,13 @@ from dsv4.distributed.tp import (
     LocalQuantExperts,
     TPGroup,
     _moe_cuts,
+    cut_modules_,
 )
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.moe import MoE
 from dsv4.model.quant_experts import QuantExperts
-from dsv4.model.quant_linear import dequantize_linears_
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -113,16 +113,11 @@ def enable_dp_attention(model: DeepSeekV4ForCausalLM, dp: DPGroup,
     Needs no live process group until the first forward."""
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     cuts = {name: _moe_cuts(m, dp, True) for name, m in moes} if expert_parallel else {}
-    dequantized = []
     for name, moe in moes:
         if expert_parallel:
-            dequantized += _split_experts(moe, cuts[name], dp, model.embed.weight.dtype)
+            _split_experts(moe, cuts[name], dp, model.embed.weight.dtype)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, DPMoE(moe, dp))
-    if dequantized:
-        logger.warning("expert parallelism cuts the shared experts' FP8 linears as %s: %d "
-                       "dequantised (the routed experts stay in checkpoint encoding)",
-                       model.embed.weight.dtype, len(dequantized))
     logger.info("DP attention: rank %d of %d, %d MoE layers over all ranks' tokens (%s)",
                 dp.rank, dp.size, len(moes),
                 "experts split by id" if expert_parallel else "experts replicated")
@@ -142,30 +137,15 @@ def dp_owned_slices(model: DeepSeekV4ForCausalLM, dp: DPGroup,
             if isinstance(moe, MoE) for name, cut in _moe_cuts(moe, dp, True).items()}
 
 
-def _split_experts(moe: MoE, cuts: dict[str, Cut], dp: DPGroup,
-                   dtype: torch.dtype) -> list[str]:
+def _split_experts(moe: MoE, cuts: dict[str, Cut], dp: DPGroup, dtype: torch.dtype) -> None:
     """One MoE's expert-parallel cut (`tp.shard_model`'s): routed experts by id, the shared
-    expert by intermediate dim (its FP8 linears dequantised to `dtype` first, exactly, so they
-    can be cut by rows), the output all-reduced. Returns the dequantised linears' names."""
-    quant = isinstance(moe.experts, QuantExperts)
-    dequantized = dequantize_linears_(moe.shared_experts, dtype)
-    # checkpoint-format experts: their code and scale buffers are cut by `LocalQuantExperts`
-    _narrow(moe, {k: c for k, c in cuts.items() if not (quant and k.startswith("experts."))})
+    expert by intermediate dim (`tp.cut_modules_`: its FP8 linears cut on scale blocks, or
+    dequantised to `dtype` where a cut is not whole blocks), the output all-reduced."""
+    cut_modules_(moe, cuts, dtype, "expert parallelism")
     ids = cuts["experts.w1"]
     moe.experts = (LocalQuantExperts(moe.experts, ids) if isinstance(moe.experts, QuantExperts)
                    else LocalExperts(moe.experts, ids))
     moe.reduce = AllReduce(dp)
-    return dequantized
-
-
-def _narrow(module: nn.Module, cuts: dict[str, Cut]) -> None:
-    """Replace each cut parameter of `module` by its (cloned) cut."""
-    for name, cut in cuts.items():
-        owner, _, attr = name.rpartition(".")
-        sub = module.get_submodule(owner)
-        full = getattr(sub, attr)
-        setattr(sub, attr, nn.Parameter(cut.take(full.detach()).clone(),
-                                        requires_grad=full.requires_grad))
 
 
 def check_dp_attention(model: ModelConfig, config: EngineConfig, size: int,

@@ -13,11 +13,13 @@ share of each shared expert; everything else whole).
 What a rank reads, per official tensor:
 - replicated: the whole tensor, as the full loader reads it (`WeightLoader` pairs codes with
   scales and dequantises);
-- split: only its `Cut`. A quantised one (FP8 e4m3 with 128x128 UE8M0 block scales; FP4 e2m1
-  packed two per byte with per-32 scales) is read over the whole scale blocks covering the cut,
-  codes and scales alike, dequantised (`weights.dequantize`, elementwise) and narrowed to the cut:
-  the values a full load then cut holds. A cut on block boundaries (TP over multiples of 128)
-  reads nothing extra, any other at most one partial block per side;
+- split: only its `Cut`. An FP8 linear the shard keeps in FP8 (`tp.cut_modules_`: a cut of whole
+  128x128 scale blocks) is read as its cut codes and the scale blocks covering them, as stored.
+  Any other quantised one (FP8 e4m3 with 128x128 UE8M0 block scales; FP4 e2m1 packed two per byte
+  with per-32 scales) is read over the whole scale blocks covering the cut, codes and scales
+  alike, dequantised (`weights.dequantize`, elementwise) and narrowed to the cut: the values a
+  full load then cut holds. A cut on block boundaries reads nothing extra, any other at most one
+  partial block per side;
 - routed experts under expert parallelism: this rank's experts only (another rank's expert is
   never read).
 Names go through the full loader's mapping: official names as stored; transformers names through
@@ -140,6 +142,20 @@ def load_dp_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
                         lambda full: enable_dp_attention(full, dp, expert_parallel))
 
 
+def owned_cuts(model_dir: str | Path, dtype: str | torch.dtype, group: TPGroup,
+               expert_parallel: bool, weight_format: WeightFormat,
+               data_parallel: bool = False) -> dict[str, Cut]:
+    """Rank `group.rank`'s cuts of the checkpoint's model (`owned_slices`, or `dp_owned_slices`
+    with `data_parallel`), from its config alone (a meta model): what `load_shard` /
+    `load_dp_shard` read, and what a weight update gives the rank (`tp.take_owned`)."""
+    path = Path(model_dir)
+    full = empty_model(checkpoint_config(path), resolve_dtype(dtype), META, weight_format,
+                       fp8_linear_names(checkpoint_keys(shard_files(path))))
+    if data_parallel:
+        return dp_owned_slices(full, group, expert_parallel)
+    return owned_slices(full, group, expert_parallel)
+
+
 def _load_layout(model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device,
                  weight_format: WeightFormat, group: TPGroup, layout: str,
                  cuts_of: Callable[[DeepSeekV4ForCausalLM], dict[str, Cut]],
@@ -229,6 +245,8 @@ class _ShardReader:
         elif scale is None:
             rows = _index(len(entry.shape), cut.dim, cut.start, cut.start + cut.size)
             got = [(name, self._read(entry, rows))]
+        elif target.name.rpartition(".")[0] in self.loader.quant_linears:
+            got = self._coded_cut(name, entry, scale, cut)
         else:
             got = [(name, self._dequantized_cut(name, entry, scale, cut))]
         for part_name, t in got:
@@ -255,6 +273,19 @@ class _ShardReader:
             raise CheckpointError(f"tensor `{name}`: {err}") from err
         self._held += _nbytes(values)
         return values.narrow(cut.dim, cut.start - lo, cut.size)
+
+    def _coded_cut(self, name: str, entry: _Entry, scale: _Entry,
+                   cut: Cut) -> list[tuple[str, torch.Tensor]]:
+        """`cut` of an FP8 linear the shard keeps in FP8 (`tp.cut_modules_`: whole 128-wide
+        scale blocks): its codes and the scale blocks covering them, as stored."""
+        if not entry.fp8 or len(entry.shape) != 2:
+            raise CheckpointError(f"tensor `{name}`: an FP8 linear's codes must be 2-D e4m3, got "
+                                  f"shape {entry.shape}")
+        lo, hi = cut.start, cut.start + cut.size
+        codes = self._read(entry, _index(2, cut.dim, lo, hi))
+        scales = self._read(scale, _index(2, cut.dim, lo // FP8_BLOCK,
+                                          math.ceil(hi / FP8_BLOCK)))
+        return [(name, codes), (_scale_of(name), scales)]
 
     def _dequantized_bytes(self, param: str, expert: int | None) -> int:
         """Bytes the loader dequantises a whole weight of `param` to (0: codes kept as stored)."""

@@ -24,10 +24,14 @@ Experts kept in checkpoint encoding (`weight_format="checkpoint"`: FP4 / FP8 cod
 `model/quant_experts.py`) split by id only (`expert_parallel`; `LocalQuantExperts`); splitting
 their intermediate dimension is refused.
 
-FP8 linears kept in checkpoint encoding (`QuantLinear`, `model/quant_linear.py`) are not cut: with
-more than one rank `shard_model` first dequantises them to the model dtype (exact, logged), so a
-tensor-parallel model holds bf16 linears and FP4 experts. Cutting their codes and scales on
-128-row / 128-column block boundaries is not implemented.
+FP8 linears kept in checkpoint encoding (`QuantLinear`, `model/quant_linear.py`; wq_b, wo_a, wo_b
+and the shared experts' w1 / w2 / w3 are cut) stay FP8 where their cut is whole 128x128 scale
+blocks: codes and scales are narrowed together (`QuantLinear.narrow_`), so the rank holds one
+byte per weight and decodes exactly the full weight's cut. V4-Flash's cuts are (TP 2..8: 512-row
+heads, 1024-row output groups, shared intermediate 2048 / size). A cut that is not block-aligned
+(small test geometries) dequantises that linear to the model dtype first (exact; the names are
+logged). The replicated FP8 linears (wq_a, wkv, the indexer's wq_b, MTP's e_proj / h_proj) stay
+as loaded.
 
 `owned_slices` states the partition once, as parameter name -> `Cut` (dim, start, size):
 `shard_model` narrows a loaded model's parameters with it (then swaps in the parallel modules),
@@ -51,7 +55,7 @@ from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import ForwardMode
 from dsv4.model.moe import NO_COMBINE, Combine, Experts, MoE
 from dsv4.model.quant_experts import QuantExperts
-from dsv4.model.quant_linear import dequantize_linears_
+from dsv4.model.quant_linear import QuantLinear, dequantize_linears_
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -154,6 +158,25 @@ def owned_slices(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     return cuts
 
 
+def take_owned(named: dict[str, torch.Tensor], cuts: dict[str, Cut],
+               size: int) -> dict[str, torch.Tensor]:
+    """This rank's part of full tensors named as the full model's state dict (a weight update):
+    each name in `cuts` narrowed to its `Cut` (a view), the others whole. Raises ValueError for a
+    cut tensor whose split dimension is not the full one (`size` equal parts), so every rank's
+    part has the shape the rank expects."""
+    owned = {}
+    for name, t in named.items():
+        cut = cuts.get(name)
+        if cut is None:
+            owned[name] = t
+            continue
+        if t.dim() <= cut.dim or t.shape[cut.dim] != cut.size * size:
+            raise ValueError(f"tensor {name!r} has shape {list(t.shape)}; allowed: dim "
+                             f"{cut.dim} of size {cut.size * size} (the full model's)")
+        owned[name] = cut.take(t)
+    return owned
+
+
 def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
                 expert_parallel: bool = False) -> DeepSeekV4ForCausalLM:
     """Shard `model` in place for rank `tp.rank` of `tp.size` (module docstring); returns it.
@@ -164,19 +187,7 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     cuts = owned_slices(model, tp, expert_parallel)
     if not cuts:
         return model
-    if dequantize_linears_(model, model.embed.weight.dtype):
-        logger.warning("tensor parallelism cuts FP8 linears as %s: checkpoint-format linears "
-                       "dequantised (the routed experts stay in checkpoint encoding)",
-                       model.embed.weight.dtype)
-    for name, cut in cuts.items():
-        owner, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner)
-        if isinstance(module, QuantExperts):
-            continue                    # its buffers are cut whole by `LocalQuantExperts`
-        full = getattr(module, attr)
-        assert isinstance(full, nn.Parameter), f"{name} is cut but is not a parameter"
-        setattr(module, attr, nn.Parameter(cut.take(full.detach()).clone(),
-                                           requires_grad=full.requires_grad))
+    cut_modules_(model, cuts, model.embed.weight.dtype, "tensor parallelism")
     for prefix, module in list(model.named_modules()):
         if isinstance(module, Attention):
             _localize_attention(module, tp)
@@ -191,6 +202,45 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
         model.embed.weight, cuts["embed.weight"].start, tp)
     model.head = VocabParallelHead(model.head.weight, tp)  # type: ignore[assignment]
     return model
+
+
+def cut_modules_(root: nn.Module, cuts: dict[str, Cut], dtype: torch.dtype,
+                 layout: str) -> list[str]:
+    """Apply `cuts` (names relative to `root`) in place: a parameter becomes a clone of its cut;
+    an FP8 `QuantLinear` keeps its codes and scale blocks cut (`narrow_`) when the cut is whole
+    scale blocks, else is dequantised to `dtype` (exact) and cut as a parameter; a `QuantExperts`
+    is skipped (`LocalQuantExperts` cuts it by id). Returns the dequantised linears' names
+    (logged as `layout`'s)."""
+    loose = {name.rpartition(".")[0] for name, cut in cuts.items()
+             if _is_quant_linear(root, name) and not _quant_cut_fits(root, name, cut)}
+    dequantized = dequantize_linears_(root, dtype, loose) if loose else []
+    if dequantized:
+        logger.warning("%s cuts %d FP8 linear(s) off their 128-wide scale blocks: dequantised to "
+                       "%s (exact), e.g. %s", layout, len(dequantized), dtype, dequantized[0])
+    for name, cut in cuts.items():
+        owner, _, attr = name.rpartition(".")
+        module = root.get_submodule(owner)
+        if isinstance(module, QuantExperts):
+            continue                    # its buffers are cut whole by `LocalQuantExperts`
+        if isinstance(module, QuantLinear):
+            assert attr == "weight", f"{name}: an FP8 linear is cut by its `weight`"
+            module.narrow_(cut.dim, cut.start, cut.size)
+            continue
+        full = getattr(module, attr)
+        assert isinstance(full, nn.Parameter), f"{name} is cut but is not a parameter"
+        setattr(module, attr, nn.Parameter(cut.take(full.detach()).clone(),
+                                           requires_grad=full.requires_grad))
+    return dequantized
+
+
+def _is_quant_linear(root: nn.Module, name: str) -> bool:
+    return isinstance(root.get_submodule(name.rpartition(".")[0]), QuantLinear)
+
+
+def _quant_cut_fits(root: nn.Module, name: str, cut: Cut) -> bool:
+    module = root.get_submodule(name.rpartition(".")[0])
+    assert isinstance(module, QuantLinear)
+    return module.block_aligned(cut.dim, cut.start, cut.size)
 
 
 def check_shardable(c: ModelConfig, size: int, expert_parallel: bool = False) -> None:

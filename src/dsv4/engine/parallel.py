@@ -17,8 +17,11 @@ cuda:0.. (GPU rank r: cuda:(r mod per_node)); node 0 runs rank 0's `ParallelEngi
 its other local ranks, every other node runs `serve_node`, and all rendezvous at the given TCP
 address. The commands travel over the same gloo group, across nodes.
 
-Not yet: structured output (its grammars compile in the background, on a clock, so ranks could
-admit a request at different steps) is refused; overlap scheduling and speculative decoding run
+Weight updates (`update_weights`, `load_weights_from_dir`; the server's trainer endpoints) take
+full tensors on rank 0, which applies its part first and then sends every rank its part
+(`engine/parallel_weights.py`); retraction and the release / resume of KV memory are mirrored at
+once. Not yet: structured output (its grammars compile in the background, on a clock, so ranks
+could admit a request at different steps) is refused; overlap scheduling and speculative decoding run
 as on one rank (not tested across ranks). A rank that dies is detected before the next step
 (`RuntimeError` naming it) instead of hanging in a collective.
 
@@ -41,8 +44,10 @@ import dataclasses
 import multiprocessing as mp
 import os
 import socket
+from collections.abc import Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,13 +57,15 @@ from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
 from dsv4.config.server import check_load_balance_method
 from dsv4.distributed.dp import DPGroup, check_dp_attention
-from dsv4.distributed.loading import load_dp_shard, load_shard
+from dsv4.distributed.loading import load_dp_shard, load_shard, owned_cuts
 from dsv4.distributed.tp import TPGroup, check_shardable
 from dsv4.engine.dp_outbox import Outbox
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.parallel_weights import WeightChannel
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.warmup import warm_up
+from dsv4.engine.weight_sync import read_checkpoint_dir
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -70,7 +77,9 @@ READS = frozenset({
     "check_integrity", "steps", "prefill_tokens", "decode_tokens", "spec_accept_hist",
     "spec_draft_tokens", "spec_accepted_tokens", "grammars", "weight_version"})
 """`LLMEngine` attributes read through `ParallelEngine` (rank 0's values)."""
-MIRRORED = frozenset({"add_request", "finish", "pop", "step", "flush_cache", "validate", "close"})
+MIRRORED = frozenset({"add_request", "finish", "pop", "step", "flush_cache", "validate", "close",
+                      "update_weights", "load_weights_from_dir", "retract_running",
+                      "release_memory", "resume_memory"})
 DEATH_GRACE_S = 2.0
 """After a failed broadcast, how long the ranks get to be reaped (so the error names them)."""
 TIMEOUT = timedelta(minutes=10)
@@ -116,9 +125,9 @@ class RankSpec:
         return f"cuda:{local}" if self.device.startswith("cuda") else self.device
 
 
-def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]:
-    """Join the process group, read this rank's shard of the model, warm up; returns (engine, the
-    gloo control group)."""
+def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, WeightChannel]:
+    """Join the process group, read this rank's shard of the model, warm up; returns (engine, its
+    weight-update channel over the gloo control group)."""
     device = spec.device_of(rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -138,20 +147,22 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, dist.ProcessGroup]
         config = dataclasses.replace(config, overlap_schedule=False)
     engine = LLMEngine(model, config)
     warm_up(engine, progress=rank == 0)     # every rank the same steps: matched collectives
-    return engine, control
+    cuts = owned_cuts(spec.model, spec.dtype, TPGroup(rank, spec.world), spec.expert_parallel,
+                      spec.weight_format, spec.data_parallel)  # type: ignore[arg-type]
+    return engine, WeightChannel(cuts, spec.world, control)
 
 
 def serve_rank(spec: RankSpec, rank: int) -> None:
     """A worker rank (1..world-1): apply rank 0's broadcast commands until told to stop."""
     if spec.device == "cpu":
         torch.set_num_threads(1)
-    engine, control = build_rank(spec, rank)
-    outbox = Outbox(rank, control)
+    engine, weights = build_rank(spec, rank)
+    outbox = Outbox(rank, weights.control)
     try:
         while True:
             box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
-            if not apply(engine, box[0], outbox):
+            dist.broadcast_object_list(box, src=0, group=weights.control)
+            if not apply(engine, box[0], outbox, weights):
                 return
     finally:
         dist.destroy_process_group()
@@ -191,14 +202,16 @@ def serve_node(spec: RankSpec) -> int:
             w.kill()
 
 
-def apply(engine: LLMEngine, commands: list[Command], outbox: Outbox) -> bool:
+def apply(engine: LLMEngine, commands: list[Command], outbox: Outbox,
+          weights: WeightChannel | None = None) -> bool:
     """Apply rank 0's commands to this rank's engine in order; False on "stop". Data-parallel
-    attention: "at" commands apply on their rank only, and "dp_step" reports to rank 0."""
+    attention: "at" commands apply on their rank only, and "dp_step" reports to rank 0. A weight
+    update ("update_weights", header) receives its tensors through `weights`."""
     for cmd in commands:
         kind = cmd[0]
         if kind == "at":
             if cmd[1] == outbox.rank:
-                apply(engine, [cmd[2]], outbox)
+                apply(engine, [cmd[2]], outbox, weights)
         elif kind == "dp_step":
             outbox.send(engine.step_or_idle())
         elif kind == "add":
@@ -213,6 +226,12 @@ def apply(engine: LLMEngine, commands: list[Command], outbox: Outbox) -> bool:
             engine.step()
         elif kind == "flush":
             engine.flush_cache()
+        elif kind == "update_weights":
+            assert weights is not None, "a weight update needs the rank's channel"
+            engine.update_weights(weights.receive(cmd[1]))
+        elif kind in ("retract", "release", "resume"):
+            {"retract": engine.retract_running, "release": engine.release_memory,
+             "resume": engine.resume_memory}[kind]()
         elif kind == "stop":
             return False
         else:
@@ -236,7 +255,8 @@ class ParallelEngine:
                              "other nodes run `serve_node`")
         self.spec = spec
         self.workers = spawn_ranks(spec, [r for r in spec.local_ranks if r != 0])
-        self.engine, self.control = build_rank(spec, 0)
+        self.engine, self.weights = build_rank(spec, 0)
+        self.control = self.weights.control
         self._pending: list[Command] = []
         self._closed = False
 
@@ -251,11 +271,40 @@ class ParallelEngine:
         self.engine.flush_cache()
         self._pending.append(("flush",))
 
-    def update_weights(self, *args: Any, **kwargs: Any) -> int:
-        raise ValueError("weight updates with tensor_parallel_size > 1 are not supported yet")
+    def update_weights(self, named: Mapping[str, torch.Tensor]) -> int:
+        """`LLMEngine.update_weights` on every rank, each with its part of the full tensors
+        (`engine/parallel_weights.py`): rank 0's applied first, so a refused update (ValueError)
+        reaches no rank; then the queued commands and the update go to the others."""
+        num = self.engine.update_weights(self.weights.check(named))
+        self._send([*self._pending, ("update_weights", self.weights.header(named))])
+        self._pending = []
+        self.weights.broadcast(named)
+        return num
 
-    def load_weights_from_dir(self, *args: Any, **kwargs: Any) -> int:
-        raise ValueError("weight updates with tensor_parallel_size > 1 are not supported yet")
+    def load_weights_from_dir(self, path: str | Path) -> int:
+        """`update_weights` with every tensor of the official-layout checkpoint at `path`, read
+        once by rank 0 (`weight_sync.read_checkpoint_dir`)."""
+        return self.update_weights(read_checkpoint_dir(path, self.engine.runner.model))
+
+    def retract_running(self) -> int:
+        """Every rank retracts its running requests (sent at once, after the queued commands)."""
+        num = self.engine.retract_running()
+        self._flush_pending(("retract",))
+        return num
+
+    def release_memory(self) -> int:
+        """Every rank frees its KV pools and CUDA graphs now (a colocated trainer steps next);
+        refused while any rank has requests. Returns rank 0's bytes freed."""
+        if self.has_unfinished():
+            raise RuntimeError("release_memory() with requests in flight; allowed: an idle "
+                               "engine")
+        freed = self.engine.release_memory()
+        self._flush_pending(("release",))
+        return freed
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+        self._flush_pending(("resume",))
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         _refuse_structured(params)

@@ -75,7 +75,7 @@ def update_weights(model: DeepSeekV4ForCausalLM, named: Mapping[str, torch.Tenso
         else:
             raise ValueError(f"tensor {name!r} is not a parameter or buffer of the model; allowed: "
                              f"names of model.state_dict(), e.g. {sorted(targets)[:3]}")
-    _check_finite({n: t for n, t in named.items() if t.is_floating_point()})
+    check_finite({n: t for n, t in named.items() if t.is_floating_point()})
     with torch.no_grad():
         for write in writes:
             write()
@@ -159,7 +159,7 @@ def _check_float(name: str, src: torch.Tensor) -> None:
         raise ValueError(f"tensor {name!r} is {src.dtype}; allowed: a floating tensor")
 
 
-def _check_finite(floats: Mapping[str, torch.Tensor]) -> None:
+def check_finite(floats: Mapping[str, torch.Tensor]) -> None:
     """ValueError naming the first tensor with an inf or nan; one host sync per device."""
     by_device: dict[torch.device, list[str]] = {}
     for name, t in floats.items():

@@ -20,9 +20,11 @@ Composition: the serving path's fused projection groups (`model/fused_projection
 FP8 members among themselves (codes and block scales stacked, one `quant_linear` call: wq_a | wkv,
 wq_b | the indexer's wq_b, w1 | w3, where every member but the last holds whole 128-row scale
 blocks) and never mix them with float ones; the grouped `wo_a` is one call (`groups=`); tensor
-parallelism dequantises them first (`distributed/tp.py`). Each module holds the kernel's split-K
-arrival counters (`counters`, not in the state dict; zero between calls), so a decode call needs no
-memset; a module's calls run one at a time on one stream, whichever stream that is (multi-stream).
+parallelism cuts codes and scales together on 128 boundaries (`narrow_`) and dequantises only a
+linear whose cut is not block-aligned (`distributed/tp.py::cut_modules_`). Each module holds the
+kernel's split-K arrival counters (`counters`, not in the state dict; zero between calls), so a
+decode call needs no memset; a module's calls run one at a time on one stream, whichever stream
+that is (multi-stream).
 """
 
 from __future__ import annotations
@@ -89,6 +91,31 @@ class QuantLinear(nn.Module):
                                    counters=self.counters)[..., i * rows:(i + 1) * rows]
                                 for i in range(g)], -2)
         return fn(x, self.weight, self.scale, groups=g, counters=self.counters)
+
+    def block_aligned(self, dim: int, start: int, size: int) -> bool:
+        """Whether rows (`dim` 0) or columns (1) [start, start + size) are whole scale blocks
+        (the last one may be the matrix's own partial block): a cut `narrow_` keeps exactly."""
+        b, full = quant.FP8_BLOCK, self.weight.shape[dim]
+        return start % b == 0 and (size % b == 0 or start + size == full)
+
+    @torch.no_grad()
+    def narrow_(self, dim: int, start: int, size: int) -> None:
+        """Keep only rows (`dim` 0) or columns (1) [start, start + size), codes and their scale
+        blocks alike (a tensor-parallel cut), in place: the decoded weight is exactly the full
+        one's cut. Raises ValueError for a cut that is not `block_aligned` or out of range."""
+        if dim not in (0, 1) or size <= 0 or start < 0 or start + size > self.weight.shape[dim]:
+            raise ValueError(f"cut dim={dim} [{start}, {start + size}) is outside the FP8 "
+                             f"linear's {tuple(self.weight.shape)}")
+        if not self.block_aligned(dim, start, size):
+            raise ValueError(f"cut dim={dim} [{start}, {start + size}) of an FP8 linear must be "
+                             f"whole {quant.FP8_BLOCK}-wide scale blocks; allowed: starts and "
+                             f"sizes that are multiples of {quant.FP8_BLOCK}")
+        b = quant.FP8_BLOCK
+        self.weight = self.weight.narrow(dim, start, size).clone()
+        self.scale = self.scale.narrow(dim, start // b, math.ceil(size / b)).clone()
+        self.out_features, self.in_features = self.weight.shape
+        self.counters = torch.zeros(math.ceil(self.out_features / 16), dtype=torch.int32,
+                                    device=self.weight.device)
 
     def reset_buffers(self) -> None:
         """Zero the split-K counters (e.g. after `to_empty`: the loader fills only the codes and
@@ -178,13 +205,15 @@ def quantize_linears_(model: nn.Module, names: set[str] | None = None) -> list[s
 
 
 @torch.no_grad()
-def dequantize_linears_(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Replace every `QuantLinear` of `model` by a bias-free `nn.Linear` of `dtype` holding its
-    dequantised weight (exact), in place (on the meta device: an empty one); returns the names.
-    What tensor parallelism does before cutting the linears (`distributed/tp.py`)."""
+def dequantize_linears_(model: nn.Module, dtype: torch.dtype,
+                        names: set[str] | None = None) -> list[str]:
+    """Replace the `QuantLinear`s of `model` named in `names` (default: every one) by bias-free
+    `nn.Linear`s of `dtype` holding their dequantised weights (exact), in place (on the meta
+    device: empty ones); returns the names. What tensor parallelism does to a linear whose cut is
+    not whole scale blocks (`distributed/tp.py::cut_modules_`)."""
     replaced: list[str] = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, QuantLinear):
+        if not isinstance(module, QuantLinear) or (names is not None and name not in names):
             continue
         device = module.weight.device
         dense = nn.Linear(module.in_features, module.out_features, bias=False, device=device,

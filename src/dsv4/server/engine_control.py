@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.parallel import ParallelEngine
 from dsv4.engine.weight_group import WeightGroup, backend_for, open_group, receive_tensors
 from dsv4.server.ipc import (
     ContinueGeneration,
@@ -34,6 +35,9 @@ from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
 
+Engine = LLMEngine | ParallelEngine
+"""One engine process, or rank 0 of tensor / expert / data-parallel ranks (which mirrors weight
+updates, retraction and memory release to its other ranks: `engine/parallel.py`)."""
 ControlMessage = (InitWeightsGroup | UpdateWeightsDistributed | DestroyWeightsGroup
                   | PauseGeneration | ContinueGeneration | ReleaseMemory)
 JOIN_TIMEOUT_S = 600.0                             # a join or a broadcast waiting longer fails
@@ -72,20 +76,17 @@ class EngineControls:
 
     def handle(self, msg: ControlMessage, loop: ControlledLoop) -> UpdateWeightsReply:
         engine = loop.engine
+        assert isinstance(engine, LLMEngine | ParallelEngine), type(engine)
         try:
-            if not isinstance(engine, LLMEngine):
-                raise ValueError(f"{type(msg).__name__} needs one engine process; allowed: "
-                                 "tp_size 1 and dp_size 1")
             message, num = self._apply(msg, engine, loop)
         except (ValueError, RuntimeError) as e:     # RuntimeError: a join or broadcast failed
             logger.warning("%s refused: %s", type(msg).__name__, e)
-            version = engine.weight_version if isinstance(engine, LLMEngine) else 0
-            return UpdateWeightsReply(msg.query_id, False, str(e), 0, version)
+            return UpdateWeightsReply(msg.query_id, False, str(e), 0, engine.weight_version)
         logger.info("%s", message)
         reply = UpdateWeightsReply(msg.query_id, True, message, num, engine.weight_version)
         return self.labelled(msg, reply) if isinstance(msg, UpdateWeightsDistributed) else reply
 
-    def _apply(self, msg: ControlMessage, engine: LLMEngine, loop: ControlledLoop
+    def _apply(self, msg: ControlMessage, engine: Engine, loop: ControlledLoop
                ) -> tuple[str, int]:
         if isinstance(msg, PauseGeneration | ContinueGeneration):
             return self._pause(msg, engine, loop), 0
@@ -105,7 +106,7 @@ class EngineControls:
                 f"{time.perf_counter() - start:.2f} s; weight version {engine.weight_version}",
                 num)
 
-    def _pause(self, msg: PauseGeneration | ContinueGeneration, engine: LLMEngine,
+    def _pause(self, msg: PauseGeneration | ContinueGeneration, engine: Engine,
                loop: ControlledLoop) -> str:
         """SGLang's modes: "abort" every request, "retract" the running ones (their KV is freed;
         they recompute on the continue), "in_place" (they keep their KV); requests that arrive
@@ -122,7 +123,7 @@ class EngineControls:
         self.paused = True
         return f"generation paused ({msg.mode})"
 
-    def _memory(self, msg: ReleaseMemory, engine: LLMEngine) -> str:
+    def _memory(self, msg: ReleaseMemory, engine: Engine) -> str:
         """SGLang's release / resume of memory occupation: the KV pools and CUDA graphs of an
         idle engine ("kv_cache", "cuda_graph"; the weights stay resident); the prefix cache comes
         back empty, the graphs are captured again on first use."""

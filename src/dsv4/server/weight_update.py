@@ -29,8 +29,11 @@ Names are those `/update_weights_from_disk` serves (engine/weight_sync.py: the f
 state-dict names). An update the engine refuses (unknown name, wrong shape, non-finite values) is
 a 400 after its tensors were received, so the trainer's broadcasts complete, and the served weights
 stay as they were; malformed dtypes or lengths are a 400 before anything is received (the trainer's
-broadcasts then fail at the group's timeout). One engine process for now (tp_size = dp_size = 1),
-and the backend must suit its device: gloo on the CPU, NCCL on CUDA. The transport:
+broadcasts then fail at the group's timeout). With tp_size or dp_size > 1 the engine process is
+rank 0: it alone joins the trainer's group, then hands each of its ranks that rank's part of every
+tensor over their gloo control group (`engine/parallel_weights.py`: one more hop, on the host);
+pause, release and resume reach every rank. The backend must suit the device: gloo on the CPU,
+NCCL on CUDA. The transport:
 engine/weight_group.py; the engine process's side: engine_control.py.
 
 Test: `pytest tests/server/test_weight_update.py`.
