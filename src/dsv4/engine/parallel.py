@@ -21,8 +21,8 @@ Weight updates (`update_weights`, `load_weights_from_dir`; the server's trainer 
 full tensors on rank 0, which applies its part first and then sends every rank its part
 (`engine/parallel_weights.py`); retraction and the release / resume of KV memory are mirrored at
 once. Not yet: structured output (its grammars compile in the background, on a clock, so ranks
-could admit a request at different steps) is refused; overlap scheduling and speculative decoding run
-as on one rank (not tested across ranks). A rank that dies is detected before the next step
+could admit a request at different steps) is refused; overlap scheduling and speculative decoding
+run as on one rank (not tested across ranks). A rank that dies is detected before the next step
 (`RuntimeError` naming it) instead of hanging in a collective.
 
 Data-parallel attention (`RankSpec.data_parallel`, `DataParallelEngine`; `distributed/dp.py`):
