@@ -25,9 +25,14 @@ from safetensors.torch import load_file, save_file
 
 from dsv4.assets import default_model_path
 from dsv4.checkpoint.presets import micro
-from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.checkpoint.writer import random_model, write_checkpoint
 from dsv4.distributed.dp import DPGroup, enable_dp_attention
-from dsv4.distributed.loading import load_dp_shard_with_report, load_shard, load_shard_with_report
+from dsv4.distributed.loading import (
+    Source,
+    load_dp_shard_with_report,
+    load_shard,
+    load_shard_with_report,
+)
 from dsv4.distributed.tp import TPGroup, shard_model
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import load_model
@@ -196,6 +201,35 @@ def test_fp8_linears_cut_on_scale_blocks_stay_fp8(checkpoints: dict[str, Path], 
         if not dp:
             split += named_bytes(path, ("embed", "head", "attn_sink"))
         assert report.bytes_read == report.checkpoint_bytes - split // 2
+
+
+@pytest.mark.parametrize(("geometry", "fmt", "layout"), [
+    ("micro", "bf16", "tp2"), ("micro", "bf16", "tp2-ep2"), ("micro", "checkpoint", "tp2-ep2"),
+    ("blocks", "checkpoint", "tp2-ep2"), ("micro", "bf16", "dp2-ep2"),
+    ("blocks", "checkpoint", "dp2-ep2")])
+def test_dummy_shard_equals_random_model_then_layout(tmp_path: Path, geometry: str, fmt: str,
+                                                    layout: str) -> None:
+    """`Source("dummy")`: each rank draws its shard of the random model without building the
+    rest (nothing but config.json read), bit for bit what the one-process random model holds
+    after the same layout: float cuts, experts by id, FP4 expert codes per expert, FP8 linears cut
+    on their blocks (blocks) or dequantised then cut (micro)."""
+    config = micro_blocks() if geometry == "blocks" else micro()
+    path = tmp_path / geometry
+    write_checkpoint(config, path, weights=False, tokenizer=False)
+    ep, dp = "ep2" in layout, layout.startswith("dp")
+    for rank in range(2):
+        group = TPGroup(rank, 2)
+        full = random_model(config, torch.float32, torch.device("cpu"), 7, fmt)  # type: ignore[arg-type]
+        want = enable_dp_attention(full, group, ep) if dp else shard_model(full, group, ep)
+        load = load_dp_shard_with_report if dp else load_shard_with_report
+        got, report = load(path, "float32", "cpu", group, ep, fmt,  # type: ignore[arg-type]
+                           Source("dummy", 7))
+        a, b = tensors(want), tensors(got)
+        assert a.keys() == b.keys() and report.bytes_read == 0
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+        for (na, ma), (nb, mb) in zip(want.named_modules(), got.named_modules(), strict=True):
+            assert (na, type(ma)) == (nb, type(mb))
 
 
 def test_checkpoint_bytes_are_what_the_full_load_reads(checkpoints: dict[str, Path]) -> None:

@@ -105,6 +105,28 @@ def test_dummy_in_checkpoint_precision(tmp_path: Path) -> None:
 def test_dummy_refuses_what_it_cannot_build() -> None:
     with pytest.raises(ValueError, match="load_format='lazy' is invalid"):
         ServerConfig(model="x", load_format="lazy")
-    with pytest.raises(ValueError, match="tp_size=2, dp_size=1 is not supported; allowed: one"):
-        ServerConfig(model="x", load_format="dummy", tp_size=2)
-    ServerConfig(model="x", load_format="dummy", weight_format="checkpoint")
+    ServerConfig(model="x", load_format="dummy", weight_format="checkpoint", tp_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "fmt"), [({"tensor_parallel_size": 2}, "bf16"),
+                                             ({"tensor_parallel_size": 2,
+                                               "expert_parallel_size": 2}, "checkpoint"),
+                                             ({"data_parallel_size": 2}, "bf16")],
+                         ids=["tp2", "tp2-ep2-checkpoint", "dp2"])
+def test_dummy_across_ranks_equals_one_process(tmp_path: Path, layout: dict[str, int],
+                                               fmt: str) -> None:
+    """`load_format="dummy"` with several ranks (the in-memory source of real-scale geometries
+    across GPUs): each rank draws only its shard (`distributed/dummy.py`), and the greedy tokens
+    and log-probs equal one process's on the same seed."""
+    write_checkpoint(get_preset("micro"), tmp_path, weights=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = [PROMPT, PROMPT[:3] + [40, 41]]
+    kw = dict(load_format="dummy", weight_format=fmt, seed=5, page_size=16, device="cpu")
+    want = LLM(tmp_path, **kw).generate(prompt_token_ids=prompts,  # type: ignore[arg-type]
+                                        sampling_params=params, use_tqdm=False)
+    with LLM(tmp_path, **layout, **kw) as llm:  # type: ignore[arg-type]
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)) <= 1e-5

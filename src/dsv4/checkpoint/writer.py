@@ -11,6 +11,7 @@ gate bias, sinks, mHC base/scale, ape) get non-trivial values so tests are not d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -50,9 +51,17 @@ def official_specs(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]
             yield official, tuple(t.shape[1:] if expert is not None else t.shape)
 
 
-def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+def name_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """The generator of tensor (or coded module) `name`'s random values under `seed`: each name
+    its own stream, so a part of a model is drawn without the rest (`distributed/dummy.py`)."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def expert_generator(seed: int, module_name: str, device: torch.device,
+                      expert: int) -> torch.Generator:
+    """Routed expert `expert`'s codes of the checkpoint-format experts at `module_name`."""
+    return name_generator(seed, f"{module_name}.{expert}", device)
 
 
 def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
@@ -61,7 +70,7 @@ def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: in
     `device` (CPU: the same values on every machine; a GPU generator gives other, equally
     deterministic values)."""
     device = device or torch.device("cpu")
-    g = _generator(seed, name, device)
+    g = name_generator(seed, name, device)
 
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=g, device=device) * std + mean
@@ -192,10 +201,11 @@ def randomize_(model: DeepSeekV4ForCausalLM, seed: int = 0) -> DeepSeekV4ForCaus
     coded: set[int] = set()
     for module_name, module in model.named_modules():
         if isinstance(module, QuantExperts):
-            module.randomize_(_generator(seed, module_name, module.w13.device))
+            module.randomize_(functools.partial(expert_generator, seed, module_name,
+                                                module.w13.device))
             coded.update(id(b) for b in module.buffers())
         elif isinstance(module, QuantLinear):
-            module.randomize_(_generator(seed, module_name, module.weight.device))
+            module.randomize_(name_generator(seed, module_name, module.weight.device))
             coded.update(id(b) for b in module.buffers())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq") or id(t) in coded:

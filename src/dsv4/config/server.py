@@ -36,7 +36,8 @@ class ServerConfig(EngineConfig):
     weights; "dummy" reads only its config.json (and tokenizer) and fills the model with random
     weights in memory (`checkpoint/writer.py::random_model`, seeded by `seed`, default 0): a
     benchmark of a model too large to write to disk (`dsv4 init --no-weights` writes such a
-    directory). `enable_return_routing`: requests may ask for their routing
+    directory); with several ranks each draws only its shard's values (`distributed/dummy.py`).
+    `enable_return_routing`: requests may ask for their routing
     (`return_routed_experts`, `return_indexer_topk`); the engine then captures routing and runs
     without the prefix cache (`engine_config` sets `capture_routing` and `disable_prefix_cache`),
     because prefix tokens served from the cache are never fed, so have no captured routing.
@@ -87,9 +88,6 @@ class ServerConfig(EngineConfig):
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is invalid; "
                              f"allowed: {list(LOAD_FORMATS)}")
-        if self.load_format == "dummy" and max(self.tp_size, self.dp_size) > 1:
-            raise ValueError(f"load_format='dummy' with tp_size={self.tp_size}, "
-                             f"dp_size={self.dp_size} is not supported; allowed: one rank")
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device={self.device!r} is invalid; allowed: cpu, cuda or cuda:N")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -22,6 +22,9 @@ What a rank reads, per official tensor:
   partial block per side;
 - routed experts under expert parallelism: this rank's experts only (another rank's expert is
   never read).
+With `Source("dummy", seed)` (`load_format="dummy"`, the in-memory model source) nothing is read
+but config.json: the skeleton is filled with the random values `writer.random_model` would give
+the full model, cut to this rank (`distributed/dummy.py`).
 Names go through the full loader's mapping: official names as stored; transformers names through
 `state_dict_adapter.hf_to_official` (a plain rename is read lazily like an official name; a
 stacked transformers tensor is read whole once, split, and cut in memory). The full loader's
@@ -49,7 +52,9 @@ import torch
 from safetensors import safe_open
 
 from dsv4.config.engine import WeightFormat
+from dsv4.config.model import ModelConfig
 from dsv4.distributed.dp import DPGroup, dp_owned_slices, enable_dp_attention
+from dsv4.distributed.dummy import FullShapes, randomize_shard_
 from dsv4.distributed.tp import Cut, TPGroup, owned_slices, shard_model
 from dsv4.kernels.ref.quant import FP4_GROUP, FP8_BLOCK
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
@@ -98,22 +103,41 @@ class _Entry:
     on_disk: bool
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where a rank's weights come from: the checkpoint's files ("auto"), or random values drawn
+    for exactly its shard ("dummy": `distributed/dummy.py`, only config.json is read; `seed` as
+    `writer.random_model`'s)."""
+
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} is invalid; allowed: 'auto', "
+                             "'dummy'")
+
+
+FILES = Source()
+
+
 def load_shard(model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device,
-               tp: TPGroup, expert_parallel: bool = False,
-               weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
+               tp: TPGroup, expert_parallel: bool = False, weight_format: WeightFormat = "bf16",
+               source: Source = FILES) -> DeepSeekV4ForCausalLM:
     """Rank `tp.rank`'s shard, read directly (module docstring); equal to
-    `shard_model(load_model(model_dir, dtype, device, weight_format=...), tp, expert_parallel)`.
-    Needs no process group. Raises as `load_model` and `shard_model` do."""
-    return load_shard_with_report(model_dir, dtype, device, tp, expert_parallel,
-                                  weight_format)[0]
+    `shard_model(load_model(model_dir, dtype, device, weight_format=...), tp, expert_parallel)`
+    (`source` "dummy": to `shard_model(random_model(...))`). Needs no process group. Raises as
+    `load_model` and `shard_model` do."""
+    return load_shard_with_report(model_dir, dtype, device, tp, expert_parallel, weight_format,
+                                  source)[0]
 
 
 def load_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
                            device: str | torch.device, tp: TPGroup, expert_parallel: bool = False,
-                           weight_format: WeightFormat = "bf16",
+                           weight_format: WeightFormat = "bf16", source: Source = FILES,
                            ) -> tuple[DeepSeekV4ForCausalLM, LoadReport]:
     """`load_shard`, and what it read and held (logged once)."""
-    return _load_layout(model_dir, dtype, device, weight_format, tp,
+    return _load_layout(model_dir, dtype, device, weight_format, tp, source,
                         "expert parallel" if expert_parallel else "tensor parallel",
                         lambda full: owned_slices(full, tp, expert_parallel),
                         lambda full: shard_model(full, tp, expert_parallel))
@@ -121,21 +145,23 @@ def load_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
 
 def load_dp_shard(model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device,
                   dp: DPGroup, expert_parallel: bool = False,
-                  weight_format: WeightFormat = "bf16") -> DeepSeekV4ForCausalLM:
+                  weight_format: WeightFormat = "bf16",
+                  source: Source = FILES) -> DeepSeekV4ForCausalLM:
     """Rank `dp.rank`'s model under data-parallel attention, read directly: equal to
     `enable_dp_attention(load_model(model_dir, dtype, device, weight_format=...), dp,
     expert_parallel)`; with `expert_parallel` another rank's routed experts are never read (the
     rest is held whole on every rank). Needs no process group."""
     return load_dp_shard_with_report(model_dir, dtype, device, dp, expert_parallel,
-                                     weight_format)[0]
+                                     weight_format, source)[0]
 
 
 def load_dp_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
                               device: str | torch.device, dp: DPGroup,
                               expert_parallel: bool = False, weight_format: WeightFormat = "bf16",
+                              source: Source = FILES,
                               ) -> tuple[DeepSeekV4ForCausalLM, LoadReport]:
     """`load_dp_shard`, and what it read and held (logged once)."""
-    return _load_layout(model_dir, dtype, device, weight_format, dp,
+    return _load_layout(model_dir, dtype, device, weight_format, dp, source,
                         "DP attention, experts by id" if expert_parallel else
                         "DP attention, experts replicated",
                         lambda full: dp_owned_slices(full, dp, expert_parallel),
@@ -144,35 +170,50 @@ def load_dp_shard_with_report(model_dir: str | Path, dtype: str | torch.dtype,
 
 def owned_cuts(model_dir: str | Path, dtype: str | torch.dtype, group: TPGroup,
                expert_parallel: bool, weight_format: WeightFormat,
-               data_parallel: bool = False) -> dict[str, Cut]:
+               data_parallel: bool = False, source: Source = FILES) -> dict[str, Cut]:
     """Rank `group.rank`'s cuts of the checkpoint's model (`owned_slices`, or `dp_owned_slices`
     with `data_parallel`), from its config alone (a meta model): what `load_shard` /
     `load_dp_shard` read, and what a weight update gives the rank (`tp.take_owned`)."""
-    path = Path(model_dir)
-    full = empty_model(checkpoint_config(path), resolve_dtype(dtype), META, weight_format,
-                       fp8_linear_names(checkpoint_keys(shard_files(path))))
+    full = _full_meta(Path(model_dir), resolve_dtype(dtype), weight_format, source)
     if data_parallel:
         return dp_owned_slices(full, group, expert_parallel)
     return owned_slices(full, group, expert_parallel)
 
 
+def _full_meta(path: Path, dtype: torch.dtype, weight_format: WeightFormat,
+               source: Source) -> DeepSeekV4ForCausalLM:
+    """The full model on the meta device, as the checkpoint (or, "dummy", its config) gives it."""
+    if source.load_format == "dummy":
+        return empty_model(ModelConfig.from_hf(path), dtype, META, weight_format).eval()
+    return empty_model(checkpoint_config(path), dtype, META, weight_format,
+                       fp8_linear_names(checkpoint_keys(shard_files(path)))).eval()
+
+
 def _load_layout(model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device,
-                 weight_format: WeightFormat, group: TPGroup, layout: str,
+                 weight_format: WeightFormat, group: TPGroup, source: Source, layout: str,
                  cuts_of: Callable[[DeepSeekV4ForCausalLM], dict[str, Cut]],
                  build: Callable[[DeepSeekV4ForCausalLM], DeepSeekV4ForCausalLM],
                  ) -> tuple[DeepSeekV4ForCausalLM, LoadReport]:
     """One rank's model read directly: the full model on the meta device, this rank's `cuts_of`
-    it (before `build` cuts it), the skeleton `build` makes of it, filled from the files."""
+    it (before `build` cuts it), the skeleton `build` makes of it, filled from the files (or with
+    its random values: `source` "dummy")."""
     path = Path(model_dir)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
-    full = empty_model(checkpoint_config(path), torch_dtype, META, weight_format,
-                       fp8_linear_names(checkpoint_keys(shard_files(path)))).eval()
-    cuts = cuts_of(full)
+    full = _full_meta(path, torch_dtype, weight_format, source)
+    cuts, shapes = cuts_of(full), FullShapes.of(full)
     shard = build(full)
     shard.to_empty(device=dev)
     shard.reset_buffers()
+    if source.load_format == "dummy":
+        randomize_shard_(shard, shapes, cuts, source.seed)
+        shard_bytes = sum(_nbytes(t) for t in chain(shard.parameters(), shard.buffers()))
+        logger.info("rank %d/%d: random weights for %s (%s, weights=%s, seed %d); shard %.1f MB",
+                    group.rank, group.size, path, layout, weight_format, source.seed,
+                    shard_bytes / 1e6)
+        return shard, LoadReport(group.rank, 0, 0, shard_bytes, 0,
+                                 shard_bytes if dev.type == "cpu" else 0)
     files = shard_files(path)
     reader = _ShardReader(shard, cuts)
     with ExitStack() as stack:

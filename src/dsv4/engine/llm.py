@@ -9,7 +9,8 @@ Keyword arguments beyond model/dtype/device/weight_format/tensor_parallel_size/
 expert_parallel_size/data_parallel_size/load_format/load_balance_method are EngineConfig fields
 (weight_format "checkpoint" keeps the routed experts in FP4 and the FP8 linears in FP8, see
 `model/quant_experts.py` and `model/quant_linear.py`; `load_format="dummy"` builds random weights
-from the checkpoint's config.json alone, `load_served_model`;
+from the checkpoint's config.json alone, `load_served_model`; with several ranks each draws only
+its shard, `distributed/dummy.py`;
 `model="in-memory:<preset>"` builds a preset's geometry with random weights, no checkpoint at all:
 `checkpoint/source.py`).
 `tensor_parallel_size=N` > 1 runs N ranks (this process is rank 0; the others are spawned and
@@ -99,14 +100,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
         self.engine: LLMEngine | ParallelEngine
         world = max(tensor_parallel_size, data_parallel_size)
-        if world > 1 and load_format != "auto":
-            raise ValueError(f"load_format={load_format!r} with {world} ranks is not supported; "
-                             "allowed: 'auto'")
         if world > 1:
             spec = RankSpec(str(path), dtype, device, check_weight_format(weight_format), config,
                             world, expert_parallel_size > 1, free_init_method(),
                             data_parallel=data_parallel_size > 1,
-                            load_balance_method=load_balance_method)
+                            load_balance_method=load_balance_method, load_format=load_format)
             self.engine = DataParallelEngine(spec) if spec.data_parallel else ParallelEngine(spec)
             self.model = self.engine.engine.runner.model  # rank 0's shard
             return

@@ -57,7 +57,7 @@ from dsv4.config.engine import EngineConfig
 from dsv4.config.model import ModelConfig
 from dsv4.config.server import check_load_balance_method
 from dsv4.distributed.dp import DPGroup, check_dp_attention
-from dsv4.distributed.loading import load_dp_shard, load_shard, owned_cuts
+from dsv4.distributed.loading import Source, load_dp_shard, load_shard, owned_cuts
 from dsv4.distributed.tp import TPGroup, check_shardable
 from dsv4.engine.dp_outbox import Outbox
 from dsv4.engine.engine import LLMEngine
@@ -104,9 +104,12 @@ class RankSpec:
     load_balance_method: str = "shortest_queue"
     nnodes: int = 1                 # nodes the ranks are spread over, `world / nnodes` each
     node_rank: int = 0              # this node; rank 0 (the driver) lives on node 0
+    # "dummy": each rank draws its shard's random weights (seed: `config.seed`), reads no files
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         check_load_balance_method(self.load_balance_method)
+        Source(self.load_format)                        # raises for an unknown format
         if self.nnodes < 1 or self.world % self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} is invalid for {self.world} ranks; allowed: "
                              "a divisor of the number of ranks")
@@ -135,12 +138,15 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, WeightChannel]:
                             init_method=spec.init_method, rank=rank, world_size=spec.world,
                             timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    source = Source(spec.load_format, spec.config.seed)
     if spec.data_parallel:     # with EP, another rank's routed experts are never read
         model = load_dp_shard(spec.model, spec.dtype, device, DPGroup(rank, spec.world),
-                              spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
+                              spec.expert_parallel, spec.weight_format,  # type: ignore[arg-type]
+                              source)
     else:
         model = load_shard(spec.model, spec.dtype, device, TPGroup(rank, spec.world),
-                           spec.expert_parallel, spec.weight_format)  # type: ignore[arg-type]
+                           spec.expert_parallel, spec.weight_format,  # type: ignore[arg-type]
+                           source)
     # DP ranks step in lockstep one plain forward at a time (`step_or_idle`): no overlap
     config = spec.config
     if spec.data_parallel:
@@ -148,7 +154,7 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, WeightChannel]:
     engine = LLMEngine(model, config)
     warm_up(engine, progress=rank == 0)     # every rank the same steps: matched collectives
     cuts = owned_cuts(spec.model, spec.dtype, TPGroup(rank, spec.world), spec.expert_parallel,
-                      spec.weight_format, spec.data_parallel)  # type: ignore[arg-type]
+                      spec.weight_format, spec.data_parallel, source)  # type: ignore[arg-type]
     return engine, WeightChannel(cuts, spec.world, control)
 
 

@@ -15,6 +15,7 @@ Serving only: these buffers are not trainable and a model holding them cannot be
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -52,6 +53,9 @@ class QuantExperts(nn.Module):
     w13_scale: torch.Tensor
     w2: torch.Tensor
     w2_scale: torch.Tensor
+    start = 0
+    """The global id of the first expert held (an expert-parallel shard's, `tp.LocalQuantExperts`,
+    is its cut's start)."""
 
     def __init__(self, num_experts: int, inter: int, d: int, limit: float,
                  fmt: str = "fp4") -> None:
@@ -111,20 +115,24 @@ class QuantExperts(nn.Module):
         self.load(which, expert, scale, scale=True)
 
     @torch.no_grad()
-    def randomize_(self, generator: torch.Generator) -> None:
+    def randomize_(self, generator: Callable[[int], torch.Generator]) -> None:
         """Random weights in the checkpoint encoding itself (`load_format="dummy"`): every e2m1
         code equally likely, and one UE8M0 scale per matrix, the power of two that brings the
         decoded rms nearest 1 / sqrt(fan_in), as `checkpoint/writer.py::init_tensor` draws float
-        linears. FP4 only: random e4m3 bytes would include NaN codes."""
+        linears. Expert e's codes come from `generator(start + e)` alone (`start`: the global id
+        of the first expert held), so an expert-parallel shard draws exactly its experts' codes
+        of the whole layer's. FP4 only: random e4m3 bytes would include NaN codes."""
         if self.fmt != "fp4":
             raise ValueError(f"random {self.fmt} experts are not supported; allowed: fp4")
         code_rms = math.sqrt(sum(v * v for v in quant.E2M1_MAGNITUDES) / len(quant.E2M1_MAGNITUDES))
-        for codes, scale, fan_in in ((self.w13, self.w13_scale, self.d),
-                                     (self.w2, self.w2_scale, self.inter)):
-            codes.copy_(torch.randint(0, 256, codes.shape, generator=generator,
-                                      device=codes.device, dtype=torch.int32).to(codes.dtype))
-            exponent = round(math.log2(1.0 / (code_rms * math.sqrt(fan_in))))
-            scale.fill_(quant.E8M0_BIAS + exponent)
+        for e in range(self.w13.shape[0]):
+            g = generator(self.start + e)
+            for codes, scale, fan_in in ((self.w13[e], self.w13_scale[e], self.d),
+                                         (self.w2[e], self.w2_scale[e], self.inter)):
+                codes.copy_(torch.randint(0, 256, codes.shape, generator=g, device=codes.device,
+                                          dtype=torch.int32).to(codes.dtype))
+                exponent = round(math.log2(1.0 / (code_rms * math.sqrt(fan_in))))
+                scale.fill_(quant.E8M0_BIAS + exponent)
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) as the dense stacked tensors `Experts` holds."""

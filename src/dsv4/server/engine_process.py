@@ -130,7 +130,8 @@ def rank_spec(config: ServerConfig) -> RankSpec:
                     config.engine_config, ranks, config.ep_size > 1, init,
                     data_parallel=config.dp_size > 1, nnodes=config.nnodes,
                     node_rank=config.node_rank,
-                    load_balance_method=config.load_balance_method)
+                    load_balance_method=config.load_balance_method,
+                    load_format=config.load_format)
 
 
 def build_engine(config: ServerConfig) -> LLMEngine | ParallelEngine:
