@@ -101,6 +101,19 @@
 #                 default, then batch 8 and the default at batch 32 (4K);
 #                 the GPU tests of test_multi_stream.py and test_moe_combine.py: shared_join*.txt. SJ_RUNS
 #                 ("format:beside:batch ..."), SJ_TESTS= (empty: no tests)
+#   multi         issue 22 on a 2-GPU kind (nvidia-h200-x2 / nvidia-h100-x2): the multi_gpu tests (fp32
+#                 tiny under TP 2, TP 2 + EP 2, DP 2 + EP 2 against one GPU; a weight update; dummy weights
+#                 per rank: multi_tests.txt), then benchmarks/parallel_decode.py on flash-4l (MULTI_FORMAT,
+#                 default bf16) at layouts MULTI_LAYOUTS (default "1 tp2 tp2-ep2", one process each)
+#                 and points MULTI_POINTS (default "1:4096,32:4096,128:32768"): ms per step, collective
+#                 ms per step, teacher-forced agreement against the first layout, rank 0's memory
+#                 against the plan (multi_decode_<layout>.json); MULTI_TESTS= skips the tests
+#   multi-flash   the full V4-Flash geometry (in-memory, checkpoint precision) on 2+ GPUs: decode at
+#                 FLASH_POINTS (default "1:4096,32:4096,1:131072") with FLASH_LAYOUT (default tp2-ep2):
+#                 multi_flash.json
+#   multi-sync    issue 24's weight sync on 2 GPUs: benchmarks/weight_sync.py on flash-4l bf16, disaggregated
+#                 (NCCL buckets of SYNC_BUCKET_MB, default 512, trainer GPU 0 -> engine GPU 1) and colocated
+#                 (in place, chunks): multi_sync.json
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -501,13 +514,46 @@ shared_join() {   # the shared expert beside the gate or the routed experts: b1,
     | tee "$OUT/shared_join_tests.txt" | grep -E "passed|failed"
 }
 
+multi() {   # issue 22 on 2 GPUs: the multi_gpu tests, then flash-4l decode per layout
+  if [ -n "${MULTI_TESTS-1}" ]; then
+    timeout -s INT 420 python3 -m pytest -q -p no:cacheprovider -rs tests/distributed/test_multi_gpu.py \
+      > "$OUT/multi_tests.txt" 2>&1
+    summary "$OUT/multi_tests.txt"
+  fi
+  local layout
+  for layout in ${MULTI_LAYOUTS:-1 tp2 tp2-ep2}; do
+    # the reference layout first in each run: agreement is against one GPU
+    local layouts=$layout
+    [ "$layout" = 1 ] || layouts="1,$layout"
+    timeout "${MULTI_TIMEOUT_S:-480}" python3 benchmarks/parallel_decode.py --model in-memory:flash-4l \
+      --weight-format "${MULTI_FORMAT:-bf16}" --layouts "$layouts" \
+      --points "${MULTI_POINTS:-1:4096,32:4096,128:32768}" --out "$OUT/multi_decode_$layout.json" \
+      > /tmp/multi_$layout.txt 2>&1
+    echo "--- $layout (exit $?)"; grep -v "^{" /tmp/multi_$layout.txt | tail -8
+  done
+}
+
+multi_flash() {   # the full V4-Flash geometry in checkpoint precision across GPUs
+  timeout "${MULTI_TIMEOUT_S:-540}" python3 benchmarks/parallel_decode.py --model in-memory:flash \
+    --weight-format checkpoint --layouts "${FLASH_LAYOUT:-tp2-ep2}" --agree-tokens 256 \
+    --points "${FLASH_POINTS:-1:4096,32:4096,1:131072}" --out "$OUT/multi_flash.json" \
+    > /tmp/multi_flash.txt 2>&1
+  echo "multi-flash exit $?"; grep -v "^{" /tmp/multi_flash.txt | tail -8
+}
+
+multi_sync() {   # issue 24: the flash-4l weight sync, disaggregated over NCCL and colocated
+  timeout "${MULTI_TIMEOUT_S:-540}" python3 benchmarks/weight_sync.py --model in-memory:flash-4l \
+    --bucket-mb "${SYNC_BUCKET_MB:-512}" --out "$OUT/multi_sync.json" > /tmp/multi_sync.txt 2>&1
+  echo "multi-sync exit $?"; grep -v "^{" /tmp/multi_sync.txt | tail -6
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,100p' "$0"
+  sed -n '2,/^set -uo pipefail/p' "$0" | grep '^#'
   exit 2
 fi
 env_info | tee "$OUT/env.txt"
@@ -539,8 +585,11 @@ for part in "$@"; do
     sass) sass ;;
     crit) crit ;;
     shared-join) shared_join ;;
+    multi) multi ;;
+    multi-flash) multi_flash ;;
+    multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join multi multi-flash multi-sync"; exit 2 ;;
   esac
 done

@@ -7,7 +7,7 @@ import pytest
 
 from dsv4.config.server import ServerConfig
 from dsv4.engine.dp_router import BALANCE_SLACK, PrefixRouter, shortest_queue
-from dsv4.engine.parallel import RankSpec
+from dsv4.engine.parallel_ranks import RankSpec
 
 PAGE = 4
 A = list(range(100, 112))            # three pages

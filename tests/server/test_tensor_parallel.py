@@ -1,10 +1,11 @@
 """`dsv4 serve --tp-size 2` / `--dp-size 2` on CPU (gloo): the engine process is rank 0 and
 spawns rank 1 (`engine/parallel.py`, `engine/data_parallel.py`). Completions equal a one-process
-server's (greedy tokens and log-probs), structured output is refused with a clear error, and a
+server's (greedy tokens and log-probs), a json_object response too, and a
 killed rank takes the server down (non-zero exit, no hang). Each test starts its own servers."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,6 +38,7 @@ def test_tp2_server_equals_one_process_and_dies_with_a_rank(tmp_path: Path) -> N
     try:
         one.wait_healthy()
         want = complete(one, BODY).json()["choices"][0]
+        want_json = complete(one, {**BODY, "response_format": {"type": "json_object"}}).json()
     finally:
         assert one.stop(timeout=30.0) == 0, one.log()
     two = ServerProcess(tmp_path, "--tp-size", "2", "--torch-threads", "1")
@@ -45,8 +47,10 @@ def test_tp2_server_equals_one_process_and_dies_with_a_rank(tmp_path: Path) -> N
     assert got["text"] == want["text"]
     a, b = got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"]
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
-    refused = complete(two, {**BODY, "response_format": {"type": "json_object"}})
-    assert refused.status_code == 400 and "tensor_parallel_size" in refused.text, refused.text
+    structured = complete(two, {**BODY, "response_format": {"type": "json_object"}})
+    assert structured.status_code == 200, structured.text
+    text = structured.json()["choices"][0]["text"]
+    assert text == want_json["choices"][0]["text"] and isinstance(json.loads(text), dict)
     engine_pid = int(httpx.get(f"{two.url}/health").json()["engine_pid"])
     (rank1,) = rank_pids(engine_pid)
     os.kill(rank1, signal.SIGKILL)

@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(dry_run(config) + "\n")
             return 0
         if config.node_rank > 0:
-            from dsv4.engine.parallel import serve_node
+            from dsv4.engine.parallel_ranks import serve_node
             from dsv4.server.engine_process import rank_spec
             spec = rank_spec(config)        # validated before any rank starts
     except ValueError as e:

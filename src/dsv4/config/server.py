@@ -50,7 +50,7 @@ class ServerConfig(EngineConfig):
     `engine/dp_router.py`).
     `nnodes` / `node_rank` / `dist_init_addr` (SGLang's names): the ranks spread over `nnodes`
     machines that rendezvous at `dist_init_addr` ("host:port"); node 0 serves HTTP and runs rank
-    0, the others only run their ranks (`engine/parallel.py::serve_node`).
+    0, the others only run their ranks (`engine/parallel_ranks.py::serve_node`).
     """
 
     model: str = ""

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from dsv4.engine.dp_router import PrefixRouter, shortest_queue
 from dsv4.engine.engine import FINISH_REASONS
-from dsv4.engine.parallel import DEATH_GRACE_S, ParallelEngine, RankSpec
+from dsv4.engine.parallel import DEATH_GRACE_S, ParallelEngine
+from dsv4.engine.parallel_ranks import RankSpec, compile_grammar
 from dsv4.engine.request import ReqStatus, Request
 from dsv4.engine.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ class DataParallelEngine(ParallelEngine):
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     rid: str | None = None) -> Request:
         self.validate(prompt_ids, params)
+        compile_grammar(self.engine, params)     # a spec no rank can compile fails here, not there
         rid = rid if rid is not None else str(next(self._ids))
         if rid in self._owner:
             raise ValueError(f"request_id={rid!r} is already in use")

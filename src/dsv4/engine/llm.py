@@ -45,7 +45,8 @@ from dsv4.config.server import LOAD_FORMATS
 from dsv4.engine.data_parallel import DataParallelEngine
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
-from dsv4.engine.parallel import ParallelEngine, RankSpec, check_layout, free_init_method
+from dsv4.engine.parallel import ParallelEngine, check_layout
+from dsv4.engine.parallel_ranks import RankSpec, free_init_method
 from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.stop import OutputText

@@ -12,8 +12,10 @@ Order, so that a refused update changes no rank: rank 0 checks the full tensors 
 dimensions, finite values), applies its own part (`LLMEngine.update_weights`: atomic, raises
 ValueError before any write), and only then sends the update to the other ranks, after the
 commands queued before it: every rank applies the same calls in the same order (each retracts its
-running requests and flushes its prefix cache). The tensors travel over the gloo control group,
-each as its bytes (any dtype, FP8 included), one broadcast per tensor; a worker keeps only its
+running requests and flushes its prefix cache). The header (names, shapes, dtypes) travels with
+the commands over the gloo control group; the tensors over the ranks' default group (NCCL between
+GPUs, gloo on the CPU), on each rank's device, each as its bytes (any dtype, FP8 included), one
+broadcast per tensor, between two steps (no model collective in flight); a worker keeps only its
 part of each before the next arrives.
 """
 
@@ -35,11 +37,13 @@ Header = list[tuple[str, list[int], str]]
 
 @dataclass(frozen=True)
 class WeightChannel:
-    """One rank's side of parallel weight updates: its cuts, the number of ranks, the group."""
+    """One rank's side of parallel weight updates: its cuts, the number of ranks, the gloo control
+    group (commands), the device its tensors arrive on (over the default group)."""
 
     cuts: dict[str, Cut]
     size: int
     control: dist.ProcessGroup
+    device: torch.device
 
     def own(self, named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of full tensors (`tp.take_owned`)."""
@@ -62,22 +66,23 @@ class WeightChannel:
     def broadcast(self, named: Mapping[str, torch.Tensor]) -> None:
         """Rank 0: every tensor's bytes, in header order."""
         for t in named.values():
-            dist.broadcast(_bytes(t.detach().to("cpu")), src=0, group=self.control)
+            dist.broadcast(_bytes(t.detach().to(self.device)), src=0)
 
     def receive(self, header: Header) -> dict[str, torch.Tensor]:
         """A worker: the tensors of `header`, each cut to this rank's part as it arrives."""
         owned = {}
         for name, shape, dtype_name in header:
             dtype = getattr(torch, dtype_name)
-            buf = torch.empty(math.prod(shape) * _itemsize(dtype), dtype=torch.uint8)
-            dist.broadcast(buf, src=0, group=self.control)
+            buf = torch.empty(math.prod(shape) * _itemsize(dtype), dtype=torch.uint8,
+                              device=self.device)
+            dist.broadcast(buf, src=0)
             full = buf.view(dtype).view(shape)
             owned[name] = self.own({name: full})[name].clone()
         return owned
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor's bytes, flat (any dtype: gloo moves uint8)."""
+    """A tensor's bytes, flat (any dtype, as uint8)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 

@@ -50,7 +50,8 @@ from dsv4.engine.data_parallel import DataParallelEngine
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.grammar import Grammars
 from dsv4.engine.llm import load_served_model
-from dsv4.engine.parallel import ParallelEngine, RankSpec, check_layout, free_init_method
+from dsv4.engine.parallel import ParallelEngine, check_layout
+from dsv4.engine.parallel_ranks import RankSpec, free_init_method
 from dsv4.engine.request import Request
 from dsv4.engine.warmup import warm_up
 from dsv4.server.engine_control import EngineControls

@@ -31,10 +31,10 @@ a 400 after its tensors were received, so the trainer's broadcasts complete, and
 stay as they were; malformed dtypes or lengths are a 400 before anything is received (the trainer's
 broadcasts then fail at the group's timeout). With tp_size or dp_size > 1 the engine process is
 rank 0: it alone joins the trainer's group, then hands each of its ranks that rank's part of every
-tensor over their gloo control group (`engine/parallel_weights.py`: one more hop, on the host);
-pause, release and resume reach every rank. The backend must suit the device: gloo on the CPU,
-NCCL on CUDA. The transport:
-engine/weight_group.py; the engine process's side: engine_control.py.
+tensor over their own default group (`engine/parallel_weights.py`: one more hop, NCCL between
+GPUs); pause, release and resume reach every rank. The backend must suit the device: gloo on the
+CPU, NCCL on CUDA. The transport: engine/weight_group.py; the engine process's side:
+engine_control.py.
 
 Test: `pytest tests/server/test_weight_update.py`.
 """
