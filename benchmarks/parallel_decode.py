@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
+import sys
 from collections.abc import Callable, Sequence
 from itertools import chain
 from pathlib import Path
@@ -43,6 +43,9 @@ from dsv4.checkpoint.source import resolve_model_source
 from dsv4.config.model import ModelConfig
 from dsv4.distributed.memory import plan_memory
 from dsv4.model.loader import resolve_dtype
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_context_sweep import prompts_for, sync, timed  # noqa: E402
 
 Row = dict[str, Any]
 LAYOUT = re.compile(r"^(?:1|(tp|dp)(\d+)(?:-ep(\d+))?)$")
@@ -68,26 +71,6 @@ def parse_points(text: str) -> list[tuple[int, int]]:
     return [(int(b), int(c)) for b, c in (p.split(":") for p in text.split(",") if p)]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds of `fn` (CUDA events on a GPU, wall clock otherwise)."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    sync(device)
-    begin.record()
-    fn()
-    end.record()
-    sync(device)
-    return float(begin.elapsed_time(end)) / 1e3
-
-
 def collective_ms(step: Callable[[], None], steps: int, device: torch.device) -> float:
     """Rank 0's collective time per step over `steps` profiled steps (module docstring)."""
     if steps <= 0:
@@ -108,11 +91,6 @@ def collective_ms(step: Callable[[], None], steps: int, device: torch.device) ->
         elif not cuda and e.self_cpu_time_total > 0:
             total_us += e.self_cpu_time_total
     return total_us / steps / 1e3
-
-
-def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed + 1000 * batch + context)
-    return [torch.randint(2, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
 def decode_point(llm: LLM, args: argparse.Namespace, batch: int, context: int) -> Row:

@@ -345,13 +345,18 @@ def _flat_keys(d: dict[str, Any]) -> list[str]:
 
 def test_model_memory_counts_the_loader_tensors() -> None:
     """Checkpoint precision holds fewer bytes than bf16 (FP4 experts: 4.25 bits a weight; FP8
-    attention projections), the embedding is the same, the per-GPU rows split only the routed
-    experts, and the total is the loaded model's bytes."""
+    attention projections), the embedding is the same; per GPU, DP attention + EP splits the
+    routed and shared experts (bf16: at least half of each per rank at 2), TP + EP also the
+    attention and vocabulary, and one rank holds the whole model."""
     result = run_benchmark("model_memory.py", "--presets", "micro", "--ranks", "1,2")
     row = result["rows"][0]
     bf16, ckpt = row["bytes"]["bf16"], row["bytes"]["checkpoint"]
     assert ckpt["routed experts"] < bf16["routed experts"] / 3
     assert ckpt["attention"] < bf16["attention"] and ckpt["embedding"] == bf16["embedding"]
-    gpu = row["per_gpu_ep"]["checkpoint"]
-    assert gpu["1"] == row["total"]["checkpoint"]
-    assert gpu["1"] - gpu["2"] == ckpt["routed experts"] / 2
+    dp, tp = row["per_gpu"]["dp_ep"], row["per_gpu"]["tp_ep"]
+    for fmt in ("bf16", "checkpoint"):
+        assert dp[fmt]["1"] == tp[fmt]["1"] == row["total"][fmt]
+        assert tp[fmt]["2"] < dp[fmt]["2"] < dp[fmt]["1"]
+    # the decoder's routed and shared experts halve (and so do the MTP block's)
+    assert dp["bf16"]["1"] - dp["bf16"]["2"] > (bf16["routed experts"]
+                                                + bf16["shared expert"]) / 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,23 @@ def test_true_on_policy_through_a_batch_invariant_server(tmp_path: Path) -> None
     records = read_records(tmp_path / "run")[1:]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in records), records
+
+
+def test_a_refused_join_fails_at_once(srv: ServerProcess) -> None:
+    """A server that refuses to join (here: a group of that name already joined) fails `open` at
+    once with its answer, not at the group's 600 s timeout."""
+    first = RolloutServers((srv.url,), torch.device("cpu"))
+    first.open()
+    try:
+        second = RolloutServers((srv.url,), torch.device("cpu"))
+        second.group_name = first.group_name
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"{srv.url}/init_weights_update_group answered "
+                                               r"400.*already joined"):
+            second.open()
+        assert time.monotonic() - start < 60 and second.group is None
+    finally:
+        first.close()
 
 
 def test_a_mismatched_server_is_refused_by_name(srv: ServerProcess, tmp_path: Path) -> None:

@@ -91,24 +91,31 @@ def spec(tensors: dict[str, torch.Tensor], group: str) -> dict[str, Any]:
             "shapes": [list(t.shape) for t in tensors.values()]}
 
 
-def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -> None:
-    assert served(srv, "0")[0] == offline(ckpts["a"])[0]
+def push_b(srv: ServerProcess, ckpts: dict[str, Path],
+           name: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Join `srv` to a new group `name` as the trainer (rank 0) and push checkpoint b's tensors,
+    labelled "step-1" (the server's first update); returns (the group, the tensors)."""
     port = free_port()
     join = Call(srv, "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": "wg", "backend": "gloo"})
-    group = open_group("127.0.0.1", port, 0, 2, "wg", "gloo", timeout_s=60.0)
+        "group_name": name, "backend": "gloo"})
+    group = open_group("127.0.0.1", port, 0, 2, name, "gloo", timeout_s=60.0)
     r = join.result()
     assert r.status_code == 200 and r.json()["success"], r.text
-
     trainer = dict(load_model(ckpts["b"], dtype="float32", device="cpu",
                               progress=False).state_dict())
     push = Call(srv, "/update_weights_from_distributed",
-                {**spec(trainer, "wg"), "weight_version": "step-1"})
+                {**spec(trainer, name), "weight_version": "step-1"})
     send_tensors(group, trainer)
     r = push.result()
     assert r.status_code == 200, r.text
     assert r.json()["num_tensors"] == len(trainer) and r.json()["weight_version"] == 1
+    return group, trainer
+
+
+def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -> None:
+    assert served(srv, "0")[0] == offline(ckpts["a"])[0]
+    group, trainer = push_b(srv, ckpts, "wg")
     want_ids, want_lps = offline(ckpts["b"])
     ids, lps = served(srv, "step-1")
     assert ids == want_ids
@@ -246,19 +253,7 @@ def test_a_tensor_parallel_server_takes_pushed_weights(tmp_path: Path,
     leave the served tokens unchanged."""
     with running_server(tmp_path, "--model", str(ckpts["a"]), "--tp-size", "2", "--ep-size", "2",
                         "--torch-threads", "1", "--shutdown-timeout", "2") as srv:
-        port = free_port()
-        join = Call(srv, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": "tp", "backend": "gloo"})
-        group = open_group("127.0.0.1", port, 0, 2, "tp", "gloo", timeout_s=60.0)
-        assert join.result().status_code == 200
-        trainer = dict(load_model(ckpts["b"], dtype="float32", device="cpu",
-                                  progress=False).state_dict())
-        push = Call(srv, "/update_weights_from_distributed",
-                    {**spec(trainer, "tp"), "weight_version": "step-1"})
-        send_tensors(group, trainer)
-        r = push.result()
-        assert r.status_code == 200 and r.json()["num_tensors"] == len(trainer), r.text
+        push_b(srv, ckpts, "tp")
         want_ids, want_lps = offline(ckpts["b"])
         ids, lps = served(srv, "step-1")
         assert ids == want_ids

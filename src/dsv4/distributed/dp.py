@@ -42,6 +42,7 @@ from dsv4.distributed.tp import (
     TPGroup,
     _moe_cuts,
     cut_modules_,
+    log_dequantized,
 )
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_context import ForwardContext
@@ -113,11 +114,13 @@ def enable_dp_attention(model: DeepSeekV4ForCausalLM, dp: DPGroup,
     Needs no live process group until the first forward."""
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     cuts = {name: _moe_cuts(m, dp, True) for name, m in moes} if expert_parallel else {}
+    dtype, dequantized = model.embed.weight.dtype, []
     for name, moe in moes:
         if expert_parallel:
-            _split_experts(moe, cuts[name], dp, model.embed.weight.dtype)
+            dequantized += _split_experts(moe, cuts[name], dp, dtype)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, DPMoE(moe, dp))
+    log_dequantized(dequantized, dtype, "expert parallelism")
     logger.info("DP attention: rank %d of %d, %d MoE layers over all ranks' tokens (%s)",
                 dp.rank, dp.size, len(moes),
                 "experts split by id" if expert_parallel else "experts replicated")
@@ -137,15 +140,18 @@ def dp_owned_slices(model: DeepSeekV4ForCausalLM, dp: DPGroup,
             if isinstance(moe, MoE) for name, cut in _moe_cuts(moe, dp, True).items()}
 
 
-def _split_experts(moe: MoE, cuts: dict[str, Cut], dp: DPGroup, dtype: torch.dtype) -> None:
+def _split_experts(moe: MoE, cuts: dict[str, Cut], dp: DPGroup,
+                   dtype: torch.dtype) -> list[str]:
     """One MoE's expert-parallel cut (`tp.shard_model`'s): routed experts by id, the shared
     expert by intermediate dim (`tp.cut_modules_`: its FP8 linears cut on scale blocks, or
-    dequantised to `dtype` where a cut is not whole blocks), the output all-reduced."""
-    cut_modules_(moe, cuts, dtype, "expert parallelism")
+    dequantised to `dtype` where a cut is not whole blocks), the output all-reduced. Returns the
+    dequantised linears' names."""
+    dequantized = cut_modules_(moe, cuts, dtype)
     ids = cuts["experts.w1"]
     moe.experts = (LocalQuantExperts(moe.experts, ids) if isinstance(moe.experts, QuantExperts)
                    else LocalExperts(moe.experts, ids))
     moe.reduce = AllReduce(dp)
+    return dequantized
 
 
 def check_dp_attention(model: ModelConfig, config: EngineConfig, size: int,

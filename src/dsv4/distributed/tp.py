@@ -187,7 +187,8 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     cuts = owned_slices(model, tp, expert_parallel)
     if not cuts:
         return model
-    cut_modules_(model, cuts, model.embed.weight.dtype, "tensor parallelism")
+    dtype = model.embed.weight.dtype
+    log_dequantized(cut_modules_(model, cuts, dtype), dtype, "tensor parallelism")
     for prefix, module in list(model.named_modules()):
         if isinstance(module, Attention):
             _localize_attention(module, tp)
@@ -204,19 +205,15 @@ def shard_model(model: DeepSeekV4ForCausalLM, tp: TPGroup,
     return model
 
 
-def cut_modules_(root: nn.Module, cuts: dict[str, Cut], dtype: torch.dtype,
-                 layout: str) -> list[str]:
+def cut_modules_(root: nn.Module, cuts: dict[str, Cut], dtype: torch.dtype) -> list[str]:
     """Apply `cuts` (names relative to `root`) in place: a parameter becomes a clone of its cut;
     an FP8 `QuantLinear` keeps its codes and scale blocks cut (`narrow_`) when the cut is whole
     scale blocks, else is dequantised to `dtype` (exact) and cut as a parameter; a `QuantExperts`
-    is skipped (`LocalQuantExperts` cuts it by id). Returns the dequantised linears' names
-    (logged as `layout`'s)."""
+    is skipped (`LocalQuantExperts` cuts it by id). Returns the dequantised linears' names (the
+    caller logs them: `log_dequantized`)."""
     loose = {name.rpartition(".")[0] for name, cut in cuts.items()
              if _is_quant_linear(root, name) and not _quant_cut_fits(root, name, cut)}
     dequantized = dequantize_linears_(root, dtype, loose) if loose else []
-    if dequantized:
-        logger.warning("%s cuts %d FP8 linear(s) off their 128-wide scale blocks: dequantised to "
-                       "%s (exact), e.g. %s", layout, len(dequantized), dtype, dequantized[0])
     for name, cut in cuts.items():
         owner, _, attr = name.rpartition(".")
         module = root.get_submodule(owner)
@@ -231,6 +228,13 @@ def cut_modules_(root: nn.Module, cuts: dict[str, Cut], dtype: torch.dtype,
         setattr(module, attr, nn.Parameter(cut.take(full.detach()).clone(),
                                            requires_grad=full.requires_grad))
     return dequantized
+
+
+def log_dequantized(names: list[str], dtype: torch.dtype, layout: str) -> None:
+    """One warning for the FP8 linears a layout dequantised (`cut_modules_`), if any."""
+    if names:
+        logger.warning("%s cuts %d FP8 linear(s) off their 128-wide scale blocks: dequantised to "
+                       "%s (exact), e.g. %s", layout, len(names), dtype, names[0])
 
 
 def _is_quant_linear(root: nn.Module, name: str) -> bool:

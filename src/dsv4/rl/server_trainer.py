@@ -19,9 +19,10 @@ and the dtype, weight format, kernel backend and invariant modes the run's own e
 i + 1 (`/init_weights_update_group`; gloo on the CPU, NCCL on CUDA), then per push posts
 `/update_weights_from_distributed` to every server for each bucket of `sync_bucket_mb` MiB while
 broadcasting its tensors, labelled with the push count. `close` destroys the group. A server that
-refused to join or to take a bucket would leave the trainer's collective waiting until
-`GROUP_TIMEOUT_S`; the check refuses mismatched servers before any group forms, and the buckets
-name the policy's own tensors (a server must serve the run's checkpoint). With
+refuses to join fails `open` at once, naming it (the joins wait on daemon threads). One that
+refused a bucket would leave the trainer's collective waiting until `GROUP_TIMEOUT_S`; the check
+refuses mismatched servers before any group forms, and the buckets name the policy's own tensors
+(a server must serve the run's checkpoint). With
 `rollout_colocated` (servers on the trainer's devices) every server releases its KV pools and
 CUDA graphs before the trainer's step and allocates them again before the push
 (`/release_memory_occupation`, `/resume_memory_occupation`).
@@ -35,10 +36,12 @@ Test: `pytest tests/rl/test_server_trainer.py` (a real `dsv4 serve` on loopback)
 
 from __future__ import annotations
 
+import functools
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -91,17 +94,23 @@ class RolloutServers:
                                      "would run)")
 
     def open(self) -> None:
-        """Form the weight-update group: every server joins while the trainer hosts it."""
+        """Form the weight-update group: every server joins while the trainer hosts it. A server
+        that refuses to join fails the call at once (RuntimeError naming it), not at the
+        group's timeout: every join waits on a daemon thread meanwhile."""
         host, port = _reachable_host(self.urls[0]), free_port()
         world = 1 + len(self.urls)
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            joins = [pool.submit(self._call, "POST", url, "/init_weights_update_group", {
+        hosted = _on_daemon(lambda: open_group(host, port, 0, world, self.group_name,
+                                               backend_for(self.device), self.timeout_s))
+        joins = [_on_daemon(functools.partial(
+            self._call, "POST", url, "/init_weights_update_group", {
                 "master_address": host, "master_port": port, "rank_offset": i + 1,
                 "world_size": world, "group_name": self.group_name,
-                "backend": backend_for(self.device)}) for i, url in enumerate(self.urls)]
-            self.group = open_group(host, port, 0, world, self.group_name,
-                                    backend_for(self.device), self.timeout_s)
-            _results(joins)
+                "backend": backend_for(self.device)})) for i, url in enumerate(self.urls)]
+        done, _ = wait([hosted, *joins], return_when=FIRST_EXCEPTION)
+        for f in done:
+            f.result()                      # a refused join raises here
+        _results(joins)
+        self.group = hosted.result()
         logger.info("weight-update group %s: the trainer and %d rollout server(s)",
                     self.group_name, len(self.urls))
 
@@ -251,6 +260,20 @@ def _reachable_host(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))             # UDP: picks the route, sends nothing
         return str(s.getsockname()[0])
+
+
+def _on_daemon(fn: Callable[[], T]) -> Future[T]:
+    """`fn()` on a daemon thread, as a future: a join left waiting after another failed neither
+    blocks the caller nor the process's exit."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:      # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(e)
+    threading.Thread(target=run, daemon=True, name="weight-group-join").start()
+    return future
 
 
 def _results(futures: list[Future[dict[str, Any]]]) -> None:
