@@ -12,9 +12,7 @@ gate bias, sinks, mHC base/scale, ape) get non-trivial values so tests are not d
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import math
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -31,6 +29,7 @@ from dsv4.kernels.ref import quant
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.quant_linear import QuantLinear, is_fp8_linear
+from dsv4.model.random_init import expert_generator, init_tensor, name_generator
 from dsv4.model.weights import internal_to_official
 from dsv4.utils.logging import init_logger
 
@@ -49,52 +48,6 @@ def official_specs(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]
             continue
         for official, expert in internal_to_official(name, config.n_routed_experts):
             yield official, tuple(t.shape[1:] if expert is not None else t.shape)
-
-
-def name_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
-    """The generator of tensor (or coded module) `name`'s random values under `seed`: each name
-    its own stream, so a part of a model is drawn without the rest (`distributed/dummy.py`)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
-
-
-def expert_generator(seed: int, module_name: str, device: torch.device,
-                      expert: int) -> torch.Generator:
-    """Routed expert `expert`'s codes of the checkpoint-format experts at `module_name`."""
-    return name_generator(seed, f"{module_name}.{expert}", device)
-
-
-def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
-                device: torch.device | None = None) -> torch.Tensor:
-    """Deterministic random value of one official tensor (fp32, or int64 for tid2eid), on
-    `device` (CPU: the same values on every machine; a GPU generator gives other, equally
-    deterministic values)."""
-    device = device or torch.device("cpu")
-    g = name_generator(seed, name, device)
-
-    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=g, device=device) * std + mean
-
-    if name.endswith("tid2eid"):  # k distinct experts per token id
-        return torch.rand(shape[0], config.n_routed_experts, generator=g,
-                          device=device).argsort(dim=-1)[:, :shape[1]]
-    if name.endswith("embed.weight"):
-        return normal(1.0)
-    if name.endswith("norm.weight"):
-        return normal(0.1, 1.0)
-    if re.search(r"hc_(attn|ffn|head)_fn$", name):
-        return normal(1.0 / math.sqrt(shape[1]))
-    if re.search(r"hc_(attn|ffn|head)_base$", name):
-        return normal(0.5)
-    if re.search(r"hc_(attn|ffn|head)_scale$", name):
-        return torch.rand(shape, generator=g, device=device) + 0.5
-    if name.endswith("attn_sink"):
-        return normal(1.0)
-    if name.endswith(".ape"):
-        return normal(0.5)
-    if name.endswith("gate.bias"):
-        return normal(0.1)
-    return normal(1.0 / math.sqrt(shape[-1]))  # every linear: [out, in]
 
 
 def encode_tensor(name: str, value: torch.Tensor, weight_quant: str) -> dict[str, torch.Tensor]:

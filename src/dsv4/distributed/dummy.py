@@ -5,13 +5,13 @@ real-scale line, the in-memory source of issue 21).
 `enable_dp_attention` of the full model on the meta device) with exactly the values that
 `checkpoint.writer.random_model(config, seed=seed)` then the same layout would hold, without ever
 building the full model: every tensor and coded module draws from its own stream
-(`writer.name_generator`: seed and name), so a rank draws only what it holds, plus the rest of a
-tensor it holds a cut of:
+(`model/random_init.py::name_generator`: seed and name), so a rank draws only what it holds,
+plus the rest of a tensor it holds a cut of:
 
-- float tensors: the full tensor drawn (`writer.init_tensor`) and narrowed to the rank's `Cut`;
+- float tensors: the full tensor drawn (`random_init.init_tensor`) and narrowed to the rank's `Cut`;
   stacked routed experts one expert at a time, only the rank's experts under expert parallelism;
 - checkpoint-format routed experts (`QuantExperts`): each expert's codes from its own stream
-  (`writer.expert_generator`), only the rank's (`LocalQuantExperts.start`);
+  (`random_init.expert_generator`), only the rank's (`LocalQuantExperts.start`);
 - FP8 linears (`QuantLinear`): the full codes drawn, then cut on their scale blocks
   (`QuantLinear.narrow_`), or dequantised and cut where the layout dequantised that linear
   (`tp.cut_modules_`).
@@ -29,11 +29,11 @@ from itertools import chain
 import torch
 from torch import nn
 
-from dsv4.checkpoint.writer import expert_generator, init_tensor, name_generator
 from dsv4.distributed.tp import Cut
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.quant_experts import QuantExperts
 from dsv4.model.quant_linear import QuantLinear
+from dsv4.model.random_init import expert_generator, init_tensor, name_generator
 from dsv4.model.weights import internal_to_official
 
 

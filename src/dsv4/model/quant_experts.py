@@ -118,7 +118,7 @@ class QuantExperts(nn.Module):
     def randomize_(self, generator: Callable[[int], torch.Generator]) -> None:
         """Random weights in the checkpoint encoding itself (`load_format="dummy"`): every e2m1
         code equally likely, and one UE8M0 scale per matrix, the power of two that brings the
-        decoded rms nearest 1 / sqrt(fan_in), as `checkpoint/writer.py::init_tensor` draws float
+        decoded rms nearest 1 / sqrt(fan_in), as `model/random_init.py::init_tensor` draws float
         linears. Expert e's codes come from `generator(start + e)` alone (`start`: the global id
         of the first expert held), so an expert-parallel shard draws exactly its experts' codes
         of the whole layer's. FP4 only: random e4m3 bytes would include NaN codes."""

@@ -149,7 +149,7 @@ class QuantLinear(nn.Module):
     def randomize_(self, generator: torch.Generator) -> None:
         """Random weights in the encoding itself (`load_format="dummy"`), on the buffers' device:
         every finite e4m3 code equally likely (NaN codes never drawn), and one scale, the power
-        of two that brings the decoded rms nearest 1 / sqrt(in), as `checkpoint/writer.py::
+        of two that brings the decoded rms nearest 1 / sqrt(in), as `model/random_init.py::
         init_tensor` draws float linears."""
         device = self.weight.device
         magnitude = torch.randint(0, 0x7F, self.weight.shape, generator=generator, device=device,
