@@ -30,12 +30,12 @@ def run(tmp_path: Path, script: str, *args: str) -> dict[str, Any]:
 @pytest.mark.slow
 def test_parallel_decode_on_cpu(tmp_path: Path) -> None:
     result = run(tmp_path, "parallel_decode.py", "--model", "in-memory:micro", "--device", "cpu",
-                 "--dtype", "float32", "--layouts", "1,tp2,dp2-ep2", "--points", "1:48,2:32",
+                 "--dtype", "float32", "--layouts", "1,tp2,dp2-ep2", "--points", "2:32",
                  "--steps", "3", "--warmup-steps", "1", "--profile-steps", "2",
                  "--agree-tokens", "40", "--page-size", "16", "--chunk", "32")
     rows = result["rows"]
     assert [(r["layout"], r["batch"], r["context"]) for r in rows] == [
-        (layout, b, c) for layout in ("1", "tp2", "dp2-ep2") for b, c in ((1, 48), (2, 32))]
+        (layout, 2, 32) for layout in ("1", "tp2", "dp2-ep2")]
     for r in rows:
         assert r["status"] == "ok" and r["ms_per_step"] > 0, r
         assert r["weights_gb"] == r["plan_weights_gb"] and r["kv_gb"] == r["plan_kv_gb"], r

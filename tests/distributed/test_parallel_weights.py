@@ -3,8 +3,8 @@ issues 22 and 24): rank 0 takes full tensors, every rank applies its part.
 
 Two checkpoints of one geometry (seeds 4 and 5). A parallel `LLM` loaded from the first and
 updated from the second (`load_weights_from_dir`) gives the greedy and seeded-sampling tokens and
-log-probs of one process loaded from the second: TP 2, TP 2 + EP 2 with FP4 experts and FP8
-linears kept in checkpoint encoding (their cuts whole scale blocks, so each rank re-encodes its
+log-probs of one process loaded from the second: TP 2 + EP 2 with FP4 experts and FP8 linears
+kept in checkpoint encoding (their cuts whole scale blocks, so each rank re-encodes its
 cut to the full load's codes), and DP attention 2 + EP 2. A refused update (non-finite values in
 rank 1's part only, a split dimension of the wrong size) changes no rank."""
 
@@ -22,8 +22,7 @@ from dsv4.checkpoint.writer import write_checkpoint
 
 KW: dict[str, object] = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=256,
                              chunked_prefill_size=32, max_running_requests=4)
-LAYOUTS = {"tp2": dict(tensor_parallel_size=2),
-           "tp2-ep2-fp8": dict(tensor_parallel_size=2, expert_parallel_size=2,
+LAYOUTS = {"tp2-ep2-fp8": dict(tensor_parallel_size=2, expert_parallel_size=2,
                                weight_format="checkpoint"),
            "dp2-ep2": dict(data_parallel_size=2, expert_parallel_size=2)}
 
