@@ -186,3 +186,37 @@ def test_unsupported_dp_settings_are_refused(checkpoints: dict[str, Path], kw: d
     with pytest.raises(ValueError, match=field):
         LLM(checkpoints["micro"], **{**KW, **kw})  # type: ignore[arg-type]
     assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
+def test_one_count_exchange_per_forward(checkpoints: dict[str, Path], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counts are gathered once per forward (by the first MoE layer; a host sync each), not
+    once per MoE layer, and the layers after it read them: on one gloo rank the DP model's
+    logits equal the plain model's."""
+    from dsv4.distributed import dp as dp_module
+    from dsv4.distributed.dp import DPGroup, enable_dp_attention
+    from dsv4.model.forward_mode import INFERENCE
+    from dsv4.model.loader import load_model
+
+    calls: list[int] = []
+    gather = dp_module.gather_counts
+
+    def counted(n: int, group: DPGroup, device: torch.device) -> list[int]:
+        calls.append(n)
+        return gather(n, group, device)
+
+    monkeypatch.setattr(dp_module, "gather_counts", counted)
+    ids = torch.randint(2, 512, (1, 23), generator=torch.Generator().manual_seed(0))
+    plain = load_model(checkpoints["micro"], "float32", progress=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = enable_dp_attention(load_model(checkpoints["micro"], "float32", progress=False),
+                                    DPGroup(0, 1))
+        with torch.no_grad():
+            got, want = model(ids, INFERENCE), plain(ids, INFERENCE)
+            model(ids[:, :7], INFERENCE)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [23, 7], calls
+    assert torch.equal(got, want)

@@ -20,12 +20,16 @@ step, an idle rank a 1-token forward on a padding row (`LLMEngine.step_or_idle`)
 result depends only on that row (routing and experts are per token), so outputs equal one
 process's up to the summation order of the batched matmuls (fp32: ~1e-6).
 
-One host sync per MoE layer: the token counts (`.tolist()`), so a DP forward is not capturable
-in a CUDA graph; `check_dp_attention` refuses CUDA graphs, speculative decoding and overlap
-scheduling for now.
+One host sync per forward: the token counts (`.tolist()`), gathered by the forward's first MoE
+layer (the decoder's first, or an MTP block's own) into a `CountCache` the model's other MoE
+layers read (every rank runs the same layers in the same order, so the gathers match). The sync
+makes a DP forward not capturable in a CUDA graph; `check_dp_attention` refuses CUDA graphs,
+speculative decoding and overlap scheduling for now.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -79,23 +83,37 @@ def all_gather_varlen(t: torch.Tensor, counts: list[int], dp: DPGroup) -> torch.
     return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
 
 
+@dataclass
+class CountCache:
+    """Every rank's row count in the forward under way: written by the forward's first `DPMoE`
+    (`gathers`), read by the others."""
+
+    counts: list[int] | None = None
+
+
 class DPMoE(MoE):
     """An `MoE` over every rank's tokens (module docstring), built from a loaded (and, with
     expert parallelism, already split) `MoE` whose submodules it takes over: parameter names are
-    unchanged."""
+    unchanged. `gathers`: this layer runs first in its forward and gathers the counts into
+    `cache`; the others reuse them."""
 
-    def __init__(self, moe: MoE, dp: DPGroup) -> None:
+    def __init__(self, moe: MoE, dp: DPGroup, cache: CountCache, gathers: bool) -> None:
         nn.Module.__init__(self)
         self.dp, self.replay_index = dp, moe.replay_index
         self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
         self.reduce = moe.reduce
+        self.cache, self.gathers = cache, gathers
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
                 *, mode: ForwardMode | None = None) -> torch.Tensor:
         """x: [..., d], input_ids: [...] (this rank's n tokens) -> [..., d]."""
         assert mode is None or mode.replay is None, "routing replay under DP attention"
         u, ids = x.reshape(-1, x.shape[-1]), input_ids.reshape(-1)
-        counts = gather_counts(u.shape[0], self.dp, u.device)
+        if self.gathers:
+            self.cache.counts = gather_counts(u.shape[0], self.dp, u.device)
+        counts = self.cache.counts
+        assert counts is not None and counts[self.dp.rank] == u.shape[0], \
+            "a DPMoE ran before its forward's first MoE layer gathered the counts"
         y = super().forward(all_gather_varlen(u, counts, self.dp),
                             all_gather_varlen(ids, counts, self.dp), ctx, mode=mode)
         start = sum(counts[:self.dp.rank])
@@ -115,11 +133,13 @@ def enable_dp_attention(model: DeepSeekV4ForCausalLM, dp: DPGroup,
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     cuts = {name: _moe_cuts(m, dp, True) for name, m in moes} if expert_parallel else {}
     dtype, dequantized = model.embed.weight.dtype, []
+    cache, first = CountCache(), next(name for name, _ in moes if name.startswith("layers."))
     for name, moe in moes:
         if expert_parallel:
             dequantized += _split_experts(moe, cuts[name], dp, dtype)
         owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, DPMoE(moe, dp))
+        gathers = name == first or name.startswith("mtp.")    # each forward's first MoE
+        setattr(model.get_submodule(owner), attr, DPMoE(moe, dp, cache, gathers))
     log_dequantized(dequantized, dtype, "expert parallelism")
     logger.info("DP attention: rank %d of %d, %d MoE layers over all ranks' tokens (%s)",
                 dp.rank, dp.size, len(moes),
