@@ -9,7 +9,9 @@ Two placements of the same model (`--model in-memory:<preset>`, random weights, 
   broadcast to the engine's acknowledgement (a last 1-element broadcast from rank 1);
 - "colocated": one process, the engine's `update_weights` with every tensor of its model, held
   on its own device (what the colocated trainer does after each step), in chunks of at most
-  `--chunk-gb` (a second full copy of a large model does not fit beside the engine).
+  `--chunk-gb` (a second full copy of a large model does not fit beside the engine). A chunk holds
+  at least one whole tensor: flash-4l's largest, a 4.3 GB routed-expert stack, does not fit beside
+  its 68 GB engine on an 80 GB H100 (measured: out of memory); an H200 has room.
 
 `--syncs` timed syncs after one untimed; rows: seconds per sync, GB moved, GB/s. Prints a table,
 then exactly one JSON line (also to `--out`).
@@ -124,7 +126,7 @@ def colocated(args: argparse.Namespace) -> Row:
     """In-process syncs: the engine's own weights, cloned on its device in chunks of at most
     `--chunk-gb` (a trainer's copy of a large model does not fit beside the engine's), each chunk
     applied by `update_weights`; only the update calls are timed (each then a device sync)."""
-    device = devices(args)[1]
+    device = devices(args)[0]                  # one GPU: the trainer's and the engine's
     llm = engine_on(args, device)
     state = llm.engine.runner.model.state_dict()
     chunks: list[list[str]] = [[]]
