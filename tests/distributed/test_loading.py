@@ -219,7 +219,8 @@ def test_dummy_shard_equals_random_model_then_layout(tmp_path: Path, geometry: s
     ep, dp = "ep2" in layout, layout.startswith("dp")
     for rank in range(2):
         group = TPGroup(rank, 2)
-        full = random_model(config, torch.float32, torch.device("cpu"), 7, fmt)  # type: ignore[arg-type]
+        full = random_model(config, torch.float32, torch.device("cpu"), 7,
+                            fmt)  # type: ignore[arg-type]
         want = enable_dp_attention(full, group, ep) if dp else shard_model(full, group, ep)
         load = load_dp_shard_with_report if dp else load_shard_with_report
         got, report = load(path, "float32", "cpu", group, ep, fmt,  # type: ignore[arg-type]

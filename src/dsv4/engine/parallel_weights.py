@@ -73,7 +73,7 @@ class WeightChannel:
         owned = {}
         for name, shape, dtype_name in header:
             dtype = getattr(torch, dtype_name)
-            buf = torch.empty(math.prod(shape) * _itemsize(dtype), dtype=torch.uint8,
+            buf = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8,
                               device=self.device)
             dist.broadcast(buf, src=0)
             full = buf.view(dtype).view(shape)
@@ -85,6 +85,3 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, flat (any dtype, as uint8)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
 
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
