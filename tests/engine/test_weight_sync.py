@@ -15,7 +15,7 @@ from dsv4.config.engine import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.engine.weight_sync import read_checkpoint_dir, update_weights
+from dsv4.engine.weight_sync import check_finite, read_checkpoint_dir, update_weights
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import load_model
 from dsv4.model.quant_experts import QuantExperts, quantize_experts_
@@ -215,3 +215,19 @@ def test_read_checkpoint_dir_refuses_bad_directories(ckpts: dict[str, Path],
     with pytest.raises(ValueError, match="cannot be read"):
         read_checkpoint_dir(other, model)
     assert update_weights(model, named) == len(named)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 1000])
+@pytest.mark.parametrize("bad", [None, (0, 0), (3, 1), (5, 2)])
+def test_check_finite_in_slices(chunk: int, bad: tuple[int, int] | None) -> None:
+    """The sliced check (bounded temporary memory) finds an inf or nan in any row, also in a
+    strided view, and accepts an all-finite tensor."""
+    base = torch.randn(6, 3, 2)
+    t = base[:, :, 0]                         # strided [6, 3]: slicing must not need a copy
+    if bad is not None:
+        t[bad] = float("inf") if bad[0] % 2 else float("nan")
+    if bad is None:
+        check_finite({"w": t}, chunk=chunk)
+    else:
+        with pytest.raises(ValueError, match="'w' contains non-finite"):
+            check_finite({"w": t}, chunk=chunk)
