@@ -10,6 +10,7 @@ initial free count with check_integrity() passing after the workload.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,10 +52,10 @@ class LogitRecorder:
         original = ModelRunner._sample
 
         def wrapped(runner: ModelRunner, logits: torch.Tensor, reqs: list[Request],
-                    steps: list[int]) -> SampleOutput:
+                    steps: list[int], **kw: Any) -> SampleOutput:
             for req, row in zip(reqs, logits, strict=True):
                 self.rows.setdefault(req.rid, []).append(row.clone())
-            return original(runner, logits, reqs, steps)
+            return original(runner, logits, reqs, steps, **kw)
 
         monkeypatch.setattr(ModelRunner, "_sample", wrapped)
 

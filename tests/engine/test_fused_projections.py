@@ -48,11 +48,11 @@ class Recorder:
         original = ModelRunner._sample
 
         def wrapped(runner: ModelRunner, logits: torch.Tensor, reqs: list[Request],
-                    steps: list[int]) -> SampleOutput:
+                    steps: list[int], **kw: Any) -> SampleOutput:
             mine = self.rows.setdefault(id(runner), {})
             for req, row in zip(reqs, logits, strict=True):
                 mine.setdefault(req.rid, []).append(row.clone())
-            return original(runner, logits, reqs, steps)
+            return original(runner, logits, reqs, steps, **kw)
 
         monkeypatch.setattr(ModelRunner, "_sample", wrapped)
 

@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from dsv4.engine.sampler import SamplingBatch, apply_penalties, hash_uniform, sample
+from dsv4.engine.sampler import (
+    SamplingBatch,
+    apply_penalties,
+    argmax_only,
+    hash_uniform,
+    sample,
+)
 from dsv4.engine.sampling_params import SamplingParams
 
 # Chi-square critical values at p = 0.001, indexed by degrees of freedom.
@@ -62,6 +68,35 @@ def test_greedy_is_argmax() -> None:
     out = sample(logits, batch)
     assert out.token_ids.dtype == torch.int64
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize(("kwargs", "plain"), [
+    ({"temperature": 0.0}, True),
+    ({"temperature": 0.9, "top_k": 1}, True),
+    ({"temperature": 0.0, "top_p": 0.5, "min_p": 0.1}, True),     # filters of sampled rows only
+    ({"temperature": 0.0, "prompt_logprobs": 2}, True),            # the prompt's rows, not these
+    ({"temperature": 0.7}, False),
+    ({"temperature": 0.0, "logprobs": 0}, False),
+    ({"temperature": 0.0, "repetition_penalty": 1.2}, False),
+    ({"temperature": 0.0, "frequency_penalty": 0.5}, False),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, False),
+    ({"temperature": 0.0, "logit_bias": ((3, 5.0),)}, False),
+])
+def test_argmax_only_exactly_when_sample_is_the_argmax(kwargs: dict[str, object],
+                                                       plain: bool) -> None:
+    """`argmax_only` (the engine then skips the sampling batch) holds only where `sample` returns
+    the raw logits' argmax and nothing else; a row that breaks it anywhere breaks the batch."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
+    logits[:, 3] = logits.max(dim=1).values - 0.1   # a bias of +5 on token 3 changes the argmax
+    params = [SamplingParams(temperature=0.0), SamplingParams(**kwargs),  # type: ignore[arg-type]
+              SamplingParams(temperature=0.0, top_k=1)]
+    assert argmax_only(params) is plain
+    assert argmax_only([params[0], params[2]])
+    counts = torch.zeros(3, 40, dtype=torch.int32)
+    counts[:, logits.argmax(dim=-1)] = 1              # the penalties change the argmax too
+    out = sample(logits, _batch(params), counts, counts > 0)
+    same = torch.equal(out.token_ids, logits.argmax(dim=-1)) and out.logprobs is None
+    assert same is plain
 
 
 def test_greedy_ties_pick_lowest_id() -> None:

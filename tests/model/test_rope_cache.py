@@ -8,6 +8,8 @@ requests past it, and engine steps give the same logits with and without it (CPU
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -74,10 +76,10 @@ def _logits_of_a_workload(model: DeepSeekV4ForCausalLM, monkeypatch: pytest.Monk
     original = ModelRunner._sample
 
     def record(runner: ModelRunner, logits: torch.Tensor, reqs: list[Request],
-               steps: list[int]) -> SampleOutput:
+               steps: list[int], **kw: Any) -> SampleOutput:
         for req, row in zip(reqs, logits, strict=True):
             rows.setdefault(req.rid, []).append(row.clone())
-        return original(runner, logits, reqs, steps)
+        return original(runner, logits, reqs, steps, **kw)
 
     monkeypatch.setattr(ModelRunner, "_sample", record)
     engine = LLMEngine(model, EngineConfig(page_size=16, max_running_requests=4,

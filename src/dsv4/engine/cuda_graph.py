@@ -117,6 +117,17 @@ class _StepGraph:
     graph: torch.cuda.CUDAGraph | None = field(default=None)
     streams: torch.Tensor | None = None   # [B * n, hc, d] with `with_streams`
     draft: _DraftGraph | None = None      # the MTP pass + draft chain after this step
+    argmax: _ArgmaxGraph | None = None    # the row argmax of `logits` (`argmax_last`)
+
+
+@dataclass
+class _ArgmaxGraph:
+    """`KernelOps.argmax` of a step graph's logits, captured beside it: a step whose rows only take
+    the argmax (`sampler.argmax_only`) replays it instead of launching the kernels from Python.
+    `tokens` [B * k] int64 is written by every replay."""
+
+    tokens: torch.Tensor
+    graph: torch.cuda.CUDAGraph
 
 
 @dataclass
@@ -206,6 +217,19 @@ class DecodeGraphs:
         streams = None if step.streams is None else step.streams[:b * n]
         self._last = (step, key, b)
         return step.logits[:b * k], captured, streams
+
+    def argmax_last(self, rows: int) -> torch.Tensor:
+        """[rows] int64: the row argmax (`KernelOps.argmax`) of the latest `run`'s first `rows`
+        logit rows, by replay of the argmax graph captured with its step graph (without capture:
+        the op itself). Equal to `ops.argmax(logits[:rows])`, since a row's argmax never depends
+        on the other rows. A view of a static output: read it (stream-ordered) before the next
+        step's argmax."""
+        assert self._last is not None, "argmax_last() needs run()"
+        step = self._last[0]
+        if step.argmax is None:
+            return self.ops.argmax(step.logits[:rows])
+        step.argmax.graph.replay()
+        return step.argmax.tokens[:rows]
 
     def prepare(self, batch: int, tokens: int, context: int, capture_routing: bool,
                 draft_steps: int = 0) -> int:
@@ -324,7 +348,12 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits, captured, streams = self._forward(inputs, consts, key)
-        return _StepGraph(staging, inputs, consts, logits, captured, graph, streams)
+            self.ops.argmax(logits)            # compiled and warm before its capture
+            argmax = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(argmax, pool=self.pool):
+                tokens = self.ops.argmax(logits)
+        return _StepGraph(staging, inputs, consts, logits, captured, graph, streams,
+                          argmax=_ArgmaxGraph(tokens, argmax))
 
     def num_graphs(self) -> int:
         return len(self._graphs)

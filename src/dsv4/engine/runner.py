@@ -16,7 +16,9 @@ entries, the projection fusion) is in engine/runner_setup.py.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +33,7 @@ from dsv4.engine.metadata import StepShape, build_context
 from dsv4.engine.penalty_state import PenaltyState
 from dsv4.engine.request import Request
 from dsv4.engine.runner_setup import check_host_memory, fuse_for_serving, hot_entries, resolve
-from dsv4.engine.sampler import SampleOutput, SamplingBatch, sample
+from dsv4.engine.sampler import SampleOutput, SamplingBatch, argmax_only, sample
 from dsv4.engine.scheduler import ScheduledStep
 from dsv4.engine.spec_decode import Drafts, Segments, draft, successors, verify
 from dsv4.engine.step_output import PromptRows, StepOutput
@@ -183,18 +185,25 @@ class ModelRunner:
         if self.spec_steps:
             return self._run_spec(step)
         fill = self._ahead_tokens(step)
-        if self.graphs is not None and self.graphs.fits(step.shape):
-            logits, captured = self.graphs.run(step.input_ids, step.shape,
-                                               self.config.capture_routing, fill)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(step.shape) else None
+        if graphs is not None:
+            logits, captured = graphs.run(step.input_ids, step.shape,
+                                          self.config.capture_routing, fill)
         else:
             logits, captured = self._forward_eager(step, fill)
         sample_rows, prompt = self._split_rows(step)
         requests = [r for r, _ in sample_rows]
         sampled = None
         if requests:
+            rows = [i for _, i in sample_rows]
+            # every logit row samples, in order: the graph's own argmax serves them
+            graph_argmax = (functools.partial(graphs.argmax_last, len(rows))
+                            if graphs is not None and rows == list(range(logits.shape[0]))
+                            else None)
             # a token in flight counts: it is the output token before this step's
-            sampled = self._sample(self._rows(logits, [i for _, i in sample_rows]), requests,
-                                   [len(r.output_ids) + r.num_inflight for r in requests])
+            sampled = self._sample(self._rows(logits, rows), requests,
+                                   [len(r.output_ids) + r.num_inflight for r in requests],
+                                   graph_argmax=graph_argmax)
         prompt_rows = None
         if prompt:
             prompt_rows = PromptRows.compute(logits, prompt, self.device)
@@ -350,10 +359,16 @@ class ModelRunner:
             return logits
         return logits[to_device(torch.tensor(rows, dtype=torch.int64), self.device)]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int]) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], steps: list[int],
+                graph_argmax: Callable[[], torch.Tensor] | None = None) -> SampleOutput:
         """Sample every logit row (row i belongs to `reqs[i]`, its output index `steps[i]`) and,
         when a row uses penalties, count the tokens in the penalty state (`PenaltyState`). Rows
-        of one request sample from the request's state at the step's start."""
+        of one request sample from the request's state at the step's start. Rows that only take
+        the argmax (`argmax_only`, no grammar) skip the sampling batch: the same ids, from
+        `graph_argmax` (the decode graph's replay of the op on these rows) when given."""
+        if argmax_only([r.params for r in reqs]) and all(r.grammar is None for r in reqs):
+            ids = graph_argmax() if graph_argmax is not None else self.ops.argmax(logits)
+            return SampleOutput(token_ids=ids)
         batch = SamplingBatch.build([r.params for r in reqs], steps, [r.seed for r in reqs],
                                     self.device, vocab_size=logits.shape[-1])
         slots = counts = seen = None

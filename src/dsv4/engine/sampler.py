@@ -338,6 +338,15 @@ def raw_logprobs(logits: Tensor, token_ids: Tensor,
     return chosen, top_values - lse.unsqueeze(1), top_ids
 
 
+def argmax_only(params: Sequence[SamplingParams]) -> bool:
+    """Whether `sample` would only take the row argmax of the raw logits for these rows: every row
+    greedy, with no penalty, no logit bias and no log-probs (a row's grammar is the caller's to
+    check). The engine then skips `SamplingBatch.build` (its tensors and host-to-device copies):
+    the same token ids, less host work per decode step."""
+    return all(p.is_greedy and not p.uses_penalties and not p.logit_bias and p.logprobs is None
+               for p in params)
+
+
 def sample(
     logits: Tensor,
     batch: SamplingBatch,

@@ -84,8 +84,10 @@ class StepOutput:
 
     `rows[i]` logit rows of the step belong to `requests[i]` (consecutive, in step order). Holding
     one does not block; `resolve()` waits for the copies (the step's one host sync) and returns the
-    host lists. The device tensors stay valid after the next step is launched (they are not graph
-    outputs)."""
+    host lists. The device tensors stay valid until the next step's sampling: a greedy step's token
+    ids may be a decode graph's static output (`DecodeGraphs.argmax_last`), which the next replay
+    of that argmax graph overwrites, stream-ordered after the next step has read them (its
+    in-flight inputs, `ScheduledStep.source`)."""
 
     def __init__(self, step: ScheduledStep, requests: list[Request], rows: list[int],
                  sampled: SampleOutput | None, captured: Captured | None,
