@@ -10,8 +10,10 @@ Two placements of the same model (`--model in-memory:<preset>`, random weights, 
 - "colocated": one process, the engine's `update_weights` with every tensor of its model, held
   on its own device (what the colocated trainer does after each step), in chunks of at most
   `--chunk-gb` (a second full copy of a large model does not fit beside the engine). A chunk holds
-  at least one whole tensor: flash-4l's largest, a 4.3 GB routed-expert stack, does not fit beside
-  its 68 GB engine on an 80 GB H100 (measured: out of memory); an H200 has room.
+  at least one whole tensor (flash-4l's largest: a 4.3 GB routed-expert stack); the update's
+  finite check works in slices, so a chunk costs only its own bytes beside the 68 GB engine. On
+  an H200, `--chunk-gb 4.5`: 0.181 s per sync (benchmarks/results/rl_h200_202612.md); an 80 GB
+  H100 ran out of memory before the check was sliced, and has not run it since.
 
 `--syncs` timed syncs after one untimed; rows: seconds per sync, GB moved, GB/s. Prints a table,
 then exactly one JSON line (also to `--out`).
