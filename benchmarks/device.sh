@@ -101,6 +101,11 @@
 #                 default, then batch 8 and the default at batch 32 (4K);
 #                 the GPU tests of test_multi_stream.py and test_moe_combine.py: shared_join*.txt. SJ_RUNS
 #                 ("format:beside:batch ..."), SJ_TESTS= (empty: no tests)
+#   tree-ab       this tree against commit TREE_AB_BASE (default the parent of HEAD; `git archive` into
+#                 /tmp/tree_ab_base): flash-4l batch 1 / 4K, one process per run, 64 timed steps with
+#                 --step-times, TREE_AB_RUNS ("tree:format ...", tree new or base; default checkpoint and
+#                 bf16 pairs): ms per step, the steps' p50 / p90 / max and the host's own ms per step
+#                 (p50, max): tree_ab.txt
 #   multi         issue 22 on a 2-GPU kind (nvidia-h200-x2 / nvidia-h100-x2): the multi_gpu tests (fp32
 #                 tiny under TP 2, TP 2 + EP 2, DP 2 + EP 2 against one GPU; a weight update; dummy weights
 #                 per rank: multi_tests.txt), then benchmarks/parallel_decode.py on flash-4l (MULTI_FORMAT,
@@ -547,6 +552,29 @@ multi_sync() {   # issue 24: the flash-4l weight sync, disaggregated over NCCL a
   echo "multi-sync exit $?"; grep -v "^{" /tmp/multi_sync.txt | tail -6
 }
 
+tree_ab() {   # this tree against another commit, batch-1 decode with step times
+  local base=/tmp/tree_ab_base run tree fmt src
+  rm -rf "$base" && mkdir -p "$base"
+  git archive "${TREE_AB_BASE:-HEAD~1}" | tar -x -C "$base" || { echo "no base tree"; return 1; }
+  for run in ${TREE_AB_RUNS:-new:checkpoint base:checkpoint new:checkpoint base:checkpoint \
+      new:bf16 base:bf16}; do
+    IFS=: read -r tree fmt <<< "$run"
+    src=src; [ "$tree" = base ] && src="$base/src"
+    PYTHONPATH=$src timeout "${DECODE_TIMEOUT_S:-120}" python3 benchmarks/decode_context_sweep.py \
+      --device cuda --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \
+      --contexts 4096 --batches= --step-times --steps 64 --out /tmp/tree_ab.json > /tmp/tree_ab.log 2>&1 \
+      || { echo "$run failed: $(tail -1 /tmp/tree_ab.log)" | tee -a "$OUT/tree_ab.txt"; continue; }
+    python3 - "$run" <<'PY' | tee -a "$OUT/tree_ab.txt"
+import json, statistics, sys
+r = json.load(open("/tmp/tree_ab.json"))["rows"][0]
+d = sorted(r["step_ms_device"])
+own = [h - w for h, w in zip(r["step_ms_host"], r["step_ms_host_wait"])]
+print(sys.argv[1], "ms", r["ms_per_step"], "p50 %.4f p90 %.4f max %.4f host_own p50 %.4f max %.4f"
+      % (statistics.median(d), d[int(0.9 * len(d))], d[-1], statistics.median(own), max(own)))
+PY
+  done
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
@@ -585,11 +613,12 @@ for part in "$@"; do
     sass) sass ;;
     crit) crit ;;
     shared-join) shared_join ;;
+    tree-ab) tree_ab ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
