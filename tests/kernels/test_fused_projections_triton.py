@@ -52,10 +52,10 @@ def test_triton_fused_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
     original = ModelRunner._sample
 
     def recorded(runner: ModelRunner, logits: torch.Tensor, reqs: list[Request],
-                 steps: list[int]) -> SampleOutput:
+                 steps: list[int], **kw: Any) -> SampleOutput:
         for req, row in zip(reqs, logits, strict=True):
             rows[runner.config.fuse_projections].setdefault(req.rid, []).append(row.clone())
-        return original(runner, logits, reqs, steps)
+        return original(runner, logits, reqs, steps, **kw)
 
     monkeypatch.setattr(ModelRunner, "_sample", recorded)
     cfg = micro()
