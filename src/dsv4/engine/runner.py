@@ -195,13 +195,12 @@ class ModelRunner:
         requests = [r for r, _ in sample_rows]
         sampled = None
         if requests:
-            rows = [i for _, i in sample_rows]
-            # every logit row samples, in order: the graph's own argmax serves them
-            graph_argmax = (functools.partial(graphs.argmax_last, len(rows))
-                            if graphs is not None and rows == list(range(logits.shape[0]))
-                            else None)
+            rows = self._rows(logits, [i for _, i in sample_rows])
+            # every logit row samples, in order (`_rows` took no gather): the graph's own argmax
+            graph_argmax = (functools.partial(graphs.argmax_last, rows.shape[0])
+                            if graphs is not None and rows is logits else None)
             # a token in flight counts: it is the output token before this step's
-            sampled = self._sample(self._rows(logits, rows), requests,
+            sampled = self._sample(rows, requests,
                                    [len(r.output_ids) + r.num_inflight for r in requests],
                                    graph_argmax=graph_argmax)
         prompt_rows = None
