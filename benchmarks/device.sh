@@ -106,6 +106,10 @@
 #                 --step-times, TREE_AB_RUNS ("tree:format ...", tree new or base; default checkpoint and
 #                 bf16 pairs): ms per step, the steps' p50 / p90 / max and the host's own ms per step
 #                 (p50, max): tree_ab.txt
+#   prefill-profile  flash-4l prefill, PP_FORMATS (default "checkpoint bf16"): profile_engine_step.py on
+#                 2 x 8K prompts (two 8K-token chunks profiled after a warm batch of the same shapes), the
+#                 top kernels by GPU time and the warm batch's seconds (kernel compiles included):
+#                 prefill_<fmt>.txt
 #   multi         issue 22 on a 2-GPU kind (nvidia-h200-x2 / nvidia-h100-x2): the multi_gpu tests (fp32
 #                 tiny under TP 2, TP 2 + EP 2, DP 2 + EP 2 against one GPU; a weight update; dummy weights
 #                 per rank: multi_tests.txt), then benchmarks/parallel_decode.py on flash-4l (MULTI_FORMAT,
@@ -575,6 +579,15 @@ PY
   done
 }
 
+prefill_profile() {   # where a prefill chunk's time goes, per weight format
+  for fmt in ${PP_FORMATS:-checkpoint bf16}; do
+    timeout "${PP_TIMEOUT_S:-240}" python3 benchmarks/profile_engine_step.py --preset flash-4l \
+      --device cuda --dtype bfloat16 --kernel-backend triton --weight-format "$fmt" --num-prompts 2 \
+      --prompt-len 8192 --steps 2 --rows 40 > "$OUT/prefill_$fmt.txt" 2>&1
+    echo "$fmt exit $?: $(tail -1 "$OUT/prefill_$fmt.txt" | cut -c 1-300)"
+  done
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
@@ -614,11 +627,12 @@ for part in "$@"; do
     crit) crit ;;
     shared-join) shared_join ;;
     tree-ab) tree_ab ;;
+    prefill-profile) prefill_profile ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
