@@ -106,6 +106,10 @@
 #                 --step-times, TREE_AB_RUNS ("tree:format ...", tree new or base; default checkpoint and
 #                 bf16 pairs): ms per step, the steps' p50 / p90 / max and the host's own ms per step
 #                 (p50, max): tree_ab.txt
+#   prefill-cold  flash-4l batch 32 / 4K (the sweep's protocol: the prefill steps include the early requests'
+#                 decode steps), PC_FORMATS (default "checkpoint bf16"), each twice in a fresh Triton cache
+#                 directory of its own: prefill seconds cold and warm, ms per step, and the kernels compiled
+#                 (cache entries per kernel name): prefill_cold.txt
 #   prefill-profile  flash-4l prefill, PP_FORMATS (default "checkpoint bf16"): profile_engine_step.py on
 #                 2 x 8K prompts (two 8K-token chunks profiled after a warm batch of the same shapes), the
 #                 top kernels by GPU time and the warm batch's seconds (kernel compiles included):
@@ -588,6 +592,28 @@ prefill_profile() {   # where a prefill chunk's time goes, per weight format
   done
 }
 
+prefill_cold() {   # is the sweep's batch-32 prefill time kernel compiles? cold against warm cache
+  local fmt pass cache
+  for fmt in ${PC_FORMATS:-checkpoint bf16}; do
+    cache=/tmp/triton_cache_$fmt && rm -rf "$cache"
+    for pass in cold warm; do
+      TRITON_CACHE_DIR=$cache timeout "${DECODE_TIMEOUT_S:-240}" python3 \
+        benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+        --kernel-backend triton --weight-format "$fmt" --contexts 4096 --batches 32 \
+        --batch-contexts 4096 --out /tmp/pc.json > /tmp/pc.txt 2>&1
+      echo "--- $fmt $pass exit $?" | tee -a "$OUT/prefill_cold.txt"
+      python3 -c 'import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["batch"], r["context"], "prefill_s", r.get("prefill_s"), "ms", r.get("ms_per_step"))' \
+        /tmp/pc.json 2>&1 | tee -a "$OUT/prefill_cold.txt"
+      [ "$pass" = cold ] || continue
+      echo "kernels compiled (cache entries by name):" >> "$OUT/prefill_cold.txt"
+      find "$cache" -name "*.json" ! -name "__grp__*" -printf "%f\n" | sed 's/\.json$//' | sort \
+        | uniq -c | sort -rn | tee -a "$OUT/prefill_cold.txt" | head -5
+    done
+  done
+}
+
 sass() {
   timeout 300 python3 benchmarks/aot_compile_sm90.py > "$OUT/sass.txt" 2>&1
   echo "sass exit $?"; grep -c "instr" "$OUT/sass.txt"; grep "ERROR" "$OUT/sass.txt" | head -5
@@ -628,11 +654,12 @@ for part in "$@"; do
     shared-join) shared_join ;;
     tree-ab) tree_ab ;;
     prefill-profile) prefill_profile ;;
+    prefill-cold) prefill_cold ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
