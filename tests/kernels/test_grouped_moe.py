@@ -25,3 +25,23 @@ def test_grouped_moe_matches_loop(N: int, E: int, k: int, d: int, inter: int) ->
     out = routed_experts_grouped(x, w1, w2, w3, indices, weights, 10.0)
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("routing", ["spread", "ragged"])
+def test_grouped_moe_matches_loop_cpu_fp32(routing: str) -> None:
+    """torch._grouped_mm on the CPU (fp32): the device grouping (counts by a scatter-add, no
+    bincount) gives the loop's result, with experts of no token and, ragged, one with every
+    token."""
+    g = torch.Generator().manual_seed(0)
+    N, E, k, d, inter = 9, 8, 2, 32, 16
+    x = torch.randn(N, d, generator=g)
+    w1, w3 = (torch.randn(E, inter, d, generator=g) / d ** 0.5 for _ in range(2))
+    w2 = torch.randn(E, d, inter, generator=g) / inter ** 0.5
+    if routing == "spread":
+        indices = torch.rand(N, E, generator=g).argsort(dim=-1)[:, :k]
+    else:   # expert 5 on every token, expert 2 on all but one, the rest empty but expert 7
+        indices = torch.tensor([[5, 2]] * (N - 1) + [[7, 5]])
+    weights = torch.rand(N, k, generator=g)
+    ref = routed_experts(x, w1, w2, w3, indices, weights, 10.0)
+    out = routed_experts_grouped(x, w1, w2, w3, indices, weights, 10.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

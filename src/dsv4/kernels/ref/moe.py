@@ -212,7 +212,10 @@ def routed_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     N, k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=w1.shape[0]), 0).to(torch.int32)
+    # per-expert counts by a scatter-add: bincount would sync (it sizes its output by the max)
+    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     tokens = order // k
     xs = x[tokens]                                          # [N*k, d] grouped by expert
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)             # [N*k, I]
