@@ -14,7 +14,8 @@ allocations are), and integer arguments whose type carries ":16" divisible by 16
 power-of-two rows). Without these hints the gathers compile to scalar loads and the counts mislead.
 
 Prints one line per compiled variant (instructions, LDG, HMMA, shared bytes, registers and stack
-bytes per thread); exits 1 on any compile error.
+bytes per thread, and the compile's wall seconds on this machine: which kernels make a cold start
+slow); exits 1 on any compile error.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -690,6 +692,7 @@ def main() -> int:
     failed = 0
     for group in args.kernels.split(","):
         for label, kernel, types, consts, options in {**KERNELS, **PARTS}[group]():
+            start = time.perf_counter()
             try:
                 compiled = compile_variant(kernel, types, consts, options)
             except Exception as exc:  # noqa: BLE001 — report every variant, then fail
@@ -697,12 +700,14 @@ def main() -> int:
                 sys.stdout.write(f"{label:<44} COMPILE ERROR: "
                                  f"{str(exc).splitlines()[0] if str(exc) else exc!r}\n")
                 continue
+            seconds = time.perf_counter() - start
             c = sass_counts(compiled.asm["cubin"])
             sys.stdout.write(f"{label:<44} instr {c['instr']:>6}  LDG {c['LDG']:>4}  "
                              f"HMMA {c['HMMA']:>3}  HGMMA {c['HGMMA']:>3}  QGMMA {c['QGMMA']:>3}  "
                              f"loop {c['loop']:>5}  "
                              f"shared {compiled.metadata.shared:>6} B  "
-                             f"regs {c['regs']:>3}  stack {c['stack']:>4} B\n")
+                             f"regs {c['regs']:>3}  stack {c['stack']:>4} B  "
+                             f"compile {seconds:>5.1f} s\n")
     return 1 if failed else 0
 
 

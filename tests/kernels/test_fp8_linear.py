@@ -12,7 +12,8 @@ truncates; the tests patch it to round to nearest even, as the GPU does.
 Engine (slow): micro in checkpoint format served by the `triton` backend against the dequantised
 checkpoint on `ref`: greedy tokens equal, log-probs within 1e-5.
 GPU (`-m gpu`): the V4-Flash FP8 linears (benchmarks/kernels/bench_fp8_linear.py) at M = 1, 8,
-32, 512 against the reference.
+32, 512, 2048 against the reference (at 512 and 2048 also the tiles, pinned).
+CPU: from DEQUANT_MIN_M rows the decoded weight's F.linear, equal to the reference.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_fp8_linear.py
 """
@@ -196,10 +197,16 @@ def test_plan_at_h200_shapes() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("N", "K"), sorted(set(FLASH_SHAPES)))
-@pytest.mark.parametrize("M", [1, 8, 32, 512])
+@pytest.mark.parametrize("M", [1, 8, 32, 512, 2048])
 def test_flash_shapes_on_gpu(M: int, N: int, K: int) -> None:
+    """The default path at each M (from DEQUANT_MIN_M the decoded weight and F.linear), and at
+    prefill M the tiles too (`dot=True`)."""
     x, w, s = operands(M, N, K, BF16, seed=M)
-    assert_close(triton_fp8_linear(x, w, s), x, w, s)
+    if M < 512:
+        assert_close(triton_fp8_linear(x, w, s), x, w, s)
+        return
+    assert torch.equal(triton_fp8_linear(x, w, s), fp8_linear(x, w, s))   # the same F.linear
+    assert_close(triton_fp8_linear(x, w, s, dot=True), x, w, s)
 
 
 @pytest.mark.slow  # the whole engine's kernels under the Triton interpreter
@@ -224,3 +231,27 @@ def test_engine_triton_serves_like_dequantised(tmp_path: Path) -> None:
     for a, b in zip(*outs, strict=True):
         assert list(a.token_ids) == list(b.token_ids)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_prefill_rows_take_the_decoded_weight(groups: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From DEQUANT_MIN_M rows (lowered here to keep the interpreter quick) the default call
+    decodes the weight and runs the reference's own product: equal to `fp8_linear` (bf16 and
+    fp32, one group or the grouped wo_a), the SwiGLU mode included; a pinned knob keeps the
+    tiles."""
+    from dsv4.kernels.triton import fp8_linear as mod
+
+    monkeypatch.setattr(mod, "DEQUANT_MIN_M", 8)
+    for dtype in (BF16, F32):
+        x, w, s = operands(9, 256 * groups, 384, dtype, seed=groups)
+        if groups > 1:
+            x = torch.stack([x, x.flip(0)], 1)                     # [M, 2, K]
+        ref = fp8_linear(x, w, s, groups=groups)
+        assert torch.equal(triton_fp8_linear(x, w, s, groups=groups), ref)
+    gate, up = (operands(9, 256, 384, BF16, seed=s_)[0] for s_ in (5, 6))
+    ref = fp8_linear(gate, w, s, up=up, limit=7.0)
+    assert torch.equal(triton_fp8_linear(gate, w, s, up=up, limit=7.0), ref)
+    calls: list[int] = []
+    monkeypatch.setattr(mod, "_dequant_linear", lambda *a: calls.append(1))
+    triton_fp8_linear(gate, w, s, dot=True)
+    assert not calls

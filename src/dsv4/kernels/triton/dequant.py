@@ -31,8 +31,10 @@ import triton.language as tl
 
 from dsv4.kernels.ref import quant
 
-FP4_TILE = (16, 256)        # (rows, bytes) per program: 4 KB of codes
-FP8_TILE = (16, 256)
+# (rows, code bytes) per program: 4 KB of codes; the fastest tile of an H100 sweep on every case
+# of benchmarks/kernels/bench_dequant.py (benchmarks/results/quant_moe_h200_202612.md)
+FP4_TILE = (8, 512)
+FP8_TILE = (8, 512)
 NUM_WARPS = 4
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

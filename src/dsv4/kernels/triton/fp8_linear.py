@@ -41,6 +41,14 @@ by default a fresh one per call, so concurrent streams never share one).
 Plan: `fp8_plan.py::plan_fp8_linear` (host only, CUDA-graph safe); every knob is a keyword of
 `triton_fp8_linear` (tests, sweeps).
 
+Prefill (M >= DEQUANT_MIN_M, no knob given): the weight is decoded to x's dtype by one launch of
+`dequant.py::triton_dequant_fp8_block` (exact, near the byte floor) and the product is the
+reference's own `F.linear` (cuBLAS; groups: one `bmm`). There the tiles above ran at 0.18-0.58x
+cuBLAS bf16's speed on the H200 at M = 512-8192 on flash-4l's shapes, while the decode costs
+about one read of the codes and one write of the bf16 weight (1.14x that floor on the H100):
+benchmarks/results/quant_moe_h200_202612.md. The values are the reference's, i.e. the model's
+whose linears were dequantised at load.
+
 Precision: exact products and power-of-two scales, fp32 sums in another order than F.linear's,
 one rounding to x's dtype: fp32 results within fp32 rounding of the reference, bf16 within one ulp.
 
@@ -53,9 +61,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.dequant import triton_dequant_fp8_block
 from dsv4.kernels.triton.fp8_frag import frag_launch
 from dsv4.kernels.triton.fp8_plan import BLOCK, plan_fp8_linear
 from dsv4.kernels.triton.gemv import even_split
@@ -68,6 +78,7 @@ from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.swiglu import swiglu_f32, triton_swiglu
 
 SWIGLU_MAX_M = 2            # the SwiGLU mode computes h in the FMA kernel up to this M
+DEQUANT_MIN_M = 512         # from this M: decode the weight, then F.linear (module docstring)
 
 
 @triton.jit
@@ -241,6 +252,18 @@ def _frag_ok(x3: torch.Tensor, w: torch.Tensor, K: int) -> bool:
             and w.data_ptr() % 16 == 0)
 
 
+def _dequant_linear(x3: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                    groups: int) -> torch.Tensor:
+    """The prefill path: x3 [M, g, K] times the weight decoded to x's dtype -> [M, g, N / g]
+    (groups 1: [M, 1, N]); per group one batched product."""
+    weight = triton_dequant_fp8_block(w, scale, x3.dtype)
+    if groups == 1:
+        return F.linear(x3[:, 0], weight).unsqueeze(1)
+    rows = weight.shape[0] // groups
+    per_group = weight.view(groups, rows, -1).transpose(1, 2)           # [g, K, N / g]
+    return torch.bmm(x3.transpose(0, 1), per_group).transpose(0, 1)
+
+
 def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                       groups: int = 1, block_m: int | None = None, block_n: int | None = None,
                       split_k: int | None = None, num_warps: int | None = None,
@@ -250,9 +273,11 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
                       limit: float = 0.0) -> torch.Tensor:
     """y = x @ dequant(w, scale).T: x [..., K] bf16 / fp16 / fp32 (unit stride along K), w [N, K]
     e4m3 codes, scale [ceil(N/128), ceil(K/128)] UE8M0 codes -> y [..., N] in x's dtype, fp32
-    accumulation, one launch, bit-identical run to run. `groups` g > 1: the block-diagonal
-    product (`ref/fp8_linear.py::fp8_linear`): x [..., g, K] -> [..., g, N / g], group i through
-    weight rows [i N / g, (i + 1) N / g), which must be whole scale blocks; one launch. The knobs
+    accumulation, one launch, bit-identical run to run (from M = DEQUANT_MIN_M with no knob
+    given: the weight's decode, then the reference's `F.linear`; module docstring). `groups`
+    g > 1: the block-diagonal product (`ref/fp8_linear.py::fp8_linear`): x [..., g, K] ->
+    [..., g, N / g], group i through weight rows [i N / g, (i + 1) N / g), which must be whole
+    scale blocks; one launch. The knobs
     override `plan_fp8_linear` (tests, sweeps); `counters`: a zeroed int32 buffer of >= N tiles
     words for split-K, left zero (default: a fresh one per call).
 
@@ -278,6 +303,10 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         return y.view(shape)
     if K == 0:
         return y.zero_().view(shape)
+    knobs = (block_m, block_n, split_k, num_warps, num_stages, dot, kb, frag)
+    if M >= DEQUANT_MIN_M and all(k is None for k in knobs):
+        h = x3 if up is None else triton_swiglu(x, up, limit).reshape(M, groups, K)
+        return _dequant_linear(h, w, scale, groups).reshape(shape)
     plan = plan_fp8_linear(M, N, K, sms(x.device), block_m=block_m, block_n=block_n,
                            split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot,
                            kb=kb, frag=frag, frag_ok=_frag_ok(x3, w, K))
