@@ -14,6 +14,8 @@ For the shared expert's w2 (4096 x 2048) at M <= 4 the SwiGLU mode (`up=`: h = s
 computed as the kernel loads x, one launch) is timed against its two launches (`triton_swiglu`,
 then the product), bit-equal: "swiglu us" and "2-launch us" (gate and up: the same tensor;
 --cpu-smoke: on its first shape).
+From M = DEQUANT_MIN_M the default path ("path") decodes the weight and runs F.linear; the tiles
+the plan would run there are timed too, pinned ("tiles us").
 `--sweep` (M <= 4, the FMA path): every knob set of `fma_sweep` (rows per program 4..32 with and
 without a K split, 1 / 2 / 4 scale blocks a step, 1 / 2 stages; and the frag path at 16 / 32
 rows), each checked for parity, then
@@ -183,7 +185,11 @@ def swiglu_sweep_row(sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 
 def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
-    from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear
+    from dsv4.kernels.triton.fp8_linear import (
+        DEQUANT_MIN_M,
+        plan_fp8_linear,
+        triton_fp8_linear,
+    )
     from dsv4.kernels.triton.gemv import FMA_MAX_M
     from dsv4.kernels.triton.launch import sms
 
@@ -193,6 +199,12 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     err = max_error(triton_fp8_linear(x, codes, scale), x, dense)
     us = time_us(lambda x_, c, s, _w: triton_fp8_linear(x_, c, s), sets, args, cuda)
     bf16_us = time_us(lambda x_, _c, _s, w: F.linear(x_, w), sets, args, cuda)
+    path = "dequant" if case.m >= DEQUANT_MIN_M else "tiles"
+    if path == "dequant":      # the tiles the plan would run, pinned, beside the default
+        a_tiles = {"tiles_us": time_us(lambda x_, c, s, _w: triton_fp8_linear(x_, c, s, dot=True),
+                                       sets, args, cuda)}
+    else:
+        a_tiles = {}
     act = case.m * (case.k + case.n) * 2
     nbytes = case.n * case.k + scale.numel() + act
     floor_us = nbytes / HBM_BYTES_PER_S * 1e6
@@ -206,7 +218,8 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
         a8 = {**a8, **sweep_row(sets, args, cuda)}
         if args.sweep and (case.n, case.k) == swiglu_shape:
             a8 = {**a8, **swiglu_sweep_row(sets, args, cuda)}
-    return {**a8, "case": case.name, "m": case.m, "n": case.n, "k": case.k, "bytes": nbytes,
+    return {**a8, **a_tiles, "path": path, "case": case.name, "m": case.m, "n": case.n,
+            "k": case.k, "bytes": nbytes,
             "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
             "bf16_x_floor": bf16_us / bf16_floor_us, "speedup_vs_bf16": bf16_us / us,
             "tflops": flops / us / 1e6, "bf16_tflops": flops / bf16_us / 1e6,
@@ -220,7 +233,8 @@ TABLE = [("case", "{:<20}", "case"), ("floor_us", "{:>8.2f}", "floor us"),
          ("bf16_x_floor", "{:>7.2f}", "x floor"), ("bf16_tflops", "{:>7.1f}", "TFLOP/s"),
          ("speedup_vs_bf16", "{:>6.2f}", "x bf16"), ("max_rel_err", "{:>8.1e}", "rel err"),
          ("a8", "{:>9}", "a8 us"), ("a8_tf", "{:>7}", "a8 TF"), ("a8_x", "{:>7}", "a8 x bf16"),
-         ("sw", "{:>9}", "swiglu us"), ("sw2", "{:>10}", "2-launch us")]
+         ("sw", "{:>9}", "swiglu us"), ("sw2", "{:>10}", "2-launch us"),
+         ("path", "{:>8}", "path"), ("tiles", "{:>9}", "tiles us")]
 
 
 def main() -> None:
@@ -242,7 +256,8 @@ def main() -> None:
                   "a8_tf": f"{r['a8_tflops']:.1f}" if "a8_us" in r else "-",
                   "a8_x": f"{r['bf16_us'] / r['a8_us']:.2f}" if "a8_us" in r else "-",
                   "sw": f"{r['swiglu_us']:.2f}" if "swiglu_us" in r else "-",
-                  "sw2": f"{r['swiglu_two_us']:.2f}" if "swiglu_us" in r else "-"}
+                  "sw2": f"{r['swiglu_two_us']:.2f}" if "swiglu_us" in r else "-",
+                  "tiles": f"{r['tiles_us']:.2f}" if "tiles_us" in r else "-"}
                  for r in rows], TABLE)
     for r in rows:
         if "best" in r:
