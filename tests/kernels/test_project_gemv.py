@@ -1,6 +1,7 @@
 """The triton backend's `project` op (`kernels/triton/project.py::triton_project`) at decode
 sizes: the one-launch skinny GEMM with tiles and splits fixed, so a fused group's columns are the
-members' own bits (what `tests/kernels/test_fused_projections_triton.py` relies on end to end).
+members' own bits (what `tests/kernels/test_fused_projections_triton.py` relies on end to end);
+at prefill sizes the fp32 weight's bf16 pieces, and on a GPU the tensor-core path of a bf16 x.
 Runs under the Triton interpreter on CPU and compiled on CUDA.
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 -m pytest -q tests/kernels/test_project_gemv.py
@@ -89,3 +90,48 @@ def test_a_bf16_weight_is_its_fp32_values(m: int, x_dtype: torch.dtype) -> None:
     parts = [triton_project(x, wb[:32], counters), triton_project(x, wb[32:], counters)]
     assert torch.equal(got, torch.cat(parts, dim=1))
     assert int(counters.get(x.device).abs().sum()) == 0, "split-K counters left non-zero"
+
+
+def test_bf16_pieces_sum_to_the_weight() -> None:
+    """An fp32 weight's three bf16 pieces sum to it within 2^-24 of |w| (over magnitudes
+    2^-30 .. 2^10, zeros included); a bf16 weight is its own piece."""
+    from dsv4.kernels.triton.project import bf16_pieces
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-30, 10, (64, 1),
+                                                                      generator=g).float())
+    w[0, :7] = 0.0
+    pieces = bf16_pieces(w)
+    assert len(pieces) == 3 and all(p.dtype == torch.bfloat16 for p in pieces)
+    total = sum(p.double() for p in pieces)
+    assert bool(((total - w.double()).abs() <= 2.0**-24 * w.double().abs()).all())
+    assert bool((pieces[0].float() != 0).any()) and bool((pieces[2].float() != 0).any())
+    wb = w.bfloat16()
+    assert bf16_pieces(wb) == (wb,)
+
+
+def test_prefill_rows_off_cuda_are_the_fp32_linear() -> None:
+    """Without CUDA (or for an fp32 x) the prefill path is `F.linear` of the fp32 values."""
+    from dsv4.kernels.triton.project import prefill_project
+
+    x, w = _data(MAX_M + 3, 40, 128)
+    for xd, wd in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        xs, ws = x.to(xd), w.to(wd)
+        if xs.is_cuda and xd == torch.bfloat16:
+            continue
+        assert torch.equal(prefill_project(xs, ws), F.linear(xs.float(), ws.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_bf16_rows_on_tensor_cores_on_gpu(w_dtype: torch.dtype) -> None:
+    """V4-Flash's fused CSA compressor projection at 1024 prefill rows, bf16 x: the tensor-core
+    path (bf16 pieces, fp32 out) within 1e-5 of max |y| of the float64 product (fp32 sums over
+    K = 4096; a bf16 rounding anywhere would show as ~4e-3), as the fp32 GEMM it replaces."""
+    x, w = _data(1024, 2560, 4096, seed=3)
+    x, w = x.bfloat16(), w.to(w_dtype)
+    got = triton_project(x, w, GemvCounters())
+    assert got.dtype == torch.float32 and got.shape == (1024, 2560)
+    ref = F.linear(x.double(), w.double())
+    assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())

@@ -17,8 +17,14 @@ sum order depends on K (and the row count's class) alone and a fused group's col
 A bf16 weight (checkpoint format) streams half the bytes: widened in registers on the FMA path
 and, with an fp32 x, on the tl.dot path (exact in tf32: tf32x3 drops nothing of it); with a
 16-bit x as well, the tl.dot path multiplies both in bf16 MMAs (exact products, fp32 sums).
-Larger calls (prefill) run cuBLAS, on an fp32 copy of a bf16 weight (one per call, small beside
-a prefill's GEMM). `HeldProject` is the
+Larger calls (prefill) run cuBLAS. With a bf16 x on CUDA they run on the tensor cores with fp32
+output (`torch.mm(..., out_dtype=torch.float32)`): a bf16 weight (checkpoint format) as it is, an
+fp32 weight as the sum of its three bf16 pieces (`bf16_pieces`: hi + mid + lo, which hold its 24
+significant bits), each product exact in fp32 and the three partial results summed lo first. That
+is the fp32 GEMM's contract (products of the operands' fp32 values, fp32 sums in cuBLAS's order)
+at bf16 tensor-core speed: cuBLAS's fp32 SGEMM took 12% of a flash-4l 8K-token prefill chunk on
+the H100 (benchmarks/results/quant_moe_h200_202612.md). Other dtypes (an fp32 or fp16 x) and the
+CPU: `F.linear` of the fp32 values. `HeldProject` is the
 op with split-K counters held for the backend's lifetime; `triton_project_invariant` the op
 under invariant launch plans.
 
@@ -54,11 +60,42 @@ def triton_project(x: torch.Tensor, w: torch.Tensor,
     block_n, splits = ((PROJECT_BLOCK_N, PROJECT_SPLITS) if fma
                        else (PROJECT_DOT_BLOCK_N, PROJECT_DOT_SPLITS))
     if x.shape[0] > MAX_M or triton.cdiv(w.shape[0], block_n) > MAX_TILES:
-        return torch.nn.functional.linear(x.float(), w.float())
+        return prefill_project(x, w)
     held = counters.get(x.device) if counters is not None else None
     return triton_linear(x, w, block_n=block_n, split_k=splits, dot=not fma,
                          precision=None if fma else "tf32x3", counters=held,
                          out_dtype=torch.float32)
+
+
+def bf16_pieces(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """An fp32 w as bf16 pieces, largest first, whose fp32 sum is w: each piece is the
+    round-to-nearest bf16 of what the ones before leave (exact in fp32), so three hold w's 24
+    significant bits (up to a sign flip's one bit, 2^-24 of |w|). A bf16 w is its own piece."""
+    if w.dtype == torch.bfloat16:
+        return (w,)
+    assert w.dtype == torch.float32, w.dtype
+    pieces, rest = [], w
+    for _ in range(3):
+        piece = rest.to(torch.bfloat16)
+        pieces.append(piece)
+        rest = rest - piece.float()
+    return tuple(pieces)
+
+
+def prefill_project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`project` for more rows than the skinny GEMM takes (module docstring): a bf16 x on CUDA
+    times each bf16 piece of w on the tensor cores, fp32 out, summed smallest first; otherwise
+    `F.linear` of the fp32 values."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype in (torch.bfloat16,
+                                                                     torch.float32)):
+        return torch.nn.functional.linear(x.float(), w.float())
+    x2 = x.reshape(-1, x.shape[-1])
+    out: torch.Tensor | None = None
+    for piece in reversed(bf16_pieces(w)):
+        y = torch.mm(x2, piece.t(), out_dtype=torch.float32)
+        out = y if out is None else out.add_(y)
+    assert out is not None
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 class HeldProject:
