@@ -297,16 +297,16 @@ def triton_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     x3 = x.reshape(-1, groups, K)
     check_operands(x3[:, 0], w, scale)
     M = x3.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     shape = (*lead, groups, N // groups) if groups > 1 else (*lead, N)
+    knobs = (block_m, block_n, split_k, num_warps, num_stages, dot, kb, frag)
+    if M >= DEQUANT_MIN_M and N and K and all(k is None for k in knobs):
+        h = x3 if up is None else triton_swiglu(x, up, limit).reshape(M, groups, K)
+        return _dequant_linear(h, w, scale, groups).reshape(shape)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y.view(shape)
     if K == 0:
         return y.zero_().view(shape)
-    knobs = (block_m, block_n, split_k, num_warps, num_stages, dot, kb, frag)
-    if M >= DEQUANT_MIN_M and all(k is None for k in knobs):
-        h = x3 if up is None else triton_swiglu(x, up, limit).reshape(M, groups, K)
-        return _dequant_linear(h, w, scale, groups).reshape(shape)
     plan = plan_fp8_linear(M, N, K, sms(x.device), block_m=block_m, block_n=block_n,
                            split_k=split_k, num_warps=num_warps, num_stages=num_stages, dot=dot,
                            kb=kb, frag=frag, frag_ok=_frag_ok(x3, w, K))
