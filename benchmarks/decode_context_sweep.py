@@ -65,6 +65,7 @@ from dsv4.config.engine import (
 from dsv4.config.model import ModelConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
+from dsv4.engine.warmup import warm_up
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import resolve_device, resolve_dtype
 
@@ -121,6 +122,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")
+    p.add_argument("--engine-warmup", default="none", choices=["none", "fast", "full"],
+                   help="run the engine's warmup (`engine/warmup.py`, what `LLM` and `dsv4 serve` "
+                   "run before ready) on each new engine before its point: kernel compiles and "
+                   "graph captures leave the prefill time (default none: the first point of a "
+                   "shape pays them); its seconds go into the row (engine_warmup_s)")
     p.add_argument("--settle-s", type=float, default=0.0,
                    help="seconds to sleep between the prefill and the decode steps (default 0)")
     p.add_argument("--step-times", action="store_true",
@@ -357,6 +363,8 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
                row: Row) -> None:
     """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row`."""
     engine = make_engine(model, args, [(batch, context)])
+    if args.engine_warmup != "none":
+        row["engine_warmup_s"] = round(warm_up(engine, args.engine_warmup, progress=False), 3)
     try:
         engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context), row)
     finally:
@@ -633,8 +641,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"{args.preset} on {device}: device copy {gbps:.1f} GB/s", flush=True)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup_steps": 1, "routing_steps": 0})
     points = sweep_points(args)
+    shared_warmup_s = None
     if args.one_engine:
-        run: Callable[..., None] = functools.partial(run_shared, make_engine(model, args, points))
+        shared = make_engine(model, args, points)
+        if args.engine_warmup != "none":
+            shared_warmup_s = round(warm_up(shared, args.engine_warmup, progress=False), 3)
+        run: Callable[..., None] = functools.partial(run_shared, shared)
+        del shared
     else:
         run = functools.partial(run_engine, model)
     measure("warm-up", 1, min(args.contexts), functools.partial(run, warm, 1, min(args.contexts)))
@@ -654,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
               "settle_s": args.settle_s, "one_engine": args.one_engine,
+              "engine_warmup": args.engine_warmup, "shared_engine_warmup_s": shared_warmup_s,
               "order": args.order, "copy_gb_s": round(gbps, 1),
               "cuda_graph": not args.disable_cuda_graph,
               "overlap_schedule": resolve_overlap(args.overlap_schedule,

@@ -72,6 +72,34 @@ def test_sweep_with_overlap_captures_routing(tmp_path: Path,
         assert row["status"] == "ok" and row["routing"] == "captured", row
 
 
+@pytest.mark.parametrize("one_engine", [False, True])
+def test_sweep_with_the_engine_warmup(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      one_engine: bool) -> None:
+    """`--engine-warmup fast` runs the engine's warmup before the points (each new engine, or the
+    shared one once) and records its seconds; the points still run as without it."""
+    bench = load_benchmark("decode_context_sweep")
+    argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "64",
+            "--batches", "2", "--batch-contexts", "64", "--steps", "2", "--warmup-steps", "1",
+            "--routing-steps", "0", "--copy-gib", "0.02", "--engine-warmup", "fast",
+            "--out", str(tmp_path / "sweep.json")] + (["--one-engine"] if one_engine else [])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["engine_warmup"] == "fast"
+    rows = [r for r in result["rows"] if r["system"] == "dsv4"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    if one_engine:
+        assert result["shared_engine_warmup_s"] > 0
+        assert not any("engine_warmup_s" in r for r in rows)
+    else:
+        assert result["shared_engine_warmup_s"] is None
+        assert all(r["engine_warmup_s"] > 0 for r in rows), rows
+
+
 def test_floor_model() -> None:
     """Bytes per step: KV grows with the context; distinct experts saturate at n_routed_experts."""
     bench = load_benchmark("decode_context_sweep")
