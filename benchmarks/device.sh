@@ -106,6 +106,11 @@
 #                 --step-times, TREE_AB_RUNS ("tree:format ...", tree new or base; default checkpoint and
 #                 bf16 pairs): ms per step, the steps' p50 / p90 / max and the host's own ms per step
 #                 (p50, max): tree_ab.txt
+#   prefill-check the prefill paths of the compressor projections, FP8 linears and quantised experts:
+#                 their GPU tests (test_project_gemv, test_fp8_linear, test_dequant_triton:
+#                 prefill_check_tests.txt), bench_fp8_linear.py at M 512 / 2048 / 8192 (the weight's
+#                 decode + F.linear, the tiles pinned beside it), bench_moe_prefill.py, then
+#                 prefill-profile (PP_FORMATS; ~6 min with one format)
 #   prefill-cold  flash-4l batch 32 / 4K (the sweep's protocol: the prefill steps include the early requests'
 #                 decode steps), PC_FORMATS (default "checkpoint bf16"), each twice in a fresh Triton cache
 #                 directory of its own: prefill seconds cold and warm, ms per step, and the kernels compiled
@@ -592,6 +597,20 @@ prefill_profile() {   # where a prefill chunk's time goes, per weight format
   done
 }
 
+prefill_check() {   # the CPU-built prefill paths: GPU tests, then their timings and the chunk profile
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_project_gemv.py \
+    tests/kernels/test_fp8_linear.py tests/kernels/test_dequant_triton.py \
+    > "$OUT/prefill_check_tests.txt" 2>&1
+  summary "$OUT/prefill_check_tests.txt"
+  timeout 150 python3 benchmarks/kernels/bench_fp8_linear.py --m 512,2048,8192 --iters 10 \
+    --out "$OUT/bench_fp8_linear.json" > "$OUT/bench_fp8_linear.txt" 2>&1
+  echo "== bench_fp8_linear (exit $?)"; grep -E "M=(512|2048|8192)" "$OUT/bench_fp8_linear.txt" | head -24
+  timeout 200 python3 benchmarks/kernels/bench_moe_prefill.py --out "$OUT/bench_moe_prefill.json" \
+    > "$OUT/bench_moe_prefill.txt" 2>&1
+  echo "== bench_moe_prefill (exit $?)"; grep -v "^{" "$OUT/bench_moe_prefill.txt" | tail -14
+  prefill_profile
+}
+
 prefill_cold() {   # is the sweep's batch-32 prefill time kernel compiles? cold against warm cache
   local fmt pass cache
   for fmt in ${PC_FORMATS:-checkpoint bf16}; do
@@ -655,11 +674,12 @@ for part in "$@"; do
     tree-ab) tree_ab ;;
     prefill-profile) prefill_profile ;;
     prefill-cold) prefill_cold ;;
+    prefill-check) prefill_check ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
