@@ -345,6 +345,13 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
     return LLMEngine(model, config)
 
 
+def engine_warmup(engine: LLMEngine, args: argparse.Namespace) -> float | None:
+    """`--engine-warmup` on a new engine: its seconds, or None when not asked for."""
+    if args.engine_warmup == "none":
+        return None
+    return round(warm_up(engine, args.engine_warmup, progress=False), 3)
+
+
 def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int,
                row: Row) -> None:
     """One point in the shared engine; its requests are aborted after (their pages freed) and
@@ -363,8 +370,9 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
                row: Row) -> None:
     """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row`."""
     engine = make_engine(model, args, [(batch, context)])
-    if args.engine_warmup != "none":
-        row["engine_warmup_s"] = round(warm_up(engine, args.engine_warmup, progress=False), 3)
+    seconds = engine_warmup(engine, args)
+    if seconds is not None:
+        row["engine_warmup_s"] = seconds
     try:
         engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context), row)
     finally:
@@ -644,8 +652,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     shared_warmup_s = None
     if args.one_engine:
         shared = make_engine(model, args, points)
-        if args.engine_warmup != "none":
-            shared_warmup_s = round(warm_up(shared, args.engine_warmup, progress=False), 3)
+        shared_warmup_s = engine_warmup(shared, args)
         run: Callable[..., None] = functools.partial(run_shared, shared)
         del shared
     else:

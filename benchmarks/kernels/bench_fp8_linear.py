@@ -200,11 +200,9 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
     us = time_us(lambda x_, c, s, _w: triton_fp8_linear(x_, c, s), sets, args, cuda)
     bf16_us = time_us(lambda x_, _c, _s, w: F.linear(x_, w), sets, args, cuda)
     path = "dequant" if case.m >= DEQUANT_MIN_M else "tiles"
-    if path == "dequant":      # the tiles the plan would run, pinned, beside the default
-        a_tiles = {"tiles_us": time_us(lambda x_, c, s, _w: triton_fp8_linear(x_, c, s, dot=True),
-                                       sets, args, cuda)}
-    else:
-        a_tiles = {}
+    # from DEQUANT_MIN_M: the tiles the plan would run, pinned, beside the default
+    tiles = {} if path == "tiles" else {"tiles_us": time_us(
+        lambda x_, c, s, _w: triton_fp8_linear(x_, c, s, dot=True), sets, args, cuda)}
     act = case.m * (case.k + case.n) * 2
     nbytes = case.n * case.k + scale.numel() + act
     floor_us = nbytes / HBM_BYTES_PER_S * 1e6
@@ -218,7 +216,7 @@ def bench_case(case: Case, args: Any, device: torch.device) -> dict[str, Any]:
         a8 = {**a8, **sweep_row(sets, args, cuda)}
         if args.sweep and (case.n, case.k) == swiglu_shape:
             a8 = {**a8, **swiglu_sweep_row(sets, args, cuda)}
-    return {**a8, **a_tiles, "path": path, "case": case.name, "m": case.m, "n": case.n,
+    return {**a8, **tiles, "path": path, "case": case.name, "m": case.m, "n": case.n,
             "k": case.k, "bytes": nbytes,
             "floor_us": floor_us, "us": us, "x_floor": us / floor_us, "bf16_us": bf16_us,
             "bf16_x_floor": bf16_us / bf16_floor_us, "speedup_vs_bf16": bf16_us / us,
