@@ -60,7 +60,7 @@ def moe_variants() -> Iterator[Variant]:
         types = {"x_ptr": "*bf16", "w1_ptr": w, "w3_ptr": w, "s1_ptr": s, "s3_ptr": s,
                  "h_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "out_ptr": "*fp32", "order_ptr": "*i64",
                  "rw_ptr": "*fp32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
-                 "t_exp_ptr": "*i32", "limit": "fp32"}
+                 "t_exp_ptr": "*i32", "limit": "fp32", "e_lo": "i32", "e_hi": "i32"}
         # V4-Flash: every dim and stride is a multiple of 16 (the JIT specialises on it)
         types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
                                               "stride_wn", "stride_se", "stride_sn", "stride_h",

@@ -111,6 +111,10 @@
 #                 prefill_check_tests.txt), bench_fp8_linear.py at M 512 / 2048 / 8192 (the weight's
 #                 decode + F.linear, the tiles pinned beside it), bench_moe_prefill.py, then
 #                 prefill-profile (PP_FORMATS; ~6 min with one format)
+#   moe-chunks    the quantised experts at prefill through decoded bf16 chunks (moe_dequant.py): its
+#                 GPU tests and test_moe_quant's V4-Flash rows / prefill tiles (moe_chunks_tests.txt),
+#                 bench_moe_prefill.py at N 2048 / 4096 / 8192 with chunks of 16 / 32 / 64 / E, then
+#                 prefill-profile (PP_FORMATS, default checkpoint)
 #   prefill-cold  flash-4l batch 32 / 4K (the sweep's protocol: the prefill steps include the early requests'
 #                 decode steps), PC_FORMATS (default "checkpoint bf16"), each twice in a fresh Triton cache
 #                 directory of its own: prefill seconds cold and warm, ms per step, and the kernels compiled
@@ -611,6 +615,17 @@ prefill_check() {   # the CPU-built prefill paths: GPU tests, then their timings
   prefill_profile
 }
 
+moe_chunks() {   # the quantised experts' prefill through decoded chunks: tests, timings, profile
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_moe_dequant.py \
+    tests/kernels/test_moe_quant.py -k "flash_default_path or rows_batch_invariant or prefill_tiles" \
+    > "$OUT/moe_chunks_tests.txt" 2>&1
+  summary "$OUT/moe_chunks_tests.txt"
+  timeout 300 python3 benchmarks/kernels/bench_moe_prefill.py --out "$OUT/bench_moe_prefill.json" \
+    > "$OUT/bench_moe_prefill.txt" 2>&1
+  echo "== bench_moe_prefill (exit $?)"; grep -v "^{" "$OUT/bench_moe_prefill.txt" | tail -40
+  PP_FORMATS=${PP_FORMATS:-checkpoint} prefill_profile
+}
+
 prefill_cold() {   # is the sweep's batch-32 prefill time kernel compiles? cold against warm cache
   local fmt pass cache
   for fmt in ${PC_FORMATS:-checkpoint bf16}; do
@@ -675,11 +690,12 @@ for part in "$@"; do
     prefill-profile) prefill_profile ;;
     prefill-cold) prefill_cold ;;
     prefill-check) prefill_check ;;
+    moe-chunks) moe_chunks ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks multi multi-flash multi-sync"; exit 2 ;;
   esac
 done

@@ -3,8 +3,12 @@
 At prefill every expert is hit and each reads its weights for many rows, so the codes' decode can
 leave the GEMMs: decode the layer once, then run bf16 GEMMs. This measures whether that pays, per
 fmt (fp4, fp8) and token count (V4-Flash experts: E 256, d 4096, I 2048, k 6, bf16 activations):
-  kernel   the engine's op (`triton_routed_experts_quant_deterministic`: the codes decoded in
-           registers, `moe_plan.py`'s default loop);
+  kernel   the engine's op (`triton_routed_experts_quant_deterministic`) in its quantised loop
+           (`dequant_chunk=0`: the codes decoded in registers, `moe_plan.py`'s default loop);
+  chunksC  the same op through decoded chunks of C experts (`moe_dequant.py`: each chunk decoded
+           on a side stream beside the bf16 loop's GEMMs on the previous one; --chunks, default
+           16, 32, 64 and E: one chunk, no overlap; 3 under --cpu-smoke); "*" marks the plan's
+           own choice at that N;
   dequant  the layer's w13 / w2 decoded into a bf16 scratch (`triton/dequant.py`), then the same
            op on the bf16 weights (fmt "bf16"); the decode is inside the time ("decode us" alone
            beside it);
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +36,7 @@ from bench_common import base_parser, emit, print_table, record_header, select_d
 from bench_common import time_eager_us as timed_us
 from bench_moe_quant import FLASH, LIMIT, SMOKE, Shape, make_inputs, make_weights, norm_error
 
-TOKENS = (2048, 8192)
+TOKENS = (2048, 4096, 8192)
 SMOKE_TOKENS = (3,)
 
 
@@ -57,8 +62,12 @@ def _decoder(fmt: str, wts: tuple[Any, ...], inter: int
 
 def bench_fmt(s: Shape, fmt: str, tokens: tuple[int, ...], args: argparse.Namespace,
               device: torch.device) -> list[dict[str, Any]]:
+    smoke = [3]          # the interpreter: one chunk size, not a divisor of SMOKE's E
+    chunk_sizes = [int(c) for c in args.chunks.split(",") if c] or (
+        [16, 32, 64, s.E] if device.type == "cuda" else smoke)
     from dsv4.kernels.ref.moe import routed_experts_grouped
     from dsv4.kernels.triton.moe import triton_routed_experts_quant_deterministic as op
+    from dsv4.kernels.triton.moe_plan import dequant_chunk
 
     cuda = device.type == "cuda"
     wts = make_weights(s, fmt, device, args.seed)
@@ -70,9 +79,9 @@ def bench_fmt(s: Shape, fmt: str, tokens: tuple[int, ...], args: argparse.Namesp
         x, idx, rw = make_inputs(s, N, device, args.seed + N)
         flops = 6.0 * N * s.k * s.inter * s.d
 
-        def kernel(x: torch.Tensor = x, idx: torch.Tensor = idx,
+        def chunks(chunk: int, x: torch.Tensor = x, idx: torch.Tensor = idx,
                    rw: torch.Tensor = rw) -> torch.Tensor:
-            return op(x, *wts[:2], *wts[2:], idx, rw, LIMIT, fmt)
+            return op(x, *wts[:2], *wts[2:], idx, rw, LIMIT, fmt, dequant_chunk=chunk)
 
         def dequant(x: torch.Tensor = x, idx: torch.Tensor = idx,
                     rw: torch.Tensor = rw) -> torch.Tensor:
@@ -85,8 +94,14 @@ def bench_fmt(s: Shape, fmt: str, tokens: tuple[int, ...], args: argparse.Namesp
             return routed_experts_grouped(x, w13d[:, :s.inter], w2d, w13d[:, s.inter:], idx, rw,
                                           LIMIT)
 
-        want = kernel()
-        for name, fn in (("kernel", kernel), ("dequant", dequant), ("grouped", grouped)):
+        default = dequant_chunk(fmt, device, N * s.k, s.E, pinned=False)
+        paths: list[tuple[str, Callable[[], torch.Tensor]]] = [
+            ("kernel", functools.partial(chunks, 0))]
+        paths += [(f"chunks{c}" + ("*" if c == default else ""), functools.partial(chunks, c))
+                  for c in chunk_sizes if fmt == "fp4" or s.inter % 128 == 0]
+        paths += [("dequant", dequant), ("grouped", grouped)]
+        want = chunks(0)
+        for name, fn in paths:
             try:
                 err = norm_error(fn(), want)
                 us = timed_us(fn, args.iters, cuda, args.warmup)
@@ -97,8 +112,8 @@ def bench_fmt(s: Shape, fmt: str, tokens: tuple[int, ...], args: argparse.Namesp
             rows.append({"case": f"{fmt} N={N}", "fmt": fmt, "N": N, "path": name, "us": us,
                          "tflops": flops / us / 1e6, "decode_us": decode_us, "rel_err": err,
                          "error": ""})
-        base = rows[-3]["us"]
-        for r in rows[-3:]:
+        base = rows[-len(paths)]["us"]
+        for r in rows[-len(paths):]:
             r["x_kernel"] = base / r["us"] if r["us"] and base else None
     return rows
 
@@ -115,7 +130,9 @@ def _cell(v: float | None, fmt: str) -> str:
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0], "(no sweep)")
     p.add_argument("--fmts", default="fp4,fp8", help="comma-separated, of fp4, fp8")
-    p.add_argument("--tokens", default="", help="comma-separated N (default 2048,8192)")
+    p.add_argument("--tokens", default="", help="comma-separated N (default 2048,4096,8192)")
+    p.add_argument("--chunks", default="", help="comma-separated experts per decoded chunk "
+                   "(default 16,32,64,E)")
     args = p.parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     shape = SMOKE if args.cpu_smoke else FLASH

@@ -166,7 +166,9 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     `invariant_plans`: every op computes a token's row with a launch plan chosen from that row's
     shapes only, never from the token count: sparse attention without split-KV, mHC pre / head
     (and the post + pre op, unfused)
-    with the T-invariant split-K plan, the compressor projections as fixed-tile GEMMs, a CSA
+    with the T-invariant split-K plan, the quantised routed experts in their own loop at every T
+    (without the prefill path through decoded bf16 chunks), the compressor projections as
+    fixed-tile GEMMs, a CSA
     layer's compressor pair as two single launches at every T (the default fuses them up to 512
     tokens, and the fused entries differ from the singles' in rounding), the dense projections and
     the gate's logits as their references. The other ops already are;
@@ -216,6 +218,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.topk import TopKRunner
 
     attention, pre, head = triton_sparse_attention, triton_mhc_pre, triton_mhc_head
+    experts_quant: RoutedExpertsQuantOp = triton_routed_experts_quant_deterministic
     project: ProjectOp = HeldProject()
     pair = triton_compress_pair
     post_pre: MhcPostPreOp = triton_mhc_post_pre
@@ -226,10 +229,12 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
         pre = functools.partial(triton_mhc_pre, invariant=True)
         head = functools.partial(triton_mhc_head, invariant=True)
         post_pre = functools.partial(triton_mhc_post_pre, invariant=True)
+        experts_quant = functools.partial(triton_routed_experts_quant_deterministic,
+                                          dequant_chunk=0)
     return KernelOps("triton", attention, triton_compress_cached,
                      pair, triton_index_scores, TopKRunner(),
                      triton_routed_experts, pre, triton_mhc_post, head,
-                     triton_routed_experts_quant_deterministic, triton_q_norm_rope,
+                     experts_quant, triton_q_norm_rope,
                      triton_kv_norm_rope_store, triton_rms_norm, project,
                      triton_step_metadata, triton_pick_slots, triton_rope,
                      triton_argmax, triton_moe_gate_select, triton_swiglu,

@@ -70,6 +70,9 @@ sync). Test: tests/kernels/test_moe_quant.py. Benchmark: benchmarks/kernels/benc
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -78,11 +81,13 @@ from dsv4.kernels.ref.moe import SharedJoin, WaitShared, add_shared
 from dsv4.kernels.triton.libm import libdevice_math
 from dsv4.kernels.triton.moe_combine import down_output, triton_moe_combine
 from dsv4.kernels.triton.moe_decode import tile_dot
+from dsv4.kernels.triton.moe_dequant import check_dequant, dequant_chunks
 from dsv4.kernels.triton.moe_fma import fma_activations, fma_launches
 from dsv4.kernels.triton.moe_fp4 import fp4_word_order, planes_activations, planes_column
 from dsv4.kernels.triton.moe_frag import frag_launches
 from dsv4.kernels.triton.moe_plan import VARIANTS, MoePlan, plan_moe
-from dsv4.kernels.triton.moe_tile_map import tile_and_block, tile_map, tile_rows
+from dsv4.kernels.triton.moe_plan import dequant_chunk as default_dequant_chunk
+from dsv4.kernels.triton.moe_tile_map import expert_rows, tile_and_block, tile_map
 from dsv4.kernels.triton.moe_w8a8 import w8a8_launches
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
@@ -96,14 +101,15 @@ _FP4_GROUP = 32
 @triton.jit
 def _gate_up_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, rw_ptr, t_start_ptr, t_end_ptr,
-    t_exp_ptr, K, INTER, limit,
+    t_exp_ptr, K, INTER, limit, e_lo, e_hi,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     tile, n_block = tile_and_block(INTER, BLOCK_N)
-    e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
+    e, offs_p, p_mask, live = expert_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, e_lo, e_hi,
+                                          BLOCK_M)
     if live:
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
         tok = slot // TOPK
@@ -152,14 +158,15 @@ def _a_tile(a_rows, p_mask, k0, K, FMT: tl.constexpr,  # type: ignore[no-untyped
 @triton.jit
 def _down_kernel(  # type: ignore[no-untyped-def]
     h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, t_exp_ptr,
-    K, D,
+    K, D, e_lo, e_hi,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, FMT: tl.constexpr, VARIANT: tl.constexpr, FP32_DOT: tl.constexpr,
     ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr):
     pdl_enter(PDL)
     tile, n_block = tile_and_block(D, BLOCK_N)
-    e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
+    e, offs_p, p_mask, live = expert_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, e_lo, e_hi,
+                                          BLOCK_M)
     if live:
         slot = tl.load(order_ptr + offs_p, mask=p_mask, other=0)
         offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,7 +235,8 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 out_dtype: torch.dtype = torch.float32,
                                 wait_shared: WaitShared | None = None,
                                 act_quant: bool = False,
-                                max_regs: int | None = None) -> torch.Tensor:
+                                max_regs: int | None = None,
+                                dequant_chunk: int | None = None) -> torch.Tensor:
     """Same contract as `routed_experts_quant`: [N, d] `out_dtype` (plus `shared`: module doc);
     `act_quant` (fmt "fp8" or "fp4"; FP4 exact where `moe_w8a8.py::check_fp4_a8_exact` holds):
     FP8 activations on FP8 tensor cores (`moe_w8a8.py`).
@@ -239,14 +247,31 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     "dot_scaled" needs bf16 x), block sizes powers of two >= 16 (block_k <= 128, or <= 256 for
     FP4 "scaled" / "dot_scaled"; >= 32 for FP4; "fma": `plan_moe`'s `_plan_fma` limits);
     `block_n` pins both launches' BLOCK_N ("w8a8": the down launch's; gate/up's is 128);
-    `max_regs` ("w8a8") caps the registers per thread of both launches.
+    `max_regs` ("w8a8") caps the registers per thread of both launches. `dequant_chunk`: the
+    experts decoded to bf16 that many at a time beside the bf16 loop (`moe_dequant.py`; 0: never;
+    None: `moe_plan.py::dequant_chunk`, prefill sizes on CUDA); it takes no other knob.
     """
     _check(x, w13, w13_scale, w2, w2_scale, indices, weights, fmt)
     inter = w13.shape[1] // 2
     split = triton.cdiv(inter, _FP8_BLOCK) if fmt == "fp8" else inter  # w1 scale rows (fp8: blocks)
     s1 = w13_scale[:, :split] if w13_scale is not None else None
     s3 = w13_scale[:, split:] if w13_scale is not None else None
-    plan = plan_moe(fmt, variant, x.dtype, x.device, indices.numel(), w13.shape[0], inter,
+    knobs = (variant, block_m, block_n, block_k, num_warps, num_stages, prefetch, max_regs)
+    pinned = act_quant or any(k is not None for k in knobs)
+    E, nk = w13.shape[0], indices.numel()
+    chunk = (dequant_chunk if dequant_chunk is not None
+             else default_dequant_chunk(fmt, x.device, nk, E, pinned))
+    if chunk:
+        if pinned:
+            raise ValueError("dequant_chunk runs the bf16 loop's own plan: give it no loop or "
+                             "tile knob and no act_quant")
+        check_dequant(fmt, inter, chunk)
+        plan = plan_moe("bf16", None, x.dtype, x.device, nk, E, inter, x.shape[1])
+        decoded = _Decoded(w13, w13_scale, w2, w2_scale, fmt, chunk)
+        return _launch(x, w13[:, :inter], w13[:, inter:], None, None, w2, None, indices, weights,
+                       limit, "bf16", deterministic, plan, (shared, out_dtype, wait_shared),
+                       decoded)
+    plan = plan_moe(fmt, variant, x.dtype, x.device, nk, E, inter,
                     x.shape[1], block_m=block_m, block_n=block_n, block_k=block_k,
                     num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                     act_quant=act_quant, max_regs=max_regs)
@@ -262,13 +287,17 @@ def triton_routed_experts_quant_deterministic(x: torch.Tensor, w13: torch.Tensor
                                               limit: float, fmt: str, *,
                                               shared: torch.Tensor | None = None,
                                               out_dtype: torch.dtype = torch.float32,
-                                              wait_shared: WaitShared | None = None
+                                              wait_shared: WaitShared | None = None,
+                                              dequant_chunk: int | None = None
                                               ) -> torch.Tensor:
     """The kernel backend's `routed_experts_quant` op: `triton_routed_experts_quant` with the
-    fixed-order (deterministic) epilogue, so greedy decoding is reproducible run to run."""
+    fixed-order (deterministic) epilogue, so greedy decoding is reproducible run to run.
+    `dequant_chunk=0` (the backend's `invariant_plans`) keeps the quantised loop at every token
+    count, whose rows do not depend on it."""
     return triton_routed_experts_quant(x, w13, w13_scale, w2, w2_scale, indices, weights, limit,
                                        fmt, deterministic=True, shared=shared,
-                                       out_dtype=out_dtype, wait_shared=wait_shared)
+                                       out_dtype=out_dtype, wait_shared=wait_shared,
+                                       dequant_chunk=dequant_chunk)
 
 
 def triton_routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -305,9 +334,12 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
             s3: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
             indices: torch.Tensor, weights: torch.Tensor, limit: float, fmt: str,
             deterministic: bool, plan: MoePlan,
-            combine: tuple[torch.Tensor | None, torch.dtype, WaitShared | None]) -> torch.Tensor:
+            combine: tuple[torch.Tensor | None, torch.dtype, WaitShared | None],
+            decoded: _Decoded | None = None) -> torch.Tensor:
     """The two launches and the combine (`combine` = (shared, out_dtype, wait_shared)); w1 / w3
-    (and s1 / s3) share their strides. The callers check shapes."""
+    (and s1 / s3) share their strides. With `decoded` (fmt "bf16", a bf16 plan) the bf16 loop runs
+    on its stacks decoded by chunks, and w1 / w3 / w2 give shapes only. The callers check
+    shapes."""
     N, topk = indices.shape
     E, d = w1.shape[0], x.shape[1]
     nk = N * topk
@@ -344,7 +376,7 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     else:
         assert tiles is not None
         dest = _mma_launches(x, w1, w3, s1, s3, w2, s2, tiles, rw, limit, fmt, topk,
-                             deterministic, plan)
+                             deterministic, plan, decoded)
     # the W8A8 loop always stores (token, k) rows (module docstring)
     rows = deterministic or plan.variant == VARIANTS["w8a8"]
     if wait_shared is not None and beside:         # the side branch ran beside the GEMMs
@@ -354,38 +386,73 @@ def _launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tenso
     return triton_moe_combine(dest.view(N, topk if rows else 1, d), shared, out_dtype)
 
 
+@dataclass(frozen=True)
+class _Decoded:
+    """Quantised stacks (`fmt` "fp4" / "fp8", layouts per the module docstring) that the bf16 loop
+    reads decoded `chunk` experts at a time (`moe_dequant.py`)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2: torch.Tensor
+    w2_scale: torch.Tensor | None
+    fmt: str
+    chunk: int
+
+
 def _mma_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
                   s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                   tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                   rw: torch.Tensor, limit: float, fmt: str, topk: int, deterministic: bool,
-                  plan: MoePlan) -> torch.Tensor:
+                  plan: MoePlan, decoded: _Decoded | None) -> torch.Tensor:
     """The gate/up and down launches of the tl.dot loops: [N, d] fp32 (atomic) or the [N*k, d]
-    rows (deterministic) that the combine sums over k."""
-    order, t_start, t_end, t_exp = tiles
+    rows (deterministic) that the combine sums over k; with `decoded`, one pair per chunk."""
     d, inter, nk = w2.shape[1], w1.shape[1], rw.numel()
-    code = FMTS[fmt]
-    # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot
-    # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
-    # and the interpreter's bf16 dot is broken.
-    fp32_dot = x.device.type != "cuda" or x.dtype == torch.float32 or w1.dtype == torch.float32
-    common = {"TOPK": topk, "FMT": code, "VARIANT": plan.variant, "FP32_DOT": fp32_dot,
-              "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k, "num_stages": plan.num_stages}
     h = torch.empty(nk, inter, dtype=x.dtype, device=x.device)
     dest = down_output(nk, topk, d, deterministic, x.device)
     planes = fmt == "fp4" and plan.variant == VARIANTS["planes"]
     xs = planes_activations(x, plan.block_k) if planes else x
+    pair = functools.partial(_mma_pair, xs, h, dest, tiles, rw, limit, topk, deterministic, plan,
+                             x.device.type != "cuda" or x.dtype == torch.float32)
+    if decoded is None:
+        pair(w1, w3, s1, s3, w2, s2, fmt, 0, w1.shape[0])
+        return dest
+    assert fmt == "bf16", "decoded chunks run the bf16 loop"
+
+    def gemms(b13: torch.Tensor, b2: torch.Tensor, lo: int, hi: int) -> None:
+        pair(b13[:, :inter], b13[:, inter:], b13, b13, b2, b2, "bf16", lo, hi)
+    assert decoded.w13_scale is not None and decoded.w2_scale is not None
+    dequant_chunks(decoded.w13, decoded.w13_scale, decoded.w2, decoded.w2_scale, decoded.fmt,
+                   decoded.chunk, gemms)
+    return dest
+
+
+def _mma_pair(xs: torch.Tensor, h: torch.Tensor, dest: torch.Tensor,
+              tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+              rw: torch.Tensor, limit: float, topk: int, deterministic: bool, plan: MoePlan,
+              fp32_x: bool, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
+              s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, fmt: str, e_lo: int,
+              e_hi: int) -> None:
+    """One gate/up and one down launch over the experts [e_lo, e_hi), whose weights are entries
+    0 .. e_hi - e_lo of the stacks given (`moe_tile_map.py::expert_rows`)."""
+    order, t_start, t_end, t_exp = tiles
+    d, inter = w2.shape[1], w1.shape[1]
+    # fp32 activations or fp32 plain weights (a float32 model) need fp32 (ieee) dots: a bf16 dot
+    # would round them (the fp32 log-prob drift in benchmarks/results/kernels_ii_h200_202611.md);
+    # and the interpreter's bf16 dot is broken (`fp32_x` covers both the CPU and fp32 x).
+    fp32_dot = fp32_x or w1.dtype == torch.float32
+    common = {"TOPK": topk, "FMT": FMTS[fmt], "VARIANT": plan.variant, "FP32_DOT": fp32_dot,
+              "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k, "num_stages": plan.num_stages}
     bn, warps = plan.gate_up.block_n, plan.gate_up.num_warps
     _gate_up_kernel[(t_start.numel() * triton.cdiv(inter, bn),)](
         xs, _raw(w1, fmt), _raw(w3, fmt), s1, s3, h, order, rw, t_start, t_end, t_exp,
-        d, inter, float(limit),
+        d, inter, float(limit), e_lo, e_hi,
         xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common, **pdl_args(x.device),
+        LIBDEVICE=_LIBDEVICE, BLOCK_N=bn, num_warps=warps, **common, **pdl_args(xs.device),
     )
     bn, warps = plan.down.block_n, plan.down.num_warps
     _down_kernel[(t_start.numel() * triton.cdiv(d, bn),)](
         h, _raw(w2, fmt), s2, dest, order, t_start, t_end, t_exp,
-        inter, d,
+        inter, d, e_lo, e_hi,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         ATOMIC=not deterministic, BLOCK_N=bn, num_warps=warps, **common, **pdl_args(h.device),
     )
-    return dest

@@ -48,6 +48,11 @@ unless `num_warps` is given). No split-K: the gate/up epilogue's SwiGLU needs th
 the deterministic down path may not add partials with float atomics, so a split would cost a
 second pass; BLOCK_N = 32 already gives 3-6 programs per SM at N = 1 on V4-Flash.
 
+Prefill by decoded chunks (`moe_dequant.py`, not a loop of its own: the bf16 loop on bf16 copies
+of `DEQUANT_CHUNK` experts at a time, decoded beside it): `dequant_chunk` picks it on CUDA for the
+formats of `DEQUANT_MIN_MEAN_ROWS` from that many mean rows per expert, with no knob pinned and
+no act_quant (the measurements behind the numbers: benchmarks/results/quant_moe_h200_202612.md).
+
 Bits. BLOCK_M and BLOCK_N only choose which program computes an output element, and FP4 "words" /
 "scaled" and bf16 accumulate the k terms in the MMA in one fixed order at any BLOCK_K ("words":
 ascending 8-groups, a fixed permutation within each; FP8 and split FP4 round each tile's scaled
@@ -87,6 +92,8 @@ FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order
 # WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
 FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
 FRAG_DEEP_WARPS = 32         # BLOCK_M 1: gate/up at FRAG_DEEP_GATE_UP while the launch of
+DEQUANT_MIN_MEAN_ROWS = {"fp4": 96.0}   # decoded chunks from this * E rows (V4-Flash: N 4096)
+DEQUANT_CHUNK = 32           # experts per decoded chunk (V4-Flash: 3.2 GB of bf16 scratch)
 FRAG_DEEP_GATE_UP = (16, 4)  # ... FRAG_LAUNCHES[1] (WK 2) would fill < this many warps per SM
 PROGRAMS_PER_SM = 4
 DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m) only by knob
@@ -360,3 +367,13 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _NUM_SMS_CPU
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dequant_chunk(fmt: str, device: torch.device, nk: int, num_experts: int,
+                  pinned: bool) -> int:
+    """Experts per decoded chunk for the default prefill path (module docstring), 0 for the
+    quantised loop; `pinned`: the caller gave a loop or tile knob, or act_quant."""
+    rows = DEQUANT_MIN_MEAN_ROWS.get(fmt)
+    if pinned or rows is None or device.type != "cuda" or nk < rows * num_experts:
+        return 0
+    return DEQUANT_CHUNK

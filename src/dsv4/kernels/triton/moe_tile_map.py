@@ -60,6 +60,16 @@ def tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile,  # type: ignore[no-untype
 
 
 @triton.jit
+def expert_rows(t_start_ptr, t_end_ptr, t_exp_ptr,  # type: ignore[no-untyped-def]
+                tile, e_lo, e_hi, BLOCK_M: tl.constexpr):
+    """`tile_rows` for a launch over the experts [e_lo, e_hi) alone, whose weights are entries
+    0 .. e_hi - e_lo of the stack it reads (a decoded chunk of the layer: `moe_dequant.py`): the
+    expert comes back relative to e_lo, and a tile of any other expert is dead."""
+    e, offs_p, p_mask, live = tile_rows(t_start_ptr, t_end_ptr, t_exp_ptr, tile, BLOCK_M)
+    return e - e_lo, offs_p, p_mask, live & (e >= e_lo) & (e < e_hi)
+
+
+@triton.jit
 def slot_or_tile(t_start_ptr, t_end_ptr, t_exp_ptr,  # type: ignore[no-untyped-def]
                  SLOTS: tl.constexpr):
     """(first sorted row, end, expert) of this program (program_id 0): its tile of the tile map,
