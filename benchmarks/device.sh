@@ -617,7 +617,7 @@ prefill_check() {   # the CPU-built prefill paths: GPU tests, then their timings
 
 moe_chunks() {   # the quantised experts' prefill through decoded chunks: tests, timings, profile
   timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_moe_dequant.py \
-    tests/kernels/test_moe_quant.py -k "flash_default_path or rows_batch_invariant or prefill_tiles" \
+    tests/kernels/test_moe_quant.py -k "flash_chunks or rows_batch_invariant or prefill_tiles" \
     > "$OUT/moe_chunks_tests.txt" 2>&1
   summary "$OUT/moe_chunks_tests.txt"
   timeout 300 python3 benchmarks/kernels/bench_moe_prefill.py --out "$OUT/bench_moe_prefill.json" \

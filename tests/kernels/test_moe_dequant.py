@@ -5,8 +5,9 @@ weights bit for bit at every chunk size (1, a size that does not divide E, E, mo
 and FP8, with ragged loads (experts with no token, one expert with every token); it stays within
 the quantised loop's tolerance of the reference; the plan's default, the knob's validation, the
 scratch size, and the backend's `invariant_plans` op never taking the path.
-GPU (`-m gpu`): V4-Flash experts at N = 4096 / 8192: the default path (picked by the plan) equals
-the bf16 loop on the whole layer decoded at once, bit for bit, and agrees with the quantised loop.
+GPU (`-m gpu`): V4-Flash experts at N = 4096 and 8192 (where the plan takes the path): chunks of
+DEQUANT_CHUNK equal the bf16 loop on the whole layer decoded at once, bit for bit, and agree with
+the quantised loop.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_dequant.py
 """
@@ -156,19 +157,24 @@ def flash_fp4() -> Weights:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [4096, 8192])
-def test_flash_default_path(flash_fp4: Weights, N: int) -> None:
-    """The plan takes the chunks at these N; the result equals the bf16 loop on the whole layer
-    decoded at once (chunks of E), bit for bit, and the quantised loop's within REL."""
-    assert moe_plan.dequant_chunk("fp4", torch.device(DEVICE), N * FLASH["k"], FLASH["E"],
-                                  pinned=False) > 0
-    idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
+def test_flash_chunks(flash_fp4: Weights, N: int) -> None:
+    """Chunks of DEQUANT_CHUNK (the plan's own choice at N = 8192) equal the bf16 loop on the whole
+    layer decoded at once (one chunk of E), bit for bit, and the quantised loop's within REL."""
+    nk, E = N * FLASH["k"], FLASH["E"]
+    picked = moe_plan.dequant_chunk("fp4", torch.device(DEVICE), nk, E, pinned=False)
+    assert picked == (moe_plan.DEQUANT_CHUNK
+                      if nk >= moe_plan.DEQUANT_MIN_MEAN_ROWS["fp4"] * E else 0)
+    idx, rw = make_routing(N, E, FLASH["k"], seed=N)
     idx[: N // 2, 0] = 7                      # a hot expert: half the tokens
-    idx[:, 1:] = torch.where(idx[:, 1:] == 7, (idx[:, 1:] + 1) % FLASH["E"], idx[:, 1:])
+    idx[:, 1:] = torch.where(idx[:, 1:] == 7, (idx[:, 1:] + 1) % E, idx[:, 1:])
     idx = torch.where(idx == 3, torch.full_like(idx, 11), idx)    # expert 3 empty
     x = randn(N, FLASH["d"], seed=N + 1).to(torch.bfloat16)
-    got = triton_routed_experts_quant(x, *flash_fp4[:2], *flash_fp4[2:], idx, rw,  # type: ignore[arg-type]
-                                      LIMIT, "fp4", deterministic=True)
-    whole = _chunked(x, flash_fp4, idx, rw, "fp4", FLASH["E"])
+    got = _chunked(x, flash_fp4, idx, rw, "fp4", moe_plan.DEQUANT_CHUNK)
+    if picked:
+        assert torch.equal(got, triton_routed_experts_quant(
+            x, *flash_fp4[:2], *flash_fp4[2:], idx, rw,  # type: ignore[arg-type]
+            LIMIT, "fp4", deterministic=True))
+    whole = _chunked(x, flash_fp4, idx, rw, "fp4", E)
     assert torch.equal(got, whole)
     loop = _chunked(x, flash_fp4, idx, rw, "fp4", 0)
     err = ((got - loop).abs().max() / loop.abs().max()).item()

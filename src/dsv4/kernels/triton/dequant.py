@@ -12,16 +12,17 @@ grid plane per matrix), with an optional `out=` buffer (a reused scratch, no all
 Exact: every e2m1 / e4m3 value times a power of two is a float32 value, and one rounding to
 `dtype` (exact in bf16 / fp32 for the scales real checkpoints hold) gives the reference's bits.
 Unlike the reference, the kernels do not refuse NaN codes or overflow (that would need a host
-sync), and scale code 0 (2^-127) decodes to 0 (`moe_decode.py::e8m0`, the scales' bit-built
-decode the expert kernels use): they decode what the loader validated.
+sync): they decode what the loader validated. The scales decode as exp2(code - 127) in fp32, not
+through `moe_decode.py::e8m0` (the experts' bit-built decode): with it the FP4 kernel ran 7-16%
+slower on the H100 (benchmarks/results/quant_moe_h200_202612.md, thirty-seventh session).
 
 Grid: (row tiles, column tiles, matrices); each program reads a [BLOCK_R, BLOCK_C] tile of codes
 (bytes) and writes its decoded values, the FP4 pairs interleaved in registers so each row's stores
 are contiguous. No host sync; CUDA-graph safe.
 
 Use: the FP8 linears' prefill path (`fp8_linear.py`, from DEQUANT_MIN_M rows) decodes the weight
-once per call; `benchmarks/kernels/bench_moe_prefill.py` times decoding a layer's experts into a
-bf16 scratch for the experts' prefill. Test: tests/kernels/test_dequant_triton.py. Benchmark:
+once per call; the quantised experts' prefill path decodes a layer's experts chunk by chunk into
+bf16 buffers (`moe_dequant.py`). Test: tests/kernels/test_dequant_triton.py. Benchmark:
 benchmarks/kernels/bench_dequant.py.
 """
 
@@ -32,7 +33,6 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.ref import quant
-from dsv4.kernels.triton.moe_decode import e8m0
 
 # (rows, code bytes) per program: 4 KB of codes; the fastest tile of an H100 sweep on every case
 # of benchmarks/kernels/bench_dequant.py (benchmarks/results/quant_moe_h200_202612.md)
@@ -68,7 +68,7 @@ def _fp4_kernel(w_ptr, s_ptr, o_ptr, rows, half,  # type: ignore[no-untyped-def]
     # 32 values (16 bytes) per scale
     s = tl.load(s_ptr + e * stride_se + r[:, None] * stride_sr + (c // 16)[None, :], mask=ok,
                 other=127)
-    scale = e8m0(s)
+    scale = tl.exp2(s.to(tl.float32) - 127.0)
     values = tl.interleave(_e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale)
     cols = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
     ok2 = (r < rows)[:, None] & (cols < 2 * half)[None, :]
@@ -88,7 +88,7 @@ def _fp8_kernel(w_ptr, s_ptr, o_ptr, rows, cols,  # type: ignore[no-untyped-def]
     s = tl.load(s_ptr + e * stride_se + (r // 128)[:, None] * stride_sr + (c // 128)[None, :],
                 mask=ok, other=127)
     values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    values = values * e8m0(s)
+    values = values * tl.exp2(s.to(tl.float32) - 127.0)
     tl.store(o_ptr + e * stride_oe + r[:, None] * stride_or + c[None, :],
              values.to(o_ptr.dtype.element_ty), mask=ok)
 

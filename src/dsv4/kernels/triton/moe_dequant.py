@@ -5,19 +5,21 @@ At prefill sizes every expert is hit and reads its weights for many rows, and th
 decode of the FP4 loop costs more than the MMAs it feeds: a V4-Flash layer at N = 8192 tokens took
 23.2 ms in the FP4 loop against 8.7 ms for the bf16 loop on bf16 weights, and decoding the whole
 layer to bf16 first took 8.1 ms (H100, benchmarks/results/quant_moe_h200_202612.md, thirty-seventh
-session). The decode is memory-bound and the bf16 GEMMs compute-bound, so here they overlap:
+session). The decode is memory-bound and the bf16 GEMMs compute-bound, so here they may overlap
+(measured: they share the GPU rather than hide each other, since the GEMMs read the decoded bytes
+back; the whole op runs at about decode + GEMMs, 1.27-1.29x the FP4 loop's speed at N = 8192):
 
     for chunk c of `chunk` experts [lo, hi):
-        side stream:   decode w13[lo:hi], w2[lo:hi] -> bf16 buffer c % 2   (`dequant.py`)
-        caller stream: wait for that decode; gate/up and down of the bf16 loop over the experts
+        decode stream: decode w13[lo:hi], w2[lo:hi] -> bf16 buffer c % 2   (`dequant.py`)
+        GEMM stream:   wait for that decode; gate/up and down of the bf16 loop over the experts
                        [lo, hi) alone (`moe_tile_map.py::expert_rows`), reading the buffer
 
-Ordering (no host sync): the side stream first waits for the caller's stream (inputs written,
-buffers allocated); a buffer is decoded into again only after the caller's stream has recorded
-that the GEMMs reading it were issued before an event it waits on; the caller's stream waits for
-each chunk's decode, and for the whole side stream at the end (the buffers are freed on the
-caller's stream after that). Nothing is allocated on the side stream. On a CPU (the interpreter)
-there are no streams and the same steps run in order.
+Ordering (no host sync): the decode stream and the GEMM stream (`_Streams`) first wait for the
+caller's stream (inputs written, buffers and outputs allocated); a chunk's GEMMs wait for its
+decode; a buffer is decoded into again only after the GEMMs that read it; the caller's stream
+waits for both streams at the end (the buffers are freed on the caller's stream after that).
+Nothing is allocated on the side streams. On a CPU (the interpreter) there are no streams and the
+same steps run in order.
 
 Values: the decode is bit-equal to the codec, and every tile of the bf16 loop is computed as in one
 launch over the whole decoded layer (the tile map and the plan do not depend on the chunk), so the
@@ -68,8 +70,8 @@ def scratch_bytes(chunk: int, num_experts: int, inter: int, d: int) -> int:
 def dequant_chunks(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                    fmt: str, chunk: int, gemms: ChunkGemms) -> None:
     """Decode the stacks w13 [E, 2I, *] / w2 [E, d, *] (codes and scales as `moe.py` documents
-    them per `fmt`) to bf16 `chunk` experts at a time, calling `gemms` on each decoded chunk on the
-    caller's stream while the next chunk decodes (module docstring)."""
+    them per `fmt`) to bf16 `chunk` experts at a time, calling `gemms` on each decoded chunk
+    while the next chunk decodes (module docstring)."""
     E, i2 = w13.shape[:2]
     d = w2.shape[1]
     check_dequant(fmt, i2 // 2, chunk)
@@ -83,51 +85,60 @@ def dequant_chunks(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: t
         for c, lo in enumerate(range(0, E, chunk)):
             hi = min(lo + chunk, E)
             b13, b2 = (b[: hi - lo] for b in bufs[c % n_buf])
-            with streams.side(c % n_buf):
+            with streams.decoding(c % n_buf):
                 decode(w13[lo:hi], s13[lo:hi], torch.bfloat16, out=b13)
                 decode(w2[lo:hi], s2[lo:hi], torch.bfloat16, out=b2)
-            streams.consume(c % n_buf)
-            gemms(b13, b2, lo, hi)
-            streams.release(c % n_buf)
+            with streams.multiplying(c % n_buf):
+                gemms(b13, b2, lo, hi)
 
 
 class _Streams:
-    """The fork / join of `dequant_chunks` (module docstring); every method is a no-op off CUDA."""
+    """The fork / join of `dequant_chunks` (module docstring): decodes on one side stream, GEMMs
+    on another of high priority, so that the GEMMs' programs are scheduled first and the decode's
+    fill the SMs' room beside them (at equal priority the two grids ran one after the other: H100,
+    benchmarks/results/quant_moe_h200_202612.md). Off CUDA every method runs its block in place."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.main = torch.cuda.current_stream(device) if self.cuda else None
-        self.other = torch.cuda.Stream(device) if self.cuda else None
+        self.caller = torch.cuda.current_stream(device) if self.cuda else None
+        self.decode = torch.cuda.Stream(device) if self.cuda else None
+        self.gemm = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.decoded: dict[int, torch.cuda.Event] = {}
         self.released: dict[int, torch.cuda.Event] = {}
 
     def __enter__(self) -> _Streams:
-        if self.other is not None and self.main is not None:
-            self.other.wait_stream(self.main)
+        if self.caller is not None:
+            for s in (self.decode, self.gemm):
+                assert s is not None
+                s.wait_stream(self.caller)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.other is not None and self.main is not None:
-            self.main.wait_stream(self.other)
+        if self.caller is not None:
+            for s in (self.decode, self.gemm):
+                assert s is not None
+                self.caller.wait_stream(s)
 
     @contextmanager
-    def side(self, buf: int) -> Iterator[None]:
-        """Run the block on the side stream, after the GEMMs that last read buffer `buf`."""
-        if self.other is None:
+    def decoding(self, buf: int) -> Iterator[None]:
+        """Run the block on the decode stream, after the GEMMs that last read buffer `buf`."""
+        if self.decode is None:
             yield
             return
         if buf in self.released:
-            self.other.wait_event(self.released[buf])
-        with torch.cuda.stream(self.other):
+            self.decode.wait_event(self.released[buf])
+        with torch.cuda.stream(self.decode):
             yield
-        self.decoded[buf] = self.other.record_event()
+        self.decoded[buf] = self.decode.record_event()
 
-    def consume(self, buf: int) -> None:
-        """The caller's stream waits for buffer `buf`'s decode."""
-        if self.main is not None:
-            self.main.wait_event(self.decoded[buf])
-
-    def release(self, buf: int) -> None:
-        """Buffer `buf`'s readers are issued: the next decode into it waits for them."""
-        if self.main is not None:
-            self.released[buf] = self.main.record_event()
+    @contextmanager
+    def multiplying(self, buf: int) -> Iterator[None]:
+        """Run the block on the GEMM stream, after buffer `buf`'s decode; the next decode into
+        `buf` waits for what the block issued."""
+        if self.gemm is None:
+            yield
+            return
+        self.gemm.wait_event(self.decoded[buf])
+        with torch.cuda.stream(self.gemm):
+            yield
+        self.released[buf] = self.gemm.record_event()

@@ -51,7 +51,10 @@ second pass; BLOCK_N = 32 already gives 3-6 programs per SM at N = 1 on V4-Flash
 Prefill by decoded chunks (`moe_dequant.py`, not a loop of its own: the bf16 loop on bf16 copies
 of `DEQUANT_CHUNK` experts at a time, decoded beside it): `dequant_chunk` picks it on CUDA for the
 formats of `DEQUANT_MIN_MEAN_ROWS` from that many mean rows per expert, with no knob pinned and
-no act_quant (the measurements behind the numbers: benchmarks/results/quant_moe_h200_202612.md).
+no act_quant. On the H100 at V4-Flash's experts (benchmarks/results/quant_moe_h200_202612.md) FP4
+chunks of 32 ran 1.27-1.29x faster than the FP4 loop at N = 8192 (192 rows per expert) and
+0.86-0.87x / 0.59x as fast at 4096 / 2048; FP8 was slower at all three (0.36-0.71x), so it keeps
+its loop.
 
 Bits. BLOCK_M and BLOCK_N only choose which program computes an output element, and FP4 "words" /
 "scaled" and bf16 accumulate the k terms in the MMA in one fixed order at any BLOCK_K ("words":
@@ -92,7 +95,7 @@ FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order
 # WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
 FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
 FRAG_DEEP_WARPS = 32         # BLOCK_M 1: gate/up at FRAG_DEEP_GATE_UP while the launch of
-DEQUANT_MIN_MEAN_ROWS = {"fp4": 96.0}   # decoded chunks from this * E rows (V4-Flash: N 4096)
+DEQUANT_MIN_MEAN_ROWS = {"fp4": 160.0}  # decoded chunks from this * E rows (V4-Flash: N 6827)
 DEQUANT_CHUNK = 32           # experts per decoded chunk (V4-Flash: 3.2 GB of bf16 scratch)
 FRAG_DEEP_GATE_UP = (16, 4)  # ... FRAG_LAUNCHES[1] (WK 2) would fill < this many warps per SM
 PROGRAMS_PER_SM = 4
