@@ -130,8 +130,27 @@ def test_plan_full_graphs_off_one_batch_per_context() -> None:
 
 
 def test_plan_short_context_caps_the_prefill() -> None:
-    assert plan("fast", 2, max_running=2, context_length=100) == [P(99), P(16), D(1, 1, 100),
-                                                                  D(2, 1, 100)]
+    """A 99-token prompt cannot fill a step: 2 of them (the running cap) prefill together."""
+    assert plan("fast", 2, max_running=2, context_length=100) == [
+        P(99), WarmupShape("prefill", 2, 99), P(16), D(1, 1, 100), D(2, 1, 100)]
+
+
+CHUNK = EngineConfig().chunked_prefill_size
+
+
+@pytest.mark.parametrize("max_running,max_total,want", [(128, 1 << 20, -(-CHUNK // 99)),
+                                                         (128, 500, 5), (3, 1 << 20, 3)])
+def test_plan_fills_a_chunk_with_short_prompts(max_running: int, max_total: int,
+                                               want: int) -> None:
+    """ceil(chunk / 99) requests of 99 tokens fill a step, within the running cap and the KV
+    cache (499 tokens: 5 requests)."""
+    shapes = plan("fast", 8, max_running=max_running, context_length=100, max_total=max_total)
+    assert shapes[1] == WarmupShape("prefill", want, 99)
+    assert sum(s.kind == "prefill" and s.batch > 1 for s in shapes) == 1
+
+
+def test_plan_one_request_fills_the_chunk() -> None:
+    assert all(s.batch == 1 for s in plan("full", 64) if s.kind == "prefill")
 
 
 @pytest.mark.parametrize("bad", ["fastest", "", "FULL", 1])
@@ -205,6 +224,19 @@ def test_warmup_with_a_small_budget_and_pools(ckpt: Path,
     warm_up(llm.engine, "fast", progress=False)
     for shape in shapes:
         assert any(matches(step, shape) for step in steps), shape
+    assert_clean(llm.engine)
+
+
+def test_short_context_warms_a_full_chunk(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 40-token context under a 64-token step budget: one step of warmup prefills 64 tokens
+    from two requests (the second one chunked), and the engine is left clean."""
+    llm = LLM(ckpt, **dict(KW, context_length=40))  # type: ignore[arg-type]
+    steps = spy_steps(llm.engine, monkeypatch)
+    shapes = engine_plan(llm.engine, "fast")
+    assert shapes[:2] == [P(39), WarmupShape("prefill", 2, 39)]
+    warm_up(llm.engine, "fast", progress=False)
+    full = [st for st in steps if sum(st.shape.lens) == 64]
+    assert full and len(full[0].requests) == 2 and full[0].shape.lens == [39, 25]
     assert_clean(llm.engine)
 
 

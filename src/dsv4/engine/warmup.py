@@ -9,6 +9,10 @@ What a mode covers (`warmup_plan`):
 - "none": nothing;
 - "fast": two prefill steps, one of `chunked_prefill_size` tokens (the largest step, the common
   one under load) and a short one (`SHORT_PREFILL_TOKENS`: the small-M kernel specialisations);
+  where the context is shorter than a chunk, one request cannot fill that step, so several
+  requests of the longest prompt prefill together, the first step a full chunk (the kernel
+  plans chosen from a step's token count compile there; the FP4 experts' decoded chunks, for
+  one);
   with the `triton` kernels a long prefill (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a
   short last chunk: the long-context prefill paths, the top-k's compact forms at a full chunk and
   at a short one, compile there, not in a user's first long prompt); then decode steps at batch
@@ -70,7 +74,8 @@ an anchor request prefilled that far)."""
 
 @dataclass(frozen=True)
 class WarmupShape:
-    """One warmup step: `kind` "prefill" (one request of `tokens` prompt tokens), "decode"
+    """One warmup step: `kind` "prefill" (`batch` requests of `tokens` prompt tokens, prefilled
+    together: the first step takes as many as one chunk holds), "decode"
     (`batch` requests feeding `tokens` tokens each, all with logits: 1, or 1 + N under
     speculative decoding) or "graph" (the decode graph of that shape, captured on padding rows).
     `context`: a decode step's context bucket (prefill: 0). `anchor`: prompt tokens of the long
@@ -98,6 +103,9 @@ def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_
         return []
     longest = min(config.chunked_prefill_size, context_length - 1, max_total_tokens - 1)
     plan = [WarmupShape("prefill", 1, longest)]
+    together = _requests_per_chunk(config, longest, max_total_tokens, pool_pages)
+    if together > 1:
+        plan.append(WarmupShape("prefill", together, longest))
     if min(SHORT_PREFILL_TOKENS, longest) < longest:
         plan.append(WarmupShape("prefill", 1, SHORT_PREFILL_TOKENS))
     chunk = config.chunked_prefill_size
@@ -126,6 +134,21 @@ def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_
                                           config.page_size * buckets[-1], 2 * n):
             plan.append(WarmupShape("decode", 1, n, ctx, prev + 1))
     return plan
+
+
+def _requests_per_chunk(config: EngineConfig, longest: int, max_total_tokens: int,
+                        pool_pages: int | None) -> int:
+    """Requests of `longest` prompt tokens that one full step of `chunked_prefill_size` tokens
+    takes when one request cannot fill it (a context shorter than the chunk): as many as the
+    chunk needs, the running-request cap, the KV cache and the smallest pool allow; 1 when one
+    request fills the chunk."""
+    chunk = config.chunked_prefill_size
+    if longest >= chunk:
+        return 1
+    fits = (max_total_tokens - 1) // longest
+    if pool_pages is not None:
+        fits = min(fits, pool_pages // -(-(longest + 1) // config.page_size))
+    return max(1, min(-(-chunk // longest), config.max_running_requests, fits))
 
 
 def _graph_contexts(base: int, span: int, longest: int) -> list[int]:
@@ -231,10 +254,11 @@ def _run_shape(engine: LLMEngine, shape: WarmupShape, index: int, anchor: Reques
     """Run `shape`: a prefill request to its end, or 1-token requests (with the anchor) until a
     step of `shape.batch` requests feeding `shape.tokens` tokens each has run."""
     if shape.kind == "prefill":
-        req = _request(engine, str(index), shape.tokens, 1, rng)
-        while not req.is_finished:
+        reqs = [_request(engine, f"{index}.{j}", shape.tokens, 1, rng)
+                for j in range(shape.batch)]
+        while not all(r.is_finished for r in reqs):
             _sync_step(engine)
-        _end(engine, [req])
+        _end(engine, reqs)
         return
     n = shape.tokens
     reqs = [_request(engine, f"{index}.{j}", 1, 2 + 2 * n, rng)
