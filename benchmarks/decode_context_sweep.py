@@ -25,7 +25,10 @@ Timing protocol: the warm-up and timed steps follow the prefill at once (`--sett
 many seconds in between: on the H200 a 128K step timed right after its 2 s prefill measured up to
 110 us slower than 3 s later, the GPU idle between steps). `--step-times` records each timed
 step's time on the device timeline and on the host, and the host's time blocked waiting for the
-device (the rest is the host's own work), per row.
+device (the rest is the host's own work), per row. `--prefill-step-times` times each prefill step
+to a device sync ([seconds, prefill tokens, decode tokens] per step in `prefill_steps`: where a
+slow prefill spends its time), and `--stack-dump-s S` prints every thread's Python stack to stderr
+every S seconds while a prefill runs (what a stalled prefill waits in).
 
 Any failing configuration (out of memory, error) is a row with its status; the sweep goes on.
 Prints a table, writes the plot (`--plot`), then exactly one JSON line (also to `--out`).
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import gc
 import json
@@ -132,6 +136,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-times", action="store_true",
                    help="record every timed step's device ms, host ms and host ms blocked on the "
                         "device in the row")
+    p.add_argument("--prefill-step-times", action="store_true",
+                   help="sync and time every prefill step: [seconds, prefill tokens, decode "
+                        "tokens] per step in the row's prefill_steps (the prefill is slower "
+                        "for the syncs)")
+    p.add_argument("--stack-dump-s", type=float, default=0.0,
+                   help="while a prefill runs, print every thread's Python stack to stderr every "
+                        "this many seconds (faulthandler; default 0: off)")
     p.add_argument("--phases", type=int, default=1,
                    help="after the timed steps, time N - 1 more runs of --steps steps, each "
                         "after a device sync and --phase-pause-s: each run's ms / step in "
@@ -391,7 +402,16 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
 
     def prefill() -> None:
         while not all(r.output_ids for r in reqs):
+            if not args.prefill_step_times:
+                engine.step()
+                continue
+            tokens = (engine.prefill_tokens, engine.decode_tokens)
+            start = time.perf_counter()
             engine.step()
+            sync(device)
+            row.setdefault("prefill_steps", []).append(
+                [round(time.perf_counter() - start, 4), engine.prefill_tokens - tokens[0],
+                 engine.decode_tokens - tokens[1]])
 
     def decode(n: int) -> Callable[[], None]:
         def loop() -> None:
@@ -399,7 +419,12 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
                 engine.step()
         return loop
 
-    row["prefill_s"] = round(timed(prefill, device), 4)
+    if args.stack_dump_s > 0:
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True, file=sys.stderr)
+    try:
+        row["prefill_s"] = round(timed(prefill, device), 4)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     row["prefill_end_unix"] = round(time.time(), 3)   # aligns the row with a clock / power log
     row["prefill_fit"] = True
     if args.settle_s > 0:

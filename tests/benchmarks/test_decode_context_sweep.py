@@ -248,3 +248,27 @@ def test_one_engine_runs_every_point_in_one_engine(tmp_path: Path,
         assert len(starts) == 2 and row["prefill_end_unix"] <= starts[0] <= starts[1]
     # the pools hold the largest point: 2 requests of 160 prompt tokens and their outputs
     assert engine.max_total_tokens >= 2 * (160 + 3)
+
+
+def test_prefill_step_times_and_stack_dumps(capfd: pytest.CaptureFixture[str]) -> None:
+    """`--prefill-step-times`: one [seconds, prefill tokens, decode tokens] entry per prefill
+    step, the prefill tokens adding up to the prompts' (the engine's counters);
+    `--stack-dump-s`: Python stacks on stderr while the prefill runs (a 1 ms period)."""
+    bench = load_benchmark("decode_context_sweep")
+    argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "96",
+            "--batches", "2", "--batch-contexts", "96", "--steps", "2", "--warmup-steps", "1",
+            "--routing-steps", "0", "--copy-gib", "0.02", "--chunked-prefill-size", "64",
+            "--prefill-step-times", "--stack-dump-s", "0.001"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    (row,) = [r for r in result["rows"] if r["system"] == "dsv4" and r["batch"] == 2]
+    steps = row["prefill_steps"]
+    assert len(steps) >= 3                       # 192 prompt tokens in 64-token steps
+    assert all(s[0] > 0 and s[1] + s[2] <= 64 for s in steps)
+    # the engine counts a 1-token chunk with logits as decode: at most one per request
+    assert 2 * 96 - 2 <= sum(s[1] for s in steps) <= 2 * 96 <= sum(s[1] + s[2] for s in steps)
+    assert "File " in capfd.readouterr().err
