@@ -49,7 +49,7 @@ def moe_variants() -> Iterator[Variant]:
     (decode), 16 x 32 (N = 1) and the largest BLOCK_M (big N), 4 warps. The label ends with the
     bytes of one weight matrix a thread decodes per K step: the loop count over it (twice it for
     gate/up, two matrices) is the K loop's instructions per weight byte."""
-    from dsv4.kernels.triton import moe, moe_plan
+    from dsv4.kernels.triton import moe_mma, moe_plan
 
     # "fma", "frag" and "w8a8" have kernels of their own (`moe_fma_variants`, `moe_frag_variants`,
     # `moe_w8a8_variants`)
@@ -74,10 +74,10 @@ def moe_variants() -> Iterator[Variant]:
                 options = {"num_warps": 4, "num_stages": 3}
                 per_thread = bn * bk * (2, 1, 0.5)[fmt] / 128
                 label = f"{name} {variant} {bm}x{bn}x{bk} {per_thread:g}B"
-                yield (f"moe gate_up {label}", moe._gate_up_kernel, types,
+                yield (f"moe gate_up {label}", moe_mma._gate_up_kernel, types,
                        {**consts, "LIBDEVICE": True}, options)
-                yield f"moe down {label}", moe._down_kernel, types, {**consts, "ATOMIC": False}, \
-                    options
+                yield (f"moe down {label}", moe_mma._down_kernel, types,
+                       {**consts, "ATOMIC": False}, options)
     yield from moe_fma_variants()
     yield from moe_frag_variants()
     yield from moe_w8a8_variants()

@@ -188,7 +188,7 @@ def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str,
     """A `SharedJoin` runs before the expert GEMMs, or with `beside_gemms` after them and before
     the combine (a plain callable: before the GEMMs); the values are the same either way."""
     events: list[str] = []
-    for name in ("_mma_launches", "frag_launches", "fma_launches"):
+    for name in ("mma_launches", "frag_launches", "fma_launches"):
         launch = getattr(triton_moe, name)
         monkeypatch.setattr(triton_moe, name, lambda *a, _f=launch, **k: (
             events.append("gemms"), _f(*a, **k))[1])

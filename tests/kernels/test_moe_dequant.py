@@ -36,7 +36,7 @@ from test_moe_quant import (  # noqa: E402
 
 from dsv4.kernels import registry  # noqa: E402
 from dsv4.kernels.ref.moe import dequant_experts  # noqa: E402
-from dsv4.kernels.triton import moe, moe_dequant, moe_plan  # noqa: E402
+from dsv4.kernels.triton import moe, moe_dequant, moe_mma, moe_plan  # noqa: E402
 from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
 
 LIMIT = 10.0
@@ -135,7 +135,7 @@ def test_invariant_plans_keep_the_quantised_loop(monkeypatch: pytest.MonkeyPatch
         calls.append(int(args[5]))   # type: ignore[call-overload]
         real(*args)                   # type: ignore[arg-type]
     real = moe_dequant.dequant_chunks
-    monkeypatch.setattr(moe, "dequant_chunks", spy)
+    monkeypatch.setattr(moe_mma, "dequant_chunks", spy)
     monkeypatch.setattr(moe, "default_dequant_chunk", lambda *a: 2)
     wts = make_weights(4, 64, 64, "fp4", seed=2)
     idx, rw = make_routing(5, 4, 2)

@@ -49,7 +49,7 @@ W8A8_BLOCK = 128
 """The K step, the activation scale block and the weight scale block, all one."""
 
 X_DTYPES = (torch.float32, torch.bfloat16)
-FP8, FP4 = 1, 2             # the FMT codes of `moe.py::FMTS`
+FP8, FP4 = 1, 2             # the FMT codes of `moe_mma.py::FMTS`
 MAX_FP4_SPREAD = 8          # binades between a 128-block's group scales that decode exactly
 
 
