@@ -115,6 +115,11 @@
 #                 GPU tests and test_moe_quant's V4-Flash rows / prefill tiles (moe_chunks_tests.txt),
 #                 bench_moe_prefill.py at N 2048 / 4096 / 8192 with chunks of 16 / 32 / 64 / E, then
 #                 prefill-profile (PP_FORMATS, default checkpoint)
+#   prefill-stall the ~100 s batch-32 / 4K checkpoint prefill after the engine's warmup (37th session):
+#                 decode_context_sweep.py with --engine-warmup fast, --prefill-step-times and
+#                 --stack-dump-s 10 in a fresh TRITON_CACHE_DIR, checkpoint then bf16 (stall_<fmt>.json,
+#                 stall_<fmt>.txt: the stacks); first the GPU tests of the gate's prefill GEMM and the
+#                 decoded chunks (stall_tests.txt)
 #   prefill-cold  flash-4l batch 32 / 4K (the sweep's protocol: the prefill steps include the early requests'
 #                 decode steps), PC_FORMATS (default "checkpoint bf16"), each twice in a fresh Triton cache
 #                 directory of its own: prefill seconds cold and warm, ms per step, and the kernels compiled
@@ -626,6 +631,29 @@ moe_chunks() {   # the quantised experts' prefill through decoded chunks: tests,
   PP_FORMATS=${PP_FORMATS:-checkpoint} prefill_profile
 }
 
+prefill_stall() {   # where the batch-32 checkpoint prefill's ~100 s go: per-step times and stacks
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_gate_logits.py \
+    tests/kernels/test_moe_dequant.py > "$OUT/stall_tests.txt" 2>&1
+  summary "$OUT/stall_tests.txt"
+  local fmt
+  for fmt in ${STALL_FORMATS:-checkpoint bf16}; do
+    TRITON_CACHE_DIR=/tmp/stall_cache_$fmt timeout "${DECODE_TIMEOUT_S:-240}" python3 \
+      benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+      --kernel-backend triton --weight-format "$fmt" --contexts 4096 --batches 32 \
+      --batch-contexts 4096 --engine-warmup fast --prefill-step-times --stack-dump-s 10 \
+      --out "$OUT/stall_$fmt.json" > "$OUT/stall_$fmt.txt" 2>&1
+    echo "== $fmt (exit $?)"
+    python3 - "$OUT/stall_$fmt.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    steps = r.get("prefill_steps", [])
+    slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:5]
+    print(r["batch"], r["context"], "prefill_s", r.get("prefill_s"), "steps", len(steps),
+          "slowest [step, s, prefill, decode]:", [[i, *steps[i]] for i in slow])
+PY
+  done
+}
+
 prefill_cold() {   # is the sweep's batch-32 prefill time kernel compiles? cold against warm cache
   local fmt pass cache
   for fmt in ${PC_FORMATS:-checkpoint bf16}; do
@@ -691,11 +719,12 @@ for part in "$@"; do
     prefill-cold) prefill_cold ;;
     prefill-check) prefill_check ;;
     moe-chunks) moe_chunks ;;
+    prefill-stall) prefill_stall ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
