@@ -115,9 +115,9 @@ def test_validation() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         moe_dequant.check_dequant("fp4", 64, -1)
     # 0: the quantised loop, never the chunks
-    assert torch.equal(_chunked(x, wts, idx, rw, "fp4", 0),
-                       triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
-                                                   LIMIT, "fp4", deterministic=True))
+    loop = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
+                                       LIMIT, "fp4", deterministic=True)
+    assert torch.equal(_chunked(x, wts, idx, rw, "fp4", 0), loop)
 
 
 def test_scratch_bytes() -> None:

@@ -13,8 +13,8 @@ Exact: every e2m1 / e4m3 value times a power of two is a float32 value, and one 
 `dtype` (exact in bf16 / fp32 for the scales real checkpoints hold) gives the reference's bits.
 Unlike the reference, the kernels do not refuse NaN codes or overflow (that would need a host
 sync): they decode what the loader validated. The scales decode as exp2(code - 127) in fp32, not
-through `moe_decode.py::e8m0` (the experts' bit-built decode): with it the FP4 kernel ran 7-16%
-slower on the H100 (benchmarks/results/quant_moe_h200_202612.md, thirty-seventh session).
+through `moe_decode.py::e8m0` (the experts' bit-built decode), which makes the FP4 kernel 7-16%
+slower on an H100 (benchmarks/results/quant_moe_h200_202612.md).
 
 Grid: (row tiles, column tiles, matrices); each program reads a [BLOCK_R, BLOCK_C] tile of codes
 (bytes) and writes its decoded values, the FP4 pairs interleaved in registers so each row's stores

@@ -43,9 +43,9 @@ Plan: `fp8_plan.py::plan_fp8_linear` (host only, CUDA-graph safe); every knob is
 
 Prefill (M >= DEQUANT_MIN_M, no knob given): the weight is decoded to x's dtype by one launch of
 `dequant.py::triton_dequant_fp8_block` (exact, near the byte floor) and the product is the
-reference's own `F.linear` (cuBLAS; groups: one `bmm`). There the tiles above ran at 0.18-0.58x
-cuBLAS bf16's speed on the H200 at M = 512-8192 on flash-4l's shapes, while the decode costs
-about one read of the codes and one write of the bf16 weight (1.14x that floor on the H100):
+reference's own `F.linear` (cuBLAS; groups: one `bmm`). There the tiles above are 1.1-4x slower
+than this path on flash-4l's shapes at M = 512-8192 (H100), whose decode costs about one read of
+the codes and one write of the bf16 weight (1.14x that floor):
 benchmarks/results/quant_moe_h200_202612.md. The values are the reference's, i.e. the model's
 whose linears were dequantised at load.
 

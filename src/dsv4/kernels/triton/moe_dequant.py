@@ -2,12 +2,12 @@
 beside the bf16 loop's GEMMs on the previous chunk.
 
 At prefill sizes every expert is hit and reads its weights for many rows, and the in-register
-decode of the FP4 loop costs more than the MMAs it feeds: a V4-Flash layer at N = 8192 tokens took
+decode of the FP4 loop costs more than the MMAs it feeds: a V4-Flash layer at N = 8192 tokens takes
 23.2 ms in the FP4 loop against 8.7 ms for the bf16 loop on bf16 weights, and decoding the whole
-layer to bf16 first took 8.1 ms (H100, benchmarks/results/quant_moe_h200_202612.md, thirty-seventh
-session). The decode is memory-bound and the bf16 GEMMs compute-bound, so here they may overlap
-(measured: they share the GPU rather than hide each other, since the GEMMs read the decoded bytes
-back; the whole op runs at about decode + GEMMs, 1.27-1.29x the FP4 loop's speed at N = 8192):
+layer to bf16 8.1 ms (H100, benchmarks/results/quant_moe_h200_202612.md). The decode is
+memory-bound and the bf16 GEMMs compute-bound, so here they may overlap (they share the GPU rather
+than hide each other, since the GEMMs read the decoded bytes back: the op runs at about decode +
+GEMMs, 1.27-1.29x the FP4 loop's speed at N = 8192):
 
     for chunk c of `chunk` experts [lo, hi):
         decode stream: decode w13[lo:hi], w2[lo:hi] -> bf16 buffer c % 2   (`dequant.py`)
@@ -70,11 +70,10 @@ def scratch_bytes(chunk: int, num_experts: int, inter: int, d: int) -> int:
 def dequant_chunks(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                    fmt: str, chunk: int, gemms: ChunkGemms) -> None:
     """Decode the stacks w13 [E, 2I, *] / w2 [E, d, *] (codes and scales as `moe.py` documents
-    them per `fmt`) to bf16 `chunk` experts at a time, calling `gemms` on each decoded chunk
-    while the next chunk decodes (module docstring)."""
+    them per `fmt`; the caller has run `check_dequant`) to bf16 `chunk` experts at a time,
+    calling `gemms` on each decoded chunk while the next chunk decodes (module docstring)."""
     E, i2 = w13.shape[:2]
     d = w2.shape[1]
-    check_dequant(fmt, i2 // 2, chunk)
     chunk = min(chunk, E)
     decode = triton_dequant_fp4_group if fmt == "fp4" else triton_dequant_fp8_block
     n_buf = 1 if chunk == E else 2

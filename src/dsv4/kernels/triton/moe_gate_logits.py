@@ -12,12 +12,12 @@ the logits, with the cross-split reduction inside the launch:
     grid = cdiv(E, DECODE_BLOCK_N) expert tiles x (d / GATE_K_PER_SPLIT) K splits
            (V4-Flash, E 256, d 4096: 16 x 8 = 128 programs, about one per SM)
 
-A call of more rows with bf16 operands on CUDA and the counters (prefill) runs the tensor cores on
-the operands as they are with fp32 out (`torch.mm(..., out_dtype=torch.float32)`: the reference's
-products, exact in fp32, summed by cuBLAS in fp32) instead of an fp32 SGEMM on the casts (that
-SGEMM took 0.41 ms per V4-Flash layer at 8K tokens on the H100, no tensor cores:
-benchmarks/results/quant_moe_h200_202612.md, thirty-seventh session). Every other call (fp32 /
-fp16 operands, no counters, off CUDA) runs the reference (cuBLAS on the casts).
+A call of more rows with bf16 operands and the counters (prefill) is the compressors' prefill
+product, `project.py::prefill_project`: on CUDA the tensor cores on the operands as they are with
+fp32 out (the reference's products, exact in fp32, summed by cuBLAS in fp32) instead of an fp32
+SGEMM on the casts (0.41 ms per V4-Flash layer at 8K tokens on an H100, no tensor cores:
+benchmarks/results/quant_moe_h200_202612.md); off CUDA the reference's own `F.linear`. Every
+other call (fp32 / fp16 operands, no counters) runs the reference (cuBLAS on the casts).
 The counters are the gate's own buffer (`model/decode_gemv.py` gives it one: the gate runs on the
 main stream while the shared expert runs on the side one, so no other call shares it).
 
@@ -38,6 +38,7 @@ import triton
 from dsv4.kernels.ops import DECODE_BLOCK_N
 from dsv4.kernels.ref.moe import moe_gate_logits
 from dsv4.kernels.triton.gemv import FMA_MAX_M, triton_linear
+from dsv4.kernels.triton.project import prefill_project
 
 GATE_K_PER_SPLIT = 512          # K elements per split (16 KB of bf16 weight per program at E 16)
 _HALF = (torch.bfloat16, torch.float16)
@@ -55,9 +56,9 @@ def triton_moe_gate_logits(u: torch.Tensor, weight: torch.Tensor, *,
     zero (module docstring); without it the reference runs, past the decode shape the prefill
     GEMM (bf16 on CUDA) or the reference."""
     E = weight.shape[0]
-    if (counters is not None and u.is_cuda and u.dim() == 2 and u.shape[0] > FMA_MAX_M
+    if (counters is not None and u.dim() == 2 and u.shape[0] > FMA_MAX_M
             and u.dtype == weight.dtype == torch.bfloat16):
-        return torch.mm(u, weight.t(), out_dtype=torch.float32)
+        return prefill_project(u, weight)
     if (counters is None or u.dim() != 2 or not 0 < u.shape[0] <= FMA_MAX_M
             or u.dtype != weight.dtype or u.dtype not in _HALF
             or triton.cdiv(E, DECODE_BLOCK_N) > counters.numel()):

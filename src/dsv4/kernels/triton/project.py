@@ -83,9 +83,9 @@ def bf16_pieces(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def prefill_project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`project` for more rows than the skinny GEMM takes (module docstring): a bf16 x on CUDA
-    times each bf16 piece of w on the tensor cores, fp32 out, summed smallest first; otherwise
-    `F.linear` of the fp32 values."""
+    """`project` for more rows than the skinny GEMM takes (module docstring; also the MoE gate's
+    logits at prefill, `moe_gate_logits.py`): a bf16 x on CUDA times each bf16 piece of w on the
+    tensor cores, fp32 out, summed smallest first; otherwise `F.linear` of the fp32 values."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype in (torch.bfloat16,
                                                                      torch.float32)):
         return torch.nn.functional.linear(x.float(), w.float())
