@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import triton
@@ -591,6 +592,7 @@ def mhc_variants() -> Iterator[Variant]:
                        mhc_split._mhc_finish_kernel, types,
                        {**geo, "BLOCK_T": fbt, "BLOCK_S": fbs, "BLOCK_D": fbd, "EVEN_D": True,
                         "APART": apart}, {"num_warps": mhc_split.finish_warps(fbt, 4, fbd)})
+    yield from mhc_prefill_finish_variants(ints)
     post_types = {**ints, **{p: "*bf16" for p in ("f_ptr", "x_ptr", "out_ptr")},
                   **{p: "*fp32" for p in ("post_ptr", "comb_ptr", "fn_ptr", "ws_ptr", "sq_ptr")},
                   "stride_ft": "i32:16"}
@@ -598,6 +600,39 @@ def mhc_variants() -> Iterator[Variant]:
         yield (f"mhc post+project bf16 BLOCK_D={bd}", mhc_post_pre._post_project_kernel,
                post_types, {"N": n, "NP": 4, "BLOCK_D": bd, "EVEN_D": True},
                {"num_warps": mhc_post_pre._warps(bd)})
+
+
+def mhc_prefill_finish_variants(ints: dict[str, str]) -> Iterator[Variant]:
+    """The bf16 pre's finish as its plans launch it on 132 SMs (H100 / H200) at short prefills
+    (one-token tiles of 64 splits, BLOCK_D 512..2048, weights apart: a [BLOCK_T] stream weight
+    converted at every multiply once took minutes to compile there) and at a full chunk."""
+    from dsv4.kernels.triton import mhc, mhc_split
+
+    n, d = 4, 4096
+    types = {**ints, "x_ptr": "*bf16", "h_ptr": "*bf16",
+             **{p: "*fp32" for p in ("ws_ptr", "sq_ptr", "scale_ptr", "base_ptr", "post_ptr",
+                                     "comb_ptr")}}
+    cpu = torch.device("cpu")
+    with mock.patch.object(mhc, "sms", lambda _: 132), \
+            mock.patch.object(mhc_split, "sms", lambda _: 132):
+        plans = [(T, *_finish_plan(T, n, d, cpu)) for T in (40, 100, 200, 8192)]
+    for T, S, tiles, apart in plans:
+        fbt, _, bd, bs = tiles
+        yield (f"mhc pre bf16 T={T} s{S} finish t{fbt} d{bd} s{bs}{' apart' if apart else ''}",
+               mhc_split._mhc_finish_kernel, types,
+               {"N": n, "NP": 4, "HEAD": False, "BLOCK_T": fbt, "BLOCK_S": bs, "BLOCK_D": bd,
+                "EVEN_D": True, "APART": apart},
+               {"num_warps": mhc_split.finish_warps(fbt, 4, bd)})
+
+
+def _finish_plan(T: int, n: int, d: int, device: torch.device
+                 ) -> tuple[int, tuple[int, int, int, int], bool]:
+    """(splits, finish tiles, weights apart) of the pre's default plan at T tokens."""
+    from dsv4.kernels.triton import mhc, mhc_split
+
+    S = mhc.plan_pre(T, n * d, device)[1]
+    tiles = mhc_split.plan_finish(T, d, 4, S, device)
+    return S, tiles, mhc_split.plan_apart(False, d, tiles)
 
 
 KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants,

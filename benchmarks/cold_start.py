@@ -13,21 +13,27 @@ request against the median warm step (target <= 2x). `--fresh-triton-cache` poin
 TRITON_CACHE_DIR at an empty directory first (a machine that never compiled these kernels);
 without it the persistent cache of earlier runs applies. Every Triton specialisation built in
 the process is logged with its phase (warmup, first, warm), kernel, seconds and key
-(`compiles` in the JSON: what the warmup missed). Prints a table, then one JSON line.
+(`compile_times.py`; `compiles` in the JSON: what the warmup missed; `slowest_compiles`: the five
+slowest builds with their constexprs). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_times import CompileLog  # noqa: E402
 
 
 def serve_one(engine: Any, prompt: list[int], decode: int) -> dict[str, Any]:
@@ -51,41 +57,6 @@ def serve_one(engine: Any, prompt: list[int], decode: int) -> dict[str, Any]:
         steps.append(time.perf_counter() - t)
     engine.pop(req.rid)
     return {"ttft_s": ttft, "decode_steps_s": steps}
-
-
-class CompileLog:
-    """Triton's JIT hooks: one record per kernel specialisation built in this process (the
-    in-memory cache missed; the on-disk cache may still have it), with the current phase."""
-
-    def __init__(self) -> None:
-        from triton import knobs
-
-        self.phase = "warmup"
-        self.records: list[dict[str, Any]] = []
-        self._started: dict[str, float] = {}
-        knobs.runtime.jit_cache_hook = self._before
-        knobs.runtime.jit_post_compile_hook = self._after
-
-    def _before(self, *, key: Any, repr: str, fn: Any, **_: Any) -> bool:
-        self._started[repr] = time.perf_counter()
-        return False                          # False: compile as usual
-
-    def _after(self, *, key: Any, repr: str, fn: Any, **kw: Any) -> bool:
-        took = time.perf_counter() - self._started.pop(repr, time.perf_counter())
-        constants = kw.get("compile", {}).get("constants", {})
-        self.records.append({"phase": self.phase, "kernel": getattr(fn, "name", str(fn)),
-                             "s": round(took, 3), "key": str(key)[:1500],
-                             "constants": str(constants)[:600]})
-        return False
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for r in self.records:
-            phase = out.setdefault(r["phase"], {"count": 0, "s": 0.0, "kernels": {}})
-            phase["count"] += 1
-            phase["s"] = round(phase["s"] + r["s"], 3)
-            phase["kernels"][r["kernel"]] = phase["kernels"].get(r["kernel"], 0) + 1
-        return out
 
 
 def main() -> None:
@@ -126,14 +97,15 @@ def main() -> None:
         max_total_tokens=2 * (longest + 256), context_length=longest + 1,
         disable_prefix_cache=True, warmup=args.warmup))
     compiles = CompileLog() if args.device.startswith("cuda") else None
-    warmup_s = warm_up(engine)
     gen = torch.Generator().manual_seed(0)
     runs = []
-    for phase in ("first", "warm"):
-        if compiles is not None:
-            compiles.phase = phase
-        runs.append(serve_one(engine, torch.randint(2, config.vocab_size, (args.prompt_len,),
-                                                    generator=gen).tolist(), args.decode))
+    with compiles or contextlib.nullcontext():
+        warmup_s = warm_up(engine)
+        for phase in ("first", "warm"):
+            if compiles is not None:
+                compiles.phase = phase
+            runs.append(serve_one(engine, torch.randint(2, config.vocab_size, (args.prompt_len,),
+                                                        generator=gen).tolist(), args.decode))
     cold, warm = runs
     warm_step = statistics.median(warm["decode_steps_s"])
     row = {"warmup": args.warmup, "warmup_s": warmup_s, "first_ttft_s": cold["ttft_s"],
@@ -153,6 +125,7 @@ def main() -> None:
             "fresh_triton_cache": args.fresh_triton_cache,
             "triton_cache": os.environ.get("TRITON_CACHE_DIR"), "row": row, "runs": runs,
             "compile_summary": compiles.summary() if compiles else None,
+            "slowest_compiles": compiles.slowest() if compiles else None,
             "compiles": [r for r in compiles.records if r["phase"] != "warmup"]
             if compiles else None}
     print(json.dumps(line))

@@ -27,8 +27,10 @@ many seconds in between: on the H200 a 128K step timed right after its 2 s prefi
 step's time on the device timeline and on the host, and the host's time blocked waiting for the
 device (the rest is the host's own work), per row. `--prefill-step-times` times each prefill step
 to a device sync ([seconds, prefill tokens, decode tokens] per step in `prefill_steps`: where a
-slow prefill spends its time), and `--stack-dump-s S` prints every thread's Python stack to stderr
-every S seconds while a prefill runs (what a stalled prefill waits in).
+slow prefill spends its time), `--stack-dump-s S` prints every thread's Python stack to stderr
+every S seconds while a prefill runs (what a stalled prefill waits in), and `--compile-times`
+logs every Triton build of a point with its seconds (`compile_times.py`: a cold step's time is
+mostly compiles, and one slow specialisation shows with its constexprs).
 
 Any failing configuration (out of memory, error) is a row with its status; the sweep goes on.
 Prints a table, writes the plot (`--plot`), then exactly one JSON line (also to `--out`).
@@ -74,7 +76,9 @@ from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.loader import resolve_device, resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))
+sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import measure_copy_rate  # noqa: E402
+from compile_times import CompileLog  # noqa: E402
 
 Row = dict[str, Any]
 
@@ -143,6 +147,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stack-dump-s", type=float, default=0.0,
                    help="while a prefill runs, print every thread's Python stack to stderr every "
                         "this many seconds (faulthandler; default 0: off)")
+    p.add_argument("--compile-times", action="store_true",
+                   help="log every Triton specialisation built during a point (engine warmup, "
+                        "then the run) with its seconds: per phase in the row's compiles, the "
+                        "slowest with their constexprs in slowest_compiles")
     p.add_argument("--phases", type=int, default=1,
                    help="after the timed steps, time N - 1 more runs of --steps steps, each "
                         "after a device sync and --phase-pause-s: each run's ms / step in "
@@ -367,9 +375,14 @@ def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context:
                row: Row) -> None:
     """One point in the shared engine; its requests are aborted after (their pages freed) and
     a step still in flight resolved, so the next point starts on an idle engine."""
+    log = CompileLog("run") if args.compile_times else None
     try:
-        engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context), row)
+        with log or contextlib.nullcontext():
+            engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context),
+                         row)
     finally:
+        if log is not None:
+            row["compiles"], row["slowest_compiles"] = log.summary(), log.slowest()
         for r in list(engine.requests.values()):
             if not r.is_finished:
                 engine.abort(r.rid)
@@ -381,12 +394,19 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
                row: Row) -> None:
     """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row`."""
     engine = make_engine(model, args, [(batch, context)])
-    seconds = engine_warmup(engine, args)
-    if seconds is not None:
-        row["engine_warmup_s"] = seconds
+    log = CompileLog() if args.compile_times else None
     try:
-        engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context), row)
+        with log or contextlib.nullcontext():
+            seconds = engine_warmup(engine, args)
+            if seconds is not None:
+                row["engine_warmup_s"] = seconds
+            if log is not None:
+                log.phase = "run"
+            engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context),
+                         row)
     finally:
+        if log is not None:
+            row["compiles"], row["slowest_compiles"] = log.summary(), log.slowest()
         for r in list(engine.requests.values()):
             engine.abort(r.rid)
         del engine

@@ -115,9 +115,10 @@
 #                 GPU tests and test_moe_quant's V4-Flash rows / prefill tiles (moe_chunks_tests.txt),
 #                 bench_moe_prefill.py at N 2048 / 4096 / 8192 with chunks of 16 / 32 / 64 / E, then
 #                 prefill-profile (PP_FORMATS, default checkpoint)
-#   prefill-stall the ~100 s batch-32 / 4K checkpoint prefill after the engine's warmup (37th session):
-#                 decode_context_sweep.py with --engine-warmup fast, --prefill-step-times and
-#                 --stack-dump-s 10 in a fresh TRITON_CACHE_DIR, checkpoint then bf16 (stall_<fmt>.json,
+#   prefill-stall the ~100 s batch-32 / 4K checkpoint prefill after the engine's warmup (37th session;
+#                 38th: one ~90 s compile of the mHC finish): decode_context_sweep.py with --engine-warmup
+#                 fast, --prefill-step-times, --compile-times (the slowest Triton builds and their
+#                 constexprs) and --stack-dump-s 10 in a fresh TRITON_CACHE_DIR, checkpoint then bf16 (stall_<fmt>.json,
 #                 stall_<fmt>.txt: the stacks); first the GPU tests of the gate's prefill GEMM and the
 #                 decoded chunks (stall_tests.txt)
 #   prefill-cold  flash-4l batch 32 / 4K (the sweep's protocol: the prefill steps include the early requests'
@@ -640,7 +641,8 @@ prefill_stall() {   # where the batch-32 checkpoint prefill's ~100 s go: per-ste
     TRITON_CACHE_DIR=/tmp/stall_cache_$fmt timeout "${DECODE_TIMEOUT_S:-240}" python3 \
       benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
       --kernel-backend triton --weight-format "$fmt" --contexts 4096 --batches 32 \
-      --batch-contexts 4096 --engine-warmup fast --prefill-step-times --stack-dump-s 10 \
+      --batch-contexts 4096 --engine-warmup fast --prefill-step-times --compile-times \
+      --stack-dump-s 10 \
       --out "$OUT/stall_$fmt.json" > "$OUT/stall_$fmt.txt" 2>&1
     echo "== $fmt (exit $?)"
     python3 - "$OUT/stall_$fmt.json" <<'PY'
@@ -650,6 +652,8 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:5]
     print(r["batch"], r["context"], "prefill_s", r.get("prefill_s"), "steps", len(steps),
           "slowest [step, s, prefill, decode]:", [[i, *steps[i]] for i in slow])
+    print("  builds:", {k: (v["count"], v["s"]) for k, v in r.get("compiles", {}).items()},
+          "slowest:", r.get("slowest_compiles", [])[:3])
 PY
   done
 }

@@ -254,7 +254,8 @@ def test_prefill_step_times_and_stack_dumps(monkeypatch: pytest.MonkeyPatch) -> 
     """`--prefill-step-times`: one [seconds, prefill tokens, decode tokens] entry per prefill
     step, the prefill tokens adding up to the prompts' (the engine's counters);
     `--stack-dump-s`: faulthandler's periodic dump armed for each prefill and cancelled after it
-    (spied: real dumps of every thread at test speed can crash a pytest-xdist worker)."""
+    (spied: real dumps of every thread at test speed can crash a pytest-xdist worker);
+    `--compile-times`: the point's build log in the row."""
     bench = load_benchmark("decode_context_sweep")
     calls: list[object] = []
     monkeypatch.setattr(bench.faulthandler, "dump_traceback_later",
@@ -264,7 +265,7 @@ def test_prefill_step_times_and_stack_dumps(monkeypatch: pytest.MonkeyPatch) -> 
     argv = ["--preset", "micro", "--device", "cpu", "--dtype", "float32", "--contexts", "96",
             "--batches", "2", "--batch-contexts", "96", "--steps", "2", "--warmup-steps", "1",
             "--routing-steps", "0", "--copy-gib", "0.02", "--chunked-prefill-size", "64",
-            "--prefill-step-times", "--stack-dump-s", "7.5"]
+            "--prefill-step-times", "--stack-dump-s", "7.5", "--compile-times"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -281,3 +282,5 @@ def test_prefill_step_times_and_stack_dumps(monkeypatch: pytest.MonkeyPatch) -> 
     dsv4_rows = [r for r in result["rows"] if r["system"] == "dsv4"]
     assert len(calls) >= 2 * len(dsv4_rows)
     assert calls == [(7.5, True), "cancel"] * (len(calls) // 2)
+    # `--compile-times`: the point's log is in the row (the CPU reference kernels build nothing)
+    assert row["compiles"] == {} and row["slowest_compiles"] == []

@@ -184,12 +184,21 @@ def store_h(h_ptr, pre, xs, offs_t, t_mask, d0, d_hi,  # type: ignore[no-untyped
             stride_ht, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
             EVEN_D: tl.constexpr):
     """h[t, d] = Σ_s pre[t, s] x[t, s, d] in fp32, streams in order, for the tiles xs
-    (`load_streams` at d0); stored in h's dtype."""
+    (`load_streams` at d0); stored in h's dtype.
+
+    With one token per tile the stream weights are scalars: a [BLOCK_T] weight sliced from
+    pre's layout (a slice of the partial-sum tiles') would be converted to the x tiles' layout
+    at every multiply, and LLVM / ptxas take minutes on that code for large BLOCK_D x BLOCK_S
+    tiles. The value is the same either way (one non-zero term per sum)."""
     i = tl.arange(0, NP)[None, :]
     h = tl.zeros([xs[0].shape[0], BLOCK_D], tl.float32)
     for s in tl.static_range(N):
-        w = tl.sum(tl.where(i == s, pre, 0.0), axis=1)                      # [BLOCK_T]
-        h += w[:, None] * xs[s].to(tl.float32)
+        if xs[0].shape[0] == 1:
+            w1 = tl.sum(tl.sum(tl.where(i == s, pre, 0.0), axis=1), axis=0)   # scalar
+            h += w1 * xs[s].to(tl.float32)
+        else:
+            w = tl.sum(tl.where(i == s, pre, 0.0), axis=1)                  # [BLOCK_T]
+            h += w[:, None] * xs[s].to(tl.float32)
     offs_d = d0 + tl.arange(0, BLOCK_D)
     m = t_mask[:, None]
     if not EVEN_D:
