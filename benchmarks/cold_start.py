@@ -3,7 +3,8 @@
     PYTHONPATH=src python benchmarks/cold_start.py --device cuda --prompt-len 131072 \
         --warmup fast --fresh-triton-cache --out cold.json
 
-Random weights of `--preset` (default flash-4l, bf16) generated in memory. One engine warms up
+Random weights of `--preset` (default flash-4l, bf16; `--weight-format checkpoint`: FP4 experts
+and FP8 linears) generated in memory. One engine warms up
 as `--warmup` says (`engine/warmup.py`; timed), then serves two requests one after the other,
 each `--prompt-len` random tokens with `--decode` greedy tokens: the first pays whatever the
 warmup left (Triton compiles of shapes it did not cover, graph captures), the second is warm.
@@ -64,6 +65,9 @@ def main() -> None:
     p.add_argument("--preset", default="flash-4l")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
+                   help="checkpoint: routed experts in FP4 and linears in FP8, as the official "
+                        "checkpoint stores them (random values)")
     p.add_argument("--prompt-len", type=int, default=131072)
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--warmup", default="fast", choices=["none", "fast", "full"])
@@ -90,7 +94,8 @@ def main() -> None:
     from dsv4.model.loader import resolve_device, resolve_dtype
 
     config = get_preset(args.preset)
-    model = random_model(config, resolve_dtype(args.dtype), resolve_device(args.device), 0)
+    model = random_model(config, resolve_dtype(args.dtype), resolve_device(args.device), 0,
+                         args.weight_format)
     longest = args.prompt_len + args.decode
     engine = LLMEngine(model, EngineConfig(
         page_size=256, max_running_requests=8, chunked_prefill_size=args.chunked_prefill_size,
@@ -120,6 +125,7 @@ def main() -> None:
           f"{row['first_max_step_ms']:13.2f} {row['warm_median_step_ms']:8.2f} "
           f"{row['step_ratio']:6.2f}")
     line = {"preset": args.preset, "device": args.device, "dtype": args.dtype,
+            "weight_format": args.weight_format,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "prompt_len": args.prompt_len,
             "fresh_triton_cache": args.fresh_triton_cache,
