@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_engine_equivalence import LogitRecorder
 from test_engine_equivalence import assert_pools_free as assert_no_leak
 
 from dsv4 import LLM, SamplingParams
@@ -126,6 +127,27 @@ def test_staggered_mixed_lengths(ckpt: Path, chunk: int) -> None:
     off, _, off_llm, on_llm = both(ckpt, run, chunked_prefill_size=chunk)
     assert all(reason == "length" for _, reason, _ in off.values())
     assert on_llm.engine.steps > off_llm.engine.steps / 2
+
+
+def test_length_finish_is_not_scheduled_again(ckpt: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose in-flight token reaches max_tokens is left out of the next step: with
+    overlap on, every request samples exactly as many rows as it has tokens and the engine feeds
+    as many decode tokens as with overlap off (before, each request computed one more row)."""
+    rec = LogitRecorder(monkeypatch)
+    vocab = micro().vocab_size
+    prompts = random_prompts([5, 40, 17, 3, 60, 9], seed=11, vocab=vocab)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+              for m in (1, 2, 5, 8, 3, 13)]
+
+    def run(llm: LLM) -> Outputs:
+        return outputs(drive(llm.engine, prompts, params, rid_prefix=f"{llm.engine.overlap}-"))
+
+    off, on, off_llm, on_llm = both(ckpt, run, chunked_prefill_size=32)
+    for i, p in enumerate(params):
+        for overlap in (False, True):
+            assert len(rec.rows[f"{overlap}-{i}"]) == p.max_tokens, (overlap, i)
+    assert on_llm.engine.decode_tokens == off_llm.engine.decode_tokens
 
 
 def test_prefix_cache_hits(ckpt: Path) -> None:

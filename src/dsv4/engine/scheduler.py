@@ -26,8 +26,11 @@ Overlap scheduling (`overlap_schedule`, engine/engine.py): a step may be schedul
 step before it still runs. A request that sampled in that step has its token in flight
 (`Request.num_inflight`): it is pending like any other token, and the step feeds it as a
 placeholder listed in `ScheduledStep.ahead`, which the runner fills on the device from the step
-before's sampled tokens. A preempted request whose token is still in flight is not re-admitted
-before the token is on the host (its re-prefill feeds that token).
+before's sampled tokens. A request whose in-flight tokens reach its max_tokens is not scheduled
+again (every step yields at least one token per request in it, so that step ends it, whatever it
+samples: a row for it in the next step would be computed and dropped). A preempted request whose
+token is still in flight is not re-admitted before the token is on the host (its re-prefill
+feeds that token).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         chosen: list[tuple[Request, int]] = []
         for req in self._by_decode_first():
-            if req.status is not ReqStatus.RUNNING or budget == 0:
+            if req.status is not ReqStatus.RUNNING or budget == 0 or _ends_in_flight(req):
                 continue
             n = self._with_drafts(req, budget)
             if not self._reserve_or_preempt(req, n, chosen):
@@ -301,3 +304,9 @@ class Scheduler:
             req.slot = None
         if req in self.running:
             self.running.remove(req)
+
+
+def _ends_in_flight(req: Request) -> bool:
+    """Whether the steps `req` is in flight in surely finish it by length: each yields at least
+    one token for it, and its output then reaches max_tokens (module docstring, overlap)."""
+    return req.num_inflight > 0 and len(req.output_ids) + req.num_inflight >= req.params.max_tokens
