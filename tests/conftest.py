@@ -1,7 +1,8 @@
 """Shared pytest configuration for the dsv4 test suite.
 
 Markers (`gpu`, `multi_gpu`, `slow`) are declared in pyproject.toml; this
-file skips GPU-marked tests on machines without CUDA, gives torch one thread fewer
+file sets TRITON_INTERPRET=1 on machines without CUDA (before any test module is collected),
+skips GPU-marked tests there, gives torch one thread fewer
 than the machine has cores, shared among the pytest-xdist workers (a test beside another busy
 process must not stall on oversubscribed cores) and provides a seeding fixture.
 """
@@ -12,6 +13,12 @@ import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when a function is defined, and pytest imports every test
+    # module while collecting: set before any of them (a folder's conftest comes too late for
+    # the modules collected before that folder) may import triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,6 +1,10 @@
 """`benchmarks/compile_times.py`: the JIT hooks' records, per-phase summary, slowest builds and the
 hooks restored on exit. Driven through Triton's own hook slots with the keywords the JIT passes
-(`JITFunction._call_hook`), since the interpreter CI runs builds nothing."""
+(`JITFunction._call_hook`), since the interpreter CI runs builds nothing.
+
+Triton is imported inside the tests: an import of triton before TRITON_INTERPRET is set (the
+root conftest sets it) defines `tl.max` and the other library functions as compiled-only and
+breaks every interpreter test of the process."""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-import triton
 from bench_script import load_benchmark
 
 
 def build(name: str, key: str, seconds: float, constants: dict[tuple[int, ...], Any]) -> None:
     """One build as the JIT reports it: the pre hook, `seconds` of work, the post hook."""
+    import triton
+
     runtime = triton.knobs.runtime
     fn = SimpleNamespace(name=name)
     compiled = {"signature": {"x_ptr": "*bf16", "T": "i32", "BLOCK_S": "constexpr",
@@ -26,6 +31,8 @@ def build(name: str, key: str, seconds: float, constants: dict[tuple[int, ...], 
 
 
 def test_records_phases_slowest_and_restores_hooks() -> None:
+    import triton
+
     compile_times = load_benchmark("compile_times")
     runtime = triton.knobs.runtime
     before = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
