@@ -371,18 +371,31 @@ def engine_warmup(engine: LLMEngine, args: argparse.Namespace) -> float | None:
     return round(warm_up(engine, args.engine_warmup, progress=False), 3)
 
 
+@contextlib.contextmanager
+def point_compiles(args: argparse.Namespace, row: Row, phase: str) -> Iterator[CompileLog | None]:
+    """`--compile-times`: the Triton builds of the scope, from `phase` on (the caller may move
+    the log's phase), into the row's compiles / slowest_compiles, also when the point fails;
+    without the flag nothing (None)."""
+    if not args.compile_times:
+        yield None
+        return
+    log = CompileLog(phase)
+    try:
+        with log:
+            yield log
+    finally:
+        row["compiles"], row["slowest_compiles"] = log.summary(), log.slowest()
+
+
 def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int,
                row: Row) -> None:
     """One point in the shared engine; its requests are aborted after (their pages freed) and
     a step still in flight resolved, so the next point starts on an idle engine."""
-    log = CompileLog("run") if args.compile_times else None
     try:
-        with log or contextlib.nullcontext():
+        with point_compiles(args, row, "run"):
             engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context),
                          row)
     finally:
-        if log is not None:
-            row["compiles"], row["slowest_compiles"] = log.summary(), log.slowest()
         for r in list(engine.requests.values()):
             if not r.is_finished:
                 engine.abort(r.rid)
@@ -394,9 +407,8 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
                row: Row) -> None:
     """Prefill the batch, time `args.steps` decode steps, capture routing; fills `row`."""
     engine = make_engine(model, args, [(batch, context)])
-    log = CompileLog() if args.compile_times else None
     try:
-        with log or contextlib.nullcontext():
+        with point_compiles(args, row, "warmup") as log:
             seconds = engine_warmup(engine, args)
             if seconds is not None:
                 row["engine_warmup_s"] = seconds
@@ -405,8 +417,6 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
             engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context),
                          row)
     finally:
-        if log is not None:
-            row["compiles"], row["slowest_compiles"] = log.summary(), log.slowest()
         for r in list(engine.requests.values()):
             engine.abort(r.rid)
         del engine

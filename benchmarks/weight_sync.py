@@ -111,10 +111,9 @@ def _rank(rank: int, args: argparse.Namespace, address: str, out: Path) -> None:
         if rank == 0:
             out.write_text(json.dumps({"seconds": seconds[1:], "bytes": sent,
                                        "buckets": len(plan), "tensors": len(state)}))
-        # both ranks done with every collective before either tears the group down: without
-        # it rank 1 (the ack's source) could close its gloo pairs while rank 0 still read from
-        # them, and rank 0 aborted ("terminate called without an active exception") in ~40%
-        # of CPU runs
+        # both ranks done with every collective before either tears the group down: else rank
+        # 1 (the ack's source) may close its gloo pairs while rank 0 still reads from them, and
+        # rank 0 aborts ("terminate called without an active exception")
         dist.barrier()
     finally:
         leave_group()

@@ -13,12 +13,11 @@ before it resolves step N (the step's one host sync), so the host's scheduling a
 hide behind the device's work. The rule: step N + 1 is launched ahead of N's resolve unless a
 request of N has a grammar or asks for prompt log-probs (its next step needs N's results on the
 host); then N is resolved first. A decoding request's input token in N + 1 is gathered on the
-device from N's sampled tokens. A request whose N token reaches max_tokens is left out of N + 1
-(the scheduler knows N ends it). One that N finishes otherwise (stop token, context length) or
-that its caller finishes (abort, stop string) while it is in N + 1 frees its slot and pages at
-once, with the KV of the extra position outside the prefix cache (it is past the request's
-cached length); the device reuses them only in later steps (one stream), and its N + 1 token is
-dropped when N + 1 resolves.
+device from N's sampled tokens; one whose N token reaches max_tokens is not in N + 1. A request
+that N finishes otherwise (stop token, context length) or its caller finishes (abort, stop
+string) while it is in N + 1 frees its slot and pages at once, the KV of the extra position
+outside the prefix cache (past its cached length); the device reuses them only in later steps
+(one stream), and its N + 1 token is dropped when N + 1 resolves.
 """
 
 from __future__ import annotations
