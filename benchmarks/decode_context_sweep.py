@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from dsv4 import EngineConfig, SamplingParams
-from dsv4.checkpoint.presets import get_preset
+from dsv4.checkpoint.presets import first_layers, get_preset
 from dsv4.checkpoint.writer import random_model
 from dsv4.config.engine import (
     resolve_multi_stream,
@@ -90,6 +90,9 @@ def ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="flash-4l")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="the preset's first N layers only (default: all; a per-layer cost of a "
+                        "geometry too large for the device is the slope between two N)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kernel-backend", default=None, choices=["ref", "triton"],
@@ -698,7 +701,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     args.kernel_backend = args.kernel_backend or ("triton" if device.type == "cuda" else "ref")
-    model = random_model(get_preset(args.preset), dtype, device, args.seed, args.weight_format)
+    config = get_preset(args.preset)
+    if args.num_layers is not None:
+        config = first_layers(config, args.num_layers)
+    model = random_model(config, dtype, device, args.seed, args.weight_format)
     gib = args.copy_gib or (4.0 if device.type == "cuda" else 0.25)
     gbps = measure_copy_rate(device, gib) / 1e9
     print(f"{args.preset} on {device}: device copy {gbps:.1f} GB/s", flush=True)
@@ -724,7 +730,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         plot(rows, args.plot, f"{args.preset} {args.dtype} decode on {name}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    result = {"benchmark": "decode_context_sweep", "preset": args.preset, "device": name,
+    result = {"benchmark": "decode_context_sweep", "preset": args.preset,
+              "num_layers": config.num_layers, "device": name,
               "dtype": args.dtype, "weight_format": args.weight_format,
               "kernel_backend": args.kernel_backend, "steps": args.steps,
               "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,

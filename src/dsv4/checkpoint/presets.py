@@ -7,10 +7,15 @@
   4 routed MoE layers, MTP); about 30M parameters, under 25 MB in the official FP8/FP4 layout.
 - flash-4l: V4-Flash per-layer geometry, 4 layers [CSA, HCA, CSA, HCA], mlp [hash, routed x3].
 - flash-43l-e16: the full 43-layer Flash schedule with 16 routed experts per layer.
+- flash: the full V4-Flash geometry (43 layers, 256 routed experts).
+
+`first_layers` cuts a preset to the prefix of its layer schedule: the per-layer cost of a geometry
+too large for one device is measured on a prefix of its own layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from dsv4.config.model import ModelConfig, YarnConfig
@@ -77,3 +82,14 @@ def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; allowed: {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+def first_layers(config: ModelConfig, num_layers: int) -> ModelConfig:
+    """`config` with only its first `num_layers` layers (the same attention and MLP types in the
+    same order; every other hyper-parameter, the MTP head included, unchanged)."""
+    if not 1 <= num_layers <= config.num_layers:
+        raise ValueError(f"num_layers={num_layers} is invalid; allowed: 1..{config.num_layers} "
+                         "(the preset's layer count)")
+    return dataclasses.replace(config, num_layers=num_layers,
+                               attn_types=config.attn_types[:num_layers],
+                               moe_types=config.moe_types[:num_layers])
