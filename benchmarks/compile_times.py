@@ -15,6 +15,7 @@ nothing: no records.
         ...
     log.summary()        # per phase: count, seconds, builds per kernel
     log.slowest(5)       # the slowest builds with their constexprs
+    log.builds(skip=("warmup",))    # every later build with its constexprs
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ class CompileLog:
             phase["s"] = round(phase["s"] + r["s"], 3)
             phase["kernels"][r["kernel"]] = phase["kernels"].get(r["kernel"], 0) + 1
         return out
+
+    def builds(self, skip: tuple[str, ...] = ()) -> list[list[Any]]:
+        """Every build outside the `skip` phases, in order, as [phase, kernel, seconds,
+        constexprs]."""
+        return [[r["phase"], r["kernel"], r["s"], r["constants"]] for r in self.records
+                if r["phase"] not in skip]
 
     def slowest(self, top: int = 5) -> list[list[Any]]:
         """The `top` slowest builds as [phase, kernel, seconds, constexprs]."""

@@ -376,9 +376,10 @@ def engine_warmup(engine: LLMEngine, args: argparse.Namespace) -> float | None:
 
 @contextlib.contextmanager
 def point_compiles(args: argparse.Namespace, row: Row, phase: str) -> Iterator[CompileLog | None]:
-    """`--compile-times`: the Triton builds of the scope, from `phase` on (the caller may move
-    the log's phase), into the row's compiles / slowest_compiles, also when the point fails;
-    without the flag nothing (None)."""
+    """`--compile-times`: the Triton builds of the scope, from `phase` on (`engine_steps` moves
+    the log's phase), into the row's compiles / slowest_compiles and every build after the
+    warmup with its constexprs (builds_after_warmup: what a served request would wait for), also
+    when the point fails; without the flag nothing (None)."""
     if not args.compile_times:
         yield None
         return
@@ -388,6 +389,7 @@ def point_compiles(args: argparse.Namespace, row: Row, phase: str) -> Iterator[C
             yield log
     finally:
         row["compiles"], row["slowest_compiles"] = log.summary(), log.slowest()
+        row["builds_after_warmup"] = log.builds(skip=("warmup",))
 
 
 def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int,
@@ -395,9 +397,9 @@ def run_shared(engine: LLMEngine, args: argparse.Namespace, batch: int, context:
     """One point in the shared engine; its requests are aborted after (their pages freed) and
     a step still in flight resolved, so the next point starts on an idle engine."""
     try:
-        with point_compiles(args, row, "run"):
+        with point_compiles(args, row, "run") as log:
             engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context),
-                         row)
+                         row, log)
     finally:
         for r in list(engine.requests.values()):
             if not r.is_finished:
@@ -415,10 +417,8 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
             seconds = engine_warmup(engine, args)
             if seconds is not None:
                 row["engine_warmup_s"] = seconds
-            if log is not None:
-                log.phase = "run"
             engine_steps(engine, args, batch, context, point_max_tokens(args, batch, context),
-                         row)
+                         row, log)
     finally:
         for r in list(engine.requests.values()):
             engine.abort(r.rid)
@@ -427,7 +427,15 @@ def run_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace, batch: in
 
 
 def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, context: int,
-                 max_tokens: int, row: Row) -> None:
+                 max_tokens: int, row: Row, log: CompileLog | None = None) -> None:
+    """Prefill the point's requests, time the decode steps, capture routing; `log` (with
+    `--compile-times`) files the builds under the phase they ran in: prefill, decode (the warm-up
+    and timed steps) and routing (the capture steps)."""
+
+    def phase(name: str) -> None:
+        if log is not None:
+            log.phase = name
+
     device, cfg = engine.runner.device, engine.runner.model.config
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(p, params)
@@ -454,6 +462,7 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
 
     if args.stack_dump_s > 0:
         faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True, file=sys.stderr)
+    phase("prefill")
     try:
         row["prefill_s"] = round(timed(prefill, device), 4)
     finally:
@@ -462,6 +471,7 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
     row["prefill_fit"] = True
     if args.settle_s > 0:
         time.sleep(args.settle_s)
+    phase("decode")
     timed(decode(args.warmup_steps), device)
     graphs = engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
@@ -479,6 +489,7 @@ def engine_steps(engine: LLMEngine, args: argparse.Namespace, batch: int, contex
     if args.phases > 1:
         ms, starts = extra_phases(engine, args, device)
         row["phase_ms"], row["phase_start_unix"] = [row["ms_per_step"]] + ms, starts
+    phase("routing")
     row["experts_hit"], row["routing"] = capture(engine, reqs, args.routing_steps, cfg, batch)
 
 

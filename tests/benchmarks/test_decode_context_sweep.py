@@ -259,6 +259,17 @@ def test_prefill_step_times_and_stack_dumps(monkeypatch: pytest.MonkeyPatch) -> 
     `--compile-times`: the point's build log in the row."""
     bench = load_benchmark("decode_context_sweep")
     calls: list[object] = []
+    phases: list[str] = []
+
+    class PhaseLog(bench.CompileLog):  # type: ignore[name-defined,misc]
+        """Records each phase the sweep files builds under (the CPU kernels build nothing)."""
+
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "phase":
+                phases.append(str(value))
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(bench, "CompileLog", PhaseLog)
     monkeypatch.setattr(bench.faulthandler, "dump_traceback_later",
                         lambda timeout, repeat=False, file=None: calls.append((timeout, repeat)))
     monkeypatch.setattr(bench.faulthandler, "cancel_dump_traceback_later",
@@ -285,3 +296,8 @@ def test_prefill_step_times_and_stack_dumps(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == [(7.5, True), "cancel"] * (len(calls) // 2)
     # `--compile-times`: the point's log is in the row (the CPU reference kernels build nothing)
     assert row["compiles"] == {} and row["slowest_compiles"] == []
+    assert row["builds_after_warmup"] == []
+    # each point (the sweep's warm-up point too): the warmup, then its prefill, decode and
+    # routing steps
+    points = len(dsv4_rows) + 1
+    assert phases == ["warmup", "prefill", "decode", "routing"] * points, phases
