@@ -78,8 +78,9 @@ class CompileLog:
 
     def builds(self, skip: tuple[str, ...] = ()) -> list[list[Any]]:
         """Every build outside the `skip` phases, in order, as [phase, kernel, seconds,
-        constexprs]."""
-        return [[r["phase"], r["kernel"], r["s"], r["constants"]] for r in self.records
+        constexprs, key] (the key holds the argument specialisations: dtypes, and which integers
+        were 1 or multiples of 16, a build of its own each)."""
+        return [[r["phase"], r["kernel"], r["s"], r["constants"], r["key"]] for r in self.records
                 if r["phase"] not in skip]
 
     def slowest(self, top: int = 5) -> list[list[Any]]:

@@ -52,7 +52,7 @@ def test_records_phases_slowest_and_restores_hooks() -> None:
     assert (phase, kernel) == ("warmup", "_finish") and seconds >= 0.05
     assert constants == {"BLOCK_S": 64, "APART": True}    # constexprs by parameter name
     assert len(log.slowest(5)) == 3
-    seconds = [r["s"] for r in log.records]
+    seconds, keys = [r["s"] for r in log.records], [r["key"] for r in log.records]
     assert log.builds(skip=("warmup",)) == [
-        ["run", "_partial", seconds[1], {"BLOCK_S": 16}],
-        ["run", "_finish", seconds[2], {"BLOCK_S": 16, "APART": False}]]
+        ["run", "_partial", seconds[1], {"BLOCK_S": 16}, keys[1]],
+        ["run", "_finish", seconds[2], {"BLOCK_S": 16, "APART": False}, keys[2]]]
