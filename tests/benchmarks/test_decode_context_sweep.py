@@ -71,6 +71,7 @@ def test_sweep_with_overlap_captures_routing(tmp_path: Path,
     assert result["overlap_schedule"] is True and result["num_layers"] == 3
     for row in result["rows"]:
         assert row["status"] == "ok" and row["routing"] == "captured", row
+        assert len(row["experts_hit"]) == 3, row          # one entry per MoE layer of the 3
 
 
 @pytest.mark.parametrize("one_engine", [False, True])
