@@ -142,6 +142,14 @@
 #   multi-sync    issue 24's weight sync on 2 GPUs: benchmarks/weight_sync.py on flash-4l bf16, disaggregated
 #                 (NCCL buckets of SYNC_BUCKET_MB, default 512, trainer GPU 0 -> engine GPU 1) and colocated
 #                 (in place, chunks): multi_sync.json
+#   per-layer     issue 21's per-layer decode of the full V4-Flash geometry on one GPU: the first L layers of
+#                 its schedule (decode_context_sweep.py --preset flash --num-layers L, checkpoint precision,
+#                 batch 1 and 32 at 4K), one process per L in LAYERS (default "8 16"; an H200 holds 24+):
+#                 per_layer_L<L>.json; the slope between two L is the per-layer time
+#   after-warmup  the Triton builds a served workload still meets after the fast warmup: one engine sized
+#                 for every point (--one-engine, batches 8 / 32 at 4K and 32K) in a fresh Triton cache, each
+#                 build after the warmup with its constexprs and key (builds_after_warmup) per format in
+#                 AW_FORMATS (default "bf16 checkpoint"): after_warmup_<fmt>.json
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -658,6 +666,45 @@ PY
   done
 }
 
+per_layer() {   # issue 21: the full V4-Flash geometry's per-layer decode from prefixes of its layers
+  local L
+  for L in ${LAYERS:-8 16}; do
+    timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
+      --dtype bfloat16 --preset flash --num-layers "$L" --kernel-backend triton \
+      --weight-format checkpoint --contexts 4096 --batches 32 --batch-contexts 4096 \
+      --engine-warmup fast --out "$OUT/per_layer_L$L.json" > /tmp/per_layer_L$L.txt 2>&1
+    echo "== L $L (exit $?)"
+    python3 - "$OUT/per_layer_L$L.json" <<'PY' || tail -5 /tmp/per_layer_L$L.txt
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["batch"], r["context"], r["status"][:60], r.get("ms_per_step"), "floor", r.get("floor_ms"))
+PY
+  done
+}
+
+after_warmup() {   # the builds after the fast warmup, one engine for every point, fresh Triton cache
+  local fmt
+  for fmt in ${AW_FORMATS:-bf16 checkpoint}; do
+    rm -rf "/tmp/aw_cache_$fmt"
+    TRITON_CACHE_DIR=/tmp/aw_cache_$fmt timeout "${DECODE_TIMEOUT_S:-240}" python3 \
+      benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
+      --kernel-backend triton --weight-format "$fmt" --one-engine --contexts 4096,32768 \
+      --batches 8,32 --batch-contexts 4096,32768 --engine-warmup fast --compile-times --steps 16 \
+      --out "$OUT/after_warmup_$fmt.json" > /tmp/after_warmup_$fmt.txt 2>&1
+    echo "== $fmt (exit $?)"
+    python3 - "$OUT/after_warmup_$fmt.json" <<'PY' || tail -5 /tmp/after_warmup_$fmt.txt
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("warmup s", d.get("shared_engine_warmup_s"))
+for r in d["rows"]:
+    print(r["batch"], r["context"], r["status"][:60], r.get("ms_per_step"),
+          {k: (v["count"], v["s"]) for k, v in r.get("compiles", {}).items()})
+    for b in r.get("builds_after_warmup", []):
+        print("   ", b[0], b[1], b[2], json.dumps(b[3])[:300], "|", b[4][:500])
+PY
+  done
+}
+
 prefill_cold() {   # is the sweep's batch-32 prefill time kernel compiles? cold against warm cache
   local fmt pass cache
   for fmt in ${PC_FORMATS:-checkpoint bf16}; do
@@ -724,11 +771,13 @@ for part in "$@"; do
     prefill-check) prefill_check ;;
     moe-chunks) moe_chunks ;;
     prefill-stall) prefill_stall ;;
+    per-layer) per_layer ;;
+    after-warmup) after_warmup ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
