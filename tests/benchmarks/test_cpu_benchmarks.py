@@ -34,7 +34,8 @@ def run_benchmark(script: str, *args: str, **extra_env: str) -> dict[str, Any]:
     ("offline_throughput.py",
      ["--num-requests", "3", "--max-prompt", "24", "--output-len", "2", "--skip-hf"],
      set()),
-    ("profile_engine_step.py", ["--num-prompts", "2", "--prompt-len", "20", "--steps", "2"],
+    ("profile_engine_step.py",
+     ["--num-prompts", "2", "--prompt-len", "20", "--warm-prompt-len", "12", "--steps", "2"],
      {"step_s"}),
 ])
 def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: set[str]) -> None:
