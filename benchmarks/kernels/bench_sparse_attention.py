@@ -5,7 +5,8 @@ two sources, SWA window W = 128 then compressed entries):
   decode   B in {1, 8, 32, 128} requests, one query each, every request with its own keys (full
            window of 128 permuted SWA slots), and either
              C4    512 top-k entries (ascending entry ids of a 1024-entry, 4K-context request)
-             C128  all V visible entries, V = 32, 128, 512, 1024 (contexts 4K, 16K, 64K, 128K)
+             C128  all V visible entries, V = 32, 128, 512, 1024 (contexts 4K, 16K, 64K, 128K);
+                   and V = 7200 (900K) at B in {1, 8}
   prefill  T in {4096, 8192} tokens of one request from position 0 (a prompt): windows partly
            filled for the first 127 tokens, C4 top-min(512, (t+1)//4) picks, C128 every visible
            entry ((t+1)//128 <= 64).
@@ -59,7 +60,7 @@ MAX_SETS = 16
 SWEEP_CONFIGS = [(16, 32, 8, 2, None), (16, 64, 8, 2, None), (16, 64, 4, 2, None),
                  (16, 32, 4, 1, None), (16, 32, 4, 3, None), (32, 32, 8, 2, None),
                  (32, 64, 8, 2, None), (64, 16, 8, 2, None), (64, 32, 8, 2, None),
-                 (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16)]
+                 (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16), (16, 32, 4, 2, 32)]
 
 Inputs = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
@@ -85,6 +86,7 @@ class Case:
 def cuda_cases() -> list[Case]:
     decode = [Case(c, "decode", B, w) for B in (1, 8, 32, 128)
               for c, w in (("c4", 512), ("c128", 32), ("c128", 128), ("c128", 512), ("c128", 1024))]
+    decode += [Case("c128", "decode", B, 7200) for B in (1, 8)]
     return decode + [Case(c, "prefill", T, w) for T in (4096, 8192)
                      for c, w in (("c4", 512), ("c128", 0))]
 
@@ -266,6 +268,9 @@ TABLE = [("case", "{:<28}", "case"),
 
 def parse_args() -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], "also time SWEEP_CONFIGS and report the best")
+    p.add_argument("--cases", default=None,
+                   help="comma-separated substrings: only the cases whose name holds one "
+                   "(e.g. 'V=7200,k=512 B=1')")
     return p.parse_args()
 
 
@@ -273,6 +278,8 @@ def main() -> None:
     args = parse_args()
     device = select_device(args.cpu_smoke)      # before the first `import triton` (done lazily)
     cases = smoke_cases() if args.cpu_smoke else cuda_cases()
+    if args.cases:
+        cases = [c for c in cases if any(part in c.name for part in args.cases.split(","))]
 
     rows = bench_rows(cases, lambda case: bench_case(case, args, device), device)
     print_table(rows, TABLE)

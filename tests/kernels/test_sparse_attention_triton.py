@@ -181,6 +181,24 @@ def test_split_kv_bf16_empty_splits_rows() -> None:
     check(q, sources, sink, block_n=16, num_splits=4)
 
 
+def test_split_combine_column_programs_with_inverse_rope() -> None:
+    """D = 512 (V4's head): the split combine runs 4 column programs per row, the RoPE pairs in
+    the last one; its de-rotated output is `rope_inverse` of the plain split output bit for bit
+    in fp32 (interpreter) and the reference's to the tolerance."""
+    q, sources, sink = make_case(Spec(2, 2, 512, 16, "c128", ratio=8, decode=True, last=400),
+                                 torch.float32, seed=3)
+    cos, sin = rope_tables(2, 64, 64)
+    scale = 512 ** -0.5
+    plain = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=5)
+    got = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=5,
+                                  inverse_rope=(cos, sin))
+    if DEVICE == "cpu":
+        assert torch.equal(got, rope_inverse(plain, cos, sin))
+    assert torch.equal(got[..., :448], plain[..., :448]), "no-RoPE channels"
+    want = sparse_attention_multi(q, sources, sink, scale, inverse_rope=(cos, sin))
+    assert_close(got, want, FP32_REL)
+
+
 def rope_tables(T: int, rd: int, seed: int, device: str = DEVICE) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device).manual_seed(seed)
     angles = torch.rand(T, rd // 2, generator=g, device=device) * 6.3
@@ -360,7 +378,7 @@ def test_flash_prefill_cuda(T: int, comp: str, width: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 17, 32])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 17, 32, 64])
 @pytest.mark.parametrize("T", [1, 8])
 def test_flash_split_kv_cuda(T: int, num_splits: int) -> None:
     q, sources, sink = make_case(flash_spec("c128", T, True, 1024), torch.bfloat16,
@@ -368,6 +386,17 @@ def test_flash_split_kv_cuda(T: int, num_splits: int) -> None:
     check_cuda(q, sources, sink, num_splits=num_splits)
     blocks = sum(-(-idx.shape[1] // 32) for _, idx in sources)
     assert choose_splits(T * 4, blocks, q.device) > 1, "decode at small batch is meant to split"
+
+
+@pytest.mark.gpu
+def test_flash_c128_decode_at_900k_cuda() -> None:
+    """Batch-1 C128 decode at 900K context (7,200 entries + the window): the default split plan
+    (the 64-split cap) against the reference."""
+    q, sources, sink = make_case(flash_spec("c128", 1, True, 7200), torch.bfloat16, seed=9,
+                                 device="cuda")
+    check_cuda(q, sources, sink)
+    blocks = sum(-(-idx.shape[1] // 32) for _, idx in sources)
+    assert choose_splits(4, blocks, q.device) > 32, "900K at batch 1 splits past the old cap"
 
 
 @pytest.mark.gpu

@@ -28,8 +28,8 @@ list [source 1 | source 2] (each source cut into BLOCK_N-key blocks; source 1's 
     no split:  peak = max(m, sink);  o = acc 2^(m-peak) / (l 2^(m-peak) + 2^(sink-peak))
                (sink folded)
     split:     part[t, h, s] = acc / l, lse[t, h, s] = m + log2 l; then `_combine_kernel`
-               (grid T * H) merges the NS partial results with the sink in the denominator the
-               same way.
+               (grid T * H x D / 128 columns, each program loading its NS partial rows at once)
+               merges them with the sink in the denominator the same way.
 
 Compiled variants: the split plan (blocks per split, number of splits) changes with the context
 and is not specialised on (`do_not_specialize`); the index widths K1, K2 stay specialised (on
@@ -63,10 +63,11 @@ knobs (bench --sweep). Splitting D into chunks for the QK dot would not save reg
 tile cannot be sliced, so a chunked QK would gather every key twice.
 
 Split-KV. With few programs (decode at small batch: T * G < #SMs) one program per (token, group)
-leaves most SMs idle while C128 lists reach 128 + 1024 keys at 128K context. The wrapper then cuts
-the key blocks into NS = min(ceil(2 #SMs / (T G)), #blocks / 2, 32) splits (host-side from Python
-ints: no sync, graph-safe; 1 on the interpreter unless asked), with a fp32 workspace of
-T * H * NS * (D + 1) * 4 bytes (L2-resident at those T).
+leaves most SMs idle while C128 lists reach 128 + 1024 keys at 128K context and 128 + 7200 at 900K.
+The wrapper then cuts the key blocks into NS = min(ceil(2 #SMs / (T G)), #blocks / 2, 64) splits
+(host-side from Python ints: no sync, graph-safe; 1 on the interpreter unless asked), with a fp32
+workspace of T * H * NS * (D + 1) * 4 bytes (L2-resident at those T). A split's key blocks run in
+sequence (each waits on its gather), so the split count, not the bytes, sets a long list's time.
 
 Invariants: scores, softmax and accumulation are fp32 (the 16-bit path writes P as PV_TERMS = 3
 terms of the keys' dtype, which carry its whole fp32 significand, where flash attention rounds P
@@ -104,7 +105,8 @@ _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
 _LOG2E = math.log2(math.e)
 _PROGRAMS_PER_SM = 2            # split-KV target: programs in flight per SM
 _MIN_BLOCKS_PER_SPLIT = 2
-_MAX_SPLITS = 32
+_MAX_SPLITS = 64
+_COMBINE_COLS = 128             # output columns per split-combine program
 PV_TERMS = 3
 """16-bit P.V: P as a sum of this many 16-bit terms (`_pv_dot`). 3 keeps P's fp32 value, so the
 kernel rounds like the reference (`sparse_attention_multi`, fp32 P) up to summation order."""
@@ -164,15 +166,16 @@ def _pv_dot(p, k, acc, P_TERMS: tl.constexpr):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _store_rows(out_ptr, o, t, offs_h, offs_d, mask,  # type: ignore[no-untyped-def]
-                cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first, stride_cs,
+                cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first, stride_cs, col0,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DEROTATE: tl.constexpr):
-    """Store o [BLOCK_H, BLOCK_D] fp32 rows of token t in out's dtype; DEROTATE: rounded to out's
+    """Store o [BLOCK_H, BLOCK_D] fp32 rows of token t in out's dtype, at columns offs_d =
+    col0 + arange(BLOCK_D) (col0 even: the tile holds whole pairs); DEROTATE: rounded to out's
     dtype first, then rotated by -φ on the trailing rope pairs (x[2i], x[2i+1]) in fp32 and
     rounded again: `ref/rope_norm.py::rope_inverse` of the stored rows."""
     dt = out_ptr.dtype.element_ty
     if DEROTATE:
         a, b = tl.split(tl.reshape(o.to(dt).to(tl.float32), (BLOCK_H, BLOCK_D // 2, 2)))
-        pair = tl.arange(0, BLOCK_D // 2)
+        pair = col0 // 2 + tl.arange(0, BLOCK_D // 2)
         is_rope = (pair >= rope_first) & (2 * pair < D)
         cos = tl.load(cos_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=1.0)
         sin = -tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
@@ -232,35 +235,38 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
         alpha = tl.exp2(m - peak)                                           # 0 when no valid key
         out = acc * (alpha / (l_sum * alpha + tl.exp2(sink - peak)))[:, None]
         _store_rows(out_ptr, out, t, offs_h, offs_d, hd_mask, cos_ptr, sin_ptr, stride_ot,
-                    stride_oh, D, rope_first, stride_cs, BLOCK_H, BLOCK_D, DEROTATE)
+                    stride_oh, D, rope_first, stride_cs, 0, BLOCK_H, BLOCK_D, DEROTATE)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr,  # type: ignore[no-untyped-def]
                     cos_ptr, sin_ptr, H, D, num_splits, log2e, rope_first, stride_cs, stride_ot,
-                    stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                    DEROTATE: tl.constexpr, PDL: tl.constexpr):
-    """o[t, h] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak)); grid
-    (T * H,); DEROTATE as `_store_rows`."""
+                    stride_oh, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                    EVEN_C: tl.constexpr, DEROTATE: tl.constexpr, PDL: tl.constexpr):
+    """o[t, h, cols] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak));
+    grid (T * H, cdiv(D, BLOCK_C)): one program per row and BLOCK_C columns, every split's
+    columns loaded as one [BLOCK_S, BLOCK_C] tile (all loads in flight at once) and summed over
+    the splits in the fixed order of `tl.sum`; DEROTATE as `_store_rows`."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)                                     # t * H + h
     t, h = row // H, row % H
+    col0 = tl.program_id(1) * BLOCK_C
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits,
-                  other=float("-inf"))
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     sink = tl.load(sink_ptr + h) * log2e
     peak = tl.maximum(tl.max(lse, axis=0), sink)
-    den = tl.sum(tl.exp2(lse - peak), axis=0) + tl.exp2(sink - peak)
-    offs_d = tl.arange(0, BLOCK_D)
-    # (a constant true mask when D == BLOCK_D: 16-byte vectors, `tile_masks`)
-    d_mask = (offs_d < D) | EVEN_D
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(lse_ptr + row * num_splits + s) - peak)
-        acc += w * tl.load(part_ptr + (row * num_splits + s) * D + offs_d, mask=d_mask, other=0.0)
-    _store_rows(out_ptr, tl.reshape(acc / den, (1, BLOCK_D)), t, tl.full([1], 0, tl.int64) + h,
-                offs_d, d_mask[None, :], cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first,
-                stride_cs, 1, BLOCK_D, DEROTATE)
+    w = tl.exp2(lse - peak)                                                 # 0 past num_splits
+    den = tl.sum(w, axis=0) + tl.exp2(sink - peak)
+    offs_c = col0 + tl.arange(0, BLOCK_C)
+    # (a constant true mask when BLOCK_C divides D: 16-byte vectors, `tile_masks`)
+    c_mask = (offs_c < D) | EVEN_C
+    part = tl.load(part_ptr + (row * num_splits + offs_s)[:, None] * D + offs_c[None, :],
+                   mask=s_mask[:, None] & c_mask[None, :], other=0.0)       # [BLOCK_S, BLOCK_C]
+    acc = tl.sum(part * w[:, None], axis=0)
+    _store_rows(out_ptr, tl.reshape(acc / den, (1, BLOCK_C)), t, tl.full([1], 0, tl.int64) + h,
+                offs_c, c_mask[None, :], cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first,
+                stride_cs, col0, 1, BLOCK_C, DEROTATE)
 
 
 def default_config(H: int, D: int, fp32_dot: bool) -> tuple[int, int, int, int]:
@@ -392,10 +398,10 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         num_stages=num_stages or auto[3], **pdl_args(q.device),
     )
     if splits > 1:
-        _combine_kernel[(T * H,)](part, lse, sink, out, cos, sin, H, D, splits, _LOG2E,
-                                  rope_first, stride_cs, out.stride(0), out.stride(1),
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-                                  EVEN_D=D == block_d, DEROTATE=derotate, num_warps=4,
-                                  **pdl_args(part.device))
+        block_c = min(block_d, _COMBINE_COLS)
+        _combine_kernel[(T * H, triton.cdiv(D, block_c))](
+            part, lse, sink, out, cos, sin, H, D, splits, _LOG2E, rope_first, stride_cs,
+            out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=block_c,
+            EVEN_C=D % block_c == 0, DEROTATE=derotate, num_warps=4, **pdl_args(part.device))
     return out
 
