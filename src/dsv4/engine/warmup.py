@@ -13,9 +13,13 @@ What a mode covers (`warmup_plan`):
   requests of the longest prompt prefill together, the first step a full chunk (the kernel
   plans chosen from a step's token count compile there; the FP4 experts' decoded chunks, for
   one);
-  with the `triton` kernels a long prefill (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a
-  short last chunk: the long-context prefill paths, the top-k's compact forms at a full chunk and
-  at a short one, compile there, not in a user's first long prompt); then decode steps at batch
+  with the `triton` kernels one prefill step of every power of two in `MID_PREFILL_TOKENS` below
+  the chunk (the plans keyed on a step's token count or a prompt's entries change at powers of
+  two: the MoE tile map's width, the mHC tiles, the top-k's in-register row width, the linears'
+  tiles; a user's first 300-token prompt compiles nothing) and a long prefill
+  (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a short last chunk: the long-context prefill
+  paths, the top-k's compact forms at a full chunk and at a short one, compile there, not in a
+  user's first long prompt); then decode steps at batch
   1, at the smallest batch bucket >= `FAST_MIN_BATCH` and at the largest bucket, at the smallest
   context bucket (the sampler and the kernels every bucket shares), then, with CUDA graphs, the
   batch-1 graph of every larger context bucket a request can reach (the long-context decode
@@ -62,6 +66,8 @@ LONG_PREFILL_DEPTH = 32768
 """Tokens before the short last chunk of the long warmup prefill (capped by the context length
 and the KV cache, rounded down to whole chunks): past the top-k's in-register rows (4096 C4
 entries: 16384 tokens), where its compact forms take over."""
+MID_PREFILL_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+"""With the triton kernels, one prefill step of each of these token counts below the chunk."""
 FAST_MIN_BATCH = 8
 """"fast" decodes at the smallest batch bucket >= this (besides 1 and the largest)."""
 WARMUP_MAX_TRIES = 64
@@ -109,10 +115,14 @@ def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_
     if min(SHORT_PREFILL_TOKENS, longest) < longest:
         plan.append(WarmupShape("prefill", 1, SHORT_PREFILL_TOKENS))
     chunk = config.chunked_prefill_size
+    triton = config.kernel_backend == "triton"
+    if triton:
+        plan += [WarmupShape("prefill", 1, t) for t in MID_PREFILL_TOKENS
+                 if SHORT_PREFILL_TOKENS < t < longest]
     depth = min(LONG_PREFILL_DEPTH, context_length - 1 - SHORT_PREFILL_TOKENS,
                 max_total_tokens - 1 - SHORT_PREFILL_TOKENS)
     depth -= depth % chunk
-    if config.kernel_backend == "triton" and depth > chunk:
+    if triton and depth > chunk:
         plan.append(WarmupShape("prefill", 1, depth + SHORT_PREFILL_TOKENS))
     n = 1 + config.speculative_num_steps
     fits = config.chunked_prefill_size // n
