@@ -14,18 +14,18 @@ What a mode covers (`warmup_plan`):
   plans chosen from a step's token count compile there; the FP4 experts' decoded chunks, for
   one);
   with the `triton` kernels one prefill step of every power of two in `MID_PREFILL_TOKENS` below
-  the chunk (the plans keyed on a step's token count or a prompt's entries change at powers of
-  two: the MoE tile map's width, the mHC tiles, the top-k's in-register row width, the linears'
-  tiles; a user's first 300-token prompt compiles nothing) and a long prefill
-  (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a short last chunk: the long-context prefill
-  paths, the top-k's compact forms at a full chunk and at a short one, compile there, not in a
-  user's first long prompt); then decode steps at batch
-  1, at the smallest batch bucket >= `FAST_MIN_BATCH` and at the largest bucket, at the smallest
-  context bucket (the sampler and the kernels every bucket shares), then, with CUDA graphs, the
-  batch-1 graph of every larger context bucket a request can reach (the long-context decode
-  paths: the top-k's cooperative form, split-KV attention, compile there): a lone long request
-  never compiles or captures. Other batch buckets above the smallest context bucket are
-  captured on first use;
+  the chunk (the plans keyed on a step's token count or a prompt's entries change class at
+  powers of two: the MoE tile map's width, the mHC tiles, the top-k's in-register row width, the
+  linears' tiles; so a short prompt's step, or a mid-size chunk, finds them built) and a long
+  prefill (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a short last chunk: the
+  long-context prefill paths, the top-k's compact forms at a full chunk and at a short one,
+  compile there, not in a user's first long prompt); then decode steps at batch 1, at the
+  smallest batch bucket >= `FAST_MIN_BATCH` and at the largest bucket, at the smallest context
+  bucket (the sampler and the kernels every bucket shares), then, with CUDA graphs, the batch-1
+  graph of every larger context bucket a request can reach (the long-context decode paths: the
+  top-k's cooperative form, split-KV attention, compile there): a lone long request never
+  compiles or captures. Other batch buckets above the smallest context bucket are captured on
+  first use;
 - "full": the prefill steps, then a decode step at every batch bucket and, with CUDA graphs,
   the graph of every batch bucket at every reachable context bucket: no step of a later request
   captures a graph. Without CUDA graphs there is nothing per bucket to capture: "full" is
