@@ -309,7 +309,7 @@ def attention_variants() -> Iterator[Variant]:
     for derotate in (True, False):
         yield (f"sparse attn combine derotate={derotate}", sparse_attention._combine_kernel,
                {**types, "part_ptr": "*fp32"},
-               {"BLOCK_S": 32, "BLOCK_D": 512, "EVEN_D": True, "DEROTATE": derotate},
+               {"BLOCK_S": 64, "BLOCK_C": 128, "EVEN_C": True, "DEROTATE": derotate},
                {"num_warps": 4})
 
 
