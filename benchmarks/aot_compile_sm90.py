@@ -280,7 +280,7 @@ def _compressor_variants(ape: bool) -> Iterator[Variant]:
 
 
 def attention_variants() -> Iterator[Variant]:
-    from dsv4.kernels.triton import index_scores, sparse_attention
+    from dsv4.kernels.triton import index_scores, sparse_attention, split_combine
 
     hint = "i32:16"
     # the serving path's weights: the raw bf16 weights_proj columns of the fused x GEMM output,
@@ -302,12 +302,18 @@ def attention_variants() -> Iterator[Variant]:
     for even, terms, derotate in ((True, 1, True), (True, 2, True), (True, 3, True),
                                   (False, 3, True), (True, 3, False)):
         consts = {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 512, "FP32_DOT": False, "SPLIT": False,
-                  "EVEN_D": even, "P_TERMS": terms, "DEROTATE": derotate}
+                  "EVEN_D": even, "P_TERMS": terms, "DEROTATE": derotate, "PRELOAD": 0}
         yield (f"sparse attn even_d={even} p_terms={terms} derotate={derotate}",
                sparse_attention._sparse_attention_kernel, types, consts,
                {"num_warps": 4, "num_stages": 2})
+    for warps, stages in ((4, 3), (8, 3)):   # split decode with the indices loaded first
+        consts = {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 512, "FP32_DOT": False, "SPLIT": True,
+                  "EVEN_D": True, "P_TERMS": 3, "DEROTATE": False, "PRELOAD": 4}
+        yield (f"sparse attn split preload warps={warps} stages={stages}",
+               sparse_attention._sparse_attention_kernel, types, consts,
+               {"num_warps": warps, "num_stages": stages})
     for derotate in (True, False):
-        yield (f"sparse attn combine derotate={derotate}", sparse_attention._combine_kernel,
+        yield (f"sparse attn combine derotate={derotate}", split_combine._combine_kernel,
                {**types, "part_ptr": "*fp32"},
                {"BLOCK_S": 64, "BLOCK_C": 128, "EVEN_C": True, "DEROTATE": derotate},
                {"num_warps": 4})

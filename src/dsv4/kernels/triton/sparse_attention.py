@@ -27,7 +27,7 @@ list [source 1 | source 2] (each source cut into BLOCK_N-key blocks; source 1's 
                                                    each (16-bit path; `_pv_dot`)
     no split:  peak = max(m, sink);  o = acc 2^(m-peak) / (l 2^(m-peak) + 2^(sink-peak))
                (sink folded)
-    split:     part[t, h, s] = acc / l, lse[t, h, s] = m + log2 l; then `_combine_kernel`
+    split:     part[t, h, s] = acc / l, lse[t, h, s] = m + log2 l; then `split_combine.py`
                (grid T * H x D / 128 columns, each program loading its NS partial rows at once)
                merges them with the sink in the denominator the same way.
 
@@ -98,6 +98,7 @@ from dsv4.kernels.triton import launch
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.rope_norm import check_rope
+from dsv4.kernels.triton.split_combine import combine_splits, store_rows
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -106,7 +107,8 @@ _LOG2E = math.log2(math.e)
 _PROGRAMS_PER_SM = 2            # split-KV target: programs in flight per SM
 _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 64
-_COMBINE_COLS = 128             # output columns per split-combine program
+PRELOAD_BLOCKS = 4
+"""`preload`: key blocks whose indices a program loads before its loop (a tuning knob)."""
 PV_TERMS = 3
 """16-bit P.V: P as a sum of this many 16-bit terms (`_pv_dot`). 3 keeps P's fp32 value, so the
 kernel rounds like the reference (`sparse_attention_multi`, fp32 P) up to summation order."""
@@ -119,12 +121,30 @@ memory access on the H200 with Triton 3.6 (the same tile with one term runs)."""
 def _attend_blocks(  # type: ignore[no-untyped-def]
     q, m, l_sum, acc, kv_ptr, idx_row_ptr, K, stride_kv, first, last, offs_d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr,
+    PRELOAD: tl.constexpr = 0,
 ):
     """Online softmax over key blocks [first, last) of one source (idx_row_ptr: this token's index
-    row)."""
+    row). PRELOAD = 4 (the caller guarantees last - first <= 4): the range's indices are loaded
+    once, before the loop, as a [BLOCK_N, 4] tile split into its 4 blocks, and each iteration
+    selects its block with elementwise wheres. No gather address then waits on a load inside the
+    loop: with 3 stages the sm_90 loop waits for one gather while the next is in flight
+    (`cp.async.wait_group 1`), where the in-loop index load makes it wait for all (`0`)."""
+    if PRELOAD > 0:
+        tl.static_assert(PRELOAD == 4, "PRELOAD: 0 or 4 key blocks (PRELOAD_BLOCKS)")
+        offs_p = (first * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+                  + BLOCK_N * tl.arange(0, 4)[None, :])                      # [BLOCK_N, 4]
+        tile = tl.reshape(tl.load(idx_row_ptr + offs_p, mask=(offs_p < K)
+                                  & (offs_p < last * BLOCK_N), other=-1), (BLOCK_N, 2, 2))
+        lo, hi = tl.split(tile)                  # blocks (0, 2) and (1, 3), [BLOCK_N, 2] each
+        b0, b2 = tl.split(lo)
+        b1, b3 = tl.split(hi)
     for b in range(first, last):
         offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)     # [BLOCK_N] int64
+        if PRELOAD > 0:
+            i = b - first
+            slots = tl.where(i < 2, tl.where(i == 0, b0, b1), tl.where(i == 2, b2, b3))
+        else:
+            slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)
         valid = slots >= 0
         k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :],
                     mask=rows_mask(valid, d_mask, EVEN_D), other=0.0)       # [BLOCK_N, BLOCK_D]
@@ -164,28 +184,6 @@ def _pv_dot(p, k, acc, P_TERMS: tl.constexpr):  # type: ignore[no-untyped-def]
     return acc
 
 
-@triton.jit
-def _store_rows(out_ptr, o, t, offs_h, offs_d, mask,  # type: ignore[no-untyped-def]
-                cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first, stride_cs, col0,
-                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DEROTATE: tl.constexpr):
-    """Store o [BLOCK_H, BLOCK_D] fp32 rows of token t in out's dtype, at columns offs_d =
-    col0 + arange(BLOCK_D) (col0 even: the tile holds whole pairs); DEROTATE: rounded to out's
-    dtype first, then rotated by -φ on the trailing rope pairs (x[2i], x[2i+1]) in fp32 and
-    rounded again: `ref/rope_norm.py::rope_inverse` of the stored rows."""
-    dt = out_ptr.dtype.element_ty
-    if DEROTATE:
-        a, b = tl.split(tl.reshape(o.to(dt).to(tl.float32), (BLOCK_H, BLOCK_D // 2, 2)))
-        pair = col0 // 2 + tl.arange(0, BLOCK_D // 2)
-        is_rope = (pair >= rope_first) & (2 * pair < D)
-        cos = tl.load(cos_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=1.0)
-        sin = -tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
-        cos, sin, is_rope = cos[None, :], sin[None, :], is_rope[None, :]
-        o = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a),
-                               tl.where(is_rope, a * sin + b * cos, b)), (BLOCK_H, BLOCK_D))
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o.to(dt),
-             mask=mask)
-
-
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, lse_ptr,
@@ -194,7 +192,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     stride_qt, stride_qh, stride_kv1, stride_i1, stride_kv2, stride_i2, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr, DEROTATE: tl.constexpr,
-    PDL: tl.constexpr):
+    PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
     pdl_enter(PDL)
     # NOTE: int64 token offsets: T * H * D reaches 2^31 at T = 65,536 on Flash.
     pid = tl.program_id(0)
@@ -218,10 +216,10 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     last = tl.minimum(first + blocks_per_split, nb1 + tl.cdiv(K2, BLOCK_N))
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv1_ptr, idx1_ptr + t * stride_i1, K1,
                                    stride_kv1, first, tl.minimum(last, nb1), offs_d, d_mask,
-                                   qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS)
+                                   qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS, PRELOAD)
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv2_ptr, idx2_ptr + t * stride_i2, K2,
                                    stride_kv2, tl.maximum(first, nb1) - nb1, last - nb1, offs_d,
-                                   d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS)
+                                   d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS, PRELOAD)
     if SPLIT:
         row = (t * H + offs_h) * num_splits + split                         # [BLOCK_H]
         has = l_sum > 0.0
@@ -234,39 +232,8 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
         peak = tl.maximum(m, sink)                                          # finite
         alpha = tl.exp2(m - peak)                                           # 0 when no valid key
         out = acc * (alpha / (l_sum * alpha + tl.exp2(sink - peak)))[:, None]
-        _store_rows(out_ptr, out, t, offs_h, offs_d, hd_mask, cos_ptr, sin_ptr, stride_ot,
+        store_rows(out_ptr, out, t, offs_h, offs_d, hd_mask, cos_ptr, sin_ptr, stride_ot,
                     stride_oh, D, rope_first, stride_cs, 0, BLOCK_H, BLOCK_D, DEROTATE)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr,  # type: ignore[no-untyped-def]
-                    cos_ptr, sin_ptr, H, D, num_splits, log2e, rope_first, stride_cs, stride_ot,
-                    stride_oh, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-                    EVEN_C: tl.constexpr, DEROTATE: tl.constexpr, PDL: tl.constexpr):
-    """o[t, h, cols] = Σ_s 2^(lse_s - peak) part_s / (Σ_s 2^(lse_s - peak) + 2^(sink - peak));
-    grid (T * H, cdiv(D, BLOCK_C)): one program per row and BLOCK_C columns, every split's
-    columns loaded as one [BLOCK_S, BLOCK_C] tile (all loads in flight at once) and summed over
-    the splits in the fixed order of `tl.sum`; DEROTATE as `_store_rows`."""
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)                                     # t * H + h
-    t, h = row // H, row % H
-    col0 = tl.program_id(1) * BLOCK_C
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < num_splits
-    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-    sink = tl.load(sink_ptr + h) * log2e
-    peak = tl.maximum(tl.max(lse, axis=0), sink)
-    w = tl.exp2(lse - peak)                                                 # 0 past num_splits
-    den = tl.sum(w, axis=0) + tl.exp2(sink - peak)
-    offs_c = col0 + tl.arange(0, BLOCK_C)
-    # (a constant true mask when BLOCK_C divides D: 16-byte vectors, `tile_masks`)
-    c_mask = (offs_c < D) | EVEN_C
-    part = tl.load(part_ptr + (row * num_splits + offs_s)[:, None] * D + offs_c[None, :],
-                   mask=s_mask[:, None] & c_mask[None, :], other=0.0)       # [BLOCK_S, BLOCK_C]
-    acc = tl.sum(part * w[:, None], axis=0)
-    _store_rows(out_ptr, tl.reshape(acc / den, (1, BLOCK_C)), t, tl.full([1], 0, tl.int64) + h,
-                offs_c, c_mask[None, :], cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first,
-                stride_cs, col0, 1, BLOCK_C, DEROTATE)
 
 
 def default_config(H: int, D: int, fp32_dot: bool) -> tuple[int, int, int, int]:
@@ -342,7 +309,7 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
                             sink: torch.Tensor, scale: float, *, block_h: int | None = None,
                             block_n: int | None = None, num_splits: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            p_terms: int = PV_TERMS,
+                            p_terms: int = PV_TERMS, preload: int = 0,
                             inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                             ) -> torch.Tensor:
     """Same contract as `sparse_attention_multi`: returns [T, H, D] in q's dtype.
@@ -352,7 +319,9 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     device. q and every pool of one 16-bit dtype run 16-bit dots; anything else runs fp32 (ieee)
     dots. Keyword arguments are tuning knobs (benchmark sweeps, tests); num_splits = None picks
     split-KV from the key count (`choose_splits`); p_terms (1-3) is the 16-bit P.V precision
-    (`PV_TERMS`). `inverse_rope` = (cos, sin) [T, rd/2] fp32: the output is de-rotated as
+    (`PV_TERMS`); preload = PRELOAD_BLOCKS loads each program's indices before its key-block loop
+    (`_attend_blocks`; a program may then own at most that many blocks), 0 in the loop.
+    `inverse_rope` = (cos, sin) [T, rd/2] fp32: the output is de-rotated as
     `rope_inverse(o, cos, sin)` would de-rotate it, in the same launch (the store, or the split
     combine's store). No host syncs: safe inside CUDA-graph capture.
     """
@@ -381,6 +350,10 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     K1, K2 = idx1.shape[1], idx2.shape[1] if len(live) == 2 else 0
     num_blocks, groups = triton.cdiv(K1, bn) + triton.cdiv(K2, bn), triton.cdiv(H, bh)
     splits, per_split = split_plan(T * groups, num_blocks, q.device, num_splits)
+    if preload not in (0, PRELOAD_BLOCKS) or preload and per_split > preload:
+        raise ValueError(f"preload must be 0 or {PRELOAD_BLOCKS}, with at most that many key "
+                         f"blocks per program; got preload {preload} with {per_split} blocks "
+                         f"per program ({splits} splits of {num_blocks} blocks)")
     part = lse = out                                                  # placeholders when not split
     if splits > 1:
         part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
@@ -394,14 +367,10 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         q.stride(0), q.stride(1), kv1.stride(0), idx1.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,
-        EVEN_D=D == block_d, P_TERMS=p_terms, DEROTATE=derotate, num_warps=num_warps or auto[2],
-        num_stages=num_stages or auto[3], **pdl_args(q.device),
+        EVEN_D=D == block_d, P_TERMS=p_terms, DEROTATE=derotate, PRELOAD=preload,
+        num_warps=num_warps or auto[2], num_stages=num_stages or auto[3], **pdl_args(q.device),
     )
     if splits > 1:
-        block_c = min(block_d, _COMBINE_COLS)
-        _combine_kernel[(T * H, triton.cdiv(D, block_c))](
-            part, lse, sink, out, cos, sin, H, D, splits, _LOG2E, rope_first, stride_cs,
-            out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=block_c,
-            EVEN_C=D % block_c == 0, DEROTATE=derotate, num_warps=4, **pdl_args(part.device))
+        combine_splits(part, lse, sink, out, (cos, sin), rope_first, stride_cs, derotate)
     return out
 
