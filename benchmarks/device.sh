@@ -150,6 +150,10 @@
 #                 for every point (--one-engine, batches 8 / 32 at 4K and 32K) in a fresh Triton cache, each
 #                 build after the warmup with its constexprs and key (builds_after_warmup) per format in
 #                 AW_FORMATS (default "bf16 checkpoint"): after_warmup_<fmt>.json
+#   long-attn     the split-KV attention at batch-1 decode (issue 20's 900K line): its GPU tests (64 splits,
+#                 900K with and without `preload`), then bench_sparse_attention.py --sweep on the 900K C128
+#                 list, the 128K list and the C4 picks at batch 1 (the preload configs beside the default):
+#                 long_attn_tests.txt, long_attn.json
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -682,6 +686,22 @@ PY
   done
 }
 
+long_attn() {   # the split-KV attention at batch-1 decode: GPU tests, then the sweep with preload
+  timeout -s INT 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/test_sparse_attention_triton.py -k "split or 900k" 2>&1 | tail -4 \
+    | tee "$OUT/long_attn_tests.txt" | grep -E "passed|failed"
+  timeout "${LONG_ATTN_TIMEOUT_S:-300}" python3 benchmarks/kernels/bench_sparse_attention.py --sweep \
+    --cases "V=7200 B=1,V=1024 B=1,k=512 B=1" --out "$OUT/long_attn.json" > /tmp/long_attn.txt 2>&1
+  echo "bench exit $?"
+  python3 - "$OUT/long_attn.json" <<'PY' || tail -5 /tmp/long_attn.txt
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    best = sorted(r["configs_us"].items(), key=lambda kv: kv[1])[:6]
+    print(r["case"], "default", round(r["us_default"], 1), "splits", r["splits"], "best",
+          [(k, round(v, 1)) for k, v in best], "failed", list(r["configs_failed"]))
+PY
+}
+
 after_warmup() {   # the builds after the fast warmup, one engine for every point, fresh Triton cache
   local fmt
   for fmt in ${AW_FORMATS:-bf16 checkpoint}; do
@@ -773,11 +793,12 @@ for part in "$@"; do
     prefill-stall) prefill_stall ;;
     per-layer) per_layer ;;
     after-warmup) after_warmup ;;
+    long-attn) long_attn ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
