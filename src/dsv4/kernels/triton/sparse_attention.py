@@ -233,7 +233,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
         alpha = tl.exp2(m - peak)                                           # 0 when no valid key
         out = acc * (alpha / (l_sum * alpha + tl.exp2(sink - peak)))[:, None]
         store_rows(out_ptr, out, t, offs_h, offs_d, hd_mask, cos_ptr, sin_ptr, stride_ot,
-                    stride_oh, D, rope_first, stride_cs, 0, BLOCK_H, BLOCK_D, DEROTATE)
+                   stride_oh, D, rope_first, stride_cs, 0, BLOCK_H, BLOCK_D, DEROTATE)
 
 
 def default_config(H: int, D: int, fp32_dot: bool) -> tuple[int, int, int, int]:

@@ -31,8 +31,8 @@ _LOG2E = math.log2(math.e)
 
 @triton.jit
 def store_rows(out_ptr, o, t, offs_h, offs_d, mask,  # type: ignore[no-untyped-def]
-                cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first, stride_cs, col0,
-                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DEROTATE: tl.constexpr):
+               cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first, stride_cs, col0,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DEROTATE: tl.constexpr):
     """Store o [BLOCK_H, BLOCK_D] fp32 rows of token t in out's dtype, at columns offs_d =
     col0 + arange(BLOCK_D) (col0 even: the tile holds whole pairs); DEROTATE: rounded to out's
     dtype first, then rotated by -φ on the trailing rope pairs (x[2i], x[2i+1]) in fp32 and
@@ -78,8 +78,8 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr,  # type: ignore[no-unt
                    mask=s_mask[:, None] & c_mask[None, :], other=0.0)       # [BLOCK_S, BLOCK_C]
     acc = tl.sum(part * w[:, None], axis=0)
     store_rows(out_ptr, tl.reshape(acc / den, (1, BLOCK_C)), t, tl.full([1], 0, tl.int64) + h,
-                offs_c, c_mask[None, :], cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first,
-                stride_cs, col0, 1, BLOCK_C, DEROTATE)
+               offs_c, c_mask[None, :], cos_ptr, sin_ptr, stride_ot, stride_oh, D, rope_first,
+               stride_cs, col0, 1, BLOCK_C, DEROTATE)
 
 
 def combine_splits(part: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
