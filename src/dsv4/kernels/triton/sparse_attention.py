@@ -87,7 +87,6 @@ benchmarks/kernels/bench_sparse_attention.py.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -98,12 +97,11 @@ from dsv4.kernels.triton import launch
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.rope_norm import check_rope
-from dsv4.kernels.triton.split_combine import combine_splits, store_rows
+from dsv4.kernels.triton.split_combine import LOG2E, combine_splits, store_rows
 from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
-_LOG2E = math.log2(math.e)
 _PROGRAMS_PER_SM = 2            # split-KV target: programs in flight per SM
 _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 64
@@ -139,11 +137,11 @@ def _attend_blocks(  # type: ignore[no-untyped-def]
         b0, b2 = tl.split(lo)
         b1, b3 = tl.split(hi)
     for b in range(first, last):
-        offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
         if PRELOAD > 0:
             i = b - first
             slots = tl.where(i < 2, tl.where(i == 0, b0, b1), tl.where(i == 2, b2, b3))
         else:
+            offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
             slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)
         valid = slots >= 0
         k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :],
@@ -363,7 +361,7 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     rope_first, stride_cs = (D // 2 - cos.shape[-1], cos.stride(0)) if derotate else (0, 0)
     _sparse_attention_kernel[(T * groups, splits)](
         q, kv1, idx1, kv2, idx2, sink, out, part, lse, cos, sin,
-        H, D, K1, K2, groups, per_split, splits, scale * _LOG2E, _LOG2E, rope_first, stride_cs,
+        H, D, K1, K2, groups, per_split, splits, scale * LOG2E, LOG2E, rope_first, stride_cs,
         q.stride(0), q.stride(1), kv1.stride(0), idx1.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,

@@ -26,7 +26,7 @@ from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 COMBINE_COLS = 128             # output columns per combine program
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)   # exp(x) = exp2(x * LOG2E): the kernels work in log2 units
 
 
 @triton.jit
@@ -92,6 +92,6 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, ou
     block_c = min(max(16, triton.next_power_of_2(D)), COMBINE_COLS)
     cos, sin = rope
     _combine_kernel[(T * H, triton.cdiv(D, block_c))](
-        part, lse, sink, out, cos, sin, H, D, splits, _LOG2E, rope_first, stride_cs,
+        part, lse, sink, out, cos, sin, H, D, splits, LOG2E, rope_first, stride_cs,
         out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=block_c,
         EVEN_C=D % block_c == 0, DEROTATE=derotate, num_warps=4, **pdl_args(part.device))
