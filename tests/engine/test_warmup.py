@@ -89,23 +89,27 @@ MID = [P(t) for t in (32, 64, 128, 256, 512, 1024, 2048, 4096)]
 
 
 def test_plan_triton_adds_a_long_prefill() -> None:
-    """With the triton kernels: a prefill step of every power of two from 32 to 4096 tokens below
-    the chunk, then a prefill of whole chunks past 4096 C4 entries plus a short last chunk,
-    capped by the context length and the KV cache."""
+    """With the triton kernels: a prefill of whole chunks past 4096 C4 entries plus a short last
+    chunk, capped by the context length and the KV cache; "full" runs a prefill step of every
+    power of two from 32 to 4096 tokens below the chunk before it, "fast" does not."""
     config = EngineConfig(warmup="fast", kernel_backend="triton", max_running_requests=8,
                           chunked_prefill_size=8192)
     shapes = warmup_plan(config, 1 << 20, 1 << 20, 1 << 20, 8)
-    assert shapes[:11] == [P(8192), P(16)] + MID + [P(32768 + 16)]
+    assert shapes[:3] == [P(8192), P(16), P(32768 + 16)]
     capped = warmup_plan(config, 30000, 30000, 1 << 20, 8)
-    assert capped[:11] == [P(8192), P(16)] + MID + [P(24576 + 16)]
+    assert capped[:3] == [P(8192), P(16), P(24576 + 16)]
     assert P(16384 + 16) not in warmup_plan(config, 16390, 16390, 1 << 20, 8)
     assert len([s for s in warmup_plan(config, 8200, 8200, 1 << 20, 8)
-                if s.kind == "prefill"]) == 2 + len(MID)
+                if s.kind == "prefill"]) == 2
+    full = dataclasses.replace(config, warmup="full")
+    assert warmup_plan(full, 1 << 20, 1 << 20, 1 << 20, 8)[:11] == \
+        [P(8192), P(16)] + MID + [P(32768 + 16)]
 
 
 def test_plan_triton_mid_prefills_stay_below_the_chunk() -> None:
-    """A chunk of 300 tokens: the mid-size steps below it only (300 itself is the full step)."""
-    config = EngineConfig(warmup="fast", kernel_backend="triton", max_running_requests=8,
+    """"full", a chunk of 300 tokens: the mid-size steps below it only (300 itself is the full
+    step)."""
+    config = EngineConfig(warmup="full", kernel_backend="triton", max_running_requests=8,
                           chunked_prefill_size=300)
     shapes = [s for s in warmup_plan(config, 1 << 20, 1 << 20, 1 << 20, 8) if s.kind == "prefill"]
     assert shapes == [P(300), P(16), P(32), P(64), P(128), P(256), P(32700 + 16)]

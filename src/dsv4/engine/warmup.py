@@ -13,24 +13,25 @@ What a mode covers (`warmup_plan`):
   requests of the longest prompt prefill together, the first step a full chunk (the kernel
   plans chosen from a step's token count compile there; the FP4 experts' decoded chunks, for
   one);
-  with the `triton` kernels one prefill step of every power of two in `MID_PREFILL_TOKENS` below
-  the chunk (the plans keyed on a step's token count or a prompt's entries change class at
-  powers of two: the MoE tile map's width, the mHC tiles, the top-k's in-register row width, the
-  linears' tiles; so a short prompt's step, or a mid-size chunk, finds them built) and a long
-  prefill (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a short last chunk: the
-  long-context prefill paths, the top-k's compact forms at a full chunk and at a short one,
-  compile there, not in a user's first long prompt); then decode steps at batch 1, at the
-  smallest batch bucket >= `FAST_MIN_BATCH` and at the largest bucket, at the smallest context
-  bucket (the sampler and the kernels every bucket shares), then, with CUDA graphs, the batch-1
-  graph of every larger context bucket a request can reach (the long-context decode paths: the
-  top-k's cooperative form, split-KV attention, compile there): a lone long request never
-  compiles or captures. Other batch buckets above the smallest context bucket are captured on
-  first use;
-- "full": the prefill steps, then a decode step at every batch bucket and, with CUDA graphs,
-  the graph of every batch bucket at every reachable context bucket: no step of a later request
-  captures a graph. Without CUDA graphs there is nothing per bucket to capture: "full" is
-  "fast" plus one batch-1 step per context bucket whose whole range fits the context length,
-  the KV cache and `FULL_MAX_CONTEXT`.
+  with the `triton` kernels a long prefill (`LONG_PREFILL_DEPTH` tokens in whole chunks, then a
+  short last chunk: the long-context prefill paths, the top-k's compact forms at a full chunk
+  and at a short one, compile there, not in a user's first long prompt); then decode steps at
+  batch 1, at the smallest batch bucket >= `FAST_MIN_BATCH` and at the largest bucket, at the
+  smallest context bucket (the sampler and the kernels every bucket shares), then, with CUDA
+  graphs, the batch-1 graph of every larger context bucket a request can reach (the long-context
+  decode paths: the top-k's cooperative form, split-KV attention, compile there): a lone long
+  request never compiles or captures. Other batch buckets above the smallest context bucket are
+  captured on first use;
+- "full": the prefill steps, with the `triton` kernels one more prefill step of every power of
+  two in `MID_PREFILL_TOKENS` below the chunk (the plans keyed on a step's token count change
+  class at powers of two: the MoE tile map's width, the mHC tiles, the top-k's in-register row
+  width, the linears' tiles; each step costs seconds of compiles with a cold cache, and batched
+  prefills still meet other classes, so "fast" leaves them out), then a decode step at every
+  batch bucket and, with CUDA graphs, the graph of every batch bucket at every reachable context
+  bucket: no step of a later request captures a graph. Without CUDA graphs there is nothing per
+  bucket to capture: "full" is "fast" plus the mid-size prefills and one batch-1 step per
+  context bucket whose whole range fits the context length, the KV cache and
+  `FULL_MAX_CONTEXT`.
 With speculative decoding every decode step is a verify step of 1 + N tokens per request, and
 each graph comes with its drafting graph.
 
@@ -67,7 +68,8 @@ LONG_PREFILL_DEPTH = 32768
 and the KV cache, rounded down to whole chunks): past the top-k's in-register rows (4096 C4
 entries: 16384 tokens), where its compact forms take over."""
 MID_PREFILL_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-"""With the triton kernels, one prefill step of each of these token counts below the chunk."""
+"""With the triton kernels, "full" runs one prefill step of each of these token counts below the
+chunk."""
 FAST_MIN_BATCH = 8
 """"fast" decodes at the smallest batch bucket >= this (besides 1 and the largest)."""
 WARMUP_MAX_TRIES = 64
@@ -116,7 +118,7 @@ def warmup_plan(config: EngineConfig, context_length: int, span: int, max_total_
         plan.append(WarmupShape("prefill", 1, SHORT_PREFILL_TOKENS))
     chunk = config.chunked_prefill_size
     triton = config.kernel_backend == "triton"
-    if triton:
+    if triton and mode == "full":
         plan += [WarmupShape("prefill", 1, t) for t in MID_PREFILL_TOKENS
                  if SHORT_PREFILL_TOKENS < t < longest]
     depth = min(LONG_PREFILL_DEPTH, context_length - 1 - SHORT_PREFILL_TOKENS,
