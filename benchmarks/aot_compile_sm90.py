@@ -302,16 +302,10 @@ def attention_variants() -> Iterator[Variant]:
     for even, terms, derotate in ((True, 1, True), (True, 2, True), (True, 3, True),
                                   (False, 3, True), (True, 3, False)):
         consts = {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 512, "FP32_DOT": False, "SPLIT": False,
-                  "EVEN_D": even, "P_TERMS": terms, "DEROTATE": derotate, "PRELOAD": 0}
+                  "EVEN_D": even, "P_TERMS": terms, "DEROTATE": derotate}
         yield (f"sparse attn even_d={even} p_terms={terms} derotate={derotate}",
                sparse_attention._sparse_attention_kernel, types, consts,
                {"num_warps": 4, "num_stages": 2})
-    for warps, stages in ((4, 3), (8, 3)):   # split decode with the indices loaded first
-        consts = {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 512, "FP32_DOT": False, "SPLIT": True,
-                  "EVEN_D": True, "P_TERMS": 3, "DEROTATE": False, "PRELOAD": 4}
-        yield (f"sparse attn split preload warps={warps} stages={stages}",
-               sparse_attention._sparse_attention_kernel, types, consts,
-               {"num_warps": warps, "num_stages": stages})
     for derotate in (True, False):
         yield (f"sparse attn combine derotate={derotate}", split_combine._combine_kernel,
                {**types, "part_ptr": "*fp32"},

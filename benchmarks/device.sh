@@ -151,9 +151,8 @@
 #                 build after the warmup with its constexprs and key (builds_after_warmup) per format in
 #                 AW_FORMATS (default "bf16 checkpoint"): after_warmup_<fmt>.json
 #   long-attn     the split-KV attention at batch-1 decode (issue 20's 900K line): its GPU tests (64 splits,
-#                 900K with and without `preload`), then bench_sparse_attention.py --sweep on the 900K C128
-#                 list, the 128K list and the C4 picks at batch 1 (the preload configs beside the default):
-#                 long_attn_tests.txt, long_attn.json
+#                 900K), then bench_sparse_attention.py --sweep on the 900K C128 list, the 128K list and the
+#                 C4 picks at batch 1: long_attn_tests.txt, long_attn.json
 #   sass          compile the Triton kernels for sm_90 ahead of time and count their SASS instructions, loads,
 #                 registers (benchmarks/aot_compile_sm90.py; needs no GPU): sass.txt
 #
@@ -686,7 +685,7 @@ PY
   done
 }
 
-long_attn() {   # the split-KV attention at batch-1 decode: GPU tests, then the sweep with preload
+long_attn() {   # the split-KV attention at batch-1 decode: GPU tests, then the sweep
   timeout -s INT 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_sparse_attention_triton.py -k "split or 900k" 2>&1 | tail -4 \
     | tee "$OUT/long_attn_tests.txt" | grep -E "passed|failed"

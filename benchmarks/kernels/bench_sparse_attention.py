@@ -60,10 +60,7 @@ MAX_SETS = 16
 SWEEP_CONFIGS = [(16, 32, 8, 2, None), (16, 64, 8, 2, None), (16, 64, 4, 2, None),
                  (16, 32, 4, 1, None), (16, 32, 4, 3, None), (32, 32, 8, 2, None),
                  (32, 64, 8, 2, None), (64, 16, 8, 2, None), (64, 32, 8, 2, None),
-                 (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16), (16, 32, 4, 2, 32),
-                 # `preload` (the 6th field): where the split plan leaves <= 4 blocks a program
-                 (16, 32, 4, 2, None, 4), (16, 32, 4, 3, None, 4), (16, 32, 8, 2, None, 4),
-                 (16, 32, 8, 3, None, 4), (16, 32, 8, 4, None, 4)]
+                 (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16), (16, 32, 4, 2, 32)]
 
 Inputs = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
@@ -166,7 +163,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
             / ref.float().abs().max().clamp(min=1e-6)).item()
 
 
-def time_config(cfg: tuple[int | None, ...], first: Inputs, sets: list[Inputs],
+def time_config(cfg: tuple[int, int, int, int, int | None], first: Inputs, sets: list[Inputs],
                 ref: torch.Tensor, scale: float, args: argparse.Namespace,
                 cuda: bool, p_terms: int | None = None) -> tuple[float, float, float]:
     """(max rel error vs the reference, us per call, fraction of output elements not equal to
@@ -174,8 +171,7 @@ def time_config(cfg: tuple[int | None, ...], first: Inputs, sets: list[Inputs],
     from dsv4.kernels.triton.sparse_attention import triton_sparse_attention
 
     kw = dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
-              num_splits=cfg[4], preload=cfg[5] if len(cfg) > 5 else 0,
-              **({} if p_terms is None else {"p_terms": p_terms}))
+              num_splits=cfg[4], **({} if p_terms is None else {"p_terms": p_terms}))
 
     def fn(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]],
            sink: torch.Tensor) -> torch.Tensor:
@@ -190,10 +186,8 @@ def time_config(cfg: tuple[int | None, ...], first: Inputs, sets: list[Inputs],
     return err, us, differ
 
 
-def config_key(cfg: tuple[int | None, ...]) -> str:
-    """bh/bn/warps/stages/splits, then /p<preload> where it is set."""
-    key = "/".join("auto" if v is None else str(v) for v in cfg[:5])
-    return key + (f"/p{cfg[5]}" if len(cfg) > 5 and cfg[5] else "")
+def config_key(cfg: tuple[int, int, int, int, int | None]) -> str:
+    return "/".join("auto" if v is None else str(v) for v in cfg)
 
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
@@ -206,7 +200,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     first = make_inputs(case, dtype, device, args.seed)
     ref = sparse_attention_multi(*first, scale)
     bh, bn, nw, ns = default_config(case.H, case.D, not cuda)
-    configs: list[tuple[int | None, ...]] = [(bh, bn, nw, ns, None)]
+    configs: list[tuple[int, int, int, int, int | None]] = [(bh, bn, nw, ns, None)]
     # NOTE: forced splits only where split-KV is meant to run (their workspace grows with T)
     configs += [c for c in SWEEP_CONFIGS if c[4] is None or case.T <= 32] if args.sweep else []
     per_set = count_bytes(case, first, bh, 1)
@@ -232,7 +226,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     us = timed[best]
     ref_us = time_eager_us(lambda: sparse_attention_multi(*first, scale), max(3, args.iters // 10),
                            cuda)
-    best_h, best_n, _, _, forced = by_key[best][:5]
+    best_h, best_n, *_, forced = by_key[best]
     blocks = sum(math.ceil(idx.shape[1] / best_n) for _, idx in first[1])
     splits, _ = split_plan(case.T * math.ceil(case.H / best_h), blocks, device, forced)
     fl = count_bytes(case, first, best_h, splits)

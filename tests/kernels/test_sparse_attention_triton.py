@@ -164,36 +164,14 @@ def test_parity(spec: Spec, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("knobs", [dict(num_splits=2), dict(num_splits=3), dict(num_splits=64),
                                    dict(block_h=32, block_n=32, num_splits=2),
-                                   dict(block_h=16, block_n=64),
-                                   dict(num_splits=2, preload=4), dict(num_splits=3, preload=4),
-                                   dict(block_h=32, block_n=32, num_splits=2, preload=4)],
-                         ids=["split2", "split3", "split-capped", "bh32-bn32-split2", "bn64",
-                              "split2-preload", "split3-preload", "bh32-bn32-split2-preload"])
+                                   dict(block_h=16, block_n=64)],
+                         ids=["split2", "split3", "split-capped", "bh32-bn32-split2", "bn64"])
 def test_tiles_and_split_kv(knobs: dict[str, int]) -> None:
     """Forced split-KV (split boundaries inside each source and across the two) and other tile
     shapes."""
     q, sources, sink = make_case(Spec(3, 8, 32, 24, "c4", k=40, decode=True, last=200),
                                  torch.float32, seed=1)
     check(q, sources, sink, **{"block_n": 16, **knobs})
-
-
-def test_preload_is_bit_equal_and_bounded() -> None:
-    """`preload` (the indices loaded before the key-block loop) gives the in-loop load's bits,
-    with blocks of a program in both sources and -1 slots; a program owning more key blocks than
-    it preloads is refused."""
-    q, sources, sink = make_case(Spec(3, 8, 32, 24, "c4", k=40, decode=True, last=200),
-                                 torch.float32, seed=4)
-    scale = 32 ** -0.5
-    for splits in (2, 3):
-        plain = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=splits)
-        got = triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=splits,
-                                      preload=4)
-        assert torch.equal(got, plain), splits
-    with pytest.raises(ValueError, match="preload must be 0 or 4, with at most that many key "
-                                         "blocks per program; got preload 4 with 5 blocks"):
-        triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=1, preload=4)
-    with pytest.raises(ValueError, match="preload must be 0 or 4"):
-        triton_sparse_attention(q, sources, sink, scale, block_n=16, num_splits=2, preload=2)
 
 
 def test_split_kv_bf16_empty_splits_rows() -> None:
@@ -419,8 +397,6 @@ def test_flash_c128_decode_at_900k_cuda() -> None:
     check_cuda(q, sources, sink)
     blocks = sum(-(-idx.shape[1] // 32) for _, idx in sources)
     assert choose_splits(4, blocks, q.device) > 32, "900K at batch 1 splits past the old cap"
-    for warps, stages in ((4, 2), (4, 3), (8, 3)):     # the indices loaded before the loop
-        check_cuda(q, sources, sink, preload=4, num_warps=warps, num_stages=stages)
 
 
 @pytest.mark.gpu

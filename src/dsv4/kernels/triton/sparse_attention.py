@@ -105,8 +105,6 @@ _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
 _PROGRAMS_PER_SM = 2            # split-KV target: programs in flight per SM
 _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 64
-PRELOAD_BLOCKS = 4
-"""`preload`: key blocks whose indices a program loads before its loop (a tuning knob)."""
 PV_TERMS = 3
 """16-bit P.V: P as a sum of this many 16-bit terms (`_pv_dot`). 3 keeps P's fp32 value, so the
 kernel rounds like the reference (`sparse_attention_multi`, fp32 P) up to summation order."""
@@ -119,30 +117,12 @@ memory access on the H200 with Triton 3.6 (the same tile with one term runs)."""
 def _attend_blocks(  # type: ignore[no-untyped-def]
     q, m, l_sum, acc, kv_ptr, idx_row_ptr, K, stride_kv, first, last, offs_d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr,
-    PRELOAD: tl.constexpr = 0,
 ):
     """Online softmax over key blocks [first, last) of one source (idx_row_ptr: this token's index
-    row). PRELOAD = 4 (the caller guarantees last - first <= 4): the range's indices are loaded
-    once, before the loop, as a [BLOCK_N, 4] tile split into its 4 blocks, and each iteration
-    selects its block with elementwise wheres. No gather address then waits on a load inside the
-    loop: with 3 stages the sm_90 loop waits for one gather while the next is in flight
-    (`cp.async.wait_group 1`), where the in-loop index load makes it wait for all (`0`)."""
-    if PRELOAD > 0:
-        tl.static_assert(PRELOAD == 4, "PRELOAD: 0 or 4 key blocks (PRELOAD_BLOCKS)")
-        offs_p = (first * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-                  + BLOCK_N * tl.arange(0, 4)[None, :])                      # [BLOCK_N, 4]
-        tile = tl.reshape(tl.load(idx_row_ptr + offs_p, mask=(offs_p < K)
-                                  & (offs_p < last * BLOCK_N), other=-1), (BLOCK_N, 2, 2))
-        lo, hi = tl.split(tile)                  # blocks (0, 2) and (1, 3), [BLOCK_N, 2] each
-        b0, b2 = tl.split(lo)
-        b1, b3 = tl.split(hi)
+    row)."""
     for b in range(first, last):
-        if PRELOAD > 0:
-            i = b - first
-            slots = tl.where(i < 2, tl.where(i == 0, b0, b1), tl.where(i == 2, b2, b3))
-        else:
-            offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
-            slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)
+        offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        slots = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)     # [BLOCK_N] int64
         valid = slots >= 0
         k = tl.load(kv_ptr + slots[:, None] * stride_kv + offs_d[None, :],
                     mask=rows_mask(valid, d_mask, EVEN_D), other=0.0)       # [BLOCK_N, BLOCK_D]
@@ -190,7 +170,7 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     stride_qt, stride_qh, stride_kv1, stride_i1, stride_kv2, stride_i2, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_D: tl.constexpr, P_TERMS: tl.constexpr, DEROTATE: tl.constexpr,
-    PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
+    PDL: tl.constexpr):
     pdl_enter(PDL)
     # NOTE: int64 token offsets: T * H * D reaches 2^31 at T = 65,536 on Flash.
     pid = tl.program_id(0)
@@ -214,10 +194,10 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     last = tl.minimum(first + blocks_per_split, nb1 + tl.cdiv(K2, BLOCK_N))
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv1_ptr, idx1_ptr + t * stride_i1, K1,
                                    stride_kv1, first, tl.minimum(last, nb1), offs_d, d_mask,
-                                   qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS, PRELOAD)
+                                   qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS)
     m, l_sum, acc = _attend_blocks(q, m, l_sum, acc, kv2_ptr, idx2_ptr + t * stride_i2, K2,
                                    stride_kv2, tl.maximum(first, nb1) - nb1, last - nb1, offs_d,
-                                   d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS, PRELOAD)
+                                   d_mask, qk_scale, BLOCK_N, FP32_DOT, EVEN_D, P_TERMS)
     if SPLIT:
         row = (t * H + offs_h) * num_splits + split                         # [BLOCK_H]
         has = l_sum > 0.0
@@ -307,7 +287,7 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
                             sink: torch.Tensor, scale: float, *, block_h: int | None = None,
                             block_n: int | None = None, num_splits: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            p_terms: int = PV_TERMS, preload: int = 0,
+                            p_terms: int = PV_TERMS,
                             inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                             ) -> torch.Tensor:
     """Same contract as `sparse_attention_multi`: returns [T, H, D] in q's dtype.
@@ -317,9 +297,7 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     device. q and every pool of one 16-bit dtype run 16-bit dots; anything else runs fp32 (ieee)
     dots. Keyword arguments are tuning knobs (benchmark sweeps, tests); num_splits = None picks
     split-KV from the key count (`choose_splits`); p_terms (1-3) is the 16-bit P.V precision
-    (`PV_TERMS`); preload = PRELOAD_BLOCKS loads each program's indices before its key-block loop
-    (`_attend_blocks`; a program may then own at most that many blocks), 0 in the loop.
-    `inverse_rope` = (cos, sin) [T, rd/2] fp32: the output is de-rotated as
+    (`PV_TERMS`). `inverse_rope` = (cos, sin) [T, rd/2] fp32: the output is de-rotated as
     `rope_inverse(o, cos, sin)` would de-rotate it, in the same launch (the store, or the split
     combine's store). No host syncs: safe inside CUDA-graph capture.
     """
@@ -348,10 +326,6 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
     K1, K2 = idx1.shape[1], idx2.shape[1] if len(live) == 2 else 0
     num_blocks, groups = triton.cdiv(K1, bn) + triton.cdiv(K2, bn), triton.cdiv(H, bh)
     splits, per_split = split_plan(T * groups, num_blocks, q.device, num_splits)
-    if preload not in (0, PRELOAD_BLOCKS) or preload and per_split > preload:
-        raise ValueError(f"preload must be 0 or {PRELOAD_BLOCKS}, with at most that many key "
-                         f"blocks per program; got preload {preload} with {per_split} blocks "
-                         f"per program ({splits} splits of {num_blocks} blocks)")
     part = lse = out                                                  # placeholders when not split
     if splits > 1:
         part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
@@ -365,8 +339,8 @@ def triton_sparse_attention(q: torch.Tensor, sources: Sequence[tuple[torch.Tenso
         q.stride(0), q.stride(1), kv1.stride(0), idx1.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_H=bh, BLOCK_N=bn, BLOCK_D=block_d, FP32_DOT=fp32_dot, SPLIT=splits > 1,
-        EVEN_D=D == block_d, P_TERMS=p_terms, DEROTATE=derotate, PRELOAD=preload,
-        num_warps=num_warps or auto[2], num_stages=num_stages or auto[3], **pdl_args(q.device),
+        EVEN_D=D == block_d, P_TERMS=p_terms, DEROTATE=derotate, num_warps=num_warps or auto[2],
+        num_stages=num_stages or auto[3], **pdl_args(q.device),
     )
     if splits > 1:
         combine_splits(part, lse, sink, out, (cos, sin), rope_first, stride_cs, derotate)
