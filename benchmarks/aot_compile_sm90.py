@@ -285,14 +285,19 @@ def attention_variants() -> Iterator[Variant]:
     hint = "i32:16"
     # the serving path's weights: the raw bf16 weights_proj columns of the fused x GEMM output,
     # scaled in the kernel; fp32: callers that pass weights already scaled
-    for w, even in (("bf16", True), ("bf16", False), ("fp32", True)):
-        types = {"q_ptr": "*bf16", "w_ptr": f"*{w}", "k_ptr": "*bf16", "cand_ptr": "*i64",
-                 "out_ptr": "*fp32", "weight_scale": "fp32",
+    # FP8 keys (their scales) widened to bf16 q, or q rounded to FP8 (fp8_q) and an FP8 dot
+    for w, even, keys in (("bf16", True, "bf16"), ("bf16", False, "bf16"), ("fp32", True, "bf16"),
+                          ("bf16", True, "fp8"), ("bf16", True, "fp8q")):
+        k_type = "*bf16" if keys == "bf16" else "*fp8e4nv"
+        types = {"q_ptr": "*bf16", "w_ptr": f"*{w}", "k_ptr": k_type,
+                 "ks_ptr": "*fp32", "cand_ptr": "*i64", "out_ptr": "*fp32",
+                 "weight_scale": "fp32",
                  **{f"stride_{k}": hint for k in ("qt", "qh", "wt", "kn", "ct", "ot")}}
         # EVEN_D: 16-byte loads and a cp.async key gather; else 2-byte loads
-        consts = {"BLOCK_V": 64, "BLOCK_H": 64, "BLOCK_D": 128, "FP32_DOT": False, "EVEN_D": even}
-        yield (f"index scores w {w} even_d={even}", index_scores._index_scores_kernel, types,
-               consts, {"num_warps": 4, "num_stages": 2})
+        consts = {"BLOCK_V": 64, "BLOCK_H": 64, "BLOCK_D": 128, "FP32_DOT": False, "EVEN_D": even,
+                  "FP8_KEYS": keys != "bf16", "FP8_Q": keys == "fp8q"}
+        yield (f"index scores w {w} even_d={even} keys {keys}", index_scores._index_scores_kernel,
+               types, consts, {"num_warps": 4, "num_stages": 2})
     types = {"q_ptr": "*bf16", "kv1_ptr": "*bf16", "idx1_ptr": "*i64", "kv2_ptr": "*bf16",
              "idx2_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
              "lse_ptr": "*fp32", "qk_scale": "fp32", "log2e": "fp32", "cos_ptr": "*fp32",

@@ -6,6 +6,11 @@ Cases (V4-Flash indexer: Ih = 64, Id = 128, bf16 q and keys, fp32 weights):
   prefill  T = 2048, V = 8192: one request, the last 2048 tokens of a 32K context; all rows share
            one slot order and see a causal prefix of it (7680..8192 entries).
 
+`--keys fp8`: the key pool as FP8 codes with a power-of-two scale per key
+(`kernels/ref/index_keys.py`): 128 + 4 bytes a key, against 256 in bf16; `--keys fp8q`: the
+kernel rounds the queries to FP8 too (`fp8_q`: a scale per head), so the dot runs on FP8 tensor
+cores.
+
 Floors (H200 copy 4.275 TB/s and bf16 matmul 680 TFLOP/s, docs/DESIGN.md §3):
   per-query-gather bytes = valid candidates x Id x 2 (keys) + q + weights + candidates (int64) +
       scores (fp32); the kernel's own traffic when no two queries share keys; "GB/s" and "%HBM" are
@@ -26,6 +31,7 @@ Prints a table, then ONE JSON line.
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_index_scores.py  # CUDA
     PYTHONPATH=src python3 benchmarks/kernels/bench_index_scores.py --sweep  # + tile/warp/stage
+    PYTHONPATH=src python3 benchmarks/kernels/bench_index_scores.py --keys fp8 --only "T=1 "
     PYTHONPATH=src python3 benchmarks/kernels/bench_index_scores.py --cpu-smoke  # interpreter
 """
 
@@ -57,7 +63,8 @@ DEFAULT_CONFIG = (64, 4, 2)      # (block_v, num_warps, num_stages): the wrapper
 SWEEP_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3),
                  (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (q, weights, keys, candidates), then with FP8 keys (`--keys fp8`) their scales
+Inputs = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -82,8 +89,11 @@ def smoke_cases() -> list[Case]:
             Case("prefill T=8 V=64", 8, 64, True, 8, 32)]
 
 
-def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int) -> Inputs:
-    """(q, weights, keys, candidates) as the engine builds them (see the module docstring)."""
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int,
+                keys_format: str = "model") -> Inputs:
+    """(q, weights, keys, candidates) as the engine builds them (see the module docstring);
+    `keys_format` "fp8" / "fp8q": the keys as FP8 codes, their scales appended
+    (`kernels/ref/index_keys.py`)."""
     g = torch.Generator(device).manual_seed(seed)
     T, V, Ih, Id = case.T, case.V, case.Ih, case.Id
     q = torch.randn(T, Ih, Id, generator=g, device=device, dtype=dtype)
@@ -99,15 +109,20 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int)
         # each request: its own V slots
         perm = torch.rand(T, V, generator=g, device=device).argsort(dim=1)
         candidates = perm + V * torch.arange(T, device=device)[:, None]
+    if keys_format != "model":
+        from dsv4.kernels.ref.index_keys import quantize_index_keys
+        parts = [quantize_index_keys(k) for k in keys.split(1 << 20)]  # bounded fp32 temporaries
+        codes, scales = torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+        return q, weights, codes, candidates.contiguous(), scales
     return q, weights, keys, candidates.contiguous()
 
 
 def floors(case: Case, inputs: Inputs) -> dict[str, float]:
-    q, weights, keys, candidates = inputs
+    q, weights, keys, candidates = inputs[:4]
     n_valid = int((candidates >= 0).sum())        # NOTE: host sync, outside any timed region
     distinct = case.V if case.shared else n_valid
     io = q.numel() * q.element_size() + weights.numel() * 4 + candidates.numel() * (8 + 4)
-    key_row = case.Id * keys.element_size()
+    key_row = case.Id * keys.element_size() + 4 * (len(inputs) > 4)   # + an FP8 key's scale
     gather, once = n_valid * key_row + io, distinct * key_row + io
     flops = 2.0 * case.Ih * case.Id * n_valid
     return {"bytes_gather": gather, "bytes_once": once, "flops": flops,
@@ -129,11 +144,13 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check_parity(fn: Callable[..., torch.Tensor], ref_fn: Callable[..., torch.Tensor],
                  inputs: Inputs, rows: int = 16) -> float:
     """Compare on up to `rows` evenly spaced query rows (the full test lives in tests/kernels)."""
-    q, weights, keys, candidates = inputs
+    q, weights, keys, candidates = inputs[:4]
     out = fn(*inputs)
     pick = torch.linspace(0, q.shape[0] - 1, min(rows, q.shape[0]),
                           device=q.device).round().long().unique()
-    err = rel_error(out[pick], ref_fn(q[pick], weights[pick], keys, candidates[pick]))
+    err = rel_error(out[pick], ref_fn(q[pick], weights[pick], keys, candidates[pick],
+                                      *inputs[4:]))
+    # bf16 MMA, or with FP8 q Hopper's FP8 MMA, which sums with fewer mantissa bits than fp32
     limit = 1e-2 if q.dtype == torch.bfloat16 else 1e-5
     assert err <= limit, f"parity failed: max |diff| / max |ref| = {err:.3e} > {limit:.0e}"
     return err
@@ -154,9 +171,9 @@ def time_reference_us(ref_fn: Callable[..., torch.Tensor], case: Case, inputs: I
                       cuda: bool) -> tuple[float, int]:
     """Reference time for all T rows, measured on the largest row prefix that fits
     `REF_BUDGET_BYTES`."""
-    q, weights, keys, candidates = inputs
+    q, weights, keys, candidates = inputs[:4]
     rows = max(1, min(case.T, REF_BUDGET_BYTES // (case.V * (case.Id + case.Ih) * 4 * 2)))
-    sub = (q[:rows], weights[:rows], keys, candidates[:rows])
+    sub = (q[:rows], weights[:rows], keys, candidates[:rows], *inputs[4:])
     us = time_eager_us(lambda: ref_fn(*sub), iters, cuda)
     return us * case.T / rows, rows
 
@@ -167,12 +184,17 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    first = make_inputs(case, dtype, device, args.seed)
+    first = make_inputs(case, dtype, device, args.seed, args.keys)
     fl = floors(case, first)
     n_sets = min(16, math.ceil(ROTATE_BYTES / fl["bytes_once"])) if cuda else 1
-    sets = [first] + [make_inputs(case, dtype, device, args.seed + i) for i in range(1, n_sets)]
+    sets = [first] + [make_inputs(case, dtype, device, args.seed + i, args.keys)
+                      for i in range(1, n_sets)]
     configs: list[tuple[int, ...]] = [DEFAULT_CONFIG] + (args.configs
                                                          or (SWEEP_CONFIGS if args.sweep else []))
+
+    def ref(*x: torch.Tensor) -> torch.Tensor:
+        return paged_index_scores(*x[:4], key_scales=x[4] if len(x) > 4 else None,
+                                  fp8_q=args.keys == "fp8q")
     timed: dict[str, float] = {}
     err = 0.0
     for cfg in configs:
@@ -182,9 +204,10 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
 
         def fn(*x: torch.Tensor, bv: int = block_v, nw: int = warps, ns: int = stages,
                b: int | None = bpp) -> torch.Tensor:
-            return triton_index_scores(*x, block_v=bv, num_warps=nw, num_stages=ns,
-                                       blocks_per_program=b)
-        err = max(err, check_parity(fn, paged_index_scores, first))
+            return triton_index_scores(*x[:4], key_scales=x[4] if len(x) > 4 else None,
+                                       fp8_q=args.keys == "fp8q", block_v=bv,
+                                       num_warps=nw, num_stages=ns, blocks_per_program=b)
+        err = max(err, check_parity(fn, ref, first))
         name = "/".join(map(str, cfg))
         if cuda:
             timed[name] = time_graph_us(fn, sets, args.iters, args.warmup)
@@ -193,10 +216,9 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     best = min(timed, key=lambda k: timed[k])
     us = timed[best]
     copy_us = copy_same_bytes_us(int(fl["bytes_once"]), n_sets, args) if cuda else float("nan")
-    ref_us, ref_rows = time_reference_us(paged_index_scores, case, first,
-                                         max(3, args.iters // 10), cuda)
+    ref_us, ref_rows = time_reference_us(ref, case, first, max(3, args.iters // 10), cuda)
     return {"case": case.name, "T": case.T, "V": case.V, "Ih": case.Ih, "Id": case.Id,
-            "dtype": str(dtype)[6:], "us": us,
+            "dtype": str(dtype)[6:], "keys": args.keys, "us": us,
             "us_default": timed["/".join(map(str, DEFAULT_CONFIG))], "best_config": best,
             "configs_us": timed, "ref_us": ref_us, "ref_rows": ref_rows,
             "speedup_vs_ref": ref_us / us,
@@ -229,6 +251,10 @@ def parse_args() -> argparse.Namespace:
                    default=None,
                    help="time these instead of SWEEP_CONFIGS: "
                         "block_v/warps/stages[/blocks_per_program], comma-separated")
+    p.add_argument("--keys", choices=("model", "fp8", "fp8q"), default="model",
+                   help="the key pool's format: the model dtype (bf16 on CUDA), or FP8 codes "
+                        "with a power-of-two scale per key (`kernels/ref/index_keys.py`); fp8q: "
+                        "the queries too (one scale per head), an FP8 dot")
     return p.parse_args()
 
 

@@ -62,10 +62,13 @@ class IndexScoresOp(Protocol):
     candidate. The heads' weights are `weights.float() * weight_scale` (an fp32 multiply, the
     same bits as a caller passing that product with the default 1.0): `weights` of any float
     dtype, any row stride, unit column stride (the raw `weights_proj` output, a column slice of
-    the layer's fused GEMM output on the serving path)."""
+    the layer's fused GEMM output on the serving path). `key_scales` [N] fp32: the keys are
+    FP8 codes (`ref/index_keys.py`), each key's values its codes times its scale; `fp8_q` (with
+    FP8 keys only): each head's query rounded to FP8 as a key is."""
 
     def __call__(self, q: Tensor, weights: Tensor, keys: Tensor, candidates: Tensor, *,
-                 weight_scale: float = 1.0) -> Tensor: ...
+                 weight_scale: float = 1.0, key_scales: Tensor | None = None,
+                 fp8_q: bool = False) -> Tensor: ...
 
 
 class TopKOp(Protocol):

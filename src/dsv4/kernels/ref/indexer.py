@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.ref.index_keys import dequantize_index_keys, round_index_keys
 from dsv4.kernels.ref.topk import topk_ragged
 
 
@@ -24,7 +25,9 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
 
 
 def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                       candidates: torch.Tensor, *, weight_scale: float = 1.0) -> torch.Tensor:
+                       candidates: torch.Tensor, *, weight_scale: float = 1.0,
+                       key_scales: torch.Tensor | None = None,
+                       fp8_q: bool = False) -> torch.Tensor:
     """Serving-path scores over paged keys.
 
     I[t,j] = Σ_h w[t,h] * ReLU(q[t,h] · keys[candidates[t,j]]),  w = weights.float() * weight_scale
@@ -32,11 +35,21 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
 
     q: [T, Ih, Id]; weights: [T, Ih] any float dtype and strides (the raw `weights_proj` output
     with the indexer's Id^-1/2 Ih^-1/2 as `weight_scale`, or weights already scaled in fp32 with
-    the default 1.0); keys: [N, Id] the indexer-key pool; candidates: [T, V] int64 pool slots,
-    -1 = none. Returns [T, V] fp32, -inf where candidates < 0.
+    the default 1.0); keys: [N, Id] the indexer-key pool: float, or float8_e4m3fn codes with
+    `key_scales` [N] fp32 (`ref/index_keys.py`: a key's values are its codes times its scale);
+    `fp8_q` (FP8 keys only): each head's query rounded to FP8 as a key is (`round_index_keys`);
+    candidates: [T, V] int64 pool slots, -1 = none. Returns [T, V] fp32, -inf where
+    candidates < 0.
     """
-    gathered = keys[candidates.clamp(min=0)].float()                         # [T, V, Id]
-    dots = torch.einsum("thd,tvd->thv", q.float(), gathered)
+    slots = candidates.clamp(min=0)
+    if key_scales is None:
+        gathered = keys[slots].float()                                       # [T, V, Id]
+    else:
+        gathered = dequantize_index_keys(keys[slots], key_scales[slots])
+    if fp8_q and key_scales is None:
+        raise ValueError("fp8_q needs FP8 keys (float8_e4m3fn with key_scales)")
+    qf = round_index_keys(q) if fp8_q else q.float()
+    dots = torch.einsum("thd,tvd->thv", qf, gathered)
     scores = torch.einsum("thv,th->tv", torch.relu(dots), weights.float() * weight_scale)
     return scores.masked_fill(candidates < 0, float("-inf"))
 

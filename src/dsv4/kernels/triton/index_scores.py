@@ -18,6 +18,8 @@ Kernel design. Grid = (T, num_splits); program (t, s) owns the contiguous candid
         K     = keys[slots]                   # [BLOCK_V, BLOCK_D] gathered rows, 0 where masked
         S     = tl.dot(K, q^T)                # [BLOCK_V, BLOCK_H], fp32 accumulate
         out   = Σ_h ReLU(S) * w[h]   (-inf where slot < 0)
+        FP8 keys: K = codes widened to q's dtype, or with fp8_q q^T as FP8 codes (each head
+        rounded once, before the loop) and an FP8 dot; out *= key_scales[slots] (a power of two)
 
 Why this shape: one key row is Id * 2 = 256 contiguous bytes (bf16), so the gather is row-granular
 and coalesced; putting candidates on the MMA M dimension makes the head reduction an in-thread /
@@ -52,6 +54,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton import launch
+from dsv4.kernels.triton.fp8_rows import e4m3_bits, pow2, scale_exponent
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.tile_masks import rows_mask
@@ -65,11 +68,11 @@ _MAX_GRID_Y = 65535             # CUDA limit on grid dim 1 (the splits)
 
 @triton.jit
 def _index_scores_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, w_ptr, k_ptr, cand_ptr, out_ptr,
+    q_ptr, w_ptr, k_ptr, ks_ptr, cand_ptr, out_ptr,
     V, Ih, Id, blocks_per_program, weight_scale,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ct, stride_ot,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
-    EVEN_D: tl.constexpr, PDL: tl.constexpr):
+    EVEN_D: tl.constexpr, FP8_KEYS: tl.constexpr, FP8_Q: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # NOTE: int64 row offsets: T * V reaches 2^31 at T = 8192, V = 262,144.
     t = tl.program_id(0).to(tl.int64)
@@ -91,6 +94,14 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     # fp32 cast (exact from bf16 / fp16); a scale of 1.0 leaves the weights' bits as they are
     w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0)
     w = w.to(tl.float32) * weight_scale                                 # [BLOCK_H] fp32
+    if FP8_Q:
+        # each head's Id values -> e4m3 codes and a power-of-two scale (`fp8_rows.py`, the
+        # reference's `quantize_index_keys` per head); the scale commutes with the head's ReLU,
+        # so it joins the head's weight: exact, as the key scales below
+        qf = qt.to(tl.float32)
+        k_q = scale_exponent(tl.max(tl.abs(qf), axis=0))                # [BLOCK_H]
+        qt = e4m3_bits(qf * pow2(-k_q)[None, :]).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        w = w * pow2(k_q)
     if FP32_DOT:
         qt = qt.to(tl.float32)
 
@@ -105,12 +116,19 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
         valid = slots >= 0
         k = tl.load(k_ptr + slots[:, None] * stride_kn + offs_d[None, :],
                     mask=rows_mask(valid, d_mask, EVEN_D), other=0.0)   # [BLOCK_V, BLOCK_D]
+        if FP8_KEYS:
+            # NOTE: e4m3 codes widen exactly to bf16; the key's power-of-two scale multiplies
+            # the head sum below, exactly (ReLU and the weights commute with a positive 2^k)
+            key_scale = tl.load(ks_ptr + slots, mask=valid, other=1.0)   # [BLOCK_V] fp32
+            k = k.to(qt.dtype)
         if FP32_DOT:
             # NOTE: "ieee", not tf32: fp32 callers expect reference-exact scores (top-k ties).
             s = tl.dot(k.to(tl.float32), qt, input_precision="ieee")    # [BLOCK_V, BLOCK_H]
         else:
             s = tl.dot(k, qt)
         score = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)         # [BLOCK_V]
+        if FP8_KEYS:
+            score = score * key_scale
         score = tl.where(valid, score, float("-inf"))
         tl.store(out_ptr + t * stride_ot + offs_v, score, mask=v_mask)
 
@@ -125,18 +143,37 @@ def _blocks_per_program(T: int, num_blocks: int, device: torch.device) -> int:
 
 
 def _needs_fp32_dot(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """16-bit tl.dot only when q and keys share a 16-bit dtype, and only compiled (CUDA).
+    """16-bit tl.dot only when q and keys share a 16-bit dtype (FP8 keys widen to q's), and only
+    compiled (CUDA).
 
     NOTE: CPU tensors run under TRITON_INTERPRET=1, whose tl.dot multiplies the raw uint16 bit
     patterns of bfloat16 operands (triton-lang/triton#11584, "not supported yet"); upcasting first
     is exact, since bf16 x bf16 products are exact in fp32, so the interpreter still checks the
     kernel's logic.
     """
-    return q.device.type != "cuda" or q.dtype != keys.dtype or q.dtype == torch.float32
+    key_dtype = q.dtype if keys.dtype == torch.float8_e4m3fn else keys.dtype
+    return q.device.type != "cuda" or q.dtype != key_dtype or q.dtype == torch.float32
 
 
-def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-           candidates: torch.Tensor) -> None:
+def _check_fp8(keys: torch.Tensor, key_scales: torch.Tensor | None, fp8_q: bool) -> None:
+    """FP8 keys come with their [N] scales; FP8 queries only with FP8 keys (one FP8 dot)."""
+    fp8 = keys.dtype == torch.float8_e4m3fn
+    if fp8 != (key_scales is not None):
+        raise ValueError(f"key_scales go with float8_e4m3fn keys, and only with them; got keys "
+                         f"{keys.dtype}, key_scales {'given' if key_scales is not None else None}")
+    if key_scales is not None and (key_scales.shape != keys.shape[:1] or
+                                   key_scales.dtype != torch.float32 or
+                                   key_scales.device != keys.device or
+                                   not key_scales.is_contiguous()):
+        raise ValueError(f"key_scales must be [{keys.shape[0]}] fp32, contiguous, on the keys' "
+                         f"device; got {tuple(key_scales.shape)} {key_scales.dtype} on "
+                         f"{key_scales.device}")
+    if fp8_q and not fp8:
+        raise ValueError("fp8_q needs FP8 keys (float8_e4m3fn with key_scales)")
+
+
+def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor,
+           key_scales: torch.Tensor | None, fp8_q: bool) -> None:
     if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2 or candidates.dim() != 2:
         raise ValueError(f"expected q [T, Ih, Id], weights [T, Ih], keys [N, Id], "
                          f"candidates [T, V]; got {tuple(q.shape)}, {tuple(weights.shape)}, "
@@ -145,9 +182,10 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if tuple(weights.shape) != (T, Ih) or keys.shape[1] != Id or candidates.shape[0] != T:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, weights {tuple(weights.shape)}, "
                          f"keys {tuple(keys.shape)}, candidates {tuple(candidates.shape)}")
-    if q.dtype not in _DOT_DTYPES or keys.dtype not in _DOT_DTYPES:
-        raise ValueError(f"q/keys dtype must be one of {_DOT_DTYPES}; got {q.dtype}, "
-                         f"{keys.dtype}")
+    if q.dtype not in _DOT_DTYPES or keys.dtype not in (*_DOT_DTYPES, torch.float8_e4m3fn):
+        raise ValueError(f"q dtype must be one of {_DOT_DTYPES}, keys also float8_e4m3fn; got "
+                         f"{q.dtype}, {keys.dtype}")
+    _check_fp8(keys, key_scales, fp8_q)
     if weights.dtype not in _DOT_DTYPES or candidates.dtype != torch.int64:
         raise ValueError(f"weights must be one of {_DOT_DTYPES} and candidates int64; got "
                          f"{weights.dtype}, {candidates.dtype}")
@@ -164,23 +202,29 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
 def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                         candidates: torch.Tensor, *, weight_scale: float = 1.0,
-                        block_v: int = 64, blocks_per_program: int | None = None,
-                        num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                        key_scales: torch.Tensor | None = None,
+                        fp8_q: bool = False, block_v: int = 64,
+                        blocks_per_program: int | None = None, num_warps: int = 4,
+                        num_stages: int = 2) -> torch.Tensor:
     """Same contract as `paged_index_scores`: returns [T, V] fp32, -inf where candidates < 0.
 
     `q`: [T, Ih, Id] bf16/fp16/fp32; `weights`: [T, Ih] bf16/fp16/fp32, any row stride (unit
     column stride: e.g. a column slice of a fused projection's output); the heads' weights are
     `weights.float() * weight_scale` (cast and fp32 multiply in the kernel, bit-equal to the
-    caller doing them); `keys`: [N, Id] bf16/fp16/fp32; `candidates`: [T, V] int64 pool slots,
-    -1 = none, every other slot < N. q, keys and candidates contiguous; one device. q and keys of
-    the same 16-bit dtype run a 16-bit tl.dot; anything else runs an fp32 (ieee) dot. The other
+    caller doing them); `keys`: [N, Id] bf16/fp16/fp32, or float8_e4m3fn codes with `key_scales`
+    [N] fp32 (`ref/index_keys.py`: the codes widen to q's dtype, each key's scale multiplies its
+    score); `candidates`: [T, V] int64 pool slots, -1 = none, every other slot < N. q, keys and
+    candidates contiguous; one device. `fp8_q` (FP8 keys only): each head's query is rounded to
+    FP8 in the kernel as `quantize_index_keys` rounds a key, and the dot runs on FP8 tensor
+    cores (compiled), each head's scale joining its weight. Otherwise q and keys of the same
+    16-bit dtype (FP8 keys: q's) run a 16-bit tl.dot, anything else an fp32 (ieee) dot. The other
     keyword arguments are tuning knobs (benchmark sweeps, tests); the defaults (block_v 64,
     4 warps, 2 stages) are the H200 sweep's best of 11 configurations for Ih = 64, Id = 128 at
     decode T = 1 and V 65,536 / 262,144 (`bench_index_scores.py --sweep`;
     benchmarks/results/kernels_i_h200_202611.md); blocks per program by `_blocks_per_program`. No
     host syncs: safe inside CUDA-graph capture.
     """
-    _check(q, weights, keys, candidates)
+    _check(q, weights, keys, candidates, key_scales, fp8_q)
     if block_v < _MIN_DOT or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= {_MIN_DOT}; got {block_v}")
     T, Ih, Id = q.shape
@@ -193,7 +237,7 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     bpp = max(bpp, triton.cdiv(num_blocks, _MAX_GRID_Y))
     grid = (T, triton.cdiv(num_blocks, bpp))
     _index_scores_kernel[grid](
-        q, weights, keys, candidates, out,
+        q, weights, keys, out if key_scales is None else key_scales, candidates, out,
         V, Ih, Id, bpp, float(weight_scale),
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), candidates.stride(0),
         out.stride(0),
@@ -202,6 +246,7 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(Id)),
         FP32_DOT=_needs_fp32_dot(q, keys),
         EVEN_D=Id == max(_MIN_DOT, triton.next_power_of_2(Id)),
+        FP8_KEYS=key_scales is not None, FP8_Q=fp8_q,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
     return out
