@@ -233,6 +233,8 @@ def compressor_variants() -> Iterator[Variant]:
 
 
 def _compressor_variants(ape: bool) -> Iterator[Variant]:
+    import triton.language as tl
+
     from dsv4.kernels.triton import compressor
 
     f32, i64 = "*fp32", "*i64"
@@ -264,7 +266,7 @@ def _compressor_variants(ape: bool) -> Iterator[Variant]:
                group_types, consts, {"num_warps": warps, "num_stages": 2})
     pair_types = {f"{k}_{ab}": f32 for k in ("kv", "score", "ring_kv", "ring_score") for ab in "ab"}
     pair_types |= {"w_a": "*bf16", "w_b": "*bf16", "out_a": "*bf16", "out_b": "*bf16",
-                   "ape_a": f32, "ape_b": f32}
+                   "ape_a": f32, "ape_b": f32, "scale_b": f32}
     pair_types |= {k: v for k, v in types.items()
                    if k.startswith(("src_", "from_", "valid", "write_", "ring_write", "cos", "sin",
                                     "out_trash", "ring_trash", "eps"))}
@@ -272,11 +274,15 @@ def _compressor_variants(ape: bool) -> Iterator[Variant]:
                    | {"stride_cs": "i32:16"})
     pair_consts = {"S": 8, "RATIO": 4, "DC_A": 512, "DC_B": 128, "ROPE_FIRST_A": 256 - 32,
                    "ROPE_FIRST_B": 64 - 32, "BLOCK_S": 8, "BLOCK_DA": 512, "BLOCK_DB": 128,
-                   "WRITE_RING": True, "HAS_APE": ape}
+                   "WRITE_RING": True, "HAS_APE": ape, "FP8_B": False, "KEY_DTYPE": tl.float32}
     from dsv4.kernels.triton import compressor_pair
     for warps in (2, 4, 8):
         yield (f"compress c4-pair {warps} warps{tag}", compressor_pair._compress_pair_kernel,
                pair_types, pair_consts, {"num_warps": warps, "num_stages": 2})
+    # FP8 indexer keys: codes (bytes) and a scale per key, entries rounded to bf16 first
+    yield (f"compress c4-pair fp8 keys 4 warps{tag}", compressor_pair._compress_pair_kernel,
+           pair_types | {"out_b": "*u8"}, pair_consts | {"FP8_B": True, "KEY_DTYPE": tl.bfloat16},
+           {"num_warps": 4, "num_stages": 2})
 
 
 def attention_variants() -> Iterator[Variant]:

@@ -130,6 +130,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-expert-beside-max-tokens", type=int, default=None,
                    help="with multi-stream, forwards of up to this many tokens run the shared "
                    "expert beside the routed experts (default: the engine's, by the format)")
+    p.add_argument("--index-cache-dtype", default="model", choices=["model", "fp8"],
+                   help="the indexer-key pools (EngineConfig.index_cache_dtype)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")
@@ -363,7 +365,8 @@ def make_engine(model: DeepSeekV4ForCausalLM, args: argparse.Namespace,
                           fuse_projections=args.fuse_projections,
                           decode_gemv=args.decode_gemv,
                           pdl_early_max_batch=args.pdl_early_max_batch,
-                          shared_expert_beside_max_tokens=args.shared_expert_beside_max_tokens)
+                          shared_expert_beside_max_tokens=args.shared_expert_beside_max_tokens,
+                          index_cache_dtype=args.index_cache_dtype)
     return LLMEngine(model, config)
 
 
@@ -759,6 +762,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                    torch.device(args.device).type),
               "shared_expert_beside_max_tokens": resolve_shared_expert_beside_max_tokens(
                   args.shared_expert_beside_max_tokens, args.weight_format == "checkpoint"),
+              "index_cache_dtype": args.index_cache_dtype,
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)

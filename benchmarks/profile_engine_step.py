@@ -73,6 +73,8 @@ def main() -> None:
     p.add_argument("--shared-expert-beside-max-tokens", type=int, default=None,
                    help="with multi-stream, forwards of up to this many tokens run the shared "
                    "expert beside the routed experts (EngineConfig)")
+    p.add_argument("--index-cache-dtype", default="model", choices=["model", "fp8"],
+                   help="the indexer-key pools (EngineConfig.index_cache_dtype)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device), weight_format=args.weight_format)
@@ -84,7 +86,8 @@ def main() -> None:
                                            enable_hisparse=args.enable_hisparse,
                                            hisparse_device_entries=args.hot_entries,
                                            pdl_early_max_batch=args.pdl_early_max_batch,
-                                           shared_expert_beside_max_tokens=args.shared_expert_beside_max_tokens))
+                                           shared_expert_beside_max_tokens=args.shared_expert_beside_max_tokens,
+                                           index_cache_dtype=args.index_cache_dtype))
     g = torch.Generator().manual_seed(0)
     warm = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,
                           ignore_eos=True)

@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU: greedy tokens and logits equal the full-sequence model recomputed on
-the GPU (fp32), with the prefix cache on, chunked prefill and two page sizes. Skipped without
-CUDA."""
+the GPU (fp32), with the prefix cache on, chunked prefill and two page sizes, and with FP8
+indexer keys. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -17,14 +17,17 @@ from dsv4.checkpoint.writer import write_checkpoint
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize(("page_size", "chunk"), [(16, 7), (32, 33)])
+@pytest.mark.parametrize(("page_size", "chunk", "index_cache_dtype"),
+                         [(16, 7, "model"), (32, 33, "model"), (16, 7, "fp8")])
 def test_engine_on_gpu_equals_full_recompute(tmp_path: Path, page_size: int, chunk: int,
+                                             index_cache_dtype: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
     rec = LogitRecorder(monkeypatch)
     llm = LLM(tmp_path, dtype="float32", device="cuda", page_size=page_size,
-              chunked_prefill_size=chunk, max_total_tokens=4096)
+              chunked_prefill_size=chunk, max_total_tokens=4096,
+              index_cache_dtype=index_cache_dtype)  # type: ignore[arg-type]
     prompts = prompts_for(llm.model.config, seed=1)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

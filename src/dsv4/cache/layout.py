@@ -44,15 +44,17 @@ class CacheLayout:
         return (self.num_full_pages - 1) * self.page_size
 
 
-def full_bytes_per_token(model: ModelConfig, dtype: torch.dtype, hisparse: bool = False) -> float:
+def full_bytes_per_token(model: ModelConfig, dtype: torch.dtype, hisparse: bool = False,
+                         index_fp8: bool = False) -> float:
     """Bytes of compressed-cache growth per token on the device (C4 entries + indexer keys + C128
-    entries; with `hisparse` the C4 entries live in the host mirror and do not count)."""
+    entries; with `hisparse` the C4 entries live in the host mirror and do not count; with
+    `index_fp8` an indexer key takes Id one-byte codes and a 4-byte scale)."""
     elt = torch.finfo(dtype).bits // 8
     csa = sum(t == "csa" for t in model.attn_types)
     hca = sum(t == "hca" for t in model.attn_types)
-    c4_width = model.index_head_dim + (0 if hisparse else model.head_dim)
-    csa_bytes = csa * c4_width / model.csa_ratio
-    return elt * (csa_bytes + hca * model.head_dim / model.hca_ratio)
+    key = model.index_head_dim + 4 if index_fp8 else model.index_head_dim * elt
+    c4 = key + (0 if hisparse else model.head_dim * elt)
+    return csa * c4 / model.csa_ratio + elt * hca * model.head_dim / model.hca_ratio
 
 
 def swa_bytes_per_page(model: ModelConfig, dtype: torch.dtype, page_size: int) -> int:
@@ -111,7 +113,8 @@ def _split_budget(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
                          f"HiSparse hot sets ({reserved_bytes / 2**30:.2f} GB); allowed: a larger "
                          "budget, or smaller hisparse_device_entries / max_running_requests")
     swa_page = swa_bytes_per_page(model, dtype, P)
-    full_page = max(1.0, full_bytes_per_token(model, dtype, engine.enable_hisparse) * P)
+    full_page = max(1.0, full_bytes_per_token(model, dtype, engine.enable_hisparse,
+                                              engine.index_cache_dtype == "fp8") * P)
     fraction = engine.swa_memory_fraction or 0.0
     grow_swa = engine.swa_tokens is None and not engine.disable_prefix_cache and fraction > 0
     running = swa_pages

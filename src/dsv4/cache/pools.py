@@ -70,6 +70,8 @@ class LayerCache:
     entries: torch.Tensor | None = None
     state: RingState | None = None
     index_keys: torch.Tensor | None = None  # [num_full_slots // csa_ratio + 1, Id] (CSA)
+    # with FP8 indexer keys (`index_keys` float8_e4m3fn): a power-of-two scale per key, [rows]
+    index_scales: torch.Tensor | None = None
     index_state: RingState | None = None
     hot: HotLayer | None = None             # CSA with HiSparse: in place of `entries`
 
@@ -92,7 +94,7 @@ def _ring(layout: CacheLayout, ring: int, width: int, device: torch.device) -> R
 
 
 def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch.dtype,
-           device: torch.device, hot: HotLayer | None) -> LayerCache:
+           device: torch.device, hot: HotLayer | None, index_fp8: bool) -> LayerCache:
     D, Id = model.head_dim, model.index_head_dim
     cache = LayerCache(attn_type,
                        torch.zeros(layout.num_swa_slots + 1, D, dtype=dtype, device=device))
@@ -102,7 +104,10 @@ def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch
             cache.entries = torch.zeros(n, D, dtype=dtype, device=device)
         cache.hot = hot
         cache.state = _ring(layout, layout.ring_c4, 2 * D, device)
-        cache.index_keys = torch.zeros(n, Id, dtype=dtype, device=device)
+        cache.index_keys = torch.zeros(n, Id, dtype=torch.float8_e4m3fn if index_fp8 else dtype,
+                                       device=device)
+        if index_fp8:
+            cache.index_scales = torch.zeros(n, device=device)
         cache.index_state = _ring(layout, layout.ring_c4, 2 * Id, device)
     elif attn_type == "hca":
         cache.entries = torch.zeros(layout.num_full_slots // model.hca_ratio + 1, D, dtype=dtype,
@@ -113,15 +118,18 @@ def _layer(model: ModelConfig, layout: CacheLayout, attn_type: str, dtype: torch
 
 class KVPools:
     """All cache tensors: `layers[i]` for decoder layer i, then the MTP layers. With `hot` (a
-    HotSet over the C4 layers, HiSparse), the j-th C4 layer's entries go to its j-th layer."""
+    HotSet over the C4 layers, HiSparse), the j-th C4 layer's entries go to its j-th layer. With
+    `index_fp8` the indexer keys are FP8 codes with a scale per key (`kernels/ref/index_keys.py`,
+    `EngineConfig.index_cache_dtype`)."""
 
     def __init__(self, model: ModelConfig, layout: CacheLayout, dtype: torch.dtype,
-                 device: torch.device, hot: HotSet | None = None) -> None:
+                 device: torch.device, hot: HotSet | None = None,
+                 index_fp8: bool = False) -> None:
         self.layout, self.hot = layout, hot
         types = list(model.attn_types) + ["swa"] * model.num_mtp_layers
         self.layers = [_layer(model, layout, t, dtype, device,
                               HotLayer(hot, types[:i].count("csa"))
-                              if hot is not None and t == "csa" else None)
+                              if hot is not None and t == "csa" else None, index_fp8)
                        for i, t in enumerate(types)]
 
     def nbytes(self) -> int:
@@ -129,7 +137,7 @@ class KVPools:
         host mirror not)."""
         total = 0 if self.hot is None else self.hot.layout.pool_bytes(self.hot.device_pool.dtype)[0]
         for c in self.layers:
-            for t in (c.swa, c.entries, c.index_keys):
+            for t in (c.swa, c.entries, c.index_keys, c.index_scales):
                 total += 0 if t is None else t.numel() * t.element_size()
             for s in (c.state, c.index_state):
                 total += 0 if s is None else 2 * s.kv.numel() * s.kv.element_size()

@@ -117,6 +117,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "forwards of up to this many tokens, else beside the gate (default: 8 "
                         "with checkpoint-format experts, else 0; "
                         "EngineConfig.shared_expert_beside_max_tokens)")
+    g.add_argument("--index-cache-dtype", choices=["model", "fp8"], default=None,
+                   help="the CSA indexer-key pools: the model dtype (default), or FP8 codes with "
+                        "a scale per key and FP8 index scores (half the indexer's bytes at long "
+                        "context; EngineConfig.index_cache_dtype)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)
@@ -189,7 +193,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         "ep_size", "dp_size", "load_balance_method", "nnodes", "node_rank", "dist_init_addr",
         "enable_hisparse",
         "hisparse_device_entries", "fuse_projections", "decode_gemv", "pdl_early_max_batch",
-        "shared_expert_beside_max_tokens")}
+        "shared_expert_beside_max_tokens", "index_cache_dtype")}
     engine_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),

@@ -28,6 +28,8 @@ def check_weight_format(weight_format: str) -> WeightFormat:
                      f"allowed: {list(WEIGHT_FORMATS)}")
 
 
+IndexCacheDtype = Literal["model", "fp8"]
+INDEX_CACHE_DTYPES: tuple[IndexCacheDtype, ...] = get_args(IndexCacheDtype)
 WarmupMode = Literal["none", "fast", "full"]
 """What `warm_up` (`engine/warmup.py`) runs before the engine serves (`warmup_plan`)."""
 WARMUP_MODES: tuple[WarmupMode, ...] = get_args(WarmupMode)
@@ -153,6 +155,13 @@ class EngineConfig:
     before the routed GEMMs). 0: always beside the gate. None (default):
     `resolve_shared_expert_beside_max_tokens`, 8 for checkpoint-format (FP4 / FP8) routed
     experts, else 0. Same kernels on the same inputs: the same outputs either way.
+    `index_cache_dtype`: the CSA layers' indexer-key pools. "model": the model dtype. "fp8": e4m3
+    codes with a power-of-two fp32 scale per key (128 + 4 bytes a key against 256 in bf16, as
+    SGLang and vLLM store them; `kernels/ref/index_keys.py`), and the indexer's queries rounded
+    to FP8 per head, so the scores run on FP8 tensor cores: at long context the indexer reads
+    half the bytes. It changes the index scores (each key and query within half an e4m3 step),
+    so the model's full-sequence indexer rounds the same way (`DeepSeekV4ForCausalLM.
+    set_index_cache_dtype`): the engine and the full-sequence forward stay equivalent.
     """
 
     page_size: int = 256
@@ -183,6 +192,7 @@ class EngineConfig:
     decode_gemv: bool = True
     pdl_early_max_batch: int | None = None
     shared_expert_beside_max_tokens: int | None = None
+    index_cache_dtype: IndexCacheDtype = "model"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -239,6 +249,9 @@ class EngineConfig:
                              "token's bits, depend on the batch)")
         if self.warmup is not None:
             check_warmup(self.warmup)
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise ValueError(f"index_cache_dtype={self.index_cache_dtype!r} is invalid; "
+                             f"allowed: {list(INDEX_CACHE_DTYPES)}")
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; "
                              f"allowed: {list(KERNEL_BACKENDS)}")

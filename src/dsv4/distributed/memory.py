@@ -78,7 +78,8 @@ def plan_memory(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype, tp
                                                  context, entries)
         hot = HotSet(hot_layout, table.page_table, dtype, META, host_device=META)
         host = hot_layout.pool_bytes(dtype)[1]
-    kv = KVPools(model, layout, dtype, META, hot).nbytes()
+    kv = KVPools(model, layout, dtype, META, hot,
+                 index_fp8=engine.index_cache_dtype == "fp8").nbytes()
     state = sum(_nbytes(t) for t in vars(table).values() if isinstance(t, torch.Tensor))
     state += engine.max_running_requests * model.vocab_size * (4 + 1)   # counts int32, seen bool
     state += rope_cache_bytes(model, table.max_pages * table.P)       # cos / sin of every position

@@ -53,6 +53,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # before the KV budget is sized: fusing re-allocates the grouped weights
         self.fused_groups = fuse_for_serving(model, config)
+        # the full-sequence indexer rounds as the serving path's pools do
+        model.set_index_cache_dtype(config.index_cache_dtype)
         # the RoPE rows of every position a request can reach (its page table's span, drafts
         # included), before the KV budget is sized so that it sees them
         self.rope_positions = math.ceil(context_length / config.page_size) * config.page_size
@@ -106,7 +108,8 @@ class ModelRunner:
                         "device), host mirror %.1f MB", self.hot_entries, device_bytes / 1e6,
                         host_bytes / 1e6)
         self.table.hot = hot
-        return KVPools(self.model.config, self.layout, self.dtype, self.device, hot)
+        return KVPools(self.model.config, self.layout, self.dtype, self.device, hot,
+                       index_fp8=self.config.index_cache_dtype == "fp8")
 
     def release_memory(self) -> int:
         """Free the KV pools and the CUDA graphs (which hold their addresses) while no request

@@ -224,7 +224,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     post_pre: MhcPostPreOp = triton_mhc_post_pre
     if invariant_plans:
         project = triton_project_invariant
-        pair = functools.partial(triton_compress_pair, fuse=False)
+        pair = functools.partial(triton_compress_pair, invariant=True)
         attention = functools.partial(triton_sparse_attention, num_splits=1)
         pre = functools.partial(triton_mhc_pre, invariant=True)
         head = functools.partial(triton_mhc_head, invariant=True)

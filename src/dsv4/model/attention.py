@@ -263,8 +263,10 @@ class Attention(nn.Module):
             self._compress_pair_hot(projected, ctx, plan, cache)
             return
         assert cache.entries is not None
+        # FP8 keys: each rounded to the model dtype (the pool's other tensors') first
         ctx.ops.compress_pair(own.target(projected[0], cache.state, cache.entries),
-                              idx.target(projected[1], cache.index_state, cache.index_keys),
+                              idx.target(projected[1], cache.index_state, cache.index_keys,
+                                         cache.index_scales, cache.swa.dtype),
                               plan.index, own.norm.eps, plan.entry_cos, plan.entry_sin)
 
     def _compress_pair_hot(self, projected: list[tuple[torch.Tensor, torch.Tensor]],
@@ -282,11 +284,16 @@ class Attention(nn.Module):
         T = projected[0][0].shape[0]
         entries = cache.hot.pool.new_zeros(T + 1, own.out_dim)
         keys = cache.index_keys.new_zeros(T + 1, idx.out_dim)
+        scales = None if cache.index_scales is None else cache.index_scales.new_zeros(T + 1)
         ctx.ops.compress_pair(own.target(projected[0], cache.state, entries),
-                              idx.target(projected[1], cache.index_state, keys),
+                              idx.target(projected[1], cache.index_state, keys, scales,
+                                         cache.swa.dtype),
                               plan.index._replace(write_slot=hs.scratch_rows), own.norm.eps,
                               plan.entry_cos, plan.entry_sin)
         cache.index_keys[plan.write_slot] = keys[:T]
+        if scales is not None:
+            assert cache.index_scales is not None
+            cache.index_scales[plan.write_slot] = scales[:T]
         cache.hot.write(hs.write_slots, hs.write_entries, entries[:T], hot=hs.use_hot,
                         one_row=hs.one_row)
 

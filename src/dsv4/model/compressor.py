@@ -118,13 +118,15 @@ class Compressor(nn.Module):
         return CompressTarget(kv, score, ring, ring.clone(), norm_w, out, ape.float())
 
     def target(self, projected: tuple[torch.Tensor, torch.Tensor], state: RingState,
-               out: torch.Tensor) -> CompressTarget:
+               out: torch.Tensor, out_scale: torch.Tensor | None = None,
+               key_dtype: torch.dtype = torch.float32) -> CompressTarget:
         """This step's raw projections (kv, score) [T, c*Dc] fp32 (`project` with the step's ops,
         or the columns of the layer's fused projection) with the ring and entry pool they go to
-        and the ape the op adds per slot: the compress ops' inputs."""
+        and the ape the op adds per slot: the compress ops' inputs. `out_scale`: `out` is an FP8
+        pool (the indexer's), entries rounded to `key_dtype` before they are quantised."""
         kv, score = projected
         return CompressTarget(kv, score, state.kv, state.score, self.norm.weight, out,
-                              self.ape.float())
+                              self.ape.float(), out_scale, key_dtype)
 
     def forward_cached(self, projected: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                        plan: CompressPlan, state: RingState, out: torch.Tensor) -> None:

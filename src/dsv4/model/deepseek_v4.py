@@ -24,6 +24,7 @@ from dsv4.model.block import Block
 from dsv4.model.forward_context import ForwardContext
 from dsv4.model.forward_mode import INFERENCE, ForwardMode, Replay
 from dsv4.model.hyper_connection import HyperHead
+from dsv4.model.indexer import Indexer
 from dsv4.model.layers.norm import RMSNorm
 from dsv4.model.layers.rope import RotaryEmbedding, lookup_rows
 from dsv4.model.mtp import MTPBlock
@@ -79,6 +80,17 @@ class DeepSeekV4ForCausalLM(nn.Module):
             if p.is_floating_point():
                 p.data = p.data.to(_param_dtype(name, dtype, checkpoint_precision))
         return self
+
+    def set_index_cache_dtype(self, index_cache_dtype: str) -> None:
+        """The indexer keys' format (`EngineConfig.index_cache_dtype`): "model" or "fp8". With
+        "fp8" every indexer rounds its keys and queries to FP8 (`kernels/ref/index_keys.py`) in
+        the full-sequence forward too, as an engine's FP8 pools and scores do."""
+        if index_cache_dtype not in ("model", "fp8"):
+            raise ValueError(f"index_cache_dtype={index_cache_dtype!r} is invalid; allowed: "
+                             "['model', 'fp8']")
+        for module in self.modules():
+            if isinstance(module, Indexer):
+                module.fp8 = index_cache_dtype == "fp8"
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (RoPE tables; FP8 linears' split-K counters), e.g.

@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv4.cache.pools import LayerCache
 from dsv4.config.model import ModelConfig
+from dsv4.kernels.ref.index_keys import round_index_keys
 from dsv4.kernels.ref.indexer import causal_topk, index_scores
 from dsv4.kernels.ref.rope_norm import apply_rope
 from dsv4.kernels.registry import KernelOps
@@ -36,6 +37,9 @@ class Indexer(nn.Module):
         self.compressor = Compressor(config.hidden_size, self.head_dim, self.ratio, True,
                                      config.rms_norm_eps)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        # FP8 keys and queries (`EngineConfig.index_cache_dtype`; set by
+        # `DeepSeekV4ForCausalLM.set_index_cache_dtype`): both paths round them alike
+        self.fp8 = False
 
     def query(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               values: KernelOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +76,8 @@ class Indexer(nn.Module):
         `values`: the queries' RoPE values from that backend (`query`)."""
         keys = self.compressor(x, cos, sin)                       # [B, E, Id]
         q, w = self.query(x, q_lat, cos, sin, values)
+        if self.fp8:        # the serving path's FP8 pool and the kernel's rounding of q
+            keys, q = round_index_keys(keys), round_index_keys(q)
         scores = index_scores(q, keys, w)
         visible = (torch.arange(x.shape[1], device=x.device) + 1) // self.ratio
         hidden = torch.arange(keys.shape[1], device=x.device) >= visible[:, None]
@@ -102,12 +108,16 @@ class Indexer(nn.Module):
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path. This step's keys are already in
         `cache.index_keys`: the layer wrote them with its own compressor's
-        (`Attention._compress_pair`).
+        (`Attention._compress_pair`). With FP8 pools (`cache.index_scales`) the op rounds each
+        head's query to FP8 as the full-sequence path does (`scores`).
         """
         assert cache.index_keys is not None
         q = ctx.ops.rope(q.view(q.shape[0], self.n_heads, self.head_dim), cos, sin)  # [T, Ih, Id]
         if plan.candidates.shape[1] == 0:                                    # no entry complete yet
             return plan.candidates
+        fp8 = cache.index_scales is not None
+        assert fp8 == self.fp8, "the key pools' format and the model's indexer must agree"
         scores = ctx.ops.index_scores(q, weights, cache.index_keys, plan.candidates,
-                                      weight_scale=self.weight_scale)   # [T, V], -inf: none
+                                      weight_scale=self.weight_scale, key_scales=cache.index_scales,
+                                      fp8_q=fp8)                        # [T, V], -inf: none
         return ctx.ops.topk(scores, plan.visible, self.topk)                    # [T, k'], -1: none

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4.kernels.ref.index_keys import quantize_index_keys
 from dsv4.kernels.ref.rope_norm import apply_rope, rms_normalize
 
 
@@ -139,7 +140,8 @@ def compress_geometry(kv: torch.Tensor, index: CompressIndex,
 def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                     ring_score: torch.Tensor, index: CompressIndex, norm_weight: torch.Tensor,
                     eps: float, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, *,
-                    ape: torch.Tensor | None = None) -> None:
+                    ape: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
+                    key_dtype: torch.dtype = torch.float32) -> None:
     """One serving step of a compressor, in place (the steps of spec §6.5 after the projections).
 
     kv, score: [T, c*Dc] fp32 projections of this step's tokens; c = 2 with overlap. ring_kv,
@@ -147,7 +149,10 @@ def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
     norm_weight: [Dc] (compressor.norm); cos, sin: [T, rd/2] fp32 RoPE of each token's entry
     position. out: [N_out, Dc] entry pool (bf16 / fp32), row `write_slot[t]` receives token t's
     entry. ape: [ratio, c*Dc] fp32, added to the scores per source slot (module docstring; the
-    scores and the rings stay raw); None: the scores and rings include it already.
+    scores and the rings stay raw); None: the scores and rings include it already. out_scale:
+    [N_out] fp32 with `out` float8_e4m3fn (an FP8 indexer-key pool): each entry is rounded to
+    `key_dtype` (the dtype a float pool would hold), then quantised (`ref/index_keys.py`), its
+    codes to `out` and its scale to `out_scale` at the same row.
     """
     ratio, overlap = compress_geometry(kv, index, out)
     new, ring = index.from_new[..., None], index.src_ring
@@ -157,7 +162,13 @@ def compress_cached(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor
         src_score = src_score + ape.repeat(index.src_new.shape[1] // ratio, 1)
     pooled = pool_sources(src_kv, src_score, index.src_valid, ratio, overlap)     # [T, Dc] fp32
     normed = norm_weight * rms_normalize(pooled, eps)
-    out[index.write_slot] = apply_rope(normed, cos, sin).to(out.dtype)
+    entries = apply_rope(normed, cos, sin)
+    if out_scale is None:
+        out[index.write_slot] = entries.to(out.dtype)
+    else:
+        codes, scales = quantize_index_keys(entries.to(key_dtype))
+        out[index.write_slot] = codes
+        out_scale[index.write_slot] = scales
     ring_kv[index.ring_write] = kv
     ring_score[index.ring_write] = score
 
@@ -173,6 +184,9 @@ class CompressTarget(NamedTuple):
     out: torch.Tensor           # [N_out, Dc] entry pool
     # [ratio, c*Dc] fp32, added per source slot (raw scores and rings); None: included already
     ape: torch.Tensor | None = None
+    # [N_out] fp32: `out` holds FP8 codes, these their scales (`compress_cached`'s out_scale)
+    out_scale: torch.Tensor | None = None
+    key_dtype: torch.dtype = torch.float32   # with out_scale: entries rounded to it first
 
 
 def compress_cached_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex,
@@ -186,4 +200,4 @@ def compress_cached_pair(first: CompressTarget, second: CompressTarget, index: C
     """
     for c in (first, second):
         compress_cached(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos, sin,
-                        c.out, ape=c.ape)
+                        c.out, ape=c.ape, out_scale=c.out_scale, key_dtype=c.key_dtype)

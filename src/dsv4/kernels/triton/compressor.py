@@ -161,10 +161,10 @@ def load_rope(cos_ptr, sin_ptr, t, stride_cs, pair, is_rope,  # type: ignore[no-
 
 
 @triton.jit
-def store_entry(den, acc, w, cos, sin, is_rope, eps,  # type: ignore[no-untyped-def]
-                out_row_ptr, offs_d, d_mask, DC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """pooled = acc / den -> weighted RMSNorm -> RoPE on the rotated pairs -> out_row (cast to its
-    dtype)."""
+def entry_value(den, acc, w, cos, sin, is_rope, eps,  # type: ignore[no-untyped-def]
+                d_mask, DC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """pooled = acc / den -> weighted RMSNorm -> RoPE on the rotated pairs: the entry [BLOCK_D]
+    fp32."""
     pooled = tl.where(d_mask, acc / tl.where(d_mask, den, 1.0), 0.0)   # [BLOCK_D] fp32
     inv_rms = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / DC + eps)
     y = w * (pooled * inv_rms)
@@ -172,7 +172,14 @@ def store_entry(den, acc, w, cos, sin, is_rope, eps,  # type: ignore[no-untyped-
     a, b = tl.split(tl.reshape(y, (BLOCK_D // 2, 2)))
     ra = tl.where(is_rope, a * cos - b * sin, a)
     rb = tl.where(is_rope, a * sin + b * cos, b)
-    entry = tl.reshape(tl.join(ra, rb), (BLOCK_D,))
+    return tl.reshape(tl.join(ra, rb), (BLOCK_D,))
+
+
+@triton.jit
+def store_entry(den, acc, w, cos, sin, is_rope, eps,  # type: ignore[no-untyped-def]
+                out_row_ptr, offs_d, d_mask, DC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`entry_value` -> out_row (cast to its dtype)."""
+    entry = entry_value(den, acc, w, cos, sin, is_rope, eps, d_mask, DC, BLOCK_D)
     tl.store(out_row_ptr + offs_d, entry.to(out_row_ptr.dtype.element_ty), mask=d_mask)
 
 

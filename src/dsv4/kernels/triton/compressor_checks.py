@@ -25,9 +25,9 @@ def _check_rows(name: str, x: torch.Tensor, shape: tuple[int, ...],
 def check_inputs(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
                  ring_score: torch.Tensor, index: CompressIndex, norm_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-                 ape: torch.Tensor | None = None) -> None:
+                 ape: torch.Tensor | None = None, out_scale: torch.Tensor | None = None) -> None:
     """`triton_compress_cached`'s layout checks (ValueError naming the tensor): shapes, dtypes,
-    strides, device."""
+    strides, device. `out_scale`: `out` holds FP8 codes, these [N_out] fp32 their scales."""
     if kv.dim() != 2 or out.dim() != 2 or index.src_new.dim() != 2 or cos.dim() != 2:
         raise ValueError(f"expected kv [T, c*Dc], out [N, Dc], index.src_new [T, S], "
                          f"cos [T, rd/2]; got {list(kv.shape)}, {list(out.shape)}, "
@@ -49,7 +49,11 @@ def check_inputs(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
     if T > 1 and score.stride(0) != kv.stride(0):
         raise ValueError(f"kv and score must share one row stride; got {kv.stride(0)} and "
                          f"{score.stride(0)}")
-    _check_rows("out", out, tuple(out.shape), _OUT_DTYPES, contiguous=False)
+    if out_scale is None:
+        _check_rows("out", out, tuple(out.shape), _OUT_DTYPES, contiguous=False)
+    else:
+        _check_rows("out", out, tuple(out.shape), (torch.float8_e4m3fn,), contiguous=False)
+        _check_rows("out_scale", out_scale, tuple(out.shape[:1]), fp32)
     _check_rows("norm_weight", norm_weight, (Dc,), _OUT_DTYPES)
     if ape is not None:        # [ratio, width]: ratio = S, or S / 2 with overlap
         _check_rows("ape", ape, (S // 2 if width == 2 * Dc else S, width), fp32)

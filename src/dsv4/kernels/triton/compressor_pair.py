@@ -21,6 +21,10 @@ prefill, where the wider program's registers cost occupancy; the indexer compres
 (benchmarks/results/compressor_h200_202611.md). So steps of more than _FUSE_MAX_TOKENS tokens run
 the two single launches (a shape rule: no host sync).
 
+FP8 indexer keys: a second target with `out_scale` (`CompressTarget`) gets its entries rounded to
+its `key_dtype`, then to e4m3 codes and a power-of-two scale (`fp8_rows.py`, the reference's
+`quantize_index_keys`), in this launch at any T (the single launches do not write FP8).
+
 Scope: windows of one chunk (C4: S = 8), both compressors with overlap; anything else raises (call
 the single op). Prefill / extend (`ring_reads_disjoint` False) writes both rings in a second and
 third launch after the first has read them, as `triton_compress_cached` does.
@@ -37,6 +41,7 @@ import triton.language as tl
 
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_geometry
 from dsv4.kernels.triton.compressor import (
+    entry_value,
     fold_chunk,
     gather_chunk,
     launch_compress,
@@ -46,6 +51,7 @@ from dsv4.kernels.triton.compressor import (
     write_ring_rows,
 )
 from dsv4.kernels.triton.compressor_checks import check_inputs
+from dsv4.kernels.triton.fp8_rows import fp8_row
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
@@ -54,6 +60,7 @@ _MAX_WINDOW = 16            # S: the window is pooled in one [next_pow2(S), Dc] 
 _DEFAULT_WARPS = 4
 # fused up to here (faster at T 64 / 256), two single launches above (faster at 1024+)
 _FUSE_MAX_TOKENS = 512
+_KEY_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -79,7 +86,7 @@ def _store_ring_row(ring_kv_ptr, ring_score_ptr, dst, ring_trash,  # type: ignor
 @triton.jit
 def _compress_pair_kernel(  # type: ignore[no-untyped-def]
     kv_a, score_a, ring_kv_a, ring_score_a, w_a, out_a, ape_a,
-    kv_b, score_b, ring_kv_b, ring_score_b, w_b, out_b, ape_b,
+    kv_b, score_b, ring_kv_b, ring_score_b, w_b, out_b, ape_b, scale_b,
     src_new_ptr, src_ring_ptr, from_new_ptr, valid_ptr, write_slot_ptr, ring_write_ptr, cos_ptr,
     sin_ptr,
     out_trash, ring_trash, eps,
@@ -87,7 +94,7 @@ def _compress_pair_kernel(  # type: ignore[no-untyped-def]
     S: tl.constexpr, RATIO: tl.constexpr, DC_A: tl.constexpr, DC_B: tl.constexpr,
     ROPE_FIRST_A: tl.constexpr, ROPE_FIRST_B: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, WRITE_RING: tl.constexpr,
-    HAS_APE: tl.constexpr, PDL: tl.constexpr):
+    HAS_APE: tl.constexpr, FP8_B: tl.constexpr, KEY_DTYPE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # Load schedule as in compressor._compress_kernel (its module docstring, "Latency"), for two
     # compressors.
@@ -135,8 +142,15 @@ def _compress_pair_kernel(  # type: ignore[no-untyped-def]
                                      tl.zeros([BLOCK_DB], tl.float32))
         store_entry(den_a, acc_a, wa, cos_a, sin_a, rope_a, eps, out_a + slot * stride_out_a,
                     offs_a, mask_a, DC_A, BLOCK_DA)
-        store_entry(den_b, acc_b, wb, cos_b, sin_b, rope_b, eps, out_b + slot * stride_out_b,
-                    offs_b, mask_b, DC_B, BLOCK_DB)
+        if FP8_B:
+            entry_b = entry_value(den_b, acc_b, wb, cos_b, sin_b, rope_b, eps, mask_b, DC_B,
+                                  BLOCK_DB)
+            codes, scale = fp8_row(entry_b.to(KEY_DTYPE).to(tl.float32), mask_b)
+            tl.store(out_b + slot * stride_out_b + offs_b, codes, mask=mask_b)
+            tl.store(scale_b + slot, scale)
+        else:
+            store_entry(den_b, acc_b, wb, cos_b, sin_b, rope_b, eps, out_b + slot * stride_out_b,
+                        offs_b, mask_b, DC_B, BLOCK_DB)
 
 
 def _check_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex,
@@ -144,7 +158,13 @@ def _check_pair(first: CompressTarget, second: CompressTarget, index: CompressIn
     """Each compressor's own checks, then what sharing one plan needs. Returns (ratio, S)."""
     for c in (first, second):
         check_inputs(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, cos, sin, c.out,
-                     c.ape)
+                     c.ape, c.out_scale)
+    if first.out_scale is not None:
+        raise ValueError("compress_pair: FP8 entries (out_scale) only for the second target (the "
+                         "indexer keys); got one for the first")
+    if second.out_scale is not None and second.key_dtype not in _KEY_DTYPES:
+        raise ValueError(f"compress_pair: key_dtype must be one of {list(_KEY_DTYPES)}; got "
+                         f"{second.key_dtype}")
     if (first.ape is None) != (second.ape is None):
         raise ValueError("compress_pair: both targets carry an ape or neither does; got one")
     (ratio, overlap), (ratio_b, overlap_b) = (compress_geometry(c.kv, index, c.out)
@@ -165,22 +185,30 @@ def _check_pair(first: CompressTarget, second: CompressTarget, index: CompressIn
 
 def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: CompressIndex,
                          eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
-                         fuse: bool | None = None, num_warps: int | None = None,
-                         num_stages: int = 2) -> None:
+                         fuse: bool | None = None, invariant: bool = False,
+                         num_warps: int | None = None, num_stages: int = 2) -> None:
     """Same contract as `compress_cached_pair` (in place). Each target as
     `triton_compress_cached`'s arguments (kv / score [T, 2 Dc] fp32, rings [N_ring, 2 Dc] fp32, norm
     weight [Dc], out [N_out, Dc], ape [ratio, 2 Dc] fp32 or None, in both or neither); both overlap
-    compressors of S <= 16 slots with equal ring and entry row counts. Fused (default: T <= 512
-    tokens; module docstring): one launch when `index.ring_reads_disjoint` (decode), else three (the
-    ring writes after the reads); not fused: `triton_compress_cached` per compressor. Keyword
-    arguments are tuning knobs (benchmark sweeps, tests). No host syncs: safe inside CUDA-graph
-    capture.
+    compressors of S <= 16 slots with equal ring and entry row counts; the second may be an FP8
+    pool (`out_scale`). Fused (default: T <= 512 tokens, or FP8 keys; module docstring): one
+    launch when `index.ring_reads_disjoint` (decode), else three (the ring writes after the
+    reads); not fused: `triton_compress_cached` per compressor.
+    `invariant` (token-count-invariant plans, RL): the path does not depend on T: the two single
+    launches, or with FP8 keys the fused one. The other keyword arguments are tuning knobs
+    (benchmark sweeps, tests). No host syncs: safe inside CUDA-graph capture.
     """
     ratio, S = _check_pair(first, second, index, cos, sin)
     T = first.kv.shape[0]
+    fp8 = second.out_scale is not None
+    if fp8 and fuse is False:
+        raise ValueError("compress_pair: FP8 indexer keys (out_scale) are written by the fused "
+                         "launch only; got fuse=False")
     if T == 0:
         return
-    if not (T <= _FUSE_MAX_TOKENS if fuse is None else fuse):
+    if invariant and fuse is None:
+        fuse = fp8
+    if not (T <= _FUSE_MAX_TOKENS or fp8 if fuse is None else fuse):
         for c in (first, second):     # checked above (_check_pair)
             launch_compress(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos,
                             sin, c.out, ape=c.ape)
@@ -191,16 +219,18 @@ def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: C
     _compress_pair_kernel[(T,)](
         a.kv, a.score, a.ring_kv, a.ring_score, a.norm_weight, a.out,
         a.score if a.ape is None else a.ape,
-        b.kv, b.score, b.ring_kv, b.ring_score, b.norm_weight, b.out,
-        b.score if b.ape is None else b.ape,
+        b.kv, b.score, b.ring_kv, b.ring_score, b.norm_weight,
+        b.out.view(torch.uint8) if fp8 else b.out, b.score if b.ape is None else b.ape,
+        b.out_scale if fp8 else b.score,
         *index[:6], cos, sin, a.out.shape[0] - 1, a.ring_kv.shape[0] - 1, eps,
         a.kv.stride(0), a.ring_kv.stride(0), a.out.stride(0), b.kv.stride(0), b.ring_kv.stride(0),
         b.out.stride(0), cos.stride(0),
         S=S, RATIO=ratio, DC_A=Da, DC_B=Db, ROPE_FIRST_A=Da // 2 - half_rd,
         ROPE_FIRST_B=Db // 2 - half_rd, BLOCK_S=triton.next_power_of_2(S),
         BLOCK_DA=triton.next_power_of_2(Da), BLOCK_DB=triton.next_power_of_2(Db),
-        WRITE_RING=fused, HAS_APE=a.ape is not None, num_warps=num_warps or _DEFAULT_WARPS,
-        num_stages=num_stages,
+        WRITE_RING=fused, HAS_APE=a.ape is not None, FP8_B=fp8,
+        KEY_DTYPE=_KEY_DTYPES[b.key_dtype] if fp8 else tl.float32,
+        num_warps=num_warps or _DEFAULT_WARPS, num_stages=num_stages,
         **pdl_args(a.kv.device),
     )
     if not fused:  # NOTE: after every ring read of the launch above (compressor.py's docstring)
