@@ -300,8 +300,9 @@ def attention_variants() -> Iterator[Variant]:
                  "weight_scale": "fp32",
                  **{f"stride_{k}": hint for k in ("qt", "qh", "wt", "kn", "ct", "ot")}}
         # EVEN_D: 16-byte loads and a cp.async key gather; else 2-byte loads
-        consts = {"BLOCK_V": 64, "BLOCK_H": 64, "BLOCK_D": 128, "FP32_DOT": False, "EVEN_D": even,
-                  "FP8_KEYS": keys != "bf16", "FP8_Q": keys == "fp8q"}
+        consts = {"BLOCK_V": 128 if keys == "fp8q" else 64, "BLOCK_H": 64, "BLOCK_D": 128,
+                  "FP32_DOT": False, "EVEN_D": even, "FP8_KEYS": keys != "bf16",
+                  "FP8_Q": keys == "fp8q"}
         yield (f"index scores w {w} even_d={even} keys {keys}", index_scores._index_scores_kernel,
                types, consts, {"num_warps": 4, "num_stages": 2})
     types = {"q_ptr": "*bf16", "kv1_ptr": "*bf16", "idx1_ptr": "*i64", "kv2_ptr": "*bf16",

@@ -61,6 +61,8 @@ from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
+_BLOCK_V = 64                   # candidates per block (the docstring's defaults)
+_FP8_Q_BLOCK_V = 128
 _PROGRAMS_PER_SM = 4            # splits target: enough resident programs to keep gathers in flight
 _MAX_BLOCKS_PER_PROGRAM = 16
 _MAX_GRID_Y = 65535             # CUDA limit on grid dim 1 (the splits)
@@ -203,7 +205,7 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidate
 def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                         candidates: torch.Tensor, *, weight_scale: float = 1.0,
                         key_scales: torch.Tensor | None = None,
-                        fp8_q: bool = False, block_v: int = 64,
+                        fp8_q: bool = False, block_v: int | None = None,
                         blocks_per_program: int | None = None, num_warps: int = 4,
                         num_stages: int = 2) -> torch.Tensor:
     """Same contract as `paged_index_scores`: returns [T, V] fp32, -inf where candidates < 0.
@@ -221,10 +223,13 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     keyword arguments are tuning knobs (benchmark sweeps, tests); the defaults (block_v 64,
     4 warps, 2 stages) are the H200 sweep's best of 11 configurations for Ih = 64, Id = 128 at
     decode T = 1 and V 65,536 / 262,144 (`bench_index_scores.py --sweep`;
-    benchmarks/results/kernels_i_h200_202611.md); blocks per program by `_blocks_per_program`. No
-    host syncs: safe inside CUDA-graph capture.
+    benchmarks/results/kernels_i_h200_202611.md); with `fp8_q` block_v 128, the H100's best of
+    64 / 128 there (each program rounds q once: fewer, longer programs; 8.5 / 20.1 us against
+    9.5 / 23.0 at 64: benchmarks/results/serving_h200_202612.md, "Forty-first session"); blocks
+    per program by `_blocks_per_program`. No host syncs: safe inside CUDA-graph capture.
     """
     _check(q, weights, keys, candidates, key_scales, fp8_q)
+    block_v = block_v or (_FP8_Q_BLOCK_V if fp8_q else _BLOCK_V)
     if block_v < _MIN_DOT or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= {_MIN_DOT}; got {block_v}")
     T, Ih, Id = q.shape
