@@ -150,6 +150,11 @@
 #                 for every point (--one-engine, batches 8 / 32 at 4K and 32K) in a fresh Triton cache, each
 #                 build after the warmup with its constexprs and key (builds_after_warmup) per format in
 #                 AW_FORMATS (default "bf16 checkpoint"): after_warmup_<fmt>.json
+#   index-fp8     index_cache_dtype "model" against "fp8" at batch-1 decode, 4K and 900K, alternating
+#                 formats run by run (model, fp8, model, fp8: the device's slow state after a long prefill
+#                 varies by process), checkpoint precision on an H100 (bf16 does not fit 900K there), bf16
+#                 on an H200 (IF_FORMAT overrides): decode_context_sweep.py --phases 3 --step-times per run,
+#                 index_fp8_<run>.json
 #   long-attn     the split-KV attention at batch-1 decode (issue 20's 900K line): its GPU tests (64 splits,
 #                 900K), then bench_sparse_attention.py --sweep on the 900K C128 list, the 128K list and the
 #                 C4 picks at batch 1: long_attn_tests.txt, long_attn.json
@@ -724,6 +729,28 @@ PY
   done
 }
 
+index_fp8() {   # index_cache_dtype model vs fp8 at batch 1, 4K and 900K, formats alternating
+  local fmt run idx
+  fmt=${IF_FORMAT:-$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo bf16 \
+    || echo checkpoint)}
+  for run in 1 2; do
+    for idx in model fp8; do
+      timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
+        --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \
+        --one-engine --contexts 4096,921600 --batches "" --chunked-prefill-size 8192 --phases 3 \
+        --step-times --index-cache-dtype "$idx" --out "$OUT/index_fp8_${idx}_$run.json" \
+        > "/tmp/index_fp8_${idx}_$run.txt" 2>&1
+      echo "== $fmt $idx run $run (exit $?)"
+      python3 - "$OUT/index_fp8_${idx}_$run.json" <<'PY' || tail -5 "/tmp/index_fp8_${idx}_$run.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    print(r["batch"], r["context"], r["status"][:40], r.get("ms_per_step"), r.get("phase_ms"))
+PY
+    done
+  done
+}
+
 prefill_cold() {   # is the sweep's batch-32 prefill time kernel compiles? cold against warm cache
   local fmt pass cache
   for fmt in ${PC_FORMATS:-checkpoint bf16}; do
@@ -793,11 +820,12 @@ for part in "$@"; do
     per-layer) per_layer ;;
     after-warmup) after_warmup ;;
     long-attn) long_attn ;;
+    index-fp8) index_fp8 ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn index-fp8 multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
