@@ -274,3 +274,26 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(tmp_path: Path) -> No
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if k not in drop} for r in rows]
     assert records(killed) == records(whole)
+
+
+def test_fp8_index_keys_reach_the_engine_and_the_trainer(tmp_path: Path) -> None:
+    """`index_cache_dtype="fp8"`: the rollout engine's indexer-key pools are FP8 and every model
+    of the trainer (policy, the KL reference) rounds its indexer's keys and queries as they do, so
+    a run that replays only the routing selects its C4 entries as the rollouts did."""
+    from dsv4.model.indexer import Indexer
+    from dsv4.rl.server_trainer import server_knobs
+
+    config = RLConfig(model=str(default_model_path()), out_dir=str(tmp_path), group_size=2,
+                      prompts_per_step=2, steps=1, levels=(3,), kl_coef=0.1, replay="routing",
+                      index_cache_dtype="fp8")
+    trainer = RLTrainer(config)
+    pools = [c for c in trainer.engine.runner.pools.layers if c.index_keys is not None]
+    assert pools and all(c.index_keys is not None and c.index_keys.dtype == torch.float8_e4m3fn
+                         for c in pools)
+    assert trainer.reference is not None
+    for model in (trainer.policy, trainer.compute, trainer.reference):
+        assert all(m.fp8 for m in model.modules() if isinstance(m, Indexer))
+    assert server_knobs(config)["index_cache_dtype"] == "fp8"
+    assert math.isfinite(trainer.train_step().get("loss", 0.0))
+    with pytest.raises(ValueError, match="index_cache_dtype='fp4' is invalid"):
+        RLConfig(model="m", out_dir="o", index_cache_dtype="fp4")

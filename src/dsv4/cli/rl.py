@@ -29,7 +29,8 @@ _RUN_FLAGS: dict[str, type] = {
     "tis": float, "kl_coef": float, "entropy_coef": float, "overlong_buffer": int,
     "eval_every": int, "save_every": int, "eval_per_level": int, "seed": int, "dtype": str,
     "device": str, "kernel_backend": str, "weight_format": str, "formulation": str,
-    "time_limit_s": float, "max_steps_this_call": int, "sync_bucket_mb": float}
+    "time_limit_s": float, "max_steps_this_call": int, "sync_bucket_mb": float,
+    "index_cache_dtype": str}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

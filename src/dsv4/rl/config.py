@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dsv4.config.engine import INDEX_CACHE_DTYPES
 from dsv4.rl.rewards import TASKS
 from dsv4.utils.run_dir import RunConfig
 
@@ -63,7 +64,11 @@ class RLConfig(RunConfig):
     every step: `rl/server_trainer.py`; `rollout_colocated`: the servers share the trainer's
     devices, so their KV pools and CUDA graphs are released while the trainer steps, as in Miles'
     colocated mode). Where the run executes does not change what it computes, so these may change
-    on resume."""
+    on resume.
+    `index_cache_dtype`: the rollout engine's indexer keys (`EngineConfig.index_cache_dtype`),
+    and the trainer's models' indexers round theirs the same way
+    (`DeepSeekV4ForCausalLM.set_index_cache_dtype`): its own selections (replay without
+    "indexer") and the indexer's scores are those of the rollouts."""
 
     INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
@@ -107,6 +112,7 @@ class RLConfig(RunConfig):
     rollout_urls: tuple[str, ...] = ()
     rollout_colocated: bool = False
     activation_checkpointing: bool = False
+    index_cache_dtype: str = "model"
 
     def __post_init__(self) -> None:
         if self.true_on_policy is None:     # resolved once, so rl_config.json records the value
@@ -117,6 +123,9 @@ class RLConfig(RunConfig):
             raise ValueError(f"algo={self.algo!r} is unknown; allowed: {list(ALGOS)}")
         if self.replay not in REPLAYS:
             raise ValueError(f"replay={self.replay!r} is invalid; allowed: {list(REPLAYS)}")
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise ValueError(f"index_cache_dtype={self.index_cache_dtype!r} is invalid; allowed: "
+                             f"{list(INDEX_CACHE_DTYPES)}")
         for name in ("group_size", "prompts_per_step", "steps", "max_tokens", "eval_every",
                      "save_every", "eval_per_level", "max_resample_rounds"):
             value = getattr(self, name)

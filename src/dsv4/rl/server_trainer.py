@@ -246,12 +246,13 @@ class ServerTrainer(RLTrainer):
 
 def server_knobs(config: RLConfig) -> dict[str, Any]:
     """What a rollout server must run for `config` (`/get_server_info` keys): routing capture
-    (prefix cache off), and the dtype, weight format, kernel backend and invariant modes of the
-    run's own engine (`RLTrainer.engine_config`)."""
+    (prefix cache off), and the dtype, weight format, kernel backend, invariant modes and
+    indexer-key format of the run's own engine (`RLTrainer.engine_config`)."""
     return {"enable_return_routing": True, "dtype": config.dtype,
             "weight_format": config.weight_format, "kernel_backend": config.kernel_backend,
             "batch_invariant": bool(config.true_on_policy),
-            "invariant_plans": config.values_from_kernels}
+            "invariant_plans": config.values_from_kernels,
+            "index_cache_dtype": config.index_cache_dtype}
 
 
 def _reachable_host(url: str) -> str:

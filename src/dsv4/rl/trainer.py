@@ -101,6 +101,7 @@ class RLTrainer:
         model_dir = Path(c.model)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.policy = load_model(model_dir, dtype="float32", device=self.device).train()
+        self.policy.set_index_cache_dtype(c.index_cache_dtype)   # the copies below inherit it
         self.compute = (self.policy if c.dtype == "float32"
                         else copy.deepcopy(self.policy).cast_(torch.bfloat16))
         self.reference = copy.deepcopy(self.policy).eval() if c.kl_coef > 0 else None
@@ -119,6 +120,7 @@ class RLTrainer:
                             capture_routing=True, disable_prefix_cache=True,
                             batch_invariant=bool(c.true_on_policy),
                             invariant_plans=c.values_from_kernels, seed=c.seed,
+                            index_cache_dtype=c.index_cache_dtype,  # type: ignore[arg-type]
                             # RL steps rollouts synchronously: weight updates and memory release
                             # between phases find nothing in flight
                             overlap_schedule=False)
