@@ -103,6 +103,6 @@ def test_config_and_cache_plan() -> None:
     assert bf16 - fp8 == pytest.approx(csa * (2 * 128 - 132) / 4)
     args = dict(kv_cache_memory_gb=4.0, max_running_requests=4, context_length=1 << 20)
     plain = plan_cache(flash, EngineConfig(**args), torch.bfloat16)  # type: ignore[arg-type]
-    small = plan_cache(flash, EngineConfig(**args, index_cache_dtype="fp8"),  # type: ignore[arg-type]
-                       torch.bfloat16)
+    fp8_config = EngineConfig(**args, index_cache_dtype="fp8")  # type: ignore[arg-type]
+    small = plan_cache(flash, fp8_config, torch.bfloat16)
     assert small.num_full_pages > plain.num_full_pages

@@ -4,52 +4,26 @@ The indexer-key pool of a CSA layer holds, per C4 entry, Id = 128 channels that 
 indexer reads for every visible entry at every decode step: at long context that read is the
 indexer's whole cost. SGLang and vLLM store these keys in FP8 (128 B + a 4-byte scale per key,
 against 256 B in bf16); the DeepSeek reference rounds them to FP4 in its QAT simulation
-(model-spec §11). Here, with `index_key_dtype="fp8"`:
-
-    scale = 2^k, the smallest power of two with amax(|x|) <= 448 * scale   (k in [-126, 126])
-    code  = e4m3(x / scale)         round to nearest even; |x / scale| <= 448, never saturates
-    value = fp32(code) * scale      (exact)
-
-Why a power of two: x / scale is exact, so the code is one rounding of x (the same bits from
-torch's cast and from the Triton kernels' integer encoding, `kernels/triton/fp8_rows.py`), and
-scores over the dequantised keys may apply the scale after the dot (`q · (c * s) == s * (q · c)`
-exactly in fp32). k comes from amax's exponent and mantissa bits (no log2, no division), so every
-implementation derives the same scale. The scale is that of the checkpoint's UE8M0 blocks, kept
-as an fp32 word per key.
+(model-spec §11). Here, with `index_cache_dtype="fp8"`, a key (or an indexer query head) is
+quantised as the reference quantises activations, one block per key: `ref/act_quant.py`'s
+power-of-two scale of its amax and e4m3 codes (the Triton kernels use `triton/act_quant.py`'s
+`pow2_ceil_scale` / `e4m3_codes`: the same bits). The value is code * scale, exactly. Because the
+scale is a power of two, a score over the dequantised keys may apply it after the dot
+(`q · (c * s) == s * (q · c)` exactly in fp32).
 """
 
 from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0                 # largest finite e4m3 (e4m3fn)
-_MANT_175 = 0x600000            # the mantissa bits of 1.75 (448 = 1.75 * 2^8)
-_K_MIN, _K_MAX = -126, 126      # the scales stay normal fp32, their inverses too
-
-
-def scale_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """k [..] int32 of the smallest power of two with amax <= 448 * 2^k (amax fp32 >= 0).
-
-    amax = m * 2^e (m in [1, 2)): amax <= 1.75 * 2^(8 + k) iff k >= e - 8 when m <= 1.75, else
-    k >= e - 7. Zero and subnormal amax take the smallest k."""
-    bits = amax.float().view(torch.int32)
-    e = (bits >> 23) - 127
-    k = e - 8 + ((bits & 0x7FFFFF) > _MANT_175).to(torch.int32)
-    return k.clamp(_K_MIN, _K_MAX)
-
-
-def pow2(k: torch.Tensor) -> torch.Tensor:
-    """2^k fp32 for int32 k in [-126, 127], built from its exponent bits."""
-    return ((k + 127) << 23).to(torch.int32).view(torch.float32)
+from dsv4.kernels.ref.act_quant import act_quant
 
 
 def quantize_index_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., Id] (any float dtype; its fp32 values) -> (codes [..., Id] float8_e4m3fn,
-    scales [...] fp32): per row, the module docstring's scale and codes."""
-    xf = x.float()
-    k = scale_exponent(xf.abs().amax(dim=-1))
-    codes = (xf * pow2(-k)[..., None]).to(torch.float8_e4m3fn)
-    return codes, pow2(k)
+    scales [...] fp32): `act_quant` with one block per row."""
+    codes, scales = act_quant(x, block=x.shape[-1])
+    return codes, scales[..., 0]
 
 
 def dequantize_index_keys(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

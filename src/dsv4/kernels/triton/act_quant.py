@@ -40,10 +40,20 @@ def quant_rows(v):  # type: ignore[no-untyped-def]
     """(e4m3 codes [R, B] as uint8, fp32 scales [R]) of fp32 v [R, B], one block per row; columns
     outside the block must hold 0 (they cannot raise the amax)."""
     scale = pow2_ceil_scale(tl.max(tl.abs(v), axis=1))
-    # 1 / scale from the bits (biased exponent 254 - e): exact, whatever the division's rounding
-    inv = ((254 - (scale.to(tl.int32, bitcast=True) >> 23)) << 23).to(tl.float32, bitcast=True)
-    q = round_e4m3(tl.clamp(v * inv[:, None], -_MAX, _MAX))
-    return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), scale
+    return e4m3_codes(v, inv_pow2(scale)[:, None]).to(tl.uint8, bitcast=True), scale
+
+
+@triton.jit
+def inv_pow2(scale):  # type: ignore[no-untyped-def]
+    """1 / scale for a power-of-two fp32 scale, from the bits (biased exponent 254 - e): exact,
+    whatever the division's rounding."""
+    return ((254 - (scale.to(tl.int32, bitcast=True) >> 23)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_codes(v, inv):  # type: ignore[no-untyped-def]
+    """The e4m3 codes (fp8e4nv) of fp32 v * inv, inv the (broadcast) `inv_pow2` of v's scale."""
+    return round_e4m3(tl.clamp(v * inv, -_MAX, _MAX)).to(tl.float8e4nv)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ prefill, where the wider program's registers cost occupancy; the indexer compres
 the two single launches (a shape rule: no host sync).
 
 FP8 indexer keys: a second target with `out_scale` (`CompressTarget`) gets its entries rounded to
-its `key_dtype`, then to e4m3 codes and a power-of-two scale (`fp8_rows.py`, the reference's
+its `key_dtype`, then to e4m3 codes and a power-of-two scale (`act_quant.py`'s, as the reference's
 `quantize_index_keys`), in this launch at any T (the single launches do not write FP8).
 
 Scope: windows of one chunk (C4: S = 8), both compressors with overlap; anything else raises (call
@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_geometry
+from dsv4.kernels.triton.act_quant import e4m3_codes, inv_pow2, pow2_ceil_scale
 from dsv4.kernels.triton.compressor import (
     entry_value,
     fold_chunk,
@@ -51,7 +52,6 @@ from dsv4.kernels.triton.compressor import (
     write_ring_rows,
 )
 from dsv4.kernels.triton.compressor_checks import check_inputs
-from dsv4.kernels.triton.fp8_rows import fp8_row
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
@@ -145,7 +145,9 @@ def _compress_pair_kernel(  # type: ignore[no-untyped-def]
         if FP8_B:
             entry_b = entry_value(den_b, acc_b, wb, cos_b, sin_b, rope_b, eps, mask_b, DC_B,
                                   BLOCK_DB)
-            codes, scale = fp8_row(entry_b.to(KEY_DTYPE).to(tl.float32), mask_b)
+            key = entry_b.to(KEY_DTYPE).to(tl.float32)          # 0 off mask_b
+            scale = pow2_ceil_scale(tl.max(tl.abs(key), axis=0))
+            codes = e4m3_codes(key, inv_pow2(scale)).to(tl.uint8, bitcast=True)
             tl.store(out_b + slot * stride_out_b + offs_b, codes, mask=mask_b)
             tl.store(scale_b + slot, scale)
         else:
@@ -206,9 +208,9 @@ def triton_compress_pair(first: CompressTarget, second: CompressTarget, index: C
                          "launch only; got fuse=False")
     if T == 0:
         return
-    if invariant and fuse is None:
-        fuse = fp8
-    if not (T <= _FUSE_MAX_TOKENS or fp8 if fuse is None else fuse):
+    if fuse is None:
+        fuse = fp8 or (not invariant and T <= _FUSE_MAX_TOKENS)
+    if not fuse:
         for c in (first, second):     # checked above (_check_pair)
             launch_compress(c.kv, c.score, c.ring_kv, c.ring_score, index, c.norm_weight, eps, cos,
                             sin, c.out, ape=c.ape)

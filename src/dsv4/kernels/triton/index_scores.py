@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton import launch
-from dsv4.kernels.triton.fp8_rows import e4m3_bits, pow2, scale_exponent
+from dsv4.kernels.triton.act_quant import e4m3_codes, inv_pow2, pow2_ceil_scale
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.tile_masks import rows_mask
@@ -97,13 +97,13 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0)
     w = w.to(tl.float32) * weight_scale                                 # [BLOCK_H] fp32
     if FP8_Q:
-        # each head's Id values -> e4m3 codes and a power-of-two scale (`fp8_rows.py`, the
+        # each head's Id values -> e4m3 codes and a power-of-two scale (`act_quant.py`, the
         # reference's `quantize_index_keys` per head); the scale commutes with the head's ReLU,
         # so it joins the head's weight: exact, as the key scales below
         qf = qt.to(tl.float32)
-        k_q = scale_exponent(tl.max(tl.abs(qf), axis=0))                # [BLOCK_H]
-        qt = e4m3_bits(qf * pow2(-k_q)[None, :]).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        w = w * pow2(k_q)
+        q_scale = pow2_ceil_scale(tl.max(tl.abs(qf), axis=0))           # [BLOCK_H]
+        qt = e4m3_codes(qf, inv_pow2(q_scale)[None, :])
+        w = w * q_scale
     if FP32_DOT:
         qt = qt.to(tl.float32)
 
@@ -224,9 +224,9 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     4 warps, 2 stages) are the H200 sweep's best of 11 configurations for Ih = 64, Id = 128 at
     decode T = 1 and V 65,536 / 262,144 (`bench_index_scores.py --sweep`;
     benchmarks/results/kernels_i_h200_202611.md); with `fp8_q` block_v 128, the H100's best of
-    64 / 128 there (each program rounds q once: fewer, longer programs; 8.5 / 20.1 us against
-    9.5 / 23.0 at 64: benchmarks/results/serving_h200_202612.md, "Forty-first session"); blocks
-    per program by `_blocks_per_program`. No host syncs: safe inside CUDA-graph capture.
+    64 / 128 there (each program rounds q once: fewer, longer programs;
+    benchmarks/results/serving_h200_202612.md); blocks per program by `_blocks_per_program`. No
+    host syncs: safe inside CUDA-graph capture.
     """
     _check(q, weights, keys, candidates, key_scales, fp8_q)
     block_v = block_v or (_FP8_Q_BLOCK_V if fp8_q else _BLOCK_V)

@@ -1,6 +1,8 @@
-"""`kernels/triton/fp8_rows.py` against `kernels/ref/index_keys.py`: the same byte for every code
-and the same scale, including ties between e4m3 codes, subnormal codes, amax at and just above
-a power of two times 448, and all-zero rows."""
+"""FP8 indexer keys, one key per program as the compress pair kernel quantises them
+(`act_quant.py`'s `pow2_ceil_scale` and `e4m3_codes` over one row), against
+`kernels/ref/index_keys.py::quantize_index_keys`: the same byte for every code and the same
+scale, including every e4m3 value, the midpoints between neighbours (ties to even), amax at and
+just above 448 times a power of two, tiny and huge rows, and all-zero rows."""
 
 from __future__ import annotations
 
@@ -9,10 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.ref.index_keys import FP8_MAX, quantize_index_keys, round_index_keys
-from dsv4.kernels.triton.fp8_rows import fp8_row
+from dsv4.kernels.ref.index_keys import (
+    dequantize_index_keys,
+    quantize_index_keys,
+    round_index_keys,
+)
+from dsv4.kernels.triton.act_quant import e4m3_codes, inv_pow2, pow2_ceil_scale
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E4M3_MAX = 448.0
 
 
 @triton.jit
@@ -22,7 +29,8 @@ def _rows_kernel(x_ptr, codes_ptr, scales_ptr, D: tl.constexpr,  # type: ignore[
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0)
-    codes, scale = fp8_row(x, mask)
+    scale = pow2_ceil_scale(tl.max(tl.abs(x), axis=0))
+    codes = e4m3_codes(x, inv_pow2(scale)).to(tl.uint8, bitcast=True)
     tl.store(codes_ptr + row * D + offs, codes, mask=mask)
     tl.store(scales_ptr + row, scale)
 
@@ -44,8 +52,8 @@ def _cases(D: int) -> torch.Tensor:
     mids = (values[1:] + values[:-1]) / 2
     grid = torch.cat((values, mids, -values, -mids))
     grid = torch.cat((grid, torch.zeros((-len(grid)) % (D - 1))))
-    rows.append(torch.cat((grid.view(-1, D - 1), torch.full((len(grid) // (D - 1), 1), FP8_MAX)),
-                          dim=1))
+    rows.append(torch.cat((grid.view(-1, D - 1),
+                           torch.full((len(grid) // (D - 1), 1), E4M3_MAX)), dim=1))
     top = torch.zeros(4, D)
     top[:, 0] = torch.tensor([448.0, 448.0 * (1 + 2 ** -23), 448.0 * 2 ** -40, 1.75 * 2 ** 100])
     top[:, 1:] = torch.randn(4, D - 1, generator=g) * top[:, :1] / 8
@@ -54,7 +62,7 @@ def _cases(D: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("D", [128, 96])
-def test_fp8_row_matches_reference(D: int) -> None:
+def test_kernel_row_matches_reference(D: int) -> None:
     x = _cases(D)
     want_codes, want_scales = quantize_index_keys(x)
     codes, scales = _kernel_rows(x.to(DEVICE))
@@ -62,16 +70,14 @@ def test_fp8_row_matches_reference(D: int) -> None:
     assert torch.equal(codes.cpu(), want_codes.view(torch.uint8))
 
 
-def test_reference_scale_bounds_and_error() -> None:
-    """The scale is the smallest power of two with amax <= 448 * scale; each value is off by at
-    most half an e4m3 step of its binade (<= 2^-4 relative above 2^-6 * scale)."""
+def test_round_trip_error() -> None:
+    """Each value is off by at most half an e4m3 step of its binade (<= 2^-4 relative above the
+    scale's normal range), the scales are powers of two, and the round trip is the dequantised
+    codes."""
     x = _cases(128)
     codes, scales = quantize_index_keys(x)
-    amax = x.abs().amax(dim=-1)
-    live = amax > 2 ** -100
-    assert (amax <= FP8_MAX * scales).all()
-    assert (amax[live] > FP8_MAX / 2 * scales[live]).all()
     assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))
+    assert torch.equal(round_index_keys(x), dequantize_index_keys(codes, scales))
     err = (round_index_keys(x) - x).abs()
     normal = x.abs() >= 2 ** -6 * scales[:, None]
     assert (err[normal] <= x.abs()[normal] * 2 ** -4).all()
