@@ -23,6 +23,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.assets import default_model_path
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
+from dsv4.distributed.group import join_default_group
 from dsv4.utils.logging import init_logger
 
 logger = init_logger(__name__)
@@ -210,8 +211,7 @@ def test_one_count_exchange_per_forward(checkpoints: dict[str, Path], tmp_path: 
     monkeypatch.setattr(dp_module, "gather_counts", counted)
     ids = torch.randint(2, 512, (1, 23), generator=torch.Generator().manual_seed(0))
     plain = load_model(checkpoints["micro"], "float32", progress=False)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    join_default_group("gloo", f"file://{tmp_path / 'store'}", 0, 1)
     try:
         model = enable_dp_attention(load_model(checkpoints["micro"], "float32", progress=False),
                                     DPGroup(0, 1))

@@ -6,16 +6,20 @@ Loads CKPT (fp32, CPU; `checkpoint`: FP4 experts and FP8 linears kept in their e
 it for RANK of WORLD (gloo, file store STORE; WORLD 1: no process group; `ep`: experts split by
 id), then runs the full-sequence forward in both
 formulations and the engine (chunked prefill, a prefix-cache hit, a preemption) on fixed inputs;
-rank 0 saves the logits, tokens and log-probs to OUT."""
+rank 0 saves the logits, tokens and log-probs to OUT. After `destroy_process_group` no gloo
+thread may be left: one that outlives the interpreter aborts the process at exit, at random
+("terminate called without an active exception")."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 from dsv4.config.engine import EngineConfig
+from dsv4.distributed.group import join_default_group
 from dsv4.distributed.tp import TPGroup, shard_model
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.sampling_params import SamplingParams
@@ -29,8 +33,7 @@ def main() -> None:
         sys.argv[5]
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world)
+        join_default_group("gloo", f"file://{store}", rank, world)
     flags = set(sys.argv[6:])
     assert flags <= {"ep", "checkpoint"}, flags
     full = load_model(ckpt, dtype="float32", device="cpu", progress=False,
@@ -62,6 +65,14 @@ def main() -> None:
         torch.save(result, out)
     if world > 1:
         dist.destroy_process_group()
+        left = [t for t in thread_names() if "gloo" in t]
+        assert not left, f"threads of the destroyed group still run: {left}"
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads (Linux)."""
+    tasks = "/proc/self/task"
+    return [open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks)]
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dsv4.assets import default_model_path
+from dsv4.distributed.group import join_default_group
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
 from dsv4.model.forward_mode import Replay
 from dsv4.model.loader import load_model
@@ -107,7 +108,7 @@ def _one_process(base: DeepSeekV4ForCausalLM, config: RLConfig, batch: TrainBatc
 def _worker(rank: int, world: int, store: str, cases_path: str, out_path: str) -> None:
     """One rank: for every case, shard a fresh policy, step on this rank's slice, gather."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    join_default_group("gloo", f"file://{store}", rank, world)
     try:
         cases = torch.load(cases_path, weights_only=False)
         base = load_model(default_model_path(), dtype="float32", device="cpu", progress=False)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dsv4.config.engine import EngineConfig
 from dsv4.config.server import check_load_balance_method
 from dsv4.distributed.dp import DPGroup
+from dsv4.distributed.group import join_default_group
 from dsv4.distributed.loading import Source, load_dp_shard, load_shard, owned_cuts
 from dsv4.distributed.tp import TPGroup
 from dsv4.engine.dp_outbox import Outbox
@@ -85,9 +86,8 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[LLMEngine, WeightChannel]:
     device = spec.device_of(rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                            init_method=spec.init_method, rank=rank, world_size=spec.world,
-                            timeout=TIMEOUT)
+    join_default_group("nccl" if device.startswith("cuda") else "gloo", spec.init_method, rank,
+                       spec.world, TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT)
     source = Source(spec.load_format, spec.config.seed)
     if spec.data_parallel:     # with EP, another rank's routed experts are never read

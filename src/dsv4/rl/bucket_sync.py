@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsv4.distributed.group import join_default_group
 from dsv4.engine.weight_group import backend_for
 from dsv4.utils.logging import init_logger
 
@@ -165,8 +166,8 @@ def join_group(address: str, rank: int, world_size: int, device: torch.device,
     leaving a previous one first (a group whose peer died cannot be reused). Blocks until all
     `world_size` ranks have joined; a collective waiting longer than `timeout_s` raises."""
     leave_group()
-    dist.init_process_group(backend_for(device), init_method=address, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    join_default_group(backend_for(device), address, rank, world_size,
+                       timedelta(seconds=timeout_s))
     logger.info("joined the weight-sync group %s as rank %d of %d (%s)", address, rank,
                 world_size, backend_for(device))
 
