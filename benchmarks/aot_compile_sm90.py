@@ -291,20 +291,22 @@ def attention_variants() -> Iterator[Variant]:
     hint = "i32:16"
     # the serving path's weights: the raw bf16 weights_proj columns of the fused x GEMM output,
     # scaled in the kernel; fp32: callers that pass weights already scaled
-    # FP8 keys (their scales) widened to bf16 q, or q rounded to FP8 (fp8_q) and an FP8 dot
+    # FP8 keys (their scales) widened to bf16 q, or FP8 q (codes and head scales, `rope_fp8`) and
+    # an FP8 dot
     for w, even, keys in (("bf16", True, "bf16"), ("bf16", False, "bf16"), ("fp32", True, "bf16"),
                           ("bf16", True, "fp8"), ("bf16", True, "fp8q")):
         k_type = "*bf16" if keys == "bf16" else "*fp8e4nv"
-        types = {"q_ptr": "*bf16", "w_ptr": f"*{w}", "k_ptr": k_type,
+        types = {"q_ptr": "*fp8e4nv" if keys == "fp8q" else "*bf16", "qs_ptr": "*fp32",
+                 "w_ptr": f"*{w}", "k_ptr": k_type,
                  "ks_ptr": "*fp32", "cand_ptr": "*i64", "out_ptr": "*fp32",
                  "weight_scale": "fp32",
                  **{f"stride_{k}": hint for k in ("qt", "qh", "wt", "kn", "ct", "ot")}}
         # EVEN_D: 16-byte loads and a cp.async key gather; else 2-byte loads
-        consts = {"BLOCK_V": 128 if keys == "fp8q" else 64, "BLOCK_H": 64, "BLOCK_D": 128,
+        consts = {"BLOCK_V": 64, "BLOCK_H": 64, "BLOCK_D": 128,
                   "FP32_DOT": False, "EVEN_D": even, "FP8_KEYS": keys != "bf16",
                   "FP8_Q": keys == "fp8q"}
         yield (f"index scores w {w} even_d={even} keys {keys}", index_scores._index_scores_kernel,
-               types, consts, {"num_warps": 4, "num_stages": 2})
+               types, consts, {"num_warps": 4, "num_stages": 3 if keys == "fp8q" else 2})
     types = {"q_ptr": "*bf16", "kv1_ptr": "*bf16", "idx1_ptr": "*i64", "kv2_ptr": "*bf16",
              "idx2_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
              "lse_ptr": "*fp32", "qk_scale": "fp32", "log2e": "fp32", "cos_ptr": "*fp32",
@@ -365,6 +367,14 @@ def small_variants() -> Iterator[Variant]:
            {"BLOCK_V": argmax.BLOCK_V}, {"num_warps": 4})
     yield ("argmax final (32 chunks)", argmax._argmax_final_kernel,
            {"part_ptr": "*i64", "out_ptr": "*i64"}, {"BLOCK_C": 32}, {"num_warps": 4})
+    # the indexer's queries over FP8 keys (Id 128, rd 64): RoPE, then e4m3 codes and a scale per
+    # head, compiled as it launches (no FMA contraction)
+    from dsv4.kernels.triton import rope_fp8
+    yield ("rope fp8 (indexer q, D 128)", rope_fp8._rope_fp8_kernel,
+           {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "codes_ptr": "*fp8e4nv",
+            "scales_ptr": "*fp32", "stride_xt": "i32:16", "stride_xh": "i32:16",
+            "stride_cs": "i32:16"}, {"BLOCK_D": 128},
+           {"num_warps": 1, "enable_fp_fusion": False})
     # a V4 step's four RoPE-row lookups (rd / 2 = 32) in one launch
     block_t, block_r = rr.rope_rows_blocks([32] * 4)
     yield ("rope rows (4 pairs, R 32)", rr._rope_rows_kernel,

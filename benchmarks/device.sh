@@ -155,7 +155,7 @@
 #                 formats run by run (model, fp8, model, fp8: the device's slow state after a long prefill
 #                 varies by process), checkpoint precision on an H100 (bf16 does not fit 900K there), bf16
 #                 on an H200 (IF_FORMAT overrides): decode_context_sweep.py --phases 3 --step-times per run,
-#                 index_fp8_<run>.json
+#                 index_fp8_<run>.json (IF_RUNS="1": one run of each)
 #   long-attn     the split-KV attention at batch-1 decode (issue 20's 900K line): its GPU tests (64 splits,
 #                 900K), then bench_sparse_attention.py --sweep on the 900K C128 list, the 128K list and the
 #                 C4 picks at batch 1: long_attn_tests.txt, long_attn.json
@@ -735,7 +735,7 @@ index_fp8() {   # index_cache_dtype model vs fp8 at batch 1, 4K and 900K, format
   local fmt run idx
   fmt=${IF_FORMAT:-$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo bf16 \
     || echo checkpoint)}
-  for run in 1 2; do
+  for run in ${IF_RUNS:-1 2}; do
     for idx in model fp8; do
       timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
         --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \

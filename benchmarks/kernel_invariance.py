@@ -39,7 +39,7 @@ TOKEN_ARGS: dict[str, tuple[int, ...]] = {
     "sparse_attention": (0,), "mhc_pre": (0,), "mhc_post": (0, 1, 2, 3), "mhc_head": (0,),
     "routed_experts": (0, 4, 5), "routed_experts_quant": (0, 5, 6), "rms_norm": (0,),
     "q_norm_rope": (0, 1, 2), "qkv_norm_rope": (0, 2, 5, 6, 8), "index_scores": (0, 1, 3),
-    "topk": (0, 1), "rope": (0, 1, 2), "moe_gate_logits": (0,),
+    "topk": (0, 1), "rope": (0, 1, 2), "rope_fp8": (0, 1, 2), "moe_gate_logits": (0,),
 }
 Stats = dict[str, list[float]]
 

@@ -8,8 +8,8 @@ Cases (V4-Flash indexer: Ih = 64, Id = 128, bf16 q and keys, fp32 weights):
 
 `--keys fp8`: the key pool as FP8 codes with a power-of-two scale per key
 (`kernels/ref/index_keys.py`): 128 + 4 bytes a key, against 256 in bf16; `--keys fp8q`: the
-kernel rounds the queries to FP8 too (`fp8_q`: a scale per head), so the dot runs on FP8 tensor
-cores.
+queries are FP8 too (codes and a scale per head, as `rope_fp8` writes them in the engine:
+`q_scales`), so the dot runs on FP8 tensor cores.
 
 Floors (H200 copy 4.275 TB/s and bf16 matmul 680 TFLOP/s, docs/DESIGN.md §3):
   per-query-gather bytes = valid candidates x Id x 2 (keys) + q + weights + candidates (int64) +
@@ -60,7 +60,7 @@ BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
 REF_BUDGET_BYTES = 8 << 30       # the reference's [rows, V, Id] fp32 gather + [rows, Ih, V] dots
 DEFAULT_CONFIG = (64, 4, 2)      # (block_v, num_warps, num_stages): the wrapper's defaults
-FP8_Q_DEFAULT_CONFIG = (128, 4, 2)   # ... with fp8_q (`--keys fp8q`)
+FP8_Q_DEFAULT_CONFIG = (64, 4, 3)    # ... with FP8 queries (`--keys fp8q`)
 SWEEP_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3),
                  (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
 
@@ -79,9 +79,10 @@ class Case:
 
 
 def cuda_cases() -> list[Case]:
+    short = [Case(f"decode T=1 V={V}", 1, V, False) for V in (1024, 8192)]  # 4K, 32K context
     decode = [Case(f"decode T={T} V={V}", T, V, False)
               for T in (1, 64, 256) for V in (65536, 262144)]
-    return decode + [Case("prefill T=2048 V=8192", 2048, 8192, True)]
+    return short + decode + [Case("prefill T=2048 V=8192", 2048, 8192, True)]
 
 
 def smoke_cases() -> list[Case]:
@@ -94,7 +95,7 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int,
                 keys_format: str = "model") -> Inputs:
     """(q, weights, keys, candidates) as the engine builds them (see the module docstring);
     `keys_format` "fp8" / "fp8q": the keys as FP8 codes, their scales appended
-    (`kernels/ref/index_keys.py`)."""
+    (`kernels/ref/index_keys.py`); "fp8q": q as FP8 codes too, its [T, Ih] scales last."""
     g = torch.Generator(device).manual_seed(seed)
     T, V, Ih, Id = case.T, case.V, case.Ih, case.Id
     q = torch.randn(T, Ih, Id, generator=g, device=device, dtype=dtype)
@@ -114,6 +115,9 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int,
         from dsv4.kernels.ref.index_keys import quantize_index_keys
         parts = [quantize_index_keys(k) for k in keys.split(1 << 20)]  # bounded fp32 temporaries
         codes, scales = torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+        if keys_format == "fp8q":
+            qc, qs = quantize_index_keys(q)
+            return qc, weights, codes, candidates.contiguous(), scales, qs
         return q, weights, codes, candidates.contiguous(), scales
     return q, weights, keys, candidates.contiguous()
 
@@ -196,7 +200,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
 
     def ref(*x: torch.Tensor) -> torch.Tensor:
         return paged_index_scores(*x[:4], key_scales=x[4] if len(x) > 4 else None,
-                                  fp8_q=args.keys == "fp8q")
+                                  q_scales=x[5] if len(x) > 5 else None)
     timed: dict[str, float] = {}
     err = 0.0
     for cfg in configs:
@@ -207,7 +211,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
         def fn(*x: torch.Tensor, bv: int = block_v, nw: int = warps, ns: int = stages,
                b: int | None = bpp) -> torch.Tensor:
             return triton_index_scores(*x[:4], key_scales=x[4] if len(x) > 4 else None,
-                                       fp8_q=args.keys == "fp8q", block_v=bv,
+                                       q_scales=x[5] if len(x) > 5 else None, block_v=bv,
                                        num_warps=nw, num_stages=ns, blocks_per_program=b)
         err = max(err, check_parity(fn, ref, first))
         name = "/".join(map(str, cfg))

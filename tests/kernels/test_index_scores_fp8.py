@@ -1,6 +1,7 @@
-"""Index scores over FP8 indexer keys (`key_scales`): the reference against the scores of the
-dequantised fp32 keys (bit-equal), the Triton kernel against the reference (CPU interpreter:
-small shapes; `-m gpu`: V4-Flash shapes), and the argument checks."""
+"""Index scores over FP8 indexer keys (`key_scales`), and FP8 queries over them (`q_scales`):
+the reference against the scores of the dequantised fp32 keys and queries (bit-equal), the Triton
+kernel against the reference (CPU interpreter: small shapes; `-m gpu`: V4-Flash shapes), and the
+argument checks."""
 
 from __future__ import annotations
 
@@ -8,11 +9,7 @@ import pytest
 import torch
 from test_index_scores import BF16_REL, FP32_REL, assert_scores_close, make_case
 
-from dsv4.kernels.ref.index_keys import (
-    dequantize_index_keys,
-    quantize_index_keys,
-    round_index_keys,
-)
+from dsv4.kernels.ref.index_keys import dequantize_index_keys, quantize_index_keys
 from dsv4.kernels.ref.indexer import paged_index_scores
 from dsv4.kernels.triton.index_scores import triton_index_scores
 
@@ -29,10 +26,11 @@ def fp8_case(T: int, Ih: int, Id: int, V: int, dtype: torch.dtype, *, shared: bo
     return q, w, codes, scales, cand
 
 
-def spread_heads(q: torch.Tensor) -> torch.Tensor:
-    """q [T, Ih, Id] with heads of spread magnitudes (each head's FP8 scale differs)."""
+def fp8_heads(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Ih, Id] with heads of spread magnitudes (each head's FP8 scale differs), quantised
+    per head: (codes, scales [T, Ih])."""
     spread = torch.logspace(-2, 2, q.shape[1], device=q.device)[None, :, None]
-    return (q.float() * spread).to(q.dtype)
+    return quantize_index_keys((q.float() * spread).to(q.dtype))
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["decode", "prefill"])
@@ -41,9 +39,9 @@ def test_reference_equals_dequantised_keys(shared: bool) -> None:
     out = paged_index_scores(q, w, codes, cand, key_scales=scales, weight_scale=0.5)
     keys = dequantize_index_keys(codes, scales)
     assert torch.equal(out, paged_index_scores(q, w, keys, cand, weight_scale=0.5))
-    q = spread_heads(q)
-    out = paged_index_scores(q, w, codes, cand, key_scales=scales, fp8_q=True)
-    assert torch.equal(out, paged_index_scores(round_index_keys(q), w, keys, cand))
+    qc, qs = fp8_heads(q)
+    out = paged_index_scores(qc, w, codes, cand, key_scales=scales, q_scales=qs)
+    assert torch.equal(out, paged_index_scores(dequantize_index_keys(qc, qs), w, keys, cand))
 
 
 @pytest.mark.parametrize("T,Ih,Id,V,shared", [(1, 4, 16, 37, False), (3, 8, 32, 50, False),
@@ -56,9 +54,9 @@ def test_fp8_keys_parity(T: int, Ih: int, Id: int, V: int, shared: bool,
     out = triton_index_scores(q, w, codes, cand, key_scales=scales, block_v=16,
                               blocks_per_program=2)
     assert_scores_close(out, ref, FP32_REL)
-    q = spread_heads(q)
-    ref = paged_index_scores(q, w, codes, cand, key_scales=scales, fp8_q=True)
-    out = triton_index_scores(q, w, codes, cand, key_scales=scales, fp8_q=True, block_v=16,
+    qc, qs = fp8_heads(q)
+    ref = paged_index_scores(qc, w, codes, cand, key_scales=scales, q_scales=qs)
+    out = triton_index_scores(qc, w, codes, cand, key_scales=scales, q_scales=qs, block_v=16,
                               blocks_per_program=2)
     assert_scores_close(out, ref, FP32_REL)
 
@@ -73,10 +71,17 @@ def test_fp8_keys_argument_checks() -> None:
         triton_index_scores(q, w, codes, cand, key_scales=scales[:-1])
     with pytest.raises(ValueError, match=r"key_scales must be \[\d+\] fp32"):
         triton_index_scores(q, w, codes, cand, key_scales=scales.double())
-    with pytest.raises(ValueError, match="fp8_q needs FP8 keys"):
-        triton_index_scores(q, w, dequantize_index_keys(codes, scales), cand, fp8_q=True)
-    with pytest.raises(ValueError, match="fp8_q needs FP8 keys"):
-        paged_index_scores(q, w, dequantize_index_keys(codes, scales), cand, fp8_q=True)
+    qc, qs = quantize_index_keys(q)
+    keys = dequantize_index_keys(codes, scales)
+    for scores in (triton_index_scores, paged_index_scores):
+        with pytest.raises(ValueError, match="q_scales go with float8_e4m3fn q"):
+            scores(qc, w, codes, cand, key_scales=scales)
+        with pytest.raises(ValueError, match="q_scales go with float8_e4m3fn q"):
+            scores(q, w, codes, cand, key_scales=scales, q_scales=qs)
+        with pytest.raises(ValueError, match="need FP8 keys"):
+            scores(qc, w, keys, cand, q_scales=qs)
+        with pytest.raises(ValueError, match=r"q_scales must be \[2, 4\] fp32"):
+            scores(qc, w, codes, cand, key_scales=scales, q_scales=qs[:, :3].contiguous())
 
 
 @pytest.mark.gpu
@@ -86,9 +91,9 @@ def test_fp8_keys_parity_real_shapes_cuda(T: int, V: int) -> None:
     q, w, codes, scales, cand = fp8_case(T, 64, 128, V, torch.bfloat16, shared=False)
     ref = paged_index_scores(q, w, codes, cand, key_scales=scales)
     assert_scores_close(triton_index_scores(q, w, codes, cand, key_scales=scales), ref, BF16_REL)
-    q = spread_heads(q)
-    ref = paged_index_scores(q, w, codes, cand, key_scales=scales, fp8_q=True)
-    out = triton_index_scores(q, w, codes, cand, key_scales=scales, fp8_q=True)
+    qc, qs = fp8_heads(q)
+    ref = paged_index_scores(qc, w, codes, cand, key_scales=scales, q_scales=qs)
+    out = triton_index_scores(qc, w, codes, cand, key_scales=scales, q_scales=qs)
     # FP8 products are exact, but Hopper's FP8 MMA adds them with fewer mantissa bits than fp32
     # (DeepGEMM promotes its partial sums to fp32 for this)
     assert_scores_close(out, ref, FP8_MMA_REL)

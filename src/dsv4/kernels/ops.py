@@ -63,12 +63,13 @@ class IndexScoresOp(Protocol):
     same bits as a caller passing that product with the default 1.0): `weights` of any float
     dtype, any row stride, unit column stride (the raw `weights_proj` output, a column slice of
     the layer's fused GEMM output on the serving path). `key_scales` [N] fp32: the keys are
-    FP8 codes (`ref/index_keys.py`), each key's values its codes times its scale; `fp8_q` (with
-    FP8 keys only): each head's query rounded to FP8 as a key is."""
+    FP8 codes (`ref/index_keys.py`), each key's values its codes times its scale; `q_scales`
+    [T, Ih] fp32 (with FP8 keys only): q is float8_e4m3fn codes too, each head's values its
+    codes times its scale (`rope_fp8`'s output)."""
 
     def __call__(self, q: Tensor, weights: Tensor, keys: Tensor, candidates: Tensor, *,
                  weight_scale: float = 1.0, key_scales: Tensor | None = None,
-                 fp8_q: bool = False) -> Tensor: ...
+                 q_scales: Tensor | None = None) -> Tensor: ...
 
 
 class TopKOp(Protocol):
@@ -230,6 +231,15 @@ class RopeOp(Protocol):
     norm (the indexer's queries); cos / sin [T, rd/2] fp32. Bit-equal across backends."""
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor: ...
+
+
+class RopeFp8Op(Protocol):
+    """`ref/rope_norm.py::rope_fp8`: `rope` of x [T, H, D], then each head quantised as an FP8
+    indexer key is (`ref/index_keys.py`) -> (float8_e4m3fn codes [T, H, D], power-of-two scales
+    [T, H] fp32): the indexer's queries over FP8 keys (`index_scores`' `q_scales`). Bit-equal
+    across backends."""
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 # (cache, positions) pairs one `rope_rows` call takes: a V4 step's main and compress tables at the

@@ -37,6 +37,7 @@ from dsv4.kernels.ops import (
     QNormRopeOp,
     QuantLinearOp,
     RmsNormOp,
+    RopeFp8Op,
     RopeOp,
     RopeRowsOp,
     RoutedExpertsOp,
@@ -72,6 +73,7 @@ from dsv4.kernels.ref.rope_norm import (
     qkv_norm_rope,
     rms_norm,
     rope,
+    rope_fp8,
 )
 from dsv4.kernels.ref.rope_rows import rope_rows
 from dsv4.kernels.ref.topk import topk_ragged
@@ -116,6 +118,7 @@ class KernelOps:
     hot_plan: HotPlanOp
     hot_write: HotWriteOp
     qkv_norm_rope: QkvNormRopeOp
+    rope_fp8: RopeFp8Op
 
 
 def _ref() -> KernelOps:
@@ -125,7 +128,7 @@ def _ref() -> KernelOps:
                      project, step_metadata, pick_slots, rope, argmax, moe_gate_select,
                      swiglu, fp8_linear, moe_gate_logits, dense_linear, swiglu_linear,
                      rope_rows, mhc_post_pre, swap_in_ref, write_rows_ref, hot_plan_ref,
-                     hot_write_ref, qkv_norm_rope)
+                     hot_write_ref, qkv_norm_rope, rope_fp8)
 
 
 def _triton(invariant_plans: bool = False) -> KernelOps:
@@ -137,7 +140,8 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     projection, `mhc_post_pre`), fused RMSNorm + RoPE (+ SWA cache write) of the q and kv
     paths (both in one launch, `qkv_norm_rope`), RMSNorm, and bit-equal to `ref`: a step's
     index metadata,
-    the indexer picks' ids and slots, RoPE alone (the indexer's queries), the compressors'
+    the indexer picks' ids and slots, RoPE alone (the indexer's queries; for FP8 keys with
+    each head quantised in the same launch, `rope_fp8`), the compressors'
     gate-score position embedding and the greedy sampler's row argmax; the MoE gate's logits
     (at decode, with the call site's counters: the decode GEMV on the bf16 operands as they are,
     fp32 sums; the reference otherwise and under `invariant_plans`), its selection and weights
@@ -201,6 +205,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
     from dsv4.kernels.triton.moe_gate_logits import triton_moe_gate_logits
     from dsv4.kernels.triton.pick_slots import triton_pick_slots
     from dsv4.kernels.triton.project import HeldProject, triton_project_invariant
+    from dsv4.kernels.triton.rope_fp8 import triton_rope_fp8
     from dsv4.kernels.triton.rope_norm import (
         triton_kv_norm_rope_store,
         triton_q_norm_rope,
@@ -243,7 +248,7 @@ def _triton(invariant_plans: bool = False) -> KernelOps:
                      dense_linear if invariant_plans else triton_decode_linear,
                      triton_swiglu_linear_invariant if invariant_plans else triton_swiglu_linear,
                      triton_rope_rows, post_pre, triton_swap_in, triton_write_rows,
-                     triton_hot_plan, triton_hot_write, triton_qkv_norm_rope)
+                     triton_hot_plan, triton_hot_write, triton_qkv_norm_rope, triton_rope_fp8)
 
 
 _BACKENDS: dict[KernelBackend, Callable[[bool], KernelOps]] = {

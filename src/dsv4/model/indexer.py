@@ -108,16 +108,18 @@ class Indexer(nn.Module):
         Candidates are ordered by entry id, so a pick's candidate column IS its entry id and the
         lower-index tie-break matches the full-sequence path. This step's keys are already in
         `cache.index_keys`: the layer wrote them with its own compressor's
-        (`Attention._compress_pair`). With FP8 pools (`cache.index_scales`) the op rounds each
-        head's query to FP8 as the full-sequence path does (`scores`).
+        (`Attention._compress_pair`). With FP8 pools (`cache.index_scales`) each head's query is
+        rounded to FP8 as the full-sequence path rounds it (`scores`), by the RoPE op
+        (`rope_fp8`).
         """
         assert cache.index_keys is not None
-        q = ctx.ops.rope(q.view(q.shape[0], self.n_heads, self.head_dim), cos, sin)  # [T, Ih, Id]
-        if plan.candidates.shape[1] == 0:                                    # no entry complete yet
-            return plan.candidates
         fp8 = cache.index_scales is not None
         assert fp8 == self.fp8, "the key pools' format and the model's indexer must agree"
+        q = q.view(q.shape[0], self.n_heads, self.head_dim)
+        q, q_scales = ctx.ops.rope_fp8(q, cos, sin) if fp8 else (ctx.ops.rope(q, cos, sin), None)
+        if plan.candidates.shape[1] == 0:                                    # no entry complete yet
+            return plan.candidates
         scores = ctx.ops.index_scores(q, weights, cache.index_keys, plan.candidates,
                                       weight_scale=self.weight_scale, key_scales=cache.index_scales,
-                                      fp8_q=fp8)                        # [T, V], -inf: none
+                                      q_scales=q_scales)                # [T, V], -inf: none
         return ctx.ops.topk(scores, plan.visible, self.topk)                    # [T, k'], -1: none

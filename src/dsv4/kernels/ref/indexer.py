@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.kernels.ref.index_keys import dequantize_index_keys, round_index_keys
+from dsv4.kernels.ref.index_keys import dequantize_index_keys
 from dsv4.kernels.ref.topk import topk_ragged
 
 
@@ -27,7 +27,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
 def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                        candidates: torch.Tensor, *, weight_scale: float = 1.0,
                        key_scales: torch.Tensor | None = None,
-                       fp8_q: bool = False) -> torch.Tensor:
+                       q_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Serving-path scores over paged keys.
 
     I[t,j] = Σ_h w[t,h] * ReLU(q[t,h] · keys[candidates[t,j]]),  w = weights.float() * weight_scale
@@ -37,21 +37,39 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     with the indexer's Id^-1/2 Ih^-1/2 as `weight_scale`, or weights already scaled in fp32 with
     the default 1.0); keys: [N, Id] the indexer-key pool: float, or float8_e4m3fn codes with
     `key_scales` [N] fp32 (`ref/index_keys.py`: a key's values are its codes times its scale);
-    `fp8_q` (FP8 keys only): each head's query rounded to FP8 as a key is (`round_index_keys`);
-    candidates: [T, V] int64 pool slots, -1 = none. Returns [T, V] fp32, -inf where
-    candidates < 0.
+    `q_scales` [T, Ih] fp32 (FP8 keys only): q is float8_e4m3fn codes, each head's values its
+    codes times its scale (`rope_norm.rope_fp8`); candidates: [T, V] int64 pool slots, -1 = none.
+    Returns [T, V] fp32, -inf where candidates < 0.
     """
+    check_fp8_q(q, keys, key_scales, q_scales)
     slots = candidates.clamp(min=0)
     if key_scales is None:
         gathered = keys[slots].float()                                       # [T, V, Id]
     else:
         gathered = dequantize_index_keys(keys[slots], key_scales[slots])
-    if fp8_q and key_scales is None:
-        raise ValueError("fp8_q needs FP8 keys (float8_e4m3fn with key_scales)")
-    qf = round_index_keys(q) if fp8_q else q.float()
+    qf = q.float() if q_scales is None else dequantize_index_keys(q, q_scales)
     dots = torch.einsum("thd,tvd->thv", qf, gathered)
     scores = torch.einsum("thv,th->tv", torch.relu(dots), weights.float() * weight_scale)
     return scores.masked_fill(candidates < 0, float("-inf"))
+
+
+def check_fp8_q(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+                q_scales: torch.Tensor | None) -> None:
+    """FP8 queries: float8_e4m3fn q with [T, Ih] fp32 `q_scales`, and only over FP8 keys (one FP8
+    dot); ValueError names the field."""
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8 != (q_scales is not None):
+        raise ValueError(f"q_scales go with float8_e4m3fn q, and only with it; got q {q.dtype}, "
+                         f"q_scales {'given' if q_scales is not None else None}")
+    if q_scales is None:
+        return
+    if key_scales is None or keys.dtype != torch.float8_e4m3fn:
+        raise ValueError("q_scales (FP8 queries) need FP8 keys (float8_e4m3fn with key_scales)")
+    if (q_scales.shape != q.shape[:2] or q_scales.dtype != torch.float32
+            or q_scales.device != q.device or not q_scales.is_contiguous()):
+        raise ValueError(f"q_scales must be [{q.shape[0]}, {q.shape[1]}] fp32, contiguous, on q's "
+                         f"device; got {tuple(q_scales.shape)} {q_scales.dtype} on "
+                         f"{q_scales.device}")
 
 
 def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.ref.index_keys import quantize_index_keys
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dim, statistics in fp32, result in x's dtype."""
@@ -90,3 +92,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     by its heads). RoPE on the trailing rd channels of each head, the leading D - rd copied
     unchanged: `apply_rope` with the token's row broadcast over the heads."""
     return apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+
+def rope_fp8(x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` (in x's dtype), then each head -> (e4m3 codes [T, H, D], power-of-two fp32 scales
+    [T, H]) as `quantize_index_keys` quantises a key: the indexer's queries over FP8 keys."""
+    return quantize_index_keys(rope(x, cos, sin))

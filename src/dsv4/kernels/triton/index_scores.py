@@ -18,8 +18,9 @@ Kernel design. Grid = (T, num_splits); program (t, s) owns the contiguous candid
         K     = keys[slots]                   # [BLOCK_V, BLOCK_D] gathered rows, 0 where masked
         S     = tl.dot(K, q^T)                # [BLOCK_V, BLOCK_H], fp32 accumulate
         out   = Σ_h ReLU(S) * w[h]   (-inf where slot < 0)
-        FP8 keys: K = codes widened to q's dtype, or with fp8_q q^T as FP8 codes (each head
-        rounded once, before the loop) and an FP8 dot; out *= key_scales[slots] (a power of two)
+        FP8 keys: K = codes widened to q's dtype, or with FP8 queries (q codes and q_scales, as
+        `rope_fp8` writes them) an FP8 dot, each head's scale joining its weight;
+        out *= key_scales[slots] (a power of two)
 
 Why this shape: one key row is Id * 2 = 256 contiguous bytes (bf16), so the gather is row-granular
 and coalesced; putting candidates on the MMA M dimension makes the head reduction an in-thread /
@@ -53,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.ref.indexer import check_fp8_q
 from dsv4.kernels.triton import launch
-from dsv4.kernels.triton.act_quant import e4m3_codes, inv_pow2, pow2_ceil_scale
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.tile_masks import rows_mask
@@ -62,7 +63,7 @@ from dsv4.kernels.triton.tile_masks import rows_mask
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
 _BLOCK_V = 64                   # candidates per block (the docstring's defaults)
-_FP8_Q_BLOCK_V = 128
+_FP8_Q_STAGES = 3               # with FP8 queries (the docstring's defaults)
 _PROGRAMS_PER_SM = 4            # splits target: enough resident programs to keep gathers in flight
 _MAX_BLOCKS_PER_PROGRAM = 16
 _MAX_GRID_Y = 65535             # CUDA limit on grid dim 1 (the splits)
@@ -70,7 +71,7 @@ _MAX_GRID_Y = 65535             # CUDA limit on grid dim 1 (the splits)
 
 @triton.jit
 def _index_scores_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, w_ptr, k_ptr, ks_ptr, cand_ptr, out_ptr,
+    q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, cand_ptr, out_ptr,
     V, Ih, Id, blocks_per_program, weight_scale,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_ct, stride_ot,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -97,13 +98,9 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0)
     w = w.to(tl.float32) * weight_scale                                 # [BLOCK_H] fp32
     if FP8_Q:
-        # each head's Id values -> e4m3 codes and a power-of-two scale (`act_quant.py`, the
-        # reference's `quantize_index_keys` per head); the scale commutes with the head's ReLU,
-        # so it joins the head's weight: exact, as the key scales below
-        qf = qt.to(tl.float32)
-        q_scale = pow2_ceil_scale(tl.max(tl.abs(qf), axis=0))           # [BLOCK_H]
-        qt = e4m3_codes(qf, inv_pow2(q_scale)[None, :])
-        w = w * q_scale
+        # q holds e4m3 codes; each head's power-of-two scale commutes with its ReLU, so it joins
+        # the head's weight: exact, as the key scales below
+        w = w * tl.load(qs_ptr + t * Ih + offs_h, mask=h_mask, other=0.0)
     if FP32_DOT:
         qt = qt.to(tl.float32)
 
@@ -157,8 +154,10 @@ def _needs_fp32_dot(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return q.device.type != "cuda" or q.dtype != key_dtype or q.dtype == torch.float32
 
 
-def _check_fp8(keys: torch.Tensor, key_scales: torch.Tensor | None, fp8_q: bool) -> None:
-    """FP8 keys come with their [N] scales; FP8 queries only with FP8 keys (one FP8 dot)."""
+def _check_fp8(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+               q_scales: torch.Tensor | None) -> None:
+    """FP8 keys come with their [N] scales; FP8 queries (with their [T, Ih] scales) only with FP8
+    keys (one FP8 dot)."""
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):
         raise ValueError(f"key_scales go with float8_e4m3fn keys, and only with them; got keys "
@@ -170,12 +169,11 @@ def _check_fp8(keys: torch.Tensor, key_scales: torch.Tensor | None, fp8_q: bool)
         raise ValueError(f"key_scales must be [{keys.shape[0]}] fp32, contiguous, on the keys' "
                          f"device; got {tuple(key_scales.shape)} {key_scales.dtype} on "
                          f"{key_scales.device}")
-    if fp8_q and not fp8:
-        raise ValueError("fp8_q needs FP8 keys (float8_e4m3fn with key_scales)")
+    check_fp8_q(q, keys, key_scales, q_scales)
 
 
 def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor,
-           key_scales: torch.Tensor | None, fp8_q: bool) -> None:
+           key_scales: torch.Tensor | None, q_scales: torch.Tensor | None) -> None:
     if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2 or candidates.dim() != 2:
         raise ValueError(f"expected q [T, Ih, Id], weights [T, Ih], keys [N, Id], "
                          f"candidates [T, V]; got {tuple(q.shape)}, {tuple(weights.shape)}, "
@@ -184,10 +182,10 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidate
     if tuple(weights.shape) != (T, Ih) or keys.shape[1] != Id or candidates.shape[0] != T:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, weights {tuple(weights.shape)}, "
                          f"keys {tuple(keys.shape)}, candidates {tuple(candidates.shape)}")
-    if q.dtype not in _DOT_DTYPES or keys.dtype not in (*_DOT_DTYPES, torch.float8_e4m3fn):
-        raise ValueError(f"q dtype must be one of {_DOT_DTYPES}, keys also float8_e4m3fn; got "
-                         f"{q.dtype}, {keys.dtype}")
-    _check_fp8(keys, key_scales, fp8_q)
+    fp8 = (*_DOT_DTYPES, torch.float8_e4m3fn)
+    if q.dtype not in fp8 or keys.dtype not in fp8:
+        raise ValueError(f"q and keys dtypes must be one of {fp8}; got {q.dtype}, {keys.dtype}")
+    _check_fp8(q, keys, key_scales, q_scales)
     if weights.dtype not in _DOT_DTYPES or candidates.dtype != torch.int64:
         raise ValueError(f"weights must be one of {_DOT_DTYPES} and candidates int64; got "
                          f"{weights.dtype}, {candidates.dtype}")
@@ -205,31 +203,30 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, candidate
 def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                         candidates: torch.Tensor, *, weight_scale: float = 1.0,
                         key_scales: torch.Tensor | None = None,
-                        fp8_q: bool = False, block_v: int | None = None,
+                        q_scales: torch.Tensor | None = None, block_v: int = _BLOCK_V,
                         blocks_per_program: int | None = None, num_warps: int = 4,
-                        num_stages: int = 2) -> torch.Tensor:
+                        num_stages: int | None = None) -> torch.Tensor:
     """Same contract as `paged_index_scores`: returns [T, V] fp32, -inf where candidates < 0.
 
-    `q`: [T, Ih, Id] bf16/fp16/fp32; `weights`: [T, Ih] bf16/fp16/fp32, any row stride (unit
-    column stride: e.g. a column slice of a fused projection's output); the heads' weights are
-    `weights.float() * weight_scale` (cast and fp32 multiply in the kernel, bit-equal to the
-    caller doing them); `keys`: [N, Id] bf16/fp16/fp32, or float8_e4m3fn codes with `key_scales`
-    [N] fp32 (`ref/index_keys.py`: the codes widen to q's dtype, each key's scale multiplies its
-    score); `candidates`: [T, V] int64 pool slots, -1 = none, every other slot < N. q, keys and
-    candidates contiguous; one device. `fp8_q` (FP8 keys only): each head's query is rounded to
-    FP8 in the kernel as `quantize_index_keys` rounds a key, and the dot runs on FP8 tensor
-    cores (compiled), each head's scale joining its weight. Otherwise q and keys of the same
-    16-bit dtype (FP8 keys: q's) run a 16-bit tl.dot, anything else an fp32 (ieee) dot. The other
-    keyword arguments are tuning knobs (benchmark sweeps, tests); the defaults (block_v 64,
-    4 warps, 2 stages) are the H200 sweep's best of 11 configurations for Ih = 64, Id = 128 at
-    decode T = 1 and V 65,536 / 262,144 (`bench_index_scores.py --sweep`;
-    benchmarks/results/kernels_i_h200_202611.md); with `fp8_q` block_v 128, the H100's best of
-    64 / 128 there (each program rounds q once: fewer, longer programs;
-    benchmarks/results/serving_h200_202612.md); blocks per program by `_blocks_per_program`. No
-    host syncs: safe inside CUDA-graph capture.
+    `q`: [T, Ih, Id] bf16/fp16/fp32, or float8_e4m3fn codes with `q_scales` [T, Ih] fp32 (FP8
+    keys only; `rope_fp8`'s output: each head's values its codes times its scale, the scale
+    joining the head's weight, the dot on FP8 tensor cores when compiled); `weights`: [T, Ih]
+    bf16/fp16/fp32, any row stride (unit column stride: e.g. a column slice of a fused
+    projection's output); the heads' weights are `weights.float() * weight_scale` (cast and fp32
+    multiply in the kernel, bit-equal to the caller doing them); `keys`: [N, Id] bf16/fp16/fp32,
+    or float8_e4m3fn codes with `key_scales` [N] fp32 (`ref/index_keys.py`: the codes widen to
+    q's dtype, each key's scale multiplies its score); `candidates`: [T, V] int64 pool slots,
+    -1 = none, every other slot < N. q, keys and candidates contiguous; one device. q and keys of
+    one 16-bit dtype (FP8 keys: q's) run a 16-bit tl.dot, FP8 q and keys an FP8 dot, anything
+    else an fp32 (ieee) dot. The other keyword arguments are tuning knobs (benchmark sweeps,
+    tests); the defaults (block_v 64, 4 warps, 2 stages) are the H200 sweep's best of 11
+    configurations for Ih = 64, Id = 128 at decode T = 1 and V 65,536 / 262,144
+    (`bench_index_scores.py --sweep`; benchmarks/results/kernels_i_h200_202611.md); with FP8
+    queries 3 stages, the H100's best there (benchmarks/results/serving_h200_202612.md); blocks
+    per program by `_blocks_per_program`. No host syncs: safe inside CUDA-graph capture.
     """
-    _check(q, weights, keys, candidates, key_scales, fp8_q)
-    block_v = block_v or (_FP8_Q_BLOCK_V if fp8_q else _BLOCK_V)
+    _check(q, weights, keys, candidates, key_scales, q_scales)
+    num_stages = num_stages or (_FP8_Q_STAGES if q_scales is not None else 2)
     if block_v < _MIN_DOT or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= {_MIN_DOT}; got {block_v}")
     T, Ih, Id = q.shape
@@ -242,7 +239,8 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     bpp = max(bpp, triton.cdiv(num_blocks, _MAX_GRID_Y))
     grid = (T, triton.cdiv(num_blocks, bpp))
     _index_scores_kernel[grid](
-        q, weights, keys, out if key_scales is None else key_scales, candidates, out,
+        q, out if q_scales is None else q_scales, weights, keys,
+        out if key_scales is None else key_scales, candidates, out,
         V, Ih, Id, bpp, float(weight_scale),
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), candidates.stride(0),
         out.stride(0),
@@ -251,7 +249,7 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(Id)),
         FP32_DOT=_needs_fp32_dot(q, keys),
         EVEN_D=Id == max(_MIN_DOT, triton.next_power_of_2(Id)),
-        FP8_KEYS=key_scales is not None, FP8_Q=fp8_q,
+        FP8_KEYS=key_scales is not None, FP8_Q=q_scales is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
     return out

@@ -34,6 +34,20 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def rotate(x, cos_row, sin_row, D, rope_first,  # type: ignore[no-untyped-def]
+           BLOCK_D: tl.constexpr):
+    """fp32 row x [BLOCK_D] with its interleaved pairs from pair `rope_first` on rotated by the
+    token's cos / sin rows (pointers to their first element); the other channels as they are."""
+    a, b = tl.split(tl.reshape(x, (BLOCK_D // 2, 2)))
+    pair = tl.arange(0, BLOCK_D // 2)
+    is_rope = (pair >= rope_first) & (2 * pair < D)
+    cos = tl.load(cos_row + (pair - rope_first), mask=is_rope, other=1.0)
+    sin = tl.load(sin_row + (pair - rope_first), mask=is_rope, other=0.0)
+    return tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a),
+                              tl.where(is_rope, a * sin + b * cos, b)), (BLOCK_D,))
+
+
+@triton.jit
 def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-untyped-def]
                    slot_ptr, row, D, rows_per_token, rope_first, eps, stride_xt, stride_xh,
                    stride_cs, stride_out, NORM: tl.constexpr, ROPE: tl.constexpr,
@@ -53,13 +67,7 @@ def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,  # type: ignore[no-u
             x = x * w
     y = x
     if ROPE:
-        a, b = tl.split(tl.reshape(x, (BLOCK_D // 2, 2)))
-        pair = tl.arange(0, BLOCK_D // 2)
-        is_rope = (pair >= rope_first) & (2 * pair < D)
-        cos = tl.load(cos_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=1.0)
-        sin = tl.load(sin_ptr + t * stride_cs + (pair - rope_first), mask=is_rope, other=0.0)
-        y = tl.reshape(tl.join(tl.where(is_rope, a * cos - b * sin, a),
-                               tl.where(is_rope, a * sin + b * cos, b)), (BLOCK_D,))
+        y = rotate(x, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, rope_first, BLOCK_D)
     dest = row
     if SCATTER:
         dest = tl.load(slot_ptr + row)
