@@ -14,6 +14,8 @@ graph (compiled without FMA contraction, so bit-equal there too).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -94,10 +96,14 @@ def test_gpu_flash_indexer_shape_in_graph(T: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     x, cos, sin = case(T, 64, 128, 64, torch.bfloat16, seed=T)
-    want = rope(x, cos, sin)
-    triton_rope(x, cos, sin)                        # compile outside the capture
+    assert torch.equal(in_graph(triton_rope, x, cos, sin), rope(x, cos, sin))
+
+
+def in_graph(op: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """`op(*args)` captured in a CUDA graph (compiled outside the capture), replayed once."""
+    op(*args)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = triton_rope(x, cos, sin)
+        out = op(*args)
     graph.replay()
-    assert torch.equal(got, want)
+    return out

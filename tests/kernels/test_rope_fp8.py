@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from test_rope import DEVICE, case, truncated  # noqa: E402
+from test_rope import DEVICE, case, in_graph, truncated  # noqa: E402
 
 from dsv4.kernels.ref.index_keys import quantize_index_keys  # noqa: E402
 from dsv4.kernels.ref.rope_norm import rope, rope_fp8  # noqa: E402
@@ -79,10 +79,6 @@ def test_gpu_flash_indexer_shape_in_graph(T: int) -> None:
         pytest.skip("needs a CUDA device")
     x, cos, sin = case(T, 64, 128, 64, torch.bfloat16, seed=T)
     want = rope_fp8(x, cos, sin)
-    triton_rope_fp8(x, cos, sin)                    # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        codes, scales = triton_rope_fp8(x, cos, sin)
-    graph.replay()
+    codes, scales = in_graph(triton_rope_fp8, x, cos, sin)
     assert torch.equal(codes.view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(scales, want[1])
