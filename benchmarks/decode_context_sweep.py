@@ -63,6 +63,8 @@ from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import first_layers, get_preset
 from dsv4.checkpoint.writer import random_model
 from dsv4.config.engine import (
+    resolve_index_cache_dtype,
+    resolve_kernel_backend,
     resolve_multi_stream,
     resolve_overlap,
     resolve_pdl_early_max_batch,
@@ -130,8 +132,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-expert-beside-max-tokens", type=int, default=None,
                    help="with multi-stream, forwards of up to this many tokens run the shared "
                    "expert beside the routed experts (default: the engine's, by the format)")
-    p.add_argument("--index-cache-dtype", default="model", choices=["model", "fp8"],
-                   help="the indexer-key pools (EngineConfig.index_cache_dtype)")
+    p.add_argument("--index-cache-dtype", default=None, choices=["model", "fp8"],
+                   help="the indexer-key pools (EngineConfig.index_cache_dtype; default: the "
+                        "engine's, fp8 on CUDA with the triton backend, else model)")
     p.add_argument("--weight-format", default="bf16", choices=["bf16", "checkpoint"],
                    help="checkpoint: FP4 routed experts and FP8 linears, as the official "
                    "release stores them (the floor counts their bytes)")
@@ -762,7 +765,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                    torch.device(args.device).type),
               "shared_expert_beside_max_tokens": resolve_shared_expert_beside_max_tokens(
                   args.shared_expert_beside_max_tokens, args.weight_format == "checkpoint"),
-              "index_cache_dtype": args.index_cache_dtype,
+              "index_cache_dtype": resolve_index_cache_dtype(
+                  args.index_cache_dtype, torch.device(args.device).type,
+                  resolve_kernel_backend(args.kernel_backend, torch.device(args.device).type)),
               "torch": torch.__version__, "transformers": hf_version, "commit": commit,
               "speedup_vs_transformers": speedups(rows), "rows": rows}
     line = json.dumps(result)

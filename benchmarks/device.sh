@@ -33,8 +33,8 @@
 #                 at 4K and 900K (4,096-token prefill chunks) timed right after the prefill and after a 3 s pause,
 #                 each step's device ms, host ms and host ms blocked on the device (--step-times); then a trace
 #                 of three 128K decode steps right after their prefill, read by trace_gaps.py:
-#                 transient_settle{0,3}.json, transient_trace_gaps.txt (INDEX_CACHE_DTYPE=fp8: the sweeps
-#                 with FP8 indexer keys)
+#                 transient_settle{0,3}.json, transient_trace_gaps.txt (INDEX_CACHE_DTYPE=model|fp8: the sweeps
+#                 with those indexer keys; unset: the engine default)
 #   drift         the 900K slow state against the GPU's temperatures and clocks: nvidia-smi every 50 ms
 #                 (smi.csv: SM / HBM temperature, clocks, power, clock-event reasons) beside three one-engine
 #                 runs (4K and 900K, 6 phases of 32 steps each): 900K first then 4K (--order desc), and 4K
@@ -289,7 +289,7 @@ transient() {
   for s in 0 3; do
     timeout 150 python3 benchmarks/decode_context_sweep.py --device cuda --dtype bfloat16 --preset flash-4l \
       --kernel-backend triton --contexts 4096,921600 --batches "" --chunked-prefill-size 4096 --step-times \
-      --settle-s "$s" --index-cache-dtype "${INDEX_CACHE_DTYPE:-model}" \
+      --settle-s "$s" ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} \
       --out "$OUT/transient_settle$s.json" > "$OUT/transient_settle$s.txt" 2>&1
     grep -v "^{" "$OUT/transient_settle$s.txt" | tail -3
   done

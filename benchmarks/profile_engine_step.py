@@ -73,8 +73,9 @@ def main() -> None:
     p.add_argument("--shared-expert-beside-max-tokens", type=int, default=None,
                    help="with multi-stream, forwards of up to this many tokens run the shared "
                    "expert beside the routed experts (EngineConfig)")
-    p.add_argument("--index-cache-dtype", default="model", choices=["model", "fp8"],
-                   help="the indexer-key pools (EngineConfig.index_cache_dtype)")
+    p.add_argument("--index-cache-dtype", default=None, choices=["model", "fp8"],
+                   help="the indexer-key pools (EngineConfig.index_cache_dtype; default: the "
+                        "engine's, fp8 on CUDA with the triton backend, else model)")
     args = p.parse_args()
     model = random_model(get_preset(args.preset), resolve_dtype(args.dtype),
                          resolve_device(args.device), weight_format=args.weight_format)

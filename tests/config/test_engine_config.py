@@ -9,6 +9,7 @@ from dsv4.config.engine import (
     MAX_SPECULATIVE_STEPS,
     EngineConfig,
     kv_budget_gb,
+    resolve_index_cache_dtype,
     resolve_kernel_backend,
 )
 
@@ -43,6 +44,16 @@ def test_kernel_backend_resolution() -> None:
     assert resolve_kernel_backend(None, "cpu") == "ref"
     assert resolve_kernel_backend("ref", "cuda") == "ref"
     assert resolve_kernel_backend("triton", "cpu") == "triton"
+
+
+def test_index_cache_dtype_resolution() -> None:
+    assert resolve_index_cache_dtype(None, "cuda", "triton") == "fp8"
+    assert resolve_index_cache_dtype(None, "cuda", "ref") == "model"
+    assert resolve_index_cache_dtype(None, "cpu", "triton") == "model"
+    assert resolve_index_cache_dtype(None, "cpu", "ref") == "model"
+    assert resolve_index_cache_dtype("model", "cuda", "triton") == "model"
+    assert resolve_index_cache_dtype("fp8", "cpu", "ref") == "fp8"
+    assert EngineConfig().index_cache_dtype is None
 
 
 def test_kv_budget_resolution() -> None:

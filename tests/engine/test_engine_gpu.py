@@ -43,13 +43,17 @@ def test_engine_on_gpu_equals_full_recompute(tmp_path: Path, page_size: int, chu
 
 
 def test_cuda_defaults_are_triton_graphs_and_a_memory_fraction(tmp_path: Path) -> None:
-    """`LLM(model)` on CUDA with no engine arguments: the triton backend, CUDA graphs, and a KV
+    """`LLM(model)` on CUDA with no engine arguments: the triton backend, FP8 indexer keys, CUDA
+    graphs, and a KV
     budget of mem_fraction_static of the GPU less the weights (capped by what the requests can
     use)."""
     write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
     llm = LLM(tmp_path, device="cuda")
     runner = llm.engine.runner
     assert runner.config.kernel_backend == "triton" and runner.ops.name == "triton"
+    assert runner.config.index_cache_dtype == "fp8"
+    assert all(c.index_keys.dtype == torch.float8_e4m3fn for c in runner.pools.layers
+               if c.index_keys is not None)
     assert runner.graphs is not None
     total = torch.cuda.get_device_properties(0).total_memory
     assert runner.config.kv_cache_memory_gb is not None

@@ -106,3 +106,20 @@ def test_config_and_cache_plan() -> None:
     fp8_config = EngineConfig(**args, index_cache_dtype="fp8")  # type: ignore[arg-type]
     small = plan_cache(flash, fp8_config, torch.bfloat16)
     assert small.num_full_pages > plain.num_full_pages
+
+
+def test_default_resolution_in_the_engine_and_the_cli(ckpt: Path) -> None:
+    """Unset, the engine resolves the keys' format for its device and backend (CPU: the model
+    dtype; CUDA with triton: FP8, `test_engine_gpu.py`), and `dsv4 serve` resolves it before the
+    server reports its knobs (`/get_server_info`, which RL's rollout check reads)."""
+    from dsv4.cli.main import build_parser
+    from dsv4.cli.serve import build_config
+
+    runner = LLM(ckpt, dtype="float32", page_size=16, max_total_tokens=256).engine.runner
+    assert runner.config.index_cache_dtype == "model"
+    assert not any(m.fp8 for m in runner.model.modules() if isinstance(m, Indexer))
+    parser = build_parser()
+    assert build_config(parser.parse_args(["serve", "--device", "cpu"])).index_cache_dtype == \
+        "model"
+    assert build_config(parser.parse_args(["serve", "--device", "cpu", "--index-cache-dtype",
+                                           "fp8"])).index_cache_dtype == "fp8"

@@ -297,3 +297,7 @@ def test_fp8_index_keys_reach_the_engine_and_the_trainer(tmp_path: Path) -> None
     assert math.isfinite(trainer.train_step().get("loss", 0.0))
     with pytest.raises(ValueError, match="index_cache_dtype='fp4' is invalid"):
         RLConfig(model="m", out_dir="o", index_cache_dtype="fp4")
+    # unset: the engine's default for the run's device and backend, recorded in the config
+    assert RLConfig(model="m", out_dir="o").index_cache_dtype == "model"
+    assert RLConfig(model="m", out_dir="o", device="cuda:0",
+                    kernel_backend="triton").index_cache_dtype == "fp8"

@@ -23,6 +23,7 @@ from dsv4.config.engine import (
     MAX_SPECULATIVE_STEPS,
     WARMUP_MODES,
     WEIGHT_FORMATS,
+    resolve_index_cache_dtype,
     resolve_kernel_backend,
 )
 from dsv4.config.server import DTYPES, LOAD_FORMATS, ServerConfig
@@ -118,9 +119,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with checkpoint-format experts, else 0; "
                         "EngineConfig.shared_expert_beside_max_tokens)")
     g.add_argument("--index-cache-dtype", choices=["model", "fp8"], default=None,
-                   help="the CSA indexer-key pools: the model dtype (default), or FP8 codes with "
-                        "a scale per key and FP8 index scores (half the indexer's bytes at long "
-                        "context; EngineConfig.index_cache_dtype)")
+                   help="the CSA indexer-key pools: the model dtype, or FP8 codes with a scale "
+                        "per key and FP8 index scores (half the indexer's bytes at long "
+                        "context); default: fp8 on CUDA with the triton backend, else model "
+                        "(EngineConfig.index_cache_dtype)")
     add_speculative_arg(g, default=None)
     add_overlap_arg(g)
     add_warmup_arg(g)
@@ -198,6 +200,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     check_speculative(model, engine_args.get("speculative_num_steps", 0))
     engine_args["kernel_backend"] = resolve_kernel_backend(engine_args.get("kernel_backend"),
                                                            device)
+    engine_args["index_cache_dtype"] = resolve_index_cache_dtype(
+        engine_args.get("index_cache_dtype"), device, engine_args["kernel_backend"])
     if device == "cpu":
         engine_args.setdefault("page_size", _cpu_page_size(model))
         engine_args.setdefault("kv_cache_memory_gb", CPU_KV_CACHE_GB)

@@ -161,7 +161,9 @@ class EngineConfig:
     to FP8 per head, so the scores run on FP8 tensor cores: at long context the indexer reads
     half the bytes. It changes the index scores (each key and query within half an e4m3 step),
     so the model's full-sequence indexer rounds the same way (`DeepSeekV4ForCausalLM.
-    set_index_cache_dtype`): the engine and the full-sequence forward stay equivalent.
+    set_index_cache_dtype`): the engine and the full-sequence forward stay equivalent. None
+    (default): `resolve_index_cache_dtype`, "fp8" on CUDA with the `triton` backend, else
+    "model".
     """
 
     page_size: int = 256
@@ -192,7 +194,7 @@ class EngineConfig:
     decode_gemv: bool = True
     pdl_early_max_batch: int | None = None
     shared_expert_beside_max_tokens: int | None = None
-    index_cache_dtype: IndexCacheDtype = "model"
+    index_cache_dtype: IndexCacheDtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size",
@@ -249,7 +251,7 @@ class EngineConfig:
                              "token's bits, depend on the batch)")
         if self.warmup is not None:
             check_warmup(self.warmup)
-        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+        if self.index_cache_dtype not in (None, *INDEX_CACHE_DTYPES):
             raise ValueError(f"index_cache_dtype={self.index_cache_dtype!r} is invalid; "
                              f"allowed: {list(INDEX_CACHE_DTYPES)}")
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
@@ -312,6 +314,17 @@ def resolve_kernel_backend(requested: KernelBackend | None, device_type: str) ->
     if requested is not None:
         return requested
     return "triton" if device_type == "cuda" else "ref"
+
+
+def resolve_index_cache_dtype(requested: IndexCacheDtype | None, device_type: str,
+                              backend: KernelBackend) -> IndexCacheDtype:
+    """The indexer-key format an engine runs: the requested one, else "fp8" on CUDA with the
+    `triton` backend (half the indexer's bytes, FP8 tensor-core scores; measured in
+    benchmarks/results/serving_h200_202612.md) and "model" elsewhere (the reference's float
+    keys)."""
+    if requested is not None:
+        return requested
+    return "fp8" if device_type == "cuda" and backend == "triton" else "model"
 
 
 CUDA_SWA_MEMORY_FRACTION = 0.25

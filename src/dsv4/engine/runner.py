@@ -53,8 +53,6 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # before the KV budget is sized: fusing re-allocates the grouped weights
         self.fused_groups = fuse_for_serving(model, config)
-        # the full-sequence indexer rounds as the serving path's pools do
-        model.set_index_cache_dtype(config.index_cache_dtype)
         # the RoPE rows of every position a request can reach (its page table's span, drafts
         # included), before the KV budget is sized so that it sees them
         self.rope_positions = math.ceil(context_length / config.page_size) * config.page_size
@@ -63,6 +61,9 @@ class ModelRunner:
                     self.rope_cache_bytes / 1e6)
         config = resolve(config, self.device, model)
         self.model, self.config = model, config
+        assert config.index_cache_dtype is not None
+        # the full-sequence indexer rounds as the serving path's pools do
+        model.set_index_cache_dtype(config.index_cache_dtype)
         assert config.kernel_backend is not None
         self.ops = create_kernels(config.kernel_backend, config.invariant_plans)
         dtype = model.embed.weight.dtype

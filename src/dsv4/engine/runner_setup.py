@@ -16,6 +16,7 @@ from dsv4.config.engine import (
     EngineConfig,
     kv_budget_gb,
     resolve_hisparse_entries,
+    resolve_index_cache_dtype,
     resolve_kernel_backend,
     resolve_multi_stream,
     resolve_overlap,
@@ -41,8 +42,8 @@ def resolve(config: EngineConfig, device: torch.device, model: DeepSeekV4ForCaus
     """`config` with its device- and model-dependent defaults resolved (logged): the kernel
     backend and, unless `max_total_tokens` fixes the pools, the KV budget; the warmup mode,
     overlap scheduling, multi-stream, PDL's EARLY graph buckets (by whether `model` holds FP8
-    linears) and what the shared expert runs beside (by its routed experts' format;
-    `config/engine.py`)."""
+    linears), what the shared expert runs beside (by its routed experts' format) and the
+    indexer keys' format (`config/engine.py`)."""
     backend = resolve_kernel_backend(config.kernel_backend, device.type)
     budget = config.kv_cache_memory_gb
     if config.max_total_tokens is None:
@@ -71,7 +72,11 @@ def resolve(config: EngineConfig, device: torch.device, model: DeepSeekV4ForCaus
                     beside, "shared_expert_beside_max_tokens"
                     if config.shared_expert_beside_max_tokens is not None else
                     "checkpoint-format routed experts" if quant else "float routed experts")
+    index = resolve_index_cache_dtype(config.index_cache_dtype, device.type, backend)
+    logger.info("indexer keys: %s (%s)", index, "index_cache_dtype"
+                if config.index_cache_dtype is not None else f"{device.type}, {backend} backend")
     return dataclasses.replace(config, kernel_backend=backend, kv_cache_memory_gb=budget,
+                               index_cache_dtype=index,
                                warmup=warmup, swa_memory_fraction=resolve_swa_fraction(
                                    config.swa_memory_fraction, device.type),
                                overlap_schedule=overlap, multi_stream=multi_stream,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dsv4.config.engine import INDEX_CACHE_DTYPES
+from dsv4.config.engine import INDEX_CACHE_DTYPES, resolve_index_cache_dtype
 from dsv4.rl.rewards import TASKS
 from dsv4.utils.run_dir import RunConfig
 
@@ -68,7 +68,9 @@ class RLConfig(RunConfig):
     `index_cache_dtype`: the rollout engine's indexer keys (`EngineConfig.index_cache_dtype`),
     and the trainer's models' indexers round theirs the same way
     (`DeepSeekV4ForCausalLM.set_index_cache_dtype`): its own selections (replay without
-    "indexer") and the indexer's scores are those of the rollouts."""
+    "indexer") and the indexer's scores are those of the rollouts. None: the engine's default
+    for `device` and `kernel_backend` (`resolve_index_cache_dtype`), resolved once, so
+    rl_config.json records the value (and rollout servers on their defaults agree with it)."""
 
     INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
@@ -112,11 +114,14 @@ class RLConfig(RunConfig):
     rollout_urls: tuple[str, ...] = ()
     rollout_colocated: bool = False
     activation_checkpointing: bool = False
-    index_cache_dtype: str = "model"
+    index_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.true_on_policy is None:     # resolved once, so rl_config.json records the value
             object.__setattr__(self, "true_on_policy", self.values_from_kernels)
+        if self.index_cache_dtype is None:  # the same
+            object.__setattr__(self, "index_cache_dtype", resolve_index_cache_dtype(
+                None, self.device.split(":")[0], self.kernel_backend))  # type: ignore[arg-type]
         if self.task not in TASKS:
             raise ValueError(f"task={self.task!r} is unknown; allowed: {sorted(TASKS)}")
         if self.algo not in ALGOS:

@@ -101,6 +101,7 @@ class RLTrainer:
         model_dir = Path(c.model)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.policy = load_model(model_dir, dtype="float32", device=self.device).train()
+        assert c.index_cache_dtype is not None, "RLConfig resolves it"
         self.policy.set_index_cache_dtype(c.index_cache_dtype)   # the copies below inherit it
         self.compute = (self.policy if c.dtype == "float32"
                         else copy.deepcopy(self.policy).cast_(torch.bfloat16))
