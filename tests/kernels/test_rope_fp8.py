@@ -73,11 +73,10 @@ def test_strided_input_empty_step_and_validation() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64, 8192])
-def test_gpu_flash_indexer_shape_in_graph(T: int) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    x, cos, sin = case(T, 64, 128, 64, torch.bfloat16, seed=T)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 64, 8192])
+def test_flash_indexer_queries_in_a_cuda_graph(tokens: int) -> None:
+    x, cos, sin = case(tokens, 64, 128, 64, torch.bfloat16, seed=tokens)
     want = rope_fp8(x, cos, sin)
     codes, scales = in_graph(triton_rope_fp8, x, cos, sin)
     assert torch.equal(codes.view(torch.uint8), want[0].view(torch.uint8))
