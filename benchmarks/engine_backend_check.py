@@ -41,7 +41,7 @@ import torch
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import get_preset
 from dsv4.checkpoint.writer import random_model
-from dsv4.config.engine import WEIGHT_FORMATS
+from dsv4.config.engine import INDEX_CACHE_DTYPES, WEIGHT_FORMATS, IndexCacheDtype
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM
@@ -65,11 +65,14 @@ def upcast_(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 def generate(model: DeepSeekV4ForCausalLM, backend: str, prompts: list[list[int]],
              params: SamplingParams, page_size: int, forced: list[list[int]] | None = None,
-             max_running: int = 64) -> tuple[list[Request], list[list[int]]]:
+             max_running: int = 64, index_cache_dtype: IndexCacheDtype = "model",
+             ) -> tuple[list[Request], list[list[int]]]:
     """Greedy requests on one engine; with `forced`, each step's tokens are recorded, then
     overwritten by the forced ones (so the next step feeds them). Returns the requests and the
-    tokens the engine chose."""
+    tokens the engine chose. Every engine of the check gets the same `index_cache_dtype` (the
+    engines' defaults differ by backend), so only the kernels differ."""
     config = EngineConfig(page_size=page_size, kernel_backend=backend, chunked_prefill_size=4096,
+                          index_cache_dtype=index_cache_dtype,
                           max_running_requests=max_running,
                           max_total_tokens=sum(len(p) for p in prompts)
                           + len(prompts) * (params.max_tokens + 512))
@@ -121,6 +124,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--index-cache-dtype", default="model", choices=INDEX_CACHE_DTYPES,
+                   help="the indexer keys of every engine of the check (one value for both "
+                        "backends)")
     p.add_argument("--weight-format", default="bf16", choices=WEIGHT_FORMATS)
     p.add_argument("--shared-weights", action="store_true",
                    help="with --weight-format checkpoint: the ref run serves the same "
@@ -154,15 +160,16 @@ def main() -> None:
                for i in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=0)
-    ref, _ = generate(model, "ref", prompts, params, args.page_size)
-    tri, _ = generate(tri_model, "triton", prompts, params, args.page_size)
+    keys = {"index_cache_dtype": args.index_cache_dtype}
+    ref, _ = generate(model, "ref", prompts, params, args.page_size, **keys)
+    tri, _ = generate(tri_model, "triton", prompts, params, args.page_size, **keys)
     forced, chosen = generate(tri_model, "triton", prompts, params, args.page_size,
-                              forced=[r.output_ids for r in ref])
+                              forced=[r.output_ids for r in ref], **keys)
     result = compare(ref, tri, chosen, forced)
     # the same ref kernels, one request at a time (other GEMM shapes, other roundings)
     if args.noise_floor:
         seq, seq_chosen = generate(model, "ref", prompts, params, args.page_size,
-                                   forced=[r.output_ids for r in ref], max_running=1)
+                                   forced=[r.output_ids for r in ref], max_running=1, **keys)
         floor = compare(ref, ref, seq_chosen, seq)
         result["ref_sequential_teacher_forced_agreement"] = floor["teacher_forced_agreement"]
         print(f"noise floor (ref batched vs ref one request at a time, teacher-forced): "
@@ -178,7 +185,8 @@ def main() -> None:
                       "dtype": args.dtype, "prompt_len": args.prompt_len,
                       "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
                       "seed": args.seed, "weight_format": args.weight_format,
-                      "shared_weights": args.shared_weights, **result}))
+                      "shared_weights": args.shared_weights,
+                      "index_cache_dtype": args.index_cache_dtype, **result}))
 
 
 if __name__ == "__main__":
