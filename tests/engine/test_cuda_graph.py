@@ -99,7 +99,8 @@ def _multi_token_step(ckpt: Path, device: str, capture: bool, backend: str) -> N
     routing, and both equal to the full-sequence model at those positions."""
     llm = LLM(ckpt, dtype="float32", device=device, page_size=16, max_total_tokens=4096,
               max_running_requests=4, capture_routing=True, kernel_backend=backend,
-              disable_cuda_graph=True, overlap_schedule=False)   # the test schedules by hand
+              disable_cuda_graph=True, overlap_schedule=False,   # the test schedules by hand
+              index_cache_dtype="model")   # fp32 index scores, as the full-sequence model's
     engine, runner = llm.engine, llm.engine.runner
     graphs = DecodeGraphs(llm.model, runner.table, runner.pools, runner.ops, max_batch=4,
                           capture=capture, max_tokens=2)

@@ -2,7 +2,8 @@
 scores, Lightning TopK, hybrid sparse attention, grouped routed experts, fused mHC pre / post /
 head; the interpreter on CPU) — gives the reference backend's greedy tokens and logprobs on the
 micro preset (SWA, CSA and HCA layers, hash and routed MoE; chunked prefill, decode, a prefix-cache
-hit), fp32.
+hit), fp32. Both backends run model-dtype indexer keys (their defaults differ on CUDA), so only
+the kernels differ; FP8 keys are tests/engine/test_index_cache_fp8.py's.
 
     PYTHONPATH=src python3 -m pytest -q tests/kernels/test_engine_triton_backend.py
 """
@@ -37,7 +38,7 @@ def test_triton_backend_matches_ref(tmp_path: Path) -> None:
     outs = {}
     for backend in ("ref", "triton"):
         llm = LLM(tmp_path, dtype="float32", device=device, page_size=16, max_total_tokens=1024,
-                  chunked_prefill_size=16, kernel_backend=backend)
+                  chunked_prefill_size=16, kernel_backend=backend, index_cache_dtype="model")
         ops = llm.engine.runner.ops
         assert ops.name == backend
         if backend == "triton":
@@ -76,7 +77,7 @@ def test_triton_fp4_experts_match_dequantised_ref() -> None:
     outs = []
     for m, backend in ((dense, "ref"), (model, "triton")):
         engine = LLMEngine(m, EngineConfig(page_size=16, max_total_tokens=512,
-                                           kernel_backend=backend))
+                                           kernel_backend=backend, index_cache_dtype="model"))
         reqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
