@@ -10,8 +10,8 @@ Kernel design: one program per (token, head) row, as `triton_rope` (`rope_norm.p
 loaded once, rotated in fp32 (`rotate`, compiled without FMA contraction: `triton_rope`'s bits),
 rounded to x's dtype as `rope` returns it, then `act_quant.py`'s `pow2_ceil_scale` of its amax and
 `e4m3_codes`; the codes and the scale are stored. No host sync: graph-capture safe.
-Test: tests/kernels/test_rope_fp8.py. Benchmark: the indexer's op in
-benchmarks/kernels/bench_index_scores.py (`--keys fp8q` times the scores on these queries).
+Test: tests/kernels/test_rope_fp8.py. Benchmark: benchmarks/kernels/bench_rope.py --fp8 (and
+bench_index_scores.py --keys fp8q, the scores on these queries).
 """
 
 from __future__ import annotations
