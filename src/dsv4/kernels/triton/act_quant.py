@@ -44,6 +44,14 @@ def quant_rows(v):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def quant_row(v):  # type: ignore[no-untyped-def]
+    """(e4m3 codes [B] as fp8e4nv, fp32 scale) of one fp32 row v [B] as one block (an FP8
+    indexer key or query head, `ref/index_keys.py`); lanes outside the block must hold 0."""
+    scale = pow2_ceil_scale(tl.max(tl.abs(v), axis=0))
+    return e4m3_codes(v, inv_pow2(scale)), scale
+
+
+@triton.jit
 def inv_pow2(scale):  # type: ignore[no-untyped-def]
     """1 / scale for a power-of-two fp32 scale, from the bits (biased exponent 254 - e): exact,
     whatever the division's rounding."""

@@ -22,8 +22,9 @@ prefill, where the wider program's registers cost occupancy; the indexer compres
 the two single launches (a shape rule: no host sync).
 
 FP8 indexer keys: a second target with `out_scale` (`CompressTarget`) gets its entries rounded to
-its `key_dtype`, then to e4m3 codes and a power-of-two scale (`act_quant.py`'s, as the reference's
-`quantize_index_keys`), in this launch at any T (the single launches do not write FP8).
+its `key_dtype`, then to e4m3 codes and a power-of-two scale (`act_quant.py`'s `quant_row`, as the
+reference's `quantize_index_keys`), in this launch at any T (the single launches do not write
+FP8).
 
 Scope: windows of one chunk (C4: S = 8), both compressors with overlap; anything else raises (call
 the single op). Prefill / extend (`ring_reads_disjoint` False) writes both rings in a second and
@@ -40,7 +41,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.ref.compressor import CompressIndex, CompressTarget, compress_geometry
-from dsv4.kernels.triton.act_quant import e4m3_codes, inv_pow2, pow2_ceil_scale
+from dsv4.kernels.triton.act_quant import quant_row
 from dsv4.kernels.triton.compressor import (
     entry_value,
     fold_chunk,
@@ -145,10 +146,9 @@ def _compress_pair_kernel(  # type: ignore[no-untyped-def]
         if FP8_B:
             entry_b = entry_value(den_b, acc_b, wb, cos_b, sin_b, rope_b, eps, mask_b, DC_B,
                                   BLOCK_DB)
-            key = entry_b.to(KEY_DTYPE).to(tl.float32)          # 0 off mask_b
-            scale = pow2_ceil_scale(tl.max(tl.abs(key), axis=0))
-            codes = e4m3_codes(key, inv_pow2(scale)).to(tl.uint8, bitcast=True)
-            tl.store(out_b + slot * stride_out_b + offs_b, codes, mask=mask_b)
+            codes, scale = quant_row(entry_b.to(KEY_DTYPE).to(tl.float32))  # 0 off mask_b
+            tl.store(out_b + slot * stride_out_b + offs_b, codes.to(tl.uint8, bitcast=True),
+                     mask=mask_b)
             tl.store(scale_b + slot, scale)
         else:
             store_entry(den_b, acc_b, wb, cos_b, sin_b, rope_b, eps, out_b + slot * stride_out_b,

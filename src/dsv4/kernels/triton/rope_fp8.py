@@ -8,8 +8,8 @@ in every program of the `index_scores` launch (each would redo all of a token's 
 
 Kernel design: one program per (token, head) row, as `triton_rope` (`rope_norm.py`): the row is
 loaded once, rotated in fp32 (`rotate`, compiled without FMA contraction: `triton_rope`'s bits),
-rounded to x's dtype as `rope` returns it, then `act_quant.py`'s `pow2_ceil_scale` of its amax and
-`e4m3_codes`; the codes and the scale are stored. No host sync: graph-capture safe.
+rounded to x's dtype as `rope` returns it, then quantised by `act_quant.py`'s `quant_row`; the
+codes and the scale are stored. No host sync: graph-capture safe.
 Test: tests/kernels/test_rope_fp8.py. Benchmark: benchmarks/kernels/bench_rope.py --fp8 (and
 bench_index_scores.py --keys fp8q, the scores on these queries).
 """
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.act_quant import e4m3_codes, inv_pow2, pow2_ceil_scale
+from dsv4.kernels.triton.act_quant import quant_row
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 from dsv4.kernels.triton.rope_norm import check_rope, rotate
@@ -39,8 +39,8 @@ def _rope_fp8_kernel(x_ptr, cos_ptr, sin_ptr, codes_ptr,  # type: ignore[no-unty
     y = rotate(x.to(tl.float32), cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D,
                rope_first, BLOCK_D)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)   # `rope`'s output, in x's dtype
-    scale = pow2_ceil_scale(tl.max(tl.abs(y), axis=0))  # channels past D are 0: not the amax
-    tl.store(codes_ptr + row * D + offs, e4m3_codes(y, inv_pow2(scale)), mask=mask)
+    codes, scale = quant_row(y)                         # channels past D are 0: not the amax
+    tl.store(codes_ptr + row * D + offs, codes, mask=mask)
     tl.store(scales_ptr + row, scale)
 
 
