@@ -62,7 +62,7 @@ import torch
 from dsv4 import EngineConfig, SamplingParams
 from dsv4.checkpoint.presets import first_layers, get_preset
 from dsv4.checkpoint.writer import random_model
-from dsv4.config.engine import (
+from dsv4.config.engine_defaults import (
     resolve_index_cache_dtype,
     resolve_kernel_backend,
     resolve_multi_stream,

@@ -9,7 +9,8 @@ import torch
 
 from dsv4.cache.layout import full_bytes_per_token, plan_cache, swa_bytes_per_page
 from dsv4.checkpoint.presets import get_preset
-from dsv4.config.engine import EngineConfig, resolve_swa_fraction
+from dsv4.config.engine import EngineConfig
+from dsv4.config.engine_defaults import resolve_swa_fraction
 
 FLASH = get_preset("flash-4l")
 BASE = EngineConfig(page_size=256, max_running_requests=32, chunked_prefill_size=2048,

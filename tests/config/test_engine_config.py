@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.config.engine import (
+from dsv4.config.engine import MAX_SPECULATIVE_STEPS, EngineConfig
+from dsv4.config.engine_defaults import (
     CPU_KV_CACHE_GB,
-    MAX_SPECULATIVE_STEPS,
-    EngineConfig,
     kv_budget_gb,
     resolve_index_cache_dtype,
     resolve_kernel_backend,

@@ -179,7 +179,8 @@ def test_pdl_early_buckets() -> None:
     """Buckets up to `pdl_early_max_batch` are captured in PDL's EARLY mode, the rest in
     DSV4_PDL's (None); by default EARLY up to 8 requests with FP8 linears, none with float
     ones; a bad bound is refused."""
-    from dsv4.config.engine import EngineConfig, resolve_pdl_early_max_batch
+    from dsv4.config.engine import EngineConfig
+    from dsv4.config.engine_defaults import resolve_pdl_early_max_batch
 
     assert [graph_pdl_mode(b, 2) for b in (1, 2, 4, 8)] == [EARLY, EARLY, None, None]
     assert graph_pdl_mode(1, 0) is None

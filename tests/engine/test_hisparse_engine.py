@@ -32,7 +32,8 @@ from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import random_model, write_checkpoint
 from dsv4.cli.main import build_parser, main
 from dsv4.cli.serve import build_config
-from dsv4.config.engine import EngineConfig, resolve_hisparse_entries
+from dsv4.config.engine import EngineConfig
+from dsv4.config.engine_defaults import resolve_hisparse_entries
 from dsv4.config.model import ModelConfig
 from dsv4.config.server import ServerConfig
 from dsv4.distributed.memory import plan_memory

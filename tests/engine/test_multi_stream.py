@@ -12,8 +12,8 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import random_model, write_checkpoint
-from dsv4.config.engine import (
-    EngineConfig,
+from dsv4.config.engine import EngineConfig
+from dsv4.config.engine_defaults import (
     resolve_multi_stream,
     resolve_shared_expert_beside_max_tokens,
 )

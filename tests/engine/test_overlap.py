@@ -25,7 +25,8 @@ from test_engine_equivalence import assert_pools_free as assert_no_leak
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import random_model, write_checkpoint
-from dsv4.config.engine import EngineConfig, resolve_overlap
+from dsv4.config.engine import EngineConfig
+from dsv4.config.engine_defaults import resolve_overlap
 from dsv4.engine.cuda_graph import DecodeGraphs
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request

@@ -15,7 +15,8 @@ from test_engine_equivalence import assert_pools_free
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.presets import micro
 from dsv4.checkpoint.writer import write_checkpoint
-from dsv4.config.engine import EngineConfig, resolve_warmup
+from dsv4.config.engine import EngineConfig
+from dsv4.config.engine_defaults import resolve_warmup
 from dsv4.engine.cuda_graph import DecodeGraphs, GraphKey
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.scheduler import ScheduledStep

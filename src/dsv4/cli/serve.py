@@ -19,13 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsv4.config.engine import (
-    MAX_SPECULATIVE_STEPS,
-    WARMUP_MODES,
-    WEIGHT_FORMATS,
-    resolve_index_cache_dtype,
-    resolve_kernel_backend,
-)
+from dsv4.config.engine import MAX_SPECULATIVE_STEPS, WARMUP_MODES, WEIGHT_FORMATS
+from dsv4.config.engine_defaults import resolve_index_cache_dtype, resolve_kernel_backend
 from dsv4.config.server import DTYPES, LOAD_FORMATS, ServerConfig
 from dsv4.utils.logging import init_logger
 
@@ -246,7 +241,8 @@ def dry_run(config: ServerConfig) -> str:
 
     import torch
 
-    from dsv4.config.engine import EngineConfig, kv_budget_gb, resolve_swa_fraction
+    from dsv4.config.engine import EngineConfig
+    from dsv4.config.engine_defaults import kv_budget_gb, resolve_swa_fraction
     from dsv4.config.model import ModelConfig
     from dsv4.distributed.memory import RankMemory, format_plan, plan_memory
     from dsv4.model.loader import resolve_dtype

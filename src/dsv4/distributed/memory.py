@@ -23,7 +23,8 @@ from dsv4.cache.hisparse import HiSparseLayout, HotSet
 from dsv4.cache.layout import plan_cache
 from dsv4.cache.pools import KVPools
 from dsv4.cache.req_table import RequestTable
-from dsv4.config.engine import EngineConfig, WeightFormat, resolve_hisparse_entries
+from dsv4.config.engine import EngineConfig, WeightFormat
+from dsv4.config.engine_defaults import resolve_hisparse_entries
 from dsv4.config.model import ModelConfig
 from dsv4.distributed.dp import DPGroup, enable_dp_attention
 from dsv4.distributed.tp import TPGroup, shard_model

@@ -12,8 +12,8 @@ import dataclasses
 import torch
 
 from dsv4.cache.hisparse import HiSparseLayout
-from dsv4.config.engine import (
-    EngineConfig,
+from dsv4.config.engine import EngineConfig
+from dsv4.config.engine_defaults import (
     kv_budget_gb,
     resolve_hisparse_entries,
     resolve_index_cache_dtype,
@@ -43,7 +43,7 @@ def resolve(config: EngineConfig, device: torch.device, model: DeepSeekV4ForCaus
     backend and, unless `max_total_tokens` fixes the pools, the KV budget; the warmup mode,
     overlap scheduling, multi-stream, PDL's EARLY graph buckets (by whether `model` holds FP8
     linears), what the shared expert runs beside (by its routed experts' format) and the
-    indexer keys' format (`config/engine.py`)."""
+    indexer keys' format (`config/engine_defaults.py`)."""
     backend = resolve_kernel_backend(config.kernel_backend, device.type)
     budget = config.kv_cache_memory_gb
     if config.max_total_tokens is None:

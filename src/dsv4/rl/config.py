@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dsv4.config.engine import INDEX_CACHE_DTYPES, resolve_index_cache_dtype
+from dsv4.config.engine import INDEX_CACHE_DTYPES
+from dsv4.config.engine_defaults import resolve_index_cache_dtype
 from dsv4.rl.rewards import TASKS
 from dsv4.utils.run_dir import RunConfig
 
