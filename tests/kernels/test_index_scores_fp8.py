@@ -97,3 +97,15 @@ def test_fp8_keys_parity_real_shapes_cuda(T: int, V: int) -> None:
     # FP8 products are exact, but Hopper's FP8 MMA adds them with fewer mantissa bits than fp32
     # (DeepGEMM promotes its partial sums to fp32 for this)
     assert_scores_close(out, ref, FP8_MMA_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Id", [16, 24, 32])
+def test_fp8_queries_below_the_fp8_dot_width_cuda(Id: int) -> None:
+    """Indexers narrower than an FP8 dot's 32-channel minimum (the test models'): the channel
+    tile is padded with masked zeros, so the FP8 dot compiles and scores as the reference."""
+    q, w, codes, scales, cand = fp8_case(2, 8, Id, 300, torch.bfloat16, shared=False)
+    qc, qs = fp8_heads(q)
+    ref = paged_index_scores(qc, w, codes, cand, key_scales=scales, q_scales=qs)
+    out = triton_index_scores(qc, w, codes, cand, key_scales=scales, q_scales=qs)
+    assert_scores_close(out, ref, FP8_MMA_REL)

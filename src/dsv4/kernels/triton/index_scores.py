@@ -62,6 +62,7 @@ from dsv4.kernels.triton.tile_masks import rows_mask
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16                   # tl.dot needs every dimension >= 16
+_MIN_DOT_K_FP8 = 32             # and an FP8 dot a reduction (here: Id) of >= 32
 _BLOCK_V = 64                   # candidates per block (the docstring's defaults)
 _FP8_Q_STAGES = 3               # with FP8 queries (the docstring's defaults)
 _PROGRAMS_PER_SM = 4            # splits target: enough resident programs to keep gathers in flight
@@ -238,6 +239,8 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     bpp = blocks_per_program or _blocks_per_program(T, num_blocks, q.device)
     bpp = max(bpp, triton.cdiv(num_blocks, _MAX_GRID_Y))
     grid = (T, triton.cdiv(num_blocks, bpp))
+    # NOTE: an FP8 dot's channel tile is padded to 32 (masked: zeros) for indexers below that
+    block_d = max(_MIN_DOT if q_scales is None else _MIN_DOT_K_FP8, triton.next_power_of_2(Id))
     _index_scores_kernel[grid](
         q, out if q_scales is None else q_scales, weights, keys,
         out if key_scales is None else key_scales, candidates, out,
@@ -246,9 +249,7 @@ def triton_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
         out.stride(0),
         BLOCK_V=block_v,
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(Ih)),
-        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(Id)),
-        FP32_DOT=_needs_fp32_dot(q, keys),
-        EVEN_D=Id == max(_MIN_DOT, triton.next_power_of_2(Id)),
+        BLOCK_D=block_d, FP32_DOT=_needs_fp32_dot(q, keys), EVEN_D=Id == block_d,
         FP8_KEYS=key_scales is not None, FP8_Q=q_scales is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
