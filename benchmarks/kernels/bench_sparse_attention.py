@@ -31,6 +31,7 @@ Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_sparse_attention.py --out FILE.json  # CUDA
     PYTHONPATH=src python3 benchmarks/kernels/bench_sparse_attention.py --sweep  # + tiles/warps
+    PYTHONPATH=src python3 benchmarks/kernels/bench_sparse_attention.py --configs 16/32/4/2/20
     PYTHONPATH=src python3 benchmarks/kernels/bench_sparse_attention.py --cpu-smoke  # interpreter
 """
 
@@ -57,10 +58,12 @@ BF16_FLOP_PER_S = 680e12         # measured bf16 matmul on the H200
 ROTATE_BYTES = 256 << 20         # >= 5x the H200's 50 MB L2: input copies cycled inside one graph
 MAX_SETS = 16
 # (block_h, block_n, num_warps, num_stages, num_splits or None = automatic)
-SWEEP_CONFIGS = [(16, 32, 8, 2, None), (16, 64, 8, 2, None), (16, 64, 4, 2, None),
-                 (16, 32, 4, 1, None), (16, 32, 4, 3, None), (32, 32, 8, 2, None),
-                 (32, 64, 8, 2, None), (64, 16, 8, 2, None), (64, 32, 8, 2, None),
-                 (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16), (16, 32, 4, 2, 32)]
+Config = tuple[int, int, int, int, int | None]
+SWEEP_CONFIGS: list[Config] = [
+    (16, 32, 8, 2, None), (16, 64, 8, 2, None), (16, 64, 4, 2, None), (16, 32, 4, 1, None),
+    (16, 32, 4, 3, None), (32, 32, 8, 2, None), (32, 64, 8, 2, None), (64, 16, 8, 2, None),
+    (64, 32, 8, 2, None), (16, 32, 4, 2, 1), (16, 32, 4, 2, 4), (16, 32, 4, 2, 16),
+    (16, 32, 4, 2, 32)]
 
 Inputs = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
@@ -163,7 +166,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
             / ref.float().abs().max().clamp(min=1e-6)).item()
 
 
-def time_config(cfg: tuple[int, int, int, int, int | None], first: Inputs, sets: list[Inputs],
+def time_config(cfg: Config, first: Inputs, sets: list[Inputs],
                 ref: torch.Tensor, scale: float, args: argparse.Namespace,
                 cuda: bool, p_terms: int | None = None) -> tuple[float, float, float]:
     """(max rel error vs the reference, us per call, fraction of output elements not equal to
@@ -186,8 +189,18 @@ def time_config(cfg: tuple[int, int, int, int, int | None], first: Inputs, sets:
     return err, us, differ
 
 
-def config_key(cfg: tuple[int, int, int, int, int | None]) -> str:
+def config_key(cfg: Config) -> str:
+    """bh/bn/warps/stages/splits ("auto": the plan's)."""
     return "/".join("auto" if v is None else str(v) for v in cfg)
+
+
+def parse_config(key: str) -> Config:
+    """`config_key`'s inverse: "16/32/8/2/auto" -> (16, 32, 8, 2, None)."""
+    parts = key.split("/")
+    if len(parts) != 5:
+        raise ValueError(f"--configs entries are bh/bn/warps/stages/splits; got {key!r}")
+    bh, bn, w, st = (int(v) for v in parts[:4])
+    return bh, bn, w, st, None if parts[4] == "auto" else int(parts[4])
 
 
 def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
@@ -200,9 +213,11 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     first = make_inputs(case, dtype, device, args.seed)
     ref = sparse_attention_multi(*first, scale)
     bh, bn, nw, ns = default_config(case.H, case.D, not cuda)
-    configs: list[tuple[int, int, int, int, int | None]] = [(bh, bn, nw, ns, None)]
+    configs: list[Config] = [(bh, bn, nw, ns, None)]
     # NOTE: forced splits only where split-KV is meant to run (their workspace grows with T)
-    configs += [c for c in SWEEP_CONFIGS if c[4] is None or case.T <= 32] if args.sweep else []
+    extra = [parse_config(c) for c in args.configs.split(",")] if args.configs else (
+        SWEEP_CONFIGS if args.sweep else [])
+    configs += [c for c in extra if c[4] is None or case.T <= 32]
     per_set = count_bytes(case, first, bh, 1)
     n_sets = min(MAX_SETS, math.ceil(ROTATE_BYTES / per_set["bytes_once"])) if cuda else 1
     sets = [first] + [make_inputs(case, dtype, device, args.seed + i) for i in range(1, n_sets)]
@@ -226,7 +241,7 @@ def bench_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
     us = timed[best]
     ref_us = time_eager_us(lambda: sparse_attention_multi(*first, scale), max(3, args.iters // 10),
                            cuda)
-    best_h, best_n, *_, forced = by_key[best]
+    best_h, best_n, _, _, forced = by_key[best]
     blocks = sum(math.ceil(idx.shape[1] / best_n) for _, idx in first[1])
     splits, _ = split_plan(case.T * math.ceil(case.H / best_h), blocks, device, forced)
     fl = count_bytes(case, first, best_h, splits)
@@ -271,6 +286,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cases", default=None,
                    help="comma-separated substrings: only the cases whose name holds one "
                    "(e.g. 'V=7200,k=512 B=1')")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated bh/bn/warps/stages/splits keys timed after the default "
+                   "in place of the sweep's list (e.g. '16/32/8/2/auto,16/32/4/2/20')")
     return p.parse_args()
 
 

@@ -33,6 +33,7 @@ from dsv4.kernels.ref.attention import sparse_attention_multi  # noqa: E402
 from dsv4.kernels.ref.rope_norm import rope_inverse  # noqa: E402
 from dsv4.kernels.triton.sparse_attention import (  # noqa: E402
     choose_splits,
+    split_plan,
     triton_sparse_attention,
 )
 
@@ -244,6 +245,21 @@ def test_scattered_invalid_slots() -> None:
     holes[1][1][:, 16:32] = -1
     check(q, holes, sink, block_n=16)
     check(q, holes, sink, block_n=16, num_splits=3)
+
+
+@pytest.mark.parametrize("programs,blocks,want", [
+    (4, 5, 5), (4, 20, 20), (4, 33, 33),        # batch 1 (4 head groups): one block per split
+    (4, 36, 18), (4, 229, 58),                  # past one wave: >= 2 blocks per split, cap 64
+    (32, 5, 2), (32, 20, 7),                    # batch 8: the 2-per-SM target, evened
+    (132, 20, 1), (1, 1, 1)])
+def test_split_plan_on_132_sms(monkeypatch: pytest.MonkeyPatch, programs: int, blocks: int,
+                               want: int) -> None:
+    """The split plan from Python ints on a 132-SM GPU (no GPU needed): one key block per split
+    while every (program, block) pair fits one per SM, else the 2-per-SM target with >= 2 blocks
+    per split and at most 64 splits, evened out."""
+    monkeypatch.setattr("dsv4.kernels.triton.launch.sms", lambda device: 132)
+    splits, per_split = split_plan(programs, blocks, torch.device("cuda"))
+    assert splits == want and splits * per_split >= blocks > (splits - 1) * per_split
 
 
 @pytest.mark.parametrize("num_splits", [None, 2])

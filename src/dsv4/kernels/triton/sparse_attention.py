@@ -64,10 +64,13 @@ tile cannot be sliced, so a chunked QK would gather every key twice.
 
 Split-KV. With few programs (decode at small batch: T * G < #SMs) one program per (token, group)
 leaves most SMs idle while C128 lists reach 128 + 1024 keys at 128K context and 128 + 7200 at 900K.
-The wrapper then cuts the key blocks into NS = min(ceil(2 #SMs / (T G)), #blocks / 2, 64) splits
-(host-side from Python ints: no sync, graph-safe; 1 on the interpreter unless asked), with a fp32
-workspace of T * H * NS * (D + 1) * 4 bytes (L2-resident at those T). A split's key blocks run in
-sequence (each waits on its gather), so the split count, not the bytes, sets a long list's time.
+The wrapper then cuts the key blocks into NS = min(ceil(2 #SMs / (T G)), #blocks / 2, 64) splits,
+or into one block each when all T G #blocks programs fit one per SM (host-side from Python ints:
+no sync, graph-safe; 1 on the interpreter unless asked), with a fp32 workspace of
+T * H * NS * (D + 1) * 4 bytes (L2-resident at those T). A split's key blocks run in sequence
+(each waits on its gather), so the split count, not the bytes, sets a long list's time; one block
+per split leaves each program one gather (batch-1 decode of the C4 picks, 20 blocks, or a C128
+list up to ~100K context: 1-3 us less than two blocks per split on an H100).
 
 Invariants: scores, softmax and accumulation are fp32 (the 16-bit path writes P as PV_TERMS = 3
 terms of the keys' dtype, which carry its whole fp32 significand, where flash attention rounds P
@@ -225,12 +228,15 @@ def default_config(H: int, D: int, fp32_dot: bool) -> tuple[int, int, int, int]:
 
 def choose_splits(programs: int, num_blocks: int, device: torch.device) -> int:
     """Split-KV factor from Python ints (module docstring); 1 on the interpreter and when the GPU is
-    full."""
+    full; one key block per split when every (program, block) pair fits one wave at one per SM
+    (batch-1 decode over the C4 picks or a C128 list up to ~100K context)."""
     if device.type != "cuda":
         return 1
     sms = launch.sms(device)
     if programs >= sms:
         return 1
+    if programs * num_blocks <= sms:
+        return num_blocks
     want = triton.cdiv(_PROGRAMS_PER_SM * sms, programs)
     return max(1, min(want, num_blocks // _MIN_BLOCKS_PER_SPLIT, _MAX_SPLITS))
 
