@@ -45,22 +45,24 @@ C128 entries, which then also hit in L2.
 
 Register budget (D = 512, bf16). The accumulator is BLOCK_H x D fp32 and the loop-invariant Q
 operand stays in registers, so heads per program trade L2 traffic (each of the G programs of a
-token gathers its keys) for registers. Compiled offline for sm_90a (Triton 3.6, ptxas; registers
-per thread, spill bytes, shared memory):
+token gathers its keys) for registers. Compiled offline for sm_90a (Triton 3.6, ptxas; the split
+variant with P_TERMS = 3 and the de-rotating store; registers per thread, spill bytes, shared
+memory; `benchmarks/aot_compile_sm90.py`):
 
-    block_h/n, warps, stages   MMA                              regs  spill  smem    CTAs/SM by regs
-    16/32,  4, 2 (default)     mma.sync, warps [1, 4]            201      0   50 KB   2
-    16/32,  8, 2               mma.sync, warps [1, 8]            105      0   50 KB   2
-    16/64,  8, 2               mma.sync, warps [1, 8]            146      0   84 KB   1
-    32/64,  8, 2               mma.sync, warps [1, 8]            210      0  103 KB   1
-    64/32,  8, 2               wgmma, PV over 2 warpgroups       255    224  131 KB   1
-    16/64,  4, 2               mma.sync                          255    312   84 KB   1
+    block_h/n, warps, stages   MMA                  regs  spill   smem    CTAs/SM by regs
+    16/32,  4, 2 (default)     mma.sync              254      0   50 KB   2
+    16/32,  8, 2               mma.sync              149      0   50 KB   1
+    16/64,  8, 2               mma.sync              182      0   84 KB   1
+    32/64,  8, 2               mma.sync              250      0  103 KB   1
+    64/32,  8, 2               wgmma                 255  14504  135 KB   1
+    16/64,  4, 2               mma.sync              255    344   84 KB   2
 
-BLOCK_H = 64 (the natural wgmma M, keys gathered once per token) gets the PV accumulator split over
-two warpgroups but still spills; the default keeps 16 heads without spills and 2 resident programs
-per SM. The defaults are untuned on hardware: `block_h`, `block_n`, `num_warps`, `num_stages` are
-knobs (bench --sweep). Splitting D into chunks for the QK dot would not save registers: a register
-tile cannot be sliced, so a chunked QK would gather every key twice.
+BLOCK_H = 64 (the natural wgmma M, keys gathered once per token) spills heavily; the default keeps
+16 heads without spills and 2 resident programs per SM. The defaults are the sweeps' best on the
+H200 and H100 (benchmarks/results/serving_h200_202612.md); `block_h`, `block_n`, `num_warps`,
+`num_stages` are knobs (bench --sweep, --configs). Splitting D into chunks for the QK dot would
+not save registers: a register tile cannot be sliced, so a chunked QK would gather every key
+twice.
 
 Split-KV. With few programs (decode at small batch: T * G < #SMs) one program per (token, group)
 leaves most SMs idle while C128 lists reach 128 + 1024 keys at 128K context and 128 + 7200 at 900K.
