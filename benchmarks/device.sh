@@ -156,6 +156,11 @@
 #                 varies by process), checkpoint precision on an H100 (bf16 does not fit 900K there), bf16
 #                 on an H200 (IF_FORMAT overrides): decode_context_sweep.py --phases 3 --step-times per run,
 #                 index_fp8_<run>.json (IF_RUNS="1": one run of each)
+#   line          issue 20's 900K line as its protocol measures it: one engine for 4K and 900K (--one-engine,
+#                 4,096-token prefill chunks, settle 0), batch 1, 6 phases of 32 steps with each step's device
+#                 time (--step-times): line_<fmt>.json. bf16 on an H200, checkpoint precision on an H100 (bf16
+#                 900K does not fit there; LINE_FORMAT overrides); INDEX_CACHE_DTYPE=model|fp8 (unset: the
+#                 engine default); LINE_TIMEOUT_S (240)
 #   long-attn     the split-KV attention at batch-1 decode (issue 20's 900K line): its GPU tests (64 splits,
 #                 900K), then bench_sparse_attention.py --sweep on the 900K C128 list, the 128K list and the
 #                 C4 picks at batch 1: long_attn_tests.txt, long_attn.json
@@ -753,6 +758,28 @@ PY
   done
 }
 
+line() {   # issue 20's 900K / 4K line at its protocol (the header)
+  local fmt
+  fmt=${LINE_FORMAT:-$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo bf16 \
+    || echo checkpoint)}
+  timeout "${LINE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
+    --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \
+    --contexts 4096,921600 --batches "" --chunked-prefill-size 4096 --step-times --one-engine \
+    --phases 6 --settle-s 0 ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} \
+    --out "$OUT/line_$fmt.json" > "$OUT/line_$fmt.txt" 2>&1
+  echo "== line $fmt (exit $?)"
+  python3 - "$OUT/line_$fmt.json" <<'PY' || tail -5 "$OUT/line_$fmt.txt"
+import json, sys
+rows = {r["context"]: r for r in json.load(open(sys.argv[1]))["rows"]}
+for ctx, r in rows.items():
+    print(ctx, r["status"][:40], "phases", r.get("phase_ms"))
+if all(r.get("phase_ms") for r in rows.values()) and len(rows) == 2:
+    short, long = (rows[c]["phase_ms"] for c in sorted(rows))
+    print(f"900K / 4K: first phase {long[0] / short[0]:.3f}, phases 3-6 "
+          f"{sum(long[2:]) / sum(short[2:]):.3f}")
+PY
+}
+
 prefill_cold() {   # is the sweep's batch-32 prefill time kernel compiles? cold against warm cache
   local fmt pass cache
   for fmt in ${PC_FORMATS:-checkpoint bf16}; do
@@ -823,11 +850,12 @@ for part in "$@"; do
     after-warmup) after_warmup ;;
     long-attn) long_attn ;;
     index-fp8) index_fp8 ;;
+    line) line ;;
     multi) multi ;;
     multi-flash) multi_flash ;;
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn index-fp8 multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn index-fp8 line multi multi-flash multi-sync"; exit 2 ;;
   esac
 done
