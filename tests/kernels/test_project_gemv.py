@@ -1,6 +1,7 @@
 """The triton backend's `project` op (`kernels/triton/project.py::triton_project`) at decode
 sizes: the one-launch skinny GEMM with tiles and splits fixed, so a fused group's columns are the
-members' own bits (what `tests/kernels/test_fused_projections_triton.py` relies on end to end);
+members' own bits (what `tests/kernels/test_fused_projections_triton.py` relies on end to end; the
+interpreter's tl.dot rows within `INTERPRETER_DOT_REL`);
 at prefill sizes the fp32 weight's bf16 pieces, and on a GPU the tensor-core path of a bf16 x.
 Runs under the Triton interpreter on CPU and compiled on CUDA.
 
@@ -24,6 +25,22 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+INTERPRETER_DOT_REL = 1e-6
+"""How far the interpreter's tl.dot rows may put a fused group's columns from its members' (of
+max |y|): it runs tl.dot as numpy's fp32 matmul, whose sum order follows the tile's shape on
+some CPUs (1.3e-7 measured on an AMD EPYC with AVX2; bit-equal on others). Compiled on CUDA and
+on the FMA rows a column's sum order depends on K only: bit for bit there."""
+
+
+def assert_member_columns(m: int, got: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """A fused group's columns against its members' own (module docstring)."""
+    want = torch.cat(parts, dim=1)
+    if DEVICE == "cuda" or m <= FMA_MAX_M:
+        assert torch.equal(got, want)
+    else:
+        assert float((got - want).abs().max()) <= INTERPRETER_DOT_REL * float(want.abs().max())
+
+
 def _data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
@@ -42,7 +59,7 @@ def test_decode_rows_match_linear_and_fused_columns_are_exact(m: int) -> None:
     assert float((got.double() - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
     # a fused group (the rows of two members stacked): each member's columns, bit for bit
     parts = [triton_project(x, w[:32], counters), triton_project(x, w[32:], counters)]
-    assert torch.equal(got, torch.cat(parts, dim=1))
+    assert_member_columns(m, got, parts)
     assert int(counters.get(x.device).abs().sum()) == 0, "split-K counters left non-zero"
 
 
@@ -88,7 +105,7 @@ def test_a_bf16_weight_is_its_fp32_values(m: int, x_dtype: torch.dtype) -> None:
     ref = F.linear(x.double(), wb.double())
     assert float((got.double() - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
     parts = [triton_project(x, wb[:32], counters), triton_project(x, wb[32:], counters)]
-    assert torch.equal(got, torch.cat(parts, dim=1))
+    assert_member_columns(m, got, parts)
     assert int(counters.get(x.device).abs().sum()) == 0, "split-K counters left non-zero"
 
 
