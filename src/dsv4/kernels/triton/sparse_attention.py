@@ -72,7 +72,8 @@ no sync, graph-safe; 1 on the interpreter unless asked), with a fp32 workspace o
 T * H * NS * (D + 1) * 4 bytes (L2-resident at those T). A split's key blocks run in sequence
 (each waits on its gather), so the split count, not the bytes, sets a long list's time; one block
 per split leaves each program one gather (batch-1 decode of the C4 picks, 20 blocks, or a C128
-list up to ~100K context: 1-3 us less than two blocks per split on an H100).
+list up to ~100K context; faster than two blocks per split there: the bench's results in
+benchmarks/results/serving_h200_202612.md).
 
 Invariants: scores, softmax and accumulation are fp32 (the 16-bit path writes P as PV_TERMS = 3
 terms of the keys' dtype, which carry its whole fp32 significand, where flash attention rounds P
