@@ -736,10 +736,13 @@ PY
   done
 }
 
+long_context_format() {   # flash-4l's weight format for 900K decode: bf16 fits an H200, not an H100
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo bf16 || echo checkpoint
+}
+
 index_fp8() {   # index_cache_dtype model vs fp8 at batch 1, 4K and 900K, formats alternating
   local fmt run idx
-  fmt=${IF_FORMAT:-$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo bf16 \
-    || echo checkpoint)}
+  fmt=${IF_FORMAT:-$(long_context_format)}
   for run in ${IF_RUNS:-1 2}; do
     for idx in model fp8; do
       timeout "${DECODE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
@@ -760,8 +763,7 @@ PY
 
 line() {   # issue 20's 900K / 4K line at its protocol (the header)
   local fmt
-  fmt=${LINE_FORMAT:-$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo bf16 \
-    || echo checkpoint)}
+  fmt=${LINE_FORMAT:-$(long_context_format)}
   timeout "${LINE_TIMEOUT_S:-240}" python3 benchmarks/decode_context_sweep.py --device cuda \
     --dtype bfloat16 --preset flash-4l --kernel-backend triton --weight-format "$fmt" \
     --contexts 4096,921600 --batches "" --chunked-prefill-size 4096 --step-times --one-engine \

@@ -28,8 +28,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER_DOT_REL = 1e-6
 """How far the interpreter's tl.dot rows may put a fused group's columns from its members' (of
 max |y|): it runs tl.dot as numpy's fp32 matmul, whose sum order follows the tile's shape on
-some CPUs (1.3e-7 measured on an AMD EPYC with AVX2; bit-equal on others). Compiled on CUDA and
-on the FMA rows a column's sum order depends on K only: bit for bit there."""
+some CPUs (an AMD EPYC with AVX2, for one; bit-equal on others), a few fp32 roundings of max |y|
+apart. Compiled on CUDA and on the FMA rows a column's sum order depends on K only: bit for bit
+there."""
 
 
 def assert_member_columns(m: int, got: torch.Tensor, parts: list[torch.Tensor]) -> None:
