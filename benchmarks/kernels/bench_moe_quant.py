@@ -6,7 +6,7 @@ Cases (V4-Flash routed experts: E = 256, d = 4096, I = 2048, k = 6, bf16 activat
   dot_scaled, words, fma, planes, w8a8, frag; FP8 runs its distinct loops, scaled, dot_scaled, fma,
   frag (e4m3 into mma.sync fragments) and w8a8, the FP8-tensor-core loop with FP8 activations
   (FP4 too: its codes decoded to e4m3), checked against the reference with act_quant; bf16
-  weights have one loop, shown as "-"). The
+  weights have one loop, shown as "-"; `--cpu-smoke` leaves frag out by default). The
   fma loop (CUDA cores) has its own SWEEP kinds "fp4/fma" / "fp8/fma" and `--fma-block-m`; the
   frag loop (FP4 into mma.sync fragments, the plan's FP4 default while N*k <= E) "fp4/frag".
   `--kernels`: each kernel's device us per call at the default config (the gate/up and down
@@ -376,8 +376,10 @@ TABLE = [("case", "{:<12}", "case"), ("variant", "{:>10}", "variant"), ("us", "{
 
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0], "also time SWEEP[kind] and report the best")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated inner loops of fp4 / fp8, of {VARIANTS}")
+    p.add_argument("--variants", default="",
+                   help=f"comma-separated inner loops of fp4 / fp8, of {VARIANTS} (default: all; "
+                        "under --cpu-smoke all but frag, whose fragment MMAs cost the interpreter "
+                        "~10x the other loops' time; tests/kernels/test_moe_frag.py checks it)")
     p.add_argument("--fmts", default=",".join(FMTS), help=f"comma-separated, of {FMTS}")
     p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
     p.add_argument("--fma-block-m", type=int, default=None, choices=(1, 2, 4),
@@ -392,7 +394,8 @@ def main() -> None:
                    help="also each kernel's device us per call at the plan's default config "
                         "(torch.profiler; CUDA only), printed after the table")
     args = p.parse_args()
-    args.variants = [v for v in args.variants.split(",") if v]
+    args.variants = [v for v in args.variants.split(",") if v] or [
+        v for v in VARIANTS if not (args.cpu_smoke and v == "frag")]
     args.tokens = [int(n) for n in args.tokens.split(",") if n]
     fmts = [f for f in args.fmts.split(",") if f]
     if not set(args.variants) <= set(VARIANTS) or not set(fmts) <= set(FMTS):

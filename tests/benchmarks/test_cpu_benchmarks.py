@@ -1,9 +1,14 @@
-"""Smoke runs of the benchmarks on a CPU: each script, as a user runs it, on a tiny workload, exits
-0 and ends with its one JSON line. The kernel benchmarks run their `--cpu-smoke` shapes under the
-Triton interpreter (their timings mean nothing there; benchmarks/device.sh runs them on a GPU)."""
+"""Smoke runs of the benchmarks on a CPU: each script, with a user's command line, on a tiny
+workload, ends with its one JSON line; in a fresh process where the process is part of what is
+under test (a server, env settings, launch counts, a patched interpreter), else in this one. The
+kernel benchmarks run their `--cpu-smoke` shapes under the Triton interpreter (their timings mean
+nothing there; benchmarks/device.sh runs them on a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -12,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from bench_script import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +31,35 @@ def run_benchmark(script: str, *args: str, **extra_env: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     return dict(json.loads(last))
+
+
+def run_in_process(script: str, *args: str) -> dict[str, Any]:
+    """benchmarks/<script>'s `main()` in this process, with `args` as its command line; its last
+    output line parsed as JSON. For the scripts whose work, not their process, is under test: a
+    fresh process would re-import torch and dsv4 first. Where this process does not run Triton
+    under the interpreter (conftest sets it on a CPU machine) the script's `--cpu-smoke` needs a
+    process of its own, which sets it before importing Triton: `run_benchmark` there."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return run_benchmark(script, *args)
+    path = ROOT / "benchmarks" / script
+    if str(path.parent) not in sys.path:       # its sibling imports (`from bench_common ...`)
+        sys.path.append(str(path.parent))
+    name = f"_smoke_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    out, argv, threads = io.StringIO(), sys.argv, torch.get_num_threads()
+    try:
+        sys.modules[name] = module       # a dataclass looks its module up while it is defined
+        spec.loader.exec_module(module)
+        sys.argv = [str(path), *args]
+        with contextlib.redirect_stdout(out):
+            module.main()
+    finally:
+        sys.modules.pop(name, None)
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
 
 
 @pytest.mark.parametrize(("script", "args", "keys"), [
@@ -104,10 +139,10 @@ def test_hisparse_benchmark_swaps_on_micro(tmp_path: Path) -> None:
     """HiSparse off vs on on micro: both modes decode every level, and with HiSparse on the hot
     set (8 entries, against prompts of 30 C4 entries) swaps entries in; plot_hisparse.py draws
     the result."""
-    result = run_benchmark("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
-                           "120", "--output-len", "8", "--concurrency", "1,2", "--steps", "2",
-                           "--kv-cache-memory-gb", "0.05", "--page-size", "16",
-                           "--max-running-requests", "4", "--profile-steps", "1")
+    result = run_in_process("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
+                             "120", "--output-len", "8", "--concurrency", "1,2", "--steps", "2",
+                             "--kv-cache-memory-gb", "0.05", "--page-size", "16",
+                             "--max-running-requests", "4", "--profile-steps", "1")
     off, on = result["modes"]
     assert [r["concurrency"] for r in off["levels"]] == [1, 2] == \
         [r["concurrency"] for r in on["levels"]], result
@@ -168,11 +203,11 @@ def test_hisparse_plot_draws_the_kernel_families(tmp_path: Path) -> None:
 def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:
     """`--fill shared-prefix`: every request after the first reads the prefilled prefix from the
     prefix cache; `max` is the mode's admitted count (from the plan, not from the fill)."""
-    result = run_benchmark("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
-                           "120", "--output-len", "8", "--concurrency", "1,max", "--steps", "2",
-                           "--kv-cache-memory-gb", "0.05", "--page-size", "16",
-                           "--max-running-requests", "3", "--fill", "shared-prefix",
-                           "--unique-len", "20")
+    result = run_in_process("hisparse.py", "--preset", "micro", "--device", "cpu", "--prompt-len",
+                             "120", "--output-len", "8", "--concurrency", "1,max", "--steps", "2",
+                             "--kv-cache-memory-gb", "0.05", "--page-size", "16",
+                             "--max-running-requests", "3", "--fill", "shared-prefix",
+                             "--unique-len", "20")
     for mode in result["modes"]:
         assert [r["concurrency"] for r in mode["levels"]] == [1, mode["admitted"]], result
         assert mode["admitted"] == 3, result
@@ -183,8 +218,8 @@ def test_hisparse_benchmark_shared_prefix_fill_at_the_admitted_count() -> None:
 
 
 def test_rl_drift_benchmark_reports_exact_zero_on_cpu() -> None:
-    result = run_benchmark("rl_drift.py", "--steps", "1", "--prompts", "2", "--group-size", "2",
-                           "--modes", "true-on-policy")
+    result = run_in_process("rl_drift.py", "--steps", "1", "--prompts", "2", "--group-size", "2",
+                             "--modes", "true-on-policy")
     assert [r["replay"] for r in result["rows"]] == ["none", "routing", "routing,indexer"]
     assert all(r["step0_mean"] == 0.0 and r["step0_max"] == 0.0 for r in result["rows"]), result
 
@@ -193,8 +228,8 @@ def test_rl_drift_benchmark_random_preset_forward_only() -> None:
     """The flash-4l measurement's path (random weights, one rollout per mode, three replay
     settings, the sync timing) on the micro preset: fp32 drift at rounding level by default,
     exactly 0 in true on-policy mode."""
-    result = run_benchmark("rl_drift.py", "--preset", "micro", "--prompts", "2", "--group-size",
-                           "2", "--prompt-len", "40", "--max-tokens", "4")
+    result = run_in_process("rl_drift.py", "--preset", "micro", "--prompts", "2", "--group-size",
+                             "2", "--prompt-len", "40", "--max-tokens", "4")
     rows = result["rows"]
     assert result["model"] == "micro" and len(rows) == 6, result
     assert [r["true_on_policy"] for r in rows] == [False] * 3 + [True] * 3, result
@@ -205,8 +240,8 @@ def test_rl_drift_benchmark_random_preset_forward_only() -> None:
 def test_drift_sensitivity_benchmark_zero_at_eps_zero() -> None:
     """bf16 on CPU: the ref engine's sampling log-probs equal the trainer's bit for bit (eps 0),
     and a 1e-6 relative perturbation of one op before its bf16 rounding makes drift."""
-    result = run_benchmark("drift_sensitivity.py", "--eps", "0,1e-6", "--prompts", "2",
-                           "--group-size", "4")
+    result = run_in_process("drift_sensitivity.py", "--eps", "0,1e-6", "--prompts", "2",
+                             "--group-size", "4")
     zero, perturbed = result["rows"]
     assert zero["step0_mean"] == 0.0 and zero["step0_max"] == 0.0, result
     assert perturbed["step0_mean"] > 0.0, result
@@ -227,11 +262,11 @@ def test_drift_ablation_benchmark_swaps_one_op() -> None:
 def test_spec_decode_benchmark_both_modes() -> None:
     """dsv4-tiny: speculation keeps the fp32 greedy tokens and accepts drafts; random micro
     weights: both step times measured."""
-    tiny = run_benchmark("spec_decode.py", "--batches", "2", "--output-len", "8")
+    tiny = run_in_process("spec_decode.py", "--batches", "2", "--output-len", "8")
     row = tiny["rows"][0]
     assert row["token_agreement"] == 1.0 and row["acceptance_length"] > 1.5, tiny
-    micro = run_benchmark("spec_decode.py", "--preset", "micro", "--batches", "2", "--steps", "2",
-                          "--prompt-len", "20")
+    micro = run_in_process("spec_decode.py", "--preset", "micro", "--batches", "2", "--steps", "2",
+                            "--prompt-len", "20")
     row = micro["rows"][0]
     assert row["plain_step_ms"] > 0 and row["spec_step_ms"] > 0, micro
     # 2 x 4 tokens of micro's 8 experts (top-2) hit more experts than 2 tokens: more bytes
@@ -242,19 +277,19 @@ def test_verify_floor_of_uniform_routing() -> None:
     """4 tokens of uniform 6-of-256 routing read ~23 experts per layer where one reads 6: the
     verify pass of flash-4l costs about 2x a plain step at the byte floor; sharing experts
     (a scale below 1) lowers it, and the ratio falls as the batch shares experts."""
-    rows = run_benchmark("verify_floor.py", "--batches", "1,32")["rows"]
+    rows = run_in_process("verify_floor.py", "--batches", "1,32")["rows"]
     got = {(r["model"], r["weights"], r["batch"]): r["floor_ratio"] for r in rows}
     assert 1.9 < got[("flash-4l", "bf16", 1)] < 2.1, got
     assert got[("v4-flash", "checkpoint", 32)] < got[("v4-flash", "checkpoint", 1)], got
-    shared = run_benchmark("verify_floor.py", "--batches", "1", "--distinct-scale", "0.5")
+    shared = run_in_process("verify_floor.py", "--batches", "1", "--distinct-scale", "0.5")
     assert shared["rows"][0]["floor_ratio"] < got[("flash-4l", "bf16", 1)], shared
 
 
 def test_hisparse_hit_rate_of_the_shipped_model() -> None:
     """The hot sets' decode hit rate on held-out text, trained weights and random ones: every
     decode pick is counted, and a hot set holding every visible entry misses none once warm."""
-    result = run_benchmark("hisparse_hit_rate.py", "--requests", "1", "--prompt-len", "640",
-                           "--output-len", "4", "--hot-entries", "128,256")
+    result = run_in_process("hisparse_hit_rate.py", "--requests", "1", "--prompt-len", "640",
+                             "--output-len", "4", "--hot-entries", "128,256")
     rows = {(r["weights"], r["hot_entries"]): r for r in result["rows"]}
     assert set(rows) == {(w, e) for w in ("trained", "random") for e in (128, 256)}, result
     for r in rows.values():   # 160 visible entries >= top-k: 3 C4 layers x 128 picks a token
@@ -278,16 +313,16 @@ def test_host_profile_per_context() -> None:
 def test_routing_locality_of_the_shipped_model() -> None:
     """Consecutive tokens of the trained dsv4-tiny share routed experts: fewer distinct experts
     than uniform routing; one token's window hits exactly k."""
-    result = run_benchmark("routing_locality.py", "--prompts", "2", "--prompt-len", "64",
-                           "--windows", "1,4")
+    result = run_in_process("routing_locality.py", "--prompts", "2", "--prompt-len", "64",
+                             "--windows", "1,4")
     rows = {(r["window"], r["layers"]): r for r in result["rows"]}
     assert rows[(1, "routed")]["distinct"] == rows[(1, "routed")]["single"], result
     assert rows[(4, "routed")]["ratio"] < 1.0, result
 
 
 def test_prefix_repeat_benchmark_reuses_the_shared_prompt() -> None:
-    result = run_benchmark("prefix_repeat.py", "--preset", "micro", "--device", "cpu",
-                           "--prompt-len", "200", "--batch", "8")
+    result = run_in_process("prefix_repeat.py", "--preset", "micro", "--device", "cpu",
+                             "--prompt-len", "200", "--batch", "8")
     assert result["kernel_backend"] == "ref" and result["per_request"] == [0] + [192] * 7, result
 
 
@@ -295,8 +330,8 @@ def test_spec_acceptance_benchmark_predicts_and_measures() -> None:
     """Offline per-position accuracy and the engine's acceptance are both well above 1 token per
     pass on dsv4-tiny (arithmetic), and the greedy tokens are the plain engine's (asserted in the
     script)."""
-    result = run_benchmark("spec_acceptance.py", "--prompts", "4", "--output-len", "12",
-                           "--steps", "3")
+    result = run_in_process("spec_acceptance.py", "--prompts", "4", "--output-len", "12",
+                             "--steps", "3")
     row = result["rows"][0]
     assert row["N"] == 3 and row["positions"] > 10, result
     assert 1.5 < row["predicted"] <= 4 and 1.5 < row["measured"] <= 4, result
@@ -322,15 +357,15 @@ def test_kernel_benchmarks_are_all_smoked() -> None:
 
 @pytest.mark.parametrize("script", KERNEL_BENCHMARKS)
 def test_kernel_benchmark_cpu_smoke(script: str) -> None:
-    result = run_benchmark(f"kernels/{script}", "--cpu-smoke")
+    result = run_in_process(f"kernels/{script}", "--cpu-smoke")
     assert result["device"] == "cpu-interpreter", result
 
 
 def test_fp8_linear_stage_sweep_times_its_sets() -> None:
     """`--stage-sweep` times the FMA tile at 3 / 4 stages beside the default (without `--sweep`
     too: the caller, not `time_configs`, decides which knob sets run)."""
-    result = run_benchmark("kernels/bench_fp8_linear.py", "--cpu-smoke", "--stage-sweep",
-                           "--m", "1")
+    result = run_in_process("kernels/bench_fp8_linear.py", "--cpu-smoke", "--stage-sweep",
+                            "--m", "1")
     for row in result["results"]:
         assert set(row["sweep"]) == {"default", "num_stages=3", "num_stages=4"}, row["case"]
 

@@ -39,18 +39,29 @@ def run(ckpt: Path, out: Path, world: int, tmp: Path, *extra: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
+@pytest.fixture(scope="module")
+def micro_one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The bf16 `micro` checkpoint and one process's results on it: the reference of the tp2 and
+    tp2-ep2 rows (one process has no experts to split)."""
+    tmp = tmp_path_factory.mktemp("tp_one")
+    ckpt = tmp / "micro"
+    write_checkpoint(micro(), ckpt, seed=4, tokenizer=False)
+    return ckpt, run(ckpt, tmp / "one.pt", 1, tmp)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [(), ("ep",), ("ep", "checkpoint")],
                          ids=["tp2", "tp2-ep2", "tp2-ep2-fp8"])
-def test_two_ranks_equal_one_process(tmp_path: Path, layout: tuple[str, ...]) -> None:
+def test_two_ranks_equal_one_process(tmp_path: Path, layout: tuple[str, ...],
+                                     request: pytest.FixtureRequest) -> None:
     """`tp2-ep2-fp8`: a geometry whose FP8 linears are cut on whole scale blocks, loaded in
     checkpoint format, so each rank computes with its cut of the codes (no dequantised copy)."""
-    ckpt = tmp_path / "micro"
     if "checkpoint" in layout:
+        ckpt = tmp_path / "micro"
         write_checkpoint(micro_blocks(), ckpt, seed=4, tokenizer=False, weight_quant="fp8+fp4")
+        one = run(ckpt, tmp_path / "one.pt", 1, tmp_path, *layout[1:])
     else:
-        write_checkpoint(micro(), ckpt, seed=4, tokenizer=False)
-    one = run(ckpt, tmp_path / "one.pt", 1, tmp_path, *layout[1:])
+        ckpt, one = request.getfixturevalue("micro_one_process")
     two = run(ckpt, tmp_path / "two.pt", 2, tmp_path, *layout)
     assert one["logits"].keys() == two["logits"].keys()
     for name in one["logits"]:

@@ -50,8 +50,13 @@ def test_engine_equals_full_recompute_with_fp8_keys(ckpt: Path, backend: str, hi
     csa = [c for c in llm.engine.runner.pools.layers if c.index_keys is not None]
     assert csa and all(c.index_keys is not None and c.index_keys.dtype == torch.float8_e4m3fn
                        and c.index_scales is not None for c in csa)
-    prompts = prompts_for(llm.model.config, seed=3)[:6 if backend == "ref" else 4]
-    max_tokens = [4 + (5 * i) % 7 for i in range(len(prompts))]
+    # the triton kernels run under the interpreter on CPU: fewer and shorter requests, still
+    # joining two at a time and leaving at different steps
+    if backend == "ref":
+        prompts = prompts_for(llm.model.config, seed=3)[:6]
+        max_tokens = [4 + (5 * i) % 7 for i in range(len(prompts))]
+    else:
+        prompts, max_tokens = prompts_for(llm.model.config, seed=3)[:4], [2, 5, 3, 4]
     reqs = run_staggered(llm.engine, prompts, max_tokens)
     assert_matches(llm.model, prompts, reqs, rec)
     written = [c.index_scales for c in csa if c.index_scales is not None]

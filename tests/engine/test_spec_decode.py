@@ -293,23 +293,33 @@ def test_verify_sampling_reproduces_the_target_distribution() -> None:
     assert bool((tokens[cols > out.accepted[:, None]] == -1).all())
 
 
+@pytest.fixture(scope="module")
+def tiny_engines() -> dict[int, LLM]:
+    """dsv4-tiny plain (N = 0) and speculative (N = 3), shared by the sampling rows: each request
+    carries its own sampling parameters and seed, so a row's tokens do not depend on the other's
+    run."""
+    kw = dict(dtype="float32", device="cpu", page_size=128, max_total_tokens=1 << 16,
+              max_running_requests=256)
+    return {N: LLM(default_model_path(), speculative_num_steps=N, **kw)  # type: ignore[arg-type]
+            for N in (0, 3)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
-def test_speculative_sampling_keeps_the_distribution(temperature: float, top_p: float) -> None:
+def test_speculative_sampling_keeps_the_distribution(tiny_engines: dict[int, LLM],
+                                                     temperature: float, top_p: float) -> None:
     """Tokens 1-3 of many seeded requests: speculative vs plain sampling, chi-square per position
     (two samples of one distribution) well above the 1e-3 level."""
     text = ArithmeticTask((3,)).train_prompts(random.Random(1), 1)[0].text
-    kw = dict(dtype="float32", device="cpu", page_size=128, max_total_tokens=1 << 16,
-              max_running_requests=256)
     n = 512
     runs = {}
-    for N in (0, 3):
-        llm = LLM(default_model_path(), speculative_num_steps=N, **kw)  # type: ignore[arg-type]
+    for N, llm in tiny_engines.items():
+        accepted = llm.engine.spec_accepted_tokens
         params = [SamplingParams(max_tokens=4, temperature=temperature, top_p=top_p,
                                  ignore_eos=True, seed=s + 100_000 * N) for s in range(n)]
         runs[N] = [o.token_ids for o in llm.generate([text] * n, params, use_tqdm=False)]
         if N:
-            assert llm.engine.spec_accepted_tokens > 0
+            assert llm.engine.spec_accepted_tokens > accepted
     for pos in (1, 2, 3):
         a = [t[pos] for t in runs[0]]
         b = [t[pos] for t in runs[3]]

@@ -33,7 +33,8 @@ def test_triton_backend_matches_ref(tmp_path: Path) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(2, 512, (29,), generator=g).tolist()
-    prompts = [shared] + [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 41)]
+    # the longest prompt spans three 16-token chunks (chunked_prefill_size 16)
+    prompts = [shared] + [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 33)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = {}
     for backend in ("ref", "triton"):
@@ -72,7 +73,7 @@ def test_triton_fp4_experts_match_dequantised_ref() -> None:
     for d, q in pairs:
         d.w1.data, d.w2.data, d.w3.data = q.dequantized(torch.float32)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (9, 30)]
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (9, 17)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = []
     for m, backend in ((dense, "ref"), (model, "triton")):

@@ -190,8 +190,8 @@ def test_plan_finish() -> None:
 def test_finish_sums_three_chunks() -> None:
     """171 splits: the finish sums its partials in chunks of 64, two per round trip, the last
     round with one chunk; the values are the reference's either way (apart and together)."""
-    x, params = make_x(1, 4, 4096, torch.float32, 3), make_params(4, 4096, 24, 3, 3)
-    assert plan_pre(1, 4 * 4096, torch.device("cpu"), block_k=16, splits=200)[1] == 171
+    x, params = make_x(1, 4, 2048, torch.float32, 3), make_params(4, 2048, 24, 3, 3)
+    assert plan_pre(1, 4 * 2048, torch.device("cpu"), block_k=16, splits=200)[1] == 171
     for apart in (True, False):
         check_pre(x, params, 4, 20, block_k=16, splits=200, weights_apart=apart)
 

@@ -186,7 +186,8 @@ def test_moe_reference_path_unchanged(dtype: torch.dtype) -> None:
 def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str,
                                     beside: bool) -> None:
     """A `SharedJoin` runs before the expert GEMMs, or with `beside_gemms` after them and before
-    the combine (a plain callable: before the GEMMs); the values are the same either way."""
+    the combine (a plain callable: before the GEMMs); the values are the same either way. One
+    token (FP4: the frag loop's one-slot programs)."""
     events: list[str] = []
     for name in ("mma_launches", "frag_launches", "fma_launches"):
         launch = getattr(triton_moe, name)
@@ -195,8 +196,8 @@ def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str,
     combine = triton_moe.triton_moe_combine
     monkeypatch.setattr(triton_moe, "triton_moe_combine", lambda *a, **k: (
         events.append("combine"), combine(*a, **k))[1])
-    x, w1, w2, w3, idx, rw = _experts(8, 64, 64, 3, 2)
-    sh = randn(3, 64, seed=9).to(torch.bfloat16)
+    x, w1, w2, w3, idx, rw = _experts(8, 64, 64, 1, 2)
+    sh = randn(1, 64, seed=9).to(torch.bfloat16)
     kw = {"shared": sh, "out_dtype": torch.bfloat16}
     if fmt == "bf16":
         def run(**k: object) -> torch.Tensor:

@@ -86,19 +86,20 @@ def test_frag_fp8(N: int) -> None:
     """e4m3 experts in the frag loop (the codes decoded into the MMA's A fragments as in
     `fp8_frag.py`, h stored in plain order): E 8, k 2, tokens on expert 3; d = 384 (3 K steps:
     the 4th split empty), I = 96 (the down step's last lane group past K: zeroed; and partial
-    128-row scale blocks). Against the reference; BLOCK_M 1 and 8 give the same bits, and so do
-    WK 2 and 4 warps (on the CPU at N = 1 only: the interpreter takes ~40 s for that launch at
-    N = 9). d or I not a multiple of 32 is refused; the plan's default for FP8 with bf16 x is
-    frag in its one-slot regime (mean rows per expert below 1/2), "scaled" from there."""
+    128-row scale blocks). Against the reference; BLOCK_M 1 and 8 give the same bits (WK 2 x
+    WN 8 warps: one gate/up row block with a row tail, 3 down ones), and so do WK 4 warps (on
+    the CPU at N = 1 only: the interpreter is slow on that launch at N = 9). d or I not a
+    multiple of 32 is refused; the plan's default for FP8 with bf16 x is frag in its one-slot
+    regime (mean rows per expert below 1/2), "scaled" from there."""
     wts = make_weights(8, 384, 96, "fp8", seed=41)
     idx, rw = make_routing(N, 8, 2, seed=41, hot=3)
     x = randn(N, 384, seed=41).to(torch.bfloat16)
     kw = {"variant": "frag", "deterministic": True}
-    first = check(x, wts, idx, rw, 10.0, "fp8", block_m=1, block_n=64, num_warps=8, **kw)
+    first = check(x, wts, idx, rw, 10.0, "fp8", block_m=1, block_n=128, num_warps=16, **kw)
     # the 4-warp-WK launch at every N on the GPU, at N = 1 only under the interpreter
     wk4 = (({"block_m": 1, "block_n": 64, "num_warps": 16},)
            if N == 1 or torch.cuda.is_available() else ())
-    for knobs in ({"block_m": 8, "block_n": 64, "num_warps": 8}, *wk4):
+    for knobs in ({"block_m": 8, "block_n": 128, "num_warps": 16}, *wk4):
         assert torch.equal(check(x, wts, idx, rw, 10.0, "fp8", **knobs, **kw), first), knobs
     cpu = torch.device("cpu")
     for nk, name in ((6, "frag"), (127, "frag"), (128, "scaled")):

@@ -6,8 +6,8 @@ on two bundles; weights broadcast over gloo in 3 MiB buckets, so the 4 MiB exper
 alone and the small tensors share buckets) logs the local run's records: the same rewards and
 samples, the drift exactly 0 at every step (the engine in another process serves the trainer's
 weights byte for byte), loss / entropy / gradient norm to 1e-6, and the same final policy. The
-rollout actor killed while a step's rollout is in flight is restarted, re-joined and re-synced;
-the step's prompts are generated again and the run's records equal the undisturbed run's.
+rollout actor killed while a weight sync or a step's rollout is in flight is restarted, re-joined
+and re-synced; the call is repeated and the run's records equal the undisturbed run's.
 
 The Ray tests need `ray` (the `rl` extra) and are skipped without it; they share one Ray
 instance (2 CPUs) and one local reference run. The bucket layout tests need neither; the resume
@@ -27,7 +27,7 @@ import torch
 from dsv4.assets import default_model_path
 from dsv4.rl.bucket_sync import ALIGN, pack_bucket, plan_buckets, unpack_bucket
 from dsv4.rl.config import RLConfig
-from dsv4.rl.placement import run_placed, start_placement
+from dsv4.rl.placement import DisaggregatedRun, run_placed, start_placement
 
 from .records import assert_same_records, read_records
 
@@ -106,40 +106,39 @@ def test_disaggregated_run_resumes(ray_session: Any, local_run: Path, tmp_path: 
 
 
 class _KillOnce:
-    """Wraps the submission of a call to the rollout actor: at step 2's first call, kills the
-    actor (Ray restarts it) 0.1 s after submitting, while the call is in flight."""
+    """Wraps the submission of a call to the rollout actor: at the first call of step `at`, kills
+    the actor (Ray restarts it) 0.1 s after submitting, while the call is in flight."""
 
-    def __init__(self, ray: Any, run: Any, submit: Any) -> None:
-        self.ray, self.run, self.submit = ray, run, submit
+    def __init__(self, ray: Any, run: Any, submit: Any, at: int) -> None:
+        self.ray, self.run, self.submit, self.at = ray, run, submit, at
         self.killed_at: list[int] = []
 
     def __call__(self, *args: Any) -> Any:
         refs = self.submit(*args)
-        if self.run.step == 1 and not self.killed_at:
+        if self.run.step + 1 == self.at and not self.killed_at:
             time.sleep(0.1)
             self.ray.kill(self.run.rollout_actor, no_restart=False)
-            self.killed_at.append(self.run.step + 1)
+            self.killed_at.append(self.at)
         return refs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("during", ["rollout", "sync"])
-def test_killed_rollout_actor_loses_no_sample(ray_session: Any, local_run: Path, tmp_path: Path,
-                                              during: str) -> None:
-    """`ray.kill` of the rollout actor during step 2's rollout, or during the weight sync that
-    ends step 2: the driver re-joins the restarted actor, pushes the current weights and repeats
-    the call; the run's records and final policy equal the undisturbed run's."""
+def test_killed_rollout_actor_loses_no_sample(ray_session: Any, local_run: Path,
+                                              tmp_path: Path) -> None:
+    """`ray.kill` of the rollout actor during the weight sync that ends step 2, and again during
+    step 3's rollout (one run, two restarts): each time the driver re-joins the restarted actor,
+    pushes the current weights and repeats the call; the run's records and final policy equal the
+    undisturbed run's."""
     out = tmp_path / "run"
     with start_placement(_config(out, "disaggregated")) as run:
-        if during == "rollout":
-            kill = _KillOnce(ray_session, run, run._start_rollout)
-            run._start_rollout = kill          # type: ignore[method-assign]
-        else:
-            pull = run.rollout_actor.pull_weights
-            kill = _KillOnce(ray_session, run, pull.remote)
-            run.rollout_actor.pull_weights = type("Pull", (), {"remote": staticmethod(kill)})()
+        assert isinstance(run, DisaggregatedRun)
+        in_rollout = _KillOnce(ray_session, run, run._start_rollout, at=3)
+        run._start_rollout = in_rollout          # type: ignore[method-assign]
+        pull = run.rollout_actor.pull_weights
+        in_sync = _KillOnce(ray_session, run, pull.remote, at=2)
+        run.rollout_actor.pull_weights = type("Pull", (), {"remote": staticmethod(in_sync)})()
         run.run()
-        assert kill.killed_at == [2] and run.restarts == 1
+        assert in_sync.killed_at == [2] and in_rollout.killed_at == [3] and run.restarts == 2
     _assert_same_run(out, local_run)
 
 

@@ -27,8 +27,9 @@ from dsv4.rl.config import RLConfig
 from dsv4.rl.objective import sequence_logprobs
 from dsv4.rl.trainer import RLTrainer, open_run
 
-SMOKE = ["--group-size", "4", "--prompts-per-step", "4", "--max-tokens", "6", "--lr", "1e-4",
-         "--eval-every", "10", "--eval-per-level", "3", "--levels", "3-5", "--true-on-policy"]
+# 2 prompts x 4 samples a step: groups wide enough for informative rewards, the 20 steps cheap
+SMOKE = ["--group-size", "4", "--prompts-per-step", "2", "--max-tokens", "6", "--lr", "1e-4",
+         "--eval-every", "10", "--eval-per-level", "1", "--levels", "3-5", "--true-on-policy"]
 
 
 def _engine_logprobs(trainer: RLTrainer, ids: list[int]) -> tuple[list[int], list[float]]:
@@ -214,21 +215,35 @@ def test_algorithm_options_run_a_step(tmp_path: Path, extra: dict) -> None:
         assert record["kl_k3"] >= 0.0
 
 
-@pytest.mark.slow
-def test_resumed_run_equals_the_uninterrupted_one(tmp_path: Path) -> None:
-    """Rollouts depend on (seed, step) and state.pt holds the rest: 2 + 2 resumed steps log
-    what 4 uninterrupted steps log (true on-policy on CPU: bit for bit)."""
-    args = ["--steps", "4", "--eval-every", "2", *SMOKE]
-    assert main(["rl", "run", "--out", str(tmp_path / "whole"), *args]) == 0
-    split = str(tmp_path / "split")
-    assert main(["rl", "run", "--out", split, "--max-steps-this-call", "2", *args]) == 0
-    assert main(["rl", "run", "--out", split, "--resume", *args]) == 0
-    drop = ("rollout_s", "train_s", "sync_s")
+# a 4-step true-on-policy run, saved after every step and evaluated every 2: the resume tests'
+# uninterrupted reference (`save_every` is an invocation field: it changes no record)
+RESUME_ARGS = ["--steps", "4", "--save-every", "1", "--eval-every", "2", "--group-size", "2",
+               "--prompts-per-step", "2", "--max-tokens", "4", "--eval-per-level", "1",
+               "--levels", "3", "--lr", "1e-4", "--true-on-policy"]
 
-    def records(run: Path) -> list[dict]:
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if k not in drop} for r in rows]
-    assert records(tmp_path / "split") == records(tmp_path / "whole")
+
+def _records_but_timings(run: Path) -> list[dict]:
+    drop = ("rollout_s", "train_s", "sync_s")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run of `RESUME_ARGS`, shared by the resume tests."""
+    out = tmp_path_factory.mktemp("rl_whole") / "whole"
+    assert main(["rl", "run", "--out", str(out), *RESUME_ARGS]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_resumed_run_equals_the_uninterrupted_one(whole_run: Path, tmp_path: Path) -> None:
+    """Rollouts depend on (seed, step) and state.pt holds the rest: 2 + 2 resumed steps (the cut
+    at an evaluation) log what 4 uninterrupted steps log (true on-policy on CPU: bit for bit)."""
+    split = str(tmp_path / "split")
+    assert main(["rl", "run", "--out", split, "--max-steps-this-call", "2", *RESUME_ARGS]) == 0
+    assert main(["rl", "run", "--out", split, "--resume", *RESUME_ARGS]) == 0
+    assert _records_but_timings(tmp_path / "split") == _records_but_timings(whole_run)
 
 
 def test_a_run_out_of_time_ends_with_an_evaluation(tmp_path: Path) -> None:
@@ -242,19 +257,16 @@ def test_a_run_out_of_time_ends_with_an_evaluation(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+def test_a_killed_trainer_resumes_from_its_last_checkpoint(whole_run: Path,
+                                                            tmp_path: Path) -> None:
     """`dsv4 rl run --save-every 1` killed (SIGKILL) after its second step: `--resume` continues
     from the last state.pt (written atomically every step) and the run logs what an undisturbed
     run logs (true on-policy on CPU: bit for bit)."""
-    args = ["--steps", "4", "--save-every", "1", "--group-size", "2", "--prompts-per-step", "2",
-            "--max-tokens", "4", "--eval-every", "10", "--eval-per-level", "1", "--levels", "3",
-            "--lr", "1e-4", "--true-on-policy"]
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert main(["rl", "run", "--out", str(whole), *args]) == 0
+    killed = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dsv4", "rl", "run", "--out", str(killed),
-                             *args], env=env, stdout=subprocess.DEVNULL,
+                             *RESUME_ARGS], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = killed / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -267,13 +279,8 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(tmp_path: Path) -> No
     proc.wait()
     saved = torch.load(killed / "state.pt", weights_only=True)["step"]
     assert 1 <= saved < 4, saved
-    assert main(["rl", "run", "--out", str(killed), "--resume", *args]) == 0
-    drop = ("rollout_s", "train_s", "sync_s")
-
-    def records(run: Path) -> list[dict]:
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if k not in drop} for r in rows]
-    assert records(killed) == records(whole)
+    assert main(["rl", "run", "--out", str(killed), "--resume", *RESUME_ARGS]) == 0
+    assert _records_but_timings(killed) == _records_but_timings(whole_run)
 
 
 def test_fp8_index_keys_reach_the_engine_and_the_trainer(tmp_path: Path) -> None:

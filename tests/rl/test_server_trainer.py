@@ -11,7 +11,6 @@ is refused by name before any group forms."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -53,6 +52,16 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A second server like `srv`: it serves the two-server run, then
+    `test_a_server_that_dies_is_dropped` kills it (its last user: it runs after the other)."""
+    with running_server(tmp_path_factory.mktemp("rl_server2"), "--model",
+                        str(default_model_path()), "--enable-return-routing",
+                        "--shutdown-timeout", "2") as s:
+        yield s
+
+
 def test_config_needs_urls_with_servers_only(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"rollout_urls=\[\] with placement='servers'"):
         RLConfig(model="m", out_dir=str(tmp_path), placement="servers")
@@ -68,22 +77,19 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_servers_run_equals_the_local_run(srv: ServerProcess, local_run: Path,
-                                          tmp_path: Path) -> None:
+def test_servers_run_equals_the_local_run(srv: ServerProcess, second: ServerProcess,
+                                          local_run: Path, tmp_path: Path) -> None:
     """Two servers (a second `dsv4 serve`: the weight group has 3 ranks, and the groups are dealt
     over both); one server alone runs in the resume test."""
-    with contextlib.ExitStack() as stack:
-        urls = [srv.url, stack.enter_context(running_server(
-            tmp_path, "--model", str(default_model_path()), "--enable-return-routing",
-            "--shutdown-timeout", "2")).url]
-        served = tmp_path / "servers"
-        step, last = run_placed(_config(served, tuple(urls)))
-        assert step == 2 and last["step"] == 2
-        for url in urls:
-            r = httpx.post(f"{url}/generate", timeout=60.0, json={
-                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
-            label = r.json()["meta_info"]["weight_version"]
-            assert label == "3", f"{url}: pushed at start and after 2 steps, got {label}"
+    urls = [srv.url, second.url]
+    served = tmp_path / "servers"
+    step, last = run_placed(_config(served, tuple(urls)))
+    assert step == 2 and last["step"] == 2
+    for url in urls:
+        r = httpx.post(f"{url}/generate", timeout=60.0, json={
+            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+        label = r.json()["meta_info"]["weight_version"]
+        assert label == "3", f"{url}: pushed at start and after 2 steps, got {label}"
     got = read_records(served)
     assert [r["step"] for r in got] == [0, 1, 2]
     assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
@@ -143,24 +149,24 @@ def test_colocated_servers_release_their_memory_around_each_step(
 
 
 @pytest.mark.slow
-def test_a_server_that_dies_is_dropped(srv: ServerProcess, local_run: Path, tmp_path: Path,
+def test_a_server_that_dies_is_dropped(srv: ServerProcess, second: ServerProcess,
+                                       local_run: Path, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The second of two servers killed (SIGKILL) before step 2's rollout: that rollout's requests
     go to the first server, which forms the weight group again alone, and the run logs what the
     undisturbed run logs."""
-    with running_server(tmp_path, "--model", str(default_model_path()),
-                        "--enable-return-routing", "--shutdown-timeout", "2") as doomed:
-        generate = ServerTrainer._generate
+    doomed = second
+    generate = ServerTrainer._generate
 
-        def kill_before_step_2(self: ServerTrainer, *args: Any, **kw: Any) -> Any:
-            if self.step == 1 and doomed.proc.poll() is None:
-                doomed.stop(signal.SIGKILL)
-            return generate(self, *args, **kw)
+    def kill_before_step_2(self: ServerTrainer, *args: Any, **kw: Any) -> Any:
+        if self.step == 1 and doomed.proc.poll() is None:
+            doomed.stop(signal.SIGKILL)
+        return generate(self, *args, **kw)
 
-        monkeypatch.setattr(ServerTrainer, "_generate", kill_before_step_2)
-        out = tmp_path / "run"
-        assert run_placed(_config(out, (srv.url, doomed.url)))[0] == 2
-        assert doomed.proc.returncode == -signal.SIGKILL
+    monkeypatch.setattr(ServerTrainer, "_generate", kill_before_step_2)
+    out = tmp_path / "run"
+    assert run_placed(_config(out, (srv.url, doomed.url)))[0] == 2
+    assert doomed.proc.returncode == -signal.SIGKILL
     got = read_records(out)
     assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
 

@@ -1,6 +1,6 @@
 """Process lifecycle of `dsv4 serve`: readiness, SIGTERM (drain, then abort, exit 0), and engine
 failures (killed engine, engine that cannot load the model, bad model path) that must end in a
-non-zero exit, never a hang. Each test starts its own server."""
+non-zero exit, never a hang. Each test that needs a server starts its own."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from .conftest import ServerProcess
+from .test_tensor_parallel import refused_serve
 
 EXIT_TIMEOUT_S = 30.0
 
@@ -83,6 +82,6 @@ def test_engine_that_cannot_load_the_model_exits_nonzero(tmp_path: Path, model_p
 
 
 def test_bad_model_path_exits_nonzero_with_a_message(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--model",
-                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--model" in out.stderr
+    """Refused before any process starts (`dsv4 serve`'s entry point run in this process)."""
+    code, log = refused_serve("--model", str(tmp_path / "missing"))
+    assert code != 0 and "--model" in log, (code, log)

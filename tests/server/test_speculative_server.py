@@ -9,8 +9,6 @@ errors of the flag: an out-of-range value and a checkpoint without an MTP block.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,8 @@ from dsv4.server.chat_template import ChatTemplate
 from dsv4.server.protocol import ChatMessage
 from dsv4.server.tokenizer import ServerTokenizer
 
-from .conftest import ServerProcess, assert_pools_free, free_port, running_server
+from .conftest import ServerProcess, assert_pools_free, running_server
+from .test_tensor_parallel import refused_serve
 from .test_tools import ADD, CALL_TOKENS
 
 N = 3
@@ -244,11 +243,10 @@ def test_build_config_passes_the_flag_and_checks_for_mtp(no_mtp: Path) -> None:
 
 
 def test_serve_without_mtp_exits_2_naming_the_flag(no_mtp: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsv4", "serve", "--model", str(no_mtp),
-                          "--port", str(free_port()), "--speculative-num-steps", "2"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr
-    assert "--speculative-num-steps=2 needs a checkpoint with an MTP block" in out.stderr
+    """`dsv4 serve`'s entry point, run in this process: refused before any process starts."""
+    code, log = refused_serve("--model", str(no_mtp), "--speculative-num-steps", "2")
+    assert code == 2, log
+    assert "--speculative-num-steps=2 needs a checkpoint with an MTP block" in log
 
 
 def _metric_values(text: str) -> dict[str, float]:

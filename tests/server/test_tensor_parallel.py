@@ -1,24 +1,33 @@
 """`dsv4 serve --tp-size 2` / `--dp-size 2` on CPU (gloo): the engine process is rank 0 and
 spawns rank 1 (`engine/parallel.py`, `engine/data_parallel.py`). Completions equal a one-process
 server's (greedy tokens and log-probs), a json_object response too, and a
-killed rank takes the server down (non-zero exit, no hang). Each test starts its own servers."""
+killed rank takes the server down (non-zero exit, no hang). The one-process server's outputs are
+taken once for the module; each multi-rank server is a test's own (each is killed or stopped)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
+
+from dsv4.cli.main import main
+from dsv4.server import launch
 
 from .conftest import ServerProcess, free_port
 
 BODY = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
         "logprobs": 0}
+JSON_BODY = {**BODY, "response_format": {"type": "json_object"}}
+PROMPTS = ("def fib(n):", "class Tree:", "import os\n")
 
 
 def complete(srv: ServerProcess, body: dict) -> httpx.Response:
@@ -32,25 +41,37 @@ def rank_pids(engine_pid: int) -> list[int]:
             if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
-@pytest.mark.slow
-def test_tp2_server_equals_one_process_and_dies_with_a_rank(tmp_path: Path) -> None:
-    one = ServerProcess(tmp_path, "--torch-threads", "1")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A one-process server's choices, the references of every test here: BODY ("plain"), BODY
+    as a json_object ("json") and BODY on each of PROMPTS ("prompts"). The server stops cleanly
+    (exit 0) before any multi-rank server starts."""
+    one = ServerProcess(tmp_path_factory.mktemp("one"), "--torch-threads", "1")
     try:
         one.wait_healthy()
-        want = complete(one, BODY).json()["choices"][0]
-        want_json = complete(one, {**BODY, "response_format": {"type": "json_object"}}).json()
+        want = {"plain": complete(one, BODY).json()["choices"][0],
+                "json": complete(one, JSON_BODY).json()["choices"][0],
+                "prompts": [complete(one, {**BODY, "prompt": p}).json()["choices"][0]
+                            for p in PROMPTS]}
     finally:
         assert one.stop(timeout=30.0) == 0, one.log()
+    return want
+
+
+@pytest.mark.slow
+def test_tp2_server_equals_one_process_and_dies_with_a_rank(tmp_path: Path,
+                                                            one_process: dict[str, Any]) -> None:
+    want, want_json = one_process["plain"], one_process["json"]
     two = ServerProcess(tmp_path, "--tp-size", "2", "--torch-threads", "1")
     two.wait_healthy()
     got = complete(two, BODY).json()["choices"][0]
     assert got["text"] == want["text"]
     a, b = got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"]
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
-    structured = complete(two, {**BODY, "response_format": {"type": "json_object"}})
+    structured = complete(two, JSON_BODY)
     assert structured.status_code == 200, structured.text
     text = structured.json()["choices"][0]["text"]
-    assert text == want_json["choices"][0]["text"] and isinstance(json.loads(text), dict)
+    assert text == want_json["text"] and isinstance(json.loads(text), dict)
     engine_pid = int(httpx.get(f"{two.url}/health").json()["engine_pid"])
     (rank1,) = rank_pids(engine_pid)
     os.kill(rank1, signal.SIGKILL)
@@ -61,21 +82,15 @@ def test_tp2_server_equals_one_process_and_dies_with_a_rank(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_dp2_server_equals_one_process(tmp_path: Path) -> None:
+def test_dp2_server_equals_one_process(tmp_path: Path, one_process: dict[str, Any]) -> None:
     """Data-parallel attention behind the HTTP server: three concurrent-in-flight prompts land on
     both ranks (rank 0 assigns by load), each completion equals the one-process server's."""
-    bodies = [{**BODY, "prompt": p} for p in ("def fib(n):", "class Tree:", "import os\n")]
-    one = ServerProcess(tmp_path, "--torch-threads", "1")
-    try:
-        one.wait_healthy()
-        want = [complete(one, b).json()["choices"][0] for b in bodies]
-    finally:
-        assert one.stop(timeout=30.0) == 0, one.log()
+    want = one_process["prompts"]
     two = ServerProcess(tmp_path, "--dp-size", "2", "--torch-threads", "1")
     try:
         two.wait_healthy()
         with httpx.Client(timeout=120.0) as http:
-            batch = {**BODY, "prompt": [b["prompt"] for b in bodies]}   # one call, 3 requests
+            batch = {**BODY, "prompt": list(PROMPTS)}   # one call, 3 requests
             got = http.post(f"{two.url}/v1/completions", json=batch).json()["choices"]
         for g, w in zip(sorted(got, key=lambda c: c["index"]), want, strict=True):
             assert g["text"] == w["text"]
@@ -86,17 +101,13 @@ def test_dp2_server_equals_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_nodes_equal_one_process_and_a_lost_node_stops_the_server(tmp_path: Path) -> None:
+def test_two_nodes_equal_one_process_and_a_lost_node_stops_the_server(
+        tmp_path: Path, one_process: dict[str, Any]) -> None:
     """`--nnodes 2` on one machine: node 1 (`--node-rank 1`, no HTTP) runs rank 1, node 0 serves
     and runs rank 0, both meet at `--dist-init-addr`. The completion equals a one-process
     server's; a clean stop of node 0 stops node 1 (exit 0); with node 1 killed, node 0's next
     request fails and its server exits non-zero."""
-    one = ServerProcess(tmp_path, "--torch-threads", "1")
-    try:
-        one.wait_healthy()
-        want = complete(one, BODY).json()["choices"][0]
-    finally:
-        assert one.stop(timeout=30.0) == 0, one.log()
+    want = one_process["plain"]
     for kill_node1 in (False, True):
         addr = f"127.0.0.1:{free_port()}"
         nodes = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
@@ -129,16 +140,45 @@ def test_two_nodes_equal_one_process_and_a_lost_node_stops_the_server(tmp_path: 
                 os.killpg(node1.pid, signal.SIGKILL)
 
 
+class Records(logging.Handler):
+    """The messages logged to the `dsv4` logger (it does not propagate to the root logger)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def refused_serve(*flags: str) -> tuple[int, str]:
+    """Run `dsv4 serve FLAGS` through the console script's entry point (`cli.main.main`) in this
+    process, for flags it must refuse before any server starts: its exit status and what it
+    logged. A server it would start instead fails the test rather than serving."""
+    def accepted(*args: object) -> int:
+        raise AssertionError(f"the flags were accepted: {flags}")
+
+    records, logger = Records(), logging.getLogger("dsv4")
+    logger.addHandler(records)
+    try:
+        with mock.patch.object(launch, "serve", accepted):
+            code = main(["serve", "--port", str(free_port()), *flags])
+    finally:
+        logger.removeHandler(records)
+    return code, "\n".join(records.messages)
+
+
 def test_bad_layouts_are_refused_at_startup(tmp_path: Path) -> None:
+    """A real `dsv4 serve` process exits 2 on a refused layout; the other refusals go through
+    the same entry point in this process."""
     srv = ServerProcess(tmp_path, "--tp-size", "2", "--ep-size", "3")
     assert srv.proc.wait(timeout=60.0) == 2
     assert "ep_size=3 is invalid" in srv.log()
-    srv = ServerProcess(tmp_path, "--tp-size", "2", "--dp-size", "2")
-    assert srv.proc.wait(timeout=60.0) == 2
-    assert "tp_size=2 with dp_size=2 is not supported" in srv.log()
-    srv = ServerProcess(tmp_path, "--tp-size", "2", "--nnodes", "2")
-    assert srv.proc.wait(timeout=60.0) == 2
-    assert "dist_init_addr=None is invalid with nnodes=2" in srv.log()
-    srv = ServerProcess(tmp_path, "--tp-size", "2", "--nnodes", "3", "--dist-init-addr", "h:1")
-    assert srv.proc.wait(timeout=60.0) == 2
-    assert "nnodes=3 is invalid" in srv.log()
+    for flags, message in ((("--tp-size", "2", "--dp-size", "2"),
+                            "tp_size=2 with dp_size=2 is not supported"),
+                           (("--tp-size", "2", "--nnodes", "2"),
+                            "dist_init_addr=None is invalid with nnodes=2"),
+                           (("--tp-size", "2", "--nnodes", "3", "--dist-init-addr", "h:1"),
+                            "nnodes=3 is invalid")):
+        code, log = refused_serve(*flags)
+        assert code == 2 and message in log, (flags, code, log)

@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -176,10 +177,15 @@ def _chat(client: openai.OpenAI, messages: list[dict[str, Any]] | str, **kw: Any
 
 
 def test_required_and_named_tool_choice_return_valid_calls(client: openai.OpenAI) -> None:
-    for choice, names in (("required", {"get_weather", "add"}),
-                          ({"type": "function", "function": {"name": "add"}}, {"add"})):
-        out = _chat(client, "What is 12+7?", tools=[WEATHER, ADD], tool_choice=choice,
-                    max_tokens=CALL_TOKENS)
+    """Both requests are in flight together (the server batches them, each under its own
+    grammar); each returns valid calls of the tools it allows."""
+    choices = (("required", {"get_weather", "add"}),
+               ({"type": "function", "function": {"name": "add"}}, {"add"}))
+    with ThreadPoolExecutor(len(choices)) as pool:
+        outs = list(pool.map(lambda choice: _chat(
+            client, "What is 12+7?", tools=[WEATHER, ADD], tool_choice=choice,
+            max_tokens=CALL_TOKENS), [choice for choice, _ in choices]))
+    for out, (_, names) in zip(outs, choices, strict=True):
         msg = out.choices[0].message
         assert out.choices[0].finish_reason == "tool_calls" and msg.tool_calls, msg
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}

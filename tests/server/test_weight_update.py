@@ -29,6 +29,8 @@ from .conftest import ServerProcess, assert_pools_free, free_port, running_serve
 PROMPT = torch.randint(3, 512, (19,), generator=torch.Generator().manual_seed(3)).tolist()
 MAX_TOKENS = 6
 TOL = 1e-5
+LONG = 150
+"""A request's tokens long enough to be still decoding when a pause or release reaches it."""
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,12 @@ def offline(path: Path) -> tuple[list[int], list[float]]:
     out = llm.generate(prompt_token_ids=[PROMPT], use_tqdm=False, sampling_params=SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0))[0]
     return out.token_ids, out.logprobs
+
+
+@pytest.fixture(scope="module")
+def offline_out(ckpts: dict[str, Path]) -> dict[str, tuple[list[int], list[float]]]:
+    """`offline` on each checkpoint, once for the module (the tests compare against it)."""
+    return {name: offline(path) for name, path in ckpts.items()}
 
 
 def served(srv: ServerProcess, version: str | None = None) -> tuple[list[int], list[float]]:
@@ -113,10 +121,11 @@ def push_b(srv: ServerProcess, ckpts: dict[str, Path],
     return group, trainer
 
 
-def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -> None:
-    assert served(srv, "0")[0] == offline(ckpts["a"])[0]
+def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path],
+                                   offline_out: dict[str, tuple[list[int], list[float]]]) -> None:
+    assert served(srv, "0")[0] == offline_out["a"][0]
     group, trainer = push_b(srv, ckpts, "wg")
-    want_ids, want_lps = offline(ckpts["b"])
+    want_ids, want_lps = offline_out["b"]
     ids, lps = served(srv, "step-1")
     assert ids == want_ids
     assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) <= TOL
@@ -132,7 +141,7 @@ def test_push_weights_over_a_group(srv: ServerProcess, ckpts: dict[str, Path]) -
     r = httpx.post(f"{srv.url}/update_weights_from_disk", timeout=60.0,
                    json={"model_path": str(ckpts["a"]), "weight_version": "disk-a"})
     assert r.status_code == 200 and r.json()["weight_version"] == 2, r.text
-    assert served(srv, "disk-a")[0] == offline(ckpts["a"])[0], "the label follows the weights"
+    assert served(srv, "disk-a")[0] == offline_out["a"][0], "the label follows the weights"
 
     r = httpx.post(f"{srv.url}/destroy_weights_update_group", json={"group_name": "wg"})
     assert r.status_code == 200, r.text
@@ -181,7 +190,7 @@ def wait_for(srv: ServerProcess, ready: Any) -> dict[str, Any]:
 
 
 def test_pause_modes(srv: ServerProcess) -> None:
-    long = 300
+    long = LONG
     want = Call(srv, "/generate", generate_body(long)).result().json()["output_ids"]
 
     # in_place: a request sent while paused waits, then completes as if never paused
@@ -233,7 +242,7 @@ def test_release_and_resume_memory(srv: ServerProcess) -> None:
 
     r = control(srv, "/release_memory_occupation", tags=["weights"])
     assert r.status_code == 400 and r.json()["error"]["param"] == "tags", r.text
-    call = Call(srv, "/generate", generate_body(300))
+    call = Call(srv, "/generate", generate_body(LONG))
     wait_for(srv, lambda st: st["num_running"] == 1)
     r = control(srv, "/release_memory_occupation", tags=["kv_cache", "cuda_graph"])
     assert r.status_code == 400 and "in flight" in r.json()["error"]["message"], r.text
@@ -244,8 +253,9 @@ def test_release_and_resume_memory(srv: ServerProcess) -> None:
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_server_takes_pushed_weights(tmp_path: Path,
-                                                      ckpts: dict[str, Path]) -> None:
+def test_a_tensor_parallel_server_takes_pushed_weights(
+        tmp_path: Path, ckpts: dict[str, Path],
+        offline_out: dict[str, tuple[list[int], list[float]]]) -> None:
     """`dsv4 serve --tp-size 2 --ep-size 2`: rank 0 joins the trainer's group, takes the push and
     hands each rank its part (`engine/parallel_weights.py`); the greedy tokens and log-probs are
     then the offline engine's on b, a disk update brings a back; a retracting pause (which both
@@ -254,12 +264,12 @@ def test_a_tensor_parallel_server_takes_pushed_weights(tmp_path: Path,
     with running_server(tmp_path, "--model", str(ckpts["a"]), "--tp-size", "2", "--ep-size", "2",
                         "--torch-threads", "1", "--shutdown-timeout", "2") as srv:
         push_b(srv, ckpts, "tp")
-        want_ids, want_lps = offline(ckpts["b"])
+        want_ids, want_lps = offline_out["b"]
         ids, lps = served(srv, "step-1")
         assert ids == want_ids
         assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) <= TOL
 
-        call = Call(srv, "/generate", generate_body(300))
+        call = Call(srv, "/generate", generate_body(LONG))
         wait_for(srv, lambda st: st["num_running"] == 1 and st["decode_tokens"] > 0)
         assert control(srv, "/pause_generation", mode="retract").status_code == 200
         assert control(srv, "/continue_generation").status_code == 200
@@ -271,5 +281,5 @@ def test_a_tensor_parallel_server_takes_pushed_weights(tmp_path: Path,
         r = httpx.post(f"{srv.url}/update_weights_from_disk", timeout=60.0,
                        json={"model_path": str(ckpts["a"]), "weight_version": "disk-a"})
         assert r.status_code == 200 and r.json()["weight_version"] == 2, r.text
-        assert served(srv, "disk-a")[0] == offline(ckpts["a"])[0]
+        assert served(srv, "disk-a")[0] == offline_out["a"][0]
         assert_pools_free(srv.wait_idle(), srv.initial)
