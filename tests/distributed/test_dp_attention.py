@@ -139,9 +139,9 @@ def test_dp_attention_checkpoint_format_equals_one_process(
         checkpoints: dict[str, Path]) -> None:
     """dsv4-tiny in checkpoint precision (FP4 experts, FP8 linears) under DP 2 with EP 2: each
     rank reads only its experts (`load_dp_shard`), keeps them as FP4 codes and cuts the FP8
-    shared experts, dequantised; the outputs equal one process in checkpoint precision (one round
-of the workload's first 3 prompts, 2 on rank 0 and 1 on rank 1: the preemption, prefix-cache and
-idle-rank rounds are the bf16 test's)."""
+    shared experts, dequantised; the outputs equal one process in checkpoint precision (one
+    round of the workload's first 3 prompts, 2 on rank 0 and 1 on rank 1: the preemption,
+    prefix-cache and idle-rank rounds are the bf16 test's)."""
     path, (kw, lens) = checkpoints["tiny"], SETUPS["tiny"]
     fmt = {**kw, "weight_format": "checkpoint"}
     want = run(LLM(path, **fmt), lens[:3], full=False)  # type: ignore[arg-type]
