@@ -378,8 +378,8 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0], "also time SWEEP[kind] and report the best")
     p.add_argument("--variants", default="",
                    help=f"comma-separated inner loops of fp4 / fp8, of {VARIANTS} (default: all; "
-                        "under --cpu-smoke all but frag, whose fragment MMAs cost the interpreter "
-                        "~10x the other loops' time; tests/kernels/test_moe_frag.py checks it)")
+                        "under --cpu-smoke all but frag, whose emulated fragment MMAs are the "
+                        "interpreter's slowest loop; tests/kernels/test_moe_frag.py checks it)")
     p.add_argument("--fmts", default=",".join(FMTS), help=f"comma-separated, of {FMTS}")
     p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
     p.add_argument("--fma-block-m", type=int, default=None, choices=(1, 2, 4),

@@ -9,6 +9,7 @@ leaves it idle with every pool free); modules that need other flags start their 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -18,11 +19,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
 
 from dsv4.assets import default_model_path
+from dsv4.cli.main import main
+from dsv4.server import launch
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -32,6 +36,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def refused_serve(caplog: pytest.LogCaptureFixture, *flags: str) -> tuple[int, str]:
+    """Run `dsv4 serve FLAGS` through the console script's entry point (`cli.main.main`) in this
+    process, for flags it must refuse before any server starts: its exit status and the `dsv4`
+    log. A server it would start instead fails the test rather than serving."""
+    def accepted(*args: object) -> int:
+        raise AssertionError(f"the flags were accepted: {flags}")
+
+    logger = logging.getLogger("dsv4")
+    logger.addHandler(caplog.handler)           # dsv4's logs do not propagate
+    try:
+        with mock.patch.object(launch, "serve", accepted):
+            code = main(["serve", "--port", str(free_port()), *flags])
+    finally:
+        logger.removeHandler(caplog.handler)
+    return code, caplog.text
 
 
 class ServerProcess:

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
-from .conftest import ServerProcess
-from .test_tensor_parallel import refused_serve
+from .conftest import ServerProcess, refused_serve
 
 EXIT_TIMEOUT_S = 30.0
 
@@ -81,7 +81,8 @@ def test_engine_that_cannot_load_the_model_exits_nonzero(tmp_path: Path, model_p
     assert "engine process failed" in srv.log()
 
 
-def test_bad_model_path_exits_nonzero_with_a_message(tmp_path: Path) -> None:
+def test_bad_model_path_exits_nonzero_with_a_message(tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
     """Refused before any process starts (`dsv4 serve`'s entry point run in this process)."""
-    code, log = refused_serve("--model", str(tmp_path / "missing"))
+    code, log = refused_serve(caplog, "--model", str(tmp_path / "missing"))
     assert code != 0 and "--model" in log, (code, log)

@@ -31,8 +31,7 @@ from dsv4.server.chat_template import ChatTemplate
 from dsv4.server.protocol import ChatMessage
 from dsv4.server.tokenizer import ServerTokenizer
 
-from .conftest import ServerProcess, assert_pools_free, running_server
-from .test_tensor_parallel import refused_serve
+from .conftest import ServerProcess, assert_pools_free, refused_serve, running_server
 from .test_tools import ADD, CALL_TOKENS
 
 N = 3
@@ -242,9 +241,10 @@ def test_build_config_passes_the_flag_and_checks_for_mtp(no_mtp: Path) -> None:
         config("--model", str(no_mtp), "--speculative-num-steps", "2")
 
 
-def test_serve_without_mtp_exits_2_naming_the_flag(no_mtp: Path) -> None:
+def test_serve_without_mtp_exits_2_naming_the_flag(no_mtp: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
     """`dsv4 serve`'s entry point, run in this process: refused before any process starts."""
-    code, log = refused_serve("--model", str(no_mtp), "--speculative-num-steps", "2")
+    code, log = refused_serve(caplog, "--model", str(no_mtp), "--speculative-num-steps", "2")
     assert code == 2, log
     assert "--speculative-num-steps=2 needs a checkpoint with an MTP block" in log
 

@@ -7,22 +7,17 @@ taken once for the module; each multi-rank server is a test's own (each is kille
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import httpx
 import pytest
 
-from dsv4.cli.main import main
-from dsv4.server import launch
-
-from .conftest import ServerProcess, free_port
+from .conftest import ServerProcess, free_port, refused_serve
 
 BODY = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
         "logprobs": 0}
@@ -140,35 +135,8 @@ def test_two_nodes_equal_one_process_and_a_lost_node_stops_the_server(
                 os.killpg(node1.pid, signal.SIGKILL)
 
 
-class Records(logging.Handler):
-    """The messages logged to the `dsv4` logger (it does not propagate to the root logger)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def refused_serve(*flags: str) -> tuple[int, str]:
-    """Run `dsv4 serve FLAGS` through the console script's entry point (`cli.main.main`) in this
-    process, for flags it must refuse before any server starts: its exit status and what it
-    logged. A server it would start instead fails the test rather than serving."""
-    def accepted(*args: object) -> int:
-        raise AssertionError(f"the flags were accepted: {flags}")
-
-    records, logger = Records(), logging.getLogger("dsv4")
-    logger.addHandler(records)
-    try:
-        with mock.patch.object(launch, "serve", accepted):
-            code = main(["serve", "--port", str(free_port()), *flags])
-    finally:
-        logger.removeHandler(records)
-    return code, "\n".join(records.messages)
-
-
-def test_bad_layouts_are_refused_at_startup(tmp_path: Path) -> None:
+def test_bad_layouts_are_refused_at_startup(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
     """A real `dsv4 serve` process exits 2 on a refused layout; the other refusals go through
     the same entry point in this process."""
     srv = ServerProcess(tmp_path, "--tp-size", "2", "--ep-size", "3")
@@ -180,5 +148,5 @@ def test_bad_layouts_are_refused_at_startup(tmp_path: Path) -> None:
                             "dist_init_addr=None is invalid with nnodes=2"),
                            (("--tp-size", "2", "--nnodes", "3", "--dist-init-addr", "h:1"),
                             "nnodes=3 is invalid")):
-        code, log = refused_serve(*flags)
+        code, log = refused_serve(caplog, *flags)
         assert code == 2 and message in log, (flags, code, log)
