@@ -43,8 +43,16 @@ EPS = 1e-6
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max()
-            / ref.float().abs().max().clamp(min=1e-6)).item()
+    """max |out - ref| / max |ref| (at least 1e-6) in fp32, over blocks of rows: the entry pools
+    are large, and whole-pool temporaries cost more than the kernels under the interpreter."""
+    diff = torch.zeros((), device=ref.device)
+    top = torch.zeros((), device=ref.device)
+    for o, r in zip(out.split(1024), ref.split(1024), strict=True):
+        r = r.float()
+        lo, hi = torch.aminmax(r)
+        diff = torch.maximum(diff, (o.float() - r).abs().max())
+        top = torch.maximum(top, torch.maximum(hi, -lo))
+    return (diff / top.clamp(min=1e-6)).item()
 
 
 class PairHarness:
@@ -111,12 +119,16 @@ class PairHarness:
 
 
 MICRO, FLASH = ((32, 16), 8), ((512, 128), 64)
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+# Each geometry with and without the ape and in both entry dtypes, every (ape, dtype) pair in one
+# of them: the ape (a gather term) and the dtype (the entry stores' cast) are independent
+# branches, so a geometry's other two pairs run no branch that these cases do not.
+DECODE_CASES = [pytest.param(MICRO, torch.float32, True, id="ape-micro-fp32"),
+                pytest.param(MICRO, torch.bfloat16, False, id="no-ape-micro-bf16"),
+                pytest.param(FLASH, torch.bfloat16, True, id="ape-flash-bf16"),
+                pytest.param(FLASH, torch.float32, False, id="no-ape-flash-fp32")]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("geo", [pytest.param(MICRO, id="micro"), pytest.param(FLASH, id="flash")])
-@pytest.mark.parametrize("ape", [pytest.param(True, id="ape"), pytest.param(False, id="no-ape")])
+@pytest.mark.parametrize(("geo", "dtype", "ape"), DECODE_CASES)
 def test_decode_across_windows(geo: tuple[tuple[int, int], int], dtype: torch.dtype,
                                ape: bool) -> None:
     """Prefill (three-launch path), then decode across window boundaries (one fused launch): six

@@ -9,8 +9,8 @@ CPU: the interpreter at M in {1, 3, 17, 200} with N, K not multiples of 128, bf1
 FMA and tl.dot inner products, split-K off and on (counters left zero), row-strided x, a
 3-D x; two calls bit-equal; the host plan; shape errors. The interpreter's fp32 -> bf16 cast
 truncates; the tests patch it to round to nearest even, as the GPU does.
-Engine (slow): micro in checkpoint format served by the `triton` backend against the dequantised
-checkpoint on `ref`: greedy tokens equal, log-probs within 1e-5.
+Engine (slow): micro with its FP8 linears in their encoding served by the `triton` backend
+against those linears dequantised on `ref`: greedy tokens equal, log-probs within 1e-5.
 GPU (`-m gpu`): the V4-Flash FP8 linears (benchmarks/kernels/bench_fp8_linear.py) at M = 1, 8,
 32, 512, 2048 against the reference (at 512 and 2048 also the tiles, pinned).
 CPU: from DEQUANT_MIN_M rows the decoded weight's F.linear, equal to the reference.
@@ -20,8 +20,8 @@ CPU: from DEQUANT_MIN_M rows the decoded weight's F.linear, equal to the referen
 
 from __future__ import annotations
 
+import copy
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,13 +32,20 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dsv4 import LLM, SamplingParams  # noqa: E402
+from dsv4 import EngineConfig, SamplingParams  # noqa: E402
 from dsv4.checkpoint.presets import micro  # noqa: E402
-from dsv4.checkpoint.writer import write_checkpoint  # noqa: E402
+from dsv4.checkpoint.writer import random_model  # noqa: E402
+from dsv4.config.engine import KernelBackend  # noqa: E402
+from dsv4.engine.engine import LLMEngine  # noqa: E402
 from dsv4.kernels.ref import quant  # noqa: E402
 from dsv4.kernels.ref.fp8_linear import fp8_linear  # noqa: E402
 from dsv4.kernels.triton.fp8_linear import plan_fp8_linear, triton_fp8_linear  # noqa: E402
-from dsv4.model.quant_linear import QuantLinear  # noqa: E402
+from dsv4.model.deepseek_v4 import DeepSeekV4ForCausalLM  # noqa: E402
+from dsv4.model.quant_linear import (  # noqa: E402
+    QuantLinear,
+    dequantize_linears_,
+    quantize_linears_,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16, F32 = torch.bfloat16, torch.float32
@@ -87,7 +94,9 @@ def test_matches_reference(M: int, dtype: torch.dtype, N: int, K: int) -> None:
                                    {"dot": False, "block_n": 16}, {"block_n": 128},
                                    {"dot": False, "kb": 1}, {"dot": False, "kb": 2, "split_k": 2}])
 def test_knobs_and_split_k(knobs: dict[str, Any]) -> None:
-    x, w, s = operands(3, 300, 520, F32, seed=1)
+    """N = 140: two scale-block rows, the last partial, and a partial last tile at every block_n;
+    K = 520: a K tail."""
+    x, w, s = operands(3, 140, 520, F32, seed=1)
     counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     y = triton_fp8_linear(x, w, s, counters=counters, **knobs)
     assert_close(y, x, w, s)
@@ -96,12 +105,14 @@ def test_knobs_and_split_k(knobs: dict[str, Any]) -> None:
 
 
 def test_strided_and_batched_x() -> None:
-    x, w, s = operands(6, 140, 256, BF16, seed=2)
+    """M = 6 (the frag path); N = 24: a partial last tile (N tails at several scale-block rows:
+    test_frag_path)."""
+    x, w, s = operands(6, 24, 256, BF16, seed=2)
     wide = torch.cat((x, x), dim=1)[:, :256]                 # row stride 512
     assert_close(triton_fp8_linear(wide, w, s), x, w, s)
     y3 = triton_fp8_linear(x.view(2, 3, 256), w, s)
-    assert y3.shape == (2, 3, 140)
-    assert torch.equal(y3.view(6, 140), triton_fp8_linear(x, w, s))
+    assert y3.shape == (2, 3, 24)
+    assert torch.equal(y3.view(6, 24), triton_fp8_linear(x, w, s))
 
 
 @pytest.mark.parametrize(("M", "knobs"), [(1, {}), (3, {"split_k": 1}), (5, {"dot": True}),
@@ -126,15 +137,21 @@ def test_groups_match_per_group_products(M: int, knobs: dict[str, Any]) -> None:
         triton_fp8_linear(x3, w[:200], s[:2], groups=g)
 
 
-@pytest.mark.parametrize(("M", "knobs"), [(1, {}), (5, {"split_k": 3}), (8, {"block_n": 16}),
-                                           (2, {"block_n": 64, "split_k": 1})])
-def test_frag_path(M: int, knobs: dict[str, Any]) -> None:
+# K 640 (5 steps): K splits of uneven length (3 + 2 by default, 2 + 2 + 1 with split_k 3), over
+# N = 24 (two tiles of 16 rows, the last partial: the interpreter runs a program per tile and
+# step); block_n 64 reads N = 136 (a partial last scale-block row and row tile) in 2 unsplit steps.
+@pytest.mark.parametrize(("M", "N", "K", "knobs"), [(1, 24, 640, {}), (5, 24, 640, {"split_k": 3}),
+                                                    (8, 24, 640, {"block_n": 16}),
+                                                    (2, 136, 256, {"block_n": 64, "split_k": 1})])
+def test_frag_path(M: int, N: int, K: int, knobs: dict[str, Any]) -> None:
     """The tensor-core decode path (bf16 x, M <= 8, K % 128 == 0): within the tolerance of the
     reference, counters left zero, and a token's row the same bits in a batch of 1 and of M (the
-    plan does not depend on M). N = 136: a partial last scale-block row and row tile."""
-    x, w, s = operands(M, 136, 640, BF16, seed=6)
+    plan does not depend on M)."""
+    x, w, s = operands(M, N, K, BF16, seed=6)
     counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    assert plan_fp8_linear(M, 136, 640, 132, frag_ok=True).frag == (M > 4)   # the default
+    assert plan_fp8_linear(M, N, K, 132, frag_ok=True).frag == (M > 4)   # the default
+    assert plan_fp8_linear(M, N, K, 1, frag=True, frag_ok=True, **knobs).split_k == (
+        knobs.get("split_k", 2))
     y = triton_fp8_linear(x, w, s, frag=True, counters=counters, **knobs)
     assert_close(y, x, w, s)
     assert int(counters.abs().sum()) == 0
@@ -212,25 +229,37 @@ def test_flash_shapes_on_gpu(M: int, N: int, K: int) -> None:
 @pytest.mark.slow  # the whole engine's kernels under the Triton interpreter
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a CUDA GPU or the Triton interpreter")
-def test_engine_triton_serves_like_dequantised(tmp_path: Path) -> None:
-    """`weight_format="checkpoint"` served by the `triton` backend (FP8 linears through
-    `triton_fp8_linear`) gives the greedy tokens of the checkpoint with its linears dequantised
-    (`ref` backend, fp32), chosen log-probs within 1e-5."""
-    write_checkpoint(micro(), tmp_path, seed=4, tokenizer=False, weight_quant="fp8+fp4")
+def test_engine_triton_serves_like_dequantised() -> None:
+    """A CSA layer's linears that the checkpoint stores in FP8 (`quantize_linears_`: the official
+    set's every kind, the grouped wo_a, the indexer's wq_b and the shared expert's w1 / w2 / w3
+    included) served by the `triton` backend (through `triton_fp8_linear`) give the greedy
+    tokens of the model with those linears dequantised (`ref` backend, fp32), chosen log-probs
+    within 1e-5. Prefill: 5 rows (the tl.dot path of fp32 x); decode: 2 rows (the FMA path, w2
+    in the SwiGLU mode). Loading a checkpoint in that encoding: tests/model/test_quant_linear.py.
+    """
+    model = random_model(micro(), torch.float32, torch.device(DEVICE), seed=4)
+    assert len(quantize_linears_(model.layers[3])) == 9
+    dense = copy.deepcopy(model)
+    dequantize_linears_(dense, torch.float32)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1)
-    prompts = [[5, 9, 17, 33, 2, 80, 41], [7, 7, 100, 3]]
+    prompts = [[5, 9, 17], [7, 100]]
     outs = []
-    for fmt, backend in (("bf16", "ref"), ("checkpoint", "triton")):
-        llm = LLM(tmp_path, dtype="float32", device=DEVICE, weight_format=fmt, page_size=16,
-                  max_total_tokens=512, kernel_backend=backend,
-                  index_cache_dtype="model")   # one key format for both backends
+    runs: tuple[tuple[DeepSeekV4ForCausalLM, KernelBackend], ...] = ((dense, "ref"),
+                                                                      (model, "triton"))
+    for m, backend in runs:
+        engine = LLMEngine(m, EngineConfig(page_size=16, max_total_tokens=512,
+                                           kernel_backend=backend,
+                                           index_cache_dtype="model"))  # one key format for both
         if backend == "triton":
-            assert llm.engine.runner.ops.quant_linear is triton_fp8_linear
-            assert any(isinstance(m, QuantLinear) for m in llm.model.modules())
-        outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                 use_tqdm=False))
+            assert engine.runner.ops.quant_linear is triton_fp8_linear
+            assert any(isinstance(q, QuantLinear) for q in m.modules())
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        outs.append(reqs)
+    assert not any(isinstance(q, QuantLinear) for q in dense.modules())
     for a, b in zip(*outs, strict=True):
-        assert list(a.token_ids) == list(b.token_ids)
+        assert a.output_ids == b.output_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
 
 

@@ -78,9 +78,16 @@ def no_swiglu_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fp8_module, "triton_swiglu", fail)
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("halves", [True, False], ids=["halves", "separate"])
+FMA_DTYPES = [pytest.param(torch.bfloat16, id="dtype0"), pytest.param(torch.float16, id="dtype1"),
+              pytest.param(torch.float32, id="dtype2")]
+# Every M in every dtype. The layout of gate / up (halves of one tensor: row stride 2 I; apart: I)
+# is a runtime stride, alternating so that each M and each dtype runs both layouts.
+FMA_CASES = [pytest.param(M, dt.values[0], (M + i) % 2 == 0,
+                          id=f"{'halves' if (M + i) % 2 == 0 else 'separate'}-{dt.id}-{M}")
+             for M in (1, 2, 3, 4) for i, dt in enumerate(FMA_DTYPES)]
+
+
+@pytest.mark.parametrize(("M", "dtype", "halves"), FMA_CASES)
 def test_fma_path_bits_equal_swiglu_then_linear(M: int, dtype: torch.dtype, halves: bool,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """I = 1100: a K tail (1100 % 512 at M <= 2's four blocks a step, % 256 at M = 3, 4), three
@@ -125,13 +132,18 @@ def test_fma_knobs(knobs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(triton_fp8_linear(gate, w, s, up=up, limit=7.3, **knobs), want)
 
 
-@pytest.mark.parametrize(("M", "path"), [(8, "frag"), (17, "dot")])
-def test_other_paths_run_swiglu_first(M: int, path: str) -> None:
+# d = 24 on the frag path (the interpreter runs a program per 16-row tile and 128-k step): two
+# tiles, the last partial; the frag path over several scale-block rows is test_fp8_linear.py's
+# test_frag_path (N = 136)
+@pytest.mark.parametrize(("M", "d", "path"), [(8, 24, "frag"), (17, 200, "dot")])
+def test_other_paths_run_swiglu_first(M: int, d: int, path: str) -> None:
     """Above SWIGLU_MAX_M the frag (M 8) and tl.dot (M 17) paths take h from `triton_swiglu`
     and give its bits; I = 512: several K blocks per split."""
-    gate, up, w, s = operands(M, 512, 200, torch.bfloat16, seed=M)
-    plan = plan_fp8_linear(M, 200, 512, 132, frag_ok=True)
+    gate, up, w, s = operands(M, 512, d, torch.bfloat16, seed=M)
+    plan = plan_fp8_linear(M, d, 512, 132, frag_ok=True)
     assert (plan.frag if path == "frag" else plan.dot)
+    # as planned on the CPU: the frag path's 4 steps in 2 splits, tl.dot's unsplit
+    assert plan_fp8_linear(M, d, 512, 1, frag_ok=True).split_k == (2 if path == "frag" else 1)
     want = triton_fp8_linear(triton_swiglu(gate, up, LIMIT), w, s)
     assert torch.equal(triton_fp8_linear(gate, w, s, up=up, limit=LIMIT), want)
 

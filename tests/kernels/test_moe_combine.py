@@ -181,13 +181,11 @@ def test_moe_reference_path_unchanged(dtype: torch.dtype) -> None:
         assert moe.reduce.seen == [torch.float32]
 
 
-@pytest.mark.parametrize("beside", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "fp4"])
-def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str,
-                                    beside: bool) -> None:
+def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """A `SharedJoin` runs before the expert GEMMs, or with `beside_gemms` after them and before
     the combine (a plain callable: before the GEMMs); the values are the same either way. One
-    token (FP4: the frag loop's one-slot programs)."""
+    token, k 1 (FP4: the frag loop's one-slot programs), d = I = 32."""
     events: list[str] = []
     for name in ("mma_launches", "frag_launches", "fma_launches"):
         launch = getattr(triton_moe, name)
@@ -196,23 +194,24 @@ def test_triton_op_joins_where_told(monkeypatch: pytest.MonkeyPatch, fmt: str,
     combine = triton_moe.triton_moe_combine
     monkeypatch.setattr(triton_moe, "triton_moe_combine", lambda *a, **k: (
         events.append("combine"), combine(*a, **k))[1])
-    x, w1, w2, w3, idx, rw = _experts(8, 64, 64, 1, 2)
-    sh = randn(1, 64, seed=9).to(torch.bfloat16)
+    x, w1, w2, w3, idx, rw = _experts(8, 32, 32, 1, 1)
+    sh = randn(1, 32, seed=9).to(torch.bfloat16)
     kw = {"shared": sh, "out_dtype": torch.bfloat16}
     if fmt == "bf16":
         def run(**k: object) -> torch.Tensor:
             return triton_routed_experts(x, w1, w2, w3, idx, rw, 1.5, **kw, **k)
     else:
-        codes = make_weights(8, 64, 64, "fp4", seed=31)
+        codes = make_weights(8, 32, 32, "fp4", seed=31)
 
         def run(**k: object) -> torch.Tensor:
             return triton_routed_experts_quant(x.to(torch.bfloat16), *codes, idx, rw, 1.5, "fp4",
                                                deterministic=True, **kw, **k)
     plain = run()
-    events.clear()
-    joined = run(wait_shared=SharedJoin(lambda: events.append("join"), beside))
-    want = ["gemms", "join", "combine"] if beside else ["join", "gemms", "combine"]
-    assert events == want and torch.equal(joined, plain)
+    for beside in (False, True):
+        events.clear()
+        joined = run(wait_shared=SharedJoin(lambda: events.append("join"), beside))
+        want = ["gemms", "join", "combine"] if beside else ["join", "gemms", "combine"]
+        assert events == want and torch.equal(joined, plain), beside
     events.clear()
     run(wait_shared=lambda: events.append("join"))
     assert events == ["join", "gemms", "combine"]

@@ -1,10 +1,11 @@
 """The quantised routed experts through decoded bf16 chunks (`kernels/triton/moe_dequant.py`).
 
 CPU (the interpreter, small shapes): the chunked path equals the bf16 loop on the dequantised
-weights bit for bit at every chunk size (1, a size that does not divide E, E, more than E), FP4
-and FP8, with ragged loads (experts with no token, one expert with every token); it stays within
-the quantised loop's tolerance of the reference; the plan's default, the knob's validation, the
-scratch size, and the backend's `invariant_plans` op never taking the path.
+weights bit for bit with several chunks (two buffers in turn, each reused; FP8: a partial last
+chunk) and with one chunk (more than E: clamped to E, one buffer), FP4 and FP8, with ragged
+loads (experts with no token, one expert with every token); it stays within the quantised
+loop's tolerance of the reference; the plan's default, the knob's validation, the scratch size,
+and the backend's `invariant_plans` op never taking the path.
 GPU (`-m gpu`): V4-Flash experts at N = 4096 and 8192 (where the plan takes the path): chunks of
 DEQUANT_CHUNK equal the bf16 loop on the whole layer decoded at once, bit for bit, and agree with
 the quantised loop.
@@ -72,7 +73,9 @@ def test_chunks_equal_the_bf16_loop_on_decoded_weights(fmt: str, E: int, d: int,
                        torch.tensor([0, 2, 3] * 3)], dim=1).to(DEVICE)
     x = randn(9, d, seed=5).to(torch.bfloat16)
     want = _bf16_loop(x, wts, idx, rw, fmt)
-    for chunk in (1, 2, E, E + 3):
+    # chunk 1 runs the steps of 2 (three chunks here, the two buffers in turn, each reused);
+    # chunk E those of E + 3 (clamped to E: one buffer)
+    for chunk in (2, E + 3):
         got = _chunked(x, wts, idx, rw, fmt, chunk)
         assert torch.equal(got, want), chunk
 
@@ -114,7 +117,9 @@ def test_validation() -> None:
         _chunked(x, plain, idx, rw, "bf16", 2)
     with pytest.raises(ValueError, match=">= 1"):
         moe_dequant.check_dequant("fp4", 64, -1)
-    # 0: the quantised loop, never the chunks
+    # 0: the quantised loop, never the chunks (33 tokens: the plan's "words" MMA loop)
+    idx, rw = make_routing(33, 4, 2)
+    x = randn(33, 64).to(torch.bfloat16)
     loop = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
                                        LIMIT, "fp4", deterministic=True)
     assert torch.equal(_chunked(x, wts, idx, rw, "fp4", 0), loop)
@@ -128,7 +133,8 @@ def test_scratch_bytes() -> None:
 
 def test_invariant_plans_keep_the_quantised_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under `invariant_plans` a token's expert rows may not depend on the token count, so the
-    backend's op never takes the chunked path; the default op takes it where the plan says."""
+    backend's op never takes the chunked path; the default op takes it where the plan says
+    (33 tokens: the quantised loop is the plan's "words" MMA loop)."""
     calls: list[int] = []
 
     def spy(*args: object) -> None:
@@ -138,8 +144,8 @@ def test_invariant_plans_keep_the_quantised_loop(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(moe_mma, "dequant_chunks", spy)
     monkeypatch.setattr(moe, "default_dequant_chunk", lambda *a: 2)
     wts = make_weights(4, 64, 64, "fp4", seed=2)
-    idx, rw = make_routing(5, 4, 2)
-    x = randn(5, 64).to(torch.bfloat16)
+    idx, rw = make_routing(33, 4, 2)
+    x = randn(33, 64).to(torch.bfloat16)
     args = (x, *wts[:2], *wts[2:], idx, rw, LIMIT, "fp4")
     invariant = registry.create_kernels("triton", invariant_plans=True).routed_experts_quant
     invariant(*args)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """The routed experts' "fma" inner loop (`kernels/triton/moe_fma.py`, no tl.dot) against the
-reference and the MMA loops; helpers from test_moe_quant.py (which also runs fma in its
-every-variant tests and the GPU Flash parity rows).
+reference and the MMA loops; helpers from test_moe_quant.py (whose GPU Flash parity rows also
+run fma).
 
 CPU (interpreter): FP4 / FP8, BLOCK_M 1, 2, 4 with one expert holding every token, a masked K
 tail, fp32 activations (no rounding: fp32-exact), rows independent of the batch and of BLOCK_M.
@@ -43,16 +43,16 @@ def test_fma_activations_order(fmt: int, block_k: int) -> None:
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("N,block_m", [(1, 1), (3, 2), (6, 4)])
+@pytest.mark.parametrize("N,k,block_m", [(1, 2, 1), (3, 1, 2), (6, 1, 4)])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-def test_fma_ragged(fmt: str, N: int, block_m: int) -> None:
-    """The "fma" loop (no tl.dot): E 8, k 2, every token on expert 5 (one expert holds N rows,
-    several tiles at BLOCK_M < N, the last one partial; most experts idle), I = 96 (a masked K
-    tail in the down launch, BLOCK_K 256 / 128 > K), BLOCK_N 16. Against the reference (fp32
-    and bf16 x), and within 2e-3 of the "scaled" MMA loop (the same h rounding, only the fp32
-    summation order differs)."""
+def test_fma_ragged(fmt: str, N: int, k: int, block_m: int) -> None:
+    """The "fma" loop (no tl.dot): E 8, every token on expert 5 (N = 1: k 2, one slot per
+    program; then k 1: one expert holds N rows, two tiles at BLOCK_M < N, the last one partial;
+    most experts idle), I = 96 (a masked K tail in the down launch, BLOCK_K 256 / 128 > K),
+    BLOCK_N 16. Against the reference (fp32 and bf16 x), and within 2e-3 of the "scaled" MMA
+    loop (the same h rounding, only the fp32 summation order differs)."""
     wts = make_weights(8, 128, 96, fmt, seed=23)
-    idx, rw = make_routing(N, 8, 2, seed=23, hot=5)
+    idx, rw = make_routing(N, 8, k, seed=23, hot=5)
     x = randn(N, 128, seed=N).to(torch.bfloat16)
     out = check(x, wts, idx, rw, 10.0, fmt, variant="fma", block_m=block_m, block_n=16)
     mma = triton_routed_experts_quant(x, *wts, idx, rw, 10.0, fmt,
@@ -63,14 +63,15 @@ def test_fma_ragged(fmt: str, N: int, block_m: int) -> None:
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_fma_fp32_x_exact(fmt: str) -> None:
     """fp32 activations: no bf16 rounding anywhere (h stays fp32), so the fma loop equals the
-    fp32 reference up to fp32 summation order; also with BLOCK_K 32 / 16 (one chunk a step)."""
+    fp32 reference up to fp32 summation order; also with BLOCK_K 32 / 16 (one chunk a step).
+    BLOCK_N 64: one gate/up row block."""
     wts = make_weights(6, 128, 64, fmt, seed=29)
-    idx, rw = make_routing(3, 6, 2, seed=29)
-    x = randn(3, 128, seed=29) * 3
+    idx, rw = make_routing(2, 6, 2, seed=29)
+    x = randn(2, 128, seed=29) * 3
     ref = reference(x, wts, idx, rw, 10.0, fmt)
     for bk in (None, 32 if fmt == "fp4" else 16):
         out = triton_routed_experts_quant(x, *wts, idx, rw, 10.0, fmt,
-                                          variant="fma", block_k=bk)
+                                          variant="fma", block_n=64, block_k=bk)
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 2e-6
 
 
@@ -81,10 +82,10 @@ def test_fma_prefetch_same_bits(fmt: str) -> None:
     and 4, over a one-step masked loop (the plan's BLOCK_K > K: BLOCK_K None), several whole
     steps (EVEN_K: the last prefetch is clamped to the last step; BLOCK_K 64's gate/up launch,
     d 128 in 2 steps) and several steps with a masked tail (the prefetch past K reads nothing;
-    BLOCK_K 64's down launch, I 96 in 2 steps). 3 tokens, all on expert 1 (a partial 4-row
+    BLOCK_K 64's down launch, I 96 in 2 steps). 3 tokens, k 1, all on expert 1 (a partial 4-row
     tile); BLOCK_N 128: one row block per launch (the prefetch does not depend on it)."""
     wts = make_weights(8, 128, 96, fmt, seed=37)
-    idx, rw = make_routing(3, 8, 2, seed=37, hot=1)
+    idx, rw = make_routing(3, 8, 1, seed=37, hot=1)
     x = randn(3, 128, seed=37).to(torch.bfloat16)
     for bk in (None, 64):
         for bm in (1, 4):
@@ -98,18 +99,19 @@ def test_fma_prefetch_same_bits(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_fma_rows_independent(fmt: str) -> None:
     """A token's output bits do not depend on the batch around it nor on BLOCK_M (each row is
-    computed alone in a fixed k order): tokens 0, 3, 5 alone equal their rows of a batch of 7 at
-    BLOCK_M 1 and 4 (E 4, k 2: experts shared; tokens 3 and 5 sit at rows 1-3 of 4-row tiles)."""
+    computed alone in a fixed k order): tokens 0, 3, 5 alone equal their rows of a batch of 6 at
+    BLOCK_M 1 and 4 (E 4, k 2: experts shared; token 0 sits at row 0 of 4-row tiles, tokens 3
+    and 5 at rows 1-3), BLOCK_N 64 (one row block per launch)."""
     wts = make_weights(4, 64, 64, fmt, seed=31)
-    idx, rw = make_routing(7, 4, 2, seed=31)
-    x = randn(7, 64, seed=31).to(torch.bfloat16)
+    idx, rw = make_routing(6, 4, 2, seed=31)
+    x = randn(6, 64, seed=31).to(torch.bfloat16)
 
     def run(t: slice, bm: int) -> torch.Tensor:
         return triton_routed_experts_quant(x[t], *wts, idx[t], rw[t],
-                                           10.0, fmt, variant="fma", block_m=bm,
+                                           10.0, fmt, variant="fma", block_m=bm, block_n=64,
                                            deterministic=True)
 
-    batch = [run(slice(0, 7), bm) for bm in (1, 4)]
+    batch = [run(slice(0, 6), bm) for bm in (1, 4)]
     for t in (0, 3, 5):
         alone = run(slice(t, t + 1), 1)[0]
         assert all(torch.equal(alone, b[t]) for b in batch)
@@ -121,11 +123,11 @@ def test_fma_with_the_combine(fmt: str, deterministic: bool) -> None:
     """The fma plan goes through the op's combine like the MMA loops: `shared` added, `out_dtype`
     cast and `wait_shared` called once (the fma launches once returned before it). fp32 out: the
     plain result + shared exactly; bf16 out: its cast (bit-equal on a GPU; the interpreter's
-    fp32 -> bf16 cast truncates, so there within one bf16 ulp)."""
+    fp32 -> bf16 cast truncates, so there within one bf16 ulp). One token, k 2."""
     wts = make_weights(8, 64, 64, fmt, seed=31)
-    idx, rw = make_routing(3, 8, 2, seed=31)
-    x = randn(3, 64, seed=31).to(torch.bfloat16)
-    sh = randn(3, 64, seed=32).to(torch.bfloat16)
+    idx, rw = make_routing(1, 8, 2, seed=31)
+    x = randn(1, 64, seed=31).to(torch.bfloat16)
+    sh = randn(1, 64, seed=32).to(torch.bfloat16)
     calls: list[int] = []
 
     def run(**kw: object) -> torch.Tensor:

@@ -30,15 +30,16 @@ from dsv4.kernels.triton.moe import triton_routed_experts_quant  # noqa: E402
 from dsv4.kernels.triton.moe_plan import VARIANTS, frag_warps, plan_moe  # noqa: E402
 
 
-@pytest.mark.parametrize("N,block_n,warps", [(1, 16, 4), (3, 32, 4)])
-def test_frag_ragged(N: int, block_n: int, warps: int) -> None:
-    """E 8, k 2, every token on expert 5; d = 128 (one K step: 4 warps split it, 3 idle), I = 96
-    (a masked K tail in the down launch and a row tail in gate/up at BLOCK_N 32). Against the
-    reference (fp32 and bf16 x), the atomic and the row epilogue, and within 2e-3 of the fma loop
-    (the same products and h rounding; only the fp32 summation order differs)."""
-    wts = make_weights(8, 128, 96, "fp4", seed=23)
-    idx, rw = make_routing(N, 8, 2, seed=23, hot=5)
-    x = randn(N, 128, seed=N).to(torch.bfloat16)
+@pytest.mark.parametrize("N,k,block_n,warps", [(1, 2, 16, 4), (4, 1, 32, 4)])
+def test_frag_ragged(N: int, k: int, block_n: int, warps: int) -> None:
+    """E 8, every token on expert 5: N = 1, k 2 (one slot per program, WK 4) and N = 4, k 1 (a
+    tile of 4 rows at the plan's BLOCK_M 8, WK 2); d = 64 (half a K step: 4 warps split it, 3
+    idle), I = 96 (a masked K tail in the down launch and a row tail in gate/up at BLOCK_N 32).
+    Against the reference (fp32 and bf16 x), the atomic and the row epilogue, and within 2e-3 of
+    the fma loop (the same products and h rounding; only the fp32 summation order differs)."""
+    wts = make_weights(8, 64, 96, "fp4", seed=23)
+    idx, rw = make_routing(N, 8, k, seed=23, hot=5)
+    x = randn(N, 64, seed=N).to(torch.bfloat16)
     rows = check(x, wts, idx, rw, 10.0, "fp4", variant="frag", block_n=block_n,
                  num_warps=warps, deterministic=True)
     added = check(x, wts, idx, rw, 10.0, "fp4", variant="frag", block_n=block_n,
@@ -51,12 +52,13 @@ def test_frag_ragged(N: int, block_n: int, warps: int) -> None:
 
 def test_frag_tiles() -> None:
     """BLOCK_M 8 and 16 (the tile map; each MMA's 8 columns are up to 8 rows of one expert, two
-    MMAs per A fragment at 16): E 4, k 2, 9 tokens all on expert 1 (9 rows: at 8 a full tile and
-    one of 1; at 16 one tile whose second column set holds 1 row), the rest spread; d = I = 64
-    (half a K step). Against the reference, and the rows' bits equal to BLOCK_M 1's (the same
-    MMAs in the same order: a column's sum never sees the others)."""
+    MMAs per A fragment at 16): E 4, k 1, 9 tokens all on expert 1 (9 rows: at 8 a full tile and
+    one of 1; at 16 one tile whose second column set holds 1 row; several experts per tiled
+    launch: test_moe_quant.py's test_parity[fp4-E2-d64-I64-N9], test_deterministic_epilogue);
+    d = I = 64 (half a K step). Against the reference, and the rows' bits equal to BLOCK_M 1's
+    (the same MMAs in the same order: a column's sum never sees the others)."""
     wts = make_weights(4, 64, 64, "fp4", seed=29)
-    idx, rw = make_routing(9, 4, 2, seed=29, hot=1)
+    idx, rw = make_routing(9, 4, 1, seed=29, hot=1)
     x = randn(9, 64, seed=9).to(torch.bfloat16)
     kw = {"variant": "frag", "block_n": 64, "num_warps": 8}   # one row block: few programs
     slots = triton_routed_experts_quant(
@@ -69,11 +71,11 @@ def test_frag_tiles() -> None:
 
 def test_frag_launches() -> None:
     """A row's bits do not depend on the launch: WK 2 warps (two virtual K splits each) and WK 4
-    (one each) give the same output bit for bit (4 warps across N: few interpreted programs).
-    d = 384: 3 K steps, so split 3 has none; I = 160: the down launch's second step holds one
-    group, and gate/up's last row block is partial."""
+    (one each) give the same output bit for bit (4 warps across N: few interpreted programs; one
+    slot, k 1). d = 384: 3 K steps, so split 3 has none; I = 160: the down launch's second step
+    holds one group, and gate/up's last row block is partial."""
     wts = make_weights(8, 384, 160, "fp4", seed=31)
-    idx, rw = make_routing(1, 8, 2, seed=31)
+    idx, rw = make_routing(1, 8, 1, seed=31)
     x = randn(1, 384, seed=31).to(torch.bfloat16)
     outs = [check(x, wts, idx, rw, 10.0, "fp4", variant="frag", block_n=bn, num_warps=w,
                   deterministic=True) for bn, w in ((64, 8), (64, 16))]
@@ -84,15 +86,16 @@ def test_frag_launches() -> None:
 @pytest.mark.parametrize("N", [1, 9])
 def test_frag_fp8(N: int) -> None:
     """e4m3 experts in the frag loop (the codes decoded into the MMA's A fragments as in
-    `fp8_frag.py`, h stored in plain order): E 8, k 2, tokens on expert 3; d = 384 (3 K steps:
-    the 4th split empty), I = 96 (the down step's last lane group past K: zeroed; and partial
-    128-row scale blocks). Against the reference; BLOCK_M 1 and 8 give the same bits (WK 2 x
-    WN 8 warps: one gate/up row block with a row tail, 3 down ones), and so do WK 4 warps (on
-    the CPU at N = 1 only: the interpreter is slow on that launch at N = 9). d or I not a
-    multiple of 32 is refused; the plan's default for FP8 with bf16 x is frag in its one-slot
-    regime (mean rows per expert below 1/2), "scaled" from there."""
+    `fp8_frag.py`, h stored in plain order): E 8, tokens on expert 3 (N = 1: k 2, two experts;
+    N = 9: k 1, at BLOCK_M 8 a full tile and one of 1); d = 384 (3 K steps: the 4th split
+    empty), I = 96 (the down step's last lane group past K: zeroed; and partial 128-row scale
+    blocks). Against the reference; BLOCK_M 1 and 8 give the same bits (WK 2 x WN 8 warps: one
+    gate/up row block with a row tail, 3 down ones), and so do WK 4 warps (on the CPU at N = 1
+    only: the interpreter is slow on that launch at N = 9). d or I not a multiple of 32 is
+    refused; the plan's default for FP8 with bf16 x is frag in its one-slot regime (mean rows
+    per expert below 1/2), "scaled" from there."""
     wts = make_weights(8, 384, 96, "fp8", seed=41)
-    idx, rw = make_routing(N, 8, 2, seed=41, hot=3)
+    idx, rw = make_routing(N, 8, 2 if N == 1 else 1, seed=41, hot=3)
     x = randn(N, 384, seed=41).to(torch.bfloat16)
     kw = {"variant": "frag", "deterministic": True}
     first = check(x, wts, idx, rw, 10.0, "fp8", block_m=1, block_n=128, num_warps=16, **kw)

@@ -1,8 +1,8 @@
 """Parity of `triton_routed_experts_quant` with the reference `routed_experts_quant` (spec §8, §12).
 
 CPU: small shapes under the Triton interpreter: fp4 / fp8 / bf16 expert weights, every inner
-loop (`variant`: split, scaled, dot_scaled, words, fma, planes; more fma in test_moe_fma.py) of the
-quantised formats, N = 1, 5, 33, 40
+loop (`variant`: split, scaled, dot_scaled, words, planes; fma in test_moe_fma.py, frag in
+test_moe_frag.py and here as FP4's default plan) of the quantised formats, N = 1, 5, 9, 33, 40
 tokens, k = 2, experts with no tokens, every token on one expert (several tiles), K tiles wider
 than K (masked), I not a multiple of 128 (partial fp8 blocks), fp32 and bf16 activations, a clamp
 that bites, the deterministic epilogue, the FP4 decodes at the edges of the scale range, the
@@ -126,42 +126,52 @@ def check(x: torch.Tensor, wts: Weights, idx: torch.Tensor, rw: torch.Tensor, li
 
 
 CASES = [  # (E, d, I, N)
-    pytest.param(4, 64, 64, 1, id="E4-d64-I64-N1"),
-    pytest.param(6, 128, 96, 5, id="E6-d128-I96-N5"),
-    pytest.param(8, 128, 128, 33, id="E8-d128-I128-N33"),
+    (4, 64, 64, 1),
+    (6, 128, 96, 5),
+    (8, 128, 128, 33),
 ]
+# FP4 with bf16 x defaults to "frag": its BLOCK_M 8 plan (CASES' N 1 and 5; launches (32, 4))
+# runs in test_deterministic_epilogue (the default plan, k 2, both epilogues) and
+# test_moe_frag.py::test_frag_ragged[4-1-32-4] (I = 96: a masked K tail); its BLOCK_M 16 plan
+# (NT 2, atomic) here, 9 rows on each of 2 experts
+PARITY = [pytest.param(fmt, E, d, inter, N, id=f"{fmt}-E{E}-d{d}-I{inter}-N{N}")
+          for fmt in ("fp8", "bf16") for E, d, inter, N in CASES]
+PARITY.append(pytest.param("fp4", 2, 64, 64, 9, id="fp4-E2-d64-I64-N9"))
 
 
-@pytest.mark.parametrize("E,d,inter,N", CASES)
-@pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
-def test_parity(E: int, d: int, inter: int, N: int, fmt: str) -> None:
+@pytest.mark.parametrize("fmt,E,d,inter,N", PARITY)
+def test_parity(fmt: str, E: int, d: int, inter: int, N: int) -> None:
     wts = make_weights(E, d, inter, fmt)
     idx, rw = make_routing(N, E, 2)
     x = randn(N, d).to(torch.bfloat16)
     check(x, wts, idx, rw, 10.0, fmt)
 
 
-@pytest.mark.parametrize("variant", WEIGHT_ONLY)
-@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+# FP8's split / words / planes run its scaled loop (`tile_dot` tells only dot_scaled apart);
+# fma: test_moe_fma.py::test_fma_ragged runs both formats on these shapes (N 1, then one
+# expert's rows in tiles of 4, the last partial)
+RAGGED = ([("fp4", v) for v in WEIGHT_ONLY if v != "fma"]
+          + [("fp8", "scaled"), ("fp8", "dot_scaled")])
+
+
+@pytest.mark.parametrize("fmt,variant", RAGGED)
 def test_variants_ragged(fmt: str, variant: str) -> None:
     """Every inner loop on bf16 x: N = 1 (E 8, k 2: six experts idle; K tiles wider than d = 128
-    and I = 96, so masked) at BLOCK_N 16 (one warp), then every token on expert 3, its rows
-    spanning three BLOCK_M tiles, the last partial (40 rows at BLOCK_M 16; fma: 10 at BLOCK_M 4),
-    at BLOCK_N 32."""
+    and I = 96, so masked) at BLOCK_N 16 (one warp), then 40 tokens (k 1) all on expert 3, its
+    rows spanning three BLOCK_M 16 tiles, the last partial, at BLOCK_N 32."""
     wts = make_weights(8, 128, 96, fmt, seed=13)
     idx, rw = make_routing(1, 8, 2, seed=13)
     check(randn(1, 128).to(torch.bfloat16), wts, idx, rw, 10.0, fmt, variant=variant,
           block_n=16)
-    block_m = 4 if variant == "fma" else 16
-    n = 2 * block_m + block_m // 2
-    idx, rw = make_routing(n, 8, 2, seed=14, hot=3)
-    check(randn(n, 128).to(torch.bfloat16), wts, idx, rw, 10.0, fmt, variant=variant,
-          block_m=block_m, block_n=32)
+    idx, rw = make_routing(40, 8, 1, seed=14, hot=3)
+    check(randn(40, 128).to(torch.bfloat16), wts, idx, rw, 10.0, fmt, variant=variant,
+          block_m=16, block_n=32)
 
 
-@pytest.mark.parametrize("variant", ["split", "scaled", "words", "fma", "planes"])
+# fma: test_moe_fma.py::test_fma_fp32_x_exact runs it on fp32 x (FP4 and FP8)
+@pytest.mark.parametrize("variant", ["split", "scaled", "words", "planes"])
 def test_variants_fp32_x(variant: str) -> None:
-    """fp32 activations run fp32 dots in every loop but dot_scaled, which refuses them."""
+    """fp32 activations run fp32 dots in every tl.dot loop but dot_scaled, which refuses them."""
     wts = make_weights(6, 128, 64, "fp4", seed=15)
     idx, rw = make_routing(5, 6, 2, seed=15)
     check(randn(5, 128) * 2, wts, idx, rw, 10.0, "fp4", variant=variant)
@@ -233,17 +243,6 @@ def test_fp4_tile_scale_codes(fp32: bool, words: bool) -> None:
     got = decode()
     assert not bool(torch.isfinite(got[3, 160:192]).any())
     assert torch.equal(got[4:], ref[4:])
-
-
-def test_deterministic_is_bit_reproducible() -> None:
-    """The backend's deterministic op (its default plan: FP4 frag in tiles of 8 rows) gives the
-    same bits twice."""
-    wts = make_weights(4, 64, 96, "fp4", seed=17)
-    idx, rw = make_routing(7, 4, 2, seed=17)
-    x = randn(7, 64).to(torch.bfloat16)
-    runs = [triton_routed_experts_quant_deterministic(x, *wts[:2], *wts[2:], idx, rw,  # type: ignore[arg-type]
-                                                       10.0, "fp4") for _ in range(2)]
-    assert torch.equal(runs[0], runs[1])
 
 
 def test_plan() -> None:
@@ -337,10 +336,15 @@ def test_one_hot_expert_fp32_x_tight_clamp(fmt: str) -> None:
 
 
 def test_deterministic_epilogue() -> None:
-    wts = make_weights(4, 64, 64, "fp4", seed=5)
-    idx, rw = make_routing(5, 4, 2, seed=5)
-    x = randn(5, 64).to(torch.bfloat16)
+    """The deterministic epilogue (default plan: FP4 frag in tiles of 8 rows; E 2, k 2: each
+    token on both experts; d = I = 32: one row block per launch) against the reference and the
+    atomic one, and the backend's deterministic op gives the same bits again."""
+    wts = make_weights(2, 32, 32, "fp4", seed=17)
+    idx, rw = make_routing(3, 2, 2, seed=17)
+    x = randn(3, 32).to(torch.bfloat16)
     a = check(x, wts, idx, rw, 10.0, "fp4", deterministic=True)
+    assert torch.equal(a, triton_routed_experts_quant_deterministic(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4"))  # type: ignore[arg-type]
     b = triton_routed_experts_quant(
         x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4")  # type: ignore[arg-type]
     assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()

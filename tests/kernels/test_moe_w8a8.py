@@ -103,15 +103,15 @@ def test_reference_is_its_definition() -> None:
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_parity_ragged(x_dtype: torch.dtype) -> None:
-    """N = 1 on E 8 (six experts idle; I = 96: h's only scale block is partial), then N = 40 with
-    every token on expert 3 (three BLOCK_M 16 tiles) over d = 256, I = 160 (two K blocks each
-    way, the second partial) at a down BLOCK_N of 32. The loop always stores (token, k) rows and
-    combines them in a fixed order, so `deterministic=False` gives the same bits."""
+    """N = 1 on E 8 (k 2, six experts idle; I = 96: h's only scale block is partial), then N = 40
+    (k 1) with every token on expert 3 (three BLOCK_M 16 tiles) over d = 256, I = 160 (two K
+    blocks each way, the second partial) at a down BLOCK_N of 32. The loop always stores (token,
+    k) rows and combines them in a fixed order, so `deterministic=False` gives the same bits."""
     wts = make_weights(8, 128, 96, "fp8", seed=13)
     idx, rw = make_routing(1, 8, 2, seed=13)
     check(randn(1, 128).to(x_dtype), wts, idx, rw, CPU_TOL)
     wts = make_weights(8, 256, 160, "fp8", seed=14)
-    idx, rw = make_routing(40, 8, 2, seed=14, hot=3)
+    idx, rw = make_routing(40, 8, 1, seed=14, hot=3)
     x = randn(40, 256).to(x_dtype) * 3
     out = check(x, wts, idx, rw, CPU_TOL, block_m=16, block_n=32)
     assert torch.equal(out, kernel(x, wts, idx, rw, deterministic=True, block_m=16, block_n=32))
@@ -131,15 +131,15 @@ def test_parity_wgmma_tiles(fmt: str) -> None:
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fp4_parity_ragged(x_dtype: torch.dtype) -> None:
     """FP4 experts (e2m1 decoded to e4m3 in registers; x and h in even / odd order per block):
-    N = 1 on E 8 (six experts idle), then N = 40 on expert 3 (three BLOCK_M 16 tiles) over d =
-    256, I = 256 (two K blocks each way) at a down BLOCK_N of 32; the test weights' group scales
-    span 2 binades per block (exact)."""
+    N = 1 on E 8 (k 2, six experts idle), then N = 40 (k 1) on expert 3 (three BLOCK_M 16 tiles)
+    over d = 256, I = 256 (two K blocks each way) at a down BLOCK_N of 32; the test weights' group
+    scales span 2 binades per block (exact)."""
     wts = make_weights(8, 128, 128, "fp4", seed=13)
     check_fp4_a8_exact(wts[1])            # type: ignore[arg-type]
     idx, rw = make_routing(1, 8, 2, seed=13)
     check(randn(1, 128).to(x_dtype), wts, idx, rw, CPU_TOL, "fp4")
     wts = make_weights(8, 256, 256, "fp4", seed=14)
-    idx, rw = make_routing(40, 8, 2, seed=14, hot=3)
+    idx, rw = make_routing(40, 8, 1, seed=14, hot=3)
     check(randn(40, 256).to(x_dtype) * 3, wts, idx, rw, CPU_TOL, "fp4", block_m=16, block_n=32)
 
 
