@@ -65,3 +65,16 @@ class EngineSteps:
 
     def finish(self, rid: int) -> None:
         self.table.free(self.slots.pop(rid))
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (at least 1e-6) in fp32, over blocks of rows: the entry pools
+    are large, and whole-pool temporaries cost more than the kernels under the interpreter."""
+    diff = torch.zeros((), device=ref.device)
+    top = torch.zeros((), device=ref.device)
+    for o, r in zip(out.split(1024), ref.split(1024), strict=True):
+        r = r.float()
+        lo, hi = torch.aminmax(r)
+        diff = torch.maximum(diff, (o.float() - r).abs().max())
+        top = torch.maximum(top, torch.maximum(hi, -lo))
+    return (diff / top.clamp(min=1e-6)).item()

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from compress_steps import EngineSteps  # noqa: E402
+from compress_steps import EngineSteps, rel_error  # noqa: E402
 
 from dsv4.checkpoint.presets import micro  # noqa: E402
 from dsv4.kernels.ref.compressor import (  # noqa: E402
@@ -40,19 +40,6 @@ from dsv4.kernels.triton.compressor_pair import triton_compress_pair  # noqa: E4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| (at least 1e-6) in fp32, over blocks of rows: the entry pools
-    are large, and whole-pool temporaries cost more than the kernels under the interpreter."""
-    diff = torch.zeros((), device=ref.device)
-    top = torch.zeros((), device=ref.device)
-    for o, r in zip(out.split(1024), ref.split(1024), strict=True):
-        r = r.float()
-        lo, hi = torch.aminmax(r)
-        diff = torch.maximum(diff, (o.float() - r).abs().max())
-        top = torch.maximum(top, torch.maximum(hi, -lo))
-    return (diff / top.clamp(min=1e-6)).item()
 
 
 class PairHarness:

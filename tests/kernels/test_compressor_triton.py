@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from compress_steps import EngineSteps  # noqa: E402
+from compress_steps import EngineSteps, rel_error  # noqa: E402
 
 from dsv4 import EngineConfig, SamplingParams  # noqa: E402
 from dsv4.checkpoint.presets import micro  # noqa: E402
@@ -66,19 +66,6 @@ MICRO_C4, MICRO_IDX, MICRO_C16 = (Geometry(4, True, 32, 8), Geometry(4, True, 16
                                   Geometry(16, False, 32, 8))
 FLASH_C4, FLASH_IDX, FLASH_C128 = (Geometry(4, True, 512, 64), Geometry(4, True, 128, 64),
                                    Geometry(128, False, 512, 64))
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| (at least 1e-6) in fp32, over blocks of rows: the entry pools
-    are large, and whole-pool temporaries cost more than the kernels under the interpreter."""
-    diff = torch.zeros((), device=ref.device)
-    top = torch.zeros((), device=ref.device)
-    for o, r in zip(out.split(1024), ref.split(1024), strict=True):
-        r = r.float()
-        lo, hi = torch.aminmax(r)
-        diff = torch.maximum(diff, (o.float() - r).abs().max())
-        top = torch.maximum(top, torch.maximum(hi, -lo))
-    return (diff / top.clamp(min=1e-6)).item()
 
 
 class Harness:
