@@ -140,7 +140,9 @@ class Shape:
 
 
 FLASH = Shape(256, 4096, 2048, 6, (1, 8, 32, 128, 512, 2048))
-SMOKE = Shape(8, 128, 128, 2, (1, 3))
+# --cpu-smoke: one token count (the script runs no other code at another N; the kernels'
+# multi-token tiles are tests/kernels/test_moe_quant.py's, N = 3 bench_moe_prefill.py's smoke)
+SMOKE = Shape(8, 128, 128, 2, (1,))
 
 
 def _codes(w: torch.Tensor, fmt: str,

@@ -13,7 +13,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -41,6 +43,22 @@ def run_in_process(script: str, *args: str) -> dict[str, Any]:
     process of its own, which sets it before importing Triton: `run_benchmark` there."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return run_benchmark(script, *args)
+    out, argv, threads = io.StringIO(), sys.argv, torch.get_num_threads()
+    try:
+        with script_module(script) as module:
+            sys.argv = [str(module.__file__), *args]
+            with contextlib.redirect_stdout(out):
+                module.main()
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
+
+
+@contextlib.contextmanager
+def script_module(script: str) -> Iterator[ModuleType]:
+    """benchmarks/<script> executed as a module, registered in `sys.modules` while in use (a
+    dataclass looks its module up while it is defined)."""
     path = ROOT / "benchmarks" / script
     if str(path.parent) not in sys.path:       # its sibling imports (`from bench_common ...`)
         sys.path.append(str(path.parent))
@@ -48,18 +66,12 @@ def run_in_process(script: str, *args: str) -> dict[str, Any]:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    out, argv, threads = io.StringIO(), sys.argv, torch.get_num_threads()
     try:
-        sys.modules[name] = module       # a dataclass looks its module up while it is defined
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-        sys.argv = [str(path), *args]
-        with contextlib.redirect_stdout(out):
-            module.main()
+        yield module
     finally:
         sys.modules.pop(name, None)
-        sys.argv = argv
-        torch.set_num_threads(threads)
-    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
 
 
 @pytest.mark.parametrize(("script", "args", "keys"), [
@@ -74,20 +86,31 @@ def run_in_process(script: str, *args: str) -> dict[str, Any]:
      {"step_s"}),
 ])
 def test_benchmark_runs_and_ends_with_json(script: str, args: list[str], keys: set[str]) -> None:
-    result = run_benchmark(script, *args)
+    result = run_in_process(script, *args)
     assert result and keys <= set(_flat_keys(result)), result
 
 
-@pytest.mark.parametrize("api", ["openai", "native"])
-def test_serving_benchmark_through_either_api(api: str) -> None:
-    """benchmarks/serving.py starts `dsv4 serve` on the default model (its default page size) and
-    streams through /v1/completions or SGLang's /generate: every request returns its tokens."""
-    result = run_benchmark("serving.py", "--api", api, "--concurrency", "2", "--num-requests",
-                           "4", "--repeats", "1", "--output-len", "4", "--max-prompt", "24",
-                           "--skip-offline")
-    assert result["api"] == api
-    (level,) = result["levels"]
-    assert level["requests"] == 4 and level["tok_s"] > 0, level
+def test_serving_benchmark_through_either_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/serving.py's `start_server` starts `dsv4 serve` on the default model (its default
+    page size, the script's defaults); the script streams through that one server's
+    /v1/completions and SGLang's /generate (`--url`): every request returns its tokens."""
+    monkeypatch.setattr(sys, "argv", ["serving.py"])
+    # the server's environment, as `run_benchmark` gives its processes
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with script_module("serving.py") as serving:
+        proc, url = serving.start_server(serving.parse_args(), serving.default_model_path(), 2)
+    try:
+        for api in ("openai", "native"):
+            result = run_in_process("serving.py", "--url", url, "--api", api, "--concurrency",
+                                    "2", "--num-requests", "4", "--repeats", "1", "--output-len",
+                                    "4", "--max-prompt", "24", "--skip-offline")
+            assert result["api"] == api
+            (level,) = result["levels"]
+            assert level["requests"] == 4 and level["tok_s"] > 0, level
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_op_census_counts_a_decode_step() -> None:
@@ -251,9 +274,11 @@ def test_drift_ablation_benchmark_swaps_one_op() -> None:
     """The ablation's cheap variants for one op run (interpreter, fp32): drift at rounding level.
     (The variants with every op on the interpreted kernels cost ~80 s of CI; they run on the
     GPU.)"""
-    result = run_benchmark("drift_ablation.py", "--device", "cpu", "--dtype", "float32", "--ops",
-                           "rms_norm", "--prompts", "1", "--group-size", "2", "--variants",
-                           "ref,ref +rms_norm", TRITON_INTERPRET="1")
+    args = ("--device", "cpu", "--dtype", "float32", "--ops", "rms_norm", "--prompts", "1",
+            "--group-size", "2", "--variants", "ref,ref +rms_norm")
+    result = (run_in_process("drift_ablation.py", *args)
+              if os.environ.get("TRITON_INTERPRET") == "1"
+              else run_benchmark("drift_ablation.py", *args, TRITON_INTERPRET="1"))
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["ref", "ref +rms_norm"], result
     assert all(r["step0_mean"] < 1e-4 for r in rows.values()), result
@@ -302,9 +327,9 @@ def test_hisparse_hit_rate_of_the_shipped_model() -> None:
 def test_host_profile_per_context() -> None:
     """profile_host_step.py: a per-context cProfile of decode steps, and the functions whose own
     time grew from the first context to the last."""
-    result = run_benchmark("profile_host_step.py", "--device", "cpu", "--preset", "micro",
-                           "--dtype", "float32", "--contexts", "128,512", "--steps", "3",
-                           "--warm-steps", "1", "--page-size", "128")
+    result = run_in_process("profile_host_step.py", "--device", "cpu", "--preset", "micro",
+                            "--dtype", "float32", "--contexts", "128,512", "--steps", "3",
+                            "--warm-steps", "1", "--page-size", "128")
     assert [r["context"] for r in result["rows"]] == [128, 512], result
     assert all(r["ms_per_step"] > 0 and r["own_us_per_step"] for r in result["rows"]), result
     assert result["grown_us"], result
@@ -384,7 +409,7 @@ def test_model_memory_counts_the_loader_tensors() -> None:
     attention projections), the embedding is the same; per GPU, DP attention + EP splits the
     routed and shared experts (bf16: at least half of each per rank at 2), TP + EP also the
     attention and vocabulary, and one rank holds the whole model."""
-    result = run_benchmark("model_memory.py", "--presets", "micro", "--ranks", "1,2")
+    result = run_in_process("model_memory.py", "--presets", "micro", "--ranks", "1,2")
     row = result["rows"][0]
     bf16, ckpt = row["bytes"]["bf16"], row["bytes"]["checkpoint"]
     assert ckpt["routed experts"] < bf16["routed experts"] / 3

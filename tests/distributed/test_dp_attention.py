@@ -11,6 +11,7 @@ refused at the edge."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ def workload(lens: tuple[int, ...]) -> tuple[list[list[int]], list[SamplingParam
     """Up to 5 prompts (one per length): rank 0 gets 0, 2, 4 (more KV than its pool: preempted),
     rank 1 gets 1, 3 (3 decodes longest, so rank 0 idles at the end of a round)."""
     gen = torch.Generator().manual_seed(1)
-    max_tokens = (16, 12, 16, 30, 12)
+    max_tokens = (8, 6, 8, 20, 6)
     prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in lens]
     params = [SamplingParams(max_tokens=m, temperature=0.0 if i % 2 else 1.0, seed=i,
                              ignore_eos=True, logprobs=0) for i, m in enumerate(max_tokens)]
@@ -64,8 +65,8 @@ def run(llm: LLM, lens: tuple[int, ...], full: bool = True) -> Result:
     for _ in range(2 if full else 1):   # the second round hits the (per-rank) prefix caches
         outs += llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     if full:    # one request: rank 1 has nothing to run in any step of this round
-        outs += llm.generate(prompt_token_ids=prompts[3:4], sampling_params=params[3:4],
-                             use_tqdm=False)
+        one = dataclasses.replace(params[3], max_tokens=8)
+        outs += llm.generate(prompt_token_ids=prompts[3:4], sampling_params=one, use_tqdm=False)
     return [(o.token_ids, o.logprobs, o.cached_tokens, o.finish_reason) for o in outs]
 
 
@@ -98,7 +99,7 @@ def abort_on_rank_1(llm: LLM) -> None:
     """An abort reaches the owning rank: the request stops there at once (its mirror on rank 0
     too) and the engine drains; the rid is free again after `pop`."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
     local, remote = (engine.add_request([5, 6, 7, 8], params) for _ in range(2))
     for _ in range(3):
         engine.step()
@@ -107,7 +108,7 @@ def abort_on_rank_1(llm: LLM) -> None:
     num = len(remote.output_ids)
     while engine.has_unfinished():
         engine.step()
-    assert len(remote.output_ids) == num < 50 and len(local.output_ids) == 50
+    assert len(remote.output_ids) == num < 10 and len(local.output_ids) == 10
     assert engine.pop(remote.rid) is remote and engine.pop(local.rid) is local
 
 

@@ -60,9 +60,15 @@ def test_attach_and_detach() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs a CUDA GPU or the Triton interpreter")
 def test_engine_tokens_equal_with_decode_gemv_on_and_off() -> None:
-    cfg = micro()
+    # micro cut to three layers, one per attention type (a hash MoE, then routed ones): every
+    # kind of call site that its five layers have
+    cfg = micro().replace(num_layers=3, attn_types=("swa", "csa", "hca"),
+                          moe_types=("hash", "routed", "routed"))
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 17)]
+    # short prompts: the prefill's 5 rows run F.linear both ways (more rows than the decode GEMV
+    # takes); each of the two decode steps runs every call site on two rows, and the second reads
+    # the KV the first wrote through them
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (2, 3)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = {}
     for on in (True, False):

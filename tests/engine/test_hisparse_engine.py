@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -83,16 +84,32 @@ def assert_free(engine: LLMEngine) -> None:
     assert table.num_free_slots == engine.config.max_running_requests
 
 
+# per model (the module's fixture), the plain engine's outputs per workload
+_PLAIN: weakref.WeakKeyDictionary[DeepSeekV4ForCausalLM, dict[str, list[list[int]]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def plain_outputs(model: DeepSeekV4ForCausalLM, prompts: list[list[int]],
+                  sequential: bool = False, **kwargs: object) -> list[list[int]]:
+    """`run` on an engine with HiSparse off (BASE and `kwargs`), computed once per arguments
+    (deterministic greedy outputs; some workloads here are compared more than once)."""
+    args = {**BASE, **kwargs}
+    key, done = repr((prompts, sequential, sorted(args.items()))), _PLAIN.setdefault(model, {})
+    if key not in done:
+        done[key] = run(LLMEngine(model, EngineConfig(**args)),  # type: ignore[arg-type]
+                        prompts, sequential)
+    return done[key]
+
+
 def both(model: DeepSeekV4ForCausalLM, prompts: list[list[int]], sequential: bool = False,
          entries: int = TOPK, **kwargs: object) -> tuple[LLMEngine, dict[str, int]]:
     """Run `prompts` on an engine with HiSparse off and one with it on (`entries` hot per request
     and C4 layer); assert equal outputs; return the HiSparse engine and its HotSet's stats."""
     args = {**BASE, **kwargs}
-    plain = LLMEngine(model, EngineConfig(**args))  # type: ignore[arg-type]
     hot = LLMEngine(model, EngineConfig(**args, enable_hisparse=True,  # type: ignore[arg-type]
                                         hisparse_device_entries=entries))
     assert hot.runner.pools.hot is not None and hot.runner.pools.layers[1].entries is None
-    expected = run(plain, prompts, sequential)
+    expected = plain_outputs(model, prompts, sequential, **kwargs)
     assert run(hot, prompts, sequential) == expected
     stats = {k: int(v) for k, v in hot.runner.pools.hot.stats().items()}
     assert stats["hisparse/swapped"] > 0, f"no entry was swapped in: {stats}"
@@ -149,7 +166,7 @@ def test_release_and_resume_memory(model: DeepSeekV4ForCausalLM) -> None:
     request table's slots drive again, to the same outputs."""
     prompts = random_prompts([44, 29], seed=6)
     engine, _ = both(model, prompts)
-    expected = run(LLMEngine(model, EngineConfig(**BASE)), prompts)  # type: ignore[arg-type]
+    expected = plain_outputs(model, prompts)
     old = engine.runner.pools.hot
     assert engine.release_memory() > 0 and engine.runner.table.hot is None
     engine.resume_memory()
@@ -189,7 +206,7 @@ def test_decode_through_the_graphs_static_buffers(model: DeepSeekV4ForCausalLM,
     through the graphs' fill path): its metadata carries the HotSet's rows, its picks go through
     `select`, and the outputs equal HiSparse off."""
     prompts = random_prompts([50, 35, 66], seed=9)
-    expected = run(LLMEngine(model, EngineConfig(**BASE)), prompts)  # type: ignore[arg-type]
+    expected = plain_outputs(model, prompts)
     engine = LLMEngine(model, EngineConfig(**BASE, enable_hisparse=True,  # type: ignore[arg-type]
                                            hisparse_device_entries=TOPK,
                                            overlap_schedule=overlap))
@@ -212,24 +229,35 @@ def test_hot_set_takes_the_backends_copies(model: DeepSeekV4ForCausalLM) -> None
     assert hot.swap_in is ops.swap_in and hot.write_rows is ops.write_rows
 
 
+SPEC_PROMPTS = random_prompts([61, 38, 90, 17], seed=12)
+SPEC_MAX_TOKENS = [9, 14, 6, 11]
+SPEC_ARGS: dict[str, object] = dict(dtype="float32", device="cpu", page_size=16,
+                                    chunked_prefill_size=32, max_running_requests=4,
+                                    max_total_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def spec_plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[int]]]:
+    """The speculative rows' micro checkpoint and its plain greedy outputs (one for all rows)."""
+    path = tmp_path_factory.mktemp("hisparse_spec")
+    write_checkpoint(micro(), path, seed=2, tokenizer=False)
+    want = run_staggered(LLM(path, **SPEC_ARGS).engine, SPEC_PROMPTS,  # type: ignore[arg-type]
+                         SPEC_MAX_TOKENS)
+    return path, want
+
+
 @pytest.mark.parametrize(("N", "entries"), [(1, 2 * TOPK), (3, 4 * TOPK), (3, 2 * TOPK)])
-def test_speculative_decoding(tmp_path: Path, N: int, entries: int) -> None:
+def test_speculative_decoding(spec_plain: tuple[Path, dict[str, list[int]]], N: int,
+                              entries: int) -> None:
     """MTP speculative decoding with HiSparse, drafts rejected at every position in turn (the
     oracle of tests/engine/test_spec_decode.py): verify passes of N + 1 tokens attend through the
     hot sets when their picks fit ((N + 1) * index_topk <= entries), else stage them; rejected
     drafts' hot entries are dropped (`truncate`); greedy outputs equal plain decoding."""
-    write_checkpoint(micro(), tmp_path, seed=2, tokenizer=False)
-    prompts = random_prompts([61, 38, 90, 17], seed=12)
-    max_tokens = [9, 14, 6, 11]
-    args: dict[str, object] = dict(dtype="float32", device="cpu", page_size=16,
-                                   chunked_prefill_size=32, max_running_requests=4,
-                                   max_total_tokens=2048)
-    want = run_staggered(LLM(tmp_path, **args).engine, prompts,  # type: ignore[arg-type]
-                         max_tokens)
-    spec = LLM(tmp_path, speculative_num_steps=N, enable_hisparse=True,  # type: ignore[arg-type]
-               hisparse_device_entries=entries, **args)
+    path, want = spec_plain
+    spec = LLM(path, speculative_num_steps=N, enable_hisparse=True,  # type: ignore[arg-type]
+               hisparse_device_entries=entries, **SPEC_ARGS)
     Oracle(spec.engine, want, N)
-    assert run_staggered(spec.engine, prompts, max_tokens) == want
+    assert run_staggered(spec.engine, SPEC_PROMPTS, SPEC_MAX_TOKENS) == want
     assert all(h > 0 for h in spec.engine.spec_accept_hist), spec.engine.spec_accept_hist
     hot = spec.engine.runner.pools.hot
     assert hot is not None

@@ -32,6 +32,7 @@ from dsv4.engine.step_output import StepResult
 from dsv4.rl.rewards import ArithmeticTask
 
 MAX_TOKENS = 14
+Outputs = dict[str, list[int]]      # rid -> output token ids
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +103,26 @@ def assert_pools_free(engine: LLMEngine) -> None:
     assert table.num_free_slots == engine.config.max_running_requests
 
 
+@pytest.fixture(scope="module")
+def plain_runs() -> dict[int, Outputs]:
+    """The plain engine's greedy outputs per N, shared by that N's mtp and oracle rows."""
+    return {}
+
+
 @pytest.mark.parametrize(("N", "page_size", "chunk"), [(1, 16, 3), (2, 16, 33), (3, 32, 7),
                                                          (4, 16, 64)])
 @pytest.mark.parametrize("oracle", [False, True], ids=["mtp", "oracle"])
-def test_greedy_speculation_equals_plain_decoding(ckpt: Path, N: int, page_size: int, chunk: int,
+def test_greedy_speculation_equals_plain_decoding(ckpt: Path, plain_runs: dict[int, Outputs],
+                                                  N: int, page_size: int, chunk: int,
                                                   oracle: bool) -> None:
     token_lists = prompts(seed=N)
     max_tokens = [5 + (7 * i) % 13 for i in range(len(token_lists))]
     kw = dict(dtype="float32", device="cpu", page_size=page_size, chunked_prefill_size=chunk,
               max_running_requests=5, max_total_tokens=4096)
-    want = run_staggered(LLM(ckpt, **kw).engine, token_lists, max_tokens)  # type: ignore[arg-type]
+    if N not in plain_runs:
+        plain_runs[N] = run_staggered(LLM(ckpt, **kw).engine,  # type: ignore[arg-type]
+                                      token_lists, max_tokens)
+    want = plain_runs[N]
     spec = LLM(ckpt, speculative_num_steps=N, **kw)  # type: ignore[arg-type]
     if oracle:
         Oracle(spec.engine, want, N)
@@ -158,19 +169,21 @@ def test_penalties_carry_across_verify_steps(ckpt: Path) -> None:
     """A repetition penalty, then a presence penalty (their state counts every emitted token,
     accepted drafts included), give the plain engine's greedy tokens under speculation; each
     changes those tokens, so a state that missed a token would show."""
-    for penalty in ({"repetition_penalty": 3.0}, {"presence_penalty": 2.0}):
-        _penalised_run(ckpt, penalty)
-
-
-def _penalised_run(ckpt: Path, penalty: dict[str, float]) -> None:
     token_lists = prompts(seed=5)[:4]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **penalty)
     kw = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=4096)
     plain = LLM(ckpt, **kw)  # type: ignore[arg-type]
-    want = [o.token_ids for o in plain.generate(prompt_token_ids=token_lists,
-                                                sampling_params=params, use_tqdm=False)]
     free = [o.token_ids for o in plain.generate(prompt_token_ids=token_lists,
                                                 sampling_params=greedy(16), use_tqdm=False)]
+    for penalty in ({"repetition_penalty": 3.0}, {"presence_penalty": 2.0}):
+        _penalised_run(ckpt, plain, token_lists, free, penalty)
+
+
+def _penalised_run(ckpt: Path, plain: LLM, token_lists: list[list[int]], free: list[list[int]],
+                   penalty: dict[str, float]) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **penalty)
+    kw = dict(dtype="float32", device="cpu", page_size=16, max_total_tokens=4096)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=token_lists,
+                                                sampling_params=params, use_tqdm=False)]
     assert want != free, f"{penalty} was meant to change the greedy tokens"
     spec = LLM(ckpt, speculative_num_steps=3, **kw)  # type: ignore[arg-type]
     Oracle(spec.engine, {str(i): w for i, w in enumerate(want)}, 3)
@@ -204,13 +217,13 @@ def test_prefix_cache_hits_and_preemption(ckpt: Path) -> None:
         assert_pools_free(spec.engine)
 
 
-def test_dsv4_tiny_drafts_for_real() -> None:
-    """The shipped model's MTP block: same greedy tokens, more than 2 tokens per verify pass."""
+def test_dsv4_tiny_drafts_for_real(tiny_engines: dict[int, LLM]) -> None:
+    """The shipped model's MTP block: the greedy tokens of the plain engine (the sampling rows'),
+    more than 2 tokens per verify pass."""
     texts = [q.text for q in ArithmeticTask((3, 4, 5)).train_prompts(random.Random(0), 6)]
     kw = dict(dtype="float32", device="cpu", page_size=128, max_total_tokens=8192)
     params = greedy(20)
-    want = [o.token_ids for o in LLM(default_model_path(), **kw).generate(  # type: ignore[arg-type]
-        texts, params, use_tqdm=False)]
+    want = [o.token_ids for o in tiny_engines[0].generate(texts, params, use_tqdm=False)]
     spec = LLM(default_model_path(), speculative_num_steps=3, **kw)  # type: ignore[arg-type]
     got = spec.generate(texts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == want
@@ -304,20 +317,35 @@ def tiny_engines() -> dict[int, LLM]:
             for N in (0, 3)}
 
 
+def shared_page_prompt(llm: LLM) -> list[int]:
+    """One page and one token (129 ids): bos, then the end of a chat of 20 solved level-6
+    problems and a new one's question. The requests share the page through the prefix cache
+    (each prefills one token), and the model is unsure of the answer's digits, so that its drafts
+    are accepted and rejected often enough for a wrong acceptance rule or residual to show."""
+    task = ArithmeticTask((6,))
+    eos = llm.model.config.eos_token_id
+    chat = [t for p in task.train_prompts(random.Random(2), 20)
+            for t in llm.encode(p.text + p.problem.answer)[1:] + [eos]]
+    question = llm.encode(task.train_prompts(random.Random(1), 1)[0].text)
+    return question[:1] + (chat + question[1:])[-llm.engine.config.page_size:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
 def test_speculative_sampling_keeps_the_distribution(tiny_engines: dict[int, LLM],
                                                      temperature: float, top_p: float) -> None:
-    """Tokens 1-3 of many seeded requests: speculative vs plain sampling, chi-square per position
-    (two samples of one distribution) well above the 1e-3 level."""
-    text = ArithmeticTask((3,)).train_prompts(random.Random(1), 1)[0].text
+    """Tokens 1-3 of many seeded requests of one prompt (`shared_page_prompt`): speculative vs
+    plain sampling, chi-square per position (two samples of one distribution) well above the
+    1e-3 level."""
+    ids = shared_page_prompt(tiny_engines[0])
     n = 512
     runs = {}
     for N, llm in tiny_engines.items():
         accepted = llm.engine.spec_accepted_tokens
         params = [SamplingParams(max_tokens=4, temperature=temperature, top_p=top_p,
                                  ignore_eos=True, seed=s + 100_000 * N) for s in range(n)]
-        runs[N] = [o.token_ids for o in llm.generate([text] * n, params, use_tqdm=False)]
+        outs = llm.generate(prompt_token_ids=[ids] * n, sampling_params=params, use_tqdm=False)
+        runs[N] = [o.token_ids for o in outs]
         if N:
             assert llm.engine.spec_accepted_tokens > accepted
     for pos in (1, 2, 3):

@@ -61,25 +61,28 @@ def test_triton_fused_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ModelRunner, "_sample", recorded)
     cfg = micro()
     g = torch.Generator().manual_seed(0)
-    # 33 tokens: still in chunked prefill when the third request joins
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 33, 1)]
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    # steps of 9 tokens: 2 + 7, then a decode + 8 (the second request's 20 tokens are still in
+    # chunked prefill when the third joins), then a decode + 5 + 1, then a decode batch (the first
+    # request samples 3 tokens, the others 2); 20 tokens pass the window (8), complete an HCA window
+    # (16) and give 5 CSA entries (more than index_topk = 4)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (2, 20, 1)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 2, 2)]
     outs, strided = {}, {}
     for fuse in (True, False):
         model = random_model(cfg, torch.float32, torch.device(DEVICE), seed=4)
         # multi-stream off: with it (CUDA's default) the q_lat group stays apart (its indexer
         # query runs on the side stream), so qkv_norm_rope and rope would see no strided rows
         engine = LLMEngine(model, EngineConfig(page_size=16, max_total_tokens=1024,
-                                               chunked_prefill_size=16, kernel_backend="triton",
+                                               chunked_prefill_size=9, kernel_backend="triton",
                                                disable_cuda_graph=True, fuse_projections=fuse,
                                                multi_stream=False))
         seen: set[str] = set()
         runner = engine.runner
         runner.ops = dataclasses.replace(runner.ops, **{
             name: _spy(getattr(runner.ops, name), name, seen) for name in STRIDED_OPS})
-        reqs = [engine.add_request(p, params, rid=str(i)) for i, p in enumerate(prompts[:2])]
+        reqs = [engine.add_request(p, params[i], rid=str(i)) for i, p in enumerate(prompts[:2])]
         engine.step()
-        reqs.append(engine.add_request(prompts[2], params, rid="2"))   # joins mid-prefill
+        reqs.append(engine.add_request(prompts[2], params[2], rid="2"))   # joins mid-prefill
         while engine.has_unfinished():
             engine.step()
         outs[fuse], strided[fuse] = [r.output_ids for r in reqs], seen

@@ -213,7 +213,7 @@ def test_indexer_query_values_are_the_serving_rope_op(dtype: torch.dtype) -> Non
     ops = create_kernels("triton", invariant_plans=True)
     indexer = Indexer(config).to(dtype)
     gen = torch.Generator().manual_seed(6)
-    B, S = 2, 11
+    B, S = 2, 5
     x = torch.randn(B, S, config.hidden_size, generator=gen).to(dtype)
     q_lat = torch.randn(B, S, config.q_lora_rank, generator=gen).to(dtype)
     cos, sin = RotaryEmbedding(config, compressed=True)(torch.arange(S))

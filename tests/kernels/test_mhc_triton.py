@@ -223,9 +223,13 @@ def test_finish_weights_apart_same_bits(T: int, d: int, d_spans: int | None,
                            **knobs)
     together = triton_mhc_pre(x, fn, scale, base, 4, 20, HC_EPS, NORM_EPS, weights_apart=False,
                               **knobs)
-    for name, a, b in zip(("h", "post", "comb"), apart, together, strict=True):
+    # the plan's choice is one of the two: both against the reference as `check_pre` compares it
+    want = mhc_pre(x, fn, scale, base, 4, 20, HC_EPS, NORM_EPS)
+    limits = (FP32_REL if dtype == torch.float32 else BF16_REL, FP32_REL, FP32_REL)
+    for name, a, b, w, limit in zip(("h", "post", "comb"), apart, together, want, limits,
+                                    strict=True):
         assert torch.equal(a, b), name
-    check_pre(x, (fn, scale, base), 4, 20, **knobs)
+        assert_close(a, w, limit, name)
 
 
 def test_finish_warps() -> None:
@@ -248,7 +252,10 @@ def test_comb_is_column_stochastic() -> None:
     assert (post > 0).all() and (post < 2).all()
 
 
-@pytest.mark.parametrize("d,T", SHAPES)
+# post's grid is one program per token and d chunk (one chunk for d <= 256), so T = 17 and 64 only
+# add programs to the T = 3 grid of the same kernel
+@pytest.mark.parametrize("d,T", [pytest.param(d, T, id=f"d{d}-T{T}") for d in (32, 64, 256)
+                                 for T in (1, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_post(d: int, T: int, dtype: torch.dtype) -> None:
     x, f = make_x(T, 4, d, dtype, d), torch.randn(T, d, device=DEVICE).to(dtype)

@@ -95,7 +95,8 @@ def test_plan() -> None:
     (COOP, 1, 1000, 8),         # 16 programs of 64 (the last one ragged)
     (COOP, 3, 300, 8),          # 5 programs of 64 per row, ragged lengths
     (COOP, 2, 200, 40),         # k ~ a program's chunk
-    (CAP1, 1, 1000, 8),         # the heavy-ties round
+    # the heavy-ties round (CAP1) for every dist, ragged rows; at 16 programs a row it runs in
+    # (COOP, 1, 1000, 8) with ints / equal / inf / nan / sparse (more than 16 tied keys)
     (CAP1, 3, 300, 24),
 ])
 def test_parity(config: TopKConfig, B: int, N: int, k: int, dist: str) -> None:
@@ -104,8 +105,10 @@ def test_parity(config: TopKConfig, B: int, N: int, k: int, dist: str) -> None:
     check(scores, lengths, k, config, "coop")
 
 
-# chunk edges +-1: 64 x 2, 64 x 16 = 1024
-@pytest.mark.parametrize("N", [65, 127, 128, 129, 1023, 1024])
+# chunk edges at B = 2: 64 x 2 +-1; chunks of 128 (2 x 10 or 2 x 16 programs of 64 exceed 16) one
+# short (639 = 128 x 5 - 1, the P_POW2 and ZERO_BLOCK of 1023) and full at 128 x 8 = 1024 (16
+# programs: the grid's limit)
+@pytest.mark.parametrize("N", [65, 127, 128, 129, 639, 1024])
 def test_chunk_edges(N: int) -> None:
     for dist in ("randn", "sparse"):
         scores = make_scores(2, N, dist, seed=N, k=8)
@@ -151,7 +154,7 @@ def test_runner_holds_one_workspace() -> None:
     call, left zero; compact-path calls take their own."""
     runner = TopKRunner(COOP)
     for step, (B, N, k, dist) in enumerate([(3, 300, 8, "randn"), (1, 600, 24, "sparse"),
-                                            (12, 1000, 8, "nan"), (2, 200, 40, "ints"),
+                                            (3, 1000, 8, "nan"), (2, 200, 40, "ints"),
                                             (3, 300, 8, "equal")]):
         scores = make_scores(B, N, dist, seed=step, k=k)
         lengths = ragged_lengths(B, N, k, seed=step)
@@ -159,7 +162,7 @@ def test_runner_holds_one_workspace() -> None:
     held = runner.held(torch.device(DEVICE))
     assert held is not None and held.numel() == runner.workspace_numel() and len(runner._held) == 1
     assert not held.view(-1)[: HIST_WORDS.value].any()
-    assert plan_topk(12, 1000, COOP).name.startswith("compact")  # 12 rows x 8 programs: not coop
+    assert plan_topk(3, 1000, COOP).name.startswith("compact")  # 3 rows x 8 programs: not coop
 
 
 # ---------------------------------------------------------------------------------------------- gpu

@@ -4,13 +4,16 @@ inductor on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+from dsv4.config.model import ModelConfig
 from dsv4.kernels.ref.moe import routed_experts, routed_experts_dense
 from dsv4.train.config import TrainConfig
 from dsv4.train.data import prepare_data
@@ -50,20 +53,37 @@ def _has_cxx() -> bool:
 @pytest.mark.slow     # inductor builds the micro model's forward + backward: minutes on 2 cores
 @pytest.mark.skipif(not _has_cxx(),
                     reason="no C++ compiler: inductor cannot build CPU kernels here")
-def test_compiled_step_matches_eager(tmp_path: Path) -> None:
+def test_compiled_step_matches_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # micro cut to one block of each attention kind (SWA and CSA on hash MoE, HCA on routed MoE:
+    # every block code path compiled once) and a second HCA / routed block, which runs the first
+    # one's graph on its own weights and gate
+    preset_config = TrainConfig.model_config
+
+    def blocks(config: TrainConfig) -> ModelConfig:
+        return dataclasses.replace(preset_config(config), num_layers=4,
+                                   attn_types=("swa", "csa", "hca", "hca"),
+                                   moe_types=("hash", "hash", "routed", "routed"))
+
+    monkeypatch.setattr(TrainConfig, "model_config", blocks)
     data = tmp_path / "data"
-    prepare_data(data, seed=0, vocab_size=512, max_text_bytes=100_000, progress=False)
-    # 2 steps, the second with QAT: the compiled forward also runs on QAT-swapped weights
+    # text only: the compiled and the eager step read the same batches whatever they hold
+    prepare_data(data, seed=0, vocab_size=512, max_text_bytes=10_000, task_fraction=0.0,
+                 progress=False)
+    # 2 steps, the second with QAT: the compiled forward also runs on QAT-swapped weights; the
+    # closing evaluation (eager under `compile` too) reads one held-out window
     base = TrainConfig(data_dir=str(data), out_dir=str(tmp_path / "eager"), preset="micro",
                        steps=2, batch_size=2, seq_len=64, warmup_steps=1, log_every=1,
-                       eval_every=100, ckpt_every=100, qat_start=0.5)
+                       eval_every=100, eval_tokens=64, ckpt_every=100, qat_start=0.5)
     runs = {}
     for compile_ in (False, True):
         out = tmp_path / f"compile{compile_}"
+        counters.clear()
         Trainer(base.replace(out_dir=str(out), compile=compile_)).run()
         records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
         runs[compile_] = [r for r in records if "loss" in r]
     assert len(runs[True]) == 2
+    # one graph per block kind: the last block reuses the third's (no recompile on its gate)
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
     for eager, compiled in zip(runs[False], runs[True], strict=True):
         for key in ("loss", "mtp_loss", "indexer_kl"):
             assert abs(eager[key] - compiled[key]) <= 1e-4, (key, eager, compiled)

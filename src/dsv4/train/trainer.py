@@ -124,7 +124,7 @@ class Trainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.balancer.loads.clear()
+        self.balancer.clear()
         with self.shadow.rounded(self.qat_active(self.step)):
             with self._autocast():
                 losses = lm_losses(self.model, tokens, TRAINING)
@@ -159,7 +159,7 @@ class Trainer:
                 for key in sums:
                     if key in losses:
                         sums[key] += float(losses[key])
-        self.balancer.loads.clear()
+        self.balancer.clear()
         self.model.train()
         n = max(1, len(batches))
         out = {"heldout_loss": sums["loss"] / n, "heldout_mtp_loss": sums["mtp_loss"] / n}
@@ -246,9 +246,11 @@ def _compile_blocks(model: DeepSeekV4ForCausalLM) -> None:
     hook, masked-mean indexer loss: no data-dependent shapes); blocks share code, so Inductor's
     cache serves repeated structures and compilation is shorter than for the whole forward as one
     graph (benchmarks/results/train_tiny_h200_202611.md). Parameter names and state_dict are
-    unchanged."""
+    unchanged. Static shapes (`dynamic=False`): a step's shapes never change, and the first block's
+    input (the embedding expanded over the streams) has other strides than the later blocks',
+    which would otherwise make the later graphs' strides symbolic."""
     for block in list(model.layers) + list(model.mtp):
-        block.compile()
+        block.compile(dynamic=False)
 
 
 def _load_initial(model: DeepSeekV4ForCausalLM, path: Path) -> None:
