@@ -42,7 +42,10 @@ from dsv4.engine.llm import LLM  # noqa: E402
 from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
 from dsv4.kernels import registry  # noqa: E402
 from dsv4.rl.rewards import ArithmeticTask  # noqa: E402
-from dsv4.utils.triton_interpreter import skip_nested_interpreter_patching  # noqa: E402
+from dsv4.utils.triton_interpreter import (  # noqa: E402
+    skip_nested_interpreter_patching,
+    skip_overflow_sanitizer,
+)
 
 _truncating_convert = interpreter._convert_float
 
@@ -122,6 +125,7 @@ def main() -> None:
     if not CUDA:
         interpreter._convert_float = _rne_convert
         skip_nested_interpreter_patching()
+        skip_overflow_sanitizer()
     stats: dict[str, list[float]] = collections.defaultdict(list)
     llm = LLM(default_model_path(), dtype=args.dtype, device=args.device,
               page_size=128 if args.device == "cpu" else 256, max_total_tokens=8192,

@@ -189,9 +189,13 @@ def select_device(cpu_smoke: bool) -> torch.device:
     `import triton`)."""
     if cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        from dsv4.utils.triton_interpreter import skip_nested_interpreter_patching
+        from dsv4.utils.triton_interpreter import (
+            skip_nested_interpreter_patching,
+            skip_overflow_sanitizer,
+        )
 
         skip_nested_interpreter_patching()
+        skip_overflow_sanitizer()
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-smoke")

@@ -2,8 +2,9 @@
 
 Triton reads TRITON_INTERPRET when a kernel is defined; dsv4 imports its Triton modules lazily, so
 setting it here, before any test module of this folder imports a kernel, is enough. The interpreter
-then skips its redundant nested re-patching (`dsv4/utils/triton_interpreter.py`), for every test
-of the process (the engine tests with the triton backend included).
+then skips its redundant nested re-patching and its integer-overflow sanitizer
+(`dsv4/utils/triton_interpreter.py`, which says why), for every test of the process (the engine
+tests with the triton backend included).
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4.utils.triton_interpreter import skip_nested_interpreter_patching
+from dsv4.utils.triton_interpreter import (
+    skip_nested_interpreter_patching,
+    skip_overflow_sanitizer,
+)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # every process of the suite imports this conftest while collecting, before any test runs
     skip_nested_interpreter_patching()
+    skip_overflow_sanitizer()
 
 
 @pytest.fixture

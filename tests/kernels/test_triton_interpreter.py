@@ -4,6 +4,7 @@ no longer patch triton.language again."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -60,3 +61,26 @@ def test_same_values_and_fewer_patches(monkeypatch: pytest.MonkeyPatch) -> None:
     # tl.core): without the skip each of the 3 programs patches 1 + 6 times (+ the launch)
     assert calls[0] == "_kernel", calls
     assert len(calls) <= 3, calls
+
+
+@triton.jit
+def _square_kernel(x_ptr, out_ptr):  # type: ignore[no-untyped-def]
+    x = tl.load(x_ptr)
+    tl.store(out_ptr, x * x)
+
+
+def test_overflow_sanitizer_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`skip_overflow_sanitizer` (the suite's conftest ran it): an int32 product past 2**31 wraps,
+    as compiled code does. The sanitizer's checks report only with `debug` on, which the suite
+    never sets: there it raises, and without `debug` it would compute the checks for nothing."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    assert builder.options.sanitize_overflow is False and builder.options.debug is False
+    x, out = torch.tensor([1 << 16], dtype=torch.int32), torch.empty(1, dtype=torch.int32)
+    _square_kernel[(1,)](x, out)
+    assert out.item() == 0                      # 2**32 wrapped
+    monkeypatch.setattr(builder, "options", dataclasses.replace(
+        builder.options, sanitize_overflow=True, debug=True))
+    with pytest.raises(Exception, match="overflow"):
+        _square_kernel[(1,)](x, out)

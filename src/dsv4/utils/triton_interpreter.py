@@ -4,8 +4,26 @@ suite and the benchmarks' `--cpu-smoke`. Never used on the serving path; CUDA ne
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
+
+
+def skip_overflow_sanitizer() -> None:
+    """Turn off the interpreter's integer-overflow sanitizer. It follows every 8-32-bit integer
+    add, sub and mul of a kernel with int64 casts and bound compares (15-30% of an interpreted
+    kernel test's CPU time), whose assert Triton drops unless `debug` is on: without `debug` (the
+    suite, the benchmarks' `--cpu-smoke`) it checks nothing. Inert if Triton's interpreter changes
+    shape."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is not None and dataclasses.is_dataclass(options) and hasattr(
+            options, "sanitize_overflow"):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def skip_nested_interpreter_patching() -> None:
