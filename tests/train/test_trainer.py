@@ -84,6 +84,8 @@ def test_resume_refuses_changed_run(data_dir: Path, tmp_path: Path) -> None:
         open_run(_config(data_dir, tmp_path, lr=1e-4), resume=True)
     with pytest.raises(FileExistsError):
         open_run(_config(data_dir, tmp_path), resume=False)
+    with pytest.raises(ValueError, match="compile_backend='cudagraphs' is invalid"):
+        _config(data_dir, tmp_path, compile=True, compile_backend="cudagraphs")
 
 
 def test_loss_decreases(data_dir: Path, tmp_path: Path) -> None:

@@ -47,13 +47,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run directory (state.pt, metrics.jsonl, loss.png)")
     r.add_argument("--resume", action="store_true",
                    help="continue the run in --out where it stopped")
-    from dsv4.train.config import TrainConfig
+    from dsv4.train.config import COMPILE_BACKENDS, TrainConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for name, kind in _RUN_FLAGS.items():
         r.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name])
     r.add_argument("--compile", action="store_true",
                    help="torch.compile each block of the training forward (same math)")
+    r.add_argument("--compile-backend", default=defaults["compile_backend"],
+                   choices=list(COMPILE_BACKENDS),
+                   help="torch.compile backend for --compile (aot_eager / eager: captured graphs "
+                        "without code generation)")
     r.set_defaults(func=run_train)
 
     e = tsub.add_parser("export", help="write a run's weights as a servable checkpoint")
@@ -91,6 +95,7 @@ def run_train(args: argparse.Namespace) -> int:
     from dsv4.train.trainer import open_run
 
     config = TrainConfig(data_dir=str(args.data), out_dir=str(args.out), compile=args.compile,
+                         compile_backend=args.compile_backend,
                          **{name: getattr(args, name) for name in _RUN_FLAGS})
     if config.device == "cpu":
         use_cpu_threads()

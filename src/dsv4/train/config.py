@@ -2,9 +2,9 @@
 
 Built once at the edge (CLI flags or a run directory's `train_config.json`) and passed down. A run
 directory stores the config it was started with; resuming reads it back, so a resumed run cannot
-silently change its schedule. Only the `INVOCATION_FIELDS` (time limit, device, paths, `compile`)
-may differ on resume: they say where, how long and how fast this invocation runs, not what is
-trained.
+silently change its schedule. Only the `INVOCATION_FIELDS` (time limit, device, paths, `compile`
+and its backend) may differ on resume: they say where, how long and how fast this invocation
+runs, not what is trained.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dsv4.utils.run_dir import RunConfig
 
 # Fields that describe the invocation, not the run: free to change between resumed invocations.
 INVOCATION_FIELDS = ("time_limit_s", "device", "max_steps_this_call", "data_dir", "out_dir",
-                     "compile")
+                     "compile", "compile_backend")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,9 @@ class TrainConfig(RunConfig):
     checkpoint directory (e.g. an earlier stage's export) whose weights replace the initial ones.
     `time_limit_s`: stop this invocation (after saving) once its wall time exceeds it; resume
     continues. `compile`: torch.compile each decoder / MTP block (same math, fewer launches;
-    evaluation stays eager)."""
+    evaluation stays eager). `compile_backend`: torch.compile's backend for it: "inductor" (the
+    generated kernels), or "aot_eager" / "eager" (the captured graphs run by eager ops: graph
+    capture and autograd without code generation, e.g. to check a step on a CPU quickly)."""
 
     INVOCATION_FIELDS = INVOCATION_FIELDS       # (a class attribute, not a field)
 
@@ -63,6 +66,7 @@ class TrainConfig(RunConfig):
     time_limit_s: float | None = None
     max_steps_this_call: int | None = None
     compile: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -85,6 +89,9 @@ class TrainConfig(RunConfig):
         for name in ("weight_decay", "mtp_weight", "indexer_weight", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 0")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend={self.compile_backend!r} is invalid; "
+                             f"allowed: {list(COMPILE_BACKENDS)}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device={self.device!r} is invalid; "
                              "allowed: 'cpu', 'cuda', 'cuda:N'")

@@ -82,7 +82,7 @@ class Trainer:
         self.shadow = QuantShadow(self.model, SHIPPED_QUANT)
         self.distiller = IndexerDistiller(self.model)
         if config.compile:
-            _compile_blocks(self.model)
+            _compile_blocks(self.model, config.compile_backend)
         self.stream = TokenStream(Path(config.data_dir), seed=config.seed)
         self.step = 0
         self.elapsed_s = 0.0   # training wall time of all invocations so far (excludes evaluation)
@@ -240,7 +240,7 @@ class Trainer:
         truncate_metrics(self.run_dir, self.step)
 
 
-def _compile_blocks(model: DeepSeekV4ForCausalLM) -> None:
+def _compile_blocks(model: DeepSeekV4ForCausalLM, backend: str) -> None:
     """torch.compile every decoder and MTP block in place (regional compilation). Each block's
     training forward is one graph (dense training MoE, fixed-size expert counts in the balancer
     hook, masked-mean indexer loss: no data-dependent shapes); blocks share code, so Inductor's
@@ -250,7 +250,7 @@ def _compile_blocks(model: DeepSeekV4ForCausalLM) -> None:
     input (the embedding expanded over the streams) has other strides than the later blocks',
     which would otherwise make the later graphs' strides symbolic."""
     for block in list(model.layers) + list(model.mtp):
-        block.compile(dynamic=False)
+        block.compile(dynamic=False, backend=backend)
 
 
 def _load_initial(model: DeepSeekV4ForCausalLM, path: Path) -> None:
