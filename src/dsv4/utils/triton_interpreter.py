@@ -19,10 +19,10 @@ def skip_overflow_sanitizer() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    builder = getattr(interpreter, "interpreter_builder", None)
-    options = getattr(builder, "options", None)
-    if options is not None and dataclasses.is_dataclass(options) and hasattr(
-            options, "sanitize_overflow"):
+    builder: Any = getattr(interpreter, "interpreter_builder", None)
+    options: Any = getattr(builder, "options", None)
+    if (dataclasses.is_dataclass(options) and not isinstance(options, type)
+            and hasattr(options, "sanitize_overflow")):
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
