@@ -1,10 +1,10 @@
 """`LLM(..., tensor_parallel_size=2)`: rank 0 in this process, rank 1 spawned (gloo on CPU),
 rank 0's engine calls mirrored to rank 1 each step (`engine/parallel.py`; issue 22).
 
-Greedy and seeded-sampling outputs equal one process's, with TP 2 + EP 2, across
-chunked prefill, preemption (a small KV cache) and a second round served from the prefix cache;
-structured output (TP 2 + EP 2, DP 2) gives one process's texts; a dead rank is an error at the
-next step, not a hang; bad layouts are refused at the edge."""
+Greedy and seeded-sampling outputs equal one process's, with TP 2 + EP 2 (FP4 experts in
+checkpoint encoding), across chunked prefill, preemption (a small KV cache) and a second round
+served from the prefix cache; structured output (TP 2 + EP 2, DP 2) gives one process's texts;
+a dead rank is an error at the next step, not a hang; bad layouts are refused at the edge."""
 
 from __future__ import annotations
 
@@ -52,16 +52,24 @@ def run(llm: LLM) -> list[tuple[list[int], list[float], int]]:
 
 @pytest.mark.slow
 def test_tensor_and_expert_parallel_llm_equals_one_process_and_a_dead_rank_is_an_error(
-        ckpt: Path) -> None:
-    """TP 2 + EP 2 through the mirrored engine equals one process; then rank 1 is killed and the
-    next step is an error naming it, not a hang. TP 2 alone (experts cut by TP) is the same mirror
-    over the sharding that `test_tp.py`'s tp2 row checks on the engine (chunked prefill, a
-    prefix-cache hit, preemptions) and `--tp-size 2` serves in `test_tensor_parallel.py`."""
-    want = run(LLM(ckpt, **KW))  # type: ignore[arg-type]
+        tmp_path: Path) -> None:
+    """TP 2 + EP 2 through the mirrored engine equals one process, with FP4 experts kept in
+    checkpoint encoding (`weight_format="checkpoint"`) split by id: each rank loads only its
+    experts' codes and scales, and the outputs equal one process's in the same format. Then rank
+    1 is killed and the next step is an error naming it, not a hang. Bf16 experts split by id
+    through this mirror are `test_structured_output_across_ranks_equals_one_process[tp2-ep2]`'s
+    (dsv4-tiny, dequantised) and `test_tp.py`'s tp2-ep2 row's on the engine. TP 2 alone (experts
+    cut by TP) is the same mirror over the sharding that `test_tp.py`'s tp2 row checks on the
+    engine (chunked prefill, a prefix-cache hit, preemptions) and `--tp-size 2` serves in
+    `test_tensor_parallel.py`."""
+    path = tmp_path / "micro-fp4"
+    write_checkpoint(micro(), path, seed=4, weight_quant="fp8+fp4", tokenizer=False)
+    want = run(LLM(path, weight_format="checkpoint", **KW))  # type: ignore[arg-type]
     assert any(c for _, _, c in want[4:]), "the second round never hit the prefix cache"
-    with LLM(ckpt, tensor_parallel_size=2, expert_parallel_size=2,
+    with LLM(path, tensor_parallel_size=2, expert_parallel_size=2, weight_format="checkpoint",
              **KW) as llm:  # type: ignore[arg-type]
         got = run(llm)
+        assert type(llm.model.layers[2].ffn.experts).__name__ == "LocalQuantExperts"
         assert llm.engine.scheduler.num_preemptions > 0
         worker = llm.engine.workers[0]
         worker.kill()
@@ -71,23 +79,6 @@ def test_tensor_and_expert_parallel_llm_equals_one_process_and_a_dead_rank_is_an
                 max_tokens=2), use_tqdm=False)
     assert [g[0] for g in got] == [w[0] for w in want], "tokens differ"
     assert [g[2] for g in got] == [w[2] for w in want]
-    for (_, a, _), (_, b, _) in zip(got, want, strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
-
-
-@pytest.mark.slow
-def test_expert_parallel_checkpoint_format_equals_one_process(tmp_path: Path) -> None:
-    """FP4 experts kept in checkpoint encoding (`weight_format="checkpoint"`) split by id over
-    TP 2 + EP 2: each rank loads only its experts' codes and scales, and the outputs equal one
-    process's in the same format."""
-    path = tmp_path / "micro-fp4"
-    write_checkpoint(micro(), path, seed=4, weight_quant="fp8+fp4", tokenizer=False)
-    want = run(LLM(path, weight_format="checkpoint", **KW))  # type: ignore[arg-type]
-    with LLM(path, tensor_parallel_size=2, expert_parallel_size=2, weight_format="checkpoint",
-             **KW) as llm:  # type: ignore[arg-type]
-        got = run(llm)
-        assert type(llm.model.layers[2].ffn.experts).__name__ == "LocalQuantExperts"
-    assert [g[0] for g in got] == [w[0] for w in want]
     for (_, a, _), (_, b, _) in zip(got, want, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
 

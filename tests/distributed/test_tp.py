@@ -25,44 +25,59 @@ from dsv4.model.loader import load_model
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-def run(ckpt: Path, out: Path, world: int, tmp: Path, *extra: str) -> dict:
+def run(world: int, tmp: Path, jobs: list[tuple[Path, Path, tuple[str, ...]]]) -> None:
+    """`world` worker processes, one process group, running `jobs` (checkpoint, output file,
+    flags) in turn; rank 0 writes each job's results to its output file."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
-    store = tmp / f"store-{world}-{'-'.join(extra)}"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(ckpt), str(out), str(r),
-                               str(world), str(store), *extra], env=env,
+    args = [",".join([str(ckpt), str(out), *flags]) for ckpt, out, flags in jobs]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world),
+                               str(tmp / f"store-{world}"), *args], env=env,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
-    return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def micro_one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """The bf16 `micro` checkpoint and one process's results on it: the reference of the tp2 and
-    tp2-ep2 rows (one process has no experts to split)."""
-    tmp = tmp_path_factory.mktemp("tp_one")
-    ckpt = tmp / "micro"
+def micro_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ckpt = tmp_path_factory.mktemp("tp_micro") / "micro"
     write_checkpoint(micro(), ckpt, seed=4, tokenizer=False)
-    return ckpt, run(ckpt, tmp / "one.pt", 1, tmp)
+    return ckpt
+
+
+LAYOUTS = {"tp2": ("bf16", ()), "tp2-ep2": ("bf16", ("ep",)),
+           "tp2-ep2-fp8": ("fp8", ("ep", "checkpoint"))}
+"""Each row's checkpoint and worker flags. `fp8`: a geometry whose FP8 linears are cut on whole
+scale blocks, loaded in checkpoint format, so each rank computes with its cut of the codes (no
+dequantised copy); its one-process reference loads it in the same format."""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory,
+            micro_ckpt: Path) -> dict[str, tuple[dict, dict]]:
+    """Per row of LAYOUTS: (one process's results, two ranks' results). One process runs both
+    references (one process has no experts to split), then two ranks run every row in one
+    process group."""
+    tmp = tmp_path_factory.mktemp("tp_runs")
+    ckpts = {"bf16": micro_ckpt, "fp8": tmp / "micro-fp8"}
+    write_checkpoint(micro_blocks(), ckpts["fp8"], seed=4, tokenizer=False,
+                     weight_quant="fp8+fp4")
+    one_flags = {"bf16": (), "fp8": ("checkpoint",)}
+    run(1, tmp, [(ckpts[c], tmp / f"one-{c}.pt", one_flags[c]) for c in ckpts])
+    run(2, tmp, [(ckpts[c], tmp / f"two-{row}.pt", flags)
+                 for row, (c, flags) in LAYOUTS.items()])
+    return {row: (torch.load(tmp / f"one-{c}.pt", weights_only=False),
+                  torch.load(tmp / f"two-{row}.pt", weights_only=False))
+            for row, (c, _) in LAYOUTS.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(), ("ep",), ("ep", "checkpoint")],
-                         ids=["tp2", "tp2-ep2", "tp2-ep2-fp8"])
-def test_two_ranks_equal_one_process(tmp_path: Path, layout: tuple[str, ...],
-                                     request: pytest.FixtureRequest) -> None:
-    """`tp2-ep2-fp8`: a geometry whose FP8 linears are cut on whole scale blocks, loaded in
-    checkpoint format, so each rank computes with its cut of the codes (no dequantised copy)."""
-    if "checkpoint" in layout:
-        ckpt = tmp_path / "micro"
-        write_checkpoint(micro_blocks(), ckpt, seed=4, tokenizer=False, weight_quant="fp8+fp4")
-        one = run(ckpt, tmp_path / "one.pt", 1, tmp_path, *layout[1:])
-    else:
-        ckpt, one = request.getfixturevalue("micro_one_process")
-    two = run(ckpt, tmp_path / "two.pt", 2, tmp_path, *layout)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_equal_one_process(layout: str,
+                                     results: dict[str, tuple[dict, dict]]) -> None:
+    one, two = results[layout]
     assert one["logits"].keys() == two["logits"].keys()
     for name in one["logits"]:
         diff = (one["logits"][name] - two["logits"][name]).abs().max().item()
@@ -75,11 +90,9 @@ def test_two_ranks_equal_one_process(tmp_path: Path, layout: tuple[str, ...],
 
 
 @pytest.mark.parametrize(("field", "size"), [("num_heads", 3), ("o_groups", 4)])
-def test_sizes_that_do_not_divide_are_clear_errors(tmp_path: Path, field: str,
+def test_sizes_that_do_not_divide_are_clear_errors(micro_ckpt: Path, field: str,
                                                    size: int) -> None:
-    ckpt = tmp_path / "micro"
-    write_checkpoint(micro(), ckpt, seed=4, tokenizer=False)
-    model = load_model(ckpt, dtype="float32", device="cpu", progress=False)
+    model = load_model(micro_ckpt, dtype="float32", device="cpu", progress=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=f"does not divide {field}="):
         shard_model(model, TPGroup(0, size))

@@ -1,10 +1,10 @@
 """One rank of the tensor-parallel equivalence test (`test_tp.py` launches it).
 
-    python tp_worker.py CKPT OUT RANK WORLD STORE [ep] [checkpoint]
+    python tp_worker.py RANK WORLD STORE JOB [JOB ...]      JOB: CKPT,OUT[,ep][,checkpoint]
 
-Loads CKPT (fp32, CPU; `checkpoint`: FP4 experts and FP8 linears kept in their encoding), shards
-it for RANK of WORLD (gloo, file store STORE; WORLD 1: no process group; `ep`: experts split by
-id), then runs the full-sequence forward in both
+For each JOB in turn, in one process group: loads CKPT (fp32, CPU; `checkpoint`: FP4 experts and
+FP8 linears kept in their encoding), shards it for RANK of WORLD (gloo, file store STORE; WORLD
+1: no process group; `ep`: experts split by id), then runs the full-sequence forward in both
 formulations and the engine (chunked prefill, a prefix-cache hit, a preemption) on fixed inputs;
 rank 0 saves the logits, tokens and log-probs to OUT. After `destroy_process_group` no gloo
 thread may be left: one that outlives the interpreter aborts the process at exit, at random
@@ -29,12 +29,20 @@ from dsv4.model.quant_linear import QuantLinear
 
 
 def main() -> None:
-    ckpt, out, rank, world, store = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
-        sys.argv[5]
+    rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
     if world > 1:
         join_default_group("gloo", f"file://{store}", rank, world)
-    flags = set(sys.argv[6:])
+    for job in sys.argv[4:]:
+        ckpt, out, *flags = job.split(",")
+        run_job(ckpt, out, rank, world, set(flags))
+    if world > 1:
+        dist.destroy_process_group()
+        left = [t for t in thread_names() if "gloo" in t]
+        assert not left, f"threads of the destroyed group still run: {left}"
+
+
+def run_job(ckpt: str, out: str, rank: int, world: int, flags: set[str]) -> None:
     assert flags <= {"ep", "checkpoint"}, flags
     full = load_model(ckpt, dtype="float32", device="cpu", progress=False,
                       weight_format="checkpoint" if "checkpoint" in flags else "bf16")
@@ -63,10 +71,6 @@ def main() -> None:
               "preemptions": engine.scheduler.num_preemptions}
     if rank == 0:
         torch.save(result, out)
-    if world > 1:
-        dist.destroy_process_group()
-        left = [t for t in thread_names() if "gloo" in t]
-        assert not left, f"threads of the destroyed group still run: {left}"
 
 
 def thread_names() -> list[str]:

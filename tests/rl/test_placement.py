@@ -10,8 +10,8 @@ rollout actor killed while a weight sync or a step's rollout is in flight is res
 and re-synced; the call is repeated and the run's records equal the undisturbed run's.
 
 The Ray tests need `ray` (the `rl` extra) and are skipped without it; they share one Ray
-instance (2 CPUs) and one local reference run. The bucket layout tests need neither; the resume
-and fault tests are `slow`.
+instance (2 CPUs) and one local reference run. The bucket layout tests need neither; the
+disaggregated run (its faults and its resumption in one run) is `slow`.
 """
 
 from __future__ import annotations
@@ -77,32 +77,23 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def _assert_resources_released(ray: Any) -> None:
+    deadline = time.monotonic() + 10       # the placement group is removed asynchronously
+    while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 2.0
+
+
+# "disaggregated": test_disaggregated_run_survives_rollout_deaths_and_resumes logs the local run
+# with that placement (and asserts its weight versions and the returned resources)
+@pytest.mark.parametrize("placement", ["colocated"])
 def test_ray_placement_logs_the_local_run(ray_session: Any, local_run: Path, tmp_path: Path,
                                           placement: str) -> None:
     out = tmp_path / "run"
     step, last = run_placed(_config(out, placement))
     assert step == 3 and last["step"] == 3
     _assert_same_run(out, local_run)
-    if placement == "disaggregated":   # every sample was drawn with the weights of its step
-        assert [r.get("weight_version") for r in _records(out)[1:]] == [0, 1, 2]
-    deadline = time.monotonic() + 10       # the placement group is removed asynchronously
-    while ray_session.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ray_session.available_resources().get("CPU") == 2.0
-
-
-@pytest.mark.slow
-def test_disaggregated_run_resumes(ray_session: Any, local_run: Path, tmp_path: Path) -> None:
-    """2 steps, then `--resume` to 3: the trainer actor saved state.pt (policy, AdamW, step),
-    the resumed driver pushes it into a fresh engine and logs the uninterrupted run's records."""
-    out = tmp_path / "run"
-    config = _config(out, "disaggregated")
-    assert run_placed(config.replace(max_steps_this_call=2))[0] == 2
-    with pytest.raises(ValueError, match="lr"):
-        run_placed(config.replace(lr=2e-4), resume=True)
-    assert run_placed(config, resume=True)[0] == 3
-    _assert_same_run(out, local_run)
+    _assert_resources_released(ray_session)
 
 
 class _KillOnce:
@@ -122,24 +113,38 @@ class _KillOnce:
         return refs
 
 
+# One disaggregated run covers the placement's undisturbed records, its faults and `--resume`:
+# every run of that placement builds the same two actors, so one run and its resumption check
+# all three (each check below holds for the run as a whole).
 @pytest.mark.slow
-def test_killed_rollout_actor_loses_no_sample(ray_session: Any, local_run: Path,
-                                              tmp_path: Path) -> None:
-    """`ray.kill` of the rollout actor during the weight sync that ends step 2, and again during
-    step 3's rollout (one run, two restarts): each time the driver re-joins the restarted actor,
-    pushes the current weights and repeats the call; the run's records and final policy equal the
-    undisturbed run's."""
+def test_disaggregated_run_survives_rollout_deaths_and_resumes(
+        ray_session: Any, local_run: Path, tmp_path: Path) -> None:
+    """2 steps, then `--resume` to 3, logging the local run's records. In the first call `ray.kill`
+    of the rollout actor during the weight sync that ends step 1, and again during step 2's
+    rollout (one run, two restarts): each time the driver re-joins the restarted actor, pushes
+    the current weights and repeats the call, losing no sample. The trainer actor saved state.pt
+    (policy, AdamW, step); the resumed driver (a changed lr refused) pushes it into a fresh
+    engine. Every sample was drawn with the weights of its step, and the placement group's
+    resources are returned."""
     out = tmp_path / "run"
-    with start_placement(_config(out, "disaggregated")) as run:
+    config = _config(out, "disaggregated")
+    with start_placement(config.replace(max_steps_this_call=2)) as run:
         assert isinstance(run, DisaggregatedRun)
-        in_rollout = _KillOnce(ray_session, run, run._start_rollout, at=3)
+        in_rollout = _KillOnce(ray_session, run, run._start_rollout, at=2)
         run._start_rollout = in_rollout          # type: ignore[method-assign]
         pull = run.rollout_actor.pull_weights
-        in_sync = _KillOnce(ray_session, run, pull.remote, at=2)
+        in_sync = _KillOnce(ray_session, run, pull.remote, at=1)
         run.rollout_actor.pull_weights = type("Pull", (), {"remote": staticmethod(in_sync)})()
         run.run()
-        assert in_sync.killed_at == [2] and in_rollout.killed_at == [3] and run.restarts == 2
+        assert run.step == 2
+        assert in_sync.killed_at == [1] and in_rollout.killed_at == [2] and run.restarts == 2
+    with pytest.raises(ValueError, match="lr"):
+        run_placed(config.replace(lr=2e-4), resume=True)
+    step, last = run_placed(config, resume=True)
+    assert step == 3 and last["step"] == 3
     _assert_same_run(out, local_run)
+    assert [r.get("weight_version") for r in _records(out)[1:]] == [0, 1, 2]
+    _assert_resources_released(ray_session)
 
 
 def test_bucket_plan_layout_and_round_trip() -> None:

@@ -197,27 +197,23 @@ def test_engine_releases_and_restores_its_kv_memory() -> None:
     reused.check_integrity()
 
 
-@pytest.mark.parametrize("extra", [
-    {"algo": "dapo"},
-    {"tis": 2.0, "mis": (0.5, 2.0), "kl_coef": 0.1, "entropy_coef": 0.01},
-], ids=["dapo", "tis-mis-kl"])
+# the TIS / MIS / KL / entropy terms run in the real loop in
+# test_fp8_index_keys_reach_the_engine_and_the_trainer (its trainer has the KL reference)
+@pytest.mark.parametrize("extra", [{"algo": "dapo"}], ids=["dapo"])
 def test_algorithm_options_run_a_step(tmp_path: Path, extra: dict) -> None:
-    """DAPO's dynamic sampling and the TIS / MIS / KL / entropy terms in the real loop."""
+    """DAPO's dynamic sampling in the real loop."""
     config = RLConfig(model=str(default_model_path()), out_dir=str(tmp_path), group_size=4,
                       prompts_per_step=3, steps=1, lr=1e-5, levels=(3,), **extra)
     record = RLTrainer(config).train_step()
     assert math.isfinite(record.get("loss", 0.0))
-    if extra.get("algo") == "dapo":
-        assert record["groups_kept"] <= 3 and record["samples_drawn"] >= 12
-        assert record["samples_drawn"] % 12 == 0          # whole over-sampling rounds
-    else:
-        assert 0.0 <= record["tis_clip_frac"] <= 1.0 and 0.0 <= record["mis_mask_frac"] <= 1.0
-        assert record["kl_k3"] >= 0.0
+    assert record["groups_kept"] <= 3 and record["samples_drawn"] >= 12
+    assert record["samples_drawn"] % 12 == 0          # whole over-sampling rounds
 
 
-# a 4-step true-on-policy run, saved after every step and evaluated every 2: the resume tests'
-# uninterrupted reference (`save_every` is an invocation field: it changes no record)
-RESUME_ARGS = ["--steps", "4", "--save-every", "1", "--eval-every", "2", "--group-size", "2",
+# a 3-step true-on-policy run, saved after every step and evaluated every 2 (and at the last
+# step): the resume tests' uninterrupted reference (`save_every` is an invocation field: it
+# changes no record)
+RESUME_ARGS = ["--steps", "3", "--save-every", "1", "--eval-every", "2", "--group-size", "2",
                "--prompts-per-step", "2", "--max-tokens", "4", "--eval-per-level", "1",
                "--levels", "3", "--lr", "1e-4", "--true-on-policy"]
 
@@ -238,8 +234,8 @@ def whole_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_resumed_run_equals_the_uninterrupted_one(whole_run: Path, tmp_path: Path) -> None:
-    """Rollouts depend on (seed, step) and state.pt holds the rest: 2 + 2 resumed steps (the cut
-    at an evaluation) log what 4 uninterrupted steps log (true on-policy on CPU: bit for bit)."""
+    """Rollouts depend on (seed, step) and state.pt holds the rest: 2 + 1 resumed steps (the cut
+    at an evaluation) log what 3 uninterrupted steps log (true on-policy on CPU: bit for bit)."""
     split = str(tmp_path / "split")
     assert main(["rl", "run", "--out", split, "--max-steps-this-call", "2", *RESUME_ARGS]) == 0
     assert main(["rl", "run", "--out", split, "--resume", *RESUME_ARGS]) == 0
@@ -278,7 +274,7 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(whole_run: Path,
     proc.kill()
     proc.wait()
     saved = torch.load(killed / "state.pt", weights_only=True)["step"]
-    assert 1 <= saved < 4, saved
+    assert 1 <= saved < 3, saved
     assert main(["rl", "run", "--out", str(killed), "--resume", *RESUME_ARGS]) == 0
     assert _records_but_timings(killed) == _records_but_timings(whole_run)
 
@@ -286,13 +282,14 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(whole_run: Path,
 def test_fp8_index_keys_reach_the_engine_and_the_trainer(tmp_path: Path) -> None:
     """`index_cache_dtype="fp8"`: the rollout engine's indexer-key pools are FP8 and every model
     of the trainer (policy, the KL reference) rounds its indexer's keys and queries as they do, so
-    a run that replays only the routing selects its C4 entries as the rollouts did."""
+    a run that replays only the routing selects its C4 entries as the rollouts did. Its step also
+    runs the TIS / MIS / KL / entropy terms of the loss in the real loop."""
     from dsv4.model.indexer import Indexer
     from dsv4.rl.server_trainer import server_knobs
 
     config = RLConfig(model=str(default_model_path()), out_dir=str(tmp_path), group_size=2,
                       prompts_per_step=2, steps=1, levels=(3,), kl_coef=0.1, replay="routing",
-                      index_cache_dtype="fp8")
+                      index_cache_dtype="fp8", tis=2.0, mis=(0.5, 2.0), entropy_coef=0.01)
     trainer = RLTrainer(config)
     pools = [c for c in trainer.engine.runner.pools.layers if c.index_keys is not None]
     assert pools and all(c.index_keys is not None and c.index_keys.dtype == torch.float8_e4m3fn
@@ -301,7 +298,10 @@ def test_fp8_index_keys_reach_the_engine_and_the_trainer(tmp_path: Path) -> None
     for model in (trainer.policy, trainer.compute, trainer.reference):
         assert all(m.fp8 for m in model.modules() if isinstance(m, Indexer))
     assert server_knobs(config)["index_cache_dtype"] == "fp8"
-    assert math.isfinite(trainer.train_step().get("loss", 0.0))
+    record = trainer.train_step()
+    assert math.isfinite(record.get("loss", 0.0))
+    assert 0.0 <= record["tis_clip_frac"] <= 1.0 and 0.0 <= record["mis_mask_frac"] <= 1.0
+    assert record["kl_k3"] >= 0.0
     with pytest.raises(ValueError, match="index_cache_dtype='fp4' is invalid"):
         RLConfig(model="m", out_dir="o", index_cache_dtype="fp4")
     # unset: the engine's default for the run's device and backend, recorded in the config

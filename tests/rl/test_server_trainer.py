@@ -54,10 +54,12 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A second server like `srv`: it serves the two-server run, then
-    `test_a_server_that_dies_is_dropped` kills it (its last user: it runs after the other)."""
+    """A second server, `--tp-size 2 --ep-size 2` (issue 24's rollout engines with TP / EP: its
+    rank 0 joins the weight group and hands each rank its part of every push): it serves the
+    two-server run, which kills it (its only user)."""
     with running_server(tmp_path_factory.mktemp("rl_server2"), "--model",
-                        str(default_model_path()), "--enable-return-routing",
+                        str(default_model_path()), "--tp-size", "2", "--ep-size", "2",
+                        "--torch-threads", "1", "--enable-return-routing",
                         "--shutdown-timeout", "2") as s:
         yield s
 
@@ -76,20 +78,40 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# One two-server run checks the tensor-parallel server, the 3-rank weight group and the loss of
+# a server: the run is the local run's until the kill (step 1 and the evaluation at step 0 dealt
+# over both servers, two pushes through the 3-rank group), and after it.
 @pytest.mark.slow
-def test_servers_run_equals_the_local_run(srv: ServerProcess, second: ServerProcess,
-                                          local_run: Path, tmp_path: Path) -> None:
-    """Two servers (a second `dsv4 serve`: the weight group has 3 ranks, and the groups are dealt
-    over both); one server alone runs in the resume test."""
-    urls = [srv.url, second.url]
+def test_servers_run_equals_the_local_run_and_drops_a_dead_server(
+        srv: ServerProcess, second: ServerProcess, local_run: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two servers (`second` is a `--tp-size 2 --ep-size 2` one: the weight group has 3 ranks,
+    and the groups are dealt over both; one server alone runs in the resume test). The second is
+    killed (SIGKILL) before step 2's rollout, once both serve the weights pushed at the start and
+    after step 1: that rollout's requests go to the first server, which forms the weight group
+    again alone, and the run logs what the undisturbed run logs (the rollouts' routing included,
+    the replay's input), with the same final policy."""
+    doomed = second
+    urls = [srv.url, doomed.url]
+    generate = ServerTrainer._generate
+
+    def label(url: str) -> str:
+        r = httpx.post(f"{url}/generate", timeout=60.0, json={
+            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+        return str(r.json()["meta_info"]["weight_version"])
+
+    def kill_before_step_2(self: ServerTrainer, *args: Any, **kw: Any) -> Any:
+        if self.step == 1 and doomed.proc.poll() is None:
+            assert [label(url) for url in urls] == ["2", "2"], "pushed at start and after step 1"
+            doomed.stop(signal.SIGKILL)
+        return generate(self, *args, **kw)
+
+    monkeypatch.setattr(ServerTrainer, "_generate", kill_before_step_2)
     served = tmp_path / "servers"
     step, last = run_placed(_config(served, tuple(urls)))
     assert step == 2 and last["step"] == 2
-    for url in urls:
-        r = httpx.post(f"{url}/generate", timeout=60.0, json={
-            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
-        label = r.json()["meta_info"]["weight_version"]
-        assert label == "3", f"{url}: pushed at start and after 2 steps, got {label}"
+    assert doomed.proc.returncode == -signal.SIGKILL
+    assert label(srv.url) == "3", "pushed at start and after 2 steps"
     got = read_records(served)
     assert [r["step"] for r in got] == [0, 1, 2]
     assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
@@ -99,38 +121,15 @@ def test_servers_run_equals_the_local_run(srv: ServerProcess, second: ServerProc
         torch.testing.assert_close(policy[name], t, rtol=0, atol=1e-5, msg=name)
 
 
+# One run on `srv` checks both `--resume` and `rollout_colocated`: each builds the same
+# ServerTrainer on one server, and the release / resume calls wrap every step of either call.
 @pytest.mark.slow
-def test_a_tensor_parallel_server_serves_the_run(local_run: Path, tmp_path: Path) -> None:
-    """A `--tp-size 2 --ep-size 2` server (issue 24's rollout engines with TP / EP): its rank 0
-    joins the weight group and hands each rank its part of every push; the run logs the local
-    run's records (the rollouts' routing included, the replay's input)."""
-    with running_server(tmp_path, "--model", str(default_model_path()), "--tp-size", "2",
-                        "--ep-size", "2", "--torch-threads", "1", "--enable-return-routing",
-                        "--shutdown-timeout", "2") as tp:
-        out = tmp_path / "run"
-        assert run_placed(_config(out, (tp.url,)))[0] == 2
-    assert_same_records(read_records(out), read_records(local_run), UNCOMPARED, EXACT, 1e-5)
-
-
-@pytest.mark.slow
-def test_a_resumed_servers_run_continues_the_run(srv: ServerProcess, local_run: Path,
-                                                 tmp_path: Path) -> None:
-    """Stopped after step 1 and resumed (`--resume`: the restored policy pushed again), the run
-    logs what the uninterrupted run logs."""
-    out = tmp_path / "run"
-    assert run_placed(_config(out, (srv.url,), max_steps_this_call=1))[0] == 1
-    assert run_placed(_config(out, (srv.url,)), resume=True)[0] == 2
-    got = read_records(out)
-    assert [r["step"] for r in got] == [0, 1, 2]
-    assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
-
-
-@pytest.mark.slow
-def test_colocated_servers_release_their_memory_around_each_step(
+def test_a_resumed_colocated_servers_run_continues_the_run(
         srv: ServerProcess, local_run: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`rollout_colocated`: the server frees its KV pools before each optimizer step and
-    allocates them again before the push (its replies say so), and the run is the local run."""
+    """Stopped after step 1 and resumed (`--resume`: the restored policy pushed again), the run
+    logs what the uninterrupted run logs. `rollout_colocated`: the server frees its KV pools
+    before each optimizer step and allocates them again before the push (its replies say so)."""
     replies: list[str] = []
     release = RolloutServers.release
 
@@ -140,35 +139,17 @@ def test_colocated_servers_release_their_memory_around_each_step(
 
     monkeypatch.setattr(RolloutServers, "release", recorded)
     out = tmp_path / "run"
-    run_placed(_config(out, (srv.url,), rollout_colocated=True))
+    config = _config(out, (srv.url,), rollout_colocated=True)
+    assert run_placed(config.replace(max_steps_this_call=1))[0] == 1
+    assert [r.split()[0] for r in replies] == ["released", "KV"], replies
+    assert run_placed(config, resume=True)[0] == 2
     assert [r.split()[0] for r in replies] == ["released", "KV"] * 2, replies
     assert all("resumed" in r for r in replies[1::2])
-    assert_same_records(read_records(out), read_records(local_run), UNCOMPARED, EXACT, 1e-5)
+    got = read_records(out)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
     with pytest.raises(ValueError, match="rollout_colocated=True with placement='local'"):
         _config(tmp_path / "bad", rollout_colocated=True)
-
-
-@pytest.mark.slow
-def test_a_server_that_dies_is_dropped(srv: ServerProcess, second: ServerProcess,
-                                       local_run: Path, tmp_path: Path,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The second of two servers killed (SIGKILL) before step 2's rollout: that rollout's requests
-    go to the first server, which forms the weight group again alone, and the run logs what the
-    undisturbed run logs."""
-    doomed = second
-    generate = ServerTrainer._generate
-
-    def kill_before_step_2(self: ServerTrainer, *args: Any, **kw: Any) -> Any:
-        if self.step == 1 and doomed.proc.poll() is None:
-            doomed.stop(signal.SIGKILL)
-        return generate(self, *args, **kw)
-
-    monkeypatch.setattr(ServerTrainer, "_generate", kill_before_step_2)
-    out = tmp_path / "run"
-    assert run_placed(_config(out, (srv.url, doomed.url)))[0] == 2
-    assert doomed.proc.returncode == -signal.SIGKILL
-    got = read_records(out)
-    assert_same_records(got, read_records(local_run), UNCOMPARED, EXACT, 1e-5)
 
 
 @pytest.mark.slow

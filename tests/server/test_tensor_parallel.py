@@ -1,8 +1,9 @@
 """`dsv4 serve --tp-size 2` / `--dp-size 2` on CPU (gloo): the engine process is rank 0 and
 spawns rank 1 (`engine/parallel.py`, `engine/data_parallel.py`). Completions equal a one-process
 server's (greedy tokens and log-probs), a json_object response too, and a
-killed rank takes the server down (non-zero exit, no hang). The one-process server's outputs are
-taken once for the module; each multi-rank server is a test's own (each is killed or stopped)."""
+killed rank takes the server down (non-zero exit, no hang). The one-process outputs are the
+session's default server's (one engine thread on a 2-core machine, as `--torch-threads 1`), taken
+once for the module; each multi-rank server is a test's own (each is killed or stopped)."""
 
 from __future__ import annotations
 
@@ -37,20 +38,15 @@ def rank_pids(engine_pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def one_process(server: ServerProcess) -> dict[str, Any]:
     """A one-process server's choices, the references of every test here: BODY ("plain"), BODY
-    as a json_object ("json") and BODY on each of PROMPTS ("prompts"). The server stops cleanly
-    (exit 0) before any multi-rank server starts."""
-    one = ServerProcess(tmp_path_factory.mktemp("one"), "--torch-threads", "1")
-    try:
-        one.wait_healthy()
-        want = {"plain": complete(one, BODY).json()["choices"][0],
-                "json": complete(one, JSON_BODY).json()["choices"][0],
-                "prompts": [complete(one, {**BODY, "prompt": p}).json()["choices"][0]
-                            for p in PROMPTS]}
-    finally:
-        assert one.stop(timeout=30.0) == 0, one.log()
-    return want
+    as a json_object ("json") and BODY on each of PROMPTS ("prompts"), taken before any
+    multi-rank server starts. `server`'s clean stop (exit 0) is `test_lifecycle.py`'s SIGTERM
+    test's."""
+    return {"plain": complete(server, BODY).json()["choices"][0],
+            "json": complete(server, JSON_BODY).json()["choices"][0],
+            "prompts": [complete(server, {**BODY, "prompt": p}).json()["choices"][0]
+                        for p in PROMPTS]}
 
 
 @pytest.mark.slow

@@ -189,20 +189,22 @@ def wait_for(srv: ServerProcess, ready: Any) -> dict[str, Any]:
     raise AssertionError(f"engine never reached the state: {stats}")
 
 
-def test_pause_modes(srv: ServerProcess) -> None:
+def test_pause_modes(srv: ServerProcess,
+                     offline_out: dict[str, tuple[list[int], list[float]]]) -> None:
     long = LONG
-    want = Call(srv, "/generate", generate_body(long)).result().json()["output_ids"]
-
-    # in_place: a request sent while paused waits, then completes as if never paused
+    # in_place: a request sent while paused waits, then completes as if never paused (the
+    # offline engine's tokens on a, the server's weights here and after the push test's disk
+    # update)
     assert control(srv, "/pause_generation", mode="in_place").status_code == 200
-    call = Call(srv, "/generate", generate_body(long))
+    call = Call(srv, "/generate", generate_body(MAX_TOKENS))
     before = wait_for(srv, lambda st: st["num_requests"] == 1)
     time.sleep(0.5)
     assert call.response is None and srv.engine_stats()["decode_tokens"] == \
         before["decode_tokens"], "no step while paused"
     assert control(srv, "/continue_generation").status_code == 200
-    assert call.result().json()["output_ids"] == want
+    assert call.result().json()["output_ids"] == offline_out["a"][0]
 
+    want = Call(srv, "/generate", generate_body(long)).result().json()["output_ids"]
     # retract: the running request loses its KV and recomputes to the same tokens
     call = Call(srv, "/generate", generate_body(long))
     wait_for(srv, lambda st: st["num_running"] == 1 and st["decode_tokens"] > 0)
@@ -259,8 +261,9 @@ def test_a_tensor_parallel_server_takes_pushed_weights(
     """`dsv4 serve --tp-size 2 --ep-size 2`: rank 0 joins the trainer's group, takes the push and
     hands each rank its part (`engine/parallel_weights.py`); the greedy tokens and log-probs are
     then the offline engine's on b, a disk update brings a back; a retracting pause (which both
-    ranks must apply, or their collectives no longer match) and a memory release with its resume
-    leave the served tokens unchanged."""
+    ranks must apply, or their collectives no longer match: the request then recomputes and
+    decodes until an aborting pause ends it) and a memory release with its resume leave the
+    served tokens unchanged."""
     with running_server(tmp_path, "--model", str(ckpts["a"]), "--tp-size", "2", "--ep-size", "2",
                         "--torch-threads", "1", "--shutdown-timeout", "2") as srv:
         push_b(srv, ckpts, "tp")
@@ -272,8 +275,15 @@ def test_a_tensor_parallel_server_takes_pushed_weights(
         call = Call(srv, "/generate", generate_body(LONG))
         wait_for(srv, lambda st: st["num_running"] == 1 and st["decode_tokens"] > 0)
         assert control(srv, "/pause_generation", mode="retract").status_code == 200
+        stats = srv.engine_stats()
+        assert (stats["num_running"], stats["num_waiting"]) == (0, 1), stats
         assert control(srv, "/continue_generation").status_code == 200
-        assert call.result().status_code == 200
+        # the retracted request recomputes and decodes on both ranks; an abort then ends it
+        wait_for(srv, lambda st: st["num_running"] == 1
+                 and st["decode_tokens"] >= stats["decode_tokens"] + 2)
+        assert control(srv, "/pause_generation", mode="abort").status_code == 200
+        assert call.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert control(srv, "/continue_generation").status_code == 200
         assert control(srv, "/release_memory_occupation").status_code == 200
         assert control(srv, "/resume_memory_occupation").status_code == 200
         assert served(srv, "step-1")[0] == want_ids
