@@ -59,7 +59,10 @@ def test_triton_fused_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
         return original(runner, logits, reqs, steps, **kw)
 
     monkeypatch.setattr(ModelRunner, "_sample", recorded)
-    cfg = micro()
+    # micro cut to three layers, one per attention type (a hash MoE, then routed ones): every
+    # projection group that its five layers fuse
+    cfg = micro().replace(num_layers=3, attn_types=("swa", "csa", "hca"),
+                          moe_types=("hash", "routed", "routed"))
     g = torch.Generator().manual_seed(0)
     # steps of 9 tokens: 2 + 7, then a decode + 8 (the second request's 20 tokens are still in
     # chunked prefill when the third joins), then a decode + 5 + 1, then a decode batch (the first
