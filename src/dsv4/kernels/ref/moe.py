@@ -134,7 +134,8 @@ def routed_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
         xe = x.index_select(0, tokens).float()
         h = swiglu(F.linear(xe, w1[e].float()), F.linear(xe, w3[e].float()), limit)
         h = (h * weights.reshape(-1).index_select(0, slots)[:, None]).to(x.dtype)
-        out.index_add_(0, tokens, F.linear(h.float(), w2[e].float()))
+        # .float(): under autocast (the trainer's bf16 evaluation) F.linear returns bf16
+        out.index_add_(0, tokens, F.linear(h.float(), w2[e].float()).float())
     return add_shared(out, shared, out_dtype, wait_shared)
 
 
@@ -166,7 +167,7 @@ def routed_experts_a8(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: t
         tokens = slots // k
         xe = xq.index_select(0, tokens)
         h = swiglu(F.linear(xe, w1[e].float()), F.linear(xe, w3[e].float()), limit).to(x.dtype)
-        y = F.linear(fake_act_quant(h), w2[e].float())
+        y = F.linear(fake_act_quant(h), w2[e].float()).float()
         out.index_add_(0, tokens, y * weights.reshape(-1).index_select(0, slots)[:, None])
     return add_shared(out, shared, out_dtype, wait_shared)
 
