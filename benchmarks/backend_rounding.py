@@ -23,6 +23,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -81,6 +82,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if not a.is_floating_point():
         return float((a != b).float().mean())
     a, b = a.float(), b.float()
+    # non-finite entries (the scores' -inf where a candidate is missing) must match exactly, in
+    # place and value; the relative difference is over the finite rest (inf - inf is NaN, and a
+    # NaN mean would hide every other difference of the op)
+    finite = torch.isfinite(a)
+    if not (torch.equal(finite, torch.isfinite(b))
+            and torch.equal(a[~finite].nan_to_num(nan=0.0), b[~finite].nan_to_num(nan=0.0))):
+        return math.inf
+    if not finite.any():
+        return 0.0
+    a, b = a[finite], b[finite]
     return float((a - b).abs().mean() / a.abs().mean().clamp(min=1e-12))
 
 

@@ -87,7 +87,8 @@ def main() -> None:
                                            enable_hisparse=args.enable_hisparse,
                                            hisparse_device_entries=args.hot_entries,
                                            pdl_early_max_batch=args.pdl_early_max_batch,
-                                           shared_expert_beside_max_tokens=args.shared_expert_beside_max_tokens,
+                                           shared_expert_beside_max_tokens=(
+                                               args.shared_expert_beside_max_tokens),
                                            index_cache_dtype=args.index_cache_dtype))
     g = torch.Generator().manual_seed(0)
     warm = SamplingParams(max_tokens=max(8, args.warm_steps + args.steps + 2), temperature=0.0,

@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -369,6 +370,18 @@ def test_backend_rounding_benchmark_finds_no_systematic_rounding() -> None:
     assert result["ops"], result
     worst = max(r["mean_rel"] for r in result["ops"].values())
     assert worst < 1e-4, result
+
+
+def test_backend_rounding_compares_masked_scores() -> None:
+    """-inf (a missing candidate's score) on both sides at the same places is no difference; a
+    -inf on one side only is an infinite one (inf - inf is NaN, which `max` would skip)."""
+    rel = load_benchmark("backend_rounding")._rel
+    a = torch.tensor([1.0, -math.inf, 2.0])
+    assert rel(a, a.clone()) == 0.0
+    # mean |difference| over the finite pair against their mean |value|
+    assert rel(a, torch.tensor([1.0, -math.inf, 2.5])) == pytest.approx(0.25 / 1.5)
+    assert rel(a, torch.tensor([1.0, 0.0, 2.0])) == math.inf
+    assert rel(a, torch.tensor([1.0, math.inf, 2.0])) == math.inf
 
 
 # bench_row_reads.py is GPU only
