@@ -74,18 +74,26 @@ def test_chat_template_from_card_renders(llm: LLM) -> None:
     assert config["model_max_length"] == 2048 and "chat_template" in config
 
 
-@pytest.mark.slow     # held-out loss over the card's token file: ~15 s on a 2-core CPU
 def test_train_eval_cli_writes_the_card_numbers(tmp_path: Path) -> None:
-    """`dsv4 train eval` over the card's held-out tokens (`heldout_metrics` of the card's windows
-    on the float32 model, as the card was measured): its loss and MTP top-1 match the card."""
+    """`dsv4 train eval` over 2 held-out windows (`heldout_metrics` on the float32 model, as the
+    card was measured): spread over the token file as evenly as the card's 16, they are its
+    windows 0 and 8, and their loss and MTP top-1 match the card's, whose headline numbers are the
+    means over all 16."""
     from dsv4.cli.main import main
 
+    windows = 2
+    picked = slice(None, None, len(CARD["window_loss"]) // windows)
+    per_window = CARD["heldout_tokens"] // len(CARD["window_loss"])
+    assert CARD["heldout_loss"] == pytest.approx(sum(CARD["window_loss"]) / 16, rel=1e-12)
+    assert CARD["mtp_top1"] == pytest.approx(sum(CARD["window_mtp_top1"]) / 16, rel=1e-12)
     out = tmp_path / "eval.json"
     assert main(["train", "eval", "--model", str(MODEL), "--out", str(out), "--heldout-tokens",
-                 str(CARD["heldout_tokens"]), "--per-level", "2"]) == 0
+                 str(windows * per_window), "--per-level", "2"]) == 0
     got = json.loads(out.read_text())
-    assert got["heldout_loss"] == pytest.approx(CARD["heldout_loss"], rel=0.02)
-    assert got["mtp_top1"] >= CARD["mtp_top1"] - 0.005
-    assert (got["heldout_tokens"] == CARD["heldout_tokens"]
+    # fp32 on another CPU: the same sums up to the GEMM library's kernel choice (~1e-6)
+    assert got["window_loss"] == pytest.approx(CARD["window_loss"][picked], rel=1e-4)
+    assert got["window_mtp_top1"] == pytest.approx(CARD["window_mtp_top1"][picked], abs=2e-3)
+    assert got["heldout_loss"] == pytest.approx(sum(got["window_loss"]) / windows, rel=1e-12)
+    assert (got["heldout_tokens"] == windows * per_window
             and set(got["task_chat"]["by_level"]) == {str(i) for i in range(1, 7)})
     assert 0.0 <= got["easy_chat_accuracy"] <= 1.0 and got["samples"]

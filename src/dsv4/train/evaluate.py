@@ -42,23 +42,29 @@ def read_tokens(path: Path, seq_len: int, max_tokens: int) -> list[torch.Tensor]
 
 @torch.no_grad()
 def heldout_metrics(model: DeepSeekV4ForCausalLM,
-                    windows: Sequence[torch.Tensor]) -> dict[str, float]:
-    """Mean next-token loss, MTP loss and MTP top-1 accuracy (token t+2) over `windows` [1, S+1]."""
+                    windows: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Mean next-token loss, MTP loss and MTP top-1 accuracy (token t+2) over `windows` [1, S+1],
+    and each window's loss and MTP top-1 (`window_loss`, `window_mtp_top1`): a subset of the
+    windows is checked against the card without scoring them all."""
     if not windows:
         raise ValueError("heldout_metrics: no windows (token file shorter than one sequence)")
     device = next(model.parameters()).device
-    loss = mtp_loss = correct = count = 0.0
+    losses: list[float] = []
+    mtp_losses: list[float] = []
+    correct: list[float] = []
+    count: list[float] = []
     for w in windows:
         out = lm_losses(model, w.to(device), INFERENCE)
-        loss += float(out["loss"])
+        losses.append(float(out["loss"]))
         if "mtp_loss" in out:
-            mtp_loss += float(out["mtp_loss"])
-            correct += float(out["mtp_correct"])
-            count += float(out["mtp_count"])
+            mtp_losses.append(float(out["mtp_loss"]))
+            correct.append(float(out["mtp_correct"]))
+            count.append(float(out["mtp_count"]))
     n = len(windows)
-    result = {"heldout_loss": loss / n}
-    if count:
-        result.update(heldout_mtp_loss=mtp_loss / n, mtp_top1=correct / count)
+    result: dict[str, Any] = {"heldout_loss": sum(losses) / n, "window_loss": losses}
+    if sum(count):
+        result.update(heldout_mtp_loss=sum(mtp_losses) / n, mtp_top1=sum(correct) / sum(count),
+                      window_mtp_top1=[c / k for c, k in zip(correct, count, strict=True)])
     return result
 
 
