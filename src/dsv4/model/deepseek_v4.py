@@ -59,7 +59,11 @@ class DeepSeekV4ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = self.config = config
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        # uninitialised like every other weight (loaded, or `train/init.py`); nn.Embedding's own
+        # normal_ init would cost a vocab x hidden fill, and on the meta device it imports
+        # torch._dynamo (over a second of every process start)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size,
+                                  _weight=torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(Block(c, a, m, i) for i, (a, m)
                                     in enumerate(zip(c.attn_types, c.moe_types, strict=True)))
         self.hc_head = HyperHead(c)
