@@ -404,3 +404,20 @@ def test_backward_reaches_every_kind_of_parameter(ckpt: Path) -> None:
         assert grad.abs().sum() > 0, name
     # MTP is unused by forward()
     assert all(p.grad is None for n, p in params.items() if n.startswith("mtp."))
+
+
+def test_loading_does_not_import_torch_dynamo() -> None:
+    """A fresh process that loads the shipped model never imports torch._dynamo (over a second of
+    every server, rank and actor start): the meta-device construction runs no torch._refs op."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dsv4.assets import default_model_path; "
+            "from dsv4.model.loader import load_model; "
+            "load_model(default_model_path(), dtype='float32', device='cpu', progress=False); "
+            "print('torch._dynamo' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1",
+                              "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
