@@ -26,9 +26,15 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(PIP) install --progress-bar on -e '.[dev,server,train,rl]'
 	touch $@
 
-# Everything (what CI runs): lint, then the whole suite, `slow` tests included.
-test: lint
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+# Everything (what CI runs): ruff, then the whole suite (`slow` tests included) with mypy beside
+# it: mypy is one single-threaded process of ~40 s, which run alone before the suite would leave a
+# core idle. Fails if either fails; mypy's report follows the suite's.
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	@$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	$(VPY) -m pytest -q $(PYTEST_ARGS); tests=$$?; \
+	wait $$mypy; types=$$?; echo "mypy (exit $$types):"; cat $(VENV)/mypy.log; \
+	exit $$(( tests != 0 || types != 0 ))
 
 # The inner loop: the suite without the `slow` tests (each over ~10 s on a 2-core CPU).
 test-fast: $(STAMP)

@@ -670,6 +670,25 @@ KERNELS: dict[str, Callable[[], Iterator[Variant]]] = {"moe": moe_variants,
 PARTS: dict[str, Callable[[], Iterator[Variant]]] = {"moe_frag": moe_frag_variants}
 
 
+def distinct_paths(variants: Iterator[Variant]) -> Iterator[Variant]:
+    """The first variant of each code path: variants that differ only in tile sizes (`BLOCK_*`
+    constexprs but BLOCK_M, of which only "16-bit wgmma possible" (>= 64) or not is kept), warps,
+    stages or register caps compile the same code for other shapes, and the CPU test compiles one
+    of them (the full list is the script's default)."""
+    seen: set[tuple[Any, ...]] = set()
+    for variant in variants:
+        _, kernel, types, consts, options = variant
+        path = {k: v for k, v in consts.items() if not k.startswith("BLOCK_") or k == "BLOCK_M"}
+        if "BLOCK_M" in path:
+            path["BLOCK_M"] = path["BLOCK_M"] >= 64
+        key = (kernel, tuple(sorted(types.items())), tuple(sorted(map(repr, path.items()))),
+               tuple(sorted((k, v) for k, v in options.items()
+                            if k not in ("num_warps", "num_stages", "maxnreg"))))
+        if key not in seen:
+            seen.add(key)
+            yield variant
+
+
 def sass_counts(cubin: bytes) -> dict[str, int]:
     """Static SASS instruction / LDG / HMMA (mma.sync) / HGMMA (16-bit wgmma) / QGMMA (FP8 wgmma)
     counts, the instructions of the longest loop body (the K loop of a GEMM: its cost per step;
@@ -744,11 +763,15 @@ def main() -> int:
     p.add_argument("--kernels", default=",".join(KERNELS),
                    help=f"comma-separated, of {sorted(KERNELS)} or a part: {sorted(PARTS)} "
                    "(moe_frag: moe's frag loop)")
+    p.add_argument("--distinct", action="store_true",
+                   help="one variant per code path (`distinct_paths`: the CPU test's selection)")
     args = p.parse_args()
     sys.stdout.write(f"triton {triton.__version__}, target sm_90\n")
     failed = 0
     for group in args.kernels.split(","):
-        for label, kernel, types, consts, options in {**KERNELS, **PARTS}[group]():
+        variants = {**KERNELS, **PARTS}[group]()
+        for label, kernel, types, consts, options in (
+                distinct_paths(variants) if args.distinct else variants):
             start = time.perf_counter()
             try:
                 compiled = compile_variant(kernel, types, consts, options)
