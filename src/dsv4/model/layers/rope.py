@@ -33,7 +33,9 @@ def yarn_inv_freq_bounds(c: ModelConfig) -> tuple[int, int] | None:
 
 
 def rope_inv_freq(config: ModelConfig, compressed: bool) -> torch.Tensor:
-    """[rope_head_dim // 2] fp32 inverse frequencies for the main or the compressed-layer table."""
+    """[rope_head_dim // 2] fp32 inverse frequencies for the main or the compressed-layer table,
+    on the default device. Computed on the CPU: the same bits wherever the model lives, and no
+    meta-device arithmetic (its torch._refs path imports torch._dynamo)."""
     dim = config.rope_head_dim
     theta = config.compress_rope_theta if compressed else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
