@@ -4,8 +4,9 @@
     PYTHONPATH=src python3 benchmarks/backend_rounding.py --device cuda   # compiled kernels
 
 Runs a short greedy + sampled generation of the shipped dsv4-tiny on CPU with the `ref` backend.
-Every op call also runs the Triton kernel under the interpreter on cloned inputs and records the
-mean relative difference of each output (in-place outputs: the rows the op wrote, the trash row
+Every op call (or, with `--calls-per-step K`, the first K calls of each op in each engine step)
+also runs the Triton kernel under the interpreter on cloned inputs and records the mean relative
+difference of each output (in-place outputs: the rows the op wrote, the trash row
 excluded). A systematic rounding difference (one side rounds an intermediate to bf16, the other
 keeps fp32) shows up as ~1e-3 (about one bf16 ulp on most elements); a pure summation-order
 difference as ~1e-7. The interpreter's fp32 -> bf16 cast truncates, where the GPU rounds to
@@ -95,13 +96,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().mean() / a.abs().mean().clamp(min=1e-12))
 
 
-def shadow_ops(stats: dict[str, list[float]]) -> registry.KernelOps:
+def shadow_ops(stats: dict[str, list[float]], step_calls: dict[str, int],
+               calls_per_step: int | None) -> registry.KernelOps:
+    """`ref`'s ops, each call also run through `triton` on cloned inputs and compared (at most
+    `calls_per_step` calls of an op per engine step, counted in `step_calls`, which the caller
+    clears at each step; None: every call)."""
     ref, tri = registry.create_kernels("ref"), registry.create_kernels("triton")
 
     def wrap(name: str) -> Any:
         fr, ft = getattr(ref, name), getattr(tri, name)
 
         def op(*args: Any, **kwargs: Any) -> Any:
+            step_calls[name] = step_calls.get(name, 0) + 1
+            if calls_per_step is not None and step_calls[name] > calls_per_step:
+                return fr(*args, **kwargs)
             copies = _clone(args)
             before = [t.clone() for t in _tensors(args)]
             # keyword arguments (the routed experts' combine: shared addend, out dtype, stream
@@ -131,6 +139,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: kernels under the interpreter; cuda: compiled")
+    p.add_argument("--calls-per-step", type=int, default=None,
+                   help="compare only the first K calls of each op in each engine step (its "
+                        "first K layers that call it; default: every call)")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     if not CUDA:
@@ -141,7 +152,15 @@ def main() -> None:
     llm = LLM(default_model_path(), dtype=args.dtype, device=args.device,
               page_size=128 if args.device == "cpu" else 256, max_total_tokens=8192,
               disable_prefix_cache=True, disable_cuda_graph=True)
-    llm.engine.runner.ops = shadow_ops(stats)
+    step_calls: dict[str, int] = {}
+    llm.engine.runner.ops = shadow_ops(stats, step_calls, args.calls_per_step)
+    engine_step = llm.engine.step
+
+    def step() -> Any:
+        step_calls.clear()
+        return engine_step()
+
+    llm.engine.step = step  # type: ignore[method-assign]
     prompts = [q.text for q in ArithmeticTask((4,)).train_prompts(random.Random(0), args.prompts)]
     llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0),
                  use_tqdm=False)
