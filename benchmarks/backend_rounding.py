@@ -44,10 +44,7 @@ from dsv4.engine.llm import LLM  # noqa: E402
 from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
 from dsv4.kernels import registry  # noqa: E402
 from dsv4.rl.rewards import ArithmeticTask  # noqa: E402
-from dsv4.utils.triton_interpreter import (  # noqa: E402
-    skip_nested_interpreter_patching,
-    skip_overflow_sanitizer,
-)
+from dsv4.utils.triton_interpreter import speed_up_interpreter  # noqa: E402
 
 _truncating_convert = interpreter._convert_float
 
@@ -146,8 +143,7 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     if not CUDA:
         interpreter._convert_float = _rne_convert
-        skip_nested_interpreter_patching()
-        skip_overflow_sanitizer()
+        speed_up_interpreter()
     stats: dict[str, list[float]] = collections.defaultdict(list)
     llm = LLM(default_model_path(), dtype=args.dtype, device=args.device,
               page_size=128 if args.device == "cpu" else 256, max_total_tokens=8192,

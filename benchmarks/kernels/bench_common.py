@@ -189,13 +189,9 @@ def select_device(cpu_smoke: bool) -> torch.device:
     `import triton`)."""
     if cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        from dsv4.utils.triton_interpreter import (
-            skip_nested_interpreter_patching,
-            skip_overflow_sanitizer,
-        )
+        from dsv4.utils.triton_interpreter import speed_up_interpreter
 
-        skip_nested_interpreter_patching()
-        skip_overflow_sanitizer()
+        speed_up_interpreter()
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-smoke")

@@ -365,8 +365,8 @@ def test_spec_acceptance_benchmark_predicts_and_measures() -> None:
 
 @pytest.mark.slow
 def test_backend_rounding_benchmark_finds_no_systematic_rounding() -> None:
-    """After the reference was aligned with the kernels, no op differs by ~1 bf16 ulp (each op
-    compared on its first two calls in the prefill and in the decode step)."""
+    """The reference rounds as the kernels do: no op differs by ~1 bf16 ulp (each op compared on
+    its first two calls in the prefill and in the decode step)."""
     result = run_benchmark("backend_rounding.py", "--prompts", "1", "--max-tokens", "2",
                            "--calls-per-step", "2")
     assert result["ops"], result

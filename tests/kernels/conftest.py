@@ -17,16 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4.utils.triton_interpreter import (
-    skip_nested_interpreter_patching,
-    skip_overflow_sanitizer,
-)
+from dsv4.utils.triton_interpreter import speed_up_interpreter
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # every process of the suite imports this conftest while collecting, before any test runs
-    skip_nested_interpreter_patching()
-    skip_overflow_sanitizer()
+    speed_up_interpreter()
 
 
 @pytest.fixture

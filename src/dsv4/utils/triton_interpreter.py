@@ -11,10 +11,10 @@ from typing import Any
 
 def skip_overflow_sanitizer() -> None:
     """Turn off the interpreter's integer-overflow sanitizer. It follows every 8-32-bit integer
-    add, sub and mul of a kernel with int64 casts and bound compares (15-30% of an interpreted
-    kernel test's CPU time), whose assert Triton drops unless `debug` is on: without `debug` (the
-    suite, the benchmarks' `--cpu-smoke`) it checks nothing. Inert if Triton's interpreter changes
-    shape."""
+    add, sub and mul of a kernel with int64 casts and bound compares (a sizeable share of an
+    interpreted kernel's CPU time), whose assert Triton drops unless `debug` is on: without `debug`
+    (the suite, the benchmarks' `--cpu-smoke`) it checks nothing. Inert if Triton's interpreter
+    changes shape."""
     try:
         from triton.runtime import interpreter
     except ImportError:
@@ -76,3 +76,10 @@ def skip_nested_interpreter_patching() -> None:
     patch_lang.nested_skip = True  # type: ignore[attr-defined]
     interpreter._patch_lang = patch_lang
     executor.__call__ = call
+
+
+def speed_up_interpreter() -> None:
+    """Both of the above: what every interpreted run of dsv4's kernels (the test suite, the
+    benchmarks' CPU runs) calls before its first launch. Idempotent."""
+    skip_nested_interpreter_patching()
+    skip_overflow_sanitizer()

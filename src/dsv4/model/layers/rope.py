@@ -40,15 +40,14 @@ def rope_inv_freq(config: ModelConfig, compressed: bool) -> torch.Tensor:
     theta = config.compress_rope_theta if compressed else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     bounds = yarn_inv_freq_bounds(config) if compressed else None
-    if bounds is None:
-        return inv_freq.to(torch.get_default_device())
-    assert config.yarn is not None
-    low, high = float(bounds[0]), float(bounds[1])
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low)
-            / (high - low)).clamp(0, 1)
-    inv_freq = inv_freq / config.yarn.factor * ramp + inv_freq * (1 - ramp)
+    if bounds is not None:
+        assert config.yarn is not None
+        low, high = float(bounds[0]), float(bounds[1])
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low)
+                / (high - low)).clamp(0, 1)
+        inv_freq = inv_freq / config.yarn.factor * ramp + inv_freq * (1 - ramp)
     return inv_freq.to(torch.get_default_device())
 
 
