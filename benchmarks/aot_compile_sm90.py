@@ -162,9 +162,10 @@ def moe_fma_variants() -> Iterator[Variant]:
 
 def moe_frag_variants() -> Iterator[Variant]:
     """The "frag" loop (`moe_frag.py`, FP4 decoded into mma.sync fragments) at WK x WN warps =
-    (2, 1), (4, 1), (2, 2), (2, 4) and BLOCK_M 1 (slots), 8 or 16 (tile map), as BLOCK_M x
-    BLOCK_N (WK 2: two virtual K splits per warp, two 32-byte steps per loop iteration); the
-    label ends with the bytes of one matrix a thread decodes per K step."""
+    (2, 1), (4, 1), (2, 2), (2, 4), RG = 1 or 2 row groups per warp, and BLOCK_M 1 (slots), 8 or
+    16 (tile map), as BLOCK_M x BLOCK_N (WK 2: two virtual K splits per warp, two 32-byte steps
+    per loop iteration); the label ends with the bytes of one matrix a thread decodes per K
+    step."""
     from dsv4.kernels.triton import moe_frag
 
     types = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
@@ -175,13 +176,17 @@ def moe_frag_variants() -> Iterator[Variant]:
                                           "stride_wn", "stride_se", "stride_sn", "stride_h",
                                           "stride_o")}
     # the plan's launches (moe_plan.FRAG_LAUNCHES) and their neighbours
-    for wk, wn, bm in ((2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 8), (2, 2, 8), (4, 1, 16),
-                       (2, 2, 16), (2, 4, 16)):
+    # (RG 2: two 16-row groups per warp sharing its B registers)
+    for wk, wn, bm, rg in ((2, 1, 1, 1), (4, 1, 1, 1), (2, 2, 1, 1), (4, 1, 8, 1), (2, 2, 8, 1),
+                           (4, 1, 16, 1), (2, 2, 16, 1), (2, 4, 16, 1), (2, 1, 8, 2),
+                           (2, 2, 16, 2)):
         # the plan's launches also with e4m3 codes (FP8, BLOCK_M 1)
         for fp8 in (False, True) if (wk, wn, bm) in ((2, 1, 1), (4, 1, 1)) else (False,):
-            consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
-                      "ASM": True, "L2PF": 128 if bm == 1 else 256, "FP8": fp8}
-            label = f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * wn} wk{wk} {64 if fp8 else 32}B"
+            consts = {"TOPK": 6, "WK": wk, "WN": wn, "RG": rg, "SLOTS": bm == 1,
+                      "NT": max(1, bm // 8), "ASM": True, "L2PF": 128 if bm == 1 else 256,
+                      "FP8": fp8}
+            label = (f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * rg * wn} wk{wk} rg{rg} "
+                     f"{64 if fp8 else 32}B")
             options = {"num_warps": wk * wn}
             yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
                    {**consts, "LIBDEVICE": True}, options)

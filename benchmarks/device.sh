@@ -84,6 +84,8 @@
 #                 1 / 32 (4K) in turn, each format with PDL's EARLY mode off (0) and at the default (<= 8)
 #                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
 #                 batch-1 profile, EARLY <= 8 (step_profile.txt)
+#   frag-rg       FP4 frag tiles with two 16-row groups per warp (row_groups=2): test_moe_frag.py -m gpu, then
+#                 bench_moe_quant.py --variants frag --sweep at FRAG_TOKENS (128,512): frag_rg.txt / .json
 #   fp8-frag      the FP8 routed experts' frag loop (the default at N*k < E / 2) against "scaled" at N = 1 / 8 /
 #                 16 / 32 with the kernels' times, the FP8 linears' FMA tile at 3 / 4 pipeline stages and
 #                 the frag path at M = 1 (bench_fp8_linear.py --stage-sweep), test_moe_frag.py -m gpu
@@ -483,6 +485,16 @@ fp8_frag() {   # FP8 experts: "frag" (the default at N*k < E/2) against "scaled"
   grep -E "passed|failed|Error" /tmp/fp8_frag_tests.txt | tail -12 | tee -a "$OUT/fp8_frag.txt"
 }
 
+frag_rg() {   # FP4 frag tiles with two 16-row groups per warp: GPU tests, then the sweep at N 128 / 512
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
+    > /tmp/frag_rg_tests.txt 2>&1
+  grep -E "passed|failed|Error" /tmp/frag_rg_tests.txt | tail -12 | tee "$OUT/frag_rg.txt"
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
+    --variants frag --tokens "${FRAG_TOKENS:-128,512}" --deterministic --kernels --sweep \
+    --out "$OUT/frag_rg.json" > /tmp/frag_rg_bench.txt 2>&1
+  { grep -v "^{" /tmp/frag_rg_bench.txt | tail -8; } | tee -a "$OUT/frag_rg.txt" | cut -c 1-200
+}
+
 fixed_costs() {   # the mHC finish apart, the top-k row path, the PDL kernels' GPU tests
   local f             # numbers first, the GPU tests last (what is under $OUT comes back on a timeout)
   timeout 150 python3 benchmarks/kernels/bench_mhc.py --ops post_pre --out "$OUT/fixed_mhc.json" \
@@ -838,6 +850,7 @@ for part in "$@"; do
     fixed-costs) fixed_costs ;;
     step-ab) step_ab ;;
     fp8-frag) fp8_frag ;;
+    frag-rg) frag_rg ;;
     pdl-auto) pdl_auto ;;
     sass) sass ;;
     crit) crit ;;
@@ -858,6 +871,6 @@ for part in "$@"; do
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn index-fp8 line multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag frag-rg pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn index-fp8 line multi multi-flash multi-sync"; exit 2 ;;
   esac
 done

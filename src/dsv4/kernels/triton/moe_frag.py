@@ -83,12 +83,16 @@ def _lanes(WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(wk, g, q, the lane's rows g and g + 8 clamped below OUT) of this program's block (its
-    loads need no mask; the epilogue masks the stores)."""
+def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr,  # type: ignore[no-untyped-def]
+          RG: tl.constexpr):
+    """(wk, g, q, the lane's rows: g and g + 8 of its warp's first 16-row group, then (RG 2) of
+    its second, g + 16 and g + 24; each clamped below OUT) of this program's block (its loads need
+    no mask; the epilogue masks the stores)."""
     wk, wn, g, q = _lanes(WK, WN)
-    row = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g
-    return wk, g, q, tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1)
+    row = tl.program_id(1) * (_ROWS * RG * WN) + _ROWS * RG * wn + g
+    rows = (tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1),
+            tl.minimum(row + 16, OUT - 1), tl.minimum(row + 24, OUT - 1))
+    return wk, g, q, rows
 
 
 @triton.jit
@@ -140,14 +144,16 @@ def _ksum(a, b, wk, WK: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-unt
 
 @triton.jit
 def _output(start, count, OUT, IDX: tl.constexpr,  # type: ignore[no-untyped-def]
-            WN: tl.constexpr):
-    """(sorted row, output column, mask) of output IDX = 0..3 of the lanes, [WN, 8, 4] each: c0 ..
-    c3 = D[g, 2q], D[g, 2q + 1], D[g + 8, 2q], D[g + 8, 2q + 1] (D's column n is tile row n)."""
+            WN: tl.constexpr, RG: tl.constexpr, R: tl.constexpr):
+    """(sorted row, output column, mask) of output IDX = 0..3 of the lanes' row group R, [WN, 8,
+    4] each: c0 .. c3 = D[g, 2q], D[g, 2q + 1], D[g + 8, 2q], D[g + 8, 2q + 1] (D's column n is
+    tile row n; D's row g is weight row 16 R + g of the warp's 16 RG)."""
     wn = tl.arange(0, WN)[:, None, None]
     g = tl.arange(0, 8)[None, :, None]
     q = tl.arange(0, 4)[None, None, :]
     n = 2 * q + IDX % 2
-    col = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g + 8 * (IDX // 2)
+    col = (tl.program_id(1) * (_ROWS * RG * WN) + _ROWS * RG * wn + _ROWS * R + g
+           + 8 * (IDX // 2))
     return start + tl.minimum(n, count - 1), col, (n < count) & (col < OUT)
 
 
@@ -163,79 +169,89 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rw_ptr, order_ptr, t_start_ptr, t_end_ptr,
     exp_ptr, K, INTER, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
-    NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr):
+    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, RG: tl.constexpr,
+    SLOTS: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr,
+    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
-    block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
-    K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
+    block of 16 RG WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs
+    virtual K split wk (accumulators acc_a, acc_ar: (g, g2, u, u2) of its row groups) and, at
+    WK 2, split wk + 2 too (acc_b, acc_br)."""
     pdl_enter(PDL)
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     count = end - start
     if count > 0:
-        wk, g, q, lo, hi = _rows(INTER, WK, WN)
+        wk, g, q, rows = _rows(INTER, WK, WN, RG)
         x_u32 = x_ptr.to(tl.pointer_type(tl.uint32))
         x_row = x_u32 + _slot(order_ptr, _col_rows(start, count, g), SLOTS) // TOPK * (
             stride_x // 2)
         x_row2 = x_u32 + _slot(order_ptr, _col_rows(start, count, g + 8), SLOTS) // TOPK * (
             stride_x // 2)
-        ga, ga2, ua, ua2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
-        gb, gb2, ub, ub2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
+        z = _zeros(WK, WN)
+        acc_a = (z, z, z, z)
+        acc_ar, acc_b, acc_br = acc_a, acc_a, acc_a
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
-            ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
-                                            s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
-                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
+            acc_a, acc_ar = gate_up_step(acc_a, acc_ar, x_row, x_row2, w1_ptr, w3_ptr, s1_ptr,
+                                         s3_ptr, e, rows, s, wk, q, K, stride_we, stride_wn,
+                                         stride_se, stride_sn, NT, RG, ASM, L2PF, FP8)
             if WK == 2:
-                gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
-                                                s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
-                                                stride_we, stride_wn, stride_se, stride_sn, NT,
-                                                ASM, L2PF, FP8)
-        for j in tl.static_range(NT):          # column set j: tile rows 8j ..
-            for i in tl.static_range(4):
-                p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
-                gate = _ksum((ga, ga2)[j][i], (gb, gb2)[j][i], wk, WK, ASM)
-                up = _ksum((ua, ua2)[j][i], (ub, ub2)[j][i], wk, WK, ASM)
-                rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
-                h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
-                hcol = col if FP8 else _paired(col)
-                tl.store(h_ptr + p.to(tl.int64) * stride_h + hcol, h.to(h_ptr.dtype.element_ty),
-                         mask=mask)
+                acc_b, acc_br = gate_up_step(acc_b, acc_br, x_row, x_row2, w1_ptr, w3_ptr,
+                                             s1_ptr, s3_ptr, e, rows, s, wk + 2, q, K, stride_we,
+                                             stride_wn, stride_se, stride_sn, NT, RG, ASM, L2PF,
+                                             FP8)
+        for r in tl.static_range(RG):              # row group r: the warp's rows 16r ..
+            acc, acc2 = (acc_a, acc_ar)[r], (acc_b, acc_br)[r]
+            for j in tl.static_range(NT):          # column set j: tile rows 8j ..
+                for i in tl.static_range(4):
+                    p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN, RG, r)
+                    gate = _ksum(acc[j][i], acc2[j][i], wk, WK, ASM)
+                    up = _ksum(acc[2 + j][i], acc2[2 + j][i], wk, WK, ASM)
+                    rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
+                    h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
+                    hcol = col if FP8 else _paired(col)
+                    tl.store(h_ptr + p.to(tl.int64) * stride_h + hcol,
+                             h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _down_frag_kernel(  # type: ignore[no-untyped-def]
     h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, exp_ptr, K, D,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
-    NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr):
-    """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
-    added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
+    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, RG: tl.constexpr,
+    SLOTS: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr,
+    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    """y = h[row] w2^T for program (tile, block of 16 RG WN rows of d): stored at the row's slot,
+    or added into its token's (ATOMIC). Virtual K splits and row groups as in the gate/up
+    kernel (accumulators (a, a2))."""
     pdl_enter(PDL)
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     count = end - start
     if count > 0:
-        wk, g, q, lo, hi = _rows(D, WK, WN)
+        wk, g, q, rows = _rows(D, WK, WN, RG)
         h_u32 = h_ptr.to(tl.pointer_type(tl.uint32))
         h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
         h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
-        a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
+        z = _zeros(WK, WN)
+        acc_a = (z, z)
+        acc_ar, acc_b, acc_br = acc_a, acc_a, acc_a
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
-            a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
-                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
+            acc_a, acc_ar = down_step(acc_a, acc_ar, h_row, h_row2, w_ptr, s_ptr, e, rows, s, wk,
+                                      q, K, stride_we, stride_wn, stride_se, stride_sn, NT, RG,
+                                      ASM, L2PF, FP8)
             if WK == 2:
-                b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
-                                  K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
-                                  FP8)
-        for j in tl.static_range(NT):
-            for i in tl.static_range(4):
-                p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
-                y = _ksum((a, a2)[j][i], (b, b2)[j][i], wk, WK, ASM)
-                slot = _slot(order_ptr, p, SLOTS)
-                if ATOMIC:
-                    tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
-                else:
-                    tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
+                acc_b, acc_br = down_step(acc_b, acc_br, h_row, h_row2, w_ptr, s_ptr, e, rows, s,
+                                          wk + 2, q, K, stride_we, stride_wn, stride_se,
+                                          stride_sn, NT, RG, ASM, L2PF, FP8)
+        for r in tl.static_range(RG):
+            acc, acc2 = (acc_a, acc_ar)[r], (acc_b, acc_br)[r]
+            for j in tl.static_range(NT):
+                for i in tl.static_range(4):
+                    p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN, RG, r)
+                    y = _ksum(acc[j][i], acc2[j][i], wk, WK, ASM)
+                    slot = _slot(order_ptr, p, SLOTS)
+                    if ATOMIC:
+                        tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
+                    else:
+                        tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
 
 
 def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
@@ -261,18 +277,20 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
     dest = down_output(nk, topk, d, deterministic, x.device)
-    wk, wn = frag_warps(plan.gate_up.block_n, plan.gate_up.num_warps)
+    wk, wn, rg = frag_warps(plan.gate_up.block_n, plan.gate_up.num_warps,
+                            plan.gate_up.row_groups)
     _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
+        TOPK=topk, WK=wk, WN=wn, RG=rg, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
         FP8=fp8, num_warps=wk * wn, **pdl_args(x.device),
     )
-    wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
+    wk, wn, rg = frag_warps(plan.down.block_n, plan.down.num_warps, plan.down.row_groups)
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
+        TOPK=topk, WK=wk, WN=wn, RG=rg, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic,
+        L2PF=l2pf,
         FP8=fp8, num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

@@ -301,23 +301,18 @@ def lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
-                  s1_ptr, s3_ptr, e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se,
-                  stride_sn, NT: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr,
-                  FP8: tl.constexpr):
-    """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15);
-    FP8: e4m3 codes (`matrix_step_fp8`), else FP4."""
-    k, ok = lane_k(s, v, q, K)
+def _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, k,  # type: ignore[no-untyped-def]
+                  ok, b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
+                  ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr):
+    """acc = (g, g2, u, u2) + one K step of both matrices' rows lo / hi against the B registers
+    b (b2: columns 8..15)."""
+    g, g2, u, u2 = acc
     if FP8:
-        bf = b_regs(x_row, k, False, ASM, L2PF, True)
-        bf2 = b_regs(x_row2, k, False, ASM, L2PF, True) if NT == 2 else bf
-        g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
+        g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
-        u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
+        u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
     else:
-        b = b_regs(x_row, k, False, ASM, L2PF, False)
-        b2 = b_regs(x_row2, k, False, ASM, L2PF, False) if NT == 2 else b
         g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
                             stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
         u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
@@ -326,20 +321,59 @@ def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no
 
 
 @triton.jit
-def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
-               s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-               ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr):
-    """(a, a2) + K step s of virtual split v (a2: columns 8..15); FP8: e4m3 codes, h in plain
-    order (the FP4 loop's gate/up stores it paired: `b_regs`)."""
+def gate_up_step(acc, acc_r, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
+                  s1_ptr, s3_ptr, e, rows, s, v, q, K, stride_we, stride_wn, stride_se,
+                  stride_sn, NT: tl.constexpr, RG: tl.constexpr, ASM: tl.constexpr,
+                  L2PF: tl.constexpr, FP8: tl.constexpr):
+    """K step s of virtual split v of both matrices: acc = (g, g2, u, u2) of the lane's first
+    row group (rows[0] / rows[1]; g2 / u2: columns 8..15) and, at RG 2, acc_r of its second
+    (rows[2] / rows[3]; else returned as given). Both groups' MMAs take the same B registers,
+    loaded once per step. FP8: e4m3 codes (`matrix_step_fp8`), else FP4."""
     k, ok = lane_k(s, v, q, K)
+    b = b_regs(x_row, k, False, ASM, L2PF, FP8)
+    b2 = b_regs(x_row2, k, False, ASM, L2PF, FP8) if NT == 2 else b
+    acc = _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, rows[0], rows[1], k, ok, b, b2,
+                        stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
+    if RG == 2:
+        acc_r = _gate_up_rows(acc_r, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, rows[2], rows[3], k, ok,
+                              b, b2, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
+                              FP8)
+    return acc, acc_r
+
+
+@triton.jit
+def _down_rows(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2,  # type: ignore[no-untyped-def]
+               stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr, ASM: tl.constexpr,
+               L2PF: tl.constexpr, FP8: tl.constexpr):
+    """acc = (a, a2) + one K step of rows lo / hi against the B registers b (b2: columns
+    8..15)."""
+    a, a2 = acc
     if FP8:
-        bf = b_regs(h_row, k, False, ASM, L2PF, True)
-        bf2 = b_regs(h_row2, k, False, ASM, L2PF, True) if NT == 2 else bf
-        a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
+        a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
     else:
-        b = b_regs(h_row, k, True, ASM, L2PF, False)
-        b2 = b_regs(h_row2, k, True, ASM, L2PF, False) if NT == 2 else b
         a, a2 = matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
                             stride_se, stride_sn, NT, ASM, L2PF)
     return a, a2
+
+
+@triton.jit
+def down_step(acc, acc_r, h_row, h_row2, w_ptr, s_ptr, e, rows,  # type: ignore[no-untyped-def]
+               s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
+               RG: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr):
+    """K step s of virtual split v: acc = (a, a2) of the first row group (a2: columns 8..15),
+    acc_r of the second (RG 2), as `gate_up_step`. FP8: e4m3 codes, h in plain order (the FP4
+    loop's gate/up stores it paired: `b_regs`)."""
+    k, ok = lane_k(s, v, q, K)
+    if FP8:
+        b = b_regs(h_row, k, False, ASM, L2PF, True)
+        b2 = b_regs(h_row2, k, False, ASM, L2PF, True) if NT == 2 else b
+    else:
+        b = b_regs(h_row, k, True, ASM, L2PF, False)
+        b2 = b_regs(h_row2, k, True, ASM, L2PF, False) if NT == 2 else b
+    acc = _down_rows(acc, w_ptr, s_ptr, e, rows[0], rows[1], k, ok, b, b2, stride_we, stride_wn,
+                     stride_se, stride_sn, NT, ASM, L2PF, FP8)
+    if RG == 2:
+        acc_r = _down_rows(acc_r, w_ptr, s_ptr, e, rows[2], rows[3], k, ok, b, b2, stride_we,
+                           stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
+    return acc, acc_r
