@@ -24,7 +24,10 @@ partial sums for tile rows 2q / 2q + 1, c2 / c3 row g + 8's.
 A program is one (token, k) slot (BLOCK_M 1: no tile map; every column is the slot's row and the
 7 copies are never stored) or one tile of the tile map (BLOCK_M 8 / 16: up to 8 / 16 sorted rows
 of one expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps:
-WN row blocks of 16 (BLOCK_N = 16 WN) and WK = 2 or 4 warps over the K steps. The steps are dealt to
+WN row blocks of 16 RG (BLOCK_N = 16 RG WN) and WK = 2 or 4 warps over the K steps. With RG 2 a
+warp holds two groups of 16 rows (lane rows g, g + 8 and g + 16, g + 24) whose MMAs take the same
+B registers: the activations are loaded once per K step for twice the weights (the down
+launch's tiles of 16 load 4 bytes of activations per byte of FP4 weight at RG 1, 2 at RG 2). The steps are dealt to
 FRAG_SPLITS = 4 virtual splits (split v takes steps v, v + 4, ...: neighbouring warps read
 neighbouring bytes), each with its own accumulators: warp wk runs split wk and, at WK 2, split
 wk + 2 too (two independent MMA chains). The splits are summed in the fixed order (s0 + s2) +
