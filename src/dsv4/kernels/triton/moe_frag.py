@@ -21,21 +21,20 @@ g) from the same k: the activations x[k0 + 32q ..] of tile row g as bf16 words, 
 pairs (k, k + 4) (h: written in that order by the gate/up epilogue). D's c0 / c1 are then rows g's
 partial sums for tile rows 2q / 2q + 1, c2 / c3 row g + 8's.
 
-A program is one (token, k) slot (BLOCK_M 1: no tile map; every column is the slot's row and the
-7 copies are never stored) or one tile of the tile map (BLOCK_M 8 / 16: up to 8 / 16 sorted rows
-of one expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps:
-WN row blocks of 16 RG (BLOCK_N = 16 RG WN) and WK = 2 or 4 warps over the K steps. With RG 2 a
-warp holds two groups of 16 rows (lane rows g, g + 8 and g + 16, g + 24) whose MMAs take the same
-B registers: the activations are loaded once per K step for twice the weights (the down
-launch's tiles of 16 load 4 bytes of activations per byte of FP4 weight at RG 1, 2 at RG 2). The steps are dealt to
+A program is one (token, k) slot (BLOCK_M 1: no tile map; every column is the slot's row and the 7
+copies are never stored) or one tile of the tile map (BLOCK_M 8 / 16: up to 8 / 16 sorted rows of
+one expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps: WN row
+blocks of 16 RG (BLOCK_N = 16 RG WN) and WK = 2 or 4 warps over the K steps. With RG 2 a warp holds
+two groups of 16 rows (lane rows g, g + 8 and g + 16, g + 24) whose MMAs take the same B registers:
+the activations are loaded once per K step for twice the weights (the down launch's tiles of 16
+load 4 bytes of activations per byte of FP4 weight at RG 1, 2 at RG 2). The steps are dealt to
 FRAG_SPLITS = 4 virtual splits (split v takes steps v, v + 4, ...: neighbouring warps read
-neighbouring bytes), each with its own accumulators: warp wk runs split wk and, at WK 2, split
-wk + 2 too (two independent MMA chains). The splits are summed in the fixed order (s0 + s2) +
-(s1 + s3) before the epilogue (`_ksum`). Every tensor is [WK, WN, 8, 4] (or broadcast to it), one
-element per thread: Triton's default layout puts lane 4g + q at [., ., g, q] and the warps on the
-first two axes, which is what the inline-PTX mma assumes (no load or store anchors another layout
-before the sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the
-products).
+neighbouring bytes), each with its own accumulators: warp wk runs split wk and, at WK 2, split wk +
+2 too (two independent MMA chains). The splits are summed in the fixed order (s0 + s2) + (s1 + s3)
+before the epilogue (`_ksum`). Every tensor is [WK, WN, 8, 4] (or broadcast to it), one element per
+thread: Triton's default layout puts lane 4g + q at [., ., g, q] and the warps on the first two
+axes, which is what the inline-PTX mma assumes (no load or store anchors another layout before the
+sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the products).
 
 Bits: a row's sum runs over fixed steps, splits, lanes and MMA slots that depend only on K, never on
 WK, N, BLOCK_M or the other columns (an MMA column's sum never sees the others), so a token's output

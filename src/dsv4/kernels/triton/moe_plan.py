@@ -91,13 +91,15 @@ FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M 8 (a tile map) from nk >= this *
 FRAG_WIDE_MEAN_ROWS = 8.0    # ... and BLOCK_M 16 (two MMAs per A fragment) from this * E
 FRAG_FP8_MAX_MEAN_ROWS = FRAG_TILE_MEAN_ROWS   # FP8 (bf16 x): "frag" below this * E (BLOCK_M 1)
 FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order (any WK)
-# "frag": ((block_n, warps) of gate/up, of down) per BLOCK_M: block_n / 16 warps across the rows,
-# WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
-FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
+# "frag": ((block_n, warps, row groups) of gate/up, of down) per BLOCK_M: block_n / (16 x row
+# groups) warps across the rows, WK = 2 or 4 warps across the K splits (a row's bits depend on
+# none of them)
+FRAG_LAUNCHES = {1: ((16, 2, 1), (16, 2, 1)), 8: ((32, 4, 1), (32, 4, 1)),
+                 16: ((64, 8, 1), (32, 4, 1))}
 FRAG_DEEP_WARPS = 32         # BLOCK_M 1: gate/up at FRAG_DEEP_GATE_UP while the launch of
 DEQUANT_MIN_MEAN_ROWS = {"fp4": 160.0}  # decoded chunks from this * E rows (V4-Flash: N 6827)
 DEQUANT_CHUNK = 32           # experts per decoded chunk (V4-Flash: 3.2 GB of bf16 scratch)
-FRAG_DEEP_GATE_UP = (16, 4)  # ... FRAG_LAUNCHES[1] (WK 2) would fill < this many warps per SM
+FRAG_DEEP_GATE_UP = (16, 4, 1)  # ... FRAG_LAUNCHES[1] (WK 2) would fill < this many warps/SM
 PROGRAMS_PER_SM = 4
 DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m) only by knob
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
@@ -169,7 +171,7 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
             mean = nk / num_experts
             block_m = 16 if mean >= FRAG_WIDE_MEAN_ROWS else 8 if mean >= FRAG_TILE_MEAN_ROWS else 1
         # few slots: gate/up splits K over more warps, so the grid holds enough warps to stream
-        bn, warps = FRAG_LAUNCHES[1][0]
+        bn, warps, _ = FRAG_LAUNCHES[1][0]
         deep = block_m == 1 and nk * triton.cdiv(inter, bn) * warps < (
             FRAG_DEEP_WARPS * _num_sms(device))
         return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep,
@@ -244,9 +246,10 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     bm = block_m or 1
     gate_up, down = FRAG_LAUNCHES[bm]
     launches = []
-    for default_bn, default_warps in (FRAG_DEEP_GATE_UP if deep else gate_up, down):
-        rg = row_groups or 1
-        bn, warps = block_n or default_bn * rg, num_warps or default_warps
+    for default_bn, default_warps, default_rg in (FRAG_DEEP_GATE_UP if deep else gate_up, down):
+        rg = row_groups or default_rg
+        # a row_groups knob keeps the default's warps across the rows
+        bn, warps = block_n or default_bn * rg // default_rg, num_warps or default_warps
         frag_warps(bn, warps, rg)
         launches.append(Launch(bn, warps, row_groups=rg))
     return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, 1, launches[0], launches[1])
