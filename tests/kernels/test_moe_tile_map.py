@@ -1,8 +1,9 @@
 """Parity of `triton_tile_map` (one launch) with `tile_map_ref` (torch ops): bit-equal outputs.
 
 CPU: the interpreter on decode-sized maps: one token, a batch, every slot on one expert, experts
-with no slots, E not a power of two, more tiles than one tile chunk, block_m 16 / 64, a map of
-1024 slots (the largest, 4096, on the GPU). GPU (`-m gpu`): V4-Flash routing (E 256, k 6) at
+with no slots, E not a power of two, more tiles than one tile chunk, block_m 16 / 64; the chunked
+form (from SPLIT_MIN_SLOTS slots) up to the largest map, with a partial last chunk, one expert's
+slots across every chunk and 1,000 experts. GPU (`-m gpu`): V4-Flash routing (E 256, k 6) at
 batch 1..682, inside a CUDA graph.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_tile_map.py
@@ -22,6 +23,8 @@ import pytest  # noqa: E402
 
 from dsv4.kernels.triton.moe_tile_map import (  # noqa: E402
     MAX_FUSED_SLOTS,
+    SPLIT_CHUNK,
+    SPLIT_MIN_SLOTS,
     tile_map,
     tile_map_ref,
     triton_tile_map,
@@ -60,13 +63,23 @@ def test_parity(N: int, E: int, k: int, bm: int, spread: int | None) -> None:
     assert_same(routing(N, E, k, seed=N + E, spread=spread), E, bm)
 
 
-@pytest.mark.parametrize("slots", [
-    1024,
-    pytest.param(MAX_FUSED_SLOTS, marks=pytest.mark.gpu),   # ~12 s in the interpreter
-])
-def test_large_fused_map(slots: int) -> None:
-    """A map past 512 slots (more warps sort the keys), and the largest the kernel takes."""
+def test_large_fused_map() -> None:
+    """The largest map of the one-program form (more warps sort the keys)."""
+    slots = SPLIT_MIN_SLOTS - 8
     assert_same(routing(slots // 8, 32, 8, seed=3), 32, 16)
+
+
+@pytest.mark.parametrize("N,E,k,spread", [
+    (SPLIT_MIN_SLOTS // 8, 32, 8, None),         # whole chunks
+    (SPLIT_MIN_SLOTS // 6 + 7, 256, 6, None),    # V4-Flash routing, a partial last chunk
+    (MAX_FUSED_SLOTS // 4, 1000, 4, None),       # the largest map; E not a power of two
+    (SPLIT_MIN_SLOTS + 3, 16, 1, 1),             # every slot on one expert, across every chunk
+])
+def test_chunked_map(N: int, E: int, k: int, spread: int | None) -> None:
+    """From SPLIT_MIN_SLOTS slots: chunks of SPLIT_CHUNK sorted apart, placed by the chunks'
+    histograms: the same stable order and tiles as the reference."""
+    assert N * k >= SPLIT_MIN_SLOTS and N * k > SPLIT_CHUNK
+    assert_same(routing(N, E, k, seed=N + E, spread=spread), E, 16)
 
 
 def test_dispatch_and_validation() -> None:

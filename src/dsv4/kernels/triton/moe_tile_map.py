@@ -15,6 +15,17 @@ kernel builds the same four tensors in one program:
 
 Each expert writes its own tiles (max_e tiles[e] steps of E-wide stores), so the work is a sort of
 next_pow2(nk) keys plus O(E * max tiles per expert) in one CTA: meant for decode-sized maps.
+From SPLIT_MIN_SLOTS slots the one CTA's sort is the cost (the 4,096-key sort runs for tens of
+us), so `triton_tile_map` splits the slots into chunks of SPLIT_CHUNK over many programs, in two
+launches:
+
+    hist[c, e]  = #{slots of chunk c on expert e}                       (one program per chunk)
+    order       : chunk c sorts its own keys (e * C + slot in chunk); the slot at sorted place j
+                  of expert e goes to row start[e] + Σ_{c' < c} hist[c', e] + j - first[c, e],
+                  first[c, e] = Σ_{e' < e} hist[c, e'] (its rank among the chunk's slots of e)
+    tiles       : one more program, from count[e] = Σ_c hist[c, e], as above
+
+which is the same stable order, so the outputs are the same bits.
 `tile_map` dispatches: the kernel up to `MAX_FUSED_SLOTS` slots and `MAX_FUSED_EXPERTS` experts,
 the reference above. Both are integer-exact, so the choice never changes a value.
 No host sync; safe inside CUDA-graph capture. Test: tests/kernels/test_moe_tile_map.py.
@@ -32,6 +43,8 @@ from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 MAX_FUSED_SLOTS = 4096
 MAX_FUSED_EXPERTS = 1024
+SPLIT_MIN_SLOTS = 1024   # the chunked two-launch form from this many slots
+SPLIT_CHUNK = 256        # its slots per program
 _CHUNK = 32          # surplus tiles cleared per step
 
 TileMap = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -127,8 +140,15 @@ def _tile_map_kernel(idx_ptr, order_ptr, ts_ptr, te_ptr, tx_ptr,  # type: ignore
     # stable counting sort as one in-register sort of unique keys (expert, slot); padding last
     keys = tl.sort(tl.where(mi, e_i, E) * BLOCK_NK + offs_i)
     tl.store(order_ptr + offs_i, (keys % BLOCK_NK).to(tl.int64), mask=mi)
+    _write_tiles(tl.histogram(e_i, BLOCK_E, mask=mi), ts_ptr, te_ptr, tx_ptr, num_tiles, E, BM,
+                 BLOCK_E, CHUNK)
+
+
+@triton.jit
+def _write_tiles(count, ts_ptr, te_ptr, tx_ptr, num_tiles,  # type: ignore[no-untyped-def]
+                 E: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """The tile tensors from the slots per expert, count [BLOCK_E] (0 past E)."""
     offs_e = tl.arange(0, BLOCK_E)
-    count = tl.histogram(e_i, BLOCK_E, mask=mi)
     ends = tl.cumsum(count, 0)
     starts = ends - count
     tiles = (count + BM - 1) // BM
@@ -152,6 +172,49 @@ def _tile_map_kernel(idx_ptr, order_ptr, ts_ptr, te_ptr, tx_ptr,  # type: ignore
         tl.store(tx_ptr + t, zero + (E - 1), mask=mt)
 
 
+@triton.jit(do_not_specialize=["nk"])
+def _chunk_hist_kernel(idx_ptr, hist_ptr, nk,  # type: ignore[no-untyped-def]
+                       C: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    """hist[c, :] = the slots of chunk c (slots c C .. c C + C) per expert."""
+    pdl_enter(PDL)
+    c = tl.program_id(0)
+    offs = c * C + tl.arange(0, C)
+    m = offs < nk
+    e = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int32)
+    tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(e, BLOCK_E, mask=m))
+
+
+@triton.jit(do_not_specialize=["nk", "num_tiles"])
+def _chunk_order_kernel(idx_ptr, hist_ptr, order_ptr, ts_ptr,  # type: ignore[no-untyped-def]
+                        te_ptr, tx_ptr, nk, num_tiles, E: tl.constexpr, BM: tl.constexpr,
+                        C: tl.constexpr, NC: tl.constexpr, BLOCK_E: tl.constexpr,
+                        CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program c < the chunks: the rows of chunk c's slots in `order` (module docstring); the
+    last program: the tile tensors. NC: the chunks as a power of two."""
+    pdl_enter(PDL)
+    c = tl.program_id(0)
+    chunks = tl.cdiv(nk, C)
+    rows = tl.arange(0, NC)[:, None]
+    hist = tl.load(hist_ptr + rows * BLOCK_E + tl.arange(0, BLOCK_E)[None, :],
+                   mask=rows < chunks, other=0)
+    count = tl.sum(hist, 0)
+    if c < chunks:
+        own = tl.sum(tl.where(rows == c, hist, 0), 0)
+        prior = tl.sum(tl.where(rows < c, hist, 0), 0)
+        # row of the chunk's first slot of each expert, less its sorted place in the chunk
+        base = tl.cumsum(count, 0) - count + prior - (tl.cumsum(own, 0) - own)
+        offs = tl.arange(0, C)
+        m = c * C + offs < nk
+        e = tl.load(idx_ptr + c * C + offs, mask=m, other=0).to(tl.int32)
+        keys = tl.sort(tl.where(m, e, E) * C + offs)    # padding (expert E) last
+        ek = keys // C
+        ok = ek < E
+        row = tl.gather(base, tl.where(ok, ek, 0), 0) + offs
+        tl.store(order_ptr + row, (c * C + keys % C).to(tl.int64), mask=ok)
+    else:
+        _write_tiles(count, ts_ptr, te_ptr, tx_ptr, num_tiles, E, BM, BLOCK_E, CHUNK)
+
+
 def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> TileMap:
     """`tile_map_ref` in one launch (same outputs, bit for bit); at most `MAX_FUSED_SLOTS` slots
     and `MAX_FUSED_EXPERTS` experts. indices: [N, k] int64 in [0, num_experts) (not checked: a
@@ -166,10 +229,21 @@ def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> Ti
     n_tiles = max_tiles(nk, num_experts, block_m)
     order = torch.empty(nk, dtype=torch.int64, device=flat.device)
     ts, te, tx = (torch.empty(n_tiles, dtype=torch.int32, device=flat.device) for _ in range(3))
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    if nk >= SPLIT_MIN_SLOTS:
+        chunks = triton.cdiv(nk, SPLIT_CHUNK)
+        hist = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)
+        _chunk_hist_kernel[(chunks,)](flat, hist, nk, C=SPLIT_CHUNK, BLOCK_E=block_e, num_warps=4,
+                                      **pdl_args(flat.device))
+        _chunk_order_kernel[(chunks + 1,)](
+            flat, hist, order, ts, te, tx, nk, n_tiles, E=num_experts, BM=block_m, C=SPLIT_CHUNK,
+            NC=triton.next_power_of_2(chunks), BLOCK_E=block_e, CHUNK=_CHUNK,
+            num_warps=8 if block_e * triton.next_power_of_2(chunks) > 4096 else 4,
+            **pdl_args(flat.device))
+        return order, ts, te, tx
     block_nk = max(_CHUNK, triton.next_power_of_2(nk))
     _tile_map_kernel[(1,)](flat, order, ts, te, tx, nk, n_tiles, E=num_experts, BM=block_m,
-                           BLOCK_NK=block_nk,
-                           BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=_CHUNK,
+                           BLOCK_NK=block_nk, BLOCK_E=block_e, CHUNK=_CHUNK,
                            num_warps=min(16, max(4, block_nk // 256)), **pdl_args(flat.device))
     return order, ts, te, tx
 
