@@ -85,7 +85,8 @@
 #                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
 #                 batch-1 profile, EARLY <= 8 (step_profile.txt)
 #   frag-rg       FP4 frag tiles with two 16-row groups per warp (row_groups=2): test_moe_frag.py -m gpu, then
-#                 bench_moe_quant.py --variants frag --sweep at FRAG_TOKENS (128,512): frag_rg.txt / .json
+#                 bench_moe_quant.py --variants frag --sweep at FRAG_TOKENS (128,512), with the tile map's
+#                 tests and bench_moe_tile_map.py: frag_rg.txt / .json, tile_map.json
 #   fp8-frag      the FP8 routed experts' frag loop (the default at N*k < E / 2) against "scaled" at N = 1 / 8 /
 #                 16 / 32 with the kernels' times, the FP8 linears' FMA tile at 3 / 4 pipeline stages and
 #                 the frag path at M = 1 (bench_fp8_linear.py --stage-sweep), test_moe_frag.py -m gpu
@@ -487,12 +488,15 @@ fp8_frag() {   # FP8 experts: "frag" (the default at N*k < E/2) against "scaled"
 
 frag_rg() {   # FP4 frag tiles with two 16-row groups per warp: GPU tests, then the sweep at N 128 / 512
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
-    > /tmp/frag_rg_tests.txt 2>&1
+    tests/kernels/test_moe_tile_map.py > /tmp/frag_rg_tests.txt 2>&1
   grep -E "passed|failed|Error" /tmp/frag_rg_tests.txt | tail -12 | tee "$OUT/frag_rg.txt"
   timeout "${BENCH_TIMEOUT_S:-240}" python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
     --variants frag --tokens "${FRAG_TOKENS:-128,512}" --deterministic --kernels --sweep \
     --out "$OUT/frag_rg.json" > /tmp/frag_rg_bench.txt 2>&1
   { grep -v "^{" /tmp/frag_rg_bench.txt | tail -8; } | tee -a "$OUT/frag_rg.txt" | cut -c 1-200
+  timeout 90 python3 benchmarks/kernels/bench_moe_tile_map.py --out "$OUT/tile_map.json" \
+    > /tmp/tile_map.txt 2>&1
+  grep -v "^{" /tmp/tile_map.txt | tail -12 | tee -a "$OUT/frag_rg.txt"
 }
 
 fixed_costs() {   # the mHC finish apart, the top-k row path, the PDL kernels' GPU tests
