@@ -105,7 +105,7 @@ SWEEP: dict[str, list[Config]] = {
                  (32, None, 4, None, None, 16), (32, None, 8, None, None, 16),
                  (32, None, 2, None, None, 8, None, 2), (64, None, 4, None, None, 8, None, 2),
                  (32, None, 2, None, None, 16, None, 2), (64, None, 4, None, None, 16, None, 2),
-                 (128, None, 8, None, None, 16, None, 2)],
+                 (64, None, 8, None, None, 16, None, 2), (128, None, 8, None, None, 16, None, 2)],
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }
