@@ -1,10 +1,12 @@
-"""Benchmark: the routed experts' tile map, one launch (`triton_tile_map`) vs torch ops
-(`tile_map_ref`, ~30 launches).
+"""Benchmark: the routed experts' tile map (`triton_tile_map`: one launch, or two over chunks of
+slots) vs torch ops (`tile_map_ref`, ~30 launches).
 
 Shapes: V4-Flash routing (E 256 experts, k 6, block_m 16) at N = 1 .. 682 tokens (the
 decode batches the fused map serves). The work is a few KB of integers, so there is no useful
 byte floor: the figure of merit is the time per MoE layer, each form timed as CUDA-graph replays
-(what a decode step pays). Parity with the reference (bit-equal) is checked first.
+(what a decode step pays): the default form ("us"), and each form forced ("one us": one
+program; "chunk us": the chunked form, `chunked=True`) to place the default's threshold. Parity
+with the reference (bit-equal) is checked first.
 Prints a table, then ONE JSON line (also written to --out).
 
     PYTHONPATH=src python3 benchmarks/kernels/bench_moe_tile_map.py --out FILE.json   # CUDA
@@ -48,15 +50,27 @@ def bench_case(n: int, args: argparse.Namespace, device: torch.device) -> dict[s
     def fused(idx: torch.Tensor) -> None:
         triton_tile_map(idx, E, BLOCK_M)
 
+    def one(idx: torch.Tensor) -> None:
+        triton_tile_map(idx, E, BLOCK_M, chunked=False)
+
+    def chunked(idx: torch.Tensor) -> None:
+        triton_tile_map(idx, E, BLOCK_M, chunked=True)
+
     def ref(idx: torch.Tensor) -> None:
         tile_map_ref(idx, E, BLOCK_M)
 
+    for w, g in zip(tile_map_ref(sets[0][0], E, BLOCK_M),
+                    triton_tile_map(sets[0][0], E, BLOCK_M, chunked=True), strict=True):
+        assert torch.equal(w, g), "parity failed: chunked triton_tile_map != tile_map_ref"
     us, ref_us = time_us(fused, sets, args, cuda), time_us(ref, sets, args, cuda)
     return {"case": f"N={n}", "n": n, "slots": n * K, "us": us, "ref_us": ref_us,
+            "one_us": time_us(one, sets, args, cuda),
+            "chunked_us": time_us(chunked, sets, args, cuda),
             "speedup_vs_ref": ref_us / us, "saved_us": ref_us - us}
 
 
 TABLE = [("case", "{:<8}", "case"), ("slots", "{:>6}", "slots"), ("us", "{:>8.2f}", "us"),
+         ("one_us", "{:>8.2f}", "one us"), ("chunked_us", "{:>8.2f}", "chunk us"),
          ("ref_us", "{:>8.2f}", "ref us"), ("speedup_vs_ref", "{:>6.1f}", "x ref"),
          ("saved_us", "{:>8.2f}", "saved us")]
 

@@ -41,9 +41,10 @@ def routing(N: int, E: int, k: int, seed: int, spread: int | None = None) -> tor
     return torch.stack(rows).to(DEVICE)
 
 
-def assert_same(indices: torch.Tensor, E: int, block_m: int) -> None:
+def assert_same(indices: torch.Tensor, E: int, block_m: int,
+                chunked: bool | None = None) -> None:
     want = tile_map_ref(indices, E, block_m)
-    got = triton_tile_map(indices, E, block_m)
+    got = triton_tile_map(indices, E, block_m, chunked=chunked)
     for name, w, g in zip(("order", "tile_start", "tile_end", "tile_expert"), want, got,
                           strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape)
@@ -60,7 +61,10 @@ def assert_same(indices: torch.Tensor, E: int, block_m: int) -> None:
     (16, 64, 4, 64, None),      # block_m 64
 ])
 def test_parity(N: int, E: int, k: int, bm: int, spread: int | None) -> None:
-    assert_same(routing(N, E, k, seed=N + E, spread=spread), E, bm)
+    """Both forms (the chunked one forced below its threshold: one partial chunk)."""
+    indices = routing(N, E, k, seed=N + E, spread=spread)
+    assert_same(indices, E, bm)
+    assert_same(indices, E, bm, chunked=True)
 
 
 def test_large_fused_map() -> None:

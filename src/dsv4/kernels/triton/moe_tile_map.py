@@ -215,10 +215,12 @@ def _chunk_order_kernel(idx_ptr, hist_ptr, order_ptr, ts_ptr,  # type: ignore[no
         _write_tiles(count, ts_ptr, te_ptr, tx_ptr, num_tiles, E, BM, BLOCK_E, CHUNK)
 
 
-def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> TileMap:
-    """`tile_map_ref` in one launch (same outputs, bit for bit); at most `MAX_FUSED_SLOTS` slots
-    and `MAX_FUSED_EXPERTS` experts. indices: [N, k] int64 in [0, num_experts) (not checked: a
-    host sync); block_m a power of two."""
+def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int,
+                    chunked: bool | None = None) -> TileMap:
+    """`tile_map_ref` in one launch, or two over chunks of slots (`chunked`; None: from
+    SPLIT_MIN_SLOTS slots); the same outputs bit for bit. At most `MAX_FUSED_SLOTS` slots and
+    `MAX_FUSED_EXPERTS` experts. indices: [N, k] int64 in [0, num_experts) (not checked: a host
+    sync); block_m a power of two."""
     flat = indices.reshape(-1).contiguous()
     nk = flat.numel()
     if nk > MAX_FUSED_SLOTS or num_experts > MAX_FUSED_EXPERTS or nk == 0:
@@ -230,7 +232,7 @@ def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> Ti
     order = torch.empty(nk, dtype=torch.int64, device=flat.device)
     ts, te, tx = (torch.empty(n_tiles, dtype=torch.int32, device=flat.device) for _ in range(3))
     block_e = max(16, triton.next_power_of_2(num_experts))
-    if nk >= SPLIT_MIN_SLOTS:
+    if nk >= SPLIT_MIN_SLOTS if chunked is None else chunked:
         chunks = triton.cdiv(nk, SPLIT_CHUNK)
         hist = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)
         _chunk_hist_kernel[(chunks,)](flat, hist, nk, C=SPLIT_CHUNK, BLOCK_E=block_e, num_warps=4,
