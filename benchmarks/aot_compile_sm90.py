@@ -171,25 +171,28 @@ def moe_frag_variants() -> Iterator[Variant]:
     types = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
              "h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32",
              "rw_ptr": "*fp32", "exp_ptr": "*i64", "order_ptr": "*i64", "t_start_ptr": "*i32",
-             "t_end_ptr": "*i32", "limit": "fp32"}
+             "t_end_ptr": "*i32", "limit": "fp32", "w2_ptr": "*u8"}
     types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
                                           "stride_wn", "stride_se", "stride_sn", "stride_h",
-                                          "stride_o")}
+                                          "stride_o", "w2_bytes")}
     # the plan's launches (moe_plan.FRAG_LAUNCHES) and their neighbours
-    # (RG 2: two 16-row groups per warp sharing its B registers)
-    for wk, wn, bm, rg in ((2, 1, 1, 1), (4, 1, 1, 1), (2, 2, 1, 1), (4, 1, 8, 1), (2, 2, 8, 1),
-                           (4, 1, 16, 1), (2, 2, 16, 1), (2, 4, 16, 1), (2, 1, 8, 2),
-                           (2, 2, 16, 2)):
+    # (RG 2: two 16-row groups per warp sharing its B registers; "na": the weights' loads skip
+    # L1, "pf": gate/up prefetches the down weights into L2)
+    for wk, wn, bm, rg, na, pf in ((2, 1, 1, 1, 0, 0), (4, 1, 1, 1, 0, 0), (2, 2, 1, 1, 0, 0),
+                                   (4, 1, 8, 1, 0, 0), (2, 2, 8, 1, 0, 0), (4, 1, 16, 1, 0, 0),
+                                   (2, 2, 16, 1, 0, 0), (2, 4, 16, 1, 0, 0), (2, 1, 8, 2, 0, 0),
+                                   (2, 2, 16, 2, 0, 0), (4, 1, 1, 1, 1, 1), (2, 2, 16, 1, 1, 0)):
         # the plan's launches also with e4m3 codes (FP8, BLOCK_M 1)
-        for fp8 in (False, True) if (wk, wn, bm) in ((2, 1, 1), (4, 1, 1)) else (False,):
+        plain = (wk, wn, bm, na) in ((2, 1, 1, 0), (4, 1, 1, 0))
+        for fp8 in (False, True) if plain else (False,):
             consts = {"TOPK": 6, "WK": wk, "WN": wn, "RG": rg, "SLOTS": bm == 1,
                       "NT": max(1, bm // 8), "ASM": True, "L2PF": 128 if bm == 1 else 256,
-                      "FP8": fp8}
-            label = (f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * rg * wn} wk{wk} rg{rg} "
-                     f"{64 if fp8 else 32}B")
+                      "FP8": fp8, "WNA": bool(na)}
+            label = (f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * rg * wn} wk{wk} rg{rg}"
+                     f"{' na' if na else ''}{' pf' if pf else ''} {64 if fp8 else 32}B")
             options = {"num_warps": wk * wn}
             yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
-                   {**consts, "LIBDEVICE": True}, options)
+                   {**consts, "LIBDEVICE": True, "PF2": bool(pf)}, options)
             yield (f"moe down {label}", moe_frag._down_frag_kernel, types,
                    {**consts, "ATOMIC": False}, options)
 

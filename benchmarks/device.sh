@@ -86,7 +86,8 @@
 #                 batch-1 profile, EARLY <= 8 (step_profile.txt)
 #   frag-rg       FP4 frag tiles with two 16-row groups per warp (row_groups=2): test_moe_frag.py -m gpu, then
 #                 bench_moe_quant.py --variants frag --sweep at FRAG_TOKENS (128,512), with the tile map's
-#                 tests and bench_moe_tile_map.py: frag_rg.txt / .json, tile_map.json
+#                 tests and bench_moe_tile_map.py, then the frag loads' caching knobs in turn at
+#                 CACHING_TOKENS (1,128): frag_rg.txt / .json, tile_map.json, frag_caching_<run>.json
 #   fp8-frag      the FP8 routed experts' frag loop (the default at N*k < E / 2) against "scaled" at N = 1 / 8 /
 #                 16 / 32 with the kernels' times, the FP8 linears' FMA tile at 3 / 4 pipeline stages and
 #                 the frag path at M = 1 (bench_fp8_linear.py --stage-sweep), test_moe_frag.py -m gpu
@@ -497,6 +498,18 @@ frag_rg() {   # FP4 frag tiles with two 16-row groups per warp: GPU tests, then 
   timeout 90 python3 benchmarks/kernels/bench_moe_tile_map.py --out "$OUT/tile_map.json" \
     > /tmp/tile_map.txt 2>&1
   grep -v "^{" /tmp/tile_map.txt | tail -12 | tee -a "$OUT/frag_rg.txt"
+  local flags run=0
+  # the loads' caching knobs in turn, the plain loop first and last (the machine's drift)
+  for flags in "" "--frag-stream-weights" "--frag-prefetch-down" \
+      "--frag-stream-weights --frag-prefetch-down" ""; do
+    run=$((run + 1))
+    # shellcheck disable=SC2086  # flags is a list
+    timeout 60 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4,fp8 --variants frag \
+      --tokens "${CACHING_TOKENS:-1,128}" --deterministic --kernels $flags \
+      --out "$OUT/frag_caching_$run.json" > /tmp/frag_caching.txt 2>&1
+    { echo "== caching run $run: ${flags:-plain}"; grep -v "^{" /tmp/frag_caching.txt | tail -5; } \
+      | tee -a "$OUT/frag_rg.txt" | cut -c 1-120
+  done
 }
 
 fixed_costs() {   # the mHC finish apart, the top-k row path, the PDL kernels' GPU tests

@@ -277,6 +277,7 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
                                                num_stages=ns, prefetch=pf,
                                                act_quant=variant == "w8a8",
                                                max_regs=max_regs, row_groups=row_groups,
+                                               **frag_caching(args, variant),
                                                deterministic=args.deterministic)
         measure, limit = ((norm_error, MAX_NORM_ERR_W8A8) if variant == "w8a8"
                           else (rel_error, MAX_REL_ERR))
@@ -299,10 +300,21 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
     return timed, err, error
 
 
+def frag_caching(args: argparse.Namespace, variant: str | None) -> dict[str, bool]:
+    """The frag loop's load-caching knobs from `--frag-stream-weights` / `--frag-prefetch-down`
+    (`moe_plan.plan_moe`), for that variant only (given explicitly)."""
+    if variant != "frag":
+        return {}
+    return {k: True for k, on in (("stream_weights", args.frag_stream_weights),
+                                  ("prefetch_down", args.frag_prefetch_down)) if on}
+
+
 def kernel_us(wts: Weights, fmt: str, variant: str | None, block_m: int | None,
-              sets: list[Inputs], deterministic: bool, calls: int = 20) -> dict[str, float]:
-    """Device us per call of each kernel the plan's default config launches (torch.profiler over
-    `calls` eager calls cycling `sets`; kernel names cut to 40 characters). CUDA only."""
+              sets: list[Inputs], deterministic: bool, caching: dict[str, bool],
+              calls: int = 20) -> dict[str, float]:
+    """Device us per call of each kernel the plan's default config launches (with the frag
+    loop's `caching` knobs; torch.profiler over `calls` eager calls cycling `sets`; kernel names
+    cut to 40 characters). CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
     from dsv4.kernels.triton.moe import triton_routed_experts_quant
@@ -311,7 +323,7 @@ def kernel_us(wts: Weights, fmt: str, variant: str | None, block_m: int | None,
         x, idx, rw = sets[i % len(sets)]
         return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT, fmt,
                                            variant=variant, block_m=block_m,
-                                           act_quant=variant == "w8a8",
+                                           act_quant=variant == "w8a8", **caching,
                                            deterministic=deterministic)
 
     fn(0)
@@ -355,7 +367,8 @@ def bench_fmt(s: Shape, fmt: str, args: argparse.Namespace,
             best = min(timed, key=lambda c: timed[c]) if timed else "-"
             best_us = timed.get(best, float("nan"))
             kernels = (kernel_us(wts, fmt, variant, args.fma_block_m if variant == "fma"
-                                 else None, sets, args.deterministic)
+                                 else None, sets, args.deterministic,
+                                 frag_caching(args, variant))
                        if args.kernels and cuda and timed else {})
             rows.append({"case": f"{fmt} N={N}", "fmt": fmt, "N": N, "variant": variant or "-",
                          "kernels_us": kernels,
@@ -390,6 +403,11 @@ def main() -> None:
                         "under --cpu-smoke all but frag, whose emulated fragment MMAs are the "
                         "interpreter's slowest loop; tests/kernels/test_moe_frag.py checks it)")
     p.add_argument("--fmts", default=",".join(FMTS), help=f"comma-separated, of {FMTS}")
+    p.add_argument("--frag-stream-weights", action="store_true",
+                   help="variant frag: the weights' loads skip L1 (plan_moe's stream_weights)")
+    p.add_argument("--frag-prefetch-down", action="store_true",
+                   help="variant frag: gate/up prefetches the down weights into L2 "
+                        "(plan_moe's prefetch_down)")
     p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
     p.add_argument("--fma-block-m", type=int, default=None, choices=(1, 2, 4),
                    help="BLOCK_M of the fma loop (default: the plan's, 1)")
@@ -429,6 +447,8 @@ def main() -> None:
             print(f"{r['case']} {r['variant']} kernels us: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()))
     emit({**header, "variants": args.variants, "sweep": args.sweep,
+          "frag_stream_weights": args.frag_stream_weights,
+          "frag_prefetch_down": args.frag_prefetch_down,
           "deterministic": args.deterministic,
           "prefill_sweep": args.prefill_sweep, "results": rows}, args.out)
 

@@ -67,6 +67,11 @@ def test_frag_tiles() -> None:
     for block_m in (8, 16):
         tiles = check(x, wts, idx, rw, 10.0, "fp4", block_m=block_m, deterministic=True, **kw)
         assert torch.equal(tiles, slots)
+    # the loads' caching knobs change no value (on the GPU: test_flash_frag)
+    cached = triton_routed_experts_quant(
+        x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
+        block_m=16, deterministic=True, stream_weights=True, prefetch_down=True, **kw)
+    assert torch.equal(cached, slots)
 
 
 @pytest.mark.parametrize("block_m", [8, 16])
@@ -150,6 +155,15 @@ def test_frag_plan() -> None:
         (32, 2, 32, 2)
     with pytest.raises(ValueError, match="row_groups is a knob of variant 'frag'"):
         plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096, row_groups=2)
+    p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, stream_weights=True,
+                 prefetch_down=True)
+    assert p.stream_weights and p.prefetch_down
+    p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096)
+    assert not p.stream_weights and not p.prefetch_down
+    for knob in ("stream_weights", "prefetch_down"):
+        with pytest.raises(ValueError, match=f"{knob} is a knob of variant 'frag'"):
+            plan_moe("fp4", "words", torch.bfloat16, cpu, 6, 256, 2048,  # type: ignore[arg-type]
+                     4096, **{knob: True})
     assert plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096,
                     block_m=8).block_m == 8
     for kw in ({"block_n": 24}, {"block_n": 64, "num_warps": 2}, {"num_warps": 3},
@@ -172,9 +186,9 @@ def flash_fp4() -> tuple[torch.Tensor, ...]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 32])
 def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
-    """V4-Flash experts on the GPU (the inline-PTX MMA), every launch shape the sweep uses:
-    against the reference, the same bits on every launch, and the deterministic rows of a token
-    the same alone as in the batch."""
+    """V4-Flash experts on the GPU (the inline-PTX MMA), every launch shape the sweep uses and the
+    loads' caching knobs: against the reference, the same bits on every launch, and the
+    deterministic rows of a token the same alone as in the batch."""
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
     first = None
@@ -186,6 +200,11 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
         alone = triton_routed_experts_quant(
             x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
         assert torch.equal(alone[0], out[0])
+    for caching in ({"stream_weights": True}, {"prefetch_down": True},
+                    {"stream_weights": True, "prefetch_down": True}):
+        out = check(x, flash_fp4, idx, rw, 10.0, "fp4", variant="frag", deterministic=True,
+                    **caching)
+        assert torch.equal(out, first), caching
 
 
 @pytest.mark.gpu

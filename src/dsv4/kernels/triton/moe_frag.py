@@ -43,6 +43,12 @@ to bf16 (row: the sorted row; BLOCK_M 1: the slot). Without the inline PTX (the 
 same fragments are formed and the MMA is emulated in fp32 (`moe_frag_regs.py`, which holds one K
 step's register work): the same values up to fp32 summation order.
 
+Loads' caching (plan knobs, off by default): `stream_weights` loads the weights with
+L1::no_allocate (each weight byte is read once; L1 keeps the activations that every warp of a
+program reads again); `prefetch_down` has each gate/up program first prefetch its share of its
+expert's down-projection bytes into L2 (evict_last), so the down launch reads them from L2 while
+gate/up's own loads leave DRAM bandwidth idle (N = 1: a latency-bound grid).
+
 FP8 (`fp8`; e4m3 codes, 128 x 128 UE8M0 blocks): the same programs, lanes, steps and splits; a
 lane reads 32 codes (32 bytes) of each of its rows per K step, decoded as `fp8_frag.py` decodes
 them (`moe_frag_regs.matrix_step_fp8`), against activations repacked into the matching pairs;
@@ -167,22 +173,52 @@ def _paired(n):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _prefetch_l2(ptr):  # type: ignore[no-untyped-def]
+    """A prefetch of the 128-byte line at ptr into L2, kept there before other lines
+    (evict_last); the value returned is a dummy 0."""
+    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                                     "=r,l", [ptr], dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_down(w2_ptr, w2_bytes, e, WK: tl.constexpr,  # type: ignore[no-untyped-def]
+                   WN: tl.constexpr):
+    """This program's share of expert e's down-projection bytes (w2_bytes from w2_ptr + e
+    w2_bytes) prefetched into L2, one 128-byte line per thread per pass: the gate/up launch's
+    programs of one expert together fetch all of them, and the down launch finds them in L2."""
+    wk, wn, g, q = _lanes(WK, WN)
+    tid = ((wk * WN + wn) * 8 + g) * 4 + q
+    nb = tl.num_programs(1)
+    chunk = tl.cdiv(w2_bytes, nb * 128) * 128
+    lo = tl.program_id(1) * chunk
+    base = w2_ptr + e * w2_bytes
+    for off in range(0, chunk, 32 * WK * WN * 128):
+        o = tl.minimum(lo + off + tid * 128, w2_bytes - 128)
+        _prefetch_l2(base + o)
+
+
+@triton.jit
 def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rw_ptr, order_ptr, t_start_ptr, t_end_ptr,
     exp_ptr, K, INTER, limit,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, w2_ptr, w2_bytes,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, RG: tl.constexpr,
     SLOTS: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr,
-    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, WNA: tl.constexpr,
+    PF2: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
     block of 16 RG WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs
     virtual K split wk (accumulators acc_a, acc_ar: (g, g2, u, u2) of its row groups) and, at
-    WK 2, split wk + 2 too (acc_b, acc_br)."""
+    WK 2, split wk + 2 too (acc_b, acc_br). WNA: the weights' loads skip L1; PF2: the program
+    first prefetches its share of its expert's down-projection weights into L2
+    (`_prefetch_down`)."""
     pdl_enter(PDL)
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     count = end - start
     if count > 0:
         wk, g, q, rows = _rows(INTER, WK, WN, RG)
+        if PF2 and ASM:
+            _prefetch_down(w2_ptr, w2_bytes, e, WK, WN)
         x_u32 = x_ptr.to(tl.pointer_type(tl.uint32))
         x_row = x_u32 + _slot(order_ptr, _col_rows(start, count, g), SLOTS) // TOPK * (
             stride_x // 2)
@@ -194,12 +230,12 @@ def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
             acc_a, acc_ar = gate_up_step(acc_a, acc_ar, x_row, x_row2, w1_ptr, w3_ptr, s1_ptr,
                                          s3_ptr, e, rows, s, wk, q, K, stride_we, stride_wn,
-                                         stride_se, stride_sn, NT, RG, ASM, L2PF, FP8)
+                                         stride_se, stride_sn, NT, RG, ASM, L2PF, FP8, WNA)
             if WK == 2:
                 acc_b, acc_br = gate_up_step(acc_b, acc_br, x_row, x_row2, w1_ptr, w3_ptr,
                                              s1_ptr, s3_ptr, e, rows, s, wk + 2, q, K, stride_we,
                                              stride_wn, stride_se, stride_sn, NT, RG, ASM, L2PF,
-                                             FP8)
+                                             FP8, WNA)
         for r in tl.static_range(RG):              # row group r: the warp's rows 16r ..
             acc, acc2 = (acc_a, acc_ar)[r], (acc_b, acc_br)[r]
             for j in tl.static_range(NT):          # column set j: tile rows 8j ..
@@ -220,7 +256,7 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, RG: tl.constexpr,
     SLOTS: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr,
-    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, WNA: tl.constexpr):
     """y = h[row] w2^T for program (tile, block of 16 RG WN rows of d): stored at the row's slot,
     or added into its token's (ATOMIC). Virtual K splits and row groups as in the gate/up
     kernel (accumulators (a, a2))."""
@@ -238,11 +274,11 @@ def _down_frag_kernel(  # type: ignore[no-untyped-def]
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
             acc_a, acc_ar = down_step(acc_a, acc_ar, h_row, h_row2, w_ptr, s_ptr, e, rows, s, wk,
                                       q, K, stride_we, stride_wn, stride_se, stride_sn, NT, RG,
-                                      ASM, L2PF, FP8)
+                                      ASM, L2PF, FP8, WNA)
             if WK == 2:
                 acc_b, acc_br = down_step(acc_b, acc_br, h_row, h_row2, w_ptr, s_ptr, e, rows, s,
                                           wk + 2, q, K, stride_we, stride_wn, stride_se,
-                                          stride_sn, NT, RG, ASM, L2PF, FP8)
+                                          stride_sn, NT, RG, ASM, L2PF, FP8, WNA)
         for r in tl.static_range(RG):
             acc, acc2 = (acc_a, acc_ar)[r], (acc_b, acc_br)[r]
             for j in tl.static_range(NT):
@@ -284,8 +320,10 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        w2, w2.stride(0),
         TOPK=topk, WK=wk, WN=wn, RG=rg, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
-        FP8=fp8, num_warps=wk * wn, **pdl_args(x.device),
+        FP8=fp8, WNA=plan.stream_weights, PF2=plan.prefetch_down, num_warps=wk * wn,
+        **pdl_args(x.device),
     )
     wk, wn, rg = frag_warps(plan.down.block_n, plan.down.num_warps, plan.down.row_groups)
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
@@ -293,6 +331,6 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
         TOPK=topk, WK=wk, WN=wn, RG=rg, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic,
         L2PF=l2pf,
-        FP8=fp8, num_warps=wk * wn, **pdl_args(h.device),
+        FP8=fp8, WNA=plan.stream_weights, num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

@@ -20,13 +20,27 @@ _VK = tl.constexpr(FRAG_SPLITS)
 
 
 @triton.jit
-def ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr):  # type: ignore[no-untyped-def]
+def ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr,  # type: ignore[no-untyped-def]
+        NA: tl.constexpr = False):
     """The 4 uint32 words at ptr (16-byte aligned): one vector load per thread on the GPU, with
     the L2 prefetch-size hint L2PF (128 or 256 bytes: the aligned block around the 16 bytes is
     fetched into L2, where the neighbouring K splits' warps find it). Inline PTX, not `tl.load`:
     a `tl.load` anchors a layout, and the inline MMA needs every tensor in the default lane grid
-    (`moe_frag.py`); on the H200 `tl.load`s here gave wrong products."""
-    if ASM:
+    (`moe_frag.py`); on the H200 `tl.load`s here gave wrong products. NA: not allocated in L1
+    (for bytes read once, the weights: L1 keeps the activations, which every warp of a program
+    reads)."""
+    if ASM and NA:
+        if L2PF == 256:
+            w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
+                "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                is_pure=True, pack=1)
+        else:
+            w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                "ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {$0, $1, $2, $3}, [$4];",
+                "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                is_pure=True, pack=1)
+    elif ASM:
         if L2PF == 256:
             w0, w1, w2, w3 = tl.inline_asm_elementwise(
                 "ld.global.nc.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
@@ -190,15 +204,15 @@ def mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unty
 @triton.jit
 def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
                  b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                 ASM: tl.constexpr, L2PF: tl.constexpr):
+                 ASM: tl.constexpr, L2PF: tl.constexpr, NA: tl.constexpr = False):
     """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
     (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
     8 more with b2 (columns 8..15) on the same A fragments."""
     base = w_ptr + e * stride_we
     wl0, wl1, wl2, wl3 = ld4((base + lo * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
-                              ASM, L2PF)
+                              ASM, L2PF, NA)
     wh0, wh1, wh2, wh3 = ld4((base + hi * stride_wn + k // 2).to(tl.pointer_type(tl.uint32)),
-                              ASM, L2PF)
+                              ASM, L2PF, NA)
     sbase = s_ptr + e * stride_se + k // 32
     cl = scale_code(sbase + lo * stride_sn, ASM)
     ch = scale_code(sbase + hi * stride_sn, ASM)
@@ -264,17 +278,17 @@ def fp8_code(row_ptr, k, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
 @triton.jit
 def matrix_step_fp8(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
                     b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                    ASM: tl.constexpr, L2PF: tl.constexpr):
+                    ASM: tl.constexpr, L2PF: tl.constexpr, NA: tl.constexpr = False):
     """`matrix_step` for e4m3 codes: the lane's 32 codes at k of rows lo / hi (8 words each, two
     16-byte loads), each row's 128 x 128 block code, 8 MMAs with the B pairs b (`b_regs`' FP8
     form; NT 2: 8 more with b2)."""
     base = w_ptr + e * stride_we
     rl = (base + lo * stride_wn + k).to(tl.pointer_type(tl.uint32))
     rh = (base + hi * stride_wn + k).to(tl.pointer_type(tl.uint32))
-    l0, l1, l2, l3 = ld4(rl, ASM, L2PF)
-    l4, l5, l6, l7 = ld4(rl + 4, ASM, L2PF)
-    h0, h1, h2, h3 = ld4(rh, ASM, L2PF)
-    h4, h5, h6, h7 = ld4(rh + 4, ASM, L2PF)
+    l0, l1, l2, l3 = ld4(rl, ASM, L2PF, NA)
+    l4, l5, l6, l7 = ld4(rl + 4, ASM, L2PF, NA)
+    h0, h1, h2, h3 = ld4(rh, ASM, L2PF, NA)
+    h4, h5, h6, h7 = ld4(rh + 4, ASM, L2PF, NA)
     sbase = s_ptr + e * stride_se
     cl = fp8_code(sbase + (lo // 128) * stride_sn, k, ASM)
     ch = fp8_code(sbase + (hi // 128) * stride_sn, k, ASM)
@@ -303,20 +317,20 @@ def lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
 @triton.jit
 def _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, k,  # type: ignore[no-untyped-def]
                   ok, b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                  ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr):
+                  ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr, NA: tl.constexpr):
     """acc = (g, g2, u, u2) + one K step of both matrices' rows lo / hi against the B registers
     b (b2: columns 8..15)."""
     g, g2, u, u2 = acc
     if FP8:
         g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
         u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
     else:
         g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
         u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
     return g, g2, u, u2
 
 
@@ -324,7 +338,7 @@ def _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, k,  # type: ig
 def gate_up_step(acc, acc_r, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
                   s1_ptr, s3_ptr, e, rows, s, v, q, K, stride_we, stride_wn, stride_se,
                   stride_sn, NT: tl.constexpr, RG: tl.constexpr, ASM: tl.constexpr,
-                  L2PF: tl.constexpr, FP8: tl.constexpr):
+                  L2PF: tl.constexpr, FP8: tl.constexpr, NA: tl.constexpr):
     """K step s of virtual split v of both matrices: acc = (g, g2, u, u2) of the lane's first
     row group (rows[0] / rows[1]; g2 / u2: columns 8..15) and, at RG 2, acc_r of its second
     (rows[2] / rows[3]; else returned as given). Both groups' MMAs take the same B registers,
@@ -333,34 +347,35 @@ def gate_up_step(acc, acc_r, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-u
     b = b_regs(x_row, k, False, ASM, L2PF, FP8)
     b2 = b_regs(x_row2, k, False, ASM, L2PF, FP8) if NT == 2 else b
     acc = _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, rows[0], rows[1], k, ok, b, b2,
-                        stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
+                        stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8, NA)
     if RG == 2:
         acc_r = _gate_up_rows(acc_r, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, rows[2], rows[3], k, ok,
                               b, b2, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
-                              FP8)
+                              FP8, NA)
     return acc, acc_r
 
 
 @triton.jit
 def _down_rows(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2,  # type: ignore[no-untyped-def]
                stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr, ASM: tl.constexpr,
-               L2PF: tl.constexpr, FP8: tl.constexpr):
+               L2PF: tl.constexpr, FP8: tl.constexpr, NA: tl.constexpr):
     """acc = (a, a2) + one K step of rows lo / hi against the B registers b (b2: columns
     8..15)."""
     a, a2 = acc
     if FP8:
         a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF)
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
     else:
         a, a2 = matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                            stride_se, stride_sn, NT, ASM, L2PF)
+                            stride_se, stride_sn, NT, ASM, L2PF, NA)
     return a, a2
 
 
 @triton.jit
 def down_step(acc, acc_r, h_row, h_row2, w_ptr, s_ptr, e, rows,  # type: ignore[no-untyped-def]
                s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-               RG: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr):
+               RG: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr,
+               NA: tl.constexpr):
     """K step s of virtual split v: acc = (a, a2) of the first row group (a2: columns 8..15),
     acc_r of the second (RG 2), as `gate_up_step`. FP8: e4m3 codes, h in plain order (the FP4
     loop's gate/up stores it paired: `b_regs`)."""
@@ -372,8 +387,8 @@ def down_step(acc, acc_r, h_row, h_row2, w_ptr, s_ptr, e, rows,  # type: ignore[
         b = b_regs(h_row, k, True, ASM, L2PF, False)
         b2 = b_regs(h_row2, k, True, ASM, L2PF, False) if NT == 2 else b
     acc = _down_rows(acc, w_ptr, s_ptr, e, rows[0], rows[1], k, ok, b, b2, stride_we, stride_wn,
-                     stride_se, stride_sn, NT, ASM, L2PF, FP8)
+                     stride_se, stride_sn, NT, ASM, L2PF, FP8, NA)
     if RG == 2:
         acc_r = _down_rows(acc_r, w_ptr, s_ptr, e, rows[2], rows[3], k, ok, b, b2, stride_we,
-                           stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8)
+                           stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8, NA)
     return acc, acc_r

@@ -68,6 +68,7 @@ its rows can change between N = 1 and N = 8). FP4 "words" / "scaled" stay on mma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -130,6 +131,8 @@ class MoePlan:
     gate_up: Launch
     down: Launch
     prefetch: bool = False   # "fma": each K step issues the next step's weight loads first
+    stream_weights: bool = False   # "frag": the weights' loads are not allocated in L1
+    prefetch_down: bool = False    # "frag": gate/up prefetches the down weights into L2
 
 
 def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.device, nk: int,
@@ -138,22 +141,28 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
              num_stages: int | None = None, prefetch: bool | None = None,
              fma_rows: float = FMA_MAX_MEAN_ROWS, frag_rows: float = FRAG_MAX_MEAN_ROWS,
              act_quant: bool = False, max_regs: int | None = None,
-             row_groups: int | None = None) -> MoePlan:
+             row_groups: int | None = None, stream_weights: bool | None = None,
+             prefetch_down: bool | None = None) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
     a knob given (not None) is used as is, after validation. `frag_rows` / `fma_rows`: the mean
     rows per expert up to which FP4 defaults to "frag" (bf16 x) / "fma" (other x). `act_quant`:
     FP8 activations (the only loop: "w8a8").
     `max_regs` ("w8a8" only): a register cap per thread (two CTAs of 8 warps per SM at 128).
-    `row_groups` ("frag" only): 16-row groups per warp (1 or 2), pinning both launches."""
+    `row_groups` ("frag" only): 16-row groups per warp (1 or 2), pinning both launches.
+    `stream_weights` ("frag" only): the weights' loads skip L1 (read once; L1 keeps the
+    activations). `prefetch_down` ("frag" only): each gate/up program first prefetches its share
+    of its expert's down-projection weights into L2, for the down launch to read there."""
     if act_quant or variant == "w8a8":
         return _plan_w8a8(fmt, variant, act_quant, nk, num_experts, block_m, block_n, block_k,
                           num_warps, num_stages, prefetch, max_regs)
     if max_regs is not None:
         raise ValueError(f"max_regs is a knob of variant 'w8a8'; got variant {variant!r}")
     name = _variant(fmt, variant, x_dtype)
-    if row_groups is not None and variant != "frag":
-        raise ValueError(f"row_groups is a knob of variant 'frag' (given explicitly); got variant "
-                         f"{variant!r}")
+    for knob, value in (("row_groups", row_groups), ("stream_weights", stream_weights),
+                        ("prefetch_down", prefetch_down)):
+        if value is not None and variant != "frag":
+            raise ValueError(f"{knob} is a knob of variant 'frag' (given explicitly); got "
+                             f"variant {variant!r}")
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
     frag_knobs = block_m in (None, 1, 8, 16) and block_k is None and num_stages is None
     if (variant is None and fmt == "fp4" and x_dtype == torch.bfloat16 and frag_knobs
@@ -174,8 +183,10 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
         bn, warps, _ = FRAG_LAUNCHES[1][0]
         deep = block_m == 1 and nk * triton.cdiv(inter, bn) * warps < (
             FRAG_DEEP_WARPS * _num_sms(device))
-        return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep,
+        plan = _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep,
                           row_groups)
+        return dataclasses.replace(plan, stream_weights=bool(stream_weights),
+                                   prefetch_down=bool(prefetch_down))
     if name == "fma":
         if not fits:
             raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
