@@ -162,37 +162,32 @@ def moe_fma_variants() -> Iterator[Variant]:
 
 def moe_frag_variants() -> Iterator[Variant]:
     """The "frag" loop (`moe_frag.py`, FP4 decoded into mma.sync fragments) at WK x WN warps =
-    (2, 1), (4, 1), (2, 2), (2, 4), RG = 1 or 2 row groups per warp, and BLOCK_M 1 (slots), 8 or
-    16 (tile map), as BLOCK_M x BLOCK_N (WK 2: two virtual K splits per warp, two 32-byte steps
-    per loop iteration); the label ends with the bytes of one matrix a thread decodes per K
-    step."""
+    (2, 1), (4, 1), (2, 2), (2, 4) and BLOCK_M 1 (slots), 8 or 16 (tile map), as BLOCK_M x
+    BLOCK_N (WK 2: two virtual K splits per warp, two 32-byte steps per loop iteration); the
+    label ends with the bytes of one matrix a thread decodes per K step."""
     from dsv4.kernels.triton import moe_frag
 
     types = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8",
              "h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32",
              "rw_ptr": "*fp32", "exp_ptr": "*i64", "order_ptr": "*i64", "t_start_ptr": "*i32",
-             "t_end_ptr": "*i32", "limit": "fp32", "w2_ptr": "*u8"}
+             "t_end_ptr": "*i32", "limit": "fp32"}
     types |= {name: "i32:16" for name in ("K", "INTER", "D", "stride_x", "stride_we",
                                           "stride_wn", "stride_se", "stride_sn", "stride_h",
-                                          "stride_o", "w2_bytes")}
+                                          "stride_o")}
     # the plan's launches (moe_plan.FRAG_LAUNCHES) and their neighbours
-    # (RG 2: two 16-row groups per warp sharing its B registers; "na": the weights' loads skip
-    # L1, "pf": gate/up prefetches the down weights into L2)
-    for wk, wn, bm, rg, na, pf in ((2, 1, 1, 1, 0, 0), (4, 1, 1, 1, 0, 0), (2, 2, 1, 1, 0, 0),
-                                   (4, 1, 8, 1, 0, 0), (2, 2, 8, 1, 0, 0), (4, 1, 16, 1, 0, 0),
-                                   (2, 2, 16, 1, 0, 0), (2, 4, 16, 1, 0, 0), (2, 1, 8, 2, 0, 0),
-                                   (2, 2, 16, 2, 0, 0), (4, 1, 1, 1, 1, 1), (2, 2, 16, 1, 1, 0)):
+    # (na: the weights' loads skip L1, the plan's stream_weights knob)
+    for wk, wn, bm, na in ((2, 1, 1, False), (4, 1, 1, False), (2, 2, 1, False), (4, 1, 8, False),
+                           (2, 2, 8, False), (4, 1, 16, False), (2, 2, 16, False),
+                           (2, 4, 16, False), (4, 1, 1, True)):
         # the plan's launches also with e4m3 codes (FP8, BLOCK_M 1)
-        plain = (wk, wn, bm, na) in ((2, 1, 1, 0), (4, 1, 1, 0))
-        for fp8 in (False, True) if plain else (False,):
-            consts = {"TOPK": 6, "WK": wk, "WN": wn, "RG": rg, "SLOTS": bm == 1,
-                      "NT": max(1, bm // 8), "ASM": True, "L2PF": 128 if bm == 1 else 256,
-                      "FP8": fp8, "WNA": bool(na)}
-            label = (f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * rg * wn} wk{wk} rg{rg}"
-                     f"{' na' if na else ''}{' pf' if pf else ''} {64 if fp8 else 32}B")
+        for fp8 in (False, True) if (wk, wn, bm) in ((2, 1, 1), (4, 1, 1)) else (False,):
+            consts = {"TOPK": 6, "WK": wk, "WN": wn, "SLOTS": bm == 1, "NT": max(1, bm // 8),
+                      "ASM": True, "L2PF": 128 if bm == 1 else 256, "FP8": fp8, "WNA": na}
+            label = (f"{'fp8' if fp8 else 'fp4'} frag {bm}x{16 * wn} wk{wk}{' na' if na else ''} "
+                     f"{64 if fp8 else 32}B")
             options = {"num_warps": wk * wn}
             yield (f"moe gate_up {label}", moe_frag._gate_up_frag_kernel, types,
-                   {**consts, "LIBDEVICE": True, "PF2": bool(pf)}, options)
+                   {**consts, "LIBDEVICE": True}, options)
             yield (f"moe down {label}", moe_frag._down_frag_kernel, types,
                    {**consts, "ATOMIC": False}, options)
 

@@ -84,10 +84,10 @@
 #                 1 / 32 (4K) in turn, each format with PDL's EARLY mode off (0) and at the default (<= 8)
 #                 (step_decode.txt); the GPU tests of those changes (step_tests.txt); the checkpoint
 #                 batch-1 profile, EARLY <= 8 (step_profile.txt)
-#   frag-rg       FP4 frag tiles with two 16-row groups per warp (row_groups=2): test_moe_frag.py -m gpu, then
-#                 bench_moe_quant.py --variants frag --sweep at FRAG_TOKENS (128,512), with the tile map's
-#                 tests and bench_moe_tile_map.py, then the frag loads' caching knobs in turn at
-#                 CACHING_TOKENS (1,128): frag_rg.txt / .json, tile_map.json, frag_caching_<run>.json
+#   frag-stream   the frag loop's weights skipping L1 (plan_moe's stream_weights) against the default, in turn,
+#                 FP4 and FP8 at STREAM_TOKENS (1,2,8: its one-slot programs), after test_moe_frag.py and
+#                 test_moe_tile_map.py -m gpu and bench_moe_tile_map.py: frag_stream.txt,
+#                 frag_stream_<run>.json, tile_map.json
 #   fp8-frag      the FP8 routed experts' frag loop (the default at N*k < E / 2) against "scaled" at N = 1 / 8 /
 #                 16 / 32 with the kernels' times, the FP8 linears' FMA tile at 3 / 4 pipeline stages and
 #                 the frag path at M = 1 (bench_fp8_linear.py --stage-sweep), test_moe_frag.py -m gpu
@@ -487,28 +487,23 @@ fp8_frag() {   # FP8 experts: "frag" (the default at N*k < E/2) against "scaled"
   grep -E "passed|failed|Error" /tmp/fp8_frag_tests.txt | tail -12 | tee -a "$OUT/fp8_frag.txt"
 }
 
-frag_rg() {   # FP4 frag tiles with two 16-row groups per warp: GPU tests, then the sweep at N 128 / 512
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
-    tests/kernels/test_moe_tile_map.py > /tmp/frag_rg_tests.txt 2>&1
-  grep -E "passed|failed|Error" /tmp/frag_rg_tests.txt | tail -12 | tee "$OUT/frag_rg.txt"
-  timeout "${BENCH_TIMEOUT_S:-240}" python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4 \
-    --variants frag --tokens "${FRAG_TOKENS:-128,512}" --deterministic --kernels --sweep \
-    --out "$OUT/frag_rg.json" > /tmp/frag_rg_bench.txt 2>&1
-  { grep -v "^{" /tmp/frag_rg_bench.txt | tail -8; } | tee -a "$OUT/frag_rg.txt" | cut -c 1-200
+frag_stream() {   # the frag loop's weights skipping L1 (stream_weights) against the default, in turn
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_frag.py \
+    tests/kernels/test_moe_tile_map.py > /tmp/frag_stream_tests.txt 2>&1
+  grep -E "passed|failed|Error" /tmp/frag_stream_tests.txt | tail -12 | tee "$OUT/frag_stream.txt"
   timeout 90 python3 benchmarks/kernels/bench_moe_tile_map.py --out "$OUT/tile_map.json" \
     > /tmp/tile_map.txt 2>&1
-  grep -v "^{" /tmp/tile_map.txt | tail -12 | tee -a "$OUT/frag_rg.txt"
+  grep -v "^{" /tmp/tile_map.txt | tail -12 | tee -a "$OUT/frag_stream.txt"
   local flags run=0
-  # the loads' caching knobs in turn, the plain loop first and last (the machine's drift)
-  for flags in "" "--frag-stream-weights" "--frag-prefetch-down" \
-      "--frag-stream-weights --frag-prefetch-down" ""; do
+  # the plain loop first and last (the machine's drift)
+  for flags in "" "--frag-stream-weights" "" "--frag-stream-weights" ""; do
     run=$((run + 1))
-    # shellcheck disable=SC2086  # flags is a list
+    # shellcheck disable=SC2086  # flags is empty or one flag
     timeout 60 python3 benchmarks/kernels/bench_moe_quant.py --fmts fp4,fp8 --variants frag \
-      --tokens "${CACHING_TOKENS:-1,128}" --deterministic --kernels $flags \
-      --out "$OUT/frag_caching_$run.json" > /tmp/frag_caching.txt 2>&1
-    { echo "== caching run $run: ${flags:-plain}"; grep -v "^{" /tmp/frag_caching.txt | tail -5; } \
-      | tee -a "$OUT/frag_rg.txt" | cut -c 1-120
+      --tokens "${STREAM_TOKENS:-1,2,8}" --deterministic --kernels $flags \
+      --out "$OUT/frag_stream_$run.json" > /tmp/frag_stream.txt 2>&1
+    { echo "== run $run: ${flags:-plain}"; grep -v "^{" /tmp/frag_stream.txt | tail -7; } \
+      | tee -a "$OUT/frag_stream.txt" | cut -c 1-120
   done
 }
 
@@ -867,7 +862,7 @@ for part in "$@"; do
     fixed-costs) fixed_costs ;;
     step-ab) step_ab ;;
     fp8-frag) fp8_frag ;;
-    frag-rg) frag_rg ;;
+    frag-stream) frag_stream ;;
     pdl-auto) pdl_auto ;;
     sass) sass ;;
     crit) crit ;;
@@ -888,6 +883,6 @@ for part in "$@"; do
     multi-sync) multi_sync ;;
     *) echo "unknown part '$part'; allowed: gpu-tests kernels decode decode-hf engine prefix-cache serving http" \
          "profile transient drift train train-tiny hisparse hisparse-trace w8a8 checkpoint pdl-ab fixed-costs" \
-         "step-ab fp8-frag frag-rg pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn index-fp8 line multi multi-flash multi-sync"; exit 2 ;;
+         "step-ab fp8-frag frag-stream pdl-auto sass crit shared-join tree-ab prefill-profile prefill-cold prefill-check moe-chunks prefill-stall per-layer after-warmup long-attn index-fp8 line multi multi-flash multi-sync"; exit 2 ;;
   esac
 done

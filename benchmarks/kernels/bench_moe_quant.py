@@ -68,12 +68,10 @@ MAX_REL_ERR = 1e-2
 # test_moe_w8a8.py; FP8 wgmma measured 2.3e-3 norm-wise, 1.5e-2 max at N = 2048)
 MAX_NORM_ERR_W8A8 = 5e-3
 # block_n, block_k, warps, stages, prefetch (the fma loop's register prefetch; None elsewhere)
-# [, block_m (PREFILL_SWEEP's; else the plan's, or --fma-block-m) [, max_regs ("w8a8")
-# [, row groups per warp ("frag")]]]
+# [, block_m (PREFILL_SWEEP's; else the plan's, or --fma-block-m) [, max_regs ("w8a8")]]
 Config = (tuple[int | None, int | None, int | None, int | None, bool | None]
           | tuple[int | None, int | None, int | None, int | None, bool | None, int]
-          | tuple[int | None, int | None, int | None, int | None, bool | None, int, int]
-          | tuple[int | None, int | None, int | None, int | None, bool | None, int, None, int])
+          | tuple[int | None, int | None, int | None, int | None, bool | None, int, int])
 DEFAULT_CONFIG: Config = (None, None, None, None, None)         # the plan's (moe_plan.py)
 # per kind (fmt, or fmt/variant for FP4): the old default first, then tiles around the plan's
 SWEEP: dict[str, list[Config]] = {
@@ -95,17 +93,13 @@ SWEEP: dict[str, list[Config]] = {
                 (64, 128, 4, 1, True)],
     # the frag loop (FP4 into mma.sync fragments): block_n = 16 x warps across N, the other
     # 2 or 4 warps split K; the 6th entry block_m 8 / 16 (a tile map, up to 8 rows of an expert
-    # per MMA, one or two MMAs per A fragment); the 8th 2 row groups per warp (block_n = 32 x
-    # warps across N: both groups take the warp's B registers)
+    # per MMA, one or two MMAs per A fragment)
     "fp4/frag": [(16, None, 2, None, None), (16, None, 4, None, None), (32, None, 4, None, None),
                  (32, None, 8, None, None), (64, None, 8, None, None), (64, None, 16, None, None),
                  (16, None, 2, None, None, 8), (16, None, 4, None, None, 8),
                  (32, None, 4, None, None, 8), (32, None, 8, None, None, 8),
                  (16, None, 2, None, None, 16), (16, None, 4, None, None, 16),
-                 (32, None, 4, None, None, 16), (32, None, 8, None, None, 16),
-                 (32, None, 2, None, None, 8, None, 2), (64, None, 4, None, None, 8, None, 2),
-                 (32, None, 2, None, None, 16, None, 2), (64, None, 4, None, None, 16, None, 2),
-                 (64, None, 8, None, None, 16, None, 2), (128, None, 8, None, None, 16, None, 2)],
+                 (32, None, 4, None, None, 16), (32, None, 8, None, None, 16)],
     "fp8/fma": [(32, 128, 4, 1, True), (64, 128, 4, 1, True), (64, 128, 8, 1, True),
                 (32, 128, 2, 1, True), (128, 128, 8, 1, True), (64, 64, 4, 1, True)],
 }
@@ -225,10 +219,10 @@ def grouped_us(wts: Weights, fmt: str, sets: list[list[Inputs]],
 
 
 def config_name(cfg: Config) -> str:
-    """bn/bk/w/st/pf[/m<block_m>[/r<max_regs>][/g<row groups>]], "-" for the plan's choice (pf:
-    "pf" with the prefetch, else "-")."""
+    """bn/bk/w/st/pf[/m<block_m>[/r<max_regs>]], "-" for the plan's choice (pf: "pf" with the
+    prefetch, else "-")."""
     tiles, pf = cfg[:4], cfg[4]
-    tail = [f"{p}{v}" for p, v in zip(("m", "r", "g"), cfg[5:], strict=False) if v is not None]
+    tail = [f"{p}{v}" for p, v in zip(("m", "r"), cfg[5:], strict=False)]
     return "/".join(["-" if v is None else str(v) for v in tiles] + ["pf" if pf else "-"] + tail)
 
 
@@ -265,19 +259,17 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
         bn, bk, nw, ns, pf = cfg[:5]
         bm = cfg[5] if len(cfg) > 5 else args.fma_block_m if variant == "fma" else None
         regs = cfg[6] if len(cfg) > 6 else None
-        groups = cfg[7] if len(cfg) > 7 else None
 
         def fn(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, bn: int | None = bn,
                bk: int | None = bk, nw: int | None = nw, ns: int | None = ns,
                pf: bool | None = pf, block_m: int | None = bm,
-               max_regs: int | None = regs, row_groups: int | None = groups) -> torch.Tensor:
+               max_regs: int | None = regs) -> torch.Tensor:
             return triton_routed_experts_quant(x, wts[0], wts[1], wts[2], wts[3], idx, rw, LIMIT,
                                                fmt, variant=variant, block_m=block_m,
                                                block_n=bn, block_k=bk, num_warps=nw,
                                                num_stages=ns, prefetch=pf,
                                                act_quant=variant == "w8a8",
-                                               max_regs=max_regs, row_groups=row_groups,
-                                               **frag_caching(args, variant),
+                                               max_regs=max_regs, **frag_caching(args, variant),
                                                deterministic=args.deterministic)
         measure, limit = ((norm_error, MAX_NORM_ERR_W8A8) if variant == "w8a8"
                           else (rel_error, MAX_REL_ERR))
@@ -301,19 +293,16 @@ def time_variant(wts: Weights, fmt: str, variant: str | None, sets: list[Inputs]
 
 
 def frag_caching(args: argparse.Namespace, variant: str | None) -> dict[str, bool]:
-    """The frag loop's load-caching knobs from `--frag-stream-weights` / `--frag-prefetch-down`
-    (`moe_plan.plan_moe`), for that variant only (given explicitly)."""
-    if variant != "frag":
-        return {}
-    return {k: True for k, on in (("stream_weights", args.frag_stream_weights),
-                                  ("prefetch_down", args.frag_prefetch_down)) if on}
+    """`--frag-stream-weights` as the frag loop's knob (`moe_plan.plan_moe`: its weights' loads
+    skip L1), for that variant only (given explicitly)."""
+    return {"stream_weights": True} if variant == "frag" and args.frag_stream_weights else {}
 
 
 def kernel_us(wts: Weights, fmt: str, variant: str | None, block_m: int | None,
               sets: list[Inputs], deterministic: bool, caching: dict[str, bool],
               calls: int = 20) -> dict[str, float]:
     """Device us per call of each kernel the plan's default config launches (with the frag
-    loop's `caching` knobs; torch.profiler over `calls` eager calls cycling `sets`; kernel names
+    loop's `caching` knob; torch.profiler over `calls` eager calls cycling `sets`; kernel names
     cut to 40 characters). CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -405,9 +394,6 @@ def main() -> None:
     p.add_argument("--fmts", default=",".join(FMTS), help=f"comma-separated, of {FMTS}")
     p.add_argument("--frag-stream-weights", action="store_true",
                    help="variant frag: the weights' loads skip L1 (plan_moe's stream_weights)")
-    p.add_argument("--frag-prefetch-down", action="store_true",
-                   help="variant frag: gate/up prefetches the down weights into L2 "
-                        "(plan_moe's prefetch_down)")
     p.add_argument("--tokens", default="", help="comma-separated N (default: the shape's)")
     p.add_argument("--fma-block-m", type=int, default=None, choices=(1, 2, 4),
                    help="BLOCK_M of the fma loop (default: the plan's, 1)")
@@ -448,7 +434,6 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()))
     emit({**header, "variants": args.variants, "sweep": args.sweep,
           "frag_stream_weights": args.frag_stream_weights,
-          "frag_prefetch_down": args.frag_prefetch_down,
           "deterministic": args.deterministic,
           "prefill_sweep": args.prefill_sweep, "results": rows}, args.out)
 

@@ -67,29 +67,11 @@ def test_frag_tiles() -> None:
     for block_m in (8, 16):
         tiles = check(x, wts, idx, rw, 10.0, "fp4", block_m=block_m, deterministic=True, **kw)
         assert torch.equal(tiles, slots)
-    # the loads' caching knobs change no value (on the GPU: test_flash_frag)
-    cached = triton_routed_experts_quant(
+    # the weights' loads skipping L1 change no value (on the GPU: test_flash_frag)
+    streamed = triton_routed_experts_quant(
         x, *wts[:2], *wts[2:], idx, rw, 10.0, "fp4",  # type: ignore[arg-type]
-        block_m=16, deterministic=True, stream_weights=True, prefetch_down=True, **kw)
-    assert torch.equal(cached, slots)
-
-
-@pytest.mark.parametrize("block_m", [8, 16])
-def test_frag_row_groups(block_m: int) -> None:
-    """Two 16-row groups per warp (RG 2: both groups' MMAs take the warp's B registers, loaded
-    once) give the bits of one group per warp: E 4, k 1, 9 tokens all on expert 1, in tiles of
-    8 (a full one and one of 1 row) or one of 16 (its second column set holds 1 row); d = 64,
-    I = 96 (RG 2 x WN 2:
-    gate/up's second 64-row block has its second warp wholly past I; the down launch's K a
-    masked tail). Against the reference too."""
-    wts = make_weights(4, 64, 96, "fp4", seed=37)
-    idx, rw = make_routing(9, 4, 1, seed=37, hot=1)
-    x = randn(9, 64, seed=37).to(torch.bfloat16)
-    kw = {"variant": "frag", "block_m": block_m, "deterministic": True}
-    one = triton_routed_experts_quant(x, *wts[:2], *wts[2:], idx, rw, 10.0,  # type: ignore[arg-type]
-                                      "fp4", block_n=16, num_warps=2, **kw)
-    two = check(x, wts, idx, rw, 10.0, "fp4", block_n=64, num_warps=4, row_groups=2, **kw)
-    assert torch.equal(two, one)
+        block_m=16, deterministic=True, stream_weights=True, **kw)
+    assert torch.equal(streamed, slots)
 
 
 def test_frag_launches() -> None:
@@ -148,28 +130,17 @@ def test_frag_plan() -> None:
             p.down.num_warps) == (VARIANTS["frag"], 1, 16, 4, 16, 2)
     p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, block_n=32, num_warps=8)
     assert p.gate_up == p.down and (p.gate_up.block_n, p.gate_up.num_warps) == (32, 8)
-    assert frag_warps(32, 8) == (4, 2, 1) and frag_warps(16, 2) == (2, 1, 1)
-    assert frag_warps(64, 4, 2) == (2, 2, 2)
-    p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, row_groups=2)
-    assert (p.gate_up.block_n, p.gate_up.row_groups, p.down.block_n, p.down.num_warps) == \
-        (32, 2, 32, 2)
-    with pytest.raises(ValueError, match="row_groups is a knob of variant 'frag'"):
-        plan_moe("fp4", None, torch.bfloat16, cpu, 6, 256, 2048, 4096, row_groups=2)
-    p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096, stream_weights=True,
-                 prefetch_down=True)
-    assert p.stream_weights and p.prefetch_down
-    p = plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096)
-    assert not p.stream_weights and not p.prefetch_down
-    for knob in ("stream_weights", "prefetch_down"):
-        with pytest.raises(ValueError, match=f"{knob} is a knob of variant 'frag'"):
-            plan_moe("fp4", "words", torch.bfloat16, cpu, 6, 256, 2048,  # type: ignore[arg-type]
-                     4096, **{knob: True})
+    assert frag_warps(32, 8) == (4, 2) and frag_warps(16, 2) == (2, 1)
+    assert not p.stream_weights
+    assert plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096,
+                    stream_weights=True).stream_weights
+    with pytest.raises(ValueError, match="stream_weights is a knob of variant 'frag'"):
+        plan_moe("fp4", "words", torch.bfloat16, cpu, 6, 256, 2048, 4096, stream_weights=True)
     assert plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048, 4096,
                     block_m=8).block_m == 8
     for kw in ({"block_n": 24}, {"block_n": 64, "num_warps": 2}, {"num_warps": 3},
                {"num_warps": 1}, {"num_warps": 8}, {"block_n": 128, "num_warps": 32},
-               {"block_m": 4}, {"block_k": 256}, {"prefetch": True}, {"row_groups": 4},
-               {"row_groups": 2, "block_n": 48}):
+               {"block_m": 4}, {"block_k": 256}, {"prefetch": True}):
         with pytest.raises(ValueError, match="frag"):
             plan_moe("fp4", "frag", torch.bfloat16, cpu, 6, 256, 2048,  # type: ignore[arg-type]
                      4096, **kw)
@@ -186,8 +157,8 @@ def flash_fp4() -> tuple[torch.Tensor, ...]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 32])
 def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
-    """V4-Flash experts on the GPU (the inline-PTX MMA), every launch shape the sweep uses and the
-    loads' caching knobs: against the reference, the same bits on every launch, and the
+    """V4-Flash experts on the GPU (the inline-PTX MMA), every launch shape the sweep uses, and the
+    weights' loads skipping L1: against the reference, the same bits on every launch, and the
     deterministic rows of a token the same alone as in the batch."""
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
@@ -200,18 +171,16 @@ def test_flash_frag(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
         alone = triton_routed_experts_quant(
             x[:1], *flash_fp4, idx[:1], rw[:1], 10.0, "fp4", **kw)  # type: ignore[arg-type]
         assert torch.equal(alone[0], out[0])
-    for caching in ({"stream_weights": True}, {"prefetch_down": True},
-                    {"stream_weights": True, "prefetch_down": True}):
-        out = check(x, flash_fp4, idx, rw, 10.0, "fp4", variant="frag", deterministic=True,
-                    **caching)
-        assert torch.equal(out, first), caching
+    streamed = check(x, flash_fp4, idx, rw, 10.0, "fp4", variant="frag", deterministic=True,
+                     stream_weights=True)
+    assert torch.equal(streamed, first)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [8, 32, 128, 512])
 def test_flash_frag_tiles(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
-    """BLOCK_M 8 and 16 on the GPU, one and two row groups per warp: against the reference, and
-    the same bits as BLOCK_M 1 (the inline MMA's columns are independent)."""
+    """BLOCK_M 8 and 16 on the GPU: against the reference, and the same bits as BLOCK_M 1 (the
+    inline MMA's columns are independent)."""
     idx, rw = make_routing(N, FLASH["E"], FLASH["k"], seed=N + 1)
     x = randn(N, FLASH["d"]).to(torch.bfloat16)
     kw = {"variant": "frag", "deterministic": True}
@@ -220,9 +189,6 @@ def test_flash_frag_tiles(flash_fp4: tuple[torch.Tensor, ...], N: int) -> None:
     for block_m in (8, 16):
         assert torch.equal(check(x, flash_fp4, idx, rw, 10.0, "fp4", block_m=block_m, **kw),
                            slots)
-        two = check(x, flash_fp4, idx, rw, 10.0, "fp4", block_m=block_m, row_groups=2,
-                    block_n=64, num_warps=4, **kw)
-        assert torch.equal(two, slots), block_m
 
 
 @pytest.mark.gpu

@@ -124,9 +124,7 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
                                 wait_shared: WaitShared | None = None,
                                 act_quant: bool = False,
                                 max_regs: int | None = None,
-                                row_groups: int | None = None,
                                 stream_weights: bool | None = None,
-                                prefetch_down: bool | None = None,
                                 dequant_chunk: int | None = None) -> torch.Tensor:
     """Same contract as `routed_experts_quant`: [N, d] `out_dtype` (plus `shared`: module doc);
     `act_quant` (fmt "fp8" or "fp4"; FP4 exact where `moe_w8a8.py::check_fp4_a8_exact` holds):
@@ -138,9 +136,8 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     "dot_scaled" needs bf16 x), block sizes powers of two >= 16 (block_k <= 128, or <= 256 for
     FP4 "scaled" / "dot_scaled"; >= 32 for FP4; "fma": `plan_moe`'s `_plan_fma` limits);
     `block_n` pins both launches' BLOCK_N ("w8a8": the down launch's; gate/up's is 128);
-    `max_regs` ("w8a8") caps the registers per thread of both launches; `row_groups` ("frag")
-    gives each warp 1 or 2 groups of 16 weight rows (`moe_plan.frag_warps`); `stream_weights` /
-    `prefetch_down` ("frag") choose its loads' caching (`moe_plan.plan_moe`). `dequant_chunk`: the
+    `max_regs` ("w8a8") caps the registers per thread of both launches; `stream_weights`
+    ("frag") has its weights' loads skip L1 (`moe_plan.plan_moe`). `dequant_chunk`: the
     experts decoded to bf16 that many at a time beside the bf16 loop (`moe_dequant.py`; 0: never;
     None: `moe_plan.py::dequant_chunk`, prefill sizes on CUDA); it takes no other knob.
     """
@@ -150,7 +147,7 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     s1 = w13_scale[:, :split] if w13_scale is not None else None
     s3 = w13_scale[:, split:] if w13_scale is not None else None
     knobs = (variant, block_m, block_n, block_k, num_warps, num_stages, prefetch, max_regs,
-             row_groups, stream_weights, prefetch_down)
+             stream_weights)
     pinned = act_quant or any(k is not None for k in knobs)
     E, nk = w13.shape[0], indices.numel()
     chunk = (dequant_chunk if dequant_chunk is not None
@@ -168,8 +165,7 @@ def triton_routed_experts_quant(x: torch.Tensor, w13: torch.Tensor, w13_scale: t
     plan = plan_moe(fmt, variant, x.dtype, x.device, nk, E, inter,
                     x.shape[1], block_m=block_m, block_n=block_n, block_k=block_k,
                     num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-                    act_quant=act_quant, max_regs=max_regs, row_groups=row_groups,
-                    stream_weights=stream_weights, prefetch_down=prefetch_down)
+                    act_quant=act_quant, max_regs=max_regs, stream_weights=stream_weights)
     # w1 / w3 (and their scales) are views into w13 with identical strides, passed separately
     return _launch(x, w13[:, :inter], w13[:, inter:], s1, s3, w2, w2_scale, indices, weights, limit,
                    fmt, deterministic, plan, (shared, out_dtype, wait_shared))

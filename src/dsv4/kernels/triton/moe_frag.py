@@ -21,20 +21,18 @@ g) from the same k: the activations x[k0 + 32q ..] of tile row g as bf16 words, 
 pairs (k, k + 4) (h: written in that order by the gate/up epilogue). D's c0 / c1 are then rows g's
 partial sums for tile rows 2q / 2q + 1, c2 / c3 row g + 8's.
 
-A program is one (token, k) slot (BLOCK_M 1: no tile map; every column is the slot's row and the 7
-copies are never stored) or one tile of the tile map (BLOCK_M 8 / 16: up to 8 / 16 sorted rows of
-one expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps: WN row
-blocks of 16 RG (BLOCK_N = 16 RG WN) and WK = 2 or 4 warps over the K steps. With RG 2 a warp holds
-two groups of 16 rows (lane rows g, g + 8 and g + 16, g + 24) whose MMAs take the same B registers:
-the activations are loaded once per K step for twice the weights (the down launch's tiles of 16
-load 4 bytes of activations per byte of FP4 weight at RG 1, 2 at RG 2). The steps are dealt to
+A program is one (token, k) slot (BLOCK_M 1: no tile map; every column is the slot's row and the
+7 copies are never stored) or one tile of the tile map (BLOCK_M 8 / 16: up to 8 / 16 sorted rows
+of one expert; columns past the tile's end repeat its last row, unstored), times WK x WN warps:
+WN row blocks of 16 (BLOCK_N = 16 WN) and WK = 2 or 4 warps over the K steps. The steps are dealt to
 FRAG_SPLITS = 4 virtual splits (split v takes steps v, v + 4, ...: neighbouring warps read
-neighbouring bytes), each with its own accumulators: warp wk runs split wk and, at WK 2, split wk +
-2 too (two independent MMA chains). The splits are summed in the fixed order (s0 + s2) + (s1 + s3)
-before the epilogue (`_ksum`). Every tensor is [WK, WN, 8, 4] (or broadcast to it), one element per
-thread: Triton's default layout puts lane 4g + q at [., ., g, q] and the warps on the first two
-axes, which is what the inline-PTX mma assumes (no load or store anchors another layout before the
-sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the products).
+neighbouring bytes), each with its own accumulators: warp wk runs split wk and, at WK 2, split
+wk + 2 too (two independent MMA chains). The splits are summed in the fixed order (s0 + s2) +
+(s1 + s3) before the epilogue (`_ksum`). Every tensor is [WK, WN, 8, 4] (or broadcast to it), one
+element per thread: Triton's default layout puts lane 4g + q at [., ., g, q] and the warps on the
+first two axes, which is what the inline-PTX mma assumes (no load or store anchors another layout
+before the sum; `benchmarks/aot_compile_sm90.py` shows the layouts; the GPU parity tests check the
+products).
 
 Bits: a row's sum runs over fixed steps, splits, lanes and MMA slots that depend only on K, never on
 WK, N, BLOCK_M or the other columns (an MMA column's sum never sees the others), so a token's output
@@ -43,11 +41,8 @@ to bf16 (row: the sorted row; BLOCK_M 1: the slot). Without the inline PTX (the 
 same fragments are formed and the MMA is emulated in fp32 (`moe_frag_regs.py`, which holds one K
 step's register work): the same values up to fp32 summation order.
 
-Loads' caching (plan knobs, off by default): `stream_weights` loads the weights with
-L1::no_allocate (each weight byte is read once; L1 keeps the activations that every warp of a
-program reads again); `prefetch_down` has each gate/up program first prefetch its share of its
-expert's down-projection bytes into L2 (evict_last), so the down launch reads them from L2 while
-gate/up's own loads leave DRAM bandwidth idle (N = 1: a latency-bound grid).
+The weights' loads may skip L1 (`MoePlan.stream_weights`, a knob, off by default: WNA): each
+weight byte is read once, while L1 keeps the activations that every warp reads again.
 
 FP8 (`fp8`; e4m3 codes, 128 x 128 UE8M0 blocks): the same programs, lanes, steps and splits; a
 lane reads 32 codes (32 bytes) of each of its rows per K step, decoded as `fp8_frag.py` decodes
@@ -91,16 +86,12 @@ def _lanes(WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr,  # type: ignore[no-untyped-def]
-          RG: tl.constexpr):
-    """(wk, g, q, the lane's rows: g and g + 8 of its warp's first 16-row group, then (RG 2) of
-    its second, g + 16 and g + 24; each clamped below OUT) of this program's block (its loads need
-    no mask; the epilogue masks the stores)."""
+def _rows(OUT, WK: tl.constexpr, WN: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(wk, g, q, the lane's rows g and g + 8 clamped below OUT) of this program's block (its
+    loads need no mask; the epilogue masks the stores)."""
     wk, wn, g, q = _lanes(WK, WN)
-    row = tl.program_id(1) * (_ROWS * RG * WN) + _ROWS * RG * wn + g
-    rows = (tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1),
-            tl.minimum(row + 16, OUT - 1), tl.minimum(row + 24, OUT - 1))
-    return wk, g, q, rows
+    row = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g
+    return wk, g, q, tl.minimum(row, OUT - 1), tl.minimum(row + 8, OUT - 1)
 
 
 @triton.jit
@@ -152,16 +143,14 @@ def _ksum(a, b, wk, WK: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-unt
 
 @triton.jit
 def _output(start, count, OUT, IDX: tl.constexpr,  # type: ignore[no-untyped-def]
-            WN: tl.constexpr, RG: tl.constexpr, R: tl.constexpr):
-    """(sorted row, output column, mask) of output IDX = 0..3 of the lanes' row group R, [WN, 8,
-    4] each: c0 .. c3 = D[g, 2q], D[g, 2q + 1], D[g + 8, 2q], D[g + 8, 2q + 1] (D's column n is
-    tile row n; D's row g is weight row 16 R + g of the warp's 16 RG)."""
+            WN: tl.constexpr):
+    """(sorted row, output column, mask) of output IDX = 0..3 of the lanes, [WN, 8, 4] each: c0 ..
+    c3 = D[g, 2q], D[g, 2q + 1], D[g + 8, 2q], D[g + 8, 2q + 1] (D's column n is tile row n)."""
     wn = tl.arange(0, WN)[:, None, None]
     g = tl.arange(0, 8)[None, :, None]
     q = tl.arange(0, 4)[None, None, :]
     n = 2 * q + IDX % 2
-    col = (tl.program_id(1) * (_ROWS * RG * WN) + _ROWS * RG * wn + _ROWS * R + g
-           + 8 * (IDX // 2))
+    col = tl.program_id(1) * (_ROWS * WN) + _ROWS * wn + g + 8 * (IDX // 2)
     return start + tl.minimum(n, count - 1), col, (n < count) & (col < OUT)
 
 
@@ -173,123 +162,85 @@ def _paired(n):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _prefetch_l2(ptr):  # type: ignore[no-untyped-def]
-    """A prefetch of the 128-byte line at ptr into L2, kept there before other lines
-    (evict_last); the value returned is a dummy 0."""
-    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-                                     "=r,l", [ptr], dtype=tl.uint32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_down(w2_ptr, w2_bytes, e, WK: tl.constexpr,  # type: ignore[no-untyped-def]
-                   WN: tl.constexpr):
-    """This program's share of expert e's down-projection bytes (w2_bytes from w2_ptr + e
-    w2_bytes) prefetched into L2, one 128-byte line per thread per pass: the gate/up launch's
-    programs of one expert together fetch all of them, and the down launch finds them in L2."""
-    wk, wn, g, q = _lanes(WK, WN)
-    tid = ((wk * WN + wn) * 8 + g) * 4 + q
-    nb = tl.num_programs(1)
-    chunk = tl.cdiv(w2_bytes, nb * 128) * 128
-    lo = tl.program_id(1) * chunk
-    base = w2_ptr + e * w2_bytes
-    for off in range(0, chunk, 32 * WK * WN * 128):
-        o = tl.minimum(lo + off + tid * 128, w2_bytes - 128)
-        _prefetch_l2(base + o)
-
-
-@triton.jit
 def _gate_up_frag_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rw_ptr, order_ptr, t_start_ptr, t_end_ptr,
     exp_ptr, K, INTER, limit,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, w2_ptr, w2_bytes,
-    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, RG: tl.constexpr,
-    SLOTS: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr,
-    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, WNA: tl.constexpr,
-    PF2: tl.constexpr):
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
+    NT: tl.constexpr, ASM: tl.constexpr, LIBDEVICE: tl.constexpr, L2PF: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr, WNA: tl.constexpr):
     """h[row, block] = swiglu(x w1^T, x w3^T) * the slot's weight, bf16, for program (tile,
-    block of 16 RG WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs
-    virtual K split wk (accumulators acc_a, acc_ar: (g, g2, u, u2) of its row groups) and, at
-    WK 2, split wk + 2 too (acc_b, acc_br). WNA: the weights' loads skip L1; PF2: the program
-    first prefetches its share of its expert's down-projection weights into L2
-    (`_prefetch_down`)."""
+    block of 16 WN rows of I); h's row is the sorted row (SLOTS: the slot). Warp wk runs virtual
+    K split wk (accumulators ga .. ua2) and, at WK 2, split wk + 2 too (gb .. ub2)."""
     pdl_enter(PDL)
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     count = end - start
     if count > 0:
-        wk, g, q, rows = _rows(INTER, WK, WN, RG)
-        if PF2 and ASM:
-            _prefetch_down(w2_ptr, w2_bytes, e, WK, WN)
+        wk, g, q, lo, hi = _rows(INTER, WK, WN)
         x_u32 = x_ptr.to(tl.pointer_type(tl.uint32))
         x_row = x_u32 + _slot(order_ptr, _col_rows(start, count, g), SLOTS) // TOPK * (
             stride_x // 2)
         x_row2 = x_u32 + _slot(order_ptr, _col_rows(start, count, g + 8), SLOTS) // TOPK * (
             stride_x // 2)
-        z = _zeros(WK, WN)
-        acc_a = (z, z, z, z)
-        acc_ar, acc_b, acc_br = acc_a, acc_a, acc_a
+        ga, ga2, ua, ua2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
+        gb, gb2, ub, ub2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
-            acc_a, acc_ar = gate_up_step(acc_a, acc_ar, x_row, x_row2, w1_ptr, w3_ptr, s1_ptr,
-                                         s3_ptr, e, rows, s, wk, q, K, stride_we, stride_wn,
-                                         stride_se, stride_sn, NT, RG, ASM, L2PF, FP8, WNA)
+            ga, ga2, ua, ua2 = gate_up_step(ga, ga2, ua, ua2, x_row, x_row2, w1_ptr, w3_ptr,
+                                            s1_ptr, s3_ptr, e, lo, hi, s, wk, q, K, stride_we,
+                                            stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8,
+                                            WNA)
             if WK == 2:
-                acc_b, acc_br = gate_up_step(acc_b, acc_br, x_row, x_row2, w1_ptr, w3_ptr,
-                                             s1_ptr, s3_ptr, e, rows, s, wk + 2, q, K, stride_we,
-                                             stride_wn, stride_se, stride_sn, NT, RG, ASM, L2PF,
-                                             FP8, WNA)
-        for r in tl.static_range(RG):              # row group r: the warp's rows 16r ..
-            acc, acc2 = (acc_a, acc_ar)[r], (acc_b, acc_br)[r]
-            for j in tl.static_range(NT):          # column set j: tile rows 8j ..
-                for i in tl.static_range(4):
-                    p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN, RG, r)
-                    gate = _ksum(acc[j][i], acc2[j][i], wk, WK, ASM)
-                    up = _ksum(acc[2 + j][i], acc2[2 + j][i], wk, WK, ASM)
-                    rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
-                    h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
-                    hcol = col if FP8 else _paired(col)
-                    tl.store(h_ptr + p.to(tl.int64) * stride_h + hcol,
-                             h.to(h_ptr.dtype.element_ty), mask=mask)
+                gb, gb2, ub, ub2 = gate_up_step(gb, gb2, ub, ub2, x_row, x_row2, w1_ptr, w3_ptr,
+                                                s1_ptr, s3_ptr, e, lo, hi, s, wk + 2, q, K,
+                                                stride_we, stride_wn, stride_se, stride_sn, NT,
+                                                ASM, L2PF, FP8, WNA)
+        for j in tl.static_range(NT):          # column set j: tile rows 8j ..
+            for i in tl.static_range(4):
+                p, col, mask = _output(start + 8 * j, count - 8 * j, INTER, i, WN)
+                gate = _ksum((ga, ga2)[j][i], (gb, gb2)[j][i], wk, WK, ASM)
+                up = _ksum((ua, ua2)[j][i], (ub, ub2)[j][i], wk, WK, ASM)
+                rw = tl.load(rw_ptr + _slot(order_ptr, p, SLOTS))
+                h = swiglu_f32(gate, up, limit, tl.float32, LIBDEVICE) * rw
+                hcol = col if FP8 else _paired(col)
+                tl.store(h_ptr + p.to(tl.int64) * stride_h + hcol, h.to(h_ptr.dtype.element_ty),
+                         mask=mask)
 
 
 @triton.jit
 def _down_frag_kernel(  # type: ignore[no-untyped-def]
     h_ptr, w_ptr, s_ptr, out_ptr, order_ptr, t_start_ptr, t_end_ptr, exp_ptr, K, D,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, RG: tl.constexpr,
-    SLOTS: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr,
-    L2PF: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, WNA: tl.constexpr):
-    """y = h[row] w2^T for program (tile, block of 16 RG WN rows of d): stored at the row's slot,
-    or added into its token's (ATOMIC). Virtual K splits and row groups as in the gate/up
-    kernel (accumulators (a, a2))."""
+    TOPK: tl.constexpr, WK: tl.constexpr, WN: tl.constexpr, SLOTS: tl.constexpr,
+    NT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, L2PF: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr, WNA: tl.constexpr):
+    """y = h[row] w2^T for program (tile, block of 16 WN rows of d): stored at the row's slot, or
+    added into its token's (ATOMIC). Virtual K splits as in the gate/up kernel."""
     pdl_enter(PDL)
     start, end, e = slot_or_tile(t_start_ptr, t_end_ptr, exp_ptr, SLOTS)
     count = end - start
     if count > 0:
-        wk, g, q, rows = _rows(D, WK, WN, RG)
+        wk, g, q, lo, hi = _rows(D, WK, WN)
         h_u32 = h_ptr.to(tl.pointer_type(tl.uint32))
         h_row = h_u32 + _col_rows(start, count, g) * (stride_h // 2)
         h_row2 = h_u32 + _col_rows(start, count, g + 8) * (stride_h // 2)
-        z = _zeros(WK, WN)
-        acc_a = (z, z)
-        acc_ar, acc_b, acc_br = acc_a, acc_a, acc_a
+        a, a2, b, b2 = _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN), _zeros(WK, WN)
         for s in range(0, tl.cdiv(K, _STEP * _VK)):
-            acc_a, acc_ar = down_step(acc_a, acc_ar, h_row, h_row2, w_ptr, s_ptr, e, rows, s, wk,
-                                      q, K, stride_we, stride_wn, stride_se, stride_sn, NT, RG,
-                                      ASM, L2PF, FP8, WNA)
+            a, a2 = down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk, q, K,
+                              stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8,
+                              WNA)
             if WK == 2:
-                acc_b, acc_br = down_step(acc_b, acc_br, h_row, h_row2, w_ptr, s_ptr, e, rows, s,
-                                          wk + 2, q, K, stride_we, stride_wn, stride_se,
-                                          stride_sn, NT, RG, ASM, L2PF, FP8, WNA)
-        for r in tl.static_range(RG):
-            acc, acc2 = (acc_a, acc_ar)[r], (acc_b, acc_br)[r]
-            for j in tl.static_range(NT):
-                for i in tl.static_range(4):
-                    p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN, RG, r)
-                    y = _ksum(acc[j][i], acc2[j][i], wk, WK, ASM)
-                    slot = _slot(order_ptr, p, SLOTS)
-                    if ATOMIC:
-                        tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
-                    else:
-                        tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
+                b, b2 = down_step(b, b2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi, s, wk + 2, q,
+                                  K, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
+                                  FP8, WNA)
+        for j in tl.static_range(NT):
+            for i in tl.static_range(4):
+                p, col, mask = _output(start + 8 * j, count - 8 * j, D, i, WN)
+                y = _ksum((a, a2)[j][i], (b, b2)[j][i], wk, WK, ASM)
+                slot = _slot(order_ptr, p, SLOTS)
+                if ATOMIC:
+                    tl.atomic_add(out_ptr + (slot // TOPK) * stride_o + col, y, mask=mask)
+                else:
+                    tl.store(out_ptr + slot * stride_o + col, y, mask=mask)
 
 
 def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor,
@@ -315,22 +266,18 @@ def frag_launches(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, s1: torch
     nk, inter, d = flat.numel(), w1.shape[1], x.shape[1]
     h = torch.empty(nk, inter, dtype=torch.bfloat16, device=x.device)
     dest = down_output(nk, topk, d, deterministic, x.device)
-    wk, wn, rg = frag_warps(plan.gate_up.block_n, plan.gate_up.num_warps,
-                            plan.gate_up.row_groups)
+    wk, wn = frag_warps(plan.gate_up.block_n, plan.gate_up.num_warps)
     _gate_up_frag_kernel[(t_exp.numel(), triton.cdiv(inter, plan.gate_up.block_n))](
         x, w1, w3, s1, s3, h, rw, order, t_start, t_end, t_exp, d, inter, float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        w2, w2.stride(0),
-        TOPK=topk, WK=wk, WN=wn, RG=rg, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
-        FP8=fp8, WNA=plan.stream_weights, PF2=plan.prefetch_down, num_warps=wk * wn,
-        **pdl_args(x.device),
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, LIBDEVICE=asm, L2PF=l2pf,
+        FP8=fp8, WNA=plan.stream_weights, num_warps=wk * wn, **pdl_args(x.device),
     )
-    wk, wn, rg = frag_warps(plan.down.block_n, plan.down.num_warps, plan.down.row_groups)
+    wk, wn = frag_warps(plan.down.block_n, plan.down.num_warps)
     _down_frag_kernel[(t_exp.numel(), triton.cdiv(d, plan.down.block_n))](
         h, w2, s2, dest, order, t_start, t_end, t_exp, inter, d,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        TOPK=topk, WK=wk, WN=wn, RG=rg, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic,
-        L2PF=l2pf,
+        TOPK=topk, WK=wk, WN=wn, SLOTS=slots, NT=nt, ASM=asm, ATOMIC=not deterministic, L2PF=l2pf,
         FP8=fp8, WNA=plan.stream_weights, num_warps=wk * wn, **pdl_args(h.device),
     )
     return dest

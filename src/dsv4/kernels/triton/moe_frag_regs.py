@@ -27,8 +27,7 @@ def ld4(ptr, ASM: tl.constexpr, L2PF: tl.constexpr,  # type: ignore[no-untyped-d
     fetched into L2, where the neighbouring K splits' warps find it). Inline PTX, not `tl.load`:
     a `tl.load` anchors a layout, and the inline MMA needs every tensor in the default lane grid
     (`moe_frag.py`); on the H200 `tl.load`s here gave wrong products. NA: not allocated in L1
-    (for bytes read once, the weights: L1 keeps the activations, which every warp of a program
-    reads)."""
+    (for bytes read once, the weights: L1 keeps the activations, which every warp reads)."""
     if ASM and NA:
         if L2PF == 256:
             w0, w1, w2, w3 = tl.inline_asm_elementwise(
@@ -204,7 +203,7 @@ def mma(acc, a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):  # type: ignore[no-unty
 @triton.jit
 def matrix_step(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
                  b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                 ASM: tl.constexpr, L2PF: tl.constexpr, NA: tl.constexpr = False):
+                 ASM: tl.constexpr, L2PF: tl.constexpr, NA: tl.constexpr):
     """(acc, acc2) + one K step of one weight matrix: the lane's group at k of rows lo / hi
     (clamped in range), 8 MMAs with the B registers b (`b_regs`: columns 0..7) and, with NT 2,
     8 more with b2 (columns 8..15) on the same A fragments."""
@@ -278,7 +277,7 @@ def fp8_code(row_ptr, k, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
 @triton.jit
 def matrix_step_fp8(acc, acc2, w_ptr, s_ptr, e, lo, hi, k, ok,  # type: ignore[no-untyped-def]
                     b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                    ASM: tl.constexpr, L2PF: tl.constexpr, NA: tl.constexpr = False):
+                    ASM: tl.constexpr, L2PF: tl.constexpr, NA: tl.constexpr):
     """`matrix_step` for e4m3 codes: the lane's 32 codes at k of rows lo / hi (8 words each, two
     16-byte loads), each row's 128 x 128 block code, 8 MMAs with the B pairs b (`b_regs`' FP8
     form; NT 2: 8 more with b2)."""
@@ -315,18 +314,23 @@ def lane_k(s, v, q, K):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, k,  # type: ignore[no-untyped-def]
-                  ok, b, b2, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-                  ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr, NA: tl.constexpr):
-    """acc = (g, g2, u, u2) + one K step of both matrices' rows lo / hi against the B registers
-    b (b2: columns 8..15)."""
-    g, g2, u, u2 = acc
+def gate_up_step(g, g2, u, u2, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
+                  s1_ptr, s3_ptr, e, lo, hi, s, v, q, K, stride_we, stride_wn, stride_se,
+                  stride_sn, NT: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr,
+                  FP8: tl.constexpr, NA: tl.constexpr):
+    """(g, g2, u, u2) + K step s of virtual split v of both matrices (g2 / u2: columns 8..15);
+    FP8: e4m3 codes (`matrix_step_fp8`), else FP4; NA: the weights' loads skip L1 (`ld4`)."""
+    k, ok = lane_k(s, v, q, K)
     if FP8:
-        g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
+        bf = b_regs(x_row, k, False, ASM, L2PF, True)
+        bf2 = b_regs(x_row2, k, False, ASM, L2PF, True) if NT == 2 else bf
+        g, g2 = matrix_step_fp8(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
-        u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
+        u, u2 = matrix_step_fp8(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
                                 stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
     else:
+        b = b_regs(x_row, k, False, ASM, L2PF, False)
+        b2 = b_regs(x_row2, k, False, ASM, L2PF, False) if NT == 2 else b
         g, g2 = matrix_step(g, g2, w1_ptr, s1_ptr, e, lo, hi, k, ok, b, b2, stride_we,
                             stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
         u, u2 = matrix_step(u, u2, w3_ptr, s3_ptr, e, lo, hi, k, ok, b, b2, stride_we,
@@ -335,60 +339,20 @@ def _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, lo, hi, k,  # type: ig
 
 
 @triton.jit
-def gate_up_step(acc, acc_r, x_row, x_row2, w1_ptr, w3_ptr,  # type: ignore[no-untyped-def]
-                  s1_ptr, s3_ptr, e, rows, s, v, q, K, stride_we, stride_wn, stride_se,
-                  stride_sn, NT: tl.constexpr, RG: tl.constexpr, ASM: tl.constexpr,
-                  L2PF: tl.constexpr, FP8: tl.constexpr, NA: tl.constexpr):
-    """K step s of virtual split v of both matrices: acc = (g, g2, u, u2) of the lane's first
-    row group (rows[0] / rows[1]; g2 / u2: columns 8..15) and, at RG 2, acc_r of its second
-    (rows[2] / rows[3]; else returned as given). Both groups' MMAs take the same B registers,
-    loaded once per step. FP8: e4m3 codes (`matrix_step_fp8`), else FP4."""
-    k, ok = lane_k(s, v, q, K)
-    b = b_regs(x_row, k, False, ASM, L2PF, FP8)
-    b2 = b_regs(x_row2, k, False, ASM, L2PF, FP8) if NT == 2 else b
-    acc = _gate_up_rows(acc, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, rows[0], rows[1], k, ok, b, b2,
-                        stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8, NA)
-    if RG == 2:
-        acc_r = _gate_up_rows(acc_r, w1_ptr, w3_ptr, s1_ptr, s3_ptr, e, rows[2], rows[3], k, ok,
-                              b, b2, stride_we, stride_wn, stride_se, stride_sn, NT, ASM, L2PF,
-                              FP8, NA)
-    return acc, acc_r
-
-
-@triton.jit
-def _down_rows(acc, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2,  # type: ignore[no-untyped-def]
-               stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr, ASM: tl.constexpr,
-               L2PF: tl.constexpr, FP8: tl.constexpr, NA: tl.constexpr):
-    """acc = (a, a2) + one K step of rows lo / hi against the B registers b (b2: columns
-    8..15)."""
-    a, a2 = acc
-    if FP8:
-        a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we,
-                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
-    else:
-        a, a2 = matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
-                            stride_se, stride_sn, NT, ASM, L2PF, NA)
-    return a, a2
-
-
-@triton.jit
-def down_step(acc, acc_r, h_row, h_row2, w_ptr, s_ptr, e, rows,  # type: ignore[no-untyped-def]
+def down_step(a, a2, h_row, h_row2, w_ptr, s_ptr, e, lo, hi,  # type: ignore[no-untyped-def]
                s, v, q, K, stride_we, stride_wn, stride_se, stride_sn, NT: tl.constexpr,
-               RG: tl.constexpr, ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr,
-               NA: tl.constexpr):
-    """K step s of virtual split v: acc = (a, a2) of the first row group (a2: columns 8..15),
-    acc_r of the second (RG 2), as `gate_up_step`. FP8: e4m3 codes, h in plain order (the FP4
-    loop's gate/up stores it paired: `b_regs`)."""
+               ASM: tl.constexpr, L2PF: tl.constexpr, FP8: tl.constexpr, NA: tl.constexpr):
+    """(a, a2) + K step s of virtual split v (a2: columns 8..15); FP8: e4m3 codes, h in plain
+    order (the FP4 loop's gate/up stores it paired: `b_regs`)."""
     k, ok = lane_k(s, v, q, K)
     if FP8:
-        b = b_regs(h_row, k, False, ASM, L2PF, True)
-        b2 = b_regs(h_row2, k, False, ASM, L2PF, True) if NT == 2 else b
+        bf = b_regs(h_row, k, False, ASM, L2PF, True)
+        bf2 = b_regs(h_row2, k, False, ASM, L2PF, True) if NT == 2 else bf
+        a, a2 = matrix_step_fp8(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, bf, bf2, stride_we,
+                                stride_wn, stride_se, stride_sn, NT, ASM, L2PF, NA)
     else:
         b = b_regs(h_row, k, True, ASM, L2PF, False)
         b2 = b_regs(h_row2, k, True, ASM, L2PF, False) if NT == 2 else b
-    acc = _down_rows(acc, w_ptr, s_ptr, e, rows[0], rows[1], k, ok, b, b2, stride_we, stride_wn,
-                     stride_se, stride_sn, NT, ASM, L2PF, FP8, NA)
-    if RG == 2:
-        acc_r = _down_rows(acc_r, w_ptr, s_ptr, e, rows[2], rows[3], k, ok, b, b2, stride_we,
-                           stride_wn, stride_se, stride_sn, NT, ASM, L2PF, FP8, NA)
-    return acc, acc_r
+        a, a2 = matrix_step(a, a2, w_ptr, s_ptr, e, lo, hi, k, ok, b, b2, stride_we, stride_wn,
+                            stride_se, stride_sn, NT, ASM, L2PF, NA)
+    return a, a2

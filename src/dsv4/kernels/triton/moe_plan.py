@@ -92,15 +92,13 @@ FRAG_TILE_MEAN_ROWS = 0.5    # ... with BLOCK_M 8 (a tile map) from nk >= this *
 FRAG_WIDE_MEAN_ROWS = 8.0    # ... and BLOCK_M 16 (two MMAs per A fragment) from this * E
 FRAG_FP8_MAX_MEAN_ROWS = FRAG_TILE_MEAN_ROWS   # FP8 (bf16 x): "frag" below this * E (BLOCK_M 1)
 FRAG_SPLITS = 4              # "frag": virtual K splits, summed in a fixed order (any WK)
-# "frag": ((block_n, warps, row groups) of gate/up, of down) per BLOCK_M: block_n / (16 x row
-# groups) warps across the rows, WK = 2 or 4 warps across the K splits (a row's bits depend on
-# none of them)
-FRAG_LAUNCHES = {1: ((16, 2, 1), (16, 2, 1)), 8: ((32, 4, 1), (32, 4, 1)),
-                 16: ((64, 8, 1), (32, 4, 1))}
+# "frag": ((block_n, warps) of gate/up, of down) per BLOCK_M: block_n / 16 warps across the rows,
+# WK = 2 or 4 warps across the K splits (a row's bits do not depend on them)
+FRAG_LAUNCHES = {1: ((16, 2), (16, 2)), 8: ((32, 4), (32, 4)), 16: ((64, 8), (32, 4))}
 FRAG_DEEP_WARPS = 32         # BLOCK_M 1: gate/up at FRAG_DEEP_GATE_UP while the launch of
 DEQUANT_MIN_MEAN_ROWS = {"fp4": 160.0}  # decoded chunks from this * E rows (V4-Flash: N 6827)
 DEQUANT_CHUNK = 32           # experts per decoded chunk (V4-Flash: 3.2 GB of bf16 scratch)
-FRAG_DEEP_GATE_UP = (16, 4, 1)  # ... FRAG_LAUNCHES[1] (WK 2) would fill < this many warps/SM
+FRAG_DEEP_GATE_UP = (16, 4)  # ... FRAG_LAUNCHES[1] (WK 2) would fill < this many warps per SM
 PROGRAMS_PER_SM = 4
 DEFAULT_MAX_BLOCK_M = 64     # the plan's BLOCK_M cap; larger tiles (max_block_m) only by knob
 _NUM_SMS_CPU = 132           # the H200's, for plans made without a GPU (interpreter, tests)
@@ -117,7 +115,6 @@ class Launch:
     block_n: int
     num_warps: int
     max_regs: int | None = None   # "w8a8": registers per thread the compiler may use (maxnreg)
-    row_groups: int = 1           # "frag": 16-row groups per warp, sharing its B registers
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,6 @@ class MoePlan:
     down: Launch
     prefetch: bool = False   # "fma": each K step issues the next step's weight loads first
     stream_weights: bool = False   # "frag": the weights' loads are not allocated in L1
-    prefetch_down: bool = False    # "frag": gate/up prefetches the down weights into L2
 
 
 def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.device, nk: int,
@@ -141,28 +137,24 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
              num_stages: int | None = None, prefetch: bool | None = None,
              fma_rows: float = FMA_MAX_MEAN_ROWS, frag_rows: float = FRAG_MAX_MEAN_ROWS,
              act_quant: bool = False, max_regs: int | None = None,
-             row_groups: int | None = None, stream_weights: bool | None = None,
-             prefetch_down: bool | None = None) -> MoePlan:
+             stream_weights: bool | None = None) -> MoePlan:
     """The plan for nk = N*k rows over `num_experts` experts (gate/up out width `inter`, down `d`);
     a knob given (not None) is used as is, after validation. `frag_rows` / `fma_rows`: the mean
     rows per expert up to which FP4 defaults to "frag" (bf16 x) / "fma" (other x). `act_quant`:
     FP8 activations (the only loop: "w8a8").
     `max_regs` ("w8a8" only): a register cap per thread (two CTAs of 8 warps per SM at 128).
-    `row_groups` ("frag" only): 16-row groups per warp (1 or 2), pinning both launches.
-    `stream_weights` ("frag" only): the weights' loads skip L1 (read once; L1 keeps the
-    activations). `prefetch_down` ("frag" only): each gate/up program first prefetches its share
-    of its expert's down-projection weights into L2, for the down launch to read there."""
+    `stream_weights` ("frag" only): the weights' loads skip L1 (each byte is read once; L1 keeps
+    the activations). Off by default: it was faster only for FP4 one-slot programs (BLOCK_M 1) in
+    the A/B of benchmarks/results/quant_moe_h200_202612.md, slower for FP8 and for tiles."""
     if act_quant or variant == "w8a8":
         return _plan_w8a8(fmt, variant, act_quant, nk, num_experts, block_m, block_n, block_k,
                           num_warps, num_stages, prefetch, max_regs)
     if max_regs is not None:
         raise ValueError(f"max_regs is a knob of variant 'w8a8'; got variant {variant!r}")
     name = _variant(fmt, variant, x_dtype)
-    for knob, value in (("row_groups", row_groups), ("stream_weights", stream_weights),
-                        ("prefetch_down", prefetch_down)):
-        if value is not None and variant != "frag":
-            raise ValueError(f"{knob} is a knob of variant 'frag' (given explicitly); got "
-                             f"variant {variant!r}")
+    if stream_weights is not None and variant != "frag":
+        raise ValueError(f"stream_weights is a knob of variant 'frag' (given explicitly); got "
+                         f"variant {variant!r}")
     fits = fmt == "fp4" or (d % 16 == 0 and inter % 16 == 0)   # fma reads FP8 in 16-k chunks
     frag_knobs = block_m in (None, 1, 8, 16) and block_k is None and num_stages is None
     if (variant is None and fmt == "fp4" and x_dtype == torch.bfloat16 and frag_knobs
@@ -180,13 +172,11 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
             mean = nk / num_experts
             block_m = 16 if mean >= FRAG_WIDE_MEAN_ROWS else 8 if mean >= FRAG_TILE_MEAN_ROWS else 1
         # few slots: gate/up splits K over more warps, so the grid holds enough warps to stream
-        bn, warps, _ = FRAG_LAUNCHES[1][0]
+        bn, warps = FRAG_LAUNCHES[1][0]
         deep = block_m == 1 and nk * triton.cdiv(inter, bn) * warps < (
             FRAG_DEEP_WARPS * _num_sms(device))
-        plan = _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep,
-                          row_groups)
-        return dataclasses.replace(plan, stream_weights=bool(stream_weights),
-                                   prefetch_down=bool(prefetch_down))
+        plan = _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep)
+        return dataclasses.replace(plan, stream_weights=bool(stream_weights))
     if name == "fma":
         if not fits:
             raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
@@ -239,16 +229,14 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
 
 def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
                num_warps: int | None, num_stages: int | None, prefetch: bool | None,
-               deep: bool = False, row_groups: int | None = None) -> MoePlan:
+               deep: bool = False) -> MoePlan:
     """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map), 8 or 16 (a
-    tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x RG x WN
-    rows, num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits; RG = 1 or
-    2 row groups of 16 per warp, `row_groups`); no BLOCK_K, stages or prefetch knobs. Defaults
-    per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
+    tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x WN rows,
+    num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits); no BLOCK_K,
+    stages or prefetch knobs. Defaults per BLOCK_M: FRAG_LAUNCHES, the fastest of the H200 sweep
     (benchmarks/results/quant_moe_h200_202612.md), and gate/up at FRAG_DEEP_GATE_UP when `deep`
     (so few slots that FRAG_LAUNCHES[1] would leave the SMs short of warps); a knob pins both
-    launches. The launches never change a row's bits: the splits' order is fixed, and a row
-    group's MMAs are those of a warp holding that group alone."""
+    launches. The launches never change a row's bits: the splits' order is fixed."""
     if block_m not in (None, 1, 8, 16) or block_k not in (None, FRAG_STEP) \
             or num_stages not in (None, 1) or prefetch:
         raise ValueError(f"variant 'frag' takes block_m 1, 8 or 16, block_k {FRAG_STEP}, one "
@@ -257,28 +245,24 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
     bm = block_m or 1
     gate_up, down = FRAG_LAUNCHES[bm]
     launches = []
-    for default_bn, default_warps, default_rg in (FRAG_DEEP_GATE_UP if deep else gate_up, down):
-        rg = row_groups or default_rg
-        # a row_groups knob keeps the default's warps across the rows
-        bn, warps = block_n or default_bn * rg // default_rg, num_warps or default_warps
-        frag_warps(bn, warps, rg)
-        launches.append(Launch(bn, warps, row_groups=rg))
+    for default_bn, default_warps in (FRAG_DEEP_GATE_UP if deep else gate_up, down):
+        bn, warps = block_n or default_bn, num_warps or default_warps
+        frag_warps(bn, warps)
+        launches.append(Launch(bn, warps))
     return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, 1, launches[0], launches[1])
 
 
-def frag_warps(block_n: int, num_warps: int, row_groups: int = 1) -> tuple[int, int, int]:
-    """(WK, WN, RG) of a frag launch: RG = row_groups (1 or 2) groups of 16 rows per warp, WN =
-    block_n / (16 RG) warps across the rows (a power of two), WK = num_warps / WN = 2 or 4 (each
-    warp runs FRAG_SPLITS / WK of the virtual K splits)."""
-    rows = FRAG_ROWS * row_groups
-    wn = block_n // rows
+def frag_warps(block_n: int, num_warps: int) -> tuple[int, int]:
+    """(WK, WN) of a frag launch: WN = block_n / 16 row blocks (a power of two), WK = num_warps /
+    WN = 2 or 4 (each warp runs FRAG_SPLITS / WK of the virtual K splits)."""
+    wn = block_n // FRAG_ROWS
     wk = num_warps // wn if wn >= 1 else 0
-    if (row_groups not in (1, 2) or block_n % rows or wn < 1 or wn & (wn - 1)
-            or wk * wn != num_warps or wk not in (2, 4) or num_warps > 16):
-        raise ValueError(f"variant 'frag' needs row_groups 1 or 2, block_n = 16 x row_groups x a "
-                         f"power of two WN and num_warps = WN x 2 or WN x 4, at most 16; got "
-                         f"row_groups {row_groups}, block_n {block_n}, num_warps {num_warps}")
-    return wk, wn, row_groups
+    if (block_n % FRAG_ROWS or wn < 1 or wn & (wn - 1) or wk * wn != num_warps
+            or wk not in (2, 4) or num_warps > 16):
+        raise ValueError(f"variant 'frag' needs block_n = 16 x a power of two WN and num_warps = "
+                         f"WN x 2 or WN x 4, at most 16; got block_n {block_n}, num_warps "
+                         f"{num_warps}")
+    return wk, wn
 
 
 def _plan_w8a8(fmt: str, variant: str | None, act_quant: bool, nk: int, num_experts: int,

@@ -15,9 +15,9 @@ kernel builds the same four tensors in one program:
 
 Each expert writes its own tiles (max_e tiles[e] steps of E-wide stores), so the work is a sort of
 next_pow2(nk) keys plus O(E * max tiles per expert) in one CTA: meant for decode-sized maps.
-From SPLIT_MIN_SLOTS slots the one CTA's sort is the cost (the 4,096-key sort runs for tens of
-us), so `triton_tile_map` splits the slots into chunks of SPLIT_CHUNK over many programs, in two
-launches:
+The one CTA's sort grows with next_pow2(nk), so from SPLIT_MIN_SLOTS slots (where the two forms
+crossed in benchmarks/kernels/bench_moe_tile_map.py) `triton_tile_map` splits the slots into
+chunks of SPLIT_CHUNK over many programs, in two launches:
 
     hist[c, e]  = #{slots of chunk c on expert e}                       (one program per chunk)
     order       : chunk c sorts its own keys (e * C + slot in chunk); the slot at sorted place j
@@ -43,7 +43,7 @@ from dsv4.kernels.triton.pdl_enter import pdl_enter
 
 MAX_FUSED_SLOTS = 4096
 MAX_FUSED_EXPERTS = 1024
-SPLIT_MIN_SLOTS = 1024   # the chunked two-launch form from this many slots
+SPLIT_MIN_SLOTS = 384    # the chunked two-launch form from this many slots
 SPLIT_CHUNK = 256        # its slots per program
 _CHUNK = 32          # surplus tiles cleared per step
 
