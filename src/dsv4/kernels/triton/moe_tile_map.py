@@ -22,7 +22,8 @@ chunks of SPLIT_CHUNK over many programs, in two launches:
     hist[c, e]  = #{slots of chunk c on expert e}                       (one program per chunk)
     order       : chunk c sorts its own keys (e * C + slot in chunk); the slot at sorted place j
                   of expert e goes to row start[e] + Σ_{c' < c} hist[c', e] + j - first[c, e],
-                  first[c, e] = Σ_{e' < e} hist[c, e'] (its rank among the chunk's slots of e)
+                  first[c, e] = Σ_{e' < e} hist[c, e'] (the sorted place of the chunk's first
+                  slot of e: j - first[c, e] is the slot's rank among them)
     tiles       : one more program, from count[e] = Σ_c hist[c, e], as above
 
 which is the same stable order, so the outputs are the same bits.
