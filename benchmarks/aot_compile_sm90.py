@@ -361,15 +361,15 @@ def small_variants() -> Iterator[Variant]:
             "tx_ptr": "*i32"},
            {"E": 256, "BM": 16, "BLOCK_NK": 32, "BLOCK_E": 256, "CHUNK": 32},
            {"num_warps": 4})
-    # its chunked form (from moe_tile_map.SPLIT_MIN_SLOTS slots): V4-Flash at N = 682
+    # its chunked form (from moe_tile_map.SPLIT_MIN_SLOTS slots): V4-Flash routing
     chunk = moe_tile_map.SPLIT_CHUNK
     yield ("tile map chunk histograms (E 256)", moe_tile_map._chunk_hist_kernel,
            {"idx_ptr": "*i64", "hist_ptr": "*i32"}, {"C": chunk, "BLOCK_E": 256},
            {"num_warps": 4})
-    yield ("tile map chunk order (E 256, 16 chunks)", moe_tile_map._chunk_order_kernel,
+    yield ("tile map chunk order (E 256)", moe_tile_map._chunk_order_kernel,
            {"idx_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "ts_ptr": "*i32",
             "te_ptr": "*i32", "tx_ptr": "*i32"},
-           {"E": 256, "BM": 16, "C": chunk, "NC": 16, "BLOCK_E": 256, "CHUNK": 32},
+           {"E": 256, "BM": 16, "C": chunk, "ROWS": 16, "BLOCK_E": 256, "CHUNK": 32},
            {"num_warps": 8})
     yield ("pick slots (K 512)", pick_slots._pick_slots_kernel,
            {name: "*i64" for name in pick_slots._pick_slots_kernel.arg_names

@@ -1,10 +1,12 @@
-"""Parity of `triton_tile_map` (one launch) with `tile_map_ref` (torch ops): bit-equal outputs.
+"""Parity of `triton_tile_map` (one launch, or two over chunks) with `tile_map_ref` (torch ops):
+bit-equal outputs.
 
 CPU: the interpreter on decode-sized maps: one token, a batch, every slot on one expert, experts
 with no slots, E not a power of two, more tiles than one tile chunk, block_m 16 / 64; the chunked
-form (from SPLIT_MIN_SLOTS slots) up to the largest map, with a partial last chunk, one expert's
-slots across every chunk and 1,000 experts. GPU (`-m gpu`): V4-Flash routing (E 256, k 6) at
-batch 1..682, inside a CUDA graph.
+form (from SPLIT_MIN_SLOTS slots) with a partial last chunk, one expert's slots across every
+chunk, 1,000 experts and a prefill-sized map (5,400 slots). GPU (`-m gpu`):
+V4-Flash routing (E 256, k 6) at batch 1..682 and prefill chunks up to the largest map, inside a
+CUDA graph.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_moe_tile_map.py
 """
@@ -23,6 +25,7 @@ import pytest  # noqa: E402
 
 from dsv4.kernels.triton.moe_tile_map import (  # noqa: E402
     MAX_FUSED_SLOTS,
+    MAX_ONE_CTA_SLOTS,
     SPLIT_CHUNK,
     SPLIT_MIN_SLOTS,
     tile_map,
@@ -76,7 +79,8 @@ def test_large_fused_map() -> None:
 @pytest.mark.parametrize("N,E,k,spread", [
     (SPLIT_MIN_SLOTS // 8, 32, 8, None),         # whole chunks
     (SPLIT_MIN_SLOTS // 6 + 7, 256, 6, None),    # V4-Flash routing, a partial last chunk
-    (MAX_FUSED_SLOTS // 4, 1000, 4, None),       # the largest map; E not a power of two
+    (512, 1000, 4, None),                        # E not a power of two (BLOCK_E 1024)
+    (900, 256, 6, None),    # 5,400 slots: more chunk histograms than one summing step
     (SPLIT_MIN_SLOTS + 3, 16, 1, 1),             # every slot on one expert, across every chunk
 ])
 def test_chunked_map(N: int, E: int, k: int, spread: int | None) -> None:
@@ -94,14 +98,18 @@ def test_dispatch_and_validation() -> None:
         assert torch.equal(w, g)
     with pytest.raises(ValueError, match="slots"):
         triton_tile_map(big, 16, 16)
+    over = routing(MAX_ONE_CTA_SLOTS // 8 + 1, 16, 8, seed=2)
+    with pytest.raises(ValueError, match="one launch"):
+        triton_tile_map(over, 16, 16, chunked=False)
     with pytest.raises(ValueError, match="power of two"):
         triton_tile_map(routing(2, 8, 2, seed=0), 8, 24)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N", [1, 8, 32, 64, 128, 512, 682])
+@pytest.mark.parametrize("N", [1, 8, 32, 64, 128, 512, 682, 4096, 10922])
 def test_gpu_flash_routing_in_graph(N: int) -> None:
-    """`tile_map` on V4-Flash routing, the kernel at every N here (682 x 6 = 4092 slots)."""
+    """`tile_map` on V4-Flash routing, the kernels at every N here (decode sizes, a prefill chunk
+    of 4,096 tokens, and 10,922 x 6 = 65,532 slots, the most the chunked form takes)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     indices = routing(N, 256, 6, seed=N)

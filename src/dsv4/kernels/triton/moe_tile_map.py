@@ -27,8 +27,9 @@ chunks of SPLIT_CHUNK over many programs, in two launches:
     tiles       : one more program, from count[e] = Σ_c hist[c, e], as above
 
 which is the same stable order, so the outputs are the same bits.
-`tile_map` dispatches: the kernel up to `MAX_FUSED_SLOTS` slots and `MAX_FUSED_EXPERTS` experts,
-the reference above. Both are integer-exact, so the choice never changes a value.
+`tile_map` dispatches: the kernels up to `MAX_FUSED_SLOTS` slots (the one-CTA form up to
+`MAX_ONE_CTA_SLOTS`) and `MAX_FUSED_EXPERTS` experts, the reference above. All are
+integer-exact, so the choice never changes a value.
 No host sync; safe inside CUDA-graph capture. Test: tests/kernels/test_moe_tile_map.py.
 Benchmark: benchmarks/kernels/bench_moe_tile_map.py.
 """
@@ -42,10 +43,12 @@ import triton.language as tl
 from dsv4.kernels.triton.pdl import pdl_args
 from dsv4.kernels.triton.pdl_enter import pdl_enter
 
-MAX_FUSED_SLOTS = 4096
+MAX_FUSED_SLOTS = 65536     # the chunked form: a prefill chunk of 8,192 tokens at k 8
+MAX_ONE_CTA_SLOTS = 4096    # the one-CTA form: its keys in one program's registers
 MAX_FUSED_EXPERTS = 1024
 SPLIT_MIN_SLOTS = 384    # the chunked two-launch form from this many slots
 SPLIT_CHUNK = 256        # its slots per program
+_HIST_ROWS = 16          # chunk histograms summed per step
 _CHUNK = 32          # surplus tiles cleared per step
 
 TileMap = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -185,23 +188,35 @@ def _chunk_hist_kernel(idx_ptr, hist_ptr, nk,  # type: ignore[no-untyped-def]
     tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(e, BLOCK_E, mask=m))
 
 
+@triton.jit
+def _hist_sums(hist_ptr, c, chunks, BLOCK_E: tl.constexpr,  # type: ignore[no-untyped-def]
+               ROWS: tl.constexpr):
+    """(count, prior, own) [BLOCK_E]: the slots per expert of all chunks, of the chunks before
+    c and of chunk c, from the chunk histograms, ROWS rows per step."""
+    offs_e = tl.arange(0, BLOCK_E)[None, :]
+    count = tl.zeros([BLOCK_E], dtype=tl.int32)
+    prior, own = count, count
+    for r0 in range(0, chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)[:, None]
+        hist = tl.load(hist_ptr + rows * BLOCK_E + offs_e, mask=rows < chunks, other=0)
+        count += tl.sum(hist, 0)
+        prior += tl.sum(tl.where(rows < c, hist, 0), 0)
+        own += tl.sum(tl.where(rows == c, hist, 0), 0)
+    return count, prior, own
+
+
 @triton.jit(do_not_specialize=["nk", "num_tiles"])
 def _chunk_order_kernel(idx_ptr, hist_ptr, order_ptr, ts_ptr,  # type: ignore[no-untyped-def]
                         te_ptr, tx_ptr, nk, num_tiles, E: tl.constexpr, BM: tl.constexpr,
-                        C: tl.constexpr, NC: tl.constexpr, BLOCK_E: tl.constexpr,
+                        C: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
                         CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program c < the chunks: the rows of chunk c's slots in `order` (module docstring); the
-    last program: the tile tensors. NC: the chunks as a power of two."""
+    last program: the tile tensors. ROWS: chunk histograms summed per step."""
     pdl_enter(PDL)
     c = tl.program_id(0)
     chunks = tl.cdiv(nk, C)
-    rows = tl.arange(0, NC)[:, None]
-    hist = tl.load(hist_ptr + rows * BLOCK_E + tl.arange(0, BLOCK_E)[None, :],
-                   mask=rows < chunks, other=0)
-    count = tl.sum(hist, 0)
+    count, prior, own = _hist_sums(hist_ptr, c, chunks, BLOCK_E, ROWS)
     if c < chunks:
-        own = tl.sum(tl.where(rows == c, hist, 0), 0)
-        prior = tl.sum(tl.where(rows < c, hist, 0), 0)
         # row of the chunk's first slot of each expert, less its sorted place in the chunk
         base = tl.cumsum(count, 0) - count + prior - (tl.cumsum(own, 0) - own)
         offs = tl.arange(0, C)
@@ -219,9 +234,9 @@ def _chunk_order_kernel(idx_ptr, hist_ptr, order_ptr, ts_ptr,  # type: ignore[no
 def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int,
                     chunked: bool | None = None) -> TileMap:
     """`tile_map_ref` in one launch, or two over chunks of slots (`chunked`; None: from
-    SPLIT_MIN_SLOTS slots); the same outputs bit for bit. At most `MAX_FUSED_SLOTS` slots and
-    `MAX_FUSED_EXPERTS` experts. indices: [N, k] int64 in [0, num_experts) (not checked: a host
-    sync); block_m a power of two."""
+    SPLIT_MIN_SLOTS slots); the same outputs bit for bit. At most `MAX_FUSED_SLOTS` slots
+    (`MAX_ONE_CTA_SLOTS` in one launch) and `MAX_FUSED_EXPERTS` experts. indices: [N, k] int64 in
+    [0, num_experts) (not checked: a host sync); block_m a power of two."""
     flat = indices.reshape(-1).contiguous()
     nk = flat.numel()
     if nk > MAX_FUSED_SLOTS or num_experts > MAX_FUSED_EXPERTS or nk == 0:
@@ -233,6 +248,9 @@ def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int,
     order = torch.empty(nk, dtype=torch.int64, device=flat.device)
     ts, te, tx = (torch.empty(n_tiles, dtype=torch.int32, device=flat.device) for _ in range(3))
     block_e = max(16, triton.next_power_of_2(num_experts))
+    if chunked is False and nk > MAX_ONE_CTA_SLOTS:
+        raise ValueError(f"triton_tile_map takes at most {MAX_ONE_CTA_SLOTS} slots in one launch "
+                         f"(chunked=False); got {nk}")
     if nk >= SPLIT_MIN_SLOTS if chunked is None else chunked:
         chunks = triton.cdiv(nk, SPLIT_CHUNK)
         hist = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)
@@ -240,8 +258,8 @@ def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int,
                                       **pdl_args(flat.device))
         _chunk_order_kernel[(chunks + 1,)](
             flat, hist, order, ts, te, tx, nk, n_tiles, E=num_experts, BM=block_m, C=SPLIT_CHUNK,
-            NC=triton.next_power_of_2(chunks), BLOCK_E=block_e, CHUNK=_CHUNK,
-            num_warps=8 if block_e * triton.next_power_of_2(chunks) > 4096 else 4,
+            ROWS=_HIST_ROWS, BLOCK_E=block_e, CHUNK=_CHUNK,
+            num_warps=8 if block_e * _HIST_ROWS > 4096 else 4,
             **pdl_args(flat.device))
         return order, ts, te, tx
     block_nk = max(_CHUNK, triton.next_power_of_2(nk))
