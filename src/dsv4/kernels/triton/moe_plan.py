@@ -68,7 +68,6 @@ its rows can change between N = 1 and N = 8). FP4 "words" / "scaled" stay on mma
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -175,8 +174,8 @@ def plan_moe(fmt: str, variant: str | None, x_dtype: torch.dtype, device: torch.
         bn, warps = FRAG_LAUNCHES[1][0]
         deep = block_m == 1 and nk * triton.cdiv(inter, bn) * warps < (
             FRAG_DEEP_WARPS * _num_sms(device))
-        plan = _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep)
-        return dataclasses.replace(plan, stream_weights=bool(stream_weights))
+        return _plan_frag(block_m, block_n, block_k, num_warps, num_stages, prefetch, deep,
+                          bool(stream_weights))
     if name == "fma":
         if not fits:
             raise ValueError(f"fp8 variant 'fma' needs d and I multiples of 16; got {d}, {inter}")
@@ -229,7 +228,7 @@ def _plan_fma(fmt: str, block_m: int | None, block_n: int | None, block_k: int |
 
 def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
                num_warps: int | None, num_stages: int | None, prefetch: bool | None,
-               deep: bool = False) -> MoePlan:
+               deep: bool = False, stream_weights: bool = False) -> MoePlan:
     """The frag loop (`moe_frag.py`): BLOCK_M 1 (one slot per program, no tile map), 8 or 16 (a
     tile of up to 8 / 16 rows of one expert, one or two MMAs' 8 columns), BLOCK_N = 16 x WN rows,
     num_warps = WK x WN (WK = 2 or 4 warps run the FRAG_SPLITS virtual K splits); no BLOCK_K,
@@ -249,7 +248,8 @@ def _plan_frag(block_m: int | None, block_n: int | None, block_k: int | None,
         bn, warps = block_n or default_bn, num_warps or default_warps
         frag_warps(bn, warps)
         launches.append(Launch(bn, warps))
-    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, 1, launches[0], launches[1])
+    return MoePlan(VARIANTS["frag"], bm, FRAG_STEP, 1, launches[0], launches[1],
+                   stream_weights=stream_weights)
 
 
 def frag_warps(block_n: int, num_warps: int) -> tuple[int, int]:

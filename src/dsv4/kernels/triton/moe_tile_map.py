@@ -244,34 +244,35 @@ def triton_tile_map(indices: torch.Tensor, num_experts: int, block_m: int,
                          f"{MAX_FUSED_EXPERTS} experts; got {nk} slots, {num_experts} experts")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two; got {block_m}")
+    if chunked is False and nk > MAX_ONE_CTA_SLOTS:
+        raise ValueError(f"triton_tile_map takes at most {MAX_ONE_CTA_SLOTS} slots in one launch "
+                         f"(chunked=False); got {nk}")
     n_tiles = max_tiles(nk, num_experts, block_m)
     order = torch.empty(nk, dtype=torch.int64, device=flat.device)
     ts, te, tx = (torch.empty(n_tiles, dtype=torch.int32, device=flat.device) for _ in range(3))
     block_e = max(16, triton.next_power_of_2(num_experts))
-    if chunked is False and nk > MAX_ONE_CTA_SLOTS:
-        raise ValueError(f"triton_tile_map takes at most {MAX_ONE_CTA_SLOTS} slots in one launch "
-                         f"(chunked=False); got {nk}")
+    pdl = pdl_args(flat.device)
+    common = {"E": num_experts, "BM": block_m, "BLOCK_E": block_e, "CHUNK": _CHUNK, **pdl}
     if nk >= SPLIT_MIN_SLOTS if chunked is None else chunked:
         chunks = triton.cdiv(nk, SPLIT_CHUNK)
         hist = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)
         _chunk_hist_kernel[(chunks,)](flat, hist, nk, C=SPLIT_CHUNK, BLOCK_E=block_e, num_warps=4,
-                                      **pdl_args(flat.device))
-        _chunk_order_kernel[(chunks + 1,)](
-            flat, hist, order, ts, te, tx, nk, n_tiles, E=num_experts, BM=block_m, C=SPLIT_CHUNK,
-            ROWS=_HIST_ROWS, BLOCK_E=block_e, CHUNK=_CHUNK,
-            num_warps=8 if block_e * _HIST_ROWS > 4096 else 4,
-            **pdl_args(flat.device))
-        return order, ts, te, tx
-    block_nk = max(_CHUNK, triton.next_power_of_2(nk))
-    _tile_map_kernel[(1,)](flat, order, ts, te, tx, nk, n_tiles, E=num_experts, BM=block_m,
-                           BLOCK_NK=block_nk, BLOCK_E=block_e, CHUNK=_CHUNK,
-                           num_warps=min(16, max(4, block_nk // 256)), **pdl_args(flat.device))
+                                      **pdl)
+        _chunk_order_kernel[(chunks + 1,)](flat, hist, order, ts, te, tx, nk, n_tiles,
+                                           C=SPLIT_CHUNK, ROWS=_HIST_ROWS,
+                                           num_warps=8 if block_e * _HIST_ROWS > 4096 else 4,
+                                           **common)
+    else:
+        block_nk = max(_CHUNK, triton.next_power_of_2(nk))
+        _tile_map_kernel[(1,)](flat, order, ts, te, tx, nk, n_tiles, BLOCK_NK=block_nk,
+                               num_warps=min(16, max(4, block_nk // 256)), **common)
     return order, ts, te, tx
 
 
 def tile_map(indices: torch.Tensor, num_experts: int, block_m: int) -> TileMap:
-    """The tile map of the grouped expert kernels (which run wherever Triton runs): the one-launch
-    `triton_tile_map` for decode-sized maps, `tile_map_ref` above; identical outputs."""
+    """The tile map of the grouped expert kernels (which run wherever Triton runs):
+    `triton_tile_map` up to `MAX_FUSED_SLOTS` slots (decode batches and prefill chunks),
+    `tile_map_ref` above; identical outputs."""
     nk = indices.numel()
     if 0 < nk <= MAX_FUSED_SLOTS and num_experts <= MAX_FUSED_EXPERTS:
         return triton_tile_map(indices, num_experts, block_m)
